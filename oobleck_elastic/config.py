@@ -1,0 +1,335 @@
+"""Job configuration: one structured omegaconf schema, loaded from YAML plus CLI dotlist overrides.
+
+Every section is a dataclass whose fields carry a docstring (the string right below the field);
+`oobleck config --help`-style documentation and the README are generated from the same text.
+`load_config(path, overrides)` merges the schema, the YAML file and `key=value` overrides and
+turns every omegaconf error (unknown key, wrong type) and every semantic problem (global batch not
+a multiple of the microbatch, f < 0, ...) into one `ConfigError` whose message names the key and
+says what to change.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the key and what to change."""
+
+
+@dataclass
+class ModelConfig:
+    family: str = "gpt2"
+    """Model family: `gpt2`, `llama`, `mistral` or `qwen2` (Hugging Face classes, built from this
+    config with random weights), or `custom` (see `custom_factory`)."""
+    vocab_size: int = 256
+    """Vocabulary size (256 = raw bytes, the fastest tokenizer)."""
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Number of decoder blocks. The flat layer list has num_layers + 2 layers
+    (embedding, blocks, final norm + LM head)."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention (Llama family); None = num_heads."""
+    intermediate_size: Optional[int] = None
+    """MLP width; None = 4 x hidden_size."""
+    max_seq_len: int = 64
+    """Longest sequence the position embedding supports."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the LM head (GPT-2 always does)."""
+    dropout: float = 0.0
+    """Dropout probability (0 keeps runs bit-comparable with the single-process reference)."""
+    attn_implementation: str = "sdpa"
+    """`sdpa` or `eager`; both are causal."""
+    pretrained_path: Optional[str] = None
+    """Local directory with Hugging Face weights (config.json + safetensors); no hub downloads."""
+    custom_factory: Optional[str] = None
+    """For family=custom: `module:function` returning a list[nn.Module] of layers."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    """`stdlib` (the Python standard library's source files, present on every machine) or
+    `files` (the text files listed in `paths`)."""
+    paths: list[str] = field(default_factory=list)
+    """Text files or directories for source=files."""
+    tokenizer: str = "bytes"
+    """`bytes` (vocab 256) or `bpe` (byte-level BPE trained on the corpus and cached)."""
+    seq_len: int = 64
+    """Tokens per sample (the microbatch shape is microbatch_size x seq_len)."""
+    cache_dir: str = ".oobleck-cache"
+    """Where tokenizers, token files and profiles are cached."""
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    """Optimizer: `adamw` or `sgd`."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip across all stages and replicas; 0 disables."""
+
+
+@dataclass
+class LRScheduleConfig:
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    decay: str = "cosine"
+    """After warm-up: `constant`, `linear` or `cosine` down to min_lr_ratio x lr at the last step."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+
+
+@dataclass
+class TrainingConfig:
+    global_batch_size: int = 16
+    """Samples per optimizer step, summed over all pipelines."""
+    microbatch_size: int = 2
+    """Samples per microbatch; global_batch_size must be a multiple of it."""
+    steps: int = 20
+    """Optimizer steps to run."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer settings."""
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    """Learning-rate schedule."""
+    precision: str = "fp32"
+    """`fp32` or `bf16` (autocast, fp32 master weights)."""
+    seed: int = 1234
+    """Seeds layer initialisation (per layer index) and data order (per step)."""
+
+
+@dataclass
+class FaultToleranceConfig:
+    f: int = 1
+    """Simultaneous node failures to survive without a checkpoint (>= f+1 pipelines)."""
+    lease_ttl_s: float = 5.0
+    """etcd lease TTL of a node's membership record."""
+    settle_s: float = 0.5
+    """Window in which simultaneous membership changes are batched into one re-plan."""
+    comm_timeout_s: float = 30.0
+    """Timeout of every collective; a hung peer is declared lost after it."""
+    rendezvous_timeout_s: float = 600.0
+    """How long the first rendezvous waits for the minimum number of nodes."""
+
+
+@dataclass
+class PlanningConfig:
+    device_memory_gb: float = 16.0
+    """Memory of one device (GiB) available to one stage; a HARD limit for the planner."""
+    memory_margin: float = 0.1
+    """Fraction of device_memory_gb kept free for allocator slack and buffers."""
+    gpus_per_node: int = 1
+    """Devices (workers) per node; a template on n nodes has n x gpus_per_node stages."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: `1f1b` (stage i of S keeps up to S-i microbatches) or `gpipe`
+    (every stage keeps all microbatches)."""
+    max_nodes: Optional[int] = None
+    """Largest cluster the job runs on (torchrun --nnodes MAX); the config is refused when
+    that many nodes cannot hold f+1 pipelines. None = no check."""
+    max_template_nodes: Optional[int] = None
+    """Largest template size in nodes; None = as many as there are layers to split."""
+    profile_path: Optional[str] = None
+    """Use this profile JSON instead of measuring (required for planning-only models)."""
+    profile_warmup: int = 1
+    """Profiler warm-up runs per layer."""
+    profile_repeats: int = 5
+    """Profiler timed runs per layer (the median is kept)."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "checkpoints"
+    """Directory of safetensors checkpoints."""
+    interval_steps: int = 0
+    """Save every this many steps; 0 = only at the end."""
+    resume: bool = True
+    """Resume from the newest checkpoint in `dir` when one exists."""
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard_dir: str = "runs"
+    """TensorBoard log directory (one writer per job)."""
+    log_interval: int = 1
+    """Print a progress line every this many steps."""
+    level: str = "INFO"
+    """Python logging level."""
+
+
+@dataclass
+class JobConfig:
+    name: str = "oobleck"
+    """Job name used in logs and TensorBoard."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The training data."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Batch sizes, steps, optimizer, precision, seed."""
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    """Failures to tolerate and detection timeouts."""
+    planning: PlanningConfig = field(default_factory=PlanningConfig)
+    """Device memory, devices per node, schedule, profile."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Logs and TensorBoard."""
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "model.family": ("gpt2", "llama", "mistral", "qwen2", "custom"),
+    "model.attn_implementation": ("sdpa", "eager"),
+    "data.source": ("stdlib", "files"),
+    "data.tokenizer": ("bytes", "bpe"),
+    "training.optimizer.name": ("adamw", "sgd"),
+    "training.lr_schedule.decay": ("constant", "linear", "cosine"),
+    "training.precision": ("fp32", "bf16"),
+    "planning.schedule": ("1f1b", "gpipe"),
+}
+
+
+def _omegaconf_message(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None)
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if isinstance(err, ConfigKeyError) and key:
+        parent, _, leaf = key.rpartition(".")
+        known = _known_keys(parent)
+        hint = difflib.get_close_matches(leaf, known, n=1)
+        msg = f"unknown key '{key}'"
+        if hint:
+            msg += f": did you mean '{(parent + '.') if parent else ''}{hint[0]}'?"
+        else:
+            msg += f": valid keys here are {', '.join(sorted(known))}"
+        return msg
+    if isinstance(err, ValidationError) and key:
+        return f"bad value for '{key}': {first}"
+    return f"{first}" + (f" (key '{key}')" if key else "")
+
+
+def _known_keys(parent: str) -> list[str]:
+    node: Any = JobConfig
+    for part in [p for p in parent.split(".") if p]:
+        match = [f for f in fields(node) if f.name == part]
+        if not match or match[0].default_factory is MISSING:
+            return []
+        node = type(match[0].default_factory())  # type: ignore[misc]
+        if not is_dataclass(node):
+            return []
+    return [f.name for f in fields(node)]
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
+    """Load a JobConfig from an optional YAML file and `key=value` overrides, validated.
+
+    Raises ConfigError with a message naming the offending key.
+    """
+    where = str(path) if path else "<defaults>"
+    try:
+        cfg = OmegaConf.structured(JobConfig)
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file '{p}' does not exist")
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(p))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"override '{bad[0]}' is not of the form key=value (e.g. training.steps=10)")
+        if overrides:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        job: JobConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{where}: {_omegaconf_message(err)}") from None
+    validate(job, where=where)
+    return job
+
+
+def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
+    """Check the semantic rules omegaconf's types cannot express; raise ConfigError."""
+    problems: list[str] = []
+
+    def get(key: str) -> Any:
+        node: Any = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        return node
+
+    for key, choices in _CHOICES.items():
+        if get(key) not in choices:
+            problems.append(f"'{key}' is '{get(key)}'; choose one of {', '.join(choices)}")
+    for key in ("model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",
+                "model.max_seq_len", "data.seq_len", "training.global_batch_size",
+                "training.microbatch_size", "planning.gpus_per_node", "planning.profile_repeats"):
+        if get(key) < 1:
+            problems.append(f"'{key}' must be >= 1 (got {get(key)})")
+    for key in ("training.steps", "planning.profile_warmup", "checkpoint.interval_steps",
+                "training.lr_schedule.warmup_steps"):
+        if get(key) < 0:
+            problems.append(f"'{key}' must be >= 0 (got {get(key)})")
+    t = cfg.training
+    if t.microbatch_size >= 1 and t.global_batch_size % t.microbatch_size:
+        problems.append(
+            f"'training.global_batch_size' ({t.global_batch_size}) must be a multiple of "
+            f"'training.microbatch_size' ({t.microbatch_size}): change one of them, e.g. "
+            f"training.global_batch_size={(t.global_batch_size // t.microbatch_size + 1) * t.microbatch_size}")
+    if cfg.fault_tolerance.f < 0:
+        problems.append(f"'fault_tolerance.f' must be >= 0 (got {cfg.fault_tolerance.f}): "
+                        "it is the number of simultaneous node failures to survive")
+    if cfg.planning.device_memory_gb <= 0:
+        problems.append(f"'planning.device_memory_gb' must be > 0 (got {cfg.planning.device_memory_gb})")
+    if not 0 <= cfg.planning.memory_margin < 1:
+        problems.append(f"'planning.memory_margin' must be in [0, 1) (got {cfg.planning.memory_margin})")
+    m = cfg.model
+    if m.hidden_size >= 1 and m.num_heads >= 1 and m.hidden_size % m.num_heads:
+        problems.append(f"'model.hidden_size' ({m.hidden_size}) must be a multiple of "
+                        f"'model.num_heads' ({m.num_heads})")
+    if m.num_kv_heads is not None and (m.num_kv_heads < 1 or m.num_heads % m.num_kv_heads):
+        problems.append(f"'model.num_heads' ({m.num_heads}) must be a multiple of "
+                        f"'model.num_kv_heads' ({m.num_kv_heads})")
+    if cfg.data.seq_len > m.max_seq_len:
+        problems.append(f"'data.seq_len' ({cfg.data.seq_len}) exceeds 'model.max_seq_len' "
+                        f"({m.max_seq_len}): lower data.seq_len or raise model.max_seq_len")
+    if cfg.model.family == "custom" and not cfg.model.custom_factory:
+        problems.append("'model.family' is custom but 'model.custom_factory' is not set "
+                        "(give module:function returning a list[nn.Module])")
+    if cfg.data.source == "files" and not cfg.data.paths:
+        problems.append("'data.source' is files but 'data.paths' is empty")
+    if cfg.planning.max_nodes is not None and cfg.planning.max_nodes < 1:
+        problems.append(f"'planning.max_nodes' must be >= 1 (got {cfg.planning.max_nodes})")
+    if problems:
+        raise ConfigError(f"{where}: " + "; ".join(problems))
+
+
+def to_yaml(cfg: JobConfig) -> str:
+    """The config as YAML (for logs, TensorBoard and checkpoints)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: JobConfig) -> dict[str, Any]:
+    """The config as plain JSON-able dict."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
+
+
+def from_dict(data: dict[str, Any]) -> JobConfig:
+    """Inverse of to_dict (validated)."""
+    try:
+        job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), data))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"<dict>: {_omegaconf_message(err)}") from None
+    validate(job)  # type: ignore[arg-type]
+    return job  # type: ignore[return-value]
