@@ -1,0 +1,345 @@
+"""Build the flat layer list of a model, per layer, deterministically.
+
+Three sources of layers:
+
+- `flatten_hf_model(model)`: wrap the submodules of an existing Hugging Face causal LM (GPT-2,
+  Llama, Mistral, Qwen2) in the wrappers of `layers.py`. Modules are reused, not copied, so tied
+  weights stay one Parameter and the layers reproduce `model(input_ids).logits` exactly.
+- `build_layer_model(cfg, seed=..., owned=...)`: build only the layers a worker owns. Every layer
+  is first constructed on the meta device (cheap, consumes no RNG), then the owned ones are
+  materialised on CPU and every parameter is drawn from its own `torch.Generator` seeded with
+  `stable_seed(seed, layer_index, parameter_name)` (sha256 -> 63 bits). Layer i therefore depends
+  only on (seed, i): two workers with different stage splits hold bit-identical copies. The
+  scheme follows Hugging Face: matrices and embeddings N(0, initializer_range), residual output
+  projections (GPT-2 `c_proj`, Llama `o_proj`/`down_proj`) N(0, initializer_range/sqrt(2N)),
+  biases 0, norm weights 1. A tied `lm_head.weight` is seeded with the embedding's key, so a
+  head built alone equals the embedding built elsewhere; built together they share one
+  Parameter. With `cfg.pretrained_path` the whole model is loaded from local files and flattened;
+  with family `custom` a user factory supplies the layers.
+- `layers_from_modules(modules)`: a user's own list of layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .layers import (GPT2BlockLayer, GPT2Embedding, LayerModel, LMHead, RopeDecoderLayer,
+                     TokenEmbedding, check_attn_implementation)
+from .ties import TiedGroup, find_tied_parameters
+
+__all__ = ["HF_FAMILIES", "stable_seed", "hf_config", "flatten_hf_model", "build_layer_model",
+           "layers_from_modules", "LayerModel"]
+
+HF_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
+_ROPE_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+_RESIDUAL_OUT = ("c_proj.weight", "o_proj.weight", "down_proj.weight")
+_EMBED_NAME = {"gpt2": "wte.weight"}  # others: embed_tokens.weight
+
+
+def stable_seed(seed: int, *parts: Any) -> int:
+    """A 63-bit seed derived from (seed, *parts) with sha256; stable across processes and runs."""
+    blob = "/".join(str(p) for p in (seed, *parts)).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "big") & (2**63 - 1)
+
+
+def _modeling(family: str) -> Any:
+    return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
+
+def hf_config(cfg: ModelConfig) -> Any:
+    """The transformers config (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config) for cfg."""
+    import transformers
+
+    if cfg.family not in HF_FAMILIES:
+        raise ValueError(f"model.family '{cfg.family}' has no Hugging Face config; choose one of "
+                         f"{', '.join(HF_FAMILIES)} (or build custom layers with custom_factory)")
+    check_attn_implementation(cfg.attn_implementation)
+    vocab, inter = cfg.vocab_size, cfg.intermediate_size or 4 * cfg.hidden_size
+    if cfg.family == "gpt2":
+        if cfg.num_kv_heads not in (None, cfg.num_heads):
+            raise ValueError("GPT-2 has no grouped-query attention: unset model.num_kv_heads "
+                             "or use model.family=llama")
+        conf = transformers.GPT2Config(
+            vocab_size=vocab, n_positions=cfg.max_seq_len, n_embd=cfg.hidden_size,
+            n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=inter,
+            resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+            bos_token_id=vocab - 1, eos_token_id=vocab - 1, tie_word_embeddings=True,
+            use_cache=False)
+    else:
+        cls = getattr(transformers, f"{_ROPE_PREFIX[cfg.family]}Config")
+        extra = {"sliding_window": None} if cfg.family == "mistral" else {}
+        conf = cls(
+            vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=inter,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
+            max_position_embeddings=cfg.max_seq_len, attention_dropout=cfg.dropout,
+            tie_word_embeddings=cfg.tie_embeddings, use_cache=False,
+            bos_token_id=min(1, vocab - 1), eos_token_id=min(2, vocab - 1), **extra)
+    conf._attn_implementation = cfg.attn_implementation
+    return conf
+
+
+# ----------------------------------------------------------------------------- flatten
+
+
+def _hf_names(layer: nn.Module, prefixes: dict[str, str]) -> dict[str, str]:
+    out = {}
+    for name, _ in layer.named_parameters(remove_duplicate=False):
+        head, _, rest = name.partition(".")
+        out[name] = f"{prefixes[head]}.{rest}"
+    return out
+
+
+_CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+              "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _family_of(model: nn.Module) -> str:
+    for family, cls_name in _CAUSAL_LM.items():
+        if isinstance(model, getattr(_modeling(family), cls_name)):
+            return family
+    raise TypeError(f"flatten_hf_model supports {', '.join(_CAUSAL_LM.values())}, not "
+                    f"{type(model).__name__}; wrap other models' layers yourself and use "
+                    "layers_from_modules(...) (or model.family=custom)")
+
+
+def _head_index_names(n_blocks: int) -> list[str]:
+    return ["embedding", *(f"block.{i}" for i in range(n_blocks)), "head"]
+
+
+def flatten_hf_model(model: nn.Module) -> LayerModel:
+    """The flat layers of a Hugging Face causal LM, reusing its modules (ties stay shared)."""
+    family = _family_of(model)
+    if family == "gpt2":
+        t = model.transformer
+        layers: list[nn.Module] = [GPT2Embedding(t.wte, t.wpe, t.drop)]
+        prefixes = [{"wte": "transformer.wte", "wpe": "transformer.wpe"}]
+        for i, block in enumerate(t.h):
+            layers.append(GPT2BlockLayer(block))
+            prefixes.append({"block": f"transformer.h.{i}"})
+        layers.append(LMHead(t.ln_f, model.lm_head))
+        prefixes.append({"norm": "transformer.ln_f", "lm_head": "lm_head"})
+    else:
+        m = model.model
+        layers = [TokenEmbedding(m.embed_tokens)]
+        prefixes = [{"embed_tokens": "model.embed_tokens"}]
+        for i, layer in enumerate(m.layers):
+            layers.append(RopeDecoderLayer(layer, m.rotary_emb))
+            prefixes.append({"layer": f"model.layers.{i}"})
+        layers.append(LMHead(m.norm, model.lm_head))
+        prefixes.append({"norm": "model.norm", "lm_head": "lm_head"})
+    return LayerModel(layers=list(layers), names=_head_index_names(len(layers) - 2),
+                      hf_names=[_hf_names(l, p) for l, p in zip(layers, prefixes)],
+                      tied=find_tied_parameters(layers), hf_config=model.config)
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def _meta_layer(family: str, config: Any, index: int, n_layers: int) -> tuple[nn.Module, dict]:
+    """Construct layer `index` on the meta device; returns (layer, local -> HF prefix map)."""
+    h, vocab = config.hidden_size, config.vocab_size
+    last = index == n_layers - 1
+    with torch.device("meta"):
+        if family == "gpt2":
+            if index == 0:
+                return (GPT2Embedding(nn.Embedding(vocab, h), nn.Embedding(config.n_positions, h),
+                                      nn.Dropout(config.embd_pdrop)),
+                        {"wte": "transformer.wte", "wpe": "transformer.wpe"})
+            if last:
+                return (LMHead(nn.LayerNorm(h, eps=config.layer_norm_epsilon),
+                               nn.Linear(h, vocab, bias=False)),
+                        {"norm": "transformer.ln_f", "lm_head": "lm_head"})
+            block = _modeling("gpt2").GPT2Block(config, layer_idx=index - 1)
+            return GPT2BlockLayer(block), {"block": f"transformer.h.{index - 1}"}
+        mod, prefix = _modeling(family), _ROPE_PREFIX[family]
+        if index == 0:
+            return (TokenEmbedding(nn.Embedding(vocab, h)),
+                    {"embed_tokens": "model.embed_tokens"})
+        if last:
+            norm = getattr(mod, f"{prefix}RMSNorm")(h, eps=config.rms_norm_eps)
+            return (LMHead(norm, nn.Linear(h, vocab, bias=False)),
+                    {"norm": "model.norm", "lm_head": "lm_head"})
+        layer = getattr(mod, f"{prefix}DecoderLayer")(config, index - 1)
+        return RopeDecoderLayer(layer, nn.Identity()), {"layer": f"model.layers.{index - 1}"}
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+@torch.no_grad()
+def _init_parameters(layer: nn.Module, *, seed: int, index: int, std: float, n_blocks: int,
+                     seed_keys: dict[str, tuple[int, str]]) -> None:
+    """Draw every parameter of `layer` from its own generator (see module docstring)."""
+    for mod_name, module in layer.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{pname}" if mod_name else pname
+            if _is_norm(module):
+                p.fill_(1.0 if pname == "weight" else 0.0)
+            elif pname == "bias" or p.ndim < 2:
+                p.zero_()
+            else:
+                key_index, key_name = seed_keys.get(name, (index, name))
+                gen = torch.Generator().manual_seed(stable_seed(seed, key_index, key_name))
+                scale = std / math.sqrt(2 * n_blocks) if name.endswith(_RESIDUAL_OUT) else std
+                p.normal_(0.0, scale, generator=gen)
+
+
+def _check_owned(owned: Iterable[int] | None, n: int) -> set[int]:
+    if owned is None:
+        return set(range(n))
+    result = {int(i) for i in owned}
+    bad = sorted(i for i in result if not 0 <= i < n)
+    if bad:
+        raise ValueError(f"owned layers {bad} are out of range: the model has {n} layers "
+                         f"(0..{n - 1})")
+    return result
+
+
+def _move(layers: list[nn.Module | None], device: str | torch.device) -> None:
+    built = [layer for layer in layers if layer is not None]
+    if built and torch.device(device) != torch.device("cpu"):
+        nn.ModuleList(built).to(device)  # one call keeps shared Parameters shared
+
+
+def build_layer_model(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | None = None,
+                      device: str | torch.device = "cpu") -> LayerModel:
+    """Build the layers in `owned` (None = all); the others are None in `layers`.
+
+    Layer i's weights depend only on (seed, i); see the module docstring.
+    """
+    if cfg.family == "custom":
+        return _build_custom(cfg, seed=seed, owned=owned, device=device)
+    if cfg.pretrained_path:
+        return _build_pretrained(cfg, owned=owned, device=device)
+    config = hf_config(cfg)
+    family, n = cfg.family, cfg.num_layers + 2
+    keep = _check_owned(owned, n)
+    tied = cfg.tie_embeddings or family == "gpt2"
+    emb_name = _EMBED_NAME.get(family, "embed_tokens.weight")
+    rotary_cls = None if family == "gpt2" else getattr(_modeling(family),
+                                                       f"{_ROPE_PREFIX[family]}RotaryEmbedding")
+    layers: list[nn.Module | None] = []
+    hf_names: list[dict[str, str]] = []
+    for i in range(n):
+        layer, prefixes = _meta_layer(family, config, i, n)
+        hf_names.append(_hf_names(layer, prefixes))
+        if i not in keep:
+            layers.append(None)
+            continue
+        layer.to_empty(device="cpu")
+        if isinstance(layer, RopeDecoderLayer):
+            layer.rotary_emb = rotary_cls(config)  # non-persistent inv_freq computed on CPU
+        keys = {"lm_head.weight": (0, emb_name)} if tied and i == n - 1 else {}
+        _init_parameters(layer, seed=seed, index=i, std=config.initializer_range,
+                         n_blocks=cfg.num_layers, seed_keys=keys)
+        layers.append(layer)
+    if tied and layers[0] is not None and layers[-1] is not None:
+        layers[-1].lm_head.weight = layers[0].get_parameter(emb_name)
+    _move(layers, device)
+    groups = [TiedGroup([(0, emb_name), (n - 1, "lm_head.weight")])] if tied else []
+    return LayerModel(layers=layers, names=_head_index_names(cfg.num_layers), hf_names=hf_names,
+                      tied=groups, hf_config=config)
+
+
+def _build_pretrained(cfg: ModelConfig, *, owned: Iterable[int] | None,
+                      device: str | torch.device) -> LayerModel:
+    from transformers import AutoModelForCausalLM
+
+    path = Path(str(cfg.pretrained_path)).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.pretrained_path '{path}' " + ("has no config.json" if path.is_dir() else
+                                                   "does not exist") +
+            ": give a local directory written by save_pretrained (config.json + *.safetensors); "
+            "hub downloads are disabled")
+    check_attn_implementation(cfg.attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), local_files_only=True, attn_implementation=cfg.attn_implementation,
+        dtype=torch.float32)
+    model_type = getattr(model.config, "model_type", None)
+    if cfg.family in HF_FAMILIES and model_type in HF_FAMILIES and model_type != cfg.family:
+        raise ValueError(f"model.pretrained_path '{path}' holds a {model_type} model but "
+                         f"model.family is {cfg.family}: set model.family={model_type}")
+    model.config.use_cache = False
+    full = flatten_hf_model(model)
+    keep = _check_owned(owned, full.num_layers)
+    full.layers = [layer if i in keep else None for i, layer in enumerate(full.layers)]
+    _move(full.layers, device)
+    return full
+
+
+# ----------------------------------------------------------------------------- custom
+
+
+def _load_factory(spec: str) -> Callable[[ModelConfig], Any]:
+    module_name, sep, func_name = spec.partition(":")
+    if not sep or not module_name or not func_name:
+        raise ValueError(f"model.custom_factory '{spec}' must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"model.custom_factory '{spec}': cannot import '{module_name}' ({err}); "
+                         "make it importable (PYTHONPATH) on every node") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ValueError(f"model.custom_factory '{spec}': '{module_name}' has no function "
+                         f"'{func_name}'")
+    return func
+
+
+def _build_custom(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | None,
+                  device: str | torch.device) -> LayerModel:
+    """family=custom: factory(cfg) -> list of nn.Module (or of zero-argument builders).
+
+    The factory runs under `torch.manual_seed(stable_seed(seed, 'custom'))` (global RNG restored
+    afterwards), so a list of modules is the same in every process. A builder item is called
+    only for an owned layer i, under `torch.manual_seed(stable_seed(seed, i))`.
+    """
+    spec = str(cfg.custom_factory or "")
+    factory = _load_factory(spec)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(stable_seed(seed, "custom"))
+        items = factory(cfg)
+    if not isinstance(items, (list, tuple)) or not items or not all(
+            isinstance(x, nn.Module) or callable(x) for x in items):
+        raise TypeError(f"model.custom_factory '{spec}' must return a non-empty list of "
+                        f"nn.Module layers (or zero-argument functions building them); "
+                        f"got {type(items).__name__}")
+    keep = _check_owned(owned, len(items))
+    modules: list[nn.Module | None] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, nn.Module) and i in keep:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(stable_seed(seed, i))
+                item = item()
+            if not isinstance(item, nn.Module):
+                raise TypeError(f"model.custom_factory '{spec}': builder {i} returned "
+                                f"{type(item).__name__}, not an nn.Module")
+        modules.append(item if isinstance(item, nn.Module) else None)
+    result = layers_from_modules(modules)
+    result.layers = [m if i in keep else None for i, m in enumerate(modules)]
+    _move(result.layers, device)
+    return result
+
+
+def layers_from_modules(modules: list[nn.Module | None], *,
+                        names: list[str] | None = None) -> LayerModel:
+    """Wrap a user's own layer list; ties are found by storage among the given modules."""
+    names = list(names) if names is not None else [f"layer.{i}" for i in range(len(modules))]
+    if len(names) != len(modules):
+        raise ValueError(f"layers_from_modules: {len(modules)} modules but {len(names)} names")
+    hf_names = [{} if m is None else {p: f"{names[i]}.{p}"
+                                      for p, _ in m.named_parameters(remove_duplicate=False)}
+                for i, m in enumerate(modules)]
+    return LayerModel(layers=list(modules), names=names, hf_names=hf_names,
+                      tied=find_tied_parameters(modules))
