@@ -1,0 +1,71 @@
+"""Analytic per-layer profiles for models too large to build here (planning-only configs).
+
+Times come from FLOP counts at an assumed sustained device throughput; bytes from parameter
+counts under mixed precision (2-byte weights and grads, 12 bytes of fp32 master weights plus two
+Adam moments per parameter) and, with full activation recomputation, only each block's input
+kept per microbatch (backward then costs a recomputed forward plus twice the forward FLOPs).
+It is how `configs/profiles/gpt3-175b.json` was made (`python -m oobleck_elastic.planning.analytic`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .profile import LayerProfile, ModelProfile
+
+
+def transformer_profile(*, num_layers: int, hidden: int, vocab: int, seq_len: int,
+                        microbatch_size: int, device_tflops: float,
+                        param_bytes_per_param: int = 2, optimizer_bytes_per_param: int = 12,
+                        name: str = "transformer") -> ModelProfile:
+    """Embedding, `num_layers` decoder blocks and an LM head, for one (microbatch, seq) shape."""
+    tokens = microbatch_size * seq_len
+    flops_per_s = device_tflops * 1e12
+    act_elem = 2  # bf16 activations
+
+    def layer(lname: str, params: int, fwd_flops: float, saved: int, out: int) -> LayerProfile:
+        fwd = fwd_flops / flops_per_s
+        bwd = 3.0 * fwd  # recomputed forward + 2x forward FLOPs
+        return LayerProfile(name=lname, forward_s=fwd, backward_s=bwd,
+                            param_bytes=params * param_bytes_per_param,
+                            grad_bytes=params * param_bytes_per_param,
+                            optimizer_bytes=params * optimizer_bytes_per_param,
+                            activation_bytes=saved, output_bytes=out)
+
+    hidden_out = tokens * hidden * act_elem
+    block_params = 12 * hidden * hidden + 13 * hidden
+    block_flops = 2 * tokens * block_params + 4 * microbatch_size * seq_len * seq_len * hidden
+    block_saved = hidden_out  # full recomputation keeps only the block's input
+    emb_params = vocab * hidden + seq_len * hidden
+    layers = [layer("embedding", emb_params, 2.0 * tokens * hidden, tokens * 8, hidden_out)]
+    layers += [layer(f"block.{i}", block_params, block_flops, block_saved, hidden_out)
+               for i in range(num_layers)]
+    head_params = vocab * hidden + 2 * hidden
+    layers.append(layer("head", head_params, 2.0 * tokens * vocab * hidden,
+                        hidden_out + tokens * vocab * 4, 4))
+    key = {"analytic": name, "num_layers": num_layers, "hidden": hidden, "vocab": vocab,
+           "seq_len": seq_len, "microbatch_size": microbatch_size, "device_tflops": device_tflops,
+           "recompute": True}
+    return ModelProfile(layers=layers, key=key)
+
+
+def gpt3_175b_profile(*, microbatch_size: int = 1, device_tflops: float = 150.0) -> ModelProfile:
+    """96 blocks of width 12288, sequence 2048, GPT-2 vocabulary; A100-class throughput."""
+    return transformer_profile(num_layers=96, hidden=12288, vocab=50257, seq_len=2048,
+                               microbatch_size=microbatch_size, device_tflops=device_tflops,
+                               name="gpt3-175b")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Write the analytic GPT-3 175B profile as JSON.")
+    ap.add_argument("--out", default="configs/profiles/gpt3-175b.json")
+    ap.add_argument("--microbatch-size", type=int, default=1)
+    ap.add_argument("--device-tflops", type=float, default=150.0)
+    args = ap.parse_args()
+    gpt3_175b_profile(microbatch_size=args.microbatch_size, device_tflops=args.device_tflops).save(Path(args.out))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""Plans: templates instantiated on concrete nodes, with a rank for every worker, as JSON.
+
+A `Plan` is what the leader publishes for one generation and what every worker reads: the
+pipelines (template size, nodes, microbatches, stages with layer ranges and global ranks), the
+spare nodes, and the estimates. Ranks are dense: the i-th node of `nodes` (spares excluded)
+hosts ranks i*g .. i*g+g-1, local rank = device. `Plan.from_json` validates everything it reads
+(DESIGN.md invariant 5): control data is JSON, never pickle.
+
+`guarantee()` states what the template set promises for a fault-tolerance threshold f: every
+node count >= (f+1)*n0 splits exactly into >= f+1 template-sized pipelines when the contiguous
+template range reaches n_max >= 2*n0 - 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from .instantiate import Assignment, coverage, instantiate
+from .templates import PlanningError, TemplateSet
+
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    index: int
+    """Stage position in its pipeline."""
+    start: int
+    """First layer (inclusive)."""
+    end: int
+    """Last layer (exclusive)."""
+    node: str
+    """Node id that runs the stage."""
+    local_rank: int
+    """Device / worker on that node."""
+    rank: int
+    """Global rank of the worker in this generation."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "layers": [self.start, self.end], "node": self.node,
+                "local_rank": self.local_rank, "rank": self.rank}
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    index: int
+    """Pipeline (data-parallel replica) index."""
+    template_nodes: int
+    """Size in nodes of the template it instantiates."""
+    nodes: tuple[str, ...]
+    """Node ids, in stage order."""
+    microbatches: int
+    """Microbatches this pipeline runs per step."""
+    stages: tuple[StagePlacement, ...]
+    """Stages in order."""
+    est_time_s: float
+    """Estimated iteration time with its microbatches."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "template_nodes": self.template_nodes, "nodes": list(self.nodes),
+                "microbatches": self.microbatches, "est_time_s": self.est_time_s,
+                "stages": [s.to_json() for s in self.stages]}
+
+
+@dataclass(frozen=True)
+class Plan:
+    generation: int
+    """Bumped by every plan change."""
+    nodes: tuple[str, ...]
+    """Every member node, in rank order (spares last)."""
+    spares: tuple[str, ...]
+    """Members that run no stage in this generation."""
+    gpus_per_node: int
+    """Workers per node."""
+    num_layers: int
+    """Layers of the model."""
+    microbatch_size: int
+    """Samples per microbatch."""
+    pipelines: tuple[PipelineSpec, ...]
+    """The data-parallel replicas."""
+    est_step_time_s: float
+    """Estimated time of one step (slowest pipeline)."""
+    f: int
+    """Fault-tolerance target the plan was made for."""
+    warnings: tuple[str, ...] = ()
+    """Why the plan falls short of the target, if it does."""
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(p.stages) for p in self.pipelines)
+
+    @property
+    def num_microbatches(self) -> int:
+        return sum(p.microbatches for p in self.pipelines)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.num_microbatches * self.microbatch_size / self.est_step_time_s if self.est_step_time_s else 0.0
+
+    def stage_of(self, rank: int) -> tuple[PipelineSpec, StagePlacement]:
+        for p in self.pipelines:
+            for s in p.stages:
+                if s.rank == rank:
+                    return p, s
+        raise KeyError(f"rank {rank} has no stage in generation {self.generation}")
+
+    def holders(self, layer: int) -> list[int]:
+        """Ranks holding `layer` (one per pipeline)."""
+        return [s.rank for p in self.pipelines for s in p.stages if s.start <= layer < s.end]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": PLAN_SCHEMA_VERSION, "generation": self.generation,
+                "nodes": list(self.nodes), "spares": list(self.spares),
+                "gpus_per_node": self.gpus_per_node, "num_layers": self.num_layers,
+                "microbatch_size": self.microbatch_size, "f": self.f,
+                "est_step_time_s": self.est_step_time_s, "warnings": list(self.warnings),
+                "pipelines": [p.to_json() for p in self.pipelines]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Plan":
+        """Parse and validate; raises PlanningError on anything malformed."""
+        try:
+            if data.get("schema_version") != PLAN_SCHEMA_VERSION:
+                raise PlanningError(f"plan schema_version {data.get('schema_version')!r} is not "
+                                    f"{PLAN_SCHEMA_VERSION}")
+            pipelines = tuple(
+                PipelineSpec(index=int(p["index"]), template_nodes=int(p["template_nodes"]),
+                             nodes=tuple(str(n) for n in p["nodes"]),
+                             microbatches=int(p["microbatches"]), est_time_s=float(p["est_time_s"]),
+                             stages=tuple(StagePlacement(index=int(s["index"]), start=int(s["layers"][0]),
+                                                         end=int(s["layers"][1]), node=str(s["node"]),
+                                                         local_rank=int(s["local_rank"]), rank=int(s["rank"]))
+                                          for s in p["stages"]))
+                for p in data["pipelines"])
+            plan = cls(generation=int(data["generation"]), nodes=tuple(str(n) for n in data["nodes"]),
+                       spares=tuple(str(n) for n in data["spares"]),
+                       gpus_per_node=int(data["gpus_per_node"]), num_layers=int(data["num_layers"]),
+                       microbatch_size=int(data["microbatch_size"]), pipelines=pipelines,
+                       est_step_time_s=float(data["est_step_time_s"]), f=int(data["f"]),
+                       warnings=tuple(str(w) for w in data.get("warnings", ())))
+        except PlanningError:
+            raise
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError) as err:
+            raise PlanningError(f"malformed plan: {type(err).__name__}: {err}") from None
+        plan.check()
+        return plan
+
+    def check(self) -> None:
+        """Structural invariants: every pipeline covers all layers in order, ranks are dense."""
+        ranks = sorted(s.rank for p in self.pipelines for s in p.stages)
+        if ranks != list(range(len(ranks))):
+            raise PlanningError(f"plan generation {self.generation}: ranks are not 0..{len(ranks) - 1}")
+        for p in self.pipelines:
+            bounds = [(s.start, s.end) for s in p.stages]
+            contiguous = (bool(bounds) and bounds[0][0] == 0 and bounds[-1][1] == self.num_layers
+                          and all(u < v for u, v in bounds)
+                          and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])))
+            if not contiguous:
+                raise PlanningError(f"plan generation {self.generation}: pipeline {p.index} does not "
+                                    f"cover layers 0..{self.num_layers} contiguously: {bounds}")
+            if p.microbatches < 1:
+                raise PlanningError(f"plan generation {self.generation}: pipeline {p.index} has no microbatch")
+
+
+def make_plan(templates: TemplateSet, *, nodes: Sequence[str], num_microbatches: int,
+              microbatch_size: int, f: int, generation: int = 0,
+              microbatch_cap: Optional[int] = None) -> Plan:
+    """Instantiate templates on `nodes` (ids, in preference order) for one generation."""
+    if len(set(nodes)) != len(nodes):
+        raise PlanningError(f"duplicate node ids in {list(nodes)}")
+    a: Assignment = instantiate(templates, num_nodes=len(nodes), num_microbatches=num_microbatches,
+                                f=f, microbatch_cap=microbatch_cap)
+    g = templates.gpus_per_node
+    pipelines = []
+    cursor = 0
+    for index, (n, mb) in enumerate(a.pipelines):
+        tpl = templates[n]
+        pnodes = tuple(nodes[cursor:cursor + n])
+        stages = tuple(StagePlacement(index=s.index, start=s.start, end=s.end, node=pnodes[s.node],
+                                      local_rank=s.local_rank, rank=(cursor + s.node) * g + s.local_rank)
+                       for s in tpl.stages)
+        pipelines.append(PipelineSpec(index=index, template_nodes=n, nodes=pnodes, microbatches=mb,
+                                      stages=stages, est_time_s=tpl.iteration_time(mb)))
+        cursor += n
+    plan = Plan(generation=generation, nodes=tuple(nodes), spares=tuple(nodes[cursor:]),
+                gpus_per_node=g, num_layers=templates.num_layers, microbatch_size=microbatch_size,
+                pipelines=tuple(pipelines), est_step_time_s=a.makespan_s, f=f, warnings=a.warnings)
+    plan.check()
+    return plan
+
+
+@dataclass(frozen=True)
+class Guarantee:
+    f: int
+    """Failures to tolerate."""
+    n0: int
+    """Fewest nodes for one replica."""
+    n_max: int
+    """Largest node count of the contiguous template range from n0."""
+    meets_2n0: bool
+    """n_max >= 2*n0 - 1: every node count >= n0 is an exact sum of template sizes."""
+    min_nodes: int
+    """(f+1)*n0: the smallest cluster that holds f+1 replicas."""
+    covered_from: Optional[int]
+    """Every node count >= this runs >= f+1 pipelines with no idle node (None: never all)."""
+    uncovered: tuple[int, ...]
+    """Counts >= min_nodes that leave some node idle (all of them when finite)."""
+
+    def describe(self) -> str:
+        head = (f"templates for {self.n0}..{self.n_max} nodes; n_max >= 2*n0-1 = {2 * self.n0 - 1}: "
+                f"{'yes' if self.meets_2n0 else 'no'}. ")
+        if self.covered_from is None:
+            return head + (f"f={self.f}: only multiples of {self.n0} nodes can be fully used")
+        text = head + (f"f={self.f}: every node count >= {self.covered_from} runs >= {self.f + 1} "
+                       "pipelines with no idle node")
+        if self.uncovered:
+            text += f" (below that, {', '.join(map(str, self.uncovered))} leave nodes idle)"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        return {"f": self.f, "n0": self.n0, "n_max": self.n_max, "meets_2n0_minus_1": self.meets_2n0,
+                "min_nodes": self.min_nodes, "covered_from": self.covered_from,
+                "uncovered": list(self.uncovered), "text": self.describe()}
+
+
+def guarantee(templates: TemplateSet, f: int, *, max_nodes: Optional[int] = None) -> Guarantee:
+    """What `templates` promise for f; raises PlanningError when `max_nodes` cannot hold f+1 replicas.
+
+    Sums of k sizes from [n0, n_max] cover [k*n0, k*n_max]; consecutive ranges touch once
+    k*(n_max - n0) >= n0 - 1, so beyond K*n0 (K the first such k >= f+1) every count is covered;
+    below it a DP over the actual template sizes finds the exceptions exactly.
+    """
+    n0, n_max = templates.n0, templates.n_max
+    min_nodes = (f + 1) * n0
+    if max_nodes is not None and max_nodes < min_nodes:
+        raise PlanningError(
+            f"cannot tolerate f={f}: {f + 1} replicas need at least (f+1)*n0 = {min_nodes} nodes "
+            f"(n0={n0}) but the job has at most planning.max_nodes={max_nodes}: lower fault_tolerance.f, "
+            "add nodes, or give each device more memory (smaller n0)")
+    meets = n_max >= 2 * n0 - 1
+    if n_max == n0 and n0 > 1:
+        return Guarantee(f=f, n0=n0, n_max=n_max, meets_2n0=meets, min_nodes=min_nodes,
+                         covered_from=None, uncovered=())
+    k = f + 1
+    while k * (n_max - n0) < n0 - 1:
+        k += 1
+    upto = max(min_nodes, k * n0) + n_max
+    bad = tuple(coverage(templates, f, upto=upto)[1])
+    return Guarantee(f=f, n0=n0, n_max=n_max, meets_2n0=meets, min_nodes=min_nodes,
+                     covered_from=(bad[-1] + 1) if bad else min_nodes, uncovered=bad)

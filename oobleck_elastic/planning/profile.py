@@ -1,0 +1,138 @@
+"""Per-layer profile: the numbers the planner works from, and their JSON form.
+
+A `ModelProfile` holds one `LayerProfile` per element of the model's flat layer list, measured
+for one microbatch shape on one device kind (`profiler.py`), or read from a file for
+planning-only configs (a GPT-3-175B-like model we cannot build here). It is cached as JSON
+under a key made of everything the numbers depend on (model config, microbatch shape, dtype,
+device); a cached profile is reused only when that key matches exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile file that is missing, malformed or for another configuration."""
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    name: str
+    """Layer name (e.g. `embedding`, `block.3`, `head`)."""
+    forward_s: float
+    """Forward time of one microbatch, seconds (median)."""
+    backward_s: float
+    """Backward time of one microbatch, seconds (median)."""
+    param_bytes: int
+    """Bytes of the layer's parameters (tied ones counted in every layer holding them)."""
+    grad_bytes: int
+    """Bytes of the parameters' gradients."""
+    optimizer_bytes: int
+    """Bytes of optimizer state (AdamW: two moments)."""
+    activation_bytes: int
+    """Bytes autograd keeps for backward for one microbatch."""
+    output_bytes: int = 0
+    """Bytes of the layer's output for one microbatch (what crosses a stage boundary)."""
+
+    @property
+    def static_bytes(self) -> int:
+        """Bytes that stay on the device whatever the schedule: params, grads, optimizer state."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def time_s(self) -> float:
+        """Forward plus backward time."""
+        return self.forward_s + self.backward_s
+
+
+@dataclass
+class ModelProfile:
+    layers: list[LayerProfile]
+    """One entry per layer of the flat layer list, in order."""
+    key: dict[str, Any] = field(default_factory=dict)
+    """What the numbers depend on: model config, microbatch shape, dtype, device."""
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ProfileError("a profile needs at least one layer")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "key": self.key,
+                "layers": [asdict(layer) for layer in self.layers]}
+
+    @classmethod
+    def from_json(cls, data: Any, *, source: str = "<profile>") -> "ModelProfile":
+        if not isinstance(data, dict) or "layers" not in data:
+            raise ProfileError(f"{source}: not a profile (expected an object with 'layers')")
+        if data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
+            raise ProfileError(f"{source}: schema_version {data.get('schema_version')} is not "
+                               f"{SCHEMA_VERSION}; re-create the profile")
+        layers = []
+        for i, item in enumerate(data["layers"]):
+            try:
+                layers.append(_layer_from_json(item))
+            except (TypeError, ValueError, KeyError) as err:
+                raise ProfileError(f"{source}: layer {i}: {err}") from None
+        return cls(layers=layers, key=dict(data.get("key") or {}))
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically (temp file + rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1, sort_keys=True))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelProfile":
+        path = Path(path)
+        if not path.is_file():
+            raise ProfileError(f"profile file '{path}' does not exist")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ProfileError(f"{path}: not valid JSON ({err})") from None
+        return cls.from_json(data, source=str(path))
+
+
+_INT_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "output_bytes")
+
+
+def _layer_from_json(item: Any) -> LayerProfile:
+    if not isinstance(item, dict):
+        raise TypeError("expected an object")
+    unknown = set(item) - {"name", "forward_s", "backward_s", *_INT_FIELDS}
+    if unknown:
+        raise KeyError(f"unknown fields {sorted(unknown)}")
+    kw: dict[str, Any] = {"name": str(item["name"])}
+    for k in ("forward_s", "backward_s"):
+        v = float(item[k])
+        if not v >= 0:
+            raise ValueError(f"{k} must be >= 0 (got {item[k]})")
+        kw[k] = v
+    for k in _INT_FIELDS:
+        if k in item:
+            v = int(item[k])
+            if v < 0:
+                raise ValueError(f"{k} must be >= 0 (got {item[k]})")
+            kw[k] = v
+        elif k != "output_bytes":
+            raise KeyError(f"missing field '{k}'")
+    return LayerProfile(**kw)
+
+
+def profile_cache_key(key: dict[str, Any]) -> str:
+    """A short stable digest of a profile key (used as the cache file name)."""
+    blob = json.dumps(key, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

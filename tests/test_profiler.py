@@ -1,0 +1,131 @@
+"""Per-layer profiler: positive times, exact byte counts, caching by key, profile_path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from oobleck_elastic.config import JobConfig, ModelConfig
+from oobleck_elastic.models import build_layer_model
+from oobleck_elastic.planning import profiler
+from oobleck_elastic.planning.profile import LayerProfile, ModelProfile, profile_cache_key
+from oobleck_elastic.planning.profiler import load_or_profile, profile_key, profile_layers
+
+B, L, H, V = 2, 16, 32, 256
+
+
+def job(tmp_path, **model_kw) -> JobConfig:
+    cfg = JobConfig()
+    cfg.model = ModelConfig(family="gpt2", vocab_size=V, hidden_size=H, num_layers=2, num_heads=4,
+                            max_seq_len=L, **model_kw)
+    cfg.data.seq_len = L
+    cfg.data.cache_dir = str(tmp_path / "cache")
+    cfg.training.microbatch_size = B
+    cfg.planning.profile_warmup = 1
+    cfg.planning.profile_repeats = 2
+    return cfg
+
+
+def true_param_bytes(layer: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+
+def test_profile_layers_gpt2():
+    lm = build_layer_model(ModelConfig(vocab_size=V, hidden_size=H, num_layers=2, num_heads=4,
+                                       max_seq_len=L), seed=0)
+    ids = torch.randint(0, V, (B, L))
+    lines: list[str] = []
+    prof = profile_layers(lm.layers, ids, ids, lm.loss_fn, warmup=1, repeats=3, names=lm.names,
+                          key={"k": 1}, log=lines.append)
+    assert prof.num_layers == 4
+    assert [p.name for p in prof.layers] == ["embedding", "block.0", "block.1", "head"]
+    assert prof.key == {"k": 1}
+    assert lines[2].startswith("profiling layer 3/4 block.1")
+    for layer, p in zip(lm.layers, prof.layers):
+        assert p.forward_s > 0 and p.backward_s > 0
+        assert p.param_bytes == true_param_bytes(layer)  # tied wte counted in both layers
+        assert p.grad_bytes == p.param_bytes and p.optimizer_bytes == 2 * p.param_bytes
+    assert prof.layers[3].param_bytes == (V * H + 2 * H) * 4
+    for p in prof.layers[1:3]:
+        assert p.activation_bytes > 4 * B * L * H  # at least a few hidden-sized tensors
+        assert p.output_bytes == B * L * H * 4
+    assert prof.layers[3].output_bytes == B * L * V * 4
+    assert prof.layers[3].activation_bytes >= B * L * V * 4  # CE keeps (log-)softmax of logits
+    sgd = profile_layers(lm.layers, ids, ids, lm.loss_fn, warmup=0, repeats=1, optimizer="sgd")
+    assert all(p.optimizer_bytes == 0 for p in sgd.layers)
+    assert sgd.layers[0].name == "layer.0"
+
+
+def test_activation_bytes_exclude_parameters():
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)]
+    x = torch.randn(2, 4, 8)
+    prof = profile_layers(layers, x, torch.zeros(2, 4, 8), nn.functional.mse_loss, repeats=1)
+    assert prof.layers[0].activation_bytes == 2 * 4 * 8 * 4  # only the input, not the weight
+    assert prof.layers[0].param_bytes == 8 * 8 * 4
+    with pytest.raises(ValueError, match="every layer built"):
+        profile_layers([layers[0], None], x, x, nn.functional.mse_loss)
+
+
+def test_load_or_profile_caches_by_key(tmp_path, monkeypatch):
+    cfg = job(tmp_path)
+    lines: list[str] = []
+    first = load_or_profile(cfg, log=lines.append)
+    key = profile_key(cfg, device="cpu")
+    path = tmp_path / "cache" / "profiles" / f"{profile_cache_key(key)}.json"
+    assert path.is_file() and first.key == key and first.num_layers == 4
+    assert any(line.startswith("profiling layer 2/4 block.0") for line in lines)
+
+    def boom(*a, **k):
+        raise AssertionError("re-profiled")
+
+    monkeypatch.setattr(profiler, "profile_layers", boom)
+    lines.clear()
+    again = load_or_profile(cfg, log=lines.append)
+    assert again.layers == first.layers and "reusing" in lines[0]
+
+    # a different shape is a different key and a different file
+    cfg2 = job(tmp_path)
+    cfg2.data.seq_len = 8
+    assert profile_cache_key(profile_key(cfg2, device="cpu")) != profile_cache_key(key)
+    with pytest.raises(AssertionError, match="re-profiled"):
+        load_or_profile(cfg2, log=lines.append)
+
+
+def test_stale_cache_is_reprofiled(tmp_path, monkeypatch):
+    cfg = job(tmp_path)
+    key = profile_key(cfg, device="cpu")
+    path = tmp_path / "cache" / "profiles" / f"{profile_cache_key(key)}.json"
+    stale = ModelProfile([LayerProfile("x", 1.0, 1.0, 1, 1, 1, 1)] * 4, key={**key, "torch": "0.1"})
+    stale.save(path)
+    lines: list[str] = []
+    prof = load_or_profile(cfg, log=lines.append)
+    assert any("stale" in line and "torch" in line for line in lines)
+    assert prof.key == key and prof.layers[0].name == "embedding"
+    assert json.loads(path.read_text())["key"] == key  # replaced
+
+
+def test_profile_path_is_used(tmp_path, monkeypatch):
+    cfg = job(tmp_path, tie_embeddings=True)
+    given = ModelProfile([LayerProfile(f"l{i}", 0.1, 0.2, 10, 10, 20, 5) for i in range(4)],
+                         key={"source": "file"})
+    given.save(tmp_path / "p.json")
+    cfg.planning.profile_path = str(tmp_path / "p.json")
+    monkeypatch.setattr(profiler, "profile_layers", lambda *a, **k: pytest.fail("profiled"))
+    lines: list[str] = []
+    prof = load_or_profile(cfg, log=lines.append)
+    assert prof.layers == given.layers and prof.key == {"source": "file"}
+    assert not (tmp_path / "cache").exists()
+
+
+def test_profile_key_contents():
+    cfg = JobConfig()
+    key = profile_key(cfg, device="cpu")
+    assert key["model"]["hidden_size"] == cfg.model.hidden_size
+    assert key["microbatch_size"] == cfg.training.microbatch_size
+    assert key["seq_len"] == cfg.data.seq_len and key["dtype"] == "float32"
+    assert key["device"] == "cpu" and key["torch"] == torch.__version__
+    assert json.loads(json.dumps(key)) == key
