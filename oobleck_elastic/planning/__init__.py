@@ -42,14 +42,18 @@ def templates_for(cfg: JobConfig, profile: ModelProfile) -> TemplateSet:
                            max_nodes=p.max_template_nodes)
 
 
-def plan_job(cfg: JobConfig, *, nodes: Sequence[str] | int, profile: ModelProfile,
+def plan_job(cfg: JobConfig, *, nodes: Sequence[str] | int, profile: Optional[ModelProfile] = None,
              generation: int = 0, templates: Optional[TemplateSet] = None) -> JobPlan:
-    """Templates, guarantee and the plan for `nodes` (ids, or a count: node0, node1, ...)."""
+    """Templates, guarantee and the plan for `nodes` (ids, or a count: node0, node1, ...).
+
+    Give the profile, or templates already computed from it."""
     if isinstance(nodes, int):
         if nodes < 1:
             raise PlanningError(f"--nodes must be >= 1 (got {nodes})")
         nodes = [f"node{i}" for i in range(nodes)]
-    tset = templates if templates is not None else templates_for(cfg, profile)
+    if templates is None and profile is None:
+        raise ValueError("plan_job needs a profile or templates")
+    tset = templates if templates is not None else templates_for(cfg, profile)  # type: ignore[arg-type]
     g = guarantee(tset, cfg.fault_tolerance.f, max_nodes=cfg.planning.max_nodes)
     t = cfg.training
     microbatches = t.global_batch_size // t.microbatch_size

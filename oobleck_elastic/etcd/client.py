@@ -1,0 +1,164 @@
+"""A thin wrapper over `pyetcd` (etcd-sdk-python, the etcd3 API) for the control plane.
+
+- `EtcdSettings`: endpoint plus TLS (cacert, cert, key) and auth (user, password), parsed from
+  torchrun's `--rdzv-conf`, CLI flags or the `OOBLECK_ETCD_*` environment variables the
+  rendezvous handler passes to workers.
+- `connect(settings)` checks the settings (files exist, cert and key come together) and that the
+  server answers, and raises `EtcdError` with a message that says what to change; it never
+  hangs for longer than `timeout_s`.
+- `EtcdClient.get_json/put_json` store control data as JSON (DESIGN.md invariant 5: nothing read
+  from etcd is unpickled); a value that does not parse is logged and treated as absent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pyetcd
+import pyetcd.exceptions
+
+log = logging.getLogger(__name__)
+
+ENV_PREFIX = "OOBLECK_ETCD_"
+
+
+class EtcdError(RuntimeError):
+    """etcd is unreachable or misconfigured; the message says what to check."""
+
+
+@dataclass(frozen=True)
+class EtcdSettings:
+    endpoint: str = "127.0.0.1:2379"
+    """host:port of one etcd member (an http:// or https:// prefix is accepted)."""
+    cacert: Optional[str] = None
+    """CA certificate (PEM) that signed the server certificate; enables TLS."""
+    cert: Optional[str] = None
+    """Client certificate (PEM) for mutual TLS; needs `key`."""
+    key: Optional[str] = None
+    """Client private key (PEM) for mutual TLS; needs `cert`."""
+    user: Optional[str] = None
+    """etcd user name (etcd auth)."""
+    password: Optional[str] = None
+    """etcd password."""
+    timeout_s: float = 5.0
+    """Timeout of every request."""
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        ep = self.endpoint
+        for scheme in ("http://", "https://"):
+            if ep.startswith(scheme):
+                ep = ep[len(scheme):]
+        host, _, port = ep.rstrip("/").rpartition(":")
+        if not host:
+            return ep, 2379
+        try:
+            return host.strip("[]"), int(port)
+        except ValueError:
+            raise EtcdError(f"etcd endpoint '{self.endpoint}' is not host:port") from None
+
+    def to_env(self) -> dict[str, str]:
+        """Environment variables that `from_env` reads back (passed to workers)."""
+        env = {f"{ENV_PREFIX}ENDPOINT": self.endpoint, f"{ENV_PREFIX}TIMEOUT_S": str(self.timeout_s)}
+        for name in ("cacert", "cert", "key", "user", "password"):
+            value = getattr(self, name)
+            if value:
+                env[f"{ENV_PREFIX}{name.upper()}"] = value
+        return env
+
+    @classmethod
+    def from_env(cls, environ: Optional[dict[str, str]] = None) -> "EtcdSettings":
+        env = os.environ if environ is None else environ
+        if f"{ENV_PREFIX}ENDPOINT" not in env:
+            raise EtcdError(f"{ENV_PREFIX}ENDPOINT is not set: run under torchrun --rdzv-backend=oobleck")
+        get = lambda name: env.get(f"{ENV_PREFIX}{name}") or None  # noqa: E731
+        return cls(endpoint=env[f"{ENV_PREFIX}ENDPOINT"], cacert=get("CACERT"), cert=get("CERT"),
+                   key=get("KEY"), user=get("USER"), password=get("PASSWORD"),
+                   timeout_s=float(env.get(f"{ENV_PREFIX}TIMEOUT_S", "5")))
+
+    def check(self) -> None:
+        """Static checks of the TLS/auth settings (files exist, pairs complete)."""
+        for name in ("cacert", "cert", "key"):
+            value = getattr(self, name)
+            if value and not Path(value).is_file():
+                raise EtcdError(f"etcd TLS setting {name}={value}: file does not exist")
+        if bool(self.cert) != bool(self.key):
+            raise EtcdError("etcd TLS settings cert and key must be given together (mutual TLS)")
+        if (self.cert or self.key) and not self.cacert:
+            raise EtcdError("etcd TLS settings cert/key need cacert too (the CA of the server certificate)")
+        if bool(self.user) != bool(self.password):
+            raise EtcdError("etcd auth settings user and password must be given together")
+
+
+class EtcdClient:
+    """A connected pyetcd client plus JSON helpers. `raw` is the pyetcd client."""
+
+    def __init__(self, raw: Any, settings: EtcdSettings) -> None:
+        self.raw = raw
+        self.settings = settings
+
+    # ------------------------------------------------------------------ JSON values
+    def get_json(self, key: str) -> tuple[Optional[Any], Optional[int]]:
+        """(value, mod_revision) of a JSON key; (None, None) if absent, (None, rev) if malformed."""
+        value, meta = self._call(self.raw.get, key)
+        if value is None:
+            return None, None
+        return parse_json(value, key), meta.mod_revision
+
+    def put_json(self, key: str, value: Any, *, lease: Any = None) -> None:
+        self._call(self.raw.put, key, json.dumps(value, sort_keys=True), lease=lease)
+
+    def get_prefix_json(self, prefix: str) -> Iterator[tuple[str, Any]]:
+        """(key, parsed value) for every key under prefix, sorted by key; malformed values skipped."""
+        items = self._call(lambda: list(self.raw.get_prefix(prefix, sort_order="ascend", sort_target="key")))
+        for value, meta in items:
+            key = meta.key.decode()
+            parsed = parse_json(value, key)
+            if parsed is not None:
+                yield key, parsed
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (pyetcd.exceptions.ConnectionFailedError, pyetcd.exceptions.ConnectionTimeoutError) as err:
+            raise EtcdError(f"etcd at {self.settings.endpoint} is unreachable ({type(err).__name__}): "
+                            "is the server running, and is the endpoint right?") from None
+
+    def close(self) -> None:
+        try:
+            self.raw.close()
+        except Exception:  # noqa: BLE001 - closing a broken channel must not mask the real error
+            pass
+
+
+def parse_json(value: bytes | str, key: str) -> Optional[Any]:
+    """Parse a JSON value read from etcd; log and return None when it is malformed."""
+    try:
+        return json.loads(value)
+    except (ValueError, UnicodeDecodeError):
+        log.warning("ignoring malformed JSON in etcd key %s: %r", key, value[:80])
+        return None
+
+
+def connect(settings: EtcdSettings) -> EtcdClient:
+    """Connect and verify the server answers; raises EtcdError with what to change."""
+    settings.check()
+    host, port = settings.host_port
+    try:
+        raw = pyetcd.client(host=host, port=port, ca_cert=settings.cacert, cert_key=settings.key,
+                            cert_cert=settings.cert, timeout=settings.timeout_s, user=settings.user,
+                            password=settings.password)
+        raw.status()
+    except (pyetcd.exceptions.ConnectionFailedError, pyetcd.exceptions.ConnectionTimeoutError,
+            pyetcd.exceptions.Etcd3Exception) as err:
+        tls = " over TLS (check cacert/cert/key match the server)" if settings.cacert else ""
+        raise EtcdError(f"cannot reach etcd at {settings.endpoint}{tls}: {type(err).__name__}"
+                        f"{': ' + str(err) if str(err) else ''}") from None
+    except Exception as err:  # grpc raises its own types for auth and TLS failures
+        raise EtcdError(f"cannot use etcd at {settings.endpoint}: {type(err).__name__}: {err}") from None
+    return EtcdClient(raw, settings)

@@ -1,0 +1,169 @@
+"""Cluster operations over etcd only: `oobleck agents | kill-agent | status | events`.
+
+They read and write the run's keys (rendezvous/keys.py) and never talk to agents directly, so
+they work from any machine that reaches etcd. `kill-agent` is graceful: it marks the node's
+record `draining` (rewritten under the node's own lease, with a compare-and-swap on its
+revision); the leader re-plans without it, its workers leave at the next step boundary and its
+agent exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Callable, Optional
+
+from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
+from .planning import Plan, PlanningError
+from .rendezvous.keys import Event, Keys, NodeRecord
+from .rendezvous.membership import live_nodes, put_event, read_events
+
+
+class OpsError(RuntimeError):
+    """A cluster operation that cannot be done; the message says why."""
+
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    p.add_argument("--endpoint", default=env("OOBLECK_ETCD_ENDPOINT", "127.0.0.1:2379"),
+                   help="etcd host:port (default $OOBLECK_ETCD_ENDPOINT or 127.0.0.1:2379)")
+    p.add_argument("--run-id", default=env("OOBLECK_RUN_ID"), help="the job's --rdzv-id (default $OOBLECK_RUN_ID)")
+    p.add_argument("--key-prefix", default=env("OOBLECK_KEY_PREFIX", "/oobleck"), help="etcd key prefix")
+    for name in ("cacert", "cert", "key", "user", "password"):
+        p.add_argument(f"--{name}", default=env(f"OOBLECK_ETCD_{name.upper()}"), help=f"etcd {name}")
+
+
+def open_run(args: argparse.Namespace) -> tuple[EtcdClient, Keys]:
+    if not args.run_id:
+        raise OpsError("--run-id is required (the job's --rdzv-id)")
+    settings = EtcdSettings(endpoint=args.endpoint, cacert=args.cacert, cert=args.cert, key=args.key,
+                            user=args.user, password=args.password, timeout_s=5.0)
+    client = connect(settings)
+    keys = Keys(args.key_prefix, args.run_id)
+    resp = client._call(client.raw.get_prefix_response, keys.root, keys_only=True, limit=1)
+    if not resp.count:
+        client.close()
+        raise OpsError(f"run '{args.run_id}' not found at {args.endpoint} (no keys under {keys.root}): "
+                       "check --run-id and --key-prefix")
+    return client, keys
+
+
+def _ago(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def agents(client: EtcdClient, keys: Keys) -> list[str]:
+    """One line per node: index, node id, host, state (up / draining / lost), devices, since."""
+    live = live_nodes(client, keys)
+    lines = [f"{'index':>5}  {'node':<8} {'host':<20} {'state':<9} {'devices':>7}  since"]
+    for r in live:
+        lines.append(f"{r.index:>5}  {r.node_id:<8} {r.host:<20} {r.state:<9} {r.devices:>7}  {_ago(r.since)}")
+    live_ids = {r.node_id for r in live}
+    lost: dict[str, Event] = {}
+    joined: dict[str, Event] = {}
+    for _, ev in read_events(client, keys):
+        if ev.kind == "join":
+            joined[ev.node] = ev
+        elif ev.kind in ("lost", "drain", "leave") and ev.node not in live_ids:
+            lost[ev.node] = ev
+    for node, ev in sorted(lost.items(), key=lambda kv: int(kv[0][4:]) if kv[0][4:].isdigit() else 0):
+        host = joined[node].detail.split(",")[0].removeprefix("host ") if node in joined else "?"
+        state = "lost" if ev.kind == "lost" else "left"
+        index = node[4:] if node.startswith("node") else "?"
+        lines.append(f"{index:>5}  {node:<8} {host:<20} {state:<9} {'-':>7}  {_ago(ev.time)}")
+    return lines
+
+
+def kill_agent(client: EtcdClient, keys: Keys, index: int) -> str:
+    live = live_nodes(client, keys)
+    match = [r for r in live if r.index == index]
+    if not match:
+        raise OpsError(f"no live node with index {index} in run '{keys.run_id}' "
+                       f"(live: {', '.join(str(r.index) for r in live) or 'none'})")
+    rec = match[0]
+    if rec.state == "draining":
+        return f"node {rec.node_id} (index {index}) is already draining"
+    key = keys.node(rec.node_id)
+    raw = client.raw
+    _, meta = client._call(raw.get, key)
+    tx = raw.transactions
+    draining = NodeRecord(**{**rec.__dict__, "state": "draining"})
+    ok, _ = client._call(raw.transaction, compare=[tx.mod(key) == meta.mod_revision],
+                         success=[tx.put(key, json.dumps(draining.to_json()), lease=rec.lease_id)], failure=[])
+    if not ok:
+        raise OpsError(f"node {rec.node_id} changed while draining it; try again")
+    put_event(client, keys, Event(time=time.time(), kind="drain", node=rec.node_id,
+                                  detail="drain requested (oobleck kill-agent)"))
+    return f"node {rec.node_id} (index {index}, host {rec.host}) is draining: it leaves at the next step boundary"
+
+
+def status(client: EtcdClient, keys: Keys) -> list[str]:
+    leader, _ = client.get_json(keys.leader)
+    data, _ = client.get_json(keys.plan)
+    progress, _ = client.get_json(keys.progress)
+    closed, _ = client.get_json(keys.closed)
+    live = live_nodes(client, keys)
+    lines = [f"run {keys.run_id}: {len(live)} live node(s), leader "
+             f"{leader.get('node_id') if isinstance(leader, dict) else 'none'}"
+             + (" (closed)" if closed is not None else "")]
+    plan = None
+    if data is not None:
+        try:
+            plan = Plan.from_json(data)
+        except PlanningError as err:
+            lines.append(f"plan: malformed ({err})")
+    if plan is None:
+        lines.append("generation 0: no plan yet (waiting for nodes)")
+    else:
+        lines.append(f"generation {plan.generation}: {len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
+                     f"{plan.world_size} worker(s), est. step {plan.est_step_time_s:.4g} s")
+        for p in plan.pipelines:
+            lines.append(f"  pipeline {p.index}: {len(p.stages)} stage(s) on {','.join(p.nodes)}, "
+                         f"{p.microbatches} microbatches")
+        if plan.spares:
+            lines.append(f"  spares: {', '.join(plan.spares)}")
+    if isinstance(progress, dict) and "step" in progress:
+        lines.append(f"step {progress['step']} (generation {progress.get('generation', '?')}, "
+                     f"{time.time() - float(progress.get('time', time.time())):.1f}s ago)")
+    else:
+        lines.append("step: no progress reported yet")
+    return lines
+
+
+def events(client: EtcdClient, keys: Keys, *, follow: bool = False, out: Callable[[str], None] = print,
+           poll_s: float = 0.5, until: Optional[Callable[[], bool]] = None) -> None:
+    seen: set[str] = set()
+    while True:
+        for key, ev in read_events(client, keys):
+            if key not in seen:
+                seen.add(key)
+                out(ev.line())
+        if not follow or (until is not None and until()):
+            return
+        time.sleep(poll_s)
+
+
+def run_ops(args: argparse.Namespace) -> int:
+    """Entry for the ops subcommands (cli.py wires the parsers)."""
+    client, keys = open_run(args)
+    try:
+        if args.command == "agents":
+            print("\n".join(agents(client, keys)))
+        elif args.command == "kill-agent":
+            print(kill_agent(client, keys, args.index))
+        elif args.command == "status":
+            print("\n".join(status(client, keys)))
+        elif args.command == "events":
+            try:
+                events(client, keys, follow=args.follow)
+            except KeyboardInterrupt:
+                pass
+    finally:
+        client.close()
+    return 0
+
+
+__all__ = ["EtcdError", "OpsError", "add_connection_args", "agents", "events", "kill_agent", "open_run",
+           "run_ops", "status"]

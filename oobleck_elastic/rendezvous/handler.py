@@ -1,0 +1,226 @@
+"""`torchrun --rdzv-backend=oobleck`: a TorchElastic rendezvous handler on etcd v3.
+
+What torchrun's agent needs from a handler, and what this one does differently from the stock
+c10d/etcd handlers so that healthy workers are never restarted (../shared/research/
+torch-elastic-facts.md, section 2.4):
+
+- `next_rendezvous()` registers the node (membership.py), starts the leader thread (leader.py)
+  and returns once the leader has admitted this node into a plan generation. It returns a
+  node-local view (rank 0 of 1, an in-memory store): the agent's own rank assignment and exit
+  barrier stay on this node, because job-wide ranks come from the plan, which workers read from
+  etcd. A node that arrives while the job runs is admitted into the next generation without a
+  new rendezvous round for anyone.
+- `num_nodes_waiting()` is always 0: a positive value makes the agent restart its workers.
+- `shutdown()` only takes this node out (revokes its lease); it never closes the job.
+- Workers inherit the agent's environment, so the handler exports the etcd endpoint, TLS and
+  auth settings, run id, key prefix and node id (`OOBLECK_*`) before the agent starts them.
+
+Options come through `--rdzv-conf key=value,...`; see `RDZV_OPTIONS`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Optional
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousHandler, RendezvousInfo,
+                                                   RendezvousParameters, RendezvousTimeoutError)
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+from ..config import ConfigError, JobConfig, load_config
+from ..etcd import EtcdClient, EtcdSettings, connect
+from ..planning import ModelProfile, Plan, PlanningError, plan_job, templates_for
+from .keys import Event, Keys
+from .leader import Leader, _parse_plan
+from .membership import Member, put_event
+
+log = logging.getLogger(__name__)
+
+BACKEND = "oobleck"
+RDZV_OPTIONS = {
+    "config": "job YAML (default: the training script's --config argument)",
+    "lease_ttl": "seconds before a silent node's record expires (default fault_tolerance.lease_ttl_s)",
+    "last_call_timeout": "seconds to wait for more nodes once --nnodes MIN are up (default 2)",
+    "settle": "seconds that batch simultaneous membership changes (default fault_tolerance.settle_s)",
+    "cacert": "CA certificate of the etcd server (enables TLS)",
+    "cert": "client certificate for mutual TLS",
+    "key": "client key for mutual TLS",
+    "user": "etcd user",
+    "password": "etcd password",
+    "key_prefix": "etcd key prefix (default /oobleck)",
+    "join_timeout": "seconds a node waits to be admitted before giving up (default 600)",
+}
+# set by torchrun itself or kept for compatibility with other backends; accepted silently
+_TORCHRUN_OPTIONS = {"timeout", "close_timeout", "is_host", "local_addr", "read_timeout",
+                     "keep_alive_interval", "keep_alive_max_attempt"}
+
+
+def script_arguments(argv: list[str]) -> tuple[int, Optional[str], list[str]]:
+    """(nproc_per_node, --config value, dotlist overrides) from torchrun's own command line."""
+    try:
+        from torch.distributed.run import get_args_parser
+
+        args = get_args_parser().parse_args(argv[1:])
+        nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1
+        script_args = list(args.training_script_args)
+    except (SystemExit, Exception):  # noqa: BLE001 - not started by torchrun (tests, CLI)
+        return 1, None, []
+    config = None
+    for i, arg in enumerate(script_args):
+        if arg == "--config" and i + 1 < len(script_args):
+            config = script_args[i + 1]
+        elif arg.startswith("--config="):
+            config = arg.split("=", 1)[1]
+    overrides = [a for a in script_args if "=" in a and not a.startswith("-")]
+    return nproc, config, overrides
+
+
+class OobleckRendezvousHandler(RendezvousHandler):
+    def __init__(self, params: RendezvousParameters, *, argv: Optional[list[str]] = None) -> None:
+        self.params = params
+        conf = {k: v for k, v in params.config.items() if v is not None}
+        unknown = set(conf) - set(RDZV_OPTIONS) - _TORCHRUN_OPTIONS
+        if unknown:
+            raise ValueError(f"unknown --rdzv-conf option(s) {sorted(unknown)} for --rdzv-backend=oobleck; "
+                             f"known: {', '.join(sorted(RDZV_OPTIONS))}")
+        nproc, script_config, overrides = script_arguments(argv if argv is not None else sys.argv)
+        config_path = conf.get("config") or script_config
+        if not config_path:
+            raise ConfigError("--rdzv-backend=oobleck needs the job config to plan pipelines: give the training "
+                              "script --config PATH or pass --rdzv-conf config=PATH")
+        self.cfg: JobConfig = load_config(config_path, overrides)
+        self.devices = nproc
+        if self.cfg.planning.gpus_per_node != nproc:
+            log.warning("planning.gpus_per_node=%d but --nproc-per-node=%d: planning with %d device(s) per node",
+                        self.cfg.planning.gpus_per_node, nproc, nproc)
+            self.cfg.planning.gpus_per_node = nproc
+        ft = self.cfg.fault_tolerance
+        self.lease_ttl_s = float(conf.get("lease_ttl", ft.lease_ttl_s))
+        self.settle_s = float(conf.get("settle", ft.settle_s))
+        self.last_call_s = float(conf.get("last_call_timeout", 2.0))
+        self.join_timeout_s = float(conf.get("join_timeout", ft.rendezvous_timeout_s))
+        self.settings = EtcdSettings(endpoint=params.endpoint or "127.0.0.1:2379", cacert=conf.get("cacert"),
+                                     cert=conf.get("cert"), key=conf.get("key"), user=conf.get("user"),
+                                     password=conf.get("password"))
+        self.keys = Keys(conf.get("key_prefix", "/oobleck"), params.run_id)
+        self.client: EtcdClient = connect(self.settings)
+        self.member: Optional[Member] = None
+        self.leader: Optional[Leader] = None
+        self._templates: Any = None
+        self._store = dist.HashStore()
+        os.environ["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"  # the agent skips store-based rank assignment
+
+    # ------------------------------------------------------------------ RendezvousHandler
+    def get_backend(self) -> str:
+        return BACKEND
+
+    def get_run_id(self) -> str:
+        return self.params.run_id
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def is_closed(self) -> bool:
+        data, _ = self.client.get_json(self.keys.closed)
+        return data is not None
+
+    def set_closed(self) -> None:
+        self.client.put_json(self.keys.closed, {"time": time.time(), "reason": "set_closed"})
+
+    def num_nodes_waiting(self) -> int:
+        return 0  # joins are admitted by the leader; a positive value would restart healthy workers
+
+    def shutdown(self) -> bool:
+        if self.leader is not None:
+            self.leader.stop()
+        if self.member is not None and self.member.record is not None:
+            put_event(self.client, self.keys, Event(time=time.time(), kind="leave", node=self.member.node_id,
+                                                    detail="agent shut down"))
+            self.member.close(revoke=True)
+        self.client.close()
+        return True
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self.is_closed():
+            raise RendezvousClosedError(f"run {self.params.run_id} is closed")
+        if self.member is None:
+            self.member = Member(self.client, self.keys, devices=self.devices, lease_ttl_s=self.lease_ttl_s,
+                                 host=self.params.local_addr or None)
+            self.member.register()
+            self.leader = Leader(self.client, self.keys, self.member, planner=self.plan_for,
+                                 min_nodes=self.params.min_nodes, max_nodes=self.params.max_nodes,
+                                 last_call_s=self.last_call_s, settle_s=self.settle_s)
+            self.leader.start()
+        node = self.member.node_id
+        plan = self._wait_admitted(node)
+        os.environ.update(self.settings.to_env())
+        os.environ.update({"OOBLECK_RUN_ID": self.params.run_id, "OOBLECK_KEY_PREFIX": self.keys.prefix,
+                           "OOBLECK_NODE_ID": node, "OOBLECK_NODE_INDEX": str(self.member.record.index),  # type: ignore[union-attr]
+                           "OOBLECK_GENERATION": str(plan.generation)})
+        log.info("node %s: admitted in generation %d (%d node(s))", node, plan.generation, len(plan.nodes))
+        info = RendezvousStoreInfo("127.0.0.1", _free_port())
+        return RendezvousInfo(self._store, 0, 1, info)
+
+    # ------------------------------------------------------------------ helpers
+    def _wait_admitted(self, node: str) -> Plan:
+        assert self.member is not None
+        deadline = time.monotonic() + self.join_timeout_s
+        next_log = time.monotonic() + 5
+        while True:
+            data, _ = self.client.get_json(self.keys.plan)
+            plan = _parse_plan(data)
+            if plan is not None and node in plan.nodes:
+                return plan
+            if self.member.fenced.is_set():
+                raise RendezvousClosedError(f"node {node} was fenced (lease expired) while waiting")
+            now = time.monotonic()
+            if now > deadline:
+                raise RendezvousTimeoutError(
+                    f"node {node} was not admitted within {self.join_timeout_s:.0f}s (run {self.params.run_id}, "
+                    f"--nnodes {self.params.min_nodes}:{self.params.max_nodes}); are the other nodes using the "
+                    "same --rdzv-id and --rdzv-endpoint?")
+            if now > next_log:
+                log.info("node %s: waiting to be admitted (generation %s)", node, plan.generation if plan else "none")
+                next_log = now + 10
+            time.sleep(0.05)
+
+    def plan_for(self, nodes: list[str], generation: int) -> Plan:
+        """The planner the leader calls: templates from the job's profile (shared through etcd)."""
+        if self._templates is None:
+            self._templates = templates_for(self.cfg, self._profile())
+        return plan_job(self.cfg, nodes=nodes, generation=generation, templates=self._templates).plan
+
+    def _profile(self) -> ModelProfile:
+        """The first leader's profile, so every later leader plans from the same numbers."""
+        data, _ = self.client.get_json(self.keys.profile)
+        if data is not None:
+            try:
+                return ModelProfile.from_json(data, source="etcd profile")
+            except Exception as err:  # noqa: BLE001 - a malformed value is ignored, not trusted
+                log.warning("ignoring malformed profile in etcd: %s", err)
+        if self.cfg.planning.profile_path:
+            profile = ModelProfile.load(self.cfg.planning.profile_path)
+        else:
+            from ..planning.profiler import load_or_profile
+
+            profile = load_or_profile(self.cfg, log=log.info)
+        self.client._call(self.client.raw.put_if_not_exists, self.keys.profile, json.dumps(profile.to_json()))
+        data, _ = self.client.get_json(self.keys.profile)
+        return ModelProfile.from_json(data, source="etcd profile") if data is not None else profile
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+__all__ = ["BACKEND", "OobleckRendezvousHandler", "RDZV_OPTIONS", "script_arguments"]

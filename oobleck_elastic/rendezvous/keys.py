@@ -1,0 +1,156 @@
+"""The etcd key layout of one job and the JSON records stored there.
+
+Everything lives under `<key_prefix>/<run_id>/` (key_prefix defaults to `/oobleck`):
+
+| key                      | value (JSON, `schema_version` 1)                | written by        | lease |
+|--------------------------|-------------------------------------------------|-------------------|-------|
+| `nodes/<node_id>`        | NodeRecord: index, host, devices, agent pid, state (up/draining), since | the node's agent, `kill-agent` | node |
+| `next_index`             | next node index (int)                           | agents (CAS)      |       |
+| `leader`                 | {node_id, since}                                | the elected agent | node  |
+| `plan`                   | Plan of the current generation (planning/plan.py) | the leader (CAS) |      |
+| `profile`                | ModelProfile the templates are computed from    | the first leader  |       |
+| `events/<ns>-<node_id>`  | Event: time, kind, node, generation, detail     | agents, leader, CLI |     |
+| `progress`               | {generation, step, time, ...}                   | worker rank 0     |       |
+| `closed`                 | {time, reason}: the job finished, stop planning | workers / handler |       |
+| `store/g<generation>/...`| c10d Store keys of that generation's process groups | workers       |       |
+
+Values that fail to parse or validate are logged and ignored (DESIGN.md invariant 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+NODE_STATES = ("up", "draining")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names of one run."""
+
+    prefix: str
+    run_id: str
+
+    @property
+    def root(self) -> str:
+        return f"{self.prefix.rstrip('/')}/{self.run_id}/"
+
+    @property
+    def nodes(self) -> str:
+        return self.root + "nodes/"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes + node_id
+
+    @property
+    def next_index(self) -> str:
+        return self.root + "next_index"
+
+    @property
+    def leader(self) -> str:
+        return self.root + "leader"
+
+    @property
+    def plan(self) -> str:
+        return self.root + "plan"
+
+    @property
+    def profile(self) -> str:
+        return self.root + "profile"
+
+    @property
+    def events(self) -> str:
+        return self.root + "events/"
+
+    def event(self, node_id: str) -> str:
+        return f"{self.events}{time.time_ns():020d}-{node_id}"
+
+    @property
+    def progress(self) -> str:
+        return self.root + "progress"
+
+    @property
+    def closed(self) -> str:
+        return self.root + "closed"
+
+    def store(self, generation: int) -> str:
+        return f"{self.root}store/g{generation}/"
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    node_id: str
+    """Unique id of the node in this run (`node<index>`)."""
+    index: int
+    """Small integer the CLI uses (`kill-agent --index N`), assigned in order of arrival."""
+    host: str
+    """Host name or address of the node."""
+    devices: int
+    """Workers (devices) on the node (--nproc-per-node)."""
+    agent_pid: int
+    """PID of the torchrun agent."""
+    state: str
+    """`up` or `draining`."""
+    since: float
+    """Unix time the node registered."""
+    lease_id: int
+    """etcd lease the record is bound to."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def parse(cls, data: Any, *, key: str = "") -> Optional["NodeRecord"]:
+        """Validate a record read from etcd; log and return None when malformed."""
+        try:
+            if data.get("schema_version") != SCHEMA_VERSION:
+                raise ValueError(f"schema_version {data.get('schema_version')!r}")
+            rec = cls(node_id=str(data["node_id"]), index=int(data["index"]), host=str(data["host"]),
+                      devices=int(data["devices"]), agent_pid=int(data["agent_pid"]),
+                      state=str(data["state"]), since=float(data["since"]), lease_id=int(data["lease_id"]))
+            if rec.state not in NODE_STATES:
+                raise ValueError(f"state {rec.state!r}")
+            if key and not key.endswith("/" + rec.node_id):
+                raise ValueError(f"node_id {rec.node_id!r} does not match the key")
+            return rec
+        except (AttributeError, KeyError, TypeError, ValueError) as err:
+            log.warning("ignoring malformed node record %s: %s", key, err)
+            return None
+
+
+@dataclass(frozen=True)
+class Event:
+    time: float
+    """Unix time."""
+    kind: str
+    """join, leave, lost, drain, plan, leader, waiting, closed."""
+    node: str
+    """Node the event is about (or that wrote it)."""
+    generation: Optional[int] = None
+    """Plan generation, when it is about a plan."""
+    detail: str = ""
+    """Human-readable detail."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def parse(cls, data: Any, *, key: str = "") -> Optional["Event"]:
+        try:
+            gen = data.get("generation")
+            return cls(time=float(data["time"]), kind=str(data["kind"]), node=str(data["node"]),
+                       generation=None if gen is None else int(gen), detail=str(data.get("detail", "")))
+        except (AttributeError, KeyError, TypeError, ValueError) as err:
+            log.warning("ignoring malformed event %s: %s", key, err)
+            return None
+
+    def line(self) -> str:
+        stamp = time.strftime("%H:%M:%S", time.localtime(self.time)) + f".{int(self.time % 1 * 1000):03d}"
+        gen = f" generation {self.generation}" if self.generation is not None else ""
+        return f"{stamp} {self.kind:<8} {self.node}{gen}{': ' + self.detail if self.detail else ''}"

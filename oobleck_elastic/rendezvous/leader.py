@@ -1,0 +1,181 @@
+"""Leader election and plan publication.
+
+Every agent runs a `Leader` thread. It campaigns by creating the `leader` key under its own
+node lease (`put_if_not_exists`): exactly one agent holds it, and when that agent dies its lease
+expires and another wins within the TTL plus one poll tick.
+
+The leader polls membership (node records) and, whenever the set of usable nodes differs from
+the current plan's nodes for longer than the settle window (which batches simultaneous
+failures and joins into one re-plan), computes the next plan with the planner and publishes it
+as generation g+1 in one transaction that also checks that (a) the plan key is still at the
+revision the leader read, and (b) the leader key still holds this leader's value. A deposed
+or partitioned leader therefore can never overwrite a newer plan.
+
+Before the first generation the leader waits until `min_nodes` are up, then a last-call window
+for more (up to `max_nodes`). Nodes beyond `max_nodes` wait as spares and are admitted when a
+member leaves. Below n0 (too few nodes for one replica) nothing is published: one log line and
+a `waiting` event, and the plan follows as soon as enough nodes are back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+from ..etcd import EtcdClient, EtcdError
+from ..planning import Plan, PlanningError
+from .keys import Event, Keys, NodeRecord
+from .membership import Member, live_nodes, put_event
+
+log = logging.getLogger(__name__)
+
+Planner = Callable[[list[str], int], Plan]
+
+
+class Leader:
+    def __init__(self, client: EtcdClient, keys: Keys, member: Member, *, planner: Planner, min_nodes: int,
+                 max_nodes: int, last_call_s: float, settle_s: float, tick_s: float = 0.05) -> None:
+        self.client, self.keys, self.member = client, keys, member
+        self.planner = planner
+        self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self.last_call_s, self.settle_s, self.tick_s = last_call_s, settle_s, tick_s
+        self.is_leader = threading.Event()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._value = b""
+        self._waiting_for: Optional[int] = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="oobleck-leader", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ election
+    def _run(self) -> None:
+        while not self._stop.is_set() and not self.member.fenced.is_set():
+            try:
+                if self._campaign():
+                    self._lead()
+            except EtcdError as err:
+                log.warning("node %s: leader loop: %s", self.member.node_id, err)
+            except Exception:  # noqa: BLE001 - keep the agent alive; log the bug loudly
+                log.exception("node %s: leader loop failed; retrying", self.member.node_id)
+            self.is_leader.clear()
+            self._stop.wait(self.tick_s * 4)
+
+    def _campaign(self) -> bool:
+        value = json.dumps({"node_id": self.member.node_id, "since": time.time()}).encode()
+        won = self.client._call(self.client.raw.put_if_not_exists, self.keys.leader, value,
+                                lease=self.member.lease)
+        if won:
+            self._value = value
+            log.info("node %s: elected leader", self.member.node_id)
+            put_event(self.client, self.keys, Event(time=time.time(), kind="leader", node=self.member.node_id,
+                                                    detail="elected leader"))
+        return bool(won)
+
+    def _still_leader(self) -> bool:
+        value, _ = self.client._call(self.client.raw.get, self.keys.leader)
+        return value == self._value
+
+    # ------------------------------------------------------------------ planning
+    def _lead(self) -> None:
+        self.is_leader.set()
+        first_quorum: Optional[float] = None
+        change_seen: Optional[float] = None
+        while not self._stop.is_set() and self._still_leader():
+            closed, _ = self.client.get_json(self.keys.closed)
+            if closed is not None:
+                self._stop.wait(self.tick_s * 4)
+                continue
+            records = live_nodes(self.client, self.keys)
+            up = [r for r in records if r.state == "up"]
+            data, rev = self.client.get_json(self.keys.plan)
+            plan = _parse_plan(data)
+            if plan is None:
+                if len(up) >= self.min_nodes:
+                    first_quorum = first_quorum or time.monotonic()
+                    if len(up) >= self.max_nodes or time.monotonic() - first_quorum >= self.last_call_s:
+                        self._publish([r.node_id for r in up][: self.max_nodes], None, rev, records)
+                else:
+                    first_quorum = None
+            else:
+                desired = self._desired(plan, up)
+                if desired != list(plan.nodes):
+                    change_seen = change_seen or time.monotonic()
+                    if time.monotonic() - change_seen >= self.settle_s:
+                        self._publish(desired, plan, rev, records)
+                        change_seen = None
+                else:
+                    change_seen = None
+            self._stop.wait(self.tick_s)
+
+    def _desired(self, plan: Plan, up: list[NodeRecord]) -> list[str]:
+        """Current members that are still up, in plan order, then new nodes by index, up to max."""
+        alive = {r.node_id for r in up}
+        keep = [n for n in plan.nodes if n in alive]
+        new = [r.node_id for r in up if r.node_id not in plan.nodes]
+        return (keep + new)[: self.max_nodes]
+
+    def _publish(self, nodes: list[str], old: Optional[Plan], rev: Optional[int], records: list[NodeRecord]) -> None:
+        generation = (old.generation if old else 0) + 1
+        try:
+            plan = self.planner(nodes, generation)
+        except PlanningError as err:
+            if self._waiting_for != len(nodes):
+                self._waiting_for = len(nodes)
+                log.warning("node %s: cannot plan generation %d with %d node(s): %s", self.member.node_id,
+                            generation, len(nodes), err)
+                put_event(self.client, self.keys, Event(time=time.time(), kind="waiting", node=self.member.node_id,
+                                                        generation=generation, detail=str(err)))
+            return
+        self._waiting_for = None
+        raw, tx = self.client.raw, self.client.raw.transactions
+        compare = [tx.value(self.keys.leader) == self._value,
+                   tx.create(self.keys.plan) == 0 if rev is None else tx.mod(self.keys.plan) == rev]
+        events = self._events(plan, old, records)
+        success = [tx.put(self.keys.plan, json.dumps(plan.to_json(), sort_keys=True))]
+        success += [tx.put(self.keys.event(ev.node), json.dumps(ev.to_json())) for ev in events]
+        ok, _ = self.client._call(raw.transaction, compare=compare, success=success, failure=[])
+        if ok:
+            log.info("node %s: published generation %d: %s", self.member.node_id, generation, events[-1].detail)
+        else:
+            log.info("node %s: plan generation %d lost a race (plan or leadership changed)", self.member.node_id,
+                     generation)
+
+    def _events(self, plan: Plan, old: Optional[Plan], records: list[NodeRecord]) -> list[Event]:
+        now, me = time.time(), self.member.node_id
+        before = list(old.nodes) if old else []
+        added = [n for n in plan.nodes if n not in before]
+        removed = [n for n in before if n not in plan.nodes]
+        state = {r.node_id: r.state for r in records}
+        events = []
+        for n in removed:
+            kind = "drain" if state.get(n) == "draining" else ("leave" if n in state else "lost")
+            events.append(Event(time=now, kind=kind, node=n, generation=plan.generation,
+                                detail={"drain": "drained at a step boundary", "leave": "left the plan",
+                                        "lost": "lease expired or node unreachable"}[kind]))
+        causes = sorted({e.kind for e in events} | ({"join"} if added and old else set())) or ["initial"]
+        events.append(Event(time=now, kind="plan", node=me, generation=plan.generation,
+                            detail=f"{len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
+                                   f"{plan.world_size} worker(s) ({'/'.join(causes)}"
+                                   f"{': +' + ','.join(added) if added and old else ''}"
+                                   f"{' -' + ','.join(removed) if removed else ''})"))
+        return events
+
+
+def _parse_plan(data: object) -> Optional[Plan]:
+    if data is None:
+        return None
+    try:
+        return Plan.from_json(data)
+    except PlanningError as err:
+        log.warning("ignoring malformed plan in etcd: %s", err)
+        return None

@@ -1,0 +1,268 @@
+"""Rendezvous handler, leader and cluster ops against a real etcd, with several simulated nodes
+(handlers) in this process. A crash is simulated by stopping a node's lease refresh without
+revoking it, exactly what etcd sees when an agent is SIGKILLed; test_torchrun.py does the same
+with real torchrun processes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from oobleck_elastic import ops
+from oobleck_elastic.etcd import EtcdError, EtcdSettings, connect
+from oobleck_elastic.planning import LayerProfile, ModelProfile, Plan
+from oobleck_elastic.rendezvous.handler import OobleckRendezvousHandler
+from oobleck_elastic.rendezvous.keys import Keys
+from oobleck_elastic.rendezvous.membership import read_events
+
+ROOT = Path(__file__).resolve().parents[1]
+TTL = 1.0
+
+
+@pytest.fixture
+def profile_path(tmp_path: Path) -> Path:
+    """6 equal layers of 0.4 GiB params+grads+optimizer on 1.25 GiB devices: n0 = 2 nodes."""
+    b = int(0.1 * 1024 ** 3)
+    layers = [LayerProfile(name=f"l{i}", forward_s=0.01, backward_s=0.02, param_bytes=b, grad_bytes=b,
+                           optimizer_bytes=2 * b, activation_bytes=0) for i in range(6)]
+    path = tmp_path / "profile.json"
+    ModelProfile(layers=layers).save(path)
+    return path
+
+
+class Cluster:
+    """Simulated nodes: one handler each, rendezvous run in threads."""
+
+    def __init__(self, endpoint: str, run_id: str, profile: Path, *, min_nodes: int, max_nodes: int,
+                 **conf: str) -> None:
+        self.endpoint, self.run_id, self.profile = endpoint, run_id, profile
+        self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self.conf = {"lease_ttl": str(TTL), "settle": "0.1", "last_call_timeout": "0.3", **conf}
+        self.handlers: list[OobleckRendezvousHandler] = []
+        self.client = connect(EtcdSettings(endpoint=endpoint))
+        self.keys = Keys("/oobleck", run_id)
+
+    def handler(self) -> OobleckRendezvousHandler:
+        params = RendezvousParameters(backend="oobleck", endpoint=self.endpoint, run_id=self.run_id,
+                                      min_nodes=self.min_nodes, max_nodes=self.max_nodes, **self.conf)
+        argv = ["torchrun", "--nproc-per-node=1", "train.py", "--config", str(ROOT / "configs/gpt2-tiny.yaml"),
+                f"planning.profile_path={self.profile}", "planning.device_memory_gb=1.25",
+                "planning.memory_margin=0"]
+        h = OobleckRendezvousHandler(params, argv=argv)
+        self.handlers.append(h)
+        return h
+
+    def start(self, n: int) -> list[dict]:
+        """Start n nodes; each result dict gets 'info' (or 'error') when its rendezvous returns."""
+        results = []
+        for _ in range(n):
+            h, box = self.handler(), {}
+            box["handler"] = h
+
+            def run(h=h, box=box):
+                try:
+                    box["info"] = h.next_rendezvous()
+                except Exception as err:  # noqa: BLE001 - the test inspects it
+                    box["error"] = err
+            box["thread"] = threading.Thread(target=run, daemon=True)
+            box["thread"].start()
+            results.append(box)
+        return results
+
+    def plan(self) -> Optional[Plan]:
+        data, _ = self.client.get_json(self.keys.plan)
+        return Plan.from_json(data) if data is not None else None
+
+    def wait_plan(self, check, timeout: float = 10.0) -> Plan:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            plan = self.plan()
+            if plan is not None and check(plan):
+                return plan
+            time.sleep(0.05)
+        raise AssertionError(f"no plan matching the check within {timeout}s; last: "
+                             f"{self.plan() and self.plan().to_json()}")
+
+    def crash(self, h: OobleckRendezvousHandler) -> None:
+        """What a SIGKILL looks like to etcd: the lease is no longer refreshed, nothing is revoked."""
+        h.leader.stop()
+        h.member.close(revoke=False)
+
+    def events(self) -> list:
+        return [ev for _, ev in read_events(self.client, self.keys)]
+
+    def close(self) -> None:
+        for h in self.handlers:
+            if h.member is not None and not h.member._stop.is_set():
+                h.shutdown()
+        self.client.close()
+
+
+@pytest.fixture
+def cluster_factory(etcd_server, run_id, profile_path):
+    made = []
+
+    def make(**kw) -> Cluster:
+        c = Cluster(etcd_server.endpoint, run_id, profile_path, **kw)
+        made.append(c)
+        return c
+    yield make
+    for c in made:
+        c.close()
+
+
+def join_all(boxes: list[dict], timeout: float = 10.0) -> None:
+    for box in boxes:
+        box["thread"].join(timeout)
+        assert "info" in box, box.get("error", "rendezvous did not return")
+
+
+def test_nodes_rendezvous_then_a_late_node_is_admitted(cluster_factory) -> None:
+    c = cluster_factory(min_nodes=2, max_nodes=4)
+    first = c.start(3)
+    join_all(first)
+    plan = c.plan()
+    assert plan.generation == 1 and plan.nodes == ("node0", "node1", "node2")
+    for box in first:
+        info = box["info"]
+        assert (info.rank, info.world_size) == (0, 1)
+        assert box["handler"].num_nodes_waiting() == 0
+    late = c.start(1)
+    join_all(late)
+    plan = c.plan()
+    assert plan.generation == 2 and set(plan.nodes) == {"node0", "node1", "node2", "node3"}
+    assert all(b["handler"].num_nodes_waiting() == 0 for b in first + late)
+    kinds = [(e.kind, e.node) for e in c.events()]
+    assert kinds.count(("plan", kinds[-1][1])) >= 1
+    assert [e.generation for e in c.events() if e.kind == "plan"] == [1, 2]
+    assert "join: +node3" in [e for e in c.events() if e.kind == "plan"][-1].detail
+
+
+def test_crashed_node_vanishes_within_ttl_and_is_replanned(cluster_factory) -> None:
+    c = cluster_factory(min_nodes=3, max_nodes=3)
+    boxes = c.start(3)
+    join_all(boxes)
+    leader = next(b["handler"] for b in boxes if b["handler"].leader.is_leader.is_set())
+    victim = next(b["handler"] for b in boxes if b["handler"] is not leader)
+    gone = victim.member.node_id
+    t0 = time.monotonic()
+    c.crash(victim)
+    while c.client.get_json(c.keys.node(gone))[0] is not None:
+        time.sleep(0.02)
+        assert time.monotonic() - t0 < TTL + 1.0, "record did not vanish within TTL + 1 s"
+    plan = c.wait_plan(lambda p: gone not in p.nodes, timeout=TTL + 2)
+    assert plan.generation == 2 and len(plan.nodes) == 2
+    lost = [e for e in c.events() if e.kind == "lost"]
+    assert [(e.node, e.generation) for e in lost] == [(gone, 2)]
+
+
+def test_leader_death_elects_a_new_leader_that_publishes(cluster_factory) -> None:
+    c = cluster_factory(min_nodes=3, max_nodes=3)
+    boxes = c.start(3)
+    join_all(boxes)
+    old = next(b["handler"] for b in boxes if b["handler"].leader.is_leader.is_set())
+    dead = old.member.node_id
+    c.crash(old)
+    plan = c.wait_plan(lambda p: dead not in p.nodes, timeout=TTL + 3)
+    new_leaders = [b["handler"] for b in boxes if b["handler"] is not old and b["handler"].leader.is_leader.is_set()]
+    assert len(new_leaders) == 1
+    leader_events = [e.node for e in c.events() if e.kind == "leader"]
+    assert leader_events == [dead, new_leaders[0].member.node_id]
+    plan_by = [e.node for e in c.events() if e.kind == "plan" and e.generation == plan.generation]
+    assert plan_by == [new_leaders[0].member.node_id]
+
+
+def test_kill_agent_drains_a_node(cluster_factory) -> None:
+    c = cluster_factory(min_nodes=3, max_nodes=3)
+    join_all(c.start(3))
+    message = ops.kill_agent(c.client, c.keys, 2)
+    assert message.startswith("node node2 (index 2, host ") and "is draining" in message
+    assert any("draining" in line and "node2" in line for line in ops.agents(c.client, c.keys))
+    plan = c.wait_plan(lambda p: "node2" not in p.nodes)
+    assert plan.nodes == ("node0", "node1")
+    drain = [e for e in c.events() if e.kind == "drain" and e.generation == plan.generation]
+    assert [e.node for e in drain] == ["node2"]
+    with pytest.raises(ops.OpsError, match=r"no live node with index 7 in run '.*' \(live: 0, 1, 2\)"):
+        ops.kill_agent(c.client, c.keys, 7)
+
+
+def test_nodes_beyond_max_wait_as_spares(cluster_factory) -> None:
+    c = cluster_factory(min_nodes=2, max_nodes=2)
+    boxes = c.start(2)
+    join_all(boxes)
+    spare = c.start(1)[0]
+    time.sleep(1.0)
+    assert "info" not in spare and c.plan().nodes == ("node0", "node1")
+    c.crash(boxes[0]["handler"] if not boxes[0]["handler"].leader.is_leader.is_set() else boxes[1]["handler"])
+    spare["thread"].join(TTL + 5)
+    assert "info" in spare and "node2" in c.plan().nodes
+
+
+def test_below_n0_waits_with_one_log_line(cluster_factory, caplog) -> None:
+    c = cluster_factory(min_nodes=1, max_nodes=4)
+    caplog.set_level(logging.WARNING, logger="oobleck_elastic.rendezvous.leader")
+    first = c.start(1)
+    time.sleep(1.0)
+    assert "info" not in first[0] and c.plan() is None
+    waiting = [r for r in caplog.records if "cannot plan generation 1 with 1 node(s)" in r.getMessage()]
+    assert len(waiting) == 1
+    assert "at least n0=2" in waiting[0].getMessage()
+    assert [e.kind for e in c.events()].count("waiting") == 1
+    second = c.start(1)
+    join_all(first + second)
+    assert c.plan().nodes == ("node0", "node1")
+
+
+def test_malformed_values_are_ignored_with_a_warning(cluster_factory, caplog) -> None:
+    c = cluster_factory(min_nodes=2, max_nodes=4)
+    caplog.set_level(logging.WARNING)
+    c.client.raw.put(c.keys.node("node99"), b"{not json")
+    c.client.raw.put(c.keys.node("node98"), json.dumps({"schema_version": 1, "node_id": "node98"}))
+    join_all(c.start(2))
+    assert c.plan().nodes == ("node0", "node1")
+    text = caplog.text
+    assert "ignoring malformed JSON in etcd key /oobleck/" in text and "node99" in text
+    assert "ignoring malformed node record /oobleck/" in text and "node98" in text
+    assert any("node99" not in line for line in ops.agents(c.client, c.keys))
+
+
+def test_status_and_events_commands(cluster_factory) -> None:
+    c = cluster_factory(min_nodes=2, max_nodes=2)
+    join_all(c.start(2))
+    c.client.put_json(c.keys.progress, {"generation": 1, "step": 7, "time": time.time()})
+    lines = ops.status(c.client, c.keys)
+    assert lines[0].startswith(f"run {c.run_id}: 2 live node(s), leader node")
+    assert lines[1].startswith("generation 1: 2 node(s), ")
+    assert lines[-1].startswith("step 7 (generation 1, ")
+    out: list[str] = []
+    ops.events(c.client, c.keys, out=out.append)
+    kinds = [line.split()[1] for line in out]
+    assert sorted(kinds[:3]) == ["join", "join", "leader"] and kinds[3:] == ["plan"]
+    assert "generation 1: 2 node(s), 1 pipeline(s)" in out[-1] or "generation 1: 2 node(s), 2 pipeline(s)" in out[-1]
+
+
+def test_connection_errors_are_clear(etcd_server, run_id, tmp_path) -> None:
+    with pytest.raises(EtcdError, match="^etcd TLS setting cacert=/nope.pem: file does not exist$"):
+        connect(EtcdSettings(endpoint=etcd_server.endpoint, cacert="/nope.pem"))
+    with pytest.raises(EtcdError, match="^etcd TLS settings cert and key must be given together"):
+        connect(EtcdSettings(endpoint=etcd_server.endpoint, cacert=__file__, cert=__file__))
+    import argparse
+    args = argparse.Namespace(endpoint=etcd_server.endpoint, run_id="no-such-run", key_prefix="/oobleck",
+                              cacert=None, cert=None, key=None, user=None, password=None)
+    with pytest.raises(ops.OpsError, match="^run 'no-such-run' not found at 127.0.0.1:"):
+        ops.open_run(args)
+
+
+def test_unknown_rdzv_conf_option_is_refused(etcd_server, run_id, profile_path) -> None:
+    params = RendezvousParameters(backend="oobleck", endpoint=etcd_server.endpoint, run_id=run_id, min_nodes=1,
+                                  max_nodes=1, lease_tll="3")
+    with pytest.raises(ValueError, match=r"unknown --rdzv-conf option\(s\) \['lease_tll'\]"):
+        OobleckRendezvousHandler(params, argv=["torchrun", "train.py", "--config",
+                                               str(ROOT / "configs/gpt2-tiny.yaml")])
