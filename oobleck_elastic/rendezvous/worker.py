@@ -1,0 +1,77 @@
+"""What a worker process sees of the control plane.
+
+torchrun starts workers with the agent's environment, in which the oobleck handler put the etcd
+settings, run id, key prefix and node id (`OOBLECK_*`). `WorkerContext.from_env()` reconnects
+to etcd from there; the worker then reads plans (never RANK/WORLD_SIZE, which torchrun sets for
+a node-local world), finds its stage, reports progress and learns when to leave:
+its node was drained (it is no longer in the plan and its record says draining) or the job
+was closed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..etcd import EtcdClient, EtcdSettings, connect
+from ..planning import PipelineSpec, Plan, StagePlacement
+from .keys import Keys, NodeRecord
+from .leader import _parse_plan
+
+
+@dataclass
+class WorkerContext:
+    client: EtcdClient
+    """Connected etcd client."""
+    keys: Keys
+    """Key layout of the run."""
+    node_id: str
+    """This worker's node."""
+    local_rank: int
+    """Device index on the node."""
+
+    @classmethod
+    def from_env(cls, environ: Optional[dict[str, str]] = None) -> "WorkerContext":
+        env = dict(os.environ if environ is None else environ)
+        settings = EtcdSettings.from_env(env)
+        return cls(client=connect(settings), keys=Keys(env.get("OOBLECK_KEY_PREFIX", "/oobleck"),
+                                                       env["OOBLECK_RUN_ID"]),
+                   node_id=env["OOBLECK_NODE_ID"], local_rank=int(env.get("LOCAL_RANK", "0")))
+
+    def plan(self) -> Optional[Plan]:
+        data, _ = self.client.get_json(self.keys.plan)
+        return _parse_plan(data)
+
+    def my_stage(self, plan: Plan) -> Optional[tuple[PipelineSpec, StagePlacement]]:
+        for p in plan.pipelines:
+            for s in p.stages:
+                if s.node == self.node_id and s.local_rank == self.local_rank:
+                    return p, s
+        return None
+
+    def record(self) -> Optional[NodeRecord]:
+        data, _ = self.client.get_json(self.keys.node(self.node_id))
+        return NodeRecord.parse(data, key=self.keys.node(self.node_id)) if data is not None else None
+
+    def should_leave(self, plan: Optional[Plan]) -> Optional[str]:
+        """Why this worker must exit 0 now, or None: the job is closed, or the node was drained."""
+        if self.client.get_json(self.keys.closed)[0] is not None:
+            return "the job is closed"
+        if plan is not None and self.node_id not in plan.nodes:
+            rec = self.record()
+            if rec is not None and rec.state == "draining":
+                return f"node {self.node_id} was drained"
+        return None
+
+    def report_progress(self, *, generation: int, step: int, **extra: Any) -> None:
+        self.client.put_json(self.keys.progress, {"generation": generation, "step": step, "time": time.time(),
+                                                  "node": self.node_id, **extra})
+
+    def progress(self) -> Optional[dict[str, Any]]:
+        data, _ = self.client.get_json(self.keys.progress)
+        return data if isinstance(data, dict) else None
+
+    def close_job(self, reason: str) -> None:
+        self.client.put_json(self.keys.closed, {"time": time.time(), "reason": reason})
