@@ -83,12 +83,15 @@ def _port_is_free(host: str, port: int) -> bool:
 
 
 def _tail(path: Optional[str], lines: int = 15) -> str:
+    """The last lines of a log; for a flag error, the text before etcd's usage dump instead."""
     if not path or not os.path.exists(path):
         return "(no log)"
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - 16384))
+        f.seek(max(0, f.tell() - 65536))
         text = f.read().decode(errors="replace").strip()
+    if "\nUsage:" in text:  # etcd rejected its command line and printed the usage text after the reason
+        text = text[:text.index("\nUsage:")]
     return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
 
 
