@@ -1,0 +1,372 @@
+"""Training data: an offline text corpus, a tokenizer, a cached token file and per-step batches.
+
+Mechanism, in the order the data flows:
+
+1. **Corpus** (`corpus_files`). `data.source=stdlib` uses the CPython standard library's own
+   `.py` files (found with `sysconfig.get_paths()["stdlib"]`, so every machine with the same
+   Python patch version has the same corpus) minus the `test`/`tests`/`idlelib`/`lib2to3`/
+   `site-packages` trees; `data.source=files` uses the files and directories in `data.paths`
+   (directories recursively, hidden entries and binary files skipped). Files are sorted by path
+   and read in that order; `max_bytes` caps the corpus (whole files are kept while they fit,
+   the last one is cut) so tests and demos stay fast. Each file is one document.
+2. **Tokenizer**. `bytes`: token = byte (vocab 256, no training). `bpe`: a byte-level BPE
+   trained with the `tokenizers` package on the corpus to `model.vocab_size` tokens (one
+   `<|endoftext|>` special token closes every document), saved as one JSON file in
+   `<cache_dir>/tokenizers/<key>.json` and reused when present. The key hashes the corpus file
+   list, their sizes, the byte cap and the vocab size.
+3. **Token cache**. The tokenised corpus is one flat numpy array (uint16, or uint32 for a vocab
+   over 65536) in `<cache_dir>/tokens/<key>.npy`, memory-mapped when read. Every cache file is
+   written to a temporary name in the same directory, fsynced and renamed, so workers that race
+   to build the same cache never see a partial file.
+4. **Samples** (`TokenWindows`). Sample i is the window `tokens[i*L : i*L + L + 1]`; its input
+   is the first L tokens and its labels the last L (the next token at every position).
+5. **Batches**. `GlobalBatchSampler.indices(step)` is the global batch of one optimizer step, a
+   function of (seed, step) alone: epoch e is a permutation drawn from a generator seeded with
+   `stable_seed(seed, "data-epoch", e)`, the incomplete tail of every epoch is dropped and step s
+   takes the s-th consecutive block of `global_batch_size` samples. A job that re-plans (or
+   resumes from a checkpoint) at step s therefore continues with exactly the samples it would
+   have seen. `pipeline_slices` splits that global batch between the pipelines of a plan in
+   proportion to their microbatches, contiguously and in pipeline order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from ..config import JobConfig
+from ..models.build import stable_seed
+
+__all__ = ["DataError", "STDLIB_MAX_BYTES", "STDLIB_EXCLUDE", "EOT_TOKEN", "corpus_files",
+           "read_corpus", "load_or_train_bpe", "tokenize_corpus", "TokenWindows", "build_dataset",
+           "GlobalBatchSampler", "pipeline_slices", "collate"]
+
+STDLIB_MAX_BYTES = 8 * 1024 * 1024
+"""Default corpus cap for source=stdlib (the whole stdlib is ~12 MB)."""
+STDLIB_EXCLUDE = frozenset({"test", "tests", "idlelib", "idle_test", "lib2to3", "site-packages",
+                            "dist-packages", "__pycache__"})
+"""Directory names skipped when collecting the stdlib corpus."""
+EOT_TOKEN = "<|endoftext|>"
+"""The BPE special token appended to every document."""
+
+Log = Callable[[str], None]
+
+
+class DataError(ValueError):
+    """A data problem, with a message that names the file or key and what to change."""
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+def _is_binary(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return b"\0" in fh.read(8192)
+
+
+def _walk(root: Path) -> list[Path]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        out.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
+    return out
+
+
+def corpus_files(source: str, paths: Sequence[str] = ()) -> list[Path]:
+    """The corpus files of `source` (`stdlib` or `files`), sorted by path."""
+    if source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = [p for p in root.rglob("*.py")
+                 if not STDLIB_EXCLUDE.intersection(p.relative_to(root).parts[:-1])]
+        if not files:
+            raise DataError(f"data.source=stdlib: no .py files under '{root}' (the Python "
+                            "standard library); use data.source=files with data.paths")
+        return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    if source != "files":
+        raise DataError(f"data.source is '{source}'; choose stdlib or files")
+    if not paths:
+        raise DataError("data.source is files but data.paths is empty: list text files or "
+                        "directories in data.paths")
+    found: set[Path] = set()
+    for entry in paths:
+        p = Path(entry).expanduser()
+        if not p.exists():
+            raise DataError(f"data.paths entry '{entry}' does not exist: fix the path or "
+                            "remove it from data.paths")
+        if p.is_dir():
+            found.update(f.resolve() for f in _walk(p) if f.is_file() and not _is_binary(f))
+        else:
+            found.add(p.resolve())
+    files = sorted(f for f in found if f.stat().st_size > 0)
+    if not files:
+        raise DataError(f"data.paths {list(paths)} contain no non-empty text files: add text "
+                        "files (binary and hidden files are skipped in directories)")
+    return files
+
+
+def _capped(files: Sequence[Path], max_bytes: int | None) -> list[tuple[Path, int]]:
+    """(file, bytes to read) for the files that fit under `max_bytes` (None/0 = no cap)."""
+    out, total = [], 0
+    for f in files:
+        size = f.stat().st_size
+        if max_bytes and total + size > max_bytes:
+            if max_bytes - total > 0:
+                out.append((f, max_bytes - total))
+            break
+        out.append((f, size))
+        total += size
+    return out
+
+
+def read_corpus(parts: Sequence[tuple[Path, int]]) -> list[bytes]:
+    """The documents: the first n bytes of every (file, n)."""
+    docs = []
+    for f, n in parts:
+        with open(f, "rb") as fh:
+            docs.append(fh.read(n))
+    return docs
+
+
+def _corpus_key(parts: Sequence[tuple[Path, int]], *extra: object) -> str:
+    h = hashlib.sha256()
+    for f, n in parts:
+        h.update(f"{f.as_posix()}\0{n}\n".encode())
+    h.update(json.dumps([str(e) for e in extra]).encode())
+    return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+
+def _atomic_write(path: Path, write: Callable[[object], None]) -> None:
+    """Call write(fileobj) on a temp file next to `path`, fsync it and rename it to `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+def _train_bpe(texts: list[str], vocab_size: int):  # -> tokenizers.Tokenizer
+    """Train a byte-level BPE (the slow part; tests monkeypatch it to check the cache)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2,
+                            special_tokens=[EOT_TOKEN], show_progress=False)
+    return tok._tokenizer
+
+
+def load_or_train_bpe(docs: Sequence[bytes], *, vocab_size: int, path: Path, log: Log = print):
+    """The BPE tokenizer cached at `path`, trained on `docs` first when the file is missing."""
+    from tokenizers import Tokenizer
+
+    if path.is_file():
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception
+            raise DataError(f"tokenizer cache '{path}' is unreadable ({err}); delete it to "
+                            "retrain") from None
+    if vocab_size <= 256:
+        raise DataError(f"model.vocab_size ({vocab_size}) is too small for data.tokenizer=bpe: "
+                        "a byte-level BPE needs 256 byte tokens plus merges and <|endoftext|>; "
+                        "raise model.vocab_size (e.g. 4096) or use data.tokenizer=bytes")
+    t0 = time.perf_counter()
+    log(f"data: training a byte-level BPE tokenizer (vocab {vocab_size}) on "
+        f"{sum(map(len, docs)) / 1e6:.1f} MB")
+    tok = _train_bpe([d.decode("utf-8", errors="replace") for d in docs], vocab_size)
+    blob = tok.to_str().encode()
+    _atomic_write(path, lambda fh: fh.write(blob))
+    log(f"data: tokenizer trained in {time.perf_counter() - t0:.1f} s "
+        f"({tok.get_vocab_size()} tokens) -> {path}")
+    return tok
+
+
+def _dtype(vocab_size: int) -> type:
+    return np.uint16 if vocab_size <= 65536 else np.uint32
+
+
+def tokenize_corpus(docs: Sequence[bytes], *, tokenizer: str, vocab_size: int, tok=None,
+                    log: Log = print, batch_docs: int = 256) -> np.ndarray:
+    """The flat token array: bytes as they are, or BPE ids with <|endoftext|> after each doc."""
+    if tokenizer == "bytes":
+        return np.frombuffer(b"".join(docs), dtype=np.uint8).astype(np.uint16)
+    if tok is None:
+        raise ValueError("tokenize_corpus: tokenizer=bpe needs tok=")
+    eot = tok.token_to_id(EOT_TOKEN)
+    chunks: list[np.ndarray] = []
+    t0, last = time.perf_counter(), time.perf_counter()
+    for start in range(0, len(docs), batch_docs):
+        texts = [d.decode("utf-8", errors="replace") for d in docs[start:start + batch_docs]]
+        for enc in tok.encode_batch(texts, add_special_tokens=False):
+            chunks.append(np.asarray(enc.ids + [eot], dtype=np.int64))
+        if time.perf_counter() - last > 5.0:
+            last = time.perf_counter()
+            log(f"data: tokenised {min(start + batch_docs, len(docs))}/{len(docs)} documents "
+                f"({time.perf_counter() - t0:.0f} s)")
+    flat = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+    if flat.size and int(flat.max()) >= vocab_size:
+        raise DataError(f"tokenizer produced id {int(flat.max())} >= model.vocab_size "
+                        f"({vocab_size}); delete the tokenizer cache or raise model.vocab_size")
+    return flat.astype(_dtype(vocab_size))
+
+
+# ----------------------------------------------------------------------------- dataset
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Fixed windows over a flat token array: item i = (input_ids, labels), labels = next tokens."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, *, vocab_size: int | None = None,
+                 source: str | None = None) -> None:
+        if seq_len < 1:
+            raise DataError(f"data.seq_len must be >= 1 (got {seq_len})")
+        self.tokens, self.seq_len = tokens, int(seq_len)
+        self.vocab_size, self.source = vocab_size, source
+        self._n = max(0, (len(tokens) - 1) // self.seq_len)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = int(i)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"sample {i} is out of range: the dataset has {self._n} windows")
+        start = i * self.seq_len
+        window = torch.from_numpy(np.asarray(self.tokens[start:start + self.seq_len + 1],
+                                             dtype=np.int64))
+        return window[:-1], window[1:]
+
+    def __repr__(self) -> str:
+        return (f"TokenWindows({self._n} windows of {self.seq_len} tokens, "
+                f"{len(self.tokens)} tokens, source={self.source})")
+
+
+def _load_tokens(path: Path) -> np.ndarray:
+    try:
+        return np.load(path, mmap_mode="r")
+    except (ValueError, OSError) as err:
+        raise DataError(f"token cache '{path}' is unreadable ({err}); delete it to rebuild") from None
+
+
+def build_dataset(cfg: JobConfig, *, log: Log = print, max_bytes: int | None = None) -> TokenWindows:
+    """The training windows of a job, building (or reusing) the tokenizer and token caches.
+
+    `max_bytes` caps the corpus; None = `STDLIB_MAX_BYTES` for source=stdlib and no cap for
+    source=files; 0 = no cap.
+    """
+    d, vocab = cfg.data, cfg.model.vocab_size
+    if d.tokenizer == "bytes" and vocab < 256:
+        raise DataError(f"model.vocab_size ({vocab}) is below 256 but data.tokenizer=bytes "
+                        "needs one token per byte value: set model.vocab_size=256 (or more)")
+    if d.tokenizer not in ("bytes", "bpe"):
+        raise DataError(f"data.tokenizer is '{d.tokenizer}'; choose bytes or bpe")
+    if max_bytes is None:
+        max_bytes = STDLIB_MAX_BYTES if d.source == "stdlib" else 0
+    parts = _capped(corpus_files(d.source, d.paths), max_bytes)
+    total = sum(n for _, n in parts)
+    cache = Path(d.cache_dir).expanduser()
+    tok_key = _corpus_key(parts, "bpe", vocab)
+    data_key = _corpus_key(parts, d.tokenizer, vocab)
+    tok_path = cache / "tokenizers" / f"{tok_key}.json"
+    token_path = cache / "tokens" / f"{data_key}.npy"
+    if token_path.is_file() and (d.tokenizer == "bytes" or tok_path.is_file()):
+        tokens = _load_tokens(token_path)
+        log(f"data: {len(parts)} {d.source} files, {total / 1e6:.1f} MB, {len(tokens)} tokens "
+            f"(cached {token_path})")
+    else:
+        t0 = time.perf_counter()
+        log(f"data: reading {len(parts)} {d.source} files ({total / 1e6:.1f} MB)")
+        docs = read_corpus(parts)
+        tok = (load_or_train_bpe(docs, vocab_size=vocab, path=tok_path, log=log)
+               if d.tokenizer == "bpe" else None)
+        flat = tokenize_corpus(docs, tokenizer=d.tokenizer, vocab_size=vocab, tok=tok, log=log)
+        _atomic_write(token_path, lambda fh: np.save(fh, flat, allow_pickle=False))
+        tokens = _load_tokens(token_path)
+        log(f"data: {len(tokens)} tokens cached in {time.perf_counter() - t0:.1f} s -> {token_path}")
+    ds = TokenWindows(tokens, d.seq_len, vocab_size=vocab, source=d.source)
+    if len(ds) == 0:
+        raise DataError(f"the corpus has {len(tokens)} tokens, fewer than one window of "
+                        f"data.seq_len+1 = {d.seq_len + 1}: add data or lower data.seq_len")
+    return ds
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+class GlobalBatchSampler:
+    """The global batch of every optimizer step, a function of (seed, step) only."""
+
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int) -> None:
+        if global_batch_size < 1:
+            raise DataError(f"training.global_batch_size must be >= 1 (got {global_batch_size})")
+        if num_samples < global_batch_size:
+            raise DataError(f"the dataset has {num_samples} samples, fewer than one global batch "
+                            f"(training.global_batch_size={global_batch_size}): add data "
+                            "(data.paths), lower data.seq_len or lower training.global_batch_size")
+        self.num_samples, self.global_batch_size, self.seed = num_samples, global_batch_size, seed
+        self.steps_per_epoch = num_samples // global_batch_size
+        self._cached: tuple[int, torch.Tensor] | None = None
+
+    def epoch_permutation(self, epoch: int) -> torch.Tensor:
+        """The sample order of one epoch."""
+        if self._cached is None or self._cached[0] != epoch:
+            gen = torch.Generator().manual_seed(stable_seed(self.seed, "data-epoch", epoch))
+            self._cached = (epoch, torch.randperm(self.num_samples, generator=gen))
+        return self._cached[1]
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def indices(self, step: int) -> list[int]:
+        """Sample indices of the global batch of optimizer step `step` (0-based)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0 (got {step})")
+        epoch, block = divmod(step, self.steps_per_epoch)
+        start = block * self.global_batch_size
+        return self.epoch_permutation(epoch)[start:start + self.global_batch_size].tolist()
+
+
+def pipeline_slices(plan_microbatches: Sequence[int], microbatch_size: int) -> list[tuple[int, int]]:
+    """Each pipeline's contiguous [start, end) share of the global batch, in pipeline order.
+
+    Pipeline p gets microbatch_size * b_p samples starting at microbatch_size * sum(b_q, q < p).
+    """
+    if microbatch_size < 1:
+        raise ValueError(f"microbatch_size must be >= 1 (got {microbatch_size})")
+    bad = [b for b in plan_microbatches if b < 0]
+    if bad:
+        raise ValueError(f"microbatch counts must be >= 0 (got {list(plan_microbatches)})")
+    out, cursor = [], 0
+    for b in plan_microbatches:
+        out.append((cursor, cursor + microbatch_size * int(b)))
+        cursor += microbatch_size * int(b)
+    return out
+
+
+def collate(dataset: TokenWindows, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack samples into (input_ids [n, seq_len], labels [n, seq_len]) int64 tensors."""
+    pairs = [dataset[i] for i in indices]
+    if not pairs:
+        empty = torch.zeros(0, dataset.seq_len, dtype=torch.int64)
+        return empty, empty.clone()
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])

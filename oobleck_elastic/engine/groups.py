@@ -1,0 +1,144 @@
+"""Process groups of one generation and the exact cross-replica gradient sync.
+
+For a plan, every layer is held by exactly one stage of every pipeline; pipelines of different
+templates cut the layers differently, so the set of ranks holding layer l ("its holders")
+differs from layer to layer. Gradients are SUM-reduced among exactly the holders of each layer
+(the loss is already divided by the global token count, so a sum is the global gradient).
+Layers with the same holder set share one process group and one flat bucket. Tied parameters
+(GPT-2's wte = lm_head) live in the first AND last stage of every pipeline; they are left out of
+the per-layer buckets and summed over the union of their holders, each rank contributing its
+local copy once (a rank holding both ends shares one Parameter, whose gradient already has both
+contributions).
+
+`torch.distributed.new_group` must be called by every rank, in the same order, for every group;
+`GenerationGroups` does that for the pipeline groups, the holder-set groups and the tied groups,
+always with an explicit timeout (new_group does not inherit init_process_group's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models import LayerModel
+from ..planning import Plan
+
+
+@dataclass(frozen=True)
+class Holders:
+    """Who holds what in a plan (pure data, no process groups)."""
+
+    layer: dict[int, tuple[int, ...]]
+    """Layer index -> sorted ranks holding it (one per pipeline)."""
+    tied: list[tuple[tuple[tuple[int, str], ...], tuple[int, ...]]]
+    """Per tied group: its (layer, param name) members and the sorted ranks holding any member."""
+
+    @classmethod
+    def of(cls, plan: Plan, layer_model: LayerModel) -> "Holders":
+        layer = {i: tuple(sorted(plan.holders(i))) for i in range(plan.num_layers)}
+        tied = []
+        for group in layer_model.tied:
+            members = tuple(group.members)
+            ranks = sorted({r for li, _ in members for r in layer[li]})
+            tied.append((members, tuple(ranks)))
+        return cls(layer=layer, tied=tied)
+
+    def group_sets(self) -> list[tuple[int, ...]]:
+        """Every rank set that needs a group, in one canonical order (by first layer)."""
+        seen: list[tuple[int, ...]] = []
+        for i in sorted(self.layer):
+            if self.layer[i] not in seen:
+                seen.append(self.layer[i])
+        for _, ranks in self.tied:
+            if ranks not in seen:
+                seen.append(ranks)
+        return [s for s in seen if len(s) > 1]
+
+
+class GenerationGroups:
+    """The process groups one worker uses in one generation."""
+
+    def __init__(self, plan: Plan, holders: Holders, *, rank: int, timeout: timedelta) -> None:
+        self.plan, self.holders, self.rank = plan, holders, rank
+        self.pipeline_group: Optional[dist.ProcessGroup] = None
+        for p in plan.pipelines:  # every rank creates every pipeline group, in order
+            ranks = [s.rank for s in p.stages]
+            g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+            if rank in ranks:
+                self.pipeline_group = g
+        self.sets: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for ranks in holders.group_sets():
+            g = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks:
+                self.sets[ranks] = g
+
+
+def _params_of(module: nn.Module, exclude: set[int]) -> list[torch.Tensor]:
+    return [p for p in module.parameters() if id(p) not in exclude and p.requires_grad]
+
+
+class GradSync:
+    """Buckets this rank's gradients by holder set and all-reduces them (SUM)."""
+
+    def __init__(self, groups: GenerationGroups, layer_model: LayerModel, owned: Iterable[int]) -> None:
+        self.groups = groups
+        self.owned = sorted(owned)
+        holders = groups.holders
+        tied_ids: set[int] = set()
+        self.tied: list[tuple[list[torch.Tensor], tuple[int, ...]]] = []
+        for members, ranks in holders.tied:
+            params = {}
+            for li, name in members:
+                layer = layer_model.layers[li]
+                if li in self.owned and layer is not None:
+                    p = layer.get_parameter(name)
+                    params[id(p)] = p
+            tied_ids |= set(params)
+            if params:
+                self.tied.append((list(params.values()), ranks))
+        buckets: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        for li in self.owned:
+            layer = layer_model.layers[li]
+            assert layer is not None, f"layer {li} is not built on rank {groups.rank}"
+            buckets.setdefault(holders.layer[li], []).extend(_params_of(layer, tied_ids))
+        order = {s: i for i, s in enumerate(holders.group_sets())}
+        self.buckets = sorted(buckets.items(), key=lambda kv: order.get(kv[0], -1))
+        self.tied_ids = tied_ids
+
+    def all_reduce(self) -> None:
+        work = []
+        for ranks, params in self.buckets + [(r, ps) for ps, r in self.tied]:
+            if len(ranks) < 2:
+                continue
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            work.append((params, flat, dist.all_reduce(flat, group=self.groups.sets[ranks], async_op=True)))
+        for params, flat, handle in work:
+            handle.wait()
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad = flat[offset:offset + n].view_as(p).clone()
+                offset += n
+
+    def norm_squared(self) -> torch.Tensor:
+        """Sum of squared gradients of the parameters this rank is the primary holder of, so that
+        an all-reduce over the world counts every parameter of the model exactly once."""
+        total = torch.zeros((), dtype=torch.float64)
+        me = self.groups.rank
+        for ranks, params in self.buckets:
+            if ranks[0] == me:
+                for p in params:
+                    if p.grad is not None:
+                        total += p.grad.detach().double().pow(2).sum()
+        for params, ranks in self.tied:
+            if ranks[0] == me:
+                for p in params:
+                    if p.grad is not None:
+                        total += p.grad.detach().double().pow(2).sum()
+        return total
