@@ -1,7 +1,8 @@
 """Invariant 1: any plan gives the same weights after k steps as one process on the same global
 batches (1e-5 relative, fp32), for one pipeline, two pipelines of different lengths, and three
-pipelines with unequal microbatch counts and tied weights split across stages. Four gloo ranks
-run the three plans one after another, re-initialising the process group between them."""
+pipelines with unequal microbatch counts and tied weights split across stages; and the same after
+2 steps on one plan, a checkpoint (weights + AdamW state), and the last step on another plan.
+Four gloo ranks run everything one after another, re-initialising the process group each time."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
+from oobleck_elastic.engine import state
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
 
@@ -84,6 +86,21 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
         torch.save({f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
                    os.path.join(tmp, f"plan{k}-rank{rank}.pt"))
         trainer.close()
+    # resume under another plan: 2 steps on plan 1, checkpoint, 1 more step on plan 2
+    ckpt_dir = os.path.join(tmp, "ckpt")
+    for k, (plan, steps) in enumerate([(PLANS[1], range(0, 2)), (PLANS[2], range(2, STEPS))]):
+        store = dist.FileStore(os.path.join(tmp, f"resume{k}"), world)
+        trainer = Trainer(cfg, dataset=RandomTokens(), plan=plan, rank=rank, store=store)
+        if k == 1:
+            assert state.restore(trainer, os.path.join(ckpt_dir, "step-00000002")) == 2
+        for step in steps:
+            trainer.train_step(step)
+        if k == 0:
+            state.save(trainer, ckpt_dir, next_step=2)
+        else:
+            torch.save({f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
+                       os.path.join(tmp, f"resumed-rank{rank}.pt"))
+        trainer.close()
 
 
 def reference_state(cfg) -> dict[str, torch.Tensor]:
@@ -98,10 +115,10 @@ def test_three_plans_match_the_single_process_reference(tmp_path: Path) -> None:
     cfg = config()
     ref = reference_state(cfg)
     mp.spawn(_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4, join=True)
-    for k in range(len(PLANS)):
+    for k, name in [(0, "plan0"), (1, "plan1"), (2, "plan2"), ("resume", "resumed")]:
         merged: dict[str, list[torch.Tensor]] = {}
         for rank in range(4):
-            for key, t in torch.load(tmp_path / f"plan{k}-rank{rank}.pt", weights_only=True).items():
+            for key, t in torch.load(tmp_path / f"{name}-rank{rank}.pt", weights_only=True).items():
                 merged.setdefault(key, []).append(t)
         assert set(merged) == set(ref), f"plan {k}: parameters missing"
         for key, copies in merged.items():

@@ -1,0 +1,36 @@
+"""Train a causal LM with oobleck_elastic.
+
+    python examples/train.py --config configs/gpt2-tiny.yaml [key=value ...]
+        one process, no etcd: the reference run
+    torchrun --rdzv-backend=oobleck --rdzv-endpoint=HOST:2379 --rdzv-id=JOB --nnodes=2:4 \\
+             --nproc-per-node=1 examples/train.py --config configs/gpt2-tiny.yaml
+        one worker of a job: pipelines and replicas come from the plan in etcd
+    python -m launcher.local --nodes 4 -- examples/train.py --config configs/gpt2-tiny.yaml
+        a local multi-node simulation with an embedded etcd
+"""
+
+import argparse
+import sys
+
+from oobleck_elastic.config import ConfigError, load_config
+from oobleck_elastic.engine.run import train, under_oobleck
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="job YAML (see configs/)")
+    ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. training.steps=10")
+    args = ap.parse_args()
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"train.py: error: {err}", file=sys.stderr)
+        return 2
+    summary = train(cfg)
+    if summary.tensorboard or not under_oobleck():
+        print("\n".join(summary.lines()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Metrics: one TensorBoard writer per job and progress lines that say generation, step and node.
+
+Only the worker holding rank 0 of the current generation (or the single process) writes, so a
+job has one event stream. Scalars per step: `train/loss`, `train/samples_per_s`,
+`train/tokens_per_s`, `train/step_time_s`, `train/lr`, `train/grad_norm`, `cluster/nodes`,
+`cluster/pipelines`, `cluster/generation`; at every generation a text entry `plan` with the plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..planning import Plan
+from .trainer import StepResult
+
+log = logging.getLogger("oobleck_elastic.train")
+
+
+def describe_plan(plan: Optional[Plan]) -> str:
+    if plan is None:
+        return "single process: every layer in one stage"
+    lines = [f"generation {plan.generation}: {len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
+             f"{plan.world_size} worker(s)"]
+    for p in plan.pipelines:
+        stages = ", ".join(f"[{s.start},{s.end})@{s.node}:{s.local_rank}" for s in p.stages)
+        lines.append(f"pipeline {p.index}: {p.microbatches} microbatches; {stages}")
+    return "\n".join(lines)
+
+
+class Metrics:
+    def __init__(self, log_dir: str | Path, *, enabled: bool, samples_per_step: int, tokens_per_step: int,
+                 total_steps: int, log_interval: int = 1, node: str = "local") -> None:
+        self.enabled, self.samples, self.tokens = enabled, samples_per_step, tokens_per_step
+        self.total, self.interval, self.node = total_steps, max(1, log_interval), node
+        self.writer = None
+        self.log_dir = Path(log_dir)
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.log_dir))
+        self._t0 = time.monotonic()
+
+    def plan(self, plan: Optional[Plan], step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_text("plan", describe_plan(plan).replace("\n", "  \n"), step)
+
+    def step(self, result: StepResult, *, lr: float, plan: Optional[Plan]) -> None:
+        if not self.enabled:
+            return
+        s = result.step
+        sps = self.samples / result.seconds if result.seconds > 0 else 0.0
+        w = self.writer
+        assert w is not None
+        w.add_scalar("train/loss", result.loss, s)
+        w.add_scalar("train/samples_per_s", sps, s)
+        w.add_scalar("train/tokens_per_s", self.tokens / result.seconds if result.seconds > 0 else 0.0, s)
+        w.add_scalar("train/step_time_s", result.seconds, s)
+        w.add_scalar("train/lr", lr, s)
+        w.add_scalar("train/grad_norm", result.grad_norm, s)
+        w.add_scalar("cluster/nodes", len(plan.nodes) if plan else 1, s)
+        w.add_scalar("cluster/pipelines", len(plan.pipelines) if plan else 1, s)
+        w.add_scalar("cluster/generation", plan.generation if plan else 0, s)
+        if (s + 1) % self.interval == 0 or s + 1 == self.total:
+            gen = plan.generation if plan else 0
+            log.info("gen %d step %d/%d node %s: loss %.4f, %.1f samples/s, %.3f s/step", gen, s + 1, self.total,
+                     self.node, result.loss, sps, result.seconds)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()

@@ -1,0 +1,89 @@
+"""examples/train.py end to end: the single-process run writes TensorBoard events and checkpoints
+and resumes; under torchrun (launcher.local, real etcd) a 3-stage pipeline over three nodes ends
+with the same weights as the single-process run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from oobleck_elastic.checkpoint import latest_checkpoint, load_model_state, read_manifest
+from oobleck_elastic.config import load_config
+from oobleck_elastic.engine.run import train
+from oobleck_elastic.planning import LayerProfile, ModelProfile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def overrides(tmp: Path, steps: int) -> list[str]:
+    return [f"training.steps={steps}", "data.seq_len=32", "training.global_batch_size=12", "training.microbatch_size=2",
+            "training.optimizer.eps=1e-6",  # see tests/test_engine.py: zero-gradient biases under AdamW
+            f"data.cache_dir={tmp / 'cache'}", f"checkpoint.dir={tmp / 'ckpt'}",
+            f"logging.tensorboard_dir={tmp / 'runs'}"]
+
+
+def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path) -> None:
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path, 3))
+    summary = train(cfg, max_bytes=300_000)
+    assert summary.final_step == 3 and summary.resumed_from is None
+    ea = EventAccumulator(str(tmp_path / "runs" / "gpt2-tiny"), size_guidance={"scalars": 0, "tensors": 0})
+    ea.Reload()
+    tags = set(ea.Tags()["scalars"])
+    assert tags >= {"train/loss", "train/samples_per_s", "train/tokens_per_s", "train/step_time_s", "cluster/nodes",
+                    "cluster/pipelines", "cluster/generation"}
+    loss = ea.Scalars("train/loss")
+    assert [e.step for e in loss] == [0, 1, 2]
+    assert loss[0].value == pytest.approx(summary.first_loss) and loss[-1].value == pytest.approx(summary.last_loss)
+    assert [e.value for e in ea.Scalars("cluster/nodes")] == [1, 1, 1]
+    text = ea.Tensors("plan/text_summary")[0]
+    assert text.step == 0 and "single process" in text.tensor_proto.string_val[0].decode()
+    assert read_manifest(latest_checkpoint(tmp_path / "ckpt"))["step"] == 3
+
+    cfg5 = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path, 5))
+    resumed = train(cfg5, max_bytes=300_000)
+    assert resumed.resumed_from == 3 and resumed.steps == 2
+    # the same 5 steps in one go give the same weights
+    fresh = tmp_path / "fresh"
+    cfg_once = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(fresh, 5))
+    train(cfg_once, max_bytes=300_000)
+    a, b = load_model_state(tmp_path / "ckpt"), load_model_state(fresh / "ckpt")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def tiny_profile(path: Path) -> Path:
+    """6 layers of 0.4 GiB on 1.25 GiB devices: n0 = 2, so three nodes run one 3-stage pipeline."""
+    b = int(0.1 * 1024 ** 3)
+    ModelProfile(layers=[LayerProfile(name=f"l{i}", forward_s=0.01, backward_s=0.02, param_bytes=b, grad_bytes=b,
+                                      optimizer_bytes=2 * b, activation_bytes=0) for i in range(6)]).save(path)
+    return path
+
+
+@pytest.mark.slow
+def test_torchrun_job_equals_single_process(tmp_path: Path, etcd_server, run_id) -> None:
+    steps = 4
+    ref_dir, job_dir = tmp_path / "ref", tmp_path / "job"
+    common = [f"planning.profile_path={tiny_profile(tmp_path / 'profile.json')}", "planning.device_memory_gb=1.25",
+              "planning.memory_margin=0"]
+    train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(ref_dir, steps) + common), max_bytes=None)
+    cmd = [sys.executable, "-m", "launcher.local", "--nodes", "3", "--endpoint", etcd_server.endpoint, "--run-id",
+           run_id, "--rdzv-conf", "lease_ttl=2,settle=0.2,last_call_timeout=0.5", "--", "examples/train.py",
+           "--config", "configs/gpt2-tiny.yaml", *overrides(job_dir, steps), *common]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert "pipeline 0 stage 2/3 layers" in res.stdout, res.stdout[-3000:]
+    manifest = read_manifest(latest_checkpoint(job_dir / "ckpt"))
+    assert manifest["step"] == steps and len(manifest["plan"]["pipelines"][0]["stages"]) == 3
+    ref, job = load_model_state(ref_dir / "ckpt"), load_model_state(job_dir / "ckpt")
+    assert set(ref) == set(job)
+    for key in ref:
+        torch.testing.assert_close(job[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
+    ea = EventAccumulator(str(job_dir / "runs" / "gpt2-tiny"), size_guidance={"scalars": 0})
+    ea.Reload()
+    assert [e.value for e in ea.Scalars("cluster/nodes")] == [3] * steps
+    assert [e.value for e in ea.Scalars("cluster/generation")] == [1] * steps
