@@ -1,6 +1,6 @@
 # The two set-up commands of the README. Each creates .venv on first use.
-#   make demo   - the main job (today: plan GPT-3 175B on 1,024 nodes, then a local 3-node job with
-#                 the probe worker: a 4th node joins, one node is SIGKILLed, the job re-plans)
+#   make demo   - the main job: train a tiny GPT-2 on a local 4-node simulation (embedded etcd,
+#                 one torchrun per node), then print where the checkpoint and TensorBoard logs are
 #   make test   - the test suite (what CI runs)
 # On a CPU machine torch is pinned to the local CPU build; on a GPU machine use e.g.
 #   make TORCH=torch test
@@ -19,10 +19,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/oobleck plan --config configs/gpt3-175b.yaml --nodes 1024
-	@echo
-	$(PY) -m launcher.local --nodes 3 --join 5 --kill 1@40 --rdzv-conf lease_ttl=2,settle=0.2,last_call_timeout=0.5 \
-		-- examples/probe.py --config configs/gpt2-tiny.yaml --steps 60 --step-time 0.2
+	$(PY) -m launcher.local --nodes 4 --rdzv-conf lease_ttl=2,settle=0.2,last_call_timeout=1 \
+		-- examples/train.py --config configs/gpt2-tiny.yaml
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
