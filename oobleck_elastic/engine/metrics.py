@@ -3,7 +3,9 @@
 Only the worker holding rank 0 of the current generation (or the single process) writes, so a
 job has one event stream. Scalars per step: `train/loss`, `train/samples_per_s`,
 `train/tokens_per_s`, `train/step_time_s`, `train/lr`, `train/grad_norm`, `cluster/nodes`,
-`cluster/pipelines`, `cluster/generation`; at every generation a text entry `plan` with the plan.
+`cluster/pipelines`, `cluster/generation`; at every generation a text entry `plan` with the plan,
+and for every reconfiguration a `reconfiguration` text plus `reconfiguration/seconds` and
+`reconfiguration/bytes_moved`.
 """
 
 from __future__ import annotations
@@ -67,6 +69,19 @@ class Metrics:
             gen = plan.generation if plan else 0
             log.info("gen %d step %d/%d node %s: loss %.4f, %.1f samples/s, %.3f s/step", gen, s + 1, self.total,
                      self.node, result.loss, sps, result.seconds)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, text, step)
+
+    def reconfiguration(self, text: str, info: object, *, step: int) -> None:
+        """A generation change: the text, and its time and layer bytes moved on the writer."""
+        if self.writer is None:
+            return
+        self.writer.add_text("reconfiguration", text, step)
+        self.writer.add_scalar("reconfiguration/seconds", getattr(info, "seconds", 0.0), step)
+        self.writer.add_scalar("reconfiguration/bytes_moved", getattr(info, "bytes_moved", 0), step)
+        log.info("gen %d step %d node %s: %s", getattr(info, "generation", 0), step, self.node, text)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -1,16 +1,24 @@
 """The training loop behind `examples/train.py`.
 
-`train(cfg)` runs in one process when started with plain `python` (the reference run), or as
-one worker of a job when started under `torchrun --rdzv-backend=oobleck` (the handler put
-`OOBLECK_RUN_ID` and the etcd settings in the environment). A worker waits for a plan that gives
-it a stage, joins the generation's process groups on an etcd-backed store (keys under
-`store/g<generation>/`, so the store survives any node), resumes from the newest checkpoint when
-there is one (under any plan), trains, reports progress to etcd, and at the end the rank-0
-worker writes the final checkpoint's manifest and closes the job so every worker and agent
-exits 0. Workers of spare nodes wait until the job is closed.
+`train(cfg)` runs in one process when started with plain `python` (the reference run), or as one
+worker of a job when started under `torchrun --rdzv-backend=oobleck` (the handler put
+`OOBLECK_RUN_ID` and the etcd settings in the environment).
 
-Reacting to plan changes while training (failures, joins, drains) is the next step
-(reconfiguration); here a worker keeps the plan it started with.
+A worker lives through generations without ever restarting:
+
+- it waits for a plan that gives it a stage and enters that generation (trainer.enter_generation:
+  process groups on an etcd-backed store under `store/g<generation>/`, agreement on the last
+  committed step, roll-forward or replay, layers and optimizer state from surviving holders);
+- it trains; at every step boundary the generation's rank 0 contributes the newest plan
+  generation it sees in etcd, and a MAX all-reduce makes every worker leave for it at the same
+  boundary (joins and drains lose no work);
+- when a communication call fails (a peer died), it tears its process group down at once, which
+  spreads the error to every peer within tens of milliseconds, and waits for the leader's next
+  plan; the interrupted step is rolled forward or replayed by the commit rule;
+- a layer with no surviving copy makes every worker restore the newest checkpoint, say so in
+  the log and TensorBoard, and continue from its step;
+- at the end the rank-0 worker writes the final checkpoint's manifest and closes the job, and
+  every worker exits 0; a drained node's workers exit 0 as soon as the plan leaves them out.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -31,15 +39,16 @@ from . import state
 from .data import build_dataset
 from .metrics import Metrics
 from .optim import lr_factor
-from .trainer import Trainer
+from .trainer import LayersLost, Reconfiguration, StepResult, Trainer
 
 log = logging.getLogger("oobleck_elastic.train")
+COMM_ERRORS = (RuntimeError, ConnectionError, TimeoutError)
 
 
 @dataclass
 class Summary:
     steps: int
-    """Steps run in this process (from the resume point)."""
+    """Steps run in this process."""
     final_step: int
     """Steps completed in total."""
     first_loss: Optional[float]
@@ -54,12 +63,15 @@ class Summary:
     """TensorBoard log directory (on the writer)."""
     resumed_from: Optional[int]
     """Step of the checkpoint training resumed from."""
+    reconfigurations: tuple[str, ...] = ()
+    """One line per generation change this worker went through."""
 
     def lines(self) -> list[str]:
         out = [f"trained steps {self.final_step - self.steps}..{self.final_step} in {self.seconds:.1f}s"
                + (f" (resumed from step {self.resumed_from})" if self.resumed_from is not None else "")]
         if self.first_loss is not None:
             out.append(f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}")
+        out += [f"reconfiguration: {r}" for r in self.reconfigurations]
         if self.checkpoint:
             out.append(f"final checkpoint: {self.checkpoint}")
         if self.tensorboard:
@@ -78,19 +90,138 @@ def train(cfg: JobConfig, *, max_bytes: Optional[int] = None) -> Summary:
     if under_oobleck():
         return _train_worker(cfg, dataset)
     trainer = Trainer(cfg, dataset=dataset)
-    return _loop(cfg, trainer, plan=None, writer=True, node="local", report=None)
+    run = _Run(cfg, node="local")
+    try:
+        step = run.resume(trainer)
+        run.entered(trainer, None)
+        while step < cfg.training.steps:
+            run.stepped(trainer, trainer.train_step(step), report=None)
+            step += 1
+        run.finish(trainer)
+        return run.summary()
+    finally:
+        run.close()
 
 
-def _wait_for_stage(ctx: Any) -> tuple[Optional[Plan], Optional[int]]:
+class _Run:
+    """Metrics, checkpoints and the summary of one process, across generations."""
+
+    def __init__(self, cfg: JobConfig, *, node: str) -> None:
+        self.cfg, self.node = cfg, node
+        self.tb_dir = str(Path(cfg.logging.tensorboard_dir) / cfg.name)
+        self.metrics: Optional[Metrics] = None
+        self.first: Optional[float] = None
+        self.last: Optional[float] = None
+        self.count = 0
+        self.resumed: Optional[int] = None
+        self.final_dir: Optional[Path] = None
+        self.changes: list[str] = []
+        self.t0 = time.monotonic()
+        self.pending: Optional[tuple[Reconfiguration, float]] = None
+
+    def resume(self, trainer: Trainer) -> int:
+        latest = ckpt.latest_checkpoint(self.cfg.checkpoint.dir) if self.cfg.checkpoint.resume else None
+        if latest is None:
+            return 0
+        self.resumed = state.restore(trainer, latest)
+        trainer.committed_step = trainer.synced_step = self.resumed - 1
+        log.info("gen %d step %d node %s: resumed from %s", trainer.generation, self.resumed, self.node, latest)
+        return self.resumed
+
+    def restore_lost(self, trainer: Trainer, err: LayersLost) -> int:
+        latest = ckpt.latest_checkpoint(self.cfg.checkpoint.dir)
+        if latest is None:
+            raise RuntimeError(f"{err} and no checkpoint in {self.cfg.checkpoint.dir}: cannot continue without "
+                               "training on re-initialised layers; set checkpoint.interval_steps") from err
+        step = state.restore(trainer, latest)
+        trainer.committed_step = trainer.synced_step = step - 1
+        text = (f"generation {trainer.generation}: layers {err.layers} had no surviving copy; restored checkpoint "
+                f"{latest} and continue from step {step}")
+        log.warning("gen %d step %d node %s: %s", trainer.generation, step, self.node, text)
+        self.changes.append(text)
+        if self.metrics is not None:
+            self.metrics.text("reconfiguration", text, step)
+        return step
+
+    def entered(self, trainer: Trainer, info: Optional[Reconfiguration]) -> None:
+        writer = trainer.plan is None or trainer.rank == 0
+        if writer and self.metrics is None:
+            t = self.cfg.training
+            seq_len = trainer.dataset[0][0].shape[-1]
+            self.metrics = Metrics(self.tb_dir, enabled=True, samples_per_step=t.global_batch_size,
+                                   tokens_per_step=t.global_batch_size * seq_len, total_steps=t.steps,
+                                   log_interval=self.cfg.logging.log_interval, node=self.node)
+        elif not writer and self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        step = info.resume_step if info else (self.resumed or 0)
+        if self.metrics is not None:
+            self.metrics.plan(trainer.plan, step)
+        if info is not None and info.previous > 0:
+            self.pending = (info, time.monotonic())
+
+    def stepped(self, trainer: Trainer, result: StepResult, *, report: Optional[Callable[..., None]]) -> None:
+        self.first = result.loss if self.first is None else self.first
+        self.last = result.loss
+        self.count += 1
+        t = self.cfg.training
+        if self.metrics is not None:
+            self.metrics.step(result, lr=t.optimizer.lr * lr_factor(result.step, t), plan=trainer.plan)
+        if self.pending is not None:
+            info, at = self.pending
+            self.pending = None
+            p = trainer.plan
+            assert p is not None
+            text = (f"generation {info.previous} -> {info.generation}: {len(p.nodes)} node(s), "
+                    f"{len(p.pipelines)} pipeline(s); resumed at step {info.resume_step}"
+                    f"{' (rolled forward)' if info.rolled_forward else ''}; {info.bytes_moved} layer bytes moved "
+                    f"here in {info.seconds:.3f}s; first step done {time.monotonic() - at + info.seconds:.3f}s "
+                    "after entering")
+            self.changes.append(text)
+            if self.metrics is not None:
+                self.metrics.reconfiguration(text, info, step=result.step)
+        if report is not None:
+            report(generation=trainer.generation, step=result.step + 1, loss=result.loss)
+        every = self.cfg.checkpoint.interval_steps
+        if every and (result.step + 1) % every == 0 and result.step + 1 < t.steps:
+            state.save(trainer, self.cfg.checkpoint.dir, next_step=result.step + 1)
+
+    def finish(self, trainer: Trainer) -> None:
+        if self.count or self.resumed is None:
+            self.final_dir = state.save(trainer, self.cfg.checkpoint.dir, next_step=self.cfg.training.steps)
+
+    def summary(self) -> Summary:
+        writer = self.metrics is not None
+        return Summary(steps=self.count, final_step=self.cfg.training.steps, first_loss=self.first,
+                       last_loss=self.last, seconds=time.monotonic() - self.t0,
+                       checkpoint=str(self.final_dir) if self.final_dir and writer else None,
+                       tensorboard=self.tb_dir if writer else None, resumed_from=self.resumed,
+                       reconfigurations=tuple(self.changes))
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def _next_plan(ctx: Any, *, at_least: int, exact: bool) -> Optional[Plan]:
+    """Wait for the plan to enter: generation `at_least` exactly (from the history, when every
+    worker agreed on it), or the newest one >= at_least that gives this worker a stage. None when
+    this worker must leave (job closed, node drained)."""
     while True:
-        plan = ctx.plan()
-        if ctx.should_leave(plan):
-            return None, None
-        if plan is not None:
-            mine = ctx.my_stage(plan)
-            if mine is not None:
-                return plan, mine[1].rank
-        time.sleep(0.1)
+        latest = ctx.plan()
+        if ctx.should_leave(latest):
+            return None
+        plan = ctx.plan_at(at_least) if exact else latest
+        if plan is not None and plan.generation >= at_least and ctx.my_stage(plan) is not None:
+            return plan
+        if exact and plan is not None:  # no stage in the agreed generation (spare): wait for a later one
+            exact, at_least = False, plan.generation + 1
+        time.sleep(0.05)
+
+
+def _describe(err: BaseException) -> str:
+    first = str(err).splitlines()[0][:160] if str(err) else ""
+    return f"{type(err).__name__}: {first}"
 
 
 def _train_worker(cfg: JobConfig, dataset: Any) -> Summary:
@@ -98,58 +229,60 @@ def _train_worker(cfg: JobConfig, dataset: Any) -> Summary:
     from ..rendezvous.worker import WorkerContext
 
     ctx = WorkerContext.from_env()
-    plan, rank = _wait_for_stage(ctx)
-    if plan is None or rank is None:
-        log.info("node %s: no stage in this job; exiting", ctx.node_id)
-        return Summary(0, 0, None, None, 0.0, None, None, None)
-    store = EtcdStore(ctx.client, prefix=ctx.keys.store(plan.generation))
-    trainer = Trainer(cfg, dataset=dataset, plan=plan, rank=rank, store=store, node=ctx.node_id)
-
-    def report(step: int, loss: float) -> None:
-        ctx.report_progress(generation=plan.generation, step=step, loss=loss)
-
+    trainer = Trainer(cfg, dataset=dataset, node=ctx.node_id, local_rank=ctx.local_rank)
+    steps = cfg.training.steps
+    target, exact = 1, False
+    run = _Run(cfg, node=ctx.node_id)
     try:
-        summary = _loop(cfg, trainer, plan=plan, writer=rank == 0, node=ctx.node_id,
-                        report=report if rank == 0 else None)
-        if rank == 0:
-            ctx.close_job(f"finished {summary.final_step} steps")
-        return summary
+        while True:
+            plan = _next_plan(ctx, at_least=target, exact=exact)
+            if plan is None:
+                log.info("node %s: leaving the job (%s)", ctx.node_id, ctx.should_leave(ctx.plan()))
+                return run.summary()
+            info: Optional[Reconfiguration] = None
+            failure: Optional[str] = None
+            try:
+                info = trainer.enter_generation(plan, EtcdStore(ctx.client, prefix=ctx.keys.store(plan.generation)),
+                                                load_plan=ctx.plan_at)
+                step = info.resume_step
+                if info.previous == 0 and step == 0:
+                    step = run.resume(trainer)
+            except LayersLost as err:
+                step = run.restore_lost(trainer, err)
+            except COMM_ERRORS as err:
+                failure = _describe(err)
+            if failure is not None:  # outside the except block: see Trainer.abort
+                trainer.abort()
+                log.warning("gen %d node %s: entering generation %d failed (%s); waiting for a newer plan",
+                            trainer.generation, ctx.node_id, plan.generation, failure)
+                target, exact = plan.generation, False
+                time.sleep(0.2)
+                continue
+            run.entered(trainer, info)
+            result = None
+            try:
+                while step < steps:
+                    latest = ctx.plan() if trainer.rank == 0 else None
+                    result = trainer.train_step(step, seen_generation=latest.generation if latest else 0)
+                    run.stepped(trainer, result, report=ctx.report_progress if trainer.rank == 0 else None)
+                    step += 1
+                    if result.next_generation > trainer.generation:
+                        break
+            except COMM_ERRORS as err:
+                failure = _describe(err)
+            if failure is not None:
+                trainer.abort()
+                log.warning("gen %d step %d node %s: communication failed (%s); waiting for the next plan",
+                            trainer.generation, step, ctx.node_id, failure)
+                target, exact = trainer.generation + 1, False
+                continue
+            if step >= steps:
+                run.finish(trainer)
+                if trainer.rank == 0:
+                    ctx.close_job(f"finished {steps} steps")
+                return run.summary()
+            assert result is not None
+            target, exact = result.next_generation, True
     finally:
+        run.close()
         trainer.close()
-
-
-def _loop(cfg: JobConfig, trainer: Trainer, *, plan: Optional[Plan], writer: bool, node: str,
-          report: Any) -> Summary:
-    t = cfg.training
-    start, resumed = 0, None
-    latest = ckpt.latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
-    if latest is not None:
-        start = resumed = state.restore(trainer, latest)
-        log.info("gen %d step %d node %s: resumed from %s", trainer.generation, start, node, latest)
-    tb_dir = str(Path(cfg.logging.tensorboard_dir) / cfg.name)
-    seq_len = trainer.dataset[0][0].shape[-1]
-    metrics = Metrics(tb_dir, enabled=writer, samples_per_step=t.global_batch_size,
-                      tokens_per_step=t.global_batch_size * seq_len, total_steps=t.steps,
-                      log_interval=cfg.logging.log_interval, node=node)
-    metrics.plan(plan, start)
-    first = last = None
-    final_dir = None
-    t0 = time.monotonic()
-    try:
-        for step in range(start, t.steps):
-            result = trainer.train_step(step)
-            first = result.loss if first is None else first
-            last = result.loss
-            metrics.step(result, lr=t.optimizer.lr * lr_factor(step, t), plan=plan)
-            if report is not None:
-                report(step + 1, result.loss)
-            every = cfg.checkpoint.interval_steps
-            if every and (step + 1) % every == 0 and step + 1 < t.steps:
-                state.save(trainer, cfg.checkpoint.dir, next_step=step + 1)
-        if t.steps > start or latest is None:
-            final_dir = state.save(trainer, cfg.checkpoint.dir, next_step=t.steps)
-    finally:
-        metrics.close()
-    return Summary(steps=t.steps - start, final_step=t.steps, first_loss=first, last_loss=last,
-                   seconds=time.monotonic() - t0, checkpoint=str(final_dir) if final_dir and writer else None,
-                   tensorboard=tb_dir if writer else None, resumed_from=resumed)

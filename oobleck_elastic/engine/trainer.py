@@ -4,38 +4,53 @@ Single process (no plan): every layer is built here; each global batch is cut in
 microbatches of `microbatch_size`, run forward/backward one after another with the
 token-sum loss, then clipped and stepped. This is the reference every plan must match.
 
-Pipelined (a plan and a rank): the worker builds only its stage's layers (their initial weights
-depend on (seed, layer) only), joins the generation's default process group and the groups of
-groups.py, wraps its layers in a `torch.distributed.pipelining.PipelineStage` and runs its
-pipeline's schedule (1F1B, or GPipe when chosen or when the pipeline has fewer microbatches
-than stages) on its pipeline's contiguous share of the global batch. Then:
+Pipelined: a worker enters a generation (`enter_generation`, the same protocol for the first
+start, a join, a drain and a failure): it joins the generation's default process group, and one
+MAX all-reduce tells everyone the previous generation and the last step anyone COMMITTED. A
+worker holding synchronised gradients of that step which it had not yet applied rolls forward
+(applies them); otherwise an interrupted step is discarded and replayed. Then layers move from
+surviving holders (reconfigure.py), and the stage, the schedule and the groups of groups.py are
+rebuilt. A step (`train_step`) runs the pipeline's schedule (1F1B, or GPipe when chosen or when
+the pipeline has fewer microbatches than stages) on its share of the global batch, then:
 
 1. gradients are SUM-reduced among each layer's holders (GradSync);
-2. one tiny all-reduce over the whole generation carries the squared gradient norm and the loss:
-   it is the COMMIT point of the step (DESIGN.md invariant 2): a worker calls optimizer.step()
-   only after it returns, i.e. after every worker finished all communication of the step;
-3. the same clip coefficient, LR and AdamW update are applied everywhere, so replicas stay equal.
+2. one all-reduce over the generation sums the squared gradient norm and the loss;
+3. one tiny all-reduce is the COMMIT point (DESIGN.md invariant 2): a worker calls
+   optimizer.step() only after it returns, i.e. after every worker finished steps 1-2, so if any
+   worker committed, every worker holds the synchronised gradients and the norm;
+4. a MAX all-reduce of the newest plan generation anyone has seen: everyone leaves for a new
+   generation at the same step boundary.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..config import JobConfig
-from ..models import LayerModel, build_layer_model
+from ..models import build_layer_model
 from ..planning import Plan
 from .groups import GenerationGroups, GradSync, Holders
 from .optim import build_optimizer, clip_coefficient, scale_grads, set_lr, token_sum_loss
+from .reconfigure import exchange, plan_transfers, retie
 
 log = logging.getLogger(__name__)
+
+
+class LayersLost(RuntimeError):
+    """Some layer has no surviving copy: the job must restore a checkpoint."""
+
+    def __init__(self, layers: list[int]) -> None:
+        super().__init__(f"no surviving copy of layer(s) {layers}")
+        self.layers = layers
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,26 @@ class StepResult:
     """Wall time of the step on this worker."""
     grad_norm: float
     """Global gradient norm before clipping."""
+    next_generation: int = 0
+    """Newest plan generation any worker had seen at this step's end."""
+
+
+@dataclass(frozen=True)
+class Reconfiguration:
+    generation: int
+    """The generation entered."""
+    previous: int
+    """The generation left (0 at the first start)."""
+    resume_step: int
+    """Next step to run."""
+    rolled_forward: bool
+    """This worker applied the interrupted step's gradients after the failure."""
+    bytes_moved: int
+    """Layer bytes this worker sent plus received."""
+    seconds: float
+    """Wall time of the protocol on this worker."""
+    lost_layers: tuple[int, ...] = ()
+    """Layers without a surviving copy (then the checkpoint was restored)."""
 
 
 class Autocast(nn.Module):
@@ -73,10 +108,10 @@ def collate(dataset: Any, indices: Sequence[int]) -> tuple[torch.Tensor, torch.T
 class Trainer:
     def __init__(self, cfg: JobConfig, *, dataset: Any, plan: Optional[Plan] = None, rank: int = 0,
                  store: Optional[dist.Store] = None, timeout: Optional[timedelta] = None,
-                 device: str = "cpu", node: str = "local") -> None:
+                 device: str = "cpu", node: str = "local", local_rank: int = 0) -> None:
         from .data import GlobalBatchSampler
 
-        self.cfg, self.dataset, self.plan, self.rank, self.node = cfg, dataset, plan, rank, node
+        self.cfg, self.dataset, self.node = cfg, dataset, node
         self.device = torch.device(device)
         t = cfg.training
         self.sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.seed)
@@ -84,29 +119,94 @@ class Trainer:
         self.loss_fn = token_sum_loss(t.global_batch_size * seq_len)
         self.dtype = torch.bfloat16 if t.precision == "bf16" else None
         self.timeout = timeout or timedelta(seconds=cfg.fault_tolerance.comm_timeout_s)
-        if plan is None:
+        self.plan: Optional[Plan] = None
+        self.generation = 0
+        self.rank = rank
+        self.identity = (node, local_rank)
+        self.committed_step = -1  # last step whose optimizer update was applied
+        self.synced_step = -1  # last step whose gradients and norm are fully synchronised here
+        self._synced_norm2 = 0.0
+        self.owned: list[int] = []
+        self.layer_model = build_layer_model(cfg.model, seed=t.seed, owned=[], device=device)
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.params: list[nn.Parameter] = []
+        self.stage_module: Optional[nn.Module] = None
+        if plan is None and store is None:  # the single-process reference
             self.layer_model = build_layer_model(cfg.model, seed=t.seed, device=device)
-            self.owned = list(range(self.layer_model.num_layers))
-            self.stage_module: nn.Module = Autocast(self.layer_model.stage(0, self.layer_model.num_layers), self.dtype)
-            self.pipeline = None
-            self.generation = 0
-        else:
-            self._setup_pipeline(plan, store)
-        self.params = list(dict.fromkeys(p for i in self.owned for p in self.layer_model.layers[i].parameters()))
-        self.optimizer = build_optimizer(self.params, t)
+            self._adopt(list(range(self.layer_model.num_layers)), {})
+        elif plan is not None:
+            self.identity = (plan.stage_of(rank)[1].node, plan.stage_of(rank)[1].local_rank)
+            self.enter_generation(plan, store)
 
-    # ------------------------------------------------------------------ set-up
-    def _setup_pipeline(self, plan: Plan, store: Optional[dist.Store]) -> None:
+    # ------------------------------------------------------------------ generations
+    def enter_generation(self, plan: Plan, store: Optional[dist.Store], *,
+                         load_plan: Callable[[int], Optional[Plan]] = lambda g: None) -> Reconfiguration:
+        """Join generation `plan.generation`; see the module docstring. Raises LayersLost when a
+        layer has no surviving copy (the caller restores the checkpoint with `restore_fresh`)."""
+        t0 = time.perf_counter()
+        mine = [s for p in plan.pipelines for s in p.stages if (s.node, s.local_rank) == self.identity]
+        if not mine:
+            raise ValueError(f"{self.identity} has no stage in generation {plan.generation}")
+        stage = mine[0]
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl", store=store, rank=stage.rank,
+                                world_size=plan.world_size, timeout=self.timeout)
+        agree = torch.tensor([self.generation, self.committed_step, self.synced_step], dtype=torch.float64)
+        dist.all_reduce(agree, op=dist.ReduceOp.MAX)
+        previous, committed = int(agree[0]), int(agree[1])
+        rolled = False
+        if self.synced_step > self.committed_step and self.synced_step == committed:
+            self._apply(self.synced_step, self._synced_norm2)  # someone committed this step: apply it here too
+            rolled = True
+        self._zero_grad()  # anything else is a discarded step (possibly half a backward pass): replay it
+        self.committed_step = self.synced_step = committed
+        old_plan = self.plan if self.plan is not None and self.plan.generation == previous else (
+            load_plan(previous) if previous > 0 else None)
+        if previous > 0 and old_plan is None:
+            raise RuntimeError(f"plan of generation {previous} is not available to {self.identity}")
+        transfers, lost = plan_transfers(old_plan, plan)
+        owned = list(range(stage.start, stage.end))
+        kept = [i for i in owned if i in self.owned]
+        fresh = [i for i in owned if i not in kept]
+        target = build_layer_model(self.cfg.model, seed=self.cfg.training.seed, owned=fresh, device=str(self.device))
+        for i in kept:
+            target.layers[i] = self.layer_model.layers[i]
+        retie(target)
+        states, moved = ({}, 0)
+        if not lost:
+            states, moved = exchange(transfers, rank=stage.rank, source=self.layer_model, optimizer=self.optimizer,
+                                     target=target)
+        keep_state = {id(p): (p, dict(self.optimizer.state[p])) for i in kept
+                      for p in self.layer_model.layers[i].parameters()
+                      if self.optimizer is not None and p in self.optimizer.state}
+        self.layer_model, self.plan, self.generation, self.rank = target, plan, plan.generation, stage.rank
+        self._adopt(owned, {**keep_state, **states})
+        self._build_pipeline(plan)
+        if lost and old_plan is not None:
+            raise LayersLost(lost)
+        info = Reconfiguration(generation=plan.generation, previous=previous, resume_step=committed + 1,
+                               rolled_forward=rolled, bytes_moved=moved, seconds=time.perf_counter() - t0)
+        log.info("gen %d step %d node %s rank %d: entered from generation %d (%s, %d layer bytes moved, %.3f s)",
+                 plan.generation, committed + 1, self.node, stage.rank, previous,
+                 "rolled forward" if rolled else "no step to roll forward", moved, info.seconds)
+        return info
+
+    def _adopt(self, owned: list[int], states: dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]]) -> None:
+        """Use the layers `owned` of self.layer_model with a new optimizer holding `states`."""
+        self.owned = owned
+        self.params = list(dict.fromkeys(p for i in owned for p in self.layer_model.layers[i].parameters()))
+        self.optimizer = build_optimizer(self.params, self.cfg.training)
+        for p, state in states.values():
+            if any(p is q for q in self.params):
+                self.optimizer.state[p] = state
+        if self.plan is None:
+            self.stage_module = Autocast(self.layer_model.stage(0, self.layer_model.num_layers), self.dtype)
+
+    def _build_pipeline(self, plan: Plan) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        t = self.cfg.training
-        self.generation = plan.generation
         self.pipeline, self.stage = plan.stage_of(self.rank)
-        self.owned = list(range(self.stage.start, self.stage.end))
-        self.layer_model = build_layer_model(self.cfg.model, seed=t.seed, owned=self.owned, device=str(self.device))
-        if not dist.is_initialized():
-            dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl", store=store, rank=self.rank,
-                                    world_size=plan.world_size, timeout=self.timeout)
         holders = Holders.of(plan, self.layer_model)
         self.groups = GenerationGroups(plan, holders, rank=self.rank, timeout=self.timeout)
         self.grad_sync = GradSync(self.groups, self.layer_model, self.owned)
@@ -117,13 +217,9 @@ class Trainer:
             pstage = PipelineStage(self.stage_module, self.stage.index, stages, self.device,
                                    group=self.groups.pipeline_group)
             mb = self.pipeline.microbatches
-            use_1f1b = self.cfg.planning.schedule == "1f1b" and mb >= stages
-            cls = Schedule1F1B if use_1f1b else ScheduleGPipe
+            cls = Schedule1F1B if self.cfg.planning.schedule == "1f1b" and mb >= stages else ScheduleGPipe
             # every stage gets the loss_fn: without one a schedule runs forward only
             self.schedule = cls(pstage, n_microbatches=mb, loss_fn=self.loss_fn, scale_grads=False)
-        log.info("gen %d node %s rank %d: pipeline %d stage %d/%d layers [%d,%d) %d microbatches", plan.generation,
-                 self.node, self.rank, self.pipeline.index, self.stage.index, stages, self.stage.start, self.stage.end,
-                 self.pipeline.microbatches)
 
     # ------------------------------------------------------------------ one step
     def my_samples(self, step: int) -> list[int]:
@@ -137,6 +233,7 @@ class Trainer:
     def _forward_backward_local(self, x: torch.Tensor, y: torch.Tensor) -> float:
         total = 0.0
         mbs = self.cfg.training.microbatch_size
+        assert self.stage_module is not None
         for i in range(0, x.shape[0], mbs):
             loss = self.loss_fn(self.stage_module(x[i:i + mbs].to(self.device)), y[i:i + mbs].to(self.device))
             loss.backward()
@@ -144,7 +241,6 @@ class Trainer:
         return total
 
     def _forward_backward_pipeline(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        assert self.pipeline is not None
         if self.schedule is None:  # one-stage pipeline: no pipelining needed
             return self._forward_backward_local(x, y)
         first, last = self.stage.index == 0, self.stage.index == len(self.pipeline.stages) - 1
@@ -157,23 +253,40 @@ class Trainer:
             self.schedule.step()
         return float(sum(loss.item() for loss in losses))
 
-    def train_step(self, step: int) -> StepResult:
+    def train_step(self, step: int, *, seen_generation: int = 0) -> StepResult:
         t0 = time.perf_counter()
         x, y = collate(self.dataset, self.my_samples(step))
+        next_generation = self.generation
         if self.plan is None:
             loss = self._forward_backward_local(x, y)
             norm2 = float(sum(p.grad.double().pow(2).sum() for p in self.params if p.grad is not None))
+            self._apply(step, norm2)
         else:
             loss = self._forward_backward_pipeline(x, y)
             self.grad_sync.all_reduce()
-            commit = torch.tensor([float(self.grad_sync.norm_squared()), loss], dtype=torch.float64)
-            dist.all_reduce(commit)  # the commit point: every worker finished its step's communication
-            norm2, loss = float(commit[0]), float(commit[1])
+            reduced = torch.tensor([float(self.grad_sync.norm_squared()), loss], dtype=torch.float64)
+            dist.all_reduce(reduced)
+            norm2, loss = float(reduced[0]), float(reduced[1])
+            self.synced_step, self._synced_norm2 = step, norm2
+            dist.all_reduce(torch.ones(1))  # COMMIT: every worker has finished this step's communication
+            self._apply(step, norm2)
+            seen = torch.tensor([max(seen_generation, self.generation)], dtype=torch.float64)
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+            next_generation = int(seen[0])
+        return StepResult(step=step, loss=loss, seconds=time.perf_counter() - t0, grad_norm=norm2 ** 0.5,
+                          next_generation=next_generation)
+
+    def _apply(self, step: int, norm2: float) -> None:
+        assert self.optimizer is not None
         scale_grads(self.params, clip_coefficient(norm2, self.cfg.training.optimizer.grad_clip))
         set_lr(self.optimizer, step, self.cfg.training)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(step=step, loss=loss, seconds=time.perf_counter() - t0, grad_norm=norm2 ** 0.5)
+        self._zero_grad()
+        self.committed_step = step
+
+    def _zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
 
     # ------------------------------------------------------------------ state
     def layer_state(self) -> dict[int, dict[str, torch.Tensor]]:
@@ -184,14 +297,29 @@ class Trainer:
     def optimizer_state(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
         """Owned layers' optimizer state (e.g. exp_avg, exp_avg_sq, step) by layer and name."""
         out: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+        assert self.optimizer is not None
         for i in self.owned:
             for n, p in self.layer_model.layers[i].named_parameters():
                 st = self.optimizer.state.get(p, {})
                 out.setdefault(i, {})[n] = {k: v.detach().clone() for k, v in st.items() if torch.is_tensor(v)}
         return out
 
+    def abort(self) -> None:
+        """After a communication error: tear every process group down at once, so that the error
+        reaches every peer blocked on this worker in tens of milliseconds. A gloo group closes its
+        sockets only when the last reference goes, so the schedule, stage and groups are dropped
+        and collected too (call this outside the `except` block: the exception's traceback keeps
+        the failed call's frames, and with them the groups, alive)."""
+        self.schedule = None
+        self.grad_sync = None  # type: ignore[assignment]
+        self.groups = None  # type: ignore[assignment]
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - the group is broken anyway
+                pass
+        gc.collect()
+
     def close(self) -> None:
         if self.plan is not None and dist.is_initialized():
             dist.destroy_process_group()
-
-

@@ -8,6 +8,7 @@ Everything lives under `<key_prefix>/<run_id>/` (key_prefix defaults to `/ooblec
 | `next_index`             | next node index (int)                           | agents (CAS)      |       |
 | `leader`                 | {node_id, since}                                | the elected agent | node  |
 | `plan`                   | Plan of the current generation (planning/plan.py) | the leader (CAS) |      |
+| `plans/<generation>`     | the same plan, kept per generation              | the leader (same txn) |   |
 | `profile`                | ModelProfile the templates are computed from    | the first leader  |       |
 | `events/<ns>-<node_id>`  | Event: time, kind, node, generation, detail     | agents, leader, CLI |     |
 | `progress`               | {generation, step, time, ...}                   | worker rank 0     |       |
@@ -59,6 +60,10 @@ class Keys:
     @property
     def plan(self) -> str:
         return self.root + "plan"
+
+    def plan_at(self, generation: int) -> str:
+        """The plan of one generation, kept as history (joiners read the previous generation's)."""
+        return f"{self.root}plans/{generation:08d}"
 
     @property
     def profile(self) -> str:

@@ -141,7 +141,8 @@ class Leader:
         compare = [tx.value(self.keys.leader) == self._value,
                    tx.create(self.keys.plan) == 0 if rev is None else tx.mod(self.keys.plan) == rev]
         events = self._events(plan, old, records)
-        success = [tx.put(self.keys.plan, json.dumps(plan.to_json(), sort_keys=True))]
+        blob = json.dumps(plan.to_json(), sort_keys=True)
+        success = [tx.put(self.keys.plan, blob), tx.put(self.keys.plan_at(generation), blob)]
         success += [tx.put(self.keys.event(ev.node), json.dumps(ev.to_json())) for ev in events]
         ok, _ = self.client._call(raw.transaction, compare=compare, success=success, failure=[])
         if ok:

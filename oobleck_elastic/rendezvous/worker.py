@@ -44,6 +44,11 @@ class WorkerContext:
         data, _ = self.client.get_json(self.keys.plan)
         return _parse_plan(data)
 
+    def plan_at(self, generation: int) -> Optional[Plan]:
+        """The plan of a past or current generation (from the leader's history)."""
+        data, _ = self.client.get_json(self.keys.plan_at(generation))
+        return _parse_plan(data)
+
     def my_stage(self, plan: Plan) -> Optional[tuple[PipelineSpec, StagePlacement]]:
         for p in plan.pipelines:
             for s in p.stages:

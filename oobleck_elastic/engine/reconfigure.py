@@ -1,0 +1,151 @@
+"""Moving layers between generations: who sends which layer to whom, and the transfer itself.
+
+A worker is identified across generations by (node, local rank); its ranks change. When the job
+enters generation G from generation g, every worker computes the same transfer list from the
+two plans alone: for each stage of G, the layers it must hold but did not hold in g come from a
+worker that held them in g and is still in G. Sources are spread over the surviving holders
+(round-robin by layer and receiver), so a layer needed by several workers is not served by one.
+A layer with no surviving holder is lost: the caller must restore the checkpoint (DESIGN.md
+invariant 3) and never trains on with a re-initialised layer.
+
+The transfer sends each layer's parameters AND optimizer state (AdamW exp_avg, exp_avg_sq,
+step) as one flat fp32 tensor, all transfers posted at once with batch_isend_irecv, so any
+pattern of senders and receivers completes without ordering deadlocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models import LayerModel
+from ..planning import Plan
+
+Identity = tuple[str, int]  # (node id, local rank)
+OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    layer: int
+    """Layer index."""
+    src: int
+    """Sender's rank in the new generation."""
+    dst: int
+    """Receiver's rank in the new generation."""
+
+
+def holdings(plan: Optional[Plan]) -> dict[Identity, range]:
+    """(node, local rank) -> layers held, for every stage of a plan."""
+    if plan is None:
+        return {}
+    return {(s.node, s.local_rank): range(s.start, s.end) for p in plan.pipelines for s in p.stages}
+
+
+def plan_transfers(old: Optional[Plan], new: Plan) -> tuple[list[Transfer], list[int]]:
+    """The transfers from `old` to `new` and the layers no survivor holds (lost)."""
+    before = holdings(old)
+    new_rank = {(s.node, s.local_rank): s.rank for p in new.pipelines for s in p.stages}
+    survivors_of: dict[int, list[int]] = {}
+    for ident, layers in before.items():
+        if ident in new_rank:
+            for layer in layers:
+                survivors_of.setdefault(layer, []).append(new_rank[ident])
+    transfers, lost = [], set()
+    for p in new.pipelines:
+        for s in p.stages:
+            had = before.get((s.node, s.local_rank), range(0))
+            for layer in range(s.start, s.end):
+                if layer in had:
+                    continue
+                sources = sorted(survivors_of.get(layer, []))
+                if not sources:
+                    lost.add(layer)
+                    continue
+                transfers.append(Transfer(layer=layer, src=sources[(layer + s.rank) % len(sources)], dst=s.rank))
+    return transfers, sorted(lost)
+
+
+def _flat(layer: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    parts = []
+    for p in layer.parameters():
+        parts.append(p.detach().reshape(-1).float())
+        state = optimizer.state.get(p, {})
+        for key in OPTIM_KEYS:
+            value = state.get(key)
+            if value is None:
+                value = torch.zeros_like(p) if key != "step" else torch.zeros(())
+            parts.append(torch.as_tensor(value).detach().reshape(-1).float())
+    return torch.cat(parts)
+
+
+def _numel(layer: nn.Module) -> int:
+    return sum(2 * p.numel() + p.numel() + 1 for p in layer.parameters())  # param, two moments, step
+
+
+def _unflat(flat: torch.Tensor, layer: nn.Module) -> dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]]:
+    out, offset = {}, 0
+    for p in layer.parameters():
+        n = p.numel()
+        with torch.no_grad():
+            p.copy_(flat[offset:offset + n].view_as(p))
+        offset += n
+        state = {}
+        for key in OPTIM_KEYS:
+            size = 1 if key == "step" else n
+            chunk = flat[offset:offset + size]
+            state[key] = chunk.reshape(()).clone() if key == "step" else chunk.view_as(p).clone()
+            offset += size
+        out[id(p)] = (p, state)
+    return out
+
+
+def exchange(transfers: list[Transfer], *, rank: int, source: LayerModel, optimizer: Optional[torch.optim.Optimizer],
+             target: LayerModel, group: Optional[dist.ProcessGroup] = None
+             ) -> tuple[dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]], int]:
+    """Post every send and receive of this rank at once and fill received layers in place.
+
+    Senders read layers from `source` and their state from `optimizer` (the previous generation's);
+    receivers write into `target` and get back the optimizer state to install, keyed by
+    id(parameter). Returns (received states, bytes sent plus received by this rank)."""
+    ops, received = [], []
+    moved = 0
+    for t in transfers:
+        if t.src == rank:
+            layer = source.layers[t.layer]
+            assert layer is not None and optimizer is not None, f"rank {rank} does not hold layer {t.layer}"
+            buf = _flat(layer, optimizer)
+            ops.append(dist.P2POp(dist.isend, buf, t.dst, group))
+            moved += buf.numel() * 4
+        if t.dst == rank:
+            layer = target.layers[t.layer]
+            assert layer is not None, f"layer {t.layer} must be built before it is received"
+            buf = torch.empty(_numel(layer))
+            ops.append(dist.P2POp(dist.irecv, buf, t.src, group))
+            received.append((t.layer, buf))
+            moved += buf.numel() * 4
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    states: dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]] = {}
+    for index, buf in received:
+        states.update(_unflat(buf, target.layers[index]))
+    return states, moved
+
+
+def retie(layer_model: LayerModel) -> None:
+    """Make every tied group one Parameter again among the layers held here (after splicing kept
+    and newly built layers together)."""
+    for group in layer_model.tied:
+        held = [(i, n) for i, n in group.members if layer_model.layers[i] is not None]
+        if len(held) < 2:
+            continue
+        first = layer_model.layers[held[0][0]].get_parameter(held[0][1])
+        for i, name in held[1:]:
+            owner_path, _, attr = name.rpartition(".")
+            owner = layer_model.layers[i].get_submodule(owner_path) if owner_path else layer_model.layers[i]
+            setattr(owner, attr, first)
