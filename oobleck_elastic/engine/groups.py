@@ -129,16 +129,10 @@ class GradSync:
     def norm_squared(self) -> torch.Tensor:
         """Sum of squared gradients of the parameters this rank is the primary holder of, so that
         an all-reduce over the world counts every parameter of the model exactly once."""
-        total = torch.zeros((), dtype=torch.float64)
         me = self.groups.rank
-        for ranks, params in self.buckets:
-            if ranks[0] == me:
-                for p in params:
-                    if p.grad is not None:
-                        total += p.grad.detach().double().pow(2).sum()
-        for params, ranks in self.tied:
-            if ranks[0] == me:
-                for p in params:
-                    if p.grad is not None:
-                        total += p.grad.detach().double().pow(2).sum()
+        grads = [p.grad for ranks, params in self.buckets if ranks[0] == me for p in params if p.grad is not None]
+        grads += [p.grad for params, ranks in self.tied if ranks[0] == me for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64)
+        total = torch.stack(torch._foreach_norm(grads, dtype=torch.float64)).pow(2).sum()
         return total

@@ -41,7 +41,7 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: TrainingConfig) -> torc
     no_decay = [p for p in params if p.ndim < 2]
     groups = [g for g in ({"params": decay, "weight_decay": o.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=False)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
 
 
 def lr_factor(step: int, cfg: TrainingConfig) -> float:

@@ -17,9 +17,9 @@ the pipeline has fewer microbatches than stages) on its share of the global batc
 2. one all-reduce over the generation sums the squared gradient norm and the loss;
 3. one tiny all-reduce is the COMMIT point (DESIGN.md invariant 2): a worker calls
    optimizer.step() only after it returns, i.e. after every worker finished steps 1-2, so if any
-   worker committed, every worker holds the synchronised gradients and the norm;
-4. a MAX all-reduce of the newest plan generation anyone has seen: everyone leaves for a new
-   generation at the same step boundary.
+   worker committed, every worker holds the synchronised gradients and the norm. It is a MAX of
+   the newest plan generation each worker has seen, so everyone leaves for a new generation at
+   the same step boundary.
 """
 
 from __future__ import annotations
@@ -268,10 +268,11 @@ class Trainer:
             dist.all_reduce(reduced)
             norm2, loss = float(reduced[0]), float(reduced[1])
             self.synced_step, self._synced_norm2 = step, norm2
-            dist.all_reduce(torch.ones(1))  # COMMIT: every worker has finished this step's communication
-            self._apply(step, norm2)
+            # COMMIT: returns only once every worker has finished this step's communication; it also
+            # carries the newest plan generation anyone has seen, so all leave at the same boundary
             seen = torch.tensor([max(seen_generation, self.generation)], dtype=torch.float64)
             dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+            self._apply(step, norm2)
             next_generation = int(seen[0])
         return StepResult(step=step, loss=loss, seconds=time.perf_counter() - t0, grad_norm=norm2 ** 0.5,
                           next_generation=next_generation)
