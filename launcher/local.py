@@ -127,7 +127,7 @@ class LocalCluster:
         if node.proc.poll() is None:
             node.killed = True
             pids = kill_node(node.proc.pid)
-            self.say(f"killed node {node.number} (SIGKILL to pids {', '.join(map(str, pids))}) {why}")
+            self.say(f"killed node {node.number} (SIGKILL to pids {', '.join(map(str, pids))}) {why} at {time.time():.3f}")
 
     def run(self) -> int:
         a = self.args

@@ -46,9 +46,12 @@ def holdings(plan: Optional[Plan]) -> dict[Identity, range]:
     return {(s.node, s.local_rank): range(s.start, s.end) for p in plan.pipelines for s in p.stages}
 
 
-def plan_transfers(old: Optional[Plan], new: Plan) -> tuple[list[Transfer], list[int]]:
-    """The transfers from `old` to `new` and the layers no survivor holds (lost)."""
-    before = holdings(old)
+def plan_transfers(old: Optional[Plan], new: Plan, *, valid: Optional[set[Identity]] = None
+                   ) -> tuple[list[Transfer], list[int]]:
+    """The transfers from `old` to `new` and the layers no survivor holds (lost). `valid`: the
+    workers that really still hold their `old` layers (None: all of them); a restarted worker
+    with the same identity holds nothing."""
+    before = {ident: layers for ident, layers in holdings(old).items() if valid is None or ident in valid}
     new_rank = {(s.node, s.local_rank): s.rank for p in new.pipelines for s in p.stages}
     survivors_of: dict[int, list[int]] = {}
     for ident, layers in before.items():

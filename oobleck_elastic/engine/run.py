@@ -253,6 +253,7 @@ def _train_worker(cfg: JobConfig, dataset: Any) -> Summary:
                 failure = _describe(err)
             if failure is not None:  # outside the except block: see Trainer.abort
                 trainer.abort()
+                ctx.report_failure(plan.generation)
                 log.warning("gen %d node %s: entering generation %d failed (%s); waiting for a newer plan",
                             trainer.generation, ctx.node_id, plan.generation, failure)
                 target, exact = plan.generation, False
@@ -272,6 +273,7 @@ def _train_worker(cfg: JobConfig, dataset: Any) -> Summary:
                 failure = _describe(err)
             if failure is not None:
                 trainer.abort()
+                ctx.report_failure(trainer.generation)
                 log.warning("gen %d step %d node %s: communication failed (%s); waiting for the next plan",
                             trainer.generation, step, ctx.node_id, failure)
                 target, exact = trainer.generation + 1, False

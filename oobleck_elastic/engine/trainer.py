@@ -165,9 +165,15 @@ class Trainer:
             load_plan(previous) if previous > 0 else None)
         if previous > 0 and old_plan is None:
             raise RuntimeError(f"plan of generation {previous} is not available to {self.identity}")
-        transfers, lost = plan_transfers(old_plan, plan)
+        # which workers really hold the previous generation's layers (not a restarted or new one)
+        held = torch.zeros(plan.world_size, dtype=torch.float64)
+        held[stage.rank] = self.generation if self.owned else 0
+        dist.all_reduce(held)
+        valid = {(s.node, s.local_rank) for p in plan.pipelines for s in p.stages
+                 if previous > 0 and int(held[s.rank]) == previous}
+        transfers, lost = plan_transfers(old_plan, plan, valid=valid)
         owned = list(range(stage.start, stage.end))
-        kept = [i for i in owned if i in self.owned]
+        kept = [i for i in owned if i in self.owned] if self.identity in valid else []
         fresh = [i for i in owned if i not in kept]
         target = build_layer_model(self.cfg.model, seed=self.cfg.training.seed, owned=fresh, device=str(self.device))
         for i in kept:

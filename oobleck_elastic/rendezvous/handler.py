@@ -139,6 +139,11 @@ class OobleckRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         if self.leader is not None:
             self.leader.stop()
+        if getattr(self, "_watch", None) is not None:
+            try:
+                self.client.raw.cancel_watch(self._watch)
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
         if self.member is not None and self.member.record is not None:
             put_event(self.client, self.keys, Event(time=time.time(), kind="leave", node=self.member.node_id,
                                                     detail="agent shut down"))
@@ -157,6 +162,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
                                  min_nodes=self.params.min_nodes, max_nodes=self.params.max_nodes,
                                  last_call_s=self.last_call_s, settle_s=self.settle_s)
             self.leader.start()
+            self._watch = self.client.raw.add_watch_callback(self.keys.ping(self.member.node_id), self._on_ping)
         node = self.member.node_id
         plan = self._wait_admitted(node)
         os.environ.update(self.settings.to_env())
@@ -168,6 +174,16 @@ class OobleckRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(self._store, 0, 1, info)
 
     # ------------------------------------------------------------------ helpers
+    def _on_ping(self, response: Any) -> None:
+        """The leader's roll call asks whether this node is alive: answer with the same nonce."""
+        for event in getattr(response, "events", None) or []:
+            value = getattr(event, "value", None)
+            if value and self.member is not None and not self.member.fenced.is_set():
+                try:
+                    self.client.raw.put(self.keys.pong(self.member.node_id), value)
+                except Exception as err:  # noqa: BLE001 - a missed pong only delays the re-plan
+                    log.warning("node %s: could not answer a ping: %s", self.member.node_id, err)
+
     def _wait_admitted(self, node: str) -> Plan:
         assert self.member is not None
         deadline = time.monotonic() + self.join_timeout_s

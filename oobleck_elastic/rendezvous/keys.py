@@ -11,6 +11,9 @@ Everything lives under `<key_prefix>/<run_id>/` (key_prefix defaults to `/ooblec
 | `plans/<generation>`     | the same plan, kept per generation              | the leader (same txn) |   |
 | `profile`                | ModelProfile the templates are computed from    | the first leader  |       |
 | `events/<ns>-<node_id>`  | Event: time, kind, node, generation, detail     | agents, leader, CLI |     |
+| `rollcall/g<g>/<node>/<local rank>` | a worker of generation g saw a communication failure | workers |    |
+| `ping/<node>`, `pong/<node>` | the leader asks a node's agent whether it is alive; it answers | leader, agent | |
+| `fenced/<node>`          | declared lost before its lease expired: excluded from plans; its workers stop | leader | |
 | `progress`               | {generation, step, time, ...}                   | worker rank 0     |       |
 | `closed`                 | {time, reason}: the job finished, stop planning | workers / handler |       |
 | `store/g<generation>/...`| c10d Store keys of that generation's process groups | workers       |       |
@@ -75,6 +78,20 @@ class Keys:
 
     def event(self, node_id: str) -> str:
         return f"{self.events}{time.time_ns():020d}-{node_id}"
+
+    def rollcall(self, generation: int) -> str:
+        """Workers of `generation` that saw a communication failure check in here."""
+        return f"{self.root}rollcall/g{generation}/"
+
+    def ping(self, node_id: str) -> str:
+        return f"{self.root}ping/{node_id}"
+
+    def pong(self, node_id: str) -> str:
+        return f"{self.root}pong/{node_id}"
+
+    @property
+    def fenced(self) -> str:
+        return self.root + "fenced/"
 
     @property
     def progress(self) -> str:

@@ -37,7 +37,8 @@ Planner = Callable[[list[str], int], Plan]
 
 class Leader:
     def __init__(self, client: EtcdClient, keys: Keys, member: Member, *, planner: Planner, min_nodes: int,
-                 max_nodes: int, last_call_s: float, settle_s: float, tick_s: float = 0.05) -> None:
+                 max_nodes: int, last_call_s: float, settle_s: float, tick_s: float = 0.05,
+                 ping_timeout_s: float = 0.3) -> None:
         self.client, self.keys, self.member = client, keys, member
         self.planner = planner
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
@@ -47,6 +48,8 @@ class Leader:
         self._thread: Optional[threading.Thread] = None
         self._value = b""
         self._waiting_for: Optional[int] = None
+        self.ping_timeout_s = ping_timeout_s
+        self._rc: Optional[dict] = None  # roll call in progress: generation, pings sent, pongs seen
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="oobleck-leader", daemon=True)
@@ -107,7 +110,16 @@ class Leader:
                 else:
                     first_quorum = None
             else:
-                desired = self._desired(plan, up)
+                fenced = self._fenced(records)
+                dead = self._roll_call(plan)
+                if dead is not None:  # workers saw a failure: re-plan now, without unresponsive nodes
+                    for node in dead:
+                        self.client.put_json(self.keys.fenced + node, {"time": time.time(), "generation": plan.generation})
+                    self._publish(self._desired(plan, up, fenced | set(dead)), plan, rev, records, lost=set(dead))
+                    self._rc = None
+                    change_seen = None
+                    continue
+                desired = self._desired(plan, up, fenced)
                 if desired != list(plan.nodes):
                     change_seen = change_seen or time.monotonic()
                     if time.monotonic() - change_seen >= self.settle_s:
@@ -117,14 +129,54 @@ class Leader:
                     change_seen = None
             self._stop.wait(self.tick_s)
 
-    def _desired(self, plan: Plan, up: list[NodeRecord]) -> list[str]:
+    def _fenced(self, records: list[NodeRecord]) -> set[str]:
+        """Nodes declared lost by a roll call; an entry is dropped once the node's record is gone."""
+        live = {r.node_id for r in records}
+        fenced = set()
+        for key, _ in self.client.get_prefix_json(self.keys.fenced):
+            node = key.rsplit("/", 1)[1]
+            if node in live:
+                fenced.add(node)
+            else:
+                self.client._call(self.client.raw.delete, key)
+        return fenced
+
+    def _roll_call(self, plan: Plan) -> Optional[list[str]]:
+        """Fast failure detection. Workers that saw a communication failure check in under
+        rollcall/g<generation>/; every plan node with a worker missing is pinged through etcd and
+        its agent answers at once if it is alive. Returns None while the roll call is open or has
+        not started; else the nodes that did not answer within ping_timeout_s (possibly none)."""
+        entries = {tuple(k.rsplit("/", 2)[1:]) for k, _ in self.client.get_prefix_json(self.keys.rollcall(plan.generation))}
+        if not entries:
+            return None
+        now = time.monotonic()
+        if self._rc is None or self._rc["generation"] != plan.generation:
+            self._rc = {"generation": plan.generation, "pinged": {}, "alive": set(), "nonce": f"{time.time_ns()}"}
+            log.info("node %s: roll call for generation %d (%d worker(s) saw a failure)", self.member.node_id,
+                     plan.generation, len(entries))
+        rc = self._rc
+        workers = {(s.node, str(s.local_rank)) for p in plan.pipelines for s in p.stages}
+        missing = {node for node, lr in workers if (node, lr) not in entries}
+        for node in missing - set(rc["pinged"]):
+            self.client._call(self.client.raw.put, self.keys.ping(node), rc["nonce"])
+            rc["pinged"][node] = now
+        for node in set(rc["pinged"]) - rc["alive"]:
+            value, _ = self.client._call(self.client.raw.get, self.keys.pong(node))
+            if value is not None and value.decode() == rc["nonce"]:
+                rc["alive"].add(node)
+        if any(node not in rc["alive"] and now - rc["pinged"][node] < self.ping_timeout_s for node in missing):
+            return None
+        return sorted(node for node in missing if node not in rc["alive"])
+
+    def _desired(self, plan: Plan, up: list[NodeRecord], exclude: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
         """Current members that are still up, in plan order, then new nodes by index, up to max."""
-        alive = {r.node_id for r in up}
+        alive = {r.node_id for r in up} - set(exclude)
         keep = [n for n in plan.nodes if n in alive]
-        new = [r.node_id for r in up if r.node_id not in plan.nodes]
+        new = [r.node_id for r in up if r.node_id in alive and r.node_id not in plan.nodes]
         return (keep + new)[: self.max_nodes]
 
-    def _publish(self, nodes: list[str], old: Optional[Plan], rev: Optional[int], records: list[NodeRecord]) -> None:
+    def _publish(self, nodes: list[str], old: Optional[Plan], rev: Optional[int], records: list[NodeRecord],
+                 lost: set[str] = frozenset()) -> None:  # type: ignore[assignment]
         generation = (old.generation if old else 0) + 1
         try:
             plan = self.planner(nodes, generation)
@@ -140,7 +192,7 @@ class Leader:
         raw, tx = self.client.raw, self.client.raw.transactions
         compare = [tx.value(self.keys.leader) == self._value,
                    tx.create(self.keys.plan) == 0 if rev is None else tx.mod(self.keys.plan) == rev]
-        events = self._events(plan, old, records)
+        events = self._events(plan, old, records, lost)
         blob = json.dumps(plan.to_json(), sort_keys=True)
         success = [tx.put(self.keys.plan, blob), tx.put(self.keys.plan_at(generation), blob)]
         success += [tx.put(self.keys.event(ev.node), json.dumps(ev.to_json())) for ev in events]
@@ -151,7 +203,8 @@ class Leader:
             log.info("node %s: plan generation %d lost a race (plan or leadership changed)", self.member.node_id,
                      generation)
 
-    def _events(self, plan: Plan, old: Optional[Plan], records: list[NodeRecord]) -> list[Event]:
+    def _events(self, plan: Plan, old: Optional[Plan], records: list[NodeRecord],
+                lost: set[str] = frozenset()) -> list[Event]:  # type: ignore[assignment]
         now, me = time.time(), self.member.node_id
         before = list(old.nodes) if old else []
         added = [n for n in plan.nodes if n not in before]
@@ -159,11 +212,14 @@ class Leader:
         state = {r.node_id: r.state for r in records}
         events = []
         for n in removed:
-            kind = "drain" if state.get(n) == "draining" else ("leave" if n in state else "lost")
+            kind = ("lost" if n in lost else "drain" if state.get(n) == "draining" else
+                    "leave" if n in state else "lost")
             events.append(Event(time=now, kind=kind, node=n, generation=plan.generation,
                                 detail={"drain": "drained at a step boundary", "leave": "left the plan",
-                                        "lost": "lease expired or node unreachable"}[kind]))
-        causes = sorted({e.kind for e in events} | ({"join"} if added and old else set())) or ["initial"]
+                                        "lost": ("a peer saw its connections break and its agent did not answer "
+                                                 "a ping" if n in lost else "lease expired or node unreachable")}[kind]))
+        causes = sorted({e.kind for e in events} | ({"join"} if added and old else set())) or (
+            ["restart"] if old else ["initial"])
         events.append(Event(time=now, kind="plan", node=me, generation=plan.generation,
                             detail=f"{len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
                                    f"{plan.world_size} worker(s) ({'/'.join(causes)}"

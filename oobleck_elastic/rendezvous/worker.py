@@ -64,11 +64,17 @@ class WorkerContext:
         """Why this worker must exit 0 now, or None: the job is closed, or the node was drained."""
         if self.client.get_json(self.keys.closed)[0] is not None:
             return "the job is closed"
+        if self.client.get_json(self.keys.fenced + self.node_id)[0] is not None:
+            return f"node {self.node_id} was fenced (declared lost): it must not train on alone"
         if plan is not None and self.node_id not in plan.nodes:
             rec = self.record()
             if rec is not None and rec.state == "draining":
                 return f"node {self.node_id} was drained"
         return None
+
+    def report_failure(self, generation: int) -> None:
+        """Check in at the leader's roll call: this worker saw generation `generation` break."""
+        self.client.put_json(f"{self.keys.rollcall(generation)}{self.node_id}/{self.local_rank}", {"time": time.time()})
 
     def report_progress(self, *, generation: int, step: int, **extra: Any) -> None:
         self.client.put_json(self.keys.progress, {"generation": generation, "step": step, "time": time.time(),
