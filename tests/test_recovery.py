@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,102 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     gens = ea.Scalars("cluster/generation")
     assert sorted({e.value for e in gens}) == [1, 2]
     assert ea.Tags()["tensors"] and any("reconfiguration" in t for t in ea.Tags()["tensors"])
+
+
+def _run_job(tmp: Path, etcd_server, run_id: str, launcher_args: list[str], steps: int, profile: Path,
+             extra: list[str] = (), during=None, killed_by_test: int = 0) -> tuple[str, dict, dict]:
+    """Run a job (and the single-process reference); return (stdout, job state, reference state)."""
+    cfg_over = overrides(tmp / "job", steps, profile) + list(extra)
+    train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp / "ref", steps, profile) + list(extra)))
+    cmd = [sys.executable, "-m", "launcher.local", *launcher_args, "--endpoint", etcd_server.endpoint, "--run-id",
+           run_id, "--rdzv-conf", "lease_ttl=2,settle=0.2,last_call_timeout=1", "--", "examples/train.py",
+           "--config", "configs/gpt2-tiny.yaml", *cfg_over]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        if during is not None:
+            during(proc)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if killed_by_test:  # the launcher reports nodes it did not kill itself as failed
+        assert out.count("exited with status -9") == killed_by_test, out[-5000:]
+        assert f"0 killed on purpose, {killed_by_test} failed" in out, out[-5000:]
+    else:
+        assert proc.returncode == 0, out[-5000:]
+    return out, load_model_state(tmp / "job" / "ckpt"), load_model_state(tmp / "ref" / "ckpt")
+
+
+def _assert_same(job: dict, ref: dict) -> None:
+    assert set(job) == set(ref)
+    for key in ref:
+        torch.testing.assert_close(job[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id) -> None:
+    """A 4th node joins a 3-node job (admitted at a step boundary, layers copied to it), then a
+    node is drained with `oobleck kill-agent` (leaves at a boundary, its agent exits 0)."""
+    from oobleck_elastic import ops
+    from oobleck_elastic.etcd import EtcdSettings, connect
+    from oobleck_elastic.rendezvous.keys import Keys
+    profile = tiny_profile(tmp_path / "profile.json")
+    keys = Keys("/oobleck", run_id)
+
+    def drain_after_join(proc) -> None:
+        client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
+        try:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and proc.poll() is None:
+                progress, _ = client.get_json(keys.progress)  # the joiner is training in generation 2
+                if isinstance(progress, dict) and progress.get("generation", 0) >= 2:
+                    ops.kill_agent(client, keys, 1)
+                    return
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "3", "--join", "2"], 10, profile,
+                             during=drain_after_join)
+    assert "entered from generation 1" in out and "entered from generation 2" in out, out[-4000:]
+    assert "node node1 was drained" in out and "communication failed" not in out, out[-4000:]
+    assert "rank 3: entered from generation 1" in out  # the joiner received its layers
+    assert "Stopping worker group" not in out
+    _assert_same(job, ref)
+
+
+def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, etcd_server, run_id) -> None:
+    """Two nodes die at once and they held both copies of the same layers (more than f=1
+    failures): the survivors restore the newest checkpoint by themselves and still end with the
+    reference weights."""
+    from launcher.local import kill_node
+    from oobleck_elastic.etcd import EtcdSettings, connect
+    from oobleck_elastic.planning import Plan
+    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.rendezvous.membership import live_nodes
+
+    profile = tiny_profile(tmp_path / "profile.json")
+    keys = Keys("/oobleck", run_id)
+
+    def kill_both_first_stages(proc) -> None:
+        client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
+        try:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and proc.poll() is None:
+                progress, _ = client.get_json(keys.progress)
+                if isinstance(progress, dict) and progress.get("step", 0) >= 5:
+                    plan = Plan.from_json(client.get_json(keys.plan)[0])
+                    victims = {p.stages[0].node for p in plan.pipelines}
+                    assert len(victims) == 2
+                    for rec in live_nodes(client, keys):
+                        if rec.node_id in victims:
+                            kill_node(rec.agent_pid)
+                    return
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 9, profile,
+                             extra=["checkpoint.interval_steps=2"], during=kill_both_first_stages, killed_by_test=2)
+    assert "had no surviving copy; restored checkpoint" in out, out[-4000:]
+    _assert_same(job, ref)
