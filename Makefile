@@ -1,6 +1,6 @@
 # The two set-up commands of the README. Each creates .venv on first use.
 #   make demo   - the main job: train a tiny GPT-2 on a local 4-node simulation (embedded etcd,
-#                 one torchrun per node), then print where the checkpoint and TensorBoard logs are
+#                 one torchrun per node), SIGKILL one node mid-run, keep training, print a summary
 #   make test   - the test suite (what CI runs)
 # On a CPU machine torch is pinned to the local CPU build; on a GPU machine use e.g.
 #   make TORCH=torch test
@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -m launcher.local --nodes 4 --rdzv-conf lease_ttl=2,settle=0.2,last_call_timeout=1 \
+	$(PY) -m launcher.local --nodes 4 --kill 1@8 --rdzv-conf lease_ttl=2,settle=0.2,last_call_timeout=1 \
 		-- examples/train.py --config configs/gpt2-tiny.yaml
 
 test: $(VENV)/.installed

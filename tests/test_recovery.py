@@ -121,7 +121,7 @@ def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id)
         finally:
             client.close()
 
-    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "3", "--join", "2"], 10, profile,
+    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "3", "--join", "1"], 30, profile,
                              during=drain_after_join)
     assert "entered from generation 1" in out and "entered from generation 2" in out, out[-4000:]
     assert "node node1 was drained" in out and "communication failed" not in out, out[-4000:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -107,6 +108,7 @@ class Cluster:
 
 @pytest.fixture
 def cluster_factory(etcd_server, run_id, profile_path):
+    saved = dict(os.environ)  # handlers export OOBLECK_* for their workers: keep them out of later tests
     made = []
 
     def make(**kw) -> Cluster:
@@ -116,6 +118,8 @@ def cluster_factory(etcd_server, run_id, profile_path):
     yield make
     for c in made:
         c.close()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def join_all(boxes: list[dict], timeout: float = 10.0) -> None:
@@ -260,7 +264,8 @@ def test_connection_errors_are_clear(etcd_server, run_id, tmp_path) -> None:
         ops.open_run(args)
 
 
-def test_unknown_rdzv_conf_option_is_refused(etcd_server, run_id, profile_path) -> None:
+def test_unknown_rdzv_conf_option_is_refused(etcd_server, run_id, profile_path, monkeypatch) -> None:
+    monkeypatch.setenv("TORCH_ELASTIC_WORKER_IDENTICAL", "0")
     params = RendezvousParameters(backend="oobleck", endpoint=etcd_server.endpoint, run_id=run_id, min_nodes=1,
                                   max_nodes=1, lease_tll="3")
     with pytest.raises(ValueError, match=r"unknown --rdzv-conf option\(s\) \['lease_tll'\]"):

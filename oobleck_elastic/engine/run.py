@@ -80,7 +80,7 @@ class Summary:
 
 
 def under_oobleck() -> bool:
-    return "OOBLECK_RUN_ID" in os.environ and "OOBLECK_ETCD_ENDPOINT" in os.environ
+    return all(k in os.environ for k in ("OOBLECK_RUN_ID", "OOBLECK_ETCD_ENDPOINT", "TORCHELASTIC_RUN_ID"))
 
 
 def train(cfg: JobConfig, *, max_bytes: Optional[int] = None) -> Summary:
