@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from oobleck_elastic.checkpoint import latest_checkpoint, load_model_state, read_manifest
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.run import train
-from oobleck_elastic.planning import LayerProfile, ModelProfile
+from helpers import TINY_PROFILE_OVERRIDES, tiny_profile, when
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -27,16 +26,7 @@ def overrides(tmp: Path, steps: int, profile: Path) -> list[str]:
     return [f"training.steps={steps}", "data.seq_len=32", "training.global_batch_size=16",
             "training.microbatch_size=2", "training.optimizer.eps=1e-6",  # see tests/test_engine.py
             f"data.cache_dir={tmp / 'cache'}", f"checkpoint.dir={tmp / 'ckpt'}", f"logging.tensorboard_dir={tmp / 'runs'}",
-            f"planning.profile_path={profile}", "planning.device_memory_gb=1.25", "planning.memory_margin=0",
-            "fault_tolerance.comm_timeout_s=30"]
-
-
-def tiny_profile(path: Path) -> Path:
-    """6 layers of 0.4 GiB on 1.25 GiB devices: n0 = 2, so 4 nodes run 2 x 2-stage pipelines."""
-    b = int(0.1 * 1024 ** 3)
-    ModelProfile(layers=[LayerProfile(name=f"l{i}", forward_s=0.01, backward_s=0.02, param_bytes=b, grad_bytes=b,
-                                      optimizer_bytes=2 * b, activation_bytes=0) for i in range(6)]).save(path)
-    return path
+            f"planning.profile_path={profile}", *TINY_PROFILE_OVERRIDES, "fault_tolerance.comm_timeout_s=30"]
 
 
 def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, run_id) -> None:
@@ -103,23 +93,14 @@ def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id)
     """A 4th node joins a 3-node job (admitted at a step boundary, layers copied to it), then a
     node is drained with `oobleck kill-agent` (leaves at a boundary, its agent exits 0)."""
     from oobleck_elastic import ops
-    from oobleck_elastic.etcd import EtcdSettings, connect
     from oobleck_elastic.rendezvous.keys import Keys
     profile = tiny_profile(tmp_path / "profile.json")
     keys = Keys("/oobleck", run_id)
 
-    def drain_after_join(proc) -> None:
-        client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
-        try:
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline and proc.poll() is None:
-                progress, _ = client.get_json(keys.progress)  # the joiner is training in generation 2
-                if isinstance(progress, dict) and progress.get("generation", 0) >= 2:
-                    ops.kill_agent(client, keys, 1)
-                    return
-                time.sleep(0.05)
-        finally:
-            client.close()
+    def drain_after_join(proc) -> None:  # once the joiner trains in generation 2, drain node1
+        when(etcd_server.endpoint, proc,
+             lambda c: (c.get_json(keys.progress)[0] or {}).get("generation", 0) >= 2,
+             lambda c: ops.kill_agent(c, keys, 1))
 
     out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "3", "--join", "1"], 30, profile,
                              during=drain_after_join)
@@ -135,7 +116,6 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
     failures): the survivors restore the newest checkpoint by themselves and still end with the
     reference weights."""
     from launcher.local import kill_node
-    from oobleck_elastic.etcd import EtcdSettings, connect
     from oobleck_elastic.planning import Plan
     from oobleck_elastic.rendezvous.keys import Keys
     from oobleck_elastic.rendezvous.membership import live_nodes
@@ -143,25 +123,18 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
     profile = tiny_profile(tmp_path / "profile.json")
     keys = Keys("/oobleck", run_id)
 
-    def kill_both_first_stages(proc) -> None:
-        client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
-        try:
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline and proc.poll() is None:
-                progress, _ = client.get_json(keys.progress)
-                if isinstance(progress, dict) and progress.get("step", 0) >= 5:
-                    plan = Plan.from_json(client.get_json(keys.plan)[0])
-                    victims = {p.stages[0].node for p in plan.pipelines}
-                    assert len(victims) == 2
-                    for rec in live_nodes(client, keys):
-                        if rec.node_id in victims:
-                            kill_node(rec.agent_pid)
-                    return
-                time.sleep(0.05)
-        finally:
-            client.close()
+    def kill_both_first_stages(client) -> None:
+        plan = Plan.from_json(client.get_json(keys.plan)[0])
+        victims = {p.stages[0].node for p in plan.pipelines}
+        assert len(victims) == 2
+        for rec in live_nodes(client, keys):
+            if rec.node_id in victims:
+                kill_node(rec.agent_pid)
 
     out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 9, profile,
-                             extra=["checkpoint.interval_steps=2"], during=kill_both_first_stages, killed_by_test=2)
+                             extra=["checkpoint.interval_steps=2"], killed_by_test=2,
+                             during=lambda proc: when(etcd_server.endpoint, proc,
+                                                      lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 5,
+                                                      kill_both_first_stages))
     assert "had no surviving copy; restored checkpoint" in out, out[-4000:]
     _assert_same(job, ref)

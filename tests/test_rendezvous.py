@@ -18,7 +18,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from oobleck_elastic import ops
 from oobleck_elastic.etcd import EtcdError, EtcdSettings, connect
-from oobleck_elastic.planning import LayerProfile, ModelProfile, Plan
+from helpers import TINY_PROFILE_OVERRIDES, tiny_profile
+from oobleck_elastic.planning import Plan
 from oobleck_elastic.rendezvous.handler import OobleckRendezvousHandler
 from oobleck_elastic.rendezvous.keys import Keys
 from oobleck_elastic.rendezvous.membership import read_events
@@ -29,13 +30,7 @@ TTL = 1.0
 
 @pytest.fixture
 def profile_path(tmp_path: Path) -> Path:
-    """6 equal layers of 0.4 GiB params+grads+optimizer on 1.25 GiB devices: n0 = 2 nodes."""
-    b = int(0.1 * 1024 ** 3)
-    layers = [LayerProfile(name=f"l{i}", forward_s=0.01, backward_s=0.02, param_bytes=b, grad_bytes=b,
-                           optimizer_bytes=2 * b, activation_bytes=0) for i in range(6)]
-    path = tmp_path / "profile.json"
-    ModelProfile(layers=layers).save(path)
-    return path
+    return tiny_profile(tmp_path / "profile.json")  # n0 = 2 nodes
 
 
 class Cluster:
@@ -54,8 +49,7 @@ class Cluster:
         params = RendezvousParameters(backend="oobleck", endpoint=self.endpoint, run_id=self.run_id,
                                       min_nodes=self.min_nodes, max_nodes=self.max_nodes, **self.conf)
         argv = ["torchrun", "--nproc-per-node=1", "train.py", "--config", str(ROOT / "configs/gpt2-tiny.yaml"),
-                f"planning.profile_path={self.profile}", "planning.device_memory_gb=1.25",
-                "planning.memory_margin=0"]
+                f"planning.profile_path={self.profile}", *TINY_PROFILE_OVERRIDES]
         h = OobleckRendezvousHandler(params, argv=argv)
         self.handlers.append(h)
         return h

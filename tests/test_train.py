@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from oobleck_elastic.checkpoint import latest_checkpoint, load_model_state, read_manifest
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.run import train
-from oobleck_elastic.planning import LayerProfile, ModelProfile
+from helpers import TINY_PROFILE_OVERRIDES, tiny_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,20 +56,11 @@ def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path) -> Non
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-def tiny_profile(path: Path) -> Path:
-    """6 layers of 0.4 GiB on 1.25 GiB devices: n0 = 2, so three nodes run one 3-stage pipeline."""
-    b = int(0.1 * 1024 ** 3)
-    ModelProfile(layers=[LayerProfile(name=f"l{i}", forward_s=0.01, backward_s=0.02, param_bytes=b, grad_bytes=b,
-                                      optimizer_bytes=2 * b, activation_bytes=0) for i in range(6)]).save(path)
-    return path
-
-
 @pytest.mark.slow
 def test_torchrun_job_equals_single_process(tmp_path: Path, etcd_server, run_id) -> None:
     steps = 4
     ref_dir, job_dir = tmp_path / "ref", tmp_path / "job"
-    common = [f"planning.profile_path={tiny_profile(tmp_path / 'profile.json')}", "planning.device_memory_gb=1.25",
-              "planning.memory_margin=0"]
+    common = [f"planning.profile_path={tiny_profile(tmp_path / 'profile.json')}", *TINY_PROFILE_OVERRIDES]
     train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(ref_dir, steps) + common), max_bytes=None)
     cmd = [sys.executable, "-m", "launcher.local", "--nodes", "3", "--endpoint", etcd_server.endpoint, "--run-id",
            run_id, "--rdzv-conf", "lease_ttl=2,settle=0.2,last_call_timeout=0.5", "--", "examples/train.py",

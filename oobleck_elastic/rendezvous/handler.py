@@ -34,7 +34,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from ..config import ConfigError, JobConfig, load_config
 from ..etcd import EtcdClient, EtcdSettings, connect
-from ..planning import ModelProfile, Plan, PlanningError, plan_job, templates_for
+from ..planning import ModelProfile, Plan, plan_job, templates_for
 from .keys import Event, Keys
 from .leader import Leader, _parse_plan
 from .membership import Member, put_event
