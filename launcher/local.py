@@ -145,11 +145,20 @@ class LocalCluster:
     def _supervise(self) -> int:
         kills = sorted(self.args.kill, key=lambda ks: ks[1])
         joins = sorted(self.args.join)
-        client = connect(EtcdSettings(endpoint=self.endpoint)) if (kills or joins) else None
+        client = connect(EtcdSettings(endpoint=self.endpoint))
         keys = Keys("/oobleck", self.run_id)
+        closed_at: Optional[float] = None
         try:
             while any(n.proc.poll() is None for n in self.nodes):
-                if client is not None:
+                if closed_at is None and client.get_json(keys.closed)[0] is not None:
+                    closed_at = time.monotonic()
+                if closed_at is not None and time.monotonic() - closed_at > self.args.exit_grace:
+                    for n in self.nodes:  # e.g. a hung (SIGSTOPped) node that can no longer exit by itself
+                        if n.proc.poll() is None:
+                            self.say(f"node {n.number} did not exit {self.args.exit_grace:.0f}s after the job closed")
+                            kill_node(n.proc.pid)
+                    closed_at = float("inf")
+                if kills or joins:
                     progress, _ = client.get_json(keys.progress)
                     step = int(progress.get("step", 0)) if isinstance(progress, dict) else 0
                     while kills and step >= kills[0][1]:
@@ -164,8 +173,7 @@ class LocalCluster:
                         self.start_node()
                 time.sleep(0.1)
         finally:
-            if client is not None:
-                client.close()
+            client.close()
         failed = [n for n in self.nodes if not n.killed and n.proc.returncode != 0]
         for n in failed:
             self.say(f"node {n.number} exited with status {n.proc.returncode}")
@@ -201,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="start one more node once the job reaches step STEP")
     ap.add_argument("--rdzv-conf", default="", help="passed to torchrun --rdzv-conf (e.g. lease_ttl=2,settle=0.2)")
     ap.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts (local worker crashes)")
+    ap.add_argument("--exit-grace", type=float, default=60.0,
+                    help="seconds after the job closed before nodes still running are killed (default 60)")
     return ap
 
 

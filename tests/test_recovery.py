@@ -138,3 +138,67 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
                                                       kill_both_first_stages))
     assert "had no surviving copy; restored checkpoint" in out, out[-4000:]
     _assert_same(job, ref)
+
+
+def test_hung_node_is_dropped_after_the_comm_timeout(tmp_path: Path, etcd_server, run_id) -> None:
+    """A SIGSTOPped node (agent and workers frozen, sockets open): nothing interrupts a blocked
+    gloo call, so the survivors leave it when the communication timeout fires; its lease expires,
+    the leader re-plans without it, and training goes on with the reference weights. The frozen
+    node is killed by the launcher once the job is closed."""
+    import os
+    import signal
+
+    from launcher.local import descendants
+    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.rendezvous.membership import live_nodes
+
+    profile = tiny_profile(tmp_path / "profile.json")
+    keys = Keys("/oobleck", run_id)
+
+    def freeze_a_non_leader(client) -> None:
+        leader = (client.get_json(keys.leader)[0] or {}).get("node_id")
+        rec = next(r for r in live_nodes(client, keys) if r.node_id != leader)
+        for pid in [rec.agent_pid] + descendants(rec.agent_pid):
+            os.kill(pid, signal.SIGSTOP)
+
+    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--exit-grace", "5"], 9, profile,
+                             extra=["fault_tolerance.comm_timeout_s=4"], killed_by_test=1,
+                             during=lambda proc: when(etcd_server.endpoint, proc,
+                                                      lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 4,
+                                                      freeze_a_non_leader))
+    assert "Timed out waiting" in out and "entered from generation 1" in out, out[-4000:]
+    assert "did not exit 5s after the job closed" in out
+    _assert_same(job, ref)
+
+
+def test_local_worker_crash_is_restarted_by_its_agent_and_rejoins(tmp_path: Path, etcd_server, run_id) -> None:
+    """One worker process dies on a healthy node: its agent restarts it (torchrun's restart of the
+    local worker group), the node answers the roll call's ping so it stays in the plan, and the
+    restarted worker, holding nothing, receives its layers like a newcomer."""
+    import os
+    import signal
+
+    from launcher.local import descendants
+    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.rendezvous.membership import live_nodes, read_events
+
+    profile = tiny_profile(tmp_path / "profile.json")
+    keys = Keys("/oobleck", run_id)
+
+    def crash_a_worker(client) -> None:
+        leader = (client.get_json(keys.leader)[0] or {}).get("node_id")
+        rec = next(r for r in live_nodes(client, keys) if r.node_id != leader)
+        worker = next(p for p in descendants(rec.agent_pid) if b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes())
+        os.kill(worker, signal.SIGKILL)
+
+    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 12, profile,
+                             during=lambda proc: when(etcd_server.endpoint, proc,
+                                                      lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 4,
+                                                      crash_a_worker))
+    from oobleck_elastic.etcd import EtcdSettings, connect
+    client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
+    plans = [ev for _, ev in read_events(client, keys) if ev.kind == "plan"]
+    client.close()
+    assert [ev.generation for ev in plans] == [1, 2] and "(restart)" in plans[1].detail, [e.line() for e in plans]
+    assert "lost" not in [ev.kind for ev in plans]
+    _assert_same(job, ref)

@@ -68,7 +68,9 @@ class WorkerContext:
             return f"node {self.node_id} was fenced (declared lost): it must not train on alone"
         if plan is not None and self.node_id not in plan.nodes:
             rec = self.record()
-            if rec is not None and rec.state == "draining":
+            if rec is None:
+                return f"node {self.node_id} lost its lease (it was unreachable for longer than the TTL)"
+            if rec.state == "draining":
                 return f"node {self.node_id} was drained"
         return None
 
