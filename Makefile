@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench clean
+.PHONY: demo test chaos bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+chaos: $(VENV)/.installed
+	$(PY) -m pytest -q -m chaos -s tests/test_chaos.py
 
 bench: $(VENV)/.installed
 	$(PY) bench/planner.py

@@ -59,7 +59,7 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
 
 
 def _run_job(tmp: Path, etcd_server, run_id: str, launcher_args: list[str], steps: int, profile: Path,
-             extra: list[str] = (), during=None, killed_by_test: int = 0) -> tuple[str, dict, dict]:
+             extra: list[str] = (), during=None, killed_by_test=0) -> tuple[str, dict, dict]:
     """Run a job (and the single-process reference); return (stdout, job state, reference state)."""
     cfg_over = overrides(tmp / "job", steps, profile) + list(extra)
     train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp / "ref", steps, profile) + list(extra)))
@@ -75,6 +75,8 @@ def _run_job(tmp: Path, etcd_server, run_id: str, launcher_args: list[str], step
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    if callable(killed_by_test):
+        killed_by_test = killed_by_test()
     if killed_by_test:  # the launcher reports nodes it did not kill itself as failed
         assert out.count("exited with status -9") == killed_by_test, out[-5000:]
         assert f"0 killed on purpose, {killed_by_test} failed" in out, out[-5000:]
