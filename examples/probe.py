@@ -27,6 +27,7 @@ def main() -> int:
     args, _ = ap.parse_known_args()
 
     ctx = WorkerContext.from_env()
+    ctx.report_ready()
     me = f"{ctx.node_id}/{ctx.local_rank}"
     ctx.client.put_json(f"{ctx.keys.root}probe/{me}/{os.getpid()}",
                         {"restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})

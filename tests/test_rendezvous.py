@@ -64,6 +64,8 @@ class Cluster:
             def run(h=h, box=box):
                 try:
                     box["info"] = h.next_rendezvous()
+                    # what the node's (single) worker does once it has started: report ready
+                    self.client.put_json(self.keys.ready(h.member.node_id) + "0", {"time": time.time()})
                 except Exception as err:  # noqa: BLE001 - the test inspects it
                     box["error"] = err
             box["thread"] = threading.Thread(target=run, daemon=True)
@@ -133,9 +135,9 @@ def test_nodes_rendezvous_then_a_late_node_is_admitted(cluster_factory) -> None:
         assert (info.rank, info.world_size) == (0, 1)
         assert box["handler"].num_nodes_waiting() == 0
     late = c.start(1)
-    join_all(late)
-    plan = c.plan()
-    assert plan.generation == 2 and set(plan.nodes) == {"node0", "node1", "node2", "node3"}
+    join_all(late)  # admitted at once; planned when its worker is ready
+    plan = c.wait_plan(lambda p: p.generation == 2)
+    assert set(plan.nodes) == {"node0", "node1", "node2", "node3"}
     assert all(b["handler"].num_nodes_waiting() == 0 for b in first + late)
     kinds = [(e.kind, e.node) for e in c.events()]
     assert kinds.count(("plan", kinds[-1][1])) >= 1
@@ -200,7 +202,8 @@ def test_nodes_beyond_max_wait_as_spares(cluster_factory) -> None:
     assert "info" not in spare and c.plan().nodes == ("node0", "node1")
     c.crash(boxes[0]["handler"] if not boxes[0]["handler"].leader.is_leader.is_set() else boxes[1]["handler"])
     spare["thread"].join(TTL + 5)
-    assert "info" in spare and "node2" in c.plan().nodes
+    assert "info" in spare
+    c.wait_plan(lambda p: "node2" in p.nodes)
 
 
 def test_below_n0_waits_with_one_log_line(cluster_factory, caplog) -> None:

@@ -230,6 +230,7 @@ def _train_worker(cfg: JobConfig, dataset: Any) -> Summary:
 
     ctx = WorkerContext.from_env()
     trainer = Trainer(cfg, dataset=dataset, node=ctx.node_id, local_rank=ctx.local_rank)
+    ctx.report_ready()
     steps = cfg.training.steps
     target, exact = 1, False
     run = _Run(cfg, node=ctx.node_id)

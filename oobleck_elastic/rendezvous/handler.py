@@ -5,7 +5,9 @@ c10d/etcd handlers so that healthy workers are never restarted (../shared/resear
 torch-elastic-facts.md, section 2.4):
 
 - `next_rendezvous()` registers the node (membership.py), starts the leader thread (leader.py)
-  and returns once the leader has admitted this node into a plan generation. It returns a
+  and returns once the leader has admitted this node: into the first generation, or, for a node
+  arriving while the job runs, as a member whose workers join the next generation once they
+  report ready (so nobody waits in init_process_group while a newcomer imports torch). It returns a
   node-local view (rank 0 of 1, an in-memory store): the agent's own rank assignment and exit
   barrier stay on this node, because job-wide ranks come from the plan, which workers read from
   etcd. A node that arrives while the job runs is admitted into the next generation without a
@@ -169,7 +171,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         os.environ.update({"OOBLECK_RUN_ID": self.params.run_id, "OOBLECK_KEY_PREFIX": self.keys.prefix,
                            "OOBLECK_NODE_ID": node, "OOBLECK_NODE_INDEX": str(self.member.record.index),  # type: ignore[union-attr]
                            "OOBLECK_GENERATION": str(plan.generation)})
-        log.info("node %s: admitted in generation %d (%d node(s))", node, plan.generation, len(plan.nodes))
+        log.info("node %s: admitted (current generation %d, %d node(s))", node, plan.generation, len(plan.nodes))
         info = RendezvousStoreInfo("127.0.0.1", _free_port())
         return RendezvousInfo(self._store, 0, 1, info)
 
@@ -193,6 +195,8 @@ class OobleckRendezvousHandler(RendezvousHandler):
             plan = _parse_plan(data)
             if plan is not None and node in plan.nodes:
                 return plan
+            if plan is not None and self.client.get_json(self.keys.admitted(node))[0] is not None:
+                return plan  # a late node: its workers start now and join once they are ready
             if self.member.fenced.is_set():
                 raise RendezvousClosedError(f"node {node} was fenced (lease expired) while waiting")
             now = time.monotonic()

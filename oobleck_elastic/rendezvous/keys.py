@@ -11,6 +11,8 @@ Everything lives under `<key_prefix>/<run_id>/` (key_prefix defaults to `/ooblec
 | `plans/<generation>`     | the same plan, kept per generation              | the leader (same txn) |   |
 | `profile`                | ModelProfile the templates are computed from    | the first leader  |       |
 | `events/<ns>-<node_id>`  | Event: time, kind, node, generation, detail     | agents, leader, CLI |     |
+| `admitted/<node>`       | a late node is admitted: its agent starts its workers | the leader |    |
+| `ready/<node>/<local rank>` | a worker has loaded torch, data and config and can join a generation | workers | |
 | `rollcall/g<g>/<node>/<local rank>` | a worker of generation g saw a communication failure | workers |    |
 | `ping/<node>`, `pong/<node>` | the leader asks a node's agent whether it is alive; it answers | leader, agent | |
 | `fenced/<node>`          | declared lost before its lease expired: excluded from plans; its workers stop | leader | |
@@ -78,6 +80,14 @@ class Keys:
 
     def event(self, node_id: str) -> str:
         return f"{self.events}{time.time_ns():020d}-{node_id}"
+
+    def admitted(self, node_id: str) -> str:
+        """The leader admitted a node that arrived while the job runs (its agent may start workers)."""
+        return f"{self.root}admitted/{node_id}"
+
+    def ready(self, node_id: str) -> str:
+        """Prefix under which a node's workers say they are ready to join a generation."""
+        return f"{self.root}ready/{node_id}/"
 
     def rollcall(self, generation: int) -> str:
         """Workers of `generation` that saw a communication failure check in here."""

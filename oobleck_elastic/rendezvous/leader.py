@@ -119,7 +119,8 @@ class Leader:
                     self._rc = None
                     change_seen = None
                     continue
-                desired = self._desired(plan, up, fenced)
+                self._admit(plan, up, fenced)
+                desired = self._desired(plan, up, fenced | self._not_ready(plan, up))
                 if desired != list(plan.nodes):
                     change_seen = change_seen or time.monotonic()
                     if time.monotonic() - change_seen >= self.settle_s:
@@ -140,6 +141,30 @@ class Leader:
             else:
                 self.client._call(self.client.raw.delete, key)
         return fenced
+
+    def _admit(self, plan: Plan, up: list[NodeRecord], fenced: set[str]) -> None:
+        """Let the agents of nodes that arrived while the job runs start their workers (up to max)."""
+        alive = {r.node_id for r in up} - fenced
+        members = sum(1 for n in plan.nodes if n in alive)
+        for rec in up:
+            if rec.node_id in plan.nodes or rec.node_id in fenced:
+                continue
+            if self.client.get_json(self.keys.admitted(rec.node_id))[0] is not None:
+                members += 1
+            elif members < self.max_nodes:
+                self.client.put_json(self.keys.admitted(rec.node_id), {"time": time.time()})
+                members += 1
+
+    def _not_ready(self, plan: Plan, up: list[NodeRecord]) -> set[str]:
+        """New nodes whose workers have not all said they are ready: a plan with them would make
+        every worker wait in init_process_group while theirs are still importing torch."""
+        waiting = set()
+        for rec in up:
+            if rec.node_id not in plan.nodes:
+                ready = sum(1 for _ in self.client.get_prefix_json(self.keys.ready(rec.node_id)))
+                if ready < rec.devices:
+                    waiting.add(rec.node_id)
+        return waiting
 
     def _roll_call(self, plan: Plan) -> Optional[list[str]]:
         """Fast failure detection. Workers that saw a communication failure check in under

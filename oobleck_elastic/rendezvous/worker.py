@@ -74,6 +74,11 @@ class WorkerContext:
                 return f"node {self.node_id} was drained"
         return None
 
+    def report_ready(self) -> None:
+        """This worker has imported everything and loaded its data: it can join a generation."""
+        self.client.put_json(f"{self.keys.ready(self.node_id)}{self.local_rank}", {"time": time.time(),
+                                                                                 "pid": os.getpid()})
+
     def report_failure(self, generation: int) -> None:
         """Check in at the leader's roll call: this worker saw generation `generation` break."""
         self.client.put_json(f"{self.keys.rollcall(generation)}{self.node_id}/{self.local_rank}", {"time": time.time()})
