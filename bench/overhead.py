@@ -170,7 +170,7 @@ class Baseline:
         import torch.distributed as dist
 
         from oobleck_elastic.engine.optim import set_lr
-        from oobleck_elastic.engine.trainer import collate
+        from oobleck_elastic.engine.data import collate
 
         x, y = collate(self.dataset, self.sampler.indices(step)[self.slice])
         if self.first:

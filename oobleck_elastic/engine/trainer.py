@@ -29,7 +29,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from torch import nn
 from ..config import JobConfig
 from ..models import build_layer_model
 from ..planning import Plan
+from .data import collate, pipeline_slices
 from .groups import GenerationGroups, GradSync, Holders
 from .optim import build_optimizer, clip_coefficient, scale_grads, set_lr, token_sum_loss
 from .reconfigure import exchange, plan_transfers, retie
@@ -98,11 +99,6 @@ class Autocast(nn.Module):
         with torch.autocast(device_type=x.device.type, dtype=self.dtype):
             out = self.module(x)
         return out.float() if out.is_floating_point() else out
-
-
-def collate(dataset: Any, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    items = [dataset[i] for i in indices]
-    return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
 
 
 class Trainer:
@@ -232,9 +228,9 @@ class Trainer:
         indices = self.sampler.indices(step)
         if self.plan is None:
             return indices
-        mbs = self.cfg.training.microbatch_size
-        start = mbs * sum(p.microbatches for p in self.plan.pipelines[: self.pipeline.index])
-        return indices[start:start + mbs * self.pipeline.microbatches]
+        start, end = pipeline_slices([p.microbatches for p in self.plan.pipelines],
+                                     self.cfg.training.microbatch_size)[self.pipeline.index]
+        return indices[start:end]
 
     def _forward_backward_local(self, x: torch.Tensor, y: torch.Tensor) -> float:
         total = 0.0

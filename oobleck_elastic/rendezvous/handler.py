@@ -36,6 +36,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from ..config import ConfigError, JobConfig, load_config
 from ..etcd import EtcdClient, EtcdSettings, connect
+from ..etcd.server import free_port
 from ..planning import ModelProfile, Plan, plan_job, templates_for
 from .keys import Event, Keys
 from .leader import Leader, _parse_plan
@@ -172,7 +173,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
                            "OOBLECK_NODE_ID": node, "OOBLECK_NODE_INDEX": str(self.member.record.index),  # type: ignore[union-attr]
                            "OOBLECK_GENERATION": str(plan.generation)})
         log.info("node %s: admitted (current generation %d, %d node(s))", node, plan.generation, len(plan.nodes))
-        info = RendezvousStoreInfo("127.0.0.1", _free_port())
+        info = RendezvousStoreInfo("127.0.0.1", free_port())
         return RendezvousInfo(self._store, 0, 1, info)
 
     # ------------------------------------------------------------------ helpers
@@ -233,14 +234,6 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self.client._call(self.client.raw.put_if_not_exists, self.keys.profile, json.dumps(profile.to_json()))
         data, _ = self.client.get_json(self.keys.profile)
         return ModelProfile.from_json(data, source="etcd profile") if data is not None else profile
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 __all__ = ["BACKEND", "OobleckRendezvousHandler", "RDZV_OPTIONS", "script_arguments"]
