@@ -124,6 +124,10 @@ class FaultToleranceConfig:
     """Window in which simultaneous membership changes are batched into one re-plan."""
     comm_timeout_s: float = 30.0
     """Timeout of every collective; a hung peer is declared lost after it."""
+    stall_report_s: float = 1.0
+    """A worker waiting this long for its peers while joining a generation checks in at the
+    leader's roll call, which pings the nodes not heard from and re-plans without the dead ones
+    (a node killed during a reconfiguration); 0 disables it."""
     rendezvous_timeout_s: float = 600.0
     """How long the first rendezvous waits for the minimum number of nodes."""
 
@@ -278,7 +282,7 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
         if get(key) < 1:
             problems.append(f"'{key}' must be >= 1 (got {get(key)})")
     for key in ("training.steps", "planning.profile_warmup", "checkpoint.interval_steps",
-                "training.lr_schedule.warmup_steps"):
+                "training.lr_schedule.warmup_steps", "fault_tolerance.stall_report_s"):
         if get(key) < 0:
             problems.append(f"'{key}' must be >= 0 (got {get(key)})")
     t = cfg.training

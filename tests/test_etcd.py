@@ -167,6 +167,27 @@ def test_store_get_wakes_on_a_later_set(store: EtcdStore) -> None:
     timer.join()
 
 
+def test_store_on_wait_hook_sees_progress_and_can_give_up(store: EtcdStore) -> None:
+    """The hook runs every quarter second of a wait; an exception it raises ends the wait, also
+    when the caller is C++ (init_process_group's rendezvous), so a worker stops joining a
+    generation that was superseded instead of waiting out the store timeout."""
+    seen: list[float] = []
+
+    def hook(waited: float) -> None:
+        seen.append(waited)
+        if waited > 0.6:
+            raise RuntimeError("generation 3 was superseded by generation 4 while joining")
+
+    store.on_wait = hook
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="superseded by generation 4"):
+        store.get("never")
+    assert time.monotonic() - t0 < 3 and len(seen) >= 2 and seen == sorted(seen)
+    with pytest.raises(RuntimeError, match="superseded by generation 4"):
+        dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=60))
+    assert not dist.is_initialized()
+
+
 def test_store_add_is_atomic_under_contention(store: EtcdStore, etcd_settings: EtcdSettings) -> None:
     clients = [connect(etcd_settings) for _ in range(4)]
     stores = [EtcdStore(c, prefix=store.prefix) for c in clients]

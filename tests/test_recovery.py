@@ -59,12 +59,13 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
 
 
 def _run_job(tmp: Path, etcd_server, run_id: str, launcher_args: list[str], steps: int, profile: Path,
-             extra: list[str] = (), during=None, killed_by_test=0) -> tuple[str, dict, dict]:
+             extra: list[str] = (), during=None, killed_by_test=0,
+             rdzv: str = "lease_ttl=2,settle=0.2,last_call_timeout=1") -> tuple[str, dict, dict]:
     """Run a job (and the single-process reference); return (stdout, job state, reference state)."""
     cfg_over = overrides(tmp / "job", steps, profile) + list(extra)
     train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp / "ref", steps, profile) + list(extra)))
     cmd = [sys.executable, "-m", "launcher.local", *launcher_args, "--endpoint", etcd_server.endpoint, "--run-id",
-           run_id, "--rdzv-conf", "lease_ttl=2,settle=0.2,last_call_timeout=1", "--", "examples/train.py",
+           run_id, "--rdzv-conf", rdzv, "--", "examples/train.py",
            "--config", "configs/gpt2-tiny.yaml", *cfg_over]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -91,6 +91,7 @@ class Cluster:
         """What a SIGKILL looks like to etcd: the lease is no longer refreshed, nothing is revoked."""
         h.leader.stop()
         h.member.close(revoke=False)
+        h.client.raw.cancel_watch(h._watch)  # a dead agent answers no pings either
 
     def events(self) -> list:
         return [ev for _, ev in read_events(self.client, self.keys)]
@@ -177,6 +178,58 @@ def test_leader_death_elects_a_new_leader_that_publishes(cluster_factory) -> Non
     assert leader_events == [dead, new_leaders[0].member.node_id]
     plan_by = [e.node for e in c.events() if e.kind == "plan" and e.generation == plan.generation]
     assert plan_by == [new_leaders[0].member.node_id]
+
+
+def checkin(c: Cluster, plan: Plan, node: str, kind: str) -> None:
+    """What a worker of `node` writes when it sees a failure (or stalls joining `plan`)."""
+    c.client.put_json(f"{c.keys.rollcall(plan.generation)}{node}/0", {"time": time.time(), "kind": kind})
+
+
+def test_dead_leader_is_replaced_by_a_deputy_without_waiting_for_its_lease(cluster_factory) -> None:
+    """Workers saw the leader's node fail: the first node that checked in pings the leader, finds
+    it silent, revokes its lease; the election and the roll call follow at once (the TTL here is
+    a minute, so waiting for it would fail the test)."""
+    c = cluster_factory(min_nodes=3, max_nodes=3, lease_ttl="60")
+    boxes = c.start(3)
+    join_all(boxes)
+    plan = c.plan()
+    old = next(b["handler"] for b in boxes if b["handler"].leader.is_leader.is_set())
+    dead = old.member.node_id
+    c.crash(old)
+    survivors = [n for n in plan.nodes if n != dead]
+    for node in survivors:
+        checkin(c, plan, node, "failure")
+    new = c.wait_plan(lambda p: p.generation == 2, timeout=10)
+    assert new.nodes == tuple(survivors)
+    deputy_events = [e for e in c.events() if e.kind == "lost" and "revoked its lease" in e.detail]
+    assert [(e.node, e.generation) for e in deputy_events] == [(dead, 1)]
+    assert (f"leader {dead} did not answer a ping during the roll call of generation 1; revoked its lease"
+            == deputy_events[0].detail)
+    assert c.client.get_json(c.keys.node(dead))[0] is None
+    leaders = [e.node for e in c.events() if e.kind == "leader"]
+    assert leaders[0] == dead and len(leaders) == 2 and leaders[1] in survivors
+
+
+def test_a_stalled_join_replans_only_when_a_silent_node_is_found(cluster_factory) -> None:
+    """`stall` check-ins (workers waiting long for peers while joining) re-plan nothing while
+    every suspect answers its ping; once a node dies (its lease still valid for a minute), the
+    next round finds it silent and the leader re-plans without it."""
+    c = cluster_factory(min_nodes=3, max_nodes=3, lease_ttl="60")
+    boxes = c.start(3)
+    join_all(boxes)
+    plan = c.plan()
+    leader = next(b["handler"] for b in boxes if b["handler"].leader.is_leader.is_set())
+    others = [b["handler"] for b in boxes if b["handler"] is not leader]
+    checkin(c, plan, leader.member.node_id, "stall")
+    time.sleep(1.5)  # pinged, both answered: only slow
+    assert c.plan().generation == 1
+    victim = others[0]
+    c.crash(victim)
+    new = c.wait_plan(lambda p: p.generation == 2, timeout=10)
+    assert victim.member.node_id not in new.nodes and len(new.nodes) == 2
+    lost = [e for e in c.events() if e.kind == "lost"]
+    assert [e.node for e in lost] == [victim.member.node_id]
+    assert "did not answer a ping" in lost[0].detail
 
 
 def test_kill_agent_drains_a_node(cluster_factory) -> None:

@@ -243,8 +243,9 @@ def _train_worker(cfg: JobConfig, dataset: Any) -> Summary:
             info: Optional[Reconfiguration] = None
             failure: Optional[str] = None
             try:
-                info = trainer.enter_generation(plan, EtcdStore(ctx.client, prefix=ctx.keys.store(plan.generation)),
-                                                load_plan=ctx.plan_at)
+                store = EtcdStore(ctx.client, prefix=ctx.keys.store(plan.generation),
+                                  on_wait=ctx.join_watch(plan.generation, stall_s=cfg.fault_tolerance.stall_report_s))
+                info = trainer.enter_generation(plan, store, load_plan=ctx.plan_at)
                 step = info.resume_step
                 if info.previous == 0 and step == 0:
                     step = run.resume(trainer)
@@ -257,8 +258,7 @@ def _train_worker(cfg: JobConfig, dataset: Any) -> Summary:
                 ctx.report_failure(plan.generation)
                 log.warning("gen %d node %s: entering generation %d failed (%s); waiting for a newer plan",
                             trainer.generation, ctx.node_id, plan.generation, failure)
-                target, exact = plan.generation, False
-                time.sleep(0.2)
+                target, exact = plan.generation + 1, False  # the roll call always ends in a newer plan
                 continue
             run.entered(trainer, info)
             result = None

@@ -13,7 +13,9 @@ Mechanism:
   - otherwise the current value is returned.
 - `get`/`wait` read the key. If it is absent, they watch it from the revision right after that read,
   so a put between the read and the watch is not lost. They re-read after every watch event or
-  5 s slice. Once the store timeout (or the `wait` override) has passed, they raise
+  5 s slice (0.25 s with an `on_wait` hook, which is called with the seconds waited so far and
+  may raise to give up early, e.g. when the generation being joined was superseded). Once the
+  store timeout (or the `wait` override) has passed, they raise
   `torch.distributed.DistStoreError` naming the missing key, as TCPStore does. A zero timeout means
   "wait forever" (c10d's `kNoTimeout`).
 - Nothing read here is unpickled: the store only moves opaque bytes for torch.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import pyetcd.exceptions
 import torch.distributed as dist
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from .client import EtcdClient
 
 _WATCH_SLICE_S = 5.0
+_HOOK_SLICE_S = 0.25
 
 
 def _to_bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
@@ -46,14 +49,15 @@ class EtcdStore(dist.Store):
     the same process, because gRPC channels are thread-safe.
     """
 
-    def __init__(self, client: EtcdClient, *, prefix: str,
-                 timeout: timedelta = timedelta(seconds=300)) -> None:
+    def __init__(self, client: EtcdClient, *, prefix: str, timeout: timedelta = timedelta(seconds=300),
+                 on_wait: Optional[Callable[[float], None]] = None) -> None:
         super().__init__()
         if not prefix.strip("/"):
             raise ValueError("EtcdStore needs a non-empty prefix such as '/oobleck/<run>/gen3/store', "
                              "so that delete_prefix() cannot wipe unrelated keys")
         self.client = client
         self.prefix = "/" + prefix.strip("/") + "/"
+        self.on_wait = on_wait
         self.set_timeout(timeout)
 
     # ------------------------------------------------------------------ helpers
@@ -140,7 +144,7 @@ class EtcdStore(dist.Store):
 
     def clone(self) -> "EtcdStore":
         """A store on the same client, prefix and timeout (c10d clones stores for some backends)."""
-        return EtcdStore(self.client, prefix=self.prefix, timeout=self.timeout)
+        return EtcdStore(self.client, prefix=self.prefix, timeout=self.timeout, on_wait=self.on_wait)
 
     # ------------------------------------------------------------------ extras
     def delete_prefix(self) -> int:
@@ -154,7 +158,9 @@ class EtcdStore(dist.Store):
     def _wait_get(self, keys: list[str], override_timeout: Optional[timedelta]) -> list[bytes]:
         timeout = override_timeout if override_timeout is not None else self.timeout
         total_s = timeout.total_seconds()
-        deadline = time.monotonic() + total_s if total_s > 0 else float("inf")
+        start = time.monotonic()
+        deadline = start + total_s if total_s > 0 else float("inf")
+        slice_s = _WATCH_SLICE_S if self.on_wait is None else _HOOK_SLICE_S
         values = []
         for key in keys:
             k = self._key(key)
@@ -173,8 +179,10 @@ class EtcdStore(dist.Store):
                         "(did one die or start late?); raise the store/process-group timeout if peers "
                         "are just slow")
                 try:  # from the revision after our read, so a put in between still wakes us
-                    self._call(self._raw.watch_once_response, k, timeout=min(remaining, _WATCH_SLICE_S),
+                    self._call(self._raw.watch_once_response, k, timeout=min(remaining, slice_s),
                                start_revision=resp.header.revision + 1)
                 except pyetcd.exceptions.WatchTimedOut:
                     pass
+                if self.on_wait is not None:
+                    self.on_wait(time.monotonic() - start)
         return values

@@ -13,8 +13,8 @@ Everything lives under `<key_prefix>/<run_id>/` (key_prefix defaults to `/ooblec
 | `events/<ns>-<node_id>`  | Event: time, kind, node, generation, detail     | agents, leader, CLI |     |
 | `admitted/<node>`       | a late node is admitted: its agent starts its workers | the leader |    |
 | `ready/<node>/<local rank>` | a worker has loaded torch, data and config and can join a generation | workers | |
-| `rollcall/g<g>/<node>/<local rank>` | a worker of generation g saw a communication failure | workers |    |
-| `ping/<node>`, `pong/<node>` | the leader asks a node's agent whether it is alive; it answers | leader, agent | |
+| `rollcall/g<g>/<node>/<local rank>` | {time, kind}: a worker of generation g saw a communication failure, or stalled joining g | workers |    |
+| `ping/<node>`, `pong/<node>` | the leader (or the deputy, about the leader) asks a node's agent whether it is alive; it answers | leader, deputy, agent | |
 | `fenced/<node>`          | declared lost before its lease expired: excluded from plans; its workers stop | leader | |
 | `progress`               | {generation, step, time, ...}                   | worker rank 0     |       |
 | `closed`                 | {time, reason}: the job finished, stop planning | workers / handler |       |
@@ -90,7 +90,7 @@ class Keys:
         return f"{self.root}ready/{node_id}/"
 
     def rollcall(self, generation: int) -> str:
-        """Workers of `generation` that saw a communication failure check in here."""
+        """Workers of `generation` that saw a communication failure (or stalled joining it) check in here."""
         return f"{self.root}rollcall/g{generation}/"
 
     def ping(self, node_id: str) -> str:

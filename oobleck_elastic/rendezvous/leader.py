@@ -2,7 +2,8 @@
 
 Every agent runs a `Leader` thread. It campaigns by creating the `leader` key under its own
 node lease (`put_if_not_exists`): exactly one agent holds it, and when that agent dies its lease
-expires and another wins within the TTL plus one poll tick.
+expires and another wins within the TTL plus one poll tick, or much sooner when workers saw the
+failure: then a deputy confirms by ping that the leader is gone and revokes its lease (detect.py).
 
 The leader polls membership (node records) and, whenever the set of usable nodes differs from
 the current plan's nodes for longer than the settle window (which batches simultaneous
@@ -27,6 +28,7 @@ from typing import Callable, Optional
 
 from ..etcd import EtcdClient, EtcdError
 from ..planning import Plan, PlanningError
+from .detect import Deputy, RollCall
 from .keys import Event, Keys, NodeRecord
 from .membership import Member, live_nodes, put_event
 
@@ -48,8 +50,8 @@ class Leader:
         self._thread: Optional[threading.Thread] = None
         self._value = b""
         self._waiting_for: Optional[int] = None
-        self.ping_timeout_s = ping_timeout_s
-        self._rc: Optional[dict] = None  # roll call in progress: generation, pings sent, pongs seen
+        self.rollcall = RollCall(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s)
+        self.deputy = Deputy(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="oobleck-leader", daemon=True)
@@ -66,6 +68,8 @@ class Leader:
             try:
                 if self._campaign():
                     self._lead()
+                elif self.deputy.check(_parse_plan(self.client.get_json(self.keys.plan)[0])):
+                    continue  # the dead leader's lease is revoked: campaign at once
             except EtcdError as err:
                 log.warning("node %s: leader loop: %s", self.member.node_id, err)
             except Exception:  # noqa: BLE001 - keep the agent alive; log the bug loudly
@@ -111,12 +115,12 @@ class Leader:
                     first_quorum = None
             else:
                 fenced = self._fenced(records)
-                dead = self._roll_call(plan)
+                dead = self.rollcall.check(plan, records)
                 if dead is not None:  # workers saw a failure: re-plan now, without unresponsive nodes
                     for node in dead:
                         self.client.put_json(self.keys.fenced + node, {"time": time.time(), "generation": plan.generation})
                     self._publish(self._desired(plan, up, fenced | set(dead)), plan, rev, records, lost=set(dead))
-                    self._rc = None
+                    self.rollcall.reset()
                     change_seen = None
                     continue
                 self._admit(plan, up, fenced)
@@ -165,33 +169,6 @@ class Leader:
                 if ready < rec.devices:
                     waiting.add(rec.node_id)
         return waiting
-
-    def _roll_call(self, plan: Plan) -> Optional[list[str]]:
-        """Fast failure detection. Workers that saw a communication failure check in under
-        rollcall/g<generation>/; every plan node with a worker missing is pinged through etcd and
-        its agent answers at once if it is alive. Returns None while the roll call is open or has
-        not started; else the nodes that did not answer within ping_timeout_s (possibly none)."""
-        entries = {tuple(k.rsplit("/", 2)[1:]) for k, _ in self.client.get_prefix_json(self.keys.rollcall(plan.generation))}
-        if not entries:
-            return None
-        now = time.monotonic()
-        if self._rc is None or self._rc["generation"] != plan.generation:
-            self._rc = {"generation": plan.generation, "pinged": {}, "alive": set(), "nonce": f"{time.time_ns()}"}
-            log.info("node %s: roll call for generation %d (%d worker(s) saw a failure)", self.member.node_id,
-                     plan.generation, len(entries))
-        rc = self._rc
-        workers = {(s.node, str(s.local_rank)) for p in plan.pipelines for s in p.stages}
-        missing = {node for node, lr in workers if (node, lr) not in entries}
-        for node in missing - set(rc["pinged"]):
-            self.client._call(self.client.raw.put, self.keys.ping(node), rc["nonce"])
-            rc["pinged"][node] = now
-        for node in set(rc["pinged"]) - rc["alive"]:
-            value, _ = self.client._call(self.client.raw.get, self.keys.pong(node))
-            if value is not None and value.decode() == rc["nonce"]:
-                rc["alive"].add(node)
-        if any(node not in rc["alive"] and now - rc["pinged"][node] < self.ping_timeout_s for node in missing):
-            return None
-        return sorted(node for node in missing if node not in rc["alive"])
 
     def _desired(self, plan: Plan, up: list[NodeRecord], exclude: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
         """Current members that are still up, in plan order, then new nodes by index, up to max."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..planning import PipelineSpec, Plan, StagePlacement
@@ -79,9 +79,28 @@ class WorkerContext:
         self.client.put_json(f"{self.keys.ready(self.node_id)}{self.local_rank}", {"time": time.time(),
                                                                                  "pid": os.getpid()})
 
-    def report_failure(self, generation: int) -> None:
-        """Check in at the leader's roll call: this worker saw generation `generation` break."""
-        self.client.put_json(f"{self.keys.rollcall(generation)}{self.node_id}/{self.local_rank}", {"time": time.time()})
+    def report_failure(self, generation: int, *, kind: str = "failure") -> None:
+        """Check in at the leader's roll call: this worker saw generation `generation` break
+        (`failure`), or has waited too long for its peers while joining it (`stall`)."""
+        self.client.put_json(f"{self.keys.rollcall(generation)}{self.node_id}/{self.local_rank}",
+                             {"time": time.time(), "kind": kind})
+
+    def join_watch(self, generation: int, *, stall_s: float) -> Callable[[float], None]:
+        """The `EtcdStore.on_wait` hook of a worker joining `generation`: it gives up (raises)
+        once a newer plan is published, and checks in at the roll call as stalled after
+        `stall_s` so that the leader finds a peer that died during the reconfiguration."""
+        reported = False
+
+        def hook(waited: float) -> None:
+            nonlocal reported
+            latest = self.plan()
+            if latest is not None and latest.generation > generation:
+                raise RuntimeError(f"generation {generation} was superseded by generation {latest.generation} "
+                                   "while joining it")
+            if stall_s > 0 and waited >= stall_s and not reported:
+                self.report_failure(generation, kind="stall")
+                reported = True
+        return hook
 
     def report_progress(self, *, generation: int, step: int, **extra: Any) -> None:
         self.client.put_json(self.keys.progress, {"generation": generation, "step": step, "time": time.time(),

@@ -1,0 +1,157 @@
+"""Fast failure detection: the leader's roll call and the deputy that replaces a dead leader.
+
+A worker that sees a communication call fail (a peer's connections broke), or that has waited
+longer than `fault_tolerance.stall_report_s` for its peers while joining a generation, checks in
+under `rollcall/g<generation>/<node>/<local rank>` with the kind `failure` or `stall`. Nobody
+waits for an etcd lease to expire when the evidence is already there:
+
+- `RollCall` (run by the leader): the plan's nodes with a worker that has not checked in are the
+  suspects. A suspect whose node record is gone is dead at once; the others are pinged through
+  `ping/<node>`, and their agent (handler.py) answers on `pong/<node>` with the same nonce within
+  milliseconds if its process is alive. Suspects silent for `ping_timeout_s` are dead. The roll
+  call then asks for a re-plan without the dead, unless every check-in is a `stall` and nobody is
+  dead: then the job is only slow, and the roll call is repeated a little later in case a node
+  dies meanwhile.
+- `Deputy` (run by every other agent): when the LEADER dies, nobody runs the roll call and its
+  `leader` key would outlive it by the lease TTL. So while a roll call is open, the first plan
+  node (in plan order) that has checked in pings the leader; if the leader's agent does not
+  answer within `ping_timeout_s`, the deputy revokes the leader's lease. The leader key and the
+  dead leader's node record vanish with it, an election follows within a tick, and the new
+  leader's roll call finds the old leader's record gone. A live but slow leader that loses its
+  lease this way is fenced (membership.py) and its workers stop: the same treatment the roll
+  call gives any node that does not answer a ping.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+from ..etcd import EtcdClient
+from ..planning import Plan
+from .keys import Event, Keys, NodeRecord
+from .membership import put_event
+
+log = logging.getLogger(__name__)
+
+STALL_RECHECK_S = 1.0  # a stall-only roll call whose suspects all answered is repeated after this
+
+
+def checkins(client: EtcdClient, keys: Keys, generation: int) -> dict[tuple[str, str], str]:
+    """(node, local rank) -> kind (`failure` or `stall`) of every roll-call check-in."""
+    out = {}
+    for key, value in client.get_prefix_json(keys.rollcall(generation)):
+        node, local_rank = key.rsplit("/", 2)[1:]
+        kind = value.get("kind", "failure") if isinstance(value, dict) else "failure"
+        out[(node, local_rank)] = kind if kind in ("failure", "stall") else "failure"
+    return out
+
+
+class _Pinger:
+    """Pings nodes through etcd and collects the answers (one nonce per round)."""
+
+    def __init__(self, client: EtcdClient, keys: Keys) -> None:
+        self.client, self.keys = client, keys
+        self.nonce = f"{time.time_ns()}"
+        self.sent: dict[str, float] = {}
+        self.alive: set[str] = set()
+
+    def ping(self, node: str) -> None:
+        if node not in self.sent:
+            self.client._call(self.client.raw.put, self.keys.ping(node), self.nonce)
+            self.sent[node] = time.monotonic()
+
+    def answered(self, node: str) -> bool:
+        if node not in self.alive:
+            value, _ = self.client._call(self.client.raw.get, self.keys.pong(node))
+            if value is not None and value.decode() == self.nonce:
+                self.alive.add(node)
+        return node in self.alive
+
+    def waited(self, node: str) -> float:
+        return time.monotonic() - self.sent[node]
+
+
+class RollCall:
+    """The leader's side; `check()` once per leader tick."""
+
+    def __init__(self, client: EtcdClient, keys: Keys, *, node_id: str, ping_timeout_s: float) -> None:
+        self.client, self.keys, self.node_id = client, keys, node_id
+        self.ping_timeout_s = ping_timeout_s
+        self._round: Optional[tuple[int, _Pinger, float]] = None  # generation, pinger, started
+
+    def reset(self) -> None:
+        self._round = None
+
+    def check(self, plan: Plan, records: list[NodeRecord]) -> Optional[list[str]]:
+        """None while no roll call is open, or it is still waiting for pongs, or everyone is
+        alive and only slow; otherwise the nodes to re-plan without (possibly none)."""
+        entries = checkins(self.client, self.keys, plan.generation)
+        if not entries:
+            return None
+        now = time.monotonic()
+        if self._round is None or self._round[0] != plan.generation:
+            self._round = (plan.generation, _Pinger(self.client, self.keys), now)
+            kinds = sorted(set(entries.values()))
+            log.info("node %s: roll call for generation %d (%d worker(s) checked in: %s)", self.node_id,
+                     plan.generation, len(entries), "/".join(kinds))
+        _, pinger, started = self._round
+        live = {r.node_id for r in records}
+        workers = {(s.node, str(s.local_rank)) for p in plan.pipelines for s in p.stages}
+        suspects = {node for node, lr in workers if (node, lr) not in entries}
+        for node in suspects & live:
+            pinger.ping(node)
+        waiting = [n for n in suspects & live if not pinger.answered(n) and pinger.waited(n) < self.ping_timeout_s]
+        if waiting:
+            return None
+        dead = sorted(n for n in suspects if n not in live or not pinger.answered(n))
+        if not dead and all(kind == "stall" for kind in entries.values()):
+            if now - started >= STALL_RECHECK_S:
+                self._round = None  # ask again: a node may have died since it answered
+            return None
+        return dead
+
+
+class Deputy:
+    """A non-leader agent's side; `check()` once per election tick."""
+
+    def __init__(self, client: EtcdClient, keys: Keys, *, node_id: str, ping_timeout_s: float) -> None:
+        self.client, self.keys, self.node_id = client, keys, node_id
+        self.ping_timeout_s = ping_timeout_s
+        self._watch: Optional[dict[str, Any]] = None
+
+    def check(self, plan: Optional[Plan]) -> bool:
+        """Whether this call revoked a dead leader's lease (the caller should campaign now)."""
+        if plan is None:
+            return False
+        entries = checkins(self.client, self.keys, plan.generation)
+        leader = (self.client.get_json(self.keys.leader)[0] or {})
+        leader_node = leader.get("node_id") if isinstance(leader, dict) else None
+        checked_in = [n for n in plan.nodes if n != leader_node and any(node == n for node, _ in entries)]
+        if not entries or not leader_node or not checked_in or checked_in[0] != self.node_id:
+            self._watch = None
+            return False
+        w = self._watch
+        if w is None or w["generation"] != plan.generation or w["leader"] != leader_node:
+            self._watch = w = {"generation": plan.generation, "leader": leader_node,
+                               "pinger": _Pinger(self.client, self.keys), "done": False}
+            w["pinger"].ping(leader_node)
+            return False
+        pinger: _Pinger = w["pinger"]
+        if w["done"] or pinger.answered(leader_node) or pinger.waited(leader_node) < self.ping_timeout_s:
+            return False
+        w["done"] = True
+        data, _ = self.client.get_json(self.keys.node(leader_node))
+        rec = NodeRecord.parse(data, key=self.keys.node(leader_node)) if data is not None else None
+        detail = (f"leader {leader_node} did not answer a ping during the roll call of generation "
+                  f"{plan.generation}; revoked its lease")
+        log.warning("node %s: %s", self.node_id, detail)
+        put_event(self.client, self.keys, Event(time=time.time(), kind="lost", node=leader_node,
+                                                generation=plan.generation, detail=detail))
+        if rec is not None:  # no record: its lease, which also holds the leader key, is gone already
+            try:
+                self.client._call(self.client.raw.revoke_lease, rec.lease_id)
+            except Exception as err:  # noqa: BLE001 - expired meanwhile: the election goes on anyway
+                log.info("node %s: revoking %s's lease: %s", self.node_id, leader_node, err)
+        return True

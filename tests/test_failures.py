@@ -1,0 +1,142 @@
+"""The harder failure scenarios of issue 5, each against the single-process reference: the leader
+dies; a node dies while the survivors are entering the next generation; a node dies while
+another joins; two nodes die at once with f=2; 8 nodes become 6 (seed 002's case, where no
+template of the old sizes fits the new count). Real torchrun nodes, real etcd, gloo.
+
+The victims are chosen from the plan in etcd (`kill_node` SIGKILLs an agent's whole process
+tree); `when` fires each kill at the moment the test names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import tiny_profile, when
+from test_recovery import _assert_same, _run_job
+
+pytestmark = pytest.mark.slow
+
+
+def _plan(client, keys, generation=None):
+    from oobleck_elastic.planning import Plan
+
+    data = client.get_json(keys.plan if generation is None else keys.plan_at(generation))[0]
+    return Plan.from_json(data) if data is not None else None
+
+
+def _pid(client, keys, node: str) -> int:
+    from oobleck_elastic.rendezvous.membership import live_nodes
+
+    return next(r.agent_pid for r in live_nodes(client, keys) if r.node_id == node)
+
+
+def _leader(client, keys) -> str:
+    return (client.get_json(keys.leader)[0] or {}).get("node_id", "")
+
+
+def _step(client, keys) -> int:
+    return (client.get_json(keys.progress)[0] or {}).get("step", 0)
+
+
+def _events(endpoint: str, keys) -> list:
+    from oobleck_elastic.etcd import EtcdSettings, connect
+    from oobleck_elastic.rendezvous.membership import read_events
+
+    client = connect(EtcdSettings(endpoint=endpoint))
+    try:
+        return [ev for _, ev in read_events(client, keys)]
+    finally:
+        client.close()
+
+
+def test_kill_the_leader(tmp_path: Path, etcd_server, run_id) -> None:
+    """The leader's node dies mid-run with a 30 s lease TTL: its workers' peers check in at the
+    roll call, a deputy finds the leader silent and revokes its lease, a new leader re-plans."""
+    from launcher.local import kill_node
+    from oobleck_elastic.rendezvous.keys import Keys
+
+    keys = Keys("/oobleck", run_id)
+    killed: list[str] = []
+
+    def kill_leader(c) -> None:
+        killed.append(_leader(c, keys))
+        kill_node(_pid(c, keys, killed[0]))
+
+    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 8, tiny_profile(tmp_path / "p.json"),
+                             rdzv="lease_ttl=30,settle=0.2,last_call_timeout=1", killed_by_test=1,
+                             during=lambda proc: when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3,
+                                                      kill_leader))
+    events = _events(etcd_server.endpoint, keys)
+    revoked = [e for e in events if e.kind == "lost" and "revoked its lease" in e.detail]
+    assert [e.node for e in revoked] == killed, [e.line() for e in events]
+    leaders = [e.node for e in events if e.kind == "leader"]
+    assert leaders[0] == killed[0] and len(leaders) == 2
+    _assert_same(job, ref)
+
+
+def test_kill_during_reconfiguration(tmp_path: Path, etcd_server, run_id) -> None:
+    """A node dies at step 3; the moment generation 2 is published (survivors are joining it), its
+    former pipeline partner dies too. The survivors stalled in generation 2's rendezvous find it
+    out by the roll call, enter generation 3 on the two nodes of the intact pipeline, and finish
+    with the reference weights."""
+    from launcher.local import kill_node
+    from oobleck_elastic.rendezvous.keys import Keys
+
+    keys = Keys("/oobleck", run_id)
+    victims: list[str] = []
+
+    def first_kill(c) -> None:
+        plan = _plan(c, keys)
+        leader = _leader(c, keys)
+        pipe = next(p for p in plan.pipelines if leader not in {s.node for s in p.stages})
+        victims.extend(s.node for s in pipe.stages)
+        kill_node(_pid(c, keys, victims[0]))
+
+    def chain(proc) -> None:
+        when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3, first_kill)
+        when(etcd_server.endpoint, proc, lambda c: _plan(c, keys).generation >= 2,
+             lambda c: kill_node(_pid(c, keys, victims[1])), timeout=60)
+
+    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 10, tiny_profile(tmp_path / "p.json"),
+                             killed_by_test=2, during=chain)
+    final = _plan_of_run(etcd_server.endpoint, keys)
+    assert final.generation == 3 and not set(victims) & set(final.nodes), out[-4000:]
+    _assert_same(job, ref)
+
+
+def _plan_of_run(endpoint: str, keys):
+    from oobleck_elastic.etcd import EtcdSettings, connect
+
+    client = connect(EtcdSettings(endpoint=endpoint))
+    try:
+        return _plan(client, keys)
+    finally:
+        client.close()
+
+
+def test_kill_a_node_while_another_joins(tmp_path: Path, etcd_server, run_id) -> None:
+    """A fifth node joins at step 3; the moment the plan that adds it is published (it is about to
+    receive its layers), a node that is not the leader dies. The job ends on the four live nodes,
+    the newcomer included, with the reference weights."""
+    from launcher.local import kill_node
+    from oobleck_elastic.rendezvous.keys import Keys
+
+    keys = Keys("/oobleck", run_id)
+    victims: list[str] = []
+
+    def joined(c) -> bool:
+        plan = _plan(c, keys)
+        return plan is not None and "node4" in plan.nodes
+
+    def kill_one(c) -> None:
+        plan, leader = _plan(c, keys), _leader(c, keys)
+        victims.append(next(n for n in plan.nodes if n not in (leader, "node4")))
+        kill_node(_pid(c, keys, victims[0]))
+
+    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--join", "3"], 14,
+                             tiny_profile(tmp_path / "p.json"), killed_by_test=1,
+                             during=lambda proc: when(etcd_server.endpoint, proc, joined, kill_one))
+    final = _plan_of_run(etcd_server.endpoint, keys)
+    assert "node4" in final.nodes and victims[0] not in final.nodes and len(final.nodes) == 4, out[-4000:]
+    _assert_same(job, ref)
