@@ -124,6 +124,11 @@ class FaultToleranceConfig:
     """Window in which simultaneous membership changes are batched into one re-plan."""
     comm_timeout_s: float = 30.0
     """Timeout of every collective; a hung peer is declared lost after it."""
+    join_timeout_s: float = 3.0
+    """Timeout of connecting a generation's process groups. A peer that dies during a
+    reconfiguration, after publishing its address, holds the others in gloo's connection set-up
+    for about 5x this long (gloo retries) before they move on; once connected, groups switch to
+    comm_timeout_s. Raise it when thousands of ranks connect slowly."""
     stall_report_s: float = 1.0
     """A worker waiting this long for its peers while joining a generation checks in at the
     leader's roll call, which pings the nodes not heard from and re-plans without the dead ones
@@ -276,6 +281,9 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
     for key, choices in _CHOICES.items():
         if get(key) not in choices:
             problems.append(f"'{key}' is '{get(key)}'; choose one of {', '.join(choices)}")
+    if cfg.fault_tolerance.join_timeout_s <= 0 or cfg.fault_tolerance.comm_timeout_s <= 0:
+        problems.append("'fault_tolerance.join_timeout_s' and 'fault_tolerance.comm_timeout_s' must be > 0 (got "
+                        f"{cfg.fault_tolerance.join_timeout_s} and {cfg.fault_tolerance.comm_timeout_s})")
     for key in ("model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",
                 "model.max_seq_len", "data.seq_len", "training.global_batch_size",
                 "training.microbatch_size", "planning.gpus_per_node", "planning.profile_repeats"):

@@ -129,3 +129,57 @@ def test_three_plans_match_the_single_process_reference(tmp_path: Path) -> None:
     fresh = Trainer(cfg, dataset=RandomTokens()).layer_state()
     moved = [k for k, t in ref.items() if not torch.equal(t, fresh[int(k.split(":")[0])][k.split(":", 1)[1]])]
     assert len(moved) == len(ref)
+
+
+def _plan(generation: int, pipelines: list[list[tuple[str, int, int]]]) -> Plan:
+    """A plan from pipelines given as [(node, first layer, end layer), ...] (one device per node)."""
+    specs, rank = [], 0
+    for pi, stages in enumerate(pipelines):
+        placed = []
+        for si, (node, start, end) in enumerate(stages):
+            placed.append(StagePlacement(index=si, start=start, end=end, node=node, local_rank=0, rank=rank))
+            rank += 1
+        specs.append(PipelineSpec(index=pi, template_nodes=len(stages), nodes=tuple(n for n, _, _ in stages),
+                                  microbatches=4, stages=tuple(placed), est_time_s=1.0))
+    nodes = tuple(n for p in pipelines for n, _, _ in p)
+    return Plan(generation=generation, nodes=nodes, spares=(), gpus_per_node=1, num_layers=6, microbatch_size=2,
+                pipelines=tuple(specs), est_step_time_s=1.0, f=1)
+
+
+def test_transfers_come_from_surviving_holders_spread_over_them() -> None:
+    from oobleck_elastic.engine.reconfigure import holdings, plan_transfers
+
+    old = _plan(1, [[("a", 0, 3), ("b", 3, 6)], [("c", 0, 3), ("d", 3, 6)], [("e", 0, 2), ("f", 2, 6)]])
+    new = _plan(2, [[("a", 0, 2), ("c", 2, 4), ("e", 4, 6)], [("d", 0, 3), ("f", 3, 6)]])
+    held = {k: v for k, v in holdings(old).items() if k[0] != "b"}  # b died
+    transfers, lost = plan_transfers(held, new)
+    assert lost == []
+    got = {(t.layer, t.dst) for t in transfers}
+    # c (rank 1) needs 2 (had 0-3: keeps 2) and 3; e (rank 2) needs 4, 5 (had 0-2); d (rank 3) needs 0-2
+    assert got == {(3, 1), (4, 2), (5, 2), (0, 3), (1, 3), (2, 3)}
+    rank_of = {s.node: s.rank for p in new.pipelines for s in p.stages}
+    for t in transfers:  # every source really holds the layer
+        src = next(n for n, r in rank_of.items() if r == t.src)
+        assert t.layer in held[(src, 0)]
+    sources_of_layer_0_to_2 = {t.src for t in transfers if t.dst == 3}
+    assert len(sources_of_layer_0_to_2) > 1, "one receiver's layers are spread over several holders"
+
+
+def test_transfers_use_each_workers_own_layout_after_a_half_done_entry() -> None:
+    """Generation 2 was entered by some workers only (its entry failed half-way): a and b hold
+    generation 2's layout, c and d still generation 1's. Both are valid copies at the same step,
+    so nothing is lost; with generation 2's layout alone layers 4-5 (held by the dead e) would be."""
+    from oobleck_elastic.engine.reconfigure import holdings, plan_transfers
+
+    g1 = _plan(1, [[("a", 0, 3), ("b", 3, 6)], [("c", 0, 3), ("d", 3, 6)]])
+    g2 = _plan(2, [[("a", 0, 2), ("b", 2, 4), ("e", 4, 6)], [("c", 0, 3), ("d", 3, 6)]])
+    g3 = _plan(3, [[("a", 0, 3), ("b", 3, 6)], [("c", 0, 3), ("d", 3, 6)]])
+    held = {("a", 0): holdings(g2)[("a", 0)], ("b", 0): holdings(g2)[("b", 0)],
+            ("c", 0): holdings(g1)[("c", 0)], ("d", 0): holdings(g1)[("d", 0)]}
+    transfers, lost = plan_transfers(held, g3)
+    assert lost == []
+    assert {(t.layer, t.dst) for t in transfers} == {(2, 0), (4, 1), (5, 1)}
+    assert all(t.src == 3 for t in transfers if t.layer in (4, 5))  # only d holds them now
+    assert next(t.src for t in transfers if t.layer == 2) in (1, 2)  # b (generation 2) or c (generation 1)
+    only_g2 = {k: v for k, v in holdings(g2).items() if k[0] in "ab"}
+    assert plan_transfers(only_g2, g3)[1] == [4, 5]

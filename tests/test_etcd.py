@@ -188,6 +188,19 @@ def test_store_on_wait_hook_sees_progress_and_can_give_up(store: EtcdStore) -> N
     assert not dist.is_initialized()
 
 
+def test_store_min_wait_outlasts_a_callers_short_timeout(store: EtcdStore) -> None:
+    """gloo waits for peers' addresses under the process group's (short, connect) timeout; with
+    min_wait a peer that arrives later than that is still waited for."""
+    store.min_wait = timedelta(seconds=5)
+    timer = threading.Timer(0.6, store.set, args=("slow", "1"))
+    timer.start()
+    store.wait(["slow"], timedelta(seconds=0.2))
+    timer.join()
+    store.min_wait = timedelta(seconds=0.4)
+    with pytest.raises(dist.DistStoreError, match=r"timed out after 0\.4 s"):
+        store.wait(["never"], timedelta(seconds=0.1))
+
+
 def test_store_add_is_atomic_under_contention(store: EtcdStore, etcd_settings: EtcdSettings) -> None:
     clients = [connect(etcd_settings) for _ in range(4)]
     stores = [EtcdStore(c, prefix=store.prefix) for c in clients]

@@ -67,15 +67,26 @@ def _run_job(tmp: Path, etcd_server, run_id: str, launcher_args: list[str], step
     cmd = [sys.executable, "-m", "launcher.local", *launcher_args, "--endpoint", etcd_server.endpoint, "--run-id",
            run_id, "--rdzv-conf", rdzv, "--", "examples/train.py",
            "--config", "configs/gpt2-tiny.yaml", *cfg_over]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        if during is not None:
-            during(proc)
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    log_path = tmp / "job.log"  # kept in pytest's tmp dir for a post-mortem
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, text=True)
+        try:
+            if during is not None:
+                during(proc)
+            proc.wait(timeout=400)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"job still running after 400 s; log {log_path}:\n"
+                                 + log_path.read_text()[-5000:]) from None
+        finally:
+            if proc.poll() is None:  # SIGTERM: the launcher kills every node by PID, then itself
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    from launcher.local import kill_node
+                    kill_node(proc.pid)
+                    proc.wait()
+    out = log_path.read_text()
     if callable(killed_by_test):
         killed_by_test = killed_by_test()
     if killed_by_test:  # the launcher reports nodes it did not kill itself as failed

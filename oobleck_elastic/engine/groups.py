@@ -12,7 +12,8 @@ contributions).
 
 `torch.distributed.new_group` must be called by every rank, in the same order, for every group;
 `GenerationGroups` does that for the pipeline groups, the holder-set groups and the tied groups,
-always with an explicit timeout (new_group does not inherit init_process_group's).
+always with an explicit timeout (new_group does not inherit init_process_group's): a short one
+while the group connects, the collective timeout once it is up (see `GenerationGroups`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..models import LayerModel
 from ..planning import Plan
@@ -63,17 +65,27 @@ class Holders:
 class GenerationGroups:
     """The process groups one worker uses in one generation."""
 
-    def __init__(self, plan: Plan, holders: Holders, *, rank: int, timeout: timedelta) -> None:
+    def __init__(self, plan: Plan, holders: Holders, *, rank: int, timeout: timedelta,
+                 connect_timeout: Optional[timedelta] = None) -> None:
+        """Groups connect under `connect_timeout` (a peer that died meanwhile is given up on
+        soon), then run their collectives under `timeout`."""
         self.plan, self.holders, self.rank = plan, holders, rank
         self.pipeline_group: Optional[dist.ProcessGroup] = None
+        connect = min(timeout, connect_timeout or timeout)
+
+        def make(ranks: list[int]) -> dist.ProcessGroup:
+            g = dist.new_group(ranks, timeout=connect)
+            if rank in ranks and connect != timeout:
+                _set_pg_timeout(timeout, g)
+            return g
         for p in plan.pipelines:  # every rank creates every pipeline group, in order
             ranks = [s.rank for s in p.stages]
-            g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+            g = make(ranks) if len(ranks) > 1 else None
             if rank in ranks:
                 self.pipeline_group = g
         self.sets: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for ranks in holders.group_sets():
-            g = dist.new_group(list(ranks), timeout=timeout)
+            g = make(list(ranks))
             if rank in ranks:
                 self.sets[ranks] = g
 

@@ -1,9 +1,10 @@
 """Moving layers between generations: who sends which layer to whom, and the transfer itself.
 
 A worker is identified across generations by (node, local rank); its ranks change. When the job
-enters generation G from generation g, every worker computes the same transfer list from the
-two plans alone: for each stage of G, the layers it must hold but did not hold in g come from a
-worker that held them in g and is still in G. Sources are spread over the surviving holders
+enters generation G, every worker computes the same transfer list from what each worker holds
+(the layers of its stage in the generation it last entered, agreed by one all-reduce) and the
+new plan: for each stage of G, the layers it must hold but does not come from a worker that
+holds them and is in G. Sources are spread over the surviving holders
 (round-robin by layer and receiver), so a layer needed by several workers is not served by one.
 A layer with no surviving holder is lost: the caller must restore the checkpoint (DESIGN.md
 invariant 3) and never trains on with a re-initialised layer.
@@ -46,22 +47,20 @@ def holdings(plan: Optional[Plan]) -> dict[Identity, range]:
     return {(s.node, s.local_rank): range(s.start, s.end) for p in plan.pipelines for s in p.stages}
 
 
-def plan_transfers(old: Optional[Plan], new: Plan, *, valid: Optional[set[Identity]] = None
-                   ) -> tuple[list[Transfer], list[int]]:
-    """The transfers from `old` to `new` and the layers no survivor holds (lost). `valid`: the
-    workers that really still hold their `old` layers (None: all of them); a restarted worker
-    with the same identity holds nothing."""
-    before = {ident: layers for ident, layers in holdings(old).items() if valid is None or ident in valid}
+def plan_transfers(held: dict[Identity, range], new: Plan) -> tuple[list[Transfer], list[int]]:
+    """The transfers into `new` and the layers no worker of `new` holds (lost). `held`: the layers
+    each worker really holds now (see `holdings`); a new or restarted worker holds nothing, and
+    workers may hold the layout of different generations when an entry failed half-way."""
     new_rank = {(s.node, s.local_rank): s.rank for p in new.pipelines for s in p.stages}
     survivors_of: dict[int, list[int]] = {}
-    for ident, layers in before.items():
+    for ident, layers in held.items():
         if ident in new_rank:
             for layer in layers:
                 survivors_of.setdefault(layer, []).append(new_rank[ident])
     transfers, lost = [], set()
     for p in new.pipelines:
         for s in p.stages:
-            had = before.get((s.node, s.local_rank), range(0))
+            had = held.get((s.node, s.local_rank), range(0))
             for layer in range(s.start, s.end):
                 if layer in had:
                     continue

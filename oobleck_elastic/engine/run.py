@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -243,8 +244,11 @@ def _train_worker(cfg: JobConfig, dataset: Any) -> Summary:
             info: Optional[Reconfiguration] = None
             failure: Optional[str] = None
             try:
+                ft = cfg.fault_tolerance
                 store = EtcdStore(ctx.client, prefix=ctx.keys.store(plan.generation),
-                                  on_wait=ctx.join_watch(plan.generation, stall_s=cfg.fault_tolerance.stall_report_s))
+                                  timeout=timedelta(seconds=ft.comm_timeout_s),
+                                  min_wait=timedelta(seconds=ft.comm_timeout_s),
+                                  on_wait=ctx.join_watch(plan.generation, stall_s=ft.stall_report_s))
                 info = trainer.enter_generation(plan, store, load_plan=ctx.plan_at)
                 step = info.resume_step
                 if info.previous == 0 and step == 0:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..config import JobConfig
 from ..models import build_layer_model
@@ -41,7 +42,7 @@ from ..planning import Plan
 from .data import collate, pipeline_slices
 from .groups import GenerationGroups, GradSync, Holders
 from .optim import build_optimizer, clip_coefficient, scale_grads, set_lr, token_sum_loss
-from .reconfigure import exchange, plan_transfers, retie
+from .reconfigure import exchange, holdings, plan_transfers, retie
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class Trainer:
         self.loss_fn = token_sum_loss(t.global_batch_size * seq_len)
         self.dtype = torch.bfloat16 if t.precision == "bf16" else None
         self.timeout = timeout or timedelta(seconds=cfg.fault_tolerance.comm_timeout_s)
+        self.join_timeout = timedelta(seconds=cfg.fault_tolerance.join_timeout_s)
         self.plan: Optional[Plan] = None
         self.generation = 0
         self.rank = rank
@@ -146,8 +148,10 @@ class Trainer:
         stage = mine[0]
         if dist.is_initialized():
             dist.destroy_process_group()
+        # connect under the short join timeout (a peer that died during the reconfiguration holds
+        # gloo's connection set-up for ~5x it), then run collectives under the comm timeout
         dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl", store=store, rank=stage.rank,
-                                world_size=plan.world_size, timeout=self.timeout)
+                                world_size=plan.world_size, timeout=min(self.timeout, self.join_timeout))
         agree = torch.tensor([self.generation, self.committed_step, self.synced_step], dtype=torch.float64)
         dist.all_reduce(agree, op=dist.ReduceOp.MAX)
         previous, committed = int(agree[0]), int(agree[1])
@@ -155,21 +159,26 @@ class Trainer:
         if self.synced_step > self.committed_step and self.synced_step == committed:
             self._apply(self.synced_step, self._synced_norm2)  # someone committed this step: apply it here too
             rolled = True
+        current = self.committed_step == committed  # my layers (if any) are at the agreed step
         self._zero_grad()  # anything else is a discarded step (possibly half a backward pass): replay it
         self.committed_step = self.synced_step = committed
-        old_plan = self.plan if self.plan is not None and self.plan.generation == previous else (
-            load_plan(previous) if previous > 0 else None)
-        if previous > 0 and old_plan is None:
-            raise RuntimeError(f"plan of generation {previous} is not available to {self.identity}")
-        # which workers really hold the previous generation's layers (not a restarted or new one)
+        # what every worker really holds: the layers of its stage in the generation it last
+        # entered (not always `previous`: an entry may have failed half-way on some workers), or
+        # nothing (new or restarted). Every copy is at the same committed step, so any is a source.
         held = torch.zeros(plan.world_size, dtype=torch.float64)
-        held[stage.rank] = self.generation if self.owned else 0
+        held[stage.rank] = self.generation if self.owned and current else 0
         dist.all_reduce(held)
-        valid = {(s.node, s.local_rank) for p in plan.pipelines for s in p.stages
-                 if previous > 0 and int(held[s.rank]) == previous}
-        transfers, lost = plan_transfers(old_plan, plan, valid=valid)
+        _set_pg_timeout(self.timeout)  # every peer is connected now
+        layouts = {int(g) for g in held.tolist() if g > 0}
+        plans = {g: self.plan if self.plan is not None and self.plan.generation == g else load_plan(g) for g in layouts}
+        missing = sorted(g for g, p in plans.items() if p is None)
+        if missing:
+            raise RuntimeError(f"plan(s) of generation(s) {missing} are not available to {self.identity}")
+        before = {(s.node, s.local_rank): holdings(plans[int(held[s.rank])]).get((s.node, s.local_rank), range(0))
+                  for p in plan.pipelines for s in p.stages if int(held[s.rank]) > 0}
+        transfers, lost = plan_transfers(before, plan)
         owned = list(range(stage.start, stage.end))
-        kept = [i for i in owned if i in self.owned] if self.identity in valid else []
+        kept = [i for i in owned if i in self.owned] if current else []
         fresh = [i for i in owned if i not in kept]
         target = build_layer_model(self.cfg.model, seed=self.cfg.training.seed, owned=fresh, device=str(self.device))
         for i in kept:
@@ -185,7 +194,7 @@ class Trainer:
         self.layer_model, self.plan, self.generation, self.rank = target, plan, plan.generation, stage.rank
         self._adopt(owned, {**keep_state, **states})
         self._build_pipeline(plan)
-        if lost and old_plan is not None:
+        if lost and layouts:  # (nobody holding anything is the first start: layers built from the seed)
             raise LayersLost(lost)
         info = Reconfiguration(generation=plan.generation, previous=previous, resume_step=committed + 1,
                                rolled_forward=rolled, bytes_moved=moved, seconds=time.perf_counter() - t0)
@@ -210,7 +219,8 @@ class Trainer:
 
         self.pipeline, self.stage = plan.stage_of(self.rank)
         holders = Holders.of(plan, self.layer_model)
-        self.groups = GenerationGroups(plan, holders, rank=self.rank, timeout=self.timeout)
+        self.groups = GenerationGroups(plan, holders, rank=self.rank, timeout=self.timeout,
+                                       connect_timeout=self.join_timeout)
         self.grad_sync = GradSync(self.groups, self.layer_model, self.owned)
         self.stage_module = Autocast(self.layer_model.stage(self.stage.start, self.stage.end), self.dtype)
         stages = len(self.pipeline.stages)

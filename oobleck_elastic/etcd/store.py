@@ -14,8 +14,10 @@ Mechanism:
 - `get`/`wait` read the key. If it is absent, they watch it from the revision right after that read,
   so a put between the read and the watch is not lost. They re-read after every watch event or
   5 s slice (0.25 s with an `on_wait` hook, which is called with the seconds waited so far and
-  may raise to give up early, e.g. when the generation being joined was superseded). Once the
-  store timeout (or the `wait` override) has passed, they raise
+  may raise to give up early, e.g. when the generation being joined was superseded). With
+  `min_wait`, no wait is shorter than it, whatever timeout the caller passes: gloo waits for
+  peers' addresses under the process group's timeout, and a short connect timeout must not
+  turn a peer that arrives a little late into a failure. Once the store timeout (or the `wait` override) has passed, they raise
   `torch.distributed.DistStoreError` naming the missing key, as TCPStore does. A zero timeout means
   "wait forever" (c10d's `kNoTimeout`).
 - Nothing read here is unpickled: the store only moves opaque bytes for torch.
@@ -50,7 +52,7 @@ class EtcdStore(dist.Store):
     """
 
     def __init__(self, client: EtcdClient, *, prefix: str, timeout: timedelta = timedelta(seconds=300),
-                 on_wait: Optional[Callable[[float], None]] = None) -> None:
+                 on_wait: Optional[Callable[[float], None]] = None, min_wait: Optional[timedelta] = None) -> None:
         super().__init__()
         if not prefix.strip("/"):
             raise ValueError("EtcdStore needs a non-empty prefix such as '/oobleck/<run>/gen3/store', "
@@ -58,6 +60,7 @@ class EtcdStore(dist.Store):
         self.client = client
         self.prefix = "/" + prefix.strip("/") + "/"
         self.on_wait = on_wait
+        self.min_wait = min_wait
         self.set_timeout(timeout)
 
     # ------------------------------------------------------------------ helpers
@@ -144,7 +147,8 @@ class EtcdStore(dist.Store):
 
     def clone(self) -> "EtcdStore":
         """A store on the same client, prefix and timeout (c10d clones stores for some backends)."""
-        return EtcdStore(self.client, prefix=self.prefix, timeout=self.timeout, on_wait=self.on_wait)
+        return EtcdStore(self.client, prefix=self.prefix, timeout=self.timeout, on_wait=self.on_wait,
+                         min_wait=self.min_wait)
 
     # ------------------------------------------------------------------ extras
     def delete_prefix(self) -> int:
@@ -157,6 +161,8 @@ class EtcdStore(dist.Store):
     # ------------------------------------------------------------------ waiting
     def _wait_get(self, keys: list[str], override_timeout: Optional[timedelta]) -> list[bytes]:
         timeout = override_timeout if override_timeout is not None else self.timeout
+        if self.min_wait is not None and timeout.total_seconds() > 0:
+            timeout = max(timeout, self.min_wait)
         total_s = timeout.total_seconds()
         start = time.monotonic()
         deadline = start + total_s if total_s > 0 else float("inf")

@@ -5,8 +5,8 @@ longer than `fault_tolerance.stall_report_s` for its peers while joining a gener
 under `rollcall/g<generation>/<node>/<local rank>` with the kind `failure` or `stall`. Nobody
 waits for an etcd lease to expire when the evidence is already there:
 
-- `RollCall` (run by the leader): the plan's nodes with a worker that has not checked in are the
-  suspects. A suspect whose node record is gone is dead at once; the others are pinged through
+- `RollCall` (run by the leader): the plan's nodes other than the leader's own with a worker
+  that has not checked in are the suspects. A suspect whose node record is gone is dead at once; the others are pinged through
   `ping/<node>`, and their agent (handler.py) answers on `pong/<node>` with the same nonce within
   milliseconds if its process is alive. Suspects silent for `ping_timeout_s` are dead. The roll
   call then asks for a re-plan without the dead, unless every check-in is a `stall` and nobody is
@@ -99,7 +99,8 @@ class RollCall:
         _, pinger, started = self._round
         live = {r.node_id for r in records}
         workers = {(s.node, str(s.local_rank)) for p in plan.pipelines for s in p.stages}
-        suspects = {node for node, lr in workers if (node, lr) not in entries}
+        # the leader's own node is alive (and the deputy alone pings it: one pinger per ping key)
+        suspects = {node for node, lr in workers if (node, lr) not in entries} - {self.node_id}
         for node in suspects & live:
             pinger.ping(node)
         waiting = [n for n in suspects & live if not pinger.answered(n) and pinger.waited(n) < self.ping_timeout_s]

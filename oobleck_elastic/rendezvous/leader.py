@@ -50,6 +50,7 @@ class Leader:
         self._thread: Optional[threading.Thread] = None
         self._value = b""
         self._waiting_for: Optional[int] = None
+        self._unplannable: Optional[tuple[tuple[str, ...], int]] = None
         self.rollcall = RollCall(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s)
         self.deputy = Deputy(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s)
 
@@ -180,9 +181,12 @@ class Leader:
     def _publish(self, nodes: list[str], old: Optional[Plan], rev: Optional[int], records: list[NodeRecord],
                  lost: set[str] = frozenset()) -> None:  # type: ignore[assignment]
         generation = (old.generation if old else 0) + 1
+        if self._unplannable == (tuple(nodes), generation):
+            return  # the planner already refused exactly this; do not burn CPU on it every tick
         try:
             plan = self.planner(nodes, generation)
         except PlanningError as err:
+            self._unplannable = (tuple(nodes), generation)
             if self._waiting_for != len(nodes):
                 self._waiting_for = len(nodes)
                 log.warning("node %s: cannot plan generation %d with %d node(s): %s", self.member.node_id,
