@@ -118,7 +118,7 @@ def _plan_of_run(endpoint: str, keys):
 
 
 def test_kill_a_node_while_another_joins(tmp_path: Path, etcd_server, run_id) -> None:
-    """A fifth node joins at step 3; the moment the plan that adds it is published (it is about to
+    """A fifth node joins at step 1; the moment the plan that adds it is published (it is about to
     receive its layers), a node that is not the leader dies. The job ends on the four live nodes,
     the newcomer included, with the reference weights."""
     from launcher.local import kill_node
@@ -136,9 +136,78 @@ def test_kill_a_node_while_another_joins(tmp_path: Path, etcd_server, run_id) ->
         victims.append(next(n for n in plan.nodes if n not in (leader, "node4")))
         kill_node(_pid(c, keys, victims[0]))
 
-    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--join", "3"], 14,
+    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--join", "1"], 40,
                              tiny_profile(tmp_path / "p.json"), killed_by_test=1,
                              during=lambda proc: when(etcd_server.endpoint, proc, joined, kill_one))
     final = _plan_of_run(etcd_server.endpoint, keys)
     assert "node4" in final.nodes and victims[0] not in final.nodes and len(final.nodes) == 4, out[-4000:]
+    _assert_same(job, ref)
+
+
+def test_two_simultaneous_failures_with_f2(tmp_path: Path, etcd_server, run_id) -> None:
+    """f=2 on six nodes: three 2-stage pipelines. The first-stage nodes of two pipelines die at the
+    same moment; the third pipeline still holds every layer, so the four survivors re-plan into
+    two pipelines and copy what they miss from it (no checkpoint restore)."""
+    from launcher.local import kill_node
+    from oobleck_elastic.rendezvous.keys import Keys
+
+    keys = Keys("/oobleck", run_id)
+    victims: list[str] = []
+
+    def kill_two(c) -> None:
+        plan, leader = _plan(c, keys), _leader(c, keys)
+        assert len(plan.pipelines) == 3, plan.to_json()
+        victims.extend([p.stages[0].node for p in plan.pipelines if p.stages[0].node != leader][:2])
+        pids = [_pid(c, keys, v) for v in victims]
+        for pid in pids:
+            kill_node(pid)
+
+    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "6"], 10, tiny_profile(tmp_path / "p.json"),
+                             extra=["fault_tolerance.f=2"], killed_by_test=2,
+                             during=lambda proc: when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3,
+                                                      kill_two))
+    final = _plan_of_run(etcd_server.endpoint, keys)
+    assert len(final.nodes) == 4 and not set(victims) & set(final.nodes), out[-4000:]
+    assert "restored checkpoint" not in out and "layer bytes moved" in out
+    _assert_same(job, ref)
+
+
+def seed_002_profile(path: Path) -> Path:
+    """6 layers, at most 2 per device (n0 = 3), the outer ones 3x slower: 8 nodes run as two
+    4-stage pipelines, 6 nodes as two 3-stage ones, a size the 8-node plan never used."""
+    from oobleck_elastic.planning import LayerProfile, ModelProfile
+
+    b, w = int(0.1 * 1024 ** 3), [3, 1, 1, 1, 1, 3]
+    ModelProfile(layers=[LayerProfile(name=f"l{i}", forward_s=0.01 * w[i], backward_s=0.02 * w[i], param_bytes=b,
+                                      grad_bytes=b, optimizer_bytes=2 * b, activation_bytes=0)
+                         for i in range(6)]).save(path)
+    return path
+
+
+def test_eight_nodes_become_six(tmp_path: Path, etcd_server, run_id) -> None:
+    """Seed 002's case: 8 nodes (two 4-stage pipelines) lose two at once (the first stage of one
+    pipeline, the last of the other, so every layer keeps a copy); no template of the old size
+    covers 6 nodes, and the global re-plan runs two 3-stage pipelines."""
+    from launcher.local import kill_node
+    from oobleck_elastic.rendezvous.keys import Keys
+
+    keys = Keys("/oobleck", run_id)
+    victims: list[str] = []
+
+    def kill_two(c) -> None:
+        plan = _plan(c, keys)
+        assert [len(p.stages) for p in plan.pipelines] == [4, 4], plan.to_json()
+        victims.extend([plan.pipelines[0].stages[0].node, plan.pipelines[1].stages[-1].node])
+        pids = [_pid(c, keys, v) for v in victims]
+        for pid in pids:
+            kill_node(pid)
+
+    profile = seed_002_profile(tmp_path / "p.json")
+    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "8"], 8, profile,
+                             extra=["planning.device_memory_gb=0.85"], killed_by_test=2,
+                             during=lambda proc: when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3,
+                                                      kill_two))
+    final = _plan_of_run(etcd_server.endpoint, keys)
+    assert [len(p.stages) for p in final.pipelines] == [3, 3] and not set(victims) & set(final.nodes), out[-4000:]
+    assert "restored checkpoint" not in out
     _assert_same(job, ref)
