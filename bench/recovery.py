@@ -52,6 +52,7 @@ Run (about 1.5-3 min per job on 2 cores):
 
     /tmp/venv/bin/python bench/recovery.py [--kill-step 10] [--steps 30] [--checkpoint-every 4]
         [--repeats 1] [--log-dir DIR] [key=value ...]      # extra config overrides for both jobs
+    /tmp/venv/bin/python bench/recovery.py --victim leader --lease-ttl 10   # ours only: the leader dies
 
 Logs of every run are kept in --log-dir (default: a fresh temp dir, printed on stderr).
 Every process (torchruns, workers, etcd) is started here and killed by PID at the end, on Ctrl-C
@@ -187,6 +188,7 @@ class Run:
         self.timed_out = False
         self.before_kill: Callable[[], dict] = dict
         self.kill_info: dict = {}
+        self.victim: Callable[[], int] = lambda: VICTIM
 
     def drive(self, kill_step: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -202,7 +204,7 @@ class Run:
                     self.kill_info = self.before_kill()
                     self.killed_at = int(p["step"])
                     self.t_kill = time.time()
-                    self.cluster.kill(nodes[VICTIM], f"at step {self.killed_at}")
+                    self.cluster.kill(nodes[self.victim()], f"at step {self.killed_at}")
             time.sleep(0.02)
 
 
@@ -250,8 +252,8 @@ def run_ours(work: Path, etcd: EtcdServer, args: argparse.Namespace, overrides: 
     lines = Lines(args.log_dir / f"{work.name}.log")
     script = [str(ROOT / "examples" / "train.py"), "--config", str(CONFIG), *overrides,
               f"checkpoint.dir={work / 'ck'}", f"logging.tensorboard_dir={work / 'tb'}"]
-    cluster = LocalCluster(cluster_args(endpoint=etcd.endpoint, run_id=run_id, rdzv_conf=OURS_RDZV), script,
-                           out=lines)
+    rdzv = OURS_RDZV.replace("lease_ttl=2", f"lease_ttl={args.lease_ttl:g}")
+    cluster = LocalCluster(cluster_args(endpoint=etcd.endpoint, run_id=run_id, rdzv_conf=rdzv), script, out=lines)
     register(cluster)
     client = connect(EtcdSettings(endpoint=etcd.endpoint))
     keys = Keys("/oobleck", run_id)
@@ -260,8 +262,15 @@ def run_ours(work: Path, etcd: EtcdServer, args: argparse.Namespace, overrides: 
         data, _ = client.get_json(keys.progress)
         return data if isinstance(data, dict) else None
 
+    def victim() -> int:
+        if args.victim != "leader":
+            return VICTIM
+        leader = (client.get_json(keys.leader)[0] or {}).get("node_id")
+        pid = next(r.agent_pid for r in live_nodes(client, keys) if r.node_id == leader)
+        return next(i for i, n in enumerate(cluster.nodes) if n.proc.pid == pid)
+
     def before_kill() -> dict:
-        victim_pid = cluster.nodes[VICTIM].proc.pid
+        victim_pid = cluster.nodes[victim()].proc.pid
         leader, _ = client.get_json(keys.leader)
         node = next((r.node_id for r in live_nodes(client, keys) if r.agent_pid == victim_pid), None)
         prog = progress() or {}
@@ -271,6 +280,7 @@ def run_ours(work: Path, etcd: EtcdServer, args: argparse.Namespace, overrides: 
 
     run = Run("oobleck", cluster, lines, progress, want_world=None)
     run.before_kill = before_kill
+    run.victim = victim
     t0 = time.time()
     try:
         for _ in range(NODES):
@@ -294,7 +304,8 @@ def report_ours(run: Run, events: list, args: argparse.Namespace, t0: float) -> 
             fails.append(stamp(m.group(1)))
         elif m := OURS_ENTER.search(text):
             enters.append((stamp(m.group(1)), int(m.group(2)), int(m.group(3)), m.group(7)))
-    out: dict[str, Any] = {"bench": "recovery", "job": "a:oobleck", "kill_step": args.kill_step,
+    out: dict[str, Any] = {"bench": "recovery", "job": "a:oobleck", "lease_ttl_s": args.lease_ttl,
+                           "kill_step": args.kill_step,
                            "killed_at_step": run.killed_at, **run.kill_info}
     if run.t_kill is None:
         return {**out, "error": "the job never reached the kill step", "timed_out": run.timed_out}
@@ -411,10 +422,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=600, help="seconds one job may take (600)")
     ap.add_argument("--log-dir", type=Path, help="where run logs are kept (default: a new temp dir)")
     ap.add_argument("--only", choices=["a", "b"], help="run only ours (a) or only the baseline (b)")
+    ap.add_argument("--victim", choices=["node1", "leader"], default="node1",
+                    help="ours: kill launcher node 1 (default) or whichever node leads; 'leader' runs ours only")
+    ap.add_argument("--lease-ttl", type=float, default=2.0, help="ours: etcd lease TTL in seconds (2)")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="extra config overrides for both jobs")
     args = ap.parse_args(argv)
     if not 2 <= args.kill_step < args.steps - 3:
         ap.error("need 2 <= --kill-step < --steps - 3")
+    if args.victim == "leader":
+        if args.only == "b":
+            ap.error("--victim leader is about ours (a): the baseline's store host cannot be lost")
+        args.only = "a"
     overrides = OVERRIDES + [f"training.steps={args.steps}"] + list(args.overrides)
     from oobleck_elastic.config import load_config
 
