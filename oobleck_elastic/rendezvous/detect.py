@@ -13,9 +13,10 @@ waits for an etcd lease to expire when the evidence is already there:
   dead: then the job is only slow, and the roll call is repeated a little later in case a node
   dies meanwhile.
 - `Deputy` (run by every other agent): when the LEADER dies, nobody runs the roll call and its
-  `leader` key would outlive it by the lease TTL. So while a roll call is open, the first plan
-  node (in plan order) that has checked in pings the leader; if the leader's agent does not
-  answer within `ping_timeout_s`, the deputy revokes the leader's lease. The leader key and the
+  `leader` key would outlive it by the lease TTL. So while a roll call is open and none of the
+  leader node's own workers has checked in, the first plan node (in plan order) that has checked
+  in pings the leader; if the leader's agent does not answer within twice `ping_timeout_s`, the
+  deputy revokes the leader's lease. The leader key and the
   dead leader's node record vanish with it, an election follows within a tick, and the new
   leader's roll call finds the old leader's record gone. A live but slow leader that loses its
   lease this way is fenced (membership.py) and its workers stop: the same treatment the roll
@@ -130,7 +131,8 @@ class Deputy:
         leader = (self.client.get_json(self.keys.leader)[0] or {})
         leader_node = leader.get("node_id") if isinstance(leader, dict) else None
         checked_in = [n for n in plan.nodes if n != leader_node and any(node == n for node, _ in entries)]
-        if not entries or not leader_node or not checked_in or checked_in[0] != self.node_id:
+        leader_heard = any(node == leader_node for node, _ in entries)  # its workers live: so does it, likely
+        if not entries or not leader_node or leader_heard or not checked_in or checked_in[0] != self.node_id:
             self._watch = None
             return False
         w = self._watch
@@ -140,7 +142,8 @@ class Deputy:
             w["pinger"].ping(leader_node)
             return False
         pinger: _Pinger = w["pinger"]
-        if w["done"] or pinger.answered(leader_node) or pinger.waited(leader_node) < self.ping_timeout_s:
+        # twice the roll call's patience: deposing a live leader costs a node (it is fenced)
+        if w["done"] or pinger.answered(leader_node) or pinger.waited(leader_node) < 2 * self.ping_timeout_s:
             return False
         w["done"] = True
         data, _ = self.client.get_json(self.keys.node(leader_node))
