@@ -11,7 +11,8 @@ import random
 import pytest
 
 from oobleck_elastic.planning import (LayerProfile, ModelProfile, Plan, PlanningError, best_cover,
-                                      build_templates, guarantee, instantiate, make_plan)
+                                      build_templates, guarantee, instantiate, make_plan, plan_job,
+                                      templates_for)
 from oobleck_elastic.planning.analytic import gpt3_175b_profile
 from oobleck_elastic.planning.templates import GIB, StageCosts, best_template, brute_force_template
 
@@ -264,3 +265,54 @@ def test_malformed_plan_json_is_rejected(mutate, message: str) -> None:
     with pytest.raises(PlanningError, match="^" + message.replace("(", r"\(").replace(")", r"\)")
                        .replace("[", r"\[").replace("]", r"\]")):
         Plan.from_json(data)
+
+
+def _kept(plan: Plan, previous: Plan) -> int:
+    """Layers the workers of `plan` already hold under `previous` (what a re-plan need not copy)."""
+    held = {(s.node, s.local_rank): set(range(s.start, s.end)) for p in previous.pipelines for s in p.stages}
+    return sum(len(held.get((s.node, s.local_rank), set()) & set(range(s.start, s.end)))
+               for p in plan.pipelines for s in p.stages)
+
+
+def _replan_cases():
+    from oobleck_elastic.config import load_config
+
+    cfg = load_config("configs/gpt2-tiny.yaml", ["training.global_batch_size=16", "training.microbatch_size=2",
+                                                 "planning.device_memory_gb=1.25", "planning.memory_margin=0"])
+    tset = templates_for(cfg, uniform_profile(6, gib_per_layer=0.4))  # n0 = 2, as in the recovery tests
+    return cfg, tset
+
+
+def test_replan_keeps_layers_where_they_are() -> None:
+    """4 nodes (2 x 2 stages) lose node b; the survivors come in an unlucky preference order.
+    Placed naively, d (last layers) would take the first stage; placed by what they hold, the
+    three survivors keep the optimum (checked against every permutation)."""
+    cfg, tset = _replan_cases()
+    old = plan_job(cfg, nodes=["a", "b", "c", "d"], templates=tset, generation=1).plan
+    assert [len(p.stages) for p in old.pipelines] == [2, 2]
+    order = ["d", "c", "a"]
+    naive = plan_job(cfg, nodes=order, templates=tset, generation=2).plan
+    placed = plan_job(cfg, nodes=order, templates=tset, generation=2, previous=old).plan
+    best = max(_kept(plan_job(cfg, nodes=list(p), templates=tset, generation=2).plan, old)
+               for p in itertools.permutations(order))
+    assert _kept(placed, old) == best > _kept(naive, old)
+    assert set(placed.nodes) == set(order) and placed.world_size == naive.world_size
+    placed.check()
+
+
+def test_replan_placement_never_loses_to_preference_order_and_keeps_spares() -> None:
+    cfg, tset = _replan_cases()
+    rng = random.Random(5)
+    for _ in range(40):
+        n_old = rng.randint(2, 8)
+        old_nodes = [f"n{i}" for i in range(n_old)]
+        old = plan_job(cfg, nodes=old_nodes, templates=tset, generation=1).plan
+        survivors = [n for n in old_nodes if rng.random() < 0.7] + [f"new{i}" for i in range(rng.randint(0, 2))]
+        rng.shuffle(survivors)
+        if len(survivors) < tset.n0:
+            continue
+        naive = plan_job(cfg, nodes=survivors, templates=tset, generation=2).plan
+        placed = plan_job(cfg, nodes=survivors, templates=tset, generation=2, previous=old).plan
+        assert _kept(placed, old) >= _kept(naive, old)
+        assert placed.spares == naive.spares  # who runs follows the preference order
+        assert [len(p.stages) for p in placed.pipelines] == [len(p.stages) for p in naive.pipelines]

@@ -43,10 +43,12 @@ def templates_for(cfg: JobConfig, profile: ModelProfile) -> TemplateSet:
 
 
 def plan_job(cfg: JobConfig, *, nodes: Sequence[str] | int, profile: Optional[ModelProfile] = None,
-             generation: int = 0, templates: Optional[TemplateSet] = None) -> JobPlan:
+             generation: int = 0, templates: Optional[TemplateSet] = None,
+             previous: Optional[Plan] = None) -> JobPlan:
     """Templates, guarantee and the plan for `nodes` (ids, or a count: node0, node1, ...).
 
-    Give the profile, or templates already computed from it."""
+    Give the profile, or templates already computed from it. With the `previous` generation's
+    plan, nodes are placed where they keep the most layers they hold."""
     if isinstance(nodes, int):
         if nodes < 1:
             raise PlanningError(f"--nodes must be >= 1 (got {nodes})")
@@ -64,5 +66,5 @@ def plan_job(cfg: JobConfig, *, nodes: Sequence[str] | int, profile: Optional[Mo
                             "job waits for more nodes")
     plan = make_plan(tset, nodes=list(nodes), num_microbatches=microbatches,
                      microbatch_size=t.microbatch_size, f=cfg.fault_tolerance.f,
-                     generation=generation, microbatch_cap=cap)
+                     generation=generation, microbatch_cap=cap, previous=previous)
     return JobPlan(templates=tset, guarantee=g, plan=plan)

@@ -165,12 +165,17 @@ class Plan:
 
 def make_plan(templates: TemplateSet, *, nodes: Sequence[str], num_microbatches: int,
               microbatch_size: int, f: int, generation: int = 0,
-              microbatch_cap: Optional[int] = None) -> Plan:
-    """Instantiate templates on `nodes` (ids, in preference order) for one generation."""
+              microbatch_cap: Optional[int] = None, previous: Optional["Plan"] = None) -> Plan:
+    """Instantiate templates on `nodes` (ids, in preference order) for one generation. With the
+    `previous` plan, the nodes that will run are placed where they keep the most of the layers
+    they already hold (fewer layers to copy in the reconfiguration); who runs and who is a spare
+    still follows the preference order."""
     if len(set(nodes)) != len(nodes):
         raise PlanningError(f"duplicate node ids in {list(nodes)}")
     a: Assignment = instantiate(templates, num_nodes=len(nodes), num_microbatches=num_microbatches,
                                 f=f, microbatch_cap=microbatch_cap)
+    if previous is not None:
+        nodes = keep_layers_in_place(templates, a, list(nodes), previous)
     g = templates.gpus_per_node
     pipelines = []
     cursor = 0
@@ -188,6 +193,39 @@ def make_plan(templates: TemplateSet, *, nodes: Sequence[str], num_microbatches:
                 pipelines=tuple(pipelines), est_step_time_s=a.makespan_s, f=f, warnings=a.warnings)
     plan.check()
     return plan
+
+
+def keep_layers_in_place(templates: TemplateSet, a: Assignment, nodes: list[str], previous: "Plan") -> list[str]:
+    """`nodes` reordered so that the running ones sit in the node slots of assignment `a` where
+    they keep the most layers of `previous` (greedy on the largest overlaps, ties in preference
+    order; nodes without any overlap fill the remaining slots in preference order)."""
+    g = templates.gpus_per_node
+    held: dict[tuple[str, int], range] = {(s.node, s.local_rank): range(s.start, s.end)
+                                          for p in previous.pipelines for s in p.stages}
+    slots: list[dict[int, range]] = []  # per node slot: local rank -> layers
+    for n, _ in a.pipelines:
+        per_node: list[dict[int, range]] = [{} for _ in range(n)]
+        for st in templates[n].stages:
+            per_node[st.node][st.local_rank] = range(st.start, st.end)
+        slots.extend(per_node)
+    used = nodes[:len(slots)]
+    gains = []
+    for ni, node in enumerate(used):
+        mine = {lr: held[(node, lr)] for lr in range(g) if (node, lr) in held}
+        if not mine:
+            continue
+        for si, slot in enumerate(slots):
+            kept = sum(len(set(mine[lr]) & set(layers)) for lr, layers in slot.items() if lr in mine)
+            if kept:
+                gains.append((-kept, ni, si))
+    placed: dict[int, str] = {}
+    taken: set[int] = set()
+    for _, ni, si in sorted(gains):
+        if si not in placed and ni not in taken:
+            placed[si] = used[ni]
+            taken.add(ni)
+    rest = iter(node for ni, node in enumerate(used) if ni not in taken)
+    return [placed[si] if si in placed else next(rest) for si in range(len(slots))] + nodes[len(slots):]
 
 
 @dataclass(frozen=True)

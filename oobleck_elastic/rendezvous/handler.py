@@ -211,11 +211,13 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 next_log = now + 10
             time.sleep(0.05)
 
-    def plan_for(self, nodes: list[str], generation: int) -> Plan:
-        """The planner the leader calls: templates from the job's profile (shared through etcd)."""
+    def plan_for(self, nodes: list[str], generation: int, previous: Optional[Plan] = None) -> Plan:
+        """The planner the leader calls: templates from the job's profile (shared through etcd);
+        nodes keep as many of the layers they hold in `previous` as the new plan allows."""
         if self._templates is None:
             self._templates = templates_for(self.cfg, self._profile())
-        return plan_job(self.cfg, nodes=nodes, generation=generation, templates=self._templates).plan
+        return plan_job(self.cfg, nodes=nodes, generation=generation, templates=self._templates,
+                        previous=previous).plan
 
     def _profile(self) -> ModelProfile:
         """The first leader's profile, so every later leader plans from the same numbers."""

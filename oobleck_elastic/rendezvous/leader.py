@@ -34,7 +34,7 @@ from .membership import Member, live_nodes, put_event
 
 log = logging.getLogger(__name__)
 
-Planner = Callable[[list[str], int], Plan]
+Planner = Callable[[list[str], int, Optional[Plan]], Plan]  # (nodes, generation, previous plan)
 
 
 class Leader:
@@ -184,7 +184,7 @@ class Leader:
         if self._unplannable == (tuple(nodes), generation):
             return  # the planner already refused exactly this; do not burn CPU on it every tick
         try:
-            plan = self.planner(nodes, generation)
+            plan = self.planner(nodes, generation, old)
         except PlanningError as err:
             self._unplannable = (tuple(nodes), generation)
             if self._waiting_for != len(nodes):
