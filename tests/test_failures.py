@@ -71,7 +71,8 @@ def test_kill_the_leader(tmp_path: Path, etcd_server, run_id) -> None:
     revoked = [e for e in events if e.kind == "lost" and "revoked its lease" in e.detail]
     assert [e.node for e in revoked] == killed, [e.line() for e in events]
     leaders = [e.node for e in events if e.kind == "leader"]
-    assert leaders[0] == killed[0] and len(leaders) == 2
+    assert leaders[0] == killed[0] and len(leaders) == 2, [e.line() for e in events]
+    assert [e.node for e in events if e.kind == "plan" and e.generation == 2] == [leaders[1]]
     _assert_same(job, ref)
 
 

@@ -67,7 +67,9 @@ class Leader:
     def _run(self) -> None:
         while not self._stop.is_set() and not self.member.fenced.is_set():
             try:
-                if self._campaign():
+                if self.client.get_json(self.keys.closed)[0] is not None:
+                    pass  # the job is over: nothing to lead (agents leaving must not re-elect)
+                elif self._campaign():
                     self._lead()
                 elif self.deputy.check(_parse_plan(self.client.get_json(self.keys.plan)[0])):
                     continue  # the dead leader's lease is revoked: campaign at once
