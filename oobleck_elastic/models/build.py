@@ -21,6 +21,7 @@ Three sources of layers:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import math
@@ -36,7 +37,7 @@ from .layers import (GPT2BlockLayer, GPT2Embedding, LayerModel, LMHead, RopeDeco
 from .ties import TiedGroup, find_tied_parameters
 
 __all__ = ["HF_FAMILIES", "stable_seed", "hf_config", "flatten_hf_model", "build_layer_model",
-           "layers_from_modules", "LayerModel"]
+           "build_meta_layers", "layers_from_modules", "LayerModel"]
 
 HF_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
 _ROPE_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -137,7 +138,7 @@ def flatten_hf_model(model: nn.Module) -> LayerModel:
         layers.append(LMHead(m.norm, model.lm_head))
         prefixes.append({"norm": "model.norm", "lm_head": "lm_head"})
     return LayerModel(layers=list(layers), names=_head_index_names(len(layers) - 2),
-                      hf_names=[_hf_names(l, p) for l, p in zip(layers, prefixes)],
+                      hf_names=[_hf_names(m, p) for m, p in zip(layers, prefixes)],
                       tied=find_tied_parameters(layers), hf_config=model.config)
 
 
@@ -251,10 +252,49 @@ def build_layer_model(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | Non
                       tied=groups, hf_config=config)
 
 
-def _build_pretrained(cfg: ModelConfig, *, owned: Iterable[int] | None,
-                      device: str | torch.device) -> LayerModel:
-    from transformers import AutoModelForCausalLM
+def build_meta_layers(cfg: ModelConfig, end: int, *, seed: int) -> list[nn.Module]:
+    """Layers 0..end-1 on the meta device, for shape inference: no weights are materialised.
 
+    Hugging Face layers come from `_meta_layer` (a pretrained model's from its config.json alone),
+    Rope layers with a rotary embedding built on meta. Custom layers are built as
+    `build_layer_model` builds them, under `torch.device("meta")` (on CPU when the factory cannot
+    build there), and copied to meta; the factory's own modules are left untouched.
+    """
+    if cfg.family == "custom":
+        return _meta_custom(cfg, end, seed=seed)
+    if cfg.pretrained_path:
+        config = _pretrained_config(cfg)
+        family, n = config.model_type, config.num_hidden_layers + 2
+    else:
+        config, family, n = hf_config(cfg), cfg.family, cfg.num_layers + 2
+    if not 0 < end <= n:
+        raise ValueError(f"layer range end {end} is outside 1..{n}: the model has {n} layers")
+    layers = []
+    for i in range(end):
+        layer, _ = _meta_layer(family, config, i, n)
+        if isinstance(layer, RopeDecoderLayer):
+            with torch.device("meta"):
+                layer.rotary_emb = getattr(_modeling(family), f"{_ROPE_PREFIX[family]}RotaryEmbedding")(config)
+        layers.append(layer)
+    return layers
+
+
+def _meta_custom(cfg: ModelConfig, end: int, *, seed: int) -> list[nn.Module]:
+    try:
+        with torch.device("meta"):
+            model = _build_custom(cfg, seed=seed, owned=range(end), device="cpu")
+    except Exception:  # noqa: BLE001 - e.g. a factory computing on its tensors: build on CPU (re-raises real errors)
+        model = _build_custom(cfg, seed=seed, owned=range(end), device="cpu")
+    modules = nn.ModuleList(model.layers[:end])
+    # deepcopy with every parameter and buffer pre-mapped to a meta copy: shared tensors stay
+    # shared, nothing is copied on CPU, and the factory's modules keep their weights
+    memo: dict[int, Any] = {id(p): nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+                            for p in modules.parameters()}
+    memo.update({id(b): b.detach().to("meta") for b in modules.buffers()})
+    return list(copy.deepcopy(modules, memo))
+
+
+def _pretrained_dir(cfg: ModelConfig) -> Path:
     path = Path(str(cfg.pretrained_path)).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
@@ -262,6 +302,29 @@ def _build_pretrained(cfg: ModelConfig, *, owned: Iterable[int] | None,
                                                    "does not exist") +
             ": give a local directory written by save_pretrained (config.json + *.safetensors); "
             "hub downloads are disabled")
+    return path
+
+
+def _pretrained_config(cfg: ModelConfig) -> Any:
+    """The Hugging Face config of a local pretrained model, set up as `_build_pretrained` loads it."""
+    from transformers import AutoConfig
+
+    path = _pretrained_dir(cfg)
+    check_attn_implementation(cfg.attn_implementation)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    if config.model_type not in HF_FAMILIES:
+        raise ValueError(f"model.pretrained_path '{path}' holds a {config.model_type} model; flat layers "
+                         f"exist for {', '.join(HF_FAMILIES)} (use model.family=custom for others)")
+    config.use_cache = False
+    config._attn_implementation = cfg.attn_implementation
+    return config
+
+
+def _build_pretrained(cfg: ModelConfig, *, owned: Iterable[int] | None,
+                      device: str | torch.device) -> LayerModel:
+    from transformers import AutoModelForCausalLM
+
+    path = _pretrained_dir(cfg)
     check_attn_implementation(cfg.attn_implementation)
     model = AutoModelForCausalLM.from_pretrained(
         str(path), local_files_only=True, attn_implementation=cfg.attn_implementation,
