@@ -5,10 +5,13 @@ plans published, joins and failures handled without restarting anyone):
 
     python -m launcher.local --nodes 3 -- examples/probe.py --config configs/gpt2-tiny.yaml --steps 40
 
-Every worker records its PID and torchrun restart count under `probe/<node>/<local rank>/<pid>` and prints each
-new plan generation it sees; the worker that holds rank 0 of the current plan advances a fake
-step counter (`progress`) every --step-time seconds. When the steps are done it closes the job
-and every worker exits 0; a drained node's workers exit 0 as soon as the plan leaves them out.
+Like a training worker, it first shares the profile of its device (here the CPU) for the planner
+(`WorkerContext.share_profile`: one worker measures it, the others return at once), then reports
+ready. Every worker records its PID and torchrun restart count under
+`probe/<node>/<local rank>/<pid>` and prints each new plan generation it sees; the worker that
+holds rank 0 of the current plan advances a fake step counter (`progress`) every --step-time
+seconds. When the steps are done it closes the job and every worker exits 0; a drained node's
+workers exit 0 as soon as the plan leaves them out.
 """
 
 import argparse
@@ -16,6 +19,9 @@ import os
 import sys
 import time
 
+import torch
+
+from oobleck_elastic.config import load_config
 from oobleck_elastic.rendezvous.worker import WorkerContext
 
 
@@ -24,9 +30,11 @@ def main() -> int:
     ap.add_argument("--config", help="job config (read by the rendezvous handler)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--step-time", type=float, default=0.25)
-    args, _ = ap.parse_known_args()
+    args, rest = ap.parse_known_args()
 
     ctx = WorkerContext.from_env()
+    if args.config:
+        ctx.share_profile(load_config(args.config, [a for a in rest if "=" in a]), torch.device("cpu"))
     ctx.report_ready()
     me = f"{ctx.node_id}/{ctx.local_rank}"
     ctx.client.put_json(f"{ctx.keys.root}probe/{me}/{os.getpid()}",

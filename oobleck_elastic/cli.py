@@ -44,8 +44,10 @@ def format_plan(jp: JobPlan, cfg: JobConfig) -> str:
     t = cfg.training
     B = t.global_batch_size // t.microbatch_size
     mref = -(-B // (cfg.fault_tolerance.f + 1))
+    memory = jp.templates.device_memory_gb
+    each = f"{memory:.4g} GiB each (from {jp.templates.memory_source})" if memory is not None else "memory unknown"
     out = [f"model: {jp.templates.num_layers} layers; {jp.templates.gpus_per_node} device(s) per node, "
-           f"{cfg.planning.device_memory_gb:g} GiB each; schedule {cfg.planning.schedule}; "
+           f"{each}; schedule {cfg.planning.schedule}; "
            f"global batch {t.global_batch_size} = {B} microbatches of {t.microbatch_size}",
            "",
            f"templates (iteration time with {mref} microbatches = global batch / (f+1)):",
@@ -81,7 +83,8 @@ def format_plan(jp: JobPlan, cfg: JobConfig) -> str:
 
 def plan_json(jp: JobPlan) -> dict:
     return {"templates": jp.templates.to_json(), "guarantee": jp.guarantee.to_json(),
-            "plan": jp.plan.to_json() | {"samples_per_s": jp.plan.samples_per_s}}
+            "plan": jp.plan.to_json() | {"samples_per_s": jp.plan.samples_per_s},
+            "device_memory": {"gib": jp.templates.device_memory_gb, "source": jp.templates.memory_source}}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -2,6 +2,10 @@
 no etcd), so they can be tested exhaustively and benchmarked at scale.
 
 `plan_job(cfg, nodes=..., profile=...)` is the one call the control plane and the CLI make.
+
+The memory of one device is `planning.device_memory_gb` when set, else the total memory the
+profile recorded for the device it was measured on (`device_memory`); with neither, planning
+stops with an error that names `planning.device_memory_gb`.
 """
 
 from __future__ import annotations
@@ -13,12 +17,12 @@ from ..config import JobConfig
 from .instantiate import Assignment, best_cover, instantiate
 from .plan import Guarantee, PipelineSpec, Plan, StagePlacement, guarantee, make_plan
 from .profile import LayerProfile, ModelProfile, ProfileError
-from .templates import PlanningError, Template, TemplateSet, build_templates
+from .templates import GIB, PlanningError, Template, TemplateSet, build_templates
 
 __all__ = [
     "Assignment", "Guarantee", "JobPlan", "LayerProfile", "ModelProfile", "PipelineSpec", "Plan",
     "PlanningError", "ProfileError", "StagePlacement", "Template", "TemplateSet", "best_cover",
-    "build_templates", "guarantee", "instantiate", "make_plan", "plan_job", "templates_for",
+    "build_templates", "device_memory", "guarantee", "instantiate", "make_plan", "plan_job", "templates_for",
 ]
 
 
@@ -32,14 +36,30 @@ class JobPlan:
     """The plan for the given nodes."""
 
 
+def device_memory(cfg: JobConfig, profile: ModelProfile) -> tuple[float, str]:
+    """(GiB of one device, where that figure comes from): `planning.device_memory_gb` if set,
+    else the memory of the device the profile was measured on. Raises PlanningError when
+    neither is known (CPU profiles and most profile files record no device memory)."""
+    if cfg.planning.device_memory_gb is not None:
+        return float(cfg.planning.device_memory_gb), "planning.device_memory_gb"
+    if profile.device_memory_bytes:
+        name = profile.key.get("device_name") if isinstance(profile.key, dict) else None
+        return profile.device_memory_bytes / GIB, f"the profiled device ({name or 'unnamed'})"
+    raise PlanningError("planning.device_memory_gb is not set and the profile records no device memory (profiles "
+                        "measured on the CPU and profile files without device_memory_bytes have none): set "
+                        "planning.device_memory_gb to the GiB of memory one device gives one stage, e.g. "
+                        "planning.device_memory_gb=80")
+
+
 def templates_for(cfg: JobConfig, profile: ModelProfile) -> TemplateSet:
     """Templates for a job config and a profile (memory limit, schedule, devices per node)."""
     p, t = cfg.planning, cfg.training
     microbatches = t.global_batch_size // t.microbatch_size
-    return build_templates(profile, gpus_per_node=p.gpus_per_node, device_memory_gb=p.device_memory_gb,
+    memory_gb, source = device_memory(cfg, profile)
+    return build_templates(profile, gpus_per_node=p.gpus_per_node, device_memory_gb=memory_gb,
                            memory_margin=p.memory_margin, schedule=p.schedule,
                            gpipe_microbatches=-(-microbatches // (cfg.fault_tolerance.f + 1)),
-                           max_nodes=p.max_template_nodes)
+                           max_nodes=p.max_template_nodes, memory_source=source)
 
 
 def plan_job(cfg: JobConfig, *, nodes: Sequence[str] | int, profile: Optional[ModelProfile] = None,

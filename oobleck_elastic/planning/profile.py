@@ -5,6 +5,11 @@ for one microbatch shape on one device kind (`profiler.py`), or read from a file
 planning-only configs (a GPT-3-175B-like model we cannot build here). It is cached as JSON
 under a key made of everything the numbers depend on (model config, microbatch shape, dtype,
 device); a cached profile is reused only when that key matches exactly.
+
+`device_memory_bytes` is the total memory of the device the profile was measured on (CUDA
+profiles record it; CPU profiles and hand-made files may leave it out): the planner uses it as
+the memory of one device when `planning.device_memory_gb` is not set. Files without the field
+(older profiles) load unchanged, with None.
 """
 
 from __future__ import annotations
@@ -58,18 +63,25 @@ class ModelProfile:
     """One entry per layer of the flat layer list, in order."""
     key: dict[str, Any] = field(default_factory=dict)
     """What the numbers depend on: model config, microbatch shape, dtype, device."""
+    device_memory_bytes: int | None = None
+    """Total memory of the measured device in bytes; None when unknown (CPU, hand-made files)."""
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise ProfileError("a profile needs at least one layer")
+        if self.device_memory_bytes is not None and self.device_memory_bytes <= 0:
+            raise ProfileError(f"device_memory_bytes must be > 0 (got {self.device_memory_bytes})")
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, "key": self.key,
-                "layers": [asdict(layer) for layer in self.layers]}
+        out = {"schema_version": SCHEMA_VERSION, "key": self.key,
+               "layers": [asdict(layer) for layer in self.layers]}
+        if self.device_memory_bytes is not None:
+            out["device_memory_bytes"] = self.device_memory_bytes
+        return out
 
     @classmethod
     def from_json(cls, data: Any, *, source: str = "<profile>") -> "ModelProfile":
@@ -78,13 +90,20 @@ class ModelProfile:
         if data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
             raise ProfileError(f"{source}: schema_version {data.get('schema_version')} is not "
                                f"{SCHEMA_VERSION}; re-create the profile")
+        if not isinstance(data["layers"], list):
+            raise ProfileError(f"{source}: 'layers' must be a list")
         layers = []
         for i, item in enumerate(data["layers"]):
             try:
                 layers.append(_layer_from_json(item))
             except (TypeError, ValueError, KeyError) as err:
                 raise ProfileError(f"{source}: layer {i}: {err}") from None
-        return cls(layers=layers, key=dict(data.get("key") or {}))
+        if not isinstance(data.get("key") or {}, dict):
+            raise ProfileError(f"{source}: 'key' must be an object")
+        memory = data.get("device_memory_bytes")
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0):
+            raise ProfileError(f"{source}: device_memory_bytes must be a positive integer (got {memory!r})")
+        return cls(layers=layers, key=dict(data.get("key") or {}), device_memory_bytes=memory)
 
     def save(self, path: str | Path) -> None:
         """Write atomically (temp file + rename)."""

@@ -7,8 +7,11 @@ materialised once under no_grad (the previous layer's output); then `warmup` unt
     forward:  out = layer(input.detach().requires_grad_())   (+ loss_fn for the last layer)
     backward: out.backward(randn_like(out))                   (loss.backward() for the last layer)
 
-are timed with `time.perf_counter` (after `torch.cuda.synchronize` on CUDA) and the medians
-kept. Memory numbers are exact counts, not timings:
+are timed and the medians kept: on the CPU with `time.perf_counter`; on CUDA with CUDA events
+(`torch.cuda.Event(enable_timing=True)` recorded on the device's current stream around the forward
+and the backward, read after the event that ends the backward has completed), so the times are
+the kernels' own and include neither Python launch overhead nor host synchronisation. Memory
+numbers are exact counts, not timings:
 
 - param_bytes: bytes of the layer's parameter storages, each storage counted once;
   grad_bytes = param_bytes; optimizer_bytes = 2 x param_bytes for AdamW (two moments), 0 for SGD.
@@ -21,7 +24,12 @@ kept. Memory numbers are exact counts, not timings:
 a cached profile under `<cache_dir>/profiles/<profile_cache_key(key)>.json` whose stored key
 equals the current key exactly (model config, microbatch shape, precision, optimizer, device
 kind, library versions), else a fresh measurement of the model built with the job's seed, which
-is then saved there. A cached file with another key is reported as stale and replaced.
+is then saved there. A cached file with another key is reported as stale and replaced. A
+profile measured (or reused) on a CUDA device records that device's total memory
+(`ModelProfile.device_memory_bytes`), the planner's default for `planning.device_memory_gb`.
+
+`device_label(device)` names the device kind ("cuda NVIDIA H100 80GB HBM3", "cpu x86_64"): the
+control plane shares one worker-measured profile per device kind under that name.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from torch import nn
 from ..config import JobConfig
 from .profile import LayerProfile, ModelProfile, ProfileError, profile_cache_key
 
-__all__ = ["profile_layers", "profile_key", "load_or_profile"]
+__all__ = ["device_label", "device_memory_bytes", "profile_layers", "profile_key", "load_or_profile"]
 
 _OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}
 MIB = 1024 ** 2
@@ -126,32 +134,54 @@ def profile_layers(layers: Sequence[nn.Module], sample_input: torch.Tensor, labe
         for p in layer.parameters():
             p.grad = None
 
+    def timed_iteration(layer: nn.Module, x: torch.Tensor, last: bool) -> tuple[float, float]:
+        """(forward, backward) seconds of one iteration of `layer` on input `x`."""
+        if cuda:
+            fwd0, fwd1, bwd0, bwd1 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
+            fwd0.record()
+            out, target = forward(layer, x, last)
+            fwd1.record()
+            grad = None if last else torch.randn_like(out)
+            bwd0.record()
+            if target.requires_grad:
+                target.backward(grad)
+            bwd1.record()
+            bwd1.synchronize()
+            fwd_s, bwd_s = fwd0.elapsed_time(fwd1) / 1e3, bwd0.elapsed_time(bwd1) / 1e3
+        else:
+            sync()
+            t0 = time.perf_counter()
+            out, target = forward(layer, x, last)
+            sync()
+            t1 = time.perf_counter()
+            grad = None if last else torch.randn_like(out)
+            sync()
+            t2 = time.perf_counter()
+            if target.requires_grad:
+                target.backward(grad)
+            sync()
+            t3 = time.perf_counter()
+            fwd_s, bwd_s = t1 - t0, t3 - t2
+        del out, target, grad
+        clear_grads(layer)
+        return fwd_s, bwd_s
+
     result: list[LayerProfile] = []
     x = sample_input
     rng_devices = [device] if cuda else []
-    with torch.random.fork_rng(devices=rng_devices):
+    # CUDA events record on the current device's current stream: make `device` the current one
+    on_device = torch.cuda.device(device) if cuda else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=rng_devices), on_device:
         torch.manual_seed(0)
+        sync()
         for i, layer in enumerate(layers):
             last = i == len(layers) - 1
             fwd_times, bwd_times = [], []
             for it in range(warmup + repeats):
-                sync()
-                t0 = time.perf_counter()
-                out, target = forward(layer, x, last)
-                sync()
-                t1 = time.perf_counter()
-                grad = None if last else torch.randn_like(out)
-                sync()
-                t2 = time.perf_counter()
-                if target.requires_grad:
-                    target.backward(grad)
-                sync()
-                t3 = time.perf_counter()
-                del out, target, grad
-                clear_grads(layer)
+                fwd_s, bwd_s = timed_iteration(layer, x, last)
                 if it >= warmup:
-                    fwd_times.append(t1 - t0)
-                    bwd_times.append(t3 - t2)
+                    fwd_times.append(fwd_s)
+                    bwd_times.append(bwd_s)
             exclude = {_storage_key(p) for p in layer.parameters()}
             meter = _SavedTensorMeter(exclude)
             with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
@@ -176,15 +206,34 @@ def profile_layers(layers: Sequence[nn.Module], sample_input: torch.Tensor, labe
     return ModelProfile(layers=result, key=dict(key or {}))
 
 
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return platform.processor() or platform.machine()
+
+
+def device_label(device: str | torch.device) -> str:
+    """The device kind a profile is valid for: its type and model name, e.g.
+    "cuda NVIDIA H100 80GB HBM3" or "cpu x86_64" (every device of one kind shares one profile)."""
+    dev = torch.device(device)
+    return f"{dev.type} {_device_name(dev)}"
+
+
+def device_memory_bytes(device: str | torch.device) -> int | None:
+    """Total memory of a CUDA device in bytes; None for the CPU (its memory is the node's, shared
+    by all its workers, not one device's)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.get_device_properties(dev).total_memory)
+    return None
+
+
 def profile_key(cfg: JobConfig, *, device: str | torch.device) -> dict[str, Any]:
     """Everything a measured profile depends on, as a plain JSON-able dict."""
     import transformers
 
     dev = torch.device(device)
-    if dev.type == "cuda":
-        device_name = torch.cuda.get_device_name(dev)
-    else:
-        device_name = platform.processor() or platform.machine()
+    device_name = _device_name(dev)
     model = dataclasses.asdict(cfg.model)
     if cfg.model.pretrained_path:
         conf = Path(cfg.model.pretrained_path).expanduser() / "config.json"
@@ -202,6 +251,8 @@ def profile_key(cfg: JobConfig, *, device: str | torch.device) -> dict[str, Any]
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+    if dev.type == "cuda":
+        key["timer"] = "cuda_events"  # profiles timed with synchronize + perf_counter are stale
     return json.loads(json.dumps(key, sort_keys=True))  # exactly what a JSON round trip gives
 
 
@@ -236,6 +287,7 @@ def load_or_profile(cfg: JobConfig, *, device: str | torch.device = "cpu",
         else:
             if cached.key == key:
                 log(f"profile: reusing cached {path} ({cached.num_layers} layers)")
+                cached.device_memory_bytes = device_memory_bytes(device) or cached.device_memory_bytes
                 return cached
             log(f"profile: cached {path} is stale (key differs in {_key_diff(cached.key, key)}); "
                 "re-profiling")
@@ -250,6 +302,7 @@ def load_or_profile(cfg: JobConfig, *, device: str | torch.device = "cpu",
                           warmup=cfg.planning.profile_warmup, repeats=cfg.planning.profile_repeats,
                           optimizer=cfg.training.optimizer.name, key=key, names=lm.names,
                           precision=cfg.training.precision, log=log)
+    prof.device_memory_bytes = device_memory_bytes(device)
     prof.save(path)
     log(f"profile: saved {path}")
     return prof

@@ -223,6 +223,10 @@ class TemplateSet:
     """Devices per node."""
     num_layers: int
     """Layers in the model."""
+    device_memory_gb: float | None = None
+    """Memory of one device (GiB) the templates were planned with."""
+    memory_source: str = "planning.device_memory_gb"
+    """Where device_memory_gb came from: `planning.device_memory_gb`, or the profile's device."""
 
     @property
     def n0(self) -> int:
@@ -254,10 +258,13 @@ def memory_limit_bytes(device_memory_gb: float, margin: float) -> float:
 def build_templates(profile: ModelProfile, *, gpus_per_node: int, device_memory_gb: float,
                     memory_margin: float = 0.0, schedule: str = "1f1b",
                     gpipe_microbatches: int = 1, max_nodes: Optional[int] = None,
-                    node_counts: Optional[Iterable[int]] = None) -> TemplateSet:
+                    node_counts: Optional[Iterable[int]] = None,
+                    memory_source: str = "planning.device_memory_gb") -> TemplateSet:
     """Templates for every node count from 1 to min(max_nodes, layers // gpus_per_node) that fit.
 
-    Raises PlanningError naming the layer and the memory it needs when no template fits.
+    `memory_source` says where device_memory_gb came from (`planning.device_memory_gb`, or a
+    description of the profiled device); errors name it. Raises PlanningError naming the layer
+    and the memory it needs when no template fits.
     """
     if gpus_per_node < 1:
         raise PlanningError(f"gpus_per_node must be >= 1 (got {gpus_per_node})")
@@ -279,12 +286,21 @@ def build_templates(profile: ModelProfile, *, gpus_per_node: int, device_memory_
             if t is not None:
                 templates[n] = t
     if not templates:
-        raise PlanningError(_no_fit_message(costs, device_memory_gb, memory_margin, cap * gpus_per_node))
-    return TemplateSet(templates=templates, gpus_per_node=gpus_per_node, num_layers=profile.num_layers)
+        raise PlanningError(_no_fit_message(costs, device_memory_gb, memory_margin, cap * gpus_per_node,
+                                            memory_source))
+    return TemplateSet(templates=templates, gpus_per_node=gpus_per_node, num_layers=profile.num_layers,
+                       device_memory_gb=device_memory_gb, memory_source=memory_source)
 
 
-def _no_fit_message(costs: StageCosts, device_memory_gb: float, margin: float, max_stages: int) -> str:
-    budget = f"{costs.memory_limit / GIB:.2f} GiB usable of planning.device_memory_gb={device_memory_gb:g}"
+def _no_fit_message(costs: StageCosts, device_memory_gb: float, margin: float, max_stages: int,
+                    memory_source: str = "planning.device_memory_gb") -> str:
+    if memory_source == "planning.device_memory_gb":
+        budget = f"{costs.memory_limit / GIB:.2f} GiB usable of planning.device_memory_gb={device_memory_gb:g}"
+        raise_it = "raise planning.device_memory_gb"
+    else:  # the device's real memory: raising it in the config would only plan an out-of-memory job
+        budget = (f"{costs.memory_limit / GIB:.2f} GiB usable of the {device_memory_gb:.2f} GiB of {memory_source} "
+                  "(planning.device_memory_gb is not set)")
+        raise_it = "use devices with more memory"
     if margin:
         budget += f" (memory_margin {margin:g})"
     for i, layer in enumerate(costs.profile.layers):
@@ -295,9 +311,9 @@ def _no_fit_message(costs: StageCosts, device_memory_gb: float, margin: float, m
                     f"alone needs {need / GIB:.2f} GiB (params+grads+optimizer "
                     f"{layer.static_bytes / GIB:.2f} GiB, activations "
                     f"{layer.activation_bytes / GIB:.2f} GiB per microbatch) but a device has "
-                    f"{budget}: raise planning.device_memory_gb or lower training.microbatch_size")
+                    f"{budget}: {raise_it} or lower training.microbatch_size")
     total = costs.memory(0, costs.num_layers, 0, 1)
     return (f"no split of the model into at most {max_stages} stages fits in memory (the whole model "
             f"needs {total / GIB:.2f} GiB for one microbatch; early stages keep more microbatches "
-            f"in flight under 1F1B) with {budget}: raise planning.device_memory_gb, lower "
+            f"in flight under 1F1B) with {budget}: {raise_it}, lower "
             f"training.microbatch_size, or use more devices per node")

@@ -1,19 +1,26 @@
 """`torchrun --rdzv-backend=oobleck`: a TorchElastic rendezvous handler on etcd v3.
 
 What torchrun's agent needs from a handler, and what this one does differently from the stock
-c10d/etcd handlers so that healthy workers are never restarted (../shared/research/
-torch-elastic-facts.md, section 2.4):
+c10d/etcd handlers so that healthy workers are never restarted (the agent restarts ALL local
+workers when `num_nodes_waiting() > 0` or when a local worker exits non-zero):
 
 - `next_rendezvous()` registers the node (membership.py), starts the leader thread (leader.py)
   and returns once the leader has admitted this node: into the first generation, or, for a node
   arriving while the job runs, as a member whose workers join the next generation once they
-  report ready (so nobody waits in init_process_group while a newcomer imports torch). It returns a
+  report ready (so nobody waits in init_process_group while a newcomer imports torch). The first
+  nodes are admitted before the first plan exists when the planner still needs the profile: their
+  workers start, one per device kind measures the profile on its own device and publishes it
+  (`WorkerContext.share_profile`), and they wait for the plan that gives them a stage. It returns a
   node-local view (rank 0 of 1, an in-memory store): the agent's own rank assignment and exit
   barrier stay on this node, because job-wide ranks come from the plan, which workers read from
   etcd. A node that arrives while the job runs is admitted into the next generation without a
   new rendezvous round for anyone.
 - `num_nodes_waiting()` is always 0: a positive value makes the agent restart its workers.
 - `shutdown()` only takes this node out (revokes its lease); it never closes the job.
+- The profile the leader plans from: `planning.profile_path` when set (read at once, as before),
+  else the first profile a worker measured and published under `profiles/<device>`. Either one
+  is pinned under `profile` by the first leader that plans, so every later leader plans from the
+  same numbers. A malformed or mismatching profile in etcd is logged once and ignored.
 - Workers inherit the agent's environment, so the handler exports the etcd endpoint, TLS and
   auth settings, run id, key prefix and node id (`OOBLECK_*`) before the agent starts them.
 
@@ -37,9 +44,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from ..config import ConfigError, JobConfig, load_config
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.server import free_port
-from ..planning import ModelProfile, Plan, plan_job, templates_for
+from ..planning import ModelProfile, Plan, PlanningError, ProfileError, plan_job, templates_for
 from .keys import Event, Keys
-from .leader import Leader, _parse_plan
+from .leader import JobUnplannable, Leader, _parse_plan
 from .membership import Member, put_event
 
 log = logging.getLogger(__name__)
@@ -115,6 +122,8 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self.member: Optional[Member] = None
         self.leader: Optional[Leader] = None
         self._templates: Any = None
+        self._pinned: ModelProfile | None = None
+        self._warned: set[tuple[str, int]] = set()  # (key, mod revision) of values already reported
         self._store = dist.HashStore()
         os.environ["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"  # the agent skips store-based rank assignment
 
@@ -155,15 +164,19 @@ class OobleckRendezvousHandler(RendezvousHandler):
         return True
 
     def next_rendezvous(self) -> RendezvousInfo:
-        if self.is_closed():
-            raise RendezvousClosedError(f"run {self.params.run_id} is closed")
+        closed, _ = self.client.get_json(self.keys.closed)
+        if closed is not None:
+            reason = closed.get("reason") if isinstance(closed, dict) else None
+            raise RendezvousClosedError(f"run {self.params.run_id} is closed" + (f": {reason}" if reason else ""))
         if self.member is None:
             self.member = Member(self.client, self.keys, devices=self.devices, lease_ttl_s=self.lease_ttl_s,
                                  host=self.params.local_addr or None)
             self.member.register()
             self.leader = Leader(self.client, self.keys, self.member, planner=self.plan_for,
                                  min_nodes=self.params.min_nodes, max_nodes=self.params.max_nodes,
-                                 last_call_s=self.last_call_s, settle_s=self.settle_s)
+                                 last_call_s=self.last_call_s, settle_s=self.settle_s,
+                                 profile_ready=self.profile_ready,
+                                 profile_timeout_s=self.cfg.fault_tolerance.rendezvous_timeout_s)
             self.leader.start()
             self._watch = self.client.raw.add_watch_callback(self.keys.ping(self.member.node_id), self._on_ping)
         node = self.member.node_id
@@ -171,8 +184,12 @@ class OobleckRendezvousHandler(RendezvousHandler):
         os.environ.update(self.settings.to_env())
         os.environ.update({"OOBLECK_RUN_ID": self.params.run_id, "OOBLECK_KEY_PREFIX": self.keys.prefix,
                            "OOBLECK_NODE_ID": node, "OOBLECK_NODE_INDEX": str(self.member.record.index),  # type: ignore[union-attr]
-                           "OOBLECK_GENERATION": str(plan.generation)})
-        log.info("node %s: admitted (current generation %d, %d node(s))", node, plan.generation, len(plan.nodes))
+                           "OOBLECK_GENERATION": str(plan.generation if plan else 0)})
+        if plan is None:
+            log.info("node %s: admitted; the first plan follows once a worker has measured the profile", node)
+        else:
+            log.info("node %s: admitted (current generation %d, %d node(s))", node, plan.generation,
+                     len(plan.nodes))
         info = RendezvousStoreInfo("127.0.0.1", free_port())
         return RendezvousInfo(self._store, 0, 1, info)
 
@@ -187,20 +204,30 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 except Exception as err:  # noqa: BLE001 - a missed pong only delays the re-plan
                     log.warning("node %s: could not answer a ping: %s", self.member.node_id, err)
 
-    def _wait_admitted(self, node: str) -> Plan:
+    def _wait_admitted(self, node: str) -> Plan | None:
+        """The current plan once this node may start its workers: it is in the plan, or the leader
+        admitted it (a late node, or a first node before the first plan exists: then None)."""
         assert self.member is not None
         deadline = time.monotonic() + self.join_timeout_s
         next_log = time.monotonic() + 5
+        next_closed_check = time.monotonic() + 1
         while True:
             data, _ = self.client.get_json(self.keys.plan)
             plan = _parse_plan(data)
             if plan is not None and node in plan.nodes:
                 return plan
-            if plan is not None and self.client.get_json(self.keys.admitted(node))[0] is not None:
-                return plan  # a late node: its workers start now and join once they are ready
+            if self.client.get_json(self.keys.admitted(node))[0] is not None:
+                return plan  # a late node, or a first one before the profile exists: its workers start now
             if self.member.fenced.is_set():
                 raise RendezvousClosedError(f"node {node} was fenced (lease expired) while waiting")
             now = time.monotonic()
+            if now > next_closed_check:  # e.g. closed as failed: no plan will come
+                next_closed_check = now + 1
+                closed, _ = self.client.get_json(self.keys.closed)
+                if closed is not None:
+                    reason = closed.get("reason") if isinstance(closed, dict) else None
+                    raise RendezvousClosedError(f"run {self.params.run_id} was closed while node {node} waited to "
+                                                "be admitted" + (f": {reason}" if reason else ""))
             if now > deadline:
                 raise RendezvousTimeoutError(
                     f"node {node} was not admitted within {self.join_timeout_s:.0f}s (run {self.params.run_id}, "
@@ -212,30 +239,98 @@ class OobleckRendezvousHandler(RendezvousHandler):
             time.sleep(0.05)
 
     def plan_for(self, nodes: list[str], generation: int, previous: Optional[Plan] = None) -> Plan:
-        """The planner the leader calls: templates from the job's profile (shared through etcd);
+        """The planner the leader calls: templates from the job's profile (pinned in etcd);
         nodes keep as many of the layers they hold in `previous` as the new plan allows."""
         if self._templates is None:
-            self._templates = templates_for(self.cfg, self._profile())
+            profile = self._profile()
+            try:
+                self._templates = templates_for(self.cfg, profile)
+            except PlanningError as err:  # the config and the pinned profile are fixed: no node count helps
+                raise JobUnplannable(str(err)) from None
         return plan_job(self.cfg, nodes=nodes, generation=generation, templates=self._templates,
                         previous=previous).plan
 
-    def _profile(self) -> ModelProfile:
-        """The first leader's profile, so every later leader plans from the same numbers."""
-        data, _ = self.client.get_json(self.keys.profile)
-        if data is not None:
-            try:
-                return ModelProfile.from_json(data, source="etcd profile")
-            except Exception as err:  # noqa: BLE001 - a malformed value is ignored, not trusted
-                log.warning("ignoring malformed profile in etcd: %s", err)
-        if self.cfg.planning.profile_path:
-            profile = ModelProfile.load(self.cfg.planning.profile_path)
-        else:
-            from ..planning.profiler import load_or_profile
+    def profile_ready(self) -> bool:
+        """Whether the planner has its profile now (the leader publishes no first plan before):
+        always with planning.profile_path, else once one is pinned or a worker published one."""
+        if self.cfg.planning.profile_path or self._pinned is not None:
+            return True
+        return self._pinned_or_measured() is not None
 
-            profile = load_or_profile(self.cfg, log=log.info)
+    def _profile(self) -> ModelProfile:
+        """The profile every leader plans from: the one pinned in etcd, else planning.profile_path,
+        else the first worker-measured one; whichever is used first is pinned for all later leaders."""
+        try:
+            if self.cfg.planning.profile_path and self._pinned is None and self._read_pinned() is None:
+                self._pin(ModelProfile.load(self.cfg.planning.profile_path))
+            profile = self._pinned_or_measured()
+        except ProfileError as err:
+            raise PlanningError(str(err)) from None
+        if profile is None:
+            raise PlanningError("no profile to plan from yet: no worker has published the profile of its device "
+                                "(workers call WorkerContext.share_profile before they report ready)")
+        return profile
+
+    def _pinned_or_measured(self) -> ModelProfile | None:
+        """The pinned profile, or pin the first valid worker-measured one; None when there is none."""
+        if self._pinned is not None or self._read_pinned() is not None:
+            return self._pinned
+        items = self.client._call(lambda: list(self.client.raw.get_prefix(self.keys.profiles)))
+        candidates = []
+        for value, meta in items:
+            profile = self._valid(meta.key.decode(), value, meta.mod_revision, of_this_job=True)
+            if profile is not None:
+                candidates.append((meta.create_revision, meta.key.decode(), profile))
+        if not candidates:
+            return None
+        candidates.sort(key=lambda c: c[0])
+        _, key, profile = candidates[0]
+        if len(candidates) > 1 and (key, -1) not in self._warned:
+            self._warned.add((key, -1))
+            log.warning("workers published profiles of %d device kinds (%s): planning with %s, the first one; the "
+                        "planner assumes every device is of one kind", len(candidates),
+                        ", ".join(k.rsplit("/", 1)[1] for _, k, _ in candidates), key.rsplit("/", 1)[1])
+        return self._pin(profile)
+
+    def _pin(self, profile: ModelProfile) -> ModelProfile | None:
+        """Put `profile` under `profile` unless one is there already; return whichever is pinned."""
         self.client._call(self.client.raw.put_if_not_exists, self.keys.profile, json.dumps(profile.to_json()))
-        data, _ = self.client.get_json(self.keys.profile)
-        return ModelProfile.from_json(data, source="etcd profile") if data is not None else profile
+        return self._read_pinned()
+
+    def _read_pinned(self) -> ModelProfile | None:
+        if self._pinned is None:
+            value, meta = self.client._call(self.client.raw.get, self.keys.profile)
+            if value is not None:
+                self._pinned = self._valid(self.keys.profile, value, meta.mod_revision)
+        return self._pinned
+
+    def _valid(self, key: str, value: bytes, revision: int, *, of_this_job: bool = False) -> ModelProfile | None:
+        """A profile read from etcd, validated (JSON and schema; with `of_this_job`, also the job's
+        layer count, microbatch shape and precision: a worker-measured profile must match the config,
+        while the pinned one is trusted as a leader chose it, also a planning.profile_path file);
+        None, with one warning per key and revision, when it is malformed or for another job."""
+        try:
+            try:
+                data = json.loads(value)
+            except (ValueError, UnicodeDecodeError) as err:
+                raise ProfileError(f"not valid JSON ({err})") from None
+            profile = ModelProfile.from_json(data, source=key)
+            if not of_this_job:
+                return profile
+            m, t = self.cfg.model, self.cfg.training
+            expected = m.num_layers + 2
+            if m.family != "custom" and not m.pretrained_path and profile.num_layers != expected:
+                raise ProfileError(f"{profile.num_layers} layers but model.num_layers={m.num_layers} gives {expected}")
+            for name, want in (("microbatch_size", t.microbatch_size), ("seq_len", self.cfg.data.seq_len),
+                               ("precision", t.precision)):
+                if name in profile.key and profile.key[name] != want:
+                    raise ProfileError(f"measured with {name}={profile.key[name]!r} but the job has {want!r}")
+            return profile
+        except ProfileError as err:
+            if (key, revision) not in self._warned:
+                self._warned.add((key, revision))
+                log.warning("ignoring profile in etcd key %s: %s", key, err)
+            return None
 
 
 __all__ = ["BACKEND", "OobleckRendezvousHandler", "RDZV_OPTIONS", "script_arguments"]

@@ -16,6 +16,20 @@ Before the first generation the leader waits until `min_nodes` are up, then a la
 for more (up to `max_nodes`). Nodes beyond `max_nodes` wait as spares and are admitted when a
 member leaves. Below n0 (too few nodes for one replica) nothing is published: one log line and
 a `waiting` event, and the plan follows as soon as enough nodes are back.
+
+The first plan needs the profile, and the profile comes from the devices that train: a worker
+measures it (`WorkerContext.share_profile`) and publishes it under `profiles/<device>`. So, unless
+the profile is at hand already (`planning.profile_path`, or pinned in etcd), the leader first
+*admits* the first nodes (`admitted/<node>`, the same key that lets a late node's agent start its
+workers), their handlers return and their workers start and wait for a plan that gives them a
+stage; once `profile_ready()` says a worker-measured profile is in etcd, the leader plans the
+admitted nodes that are still up (and any admitted meanwhile, up to `max_nodes`) and publishes
+generation 1. The wait logs one line about every 10 s; after `profile_timeout_s` without a profile
+the job is closed as failed (`closed` with `failed`), with one error that says what to check.
+With the profile at hand nothing changes: the first plan is published as soon as the nodes are
+chosen, and their handlers return once it includes them. A planner error that no number of nodes
+can cure (`JobUnplannable`: no device memory figure, a layer larger than a device) also closes
+the job as failed, with that error, instead of waiting.
 """
 
 from __future__ import annotations
@@ -37,12 +51,23 @@ log = logging.getLogger(__name__)
 Planner = Callable[[list[str], int, Optional[Plan]], Plan]  # (nodes, generation, previous plan)
 
 
+class JobUnplannable(PlanningError):
+    """No number of nodes can be planned with this config and profile (no device memory figure, a
+    layer larger than a device): waiting for nodes cannot help, so the leader closes the job as
+    failed with this error instead of waiting."""
+
+
 class Leader:
     def __init__(self, client: EtcdClient, keys: Keys, member: Member, *, planner: Planner, min_nodes: int,
                  max_nodes: int, last_call_s: float, settle_s: float, tick_s: float = 0.05,
-                 ping_timeout_s: float = 0.3) -> None:
+                 ping_timeout_s: float = 0.3, profile_ready: Callable[[], bool] | None = None,
+                 profile_timeout_s: float = 600.0, profile_log_s: float = 10.0) -> None:
         self.client, self.keys, self.member = client, keys, member
         self.planner = planner
+        # whether the planner has its profile; before it has, the first nodes are admitted unplanned
+        self.profile_ready: Callable[[], bool] = profile_ready or (lambda: True)
+        self.profile_timeout_s, self.profile_log_s = profile_timeout_s, profile_log_s
+        self._profile_wait: tuple[float, float] | None = None  # (since, next progress line), monotonic
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.last_call_s, self.settle_s, self.tick_s = last_call_s, settle_s, tick_s
         self.is_leader = threading.Event()
@@ -110,18 +135,24 @@ class Leader:
             data, rev = self.client.get_json(self.keys.plan)
             plan = _parse_plan(data)
             if plan is None:
-                if len(up) >= self.min_nodes:
+                fenced = self._fenced(records)
+                first = self._admit_first(up, fenced)
+                if first:  # the first nodes were chosen (and their workers started): plan them
+                    self._first_plan(first, rev, records)
+                elif len(up) >= self.min_nodes:
                     first_quorum = first_quorum or time.monotonic()
                     if len(up) >= self.max_nodes or time.monotonic() - first_quorum >= self.last_call_s:
-                        self._publish([r.node_id for r in up][: self.max_nodes], None, rev, records)
+                        self._first_plan([r.node_id for r in up][: self.max_nodes], rev, records)
                 else:
                     first_quorum = None
             else:
+                self._profile_wait = None
                 fenced = self._fenced(records)
                 dead = self.rollcall.check(plan, records)
                 if dead is not None:  # workers saw a failure: re-plan now, without unresponsive nodes
                     for node in dead:
-                        self.client.put_json(self.keys.fenced + node, {"time": time.time(), "generation": plan.generation})
+                        self.client.put_json(self.keys.fenced + node,
+                                             {"time": time.time(), "generation": plan.generation})
                     self._publish(self._desired(plan, up, fenced | set(dead)), plan, rev, records, lost=set(dead))
                     self.rollcall.reset()
                     change_seen = None
@@ -136,6 +167,61 @@ class Leader:
                 else:
                     change_seen = None
             self._stop.wait(self.tick_s)
+
+    def _admit_first(self, up: list[NodeRecord], fenced: set[str]) -> list[str]:
+        """Before the first plan: the nodes already admitted that are still up, plus new arrivals
+        admitted while there is room (up to max_nodes), by index. Empty while nobody is admitted."""
+        admitted = {key.rsplit("/", 1)[1] for key, _ in self.client.get_prefix_json(self.keys.admitted(""))}
+        first = [r.node_id for r in up if r.node_id in admitted and r.node_id not in fenced]
+        if not first:
+            return []
+        for rec in up:
+            if len(first) >= self.max_nodes:
+                break
+            if rec.node_id not in admitted and rec.node_id not in fenced:
+                self.client.put_json(self.keys.admitted(rec.node_id), {"time": time.time()})
+                first.append(rec.node_id)
+        return first[: self.max_nodes]
+
+    def _first_plan(self, nodes: list[str], rev: int | None, records: list[NodeRecord]) -> None:
+        """Publish generation 1 on `nodes` when the profile is at hand; otherwise admit them (their
+        workers start and one of them measures the profile) and wait for it."""
+        if self.profile_ready():
+            self._profile_wait = None
+            self._publish(nodes, None, rev, records)
+            return
+        now = time.monotonic()
+        if self._profile_wait is None:
+            for node in nodes:
+                if self.client.get_json(self.keys.admitted(node))[0] is None:
+                    self.client.put_json(self.keys.admitted(node), {"time": time.time()})
+            self._profile_wait = (now, now + self.profile_log_s)
+            detail = (f"admitted {len(nodes)} node(s) ({', '.join(nodes)}); their workers start, and one per device "
+                      "kind measures the profile the first plan needs")
+            log.info("node %s: %s", self.member.node_id, detail)
+            put_event(self.client, self.keys, Event(time=time.time(), kind="waiting", node=self.member.node_id,
+                                                    generation=1, detail=detail))
+            return
+        since, next_line = self._profile_wait
+        if now - since >= self.profile_timeout_s:
+            self._fail(f"no worker published a profile of its device within {self.profile_timeout_s:.0f}s "
+                       f"(fault_tolerance.rendezvous_timeout_s) after {len(nodes)} node(s) were admitted, so "
+                       "no plan can be made: check the workers' logs for an error while profiling (each worker "
+                       "calls WorkerContext.share_profile before it reports ready), or set planning.profile_path "
+                       "to a profile file")
+        elif now >= next_line:
+            self._profile_wait = (since, now + self.profile_log_s)
+            log.info("node %s: still waiting for a worker-measured profile (%.0fs of %.0fs; %d node(s) admitted)",
+                     self.member.node_id, now - since, self.profile_timeout_s, len(nodes))
+
+    def _fail(self, reason: str) -> None:
+        """Close the job as failed: workers and agents leave with this error (no plan can follow)."""
+        log.error("node %s: %s", self.member.node_id, reason)
+        self.client.put_json(self.keys.closed, {"schema_version": 1, "time": time.time(), "reason": reason,
+                                                "failed": True})
+        put_event(self.client, self.keys, Event(time=time.time(), kind="closed", node=self.member.node_id,
+                                                detail=reason))
+        self._profile_wait = None
 
     def _fenced(self, records: list[NodeRecord]) -> set[str]:
         """Nodes declared lost by a roll call; an entry is dropped once the node's record is gone."""
@@ -187,6 +273,9 @@ class Leader:
             return  # the planner already refused exactly this; do not burn CPU on it every tick
         try:
             plan = self.planner(nodes, generation, old)
+        except JobUnplannable as err:
+            self._fail(f"cannot plan this job with any number of nodes: {err}")
+            return
         except PlanningError as err:
             self._unplannable = (tuple(nodes), generation)
             if self._waiting_for != len(nodes):
@@ -225,7 +314,8 @@ class Leader:
             events.append(Event(time=now, kind=kind, node=n, generation=plan.generation,
                                 detail={"drain": "drained at a step boundary", "leave": "left the plan",
                                         "lost": ("a peer saw its connections break and its agent did not answer "
-                                                 "a ping" if n in lost else "lease expired or node unreachable")}[kind]))
+                                                 "a ping" if n in lost else "lease expired or node unreachable"),
+                                        }[kind]))
         causes = sorted({e.kind for e in events} | ({"join"} if added and old else set())) or (
             ["restart"] if old else ["initial"])
         events.append(Event(time=now, kind="plan", node=me, generation=plan.generation,
