@@ -1,7 +1,8 @@
 # The two set-up commands of the README. Each creates .venv on first use.
 #   make demo   - the main job: train a tiny GPT-2 on a local 4-node simulation (embedded etcd,
 #                 one torchrun per node), SIGKILL one node mid-run, keep training, print a summary
-#   make test   - the test suite (what CI runs)
+#   make test   - the test suite (what CI runs, after make lint)
+#   make lint   - ruff check (settings in pyproject.toml)
 # On a CPU machine torch is pinned to the local CPU build; on a GPU machine use e.g.
 #   make TORCH=torch test
 PYTHON ?= python3
@@ -10,7 +11,7 @@ TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 PY := $(VENV)/bin/python
 
-.PHONY: demo test chaos bench clean
+.PHONY: demo test lint chaos bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +25,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
 
 chaos: $(VENV)/.installed
 	$(PY) -m pytest -q -m chaos -s tests/test_chaos.py

@@ -86,9 +86,10 @@ def main() -> None:
     print(json.dumps(common | {"figure": "replan_after_one_loss_s", "value": t_replan, "goal": 0.05,
                                "meets_goal": t_replan < 0.05, "nodes_used": replan.nodes_used}))
     for n in (24, 48, 96, 144):
-        t_ours, ours = timed(lambda: instantiate(templates, num_nodes=n, num_microbatches=GLOBAL_MICROBATCHES,
-                                                 f=1), args.repeats)
-        t_enum, (enum_makespan, options) = timed(lambda: enumeration_makespan(templates, n, GLOBAL_MICROBATCHES, 1), 1)
+        t_ours, ours = timed(lambda n=n: instantiate(templates, num_nodes=n, num_microbatches=GLOBAL_MICROBATCHES,
+                                                     f=1), args.repeats)
+        t_enum, (enum_makespan, options) = timed(lambda n=n: enumeration_makespan(templates, n, GLOBAL_MICROBATCHES, 1),
+                                                 1)
         print(json.dumps(common | {"figure": "instantiate_vs_enumeration", "nodes": n, "ours_s": t_ours,
                                    "enumeration_s": t_enum, "enumeration_options": options,
                                    "ratio_enumeration_over_ours": t_enum / t_ours,

@@ -27,7 +27,7 @@ the job reports `--kill-step` completed steps; the survivors go on to the last s
   default, 30 s, would add 29 s). Node 0 is started first with is_host=1 and hosts the c10d
   store (the others are clients, as on a real cluster); it is never the victim: losing it kills
   the stock job outright. The 2.13 share-TCP-store bug needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-  (shared/research/torch-elastic-facts.md 1.3). Progress: `progress.json` / `history.jsonl`.
+  (the restarted agent otherwise reuses a store nobody serves any more). Progress: `progress.json` / `history.jsonl`.
 
 The kill happens when progress shows step >= S (polled every 20 ms; the baseline also needs world
 4). P = the completed steps at that moment; the step in flight is P+1. Reported per run:
@@ -53,6 +53,7 @@ Run (about 1.5-3 min per job on 2 cores):
     /tmp/venv/bin/python bench/recovery.py [--kill-step 10] [--steps 30] [--checkpoint-every 4]
         [--repeats 1] [--log-dir DIR] [key=value ...]      # extra config overrides for both jobs
     /tmp/venv/bin/python bench/recovery.py --victim leader --lease-ttl 10   # ours only: the leader dies
+    /tmp/venv/bin/python bench/recovery.py --victim hung    # ours only: node 1 SIGSTOPped (comm timeout 30 s)
 
 Logs of every run are kept in --log-dir (default: a fresh temp dir, printed on stderr).
 Every process (torchruns, workers, etcd) is started here and killed by PID at the end, on Ctrl-C
@@ -82,7 +83,7 @@ from typing import Any, Callable, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launcher.local import LocalCluster  # noqa: E402
+from launcher.local import LocalCluster, descendants, kill_node  # noqa: E402
 from oobleck_elastic.etcd import EtcdSettings, connect  # noqa: E402
 from oobleck_elastic.etcd.server import EtcdServer, free_port  # noqa: E402
 from oobleck_elastic.rendezvous.keys import Keys  # noqa: E402
@@ -189,11 +190,12 @@ class Run:
         self.before_kill: Callable[[], dict] = dict
         self.kill_info: dict = {}
         self.victim: Callable[[], int] = lambda: VICTIM
+        self.freeze = False  # SIGSTOP the victim (a hung node) instead of SIGKILL
 
     def drive(self, kill_step: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         nodes = self.cluster.nodes
-        while any(n.proc.poll() is None for n in nodes):
+        while any(n.proc.poll() is None for n in nodes if not (self.freeze and n.killed)):
             if time.monotonic() > deadline:
                 self.timed_out = True
                 return
@@ -204,8 +206,19 @@ class Run:
                     self.kill_info = self.before_kill()
                     self.killed_at = int(p["step"])
                     self.t_kill = time.time()
-                    self.cluster.kill(nodes[self.victim()], f"at step {self.killed_at}")
+                    if self.freeze:
+                        node = nodes[self.victim()]
+                        node.killed = True
+                        for pid in [node.proc.pid] + descendants(node.proc.pid):
+                            os.kill(pid, signal.SIGSTOP)
+                        self.lines.write(f"[bench] froze node {node.number} (SIGSTOP) at step {self.killed_at} "
+                                         f"at {self.t_kill:.3f}")
+                    else:
+                        self.cluster.kill(nodes[self.victim()], f"at step {self.killed_at}")
             time.sleep(0.02)
+        for n in nodes:  # a frozen node never exits by itself
+            if n.proc.poll() is None:
+                kill_node(n.proc.pid)
 
 
 def median(xs: list[float]) -> Optional[float]:
@@ -281,6 +294,7 @@ def run_ours(work: Path, etcd: EtcdServer, args: argparse.Namespace, overrides: 
     run = Run("oobleck", cluster, lines, progress, want_world=None)
     run.before_kill = before_kill
     run.victim = victim
+    run.freeze = args.victim == "hung"
     t0 = time.time()
     try:
         for _ in range(NODES):
@@ -422,16 +436,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=600, help="seconds one job may take (600)")
     ap.add_argument("--log-dir", type=Path, help="where run logs are kept (default: a new temp dir)")
     ap.add_argument("--only", choices=["a", "b"], help="run only ours (a) or only the baseline (b)")
-    ap.add_argument("--victim", choices=["node1", "leader"], default="node1",
-                    help="ours: kill launcher node 1 (default) or whichever node leads; 'leader' runs ours only")
+    ap.add_argument("--victim", choices=["node1", "leader", "hung"], default="node1",
+                    help="ours: kill launcher node 1 (default) or whichever node leads, or SIGSTOP node 1 "
+                         "(hung: its sockets stay open); 'leader' and 'hung' run ours only")
     ap.add_argument("--lease-ttl", type=float, default=2.0, help="ours: etcd lease TTL in seconds (2)")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="extra config overrides for both jobs")
     args = ap.parse_args(argv)
     if not 2 <= args.kill_step < args.steps - 3:
         ap.error("need 2 <= --kill-step < --steps - 3")
-    if args.victim == "leader":
+    if args.victim in ("leader", "hung"):
         if args.only == "b":
-            ap.error("--victim leader is about ours (a): the baseline's store host cannot be lost")
+            ap.error(f"--victim {args.victim} is about ours (a)")
         args.only = "a"
     overrides = OVERRIDES + [f"training.steps={args.steps}"] + list(args.overrides)
     from oobleck_elastic.config import load_config

@@ -127,7 +127,8 @@ class LocalCluster:
         if node.proc.poll() is None:
             node.killed = True
             pids = kill_node(node.proc.pid)
-            self.say(f"killed node {node.number} (SIGKILL to pids {', '.join(map(str, pids))}) {why} at {time.time():.3f}")
+            self.say(f"killed node {node.number} (SIGKILL to pids {', '.join(map(str, pids))}) {why} "
+                     f"at {time.time():.3f}")
 
     def run(self) -> int:
         a = self.args

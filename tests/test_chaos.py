@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import tiny_profile, when
-from test_recovery import _assert_same, _run_job
+from helpers import assert_same, run_job, tiny_profile, when
 
 pytestmark = pytest.mark.chaos
 
@@ -42,7 +41,8 @@ def test_random_kills_and_joins(tmp_path: Path, etcd_server, run_id) -> None:
         for at in kills:
             def ready(c, at=at) -> bool:
                 progress = c.get_json(keys.progress)[0] or {}
-                return progress.get("step", 0) >= at and progress.get("generation", 0) >= generation
+                # the generation reached so far, read when polled (it grows after each kill)
+                return progress.get("step", 0) >= at and progress.get("generation", 0) >= generation  # noqa: B023
 
             def kill(c) -> None:
                 nodes = live_nodes(c, keys)
@@ -55,8 +55,8 @@ def test_random_kills_and_joins(tmp_path: Path, etcd_server, run_id) -> None:
 
     profile = tiny_profile(tmp_path / "profile.json")
     launcher_args = ["--nodes", "4", "--exit-grace", "20"] + [a for s in joins for a in ("--join", s)]
-    out, job, ref = _run_job(tmp_path, etcd_server, run_id, launcher_args, steps, profile,
+    out, job, ref = run_job(tmp_path, etcd_server, run_id, launcher_args, steps, profile,
                              extra=["checkpoint.interval_steps=3"], during=chaos,
                              killed_by_test=lambda: len(done))
     print(f"seed {seed}: events {list(zip(event_steps, kinds))}, killed {done}")
-    _assert_same(job, ref)
+    assert_same(job, ref)

@@ -1,6 +1,6 @@
-"""The harder failure scenarios of issue 5, each against the single-process reference: the leader
+"""The harder failure scenarios, each against the single-process reference: the leader
 dies; a node dies while the survivors are entering the next generation; a node dies while
-another joins; two nodes die at once with f=2; 8 nodes become 6 (seed 002's case, where no
+another joins; two nodes die at once with f=2; 8 nodes become 6 (where the published Oobleck raised KeyError: 1: no
 template of the old sizes fits the new count). Real torchrun nodes, real etcd, gloo.
 
 The victims are chosen from the plan in etcd (`kill_node` SIGKILLs an agent's whole process
@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import tiny_profile, when
-from test_recovery import _assert_same, _run_job
+from helpers import assert_same, run_job, tiny_profile, when
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +62,7 @@ def test_kill_the_leader(tmp_path: Path, etcd_server, run_id) -> None:
         killed.append(_leader(c, keys))
         kill_node(_pid(c, keys, killed[0]))
 
-    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 8, tiny_profile(tmp_path / "p.json"),
+    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 8, tiny_profile(tmp_path / "p.json"),
                              rdzv="lease_ttl=30,settle=0.2,last_call_timeout=1", killed_by_test=1,
                              during=lambda proc: when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3,
                                                       kill_leader))
@@ -73,7 +72,7 @@ def test_kill_the_leader(tmp_path: Path, etcd_server, run_id) -> None:
     leaders = [e.node for e in events if e.kind == "leader"]
     assert leaders[0] == killed[0] and len(leaders) == 2, [e.line() for e in events]
     assert [e.node for e in events if e.kind == "plan" and e.generation == 2] == [leaders[1]]
-    _assert_same(job, ref)
+    assert_same(job, ref)
 
 
 def test_kill_during_reconfiguration(tmp_path: Path, etcd_server, run_id) -> None:
@@ -101,11 +100,11 @@ def test_kill_during_reconfiguration(tmp_path: Path, etcd_server, run_id) -> Non
 
     # generation 2 is one 3-stage pipeline: if the second kill lands after every survivor has
     # entered it, its layers are gone for real and the checkpoint is restored
-    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 10, tiny_profile(tmp_path / "p.json"),
+    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 10, tiny_profile(tmp_path / "p.json"),
                              extra=["checkpoint.interval_steps=2"], killed_by_test=2, during=chain)
     final = _plan_of_run(etcd_server.endpoint, keys)
     assert final.generation == 3 and not set(victims) & set(final.nodes), out[-4000:]
-    _assert_same(job, ref)
+    assert_same(job, ref)
 
 
 def _plan_of_run(endpoint: str, keys):
@@ -137,12 +136,12 @@ def test_kill_a_node_while_another_joins(tmp_path: Path, etcd_server, run_id) ->
         victims.append(next(n for n in plan.nodes if n not in (leader, "node4")))
         kill_node(_pid(c, keys, victims[0]))
 
-    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--join", "1"], 40,
+    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--join", "1"], 40,
                              tiny_profile(tmp_path / "p.json"), killed_by_test=1,
                              during=lambda proc: when(etcd_server.endpoint, proc, joined, kill_one))
     final = _plan_of_run(etcd_server.endpoint, keys)
     assert "node4" in final.nodes and victims[0] not in final.nodes and len(final.nodes) == 4, out[-4000:]
-    _assert_same(job, ref)
+    assert_same(job, ref)
 
 
 def test_two_simultaneous_failures_with_f2(tmp_path: Path, etcd_server, run_id) -> None:
@@ -163,14 +162,14 @@ def test_two_simultaneous_failures_with_f2(tmp_path: Path, etcd_server, run_id) 
         for pid in pids:
             kill_node(pid)
 
-    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "6"], 10, tiny_profile(tmp_path / "p.json"),
+    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "6"], 10, tiny_profile(tmp_path / "p.json"),
                              extra=["fault_tolerance.f=2"], killed_by_test=2,
                              during=lambda proc: when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3,
                                                       kill_two))
     final = _plan_of_run(etcd_server.endpoint, keys)
     assert len(final.nodes) == 4 and not set(victims) & set(final.nodes), out[-4000:]
     assert "restored checkpoint" not in out and "layer bytes moved" in out
-    _assert_same(job, ref)
+    assert_same(job, ref)
 
 
 def seed_002_profile(path: Path) -> Path:
@@ -204,11 +203,11 @@ def test_eight_nodes_become_six(tmp_path: Path, etcd_server, run_id) -> None:
             kill_node(pid)
 
     profile = seed_002_profile(tmp_path / "p.json")
-    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "8"], 8, profile,
+    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "8"], 8, profile,
                              extra=["planning.device_memory_gb=0.85"], killed_by_test=2,
                              during=lambda proc: when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3,
                                                       kill_two))
     final = _plan_of_run(etcd_server.endpoint, keys)
     assert [len(p.stages) for p in final.pipelines] == [3, 3] and not set(victims) & set(final.nodes), out[-4000:]
     assert "restored checkpoint" not in out
-    _assert_same(job, ref)
+    assert_same(job, ref)

@@ -1,5 +1,5 @@
 """Planner: templates are exactly optimal (brute force), instantiation is exact, complete, and
-never fails for any node count >= n0 (seed 002's KeyError)."""
+never fails for any node count >= n0 (the published Oobleck's KeyError: 1)."""
 
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ def test_instantiation_properties_on_random_profiles(seed: int) -> None:
 
 @pytest.mark.parametrize("survivors", [8, 7, 6, 5, 4, 3, 2])
 def test_seed_002_any_survivor_count_gets_a_plan(survivors: int) -> None:
-    # seed 002: templates for 2..8 nodes, 8 nodes lose 2 -> Oobleck raised KeyError: 1.
+    # Oobleck's published failure: templates for 2..8 nodes, 8 nodes lose 2 -> Oobleck raised KeyError: 1.
     profile = uniform_profile(16, gib_per_layer=1.0)
     ts = build_templates(profile, gpus_per_node=1, device_memory_gb=10.0, max_nodes=8)
     assert ts.sizes() == [2, 3, 4, 5, 6, 7, 8]

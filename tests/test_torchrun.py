@@ -32,7 +32,8 @@ def test_join_kill_and_drain_under_torchrun(etcd_server, run_id) -> None:
            "examples/probe.py", "--config", "configs/gpt2-tiny.yaml", "--steps", "70", "--step-time", "0.2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[tuple[float, str]] = []
-    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), l) for l in proc.stdout), daemon=True)
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout),
+                              daemon=True)
     reader.start()
     client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
     keys = Keys("/oobleck", run_id)
@@ -55,10 +56,10 @@ def test_join_kill_and_drain_under_torchrun(etcd_server, run_id) -> None:
             time.sleep(0.05)
         rc = proc.wait(timeout=60)
         reader.join(10)
-        out = "".join(l for _, l in lines)
+        out = "".join(line for _, line in lines)
         assert rc == 0, out[-4000:]
 
-        killed_at = next(t for t, l in lines if "[launcher] killed node 1" in l)
+        killed_at = next(t for t, line in lines if "[launcher] killed node 1" in line)
         assert vanished_at is not None and vanished_at - killed_at <= TTL + 1.0, out[-3000:]
 
         plans = [ev for _, ev in read_events(client, keys) if ev.kind == "plan"]

@@ -3,7 +3,7 @@ single-process reference and the pipelined engine so both do exactly the same ma
 
 - Loss: every microbatch's token cross-entropy is SUMMED and divided by the number of tokens in
   the GLOBAL batch, so summing gradients over microbatches, stages and replicas gives the
-  gradient of the mean loss over the global batch, whatever the plan (DESIGN.md invariant 1).
+  gradient of the mean loss over the global batch, whatever the plan (docs/design.md, invariant 1).
 - Clipping: the global gradient norm is computed from per-parameter squared sums (each
   parameter counted once in the whole job) and the same coefficient is applied everywhere.
 - AdamW with decoupled weight decay on matrices only; LR warm-up then constant/linear/cosine.

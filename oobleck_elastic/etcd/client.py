@@ -6,7 +6,7 @@
 - `connect(settings)` checks the settings (files exist, cert and key come together) and that the
   server answers, and raises `EtcdError` with a message that says what to change; it never
   hangs for longer than `timeout_s`.
-- `EtcdClient.get_json/put_json` store control data as JSON (DESIGN.md invariant 5: nothing read
+- `EtcdClient.get_json/put_json` store control data as JSON (docs/design.md, invariant 5: nothing read
   from etcd is unpickled); a value that does not parse is logged and treated as absent.
 """
 

@@ -11,15 +11,15 @@ Mechanism:
   - key missing and expected != "": expected is returned (TCPStore does the same);
   - value == expected: the value is set to desired, and desired is returned;
   - otherwise the current value is returned.
-- `get`/`wait` read the key. If it is absent, they watch it from the revision right after that read,
-  so a put between the read and the watch is not lost. They re-read after every watch event or
-  5 s slice (0.25 s with an `on_wait` hook, which is called with the seconds waited so far and
-  may raise to give up early, e.g. when the generation being joined was superseded). With
-  `min_wait`, no wait is shorter than it, whatever timeout the caller passes: gloo waits for
-  peers' addresses under the process group's timeout, and a short connect timeout must not
-  turn a peer that arrives a little late into a failure. Once the store timeout (or the `wait` override) has passed, they raise
-  `torch.distributed.DistStoreError` naming the missing key, as TCPStore does. A zero timeout means
-  "wait forever" (c10d's `kNoTimeout`).
+- `get`/`wait` read the key. If it is absent, they watch it from the revision right after that
+  read, so a put between the read and the watch is not lost. They re-read after every watch
+  event or 5 s slice (0.25 s with an `on_wait` hook, which is called with the seconds waited so
+  far and may raise to give up early, e.g. when the generation being joined was superseded).
+  With `min_wait`, no wait is shorter than it, whatever timeout the caller passes: gloo waits
+  for peers' addresses under the process group's timeout, and a short connect timeout must not
+  turn a peer that arrives a little late into a failure. Once the store timeout (or the `wait`
+  override) has passed, they raise `torch.distributed.DistStoreError` naming the missing key, as
+  TCPStore does. A zero timeout means "wait forever" (c10d's `kNoTimeout`).
 - Nothing read here is unpickled: the store only moves opaque bytes for torch.
 """
 

@@ -6,12 +6,12 @@ under `rollcall/g<generation>/<node>/<local rank>` with the kind `failure` or `s
 waits for an etcd lease to expire when the evidence is already there:
 
 - `RollCall` (run by the leader): the plan's nodes other than the leader's own with a worker
-  that has not checked in are the suspects. A suspect whose node record is gone is dead at once; the others are pinged through
-  `ping/<node>`, and their agent (handler.py) answers on `pong/<node>` with the same nonce within
-  milliseconds if its process is alive. Suspects silent for `ping_timeout_s` are dead. The roll
-  call then asks for a re-plan without the dead, unless every check-in is a `stall` and nobody is
-  dead: then the job is only slow, and the roll call is repeated a little later in case a node
-  dies meanwhile.
+  that has not checked in are the suspects. A suspect whose node record is gone is dead at once;
+  the others are pinged through `ping/<node>`, and their agent (handler.py) answers on
+  `pong/<node>` with the same nonce within milliseconds if its process is alive. Suspects silent
+  for `ping_timeout_s` are dead. The roll call then asks for a re-plan without the dead, unless
+  every check-in is a `stall` and nobody is dead: then the job is only slow, and the roll call
+  is repeated a little later in case a node dies meanwhile.
 - `Deputy` (run by every other agent): when the LEADER dies, nobody runs the roll call and its
   `leader` key would outlive it by the lease TTL. So while a roll call is open and none of the
   leader node's own workers has checked in, the first plan node (in plan order) that has checked
