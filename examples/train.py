@@ -11,9 +11,11 @@
 
 import argparse
 import sys
+import traceback
 
 from oobleck_elastic.config import ConfigError, load_config
 from oobleck_elastic.engine.run import train, under_oobleck
+from oobleck_elastic.engine.runner import exit_now_if_abandoned
 
 
 def main() -> int:
@@ -33,4 +35,11 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except Exception:
+        traceback.print_exc()
+        exit_now_if_abandoned(1)
+        sys.exit(1)
+    exit_now_if_abandoned(code)  # a step abandoned on a hung peer may still be blocked: see its docstring
+    sys.exit(code)

@@ -110,6 +110,10 @@ class TrainingConfig:
     """Learning-rate schedule."""
     precision: str = "fp32"
     """`fp32` or `bf16` (autocast, fp32 master weights)."""
+    device: str = "auto"
+    """`auto` (a worker trains on `cuda:<LOCAL_RANK>` when CUDA is available, else on the CPU),
+    `cpu` or `cuda`. Data (pipeline send/receive, gradient sync, layer transfers) then runs over
+    NCCL on CUDA and gloo on the CPU; control collectives always run on CPU tensors over gloo."""
     seed: int = 1234
     """Seeds layer initialisation (per layer index) and data order (per step)."""
 
@@ -135,12 +139,24 @@ class FaultToleranceConfig:
     (a node killed during a reconfiguration); 0 disables it."""
     rendezvous_timeout_s: float = 600.0
     """How long the first rendezvous waits for the minimum number of nodes."""
+    max_repeated_errors: int = 3
+    """A worker error that is not a communication failure (a bug in the model, out of memory, a
+    corrupt checkpoint) ends that worker with its traceback; when the same error ends a worker
+    at the same step this many times in a row, the job is closed as failed with that error
+    instead of being re-planned again."""
+    watch_interval_s: float = 0.1
+    """While a step runs, each worker checks the control plane this often: a newer plan that
+    drops a lost node, this node being fenced, or the job being closed abandons the step at once
+    (a hung peer is cut off by the control plane, not by a collective timing out)."""
 
 
 @dataclass
 class PlanningConfig:
-    device_memory_gb: float = 16.0
-    """Memory of one device (GiB) available to one stage; a HARD limit for the planner."""
+    device_memory_gb: float | None = None
+    """Memory of one device (GiB) available to one stage; a HARD limit for the planner. None
+    (the default) = the total memory of the device the profile was measured on (recorded by the
+    worker that profiled it on CUDA); set it for CPU jobs, for profile files that record no
+    device memory, or to plan below the device's real memory."""
     memory_margin: float = 0.1
     """Fraction of device_memory_gb kept free for allocator slack and buffers."""
     gpus_per_node: int = 1
@@ -209,6 +225,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "training.optimizer.name": ("adamw", "sgd"),
     "training.lr_schedule.decay": ("constant", "linear", "cosine"),
     "training.precision": ("fp32", "bf16"),
+    "training.device": ("auto", "cpu", "cuda"),
     "planning.schedule": ("1f1b", "gpipe"),
 }
 
@@ -281,12 +298,15 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
     for key, choices in _CHOICES.items():
         if get(key) not in choices:
             problems.append(f"'{key}' is '{get(key)}'; choose one of {', '.join(choices)}")
+    if cfg.fault_tolerance.watch_interval_s <= 0:
+        problems.append(f"'fault_tolerance.watch_interval_s' must be > 0 (got {cfg.fault_tolerance.watch_interval_s})")
     if cfg.fault_tolerance.join_timeout_s <= 0 or cfg.fault_tolerance.comm_timeout_s <= 0:
         problems.append("'fault_tolerance.join_timeout_s' and 'fault_tolerance.comm_timeout_s' must be > 0 (got "
                         f"{cfg.fault_tolerance.join_timeout_s} and {cfg.fault_tolerance.comm_timeout_s})")
     for key in ("model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",
                 "model.max_seq_len", "data.seq_len", "training.global_batch_size",
-                "training.microbatch_size", "planning.gpus_per_node", "planning.profile_repeats"):
+                "training.microbatch_size", "planning.gpus_per_node", "planning.profile_repeats",
+                "fault_tolerance.max_repeated_errors"):
         if get(key) < 1:
             problems.append(f"'{key}' must be >= 1 (got {get(key)})")
     for key in ("training.steps", "planning.profile_warmup", "checkpoint.interval_steps",
@@ -302,7 +322,7 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
     if cfg.fault_tolerance.f < 0:
         problems.append(f"'fault_tolerance.f' must be >= 0 (got {cfg.fault_tolerance.f}): "
                         "it is the number of simultaneous node failures to survive")
-    if cfg.planning.device_memory_gb <= 0:
+    if cfg.planning.device_memory_gb is not None and cfg.planning.device_memory_gb <= 0:
         problems.append(f"'planning.device_memory_gb' must be > 0 (got {cfg.planning.device_memory_gb})")
     if not 0 <= cfg.planning.memory_margin < 1:
         problems.append(f"'planning.memory_margin' must be in [0, 1) (got {cfg.planning.memory_margin})")

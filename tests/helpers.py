@@ -1,14 +1,24 @@
-"""Shared test helpers: a synthetic profile that forces multi-stage pipelines, and a watcher that
-acts on a running job's etcd state."""
+"""Shared test helpers: a synthetic profile that forces multi-stage pipelines, a watcher that
+acts on a running job's etcd state, and a local job run beside its single-process reference."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
+
+import torch
 
 from oobleck_elastic.etcd import EtcdClient, EtcdSettings, connect
+from oobleck_elastic.checkpoint import load_model_state
+from oobleck_elastic.config import load_config
+from oobleck_elastic.engine.run import train
 from oobleck_elastic.planning import LayerProfile, ModelProfile
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_profile(path: Path) -> Path:
@@ -36,3 +46,65 @@ def when(endpoint: str, proc, condition: Callable[[EtcdClient], bool], action: C
             time.sleep(0.05)
     finally:
         client.close()
+
+
+def overrides(tmp: Path, steps: int, profile: Path) -> list[str]:
+    return [f"training.steps={steps}", "data.seq_len=32", "training.global_batch_size=16",
+            "training.microbatch_size=2", "training.optimizer.eps=1e-6",  # see tests/test_engine.py
+            f"data.cache_dir={tmp / 'cache'}", f"checkpoint.dir={tmp / 'ckpt'}",
+            f"logging.tensorboard_dir={tmp / 'runs'}",
+            f"planning.profile_path={profile}", *TINY_PROFILE_OVERRIDES, "fault_tolerance.comm_timeout_s=30"]
+
+
+def run_job(tmp: Path, etcd_server, run_id: str, launcher_args: list[str], steps: int, profile: Path,
+             extra: list[str] = (), during=None, killed_by_test=0,
+             rdzv: str = "lease_ttl=2,settle=0.2,last_call_timeout=1", env: Optional[dict[str, str]] = None,
+             expect_failure: bool = False, reference: bool = True) -> tuple[str, dict, dict]:
+    """Run a job (and the single-process reference); return (stdout, job state, reference state).
+    `env`: extra environment of the launcher and its nodes. `expect_failure`: the job must end with
+    a non-zero status (then the states are empty). `reference=False` skips the reference run."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg_over = overrides(tmp / "job", steps, profile) + list(extra)
+    if reference and not expect_failure:
+        train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp / "ref", steps, profile) + list(extra)))
+    cmd = [sys.executable, "-m", "launcher.local", *launcher_args, "--endpoint", etcd_server.endpoint, "--run-id",
+           run_id, "--rdzv-conf", rdzv, "--", "examples/train.py",
+           "--config", "configs/gpt2-tiny.yaml", *cfg_over]
+    log_path = tmp / "job.log"  # kept in pytest's tmp dir for a post-mortem
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **(env or {})})
+        try:
+            if during is not None:
+                during(proc)
+            proc.wait(timeout=400)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"job still running after 400 s; log {log_path}:\n"
+                                 + log_path.read_text()[-5000:]) from None
+        finally:
+            if proc.poll() is None:  # SIGTERM: the launcher kills every node by PID, then itself
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    from launcher.local import kill_node
+                    kill_node(proc.pid)
+                    proc.wait()
+    out = log_path.read_text()
+    if expect_failure:
+        assert proc.returncode != 0, out[-5000:]
+        return out, {}, {}
+    if callable(killed_by_test):
+        killed_by_test = killed_by_test()
+    if killed_by_test:  # the launcher reports nodes it did not kill itself as failed
+        assert out.count("exited with status -9") == killed_by_test, out[-5000:]
+        assert f"0 killed on purpose, {killed_by_test} failed" in out, out[-5000:]
+    else:
+        assert proc.returncode == 0, out[-5000:]
+    return out, load_model_state(tmp / "job" / "ckpt"), load_model_state(tmp / "ref" / "ckpt") if reference else {}
+
+
+def assert_same(job: dict, ref: dict) -> None:
+    assert set(job) == set(ref)
+    for key in ref:
+        torch.testing.assert_close(job[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)

@@ -147,11 +147,11 @@ def _plan(generation: int, pipelines: list[list[tuple[str, int, int]]]) -> Plan:
 
 
 def test_transfers_come_from_surviving_holders_spread_over_them() -> None:
-    from oobleck_elastic.engine.reconfigure import holdings, plan_transfers
+    from oobleck_elastic.engine.reconfigure import plan_transfers
 
     old = _plan(1, [[("a", 0, 3), ("b", 3, 6)], [("c", 0, 3), ("d", 3, 6)], [("e", 0, 2), ("f", 2, 6)]])
     new = _plan(2, [[("a", 0, 2), ("c", 2, 4), ("e", 4, 6)], [("d", 0, 3), ("f", 3, 6)]])
-    held = {k: v for k, v in holdings(old).items() if k[0] != "b"}  # b died
+    held = {k: v for k, v in old.layers_by_worker().items() if k[0] != "b"}  # b died
     transfers, lost = plan_transfers(held, new)
     assert lost == []
     got = {(t.layer, t.dst) for t in transfers}
@@ -169,17 +169,17 @@ def test_transfers_use_each_workers_own_layout_after_a_half_done_entry() -> None
     """Generation 2 was entered by some workers only (its entry failed half-way): a and b hold
     generation 2's layout, c and d still generation 1's. Both are valid copies at the same step,
     so nothing is lost; with generation 2's layout alone layers 4-5 (held by the dead e) would be."""
-    from oobleck_elastic.engine.reconfigure import holdings, plan_transfers
+    from oobleck_elastic.engine.reconfigure import plan_transfers
 
     g1 = _plan(1, [[("a", 0, 3), ("b", 3, 6)], [("c", 0, 3), ("d", 3, 6)]])
     g2 = _plan(2, [[("a", 0, 2), ("b", 2, 4), ("e", 4, 6)], [("c", 0, 3), ("d", 3, 6)]])
     g3 = _plan(3, [[("a", 0, 3), ("b", 3, 6)], [("c", 0, 3), ("d", 3, 6)]])
-    held = {("a", 0): holdings(g2)[("a", 0)], ("b", 0): holdings(g2)[("b", 0)],
-            ("c", 0): holdings(g1)[("c", 0)], ("d", 0): holdings(g1)[("d", 0)]}
+    held = {("a", 0): g2.layers_by_worker()[("a", 0)], ("b", 0): g2.layers_by_worker()[("b", 0)],
+            ("c", 0): g1.layers_by_worker()[("c", 0)], ("d", 0): g1.layers_by_worker()[("d", 0)]}
     transfers, lost = plan_transfers(held, g3)
     assert lost == []
     assert {(t.layer, t.dst) for t in transfers} == {(2, 0), (4, 1), (5, 1)}
     assert all(t.src == 3 for t in transfers if t.layer in (4, 5))  # only d holds them now
     assert next(t.src for t in transfers if t.layer == 2) in (1, 2)  # b (generation 2) or c (generation 1)
-    only_g2 = {k: v for k, v in holdings(g2).items() if k[0] in "ab"}
+    only_g2 = {k: v for k, v in g2.layers_by_worker().items() if k[0] in "ab"}
     assert plan_transfers(only_g2, g3)[1] == [4, 5]

@@ -16,17 +16,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from oobleck_elastic.checkpoint import latest_checkpoint, load_model_state, read_manifest
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.run import train
-from helpers import TINY_PROFILE_OVERRIDES, tiny_profile, when
+from helpers import assert_same, overrides, run_job, tiny_profile, when
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-
-
-def overrides(tmp: Path, steps: int, profile: Path) -> list[str]:
-    return [f"training.steps={steps}", "data.seq_len=32", "training.global_batch_size=16",
-            "training.microbatch_size=2", "training.optimizer.eps=1e-6",  # see tests/test_engine.py
-            f"data.cache_dir={tmp / 'cache'}", f"checkpoint.dir={tmp / 'ckpt'}", f"logging.tensorboard_dir={tmp / 'runs'}",
-            f"planning.profile_path={profile}", *TINY_PROFILE_OVERRIDES, "fault_tolerance.comm_timeout_s=30"]
 
 
 def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, run_id) -> None:
@@ -58,51 +51,6 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     assert ea.Tags()["tensors"] and any("reconfiguration" in t for t in ea.Tags()["tensors"])
 
 
-def _run_job(tmp: Path, etcd_server, run_id: str, launcher_args: list[str], steps: int, profile: Path,
-             extra: list[str] = (), during=None, killed_by_test=0,
-             rdzv: str = "lease_ttl=2,settle=0.2,last_call_timeout=1") -> tuple[str, dict, dict]:
-    """Run a job (and the single-process reference); return (stdout, job state, reference state)."""
-    cfg_over = overrides(tmp / "job", steps, profile) + list(extra)
-    train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp / "ref", steps, profile) + list(extra)))
-    cmd = [sys.executable, "-m", "launcher.local", *launcher_args, "--endpoint", etcd_server.endpoint, "--run-id",
-           run_id, "--rdzv-conf", rdzv, "--", "examples/train.py",
-           "--config", "configs/gpt2-tiny.yaml", *cfg_over]
-    log_path = tmp / "job.log"  # kept in pytest's tmp dir for a post-mortem
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, text=True)
-        try:
-            if during is not None:
-                during(proc)
-            proc.wait(timeout=400)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"job still running after 400 s; log {log_path}:\n"
-                                 + log_path.read_text()[-5000:]) from None
-        finally:
-            if proc.poll() is None:  # SIGTERM: the launcher kills every node by PID, then itself
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    from launcher.local import kill_node
-                    kill_node(proc.pid)
-                    proc.wait()
-    out = log_path.read_text()
-    if callable(killed_by_test):
-        killed_by_test = killed_by_test()
-    if killed_by_test:  # the launcher reports nodes it did not kill itself as failed
-        assert out.count("exited with status -9") == killed_by_test, out[-5000:]
-        assert f"0 killed on purpose, {killed_by_test} failed" in out, out[-5000:]
-    else:
-        assert proc.returncode == 0, out[-5000:]
-    return out, load_model_state(tmp / "job" / "ckpt"), load_model_state(tmp / "ref" / "ckpt")
-
-
-def _assert_same(job: dict, ref: dict) -> None:
-    assert set(job) == set(ref)
-    for key in ref:
-        torch.testing.assert_close(job[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
-
-
 def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id) -> None:
     """A 4th node joins a 3-node job (admitted at a step boundary, layers copied to it), then a
     node is drained with `oobleck kill-agent` (leaves at a boundary, its agent exits 0)."""
@@ -116,13 +64,13 @@ def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id)
              lambda c: (c.get_json(keys.progress)[0] or {}).get("generation", 0) >= 2,
              lambda c: ops.kill_agent(c, keys, 1))
 
-    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "3", "--join", "1"], 30, profile,
+    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "3", "--join", "1"], 30, profile,
                              during=drain_after_join)
     assert "entered from generation 1" in out and "entered from generation 2" in out, out[-4000:]
     assert "node node1 was drained" in out and "communication failed" not in out, out[-4000:]
     assert "rank 3: entered from generation 1" in out  # the joiner received its layers
     assert "Stopping worker group" not in out
-    _assert_same(job, ref)
+    assert_same(job, ref)
 
 
 def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, etcd_server, run_id) -> None:
@@ -145,44 +93,66 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
             if rec.node_id in victims:
                 kill_node(rec.agent_pid)
 
-    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 9, profile,
+    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 9, profile,
                              extra=["checkpoint.interval_steps=2"], killed_by_test=2,
                              during=lambda proc: when(etcd_server.endpoint, proc,
-                                                      lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 5,
+                                                      lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0)
+                                                      >= 5,
                                                       kill_both_first_stages))
     assert "had no surviving copy; restored checkpoint" in out, out[-4000:]
-    _assert_same(job, ref)
+    assert_same(job, ref)
 
 
-def test_hung_node_is_dropped_after_the_comm_timeout(tmp_path: Path, etcd_server, run_id) -> None:
-    """A SIGSTOPped node (agent and workers frozen, sockets open): nothing interrupts a blocked
-    gloo call, so the survivors leave it when the communication timeout fires; its lease expires,
-    the leader re-plans without it, and training goes on with the reference weights. The frozen
-    node is killed by the launcher once the job is closed."""
+def test_hung_node_is_cut_off_by_the_control_plane(tmp_path: Path, etcd_server, run_id) -> None:
+    """A SIGSTOPped node (agent and workers frozen, sockets open) blocks its peers' gloo calls,
+    which would only fail after the 30 s communication timeout. Its lease expires instead (TTL
+    2 s), the leader publishes a plan without it, and every survivor abandons the blocked step at
+    once and enters the next generation: the next step completes within lease TTL + settle + a
+    few seconds of the stop, far before the timeout, with the reference weights. The frozen node
+    is killed by the launcher once the job is closed."""
     import os
     import signal
+    import time
 
     from launcher.local import descendants
+    from oobleck_elastic.etcd import EtcdSettings, connect
     from oobleck_elastic.rendezvous.keys import Keys
     from oobleck_elastic.rendezvous.membership import live_nodes
 
     profile = tiny_profile(tmp_path / "profile.json")
     keys = Keys("/oobleck", run_id)
+    stopped: dict[str, float] = {}
 
     def freeze_a_non_leader(client) -> None:
         leader = (client.get_json(keys.leader)[0] or {}).get("node_id")
         rec = next(r for r in live_nodes(client, keys) if r.node_id != leader)
         for pid in [rec.agent_pid] + descendants(rec.agent_pid):
             os.kill(pid, signal.SIGSTOP)
+        stopped["at"] = time.monotonic()
 
-    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--exit-grace", "5"], 9, profile,
-                             extra=["fault_tolerance.comm_timeout_s=4"], killed_by_test=1,
-                             during=lambda proc: when(etcd_server.endpoint, proc,
-                                                      lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 4,
-                                                      freeze_a_non_leader))
-    assert "Timed out waiting" in out and "entered from generation 1" in out, out[-4000:]
+    def freeze_then_time_the_next_step(proc) -> None:
+        when(etcd_server.endpoint, proc, lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 4,
+             freeze_a_non_leader)
+        client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
+        try:
+            while proc.poll() is None and "resumed" not in stopped:
+                if (client.get_json(keys.progress)[0] or {}).get("generation", 1) >= 2:
+                    stopped["resumed"] = time.monotonic()
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--exit-grace", "5"], 9, profile,
+                            extra=["fault_tolerance.comm_timeout_s=30"], killed_by_test=1,
+                            during=freeze_then_time_the_next_step)
+    assert "step abandoned (StepAbandoned: generation 2 left out lost node(s)" in out, out[-4000:]
+    assert "entered from generation 1" in out
+    assert "Timed out waiting" not in out  # nobody waited for the communication timeout
     assert "did not exit 5s after the job closed" in out
-    _assert_same(job, ref)
+    cut_off = stopped["resumed"] - stopped["at"]
+    print(f"hung node: first step of generation 2 done {cut_off:.2f} s after the SIGSTOP")
+    assert cut_off < 15, f"{cut_off:.1f} s: the hung node was not cut off by the control plane"
+    assert_same(job, ref)
 
 
 def test_local_worker_crash_is_restarted_by_its_agent_and_rejoins(tmp_path: Path, etcd_server, run_id) -> None:
@@ -205,9 +175,10 @@ def test_local_worker_crash_is_restarted_by_its_agent_and_rejoins(tmp_path: Path
         worker = next(p for p in descendants(rec.agent_pid) if b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes())
         os.kill(worker, signal.SIGKILL)
 
-    out, job, ref = _run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 12, profile,
+    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 12, profile,
                              during=lambda proc: when(etcd_server.endpoint, proc,
-                                                      lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 4,
+                                                      lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0)
+                                                      >= 4,
                                                       crash_a_worker))
     from oobleck_elastic.etcd import EtcdSettings, connect
     client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
@@ -215,4 +186,4 @@ def test_local_worker_crash_is_restarted_by_its_agent_and_rejoins(tmp_path: Path
     client.close()
     assert [ev.generation for ev in plans] == [1, 2] and "(restart)" in plans[1].detail, [e.line() for e in plans]
     assert "lost" not in [ev.kind for ev in plans]
-    _assert_same(job, ref)
+    assert_same(job, ref)

@@ -6,12 +6,13 @@ enters generation G, every worker computes the same transfer list from what each
 new plan: for each stage of G, the layers it must hold but does not come from a worker that
 holds them and is in G. Sources are spread over the surviving holders
 (round-robin by layer and receiver), so a layer needed by several workers is not served by one.
-A layer with no surviving holder is lost: the caller must restore the checkpoint (DESIGN.md
+A layer with no surviving holder is lost: the caller must restore the checkpoint (docs/design.md,
 invariant 3) and never trains on with a re-initialised layer.
 
 The transfer sends each layer's parameters AND optimizer state (AdamW exp_avg, exp_avg_sq,
-step) as one flat fp32 tensor, all transfers posted at once with batch_isend_irecv, so any
-pattern of senders and receivers completes without ordering deadlocks.
+step) as one flat fp32 tensor on the layer's device (so over NCCL on GPUs), all transfers posted
+at once with batch_isend_irecv, so any pattern of senders and receivers completes without
+ordering deadlocks.
 """
 
 from __future__ import annotations
@@ -40,17 +41,11 @@ class Transfer:
     """Receiver's rank in the new generation."""
 
 
-def holdings(plan: Optional[Plan]) -> dict[Identity, range]:
-    """(node, local rank) -> layers held, for every stage of a plan."""
-    if plan is None:
-        return {}
-    return {(s.node, s.local_rank): range(s.start, s.end) for p in plan.pipelines for s in p.stages}
-
-
 def plan_transfers(held: dict[Identity, range], new: Plan) -> tuple[list[Transfer], list[int]]:
     """The transfers into `new` and the layers no worker of `new` holds (lost). `held`: the layers
-    each worker really holds now (see `holdings`); a new or restarted worker holds nothing, and
-    workers may hold the layout of different generations when an entry failed half-way."""
+    each worker really holds now (`Plan.layers_by_worker` of the generation it last entered); a
+    new or restarted worker holds nothing, and workers may hold the layout of different
+    generations when an entry failed half-way."""
     new_rank = {(s.node, s.local_rank): s.rank for p in new.pipelines for s in p.stages}
     survivors_of: dict[int, list[int]] = {}
     for ident, layers in held.items():
@@ -81,7 +76,7 @@ def _flat(layer: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
             value = state.get(key)
             if value is None:
                 value = torch.zeros_like(p) if key != "step" else torch.zeros(())
-            parts.append(torch.as_tensor(value).detach().reshape(-1).float())
+            parts.append(torch.as_tensor(value).detach().reshape(-1).to(p.device, torch.float32))
     return torch.cat(parts)
 
 
@@ -100,7 +95,8 @@ def _unflat(flat: torch.Tensor, layer: nn.Module) -> dict[int, tuple[nn.Paramete
         for key in OPTIM_KEYS:
             size = 1 if key == "step" else n
             chunk = flat[offset:offset + size]
-            state[key] = chunk.reshape(()).clone() if key == "step" else chunk.view_as(p).clone()
+            # AdamW keeps `step` as a CPU scalar (unless capturable/fused); moments live with p
+            state[key] = chunk.reshape(()).cpu() if key == "step" else chunk.view_as(p).clone()
             offset += size
         out[id(p)] = (p, state)
     return out
@@ -126,7 +122,7 @@ def exchange(transfers: list[Transfer], *, rank: int, source: LayerModel, optimi
         if t.dst == rank:
             layer = target.layers[t.layer]
             assert layer is not None, f"layer {t.layer} must be built before it is received"
-            buf = torch.empty(_numel(layer))
+            buf = torch.empty(_numel(layer), device=next(layer.parameters()).device)
             ops.append(dist.P2POp(dist.irecv, buf, t.src, group))
             received.append((t.layer, buf))
             moved += buf.numel() * 4

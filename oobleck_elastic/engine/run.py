@@ -38,12 +38,14 @@ from ..config import JobConfig
 from ..planning import Plan
 from . import state
 from .data import build_dataset
+from .devices import configure_nccl, resolve_device
+from .errors import JobFailed, StepAbandoned, is_communication_error
 from .metrics import Metrics
 from .optim import lr_factor
+from .runner import StepRunner
 from .trainer import LayersLost, Reconfiguration, StepResult, Trainer
 
 log = logging.getLogger("oobleck_elastic.train")
-COMM_ERRORS = (RuntimeError, ConnectionError, TimeoutError)
 
 
 @dataclass
@@ -90,7 +92,7 @@ def train(cfg: JobConfig, *, max_bytes: Optional[int] = None) -> Summary:
     dataset = build_dataset(cfg, log=log.info, max_bytes=max_bytes)
     if under_oobleck():
         return _train_worker(cfg, dataset)
-    trainer = Trainer(cfg, dataset=dataset)
+    trainer = Trainer(cfg, dataset=dataset, device=resolve_device(cfg.training.device, 0))
     run = _Run(cfg, node="local")
     try:
         step = run.resume(trainer)
@@ -225,37 +227,93 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {first}"
 
 
+def _abandon_check(ctx: Any, plan: Plan) -> Callable[[], Optional[str]]:
+    """The `should_abandon` of a step of generation `plan.generation` (see engine/runner.py):
+    the job was closed, this node was fenced, or a newer plan left a lost node out. Drains and
+    joins are not reasons: they take effect at the step boundary."""
+    checked: dict[int, list[str]] = {}
+
+    def check() -> Optional[str]:
+        if ctx.client.get_json(ctx.keys.closed)[0] is not None:
+            return "the job was closed"
+        if ctx.client.get_json(ctx.keys.fenced + ctx.node_id)[0] is not None:
+            return f"node {ctx.node_id} was fenced (declared lost)"
+        latest = ctx.plan()
+        if latest is None or latest.generation <= plan.generation:
+            return None
+        if latest.generation not in checked:
+            checked[latest.generation] = ctx.lost_nodes(plan, latest)
+        lost = checked[latest.generation]
+        return f"generation {latest.generation} left out lost node(s) {', '.join(lost)}" if lost else None
+    return check
+
+
+def _record_fatal(ctx: Any, cfg: JobConfig, err: BaseException, *, step: int, generation: int) -> None:
+    """Log and store an error that ends this worker; close the job as failed when the same error
+    has now ended workers at this step in `max_repeated_errors` generations in a row."""
+    limit = cfg.fault_tolerance.max_repeated_errors
+    try:
+        rec = ctx.record_error(err, step=step, generation=generation)
+    except Exception as etcd_err:  # noqa: BLE001 - never hide the original error behind this one
+        log.error("gen %d step %d node %s: could not record the error in etcd: %s", generation, step, ctx.node_id,
+                  _describe(etcd_err))
+        return
+    log.error("gen %d step %d node %s: %s ends this worker (%d of %d in a row at this step; not a communication "
+              "failure)", generation, step, ctx.node_id, rec.error, rec.count, limit)
+    if rec.count >= limit:
+        reason = (f"{rec.error} ended a worker at step {step} in {rec.count} generations in a row "
+                  f"(fault_tolerance.max_repeated_errors={limit})")
+        log.error("gen %d step %d node %s: closing the job as failed: %s", generation, step, ctx.node_id, reason)
+        ctx.close_job(reason, failed=True)
+
+
 def _train_worker(cfg: JobConfig, dataset: Any) -> Summary:
     from ..etcd.store import EtcdStore
     from ..rendezvous.worker import WorkerContext
 
     ctx = WorkerContext.from_env()
-    trainer = Trainer(cfg, dataset=dataset, node=ctx.node_id, local_rank=ctx.local_rank)
+    device = resolve_device(cfg.training.device, ctx.local_rank)
+    if device.type == "cuda":
+        nccl, replaced = configure_nccl()
+        for message in replaced:
+            log.warning("node %s: %s", ctx.node_id, message)
+        log.info("node %s: worker %d on %s; NCCL settings %s", ctx.node_id, ctx.local_rank, device, nccl)
+    trainer = Trainer(cfg, dataset=dataset, node=ctx.node_id, local_rank=ctx.local_rank, device=device)
+    ctx.share_profile(cfg, trainer.device)
     ctx.report_ready()
     steps = cfg.training.steps
+    ft = cfg.fault_tolerance
     target, exact = 1, False
+    step = 0
+    plan: Optional[Plan] = None
     run = _Run(cfg, node=ctx.node_id)
+    runner = StepRunner(trainer.device)
     try:
         while True:
             plan = _next_plan(ctx, at_least=target, exact=exact)
             if plan is None:
+                failed = ctx.failure_of_job()
+                if failed is not None:
+                    raise JobFailed(f"the job was closed as failed: {failed}")
                 log.info("node %s: leaving the job (%s)", ctx.node_id, ctx.should_leave(ctx.plan()))
                 return run.summary()
             info: Optional[Reconfiguration] = None
             failure: Optional[str] = None
             try:
-                ft = cfg.fault_tolerance
                 store = EtcdStore(ctx.client, prefix=ctx.keys.store(plan.generation),
                                   timeout=timedelta(seconds=ft.comm_timeout_s),
                                   min_wait=timedelta(seconds=ft.comm_timeout_s),
                                   on_wait=ctx.join_watch(plan.generation, stall_s=ft.stall_report_s))
-                info = trainer.enter_generation(plan, store, load_plan=ctx.plan_at)
-                step = info.resume_step
-                if info.previous == 0 and step == 0:
-                    step = run.resume(trainer)
-            except LayersLost as err:
-                step = run.restore_lost(trainer, err)
-            except COMM_ERRORS as err:
+                try:
+                    info = trainer.enter_generation(plan, store, load_plan=ctx.plan_at)
+                    step = info.resume_step
+                    if info.previous == 0 and step == 0:
+                        step = run.resume(trainer)
+                except LayersLost as err:
+                    step = run.restore_lost(trainer, err)
+            except Exception as err:
+                if not is_communication_error(err):
+                    raise
                 failure = _describe(err)
             if failure is not None:  # outside the except block: see Trainer.abort
                 trainer.abort()
@@ -266,21 +324,31 @@ def _train_worker(cfg: JobConfig, dataset: Any) -> Summary:
                 continue
             run.entered(trainer, info)
             result = None
+            abandoned = False
+            should_abandon = _abandon_check(ctx, plan)
             try:
                 while step < steps:
                     latest = ctx.plan() if trainer.rank == 0 else None
-                    result = trainer.train_step(step, seen_generation=latest.generation if latest else 0)
+                    seen = latest.generation if latest else 0
+                    result = runner.run(lambda s=step, g=seen: trainer.train_step(s, seen_generation=g),
+                                        should_abandon=should_abandon, interval_s=ft.watch_interval_s)
                     run.stepped(trainer, result, report=ctx.report_progress if trainer.rank == 0 else None)
                     step += 1
                     if result.next_generation > trainer.generation:
                         break
-            except COMM_ERRORS as err:
-                failure = _describe(err)
+            except Exception as err:
+                if not is_communication_error(err):
+                    raise
+                failure, abandoned = _describe(err), isinstance(err, StepAbandoned)
             if failure is not None:
-                trainer.abort()
-                ctx.report_failure(trainer.generation)
-                log.warning("gen %d step %d node %s: communication failed (%s); waiting for the next plan",
-                            trainer.generation, step, ctx.node_id, failure)
+                trainer.abort(abandoned=abandoned)
+                if abandoned:  # the leader has acted already: no roll call needed
+                    log.warning("gen %d step %d node %s: step abandoned (%s); entering the next generation",
+                                trainer.generation, step, ctx.node_id, failure)
+                else:
+                    ctx.report_failure(trainer.generation)
+                    log.warning("gen %d step %d node %s: communication failed (%s); waiting for the next plan",
+                                trainer.generation, step, ctx.node_id, failure)
                 target, exact = trainer.generation + 1, False
                 continue
             if step >= steps:
@@ -290,6 +358,11 @@ def _train_worker(cfg: JobConfig, dataset: Any) -> Summary:
                 return run.summary()
             assert result is not None
             target, exact = result.next_generation, True
+    except Exception as err:
+        if not isinstance(err, JobFailed):
+            _record_fatal(ctx, cfg, err, step=step, generation=plan.generation if plan is not None else 0)
+        raise
     finally:
+        runner.close()
         run.close()
         trainer.close()

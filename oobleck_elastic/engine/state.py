@@ -77,7 +77,7 @@ def restore(trainer: Trainer, path: str | Path) -> int:
                 p.copy_(params[name])
             if optim.get(name):
                 by_param[id(p)] = (p, optim[name])
-    for p, state in by_param.values():
-        trainer.optimizer.state[p] = {k: (v.clone() if torch.is_tensor(v) else torch.tensor(float(v)))
-                                      for k, v in state.items()}
+    for p, state in by_param.values():  # moments on the parameter's device; AdamW's `step` on the CPU
+        trainer.optimizer.state[p] = {k: (v.to("cpu" if k == "step" else p.device, copy=True) if torch.is_tensor(v)
+                                          else torch.tensor(float(v))) for k, v in state.items()}
     return int(manifest["step"])

@@ -15,7 +15,7 @@ the pipeline has fewer microbatches than stages) on its share of the global batc
 
 1. gradients are SUM-reduced among each layer's holders (GradSync);
 2. one all-reduce over the generation sums the squared gradient norm and the loss;
-3. one tiny all-reduce is the COMMIT point (DESIGN.md invariant 2): a worker calls
+3. one tiny all-reduce is the COMMIT point (docs/design.md, invariant 2): a worker calls
    optimizer.step() only after it returns, i.e. after every worker finished steps 1-2, so if any
    worker committed, every worker holds the synchronised gradients and the norm. It is a MAX of
    the newest plan generation each worker has seen, so everyone leaves for a new generation at
@@ -24,12 +24,15 @@ the pipeline has fewer microbatches than stages) on its share of the global batc
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import gc
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,11 +41,14 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..config import JobConfig
 from ..models import build_layer_model
-from ..planning import Plan
+from ..planning import Plan, StagePlacement
 from .data import collate, pipeline_slices
+from .devices import backend_for, release_groups, to_device
+from .errors import StepAbandoned
+from .faults import FaultInjector
 from .groups import GenerationGroups, GradSync, Holders
 from .optim import build_optimizer, clip_coefficient, scale_grads, set_lr, token_sum_loss
-from .reconfigure import exchange, holdings, plan_transfers, retie
+from .reconfigure import Identity, Transfer, exchange, plan_transfers, retie
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +111,7 @@ class Autocast(nn.Module):
 class Trainer:
     def __init__(self, cfg: JobConfig, *, dataset: Any, plan: Optional[Plan] = None, rank: int = 0,
                  store: Optional[dist.Store] = None, timeout: Optional[timedelta] = None,
-                 device: str = "cpu", node: str = "local", local_rank: int = 0) -> None:
+                 device: str | torch.device = "cpu", node: str = "local", local_rank: int = 0) -> None:
         from .data import GlobalBatchSampler
 
         self.cfg, self.dataset, self.node = cfg, dataset, node
@@ -129,6 +135,14 @@ class Trainer:
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.params: list[nn.Parameter] = []
         self.stage_module: Optional[nn.Module] = None
+        # A step may run in another thread that the control plane can abandon (engine/run.py):
+        # `_epoch` grows at every abandonment, and a step only writes this trainer's state under
+        # `_lock` while its epoch is current; the next generation then works on copies of the
+        # kept layers (`_detach_kept`), so an abandoned step that wakes up touches nothing in use.
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._detach_kept = False
+        self.faults = FaultInjector.from_env()
         if plan is None and store is None:  # the single-process reference
             self.layer_model = build_layer_model(cfg.model, seed=t.seed, device=device)
             self._adopt(list(range(self.layer_model.num_layers)), {})
@@ -139,32 +153,64 @@ class Trainer:
     # ------------------------------------------------------------------ generations
     def enter_generation(self, plan: Plan, store: Optional[dist.Store], *,
                          load_plan: Callable[[int], Optional[Plan]] = lambda g: None) -> Reconfiguration:
-        """Join generation `plan.generation`; see the module docstring. Raises LayersLost when a
-        layer has no surviving copy (the caller restores the checkpoint with `restore_fresh`)."""
+        """Join generation `plan.generation` (see the module docstring): connect, agree on the
+        step, settle the interrupted step, agree on who holds what, move layers and install the
+        new stage. Raises LayersLost when a layer has no surviving copy (the caller restores the
+        newest checkpoint)."""
         t0 = time.perf_counter()
-        mine = [s for p in plan.pipelines for s in p.stages if (s.node, s.local_rank) == self.identity]
-        if not mine:
+        stage = plan.stage_at(*self.identity)
+        if stage is None:
             raise ValueError(f"{self.identity} has no stage in generation {plan.generation}")
-        stage = mine[0]
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        # connect under the short join timeout (a peer that died during the reconfiguration holds
-        # gloo's connection set-up for ~5x it), then run collectives under the comm timeout
-        dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl", store=store, rank=stage.rank,
+        self._connect(plan, stage, store)
+        previous, committed = self._agree_on_step()
+        rolled, current = self._settle(committed)
+        held = self._agree_on_layouts(plan, stage, current, load_plan)
+        transfers, lost = plan_transfers(held, plan)
+        moved = self._install(plan, stage, transfers, exchange_layers=not lost, current=current)
+        if lost and held:  # (nobody holding anything is the first start: layers built from the seed)
+            raise LayersLost(lost)
+        info = Reconfiguration(generation=plan.generation, previous=previous, resume_step=committed + 1,
+                               rolled_forward=rolled, bytes_moved=moved, seconds=time.perf_counter() - t0)
+        log.info("gen %d step %d node %s rank %d: entered from generation %d (%s, %d layer bytes moved, %.3f s)",
+                 plan.generation, committed + 1, self.node, stage.rank, previous,
+                 "rolled forward" if rolled else "no step to roll forward", moved, info.seconds)
+        return info
+
+    def _connect(self, plan: Plan, stage: StagePlacement, store: Optional[dist.Store]) -> None:
+        """The generation's default group. It connects under the short join timeout (a peer that
+        died during the reconfiguration holds gloo's connection set-up for ~5x it); collectives
+        then run under the comm timeout (`_agree_on_layouts` switches once every peer is seen)."""
+        release_groups(abort=False)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(backend_for(self.device), store=store, rank=stage.rank,
                                 world_size=plan.world_size, timeout=min(self.timeout, self.join_timeout))
+
+    def _agree_on_step(self) -> tuple[int, int]:
+        """One MAX all-reduce: (newest generation anyone was in, newest step anyone committed)."""
         agree = torch.tensor([self.generation, self.committed_step, self.synced_step], dtype=torch.float64)
         dist.all_reduce(agree, op=dist.ReduceOp.MAX)
-        previous, committed = int(agree[0]), int(agree[1])
-        rolled = False
-        if self.synced_step > self.committed_step and self.synced_step == committed:
-            self._apply(self.synced_step, self._synced_norm2)  # someone committed this step: apply it here too
-            rolled = True
-        current = self.committed_step == committed  # my layers (if any) are at the agreed step
-        self._zero_grad()  # anything else is a discarded step (possibly half a backward pass): replay it
+        return int(agree[0]), int(agree[1])
+
+    def _settle(self, committed: int) -> tuple[bool, bool]:
+        """Settle the interrupted step by the commit rule: a worker holding the synchronised
+        gradients of the step someone committed applies them (rolls forward); anything else (a
+        discarded step, possibly half a backward pass) is dropped and replayed. Returns (rolled
+        forward, this worker's layers are at the agreed step)."""
+        rolled = self.synced_step > self.committed_step and self.synced_step == committed
+        if rolled:
+            self._apply(self.synced_step, self._synced_norm2)
+        current = self.committed_step == committed
+        self._zero_grad()
         self.committed_step = self.synced_step = committed
-        # what every worker really holds: the layers of its stage in the generation it last
-        # entered (not always `previous`: an entry may have failed half-way on some workers), or
-        # nothing (new or restarted). Every copy is at the same committed step, so any is a source.
+        return rolled, current
+
+    def _agree_on_layouts(self, plan: Plan, stage: StagePlacement, current: bool,
+                          load_plan: Callable[[int], Optional[Plan]]) -> dict[Identity, range]:
+        """What every worker of `plan` really holds: the layers of its stage in the generation it
+        last entered (not always the previous one: an entry may have failed half-way on some
+        workers), or nothing (new, restarted, or behind the agreed step). One all-reduce of
+        generations; every copy is at the same committed step, so any is a source."""
         held = torch.zeros(plan.world_size, dtype=torch.float64)
         held[stage.rank] = self.generation if self.owned and current else 0
         dist.all_reduce(held)
@@ -174,34 +220,48 @@ class Trainer:
         missing = sorted(g for g, p in plans.items() if p is None)
         if missing:
             raise RuntimeError(f"plan(s) of generation(s) {missing} are not available to {self.identity}")
-        before = {(s.node, s.local_rank): holdings(plans[int(held[s.rank])]).get((s.node, s.local_rank), range(0))
-                  for p in plan.pipelines for s in p.stages if int(held[s.rank]) > 0}
-        transfers, lost = plan_transfers(before, plan)
+        return {(s.node, s.local_rank): plans[int(held[s.rank])].layers_by_worker().get((s.node, s.local_rank),
+                                                                                         range(0))
+                for p in plan.pipelines for s in p.stages if int(held[s.rank]) > 0}
+
+    def _install(self, plan: Plan, stage: StagePlacement, transfers: list[Transfer], *, exchange_layers: bool,
+                 current: bool) -> int:
+        """Build the stage's layers: kept ones stay (copies after an abandoned step), received ones
+        come with their optimizer state, others are built from the seed; then a new optimizer and
+        the pipeline. Returns the layer bytes this worker sent plus received."""
         owned = list(range(stage.start, stage.end))
         kept = [i for i in owned if i in self.owned] if current else []
         fresh = [i for i in owned if i not in kept]
         target = build_layer_model(self.cfg.model, seed=self.cfg.training.seed, owned=fresh, device=str(self.device))
+        kept_layers, kept_params = self._kept_layers(kept)
         for i in kept:
-            target.layers[i] = self.layer_model.layers[i]
+            target.layers[i] = kept_layers[i]
         retie(target)
         states, moved = ({}, 0)
-        if not lost:
+        if exchange_layers:
             states, moved = exchange(transfers, rank=stage.rank, source=self.layer_model, optimizer=self.optimizer,
                                      target=target)
-        keep_state = {id(p): (p, dict(self.optimizer.state[p])) for i in kept
-                      for p in self.layer_model.layers[i].parameters()
-                      if self.optimizer is not None and p in self.optimizer.state}
+        old_state = self.optimizer.state if self.optimizer is not None else {}
+        keep_state = {id(new): (new, {k: v.clone() if new is not old else v for k, v in old_state[old].items()})
+                      for old, new in kept_params if old in old_state}
+        self._detach_kept = False
         self.layer_model, self.plan, self.generation, self.rank = target, plan, plan.generation, stage.rank
         self._adopt(owned, {**keep_state, **states})
         self._build_pipeline(plan)
-        if lost and layouts:  # (nobody holding anything is the first start: layers built from the seed)
-            raise LayersLost(lost)
-        info = Reconfiguration(generation=plan.generation, previous=previous, resume_step=committed + 1,
-                               rolled_forward=rolled, bytes_moved=moved, seconds=time.perf_counter() - t0)
-        log.info("gen %d step %d node %s rank %d: entered from generation %d (%s, %d layer bytes moved, %.3f s)",
-                 plan.generation, committed + 1, self.node, stage.rank, previous,
-                 "rolled forward" if rolled else "no step to roll forward", moved, info.seconds)
-        return info
+        return moved
+
+    def _kept_layers(self, kept: list[int]) -> tuple[dict[int, nn.Module], list[tuple[nn.Parameter, nn.Parameter]]]:
+        """The kept layers for the next generation and (old, new) pairs of their parameters: the
+        layers themselves, or copies after an abandoned step (whose thread may still run)."""
+        layers: dict[int, nn.Module] = {}
+        pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        for i in kept:
+            old = self.layer_model.layers[i]
+            assert old is not None
+            new = copy.deepcopy(old) if self._detach_kept else old
+            layers[i] = new
+            pairs += list(zip(old.parameters(), new.parameters()))
+        return layers, pairs
 
     def _adopt(self, owned: list[int], states: dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]]) -> None:
         """Use the layers `owned` of self.layer_model with a new optimizer holding `states`."""
@@ -226,8 +286,14 @@ class Trainer:
         stages = len(self.pipeline.stages)
         self.schedule = None
         if stages > 1:
-            pstage = PipelineStage(self.stage_module, self.stage.index, stages, self.device,
-                                   group=self.groups.pipeline_group)
+            from .shapes import stage_io
+
+            # static shapes (meta tensors): torch then exchanges no pickled metadata between stages
+            inputs, outputs = stage_io(self.cfg.model, seed=self.cfg.training.seed, start=self.stage.start,
+                                       end=self.stage.end, microbatch_size=self.cfg.training.microbatch_size,
+                                       seq_len=self.dataset[0][0].shape[-1], autocast=self.dtype)
+            pstage = PipelineStage(self.stage_module, self.stage.index, stages, self.device, input_args=inputs,
+                                   output_args=outputs, group=self.groups.pipeline_group)
             mb = self.pipeline.microbatches
             cls = Schedule1F1B if self.cfg.planning.schedule == "1f1b" and mb >= stages else ScheduleGPipe
             # every stage gets the loss_fn: without one a schedule runs forward only
@@ -246,56 +312,75 @@ class Trainer:
         total = 0.0
         mbs = self.cfg.training.microbatch_size
         assert self.stage_module is not None
+        x, y = to_device(x, self.device), to_device(y, self.device)
         for i in range(0, x.shape[0], mbs):
-            loss = self.loss_fn(self.stage_module(x[i:i + mbs].to(self.device)), y[i:i + mbs].to(self.device))
+            loss = self.loss_fn(self.stage_module(x[i:i + mbs]), y[i:i + mbs])
             loss.backward()
             total += loss.item()
         return total
 
-    def _forward_backward_pipeline(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        if self.schedule is None:  # one-stage pipeline: no pipelining needed
+    def _forward_backward_pipeline(self, x: torch.Tensor, y: torch.Tensor, schedule: Any) -> float:
+        if schedule is None:  # one-stage pipeline: no pipelining needed
             return self._forward_backward_local(x, y)
         first, last = self.stage.index == 0, self.stage.index == len(self.pipeline.stages) - 1
         losses: list[torch.Tensor] = []
         if first:
-            self.schedule.step(x.to(self.device))
+            schedule.step(to_device(x, self.device))
         elif last:
-            self.schedule.step(target=y.to(self.device), losses=losses)
+            schedule.step(target=to_device(y, self.device), losses=losses)
         else:
-            self.schedule.step()
+            schedule.step()
         return float(sum(loss.item() for loss in losses))
 
     def train_step(self, step: int, *, seen_generation: int = 0) -> StepResult:
+        """Run step `step` (0-based) and apply it. It may run in another thread: it uses the
+        generation's objects as they were when it started, and after `abandon()` it raises
+        StepAbandoned instead of changing this trainer's state."""
         t0 = time.perf_counter()
+        epoch = self._epoch
+        if self.plan is not None:
+            self.faults.check(rank=self.rank, step=step)
         x, y = collate(self.dataset, self.my_samples(step))
         next_generation = self.generation
         if self.plan is None:
             loss = self._forward_backward_local(x, y)
             norm2 = float(sum(p.grad.double().pow(2).sum() for p in self.params if p.grad is not None))
-            self._apply(step, norm2)
+            self._apply(step, norm2, epoch)
         else:
-            loss = self._forward_backward_pipeline(x, y)
-            self.grad_sync.all_reduce()
-            reduced = torch.tensor([float(self.grad_sync.norm_squared()), loss], dtype=torch.float64)
+            schedule, grad_sync = self.schedule, self.grad_sync
+            loss = self._forward_backward_pipeline(x, y, schedule)
+            grad_sync.all_reduce()
+            # control collectives: CPU tensors, so they go over gloo whatever the data backend
+            reduced = torch.tensor([float(grad_sync.norm_squared()), loss], dtype=torch.float64)
             dist.all_reduce(reduced)
             norm2, loss = float(reduced[0]), float(reduced[1])
-            self.synced_step, self._synced_norm2 = step, norm2
+            with self._current(epoch):
+                self.synced_step, self._synced_norm2 = step, norm2
             # COMMIT: returns only once every worker has finished this step's communication; it also
             # carries the newest plan generation anyone has seen, so all leave at the same boundary
             seen = torch.tensor([max(seen_generation, self.generation)], dtype=torch.float64)
             dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-            self._apply(step, norm2)
+            self._apply(step, norm2, epoch)
             next_generation = int(seen[0])
         return StepResult(step=step, loss=loss, seconds=time.perf_counter() - t0, grad_norm=norm2 ** 0.5,
                           next_generation=next_generation)
 
-    def _apply(self, step: int, norm2: float) -> None:
-        assert self.optimizer is not None
-        scale_grads(self.params, clip_coefficient(norm2, self.cfg.training.optimizer.grad_clip))
-        set_lr(self.optimizer, step, self.cfg.training)
-        self.optimizer.step()
-        self._zero_grad()
-        self.committed_step = step
+    @contextlib.contextmanager
+    def _current(self, epoch: int) -> Iterator[None]:
+        """Hold the state lock, or raise StepAbandoned when the step of `epoch` was abandoned."""
+        with self._lock:
+            if self._epoch != epoch:
+                raise StepAbandoned(f"the step of epoch {epoch} was abandoned (now {self._epoch})")
+            yield
+
+    def _apply(self, step: int, norm2: float, epoch: Optional[int] = None) -> None:
+        with self._current(self._epoch if epoch is None else epoch):
+            assert self.optimizer is not None
+            scale_grads(self.params, clip_coefficient(norm2, self.cfg.training.optimizer.grad_clip))
+            set_lr(self.optimizer, step, self.cfg.training)
+            self.optimizer.step()
+            self._zero_grad()
+            self.committed_step = step
 
     def _zero_grad(self) -> None:
         if self.optimizer is not None:
@@ -303,34 +388,40 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def layer_state(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Owned layers' parameters, detached copies, by layer index and local name."""
-        return {i: {n: p.detach().clone() for n, p in self.layer_model.layers[i].named_parameters()}
+        """Owned layers' parameters, detached copies on the CPU, by layer index and local name."""
+        return {i: {n: p.detach().to("cpu", copy=True) for n, p in self.layer_model.layers[i].named_parameters()}
                 for i in self.owned}
 
     def optimizer_state(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
-        """Owned layers' optimizer state (e.g. exp_avg, exp_avg_sq, step) by layer and name."""
+        """Owned layers' optimizer state (e.g. exp_avg, exp_avg_sq, step) by layer and name, on the CPU."""
         out: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
         assert self.optimizer is not None
         for i in self.owned:
             for n, p in self.layer_model.layers[i].named_parameters():
                 st = self.optimizer.state.get(p, {})
-                out.setdefault(i, {})[n] = {k: v.detach().clone() for k, v in st.items() if torch.is_tensor(v)}
+                out.setdefault(i, {})[n] = {k: v.detach().to("cpu", copy=True) for k, v in st.items()
+                                            if torch.is_tensor(v)}
         return out
 
-    def abort(self) -> None:
-        """After a communication error: tear every process group down at once, so that the error
-        reaches every peer blocked on this worker in tens of milliseconds. A gloo group closes its
-        sockets only when the last reference goes, so the schedule, stage and groups are dropped
-        and collected too (call this outside the `except` block: the exception's traceback keeps
-        the failed call's frames, and with them the groups, alive)."""
+    def abort(self, *, abandoned: bool = False) -> None:
+        """After a communication error, or when the control plane abandoned a step (`abandoned`):
+        tear every process group down at once, so that the error reaches every peer blocked on
+        this worker in tens of milliseconds (NCCL operations blocked on a hung peer are aborted;
+        a blocked gloo operation is left to its thread, see `engine/devices.py`). A gloo group
+        closes its sockets only when the last reference goes, so the schedule, stage and groups
+        are dropped and collected too (call this outside the `except` block: the exception's
+        traceback keeps the failed call's frames, and with them the groups, alive)."""
+        if abandoned:
+            with self._lock:
+                self._epoch += 1
+                self._detach_kept = True
         self.schedule = None
         self.grad_sync = None  # type: ignore[assignment]
         self.groups = None  # type: ignore[assignment]
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - the group is broken anyway
-                pass
+        try:
+            release_groups(abort=True)
+        except Exception:  # noqa: BLE001 - the groups are broken anyway
+            pass
         gc.collect()
 
     def close(self) -> None:

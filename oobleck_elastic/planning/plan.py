@@ -4,7 +4,7 @@ A `Plan` is what the leader publishes for one generation and what every worker r
 pipelines (template size, nodes, microbatches, stages with layer ranges and global ranks), the
 spare nodes, and the estimates. Ranks are dense: the i-th node of `nodes` (spares excluded)
 hosts ranks i*g .. i*g+g-1, local rank = device. `Plan.from_json` validates everything it reads
-(DESIGN.md invariant 5): control data is JSON, never pickle.
+(docs/design.md, invariant 5): control data is JSON, never pickle.
 
 `guarantee()` states what the template set promises for a fault-tolerance threshold f: every
 node count >= (f+1)*n0 splits exactly into >= f+1 template-sized pipelines when the contiguous
@@ -105,6 +105,18 @@ class Plan:
                     return p, s
         raise KeyError(f"rank {rank} has no stage in generation {self.generation}")
 
+    def stage_at(self, node: str, local_rank: int) -> Optional[StagePlacement]:
+        """The stage of worker (node, local rank), or None (a spare, or not in this plan)."""
+        for p in self.pipelines:
+            for s in p.stages:
+                if s.node == node and s.local_rank == local_rank:
+                    return s
+        return None
+
+    def layers_by_worker(self) -> dict[tuple[str, int], range]:
+        """(node, local rank) -> the layers that worker holds in this plan."""
+        return {(s.node, s.local_rank): range(s.start, s.end) for p in self.pipelines for s in p.stages}
+
     def holders(self, layer: int) -> list[int]:
         """Ranks holding `layer` (one per pipeline)."""
         return [s.rank for p in self.pipelines for s in p.stages if s.start <= layer < s.end]
@@ -200,8 +212,7 @@ def keep_layers_in_place(templates: TemplateSet, a: Assignment, nodes: list[str]
     they keep the most layers of `previous` (greedy on the largest overlaps, ties in preference
     order; nodes without any overlap fill the remaining slots in preference order)."""
     g = templates.gpus_per_node
-    held: dict[tuple[str, int], range] = {(s.node, s.local_rank): range(s.start, s.end)
-                                          for p in previous.pipelines for s in p.stages}
+    held = previous.layers_by_worker()
     slots: list[dict[int, range]] = []  # per node slot: local rank -> layers
     for n, _ in a.pipelines:
         per_node: list[dict[int, range]] = [{} for _ in range(n)]

@@ -9,7 +9,9 @@ Everything lives under `<key_prefix>/<run_id>/` (key_prefix defaults to `/ooblec
 | `leader`                 | {node_id, since}                                | the elected agent | node  |
 | `plan`                   | Plan of the current generation (planning/plan.py) | the leader (CAS) |      |
 | `plans/<generation>`     | the same plan, kept per generation              | the leader (same txn) |   |
-| `profile`                | ModelProfile the templates are computed from    | the first leader  |       |
+| `profile`                | ModelProfile every leader computes templates from: planning.profile_path, or the first worker-measured one | the first leader | |
+| `profiles/<device>`      | ModelProfile measured by a worker on that device kind (`<device>`: sanitised "cuda NVIDIA H100 ...") | one worker per device kind | |
+| `profile_claims/<device>` | {node, local_rank, pid, time}: this worker measures the profile of that device kind | that worker (put-if-absent) | node |
 | `events/<ns>-<node_id>`  | Event: time, kind, node, generation, detail     | agents, leader, CLI |     |
 | `admitted/<node>`       | a late node is admitted: its agent starts its workers | the leader |    |
 | `ready/<node>/<local rank>` | a worker has loaded torch, data and config and can join a generation | workers | |
@@ -17,15 +19,17 @@ Everything lives under `<key_prefix>/<run_id>/` (key_prefix defaults to `/ooblec
 | `ping/<node>`, `pong/<node>` | the leader (or the deputy, about the leader) asks a node's agent whether it is alive; it answers | leader, deputy, agent | |
 | `fenced/<node>`          | declared lost before its lease expired: excluded from plans; its workers stop | leader | |
 | `progress`               | {generation, step, time, ...}                   | worker rank 0     |       |
-| `closed`                 | {time, reason}: the job finished, stop planning | workers / handler |       |
+| `closed`                 | {time, reason, failed}: the job finished (or failed), stop planning | workers / handler / leader (no profile in time) | |
+| `errors`                 | the last error that ended a worker and how often in a row (engine/errors.py) | workers |       |
 | `store/g<generation>/...`| c10d Store keys of that generation's process groups | workers       |       |
 
-Values that fail to parse or validate are logged and ignored (DESIGN.md invariant 5).
+Values that fail to parse or validate are logged and ignored (docs/design.md, invariant 5).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
@@ -72,7 +76,21 @@ class Keys:
 
     @property
     def profile(self) -> str:
+        """The profile every leader plans from (pinned once, never replaced)."""
         return self.root + "profile"
+
+    @property
+    def profiles(self) -> str:
+        """Prefix of the worker-measured profiles, one per device kind."""
+        return self.root + "profiles/"
+
+    def device_profile(self, device: str) -> str:
+        """The worker-measured profile of one device kind (`profiler.device_label`)."""
+        return self.profiles + sanitise(device)
+
+    def profile_claim(self, device: str) -> str:
+        """Taken (put-if-absent) by the one worker that measures the profile of a device kind."""
+        return f"{self.root}profile_claims/{sanitise(device)}"
 
     @property
     def events(self) -> str:
@@ -111,8 +129,18 @@ class Keys:
     def closed(self) -> str:
         return self.root + "closed"
 
+    @property
+    def errors(self) -> str:
+        return self.root + "errors"
+
     def store(self, generation: int) -> str:
         return f"{self.root}store/g{generation}/"
+
+
+def sanitise(name: str) -> str:
+    """A device name as one key segment: lower case, runs of anything but [a-z0-9._] become '-'
+    ("cuda NVIDIA H100 80GB HBM3" -> "cuda-nvidia-h100-80gb-hbm3")."""
+    return re.sub(r"[^a-z0-9._]+", "-", name.lower()).strip("-") or "unknown"
 
 
 @dataclass(frozen=True)

@@ -6,19 +6,44 @@ to etcd from there; the worker then reads plans (never RANK/WORLD_SIZE, which to
 a node-local world), finds its stage, reports progress and learns when to leave:
 its node was drained (it is no longer in the plan and its record says draining) or the job
 was closed.
+
+Before it reports ready, a worker calls `share_profile(cfg, device)`: the plan is computed from a
+per-layer profile of the devices that train, so one worker per device kind measures it on its own
+device and publishes it under `profiles/<device kind>` for the leader. The worker that wins a
+put-if-absent claim (`profile_claims/<device kind>`, bound to its node's lease so that it vanishes
+with the node) measures; every other worker returns at once, as do all of them when a profile of
+their kind is already there, when the job's profile is already pinned, or with
+`planning.profile_path`.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch.distributed as dist
 
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..planning import PipelineSpec, Plan, StagePlacement
+from ..engine.errors import ErrorRecord, next_error_record
 from .keys import Keys, NodeRecord
 from .leader import _parse_plan
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import JobConfig
+
+log = logging.getLogger(__name__)
+
+
+class GenerationSuperseded(dist.DistStoreError):
+    """A newer plan was published while this worker was joining a generation (a store error, so
+    the engine treats it as a communication failure and moves on to the newer generation)."""
 
 
 @dataclass
@@ -50,11 +75,9 @@ class WorkerContext:
         return _parse_plan(data)
 
     def my_stage(self, plan: Plan) -> Optional[tuple[PipelineSpec, StagePlacement]]:
-        for p in plan.pipelines:
-            for s in p.stages:
-                if s.node == self.node_id and s.local_rank == self.local_rank:
-                    return p, s
-        return None
+        """This worker's pipeline and stage in `plan`, or None (a spare, or not in the plan)."""
+        stage = plan.stage_at(self.node_id, self.local_rank)
+        return plan.stage_of(stage.rank) if stage is not None else None
 
     def record(self) -> Optional[NodeRecord]:
         data, _ = self.client.get_json(self.keys.node(self.node_id))
@@ -73,6 +96,62 @@ class WorkerContext:
             if rec.state == "draining":
                 return f"node {self.node_id} was drained"
         return None
+
+    def share_profile(self, cfg: JobConfig, device: torch.device) -> None:
+        """Measure the profile of this worker's device kind and publish it for the leader, when
+        nobody has yet and this worker wins the claim; otherwise return at once (see the module
+        docstring). A failed measurement gives the claim back (a restarted worker tries again)
+        and raises."""
+        if cfg.planning.profile_path:
+            return  # the leader plans from that file
+        import torch
+
+        from ..planning import ModelProfile, ProfileError, profiler
+
+        device = torch.device(device)
+
+        def valid(key: str) -> bool:
+            data, _ = self.client.get_json(key)
+            if data is None:
+                return False
+            try:
+                ModelProfile.from_json(data, source=key)
+                return True
+            except ProfileError as err:
+                log.warning("ignoring profile in etcd key %s: %s", key, err)
+                return False
+
+        label = profiler.device_label(device)
+        key, claim = self.keys.device_profile(label), self.keys.profile_claim(label)
+        if valid(self.keys.profile) or valid(key):
+            return
+        mine = {"schema_version": 1, "node": self.node_id, "local_rank": self.local_rank, "pid": os.getpid(),
+                "time": time.time()}
+        rec = self.record()
+        lease = rec.lease_id if rec is not None else None  # the claim vanishes with this node
+        if not self.client._call(self.client.raw.put_if_not_exists, claim, json.dumps(mine), lease=lease):
+            holder, _ = self.client.get_json(claim)
+            if not (isinstance(holder, dict) and holder.get("node") == self.node_id
+                    and holder.get("local_rank") == self.local_rank):
+                return  # another worker measures this device kind
+            self.client.put_json(claim, mine, lease=lease)  # this worker's earlier run held it: take over
+        log.info("node %s rank %d: measuring the profile of %s for the planner", self.node_id, self.local_rank,
+                 label)
+        try:
+            profile = profiler.load_or_profile(cfg, device=device, log=log.info)
+            self.client._call(self.client.raw.put, key, json.dumps(profile.to_json()))
+        except BaseException:
+            try:
+                self.client._call(self.client.raw.delete, claim)
+            except Exception as err:  # noqa: BLE001 - the error that matters is the one re-raised
+                log.warning("could not give back the profile claim %s: %s", claim, err)
+            raise
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the profiled layers' memory goes back to training
+        log.info("node %s rank %d: published the profile of %s (%d layers%s)", self.node_id, self.local_rank,
+                 label, profile.num_layers, f", {profile.device_memory_bytes / 1024 ** 3:.1f} GiB device memory"
+                 if profile.device_memory_bytes else "")
 
     def report_ready(self) -> None:
         """This worker has imported everything and loaded its data: it can join a generation."""
@@ -95,8 +174,8 @@ class WorkerContext:
             nonlocal reported
             latest = self.plan()
             if latest is not None and latest.generation > generation:
-                raise RuntimeError(f"generation {generation} was superseded by generation {latest.generation} "
-                                   "while joining it")
+                raise GenerationSuperseded(f"generation {generation} was superseded by generation "
+                                           f"{latest.generation} while joining it")
             if stall_s > 0 and waited >= stall_s and not reported:
                 self.report_failure(generation, kind="stall")
                 reported = True
@@ -110,5 +189,35 @@ class WorkerContext:
         data, _ = self.client.get_json(self.keys.progress)
         return data if isinstance(data, dict) else None
 
-    def close_job(self, reason: str) -> None:
-        self.client.put_json(self.keys.closed, {"time": time.time(), "reason": reason})
+    def close_job(self, reason: str, *, failed: bool = False) -> None:
+        """Close the job: every agent and worker leaves; `failed` makes them exit with an error."""
+        self.client.put_json(self.keys.closed, {"schema_version": 1, "time": time.time(), "reason": reason,
+                                                "failed": failed})
+
+    def failure_of_job(self) -> Optional[str]:
+        """The reason the job was closed as failed, or None (open, or finished normally)."""
+        data, _ = self.client.get_json(self.keys.closed)
+        if isinstance(data, dict) and data.get("failed") is True:
+            return str(data.get("reason", "unknown error"))
+        return None
+
+    def lost_nodes(self, current: Plan, newer: Plan) -> list[str]:
+        """Nodes of `current` that `newer` leaves out because they were lost (lease expired or
+        fenced), as opposed to drained nodes and spares, which are alive."""
+        lost = []
+        for node in current.nodes:
+            if node in newer.nodes:
+                continue
+            if self.client.get_json(self.keys.fenced + node)[0] is not None:
+                lost.append(node)
+            elif self.client.get_json(self.keys.node(node))[0] is None:
+                lost.append(node)
+        return lost
+
+    def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
+        """Store the error that ends this worker (see engine/errors.py); returns the new record."""
+        data, _ = self.client.get_json(self.keys.errors)
+        rec = next_error_record(ErrorRecord.parse(data), err, step=step, generation=generation, node=self.node_id,
+                                local_rank=self.local_rank)
+        self.client.put_json(self.keys.errors, rec.to_json())
+        return rec

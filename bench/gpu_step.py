@@ -1,0 +1,154 @@
+"""One-GPU step time: the engine's worker step against a plain training loop, side by side.
+
+Goal: on one GPU the engine's step (`Trainer.train_step` of a one-worker plan, run the way a
+worker runs it: in an abandonable thread, with the gloo control all-reduces for norm, loss and
+commit) is within 5 % of a plain PyTorch loop over the same model.
+
+Both sides build the same layers from the same seed on `cuda:0` (the engine through a
+generation of one worker: a `cpu:gloo,cuda:nccl` group of world size 1; the plain loop as one
+`nn.Sequential` of the same layers) and read the same global batches. The plain loop is what a
+user writes: for each microbatch forward (autocast under bf16), token-sum loss, backward; then
+`clip_grad_norm_`, AdamW (`foreach`, the default), `zero_grad(set_to_none=True)`. After warm-up,
+R rounds alternate a block of S engine steps with a block of S plain steps (the first side
+alternates), each step timed from a `cuda.synchronize()` to the next. Printed: one JSON line per
+side (median step time, samples/s, tokens/s) and one with the ratio engine/plain.
+
+    python bench/gpu_step.py                                  # gpt2-small, bf16
+    python bench/gpu_step.py training.precision=fp32 --rounds 3 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from oobleck_elastic.config import load_config  # noqa: E402
+from oobleck_elastic.engine.data import build_dataset, collate  # noqa: E402
+from oobleck_elastic.engine.optim import build_optimizer, set_lr, token_sum_loss  # noqa: E402
+from oobleck_elastic.engine.runner import StepRunner  # noqa: E402
+from oobleck_elastic.engine.trainer import Trainer  # noqa: E402
+from oobleck_elastic.models import build_layer_model  # noqa: E402
+from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement  # noqa: E402
+
+
+def one_worker_plan(num_layers: int, microbatches: int, microbatch_size: int) -> Plan:
+    stage = StagePlacement(index=0, start=0, end=num_layers, node="gpu0", local_rank=0, rank=0)
+    pipe = PipelineSpec(index=0, template_nodes=1, nodes=("gpu0",), microbatches=microbatches, stages=(stage,),
+                        est_time_s=1.0)
+    return Plan(generation=1, nodes=("gpu0",), spares=(), gpus_per_node=1, num_layers=num_layers,
+                microbatch_size=microbatch_size, pipelines=(pipe,), est_step_time_s=1.0, f=0)
+
+
+class PlainLoop:
+    """What a user writes for one GPU (see the module docstring)."""
+
+    def __init__(self, cfg, dataset, device: torch.device) -> None:
+        t = cfg.training
+        self.cfg, self.dataset, self.device = cfg, dataset, device
+        self.model = build_layer_model(cfg.model, seed=t.seed, device=device).stage(0, cfg.model.num_layers + 2)
+        self.opt = build_optimizer(self.model.parameters(), t)
+        self.loss_fn = token_sum_loss(t.global_batch_size * dataset[0][0].shape[-1])
+        self.dtype = torch.bfloat16 if t.precision == "bf16" else None
+
+    def step(self, step: int, indices: list[int]) -> float:
+        x, y = collate(self.dataset, indices)
+        x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        mbs, total = self.cfg.training.microbatch_size, 0.0
+        for i in range(0, x.shape[0], mbs):
+            with torch.autocast("cuda", dtype=self.dtype, enabled=self.dtype is not None):
+                out = self.model(x[i:i + mbs])
+            loss = self.loss_fn(out.float(), y[i:i + mbs])
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.training.optimizer.grad_clip)
+        set_lr(self.opt, step, self.cfg.training)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return total
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "configs/gpt2-small.yaml"))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("overrides", nargs="*", metavar="key=value")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/gpu_step.py needs a CUDA device")
+    cfg = load_config(args.config, ["data.source=stdlib", "data.tokenizer=bytes", "model.vocab_size=256",
+                                    *args.overrides])
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dataset = build_dataset(cfg, log=lambda *_: None)
+    t = cfg.training
+    plan = one_worker_plan(cfg.model.num_layers + 2, t.global_batch_size // t.microbatch_size, t.microbatch_size)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    store = dist.FileStore(tempfile.mktemp(prefix="gpu_step_store_"), 1)
+    engine = Trainer(cfg, dataset=dataset, plan=plan, rank=0, store=store, device=device,
+                     timeout=timedelta(seconds=60))
+    plain = PlainLoop(cfg, dataset, device)
+
+    def never() -> str | None:
+        return None
+
+    runner = StepRunner(device)
+
+    def engine_step(step: int) -> None:
+        runner.run(lambda: engine.train_step(step), should_abandon=never, interval_s=0.1)
+
+    def plain_step(step: int) -> None:
+        plain.step(step, engine.sampler.indices(step))
+
+    sides = {"engine": engine_step, "plain": plain_step}
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    step = 0
+    for fn in sides.values():
+        for _ in range(args.warmup):
+            fn(step)
+            step += 1
+    for r in range(args.rounds):
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
+        for name in order:
+            for _ in range(args.steps):
+                times[name].append(timed(lambda s=step, f=sides[name]: f(s)))
+                step += 1
+    tokens = t.global_batch_size * dataset[0][0].shape[-1]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for name in sides:
+        print(json.dumps({"bench": "gpu_step", "side": name, "config": Path(args.config).stem,
+                          "precision": t.precision, "device": torch.cuda.get_device_name(device),
+                          "median_step_s": round(med[name], 5),
+                          "samples_per_s": round(t.global_batch_size / med[name], 1),
+                          "tokens_per_s": round(tokens / med[name]), "steps": len(times[name])}))
+    print(json.dumps({"bench": "gpu_step", "ratio_engine_over_plain": round(med["engine"] / med["plain"], 4),
+                      "overhead_pct": round(100 * (med["engine"] / med["plain"] - 1), 2),
+                      "p25_ratio": round(statistics.quantiles(times["engine"], n=4)[0]
+                                         / statistics.quantiles(times["plain"], n=4)[0], 4)}))
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Run a step where the main thread can stop waiting for it.
+
+A collective blocked on a hung peer does not fail: NCCL usually hangs, and gloo waits until its
+timeout (`fault_tolerance.comm_timeout_s`, tens of seconds) because a SIGSTOPped or partitioned
+peer keeps its sockets open. Recovery must not wait for that. So steps run in a `StepRunner`'s
+thread, and the main thread waits for each in slices of `fault_tolerance.watch_interval_s`,
+asking the control plane between slices whether the step must be abandoned (a newer plan that
+leaves a lost node out, this node fenced, the job closed). If so, `StepRunner.run` raises
+`StepAbandoned` at once and leaves the thread behind; the caller aborts the generation's process
+groups (which ends the thread's NCCL operations at once; a blocked gloo operation ends when its
+timeout fires) and enters the next generation. `Trainer` makes an abandoned step harmless: it
+changes no state once abandoned, and the next generation works on copies of the layers the
+thread may still touch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, Optional, TypeVar
+
+import torch
+
+from .errors import StepAbandoned
+
+T = TypeVar("T")
+_abandoned: list[threading.Thread] = []  # step threads left behind, possibly still blocked
+
+
+def exit_now_if_abandoned(code: int) -> None:
+    """End the process with `code` at once when a step thread was left blocked in a collective.
+
+    Such a thread wakes up (its peers' sockets close, or its timeout fires) while the interpreter
+    shuts down, cannot take the GIL back, and its forced unwind through C++ aborts the process
+    ("terminate called without an active exception", exit status -6), which torchrun reports as
+    a failed worker. A worker script calls this after training (examples/train.py does)."""
+    if any(t.is_alive() for t in _abandoned):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class StepRunner:
+    """Runs functions in one long-lived daemon thread (torch's intra-op thread pools are per
+    calling thread, so a new thread per step would build a new pool every step). After an
+    abandonment the blocked thread is left behind (a daemon: it never keeps the process from
+    exiting) and the next call starts a new one."""
+
+    def __init__(self, device: Optional[torch.device] = None, name: str = "oobleck-step") -> None:
+        self.device, self.name = device, name
+        self._jobs: Optional[queue.SimpleQueue] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def run(self, fn: Callable[[], T], *, should_abandon: Callable[[], Optional[str]], interval_s: float) -> T:
+        """`fn()` in the runner's thread; its result, or its exception re-raised here with its
+        traceback. Raises StepAbandoned(reason) as soon as `should_abandon()` returns a reason."""
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name=self.name, daemon=True)
+            self._thread.start()
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        while True:
+            try:
+                return future.result(timeout=interval_s)
+            except FutureTimeout:
+                pass
+            reason = should_abandon()
+            if reason:
+                if self._thread is not None:
+                    _abandoned.append(self._thread)
+                self.close()  # the blocked thread ends by itself once its call returns or fails
+                raise StepAbandoned(reason)
+
+    def _serve(self, jobs: queue.SimpleQueue) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
+        while True:
+            item = jobs.get()
+            if item is None:
+                return
+            fn, future = item
+            try:
+                future.set_result(fn())
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+                future.set_exception(err)
+
+    def close(self) -> None:
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._jobs = None
+            self._thread = None
+
+
+def run_abandonable(fn: Callable[[], T], *, should_abandon: Callable[[], Optional[str]], interval_s: float,
+                    device: Optional[torch.device] = None) -> T:
+    """One call of `StepRunner.run` in a fresh runner (tests and one-off uses)."""
+    runner = StepRunner(device)
+    try:
+        return runner.run(fn, should_abandon=should_abandon, interval_s=interval_s)
+    finally:
+        runner.close()

@@ -1,0 +1,71 @@
+"""Errors that are not communication failures end a worker with their traceback, and a job whose
+workers keep failing with the same error stops with it instead of re-planning forever: a
+deterministic exception injected into one worker, and a corrupt checkpoint found while resuming
+(never trained on half-restored)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import run_job, tiny_profile
+from oobleck_elastic.engine.errors import ErrorRecord
+from oobleck_elastic.etcd import EtcdSettings, connect
+from oobleck_elastic.rendezvous.keys import Keys
+from oobleck_elastic.rendezvous.membership import read_events
+
+pytestmark = pytest.mark.slow
+
+
+def _etcd_outcome(endpoint: str, run_id: str) -> tuple[dict, ErrorRecord | None, list[int]]:
+    keys = Keys("/oobleck", run_id)
+    client = connect(EtcdSettings(endpoint=endpoint))
+    try:
+        closed = client.get_json(keys.closed)[0] or {}
+        record = ErrorRecord.parse(client.get_json(keys.errors)[0])
+        plans = [ev.generation for _, ev in read_events(client, keys) if ev.kind == "plan"]
+    finally:
+        client.close()
+    return closed, record, plans
+
+
+def test_a_deterministic_error_stops_the_job_after_max_repeated_errors(tmp_path: Path, etcd_server,
+                                                                      run_id) -> None:
+    """Four nodes, two 2-stage pipelines: whichever worker holds rank 1 raises at step 2; its agent
+    restarts it, the roll call re-plans, it receives its layers from the other pipeline, and it
+    raises again at step 2; after two generations the job is closed as failed."""
+    profile = tiny_profile(tmp_path / "profile.json")
+    out, _, _ = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 6, profile,
+                        extra=["fault_tolerance.max_repeated_errors=2"], env={"OOBLECK_FAIL_AT": "1@2"},
+                        expect_failure=True)
+    # the worker ends with the original traceback, twice (once per generation), then the job stops
+    assert out.count("RuntimeError: injected fault: rank 1 at step 2 (OOBLECK_FAIL_AT)") >= 2, out[-5000:]
+    assert "Traceback (most recent call last)" in out
+    assert "closing the job as failed: RuntimeError: injected fault" in out, out[-5000:]
+    closed, record, plans = _etcd_outcome(etcd_server.endpoint, run_id)
+    assert closed.get("failed") is True and "in 2 generations in a row" in closed["reason"], closed
+    assert record is not None and record.count == 2 and record.step == 2
+    assert record.error == "RuntimeError: injected fault: rank 1 at step 2 (OOBLECK_FAIL_AT)"
+    assert "injected fault" in record.traceback and "train_step" in record.traceback
+    assert len(plans) <= 3, plans  # no endless re-planning
+    assert "the job was closed as failed" in out  # the healthy worker stops too, with the reason
+
+
+def test_a_corrupt_checkpoint_stops_the_resume_instead_of_training_half_restored(tmp_path: Path, etcd_server,
+                                                                               run_id) -> None:
+    profile = tiny_profile(tmp_path / "profile.json")
+    run_job(tmp_path / "first", etcd_server, run_id + "a", ["--nodes", "2"], 4, profile)
+    ckpt = tmp_path / "first" / "job" / "ckpt" / "step-00000004"
+    layer = ckpt / "layer-002.safetensors"
+    data = bytearray(layer.read_bytes())
+    data[-3] ^= 0xFF
+    layer.write_bytes(bytes(data))
+    out, _, _ = run_job(tmp_path / "second", etcd_server, run_id + "b", ["--nodes", "2"], 6, profile,
+                        extra=[f"checkpoint.dir={ckpt.parent}", "checkpoint.resume=true",
+                               "fault_tolerance.max_repeated_errors=1"], expect_failure=True)
+    assert "CheckpointError" in out and "layer-002.safetensors" in out, out[-5000:]
+    assert "communication failed (CheckpointError" not in out  # not mistaken for a network failure
+    closed, record, _ = _etcd_outcome(etcd_server.endpoint, run_id + "b")
+    assert closed.get("failed") is True and record is not None and record.error.startswith("CheckpointError")
+    assert not (ckpt.parent / "step-00000006").exists()  # it never trained on
