@@ -1,8 +1,9 @@
 """The training loop behind `examples/train.py`.
 
-`train(cfg)` runs in one process when started with plain `python` (the reference run), or as one
-worker of a job when started under `torchrun --rdzv-backend=oobleck` (the handler put
-`OOBLECK_RUN_ID` and the etcd settings in the environment).
+`train(cfg)` runs as one worker of a job when started under `torchrun --rdzv-backend=oobleck`
+(the handler put `OOBLECK_RUN_ID` and the etcd settings in the environment), or in one process
+when started with plain `python` (the reference run). Both run the same loop, `_train`, over a
+`ControlPlane` (engine/control.py): etcd for a worker, a fixed one-worker plan for one process.
 
 A worker lives through generations without ever restarting:
 
@@ -12,9 +13,13 @@ A worker lives through generations without ever restarting:
 - it trains; at every step boundary the generation's rank 0 contributes the newest plan
   generation it sees in etcd, and a MAX all-reduce makes every worker leave for it at the same
   boundary (joins and drains lose no work);
+- each step runs in a thread (engine/runner.py) while the worker watches the control plane: a
+  newer plan that leaves a lost node out abandons the step at once (a hung peer is cut off by
+  the control plane, not by a collective timing out);
 - when a communication call fails (a peer died), it tears its process group down at once, which
   spreads the error to every peer within tens of milliseconds, and waits for the leader's next
   plan; the interrupted step is rolled forward or replayed by the commit rule;
+- any other error ends the worker with its traceback (engine/errors.py);
 - a layer with no surviving copy makes every worker restore the newest checkpoint, say so in
   the log and TensorBoard, and continue from its step;
 - at the end the rank-0 worker writes the final checkpoint's manifest and closes the job, and
@@ -27,7 +32,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -37,6 +41,8 @@ from .. import checkpoint as ckpt
 from ..config import JobConfig
 from ..planning import Plan
 from . import state
+from ..models import build_layer_model
+from .control import ControlPlane, LocalControl
 from .data import build_dataset
 from .devices import configure_nccl, resolve_device
 from .errors import JobFailed, StepAbandoned, is_communication_error
@@ -90,20 +96,14 @@ def train(cfg: JobConfig, *, max_bytes: Optional[int] = None) -> Summary:
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(message)s")
     torch.manual_seed(cfg.training.seed)
     dataset = build_dataset(cfg, log=log.info, max_bytes=max_bytes)
+    ctx: ControlPlane
     if under_oobleck():
-        return _train_worker(cfg, dataset)
-    trainer = Trainer(cfg, dataset=dataset, device=resolve_device(cfg.training.device, 0))
-    run = _Run(cfg, node="local")
-    try:
-        step = run.resume(trainer)
-        run.entered(trainer, None)
-        while step < cfg.training.steps:
-            run.stepped(trainer, trainer.train_step(step), report=None)
-            step += 1
-        run.finish(trainer)
-        return run.summary()
-    finally:
-        run.close()
+        from ..rendezvous.worker import WorkerContext
+
+        ctx = WorkerContext.from_env()
+    else:
+        ctx = LocalControl(cfg, build_layer_model(cfg.model, seed=cfg.training.seed, owned=[]).num_layers)
+    return _train(cfg, dataset, ctx)
 
 
 class _Run:
@@ -127,7 +127,6 @@ class _Run:
         if latest is None:
             return 0
         self.resumed = state.restore(trainer, latest)
-        trainer.committed_step = trainer.synced_step = self.resumed - 1
         log.info("gen %d step %d node %s: resumed from %s", trainer.generation, self.resumed, self.node, latest)
         return self.resumed
 
@@ -137,7 +136,6 @@ class _Run:
             raise RuntimeError(f"{err} and no checkpoint in {self.cfg.checkpoint.dir}: cannot continue without "
                                "training on re-initialised layers; set checkpoint.interval_steps") from err
         step = state.restore(trainer, latest)
-        trainer.committed_step = trainer.synced_step = step - 1
         text = (f"generation {trainer.generation}: layers {err.layers} had no surviving copy; restored checkpoint "
                 f"{latest} and continue from step {step}")
         log.warning("gen %d step %d node %s: %s", trainer.generation, step, self.node, text)
@@ -147,7 +145,7 @@ class _Run:
         return step
 
     def entered(self, trainer: Trainer, info: Optional[Reconfiguration]) -> None:
-        writer = trainer.plan is None or trainer.rank == 0
+        writer = trainer.rank == 0
         if writer and self.metrics is None:
             t = self.cfg.training
             seq_len = trainer.dataset[0][0].shape[-1]
@@ -206,7 +204,7 @@ class _Run:
             self.metrics.close()
 
 
-def _next_plan(ctx: Any, *, at_least: int, exact: bool) -> Optional[Plan]:
+def _next_plan(ctx: ControlPlane, *, at_least: int, exact: bool) -> Optional[Plan]:
     """Wait for the plan to enter: generation `at_least` exactly (from the history, when every
     worker agreed on it), or the newest one >= at_least that gives this worker a stage. None when
     this worker must leave (job closed, node drained)."""
@@ -227,28 +225,7 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {first}"
 
 
-def _abandon_check(ctx: Any, plan: Plan) -> Callable[[], Optional[str]]:
-    """The `should_abandon` of a step of generation `plan.generation` (see engine/runner.py):
-    the job was closed, this node was fenced, or a newer plan left a lost node out. Drains and
-    joins are not reasons: they take effect at the step boundary."""
-    checked: dict[int, list[str]] = {}
-
-    def check() -> Optional[str]:
-        if ctx.client.get_json(ctx.keys.closed)[0] is not None:
-            return "the job was closed"
-        if ctx.client.get_json(ctx.keys.fenced + ctx.node_id)[0] is not None:
-            return f"node {ctx.node_id} was fenced (declared lost)"
-        latest = ctx.plan()
-        if latest is None or latest.generation <= plan.generation:
-            return None
-        if latest.generation not in checked:
-            checked[latest.generation] = ctx.lost_nodes(plan, latest)
-        lost = checked[latest.generation]
-        return f"generation {latest.generation} left out lost node(s) {', '.join(lost)}" if lost else None
-    return check
-
-
-def _record_fatal(ctx: Any, cfg: JobConfig, err: BaseException, *, step: int, generation: int) -> None:
+def _record_fatal(ctx: ControlPlane, cfg: JobConfig, err: BaseException, *, step: int, generation: int) -> None:
     """Log and store an error that ends this worker; close the job as failed when the same error
     has now ended workers at this step in `max_repeated_errors` generations in a row."""
     limit = cfg.fault_tolerance.max_repeated_errors
@@ -267,11 +244,8 @@ def _record_fatal(ctx: Any, cfg: JobConfig, err: BaseException, *, step: int, ge
         ctx.close_job(reason, failed=True)
 
 
-def _train_worker(cfg: JobConfig, dataset: Any) -> Summary:
-    from ..etcd.store import EtcdStore
-    from ..rendezvous.worker import WorkerContext
-
-    ctx = WorkerContext.from_env()
+def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
+    """The one training loop of a worker (see the module docstring) or of the single process."""
     device = resolve_device(cfg.training.device, ctx.local_rank)
     if device.type == "cuda":
         nccl, replaced = configure_nccl()
@@ -300,12 +274,8 @@ def _train_worker(cfg: JobConfig, dataset: Any) -> Summary:
             info: Optional[Reconfiguration] = None
             failure: Optional[str] = None
             try:
-                store = EtcdStore(ctx.client, prefix=ctx.keys.store(plan.generation),
-                                  timeout=timedelta(seconds=ft.comm_timeout_s),
-                                  min_wait=timedelta(seconds=ft.comm_timeout_s),
-                                  on_wait=ctx.join_watch(plan.generation, stall_s=ft.stall_report_s))
                 try:
-                    info = trainer.enter_generation(plan, store, load_plan=ctx.plan_at)
+                    info = trainer.enter_generation(plan, ctx.store_for(plan.generation, cfg), load_plan=ctx.plan_at)
                     step = info.resume_step
                     if info.previous == 0 and step == 0:
                         step = run.resume(trainer)
@@ -325,7 +295,7 @@ def _train_worker(cfg: JobConfig, dataset: Any) -> Summary:
             run.entered(trainer, info)
             result = None
             abandoned = False
-            should_abandon = _abandon_check(ctx, plan)
+            should_abandon = ctx.abandon_check(plan)
             try:
                 while step < steps:
                     latest = ctx.plan() if trainer.rank == 0 else None

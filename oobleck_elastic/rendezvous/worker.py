@@ -23,11 +23,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch.distributed as dist
 
 from ..etcd import EtcdClient, EtcdSettings, connect
+from ..etcd.store import EtcdStore
 from ..planning import PipelineSpec, Plan, StagePlacement
 from ..engine.errors import ErrorRecord, next_error_record
 from .keys import Keys, NodeRecord
@@ -200,6 +202,34 @@ class WorkerContext:
         if isinstance(data, dict) and data.get("failed") is True:
             return str(data.get("reason", "unknown error"))
         return None
+
+    def store_for(self, generation: int, cfg: JobConfig) -> EtcdStore:
+        """The etcd-backed c10d store of `generation`'s process groups (keys under
+        `store/g<generation>/`); joining gives up at once when the generation is superseded."""
+        ft = cfg.fault_tolerance
+        return EtcdStore(self.client, prefix=self.keys.store(generation), timeout=timedelta(seconds=ft.comm_timeout_s),
+                         min_wait=timedelta(seconds=ft.comm_timeout_s),
+                         on_wait=self.join_watch(generation, stall_s=ft.stall_report_s))
+
+    def abandon_check(self, plan: Plan) -> Callable[[], Optional[str]]:
+        """The `should_abandon` of a step of generation `plan.generation` (engine/runner.py): the
+        job was closed, this node was fenced, or a newer plan left a lost node out. Drains and
+        joins are not reasons: they take effect at the step boundary."""
+        checked: dict[int, list[str]] = {}
+
+        def check() -> Optional[str]:
+            if self.client.get_json(self.keys.closed)[0] is not None:
+                return "the job was closed"
+            if self.client.get_json(self.keys.fenced + self.node_id)[0] is not None:
+                return f"node {self.node_id} was fenced (declared lost)"
+            latest = self.plan()
+            if latest is None or latest.generation <= plan.generation:
+                return None
+            if latest.generation not in checked:
+                checked[latest.generation] = self.lost_nodes(plan, latest)
+            lost = checked[latest.generation]
+            return f"generation {latest.generation} left out lost node(s) {', '.join(lost)}" if lost else None
+        return check
 
     def lost_nodes(self, current: Plan, newer: Plan) -> list[str]:
         """Nodes of `current` that `newer` leaves out because they were lost (lease expired or

@@ -1,0 +1,135 @@
+"""The data plane's one view of the control plane, and its single-process implementation.
+
+The worker loop (`engine/run.py`) needs only what `ControlPlane` lists: the current plan and
+past ones, whether to leave, a store for a generation's process groups, when to abandon a
+running step, and where to report readiness, progress, failures, errors and the end of the job.
+Two implementations serve it:
+
+- `rendezvous/worker.py:WorkerContext`: a worker of a torchrun job, on etcd;
+- `LocalControl`: one process with no etcd (`python examples/train.py`): a one-worker plan with
+  a single stage holding every layer, an in-memory store, nothing to watch. The single-process
+  reference therefore runs through the same loop, the same generation entry and the same step
+  (commit protocol included) as any worker, on a world of one.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..config import JobConfig
+from ..planning import PipelineSpec, Plan, StagePlacement
+from .errors import ErrorRecord, next_error_record
+
+
+class ControlPlane(Protocol):
+    node_id: str
+    """This worker's node."""
+    local_rank: int
+    """This worker's device index on its node."""
+
+    def plan(self) -> Optional[Plan]:
+        """The current generation's plan (None before the first)."""
+
+    def plan_at(self, generation: int) -> Optional[Plan]:
+        """The plan of a past or current generation."""
+
+    def my_stage(self, plan: Plan) -> Optional[tuple[PipelineSpec, StagePlacement]]:
+        """This worker's pipeline and stage in `plan`, or None (a spare)."""
+
+    def should_leave(self, plan: Optional[Plan]) -> Optional[str]:
+        """Why this worker must stop now (job closed, node drained or fenced), or None."""
+
+    def failure_of_job(self) -> Optional[str]:
+        """The reason the job was closed as failed, or None."""
+
+    def store_for(self, generation: int, cfg: JobConfig) -> dist.Store:
+        """The c10d store of `generation`'s process groups."""
+
+    def abandon_check(self, plan: Plan) -> Callable[[], Optional[str]]:
+        """`should_abandon` for steps of `plan` (see engine/runner.py)."""
+
+    def share_profile(self, cfg: JobConfig, device: torch.device) -> None:
+        """Measure and publish the planner's profile on this device, if nobody has."""
+
+    def report_ready(self) -> None:
+        """This worker can join a generation."""
+
+    def report_failure(self, generation: int, *, kind: str = "failure") -> None:
+        """Check in at the roll call: `generation` broke here."""
+
+    def report_progress(self, *, generation: int, step: int, **extra: Any) -> None:
+        """Completed `step` steps (the worker holding rank 0 reports)."""
+
+    def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
+        """Store the error that ends this worker; the record says how often it repeated."""
+
+    def close_job(self, reason: str, *, failed: bool = False) -> None:
+        """Every worker leaves (with an error when `failed`)."""
+
+
+def one_worker_plan(cfg: JobConfig, num_layers: int, *, node: str = "local") -> Plan:
+    """Generation 1 of a one-worker job: one pipeline, one stage holding every layer."""
+    t = cfg.training
+    stage = StagePlacement(index=0, start=0, end=num_layers, node=node, local_rank=0, rank=0)
+    pipe = PipelineSpec(index=0, template_nodes=1, nodes=(node,), microbatches=t.global_batch_size // t.microbatch_size,
+                        stages=(stage,), est_time_s=0.0)
+    return Plan(generation=1, nodes=(node,), spares=(), gpus_per_node=1, num_layers=num_layers,
+                microbatch_size=t.microbatch_size, pipelines=(pipe,), est_step_time_s=0.0, f=0)
+
+
+class LocalControl:
+    """`ControlPlane` of a single process (see the module docstring)."""
+
+    def __init__(self, cfg: JobConfig, num_layers: int) -> None:
+        self.node_id, self.local_rank = "local", 0
+        self._plan = one_worker_plan(cfg, num_layers, node=self.node_id)
+        self._closed: Optional[tuple[str, bool]] = None
+        self._last_error: Optional[ErrorRecord] = None
+
+    def plan(self) -> Optional[Plan]:
+        return self._plan
+
+    def plan_at(self, generation: int) -> Optional[Plan]:
+        return self._plan if generation == self._plan.generation else None
+
+    def my_stage(self, plan: Plan) -> Optional[tuple[PipelineSpec, StagePlacement]]:
+        return plan.stage_of(0)
+
+    def should_leave(self, plan: Optional[Plan]) -> Optional[str]:
+        return "the job is closed" if self._closed is not None else None
+
+    def failure_of_job(self) -> Optional[str]:
+        return self._closed[0] if self._closed is not None and self._closed[1] else None
+
+    def store_for(self, generation: int, cfg: JobConfig) -> dist.Store:
+        store = dist.HashStore()
+        store.set_timeout(timedelta(seconds=cfg.fault_tolerance.comm_timeout_s))
+        return store
+
+    def abandon_check(self, plan: Plan) -> Callable[[], Optional[str]]:
+        return lambda: None
+
+    def share_profile(self, cfg: JobConfig, device: torch.device) -> None:
+        pass  # nobody plans: the plan is fixed
+
+    def report_ready(self) -> None:
+        pass
+
+    def report_failure(self, generation: int, *, kind: str = "failure") -> None:
+        pass
+
+    def report_progress(self, *, generation: int, step: int, **extra: Any) -> None:
+        pass
+
+    def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
+        self._last_error = next_error_record(self._last_error, err, step=step, generation=generation,
+                                             node=self.node_id, local_rank=0, now=time.time())
+        return self._last_error
+
+    def close_job(self, reason: str, *, failed: bool = False) -> None:
+        self._closed = (reason, failed)
