@@ -15,9 +15,8 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from .. import checkpoint as ckpt
@@ -35,7 +34,8 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
     """Write this worker's share of a checkpoint; rank 0 completes it. Returns the step dir."""
     plan = trainer.plan
     primary = {i: min(plan.holders(i)) for i in trainer.owned} if plan else {}
-    params, optim = trainer.layer_state(), trainer.optimizer_state()
+    mine = trainer.state_dict()
+    params, optim = mine["layers"], mine["optimizer"]
     step_path = ckpt.step_dir(ckpt_dir, next_step)
     for i in trainer.owned:
         if plan is None or primary[i] == trainer.rank:
@@ -60,24 +60,18 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
 
 
 def restore(trainer: Trainer, path: str | Path) -> int:
-    """Load the owned layers' weights and optimizer state from a checkpoint; returns its step."""
+    """Load the owned layers' weights and optimizer state from a checkpoint into the trainer
+    (`Trainer.load_state_dict`); returns the checkpoint's step, where training goes on."""
     step_path = Path(path)
     manifest = ckpt.read_manifest(step_path)
     if len(manifest["layers"]) != trainer.layer_model.num_layers:
         raise ckpt.CheckpointError(f"checkpoint {step_path} has {len(manifest['layers'])} layers but the model has "
                                    f"{trainer.layer_model.num_layers}: it belongs to another model config")
-    by_param: dict[int, Any] = {}
+    layers, optim = {}, {}
     for i in trainer.owned:
-        params, optim = ckpt.load_layer(step_path, i, manifest=manifest)
-        layer = trainer.layer_model.layers[i]
-        for name, p in layer.named_parameters():
-            if name not in params:
-                raise ckpt.CheckpointError(f"checkpoint {step_path} layer {i} has no parameter '{name}'")
-            with torch.no_grad():
-                p.copy_(params[name])
-            if optim.get(name):
-                by_param[id(p)] = (p, optim[name])
-    for p, state in by_param.values():  # moments on the parameter's device; AdamW's `step` on the CPU
-        trainer.optimizer.state[p] = {k: (v.to("cpu" if k == "step" else p.device, copy=True) if torch.is_tensor(v)
-                                          else torch.tensor(float(v))) for k, v in state.items()}
+        layers[i], optim[i] = ckpt.load_layer(step_path, i, manifest=manifest)
+    try:
+        trainer.load_state_dict({"next_step": int(manifest["step"]), "layers": layers, "optimizer": optim})
+    except KeyError as err:
+        raise ckpt.CheckpointError(f"checkpoint {step_path}: {err.args[0]}") from None
     return int(manifest["step"])

@@ -403,6 +403,33 @@ class Trainer:
                                             if torch.is_tensor(v)}
         return out
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds of this worker (torch's Stateful): the next step to run, and the
+        owned layers' parameters and optimizer state by layer index and local name, on the CPU."""
+        return {"next_step": self.committed_step + 1, "layers": self.layer_state(),
+                "optimizer": self.optimizer_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Install a `state_dict` (of any plan) for the layers this worker owns now: weights are
+        copied into the parameters, optimizer moments go to the parameters' device and AdamW's
+        `step` stays on the CPU; training goes on at `next_step`. Layers missing from `state`
+        or a parameter missing from a layer raise KeyError naming them."""
+        assert self.optimizer is not None
+        layers, optim = state["layers"], state.get("optimizer", {})
+        for i in self.owned:
+            if i not in layers:
+                raise KeyError(f"the state has no layer {i}")
+            for name, p in self.layer_model.layers[i].named_parameters():
+                if name not in layers[i]:
+                    raise KeyError(f"the state's layer {i} has no parameter '{name}'")
+                with torch.no_grad():
+                    p.copy_(layers[i][name])
+                moments = optim.get(i, {}).get(name)
+                if moments:
+                    self.optimizer.state[p] = {k: torch.as_tensor(v).to("cpu" if k == "step" else p.device, copy=True)
+                                               for k, v in moments.items()}
+        self.committed_step = self.synced_step = int(state["next_step"]) - 1
+
     def abort(self, *, abandoned: bool = False) -> None:
         """After a communication error, or when the control plane abandoned a step (`abandoned`):
         tear every process group down at once, so that the error reaches every peer blocked on

@@ -1,0 +1,64 @@
+"""`Trainer.state_dict` / `load_state_dict` (torch's Stateful): a trainer loaded from another's
+state continues exactly like it, and a bad state is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from oobleck_elastic.config import load_config
+from oobleck_elastic.engine.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Tokens:
+    def __init__(self, n: int = 32, seq_len: int = 8, vocab: int = 256) -> None:
+        self.data = torch.randint(0, vocab, (n, seq_len + 1), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        return self.data[i, :-1], self.data[i, 1:]
+
+
+def _cfg():
+    return load_config(ROOT / "configs/gpt2-tiny.yaml", ["data.seq_len=8", "training.global_batch_size=8",
+                                                        "training.microbatch_size=2", "training.steps=4"])
+
+
+def test_a_loaded_trainer_continues_exactly_like_the_original() -> None:
+    a = Trainer(_cfg(), dataset=Tokens())
+    for step in range(2):
+        a.train_step(step)
+    state = a.state_dict()
+    assert state["next_step"] == 2 and set(state["layers"]) == set(range(6))
+    assert all(t.device.type == "cpu" for layer in state["layers"].values() for t in layer.values())
+    b = Trainer(_cfg(), dataset=Tokens())
+    b.load_state_dict(state)
+    assert b.committed_step == 1
+    a.train_step(2)
+    b.train_step(2)
+    for i, layer in a.layer_state().items():
+        for name, t in layer.items():
+            torch.testing.assert_close(b.layer_state()[i][name], t, rtol=0, atol=0, msg=f"{i}:{name}")
+    for i, layer in a.optimizer_state().items():
+        for name, moments in layer.items():
+            for k, v in moments.items():
+                torch.testing.assert_close(b.optimizer_state()[i][name][k], v, rtol=0, atol=0)
+
+
+def test_a_state_without_an_owned_layer_or_parameter_is_refused() -> None:
+    a = Trainer(_cfg(), dataset=Tokens())
+    state = a.state_dict()
+    del state["layers"][3]
+    with pytest.raises(KeyError, match="the state has no layer 3"):
+        Trainer(_cfg(), dataset=Tokens()).load_state_dict(state)
+    state = a.state_dict()
+    name = next(iter(state["layers"][2]))
+    del state["layers"][2][name]
+    with pytest.raises(KeyError, match=f"the state's layer 2 has no parameter '{name}'"):
+        Trainer(_cfg(), dataset=Tokens()).load_state_dict(state)
