@@ -34,6 +34,7 @@ import re
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,7 +44,8 @@ from safetensors.torch import save_file
 
 __all__ = ["CheckpointError", "SCHEMA_VERSION", "MANIFEST", "step_dir", "layer_file",
            "save_layer", "write_manifest", "read_manifest", "latest_checkpoint",
-           "list_checkpoints", "load_layer", "load_model_state", "prune_checkpoints"]
+           "list_checkpoints", "load_layer", "load_model_state", "prune_checkpoints", "verify_checkpoint",
+           "newest_intact_checkpoint", "set_aside", "Unusable"]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -246,16 +248,9 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     return next((d for d in reversed(list_checkpoints(ckpt_dir)) if _is_complete(d)), None)
 
 
-def load_layer(step_dir: str | Path, layer: int, *, verify: bool = True,
-               manifest: dict[str, Any] | None = None, device: str = "cpu",
-               ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-    """(params, optimizer_state) of one layer; checks size and sha256 first when `verify`."""
-    sdir = Path(step_dir)
-    manifest = manifest if manifest is not None else read_manifest(sdir)
+def _checked_file(sdir: Path, manifest: dict[str, Any], layer: int, *, verify: bool) -> Path:
+    """The file of `layer`, after checking that it exists and (`verify`) its size and sha256."""
     hint = _FALLBACK.format(dir=sdir.name)
-    if not 0 <= layer < len(manifest["layers"]):
-        raise CheckpointError(f"checkpoint {sdir} has layers 0..{len(manifest['layers']) - 1}, "
-                              f"not layer {layer}")
     entry = manifest["layers"][layer]
     path = sdir / entry["file"]
     if not path.is_file():
@@ -269,6 +264,71 @@ def load_layer(step_dir: str | Path, layer: int, *, verify: bool = True,
         if digest != entry["sha256"]:
             raise CheckpointError(f"checkpoint file {path} is corrupt: sha256 mismatch (expected "
                                   f"{entry['sha256'][:12]}…, got {digest[:12]}…); {hint}")
+    return path
+
+
+def verify_checkpoint(step_dir: str | Path) -> dict[str, Any]:
+    """The manifest of a step directory after checking EVERY layer file against it (size and
+    sha256), so that a resume restores all of a checkpoint or nothing. Raises CheckpointError
+    naming the first bad file."""
+    sdir = Path(step_dir)
+    manifest = read_manifest(sdir)
+    for layer in range(len(manifest["layers"])):
+        _checked_file(sdir, manifest, layer, verify=True)
+    return manifest
+
+
+@dataclass(frozen=True)
+class Unusable:
+    """A step directory a resume cannot use."""
+
+    path: Path
+    """The step directory."""
+    reason: str
+    """Why (names the bad file)."""
+    damaged: bool
+    """A manifest is there but it, or a file it lists, is bad (not just an interrupted save)."""
+
+
+def newest_intact_checkpoint(ckpt_dir: str | Path) -> tuple[Path | None, list[Unusable]]:
+    """The newest step directory that verifies completely (`verify_checkpoint`), and every newer
+    one that does not, newest first. A directory without a manifest is an interrupted save; one
+    whose manifest or files are bad is damaged."""
+    unusable = []
+    for sdir in reversed(list_checkpoints(ckpt_dir)):
+        try:
+            verify_checkpoint(sdir)
+            return sdir, unusable
+        except CheckpointError as err:
+            unusable.append(Unusable(path=sdir, reason=str(err), damaged=(sdir / MANIFEST).exists()))
+    return None, unusable
+
+
+def set_aside(step_dir: str | Path, why: str) -> Path | None:
+    """Rename a step directory out of the checkpoint listing (`step-XXXXXXXX.<why>-<time>`), so that
+    it is kept for a post-mortem but never resumed from nor rewritten in place. Several workers
+    may race to do it: the loser gets None."""
+    sdir = Path(step_dir)
+    target = sdir.with_name(f"{sdir.name}.{why}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}")
+    try:
+        os.rename(sdir, target)
+    except FileNotFoundError:
+        return None
+    _fsync_dir(sdir.parent)
+    return target
+
+
+def load_layer(step_dir: str | Path, layer: int, *, verify: bool = True,
+               manifest: dict[str, Any] | None = None, device: str = "cpu",
+               ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """(params, optimizer_state) of one layer; checks size and sha256 first when `verify`."""
+    sdir = Path(step_dir)
+    manifest = manifest if manifest is not None else read_manifest(sdir)
+    hint = _FALLBACK.format(dir=sdir.name)
+    if not 0 <= layer < len(manifest["layers"]):
+        raise CheckpointError(f"checkpoint {sdir} has layers 0..{len(manifest['layers']) - 1}, "
+                              f"not layer {layer}")
+    path = _checked_file(sdir, manifest, layer, verify=verify)
     try:
         with safe_open(str(path), "pt", device=device) as fh:
             meta = fh.metadata() or {}

@@ -101,7 +101,8 @@ def run_job(tmp: Path, etcd_server, run_id: str, launcher_args: list[str], steps
         assert f"0 killed on purpose, {killed_by_test} failed" in out, out[-5000:]
     else:
         assert proc.returncode == 0, out[-5000:]
-    return out, load_model_state(tmp / "job" / "ckpt"), load_model_state(tmp / "ref" / "ckpt") if reference else {}
+    job_ckpt = next((Path(o.split("=", 1)[1]) for o in extra if o.startswith("checkpoint.dir=")), tmp / "job" / "ckpt")
+    return out, load_model_state(job_ckpt), load_model_state(tmp / "ref" / "ckpt") if reference else {}
 
 
 def assert_same(job: dict, ref: dict) -> None:

@@ -151,3 +151,30 @@ def test_hf_state_dict_loads_and_matches_logits(saved):
         ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             torch.testing.assert_close(model(ids).logits, lm(ids), rtol=0, atol=1e-5)
+
+
+def test_resume_picks_the_newest_checkpoint_whose_every_file_verifies(tmp_path: Path) -> None:
+    from oobleck_elastic.checkpoint import newest_intact_checkpoint, set_aside, verify_checkpoint
+
+    lm, opt = trained_model()
+    for step in (2, 4, 6, 8):
+        save_all(lm, opt, tmp_path, step=step)
+    (tmp_path / "step-00000010").mkdir()  # an interrupted save: no manifest
+    layer = tmp_path / "step-00000008" / "layer-002.safetensors"  # one flipped byte
+    data = bytearray(layer.read_bytes())
+    data[-3] ^= 0xFF
+    layer.write_bytes(bytes(data))
+    (tmp_path / "step-00000006" / "manifest.json").write_text('{"schema_version": 1, "st')  # truncated
+    assert verify_checkpoint(tmp_path / "step-00000004")["step"] == 4
+    with pytest.raises(CheckpointError, match="layer-002.safetensors is corrupt: sha256 mismatch"):
+        verify_checkpoint(tmp_path / "step-00000008")
+    path, unusable = newest_intact_checkpoint(tmp_path)
+    assert path == tmp_path / "step-00000004"
+    assert [(u.path.name, u.damaged) for u in unusable] == [("step-00000010", False), ("step-00000008", True),
+                                                            ("step-00000006", True)]
+    assert "layer-002.safetensors" in unusable[1].reason and "manifest" in unusable[2].reason
+    moved = set_aside(tmp_path / "step-00000008", "corrupt")
+    assert moved is not None and moved.name.startswith("step-00000008.corrupt-") and (moved / layer.name).exists()
+    assert set_aside(tmp_path / "step-00000008", "corrupt") is None  # another worker was first
+    assert newest_intact_checkpoint(tmp_path)[0] == tmp_path / "step-00000004"  # set-aside dirs are not listed
+    assert newest_intact_checkpoint(tmp_path / "nothing") == (None, [])

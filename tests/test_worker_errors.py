@@ -69,3 +69,33 @@ def test_a_corrupt_checkpoint_stops_the_resume_instead_of_training_half_restored
     closed, record, _ = _etcd_outcome(etcd_server.endpoint, run_id + "b")
     assert closed.get("failed") is True and record is not None and record.error.startswith("CheckpointError")
     assert not (ckpt.parent / "step-00000006").exists()  # it never trained on
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path: Path, etcd_server,
+                                                                        run_id) -> None:
+    """Checkpoints at steps 2 and 4, one byte of step 4 flipped: the resumed job says which file
+    was bad and which checkpoint it used, restores step 2 on every worker, sets step 4 aside
+    (never rewritten in place), and ends with the weights of an uninterrupted run."""
+    from helpers import ROOT, assert_same, overrides
+    from oobleck_elastic.checkpoint import list_checkpoints, load_model_state
+    from oobleck_elastic.config import load_config
+    from oobleck_elastic.engine.run import train
+
+    profile = tiny_profile(tmp_path / "profile.json")
+    run_job(tmp_path / "first", etcd_server, run_id + "a", ["--nodes", "2"], 4, profile,
+            extra=["checkpoint.interval_steps=2"], reference=False)
+    ckpt_dir = tmp_path / "first" / "job" / "ckpt"
+    layer = ckpt_dir / "step-00000004" / "layer-002.safetensors"
+    data = bytearray(layer.read_bytes())
+    data[-3] ^= 0xFF
+    layer.write_bytes(bytes(data))
+    out, job, _ = run_job(tmp_path / "second", etcd_server, run_id + "b", ["--nodes", "2"], 6, profile,
+                          extra=[f"checkpoint.dir={ckpt_dir}", "checkpoint.resume=true",
+                                 "checkpoint.interval_steps=2"], reference=False)
+    assert "checkpoint step-00000004 cannot be used" in out and "layer-002.safetensors is corrupt" in out, out[-4000:]
+    assert "using checkpoint step-00000002 instead" in out and "resumed from" in out
+    names = [p.name for p in list_checkpoints(ckpt_dir)]
+    assert names == ["step-00000002", "step-00000004", "step-00000006"], names  # step 4 written anew
+    assert any(p.name.startswith("step-00000004.corrupt-") for p in ckpt_dir.iterdir())
+    train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path / "ref", 6, profile)))
+    assert_same(load_model_state(ckpt_dir), load_model_state(tmp_path / "ref" / "ckpt"))

@@ -122,8 +122,26 @@ class _Run:
         self.t0 = time.monotonic()
         self.pending: Optional[tuple[Reconfiguration, float]] = None
 
+    def intact_checkpoint(self, trainer: Trainer) -> Optional[Path]:
+        """The newest checkpoint whose every file verifies, found before anything is restored, so
+        a resume is all or nothing. Newer unusable ones are named in the log and set aside (kept,
+        never resumed from nor rewritten in place). Damaged ones and no intact one: an error
+        naming the bad file, never "no checkpoint"."""
+        path, unusable = ckpt.newest_intact_checkpoint(self.cfg.checkpoint.dir)
+        for u in unusable:
+            log.warning("gen %d node %s: checkpoint %s cannot be used: %s", trainer.generation, self.node,
+                        u.path.name, u.reason)
+        damaged = [u for u in unusable if u.damaged]
+        if damaged and path is None:
+            raise ckpt.CheckpointError(f"no intact checkpoint under {self.cfg.checkpoint.dir}: {damaged[0].reason}")
+        for u in unusable:
+            ckpt.set_aside(u.path, "corrupt" if u.damaged else "incomplete")
+        if unusable and path is not None:
+            log.warning("gen %d node %s: using checkpoint %s instead", trainer.generation, self.node, path.name)
+        return path
+
     def resume(self, trainer: Trainer) -> int:
-        latest = ckpt.latest_checkpoint(self.cfg.checkpoint.dir) if self.cfg.checkpoint.resume else None
+        latest = self.intact_checkpoint(trainer) if self.cfg.checkpoint.resume else None
         if latest is None:
             return 0
         self.resumed = state.restore(trainer, latest)
@@ -131,7 +149,7 @@ class _Run:
         return self.resumed
 
     def restore_lost(self, trainer: Trainer, err: LayersLost) -> int:
-        latest = ckpt.latest_checkpoint(self.cfg.checkpoint.dir)
+        latest = self.intact_checkpoint(trainer)
         if latest is None:
             raise RuntimeError(f"{err} and no checkpoint in {self.cfg.checkpoint.dir}: cannot continue without "
                                "training on re-initialised layers; set checkpoint.interval_steps") from err

@@ -5,6 +5,8 @@ also leaves a small JSON receipt (file, sha256, bytes) beside it; after a barrie
 generation, rank 0 reads the receipts and writes the manifest, which completes the checkpoint.
 The data cursor is just the next step: the data order is a function of (seed, step).
 
+Never in place: a complete checkpoint already at the step being saved is set aside first.
+
 Restore: a worker loads exactly the layers it now owns, whatever plan wrote them, copies the
 weights into its parameters and installs the optimizer state, and training resumes at the
 manifest's step. Tied parameters load the same values from both layers' files.
@@ -37,6 +39,13 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
     mine = trainer.state_dict()
     params, optim = mine["layers"], mine["optimizer"]
     step_path = ckpt.step_dir(ckpt_dir, next_step)
+    if (plan is None or trainer.rank == 0) and (step_path / ckpt.MANIFEST).exists():
+        # never rewrite a checkpoint in place (e.g. a run with checkpoint.resume=false in a used dir)
+        moved = ckpt.set_aside(step_path, "replaced")
+        log.warning("gen %d step %d node %s: checkpoint %s existed; kept as %s", trainer.generation, next_step,
+                    trainer.node, step_path, moved)
+    if plan is not None:
+        dist.barrier(group=None)  # nobody writes before the old directory is out of the way
     for i in trainer.owned:
         if plan is None or primary[i] == trainer.rank:
             info = ckpt.save_layer(ckpt_dir, step=next_step, layer=i, params=params[i], optimizer_state=optim[i])
