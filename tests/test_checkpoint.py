@@ -154,6 +154,7 @@ def test_hf_state_dict_loads_and_matches_logits(saved):
 
 
 def test_resume_picks_the_newest_checkpoint_whose_every_file_verifies(tmp_path: Path) -> None:
+    from helpers import flip_byte
     from oobleck_elastic.checkpoint import newest_intact_checkpoint, set_aside, verify_checkpoint
 
     lm, opt = trained_model()
@@ -161,9 +162,7 @@ def test_resume_picks_the_newest_checkpoint_whose_every_file_verifies(tmp_path: 
         save_all(lm, opt, tmp_path, step=step)
     (tmp_path / "step-00000010").mkdir()  # an interrupted save: no manifest
     layer = tmp_path / "step-00000008" / "layer-002.safetensors"  # one flipped byte
-    data = bytearray(layer.read_bytes())
-    data[-3] ^= 0xFF
-    layer.write_bytes(bytes(data))
+    flip_byte(layer)
     (tmp_path / "step-00000006" / "manifest.json").write_text('{"schema_version": 1, "st')  # truncated
     assert verify_checkpoint(tmp_path / "step-00000004")["step"] == 4
     with pytest.raises(CheckpointError, match="layer-002.safetensors is corrupt: sha256 mismatch"):

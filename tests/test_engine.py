@@ -16,41 +16,14 @@ import torch.multiprocessing as mp
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.engine import state
+from oobleck_elastic.engine.devices import backend_for
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
+from helpers import RandomTokens, layout_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 NUM_LAYERS = 6  # gpt2-tiny: embedding, 4 blocks, head
-
-
-class RandomTokens:
-    """Deterministic synthetic windows (input, next-token labels)."""
-
-    def __init__(self, n: int = 64, seq_len: int = 16, vocab: int = 256) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.data = torch.randint(0, vocab, (n, seq_len + 1), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int):
-        return self.data[i, :-1], self.data[i, 1:]
-
-
-def layout_plan(layout: list[list[tuple[int, int]]], microbatches: list[int], *, generation: int) -> Plan:
-    pipelines, rank = [], 0
-    for index, (ranges, mb) in enumerate(zip(layout, microbatches)):
-        stages = []
-        for s, (u, v) in enumerate(ranges):
-            stages.append(StagePlacement(index=s, start=u, end=v, node=f"n{rank}", local_rank=0, rank=rank))
-            rank += 1
-        pipelines.append(PipelineSpec(index=index, template_nodes=len(ranges), nodes=tuple(st.node for st in stages),
-                                      microbatches=mb, stages=tuple(stages), est_time_s=1.0))
-    plan = Plan(generation=generation, nodes=tuple(f"n{r}" for r in range(rank)), spares=(), gpus_per_node=1,
-                num_layers=NUM_LAYERS, microbatch_size=2, pipelines=tuple(pipelines), est_step_time_s=1.0, f=1)
-    plan.check()
-    return plan
 
 
 PLANS = [
@@ -81,6 +54,10 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
     for k, plan in enumerate(PLANS):
         store = dist.FileStore(os.path.join(tmp, f"store{k}"), world)
         trainer = Trainer(cfg, dataset=RandomTokens(), plan=plan, rank=rank, store=store)
+        # every group of the generation uses the device map: control on gloo, data on the device's backend
+        groups = [trainer.groups.pipeline_group, *trainer.groups.sets.values()]
+        configs = {dist.get_backend_config()} | {dist.get_backend_config(g) for g in groups if g is not None}
+        assert configs == {backend_for(trainer.device)} == {"cpu:gloo"}, configs
         for step in range(STEPS):
             trainer.train_step(step)
         torch.save({f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},

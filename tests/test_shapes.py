@@ -20,7 +20,7 @@ from oobleck_elastic.config import ModelConfig, from_dict, load_config, to_dict
 from oobleck_elastic.engine.shapes import stage_io
 from oobleck_elastic.engine.trainer import Autocast, Trainer
 from oobleck_elastic.models import build_layer_model, hf_config
-from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
+from helpers import RandomTokens, layout_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 MB, SEQ = 2, 16
@@ -145,37 +145,8 @@ def test_stage_io_errors(factory) -> None:
 # --------------------------------------------------------------------- no pickles between workers
 
 
-class RandomTokens:
-    """Deterministic synthetic windows (input, next-token labels)."""
-
-    def __init__(self, n: int = 64, seq_len: int = SEQ, vocab: int = 256) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.data = torch.randint(0, vocab, (n, seq_len + 1), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int):
-        return self.data[i, :-1], self.data[i, 1:]
-
-
-def layout_plan(layout: list[list[tuple[int, int]]], microbatches: list[int], *, generation: int) -> Plan:
-    pipelines, rank = [], 0
-    for index, (ranges, mb) in enumerate(zip(layout, microbatches, strict=True)):
-        stages = []
-        for s, (u, v) in enumerate(ranges):
-            stages.append(StagePlacement(index=s, start=u, end=v, node=f"n{rank}", local_rank=0, rank=rank))
-            rank += 1
-        pipelines.append(PipelineSpec(index=index, template_nodes=len(ranges), nodes=tuple(st.node for st in stages),
-                                      microbatches=mb, stages=tuple(stages), est_time_s=1.0))
-    plan = Plan(generation=generation, nodes=tuple(f"n{r}" for r in range(rank)), spares=(), gpus_per_node=1,
-                num_layers=NUM_LAYERS, microbatch_size=MB, pipelines=tuple(pipelines), est_step_time_s=1.0, f=1)
-    plan.check()
-    return plan
-
-
 # one pipeline of three stages, 8 microbatches (1F1B); the tied wte/lm_head is split over stages 0 and 2
-PLAN = layout_plan([[(0, 2), (2, 4), (4, 6)]], [8], generation=1)
+PLAN = layout_plan([[(0, 2), (2, 4), (4, 6)]], [8], generation=1, num_layers=NUM_LAYERS, microbatch_size=MB)
 WORLD = 3
 
 
@@ -239,7 +210,7 @@ def _worker(rank: int, tmp: str, cfgs: dict[str, dict]) -> None:
     for name, cfg_dict in cfgs.items():
         cfg = from_dict(cfg_dict)
         store = dist.FileStore(os.path.join(tmp, f"store-{name}"), WORLD)
-        trainer = Trainer(cfg, dataset=RandomTokens(), plan=PLAN, rank=rank, store=store)
+        trainer = Trainer(cfg, dataset=RandomTokens(seq_len=SEQ), plan=PLAN, rank=rank, store=store)
         pstage = trainer.schedule._stage  # torch-private: check torch against our metadata at run time
         pstage._runtime_validate = True
         for step in range(STEPS):
@@ -253,7 +224,7 @@ def _worker(rank: int, tmp: str, cfgs: dict[str, dict]) -> None:
 
 
 def reference_state(cfg) -> dict[str, torch.Tensor]:
-    trainer = Trainer(cfg, dataset=RandomTokens())
+    trainer = Trainer(cfg, dataset=RandomTokens(seq_len=SEQ))
     for step in range(STEPS):
         trainer.train_step(step)
     return {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()}
@@ -272,7 +243,7 @@ def test_static_stages_train_like_the_reference_without_pickles(tmp_path: Path) 
     cfgs = {"fp32": config(), "bf16": config(**{"training.precision": "bf16"})}
     mp.spawn(_worker, args=(str(tmp_path), {k: to_dict(c) for k, c in cfgs.items()}), nprocs=WORLD, join=True)
     refs = {name: reference_state(cfg) for name, cfg in cfgs.items()}
-    fresh = Trainer(cfgs["fp32"], dataset=RandomTokens()).layer_state()
+    fresh = Trainer(cfgs["fp32"], dataset=RandomTokens(seq_len=SEQ)).layer_state()
     for name, ref in refs.items():
         merged: dict[str, list[torch.Tensor]] = {}
         for rank in range(WORLD):

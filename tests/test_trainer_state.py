@@ -10,19 +10,9 @@ import torch
 
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.trainer import Trainer
+from helpers import RandomTokens
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class Tokens:
-    def __init__(self, n: int = 32, seq_len: int = 8, vocab: int = 256) -> None:
-        self.data = torch.randint(0, vocab, (n, seq_len + 1), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int):
-        return self.data[i, :-1], self.data[i, 1:]
 
 
 def _cfg():
@@ -31,13 +21,13 @@ def _cfg():
 
 
 def test_a_loaded_trainer_continues_exactly_like_the_original() -> None:
-    a = Trainer(_cfg(), dataset=Tokens())
+    a = Trainer(_cfg(), dataset=RandomTokens(n=32, seq_len=8))
     for step in range(2):
         a.train_step(step)
     state = a.state_dict()
     assert state["next_step"] == 2 and set(state["layers"]) == set(range(6))
     assert all(t.device.type == "cpu" for layer in state["layers"].values() for t in layer.values())
-    b = Trainer(_cfg(), dataset=Tokens())
+    b = Trainer(_cfg(), dataset=RandomTokens(n=32, seq_len=8))
     b.load_state_dict(state)
     assert b.committed_step == 1
     a.train_step(2)
@@ -52,13 +42,13 @@ def test_a_loaded_trainer_continues_exactly_like_the_original() -> None:
 
 
 def test_a_state_without_an_owned_layer_or_parameter_is_refused() -> None:
-    a = Trainer(_cfg(), dataset=Tokens())
+    a = Trainer(_cfg(), dataset=RandomTokens(n=32, seq_len=8))
     state = a.state_dict()
     del state["layers"][3]
     with pytest.raises(KeyError, match="the state has no layer 3"):
-        Trainer(_cfg(), dataset=Tokens()).load_state_dict(state)
+        Trainer(_cfg(), dataset=RandomTokens(n=32, seq_len=8)).load_state_dict(state)
     state = a.state_dict()
     name = next(iter(state["layers"][2]))
     del state["layers"][2][name]
     with pytest.raises(KeyError, match=f"the state's layer 2 has no parameter '{name}'"):
-        Trainer(_cfg(), dataset=Tokens()).load_state_dict(state)
+        Trainer(_cfg(), dataset=RandomTokens(n=32, seq_len=8)).load_state_dict(state)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_job, tiny_profile
+from helpers import flip_byte, run_job, tiny_profile
 from oobleck_elastic.engine.errors import ErrorRecord
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.rendezvous.keys import Keys
@@ -58,9 +58,7 @@ def test_a_corrupt_checkpoint_stops_the_resume_instead_of_training_half_restored
     run_job(tmp_path / "first", etcd_server, run_id + "a", ["--nodes", "2"], 4, profile)
     ckpt = tmp_path / "first" / "job" / "ckpt" / "step-00000004"
     layer = ckpt / "layer-002.safetensors"
-    data = bytearray(layer.read_bytes())
-    data[-3] ^= 0xFF
-    layer.write_bytes(bytes(data))
+    flip_byte(layer)
     out, _, _ = run_job(tmp_path / "second", etcd_server, run_id + "b", ["--nodes", "2"], 6, profile,
                         extra=[f"checkpoint.dir={ckpt.parent}", "checkpoint.resume=true",
                                "fault_tolerance.max_repeated_errors=1"], expect_failure=True)
@@ -86,9 +84,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
             extra=["checkpoint.interval_steps=2"], reference=False)
     ckpt_dir = tmp_path / "first" / "job" / "ckpt"
     layer = ckpt_dir / "step-00000004" / "layer-002.safetensors"
-    data = bytearray(layer.read_bytes())
-    data[-3] ^= 0xFF
-    layer.write_bytes(bytes(data))
+    flip_byte(layer)
     out, job, _ = run_job(tmp_path / "second", etcd_server, run_id + "b", ["--nodes", "2"], 6, profile,
                           extra=[f"checkpoint.dir={ckpt_dir}", "checkpoint.resume=true",
                                  "checkpoint.interval_steps=2"], reference=False)

@@ -8,7 +8,7 @@
   backend of its tensors' device: control collectives (generation agreement, held layouts, norm
   and loss, commit vote) are small CPU tensors and go over gloo; data (pipeline send/receive,
   holder-set gradient sums, tied-weight sums, layer and optimizer-state transfers) are device
-  tensors and go over NCCL. On the CPU both are gloo.
+  tensors and go over NCCL. On the CPU the map is `cpu:gloo`: both are gloo.
 - **Abandoning a generation.** `release_groups(abort=True)` aborts every group of the generation and
   forgets them (`_abort_process_group` on the world). NCCL operations blocked on a dead or hung
   peer return with an error at once; gloo has no way to interrupt a blocked operation, which
@@ -58,8 +58,9 @@ def resolve_device(setting: str, local_rank: int) -> torch.device:
 
 
 def backend_for(device: torch.device) -> str:
-    """The process-group backend: gloo on the CPU; gloo for CPU tensors and NCCL for CUDA ones."""
-    return "gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:nccl"
+    """The process groups' device-to-backend map: gloo for CPU tensors, and NCCL for CUDA ones
+    when the worker trains on a GPU (the same mechanism on both, so CPU tests cover it)."""
+    return "cpu:gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:nccl"
 
 
 _SAFE = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": ("0", "2"), "TORCH_NCCL_ENABLE_MONITORING": ("0",)}
