@@ -30,7 +30,7 @@ from typing import IO, Optional
 
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.etcd.server import EtcdServer
-from oobleck_elastic.rendezvous.keys import Keys
+from oobleck_elastic.rendezvous.keys import Keys, read_closed
 
 
 @dataclass
@@ -151,7 +151,7 @@ class LocalCluster:
         closed_at: Optional[float] = None
         try:
             while any(n.proc.poll() is None for n in self.nodes):
-                if closed_at is None and client.get_json(keys.closed)[0] is not None:
+                if closed_at is None and read_closed(client, keys) is not None:
                     closed_at = time.monotonic()
                 if closed_at is not None and time.monotonic() - closed_at > self.args.exit_grace:
                     for n in self.nodes:  # e.g. a hung (SIGSTOPped) node that can no longer exit by itself

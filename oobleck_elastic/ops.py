@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
 from .planning import Plan, PlanningError
-from .rendezvous.keys import Event, Keys, NodeRecord
+from .rendezvous.keys import Event, Keys, NodeRecord, read_closed
 from .rendezvous.membership import live_nodes, put_event, read_events
 
 
@@ -103,11 +103,11 @@ def status(client: EtcdClient, keys: Keys) -> list[str]:
     leader, _ = client.get_json(keys.leader)
     data, _ = client.get_json(keys.plan)
     progress, _ = client.get_json(keys.progress)
-    closed, _ = client.get_json(keys.closed)
+    closed = read_closed(client, keys)
     live = live_nodes(client, keys)
     lines = [f"run {keys.run_id}: {len(live)} live node(s), leader "
              f"{leader.get('node_id') if isinstance(leader, dict) else 'none'}"
-             + (" (closed)" if closed is not None else "")]
+             + (f" (closed{' as failed' if closed.failed else ''}: {closed.reason})" if closed is not None else "")]
     plan = None
     if data is not None:
         try:

@@ -108,7 +108,7 @@ class EtcdClient:
         value, meta = self._call(self.raw.get, key)
         if value is None:
             return None, None
-        return parse_json(value, key), meta.mod_revision
+        return parse_json(value, key, meta.mod_revision), meta.mod_revision
 
     def put_json(self, key: str, value: Any, *, lease: Any = None) -> None:
         self._call(self.raw.put, key, json.dumps(value, sort_keys=True), lease=lease)
@@ -118,7 +118,7 @@ class EtcdClient:
         items = self._call(lambda: list(self.raw.get_prefix(prefix, sort_order="ascend", sort_target="key")))
         for value, meta in items:
             key = meta.key.decode()
-            parsed = parse_json(value, key)
+            parsed = parse_json(value, key, meta.mod_revision)
             if parsed is not None:
                 yield key, parsed
 
@@ -136,12 +136,25 @@ class EtcdClient:
             pass
 
 
-def parse_json(value: bytes | str, key: str) -> Optional[Any]:
-    """Parse a JSON value read from etcd; log and return None when it is malformed."""
+_warned: set[tuple[str, Optional[int]]] = set()
+
+
+def warn_once(key: str, revision: Optional[int], message: str) -> None:
+    """Log `message` once per (key, revision): a bad value read on every poll is reported once."""
+    if (key, revision) not in _warned:
+        if len(_warned) > 10_000:
+            _warned.clear()
+        _warned.add((key, revision))
+        log.warning("%s", message)
+
+
+def parse_json(value: bytes | str, key: str, revision: Optional[int] = None) -> Optional[Any]:
+    """Parse a JSON value read from etcd; log (once per key and revision) and return None when it
+    is malformed."""
     try:
         return json.loads(value)
     except (ValueError, UnicodeDecodeError):
-        log.warning("ignoring malformed JSON in etcd key %s: %r", key, value[:80])
+        warn_once(key, revision, f"ignoring malformed JSON in etcd key {key}: {value[:80]!r}")
         return None
 
 

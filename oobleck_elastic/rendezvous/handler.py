@@ -45,7 +45,7 @@ from ..config import ConfigError, JobConfig, load_config
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.server import free_port
 from ..planning import ModelProfile, Plan, PlanningError, ProfileError, plan_job, templates_for
-from .keys import Event, Keys
+from .keys import ClosedRecord, Event, Keys, read_closed
 from .leader import JobUnplannable, Leader, _parse_plan
 from .membership import Member, put_event
 
@@ -139,11 +139,10 @@ class OobleckRendezvousHandler(RendezvousHandler):
         return False
 
     def is_closed(self) -> bool:
-        data, _ = self.client.get_json(self.keys.closed)
-        return data is not None
+        return read_closed(self.client, self.keys) is not None
 
     def set_closed(self) -> None:
-        self.client.put_json(self.keys.closed, {"time": time.time(), "reason": "set_closed"})
+        self.client.put_json(self.keys.closed, ClosedRecord(time=time.time(), reason="set_closed").to_json())
 
     def num_nodes_waiting(self) -> int:
         return 0  # joins are admitted by the leader; a positive value would restart healthy workers
@@ -164,10 +163,9 @@ class OobleckRendezvousHandler(RendezvousHandler):
         return True
 
     def next_rendezvous(self) -> RendezvousInfo:
-        closed, _ = self.client.get_json(self.keys.closed)
+        closed = read_closed(self.client, self.keys)
         if closed is not None:
-            reason = closed.get("reason") if isinstance(closed, dict) else None
-            raise RendezvousClosedError(f"run {self.params.run_id} is closed" + (f": {reason}" if reason else ""))
+            raise RendezvousClosedError(f"run {self.params.run_id} is closed: {closed.reason}")
         if self.member is None:
             self.member = Member(self.client, self.keys, devices=self.devices, lease_ttl_s=self.lease_ttl_s,
                                  host=self.params.local_addr or None)
@@ -223,9 +221,9 @@ class OobleckRendezvousHandler(RendezvousHandler):
             now = time.monotonic()
             if now > next_closed_check:  # e.g. closed as failed: no plan will come
                 next_closed_check = now + 1
-                closed, _ = self.client.get_json(self.keys.closed)
+                closed = read_closed(self.client, self.keys)
                 if closed is not None:
-                    reason = closed.get("reason") if isinstance(closed, dict) else None
+                    reason = closed.reason
                     raise RendezvousClosedError(f"run {self.params.run_id} was closed while node {node} waited to "
                                                 "be admitted" + (f": {reason}" if reason else ""))
             if now > deadline:

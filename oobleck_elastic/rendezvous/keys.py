@@ -34,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from ..etcd.client import warn_once
+
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
@@ -182,6 +184,46 @@ class NodeRecord:
         except (AttributeError, KeyError, TypeError, ValueError) as err:
             log.warning("ignoring malformed node record %s: %s", key, err)
             return None
+
+
+@dataclass(frozen=True)
+class ClosedRecord:
+    """The value of `closed`: the job ended (finished, or `failed` with `reason`)."""
+
+    time: float
+    """Unix time it was closed."""
+    reason: str
+    """Why (e.g. `finished 20 steps`, or the error that stopped it)."""
+    failed: bool = False
+    """The job stopped because of an error: workers and agents exit non-zero."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def parse(cls, data: Any) -> "ClosedRecord":
+        """Validate a `closed` value; raises ValueError naming what is wrong."""
+        try:
+            if data.get("schema_version") != SCHEMA_VERSION:
+                raise ValueError(f"schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
+            if not isinstance(data.get("reason"), str) or not isinstance(data.get("failed", False), bool):
+                raise ValueError("reason must be a string and failed a boolean")
+            return cls(time=float(data["time"]), reason=data["reason"], failed=data.get("failed", False))
+        except (AttributeError, KeyError, TypeError) as err:
+            raise ValueError(f"not a closed record ({type(err).__name__}: {err})") from None
+
+
+def read_closed(client: Any, keys: "Keys") -> Optional[ClosedRecord]:
+    """The job's `closed` record, or None while the job is open. A malformed value is logged once
+    per revision and ignored: a stray value must never end a job."""
+    data, revision = client.get_json(keys.closed)
+    if data is None:
+        return None
+    try:
+        return ClosedRecord.parse(data)
+    except ValueError as err:
+        warn_once(keys.closed, revision, f"ignoring malformed value of {keys.closed}: {err}")
+        return None
 
 
 @dataclass(frozen=True)

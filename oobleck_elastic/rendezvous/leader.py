@@ -43,7 +43,7 @@ from typing import Callable, Optional
 from ..etcd import EtcdClient, EtcdError
 from ..planning import Plan, PlanningError
 from .detect import Deputy, RollCall
-from .keys import Event, Keys, NodeRecord
+from .keys import ClosedRecord, Event, Keys, NodeRecord, read_closed
 from .membership import Member, live_nodes, put_event
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class Leader:
     def _run(self) -> None:
         while not self._stop.is_set() and not self.member.fenced.is_set():
             try:
-                if self.client.get_json(self.keys.closed)[0] is not None:
+                if read_closed(self.client, self.keys) is not None:
                     pass  # the job is over: nothing to lead (agents leaving must not re-elect)
                 elif self._campaign():
                     self._lead()
@@ -126,8 +126,7 @@ class Leader:
         first_quorum: Optional[float] = None
         change_seen: Optional[float] = None
         while not self._stop.is_set() and self._still_leader():
-            closed, _ = self.client.get_json(self.keys.closed)
-            if closed is not None:
+            if read_closed(self.client, self.keys) is not None:
                 self._stop.wait(self.tick_s * 4)
                 continue
             records = live_nodes(self.client, self.keys)
@@ -217,8 +216,7 @@ class Leader:
     def _fail(self, reason: str) -> None:
         """Close the job as failed: workers and agents leave with this error (no plan can follow)."""
         log.error("node %s: %s", self.member.node_id, reason)
-        self.client.put_json(self.keys.closed, {"schema_version": 1, "time": time.time(), "reason": reason,
-                                                "failed": True})
+        self.client.put_json(self.keys.closed, ClosedRecord(time=time.time(), reason=reason, failed=True).to_json())
         put_event(self.client, self.keys, Event(time=time.time(), kind="closed", node=self.member.node_id,
                                                 detail=reason))
         self._profile_wait = None

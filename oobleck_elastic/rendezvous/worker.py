@@ -32,7 +32,7 @@ from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.store import EtcdStore
 from ..planning import PipelineSpec, Plan, StagePlacement
 from ..engine.errors import ErrorRecord, next_error_record
-from .keys import Keys, NodeRecord
+from .keys import ClosedRecord, Keys, NodeRecord, read_closed
 from .leader import _parse_plan
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class WorkerContext:
 
     def should_leave(self, plan: Optional[Plan]) -> Optional[str]:
         """Why this worker must exit 0 now, or None: the job is closed, or the node was drained."""
-        if self.client.get_json(self.keys.closed)[0] is not None:
+        if read_closed(self.client, self.keys) is not None:
             return "the job is closed"
         if self.client.get_json(self.keys.fenced + self.node_id)[0] is not None:
             return f"node {self.node_id} was fenced (declared lost): it must not train on alone"
@@ -193,15 +193,12 @@ class WorkerContext:
 
     def close_job(self, reason: str, *, failed: bool = False) -> None:
         """Close the job: every agent and worker leaves; `failed` makes them exit with an error."""
-        self.client.put_json(self.keys.closed, {"schema_version": 1, "time": time.time(), "reason": reason,
-                                                "failed": failed})
+        self.client.put_json(self.keys.closed, ClosedRecord(time=time.time(), reason=reason, failed=failed).to_json())
 
     def failure_of_job(self) -> Optional[str]:
         """The reason the job was closed as failed, or None (open, or finished normally)."""
-        data, _ = self.client.get_json(self.keys.closed)
-        if isinstance(data, dict) and data.get("failed") is True:
-            return str(data.get("reason", "unknown error"))
-        return None
+        closed = read_closed(self.client, self.keys)
+        return closed.reason if closed is not None and closed.failed else None
 
     def store_for(self, generation: int, cfg: JobConfig) -> EtcdStore:
         """The etcd-backed c10d store of `generation`'s process groups (keys under
@@ -218,7 +215,7 @@ class WorkerContext:
         checked: dict[int, list[str]] = {}
 
         def check() -> Optional[str]:
-            if self.client.get_json(self.keys.closed)[0] is not None:
+            if read_closed(self.client, self.keys) is not None:
                 return "the job was closed"
             if self.client.get_json(self.keys.fenced + self.node_id)[0] is not None:
                 return f"node {self.node_id} was fenced (declared lost)"

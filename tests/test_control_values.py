@@ -1,0 +1,53 @@
+"""Malformed control values never end a job: the `closed` record is typed and validated at the
+etcd boundary, a bad value is logged once per revision and ignored by workers, agents, the
+launcher and the CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from oobleck_elastic import ops
+from oobleck_elastic.etcd import connect
+from oobleck_elastic.rendezvous.keys import ClosedRecord, Keys, read_closed
+from oobleck_elastic.rendezvous.worker import WorkerContext
+
+
+@pytest.mark.parametrize("value", [{"schema_version": 99}, {"schema_version": 1}, {"schema_version": 1, "time": 1.0},
+                                   {"schema_version": 1, "time": 1.0, "reason": 3},
+                                   {"schema_version": 1, "time": 1.0, "reason": "x", "failed": "yes"}, [1], "closed"])
+def test_a_malformed_closed_value_is_refused(value) -> None:
+    with pytest.raises(ValueError):
+        ClosedRecord.parse(value)
+
+
+def test_closed_round_trip() -> None:
+    rec = ClosedRecord(time=1.5, reason="finished 3 steps")
+    assert ClosedRecord.parse(json.loads(json.dumps(rec.to_json()))) == rec and not rec.failed
+
+
+def test_bad_closed_values_in_etcd_leave_the_job_open_and_are_logged_once(etcd_settings, run_id, caplog) -> None:
+    client = connect(etcd_settings)
+    keys = Keys("/oobleck", run_id)
+    ctx = WorkerContext(client=client, keys=keys, node_id="node0", local_rank=0)
+    try:
+        for raw in ['{"schema_version": 99}', "not json", '{"schema_version": 1, "reason": "x"}']:
+            client.raw.put(keys.closed, raw)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                for _ in range(5):  # polled again and again: one warning for this revision
+                    assert read_closed(client, keys) is None
+                    assert ctx.should_leave(None) is None and ctx.failure_of_job() is None
+            warnings = [r for r in caplog.records if keys.closed in r.getMessage()]
+            assert len(warnings) == 1, [r.getMessage() for r in warnings]
+            assert "closed" not in " ".join(ops.status(client, keys))
+        ctx.close_job("injected fault ended a worker 3 times", failed=True)
+        closed = read_closed(client, keys)
+        assert closed is not None and closed.failed and closed.reason.startswith("injected fault")
+        assert ctx.should_leave(None) == "the job is closed"
+        assert ctx.failure_of_job() == "injected fault ended a worker 3 times"
+        assert "(closed as failed: injected fault" in ops.status(client, keys)[0]
+    finally:
+        client.close()
