@@ -51,3 +51,21 @@ def test_bad_closed_values_in_etcd_leave_the_job_open_and_are_logged_once(etcd_s
         assert "(closed as failed: injected fault" in ops.status(client, keys)[0]
     finally:
         client.close()
+
+
+def test_a_worker_refuses_a_plan_older_than_one_it_has_seen(etcd_settings, run_id, caplog) -> None:
+    from helpers import layout_plan
+
+    client = connect(etcd_settings)
+    keys = Keys("/oobleck", run_id)
+    ctx = WorkerContext(client=client, keys=keys, node_id="n0", local_rank=0)
+    try:
+        newer, older = (layout_plan([[(0, 6)]], [8], generation=g) for g in (3, 2))
+        client.put_json(keys.plan, newer.to_json())
+        assert ctx.plan().generation == 3
+        client.put_json(keys.plan, older.to_json())
+        with caplog.at_level(logging.WARNING):
+            assert ctx.plan().generation == 3 and ctx.plan().generation == 3
+        assert len([r for r in caplog.records if "generation 3 was already seen" in r.getMessage()]) == 1
+    finally:
+        client.close()

@@ -321,3 +321,36 @@ def test_unknown_rdzv_conf_option_is_refused(etcd_server, run_id, profile_path, 
     with pytest.raises(ValueError, match=r"unknown --rdzv-conf option\(s\) \['lease_tll'\]"):
         OobleckRendezvousHandler(params, argv=["torchrun", "train.py", "--config",
                                                str(ROOT / "configs/gpt2-tiny.yaml")])
+
+
+def test_a_malformed_plan_value_never_sends_generations_back(cluster_factory, caplog) -> None:
+    """Garbage in the `plan` key: the leader goes on from the newest plan of the history, so the
+    next plan is generation 2 (not 1) and the history is not overwritten; the bad value is
+    logged once, not on every poll."""
+    c = cluster_factory(min_nodes=2, max_nodes=4)
+    join_all(c.start(2))
+    c.wait_plan(lambda p: p.generation == 1)
+    first = c.client.get_json(c.keys.plan_at(1))[0]
+    with caplog.at_level(logging.WARNING):
+        c.client.raw.put(c.keys.plan, "not a plan {")
+        time.sleep(1.0)  # the leader polls many times meanwhile
+        join_all(c.start(1))  # a membership change: the leader re-plans
+        plan = c.wait_plan(lambda p: p.generation >= 2)
+    assert plan.generation == 2 and len(plan.nodes) == 3
+    assert c.client.get_json(c.keys.plan_at(1))[0] == first
+    bad = [r for r in caplog.records if "not a plan {" in r.getMessage()]
+    assert len(bad) == 1, [r.getMessage() for r in bad]
+
+
+def test_garbage_in_the_leader_key_does_not_block_the_election(cluster_factory, caplog) -> None:
+    """A `leader` value no agent wrote (not a leader record, no lease: it would never expire) is
+    removed by the campaigning agents, so one of them is elected and plans."""
+    c = cluster_factory(min_nodes=2, max_nodes=2)
+    c.client.raw.put(c.keys.leader, "garbage")
+    with caplog.at_level(logging.WARNING):
+        join_all(c.start(2))
+        plan = c.wait_plan(lambda p: p.generation == 1)
+    assert len(plan.nodes) == 2
+    leader = c.client.get_json(c.keys.leader)[0]
+    assert isinstance(leader, dict) and leader["node_id"] in plan.nodes
+    assert len([r for r in caplog.records if "removing a bogus value" in r.getMessage()]) == 1

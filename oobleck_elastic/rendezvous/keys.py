@@ -72,6 +72,11 @@ class Keys:
     def plan(self) -> str:
         return self.root + "plan"
 
+    @property
+    def plans(self) -> str:
+        """Prefix of the plan history."""
+        return self.root + "plans/"
+
     def plan_at(self, generation: int) -> str:
         """The plan of one generation, kept as history (joiners read the previous generation's)."""
         return f"{self.root}plans/{generation:08d}"

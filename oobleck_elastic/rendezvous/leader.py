@@ -41,6 +41,7 @@ import time
 from typing import Callable, Optional
 
 from ..etcd import EtcdClient, EtcdError
+from ..etcd.client import warn_once
 from ..planning import Plan, PlanningError
 from .detect import Deputy, RollCall
 from .keys import ClosedRecord, Event, Keys, NodeRecord, read_closed
@@ -114,7 +115,29 @@ class Leader:
             log.info("node %s: elected leader", self.member.node_id)
             put_event(self.client, self.keys, Event(time=time.time(), kind="leader", node=self.member.node_id,
                                                     detail="elected leader"))
+        else:
+            self._clear_bogus_leader()
         return bool(won)
+
+    def _clear_bogus_leader(self) -> None:
+        """A `leader` value that no agent can have written (not a {node_id, since} record, or not
+        bound to a lease, so it would never expire) would block every election for good: delete
+        it, if it is still the same revision, so the next campaign can win."""
+        value, meta = self.client._call(self.client.raw.get, self.keys.leader)
+        if value is None:
+            return
+        try:
+            record = json.loads(value)
+            bogus = not (isinstance(record, dict) and isinstance(record.get("node_id"), str)) or not meta.lease_id
+        except (ValueError, UnicodeDecodeError):
+            bogus = True
+        if bogus:
+            warn_once(self.keys.leader, meta.mod_revision,
+                      f"node {self.member.node_id}: removing a bogus value of {self.keys.leader} ({value[:60]!r}): "
+                      "not an agent's leader record bound to a lease")
+            tx = self.client.raw.transactions
+            self.client._call(self.client.raw.transaction, compare=[tx.mod(self.keys.leader) == meta.mod_revision],
+                              success=[tx.delete(self.keys.leader)], failure=[])
 
     def _still_leader(self) -> bool:
         value, _ = self.client._call(self.client.raw.get, self.keys.leader)
@@ -132,7 +155,9 @@ class Leader:
             records = live_nodes(self.client, self.keys)
             up = [r for r in records if r.state == "up"]
             data, rev = self.client.get_json(self.keys.plan)
-            plan = _parse_plan(data)
+            plan = _parse_plan(data, key=self.keys.plan, revision=rev)
+            if plan is None and rev is not None:  # a value that is not a plan: generations go on from history
+                plan = newest_history_plan(self.client, self.keys)
             if plan is None:
                 fenced = self._fenced(records)
                 first = self._admit_first(up, fenced)
@@ -324,11 +349,19 @@ class Leader:
         return events
 
 
-def _parse_plan(data: object) -> Optional[Plan]:
+def _parse_plan(data: object, *, key: str = "plan", revision: Optional[int] = None) -> Optional[Plan]:
+    """The plan in `data`, or None (absent, or malformed: logged once per key and revision)."""
     if data is None:
         return None
     try:
         return Plan.from_json(data)
     except PlanningError as err:
-        log.warning("ignoring malformed plan in etcd: %s", err)
+        warn_once(key, revision, f"ignoring malformed plan in etcd key {key}: {err}")
         return None
+
+
+def newest_history_plan(client: EtcdClient, keys: Keys) -> Optional[Plan]:
+    """The newest valid plan of the history (`plans/<generation>`): what the current plan was when
+    the `plan` key holds something that is not a plan, so generations never go back."""
+    plans = [p for key, data in client.get_prefix_json(keys.plans) if (p := _parse_plan(data, key=key)) is not None]
+    return max(plans, key=lambda p: p.generation, default=None)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch.distributed as dist
 
 from ..etcd import EtcdClient, EtcdSettings, connect
+from ..etcd.client import warn_once
 from ..etcd.store import EtcdStore
 from ..planning import PipelineSpec, Plan, StagePlacement
 from ..engine.errors import ErrorRecord, next_error_record
@@ -58,6 +59,8 @@ class WorkerContext:
     """This worker's node."""
     local_rank: int
     """Device index on the node."""
+    newest: Optional[Plan] = None
+    """The newest plan seen: generations only grow, so an older one read later is refused."""
 
     @classmethod
     def from_env(cls, environ: Optional[dict[str, str]] = None) -> "WorkerContext":
@@ -68,8 +71,17 @@ class WorkerContext:
                    node_id=env["OOBLECK_NODE_ID"], local_rank=int(env.get("LOCAL_RANK", "0")))
 
     def plan(self) -> Optional[Plan]:
-        data, _ = self.client.get_json(self.keys.plan)
-        return _parse_plan(data)
+        """The current plan; None while there is none or the value is malformed (logged once). A
+        plan older than one already seen is refused (logged once) and the newer one kept."""
+        data, rev = self.client.get_json(self.keys.plan)
+        plan = _parse_plan(data, key=self.keys.plan, revision=rev)
+        if plan is not None and self.newest is not None and plan.generation < self.newest.generation:
+            warn_once(self.keys.plan, rev, f"ignoring plan of generation {plan.generation} in {self.keys.plan}: "
+                                           f"generation {self.newest.generation} was already seen")
+            return self.newest
+        if plan is not None:
+            self.newest = plan
+        return plan
 
     def plan_at(self, generation: int) -> Optional[Plan]:
         """The plan of a past or current generation (from the leader's history)."""
