@@ -56,7 +56,8 @@ def main() -> int:
         stage = ctx.my_stage(plan) if plan else None
         if stage and stage[1].rank == 0 and time.monotonic() - last_step >= args.step_time:
             last_step = time.monotonic()
-            step = int((ctx.progress() or {}).get("step", 0)) + 1
+            progress = ctx.progress()
+            step = (progress.step if progress is not None else 0) + 1
             ctx.report_progress(generation=plan.generation, step=step)
             if step >= args.steps:
                 ctx.close_job(f"probe finished {step} steps")

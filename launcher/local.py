@@ -30,7 +30,7 @@ from typing import IO, Optional
 
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.etcd.server import EtcdServer
-from oobleck_elastic.rendezvous.keys import Keys, read_closed
+from oobleck_elastic.rendezvous.keys import Keys, read_closed, read_progress
 
 
 @dataclass
@@ -160,8 +160,8 @@ class LocalCluster:
                             kill_node(n.proc.pid)
                     closed_at = float("inf")
                 if kills or joins:
-                    progress, _ = client.get_json(keys.progress)
-                    step = int(progress.get("step", 0)) if isinstance(progress, dict) else 0
+                    progress = read_progress(client, keys)
+                    step = progress.step if progress is not None else 0
                     while kills and step >= kills[0][1]:
                         number, at = kills.pop(0)
                         if number < len(self.nodes):

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
 from .planning import Plan, PlanningError
-from .rendezvous.keys import Event, Keys, NodeRecord, read_closed
+from .rendezvous.keys import Event, Keys, NodeRecord, read_closed, read_progress
 from .rendezvous.membership import live_nodes, put_event, read_events
 
 
@@ -102,7 +102,7 @@ def kill_agent(client: EtcdClient, keys: Keys, index: int) -> str:
 def status(client: EtcdClient, keys: Keys) -> list[str]:
     leader, _ = client.get_json(keys.leader)
     data, _ = client.get_json(keys.plan)
-    progress, _ = client.get_json(keys.progress)
+    progress = read_progress(client, keys)
     closed = read_closed(client, keys)
     live = live_nodes(client, keys)
     lines = [f"run {keys.run_id}: {len(live)} live node(s), leader "
@@ -124,9 +124,9 @@ def status(client: EtcdClient, keys: Keys) -> list[str]:
                          f"{p.microbatches} microbatches")
         if plan.spares:
             lines.append(f"  spares: {', '.join(plan.spares)}")
-    if isinstance(progress, dict) and "step" in progress:
-        lines.append(f"step {progress['step']} (generation {progress.get('generation', '?')}, "
-                     f"{time.time() - float(progress.get('time', time.time())):.1f}s ago)")
+    if progress is not None:
+        lines.append(f"step {progress.step} (generation {progress.generation}, "
+                     f"{time.time() - progress.time:.1f}s ago)")
     else:
         lines.append("step: no progress reported yet")
     return lines

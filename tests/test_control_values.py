@@ -69,3 +69,35 @@ def test_a_worker_refuses_a_plan_older_than_one_it_has_seen(etcd_settings, run_i
         assert len([r for r in caplog.records if "generation 3 was already seen" in r.getMessage()]) == 1
     finally:
         client.close()
+
+
+def test_bad_progress_next_index_and_events_are_ignored_or_repaired(etcd_settings, run_id) -> None:
+    """A malformed `progress` reads as none (the launcher and `oobleck status` go on); a malformed
+    `next_index` is replaced by one past every index in use, so a joining node neither crashes nor
+    reuses a fenced node's id; an event of another schema version is not accepted."""
+    from oobleck_elastic.rendezvous.keys import Event, read_progress
+    from oobleck_elastic.rendezvous.membership import Member, read_events
+
+    client = connect(etcd_settings)
+    keys = Keys("/oobleck", run_id)
+    member = None
+    try:
+        for raw in ['{"step": "abc", "generation": 1, "time": 1, "node": "node0"}', "[]", "{"]:
+            client.raw.put(keys.progress, raw)
+            assert read_progress(client, keys) is None
+            assert any(line.startswith("step: no progress") for line in ops.status(client, keys))
+        ctx = WorkerContext(client=client, keys=keys, node_id="node0", local_rank=0)
+        ctx.report_progress(generation=2, step=7)
+        assert (read_progress(client, keys).step, read_progress(client, keys).generation) == (7, 2)
+        client.put_json(keys.fenced + "node4", {"time": 1.0, "generation": 1})
+        client.raw.put(keys.next_index, "garbage")
+        member = Member(client, keys, devices=1, lease_ttl_s=5)
+        member.register()
+        assert member.node_id == "node5"  # past the fenced node4: never a reused id
+        client.put_json(keys.event("node0"), {**Event(time=1.0, kind="join", node="node0").to_json(),
+                                               "schema_version": 99})
+        assert [ev for _, ev in read_events(client, keys) if ev.node == "node0"] == []
+    finally:
+        if member is not None:
+            member.close()
+        client.close()

@@ -218,6 +218,43 @@ class ClosedRecord:
             raise ValueError(f"not a closed record ({type(err).__name__}: {err})") from None
 
 
+@dataclass(frozen=True)
+class ProgressRecord:
+    """The value of `progress`: the job's last completed step, reported by the rank-0 worker."""
+
+    generation: int
+    """Generation the step ran in."""
+    step: int
+    """Steps completed."""
+    time: float
+    """Unix time of the report."""
+    node: str = ""
+    """Node of the reporting worker."""
+
+    @classmethod
+    def parse(cls, data: Any) -> "ProgressRecord":
+        """Validate a `progress` value (extra fields are allowed); raises ValueError."""
+        try:
+            gen, step = data["generation"], data["step"]
+            if not (isinstance(gen, int) and isinstance(step, int)) or gen < 0 or step < 0:
+                raise ValueError(f"generation and step must be integers >= 0 (got {gen!r}, {step!r})")
+            return cls(generation=gen, step=step, time=float(data["time"]), node=str(data.get("node", "")))
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"not a progress record ({type(err).__name__}: {err})") from None
+
+
+def read_progress(client: Any, keys: "Keys") -> Optional[ProgressRecord]:
+    """The job's progress, or None (none yet, or a malformed value: logged once per revision)."""
+    data, revision = client.get_json(keys.progress)
+    if data is None:
+        return None
+    try:
+        return ProgressRecord.parse(data)
+    except ValueError as err:
+        warn_once(keys.progress, revision, f"ignoring malformed value of {keys.progress}: {err}")
+        return None
+
+
 def read_closed(client: Any, keys: "Keys") -> Optional[ClosedRecord]:
     """The job's `closed` record, or None while the job is open. A malformed value is logged once
     per revision and ignored: a stray value must never end a job."""
@@ -250,6 +287,8 @@ class Event:
     @classmethod
     def parse(cls, data: Any, *, key: str = "") -> Optional["Event"]:
         try:
+            if data.get("schema_version") != SCHEMA_VERSION:
+                raise ValueError(f"schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
             gen = data.get("generation")
             return cls(time=float(data["time"]), kind=str(data["kind"]), node=str(data["node"]),
                        generation=None if gen is None else int(gen), detail=str(data.get("detail", "")))

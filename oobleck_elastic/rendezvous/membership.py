@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable, Iterator, Optional
 
 from ..etcd import EtcdClient, EtcdError
+from ..etcd.client import warn_once
 from .keys import Event, Keys, NodeRecord
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,15 @@ def live_nodes(client: EtcdClient, keys: Keys) -> list[NodeRecord]:
         if rec is not None:
             out.append(rec)
     return sorted(out, key=lambda r: r.index)
+
+
+def _counter(value: bytes) -> Optional[int]:
+    """A non-negative integer counter stored as JSON, or None when the value is anything else."""
+    try:
+        n = json.loads(value)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
 def put_event(client: EtcdClient, keys: Keys, event: Event) -> None:
@@ -89,12 +99,26 @@ class Member:
         tx = raw.transactions
         while True:
             value, meta = self.client._call(raw.get, key)
-            current = int(value) if value is not None else 0
+            current = _counter(value) if value is not None else 0
+            if current is None:  # not a counter: never reuse an id that is live, fenced or admitted
+                current = self._first_unused_index()
+                warn_once(key, meta.mod_revision, f"node {self.keys.run_id}: ignoring malformed value of {key} "
+                                                  f"({value[:40]!r}); continuing from index {current}")
             compare = [tx.create(key) == 0] if value is None else [tx.mod(key) == meta.mod_revision]
             ok, _ = self.client._call(raw.transaction, compare=compare,
                                       success=[tx.put(key, json.dumps(current + 1))], failure=[])
             if ok:
                 return current
+
+    def _first_unused_index(self) -> int:
+        """One more than any node index in use: live records, fenced and admitted nodes."""
+        used = [r.index for r in live_nodes(self.client, self.keys)]
+        for prefix in (self.keys.fenced, self.keys.admitted("")):
+            for k, _ in self.client.get_prefix_json(prefix):
+                name = k.rsplit("/", 1)[-1]
+                if name.startswith("node") and name[4:].isdigit():
+                    used.append(int(name[4:]))
+        return max(used, default=-1) + 1
 
     def _keepalive(self) -> None:
         interval = max(0.05, self.lease_ttl_s / 3)

@@ -33,7 +33,7 @@ from ..etcd.client import warn_once
 from ..etcd.store import EtcdStore
 from ..planning import PipelineSpec, Plan, StagePlacement
 from ..engine.errors import ErrorRecord, next_error_record
-from .keys import ClosedRecord, Keys, NodeRecord, read_closed
+from .keys import ClosedRecord, Keys, NodeRecord, ProgressRecord, read_closed, read_progress
 from .leader import _parse_plan
 
 if TYPE_CHECKING:
@@ -199,9 +199,9 @@ class WorkerContext:
         self.client.put_json(self.keys.progress, {"generation": generation, "step": step, "time": time.time(),
                                                   "node": self.node_id, **extra})
 
-    def progress(self) -> Optional[dict[str, Any]]:
-        data, _ = self.client.get_json(self.keys.progress)
-        return data if isinstance(data, dict) else None
+    def progress(self) -> Optional[ProgressRecord]:
+        """The job's last reported progress (None: none yet, or malformed)."""
+        return read_progress(self.client, self.keys)
 
     def close_job(self, reason: str, *, failed: bool = False) -> None:
         """Close the job: every agent and worker leaves; `failed` makes them exit with an error."""
