@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -25,6 +26,13 @@ import pyetcd.exceptions
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "OOBLECK_ETCD_"
+_RETRY_S = 0.25
+_MEMBER_RETRY_S = 1.0
+# what pyetcd raises while no member answers: a member whose request failed is skipped for
+# `_MEMBER_RETRY_S` (pyetcd's default is 300 s, which turned a 5 s stall into a dead job), and
+# while every member is skipped it raises NoServerAvailableError or "Trying to use a failed node"
+_UNREACHABLE = (pyetcd.exceptions.ConnectionFailedError, pyetcd.exceptions.ConnectionTimeoutError,
+                pyetcd.exceptions.NoServerAvailableError, ValueError)
 
 
 class EtcdError(RuntimeError):
@@ -34,7 +42,9 @@ class EtcdError(RuntimeError):
 @dataclass(frozen=True)
 class EtcdSettings:
     endpoint: str = "127.0.0.1:2379"
-    """host:port of one etcd member (an http:// or https:// prefix is accepted)."""
+    """host:port of an etcd member, or a comma-separated list of a cluster's members
+    (`h1:2379,h2:2379,h3:2379`: requests fail over between them); an http:// or https:// prefix
+    is accepted."""
     cacert: Optional[str] = None
     """CA certificate (PEM) that signed the server certificate; enables TLS."""
     cert: Optional[str] = None
@@ -47,10 +57,18 @@ class EtcdSettings:
     """etcd password."""
     timeout_s: float = 5.0
     """Timeout of every request."""
+    outage_s: float = 60.0
+    """How long a request is retried while etcd is unreachable (a stalled or restarting server,
+    a cluster electing a leader) before it fails with EtcdError."""
+
+    @property
+    def host_ports(self) -> list[tuple[str, int]]:
+        """Every member's (host, port)."""
+        return [EtcdSettings(endpoint=ep.strip()).host_port for ep in self.endpoint.split(",") if ep.strip()]
 
     @property
     def host_port(self) -> tuple[str, int]:
-        ep = self.endpoint
+        ep = self.endpoint.split(",")[0].strip()
         for scheme in ("http://", "https://"):
             if ep.startswith(scheme):
                 ep = ep[len(scheme):]
@@ -64,7 +82,8 @@ class EtcdSettings:
 
     def to_env(self) -> dict[str, str]:
         """Environment variables that `from_env` reads back (passed to workers)."""
-        env = {f"{ENV_PREFIX}ENDPOINT": self.endpoint, f"{ENV_PREFIX}TIMEOUT_S": str(self.timeout_s)}
+        env = {f"{ENV_PREFIX}ENDPOINT": self.endpoint, f"{ENV_PREFIX}TIMEOUT_S": str(self.timeout_s),
+               f"{ENV_PREFIX}OUTAGE_S": str(self.outage_s)}
         for name in ("cacert", "cert", "key", "user", "password"):
             value = getattr(self, name)
             if value:
@@ -79,7 +98,8 @@ class EtcdSettings:
         get = lambda name: env.get(f"{ENV_PREFIX}{name}") or None  # noqa: E731
         return cls(endpoint=env[f"{ENV_PREFIX}ENDPOINT"], cacert=get("CACERT"), cert=get("CERT"),
                    key=get("KEY"), user=get("USER"), password=get("PASSWORD"),
-                   timeout_s=float(env.get(f"{ENV_PREFIX}TIMEOUT_S", "5")))
+                   timeout_s=float(env.get(f"{ENV_PREFIX}TIMEOUT_S", "5")),
+                   outage_s=float(env.get(f"{ENV_PREFIX}OUTAGE_S", "60")))
 
     def check(self) -> None:
         """Static checks of the TLS/auth settings (files exist, pairs complete)."""
@@ -101,6 +121,7 @@ class EtcdClient:
     def __init__(self, raw: Any, settings: EtcdSettings) -> None:
         self.raw = raw
         self.settings = settings
+        self._outage_since: Optional[float] = None  # monotonic time etcd was first found unreachable
 
     # ------------------------------------------------------------------ JSON values
     def get_json(self, key: str) -> tuple[Optional[Any], Optional[int]]:
@@ -123,11 +144,33 @@ class EtcdClient:
                 yield key, parsed
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (pyetcd.exceptions.ConnectionFailedError, pyetcd.exceptions.ConnectionTimeoutError) as err:
-            raise EtcdError(f"etcd at {self.settings.endpoint} is unreachable ({type(err).__name__}): "
-                            "is the server running, and is the endpoint right?") from None
+        """`fn(*args, **kwargs)`, retried while etcd is unreachable, for up to `outage_s` from the
+        start of the outage (one warning when it starts, one line when it ends); then EtcdError.
+        Retrying is safe for the control plane's requests: reads, puts of whole values, and
+        compare-and-swap transactions (a retried one that had succeeded fails its compare, which
+        callers treat as a lost race and re-read)."""
+        while True:
+            try:
+                result = fn(*args, **kwargs)
+            except _UNREACHABLE as err:
+                if isinstance(err, ValueError) and "failed node" not in str(err):
+                    raise
+                now = time.monotonic()
+                if self._outage_since is None:
+                    self._outage_since = now
+                    log.warning("etcd at %s is unreachable (%s); retrying for up to %.0f s", self.settings.endpoint,
+                                type(err).__name__, self.settings.outage_s)
+                if now - self._outage_since > self.settings.outage_s:
+                    raise EtcdError(f"etcd at {self.settings.endpoint} has been unreachable for more than "
+                                    f"{self.settings.outage_s:.0f} s ({type(err).__name__}): is the server running, "
+                                    "and is the endpoint right?") from None
+                time.sleep(_RETRY_S)
+                continue
+            if self._outage_since is not None:
+                log.warning("etcd at %s is reachable again after %.1f s", self.settings.endpoint,
+                            time.monotonic() - self._outage_since)
+                self._outage_since = None
+            return result
 
     def close(self) -> None:
         try:
@@ -161,12 +204,21 @@ def parse_json(value: bytes | str, key: str, revision: Optional[int] = None) -> 
 def connect(settings: EtcdSettings) -> EtcdClient:
     """Connect and verify the server answers; raises EtcdError with what to change."""
     settings.check()
-    host, port = settings.host_port
     try:
-        raw = pyetcd.client(host=host, port=port, ca_cert=settings.cacert, cert_key=settings.key,
-                            cert_cert=settings.cert, timeout=settings.timeout_s, user=settings.user,
-                            password=settings.password)
-        raw.status()
+        creds = None
+        if settings.cacert:
+            creds = pyetcd.MultiEndpointEtcd3Client.get_secure_creds(settings.cacert, settings.key, settings.cert)
+        endpoints = [pyetcd.Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=_MEMBER_RETRY_S)
+                     for host, port in settings.host_ports]
+        raw = pyetcd.MultiEndpointEtcd3Client(endpoints=endpoints, timeout=settings.timeout_s, user=settings.user,
+                                              password=settings.password, failover=True)
+        for attempt in range(len(endpoints)):  # a member that does not answer: try the next one
+            try:
+                raw.status()
+                break
+            except (pyetcd.exceptions.ConnectionFailedError, pyetcd.exceptions.ConnectionTimeoutError):
+                if attempt == len(endpoints) - 1:
+                    raise
     except (pyetcd.exceptions.ConnectionFailedError, pyetcd.exceptions.ConnectionTimeoutError,
             pyetcd.exceptions.Etcd3Exception) as err:
         tls = " over TLS (check cacert/cert/key match the server)" if settings.cacert else ""

@@ -64,6 +64,7 @@ RDZV_OPTIONS = {
     "password": "etcd password",
     "key_prefix": "etcd key prefix (default /oobleck)",
     "join_timeout": "seconds a node waits to be admitted before giving up (default 600)",
+    "etcd_outage": "seconds etcd requests are retried while etcd is unreachable before failing (default 60)",
 }
 # set by torchrun itself or kept for compatibility with other backends; accepted silently
 _TORCHRUN_OPTIONS = {"timeout", "close_timeout", "is_host", "local_addr", "read_timeout",
@@ -116,7 +117,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self.join_timeout_s = float(conf.get("join_timeout", ft.rendezvous_timeout_s))
         self.settings = EtcdSettings(endpoint=params.endpoint or "127.0.0.1:2379", cacert=conf.get("cacert"),
                                      cert=conf.get("cert"), key=conf.get("key"), user=conf.get("user"),
-                                     password=conf.get("password"))
+                                     password=conf.get("password"), outage_s=float(conf.get("etcd_outage", 60.0)))
         self.keys = Keys(conf.get("key_prefix", "/oobleck"), params.run_id)
         self.client: EtcdClient = connect(self.settings)
         self.member: Optional[Member] = None

@@ -1,0 +1,104 @@
+"""etcd unavailability up to `EtcdSettings.outage_s` costs nothing: a client retries across a
+stalled (SIGSTOPped) server and a server killed and restarted on the same port and data dir,
+fails over between the members given as a list, and gives one clear error past the bound."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from oobleck_elastic.etcd import EtcdError, EtcdSettings, connect
+from oobleck_elastic.etcd.server import EtcdServer
+
+
+@pytest.fixture
+def own_etcd(tmp_path: Path):
+    server = EtcdServer(data_dir=str(tmp_path / "etcd"), extra_args=["--unsafe-no-fsync"])
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.pid is not None:
+            try:
+                os.kill(server.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        server.stop()
+
+
+def _stall(pid: int, seconds: float) -> threading.Thread:
+    def run() -> None:
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(seconds)
+        os.kill(pid, signal.SIGCONT)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_requests_ride_out_a_stalled_server(own_etcd, caplog) -> None:
+    client = connect(EtcdSettings(endpoint=own_etcd.endpoint, timeout_s=1.0, outage_s=20.0))
+    try:
+        client.put_json("/t/a", {"v": 1})
+        t0 = time.monotonic()
+        stall = _stall(own_etcd.pid, 4.0)
+        time.sleep(0.2)
+        client.put_json("/t/a", {"v": 2})  # blocks in retries until the server answers again
+        assert client.get_json("/t/a")[0] == {"v": 2}
+        assert time.monotonic() - t0 >= 3.5
+        stall.join()
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("is unreachable" in m for m in messages) == 1 and any("reachable again" in m for m in messages)
+    finally:
+        client.close()
+
+
+def test_requests_ride_out_a_restart_on_the_same_port_and_data_dir(own_etcd, tmp_path: Path) -> None:
+    client = connect(EtcdSettings(endpoint=own_etcd.endpoint, timeout_s=1.0, outage_s=30.0))
+    try:
+        client.put_json("/t/b", {"v": 1})
+        port = own_etcd.port
+        own_etcd.stop()
+
+        def restart() -> None:
+            time.sleep(3.0)
+            own_etcd.port = port
+            own_etcd.start()
+        t = threading.Thread(target=restart, daemon=True)
+        t.start()
+        assert client.get_json("/t/b")[0] == {"v": 1}  # the data dir kept it
+        t.join()
+    finally:
+        client.close()
+
+
+def test_an_outage_longer_than_the_bound_is_one_clear_error(own_etcd) -> None:
+    client = connect(EtcdSettings(endpoint=own_etcd.endpoint, timeout_s=0.5, outage_s=2.0))
+    try:
+        stall = _stall(own_etcd.pid, 5.0)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        with pytest.raises(EtcdError, match=r"has been unreachable for more than 2 s"):
+            client.get_json("/t/c")
+        assert time.monotonic() - t0 < 5.0
+        stall.join()
+    finally:
+        client.close()
+
+
+def test_a_list_of_members_fails_over_to_one_that_answers(own_etcd) -> None:
+    from oobleck_elastic.etcd.server import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    client = connect(EtcdSettings(endpoint=f"{dead},{own_etcd.endpoint}", timeout_s=1.0, outage_s=10.0))
+    try:
+        for i in range(6):  # whichever member a request starts on, it ends on the live one
+            client.put_json("/t/d", {"v": i})
+            assert client.get_json("/t/d")[0] == {"v": i}
+    finally:
+        client.close()
