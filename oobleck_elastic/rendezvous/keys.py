@@ -32,9 +32,11 @@ import logging
 import re
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from ..etcd.client import warn_once
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -243,29 +245,28 @@ class ProgressRecord:
             raise ValueError(f"not a progress record ({type(err).__name__}: {err})") from None
 
 
-def read_progress(client: Any, keys: "Keys") -> Optional[ProgressRecord]:
-    """The job's progress, or None (none yet, or a malformed value: logged once per revision)."""
-    data, revision = client.get_json(keys.progress)
+def _read_record(client: Any, key: str, parse: Callable[[Any], T]) -> Optional[T]:
+    """`parse` of the JSON value of `key`; None when it is absent, or malformed (then logged once
+    per revision and ignored)."""
+    data, revision = client.get_json(key)
     if data is None:
         return None
     try:
-        return ProgressRecord.parse(data)
+        return parse(data)
     except ValueError as err:
-        warn_once(keys.progress, revision, f"ignoring malformed value of {keys.progress}: {err}")
+        warn_once(key, revision, f"ignoring malformed value of {key}: {err}")
         return None
+
+
+def read_progress(client: Any, keys: "Keys") -> Optional[ProgressRecord]:
+    """The job's progress, or None (none yet, or a malformed value)."""
+    return _read_record(client, keys.progress, ProgressRecord.parse)
 
 
 def read_closed(client: Any, keys: "Keys") -> Optional[ClosedRecord]:
-    """The job's `closed` record, or None while the job is open. A malformed value is logged once
-    per revision and ignored: a stray value must never end a job."""
-    data, revision = client.get_json(keys.closed)
-    if data is None:
-        return None
-    try:
-        return ClosedRecord.parse(data)
-    except ValueError as err:
-        warn_once(keys.closed, revision, f"ignoring malformed value of {keys.closed}: {err}")
-        return None
+    """The job's `closed` record, or None while the job is open (a malformed value is ignored: a
+    stray value must never end a job)."""
+    return _read_record(client, keys.closed, ClosedRecord.parse)
 
 
 @dataclass(frozen=True)
