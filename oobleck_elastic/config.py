@@ -15,6 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -272,7 +273,14 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             p = Path(path)
             if not p.is_file():
                 raise ConfigError(f"config file '{p}' does not exist")
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(p))
+            try:
+                loaded = OmegaConf.load(p)
+            except yaml.YAMLError as err:
+                mark = getattr(err, "problem_mark", None)
+                at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+                problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+                raise ConfigError(f"config file '{p}' is not valid YAML{at}: {problem}") from None
+            cfg = OmegaConf.merge(cfg, loaded)
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"override '{bad[0]}' is not of the form key=value (e.g. training.steps=10)")

@@ -82,3 +82,10 @@ def test_unknown_key_in_yaml_names_the_file(tmp_path: Path) -> None:
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="config file 'nope.yaml' does not exist"):
         load_config("nope.yaml")
+
+
+def test_a_malformed_yaml_file_is_one_error_naming_the_file_and_line(tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training:\n  steps: 10\n  microbatch_size: [2\nmodel: {}\n")
+    with pytest.raises(ConfigError, match=r"config file '.*bad.yaml' is not valid YAML at line \d+, column \d+"):
+        load_config(bad)

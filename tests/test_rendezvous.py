@@ -354,3 +354,14 @@ def test_garbage_in_the_leader_key_does_not_block_the_election(cluster_factory, 
     leader = c.client.get_json(c.keys.leader)[0]
     assert isinstance(leader, dict) and leader["node_id"] in plan.nodes
     assert len([r for r in caplog.records if "removing a bogus value" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("option, value, bound", [("lease_ttl", "abc", ">"), ("settle", "-1", ">="),
+                                                  ("etcd_outage", "0", ">")])
+def test_a_bad_rdzv_conf_value_names_the_option(etcd_server, run_id, monkeypatch, option, value, bound) -> None:
+    monkeypatch.setenv("TORCH_ELASTIC_WORKER_IDENTICAL", "0")
+    params = RendezvousParameters(backend="oobleck", endpoint=etcd_server.endpoint, run_id=run_id, min_nodes=1,
+                                  max_nodes=1, **{option: value})
+    with pytest.raises(ValueError, match=rf"--rdzv-conf {option}={value}: give a number of seconds {bound} 0"):
+        OobleckRendezvousHandler(params, argv=["torchrun", "train.py", "--config",
+                                               str(ROOT / "configs/gpt2-tiny.yaml")])

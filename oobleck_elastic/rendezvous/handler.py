@@ -111,13 +111,24 @@ class OobleckRendezvousHandler(RendezvousHandler):
                         self.cfg.planning.gpus_per_node, nproc, nproc)
             self.cfg.planning.gpus_per_node = nproc
         ft = self.cfg.fault_tolerance
-        self.lease_ttl_s = float(conf.get("lease_ttl", ft.lease_ttl_s))
-        self.settle_s = float(conf.get("settle", ft.settle_s))
-        self.last_call_s = float(conf.get("last_call_timeout", 2.0))
-        self.join_timeout_s = float(conf.get("join_timeout", ft.rendezvous_timeout_s))
+
+        def seconds(option: str, default: float, *, zero_ok: bool = False) -> float:
+            value = conf.get(option, default)
+            try:
+                result = float(value)
+            except (TypeError, ValueError):
+                result = float("nan")
+            if not (result >= 0 if zero_ok else result > 0):
+                raise ValueError(f"--rdzv-conf {option}={value}: give a number of seconds {'>=' if zero_ok else '>'} 0 "
+                                 f"(e.g. {option}={default:g}); {option}: {RDZV_OPTIONS[option]}")
+            return result
+        self.lease_ttl_s = seconds("lease_ttl", ft.lease_ttl_s)
+        self.settle_s = seconds("settle", ft.settle_s, zero_ok=True)
+        self.last_call_s = seconds("last_call_timeout", 2.0)
+        self.join_timeout_s = seconds("join_timeout", ft.rendezvous_timeout_s)
         self.settings = EtcdSettings(endpoint=params.endpoint or "127.0.0.1:2379", cacert=conf.get("cacert"),
                                      cert=conf.get("cert"), key=conf.get("key"), user=conf.get("user"),
-                                     password=conf.get("password"), outage_s=float(conf.get("etcd_outage", 60.0)))
+                                     password=conf.get("password"), outage_s=seconds("etcd_outage", 60.0))
         self.keys = Keys(conf.get("key_prefix", "/oobleck"), params.run_id)
         self.client: EtcdClient = connect(self.settings)
         self.member: Optional[Member] = None
