@@ -146,8 +146,9 @@ class LocalCluster:
     def _supervise(self) -> int:
         kills = sorted(self.args.kill, key=lambda ks: ks[1])
         joins = sorted(self.args.join)
-        client = connect(EtcdSettings(endpoint=self.endpoint))
-        keys = Keys("/oobleck", self.run_id)
+        settings, prefix = etcd_view(self.endpoint, self.args.rdzv_conf)
+        client = connect(settings)
+        keys = Keys(prefix, self.run_id)
         closed_at: Optional[float] = None
         try:
             while any(n.proc.poll() is None for n in self.nodes):
@@ -193,6 +194,16 @@ class LocalCluster:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+
+
+def etcd_view(endpoint: str, rdzv_conf: str) -> tuple[EtcdSettings, str]:
+    """The etcd settings and key prefix the nodes use, from the `--rdzv-conf` they are given (TLS,
+    auth, outage bound, key_prefix), so the launcher watches the same etcd keys as they do."""
+    conf = dict(item.split("=", 1) for item in rdzv_conf.split(",") if "=" in item)
+    settings = EtcdSettings(endpoint=endpoint, cacert=conf.get("cacert"), cert=conf.get("cert"), key=conf.get("key"),
+                            user=conf.get("user"), password=conf.get("password"),
+                            outage_s=float(conf.get("etcd_outage", 60.0)))
+    return settings, conf.get("key_prefix", "/oobleck")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,8 +26,10 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     steps, kill_at = 8, 3
     profile = tiny_profile(tmp_path / "profile.json")
     train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path / "ref", steps, profile)))
+    # a custom key prefix: the launcher must watch the nodes' keys to kill node 1 at step 3
     cmd = [sys.executable, "-m", "launcher.local", "--nodes", "4", "--kill", f"1@{kill_at}", "--endpoint",
-           etcd_server.endpoint, "--run-id", run_id, "--rdzv-conf", "lease_ttl=2,settle=0.2,last_call_timeout=1",
+           etcd_server.endpoint, "--run-id", run_id, "--rdzv-conf",
+           "lease_ttl=2,settle=0.2,last_call_timeout=1,key_prefix=/custom-prefix",
            "--", "examples/train.py", "--config", "configs/gpt2-tiny.yaml",
            *overrides(tmp_path / "job", steps, profile)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
