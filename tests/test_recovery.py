@@ -51,6 +51,8 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     gens = ea.Scalars("cluster/generation")
     assert sorted({e.value for e in gens}) == [1, 2]
     assert ea.Tags()["tensors"] and any("reconfiguration" in t for t in ea.Tags()["tensors"])
+    text = ea.Tensors("reconfiguration/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "generation 1 -> 2 (failure: -node" in text and "after the failure was seen here" in text, text
 
 
 def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id) -> None:
@@ -71,6 +73,8 @@ def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id)
     assert "entered from generation 1" in out and "entered from generation 2" in out, out[-4000:]
     assert "node node1 was drained" in out and "communication failed" not in out, out[-4000:]
     assert "rank 3: entered from generation 1" in out  # the joiner received its layers
+    # each reconfiguration says its cause and the nodes involved (log and TensorBoard text)
+    assert "generation 1 -> 2 (join: +node3)" in out and "generation 2 -> 3 (drain: -node1)" in out, out[-4000:]
     assert "Stopping worker group" not in out
     assert_same(job, ref)
 

@@ -120,7 +120,15 @@ class _Run:
         self.final_dir: Optional[Path] = None
         self.changes: list[str] = []
         self.t0 = time.monotonic()
-        self.pending: Optional[tuple[Reconfiguration, float]] = None
+        self.pending: Optional[tuple[Reconfiguration, float, str, Optional[float]]] = None
+        self.nodes_before: tuple[str, ...] = ()  # nodes of the generation this process was in
+        self.broke_at: Optional[float] = None  # monotonic time this worker saw its generation break
+        self.restored = False  # the last entry restored the checkpoint (lost layers)
+
+    def broke(self) -> None:
+        """This worker saw its generation fail (a communication error or an abandoned step)."""
+        if self.broke_at is None:
+            self.broke_at = time.monotonic()
 
     def intact_checkpoint(self, trainer: Trainer) -> Optional[Path]:
         """The newest checkpoint whose every file verifies, found before anything is restored, so
@@ -154,6 +162,7 @@ class _Run:
             raise RuntimeError(f"{err} and no checkpoint in {self.cfg.checkpoint.dir}: cannot continue without "
                                "training on re-initialised layers; set checkpoint.interval_steps") from err
         step = state.restore(trainer, latest)
+        self.restored = True
         text = (f"generation {trainer.generation}: layers {err.layers} had no surviving copy; restored checkpoint "
                 f"{latest} and continue from step {step}")
         log.warning("gen %d step %d node %s: %s", trainer.generation, step, self.node, text)
@@ -176,8 +185,19 @@ class _Run:
         step = info.resume_step if info else (self.resumed or 0)
         if self.metrics is not None:
             self.metrics.plan(trainer.plan, step)
+        nodes = trainer.plan.nodes if trainer.plan is not None else ()
         if info is not None and info.previous > 0:
-            self.pending = (info, time.monotonic())
+            self.pending = (info, time.monotonic(), self._cause(nodes), self.broke_at)
+        self.nodes_before, self.broke_at, self.restored = nodes, None, False
+
+    def _cause(self, nodes: tuple[str, ...]) -> str:
+        """Why the generation changed, as seen here, with the nodes involved."""
+        joined = [n for n in nodes if n not in self.nodes_before]
+        left = [n for n in self.nodes_before if n not in nodes]
+        kind = ("restore" if self.restored else "failure" if self.broke_at is not None
+                else "join" if joined and not left else "drain" if left and not joined else "re-plan")
+        who = " ".join([f"+{n}" for n in joined] + [f"-{n}" for n in left])
+        return f"{kind}{': ' + who if who else ''}"
 
     def stepped(self, trainer: Trainer, result: StepResult, *, report: Optional[Callable[..., None]]) -> None:
         self.first = result.loss if self.first is None else self.first
@@ -187,15 +207,17 @@ class _Run:
         if self.metrics is not None:
             self.metrics.step(result, lr=t.optimizer.lr * lr_factor(result.step, t), plan=trainer.plan)
         if self.pending is not None:
-            info, at = self.pending
+            info, at, cause, broke_at = self.pending
             self.pending = None
             p = trainer.plan
             assert p is not None
-            text = (f"generation {info.previous} -> {info.generation}: {len(p.nodes)} node(s), "
+            since_failure = (f"; {time.monotonic() - broke_at:.3f}s after the failure was seen here"
+                             if broke_at is not None else "")
+            text = (f"generation {info.previous} -> {info.generation} ({cause}): {len(p.nodes)} node(s), "
                     f"{len(p.pipelines)} pipeline(s); resumed at step {info.resume_step}"
                     f"{' (rolled forward)' if info.rolled_forward else ''}; {info.bytes_moved} layer bytes moved "
                     f"here in {info.seconds:.3f}s; first step done {time.monotonic() - at + info.seconds:.3f}s "
-                    "after entering")
+                    f"after entering{since_failure}")
             self.changes.append(text)
             if self.metrics is not None:
                 self.metrics.reconfiguration(text, info, step=result.step)
@@ -304,6 +326,7 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
                     raise
                 failure = _describe(err)
             if failure is not None:  # outside the except block: see Trainer.abort
+                run.broke()
                 trainer.abort()
                 ctx.report_failure(plan.generation)
                 log.warning("gen %d node %s: entering generation %d failed (%s); waiting for a newer plan",
@@ -329,6 +352,7 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
                     raise
                 failure, abandoned = _describe(err), isinstance(err, StepAbandoned)
             if failure is not None:
+                run.broke()
                 trainer.abort(abandoned=abandoned)
                 if abandoned:  # the leader has acted already: no roll call needed
                     log.warning("gen %d step %d node %s: step abandoned (%s); entering the next generation",
