@@ -33,13 +33,15 @@ _abandoned: list[threading.Thread] = []  # step threads left behind, possibly st
 
 
 def exit_now_if_abandoned(code: int) -> None:
-    """End the process with `code` at once when a step thread was left blocked in a collective.
+    """End the process with `code` at once when a step was ever abandoned in it.
 
-    Such a thread wakes up (its peers' sockets close, or its timeout fires) while the interpreter
-    shuts down, cannot take the GIL back, and its forced unwind through C++ aborts the process
-    ("terminate called without an active exception", exit status -6), which torchrun reports as
-    a failed worker. A worker script calls this after training (examples/train.py does)."""
-    if any(t.is_alive() for t in _abandoned):
+    The abandoned step's collectives may still be blocked on the hung peer, in the step thread or
+    in the process group's own worker threads. At interpreter shutdown either kind hangs or
+    aborts the process: a thread that wakes up cannot take the GIL back and its forced unwind
+    through C++ aborts ("terminate called without an active exception", exit status -6), and
+    freeing the old process group joins worker threads that never return. torchrun would report
+    a failed or hung worker. A worker script calls this after training (examples/train.py does)."""
+    if _abandoned:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
