@@ -36,20 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from oobleck_elastic.config import load_config  # noqa: E402
+from oobleck_elastic.engine.control import one_worker_plan  # noqa: E402
 from oobleck_elastic.engine.data import build_dataset, collate  # noqa: E402
 from oobleck_elastic.engine.optim import build_optimizer, set_lr, token_sum_loss  # noqa: E402
 from oobleck_elastic.engine.runner import StepRunner  # noqa: E402
 from oobleck_elastic.engine.trainer import Trainer  # noqa: E402
 from oobleck_elastic.models import build_layer_model  # noqa: E402
-from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement  # noqa: E402
-
-
-def one_worker_plan(num_layers: int, microbatches: int, microbatch_size: int) -> Plan:
-    stage = StagePlacement(index=0, start=0, end=num_layers, node="gpu0", local_rank=0, rank=0)
-    pipe = PipelineSpec(index=0, template_nodes=1, nodes=("gpu0",), microbatches=microbatches, stages=(stage,),
-                        est_time_s=1.0)
-    return Plan(generation=1, nodes=("gpu0",), spares=(), gpus_per_node=1, num_layers=num_layers,
-                microbatch_size=microbatch_size, pipelines=(pipe,), est_step_time_s=1.0, f=0)
 
 
 class PlainLoop:
@@ -104,7 +96,7 @@ def main() -> None:
     torch.cuda.set_device(device)
     dataset = build_dataset(cfg, log=lambda *_: None)
     t = cfg.training
-    plan = one_worker_plan(cfg.model.num_layers + 2, t.global_batch_size // t.microbatch_size, t.microbatch_size)
+    plan = one_worker_plan(cfg, cfg.model.num_layers + 2)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     store = dist.FileStore(tempfile.mktemp(prefix="gpu_step_store_"), 1)
     engine = Trainer(cfg, dataset=dataset, plan=plan, rank=0, store=store, device=device,
