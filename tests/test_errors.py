@@ -14,7 +14,7 @@ from oobleck_elastic.checkpoint import CheckpointError
 from oobleck_elastic.engine.devices import NCCL_ENV, backend_for, configure_nccl, resolve_device
 from oobleck_elastic.engine.errors import (ErrorRecord, JobFailed, StepAbandoned, error_signature,
                                            is_communication_error, next_error_record)
-from oobleck_elastic.engine.runner import run_abandonable
+from oobleck_elastic.engine.runner import StepRunner
 from oobleck_elastic.engine.trainer import LayersLost
 from oobleck_elastic.rendezvous.worker import GenerationSuperseded
 
@@ -74,12 +74,13 @@ def test_repeated_error_counts_generations_in_a_row_at_one_step() -> None:
 
 
 def test_runner_returns_results_and_reraises_errors_with_their_traceback() -> None:
-    assert run_abandonable(lambda: 41 + 1, should_abandon=lambda: None, interval_s=0.01) == 42
+    runner = StepRunner()
+    assert runner.run(lambda: 41 + 1, should_abandon=lambda: None, interval_s=0.01) == 42
 
     def boom() -> None:
         raise ValueError("from the step thread")
     with pytest.raises(ValueError, match="from the step thread") as info:
-        run_abandonable(boom, should_abandon=lambda: None, interval_s=0.01)
+        runner.run(boom, should_abandon=lambda: None, interval_s=0.01)
     assert any(tb.name == "boom" for tb in info.traceback)
 
 
@@ -92,7 +93,7 @@ def test_runner_abandons_a_blocked_step_as_soon_as_the_control_plane_says_so() -
         return "generation 2 left out lost node(s) node3" if len(asked) >= 3 else None
     t0 = time.monotonic()
     with pytest.raises(StepAbandoned, match="left out lost node"):
-        run_abandonable(release.wait, should_abandon=should_abandon, interval_s=0.02)
+        StepRunner().run(release.wait, should_abandon=should_abandon, interval_s=0.02)
     assert len(asked) == 3 and time.monotonic() - t0 < 5  # not after the step (which never ends)
     release.set()
 

@@ -98,13 +98,3 @@ class StepRunner:
             self._jobs.put(None)
             self._jobs = None
             self._thread = None
-
-
-def run_abandonable(fn: Callable[[], T], *, should_abandon: Callable[[], Optional[str]], interval_s: float,
-                    device: Optional[torch.device] = None) -> T:
-    """One call of `StepRunner.run` in a fresh runner (tests and one-off uses)."""
-    runner = StepRunner(device)
-    try:
-        return runner.run(fn, should_abandon=should_abandon, interval_s=interval_s)
-    finally:
-        runner.close()
