@@ -2,12 +2,16 @@
 
 - `etcd_server`: the running `EtcdServer`. It is stopped by PID at session end, including after failures.
 - `etcd_settings`: `EtcdSettings` for that server (timeout 5 s).
+- `own_etcd`: a server of the test's own (to stall, kill or restart), stopped by PID at the end.
 - `run_id`: a unique id per test; put it in key prefixes so tests sharing the server don't collide.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -36,3 +40,18 @@ def etcd_settings(etcd_server: EtcdServer) -> EtcdSettings:
 @pytest.fixture
 def run_id() -> str:
     return uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def own_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    server = EtcdServer(data_dir=str(tmp_path / "own-etcd"), extra_args=["--unsafe-no-fsync"])
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.pid is not None:
+            try:
+                os.kill(server.pid, signal.SIGCONT)  # a test may have left it stopped
+            except ProcessLookupError:
+                pass
+        server.stop()

@@ -4,8 +4,10 @@ acts on a running job's etcd state, and a local job run beside its single-proces
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -148,3 +150,16 @@ def assert_same(job: dict, ref: dict) -> None:
     assert set(job) == set(ref)
     for key in ref:
         torch.testing.assert_close(job[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def stall_process(pid: int, seconds: float) -> threading.Thread:
+    """SIGSTOP `pid` now and SIGCONT it after `seconds`, from a daemon thread (returned)."""
+    def run() -> None:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t

@@ -4,8 +4,6 @@ fails over between the members given as a list, and gives one clear error past t
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -13,32 +11,8 @@ from pathlib import Path
 import pytest
 
 from oobleck_elastic.etcd import EtcdError, EtcdSettings, connect
-from oobleck_elastic.etcd.server import EtcdServer
 
-
-@pytest.fixture
-def own_etcd(tmp_path: Path):
-    server = EtcdServer(data_dir=str(tmp_path / "etcd"), extra_args=["--unsafe-no-fsync"])
-    server.start()
-    try:
-        yield server
-    finally:
-        if server.pid is not None:
-            try:
-                os.kill(server.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        server.stop()
-
-
-def _stall(pid: int, seconds: float) -> threading.Thread:
-    def run() -> None:
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(seconds)
-        os.kill(pid, signal.SIGCONT)
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+from helpers import stall_process
 
 
 def test_requests_ride_out_a_stalled_server(own_etcd, caplog) -> None:
@@ -46,7 +20,7 @@ def test_requests_ride_out_a_stalled_server(own_etcd, caplog) -> None:
     try:
         client.put_json("/t/a", {"v": 1})
         t0 = time.monotonic()
-        stall = _stall(own_etcd.pid, 4.0)
+        stall = stall_process(own_etcd.pid, 4.0)
         time.sleep(0.2)
         client.put_json("/t/a", {"v": 2})  # blocks in retries until the server answers again
         assert client.get_json("/t/a")[0] == {"v": 2}
@@ -80,7 +54,7 @@ def test_requests_ride_out_a_restart_on_the_same_port_and_data_dir(own_etcd, tmp
 def test_an_outage_longer_than_the_bound_is_one_clear_error(own_etcd) -> None:
     client = connect(EtcdSettings(endpoint=own_etcd.endpoint, timeout_s=0.5, outage_s=2.0))
     try:
-        stall = _stall(own_etcd.pid, 5.0)
+        stall = stall_process(own_etcd.pid, 5.0)
         time.sleep(0.2)
         t0 = time.monotonic()
         with pytest.raises(EtcdError, match=r"has been unreachable for more than 2 s"):

@@ -6,6 +6,9 @@
 - `connect(settings)` checks the settings (files exist, cert and key come together) and that the
   server answers, and raises `EtcdError` with a message that says what to change; it never
   hangs for longer than `timeout_s`.
+- `EtcdClient` has the verbs the control plane uses (get, range, put, put-if-absent,
+  compare-and-put, delete, count, lease grant/refresh/revoke, watch), each retried across an etcd
+  outage of up to `outage_s`; nothing outside this package touches `pyetcd`.
 - `EtcdClient.get_json/put_json` store control data as JSON (docs/design.md, invariant 5: nothing read
   from etcd is unpickled); a value that does not parse is logged and treated as absent.
 """
@@ -32,7 +35,7 @@ _MEMBER_RETRY_S = 1.0
 # `_MEMBER_RETRY_S` (pyetcd's default is 300 s, which turned a 5 s stall into a dead job), and
 # while every member is skipped it raises NoServerAvailableError or "Trying to use a failed node"
 _UNREACHABLE = (pyetcd.exceptions.ConnectionFailedError, pyetcd.exceptions.ConnectionTimeoutError,
-                pyetcd.exceptions.NoServerAvailableError, ValueError)
+                pyetcd.exceptions.NoServerAvailableError, pyetcd.exceptions.WatchTimedOut, ValueError)
 
 
 class EtcdError(RuntimeError):
@@ -115,33 +118,128 @@ class EtcdSettings:
             raise EtcdError("etcd auth settings user and password must be given together")
 
 
+@dataclass(frozen=True)
+class KV:
+    """One key as stored: its value and the revisions and lease etcd keeps with it."""
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int = 0
+    lease: int = 0
+    """The lease the key is bound to (0: none; such a key never expires)."""
+
+    @classmethod
+    def of(cls, kv: Any) -> "KV":
+        return cls(key=kv.key.decode(), value=bytes(kv.value), mod_revision=kv.mod_revision,
+                   create_revision=kv.create_revision, lease=getattr(kv, "lease", getattr(kv, "lease_id", 0)))
+
+
 class EtcdClient:
-    """A connected pyetcd client plus JSON helpers. `raw` is the pyetcd client."""
+    """A connected pyetcd client: the control plane's verbs plus JSON helpers. `raw` is the
+    pyetcd client, for this package only."""
 
     def __init__(self, raw: Any, settings: EtcdSettings) -> None:
         self.raw = raw
         self.settings = settings
         self._outage_since: Optional[float] = None  # monotonic time etcd was first found unreachable
+        self.last_outage: Optional[tuple[float, float]] = None
+        """(start, end), monotonic, of the last etcd outage this client rode out."""
+
+    # ------------------------------------------------------------------ verbs
+    def get(self, key: str) -> Optional[KV]:
+        value, meta = self._call(self.raw.get, key)
+        if value is None:
+            return None
+        return KV(key=key, value=bytes(value), mod_revision=meta.mod_revision, create_revision=meta.create_revision,
+                  lease=meta.lease_id)
+
+    def range(self, prefix: str) -> tuple[int, list[KV]]:
+        """(revision of the read, every key under prefix sorted by key)."""
+        resp = self._call(self.raw.get_prefix_response, prefix, sort_order="ascend", sort_target="key")
+        return resp.header.revision, [KV.of(kv) for kv in resp.kvs]
+
+    def count(self, prefix: str) -> int:
+        """How many keys are under prefix (the keys are not transferred)."""
+        resp = self._call(self.raw.get_prefix_response, prefix, count_only=True)
+        return int(resp.count)
+
+    def put(self, key: str, value: bytes | str, *, lease: Optional[int] = None) -> None:
+        self._call(self.raw.put, key, value, lease=lease)
+
+    def put_if_absent(self, key: str, value: bytes | str, *, lease: Optional[int] = None) -> bool:
+        """Create key; False if it exists already."""
+        return bool(self._call(self.raw.put_if_not_exists, key, value, lease=lease))
+
+    def put_if_revision(self, key: str, value: bytes | str, revision: Optional[int], *,
+                        lease: Optional[int] = None) -> bool:
+        """Compare-and-put: write key only if its mod revision is still `revision` (None: only if
+        it does not exist). False when the compare failed (someone else wrote first)."""
+        tx = self.raw.transactions
+        compare = [tx.create(key) == 0] if revision is None else [tx.mod(key) == revision]
+        ok, _ = self._call(self.raw.transaction, compare=compare, success=[tx.put(key, value, lease=lease)],
+                           failure=[])
+        return bool(ok)
+
+    def delete(self, key: str, *, revision: Optional[int] = None) -> bool:
+        """Delete key (only if its mod revision is still `revision`, when given); whether it went."""
+        if revision is None:
+            return bool(self._call(self.raw.delete, key))
+        tx = self.raw.transactions
+        ok, _ = self._call(self.raw.transaction, compare=[tx.mod(key) == revision], success=[tx.delete(key)],
+                           failure=[])
+        return bool(ok)
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._call(self.raw.delete_prefix, prefix)
+
+    def grant_lease(self, ttl_s: float) -> int:
+        """A new lease of `ttl_s` (rounded to whole seconds, at least 1); its id."""
+        return int(self._call(self.raw.lease, max(1, int(round(ttl_s)))).id)
+
+    def refresh_lease(self, lease_id: int) -> int:
+        """Keep the lease alive; the TTL etcd now grants it, <= 0 when the lease is gone."""
+        responses = self._call(lambda: list(self.raw.refresh_lease(lease_id)))
+        return int(responses[0].TTL) if responses else 0
+
+    def revoke_lease(self, lease_id: int) -> None:
+        """End the lease now; its keys disappear. A lease already gone is not an error."""
+        try:
+            self._call(self.raw.revoke_lease, lease_id)
+        except pyetcd.exceptions.Etcd3Exception:
+            pass
+        except Exception as err:  # noqa: BLE001 - grpc's NOT_FOUND for a lease already expired
+            if "not found" not in str(err):
+                raise
+
+    def watch(self, prefix: str, callback: Any, *, start_revision: int) -> Any:
+        """Watch every key under prefix from `start_revision`; `callback(response)` gets each
+        response (`.events`, `.header.revision`), or an exception or None when the stream ends.
+        See mirror.py for a watch that resumes by itself."""
+        return self._call(self.raw.add_watch_prefix_callback, prefix, callback, start_revision=start_revision)
+
+    def cancel_watch(self, watch_id: Any) -> None:
+        try:
+            self.raw.cancel_watch(watch_id)
+        except Exception:  # noqa: BLE001 - the stream may be gone already
+            pass
 
     # ------------------------------------------------------------------ JSON values
     def get_json(self, key: str) -> tuple[Optional[Any], Optional[int]]:
         """(value, mod_revision) of a JSON key; (None, None) if absent, (None, rev) if malformed."""
-        value, meta = self._call(self.raw.get, key)
-        if value is None:
+        kv = self.get(key)
+        if kv is None:
             return None, None
-        return parse_json(value, key, meta.mod_revision), meta.mod_revision
+        return parse_json(kv.value, key, kv.mod_revision), kv.mod_revision
 
-    def put_json(self, key: str, value: Any, *, lease: Any = None) -> None:
-        self._call(self.raw.put, key, json.dumps(value, sort_keys=True), lease=lease)
+    def put_json(self, key: str, value: Any, *, lease: Optional[int] = None) -> None:
+        self.put(key, json.dumps(value, sort_keys=True), lease=lease)
 
     def get_prefix_json(self, prefix: str) -> Iterator[tuple[str, Any]]:
         """(key, parsed value) for every key under prefix, sorted by key; malformed values skipped."""
-        items = self._call(lambda: list(self.raw.get_prefix(prefix, sort_order="ascend", sort_target="key")))
-        for value, meta in items:
-            key = meta.key.decode()
-            parsed = parse_json(value, key, meta.mod_revision)
+        for kv in self.range(prefix)[1]:
+            parsed = parse_json(kv.value, kv.key, kv.mod_revision)
             if parsed is not None:
-                yield key, parsed
+                yield kv.key, parsed
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)`, retried while etcd is unreachable, for up to `outage_s` from the
@@ -167,8 +265,10 @@ class EtcdClient:
                 time.sleep(_RETRY_S)
                 continue
             if self._outage_since is not None:
+                now = time.monotonic()
                 log.warning("etcd at %s is reachable again after %.1f s", self.settings.endpoint,
-                            time.monotonic() - self._outage_since)
+                            now - self._outage_since)
+                self.last_outage = (self._outage_since, now)
                 self._outage_since = None
             return result
 

@@ -1,0 +1,181 @@
+"""A local copy of the keys under some prefixes, kept current by etcd watches.
+
+The control plane's readers (workers between steps, the leader and every agent) ask for the same
+few keys over and over. Instead of range reads every tick, a `Mirror` lists each prefix once (at
+revision R), then watches it from R+1 and applies every put and delete to a dict. Reads are local:
+they cost etcd nothing, so the requests per second at steady state do not grow with the number of
+readers or how often they look, and they keep answering while etcd is unreachable, with the last
+state seen (a stalled etcd delays news; it does not stop training).
+
+**Resume.** When a watch stream ends (etcd restarted, the client failed over to another member, a
+network error), the mirror watches again from (the last revision it applied + 1) in a background
+thread, retrying while etcd is unreachable (`EtcdSettings.outage_s`); etcd delivers the events in
+between from its history, so none is missed. If etcd has compacted that history, the mirror lists
+the prefix again. Past the outage bound the mirror is *failed*: every read raises that EtcdError.
+
+**Waiting.** Loops that polled now wait for the next change: `version` counts applied changes and
+`wait(version, timeout)` returns as soon as it grows (or at the timeout, for loops that also act on
+time, like the leader's settle window).
+
+The mirror is eventually consistent: a reader may see a write a few milliseconds after it was
+made, never out of order. Writers that must not act on a stale view compare-and-put on the
+revision they read (`KV.mod_revision`), as they did with direct reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Iterator, Optional
+
+import pyetcd.events
+import pyetcd.exceptions
+
+from .client import KV, EtcdClient, EtcdError, parse_json
+
+log = logging.getLogger(__name__)
+
+
+class Mirror:
+    """Every key under `prefixes`, as of the last watch event applied."""
+
+    def __init__(self, client: EtcdClient, prefixes: list[str] | str, *, name: str = "mirror") -> None:
+        self.client = client
+        self.prefixes = [prefixes] if isinstance(prefixes, str) else list(prefixes)
+        self.name = name
+        self._data: dict[str, KV] = {}
+        self._revision = {p: 0 for p in self.prefixes}  # last revision applied, per prefix
+        self._watch: dict[str, Any] = {}
+        self._cond = threading.Condition()
+        self.version = 0
+        """Grows by one with every applied change (see `wait`)."""
+        self.error: Optional[EtcdError] = None
+        self.resumes = 0
+        """How many times a watch was re-established (for tests and logs)."""
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "Mirror":
+        for prefix in self.prefixes:
+            self._sync(prefix)
+        return self
+
+    def close(self) -> None:
+        self._closed = True
+        for watch_id in list(self._watch.values()):
+            self.client.cancel_watch(watch_id)
+        self._watch.clear()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _sync(self, prefix: str) -> None:
+        """List `prefix` and watch it from the revision after the listing."""
+        revision, kvs = self.client.range(prefix)
+        with self._cond:
+            for key in [k for k in self._data if k.startswith(prefix)]:
+                del self._data[key]
+            self._data.update((kv.key, kv) for kv in kvs)
+            self._revision[prefix] = revision
+            self._changed()
+        self._watch[prefix] = self.client.watch(prefix, lambda r, p=prefix: self._on_response(p, r),
+                                                start_revision=revision + 1)
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._cond.notify_all()
+
+    def _on_response(self, prefix: str, response: Any) -> None:
+        """A watch response (apply it), or the end of the stream (an exception or None: resume)."""
+        if self._closed:
+            return
+        events = getattr(response, "events", None)
+        if events is None:  # the stream ended; pyetcd calls back from its own thread, so resume in another
+            compacted = isinstance(response, pyetcd.exceptions.RevisionCompactedError)
+            threading.Thread(target=self._resume, args=(prefix, compacted), name=f"{self.name}-resume",
+                             daemon=True).start()
+            return
+        with self._cond:
+            for event in events:
+                key = event.key.decode()
+                if isinstance(event, pyetcd.events.DeleteEvent):
+                    self._data.pop(key, None)
+                else:
+                    self._data[key] = KV(key=key, value=bytes(event.value), mod_revision=event.mod_revision,
+                                         create_revision=event.create_revision, lease=event.lease)
+                self._revision[prefix] = max(self._revision[prefix], event.mod_revision)
+            if events:
+                self._changed()
+
+    def _resume(self, prefix: str, compacted: bool) -> None:
+        self._watch.pop(prefix, None)
+        while not self._closed:
+            try:
+                if compacted:
+                    log.warning("%s: etcd compacted the history after revision %d; listing %s again", self.name,
+                                self._revision[prefix], prefix)
+                    self._sync(prefix)
+                else:
+                    self._watch[prefix] = self.client.watch(
+                        prefix, lambda r, p=prefix: self._on_response(p, r),
+                        start_revision=self._revision[prefix] + 1)
+                self.resumes += 1
+                log.info("%s: watch of %s resumed from revision %d", self.name, prefix, self._revision[prefix] + 1)
+                return
+            except pyetcd.exceptions.RevisionCompactedError:
+                compacted = True
+            except EtcdError as err:
+                log.error("%s: %s", self.name, err)
+                with self._cond:
+                    self.error = err
+                    self._changed()
+                return
+
+    # ------------------------------------------------------------------ reads
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def get(self, key: str) -> Optional[KV]:
+        self._check()
+        with self._cond:
+            return self._data.get(key)
+
+    def range(self, prefix: str) -> list[KV]:
+        """Every key under prefix, sorted by key."""
+        self._check()
+        with self._cond:
+            return sorted((kv for k, kv in self._data.items() if k.startswith(prefix)), key=lambda kv: kv.key)
+
+    def get_json(self, key: str) -> tuple[Optional[Any], Optional[int]]:
+        """Like `EtcdClient.get_json`, from the mirror."""
+        kv = self.get(key)
+        if kv is None:
+            return None, None
+        return parse_json(kv.value, key, kv.mod_revision), kv.mod_revision
+
+    def get_prefix_json(self, prefix: str) -> Iterator[tuple[str, Any]]:
+        """Like `EtcdClient.get_prefix_json`, from the mirror."""
+        for kv in self.range(prefix):
+            parsed = parse_json(kv.value, kv.key, kv.mod_revision)
+            if parsed is not None:
+                yield kv.key, parsed
+
+    def wait(self, version: int, timeout: float) -> int:
+        """Block until `self.version` > version (a change was applied), the timeout, or close;
+        returns the version now."""
+        with self._cond:
+            if self.version <= version and not self._closed:
+                self._cond.wait(timeout)
+            return self.version
+
+    def wait_for(self, predicate: Any, timeout: float) -> bool:
+        """Block until predicate(self) is true (checked after each change) or the timeout."""
+        deadline = time.monotonic() + timeout
+        version = self.version
+        while not predicate(self):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            version = self.wait(version, left)
+        return True

@@ -1,0 +1,126 @@
+"""The watch-maintained mirror (etcd/mirror.py) against a real etcd: it follows puts and deletes,
+wakes waiters on a change, resumes without missing an event after etcd restarts, lists again after
+a compaction, and keeps answering (with the last state) while etcd is stalled."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from oobleck_elastic.etcd import EtcdSettings, connect
+from oobleck_elastic.etcd.mirror import Mirror
+
+from helpers import stall_process
+
+
+def _eventually(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_the_mirror_follows_puts_and_deletes_and_wakes_waiters(etcd_settings, run_id) -> None:
+    client = connect(etcd_settings)
+    prefix = f"/t/{run_id}/"
+    client.put_json(prefix + "a", {"v": 1})
+    client.put(f"/t/{run_id}x", "outside")  # a sibling key outside the prefix
+    mirror = Mirror(client, prefix).start()
+    try:
+        assert mirror.get_json(prefix + "a")[0] == {"v": 1}
+        assert mirror.get(f"/t/{run_id}x") is None
+        version = mirror.version
+        threading.Timer(0.2, lambda: client.put_json(prefix + "b", {"v": 2})).start()
+        t0 = time.monotonic()
+        assert mirror.wait(version, 5.0) > version and time.monotonic() - t0 < 2.0
+        _eventually(lambda: mirror.get_json(prefix + "b")[0] == {"v": 2})
+        client.delete(prefix + "a")
+        _eventually(lambda: mirror.get(prefix + "a") is None)
+        assert [k for k, _ in mirror.get_prefix_json(prefix)] == [prefix + "b"]
+        kv = mirror.get(prefix + "b")
+        assert kv.mod_revision == client.get(prefix + "b").mod_revision
+    finally:
+        mirror.close()
+        client.close()
+
+
+def test_the_mirror_resumes_after_a_restart_without_missing_events(own_etcd) -> None:
+    client = connect(EtcdSettings(endpoint=own_etcd.endpoint, timeout_s=1.0, outage_s=30.0))
+    writer = connect(EtcdSettings(endpoint=own_etcd.endpoint, timeout_s=1.0, outage_s=30.0))
+    mirror = Mirror(client, "/m/").start()
+    try:
+        writer.put("/m/a", "1")
+        _eventually(lambda: mirror.get("/m/a") is not None)
+        port = own_etcd.port
+        own_etcd.stop()
+        time.sleep(1.0)
+        own_etcd.port = port
+        own_etcd.start()
+        for i in range(5):  # written right after the restart, possibly before the watch is back
+            writer.put(f"/m/k{i}", str(i))
+        writer.delete("/m/a")
+        _eventually(lambda: len(mirror.range("/m/")) == 5 and mirror.get("/m/a") is None, timeout=20)
+        assert mirror.resumes >= 1
+        assert [kv.value for kv in mirror.range("/m/")] == [b"0", b"1", b"2", b"3", b"4"]
+    finally:
+        mirror.close()
+        client.close()
+        writer.close()
+
+
+def test_the_mirror_lists_again_after_a_compaction(own_etcd) -> None:
+    client = connect(EtcdSettings(endpoint=own_etcd.endpoint, timeout_s=1.0, outage_s=30.0))
+    mirror = Mirror(client, "/c/").start()
+    try:
+        client.put("/c/a", "1")
+        _eventually(lambda: mirror.get("/c/a") is not None)
+        mirror.close()  # stop following, change things, compact the history away, then resume
+        mirror._closed = False
+        client.put("/c/b", "2")
+        client.delete("/c/a")
+        revision = client.get("/c/b").mod_revision
+        client.raw.compact(revision, physical=True)
+        mirror._resume("/c/", compacted=False)
+        _eventually(lambda: mirror.get("/c/b") is not None and mirror.get("/c/a") is None)
+    finally:
+        mirror.close()
+        client.close()
+
+
+def test_reads_answer_while_etcd_is_stalled(own_etcd) -> None:
+    client = connect(EtcdSettings(endpoint=own_etcd.endpoint, timeout_s=1.0, outage_s=30.0))
+    mirror = Mirror(client, "/s/").start()
+    try:
+        client.put("/s/a", "1")
+        _eventually(lambda: mirror.get("/s/a") is not None)
+        stall = stall_process(own_etcd.pid, 3.0)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        assert mirror.get("/s/a").value == b"1"
+        assert time.monotonic() - t0 < 0.1
+        stall.join()
+        client.put("/s/b", "2")  # the watch stream survives the stall
+        _eventually(lambda: mirror.get("/s/b") is not None)
+    finally:
+        mirror.close()
+        client.close()
+
+
+@pytest.mark.parametrize("verb", ["put_if_absent", "put_if_revision"])
+def test_conditional_puts(etcd_settings, run_id, verb) -> None:
+    client = connect(etcd_settings)
+    key = f"/t/{run_id}/cas"
+    try:
+        if verb == "put_if_absent":
+            assert client.put_if_absent(key, "a") and not client.put_if_absent(key, "b")
+        else:
+            assert client.put_if_revision(key, "a", None) and not client.put_if_revision(key, "b", None)
+            rev = client.get(key).mod_revision
+            assert not client.put_if_revision(key, "c", rev + 1000)
+            assert client.put_if_revision(key, "c", rev)
+            assert not client.delete(key, revision=rev) and client.delete(key, revision=client.get(key).mod_revision)
+        assert client.count(f"/t/{run_id}/") == (1 if verb == "put_if_absent" else 0)
+    finally:
+        client.close()
