@@ -88,6 +88,7 @@ def test_bad_progress_next_index_and_events_are_ignored_or_repaired(etcd_setting
             assert any(line.startswith("step: no progress") for line in ops.status(client, keys))
         ctx = WorkerContext(client=client, keys=keys, node_id="node0", local_rank=0)
         ctx.report_progress(generation=2, step=7)
+        ctx.close()  # progress is written in the background: wait for it
         assert (read_progress(client, keys).step, read_progress(client, keys).generation) == (7, 2)
         client.put_json(keys.fenced + "node4", {"time": 1.0, "generation": 1})
         client.raw.put(keys.next_index, "garbage")

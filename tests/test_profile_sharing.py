@@ -236,14 +236,13 @@ def test_the_claim_is_bound_to_the_node_lease_and_a_restarted_worker_takes_it_ov
         seen: dict[str, Any] = {}
 
         def look() -> None:
-            _, meta = etcd.raw.get(keys.profile_claim(label))
-            seen["lease"] = meta.lease_id
+            seen["lease"] = etcd.get(keys.profile_claim(label)).lease
         fake.during = look
         # the same worker's earlier run (torchrun restarted it) left its claim behind
         etcd.put_json(keys.profile_claim(label), {"node": member.node_id, "local_rank": 0, "pid": 1},
                       lease=member.lease)
         w.share_profile(job(), CPU)
-        assert fake.calls == 1 and seen["lease"] == member.lease.id
+        assert fake.calls == 1 and seen["lease"] == member.lease
         assert etcd.get_json(keys.device_profile(label))[0] is not None
     finally:
         member.close(revoke=True)

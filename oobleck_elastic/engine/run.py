@@ -96,13 +96,15 @@ def train(cfg: JobConfig, *, max_bytes: Optional[int] = None) -> Summary:
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(message)s")
     torch.manual_seed(cfg.training.seed)
     dataset = build_dataset(cfg, log=log.info, max_bytes=max_bytes)
-    ctx: ControlPlane
     if under_oobleck():
         from ..rendezvous.worker import WorkerContext
 
-        ctx = WorkerContext.from_env()
-    else:
-        ctx = LocalControl(cfg, build_layer_model(cfg.model, seed=cfg.training.seed, owned=[]).num_layers)
+        worker = WorkerContext.from_env()
+        try:
+            return _train(cfg, dataset, worker)
+        finally:
+            worker.close()
+    ctx = LocalControl(cfg, build_layer_model(cfg.model, seed=cfg.training.seed, owned=[]).num_layers)
     return _train(cfg, dataset, ctx)
 
 

@@ -31,11 +31,12 @@ log = logging.getLogger(__name__)
 ENV_PREFIX = "OOBLECK_ETCD_"
 _RETRY_S = 0.25
 _MEMBER_RETRY_S = 1.0
+_STALL_S = 1.0  # a request answered later than this counts as an outage (etcd was stalled)
 # what pyetcd raises while no member answers: a member whose request failed is skipped for
 # `_MEMBER_RETRY_S` (pyetcd's default is 300 s, which turned a 5 s stall into a dead job), and
 # while every member is skipped it raises NoServerAvailableError or "Trying to use a failed node"
 _UNREACHABLE = (pyetcd.exceptions.ConnectionFailedError, pyetcd.exceptions.ConnectionTimeoutError,
-                pyetcd.exceptions.NoServerAvailableError, pyetcd.exceptions.WatchTimedOut, ValueError)
+                pyetcd.exceptions.NoServerAvailableError, ValueError)
 
 
 class EtcdError(RuntimeError):
@@ -189,6 +190,18 @@ class EtcdClient:
                            failure=[])
         return bool(ok)
 
+    def transact(self, *, values: Optional[dict[str, bytes]] = None,
+                 revisions: Optional[dict[str, Optional[int]]] = None,
+                 puts: Optional[dict[str, bytes | str]] = None) -> bool:
+        """One transaction: if every key in `values` holds that value and every key in `revisions`
+        is at that mod revision (None: does not exist), put all of `puts`. Whether it did."""
+        tx = self.raw.transactions
+        compare = [tx.value(k) == v for k, v in (values or {}).items()]
+        compare += [tx.create(k) == 0 if r is None else tx.mod(k) == r for k, r in (revisions or {}).items()]
+        ok, _ = self._call(self.raw.transaction, compare=compare,
+                           success=[tx.put(k, v) for k, v in (puts or {}).items()], failure=[])
+        return bool(ok)
+
     def delete_prefix(self, prefix: str) -> None:
         self._call(self.raw.delete_prefix, prefix)
 
@@ -214,8 +227,19 @@ class EtcdClient:
     def watch(self, prefix: str, callback: Any, *, start_revision: int) -> Any:
         """Watch every key under prefix from `start_revision`; `callback(response)` gets each
         response (`.events`, `.header.revision`), or an exception or None when the stream ends.
-        See mirror.py for a watch that resumes by itself."""
-        return self._call(self.raw.add_watch_prefix_callback, prefix, callback, start_revision=start_revision)
+        See mirror.py for a watch that resumes by itself. A watch that etcd does not confirm in
+        `timeout_s` is retried on a new stream, for up to `outage_s`."""
+        since = time.monotonic()
+        while True:
+            try:
+                return self._call(self.raw.add_watch_prefix_callback, prefix, callback, start_revision=start_revision)
+            except pyetcd.exceptions.WatchTimedOut:
+                if time.monotonic() - since > self.settings.outage_s:
+                    raise EtcdError(f"etcd at {self.settings.endpoint} did not create a watch of {prefix} within "
+                                    f"{self.settings.outage_s:.0f} s") from None
+                watcher = self.raw._stubs.pop("watcher", None)  # the stream may be stuck: open a new one
+                if watcher is not None:
+                    watcher.close()
 
     def cancel_watch(self, watch_id: Any) -> None:
         try:
@@ -247,6 +271,7 @@ class EtcdClient:
         Retrying is safe for the control plane's requests: reads, puts of whole values, and
         compare-and-swap transactions (a retried one that had succeeded fails its compare, which
         callers treat as a lost race and re-read)."""
+        started = time.monotonic()
         while True:
             try:
                 result = fn(*args, **kwargs)
@@ -270,7 +295,16 @@ class EtcdClient:
                             now - self._outage_since)
                 self.last_outage = (self._outage_since, now)
                 self._outage_since = None
+            elif time.monotonic() - started > _STALL_S:  # answered, but late: etcd stalled
+                self.last_outage = (started, time.monotonic())
             return result
+
+    def outage_within(self, seconds: float) -> bool:
+        """Whether etcd is unreachable now, or was (or answered later than `_STALL_S`) within the
+        last `seconds`: leases may then have expired through no fault of their nodes."""
+        if self._outage_since is not None:
+            return True
+        return self.last_outage is not None and time.monotonic() - self.last_outage[1] < seconds
 
     def close(self) -> None:
         try:

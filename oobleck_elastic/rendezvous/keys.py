@@ -274,7 +274,8 @@ class Event:
     time: float
     """Unix time."""
     kind: str
-    """join, leave, lost, drain, plan, leader, waiting, closed."""
+    """join, leave, lost, drain, plan, leader, waiting, closed, renew (a lease renewed after etcd let
+    it expire)."""
     node: str
     """Node the event is about (or that wrote it)."""
     generation: Optional[int] = None

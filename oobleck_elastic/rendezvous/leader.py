@@ -49,6 +49,7 @@ from .membership import Member, live_nodes, put_event
 
 log = logging.getLogger(__name__)
 
+_FENCED_KEEP_S = 600.0
 Planner = Callable[[list[str], int, Optional[Plan]], Plan]  # (nodes, generation, previous plan)
 
 
@@ -108,8 +109,14 @@ class Leader:
 
     def _campaign(self) -> bool:
         value = json.dumps({"node_id": self.member.node_id, "since": time.time()}).encode()
-        won = self.client._call(self.client.raw.put_if_not_exists, self.keys.leader, value,
-                                lease=self.member.lease)
+        try:
+            won = self.client.put_if_absent(self.keys.leader, value, lease=self.member.lease)
+        except EtcdError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the lease expired (etcd stalled): the member renews it
+            log.info("node %s: cannot campaign yet (%s); the lease is being renewed", self.member.node_id,
+                     type(err).__name__)
+            return False
         if won:
             self._value = value
             log.info("node %s: elected leader", self.member.node_id)
@@ -183,7 +190,9 @@ class Leader:
                     continue
                 self._admit(plan, up, fenced)
                 desired = self._desired(plan, up, fenced | self._not_ready(plan, up))
-                if desired != list(plan.nodes):
+                if self._outage_grace(plan, desired):
+                    change_seen = None
+                elif desired != list(plan.nodes):
                     change_seen = change_seen or time.monotonic()
                     if time.monotonic() - change_seen >= self.settle_s:
                         self._publish(desired, plan, rev, records)
@@ -191,6 +200,18 @@ class Leader:
                 else:
                     change_seen = None
             self._stop.wait(self.tick_s)
+
+    def _outage_grace(self, plan: Plan, desired: list[str]) -> bool:
+        """Whether to hold a re-plan that drops nodes because etcd was unreachable (or stalled)
+        within the last lease TTL + settle window: a stalled etcd expires every lease at once when
+        it resumes, and the nodes renew their membership within a TTL (membership.py), so an etcd
+        outage must not look like lost nodes."""
+        dropped = [n for n in plan.nodes if n not in desired]
+        if not dropped or not self.client.outage_within(self.member.lease_ttl_s + self.settle_s):
+            return False
+        warn_once(self.keys.nodes, plan.generation, f"node {self.member.node_id}: node(s) {', '.join(dropped)} "
+                  "missing right after an etcd outage: waiting a lease TTL for them to renew before re-planning")
+        return True
 
     def _admit_first(self, up: list[NodeRecord], fenced: set[str]) -> list[str]:
         """Before the first plan: the nodes already admitted that are still up, plus new arrivals
@@ -247,15 +268,17 @@ class Leader:
         self._profile_wait = None
 
     def _fenced(self, records: list[NodeRecord]) -> set[str]:
-        """Nodes declared lost by a roll call; an entry is dropped once the node's record is gone."""
+        """Nodes declared lost (by a roll call, or dropped when their record vanished). An entry is
+        dropped once the node's record is gone and it is older than `_FENCED_KEEP_S` (a node cut
+        off from etcd must still find it when it comes back)."""
         live = {r.node_id for r in records}
         fenced = set()
-        for key, _ in self.client.get_prefix_json(self.keys.fenced):
+        for key, data in self.client.get_prefix_json(self.keys.fenced):
             node = key.rsplit("/", 1)[1]
             if node in live:
                 fenced.add(node)
-            else:
-                self.client._call(self.client.raw.delete, key)
+            elif not isinstance(data, dict) or time.time() - float(data.get("time", 0)) > _FENCED_KEEP_S:
+                self.client.delete(key)
         return fenced
 
     def _admit(self, plan: Plan, up: list[NodeRecord], fenced: set[str]) -> None:
@@ -309,14 +332,16 @@ class Leader:
                                                         generation=generation, detail=str(err)))
             return
         self._waiting_for = None
-        raw, tx = self.client.raw, self.client.raw.transactions
-        compare = [tx.value(self.keys.leader) == self._value,
-                   tx.create(self.keys.plan) == 0 if rev is None else tx.mod(self.keys.plan) == rev]
         events = self._events(plan, old, records, lost)
         blob = json.dumps(plan.to_json(), sort_keys=True)
-        success = [tx.put(self.keys.plan, blob), tx.put(self.keys.plan_at(generation), blob)]
-        success += [tx.put(self.keys.event(ev.node), json.dumps(ev.to_json())) for ev in events]
-        ok, _ = self.client._call(raw.transaction, compare=compare, success=success, failure=[])
+        puts = {self.keys.plan: blob, self.keys.plan_at(generation): blob}
+        puts.update((self.keys.event(ev.node), json.dumps(ev.to_json())) for ev in events)
+        live = {r.node_id for r in records}
+        # a node dropped because its record vanished is fenced too: if it was only cut off from etcd,
+        # it learns from this, when it comes back, that the job moved on without it (membership.py)
+        puts.update((self.keys.fenced + ev.node, json.dumps({"time": time.time(), "generation": generation}))
+                    for ev in events if ev.kind == "lost" and ev.node not in live)
+        ok = self.client.transact(values={self.keys.leader: self._value}, revisions={self.keys.plan: rev}, puts=puts)
         if ok:
             log.info("node %s: published generation %d: %s", self.member.node_id, generation, events[-1].detail)
         else:

@@ -4,20 +4,32 @@
 a lease of `lease_ttl_s`, and writes `nodes/<node_id>` under it. A daemon thread refreshes the
 lease every TTL/3. When the node dies (SIGKILL, power loss), nobody refreshes the lease and etcd
 deletes the record within the TTL; when it leaves cleanly (`close()`), the lease is revoked and
-the record disappears at once. If a refresh finds the lease already gone (the node was frozen or
-cut off for longer than the TTL), the node is *fenced*: the rest of the job has moved on without
-it, so `fenced` is set and the callback runs; the node must not keep training on alone.
+the record disappears at once.
+
+If a refresh finds the lease already gone, who is to blame decides:
+- **this node** did not refresh in time (it was frozen for longer than the TTL: the refresh was
+  sent more than a TTL after the last one that succeeded): the rest of the job has moved on
+  without it, so it is *fenced*: `fenced` is set and the callback runs; it must not train on alone.
+- **etcd** let the lease expire although this node refreshed on time (a stalled etcd expires
+  every lease the moment it resumes; a partition cut this node off while it kept trying): the
+  node *renews* its membership: a new lease, the same record (same node id) under it. Unless the
+  leader declared it lost meanwhile (`fenced/<node>`): then it is fenced as above. The leader
+  gives nodes a grace period after an etcd outage to come back this way (leader.py), so an etcd
+  outage costs no node and no re-plan.
+Past the outage bound (`EtcdSettings.outage_s`) a refresh raises EtcdError: the node is fenced
+with that error, and its agent stops.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import socket
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from ..etcd import EtcdClient, EtcdError
 from ..etcd.client import warn_once
@@ -60,14 +72,20 @@ class Member:
     """This node's membership record and lease."""
 
     def __init__(self, client: EtcdClient, keys: Keys, *, devices: int, lease_ttl_s: float,
-                 host: Optional[str] = None, on_fenced: Optional[Callable[[], None]] = None) -> None:
+                 host: Optional[str] = None, on_fenced: Optional[Callable[[], None]] = None,
+                 on_renewed: Optional[Callable[[], None]] = None) -> None:
         self.client = client
         self.keys = keys
         self.devices = devices
         self.lease_ttl_s = lease_ttl_s
         self.host = host or socket.gethostname()
         self.on_fenced = on_fenced
-        self.lease: Any = None
+        self.on_renewed = on_renewed
+        self.lease: Optional[int] = None
+        """The id of the lease this node's keys are bound to (a new one after a renewal)."""
+        self.renewals = 0
+        """How many times the lease was renewed after etcd let it expire."""
+        self.fence_reason = ""
         self.record: Optional[NodeRecord] = None
         self.fenced = threading.Event()
         self._stop = threading.Event()
@@ -79,11 +97,10 @@ class Member:
         return self.record.node_id
 
     def register(self) -> NodeRecord:
-        raw = self.client.raw
         index = self._next_index()
-        self.lease = self.client._call(raw.lease, max(1, int(round(self.lease_ttl_s))))
+        self.lease = self.client.grant_lease(self.lease_ttl_s)
         self.record = NodeRecord(node_id=f"node{index}", index=index, host=self.host, devices=self.devices,
-                                 agent_pid=os.getpid(), state="up", since=time.time(), lease_id=self.lease.id)
+                                 agent_pid=os.getpid(), state="up", since=time.time(), lease_id=self.lease)
         self.client.put_json(self.keys.node(self.record.node_id), self.record.to_json(), lease=self.lease)
         put_event(self.client, self.keys, Event(time=time.time(), kind="join", node=self.record.node_id,
                                                 detail=f"host {self.host}, {self.devices} device(s), "
@@ -91,23 +108,20 @@ class Member:
         self._thread = threading.Thread(target=self._keepalive, name="oobleck-lease", daemon=True)
         self._thread.start()
         log.info("node %s registered (index %d, lease %x, ttl %.1fs)", self.record.node_id, index,
-                 self.lease.id, self.lease_ttl_s)
+                 self.lease, self.lease_ttl_s)
         return self.record
 
     def _next_index(self) -> int:
-        raw, key = self.client.raw, self.keys.next_index
-        tx = raw.transactions
+        key = self.keys.next_index
         while True:
-            value, meta = self.client._call(raw.get, key)
-            current = _counter(value) if value is not None else 0
+            kv = self.client.get(key)
+            current = _counter(kv.value) if kv is not None else 0
             if current is None:  # not a counter: never reuse an id that is live, fenced or admitted
+                assert kv is not None
                 current = self._first_unused_index()
-                warn_once(key, meta.mod_revision, f"node {self.keys.run_id}: ignoring malformed value of {key} "
-                                                  f"({value[:40]!r}); continuing from index {current}")
-            compare = [tx.create(key) == 0] if value is None else [tx.mod(key) == meta.mod_revision]
-            ok, _ = self.client._call(raw.transaction, compare=compare,
-                                      success=[tx.put(key, json.dumps(current + 1))], failure=[])
-            if ok:
+                warn_once(key, kv.mod_revision, f"node {self.keys.run_id}: ignoring malformed value of {key} "
+                                                f"({kv.value[:40]!r}); continuing from index {current}")
+            if self.client.put_if_revision(key, json.dumps(current + 1), kv.mod_revision if kv else None):
                 return current
 
     def _first_unused_index(self) -> int:
@@ -122,21 +136,57 @@ class Member:
 
     def _keepalive(self) -> None:
         interval = max(0.05, self.lease_ttl_s / 3)
+        last_ok = time.monotonic()  # when the last refresh that found the lease alive was sent
         while not self._stop.wait(interval):
+            sent = time.monotonic()
             try:
-                responses = list(self.client.raw.refresh_lease(self.lease.id))
-                ttl = responses[0].TTL if responses else 0
-            except Exception as err:  # noqa: BLE001 - etcd briefly unreachable: try again
+                ttl = self.client.refresh_lease(self.lease)
+            except EtcdError as err:  # unreachable for longer than the outage bound
+                self._fence(f"etcd stayed unreachable: {err}")
+                return
+            except Exception as err:  # noqa: BLE001 - an unexpected answer: try again next tick
                 log.warning("node %s: lease refresh failed (%s); retrying", self.node_id, err)
                 continue
-            if ttl <= 0:
-                log.error("node %s: lease expired (the node was unreachable for longer than %.1fs); "
-                          "the job has moved on without this node, which is now fenced", self.node_id,
-                          self.lease_ttl_s)
-                self.fenced.set()
-                if self.on_fenced:
-                    self.on_fenced()
+            if ttl > 0:
+                last_ok = sent
+                continue
+            if sent - last_ok > self.lease_ttl_s:
+                self._fence(f"lease expired: this node did not refresh it for {sent - last_ok:.1f}s (more than the "
+                            f"{self.lease_ttl_s:.1f}s TTL); the job has moved on without it")
                 return
+            if not self._renew():
+                return
+            last_ok = time.monotonic()
+
+    def _renew(self) -> bool:
+        """etcd let the lease expire although it was refreshed on time: take a new lease and put
+        the same record under it, unless the leader declared this node lost meanwhile (then fence)."""
+        assert self.record is not None
+        if self.client.get(self.keys.fenced + self.node_id) is not None:
+            self._fence("the lease expired while etcd was unreachable, and the leader declared this node lost")
+            return False
+        old = self.lease
+        self.lease = self.client.grant_lease(self.lease_ttl_s)
+        current = self.current_record()
+        state = current.state if current is not None else self.record.state  # a drain set meanwhile stays
+        self.record = dataclasses.replace(self.record, lease_id=self.lease, state=state)
+        self.client.put_json(self.keys.node(self.node_id), self.record.to_json(), lease=self.lease)
+        self.renewals += 1
+        log.warning("node %s: etcd let lease %x expire although it was refreshed on time (etcd stalled, restarted "
+                    "or was cut off); membership renewed under lease %x", self.node_id, old, self.lease)
+        put_event(self.client, self.keys, Event(time=time.time(), kind="renew", node=self.node_id,
+                                                detail=f"lease renewed after etcd let it expire ({old:x} -> "
+                                                       f"{self.lease:x})"))
+        if self.on_renewed is not None:
+            self.on_renewed()
+        return True
+
+    def _fence(self, reason: str) -> None:
+        log.error("node %s: %s; the node is fenced", self.node_id, reason)
+        self.fence_reason = reason
+        self.fenced.set()
+        if self.on_fenced:
+            self.on_fenced()
 
     def current_record(self) -> Optional[NodeRecord]:
         """This node's record as stored now (the CLI may have set it to draining)."""
@@ -150,6 +200,6 @@ class Member:
             self._thread.join(timeout=5)
         if revoke and self.lease is not None and not self.fenced.is_set():
             try:
-                self.client.raw.revoke_lease(self.lease.id)
+                self.client.revoke_lease(self.lease)
             except (EtcdError, Exception) as err:  # noqa: BLE001 - best effort on the way out
                 log.warning("node %s: could not revoke lease: %s", self.record and self.record.node_id, err)

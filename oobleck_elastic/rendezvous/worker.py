@@ -7,6 +7,12 @@ a node-local world), finds its stage, reports progress and learns when to leave:
 its node was drained (it is no longer in the plan and its record says draining) or the job
 was closed.
 
+What a worker reads between steps (the plan and its history, `closed`, its node's record and
+`fenced` entry) comes from a watch-maintained mirror (etcd/mirror.py), not from etcd requests,
+and progress is written by a background thread: between generations a worker needs etcd for
+nothing, so training goes on at full speed while etcd is stalled or restarting, and the
+requests etcd serves do not grow with the number of workers or steps.
+
 Before it reports ready, a worker calls `share_profile(cfg, device)`: the plan is computed from a
 per-layer profile of the devices that train, so one worker per device kind measures it on its own
 device and publishes it under `profiles/<device kind>` for the leader. The worker that wins a
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,6 +37,7 @@ import torch.distributed as dist
 
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.client import warn_once
+from ..etcd.mirror import Mirror
 from ..etcd.store import EtcdStore
 from ..planning import PipelineSpec, Plan, StagePlacement
 from ..engine.errors import ErrorRecord, next_error_record
@@ -61,19 +69,45 @@ class WorkerContext:
     """Device index on the node."""
     newest: Optional[Plan] = None
     """The newest plan seen: generations only grow, so an older one read later is refused."""
+    view: Optional[Mirror] = None
+    """The mirror of the keys this worker reads between steps (`watched`); None: read etcd directly."""
+    _progress: Optional["_LatestPut"] = None
 
     @classmethod
     def from_env(cls, environ: Optional[dict[str, str]] = None) -> "WorkerContext":
         env = dict(os.environ if environ is None else environ)
         settings = EtcdSettings.from_env(env)
-        return cls(client=connect(settings), keys=Keys(env.get("OOBLECK_KEY_PREFIX", "/oobleck"),
-                                                       env["OOBLECK_RUN_ID"]),
-                   node_id=env["OOBLECK_NODE_ID"], local_rank=int(env.get("LOCAL_RANK", "0")))
+        ctx = cls(client=connect(settings), keys=Keys(env.get("OOBLECK_KEY_PREFIX", "/oobleck"), env["OOBLECK_RUN_ID"]),
+                  node_id=env["OOBLECK_NODE_ID"], local_rank=int(env.get("LOCAL_RANK", "0")))
+        ctx.watch()
+        return ctx
+
+    def watch(self) -> "WorkerContext":
+        """Read the keys of `watched()` from a mirror from now on."""
+        if self.view is None:
+            self.view = Mirror(self.client, self.watched(), name=f"worker {self.node_id}/{self.local_rank}").start()
+        return self
+
+    def watched(self) -> list[str]:
+        """The keys (prefixes) a worker reads between steps."""
+        return [self.keys.plan, self.keys.closed, self.keys.fenced + self.node_id, self.keys.node(self.node_id)]
+
+    @property
+    def reader(self) -> Any:
+        """Where reads go: the mirror, or etcd when there is none."""
+        return self.view if self.view is not None else self.client
+
+    def close(self) -> None:
+        """Flush the last progress report and stop watching."""
+        if self._progress is not None:
+            self._progress.flush(timeout=5.0)
+        if self.view is not None:
+            self.view.close()
 
     def plan(self) -> Optional[Plan]:
         """The current plan; None while there is none or the value is malformed (logged once). A
         plan older than one already seen is refused (logged once) and the newer one kept."""
-        data, rev = self.client.get_json(self.keys.plan)
+        data, rev = self.reader.get_json(self.keys.plan)
         plan = _parse_plan(data, key=self.keys.plan, revision=rev)
         if plan is not None and self.newest is not None and plan.generation < self.newest.generation:
             warn_once(self.keys.plan, rev, f"ignoring plan of generation {plan.generation} in {self.keys.plan}: "
@@ -85,7 +119,7 @@ class WorkerContext:
 
     def plan_at(self, generation: int) -> Optional[Plan]:
         """The plan of a past or current generation (from the leader's history)."""
-        data, _ = self.client.get_json(self.keys.plan_at(generation))
+        data, _ = self.reader.get_json(self.keys.plan_at(generation))
         return _parse_plan(data)
 
     def my_stage(self, plan: Plan) -> Optional[tuple[PipelineSpec, StagePlacement]]:
@@ -94,14 +128,14 @@ class WorkerContext:
         return plan.stage_of(stage.rank) if stage is not None else None
 
     def record(self) -> Optional[NodeRecord]:
-        data, _ = self.client.get_json(self.keys.node(self.node_id))
+        data, _ = self.reader.get_json(self.keys.node(self.node_id))
         return NodeRecord.parse(data, key=self.keys.node(self.node_id)) if data is not None else None
 
     def should_leave(self, plan: Optional[Plan]) -> Optional[str]:
         """Why this worker must exit 0 now, or None: the job is closed, or the node was drained."""
-        if read_closed(self.client, self.keys) is not None:
+        if read_closed(self.reader, self.keys) is not None:
             return "the job is closed"
-        if self.client.get_json(self.keys.fenced + self.node_id)[0] is not None:
+        if self.reader.get_json(self.keys.fenced + self.node_id)[0] is not None:
             return f"node {self.node_id} was fenced (declared lost): it must not train on alone"
         if plan is not None and self.node_id not in plan.nodes:
             rec = self.record()
@@ -143,7 +177,7 @@ class WorkerContext:
                 "time": time.time()}
         rec = self.record()
         lease = rec.lease_id if rec is not None else None  # the claim vanishes with this node
-        if not self.client._call(self.client.raw.put_if_not_exists, claim, json.dumps(mine), lease=lease):
+        if not self.client.put_if_absent(claim, json.dumps(mine), lease=lease):
             holder, _ = self.client.get_json(claim)
             if not (isinstance(holder, dict) and holder.get("node") == self.node_id
                     and holder.get("local_rank") == self.local_rank):
@@ -153,10 +187,10 @@ class WorkerContext:
                  label)
         try:
             profile = profiler.load_or_profile(cfg, device=device, log=log.info)
-            self.client._call(self.client.raw.put, key, json.dumps(profile.to_json()))
+            self.client.put(key, json.dumps(profile.to_json()))
         except BaseException:
             try:
-                self.client._call(self.client.raw.delete, claim)
+                self.client.delete(claim)
             except Exception as err:  # noqa: BLE001 - the error that matters is the one re-raised
                 log.warning("could not give back the profile claim %s: %s", claim, err)
             raise
@@ -196,8 +230,12 @@ class WorkerContext:
         return hook
 
     def report_progress(self, *, generation: int, step: int, **extra: Any) -> None:
-        self.client.put_json(self.keys.progress, {"generation": generation, "step": step, "time": time.time(),
-                                                  "node": self.node_id, **extra})
+        """Write the job's progress from a background thread (the newest value wins): the step loop
+        never waits for etcd."""
+        if self._progress is None:
+            self._progress = _LatestPut(self.client)
+        self._progress.put(self.keys.progress, {"generation": generation, "step": step, "time": time.time(),
+                                                "node": self.node_id, **extra})
 
     def progress(self) -> Optional[ProgressRecord]:
         """The job's last reported progress (None: none yet, or malformed)."""
@@ -209,7 +247,7 @@ class WorkerContext:
 
     def failure_of_job(self) -> Optional[str]:
         """The reason the job was closed as failed, or None (open, or finished normally)."""
-        closed = read_closed(self.client, self.keys)
+        closed = read_closed(self.reader, self.keys)
         return closed.reason if closed is not None and closed.failed else None
 
     def store_for(self, generation: int, cfg: JobConfig) -> EtcdStore:
@@ -227,9 +265,9 @@ class WorkerContext:
         checked: dict[int, list[str]] = {}
 
         def check() -> Optional[str]:
-            if read_closed(self.client, self.keys) is not None:
+            if read_closed(self.reader, self.keys) is not None:
                 return "the job was closed"
-            if self.client.get_json(self.keys.fenced + self.node_id)[0] is not None:
+            if self.reader.get_json(self.keys.fenced + self.node_id)[0] is not None:
                 return f"node {self.node_id} was fenced (declared lost)"
             latest = self.plan()
             if latest is None or latest.generation <= plan.generation:
@@ -260,3 +298,38 @@ class WorkerContext:
                                 local_rank=self.local_rank)
         self.client.put_json(self.keys.errors, rec.to_json())
         return rec
+
+
+class _LatestPut:
+    """Puts the newest JSON value given to it from a daemon thread, so that the caller never
+    waits for etcd; values superseded before they were written are skipped."""
+
+    def __init__(self, client: EtcdClient) -> None:
+        self.client = client
+        self._cond = threading.Condition()
+        self._pending: Optional[tuple[str, Any]] = None
+        self._busy = False
+        threading.Thread(target=self._run, name="oobleck-progress", daemon=True).start()
+
+    def put(self, key: str, value: Any) -> None:
+        with self._cond:
+            self._pending = (key, value)
+            self._cond.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every value given was written (or failed); False at the timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None)
+                (key, value), self._pending, self._busy = self._pending, None, True  # type: ignore[misc]
+            try:
+                self.client.put_json(key, value)
+            except Exception as err:  # noqa: BLE001 - progress is informative; a newer value follows
+                log.warning("could not report progress to etcd: %s", err)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
