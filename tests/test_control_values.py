@@ -34,7 +34,7 @@ def test_bad_closed_values_in_etcd_leave_the_job_open_and_are_logged_once(etcd_s
     ctx = WorkerContext(client=client, keys=keys, node_id="node0", local_rank=0)
     try:
         for raw in ['{"schema_version": 99}', "not json", '{"schema_version": 1, "reason": "x"}']:
-            client.raw.put(keys.closed, raw)
+            client.put(keys.closed, raw)
             caplog.clear()
             with caplog.at_level(logging.WARNING):
                 for _ in range(5):  # polled again and again: one warning for this revision
@@ -83,7 +83,7 @@ def test_bad_progress_next_index_and_events_are_ignored_or_repaired(etcd_setting
     member = None
     try:
         for raw in ['{"step": "abc", "generation": 1, "time": 1, "node": "node0"}', "[]", "{"]:
-            client.raw.put(keys.progress, raw)
+            client.put(keys.progress, raw)
             assert read_progress(client, keys) is None
             assert any(line.startswith("step: no progress") for line in ops.status(client, keys))
         ctx = WorkerContext(client=client, keys=keys, node_id="node0", local_rank=0)
@@ -91,7 +91,7 @@ def test_bad_progress_next_index_and_events_are_ignored_or_repaired(etcd_setting
         ctx.close()  # progress is written in the background: wait for it
         assert (read_progress(client, keys).step, read_progress(client, keys).generation) == (7, 2)
         client.put_json(keys.fenced + "node4", {"time": 1.0, "generation": 1})
-        client.raw.put(keys.next_index, "garbage")
+        client.put(keys.next_index, "garbage")
         member = Member(client, keys, devices=1, lease_ttl_s=5)
         member.register()
         assert member.node_id == "node5"  # past the fenced node4: never a reused id

@@ -373,7 +373,8 @@ def test_every_later_leader_plans_from_the_pinned_profile(nodes_factory) -> None
     old = c.leader()
     old.leader.stop()
     old.member.close(revoke=False)  # crashed: its lease expires within the TTL
-    old.client.raw.cancel_watch(old._watch)
+    old._stopping.set()  # and answers no pings
+    old.view.close()
     plan = c.wait(lambda: (p := c.plan()) is not None and p.generation == 2 and p, timeout=15)
     assert len(plan.nodes) == 2 and [len(p.nodes) for p in plan.pipelines] == [2]  # planned with n0 = 2
     assert c.leader() is not old and c.leader()._pinned.layers[0].name == "l0"
@@ -382,7 +383,7 @@ def test_every_later_leader_plans_from_the_pinned_profile(nodes_factory) -> None
 def test_malformed_and_mismatching_profiles_are_logged_once_and_ignored(nodes_factory, caplog) -> None:
     caplog.set_level(logging.WARNING)
     c = nodes_factory(min_nodes=2, max_nodes=2)
-    c.client.raw.put(c.keys.device_profile("cpu Broken"), b"{not json")
+    c.client.put(c.keys.device_profile("cpu Broken"), b"{not json")
     wrong = synthetic_profile()
     wrong.layers.pop()  # 5 layers: not gpt2-tiny's 6
     c.publish(wrong, device="cpu Wrong")

@@ -91,7 +91,8 @@ class Cluster:
         """What a SIGKILL looks like to etcd: the lease is no longer refreshed, nothing is revoked."""
         h.leader.stop()
         h.member.close(revoke=False)
-        h.client.raw.cancel_watch(h._watch)  # a dead agent answers no pings either
+        h._stopping.set()  # a dead agent answers no pings either
+        h.view.close()
 
     def events(self) -> list:
         return [ev for _, ev in read_events(self.client, self.keys)]
@@ -277,8 +278,8 @@ def test_below_n0_waits_with_one_log_line(cluster_factory, caplog) -> None:
 def test_malformed_values_are_ignored_with_a_warning(cluster_factory, caplog) -> None:
     c = cluster_factory(min_nodes=2, max_nodes=4)
     caplog.set_level(logging.WARNING)
-    c.client.raw.put(c.keys.node("node99"), b"{not json")
-    c.client.raw.put(c.keys.node("node98"), json.dumps({"schema_version": 1, "node_id": "node98"}))
+    c.client.put(c.keys.node("node99"), b"{not json")
+    c.client.put(c.keys.node("node98"), json.dumps({"schema_version": 1, "node_id": "node98"}))
     join_all(c.start(2))
     assert c.plan().nodes == ("node0", "node1")
     text = caplog.text
@@ -332,7 +333,7 @@ def test_a_malformed_plan_value_never_sends_generations_back(cluster_factory, ca
     c.wait_plan(lambda p: p.generation == 1)
     first = c.client.get_json(c.keys.plan_at(1))[0]
     with caplog.at_level(logging.WARNING):
-        c.client.raw.put(c.keys.plan, "not a plan {")
+        c.client.put(c.keys.plan, "not a plan {")
         time.sleep(1.0)  # the leader polls many times meanwhile
         join_all(c.start(1))  # a membership change: the leader re-plans
         plan = c.wait_plan(lambda p: p.generation >= 2)
@@ -346,7 +347,7 @@ def test_garbage_in_the_leader_key_does_not_block_the_election(cluster_factory, 
     """A `leader` value no agent wrote (not a leader record, no lease: it would never expire) is
     removed by the campaigning agents, so one of them is elected and plans."""
     c = cluster_factory(min_nodes=2, max_nodes=2)
-    c.client.raw.put(c.keys.leader, "garbage")
+    c.client.put(c.keys.leader, "garbage")
     with caplog.at_level(logging.WARNING):
         join_all(c.start(2))
         plan = c.wait_plan(lambda p: p.generation == 1)

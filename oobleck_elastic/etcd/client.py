@@ -154,9 +154,13 @@ class EtcdClient:
         return KV(key=key, value=bytes(value), mod_revision=meta.mod_revision, create_revision=meta.create_revision,
                   lease=meta.lease_id)
 
-    def range(self, prefix: str) -> tuple[int, list[KV]]:
-        """(revision of the read, every key under prefix sorted by key)."""
-        resp = self._call(self.raw.get_prefix_response, prefix, sort_order="ascend", sort_target="key")
+    def range(self, prefix: str, *, exact: bool = False) -> tuple[int, list[KV]]:
+        """(revision of the read, every key under prefix sorted by key); with `exact`, the key
+        `prefix` alone (an empty list when it does not exist)."""
+        if exact:
+            resp = self._call(self.raw.get_response, prefix)
+        else:
+            resp = self._call(self.raw.get_prefix_response, prefix, sort_order="ascend", sort_target="key")
         return resp.header.revision, [KV.of(kv) for kv in resp.kvs]
 
     def count(self, prefix: str) -> int:
@@ -224,15 +228,17 @@ class EtcdClient:
             if "not found" not in str(err):
                 raise
 
-    def watch(self, prefix: str, callback: Any, *, start_revision: int) -> Any:
-        """Watch every key under prefix from `start_revision`; `callback(response)` gets each
-        response (`.events`, `.header.revision`), or an exception or None when the stream ends.
+    def watch(self, prefix: str, callback: Any, *, start_revision: int, exact: bool = False) -> Any:
+        """Watch every key under prefix (with `exact`: the key `prefix` alone) from `start_revision`;
+        `callback(response)` gets each response (`.events`, `.header.revision`), or an exception
+        or None when the stream ends.
         See mirror.py for a watch that resumes by itself. A watch that etcd does not confirm in
         `timeout_s` is retried on a new stream, for up to `outage_s`."""
         since = time.monotonic()
         while True:
             try:
-                return self._call(self.raw.add_watch_prefix_callback, prefix, callback, start_revision=start_revision)
+                add = self.raw.add_watch_callback if exact else self.raw.add_watch_prefix_callback
+                return self._call(add, prefix, callback, start_revision=start_revision)
             except pyetcd.exceptions.WatchTimedOut:
                 if time.monotonic() - since > self.settings.outage_s:
                     raise EtcdError(f"etcd at {self.settings.endpoint} did not create a watch of {prefix} within "

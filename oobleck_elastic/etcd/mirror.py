@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 
 class Mirror:
-    """Every key under `prefixes`, as of the last watch event applied."""
+    """Every key under `prefixes`, as of the last watch event applied. A prefix that ends with
+    "/" covers the keys under it; any other is one exact key."""
 
     def __init__(self, client: EtcdClient, prefixes: list[str] | str, *, name: str = "mirror") -> None:
         self.client = client
@@ -54,6 +55,7 @@ class Mirror:
         self.resumes = 0
         """How many times a watch was re-established (for tests and logs)."""
         self._closed = False
+        self._parsed: dict[str, tuple[int, Any]] = {}  # key -> (mod revision, parsed JSON): parse once
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "Mirror":
@@ -71,15 +73,16 @@ class Mirror:
 
     def _sync(self, prefix: str) -> None:
         """List `prefix` and watch it from the revision after the listing."""
-        revision, kvs = self.client.range(prefix)
+        exact = not prefix.endswith("/")
+        revision, kvs = self.client.range(prefix, exact=exact)
         with self._cond:
-            for key in [k for k in self._data if k.startswith(prefix)]:
+            for key in [k for k in self._data if (k == prefix if exact else k.startswith(prefix))]:
                 del self._data[key]
             self._data.update((kv.key, kv) for kv in kvs)
             self._revision[prefix] = revision
             self._changed()
         self._watch[prefix] = self.client.watch(prefix, lambda r, p=prefix: self._on_response(p, r),
-                                                start_revision=revision + 1)
+                                                start_revision=revision + 1, exact=exact)
 
     def _changed(self) -> None:
         self.version += 1
@@ -100,6 +103,7 @@ class Mirror:
                 key = event.key.decode()
                 if isinstance(event, pyetcd.events.DeleteEvent):
                     self._data.pop(key, None)
+                    self._parsed.pop(key, None)
                 else:
                     self._data[key] = KV(key=key, value=bytes(event.value), mod_revision=event.mod_revision,
                                          create_revision=event.create_revision, lease=event.lease)
@@ -118,7 +122,7 @@ class Mirror:
                 else:
                     self._watch[prefix] = self.client.watch(
                         prefix, lambda r, p=prefix: self._on_response(p, r),
-                        start_revision=self._revision[prefix] + 1)
+                        start_revision=self._revision[prefix] + 1, exact=not prefix.endswith("/"))
                 self.resumes += 1
                 log.info("%s: watch of %s resumed from revision %d", self.name, prefix, self._revision[prefix] + 1)
                 return
@@ -147,17 +151,26 @@ class Mirror:
         with self._cond:
             return sorted((kv for k, kv in self._data.items() if k.startswith(prefix)), key=lambda kv: kv.key)
 
+    def _json(self, kv: KV) -> Any:
+        """The parsed value of kv, parsed once per revision (callers must not modify it)."""
+        cached = self._parsed.get(kv.key)
+        if cached is not None and cached[0] == kv.mod_revision:
+            return cached[1]
+        value = parse_json(kv.value, kv.key, kv.mod_revision)
+        self._parsed[kv.key] = (kv.mod_revision, value)
+        return value
+
     def get_json(self, key: str) -> tuple[Optional[Any], Optional[int]]:
         """Like `EtcdClient.get_json`, from the mirror."""
         kv = self.get(key)
         if kv is None:
             return None, None
-        return parse_json(kv.value, key, kv.mod_revision), kv.mod_revision
+        return self._json(kv), kv.mod_revision
 
     def get_prefix_json(self, prefix: str) -> Iterator[tuple[str, Any]]:
         """Like `EtcdClient.get_prefix_json`, from the mirror."""
         for kv in self.range(prefix):
-            parsed = parse_json(kv.value, kv.key, kv.mod_revision)
+            parsed = self._json(kv)
             if parsed is not None:
                 yield kv.key, parsed
 

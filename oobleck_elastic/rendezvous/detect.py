@@ -39,10 +39,11 @@ log = logging.getLogger(__name__)
 STALL_RECHECK_S = 1.0  # a stall-only roll call whose suspects all answered is repeated after this
 
 
-def checkins(client: EtcdClient, keys: Keys, generation: int) -> dict[tuple[str, str], str]:
-    """(node, local rank) -> kind (`failure` or `stall`) of every roll-call check-in."""
+def checkins(reader: Any, keys: Keys, generation: int) -> dict[tuple[str, str], str]:
+    """(node, local rank) -> kind (`failure` or `stall`) of every roll-call check-in (`reader`: the
+    agent's mirror, or an EtcdClient)."""
     out = {}
-    for key, value in client.get_prefix_json(keys.rollcall(generation)):
+    for key, value in reader.get_prefix_json(keys.rollcall(generation)):
         node, local_rank = key.rsplit("/", 2)[1:]
         kind = value.get("kind", "failure") if isinstance(value, dict) else "failure"
         out[(node, local_rank)] = kind if kind in ("failure", "stall") else "failure"
@@ -52,21 +53,21 @@ def checkins(client: EtcdClient, keys: Keys, generation: int) -> dict[tuple[str,
 class _Pinger:
     """Pings nodes through etcd and collects the answers (one nonce per round)."""
 
-    def __init__(self, client: EtcdClient, keys: Keys) -> None:
-        self.client, self.keys = client, keys
+    def __init__(self, client: EtcdClient, keys: Keys, reader: Any) -> None:
+        self.client, self.keys, self.reader = client, keys, reader
         self.nonce = f"{time.time_ns()}"
         self.sent: dict[str, float] = {}
         self.alive: set[str] = set()
 
     def ping(self, node: str) -> None:
         if node not in self.sent:
-            self.client._call(self.client.raw.put, self.keys.ping(node), self.nonce)
+            self.client.put(self.keys.ping(node), self.nonce)
             self.sent[node] = time.monotonic()
 
     def answered(self, node: str) -> bool:
         if node not in self.alive:
-            value, _ = self.client._call(self.client.raw.get, self.keys.pong(node))
-            if value is not None and value.decode() == self.nonce:
+            kv = self.reader.get(self.keys.pong(node))
+            if kv is not None and kv.value.decode() == self.nonce:
                 self.alive.add(node)
         return node in self.alive
 
@@ -77,23 +78,30 @@ class _Pinger:
 class RollCall:
     """The leader's side; `check()` once per leader tick."""
 
-    def __init__(self, client: EtcdClient, keys: Keys, *, node_id: str, ping_timeout_s: float) -> None:
+    def __init__(self, client: EtcdClient, keys: Keys, *, node_id: str, ping_timeout_s: float,
+                 reader: Any = None) -> None:
         self.client, self.keys, self.node_id = client, keys, node_id
+        self.reader = reader if reader is not None else client
         self.ping_timeout_s = ping_timeout_s
         self._round: Optional[tuple[int, _Pinger, float]] = None  # generation, pinger, started
 
     def reset(self) -> None:
         self._round = None
 
+    @property
+    def open(self) -> bool:
+        """Whether a roll call is under way (it waits on the clock for pongs)."""
+        return self._round is not None
+
     def check(self, plan: Plan, records: list[NodeRecord]) -> Optional[list[str]]:
         """None while no roll call is open, or it is still waiting for pongs, or everyone is
         alive and only slow; otherwise the nodes to re-plan without (possibly none)."""
-        entries = checkins(self.client, self.keys, plan.generation)
+        entries = checkins(self.reader, self.keys, plan.generation)
         if not entries:
             return None
         now = time.monotonic()
         if self._round is None or self._round[0] != plan.generation:
-            self._round = (plan.generation, _Pinger(self.client, self.keys), now)
+            self._round = (plan.generation, _Pinger(self.client, self.keys, self.reader), now)
             kinds = sorted(set(entries.values()))
             log.info("node %s: roll call for generation %d (%d worker(s) checked in: %s)", self.node_id,
                      plan.generation, len(entries), "/".join(kinds))
@@ -118,8 +126,10 @@ class RollCall:
 class Deputy:
     """A non-leader agent's side; `check()` once per election tick."""
 
-    def __init__(self, client: EtcdClient, keys: Keys, *, node_id: str, ping_timeout_s: float) -> None:
+    def __init__(self, client: EtcdClient, keys: Keys, *, node_id: str, ping_timeout_s: float,
+                 reader: Any = None) -> None:
         self.client, self.keys, self.node_id = client, keys, node_id
+        self.reader = reader if reader is not None else client
         self.ping_timeout_s = ping_timeout_s
         self._watch: Optional[dict[str, Any]] = None
 
@@ -127,8 +137,8 @@ class Deputy:
         """Whether this call revoked a dead leader's lease (the caller should campaign now)."""
         if plan is None:
             return False
-        entries = checkins(self.client, self.keys, plan.generation)
-        leader = (self.client.get_json(self.keys.leader)[0] or {})
+        entries = checkins(self.reader, self.keys, plan.generation)
+        leader = (self.reader.get_json(self.keys.leader)[0] or {})
         leader_node = leader.get("node_id") if isinstance(leader, dict) else None
         checked_in = [n for n in plan.nodes if n != leader_node and any(node == n for node, _ in entries)]
         leader_heard = any(node == leader_node for node, _ in entries)  # its workers live: so does it, likely
@@ -138,7 +148,7 @@ class Deputy:
         w = self._watch
         if w is None or w["generation"] != plan.generation or w["leader"] != leader_node:
             self._watch = w = {"generation": plan.generation, "leader": leader_node,
-                               "pinger": _Pinger(self.client, self.keys), "done": False}
+                               "pinger": _Pinger(self.client, self.keys, self.reader), "done": False}
             w["pinger"].ping(leader_node)
             return False
         pinger: _Pinger = w["pinger"]
@@ -146,7 +156,7 @@ class Deputy:
         if w["done"] or pinger.answered(leader_node) or pinger.waited(leader_node) < 2 * self.ping_timeout_s:
             return False
         w["done"] = True
-        data, _ = self.client.get_json(self.keys.node(leader_node))
+        data, _ = self.reader.get_json(self.keys.node(leader_node))
         rec = NodeRecord.parse(data, key=self.keys.node(leader_node)) if data is not None else None
         detail = (f"leader {leader_node} did not answer a ping during the roll call of generation "
                   f"{plan.generation}; revoked its lease")
@@ -154,8 +164,5 @@ class Deputy:
         put_event(self.client, self.keys, Event(time=time.time(), kind="lost", node=leader_node,
                                                 generation=plan.generation, detail=detail))
         if rec is not None:  # no record: its lease, which also holds the leader key, is gone already
-            try:
-                self.client._call(self.client.raw.revoke_lease, rec.lease_id)
-            except Exception as err:  # noqa: BLE001 - expired meanwhile: the election goes on anyway
-                log.info("node %s: revoking %s's lease: %s", self.node_id, leader_node, err)
+            self.client.revoke_lease(rec.lease_id)
         return True

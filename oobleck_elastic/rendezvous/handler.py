@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any, Optional
 
@@ -43,6 +44,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from ..config import ConfigError, JobConfig, load_config
 from ..etcd import EtcdClient, EtcdSettings, connect
+from ..etcd.mirror import Mirror
 from ..etcd.server import free_port
 from ..planning import ModelProfile, Plan, PlanningError, ProfileError, plan_job, templates_for
 from .keys import ClosedRecord, Event, Keys, read_closed
@@ -137,6 +139,8 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self._pinned: ModelProfile | None = None
         self._warned: set[tuple[str, int]] = set()  # (key, mod revision) of values already reported
         self._store = dist.HashStore()
+        self.view: Optional[Mirror] = None
+        self._stopping = threading.Event()
         os.environ["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"  # the agent skips store-based rank assignment
 
     # ------------------------------------------------------------------ RendezvousHandler
@@ -150,8 +154,13 @@ class OobleckRendezvousHandler(RendezvousHandler):
     def use_agent_store(self) -> bool:
         return False
 
+    @property
+    def reader(self) -> Any:
+        """The agent's mirror once the node registered; etcd before."""
+        return self.view if self.view is not None else self.client
+
     def is_closed(self) -> bool:
-        return read_closed(self.client, self.keys) is not None
+        return read_closed(self.reader, self.keys) is not None
 
     def set_closed(self) -> None:
         self.client.put_json(self.keys.closed, ClosedRecord(time=time.time(), reason="set_closed").to_json())
@@ -162,11 +171,9 @@ class OobleckRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         if self.leader is not None:
             self.leader.stop()
-        if getattr(self, "_watch", None) is not None:
-            try:
-                self.client.raw.cancel_watch(self._watch)
-            except Exception:  # noqa: BLE001 - shutting down anyway
-                pass
+        self._stopping.set()
+        if self.view is not None:
+            self.view.close()
         if self.member is not None and self.member.record is not None:
             put_event(self.client, self.keys, Event(time=time.time(), kind="leave", node=self.member.node_id,
                                                     detail="agent shut down"))
@@ -182,13 +189,15 @@ class OobleckRendezvousHandler(RendezvousHandler):
             self.member = Member(self.client, self.keys, devices=self.devices, lease_ttl_s=self.lease_ttl_s,
                                  host=self.params.local_addr or None)
             self.member.register()
+            self.view = Mirror(self.client, self.keys.agent_watched(self.member.node_id),
+                               name=f"agent {self.member.node_id}").start()
             self.leader = Leader(self.client, self.keys, self.member, planner=self.plan_for,
                                  min_nodes=self.params.min_nodes, max_nodes=self.params.max_nodes,
                                  last_call_s=self.last_call_s, settle_s=self.settle_s,
                                  profile_ready=self.profile_ready,
-                                 profile_timeout_s=self.cfg.fault_tolerance.rendezvous_timeout_s)
+                                 profile_timeout_s=self.cfg.fault_tolerance.rendezvous_timeout_s, view=self.view)
             self.leader.start()
-            self._watch = self.client.raw.add_watch_callback(self.keys.ping(self.member.node_id), self._on_ping)
+            threading.Thread(target=self._answer_pings, name="oobleck-pong", daemon=True).start()
         node = self.member.node_id
         plan = self._wait_admitted(node)
         os.environ.update(self.settings.to_env())
@@ -204,15 +213,21 @@ class OobleckRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(self._store, 0, 1, info)
 
     # ------------------------------------------------------------------ helpers
-    def _on_ping(self, response: Any) -> None:
-        """The leader's roll call asks whether this node is alive: answer with the same nonce."""
-        for event in getattr(response, "events", None) or []:
-            value = getattr(event, "value", None)
-            if value and self.member is not None and not self.member.fenced.is_set():
-                try:
-                    self.client.raw.put(self.keys.pong(self.member.node_id), value)
-                except Exception as err:  # noqa: BLE001 - a missed pong only delays the re-plan
-                    log.warning("node %s: could not answer a ping: %s", self.member.node_id, err)
+    def _answer_pings(self) -> None:
+        """The leader's roll call asks whether this node is alive (a nonce under `ping/<node>`):
+        answer with the same nonce under `pong/<node>`, as soon as the mirror shows a new one."""
+        assert self.member is not None and self.view is not None
+        key, answered, version = self.keys.ping(self.member.node_id), 0, 0
+        while not self._stopping.is_set() and not self.member.fenced.is_set():
+            version = self.view.wait(version, 1.0)
+            try:
+                kv = self.view.get(key)
+                if kv is not None and kv.mod_revision != answered:
+                    self.client.put(self.keys.pong(self.member.node_id), kv.value)
+                    answered = kv.mod_revision
+            except Exception as err:  # noqa: BLE001 - a missed pong only delays the re-plan
+                log.warning("node %s: could not answer a ping: %s", self.member.node_id, err)
+                self._stopping.wait(0.1)
 
     def _wait_admitted(self, node: str) -> Plan | None:
         """The current plan once this node may start its workers: it is in the plan, or the leader
@@ -221,19 +236,20 @@ class OobleckRendezvousHandler(RendezvousHandler):
         deadline = time.monotonic() + self.join_timeout_s
         next_log = time.monotonic() + 5
         next_closed_check = time.monotonic() + 1
+        version = 0
         while True:
-            data, _ = self.client.get_json(self.keys.plan)
+            data, _ = self.reader.get_json(self.keys.plan)
             plan = _parse_plan(data)
             if plan is not None and node in plan.nodes:
                 return plan
-            if self.client.get_json(self.keys.admitted(node))[0] is not None:
+            if self.reader.get_json(self.keys.admitted(node))[0] is not None:
                 return plan  # a late node, or a first one before the profile exists: its workers start now
             if self.member.fenced.is_set():
                 raise RendezvousClosedError(f"node {node} was fenced (lease expired) while waiting")
             now = time.monotonic()
             if now > next_closed_check:  # e.g. closed as failed: no plan will come
                 next_closed_check = now + 1
-                closed = read_closed(self.client, self.keys)
+                closed = read_closed(self.reader, self.keys)
                 if closed is not None:
                     reason = closed.reason
                     raise RendezvousClosedError(f"run {self.params.run_id} was closed while node {node} waited to "
@@ -246,7 +262,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
             if now > next_log:
                 log.info("node %s: waiting to be admitted (generation %s)", node, plan.generation if plan else "none")
                 next_log = now + 10
-            time.sleep(0.05)
+            version = self.view.wait(version, 0.5) if self.view is not None else version
 
     def plan_for(self, nodes: list[str], generation: int, previous: Optional[Plan] = None) -> Plan:
         """The planner the leader calls: templates from the job's profile (pinned in etcd);
@@ -285,12 +301,11 @@ class OobleckRendezvousHandler(RendezvousHandler):
         """The pinned profile, or pin the first valid worker-measured one; None when there is none."""
         if self._pinned is not None or self._read_pinned() is not None:
             return self._pinned
-        items = self.client._call(lambda: list(self.client.raw.get_prefix(self.keys.profiles)))
         candidates = []
-        for value, meta in items:
-            profile = self._valid(meta.key.decode(), value, meta.mod_revision, of_this_job=True)
+        for kv in self.client.range(self.keys.profiles)[1]:
+            profile = self._valid(kv.key, kv.value, kv.mod_revision, of_this_job=True)
             if profile is not None:
-                candidates.append((meta.create_revision, meta.key.decode(), profile))
+                candidates.append((kv.create_revision, kv.key, profile))
         if not candidates:
             return None
         candidates.sort(key=lambda c: c[0])
@@ -304,14 +319,14 @@ class OobleckRendezvousHandler(RendezvousHandler):
 
     def _pin(self, profile: ModelProfile) -> ModelProfile | None:
         """Put `profile` under `profile` unless one is there already; return whichever is pinned."""
-        self.client._call(self.client.raw.put_if_not_exists, self.keys.profile, json.dumps(profile.to_json()))
+        self.client.put_if_absent(self.keys.profile, json.dumps(profile.to_json()))
         return self._read_pinned()
 
     def _read_pinned(self) -> ModelProfile | None:
         if self._pinned is None:
-            value, meta = self.client._call(self.client.raw.get, self.keys.profile)
-            if value is not None:
-                self._pinned = self._valid(self.keys.profile, value, meta.mod_revision)
+            kv = self.client.get(self.keys.profile)
+            if kv is not None:
+                self._pinned = self._valid(self.keys.profile, kv.value, kv.mod_revision)
         return self._pinned
 
     def _valid(self, key: str, value: bytes, revision: int, *, of_this_job: bool = False) -> ModelProfile | None:

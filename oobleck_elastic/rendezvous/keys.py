@@ -145,6 +145,14 @@ class Keys:
     def store(self, generation: int) -> str:
         return f"{self.root}store/g{generation}/"
 
+    def agent_watched(self, node_id: str) -> list[str]:
+        """What an agent (and its leader, deputy and roll call) reads, mirrored by watches
+        (etcd/mirror.py): prefixes end with "/", the others are exact keys. The c10d store,
+        events, progress and the plan history are not in it: agents do not read them while
+        the job runs."""
+        return [self.nodes, self.plan, self.leader, self.fenced, self.root + "rollcall/", self.root + "admitted/",
+                self.root + "ready/", self.closed, self.ping(node_id), self.root + "pong/"]
+
 
 def sanitise(name: str) -> str:
     """A device name as one key segment: lower case, runs of anything but [a-z0-9._] become '-'

@@ -38,10 +38,11 @@ import json
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ..etcd import EtcdClient, EtcdError
-from ..etcd.client import warn_once
+from ..etcd.client import KV, warn_once
+from ..etcd.mirror import Mirror
 from ..planning import Plan, PlanningError
 from .detect import Deputy, RollCall
 from .keys import ClosedRecord, Event, Keys, NodeRecord, read_closed
@@ -50,6 +51,7 @@ from .membership import Member, live_nodes, put_event
 log = logging.getLogger(__name__)
 
 _FENCED_KEEP_S = 600.0
+_IDLE_S = 1.0  # the leader's tick while nothing waits on the clock (a change wakes it at once)
 Planner = Callable[[list[str], int, Optional[Plan]], Plan]  # (nodes, generation, previous plan)
 
 
@@ -63,8 +65,12 @@ class Leader:
     def __init__(self, client: EtcdClient, keys: Keys, member: Member, *, planner: Planner, min_nodes: int,
                  max_nodes: int, last_call_s: float, settle_s: float, tick_s: float = 0.05,
                  ping_timeout_s: float = 0.3, profile_ready: Callable[[], bool] | None = None,
-                 profile_timeout_s: float = 600.0, profile_log_s: float = 10.0) -> None:
+                 profile_timeout_s: float = 600.0, profile_log_s: float = 10.0, view: Any = None) -> None:
         self.client, self.keys, self.member = client, keys, member
+        # what the leader reads: a Mirror of `Keys.agent_watched` (no etcd request per tick; a change
+        # wakes the loop at once), or etcd itself when there is none (some tests)
+        self.view: Any = view if view is not None else client
+        self._version = 0
         self.planner = planner
         # whether the planner has its profile; before it has, the first nodes are admitted unplanned
         self.profile_ready: Callable[[], bool] = profile_ready or (lambda: True)
@@ -78,8 +84,8 @@ class Leader:
         self._value = b""
         self._waiting_for: Optional[int] = None
         self._unplannable: Optional[tuple[tuple[str, ...], int]] = None
-        self.rollcall = RollCall(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s)
-        self.deputy = Deputy(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s)
+        self.rollcall = RollCall(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view)
+        self.deputy = Deputy(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="oobleck-leader", daemon=True)
@@ -94,20 +100,37 @@ class Leader:
     def _run(self) -> None:
         while not self._stop.is_set() and not self.member.fenced.is_set():
             try:
-                if read_closed(self.client, self.keys) is not None:
+                if read_closed(self.view, self.keys) is not None:
                     pass  # the job is over: nothing to lead (agents leaving must not re-elect)
                 elif self._campaign():
                     self._lead()
-                elif self.deputy.check(_parse_plan(self.client.get_json(self.keys.plan)[0])):
+                elif self.deputy.check(_parse_plan(self.view.get_json(self.keys.plan)[0])):
                     continue  # the dead leader's lease is revoked: campaign at once
             except EtcdError as err:
                 log.warning("node %s: leader loop: %s", self.member.node_id, err)
             except Exception:  # noqa: BLE001 - keep the agent alive; log the bug loudly
                 log.exception("node %s: leader loop failed; retrying", self.member.node_id)
             self.is_leader.clear()
-            self._stop.wait(self.tick_s * 4)
+            self._pause(self.tick_s * 4)
+
+    def _pause(self, timeout: float) -> None:
+        """Wait `timeout`, or with a mirror until the next change it applies (whichever is first)."""
+        if isinstance(self.view, Mirror):
+            self._version = self.view.wait(self._version, timeout)
+        else:
+            self._stop.wait(timeout)
+
+    def _caught_up(self, key: str, done: Callable[[Any], bool]) -> None:
+        """After a write: wait (briefly) until the mirror shows it, so the next tick does not act
+        on the state before it."""
+        if isinstance(self.view, Mirror):
+            self.view.wait_for(lambda v: done(v.get(key)), timeout=2.0)
 
     def _campaign(self) -> bool:
+        current = self.view.get(self.keys.leader)
+        if current is not None and isinstance(self.view, Mirror):  # someone leads: no request needed
+            self._clear_bogus_leader(current)
+            return False
         value = json.dumps({"node_id": self.member.node_id, "since": time.time()}).encode()
         try:
             won = self.client.put_if_absent(self.keys.leader, value, lease=self.member.lease)
@@ -119,36 +142,34 @@ class Leader:
             return False
         if won:
             self._value = value
+            self._caught_up(self.keys.leader, lambda kv: kv is not None and kv.value == value)
             log.info("node %s: elected leader", self.member.node_id)
             put_event(self.client, self.keys, Event(time=time.time(), kind="leader", node=self.member.node_id,
                                                     detail="elected leader"))
         else:
-            self._clear_bogus_leader()
+            self._clear_bogus_leader(self.view.get(self.keys.leader))
         return bool(won)
 
-    def _clear_bogus_leader(self) -> None:
+    def _clear_bogus_leader(self, kv: Optional[KV]) -> None:
         """A `leader` value that no agent can have written (not a {node_id, since} record, or not
         bound to a lease, so it would never expire) would block every election for good: delete
         it, if it is still the same revision, so the next campaign can win."""
-        value, meta = self.client._call(self.client.raw.get, self.keys.leader)
-        if value is None:
+        if kv is None:
             return
         try:
-            record = json.loads(value)
-            bogus = not (isinstance(record, dict) and isinstance(record.get("node_id"), str)) or not meta.lease_id
+            record = json.loads(kv.value)
+            bogus = not (isinstance(record, dict) and isinstance(record.get("node_id"), str)) or not kv.lease
         except (ValueError, UnicodeDecodeError):
             bogus = True
         if bogus:
-            warn_once(self.keys.leader, meta.mod_revision,
-                      f"node {self.member.node_id}: removing a bogus value of {self.keys.leader} ({value[:60]!r}): "
+            warn_once(self.keys.leader, kv.mod_revision,
+                      f"node {self.member.node_id}: removing a bogus value of {self.keys.leader} ({kv.value[:60]!r}): "
                       "not an agent's leader record bound to a lease")
-            tx = self.client.raw.transactions
-            self.client._call(self.client.raw.transaction, compare=[tx.mod(self.keys.leader) == meta.mod_revision],
-                              success=[tx.delete(self.keys.leader)], failure=[])
+            self.client.delete(self.keys.leader, revision=kv.mod_revision)
 
     def _still_leader(self) -> bool:
-        value, _ = self.client._call(self.client.raw.get, self.keys.leader)
-        return value == self._value
+        kv = self.view.get(self.keys.leader)
+        return kv is not None and kv.value == self._value
 
     # ------------------------------------------------------------------ planning
     def _lead(self) -> None:
@@ -156,12 +177,12 @@ class Leader:
         first_quorum: Optional[float] = None
         change_seen: Optional[float] = None
         while not self._stop.is_set() and self._still_leader():
-            if read_closed(self.client, self.keys) is not None:
-                self._stop.wait(self.tick_s * 4)
+            if read_closed(self.view, self.keys) is not None:
+                self._pause(self.tick_s * 4)
                 continue
-            records = live_nodes(self.client, self.keys)
+            records = live_nodes(self.view, self.keys)
             up = [r for r in records if r.state == "up"]
-            data, rev = self.client.get_json(self.keys.plan)
+            data, rev = self.view.get_json(self.keys.plan)
             plan = _parse_plan(data, key=self.keys.plan, revision=rev)
             if plan is None and rev is not None:  # a value that is not a plan: generations go on from history
                 plan = newest_history_plan(self.client, self.keys)
@@ -199,7 +220,10 @@ class Leader:
                         change_seen = None
                 else:
                     change_seen = None
-            self._stop.wait(self.tick_s)
+            # with nothing pending on the clock, only a change can call for action: sleep until one
+            timers = plan is None or change_seen is not None or self.rollcall.open or self.client.outage_within(
+                self.member.lease_ttl_s + self.settle_s)
+            self._pause(self.tick_s if timers else _IDLE_S)
 
     def _outage_grace(self, plan: Plan, desired: list[str]) -> bool:
         """Whether to hold a re-plan that drops nodes because etcd was unreachable (or stalled)
@@ -216,7 +240,7 @@ class Leader:
     def _admit_first(self, up: list[NodeRecord], fenced: set[str]) -> list[str]:
         """Before the first plan: the nodes already admitted that are still up, plus new arrivals
         admitted while there is room (up to max_nodes), by index. Empty while nobody is admitted."""
-        admitted = {key.rsplit("/", 1)[1] for key, _ in self.client.get_prefix_json(self.keys.admitted(""))}
+        admitted = {key.rsplit("/", 1)[1] for key, _ in self.view.get_prefix_json(self.keys.admitted(""))}
         first = [r.node_id for r in up if r.node_id in admitted and r.node_id not in fenced]
         if not first:
             return []
@@ -238,7 +262,7 @@ class Leader:
         now = time.monotonic()
         if self._profile_wait is None:
             for node in nodes:
-                if self.client.get_json(self.keys.admitted(node))[0] is None:
+                if self.view.get_json(self.keys.admitted(node))[0] is None:
                     self.client.put_json(self.keys.admitted(node), {"time": time.time()})
             self._profile_wait = (now, now + self.profile_log_s)
             detail = (f"admitted {len(nodes)} node(s) ({', '.join(nodes)}); their workers start, and one per device "
@@ -273,7 +297,7 @@ class Leader:
         off from etcd must still find it when it comes back)."""
         live = {r.node_id for r in records}
         fenced = set()
-        for key, data in self.client.get_prefix_json(self.keys.fenced):
+        for key, data in self.view.get_prefix_json(self.keys.fenced):
             node = key.rsplit("/", 1)[1]
             if node in live:
                 fenced.add(node)
@@ -288,7 +312,7 @@ class Leader:
         for rec in up:
             if rec.node_id in plan.nodes or rec.node_id in fenced:
                 continue
-            if self.client.get_json(self.keys.admitted(rec.node_id))[0] is not None:
+            if self.view.get_json(self.keys.admitted(rec.node_id))[0] is not None:
                 members += 1
             elif members < self.max_nodes:
                 self.client.put_json(self.keys.admitted(rec.node_id), {"time": time.time()})
@@ -300,7 +324,7 @@ class Leader:
         waiting = set()
         for rec in up:
             if rec.node_id not in plan.nodes:
-                ready = sum(1 for _ in self.client.get_prefix_json(self.keys.ready(rec.node_id)))
+                ready = sum(1 for _ in self.view.get_prefix_json(self.keys.ready(rec.node_id)))
                 if ready < rec.devices:
                     waiting.add(rec.node_id)
         return waiting
@@ -343,6 +367,7 @@ class Leader:
                     for ev in events if ev.kind == "lost" and ev.node not in live)
         ok = self.client.transact(values={self.keys.leader: self._value}, revisions={self.keys.plan: rev}, puts=puts)
         if ok:
+            self._caught_up(self.keys.plan, lambda kv: kv is not None and kv.mod_revision != rev)
             log.info("node %s: published generation %d: %s", self.member.node_id, generation, events[-1].detail)
         else:
             log.info("node %s: plan generation %d lost a race (plan or leadership changed)", self.member.node_id,

@@ -119,7 +119,7 @@ class WorkerContext:
 
     def plan_at(self, generation: int) -> Optional[Plan]:
         """The plan of a past or current generation (from the leader's history)."""
-        data, _ = self.reader.get_json(self.keys.plan_at(generation))
+        data, _ = self.client.get_json(self.keys.plan_at(generation))  # at entry only: not mirrored
         return _parse_plan(data)
 
     def my_stage(self, plan: Plan) -> Optional[tuple[PipelineSpec, StagePlacement]]:

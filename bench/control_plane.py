@@ -1,0 +1,226 @@
+"""The control plane at scale: N simulated agents against one local etcd.
+
+Each simulated agent runs the real rendezvous code a node's torchrun agent runs, without torch
+workers: `Member` (registration, lease keep-alive), a `Mirror` of `Keys.agent_watched` and a
+`Leader` thread (election, deputy, planning with the real planner over a 6-layer profile). The
+agents live in `--procs` processes (threads inside; the agents of one process share one etcd
+client and its watch stream: the same requests and watches as one client each, fewer TCP
+connections). Measured per N:
+
+- `register_s`: start -> all N node records present;
+- `first_plan_s`: all present -> generation 1 published (the leader plans N nodes, `max_nodes=N`);
+- steady state, over `--window` seconds after the plan: etcd requests/s (gRPC messages received
+  by etcd, from its /metrics), split into lease keep-alives (one per node every TTL/3: the cost
+  of liveness) and everything else (which must not grow with N: nobody polls), and bytes/s in
+  and out of etcd;
+- `leader_cpu`: CPU seconds per second of the leader's thread over the window;
+- `kill_to_plan_s`: `--kill` agents stop at once without revoking anything (what a SIGKILL looks
+  like to etcd) -> the next plan is published: lease TTL + settle + planning.
+
+One JSON line per N on stdout; progress on stderr. Run:
+
+    .venv/bin/python bench/control_plane.py [--nodes 64 256 1000] [--kill 4] [--lease-ttl 2]
+        [--settle 0.5] [--window 10] [--procs 4]
+
+etcd is started here (a temp data dir) and stopped by PID at the end, as are the agent processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from oobleck_elastic.etcd import EtcdSettings, connect  # noqa: E402
+from oobleck_elastic.etcd.server import EtcdServer  # noqa: E402
+from oobleck_elastic.rendezvous.keys import Keys  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _planner(nodes_total: int):
+    from oobleck_elastic.config import load_config
+    from oobleck_elastic.planning import LayerProfile, ModelProfile, plan_job, templates_for
+
+    b = int(0.1 * 1024 ** 3)
+    profile = ModelProfile(layers=[LayerProfile(name=f"l{i}", forward_s=0.01, backward_s=0.02, param_bytes=b,
+                                                grad_bytes=b, optimizer_bytes=2 * b, activation_bytes=0)
+                                   for i in range(6)])
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [
+        "planning.device_memory_gb=1.25", "planning.memory_margin=0", "planning.gpus_per_node=1",
+        f"training.global_batch_size={8 * nodes_total}", "training.microbatch_size=2"])
+    templates = templates_for(cfg, profile)
+    return lambda nodes, generation, previous: plan_job(cfg, nodes=nodes, generation=generation,
+                                                        templates=templates, previous=previous).plan
+
+
+def _thread_cpu_s(native_id: int) -> float:
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def agents_process(endpoint: str, run_id: str, count: int, total: int, ttl: float, settle: float,
+                   commands: mp.Queue, answers: mp.Queue) -> None:
+    """Host `count` agents; obey commands: ("kill", k) stops k agents that do not lead, like a
+    SIGKILL; ("cpu",) answers the leader thread's CPU seconds if it is here; ("stop",) ends."""
+    from oobleck_elastic.etcd.mirror import Mirror
+    from oobleck_elastic.rendezvous.leader import Leader
+    from oobleck_elastic.rendezvous.membership import Member
+
+    client = connect(EtcdSettings(endpoint=endpoint, timeout_s=10.0))
+    keys = Keys("/oobleck", run_id)
+    planner = _planner(total)
+    agents = []
+    for _ in range(count):
+        member = Member(client, keys, devices=1, lease_ttl_s=ttl, host="sim")
+        member.register()
+        view = Mirror(client, keys.agent_watched(member.node_id), name=f"agent {member.node_id}").start()
+        leader = Leader(client, keys, member, planner=planner, min_nodes=total, max_nodes=total, last_call_s=1.0,
+                        settle_s=settle, view=view)
+        leader.start()
+        agents.append((member, view, leader))
+    answers.put(("ready", count))
+    while True:
+        command = commands.get()
+        if command[0] == "kill":
+            victims = [a for a in agents if not a[2].is_leader.is_set()][: command[1]]
+            for member, view, leader in victims:
+                leader.stop()
+                member.close(revoke=False)
+                view.close()
+                agents.remove((member, view, leader))
+            answers.put(("killed", len(victims)))
+        elif command[0] == "cpu":
+            here = [a[2] for a in agents if a[2].is_leader.is_set() and a[2]._thread is not None]
+            answers.put(("cpu", _thread_cpu_s(here[0]._thread.native_id) if here else None))
+        else:
+            for member, view, leader in agents:
+                leader.stop()
+                view.close()
+                member.close(revoke=True)
+            answers.put(("stopped", 0))
+            return
+
+
+def etcd_metrics(server: EtcdServer) -> dict[str, float]:
+    """Totals from etcd's /metrics: requests by method (gRPC messages received), bytes in and out."""
+    text = urllib.request.urlopen(f"{server.client_url}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {"rx_bytes": 0.0, "tx_bytes": 0.0}
+    for line in text.splitlines():
+        m = re.match(r'grpc_server_msg_received_total\{.*grpc_method="(\w+)".*\} ([0-9.e+]+)', line)
+        if m:
+            out[f"req:{m.group(1)}"] = out.get(f"req:{m.group(1)}", 0.0) + float(m.group(2))
+        m = re.match(r"etcd_network_client_grpc_(received|sent)_bytes_total ([0-9.e+]+)", line)
+        if m:
+            out["rx_bytes" if m.group(1) == "received" else "tx_bytes"] += float(m.group(2))
+    return out
+
+
+def _wait(what: str, predicate, timeout: float) -> float:
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: float) -> dict:
+    ctx = mp.get_context("spawn")
+    run_id = uuid.uuid4().hex[:8]
+    keys = Keys("/oobleck", run_id)
+    with EtcdServer(extra_args=["--unsafe-no-fsync", "--max-request-bytes", str(8 * 1024 * 1024)]) as server:
+        client = connect(EtcdSettings(endpoint=server.endpoint, timeout_s=10.0))
+        workers, channels = [], []
+        try:
+            procs = max(1, min(procs, n))
+            t0 = time.monotonic()
+            for p in range(procs):
+                commands, answers = ctx.Queue(), ctx.Queue()
+                count = n // procs + (1 if p < n % procs else 0)
+                proc = ctx.Process(target=agents_process, args=(server.endpoint, run_id, count, n, ttl, settle,
+                                                                 commands, answers), daemon=True)
+                proc.start()
+                workers.append(proc)
+                channels.append((commands, answers))
+            _wait("all nodes registered", lambda: client.count(keys.nodes) >= n, 600)
+            register_s = time.monotonic() - t0
+            print(f"[N={n}] {n} nodes registered in {register_s:.1f} s", file=sys.stderr)
+
+            def generation() -> int:
+                data, _ = client.get_json(keys.plan)
+                return data.get("generation", 0) if isinstance(data, dict) else 0
+            first_plan_s = _wait("first plan", lambda: generation() >= 1, 600)
+            print(f"[N={n}] generation 1 published {first_plan_s:.2f} s after all were present", file=sys.stderr)
+            for _, answers in channels:
+                answers.get(timeout=600)  # every agent has started (mirrors and leader threads)
+            time.sleep(max(2.0, ttl))
+
+            def leader_cpu() -> float:
+                for commands, answers in channels:
+                    commands.put(("cpu",))
+                found = [answers.get(timeout=60)[1] for _, answers in channels]
+                return next((c for c in found if c is not None), float("nan"))
+            cpu0, m0, w0 = leader_cpu(), etcd_metrics(server), time.monotonic()
+            time.sleep(window)
+            cpu1, m1, w1 = leader_cpu(), etcd_metrics(server), time.monotonic()
+            span = w1 - w0
+            rates = {k: (m1.get(k, 0.0) - m0.get(k, 0.0)) / span for k in m1}
+            keepalive = rates.get("req:LeaseKeepAlive", 0.0)
+            total = sum(v for k, v in rates.items() if k.startswith("req:"))
+            others = {k[4:]: round(v, 2) for k, v in rates.items() if k.startswith("req:") and v > 0
+                      and k != "req:LeaseKeepAlive"}
+            print(f"[N={n}] steady: {total:.1f} req/s ({keepalive:.1f} keep-alives), "
+                  f"{rates['tx_bytes'] / 1024:.1f} KiB/s out of etcd", file=sys.stderr)
+
+            g = generation()
+            commands, answers = channels[-1]
+            t_kill = time.monotonic()
+            commands.put(("kill", kill))
+            killed = answers.get(timeout=60)[1]
+            _wait("plan after the kill", lambda: generation() > g, 600)
+            kill_to_plan_s = time.monotonic() - t_kill
+            print(f"[N={n}] {killed} agents killed: generation {g + 1} published {kill_to_plan_s:.2f} s later",
+                  file=sys.stderr)
+            return {"bench": "control_plane", "nodes": n, "procs": procs, "lease_ttl_s": ttl, "settle_s": settle,
+                    "register_s": round(register_s, 2), "first_plan_s": round(first_plan_s, 3),
+                    "steady_requests_per_s": round(total, 2), "steady_keepalives_per_s": round(keepalive, 2),
+                    "steady_other_requests_per_s": round(total - keepalive, 2), "other_requests_by_method": others,
+                    "steady_rx_bytes_per_s": round(rates["rx_bytes"]), "steady_tx_bytes_per_s": round(rates["tx_bytes"]),
+                    "leader_cpu_s_per_s": round((cpu1 - cpu0) / span, 4), "killed": killed,
+                    "kill_to_plan_s": round(kill_to_plan_s, 3)}
+        finally:
+            for commands, _ in channels:
+                commands.put(("stop",))
+            for proc in workers:
+                proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.kill()
+            client.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[64, 256, 1000])
+    ap.add_argument("--kill", type=int, default=4, help="agents killed at once (default 4)")
+    ap.add_argument("--lease-ttl", type=float, default=2.0)
+    ap.add_argument("--settle", type=float, default=0.5)
+    ap.add_argument("--window", type=float, default=10.0, help="steady-state measurement window, seconds")
+    ap.add_argument("--procs", type=int, default=4, help="processes hosting the agents")
+    args = ap.parse_args(argv)
+    for n in args.nodes:
+        print(json.dumps(run(n, procs=args.procs, kill=args.kill, ttl=args.lease_ttl, settle=args.settle,
+                             window=args.window)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
