@@ -19,7 +19,7 @@ connections). Measured per N:
 
 One JSON line per N on stdout; progress on stderr. Run:
 
-    .venv/bin/python bench/control_plane.py [--nodes 64 256 1000] [--kill 4] [--lease-ttl 2]
+    .venv/bin/python bench/control_plane.py [--nodes 64 256 1000] [--kill 4] [--lease-ttl 5]
         [--settle 0.5] [--window 10] [--procs 4]
 
 etcd is started here (a temp data dir) and stopped by PID at the end, as are the agent processes.
@@ -32,6 +32,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import signal
 import sys
 import time
 import urllib.request
@@ -166,7 +167,7 @@ def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: flo
             time.sleep(max(2.0, ttl))
 
             def leader_cpu() -> float:
-                for commands, answers in channels:
+                for commands, _ in channels:
                     commands.put(("cpu",))
                 found = [answers.get(timeout=60)[1] for _, answers in channels]
                 return next((c for c in found if c is not None), float("nan"))
@@ -195,7 +196,8 @@ def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: flo
                     "register_s": round(register_s, 2), "first_plan_s": round(first_plan_s, 3),
                     "steady_requests_per_s": round(total, 2), "steady_keepalives_per_s": round(keepalive, 2),
                     "steady_other_requests_per_s": round(total - keepalive, 2), "other_requests_by_method": others,
-                    "steady_rx_bytes_per_s": round(rates["rx_bytes"]), "steady_tx_bytes_per_s": round(rates["tx_bytes"]),
+                    "steady_rx_bytes_per_s": round(rates["rx_bytes"]),
+                    "steady_tx_bytes_per_s": round(rates["tx_bytes"]),
                     "leader_cpu_s_per_s": round((cpu1 - cpu0) / span, 4), "killed": killed,
                     "kill_to_plan_s": round(kill_to_plan_s, 3)}
         finally:
@@ -208,11 +210,17 @@ def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: flo
             client.close()
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(f"stopped by signal {signum}")  # unwinds: agents and etcd are stopped by PID
+
+
 def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, nargs="+", default=[64, 256, 1000])
     ap.add_argument("--kill", type=int, default=4, help="agents killed at once (default 4)")
-    ap.add_argument("--lease-ttl", type=float, default=2.0)
+    ap.add_argument("--lease-ttl", type=float, default=5.0,
+                    help="lease TTL, seconds (default 5, as fault_tolerance.lease_ttl_s)")
     ap.add_argument("--settle", type=float, default=0.5)
     ap.add_argument("--window", type=float, default=10.0, help="steady-state measurement window, seconds")
     ap.add_argument("--procs", type=int, default=4, help="processes hosting the agents")

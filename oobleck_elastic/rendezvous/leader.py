@@ -71,6 +71,7 @@ class Leader:
         # wakes the loop at once), or etcd itself when there is none (some tests)
         self.view: Any = view if view is not None else client
         self._version = 0
+        self._plan_cache: Optional[tuple[int, Optional[Plan]]] = None
         self.planner = planner
         # whether the planner has its profile; before it has, the first nodes are admitted unplanned
         self.profile_ready: Callable[[], bool] = profile_ready or (lambda: True)
@@ -104,7 +105,7 @@ class Leader:
                     pass  # the job is over: nothing to lead (agents leaving must not re-elect)
                 elif self._campaign():
                     self._lead()
-                elif self.deputy.check(_parse_plan(self.view.get_json(self.keys.plan)[0])):
+                elif self.deputy.check(self._current_plan()[0]):
                     continue  # the dead leader's lease is revoked: campaign at once
             except EtcdError as err:
                 log.warning("node %s: leader loop: %s", self.member.node_id, err)
@@ -112,6 +113,18 @@ class Leader:
                 log.exception("node %s: leader loop failed; retrying", self.member.node_id)
             self.is_leader.clear()
             self._pause(self.tick_s * 4)
+
+    def _current_plan(self) -> tuple[Optional[Plan], Optional[int]]:
+        """(plan, mod revision) of the `plan` key: (None, None) if absent, (None, rev) if not a
+        plan. Parsed once per revision (a plan of 1,000 nodes takes milliseconds to parse, and
+        every agent looks at it every tick)."""
+        kv = self.view.get(self.keys.plan)
+        if kv is None:
+            return None, None
+        if self._plan_cache is None or self._plan_cache[0] != kv.mod_revision:
+            data, _ = self.view.get_json(self.keys.plan)
+            self._plan_cache = (kv.mod_revision, _parse_plan(data, key=self.keys.plan, revision=kv.mod_revision))
+        return self._plan_cache[1], kv.mod_revision
 
     def _pause(self, timeout: float) -> None:
         """Wait `timeout`, or with a mirror until the next change it applies (whichever is first)."""
@@ -182,8 +195,7 @@ class Leader:
                 continue
             records = live_nodes(self.view, self.keys)
             up = [r for r in records if r.state == "up"]
-            data, rev = self.view.get_json(self.keys.plan)
-            plan = _parse_plan(data, key=self.keys.plan, revision=rev)
+            plan, rev = self._current_plan()
             if plan is None and rev is not None:  # a value that is not a plan: generations go on from history
                 plan = newest_history_plan(self.client, self.keys)
             if plan is None:
@@ -357,16 +369,22 @@ class Leader:
             return
         self._waiting_for = None
         events = self._events(plan, old, records, lost)
-        blob = json.dumps(plan.to_json(), sort_keys=True)
-        puts = {self.keys.plan: blob, self.keys.plan_at(generation): blob}
-        puts.update((self.keys.event(ev.node), json.dumps(ev.to_json())) for ev in events)
         live = {r.node_id for r in records}
-        # a node dropped because its record vanished is fenced too: if it was only cut off from etcd,
-        # it learns from this, when it comes back, that the job moved on without it (membership.py)
-        puts.update((self.keys.fenced + ev.node, json.dumps({"time": time.time(), "generation": generation}))
-                    for ev in events if ev.kind == "lost" and ev.node not in live)
+        # a node dropped because its record vanished is fenced first: if it was only cut off from
+        # etcd, it learns from this, when it comes back, that the job moved on without it
+        # (membership.py); a plan that loses the race below leaves a harmless entry behind
+        for ev in events:
+            if ev.kind == "lost" and ev.node not in live:
+                self.client.put_json(self.keys.fenced + ev.node, {"time": time.time(), "generation": generation})
+        blob = json.dumps(plan.to_json(), sort_keys=True)
+        # one transaction of a bounded size (etcd's --max-txn-ops, 128 by default) whatever the number
+        # of nodes involved: the plan, its history entry and the plan event; per-node events follow
+        puts = {self.keys.plan: blob, self.keys.plan_at(generation): blob,
+                self.keys.event(events[-1].node): json.dumps(events[-1].to_json())}
         ok = self.client.transact(values={self.keys.leader: self._value}, revisions={self.keys.plan: rev}, puts=puts)
         if ok:
+            for ev in events[:-1]:
+                put_event(self.client, self.keys, ev)
             self._caught_up(self.keys.plan, lambda kv: kv is not None and kv.mod_revision != rev)
             log.info("node %s: published generation %d: %s", self.member.node_id, generation, events[-1].detail)
         else:
