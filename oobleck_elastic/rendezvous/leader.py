@@ -44,6 +44,7 @@ from ..etcd import EtcdClient, EtcdError
 from ..etcd.client import KV, warn_once
 from ..etcd.mirror import Mirror
 from ..planning import Plan, PlanningError
+from .decide import Action, Clocks, LeaderView, Rules, decide, desired_nodes
 from .detect import Deputy, RollCall
 from .keys import ClosedRecord, Event, Keys, NodeRecord, read_closed
 from .membership import Member, live_nodes, put_event
@@ -51,6 +52,7 @@ from .membership import Member, live_nodes, put_event
 log = logging.getLogger(__name__)
 
 _FENCED_KEEP_S = 600.0
+_TXN_EVENTS = 100  # events written in the plan's transaction at most (etcd allows 128 operations)
 _IDLE_S = 1.0  # the leader's tick while nothing waits on the clock (a change wakes it at once)
 Planner = Callable[[list[str], int, Optional[Plan]], Plan]  # (nodes, generation, previous plan)
 
@@ -186,9 +188,12 @@ class Leader:
 
     # ------------------------------------------------------------------ planning
     def _lead(self) -> None:
+        """The leader's loop: read the mirror into a `LeaderView`, run the roll call (pings), then
+        do what `decide` says (decide.py holds every rule; this loop only does the I/O)."""
         self.is_leader.set()
-        first_quorum: Optional[float] = None
-        change_seen: Optional[float] = None
+        clocks = Clocks()
+        rules = Rules(min_nodes=self.min_nodes, max_nodes=self.max_nodes, last_call_s=self.last_call_s,
+                      settle_s=self.settle_s)
         while not self._stop.is_set() and self._still_leader():
             if read_closed(self.view, self.keys) is not None:
                 self._pause(self.tick_s * 4)
@@ -198,71 +203,39 @@ class Leader:
             plan, rev = self._current_plan()
             if plan is None and rev is not None:  # a value that is not a plan: generations go on from history
                 plan = newest_history_plan(self.client, self.keys)
-            if plan is None:
-                fenced = self._fenced(records)
-                first = self._admit_first(up, fenced)
-                if first:  # the first nodes were chosen (and their workers started): plan them
-                    self._first_plan(first, rev, records)
-                elif len(up) >= self.min_nodes:
-                    first_quorum = first_quorum or time.monotonic()
-                    if len(up) >= self.max_nodes or time.monotonic() - first_quorum >= self.last_call_s:
-                        self._first_plan([r.node_id for r in up][: self.max_nodes], rev, records)
-                else:
-                    first_quorum = None
-            else:
+            fenced = self._fenced(records)
+            if plan is not None:
                 self._profile_wait = None
-                fenced = self._fenced(records)
                 dead = self.rollcall.check(plan, records)
                 if dead is not None:  # workers saw a failure: re-plan now, without unresponsive nodes
                     for node in dead:
                         self.client.put_json(self.keys.fenced + node,
                                              {"time": time.time(), "generation": plan.generation})
-                    self._publish(self._desired(plan, up, fenced | set(dead)), plan, rev, records, lost=set(dead))
+                    nodes = desired_nodes(plan, [r.node_id for r in up], fenced | set(dead), self.max_nodes)
+                    self._publish(nodes, plan, rev, records, lost=set(dead))
                     self.rollcall.reset()
-                    change_seen = None
+                    clocks = Clocks()
                     continue
-                self._admit(plan, up, fenced)
-                desired = self._desired(plan, up, fenced | self._not_ready(plan, up))
-                if self._outage_grace(plan, desired):
-                    change_seen = None
-                elif desired != list(plan.nodes):
-                    change_seen = change_seen or time.monotonic()
-                    if time.monotonic() - change_seen >= self.settle_s:
-                        self._publish(desired, plan, rev, records)
-                        change_seen = None
-                else:
-                    change_seen = None
+            view = LeaderView(up=tuple(r.node_id for r in up), plan=plan, fenced=frozenset(fenced),
+                              admitted=frozenset(k.rsplit("/", 1)[1]
+                                                 for k, _ in self.view.get_prefix_json(self.keys.admitted(""))),
+                              not_ready=frozenset(self._not_ready(plan, up)) if plan is not None else frozenset(),
+                              outage_recent=self.client.outage_within(self.member.lease_ttl_s + self.settle_s))
+            decision = decide(view, clocks, time.monotonic(), rules)
+            clocks = decision.clocks
+            for node in decision.admit:
+                self.client.put_json(self.keys.admitted(node), {"time": time.time()})
+            if decision.held:
+                warn_once(self.keys.nodes, plan.generation if plan else 0,
+                          f"node {self.member.node_id}: node(s) {', '.join(decision.held)} missing right after an "
+                          "etcd outage: waiting a lease TTL for them to renew before re-planning")
+            if decision.action == Action.FIRST_PLAN:
+                self._first_plan(list(decision.nodes), rev, records)
+            elif decision.action == Action.REPLAN:
+                self._publish(list(decision.nodes), plan, rev, records)
             # with nothing pending on the clock, only a change can call for action: sleep until one
-            timers = plan is None or change_seen is not None or self.rollcall.open or self.client.outage_within(
-                self.member.lease_ttl_s + self.settle_s)
-            self._pause(self.tick_s if timers else _IDLE_S)
-
-    def _outage_grace(self, plan: Plan, desired: list[str]) -> bool:
-        """Whether to hold a re-plan that drops nodes because etcd was unreachable (or stalled)
-        within the last lease TTL + settle window: a stalled etcd expires every lease at once when
-        it resumes, and the nodes renew their membership within a TTL (membership.py), so an etcd
-        outage must not look like lost nodes."""
-        dropped = [n for n in plan.nodes if n not in desired]
-        if not dropped or not self.client.outage_within(self.member.lease_ttl_s + self.settle_s):
-            return False
-        warn_once(self.keys.nodes, plan.generation, f"node {self.member.node_id}: node(s) {', '.join(dropped)} "
-                  "missing right after an etcd outage: waiting a lease TTL for them to renew before re-planning")
-        return True
-
-    def _admit_first(self, up: list[NodeRecord], fenced: set[str]) -> list[str]:
-        """Before the first plan: the nodes already admitted that are still up, plus new arrivals
-        admitted while there is room (up to max_nodes), by index. Empty while nobody is admitted."""
-        admitted = {key.rsplit("/", 1)[1] for key, _ in self.view.get_prefix_json(self.keys.admitted(""))}
-        first = [r.node_id for r in up if r.node_id in admitted and r.node_id not in fenced]
-        if not first:
-            return []
-        for rec in up:
-            if len(first) >= self.max_nodes:
-                break
-            if rec.node_id not in admitted and rec.node_id not in fenced:
-                self.client.put_json(self.keys.admitted(rec.node_id), {"time": time.time()})
-                first.append(rec.node_id)
-        return first[: self.max_nodes]
+            waiting = decision.action != Action.NONE or plan is None or self.rollcall.open
+            self._pause(self.tick_s if waiting else _IDLE_S)
 
     def _first_plan(self, nodes: list[str], rev: int | None, records: list[NodeRecord]) -> None:
         """Publish generation 1 on `nodes` when the profile is at hand; otherwise admit them (their
@@ -317,19 +290,6 @@ class Leader:
                 self.client.delete(key)
         return fenced
 
-    def _admit(self, plan: Plan, up: list[NodeRecord], fenced: set[str]) -> None:
-        """Let the agents of nodes that arrived while the job runs start their workers (up to max)."""
-        alive = {r.node_id for r in up} - fenced
-        members = sum(1 for n in plan.nodes if n in alive)
-        for rec in up:
-            if rec.node_id in plan.nodes or rec.node_id in fenced:
-                continue
-            if self.view.get_json(self.keys.admitted(rec.node_id))[0] is not None:
-                members += 1
-            elif members < self.max_nodes:
-                self.client.put_json(self.keys.admitted(rec.node_id), {"time": time.time()})
-                members += 1
-
     def _not_ready(self, plan: Plan, up: list[NodeRecord]) -> set[str]:
         """New nodes whose workers have not all said they are ready: a plan with them would make
         every worker wait in init_process_group while theirs are still importing torch."""
@@ -340,13 +300,6 @@ class Leader:
                 if ready < rec.devices:
                     waiting.add(rec.node_id)
         return waiting
-
-    def _desired(self, plan: Plan, up: list[NodeRecord], exclude: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
-        """Current members that are still up, in plan order, then new nodes by index, up to max."""
-        alive = {r.node_id for r in up} - set(exclude)
-        keep = [n for n in plan.nodes if n in alive]
-        new = [r.node_id for r in up if r.node_id in alive and r.node_id not in plan.nodes]
-        return (keep + new)[: self.max_nodes]
 
     def _publish(self, nodes: list[str], old: Optional[Plan], rev: Optional[int], records: list[NodeRecord],
                  lost: set[str] = frozenset()) -> None:  # type: ignore[assignment]
@@ -377,13 +330,14 @@ class Leader:
             if ev.kind == "lost" and ev.node not in live:
                 self.client.put_json(self.keys.fenced + ev.node, {"time": time.time(), "generation": generation})
         blob = json.dumps(plan.to_json(), sort_keys=True)
-        # one transaction of a bounded size (etcd's --max-txn-ops, 128 by default) whatever the number
-        # of nodes involved: the plan, its history entry and the plan event; per-node events follow
-        puts = {self.keys.plan: blob, self.keys.plan_at(generation): blob,
-                self.keys.event(events[-1].node): json.dumps(events[-1].to_json())}
+        # the plan, its history entry and its events in one transaction, within etcd's limit on
+        # operations per transaction (--max-txn-ops, 128 by default): beyond it, per-node events follow
+        inline = events if len(events) <= _TXN_EVENTS else events[-1:]
+        puts = {self.keys.plan: blob, self.keys.plan_at(generation): blob}
+        puts.update((self.keys.event(ev.node), json.dumps(ev.to_json())) for ev in inline)
         ok = self.client.transact(values={self.keys.leader: self._value}, revisions={self.keys.plan: rev}, puts=puts)
         if ok:
-            for ev in events[:-1]:
+            for ev in events[:-1] if inline is not events else []:
                 put_event(self.client, self.keys, ev)
             self._caught_up(self.keys.plan, lambda kv: kv is not None and kv.mod_revision != rev)
             log.info("node %s: published generation %d: %s", self.member.node_id, generation, events[-1].detail)

@@ -1,0 +1,79 @@
+"""The leader's decisions (rendezvous/decide.py) on made-up views: no etcd, no threads."""
+
+from __future__ import annotations
+
+from oobleck_elastic.rendezvous.decide import Action, Clocks, LeaderView, Rules, decide
+
+from helpers import layout_plan
+
+RULES = Rules(min_nodes=2, max_nodes=4, last_call_s=1.0, settle_s=0.5)
+
+
+def plan_of(nodes: int):
+    """A plan on n0..n{nodes-1} (one-stage pipelines of one node each)."""
+    return layout_plan([[(0, 6)]] * nodes, [2] * nodes, generation=1)
+
+
+def test_below_min_nodes_nothing_happens() -> None:
+    d = decide(LeaderView(up=("n0",)), Clocks(first_quorum=3.0), 10.0, RULES)
+    assert d.action == Action.NONE and d.clocks.first_quorum is None
+
+
+def test_the_first_plan_waits_a_last_call_for_more_nodes() -> None:
+    view = LeaderView(up=("n0", "n1"))
+    d = decide(view, Clocks(), 10.0, RULES)
+    assert d.action == Action.WAIT and d.clocks.first_quorum == 10.0
+    d = decide(view, d.clocks, 10.9, RULES)
+    assert d.action == Action.WAIT
+    d = decide(view, d.clocks, 11.0, RULES)
+    assert d.action == Action.FIRST_PLAN and d.nodes == ("n0", "n1")
+
+
+def test_max_nodes_up_plans_at_once_and_leaves_the_rest_as_spares() -> None:
+    d = decide(LeaderView(up=("n0", "n1", "n2", "n3", "n4")), Clocks(), 10.0, RULES)
+    assert d.action == Action.FIRST_PLAN and d.nodes == ("n0", "n1", "n2", "n3")
+
+
+def test_admitted_first_nodes_are_planned_with_new_arrivals_up_to_max() -> None:
+    view = LeaderView(up=("n0", "n1", "n2", "n3", "n4", "n5"), admitted=frozenset({"n1", "n2"}),
+                      fenced=frozenset({"n0"}))
+    d = decide(view, Clocks(), 10.0, RULES)
+    assert d.action == Action.FIRST_PLAN and d.nodes == ("n1", "n2", "n3", "n4") and d.admit == ("n3", "n4")
+
+
+def test_a_lost_node_is_replanned_after_the_settle_window() -> None:
+    view = LeaderView(up=("n0", "n1", "n3"), plan=plan_of(4))
+    d = decide(view, Clocks(), 10.0, RULES)
+    assert d.action == Action.WAIT and d.clocks.change_seen == 10.0
+    d = decide(view, d.clocks, 10.5, RULES)
+    assert d.action == Action.REPLAN and d.nodes == ("n0", "n1", "n3") and d.clocks.change_seen is None
+
+
+def test_a_change_that_reverts_within_the_settle_window_is_not_replanned() -> None:
+    d = decide(LeaderView(up=("n0", "n1", "n3"), plan=plan_of(4)), Clocks(), 10.0, RULES)
+    d = decide(LeaderView(up=("n0", "n1", "n2", "n3"), plan=plan_of(4)), d.clocks, 10.2, RULES)
+    assert d.action == Action.NONE and d.clocks.change_seen is None
+
+
+def test_right_after_an_etcd_outage_missing_nodes_are_held_not_replanned() -> None:
+    view = LeaderView(up=("n0",), plan=plan_of(4), outage_recent=True)
+    d = decide(view, Clocks(change_seen=1.0), 10.0, RULES)
+    assert d.action == Action.WAIT and d.held == ("n1", "n2", "n3") and d.clocks.change_seen is None
+    d = decide(LeaderView(up=("n0",), plan=plan_of(4)), d.clocks, 10.1, RULES)  # the grace is over
+    assert d.action == Action.WAIT and d.clocks.change_seen == 10.1
+
+
+def test_a_fenced_node_is_dropped_even_with_a_record() -> None:
+    d = decide(LeaderView(up=("n0", "n1", "n2", "n3"), plan=plan_of(4), fenced=frozenset({"n2"})),
+               Clocks(change_seen=9.0), 10.0, RULES)
+    assert d.action == Action.REPLAN and d.nodes == ("n0", "n1", "n3")
+
+
+def test_late_nodes_are_admitted_while_there_is_room_and_planned_once_ready() -> None:
+    view = LeaderView(up=("n0", "n1", "n4", "n5", "n6"), plan=plan_of(2), not_ready=frozenset({"n4", "n5", "n6"}))
+    d = decide(view, Clocks(), 10.0, RULES)
+    assert d.action == Action.NONE and d.admit == ("n4", "n5")  # n6 would exceed max_nodes: a spare
+    view = LeaderView(up=("n0", "n1", "n4", "n5", "n6"), plan=plan_of(2), admitted=frozenset({"n4", "n5"}),
+                      not_ready=frozenset({"n5", "n6"}))
+    d = decide(view, Clocks(change_seen=9.0), 10.0, RULES)
+    assert d.action == Action.REPLAN and d.nodes == ("n0", "n1", "n4") and d.admit == ()
