@@ -124,3 +124,24 @@ def test_conditional_puts(etcd_settings, run_id, verb) -> None:
         assert client.count(f"/t/{run_id}/") == (1 if verb == "put_if_absent" else 0)
     finally:
         client.close()
+
+
+def test_exact_keys_and_prefixes_added_and_removed_while_running(etcd_settings, run_id) -> None:
+    client = connect(etcd_settings)
+    root = f"/t/{run_id}/"
+    for key, value in (("plan", "p"), ("plans/1", "h"), ("nodes/a", "1"), ("nodes/b", "2")):
+        client.put(root + key, value)
+    mirror = Mirror(client, [root + "plan"]).start()  # an exact key: not plans/1
+    try:
+        assert mirror.get(root + "plan").value == b"p" and mirror.get(root + "plans/1") is None
+        mirror.add([root + "nodes/", root + "nodes/a"])
+        assert [kv.key for kv in mirror.range(root + "nodes/")] == [root + "nodes/a", root + "nodes/b"]
+        mirror.remove([root + "nodes/"])  # nodes/a stays: still mirrored as an exact key
+        assert [kv.key for kv in mirror.range(root + "nodes/")] == [root + "nodes/a"]
+        client.put(root + "nodes/c", "3")
+        client.put(root + "nodes/a", "4")
+        _eventually(lambda: mirror.get(root + "nodes/a").value == b"4")
+        assert mirror.get(root + "nodes/c") is None
+    finally:
+        mirror.close()
+        client.close()

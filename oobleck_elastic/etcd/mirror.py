@@ -63,6 +63,31 @@ class Mirror:
             self._sync(prefix)
         return self
 
+    def add(self, prefixes: list[str]) -> None:
+        """Mirror these prefixes (or exact keys) too, from now on."""
+        for prefix in prefixes:
+            if prefix not in self._revision:
+                self.prefixes.append(prefix)
+                self._revision[prefix] = 0
+                self._sync(prefix)
+
+    def remove(self, prefixes: list[str]) -> None:
+        """Stop mirroring these (keys still covered by another prefix stay)."""
+        for prefix in prefixes:
+            if prefix not in self._revision:
+                continue
+            self.prefixes.remove(prefix)
+            del self._revision[prefix]
+            watch_id = self._watch.pop(prefix, None)
+            if watch_id is not None:
+                self.client.cancel_watch(watch_id)
+            with self._cond:
+                for key in [k for k in self._data if _covers(prefix, k)]:
+                    if not any(_covers(other, key) for other in self.prefixes):
+                        del self._data[key]
+                    self._parsed.pop(key, None)
+                self._changed()
+
     def close(self) -> None:
         self._closed = True
         for watch_id in list(self._watch.values()):
@@ -76,7 +101,7 @@ class Mirror:
         exact = not prefix.endswith("/")
         revision, kvs = self.client.range(prefix, exact=exact)
         with self._cond:
-            for key in [k for k in self._data if (k == prefix if exact else k.startswith(prefix))]:
+            for key in [k for k in self._data if _covers(prefix, k)]:
                 del self._data[key]
             self._data.update((kv.key, kv) for kv in kvs)
             self._revision[prefix] = revision
@@ -90,7 +115,7 @@ class Mirror:
 
     def _on_response(self, prefix: str, response: Any) -> None:
         """A watch response (apply it), or the end of the stream (an exception or None: resume)."""
-        if self._closed:
+        if self._closed or prefix not in self._revision:  # closed, or a late answer for a removed prefix
             return
         events = getattr(response, "events", None)
         if events is None:  # the stream ended; pyetcd calls back from its own thread, so resume in another
@@ -113,7 +138,7 @@ class Mirror:
 
     def _resume(self, prefix: str, compacted: bool) -> None:
         self._watch.pop(prefix, None)
-        while not self._closed:
+        while not self._closed and prefix in self._revision:
             try:
                 if compacted:
                     log.warning("%s: etcd compacted the history after revision %d; listing %s again", self.name,
@@ -192,3 +217,8 @@ class Mirror:
                 return False
             version = self.wait(version, left)
         return True
+
+
+def _covers(prefix: str, key: str) -> bool:
+    """Whether a mirrored `prefix` (ending in "/") or exact key covers `key`."""
+    return key.startswith(prefix) if prefix.endswith("/") else key == prefix

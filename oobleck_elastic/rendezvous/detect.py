@@ -156,7 +156,7 @@ class Deputy:
         if w["done"] or pinger.answered(leader_node) or pinger.waited(leader_node) < 2 * self.ping_timeout_s:
             return False
         w["done"] = True
-        data, _ = self.reader.get_json(self.keys.node(leader_node))
+        data, _ = self.client.get_json(self.keys.node(leader_node))  # not mirrored by non-leaders
         rec = NodeRecord.parse(data, key=self.keys.node(leader_node)) if data is not None else None
         detail = (f"leader {leader_node} did not answer a ping during the roll call of generation "
                   f"{plan.generation}; revoked its lease")

@@ -146,12 +146,17 @@ class Keys:
         return f"{self.root}store/g{generation}/"
 
     def agent_watched(self, node_id: str) -> list[str]:
-        """What an agent (and its leader, deputy and roll call) reads, mirrored by watches
-        (etcd/mirror.py): prefixes end with "/", the others are exact keys. The c10d store,
-        events, progress and the plan history are not in it: agents do not read them while
-        the job runs."""
-        return [self.nodes, self.plan, self.leader, self.fenced, self.root + "rollcall/", self.root + "admitted/",
-                self.root + "ready/", self.closed, self.ping(node_id), self.root + "pong/"]
+        """What every agent reads (its deputy and its wait to be admitted), mirrored by watches
+        (etcd/mirror.py): prefixes end with "/", the others are exact keys. What only the leader
+        reads is in `leader_watched`; the c10d store, events, progress and the plan history are in
+        neither: agents do not read them while the job runs. So a node record that changes wakes
+        the leader alone, not every agent."""
+        return [self.plan, self.leader, self.closed, self.root + "rollcall/", self.ping(node_id),
+                self.admitted(node_id), self.root + "pong/"]
+
+    def leader_watched(self) -> list[str]:
+        """What the leader reads besides `agent_watched` (mirrored while it leads)."""
+        return [self.nodes, self.fenced, self.root + "admitted/", self.root + "ready/"]
 
 
 def sanitise(name: str) -> str:

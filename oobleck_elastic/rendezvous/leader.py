@@ -188,6 +188,16 @@ class Leader:
 
     # ------------------------------------------------------------------ planning
     def _lead(self) -> None:
+        """Mirror what the leader reads while it leads (`Keys.leader_watched`), and lead."""
+        if isinstance(self.view, Mirror):
+            self.view.add(self.keys.leader_watched())
+        try:
+            self._lead_loop()
+        finally:
+            if isinstance(self.view, Mirror) and not self.view.error:
+                self.view.remove(self.keys.leader_watched())
+
+    def _lead_loop(self) -> None:
         """The leader's loop: read the mirror into a `LeaderView`, run the roll call (pings), then
         do what `decide` says (decide.py holds every rule; this loop only does the I/O)."""
         self.is_leader.set()
