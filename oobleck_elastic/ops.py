@@ -10,6 +10,7 @@ agent exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -17,7 +18,7 @@ from typing import Callable, Optional
 
 from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
 from .planning import Plan, PlanningError
-from .rendezvous.keys import Event, Keys, NodeRecord, read_closed, read_progress
+from .rendezvous.keys import Event, Keys, read_closed, read_progress
 from .rendezvous.membership import live_nodes, put_event, read_events
 
 
@@ -42,8 +43,7 @@ def open_run(args: argparse.Namespace) -> tuple[EtcdClient, Keys]:
                             user=args.user, password=args.password, timeout_s=5.0)
     client = connect(settings)
     keys = Keys(args.key_prefix, args.run_id)
-    resp = client._call(client.raw.get_prefix_response, keys.root, keys_only=True, limit=1)
-    if not resp.count:
+    if not client.count(keys.root):
         client.close()
         raise OpsError(f"run '{args.run_id}' not found at {args.endpoint} (no keys under {keys.root}): "
                        "check --run-id and --key-prefix")
@@ -86,12 +86,10 @@ def kill_agent(client: EtcdClient, keys: Keys, index: int) -> str:
     if rec.state == "draining":
         return f"node {rec.node_id} (index {index}) is already draining"
     key = keys.node(rec.node_id)
-    raw = client.raw
-    _, meta = client._call(raw.get, key)
-    tx = raw.transactions
-    draining = NodeRecord(**{**rec.__dict__, "state": "draining"})
-    ok, _ = client._call(raw.transaction, compare=[tx.mod(key) == meta.mod_revision],
-                         success=[tx.put(key, json.dumps(draining.to_json()), lease=rec.lease_id)], failure=[])
+    kv = client.get(key)
+    draining = dataclasses.replace(rec, state="draining")
+    ok = kv is not None and client.put_if_revision(key, json.dumps(draining.to_json()), kv.mod_revision,
+                                                   lease=rec.lease_id)
     if not ok:
         raise OpsError(f"node {rec.node_id} changed while draining it; try again")
     put_event(client, keys, Event(time=time.time(), kind="drain", node=rec.node_id,

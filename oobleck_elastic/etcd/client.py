@@ -23,15 +23,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import grpc
 import pyetcd
+import pyetcd.etcdrpc
 import pyetcd.exceptions
+from pyetcd.client import EtcdTokenCallCredentials
 
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "OOBLECK_ETCD_"
 _RETRY_S = 0.25
 _MEMBER_RETRY_S = 1.0
-_STALL_S = 1.0  # a request answered later than this counts as an outage (etcd was stalled)
+_STALL_S = 1.0
+# what etcd answers when credentials are missing, wrong or not allowed (gRPC details)
+_AUTH_MARKERS = ("user name is empty", "authentication failed", "permission denied", "user name not found",
+                 "invalid auth token")  # a request answered later than this counts as an outage (etcd was stalled)
 # what pyetcd raises while no member answers: a member whose request failed is skipped for
 # `_MEMBER_RETRY_S` (pyetcd's default is 300 s, which turned a 5 s stall into a dead job), and
 # while every member is skipped it raises NoServerAvailableError or "Trying to use a failed node"
@@ -283,9 +289,19 @@ class EtcdClient:
         compare-and-swap transactions (a retried one that had succeeded fails its compare, which
         callers treat as a lost race and re-read)."""
         started = time.monotonic()
+        renewed = False
         while True:
             try:
                 result = fn(*args, **kwargs)
+            except grpc.RpcError as err:
+                details = (err.details() or "") if hasattr(err, "details") else str(err)
+                if "invalid auth token" in details and self.settings.user and not renewed:
+                    self._authenticate()  # etcd restarted: its simple tokens are gone, sign in again
+                    renewed = True
+                    continue
+                if any(marker in details for marker in _AUTH_MARKERS):
+                    raise EtcdError(auth_message(self.settings, details)) from None
+                raise
             except _UNREACHABLE as err:
                 if isinstance(err, ValueError) and "failed node" not in str(err):
                     raise
@@ -309,6 +325,20 @@ class EtcdClient:
             elif time.monotonic() - started > _STALL_S:  # answered, but late: etcd stalled
                 self.last_outage = (started, time.monotonic())
             return result
+
+    def _authenticate(self) -> None:
+        """Sign in again with the configured user and password (a new token for every request and
+        for new watch streams)."""
+        log.warning("etcd at %s rejected the auth token (etcd restarted?); signing in again as %s",
+                    self.settings.endpoint, self.settings.user)
+        resp = self.raw.authstub.Authenticate(
+            pyetcd.etcdrpc.AuthenticateRequest(name=self.settings.user, password=self.settings.password),
+            self.settings.timeout_s)
+        self.raw.metadata = (("token", resp.token),)
+        self.raw.call_credentials = grpc.metadata_call_credentials(EtcdTokenCallCredentials(resp.token))
+        watcher = self.raw._stubs.pop("watcher", None)  # a new watch stream carries the new token
+        if watcher is not None:
+            watcher.close()
 
     def outage_within(self, seconds: float) -> bool:
         """Whether etcd is unreachable now, or was (or answered later than `_STALL_S`) within the
@@ -346,6 +376,16 @@ def parse_json(value: bytes | str, key: str, revision: Optional[int] = None) -> 
         return None
 
 
+def auth_message(s: EtcdSettings, details: str) -> str:
+    """One line for a request etcd refused for its credentials, saying what to change."""
+    if not s.user:
+        hint = ("this etcd has auth enabled: give a user and password (--rdzv-conf user=U,password=P, or --user "
+                "and --password for `oobleck` commands); etcd accepts passwords only over TLS, so give cacert too")
+    else:
+        hint = f"check the password and the permissions of etcd user '{s.user}'"
+    return f"etcd at {s.endpoint} refused the request ({details}): {hint}"
+
+
 def connect(settings: EtcdSettings) -> EtcdClient:
     """Connect and verify the server answers; raises EtcdError with what to change."""
     settings.check()
@@ -370,5 +410,8 @@ def connect(settings: EtcdSettings) -> EtcdClient:
         raise EtcdError(f"cannot reach etcd at {settings.endpoint}{tls}: {type(err).__name__}"
                         f"{': ' + str(err) if str(err) else ''}") from None
     except Exception as err:  # grpc raises its own types for auth and TLS failures
+        details = err.details() if isinstance(err, grpc.RpcError) and hasattr(err, "details") else ""
+        if details and any(marker in details for marker in _AUTH_MARKERS):
+            raise EtcdError(auth_message(settings, details)) from None
         raise EtcdError(f"cannot use etcd at {settings.endpoint}: {type(err).__name__}: {err}") from None
     return EtcdClient(raw, settings)

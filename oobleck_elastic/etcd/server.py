@@ -28,6 +28,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -114,7 +115,11 @@ class EtcdServer:
     def __init__(self, *, data_dir: Optional[str] = None, port: Optional[int] = None,
                  peer_port: Optional[int] = None, host: str = "127.0.0.1", fast_election: bool = True,
                  log_path: Optional[str] = None, extra_args: Sequence[str] = (),
-                 name: str = "oobleck", initial_cluster: Optional[str] = None) -> None:
+                 name: str = "oobleck", initial_cluster: Optional[str] = None,
+                 tls: Optional[tuple[str, str]] = None) -> None:
+        self.tls = tls
+        """(certificate, key) PEM files: clients then connect over TLS (https), with that
+        certificate (or its CA) as their `cacert`."""
         self.initial_cluster = initial_cluster
         """`name=http://host:peer_port,...` of every member when this one is part of a cluster
         (see `start_cluster`); None: a one-member cluster."""
@@ -143,7 +148,7 @@ class EtcdServer:
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.endpoint}"
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
 
     @property
     def pid(self) -> Optional[int]:
@@ -154,11 +159,13 @@ class EtcdServer:
 
     def command(self) -> list[str]:
         """The etcd command line (ports must be set)."""
-        client, peer = f"http://{self.host}:{self.port}", f"http://{self.host}:{self.peer_port}"
+        client, peer = f"{'https' if self.tls else 'http'}://{self.host}:{self.port}", f"http://{self.host}:{self.peer_port}"
         cmd = [find_etcd_binary(), "--name", self.name, "--data-dir", str(self.data_dir),
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                "--initial-cluster", self.initial_cluster or f"{self.name}={peer}", "--log-level", "error"]
+        if self.tls:
+            cmd += ["--cert-file", self.tls[0], "--key-file", self.tls[1]]
         if self.initial_cluster:
             cmd += ["--initial-cluster-token", "oobleck-cluster", "--initial-cluster-state", "new"]
         if self.fast_election:
@@ -219,7 +226,8 @@ class EtcdServer:
                 raise EtcdServerError(f"etcd exited with code {rc} while starting on {self.endpoint} "
                                       f"(data dir {self.data_dir}); its log ends with:\n{_tail(self.log_path)}")
             try:
-                with urllib.request.urlopen(f"{self.client_url}/health", timeout=1.0) as resp:
+                context = ssl.create_default_context(cafile=self.tls[0]) if self.tls else None
+                with urllib.request.urlopen(f"{self.client_url}/health", timeout=1.0, context=context) as resp:
                     body = resp.read()
                 if json.loads(body).get("health") == "true":
                     if self._proc.poll() is None:
