@@ -53,6 +53,13 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     assert ea.Tags()["tensors"] and any("reconfiguration" in t for t in ea.Tags()["tensors"])
     text = ea.Tensors("reconfiguration/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "generation 1 -> 2 (failure: -node" in text and "after the failure was seen here" in text, text
+    # samples/s at the first step of generation 2 is over the wall time since the previous step
+    # completed: the broken step, the reconfiguration and the replay, not the replay alone
+    first = min(e.step for e in gens if e.value == 2)
+    at = {tag: next(e.value for e in ea.Scalars(tag) if e.step == first)
+          for tag in ("train/wall_s", "train/step_time_s", "train/samples_per_s", "reconfiguration/seconds")}
+    assert at["train/wall_s"] > at["train/step_time_s"] + at["reconfiguration/seconds"] * 0.9, at
+    assert abs(at["train/samples_per_s"] - 16 / at["train/wall_s"]) < 1e-3 * at["train/samples_per_s"], at
 
 
 def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id) -> None:

@@ -1,8 +1,10 @@
 """Metrics: one TensorBoard writer per job and progress lines that say generation, step and node.
 
 Only the worker holding rank 0 of the current generation (or the single process) writes, so a
-job has one event stream. Scalars per step: `train/loss`, `train/samples_per_s`,
-`train/tokens_per_s`, `train/step_time_s`, `train/lr`, `train/grad_norm`, `cluster/nodes`,
+job has one event stream. Scalars per step: `train/loss`, `train/samples_per_s` and
+`train/tokens_per_s` (over `train/wall_s`, the wall time since the previous step completed on
+this worker: a step after a reconfiguration counts its cost), `train/step_time_s` (the step's own
+time), `train/lr`, `train/grad_norm`, `cluster/nodes`,
 `cluster/pipelines`, `cluster/generation`; at every generation a text entry `plan` with the plan,
 and for every reconfiguration a `reconfiguration` text plus `reconfiguration/seconds` and
 `reconfiguration/bytes_moved`.
@@ -49,17 +51,22 @@ class Metrics:
         if self.writer is not None:
             self.writer.add_text("plan", describe_plan(plan).replace("\n", "  \n"), step)
 
-    def step(self, result: StepResult, *, lr: float, plan: Optional[Plan]) -> None:
+    def step(self, result: StepResult, *, lr: float, plan: Optional[Plan], wall_s: Optional[float] = None) -> None:
+        """Scalars of one step. `wall_s`: the wall time since the previous step completed (samples/s
+        and tokens/s are over it, so a step that followed a reconfiguration counts what it cost);
+        `train/step_time_s` is the step's own compute time."""
         if not self.enabled:
             return
         s = result.step
-        sps = self.samples / result.seconds if result.seconds > 0 else 0.0
+        wall = wall_s if wall_s is not None and wall_s > 0 else result.seconds
+        sps = self.samples / wall if wall > 0 else 0.0
         w = self.writer
         assert w is not None
         w.add_scalar("train/loss", result.loss, s)
         w.add_scalar("train/samples_per_s", sps, s)
-        w.add_scalar("train/tokens_per_s", self.tokens / result.seconds if result.seconds > 0 else 0.0, s)
+        w.add_scalar("train/tokens_per_s", self.tokens / wall if wall > 0 else 0.0, s)
         w.add_scalar("train/step_time_s", result.seconds, s)
+        w.add_scalar("train/wall_s", wall, s)
         w.add_scalar("train/lr", lr, s)
         w.add_scalar("train/grad_norm", result.grad_norm, s)
         w.add_scalar("cluster/nodes", len(plan.nodes) if plan else 1, s)
@@ -67,8 +74,8 @@ class Metrics:
         w.add_scalar("cluster/generation", plan.generation if plan else 0, s)
         if (s + 1) % self.interval == 0 or s + 1 == self.total:
             gen = plan.generation if plan else 0
-            log.info("gen %d step %d/%d node %s: loss %.4f, %.1f samples/s, %.3f s/step", gen, s + 1, self.total,
-                     self.node, result.loss, sps, result.seconds)
+            log.info("gen %d step %d/%d node %s: loss %.4f, %.1f samples/s, %.3f s/step (%.3f s since the last)", gen,
+                     s + 1, self.total, self.node, result.loss, sps, result.seconds, wall)
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:

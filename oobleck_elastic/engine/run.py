@@ -122,6 +122,7 @@ class _Run:
         self.final_dir: Optional[Path] = None
         self.changes: list[str] = []
         self.t0 = time.monotonic()
+        self.last_step_end: Optional[float] = None  # monotonic time this worker's last step completed
         self.pending: Optional[tuple[Reconfiguration, float, str, Optional[float]]] = None
         self.nodes_before: tuple[str, ...] = ()  # nodes of the generation this process was in
         self.broke_at: Optional[float] = None  # monotonic time this worker saw its generation break
@@ -206,8 +207,13 @@ class _Run:
         self.last = result.loss
         self.count += 1
         t = self.cfg.training
+        now = time.monotonic()
+        # the wall time since the previous step completed here: at a reconfiguration it includes
+        # the broken step, the reconfiguration and the replay, so samples/s there says what it cost
+        wall = now - self.last_step_end if self.last_step_end is not None else result.seconds
+        self.last_step_end = now
         if self.metrics is not None:
-            self.metrics.step(result, lr=t.optimizer.lr * lr_factor(result.step, t), plan=trainer.plan)
+            self.metrics.step(result, lr=t.optimizer.lr * lr_factor(result.step, t), plan=trainer.plan, wall_s=wall)
         if self.pending is not None:
             info, at, cause, broke_at = self.pending
             self.pending = None
