@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
 from .planning import Plan, PlanningError
-from .rendezvous.keys import Event, Keys, read_closed, read_progress
+from .rendezvous.keys import Event, EventKind, Keys, NodeState, read_closed, read_progress
 from .rendezvous.membership import live_nodes, put_event, read_events
 
 
@@ -83,16 +83,16 @@ def kill_agent(client: EtcdClient, keys: Keys, index: int) -> str:
         raise OpsError(f"no live node with index {index} in run '{keys.run_id}' "
                        f"(live: {', '.join(str(r.index) for r in live) or 'none'})")
     rec = match[0]
-    if rec.state == "draining":
+    if rec.state == NodeState.DRAINING:
         return f"node {rec.node_id} (index {index}) is already draining"
     key = keys.node(rec.node_id)
     kv = client.get(key)
-    draining = dataclasses.replace(rec, state="draining")
+    draining = dataclasses.replace(rec, state=NodeState.DRAINING)
     ok = kv is not None and client.put_if_revision(key, json.dumps(draining.to_json()), kv.mod_revision,
                                                    lease=rec.lease_id)
     if not ok:
         raise OpsError(f"node {rec.node_id} changed while draining it; try again")
-    put_event(client, keys, Event(time=time.time(), kind="drain", node=rec.node_id,
+    put_event(client, keys, Event(time=time.time(), kind=EventKind.DRAIN, node=rec.node_id,
                                   detail="drain requested (oobleck kill-agent)"))
     return f"node {rec.node_id} (index {index}, host {rec.host}) is draining: it leaves at the next step boundary"
 

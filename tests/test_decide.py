@@ -77,3 +77,19 @@ def test_late_nodes_are_admitted_while_there_is_room_and_planned_once_ready() ->
                       not_ready=frozenset({"n5", "n6"}))
     d = decide(view, Clocks(change_seen=9.0), 10.0, RULES)
     assert d.action == Action.REPLAN and d.nodes == ("n0", "n1", "n4") and d.admit == ()
+
+
+def test_records_parse_kinds_and_states_into_enums_and_refuse_unknown_ones() -> None:
+    from oobleck_elastic.rendezvous.keys import Event, EventKind, Keys, NodeRecord, NodeState
+
+    ev = Event.parse({"schema_version": 1, "time": 1.0, "kind": "renew", "node": "node3"})
+    assert ev is not None and ev.kind is EventKind.RENEW and f"{ev.kind}" == "renew"
+    assert Event.parse({"schema_version": 1, "time": 1.0, "kind": "reboot", "node": "node3"}) is None
+    data = {"schema_version": 1, "node_id": "node2", "index": 2, "host": "h", "devices": 1, "agent_pid": 1,
+            "state": "draining", "since": 1.0, "lease_id": 7}
+    rec = NodeRecord.parse(data, key="/oobleck/r/nodes/node2")
+    assert rec is not None and rec.state is NodeState.DRAINING
+    assert NodeRecord.parse({**data, "state": "asleep"}) is None
+    keys = Keys("/oobleck", "r")
+    assert keys.node_of(keys.fenced + "node4") == "node4"
+    assert keys.checkin_of(keys.rollcall(3) + "node1/0") == ("node1", "0")

@@ -22,10 +22,10 @@ so every rule is tested on made-up views (tests/test_decide.py) without etcd or 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from typing import Collection, Optional, Sequence
 
 from ..planning import Plan
+from .keys import StrEnum
 
 
 class Action(StrEnum):

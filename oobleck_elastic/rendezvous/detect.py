@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from ..etcd import EtcdClient
 from ..planning import Plan
-from .keys import Event, Keys, NodeRecord
+from .keys import CheckinKind, Event, EventKind, Keys, NodeRecord
 from .membership import put_event
 
 log = logging.getLogger(__name__)
@@ -44,9 +44,9 @@ def checkins(reader: Any, keys: Keys, generation: int) -> dict[tuple[str, str], 
     agent's mirror, or an EtcdClient)."""
     out = {}
     for key, value in reader.get_prefix_json(keys.rollcall(generation)):
-        node, local_rank = key.rsplit("/", 2)[1:]
-        kind = value.get("kind", "failure") if isinstance(value, dict) else "failure"
-        out[(node, local_rank)] = kind if kind in ("failure", "stall") else "failure"
+        node, local_rank = keys.checkin_of(key)
+        kind = value.get("kind") if isinstance(value, dict) else None
+        out[(node, local_rank)] = CheckinKind(kind) if kind in tuple(CheckinKind) else CheckinKind.FAILURE
     return out
 
 
@@ -116,7 +116,7 @@ class RollCall:
         if waiting:
             return None
         dead = sorted(n for n in suspects if n not in live or not pinger.answered(n))
-        if not dead and all(kind == "stall" for kind in entries.values()):
+        if not dead and all(kind == CheckinKind.STALL for kind in entries.values()):
             if now - started >= STALL_RECHECK_S:
                 self._round = None  # ask again: a node may have died since it answered
             return None
@@ -161,7 +161,7 @@ class Deputy:
         detail = (f"leader {leader_node} did not answer a ping during the roll call of generation "
                   f"{plan.generation}; revoked its lease")
         log.warning("node %s: %s", self.node_id, detail)
-        put_event(self.client, self.keys, Event(time=time.time(), kind="lost", node=leader_node,
+        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.LOST, node=leader_node,
                                                 generation=plan.generation, detail=detail))
         if rec is not None:  # no record: its lease, which also holds the leader key, is gone already
             self.client.revoke_lease(rec.lease_id)

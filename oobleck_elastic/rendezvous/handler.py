@@ -47,7 +47,7 @@ from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.mirror import Mirror
 from ..etcd.server import free_port
 from ..planning import ModelProfile, Plan, PlanningError, ProfileError, plan_job, templates_for
-from .keys import ClosedRecord, Event, Keys, read_closed
+from .keys import ClosedRecord, Event, EventKind, Keys, read_closed
 from .leader import JobUnplannable, Leader, _parse_plan
 from .membership import Member, put_event
 
@@ -175,7 +175,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         if self.view is not None:
             self.view.close()
         if self.member is not None and self.member.record is not None:
-            put_event(self.client, self.keys, Event(time=time.time(), kind="leave", node=self.member.node_id,
+            put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.LEAVE, node=self.member.node_id,
                                                     detail="agent shut down"))
             self.member.close(revoke=True)
         self.client.close()
@@ -314,7 +314,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
             self._warned.add((key, -1))
             log.warning("workers published profiles of %d device kinds (%s): planning with %s, the first one; the "
                         "planner assumes every device is of one kind", len(candidates),
-                        ", ".join(k.rsplit("/", 1)[1] for _, k, _ in candidates), key.rsplit("/", 1)[1])
+                        ", ".join(self.keys.node_of(k) for _, k, _ in candidates), self.keys.node_of(key))
         return self._pin(profile)
 
     def _pin(self, profile: ModelProfile) -> ModelProfile | None:

@@ -31,7 +31,9 @@ from __future__ import annotations
 import logging
 import re
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
+from enum import Enum
 from typing import Any, Callable, Optional, TypeVar
 
 from ..etcd.client import warn_once
@@ -41,7 +43,46 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-NODE_STATES = ("up", "draining")
+
+try:
+    from enum import StrEnum
+except ImportError:  # Python 3.10
+    class StrEnum(str, Enum):  # type: ignore[no-redef]
+        """A str-valued Enum (enum.StrEnum from Python 3.11 on)."""
+
+        def __str__(self) -> str:
+            return str(self.value)
+
+
+class NodeState(StrEnum):
+    """`NodeRecord.state`."""
+    UP = "up"
+    DRAINING = "draining"
+
+
+class EventKind(StrEnum):
+    """`Event.kind`."""
+    JOIN = "join"
+    LEAVE = "leave"
+    LOST = "lost"
+    DRAIN = "drain"
+    PLAN = "plan"
+    LEADER = "leader"
+    WAITING = "waiting"
+    CLOSED = "closed"
+    RENEW = "renew"
+    """A node renewed its lease after etcd let it expire (membership.py)."""
+
+
+class CheckinKind(StrEnum):
+    """Why a worker checked in at a roll call (`rollcall/g<g>/<node>/<local rank>`)."""
+    FAILURE = "failure"
+    """It saw a communication call of the generation fail."""
+    STALL = "stall"
+    """It waited too long for its peers while joining the generation."""
+
+
+NODE_STATES = tuple(NodeState)
 
 
 @dataclass(frozen=True)
@@ -145,6 +186,17 @@ class Keys:
     def store(self, generation: int) -> str:
         return f"{self.root}store/g{generation}/"
 
+    # ------------------------------------------------------------------ parsing
+    def node_of(self, key: str) -> str:
+        """The node a per-node key is about (`nodes/<node>`, `fenced/<node>`, `admitted/<node>`,
+        `ping/<node>`, `pong/<node>`, `profiles/<device>`: the last path element)."""
+        return key.rsplit("/", 1)[-1]
+
+    def checkin_of(self, key: str) -> tuple[str, str]:
+        """(node, local rank) of a roll-call key `rollcall/g<g>/<node>/<local rank>`."""
+        node, local_rank = key.rsplit("/", 2)[1:]
+        return node, local_rank
+
     def agent_watched(self, node_id: str) -> list[str]:
         """What every agent reads (its deputy and its wait to be admitted), mirrored by watches
         (etcd/mirror.py): prefixes end with "/", the others are exact keys. What only the leader
@@ -198,6 +250,7 @@ class NodeRecord:
                       state=str(data["state"]), since=float(data["since"]), lease_id=int(data["lease_id"]))
             if rec.state not in NODE_STATES:
                 raise ValueError(f"state {rec.state!r}")
+            rec = dataclasses.replace(rec, state=NodeState(rec.state))
             if key and not key.endswith("/" + rec.node_id):
                 raise ValueError(f"node_id {rec.node_id!r} does not match the key")
             return rec
@@ -287,8 +340,7 @@ class Event:
     time: float
     """Unix time."""
     kind: str
-    """join, leave, lost, drain, plan, leader, waiting, closed, renew (a lease renewed after etcd let
-    it expire)."""
+    """An `EventKind`."""
     node: str
     """Node the event is about (or that wrote it)."""
     generation: Optional[int] = None
@@ -305,7 +357,7 @@ class Event:
             if data.get("schema_version") != SCHEMA_VERSION:
                 raise ValueError(f"schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
             gen = data.get("generation")
-            return cls(time=float(data["time"]), kind=str(data["kind"]), node=str(data["node"]),
+            return cls(time=float(data["time"]), kind=EventKind(data["kind"]), node=str(data["node"]),
                        generation=None if gen is None else int(gen), detail=str(data.get("detail", "")))
         except (AttributeError, KeyError, TypeError, ValueError) as err:
             log.warning("ignoring malformed event %s: %s", key, err)

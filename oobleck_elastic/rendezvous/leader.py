@@ -46,7 +46,7 @@ from ..etcd.mirror import Mirror
 from ..planning import Plan, PlanningError
 from .decide import Action, Clocks, LeaderView, Rules, decide, desired_nodes
 from .detect import Deputy, RollCall
-from .keys import ClosedRecord, Event, Keys, NodeRecord, read_closed
+from .keys import ClosedRecord, Event, EventKind, Keys, NodeRecord, NodeState, read_closed
 from .membership import Member, live_nodes, put_event
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class Leader:
             self._value = value
             self._caught_up(self.keys.leader, lambda kv: kv is not None and kv.value == value)
             log.info("node %s: elected leader", self.member.node_id)
-            put_event(self.client, self.keys, Event(time=time.time(), kind="leader", node=self.member.node_id,
+            put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.LEADER, node=self.member.node_id,
                                                     detail="elected leader"))
         else:
             self._clear_bogus_leader(self.view.get(self.keys.leader))
@@ -209,7 +209,7 @@ class Leader:
                 self._pause(self.tick_s * 4)
                 continue
             records = live_nodes(self.view, self.keys)
-            up = [r for r in records if r.state == "up"]
+            up = [r for r in records if r.state == NodeState.UP]
             plan, rev = self._current_plan()
             if plan is None and rev is not None:  # a value that is not a plan: generations go on from history
                 plan = newest_history_plan(self.client, self.keys)
@@ -227,7 +227,7 @@ class Leader:
                     clocks = Clocks()
                     continue
             view = LeaderView(up=tuple(r.node_id for r in up), plan=plan, fenced=frozenset(fenced),
-                              admitted=frozenset(k.rsplit("/", 1)[1]
+                              admitted=frozenset(self.keys.node_of(k)
                                                  for k, _ in self.view.get_prefix_json(self.keys.admitted(""))),
                               not_ready=frozenset(self._not_ready(plan, up)) if plan is not None else frozenset(),
                               outage_recent=self.client.outage_within(self.member.lease_ttl_s + self.settle_s))
@@ -263,7 +263,7 @@ class Leader:
             detail = (f"admitted {len(nodes)} node(s) ({', '.join(nodes)}); their workers start, and one per device "
                       "kind measures the profile the first plan needs")
             log.info("node %s: %s", self.member.node_id, detail)
-            put_event(self.client, self.keys, Event(time=time.time(), kind="waiting", node=self.member.node_id,
+            put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.WAITING, node=self.member.node_id,
                                                     generation=1, detail=detail))
             return
         since, next_line = self._profile_wait
@@ -282,7 +282,7 @@ class Leader:
         """Close the job as failed: workers and agents leave with this error (no plan can follow)."""
         log.error("node %s: %s", self.member.node_id, reason)
         self.client.put_json(self.keys.closed, ClosedRecord(time=time.time(), reason=reason, failed=True).to_json())
-        put_event(self.client, self.keys, Event(time=time.time(), kind="closed", node=self.member.node_id,
+        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.CLOSED, node=self.member.node_id,
                                                 detail=reason))
         self._profile_wait = None
 
@@ -293,7 +293,7 @@ class Leader:
         live = {r.node_id for r in records}
         fenced = set()
         for key, data in self.view.get_prefix_json(self.keys.fenced):
-            node = key.rsplit("/", 1)[1]
+            node = self.keys.node_of(key)
             if node in live:
                 fenced.add(node)
             elif not isinstance(data, dict) or time.time() - float(data.get("time", 0)) > _FENCED_KEEP_S:
@@ -327,7 +327,8 @@ class Leader:
                 self._waiting_for = len(nodes)
                 log.warning("node %s: cannot plan generation %d with %d node(s): %s", self.member.node_id,
                             generation, len(nodes), err)
-                put_event(self.client, self.keys, Event(time=time.time(), kind="waiting", node=self.member.node_id,
+                put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.WAITING,
+                                                        node=self.member.node_id,
                                                         generation=generation, detail=str(err)))
             return
         self._waiting_for = None
@@ -337,7 +338,7 @@ class Leader:
         # etcd, it learns from this, when it comes back, that the job moved on without it
         # (membership.py); a plan that loses the race below leaves a harmless entry behind
         for ev in events:
-            if ev.kind == "lost" and ev.node not in live:
+            if ev.kind == EventKind.LOST and ev.node not in live:
                 self.client.put_json(self.keys.fenced + ev.node, {"time": time.time(), "generation": generation})
         blob = json.dumps(plan.to_json(), sort_keys=True)
         # the plan, its history entry and its events in one transaction, within etcd's limit on
@@ -364,8 +365,8 @@ class Leader:
         state = {r.node_id: r.state for r in records}
         events = []
         for n in removed:
-            kind = ("lost" if n in lost else "drain" if state.get(n) == "draining" else
-                    "leave" if n in state else "lost")
+            kind = (EventKind.LOST if n in lost else EventKind.DRAIN if state.get(n) == NodeState.DRAINING else
+                    EventKind.LEAVE if n in state else EventKind.LOST)
             events.append(Event(time=now, kind=kind, node=n, generation=plan.generation,
                                 detail={"drain": "drained at a step boundary", "leave": "left the plan",
                                         "lost": ("a peer saw its connections break and its agent did not answer "
@@ -373,7 +374,7 @@ class Leader:
                                         }[kind]))
         causes = sorted({e.kind for e in events} | ({"join"} if added and old else set())) or (
             ["restart"] if old else ["initial"])
-        events.append(Event(time=now, kind="plan", node=me, generation=plan.generation,
+        events.append(Event(time=now, kind=EventKind.PLAN, node=me, generation=plan.generation,
                             detail=f"{len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
                                    f"{plan.world_size} worker(s) ({'/'.join(causes)}"
                                    f"{': +' + ','.join(added) if added and old else ''}"

@@ -33,7 +33,7 @@ from typing import Callable, Iterator, Optional
 
 from ..etcd import EtcdClient, EtcdError
 from ..etcd.client import warn_once
-from .keys import Event, Keys, NodeRecord
+from .keys import Event, EventKind, Keys, NodeRecord, NodeState
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +100,9 @@ class Member:
         index = self._next_index()
         self.lease = self.client.grant_lease(self.lease_ttl_s)
         self.record = NodeRecord(node_id=f"node{index}", index=index, host=self.host, devices=self.devices,
-                                 agent_pid=os.getpid(), state="up", since=time.time(), lease_id=self.lease)
+                                 agent_pid=os.getpid(), state=NodeState.UP, since=time.time(), lease_id=self.lease)
         self.client.put_json(self.keys.node(self.record.node_id), self.record.to_json(), lease=self.lease)
-        put_event(self.client, self.keys, Event(time=time.time(), kind="join", node=self.record.node_id,
+        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.JOIN, node=self.record.node_id,
                                                 detail=f"host {self.host}, {self.devices} device(s), "
                                                        f"agent pid {os.getpid()}"))
         self._thread = threading.Thread(target=self._keepalive, name="oobleck-lease", daemon=True)
@@ -129,7 +129,7 @@ class Member:
         used = [r.index for r in live_nodes(self.client, self.keys)]
         for prefix in (self.keys.fenced, self.keys.admitted("")):
             for k, _ in self.client.get_prefix_json(prefix):
-                name = k.rsplit("/", 1)[-1]
+                name = self.keys.node_of(k)
                 if name.startswith("node") and name[4:].isdigit():
                     used.append(int(name[4:]))
         return max(used, default=-1) + 1
@@ -174,7 +174,7 @@ class Member:
         self.renewals += 1
         log.warning("node %s: etcd let lease %x expire although it was refreshed on time (etcd stalled, restarted "
                     "or was cut off); membership renewed under lease %x", self.node_id, old, self.lease)
-        put_event(self.client, self.keys, Event(time=time.time(), kind="renew", node=self.node_id,
+        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.RENEW, node=self.node_id,
                                                 detail=f"lease renewed after etcd let it expire ({old:x} -> "
                                                        f"{self.lease:x})"))
         if self.on_renewed is not None:

@@ -41,7 +41,7 @@ from ..etcd.mirror import Mirror
 from ..etcd.store import EtcdStore
 from ..planning import PipelineSpec, Plan, StagePlacement
 from ..engine.errors import ErrorRecord, next_error_record
-from .keys import ClosedRecord, Keys, NodeRecord, ProgressRecord, read_closed, read_progress
+from .keys import CheckinKind, ClosedRecord, Keys, NodeRecord, NodeState, ProgressRecord, read_closed, read_progress
 from .leader import _parse_plan
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ class WorkerContext:
             rec = self.record()
             if rec is None:
                 return f"node {self.node_id} lost its lease (it was unreachable for longer than the TTL)"
-            if rec.state == "draining":
+            if rec.state == NodeState.DRAINING:
                 return f"node {self.node_id} was drained"
         return None
 
@@ -211,7 +211,7 @@ class WorkerContext:
         self.client.put_json(f"{self.keys.ready(self.node_id)}{self.local_rank}", {"time": time.time(),
                                                                                  "pid": os.getpid()})
 
-    def report_failure(self, generation: int, *, kind: str = "failure") -> None:
+    def report_failure(self, generation: int, *, kind: str = CheckinKind.FAILURE) -> None:
         """Check in at the leader's roll call: this worker saw generation `generation` break
         (`failure`), or has waited too long for its peers while joining it (`stall`)."""
         self.client.put_json(f"{self.keys.rollcall(generation)}{self.node_id}/{self.local_rank}",
@@ -230,7 +230,7 @@ class WorkerContext:
                 raise GenerationSuperseded(f"generation {generation} was superseded by generation "
                                            f"{latest.generation} while joining it")
             if stall_s > 0 and waited >= stall_s and not reported:
-                self.report_failure(generation, kind="stall")
+                self.report_failure(generation, kind=CheckinKind.STALL)
                 reported = True
         return hook
 
