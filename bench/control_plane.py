@@ -15,7 +15,9 @@ connections). Measured per N:
   and out of etcd;
 - `leader_cpu`: CPU seconds per second of the leader's thread over the window;
 - `kill_to_plan_s`: `--kill` agents stop at once without revoking anything (what a SIGKILL looks
-  like to etcd) -> the next plan is published: lease TTL + settle + planning.
+  like to etcd) -> the next plan is published: lease TTL + settle + planning;
+- `replan_tx_bytes`: bytes out of etcd from the kill to 1 s after that plan (mostly the watch
+  events that bring the new plan or roster to every agent).
 
 One JSON line per N on stdout; progress on stderr. Run:
 
@@ -185,11 +187,14 @@ def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: flo
 
             g = generation()
             commands, answers = channels[-1]
+            before = etcd_metrics(server)
             t_kill = time.monotonic()
             commands.put(("kill", kill))
             killed = answers.get(timeout=60)[1]
             _wait("plan after the kill", lambda: generation() > g, 600)
             kill_to_plan_s = time.monotonic() - t_kill
+            time.sleep(1.0)  # the watch traffic of the new plan reaches every agent
+            replan_tx = etcd_metrics(server)["tx_bytes"] - before["tx_bytes"]
             print(f"[N={n}] {killed} agents killed: generation {g + 1} published {kill_to_plan_s:.2f} s later",
                   file=sys.stderr)
             return {"bench": "control_plane", "nodes": n, "procs": procs, "lease_ttl_s": ttl, "settle_s": settle,
@@ -199,7 +204,7 @@ def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: flo
                     "steady_rx_bytes_per_s": round(rates["rx_bytes"]),
                     "steady_tx_bytes_per_s": round(rates["tx_bytes"]),
                     "leader_cpu_s_per_s": round((cpu1 - cpu0) / span, 4), "killed": killed,
-                    "kill_to_plan_s": round(kill_to_plan_s, 3)}
+                    "kill_to_plan_s": round(kill_to_plan_s, 3), "replan_tx_bytes": round(replan_tx)}
         finally:
             for commands, _ in channels:
                 commands.put(("stop",))

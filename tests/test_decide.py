@@ -93,3 +93,17 @@ def test_records_parse_kinds_and_states_into_enums_and_refuse_unknown_ones() -> 
     keys = Keys("/oobleck", "r")
     assert keys.node_of(keys.fenced + "node4") == "node4"
     assert keys.checkin_of(keys.rollcall(3) + "node1/0") == ("node1", "0")
+
+
+def test_a_roster_round_trips_and_a_malformed_one_is_refused() -> None:
+    import pytest
+
+    from oobleck_elastic.rendezvous.keys import Roster
+
+    roster = Roster(3, ("node0", "node2"))
+    assert Roster.parse(roster.to_json()) == roster
+    for bad in ({"schema_version": 1, "generation": 0, "nodes": []}, {"schema_version": 2, "generation": 1,
+                                                                      "nodes": []},
+                {"schema_version": 1, "generation": 1, "nodes": [1]}, [], "x"):
+        with pytest.raises(ValueError):
+            Roster.parse(bad)

@@ -241,6 +241,9 @@ def test_kill_agent_drains_a_node(cluster_factory) -> None:
     assert any("draining" in line and "node2" in line for line in ops.agents(c.client, c.keys))
     plan = c.wait_plan(lambda p: "node2" not in p.nodes)
     assert plan.nodes == ("node0", "node1")
+    # the roster agents read is written with the plan, in the same transaction
+    from oobleck_elastic.rendezvous.keys import Roster, read_roster
+    assert read_roster(c.client, c.keys) == Roster(plan.generation, plan.nodes)
     drain = [e for e in c.events() if e.kind == "drain" and e.generation == plan.generation]
     assert [e.node for e in drain] == ["node2"]
     with pytest.raises(ops.OpsError, match=r"no live node with index 7 in run '.*' \(live: 0, 1, 2\)"):

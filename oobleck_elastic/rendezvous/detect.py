@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from ..etcd import EtcdClient
 from ..planning import Plan
-from .keys import CheckinKind, Event, EventKind, Keys, NodeRecord
+from .keys import CheckinKind, Event, EventKind, Keys, NodeRecord, Roster
 from .membership import put_event
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class Deputy:
         self.ping_timeout_s = ping_timeout_s
         self._watch: Optional[dict[str, Any]] = None
 
-    def check(self, plan: Optional[Plan]) -> bool:
+    def check(self, plan: Optional[Plan | Roster]) -> bool:
         """Whether this call revoked a dead leader's lease (the caller should campaign now)."""
         if plan is None:
             return False

@@ -47,8 +47,8 @@ from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.mirror import Mirror
 from ..etcd.server import free_port
 from ..planning import ModelProfile, Plan, PlanningError, ProfileError, plan_job, templates_for
-from .keys import ClosedRecord, Event, EventKind, Keys, read_closed
-from .leader import JobUnplannable, Leader, _parse_plan
+from .keys import ClosedRecord, Event, EventKind, Keys, Roster, read_closed, read_roster
+from .leader import JobUnplannable, Leader
 from .membership import Member, put_event
 
 log = logging.getLogger(__name__)
@@ -229,17 +229,17 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 log.warning("node %s: could not answer a ping: %s", self.member.node_id, err)
                 self._stopping.wait(0.1)
 
-    def _wait_admitted(self, node: str) -> Plan | None:
-        """The current plan once this node may start its workers: it is in the plan, or the leader
-        admitted it (a late node, or a first node before the first plan exists: then None)."""
+    def _wait_admitted(self, node: str) -> Roster | None:
+        """The current roster (the plan's generation and nodes) once this node may start its
+        workers: it is in the plan, or the leader admitted it (a late node, or a first node before
+        the first plan exists: then None)."""
         assert self.member is not None
         deadline = time.monotonic() + self.join_timeout_s
         next_log = time.monotonic() + 5
         next_closed_check = time.monotonic() + 1
         version = 0
         while True:
-            data, _ = self.reader.get_json(self.keys.plan)
-            plan = _parse_plan(data)
+            plan = read_roster(self.reader, self.keys)
             if plan is not None and node in plan.nodes:
                 return plan
             if self.reader.get_json(self.keys.admitted(node))[0] is not None:

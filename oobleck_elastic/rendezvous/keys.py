@@ -8,6 +8,7 @@ Everything lives under `<key_prefix>/<run_id>/` (key_prefix defaults to `/ooblec
 | `next_index`             | next node index (int)                           | agents (CAS)      |       |
 | `leader`                 | {node_id, since}                                | the elected agent | node  |
 | `plan`                   | Plan of the current generation (planning/plan.py) | the leader (CAS) |      |
+| `roster`                 | Roster: the plan's generation and nodes (what agents read of a plan) | the leader (same txn) | |
 | `plans/<generation>`     | the same plan, kept per generation              | the leader (same txn) |   |
 | `profile`                | ModelProfile every leader computes templates from: planning.profile_path, or the first worker-measured one | the first leader | |
 | `profiles/<device>`      | ModelProfile measured by a worker on that device kind (`<device>`: sanitised "cuda NVIDIA H100 ...") | one worker per device kind | |
@@ -116,6 +117,11 @@ class Keys:
         return self.root + "plan"
 
     @property
+    def roster(self) -> str:
+        """The current plan's generation and nodes only (`Roster`): what agents read of a plan."""
+        return self.root + "roster"
+
+    @property
     def plans(self) -> str:
         """Prefix of the plan history."""
         return self.root + "plans/"
@@ -203,12 +209,12 @@ class Keys:
         reads is in `leader_watched`; the c10d store, events, progress and the plan history are in
         neither: agents do not read them while the job runs. So a node record that changes wakes
         the leader alone, not every agent."""
-        return [self.plan, self.leader, self.closed, self.root + "rollcall/", self.ping(node_id),
+        return [self.roster, self.leader, self.closed, self.root + "rollcall/", self.ping(node_id),
                 self.admitted(node_id), self.root + "pong/"]
 
     def leader_watched(self) -> list[str]:
         """What the leader reads besides `agent_watched` (mirrored while it leads)."""
-        return [self.nodes, self.fenced, self.root + "admitted/", self.root + "ready/"]
+        return [self.plan, self.nodes, self.fenced, self.root + "admitted/", self.root + "ready/"]
 
 
 def sanitise(name: str) -> str:
@@ -257,6 +263,33 @@ class NodeRecord:
         except (AttributeError, KeyError, TypeError, ValueError) as err:
             log.warning("ignoring malformed node record %s: %s", key, err)
             return None
+
+
+@dataclass(frozen=True)
+class Roster:
+    """The value of `roster`: the current plan's generation and nodes. Agents read this instead
+    of the plan (150 KB at 1,000 nodes), so a re-plan sends each agent a few KB."""
+
+    generation: int
+    nodes: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "generation": self.generation, "nodes": list(self.nodes)}
+
+    @classmethod
+    def parse(cls, data: Any) -> "Roster":
+        if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError("not a roster record")
+        generation, nodes = data.get("generation"), data.get("nodes")
+        if not isinstance(generation, int) or generation < 1 or not isinstance(nodes, list) or \
+                not all(isinstance(n, str) for n in nodes):
+            raise ValueError(f"generation {generation!r} / nodes {str(nodes)[:40]} are not a roster")
+        return cls(generation=generation, nodes=tuple(nodes))
+
+
+def read_roster(reader: Any, keys: "Keys") -> Optional[Roster]:
+    """The current roster, or None (no plan yet, or a malformed value)."""
+    return _read_record(reader, keys.roster, Roster.parse)
 
 
 @dataclass(frozen=True)

@@ -41,12 +41,12 @@ import time
 from typing import Any, Callable, Optional
 
 from ..etcd import EtcdClient, EtcdError
-from ..etcd.client import KV, warn_once
+from ..etcd.client import KV, parse_json, warn_once
 from ..etcd.mirror import Mirror
 from ..planning import Plan, PlanningError
 from .decide import Action, Clocks, LeaderView, Rules, decide, desired_nodes
 from .detect import Deputy, RollCall
-from .keys import ClosedRecord, Event, EventKind, Keys, NodeRecord, NodeState, read_closed
+from .keys import ClosedRecord, Event, EventKind, Keys, NodeRecord, NodeState, Roster, read_closed, read_roster
 from .membership import Member, live_nodes, put_event
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class Leader:
                     pass  # the job is over: nothing to lead (agents leaving must not re-elect)
                 elif self._campaign():
                     self._lead()
-                elif self.deputy.check(self._current_plan()[0]):
+                elif self.deputy.check(read_roster(self.view, self.keys)):
                     continue  # the dead leader's lease is revoked: campaign at once
             except EtcdError as err:
                 log.warning("node %s: leader loop: %s", self.member.node_id, err)
@@ -120,11 +120,11 @@ class Leader:
         """(plan, mod revision) of the `plan` key: (None, None) if absent, (None, rev) if not a
         plan. Parsed once per revision (a plan of 1,000 nodes takes milliseconds to parse, and
         every agent looks at it every tick)."""
-        kv = self.view.get(self.keys.plan)
+        kv = self.view.get(self.keys.plan)  # mirrored while leading (Keys.leader_watched)
         if kv is None:
             return None, None
         if self._plan_cache is None or self._plan_cache[0] != kv.mod_revision:
-            data, _ = self.view.get_json(self.keys.plan)
+            data = parse_json(kv.value, kv.key, kv.mod_revision)
             self._plan_cache = (kv.mod_revision, _parse_plan(data, key=self.keys.plan, revision=kv.mod_revision))
         return self._plan_cache[1], kv.mod_revision
 
@@ -344,7 +344,8 @@ class Leader:
         # the plan, its history entry and its events in one transaction, within etcd's limit on
         # operations per transaction (--max-txn-ops, 128 by default): beyond it, per-node events follow
         inline = events if len(events) <= _TXN_EVENTS else events[-1:]
-        puts = {self.keys.plan: blob, self.keys.plan_at(generation): blob}
+        puts = {self.keys.plan: blob, self.keys.plan_at(generation): blob,
+                self.keys.roster: json.dumps(Roster(generation, plan.nodes).to_json())}
         puts.update((self.keys.event(ev.node), json.dumps(ev.to_json())) for ev in inline)
         ok = self.client.transact(values={self.keys.leader: self._value}, revisions={self.keys.plan: rev}, puts=puts)
         if ok:
