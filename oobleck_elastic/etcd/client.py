@@ -34,10 +34,10 @@ log = logging.getLogger(__name__)
 ENV_PREFIX = "OOBLECK_ETCD_"
 _RETRY_S = 0.25
 _MEMBER_RETRY_S = 1.0
-_STALL_S = 1.0
+_STALL_S = 1.0  # a request answered later than this counts as an outage (etcd was stalled)
 # what etcd answers when credentials are missing, wrong or not allowed (gRPC details)
 _AUTH_MARKERS = ("user name is empty", "authentication failed", "permission denied", "user name not found",
-                 "invalid auth token")  # a request answered later than this counts as an outage (etcd was stalled)
+                 "invalid auth token")
 # what pyetcd raises while no member answers: a member whose request failed is skipped for
 # `_MEMBER_RETRY_S` (pyetcd's default is 300 s, which turned a 5 s stall into a dead job), and
 # while every member is skipped it raises NoServerAvailableError or "Trying to use a failed node"
@@ -185,11 +185,7 @@ class EtcdClient:
                         lease: Optional[int] = None) -> bool:
         """Compare-and-put: write key only if its mod revision is still `revision` (None: only if
         it does not exist). False when the compare failed (someone else wrote first)."""
-        tx = self.raw.transactions
-        compare = [tx.create(key) == 0] if revision is None else [tx.mod(key) == revision]
-        ok, _ = self._call(self.raw.transaction, compare=compare, success=[tx.put(key, value, lease=lease)],
-                           failure=[])
-        return bool(ok)
+        return self.transact(revisions={key: revision}, puts={key: value}, lease=lease)
 
     def delete(self, key: str, *, revision: Optional[int] = None) -> bool:
         """Delete key (only if its mod revision is still `revision`, when given); whether it went."""
@@ -202,14 +198,15 @@ class EtcdClient:
 
     def transact(self, *, values: Optional[dict[str, bytes]] = None,
                  revisions: Optional[dict[str, Optional[int]]] = None,
-                 puts: Optional[dict[str, bytes | str]] = None) -> bool:
+                 puts: Optional[dict[str, bytes | str]] = None, lease: Optional[int] = None) -> bool:
         """One transaction: if every key in `values` holds that value and every key in `revisions`
-        is at that mod revision (None: does not exist), put all of `puts`. Whether it did."""
+        is at that mod revision (None: does not exist), put all of `puts` (under `lease`, when
+        given). Whether it did."""
         tx = self.raw.transactions
         compare = [tx.value(k) == v for k, v in (values or {}).items()]
         compare += [tx.create(k) == 0 if r is None else tx.mod(k) == r for k, r in (revisions or {}).items()]
         ok, _ = self._call(self.raw.transaction, compare=compare,
-                           success=[tx.put(k, v) for k, v in (puts or {}).items()], failure=[])
+                           success=[tx.put(k, v, lease=lease) for k, v in (puts or {}).items()], failure=[])
         return bool(ok)
 
     def delete_prefix(self, prefix: str) -> None:
@@ -254,9 +251,13 @@ class EtcdClient:
                 if time.monotonic() - since > self.settings.outage_s:
                     raise EtcdError(f"etcd at {self.settings.endpoint} did not create a watch of {prefix} within "
                                     f"{self.settings.outage_s:.0f} s") from None
-                watcher = self.raw._stubs.pop("watcher", None)  # the stream may be stuck: open a new one
-                if watcher is not None:
-                    watcher.close()
+                self._new_watch_stream()  # the stream may be stuck
+
+    def _new_watch_stream(self) -> None:
+        """Close pyetcd's watch stream: the next watch opens a new one (with the current token)."""
+        watcher = self.raw._stubs.pop("watcher", None)
+        if watcher is not None:
+            watcher.close()
 
     def cancel_watch(self, watch_id: Any) -> None:
         try:
@@ -336,9 +337,7 @@ class EtcdClient:
             self.settings.timeout_s)
         self.raw.metadata = (("token", resp.token),)
         self.raw.call_credentials = grpc.metadata_call_credentials(EtcdTokenCallCredentials(resp.token))
-        watcher = self.raw._stubs.pop("watcher", None)  # a new watch stream carries the new token
-        if watcher is not None:
-            watcher.close()
+        self._new_watch_stream()
 
     def outage_within(self, seconds: float) -> bool:
         """Whether etcd is unreachable now, or was (or answered later than `_STALL_S`) within the

@@ -106,8 +106,13 @@ class Mirror:
             self._data.update((kv.key, kv) for kv in kvs)
             self._revision[prefix] = revision
             self._changed()
+        self._follow(prefix)
+
+    def _follow(self, prefix: str) -> None:
+        """Watch `prefix` from the revision after the last one applied."""
         self._watch[prefix] = self.client.watch(prefix, lambda r, p=prefix: self._on_response(p, r),
-                                                start_revision=revision + 1, exact=exact)
+                                                start_revision=self._revision[prefix] + 1,
+                                                exact=not prefix.endswith("/"))
 
     def _changed(self) -> None:
         self.version += 1
@@ -145,9 +150,7 @@ class Mirror:
                                 self._revision[prefix], prefix)
                     self._sync(prefix)
                 else:
-                    self._watch[prefix] = self.client.watch(
-                        prefix, lambda r, p=prefix: self._on_response(p, r),
-                        start_revision=self._revision[prefix] + 1, exact=not prefix.endswith("/"))
+                    self._follow(prefix)
                 self.resumes += 1
                 log.info("%s: watch of %s resumed from revision %d", self.name, prefix, self._revision[prefix] + 1)
                 return

@@ -233,27 +233,23 @@ class OobleckRendezvousHandler(RendezvousHandler):
         """The current roster (the plan's generation and nodes) once this node may start its
         workers: it is in the plan, or the leader admitted it (a late node, or a first node before
         the first plan exists: then None)."""
-        assert self.member is not None
+        assert self.member is not None and self.view is not None
         deadline = time.monotonic() + self.join_timeout_s
         next_log = time.monotonic() + 5
-        next_closed_check = time.monotonic() + 1
         version = 0
-        while True:
-            plan = read_roster(self.reader, self.keys)
+        while True:  # reads are from the mirror: each change wakes this loop, nothing polls etcd
+            plan = read_roster(self.view, self.keys)
             if plan is not None and node in plan.nodes:
                 return plan
-            if self.reader.get_json(self.keys.admitted(node))[0] is not None:
+            if self.view.get_json(self.keys.admitted(node))[0] is not None:
                 return plan  # a late node, or a first one before the profile exists: its workers start now
             if self.member.fenced.is_set():
                 raise RendezvousClosedError(f"node {node} was fenced (lease expired) while waiting")
+            closed = read_closed(self.view, self.keys)  # e.g. closed as failed: no plan will come
+            if closed is not None:
+                raise RendezvousClosedError(f"run {self.params.run_id} was closed while node {node} waited to "
+                                            "be admitted" + (f": {closed.reason}" if closed.reason else ""))
             now = time.monotonic()
-            if now > next_closed_check:  # e.g. closed as failed: no plan will come
-                next_closed_check = now + 1
-                closed = read_closed(self.reader, self.keys)
-                if closed is not None:
-                    reason = closed.reason
-                    raise RendezvousClosedError(f"run {self.params.run_id} was closed while node {node} waited to "
-                                                "be admitted" + (f": {reason}" if reason else ""))
             if now > deadline:
                 raise RendezvousTimeoutError(
                     f"node {node} was not admitted within {self.join_timeout_s:.0f}s (run {self.params.run_id}, "
@@ -262,7 +258,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
             if now > next_log:
                 log.info("node %s: waiting to be admitted (generation %s)", node, plan.generation if plan else "none")
                 next_log = now + 10
-            version = self.view.wait(version, 0.5) if self.view is not None else version
+            version = self.view.wait(version, 0.5)
 
     def plan_for(self, nodes: list[str], generation: int, previous: Optional[Plan] = None) -> Plan:
         """The planner the leader calls: templates from the job's profile (pinned in etcd);

@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import re
 import time
-import dataclasses
 from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, Callable, Optional, TypeVar
@@ -82,8 +81,6 @@ class CheckinKind(StrEnum):
     STALL = "stall"
     """It waited too long for its peers while joining the generation."""
 
-
-NODE_STATES = tuple(NodeState)
 
 
 @dataclass(frozen=True)
@@ -235,7 +232,7 @@ class NodeRecord:
     """Workers (devices) on the node (--nproc-per-node)."""
     agent_pid: int
     """PID of the torchrun agent."""
-    state: str
+    state: NodeState
     """`up` or `draining`."""
     since: float
     """Unix time the node registered."""
@@ -253,10 +250,8 @@ class NodeRecord:
                 raise ValueError(f"schema_version {data.get('schema_version')!r}")
             rec = cls(node_id=str(data["node_id"]), index=int(data["index"]), host=str(data["host"]),
                       devices=int(data["devices"]), agent_pid=int(data["agent_pid"]),
-                      state=str(data["state"]), since=float(data["since"]), lease_id=int(data["lease_id"]))
-            if rec.state not in NODE_STATES:
-                raise ValueError(f"state {rec.state!r}")
-            rec = dataclasses.replace(rec, state=NodeState(rec.state))
+                      state=NodeState(str(data["state"])), since=float(data["since"]),
+                      lease_id=int(data["lease_id"]))
             if key and not key.endswith("/" + rec.node_id):
                 raise ValueError(f"node_id {rec.node_id!r} does not match the key")
             return rec

@@ -73,7 +73,7 @@ class Leader:
         # wakes the loop at once), or etcd itself when there is none (some tests)
         self.view: Any = view if view is not None else client
         self._version = 0
-        self._plan_cache: Optional[tuple[int, Optional[Plan]]] = None
+        self._plans = PlanReader(keys.plan)
         self.planner = planner
         # whether the planner has its profile; before it has, the first nodes are admitted unplanned
         self.profile_ready: Callable[[], bool] = profile_ready or (lambda: True)
@@ -115,18 +115,6 @@ class Leader:
                 log.exception("node %s: leader loop failed; retrying", self.member.node_id)
             self.is_leader.clear()
             self._pause(self.tick_s * 4)
-
-    def _current_plan(self) -> tuple[Optional[Plan], Optional[int]]:
-        """(plan, mod revision) of the `plan` key: (None, None) if absent, (None, rev) if not a
-        plan. Parsed once per revision (a plan of 1,000 nodes takes milliseconds to parse, and
-        every agent looks at it every tick)."""
-        kv = self.view.get(self.keys.plan)  # mirrored while leading (Keys.leader_watched)
-        if kv is None:
-            return None, None
-        if self._plan_cache is None or self._plan_cache[0] != kv.mod_revision:
-            data = parse_json(kv.value, kv.key, kv.mod_revision)
-            self._plan_cache = (kv.mod_revision, _parse_plan(data, key=self.keys.plan, revision=kv.mod_revision))
-        return self._plan_cache[1], kv.mod_revision
 
     def _pause(self, timeout: float) -> None:
         """Wait `timeout`, or with a mirror until the next change it applies (whichever is first)."""
@@ -210,7 +198,7 @@ class Leader:
                 continue
             records = live_nodes(self.view, self.keys)
             up = [r for r in records if r.state == NodeState.UP]
-            plan, rev = self._current_plan()
+            plan, rev = self._plans.read(self.view)  # mirrored while leading (Keys.leader_watched)
             if plan is None and rev is not None:  # a value that is not a plan: generations go on from history
                 plan = newest_history_plan(self.client, self.keys)
             fenced = self._fenced(records)
@@ -219,8 +207,7 @@ class Leader:
                 dead = self.rollcall.check(plan, records)
                 if dead is not None:  # workers saw a failure: re-plan now, without unresponsive nodes
                     for node in dead:
-                        self.client.put_json(self.keys.fenced + node,
-                                             {"time": time.time(), "generation": plan.generation})
+                        self._declare_lost(node, plan.generation)
                     nodes = desired_nodes(plan, [r.node_id for r in up], fenced | set(dead), self.max_nodes)
                     self._publish(nodes, plan, rev, records, lost=set(dead))
                     self.rollcall.reset()
@@ -300,6 +287,11 @@ class Leader:
                 self.client.delete(key)
         return fenced
 
+    def _declare_lost(self, node: str, generation: int) -> None:
+        """`fenced/<node>`: excluded from plans; its workers stop, and its agent fences itself if it
+        comes back (membership.py)."""
+        self.client.put_json(self.keys.fenced + node, {"time": time.time(), "generation": generation})
+
     def _not_ready(self, plan: Plan, up: list[NodeRecord]) -> set[str]:
         """New nodes whose workers have not all said they are ready: a plan with them would make
         every worker wait in init_process_group while theirs are still importing torch."""
@@ -339,17 +331,17 @@ class Leader:
         # (membership.py); a plan that loses the race below leaves a harmless entry behind
         for ev in events:
             if ev.kind == EventKind.LOST and ev.node not in live:
-                self.client.put_json(self.keys.fenced + ev.node, {"time": time.time(), "generation": generation})
+                self._declare_lost(ev.node, generation)
         blob = json.dumps(plan.to_json(), sort_keys=True)
         # the plan, its history entry and its events in one transaction, within etcd's limit on
         # operations per transaction (--max-txn-ops, 128 by default): beyond it, per-node events follow
-        inline = events if len(events) <= _TXN_EVENTS else events[-1:]
+        later, inline = (events[:-1], events[-1:]) if len(events) > _TXN_EVENTS else ([], events)
         puts = {self.keys.plan: blob, self.keys.plan_at(generation): blob,
                 self.keys.roster: json.dumps(Roster(generation, plan.nodes).to_json())}
         puts.update((self.keys.event(ev.node), json.dumps(ev.to_json())) for ev in inline)
         ok = self.client.transact(values={self.keys.leader: self._value}, revisions={self.keys.plan: rev}, puts=puts)
         if ok:
-            for ev in events[:-1] if inline is not events else []:
+            for ev in later:
                 put_event(self.client, self.keys, ev)
             self._caught_up(self.keys.plan, lambda kv: kv is not None and kv.mod_revision != rev)
             log.info("node %s: published generation %d: %s", self.member.node_id, generation, events[-1].detail)
@@ -392,6 +384,26 @@ def _parse_plan(data: object, *, key: str = "plan", revision: Optional[int] = No
     except PlanningError as err:
         warn_once(key, revision, f"ignoring malformed plan in etcd key {key}: {err}")
         return None
+
+
+class PlanReader:
+    """The plan in one key, parsed once per revision: a plan of 1,000 nodes takes milliseconds to
+    parse, and the leader reads it every tick, a worker before every step."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self._cached: Optional[tuple[int, Optional[Plan]]] = None  # (mod revision, plan)
+
+    def read(self, reader: Any) -> tuple[Optional[Plan], Optional[int]]:
+        """(plan, mod revision) from `reader` (a Mirror or an EtcdClient): (None, None) if the key
+        is absent, (None, revision) if it holds something that is not a plan (logged once)."""
+        kv = reader.get(self.key)
+        if kv is None:
+            return None, None
+        if self._cached is None or self._cached[0] != kv.mod_revision:
+            data = parse_json(kv.value, kv.key, kv.mod_revision)
+            self._cached = (kv.mod_revision, _parse_plan(data, key=self.key, revision=kv.mod_revision))
+        return self._cached[1], kv.mod_revision
 
 
 def newest_history_plan(client: EtcdClient, keys: Keys) -> Optional[Plan]:

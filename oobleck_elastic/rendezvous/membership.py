@@ -167,9 +167,9 @@ class Member:
             return False
         old = self.lease
         self.lease = self.client.grant_lease(self.lease_ttl_s)
-        current = self.current_record()
-        state = current.state if current is not None else self.record.state  # a drain set meanwhile stays
-        self.record = dataclasses.replace(self.record, lease_id=self.lease, state=state)
+        # the record went with the old lease: put this node's copy back (a drain requested with
+        # `kill-agent` went with it too, and must be asked again)
+        self.record = dataclasses.replace(self.record, lease_id=self.lease)
         self.client.put_json(self.keys.node(self.node_id), self.record.to_json(), lease=self.lease)
         self.renewals += 1
         log.warning("node %s: etcd let lease %x expire although it was refreshed on time (etcd stalled, restarted "

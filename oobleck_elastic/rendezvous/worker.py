@@ -42,7 +42,7 @@ from ..etcd.store import EtcdStore
 from ..planning import PipelineSpec, Plan, StagePlacement
 from ..engine.errors import ErrorRecord, next_error_record
 from .keys import CheckinKind, ClosedRecord, Keys, NodeRecord, NodeState, ProgressRecord, read_closed, read_progress
-from .leader import _parse_plan
+from .leader import PlanReader, _parse_plan
 
 if TYPE_CHECKING:
     import torch
@@ -72,7 +72,7 @@ class WorkerContext:
     view: Optional[Mirror] = None
     """The mirror of the keys this worker reads between steps (`watched`); None: read etcd directly."""
     _progress: Optional["_LatestPut"] = None
-    _parsed: Optional[tuple[Optional[int], Optional[Plan]]] = None
+    _plans: Optional[PlanReader] = None
 
     @classmethod
     def from_env(cls, environ: Optional[dict[str, str]] = None) -> "WorkerContext":
@@ -108,12 +108,9 @@ class WorkerContext:
     def plan(self) -> Optional[Plan]:
         """The current plan; None while there is none or the value is malformed (logged once). A
         plan older than one already seen is refused (logged once) and the newer one kept."""
-        kv = self.reader.get(self.keys.plan)
-        rev = kv.mod_revision if kv is not None else None
-        if self._parsed is None or self._parsed[0] != rev:  # parse each revision once
-            data = self.reader.get_json(self.keys.plan)[0] if kv is not None else None
-            self._parsed = (rev, _parse_plan(data, key=self.keys.plan, revision=rev))
-        plan = self._parsed[1]
+        if self._plans is None:
+            self._plans = PlanReader(self.keys.plan)
+        plan, rev = self._plans.read(self.reader)
         if plan is not None and self.newest is not None and plan.generation < self.newest.generation:
             warn_once(self.keys.plan, rev, f"ignoring plan of generation {plan.generation} in {self.keys.plan}: "
                                            f"generation {self.newest.generation} was already seen")
