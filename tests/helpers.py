@@ -163,3 +163,11 @@ def stall_process(pid: int, seconds: float) -> threading.Thread:
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
+
+
+def eventually(predicate: Callable[[], object], timeout: float = 10.0) -> None:
+    """Wait until `predicate()` is true (polled every 20 ms); fail the test after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)

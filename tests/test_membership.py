@@ -12,12 +12,8 @@ from oobleck_elastic.etcd import connect
 from oobleck_elastic.rendezvous.keys import Keys, NodeState
 from oobleck_elastic.rendezvous.membership import Member, live_nodes, read_events
 
+from helpers import eventually
 
-def _wait(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def test_a_lease_etcd_dropped_is_renewed_under_the_same_node_id(etcd_settings, run_id) -> None:
@@ -29,7 +25,7 @@ def test_a_lease_etcd_dropped_is_renewed_under_the_same_node_id(etcd_settings, r
         rec = member.register()
         old = member.lease
         client.revoke_lease(old)  # what a stalled etcd does to a lease refreshed on time
-        _wait(lambda: renewed)
+        eventually(lambda: renewed)
         assert not member.fenced.is_set() and member.lease != old and member.renewals == 1
         now = live_nodes(client, keys)
         assert [(r.node_id, r.index, r.state, r.lease_id) for r in now] == [(rec.node_id, rec.index, NodeState.UP,
@@ -49,7 +45,7 @@ def test_a_node_the_leader_declared_lost_does_not_come_back(etcd_settings, run_i
         rec = member.register()
         client.put_json(keys.fenced + rec.node_id, {"time": time.time(), "generation": 2})
         client.revoke_lease(member.lease)
-        _wait(member.fenced.is_set)
+        eventually(member.fenced.is_set)
         assert "the leader declared this node lost" in member.fence_reason
         assert live_nodes(client, keys) == []
     finally:
@@ -75,7 +71,7 @@ def test_a_node_that_did_not_refresh_for_a_ttl_is_fenced(etcd_settings, run_id) 
     try:
         member.register()
         member._stop = Frozen()  # read by the keep-alive loop at every turn
-        _wait(member.fenced.is_set)
+        eventually(member.fenced.is_set)
         assert "did not refresh it for" in member.fence_reason and member.renewals == 0
     finally:
         member.close()

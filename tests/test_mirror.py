@@ -12,14 +12,8 @@ import pytest
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.etcd.mirror import Mirror
 
-from helpers import stall_process
+from helpers import eventually, stall_process
 
-
-def _eventually(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def test_the_mirror_follows_puts_and_deletes_and_wakes_waiters(etcd_settings, run_id) -> None:
@@ -35,9 +29,9 @@ def test_the_mirror_follows_puts_and_deletes_and_wakes_waiters(etcd_settings, ru
         threading.Timer(0.2, lambda: client.put_json(prefix + "b", {"v": 2})).start()
         t0 = time.monotonic()
         assert mirror.wait(version, 5.0) > version and time.monotonic() - t0 < 2.0
-        _eventually(lambda: mirror.get_json(prefix + "b")[0] == {"v": 2})
+        eventually(lambda: mirror.get_json(prefix + "b")[0] == {"v": 2})
         client.delete(prefix + "a")
-        _eventually(lambda: mirror.get(prefix + "a") is None)
+        eventually(lambda: mirror.get(prefix + "a") is None)
         assert [k for k, _ in mirror.get_prefix_json(prefix)] == [prefix + "b"]
         kv = mirror.get(prefix + "b")
         assert kv.mod_revision == client.get(prefix + "b").mod_revision
@@ -52,7 +46,7 @@ def test_the_mirror_resumes_after_a_restart_without_missing_events(own_etcd) -> 
     mirror = Mirror(client, "/m/").start()
     try:
         writer.put("/m/a", "1")
-        _eventually(lambda: mirror.get("/m/a") is not None)
+        eventually(lambda: mirror.get("/m/a") is not None)
         port = own_etcd.port
         own_etcd.stop()
         time.sleep(1.0)
@@ -61,7 +55,7 @@ def test_the_mirror_resumes_after_a_restart_without_missing_events(own_etcd) -> 
         for i in range(5):  # written right after the restart, possibly before the watch is back
             writer.put(f"/m/k{i}", str(i))
         writer.delete("/m/a")
-        _eventually(lambda: len(mirror.range("/m/")) == 5 and mirror.get("/m/a") is None, timeout=20)
+        eventually(lambda: len(mirror.range("/m/")) == 5 and mirror.get("/m/a") is None, timeout=20)
         assert mirror.resumes >= 1
         assert [kv.value for kv in mirror.range("/m/")] == [b"0", b"1", b"2", b"3", b"4"]
     finally:
@@ -75,7 +69,7 @@ def test_the_mirror_lists_again_after_a_compaction(own_etcd) -> None:
     mirror = Mirror(client, "/c/").start()
     try:
         client.put("/c/a", "1")
-        _eventually(lambda: mirror.get("/c/a") is not None)
+        eventually(lambda: mirror.get("/c/a") is not None)
         mirror.close()  # stop following, change things, compact the history away, then resume
         mirror._closed = False
         client.put("/c/b", "2")
@@ -83,7 +77,7 @@ def test_the_mirror_lists_again_after_a_compaction(own_etcd) -> None:
         revision = client.get("/c/b").mod_revision
         client.raw.compact(revision, physical=True)
         mirror._resume("/c/", compacted=False)
-        _eventually(lambda: mirror.get("/c/b") is not None and mirror.get("/c/a") is None)
+        eventually(lambda: mirror.get("/c/b") is not None and mirror.get("/c/a") is None)
     finally:
         mirror.close()
         client.close()
@@ -94,7 +88,7 @@ def test_reads_answer_while_etcd_is_stalled(own_etcd) -> None:
     mirror = Mirror(client, "/s/").start()
     try:
         client.put("/s/a", "1")
-        _eventually(lambda: mirror.get("/s/a") is not None)
+        eventually(lambda: mirror.get("/s/a") is not None)
         stall = stall_process(own_etcd.pid, 3.0)
         time.sleep(0.2)
         t0 = time.monotonic()
@@ -102,7 +96,7 @@ def test_reads_answer_while_etcd_is_stalled(own_etcd) -> None:
         assert time.monotonic() - t0 < 0.1
         stall.join()
         client.put("/s/b", "2")  # the watch stream survives the stall
-        _eventually(lambda: mirror.get("/s/b") is not None)
+        eventually(lambda: mirror.get("/s/b") is not None)
     finally:
         mirror.close()
         client.close()
@@ -140,7 +134,7 @@ def test_exact_keys_and_prefixes_added_and_removed_while_running(etcd_settings, 
         assert [kv.key for kv in mirror.range(root + "nodes/")] == [root + "nodes/a"]
         client.put(root + "nodes/c", "3")
         client.put(root + "nodes/a", "4")
-        _eventually(lambda: mirror.get(root + "nodes/a").value == b"4")
+        eventually(lambda: mirror.get(root + "nodes/a").value == b"4")
         assert mirror.get(root + "nodes/c") is None
     finally:
         mirror.close()
