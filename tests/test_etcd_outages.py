@@ -161,7 +161,7 @@ def test_a_job_rides_out_the_loss_of_the_etcd_leader_member(tmp_path: Path, run_
         out, job, ref, events = _job_through(tmp_path, cluster, run_id, kill_the_leader_member)
         assert killed, "the etcd leader member was never killed"
         assert_same(job, ref)
-        assert [ev.generation for ev in events if ev.kind == "plan"] == [1], [ev.line() for ev in events]
+        assert [ev.generation for ev in events if ev.kind == "plan"] == [1], "\n".join(ev.line() for ev in events)
         assert not [ev for ev in events if ev.kind == "lost"], [ev.line() for ev in events]
     finally:
         for member in members:
@@ -187,5 +187,5 @@ def test_a_job_rides_out_an_etcd_restart(tmp_path: Path, own_etcd, run_id) -> No
 
     out, job, ref, events = _job_through(tmp_path, own_etcd, run_id, restart)
     assert_same(job, ref)
-    assert [ev.generation for ev in events if ev.kind == "plan"] == [1], [ev.line() for ev in events]
+    assert [ev.generation for ev in events if ev.kind == "plan"] == [1], "\n".join(ev.line() for ev in events)
     assert not [ev for ev in events if ev.kind == "lost"], [ev.line() for ev in events]

@@ -139,3 +139,31 @@ def test_exact_keys_and_prefixes_added_and_removed_while_running(etcd_settings, 
     finally:
         mirror.close()
         client.close()
+
+
+
+def test_a_resume_that_fails_unexpectedly_is_retried(etcd_settings, run_id) -> None:
+    """A watch stream ended and re-creating the watch raised something other than an outage (a
+    gRPC error pyetcd did not translate): the mirror tries again instead of following that key
+    no more, and sees later changes."""
+    client = connect(etcd_settings)
+    key = f"/{run_id}/r"
+    mirror = Mirror(client, [key], name="test").start()
+    real, failures = client.watch, []
+
+    def flaky(*args, **kwargs):
+        if len(failures) < 2:
+            failures.append(1)
+            raise RuntimeError("StatusCode.UNKNOWN: injected")
+        return real(*args, **kwargs)
+    try:
+        client.cancel_watch(mirror._watch[key])
+        client.watch = flaky
+        mirror._on_response(key, None)  # what pyetcd calls back with when the stream ends
+        eventually(lambda: mirror.resumes == 1, timeout=10)
+        client.put(key, "after")
+        eventually(lambda: mirror.get(key) is not None and mirror.get(key).value == b"after")
+        assert len(failures) == 2 and mirror.error is None
+    finally:
+        mirror.close()
+        client.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,17 +242,30 @@ class EtcdClient:
         `callback(response)` gets each response (`.events`, `.header.revision`), or an exception
         or None when the stream ends.
         See mirror.py for a watch that resumes by itself. A watch that etcd does not confirm in
-        `timeout_s` is retried on a new stream, for up to `outage_s`."""
+        `timeout_s` is retried on a new stream (unless another caller replaced that stream
+        already: threads resuming their watches together must not end each other's), for up to
+        `outage_s`."""
         since = time.monotonic()
+        used: list[Any] = []
+
+        def add() -> Any:
+            used[:] = [self.raw.watcher]  # the stream this attempt goes through
+            fn = self.raw.add_watch_callback if exact else self.raw.add_watch_prefix_callback
+            return fn(prefix, callback, start_revision=start_revision)
         while True:
+            started = time.monotonic()
             try:
-                add = self.raw.add_watch_callback if exact else self.raw.add_watch_prefix_callback
-                return self._call(add, prefix, callback, start_revision=start_revision)
+                return self._call(add)
             except pyetcd.exceptions.WatchTimedOut:
                 if time.monotonic() - since > self.settings.outage_s:
                     raise EtcdError(f"etcd at {self.settings.endpoint} did not create a watch of {prefix} within "
                                     f"{self.settings.outage_s:.0f} s") from None
-                self._new_watch_stream()  # the stream may be stuck
+                if time.monotonic() - started < 0.9 * self.settings.timeout_s:
+                    # the stream ended under the request (pyetcd starts it again at the next one):
+                    # nothing is stuck, and replacing it would end every watch on it once more
+                    time.sleep(_RETRY_S)
+                elif used and self.raw._stubs.get("watcher") is used[0]:
+                    self._new_watch_stream()  # no answer for a whole timeout: the stream may be stuck
 
     def _new_watch_stream(self) -> None:
         """Close pyetcd's watch stream: the next watch opens a new one (with the current token)."""
@@ -347,10 +361,16 @@ class EtcdClient:
         return self.last_outage is not None and time.monotonic() - self.last_outage[1] < seconds
 
     def close(self) -> None:
+        """Close the channels and wait (briefly) for the watch stream's thread to end: a thread
+        still blocked in gRPC when the interpreter exits aborts the process when it wakes."""
+        watcher = self.raw._stubs.get("watcher")
         try:
             self.raw.close()
         except Exception:  # noqa: BLE001 - closing a broken channel must not mask the real error
             pass
+        thread = getattr(watcher, "_callback_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2.0)
 
 
 _warned: set[tuple[str, Optional[int]]] = set()

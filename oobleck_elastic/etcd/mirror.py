@@ -32,7 +32,7 @@ from typing import Any, Iterator, Optional
 import pyetcd.events
 import pyetcd.exceptions
 
-from .client import KV, EtcdClient, EtcdError, parse_json
+from .client import _RETRY_S, KV, EtcdClient, EtcdError, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,7 @@ class Mirror:
 
     def _resume(self, prefix: str, compacted: bool) -> None:
         self._watch.pop(prefix, None)
+        since = time.monotonic()
         while not self._closed and prefix in self._revision:
             try:
                 if compacted:
@@ -156,7 +157,15 @@ class Mirror:
                 return
             except pyetcd.exceptions.RevisionCompactedError:
                 compacted = True
-            except EtcdError as err:
+            except Exception as err:  # noqa: BLE001 - an unexpected answer (a gRPC error): try again
+                if not isinstance(err, EtcdError) and time.monotonic() - since <= self.client.settings.outage_s:
+                    log.warning("%s: resuming the watch of %s failed (%s: %s); retrying", self.name, prefix,
+                                type(err).__name__, err)
+                    time.sleep(_RETRY_S)
+                    continue
+                if not isinstance(err, EtcdError):
+                    err = EtcdError(f"could not resume the watch of {prefix} for {self.client.settings.outage_s:.0f} "
+                                    f"s: {type(err).__name__}: {err}")
                 log.error("%s: %s", self.name, err)
                 with self._cond:
                     self.error = err
