@@ -142,6 +142,29 @@ def test_transfers_come_from_surviving_holders_spread_over_them() -> None:
     assert len(sources_of_layer_0_to_2) > 1, "one receiver's layers are spread over several holders"
 
 
+def test_a_drained_donor_is_a_source_and_never_a_receiver() -> None:
+    """b and d (the second stage of both pipelines, the only holders of layers 3-5) are drained:
+    named donors of generation 2, they take the entry ranks after the stages' and send layers 3-5
+    to the survivors; without them those layers would be lost."""
+    import dataclasses
+
+    from oobleck_elastic.engine.reconfigure import plan_transfers
+
+    g1 = _plan(1, [[("a", 0, 3), ("b", 3, 6)], [("c", 0, 3), ("d", 3, 6)]])
+    g2 = dataclasses.replace(_plan(2, [[("a", 0, 6)], [("c", 0, 6)]]), donors=("b", "d"))
+    g2.check()
+    assert g2.world_size == 2 and g2.entry_world_size == 4
+    assert (g2.donor_rank("b", 0), g2.donor_rank("d", 0), g2.donor_rank("a", 0), g2.donor_rank("b", 1)) == (
+        2, 3, None, None)
+    assert g2.entry_ranks() == {("a", 0): 0, ("c", 0): 1, ("b", 0): 2, ("d", 0): 3}
+    transfers, lost = plan_transfers(g1.layers_by_worker(), g2)
+    assert lost == []
+    assert sorted((t.layer, t.dst) for t in transfers) == [(3, 0), (3, 1), (4, 0), (4, 1), (5, 0), (5, 1)]
+    assert {t.src for t in transfers} == {2, 3}  # both donors serve (spread), nobody sends to them
+    without = dataclasses.replace(g2, donors=())
+    assert plan_transfers(g1.layers_by_worker(), without)[1] == [3, 4, 5]
+
+
 def test_transfers_use_each_workers_own_layout_after_a_half_done_entry() -> None:
     """Generation 2 was entered by some workers only (its entry failed half-way): a and b hold
     generation 2's layout, c and d still generation 1's. Both are valid copies at the same step,

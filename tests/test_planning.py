@@ -248,6 +248,13 @@ def test_plan_ranks_and_json_round_trip() -> None:
         assert len(plan.holders(layer)) == len(plan.pipelines)
     again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
     assert again == plan
+    import dataclasses
+    with_donors = dataclasses.replace(plan, donors=("x", "y"))
+    assert Plan.from_json(json.loads(json.dumps(with_donors.to_json()))) == with_donors
+    assert with_donors.entry_world_size == 14 and with_donors.donor_rank("y", 1) == 13
+    legacy = plan.to_json()
+    del legacy["donors"]  # plans written before donors existed
+    assert Plan.from_json(legacy) == plan
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -257,6 +264,9 @@ def test_plan_ranks_and_json_round_trip() -> None:
      "plan generation 0: pipeline 0 does not cover layers 0..8 contiguously"),
     (lambda d: d["pipelines"][0]["stages"][0].__setitem__("rank", 7), "plan generation 0: ranks are not 0..9"),
     (lambda d: d["pipelines"][0].__setitem__("microbatches", "many"), "malformed plan: ValueError"),
+    (lambda d: d.__setitem__("donors", "e"), "malformed plan: donors is str, not a list"),
+    (lambda d: d.__setitem__("donors", ["e"]), "plan generation 0: donors ['e'] must be distinct nodes outside"),
+    (lambda d: d.__setitem__("donors", ["x", "x"]), "plan generation 0: donors ['x', 'x'] must be distinct"),
 ])
 def test_malformed_plan_json_is_rejected(mutate, message: str) -> None:
     ts = build_templates(uniform_profile(8), gpus_per_node=2, device_memory_gb=100)

@@ -86,6 +86,52 @@ def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id)
     assert_same(job, ref)
 
 
+def test_draining_the_last_holders_of_layers_moves_them(tmp_path: Path, etcd_server, run_id) -> None:
+    """Two 2-stage pipelines; both nodes running a second stage (the only holders of those layers)
+    are drained with `oobleck kill-agent`. The next plan names them donors: their workers join
+    the next generation's entry, send their layers with the optimizer state to the two nodes left,
+    and exit 0. No checkpoint exists (none is configured): without the donors the job would stop
+    with "no surviving copy"; with them it ends with the reference weights."""
+    from oobleck_elastic import ops
+    from oobleck_elastic.planning import Plan
+    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.rendezvous.membership import live_nodes, read_events
+    from oobleck_elastic.etcd import EtcdSettings, connect
+
+    profile = tiny_profile(tmp_path / "profile.json")
+    keys = Keys("/oobleck", run_id)
+    drained: list[str] = []
+
+    def drain_the_second_stages(client) -> None:
+        plan = Plan.from_json(client.get_json(keys.plan)[0])
+        drained.extend(p.stages[-1].node for p in plan.pipelines)
+        index = {r.node_id: r.index for r in live_nodes(client, keys)}
+        for node in drained:
+            ops.kill_agent(client, keys, index[node])
+
+    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 12, profile,
+                            during=lambda proc: when(etcd_server.endpoint, proc,
+                                                     lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0)
+                                                     >= 4, drain_the_second_stages))
+    assert len(drained) == 2
+    assert "as a donor" in out and "no surviving copy" not in out and "communication failed" not in out, out[-4000:]
+    for node in drained:
+        assert f"node {node}: leaving the job (node {node} was drained; its layers were handed over" in out
+    client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
+    try:
+        events = [ev for _, ev in read_events(client, keys)]
+        plans = {p.generation: p for p in (Plan.from_json(data) for _, data in client.get_prefix_json(keys.plans))}
+        plans = list(plans.values())
+    finally:
+        client.close()
+    replanned = [e for e in events if e.kind == "drain" and e.generation]  # not the kill-agent requests
+    assert sorted(e.node for e in replanned) == sorted(drained)
+    assert all("hands its layers over" in e.detail for e in replanned), [e.line() for e in replanned]
+    assert sorted(n for p in plans for n in p.donors) == sorted(drained)
+    assert all(not (set(p.donors) & set(p.nodes)) for p in plans)
+    assert_same(job, ref)
+
+
 def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, etcd_server, run_id) -> None:
     """Two nodes die at once and they held both copies of the same layers (more than f=1
     failures): the survivors restore the newest checkpoint by themselves and still end with the

@@ -233,6 +233,51 @@ def test_a_stalled_join_replans_only_when_a_silent_node_is_found(cluster_factory
     assert "did not answer a ping" in lost[0].detail
 
 
+def test_a_roll_call_right_after_an_etcd_outage_holds_its_verdict(cluster_factory) -> None:
+    """Silence right after an etcd outage proves nothing (records expired, agents' watches were
+    down): a roll call then waits until the outage is a lease TTL + settle past before it drops a
+    silent node; a node that is really dead is dropped after that."""
+    c = cluster_factory(min_nodes=3, max_nodes=3, lease_ttl="60")
+    boxes = c.start(3)
+    join_all(boxes)
+    plan = c.plan()
+    leader = next(b["handler"] for b in boxes if b["handler"].leader.is_leader.is_set())
+    victim = next(b["handler"] for b in boxes if b["handler"] is not leader)
+    c.crash(victim)
+    grace = 60 + 0.1  # lease TTL + settle of this cluster
+    now = time.monotonic()
+    leader.client.last_outage = (now - grace + 1.5, now - grace + 1.5)  # etcd came back "just now"
+    for node in plan.nodes:
+        if node != victim.member.node_id:
+            checkin(c, plan, node, "failure")
+    time.sleep(1.0)  # without the hold: pinged, silent for 0.3 s, re-planned
+    assert c.plan().generation == 1
+    new = c.wait_plan(lambda p: p.generation == 2, timeout=5)
+    assert time.monotonic() - now >= 1.4
+    assert victim.member.node_id not in new.nodes
+    lost = [e for e in c.events() if e.kind == "lost"]
+    assert [e.node for e in lost] == [victim.member.node_id] and "did not answer a ping" in lost[0].detail
+
+
+def test_a_worker_withdraws_its_stall_checkin_once_it_entered(etcd_server, run_id) -> None:
+    from oobleck_elastic.rendezvous.worker import WorkerContext
+
+    client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
+    keys = Keys("/oobleck", run_id)
+    ctx = WorkerContext(client=client, keys=keys, node_id="node3", local_rank=1)
+    try:
+        ctx.report_failure(4, kind="stall")
+        ctx.report_failure(5)
+        assert client.count(keys.rollcall(4)) == 1
+        ctx.entered(4)
+        ctx.entered(5)  # a failure check-in stays: the leader's roll call needs it
+        assert client.count(keys.rollcall(4)) == 0 and client.count(keys.rollcall(5)) == 1
+    finally:
+        client.delete_prefix(keys.rollcall(4))
+        client.delete_prefix(keys.rollcall(5))
+        client.close()
+
+
 def test_kill_agent_drains_a_node(cluster_factory) -> None:
     c = cluster_factory(min_nodes=3, max_nodes=3)
     join_all(c.start(3))

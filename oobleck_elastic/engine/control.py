@@ -62,6 +62,9 @@ class ControlPlane(Protocol):
     def report_failure(self, generation: int, *, kind: str = "failure") -> None:
         """Check in at the roll call: `generation` broke here."""
 
+    def entered(self, generation: int) -> None:
+        """This worker entered `generation` (a `stall` check-in made while joining is withdrawn)."""
+
     def report_progress(self, *, generation: int, step: int, **extra: Any) -> None:
         """Completed `step` steps (the worker holding rank 0 reports)."""
 
@@ -121,6 +124,9 @@ class LocalControl:
         pass
 
     def report_failure(self, generation: int, *, kind: str = "failure") -> None:
+        pass
+
+    def entered(self, generation: int) -> None:
         pass
 
     def report_progress(self, *, generation: int, step: int, **extra: Any) -> None:

@@ -4,7 +4,8 @@ A worker is identified across generations by (node, local rank); its ranks chang
 enters generation G, every worker computes the same transfer list from what each worker holds
 (the layers of its stage in the generation it last entered, agreed by one all-reduce) and the
 new plan: for each stage of G, the layers it must hold but does not come from a worker that
-holds them and is in G. Sources are spread over the surviving holders
+holds them and is in G (a stage of G, or a donor: a drained node that joins G's entry only to
+hand its layers over, then leaves). Sources are spread over the surviving holders
 (round-robin by layer and receiver), so a layer needed by several workers is not served by one.
 A layer with no surviving holder is lost: the caller must restore the checkpoint (docs/design.md,
 invariant 3) and never trains on with a re-initialised layer.
@@ -46,7 +47,7 @@ def plan_transfers(held: dict[Identity, range], new: Plan) -> tuple[list[Transfe
     each worker really holds now (`Plan.layers_by_worker` of the generation it last entered); a
     new or restarted worker holds nothing, and workers may hold the layout of different
     generations when an entry failed half-way."""
-    new_rank = {(s.node, s.local_rank): s.rank for p in new.pipelines for s in p.stages}
+    new_rank = new.entry_ranks()  # donors (drained nodes) are sources too, never receivers
     survivors_of: dict[int, list[int]] = {}
     for ident, layers in held.items():
         if ident in new_rank:

@@ -23,7 +23,9 @@ A worker lives through generations without ever restarting:
 - a layer with no surviving copy makes every worker restore the newest checkpoint, say so in
   the log and TensorBoard, and continue from its step;
 - at the end the rank-0 worker writes the final checkpoint's manifest and closes the job, and
-  every worker exits 0; a drained node's workers exit 0 as soon as the plan leaves them out.
+  every worker exits 0; a drained node's workers exit 0 as soon as the plan leaves them out,
+  after handing their layers over in the next generation's entry when the plan names the node
+  a donor (so draining the last holder of a layer moves it rather than losing it).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from .devices import configure_nccl, resolve_device
 from .errors import JobFailed, StepAbandoned, is_communication_error
 from .metrics import Metrics
 from .optim import lr_factor
-from .runner import StepRunner
+from .runner import StepRunner, exit_now_at_the_end
 from .trainer import LayersLost, Reconfiguration, StepResult, Trainer
 
 log = logging.getLogger("oobleck_elastic.train")
@@ -254,13 +256,16 @@ class _Run:
 
 def _next_plan(ctx: ControlPlane, *, at_least: int, exact: bool) -> Optional[Plan]:
     """Wait for the plan to enter: generation `at_least` exactly (from the history, when every
-    worker agreed on it), or the newest one >= at_least that gives this worker a stage. None when
-    this worker must leave (job closed, node drained)."""
+    worker agreed on it), or the newest one >= at_least that gives this worker a stage, or names
+    its node a donor. None when this worker must leave (job closed, node drained)."""
     while True:
         latest = ctx.plan()
+        plan = ctx.plan_at(at_least) if exact else latest
+        donor = plan is not None and plan.donor_rank(ctx.node_id, ctx.local_rank) is not None
+        if donor and plan.generation >= at_least and ctx.should_leave(None) is None:
+            return plan  # drained: hand the layers over in this generation's entry, then leave
         if ctx.should_leave(latest):
             return None
-        plan = ctx.plan_at(at_least) if exact else latest
         if plan is not None and plan.generation >= at_least and ctx.my_stage(plan) is not None:
             return plan
         if exact and plan is not None:  # no stage in the agreed generation (spare): wait for a later one
@@ -333,6 +338,16 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
                 if not is_communication_error(err):
                     raise
                 failure = _describe(err)
+            if info is not None and info.donor:
+                exit_now_at_the_end("donor")
+                log.info("node %s: leaving the job (node %s was drained; its layers were handed over to generation "
+                         "%d)", ctx.node_id, ctx.node_id, plan.generation)
+                return run.summary()
+            if failure is not None and ctx.my_stage(plan) is None:  # a donor: the others re-plan without it
+                trainer.abort()
+                log.warning("gen %d node %s: handing layers over to generation %d failed (%s); leaving the job "
+                            "(node drained)", trainer.generation, ctx.node_id, plan.generation, failure)
+                return run.summary()
             if failure is not None:  # outside the except block: see Trainer.abort
                 run.broke()
                 trainer.abort()
@@ -341,6 +356,7 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
                             trainer.generation, ctx.node_id, plan.generation, failure)
                 target, exact = plan.generation + 1, False  # the roll call always ends in a newer plan
                 continue
+            ctx.entered(plan.generation)
             run.entered(trainer, info)
             result = None
             abandoned = False

@@ -45,13 +45,13 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
         log.warning("gen %d step %d node %s: checkpoint %s existed; kept as %s", trainer.generation, next_step,
                     trainer.node, step_path, moved)
     if plan is not None:
-        dist.barrier(group=None)  # nobody writes before the old directory is out of the way
+        dist.barrier(group=trainer.step_group)  # nobody writes before the old directory is out of the way
     for i in trainer.owned:
         if plan is None or primary[i] == trainer.rank:
             info = ckpt.save_layer(ckpt_dir, step=next_step, layer=i, params=params[i], optimizer_state=optim[i])
             _receipt(step_path, i).write_text(json.dumps(info))
     if plan is not None:
-        dist.barrier(group=None)
+        dist.barrier(group=trainer.step_group)
         if trainer.rank != 0:
             return step_path
     lm = trainer.layer_model

@@ -5,7 +5,9 @@ microbatches of `microbatch_size`, run forward/backward one after another with t
 token-sum loss, then clipped and stepped. This is the reference every plan must match.
 
 Pipelined: a worker enters a generation (`enter_generation`, the same protocol for the first
-start, a join, a drain and a failure): it joins the generation's default process group, and one
+start, a join, a drain and a failure): it joins the generation's default process group (the
+workers of its stages, plus those of its donors: drained nodes that only hand their layers
+over, then leave; steps then run on `step_group`, the stages alone), and one
 MAX all-reduce tells everyone the previous generation and the last step anyone COMMITTED. A
 worker holding synchronised gradients of that step which it had not yet applied rolls forward
 (applies them); otherwise an interrupted step is discarded and replayed. Then layers move from
@@ -91,6 +93,15 @@ class Reconfiguration:
     """Wall time of the protocol on this worker."""
     lost_layers: tuple[int, ...] = ()
     """Layers without a surviving copy (then the checkpoint was restored)."""
+    donor: bool = False
+    """This worker only handed its layers over (a drained node) and leaves the job."""
+
+
+def _release_donors() -> None:
+    """One all-reduce over the entry (stages and donors) after the layer exchange: a donor leaves
+    only once every receiver has its layers (a process that exits with data in flight could reset
+    the connection under it). Steps then run on `Trainer.step_group`, without the donors."""
+    dist.all_reduce(torch.zeros(1, dtype=torch.float64))
 
 
 class Autocast(nn.Module):
@@ -135,6 +146,8 @@ class Trainer:
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.params: list[nn.Parameter] = []
         self.stage_module: Optional[nn.Module] = None
+        self.step_group: Optional[dist.ProcessGroup] = None
+        """The group of the generation's step collectives: its stages (None: the whole world)."""
         # A step may run in another thread that the control plane can abandon (engine/run.py):
         # `_epoch` grows at every abandonment, and a step only writes this trainer's state under
         # `_lock` while its epoch is current; the next generation then works on copies of the
@@ -159,13 +172,26 @@ class Trainer:
         newest checkpoint)."""
         t0 = time.perf_counter()
         stage = plan.stage_at(*self.identity)
-        if stage is None:
+        donor = plan.donor_rank(*self.identity)
+        if stage is None and donor is None:
             raise ValueError(f"{self.identity} has no stage in generation {plan.generation}")
-        self._connect(plan, stage, store)
+        rank = stage.rank if stage is not None else donor
+        assert rank is not None
+        self._connect(plan, rank, store)
         previous, committed = self._agree_on_step()
         rolled, current = self._settle(committed)
-        held = self._agree_on_layouts(plan, stage, current, load_plan)
+        held = self._agree_on_layouts(plan, rank, current, load_plan)
         transfers, lost = plan_transfers(held, plan)
+        if stage is None:
+            gave = list(self.owned)
+            moved = self._hand_over(plan, rank, transfers, exchange_layers=not lost)
+            info = Reconfiguration(generation=plan.generation, previous=previous, resume_step=committed + 1,
+                                   rolled_forward=rolled, bytes_moved=moved, seconds=time.perf_counter() - t0,
+                                   donor=True)
+            log.info("gen %d step %d node %s rank %d: handed layers %s over as a donor (%d layer bytes sent, "
+                     "%.3f s); leaving", plan.generation, committed + 1, self.node, rank, gave, moved,
+                     info.seconds)
+            return info
         moved = self._install(plan, stage, transfers, exchange_layers=not lost, current=current)
         if lost and held:  # (nobody holding anything is the first start: layers built from the seed)
             raise LayersLost(lost)
@@ -176,15 +202,16 @@ class Trainer:
                  "rolled forward" if rolled else "no step to roll forward", moved, info.seconds)
         return info
 
-    def _connect(self, plan: Plan, stage: StagePlacement, store: Optional[dist.Store]) -> None:
-        """The generation's default group. It connects under the short join timeout (a peer that
-        died during the reconfiguration holds gloo's connection set-up for ~5x it); collectives
-        then run under the comm timeout (`_agree_on_layouts` switches once every peer is seen)."""
+    def _connect(self, plan: Plan, rank: int, store: Optional[dist.Store]) -> None:
+        """The generation's default group (stages and donors). It connects under the short join
+        timeout (a peer that died during the reconfiguration holds gloo's connection set-up for
+        ~5x it); collectives then run under the comm timeout (`_agree_on_layouts` switches once
+        every peer is seen)."""
         release_groups(abort=False)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend_for(self.device), store=store, rank=stage.rank,
-                                world_size=plan.world_size, timeout=min(self.timeout, self.join_timeout))
+        dist.init_process_group(backend_for(self.device), store=store, rank=rank,
+                                world_size=plan.entry_world_size, timeout=min(self.timeout, self.join_timeout))
 
     def _agree_on_step(self) -> tuple[int, int]:
         """One MAX all-reduce: (newest generation anyone was in, newest step anyone committed)."""
@@ -205,14 +232,14 @@ class Trainer:
         self.committed_step = self.synced_step = committed
         return rolled, current
 
-    def _agree_on_layouts(self, plan: Plan, stage: StagePlacement, current: bool,
+    def _agree_on_layouts(self, plan: Plan, rank: int, current: bool,
                           load_plan: Callable[[int], Optional[Plan]]) -> dict[Identity, range]:
-        """What every worker of `plan` really holds: the layers of its stage in the generation it
-        last entered (not always the previous one: an entry may have failed half-way on some
-        workers), or nothing (new, restarted, or behind the agreed step). One all-reduce of
-        generations; every copy is at the same committed step, so any is a source."""
-        held = torch.zeros(plan.world_size, dtype=torch.float64)
-        held[stage.rank] = self.generation if self.owned and current else 0
+        """What every worker of `plan`'s entry (stages and donors) really holds: the layers of its
+        stage in the generation it last entered (not always the previous one: an entry may have
+        failed half-way on some workers), or nothing (new, restarted, or behind the agreed step).
+        One all-reduce of generations; every copy is at the same committed step, so any is a source."""
+        held = torch.zeros(plan.entry_world_size, dtype=torch.float64)
+        held[rank] = self.generation if self.owned and current else 0
         dist.all_reduce(held)
         _set_pg_timeout(self.timeout)  # every peer is connected now
         layouts = {int(g) for g in held.tolist() if g > 0}
@@ -220,9 +247,8 @@ class Trainer:
         missing = sorted(g for g, p in plans.items() if p is None)
         if missing:
             raise RuntimeError(f"plan(s) of generation(s) {missing} are not available to {self.identity}")
-        return {(s.node, s.local_rank): plans[int(held[s.rank])].layers_by_worker().get((s.node, s.local_rank),
-                                                                                         range(0))
-                for p in plan.pipelines for s in p.stages if int(held[s.rank]) > 0}
+        return {ident: plans[int(held[r])].layers_by_worker().get(ident, range(0))
+                for ident, r in plan.entry_ranks().items() if int(held[r]) > 0}
 
     def _install(self, plan: Plan, stage: StagePlacement, transfers: list[Transfer], *, exchange_layers: bool,
                  current: bool) -> int:
@@ -241,6 +267,8 @@ class Trainer:
         if exchange_layers:
             states, moved = exchange(transfers, rank=stage.rank, source=self.layer_model, optimizer=self.optimizer,
                                      target=target)
+        if plan.donors:
+            _release_donors()
         old_state = self.optimizer.state if self.optimizer is not None else {}
         keep_state = {id(new): (new, {k: v.clone() if new is not old else v for k, v in old_state[old].items()})
                       for old, new in kept_params if old in old_state}
@@ -248,6 +276,26 @@ class Trainer:
         self.layer_model, self.plan, self.generation, self.rank = target, plan, plan.generation, stage.rank
         self._adopt(owned, {**keep_state, **states})
         self._build_pipeline(plan)
+        return moved
+
+    def _hand_over(self, plan: Plan, rank: int, transfers: list[Transfer], *, exchange_layers: bool) -> int:
+        """A donor's part of the entry: send the layers (with their optimizer state) the plan's
+        stages need from it, then leave the generation. Returns the bytes sent."""
+        moved = 0
+        if exchange_layers:
+            _, moved = exchange(transfers, rank=rank, source=self.layer_model, optimizer=self.optimizer,
+                                target=self.layer_model)
+        _release_donors()
+        release_groups(abort=False)
+        # drop the previous generation's pipeline and groups now, as a stage's next generation
+        # does: process groups left for the interpreter's exit to destroy abort it
+        self.schedule = self.stage_module = None
+        self.grad_sync = None  # type: ignore[assignment]
+        self.groups = None  # type: ignore[assignment]
+        self.plan, self.generation, self.owned, self.optimizer = plan, plan.generation, [], None
+        self.layer_model = build_layer_model(self.cfg.model, seed=self.cfg.training.seed, owned=[],
+                                             device=str(self.device))
+        gc.collect()
         return moved
 
     def _kept_layers(self, kept: list[int]) -> tuple[dict[int, nn.Module], list[tuple[nn.Parameter, nn.Parameter]]]:
@@ -278,6 +326,8 @@ class Trainer:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         self.pipeline, self.stage = plan.stage_of(self.rank)
+        # the generation's stages without its donors (which leave after the entry); None = the world
+        self.step_group = dist.new_group(list(range(plan.world_size)), timeout=self.timeout) if plan.donors else None
         holders = Holders.of(plan, self.layer_model)
         self.groups = GenerationGroups(plan, holders, rank=self.rank, timeout=self.timeout,
                                        connect_timeout=self.join_timeout)
@@ -347,19 +397,19 @@ class Trainer:
             norm2 = float(sum(p.grad.double().pow(2).sum() for p in self.params if p.grad is not None))
             self._apply(step, norm2, epoch)
         else:
-            schedule, grad_sync = self.schedule, self.grad_sync
+            schedule, grad_sync, step_group = self.schedule, self.grad_sync, self.step_group
             loss = self._forward_backward_pipeline(x, y, schedule)
             grad_sync.all_reduce()
             # control collectives: CPU tensors, so they go over gloo whatever the data backend
             reduced = torch.tensor([float(grad_sync.norm_squared()), loss], dtype=torch.float64)
-            dist.all_reduce(reduced)
+            dist.all_reduce(reduced, group=step_group)
             norm2, loss = float(reduced[0]), float(reduced[1])
             with self._current(epoch):
                 self.synced_step, self._synced_norm2 = step, norm2
             # COMMIT: returns only once every worker has finished this step's communication; it also
             # carries the newest plan generation anyone has seen, so all leave at the same boundary
             seen = torch.tensor([max(seen_generation, self.generation)], dtype=torch.float64)
-            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=step_group)
             self._apply(step, norm2, epoch)
             next_generation = int(seen[0])
         return StepResult(step=step, loss=loss, seconds=time.perf_counter() - t0, grad_norm=norm2 ** 0.5,
@@ -445,6 +495,7 @@ class Trainer:
         self.schedule = None
         self.grad_sync = None  # type: ignore[assignment]
         self.groups = None  # type: ignore[assignment]
+        self.step_group = None
         try:
             release_groups(abort=True)
         except Exception:  # noqa: BLE001 - the groups are broken anyway

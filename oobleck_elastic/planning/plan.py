@@ -2,9 +2,11 @@
 
 A `Plan` is what the leader publishes for one generation and what every worker reads: the
 pipelines (template size, nodes, microbatches, stages with layer ranges and global ranks), the
-spare nodes, and the estimates. Ranks are dense: the i-th node of `nodes` (spares excluded)
-hosts ranks i*g .. i*g+g-1, local rank = device. `Plan.from_json` validates everything it reads
-(docs/design.md, invariant 5): control data is JSON, never pickle.
+spare nodes, the donors (drained nodes that hand their layers over in this generation's entry,
+then leave), and the estimates. Ranks are dense: the i-th node of `nodes` (spares excluded)
+hosts ranks i*g .. i*g+g-1, local rank = device; donors' workers follow, in the entry only.
+`Plan.from_json` validates everything it reads (docs/design.md, invariant 5): control data is
+JSON, never pickle.
 
 `guarantee()` states what the template set promises for a fault-tolerance threshold f: every
 node count >= (f+1)*n0 splits exactly into >= f+1 template-sized pipelines when the contiguous
@@ -85,10 +87,33 @@ class Plan:
     """Fault-tolerance target the plan was made for."""
     warnings: tuple[str, ...] = ()
     """Why the plan falls short of the target, if it does."""
+    donors: tuple[str, ...] = ()
+    """Drained nodes of the previous generation that join this generation's entry only, to hand
+    their layers (and optimizer state) over, then leave: draining the last holder of a layer moves
+    it instead of losing it. Their workers take the ranks after the stages' (`donor_rank`)."""
 
     @property
     def world_size(self) -> int:
+        """Workers that train in this generation (ranks 0..world_size-1)."""
         return sum(len(p.stages) for p in self.pipelines)
+
+    @property
+    def entry_world_size(self) -> int:
+        """Workers in this generation's entry: the stages' and the donors'."""
+        return self.world_size + len(self.donors) * self.gpus_per_node
+
+    def donor_rank(self, node: str, local_rank: int) -> Optional[int]:
+        """The entry rank of a donor's worker, or None when `node` is no donor."""
+        if node not in self.donors or not 0 <= local_rank < self.gpus_per_node:
+            return None
+        return self.world_size + self.donors.index(node) * self.gpus_per_node + local_rank
+
+    def entry_ranks(self) -> dict[tuple[str, int], int]:
+        """(node, local rank) -> rank in this generation's entry, for the stages and the donors."""
+        ranks = {(s.node, s.local_rank): s.rank for p in self.pipelines for s in p.stages}
+        ranks.update(((d, lr), self.world_size + i * self.gpus_per_node + lr)
+                     for i, d in enumerate(self.donors) for lr in range(self.gpus_per_node))
+        return ranks
 
     @property
     def num_microbatches(self) -> int:
@@ -127,7 +152,7 @@ class Plan:
                 "gpus_per_node": self.gpus_per_node, "num_layers": self.num_layers,
                 "microbatch_size": self.microbatch_size, "f": self.f,
                 "est_step_time_s": self.est_step_time_s, "warnings": list(self.warnings),
-                "pipelines": [p.to_json() for p in self.pipelines]}
+                "donors": list(self.donors), "pipelines": [p.to_json() for p in self.pipelines]}
 
     @classmethod
     def from_json(cls, data: Any) -> "Plan":
@@ -150,7 +175,8 @@ class Plan:
                        gpus_per_node=int(data["gpus_per_node"]), num_layers=int(data["num_layers"]),
                        microbatch_size=int(data["microbatch_size"]), pipelines=pipelines,
                        est_step_time_s=float(data["est_step_time_s"]), f=int(data["f"]),
-                       warnings=tuple(str(w) for w in data.get("warnings", ())))
+                       warnings=tuple(str(w) for w in data.get("warnings", ())),
+                       donors=tuple(str(n) for n in _list(data.get("donors", []), "donors")))
         except PlanningError:
             raise
         except (AttributeError, KeyError, TypeError, ValueError, IndexError) as err:
@@ -173,6 +199,15 @@ class Plan:
                                     f"cover layers 0..{self.num_layers} contiguously: {bounds}")
             if p.microbatches < 1:
                 raise PlanningError(f"plan generation {self.generation}: pipeline {p.index} has no microbatch")
+        if len(set(self.donors)) != len(self.donors) or set(self.donors) & set(self.nodes):
+            raise PlanningError(f"plan generation {self.generation}: donors {list(self.donors)} must be distinct "
+                                "nodes outside the plan")
+
+
+def _list(value: Any, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise PlanningError(f"malformed plan: {name} is {type(value).__name__}, not a list")
+    return value
 
 
 def make_plan(templates: TemplateSet, *, nodes: Sequence[str], num_microbatches: int,

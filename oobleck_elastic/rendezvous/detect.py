@@ -11,7 +11,10 @@ waits for an etcd lease to expire when the evidence is already there:
   `pong/<node>` with the same nonce within milliseconds if its process is alive. Suspects silent
   for `ping_timeout_s` are dead. The roll call then asks for a re-plan without the dead, unless
   every check-in is a `stall` and nobody is dead: then the job is only slow, and the roll call
-  is repeated a little later in case a node dies meanwhile.
+  is repeated a little later in case a node dies meanwhile (a worker withdraws its `stall`
+  check-in once it has entered the generation). Right after an etcd outage, silence proves
+  nothing (records expired, agents' watches were down): the leader holds the verdict until the
+  outage is a lease TTL + settle past (leader.py), and a deputy deposes no leader meanwhile.
 - `Deputy` (run by every other agent): when the LEADER dies, nobody runs the roll call and its
   `leader` key would outlive it by the lease TTL. So while a roll call is open and none of the
   leader node's own workers has checked in, the first plan node (in plan order) that has checked
@@ -127,10 +130,11 @@ class Deputy:
     """A non-leader agent's side; `check()` once per election tick."""
 
     def __init__(self, client: EtcdClient, keys: Keys, *, node_id: str, ping_timeout_s: float,
-                 reader: Any = None) -> None:
+                 reader: Any = None, outage_grace_s: float = 0.0) -> None:
         self.client, self.keys, self.node_id = client, keys, node_id
         self.reader = reader if reader is not None else client
         self.ping_timeout_s = ping_timeout_s
+        self.outage_grace_s = outage_grace_s
         self._watch: Optional[dict[str, Any]] = None
 
     def check(self, plan: Optional[Plan | Roster]) -> bool:
@@ -155,6 +159,8 @@ class Deputy:
         # twice the roll call's patience: deposing a live leader costs a node (it is fenced)
         if w["done"] or pinger.answered(leader_node) or pinger.waited(leader_node) < 2 * self.ping_timeout_s:
             return False
+        if self.outage_grace_s and self.client.outage_within(self.outage_grace_s):
+            return False  # the leader could not answer while etcd was away: ask it again later
         w["done"] = True
         data, _ = self.client.get_json(self.keys.node(leader_node))  # not mirrored by non-leaders
         rec = NodeRecord.parse(data, key=self.keys.node(leader_node)) if data is not None else None

@@ -7,7 +7,9 @@ failure: then a deputy confirms by ping that the leader is gone and revokes its 
 
 The leader polls membership (node records) and, whenever the set of usable nodes differs from
 the current plan's nodes for longer than the settle window (which batches simultaneous
-failures and joins into one re-plan), computes the next plan with the planner and publishes it
+failures and joins into one re-plan), computes the next plan with the planner (naming drained
+nodes that ran a stage as the plan's donors: they hand their layers over in the next
+generation's entry, then leave) and publishes it
 as generation g+1 in one transaction that also checks that (a) the plan key is still at the
 revision the leader read, and (b) the leader key still holds this leader's value. A deposed
 or partitioned leader therefore can never overwrite a newer plan.
@@ -34,6 +36,7 @@ the job as failed, with that error, instead of waiting.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -88,7 +91,8 @@ class Leader:
         self._waiting_for: Optional[int] = None
         self._unplannable: Optional[tuple[tuple[str, ...], int]] = None
         self.rollcall = RollCall(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view)
-        self.deputy = Deputy(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view)
+        self.deputy = Deputy(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view,
+                             outage_grace_s=member.lease_ttl_s + settle_s)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="oobleck-leader", daemon=True)
@@ -202,9 +206,19 @@ class Leader:
             if plan is None and rev is not None:  # a value that is not a plan: generations go on from history
                 plan = newest_history_plan(self.client, self.keys)
             fenced = self._fenced(records)
+            outage_recent = self.client.outage_within(self.member.lease_ttl_s + self.settle_s)
             if plan is not None:
                 self._profile_wait = None
                 dead = self.rollcall.check(plan, records)
+                if dead and outage_recent:
+                    # records vanish and pings go unanswered while etcd is away: the nodes renew
+                    # their leases and answer within a TTL of its return, so the verdict waits
+                    warn_once(self.keys.rollcall(plan.generation), plan.generation,
+                              f"node {self.member.node_id}: roll call of generation {plan.generation}: "
+                              f"{', '.join(dead)} silent right after an etcd outage; asking again once the "
+                              "outage is a lease TTL past")
+                    self._pause(self.tick_s)
+                    continue
                 if dead is not None:  # workers saw a failure: re-plan now, without unresponsive nodes
                     for node in dead:
                         self._declare_lost(node, plan.generation)
@@ -217,7 +231,7 @@ class Leader:
                               admitted=frozenset(self.keys.node_of(k)
                                                  for k, _ in self.view.get_prefix_json(self.keys.admitted(""))),
                               not_ready=frozenset(self._not_ready(plan, up)) if plan is not None else frozenset(),
-                              outage_recent=self.client.outage_within(self.member.lease_ttl_s + self.settle_s))
+                              outage_recent=outage_recent)
             decision = decide(view, clocks, time.monotonic(), rules)
             clocks = decision.clocks
             for node in decision.admit:
@@ -324,6 +338,7 @@ class Leader:
                                                         generation=generation, detail=str(err)))
             return
         self._waiting_for = None
+        plan = dataclasses.replace(plan, donors=self._donors(plan, old, records, lost))
         events = self._events(plan, old, records, lost)
         live = {r.node_id for r in records}
         # a node dropped because its record vanished is fenced first: if it was only cut off from
@@ -349,6 +364,17 @@ class Leader:
             log.info("node %s: plan generation %d lost a race (plan or leadership changed)", self.member.node_id,
                      generation)
 
+    def _donors(self, plan: Plan, old: Optional[Plan], records: list[NodeRecord], lost: set[str]) -> tuple[str, ...]:
+        """Nodes of `old` that ran a stage, are draining now and leave with `plan`: they join its
+        entry to hand their layers over, then leave. Only from the generation just left (a donor
+        whose entry failed leaves anyway: its layers then come from others or the checkpoint)."""
+        if old is None:
+            return ()
+        draining = {r.node_id for r in records if r.state == NodeState.DRAINING}
+        staged = {s.node for p in old.pipelines for s in p.stages}
+        return tuple(n for n in old.nodes if n in draining and n in staged and n not in plan.nodes and n not in lost
+                     and self.view.get(self.keys.fenced + n) is None)
+
     def _events(self, plan: Plan, old: Optional[Plan], records: list[NodeRecord],
                 lost: set[str] = frozenset()) -> list[Event]:  # type: ignore[assignment]
         now, me = time.time(), self.member.node_id
@@ -361,7 +387,9 @@ class Leader:
             kind = (EventKind.LOST if n in lost else EventKind.DRAIN if state.get(n) == NodeState.DRAINING else
                     EventKind.LEAVE if n in state else EventKind.LOST)
             events.append(Event(time=now, kind=kind, node=n, generation=plan.generation,
-                                detail={"drain": "drained at a step boundary", "leave": "left the plan",
+                                detail={"drain": "drained at a step boundary" + (
+                                            "; hands its layers over in the entry" if n in plan.donors else ""),
+                                        "leave": "left the plan",
                                         "lost": ("a peer saw its connections break and its agent did not answer "
                                                  "a ping" if n in lost else "lease expired or node unreachable"),
                                         }[kind]))

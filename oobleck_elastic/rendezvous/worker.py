@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -73,6 +73,7 @@ class WorkerContext:
     """The mirror of the keys this worker reads between steps (`watched`); None: read etcd directly."""
     _progress: Optional["_LatestPut"] = None
     _plans: Optional[PlanReader] = None
+    _stalled: set[int] = field(default_factory=set)  # generations this worker checked in as stalled
 
     @classmethod
     def from_env(cls, environ: Optional[dict[str, str]] = None) -> "WorkerContext":
@@ -99,11 +100,12 @@ class WorkerContext:
         return self.view if self.view is not None else self.client
 
     def close(self) -> None:
-        """Flush the last progress report and stop watching."""
+        """Flush the last progress report, stop watching and close the connection."""
         if self._progress is not None:
             self._progress.flush(timeout=5.0)
         if self.view is not None:
             self.view.close()
+        self.client.close()
 
     def plan(self) -> Optional[Plan]:
         """The current plan; None while there is none or the value is malformed (logged once). A
@@ -211,8 +213,19 @@ class WorkerContext:
     def report_failure(self, generation: int, *, kind: str = CheckinKind.FAILURE) -> None:
         """Check in at the leader's roll call: this worker saw generation `generation` break
         (`failure`), or has waited too long for its peers while joining it (`stall`)."""
-        self.client.put_json(f"{self.keys.rollcall(generation)}{self.node_id}/{self.local_rank}",
-                             {"time": time.time(), "kind": kind})
+        self.client.put_json(self._checkin_key(generation), {"time": time.time(), "kind": kind})
+        if kind == CheckinKind.STALL:
+            self._stalled.add(generation)
+
+    def entered(self, generation: int) -> None:
+        """This worker has entered `generation`: a `stall` check-in it made while joining is
+        withdrawn (the join was only slow), so the roll call does not go on pinging for it."""
+        if generation in self._stalled:
+            self._stalled.discard(generation)
+            self.client.delete(self._checkin_key(generation))
+
+    def _checkin_key(self, generation: int) -> str:
+        return f"{self.keys.rollcall(generation)}{self.node_id}/{self.local_rank}"
 
     def join_watch(self, generation: int, *, stall_s: float) -> Callable[[float], None]:
         """The `EtcdStore.on_wait` hook of a worker joining `generation`: it gives up (raises)
