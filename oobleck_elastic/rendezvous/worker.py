@@ -74,13 +74,15 @@ class WorkerContext:
     _progress: Optional["_LatestPut"] = None
     _plans: Optional[PlanReader] = None
     _stalled: set[int] = field(default_factory=set)  # generations this worker checked in as stalled
+    owns_client: bool = False
+    """`close()` closes the client too (it was made for this worker by `from_env`)."""
 
     @classmethod
     def from_env(cls, environ: Optional[dict[str, str]] = None) -> "WorkerContext":
         env = dict(os.environ if environ is None else environ)
         settings = EtcdSettings.from_env(env)
         ctx = cls(client=connect(settings), keys=Keys(env.get("OOBLECK_KEY_PREFIX", "/oobleck"), env["OOBLECK_RUN_ID"]),
-                  node_id=env["OOBLECK_NODE_ID"], local_rank=int(env.get("LOCAL_RANK", "0")))
+                  node_id=env["OOBLECK_NODE_ID"], local_rank=int(env.get("LOCAL_RANK", "0")), owns_client=True)
         ctx.watch()
         return ctx
 
@@ -100,12 +102,13 @@ class WorkerContext:
         return self.view if self.view is not None else self.client
 
     def close(self) -> None:
-        """Flush the last progress report, stop watching and close the connection."""
+        """Flush the last progress report, stop watching and close the connection (if its own)."""
         if self._progress is not None:
             self._progress.flush(timeout=5.0)
         if self.view is not None:
             self.view.close()
-        self.client.close()
+        if self.owns_client:
+            self.client.close()
 
     def plan(self) -> Optional[Plan]:
         """The current plan; None while there is none or the value is malformed (logged once). A
