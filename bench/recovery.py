@@ -100,6 +100,7 @@ GOAL_RECOVERY_S, GOAL_RATIO, GOAL_THROUGHPUT = 1.0, 10.0, 0.95
 STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
 OURS_STEP = re.compile(STAMP + r" INFO gen (\d+) step (\d+)/(\d+) node (\S+): loss ([\d.]+)")
 OURS_FAIL = re.compile(STAMP + r" WARNING gen (\d+) step (\d+) node (\S+): communication failed")
+OURS_ABANDON = re.compile(STAMP + r" WARNING gen (\d+) step (\d+) node (\S+): step abandoned")
 OURS_ENTER = re.compile(STAMP + r" INFO gen (\d+) step (\d+) node (\S+) rank (\d+): "
                         r"entered from generation (\d+) \(([^,]+)")
 
@@ -309,13 +310,15 @@ def run_ours(work: Path, etcd: EtcdServer, args: argparse.Namespace, overrides: 
 
 
 def report_ours(run: Run, events: list, args: argparse.Namespace, t0: float) -> dict:
-    steps, fails, enters = [], [], []
+    steps, fails, enters, abandons = [], [], [], []
     for _, line in run.lines.lines:
         text = line.split("] ", 1)[1] if line.startswith("[node ") else line
         if m := OURS_STEP.search(text):
             steps.append((int(m.group(3)), stamp(m.group(1))))
         elif m := OURS_FAIL.search(text):
             fails.append(stamp(m.group(1)))
+        elif m := OURS_ABANDON.search(text):
+            abandons.append(stamp(m.group(1)))
         elif m := OURS_ENTER.search(text):
             enters.append((stamp(m.group(1)), int(m.group(2)), int(m.group(3)), m.group(7)))
     out: dict[str, Any] = {"bench": "recovery", "job": "a:oobleck", "lease_ttl_s": args.lease_ttl,
@@ -334,6 +337,7 @@ def report_ours(run: Run, events: list, args: argparse.Namespace, t0: float) -> 
     out["lost_because"] = lost_ev[0].detail if lost_ev else None
     out["timeline_s"] = {
         "first_comm_failure": rel(min((t for t in fails if t > tk), default=None), tk),
+        "first_step_abandoned": rel(min((t for t in abandons if t > tk), default=None), tk),
         "node_declared_lost": rel(min(lost, default=None), tk),
         "new_plan_published": rel(min(plans, default=None), tk),
         "all_entered_new_generation": rel(max((e[0] for e in gen2), default=None), tk),

@@ -51,7 +51,8 @@ def _events(endpoint: str, keys) -> list:
 
 def test_kill_the_leader(tmp_path: Path, etcd_server, run_id) -> None:
     """The leader's node dies mid-run with a 30 s lease TTL: its workers' peers check in at the
-    roll call, a deputy finds the leader silent and revokes its lease, a new leader re-plans."""
+    roll call, a deputy finds the leader's agent gone (its liveness socket) or silent (a ping) and
+    revokes its lease, a new leader re-plans."""
     from launcher.local import kill_node
     from oobleck_elastic.rendezvous.keys import Keys
 

@@ -36,7 +36,10 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     out = res.stdout
     assert res.returncode == 0, out[-5000:] + res.stderr[-2000:]
     assert "[launcher] killed node 1" in out
-    assert "communication failed" in out and "entered from generation 1" in out, out[-4000:]
+    # the survivors saw the failure in a collective, or the leader found the dead agent first (its
+    # liveness socket) and they abandoned the step for the new plan
+    assert ("communication failed" in out or "step abandoned" in out) and "entered from generation 1" in out, \
+        out[-4000:]
     assert "Stopping worker group" not in out and "restart" not in out.lower().replace("restarts=", "")
     manifest = read_manifest(latest_checkpoint(tmp_path / "job" / "ckpt"))
     assert manifest["step"] == steps and manifest["plan"]["generation"] == 2

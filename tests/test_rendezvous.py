@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from oobleck_elastic import ops
 from oobleck_elastic.etcd import EtcdError, EtcdSettings, connect
-from helpers import TINY_PROFILE_OVERRIDES, tiny_profile
+from helpers import TINY_PROFILE_OVERRIDES, eventually, tiny_profile
 from oobleck_elastic.planning import Plan
 from oobleck_elastic.rendezvous.handler import OobleckRendezvousHandler
 from oobleck_elastic.rendezvous.keys import Keys
@@ -231,6 +231,53 @@ def test_a_stalled_join_replans_only_when_a_silent_node_is_found(cluster_factory
     lost = [e for e in c.events() if e.kind == "lost"]
     assert [e.node for e in lost] == [victim.member.node_id]
     assert "did not answer a ping" in lost[0].detail
+
+
+def test_a_dead_agent_is_replanned_at_once_by_its_liveness_socket(cluster_factory) -> None:
+    """An agent dies (its liveness socket closes, as its kernel does at a SIGKILL) while its lease
+    has a minute to run and no worker has checked in: the leader finds the socket refusing
+    connections and re-plans without the node at once."""
+    c = cluster_factory(min_nodes=3, max_nodes=3, lease_ttl="60")
+    boxes = c.start(3)
+    join_all(boxes)
+    leader = next(b["handler"] for b in boxes if b["handler"].leader.is_leader.is_set())
+    victim = next(b["handler"] for b in boxes if b["handler"] is not leader)
+    gone = victim.member.node_id
+    assert c.client.get_json(c.keys.node(gone))[0]["liveness"] == victim.liveness.address
+    eventually(lambda: gone in leader.leader.liveness._ever_connected)
+    c.crash(victim)
+    victim.liveness.close()
+    new = c.wait_plan(lambda p: p.generation == 2, timeout=10)
+    assert gone not in new.nodes and len(new.nodes) == 2
+    lost = [e for e in c.events() if e.kind == "lost"]
+    assert [(e.node, e.generation) for e in lost] == [(gone, 2)]
+    assert lost[0].detail == "its agent's liveness socket closed and refused a new connection: the agent died"
+    assert c.client.get_json(c.keys.fenced + gone)[0] is not None
+
+
+def test_a_dead_leader_is_replaced_at_once_by_its_liveness_socket(cluster_factory) -> None:
+    """The leader's agent dies (lease valid for a minute, no worker checked in): the roster's
+    first other node finds its liveness socket refusing connections, revokes its lease, and a
+    new leader re-plans without it."""
+    c = cluster_factory(min_nodes=3, max_nodes=3, lease_ttl="60")
+    boxes = c.start(3)
+    join_all(boxes)
+    plan = c.plan()
+    old = next(b["handler"] for b in boxes if b["handler"].leader.is_leader.is_set())
+    dead = old.member.node_id
+    deputy = next(b["handler"] for b in boxes
+                  if b["handler"].member.node_id == next(n for n in plan.nodes if n != dead))
+    eventually(lambda: deputy.leader._leader_watch is not None
+               and dead in deputy.leader._leader_watch[1]._ever_connected)
+    c.crash(old)
+    old.liveness.close()
+    new = c.wait_plan(lambda p: p.generation == 2, timeout=10)
+    assert dead not in new.nodes and len(new.nodes) == 2
+    lost = [e for e in c.events() if e.kind == "lost" and e.node == dead]
+    assert [e.detail for e in lost][:1] == [f"leader {dead}: its agent's liveness socket closed and refused a new "
+                                            "connection: the agent died; revoked its lease"], [e.line() for e in lost]
+    leaders = [e.node for e in c.events() if e.kind == "leader"]
+    assert leaders[0] == dead and len(leaders) == 2
 
 
 def test_a_roll_call_right_after_an_etcd_outage_holds_its_verdict(cluster_factory) -> None:

@@ -38,14 +38,19 @@ def test_join_kill_and_drain_under_torchrun(etcd_server, run_id) -> None:
     client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
     keys = Keys("/oobleck", run_id)
     vanished_at = None
+    victim = None
     drained = None
     counts = []
     try:
         deadline = time.monotonic() + 240
         while proc.poll() is None and time.monotonic() < deadline:
             nodes = live_nodes(client, keys)
-            if counts and len(nodes) < counts[-1] and vanished_at is None and drained is None:
-                vanished_at = time.monotonic()
+            killed = next((line for _, line in lines if "[launcher] killed node 1" in line), None)
+            if killed is not None and victim is None:  # "... (SIGKILL to pids <agent>, ...)"
+                pid = int(killed.split("SIGKILL to pids ")[1].split(",")[0].split(")")[0])
+                victim = next((r.node_id for r in nodes if r.agent_pid == pid), None)
+            if victim is not None and vanished_at is None and victim not in {r.node_id for r in nodes}:
+                vanished_at = time.monotonic()  # its lease expired (nobody revokes a dead agent's)
             counts.append(len(nodes))
             data, _ = client.get_json(keys.plan)
             generation = data.get("generation", 0) if isinstance(data, dict) else 0

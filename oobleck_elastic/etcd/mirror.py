@@ -211,6 +211,11 @@ class Mirror:
             if parsed is not None:
                 yield kv.key, parsed
 
+    def nudge(self) -> None:
+        """Wake every `wait` now, as a change would (for news that does not come from etcd)."""
+        with self._cond:
+            self._changed()
+
     def wait(self, version: int, timeout: float) -> int:
         """Block until `self.version` > version (a change was applied), the timeout, or close;
         returns the version now."""

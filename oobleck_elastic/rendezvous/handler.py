@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -49,6 +50,7 @@ from ..etcd.server import free_port
 from ..planning import ModelProfile, Plan, PlanningError, ProfileError, plan_job, templates_for
 from .keys import ClosedRecord, Event, EventKind, Keys, Roster, read_closed, read_roster
 from .leader import JobUnplannable, Leader
+from .liveness import LivenessServer
 from .membership import Member, put_event
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self.client: EtcdClient = connect(self.settings)
         self.member: Optional[Member] = None
         self.leader: Optional[Leader] = None
+        self.liveness: Optional[LivenessServer] = None
         self._templates: Any = None
         self._pinned: ModelProfile | None = None
         self._warned: set[tuple[str, int]] = set()  # (key, mod revision) of values already reported
@@ -171,6 +174,8 @@ class OobleckRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         if self.leader is not None:
             self.leader.stop()
+        if self.liveness is not None:
+            self.liveness.close()
         self._stopping.set()
         if self.view is not None:
             self.view.close()
@@ -186,8 +191,10 @@ class OobleckRendezvousHandler(RendezvousHandler):
         if closed is not None:
             raise RendezvousClosedError(f"run {self.params.run_id} is closed: {closed.reason}")
         if self.member is None:
+            host = self.params.local_addr or socket.gethostname()
+            self.liveness = LivenessServer(host)
             self.member = Member(self.client, self.keys, devices=self.devices, lease_ttl_s=self.lease_ttl_s,
-                                 host=self.params.local_addr or None)
+                                 host=host, liveness=self.liveness.address)
             self.member.register()
             self.view = Mirror(self.client, self.keys.agent_watched(self.member.node_id),
                                name=f"agent {self.member.node_id}").start()

@@ -4,7 +4,7 @@ Everything lives under `<key_prefix>/<run_id>/` (key_prefix defaults to `/ooblec
 
 | key                      | value (JSON, `schema_version` 1)                | written by        | lease |
 |--------------------------|-------------------------------------------------|-------------------|-------|
-| `nodes/<node_id>`        | NodeRecord: index, host, devices, agent pid, state (up/draining), since | the node's agent, `kill-agent` | node |
+| `nodes/<node_id>`        | NodeRecord: index, host, devices, agent pid, state (up/draining), since, liveness address | the node's agent, `kill-agent` | node |
 | `next_index`             | next node index (int)                           | agents (CAS)      |       |
 | `leader`                 | {node_id, since}                                | the elected agent | node  |
 | `plan`                   | Plan of the current generation (planning/plan.py) | the leader (CAS) |      |
@@ -238,6 +238,8 @@ class NodeRecord:
     """Unix time the node registered."""
     lease_id: int
     """etcd lease the record is bound to."""
+    liveness: str = ""
+    """"host:port" of the agent's liveness socket (liveness.py); empty: none."""
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, **asdict(self)}
@@ -251,7 +253,9 @@ class NodeRecord:
             rec = cls(node_id=str(data["node_id"]), index=int(data["index"]), host=str(data["host"]),
                       devices=int(data["devices"]), agent_pid=int(data["agent_pid"]),
                       state=NodeState(str(data["state"])), since=float(data["since"]),
-                      lease_id=int(data["lease_id"]))
+                      lease_id=int(data["lease_id"]), liveness=data.get("liveness", ""))
+            if not isinstance(rec.liveness, str):
+                raise ValueError(f"liveness {rec.liveness!r} is not a string")
             if key and not key.endswith("/" + rec.node_id):
                 raise ValueError(f"node_id {rec.node_id!r} does not match the key")
             return rec

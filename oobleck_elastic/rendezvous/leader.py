@@ -49,6 +49,7 @@ from ..etcd.mirror import Mirror
 from ..planning import Plan, PlanningError
 from .decide import Action, Clocks, LeaderView, Rules, decide, desired_nodes
 from .detect import Deputy, RollCall
+from .liveness import LivenessMonitor
 from .keys import ClosedRecord, Event, EventKind, Keys, NodeRecord, NodeState, Roster, read_closed, read_roster
 from .membership import Member, live_nodes, put_event
 
@@ -58,6 +59,10 @@ _FENCED_KEEP_S = 600.0
 _TXN_EVENTS = 100  # events written in the plan's transaction at most (etcd allows 128 operations)
 _IDLE_S = 1.0  # the leader's tick while nothing waits on the clock (a change wakes it at once)
 Planner = Callable[[list[str], int, Optional[Plan]], Plan]  # (nodes, generation, previous plan)
+
+
+_ROLL_CALL_LOST = "a peer saw its connections break and its agent did not answer a ping"
+_LIVENESS_LOST = "its agent's liveness socket closed and refused a new connection: the agent died"
 
 
 class JobUnplannable(PlanningError):
@@ -90,6 +95,10 @@ class Leader:
         self._value = b""
         self._waiting_for: Optional[int] = None
         self._unplannable: Optional[tuple[tuple[str, ...], int]] = None
+        self.liveness: Optional[LivenessMonitor] = None  # connections to the plan's agents while leading
+        self._leader_watch: Optional[tuple[NodeRecord, LivenessMonitor]] = None  # to the leader, otherwise
+        self._leader_rec: Optional[tuple[str, Optional[NodeRecord]]] = None  # (leader node, its record), cached
+        self._lost_why: dict[str, str] = {}
         self.rollcall = RollCall(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view)
         self.deputy = Deputy(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view,
                              outage_grace_s=member.lease_ttl_s + settle_s)
@@ -102,6 +111,8 @@ class Leader:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._leader_watch is not None:
+            self._leader_watch[1].close()
 
     # ------------------------------------------------------------------ election
     def _run(self) -> None:
@@ -110,8 +121,9 @@ class Leader:
                 if read_closed(self.view, self.keys) is not None:
                     pass  # the job is over: nothing to lead (agents leaving must not re-elect)
                 elif self._campaign():
+                    self._watch_leader(None)
                     self._lead()
-                elif self.deputy.check(read_roster(self.view, self.keys)):
+                elif self._leader_died() or self.deputy.check(read_roster(self.view, self.keys)):
                     continue  # the dead leader's lease is revoked: campaign at once
             except EtcdError as err:
                 log.warning("node %s: leader loop: %s", self.member.node_id, err)
@@ -119,6 +131,50 @@ class Leader:
                 log.exception("node %s: leader loop failed; retrying", self.member.node_id)
             self.is_leader.clear()
             self._pause(self.tick_s * 4)
+
+    def _watch_leader(self, leader: Optional[NodeRecord]) -> None:
+        """Hold a liveness connection to the leader's agent (None: to nobody)."""
+        if leader is None or not leader.liveness:
+            if self._leader_watch is not None:
+                self._leader_watch[1].watch({})
+            return
+        if self._leader_watch is None:
+            view = self.view
+            self._leader_watch = (leader, LivenessMonitor(
+                name=f"node {self.member.node_id}",
+                on_dead=lambda _: view.nudge() if isinstance(view, Mirror) else None))
+        self._leader_watch = (leader, self._leader_watch[1])
+        self._leader_watch[1].watch({leader.node_id: leader.liveness})
+
+    def _leader_died(self) -> bool:
+        """Whether the leader's agent was found dead by its liveness socket (liveness.py): then its
+        lease is revoked here (the leader key and its node record go with it) and this node
+        campaigns at once. One agent watches the leader: the first node of the roster other than
+        the leader (the deputy of detect.py)."""
+        data, _ = self.view.get_json(self.keys.leader)
+        node = data.get("node_id") if isinstance(data, dict) else None
+        roster = read_roster(self.view, self.keys)
+        deputy = next((n for n in roster.nodes if n != node), None) if roster is not None else None
+        if node is None or deputy != self.member.node_id:  # one agent watches: the roster's first other node
+            self._watch_leader(None)
+            return False
+        if self._leader_rec is None or self._leader_rec[0] != node:
+            rec_data, _ = self.client.get_json(self.keys.node(node))  # once per leader: not mirrored here
+            self._leader_rec = (node, NodeRecord.parse(rec_data, key=self.keys.node(node))
+                                if rec_data is not None else None)
+        known = self._leader_rec[1]
+        self._watch_leader(known)
+        if known is None or self._leader_watch is None or node not in self._leader_watch[1].take_dead():
+            return False
+        try:
+            self.client.revoke_lease(known.lease_id)
+        except Exception as err:  # noqa: BLE001 - another agent revoked it first
+            log.info("node %s: leader %s's lease is gone already (%s)", self.member.node_id, node, type(err).__name__)
+            return True
+        detail = f"leader {node}: {_LIVENESS_LOST}; revoked its lease"
+        log.warning("node %s: %s", self.member.node_id, detail)
+        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.LOST, node=node, detail=detail))
+        return True
 
     def _pause(self, timeout: float) -> None:
         """Wait `timeout`, or with a mirror until the next change it applies (whichever is first)."""
@@ -183,9 +239,14 @@ class Leader:
         """Mirror what the leader reads while it leads (`Keys.leader_watched`), and lead."""
         if isinstance(self.view, Mirror):
             self.view.add(self.keys.leader_watched())
+        view = self.view
+        self.liveness = LivenessMonitor(name=f"leader {self.member.node_id}",
+                                        on_dead=lambda _: view.nudge() if isinstance(view, Mirror) else None)
         try:
             self._lead_loop()
         finally:
+            self.liveness.close()
+            self.liveness = None
             if isinstance(self.view, Mirror) and not self.view.error:
                 self.view.remove(self.keys.leader_watched())
 
@@ -209,6 +270,9 @@ class Leader:
             outage_recent = self.client.outage_within(self.member.lease_ttl_s + self.settle_s)
             if plan is not None:
                 self._profile_wait = None
+                if self._liveness_verdict(plan, rev, records, up, fenced):
+                    clocks = Clocks()
+                    continue
                 dead = self.rollcall.check(plan, records)
                 if dead and outage_recent:
                     # records vanish and pings go unanswered while etcd is away: the nodes renew
@@ -247,6 +311,25 @@ class Leader:
             # with nothing pending on the clock, only a change can call for action: sleep until one
             waiting = decision.action != Action.NONE or plan is None or self.rollcall.open
             self._pause(self.tick_s if waiting else _IDLE_S)
+
+    def _liveness_verdict(self, plan: Plan, rev: Optional[int], records: list[NodeRecord], up: list[NodeRecord],
+                          fenced: set[str]) -> bool:
+        """Watch the plan's other agents' liveness sockets (liveness.py); when some are found dead,
+        declare them lost and re-plan without them at once. Whether it re-planned."""
+        assert self.liveness is not None
+        me = self.member.node_id
+        self.liveness.watch({r.node_id: r.liveness for r in records
+                             if r.node_id in plan.nodes and r.node_id != me and r.liveness})
+        gone = sorted(self.liveness.take_dead() & set(plan.nodes))
+        if not gone:
+            return False
+        for node in gone:
+            self._declare_lost(node, plan.generation)
+            self._lost_why[node] = _LIVENESS_LOST
+        nodes = desired_nodes(plan, [r.node_id for r in up], fenced | set(gone), self.max_nodes)
+        self._publish(nodes, plan, rev, records, lost=set(gone))
+        self.rollcall.reset()
+        return True
 
     def _first_plan(self, nodes: list[str], rev: int | None, records: list[NodeRecord]) -> None:
         """Publish generation 1 on `nodes` when the profile is at hand; otherwise admit them (their
@@ -390,8 +473,8 @@ class Leader:
                                 detail={"drain": "drained at a step boundary" + (
                                             "; hands its layers over in the entry" if n in plan.donors else ""),
                                         "leave": "left the plan",
-                                        "lost": ("a peer saw its connections break and its agent did not answer "
-                                                 "a ping" if n in lost else "lease expired or node unreachable"),
+                                        "lost": (self._lost_why.get(n, _ROLL_CALL_LOST) if n in lost
+                                                 else "lease expired or node unreachable"),
                                         }[kind]))
         causes = sorted({e.kind for e in events} | ({"join"} if added and old else set())) or (
             ["restart"] if old else ["initial"])

@@ -73,7 +73,7 @@ class Member:
 
     def __init__(self, client: EtcdClient, keys: Keys, *, devices: int, lease_ttl_s: float,
                  host: Optional[str] = None, on_fenced: Optional[Callable[[], None]] = None,
-                 on_renewed: Optional[Callable[[], None]] = None) -> None:
+                 on_renewed: Optional[Callable[[], None]] = None, liveness: str = "") -> None:
         self.client = client
         self.keys = keys
         self.devices = devices
@@ -81,6 +81,7 @@ class Member:
         self.host = host or socket.gethostname()
         self.on_fenced = on_fenced
         self.on_renewed = on_renewed
+        self.liveness = liveness
         self.lease: Optional[int] = None
         """The id of the lease this node's keys are bound to (a new one after a renewal)."""
         self.renewals = 0
@@ -100,7 +101,8 @@ class Member:
         index = self._next_index()
         self.lease = self.client.grant_lease(self.lease_ttl_s)
         self.record = NodeRecord(node_id=f"node{index}", index=index, host=self.host, devices=self.devices,
-                                 agent_pid=os.getpid(), state=NodeState.UP, since=time.time(), lease_id=self.lease)
+                                 agent_pid=os.getpid(), state=NodeState.UP, since=time.time(), lease_id=self.lease,
+                                 liveness=self.liveness)
         self.client.put_json(self.keys.node(self.record.node_id), self.record.to_json(), lease=self.lease)
         put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.JOIN, node=self.record.node_id,
                                                 detail=f"host {self.host}, {self.devices} device(s), "

@@ -1,0 +1,191 @@
+"""Liveness sockets: the leader learns that a node's agent died the moment the node's kernel
+closed the agent's sockets, with no collective failing first and no ping to wait for.
+
+Every agent listens on a TCP port (`LivenessServer`; its `host:port` is in the node record) and
+keeps every connection made to it open, never writing. The leader holds one connection to each
+other node of the plan (`LivenessMonitor`), and one selector thread watches them all; the deputy
+(detect.py) holds one to the leader. When an agent process dies (SIGKILL, OOM kill, crash), its
+kernel closes the connection at once and the watcher reads end-of-file or a reset.
+
+A closed connection is not yet a death (a middlebox can reset a connection): the monitor
+connects again at once. **Refused** (at an address that accepted this monitor before) means the
+host answered and nothing listens on the port any more: the agent is gone. That is the verdict
+a lease expiry gives (the agent holds the node's lease), without waiting a TTL; orphaned workers
+of a dead agent see their node fenced and stop (worker.py). A connect that times out or fails
+otherwise (the host is down or unreachable) gives no verdict: the node is then left to the roll
+call's ping and to its lease, as before, and the monitor tries again every `retry_s`. A frozen
+(SIGSTOPped) agent keeps its sockets open: also left to the lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import socket
+import threading
+import time
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
+
+
+def parse_address(address: str) -> Optional[tuple[str, int]]:
+    """(host, port) of "host:port", or None when it is not one."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host.strip("[]"), int(port)
+
+
+class LivenessServer:
+    """An agent's listening socket: accepts connections and keeps them open until closed."""
+
+    def __init__(self, host: str) -> None:
+        self._sock = socket.create_server((host, 0), backlog=1024)
+        self.address = f"{host}:{self._sock.getsockname()[1]}"
+        """What peers connect to ("host:port")."""
+        self._peers: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, name="oobleck-liveness", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            self._peers.append(conn)  # kept open: its closing is the signal
+
+    def close(self) -> None:
+        self._closed = True
+        try:  # wakes the accepting thread; a bare close() would leave the port listening under it
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        for s in [self._sock, *self._peers]:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+class LivenessMonitor:
+    """Connections to other agents' `LivenessServer`s; reports the nodes found dead."""
+
+    def __init__(self, *, on_dead: Optional[Callable[[str], None]] = None, connect_timeout_s: float = 0.25,
+                 retry_s: float = 1.0, name: str = "liveness") -> None:
+        self.on_dead = on_dead
+        self.connect_timeout_s, self.retry_s, self.name = connect_timeout_s, retry_s, name
+        self._lock = threading.Lock()
+        self._targets: dict[str, tuple[str, int]] = {}
+        self._socks: dict[str, socket.socket] = {}
+        self._next_try: dict[str, float] = {}
+        self._dead: set[str] = set()
+        self._reported: set[str] = set()
+        self._ever_connected: set[str] = set()  # only an address that answered before proves a death
+        self._warned: set[str] = set()
+        self._selector = selectors.DefaultSelector()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"oobleck-{name}", daemon=True)
+        self._thread.start()
+
+    def watch(self, targets: dict[str, str]) -> None:
+        """Watch these nodes (node -> "host:port"); others are dropped. Cheap when unchanged."""
+        parsed = {n: a for n, addr in targets.items() if (a := parse_address(addr)) is not None}
+        with self._lock:
+            if parsed == self._targets:
+                return
+            self._targets = parsed
+            self._dead &= set(parsed)
+
+    def take_dead(self) -> set[str]:
+        """Nodes found dead since the last call (each reported once)."""
+        with self._lock:
+            new = self._dead - self._reported
+            self._reported |= new
+            return new
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        for sock in self._socks.values():
+            sock.close()
+        self._socks.clear()
+        self._selector.close()
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._connect_missing()
+            for key, _ in self._selector.select(timeout=0.1) if self._socks else []:
+                self._closed(key.data)
+            if not self._socks:
+                self._stop.wait(0.1)
+
+    def _connect_missing(self) -> None:
+        with self._lock:
+            targets = dict(self._targets)
+            dead = set(self._dead)
+        for node in [n for n in self._socks if n not in targets]:
+            self._drop(node)
+        now = time.monotonic()
+        for node, addr in targets.items():
+            if node in self._socks or node in dead or now < self._next_try.get(node, 0.0):
+                continue
+            self._attempt(node, addr)
+
+    def _attempt(self, node: str, addr: tuple[str, int]) -> None:
+        """Connect to `node`: connected (watched), refused (dead), or no verdict (try later)."""
+        try:
+            sock = socket.create_connection(addr, timeout=self.connect_timeout_s)
+        except ConnectionRefusedError:
+            if node in self._ever_connected:
+                self._found_dead(node, addr)
+            else:  # never reached there: a wrong address proves nothing about the agent
+                self._next_try[node] = time.monotonic() + self.retry_s
+                if node not in self._warned:
+                    self._warned.add(node)
+                    log.warning("%s: node %s refuses connections at its liveness address %s:%d (is --local-addr "
+                                "set to an address the other nodes reach?); its death is detected by lease and "
+                                "ping only", self.name, node, *addr)
+            return
+        except OSError as err:
+            self._next_try[node] = time.monotonic() + self.retry_s
+            log.debug("%s: no connection to node %s at %s:%d (%s); trying again later", self.name, node, *addr, err)
+            return
+        sock.setblocking(False)
+        self._ever_connected.add(node)
+        self._socks[node] = sock
+        self._selector.register(sock, selectors.EVENT_READ, node)
+
+    def _closed(self, node: str) -> None:
+        """The connection to `node` became readable: the agent never writes, so it closed."""
+        sock = self._socks.get(node)
+        if sock is None:
+            return
+        try:
+            if sock.recv(1):
+                return  # a byte nobody should send: ignore it
+        except BlockingIOError:
+            return
+        except OSError:
+            pass  # reset: closed as well
+        self._drop(node)
+        with self._lock:
+            addr = self._targets.get(node)
+        if addr is not None:
+            self._attempt(node, addr)  # closed is not dead yet: refused is
+
+    def _drop(self, node: str) -> None:
+        sock = self._socks.pop(node, None)
+        if sock is not None:
+            self._selector.unregister(sock)
+            sock.close()
+
+    def _found_dead(self, node: str, addr: tuple[str, int]) -> None:
+        log.warning("%s: node %s's agent is gone (its liveness socket %s:%d closed and refuses connections)",
+                    self.name, node, *addr)
+        with self._lock:
+            self._dead.add(node)
+        if self.on_dead is not None:
+            self.on_dead(node)

@@ -1,0 +1,63 @@
+"""Liveness sockets (rendezvous/liveness.py): a dead agent is found the moment its socket closes
+and refuses a new connection; a live one, a reset connection or a wrong address is no death."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from oobleck_elastic.rendezvous.liveness import LivenessMonitor, LivenessServer, parse_address
+
+from helpers import eventually
+
+
+def test_addresses_are_parsed_or_refused() -> None:
+    assert parse_address("127.0.0.1:80") == ("127.0.0.1", 80)
+    assert parse_address("[::1]:9") == ("::1", 9)
+    assert [parse_address(a) for a in ("", "host", "host:", ":80", "h:0", "h:70000", "h:x")] == [None] * 7
+
+
+def test_a_closed_agent_is_found_dead_at_once_and_a_live_one_is_not() -> None:
+    live, doomed = LivenessServer("127.0.0.1"), LivenessServer("127.0.0.1")
+    woke: list[str] = []
+    monitor = LivenessMonitor(on_dead=woke.append)
+    try:
+        monitor.watch({"a": live.address, "b": doomed.address})
+        eventually(lambda: len(monitor._ever_connected) == 2)
+        doomed.close()  # what the kernel does to a SIGKILLed agent's sockets
+        eventually(lambda: woke == ["b"], timeout=5)
+        assert monitor.take_dead() == {"b"} and monitor.take_dead() == set()  # reported once
+        time.sleep(0.3)
+        assert woke == ["b"]
+    finally:
+        monitor.close()
+        live.close()
+
+
+def test_a_reset_connection_to_a_live_agent_is_no_death() -> None:
+    server = LivenessServer("127.0.0.1")
+    monitor = LivenessMonitor()
+    try:
+        monitor.watch({"a": server.address})
+        eventually(lambda: "a" in monitor._socks)
+        old = list(server._peers)
+        for peer in old:  # the connection drops, the agent listens on
+            peer.close()
+        eventually(lambda: any(p not in old for p in server._peers))  # the monitor connected again
+        assert monitor.take_dead() == set()
+    finally:
+        monitor.close()
+        server.close()
+
+
+def test_an_address_that_never_answered_proves_nothing() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monitor = LivenessMonitor(retry_s=0.1)
+    try:
+        monitor.watch({"a": f"127.0.0.1:{port}"})
+        time.sleep(0.5)
+        assert monitor.take_dead() == set()
+    finally:
+        monitor.close()
