@@ -75,7 +75,7 @@ def test_the_mirror_lists_again_after_a_compaction(own_etcd) -> None:
         client.put("/c/b", "2")
         client.delete("/c/a")
         revision = client.get("/c/b").mod_revision
-        client.raw.compact(revision, physical=True)
+        client.compact(revision)
         mirror._resume("/c/", compacted=False)
         eventually(lambda: mirror.get("/c/b") is not None and mirror.get("/c/a") is None)
     finally:

@@ -213,6 +213,10 @@ class EtcdClient:
     def delete_prefix(self, prefix: str) -> None:
         self._call(self.raw.delete_prefix, prefix)
 
+    def compact(self, revision: int) -> None:
+        """Drop the history before `revision` (watches from older revisions get a compaction)."""
+        self._call(self.raw.compact, revision, physical=True)
+
     def grant_lease(self, ttl_s: float) -> int:
         """A new lease of `ttl_s` (rounded to whole seconds, at least 1); its id."""
         return int(self._call(self.raw.lease, max(1, int(round(ttl_s)))).id)

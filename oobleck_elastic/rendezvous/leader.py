@@ -2,8 +2,11 @@
 
 Every agent runs a `Leader` thread. It campaigns by creating the `leader` key under its own
 node lease (`put_if_not_exists`): exactly one agent holds it, and when that agent dies its lease
-expires and another wins within the TTL plus one poll tick, or much sooner when workers saw the
-failure: then a deputy confirms by ping that the leader is gone and revokes its lease (detect.py).
+expires and another wins within the TTL plus one poll tick, or much sooner: the deputy (the
+roster's first other node) holds a liveness connection to the leader's agent and revokes the
+lease the moment it finds the agent gone (liveness.py), or confirms by ping, once workers saw the
+failure, that the leader is gone (detect.py). While leading, the leader holds a liveness
+connection to every other agent of the plan and re-plans without a dead one at once.
 
 The leader polls membership (node records) and, whenever the set of usable nodes differs from
 the current plan's nodes for longer than the settle window (which batches simultaneous
