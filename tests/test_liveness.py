@@ -24,7 +24,7 @@ def test_a_closed_agent_is_found_dead_at_once_and_a_live_one_is_not() -> None:
     try:
         monitor.watch({"a": live.address, "b": doomed.address})
         eventually(lambda: len(monitor._ever_connected) == 2)
-        doomed.close()  # what the kernel does to a SIGKILLed agent's sockets
+        doomed.close(goodbye=False)  # what the kernel does to a SIGKILLed agent's sockets
         eventually(lambda: woke == ["b"], timeout=5)
         assert monitor.take_dead() == {"b"} and monitor.take_dead() == set()  # reported once
         time.sleep(0.3)
@@ -59,5 +59,19 @@ def test_an_address_that_never_answered_proves_nothing() -> None:
         monitor.watch({"a": f"127.0.0.1:{port}"})
         time.sleep(0.5)
         assert monitor.take_dead() == set()
+    finally:
+        monitor.close()
+
+
+def test_an_agent_that_leaves_cleanly_is_no_death() -> None:
+    server = LivenessServer("127.0.0.1")
+    monitor = LivenessMonitor(retry_s=0.1)
+    try:
+        monitor.watch({"a": server.address})
+        eventually(lambda: "a" in monitor._socks)
+        server.close()  # a shutdown or a drain: it says goodbye first
+        eventually(lambda: "a" in monitor._left)
+        time.sleep(0.3)
+        assert monitor.take_dead() == set() and "a" not in monitor._socks
     finally:
         monitor.close()

@@ -246,7 +246,7 @@ def test_a_dead_agent_is_replanned_at_once_by_its_liveness_socket(cluster_factor
     assert c.client.get_json(c.keys.node(gone))[0]["liveness"] == victim.liveness.address
     eventually(lambda: gone in leader.leader.liveness._ever_connected)
     c.crash(victim)
-    victim.liveness.close()
+    victim.liveness.close(goodbye=False)  # killed: its kernel closes the sockets
     new = c.wait_plan(lambda p: p.generation == 2, timeout=10)
     assert gone not in new.nodes and len(new.nodes) == 2
     lost = [e for e in c.events() if e.kind == "lost"]
@@ -270,7 +270,7 @@ def test_a_dead_leader_is_replaced_at_once_by_its_liveness_socket(cluster_factor
     eventually(lambda: deputy.leader._leader_watch is not None
                and dead in deputy.leader._leader_watch[1]._ever_connected)
     c.crash(old)
-    old.liveness.close()
+    old.liveness.close(goodbye=False)
     new = c.wait_plan(lambda p: p.generation == 2, timeout=10)
     assert dead not in new.nodes and len(new.nodes) == 2
     lost = [e for e in c.events() if e.kind == "lost" and e.node == dead]

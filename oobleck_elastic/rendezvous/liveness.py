@@ -5,7 +5,8 @@ Every agent listens on a TCP port (`LivenessServer`; its `host:port` is in the n
 keeps every connection made to it open, never writing. The leader holds one connection to each
 other node of the plan (`LivenessMonitor`), and one selector thread watches them all; the deputy
 (detect.py) holds one to the leader. When an agent process dies (SIGKILL, OOM kill, crash), its
-kernel closes the connection at once and the watcher reads end-of-file or a reset.
+kernel closes the connection at once and the watcher reads end-of-file or a reset. An agent that
+leaves cleanly (shut down, drained) writes `BYE` first and is no death.
 
 A closed connection is not yet a death (a middlebox can reset a connection): the monitor
 connects again at once. **Refused** (at an address that accepted this monitor before) means the
@@ -27,6 +28,9 @@ import time
 from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
+
+BYE = b"B"
+"""What an agent that leaves cleanly writes to its watchers before closing (a dead one cannot)."""
 
 
 def parse_address(address: str) -> Optional[tuple[str, int]]:
@@ -56,8 +60,15 @@ class LivenessServer:
                 return  # closed
             self._peers.append(conn)  # kept open: its closing is the signal
 
-    def close(self) -> None:
+    def close(self, *, goodbye: bool = True) -> None:
+        """A clean exit: every watcher is told (`BYE`) before the sockets close, so that leaving
+        is not taken for dying. `goodbye=False` closes them as a killed process's kernel does."""
         self._closed = True
+        for peer in self._peers if goodbye else ():
+            try:
+                peer.sendall(BYE)
+            except OSError:
+                pass
         try:  # wakes the accepting thread; a bare close() would leave the port listening under it
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -83,6 +94,7 @@ class LivenessMonitor:
         self._dead: set[str] = set()
         self._reported: set[str] = set()
         self._ever_connected: set[str] = set()  # only an address that answered before proves a death
+        self._left: set[str] = set()  # agents that said goodbye
         self._warned: set[str] = set()
         self._selector = selectors.DefaultSelector()
         self._stop = threading.Event()
@@ -97,6 +109,7 @@ class LivenessMonitor:
                 return
             self._targets = parsed
             self._dead &= set(parsed)
+            self._left &= set(parsed)
 
     def take_dead(self) -> set[str]:
         """Nodes found dead since the last call (each reported once)."""
@@ -125,7 +138,7 @@ class LivenessMonitor:
     def _connect_missing(self) -> None:
         with self._lock:
             targets = dict(self._targets)
-            dead = set(self._dead)
+            dead = self._dead | self._left
         for node in [n for n in self._socks if n not in targets]:
             self._drop(node)
         now = time.monotonic()
@@ -164,12 +177,19 @@ class LivenessMonitor:
         if sock is None:
             return
         try:
-            if sock.recv(1):
-                return  # a byte nobody should send: ignore it
+            data = sock.recv(16)
         except BlockingIOError:
             return
         except OSError:
-            pass  # reset: closed as well
+            data = b""  # reset: closed as well
+        if BYE in data:  # the agent left cleanly (shut down, drained): no verdict, stop watching it
+            self._drop(node)
+            with self._lock:
+                self._left.add(node)
+            log.info("%s: node %s's agent left cleanly", self.name, node)
+            return
+        if data:
+            return  # bytes nobody should send: ignore them
         self._drop(node)
         with self._lock:
             addr = self._targets.get(node)
