@@ -14,8 +14,10 @@ connections). Measured per N:
   of liveness) and everything else (which must not grow with N: nobody polls), and bytes/s in
   and out of etcd;
 - `leader_cpu`: CPU seconds per second of the leader's thread over the window;
-- `kill_to_plan_s`: `--kill` agents stop at once without revoking anything (what a SIGKILL looks
-  like to etcd) -> the next plan is published: lease TTL + settle + planning;
+- `kill_to_plan_s`: `--kill` agents stop at once without revoking anything and their liveness
+  sockets close (what a SIGKILL looks like to etcd and to the leader) -> the next plan is
+  published: the leader's liveness verdict + 50 ms batch + planning (with `--no-liveness`: lease
+  TTL + settle + planning);
 - `replan_tx_bytes`: bytes out of etcd from the kill to 1 s after that plan: the watch events that
   bring the new roster to every agent and the plan to the leader, plus this script's own polling
   of the roster (every 0.1 s) and the keep-alives of the window.
@@ -23,7 +25,7 @@ connections). Measured per N:
 One JSON line per N on stdout; progress on stderr. Run:
 
     .venv/bin/python bench/control_plane.py [--nodes 64 256 1000] [--kill 4] [--lease-ttl 5]
-        [--settle 0.5] [--window 10] [--procs 4]
+        [--settle 0.5] [--window 10] [--procs 4] [--no-liveness]
 
 etcd is started here (a temp data dir) and stopped by PID at the end, as are the agent processes.
 """
@@ -73,11 +75,12 @@ def _thread_cpu_s(native_id: int) -> float:
 
 
 def agents_process(endpoint: str, run_id: str, count: int, total: int, ttl: float, settle: float,
-                   commands: mp.Queue, answers: mp.Queue) -> None:
+                   commands: mp.Queue, answers: mp.Queue, liveness: bool = True) -> None:
     """Host `count` agents; obey commands: ("kill", k) stops k agents that do not lead, like a
     SIGKILL; ("cpu",) answers the leader thread's CPU seconds if it is here; ("stop",) ends."""
     from oobleck_elastic.etcd.mirror import Mirror
     from oobleck_elastic.rendezvous.leader import Leader
+    from oobleck_elastic.rendezvous.liveness import LivenessServer
     from oobleck_elastic.rendezvous.membership import Member
 
     client = connect(EtcdSettings(endpoint=endpoint, timeout_s=10.0))
@@ -85,32 +88,40 @@ def agents_process(endpoint: str, run_id: str, count: int, total: int, ttl: floa
     planner = _planner(total)
     agents = []
     for _ in range(count):
-        member = Member(client, keys, devices=1, lease_ttl_s=ttl, host="sim")
+        server = LivenessServer("127.0.0.1") if liveness else None
+        member = Member(client, keys, devices=1, lease_ttl_s=ttl, host="sim",
+                        liveness=server.address if server is not None else "")
         member.register()
         view = Mirror(client, keys.agent_watched(member.node_id), name=f"agent {member.node_id}").start()
         leader = Leader(client, keys, member, planner=planner, min_nodes=total, max_nodes=total, last_call_s=1.0,
                         settle_s=settle, view=view)
         leader.start()
-        agents.append((member, view, leader))
+        agents.append((member, view, leader, server))
     answers.put(("ready", count))
     while True:
         command = commands.get()
         if command[0] == "kill":
             victims = [a for a in agents if not a[2].is_leader.is_set()][: command[1]]
-            for member, view, leader in victims:
+            for *_, server in victims:  # first, all at once: the kernel closes a killed agent's sockets
+                if server is not None:
+                    server.close(goodbye=False)
+            for victim in victims:
+                member, view, leader, _ = victim
                 leader.stop()
                 member.close(revoke=False)
                 view.close()
-                agents.remove((member, view, leader))
+                agents.remove(victim)
             answers.put(("killed", len(victims)))
         elif command[0] == "cpu":
             here = [a[2] for a in agents if a[2].is_leader.is_set() and a[2]._thread is not None]
             answers.put(("cpu", _thread_cpu_s(here[0]._thread.native_id) if here else None))
         else:
-            for member, view, leader in agents:
+            for member, view, leader, server in agents:
                 leader.stop()
                 view.close()
                 member.close(revoke=True)
+                if server is not None:
+                    server.close()
             answers.put(("stopped", 0))
             return
 
@@ -138,7 +149,7 @@ def _wait(what: str, predicate, timeout: float, poll_s: float = 0.02) -> float:
     return time.monotonic() - t0
 
 
-def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: float) -> dict:
+def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: float, liveness: bool = True) -> dict:
     ctx = mp.get_context("spawn")
     run_id = uuid.uuid4().hex[:8]
     keys = Keys("/oobleck", run_id)
@@ -152,7 +163,7 @@ def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: flo
                 commands, answers = ctx.Queue(), ctx.Queue()
                 count = n // procs + (1 if p < n % procs else 0)
                 proc = ctx.Process(target=agents_process, args=(server.endpoint, run_id, count, n, ttl, settle,
-                                                                 commands, answers), daemon=True)
+                                                                 commands, answers, liveness), daemon=True)
                 proc.start()
                 workers.append(proc)
                 channels.append((commands, answers))
@@ -192,13 +203,14 @@ def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: flo
             t_kill = time.monotonic()
             commands.put(("kill", kill))
             killed = answers.get(timeout=60)[1]
-            _wait("plan after the kill", lambda: generation() > g, 600, poll_s=0.1)
+            _wait("plan after the kill", lambda: generation() > g, 600, poll_s=0.02)
             kill_to_plan_s = time.monotonic() - t_kill
             time.sleep(1.0)  # the watch traffic of the new plan reaches every agent
             replan_tx = etcd_metrics(server)["tx_bytes"] - before["tx_bytes"]
             print(f"[N={n}] {killed} agents killed: generation {g + 1} published {kill_to_plan_s:.2f} s later",
                   file=sys.stderr)
             return {"bench": "control_plane", "nodes": n, "procs": procs, "lease_ttl_s": ttl, "settle_s": settle,
+                    "liveness": liveness,
                     "register_s": round(register_s, 2), "first_plan_s": round(first_plan_s, 3),
                     "steady_requests_per_s": round(total, 2), "steady_keepalives_per_s": round(keepalive, 2),
                     "steady_other_requests_per_s": round(total - keepalive, 2), "other_requests_by_method": others,
@@ -230,10 +242,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--settle", type=float, default=0.5)
     ap.add_argument("--window", type=float, default=10.0, help="steady-state measurement window, seconds")
     ap.add_argument("--procs", type=int, default=4, help="processes hosting the agents")
+    ap.add_argument("--no-liveness", action="store_true",
+                    help="agents without liveness sockets: a kill is found by lease expiry only")
     args = ap.parse_args(argv)
     for n in args.nodes:
         print(json.dumps(run(n, procs=args.procs, kill=args.kill, ttl=args.lease_ttl, settle=args.settle,
-                             window=args.window)), flush=True)
+                             window=args.window, liveness=not args.no_liveness)), flush=True)
 
 
 if __name__ == "__main__":

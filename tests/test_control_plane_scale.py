@@ -1,7 +1,7 @@
 """64 simulated agents (the real Member / Mirror / Leader code, bench/control_plane.py) against
 one etcd: the first plan follows the last registration, killing 4 agents produces the next plan
-within the lease TTL plus settle and planning time, and at steady state etcd serves only lease
-keep-alives (one per node per TTL/3): nobody polls."""
+before their leases expire (the leader finds their liveness sockets closed), and at steady state
+etcd serves only lease keep-alives (one per node per TTL/3): nobody polls."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def test_64_agents_plan_replan_and_do_not_poll() -> None:
     result = bench.run(64, procs=2, kill=4, ttl=ttl, settle=0.3, window=4.0)
     assert result["killed"] == 4
     assert result["first_plan_s"] < 5.0, result
-    assert ttl < result["kill_to_plan_s"] < ttl + 6.0, result
+    # the killed agents' liveness sockets closed: the leader re-plans without waiting for their leases
+    assert result["kill_to_plan_s"] < ttl, result
     # keep-alives: 64 nodes x one per TTL/3 (= 96/s); anything else is not polling at a tick
     assert 0.6 * 64 * 3 / ttl < result["steady_keepalives_per_s"] < 1.5 * 64 * 3 / ttl, result
     assert result["steady_other_requests_per_s"] < 2.0, result

@@ -66,6 +66,7 @@ Planner = Callable[[list[str], int, Optional[Plan]], Plan]  # (nodes, generation
 
 _ROLL_CALL_LOST = "a peer saw its connections break and its agent did not answer a ping"
 _LIVENESS_LOST = "its agent's liveness socket closed and refused a new connection: the agent died"
+_LIVENESS_BATCH_S = 0.05  # after a liveness verdict, how long to wait for more deaths to re-plan once
 
 
 class JobUnplannable(PlanningError):
@@ -102,6 +103,7 @@ class Leader:
         self._leader_watch: Optional[tuple[NodeRecord, LivenessMonitor]] = None  # to the leader, otherwise
         self._leader_rec: Optional[tuple[str, Optional[NodeRecord]]] = None  # (leader node, its record), cached
         self._lost_why: dict[str, str] = {}
+        self._pending_dead: dict[str, float] = {}  # found dead by liveness -> when (monotonic)
         self.rollcall = RollCall(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view)
         self.deputy = Deputy(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view,
                              outage_grace_s=member.lease_ttl_s + settle_s)
@@ -126,8 +128,10 @@ class Leader:
                 elif self._campaign():
                     self._watch_leader(None)
                     self._lead()
-                elif self._leader_died() or self.deputy.check(read_roster(self.view, self.keys)):
-                    continue  # the dead leader's lease is revoked: campaign at once
+                else:
+                    roster = read_roster(self.view, self.keys)  # once per tick: 1,000 names to parse
+                    if self._leader_died(roster) or self.deputy.check(roster):
+                        continue  # the dead leader's lease is revoked: campaign at once
             except EtcdError as err:
                 log.warning("node %s: leader loop: %s", self.member.node_id, err)
             except Exception:  # noqa: BLE001 - keep the agent alive; log the bug loudly
@@ -149,14 +153,13 @@ class Leader:
         self._leader_watch = (leader, self._leader_watch[1])
         self._leader_watch[1].watch({leader.node_id: leader.liveness})
 
-    def _leader_died(self) -> bool:
+    def _leader_died(self, roster: Optional[Roster]) -> bool:
         """Whether the leader's agent was found dead by its liveness socket (liveness.py): then its
         lease is revoked here (the leader key and its node record go with it) and this node
         campaigns at once. One agent watches the leader: the first node of the roster other than
         the leader (the deputy of detect.py)."""
         data, _ = self.view.get_json(self.keys.leader)
         node = data.get("node_id") if isinstance(data, dict) else None
-        roster = read_roster(self.view, self.keys)
         deputy = next((n for n in roster.nodes if n != node), None) if roster is not None else None
         if node is None or deputy != self.member.node_id:  # one agent watches: the roster's first other node
             self._watch_leader(None)
@@ -250,6 +253,7 @@ class Leader:
         finally:
             self.liveness.close()
             self.liveness = None
+            self._pending_dead.clear()
             if isinstance(self.view, Mirror) and not self.view.error:
                 self.view.remove(self.keys.leader_watched())
 
@@ -318,12 +322,22 @@ class Leader:
     def _liveness_verdict(self, plan: Plan, rev: Optional[int], records: list[NodeRecord], up: list[NodeRecord],
                           fenced: set[str]) -> bool:
         """Watch the plan's other agents' liveness sockets (liveness.py); when some are found dead,
-        declare them lost and re-plan without them at once. Whether it re-planned."""
+        declare them lost and re-plan without them `_LIVENESS_BATCH_S` after the first (deaths
+        within it share one re-plan). Whether it acted (re-planned, or waits for the batch)."""
         assert self.liveness is not None
         me = self.member.node_id
         self.liveness.watch({r.node_id: r.liveness for r in records
                              if r.node_id in plan.nodes and r.node_id != me and r.liveness})
-        gone = sorted(self.liveness.take_dead() & set(plan.nodes))
+        now = time.monotonic()
+        for node in self.liveness.take_dead() & set(plan.nodes):
+            self._pending_dead.setdefault(node, now)
+        if not self._pending_dead:
+            return False
+        if now - min(self._pending_dead.values()) < _LIVENESS_BATCH_S:
+            self._pause(_LIVENESS_BATCH_S / 2)  # nodes that die together (a rack) go in one re-plan
+            return True
+        gone = sorted(n for n in self._pending_dead if n in plan.nodes)
+        self._pending_dead.clear()
         if not gone:
             return False
         for node in gone:
