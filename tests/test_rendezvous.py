@@ -120,6 +120,11 @@ def cluster_factory(etcd_server, run_id, profile_path):
     os.environ.update(saved)
 
 
+def leading(boxes: list[dict]) -> OobleckRendezvousHandler:
+    """The handler whose agent leads."""
+    return next(b["handler"] for b in boxes if b["handler"].leader.is_leader.is_set())
+
+
 def join_all(boxes: list[dict], timeout: float = 10.0) -> None:
     for box in boxes:
         box["thread"].join(timeout)
@@ -151,7 +156,7 @@ def test_crashed_node_vanishes_within_ttl_and_is_replanned(cluster_factory) -> N
     c = cluster_factory(min_nodes=3, max_nodes=3)
     boxes = c.start(3)
     join_all(boxes)
-    leader = next(b["handler"] for b in boxes if b["handler"].leader.is_leader.is_set())
+    leader = leading(boxes)
     victim = next(b["handler"] for b in boxes if b["handler"] is not leader)
     gone = victim.member.node_id
     t0 = time.monotonic()
@@ -169,7 +174,7 @@ def test_leader_death_elects_a_new_leader_that_publishes(cluster_factory) -> Non
     c = cluster_factory(min_nodes=3, max_nodes=3)
     boxes = c.start(3)
     join_all(boxes)
-    old = next(b["handler"] for b in boxes if b["handler"].leader.is_leader.is_set())
+    old = leading(boxes)
     dead = old.member.node_id
     c.crash(old)
     plan = c.wait_plan(lambda p: dead not in p.nodes, timeout=TTL + 3)
@@ -194,7 +199,7 @@ def test_dead_leader_is_replaced_by_a_deputy_without_waiting_for_its_lease(clust
     boxes = c.start(3)
     join_all(boxes)
     plan = c.plan()
-    old = next(b["handler"] for b in boxes if b["handler"].leader.is_leader.is_set())
+    old = leading(boxes)
     dead = old.member.node_id
     c.crash(old)
     survivors = [n for n in plan.nodes if n != dead]
@@ -219,7 +224,7 @@ def test_a_stalled_join_replans_only_when_a_silent_node_is_found(cluster_factory
     boxes = c.start(3)
     join_all(boxes)
     plan = c.plan()
-    leader = next(b["handler"] for b in boxes if b["handler"].leader.is_leader.is_set())
+    leader = leading(boxes)
     others = [b["handler"] for b in boxes if b["handler"] is not leader]
     checkin(c, plan, leader.member.node_id, "stall")
     time.sleep(1.5)  # pinged, both answered: only slow
@@ -240,7 +245,7 @@ def test_a_dead_agent_is_replanned_at_once_by_its_liveness_socket(cluster_factor
     c = cluster_factory(min_nodes=3, max_nodes=3, lease_ttl="60")
     boxes = c.start(3)
     join_all(boxes)
-    leader = next(b["handler"] for b in boxes if b["handler"].leader.is_leader.is_set())
+    leader = leading(boxes)
     victim = next(b["handler"] for b in boxes if b["handler"] is not leader)
     gone = victim.member.node_id
     assert c.client.get_json(c.keys.node(gone))[0]["liveness"] == victim.liveness.address
@@ -263,12 +268,12 @@ def test_a_dead_leader_is_replaced_at_once_by_its_liveness_socket(cluster_factor
     boxes = c.start(3)
     join_all(boxes)
     plan = c.plan()
-    old = next(b["handler"] for b in boxes if b["handler"].leader.is_leader.is_set())
+    old = leading(boxes)
     dead = old.member.node_id
     deputy = next(b["handler"] for b in boxes
                   if b["handler"].member.node_id == next(n for n in plan.nodes if n != dead))
-    eventually(lambda: deputy.leader._leader_watch is not None
-               and dead in deputy.leader._leader_watch[1]._ever_connected)
+    eventually(lambda: deputy.leader.leader_watch.monitor is not None
+               and dead in deputy.leader.leader_watch.monitor._ever_connected)
     c.crash(old)
     old.liveness.close(goodbye=False)
     new = c.wait_plan(lambda p: p.generation == 2, timeout=10)
@@ -288,7 +293,7 @@ def test_a_roll_call_right_after_an_etcd_outage_holds_its_verdict(cluster_factor
     boxes = c.start(3)
     join_all(boxes)
     plan = c.plan()
-    leader = next(b["handler"] for b in boxes if b["handler"].leader.is_leader.is_set())
+    leader = leading(boxes)
     victim = next(b["handler"] for b in boxes if b["handler"] is not leader)
     c.crash(victim)
     grace = 60 + 0.1  # lease TTL + settle of this cluster

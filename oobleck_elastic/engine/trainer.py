@@ -289,14 +289,21 @@ class Trainer:
         release_groups(abort=False)
         # drop the previous generation's pipeline and groups now, as a stage's next generation
         # does: process groups left for the interpreter's exit to destroy abort it
-        self.schedule = self.stage_module = None
-        self.grad_sync = None  # type: ignore[assignment]
-        self.groups = None  # type: ignore[assignment]
+        self.stage_module = None
+        self._drop_groups()
         self.plan, self.generation, self.owned, self.optimizer = plan, plan.generation, [], None
         self.layer_model = build_layer_model(self.cfg.model, seed=self.cfg.training.seed, owned=[],
                                              device=str(self.device))
         gc.collect()
         return moved
+
+    def _drop_groups(self) -> None:
+        """Forget this generation's schedule and process groups (a gloo group closes its sockets
+        only when the last reference to it goes)."""
+        self.schedule = None
+        self.grad_sync = None  # type: ignore[assignment]
+        self.groups = None  # type: ignore[assignment]
+        self.step_group = None
 
     def _kept_layers(self, kept: list[int]) -> tuple[dict[int, nn.Module], list[tuple[nn.Parameter, nn.Parameter]]]:
         """The kept layers for the next generation and (old, new) pairs of their parameters: the
@@ -492,10 +499,7 @@ class Trainer:
             with self._lock:
                 self._epoch += 1
                 self._detach_kept = True
-        self.schedule = None
-        self.grad_sync = None  # type: ignore[assignment]
-        self.groups = None  # type: ignore[assignment]
-        self.step_group = None
+        self._drop_groups()
         try:
             release_groups(abort=True)
         except Exception:  # noqa: BLE001 - the groups are broken anyway

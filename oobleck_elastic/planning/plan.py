@@ -111,8 +111,11 @@ class Plan:
     def entry_ranks(self) -> dict[tuple[str, int], int]:
         """(node, local rank) -> rank in this generation's entry, for the stages and the donors."""
         ranks = {(s.node, s.local_rank): s.rank for p in self.pipelines for s in p.stages}
-        ranks.update(((d, lr), self.world_size + i * self.gpus_per_node + lr)
-                     for i, d in enumerate(self.donors) for lr in range(self.gpus_per_node))
+        for d in self.donors:
+            for lr in range(self.gpus_per_node):
+                rank = self.donor_rank(d, lr)
+                assert rank is not None
+                ranks[(d, lr)] = rank
         return ranks
 
     @property

@@ -15,6 +15,9 @@ waits for an etcd lease to expire when the evidence is already there:
   check-in once it has entered the generation). Right after an etcd outage, silence proves
   nothing (records expired, agents' watches were down): the leader holds the verdict until the
   outage is a lease TTL + settle past (leader.py), and a deputy deposes no leader meanwhile.
+- `LeaderWatch` (run by every other agent; acts on the roster's first node other than the
+  leader): holds a liveness connection to the leader's agent and revokes the lease of a leader
+  found dead (liveness.py), without waiting for workers to check in.
 - `Deputy` (run by every other agent): when the LEADER dies, nobody runs the roll call and its
   `leader` key would outlive it by the lease TTL. So while a roll call is open and none of the
   leader node's own workers has checked in, the first plan node (in plan order) that has checked
@@ -30,11 +33,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..etcd import EtcdClient
 from ..planning import Plan
 from .keys import CheckinKind, Event, EventKind, Keys, NodeRecord, Roster
+from .liveness import LIVENESS_LOST, LivenessMonitor
 from .membership import put_event
 
 log = logging.getLogger(__name__)
@@ -172,3 +176,56 @@ class Deputy:
         if rec is not None:  # no record: its lease, which also holds the leader key, is gone already
             self.client.revoke_lease(rec.lease_id)
         return True
+
+
+class LeaderWatch:
+    """The deputy's fast path (liveness.py): the roster's first node other than the leader holds a
+    liveness connection to the leader's agent; when it finds the agent gone it revokes the
+    leader's lease at once (the leader key and its node record go with it), and campaigns."""
+
+    def __init__(self, client: EtcdClient, keys: Keys, *, node_id: str, reader: Any,
+                 on_dead: Optional[Callable[[str], None]] = None) -> None:
+        self.client, self.keys, self.node_id, self.reader = client, keys, node_id, reader
+        self.on_dead = on_dead
+        self.monitor: Optional[LivenessMonitor] = None  # made when first needed
+        self._record: Optional[tuple[str, Optional[NodeRecord]]] = None  # (leader node, its record), cached
+
+    def watch(self, leader: Optional[NodeRecord]) -> None:
+        """Hold a liveness connection to `leader`'s agent (None: to nobody)."""
+        if leader is None or not leader.liveness:
+            if self.monitor is not None:
+                self.monitor.watch({})
+            return
+        if self.monitor is None:
+            self.monitor = LivenessMonitor(name=f"node {self.node_id}", on_dead=self.on_dead)
+        self.monitor.watch({leader.node_id: leader.liveness})
+
+    def check(self, roster: Optional[Roster]) -> bool:
+        """Whether the leader's agent was found dead (then its lease was revoked here)."""
+        data, _ = self.reader.get_json(self.keys.leader)
+        node = data.get("node_id") if isinstance(data, dict) else None
+        deputy = next((n for n in roster.nodes if n != node), None) if roster is not None else None
+        if node is None or deputy != self.node_id:  # one agent watches: the roster's first other node
+            self.watch(None)
+            return False
+        if self._record is None or self._record[0] != node:
+            rec_data, _ = self.client.get_json(self.keys.node(node))  # once per leader: not mirrored here
+            self._record = (node, NodeRecord.parse(rec_data, key=self.keys.node(node))
+                            if rec_data is not None else None)
+        known = self._record[1]
+        self.watch(known)
+        if known is None or self.monitor is None or node not in self.monitor.take_dead():
+            return False
+        try:
+            self.client.revoke_lease(known.lease_id)
+        except Exception as err:  # noqa: BLE001 - another agent revoked it first
+            log.info("node %s: leader %s's lease is gone already (%s)", self.node_id, node, type(err).__name__)
+            return True
+        detail = f"leader {node}: {LIVENESS_LOST}; revoked its lease"
+        log.warning("node %s: %s", self.node_id, detail)
+        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.LOST, node=node, detail=detail))
+        return True
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()

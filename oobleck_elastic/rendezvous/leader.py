@@ -51,8 +51,8 @@ from ..etcd.client import KV, parse_json, warn_once
 from ..etcd.mirror import Mirror
 from ..planning import Plan, PlanningError
 from .decide import Action, Clocks, LeaderView, Rules, decide, desired_nodes
-from .detect import Deputy, RollCall
-from .liveness import LivenessMonitor
+from .detect import Deputy, LeaderWatch, RollCall
+from .liveness import LIVENESS_LOST, LivenessMonitor
 from .keys import ClosedRecord, Event, EventKind, Keys, NodeRecord, NodeState, Roster, read_closed, read_roster
 from .membership import Member, live_nodes, put_event
 
@@ -65,7 +65,6 @@ Planner = Callable[[list[str], int, Optional[Plan]], Plan]  # (nodes, generation
 
 
 _ROLL_CALL_LOST = "a peer saw its connections break and its agent did not answer a ping"
-_LIVENESS_LOST = "its agent's liveness socket closed and refused a new connection: the agent died"
 _LIVENESS_BATCH_S = 0.05  # after a liveness verdict, how long to wait for more deaths to re-plan once
 
 
@@ -100,13 +99,13 @@ class Leader:
         self._waiting_for: Optional[int] = None
         self._unplannable: Optional[tuple[tuple[str, ...], int]] = None
         self.liveness: Optional[LivenessMonitor] = None  # connections to the plan's agents while leading
-        self._leader_watch: Optional[tuple[NodeRecord, LivenessMonitor]] = None  # to the leader, otherwise
-        self._leader_rec: Optional[tuple[str, Optional[NodeRecord]]] = None  # (leader node, its record), cached
         self._lost_why: dict[str, str] = {}
         self._pending_dead: dict[str, float] = {}  # found dead by liveness -> when (monotonic)
         self.rollcall = RollCall(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view)
         self.deputy = Deputy(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view,
                              outage_grace_s=member.lease_ttl_s + settle_s)
+        self.leader_watch = LeaderWatch(client, keys, node_id=member.node_id, reader=self.view,
+                                        on_dead=self._nudge)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="oobleck-leader", daemon=True)
@@ -116,8 +115,7 @@ class Leader:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._leader_watch is not None:
-            self._leader_watch[1].close()
+        self.leader_watch.close()
 
     # ------------------------------------------------------------------ election
     def _run(self) -> None:
@@ -126,11 +124,11 @@ class Leader:
                 if read_closed(self.view, self.keys) is not None:
                     pass  # the job is over: nothing to lead (agents leaving must not re-elect)
                 elif self._campaign():
-                    self._watch_leader(None)
+                    self.leader_watch.watch(None)
                     self._lead()
                 else:
                     roster = read_roster(self.view, self.keys)  # once per tick: 1,000 names to parse
-                    if self._leader_died(roster) or self.deputy.check(roster):
+                    if self.leader_watch.check(roster) or self.deputy.check(roster):
                         continue  # the dead leader's lease is revoked: campaign at once
             except EtcdError as err:
                 log.warning("node %s: leader loop: %s", self.member.node_id, err)
@@ -139,48 +137,10 @@ class Leader:
             self.is_leader.clear()
             self._pause(self.tick_s * 4)
 
-    def _watch_leader(self, leader: Optional[NodeRecord]) -> None:
-        """Hold a liveness connection to the leader's agent (None: to nobody)."""
-        if leader is None or not leader.liveness:
-            if self._leader_watch is not None:
-                self._leader_watch[1].watch({})
-            return
-        if self._leader_watch is None:
-            view = self.view
-            self._leader_watch = (leader, LivenessMonitor(
-                name=f"node {self.member.node_id}",
-                on_dead=lambda _: view.nudge() if isinstance(view, Mirror) else None))
-        self._leader_watch = (leader, self._leader_watch[1])
-        self._leader_watch[1].watch({leader.node_id: leader.liveness})
-
-    def _leader_died(self, roster: Optional[Roster]) -> bool:
-        """Whether the leader's agent was found dead by its liveness socket (liveness.py): then its
-        lease is revoked here (the leader key and its node record go with it) and this node
-        campaigns at once. One agent watches the leader: the first node of the roster other than
-        the leader (the deputy of detect.py)."""
-        data, _ = self.view.get_json(self.keys.leader)
-        node = data.get("node_id") if isinstance(data, dict) else None
-        deputy = next((n for n in roster.nodes if n != node), None) if roster is not None else None
-        if node is None or deputy != self.member.node_id:  # one agent watches: the roster's first other node
-            self._watch_leader(None)
-            return False
-        if self._leader_rec is None or self._leader_rec[0] != node:
-            rec_data, _ = self.client.get_json(self.keys.node(node))  # once per leader: not mirrored here
-            self._leader_rec = (node, NodeRecord.parse(rec_data, key=self.keys.node(node))
-                                if rec_data is not None else None)
-        known = self._leader_rec[1]
-        self._watch_leader(known)
-        if known is None or self._leader_watch is None or node not in self._leader_watch[1].take_dead():
-            return False
-        try:
-            self.client.revoke_lease(known.lease_id)
-        except Exception as err:  # noqa: BLE001 - another agent revoked it first
-            log.info("node %s: leader %s's lease is gone already (%s)", self.member.node_id, node, type(err).__name__)
-            return True
-        detail = f"leader {node}: {_LIVENESS_LOST}; revoked its lease"
-        log.warning("node %s: %s", self.member.node_id, detail)
-        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.LOST, node=node, detail=detail))
-        return True
+    def _nudge(self, _node: str = "") -> None:
+        """Wake the loop now (a liveness verdict is news that does not come from etcd)."""
+        if isinstance(self.view, Mirror):
+            self.view.nudge()
 
     def _pause(self, timeout: float) -> None:
         """Wait `timeout`, or with a mirror until the next change it applies (whichever is first)."""
@@ -245,9 +205,7 @@ class Leader:
         """Mirror what the leader reads while it leads (`Keys.leader_watched`), and lead."""
         if isinstance(self.view, Mirror):
             self.view.add(self.keys.leader_watched())
-        view = self.view
-        self.liveness = LivenessMonitor(name=f"leader {self.member.node_id}",
-                                        on_dead=lambda _: view.nudge() if isinstance(view, Mirror) else None)
+        self.liveness = LivenessMonitor(name=f"leader {self.member.node_id}", on_dead=self._nudge)
         try:
             self._lead_loop()
         finally:
@@ -342,7 +300,7 @@ class Leader:
             return False
         for node in gone:
             self._declare_lost(node, plan.generation)
-            self._lost_why[node] = _LIVENESS_LOST
+            self._lost_why[node] = LIVENESS_LOST
         nodes = desired_nodes(plan, [r.node_id for r in up], fenced | set(gone), self.max_nodes)
         self._publish(nodes, plan, rev, records, lost=set(gone))
         self.rollcall.reset()

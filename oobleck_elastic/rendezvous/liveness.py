@@ -29,6 +29,9 @@ from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
 
+LIVENESS_LOST = "its agent's liveness socket closed and refused a new connection: the agent died"
+"""The detail of a `lost` event whose node was found dead this way."""
+
 BYE = b"B"
 """What an agent that leaves cleanly writes to its watchers before closing (a dead one cannot)."""
 
