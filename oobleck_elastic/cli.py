@@ -18,18 +18,25 @@ from typing import Optional, Sequence
 from .config import ConfigError, JobConfig, load_config
 from .etcd import EtcdError
 from .ops import OpsError
-from .planning import JobPlan, ModelProfile, PlanningError, ProfileError, plan_job
+from .planning import (JobPlan, ModelProfile, PlanningError, ProfileError, compare_tensor_parallel, load_profiles,
+                       plan_job)
 
 GIB = 1024 ** 3
 
 
-def _load_profile(cfg: JobConfig, profile_path: Optional[str]) -> ModelProfile:
+def _load_profiles(cfg: JobConfig, profile_path: Optional[str]) -> dict[int, ModelProfile]:
+    """Profiles by tensor-parallel degree: the file(s) given, else one measured here (tp=1)."""
     path = profile_path or cfg.planning.profile_path
     if path:
-        return ModelProfile.load(path)
+        return load_profiles(cfg, path)
+    if cfg.planning.tensor_parallel != 1:
+        raise ProfileError(f"planning.tensor_parallel={cfg.planning.tensor_parallel}: plan from profiles measured "
+                           "at that degree (--profile FILE, with {tp} in it for auto); this command measures "
+                           "one device only")
     from .planning.profiler import load_or_profile  # needs torch + transformers
 
-    return load_or_profile(cfg, log=lambda msg: print(msg, file=sys.stderr))
+    profile = load_or_profile(cfg, log=lambda msg: print(msg, file=sys.stderr))
+    return {profile.tensor_parallel: profile}
 
 
 def _ranges(ranges: Sequence[tuple[int, int]]) -> str:
@@ -46,20 +53,31 @@ def format_plan(jp: JobPlan, cfg: JobConfig) -> str:
     mref = -(-B // (cfg.fault_tolerance.f + 1))
     memory = jp.templates.device_memory_gb
     each = f"{memory:.4g} GiB each (from {jp.templates.memory_source})" if memory is not None else "memory unknown"
-    out = [f"model: {jp.templates.num_layers} layers; {jp.templates.gpus_per_node} device(s) per node, "
+    ts = jp.templates
+    links = ts.links
+    out = [f"model: {ts.num_layers} layers; {ts.gpus_per_node} device(s) per node, "
            f"{each}; schedule {cfg.planning.schedule}; "
            f"global batch {t.global_batch_size} = {B} microbatches of {t.microbatch_size}",
+           f"parallelism: tensor parallel {ts.tensor_parallel} (devices per stage, on one node) x pipeline "
+           f"({ts.gpus_per_node // ts.tensor_parallel} stage(s) per node) x data parallel (pipelines)",
+           "communication: " + (f"{links.intra_node_gb_s:g} GB/s in a node, {links.inter_node_gb_s:g} GB/s across "
+                                f"nodes, {links.latency_s * 1e6:g} us per message" if links else "not counted"),
            "",
-           f"templates (iteration time with {mref} microbatches = global batch / (f+1)):",
-           f"  {'nodes':>5} {'stages':>6} {'iter s':>9} {'bottleneck s':>12} {'peak GiB':>9}  layer ranges"]
-    for n in jp.templates.sizes():
-        tp = jp.templates[n]
-        out.append(f"  {n:>5} {tp.num_stages:>6} {tp.iteration_time(mref):>9.4g} {tp.bottleneck_s:>12.4g} "
-                   f"{tp.peak_memory_bytes / GIB:>9.3f}  {_ranges(tp.layer_ranges())}")
+           f"templates (iteration time with {mref} microbatches = global batch / (f+1), {cfg.fault_tolerance.f + 1} "
+           "replicas):",
+           f"  {'nodes':>5} {'stages':>6} {'iter s':>9} {'bottleneck s':>12} {'comm s':>9} {'peak GiB':>9}  "
+           "layer ranges"]
+    replicas = cfg.fault_tolerance.f + 1
+    for n in ts.sizes():
+        tp = ts[n]
+        comm = sum(s.comm_s for s in tp.stages) + tp.grad_sync_s(replicas)
+        out.append(f"  {n:>5} {tp.num_stages:>6} {tp.iteration_time(mref, replicas):>9.4g} {tp.bottleneck_s:>12.4g} "
+                   f"{comm:>9.3g} {tp.peak_memory_bytes / GIB:>9.3f}  {_ranges(tp.layer_ranges())}")
     out += ["", "guarantee: " + jp.guarantee.describe(), ""]
     p = jp.plan
     out.append(f"plan for {len(p.nodes)} node(s), generation {p.generation}: {len(p.pipelines)} pipeline(s), "
-               f"{p.world_size} workers, est. step {p.est_step_time_s:.4g} s, {p.samples_per_s:.4g} samples/s")
+               f"{p.world_size} workers, est. step {p.est_step_time_s:.4g} s, {p.samples_per_s:.4g} samples/s, "
+               f"est. pipeline efficiency {jp.efficiency:.1%} (bubble {1 - jp.efficiency:.1%})")
     groups: list[list] = []  # consecutive pipelines with the same template and microbatches
     for pipe in p.pipelines:
         if groups and (groups[-1][0].template_nodes, groups[-1][0].microbatches) == (
@@ -81,19 +99,44 @@ def format_plan(jp: JobPlan, cfg: JobConfig) -> str:
     return "\n".join(out)
 
 
+def format_comparison(plans: dict[int, "JobPlan | PlanningError"], chosen: int) -> str:
+    """The tensor-parallel degrees side by side (planning.tensor_parallel=auto)."""
+    out = ["tensor_parallel=auto: the degree with the best estimated samples/s is chosen",
+           f"  {'tp':>3} {'stages/node':>11} {'pipelines':>9} {'step s':>9} {'samples/s':>10} {'efficiency':>10}"]
+    for d, jp in plans.items():
+        mark = "  <- chosen" if d == chosen else ""
+        if isinstance(jp, PlanningError):
+            out.append(f"  {d:>3} does not fit: {jp}")
+            continue
+        p = jp.plan
+        out.append(f"  {d:>3} {jp.templates.gpus_per_node // d:>11} {len(p.pipelines):>9} {p.est_step_time_s:>9.4g} "
+                   f"{p.samples_per_s:>10.4g} {jp.efficiency:>10.1%}{mark}")
+    return "\n".join(out)
+
+
 def plan_json(jp: JobPlan) -> dict:
     return {"templates": jp.templates.to_json(), "guarantee": jp.guarantee.to_json(),
-            "plan": jp.plan.to_json() | {"samples_per_s": jp.plan.samples_per_s},
+            "plan": jp.plan.to_json() | {"samples_per_s": jp.plan.samples_per_s, "efficiency": jp.efficiency},
             "device_memory": {"gib": jp.templates.device_memory_gb, "source": jp.templates.memory_source}}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    profile = _load_profile(cfg, args.profile)
-    jp = plan_job(cfg, nodes=args.nodes, profile=profile)
+    profiles = _load_profiles(cfg, args.profile)
+    jp = plan_job(cfg, nodes=args.nodes, profile=profiles)
+    comparison = None
+    if cfg.planning.tensor_parallel == "auto" and len(profiles) > 1:
+        comparison = compare_tensor_parallel(cfg, profiles, cfg.planning.max_nodes or args.nodes)
     if args.json:
-        print(json.dumps(plan_json(jp), indent=1))
+        out = plan_json(jp)
+        if comparison is not None:
+            out["tensor_parallel"] = {str(d): {"error": str(c)} if isinstance(c, PlanningError) else
+                                      {"samples_per_s": c.plan.samples_per_s, "step_s": c.plan.est_step_time_s,
+                                       "efficiency": c.efficiency} for d, c in comparison.items()}
+        print(json.dumps(out, indent=1))
     else:
+        if comparison is not None:
+            print(format_comparison(comparison, jp.templates.tensor_parallel) + "\n")
         print(format_plan(jp, cfg))
     return 0
 

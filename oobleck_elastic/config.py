@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import yaml
 from omegaconf import OmegaConf
@@ -161,7 +161,22 @@ class PlanningConfig:
     memory_margin: float = 0.1
     """Fraction of device_memory_gb kept free for allocator slack and buffers."""
     gpus_per_node: int = 1
-    """Devices (workers) per node; a template on n nodes has n x gpus_per_node stages."""
+    """Devices (workers) per node; a template on n nodes has n x gpus_per_node / tensor_parallel stages."""
+    tensor_parallel: Union[int, str] = 1
+    """Devices one stage runs on, all on one node: its layers are sharded over them (tensor
+    parallelism). A divisor of gpus_per_node; 1 = one device per stage; `auto` = the degree with
+    the best estimated throughput, chosen once for the job (for planning.max_nodes nodes when
+    set, else the first plan's) from a profile per degree (profile_path with `{tp}` in it)."""
+    intra_node_bandwidth_gb_s: float = 150.0
+    """Bandwidth between two devices of one node, GB/s per device (NVLink class); costs pipeline
+    sends between stages on one node."""
+    inter_node_bandwidth_gb_s: float = 12.5
+    """Bandwidth between devices of different nodes, GB/s per device (a 100 Gb/s NIC each); costs
+    pipeline sends across nodes and the cross-replica gradient all-reduce."""
+    link_latency_us: float = 10.0
+    """Latency of one message between devices, microseconds."""
+    count_communication: bool = True
+    """Count communication in the planner's step-time estimate (False: compute only, as before)."""
     schedule: str = "1f1b"
     """Pipeline schedule: `1f1b` (stage i of S keeps up to S-i microbatches) or `gpipe`
     (every stage keeps all microbatches)."""
@@ -349,6 +364,15 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
                         "(give module:function returning a list[nn.Module])")
     if cfg.data.source == "files" and not cfg.data.paths:
         problems.append("'data.source' is files but 'data.paths' is empty")
+    p = cfg.planning
+    tp = p.tensor_parallel
+    if tp != "auto" and (isinstance(tp, str) or tp < 1 or (p.gpus_per_node >= 1 and p.gpus_per_node % tp)):
+        problems.append(f"'planning.tensor_parallel' is {tp!r}: give a divisor of planning.gpus_per_node "
+                        f"({p.gpus_per_node}) or auto")
+    if p.intra_node_bandwidth_gb_s <= 0 or p.inter_node_bandwidth_gb_s <= 0 or p.link_latency_us < 0:
+        problems.append("'planning.intra_node_bandwidth_gb_s' and 'planning.inter_node_bandwidth_gb_s' must be > 0 "
+                        "and 'planning.link_latency_us' >= 0 (got "
+                        f"{p.intra_node_bandwidth_gb_s}, {p.inter_node_bandwidth_gb_s}, {p.link_latency_us})")
     if cfg.planning.max_nodes is not None and cfg.planning.max_nodes < 1:
         problems.append(f"'planning.max_nodes' must be >= 1 (got {cfg.planning.max_nodes})")
     if problems:

@@ -24,7 +24,7 @@ def test_plan_json_on_every_shipped_config(name: str, tmp_path: Path) -> None:
     cfg = ROOT / "configs" / f"{name}.yaml"
     overrides = FAST.get(name, []) + [f"data.cache_dir={tmp_path}"]
     if name == "gpt3-175b":
-        overrides.append(f"planning.profile_path={ROOT / 'configs/profiles/gpt3-175b.json'}")
+        overrides.append(f"planning.profile_path={ROOT / 'configs/profiles/gpt3-175b-tp{tp}.json'}")
     nodes = "64" if name == "gpt3-175b" else "4"
     res = oobleck("plan", "--config", str(cfg), "--nodes", nodes, "--json", *overrides, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
@@ -53,7 +53,7 @@ def test_plan_text_report_and_profile_cache(tmp_path: Path) -> None:
 
 def test_plan_with_profile_file_and_errors(tmp_path: Path) -> None:
     cfg = str(ROOT / "configs/gpt3-175b.yaml")
-    prof = str(ROOT / "configs/profiles/gpt3-175b.json")
+    prof = str(ROOT / "configs/profiles/gpt3-175b-tp{tp}.json")
     ok = oobleck("plan", "--config", cfg, "--nodes", "1024", "--profile", prof, cwd=ROOT)
     assert ok.returncode == 0 and "plan for 1024 node(s)" in ok.stdout
     few = oobleck("plan", "--config", cfg, "--nodes", "5", "--profile", prof, cwd=ROOT)

@@ -2,6 +2,9 @@
 no etcd), so they can be tested exhaustively and benchmarked at scale.
 
 `plan_job(cfg, nodes=..., profile=...)` is the one call the control plane and the CLI make.
+Communication is costed with `links_for(cfg)` (comm.py); the tensor-parallel degree is
+`planning.tensor_parallel`, or with `auto` the degree whose plan has the best estimated
+throughput (`choose_tensor_parallel`, from one profile per degree).
 
 The memory of one device is `planning.device_memory_gb` when set, else the total memory the
 profile recorded for the device it was measured on (`device_memory`); with neither, planning
@@ -11,9 +14,11 @@ stops with an error that names `planning.device_memory_gb`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
 
 from ..config import JobConfig
+from .comm import Links
 from .instantiate import Assignment, best_cover, instantiate
 from .plan import Guarantee, PipelineSpec, Plan, StagePlacement, guarantee, make_plan
 from .profile import LayerProfile, ModelProfile, ProfileError
@@ -23,6 +28,8 @@ __all__ = [
     "Assignment", "Guarantee", "JobPlan", "LayerProfile", "ModelProfile", "PipelineSpec", "Plan",
     "PlanningError", "ProfileError", "StagePlacement", "Template", "TemplateSet", "best_cover",
     "build_templates", "device_memory", "guarantee", "instantiate", "make_plan", "plan_job", "templates_for",
+    "Links", "links_for", "load_profiles", "choose_tensor_parallel", "compare_tensor_parallel",
+    "tensor_parallel_degrees",
 ]
 
 
@@ -34,6 +41,16 @@ class JobPlan:
     """What the templates promise for f."""
     plan: Plan
     """The plan for the given nodes."""
+
+    @property
+    def efficiency(self) -> float:
+        """Estimated fraction of the devices' step time spent computing (1 - the bubble fraction,
+        communication counted as idle): the work of every microbatch on every stage over the
+        stages x the step time."""
+        p = self.plan
+        work = sum(pipe.microbatches * self.templates[pipe.template_nodes].compute_s for pipe in p.pipelines)
+        busy = sum(len(pipe.stages) for pipe in p.pipelines) * p.est_step_time_s
+        return work / busy if busy > 0 else 0.0
 
 
 def device_memory(cfg: JobConfig, profile: ModelProfile) -> tuple[float, str]:
@@ -51,18 +68,104 @@ def device_memory(cfg: JobConfig, profile: ModelProfile) -> tuple[float, str]:
                         "planning.device_memory_gb=80")
 
 
-def templates_for(cfg: JobConfig, profile: ModelProfile) -> TemplateSet:
-    """Templates for a job config and a profile (memory limit, schedule, devices per node)."""
+def links_for(cfg: JobConfig) -> Optional[Links]:
+    """The links of `planning.*` (None when planning.count_communication is off)."""
+    p = cfg.planning
+    if not p.count_communication:
+        return None
+    return Links(intra_node_gb_s=p.intra_node_bandwidth_gb_s, inter_node_gb_s=p.inter_node_bandwidth_gb_s,
+                 latency_s=p.link_latency_us * 1e-6)
+
+
+def tensor_parallel_degrees(cfg: JobConfig) -> list[int]:
+    """The degrees the job may use: planning.tensor_parallel, or every divisor of gpus_per_node (auto)."""
+    tp, g = cfg.planning.tensor_parallel, cfg.planning.gpus_per_node
+    return [d for d in range(1, g + 1) if g % d == 0] if tp == "auto" else [int(tp)]
+
+
+def load_profiles(cfg: JobConfig, path: Optional[str] = None) -> dict[int, ModelProfile]:
+    """Profiles by tensor-parallel degree from `path` (default planning.profile_path): with `{tp}`
+    in it, one file per degree the job may use (missing files skipped, at least one needed); else
+    the one file, whose recorded degree must be one the job may use."""
+    path = path or cfg.planning.profile_path
+    if not path:
+        raise ProfileError("no profile file: set planning.profile_path (or --profile)")
+    degrees = tensor_parallel_degrees(cfg)
+    if "{tp}" not in path:
+        profile = ModelProfile.load(path)
+        if profile.tensor_parallel not in degrees:
+            raise ProfileError(f"{path} was measured at tensor_parallel={profile.tensor_parallel} but "
+                               f"planning.tensor_parallel={cfg.planning.tensor_parallel}: use a profile of that "
+                               "degree (profile_path with {tp} in it picks one per degree)")
+        return {profile.tensor_parallel: profile}
+    found = {d: path.replace("{tp}", str(d)) for d in degrees}
+    profiles = {d: ModelProfile.load(f) for d, f in found.items() if Path(f).is_file()}
+    if not profiles:
+        raise ProfileError(f"none of the profile files {', '.join(found.values())} exists")
+    for d, profile in profiles.items():
+        if profile.tensor_parallel != d:
+            raise ProfileError(f"{found[d]} records tensor_parallel={profile.tensor_parallel}, not {d}")
+    return profiles
+
+
+def _build(cfg: JobConfig, profile: ModelProfile) -> TemplateSet:
     p, t = cfg.planning, cfg.training
     microbatches = t.global_batch_size // t.microbatch_size
     memory_gb, source = device_memory(cfg, profile)
     return build_templates(profile, gpus_per_node=p.gpus_per_node, device_memory_gb=memory_gb,
                            memory_margin=p.memory_margin, schedule=p.schedule,
                            gpipe_microbatches=-(-microbatches // (cfg.fault_tolerance.f + 1)),
-                           max_nodes=p.max_template_nodes, memory_source=source)
+                           max_nodes=p.max_template_nodes, memory_source=source,
+                           tensor_parallel=profile.tensor_parallel, links=links_for(cfg))
 
 
-def plan_job(cfg: JobConfig, *, nodes: Sequence[str] | int, profile: Optional[ModelProfile] = None,
+def compare_tensor_parallel(cfg: JobConfig, profiles: Mapping[int, ModelProfile],
+                            nodes: int) -> dict[int, "JobPlan | PlanningError"]:
+    """For each degree: the templates, guarantee and plan on `nodes` nodes, or why none fits."""
+    out: dict[int, JobPlan | PlanningError] = {}
+    for d in sorted(profiles):
+        try:
+            out[d] = plan_job(cfg, nodes=nodes, templates=_build(cfg, profiles[d]))
+        except PlanningError as err:
+            out[d] = err
+    return out
+
+
+def choose_tensor_parallel(cfg: JobConfig, profiles: Mapping[int, ModelProfile], nodes: int) -> int:
+    """The degree whose plan on `nodes` nodes has the best estimated samples/s (ties: the smaller
+    degree). Raises PlanningError when no degree can be planned."""
+    plans = compare_tensor_parallel(cfg, profiles, nodes)
+    ok = {d: jp.plan.samples_per_s for d, jp in plans.items() if isinstance(jp, JobPlan)}
+    if not ok:
+        raise PlanningError("no tensor-parallel degree can be planned: "
+                            + "; ".join(f"tp={d}: {err}" for d, err in plans.items()))
+    return max(sorted(ok), key=lambda d: ok[d])
+
+
+def templates_for(cfg: JobConfig, profile: ModelProfile | Mapping[int, ModelProfile],
+                  nodes: Optional[int] = None) -> TemplateSet:
+    """Templates for a job config and a profile (memory limit, schedule, devices per node, links,
+    tensor-parallel degree). Given profiles by degree and planning.tensor_parallel=auto, the
+    degree is chosen for `nodes` nodes (planning.max_nodes when set)."""
+    profiles = {profile.tensor_parallel: profile} if isinstance(profile, ModelProfile) else dict(profile)
+    tp = cfg.planning.tensor_parallel
+    if tp == "auto":
+        if len(profiles) == 1:
+            return _build(cfg, next(iter(profiles.values())))
+        reference = cfg.planning.max_nodes or nodes
+        if reference is None:
+            raise PlanningError("planning.tensor_parallel=auto needs a node count to choose for: set "
+                                "planning.max_nodes")
+        return _build(cfg, profiles[choose_tensor_parallel(cfg, profiles, reference)])
+    if int(tp) not in profiles:
+        have = ", ".join(str(d) for d in sorted(profiles))
+        raise PlanningError(f"planning.tensor_parallel={tp} but the profile was measured at tensor_parallel={have}: "
+                            "use a profile measured at that degree")
+    return _build(cfg, profiles[int(tp)])
+
+
+def plan_job(cfg: JobConfig, *, nodes: Sequence[str] | int,
+             profile: Optional[ModelProfile | Mapping[int, ModelProfile]] = None,
              generation: int = 0, templates: Optional[TemplateSet] = None,
              previous: Optional[Plan] = None) -> JobPlan:
     """Templates, guarantee and the plan for `nodes` (ids, or a count: node0, node1, ...).
@@ -75,7 +178,7 @@ def plan_job(cfg: JobConfig, *, nodes: Sequence[str] | int, profile: Optional[Mo
         nodes = [f"node{i}" for i in range(nodes)]
     if templates is None and profile is None:
         raise ValueError("plan_job needs a profile or templates")
-    tset = templates if templates is not None else templates_for(cfg, profile)  # type: ignore[arg-type]
+    tset = templates if templates is not None else templates_for(cfg, profile, len(nodes))  # type: ignore[arg-type]
     g = guarantee(tset, cfg.fault_tolerance.f, max_nodes=cfg.planning.max_nodes)
     t = cfg.training
     microbatches = t.global_batch_size // t.microbatch_size

@@ -4,7 +4,12 @@ Times come from FLOP counts at an assumed sustained device throughput; bytes fro
 counts under mixed precision (2-byte weights and grads, 12 bytes of fp32 master weights plus two
 Adam moments per parameter) and, with full activation recomputation, only each block's input
 kept per microbatch (backward then costs a recomputed forward plus twice the forward FLOPs).
-It is how `configs/profiles/gpt3-175b.json` was made (`python -m oobleck_elastic.planning.analytic`).
+With tensor parallelism over t devices of a node (Megatron-style, as the engine shards them),
+a block's matrices, FLOPs and optimizer state are split t ways and its forward and backward each
+add two all-reduces of the block's activation over the intra-node link (`comm.Links`); the
+embedding and the LM head are replicated on every device. It is how
+`configs/profiles/gpt3-175b-tp{1,2,4,8}.json` were made (`python -m oobleck_elastic.planning.analytic
+--tensor-parallel T`).
 """
 
 from __future__ import annotations
@@ -12,21 +17,25 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .comm import Links
 from .profile import LayerProfile, ModelProfile
 
 
 def transformer_profile(*, num_layers: int, hidden: int, vocab: int, seq_len: int,
                         microbatch_size: int, device_tflops: float,
                         param_bytes_per_param: int = 2, optimizer_bytes_per_param: int = 12,
-                        name: str = "transformer") -> ModelProfile:
-    """Embedding, `num_layers` decoder blocks and an LM head, for one (microbatch, seq) shape."""
+                        name: str = "transformer", tensor_parallel: int = 1,
+                        links: Links = Links()) -> ModelProfile:
+    """Embedding, `num_layers` decoder blocks and an LM head, for one (microbatch, seq) shape,
+    per device with blocks sharded over `tensor_parallel` devices."""
     tokens = microbatch_size * seq_len
     flops_per_s = device_tflops * 1e12
     act_elem = 2  # bf16 activations
 
-    def layer(lname: str, params: int, fwd_flops: float, saved: int, out: int) -> LayerProfile:
+    def layer(lname: str, params: int, fwd_flops: float, saved: int, out: int, comm_s: float = 0.0) -> LayerProfile:
         fwd = fwd_flops / flops_per_s
-        bwd = 3.0 * fwd  # recomputed forward + 2x forward FLOPs
+        bwd = 3.0 * fwd + comm_s  # recomputed forward (its collectives too) + 2x forward FLOPs
+        fwd += comm_s
         return LayerProfile(name=lname, forward_s=fwd, backward_s=bwd,
                             param_bytes=params * param_bytes_per_param,
                             grad_bytes=params * param_bytes_per_param,
@@ -39,32 +48,38 @@ def transformer_profile(*, num_layers: int, hidden: int, vocab: int, seq_len: in
     block_saved = hidden_out  # full recomputation keeps only the block's input
     emb_params = vocab * hidden + seq_len * hidden
     layers = [layer("embedding", emb_params, 2.0 * tokens * hidden, tokens * 8, hidden_out)]
-    layers += [layer(f"block.{i}", block_params, block_flops, block_saved, hidden_out)
+    tp = tensor_parallel
+    tp_comm = 2 * links.all_reduce_s(hidden_out, tp, same_node=True)  # after attention, after the MLP
+    layers += [layer(f"block.{i}", block_params // tp, block_flops / tp, block_saved, hidden_out, tp_comm)
                for i in range(num_layers)]
     head_params = vocab * hidden + 2 * hidden
     layers.append(layer("head", head_params, 2.0 * tokens * vocab * hidden,
                         hidden_out + tokens * vocab * 4, 4))
     key = {"analytic": name, "num_layers": num_layers, "hidden": hidden, "vocab": vocab,
            "seq_len": seq_len, "microbatch_size": microbatch_size, "device_tflops": device_tflops,
-           "recompute": True}
-    return ModelProfile(layers=layers, key=key)
+           "recompute": True, "tensor_parallel": tp}
+    return ModelProfile(layers=layers, key=key, tensor_parallel=tp)
 
 
-def gpt3_175b_profile(*, microbatch_size: int = 1, device_tflops: float = 150.0) -> ModelProfile:
+def gpt3_175b_profile(*, microbatch_size: int = 1, device_tflops: float = 150.0,
+                      tensor_parallel: int = 1) -> ModelProfile:
     """96 blocks of width 12288, sequence 2048, GPT-2 vocabulary; A100-class throughput."""
     return transformer_profile(num_layers=96, hidden=12288, vocab=50257, seq_len=2048,
                                microbatch_size=microbatch_size, device_tflops=device_tflops,
-                               name="gpt3-175b")
+                               name="gpt3-175b", tensor_parallel=tensor_parallel)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="Write the analytic GPT-3 175B profile as JSON.")
-    ap.add_argument("--out", default="configs/profiles/gpt3-175b.json")
+    ap.add_argument("--out", default="configs/profiles/gpt3-175b-tp{tp}.json")
+    ap.add_argument("--tensor-parallel", type=int, default=1)
     ap.add_argument("--microbatch-size", type=int, default=1)
     ap.add_argument("--device-tflops", type=float, default=150.0)
     args = ap.parse_args()
-    gpt3_175b_profile(microbatch_size=args.microbatch_size, device_tflops=args.device_tflops).save(Path(args.out))
-    print(f"wrote {args.out}")
+    out = Path(args.out.replace("{tp}", str(args.tensor_parallel)))
+    gpt3_175b_profile(microbatch_size=args.microbatch_size, device_tflops=args.device_tflops,
+                      tensor_parallel=args.tensor_parallel).save(out)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

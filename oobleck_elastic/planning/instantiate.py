@@ -8,8 +8,11 @@ b_p >= 1 microbatches per pipeline with sum b_p = B that
   2. use as many nodes as possible (all N whenever the template sizes can add up to N),
   3. minimise the makespan Z = max_p T_p(b_p).
 
-For a candidate Z, a pipeline of template t can take c_t(Z) = floor((Z - total_t) /
-bottleneck_t) + 1 microbatches (0 when Z < T_t(1): it could not even run one). Z is feasible
+For a candidate Z, a pipeline of template t can take c_t(Z) = floor((Z - T_t(1)) /
+bottleneck_t) + 1 microbatches (0 when Z < T_t(1): it could not even run one). T_t includes the
+gradient all-reduce among the replicas (templates.py), costed during the search for the k
+pipelines the plan must have at least; the makespan reported is recomputed for the pipelines
+it has. Z is feasible
 when some exact cover of the chosen node count by template sizes has sum c_t(Z) >= B: an
 unbounded knapsack with an exact weight. The optimal Z is one of the values T_t(b), so a binary
 search over them is exact. The knapsack itself is cut to a few hundred nodes by a classic
@@ -178,13 +181,14 @@ def instantiate(templates: TemplateSet, *, num_nodes: int, num_microbatches: int
     cap = microbatch_cap if microbatch_cap is not None else B
 
     def capacity(t, z: float) -> int:
-        if z < t.iteration_time(1) - 1e-12:
+        first = t.iteration_time(1, k)
+        if z < first - 1e-12:
             return 0
         if t.bottleneck_s <= 0:
             return cap
-        return min(cap, int(math.floor((z - t.total_time_s) / t.bottleneck_s + 1e-9)) + 1)
+        return min(cap, int(math.floor((z - first) / t.bottleneck_s + 1e-9)) + 1)
 
-    cands = sorted({t.iteration_time(b) for t in tpl for b in range(1, min(B, cap) + 1)})
+    cands = sorted({t.iteration_time(b, k) for t in tpl for b in range(1, min(B, cap) + 1)})
 
     def feasible(z: float) -> Optional[tuple[int, Cover]]:
         got = best_cover(sizes, [capacity(t, z) for t in tpl], used, kmin=k, kmax=B)
@@ -204,7 +208,7 @@ def instantiate(templates: TemplateSet, *, num_nodes: int, num_microbatches: int
     _, cover = feasible(z)  # type: ignore[misc]
     pipes = [[n, capacity(templates[n], z)] for n in sorted(cover, reverse=True) for _ in range(cover[n])]
     excess = sum(b for _, b in pipes) - B
-    heap = [(-templates[n].iteration_time(b), i) for i, (n, b) in enumerate(pipes)]
+    heap = [(-templates[n].iteration_time(b, k), i) for i, (n, b) in enumerate(pipes)]
     heapq.heapify(heap)
     while excess > 0:  # take microbatches back from the slowest pipelines first
         _, i = heapq.heappop(heap)
@@ -212,8 +216,8 @@ def instantiate(templates: TemplateSet, *, num_nodes: int, num_microbatches: int
         if b > 1:
             pipes[i][1] = b - 1
             excess -= 1
-            heapq.heappush(heap, (-templates[n].iteration_time(b - 1), i))
-    makespan = max(templates[n].iteration_time(b) for n, b in pipes)
+            heapq.heappush(heap, (-templates[n].iteration_time(b - 1, k), i))
+    makespan = max(templates[n].iteration_time(b, len(pipes)) for n, b in pipes)
     return Assignment(pipelines=tuple((n, b) for n, b in pipes), nodes_used=used,
                       makespan_s=makespan, warnings=tuple(warnings))
 

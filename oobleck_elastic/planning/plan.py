@@ -35,9 +35,9 @@ class StagePlacement:
     node: str
     """Node id that runs the stage."""
     local_rank: int
-    """Device / worker on that node."""
+    """Device / worker on that node: the stage's first tensor-parallel lane (the others follow)."""
     rank: int
-    """Global rank of the worker in this generation."""
+    """Global rank of that worker in this generation (lane j has rank + j)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"index": self.index, "layers": [self.start, self.end], "node": self.node,
@@ -91,11 +91,19 @@ class Plan:
     """Drained nodes of the previous generation that join this generation's entry only, to hand
     their layers (and optimizer state) over, then leave: draining the last holder of a layer moves
     it instead of losing it. Their workers take the ranks after the stages' (`donor_rank`)."""
+    tensor_parallel: int = 1
+    """Workers (tensor-parallel lanes) per stage, on one node: lane j of a stage is its worker with
+    local rank `local_rank + j` and rank `rank + j`."""
 
     @property
     def world_size(self) -> int:
         """Workers that train in this generation (ranks 0..world_size-1)."""
-        return sum(len(p.stages) for p in self.pipelines)
+        return sum(len(p.stages) for p in self.pipelines) * self.tensor_parallel
+
+    def lane_of(self, stage: StagePlacement, local_rank: int) -> Optional[int]:
+        """The tensor-parallel lane of worker `local_rank` in `stage`, or None if not one of its workers."""
+        lane = local_rank - stage.local_rank
+        return lane if 0 <= lane < self.tensor_parallel else None
 
     @property
     def entry_world_size(self) -> int:
@@ -110,7 +118,8 @@ class Plan:
 
     def entry_ranks(self) -> dict[tuple[str, int], int]:
         """(node, local rank) -> rank in this generation's entry, for the stages and the donors."""
-        ranks = {(s.node, s.local_rank): s.rank for p in self.pipelines for s in p.stages}
+        ranks = {(s.node, s.local_rank + j): s.rank + j for p in self.pipelines for s in p.stages
+                 for j in range(self.tensor_parallel)}
         for d in self.donors:
             for lr in range(self.gpus_per_node):
                 rank = self.donor_rank(d, lr)
@@ -127,9 +136,10 @@ class Plan:
         return self.num_microbatches * self.microbatch_size / self.est_step_time_s if self.est_step_time_s else 0.0
 
     def stage_of(self, rank: int) -> tuple[PipelineSpec, StagePlacement]:
+        """The pipeline and stage of the worker of `rank` (any of the stage's lanes)."""
         for p in self.pipelines:
             for s in p.stages:
-                if s.rank == rank:
+                if s.rank <= rank < s.rank + self.tensor_parallel:
                     return p, s
         raise KeyError(f"rank {rank} has no stage in generation {self.generation}")
 
@@ -137,17 +147,18 @@ class Plan:
         """The stage of worker (node, local rank), or None (a spare, or not in this plan)."""
         for p in self.pipelines:
             for s in p.stages:
-                if s.node == node and s.local_rank == local_rank:
+                if s.node == node and self.lane_of(s, local_rank) is not None:
                     return s
         return None
 
     def layers_by_worker(self) -> dict[tuple[str, int], range]:
-        """(node, local rank) -> the layers that worker holds in this plan."""
-        return {(s.node, s.local_rank): range(s.start, s.end) for p in self.pipelines for s in p.stages}
+        """(node, local rank) -> the layers that worker holds in this plan (its lane's shards)."""
+        return {(s.node, s.local_rank + j): range(s.start, s.end) for p in self.pipelines for s in p.stages
+                for j in range(self.tensor_parallel)}
 
-    def holders(self, layer: int) -> list[int]:
-        """Ranks holding `layer` (one per pipeline)."""
-        return [s.rank for p in self.pipelines for s in p.stages if s.start <= layer < s.end]
+    def holders(self, layer: int, lane: int = 0) -> list[int]:
+        """Ranks holding lane `lane` of `layer` (one per pipeline)."""
+        return [s.rank + lane for p in self.pipelines for s in p.stages if s.start <= layer < s.end]
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": PLAN_SCHEMA_VERSION, "generation": self.generation,
@@ -155,6 +166,7 @@ class Plan:
                 "gpus_per_node": self.gpus_per_node, "num_layers": self.num_layers,
                 "microbatch_size": self.microbatch_size, "f": self.f,
                 "est_step_time_s": self.est_step_time_s, "warnings": list(self.warnings),
+                "tensor_parallel": self.tensor_parallel,
                 "donors": list(self.donors), "pipelines": [p.to_json() for p in self.pipelines]}
 
     @classmethod
@@ -179,7 +191,8 @@ class Plan:
                        microbatch_size=int(data["microbatch_size"]), pipelines=pipelines,
                        est_step_time_s=float(data["est_step_time_s"]), f=int(data["f"]),
                        warnings=tuple(str(w) for w in data.get("warnings", ())),
-                       donors=tuple(str(n) for n in _list(data.get("donors", []), "donors")))
+                       donors=tuple(str(n) for n in _list(data.get("donors", []), "donors")),
+                       tensor_parallel=int(data.get("tensor_parallel", 1)))
         except PlanningError:
             raise
         except (AttributeError, KeyError, TypeError, ValueError, IndexError) as err:
@@ -189,7 +202,11 @@ class Plan:
 
     def check(self) -> None:
         """Structural invariants: every pipeline covers all layers in order, ranks are dense."""
-        ranks = sorted(s.rank for p in self.pipelines for s in p.stages)
+        tp = self.tensor_parallel
+        if tp < 1 or self.gpus_per_node % tp:
+            raise PlanningError(f"plan generation {self.generation}: tensor_parallel {tp} does not divide "
+                                f"gpus_per_node {self.gpus_per_node}")
+        ranks = sorted(s.rank + j for p in self.pipelines for s in p.stages for j in range(tp))
         if ranks != list(range(len(ranks))):
             raise PlanningError(f"plan generation {self.generation}: ranks are not 0..{len(ranks) - 1}")
         for p in self.pipelines:
@@ -236,11 +253,12 @@ def make_plan(templates: TemplateSet, *, nodes: Sequence[str], num_microbatches:
                                       local_rank=s.local_rank, rank=(cursor + s.node) * g + s.local_rank)
                        for s in tpl.stages)
         pipelines.append(PipelineSpec(index=index, template_nodes=n, nodes=pnodes, microbatches=mb,
-                                      stages=stages, est_time_s=tpl.iteration_time(mb)))
+                                      stages=stages, est_time_s=tpl.iteration_time(mb, len(a.pipelines))))
         cursor += n
     plan = Plan(generation=generation, nodes=tuple(nodes), spares=tuple(nodes[cursor:]),
                 gpus_per_node=g, num_layers=templates.num_layers, microbatch_size=microbatch_size,
-                pipelines=tuple(pipelines), est_step_time_s=a.makespan_s, f=f, warnings=a.warnings)
+                pipelines=tuple(pipelines), est_step_time_s=a.makespan_s, f=f, warnings=a.warnings,
+                tensor_parallel=templates.tensor_parallel)
     plan.check()
     return plan
 
@@ -255,7 +273,8 @@ def keep_layers_in_place(templates: TemplateSet, a: Assignment, nodes: list[str]
     for n, _ in a.pipelines:
         per_node: list[dict[int, range]] = [{} for _ in range(n)]
         for st in templates[n].stages:
-            per_node[st.node][st.local_rank] = range(st.start, st.end)
+            for j in range(templates.tensor_parallel):
+                per_node[st.node][st.local_rank + j] = range(st.start, st.end)
         slots.extend(per_node)
     used = nodes[:len(slots)]
     gains = []

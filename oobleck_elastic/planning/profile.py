@@ -10,6 +10,10 @@ device); a cached profile is reused only when that key matches exactly.
 profiles record it; CPU profiles and hand-made files may leave it out): the planner uses it as
 the memory of one device when `planning.device_memory_gb` is not set. Files without the field
 (older profiles) load unchanged, with None.
+
+`tensor_parallel` is the number of devices each layer was sharded over when it was measured (1
+when absent): the planner needs a profile at the degree it plans for, one per degree for
+`planning.tensor_parallel=auto` (`profile_path` with `{tp}` in it: one file per degree).
 """
 
 from __future__ import annotations
@@ -65,10 +69,15 @@ class ModelProfile:
     """What the numbers depend on: model config, microbatch shape, dtype, device."""
     device_memory_bytes: int | None = None
     """Total memory of the measured device in bytes; None when unknown (CPU, hand-made files)."""
+    tensor_parallel: int = 1
+    """Devices each layer was sharded over when measured: times include the layer's collectives,
+    bytes are per device."""
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise ProfileError("a profile needs at least one layer")
+        if self.tensor_parallel < 1:
+            raise ProfileError(f"tensor_parallel must be >= 1 (got {self.tensor_parallel})")
         if self.device_memory_bytes is not None and self.device_memory_bytes <= 0:
             raise ProfileError(f"device_memory_bytes must be > 0 (got {self.device_memory_bytes})")
 
@@ -81,6 +90,8 @@ class ModelProfile:
                "layers": [asdict(layer) for layer in self.layers]}
         if self.device_memory_bytes is not None:
             out["device_memory_bytes"] = self.device_memory_bytes
+        if self.tensor_parallel != 1:
+            out["tensor_parallel"] = self.tensor_parallel
         return out
 
     @classmethod
@@ -103,7 +114,10 @@ class ModelProfile:
         memory = data.get("device_memory_bytes")
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0):
             raise ProfileError(f"{source}: device_memory_bytes must be a positive integer (got {memory!r})")
-        return cls(layers=layers, key=dict(data.get("key") or {}), device_memory_bytes=memory)
+        tp = data.get("tensor_parallel", 1)
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ProfileError(f"{source}: tensor_parallel must be a positive integer (got {tp!r})")
+        return cls(layers=layers, key=dict(data.get("key") or {}), device_memory_bytes=memory, tensor_parallel=tp)
 
     def save(self, path: str | Path) -> None:
         """Write atomically (temp file + rename)."""

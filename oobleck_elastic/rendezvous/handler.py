@@ -47,7 +47,8 @@ from ..config import ConfigError, JobConfig, load_config
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.mirror import Mirror
 from ..etcd.server import free_port
-from ..planning import ModelProfile, Plan, PlanningError, ProfileError, plan_job, templates_for
+from ..planning import (ModelProfile, Plan, PlanningError, ProfileError, choose_tensor_parallel, load_profiles,
+                        plan_job, templates_for)
 from .keys import ClosedRecord, Event, EventKind, Keys, Roster, read_closed, read_roster
 from .leader import JobUnplannable, Leader
 from .liveness import LivenessServer
@@ -271,7 +272,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         """The planner the leader calls: templates from the job's profile (pinned in etcd);
         nodes keep as many of the layers they hold in `previous` as the new plan allows."""
         if self._templates is None:
-            profile = self._profile()
+            profile = self._profile(len(nodes))
             try:
                 self._templates = templates_for(self.cfg, profile)
             except PlanningError as err:  # the config and the pinned profile are fixed: no node count helps
@@ -286,12 +287,17 @@ class OobleckRendezvousHandler(RendezvousHandler):
             return True
         return self._pinned_or_measured() is not None
 
-    def _profile(self) -> ModelProfile:
-        """The profile every leader plans from: the one pinned in etcd, else planning.profile_path,
-        else the first worker-measured one; whichever is used first is pinned for all later leaders."""
+    def _profile(self, nodes: int) -> ModelProfile:
+        """The profile every leader plans from: the one pinned in etcd, else planning.profile_path
+        (with `{tp}` in it and tensor_parallel=auto: the degree best for planning.max_nodes or
+        `nodes` nodes), else the first worker-measured one; whichever is used first is pinned for
+        all later leaders, so the degree never changes during the job."""
         try:
             if self.cfg.planning.profile_path and self._pinned is None and self._read_pinned() is None:
-                self._pin(ModelProfile.load(self.cfg.planning.profile_path))
+                profiles = load_profiles(self.cfg)
+                degree = (choose_tensor_parallel(self.cfg, profiles, self.cfg.planning.max_nodes or nodes)
+                          if len(profiles) > 1 else next(iter(profiles)))
+                self._pin(profiles[degree])
             profile = self._pinned_or_measured()
         except ProfileError as err:
             raise PlanningError(str(err)) from None
