@@ -369,6 +369,11 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
     if tp != "auto" and (isinstance(tp, str) or tp < 1 or (p.gpus_per_node >= 1 and p.gpus_per_node % tp)):
         problems.append(f"'planning.tensor_parallel' is {tp!r}: give a divisor of planning.gpus_per_node "
                         f"({p.gpus_per_node}) or auto")
+    if tp != 1 and not p.profile_path:
+        problems.append(f"'planning.tensor_parallel' is {tp} but 'planning.profile_path' is not set: workers measure "
+                        "profiles on one device; measure one at each degree with `torchrun --nproc-per-node T -m "
+                        "oobleck_elastic.planning.profile_tp --config CFG --out profile-tp{tp}.json` and set "
+                        "planning.profile_path=profile-tp{tp}.json")
     if p.intra_node_bandwidth_gb_s <= 0 or p.inter_node_bandwidth_gb_s <= 0 or p.link_latency_us < 0:
         problems.append("'planning.intra_node_bandwidth_gb_s' and 'planning.inter_node_bandwidth_gb_s' must be > 0 "
                         "and 'planning.link_latency_us' >= 0 (got "

@@ -62,12 +62,14 @@ def flip_byte(path: Path, offset: int = -3) -> None:
     path.write_bytes(bytes(data))
 
 
-def tiny_profile(path: Path) -> Path:
+def tiny_profile(path: Path, tensor_parallel: int = 1) -> Path:
     """6 layers of 0.4 GiB (params+grads+AdamW) planned on 1.25 GiB devices: n0 = 2 nodes, so
-    gpt2-tiny runs as 2-stage pipelines (3 nodes: one 3-stage pipeline; 4 nodes: 2 x 2 stages)."""
+    gpt2-tiny runs as 2-stage pipelines (3 nodes: one 3-stage pipeline; 4 nodes: 2 x 2 stages);
+    with `tensor_parallel` = gpus_per_node, one stage per node."""
     b = int(0.1 * 1024 ** 3)
     ModelProfile(layers=[LayerProfile(name=f"l{i}", forward_s=0.01, backward_s=0.02, param_bytes=b, grad_bytes=b,
-                                      optimizer_bytes=2 * b, activation_bytes=0) for i in range(6)]).save(path)
+                                      optimizer_bytes=2 * b, activation_bytes=0) for i in range(6)],
+                 tensor_parallel=tensor_parallel).save(path)
     return path
 
 

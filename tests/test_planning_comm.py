@@ -122,7 +122,8 @@ def test_analytic_tensor_parallel_profiles_shard_blocks_and_add_their_collective
 
 def auto_config(**overrides: object):
     base = {"model.num_layers": 8, "training.global_batch_size": 64, "training.microbatch_size": 1,
-            "planning.gpus_per_node": 4, "planning.tensor_parallel": "auto", "planning.device_memory_gb": 80.0}
+            "planning.gpus_per_node": 4, "planning.tensor_parallel": "auto", "planning.device_memory_gb": 80.0,
+            "planning.profile_path": "profile-tp{tp}.json"}
     return load_config(overrides=[f"{k}={v}" for k, v in (base | overrides).items()])
 
 
@@ -176,6 +177,10 @@ def test_config_rejects_a_degree_that_does_not_divide_the_node() -> None:
     with pytest.raises(ConfigError, match=r"'planning.tensor_parallel' is 3: give a divisor of "
                                           r"planning.gpus_per_node \(4\) or auto"):
         load_config(overrides=["planning.gpus_per_node=4", "planning.tensor_parallel=3"])
+    with pytest.raises(ConfigError, match=r"'planning.tensor_parallel' is 2 but 'planning.profile_path' is not set: "
+                                          r"workers measure profiles on one device; measure one at each degree with "
+                                          r"`torchrun --nproc-per-node T -m oobleck_elastic.planning.profile_tp"):
+        load_config(overrides=["planning.gpus_per_node=2", "planning.tensor_parallel=2"])
     with pytest.raises(ConfigError, match="'planning.inter_node_bandwidth_gb_s' must be > 0"):
         load_config(overrides=["planning.inter_node_bandwidth_gb_s=0"])
 
@@ -203,3 +208,24 @@ def test_cli_plan_with_auto_compares_the_degrees() -> None:
     best = max(rows[:4], key=lambda r: float(r[4]))
     assert best[-1] == "chosen" and f"tensor parallel {best[0]} (devices per stage" in out
     assert "est. pipeline efficiency" in out
+
+
+def test_profile_tp_measures_sharded_layers_with_torchrun(tmp_path: Path) -> None:
+    """Two processes profile gpt2-tiny's layers sharded over both: per-device block bytes halve
+    (but for the replicated norms and row-wise biases), embedding and head stay whole."""
+    one = tmp_path / "p-tp1.json"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone",
+                    "-m", "oobleck_elastic.planning.profile_tp", "--config", str(ROOT / "configs/gpt2-tiny.yaml"),
+                    "--out", str(tmp_path / "p-tp{tp}.json"), "planning.profile_repeats=1"],
+                   check=True, capture_output=True, timeout=300, cwd=ROOT)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                    "-m", "oobleck_elastic.planning.profile_tp", "--config", str(ROOT / "configs/gpt2-tiny.yaml"),
+                    "--out", str(tmp_path / "p-tp{tp}.json"), "planning.profile_repeats=1"],
+                   check=True, capture_output=True, timeout=300, cwd=ROOT)
+    p1, p2 = ModelProfile.load(one), ModelProfile.load(tmp_path / "p-tp2.json")
+    assert (p1.tensor_parallel, p2.tensor_parallel) == (1, 2)
+    h = 64
+    replicated = 4 * (2 * h + 2 * h + h + h)  # ln_1, ln_2 (weight, bias), attn c_proj and mlp c_proj biases, fp32
+    block1, block2 = p1.layers[1].param_bytes, p2.layers[1].param_bytes
+    assert block2 == (block1 - replicated) // 2 + replicated
+    assert [p2.layers[i].param_bytes for i in (0, -1)] == [p1.layers[i].param_bytes for i in (0, -1)]

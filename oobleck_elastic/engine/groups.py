@@ -10,6 +10,13 @@ the per-layer buckets and summed over the union of their holders, each rank cont
 local copy once (a rank holding both ends shares one Parameter, whose gradient already has both
 contributions).
 
+With tensor parallelism (docs/design.md, "Parallelism and the cost model") a stage is run by
+`tensor_parallel` lanes, and all of this holds per lane: lane j of a layer is held by lane j of
+one stage per pipeline, so holder sets, pipeline groups and tied groups are made for every lane
+(disjoint rank sets), and each stage's lanes get a group of their own for the layers' collectives
+(`tp_group`, with its one-dimensional `mesh`). Gradients are synchronised on each lane's local
+shards.
+
 `torch.distributed.new_group` must be called by every rank, in the same order, for every group;
 `GenerationGroups` does that for the pipeline groups, the holder-set groups and the tied groups,
 always with an explicit timeout (new_group does not inherit init_process_group's): a short one
@@ -25,9 +32,11 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..models import LayerModel
+from ..models.tensor_parallel import is_sharded, local, wrap_like
 from ..planning import Plan
 
 
@@ -41,8 +50,9 @@ class Holders:
     """Per tied group: its (layer, param name) members and the sorted ranks holding any member."""
 
     @classmethod
-    def of(cls, plan: Plan, layer_model: LayerModel) -> "Holders":
-        layer = {i: tuple(sorted(plan.holders(i))) for i in range(plan.num_layers)}
+    def of(cls, plan: Plan, layer_model: LayerModel, lane: int = 0) -> "Holders":
+        """Who holds lane `lane` of every layer."""
+        layer = {i: tuple(sorted(plan.holders(i, lane))) for i in range(plan.num_layers)}
         tied = []
         for group in layer_model.tied:
             members = tuple(group.members)
@@ -65,12 +75,17 @@ class Holders:
 class GenerationGroups:
     """The process groups one worker uses in one generation."""
 
-    def __init__(self, plan: Plan, holders: Holders, *, rank: int, timeout: timedelta,
-                 connect_timeout: Optional[timedelta] = None) -> None:
+    def __init__(self, plan: Plan, layer_model: LayerModel, *, rank: int, timeout: timedelta,
+                 connect_timeout: Optional[timedelta] = None, device_type: str = "cpu") -> None:
         """Groups connect under `connect_timeout` (a peer that died meanwhile is given up on
         soon), then run their collectives under `timeout`."""
-        self.plan, self.holders, self.rank = plan, holders, rank
+        tp = plan.tensor_parallel
+        self.plan, self.rank = plan, rank
+        self.lane = rank - plan.stage_of(rank)[1].rank
+        self.holders = Holders.of(plan, layer_model, self.lane)
         self.pipeline_group: Optional[dist.ProcessGroup] = None
+        self.tp_group: Optional[dist.ProcessGroup] = None
+        self.mesh: Optional[DeviceMesh] = None
         connect = min(timeout, connect_timeout or timeout)
 
         def make(ranks: list[int]) -> dist.ProcessGroup:
@@ -78,16 +93,25 @@ class GenerationGroups:
             if rank in ranks and connect != timeout:
                 _set_pg_timeout(timeout, g)
             return g
-        for p in plan.pipelines:  # every rank creates every pipeline group, in order
-            ranks = [s.rank for s in p.stages]
-            g = make(ranks) if len(ranks) > 1 else None
-            if rank in ranks:
-                self.pipeline_group = g
+        for p in plan.pipelines:  # every rank creates every group, in the same order
+            for lane in range(tp):
+                ranks = [s.rank + lane for s in p.stages]
+                g = make(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    self.pipeline_group = g
+            if tp > 1:
+                for s in p.stages:
+                    ranks = [s.rank + lane for lane in range(tp)]
+                    g = make(ranks)
+                    if rank in ranks:
+                        self.tp_group = g
+                        self.mesh = DeviceMesh.from_group(g, device_type)
         self.sets: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for ranks in holders.group_sets():
-            g = make(list(ranks))
-            if rank in ranks:
-                self.sets[ranks] = g
+        for lane in range(tp):
+            for ranks in Holders.of(plan, layer_model, lane).group_sets():
+                g = make(list(ranks))
+                if rank in ranks:
+                    self.sets[ranks] = g
 
 
 def _params_of(module: nn.Module, exclude: set[int]) -> list[torch.Tensor]:
@@ -127,23 +151,28 @@ class GradSync:
         for ranks, params in self.buckets + [(r, ps) for ps, r in self.tied]:
             if len(ranks) < 2:
                 continue
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             work.append((params, flat, dist.all_reduce(flat, group=self.groups.sets[ranks], async_op=True)))
         for params, flat, handle in work:
             handle.wait()
             offset = 0
             for p in params:
-                n = p.numel()
-                p.grad = flat[offset:offset + n].view_as(p).clone()
+                shard = local(p)
+                n = shard.numel()
+                p.grad = wrap_like(p, flat[offset:offset + n].view_as(shard).clone())
                 offset += n
 
     def norm_squared(self) -> torch.Tensor:
         """Sum of squared gradients of the parameters this rank is the primary holder of, so that
-        an all-reduce over the world counts every parameter of the model exactly once."""
-        me = self.groups.rank
-        grads = [p.grad for ranks, params in self.buckets if ranks[0] == me for p in params if p.grad is not None]
-        grads += [p.grad for params, ranks in self.tied if ranks[0] == me for p in params if p.grad is not None]
+        an all-reduce over the world counts every parameter of the model exactly once: a sharded
+        parameter's shard on every lane, a replicated one on lane 0 only."""
+        me, lane = self.groups.rank, self.groups.lane
+
+        def counted(p: torch.Tensor) -> bool:
+            return p.grad is not None and (lane == 0 or is_sharded(p))
+        grads = [local(p.grad) for ranks, params in self.buckets if ranks[0] == me for p in params if counted(p)]
+        grads += [local(p.grad) for params, ranks in self.tied if ranks[0] == me for p in params if counted(p)]
         if not grads:
             return torch.zeros((), dtype=torch.float64)
         total = torch.stack(torch._foreach_norm(grads, dtype=torch.float64)).pow(2).sum()

@@ -10,6 +10,9 @@ hand its layers over, then leaves). Sources are spread over the surviving holder
 A layer with no surviving holder is lost: the caller must restore the checkpoint (docs/design.md,
 invariant 3) and never trains on with a re-initialised layer.
 
+With tensor parallelism a worker holds one lane's shards, and lane j of a layer comes from a
+worker holding lane j of it (every node has the same devices, so lanes line up).
+
 The transfer sends each layer's parameters AND optimizer state (AdamW exp_avg, exp_avg_sq,
 step) as one flat fp32 tensor on the layer's device (so over NCCL on GPUs), all transfers posted
 at once with batch_isend_irecv, so any pattern of senders and receivers completes without
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models import LayerModel
+from ..models.tensor_parallel import local, wrap_like
 from ..planning import Plan
 
 Identity = tuple[str, int]  # (node id, local rank)
@@ -47,57 +51,62 @@ def plan_transfers(held: dict[Identity, range], new: Plan) -> tuple[list[Transfe
     each worker really holds now (`Plan.layers_by_worker` of the generation it last entered); a
     new or restarted worker holds nothing, and workers may hold the layout of different
     generations when an entry failed half-way."""
+    tp = new.tensor_parallel
     new_rank = new.entry_ranks()  # donors (drained nodes) are sources too, never receivers
-    survivors_of: dict[int, list[int]] = {}
+    survivors_of: dict[tuple[int, int], list[int]] = {}  # (layer, lane) -> ranks holding that shard
     for ident, layers in held.items():
         if ident in new_rank:
             for layer in layers:
-                survivors_of.setdefault(layer, []).append(new_rank[ident])
+                survivors_of.setdefault((layer, ident[1] % tp), []).append(new_rank[ident])
     transfers, lost = [], set()
     for p in new.pipelines:
         for s in p.stages:
-            had = held.get((s.node, s.local_rank), range(0))
-            for layer in range(s.start, s.end):
-                if layer in had:
-                    continue
-                sources = sorted(survivors_of.get(layer, []))
-                if not sources:
-                    lost.add(layer)
-                    continue
-                transfers.append(Transfer(layer=layer, src=sources[(layer + s.rank) % len(sources)], dst=s.rank))
+            for lane in range(tp):  # lane j of a stage is local rank local_rank + j, a multiple of tp + j
+                had = held.get((s.node, s.local_rank + lane), range(0))
+                dst = s.rank + lane
+                for layer in range(s.start, s.end):
+                    if layer in had:
+                        continue
+                    sources = sorted(survivors_of.get((layer, lane), []))
+                    if not sources:
+                        lost.add(layer)
+                        continue
+                    transfers.append(Transfer(layer=layer, src=sources[(layer + s.rank) % len(sources)], dst=dst))
     return transfers, sorted(lost)
 
 
 def _flat(layer: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
     parts = []
-    for p in layer.parameters():
-        parts.append(p.detach().reshape(-1).float())
+    for p in layer.parameters():  # this lane's shards (the whole tensors without tensor parallelism)
+        shard = local(p)
+        parts.append(shard.detach().reshape(-1).float())
         state = optimizer.state.get(p, {})
         for key in OPTIM_KEYS:
             value = state.get(key)
             if value is None:
-                value = torch.zeros_like(p) if key != "step" else torch.zeros(())
-            parts.append(torch.as_tensor(value).detach().reshape(-1).to(p.device, torch.float32))
+                value = torch.zeros_like(shard) if key != "step" else torch.zeros(())
+            parts.append(torch.as_tensor(local(value)).detach().reshape(-1).to(shard.device, torch.float32))
     return torch.cat(parts)
 
 
 def _numel(layer: nn.Module) -> int:
-    return sum(2 * p.numel() + p.numel() + 1 for p in layer.parameters())  # param, two moments, step
+    return sum(3 * local(p).numel() + 1 for p in layer.parameters())  # param, two moments, step
 
 
 def _unflat(flat: torch.Tensor, layer: nn.Module) -> dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]]:
     out, offset = {}, 0
     for p in layer.parameters():
-        n = p.numel()
+        shard = local(p)
+        n = shard.numel()
         with torch.no_grad():
-            p.copy_(flat[offset:offset + n].view_as(p))
+            shard.copy_(flat[offset:offset + n].view_as(shard))
         offset += n
         state = {}
         for key in OPTIM_KEYS:
             size = 1 if key == "step" else n
             chunk = flat[offset:offset + size]
             # AdamW keeps `step` as a CPU scalar (unless capturable/fused); moments live with p
-            state[key] = chunk.reshape(()).cpu() if key == "step" else chunk.view_as(p).clone()
+            state[key] = chunk.reshape(()).cpu() if key == "step" else wrap_like(p, chunk.view_as(shard).clone())
             offset += size
         out[id(p)] = (p, state)
     return out

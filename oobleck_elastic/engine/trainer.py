@@ -4,15 +4,10 @@ Single process (no plan): every layer is built here; each global batch is cut in
 microbatches of `microbatch_size`, run forward/backward one after another with the
 token-sum loss, then clipped and stepped. This is the reference every plan must match.
 
-Pipelined: a worker enters a generation (`enter_generation`, the same protocol for the first
-start, a join, a drain and a failure): it joins the generation's default process group (the
-workers of its stages, plus those of its donors: drained nodes that only hand their layers
-over, then leave; steps then run on `step_group`, the stages alone), and one
-MAX all-reduce tells everyone the previous generation and the last step anyone COMMITTED. A
-worker holding synchronised gradients of that step which it had not yet applied rolls forward
-(applies them); otherwise an interrupted step is discarded and replayed. Then layers move from
-surviving holders (reconfigure.py), and the stage, the schedule and the groups of groups.py are
-rebuilt. A step (`train_step`) runs the pipeline's schedule (1F1B, or GPipe when chosen or when
+Pipelined: a worker enters a generation (`enter_generation`, engine/entry.py: connect, agree on
+the committed step, move layers, install the stage). With tensor parallelism the worker is one
+lane of its stage: its layers hold that lane's shards, and every lane runs the same schedule.
+A step (`train_step`) runs the pipeline's schedule (1F1B, or GPipe when chosen or when
 the pipeline has fewer microbatches than stages) on its share of the global batch, then:
 
 1. gradients are SUM-reduced among each layer's holders (GradSync);
@@ -27,40 +22,31 @@ the pipeline has fewer microbatches than stages) on its share of the global batc
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..config import JobConfig
 from ..models import build_layer_model
-from ..planning import Plan, StagePlacement
+from ..models.tensor_parallel import from_full, local, to_full, wrap_like
+from ..planning import Plan
 from .data import collate, pipeline_slices
-from .devices import backend_for, release_groups, to_device
+from .devices import release_groups, to_device
 from .errors import StepAbandoned
 from .faults import FaultInjector
-from .groups import GenerationGroups, GradSync, Holders
+from .groups import GradSync
+from .entry import GenerationEntry, LayersLost, Reconfiguration  # noqa: F401 - re-exported
 from .optim import build_optimizer, clip_coefficient, scale_grads, set_lr, token_sum_loss
-from .reconfigure import Identity, Transfer, exchange, plan_transfers, retie
 
 log = logging.getLogger(__name__)
-
-
-class LayersLost(RuntimeError):
-    """Some layer has no surviving copy: the job must restore a checkpoint."""
-
-    def __init__(self, layers: list[int]) -> None:
-        super().__init__(f"no surviving copy of layer(s) {layers}")
-        self.layers = layers
 
 
 @dataclass(frozen=True)
@@ -75,33 +61,6 @@ class StepResult:
     """Global gradient norm before clipping."""
     next_generation: int = 0
     """Newest plan generation any worker had seen at this step's end."""
-
-
-@dataclass(frozen=True)
-class Reconfiguration:
-    generation: int
-    """The generation entered."""
-    previous: int
-    """The generation left (0 at the first start)."""
-    resume_step: int
-    """Next step to run."""
-    rolled_forward: bool
-    """This worker applied the interrupted step's gradients after the failure."""
-    bytes_moved: int
-    """Layer bytes this worker sent plus received."""
-    seconds: float
-    """Wall time of the protocol on this worker."""
-    lost_layers: tuple[int, ...] = ()
-    """Layers without a surviving copy (then the checkpoint was restored)."""
-    donor: bool = False
-    """This worker only handed its layers over (a drained node) and leaves the job."""
-
-
-def _release_donors() -> None:
-    """One all-reduce over the entry (stages and donors) after the layer exchange: a donor leaves
-    only once every receiver has its layers (a process that exits with data in flight could reset
-    the connection under it). Steps then run on `Trainer.step_group`, without the donors."""
-    dist.all_reduce(torch.zeros(1, dtype=torch.float64))
 
 
 class Autocast(nn.Module):
@@ -119,7 +78,7 @@ class Autocast(nn.Module):
         return out.float() if out.is_floating_point() else out
 
 
-class Trainer:
+class Trainer(GenerationEntry):
     def __init__(self, cfg: JobConfig, *, dataset: Any, plan: Optional[Plan] = None, rank: int = 0,
                  store: Optional[dist.Store] = None, timeout: Optional[timedelta] = None,
                  device: str | torch.device = "cpu", node: str = "local", local_rank: int = 0) -> None:
@@ -137,6 +96,7 @@ class Trainer:
         self.plan: Optional[Plan] = None
         self.generation = 0
         self.rank = rank
+        self.lane = 0  # this worker's tensor-parallel lane in its stage
         self.identity = (node, local_rank)
         self.committed_step = -1  # last step whose optimizer update was applied
         self.synced_step = -1  # last step whose gradients and norm are fully synchronised here
@@ -160,142 +120,9 @@ class Trainer:
             self.layer_model = build_layer_model(cfg.model, seed=t.seed, device=device)
             self._adopt(list(range(self.layer_model.num_layers)), {})
         elif plan is not None:
-            self.identity = (plan.stage_of(rank)[1].node, plan.stage_of(rank)[1].local_rank)
+            placed = plan.stage_of(rank)[1]
+            self.identity = (placed.node, placed.local_rank + rank - placed.rank)
             self.enter_generation(plan, store)
-
-    # ------------------------------------------------------------------ generations
-    def enter_generation(self, plan: Plan, store: Optional[dist.Store], *,
-                         load_plan: Callable[[int], Optional[Plan]] = lambda g: None) -> Reconfiguration:
-        """Join generation `plan.generation` (see the module docstring): connect, agree on the
-        step, settle the interrupted step, agree on who holds what, move layers and install the
-        new stage. Raises LayersLost when a layer has no surviving copy (the caller restores the
-        newest checkpoint)."""
-        t0 = time.perf_counter()
-        stage = plan.stage_at(*self.identity)
-        donor = plan.donor_rank(*self.identity)
-        if stage is None and donor is None:
-            raise ValueError(f"{self.identity} has no stage in generation {plan.generation}")
-        rank = stage.rank if stage is not None else donor
-        assert rank is not None
-        self._connect(plan, rank, store)
-        previous, committed = self._agree_on_step()
-        rolled, current = self._settle(committed)
-        held = self._agree_on_layouts(plan, rank, current, load_plan)
-        transfers, lost = plan_transfers(held, plan)
-        if stage is None:
-            gave = list(self.owned)
-            moved = self._hand_over(plan, rank, transfers, exchange_layers=not lost)
-            info = Reconfiguration(generation=plan.generation, previous=previous, resume_step=committed + 1,
-                                   rolled_forward=rolled, bytes_moved=moved, seconds=time.perf_counter() - t0,
-                                   donor=True)
-            log.info("gen %d step %d node %s rank %d: handed layers %s over as a donor (%d layer bytes sent, "
-                     "%.3f s); leaving", plan.generation, committed + 1, self.node, rank, gave, moved,
-                     info.seconds)
-            return info
-        moved = self._install(plan, stage, transfers, exchange_layers=not lost, current=current)
-        if lost and held:  # (nobody holding anything is the first start: layers built from the seed)
-            raise LayersLost(lost)
-        info = Reconfiguration(generation=plan.generation, previous=previous, resume_step=committed + 1,
-                               rolled_forward=rolled, bytes_moved=moved, seconds=time.perf_counter() - t0)
-        log.info("gen %d step %d node %s rank %d: entered from generation %d (%s, %d layer bytes moved, %.3f s)",
-                 plan.generation, committed + 1, self.node, stage.rank, previous,
-                 "rolled forward" if rolled else "no step to roll forward", moved, info.seconds)
-        return info
-
-    def _connect(self, plan: Plan, rank: int, store: Optional[dist.Store]) -> None:
-        """The generation's default group (stages and donors). It connects under the short join
-        timeout (a peer that died during the reconfiguration holds gloo's connection set-up for
-        ~5x it); collectives then run under the comm timeout (`_agree_on_layouts` switches once
-        every peer is seen)."""
-        release_groups(abort=False)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        dist.init_process_group(backend_for(self.device), store=store, rank=rank,
-                                world_size=plan.entry_world_size, timeout=min(self.timeout, self.join_timeout))
-
-    def _agree_on_step(self) -> tuple[int, int]:
-        """One MAX all-reduce: (newest generation anyone was in, newest step anyone committed)."""
-        agree = torch.tensor([self.generation, self.committed_step, self.synced_step], dtype=torch.float64)
-        dist.all_reduce(agree, op=dist.ReduceOp.MAX)
-        return int(agree[0]), int(agree[1])
-
-    def _settle(self, committed: int) -> tuple[bool, bool]:
-        """Settle the interrupted step by the commit rule: a worker holding the synchronised
-        gradients of the step someone committed applies them (rolls forward); anything else (a
-        discarded step, possibly half a backward pass) is dropped and replayed. Returns (rolled
-        forward, this worker's layers are at the agreed step)."""
-        rolled = self.synced_step > self.committed_step and self.synced_step == committed
-        if rolled:
-            self._apply(self.synced_step, self._synced_norm2)
-        current = self.committed_step == committed
-        self._zero_grad()
-        self.committed_step = self.synced_step = committed
-        return rolled, current
-
-    def _agree_on_layouts(self, plan: Plan, rank: int, current: bool,
-                          load_plan: Callable[[int], Optional[Plan]]) -> dict[Identity, range]:
-        """What every worker of `plan`'s entry (stages and donors) really holds: the layers of its
-        stage in the generation it last entered (not always the previous one: an entry may have
-        failed half-way on some workers), or nothing (new, restarted, or behind the agreed step).
-        One all-reduce of generations; every copy is at the same committed step, so any is a source."""
-        held = torch.zeros(plan.entry_world_size, dtype=torch.float64)
-        held[rank] = self.generation if self.owned and current else 0
-        dist.all_reduce(held)
-        _set_pg_timeout(self.timeout)  # every peer is connected now
-        layouts = {int(g) for g in held.tolist() if g > 0}
-        plans = {g: self.plan if self.plan is not None and self.plan.generation == g else load_plan(g) for g in layouts}
-        missing = sorted(g for g, p in plans.items() if p is None)
-        if missing:
-            raise RuntimeError(f"plan(s) of generation(s) {missing} are not available to {self.identity}")
-        return {ident: plans[int(held[r])].layers_by_worker().get(ident, range(0))
-                for ident, r in plan.entry_ranks().items() if int(held[r]) > 0}
-
-    def _install(self, plan: Plan, stage: StagePlacement, transfers: list[Transfer], *, exchange_layers: bool,
-                 current: bool) -> int:
-        """Build the stage's layers: kept ones stay (copies after an abandoned step), received ones
-        come with their optimizer state, others are built from the seed; then a new optimizer and
-        the pipeline. Returns the layer bytes this worker sent plus received."""
-        owned = list(range(stage.start, stage.end))
-        kept = [i for i in owned if i in self.owned] if current else []
-        fresh = [i for i in owned if i not in kept]
-        target = build_layer_model(self.cfg.model, seed=self.cfg.training.seed, owned=fresh, device=str(self.device))
-        kept_layers, kept_params = self._kept_layers(kept)
-        for i in kept:
-            target.layers[i] = kept_layers[i]
-        retie(target)
-        states, moved = ({}, 0)
-        if exchange_layers:
-            states, moved = exchange(transfers, rank=stage.rank, source=self.layer_model, optimizer=self.optimizer,
-                                     target=target)
-        if plan.donors:
-            _release_donors()
-        old_state = self.optimizer.state if self.optimizer is not None else {}
-        keep_state = {id(new): (new, {k: v.clone() if new is not old else v for k, v in old_state[old].items()})
-                      for old, new in kept_params if old in old_state}
-        self._detach_kept = False
-        self.layer_model, self.plan, self.generation, self.rank = target, plan, plan.generation, stage.rank
-        self._adopt(owned, {**keep_state, **states})
-        self._build_pipeline(plan)
-        return moved
-
-    def _hand_over(self, plan: Plan, rank: int, transfers: list[Transfer], *, exchange_layers: bool) -> int:
-        """A donor's part of the entry: send the layers (with their optimizer state) the plan's
-        stages need from it, then leave the generation. Returns the bytes sent."""
-        moved = 0
-        if exchange_layers:
-            _, moved = exchange(transfers, rank=rank, source=self.layer_model, optimizer=self.optimizer,
-                                target=self.layer_model)
-        _release_donors()
-        release_groups(abort=False)
-        # drop the previous generation's pipeline and groups now, as a stage's next generation
-        # does: process groups left for the interpreter's exit to destroy abort it
-        self.stage_module = None
-        self._drop_groups()
-        self.plan, self.generation, self.owned, self.optimizer = plan, plan.generation, [], None
-        self.layer_model = build_layer_model(self.cfg.model, seed=self.cfg.training.seed, owned=[],
-                                             device=str(self.device))
-        gc.collect()
-        return moved
 
     def _drop_groups(self) -> None:
         """Forget this generation's schedule and process groups (a gloo group closes its sockets
@@ -304,19 +131,6 @@ class Trainer:
         self.grad_sync = None  # type: ignore[assignment]
         self.groups = None  # type: ignore[assignment]
         self.step_group = None
-
-    def _kept_layers(self, kept: list[int]) -> tuple[dict[int, nn.Module], list[tuple[nn.Parameter, nn.Parameter]]]:
-        """The kept layers for the next generation and (old, new) pairs of their parameters: the
-        layers themselves, or copies after an abandoned step (whose thread may still run)."""
-        layers: dict[int, nn.Module] = {}
-        pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-        for i in kept:
-            old = self.layer_model.layers[i]
-            assert old is not None
-            new = copy.deepcopy(old) if self._detach_kept else old
-            layers[i] = new
-            pairs += list(zip(old.parameters(), new.parameters()))
-        return layers, pairs
 
     def _adopt(self, owned: list[int], states: dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]]) -> None:
         """Use the layers `owned` of self.layer_model with a new optimizer holding `states`."""
@@ -333,11 +147,9 @@ class Trainer:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         self.pipeline, self.stage = plan.stage_of(self.rank)
+        self.lane = self.rank - self.stage.rank
         # the generation's stages without its donors (which leave after the entry); None = the world
         self.step_group = dist.new_group(list(range(plan.world_size)), timeout=self.timeout) if plan.donors else None
-        holders = Holders.of(plan, self.layer_model)
-        self.groups = GenerationGroups(plan, holders, rank=self.rank, timeout=self.timeout,
-                                       connect_timeout=self.join_timeout)
         self.grad_sync = GradSync(self.groups, self.layer_model, self.owned)
         self.stage_module = Autocast(self.layer_model.stage(self.stage.start, self.stage.end), self.dtype)
         stages = len(self.pipeline.stages)
@@ -408,7 +220,9 @@ class Trainer:
             loss = self._forward_backward_pipeline(x, y, schedule)
             grad_sync.all_reduce()
             # control collectives: CPU tensors, so they go over gloo whatever the data backend
-            reduced = torch.tensor([float(grad_sync.norm_squared()), loss], dtype=torch.float64)
+            # every lane of a last stage computes the same loss: lane 0 reports it
+            reduced = torch.tensor([float(grad_sync.norm_squared()), loss if self.lane == 0 else 0.0],
+                                   dtype=torch.float64)
             dist.all_reduce(reduced, group=step_group)
             norm2, loss = float(reduced[0]), float(reduced[1])
             with self._current(epoch):
@@ -446,18 +260,19 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def layer_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """Owned layers' parameters, detached copies on the CPU, by layer index and local name."""
-        return {i: {n: p.detach().to("cpu", copy=True) for n, p in self.layer_model.layers[i].named_parameters()}
-                for i in self.owned}
+        return {i: {n: to_full(layer, n, p.detach()).to("cpu", copy=True) for n, p in layer.named_parameters()}
+                for i in self.owned for layer in [self.layer_model.layers[i]]}
 
     def optimizer_state(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
         """Owned layers' optimizer state (e.g. exp_avg, exp_avg_sq, step) by layer and name, on the CPU."""
         out: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
         assert self.optimizer is not None
         for i in self.owned:
-            for n, p in self.layer_model.layers[i].named_parameters():
+            layer = self.layer_model.layers[i]
+            for n, p in layer.named_parameters():
                 st = self.optimizer.state.get(p, {})
-                out.setdefault(i, {})[n] = {k: v.detach().to("cpu", copy=True) for k, v in st.items()
-                                            if torch.is_tensor(v)}
+                out.setdefault(i, {})[n] = {k: to_full(layer, n, v.detach()).to("cpu", copy=True)
+                                            for k, v in st.items() if torch.is_tensor(v)}
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -476,15 +291,18 @@ class Trainer:
         for i in self.owned:
             if i not in layers:
                 raise KeyError(f"the state has no layer {i}")
-            for name, p in self.layer_model.layers[i].named_parameters():
+            layer = self.layer_model.layers[i]
+            for name, p in layer.named_parameters():
                 if name not in layers[i]:
                     raise KeyError(f"the state's layer {i} has no parameter '{name}'")
-                with torch.no_grad():
-                    p.copy_(layers[i][name])
+                with torch.no_grad():  # this lane's shard of the full tensor (all of it without tensor parallelism)
+                    local(p).copy_(from_full(layer, name, layers[i][name]))
                 moments = optim.get(i, {}).get(name)
                 if moments:
-                    self.optimizer.state[p] = {k: torch.as_tensor(v).to("cpu" if k == "step" else p.device, copy=True)
-                                               for k, v in moments.items()}
+                    self.optimizer.state[p] = {
+                        k: torch.as_tensor(v).to("cpu", copy=True) if k == "step" else
+                        wrap_like(p, from_full(layer, name, torch.as_tensor(v)).to(p.device, copy=True))
+                        for k, v in moments.items()}
         self.committed_step = self.synced_step = int(state["next_step"]) - 1
 
     def abort(self, *, abandoned: bool = False) -> None:

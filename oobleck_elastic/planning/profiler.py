@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from ..config import JobConfig
+from ..models.tensor_parallel import local
 from .profile import LayerProfile, ModelProfile, ProfileError, profile_cache_key
 
 __all__ = ["device_label", "device_memory_bytes", "profile_layers", "profile_key", "load_or_profile"]
@@ -57,13 +58,14 @@ MIB = 1024 ** 2
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    t = local(t)  # a tensor-parallel parameter: this device's shard
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
 def _param_bytes(layer: nn.Module) -> int:
     seen: dict[tuple[str, int], int] = {}
     for p in layer.parameters():
-        seen.setdefault(_storage_key(p), p.untyped_storage().nbytes())
+        seen.setdefault(_storage_key(p), local(p).untyped_storage().nbytes())
     return sum(seen.values())
 
 

@@ -1,0 +1,83 @@
+"""Measure a tensor-parallel profile: every layer sharded over the devices of one node.
+
+    torchrun --standalone --nproc-per-node T -m oobleck_elastic.planning.profile_tp \
+        --config CFG --out FILE [key=value ...]
+
+The T processes build the model's layers from the job's seed, shard the decoder blocks over
+themselves as the engine does (`models/tensor_parallel.py`), and profile them together
+(`profiler.profile_layers`): every process runs the same layers on the same microbatch in
+lockstep, so the times include the layers' all-reduces, and the bytes are one device's share.
+Rank 0 writes the profile with `tensor_parallel = T` (per-degree files for
+`planning.tensor_parallel=auto`: `--out profiles/model-tp{tp}.json`, `{tp}` replaced by T);
+point `planning.profile_path` at it. One node's devices are used: the collectives cross the
+intra-node link as they will in training. On CUDA each process takes device LOCAL_RANK (NCCL);
+on the CPU the processes use gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import JobConfig, load_config
+from .profile import ModelProfile
+from .profiler import device_memory_bytes, profile_key, profile_layers
+
+
+def profile_tensor_parallel(cfg: JobConfig, *, device: torch.device, log=print) -> ModelProfile:
+    """The profile at the degree of the default process group's size (every rank calls this)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..models import build_layer_model
+    from ..models.tensor_parallel import parallelize_layer
+
+    tp = dist.get_world_size()
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+    lm = build_layer_model(cfg.model, seed=cfg.training.seed, device=device)
+    for layer in lm.layers:
+        parallelize_layer(layer, mesh)
+    gen = torch.Generator().manual_seed(cfg.training.seed)
+    shape = (cfg.training.microbatch_size, cfg.data.seq_len)
+    ids = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(device)
+    labels = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(device)
+    key = profile_key(cfg, device=device) | {"tensor_parallel": tp}
+    prof = profile_layers(lm.layers, ids, labels, lm.loss_fn, warmup=cfg.planning.profile_warmup,
+                          repeats=cfg.planning.profile_repeats, optimizer=cfg.training.optimizer.name, key=key,
+                          names=lm.names, precision=cfg.training.precision,
+                          log=log if dist.get_rank() == 0 else None)
+    prof.tensor_parallel = tp
+    prof.device_memory_bytes = device_memory_bytes(device)
+    return prof
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--out", required=True, help="profile JSON to write ({tp} is replaced by the degree)")
+    ap.add_argument("overrides", nargs="*", help="config overrides key=value")
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available() and cfg.training.device != "cpu"
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        prof = profile_tensor_parallel(cfg, device=device)
+        if dist.get_rank() == 0:
+            out = Path(args.out.replace("{tp}", str(prof.tensor_parallel)))
+            prof.save(out)
+            print(f"wrote {out} (tensor_parallel={prof.tensor_parallel}, {prof.num_layers} layers)")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
