@@ -140,6 +140,15 @@ def main() -> None:
                       "p25_ratio": round(statistics.quantiles(times["engine"], n=4)[0]
                                          / statistics.quantiles(times["plain"], n=4)[0], 4)}))
     engine.close()
+    # the planner's estimate of the same step (one worker, one stage) from the profile measured on this GPU
+    from oobleck_elastic.planning import plan_job
+    from oobleck_elastic.planning.profiler import load_or_profile
+
+    profile = load_or_profile(cfg, device=device, cache_dir="/tmp/gpu_step_cache", log=lambda *_: None)
+    est = plan_job(cfg, nodes=1, profile=profile).plan.est_step_time_s
+    print(json.dumps({"bench": "gpu_step", "figure": "estimated_vs_measured", "precision": t.precision,
+                      "planner_est_step_s": round(est, 5), "engine_measured_step_s": round(med["engine"], 5),
+                      "ratio_measured_over_estimated": round(med["engine"] / est, 3)}))
 
 
 if __name__ == "__main__":

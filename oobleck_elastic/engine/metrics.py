@@ -4,7 +4,8 @@ Only the worker holding rank 0 of the current generation (or the single process)
 job has one event stream. Scalars per step: `train/loss`, `train/samples_per_s` and
 `train/tokens_per_s` (over `train/wall_s`, the wall time since the previous step completed on
 this worker: a step after a reconfiguration counts its cost), `train/step_time_s` (the step's own
-time), `train/lr`, `train/grad_norm`, `cluster/nodes`,
+time) beside `train/est_step_time_s` (the planner's estimate for the plan), `train/lr`,
+`train/grad_norm`, `cluster/nodes`,
 `cluster/pipelines`, `cluster/generation`; at every generation a text entry `plan` with the plan,
 and for every reconfiguration a `reconfiguration` text plus `reconfiguration/seconds` and
 `reconfiguration/bytes_moved`.
@@ -27,7 +28,8 @@ def describe_plan(plan: Optional[Plan]) -> str:
     if plan is None:
         return "single process: every layer in one stage"
     lines = [f"generation {plan.generation}: {len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
-             f"{plan.world_size} worker(s)"]
+             f"{plan.world_size} worker(s), tensor parallel {plan.tensor_parallel}, "
+             f"est. step {plan.est_step_time_s:.4g} s"]
     for p in plan.pipelines:
         stages = ", ".join(f"[{s.start},{s.end})@{s.node}:{s.local_rank}" for s in p.stages)
         lines.append(f"pipeline {p.index}: {p.microbatches} microbatches; {stages}")
@@ -66,6 +68,8 @@ class Metrics:
         w.add_scalar("train/samples_per_s", sps, s)
         w.add_scalar("train/tokens_per_s", self.tokens / wall if wall > 0 else 0.0, s)
         w.add_scalar("train/step_time_s", result.seconds, s)
+        if plan is not None:
+            w.add_scalar("train/est_step_time_s", plan.est_step_time_s, s)
         w.add_scalar("train/wall_s", wall, s)
         w.add_scalar("train/lr", lr, s)
         w.add_scalar("train/grad_norm", result.grad_norm, s)
@@ -74,8 +78,9 @@ class Metrics:
         w.add_scalar("cluster/generation", plan.generation if plan else 0, s)
         if (s + 1) % self.interval == 0 or s + 1 == self.total:
             gen = plan.generation if plan else 0
-            log.info("gen %d step %d/%d node %s: loss %.4f, %.1f samples/s, %.3f s/step (%.3f s since the last)", gen,
-                     s + 1, self.total, self.node, result.loss, sps, result.seconds, wall)
+            est = f", plan est. {plan.est_step_time_s:.3f} s" if plan else ""
+            log.info("gen %d step %d/%d node %s: loss %.4f, %.1f samples/s, %.3f s/step (%.3f s since the last%s)",
+                     gen, s + 1, self.total, self.node, result.loss, sps, result.seconds, wall, est)
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:
