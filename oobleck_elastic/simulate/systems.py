@@ -1,0 +1,252 @@
+"""System models: how each training system reacts to nodes leaving and joining.
+
+Every model is replayed over the same node events by `replay` (an `add` becomes usable after
+the provisioning delay; a `remove` is immediate) and charges its own mechanism on a `Timeline`.
+Throughput between events comes from a function of the node count: a measured table (the
+papers' inputs) or this project's planner. The mechanisms, from each system's paper and the
+Oobleck artifact's simulator (docs/simulate.md has the sources):
+
+- `oobleck` (Oobleck, SOSP'23, as published): a failure loses the step in flight and costs one
+  reconfiguration (re-planning from pipeline templates and copying layers from other
+  replicas: a per-model constant measured by the authors); joining nodes wait for the next
+  reconfiguration.
+- `varuna` (Varuna, EuroSys'22, job morphing): every failure restarts the job (a new
+  rendezvous and plan, a per-model constant) from its last checkpoint: the steps since then are
+  lost; a checkpoint every `checkpoint_every` steps stalls training; joining nodes wait for the
+  next restart.
+- `bamboo` (Bamboo, NSDI'23, redundant computation): each node also computes its pipeline
+  predecessor's layers in the bubbles; only the `useful_fraction` of the compute time is the
+  job's own work (the rest is redundant, reported apart). A failure is absorbed by the
+  predecessor's copy: the step in flight finishes 1.5x slower, then the pipelines are
+  reconfigured (a per-model constant); losing two neighbouring nodes before that exhausts the
+  redundancy: a restart. Models that do not fit with the redundant layers have throughput 0.
+- `checkpoint_restart` (torchrun with `--max-restarts`): every failure stops every worker;
+  the job restarts on the nodes left (a restart cost) from the last checkpoint, checkpointing
+  every `checkpoint_every` steps; the plan is a static one for the node count.
+- `oobleck_elastic` (this project): a failure costs detection + re-planning + the layer transfer
+  (the failed nodes' share of a replica, params and optimizer state, over the inter-node link)
+  and the step in flight; a join waits for the next step boundary and costs re-planning + the
+  copy of its layers. If a burst of failures takes every copy of some layer (pipelines hold
+  contiguous equal shares of the model on their nodes, assigned in node order), or fewer than
+  `min_nodes` remain, the job restores its last checkpoint (rollback + restart cost).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from .timeline import Timeline
+from .trace import NodeEvent
+
+Throughput = Callable[[int], float]
+
+
+@dataclass
+class SystemModel:
+    """Common parameters; subclasses implement `react`."""
+
+    name: str
+    throughput: Throughput
+    """Failure-free samples/s with n nodes (0: cannot run)."""
+    batch: float
+    """Samples per step."""
+    min_nodes: int = 1
+    """Fewer usable nodes than this: the job stops."""
+    checkpoint_every: Optional[int] = None
+    """Steps between checkpoints (None: none)."""
+    checkpoint_s: float = 0.0
+    """Stall of one checkpoint."""
+    redundant_fraction: float = 0.0
+    """Share of compute time spent on redundant work."""
+    configured: list[str] = field(default_factory=list)
+    """Nodes of the running configuration, in order."""
+
+    def timeline(self) -> Timeline:
+        return Timeline(batch=self.batch, checkpoint_every=self.checkpoint_every, checkpoint_s=self.checkpoint_s,
+                        redundant_fraction=self.redundant_fraction)
+
+    def rate(self, n: int) -> float:
+        return self.throughput(n) if n >= self.min_nodes else 0.0
+
+    def configure(self, tl: Timeline, up: list[str], *, cost: float, category: str) -> None:
+        """Take every usable node into a new configuration after a stall of `cost`."""
+        self.configured = list(up)
+        tl.stall(cost, category)
+        tl.set_rate(self.rate(len(up)))
+
+    def react(self, tl: Timeline, removed: list[str], added: list[str], up: list[str]) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class Oobleck(SystemModel):
+    reconfiguration_s: float = 0.0
+
+    def react(self, tl: Timeline, removed: list[str], added: list[str], up: list[str]) -> None:
+        if removed or tl.rate <= 0:
+            tl.lose_partial_step()
+            self.configure(tl, up, cost=self.reconfiguration_s, category="reconfiguration")
+
+
+@dataclass
+class Varuna(SystemModel):
+    restart_s: float = 0.0
+
+    def react(self, tl: Timeline, removed: list[str], added: list[str], up: list[str]) -> None:
+        if removed or tl.rate <= 0:
+            tl.rollback()
+            self.configure(tl, up, cost=self.restart_s, category="restart")
+
+
+CheckpointRestart = Varuna  # the same mechanism; its own throughput, costs and interval
+
+
+@dataclass
+class Bamboo(SystemModel):
+    reconfiguration_s: float = 0.0
+    restart_s: float = 30.0
+    _layout: list[str] = field(default_factory=list)  # node ring when the redundancy was last complete
+    _exposed: set[str] = field(default_factory=set)  # nodes lost since then
+    _reconfigured_at: float = 0.0
+
+    def react(self, tl: Timeline, removed: list[str], added: list[str], up: list[str]) -> None:
+        if tl.rate <= 0 and not removed:
+            self._restart(tl, up)
+            return
+        if not removed:
+            return
+        if tl.t >= self._reconfigured_at:  # the last reconfiguration restored the redundancy
+            self._layout, self._exposed = list(self.configured), set()
+        ring = {x: i for i, x in enumerate(self._layout)}
+        n = len(self._layout)
+        down = self._exposed | set(removed)
+        fatal = any(x in ring and (self._layout[(ring[x] + 1) % n] in down or self._layout[ring[x] - 1] in down)
+                    for x in removed) if n > 1 else bool(removed)
+        if fatal or tl.rate <= 0:
+            tl.lose_partial_step()
+            self._restart(tl, up)
+            return
+        self._exposed |= set(removed)
+        slower = 0.5 * (tl.batch / tl.rate - tl.into_step)
+        tl.finish_step_now(extra_s=slower)  # the predecessor's copy finishes the step, 1.5x slower
+        self.configure(tl, up, cost=self.reconfiguration_s, category="reconfiguration")
+        self._reconfigured_at = tl.busy_until
+
+    def _restart(self, tl: Timeline, up: list[str]) -> None:
+        self.configure(tl, up, cost=self.restart_s, category="restart")
+        self._layout, self._exposed, self._reconfigured_at = list(up), set(), tl.busy_until
+
+
+@dataclass
+class OobleckElastic(SystemModel):
+    detection_s: float = 0.6
+    """Failure to the next plan (liveness sockets; bench/RESULTS.md)."""
+    replan_s: float = 0.05
+    """Planner time per event."""
+    replica_bytes: float = 0.0
+    """Bytes of one replica's params + optimizer state."""
+    node_bandwidth_b_s: float = 12.5e9
+    """Bytes/s one node receives layers at."""
+    restart_s: float = 60.0
+    """Restoring the checkpoint after a lost layer."""
+    pipelines: Callable[[int], list[int]] = lambda n: [n]
+    """Node counts of the pipelines of the plan for n nodes."""
+
+    def transfer_s(self, pipeline_nodes: int, nodes_lost: int = 1) -> float:
+        """Copying the share of a replica that `nodes_lost` nodes of a pipeline held."""
+        if pipeline_nodes <= 0:
+            return 0.0
+        return self.replica_bytes * nodes_lost / pipeline_nodes / self.node_bandwidth_b_s
+
+    def layers_lost(self, removed: list[str]) -> bool:
+        """Whether `removed` held every copy of some layer: pipelines hold equal contiguous shares
+        of the model on their nodes, in node order; a layer is lost when, in every pipeline, one
+        of the removed nodes held it."""
+        sizes = self.pipelines(len(self.configured))
+        gone = set(removed)
+        lost_spans: Optional[list[tuple[float, float]]] = None  # where every pipeline so far lost its copy
+        cursor = 0
+        for size in sizes:
+            nodes = self.configured[cursor:cursor + size]
+            cursor += size
+            spans = [(i / size, (i + 1) / size) for i, x in enumerate(nodes) if x in gone]
+            lost_spans = spans if lost_spans is None else _intersect(lost_spans, spans)
+            if not lost_spans:
+                return False
+        return bool(lost_spans)
+
+    def react(self, tl: Timeline, removed: list[str], added: list[str], up: list[str]) -> None:
+        running = [x for x in removed if x in self.configured]
+        if tl.rate <= 0 and len(up) >= self.min_nodes:  # (re)start
+            self.configure(tl, up, cost=self.replan_s, category="reconfiguration")
+            return
+        if running:
+            if len(up) < self.min_nodes or self.layers_lost(running):
+                tl.rollback()
+                self.configure(tl, up, cost=self.detection_s + self.restart_s, category="restart")
+                return
+            tl.lose_partial_step()
+            sizes = self.pipelines(len(self.configured)) or [1]
+            cost = self.detection_s + self.replan_s + self.transfer_s(min(sizes), len(running))
+            self.configure(tl, up, cost=cost, category="reconfiguration")
+        elif added and tl.rate > 0:  # admitted at the step boundary: the step in flight completes first
+            sizes = self.pipelines(len(up)) or [1]
+            tl.finish_step_now()
+            self.configure(tl, up, cost=self.replan_s + self.transfer_s(min(sizes), len(added)),
+                           category="reconfiguration")
+
+
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out = []
+    for u1, v1 in a:
+        for u2, v2 in b:
+            u, v = max(u1, u2), min(v1, v2)
+            if v - u > 1e-12:
+                out.append((u, v))
+    return out
+
+
+def replay(system: SystemModel, events: list[NodeEvent], *, provisioning_s: float = 0.0,
+           end_s: Optional[float] = None) -> Timeline:
+    """Run `system` over `events` until `end_s` (default: the last event); returns its timeline."""
+    changes: list[tuple[float, int, str, str]] = []  # (time, order, kind, node): removals first
+    removed_at: dict[str, float] = {}
+    for e in events:
+        if e.kind == "remove":
+            changes.append((e.time_s, 0, "remove", e.node))
+            removed_at.setdefault(e.node, e.time_s)
+    for e in events:
+        if e.kind == "add":
+            ready = e.time_s + provisioning_s
+            if removed_at.get(e.node, float("inf")) > ready:
+                changes.append((ready, 1, "add", e.node))
+    changes.sort()
+    end = end_s if end_s is not None else max(e.time_s for e in events)
+    tl = system.timeline()
+    up: list[str] = []
+    i = 0
+    while i < len(changes) and changes[i][0] <= end:
+        t = changes[i][0]
+        removed, added = [], []
+        while i < len(changes) and changes[i][0] == t:
+            _, _, kind, node = changes[i]
+            if kind == "remove" and node in up:
+                up.remove(node)
+                removed.append(node)
+            elif kind == "add" and node not in up:
+                bisect.insort(up, node, key=_node_key)
+                added.append(node)
+            i += 1
+        tl.advance(t)
+        if removed or added:
+            system.react(tl, removed, added, up)
+    tl.advance(end)
+    return tl
+
+
+def _node_key(name: str) -> tuple[str, int]:
+    head = name.rstrip("0123456789")
+    tail = name[len(head):]
+    return (head, int(tail) if tail else -1)
