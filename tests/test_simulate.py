@@ -61,6 +61,8 @@ def test_oobleck_admits_joining_nodes_only_at_the_next_reconfiguration() -> None
     events = start("a") + [NodeEvent(30.0, "add", "b"), NodeEvent(65.0, "remove", "zz-not-running")]
     tl = replay(Oobleck("oobleck", tput, 100, reconfiguration_s=1.0), events, end_s=65.0)
     assert tl.rate == tput(1)  # the join waits (a removal of an unknown node changes nothing)
+    # idle node-time: b from 30 to 65, a during the first second's reconfiguration
+    assert tl.node_s == pytest.approx(65 + 35) and tl.idle_node_s == pytest.approx(35 + 1)
     events = start("a") + [NodeEvent(30.0, "add", "b"), NodeEvent(50.0, "remove", "a")]
     tl = replay(Oobleck("oobleck", tput, 100, reconfiguration_s=1.0), events, end_s=60.0)
     assert tl.rate == tput(1) and tl.breakdown["reconfiguration"] == pytest.approx(1.0 + 1.0)

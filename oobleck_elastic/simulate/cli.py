@@ -31,7 +31,8 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--nodes", type=int, help="synthetic trace / --scale: nodes at the start")
     s.add_argument("--mtbf-h", "--mtbf", type=float,
                    help="synthetic trace: mean time between failures of one node, hours")
-    s.add_argument("--hours", type=float, default=24.0, help="synthetic trace / --scale: length of the run (24)")
+    s.add_argument("--hours", type=float, help="length of the run (synthetic and --scale: 24; a trace: until its "
+                   "last event)")
     s.add_argument("--join-delay-s", type=float, help="a failed node is replaced this many seconds later "
                    "(synthetic; --scale default 600)")
     s.add_argument("--seed", type=int, default=0, help="seed of the synthetic failures (0)")
@@ -56,14 +57,14 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         events, label = load_trace(paper.trace_path(args.trace)), Path(args.trace).stem
     elif args.nodes and args.mtbf_h:
-        events = synthetic_trace(args.nodes, mtbf_h=args.mtbf_h, duration_h=args.hours,
+        events = synthetic_trace(args.nodes, mtbf_h=args.mtbf_h, duration_h=args.hours or 24.0,
                                  join_delay_s=args.join_delay_s, seed=args.seed)
         label = f"synthetic-{args.nodes}n-mtbf{args.mtbf_h:g}h"
     else:
         raise ValueError("give --trace, --nodes with --mtbf-h, --paper or --scale")
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     systems = paper.systems_for(inputs, args.model, names)
-    end = args.hours * 3600.0 if not args.trace else None
+    end = args.hours * 3600.0 if args.hours else (24 * 3600.0 if not args.trace else None)
     timelines = paper.simulate(events, systems, provisioning_s=float(inputs["provisioning_s"]), end_s=end)
     named = list(zip(names, timelines))
     if args.json:
@@ -96,7 +97,7 @@ def _paper(args: argparse.Namespace) -> int:
 def _scale(args: argparse.Namespace) -> int:
     from .scale import ScaleSettings, run_scale
 
-    settings = ScaleSettings(nodes=args.nodes or 1024, hours=args.hours, seed=args.seed,
+    settings = ScaleSettings(nodes=args.nodes or 1024, hours=args.hours or 24.0, seed=args.seed,
                              global_batch=args.global_batch)
     if args.node_mtbf_h:
         settings.node_mtbf_h = args.node_mtbf_h

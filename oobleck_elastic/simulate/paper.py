@@ -106,7 +106,8 @@ class Run:
         tl = self.timeline
         return {"model": self.model, "trace": self.trace, "system": self.system,
                 "samples_per_s": tl.average_samples_per_s(), "samples": tl.samples, "seconds": tl.t,
-                "breakdown_s": {k: round(v, 3) for k, v in tl.breakdown.items()}}
+                "breakdown_s": {k: round(v, 3) for k, v in tl.breakdown.items()},
+                "idle_gpu_fraction": round(tl.idle_fraction, 4)}
 
 
 def trace_path(name: str) -> Path:

@@ -10,13 +10,16 @@ from .timeline import CATEGORIES, Timeline
 
 
 def summary_table(named: Sequence[tuple[str, Timeline]]) -> str:
-    """Average samples/s, total samples and the time breakdown (share of the run) per system."""
-    head = f"{'system':<20} {'samples/s':>10} {'samples':>12} " + " ".join(f"{c:>15}" for c in CATEGORIES)
+    """Average samples/s, total samples, the time breakdown (share of the run) and the share of
+    the usable node-time in which nodes did not train (idle GPUs), per system."""
+    head = (f"{'system':<20} {'samples/s':>10} {'samples':>12} " + " ".join(f"{c:>15}" for c in CATEGORIES)
+            + f" {'idle GPUs':>10}")
     out = [head]
     for name, tl in named:
         total = sum(tl.breakdown.values()) or 1.0
         out.append(f"{name:<20} {tl.average_samples_per_s():>10.3f} {tl.samples:>12.0f} "
-                   + " ".join(f"{tl.breakdown[c] / total:>15.1%}" for c in CATEGORIES))
+                   + " ".join(f"{tl.breakdown[c] / total:>15.1%}" for c in CATEGORIES)
+                   + f" {tl.idle_fraction:>10.1%}")
     return "\n".join(out)
 
 

@@ -75,6 +75,7 @@ class ScaleResult:
                         "system": name, "samples_per_s": tl.average_samples_per_s(),
                         "useful_fraction": tl.breakdown["useful"] / total if total else 0.0,
                         "checkpoint_every_steps": self.checkpoint_every.get(name),
+                        "idle_gpu_fraction": round(tl.idle_fraction, 4),
                         "breakdown_s": {k: round(v, 1) for k, v in tl.breakdown.items()}})
         return out
 

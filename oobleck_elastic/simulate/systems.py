@@ -229,6 +229,7 @@ def replay(system: SystemModel, events: list[NodeEvent], *, provisioning_s: floa
     i = 0
     while i < len(changes) and changes[i][0] <= end:
         t = changes[i][0]
+        _advance(tl, system, up, t)  # up to the change, with the nodes up until then
         removed, added = [], []
         while i < len(changes) and changes[i][0] == t:
             _, _, kind, node = changes[i]
@@ -239,11 +240,26 @@ def replay(system: SystemModel, events: list[NodeEvent], *, provisioning_s: floa
                 bisect.insort(up, node, key=_node_key)
                 added.append(node)
             i += 1
-        tl.advance(t)
         if removed or added:
             system.react(tl, removed, added, up)
-    tl.advance(end)
+    _advance(tl, system, up, end)
     return tl
+
+
+def _advance(tl: Timeline, system: SystemModel, up: list[str], until: float) -> None:
+    """Advance the timeline and count node-time: the nodes of the running configuration that are
+    still up train while the timeline trains; every other usable node, and all of them during
+    stalls, checkpoints and stops, is idle."""
+    start = tl.t
+    trained_before = tl.breakdown["useful"] + tl.breakdown["redundant"]
+    tl.advance(until)
+    span = tl.t - start
+    if span <= 0:
+        return
+    trained = tl.breakdown["useful"] + tl.breakdown["redundant"] - trained_before
+    training = len(set(system.configured) & set(up))
+    tl.node_s += len(up) * span
+    tl.idle_node_s += len(up) * span - training * trained
 
 
 def _node_key(name: str) -> tuple[str, int]:

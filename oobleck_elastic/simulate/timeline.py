@@ -46,6 +46,11 @@ class Timeline:
     """Samples committed (kept)."""
     breakdown: dict[str, float] = field(default_factory=lambda: {c: 0.0 for c in CATEGORIES})
     """Seconds per category."""
+    node_s: float = 0.0
+    """Node-seconds of usable nodes over the run (filled by `systems.replay`)."""
+    idle_node_s: float = 0.0
+    """Of those, node-seconds of nodes that did not train: waiting to be admitted, left out of
+    the plan, or all of them while the job stalls or is stopped (filled by `systems.replay`)."""
     curve: list[tuple[float, float]] = field(default_factory=list)
     """(time, committed samples) at every change of state, for the throughput plot: between two
     points the samples grow linearly (whole steps at a constant rate) or not at all."""
@@ -166,6 +171,11 @@ class Timeline:
                 self._steps_since_ckpt, self._uncheckpointed_s = 0, 0.0
                 self.stall(self.checkpoint_s, "checkpoint")
             self.curve.append((self.t, self.samples))
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of the usable node-time in which nodes did not train."""
+        return self.idle_node_s / self.node_s if self.node_s > 0 else 0.0
 
     def average_samples_per_s(self) -> float:
         return self.samples / self.t if self.t > 0 else 0.0
