@@ -262,8 +262,9 @@ def test_a_malformed_profile_in_etcd_is_measured_again(etcd, run_id, fake, caplo
 class Nodes:
     """Simulated agents (one handler each, rendezvous in threads) with no planning.profile_path."""
 
-    def __init__(self, endpoint: str, run_id: str, *, min_nodes: int, max_nodes: int, extra: list[str]) -> None:
-        self.endpoint, self.run_id, self.extra = endpoint, run_id, extra
+    def __init__(self, endpoint: str, run_id: str, *, min_nodes: int, max_nodes: int, extra: list[str],
+                 nproc: int = 1) -> None:
+        self.endpoint, self.run_id, self.extra, self.nproc = endpoint, run_id, extra, nproc
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.client = connect(EtcdSettings(endpoint=endpoint))
         self.keys = Keys("/oobleck", run_id)
@@ -275,7 +276,7 @@ class Nodes:
             params = RendezvousParameters(backend="oobleck", endpoint=self.endpoint, run_id=self.run_id,
                                           min_nodes=self.min_nodes, max_nodes=self.max_nodes, lease_ttl="1",
                                           settle="0.1", last_call_timeout="0.3")
-            argv = ["torchrun", "--nproc-per-node=1", "train.py", "--config", str(CONFIG), *self.extra]
+            argv = ["torchrun", f"--nproc-per-node={self.nproc}", "train.py", "--config", str(CONFIG), *self.extra]
             box: dict = {"handler": OobleckRendezvousHandler(params, argv=argv)}
 
             def run(box: dict = box) -> None:
@@ -322,9 +323,9 @@ def nodes_factory(etcd_server, run_id):
     saved = dict(os.environ)
     made: list[Nodes] = []
 
-    def make(*, min_nodes: int = 2, max_nodes: int = 4, extra: tuple[str, ...] = ()) -> Nodes:
+    def make(*, min_nodes: int = 2, max_nodes: int = 4, extra: tuple[str, ...] = (), nproc: int = 1) -> Nodes:
         n = Nodes(etcd_server.endpoint, run_id, min_nodes=min_nodes, max_nodes=max_nodes,
-                  extra=[*TINY_PROFILE_OVERRIDES, *extra])
+                  extra=[*TINY_PROFILE_OVERRIDES, *extra], nproc=nproc)
         made.append(n)
         return n
     yield make
@@ -437,3 +438,22 @@ def test_with_a_profile_file_the_first_plan_needs_no_worker(nodes_factory, tmp_p
     assert plan is not None and plan.generation == 1 and plan.nodes == ("node0", "node1")
     assert not [e for _, e in read_events(c.client, c.keys) if e.kind == "waiting"]
     assert not list(c.client.get_prefix_json(c.keys.profiles))
+
+
+def test_tensor_parallel_auto_pins_the_profile_of_the_degree_it_chose(nodes_factory, tmp_path) -> None:
+    """planning.tensor_parallel=auto with one profile file per degree: the leader plans every
+    degree for the job's nodes, pins the best one's profile for every later leader, and the plan
+    says its degree. Here tp=2 layers run 4x faster (and one 2-device stage per node still fits)."""
+    tiny_profile(tmp_path / "p-tp1.json")
+    fast = ModelProfile.load(tiny_profile(tmp_path / "p-tp2.json", tensor_parallel=2))
+    fast.layers = [LayerProfile(**{**vars(layer), "forward_s": layer.forward_s / 4, "backward_s": layer.backward_s / 4})
+                   for layer in fast.layers]
+    fast.save(tmp_path / "p-tp2.json")
+    c = nodes_factory(min_nodes=2, max_nodes=2, nproc=2,
+                      extra=("planning.tensor_parallel=auto", f"planning.profile_path={tmp_path / 'p-tp{tp}.json'}"))
+    joined(c.start(2))
+    plan = c.plan()
+    assert plan is not None and plan.tensor_parallel == 2 and plan.world_size == 4
+    assert [(s.local_rank, s.rank) for p in plan.pipelines for s in p.stages] == [(0, 0), (0, 2)]
+    pinned = ModelProfile.from_json(c.client.get_json(c.keys.profile)[0])
+    assert pinned.tensor_parallel == 2 and pinned.layers[0].forward_s == fast.layers[0].forward_s
