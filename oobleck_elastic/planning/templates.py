@@ -34,6 +34,7 @@ numpy. `brute_force_template` checks it on small cases in the tests.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -108,11 +109,15 @@ class Template:
         """Forward + backward time of one microbatch through every stage, communication excluded."""
         return sum(s.time_s - s.comm_s for s in self.stages)
 
+    @functools.cached_property
+    def _sync_bytes(self) -> int:
+        return max(s.grad_bytes for s in self.stages)
+
     def grad_sync_s(self, replicas: int) -> float:
         """The cross-replica gradient all-reduce after the schedule: its largest stage's."""
         if self.links is None:
             return 0.0
-        return self.links.all_reduce_s(max(s.grad_bytes for s in self.stages), replicas, same_node=False)
+        return self.links.all_reduce_s(self._sync_bytes, replicas, same_node=False)
 
     def iteration_time(self, microbatches: int, replicas: int = 1) -> float:
         """Estimated time of one iteration with `microbatches` microbatches, gradients all-reduced
@@ -155,6 +160,16 @@ class StageCosts:
             self._act.append(self._act[-1] + layer.activation_bytes)
             self._grad.append(self._grad[-1] + layer.grad_bytes)
         self._out = [0] + [layer.output_bytes for layer in profile.layers]  # _out[v]: output of layer v-1
+        # the same for every template: [u, v) spans as (L+1) x (L+1) matrices, and each cut's
+        # boundary time over a link in a node and across nodes
+        t, st, ac = (np.asarray(x, dtype=np.float64) for x in (self._time, self._static, self._act))
+        self._span_time = t[None, :] - t[:, None]
+        self._span_static = st[None, :] - st[:, None]
+        self._span_act = ac[None, :] - ac[:, None]
+        cuts = np.arange(self.num_layers + 1)
+        self._empty = cuts[:, None] >= cuts[None, :]
+        self._cut_s = {same: np.array([self.links.p2p_s(self._out[c], same_node=same) if links else 0.0
+                                       for c in cuts]) for same in (True, False)}
 
     def time(self, start: int, end: int) -> float:
         """Forward + backward compute of layers [start, end)."""
@@ -196,19 +211,18 @@ class StageCosts:
         """(L+1) x (L+1) stage times of [u, v) at `position`; inf where u >= v, where it does not
         fit in memory, where stage 0 does not start at 0 or the last stage does not end at L."""
         n = self.num_layers
-        t, st, ac = (np.asarray(x, dtype=np.float64) for x in (self._time, self._static, self._act))
         u = np.arange(n + 1)
-        w = t[None, :] - t[:, None]
-        mem = (st[None, :] - st[:, None]) + self.in_flight(position, num_stages) * (ac[None, :] - ac[:, None])
-        bad = (u[:, None] >= u[None, :]) | (mem > self.memory_limit)
+        mem = self._span_static + self.in_flight(position, num_stages) * self._span_act
+        bad = self._empty | (mem > self.memory_limit)
+        w = self._span_time
         if position == 0:
             bad |= (u != 0)[:, None]
         else:
-            w = w + np.array([self.boundary_s(c, position - 1) for c in u])[:, None]
+            w = w + self._cut_s[self.same_node(position - 1)][:, None]
         if position == num_stages - 1:
             bad |= (u != n)[None, :]
         else:
-            w = w + np.array([self.boundary_s(c, position) for c in u])[None, :]
+            w = w + self._cut_s[self.same_node(position)][None, :]
         return np.where(bad, np.inf, w)
 
 
