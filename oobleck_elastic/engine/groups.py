@@ -82,7 +82,8 @@ class GenerationGroups:
         tp = plan.tensor_parallel
         self.plan, self.rank = plan, rank
         self.lane = rank - plan.stage_of(rank)[1].rank
-        self.holders = Holders.of(plan, layer_model, self.lane)
+        by_lane = [Holders.of(plan, layer_model, lane) for lane in range(tp)]
+        self.holders = by_lane[self.lane]
         self.pipeline_group: Optional[dist.ProcessGroup] = None
         self.tp_group: Optional[dist.ProcessGroup] = None
         self.mesh: Optional[DeviceMesh] = None
@@ -107,8 +108,8 @@ class GenerationGroups:
                         self.tp_group = g
                         self.mesh = DeviceMesh.from_group(g, device_type)
         self.sets: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for lane in range(tp):
-            for ranks in Holders.of(plan, layer_model, lane).group_sets():
+        for holders in by_lane:
+            for ranks in holders.group_sets():
                 g = make(list(ranks))
                 if rank in ranks:
                     self.sets[ranks] = g
