@@ -191,15 +191,19 @@ def checkin(c: Cluster, plan: Plan, node: str, kind: str) -> None:
     c.client.put_json(f"{c.keys.rollcall(plan.generation)}{node}/0", {"time": time.time(), "kind": kind})
 
 
+def three_nodes_up(cluster_factory) -> tuple:
+    """Three agents whose leases run for a minute, joined: (cluster, boxes, plan, leading handler)."""
+    c = cluster_factory(min_nodes=3, max_nodes=3, lease_ttl="60")
+    boxes = c.start(3)
+    join_all(boxes)
+    return c, boxes, c.plan(), leading(boxes)
+
+
 def test_dead_leader_is_replaced_by_a_deputy_without_waiting_for_its_lease(cluster_factory) -> None:
     """Workers saw the leader's node fail: the first node that checked in pings the leader, finds
     it silent, revokes its lease; the election and the roll call follow at once (the TTL here is
     a minute, so waiting for it would fail the test)."""
-    c = cluster_factory(min_nodes=3, max_nodes=3, lease_ttl="60")
-    boxes = c.start(3)
-    join_all(boxes)
-    plan = c.plan()
-    old = leading(boxes)
+    c, boxes, plan, old = three_nodes_up(cluster_factory)
     dead = old.member.node_id
     c.crash(old)
     survivors = [n for n in plan.nodes if n != dead]
@@ -220,11 +224,7 @@ def test_a_stalled_join_replans_only_when_a_silent_node_is_found(cluster_factory
     """`stall` check-ins (workers waiting long for peers while joining) re-plan nothing while
     every suspect answers its ping; once a node dies (its lease still valid for a minute), the
     next round finds it silent and the leader re-plans without it."""
-    c = cluster_factory(min_nodes=3, max_nodes=3, lease_ttl="60")
-    boxes = c.start(3)
-    join_all(boxes)
-    plan = c.plan()
-    leader = leading(boxes)
+    c, boxes, plan, leader = three_nodes_up(cluster_factory)
     others = [b["handler"] for b in boxes if b["handler"] is not leader]
     checkin(c, plan, leader.member.node_id, "stall")
     time.sleep(1.5)  # pinged, both answered: only slow
@@ -242,10 +242,7 @@ def test_a_dead_agent_is_replanned_at_once_by_its_liveness_socket(cluster_factor
     """An agent dies (its liveness socket closes, as its kernel does at a SIGKILL) while its lease
     has a minute to run and no worker has checked in: the leader finds the socket refusing
     connections and re-plans without the node at once."""
-    c = cluster_factory(min_nodes=3, max_nodes=3, lease_ttl="60")
-    boxes = c.start(3)
-    join_all(boxes)
-    leader = leading(boxes)
+    c, boxes, _, leader = three_nodes_up(cluster_factory)
     victim = next(b["handler"] for b in boxes if b["handler"] is not leader)
     gone = victim.member.node_id
     assert c.client.get_json(c.keys.node(gone))[0]["liveness"] == victim.liveness.address
@@ -264,11 +261,7 @@ def test_a_dead_leader_is_replaced_at_once_by_its_liveness_socket(cluster_factor
     """The leader's agent dies (lease valid for a minute, no worker checked in): the roster's
     first other node finds its liveness socket refusing connections, revokes its lease, and a
     new leader re-plans without it."""
-    c = cluster_factory(min_nodes=3, max_nodes=3, lease_ttl="60")
-    boxes = c.start(3)
-    join_all(boxes)
-    plan = c.plan()
-    old = leading(boxes)
+    c, boxes, plan, old = three_nodes_up(cluster_factory)
     dead = old.member.node_id
     deputy = next(b["handler"] for b in boxes
                   if b["handler"].member.node_id == next(n for n in plan.nodes if n != dead))
@@ -289,11 +282,7 @@ def test_a_roll_call_right_after_an_etcd_outage_holds_its_verdict(cluster_factor
     """Silence right after an etcd outage proves nothing (records expired, agents' watches were
     down): a roll call then waits until the outage is a lease TTL + settle past before it drops a
     silent node; a node that is really dead is dropped after that."""
-    c = cluster_factory(min_nodes=3, max_nodes=3, lease_ttl="60")
-    boxes = c.start(3)
-    join_all(boxes)
-    plan = c.plan()
-    leader = leading(boxes)
+    c, boxes, plan, leader = three_nodes_up(cluster_factory)
     victim = next(b["handler"] for b in boxes if b["handler"] is not leader)
     c.crash(victim)
     grace = 60 + 0.1  # lease TTL + settle of this cluster
