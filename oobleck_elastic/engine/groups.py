@@ -19,8 +19,16 @@ shards.
 
 `torch.distributed.new_group` must be called by every rank, in the same order, for every group;
 `GenerationGroups` does that for the pipeline groups, the holder-set groups and the tied groups,
-always with an explicit timeout (new_group does not inherit init_process_group's): a short one
-while the group connects, the collective timeout once it is up (see `GenerationGroups`).
+always with an explicit timeout (new_group does not inherit init_process_group's). Collective
+groups connect under the short connect timeout (`fault_tolerance.join_timeout_s`: a peer that
+died during the reconfiguration is given up on soon) and switch to the step's timeout
+(`fault_tolerance.comm_timeout_s`) once up. Pipeline groups connect under the step's timeout
+itself: gloo's point-to-point receives wait under the timeout their group connected with, and
+`_set_pg_timeout` does not change it (measured on torch 2.13: a receive in a group connected
+under 1 s and switched to 10 s still gave up after 1 s), so a group connected under the connect
+timeout would turn any stage slower than it (a large model, a first step that warms up or
+compiles) into a failure. Every peer was seen alive by the entry's first all-reduce just before,
+and a peer that dies later is found by the control plane, which abandons the step.
 """
 
 from __future__ import annotations
@@ -77,8 +85,8 @@ class GenerationGroups:
 
     def __init__(self, plan: Plan, layer_model: LayerModel, *, rank: int, timeout: timedelta,
                  connect_timeout: Optional[timedelta] = None, device_type: str = "cpu") -> None:
-        """Groups connect under `connect_timeout` (a peer that died meanwhile is given up on
-        soon), then run their collectives under `timeout`."""
+        """Collective groups connect under `connect_timeout` (a peer that died meanwhile is given
+        up on soon), then run under `timeout`; pipeline groups run and connect under `timeout`."""
         tp = plan.tensor_parallel
         self.plan, self.rank = plan, rank
         self.lane = rank - plan.stage_of(rank)[1].rank
@@ -97,7 +105,8 @@ class GenerationGroups:
         for p in plan.pipelines:  # every rank creates every group, in the same order
             for lane in range(tp):
                 ranks = [s.rank + lane for s in p.stages]
-                g = make(ranks) if len(ranks) > 1 else None
+                # point-to-point: connected under the step's timeout (module docstring)
+                g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     self.pipeline_group = g
             if tp > 1:
