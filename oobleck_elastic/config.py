@@ -127,13 +127,20 @@ class FaultToleranceConfig:
     """etcd lease TTL of a node's membership record."""
     settle_s: float = 0.5
     """Window in which simultaneous membership changes are batched into one re-plan."""
-    comm_timeout_s: float = 30.0
-    """Timeout of every collective; a hung peer is declared lost after it."""
+    comm_timeout_s: float = 300.0
+    """Timeout of a step's communication (pipeline sends and receives, gradient sums, the commit)
+    and of every collective once connected. A step may take this long, the first one of a
+    generation included (allocator warm-up, kernel autotuning, compilation, a large stage): a
+    slow peer is not a failure. Dead and hung peers are found by the control plane (liveness
+    sockets, leases, the roll call), which abandons the step without waiting for this timeout;
+    an abandoned gloo call keeps its thread, and the previous copy of its layers, until it."""
     join_timeout_s: float = 3.0
-    """Timeout of connecting a generation's process groups. A peer that dies during a
+    """Timeout of connecting a generation's collective groups. A peer that dies during a
     reconfiguration, after publishing its address, holds the others in gloo's connection set-up
     for about 5x this long (gloo retries) before they move on; once connected, groups switch to
-    comm_timeout_s. Raise it when thousands of ranks connect slowly."""
+    comm_timeout_s. It never applies to a step: pipeline groups, whose gloo receives keep the
+    timeout they connected with, connect under comm_timeout_s. Raise it when thousands of ranks
+    connect slowly."""
     stall_report_s: float = 1.0
     """A worker waiting this long for its peers while joining a generation checks in at the
     leader's roll call, which pings the nodes not heard from and re-plans without the dead ones
@@ -191,6 +198,10 @@ class PlanningConfig:
     """Profiler warm-up runs per layer."""
     profile_repeats: int = 5
     """Profiler timed runs per layer (the median is kept)."""
+    profile_identical_blocks_once: bool = True
+    """Measure each kind of layer once: blocks with the same class, attributes and parameter
+    shapes (every decoder block of GPT-2 or Llama) reuse the first one's numbers. False = build
+    and time every layer (part of the profile's cache key)."""
 
 
 @dataclass

@@ -55,6 +55,20 @@ def layout_plan(layout: list[list[tuple[int, int]]], microbatches: list[int], *,
     return plan
 
 
+def reference_state(cfg, dataset, steps: int) -> dict[str, torch.Tensor]:
+    """The single-process reference's weights after `steps` steps, as {"layer:param": tensor}
+    (0 steps: the initial weights). Its process group is closed before returning."""
+    from oobleck_elastic.engine.trainer import single_process
+
+    trainer = single_process(cfg, dataset=dataset)
+    try:
+        for step in range(steps):
+            trainer.train_step(step)
+        return {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()}
+    finally:
+        trainer.close()
+
+
 def flip_byte(path: Path, offset: int = -3) -> None:
     """Corrupt a file in place: one byte inverted."""
     data = bytearray(path.read_bytes())

@@ -19,6 +19,7 @@ from oobleck_elastic.engine import state
 from oobleck_elastic.engine.devices import backend_for
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
+import helpers
 from helpers import RandomTokens, layout_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,10 +82,7 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
 
 
 def reference_state(cfg) -> dict[str, torch.Tensor]:
-    trainer = Trainer(cfg, dataset=RandomTokens())
-    for step in range(STEPS):
-        trainer.train_step(step)
-    return {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()}
+    return helpers.reference_state(cfg, RandomTokens(), STEPS)
 
 
 @pytest.mark.slow
@@ -103,8 +101,8 @@ def test_three_plans_match_the_single_process_reference(tmp_path: Path) -> None:
                 torch.testing.assert_close(t, ref[key], rtol=1e-5, atol=1e-6, msg=f"plan {k}: {key}")
         start = {key: t for key, t in ref.items()}
         assert start  # the reference moved: compare with fresh weights to make sure training happened
-    fresh = Trainer(cfg, dataset=RandomTokens()).layer_state()
-    moved = [k for k, t in ref.items() if not torch.equal(t, fresh[int(k.split(":")[0])][k.split(":", 1)[1]])]
+    fresh = helpers.reference_state(cfg, RandomTokens(), 0)
+    moved = [k for k, t in ref.items() if not torch.equal(t, fresh[k])]
     assert len(moved) == len(ref)
 
 
@@ -183,3 +181,53 @@ def test_transfers_use_each_workers_own_layout_after_a_half_done_entry() -> None
     assert next(t.src for t in transfers if t.layer == 2) in (1, 2)  # b (generation 2) or c (generation 1)
     only_g2 = {k: v for k, v in g2.layers_by_worker().items() if k[0] in "ab"}
     assert plan_transfers(only_g2, g3)[1] == [4, 5]
+
+
+def _slow_stage_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
+    cfg = from_dict(cfg_dict)
+    torch.set_num_threads(1)
+    os.environ["OOBLECK_SLOW_AT"] = "0@0:4,0@1:4"  # the first stage's first two steps take 4 s
+    store = dist.FileStore(os.path.join(tmp, "store-slow"), world)
+    store.add("started", 1)
+    while store.add("started", 0) < world:  # connect together: the connect timeout is 1 s
+        pass
+    plan = layout_plan([[(0, 3), (3, 6)]], [8], generation=1)
+    trainer = Trainer(cfg, dataset=RandomTokens(), plan=plan, rank=rank, store=store)
+    for step in range(STEPS):
+        trainer.train_step(step)
+    torch.save({f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
+               os.path.join(tmp, f"slow-rank{rank}.pt"))
+    trainer.close()
+
+
+@pytest.mark.slow
+def test_a_slow_stage_is_not_a_failure(tmp_path: Path) -> None:
+    """A stage whose steps take 4x the connect timeout (a large model's first step: warm-up,
+    compilation): the next stage waits for it in its pipeline receive under the step's timeout
+    (`comm_timeout_s`), not the connect timeout (`join_timeout_s`), and the job ends with the
+    reference weights. Before the fix, gloo's receive gave up after `join_timeout_s`."""
+    cfg = config(**{"fault_tolerance.join_timeout_s": 1, "fault_tolerance.comm_timeout_s": 60})
+    mp.spawn(_slow_stage_worker, args=(2, str(tmp_path), to_dict(cfg)), nprocs=2, join=True)
+    ref = reference_state(cfg)
+    merged = {**torch.load(tmp_path / "slow-rank0.pt", weights_only=True),
+              **torch.load(tmp_path / "slow-rank1.pt", weights_only=True)}
+    assert set(merged) == set(ref)
+    for key, t in merged.items():
+        torch.testing.assert_close(t, ref[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_moves_name_each_sending_and_receiving_node_with_the_bytes() -> None:
+    """b dies; the survivors become one 3-stage pipeline: c newly owns layer 3 (held by d only),
+    a and d keep theirs. The entry's transfers read as node-to-node moves with their bytes."""
+    from oobleck_elastic.engine.reconfigure import Move, moves_of, plan_transfers
+
+    g1 = _plan(1, [[("a", 0, 3), ("b", 3, 6)], [("c", 0, 3), ("d", 3, 6)]])
+    g2 = _plan(2, [[("a", 0, 2), ("c", 2, 4), ("d", 4, 6)]])
+    held = {k: v for k, v in g1.layers_by_worker().items() if k[0] != "b"}
+    transfers, lost = plan_transfers(held, g2)
+    assert lost == []
+    moves = moves_of(transfers, g2, [10, 20, 30, 40, 50, 60])
+    assert moves == (Move(src="d", dst="c", layers=(3,), bytes=40),)
+    g3 = _plan(3, [[("e", 0, 6)], [("c", 0, 3), ("d", 3, 6)]])  # e joins: a full copy from c and d
+    moves = moves_of(plan_transfers(g1.layers_by_worker(), g3)[0], g3, [1e6] * 6)
+    assert [m.describe() for m in moves] == ["layers 0-2 c -> e (3.0 MB)", "layers 3-5 d -> e (3.0 MB)"]

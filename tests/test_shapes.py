@@ -20,6 +20,7 @@ from oobleck_elastic.config import ModelConfig, from_dict, load_config, to_dict
 from oobleck_elastic.engine.shapes import stage_io
 from oobleck_elastic.engine.trainer import Autocast, Trainer
 from oobleck_elastic.models import build_layer_model, hf_config
+import helpers
 from helpers import RandomTokens, layout_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,10 +225,7 @@ def _worker(rank: int, tmp: str, cfgs: dict[str, dict]) -> None:
 
 
 def reference_state(cfg) -> dict[str, torch.Tensor]:
-    trainer = Trainer(cfg, dataset=RandomTokens(seq_len=SEQ))
-    for step in range(STEPS):
-        trainer.train_step(step)
-    return {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()}
+    return helpers.reference_state(cfg, RandomTokens(seq_len=SEQ), STEPS)
 
 
 # bf16 needs no looser tolerance than fp32: the pipeline runs the same bf16-autocast ops on the same
@@ -243,7 +241,7 @@ def test_static_stages_train_like_the_reference_without_pickles(tmp_path: Path) 
     cfgs = {"fp32": config(), "bf16": config(**{"training.precision": "bf16"})}
     mp.spawn(_worker, args=(str(tmp_path), {k: to_dict(c) for k, c in cfgs.items()}), nprocs=WORLD, join=True)
     refs = {name: reference_state(cfg) for name, cfg in cfgs.items()}
-    fresh = Trainer(cfgs["fp32"], dataset=RandomTokens(seq_len=SEQ)).layer_state()
+    fresh = helpers.reference_state(cfgs["fp32"], RandomTokens(seq_len=SEQ), 0)
     for name, ref in refs.items():
         merged: dict[str, list[torch.Tensor]] = {}
         for rank in range(WORLD):
@@ -253,7 +251,7 @@ def test_static_stages_train_like_the_reference_without_pickles(tmp_path: Path) 
         for key, copies in merged.items():
             for t in copies:  # every replica (the tied wte/lm_head has two) equals the reference
                 torch.testing.assert_close(t, ref[key], **TOL, msg=f"{name}: {key}")
-        moved = [k for k, t in ref.items() if not torch.equal(t, fresh[int(k.split(":")[0])][k.split(":", 1)[1]])]
+        moved = [k for k, t in ref.items() if not torch.equal(t, fresh[k])]
         assert len(moved) == len(ref), f"{name}: training did not move every parameter"
     # bf16 really ran in bf16: its weights are not the fp32 ones
     assert max((refs["bf16"][k] - t).abs().max().item() for k, t in refs["fp32"].items()) > 1e-5

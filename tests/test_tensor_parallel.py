@@ -20,6 +20,7 @@ from oobleck_elastic.engine import state
 from oobleck_elastic.engine.reconfigure import plan_transfers
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
+import helpers
 from helpers import RandomTokens, assert_same, run_job, tiny_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,10 +59,7 @@ def config(family: str = "gpt2"):
 
 
 def reference_state(cfg) -> dict[str, torch.Tensor]:
-    trainer = Trainer(cfg, dataset=RandomTokens())
-    for step in range(STEPS):
-        trainer.train_step(step)
-    return flat_state(trainer)
+    return helpers.reference_state(cfg, RandomTokens(), STEPS)
 
 
 def flat_state(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -31,11 +31,12 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.tensor import DTensor
 
 from ..models import LayerModel, build_layer_model
+from ..models.build import build_meta_layers
 from ..models.tensor_parallel import from_full, local, parallelize_layer, wrap_like
 from ..planning import Plan
 from .devices import backend_for, release_groups
 from .groups import GenerationGroups
-from .reconfigure import Identity, Transfer, exchange, plan_transfers, retie
+from .reconfigure import Identity, Move, Transfer, exchange, moves_of, plan_transfers, retie, transfer_bytes
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class Reconfiguration:
     """Layers without a surviving copy (then the checkpoint was restored)."""
     donor: bool = False
     """This worker only handed its layers over (a drained node) and leaves the job."""
+    moves: tuple[Move, ...] = ()
+    """Every layer move of the entry, node to node (the same on every worker)."""
 
 
 def _release_donors() -> None:
@@ -102,12 +105,13 @@ class GenerationEntry:
         rolled, current = self._settle(committed)
         held = self._agree_on_layouts(plan, rank, current, load_plan)
         transfers, lost = plan_transfers(held, plan)
+        moves = moves_of(transfers, plan, self._transfer_sizes(plan.tensor_parallel)) if transfers and not lost else ()
         if stage is None:
             gave = list(self.owned)
             moved = self._hand_over(plan, rank, transfers, exchange_layers=not lost)
             info = Reconfiguration(generation=plan.generation, previous=previous, resume_step=committed + 1,
                                    rolled_forward=rolled, bytes_moved=moved, seconds=time.perf_counter() - t0,
-                                   donor=True)
+                                   donor=True, moves=moves)
             log.info("gen %d step %d node %s rank %d: handed layers %s over as a donor (%d layer bytes sent, "
                      "%.3f s); leaving", plan.generation, committed + 1, self.node, rank, gave, moved,
                      info.seconds)
@@ -116,11 +120,19 @@ class GenerationEntry:
         if lost and held:  # (nobody holding anything is the first start: layers built from the seed)
             raise LayersLost(lost)
         info = Reconfiguration(generation=plan.generation, previous=previous, resume_step=committed + 1,
-                               rolled_forward=rolled, bytes_moved=moved, seconds=time.perf_counter() - t0)
+                               rolled_forward=rolled, bytes_moved=moved, seconds=time.perf_counter() - t0,
+                               moves=moves)
         log.info("gen %d step %d node %s rank %d: entered from generation %d (%s, %d layer bytes moved, %.3f s)",
                  plan.generation, committed + 1, self.node, rank, previous,
                  "rolled forward" if rolled else "no step to roll forward", moved, info.seconds)
         return info
+
+    def _transfer_sizes(self, tensor_parallel: int) -> list[int]:
+        """Bytes of one lane's transfer of every layer, from the layers' shapes (meta device)."""
+        if getattr(self, "_meta_layers", None) is None:
+            self._meta_layers = build_meta_layers(self.cfg.model, self.layer_model.num_layers,
+                                                  seed=self.cfg.training.seed)
+        return [transfer_bytes(layer, tensor_parallel) for layer in self._meta_layers]
 
     def _connect(self, plan: Plan, rank: int, store: Optional[dist.Store]) -> None:
         """The generation's default group (stages and donors). It connects under the short join

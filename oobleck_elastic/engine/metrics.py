@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..planning import Plan
+from .memory import GB
+from .memory import describe as describe_memory
 from .trainer import StepResult
 
 log = logging.getLogger("oobleck_elastic.train")
@@ -76,11 +78,15 @@ class Metrics:
         w.add_scalar("cluster/nodes", len(plan.nodes) if plan else 1, s)
         w.add_scalar("cluster/pipelines", len(plan.pipelines) if plan else 1, s)
         w.add_scalar("cluster/generation", plan.generation if plan else 0, s)
+        w.add_scalar("memory/peak_rss_gb", result.peak_rss_bytes / GB, s)
+        if result.peak_device_bytes is not None:
+            w.add_scalar("memory/peak_device_gb", result.peak_device_bytes / GB, s)
         if (s + 1) % self.interval == 0 or s + 1 == self.total:
             gen = plan.generation if plan else 0
             est = f", plan est. {plan.est_step_time_s:.3f} s" if plan else ""
-            log.info("gen %d step %d/%d node %s: loss %.4f, %.1f samples/s, %.3f s/step (%.3f s since the last%s)",
-                     gen, s + 1, self.total, self.node, result.loss, sps, result.seconds, wall, est)
+            log.info("gen %d step %d/%d node %s: loss %.4f, %.1f samples/s, %.3f s/step (%.3f s since the last%s); "
+                     "largest worker's %s", gen, s + 1, self.total, self.node, result.loss, sps, result.seconds, wall,
+                     est, describe_memory(result.peak_rss_bytes, result.peak_device_bytes))
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:

@@ -75,6 +75,48 @@ def plan_transfers(held: dict[Identity, range], new: Plan) -> tuple[list[Transfe
     return transfers, sorted(lost)
 
 
+@dataclass(frozen=True)
+class Move:
+    """Layers one node sent another while entering a generation (all their lanes' shards)."""
+
+    src: str
+    """Sending node."""
+    dst: str
+    """Receiving node."""
+    layers: tuple[int, ...]
+    """Layer indices, ascending."""
+    bytes: int
+    """Bytes sent: the layers' parameters and optimizer state (fp32)."""
+
+    def describe(self) -> str:
+        """`layers 3-5 node1 -> node2 (2.4 MB)`."""
+        runs, start = [], self.layers[0]
+        for prev, cur in zip(self.layers, self.layers[1:] + (None,)):
+            if cur != prev + 1:
+                runs.append(f"{start}" if start == prev else f"{start}-{prev}")
+                start = cur
+        what = "layer" if len(self.layers) == 1 else "layers"
+        return f"{what} {','.join(runs)} {self.src} -> {self.dst} ({self.bytes / 1e6:.1f} MB)"
+
+
+def transfer_bytes(layer: nn.Module, tensor_parallel: int = 1) -> int:
+    """Bytes one lane's transfer of `layer` sends (parameters, two moments and `step`, fp32); the
+    layer may live on the meta device."""
+    return 4 * sum(3 * p.numel() // tensor_parallel + 1 for p in layer.parameters())
+
+
+def moves_of(transfers: list[Transfer], plan: Plan, layer_bytes: list[int]) -> tuple[Move, ...]:
+    """The transfers of an entry into `plan` as moves between nodes (a pure function of what every
+    worker of the entry computes alike); `layer_bytes[i]`: one lane's transfer of layer i."""
+    node_of = {rank: node for (node, _), rank in plan.entry_ranks().items()}
+    grouped: dict[tuple[str, str], dict[int, int]] = {}
+    for t in transfers:
+        per_layer = grouped.setdefault((node_of[t.src], node_of[t.dst]), {})
+        per_layer[t.layer] = per_layer.get(t.layer, 0) + layer_bytes[t.layer]
+    return tuple(Move(src=src, dst=dst, layers=tuple(sorted(layers)), bytes=sum(layers.values()))
+                 for (src, dst), layers in sorted(grouped.items()))
+
+
 def _flat(layer: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
     parts = []
     for p in layer.parameters():  # this lane's shards (the whole tensors without tensor parallelism)

@@ -42,7 +42,7 @@ import torch
 from .. import checkpoint as ckpt
 from ..config import JobConfig
 from ..planning import Plan
-from . import state
+from . import memory, state
 from ..models import build_layer_model
 from .control import ControlPlane, LocalControl
 from .data import build_dataset
@@ -113,7 +113,7 @@ def train(cfg: JobConfig, *, max_bytes: Optional[int] = None) -> Summary:
 class _Run:
     """Metrics, checkpoints and the summary of one process, across generations."""
 
-    def __init__(self, cfg: JobConfig, *, node: str) -> None:
+    def __init__(self, cfg: JobConfig, *, node: str, rss_at_start: int) -> None:
         self.cfg, self.node = cfg, node
         self.tb_dir = str(Path(cfg.logging.tensorboard_dir) / cfg.name)
         self.metrics: Optional[Metrics] = None
@@ -129,6 +129,7 @@ class _Run:
         self.nodes_before: tuple[str, ...] = ()  # nodes of the generation this process was in
         self.broke_at: Optional[float] = None  # monotonic time this worker saw its generation break
         self.restored = False  # the last entry restored the checkpoint (lost layers)
+        self.rss_at_start = rss_at_start  # before this worker held any layer
 
     def broke(self) -> None:
         """This worker saw its generation fail (a communication error or an abandoned step)."""
@@ -191,9 +192,20 @@ class _Run:
         if self.metrics is not None:
             self.metrics.plan(trainer.plan, step)
         nodes = trainer.plan.nodes if trainer.plan is not None else ()
+        self._log_memory(trainer, step)
         if info is not None and info.previous > 0:
             self.pending = (info, time.monotonic(), self._cause(nodes), self.broke_at)
         self.nodes_before, self.broke_at, self.restored = nodes, None, False
+
+    def _log_memory(self, trainer: Trainer, step: int) -> None:
+        """This worker's memory on entering a generation: its peak so far (at the first entry:
+        before its first step), what its layers hold, and its resident memory at start."""
+        owned = trainer.owned
+        layers = f"layers [{owned[0]}, {owned[-1] + 1})" if owned else "no layers"
+        log.info("gen %d step %d node %s rank %d: memory on entering: %s; holds %s, %.3f GB of parameters and "
+                 "optimizer state; resident at start %.3f GB", trainer.generation, step, self.node, trainer.rank,
+                 memory.describe(memory.peak_rss_bytes(), memory.peak_device_bytes(trainer.device)), layers,
+                 trainer.held_bytes() / memory.GB, self.rss_at_start / memory.GB)
 
     def _cause(self, nodes: tuple[str, ...]) -> str:
         """Why the generation changed, as seen here, with the nodes involved."""
@@ -227,7 +239,8 @@ class _Run:
                     f"{len(p.pipelines)} pipeline(s); resumed at step {info.resume_step}"
                     f"{' (rolled forward)' if info.rolled_forward else ''}; {info.bytes_moved} layer bytes moved "
                     f"here in {info.seconds:.3f}s; first step done {time.monotonic() - at + info.seconds:.3f}s "
-                    f"after entering{since_failure}")
+                    f"after entering{since_failure}"
+                    + (f"; moved {'; '.join(m.describe() for m in info.moves)}" if info.moves else ""))
             self.changes.append(text)
             if self.metrics is not None:
                 self.metrics.reconfiguration(text, info, step=result.step)
@@ -305,6 +318,7 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
         for message in replaced:
             log.warning("node %s: %s", ctx.node_id, message)
         log.info("node %s: worker %d on %s; NCCL settings %s", ctx.node_id, ctx.local_rank, device, nccl)
+    rss_at_start = memory.current_rss_bytes()
     trainer = Trainer(cfg, dataset=dataset, node=ctx.node_id, local_rank=ctx.local_rank, device=device)
     ctx.share_profile(cfg, trainer.device)
     ctx.report_ready()
@@ -313,7 +327,7 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
     target, exact = 1, False
     step = 0
     plan: Optional[Plan] = None
-    run = _Run(cfg, node=ctx.node_id)
+    run = _Run(cfg, node=ctx.node_id, rss_at_start=rss_at_start)
     runner = StepRunner(trainer.device)
     try:
         while True:

@@ -35,25 +35,25 @@ def _receipt(step_path: Path, layer: int) -> Path:
 def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[Path]:
     """Write this worker's share of a checkpoint; rank 0 completes it. Returns the step dir."""
     plan = trainer.plan
-    primary = {i: min(plan.holders(i)) for i in trainer.owned} if plan else {}
+    if plan is None:
+        raise RuntimeError("a trainer saves a checkpoint only after entering a generation")
+    primary = {i: min(plan.holders(i)) for i in trainer.owned}
     mine = trainer.state_dict()
     params, optim = mine["layers"], mine["optimizer"]
     step_path = ckpt.step_dir(ckpt_dir, next_step)
-    if (plan is None or trainer.rank == 0) and (step_path / ckpt.MANIFEST).exists():
+    if trainer.rank == 0 and (step_path / ckpt.MANIFEST).exists():
         # never rewrite a checkpoint in place (e.g. a run with checkpoint.resume=false in a used dir)
         moved = ckpt.set_aside(step_path, "replaced")
         log.warning("gen %d step %d node %s: checkpoint %s existed; kept as %s", trainer.generation, next_step,
                     trainer.node, step_path, moved)
-    if plan is not None:
-        dist.barrier(group=trainer.step_group)  # nobody writes before the old directory is out of the way
+    dist.barrier(group=trainer.step_group)  # nobody writes before the old directory is out of the way
     for i in trainer.owned:
-        if plan is None or primary[i] == trainer.rank:
+        if primary[i] == trainer.rank:
             info = ckpt.save_layer(ckpt_dir, step=next_step, layer=i, params=params[i], optimizer_state=optim[i])
             _receipt(step_path, i).write_text(json.dumps(info))
-    if plan is not None:
-        dist.barrier(group=trainer.step_group)
-        if trainer.rank != 0:
-            return step_path
+    dist.barrier(group=trainer.step_group)
+    if trainer.rank != 0:
+        return step_path
     lm = trainer.layer_model
     layers = []
     for i in range(lm.num_layers):
@@ -62,7 +62,7 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
         path.unlink()
     manifest = ckpt.write_manifest(ckpt_dir, step=next_step, data_cursor={"step": next_step,
                                                                           "seed": trainer.cfg.training.seed},
-                                   plan=plan.to_json() if plan else None, config=to_dict(trainer.cfg),
+                                   plan=plan.to_json(), config=to_dict(trainer.cfg),
                                    layers=layers, layer_names=list(lm.names), hf_names=list(lm.hf_names))
     log.info("gen %d step %d node %s: checkpoint %s", trainer.generation, next_step, trainer.node, manifest.parent)
     return manifest.parent

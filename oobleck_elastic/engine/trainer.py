@@ -1,14 +1,16 @@
-"""The trainer: one worker's part of a plan, or the whole model in one process (the reference).
+"""The trainer: one worker's part of a plan.
 
-Single process (no plan): every layer is built here; each global batch is cut into
-microbatches of `microbatch_size`, run forward/backward one after another with the
-token-sum loss, then clipped and stepped. This is the reference every plan must match.
-
-Pipelined: a worker enters a generation (`enter_generation`, engine/entry.py: connect, agree on
-the committed step, move layers, install the stage). With tensor parallelism the worker is one
-lane of its stage: its layers hold that lane's shards, and every lane runs the same schedule.
-A step (`train_step`) runs the pipeline's schedule (1F1B, or GPipe when chosen or when
-the pipeline has fewer microbatches than stages) on its share of the global batch, then:
+A `Trainer` starts with no layers at all: its `LayerModel` knows every layer's name and shape
+but holds none (`None` entries). Entering a generation (`enter_generation`, engine/entry.py:
+connect, agree on the committed step, move layers, install the stage) builds, receives or
+restores exactly the layers of its stage, directly on its device. There is no other mode: the
+single-process reference (`single_process`) is a worker that entered the one-worker plan (one
+pipeline, one stage holding every layer), so it runs the same entry and the same step as any
+worker of a job. With tensor parallelism the worker is one lane of its stage: its layers hold
+that lane's shards, and every lane runs the same schedule. A step (`train_step`) runs the
+pipeline's schedule (1F1B, or GPipe when chosen or when the pipeline has fewer microbatches
+than stages; a one-stage pipeline runs its microbatches one after another) on its share of the
+global batch, then:
 
 1. gradients are SUM-reduced among each layer's holders (GradSync);
 2. one all-reduce over the generation sums the squared gradient norm and the loss;
@@ -18,7 +20,6 @@ the pipeline has fewer microbatches than stages) on its share of the global batc
    the newest plan generation each worker has seen, so everyone leaves for a new generation at
    the same step boundary.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -38,6 +39,7 @@ from ..config import JobConfig
 from ..models import build_layer_model
 from ..models.tensor_parallel import from_full, local, to_full, wrap_like
 from ..planning import Plan
+from . import memory
 from .data import collate, pipeline_slices
 from .devices import release_groups, to_device
 from .errors import StepAbandoned
@@ -61,6 +63,10 @@ class StepResult:
     """Global gradient norm before clipping."""
     next_generation: int = 0
     """Newest plan generation any worker had seen at this step's end."""
+    peak_rss_bytes: int = 0
+    """The largest peak resident memory of any worker of the generation (engine/memory.py)."""
+    peak_device_bytes: Optional[int] = None
+    """The largest peak device memory of any worker (CUDA only)."""
 
 
 class Autocast(nn.Module):
@@ -82,6 +88,8 @@ class Trainer(GenerationEntry):
     def __init__(self, cfg: JobConfig, *, dataset: Any, plan: Optional[Plan] = None, rank: int = 0,
                  store: Optional[dist.Store] = None, timeout: Optional[timedelta] = None,
                  device: str | torch.device = "cpu", node: str = "local", local_rank: int = 0) -> None:
+        """A worker holding no layer yet; with `plan` (and the `store` of its process groups) it
+        enters that plan as global rank `rank` at once."""
         from .data import GlobalBatchSampler
 
         self.cfg, self.dataset, self.node = cfg, dataset, node
@@ -116,10 +124,7 @@ class Trainer(GenerationEntry):
         self._epoch = 0
         self._detach_kept = False
         self.faults = FaultInjector.from_env()
-        if plan is None and store is None:  # the single-process reference
-            self.layer_model = build_layer_model(cfg.model, seed=t.seed, device=device)
-            self._adopt(list(range(self.layer_model.num_layers)), {})
-        elif plan is not None:
+        if plan is not None:  # enter it now (tests and benchmarks); a job's loop enters plans itself
             placed = plan.stage_of(rank)[1]
             self.identity = (placed.node, placed.local_rank + rank - placed.rank)
             self.enter_generation(plan, store)
@@ -140,8 +145,6 @@ class Trainer(GenerationEntry):
         for p, state in states.values():
             if any(p is q for q in self.params):
                 self.optimizer.state[p] = state
-        if self.plan is None:
-            self.stage_module = Autocast(self.layer_model.stage(0, self.layer_model.num_layers), self.dtype)
 
     def _build_pipeline(self, plan: Plan) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -171,8 +174,7 @@ class Trainer(GenerationEntry):
     # ------------------------------------------------------------------ one step
     def my_samples(self, step: int) -> list[int]:
         indices = self.sampler.indices(step)
-        if self.plan is None:
-            return indices
+        assert self.plan is not None, "enter a generation first"
         start, end = pipeline_slices([p.microbatches for p in self.plan.pipelines],
                                      self.cfg.training.microbatch_size)[self.pipeline.index]
         return indices[start:end]
@@ -207,34 +209,30 @@ class Trainer(GenerationEntry):
         StepAbandoned instead of changing this trainer's state."""
         t0 = time.perf_counter()
         epoch = self._epoch
-        if self.plan is not None:
-            self.faults.check(rank=self.rank, step=step)
+        self.faults.check(rank=self.rank, step=step)
         x, y = collate(self.dataset, self.my_samples(step))
-        next_generation = self.generation
-        if self.plan is None:
-            loss = self._forward_backward_local(x, y)
-            norm2 = float(sum(p.grad.double().pow(2).sum() for p in self.params if p.grad is not None))
-            self._apply(step, norm2, epoch)
-        else:
-            schedule, grad_sync, step_group = self.schedule, self.grad_sync, self.step_group
-            loss = self._forward_backward_pipeline(x, y, schedule)
-            grad_sync.all_reduce()
-            # control collectives: CPU tensors, so they go over gloo whatever the data backend
-            # every lane of a last stage computes the same loss: lane 0 reports it
-            reduced = torch.tensor([float(grad_sync.norm_squared()), loss if self.lane == 0 else 0.0],
-                                   dtype=torch.float64)
-            dist.all_reduce(reduced, group=step_group)
-            norm2, loss = float(reduced[0]), float(reduced[1])
-            with self._current(epoch):
-                self.synced_step, self._synced_norm2 = step, norm2
-            # COMMIT: returns only once every worker has finished this step's communication; it also
-            # carries the newest plan generation anyone has seen, so all leave at the same boundary
-            seen = torch.tensor([max(seen_generation, self.generation)], dtype=torch.float64)
-            dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=step_group)
-            self._apply(step, norm2, epoch)
-            next_generation = int(seen[0])
+        schedule, grad_sync, step_group = self.schedule, self.grad_sync, self.step_group
+        loss = self._forward_backward_pipeline(x, y, schedule)
+        grad_sync.all_reduce()
+        # control collectives: CPU tensors, so they go over gloo whatever the data backend
+        # every lane of a last stage computes the same loss: lane 0 reports it
+        reduced = torch.tensor([float(grad_sync.norm_squared()), loss if self.lane == 0 else 0.0],
+                               dtype=torch.float64)
+        dist.all_reduce(reduced, group=step_group)
+        norm2, loss = float(reduced[0]), float(reduced[1])
+        with self._current(epoch):
+            self.synced_step, self._synced_norm2 = step, norm2
+        # COMMIT: returns only once every worker has finished this step's communication; it also
+        # carries the newest plan generation anyone has seen, so all leave at the same boundary
+        # (and, at no extra cost, the largest peak memory of any worker)
+        device_peak = memory.peak_device_bytes(self.device)
+        seen = torch.tensor([max(seen_generation, self.generation), memory.peak_rss_bytes(),
+                             -1 if device_peak is None else device_peak], dtype=torch.float64)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=step_group)
+        self._apply(step, norm2, epoch)
         return StepResult(step=step, loss=loss, seconds=time.perf_counter() - t0, grad_norm=norm2 ** 0.5,
-                          next_generation=next_generation)
+                          next_generation=int(seen[0]), peak_rss_bytes=int(seen[1]),
+                          peak_device_bytes=None if seen[2] < 0 else int(seen[2]))
 
     @contextlib.contextmanager
     def _current(self, epoch: int) -> Iterator[None]:
@@ -258,6 +256,13 @@ class Trainer(GenerationEntry):
             self.optimizer.zero_grad(set_to_none=True)
 
     # ------------------------------------------------------------------ state
+    def held_bytes(self) -> int:
+        """Bytes of the parameters (this lane's shards) and optimizer state this worker holds."""
+        tensors = {id(t): t for p in self.params for t in [local(p), *(
+            local(v) for v in (self.optimizer.state.get(p, {}) if self.optimizer else {}).values()
+            if torch.is_tensor(v))]}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
     def layer_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """Owned layers' parameters, detached copies on the CPU, by layer index and local name."""
         return {i: {n: to_full(layer, n, p.detach()).to("cpu", copy=True) for n, p in layer.named_parameters()}
@@ -327,3 +332,15 @@ class Trainer(GenerationEntry):
     def close(self) -> None:
         if self.plan is not None and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def single_process(cfg: JobConfig, *, dataset: Any, device: str | torch.device = "cpu") -> Trainer:
+    """The single-process reference: a trainer that entered the one-worker plan (one stage holding
+    every layer) on an in-memory store. It initialises this process's default process group (a
+    world of one); `close()` it before making another."""
+    from .control import one_worker_plan
+
+    num_layers = build_layer_model(cfg.model, seed=cfg.training.seed, owned=[]).num_layers
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=cfg.fault_tolerance.comm_timeout_s))
+    return Trainer(cfg, dataset=dataset, plan=one_worker_plan(cfg, num_layers), rank=0, store=store, device=device)

@@ -7,14 +7,18 @@ Three sources of layers:
   weights stay one Parameter and the layers reproduce `model(input_ids).logits` exactly.
 - `build_layer_model(cfg, seed=..., owned=...)`: build only the layers a worker owns. Every layer
   is first constructed on the meta device (cheap, consumes no RNG), then the owned ones are
-  materialised on CPU and every parameter is drawn from its own `torch.Generator` seeded with
+  materialised and every parameter is drawn from its own `torch.Generator` seeded with
   `stable_seed(seed, layer_index, parameter_name)` (sha256 -> 63 bits). Layer i therefore depends
-  only on (seed, i): two workers with different stage splits hold bit-identical copies. The
+  only on (seed, i): two workers with different stage splits hold bit-identical copies. Owned
+  layers are materialised directly on the training device (`to_empty`), each parameter's numbers
+  drawn on the CPU one tensor at a time and copied in, so no layer is ever whole on the CPU and
+  the numbers do not depend on the device. The
   scheme follows Hugging Face: matrices and embeddings N(0, initializer_range), residual output
   projections (GPT-2 `c_proj`, Llama `o_proj`/`down_proj`) N(0, initializer_range/sqrt(2N)),
   biases 0, norm weights 1. A tied `lm_head.weight` is seeded with the embedding's key, so a
   head built alone equals the embedding built elsewhere; built together they share one
-  Parameter. With `cfg.pretrained_path` the whole model is loaded from local files and flattened;
+  Parameter. With `cfg.pretrained_path` only the owned layers' tensors are read from the local
+  Hugging Face directory, one tensor at a time (pretrained.py);
   with family `custom` a user factory supplies the layers.
 - `layers_from_modules(modules)`: a user's own list of layers.
 """
@@ -192,7 +196,8 @@ def _init_parameters(layer: nn.Module, *, seed: int, index: int, std: float, n_b
                 key_index, key_name = seed_keys.get(name, (index, name))
                 gen = torch.Generator().manual_seed(stable_seed(seed, key_index, key_name))
                 scale = std / math.sqrt(2 * n_blocks) if name.endswith(_RESIDUAL_OUT) else std
-                p.normal_(0.0, scale, generator=gen)
+                # drawn on the CPU (the same numbers whatever the device), one tensor at a time
+                p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, scale, generator=gen))
 
 
 def _check_owned(owned: Iterable[int] | None, n: int) -> set[int]:
@@ -237,16 +242,15 @@ def build_layer_model(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | Non
         if i not in keep:
             layers.append(None)
             continue
-        layer.to_empty(device="cpu")
+        layer.to_empty(device=device)  # materialised where it trains, never whole on the CPU first
         if isinstance(layer, RopeDecoderLayer):
-            layer.rotary_emb = rotary_cls(config)  # non-persistent inv_freq computed on CPU
+            layer.rotary_emb = rotary_cls(config).to(device)  # non-persistent inv_freq computed on CPU
         keys = {"lm_head.weight": (0, emb_name)} if tied and i == n - 1 else {}
         _init_parameters(layer, seed=seed, index=i, std=config.initializer_range,
                          n_blocks=cfg.num_layers, seed_keys=keys)
         layers.append(layer)
     if tied and layers[0] is not None and layers[-1] is not None:
         layers[-1].lm_head.weight = layers[0].get_parameter(emb_name)
-    _move(layers, device)
     groups = [TiedGroup([(0, emb_name), (n - 1, "lm_head.weight")])] if tied else []
     return LayerModel(layers=layers, names=_head_index_names(cfg.num_layers), hf_names=hf_names,
                       tied=groups, hf_config=config)
@@ -295,50 +299,24 @@ def _meta_custom(cfg: ModelConfig, end: int, *, seed: int) -> list[nn.Module]:
 
 
 def _pretrained_dir(cfg: ModelConfig) -> Path:
-    path = Path(str(cfg.pretrained_path)).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model.pretrained_path '{path}' " + ("has no config.json" if path.is_dir() else
-                                                   "does not exist") +
-            ": give a local directory written by save_pretrained (config.json + *.safetensors); "
-            "hub downloads are disabled")
-    return path
+    from .pretrained import pretrained_dir
+
+    return pretrained_dir(cfg.pretrained_path or "")
 
 
 def _pretrained_config(cfg: ModelConfig) -> Any:
     """The Hugging Face config of a local pretrained model, set up as `_build_pretrained` loads it."""
-    from transformers import AutoConfig
+    from .pretrained import pretrained_config
 
-    path = _pretrained_dir(cfg)
-    check_attn_implementation(cfg.attn_implementation)
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    if config.model_type not in HF_FAMILIES:
-        raise ValueError(f"model.pretrained_path '{path}' holds a {config.model_type} model; flat layers "
-                         f"exist for {', '.join(HF_FAMILIES)} (use model.family=custom for others)")
-    config.use_cache = False
-    config._attn_implementation = cfg.attn_implementation
-    return config
+    return pretrained_config(cfg)
 
 
 def _build_pretrained(cfg: ModelConfig, *, owned: Iterable[int] | None,
                       device: str | torch.device) -> LayerModel:
-    from transformers import AutoModelForCausalLM
+    """Only the owned layers' tensors are read, straight onto `device` (see pretrained.py)."""
+    from .pretrained import build_pretrained
 
-    path = _pretrained_dir(cfg)
-    check_attn_implementation(cfg.attn_implementation)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), local_files_only=True, attn_implementation=cfg.attn_implementation,
-        dtype=torch.float32)
-    model_type = getattr(model.config, "model_type", None)
-    if cfg.family in HF_FAMILIES and model_type in HF_FAMILIES and model_type != cfg.family:
-        raise ValueError(f"model.pretrained_path '{path}' holds a {model_type} model but "
-                         f"model.family is {cfg.family}: set model.family={model_type}")
-    model.config.use_cache = False
-    full = flatten_hf_model(model)
-    keep = _check_owned(owned, full.num_layers)
-    full.layers = [layer if i in keep else None for i, layer in enumerate(full.layers)]
-    _move(full.layers, device)
-    return full
+    return build_pretrained(cfg, owned=owned, device=device)
 
 
 # ----------------------------------------------------------------------------- custom
