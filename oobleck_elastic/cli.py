@@ -2,10 +2,12 @@
 
     oobleck plan --config configs/gpt2-tiny.yaml --nodes 4 [--profile FILE] [--json] [key=value ...]
     oobleck etcd [--port 2379] [--data-dir D]
+    oobleck export CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--dtype bf16] [--force] [key=value ...]
     oobleck simulate --trace 10m --model GPT-2 | --paper | --scale --nodes 10000 [--json] [--plot PNG]
     oobleck agents | status | events [--follow] | kill-agent --index N  --endpoint E --run-id R
 
 `plan` prints the pipeline templates, the fault-tolerance guarantee and the plan for N nodes;
+`export` writes a checkpoint as a Hugging Face model directory (oobleck_elastic/models/export.py);
 `etcd` runs the embedded etcd server; `simulate` replays node failures through system models
 (oobleck_elastic/simulate/); the others inspect and steer a running job through etcd.
 """
@@ -156,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object with keys templates, guarantee, plan")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. training.steps=10")
     p.set_defaults(func=cmd_plan)
+    add_export_parser(sub)
 
     from .ops import add_connection_args, run_ops
     from .simulate.cli import add_parser as add_simulate
@@ -184,6 +187,43 @@ def build_parser() -> argparse.ArgumentParser:
             o.add_argument("--follow", "-f", action="store_true", help="keep printing new events until Ctrl-C")
         o.set_defaults(func=run_ops)
     return ap
+
+
+def add_export_parser(sub: argparse._SubParsersAction) -> None:
+    x = sub.add_parser(
+        "export", help="write a checkpoint as a Hugging Face model directory (config.json + safetensors shards)",
+        description="Write a checkpoint as a Hugging Face model directory, one layer at a time: config.json, "
+        "safetensors shards (model.safetensors, or model-0000k-of-0000N.safetensors + "
+        "model.safetensors.index.json) and, for a job started from model.pretrained_path, its tokenizer files. "
+        "The model config is the one recorded in the checkpoint; key=value overrides change it (e.g. "
+        "model.pretrained_path=DIR when that directory moved). Tied embeddings are written once. Load the result "
+        "with transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) or use it as model.pretrained_path.")
+    x.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="a step directory (step-XXXXXXXX) or a checkpoint directory (its newest intact step is used)")
+    x.add_argument("out_dir", metavar="OUT_DIR", help="output directory (created; must be empty unless --force)")
+    x.add_argument("--max-shard-size", default="5GB",
+                   help="largest shard, e.g. 500MB, 5GB, 2GiB (default 5GB; one shard is held in memory)")
+    x.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                   help="store the weights in this dtype (default: as trained, fp32)")
+    x.add_argument("--force", action="store_true",
+                   help="write into a non-empty OUT_DIR, replacing its model files (other files are kept)")
+    x.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="overrides of the config recorded in the checkpoint, e.g. model.pretrained_path=DIR")
+    x.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError
+    from .models.export import DTYPES, export_checkpoint, parse_size
+
+    try:
+        export_checkpoint(args.checkpoint, args.out_dir, max_shard_bytes=parse_size(args.max_shard_size),
+                          dtype=DTYPES[args.dtype] if args.dtype else None, force=args.force,
+                          overrides=args.overrides)
+    except CheckpointError as err:
+        print(f"oobleck export: error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def cmd_etcd(args: argparse.Namespace) -> int:

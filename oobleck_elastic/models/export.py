@@ -1,0 +1,264 @@
+"""Export a checkpoint as a Hugging Face model directory, one layer at a time (`oobleck export`).
+
+A checkpoint step directory (checkpoint.py) holds one safetensors file per layer, under local
+parameter names, and a manifest recording the job config, the layer names and each layer's
+local -> Hugging Face name map. The export needs nothing else:
+
+1. The checkpoint: a step directory (with `manifest.json`), or a checkpoint directory, of which
+   the newest step that verifies completely (`newest_intact_checkpoint`) is taken.
+2. The Hugging Face config: the config recorded in the manifest (`key=value` overrides change
+   it, e.g. `model.pretrained_path` when the pretrained directory moved) gives `hf_config(model)`,
+   or, for a job started from `model.pretrained_path`, that directory's `config.json` (whose
+   tokenizer and generation files are copied along). `use_cache` is turned back on,
+   `architectures` and `dtype` are set.
+3. The weights: layer files are read one at a time (size and sha256 checked against the
+   manifest), each parameter renamed to its Hugging Face name and appended to the shard being
+   assembled; a shard is written as soon as the next tensor would take it past `max_shard_bytes`
+   (a tensor larger than that gets a shard of its own). At most one shard plus one layer are in
+   memory. Optimizer state is not exported.
+4. Tied weights (`tie_word_embeddings`): the embedding is written once and the head's
+   `lm_head.weight` (stored in both layers' files) is checked equal to it and left out, as
+   `save_pretrained` does.
+5. Shards are written under temporary names and renamed at the end, as `save_pretrained` names
+   them: one shard is `model.safetensors`; several are `model-0000k-of-0000N.safetensors` plus
+   `model.safetensors.index.json` (`metadata.total_size`, `weight_map`). `config.json` comes last.
+
+An output directory that exists and is not empty is refused unless `force`; with `force` only the
+model files named above (and leftovers of an interrupted export) are replaced, other files stay.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from safetensors.torch import save_file
+
+from .. import checkpoint as ckpt
+from ..config import ConfigError, ModelConfig, from_dict
+from .pretrained import INDEX_FILE, WEIGHTS_FILE, is_tied, pretrained_config
+
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "DTYPES", "parse_size", "resolve_checkpoint",
+           "export_config", "export_checkpoint"]
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+_CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+              "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+               "tokenizer.model", "chat_template.jinja")
+_PARTIAL = ".export-shard-"
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from `123`, `20KB`, `500MB`, `5GB` (powers of 10) or `KiB`/`MiB`/`GiB` (of 2)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        s = text.strip().upper()
+        unit = next((u for u in _UNITS if s.endswith(u)), "")
+        number = s[: len(s) - len(unit)].strip()
+        if not number.isdigit():
+            raise ValueError(f"shard size '{text}' is not a size: give bytes or a number with "
+                             "KB, MB, GB (or KiB, MiB, GiB), e.g. 5GB")
+        value = int(number) * _UNITS.get(unit, 1)
+    if value < 1:
+        raise ValueError(f"shard size {text!r} must be at least 1 byte")
+    return value
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, str | None]:
+    """(step directory, a note saying which one was chosen, or None when `path` is one)."""
+    p = Path(path).expanduser()
+    if (p / ckpt.MANIFEST).is_file():
+        return p, None
+    steps = ckpt.list_checkpoints(p)
+    if not p.is_dir() or not steps:
+        raise ckpt.CheckpointError(
+            f"'{p}' is not a checkpoint: give a step directory (step-XXXXXXXX with "
+            f"{ckpt.MANIFEST}) or the directory holding them (checkpoint.dir)")
+    found, unusable = ckpt.newest_intact_checkpoint(p)
+    if found is None:
+        raise ckpt.CheckpointError(f"no intact checkpoint under {p}: {unusable[0].reason}")
+    skipped = "".join(f"; skipped {u.path.name} ({'damaged' if u.damaged else 'incomplete'})"
+                      for u in unusable)
+    return found, f"checkpoint {found.name} (newest intact under {p}{skipped})"
+
+
+def _model_config(manifest: dict[str, Any], sdir: Path, overrides: Sequence[str]) -> ModelConfig:
+    from omegaconf import OmegaConf
+
+    data = manifest["config"]
+    if not isinstance(data.get("model"), dict):
+        raise ckpt.CheckpointError(f"checkpoint {sdir}: {ckpt.MANIFEST} records no model config "
+                                   "(key config.model): it was not written by an oobleck job")
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override '{bad[0]}' is not of the form key=value "
+                          "(e.g. model.pretrained_path=/data/llama)")
+    if overrides:
+        merged = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(overrides)))
+        data = OmegaConf.to_container(merged)
+    return from_dict(data).model
+
+
+def export_config(model: ModelConfig, sdir: Path) -> Any:
+    """The Hugging Face config of the model a checkpoint was trained as."""
+    from .build import hf_config
+
+    if model.family == "custom":
+        raise ValueError(f"checkpoint {sdir} is of a model.family=custom model, which has no "
+                         "Hugging Face form; read its layers with checkpoint.load_layer")
+    if not model.pretrained_path:
+        return hf_config(model)
+    try:
+        return pretrained_config(model)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{err}; the checkpoint was trained from it and its config.json "
+                                "is needed: pass model.pretrained_path=DIR") from None
+
+
+def _digest(t: torch.Tensor) -> str:
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(memoryview(data)).hexdigest()
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output '{out}' exists and is not a directory: choose a new "
+                              "directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise FileExistsError(f"output directory '{out}' exists and is not empty: choose a new "
+                                  "directory or pass --force to replace its model files")
+        for f in out.iterdir():
+            if f.is_file() and (f.name in (WEIGHTS_FILE, INDEX_FILE, "config.json")
+                                or f.name.startswith(_PARTIAL)
+                                or (f.name.startswith("model-") and f.name.endswith(".safetensors"))):
+                f.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                      dtype: torch.dtype | None = None, force: bool = False,
+                      overrides: Sequence[str] = (),
+                      log: Callable[[str], None] = print) -> Path:
+    """Write the checkpoint at `checkpoint` as a Hugging Face directory `out_dir`; returns it.
+
+    `dtype` None keeps the stored dtype (fp32). See the module docstring for the mechanism.
+    """
+    sdir, note = resolve_checkpoint(checkpoint)
+    if note:
+        log(f"exporting {note}")
+    manifest = ckpt.read_manifest(sdir)
+    model = _model_config(manifest, sdir, overrides)
+    config = export_config(model, sdir)
+    family, n = config.model_type, len(manifest["layers"])
+    if n != config.num_hidden_layers + 2:
+        raise ckpt.CheckpointError(
+            f"checkpoint {sdir} has {n} layers but its config has {config.num_hidden_layers} "
+            f"blocks ({config.num_hidden_layers + 2} layers): set model.num_layers="
+            f"{n - 2} or export the checkpoint of this model")
+    out = Path(out_dir).expanduser()
+    _prepare_out(out, force)
+    tied = is_tied(config)
+    names, hf_names = manifest["layer_names"], manifest["hf_names"]
+    emb_key = next((k for k in hf_names[0].values() if k.endswith(("wte.weight", "embed_tokens.weight"))),
+                   None)
+    shards: list[tuple[Path, list[str], int]] = []
+    current: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {"bytes": 0, "total": 0, "params": 0, "dtype": None}
+    seen: set[str] = set()
+    emb_digest = None
+
+    def flush() -> None:
+        if not current:
+            return
+        tmp = out / f"{_PARTIAL}{len(shards) + 1:05d}.safetensors"
+        save_file(current, str(tmp), metadata={"format": "pt"})
+        shards.append((tmp, list(current), state["bytes"]))
+        current.clear()
+        state["bytes"] = 0
+
+    try:
+        for i in range(n):
+            params, _ = ckpt.load_layer(sdir, i, manifest=manifest)
+            count = size = 0
+            for local in sorted(params):
+                key = hf_names[i].get(local)
+                if key is None:
+                    raise ckpt.CheckpointError(f"checkpoint {sdir}: parameter '{local}' of layer "
+                                               f"{i} ({names[i]}) has no Hugging Face name in "
+                                               f"{ckpt.MANIFEST}")
+                t = params[local]
+                if dtype is not None and t.is_floating_point():
+                    t = t.to(dtype)
+                if t.is_floating_point() and state["dtype"] is None:
+                    state["dtype"] = t.dtype
+                if tied and key == emb_key:
+                    emb_digest = _digest(t)
+                if tied and key == "lm_head.weight" and emb_key is not None:
+                    if emb_digest is not None and _digest(t) != emb_digest:
+                        raise ckpt.CheckpointError(
+                            f"checkpoint {sdir}: lm_head.weight of layer {i} differs from the "
+                            f"tied embedding {emb_key}: the checkpoint is inconsistent")
+                    continue  # tied: written once, as the embedding
+                if key in seen:
+                    raise ckpt.CheckpointError(f"checkpoint {sdir}: Hugging Face name '{key}' "
+                                               f"appears twice in {ckpt.MANIFEST}")
+                seen.add(key)
+                nbytes = t.numel() * t.element_size()
+                if current and state["bytes"] + nbytes > max_shard_bytes:
+                    flush()
+                current[key] = t.contiguous()
+                state["bytes"] += nbytes
+                state["total"] += nbytes
+                state["params"] += t.numel()
+                count, size = count + 1, size + nbytes
+            del params
+            log(f"layer {i + 1}/{n} {names[i]}: {count} tensor(s), {_human(size)}")
+        flush()
+        weight_map: dict[str, str] = {}
+        if len(shards) == 1:
+            shards[0][0].replace(out / WEIGHTS_FILE)
+        else:
+            for k, (tmp, keys, _) in enumerate(shards, 1):
+                final = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+                tmp.replace(out / final)
+                weight_map.update({key: final for key in keys})
+            index = {"metadata": {"total_size": state["total"],
+                                  "total_parameters": state["params"]},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    except BaseException:
+        for tmp, _, _ in shards:
+            tmp.unlink(missing_ok=True)
+        raise
+    config.use_cache = True
+    config.architectures = [_CAUSAL_LM[family]]
+    config.tie_word_embeddings = tied
+    config.dtype = state["dtype"] or torch.float32
+    config.save_pretrained(str(out))
+    if model.pretrained_path:
+        src = Path(model.pretrained_path).expanduser()
+        for name in _SIDE_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, out / name)
+    log(f"exported step {manifest['step']} to {out}: {len(shards)} shard(s), "
+        f"{_human(state['total'])}; load it with "
+        f"transformers.AutoModelForCausalLM.from_pretrained('{out}')")
+    return out
