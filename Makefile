@@ -1,5 +1,5 @@
 # The two set-up commands of the README. Each creates .venv on first use.
-#   make demo   - the main job: train a tiny GPT-2 on a local 4-node simulation (embedded etcd,
+#   make demo   - the main job: train a small GPT-2 on a local 4-node simulation (embedded etcd,
 #                 one torchrun per node), SIGKILL one node mid-run, keep training, print a summary
 #   make test   - the test suite (what CI runs, after make lint)
 #   make lint   - ruff check (settings in pyproject.toml)
@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 
 demo: $(VENV)/.installed
 	$(PY) -m launcher.local --nodes 4 --kill 1@8 --rdzv-conf lease_ttl=2,settle=0.2,last_call_timeout=1 \
-		-- examples/train.py --config configs/gpt2-tiny.yaml
+		-- examples/train.py --config configs/gpt2-demo.yaml
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
