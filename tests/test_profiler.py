@@ -82,7 +82,7 @@ def test_load_or_profile_caches_by_key(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("re-profiled")
 
-    monkeypatch.setattr(profiler, "profile_layers", boom)
+    monkeypatch.setattr(profiler, "profile_model", boom)
     lines.clear()
     again = load_or_profile(cfg, log=lines.append)
     assert again.layers == first.layers and "reusing" in lines[0]
@@ -114,7 +114,7 @@ def test_profile_path_is_used(tmp_path, monkeypatch):
                          key={"source": "file"})
     given.save(tmp_path / "p.json")
     cfg.planning.profile_path = str(tmp_path / "p.json")
-    monkeypatch.setattr(profiler, "profile_layers", lambda *a, **k: pytest.fail("profiled"))
+    monkeypatch.setattr(profiler, "profile_model", lambda *a, **k: pytest.fail("profiled"))
     lines: list[str] = []
     prof = load_or_profile(cfg, log=lines.append)
     assert prof.layers == given.layers and prof.key == {"source": "file"}
@@ -129,3 +129,17 @@ def test_profile_key_contents():
     assert key["seq_len"] == cfg.data.seq_len and key["dtype"] == "float32"
     assert key["device"] == "cpu" and key["torch"] == torch.__version__
     assert json.loads(json.dumps(key)) == key
+
+
+def test_a_profile_with_identical_blocks_measured_once_is_never_taken_for_a_full_one(tmp_path, monkeypatch):
+    cfg = job(tmp_path)
+    assert cfg.planning.profile_identical_blocks_once  # the default
+    once = load_or_profile(cfg, log=lambda _: None)
+    assert once.key["identical_blocks_once"] is True
+    cfg.planning.profile_identical_blocks_once = False
+    key = profile_key(cfg, device="cpu")
+    assert key["identical_blocks_once"] is False and profile_cache_key(key) != profile_cache_key(once.key)
+    lines: list[str] = []
+    full = load_or_profile(cfg, log=lines.append)  # measured, not the cached profile
+    assert full.key == key and not any("reusing" in line or "identical to" in line for line in lines)
+    assert sum(line.startswith("profiling layer") for line in lines) == 4

@@ -3,10 +3,13 @@
     torchrun --standalone --nproc-per-node T -m oobleck_elastic.planning.profile_tp \
         --config CFG --out FILE [key=value ...]
 
-The T processes build the model's layers from the job's seed, shard the decoder blocks over
-themselves as the engine does (`models/tensor_parallel.py`), and profile them together
-(`profiler.profile_layers`): every process runs the same layers on the same microbatch in
-lockstep, so the times include the layers' all-reduces, and the bytes are one device's share.
+The T processes profile the model together as `profiler.profile_model` does, one layer at a
+time: each builds layer i from the job's seed, shards it over the T processes as the engine does
+(`models/tensor_parallel.py`; decoder blocks only), measures it and frees it before layer i+1,
+so a device holds one layer's share, never the model. Every process runs the same layer on the
+same microbatch in lockstep, so the times include the layer's all-reduces, and the bytes are one
+device's share. With `planning.profile_identical_blocks_once` every process skips the same
+identical blocks (their kinds come from the config alone), so the collectives stay matched.
 Rank 0 writes the profile with `tensor_parallel = T` (per-degree files for
 `planning.tensor_parallel=auto`: `--out profiles/model-tp{tp}.json`, `{tp}` replaced by T);
 point `planning.profile_path` at it. One node's devices are used: the collectives cross the
@@ -19,36 +22,28 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from ..config import JobConfig, load_config
 from .profile import ModelProfile
-from .profiler import device_memory_bytes, profile_key, profile_layers
+from .profiler import device_memory_bytes, profile_key, profile_model
 
 
-def profile_tensor_parallel(cfg: JobConfig, *, device: torch.device, log=print) -> ModelProfile:
+def profile_tensor_parallel(cfg: JobConfig, *, device: torch.device,
+                            log: Callable[[str], None] | None = print) -> ModelProfile:
     """The profile at the degree of the default process group's size (every rank calls this)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..models import build_layer_model
     from ..models.tensor_parallel import parallelize_layer
 
     tp = dist.get_world_size()
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
-    lm = build_layer_model(cfg.model, seed=cfg.training.seed, device=device)
-    for layer in lm.layers:
-        parallelize_layer(layer, mesh)
-    gen = torch.Generator().manual_seed(cfg.training.seed)
-    shape = (cfg.training.microbatch_size, cfg.data.seq_len)
-    ids = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(device)
-    labels = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(device)
     key = profile_key(cfg, device=device) | {"tensor_parallel": tp}
-    prof = profile_layers(lm.layers, ids, labels, lm.loss_fn, warmup=cfg.planning.profile_warmup,
-                          repeats=cfg.planning.profile_repeats, optimizer=cfg.training.optimizer.name, key=key,
-                          names=lm.names, precision=cfg.training.precision,
-                          log=log if dist.get_rank() == 0 else None)
+    prof = profile_model(cfg, device=device, key=key, prepare=lambda layer: parallelize_layer(layer, mesh),
+                         log=log if dist.get_rank() == 0 else None)
     prof.tensor_parallel = tp
     prof.device_memory_bytes = device_memory_bytes(device)
     return prof

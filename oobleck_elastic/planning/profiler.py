@@ -1,8 +1,26 @@
 """Measure a per-layer profile on this device, and cache it.
 
-`profile_layers` runs the flat layers one at a time on one microbatch. Each layer's input is
-materialised once under no_grad (the previous layer's output); then `warmup` untimed and
-`repeats` timed iterations of
+The device holds one layer at a time. `profile_model` builds layer i alone
+(`build_layer_model(cfg.model, seed=..., owned=[i])`), measures it on one microbatch, drops it
+(gc.collect(), and torch.cuda.empty_cache() on CUDA), then builds layer i+1; between layers only
+the previous layer's output is kept (detached), as layer i+1's input. A tied LM head built alone
+holds its own copy of the embedding weight, which it counts as its parameters, as a head built
+together with the embedding counts the shared one. The largest layer, not the model, bounds the
+memory profiling needs: one block of a GPT-3-175B-like model (1.8B parameters) rather than 175B.
+With `model.pretrained_path`, building layer i reads only that layer's tensors from the checkpoint.
+
+With `planning.profile_identical_blocks_once` (the default), layers of one kind are measured
+once: two layers are identical when `layer_kind` matches (class, plain attributes such as widths
+and eps but not the layer index, parameter and buffer names, shapes and dtypes; computed on meta
+copies from `build_meta_layers`, no weights) and their inputs have one shape and dtype. The
+first of a kind is built and measured; the others are not built and get its numbers under their
+own names. As an identical block's output has its input's shape, the measured block's output
+goes on as the input of the layer after the skipped ones (values do not matter for timing).
+The byte counts below depend on shapes only, so they equal those of measuring every block;
+times are the first block's where each block would have had its own noisy median. For GPT-2 or
+Llama that is 3 layers built instead of num_layers + 2.
+
+For every layer measured, `warmup` untimed and `repeats` timed iterations of
 
     forward:  out = layer(input.detach().requires_grad_())   (+ loss_fn for the last layer)
     backward: out.backward(randn_like(out))                   (loss.backward() for the last layer)
@@ -17,16 +35,17 @@ numbers are exact counts, not timings:
   grad_bytes = param_bytes; optimizer_bytes = 2 x param_bytes for AdamW (two moments), 0 for SGD.
 - activation_bytes: what autograd keeps for backward, measured in one extra forward under
   `torch.autograd.graph.saved_tensors_hooks`: saved tensors deduplicated by storage, excluding
-  parameter storages.
+  parameter storages. That forward's output, detached, is the next layer's input.
 - output_bytes: bytes of the layer's output tensor (what crosses a stage boundary).
 
 `load_or_profile` returns the profile of a job: the file in `planning.profile_path` if set, else
 a cached profile under `<cache_dir>/profiles/<profile_cache_key(key)>.json` whose stored key
 equals the current key exactly (model config, microbatch shape, precision, optimizer, device
-kind, library versions), else a fresh measurement of the model built with the job's seed, which
-is then saved there. A cached file with another key is reported as stale and replaced. A
-profile measured (or reused) on a CUDA device records that device's total memory
-(`ModelProfile.device_memory_bytes`), the planner's default for `planning.device_memory_gb`.
+kind, library versions, whether identical blocks were measured once), else a fresh measurement
+(`profile_model`) with the job's seed, which is then saved there. A cached file with another
+key is reported as stale and replaced. A profile measured (or reused) on a CUDA device records
+that device's total memory (`ModelProfile.device_memory_bytes`), the planner's default for
+`planning.device_memory_gb`.
 
 `device_label(device)` names the device kind ("cuda NVIDIA H100 80GB HBM3", "cpu x86_64"): the
 control plane shares one worker-measured profile per device kind under that name.
@@ -36,13 +55,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 from torch import nn
@@ -51,7 +71,8 @@ from ..config import JobConfig
 from ..models.tensor_parallel import local
 from .profile import LayerProfile, ModelProfile, ProfileError, profile_cache_key
 
-__all__ = ["device_label", "device_memory_bytes", "profile_layers", "profile_key", "load_or_profile"]
+__all__ = ["device_label", "device_memory_bytes", "layer_kind", "profile_layers", "profile_layer_by_layer",
+           "profile_model", "profile_key", "load_or_profile"]
 
 _OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}
 MIB = 1024 ** 2
@@ -82,7 +103,9 @@ class _SavedTensorMeter:
             key, size = ("id", id(t)), t.numel() * t.element_size()
         if key not in self.exclude:
             self.seen.setdefault(key, size)
-        return t
+        # Not `t` itself: a saved output would then hold its own grad_fn, a cycle through C++ that
+        # gc cannot break, and the graph with every saved tensor (parameters included) would leak.
+        return t.detach()
 
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:
@@ -93,55 +116,39 @@ class _SavedTensorMeter:
         return sum(self.seen.values())
 
 
-def profile_layers(layers: Sequence[nn.Module], sample_input: torch.Tensor, labels: torch.Tensor,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
-                   warmup: int = 1, repeats: int = 5, optimizer: str = "adamw",
-                   key: dict[str, Any] | None = None, names: Sequence[str] | None = None,
-                   precision: str = "fp32",
-                   log: Callable[[str], None] | None = None) -> ModelProfile:
-    """Profile every layer on one microbatch (see the module docstring); layers must be built
-    and on sample_input's device. The last layer is profiled together with loss_fn."""
-    if not layers or any(layer is None for layer in layers):
-        raise ValueError("profile_layers needs every layer built (no None entries)")
-    if optimizer not in _OPTIMIZER_STATES:
-        raise ValueError(f"optimizer '{optimizer}' unknown; choose one of "
-                         f"{', '.join(_OPTIMIZER_STATES)}")
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup})")
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision '{precision}' unknown; choose fp32 or bf16")
-    names = list(names) if names is not None else [f"layer.{i}" for i in range(len(layers))]
-    device = sample_input.device
-    cuda = device.type == "cuda"
+class _LayerMeter:
+    """Times one layer on one input and counts its bytes (see the module docstring)."""
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
+    def __init__(self, labels: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                 device: torch.device, warmup: int, repeats: int, optimizer: str, precision: str) -> None:
+        self.labels, self.loss_fn, self.device = labels, loss_fn, device
+        self.warmup, self.repeats, self.optimizer, self.precision = warmup, repeats, optimizer, precision
+        self.cuda = device.type == "cuda"
 
-    def autocast() -> Any:
-        if precision == "bf16":
-            return torch.autocast(device.type, dtype=torch.bfloat16)
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def autocast(self) -> Any:
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def forward(layer: nn.Module, x: torch.Tensor, last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, layer: nn.Module, x: torch.Tensor, last: bool) -> tuple[torch.Tensor, torch.Tensor]:
         inp = x.detach()
         if inp.is_floating_point():
             inp.requires_grad_(True)
-        with autocast():
+        with self.autocast():
             out = layer(inp)
-            target = loss_fn(out, labels) if last else out
+            target = self.loss_fn(out, self.labels) if last else out
         return out, target
 
-    def clear_grads(layer: nn.Module) -> None:
-        for p in layer.parameters():
-            p.grad = None
-
-    def timed_iteration(layer: nn.Module, x: torch.Tensor, last: bool) -> tuple[float, float]:
+    def timed_iteration(self, layer: nn.Module, x: torch.Tensor, last: bool) -> tuple[float, float]:
         """(forward, backward) seconds of one iteration of `layer` on input `x`."""
-        if cuda:
+        if self.cuda:
             fwd0, fwd1, bwd0, bwd1 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
             fwd0.record()
-            out, target = forward(layer, x, last)
+            out, target = self.forward(layer, x, last)
             fwd1.record()
             grad = None if last else torch.randn_like(out)
             bwd0.record()
@@ -151,61 +158,192 @@ def profile_layers(layers: Sequence[nn.Module], sample_input: torch.Tensor, labe
             bwd1.synchronize()
             fwd_s, bwd_s = fwd0.elapsed_time(fwd1) / 1e3, bwd0.elapsed_time(bwd1) / 1e3
         else:
-            sync()
             t0 = time.perf_counter()
-            out, target = forward(layer, x, last)
-            sync()
+            out, target = self.forward(layer, x, last)
             t1 = time.perf_counter()
             grad = None if last else torch.randn_like(out)
-            sync()
             t2 = time.perf_counter()
             if target.requires_grad:
                 target.backward(grad)
-            sync()
             t3 = time.perf_counter()
             fwd_s, bwd_s = t1 - t0, t3 - t2
         del out, target, grad
-        clear_grads(layer)
+        for p in layer.parameters():
+            p.grad = None
         return fwd_s, bwd_s
 
+    def measure(self, layer: nn.Module, x: torch.Tensor, *, last: bool,
+                name: str) -> tuple[LayerProfile, torch.Tensor]:
+        """The layer's profile on input `x`, and its output (detached: the next layer's input)."""
+        fwd_times, bwd_times = [], []
+        for it in range(self.warmup + self.repeats):
+            fwd_s, bwd_s = self.timed_iteration(layer, x, last)
+            if it >= self.warmup:
+                fwd_times.append(fwd_s)
+                bwd_times.append(bwd_s)
+        meter = _SavedTensorMeter({_storage_key(p) for p in layer.parameters()})
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            out, target = self.forward(layer, x, last)
+        out = out.detach()
+        del target  # frees the graph: only the output tensor is kept
+        pbytes = _param_bytes(layer)
+        prof = LayerProfile(
+            name=name, forward_s=statistics.median(fwd_times), backward_s=statistics.median(bwd_times),
+            param_bytes=pbytes, grad_bytes=pbytes, optimizer_bytes=_OPTIMIZER_STATES[self.optimizer] * pbytes,
+            activation_bytes=meter.nbytes, output_bytes=out.numel() * out.element_size())
+        return prof, out
+
+
+_SIMPLE_TYPES = (bool, int, float, str, type(None))
+_INDEX_ATTRIBUTES = frozenset({"layer_idx"})  # a block's position: no part of its work
+
+
+def layer_kind(layer: nn.Module) -> tuple:
+    """What two layers must share to be measured once (`planning.profile_identical_blocks_once`):
+    for the layer and each submodule its name, class and plain attributes (int, float, str, bool,
+    None: widths, heads, eps, dropout, attention type...; `layer_idx` left out), and the name,
+    shape and dtype of every parameter and buffer. Works on meta layers (no weights needed)."""
+    modules = tuple(
+        (name, f"{type(m).__module__}.{type(m).__qualname__}",
+         tuple(sorted((k, v) for k, v in vars(m).items()
+                      if not k.startswith("_") and k not in _INDEX_ATTRIBUTES and isinstance(v, _SIMPLE_TYPES))))
+        for name, m in layer.named_modules(remove_duplicate=False))
+    params = tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                   for n, p in layer.named_parameters(remove_duplicate=False))
+    buffers = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in layer.named_buffers(remove_duplicate=False))
+    return modules, params, buffers
+
+
+def _check_settings(optimizer: str, warmup: int, repeats: int, precision: str) -> None:
+    if optimizer not in _OPTIMIZER_STATES:
+        raise ValueError(f"optimizer '{optimizer}' unknown; choose one of "
+                         f"{', '.join(_OPTIMIZER_STATES)}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup})")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision '{precision}' unknown; choose fp32 or bf16")
+
+
+def profile_layer_by_layer(build: Callable[[int], nn.Module], num_layers: int, sample_input: torch.Tensor,
+                           labels: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                           kinds: Sequence[Hashable | None] | None = None, warmup: int = 1, repeats: int = 5,
+                           optimizer: str = "adamw", key: dict[str, Any] | None = None,
+                           names: Sequence[str] | None = None, precision: str = "fp32", release: bool = True,
+                           log: Callable[[str], None] | None = None) -> ModelProfile:
+    """Profile layers 0..num_layers-1, holding one at a time: `build(i)` returns layer i on
+    sample_input's device; after its measurement the profiler drops it (with `release`, also
+    gc.collect() and, on CUDA, empty_cache()) and keeps only its output, the next layer's input.
+
+    With `kinds` (one hashable per layer, e.g. `layer_kind` of its meta copy; None = always
+    measure), a layer whose kind, input shape and dtype equal those of a layer measured before is
+    not built: it gets that layer's numbers under its own name, and the earlier output (same
+    shape) goes on as its output. The last layer is profiled together with loss_fn."""
+    _check_settings(optimizer, warmup, repeats, precision)
+    if num_layers < 1:
+        raise ValueError("profile_layer_by_layer needs at least one layer")
+    if kinds is not None and len(kinds) != num_layers:
+        raise ValueError(f"kinds has {len(kinds)} entries for {num_layers} layers; give one per layer")
+    names = list(names) if names is not None else [f"layer.{i}" for i in range(num_layers)]
+    device = sample_input.device
+    cuda = device.type == "cuda"
+    meter = _LayerMeter(labels, loss_fn, device=device, warmup=warmup, repeats=repeats, optimizer=optimizer,
+                        precision=precision)
     result: list[LayerProfile] = []
+    measured: dict[Hashable, tuple[int, LayerProfile, torch.Size, torch.dtype]] = {}
     x = sample_input
     rng_devices = [device] if cuda else []
     # CUDA events record on the current device's current stream: make `device` the current one
     on_device = torch.cuda.device(device) if cuda else contextlib.nullcontext()
     with torch.random.fork_rng(devices=rng_devices), on_device:
         torch.manual_seed(0)
-        sync()
-        for i, layer in enumerate(layers):
-            last = i == len(layers) - 1
-            fwd_times, bwd_times = [], []
-            for it in range(warmup + repeats):
-                fwd_s, bwd_s = timed_iteration(layer, x, last)
-                if it >= warmup:
-                    fwd_times.append(fwd_s)
-                    bwd_times.append(bwd_s)
-            exclude = {_storage_key(p) for p in layer.parameters()}
-            meter = _SavedTensorMeter(exclude)
-            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-                out, target = forward(layer, x, last)
-            output_bytes = out.numel() * out.element_size()
-            del out, target
-            pbytes = _param_bytes(layer)
-            prof = LayerProfile(
-                name=names[i], forward_s=statistics.median(fwd_times),
-                backward_s=statistics.median(bwd_times), param_bytes=pbytes, grad_bytes=pbytes,
-                optimizer_bytes=_OPTIMIZER_STATES[optimizer] * pbytes,
-                activation_bytes=meter.nbytes, output_bytes=output_bytes)
+        meter.sync()
+        for i in range(num_layers):
+            last = i == num_layers - 1
+            kind = None if kinds is None or kinds[i] is None else (kinds[i], tuple(x.shape), x.dtype, last)
+            seen = measured.get(kind) if kind is not None else None
+            if seen is not None and (last or (seen[2], seen[3]) == (x.shape, x.dtype)):
+                result.append(dataclasses.replace(seen[1], name=names[i]))
+                if log is not None:
+                    log(f"profiling layer {i + 1}/{num_layers} {names[i]}: identical to "
+                        f"{names[seen[0]]}, its numbers reused")
+                continue  # x has the shape this layer's output would have
+            layer = build(i)
+            if layer is None:
+                raise ValueError(f"layer {i} ({names[i]}) is not built; profiling needs every layer")
+            prof, out = meter.measure(layer, x, last=last, name=names[i])
+            del layer
+            if release:
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+            if kind is not None:
+                measured[kind] = (i, prof, out.shape, out.dtype)
             result.append(prof)
             if log is not None:
-                log(f"profiling layer {i + 1}/{len(layers)} {names[i]}: fwd "
+                log(f"profiling layer {i + 1}/{num_layers} {names[i]}: fwd "
                     f"{prof.forward_s * 1e3:.2f} ms, bwd {prof.backward_s * 1e3:.2f} ms, "
-                    f"params {pbytes / MIB:.2f} MiB, activations "
+                    f"params {prof.param_bytes / MIB:.2f} MiB, activations "
                     f"{prof.activation_bytes / MIB:.2f} MiB")
-            if not last:
-                with torch.no_grad(), autocast():
-                    x = layer(x)
+            x = out if not last else x
+            del out
     return ModelProfile(layers=result, key=dict(key or {}))
+
+
+def profile_layers(layers: Sequence[nn.Module], sample_input: torch.Tensor, labels: torch.Tensor,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                   warmup: int = 1, repeats: int = 5, optimizer: str = "adamw",
+                   key: dict[str, Any] | None = None, names: Sequence[str] | None = None,
+                   precision: str = "fp32", identical_blocks_once: bool = False,
+                   log: Callable[[str], None] | None = None) -> ModelProfile:
+    """Profile every layer of an already built list on one microbatch (see the module
+    docstring); layers must be on sample_input's device. With identical_blocks_once, layers of
+    one `layer_kind` are measured once. The last layer is profiled together with loss_fn."""
+    if not layers or any(layer is None for layer in layers):
+        raise ValueError("profile_layers needs every layer built (no None entries)")
+    kinds = [layer_kind(layer) for layer in layers] if identical_blocks_once else None
+    return profile_layer_by_layer(layers.__getitem__, len(layers), sample_input, labels, loss_fn, kinds=kinds,
+                                  warmup=warmup, repeats=repeats, optimizer=optimizer, key=key, names=names,
+                                  precision=precision, release=False, log=log)
+
+
+def profile_model(cfg: JobConfig, *, device: str | torch.device, key: dict[str, Any] | None = None,
+                  prepare: Callable[[nn.Module], nn.Module] | None = None,
+                  log: Callable[[str], None] | None = None) -> ModelProfile:
+    """Measure the job's model on `device` one layer at a time: layer i is built alone
+    (`build_layer_model(owned=[i])`, initialised from the job's seed), passed through `prepare`
+    (e.g. tensor-parallel sharding), measured and freed before layer i+1 is built (a pretrained
+    model's layer i reads only its own tensors). With `planning.profile_identical_blocks_once`,
+    layers of one `layer_kind` (computed on meta copies) are built and measured once."""
+    from .. import models
+    from ..models.build import build_meta_layers
+
+    dev, seed = torch.device(device), cfg.training.seed
+    whole = models.build_layer_model(cfg.model, seed=seed, owned=[], device=dev)  # names and loss, no layer
+    n = whole.num_layers
+
+    def build(i: int) -> nn.Module:
+        return models.build_layer_model(cfg.model, seed=seed, owned=[i], device=dev).layers[i]
+
+    kinds = None
+    if cfg.planning.profile_identical_blocks_once:
+        kinds = [layer_kind(layer) for layer in build_meta_layers(cfg.model, n, seed=seed)]
+
+    def build_prepared(i: int) -> nn.Module:
+        layer = build(i)
+        return prepare(layer) if prepare is not None and layer is not None else layer
+
+    gen = torch.Generator().manual_seed(seed)
+    shape = (cfg.training.microbatch_size, cfg.data.seq_len)
+    ids = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(dev)
+    labels = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(dev)
+    if log is not None:
+        log(f"profile: measuring {n} layers on {dev}, one at a time (microbatch {shape[0]} x "
+            f"{shape[1]}, {cfg.training.precision}"
+            + (", identical blocks measured once)" if kinds is not None else ")"))
+    return profile_layer_by_layer(build_prepared, n, ids, labels, whole.loss_fn, kinds=kinds,
+                                  warmup=cfg.planning.profile_warmup, repeats=cfg.planning.profile_repeats,
+                                  optimizer=cfg.training.optimizer.name, key=key, names=whole.names,
+                                  precision=cfg.training.precision, log=log)
 
 
 def _device_name(dev: torch.device) -> str:
@@ -250,6 +388,7 @@ def profile_key(cfg: JobConfig, *, device: str | torch.device) -> dict[str, Any]
         "optimizer": cfg.training.optimizer.name,
         "device": dev.type,
         "device_name": device_name,
+        "identical_blocks_once": cfg.planning.profile_identical_blocks_once,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
@@ -267,9 +406,7 @@ def load_or_profile(cfg: JobConfig, *, device: str | torch.device = "cpu",
                     cache_dir: str | Path | None = None,
                     log: Callable[[str], None] = print) -> ModelProfile:
     """The job's profile: `planning.profile_path`, else a cache hit with the same key, else a
-    fresh measurement (saved to the cache). See the module docstring."""
-    from ..models import build_layer_model
-
+    fresh measurement (`profile_model`, saved to the cache). See the module docstring."""
     if cfg.planning.profile_path:
         prof = ModelProfile.load(cfg.planning.profile_path)
         log(f"profile: using {cfg.planning.profile_path} ({prof.num_layers} layers)")
@@ -293,17 +430,7 @@ def load_or_profile(cfg: JobConfig, *, device: str | torch.device = "cpu",
                 return cached
             log(f"profile: cached {path} is stale (key differs in {_key_diff(cached.key, key)}); "
                 "re-profiling")
-    lm = build_layer_model(cfg.model, seed=cfg.training.seed, device=device)
-    gen = torch.Generator().manual_seed(cfg.training.seed)
-    shape = (cfg.training.microbatch_size, cfg.data.seq_len)
-    ids = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(device)
-    labels = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(device)
-    log(f"profile: measuring {lm.num_layers} layers on {device} (microbatch {shape[0]} x "
-        f"{shape[1]}, {cfg.training.precision})")
-    prof = profile_layers(lm.layers, ids, labels, lm.loss_fn,
-                          warmup=cfg.planning.profile_warmup, repeats=cfg.planning.profile_repeats,
-                          optimizer=cfg.training.optimizer.name, key=key, names=lm.names,
-                          precision=cfg.training.precision, log=log)
+    prof = profile_model(cfg, device=device, key=key, log=log)
     prof.device_memory_bytes = device_memory_bytes(device)
     prof.save(path)
     log(f"profile: saved {path}")
