@@ -170,6 +170,29 @@ def test_per_layer_init_is_independent_of_the_split(family):
     assert all(not torch.equal(a[k], b[k]) for k in a if b[k].std() > 0)  # not norms / biases
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_empty_layers_are_allocated_not_drawn(family, monkeypatch):
+    """Layers about to be received (`empty`) are allocated with the right shapes and nothing else:
+    no numbers drawn from the seed for them; built and empty tied ends share one Parameter, and a
+    Rope layer's rotary frequencies are computed (they are never transferred)."""
+    import oobleck_elastic.models.build as build
+
+    cfg = tiny(family, num_layers=4, tie_embeddings=True)
+    full = build_layer_model(cfg, seed=7)
+    drawn = []
+    init = build._init_parameters
+    monkeypatch.setattr(build, "_init_parameters", lambda layer, **kw: (drawn.append(kw["index"]), init(layer, **kw)))
+    part = build_layer_model(cfg, seed=7, owned=[0, 1, 2, 5], empty=[1, 5, 4])
+    assert part.built == [0, 1, 2, 5] and sorted(drawn) == [0, 2]
+    for i in (1, 5):
+        assert {k: v.shape for k, v in state(part.layers[i]).items()} == {k: v.shape for k, v in
+                                                                        state(full.layers[i]).items()}
+    emb_name = "wte.weight" if family == "gpt2" else "embed_tokens.weight"
+    assert part.layers[5].lm_head.weight is part.layers[0].get_parameter(emb_name)
+    if family != "gpt2":
+        torch.testing.assert_close(part.layers[1].rotary_emb.inv_freq, full.layers[1].rotary_emb.inv_freq)
+
+
 def test_init_scheme_and_untied_head():
     lm = build_layer_model(tiny("gpt2", num_layers=4), seed=0)
     block = lm.layers[1].block

@@ -218,13 +218,21 @@ def _move(layers: list[nn.Module | None], device: str | torch.device) -> None:
 
 
 def build_layer_model(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | None = None,
-                      device: str | torch.device = "cpu") -> LayerModel:
+                      device: str | torch.device = "cpu", empty: Iterable[int] = ()) -> LayerModel:
     """Build the layers in `owned` (None = all); the others are None in `layers`.
 
-    Layer i's weights depend only on (seed, i); see the module docstring.
+    Layer i's weights depend only on (seed, i); see the module docstring. Layers of `owned` also in
+    `empty` are only allocated on `device` (`to_empty`: their values are about to arrive from a
+    peer or a checkpoint), so they are neither drawn from the seed nor read from disk first.
     """
-    if cfg.family == "custom":
+    if cfg.family == "custom":  # a user's factory builds its own way: no empty layers
         return _build_custom(cfg, seed=seed, owned=owned, device=device)
+    blank = set(empty) & (set(owned) if owned is not None else set(range(_num_layers(cfg))))
+    if blank:
+        model = build_layer_model(cfg, seed=seed, owned=[i for i in _owned_list(cfg, owned) if i not in blank],
+                                  device=device)
+        _fill_empty(model, cfg, sorted(blank), device)
+        return model
     if cfg.pretrained_path:
         return _build_pretrained(cfg, owned=owned, device=device)
     config = hf_config(cfg)
@@ -254,6 +262,29 @@ def build_layer_model(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | Non
     groups = [TiedGroup([(0, emb_name), (n - 1, "lm_head.weight")])] if tied else []
     return LayerModel(layers=layers, names=_head_index_names(cfg.num_layers), hf_names=hf_names,
                       tied=groups, hf_config=config)
+
+
+def _num_layers(cfg: ModelConfig) -> int:
+    if cfg.pretrained_path:
+        return _pretrained_config(cfg).num_hidden_layers + 2
+    return cfg.num_layers + 2
+
+
+def _owned_list(cfg: ModelConfig, owned: Iterable[int] | None) -> list[int]:
+    return sorted(_check_owned(owned, _num_layers(cfg)))
+
+
+def _fill_empty(model: LayerModel, cfg: ModelConfig, indices: list[int], device: str | torch.device) -> None:
+    """Put allocated, uninitialised layers `indices` into `model` (tied ends share one Parameter)."""
+    config = _pretrained_config(cfg) if cfg.pretrained_path else hf_config(cfg)
+    family, n = config.model_type, model.num_layers
+    for i in indices:
+        layer, _ = _meta_layer(family, config, i, n)
+        layer.to_empty(device=device)
+        if isinstance(layer, RopeDecoderLayer):
+            layer.rotary_emb = getattr(_modeling(family), f"{_ROPE_PREFIX[family]}RotaryEmbedding")(config).to(device)
+        model.layers[i] = layer
+    model.retie()
 
 
 def build_meta_layers(cfg: ModelConfig, end: int, *, seed: int) -> list[nn.Module]:

@@ -192,6 +192,22 @@ class LayerModel:
                                f"owned covering [{start}, {end})")
         return [layer for layer in self.layers[start:end] if layer is not None]
 
+    def retie(self) -> None:
+        """Make every tied group one Parameter again among the layers held here (after layers
+        built, kept and received separately were put together): the first held member's."""
+        for group in self.tied:
+            held = [(i, name) for i, name in group.members if self.layers[i] is not None]
+            if len(held) < 2:
+                continue
+            first_layer = self.layers[held[0][0]]
+            assert first_layer is not None
+            first = first_layer.get_parameter(held[0][1])
+            for i, name in held[1:]:
+                layer = self.layers[i]
+                assert layer is not None
+                owner_path, _, attr = name.rpartition(".")
+                setattr(layer.get_submodule(owner_path) if owner_path else layer, attr, first)
+
     def stage(self, start: int, end: int) -> nn.Sequential:
         """layers[start:end] as an nn.Sequential (the modules are shared, not copied)."""
         return nn.Sequential(*self._require(start, end))
