@@ -14,8 +14,9 @@ import sys
 import traceback
 
 from oobleck_elastic.config import ConfigError, load_config
-from oobleck_elastic.engine.run import train, under_oobleck
+from oobleck_elastic.engine.run import train
 from oobleck_elastic.engine.runner import exit_now_if_abandoned
+from oobleck_elastic.rendezvous.worker import WorkerContext, under_oobleck
 
 
 def main() -> int:
@@ -28,7 +29,14 @@ def main() -> int:
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
-    summary = train(cfg)
+    if under_oobleck():  # a worker of a job: the control plane is etcd
+        control = WorkerContext.from_env()
+        try:
+            summary = train(cfg, control)
+        finally:
+            control.close()
+    else:  # one process: the single-process reference
+        summary = train(cfg)
     if summary.tensorboard or not under_oobleck():
         print("\n".join(summary.lines()), flush=True)
     return 0

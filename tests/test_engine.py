@@ -188,11 +188,12 @@ def _slow_stage_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
     torch.set_num_threads(1)
     os.environ["OOBLECK_SLOW_AT"] = "0@0:4,0@1:4"  # the first stage's first two steps take 4 s
     store = dist.FileStore(os.path.join(tmp, "store-slow"), world)
+    plan = layout_plan([[(0, 3), (3, 6)]], [8], generation=1)
+    trainer = Trainer(cfg, dataset=RandomTokens(), node=f"n{rank}")  # holds nothing yet
     store.add("started", 1)
     while store.add("started", 0) < world:  # connect together: the connect timeout is 1 s
         pass
-    plan = layout_plan([[(0, 3), (3, 6)]], [8], generation=1)
-    trainer = Trainer(cfg, dataset=RandomTokens(), plan=plan, rank=rank, store=store)
+    trainer.enter_generation(plan, store)
     for step in range(STEPS):
         trainer.train_step(step)
     torch.save({f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},

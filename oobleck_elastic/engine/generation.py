@@ -1,27 +1,29 @@
-"""Entering a generation: the part of the trainer that joins a plan's workers and installs its stage.
+"""Entering a generation: joining a plan's workers and installing this worker's stage.
 
-A worker enters a generation (`GenerationEntry.enter_generation`, the same protocol for the
-first start, a join, a drain and a failure): it joins the generation's default process group
-(the workers of its stages, plus those of its donors: drained nodes that only hand their layers
-over, then leave; steps then run on `Trainer.step_group`, the stages alone), and one MAX
-all-reduce tells everyone the previous generation and the last step anyone COMMITTED. A worker
-holding synchronised gradients of that step which it had not yet applied rolls forward (applies
-them); otherwise an interrupted step is discarded and replayed (docs/design.md, invariant 2).
-Then layers move from surviving holders (reconfigure.py), and the stage, the schedule and the
+A worker enters a generation (`GenerationEntry.enter`, the same protocol for the first start, a
+join, a drain and a failure): it joins the generation's default process group (the workers of
+its stages, plus those of its donors: drained nodes that only hand their layers over, then
+leave; steps then run on `Trainer.step_group`, the stages alone), and one MAX all-reduce tells
+everyone the previous generation and the last step anyone COMMITTED. A worker holding
+synchronised gradients of that step which it had not yet applied rolls forward (applies them);
+otherwise an interrupted step is discarded and replayed (docs/design.md, invariant 2). Then
+layers move from surviving holders (reconfigure.py), and the stage's layers, optimizer and the
 groups of groups.py are rebuilt; with tensor parallelism every layer of the stage is built
 again, sharded over the new generation's lanes, and kept layers' shards are copied in.
 
-`GenerationEntry` is a mixin of `Trainer` (engine/trainer.py): it uses the trainer's state
-(layer model, optimizer, owned layers, committed step) and its `_adopt` / `_build_pipeline`.
+`GenerationEntry` works on a `WorkerState` (what a worker holds across generations: layers,
+optimizer, committed step, generation, plan, rank) and returns the next one; `Trainer` holds the
+state, runs steps on it, and builds the pipeline schedule of what the entry installed. The only
+thing the entry asks of the trainer is to apply an interrupted step when it rolls forward.
 """
-
 from __future__ import annotations
 
 import copy
 import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -30,13 +32,15 @@ from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.tensor import DTensor
 
+from ..config import JobConfig
 from ..models import LayerModel, build_layer_model
 from ..models.build import build_meta_layers
 from ..models.tensor_parallel import from_full, local, parallelize_layer, wrap_like
 from ..planning import Plan
 from .devices import backend_for, release_groups
 from .groups import GenerationGroups
-from .reconfigure import Identity, Move, Transfer, exchange, moves_of, plan_transfers, retie, transfer_bytes
+from .optim import build_optimizer
+from .reconfigure import Identity, Move, Transfer, exchange, moves_of, plan_transfers, transfer_bytes
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +75,46 @@ class Reconfiguration:
     """Every layer move of the entry, node to node (the same on every worker)."""
 
 
+@dataclass
+class WorkerState:
+    """What a worker holds across generations (`Trainer.state`); an entry returns the next one."""
+
+    layer_model: LayerModel
+    """Every layer's name and shape; the owned ones built (the others None)."""
+    owned: list[int] = field(default_factory=list)
+    """Indices of the layers of this worker's stage."""
+    optimizer: Optional[torch.optim.Optimizer] = None
+    """The optimizer over the owned layers' parameters (None before the first generation)."""
+    plan: Optional[Plan] = None
+    """The plan of the generation entered last."""
+    generation: int = 0
+    """The generation entered last (0: none yet)."""
+    rank: int = 0
+    """This worker's rank in that generation."""
+    committed_step: int = -1
+    """The last step whose optimizer update was applied."""
+    synced_step: int = -1
+    """The last step whose gradients and norm are fully synchronised here."""
+    synced_norm2: float = 0.0
+    """The squared global gradient norm of `synced_step`."""
+    params: list[nn.Parameter] = field(default_factory=list)
+    """The owned layers' parameters, each once (tied ones are shared), in the optimizer's order."""
+
+
+@dataclass(frozen=True)
+class Entered:
+    """What `GenerationEntry.enter` installed."""
+
+    state: WorkerState
+    """The worker's state in the new generation."""
+    info: Reconfiguration
+    """What the entry did."""
+    groups: Optional[GenerationGroups] = None
+    """The new generation's process groups (None for a donor, which leaves)."""
+    lost: tuple[int, ...] = ()
+    """Layers with no surviving copy: the caller restores the newest checkpoint."""
+
+
 def _release_donors() -> None:
     """One all-reduce over the entry (stages and donors) after the layer exchange: a donor leaves
     only once every receiver has its layers (a process that exits with data in flight could reset
@@ -85,14 +129,24 @@ def _shard_of(layer: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 class GenerationEntry:
-    """The generation-entry protocol of `Trainer` (module docstring)."""
+    """The generation-entry protocol (module docstring) of one worker, identified across
+    generations by (node, local rank)."""
 
-    def enter_generation(self, plan: Plan, store: Optional[dist.Store], *,
-                         load_plan: Callable[[int], Optional[Plan]] = lambda g: None) -> Reconfiguration:
-        """Join generation `plan.generation` (see the module docstring): connect, agree on the
-        step, settle the interrupted step, agree on who holds what, move layers and install the
-        new stage. Raises LayersLost when a layer has no surviving copy (the caller restores the
-        newest checkpoint)."""
+    def __init__(self, cfg: JobConfig, *, device: torch.device, identity: tuple[str, int], timeout: timedelta,
+                 join_timeout: timedelta) -> None:
+        self.cfg, self.device, self.identity = cfg, device, identity
+        self.node = identity[0]
+        self.timeout, self.join_timeout = timeout, join_timeout
+        self._meta_layers: Optional[list[nn.Module]] = None
+
+    def enter(self, state: WorkerState, plan: Plan, store: Optional[dist.Store], *,
+              roll_forward: Callable[[int, float], None], detach_kept: bool,
+              load_plan: Callable[[int], Optional[Plan]] = lambda g: None) -> Entered:
+        """Join generation `plan.generation` from `state`: connect, agree on the step, settle the
+        interrupted step (`roll_forward(step, norm2)` applies it to `state`), agree on who holds
+        what, move layers and install the new stage's layers and optimizer. `detach_kept`: a step
+        of the previous generation was abandoned and may still touch its layers, so kept layers
+        are copied. Returns the new state (`state` itself is not changed after the settle)."""
         t0 = time.perf_counter()
         stage = plan.stage_at(*self.identity)
         donor = plan.donor_rank(*self.identity)
@@ -101,36 +155,41 @@ class GenerationEntry:
         rank = stage.rank + (plan.lane_of(stage, self.identity[1]) or 0) if stage is not None else donor
         assert rank is not None
         self._connect(plan, rank, store)
-        previous, committed = self._agree_on_step()
-        rolled, current = self._settle(committed)
-        held = self._agree_on_layouts(plan, rank, current, load_plan)
+        previous, committed = self._agree_on_step(state)
+        rolled, current = self._settle(state, committed, roll_forward)
+        held = self._agree_on_layouts(state, plan, rank, current, load_plan)
         transfers, lost = plan_transfers(held, plan)
-        moves = moves_of(transfers, plan, self._transfer_sizes(plan.tensor_parallel)) if transfers and not lost else ()
-        if stage is None:
-            gave = list(self.owned)
-            moved = self._hand_over(plan, rank, transfers, exchange_layers=not lost)
-            info = Reconfiguration(generation=plan.generation, previous=previous, resume_step=committed + 1,
+        moves = moves_of(transfers, plan, self._transfer_sizes(state, plan.tensor_parallel)) if not lost else ()
+
+        def account(moved: int, donor: bool = False) -> Reconfiguration:
+            return Reconfiguration(generation=plan.generation, previous=previous, resume_step=committed + 1,
                                    rolled_forward=rolled, bytes_moved=moved, seconds=time.perf_counter() - t0,
-                                   donor=True, moves=moves)
+                                   donor=donor, moves=moves, lost_layers=tuple(lost) if held else ())
+        if stage is None:
+            moved = self._hand_over(state, rank, transfers, exchange_layers=not lost)
+            info = account(moved, donor=True)
             log.info("gen %d step %d node %s rank %d: handed layers %s over as a donor (%d layer bytes sent, "
-                     "%.3f s); leaving", plan.generation, committed + 1, self.node, rank, gave, moved,
+                     "%.3f s); leaving", plan.generation, committed + 1, self.node, rank, state.owned, moved,
                      info.seconds)
-            return info
-        moved = self._install(plan, rank, transfers, exchange_layers=not lost, current=current)
-        if lost and held:  # (nobody holding anything is the first start: layers built from the seed)
-            raise LayersLost(lost)
-        info = Reconfiguration(generation=plan.generation, previous=previous, resume_step=committed + 1,
-                               rolled_forward=rolled, bytes_moved=moved, seconds=time.perf_counter() - t0,
-                               moves=moves)
+            after = WorkerState(layer_model=build_layer_model(self.cfg.model, seed=self.cfg.training.seed, owned=[],
+                                                              device=str(self.device)),
+                                plan=plan, generation=plan.generation, rank=rank, committed_step=committed,
+                                synced_step=committed)
+            gc.collect()
+            return Entered(state=after, info=info)
+        after, groups, moved = self._install(state, plan, rank, transfers, exchange_layers=not lost, current=current,
+                                             detach_kept=detach_kept)
+        info = account(moved)
         log.info("gen %d step %d node %s rank %d: entered from generation %d (%s, %d layer bytes moved, %.3f s)",
                  plan.generation, committed + 1, self.node, rank, previous,
                  "rolled forward" if rolled else "no step to roll forward", moved, info.seconds)
-        return info
+        # (nobody holding anything is the first start: layers built from the seed)
+        return Entered(state=after, info=info, groups=groups, lost=tuple(lost) if held else ())
 
-    def _transfer_sizes(self, tensor_parallel: int) -> list[int]:
+    def _transfer_sizes(self, state: WorkerState, tensor_parallel: int) -> list[int]:
         """Bytes of one lane's transfer of every layer, from the layers' shapes (meta device)."""
-        if getattr(self, "_meta_layers", None) is None:
-            self._meta_layers = build_meta_layers(self.cfg.model, self.layer_model.num_layers,
+        if self._meta_layers is None:
+            self._meta_layers = build_meta_layers(self.cfg.model, state.layer_model.num_layers,
                                                   seed=self.cfg.training.seed)
         return [transfer_bytes(layer, tensor_parallel) for layer in self._meta_layers]
 
@@ -145,125 +204,133 @@ class GenerationEntry:
         dist.init_process_group(backend_for(self.device), store=store, rank=rank,
                                 world_size=plan.entry_world_size, timeout=min(self.timeout, self.join_timeout))
 
-    def _agree_on_step(self) -> tuple[int, int]:
+    @staticmethod
+    def _agree_on_step(state: WorkerState) -> tuple[int, int]:
         """One MAX all-reduce: (newest generation anyone was in, newest step anyone committed)."""
-        agree = torch.tensor([self.generation, self.committed_step, self.synced_step], dtype=torch.float64)
+        agree = torch.tensor([state.generation, state.committed_step, state.synced_step], dtype=torch.float64)
         dist.all_reduce(agree, op=dist.ReduceOp.MAX)
         return int(agree[0]), int(agree[1])
 
-    def _settle(self, committed: int) -> tuple[bool, bool]:
+    @staticmethod
+    def _settle(state: WorkerState, committed: int, roll_forward: Callable[[int, float], None]) -> tuple[bool, bool]:
         """Settle the interrupted step by the commit rule: a worker holding the synchronised
         gradients of the step someone committed applies them (rolls forward); anything else (a
         discarded step, possibly half a backward pass) is dropped and replayed. Returns (rolled
         forward, this worker's layers are at the agreed step)."""
-        rolled = self.synced_step > self.committed_step and self.synced_step == committed
+        rolled = state.synced_step > state.committed_step and state.synced_step == committed
         if rolled:
-            self._apply(self.synced_step, self._synced_norm2)
-        current = self.committed_step == committed
-        self._zero_grad()
-        self.committed_step = self.synced_step = committed
+            roll_forward(state.synced_step, state.synced_norm2)
+        current = state.committed_step == committed
+        if state.optimizer is not None:
+            state.optimizer.zero_grad(set_to_none=True)
+        state.committed_step = state.synced_step = committed
         return rolled, current
 
-    def _agree_on_layouts(self, plan: Plan, rank: int, current: bool,
+    def _agree_on_layouts(self, state: WorkerState, plan: Plan, rank: int, current: bool,
                           load_plan: Callable[[int], Optional[Plan]]) -> dict[Identity, range]:
         """What every worker of `plan`'s entry (stages and donors) really holds: the layers of its
         stage in the generation it last entered (not always the previous one: an entry may have
         failed half-way on some workers), or nothing (new, restarted, or behind the agreed step).
         One all-reduce of generations; every copy is at the same committed step, so any is a source."""
         held = torch.zeros(plan.entry_world_size, dtype=torch.float64)
-        held[rank] = self.generation if self.owned and current else 0
+        held[rank] = state.generation if state.owned and current else 0
         dist.all_reduce(held)
         _set_pg_timeout(self.timeout)  # every peer is connected now
         layouts = {int(g) for g in held.tolist() if g > 0}
-        plans = {g: self.plan if self.plan is not None and self.plan.generation == g else load_plan(g) for g in layouts}
+        plans = {g: state.plan if state.plan is not None and state.plan.generation == g else load_plan(g)
+                 for g in layouts}
         missing = sorted(g for g, p in plans.items() if p is None)
         if missing:
             raise RuntimeError(f"plan(s) of generation(s) {missing} are not available to {self.identity}")
         return {ident: plans[int(held[r])].layers_by_worker().get(ident, range(0))
                 for ident, r in plan.entry_ranks().items() if int(held[r]) > 0}
 
-    def _install(self, plan: Plan, rank: int, transfers: list[Transfer], *, exchange_layers: bool,
-                 current: bool) -> int:
+    def _install(self, state: WorkerState, plan: Plan, rank: int, transfers: list[Transfer], *,
+                 exchange_layers: bool, current: bool, detach_kept: bool
+                 ) -> tuple[WorkerState, GenerationGroups, int]:
         """Build the stage's layers: kept ones stay (copies after an abandoned step), received ones
-        come with their optimizer state, others are built from the seed; then a new optimizer and
-        the pipeline. With tensor parallelism every layer is built again and sharded over the new
-        generation's lanes, and a kept layer's shards and optimizer state are copied into it.
-        Returns the layer bytes this worker sent plus received."""
+        are allocated and filled by the transfer with their optimizer state, others are built from
+        the seed (or read from the pretrained directory); then a new optimizer. With tensor
+        parallelism every layer is built again and sharded over the new generation's lanes, and a
+        kept layer's shards and optimizer state are copied into it. Returns the new state, the
+        generation's groups and the layer bytes this worker sent plus received."""
         stage = plan.stage_of(rank)[1]
         owned = list(range(stage.start, stage.end))
-        kept = [i for i in owned if i in self.owned] if current else []
-        groups = GenerationGroups(plan, self.layer_model, rank=rank, timeout=self.timeout,
+        kept = [i for i in owned if i in state.owned] if current else []
+        groups = GenerationGroups(plan, state.layer_model, rank=rank, timeout=self.timeout,
                                   connect_timeout=self.join_timeout, device_type=self.device.type)
         sharded = groups.mesh is not None
         fresh = owned if sharded else [i for i in owned if i not in kept]
-        target = build_layer_model(self.cfg.model, seed=self.cfg.training.seed, owned=fresh, device=str(self.device))
-        old_state = self.optimizer.state if self.optimizer is not None else {}
+        # layers about to be received are only allocated: their values come with the transfer
+        incoming = {t.layer for t in transfers if t.dst == rank} if exchange_layers else set()
+        target = build_layer_model(self.cfg.model, seed=self.cfg.training.seed, owned=fresh, device=str(self.device),
+                                   empty=incoming)
+        old_state = state.optimizer.state if state.optimizer is not None else {}
         if sharded:
             for i in owned:
                 parallelize_layer(target.layers[i], groups.mesh)
-            keep_state = {id(new): (new, state) for new, state in self._copy_kept_shards(kept, target, old_state)}
+            keep_state = {id(new): (new, st) for new, st in _copy_kept_shards(state.layer_model, kept, target,
+                                                                               old_state)}
         else:
-            kept_layers, kept_params = self._kept_layers(kept)
+            kept_layers, kept_params = _kept_layers(state.layer_model, kept, detach=detach_kept)
             for i in kept:
                 target.layers[i] = kept_layers[i]
-            retie(target)
+            target.retie()
             keep_state = {id(new): (new, {k: v.clone() if new is not old else v for k, v in old_state[old].items()})
                           for old, new in kept_params if old in old_state}
         states, moved = ({}, 0)
         if exchange_layers:
-            states, moved = exchange(transfers, rank=rank, source=self.layer_model, optimizer=self.optimizer,
+            states, moved = exchange(transfers, rank=rank, source=state.layer_model, optimizer=state.optimizer,
                                      target=target)
         if plan.donors:
             _release_donors()
-        self._detach_kept = False
-        self.layer_model, self.plan, self.generation, self.rank = target, plan, plan.generation, rank
-        self.groups = groups
-        self._adopt(owned, {**keep_state, **states})
-        self._build_pipeline(plan)
-        return moved
+        params = list(dict.fromkeys(p for i in owned for p in target.layers[i].parameters()))
+        optimizer = build_optimizer(params, self.cfg.training)
+        for p, st in {**keep_state, **states}.values():
+            if any(p is q for q in params):
+                optimizer.state[p] = st
+        after = WorkerState(layer_model=target, owned=owned, optimizer=optimizer, plan=plan,
+                            generation=plan.generation, rank=rank, committed_step=state.committed_step,
+                            synced_step=state.synced_step, params=params)
+        return after, groups, moved
 
-    def _copy_kept_shards(self, kept: list[int], target: LayerModel, old_state: dict[Any, dict[str, Any]]
-                          ) -> Iterator[tuple[nn.Parameter, dict[str, torch.Tensor]]]:
-        """Copy this lane's shards of the kept layers into `target`'s (built and sharded for the new
-        generation) and give their optimizer state, re-laid on the new lanes' mesh."""
-        for i in kept:
-            old_layer, new_layer = self.layer_model.layers[i], target.layers[i]
-            assert old_layer is not None and new_layer is not None
-            for (_, old), (name, new) in zip(old_layer.named_parameters(), new_layer.named_parameters()):
-                with torch.no_grad():
-                    local(new).copy_(_shard_of(new_layer, name, old))
-                if old in old_state:
-                    yield new, {k: v.clone() if k == "step" else wrap_like(new, _shard_of(new_layer, name, v).clone())
-                                for k, v in old_state[old].items()}
-
-    def _hand_over(self, plan: Plan, rank: int, transfers: list[Transfer], *, exchange_layers: bool) -> int:
+    def _hand_over(self, state: WorkerState, rank: int, transfers: list[Transfer], *, exchange_layers: bool) -> int:
         """A donor's part of the entry: send the layers (with their optimizer state) the plan's
         stages need from it, then leave the generation. Returns the bytes sent."""
         moved = 0
         if exchange_layers:
-            _, moved = exchange(transfers, rank=rank, source=self.layer_model, optimizer=self.optimizer,
-                                target=self.layer_model)
+            _, moved = exchange(transfers, rank=rank, source=state.layer_model, optimizer=state.optimizer,
+                                target=state.layer_model)
         _release_donors()
         release_groups(abort=False)
-        # drop the previous generation's pipeline and groups now, as a stage's next generation
-        # does: process groups left for the interpreter's exit to destroy abort it
-        self.stage_module = None
-        self._drop_groups()
-        self.plan, self.generation, self.owned, self.optimizer = plan, plan.generation, [], None
-        self.layer_model = build_layer_model(self.cfg.model, seed=self.cfg.training.seed, owned=[],
-                                             device=str(self.device))
-        gc.collect()
         return moved
 
-    def _kept_layers(self, kept: list[int]) -> tuple[dict[int, nn.Module], list[tuple[nn.Parameter, nn.Parameter]]]:
-        """The kept layers for the next generation and (old, new) pairs of their parameters: the
-        layers themselves, or copies after an abandoned step (whose thread may still run)."""
-        layers: dict[int, nn.Module] = {}
-        pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-        for i in kept:
-            old = self.layer_model.layers[i]
-            assert old is not None
-            new = copy.deepcopy(old) if self._detach_kept else old
-            layers[i] = new
-            pairs += list(zip(old.parameters(), new.parameters()))
-        return layers, pairs
+
+def _copy_kept_shards(old: LayerModel, kept: list[int], target: LayerModel, old_state: dict[Any, dict[str, Any]]
+                      ) -> Iterator[tuple[nn.Parameter, dict[str, torch.Tensor]]]:
+    """Copy this lane's shards of the kept layers into `target`'s (built and sharded for the new
+    generation) and give their optimizer state, re-laid on the new lanes' mesh."""
+    for i in kept:
+        old_layer, new_layer = old.layers[i], target.layers[i]
+        assert old_layer is not None and new_layer is not None
+        for (_, p_old), (name, p_new) in zip(old_layer.named_parameters(), new_layer.named_parameters()):
+            with torch.no_grad():
+                local(p_new).copy_(_shard_of(new_layer, name, p_old))
+            if p_old in old_state:
+                yield p_new, {k: v.clone() if k == "step" else wrap_like(p_new, _shard_of(new_layer, name, v).clone())
+                              for k, v in old_state[p_old].items()}
+
+
+def _kept_layers(old: LayerModel, kept: list[int], *, detach: bool
+                 ) -> tuple[dict[int, nn.Module], list[tuple[nn.Parameter, nn.Parameter]]]:
+    """The kept layers for the next generation and (old, new) pairs of their parameters: the
+    layers themselves, or copies after an abandoned step (`detach`: its thread may still run)."""
+    layers: dict[int, nn.Module] = {}
+    pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+    for i in kept:
+        layer = old.layers[i]
+        assert layer is not None
+        new = copy.deepcopy(layer) if detach else layer
+        layers[i] = new
+        pairs += list(zip(layer.parameters(), new.parameters()))
+    return layers, pairs

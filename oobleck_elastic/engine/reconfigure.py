@@ -185,17 +185,3 @@ def exchange(transfers: list[Transfer], *, rank: int, source: LayerModel, optimi
     for index, buf in received:
         states.update(_unflat(buf, target.layers[index]))
     return states, moved
-
-
-def retie(layer_model: LayerModel) -> None:
-    """Make every tied group one Parameter again among the layers held here (after splicing kept
-    and newly built layers together)."""
-    for group in layer_model.tied:
-        held = [(i, n) for i, n in group.members if layer_model.layers[i] is not None]
-        if len(held) < 2:
-            continue
-        first = layer_model.layers[held[0][0]].get_parameter(held[0][1])
-        for i, name in held[1:]:
-            owner_path, _, attr = name.rpartition(".")
-            owner = layer_model.layers[i].get_submodule(owner_path) if owner_path else layer_model.layers[i]
-            setattr(owner, attr, first)

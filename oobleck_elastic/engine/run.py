@@ -1,9 +1,16 @@
 """The training loop behind `examples/train.py`.
 
-`train(cfg)` runs as one worker of a job when started under `torchrun --rdzv-backend=oobleck`
-(the handler put `OOBLECK_RUN_ID` and the etcd settings in the environment), or in one process
-when started with plain `python` (the reference run). Both run the same loop, `_train`, over a
-`ControlPlane` (engine/control.py): etcd for a worker, a fixed one-worker plan for one process.
+`train(cfg, control)` runs one worker of a job over the control plane it is handed
+(`rendezvous/worker.py:WorkerContext` on etcd, which `examples/train.py` makes when started under
+`torchrun --rdzv-backend=oobleck`), or, with no control plane, one process (the reference run:
+`LocalControl`, a fixed one-worker plan). Both run the same loop over a `ControlPlane`
+(engine/control.py); this package never imports the control plane's own.
+
+The loop reads as its steps: wait for the next plan (`Target`: the first one, exactly the one
+every worker agreed on at a step boundary, or any newer one after a failure), enter it
+(`_Worker.enter`: entered, broken, or handed over as a donor), run its steps
+(`_Worker.run_generation`: finished, a boundary to an agreed generation, or broken), and so on.
+What is logged is `runlog.py`'s; when to checkpoint is `state.py:CheckpointPolicy`'s.
 
 A worker lives through generations without ever restarting:
 
@@ -31,264 +38,236 @@ A worker lives through generations without ever restarting:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional, Union
 
 import torch
 
-from .. import checkpoint as ckpt
 from ..config import JobConfig
-from ..planning import Plan
-from . import memory, state
 from ..models import build_layer_model
+from ..planning import Plan
+from . import memory
 from .control import ControlPlane, LocalControl
 from .data import build_dataset
 from .devices import configure_nccl, resolve_device
 from .errors import JobFailed, StepAbandoned, is_communication_error
-from .metrics import Metrics
-from .optim import lr_factor
+from .runlog import RunLog, Summary
 from .runner import StepRunner, exit_now_at_the_end
-from .trainer import LayersLost, Reconfiguration, StepResult, Trainer
+from .state import CheckpointPolicy
+from .trainer import LayersLost, Reconfiguration, Trainer
+
+__all__ = ["train", "Summary", "Target"]
 
 log = logging.getLogger("oobleck_elastic.train")
 
 
-@dataclass
-class Summary:
-    steps: int
-    """Steps run in this process."""
-    final_step: int
-    """Steps completed in total."""
-    first_loss: Optional[float]
-    """Loss of the first step run here."""
-    last_loss: Optional[float]
-    """Loss of the last step."""
-    seconds: float
-    """Wall time of the training loop."""
-    checkpoint: Optional[str]
-    """Final checkpoint directory (on the worker that wrote its manifest)."""
-    tensorboard: Optional[str]
-    """TensorBoard log directory (on the writer)."""
-    resumed_from: Optional[int]
-    """Step of the checkpoint training resumed from."""
-    reconfigurations: tuple[str, ...] = ()
-    """One line per generation change this worker went through."""
-
-    def lines(self) -> list[str]:
-        out = [f"trained steps {self.final_step - self.steps}..{self.final_step} in {self.seconds:.1f}s"
-               + (f" (resumed from step {self.resumed_from})" if self.resumed_from is not None else "")]
-        if self.first_loss is not None:
-            out.append(f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}")
-        out += [f"reconfiguration: {r}" for r in self.reconfigurations]
-        if self.checkpoint:
-            out.append(f"final checkpoint: {self.checkpoint}")
-        if self.tensorboard:
-            out.append(f"TensorBoard logs: {self.tensorboard}  (open with: tensorboard --logdir {self.tensorboard})")
-        return out
-
-
-def under_oobleck() -> bool:
-    return all(k in os.environ for k in ("OOBLECK_RUN_ID", "OOBLECK_ETCD_ENDPOINT", "TORCHELASTIC_RUN_ID"))
-
-
-def train(cfg: JobConfig, *, max_bytes: Optional[int] = None) -> Summary:
+def train(cfg: JobConfig, control: Optional[ControlPlane] = None, *, max_bytes: Optional[int] = None) -> Summary:
+    """Train as one worker over `control`, or as the single-process reference when it is None."""
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(message)s")
     torch.manual_seed(cfg.training.seed)
     dataset = build_dataset(cfg, log=log.info, max_bytes=max_bytes)
-    if under_oobleck():
-        from ..rendezvous.worker import WorkerContext
-
-        worker = WorkerContext.from_env()
-        try:
-            return _train(cfg, dataset, worker)
-        finally:
-            worker.close()
-    ctx = LocalControl(cfg, build_layer_model(cfg.model, seed=cfg.training.seed, owned=[]).num_layers)
-    return _train(cfg, dataset, ctx)
+    if control is None:
+        control = LocalControl(cfg, build_layer_model(cfg.model, seed=cfg.training.seed, owned=[]).num_layers)
+    return _train(cfg, dataset, control)
 
 
-class _Run:
-    """Metrics, checkpoints and the summary of one process, across generations."""
+@dataclass(frozen=True)
+class Target:
+    """The plan a worker waits for next."""
 
-    def __init__(self, cfg: JobConfig, *, node: str, rss_at_start: int) -> None:
-        self.cfg, self.node = cfg, node
-        self.tb_dir = str(Path(cfg.logging.tensorboard_dir) / cfg.name)
-        self.metrics: Optional[Metrics] = None
-        self.first: Optional[float] = None
-        self.last: Optional[float] = None
-        self.count = 0
-        self.resumed: Optional[int] = None
-        self.final_dir: Optional[Path] = None
-        self.changes: list[str] = []
-        self.t0 = time.monotonic()
-        self.last_step_end: Optional[float] = None  # monotonic time this worker's last step completed
-        self.pending: Optional[tuple[Reconfiguration, float, str, Optional[float]]] = None
-        self.nodes_before: tuple[str, ...] = ()  # nodes of the generation this process was in
-        self.broke_at: Optional[float] = None  # monotonic time this worker saw its generation break
-        self.restored = False  # the last entry restored the checkpoint (lost layers)
-        self.rss_at_start = rss_at_start  # before this worker held any layer
+    generation: int
+    """The generation wanted (or the lowest acceptable one)."""
+    exact: bool
+    """Exactly that generation (every worker agreed on it at a step boundary), or any newer one
+    giving this worker a stage."""
 
-    def broke(self) -> None:
-        """This worker saw its generation fail (a communication error or an abandoned step)."""
-        if self.broke_at is None:
-            self.broke_at = time.monotonic()
+    @classmethod
+    def first(cls) -> "Target":
+        return cls(1, False)
 
-    def intact_checkpoint(self, trainer: Trainer) -> Optional[Path]:
-        """The newest checkpoint whose every file verifies, found before anything is restored, so
-        a resume is all or nothing. Newer unusable ones are named in the log and set aside (kept,
-        never resumed from nor rewritten in place). Damaged ones and no intact one: an error
-        naming the bad file, never "no checkpoint"."""
-        path, unusable = ckpt.newest_intact_checkpoint(self.cfg.checkpoint.dir)
-        for u in unusable:
-            log.warning("gen %d node %s: checkpoint %s cannot be used: %s", trainer.generation, self.node,
-                        u.path.name, u.reason)
-        damaged = [u for u in unusable if u.damaged]
-        if damaged and path is None:
-            raise ckpt.CheckpointError(f"no intact checkpoint under {self.cfg.checkpoint.dir}: {damaged[0].reason}")
-        for u in unusable:
-            ckpt.set_aside(u.path, "corrupt" if u.damaged else "incomplete")
-        if unusable and path is not None:
-            log.warning("gen %d node %s: using checkpoint %s instead", trainer.generation, self.node, path.name)
-        return path
+    @classmethod
+    def exactly(cls, generation: int) -> "Target":
+        return cls(generation, True)
 
-    def resume(self, trainer: Trainer) -> int:
-        latest = self.intact_checkpoint(trainer) if self.cfg.checkpoint.resume else None
-        if latest is None:
-            return 0
-        self.resumed = state.restore(trainer, latest)
-        log.info("gen %d step %d node %s: resumed from %s", trainer.generation, self.resumed, self.node, latest)
-        return self.resumed
-
-    def restore_lost(self, trainer: Trainer, err: LayersLost) -> int:
-        latest = self.intact_checkpoint(trainer)
-        if latest is None:
-            raise RuntimeError(f"{err} and no checkpoint in {self.cfg.checkpoint.dir}: cannot continue without "
-                               "training on re-initialised layers; set checkpoint.interval_steps") from err
-        step = state.restore(trainer, latest)
-        self.restored = True
-        text = (f"generation {trainer.generation}: layers {err.layers} had no surviving copy; restored checkpoint "
-                f"{latest} and continue from step {step}")
-        log.warning("gen %d step %d node %s: %s", trainer.generation, step, self.node, text)
-        self.changes.append(text)
-        if self.metrics is not None:
-            self.metrics.text("reconfiguration", text, step)
-        return step
-
-    def entered(self, trainer: Trainer, info: Optional[Reconfiguration]) -> None:
-        writer = trainer.rank == 0
-        if writer and self.metrics is None:
-            t = self.cfg.training
-            seq_len = trainer.dataset[0][0].shape[-1]
-            self.metrics = Metrics(self.tb_dir, enabled=True, samples_per_step=t.global_batch_size,
-                                   tokens_per_step=t.global_batch_size * seq_len, total_steps=t.steps,
-                                   log_interval=self.cfg.logging.log_interval, node=self.node)
-        elif not writer and self.metrics is not None:
-            self.metrics.close()
-            self.metrics = None
-        step = info.resume_step if info else (self.resumed or 0)
-        if self.metrics is not None:
-            self.metrics.plan(trainer.plan, step)
-        nodes = trainer.plan.nodes if trainer.plan is not None else ()
-        self._log_memory(trainer, step)
-        if info is not None and info.previous > 0:
-            self.pending = (info, time.monotonic(), self._cause(nodes), self.broke_at)
-        self.nodes_before, self.broke_at, self.restored = nodes, None, False
-
-    def _log_memory(self, trainer: Trainer, step: int) -> None:
-        """This worker's memory on entering a generation: its peak so far (at the first entry:
-        before its first step), what its layers hold, and its resident memory at start."""
-        owned = trainer.owned
-        layers = f"layers [{owned[0]}, {owned[-1] + 1})" if owned else "no layers"
-        log.info("gen %d step %d node %s rank %d: memory on entering: %s; holds %s, %.3f GB of parameters and "
-                 "optimizer state; resident at start %.3f GB", trainer.generation, step, self.node, trainer.rank,
-                 memory.describe(memory.peak_rss_bytes(), memory.peak_device_bytes(trainer.device)), layers,
-                 trainer.held_bytes() / memory.GB, self.rss_at_start / memory.GB)
-
-    def _cause(self, nodes: tuple[str, ...]) -> str:
-        """Why the generation changed, as seen here, with the nodes involved."""
-        joined = [n for n in nodes if n not in self.nodes_before]
-        left = [n for n in self.nodes_before if n not in nodes]
-        kind = ("restore" if self.restored else "failure" if self.broke_at is not None
-                else "join" if joined and not left else "drain" if left and not joined else "re-plan")
-        who = " ".join([f"+{n}" for n in joined] + [f"-{n}" for n in left])
-        return f"{kind}{': ' + who if who else ''}"
-
-    def stepped(self, trainer: Trainer, result: StepResult, *, report: Optional[Callable[..., None]]) -> None:
-        self.first = result.loss if self.first is None else self.first
-        self.last = result.loss
-        self.count += 1
-        t = self.cfg.training
-        now = time.monotonic()
-        # the wall time since the previous step completed here: at a reconfiguration it includes
-        # the broken step, the reconfiguration and the replay, so samples/s there says what it cost
-        wall = now - self.last_step_end if self.last_step_end is not None else result.seconds
-        self.last_step_end = now
-        if self.metrics is not None:
-            self.metrics.step(result, lr=t.optimizer.lr * lr_factor(result.step, t), plan=trainer.plan, wall_s=wall)
-        if self.pending is not None:
-            info, at, cause, broke_at = self.pending
-            self.pending = None
-            p = trainer.plan
-            assert p is not None
-            since_failure = (f"; {time.monotonic() - broke_at:.3f}s after the failure was seen here"
-                             if broke_at is not None else "")
-            text = (f"generation {info.previous} -> {info.generation} ({cause}): {len(p.nodes)} node(s), "
-                    f"{len(p.pipelines)} pipeline(s); resumed at step {info.resume_step}"
-                    f"{' (rolled forward)' if info.rolled_forward else ''}; {info.bytes_moved} layer bytes moved "
-                    f"here in {info.seconds:.3f}s; first step done {time.monotonic() - at + info.seconds:.3f}s "
-                    f"after entering{since_failure}"
-                    + (f"; moved {'; '.join(m.describe() for m in info.moves)}" if info.moves else ""))
-            self.changes.append(text)
-            if self.metrics is not None:
-                self.metrics.reconfiguration(text, info, step=result.step)
-        if report is not None:
-            report(generation=trainer.generation, step=result.step + 1, loss=result.loss)
-        every = self.cfg.checkpoint.interval_steps
-        if every and (result.step + 1) % every == 0 and result.step + 1 < t.steps:
-            state.save(trainer, self.cfg.checkpoint.dir, next_step=result.step + 1)
-
-    def finish(self, trainer: Trainer) -> None:
-        if self.count or self.resumed is None:
-            self.final_dir = state.save(trainer, self.cfg.checkpoint.dir, next_step=self.cfg.training.steps)
-
-    def summary(self) -> Summary:
-        writer = self.metrics is not None
-        return Summary(steps=self.count, final_step=self.cfg.training.steps, first_loss=self.first,
-                       last_loss=self.last, seconds=time.monotonic() - self.t0,
-                       checkpoint=str(self.final_dir) if self.final_dir and writer else None,
-                       tensorboard=self.tb_dir if writer else None, resumed_from=self.resumed,
-                       reconfigurations=tuple(self.changes))
-
-    def close(self) -> None:
-        if self.metrics is not None:
-            self.metrics.close()
+    @classmethod
+    def newer_than(cls, generation: int) -> "Target":
+        return cls(generation + 1, False)
 
 
-def _next_plan(ctx: ControlPlane, *, at_least: int, exact: bool) -> Optional[Plan]:
-    """Wait for the plan to enter: generation `at_least` exactly (from the history, when every
-    worker agreed on it), or the newest one >= at_least that gives this worker a stage, or names
-    its node a donor. None when this worker must leave (job closed, node drained)."""
+def _next_plan(ctx: ControlPlane, target: Target) -> Optional[Plan]:
+    """Wait for the plan to enter (`target`): one that gives this worker a stage, or names its
+    node a donor. None when this worker must leave (job closed, node drained)."""
     while True:
         latest = ctx.plan()
-        plan = ctx.plan_at(at_least) if exact else latest
+        plan = ctx.plan_at(target.generation) if target.exact else latest
         donor = plan is not None and plan.donor_rank(ctx.node_id, ctx.local_rank) is not None
-        if donor and plan.generation >= at_least and ctx.should_leave(None) is None:
+        if donor and plan.generation >= target.generation and ctx.should_leave(None) is None:
             return plan  # drained: hand the layers over in this generation's entry, then leave
         if ctx.should_leave(latest):
             return None
-        if plan is not None and plan.generation >= at_least and ctx.my_stage(plan) is not None:
+        if plan is not None and plan.generation >= target.generation and ctx.my_stage(plan) is not None:
             return plan
-        if exact and plan is not None:  # no stage in the agreed generation (spare): wait for a later one
-            exact, at_least = False, plan.generation + 1
+        if target.exact and plan is not None:  # no stage in the agreed generation (spare): wait for a later one
+            target = Target.newer_than(plan.generation)
         time.sleep(0.05)
 
 
 def _describe(err: BaseException) -> str:
     first = str(err).splitlines()[0][:160] if str(err) else ""
     return f"{type(err).__name__}: {first}"
+
+
+@dataclass(frozen=True)
+class Entered:
+    """The worker entered the generation and goes on at `step`."""
+
+    info: Optional[Reconfiguration]
+    """The entry's account (None when a checkpoint was restored because layers were lost)."""
+    step: int
+
+
+@dataclass(frozen=True)
+class HandedOver:
+    """A drained node's worker handed its layers over and leaves the job."""
+
+
+@dataclass(frozen=True)
+class Broken:
+    """The generation broke here (a communication failure, or a step the control plane abandoned)."""
+
+    failure: str
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """Every worker agreed, at a step boundary, to move on to `generation`."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last step is done."""
+
+
+class _Worker:
+    """One worker's state across generations: its trainer, step runner, run log and checkpoints."""
+
+    def __init__(self, cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        device = resolve_device(cfg.training.device, ctx.local_rank)
+        if device.type == "cuda":
+            nccl, replaced = configure_nccl()
+            for message in replaced:
+                log.warning("node %s: %s", ctx.node_id, message)
+            log.info("node %s: worker %d on %s; NCCL settings %s", ctx.node_id, ctx.local_rank, device, nccl)
+        rss_at_start = memory.current_rss_bytes()
+        self.trainer = Trainer(cfg, dataset=dataset, node=ctx.node_id, local_rank=ctx.local_rank, device=device)
+        self.log = RunLog(cfg, node=ctx.node_id, rss_at_start=rss_at_start)
+        self.checkpoints = CheckpointPolicy(cfg, node=ctx.node_id)
+        self.runner = StepRunner(self.trainer.device)
+        self.step = 0
+
+    def enter(self, plan: Plan) -> Union[Entered, HandedOver, Broken]:
+        """Enter `plan`'s generation: connect, settle the interrupted step, move layers; at the
+        job's first start, resume from a checkpoint; when layers have no surviving copy, restore."""
+        trainer, ctx = self.trainer, self.ctx
+        info: Optional[Reconfiguration] = None
+        try:
+            try:
+                info = trainer.enter_generation(plan, ctx.store_for(plan.generation, self.cfg), load_plan=ctx.plan_at)
+                step = info.resume_step
+                if info.previous == 0 and step == 0:
+                    step = self.checkpoints.resume(trainer)
+            except LayersLost as err:
+                step, text = self.checkpoints.restore_lost(trainer, err)
+                self.log.restored_checkpoint(text, step)
+        except Exception as err:
+            if not is_communication_error(err):
+                raise
+            return self._broken_entry(plan, _describe(err))
+        if info is not None and info.donor:
+            exit_now_at_the_end("donor")
+            log.info("node %s: leaving the job (node %s was drained; its layers were handed over to generation %d)",
+                     ctx.node_id, ctx.node_id, plan.generation)
+            return HandedOver()
+        ctx.entered(plan.generation)
+        self.step = step
+        self.log.entered(trainer, info, step)
+        return Entered(info, step)
+
+    def _broken_entry(self, plan: Plan, failure: str) -> Union[HandedOver, Broken]:
+        """The entry failed (outside its except block: see Trainer.abort)."""
+        trainer, ctx = self.trainer, self.ctx
+        if ctx.my_stage(plan) is None:  # a donor: the others re-plan without it
+            trainer.abort()
+            log.warning("gen %d node %s: handing layers over to generation %d failed (%s); leaving the job "
+                        "(node drained)", trainer.generation, ctx.node_id, plan.generation, failure)
+            return HandedOver()
+        self.log.broke()
+        trainer.abort()
+        ctx.report_failure(plan.generation)
+        log.warning("gen %d node %s: entering generation %d failed (%s); waiting for a newer plan",
+                    trainer.generation, ctx.node_id, plan.generation, failure)
+        return Broken(failure)
+
+    def run_generation(self, plan: Plan) -> Union[Finished, Boundary, Broken]:
+        """Steps of the generation entered, until the last one, a boundary every worker agreed to
+        leave at, or a failure."""
+        trainer, ctx, steps = self.trainer, self.ctx, self.cfg.training.steps
+        should_abandon, watch_s = ctx.abandon_check(plan), self.cfg.fault_tolerance.watch_interval_s
+        failure, abandoned = None, False
+        try:
+            while self.step < steps:
+                latest = ctx.plan() if trainer.rank == 0 else None
+                seen = latest.generation if latest else 0
+                result = self.runner.run(lambda s=self.step, g=seen: trainer.train_step(s, seen_generation=g),
+                                         should_abandon=should_abandon, interval_s=watch_s)
+                self.log.stepped(trainer, result, report=ctx.report_progress if trainer.rank == 0 else None)
+                self.step += 1
+                self.checkpoints.after_step(trainer, self.step)
+                if result.next_generation > trainer.generation:
+                    return Boundary(result.next_generation)
+        except Exception as err:
+            if not is_communication_error(err):
+                raise
+            failure, abandoned = _describe(err), isinstance(err, StepAbandoned)
+        if failure is None:
+            return Finished()
+        self.log.broke()  # outside the except block: see Trainer.abort
+        trainer.abort(abandoned=abandoned)
+        if abandoned:  # the leader has acted already: no roll call needed
+            log.warning("gen %d step %d node %s: step abandoned (%s); entering the next generation",
+                        trainer.generation, self.step, ctx.node_id, failure)
+        else:
+            ctx.report_failure(trainer.generation)
+            log.warning("gen %d step %d node %s: communication failed (%s); waiting for the next plan",
+                        trainer.generation, self.step, ctx.node_id, failure)
+        return Broken(failure)
+
+    def finish(self) -> Summary:
+        """After the last step: the final checkpoint; the worker holding rank 0 closes the job."""
+        self.checkpoints.finish(self.trainer, trained=self.log.count > 0)
+        if self.trainer.rank == 0:
+            self.ctx.close_job(f"finished {self.cfg.training.steps} steps")
+        return self.summary()
+
+    def leave(self) -> Summary:
+        """The plan has no place for this worker any more: the job closed or the node was drained."""
+        failed = self.ctx.failure_of_job()
+        if failed is not None:
+            raise JobFailed(f"the job was closed as failed: {failed}")
+        log.info("node %s: leaving the job (%s)", self.ctx.node_id, self.ctx.should_leave(self.ctx.plan()))
+        return self.summary()
+
+    def summary(self) -> Summary:
+        return self.log.summary(checkpoint=self.checkpoints.final_dir, resumed=self.checkpoints.resumed)
+
+    def close(self) -> None:
+        self.runner.close()
+        self.log.close()
+        self.trainer.close()
 
 
 def _record_fatal(ctx: ControlPlane, cfg: JobConfig, err: BaseException, *, step: int, generation: int) -> None:
@@ -312,107 +291,29 @@ def _record_fatal(ctx: ControlPlane, cfg: JobConfig, err: BaseException, *, step
 
 def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
     """The one training loop of a worker (see the module docstring) or of the single process."""
-    device = resolve_device(cfg.training.device, ctx.local_rank)
-    if device.type == "cuda":
-        nccl, replaced = configure_nccl()
-        for message in replaced:
-            log.warning("node %s: %s", ctx.node_id, message)
-        log.info("node %s: worker %d on %s; NCCL settings %s", ctx.node_id, ctx.local_rank, device, nccl)
-    rss_at_start = memory.current_rss_bytes()
-    trainer = Trainer(cfg, dataset=dataset, node=ctx.node_id, local_rank=ctx.local_rank, device=device)
-    ctx.share_profile(cfg, trainer.device)
+    worker = _Worker(cfg, dataset, ctx)
+    ctx.share_profile(cfg, worker.trainer.device)
     ctx.report_ready()
-    steps = cfg.training.steps
-    ft = cfg.fault_tolerance
-    target, exact = 1, False
-    step = 0
-    plan: Optional[Plan] = None
-    run = _Run(cfg, node=ctx.node_id, rss_at_start=rss_at_start)
-    runner = StepRunner(trainer.device)
+    target, plan = Target.first(), None
     try:
         while True:
-            plan = _next_plan(ctx, at_least=target, exact=exact)
+            plan = _next_plan(ctx, target)
             if plan is None:
-                failed = ctx.failure_of_job()
-                if failed is not None:
-                    raise JobFailed(f"the job was closed as failed: {failed}")
-                log.info("node %s: leaving the job (%s)", ctx.node_id, ctx.should_leave(ctx.plan()))
-                return run.summary()
-            info: Optional[Reconfiguration] = None
-            failure: Optional[str] = None
-            try:
-                try:
-                    info = trainer.enter_generation(plan, ctx.store_for(plan.generation, cfg), load_plan=ctx.plan_at)
-                    step = info.resume_step
-                    if info.previous == 0 and step == 0:
-                        step = run.resume(trainer)
-                except LayersLost as err:
-                    step = run.restore_lost(trainer, err)
-            except Exception as err:
-                if not is_communication_error(err):
-                    raise
-                failure = _describe(err)
-            if info is not None and info.donor:
-                exit_now_at_the_end("donor")
-                log.info("node %s: leaving the job (node %s was drained; its layers were handed over to generation "
-                         "%d)", ctx.node_id, ctx.node_id, plan.generation)
-                return run.summary()
-            if failure is not None and ctx.my_stage(plan) is None:  # a donor: the others re-plan without it
-                trainer.abort()
-                log.warning("gen %d node %s: handing layers over to generation %d failed (%s); leaving the job "
-                            "(node drained)", trainer.generation, ctx.node_id, plan.generation, failure)
-                return run.summary()
-            if failure is not None:  # outside the except block: see Trainer.abort
-                run.broke()
-                trainer.abort()
-                ctx.report_failure(plan.generation)
-                log.warning("gen %d node %s: entering generation %d failed (%s); waiting for a newer plan",
-                            trainer.generation, ctx.node_id, plan.generation, failure)
-                target, exact = plan.generation + 1, False  # the roll call always ends in a newer plan
+                return worker.leave()
+            entered = worker.enter(plan)
+            if isinstance(entered, HandedOver):
+                return worker.summary()
+            if isinstance(entered, Broken):  # the roll call always ends in a newer plan
+                target = Target.newer_than(plan.generation)
                 continue
-            ctx.entered(plan.generation)
-            run.entered(trainer, info)
-            result = None
-            abandoned = False
-            should_abandon = ctx.abandon_check(plan)
-            try:
-                while step < steps:
-                    latest = ctx.plan() if trainer.rank == 0 else None
-                    seen = latest.generation if latest else 0
-                    result = runner.run(lambda s=step, g=seen: trainer.train_step(s, seen_generation=g),
-                                        should_abandon=should_abandon, interval_s=ft.watch_interval_s)
-                    run.stepped(trainer, result, report=ctx.report_progress if trainer.rank == 0 else None)
-                    step += 1
-                    if result.next_generation > trainer.generation:
-                        break
-            except Exception as err:
-                if not is_communication_error(err):
-                    raise
-                failure, abandoned = _describe(err), isinstance(err, StepAbandoned)
-            if failure is not None:
-                run.broke()
-                trainer.abort(abandoned=abandoned)
-                if abandoned:  # the leader has acted already: no roll call needed
-                    log.warning("gen %d step %d node %s: step abandoned (%s); entering the next generation",
-                                trainer.generation, step, ctx.node_id, failure)
-                else:
-                    ctx.report_failure(trainer.generation)
-                    log.warning("gen %d step %d node %s: communication failed (%s); waiting for the next plan",
-                                trainer.generation, step, ctx.node_id, failure)
-                target, exact = trainer.generation + 1, False
-                continue
-            if step >= steps:
-                run.finish(trainer)
-                if trainer.rank == 0:
-                    ctx.close_job(f"finished {steps} steps")
-                return run.summary()
-            assert result is not None
-            target, exact = result.next_generation, True
+            outcome = worker.run_generation(plan)
+            if isinstance(outcome, Finished):
+                return worker.finish()
+            target = (Target.exactly(outcome.generation) if isinstance(outcome, Boundary)
+                      else Target.newer_than(worker.trainer.generation))
     except Exception as err:
         if not isinstance(err, JobFailed):
-            _record_fatal(ctx, cfg, err, step=step, generation=plan.generation if plan is not None else 0)
+            _record_fatal(ctx, cfg, err, step=worker.step, generation=plan.generation if plan is not None else 0)
         raise
     finally:
-        runner.close()
-        run.close()
-        trainer.close()
+        worker.close()

@@ -10,6 +10,11 @@ Never in place: a complete checkpoint already at the step being saved is set asi
 Restore: a worker loads exactly the layers it now owns, whatever plan wrote them, copies the
 weights into its parameters and installs the optimizer state, and training resumes at the
 manifest's step. Tied parameters load the same values from both layers' files.
+
+`CheckpointPolicy` decides when: a resume at the first start (`checkpoint.resume`), a restore
+when some layer has no surviving copy, a save every `checkpoint.interval_steps` and at the end.
+A resume is all or nothing: the newest checkpoint whose every file verifies is found before
+anything is restored; newer unusable ones are named and set aside.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from .. import checkpoint as ckpt
-from ..config import to_dict
-from .trainer import Trainer
+from ..config import JobConfig, to_dict
+from .trainer import LayersLost, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -84,3 +89,65 @@ def restore(trainer: Trainer, path: str | Path) -> int:
     except KeyError as err:
         raise ckpt.CheckpointError(f"checkpoint {step_path}: {err.args[0]}") from None
     return int(manifest["step"])
+
+
+class CheckpointPolicy:
+    """When a worker resumes, restores and saves (module docstring)."""
+
+    def __init__(self, cfg: JobConfig, *, node: str) -> None:
+        self.cfg, self.node = cfg, node
+        self.resumed: Optional[int] = None
+        """Step of the checkpoint the job resumed from at its start, if any."""
+        self.final_dir: Optional[Path] = None
+        """The final checkpoint, once written."""
+
+    def intact_checkpoint(self, trainer: Trainer) -> Optional[Path]:
+        """The newest checkpoint whose every file verifies, found before anything is restored, so
+        a resume is all or nothing. Newer unusable ones are named in the log and set aside (kept,
+        never resumed from nor rewritten in place). Damaged ones and no intact one: an error
+        naming the bad file, never "no checkpoint"."""
+        path, unusable = ckpt.newest_intact_checkpoint(self.cfg.checkpoint.dir)
+        for u in unusable:
+            log.warning("gen %d node %s: checkpoint %s cannot be used: %s", trainer.generation, self.node,
+                        u.path.name, u.reason)
+        damaged = [u for u in unusable if u.damaged]
+        if damaged and path is None:
+            raise ckpt.CheckpointError(f"no intact checkpoint under {self.cfg.checkpoint.dir}: {damaged[0].reason}")
+        for u in unusable:
+            ckpt.set_aside(u.path, "corrupt" if u.damaged else "incomplete")
+        if unusable and path is not None:
+            log.warning("gen %d node %s: using checkpoint %s instead", trainer.generation, self.node, path.name)
+        return path
+
+    def resume(self, trainer: Trainer) -> int:
+        """At the job's first start: the step to begin at (0, or a checkpoint's when resuming)."""
+        latest = self.intact_checkpoint(trainer) if self.cfg.checkpoint.resume else None
+        if latest is None:
+            return 0
+        self.resumed = restore(trainer, latest)
+        log.info("gen %d step %d node %s: resumed from %s", trainer.generation, self.resumed, self.node, latest)
+        return self.resumed
+
+    def restore_lost(self, trainer: Trainer, err: LayersLost) -> tuple[int, str]:
+        """Some layer has no surviving copy: restore the newest checkpoint (all workers do).
+        Returns (the step to go on from, a line saying what happened)."""
+        latest = self.intact_checkpoint(trainer)
+        if latest is None:
+            raise RuntimeError(f"{err} and no checkpoint in {self.cfg.checkpoint.dir}: cannot continue without "
+                               "training on re-initialised layers; set checkpoint.interval_steps") from err
+        step = restore(trainer, latest)
+        text = (f"generation {trainer.generation}: layers {err.layers} had no surviving copy; restored checkpoint "
+                f"{latest} and continue from step {step}")
+        log.warning("gen %d step %d node %s: %s", trainer.generation, step, self.node, text)
+        return step, text
+
+    def after_step(self, trainer: Trainer, done: int) -> None:
+        """`done` steps are complete: save every `checkpoint.interval_steps` (not the last: `finish`)."""
+        every = self.cfg.checkpoint.interval_steps
+        if every and done % every == 0 and done < self.cfg.training.steps:
+            save(trainer, self.cfg.checkpoint.dir, next_step=done)
+
+    def finish(self, trainer: Trainer, *, trained: bool) -> None:
+        """The final checkpoint (unless this run resumed at the end and trained nothing)."""
+        if trained or self.resumed is None:
+            self.final_dir = save(trainer, self.cfg.checkpoint.dir, next_step=self.cfg.training.steps)

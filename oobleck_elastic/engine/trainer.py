@@ -1,9 +1,10 @@
 """The trainer: one worker's part of a plan.
 
 A `Trainer` starts with no layers at all: its `LayerModel` knows every layer's name and shape
-but holds none (`None` entries). Entering a generation (`enter_generation`, engine/entry.py:
-connect, agree on the committed step, move layers, install the stage) builds, receives or
-restores exactly the layers of its stage, directly on its device. There is no other mode: the
+but holds none (`None` entries). Entering a generation (`enter_generation`, through the
+`GenerationEntry` of engine/generation.py: connect, agree on the committed step, move layers,
+install the stage) builds, receives or restores exactly the layers of its stage, directly on
+its device, as a new `WorkerState`; the trainer then builds the stage's pipeline schedule. There is no other mode: the
 single-process reference (`single_process`) is a worker that entered the one-worker plan (one
 pipeline, one stage holding every layer), so it runs the same entry and the same step as any
 worker of a job. With tensor parallelism the worker is one lane of its stage: its layers hold
@@ -29,14 +30,14 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..config import JobConfig
-from ..models import build_layer_model
+from ..models import LayerModel, build_layer_model
 from ..models.tensor_parallel import from_full, local, to_full, wrap_like
 from ..planning import Plan
 from . import memory
@@ -44,9 +45,11 @@ from .data import collate, pipeline_slices
 from .devices import release_groups, to_device
 from .errors import StepAbandoned
 from .faults import FaultInjector
-from .groups import GradSync
-from .entry import GenerationEntry, LayersLost, Reconfiguration  # noqa: F401 - re-exported
-from .optim import build_optimizer, clip_coefficient, scale_grads, set_lr, token_sum_loss
+from .groups import GenerationGroups, GradSync
+from .generation import GenerationEntry, LayersLost, Reconfiguration, WorkerState
+from .optim import clip_coefficient, scale_grads, set_lr, token_sum_loss
+
+__all__ = ["Trainer", "StepResult", "LayersLost", "Reconfiguration", "WorkerState", "single_process"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,7 @@ class Autocast(nn.Module):
         return out.float() if out.is_floating_point() else out
 
 
-class Trainer(GenerationEntry):
+class Trainer:
     def __init__(self, cfg: JobConfig, *, dataset: Any, plan: Optional[Plan] = None, rank: int = 0,
                  store: Optional[dist.Store] = None, timeout: Optional[timedelta] = None,
                  device: str | torch.device = "cpu", node: str = "local", local_rank: int = 0) -> None:
@@ -100,19 +103,12 @@ class Trainer(GenerationEntry):
         self.loss_fn = token_sum_loss(t.global_batch_size * seq_len)
         self.dtype = torch.bfloat16 if t.precision == "bf16" else None
         self.timeout = timeout or timedelta(seconds=cfg.fault_tolerance.comm_timeout_s)
-        self.join_timeout = timedelta(seconds=cfg.fault_tolerance.join_timeout_s)
-        self.plan: Optional[Plan] = None
-        self.generation = 0
-        self.rank = rank
         self.lane = 0  # this worker's tensor-parallel lane in its stage
-        self.identity = (node, local_rank)
-        self.committed_step = -1  # last step whose optimizer update was applied
-        self.synced_step = -1  # last step whose gradients and norm are fully synchronised here
-        self._synced_norm2 = 0.0
-        self.owned: list[int] = []
-        self.layer_model = build_layer_model(cfg.model, seed=t.seed, owned=[], device=device)
-        self.optimizer: Optional[torch.optim.Optimizer] = None
-        self.params: list[nn.Parameter] = []
+        self.state = WorkerState(layer_model=build_layer_model(cfg.model, seed=t.seed, owned=[], device=device))
+        """What this worker holds across generations (layers, optimizer, steps): only its stage's."""
+        self.groups: Optional[GenerationGroups] = None
+        self.grad_sync: Optional[GradSync] = None
+        self.schedule: Any = None
         self.stage_module: Optional[nn.Module] = None
         self.step_group: Optional[dist.ProcessGroup] = None
         """The group of the generation's step collectives: its stages (None: the whole world)."""
@@ -124,31 +120,80 @@ class Trainer(GenerationEntry):
         self._epoch = 0
         self._detach_kept = False
         self.faults = FaultInjector.from_env()
+        identity = (node, local_rank)
         if plan is not None:  # enter it now (tests and benchmarks); a job's loop enters plans itself
             placed = plan.stage_of(rank)[1]
-            self.identity = (placed.node, placed.local_rank + rank - placed.rank)
+            identity = (placed.node, placed.local_rank + rank - placed.rank)
+        self.entry = GenerationEntry(cfg, device=self.device, identity=identity, timeout=self.timeout,
+                                     join_timeout=timedelta(seconds=cfg.fault_tolerance.join_timeout_s))
+        if plan is not None:
             self.enter_generation(plan, store)
+
+    # ------------------------------------------------------------------ the state, read-only
+    @property
+    def plan(self) -> Optional[Plan]:
+        return self.state.plan
+
+    @property
+    def generation(self) -> int:
+        return self.state.generation
+
+    @property
+    def rank(self) -> int:
+        return self.state.rank
+
+    @property
+    def owned(self) -> list[int]:
+        return self.state.owned
+
+    @property
+    def layer_model(self) -> LayerModel:
+        return self.state.layer_model
+
+    @property
+    def optimizer(self) -> Optional[torch.optim.Optimizer]:
+        return self.state.optimizer
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self.state.params
+
+    @property
+    def committed_step(self) -> int:
+        return self.state.committed_step
+
+    # ------------------------------------------------------------------ entering a generation
+    def enter_generation(self, plan: Plan, store: Optional[dist.Store], *,
+                         load_plan: Callable[[int], Optional[Plan]] = lambda g: None) -> Reconfiguration:
+        """Enter `plan`'s generation (engine/generation.py) and build the stage's schedule. Raises
+        LayersLost, with the new stage installed, when a layer has no surviving copy (the caller
+        restores the newest checkpoint)."""
+        self.stage_module = None
+        self._drop_groups()  # the previous generation's: its groups are destroyed by the entry
+        entered = self.entry.enter(self.state, plan, store, roll_forward=self._apply, detach_kept=self._detach_kept,
+                                   load_plan=load_plan)
+        self.state, self._detach_kept = entered.state, False
+        if entered.groups is None:  # a donor: it holds nothing now and leaves
+            gc.collect()
+            return entered.info
+        self.groups = entered.groups
+        self._build_pipeline(plan)
+        if entered.lost:
+            raise LayersLost(list(entered.lost))
+        return entered.info
 
     def _drop_groups(self) -> None:
         """Forget this generation's schedule and process groups (a gloo group closes its sockets
         only when the last reference to it goes)."""
         self.schedule = None
-        self.grad_sync = None  # type: ignore[assignment]
-        self.groups = None  # type: ignore[assignment]
+        self.grad_sync = None
+        self.groups = None
         self.step_group = None
-
-    def _adopt(self, owned: list[int], states: dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]]) -> None:
-        """Use the layers `owned` of self.layer_model with a new optimizer holding `states`."""
-        self.owned = owned
-        self.params = list(dict.fromkeys(p for i in owned for p in self.layer_model.layers[i].parameters()))
-        self.optimizer = build_optimizer(self.params, self.cfg.training)
-        for p, state in states.values():
-            if any(p is q for q in self.params):
-                self.optimizer.state[p] = state
 
     def _build_pipeline(self, plan: Plan) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+        assert self.groups is not None
         self.pipeline, self.stage = plan.stage_of(self.rank)
         self.lane = self.rank - self.stage.rank
         # the generation's stages without its donors (which leave after the entry); None = the world
@@ -212,6 +257,7 @@ class Trainer(GenerationEntry):
         self.faults.check(rank=self.rank, step=step)
         x, y = collate(self.dataset, self.my_samples(step))
         schedule, grad_sync, step_group = self.schedule, self.grad_sync, self.step_group
+        assert grad_sync is not None, "enter a generation first"
         loss = self._forward_backward_pipeline(x, y, schedule)
         grad_sync.all_reduce()
         # control collectives: CPU tensors, so they go over gloo whatever the data backend
@@ -221,7 +267,7 @@ class Trainer(GenerationEntry):
         dist.all_reduce(reduced, group=step_group)
         norm2, loss = float(reduced[0]), float(reduced[1])
         with self._current(epoch):
-            self.synced_step, self._synced_norm2 = step, norm2
+            self.state.synced_step, self.state.synced_norm2 = step, norm2
         # COMMIT: returns only once every worker has finished this step's communication; it also
         # carries the newest plan generation anyone has seen, so all leave at the same boundary
         # (and, at no extra cost, the largest peak memory of any worker)
@@ -248,12 +294,8 @@ class Trainer(GenerationEntry):
             scale_grads(self.params, clip_coefficient(norm2, self.cfg.training.optimizer.grad_clip))
             set_lr(self.optimizer, step, self.cfg.training)
             self.optimizer.step()
-            self._zero_grad()
-            self.committed_step = step
-
-    def _zero_grad(self) -> None:
-        if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
+            self.state.committed_step = step
 
     # ------------------------------------------------------------------ state
     def held_bytes(self) -> int:
@@ -308,7 +350,7 @@ class Trainer(GenerationEntry):
                         k: torch.as_tensor(v).to("cpu", copy=True) if k == "step" else
                         wrap_like(p, from_full(layer, name, torch.as_tensor(v)).to(p.device, copy=True))
                         for k, v in moments.items()}
-        self.committed_step = self.synced_step = int(state["next_step"]) - 1
+        self.state.committed_step = self.state.synced_step = int(state["next_step"]) - 1
 
     def abort(self, *, abandoned: bool = False) -> None:
         """After a communication error, or when the control plane abandoned a step (`abandoned`):

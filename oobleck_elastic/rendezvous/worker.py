@@ -52,6 +52,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def under_oobleck(environ: Optional[dict[str, str]] = None) -> bool:
+    """Whether this process is a worker started by torchrun with the oobleck rendezvous backend
+    (the handler put the run id and the etcd settings in its environment)."""
+    env = os.environ if environ is None else environ
+    return all(k in env for k in ("OOBLECK_RUN_ID", "OOBLECK_ETCD_ENDPOINT", "TORCHELASTIC_RUN_ID"))
+
+
 class GenerationSuperseded(dist.DistStoreError):
     """A newer plan was published while this worker was joining a generation (a store error, so
     the engine treats it as a communication failure and moves on to the newer generation)."""
