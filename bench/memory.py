@@ -102,7 +102,7 @@ def worker(rank: int, world: int, tmp: str, over: list[str], out: str) -> None:
 
 def model_bytes(over: list[str]) -> int:
     from oobleck_elastic.config import load_config
-    from oobleck_elastic.models import build_meta_layers
+    from oobleck_elastic.models.build import build_meta_layers
 
     cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", over)
     layers = build_meta_layers(cfg.model, cfg.model.num_layers + 2, seed=0)

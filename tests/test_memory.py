@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from oobleck_elastic.planning import LayerProfile, ModelProfile
 from helpers import run_job
@@ -66,3 +67,8 @@ def test_every_worker_holds_its_stage_not_the_model(tmp_path: Path, etcd_server,
                                                 f"first step for a stage of {held_bytes / 1e6:.0f} MB")
     assert full > 4e8  # the whole model: several times any stage
     assert max(float(h) for *_, h, _ in found) * 1e9 < full / 3
+    # TensorBoard has the largest worker's peak (carried in the step's commit all-reduce)
+    ea = EventAccumulator(str(tmp_path / "job" / "runs" / "gpt2-tiny"), size_guidance={"scalars": 0})
+    ea.Reload()
+    peak = ea.Scalars("memory/peak_rss_gb")[-1].value
+    assert max(float(p) for _, _, _, p, *_ in found) <= peak < 4, peak

@@ -237,11 +237,27 @@ def build_layer_model(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | Non
         return _build_pretrained(cfg, owned=owned, device=device)
     config = hf_config(cfg)
     family, n = cfg.family, cfg.num_layers + 2
-    keep = _check_owned(owned, n)
     tied = cfg.tie_embeddings or family == "gpt2"
     emb_name = _EMBED_NAME.get(family, "embed_tokens.weight")
-    rotary_cls = None if family == "gpt2" else getattr(_modeling(family),
-                                                       f"{_ROPE_PREFIX[family]}RotaryEmbedding")
+
+    def draw(i: int, layer: nn.Module, prefixes: dict[str, str], hf_names: list[dict[str, str]]) -> None:
+        layer.to_empty(device=device)  # materialised where it trains, never whole on the CPU first
+        keys = {"lm_head.weight": (0, emb_name)} if tied and i == n - 1 else {}
+        _init_parameters(layer, seed=seed, index=i, std=config.initializer_range,
+                         n_blocks=cfg.num_layers, seed_keys=keys)
+    return assemble(family, config, keep=_check_owned(owned, n), tied=tied, device=device, fill=draw)
+
+
+def assemble(family: str, config: Any, *, keep: set[int], tied: bool, device: str | torch.device,
+             fill: Callable[[int, nn.Module, dict[str, str], list[dict[str, str]]], None]) -> LayerModel:
+    """The flat layers of a Hugging Face `config`: every layer constructed on the meta device (for
+    its names: no memory, no RNG), the layers of `keep` materialised on `device` by
+    `fill(index, layer, local -> HF prefixes, HF names of the layers so far)`, which must leave no
+    meta parameter; a Rope layer then gets its rotary embedding (non-persistent `inv_freq`,
+    computed on the CPU), and tied ends built here share one Parameter."""
+    n = config.num_hidden_layers + 2
+    emb_name = _EMBED_NAME.get(family, "embed_tokens.weight")
+    rotary_cls = None if family == "gpt2" else getattr(_modeling(family), f"{_ROPE_PREFIX[family]}RotaryEmbedding")
     layers: list[nn.Module | None] = []
     hf_names: list[dict[str, str]] = []
     for i in range(n):
@@ -250,18 +266,16 @@ def build_layer_model(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | Non
         if i not in keep:
             layers.append(None)
             continue
-        layer.to_empty(device=device)  # materialised where it trains, never whole on the CPU first
+        fill(i, layer, prefixes, hf_names)
         if isinstance(layer, RopeDecoderLayer):
-            layer.rotary_emb = rotary_cls(config).to(device)  # non-persistent inv_freq computed on CPU
-        keys = {"lm_head.weight": (0, emb_name)} if tied and i == n - 1 else {}
-        _init_parameters(layer, seed=seed, index=i, std=config.initializer_range,
-                         n_blocks=cfg.num_layers, seed_keys=keys)
+            assert rotary_cls is not None
+            layer.rotary_emb = rotary_cls(config).to(device)
         layers.append(layer)
-    if tied and layers[0] is not None and layers[-1] is not None:
-        layers[-1].lm_head.weight = layers[0].get_parameter(emb_name)
     groups = [TiedGroup([(0, emb_name), (n - 1, "lm_head.weight")])] if tied else []
-    return LayerModel(layers=layers, names=_head_index_names(cfg.num_layers), hf_names=hf_names,
-                      tied=groups, hf_config=config)
+    model = LayerModel(layers=layers, names=_head_index_names(n - 2), hf_names=hf_names, tied=groups,
+                       hf_config=config)
+    model.retie()
+    return model
 
 
 def _num_layers(cfg: ModelConfig) -> int:
@@ -277,13 +291,10 @@ def _owned_list(cfg: ModelConfig, owned: Iterable[int] | None) -> list[int]:
 def _fill_empty(model: LayerModel, cfg: ModelConfig, indices: list[int], device: str | torch.device) -> None:
     """Put allocated, uninitialised layers `indices` into `model` (tied ends share one Parameter)."""
     config = _pretrained_config(cfg) if cfg.pretrained_path else hf_config(cfg)
-    family, n = config.model_type, model.num_layers
+    empty = assemble(config.model_type, config, keep=set(indices), tied=bool(model.tied), device=device,
+                     fill=lambda i, layer, prefixes, names: layer.to_empty(device=device))
     for i in indices:
-        layer, _ = _meta_layer(family, config, i, n)
-        layer.to_empty(device=device)
-        if isinstance(layer, RopeDecoderLayer):
-            layer.rotary_emb = getattr(_modeling(family), f"{_ROPE_PREFIX[family]}RotaryEmbedding")(config).to(device)
-        model.layers[i] = layer
+        model.layers[i] = empty.layers[i]
     model.retie()
 
 

@@ -48,7 +48,6 @@ from torch import nn
 
 from ..config import ModelConfig
 from .layers import LayerModel, RopeDecoderLayer, check_attn_implementation
-from .ties import TiedGroup
 
 __all__ = ["WEIGHTS_FILE", "INDEX_FILE", "pretrained_dir", "pretrained_config", "is_tied",
            "WeightReader", "build_pretrained"]
@@ -254,28 +253,21 @@ def build_pretrained(cfg: ModelConfig, *, owned: Iterable[int] | None,
 
     Only the owned layers' tensors are read (see the module docstring), in `dtype` on `device`.
     """
-    from .build import (_EMBED_NAME, _ROPE_PREFIX, _check_owned, _head_index_names, _hf_names,
-                        _meta_layer, _modeling)
+    from .build import _EMBED_NAME, _check_owned, assemble
 
     config = pretrained_config(cfg)
     path = pretrained_dir(cfg.pretrained_path or "")
     family, n = config.model_type, config.num_hidden_layers + 2
-    keep = _check_owned(owned, n)
     tied = is_tied(config)
     emb_name = _EMBED_NAME.get(family, "embed_tokens.weight")
     reader = WeightReader(path, family=family, device=device, dtype=dtype)
-    layers: list[nn.Module | None] = []
-    hf_names: list[dict[str, str]] = []
-    for i in range(n):
-        layer, prefixes = _meta_layer(family, config, i, n)
-        hf_names.append(_hf_names(layer, prefixes))
-        if i not in keep:
-            layers.append(None)
-            continue
-        names = dict(hf_names[-1])
+    keep = _check_owned(owned, n)
+
+    def read(i: int, layer: nn.Module, prefixes: dict[str, str], hf_names: list[dict[str, str]]) -> None:
+        names = dict(hf_names[i])
         if tied and i == n - 1:
             if 0 in keep:
-                del names["lm_head.weight"]  # becomes layer 0's Parameter below
+                del names["lm_head.weight"]  # becomes layer 0's Parameter (assemble reties)
             else:
                 names["lm_head.weight"] = hf_names[0][emb_name]
         buffers, computed = _persistent_buffers(layer, prefixes)
@@ -284,17 +276,12 @@ def build_pretrained(cfg: ModelConfig, *, owned: Iterable[int] | None,
         _check_shapes(layer, tensors, names, reader)
         for local, key in names.items():
             _set_tensor(layer, local, tensors[key])
-        del tensors
-        if isinstance(layer, RopeDecoderLayer):
-            rotary = getattr(_modeling(family), f"{_ROPE_PREFIX[family]}RotaryEmbedding")(config)
-            layer.rotary_emb = rotary.to(device)  # non-persistent inv_freq computed on CPU
-        elif computed:
+        if computed and not isinstance(layer, RopeDecoderLayer):
             raise RuntimeError(f"layer {i} of the {family} model has non-persistent buffers "
                                f"{computed} that per-layer loading cannot compute; this "
                                "transformers version is not supported for model.pretrained_path")
-        layers.append(layer)
-    if tied and layers[0] is not None and layers[-1] is not None:
-        layers[-1].lm_head.weight = layers[0].get_parameter(emb_name)
+    model = assemble(family, config, keep=keep, tied=tied, device=device, fill=read)
+    layers = model.layers
     for i, layer in enumerate(layers):
         if layer is None:
             continue
@@ -303,6 +290,4 @@ def build_pretrained(cfg: ModelConfig, *, owned: Iterable[int] | None,
         if left:
             raise RuntimeError(f"layer {i} still has meta tensors {left} after loading "
                                f"model.pretrained_path '{path}'")
-    groups = [TiedGroup([(0, emb_name), (n - 1, "lm_head.weight")])] if tied else []
-    return LayerModel(layers=layers, names=_head_index_names(n - 2), hf_names=hf_names,
-                      tied=groups, hf_config=config)
+    return model
