@@ -23,10 +23,11 @@ the model's full parameter bytes:
 
 `growth_minus_params_bytes` = peak before the first step - resident at start - the worker's stage
 parameters: the constant a worker adds whatever the model (the goal: it does not grow with the
-stage count or the model). `--startup` adds a ~1 B-parameter Llama on 4 stages beside a
-quarter-size one on 1 stage (the same stage size): their start-up times should match.
+stage count or the model). `--startup` runs instead a ~1 B-parameter Llama on 4 stages beside a
+0.34 B one on 1 stage (about the size of the largest of those 4 stages) and the ~1 B one on 1
+stage: start-up should follow the stage (the first two alike), not the model.
 
-Run (about 3-6 minutes on 2 cores; `--quick` for a small model):
+Run (about 3-6 minutes each on 2 cores; `--quick` for a small model):
 
     python bench/memory.py
     python bench/memory.py --startup
@@ -147,18 +148,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--quick", action="store_true", help="a small model (smoke run)")
-    ap.add_argument("--startup", action="store_true", help="also: start-up of a ~1 B Llama on 4 stages")
+    ap.add_argument("--startup", action="store_true",
+                    help="instead: start-up of a ~1 B Llama on 4 and 1 stages and of a 0.34 B one on 1 stage")
     args = ap.parse_args()
     model = QUICK if args.quick else GPT2
-    with tempfile.TemporaryDirectory() as tmp:
-        pretrained = Path(tmp) / "gpt2"
-        save_pretrained(model, pretrained)
-        for init in ("random", "pretrained"):
-            for stages in args.stages:
-                print(json.dumps(run_case(model, stages, init, pretrained if init == "pretrained" else None)),
-                      flush=True)
-    if args.startup:
-        for model, stages in ((LLAMA_1B, 4), (LLAMA_QUARTER, 1)):
+    if not args.startup:
+        with tempfile.TemporaryDirectory() as tmp:
+            pretrained = Path(tmp) / "gpt2"
+            save_pretrained(model, pretrained)
+            for init in ("random", "pretrained"):
+                for stages in args.stages:
+                    print(json.dumps(run_case(model, stages, init, pretrained if init == "pretrained" else None)),
+                          flush=True)
+    else:
+        for model, stages in ((LLAMA_1B, 4), (LLAMA_QUARTER, 1), (LLAMA_1B, 1)):
             print(json.dumps({**run_case(model, stages, "random", None), "bench": "startup"}), flush=True)
 
 

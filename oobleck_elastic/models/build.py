@@ -11,8 +11,8 @@ Three sources of layers:
   `stable_seed(seed, layer_index, parameter_name)` (sha256 -> 63 bits). Layer i therefore depends
   only on (seed, i): two workers with different stage splits hold bit-identical copies. Owned
   layers are materialised directly on the training device (`to_empty`), each parameter's numbers
-  drawn on the CPU one tensor at a time and copied in, so no layer is ever whole on the CPU and
-  the numbers do not depend on the device. The
+  drawn on the CPU (in place on a CPU device; on a GPU through one host tensor at a time), so no
+  layer is ever whole on the host and the numbers do not depend on the device. The
   scheme follows Hugging Face: matrices and embeddings N(0, initializer_range), residual output
   projections (GPT-2 `c_proj`, Llama `o_proj`/`down_proj`) N(0, initializer_range/sqrt(2N)),
   biases 0, norm weights 1. A tied `lm_head.weight` is seeded with the embedding's key, so a
@@ -196,8 +196,12 @@ def _init_parameters(layer: nn.Module, *, seed: int, index: int, std: float, n_b
                 key_index, key_name = seed_keys.get(name, (index, name))
                 gen = torch.Generator().manual_seed(stable_seed(seed, key_index, key_name))
                 scale = std / math.sqrt(2 * n_blocks) if name.endswith(_RESIDUAL_OUT) else std
-                # drawn on the CPU (the same numbers whatever the device), one tensor at a time
-                p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, scale, generator=gen))
+                # drawn on the CPU (the same numbers whatever the device): in place there, else
+                # through one host tensor at a time
+                if p.device.type == "cpu":
+                    p.normal_(0.0, scale, generator=gen)
+                else:
+                    p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, scale, generator=gen))
 
 
 def _check_owned(owned: Iterable[int] | None, n: int) -> set[int]:
