@@ -183,11 +183,14 @@ def _is_norm(module: nn.Module) -> bool:
 
 @torch.no_grad()
 def _init_parameters(layer: nn.Module, *, seed: int, index: int, std: float, n_blocks: int,
-                     seed_keys: dict[str, tuple[int, str]]) -> None:
-    """Draw every parameter of `layer` from its own generator (see module docstring)."""
+                     seed_keys: dict[str, tuple[int, str]], skip: frozenset[str] = frozenset()) -> None:
+    """Draw every parameter of `layer` (but those in `skip`) from its own generator (see module
+    docstring)."""
     for mod_name, module in layer.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             name = f"{mod_name}.{pname}" if mod_name else pname
+            if name in skip:
+                continue
             if _is_norm(module):
                 p.fill_(1.0 if pname == "weight" else 0.0)
             elif pname == "bias" or p.ndim < 2:
@@ -247,9 +250,12 @@ def build_layer_model(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | Non
     def draw(i: int, layer: nn.Module, prefixes: dict[str, str], hf_names: list[dict[str, str]]) -> None:
         layer.to_empty(device=device)  # materialised where it trains, never whole on the CPU first
         keys = {"lm_head.weight": (0, emb_name)} if tied and i == n - 1 else {}
+        # a tied head built with the embedding becomes the embedding's Parameter: nothing to draw
+        skip = frozenset(keys) if 0 in keep else frozenset()
         _init_parameters(layer, seed=seed, index=i, std=config.initializer_range,
-                         n_blocks=cfg.num_layers, seed_keys=keys)
-    return assemble(family, config, keep=_check_owned(owned, n), tied=tied, device=device, fill=draw)
+                         n_blocks=cfg.num_layers, seed_keys=keys, skip=skip)
+    keep = _check_owned(owned, n)
+    return assemble(family, config, keep=keep, tied=tied, device=device, fill=draw)
 
 
 def assemble(family: str, config: Any, *, keep: set[int], tied: bool, device: str | torch.device,
