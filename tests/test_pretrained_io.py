@@ -186,6 +186,18 @@ def test_a_tied_head_alone_reads_the_embedding(dirs, monkeypatch):
     assert both.layers[3].lm_head.weight is both.layers[0].wte.weight
 
 
+def test_empty_layers_are_allocated_not_read(dirs, monkeypatch):
+    """Layers about to be received (`empty`) are allocated with their shapes, and none of their
+    tensors is read; the others are read as usual, and tied ends still share one Parameter."""
+    rec = Recorder(monkeypatch)
+    lm = build_layer_model(cfg_for(dirs["gpt2", "sharded"]), seed=0, owned=[0, 1, 2, 3], empty=[1, 3])
+    assert lm.built == [0, 1, 2, 3]
+    assert not any(k.startswith(("transformer.h.0.", "transformer.ln_f.")) for k in rec.reads), sorted(rec.reads)
+    assert {k for k in rec.reads if k.startswith("transformer.h.1.")} == set(lm.hf_names[2].values())
+    assert all(not p.is_meta for i in (1, 3) for p in lm.layers[i].parameters())
+    assert lm.layers[3].lm_head.weight is lm.layers[0].wte.weight
+
+
 # --------------------------------------------------------------------- bad input: one exact line each
 
 

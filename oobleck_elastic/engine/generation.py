@@ -16,6 +16,7 @@ optimizer, committed step, generation, plan, rank) and returns the next one; `Tr
 state, runs steps on it, and builds the pipeline schedule of what the entry installed. The only
 thing the entry asks of the trainer is to apply an interrupted step when it rolls forward.
 """
+
 from __future__ import annotations
 
 import copy
@@ -102,7 +103,7 @@ class WorkerState:
 
 
 @dataclass(frozen=True)
-class Entered:
+class Installed:
     """What `GenerationEntry.enter` installed."""
 
     state: WorkerState
@@ -141,7 +142,7 @@ class GenerationEntry:
 
     def enter(self, state: WorkerState, plan: Plan, store: Optional[dist.Store], *,
               roll_forward: Callable[[int, float], None], detach_kept: bool,
-              load_plan: Callable[[int], Optional[Plan]] = lambda g: None) -> Entered:
+              load_plan: Callable[[int], Optional[Plan]] = lambda g: None) -> Installed:
         """Join generation `plan.generation` from `state`: connect, agree on the step, settle the
         interrupted step (`roll_forward(step, norm2)` applies it to `state`), agree on who holds
         what, move layers and install the new stage's layers and optimizer. `detach_kept`: a step
@@ -159,12 +160,16 @@ class GenerationEntry:
         rolled, current = self._settle(state, committed, roll_forward)
         held = self._agree_on_layouts(state, plan, rank, current, load_plan)
         transfers, lost = plan_transfers(held, plan)
-        moves = moves_of(transfers, plan, self._transfer_sizes(state, plan.tensor_parallel)) if not lost else ()
+        moves = ()  # what moves when nothing is lost (meta shapes built only then)
+        if transfers and not lost:
+            moves = moves_of(transfers, plan, self._transfer_sizes(state, plan.tensor_parallel))
+        # (nobody holding anything is the first start: layers built from the seed, none lost)
+        lost_layers = tuple(lost) if held else ()
 
         def account(moved: int, donor: bool = False) -> Reconfiguration:
             return Reconfiguration(generation=plan.generation, previous=previous, resume_step=committed + 1,
                                    rolled_forward=rolled, bytes_moved=moved, seconds=time.perf_counter() - t0,
-                                   donor=donor, moves=moves, lost_layers=tuple(lost) if held else ())
+                                   donor=donor, moves=moves, lost_layers=lost_layers)
         if stage is None:
             moved = self._hand_over(state, rank, transfers, exchange_layers=not lost)
             info = account(moved, donor=True)
@@ -176,15 +181,14 @@ class GenerationEntry:
                                 plan=plan, generation=plan.generation, rank=rank, committed_step=committed,
                                 synced_step=committed)
             gc.collect()
-            return Entered(state=after, info=info)
+            return Installed(state=after, info=info)
         after, groups, moved = self._install(state, plan, rank, transfers, exchange_layers=not lost, current=current,
                                              detach_kept=detach_kept)
         info = account(moved)
         log.info("gen %d step %d node %s rank %d: entered from generation %d (%s, %d layer bytes moved, %.3f s)",
                  plan.generation, committed + 1, self.node, rank, previous,
                  "rolled forward" if rolled else "no step to roll forward", moved, info.seconds)
-        # (nobody holding anything is the first start: layers built from the seed)
-        return Entered(state=after, info=info, groups=groups, lost=tuple(lost) if held else ())
+        return Installed(state=after, info=info, groups=groups, lost=lost_layers)
 
     def _transfer_sizes(self, state: WorkerState, tensor_parallel: int) -> list[int]:
         """Bytes of one lane's transfer of every layer, from the layers' shapes (meta device)."""
@@ -286,8 +290,9 @@ class GenerationEntry:
             _release_donors()
         params = list(dict.fromkeys(p for i in owned for p in target.layers[i].parameters()))
         optimizer = build_optimizer(params, self.cfg.training)
+        ours = {id(p) for p in params}
         for p, st in {**keep_state, **states}.values():
-            if any(p is q for q in params):
+            if id(p) in ours:
                 optimizer.state[p] = st
         after = WorkerState(layer_model=target, owned=owned, optimizer=optimizer, plan=plan,
                             generation=plan.generation, rank=rank, committed_step=state.committed_step,

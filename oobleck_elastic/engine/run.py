@@ -45,7 +45,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ..config import JobConfig
-from ..models import build_layer_model
+from ..models import num_layers
 from ..planning import Plan
 from . import memory
 from .control import ControlPlane, LocalControl
@@ -68,7 +68,7 @@ def train(cfg: JobConfig, control: Optional[ControlPlane] = None, *, max_bytes: 
     torch.manual_seed(cfg.training.seed)
     dataset = build_dataset(cfg, log=log.info, max_bytes=max_bytes)
     if control is None:
-        control = LocalControl(cfg, build_layer_model(cfg.model, seed=cfg.training.seed, owned=[]).num_layers)
+        control = LocalControl(cfg, num_layers(cfg.model))
     return _train(cfg, dataset, control)
 
 

@@ -4,14 +4,14 @@ A `Trainer` starts with no layers at all: its `LayerModel` knows every layer's n
 but holds none (`None` entries). Entering a generation (`enter_generation`, through the
 `GenerationEntry` of engine/generation.py: connect, agree on the committed step, move layers,
 install the stage) builds, receives or restores exactly the layers of its stage, directly on
-its device, as a new `WorkerState`; the trainer then builds the stage's pipeline schedule. There is no other mode: the
-single-process reference (`single_process`) is a worker that entered the one-worker plan (one
-pipeline, one stage holding every layer), so it runs the same entry and the same step as any
-worker of a job. With tensor parallelism the worker is one lane of its stage: its layers hold
-that lane's shards, and every lane runs the same schedule. A step (`train_step`) runs the
-pipeline's schedule (1F1B, or GPipe when chosen or when the pipeline has fewer microbatches
-than stages; a one-stage pipeline runs its microbatches one after another) on its share of the
-global batch, then:
+its device, as a new `WorkerState`; the trainer then builds the stage's pipeline schedule.
+There is no other mode: the single-process reference (`single_process`) is a worker that
+entered the one-worker plan (one pipeline, one stage holding every layer), so it runs the same
+entry and the same step as any worker of a job. With tensor parallelism the worker is one lane
+of its stage: its layers hold that lane's shards, and every lane runs the same schedule. A step
+(`train_step`) runs the pipeline's schedule (1F1B, or GPipe when chosen or when the pipeline has
+fewer microbatches than stages; a one-stage pipeline runs its microbatches one after another) on
+its share of the global batch, then:
 
 1. gradients are SUM-reduced among each layer's holders (GradSync);
 2. one all-reduce over the generation sums the squared gradient norm and the loss;
@@ -21,6 +21,7 @@ global batch, then:
    the newest plan generation each worker has seen, so everyone leaves for a new generation at
    the same step boundary.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import JobConfig
-from ..models import LayerModel, build_layer_model
+from ..models import LayerModel, build_layer_model, num_layers
 from ..models.tensor_parallel import from_full, local, to_full, wrap_like
 from ..planning import Plan
 from . import memory
@@ -168,23 +169,23 @@ class Trainer:
         """Enter `plan`'s generation (engine/generation.py) and build the stage's schedule. Raises
         LayersLost, with the new stage installed, when a layer has no surviving copy (the caller
         restores the newest checkpoint)."""
-        self.stage_module = None
         self._drop_groups()  # the previous generation's: its groups are destroyed by the entry
-        entered = self.entry.enter(self.state, plan, store, roll_forward=self._apply, detach_kept=self._detach_kept,
-                                   load_plan=load_plan)
-        self.state, self._detach_kept = entered.state, False
-        if entered.groups is None:  # a donor: it holds nothing now and leaves
+        installed = self.entry.enter(self.state, plan, store, roll_forward=self._apply,
+                                     detach_kept=self._detach_kept, load_plan=load_plan)
+        self.state, self._detach_kept = installed.state, False
+        if installed.groups is None:  # a donor: it holds nothing now and leaves
             gc.collect()
-            return entered.info
-        self.groups = entered.groups
+            return installed.info
+        self.groups = installed.groups
         self._build_pipeline(plan)
-        if entered.lost:
-            raise LayersLost(list(entered.lost))
-        return entered.info
+        if installed.lost:
+            raise LayersLost(list(installed.lost))
+        return installed.info
 
     def _drop_groups(self) -> None:
-        """Forget this generation's schedule and process groups (a gloo group closes its sockets
-        only when the last reference to it goes)."""
+        """Forget this generation's stage, schedule and process groups (a gloo group closes its
+        sockets only when the last reference to it goes)."""
+        self.stage_module = None
         self.schedule = None
         self.grad_sync = None
         self.groups = None
@@ -380,9 +381,10 @@ def single_process(cfg: JobConfig, *, dataset: Any, device: str | torch.device =
     """The single-process reference: a trainer that entered the one-worker plan (one stage holding
     every layer) on an in-memory store. It initialises this process's default process group (a
     world of one); `close()` it before making another."""
-    from .control import one_worker_plan
+    from .control import LocalControl
 
-    num_layers = build_layer_model(cfg.model, seed=cfg.training.seed, owned=[]).num_layers
-    store = dist.HashStore()
-    store.set_timeout(timedelta(seconds=cfg.fault_tolerance.comm_timeout_s))
-    return Trainer(cfg, dataset=dataset, plan=one_worker_plan(cfg, num_layers), rank=0, store=store, device=device)
+    control = LocalControl(cfg, num_layers(cfg.model))
+    plan = control.plan()
+    assert plan is not None
+    return Trainer(cfg, dataset=dataset, plan=plan, rank=0, store=control.store_for(plan.generation, cfg),
+                   device=device)

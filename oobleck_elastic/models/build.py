@@ -41,7 +41,7 @@ from .layers import (GPT2BlockLayer, GPT2Embedding, LayerModel, LMHead, RopeDeco
 from .ties import TiedGroup, find_tied_parameters
 
 __all__ = ["HF_FAMILIES", "stable_seed", "hf_config", "flatten_hf_model", "build_layer_model",
-           "build_meta_layers", "layers_from_modules", "LayerModel"]
+           "build_meta_layers", "layers_from_modules", "num_layers", "LayerModel"]
 
 HF_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
 _ROPE_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -234,28 +234,35 @@ def build_layer_model(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | Non
     """
     if cfg.family == "custom":  # a user's factory builds its own way: no empty layers
         return _build_custom(cfg, seed=seed, owned=owned, device=device)
-    blank = set(empty) & (set(owned) if owned is not None else set(range(_num_layers(cfg))))
-    if blank:
-        model = build_layer_model(cfg, seed=seed, owned=[i for i in _owned_list(cfg, owned) if i not in blank],
-                                  device=device)
-        _fill_empty(model, cfg, sorted(blank), device)
-        return model
     if cfg.pretrained_path:
-        return _build_pretrained(cfg, owned=owned, device=device)
+        return _build_pretrained(cfg, owned=owned, device=device, empty=empty)
     config = hf_config(cfg)
     family, n = cfg.family, cfg.num_layers + 2
     tied = cfg.tie_embeddings or family == "gpt2"
     emb_name = _EMBED_NAME.get(family, "embed_tokens.weight")
+    keep = _check_owned(owned, n)
+    blank = set(empty)
 
     def draw(i: int, layer: nn.Module, prefixes: dict[str, str], hf_names: list[dict[str, str]]) -> None:
         layer.to_empty(device=device)  # materialised where it trains, never whole on the CPU first
+        if i in blank:
+            return
         keys = {"lm_head.weight": (0, emb_name)} if tied and i == n - 1 else {}
         # a tied head built with the embedding becomes the embedding's Parameter: nothing to draw
         skip = frozenset(keys) if 0 in keep else frozenset()
         _init_parameters(layer, seed=seed, index=i, std=config.initializer_range,
                          n_blocks=cfg.num_layers, seed_keys=keys, skip=skip)
-    keep = _check_owned(owned, n)
     return assemble(family, config, keep=keep, tied=tied, device=device, fill=draw)
+
+
+def num_layers(cfg: ModelConfig) -> int:
+    """How many flat layers the model of `cfg` has (embedding, blocks, head), without building
+    any: from the config, a pretrained directory's config.json, or a custom factory's list."""
+    if cfg.family == "custom":
+        return len(_build_custom(cfg, seed=0, owned=[], device="cpu").layers)
+    if cfg.pretrained_path:
+        return _pretrained_config(cfg).num_hidden_layers + 2
+    return cfg.num_layers + 2
 
 
 def assemble(family: str, config: Any, *, keep: set[int], tied: bool, device: str | torch.device,
@@ -286,26 +293,6 @@ def assemble(family: str, config: Any, *, keep: set[int], tied: bool, device: st
                        hf_config=config)
     model.retie()
     return model
-
-
-def _num_layers(cfg: ModelConfig) -> int:
-    if cfg.pretrained_path:
-        return _pretrained_config(cfg).num_hidden_layers + 2
-    return cfg.num_layers + 2
-
-
-def _owned_list(cfg: ModelConfig, owned: Iterable[int] | None) -> list[int]:
-    return sorted(_check_owned(owned, _num_layers(cfg)))
-
-
-def _fill_empty(model: LayerModel, cfg: ModelConfig, indices: list[int], device: str | torch.device) -> None:
-    """Put allocated, uninitialised layers `indices` into `model` (tied ends share one Parameter)."""
-    config = _pretrained_config(cfg) if cfg.pretrained_path else hf_config(cfg)
-    empty = assemble(config.model_type, config, keep=set(indices), tied=bool(model.tied), device=device,
-                     fill=lambda i, layer, prefixes, names: layer.to_empty(device=device))
-    for i in indices:
-        model.layers[i] = empty.layers[i]
-    model.retie()
 
 
 def build_meta_layers(cfg: ModelConfig, end: int, *, seed: int) -> list[nn.Module]:
@@ -364,11 +351,11 @@ def _pretrained_config(cfg: ModelConfig) -> Any:
 
 
 def _build_pretrained(cfg: ModelConfig, *, owned: Iterable[int] | None,
-                      device: str | torch.device) -> LayerModel:
+                      device: str | torch.device, empty: Iterable[int] = ()) -> LayerModel:
     """Only the owned layers' tensors are read, straight onto `device` (see pretrained.py)."""
     from .pretrained import build_pretrained
 
-    return build_pretrained(cfg, owned=owned, device=device)
+    return build_pretrained(cfg, owned=owned, device=device, empty=empty)
 
 
 # ----------------------------------------------------------------------------- custom

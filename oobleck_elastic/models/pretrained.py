@@ -248,10 +248,11 @@ def _check_shapes(layer: nn.Module, tensors: dict[str, torch.Tensor], names: dic
 
 def build_pretrained(cfg: ModelConfig, *, owned: Iterable[int] | None,
                      device: str | torch.device = "cpu",
-                     dtype: torch.dtype = torch.float32) -> LayerModel:
+                     dtype: torch.dtype = torch.float32, empty: Iterable[int] = ()) -> LayerModel:
     """The layers of `owned` (None = all) read from `cfg.pretrained_path`; the others are None.
 
-    Only the owned layers' tensors are read (see the module docstring), in `dtype` on `device`.
+    Only the owned layers' tensors are read (see the module docstring), in `dtype` on `device`;
+    owned layers also in `empty` are only allocated (their values come from a peer or a checkpoint).
     """
     from .build import _EMBED_NAME, _check_owned, assemble
 
@@ -262,8 +263,12 @@ def build_pretrained(cfg: ModelConfig, *, owned: Iterable[int] | None,
     emb_name = _EMBED_NAME.get(family, "embed_tokens.weight")
     reader = WeightReader(path, family=family, device=device, dtype=dtype)
     keep = _check_owned(owned, n)
+    blank = set(empty)
 
     def read(i: int, layer: nn.Module, prefixes: dict[str, str], hf_names: list[dict[str, str]]) -> None:
+        if i in blank:
+            layer.to_empty(device=device)
+            return
         names = dict(hf_names[i])
         if tied and i == n - 1:
             if 0 in keep:
