@@ -59,16 +59,31 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "stdlib"
-    """`stdlib` (the Python standard library's source files, present on every machine) or
-    `files` (the text files listed in `paths`)."""
+    """`stdlib` (the Python standard library's source files, present on every machine), `files`
+    (the text files in `paths`), `jsonl` / `parquet` (JSON-lines / Parquet files, or directories
+    of *.jsonl, *.json / *.parquet, in `paths`; one document per row), `hf_disk` (the
+    `datasets.Dataset.save_to_disk` directory `paths[0]`) or `tokens` (pre-tokenized flat .bin or
+    1-D .npy files in `paths`, memory-mapped as they are, in order; no tokenizer, no cache)."""
     paths: list[str] = field(default_factory=list)
-    """Text files or directories for source=files."""
+    """Files or directories of the source (all sources but stdlib)."""
     tokenizer: str = "bytes"
-    """`bytes` (vocab 256) or `bpe` (byte-level BPE trained on the corpus and cached)."""
+    """`bytes` (vocab 256), `bpe` (byte-level BPE trained on the corpus and cached) or `hf` (the
+    pretrained tokenizer in `tokenizer_path`). Not used by source=tokens."""
+    tokenizer_path: Optional[str] = None
+    """For tokenizer=hf: a local directory saved by `transformers` / `tokenizers` (save_pretrained);
+    its vocabulary must fit model.vocab_size. Nothing is downloaded."""
+    text_field: str = "text"
+    """The column holding each document's text (source=jsonl, parquet, hf_disk)."""
+    token_dtype: str = "uint16"
+    """dtype of the .bin files of source=tokens: `uint16` (nanoGPT; ids < 65536) or `uint32`.
+    .npy files carry their own dtype."""
+    num_proc: int = 1
+    """Processes that tokenise a text dataset (1 = in the worker itself, which a fast tokenizer
+    already spreads over threads); raise it for large corpora. Tokenising happens once per host."""
     seq_len: int = 64
     """Tokens per sample (the microbatch shape is microbatch_size x seq_len)."""
     cache_dir: str = ".oobleck-cache"
-    """Where tokenizers, token files and profiles are cached."""
+    """Where tokenizers, token files, Arrow copies of JSONL/Parquet datasets and profiles are cached."""
 
 
 @dataclass
@@ -101,8 +116,11 @@ class LRScheduleConfig:
 class TrainingConfig:
     global_batch_size: int = 16
     """Samples per optimizer step, summed over all pipelines."""
-    microbatch_size: int = 2
-    """Samples per microbatch; global_batch_size must be a multiple of it."""
+    microbatch_size: Union[int, str] = 2
+    """Samples per microbatch; global_batch_size must be a multiple of it. `auto` = the planner
+    picks it for the job, once: the divisor of global_batch_size (up to global_batch_size /
+    (f+1)) whose plan has the best estimated samples/s with every stage fitting in memory
+    (planning/microbatch.py); the plan carries it to every worker."""
     steps: int = 20
     """Optimizer steps to run."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -117,6 +135,14 @@ class TrainingConfig:
     NCCL on CUDA and gloo on the CPU; control collectives always run on CPU tensors over gloo."""
     seed: int = 1234
     """Seeds layer initialisation (per layer index) and data order (per step)."""
+    compile: Optional[bool] = None
+    """Compile every layer with torch.compile (one graph per kind of layer, shared by identical
+    blocks, compiled before the worker joins so that reconfiguration never compiles; see
+    engine/compiled.py). None = on for CUDA, off for the CPU."""
+    peak_tflops: Optional[float] = None
+    """Dense peak TFLOP/s of one device at the training precision, for MFU. None = from the table
+    of known GPUs (engine/mfu.py: H100, H200, A100, ...); CPUs and unlisted GPUs then report MFU
+    as unknown."""
 
 
 @dataclass
@@ -247,8 +273,9 @@ class JobConfig:
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.family": ("gpt2", "llama", "mistral", "qwen2", "custom"),
     "model.attn_implementation": ("sdpa", "eager"),
-    "data.source": ("stdlib", "files"),
-    "data.tokenizer": ("bytes", "bpe"),
+    "data.source": ("stdlib", "files", "jsonl", "parquet", "hf_disk", "tokens"),
+    "data.tokenizer": ("bytes", "bpe", "hf"),
+    "data.token_dtype": ("uint16", "uint32"),
     "training.optimizer.name": ("adamw", "sgd"),
     "training.lr_schedule.decay": ("constant", "linear", "cosine"),
     "training.precision": ("fp32", "bf16"),
@@ -339,7 +366,7 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
                         f"{cfg.fault_tolerance.join_timeout_s} and {cfg.fault_tolerance.comm_timeout_s})")
     for key in ("model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",
                 "model.max_seq_len", "data.seq_len", "training.global_batch_size",
-                "training.microbatch_size", "planning.gpus_per_node", "planning.profile_repeats",
+                "planning.gpus_per_node", "planning.profile_repeats",
                 "fault_tolerance.max_repeated_errors"):
         if get(key) < 1:
             problems.append(f"'{key}' must be >= 1 (got {get(key)})")
@@ -348,7 +375,10 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
         if get(key) < 0:
             problems.append(f"'{key}' must be >= 0 (got {get(key)})")
     t = cfg.training
-    if t.microbatch_size >= 1 and t.global_batch_size % t.microbatch_size:
+    mbs = t.microbatch_size
+    if mbs != "auto" and (isinstance(mbs, (str, bool)) or mbs < 1):
+        problems.append(f"'training.microbatch_size' is {mbs!r}: give a number >= 1 or auto")
+    elif mbs != "auto" and t.global_batch_size % t.microbatch_size:
         problems.append(
             f"'training.global_batch_size' ({t.global_batch_size}) must be a multiple of "
             f"'training.microbatch_size' ({t.microbatch_size}): change one of them, e.g. "
@@ -356,6 +386,8 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
     if cfg.fault_tolerance.f < 0:
         problems.append(f"'fault_tolerance.f' must be >= 0 (got {cfg.fault_tolerance.f}): "
                         "it is the number of simultaneous node failures to survive")
+    if t.peak_tflops is not None and t.peak_tflops <= 0:
+        problems.append(f"'training.peak_tflops' must be > 0 (got {t.peak_tflops}); leave it unset for the table")
     if cfg.planning.device_memory_gb is not None and cfg.planning.device_memory_gb <= 0:
         problems.append(f"'planning.device_memory_gb' must be > 0 (got {cfg.planning.device_memory_gb})")
     if not 0 <= cfg.planning.memory_margin < 1:
@@ -373,8 +405,20 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
     if cfg.model.family == "custom" and not cfg.model.custom_factory:
         problems.append("'model.family' is custom but 'model.custom_factory' is not set "
                         "(give module:function returning a list[nn.Module])")
-    if cfg.data.source == "files" and not cfg.data.paths:
-        problems.append("'data.source' is files but 'data.paths' is empty")
+    d = cfg.data
+    if d.source in ("files", "jsonl", "parquet", "hf_disk", "tokens") and not d.paths:
+        problems.append(f"'data.source' is {d.source} but 'data.paths' is empty")
+    if d.source == "hf_disk" and len(d.paths) > 1:
+        problems.append(f"'data.source' is hf_disk but 'data.paths' has {len(d.paths)} entries: give the one "
+                        "directory written by Dataset.save_to_disk")
+    if d.tokenizer == "hf" and d.source != "tokens" and not d.tokenizer_path:
+        problems.append("'data.tokenizer' is hf but 'data.tokenizer_path' is not set: give the directory of a "
+                        "tokenizer saved with save_pretrained")
+    if d.tokenizer_path and d.tokenizer != "hf":
+        problems.append(f"'data.tokenizer_path' is set but 'data.tokenizer' is {d.tokenizer}: set data.tokenizer=hf "
+                        "to use it")
+    if d.num_proc < 1:
+        problems.append(f"'data.num_proc' must be >= 1 (got {d.num_proc})")
     p = cfg.planning
     tp = p.tensor_parallel
     if tp != "auto" and (isinstance(tp, str) or tp < 1 or (p.gpus_per_node >= 1 and p.gpus_per_node % tp)):

@@ -1,6 +1,8 @@
 """Training data: an offline text corpus, a tokenizer, a cached token file and per-step batches.
 
-Mechanism, in the order the data flows:
+Mechanism, in the order the data flows (steps 1-3 for the built-in corpora; `data.source=jsonl|parquet|
+hf_disk` text datasets, the `hf` tokenizer and pre-tokenized `tokens` files come from `sources`, whose
+docstring explains them, and then go through the same steps 4-6):
 
 1. **Corpus** (`corpus_files`). `data.source=stdlib` uses the CPython standard library's own
    `.py` files (found with `sysconfig.get_paths()["stdlib"]`, so every machine with the same
@@ -16,8 +18,9 @@ Mechanism, in the order the data flows:
    list, their sizes, the byte cap and the vocab size.
 3. **Token cache**. The tokenised corpus is one flat numpy array (uint16, or uint32 for a vocab
    over 65536) in `<cache_dir>/tokens/<key>.npy`, memory-mapped when read. Every cache file is
-   written to a temporary name in the same directory, fsynced and renamed, so workers that race
-   to build the same cache never see a partial file.
+   written to a temporary name in the same directory, fsynced and renamed, so no reader ever sees
+   a partial file, and built under an flock of `<key>.npy.lock` (`sources.build_once`): of the
+   workers of a host that start together, one tokenises and the others wait for its file.
 4. **Samples** (`TokenWindows`). Sample i is the window `tokens[i*L : i*L + L + 1]`; its input
    is the first L tokens and its labels the last L (the next token at every position).
 5. **Batches**. `GlobalBatchSampler.indices(step)` is the global batch of one optimizer step, a
@@ -27,6 +30,10 @@ Mechanism, in the order the data flows:
    resumes from a checkpoint) at step s therefore continues with exactly the samples it would
    have seen. `pipeline_slices` splits that global batch between the pipelines of a plan in
    proportion to their microbatches, contiguously and in pipeline order.
+6. **Prefetch** (`BatchPrefetcher`). While step s runs, a background thread collates the batch
+   of step s+1 (pinned when CUDA is available); `get(step)` uses it only when it was made for
+   the same step and the same indices (the caller's `indices_of`, which follows the plan), so it
+   always returns `collate(dataset, indices_of(step))`.
 """
 
 from __future__ import annotations
@@ -36,34 +43,31 @@ import json
 import os
 import sysconfig
 import time
-import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from ..config import JobConfig
 from ..models.build import stable_seed
+from .sources import (BATCH_DOCS, EOT_TOKEN, TEXT_SOURCES, DataError, TokenizerSpec, build_once, files_key,
+                      iter_text_batches, load_hf_tokenizer, load_text_dataset, load_token_cache, open_token_files,
+                      text_source_files, tokenize_texts, tokenizer_fingerprint, write_token_npy)
+from .sources import atomic_write as _atomic_write
 
 __all__ = ["DataError", "STDLIB_MAX_BYTES", "STDLIB_EXCLUDE", "EOT_TOKEN", "corpus_files",
            "read_corpus", "load_or_train_bpe", "tokenize_corpus", "TokenWindows", "build_dataset",
-           "GlobalBatchSampler", "pipeline_slices", "collate"]
+           "GlobalBatchSampler", "pipeline_slices", "collate", "BatchPrefetcher"]
 
 STDLIB_MAX_BYTES = 8 * 1024 * 1024
 """Default corpus cap for source=stdlib (the whole stdlib is ~12 MB)."""
 STDLIB_EXCLUDE = frozenset({"test", "tests", "idlelib", "idle_test", "lib2to3", "site-packages",
                             "dist-packages", "__pycache__"})
 """Directory names skipped when collecting the stdlib corpus."""
-EOT_TOKEN = "<|endoftext|>"
-"""The BPE special token appended to every document."""
 
 Log = Callable[[str], None]
-
-
-class DataError(ValueError):
-    """A data problem, with a message that names the file or key and what to change."""
-
 
 # ----------------------------------------------------------------------------- corpus
 
@@ -142,23 +146,6 @@ def _corpus_key(parts: Sequence[tuple[Path, int]], *extra: object) -> str:
         h.update(f"{f.as_posix()}\0{n}\n".encode())
     h.update(json.dumps([str(e) for e in extra]).encode())
     return h.hexdigest()[:16]
-
-
-# ----------------------------------------------------------------------------- atomic writes
-
-
-def _atomic_write(path: Path, write: Callable[[object], None]) -> None:
-    """Call write(fileobj) on a temp file next to `path`, fsync it and rename it to `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -261,48 +248,110 @@ class TokenWindows(torch.utils.data.Dataset):
                 f"{len(self.tokens)} tokens, source={self.source})")
 
 
-def _load_tokens(path: Path) -> np.ndarray:
-    try:
-        return np.load(path, mmap_mode="r")
-    except (ValueError, OSError) as err:
-        raise DataError(f"token cache '{path}' is unreadable ({err}); delete it to rebuild") from None
+def _hf_spec(d: Any, vocab: int) -> tuple[TokenizerSpec, str]:
+    """The spec of data.tokenizer=hf (loaded and checked against model.vocab_size) and its identity."""
+    _, eot = load_hf_tokenizer(d.tokenizer_path, vocab)
+    path = str(Path(d.tokenizer_path).expanduser().resolve())
+    return TokenizerSpec("hf", path, eot), f"hf:{tokenizer_fingerprint(path)}"
 
 
-def build_dataset(cfg: JobConfig, *, log: Log = print, max_bytes: int | None = None) -> TokenWindows:
-    """The training windows of a job, building (or reusing) the tokenizer and token caches.
-
-    `max_bytes` caps the corpus; None = `STDLIB_MAX_BYTES` for source=stdlib and no cap for
-    source=files; 0 = no cap.
-    """
+def _corpus_tokens(cfg: JobConfig, log: Log, max_bytes: int | None) -> np.ndarray:
+    """The token cache of source=stdlib/files (built once per host)."""
     d, vocab = cfg.data, cfg.model.vocab_size
-    if d.tokenizer == "bytes" and vocab < 256:
-        raise DataError(f"model.vocab_size ({vocab}) is below 256 but data.tokenizer=bytes "
-                        "needs one token per byte value: set model.vocab_size=256 (or more)")
-    if d.tokenizer not in ("bytes", "bpe"):
-        raise DataError(f"data.tokenizer is '{d.tokenizer}'; choose bytes or bpe")
     if max_bytes is None:
         max_bytes = STDLIB_MAX_BYTES if d.source == "stdlib" else 0
     parts = _capped(corpus_files(d.source, d.paths), max_bytes)
     total = sum(n for _, n in parts)
     cache = Path(d.cache_dir).expanduser()
-    tok_key = _corpus_key(parts, "bpe", vocab)
-    data_key = _corpus_key(parts, d.tokenizer, vocab)
-    tok_path = cache / "tokenizers" / f"{tok_key}.json"
+    tok_path = cache / "tokenizers" / f"{_corpus_key(parts, 'bpe', vocab)}.json"
+    spec, ident = _hf_spec(d, vocab) if d.tokenizer == "hf" else (None, None)
+    data_key = _corpus_key(parts, d.tokenizer, vocab, *([ident] if ident else []))
     token_path = cache / "tokens" / f"{data_key}.npy"
-    if token_path.is_file() and (d.tokenizer == "bytes" or tok_path.is_file()):
-        tokens = _load_tokens(token_path)
-        log(f"data: {len(parts)} {d.source} files, {total / 1e6:.1f} MB, {len(tokens)} tokens "
-            f"(cached {token_path})")
-    else:
+    # bpe: tokens whose tokenizer file is gone are rebuilt with it
+    has_tokenizer = tok_path.is_file if d.tokenizer == "bpe" else None
+
+    def build() -> None:
         t0 = time.perf_counter()
         log(f"data: reading {len(parts)} {d.source} files ({total / 1e6:.1f} MB)")
         docs = read_corpus(parts)
-        tok = (load_or_train_bpe(docs, vocab_size=vocab, path=tok_path, log=log)
-               if d.tokenizer == "bpe" else None)
-        flat = tokenize_corpus(docs, tokenizer=d.tokenizer, vocab_size=vocab, tok=tok, log=log)
-        _atomic_write(token_path, lambda fh: np.save(fh, flat, allow_pickle=False))
-        tokens = _load_tokens(token_path)
-        log(f"data: {len(tokens)} tokens cached in {time.perf_counter() - t0:.1f} s -> {token_path}")
+        if spec is not None:
+            batches = ([x.decode("utf-8", errors="replace") for x in docs[i:i + BATCH_DOCS]]
+                       for i in range(0, len(docs), BATCH_DOCS))
+            n = write_token_npy(token_path, tokenize_texts(batches, spec, vocab_size=vocab, num_docs=len(docs),
+                                                           num_proc=d.num_proc, log=log), _dtype(vocab))
+        else:
+            tok = (load_or_train_bpe(docs, vocab_size=vocab, path=tok_path, log=log)
+                   if d.tokenizer == "bpe" else None)
+            flat = tokenize_corpus(docs, tokenizer=d.tokenizer, vocab_size=vocab, tok=tok, log=log)
+            _atomic_write(token_path, lambda fh: np.save(fh, flat, allow_pickle=False))
+            n = len(flat)
+        log(f"data: {n} tokens cached in {time.perf_counter() - t0:.1f} s -> {token_path}")
+
+    built = build_once(token_path, build, log=log, also=has_tokenizer)
+    tokens = load_token_cache(token_path)
+    if not built:
+        log(f"data: {len(parts)} {d.source} files, {total / 1e6:.1f} MB, {len(tokens)} tokens "
+            f"(cached {token_path})")
+    return tokens
+
+
+def _text_source_tokens(cfg: JobConfig, log: Log) -> np.ndarray:
+    """The token cache of source=jsonl/parquet/hf_disk (built once per host)."""
+    d, vocab = cfg.data, cfg.model.vocab_size
+    cache = Path(d.cache_dir).expanduser()
+    files = text_source_files(d.source, d.paths)
+    tok_path = cache / "tokenizers" / f"{files_key(files, d.source, d.text_field, 'bpe', vocab)}.json"
+    if d.tokenizer == "hf":
+        spec, ident = _hf_spec(d, vocab)
+    else:
+        spec, ident = TokenizerSpec(d.tokenizer), (f"bpe:{tok_path.stem}" if d.tokenizer == "bpe" else "bytes")
+    token_path = cache / "tokens" / f"{files_key(files, d.source, d.text_field, ident, vocab)}.npy"
+    has_tokenizer = tok_path.is_file if d.tokenizer == "bpe" else None
+
+    def build() -> None:
+        nonlocal spec
+        t0 = time.perf_counter()
+        ds = load_text_dataset(d.source, d.paths, d.text_field, cache_dir=cache / "hf-datasets", log=log)
+        if d.tokenizer == "bpe":
+            docs = [t.encode("utf-8") for texts in iter_text_batches(ds, d.text_field) for t in texts]
+            tok = load_or_train_bpe(docs, vocab_size=vocab, path=tok_path, log=log)
+            spec = TokenizerSpec("bpe", str(tok_path), tok.token_to_id(EOT_TOKEN))
+        log(f"data: tokenising {len(ds)} documents with data.tokenizer={d.tokenizer} (data.num_proc={d.num_proc})")
+        chunks = tokenize_texts(iter_text_batches(ds, d.text_field), spec, vocab_size=vocab, num_docs=len(ds),
+                                num_proc=d.num_proc, log=log)
+        n = write_token_npy(token_path, chunks, _dtype(vocab))
+        log(f"data: {n} tokens cached in {time.perf_counter() - t0:.1f} s -> {token_path}")
+
+    built = build_once(token_path, build, log=log, also=has_tokenizer)
+    tokens = load_token_cache(token_path)
+    if not built:
+        log(f"data: {len(files)} {d.source} files, {len(tokens)} tokens (cached {token_path})")
+    return tokens
+
+
+def build_dataset(cfg: JobConfig, *, log: Log = print, max_bytes: int | None = None) -> TokenWindows:
+    """The training windows of a job, building (or reusing) the tokenizer and token caches.
+
+    `max_bytes` caps the corpus of source=stdlib/files; None = `STDLIB_MAX_BYTES` for
+    source=stdlib and no cap for source=files; 0 = no cap. Other sources are read whole.
+    source=tokens uses the ids of its files as they are: data.tokenizer is not used.
+    """
+    d, vocab = cfg.data, cfg.model.vocab_size
+    if d.source == "tokens":
+        if d.tokenizer != "bytes":
+            log(f"data: data.source=tokens uses the token ids as they are (data.tokenizer={d.tokenizer} is unused)")
+        tokens = open_token_files(d.paths, d.token_dtype, vocab)
+        log(f"data: {len(tokens)} tokens memory-mapped from {len(getattr(tokens, 'files', [0]))} token file(s)")
+    else:
+        if d.tokenizer not in ("bytes", "bpe", "hf"):
+            raise DataError(f"data.tokenizer is '{d.tokenizer}'; choose bytes, bpe or hf")
+        if d.tokenizer == "bytes" and vocab < 256:
+            raise DataError(f"model.vocab_size ({vocab}) is below 256 but data.tokenizer=bytes "
+                            "needs one token per byte value: set model.vocab_size=256 (or more)")
+        if d.source in TEXT_SOURCES:
+            tokens = _text_source_tokens(cfg, log)
+        else:
+            tokens = _corpus_tokens(cfg, log, max_bytes)
     ds = TokenWindows(tokens, d.seq_len, vocab_size=vocab, source=d.source)
     if len(ds) == 0:
         raise DataError(f"the corpus has {len(tokens)} tokens, fewer than one window of "
@@ -370,3 +419,57 @@ def collate(dataset: TokenWindows, indices: Iterable[int]) -> tuple[torch.Tensor
         empty = torch.zeros(0, dataset.seq_len, dtype=torch.int64)
         return empty, empty.clone()
     return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
+class BatchPrefetcher:
+    """Collates the batch of step s+1 in a background thread while step s runs.
+
+    `indices_of(step)` (the samples this worker takes at `step` under the current plan) is called
+    on the caller's thread; the thread only collates (and pins). `get(step)` returns the prepared
+    batch when it was made for this step and these indices, else builds it at once; either way the
+    result is `collate(dataset, indices_of(step))`. Call `reset()` when the plan changes to drop a
+    prepared batch early; an exception raised while preparing surfaces from the `get` that uses it.
+    """
+
+    def __init__(self, dataset: TokenWindows, indices_of: Callable[[int], Sequence[int]], *,
+                 pin_memory: bool = False) -> None:
+        self.dataset, self.indices_of = dataset, indices_of
+        self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
+        self.hits = self.misses = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-prefetch")
+        self._next: Optional[tuple[int, list[int], Future]] = None
+
+    def _build(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = collate(self.dataset, indices)
+        return (x.pin_memory(), y.pin_memory()) if self.pin_memory else (x, y)
+
+    def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, labels) of `step`; then starts preparing step + 1."""
+        indices = [int(i) for i in self.indices_of(step)]
+        pending, self._next = self._next, None
+        if pending is not None and pending[0] == step and pending[1] == indices:
+            batch = pending[2].result()
+            self.hits += 1
+        else:
+            batch = self._build(indices)
+            self.misses += 1
+        try:
+            upcoming = [int(i) for i in self.indices_of(step + 1)]
+        except Exception:  # noqa: BLE001 - no next step (yet): get(step + 1) will say why
+            return batch
+        self._next = (step + 1, upcoming, self._pool.submit(self._build, upcoming))
+        return batch
+
+    def reset(self) -> None:
+        """Drop the prepared batch (the plan changed)."""
+        self._next = None
+
+    def close(self) -> None:
+        self._next = None
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "BatchPrefetcher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
