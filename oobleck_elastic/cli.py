@@ -22,8 +22,8 @@ from typing import Optional, Sequence
 from .config import ConfigError, JobConfig, load_config
 from .etcd import EtcdError
 from .ops import OpsError
-from .planning import (JobPlan, ModelProfile, PlanningError, ProfileError, compare_tensor_parallel, load_profiles,
-                       plan_job)
+from .planning import (JobPlan, MicrobatchChoice, ModelProfile, PlanningError, ProfileError, compare_tensor_parallel,
+                       load_profiles, plan_job)
 
 GIB = 1024 ** 3
 
@@ -53,7 +53,8 @@ def _ranges(ranges: Sequence[tuple[int, int]]) -> str:
 def format_plan(jp: JobPlan, cfg: JobConfig) -> str:
     """Human-readable report of templates, guarantee and plan."""
     t = cfg.training
-    B = t.global_batch_size // t.microbatch_size
+    mbs = jp.plan.microbatch_size
+    B = t.global_batch_size // mbs
     mref = -(-B // (cfg.fault_tolerance.f + 1))
     memory = jp.templates.device_memory_gb
     each = f"{memory:.4g} GiB each (from {jp.templates.memory_source})" if memory is not None else "memory unknown"
@@ -61,7 +62,8 @@ def format_plan(jp: JobPlan, cfg: JobConfig) -> str:
     links = ts.links
     out = [f"model: {ts.num_layers} layers; {ts.gpus_per_node} device(s) per node, "
            f"{each}; schedule {cfg.planning.schedule}; "
-           f"global batch {t.global_batch_size} = {B} microbatches of {t.microbatch_size}",
+           f"global batch {t.global_batch_size} = {B} microbatches of {mbs}"
+           + (" (training.microbatch_size=auto)" if t.microbatch_size == "auto" else ""),
            f"parallelism: tensor parallel {ts.tensor_parallel} (devices per stage, on one node) x pipeline "
            f"({ts.gpus_per_node // ts.tensor_parallel} stage(s) per node) x data parallel (pipelines)",
            "communication: " + (f"{links.intra_node_gb_s:g} GB/s in a node, {links.inter_node_gb_s:g} GB/s across "
@@ -106,7 +108,8 @@ def format_plan(jp: JobPlan, cfg: JobConfig) -> str:
 def format_comparison(plans: dict[int, "JobPlan | PlanningError"], chosen: int) -> str:
     """The tensor-parallel degrees side by side (planning.tensor_parallel=auto)."""
     out = ["tensor_parallel=auto: the degree with the best estimated samples/s is chosen",
-           f"  {'tp':>3} {'stages/node':>11} {'pipelines':>9} {'step s':>9} {'samples/s':>10} {'efficiency':>10}"]
+           f"  {'tp':>3} {'stages/node':>11} {'pipelines':>9} {'step s':>9} {'samples/s':>10} {'efficiency':>10} "
+           f"{'microbatch':>10}"]
     for d, jp in plans.items():
         mark = "  <- chosen" if d == chosen else ""
         if isinstance(jp, PlanningError):
@@ -114,14 +117,37 @@ def format_comparison(plans: dict[int, "JobPlan | PlanningError"], chosen: int) 
             continue
         p = jp.plan
         out.append(f"  {d:>3} {jp.templates.gpus_per_node // d:>11} {len(p.pipelines):>9} {p.est_step_time_s:>9.4g} "
-                   f"{p.samples_per_s:>10.4g} {jp.efficiency:>10.1%}{mark}")
+                   f"{p.samples_per_s:>10.4g} {jp.efficiency:>10.1%} {p.microbatch_size:>10}{mark}")
+    return "\n".join(out)
+
+
+def format_microbatch(choice: MicrobatchChoice) -> str:
+    """The candidate microbatch sizes side by side (training.microbatch_size=auto)."""
+    head = (f"training.microbatch_size=auto: of the divisors of the global batch, the size whose plan on "
+            f"{choice.nodes} node(s) has the best estimated samples/s is chosen")
+    if choice.measured_sizes:
+        head += f" (profile measured at {', '.join(map(str, choice.measured_sizes))}; other sizes fitted linearly)"
+    out = [head,
+           f"  {'size':>5} {'microbatches':>12} {'pipelines':>9} {'step s':>9} {'samples/s':>10} {'peak GiB':>9}"]
+    for o in choice.options:
+        if not o.fits:
+            out.append(f"  {o.size:>5} {o.microbatches:>12} does not fit: {' '.join(str(o.error).split())}")
+            continue
+        mark = "  <- chosen" if o.size == choice.size else ""
+        if o.pipelines < choice.min_pipelines:
+            mark += f"  (fewer than f+1 = {choice.min_pipelines} pipelines)"
+        out.append(f"  {o.size:>5} {o.microbatches:>12} {o.pipelines:>9} {o.step_s:>9.4g} {o.samples_per_s:>10.4g} "
+                   f"{(o.peak_memory_bytes or 0) / GIB:>9.3f}{mark}")
     return "\n".join(out)
 
 
 def plan_json(jp: JobPlan) -> dict:
-    return {"templates": jp.templates.to_json(), "guarantee": jp.guarantee.to_json(),
-            "plan": jp.plan.to_json() | {"samples_per_s": jp.plan.samples_per_s, "efficiency": jp.efficiency},
-            "device_memory": {"gib": jp.templates.device_memory_gb, "source": jp.templates.memory_source}}
+    out = {"templates": jp.templates.to_json(), "guarantee": jp.guarantee.to_json(),
+           "plan": jp.plan.to_json() | {"samples_per_s": jp.plan.samples_per_s, "efficiency": jp.efficiency},
+           "device_memory": {"gib": jp.templates.device_memory_gb, "source": jp.templates.memory_source}}
+    if jp.microbatch is not None:
+        out["microbatch_size"] = jp.microbatch.to_json()
+    return out
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -136,11 +162,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if comparison is not None:
             out["tensor_parallel"] = {str(d): {"error": str(c)} if isinstance(c, PlanningError) else
                                       {"samples_per_s": c.plan.samples_per_s, "step_s": c.plan.est_step_time_s,
-                                       "efficiency": c.efficiency} for d, c in comparison.items()}
+                                       "efficiency": c.efficiency, "microbatch_size": c.plan.microbatch_size}
+                                      for d, c in comparison.items()}
         print(json.dumps(out, indent=1))
     else:
         if comparison is not None:
             print(format_comparison(comparison, jp.templates.tensor_parallel) + "\n")
+        if jp.microbatch is not None:
+            print(format_microbatch(jp.microbatch) + "\n")
         print(format_plan(jp, cfg))
     return 0
 

@@ -40,7 +40,7 @@ def real_io(lm, start: int, end: int, dtype: torch.dtype | None, tokens: torch.T
     if start > 0:
         x = Autocast(lm.stage(0, start), dtype)(tokens)
         x = x.detach().requires_grad_(x.requires_grad)
-    return x, Autocast(lm.stage(start, end), dtype)(x)
+    return x, Autocast(lm.stage(start, end), dtype, last=end == lm.num_layers)(x)
 
 
 def assert_stage_io(cfg: ModelConfig, lm, dtype: torch.dtype | None, seed: int = 0, vocab: int = 256) -> None:
@@ -121,9 +121,11 @@ def test_stage_io_of_custom_layers(factory, dtype: torch.dtype | None) -> None:
     cfg = ModelConfig(family="custom", custom_factory="oobleck_shapes_factory:layers")
     lm = build_layer_model(cfg, seed=3)
     assert_stage_io(cfg, lm, dtype, seed=3)
-    # float64 layers hand on float64 in fp32; Autocast's .float() makes it float32 under bf16
+    # the float64 last layer hands on float64 in fp32; under bf16 the model's output (the logits)
+    # is bf16 (Autocast's .to(bf16) of the last stage), any other boundary float32
+    assert lm.num_layers == 4
     out = stage_io(cfg, seed=3, start=1, end=4, microbatch_size=MB, seq_len=SEQ, autocast=dtype)[1]
-    assert out.dtype == (torch.float64 if dtype is None else torch.float32)
+    assert out.dtype == (torch.float64 if dtype is None else torch.bfloat16)
     # the factory's own modules are not moved to the meta device
     assert all(p.device.type == "cpu" for m in factory.CACHED if isinstance(m, nn.Module) for p in m.parameters())
 

@@ -7,13 +7,17 @@ Two implementations serve it:
 
 - `rendezvous/worker.py:WorkerContext`: a worker of a torchrun job, on etcd;
 - `LocalControl`: one process with no etcd (`python examples/train.py`): a one-worker plan with
-  a single stage holding every layer, an in-memory store, nothing to watch. The single-process
+  a single stage holding every layer, an in-memory store, nothing to watch. With
+  `training.microbatch_size: auto` its size is the planner's choice for that one stage on this
+  device (from the job's profile, measured here when there is none). The single-process
   reference therefore runs through the same loop, the same generation entry and the same step
   (commit protocol included) as any worker, on a world of one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from datetime import timedelta
 from typing import Any, Callable, Optional, Protocol
@@ -22,8 +26,10 @@ import torch
 import torch.distributed as dist
 
 from ..config import JobConfig
-from ..planning import PipelineSpec, Plan, StagePlacement
+from ..planning import MicrobatchChoice, PipelineSpec, Plan, StagePlacement, fixed_microbatch_size
 from .errors import ErrorRecord, next_error_record
+
+log = logging.getLogger(__name__)
 
 
 class ControlPlane(Protocol):
@@ -75,22 +81,51 @@ class ControlPlane(Protocol):
         """Every worker leaves (with an error when `failed`)."""
 
 
-def one_worker_plan(cfg: JobConfig, num_layers: int, *, node: str = "local") -> Plan:
-    """Generation 1 of a one-worker job: one pipeline, one stage holding every layer."""
+def one_worker_plan(cfg: JobConfig, num_layers: int, *, node: str = "local",
+                    microbatch_size: Optional[int] = None) -> Plan:
+    """Generation 1 of a one-worker job: one pipeline, one stage holding every layer, microbatches
+    of training.microbatch_size (`microbatch_size` when the config says auto)."""
     t = cfg.training
+    size = fixed_microbatch_size(cfg) or microbatch_size
+    if size is None:
+        raise ValueError("training.microbatch_size=auto: give one_worker_plan the microbatch size chosen "
+                         "(local_microbatch_size)")
     stage = StagePlacement(index=0, start=0, end=num_layers, node=node, local_rank=0, rank=0)
-    pipe = PipelineSpec(index=0, template_nodes=1, nodes=(node,), microbatches=t.global_batch_size // t.microbatch_size,
+    pipe = PipelineSpec(index=0, template_nodes=1, nodes=(node,), microbatches=t.global_batch_size // size,
                         stages=(stage,), est_time_s=0.0)
     return Plan(generation=1, nodes=(node,), spares=(), gpus_per_node=1, num_layers=num_layers,
-                microbatch_size=t.microbatch_size, pipelines=(pipe,), est_step_time_s=0.0, f=0)
+                microbatch_size=size, pipelines=(pipe,), est_step_time_s=0.0, f=0)
+
+
+def local_microbatch_size(cfg: JobConfig) -> MicrobatchChoice:
+    """training.microbatch_size=auto in a single process: the profile (planning.profile_path at
+    tensor_parallel 1, else the cached or freshly measured one of this process's device) and the
+    planner's choice for one stage holding every layer on that device
+    (`planning.single_worker_microbatch_size`)."""
+    from ..planning import load_profiles, single_worker_microbatch_size
+    from ..planning.profiler import load_or_profile
+    from .devices import resolve_device
+
+    if cfg.planning.profile_path:
+        one = dataclasses.replace(cfg, planning=dataclasses.replace(cfg.planning, tensor_parallel=1))
+        profile = load_profiles(one)[1]
+    else:
+        profile = load_or_profile(cfg, device=resolve_device(cfg.training.device, 0), log=log.info)
+    choice = single_worker_microbatch_size(cfg, profile)
+    log.info("training.microbatch_size=auto: %d (%s)", choice.size, ", ".join(
+        f"{o.size}: {o.samples_per_s:.4g} samples/s" if o.fits else f"{o.size}: does not fit"
+        for o in choice.options))
+    return choice
 
 
 class LocalControl:
-    """`ControlPlane` of a single process (see the module docstring)."""
+    """`ControlPlane` of a single process (see the module docstring). With
+    training.microbatch_size=auto the one-worker plan's size is `local_microbatch_size`'s."""
 
     def __init__(self, cfg: JobConfig, num_layers: int) -> None:
         self.node_id, self.local_rank = "local", 0
-        self._plan = one_worker_plan(cfg, num_layers, node=self.node_id)
+        size = local_microbatch_size(cfg).size if fixed_microbatch_size(cfg) is None else None
+        self._plan = one_worker_plan(cfg, num_layers, node=self.node_id, microbatch_size=size)
         self._closed: Optional[tuple[str, bool]] = None
         self._last_error: Optional[ErrorRecord] = None
 

@@ -84,7 +84,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Copy a host tensor to `device`: through pinned memory without blocking on CUDA."""
     if device.type == "cpu":
         return t
-    return t.pin_memory().to(device, non_blocking=True)
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
 def release_groups(*, abort: bool) -> None:

@@ -5,7 +5,8 @@ job has one event stream. Scalars per step: `train/loss`, `train/samples_per_s` 
 `train/tokens_per_s` (over `train/wall_s`, the wall time since the previous step completed on
 this worker: a step after a reconfiguration counts its cost), `train/step_time_s` (the step's own
 time) beside `train/est_step_time_s` (the planner's estimate for the plan), `train/lr`,
-`train/grad_norm`, `cluster/nodes`,
+`train/grad_norm`, `perf/tflops_per_device` and `perf/mfu` (engine/mfu.py; MFU only when the
+device's peak is known), `cluster/nodes`,
 `cluster/pipelines`, `cluster/generation`; at every generation a text entry `plan` with the plan,
 and for every reconfiguration a `reconfiguration` text plus `reconfiguration/seconds` and
 `reconfiguration/bytes_moved`.
@@ -21,6 +22,7 @@ from typing import Optional
 from ..planning import Plan
 from .memory import GB
 from .memory import describe as describe_memory
+from .mfu import Throughput
 from .trainer import StepResult
 
 log = logging.getLogger("oobleck_elastic.train")
@@ -40,8 +42,10 @@ def describe_plan(plan: Optional[Plan]) -> str:
 
 class Metrics:
     def __init__(self, log_dir: str | Path, *, enabled: bool, samples_per_step: int, tokens_per_step: int,
-                 total_steps: int, log_interval: int = 1, node: str = "local") -> None:
+                 total_steps: int, log_interval: int = 1, node: str = "local", flops_per_token: float = 0.0,
+                 peak_tflops: Optional[float] = None) -> None:
         self.enabled, self.samples, self.tokens = enabled, samples_per_step, tokens_per_step
+        self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
         self.total, self.interval, self.node = total_steps, max(1, log_interval), node
         self.writer = None
         self.log_dir = Path(log_dir)
@@ -68,7 +72,12 @@ class Metrics:
         assert w is not None
         w.add_scalar("train/loss", result.loss, s)
         w.add_scalar("train/samples_per_s", sps, s)
-        w.add_scalar("train/tokens_per_s", self.tokens / wall if wall > 0 else 0.0, s)
+        perf = Throughput.of(tokens=self.tokens, seconds=wall, flops_per_token=self.flops_per_token,
+                             devices=plan.world_size if plan else 1, peak_tflops=self.peak_tflops)
+        w.add_scalar("train/tokens_per_s", perf.tokens_per_s, s)
+        w.add_scalar("perf/tflops_per_device", perf.tflops_per_device, s)
+        if perf.mfu is not None:
+            w.add_scalar("perf/mfu", perf.mfu, s)
         w.add_scalar("train/step_time_s", result.seconds, s)
         if plan is not None:
             w.add_scalar("train/est_step_time_s", plan.est_step_time_s, s)
@@ -84,9 +93,10 @@ class Metrics:
         if (s + 1) % self.interval == 0 or s + 1 == self.total:
             gen = plan.generation if plan else 0
             est = f", plan est. {plan.est_step_time_s:.3f} s" if plan else ""
-            log.info("gen %d step %d/%d node %s: loss %.4f, %.1f samples/s, %.3f s/step (%.3f s since the last%s); "
-                     "largest worker's %s", gen, s + 1, self.total, self.node, result.loss, sps, result.seconds, wall,
-                     est, describe_memory(result.peak_rss_bytes, result.peak_device_bytes))
+            log.info("gen %d step %d/%d node %s: loss %.4f, %.1f samples/s, %s; %.3f s/step (%.3f s since the "
+                     "last%s); largest worker's %s", gen, s + 1, self.total, self.node, result.loss, sps,
+                     perf.describe(), result.seconds, wall, est,
+                     describe_memory(result.peak_rss_bytes, result.peak_device_bytes))
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:

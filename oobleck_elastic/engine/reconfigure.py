@@ -31,6 +31,7 @@ from torch import nn
 from ..models import LayerModel
 from ..models.tensor_parallel import local, wrap_like
 from ..planning import Plan
+from .optim import adamw_step
 
 Identity = tuple[str, int]  # (node id, local rank)
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -147,8 +148,8 @@ def _unflat(flat: torch.Tensor, layer: nn.Module) -> dict[int, tuple[nn.Paramete
         for key in OPTIM_KEYS:
             size = 1 if key == "step" else n
             chunk = flat[offset:offset + size]
-            # AdamW keeps `step` as a CPU scalar (unless capturable/fused); moments live with p
-            state[key] = chunk.reshape(()).cpu() if key == "step" else wrap_like(p, chunk.view_as(shard).clone())
+            # fused AdamW keeps `step` as a scalar on the parameter's device; moments live with p
+            state[key] = adamw_step(chunk, shard) if key == "step" else wrap_like(p, chunk.view_as(shard).clone())
             offset += size
         out[id(p)] = (p, state)
     return out

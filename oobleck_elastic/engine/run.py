@@ -293,6 +293,8 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
     """The one training loop of a worker (see the module docstring) or of the single process."""
     worker = _Worker(cfg, dataset, ctx)
     ctx.share_profile(cfg, worker.trainer.device)
+    if isinstance(cfg.training.microbatch_size, int):  # `auto`: the first plan's size, compiled at the first step
+        worker.trainer.warm_up(cfg.training.microbatch_size)
     ctx.report_ready()
     target, plan = Target.first(), None
     try:

@@ -19,6 +19,8 @@ from typing import Callable, Optional
 from ..config import JobConfig
 from . import memory
 from .metrics import Metrics
+from .compiled import graphs_compiled
+from .mfu import device_peak_tflops, flops_per_token
 from .optim import lr_factor
 from .trainer import Reconfiguration, StepResult, Trainer
 
@@ -102,7 +104,9 @@ class RunLog:
             seq_len = trainer.dataset[0][0].shape[-1]
             self.metrics = Metrics(self.tb_dir, enabled=True, samples_per_step=t.global_batch_size,
                                    tokens_per_step=t.global_batch_size * seq_len, total_steps=t.steps,
-                                   log_interval=self.cfg.logging.log_interval, node=self.node)
+                                   log_interval=self.cfg.logging.log_interval, node=self.node,
+                                   flops_per_token=flops_per_token(self.cfg, seq_len),
+                                   peak_tflops=device_peak_tflops(trainer.device, t.precision, t.peak_tflops))
         elif not writer and self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -110,6 +114,9 @@ class RunLog:
             self.metrics.plan(trainer.plan, step)
         nodes = trainer.plan.nodes if trainer.plan is not None else ()
         self._log_memory(trainer, step)
+        if trainer.compile:  # a survivor of a reconfiguration must show no new graph here
+            log.info("gen %d step %d node %s rank %d: compiled graphs so far: %d", trainer.generation, step,
+                     self.node, trainer.rank, graphs_compiled())
         if info is not None and info.previous > 0:
             self.pending = (info, time.monotonic(), self._cause(nodes), self.broke_at)
         self.nodes_before, self.broke_at, self.restored = nodes, None, False

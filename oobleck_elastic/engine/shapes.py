@@ -17,7 +17,8 @@ its output from, so both ends of every link agree by construction:
 - layer 0 takes token ids, int64 `(microbatch_size, seq_len)`, which need no gradient;
 - a stage boundary carries what `trainer.Autocast` returns: the last layer's output as is in
   fp32, `.float()` of it under bf16 autocast (activations cross stages in float32);
-- the last layer returns the logits `(microbatch_size, seq_len, vocab)`;
+- the last layer returns the logits `(microbatch_size, seq_len, vocab)`, in bf16 under bf16
+  autocast (the loss upcasts them chunk by chunk);
 - requires_grad follows the chain (a boundary requires grad iff it depends on a trainable
   parameter); it must, or a stage would wait for a gradient its successor never sends.
 
@@ -32,15 +33,16 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..models.build import build_meta_layers
+from ..models.build import build_meta_layers, num_layers
 
 __all__ = ["stage_io"]
 
 
-def _boundary(x: torch.Tensor, autocast: torch.dtype | None) -> torch.Tensor:
-    """What `Autocast` hands on at a stage boundary, as a fresh meta leaf (no autograd history)."""
+def _boundary(x: torch.Tensor, autocast: torch.dtype | None, *, last: bool = False) -> torch.Tensor:
+    """What `Autocast` hands on at a stage boundary (`last`: the model's output), as a fresh meta
+    leaf (no autograd history)."""
     if autocast is not None and x.is_floating_point():
-        x = x.float()
+        x = x.to(autocast) if last else x.float()
     leaf = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
     return leaf.requires_grad_(x.requires_grad) if x.is_floating_point() else leaf
 
@@ -80,4 +82,4 @@ def stage_io(model_cfg: ModelConfig, *, seed: int, start: int, end: int, microba
             if i == start and i > 0:
                 x = inputs = _boundary(x, autocast)
             x = _run(layer, i, x)
-    return inputs, _boundary(x, autocast)
+    return inputs, _boundary(x, autocast, last=end == num_layers(model_cfg))

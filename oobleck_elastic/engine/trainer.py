@@ -42,13 +42,14 @@ from ..models import LayerModel, build_layer_model, num_layers
 from ..models.tensor_parallel import from_full, local, to_full, wrap_like
 from ..planning import Plan
 from . import memory
-from .data import collate, pipeline_slices
+from .compiled import compile_enabled, compiled_stage, use_cache_dir, warm_up
+from .data import BatchPrefetcher, pipeline_slices
 from .devices import release_groups, to_device
 from .errors import StepAbandoned
 from .faults import FaultInjector
 from .groups import GenerationGroups, GradSync
 from .generation import GenerationEntry, LayersLost, Reconfiguration, WorkerState
-from .optim import clip_coefficient, scale_grads, set_lr, token_sum_loss
+from .optim import adamw_step, clip_coefficient, scale_grads, set_lr, token_sum_loss
 
 __all__ = ["Trainer", "StepResult", "LayersLost", "Reconfiguration", "WorkerState", "single_process"]
 
@@ -74,18 +75,22 @@ class StepResult:
 
 
 class Autocast(nn.Module):
-    """Runs a stage under bf16 autocast (fp32 master weights stay in the wrapped module)."""
+    """Runs a stage under bf16 autocast (fp32 master weights stay in the wrapped module). What it
+    hands to the next stage is float32; the last stage's logits are bf16 (`last`; what a head's
+    matrix multiply gives under autocast), for the loss to upcast chunk by chunk (engine/loss.py)."""
 
-    def __init__(self, module: nn.Module, dtype: Optional[torch.dtype]) -> None:
+    def __init__(self, module: nn.Module, dtype: Optional[torch.dtype], *, last: bool = False) -> None:
         super().__init__()
-        self.module, self.dtype = module, dtype
+        self.module, self.dtype, self.last = module, dtype, last
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dtype is None:
             return self.module(x)
         with torch.autocast(device_type=x.device.type, dtype=self.dtype):
             out = self.module(x)
-        return out.float() if out.is_floating_point() else out
+        if not out.is_floating_point():
+            return out
+        return out.to(self.dtype) if self.last else out.float()
 
 
 class Trainer:
@@ -101,7 +106,7 @@ class Trainer:
         t = cfg.training
         self.sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.seed)
         seq_len = dataset[0][0].shape[-1]
-        self.loss_fn = token_sum_loss(t.global_batch_size * seq_len)
+        self.loss_fn = token_sum_loss(t.global_batch_size * seq_len, lean_bf16=t.precision == "bf16")
         self.dtype = torch.bfloat16 if t.precision == "bf16" else None
         self.timeout = timeout or timedelta(seconds=cfg.fault_tolerance.comm_timeout_s)
         self.lane = 0  # this worker's tensor-parallel lane in its stage
@@ -121,6 +126,12 @@ class Trainer:
         self._epoch = 0
         self._detach_kept = False
         self.faults = FaultInjector.from_env()
+        self.batches = BatchPrefetcher(dataset, self.my_samples, pin_memory=self.device.type == "cuda")
+        """Collates (and pins, on CUDA) the next step's batch while a step runs."""
+        self.compile = compile_enabled(cfg, self.device)
+        """Layers run compiled (engine/compiled.py)."""
+        if self.compile:
+            use_cache_dir(cfg)
         identity = (node, local_rank)
         if plan is not None:  # enter it now (tests and benchmarks); a job's loop enters plans itself
             placed = plan.stage_of(rank)[1]
@@ -163,6 +174,14 @@ class Trainer:
     def committed_step(self) -> int:
         return self.state.committed_step
 
+    def warm_up(self, microbatch_size: int) -> float:
+        """Compile every kind of layer before this worker joins a generation (engine/compiled.py);
+        the seconds it took (0 when compilation is off)."""
+        if not self.compile:
+            return 0.0
+        return warm_up(self.cfg, device=self.device, microbatch_size=microbatch_size,
+                       seq_len=self.dataset[0][0].shape[-1], autocast=self.dtype, node=self.node)
+
     # ------------------------------------------------------------------ entering a generation
     def enter_generation(self, plan: Plan, store: Optional[dist.Store], *,
                          load_plan: Callable[[int], Optional[Plan]] = lambda g: None) -> Reconfiguration:
@@ -200,7 +219,9 @@ class Trainer:
         # the generation's stages without its donors (which leave after the entry); None = the world
         self.step_group = dist.new_group(list(range(plan.world_size)), timeout=self.timeout) if plan.donors else None
         self.grad_sync = GradSync(self.groups, self.layer_model, self.owned)
-        self.stage_module = Autocast(self.layer_model.stage(self.stage.start, self.stage.end), self.dtype)
+        layers = self.layer_model.stage(self.stage.start, self.stage.end)
+        self.stage_module = Autocast(compiled_stage(list(layers)) if self.compile else layers, self.dtype,
+                                     last=self.stage.end == self.layer_model.num_layers)
         stages = len(self.pipeline.stages)
         self.schedule = None
         if stages > 1:
@@ -208,7 +229,7 @@ class Trainer:
 
             # static shapes (meta tensors): torch then exchanges no pickled metadata between stages
             inputs, outputs = stage_io(self.cfg.model, seed=self.cfg.training.seed, start=self.stage.start,
-                                       end=self.stage.end, microbatch_size=self.cfg.training.microbatch_size,
+                                       end=self.stage.end, microbatch_size=plan.microbatch_size,
                                        seq_len=self.dataset[0][0].shape[-1], autocast=self.dtype)
             pstage = PipelineStage(self.stage_module, self.stage.index, stages, self.device, input_args=inputs,
                                    output_args=outputs, group=self.groups.pipeline_group)
@@ -222,21 +243,24 @@ class Trainer:
         indices = self.sampler.indices(step)
         assert self.plan is not None, "enter a generation first"
         start, end = pipeline_slices([p.microbatches for p in self.plan.pipelines],
-                                     self.cfg.training.microbatch_size)[self.pipeline.index]
+                                     self.plan.microbatch_size)[self.pipeline.index]
         return indices[start:end]
 
-    def _forward_backward_local(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        total = 0.0
-        mbs = self.cfg.training.microbatch_size
-        assert self.stage_module is not None
+    def _forward_backward_local(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every microbatch in turn; the summed loss, on the device."""
+        assert self.stage_module is not None and self.plan is not None
+        mbs = self.plan.microbatch_size  # the plan's: training.microbatch_size may be auto
         x, y = to_device(x, self.device), to_device(y, self.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(0, x.shape[0], mbs):
             loss = self.loss_fn(self.stage_module(x[i:i + mbs]), y[i:i + mbs])
             loss.backward()
-            total += loss.item()
+            total += loss.detach()
         return total
 
-    def _forward_backward_pipeline(self, x: torch.Tensor, y: torch.Tensor, schedule: Any) -> float:
+    def _forward_backward_pipeline(self, x: torch.Tensor, y: torch.Tensor, schedule: Any) -> torch.Tensor:
+        """This stage's part of the pipeline schedule; the summed loss on the last stage (zero on
+        the others), on the device."""
         if schedule is None:  # one-stage pipeline: no pipelining needed
             return self._forward_backward_local(x, y)
         first, last = self.stage.index == 0, self.stage.index == len(self.pipeline.stages) - 1
@@ -247,7 +271,9 @@ class Trainer:
             schedule.step(target=to_device(y, self.device), losses=losses)
         else:
             schedule.step()
-        return float(sum(loss.item() for loss in losses))
+        if not losses:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack([loss.detach().double() for loss in losses]).sum()
 
     def train_step(self, step: int, *, seen_generation: int = 0) -> StepResult:
         """Run step `step` (0-based) and apply it. It may run in another thread: it uses the
@@ -256,15 +282,22 @@ class Trainer:
         t0 = time.perf_counter()
         epoch = self._epoch
         self.faults.check(rank=self.rank, step=step)
-        x, y = collate(self.dataset, self.my_samples(step))
+        x, y = self.batches.get(step)
         schedule, grad_sync, step_group = self.schedule, self.grad_sync, self.step_group
         assert grad_sync is not None, "enter a generation first"
-        loss = self._forward_backward_pipeline(x, y, schedule)
+        # one autocast region for the whole step: torch casts each weight to bf16 once per region
+        # (its autocast cache), not once per microbatch
+        with torch.autocast(device_type=self.device.type, dtype=self.dtype or torch.float32,
+                            enabled=self.dtype is not None):
+            loss = self._forward_backward_pipeline(x, y, schedule)
         grad_sync.all_reduce()
-        # control collectives: CPU tensors, so they go over gloo whatever the data backend
-        # every lane of a last stage computes the same loss: lane 0 reports it
-        reduced = torch.tensor([float(grad_sync.norm_squared()), loss if self.lane == 0 else 0.0],
-                               dtype=torch.float64)
+        # control collectives: CPU tensors, so they go over gloo whatever the data backend; this
+        # is the step's one read of a device value (the loss and the norm stay on the device until
+        # here). Every lane of a last stage computes the same loss: lane 0 reports it.
+        if self.lane != 0:
+            loss = torch.zeros_like(loss)
+        reduced = torch.stack([grad_sync.norm_squared().to(loss.device, torch.float64),
+                               loss.to(torch.float64)]).cpu()
         dist.all_reduce(reduced, group=step_group)
         norm2, loss = float(reduced[0]), float(reduced[1])
         with self._current(epoch):
@@ -331,8 +364,8 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Install a `state_dict` (of any plan) for the layers this worker owns now: weights are
-        copied into the parameters, optimizer moments go to the parameters' device and AdamW's
-        `step` stays on the CPU; training goes on at `next_step`. Layers missing from `state`
+        copied into the parameters, optimizer moments and AdamW's `step` go to the parameters'
+        device; training goes on at `next_step`. Layers missing from `state`
         or a parameter missing from a layer raise KeyError naming them."""
         assert self.optimizer is not None
         layers, optim = state["layers"], state.get("optimizer", {})
@@ -348,7 +381,7 @@ class Trainer:
                 moments = optim.get(i, {}).get(name)
                 if moments:
                     self.optimizer.state[p] = {
-                        k: torch.as_tensor(v).to("cpu", copy=True) if k == "step" else
+                        k: adamw_step(v, local(p)) if k == "step" else
                         wrap_like(p, from_full(layer, name, torch.as_tensor(v)).to(p.device, copy=True))
                         for k, v in moments.items()}
         self.state.committed_step = self.state.synced_step = int(state["next_step"]) - 1
@@ -373,6 +406,7 @@ class Trainer:
         gc.collect()
 
     def close(self) -> None:
+        self.batches.close()
         if self.plan is not None and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -14,6 +14,11 @@ the memory of one device when `planning.device_memory_gb` is not set. Files with
 `tensor_parallel` is the number of devices each layer was sharded over when it was measured (1
 when absent): the planner needs a profile at the degree it plans for, one per degree for
 `planning.tensor_parallel=auto` (`profile_path` with `{tp}` in it: one file per degree).
+
+`microbatch_size` is the microbatch size `layers` were measured at (files without it: the key's
+`microbatch_size` when that is a number). For `training.microbatch_size: auto` a profile also
+holds the same layers measured at other sizes (`at_microbatch_sizes`, JSON object size -> layers);
+`measurements()` gives them all by size, and `microbatch.profile_at` fits any other size from them.
 """
 
 from __future__ import annotations
@@ -72,10 +77,24 @@ class ModelProfile:
     tensor_parallel: int = 1
     """Devices each layer was sharded over when measured: times include the layer's collectives,
     bytes are per device."""
+    microbatch_size: int | None = None
+    """The microbatch size `layers` were measured at; None: the key's `microbatch_size` when it is
+    a number, else unknown."""
+    at_microbatch_sizes: dict[int, list[LayerProfile]] = field(default_factory=dict)
+    """The same layers measured at other microbatch sizes (profiles for microbatch_size auto)."""
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise ProfileError("a profile needs at least one layer")
+        if self.microbatch_size is not None and (isinstance(self.microbatch_size, bool) or self.microbatch_size < 1):
+            raise ProfileError(f"microbatch_size must be >= 1 (got {self.microbatch_size})")
+        if self.at_microbatch_sizes and self.measured_microbatch_size is None:
+            raise ProfileError("at_microbatch_sizes needs microbatch_size: the size the main layers were measured at")
+        for size, layers in self.at_microbatch_sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ProfileError(f"at_microbatch_sizes: size {size!r} is not a positive integer")
+            if [la.name for la in layers] != [la.name for la in self.layers]:
+                raise ProfileError(f"at_microbatch_sizes[{size}] does not have the profile's layers")
         if self.tensor_parallel < 1:
             raise ProfileError(f"tensor_parallel must be >= 1 (got {self.tensor_parallel})")
         if self.device_memory_bytes is not None and self.device_memory_bytes <= 0:
@@ -85,6 +104,21 @@ class ModelProfile:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def measured_microbatch_size(self) -> int | None:
+        """The size `layers` were measured at: `microbatch_size`, else the key's when it is a number."""
+        if self.microbatch_size is not None:
+            return self.microbatch_size
+        size = self.key.get("microbatch_size") if isinstance(self.key, dict) else None
+        return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None
+
+    def measurements(self) -> dict[int, list[LayerProfile]]:
+        """Layers by the microbatch size they were measured at (empty when that size is unknown)."""
+        base = self.measured_microbatch_size
+        if base is None:
+            return {}
+        return {**self.at_microbatch_sizes, base: self.layers}
+
     def to_json(self) -> dict[str, Any]:
         out = {"schema_version": SCHEMA_VERSION, "key": self.key,
                "layers": [asdict(layer) for layer in self.layers]}
@@ -92,6 +126,11 @@ class ModelProfile:
             out["device_memory_bytes"] = self.device_memory_bytes
         if self.tensor_parallel != 1:
             out["tensor_parallel"] = self.tensor_parallel
+        if self.microbatch_size is not None:
+            out["microbatch_size"] = self.microbatch_size
+        if self.at_microbatch_sizes:
+            out["at_microbatch_sizes"] = {str(b): [asdict(layer) for layer in layers]
+                                          for b, layers in sorted(self.at_microbatch_sizes.items())}
         return out
 
     @classmethod
@@ -117,7 +156,26 @@ class ModelProfile:
         tp = data.get("tensor_parallel", 1)
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ProfileError(f"{source}: tensor_parallel must be a positive integer (got {tp!r})")
-        return cls(layers=layers, key=dict(data.get("key") or {}), device_memory_bytes=memory, tensor_parallel=tp)
+        size = data.get("microbatch_size")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ProfileError(f"{source}: microbatch_size must be a positive integer (got {size!r})")
+        more = data.get("at_microbatch_sizes") or {}
+        if not isinstance(more, dict):
+            raise ProfileError(f"{source}: 'at_microbatch_sizes' must be an object (size -> layers)")
+        at_sizes: dict[int, list[LayerProfile]] = {}
+        for b, items in more.items():
+            if not str(b).isdigit() or int(b) < 1 or not isinstance(items, list):
+                raise ProfileError(f"{source}: at_microbatch_sizes: {b!r} must be a positive size with a list of "
+                                   "layers")
+            try:
+                at_sizes[int(b)] = [_layer_from_json(item) for item in items]
+            except (TypeError, ValueError, KeyError) as err:
+                raise ProfileError(f"{source}: at_microbatch_sizes[{b}]: {err}") from None
+        try:
+            return cls(layers=layers, key=dict(data.get("key") or {}), device_memory_bytes=memory, tensor_parallel=tp,
+                       microbatch_size=size, at_microbatch_sizes=at_sizes)
+        except ProfileError as err:
+            raise ProfileError(f"{source}: {err}") from None
 
     def save(self, path: str | Path) -> None:
         """Write atomically (temp file + rename)."""

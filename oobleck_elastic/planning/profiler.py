@@ -38,6 +38,12 @@ numbers are exact counts, not timings:
   parameter storages. That forward's output, detached, is the next layer's input.
 - output_bytes: bytes of the layer's output tensor (what crosses a stage boundary).
 
+The microbatch is `training.microbatch_size` x `data.seq_len`. With `training.microbatch_size:
+auto` every layer is measured at two sizes (`microbatch.profile_microbatch_sizes`: 1 and the
+largest candidate size <= 4), the first as `layers`, the other under `at_microbatch_sizes`; the
+planner fits the other sizes from them (planning/microbatch.py), and the key records `auto` and
+the sizes measured.
+
 `load_or_profile` returns the profile of a job: the file in `planning.profile_path` if set, else
 a cached profile under `<cache_dir>/profiles/<profile_cache_key(key)>.json` whose stored key
 equals the current key exactly (model config, microbatch shape, precision, optimizer, device
@@ -69,6 +75,7 @@ from torch import nn
 
 from ..config import JobConfig
 from ..models.tensor_parallel import local
+from .microbatch import profile_microbatch_sizes
 from .profile import LayerProfile, ModelProfile, ProfileError, profile_cache_key
 
 __all__ = ["device_label", "device_memory_bytes", "layer_kind", "profile_layers", "profile_layer_by_layer",
@@ -332,18 +339,26 @@ def profile_model(cfg: JobConfig, *, device: str | torch.device, key: dict[str, 
         layer = build(i)
         return prepare(layer) if prepare is not None and layer is not None else layer
 
-    gen = torch.Generator().manual_seed(seed)
-    shape = (cfg.training.microbatch_size, cfg.data.seq_len)
-    ids = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(dev)
-    labels = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(dev)
-    if log is not None:
-        log(f"profile: measuring {n} layers on {dev}, one at a time (microbatch {shape[0]} x "
-            f"{shape[1]}, {cfg.training.precision}"
-            + (", identical blocks measured once)" if kinds is not None else ")"))
-    return profile_layer_by_layer(build_prepared, n, ids, labels, whole.loss_fn, kinds=kinds,
-                                  warmup=cfg.planning.profile_warmup, repeats=cfg.planning.profile_repeats,
-                                  optimizer=cfg.training.optimizer.name, key=key, names=whole.names,
-                                  precision=cfg.training.precision, log=log)
+    measured: dict[int, ModelProfile] = {}
+    sizes = profile_microbatch_sizes(cfg)  # the configured size; for `auto`, two (planning/microbatch.py)
+    for size in sizes:
+        gen = torch.Generator().manual_seed(seed)
+        shape = (size, cfg.data.seq_len)
+        ids = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(dev)
+        labels = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(dev)
+        if log is not None:
+            log(f"profile: measuring {n} layers on {dev}, one at a time (microbatch {shape[0]} x "
+                f"{shape[1]}, {cfg.training.precision}"
+                + (", identical blocks measured once)" if kinds is not None else ")"))
+        measured[size] = profile_layer_by_layer(build_prepared, n, ids, labels, whole.loss_fn, kinds=kinds,
+                                                warmup=cfg.planning.profile_warmup,
+                                                repeats=cfg.planning.profile_repeats,
+                                                optimizer=cfg.training.optimizer.name, key=key, names=whole.names,
+                                                precision=cfg.training.precision, log=log)
+    prof = measured[sizes[0]]
+    prof.microbatch_size = sizes[0]
+    prof.at_microbatch_sizes = {b: measured[b].layers for b in sizes[1:]}
+    return prof
 
 
 def _device_name(dev: torch.device) -> str:
@@ -381,7 +396,7 @@ def profile_key(cfg: JobConfig, *, device: str | torch.device) -> dict[str, Any]
             model["pretrained_config_sha256"] = hashlib.sha256(conf.read_bytes()).hexdigest()
     key = {
         "model": model,
-        "microbatch_size": cfg.training.microbatch_size,
+        "microbatch_size": cfg.training.microbatch_size,  # a number, or "auto"
         "seq_len": cfg.data.seq_len,
         "precision": cfg.training.precision,
         "dtype": "bfloat16" if cfg.training.precision == "bf16" else "float32",
@@ -392,6 +407,8 @@ def profile_key(cfg: JobConfig, *, device: str | torch.device) -> dict[str, Any]
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+    if cfg.training.microbatch_size == "auto":
+        key["profiled_microbatch_sizes"] = profile_microbatch_sizes(cfg)
     if dev.type == "cuda":
         key["timer"] = "cuda_events"  # profiles timed with synchronize + perf_counter are stale
     return json.loads(json.dumps(key, sort_keys=True))  # exactly what a JSON round trip gives

@@ -322,6 +322,9 @@ class TemplateSet:
     """Devices per stage (tensor-parallel lanes); a node runs gpus_per_node / tensor_parallel stages."""
     links: Optional[Links] = None
     """The links communication was costed with (None: not counted)."""
+    microbatch_size: Optional[int] = None
+    """Samples per microbatch the activations were counted for (None: not recorded; plan_job
+    then uses training.microbatch_size)."""
 
     @property
     def n0(self) -> int:

@@ -47,8 +47,8 @@ from ..config import ConfigError, JobConfig, load_config
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.mirror import Mirror
 from ..etcd.server import free_port
-from ..planning import (ModelProfile, Plan, PlanningError, ProfileError, choose_tensor_parallel, load_profiles,
-                        plan_job, templates_for)
+from ..planning import (MicrobatchError, ModelProfile, Plan, PlanningError, ProfileError, choose_tensor_parallel,
+                        load_profiles, plan_job, templates_for)
 from .keys import ClosedRecord, Event, EventKind, Keys, Roster, read_closed, read_roster
 from .leader import JobUnplannable, Leader
 from .liveness import LivenessServer
@@ -270,11 +270,18 @@ class OobleckRendezvousHandler(RendezvousHandler):
 
     def plan_for(self, nodes: list[str], generation: int, previous: Optional[Plan] = None) -> Plan:
         """The planner the leader calls: templates from the job's profile (pinned in etcd);
-        nodes keep as many of the layers they hold in `previous` as the new plan allows."""
+        nodes keep as many of the layers they hold in `previous` as the new plan allows. With
+        training.microbatch_size=auto the size is chosen once: the current plan's when there is
+        one (a new leader keeps it), else the best for planning.max_nodes or these nodes."""
         if self._templates is None:
             profile = self._profile(len(nodes))
             try:
-                self._templates = templates_for(self.cfg, profile)
+                self._templates = templates_for(self.cfg, profile, len(nodes),
+                                                microbatch_size=previous.microbatch_size if previous else None)
+            except MicrobatchError as err:
+                if err.memory_bound or self.cfg.planning.max_nodes:  # no other node count is tried
+                    raise JobUnplannable(str(err)) from None
+                raise  # no size can be planned on these nodes yet: wait for more
             except PlanningError as err:  # the config and the pinned profile are fixed: no node count helps
                 raise JobUnplannable(str(err)) from None
         return plan_job(self.cfg, nodes=nodes, generation=generation, templates=self._templates,
@@ -355,6 +362,8 @@ class OobleckRendezvousHandler(RendezvousHandler):
             expected = m.num_layers + 2
             if m.family != "custom" and not m.pretrained_path and profile.num_layers != expected:
                 raise ProfileError(f"{profile.num_layers} layers but model.num_layers={m.num_layers} gives {expected}")
+            # with training.microbatch_size auto, the key says "auto" (and the sizes measured): the
+            # size itself is the planner's to choose from it, and the plan carries it to the workers
             for name, want in (("microbatch_size", t.microbatch_size), ("seq_len", self.cfg.data.seq_len),
                                ("precision", t.precision)):
                 if name in profile.key and profile.key[name] != want:

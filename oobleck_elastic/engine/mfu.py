@@ -1,0 +1,116 @@
+"""Model FLOPs utilisation (MFU): the FLOPs a token costs, a device's peak, and what a step achieved.
+
+- **FLOPs per token** (`flops_per_token`), counted as torchtitan and nanoGPT count them:
+  6·N + 12·L·H·T, where N is the number of parameters that take part in a matrix multiply (every
+  layer's parameters but the embedding's: the token and position lookups cost no multiply; a
+  head tied to the embedding is counted, since the logits are a matrix multiply by it), L the
+  number of decoder blocks, H the hidden size (heads × head dimension) and T the sequence length.
+  6·N is the forward (2·N) and backward (4·N) of the weights; 12·L·H·T the attention scores and
+  their weighted sum (QKᵀ and AV, forward and backward, no causal discount). Activation
+  recomputation is not counted (a model FLOP is counted once).
+- **Peak** (`device_peak_tflops`): `training.peak_tflops` when set, else the dense (no
+  sparsity) peak of the device from `PEAK_TFLOPS`, chosen by the device's name and the training
+  precision: bf16 tensor cores under `training.precision=bf16`; TF32 under fp32 when torch lets
+  matrix multiplies use TF32 (`torch.backends.cuda.matmul.allow_tf32`, or
+  `torch.set_float32_matmul_precision("high")`), plain FP32 otherwise. CPUs and GPUs missing from
+  the table have no known peak: MFU is then reported as unknown until `training.peak_tflops` is set.
+- **Achieved** (`Throughput.of`): tokens/s over the step's wall time, TFLOP/s per device = tokens/s ×
+  FLOPs per token ÷ the workers that train (every stage's lanes), MFU = that ÷ the peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..config import JobConfig, ModelConfig
+
+__all__ = ["PEAK_TFLOPS", "flops_per_token", "device_peak_tflops", "Throughput"]
+
+PEAK_TFLOPS: dict[str, tuple[float, float, float]] = {
+    # name fragment (lower case, most specific first): (bf16 dense, tf32 dense, fp32), TFLOP/s,
+    # from NVIDIA's data sheets (the with-sparsity figures halved)
+    "gb200": (2500.0, 1250.0, 80.0),
+    "b200": (2250.0, 1100.0, 75.0),
+    "h200": (989.5, 494.7, 66.9),
+    "h100 nvl": (835.5, 417.8, 60.0),
+    "h100 pcie": (756.5, 378.0, 51.2),
+    "h100": (989.5, 494.7, 66.9),  # SXM ("NVIDIA H100 80GB HBM3")
+    "gh200": (989.5, 494.7, 66.9),
+    "a100": (312.0, 156.0, 19.5),
+    "l40s": (362.1, 183.0, 91.6),
+    "l4": (121.0, 60.0, 30.3),
+    "a10g": (70.0, 35.0, 31.2),
+    "a10": (125.0, 62.5, 31.2),
+}
+"""Dense peak TFLOP/s of known GPUs by a fragment of `torch.cuda.get_device_name()`."""
+
+
+def flops_per_token(cfg: JobConfig, seq_len: Optional[int] = None) -> float:
+    """Training FLOPs of one token (module docstring) for the job's model at `seq_len`
+    (default `data.seq_len`); built on the meta device, so it costs no memory."""
+    from ..models.build import build_meta_layers, num_layers
+
+    m: ModelConfig = cfg.model
+    n = num_layers(m)
+    layers = build_meta_layers(m, n, seed=cfg.training.seed)
+    matmul_params = sum(p.numel() for layer in layers[1:] for p in layer.parameters())
+    blocks = n - 2
+    hidden = _hidden_size(m)
+    t = seq_len if seq_len is not None else cfg.data.seq_len
+    return 6.0 * matmul_params + 12.0 * blocks * hidden * t
+
+
+def _hidden_size(m: ModelConfig) -> int:
+    if m.pretrained_path:
+        from ..models.build import _pretrained_config
+
+        config = _pretrained_config(m)
+        return int(getattr(config, "hidden_size", getattr(config, "n_embd", m.hidden_size)))
+    return m.hidden_size
+
+
+def device_peak_tflops(device: torch.device, precision: str, override: Optional[float] = None) -> Optional[float]:
+    """The device's dense peak TFLOP/s for `precision` (`bf16` or `fp32`); `override` (the
+    `training.peak_tflops` setting) wins; None when unknown (a CPU, an unlisted GPU)."""
+    if override:
+        return float(override)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return peak_for_name(torch.cuda.get_device_name(device), precision,
+                         tf32=torch.backends.cuda.matmul.allow_tf32)
+
+
+def peak_for_name(name: str, precision: str, *, tf32: bool) -> Optional[float]:
+    """`PEAK_TFLOPS` lookup by device name (pure, for tests): bf16 tensor cores, else TF32 or FP32."""
+    lower = name.lower()
+    for fragment, (bf16, tf32_peak, fp32) in PEAK_TFLOPS.items():
+        if fragment in lower:
+            return bf16 if precision == "bf16" else tf32_peak if tf32 else fp32
+    return None
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What one step achieved."""
+
+    tokens_per_s: float
+    """Tokens of the global batch over the step's wall time."""
+    tflops_per_device: float
+    """Model TFLOP/s per worker that trains."""
+    mfu: Optional[float]
+    """tflops_per_device over the device's peak (None when the peak is unknown)."""
+
+    @classmethod
+    def of(cls, *, tokens: int, seconds: float, flops_per_token: float, devices: int,
+           peak_tflops: Optional[float]) -> "Throughput":
+        tps = tokens / seconds if seconds > 0 else 0.0
+        per_device = tps * flops_per_token / max(1, devices) / 1e12
+        return cls(tokens_per_s=tps, tflops_per_device=per_device,
+                   mfu=per_device / peak_tflops if peak_tflops else None)
+
+    def describe(self) -> str:
+        mfu = f"MFU {100 * self.mfu:.1f} %" if self.mfu is not None else "MFU unknown (set training.peak_tflops)"
+        return f"{self.tokens_per_s:,.0f} tokens/s, {self.tflops_per_device:.3g} TFLOP/s per device, {mfu}"

@@ -1,0 +1,53 @@
+"""MFU: FLOPs per token as torchtitan counts them, the peak table, and what a step achieved."""
+
+from __future__ import annotations
+
+import pytest
+
+from oobleck_elastic.config import load_config
+from oobleck_elastic.engine.mfu import Throughput, flops_per_token, peak_for_name
+
+
+def test_flops_per_token_is_6n_plus_attention_for_gpt2_small() -> None:
+    """GPT-2 small at vocab 50304, seq 1024: N = 12 blocks x 7,087,872 + ln_f + the tied head
+    (50304 x 768), embeddings excluded; attention 12 x 12 x 768 x 1024."""
+    cfg = load_config(None, ["model.vocab_size=50304", "model.hidden_size=768", "model.num_layers=12",
+                             "model.num_heads=12", "model.max_seq_len=1024", "data.seq_len=1024"])
+    block = (768 * 2304 + 2304) + (768 * 768 + 768) + (768 * 3072 + 3072) + (3072 * 768 + 768) + 4 * 768
+    n = 12 * block + 2 * 768 + 50304 * 768
+    assert flops_per_token(cfg) == 6 * n + 12 * 12 * 768 * 1024
+    # a longer sequence adds attention only
+    assert flops_per_token(cfg, 2048) - flops_per_token(cfg) == 12 * 12 * 768 * 1024
+
+
+def test_llama_counts_the_untied_head_and_gqa_projections() -> None:
+    cfg = load_config(None, ["model.family=llama", "model.vocab_size=1024", "model.hidden_size=64",
+                             "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+                             "model.intermediate_size=128", "model.tie_embeddings=false", "data.seq_len=32"])
+    kv = 64 // 4 * 2
+    block = 64 * 64 * 2 + 64 * kv * 2 + 3 * 64 * 128 + 2 * 64
+    n = 2 * block + 64 + 1024 * 64
+    assert flops_per_token(cfg) == 6 * n + 12 * 2 * 64 * 32
+
+
+@pytest.mark.parametrize("name,precision,tf32,peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", True, 989.5),
+    ("NVIDIA H100 PCIe", "bf16", True, 756.5),
+    ("NVIDIA H100 NVL", "fp32", True, 417.8),
+    ("NVIDIA H200", "fp32", False, 66.9),
+    ("NVIDIA A100-SXM4-80GB", "bf16", False, 312.0),
+    ("NVIDIA L4", "bf16", False, 121.0),
+    ("Tesla T4", "bf16", False, None),
+])
+def test_peak_comes_from_the_table_by_name_and_precision(name, precision, tf32, peak) -> None:
+    assert peak_for_name(name, precision, tf32=tf32) == peak
+
+
+def test_throughput_per_device_and_mfu() -> None:
+    t = Throughput.of(tokens=8192, seconds=0.5, flops_per_token=1e9, devices=4, peak_tflops=100.0)
+    assert t.tokens_per_s == 16384
+    assert t.tflops_per_device == pytest.approx(16384 * 1e9 / 4 / 1e12)
+    assert t.mfu == pytest.approx(t.tflops_per_device / 100)
+    assert "MFU 4.1 %" in t.describe()
+    unknown = Throughput.of(tokens=1, seconds=1, flops_per_token=1, devices=1, peak_tflops=None)
+    assert unknown.mfu is None and "MFU unknown (set training.peak_tflops)" in unknown.describe()
