@@ -31,6 +31,10 @@ class ModelConfig:
     config with random weights), or `custom` (see `custom_factory`)."""
     vocab_size: int = 256
     """Vocabulary size (256 = raw bytes, the fastest tokenizer)."""
+    pad_vocab_to: int = 64
+    """The embedding and LM head get vocab_size rounded up to a multiple of this many rows (GPT-2's
+    50257 -> 50304: matrix shapes the GPU kernels like). Padded rows stay zero, are left out of the
+    loss, and are dropped from checkpoints and exports (models/vocab.py); 1 = no padding."""
     hidden_size: int = 64
     """Width of the residual stream."""
     num_layers: int = 4
@@ -364,7 +368,7 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
     if cfg.fault_tolerance.join_timeout_s <= 0 or cfg.fault_tolerance.comm_timeout_s <= 0:
         problems.append("'fault_tolerance.join_timeout_s' and 'fault_tolerance.comm_timeout_s' must be > 0 (got "
                         f"{cfg.fault_tolerance.join_timeout_s} and {cfg.fault_tolerance.comm_timeout_s})")
-    for key in ("model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",
+    for key in ("model.vocab_size", "model.pad_vocab_to", "model.hidden_size", "model.num_layers", "model.num_heads",
                 "model.max_seq_len", "data.seq_len", "training.global_batch_size",
                 "planning.gpus_per_node", "planning.profile_repeats",
                 "fault_tolerance.max_repeated_errors"):

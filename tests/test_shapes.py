@@ -77,7 +77,8 @@ def test_stage_io_of_a_pretrained_directory(tmp_path: Path, family: str) -> None
     getattr(transformers, cls)(hf_config(cfg)).save_pretrained(tmp_path / "m")
     pre = ModelConfig(family=family, pretrained_path=str(tmp_path / "m"))
     assert_stage_io(pre, build_layer_model(pre, seed=0), None, vocab=96)
-    assert stage_io(pre, seed=0, start=3, end=5, microbatch_size=MB, seq_len=SEQ)[1].shape == (MB, SEQ, 96)
+    # the logits have the padded vocabulary's columns (96 tokens -> 128 with model.pad_vocab_to=64)
+    assert stage_io(pre, seed=0, start=3, end=5, microbatch_size=MB, seq_len=SEQ)[1].shape == (MB, SEQ, 128)
 
 
 FACTORY = """

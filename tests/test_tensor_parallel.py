@@ -202,3 +202,16 @@ def test_a_killed_node_under_tensor_parallelism_moves_layers_lane_to_lane(tmp_pa
     moved = [line for line in out.splitlines() if "entered from generation 1" in line and " 0 layer bytes" not in line]
     assert len(moved) >= 2, "both lanes of some survivor must have received layers"
     assert_same(job, ref)
+
+
+@pytest.mark.slow
+def test_compiled_tensor_parallel_layers_match_the_reference(tmp_path: Path) -> None:
+    """Compiled layers over DTensor shards (engine/compiled.py): the eager reference's weights."""
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [
+        "data.seq_len=16", "training.global_batch_size=16", "training.microbatch_size=2", f"training.steps={STEPS}",
+        "training.optimizer.eps=1e-6", "planning.gpus_per_node=2", "model.num_layers=4",
+        "training.compile=true", f"data.cache_dir={tmp_path / 'cache'}"])
+    ref = reference_state(from_dict({**to_dict(cfg), "training": {**to_dict(cfg)["training"], "compile": False}}))
+    runs = [("compiled", ONE_PIPELINE, list(range(STEPS)), None, None)]
+    mp.spawn(_train_worker, args=(4, str(tmp_path), to_dict(cfg), runs), nprocs=4, join=True)
+    check_runs(tmp_path, ref, "compiled", 4)

@@ -22,6 +22,7 @@ from typing import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import TrainingConfig
 from .loss import token_sum_loss
@@ -36,10 +37,12 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: TrainingConfig) -> torc
     o = cfg.optimizer
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=o.lr)
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": o.weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    groups = []
+    for decayed in (True, False):
+        for sharded in (False, True):  # fused kernels take DTensors or plain tensors, not both at once
+            members = [p for p in params if (p.ndim >= 2) == decayed and isinstance(p, DTensor) == sharded]
+            if members:
+                groups.append({"params": members, "weight_decay": o.weight_decay if decayed else 0.0})
     return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=True)
 
 
@@ -80,6 +83,9 @@ def clip_coefficient(norm_squared: float, max_norm: float) -> float:
 def scale_grads(params: Iterable[torch.Tensor], coefficient: float) -> None:
     """Multiply every gradient by `coefficient` (one foreach call; nothing when it is 1)."""
     if coefficient < 1.0:
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
+        by_type: dict[type, list[torch.Tensor]] = {}  # foreach takes DTensors or plain tensors, not both
+        for p in params:
+            if p.grad is not None:
+                by_type.setdefault(type(p.grad), []).append(p.grad)
+        for grads in by_type.values():
             torch._foreach_mul_(grads, coefficient)

@@ -20,6 +20,11 @@ its share of the global batch, then:
    worker committed, every worker holds the synchronised gradients and the norm. It is a MAX of
    the newest plan generation each worker has seen, so everyone leaves for a new generation at
    the same step boundary.
+
+What a step costs besides the arithmetic (README "Speed"): the batch is collated ahead by a
+`BatchPrefetcher`; the layers run compiled when `training.compile` says so (engine/compiled.py);
+under bf16 one autocast region covers the step; the loss stays on the device until step 2 reads
+it with the norm, the step's only host read.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from torch import nn
 from ..config import JobConfig
 from ..models import LayerModel, build_layer_model, num_layers
 from ..models.tensor_parallel import from_full, local, to_full, wrap_like
+from ..models.vocab import is_vocab_param, pad_rows, padded_vocab_size, unpad_rows
 from ..planning import Plan
 from . import memory
 from .compiled import compile_enabled, compiled_stage, use_cache_dir, warm_up
@@ -106,12 +112,13 @@ class Trainer:
         t = cfg.training
         self.sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.seed)
         seq_len = dataset[0][0].shape[-1]
-        self.loss_fn = token_sum_loss(t.global_batch_size * seq_len, lean_bf16=t.precision == "bf16")
         self.dtype = torch.bfloat16 if t.precision == "bf16" else None
         self.timeout = timeout or timedelta(seconds=cfg.fault_tolerance.comm_timeout_s)
         self.lane = 0  # this worker's tensor-parallel lane in its stage
         self.state = WorkerState(layer_model=build_layer_model(cfg.model, seed=t.seed, owned=[], device=device))
         """What this worker holds across generations (layers, optimizer, steps): only its stage's."""
+        self.loss_fn = token_sum_loss(t.global_batch_size * seq_len, lean_bf16=t.precision == "bf16",
+                                      vocab_size=self.state.layer_model.vocab_size)
         self.groups: Optional[GenerationGroups] = None
         self.grad_sync: Optional[GradSync] = None
         self.schedule: Any = None
@@ -339,9 +346,22 @@ class Trainer:
             if torch.is_tensor(v))]}
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
+    def _portable(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A full tensor as it leaves the worker: without the padded vocabulary rows (models/vocab.py)."""
+        real = self.layer_model.vocab_size
+        return unpad_rows(t, real) if real is not None and is_vocab_param(name) else t
+
+    def _installable(self, layer: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A full tensor from outside (a checkpoint) as the layer holds it: padded again."""
+        real = self.layer_model.vocab_size
+        if real is not None and is_vocab_param(name):
+            t = pad_rows(t, padded_vocab_size(real, self.cfg.model.pad_vocab_to))
+        return t
+
     def layer_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """Owned layers' parameters, detached copies on the CPU, by layer index and local name."""
-        return {i: {n: to_full(layer, n, p.detach()).to("cpu", copy=True) for n, p in layer.named_parameters()}
+        return {i: {n: self._portable(n, to_full(layer, n, p.detach())).to("cpu", copy=True)
+                    for n, p in layer.named_parameters()}
                 for i in self.owned for layer in [self.layer_model.layers[i]]}
 
     def optimizer_state(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
@@ -352,8 +372,10 @@ class Trainer:
             layer = self.layer_model.layers[i]
             for n, p in layer.named_parameters():
                 st = self.optimizer.state.get(p, {})
-                out.setdefault(i, {})[n] = {k: to_full(layer, n, v.detach()).to("cpu", copy=True)
-                                            for k, v in st.items() if torch.is_tensor(v)}
+                out.setdefault(i, {})[n] = {
+                    k: (v.detach().to("cpu", copy=True) if k == "step" else
+                        self._portable(n, to_full(layer, n, v.detach())).to("cpu", copy=True))
+                    for k, v in st.items() if torch.is_tensor(v)}
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -377,12 +399,13 @@ class Trainer:
                 if name not in layers[i]:
                     raise KeyError(f"the state's layer {i} has no parameter '{name}'")
                 with torch.no_grad():  # this lane's shard of the full tensor (all of it without tensor parallelism)
-                    local(p).copy_(from_full(layer, name, layers[i][name]))
+                    local(p).copy_(from_full(layer, name, self._installable(layer, name, layers[i][name])))
                 moments = optim.get(i, {}).get(name)
                 if moments:
                     self.optimizer.state[p] = {
                         k: adamw_step(v, local(p)) if k == "step" else
-                        wrap_like(p, from_full(layer, name, torch.as_tensor(v)).to(p.device, copy=True))
+                        wrap_like(p, from_full(layer, name, self._installable(layer, name, torch.as_tensor(v)))
+                                  .to(p.device, copy=True))
                         for k, v in moments.items()}
         self.state.committed_step = self.state.synced_step = int(state["next_step"]) - 1
 

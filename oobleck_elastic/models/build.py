@@ -39,6 +39,7 @@ from ..config import ModelConfig
 from .layers import (GPT2BlockLayer, GPT2Embedding, LayerModel, LMHead, RopeDecoderLayer,
                      TokenEmbedding, check_attn_implementation)
 from .ties import TiedGroup, find_tied_parameters
+from .vocab import is_vocab_param, padded_vocab_size
 
 __all__ = ["HF_FAMILIES", "stable_seed", "hf_config", "flatten_hf_model", "build_layer_model",
            "build_meta_layers", "layers_from_modules", "num_layers", "LayerModel"]
@@ -149,9 +150,11 @@ def flatten_hf_model(model: nn.Module) -> LayerModel:
 # ----------------------------------------------------------------------------- build
 
 
-def _meta_layer(family: str, config: Any, index: int, n_layers: int) -> tuple[nn.Module, dict]:
-    """Construct layer `index` on the meta device; returns (layer, local -> HF prefix map)."""
-    h, vocab = config.hidden_size, config.vocab_size
+def _meta_layer(family: str, config: Any, index: int, n_layers: int, vocab_rows: int | None = None
+                ) -> tuple[nn.Module, dict]:
+    """Construct layer `index` on the meta device; returns (layer, local -> HF prefix map).
+    `vocab_rows`: rows of the embedding and head (the padded vocabulary, models/vocab.py)."""
+    h, vocab = config.hidden_size, vocab_rows or config.vocab_size
     last = index == n_layers - 1
     with torch.device("meta"):
         if family == "gpt2":
@@ -238,6 +241,7 @@ def build_layer_model(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | Non
         return _build_pretrained(cfg, owned=owned, device=device, empty=empty)
     config = hf_config(cfg)
     family, n = cfg.family, cfg.num_layers + 2
+    rows = padded_vocab_size(cfg.vocab_size, cfg.pad_vocab_to)
     tied = cfg.tie_embeddings or family == "gpt2"
     emb_name = _EMBED_NAME.get(family, "embed_tokens.weight")
     keep = _check_owned(owned, n)
@@ -252,7 +256,11 @@ def build_layer_model(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | Non
         skip = frozenset(keys) if 0 in keep else frozenset()
         _init_parameters(layer, seed=seed, index=i, std=config.initializer_range,
                          n_blocks=cfg.num_layers, seed_keys=keys, skip=skip)
-    return assemble(family, config, keep=keep, tied=tied, device=device, fill=draw)
+        with torch.no_grad():  # padded rows are zero (models/vocab.py)
+            for name, p in layer.named_parameters():
+                if is_vocab_param(name) and p.shape[0] > cfg.vocab_size:
+                    p[cfg.vocab_size:].zero_()
+    return assemble(family, config, keep=keep, tied=tied, device=device, fill=draw, vocab_rows=rows)
 
 
 def num_layers(cfg: ModelConfig) -> int:
@@ -266,19 +274,21 @@ def num_layers(cfg: ModelConfig) -> int:
 
 
 def assemble(family: str, config: Any, *, keep: set[int], tied: bool, device: str | torch.device,
-             fill: Callable[[int, nn.Module, dict[str, str], list[dict[str, str]]], None]) -> LayerModel:
+             fill: Callable[[int, nn.Module, dict[str, str], list[dict[str, str]]], None],
+             vocab_rows: int | None = None) -> LayerModel:
     """The flat layers of a Hugging Face `config`: every layer constructed on the meta device (for
     its names: no memory, no RNG), the layers of `keep` materialised on `device` by
     `fill(index, layer, local -> HF prefixes, HF names of the layers so far)`, which must leave no
     meta parameter; a Rope layer then gets its rotary embedding (non-persistent `inv_freq`,
-    computed on the CPU), and tied ends built here share one Parameter."""
+    computed on the CPU), and tied ends built here share one Parameter. `vocab_rows`: the padded
+    vocabulary (models/vocab.py; None = config.vocab_size)."""
     n = config.num_hidden_layers + 2
     emb_name = _EMBED_NAME.get(family, "embed_tokens.weight")
     rotary_cls = None if family == "gpt2" else getattr(_modeling(family), f"{_ROPE_PREFIX[family]}RotaryEmbedding")
     layers: list[nn.Module | None] = []
     hf_names: list[dict[str, str]] = []
     for i in range(n):
-        layer, prefixes = _meta_layer(family, config, i, n)
+        layer, prefixes = _meta_layer(family, config, i, n, vocab_rows)
         hf_names.append(_hf_names(layer, prefixes))
         if i not in keep:
             layers.append(None)
@@ -289,8 +299,9 @@ def assemble(family: str, config: Any, *, keep: set[int], tied: bool, device: st
             layer.rotary_emb = rotary_cls(config).to(device)
         layers.append(layer)
     groups = [TiedGroup([(0, emb_name), (n - 1, "lm_head.weight")])] if tied else []
+    padded = vocab_rows is not None and vocab_rows > config.vocab_size
     model = LayerModel(layers=layers, names=_head_index_names(n - 2), hf_names=hf_names, tied=groups,
-                       hf_config=config)
+                       hf_config=config, vocab_size=config.vocab_size if padded else None)
     model.retie()
     return model
 
@@ -313,8 +324,9 @@ def build_meta_layers(cfg: ModelConfig, end: int, *, seed: int) -> list[nn.Modul
     if not 0 < end <= n:
         raise ValueError(f"layer range end {end} is outside 1..{n}: the model has {n} layers")
     layers = []
+    rows = padded_vocab_size(config.vocab_size, cfg.pad_vocab_to)
     for i in range(end):
-        layer, _ = _meta_layer(family, config, i, n)
+        layer, _ = _meta_layer(family, config, i, n, rows)
         if isinstance(layer, RopeDecoderLayer):
             with torch.device("meta"):
                 layer.rotary_emb = getattr(_modeling(family), f"{_ROPE_PREFIX[family]}RotaryEmbedding")(config)

@@ -167,6 +167,9 @@ class LayerModel:
     """loss_fn(logits, labels) -> scalar."""
     hf_config: Any = None
     """The Hugging Face config the layers were built from (None for custom layers)."""
+    vocab_size: int | None = None
+    """The real vocabulary when the embedding and head have padded rows beyond it (models/vocab.py);
+    None: no padding."""
 
     def __post_init__(self) -> None:
         n = len(self.layers)

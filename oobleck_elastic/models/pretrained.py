@@ -235,10 +235,16 @@ def _persistent_buffers(layer: nn.Module, prefixes: dict[str, str]) -> tuple[dic
 
 
 def _check_shapes(layer: nn.Module, tensors: dict[str, torch.Tensor], names: dict[str, str],
-                  reader: WeightReader) -> None:
+                  reader: WeightReader, vocab: int) -> None:
+    """Every tensor has the shape config.json implies (`vocab` rows for the embedding and head:
+    the layer's own rows may be padded beyond it, models/vocab.py)."""
+    from .vocab import is_vocab_param
+
     expected = dict(layer.named_parameters()) | dict(layer.named_buffers())
     for local, key in names.items():
         want, got = tuple(expected[local].shape), tuple(tensors[key].shape)
+        if is_vocab_param(local):
+            want = (vocab, *want[1:])
         if want != got:
             file, stored = reader.locate(key)
             raise ValueError(f"model.pretrained_path '{reader.path}': tensor '{stored}' in {file} "
@@ -255,6 +261,7 @@ def build_pretrained(cfg: ModelConfig, *, owned: Iterable[int] | None,
     owned layers also in `empty` are only allocated (their values come from a peer or a checkpoint).
     """
     from .build import _EMBED_NAME, _check_owned, assemble
+    from .vocab import is_vocab_param, pad_rows, padded_vocab_size
 
     config = pretrained_config(cfg)
     path = pretrained_dir(cfg.pretrained_path or "")
@@ -264,6 +271,7 @@ def build_pretrained(cfg: ModelConfig, *, owned: Iterable[int] | None,
     reader = WeightReader(path, family=family, device=device, dtype=dtype)
     keep = _check_owned(owned, n)
     blank = set(empty)
+    rows = padded_vocab_size(config.vocab_size, cfg.pad_vocab_to)
 
     def read(i: int, layer: nn.Module, prefixes: dict[str, str], hf_names: list[dict[str, str]]) -> None:
         if i in blank:
@@ -278,14 +286,17 @@ def build_pretrained(cfg: ModelConfig, *, owned: Iterable[int] | None,
         buffers, computed = _persistent_buffers(layer, prefixes)
         names.update(buffers)
         tensors = reader.read(names.values())
-        _check_shapes(layer, tensors, names, reader)
+        _check_shapes(layer, tensors, names, reader, config.vocab_size)
+        for local, key in names.items():  # zero rows up to the padded vocabulary (models/vocab.py)
+            if is_vocab_param(local):
+                tensors[key] = pad_rows(tensors[key], rows)
         for local, key in names.items():
             _set_tensor(layer, local, tensors[key])
         if computed and not isinstance(layer, RopeDecoderLayer):
             raise RuntimeError(f"layer {i} of the {family} model has non-persistent buffers "
                                f"{computed} that per-layer loading cannot compute; this "
                                "transformers version is not supported for model.pretrained_path")
-    model = assemble(family, config, keep=keep, tied=tied, device=device, fill=read)
+    model = assemble(family, config, keep=keep, tied=tied, device=device, fill=read, vocab_rows=rows)
     layers = model.layers
     for i, layer in enumerate(layers):
         if layer is None:
