@@ -75,3 +75,18 @@ def test_a_node_failure_recompiles_nothing_on_the_survivors(tmp_path: Path, etcd
     for node in survivors:
         assert len({n for _, n in counts[node]}) == 1, (node, counts[node])
     assert_same(job, ref)
+
+
+def test_a_planner_chosen_microbatch_is_compiled_before_the_first_step(shared_cache: Path, tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """With training.microbatch_size=auto the size is known only from the first plan: the worker
+    compiles every kind of layer right after entering it, before its first step."""
+    from oobleck_elastic.engine.run import train
+
+    cfg = _cfg(shared_cache, "training.compile=true", "training.microbatch_size=auto", "training.steps=2",
+               f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'runs'}")
+    with caplog.at_level("INFO"):
+        train(cfg)
+    text = caplog.text
+    assert "compiled 3 kind(s) of layer" in text, text[-3000:]
+    assert text.index("compiled 3 kind(s) of layer") < text.index("step 1/2"), text[-3000:]

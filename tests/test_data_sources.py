@@ -433,3 +433,22 @@ def test_train_two_steps_on_jsonl_with_hf_tokenizer(tmp_path, tokdir):
         f"logging.tensorboard_dir={tmp_path / 'runs'}"])
     summary = train(c)
     assert summary.final_step == 2 and math.isfinite(summary.first_loss) and math.isfinite(summary.last_loss)
+
+
+@pytest.mark.slow
+def test_a_node_failure_on_jsonl_text_keeps_the_exactly_once_order(tmp_path, tokdir, etcd_server, run_id):
+    """Four torchrun nodes train on a JSONL dataset through a pretrained tokenizer; one node is
+    SIGKILLed: the survivors re-plan and finish with the single-process reference's weights, so
+    every step saw exactly the samples it would have seen without the failure."""
+    from helpers import assert_same, run_job, tiny_profile
+
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in make_docs(600, seed=3)))
+    profile = tiny_profile(tmp_path / "profile.json")
+    extra = ["data.source=jsonl", f"data.paths=[{data}]", "data.tokenizer=hf", f"data.tokenizer_path={tokdir}",
+             "model.vocab_size=320"]
+    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--kill", "1@3"], 8, profile,
+                            extra=extra)
+    assert "entered from generation 1" in out, out[-3000:]
+    assert out.count("data: tokenising") == 1, out[-3000:]  # the four workers share one host's cache
+    assert_same(job, ref)

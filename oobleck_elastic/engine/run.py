@@ -293,7 +293,9 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
     """The one training loop of a worker (see the module docstring) or of the single process."""
     worker = _Worker(cfg, dataset, ctx)
     ctx.share_profile(cfg, worker.trainer.device)
-    if isinstance(cfg.training.microbatch_size, int):  # `auto`: the first plan's size, compiled at the first step
+    # compiled layers are compiled before this worker counts (engine/compiled.py); with a microbatch
+    # size chosen by the planner (`auto`), right after the first entry, before the first step
+    if isinstance(cfg.training.microbatch_size, int):
         worker.trainer.warm_up(cfg.training.microbatch_size)
     ctx.report_ready()
     target, plan = Target.first(), None
@@ -308,6 +310,7 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
             if isinstance(entered, Broken):  # the roll call always ends in a newer plan
                 target = Target.newer_than(plan.generation)
                 continue
+            worker.trainer.warm_up(plan.microbatch_size)  # `auto`: once, before the first step
             outcome = worker.run_generation(plan)
             if isinstance(outcome, Finished):
                 return worker.finish()

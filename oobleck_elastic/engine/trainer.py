@@ -137,6 +137,8 @@ class Trainer:
         """Collates (and pins, on CUDA) the next step's batch while a step runs."""
         self.compile = compile_enabled(cfg, self.device)
         """Layers run compiled (engine/compiled.py)."""
+        self.warmed = False
+        """Every kind of layer has been compiled (`warm_up`)."""
         if self.compile:
             use_cache_dir(cfg)
         identity = (node, local_rank)
@@ -182,10 +184,11 @@ class Trainer:
         return self.state.committed_step
 
     def warm_up(self, microbatch_size: int) -> float:
-        """Compile every kind of layer before this worker joins a generation (engine/compiled.py);
-        the seconds it took (0 when compilation is off)."""
-        if not self.compile:
+        """Compile every kind of layer for `microbatch_size` (engine/compiled.py), once; the seconds
+        it took (0 when compilation is off or it was done already)."""
+        if not self.compile or self.warmed:
             return 0.0
+        self.warmed = True
         return warm_up(self.cfg, device=self.device, microbatch_size=microbatch_size,
                        seq_len=self.dataset[0][0].shape[-1], autocast=self.dtype, node=self.node)
 
