@@ -182,6 +182,13 @@ class FaultToleranceConfig:
     corrupt checkpoint) ends that worker with its traceback; when the same error ends a worker
     at the same step this many times in a row, the job is closed as failed with that error
     instead of being re-planned again."""
+    max_skipped_steps: int = 3
+    """A step whose loss or gradient norm is not finite (or whose loss spikes, see
+    loss_spike_factor) is never applied: it is replayed once, then its batch is skipped. This many
+    skipped steps in a row stop the job as failed, naming them (engine/guard.py)."""
+    loss_spike_factor: float = 0.0
+    """Treat a loss above this factor times the largest loss of any applied step like a non-finite
+    one (replayed, then skipped); 0 = off. Megatron-LM uses 10."""
     watch_interval_s: float = 0.1
     """While a step runs, each worker checks the control plane this often: a newer plan that
     drops a lost node, this node being fenced, or the job being closed abandons the step at once
@@ -363,6 +370,12 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
     for key, choices in _CHOICES.items():
         if get(key) not in choices:
             problems.append(f"'{key}' is '{get(key)}'; choose one of {', '.join(choices)}")
+    if cfg.fault_tolerance.max_skipped_steps < 1:
+        problems.append("'fault_tolerance.max_skipped_steps' must be >= 1 (got "
+                        f"{cfg.fault_tolerance.max_skipped_steps})")
+    if cfg.fault_tolerance.loss_spike_factor < 0 or 0 < cfg.fault_tolerance.loss_spike_factor <= 1:
+        problems.append(f"'fault_tolerance.loss_spike_factor' must be 0 (off) or > 1 (got "
+                        f"{cfg.fault_tolerance.loss_spike_factor})")
     if cfg.fault_tolerance.watch_interval_s <= 0:
         problems.append(f"'fault_tolerance.watch_interval_s' must be > 0 (got {cfg.fault_tolerance.watch_interval_s})")
     if cfg.fault_tolerance.join_timeout_s <= 0 or cfg.fault_tolerance.comm_timeout_s <= 0:

@@ -80,6 +80,9 @@ class ControlPlane(Protocol):
     def close_job(self, reason: str, *, failed: bool = False) -> None:
         """Every worker leaves (with an error when `failed`)."""
 
+    def record_skip(self, *, generation: int, step: int, detail: str) -> None:
+        """The step guard did not apply `step` (engine/guard.py): an event for operators."""
+
 
 def one_worker_plan(cfg: JobConfig, num_layers: int, *, node: str = "local",
                     microbatch_size: Optional[int] = None) -> Plan:
@@ -165,6 +168,9 @@ class LocalControl:
         pass
 
     def report_progress(self, *, generation: int, step: int, **extra: Any) -> None:
+        pass
+
+    def record_skip(self, *, generation: int, step: int, detail: str) -> None:
         pass
 
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:

@@ -10,6 +10,12 @@ repeated-error cap (`fault_tolerance.max_repeated_errors`). Like torchft's `fail
 STEP (before its stage computes anything), in every generation: a stage as slow as a large
 model's first step (allocator warm-up, kernel autotuning, compilation), so its neighbours wait
 for it in their receives. A slow step is not a failure and must not be treated as one.
+
+`OOBLECK_NAN_AT="RANK@STEP[xTIMES][,...]"` makes that worker's loss and gradients NaN at step STEP,
+the first TIMES times it runs it in this process (default 1: a transient fault that a replay does
+not meet again; 2 or more: a persistent one, whose batch is skipped). `OOBLECK_SPIKE_AT=
+"RANK@STEP:FACTOR[xTIMES][,...]"` multiplies the loss that worker reports by FACTOR instead (give
+the rank of a last stage: the others report no loss). Both exercise the step guard (engine/guard.py).
 """
 
 from __future__ import annotations
@@ -21,6 +27,27 @@ from typing import Mapping
 
 ENV = "OOBLECK_FAIL_AT"
 SLOW_ENV = "OOBLECK_SLOW_AT"
+NAN_ENV = "OOBLECK_NAN_AT"
+SPIKE_ENV = "OOBLECK_SPIKE_AT"
+
+
+def _parse_poison(spec: str, env: str, *, with_factor: bool) -> dict[tuple[int, int], tuple[float, int]]:
+    """RANK@STEP[:FACTOR][xTIMES] items -> {(rank, step): (factor, times)}."""
+    out: dict[tuple[int, int], tuple[float, int]] = {}
+    form = "RANK@STEP:FACTOR[xTIMES], e.g. 0@3:100x2" if with_factor else "RANK@STEP[xTIMES], e.g. 1@3x2"
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        body, _, times = item.partition("x")
+        rank, sep, rest = body.partition("@")
+        step, sep2, factor = rest.partition(":")
+        try:
+            ok = (bool(sep) and rank.isdigit() and step.isdigit() and (times == "" or int(times) >= 1)
+                  and bool(sep2) == with_factor and (not with_factor or float(factor) > 0))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{env}={spec!r}: each item must be {form}")
+        out[(int(rank), int(step))] = (float(factor) if with_factor else float("nan"), int(times or 1))
+    return out
 
 
 @dataclass(frozen=True)
@@ -29,6 +56,10 @@ class FaultInjector:
     """(rank, step) pairs at which to raise."""
     slow: dict[tuple[int, int], float] = field(default_factory=dict)
     """(rank, step) -> seconds to sleep at the start of that step."""
+    poison: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)
+    """(rank, step) -> (factor for the loss: NaN or a spike, how many runs of the step get it)."""
+    runs: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(rank, step) -> runs so far of a poisoned step."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "FaultInjector":
@@ -51,7 +82,9 @@ class FaultInjector:
             if not ok:
                 raise ValueError(f"{SLOW_ENV}={slow_spec!r}: each item must be RANK@STEP:SECONDS, e.g. 0@0:5")
             slow[(int(rank), int(step))] = float(seconds)
-        return cls(frozenset(points), slow)
+        poison = _parse_poison(environ.get(NAN_ENV, "").strip(), NAN_ENV, with_factor=False)
+        poison.update(_parse_poison(environ.get(SPIKE_ENV, "").strip(), SPIKE_ENV, with_factor=True))
+        return cls(frozenset(points), slow, poison)
 
     def check(self, *, rank: int, step: int) -> None:
         """Called by a worker as it starts `step`: sleep and/or raise as the environment says."""
@@ -59,3 +92,12 @@ class FaultInjector:
             time.sleep(self.slow[(rank, step)])
         if (rank, step) in self.points:
             raise RuntimeError(f"injected fault: rank {rank} at step {step} ({ENV})")
+
+    def loss_factor(self, *, rank: int, step: int) -> float | None:
+        """Called once per run of `step`: NaN or a spike factor to multiply this worker's loss by
+        (NaN poisons its gradients too), or None."""
+        if (rank, step) not in self.poison:
+            return None
+        factor, times = self.poison[(rank, step)]
+        self.runs[(rank, step)] = self.runs.get((rank, step), 0) + 1
+        return factor if self.runs[(rank, step)] <= times else None

@@ -98,6 +98,8 @@ class WorkerState:
     """The last step whose gradients and norm are fully synchronised here."""
     synced_norm2: float = 0.0
     """The squared global gradient norm of `synced_step`."""
+    max_loss: float = 0.0
+    """The largest loss of any step applied here (the step guard's spike threshold, engine/guard.py)."""
     params: list[nn.Parameter] = field(default_factory=list)
     """The owned layers' parameters, each once (tied ones are shared), in the optimizer's order."""
 
@@ -296,7 +298,7 @@ class GenerationEntry:
                 optimizer.state[p] = st
         after = WorkerState(layer_model=target, owned=owned, optimizer=optimizer, plan=plan,
                             generation=plan.generation, rank=rank, committed_step=state.committed_step,
-                            synced_step=state.synced_step, params=params)
+                            synced_step=state.synced_step, params=params, max_loss=state.max_loss)
         return after, groups, moved
 
     def _hand_over(self, state: WorkerState, rank: int, transfers: list[Transfer], *, exchange_layers: bool) -> int:

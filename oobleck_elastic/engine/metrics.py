@@ -7,7 +7,8 @@ this worker: a step after a reconfiguration counts its cost), `train/step_time_s
 time) beside `train/est_step_time_s` (the planner's estimate for the plan), `train/lr`,
 `train/grad_norm`, `perf/tflops_per_device` and `perf/mfu` (engine/mfu.py; MFU only when the
 device's peak is known), `cluster/nodes`,
-`cluster/pipelines`, `cluster/generation`; at every generation a text entry `plan` with the plan,
+`cluster/pipelines`, `cluster/generation`; `guard/rejected` and `guard/skipped_steps` for steps the
+step guard did not apply (engine/guard.py); at every generation a text entry `plan` with the plan,
 and for every reconfiguration a `reconfiguration` text plus `reconfiguration/seconds` and
 `reconfiguration/bytes_moved`.
 """
@@ -54,6 +55,7 @@ class Metrics:
 
             self.writer = SummaryWriter(log_dir=str(self.log_dir))
         self._t0 = time.monotonic()
+        self.skipped = 0
 
     def plan(self, plan: Optional[Plan], step: int) -> None:
         if self.writer is not None:
@@ -97,6 +99,16 @@ class Metrics:
                      "last%s); largest worker's %s", gen, s + 1, self.total, self.node, result.loss, sps,
                      perf.describe(), result.seconds, wall, est,
                      describe_memory(result.peak_rss_bytes, result.peak_device_bytes))
+
+    def rejected(self, step: int, text: str, *, skipped: bool) -> None:
+        """The step guard did not apply `step` (engine/guard.py): `guard/rejected` = 1 at it,
+        `guard/skipped_steps` counts skipped batches, and the reason as text."""
+        if self.writer is None:
+            return
+        self.skipped += int(skipped)
+        self.writer.add_scalar("guard/rejected", 1, step)
+        self.writer.add_scalar("guard/skipped_steps", self.skipped, step)
+        self.writer.add_text("guard", text, step)
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:

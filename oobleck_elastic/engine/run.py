@@ -52,10 +52,11 @@ from .control import ControlPlane, LocalControl
 from .data import build_dataset
 from .devices import configure_nccl, resolve_device
 from .errors import JobFailed, StepAbandoned, is_communication_error
+from .guard import Action, StepGuard, TooManySkipped, Verdict
 from .runlog import RunLog, Summary
 from .runner import StepRunner, exit_now_at_the_end
 from .state import CheckpointPolicy
-from .trainer import LayersLost, Reconfiguration, Trainer
+from .trainer import LayersLost, Reconfiguration, StepResult, Trainer
 
 __all__ = ["train", "Summary", "Target"]
 
@@ -167,6 +168,7 @@ class _Worker:
         self.log = RunLog(cfg, node=ctx.node_id, rss_at_start=rss_at_start)
         self.checkpoints = CheckpointPolicy(cfg, node=ctx.node_id)
         self.runner = StepRunner(self.trainer.device)
+        self.guard = StepGuard(cfg.fault_tolerance.max_skipped_steps)
         self.step = 0
 
     def enter(self, plan: Plan) -> Union[Entered, HandedOver, Broken]:
@@ -222,11 +224,16 @@ class _Worker:
             while self.step < steps:
                 latest = ctx.plan() if trainer.rank == 0 else None
                 seen = latest.generation if latest else 0
-                result = self.runner.run(lambda s=self.step, g=seen: trainer.train_step(s, seen_generation=g),
-                                         should_abandon=should_abandon, interval_s=watch_s)
-                self.log.stepped(trainer, result, report=ctx.report_progress if trainer.rank == 0 else None)
-                self.step += 1
-                self.checkpoints.after_step(trainer, self.step)
+                rejections = self.guard.attempts.get(self.step, 0)
+                result = self.runner.run(lambda s=self.step, g=seen, r=rejections: trainer.train_step(
+                    s, seen_generation=g, rejections=r), should_abandon=should_abandon, interval_s=watch_s)
+                if result.rejected:
+                    self._rejected(result)
+                else:
+                    self.guard.decide(self.step, Verdict(True))
+                    self.log.stepped(trainer, result, report=ctx.report_progress if trainer.rank == 0 else None)
+                    self.step += 1
+                    self.checkpoints.after_step(trainer, self.step)
                 if result.next_generation > trainer.generation:
                     return Boundary(result.next_generation)
         except Exception as err:
@@ -245,6 +252,29 @@ class _Worker:
             log.warning("gen %d step %d node %s: communication failed (%s); waiting for the next plan",
                         trainer.generation, self.step, ctx.node_id, failure)
         return Broken(failure)
+
+    def _rejected(self, result: StepResult) -> None:
+        """The step guard did not apply `result.step` (engine/guard.py): replay it, or skip its
+        batch, or stop the job when too many were skipped in a row."""
+        trainer, step = self.trainer, result.step
+        self.guard.attempts[step] = max(self.guard.attempts.get(step, 0), result.rejections)
+        try:
+            action = self.guard.decide(step, Verdict(False, result.rejected))
+        except TooManySkipped as err:
+            log.error("gen %d step %d node %s: %s", trainer.generation, step, self.ctx.node_id, err)
+            if trainer.rank == 0:
+                self.ctx.close_job(str(err), failed=True)
+            raise JobFailed(str(err)) from None
+        what = "replaying it" if action is Action.REPLAY else "skipping its batch"
+        log.warning("gen %d step %d node %s: step %d not applied: %s; %s", trainer.generation, step,
+                    self.ctx.node_id, step + 1, result.rejected, what)
+        self.log.rejected(result, skipped=action is Action.SKIP)
+        if trainer.rank == 0:
+            self.ctx.record_skip(generation=trainer.generation, step=step, detail=f"{result.rejected}; {what}")
+        if action is Action.SKIP:
+            trainer.skip(step)
+            self.step += 1
+            self.checkpoints.after_step(trainer, self.step)
 
     def finish(self) -> Summary:
         """After the last step: the final checkpoint; the worker holding rank 0 closes the job."""

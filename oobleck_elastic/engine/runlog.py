@@ -49,6 +49,8 @@ class Summary:
     """One line per generation change this worker went through."""
     peak_rss_bytes: int = 0
     """This process's peak resident memory."""
+    not_applied: tuple[str, ...] = ()
+    """One line per step the step guard did not apply (replayed or skipped, engine/guard.py)."""
 
     def lines(self) -> list[str]:
         out = [f"trained steps {self.final_step - self.steps}..{self.final_step} in {self.seconds:.1f}s"
@@ -56,6 +58,7 @@ class Summary:
         if self.first_loss is not None:
             out.append(f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}")
         out += [f"reconfiguration: {r}" for r in self.reconfigurations]
+        out += [f"not applied: {r}" for r in self.not_applied]
         if self.peak_rss_bytes:
             out.append(f"peak resident memory of this worker: {self.peak_rss_bytes / memory.GB:.3f} GB")
         if self.checkpoint:
@@ -83,6 +86,7 @@ class RunLog:
         self.broke_at: Optional[float] = None  # monotonic time this worker saw its generation break
         self.restored = False  # the last entry restored the checkpoint (lost layers)
         self.rss_at_start = rss_at_start  # before this worker held any layer
+        self.not_applied: list[str] = []  # steps the step guard rejected, with what followed
 
     def broke(self) -> None:
         """This worker saw its generation fail (a communication error or an abandoned step)."""
@@ -158,6 +162,13 @@ class RunLog:
         if report is not None:
             report(generation=trainer.generation, step=result.step + 1, loss=result.loss)
 
+    def rejected(self, result: StepResult, *, skipped: bool) -> None:
+        """The step guard did not apply `result.step`: it is replayed, or its batch skipped."""
+        text = f"step {result.step + 1}: {result.rejected}; {'batch skipped' if skipped else 'replayed'}"
+        self.not_applied.append(text)
+        if self.metrics is not None:
+            self.metrics.rejected(result.step, text, skipped=skipped)
+
     def _describe_reconfiguration(self, trainer: Trainer, result: StepResult) -> None:
         assert self.pending is not None and trainer.plan is not None
         info, at, cause, broke_at = self.pending
@@ -181,7 +192,8 @@ class RunLog:
                        last_loss=self.last, seconds=time.monotonic() - self.t0,
                        checkpoint=str(checkpoint) if checkpoint and writer else None,
                        tensorboard=self.tb_dir if writer else None, resumed_from=resumed,
-                       reconfigurations=tuple(self.changes), peak_rss_bytes=memory.peak_rss_bytes())
+                       reconfigurations=tuple(self.changes), peak_rss_bytes=memory.peak_rss_bytes(),
+                       not_applied=tuple(self.not_applied))
 
     def close(self) -> None:
         if self.metrics is not None:

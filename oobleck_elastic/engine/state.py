@@ -24,6 +24,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from .. import checkpoint as ckpt
@@ -45,6 +46,11 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
     primary = {i: min(plan.holders(i)) for i in trainer.owned}
     mine = trainer.state_dict()
     params, optim = mine["layers"], mine["optimizer"]
+    for i, layer in params.items():  # the step guard never applies a non-finite step (engine/guard.py)
+        bad = [n for n, t in layer.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            raise ckpt.CheckpointError(f"layer {i} parameter(s) {bad} hold non-finite values at step {next_step}: "
+                                       "not saved (the newest intact checkpoint stays the newest)")
     step_path = ckpt.step_dir(ckpt_dir, next_step)
     if trainer.rank == 0 and (step_path / ckpt.MANIFEST).exists():
         # never rewrite a checkpoint in place (e.g. a run with checkpoint.resume=false in a used dir)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import logging
 import threading
 import time
@@ -54,6 +55,7 @@ from .devices import release_groups, to_device
 from .errors import StepAbandoned
 from .faults import FaultInjector
 from .groups import GenerationGroups, GradSync
+from .guard import judge
 from .generation import GenerationEntry, LayersLost, Reconfiguration, WorkerState
 from .optim import adamw_step, clip_coefficient, scale_grads, set_lr, token_sum_loss
 
@@ -78,6 +80,10 @@ class StepResult:
     """The largest peak resident memory of any worker of the generation (engine/memory.py)."""
     peak_device_bytes: Optional[int] = None
     """The largest peak device memory of any worker (CUDA only)."""
+    rejected: str = ""
+    """Why the step guard did not apply the step (engine/guard.py); empty when it was applied."""
+    rejections: int = 0
+    """How many times any worker had seen this step rejected before this run of it."""
 
 
 class Autocast(nn.Module):
@@ -285,10 +291,11 @@ class Trainer:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return torch.stack([loss.detach().double() for loss in losses]).sum()
 
-    def train_step(self, step: int, *, seen_generation: int = 0) -> StepResult:
+    def train_step(self, step: int, *, seen_generation: int = 0, rejections: int = 0) -> StepResult:
         """Run step `step` (0-based) and apply it. It may run in another thread: it uses the
         generation's objects as they were when it started, and after `abandon()` it raises
-        StepAbandoned instead of changing this trainer's state."""
+        StepAbandoned instead of changing this trainer's state. `rejections`: how often this worker
+        has seen the step guard reject `step` (the commit agrees on the largest, engine/guard.py)."""
         t0 = time.perf_counter()
         epoch = self._epoch
         self.faults.check(rank=self.rank, step=step)
@@ -300,6 +307,11 @@ class Trainer:
         with torch.autocast(device_type=self.device.type, dtype=self.dtype or torch.float32,
                             enabled=self.dtype is not None):
             loss = self._forward_backward_pipeline(x, y, schedule)
+        poison = self.faults.loss_factor(rank=self.rank, step=step)
+        if poison is not None:  # injected (engine/faults.py): a NaN poisons the gradients too
+            loss = loss * poison
+            if poison != poison:
+                torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], poison)
         grad_sync.all_reduce()
         # control collectives: CPU tensors, so they go over gloo whatever the data backend; this
         # is the step's one read of a device value (the loss and the norm stay on the device until
@@ -317,12 +329,33 @@ class Trainer:
         # (and, at no extra cost, the largest peak memory of any worker)
         device_peak = memory.peak_device_bytes(self.device)
         seen = torch.tensor([max(seen_generation, self.generation), memory.peak_rss_bytes(),
-                             -1 if device_peak is None else device_peak], dtype=torch.float64)
+                             -1 if device_peak is None else device_peak, self.state.max_loss, rejections],
+                            dtype=torch.float64)
         dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=step_group)
-        self._apply(step, norm2, epoch)
+        # the step guard (engine/guard.py): the same loss, norm and running maximum on every worker
+        ft = self.cfg.fault_tolerance
+        verdict = judge(loss, norm2, running_max=float(seen[3]), spike_factor=ft.loss_spike_factor)
+        if verdict.apply:
+            self._apply(step, norm2, epoch)
+        with self._current(epoch):
+            if verdict.apply:
+                self.state.max_loss = max(float(seen[3]), loss)
+            else:  # dropped: neither committed nor kept for a roll-forward
+                self.state.max_loss = float(seen[3])
+                self.state.synced_step = self.state.committed_step
+                assert self.optimizer is not None
+                self.optimizer.zero_grad(set_to_none=True)
         return StepResult(step=step, loss=loss, seconds=time.perf_counter() - t0, grad_norm=norm2 ** 0.5,
                           next_generation=int(seen[0]), peak_rss_bytes=int(seen[1]),
-                          peak_device_bytes=None if seen[2] < 0 else int(seen[2]))
+                          peak_device_bytes=None if seen[2] < 0 else int(seen[2]), rejected=verdict.reason,
+                          rejections=int(seen[4]))
+
+    def skip(self, step: int) -> None:
+        """Count `step` as done with no update: the step guard rejected it twice (engine/guard.py)."""
+        with self._lock:
+            assert self.optimizer is not None
+            self.optimizer.zero_grad(set_to_none=True)
+            self.state.committed_step = self.state.synced_step = step
 
     @contextlib.contextmanager
     def _current(self, epoch: int) -> Iterator[None]:
@@ -335,6 +368,9 @@ class Trainer:
     def _apply(self, step: int, norm2: float, epoch: Optional[int] = None) -> None:
         with self._current(self._epoch if epoch is None else epoch):
             assert self.optimizer is not None
+            if not math.isfinite(norm2):  # never applied (engine/guard.py), a roll-forward included
+                self.optimizer.zero_grad(set_to_none=True)
+                return
             scale_grads(self.params, clip_coefficient(norm2, self.cfg.training.optimizer.grad_clip))
             set_lr(self.optimizer, step, self.cfg.training)
             self.optimizer.step()

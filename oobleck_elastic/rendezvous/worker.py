@@ -41,8 +41,10 @@ from ..etcd.mirror import Mirror
 from ..etcd.store import EtcdStore
 from ..planning import PipelineSpec, Plan, StagePlacement
 from ..engine.errors import ErrorRecord, next_error_record
-from .keys import CheckinKind, ClosedRecord, Keys, NodeRecord, NodeState, ProgressRecord, read_closed, read_progress
+from .keys import (CheckinKind, ClosedRecord, Event, EventKind, Keys, NodeRecord, NodeState, ProgressRecord,
+                   read_closed, read_progress)
 from .leader import PlanReader, _parse_plan
+from .membership import put_event
 
 if TYPE_CHECKING:
     import torch
@@ -226,6 +228,11 @@ class WorkerContext:
         self.client.put_json(self._checkin_key(generation), {"time": time.time(), "kind": kind})
         if kind == CheckinKind.STALL:
             self._stalled.add(generation)
+
+    def record_skip(self, *, generation: int, step: int, detail: str) -> None:
+        """An event saying the step guard did not apply `step` (engine/guard.py)."""
+        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.SKIP, node=self.node_id,
+                                                generation=generation, detail=f"step {step}: {detail}"))
 
     def entered(self, generation: int) -> None:
         """This worker has entered `generation`: a `stall` check-in it made while joining is

@@ -1,0 +1,94 @@
+"""The step guard: a step whose loss or gradient norm is not finite, or whose loss spikes, is
+never applied; it is replayed once, then skipped; too many skipped in a row fail the job.
+
+Mechanism, with no collective of its own:
+
+- **Same inputs everywhere.** After a step's norm all-reduce every worker holds the same global
+  loss and squared gradient norm. The running maximum of the loss over applied steps rides on the
+  commit all-reduce (a MAX, like the generation it already carries), so after the commit every
+  worker also holds the same maximum, a worker that just joined included. `judge` is a pure
+  function of those numbers, so every worker reaches the same verdict at the same step.
+- **Never applied.** A rejected step's gradients are dropped, and the step is neither committed
+  nor kept as synchronised (a generation entry after a failure therefore replays it rather than
+  rolling it forward); `Trainer._apply` also refuses a non-finite norm on its own. Checkpoints
+  hold only applied steps, and `engine/state.py` refuses to write a non-finite tensor.
+- **Replay, then skip** (`StepGuard`, a pure state machine over verdicts). The first rejection of
+  a step replays it on the same batch (the data of a step is a function of (seed, step)): a
+  transient fault (a flipped bit in flight, a bad kernel launch) does not recur. A second
+  rejection skips the step's batch: the step counts as done with no update (the learning-rate
+  schedule does not shift) and the job goes on. After `fault_tolerance.max_skipped_steps` skips
+  in a row the job stops as failed, naming the steps.
+- **Loss spikes** (`fault_tolerance.loss_spike_factor`, 0 = off): a loss above that factor times
+  the largest loss of any applied step is rejected the same way (Megatron-LM's rerun machine
+  uses 10x). The maximum starts again from the first step after a restart from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+__all__ = ["Verdict", "judge", "Action", "StepGuard", "TooManySkipped"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    apply: bool
+    """Whether the step may be applied."""
+    reason: str = ""
+    """Why not (empty when it may)."""
+
+
+def judge(loss: float, norm2: float, *, running_max: float, spike_factor: float) -> Verdict:
+    """The verdict on a step from its global loss, squared gradient norm and the largest loss of any
+    applied step so far (0: none yet)."""
+    if not math.isfinite(loss):
+        return Verdict(False, f"the loss is {loss}")
+    if not math.isfinite(norm2):
+        return Verdict(False, f"the gradient norm is {math.sqrt(norm2) if norm2 > 0 else norm2}")
+    if spike_factor > 0 and running_max > 0 and loss > spike_factor * running_max:
+        return Verdict(False, f"loss spike: {loss:.4g} > {spike_factor:g} x the largest loss so far "
+                              f"({running_max:.4g})")
+    return Verdict(True)
+
+
+class Action(Enum):
+    APPLY = "apply"
+    REPLAY = "replay"
+    SKIP = "skip"
+
+
+class TooManySkipped(RuntimeError):
+    """`fault_tolerance.max_skipped_steps` steps in a row were skipped: the job stops as failed."""
+
+
+@dataclass
+class StepGuard:
+    """What follows a verdict (module docstring)."""
+
+    max_skipped: int
+    """Skips in a row that stop the job."""
+    attempts: dict[int, int] = field(default_factory=dict)
+    """Rejections so far, by step."""
+    skipped: list[int] = field(default_factory=list)
+    """Every step skipped, in order."""
+    in_a_row: list[int] = field(default_factory=list)
+    """The steps skipped since the last applied one."""
+
+    def decide(self, step: int, verdict: Verdict) -> Action:
+        """APPLY, REPLAY (the first rejection of `step`) or SKIP; raises TooManySkipped when this skip
+        makes `max_skipped` in a row."""
+        if verdict.apply:
+            self.in_a_row.clear()
+            return Action.APPLY
+        self.attempts[step] = self.attempts.get(step, 0) + 1
+        if self.attempts[step] == 1:
+            return Action.REPLAY
+        self.skipped.append(step)
+        self.in_a_row.append(step)
+        if len(self.in_a_row) >= self.max_skipped:
+            raise TooManySkipped(f"{len(self.in_a_row)} steps in a row were not applied (steps {self.in_a_row}, the "
+                                 f"last because {verdict.reason}; fault_tolerance.max_skipped_steps="
+                                 f"{self.max_skipped}): lower the learning rate or check the data of those steps")
+        return Action.SKIP
