@@ -11,6 +11,9 @@
 - `--kill K@S` SIGKILLs node K (the agent, its process group and every descendant: torchrun puts
   workers in sessions of their own) once the job reports
   step S in etcd (`progress`), i.e. a node failure. `--join S` starts one more node at step S.
+- `--preempt K@S[:G]` sends node K's agent SIGTERM at step S, as a scheduler's preemption notice
+  does, and SIGKILLs the node if it is still running G seconds later (default 60), as the reclaim
+  would. A node that exits 0 after its notice is reported as preempted, not failed.
 - On exit, Ctrl-C or SIGTERM every node is killed the same way and etcd is stopped, all by PID.
 Exit status: 0 when every node that was not killed on purpose exited 0.
 """
@@ -38,6 +41,9 @@ class Node:
     number: int
     proc: subprocess.Popen
     killed: bool = False
+    preempted_at: Optional[float] = None
+    """Monotonic time its agent got the preemption notice (--preempt)."""
+    grace: float = 0.0
     lines: list[str] = field(default_factory=list)
 
 
@@ -74,6 +80,18 @@ def kill_node(pid: int) -> list[int]:
     except ProcessLookupError:
         pass
     return pids
+
+
+def parse_preempt(value: str) -> tuple[int, int, float]:
+    at, _, grace = value.partition(":")
+    node, step = parse_at(at)
+    try:
+        seconds = float(grace) if grace else 60.0
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"'{value}' is not NODE@STEP[:GRACE] with GRACE > 0 seconds (e.g. 1@5:30)")
+    return node, step, seconds
 
 
 def parse_at(value: str) -> tuple[int, int]:
@@ -145,6 +163,7 @@ class LocalCluster:
 
     def _supervise(self) -> int:
         kills = sorted(self.args.kill, key=lambda ks: ks[1])
+        preempts = sorted(self.args.preempt, key=lambda p: p[1])
         joins = sorted(self.args.join)
         settings, prefix = etcd_view(self.endpoint, self.args.rdzv_conf)
         client = connect(settings)
@@ -160,7 +179,11 @@ class LocalCluster:
                             self.say(f"node {n.number} did not exit {self.args.exit_grace:.0f}s after the job closed")
                             kill_node(n.proc.pid)
                     closed_at = float("inf")
-                if kills or joins:
+                for n in self.nodes:  # the reclaim after a preemption notice's grace
+                    if n.preempted_at is not None and n.proc.poll() is None and not n.killed \
+                            and time.monotonic() - n.preempted_at > n.grace:
+                        self.kill(n, f"{n.grace:g}s after its preemption notice (--preempt)")
+                if kills or joins or preempts:
                     progress = read_progress(client, keys)
                     step = progress.step if progress is not None else 0
                     while kills and step >= kills[0][1]:
@@ -169,6 +192,16 @@ class LocalCluster:
                             self.kill(self.nodes[number], f"at step {step} (--kill {number}@{at})")
                         else:
                             self.say(f"--kill {number}@{at}: there is no node {number}")
+                    while preempts and step >= preempts[0][1]:
+                        number, at, grace = preempts.pop(0)
+                        if number < len(self.nodes) and self.nodes[number].proc.poll() is None:
+                            node = self.nodes[number]
+                            node.preempted_at, node.grace = time.monotonic(), grace
+                            os.kill(node.proc.pid, signal.SIGTERM)
+                            self.say(f"preemption notice to node {number} (SIGTERM to its agent, pid {node.proc.pid}) "
+                                     f"at step {step}; grace {grace:g}s (--preempt {number}@{at})")
+                        else:
+                            self.say(f"--preempt {number}@{at}: there is no running node {number}")
                     while joins and step >= joins[0]:
                         at = joins.pop(0)
                         self.say(f"step {step}: starting one more node (--join {at})")
@@ -179,8 +212,11 @@ class LocalCluster:
         failed = [n for n in self.nodes if not n.killed and n.proc.returncode != 0]
         for n in failed:
             self.say(f"node {n.number} exited with status {n.proc.returncode}")
+        preempted = [n for n in self.nodes if n.preempted_at is not None and not n.killed and n.proc.returncode == 0]
+        for n in preempted:
+            self.say(f"node {n.number} was preempted: it left the job and exited 0")
         self.say(f"done: {len(self.nodes)} node(s), {sum(n.killed for n in self.nodes)} killed on purpose, "
-                 f"{len(failed)} failed")
+                 f"{len(preempted)} preempted, {len(failed)} failed")
         return 1 if failed else 0
 
     def cleanup(self) -> None:
@@ -217,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--run-id", help="--rdzv-id (default: a fresh one)")
     ap.add_argument("--kill", type=parse_at, action="append", default=[], metavar="NODE@STEP",
                     help="SIGKILL node NODE (launcher numbering) once the job reaches step STEP")
+    ap.add_argument("--preempt", type=parse_preempt, action="append", default=[], metavar="NODE@STEP[:GRACE]",
+                    help="send node NODE's agent SIGTERM (a preemption notice) at step STEP; SIGKILL it GRACE "
+                         "seconds later if it is still running (default 60)")
     ap.add_argument("--join", type=int, action="append", default=[], metavar="STEP",
                     help="start one more node once the job reaches step STEP")
     ap.add_argument("--rdzv-conf", default="", help="passed to torchrun --rdzv-conf (e.g. lease_ttl=2,settle=0.2)")

@@ -11,6 +11,7 @@ says what to change.
 from __future__ import annotations
 
 import difflib
+import signal
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -182,6 +183,13 @@ class FaultToleranceConfig:
     corrupt checkpoint) ends that worker with its traceback; when the same error ends a worker
     at the same step this many times in a row, the job is closed as failed with that error
     instead of being re-planned again."""
+    preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
+    """Signals to a node's agent that are a preemption notice (Slurm, Kubernetes and spot reclaims
+    send SIGTERM; add e.g. SIGUSR1 for Slurm's --signal=USR1@90): the node is drained, hands its
+    layers over and exits 0 instead of failing (rendezvous/preempt.py)."""
+    preempt_grace_s: float = 60.0
+    """Seconds a node has, after its preemption notice, to hand its layers over and leave; a node
+    still there then is stopped and handled as a failure."""
     max_skipped_steps: int = 3
     """A step whose loss or gradient norm is not finite (or whose loss spikes, see
     loss_spike_factor) is never applied: it is replayed once, then its batch is skipped. This many
@@ -295,6 +303,21 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
+    """Signal names (`SIGTERM`, `USR1`, `SIGUSR1`) as signals; a ConfigError naming
+    fault_tolerance.preempt_signals for an unknown name, or for SIGINT, SIGKILL or SIGSTOP."""
+    out = []
+    for name in names:
+        full = str(name).strip().upper()
+        full = full if full.startswith("SIG") else f"SIG{full}"
+        sig = getattr(signal.Signals, full, None)
+        if sig is None or sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT):
+            raise ConfigError(f"'fault_tolerance.preempt_signals': '{name}' cannot be a preemption notice; give "
+                              "signal names such as SIGTERM or SIGUSR1 (not SIGINT, SIGKILL or SIGSTOP)")
+        out.append(sig)
+    return out
+
+
 def _omegaconf_message(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None)
     first = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -370,6 +393,12 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
     for key, choices in _CHOICES.items():
         if get(key) not in choices:
             problems.append(f"'{key}' is '{get(key)}'; choose one of {', '.join(choices)}")
+    try:
+        parse_signals(cfg.fault_tolerance.preempt_signals)
+    except ConfigError as err:
+        problems.append(str(err))
+    if cfg.fault_tolerance.preempt_grace_s <= 0:
+        problems.append(f"'fault_tolerance.preempt_grace_s' must be > 0 (got {cfg.fault_tolerance.preempt_grace_s})")
     if cfg.fault_tolerance.max_skipped_steps < 1:
         problems.append("'fault_tolerance.max_skipped_steps' must be >= 1 (got "
                         f"{cfg.fault_tolerance.max_skipped_steps})")

@@ -10,16 +10,14 @@ agent exits 0.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import time
 from typing import Callable, Optional
 
 from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
 from .planning import Plan, PlanningError
-from .rendezvous.keys import Event, EventKind, Keys, NodeState, read_closed, read_progress
-from .rendezvous.membership import live_nodes, put_event, read_events
+from .rendezvous.keys import Event, Keys, NodeState, read_closed, read_progress
+from .rendezvous.membership import live_nodes, mark_draining, read_events
 
 
 class OpsError(RuntimeError):
@@ -85,15 +83,8 @@ def kill_agent(client: EtcdClient, keys: Keys, index: int) -> str:
     rec = match[0]
     if rec.state == NodeState.DRAINING:
         return f"node {rec.node_id} (index {index}) is already draining"
-    key = keys.node(rec.node_id)
-    kv = client.get(key)
-    draining = dataclasses.replace(rec, state=NodeState.DRAINING)
-    ok = kv is not None and client.put_if_revision(key, json.dumps(draining.to_json()), kv.mod_revision,
-                                                   lease=rec.lease_id)
-    if not ok:
+    if not mark_draining(client, keys, rec, "drain requested (oobleck kill-agent)"):
         raise OpsError(f"node {rec.node_id} changed while draining it; try again")
-    put_event(client, keys, Event(time=time.time(), kind=EventKind.DRAIN, node=rec.node_id,
-                                  detail="drain requested (oobleck kill-agent)"))
     return f"node {rec.node_id} (index {index}, host {rec.host}) is draining: it leaves at the next step boundary"
 
 

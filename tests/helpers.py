@@ -155,7 +155,7 @@ def run_job(tmp: Path, etcd_server, run_id: str, launcher_args: list[str], steps
         killed_by_test = killed_by_test()
     if killed_by_test:  # the launcher reports nodes it did not kill itself as failed
         assert out.count("exited with status -9") == killed_by_test, out[-5000:]
-        assert f"0 killed on purpose, {killed_by_test} failed" in out, out[-5000:]
+        assert f"0 killed on purpose, 0 preempted, {killed_by_test} failed" in out, out[-5000:]
     else:
         assert proc.returncode == 0, out[-5000:]
     job_ckpt = next((Path(o.split("=", 1)[1]) for o in extra if o.startswith("checkpoint.dir=")), tmp / "job" / "ckpt")

@@ -49,10 +49,11 @@ from ..etcd.mirror import Mirror
 from ..etcd.server import free_port
 from ..planning import (MicrobatchError, ModelProfile, Plan, PlanningError, ProfileError, choose_tensor_parallel,
                         load_profiles, plan_job, templates_for)
-from .keys import ClosedRecord, Event, EventKind, Keys, Roster, read_closed, read_roster
+from .keys import ClosedRecord, Event, EventKind, Keys, NodeState, Roster, read_closed, read_roster
 from .leader import JobUnplannable, Leader
 from .liveness import LivenessServer
-from .membership import Member, put_event
+from .membership import Member, mark_draining, put_event
+from .preempt import PreemptionWatch, parse_signals
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +207,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
                                  profile_timeout_s=self.cfg.fault_tolerance.rendezvous_timeout_s, view=self.view)
             self.leader.start()
             threading.Thread(target=self._answer_pings, name="oobleck-pong", daemon=True).start()
+            self._watch_preemption()
         node = self.member.node_id
         plan = self._wait_admitted(node)
         os.environ.update(self.settings.to_env())
@@ -221,6 +223,24 @@ class OobleckRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(self._store, 0, 1, info)
 
     # ------------------------------------------------------------------ helpers
+    def _watch_preemption(self) -> None:
+        """Preemption notices drain this node (rendezvous/preempt.py)."""
+        assert self.member is not None
+        member, ft = self.member, self.cfg.fault_tolerance
+
+        def drain(detail: str) -> bool:
+            rec = member.current_record()
+            return rec is not None and (rec.state == NodeState.DRAINING
+                                        or mark_draining(self.client, self.keys, rec, detail))
+
+        watch = PreemptionWatch(parse_signals(ft.preempt_signals), grace_s=ft.preempt_grace_s, node=member.node_id,
+                                drain=drain, alive=lambda: not self._stopping.is_set())
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("node %s: preemption notices are not handled (the rendezvous runs outside the main thread)",
+                        member.node_id)
+            return
+        watch.install()
+
     def _answer_pings(self) -> None:
         """The leader's roll call asks whether this node is alive (a nonce under `ping/<node>`):
         answer with the same nonce under `pong/<node>`, as soon as the mirror shows a new one."""

@@ -61,6 +61,20 @@ def put_event(client: EtcdClient, keys: Keys, event: Event) -> None:
     client.put_json(keys.event(event.node), event.to_json())
 
 
+def mark_draining(client: EtcdClient, keys: Keys, rec: NodeRecord, detail: str) -> bool:
+    """Set node `rec`'s record to `draining` (a compare-and-swap on its revision, under its own
+    lease) and record a `drain` event with `detail`; False when the record changed meanwhile or is
+    gone. The leader then re-plans without the node at the next step boundary."""
+    key = keys.node(rec.node_id)
+    kv = client.get(key)
+    draining = dataclasses.replace(rec, state=NodeState.DRAINING)
+    if kv is None or not client.put_if_revision(key, json.dumps(draining.to_json()), kv.mod_revision,
+                                                lease=rec.lease_id):
+        return False
+    put_event(client, keys, Event(time=time.time(), kind=EventKind.DRAIN, node=rec.node_id, detail=detail))
+    return True
+
+
 def read_events(client: EtcdClient, keys: Keys) -> Iterator[tuple[str, Event]]:
     for key, data in client.get_prefix_json(keys.events):
         ev = Event.parse(data, key=key)
