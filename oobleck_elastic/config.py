@@ -190,6 +190,12 @@ class FaultToleranceConfig:
     preempt_grace_s: float = 60.0
     """Seconds a node has, after its preemption notice, to hand its layers over and leave; a node
     still there then is stopped and handled as a failure."""
+    hang_floor_s: float = 120.0
+    """A worker in one step for longer than max(hang_floor_s, hang_factor x its last step time)
+    while its node is alive is hung: its agent records its stacks, stops it and restarts it, and
+    the job re-plans (rendezvous/hang.py). The floor covers a first step; 0 = off."""
+    hang_factor: float = 10.0
+    """See hang_floor_s."""
     max_skipped_steps: int = 3
     """A step whose loss or gradient norm is not finite (or whose loss spikes, see
     loss_spike_factor) is never applied: it is replayed once, then its batch is skipped. This many
@@ -399,6 +405,9 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
         problems.append(str(err))
     if cfg.fault_tolerance.preempt_grace_s <= 0:
         problems.append(f"'fault_tolerance.preempt_grace_s' must be > 0 (got {cfg.fault_tolerance.preempt_grace_s})")
+    if cfg.fault_tolerance.hang_floor_s < 0 or cfg.fault_tolerance.hang_factor < 1:
+        problems.append("'fault_tolerance.hang_floor_s' must be >= 0 (0 = off) and 'fault_tolerance.hang_factor' >= 1 "
+                        f"(got {cfg.fault_tolerance.hang_floor_s} and {cfg.fault_tolerance.hang_factor})")
     if cfg.fault_tolerance.max_skipped_steps < 1:
         problems.append("'fault_tolerance.max_skipped_steps' must be >= 1 (got "
                         f"{cfg.fault_tolerance.max_skipped_steps})")

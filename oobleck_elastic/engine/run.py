@@ -53,6 +53,7 @@ from .data import build_dataset
 from .devices import configure_nccl, resolve_device
 from .errors import JobFailed, StepAbandoned, is_communication_error
 from .guard import Action, StepGuard, TooManySkipped, Verdict
+from .heartbeat import Heartbeat
 from .runlog import RunLog, Summary
 from .runner import StepRunner, exit_now_at_the_end
 from .state import CheckpointPolicy
@@ -169,6 +170,7 @@ class _Worker:
         self.checkpoints = CheckpointPolicy(cfg, node=ctx.node_id)
         self.runner = StepRunner(self.trainer.device)
         self.guard = StepGuard(cfg.fault_tolerance.max_skipped_steps)
+        self.heartbeat = Heartbeat(ctx.local_rank)  # to this node's agent (rendezvous/hang.py)
         self.step = 0
 
     def enter(self, plan: Plan) -> Union[Entered, HandedOver, Broken]:
@@ -218,15 +220,25 @@ class _Worker:
         """Steps of the generation entered, until the last one, a boundary every worker agreed to
         leave at, or a failure."""
         trainer, ctx, steps = self.trainer, self.ctx, self.cfg.training.steps
-        should_abandon, watch_s = ctx.abandon_check(plan), self.cfg.fault_tolerance.watch_interval_s
+        check, watch_s = ctx.abandon_check(plan), self.cfg.fault_tolerance.watch_interval_s
+
+        def should_abandon() -> Optional[str]:
+            self.heartbeat.tick()  # this worker stands not still (rendezvous/hang.py)
+            return check()
         failure, abandoned = None, False
         try:
             while self.step < steps:
                 latest = ctx.plan() if trainer.rank == 0 else None
                 seen = latest.generation if latest else 0
                 rejections = self.guard.attempts.get(self.step, 0)
-                result = self.runner.run(lambda s=self.step, g=seen, r=rejections: trainer.train_step(
-                    s, seen_generation=g, rejections=r), should_abandon=should_abandon, interval_s=watch_s)
+                self.heartbeat.begin(self.step)
+                completed = False
+                try:
+                    result = self.runner.run(lambda s=self.step, g=seen, r=rejections: trainer.train_step(
+                        s, seen_generation=g, rejections=r), should_abandon=should_abandon, interval_s=watch_s)
+                    completed = True
+                finally:
+                    self.heartbeat.end(self.step, completed=completed)
                 if result.rejected:
                     self._rejected(result)
                 else:
@@ -295,6 +307,7 @@ class _Worker:
         return self.log.summary(checkpoint=self.checkpoints.final_dir, resumed=self.checkpoints.resumed)
 
     def close(self) -> None:
+        self.heartbeat.close()
         self.runner.close()
         self.log.close()
         self.trainer.close()

@@ -29,13 +29,17 @@ Options come through `--rdzv-conf key=value,...`; see `RDZV_OPTIONS`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -44,6 +48,9 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError, Rendezv
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from ..config import ConfigError, JobConfig, load_config
+from ..engine.errors import ErrorRecord, next_error_record
+from ..engine.heartbeat import ENV as HEARTBEAT_ENV
+from ..engine.heartbeat import Beat
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.mirror import Mirror
 from ..etcd.server import free_port
@@ -53,6 +60,7 @@ from .keys import ClosedRecord, Event, EventKind, Keys, NodeState, Roster, read_
 from .leader import JobUnplannable, Leader
 from .liveness import LivenessServer
 from .membership import Member, mark_draining, put_event
+from .hang import HangWatch, WorkerHung
 from .preempt import PreemptionWatch, parse_signals
 
 log = logging.getLogger(__name__)
@@ -146,6 +154,8 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self._store = dist.HashStore()
         self.view: Optional[Mirror] = None
         self._stopping = threading.Event()
+        self.hang_watch: Optional[HangWatch] = None
+        self._heartbeat_dir: Optional[Path] = None
         os.environ["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"  # the agent skips store-based rank assignment
 
     # ------------------------------------------------------------------ RendezvousHandler
@@ -179,6 +189,10 @@ class OobleckRendezvousHandler(RendezvousHandler):
         if self.liveness is not None:
             self.liveness.close()
         self._stopping.set()
+        if self.hang_watch is not None:
+            self.hang_watch.stop()
+        if self._heartbeat_dir is not None:
+            shutil.rmtree(self._heartbeat_dir, ignore_errors=True)
         if self.view is not None:
             self.view.close()
         if self.member is not None and self.member.record is not None:
@@ -208,6 +222,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
             self.leader.start()
             threading.Thread(target=self._answer_pings, name="oobleck-pong", daemon=True).start()
             self._watch_preemption()
+            self._watch_hangs()
         node = self.member.node_id
         plan = self._wait_admitted(node)
         os.environ.update(self.settings.to_env())
@@ -240,6 +255,31 @@ class OobleckRendezvousHandler(RendezvousHandler):
                         member.node_id)
             return
         watch.install()
+
+    def _watch_hangs(self) -> None:
+        """This node's workers tell it when their steps begin and end (engine/heartbeat.py); a worker
+        stuck in a step is recorded and stopped (rendezvous/hang.py)."""
+        assert self.member is not None
+        node, ft = self.member.node_id, self.cfg.fault_tolerance
+        directory = Path(tempfile.mkdtemp(prefix=f"oobleck-heartbeat-{node}-"))
+        os.environ[HEARTBEAT_ENV] = str(directory)
+
+        def record(beat: Beat, local_rank: int, bound: float, stack: str) -> None:
+            err = WorkerHung(f"worker {local_rank} of node {node} hung in step {beat.step + 1} for more than "
+                             f"{bound:.0f} s (fault_tolerance.hang_floor_s / hang_factor)")
+            plan, _ = self.client.get_json(self.keys.plan)
+            generation = int(plan.get("generation", 0)) if isinstance(plan, dict) else 0
+            data, _ = self.client.get_json(self.keys.errors)
+            rec = next_error_record(ErrorRecord.parse(data), err, step=beat.step, generation=generation, node=node,
+                                    local_rank=local_rank)
+            self.client.put_json(self.keys.errors, dataclasses.replace(rec, traceback=stack[-4000:]).to_json())
+            put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.HANG, node=node,
+                                                    generation=generation, detail=f"{err}: stopped, its agent "
+                                                    f"restarts it; first stack lines: {stack.strip()[:300]}"))
+
+        self.hang_watch = HangWatch(directory, floor_s=ft.hang_floor_s, factor=ft.hang_factor, node=node,
+                                    record=record).start()
+        self._heartbeat_dir = directory
 
     def _answer_pings(self) -> None:
         """The leader's roll call asks whether this node is alive (a nonce under `ping/<node>`):

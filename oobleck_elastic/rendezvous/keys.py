@@ -72,6 +72,8 @@ class EventKind(StrEnum):
     CLOSED = "closed"
     RENEW = "renew"
     """A node renewed its lease after etcd let it expire (membership.py)."""
+    HANG = "hang"
+    """A node's agent found one of its workers hung in a step and stopped it (hang.py)."""
     SKIP = "skip"
     """The step guard did not apply a step: replayed, or its batch skipped (engine/guard.py)."""
 

@@ -292,8 +292,10 @@ class WorkerContext:
 
     def abandon_check(self, plan: Plan) -> Callable[[], Optional[str]]:
         """The `should_abandon` of a step of generation `plan.generation` (engine/runner.py): the
-        job was closed, this node was fenced, or a newer plan left a lost node out. Drains and
-        joins are not reasons: they take effect at the step boundary."""
+        job was closed, this node was fenced, a newer plan left a lost node out, or a newer plan on
+        the same nodes restarts the generation (the roll call found every node alive after a
+        worker failed: a crashed or hung worker restarted by its agent). Drains and joins are not
+        reasons: they take effect at the step boundary."""
         checked: dict[int, list[str]] = {}
 
         def check() -> Optional[str]:
@@ -304,6 +306,8 @@ class WorkerContext:
             latest = self.plan()
             if latest is None or latest.generation <= plan.generation:
                 return None
+            if set(latest.nodes) == set(plan.nodes) and not latest.donors:
+                return f"generation {latest.generation} restarts generation {plan.generation} on the same nodes"
             if latest.generation not in checked:
                 checked[latest.generation] = self.lost_nodes(plan, latest)
             lost = checked[latest.generation]

@@ -1,0 +1,115 @@
+"""A worker's heartbeat to its own agent: when its steps start and end, on a local file.
+
+A worker that hangs on a live node (a stuck kernel, a deadlock, a stopped process) is not seen by
+the control plane: its agent answers every liveness check, and its peers wait in their
+collectives. So each worker tells its agent, locally and with no etcd write, what it is doing:
+`Heartbeat.begin(step)` and `Heartbeat.end(step)` overwrite one line of a small file in the
+directory the agent gives it (`OOBLECK_HEARTBEAT_DIR`, file `<local rank>.hb`), and while a step
+runs the worker's main thread, which waits for the step thread in short slices (engine/runner.py),
+`tick()`s it at every slice:
+
+    <pid> <state: step|idle> <step> <unix time the state began> <seconds of the last step> <last tick>
+
+A worker whose peers are slow, or that waits on them in a collective, keeps ticking; a stopped
+or frozen process (or one whose main thread cannot get the interpreter back) does not.
+
+one `pwrite` of a fixed-width line (no fsync: the agent reads it through the page cache). The
+agent's `HangWatch` (rendezvous/hang.py) reads it. The worker also registers `faulthandler` on
+SIGUSR2, writing every thread's stack to `<local rank>.stack` in the same directory, so the agent
+can record where a hung worker stands before it stops it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Optional
+
+__all__ = ["ENV", "LINE", "Beat", "Heartbeat", "read_beat"]
+
+ENV = "OOBLECK_HEARTBEAT_DIR"
+LINE = 96
+"""Bytes of the heartbeat line (space-padded)."""
+STACK_SIGNAL = signal.SIGUSR2
+"""The signal that makes a worker write its threads' stacks (faulthandler)."""
+
+
+@dataclass(frozen=True)
+class Beat:
+    pid: int
+    """The worker process."""
+    in_step: bool
+    """A step is running."""
+    step: int
+    """The step running, or the last one that ended."""
+    since: float
+    """Unix time the state began."""
+    last_step_s: float
+    """Wall time of the last step that ended (0: none yet)."""
+    tick: float
+    """Unix time the worker's main thread last said it is alive."""
+
+
+def read_beat(path: Path) -> Optional[Beat]:
+    """The heartbeat in `path`, or None (missing, being written, malformed)."""
+    try:
+        fields = path.read_text().split()
+        return Beat(pid=int(fields[0]), in_step=fields[1] == "step", step=int(fields[2]), since=float(fields[3]),
+                    last_step_s=float(fields[4]), tick=float(fields[5]))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Heartbeat:
+    """The worker side (module docstring); a no-op when the agent gave no directory."""
+
+    def __init__(self, local_rank: int, directory: Optional[str] = None) -> None:
+        directory = directory if directory is not None else os.environ.get(ENV)
+        self._fd: Optional[int] = None
+        self._stack: Optional[IO[str]] = None
+        self.last_step_s = 0.0
+        if not directory or not Path(directory).is_dir():
+            return
+        base = Path(directory)
+        self._fd = os.open(base / f"{local_rank}.hb", os.O_WRONLY | os.O_CREAT, 0o644)
+        self._stack = open(base / f"{local_rank}.stack", "w")
+        faulthandler.register(STACK_SIGNAL, file=self._stack, all_threads=True)
+        self._write(False, -1, time.time())
+
+    def _write(self, in_step: bool, step: int, since: float) -> None:
+        if self._fd is None:
+            return
+        self._state = (in_step, step, since)
+        line = (f"{os.getpid()} {'step' if in_step else 'idle'} {step} {since:.3f} {self.last_step_s:.3f} "
+                f"{time.time():.3f}")
+        os.pwrite(self._fd, line.ljust(LINE - 1).encode()[:LINE - 1] + b"\n", 0)
+
+    def begin(self, step: int) -> None:
+        self._began = time.time()
+        self._write(True, step, self._began)
+
+    def tick(self) -> None:
+        """The main thread is alive (called while it waits for a step)."""
+        if self._fd is not None and getattr(self, "_state", None) is not None:
+            self._write(*self._state)
+
+    def end(self, step: int, *, completed: bool = True) -> None:
+        """The step ended (`completed`: it finished; else it failed or was abandoned, and its time
+        does not count as a step time)."""
+        now = time.time()
+        if completed:
+            self.last_step_s = now - getattr(self, "_began", now)
+        self._write(False, step, now)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            faulthandler.unregister(STACK_SIGNAL)
+            os.close(self._fd)
+            self._fd = None
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
