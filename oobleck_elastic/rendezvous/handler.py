@@ -273,6 +273,10 @@ class OobleckRendezvousHandler(RendezvousHandler):
             rec = next_error_record(ErrorRecord.parse(data), err, step=beat.step, generation=generation, node=node,
                                     local_rank=local_rank)
             self.client.put_json(self.keys.errors, dataclasses.replace(rec, traceback=stack[-4000:]).to_json())
+            # not ready until the restarted worker says so: the next plan leaves the node out, and it
+            # joins again at a step boundary (leader._not_ready), off the survivors' critical path
+            self.client.put_json(f"{self.keys.ready(node)}{local_rank}", {"time": time.time(), "withdrawn": True,
+                                                                          "why": "hung worker restarting"})
             put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.HANG, node=node,
                                                     generation=generation, detail=f"{err}: stopped, its agent "
                                                     f"restarts it; first stack lines: {stack.strip()[:300]}"))

@@ -251,7 +251,8 @@ class Leader:
                 if dead is not None:  # workers saw a failure: re-plan now, without unresponsive nodes
                     for node in dead:
                         self._declare_lost(node, plan.generation)
-                    nodes = desired_nodes(plan, [r.node_id for r in up], fenced | set(dead), self.max_nodes)
+                    nodes = desired_nodes(plan, [r.node_id for r in up], fenced | set(dead) | self._not_ready(plan, up),
+                                          self.max_nodes)
                     self._publish(nodes, plan, rev, records, lost=set(dead))
                     self.rollcall.reset()
                     clocks = Clocks()
@@ -366,13 +367,15 @@ class Leader:
 
     def _not_ready(self, plan: Plan, up: list[NodeRecord]) -> set[str]:
         """New nodes whose workers have not all said they are ready: a plan with them would make
-        every worker wait in init_process_group while theirs are still importing torch."""
+        every worker wait in init_process_group while theirs are still importing torch; and nodes
+        of the plan whose agent withdrew a worker's readiness (it restarts a hung worker,
+        rendezvous/hang.py), which rejoin once it is ready again."""
         waiting = set()
         for rec in up:
-            if rec.node_id not in plan.nodes:
-                ready = sum(1 for _ in self.view.get_prefix_json(self.keys.ready(rec.node_id)))
-                if ready < rec.devices:
-                    waiting.add(rec.node_id)
+            entries = [value for _, value in self.view.get_prefix_json(self.keys.ready(rec.node_id))]
+            withdrawn = any(isinstance(v, dict) and v.get("withdrawn") for v in entries)
+            if withdrawn or (rec.node_id not in plan.nodes and len(entries) < rec.devices):
+                waiting.add(rec.node_id)
         return waiting
 
     def _publish(self, nodes: list[str], old: Optional[Plan], rev: Optional[int], records: list[NodeRecord],

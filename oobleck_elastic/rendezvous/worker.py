@@ -316,7 +316,8 @@ class WorkerContext:
 
     def lost_nodes(self, current: Plan, newer: Plan) -> list[str]:
         """Nodes of `current` that `newer` leaves out because they were lost (lease expired or
-        fenced), as opposed to drained nodes and spares, which are alive."""
+        fenced) or are restarting a hung worker (rendezvous/hang.py), as opposed to drained nodes
+        and spares, which leave at a step boundary."""
         lost = []
         for node in current.nodes:
             if node in newer.nodes:
@@ -324,6 +325,9 @@ class WorkerContext:
             if self.client.get_json(self.keys.fenced + node)[0] is not None:
                 lost.append(node)
             elif self.client.get_json(self.keys.node(node))[0] is None:
+                lost.append(node)
+            elif any(isinstance(v, dict) and v.get("withdrawn")
+                     for _, v in self.client.get_prefix_json(self.keys.ready(node))):
                 lost.append(node)
         return lost
 
