@@ -105,6 +105,22 @@ def when(endpoint: str, proc, condition: Callable[[EtcdClient], bool], action: C
         client.close()
 
 
+def a_follower(client: EtcdClient, keys):
+    """The record of a live node that is not the leader (so it can fail without the leader's death
+    playing a part)."""
+    from oobleck_elastic.rendezvous.membership import live_nodes
+
+    leader = (client.get_json(keys.leader)[0] or {}).get("node_id")
+    return next(r for r in live_nodes(client, keys) if r.node_id != leader)
+
+
+def worker_pid(agent_pid: int) -> int:
+    """The pid of the training worker (examples/train.py) a torchrun agent started."""
+    from launcher.local import descendants
+
+    return next(p for p in descendants(agent_pid) if b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes())
+
+
 def overrides(tmp: Path, steps: int, profile: Path) -> list[str]:
     return [f"training.steps={steps}", "data.seq_len=32", "training.global_batch_size=16",
             "training.microbatch_size=2", "training.optimizer.eps=1e-6",  # see tests/test_engine.py

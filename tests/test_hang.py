@@ -16,7 +16,7 @@ import pytest
 
 from oobleck_elastic.engine.heartbeat import Beat, Heartbeat, read_beat
 from oobleck_elastic.rendezvous.hang import HangWatch, overdue
-from helpers import assert_same, run_job, tiny_profile, when
+from helpers import a_follower, assert_same, run_job, tiny_profile, when, worker_pid
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,20 +92,17 @@ def test_a_stopped_worker_on_a_live_node_is_cut_off(tmp_path: Path, etcd_server,
     """SIGSTOP one worker process (its agent runs on): with hang_floor_s=3 its agent stops it (and
     only it: its peers wait for it, but they tick), the job re-plans and goes on long before
     comm_timeout_s (30 s here), with the reference weights."""
-    from launcher.local import descendants
     from oobleck_elastic.etcd import EtcdSettings, connect
     from oobleck_elastic.rendezvous.keys import Keys
-    from oobleck_elastic.rendezvous.membership import live_nodes, read_events
+    from oobleck_elastic.rendezvous.membership import read_events
 
     profile = tiny_profile(tmp_path / "profile.json")
     keys = Keys("/oobleck", run_id)
     stopped: dict[str, float] = {}
 
     def stop_a_worker(client) -> None:
-        leader = (client.get_json(keys.leader)[0] or {}).get("node_id")
-        rec = next(r for r in live_nodes(client, keys) if r.node_id != leader)
-        worker = next(p for p in descendants(rec.agent_pid) if b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes())
-        os.kill(worker, signal.SIGSTOP)
+        rec = a_follower(client, keys)
+        os.kill(worker_pid(rec.agent_pid), signal.SIGSTOP)
         stopped.update(node=rec.node_id, at=time.time(), step=(client.get_json(keys.progress)[0] or {})["step"])
 
     out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 12, profile,

@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from oobleck_elastic.checkpoint import latest_checkpoint, load_model_state, read_manifest
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.run import train
-from helpers import assert_same, overrides, run_job, tiny_profile, when
+from helpers import a_follower, assert_same, overrides, run_job, tiny_profile, when, worker_pid
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -179,15 +179,13 @@ def test_hung_node_is_cut_off_by_the_control_plane(tmp_path: Path, etcd_server, 
     from launcher.local import descendants
     from oobleck_elastic.etcd import EtcdSettings, connect
     from oobleck_elastic.rendezvous.keys import Keys
-    from oobleck_elastic.rendezvous.membership import live_nodes
 
     profile = tiny_profile(tmp_path / "profile.json")
     keys = Keys("/oobleck", run_id)
     stopped: dict[str, float] = {}
 
     def freeze_a_non_leader(client) -> None:
-        leader = (client.get_json(keys.leader)[0] or {}).get("node_id")
-        rec = next(r for r in live_nodes(client, keys) if r.node_id != leader)
+        rec = a_follower(client, keys)
         for pid in [rec.agent_pid] + descendants(rec.agent_pid):
             os.kill(pid, signal.SIGSTOP)
         stopped["at"] = time.monotonic()
@@ -224,18 +222,14 @@ def test_local_worker_crash_is_restarted_by_its_agent_and_rejoins(tmp_path: Path
     import os
     import signal
 
-    from launcher.local import descendants
     from oobleck_elastic.rendezvous.keys import Keys
-    from oobleck_elastic.rendezvous.membership import live_nodes, read_events
+    from oobleck_elastic.rendezvous.membership import read_events
 
     profile = tiny_profile(tmp_path / "profile.json")
     keys = Keys("/oobleck", run_id)
 
     def crash_a_worker(client) -> None:
-        leader = (client.get_json(keys.leader)[0] or {}).get("node_id")
-        rec = next(r for r in live_nodes(client, keys) if r.node_id != leader)
-        worker = next(p for p in descendants(rec.agent_pid) if b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes())
-        os.kill(worker, signal.SIGKILL)
+        os.kill(worker_pid(a_follower(client, keys).agent_pid), signal.SIGKILL)
 
     out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 12, profile,
                              during=lambda proc: when(etcd_server.endpoint, proc,

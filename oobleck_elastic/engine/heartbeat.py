@@ -72,37 +72,37 @@ class Heartbeat:
         self._fd: Optional[int] = None
         self._stack: Optional[IO[str]] = None
         self.last_step_s = 0.0
+        self._state: tuple[bool, int, float] = (False, -1, time.time())
+        """(in a step, the step, when the state began): what `tick` rewrites."""
         if not directory or not Path(directory).is_dir():
             return
         base = Path(directory)
         self._fd = os.open(base / f"{local_rank}.hb", os.O_WRONLY | os.O_CREAT, 0o644)
         self._stack = open(base / f"{local_rank}.stack", "w")
         faulthandler.register(STACK_SIGNAL, file=self._stack, all_threads=True)
-        self._write(False, -1, time.time())
+        self._write(*self._state)
 
     def _write(self, in_step: bool, step: int, since: float) -> None:
+        self._state = (in_step, step, since)
         if self._fd is None:
             return
-        self._state = (in_step, step, since)
         line = (f"{os.getpid()} {'step' if in_step else 'idle'} {step} {since:.3f} {self.last_step_s:.3f} "
                 f"{time.time():.3f}")
         os.pwrite(self._fd, line.ljust(LINE - 1).encode()[:LINE - 1] + b"\n", 0)
 
     def begin(self, step: int) -> None:
-        self._began = time.time()
-        self._write(True, step, self._began)
+        self._write(True, step, time.time())
 
     def tick(self) -> None:
         """The main thread is alive (called while it waits for a step)."""
-        if self._fd is not None and getattr(self, "_state", None) is not None:
-            self._write(*self._state)
+        self._write(*self._state)
 
     def end(self, step: int, *, completed: bool = True) -> None:
         """The step ended (`completed`: it finished; else it failed or was abandoned, and its time
         does not count as a step time)."""
         now = time.time()
-        if completed:
-            self.last_step_s = now - getattr(self, "_began", now)
+        if completed and self._state[0]:
+            self.last_step_s = now - self._state[2]
         self._write(False, step, now)
 
     def close(self) -> None:

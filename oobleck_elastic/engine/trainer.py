@@ -390,7 +390,7 @@ class Trainer:
         real = self.layer_model.vocab_size
         return unpad_rows(t, real) if real is not None and is_vocab_param(name) else t
 
-    def _installable(self, layer: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
+    def _installable(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """A full tensor from outside (a checkpoint) as the layer holds it: padded again."""
         real = self.layer_model.vocab_size
         if real is not None and is_vocab_param(name):
@@ -438,12 +438,12 @@ class Trainer:
                 if name not in layers[i]:
                     raise KeyError(f"the state's layer {i} has no parameter '{name}'")
                 with torch.no_grad():  # this lane's shard of the full tensor (all of it without tensor parallelism)
-                    local(p).copy_(from_full(layer, name, self._installable(layer, name, layers[i][name])))
+                    local(p).copy_(from_full(layer, name, self._installable(name, layers[i][name])))
                 moments = optim.get(i, {}).get(name)
                 if moments:
                     self.optimizer.state[p] = {
                         k: adamw_step(v, local(p)) if k == "step" else
-                        wrap_like(p, from_full(layer, name, self._installable(layer, name, torch.as_tensor(v)))
+                        wrap_like(p, from_full(layer, name, self._installable(name, torch.as_tensor(v)))
                                   .to(p.device, copy=True))
                         for k, v in moments.items()}
         self.state.committed_step = self.state.synced_step = int(state["next_step"]) - 1

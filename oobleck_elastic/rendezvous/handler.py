@@ -56,7 +56,8 @@ from ..etcd.mirror import Mirror
 from ..etcd.server import free_port
 from ..planning import (MicrobatchError, ModelProfile, Plan, PlanningError, ProfileError, choose_tensor_parallel,
                         load_profiles, plan_job, templates_for)
-from .keys import ClosedRecord, Event, EventKind, Keys, NodeState, Roster, read_closed, read_roster
+from .keys import (ClosedRecord, Event, EventKind, Keys, NodeState, Roster, read_closed, read_roster,
+                   withdrawn_readiness)
 from .leader import JobUnplannable, Leader
 from .liveness import LivenessServer
 from .membership import Member, mark_draining, put_event
@@ -275,8 +276,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
             self.client.put_json(self.keys.errors, dataclasses.replace(rec, traceback=stack[-4000:]).to_json())
             # not ready until the restarted worker says so: the next plan leaves the node out, and it
             # joins again at a step boundary (leader._not_ready), off the survivors' critical path
-            self.client.put_json(f"{self.keys.ready(node)}{local_rank}", {"time": time.time(), "withdrawn": True,
-                                                                          "why": "hung worker restarting"})
+            self.client.put_json(f"{self.keys.ready(node)}{local_rank}", withdrawn_readiness("hung worker restarting"))
             put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.HANG, node=node,
                                                     generation=generation, detail=f"{err}: stopped, its agent "
                                                     f"restarts it; first stack lines: {stack.strip()[:300]}"))

@@ -15,7 +15,7 @@ Everything lives under `<key_prefix>/<run_id>/` (key_prefix defaults to `/ooblec
 | `profile_claims/<device>` | {node, local_rank, pid, time}: this worker measures the profile of that device kind | that worker (put-if-absent) | node |
 | `events/<ns>-<node_id>`  | Event: time, kind, node, generation, detail     | agents, leader, CLI |     |
 | `admitted/<node>`       | a late node is admitted: its agent starts its workers | the leader |    |
-| `ready/<node>/<local rank>` | a worker has loaded torch, data and config and can join a generation | workers | |
+| `ready/<node>/<local rank>` | a worker has loaded torch, data and config and can join a generation; `{withdrawn: true}`: its agent restarts it (hang.py) | workers, agent | |
 | `rollcall/g<g>/<node>/<local rank>` | {time, kind}: a worker of generation g saw a communication failure, or stalled joining g | workers |    |
 | `ping/<node>`, `pong/<node>` | the leader (or the deputy, about the leader) asks a node's agent whether it is alive; it answers | leader, deputy, agent | |
 | `fenced/<node>`          | declared lost before its lease expired: excluded from plans; its workers stop | leader | |
@@ -34,7 +34,7 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Iterable, Optional, TypeVar
 
 from ..etcd.client import warn_once
 
@@ -358,6 +358,17 @@ def _read_record(client: Any, key: str, parse: Callable[[Any], T]) -> Optional[T
     except ValueError as err:
         warn_once(key, revision, f"ignoring malformed value of {key}: {err}")
         return None
+
+
+def withdrawn_readiness(why: str) -> dict[str, Any]:
+    """The `ready/<node>/<local rank>` value an agent writes while it restarts that worker (hang.py):
+    the node counts as not ready until the restarted worker reports ready again."""
+    return {"time": time.time(), "withdrawn": True, "why": why}
+
+
+def readiness_withdrawn(values: Iterable[Any]) -> bool:
+    """Whether any of a node's `ready/` values is a `withdrawn_readiness`."""
+    return any(isinstance(v, dict) and bool(v.get("withdrawn")) for v in values)
 
 
 def read_progress(client: Any, keys: "Keys") -> Optional[ProgressRecord]:

@@ -53,7 +53,8 @@ from ..planning import Plan, PlanningError
 from .decide import Action, Clocks, LeaderView, Rules, decide, desired_nodes
 from .detect import Deputy, LeaderWatch, RollCall
 from .liveness import LIVENESS_LOST, LivenessMonitor
-from .keys import ClosedRecord, Event, EventKind, Keys, NodeRecord, NodeState, Roster, read_closed, read_roster
+from .keys import (ClosedRecord, Event, EventKind, Keys, NodeRecord, NodeState, Roster, read_closed, read_roster,
+                   readiness_withdrawn)
 from .membership import Member, live_nodes, put_event
 
 log = logging.getLogger(__name__)
@@ -373,8 +374,7 @@ class Leader:
         waiting = set()
         for rec in up:
             entries = [value for _, value in self.view.get_prefix_json(self.keys.ready(rec.node_id))]
-            withdrawn = any(isinstance(v, dict) and v.get("withdrawn") for v in entries)
-            if withdrawn or (rec.node_id not in plan.nodes and len(entries) < rec.devices):
+            if readiness_withdrawn(entries) or (rec.node_id not in plan.nodes and len(entries) < rec.devices):
                 waiting.add(rec.node_id)
         return waiting
 

@@ -42,7 +42,7 @@ from ..etcd.store import EtcdStore
 from ..planning import PipelineSpec, Plan, StagePlacement
 from ..engine.errors import ErrorRecord, next_error_record
 from .keys import (CheckinKind, ClosedRecord, Event, EventKind, Keys, NodeRecord, NodeState, ProgressRecord,
-                   read_closed, read_progress)
+                   read_closed, read_progress, readiness_withdrawn)
 from .leader import PlanReader, _parse_plan
 from .membership import put_event
 
@@ -326,8 +326,7 @@ class WorkerContext:
                 lost.append(node)
             elif self.client.get_json(self.keys.node(node))[0] is None:
                 lost.append(node)
-            elif any(isinstance(v, dict) and v.get("withdrawn")
-                     for _, v in self.client.get_prefix_json(self.keys.ready(node))):
+            elif readiness_withdrawn(v for _, v in self.client.get_prefix_json(self.keys.ready(node))):
                 lost.append(node)
         return lost
 
