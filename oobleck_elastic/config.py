@@ -203,6 +203,11 @@ class FaultToleranceConfig:
     loss_spike_factor: float = 0.0
     """Treat a loss above this factor times the largest loss of any applied step like a non-finite
     one (replayed, then skipped); 0 = off. Megatron-LM uses 10."""
+    fingerprint_interval_steps: int = 0
+    """Every this many steps, the holders of each layer compare fingerprints of their copies
+    (weights and optimizer state); a copy that differs from a majority is replaced in place, and
+    copies with no majority stop the job naming the layer and its nodes (engine/fingerprint.py).
+    0 = off."""
     watch_interval_s: float = 0.1
     """While a step runs, each worker checks the control plane this often: a newer plan that
     drops a lost node, this node being fenced, or the job being closed abandons the step at once
@@ -408,6 +413,9 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
     if cfg.fault_tolerance.hang_floor_s < 0 or cfg.fault_tolerance.hang_factor < 1:
         problems.append("'fault_tolerance.hang_floor_s' must be >= 0 (0 = off) and 'fault_tolerance.hang_factor' >= 1 "
                         f"(got {cfg.fault_tolerance.hang_floor_s} and {cfg.fault_tolerance.hang_factor})")
+    if cfg.fault_tolerance.fingerprint_interval_steps < 0:
+        problems.append("'fault_tolerance.fingerprint_interval_steps' must be >= 0 (0 = off; got "
+                        f"{cfg.fault_tolerance.fingerprint_interval_steps})")
     if cfg.fault_tolerance.max_skipped_steps < 1:
         problems.append("'fault_tolerance.max_skipped_steps' must be >= 1 (got "
                         f"{cfg.fault_tolerance.max_skipped_steps})")

@@ -83,6 +83,10 @@ class ControlPlane(Protocol):
     def record_skip(self, *, generation: int, step: int, detail: str) -> None:
         """The step guard did not apply `step` (engine/guard.py): an event for operators."""
 
+    def record_event(self, *, kind: str, generation: int, detail: str) -> None:
+        """An event for operators about this job (`oobleck events`): `kind` is an EventKind value
+        (`repair`: a corrupt layer copy was replaced; `straggler`: a slow node was named or cleared)."""
+
 
 def one_worker_plan(cfg: JobConfig, num_layers: int, *, node: str = "local",
                     microbatch_size: Optional[int] = None) -> Plan:
@@ -171,6 +175,9 @@ class LocalControl:
         pass
 
     def record_skip(self, *, generation: int, step: int, detail: str) -> None:
+        pass
+
+    def record_event(self, *, kind: str, generation: int, detail: str) -> None:
         pass
 
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:

@@ -16,6 +16,11 @@ the first TIMES times it runs it in this process (default 1: a transient fault t
 not meet again; 2 or more: a persistent one, whose batch is skipped). `OOBLECK_SPIKE_AT=
 "RANK@STEP:FACTOR[xTIMES][,...]"` multiplies the loss that worker reports by FACTOR instead (give
 the rank of a last stage: the others report no loss). Both exercise the step guard (engine/guard.py).
+
+`OOBLECK_FLIP_AT="RANK@STEP:LAYER[,...]"` flips one bit (bit 26, an exponent bit of a float32: the
+value is multiplied or divided by 256) of the first element of layer LAYER's largest parameter on
+that worker, right after step STEP is applied, once per process: silent corruption of one copy
+of the layer, which the replica fingerprints find and repair (engine/fingerprint.py).
 """
 
 from __future__ import annotations
@@ -23,12 +28,16 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Optional, Sequence
+
+import torch
 
 ENV = "OOBLECK_FAIL_AT"
 SLOW_ENV = "OOBLECK_SLOW_AT"
 NAN_ENV = "OOBLECK_NAN_AT"
 SPIKE_ENV = "OOBLECK_SPIKE_AT"
+FLIP_ENV = "OOBLECK_FLIP_AT"
+FLIP_BIT = 26
 
 
 def _parse_poison(spec: str, env: str, *, with_factor: bool) -> dict[tuple[int, int], tuple[float, int]]:
@@ -60,6 +69,8 @@ class FaultInjector:
     """(rank, step) -> (factor for the loss: NaN or a spike, how many runs of the step get it)."""
     runs: dict[tuple[int, int], int] = field(default_factory=dict)
     """(rank, step) -> runs so far of a poisoned step."""
+    flips: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(rank, step) -> the layer one of whose bits to flip after that step (once; popped when done)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "FaultInjector":
@@ -84,7 +95,15 @@ class FaultInjector:
             slow[(int(rank), int(step))] = float(seconds)
         poison = _parse_poison(environ.get(NAN_ENV, "").strip(), NAN_ENV, with_factor=False)
         poison.update(_parse_poison(environ.get(SPIKE_ENV, "").strip(), SPIKE_ENV, with_factor=True))
-        return cls(frozenset(points), slow, poison)
+        flips = {}
+        flip_spec = environ.get(FLIP_ENV, "").strip()
+        for item in filter(None, (p.strip() for p in flip_spec.split(","))):
+            rank, sep, rest = item.partition("@")
+            step, sep2, layer = rest.partition(":")
+            if not (sep and sep2 and rank.isdigit() and step.isdigit() and layer.isdigit()):
+                raise ValueError(f"{FLIP_ENV}={flip_spec!r}: each item must be RANK@STEP:LAYER, e.g. 1@3:2")
+            flips[(int(rank), int(step))] = int(layer)
+        return cls(frozenset(points), slow, poison, flips=flips)
 
     def check(self, *, rank: int, step: int) -> None:
         """Called by a worker as it starts `step`: sleep and/or raise as the environment says."""
@@ -92,6 +111,17 @@ class FaultInjector:
             time.sleep(self.slow[(rank, step)])
         if (rank, step) in self.points:
             raise RuntimeError(f"injected fault: rank {rank} at step {step} ({ENV})")
+
+    def flip_bit(self, *, rank: int, step: int, layers: Sequence[Optional[torch.nn.Module]]) -> None:
+        """Called after `step` is applied: flip the bit the environment names, if any (module docstring)."""
+        layer_index = self.flips.pop((rank, step), None)
+        if layer_index is None or layers[layer_index] is None:
+            return
+        from ..models.tensor_parallel import local
+
+        param = max(layers[layer_index].parameters(), key=lambda p: p.numel())
+        words = local(param).detach().view(-1).view(torch.int32)
+        words[0] ^= 1 << FLIP_BIT
 
     def loss_factor(self, *, rank: int, step: int) -> float | None:
         """Called once per run of `step`: NaN or a spike factor to multiply this worker's loss by

@@ -110,6 +110,13 @@ class Metrics:
         self.writer.add_scalar("guard/skipped_steps", self.skipped, step)
         self.writer.add_text("guard", text, step)
 
+    def repaired(self, text: str, step: int, *, total: int) -> None:
+        """Corrupt layer copies replaced (engine/fingerprint.py): `integrity/repaired_copies` counts them."""
+        if self.writer is None:
+            return
+        self.writer.add_scalar("integrity/repaired_copies", total, step)
+        self.writer.add_text("integrity", text, step)
+
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:
             self.writer.add_text(tag, text, step)

@@ -244,6 +244,8 @@ class _Worker:
                 else:
                     self.guard.decide(self.step, Verdict(True))
                     self.log.stepped(trainer, result, report=ctx.report_progress if trainer.rank == 0 else None)
+                    if result.repaired or result.unrepairable:
+                        self._integrity(result)
                     self.step += 1
                     self.checkpoints.after_step(trainer, self.step)
                 if result.next_generation > trainer.generation:
@@ -287,6 +289,25 @@ class _Worker:
             trainer.skip(step)
             self.step += 1
             self.checkpoints.after_step(trainer, self.step)
+
+    def _integrity(self, result: StepResult) -> None:
+        """The replica fingerprints after `result.step` found corrupt copies (engine/fingerprint.py):
+        say which were replaced, or stop the job when a layer's copies have no majority."""
+        trainer, ctx = self.trainer, self.ctx
+        if result.unrepairable:
+            log.error("gen %d step %d node %s: %s", trainer.generation, result.step, ctx.node_id, result.unrepairable)
+            if trainer.rank == 0:
+                ctx.close_job(result.unrepairable, failed=True)
+            raise JobFailed(result.unrepairable)
+        for c in result.repaired:
+            bad = ", ".join(f"rank {r}" for r in c.bad)
+            lane = f" lane {c.lane}" if trainer.plan is not None and trainer.plan.tensor_parallel > 1 else ""
+            detail = (f"step {result.step}: layer {c.layer}{lane}"
+                      f": the copy of {bad} differed from its {len(c.holders)} holders' majority; replaced by "
+                      f"rank {c.source}'s (silent data corruption)")
+            self.log.repaired(detail, result.step, generation=trainer.generation)
+            if trainer.rank == 0:
+                ctx.record_event(kind="repair", generation=trainer.generation, detail=detail)
 
     def finish(self) -> Summary:
         """After the last step: the final checkpoint; the worker holding rank 0 closes the job."""

@@ -51,6 +51,8 @@ class Summary:
     """This process's peak resident memory."""
     not_applied: tuple[str, ...] = ()
     """One line per step the step guard did not apply (replayed or skipped, engine/guard.py)."""
+    repairs: tuple[str, ...] = ()
+    """One line per corrupt layer copy replaced from its holders' majority (engine/fingerprint.py)."""
 
     def lines(self) -> list[str]:
         out = [f"trained steps {self.final_step - self.steps}..{self.final_step} in {self.seconds:.1f}s"
@@ -59,6 +61,7 @@ class Summary:
             out.append(f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}")
         out += [f"reconfiguration: {r}" for r in self.reconfigurations]
         out += [f"not applied: {r}" for r in self.not_applied]
+        out += [f"repaired: {r}" for r in self.repairs]
         if self.peak_rss_bytes:
             out.append(f"peak resident memory of this worker: {self.peak_rss_bytes / memory.GB:.3f} GB")
         if self.checkpoint:
@@ -87,6 +90,7 @@ class RunLog:
         self.restored = False  # the last entry restored the checkpoint (lost layers)
         self.rss_at_start = rss_at_start  # before this worker held any layer
         self.not_applied: list[str] = []  # steps the step guard rejected, with what followed
+        self.repairs: list[str] = []  # corrupt layer copies replaced (engine/fingerprint.py)
 
     def broke(self) -> None:
         """This worker saw its generation fail (a communication error or an abandoned step)."""
@@ -169,6 +173,13 @@ class RunLog:
         if self.metrics is not None:
             self.metrics.rejected(result.step, text, skipped=skipped)
 
+    def repaired(self, text: str, step: int, *, generation: int) -> None:
+        """A corrupt copy of a layer was replaced from its holders' majority (engine/fingerprint.py)."""
+        self.repairs.append(text)
+        log.warning("gen %d step %d node %s: %s", generation, step, self.node, text)
+        if self.metrics is not None:
+            self.metrics.repaired(text, step, total=len(self.repairs))
+
     def _describe_reconfiguration(self, trainer: Trainer, result: StepResult) -> None:
         assert self.pending is not None and trainer.plan is not None
         info, at, cause, broke_at = self.pending
@@ -193,7 +204,7 @@ class RunLog:
                        checkpoint=str(checkpoint) if checkpoint and writer else None,
                        tensorboard=self.tb_dir if writer else None, resumed_from=resumed,
                        reconfigurations=tuple(self.changes), peak_rss_bytes=memory.peak_rss_bytes(),
-                       not_applied=tuple(self.not_applied))
+                       not_applied=tuple(self.not_applied), repairs=tuple(self.repairs))
 
     def close(self) -> None:
         if self.metrics is not None:

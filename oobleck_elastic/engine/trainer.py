@@ -54,6 +54,7 @@ from .data import BatchPrefetcher, pipeline_slices
 from .devices import release_groups, to_device
 from .errors import StepAbandoned
 from .faults import FaultInjector
+from .fingerprint import Corrupt, Unrepairable, compare, fingerprints, gather, is_check_step, layer_tensors, repair
 from .groups import GenerationGroups, GradSync
 from .guard import judge
 from .generation import GenerationEntry, LayersLost, Reconfiguration, WorkerState
@@ -84,6 +85,11 @@ class StepResult:
     """Why the step guard did not apply the step (engine/guard.py); empty when it was applied."""
     rejections: int = 0
     """How many times any worker had seen this step rejected before this run of it."""
+    repaired: tuple[Corrupt, ...] = ()
+    """Layer copies found corrupt after this step and replaced from their holders' majority
+    (engine/fingerprint.py); the same on every worker."""
+    unrepairable: str = ""
+    """Why the job must stop: a layer's copies differ with no majority (engine/fingerprint.py)."""
 
 
 class Autocast(nn.Module):
@@ -335,8 +341,16 @@ class Trainer:
         # the step guard (engine/guard.py): the same loss, norm and running maximum on every worker
         ft = self.cfg.fault_tolerance
         verdict = judge(loss, norm2, running_max=float(seen[3]), spike_factor=ft.loss_spike_factor)
+        repaired: list[Corrupt] = []
+        unrepairable = ""
         if verdict.apply:
             self._apply(step, norm2, epoch)
+            self.faults.flip_bit(rank=self.rank, step=step, layers=self.layer_model.layers)
+            if is_check_step(step, ft.fingerprint_interval_steps):  # every worker, the same steps
+                try:
+                    repaired = self.check_replicas(step)
+                except Unrepairable as err:
+                    unrepairable = str(err)
         with self._current(epoch):
             if verdict.apply:
                 self.state.max_loss = max(float(seen[3]), loss)
@@ -348,7 +362,18 @@ class Trainer:
         return StepResult(step=step, loss=loss, seconds=time.perf_counter() - t0, grad_norm=norm2 ** 0.5,
                           next_generation=int(seen[0]), peak_rss_bytes=int(seen[1]),
                           peak_device_bytes=None if seen[2] < 0 else int(seen[2]), rejected=verdict.reason,
-                          rejections=int(seen[4]))
+                          rejections=int(seen[4]), repaired=tuple(repaired), unrepairable=unrepairable)
+
+    def check_replicas(self, step: int) -> list[Corrupt]:
+        """Compare every layer's copies with its other holders after step `step` and replace the
+        corrupt ones from the majority (engine/fingerprint.py); the repaired copies. Collective
+        over the generation; raises Unrepairable when a layer's copies have no majority."""
+        assert self.plan is not None and self.groups is not None
+        tensors = {i: layer_tensors(self.layer_model.layers[i], self.optimizer) for i in self.owned}
+        table = gather(self.plan, self.rank, fingerprints(tensors), self.step_group)
+        corrupt = compare(self.plan, table)
+        repair(corrupt, rank=self.rank, tensors_of=tensors, groups=self.groups.sets)
+        return corrupt
 
     def skip(self, step: int) -> None:
         """Count `step` as done with no update: the step guard rejected it twice (engine/guard.py)."""

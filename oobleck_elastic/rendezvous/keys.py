@@ -76,6 +76,10 @@ class EventKind(StrEnum):
     """A node's agent found one of its workers hung in a step and stopped it (hang.py)."""
     SKIP = "skip"
     """The step guard did not apply a step: replayed, or its batch skipped (engine/guard.py)."""
+    REPAIR = "repair"
+    """A corrupt copy of a layer was replaced from its holders' majority (engine/fingerprint.py)."""
+    STRAGGLER = "straggler"
+    """A node was named persistently slower than the others, or no longer is (engine/straggler.py)."""
 
 
 class CheckinKind(StrEnum):

@@ -234,6 +234,11 @@ class WorkerContext:
         put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.SKIP, node=self.node_id,
                                                 generation=generation, detail=f"step {step}: {detail}"))
 
+    def record_event(self, *, kind: str, generation: int, detail: str) -> None:
+        """An event about this job from this worker's node (engine/control.py)."""
+        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind(kind), node=self.node_id,
+                                                generation=generation, detail=detail))
+
     def entered(self, generation: int) -> None:
         """This worker has entered `generation`: a `stall` check-in it made while joining is
         withdrawn (the join was only slow), so the roll call does not go on pinging for it."""

@@ -1,0 +1,170 @@
+"""Replica fingerprints: silent corruption of a layer copy is found by its holders and repaired in place.
+
+Every layer has one holder per pipeline (f+1 copies or more), and after every applied step the
+copies are bit-identical: the same summed gradients went into the same optimizer from the same
+state (engine/groups.py). A bit flipped in one device's memory (silent data corruption: a bad
+HBM cell, a faulty ALU) breaks that and nothing else notices: the copy trains on, its gradients
+are summed into the others', and it is checkpointed.
+
+Every `fault_tolerance.fingerprint_interval_steps` steps, right after the commit and before any
+checkpoint of that step, each worker fingerprints every layer it holds (`fingerprint`): exact
+integer sums over the bits of the layer's parameters and optimizer state (their 16-, 32- or
+64-bit words as integers: the plain sum and a position-weighted sum, modulo 2^64, so a single
+flipped bit always changes the plain sum and two compensating flips almost never leave both
+unchanged). One all-gather over the generation's workers shares a [rank, layer] table, and every
+worker runs the same pure decision on the same table (`compare`), lane by lane under tensor
+parallelism:
+
+- every copy of a layer agrees: nothing to do;
+- a strict majority of its holders agrees: the other copies are corrupt and are replaced by the
+  first majority holder's, parameters and optimizer state, in one broadcast among the layer's
+  holders (`repair`); no restart, no lost step, and the step's checkpoint holds intact copies;
+- no majority (two holders that differ, or three that all differ): which copy is intact cannot
+  be told, so the job stops as failed, naming the layer and its holders' nodes (`Unrepairable`);
+  resume it from the newest checkpoint written before the corruption.
+
+Corruption between two checks is summed into the other copies' gradients for up to the interval,
+so a short interval keeps the damage small; the cost of one check is in bench/fingerprint.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..planning import Plan
+
+__all__ = ["Corrupt", "Unrepairable", "compare", "fingerprints", "is_check_step", "layer_tensors"]
+
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 20  # words weighted at once (the weights cycle with this period)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The bits of `t` as a flat tensor of integer words of its element size."""
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(_WORDS[flat.element_size()]) if flat.is_floating_point() or flat.dtype.is_complex else flat
+
+
+def _sums(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """[plain sum, position-weighted sum] of the words of `tensors` (int64, on their device)."""
+    total: Optional[torch.Tensor] = None
+    weights: Optional[torch.Tensor] = None
+    for t in tensors:
+        words = _words(t).to(torch.int64)
+        if words.numel() == 0:
+            continue
+        if weights is None or weights.device != words.device:
+            weights = torch.arange(1, _CHUNK + 1, dtype=torch.int64, device=words.device)
+        weighted = torch.zeros((), dtype=torch.int64, device=words.device)
+        for i in range(0, words.numel(), _CHUNK):
+            chunk = words[i:i + _CHUNK]
+            weighted += (chunk * weights[:chunk.numel()]).sum()
+        pair = torch.stack([words.sum(), weighted])
+        total = pair if total is None else total + pair
+    return total if total is not None else torch.zeros(2, dtype=torch.int64)
+
+
+def fingerprints(layers: dict[int, list[torch.Tensor]]) -> dict[int, tuple[int, int]]:
+    """Each layer's (plain sum, position-weighted sum) of the words of its tensors, as int64
+    (wrapping modulo 2^64), in the order given; one device-to-host copy for all of them. Exact:
+    equal tensors give equal fingerprints."""
+    if not layers:
+        return {}
+    order = sorted(layers)
+    pairs = [_sums(layers[i]) for i in order]
+    table = torch.stack([p.to(pairs[0].device) for p in pairs]).cpu()
+    return {i: (int(table[k, 0]), int(table[k, 1])) for k, i in enumerate(order)}
+
+
+def layer_tensors(layer: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """What a layer's copies must agree on: its parameters (this lane's shards) and their optimizer
+    state, in a fixed order."""
+    from ..models.tensor_parallel import local
+
+    out = []
+    for _, p in sorted(layer.named_parameters(), key=lambda kv: kv[0]):
+        out.append(local(p))
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        out += [local(state[k]) for k in sorted(state) if torch.is_tensor(state[k])]
+    return out
+
+
+def is_check_step(step: int, interval: int) -> bool:
+    """Whether the copies are compared after step `step` (0-based): every `interval` steps, 0 = never."""
+    return interval > 0 and (step + 1) % interval == 0
+
+
+@dataclass(frozen=True)
+class Corrupt:
+    """Copies of one layer (one tensor-parallel lane of it) that differ from its holders' majority."""
+
+    layer: int
+    lane: int
+    holders: tuple[int, ...]
+    """Ranks holding the layer, sorted (one per pipeline)."""
+    bad: tuple[int, ...]
+    """Ranks whose copy differs from the majority."""
+    source: int
+    """The first majority holder: every holder's copy is replaced by its copy."""
+
+
+class Unrepairable(RuntimeError):
+    """A layer's copies differ and no strict majority agrees: the intact copy cannot be told."""
+
+
+def compare(plan: Plan, table: dict[int, dict[int, tuple[int, int]]]) -> list[Corrupt]:
+    """The corrupt copies of every layer, by layer and lane; `table[rank][layer]` is the fingerprint
+    of that rank's copy. Raises Unrepairable naming the first layer without a majority, with its
+    holders' ranks and nodes."""
+    node_of = {s.rank + j: s.node for p in plan.pipelines for s in p.stages for j in range(plan.tensor_parallel)}
+    out = []
+    for layer in range(plan.num_layers):
+        for lane in range(plan.tensor_parallel):
+            holders = tuple(sorted(plan.holders(layer, lane)))
+            if len(holders) < 2:
+                continue
+            prints = [table[r][layer] for r in holders]
+            if len(set(prints)) == 1:
+                continue
+            best = max(set(prints), key=prints.count)
+            if prints.count(best) * 2 <= len(holders):
+                where = ", ".join(f"rank {r} on {node_of[r]}" for r in holders)
+                lane_text = f" (tensor-parallel lane {lane})" if plan.tensor_parallel > 1 else ""
+                raise Unrepairable(
+                    f"the copies of layer {layer}{lane_text} differ between its {len(holders)} holders ({where}) "
+                    "and no majority agrees, so the intact copy cannot be told (silent data corruption): "
+                    "restart the job from the newest checkpoint, and check those nodes' devices")
+            bad = tuple(r for r, fp in zip(holders, prints) if fp != best)
+            out.append(Corrupt(layer=layer, lane=lane, holders=holders, bad=bad,
+                               source=next(r for r, fp in zip(holders, prints) if fp == best)))
+    return out
+
+
+def gather(plan: Plan, rank: int, prints: dict[int, tuple[int, int]],
+           group: Optional[dist.ProcessGroup]) -> dict[int, dict[int, tuple[int, int]]]:
+    """Every rank's fingerprints by layer, from one all-gather over `group` (the generation's
+    workers; CPU tensors over gloo whatever the data backend)."""
+    mine = torch.zeros((plan.num_layers, 3), dtype=torch.int64)
+    for layer, (a, b) in prints.items():
+        mine[layer] = torch.tensor([1, a, b], dtype=torch.int64)
+    rows = [torch.empty_like(mine) for _ in range(plan.world_size)]
+    dist.all_gather(rows, mine, group=group)
+    return {r: {li: (int(rows[r][li, 1]), int(rows[r][li, 2])) for li in range(plan.num_layers) if rows[r][li, 0]}
+            for r in range(plan.world_size)}
+
+
+def repair(corrupt: list[Corrupt], *, rank: int, tensors_of: dict[int, list[torch.Tensor]],
+           groups: dict[tuple[int, ...], dist.ProcessGroup]) -> None:
+    """Replace the corrupt copies this rank takes part in: for each one, in the same order on every
+    rank, the layer's holders broadcast the source's parameters and optimizer state over their
+    group (`groups`: this rank's holder-set groups, engine/groups.py)."""
+    for c in corrupt:
+        if rank not in c.holders:
+            continue
+        for t in tensors_of[c.layer]:
+            dist.broadcast(t.data if isinstance(t, torch.nn.Parameter) else t, src=c.source,
+                           group=groups[c.holders])
