@@ -208,6 +208,16 @@ class FaultToleranceConfig:
     (weights and optimizer state); a copy that differs from a majority is replaced in place, and
     copies with no majority stop the job naming the layer and its nodes (engine/fingerprint.py).
     0 = off."""
+    straggler_factor: float = 1.5
+    """A node whose workers compute this many times slower per microbatch than the generation's
+    typical worker (against the plan's estimate of their stages), over straggler_steps steps, is
+    named a straggler (event, TensorBoard, `oobleck status`; engine/straggler.py); 0 = off."""
+    straggler_steps: int = 5
+    """Steps a slowdown must last (the median over this window) before a node is named or cleared."""
+    straggler_rebalance: bool = True
+    """The leader re-splits the microbatches among the pipelines at their measured speeds when a
+    straggler is named and that shortens the estimated step by 10 % or more (the global batch,
+    and so the weights, stay the same)."""
     watch_interval_s: float = 0.1
     """While a step runs, each worker checks the control plane this often: a newer plan that
     drops a lost node, this node being fenced, or the job being closed abandons the step at once
@@ -416,6 +426,11 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
     if cfg.fault_tolerance.fingerprint_interval_steps < 0:
         problems.append("'fault_tolerance.fingerprint_interval_steps' must be >= 0 (0 = off; got "
                         f"{cfg.fault_tolerance.fingerprint_interval_steps})")
+    if cfg.fault_tolerance.straggler_factor < 0 or 0 < cfg.fault_tolerance.straggler_factor <= 1 \
+            or cfg.fault_tolerance.straggler_steps < 1:
+        problems.append("'fault_tolerance.straggler_factor' must be 0 (off) or > 1 and "
+                        f"'fault_tolerance.straggler_steps' >= 1 (got {cfg.fault_tolerance.straggler_factor} "
+                        f"and {cfg.fault_tolerance.straggler_steps})")
     if cfg.fault_tolerance.max_skipped_steps < 1:
         problems.append("'fault_tolerance.max_skipped_steps' must be >= 1 (got "
                         f"{cfg.fault_tolerance.max_skipped_steps})")

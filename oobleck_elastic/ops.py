@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
 from .planning import Plan, PlanningError
-from .rendezvous.keys import Event, Keys, NodeState, read_closed, read_progress
+from .rendezvous.keys import Event, Keys, NodeState, read_closed, read_progress, read_stragglers
 from .rendezvous.membership import live_nodes, mark_draining, read_events
 
 
@@ -118,6 +118,12 @@ def status(client: EtcdClient, keys: Keys) -> list[str]:
                      f"{time.time() - progress.time:.1f}s ago)")
     else:
         lines.append("step: no progress reported yet")
+    slow = read_stragglers(client, keys)
+    if slow is not None and slow.nodes:
+        lines.append(f"stragglers (generation {slow.generation}, after step {slow.step}): "
+                     + ", ".join(f"{node} {factor:.1f}x slower" for node, factor in sorted(slow.nodes.items())))
+    if plan is not None and plan.rebalanced:
+        lines.append("  (microbatches re-split among the pipelines at their measured speeds)")
     return lines
 
 

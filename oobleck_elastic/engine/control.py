@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,11 @@ class ControlPlane(Protocol):
 
     def record_skip(self, *, generation: int, step: int, detail: str) -> None:
         """The step guard did not apply `step` (engine/guard.py): an event for operators."""
+
+    def report_stragglers(self, *, generation: int, step: int, nodes: dict[str, float],
+                          pipeline_s: Sequence[float]) -> None:
+        """The nodes named stragglers after `step` and each pipeline's measured seconds per
+        microbatch (engine/straggler.py), for the leader to re-split the batch (rank 0 reports)."""
 
     def record_event(self, *, kind: str, generation: int, detail: str) -> None:
         """An event for operators about this job (`oobleck events`): `kind` is an EventKind value
@@ -178,6 +183,10 @@ class LocalControl:
         pass
 
     def record_event(self, *, kind: str, generation: int, detail: str) -> None:
+        pass
+
+    def report_stragglers(self, *, generation: int, step: int, nodes: dict[str, float],
+                          pipeline_s: Sequence[float]) -> None:
         pass
 
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:

@@ -21,6 +21,11 @@ the rank of a last stage: the others report no loss). Both exercise the step gua
 value is multiplied or divided by 256) of the first element of layer LAYER's largest parameter on
 that worker, right after step STEP is applied, once per process: silent corruption of one copy
 of the layer, which the replica fingerprints find and repair (engine/fingerprint.py).
+
+`OOBLECK_STRAGGLE_AT="NODE@STEP:FACTOR[,...]"` makes every worker of node NODE (its id, e.g.
+node1) compute FACTOR times slower from step STEP on, in every generation: each forward and
+backward chunk is followed by a sleep of (FACTOR - 1) times its duration, as on a slower device
+(a straggler, engine/straggler.py).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ SLOW_ENV = "OOBLECK_SLOW_AT"
 NAN_ENV = "OOBLECK_NAN_AT"
 SPIKE_ENV = "OOBLECK_SPIKE_AT"
 FLIP_ENV = "OOBLECK_FLIP_AT"
+STRAGGLE_ENV = "OOBLECK_STRAGGLE_AT"
 FLIP_BIT = 26
 
 
@@ -71,6 +77,8 @@ class FaultInjector:
     """(rank, step) -> runs so far of a poisoned step."""
     flips: dict[tuple[int, int], int] = field(default_factory=dict)
     """(rank, step) -> the layer one of whose bits to flip after that step (once; popped when done)."""
+    straggle: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """node -> (first step, factor): that node's workers compute this many times slower."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "FaultInjector":
@@ -103,7 +111,25 @@ class FaultInjector:
             if not (sep and sep2 and rank.isdigit() and step.isdigit() and layer.isdigit()):
                 raise ValueError(f"{FLIP_ENV}={flip_spec!r}: each item must be RANK@STEP:LAYER, e.g. 1@3:2")
             flips[(int(rank), int(step))] = int(layer)
-        return cls(frozenset(points), slow, poison, flips=flips)
+        straggle = {}
+        straggle_spec = environ.get(STRAGGLE_ENV, "").strip()
+        for item in filter(None, (p.strip() for p in straggle_spec.split(","))):
+            node, sep, rest = item.partition("@")
+            step, sep2, factor = rest.partition(":")
+            try:
+                ok = bool(node and sep and sep2 and step.isdigit() and float(factor) >= 1)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"{STRAGGLE_ENV}={straggle_spec!r}: each item must be NODE@STEP:FACTOR with "
+                                 "FACTOR >= 1, e.g. node1@0:3")
+            straggle[node] = (int(step), float(factor))
+        return cls(frozenset(points), slow, poison, flips=flips, straggle=straggle)
+
+    def slowdown(self, *, node: str, step: int) -> float:
+        """How many times slower this node's workers compute at `step` (1: not slowed)."""
+        first, factor = self.straggle.get(node, (0, 1.0))
+        return factor if step >= first else 1.0
 
     def check(self, *, rank: int, step: int) -> None:
         """Called by a worker as it starts `step`: sleep and/or raise as the environment says."""

@@ -56,6 +56,7 @@ class Metrics:
             self.writer = SummaryWriter(log_dir=str(self.log_dir))
         self._t0 = time.monotonic()
         self.skipped = 0
+        self.slow_nodes: set[str] = set()  # nodes ever named stragglers (engine/straggler.py)
 
     def plan(self, plan: Optional[Plan], step: int) -> None:
         if self.writer is not None:
@@ -109,6 +110,16 @@ class Metrics:
         self.writer.add_scalar("guard/rejected", 1, step)
         self.writer.add_scalar("guard/skipped_steps", self.skipped, step)
         self.writer.add_text("guard", text, step)
+
+    def stragglers(self, named: dict[str, float], step: int) -> None:
+        """`straggler/count` of nodes named stragglers, `straggler/slowdown/<node>` for each one, and
+        0 for a node no longer named (engine/straggler.py)."""
+        if self.writer is None:
+            return
+        self.writer.add_scalar("straggler/count", len(named), step)
+        for node in sorted(set(named) | self.slow_nodes):
+            self.writer.add_scalar(f"straggler/slowdown/{node}", named.get(node, 0.0), step)
+        self.slow_nodes |= set(named)
 
     def repaired(self, text: str, step: int, *, total: int) -> None:
         """Corrupt layer copies replaced (engine/fingerprint.py): `integrity/repaired_copies` counts them."""

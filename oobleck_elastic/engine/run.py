@@ -57,6 +57,7 @@ from .heartbeat import Heartbeat
 from .runlog import RunLog, Summary
 from .runner import StepRunner, exit_now_at_the_end
 from .state import CheckpointPolicy
+from .straggler import StragglerWatch
 from .trainer import LayersLost, Reconfiguration, StepResult, Trainer
 
 __all__ = ["train", "Summary", "Target"]
@@ -170,6 +171,7 @@ class _Worker:
         self.checkpoints = CheckpointPolicy(cfg, node=ctx.node_id)
         self.runner = StepRunner(self.trainer.device)
         self.guard = StepGuard(cfg.fault_tolerance.max_skipped_steps)
+        self.stragglers = StragglerWatch(cfg.fault_tolerance.straggler_factor, cfg.fault_tolerance.straggler_steps)
         self.heartbeat = Heartbeat(ctx.local_rank)  # to this node's agent (rendezvous/hang.py)
         self.step = 0
 
@@ -246,6 +248,7 @@ class _Worker:
                     self.log.stepped(trainer, result, report=ctx.report_progress if trainer.rank == 0 else None)
                     if result.repaired or result.unrepairable:
                         self._integrity(result)
+                    self._watch_stragglers(plan, result)
                     self.step += 1
                     self.checkpoints.after_step(trainer, self.step)
                 if result.next_generation > trainer.generation:
@@ -289,6 +292,22 @@ class _Worker:
             trainer.skip(step)
             self.step += 1
             self.checkpoints.after_step(trainer, self.step)
+
+    def _watch_stragglers(self, plan: Plan, result: StepResult) -> None:
+        """Every worker follows the same verdict (engine/straggler.py); rank 0 says it and tells the leader."""
+        verdict = self.stragglers.observe(plan, result.compute_s)
+        if not verdict.report or self.trainer.rank != 0:
+            return
+        named = ", ".join(f"{node} ({slow:.1f}x)" for node, slow in sorted(verdict.named.items()))
+        detail = (f"step {result.step}: straggler(s) {named}; pipelines' seconds per microbatch "
+                  + " ".join(f"{s:.4f}" for s in verdict.pipeline_s)) if verdict.named else \
+            f"step {result.step}: no straggler any more"
+        log.warning("gen %d step %d node %s: %s", plan.generation, result.step, self.ctx.node_id, detail)
+        self.log.stragglers(verdict.named, result.step)
+        if verdict.changed:
+            self.ctx.record_event(kind="straggler", generation=plan.generation, detail=detail)
+        self.ctx.report_stragglers(generation=plan.generation, step=result.step, nodes=verdict.named,
+                                   pipeline_s=verdict.pipeline_s)
 
     def _integrity(self, result: StepResult) -> None:
         """The replica fingerprints after `result.step` found corrupt copies (engine/fingerprint.py):

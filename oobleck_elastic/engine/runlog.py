@@ -173,6 +173,11 @@ class RunLog:
         if self.metrics is not None:
             self.metrics.rejected(result.step, text, skipped=skipped)
 
+    def stragglers(self, named: dict[str, float], step: int) -> None:
+        """The nodes named stragglers now (engine/straggler.py), for TensorBoard."""
+        if self.metrics is not None:
+            self.metrics.stragglers(named, step)
+
     def repaired(self, text: str, step: int, *, generation: int) -> None:
         """A corrupt copy of a layer was replaced from its holders' majority (engine/fingerprint.py)."""
         self.repairs.append(text)

@@ -58,11 +58,14 @@ from .fingerprint import Corrupt, Unrepairable, compare, fingerprints, gather, i
 from .groups import GenerationGroups, GradSync
 from .guard import judge
 from .generation import GenerationEntry, LayersLost, Reconfiguration, WorkerState
+from .straggler import ComputeClock
 from .optim import adamw_step, clip_coefficient, scale_grads, set_lr, token_sum_loss
 
 __all__ = ["Trainer", "StepResult", "LayersLost", "Reconfiguration", "WorkerState", "single_process"]
 
 log = logging.getLogger(__name__)
+
+_SEEN = 5  # the commit's fixed slots (generation, peak RSS, peak device memory, max loss, rejections)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ class StepResult:
     (engine/fingerprint.py); the same on every worker."""
     unrepairable: str = ""
     """Why the job must stop: a layer's copies differ with no majority (engine/fingerprint.py)."""
+    compute_s: tuple[float, ...] = ()
+    """Every worker's compute seconds in this step, by rank (engine/straggler.py)."""
 
 
 class Autocast(nn.Module):
@@ -145,6 +150,9 @@ class Trainer:
         self._epoch = 0
         self._detach_kept = False
         self.faults = FaultInjector.from_env()
+        self._step = 0  # the step running now (for injected slowdowns)
+        self.clock = ComputeClock(self.device, slowdown=lambda: self.faults.slowdown(node=self.node, step=self._step))
+        """Times this worker's compute in a step (engine/straggler.py)."""
         self.batches = BatchPrefetcher(dataset, self.my_samples, pin_memory=self.device.type == "cuda")
         """Collates (and pins, on CUDA) the next step's batch while a step runs."""
         self.compile = compile_enabled(cfg, self.device)
@@ -255,6 +263,9 @@ class Trainer:
                                        seq_len=self.dataset[0][0].shape[-1], autocast=self.dtype)
             pstage = PipelineStage(self.stage_module, self.stage.index, stages, self.device, input_args=inputs,
                                    output_args=outputs, group=self.groups.pipeline_group)
+            # time the stage's own compute, not its waits for its neighbours (engine/straggler.py)
+            pstage.forward_one_chunk = self.clock.timed(pstage.forward_one_chunk)  # type: ignore[method-assign]
+            pstage.backward_one_chunk = self.clock.timed(pstage.backward_one_chunk)  # type: ignore[method-assign]
             mb = self.pipeline.microbatches
             cls = Schedule1F1B if self.cfg.planning.schedule == "1f1b" and mb >= stages else ScheduleGPipe
             # every stage gets the loss_fn: without one a schedule runs forward only
@@ -284,7 +295,7 @@ class Trainer:
         """This stage's part of the pipeline schedule; the summed loss on the last stage (zero on
         the others), on the device."""
         if schedule is None:  # one-stage pipeline: no pipelining needed
-            return self._forward_backward_local(x, y)
+            return self.clock.timed(self._forward_backward_local)(x, y)
         first, last = self.stage.index == 0, self.stage.index == len(self.pipeline.stages) - 1
         losses: list[torch.Tensor] = []
         if first:
@@ -305,6 +316,8 @@ class Trainer:
         t0 = time.perf_counter()
         epoch = self._epoch
         self.faults.check(rank=self.rank, step=step)
+        self._step = step
+        self.clock.take()  # what an abandoned or rejected run left
         x, y = self.batches.get(step)
         schedule, grad_sync, step_group = self.schedule, self.grad_sync, self.step_group
         assert grad_sync is not None, "enter a generation first"
@@ -333,10 +346,12 @@ class Trainer:
         # COMMIT: returns only once every worker has finished this step's communication; it also
         # carries the newest plan generation anyone has seen, so all leave at the same boundary
         # (and, at no extra cost, the largest peak memory of any worker)
+        # (and every worker's compute seconds in this step, one slot per rank: engine/straggler.py)
         device_peak = memory.peak_device_bytes(self.device)
-        seen = torch.tensor([max(seen_generation, self.generation), memory.peak_rss_bytes(),
-                             -1 if device_peak is None else device_peak, self.state.max_loss, rejections],
-                            dtype=torch.float64)
+        seen = torch.zeros(_SEEN + self.plan.world_size, dtype=torch.float64)
+        seen[:_SEEN] = torch.tensor([max(seen_generation, self.generation), memory.peak_rss_bytes(),
+                                     -1 if device_peak is None else device_peak, self.state.max_loss, rejections])
+        seen[_SEEN + self.rank] = self.clock.take()
         dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=step_group)
         # the step guard (engine/guard.py): the same loss, norm and running maximum on every worker
         ft = self.cfg.fault_tolerance
@@ -362,7 +377,8 @@ class Trainer:
         return StepResult(step=step, loss=loss, seconds=time.perf_counter() - t0, grad_norm=norm2 ** 0.5,
                           next_generation=int(seen[0]), peak_rss_bytes=int(seen[1]),
                           peak_device_bytes=None if seen[2] < 0 else int(seen[2]), rejected=verdict.reason,
-                          rejections=int(seen[4]), repaired=tuple(repaired), unrepairable=unrepairable)
+                          rejections=int(seen[4]), repaired=tuple(repaired), unrepairable=unrepairable,
+                          compute_s=tuple(seen[_SEEN:].tolist()))
 
     def check_replicas(self, step: int) -> list[Corrupt]:
         """Compare every layer's copies with its other holders after step `step` and replace the

@@ -38,10 +38,14 @@ class StagePlacement:
     """Device / worker on that node: the stage's first tensor-parallel lane (the others follow)."""
     rank: int
     """Global rank of that worker in this generation (lane j has rank + j)."""
+    compute_s: float = 0.0
+    """Estimated forward + backward time of one microbatch on this stage, communication excluded
+    (the template's); what a worker's measured compute time is compared with to find stragglers
+    (engine/straggler.py). 0 = unknown."""
 
     def to_json(self) -> dict[str, Any]:
         return {"index": self.index, "layers": [self.start, self.end], "node": self.node,
-                "local_rank": self.local_rank, "rank": self.rank}
+                "local_rank": self.local_rank, "rank": self.rank, "compute_s": self.compute_s}
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,10 @@ class Plan:
     tensor_parallel: int = 1
     """Workers (tensor-parallel lanes) per stage, on one node: lane j of a stage is its worker with
     local rank `local_rank + j` and rank `rank + j`."""
+    rebalanced: bool = False
+    """This plan only re-splits the previous generation's microbatches among its pipelines at their
+    measured speeds (a straggler, engine/straggler.py): same nodes, stages and ranks; workers move
+    to it at a step boundary."""
 
     @property
     def world_size(self) -> int:
@@ -167,7 +175,8 @@ class Plan:
                 "microbatch_size": self.microbatch_size, "f": self.f,
                 "est_step_time_s": self.est_step_time_s, "warnings": list(self.warnings),
                 "tensor_parallel": self.tensor_parallel,
-                "donors": list(self.donors), "pipelines": [p.to_json() for p in self.pipelines]}
+                "donors": list(self.donors), "pipelines": [p.to_json() for p in self.pipelines],
+                **({"rebalanced": True} if self.rebalanced else {})}
 
     @classmethod
     def from_json(cls, data: Any) -> "Plan":
@@ -182,7 +191,8 @@ class Plan:
                              microbatches=int(p["microbatches"]), est_time_s=float(p["est_time_s"]),
                              stages=tuple(StagePlacement(index=int(s["index"]), start=int(s["layers"][0]),
                                                          end=int(s["layers"][1]), node=str(s["node"]),
-                                                         local_rank=int(s["local_rank"]), rank=int(s["rank"]))
+                                                         local_rank=int(s["local_rank"]), rank=int(s["rank"]),
+                                                         compute_s=float(s.get("compute_s", 0.0)))
                                           for s in p["stages"]))
                 for p in data["pipelines"])
             plan = cls(generation=int(data["generation"]), nodes=tuple(str(n) for n in data["nodes"]),
@@ -192,7 +202,8 @@ class Plan:
                        est_step_time_s=float(data["est_step_time_s"]), f=int(data["f"]),
                        warnings=tuple(str(w) for w in data.get("warnings", ())),
                        donors=tuple(str(n) for n in _list(data.get("donors", []), "donors")),
-                       tensor_parallel=int(data.get("tensor_parallel", 1)))
+                       tensor_parallel=int(data.get("tensor_parallel", 1)),
+                       rebalanced=data.get("rebalanced", False) is True)
         except PlanningError:
             raise
         except (AttributeError, KeyError, TypeError, ValueError, IndexError) as err:
@@ -250,7 +261,8 @@ def make_plan(templates: TemplateSet, *, nodes: Sequence[str], num_microbatches:
         tpl = templates[n]
         pnodes = tuple(nodes[cursor:cursor + n])
         stages = tuple(StagePlacement(index=s.index, start=s.start, end=s.end, node=pnodes[s.node],
-                                      local_rank=s.local_rank, rank=(cursor + s.node) * g + s.local_rank)
+                                      local_rank=s.local_rank, rank=(cursor + s.node) * g + s.local_rank,
+                                      compute_s=s.time_s - s.comm_s)
                        for s in tpl.stages)
         pipelines.append(PipelineSpec(index=index, template_nodes=n, nodes=pnodes, microbatches=mb,
                                       stages=stages, est_time_s=tpl.iteration_time(mb, len(a.pipelines))))

@@ -20,6 +20,7 @@ Everything lives under `<key_prefix>/<run_id>/` (key_prefix defaults to `/ooblec
 | `ping/<node>`, `pong/<node>` | the leader (or the deputy, about the leader) asks a node's agent whether it is alive; it answers | leader, deputy, agent | |
 | `fenced/<node>`          | declared lost before its lease expired: excluded from plans; its workers stop | leader | |
 | `progress`               | {generation, step, time, ...}                   | worker rank 0     |       |
+| `stragglers`             | StragglerRecord: nodes named stragglers, each pipeline's measured seconds per microbatch | worker rank 0 | |
 | `closed`                 | {time, reason, failed}: the job finished (or failed), stop planning | workers / handler / leader (no profile in time) | |
 | `errors`                 | the last error that ended a worker and how often in a row (engine/errors.py) | workers |       |
 | `store/g<generation>/...`| c10d Store keys of that generation's process groups | workers       |       |
@@ -187,6 +188,11 @@ class Keys:
         return self.root + "progress"
 
     @property
+    def stragglers(self) -> str:
+        """The nodes the workers named stragglers, and the pipelines' measured speeds (engine/straggler.py)."""
+        return self.root + "stragglers"
+
+    @property
     def closed(self) -> str:
         return self.root + "closed"
 
@@ -219,7 +225,7 @@ class Keys:
 
     def leader_watched(self) -> list[str]:
         """What the leader reads besides `agent_watched` (mirrored while it leads)."""
-        return [self.plan, self.nodes, self.fenced, self.root + "admitted/", self.root + "ready/"]
+        return [self.plan, self.nodes, self.fenced, self.root + "admitted/", self.root + "ready/", self.stragglers]
 
 
 def sanitise(name: str) -> str:
@@ -349,6 +355,46 @@ class ProgressRecord:
             return cls(generation=gen, step=step, time=float(data["time"]), node=str(data.get("node", "")))
         except (KeyError, TypeError) as err:
             raise ValueError(f"not a progress record ({type(err).__name__}: {err})") from None
+
+
+@dataclass(frozen=True)
+class StragglerRecord:
+    """The value of `stragglers`: what the worker holding rank 0 found after a step (engine/straggler.py)."""
+
+    generation: int
+    """Generation the speeds were measured in (the leader acts only on the current one's)."""
+    step: int
+    """The step after which they were found (0-based)."""
+    time: float
+    """Unix time of the report."""
+    nodes: dict[str, float]
+    """Nodes named stragglers -> their slowdown (empty: none any more)."""
+    pipeline_s: tuple[float, ...]
+    """Each pipeline's measured bottleneck, seconds per microbatch, in plan order."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "generation": self.generation, "step": self.step,
+                "time": self.time, "nodes": dict(self.nodes), "pipeline_s": list(self.pipeline_s)}
+
+    @classmethod
+    def parse(cls, data: Any) -> "StragglerRecord":
+        """Validate a `stragglers` value; raises ValueError naming what is wrong."""
+        try:
+            if data.get("schema_version") != SCHEMA_VERSION:
+                raise ValueError(f"schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
+            nodes = {str(k): float(v) for k, v in data["nodes"].items()}
+            speeds = tuple(float(v) for v in data["pipeline_s"])
+            if any(v < 0 for v in speeds) or not isinstance(data["generation"], int):
+                raise ValueError("pipeline_s must be >= 0 and generation an integer")
+            return cls(generation=data["generation"], step=int(data["step"]), time=float(data["time"]), nodes=nodes,
+                       pipeline_s=speeds)
+        except (AttributeError, KeyError, TypeError) as err:
+            raise ValueError(f"not a stragglers record ({type(err).__name__}: {err})") from None
+
+
+def read_stragglers(client: Any, keys: "Keys") -> Optional[StragglerRecord]:
+    """The last stragglers report, or None (none yet, or a malformed value)."""
+    return _read_record(client, keys.stragglers, StragglerRecord.parse)
 
 
 def _read_record(client: Any, key: str, parse: Callable[[Any], T]) -> Optional[T]:

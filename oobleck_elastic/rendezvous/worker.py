@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -42,7 +42,7 @@ from ..etcd.store import EtcdStore
 from ..planning import PipelineSpec, Plan, StagePlacement
 from ..engine.errors import ErrorRecord, next_error_record
 from .keys import (CheckinKind, ClosedRecord, Event, EventKind, Keys, NodeRecord, NodeState, ProgressRecord,
-                   read_closed, read_progress, readiness_withdrawn)
+                   StragglerRecord, read_closed, read_progress, readiness_withdrawn)
 from .leader import PlanReader, _parse_plan
 from .membership import put_event
 
@@ -234,6 +234,13 @@ class WorkerContext:
         put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.SKIP, node=self.node_id,
                                                 generation=generation, detail=f"step {step}: {detail}"))
 
+    def report_stragglers(self, *, generation: int, step: int, nodes: dict[str, float],
+                          pipeline_s: Sequence[float]) -> None:
+        """The `stragglers` record the leader re-splits the batch from (engine/straggler.py)."""
+        self.client.put_json(self.keys.stragglers, StragglerRecord(
+            generation=generation, step=step, time=time.time(), nodes=dict(nodes),
+            pipeline_s=tuple(pipeline_s)).to_json())
+
     def record_event(self, *, kind: str, generation: int, detail: str) -> None:
         """An event about this job from this worker's node (engine/control.py)."""
         put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind(kind), node=self.node_id,
@@ -300,7 +307,8 @@ class WorkerContext:
         job was closed, this node was fenced, a newer plan left a lost node out, or a newer plan on
         the same nodes restarts the generation (the roll call found every node alive after a
         worker failed: a crashed or hung worker restarted by its agent). Drains and joins are not
-        reasons: they take effect at the step boundary."""
+        reasons, nor a re-split of the batch around a straggler (`Plan.rebalanced`): they take effect
+        at the step boundary."""
         checked: dict[int, list[str]] = {}
 
         def check() -> Optional[str]:
@@ -311,7 +319,7 @@ class WorkerContext:
             latest = self.plan()
             if latest is None or latest.generation <= plan.generation:
                 return None
-            if set(latest.nodes) == set(plan.nodes) and not latest.donors:
+            if set(latest.nodes) == set(plan.nodes) and not latest.donors and not latest.rebalanced:
                 return f"generation {latest.generation} restarts generation {plan.generation} on the same nodes"
             if latest.generation not in checked:
                 checked[latest.generation] = self.lost_nodes(plan, latest)

@@ -1,0 +1,155 @@
+"""Stragglers (engine/straggler.py, planning/rebalance.py): naming on made-up times, the re-split of
+the batch, the compute clock, and a job with one slowed node."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from oobleck_elastic.config import load_config
+from oobleck_elastic.engine.faults import FaultInjector
+from oobleck_elastic.engine.straggler import ComputeClock, StragglerWatch, slowdowns
+from oobleck_elastic.planning import Plan
+from oobleck_elastic.planning.rebalance import rebalance, rebalanced_plan, step_estimate
+from oobleck_elastic.rendezvous.keys import StragglerRecord
+from tests.helpers import ROOT, layout_plan
+
+
+def _plan(microbatches=(4, 4, 4, 4)) -> Plan:
+    """Four one-stage pipelines (ranks 0-3 on nodes n0-n3), each stage estimated at 0.1 s per microbatch."""
+    plan = layout_plan([[(0, 6)]] * 4, list(microbatches), generation=3)
+    return dataclasses.replace(plan, pipelines=tuple(
+        dataclasses.replace(p, stages=tuple(dataclasses.replace(s, compute_s=0.1) for s in p.stages))
+        for p in plan.pipelines))
+
+
+def test_slowdowns_are_relative_to_the_stage_s_peers_or_its_estimate() -> None:
+    plan = _plan()
+    # the profile's scale does not matter: every worker twice its estimate is no slowdown
+    assert slowdowns(plan, [0.8, 0.8, 0.8, 0.8]) == {r: (1.0, 0.2, 0.2) for r in range(4)}
+    got = slowdowns(plan, [0.8, 2.4, 0.8, 0.8])
+    assert got[1] == pytest.approx((3.0, 0.6, 0.2)) and got[0] == pytest.approx((1.0, 0.2, 0.2))
+    # peers run the same layers: a stage whose estimate is off (here the last one, 3x its estimate
+    # on every pipeline) is compared with its peers, not with the estimate
+    two = _two_stage_plan()
+    got = slowdowns(two, [0.4, 1.2, 0.4, 1.2])
+    assert {r: round(v[0], 6) for r, v in got.items()} == {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
+    got = slowdowns(two, [0.4, 3.6, 0.4, 1.2])
+    assert got[1][0] == pytest.approx(3.0) and got[3][0] == pytest.approx(1.0)
+
+
+def _two_stage_plan() -> Plan:
+    plan = layout_plan([[(0, 3), (3, 6)], [(0, 3), (3, 6)]], [4, 4], generation=1)
+    return dataclasses.replace(plan, pipelines=tuple(
+        dataclasses.replace(p, stages=tuple(dataclasses.replace(s, compute_s=0.1) for s in p.stages))
+        for p in plan.pipelines))
+
+
+def _observe(watch: StragglerWatch, plan: Plan, busy: list[float], times: int) -> list:
+    return [watch.observe(plan, busy) for _ in range(times)]
+
+
+def test_a_node_is_named_after_the_window_and_cleared_the_same_way() -> None:
+    plan, watch = _plan(), StragglerWatch(factor=1.5, steps=3)
+    slow = [0.4, 1.2, 0.4, 0.4]
+    verdicts = _observe(watch, plan, slow, 4)  # the generation's first step is left out
+    assert [v.named for v in verdicts] == [{}, {}, {}, {"n1": 3.0}]
+    assert verdicts[-1].changed and verdicts[-1].report
+    assert verdicts[-1].pipeline_s == pytest.approx((0.1, 0.3, 0.1, 0.1))
+    again = watch.observe(plan, slow)
+    assert again.named == {"n1": 3.0} and not again.changed and not again.report
+    # the window's fastest step counts: one step at full speed shows the node is not slow any more
+    cleared = watch.observe(plan, [0.4] * 4)
+    assert cleared.named == {} and cleared.changed and cleared.report
+    # a new generation (the re-split) starts a new window, and its first full one reports again
+    re_split = dataclasses.replace(_plan((5, 1, 5, 5)), generation=4)
+    seen = _observe(watch, re_split, [0.5, 0.3, 0.5, 0.5], 4)
+    assert [v.named for v in seen] == [{}, {}, {}, {"n1": 3.0}] and seen[-1].report
+
+
+def test_noise_and_tiny_stages_are_no_stragglers() -> None:
+    watch = StragglerWatch(factor=1.5, steps=5)
+    # contention only adds time: every worker slowed in four steps of five is still no straggler
+    noisy = [[0.4, 0.4, 0.4, 0.4], [0.9, 0.4, 1.2, 1.2], [1.5, 0.9, 0.4, 1.3], [1.4, 1.9, 1.2, 0.4],
+             [0.4, 1.4, 1.9, 0.9], [0.9, 0.4, 1.4, 1.8], [1.4, 1.9, 0.4, 1.4]]
+    assert all(not watch.observe(_plan(), busy).named for busy in noisy)
+    # one pipeline cut [0, 1) + [1, 6), the other [0, 6): the 1-layer stage has no peer, and its
+    # estimate (1 ms) is far off (5 ms of fixed overheads): 5x, but too small to matter
+    plan = layout_plan([[(0, 1), (1, 6)], [(0, 6)]], [4, 4], generation=1)
+    plan = dataclasses.replace(plan, pipelines=(dataclasses.replace(plan.pipelines[0], stages=(
+        dataclasses.replace(plan.pipelines[0].stages[0], compute_s=0.001),
+        dataclasses.replace(plan.pipelines[0].stages[1], compute_s=0.1))),
+        dataclasses.replace(plan.pipelines[1], stages=(
+            dataclasses.replace(plan.pipelines[1].stages[0], compute_s=0.101),))))
+    watch = StragglerWatch(factor=1.5, steps=2)
+    assert all(not watch.observe(plan, [0.02, 0.4, 0.404]).named for _ in range(4))
+    assert StragglerWatch(factor=0, steps=2).observe(plan, [1, 9, 1]).named == {}
+
+
+def test_rebalance_gives_the_slow_pipeline_fewer_microbatches() -> None:
+    assert rebalance([1, 1, 1, 1], [0.1, 0.3, 0.1, 0.1], 16) == (5, 1, 5, 5)
+    assert step_estimate([1, 1, 1, 1], [0.1, 0.3, 0.1, 0.1], (4, 4, 4, 4)) == pytest.approx(1.2)
+    assert step_estimate([1, 1, 1, 1], [0.1, 0.3, 0.1, 0.1], (5, 1, 5, 5)) == pytest.approx(0.5)
+    # two-stage pipelines pay the fill: (b + 1) x w
+    assert rebalance([2, 2], [0.1, 0.2], 8) == (6, 2)  # 0.7 s and 0.6 s; (5, 3) would take 0.8 s
+    with pytest.raises(ValueError, match="3 microbatches cannot give 4 pipelines one each"):
+        rebalance([1] * 4, [0.1] * 4, 3)
+
+
+def test_rebalanced_plan_keeps_nodes_stages_and_the_global_batch() -> None:
+    plan = _plan()
+    new = rebalanced_plan(plan, [0.1, 0.3, 0.1, 0.1])
+    assert new is not None and new.rebalanced and new.generation == 4
+    assert [p.microbatches for p in new.pipelines] == [5, 1, 5, 5]
+    assert new.nodes == plan.nodes and [p.stages for p in new.pipelines] == [p.stages for p in plan.pipelines]
+    assert new.num_microbatches == plan.num_microbatches and new.est_step_time_s == pytest.approx(0.5)
+    assert Plan.from_json(new.to_json()) == new and "rebalanced" not in plan.to_json()
+    # no gain worth a re-plan, or speeds that do not fit the plan: nothing
+    assert rebalanced_plan(plan, [0.1, 0.105, 0.1, 0.1]) is None
+    assert rebalanced_plan(new, [0.1, 0.3, 0.1, 0.1]) is None
+    assert rebalanced_plan(plan, [0.1, 0.3]) is None
+
+
+def _spin(cpu_seconds: float) -> float:
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < cpu_seconds:
+        pass
+    return cpu_seconds
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_compute_clock_counts_cpu_time_and_stretches_calls(one_thread) -> None:
+    clock = ComputeClock(torch.device("cpu"))
+    assert clock.timed(_spin)(0.05) == 0.05 and 0.05 <= clock.take() < 0.5 and clock.take() == 0.0
+    clock.timed(time.sleep)(0.05)  # waiting is no compute (more workers than cores)
+    assert clock.take() < 0.01
+    slowed = ComputeClock(torch.device("cpu"), slowdown=lambda: 3.0)
+    t0 = time.perf_counter()
+    slowed.timed(_spin)(0.05)
+    assert time.perf_counter() - t0 >= 0.15 and 0.15 <= slowed.take() < 1.0
+
+
+def test_settings_fault_specs_and_records() -> None:
+    with pytest.raises(ValueError, match=r"'fault_tolerance.straggler_factor' must be 0 \(off\) or > 1 and "
+                                         r"'fault_tolerance.straggler_steps' >= 1 \(got 1.0 and 5\)"):
+        load_config(ROOT / "configs/gpt2-tiny.yaml", ["fault_tolerance.straggler_factor=1"])
+    with pytest.raises(ValueError, match=r"^OOBLECK_STRAGGLE_AT='node1:3': each item must be NODE@STEP:FACTOR with "
+                                         r"FACTOR >= 1, e.g. node1@0:3$"):
+        FaultInjector.from_env({"OOBLECK_STRAGGLE_AT": "node1:3"})
+    faults = FaultInjector.from_env({"OOBLECK_STRAGGLE_AT": "node1@4:3"})
+    assert [faults.slowdown(node="node1", step=s) for s in (3, 4, 9)] == [1.0, 3.0, 3.0]
+    assert faults.slowdown(node="node0", step=9) == 1.0
+    rec = StragglerRecord(generation=2, step=7, time=1.0, nodes={"node1": 3.1}, pipeline_s=(0.1, 0.3))
+    assert StragglerRecord.parse(rec.to_json()) == rec
+    with pytest.raises(ValueError, match="not a stragglers record"):
+        StragglerRecord.parse({"schema_version": 1, "generation": 2})
