@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..config import JobConfig
 from ..planning import MicrobatchChoice, PipelineSpec, Plan, StagePlacement, fixed_microbatch_size
 from .errors import ErrorRecord, next_error_record
+from .goodput import Origin
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,10 @@ class ControlPlane(Protocol):
     def record_skip(self, *, generation: int, step: int, detail: str) -> None:
         """The step guard did not apply `step` (engine/guard.py): an event for operators."""
 
+    def goodput_origin(self) -> Origin:
+        """What a worker entering a generation as rank 0 continues the job's goodput ledger from
+        (engine/goodput.py): the last one reported with progress, or the job's start and first plan."""
+
 
 def one_worker_plan(cfg: JobConfig, num_layers: int, *, node: str = "local",
                     microbatch_size: Optional[int] = None) -> Plan:
@@ -130,6 +135,7 @@ class LocalControl:
         size = local_microbatch_size(cfg).size if fixed_microbatch_size(cfg) is None else None
         self._plan = one_worker_plan(cfg, num_layers, node=self.node_id, microbatch_size=size)
         self._closed: Optional[tuple[str, bool]] = None
+        self._started = time.time()  # the job's start and its first plan (engine/goodput.py)
         self._last_error: Optional[ErrorRecord] = None
 
     def plan(self) -> Optional[Plan]:
@@ -172,6 +178,9 @@ class LocalControl:
 
     def record_skip(self, *, generation: int, step: int, detail: str) -> None:
         pass
+
+    def goodput_origin(self) -> Origin:
+        return Origin(reported=None, start=self._started, first_plan=self._started)
 
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
         self._last_error = next_error_record(self._last_error, err, step=step, generation=generation,
