@@ -56,8 +56,8 @@ def test_a_timeline_with_a_replay_a_skip_a_checkpoint_a_failure_a_new_rank_0_and
     """Worker A holds rank 0 in generation 1 and dies in step 3; worker B holds it from generation 2
     on, through a join. Every interval lands in one category; the sum is the time from the start."""
     t = FakeTime(1012.0)
-    a, reports = GoodputClock(t), Reports()
-    a.entered(rank0=True, origin=lambda: Origin(reported=None, start=1000.0, first_plan=1010.0))
+    a, reports = GoodputClock("node0", t), Reports()
+    a.entered(1, 0, rank0=True, origin=lambda: Origin(reported=None, start=1000.0, first_plan=1010.0))
 
     def step(clock: GoodputClock, index: int, begin: float, end: float, outcome: Category, *, report_at=None,
              checkpoint=None) -> None:
@@ -84,19 +84,19 @@ def test_a_timeline_with_a_replay_a_skip_a_checkpoint_a_failure_a_new_rank_0_and
     a.began_step()  # step 3 begins; node A dies in it
 
     t.t = 1025.0  # B enters generation 2 as rank 0 and continues from the last report
-    b = GoodputClock(t)
-    b.entered(rank0=True, origin=lambda: Origin(reported=reports.last()))
+    b = GoodputClock("node0", t)
+    b.entered(2, 3, rank0=True, origin=lambda: Origin(reported=reports.last()))
     step(b, 3, 1026.0, 1027.0, U, report_at=1027.0)
     assert seconds(reports.last()) == {W: 10, SU: 3, U: 3.75, R: 1, S: 1, CK: 2, RC: 6.25}
 
     t.t = 1030.0  # a join at the step boundary: B stays rank 0 and keeps its own ledger
-    b.entered(rank0=True, origin=lambda: Origin(reported=reports.last()))
+    b.entered(3, 4, rank0=True, origin=lambda: Origin(reported=reports.last()))
     step(b, 4, 1031.0, 1032.0, U)
     t.t = 1032.0
     with b.checkpointing():  # the final checkpoint
         t.t = 1033.0
     t.t = 1033.5
-    b.finished(reports, reports, generation=3, step=5, node="node2")
+    b.finished(reports, reports, generation=3, step=5)
     final = reports.last()
     assert seconds(final) == {W: 10, SU: 3, U: 5.25, R: 1, S: 1, CK: 3, RC: 10.25}
     assert final.total == pytest.approx(final.at - 1000.0) and final.at == 1033.5 and final.done == 5
@@ -104,8 +104,8 @@ def test_a_timeline_with_a_replay_a_skip_a_checkpoint_a_failure_a_new_rank_0_and
 
 
 def test_a_worker_not_holding_rank_0_keeps_no_ledger_and_reports_none() -> None:
-    clock, reports = GoodputClock(FakeTime(5.0)), Reports()
-    clock.entered(rank0=False, origin=lambda: pytest.fail("read only by rank 0"))
+    clock, reports = GoodputClock("node0", FakeTime(5.0)), Reports()
+    clock.entered(1, 0, rank0=False, origin=lambda: pytest.fail("read only by rank 0"))
     clock.began_step()
     clock.ended_step(0, U)
     clock.reporter(reports, reports)(generation=1, step=1)
@@ -131,10 +131,10 @@ def test_continuing_picks_the_newest_ledger() -> None:
 
 def test_a_step_run_again_after_a_checkpoint_restore_is_replayed_and_the_clock_never_runs_back() -> None:
     t = FakeTime(100.0)
-    clock = GoodputClock(t)
+    clock = GoodputClock("node0", t)
     # a reported ledger from a host whose clock is 3 s ahead: no negative interval
-    clock.entered(rank0=True, origin=lambda: Origin(reported=Ledger(start=0.0, at=103.0, seconds={"useful": 103.0},
-                                                                    done=8)))
+    ahead = Ledger(start=0.0, at=103.0, seconds={"useful": 103.0}, done=8)
+    clock.entered(2, 6, rank0=True, origin=lambda: Origin(reported=ahead))
     t.t = 101.0
     clock.began_step()  # step 6 again: the job restored the checkpoint of step 6
     t.t = 104.0
@@ -157,14 +157,15 @@ def test_reported_ledgers_are_validated() -> None:
 
 
 def test_an_unreadable_origin_is_logged_and_the_ledger_goes_on(caplog) -> None:
-    clock = GoodputClock(FakeTime(9.0))
+    clock = GoodputClock("node0", FakeTime(9.0))
 
     def broken() -> Origin:
         raise OSError("etcd out of reach")
     with caplog.at_level(logging.WARNING):
-        clock.entered(rank0=True, origin=broken)
+        clock.entered(2, 6, rank0=True, origin=broken)
     assert clock.ledger == Ledger(start=9.0, at=9.0, seconds={}, open=SU)
-    assert "goodput ledger: could not read where it stands (etcd out of reach); continuing from now" in caplog.text
+    assert ("gen 2 step 6 node node0: goodput ledger: could not read where it stands (etcd out of reach); "
+            "continuing from now, as if the job started here") in caplog.text
 
 
 def test_job_origin_and_describe() -> None:
@@ -177,6 +178,8 @@ def test_job_origin_and_describe() -> None:
     assert lines[4].split()[:4] == ["reconfiguration", "30.00", "s", "30.0"]
     assert lines[-2].split()[:4] == ["sum", "99.00", "s", "99.0"] and "1.00 s before the close" in lines[-2]
     assert lines[-1] == "goodput: 60.6 % of the time accounted went to useful steps (12 step(s) completed)"
+    running = describe(ledger, start=0.0, end=105.0, closed=False)
+    assert " to now (running) " in running[0] and "6.00 s before the time of reading" in running[-2]
 
 
 def _run_keys(client, keys, *, ledger: Ledger | None, closed_at: float | None) -> None:
@@ -264,7 +267,85 @@ def test_the_single_process_ledger_shows_the_step_guard_and_checkpoints(tmp_path
     final, step = _final_scalars(tmp_path / "runs" / cfg.name)
     assert step == 6 and set(final) == {c.value for c in Category} | {"fraction"}
     assert final["replayed"] > 0 and final["skipped"] > 0 and final["checkpointing"] > 0 and final["startup"] > 0
-    assert final["reconfiguration"] == 0 and final["waiting"] == 0
+    assert final["reconfiguration"] == 0 and final["waiting"] < 0.1  # a fixed microbatch size: nothing to plan
     accounted = sum(v for k, v in final.items() if k != "fraction")
     assert final["fraction"] == pytest.approx(final["useful"] / accounted, rel=1e-5)
     assert 0 < accounted <= wall  # from the LocalControl's start to the final report, inside train()
+
+
+@pytest.mark.slow
+def test_a_job_with_a_kill_a_join_and_a_drain_accounts_for_its_wall_time(tmp_path: Path, etcd_server, run_id,
+                                                                        capsys) -> None:
+    """Four nodes; step 3 is NaN twice on rank 0 (replayed, then skipped); a checkpoint every 10
+    steps; the node holding rank 0 is SIGKILLed once 4 steps are done (another worker holds rank 0
+    and continues the ledger); a fifth node, started once 5 are done, joins; then a node is drained.
+    The ledger's categories sum to the wall time from the job's first event to its `closed`
+    record, measured here, within 2 %."""
+    from launcher.local import kill_node
+    from oobleck_elastic import ops
+    from oobleck_elastic.etcd import EtcdSettings, connect
+    from oobleck_elastic.planning import Plan
+    from oobleck_elastic.rendezvous.keys import Keys, read_closed
+    from oobleck_elastic.rendezvous.membership import live_nodes, read_events
+    from helpers import run_job, tiny_profile, when
+
+    keys, steps = Keys("/oobleck", run_id), 40
+    killed, drained = [], []
+
+    def plan(c) -> Plan:
+        return Plan.from_json(c.get_json(keys.plan)[0])
+
+    def progress(c) -> dict:
+        return c.get_json(keys.progress)[0] or {}
+
+    def rank0(p: Plan) -> str:
+        return p.stage_of(0)[1].node
+
+    def kill_rank0(c) -> None:
+        killed.append(rank0(plan(c)))
+        kill_node(next(r.agent_pid for r in live_nodes(c, keys) if r.node_id == killed[0]))
+
+    def joined_and_trained(c) -> bool:  # the joiner (node4) trains in the current generation
+        p = plan(c)
+        return "node4" in p.nodes and progress(c).get("generation", 0) >= p.generation
+
+    def drain(c) -> None:
+        p, leader = plan(c), (c.get_json(keys.leader)[0] or {}).get("node_id")
+        node = next(n for n in [rank0(p), *p.nodes] if n not in (leader, "node4"))
+        drained.append(node)
+        ops.kill_agent(c, keys, next(r.index for r in live_nodes(c, keys) if r.node_id == node))
+
+    def during(proc) -> None:
+        when(etcd_server.endpoint, proc, lambda c: progress(c).get("step", 0) >= 4, kill_rank0)
+        when(etcd_server.endpoint, proc, joined_and_trained, drain)
+
+    out, _, _ = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--join", "5"], steps,
+                        tiny_profile(tmp_path / "profile.json"), extra=["checkpoint.interval_steps=10"],
+                        during=during, killed_by_test=1, reference=False, env={"OOBLECK_NAN_AT": "0@2x2"})
+    assert len(killed) == 1 and len(drained) == 1, out[-4000:]
+    assert f"node {drained[0]} was drained" in out and "(join: +node4)" in out, out[-4000:]
+    client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
+    try:
+        ledger = Ledger.from_json(client.get_json(keys.progress)[0]["goodput"])
+        closed = read_closed(client, keys)
+        start = min(e.time for _, e in read_events(client, keys))
+        holders = {rank0(Plan.from_json(v)) for _, v in client.get_prefix_json(keys.plans)}
+    finally:
+        client.close()
+    assert closed is not None and closed.reason == f"finished {steps} steps"
+    wall = closed.time - start
+    assert abs(ledger.total - wall) <= 0.02 * wall, (ledger.total, wall, ledger.seconds)
+    assert len(holders) >= 2 and killed[0] in holders  # rank 0 changed hands: the ledger was continued
+    for c in Category:
+        assert ledger.get(c) > 0, (c, ledger.seconds)  # every category was exercised
+    assert ledger.done == steps
+    # TensorBoard's final point is the same ledger
+    final, at = _final_scalars(tmp_path / "job" / "runs" / "gpt2-tiny")
+    assert at == steps and final["fraction"] == pytest.approx(ledger.fraction, rel=1e-5)
+    for c in Category:
+        assert final[c.value] == pytest.approx(ledger.get(c), rel=1e-5, abs=1e-3)
+    assert cli.main(["goodput", "--endpoint", etcd_server.endpoint, "--run-id", run_id]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (tmp_path / "goodput.txt").write_text("\n".join(lines) + "\n")  # kept for a post-mortem
+    assert lines[0].startswith(f"run {run_id} (closed: finished {steps} steps): wall time {wall:.2f} s")
+    assert lines[8].split()[:2] == ["sum", f"{ledger.total:.2f}"]

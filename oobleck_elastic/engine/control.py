@@ -132,10 +132,11 @@ class LocalControl:
 
     def __init__(self, cfg: JobConfig, num_layers: int) -> None:
         self.node_id, self.local_rank = "local", 0
+        started = time.time()
         size = local_microbatch_size(cfg).size if fixed_microbatch_size(cfg) is None else None
         self._plan = one_worker_plan(cfg, num_layers, node=self.node_id, microbatch_size=size)
+        self._origin = Origin(reported=None, start=started, first_plan=time.time())  # engine/goodput.py
         self._closed: Optional[tuple[str, bool]] = None
-        self._started = time.time()  # the job's start and its first plan (engine/goodput.py)
         self._last_error: Optional[ErrorRecord] = None
 
     def plan(self) -> Optional[Plan]:
@@ -180,7 +181,7 @@ class LocalControl:
         pass
 
     def goodput_origin(self) -> Origin:
-        return Origin(reported=None, start=self._started, first_plan=self._started)
+        return self._origin
 
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
         self._last_error = next_error_record(self._last_error, err, step=step, generation=generation,

@@ -16,11 +16,12 @@ worker holding rank 0:
   detection, the roll call, re-planning, waiting for nodes when too few survive, entering the
   generation (connecting, moving layers, restoring a checkpoint when layers were lost);
 - `checkpointing`: wrote a checkpoint (every `checkpoint.interval_steps`, and the final one);
-- `waiting` (from the job's events: no rank 0 exists yet to time it): from the job's start to the first plan:
-  nodes registering and their workers getting ready (imports, data, the profile, compilation),
-  which the first plan waits for;
-- `startup`: from the first plan to the first step: entering generation 1 (connecting, drawing or
-  loading layers, resuming a checkpoint).
+- `waiting` (from the job's events: no rank 0 exists yet to time it): from the job's start to the
+  first plan: nodes registering and the rendezvous's last call, and, when the workers measure the
+  profile (no `planning.profile_path`), their start-up and the profiling, which the plan waits for;
+- `startup`: from the first plan to the first step: the workers' start-up when their agents start
+  them after the first plan (imports, data, compilation), and entering generation 1 (connecting,
+  drawing or loading layers, resuming a checkpoint).
 
 A ledger (`Ledger`) is its accounted seconds up to a time `at`, plus the category of the open
 interval after `at` (`open`). The transitions are pure functions of a ledger and the time
@@ -80,8 +81,8 @@ MEANING = {
     Category.SKIPPED: "step runs whose batch the step guard skipped",
     Category.RECONFIGURATION: "failures, joins and drains: from the step they interrupted to the next first step",
     Category.CHECKPOINTING: "writing checkpoints",
-    Category.WAITING: "from the job's start to the first plan (nodes and their workers becoming ready)",
-    Category.STARTUP: "from the first plan to the first step (entering generation 1)",
+    Category.WAITING: "from the job's start to the first plan (nodes registering, the rendezvous)",
+    Category.STARTUP: "from the first plan to the first step (workers starting, entering generation 1)",
 }
 """One line per category for `describe`."""
 
@@ -231,20 +232,22 @@ class GoodputClock:
     """One worker's side of the ledger (module docstring): it holds the job's ledger while the
     worker holds rank 0 and does nothing otherwise. `clock` is the wall clock (tests pass their own)."""
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self.clock = clock
+    def __init__(self, node: str, clock: Callable[[], float] = time.time) -> None:
+        self.node, self.clock = node, clock
         self.ledger: Optional[Ledger] = None
         """The job's ledger, while this worker holds rank 0."""
 
-    def entered(self, *, rank0: bool, origin: Callable[[], Origin]) -> None:
-        """This worker entered a generation, holding rank 0 or not (`origin` is read only when it does)."""
+    def entered(self, generation: int, step: int, *, rank0: bool, origin: Callable[[], Origin]) -> None:
+        """This worker entered `generation` at `step`, holding rank 0 or not (`origin` is read only
+        when it does)."""
         if not rank0:
             self.ledger = None
             return
         try:
             found = origin()
         except Exception as err:  # noqa: BLE001 - the ledger is informative; training goes on
-            log.warning("goodput ledger: could not read where it stands (%s); continuing from %s", err,
+            log.warning("gen %d step %d node %s: goodput ledger: could not read where it stands (%s); continuing "
+                        "from %s", generation, step, self.node, err,
                         "this worker's own" if self.ledger is not None else "now, as if the job started here")
             found = Origin(reported=None)
         self.ledger = continue_from(self.ledger, found, self.clock())
@@ -288,14 +291,14 @@ class GoodputClock:
                                 step=max(0, fields.get("step", 1) - 1))
         return send
 
-    def finished(self, report: Callable[..., None], metrics: Any, *, generation: int, step: int, node: str) -> None:
+    def finished(self, report: Callable[..., None], metrics: Any, *, generation: int, step: int) -> None:
         """The last report, just before rank 0 closes the job (it covers the final checkpoint)."""
         self.reporter(report, None)(generation=generation, step=step)
         ledger = self.ledger
         if ledger is not None:
             if metrics is not None:  # one point past the last step's: the final checkpoint included
                 metrics.goodput({c.value: ledger.get(c) for c in Category}, ledger.fraction, step=step)
-            log.info("gen %d step %d node %s: goodput %.1f%% of %.1f s (%s)", generation, step, node,
+            log.info("gen %d step %d node %s: goodput %.1f%% of %.1f s (%s)", generation, step, self.node,
                      100 * ledger.fraction, ledger.total,
                      ", ".join(f"{c.value} {ledger.get(c):.1f} s" for c in Category if ledger.get(c) > 0))
 

@@ -172,7 +172,7 @@ class _Worker:
         self.runner = StepRunner(self.trainer.device)
         self.guard = StepGuard(cfg.fault_tolerance.max_skipped_steps)
         self.heartbeat = Heartbeat(ctx.local_rank)  # to this node's agent (rendezvous/hang.py)
-        self.goodput = GoodputClock()  # the job's goodput ledger, while this worker holds rank 0
+        self.goodput = GoodputClock(ctx.node_id)  # the job's goodput ledger, while this worker holds rank 0
         self.step = 0
 
     def enter(self, plan: Plan) -> Union[Entered, HandedOver, Broken]:
@@ -201,7 +201,7 @@ class _Worker:
         ctx.entered(plan.generation)
         self.step = step
         self.log.entered(trainer, info, step)
-        self.goodput.entered(rank0=trainer.rank == 0, origin=ctx.goodput_origin)
+        self.goodput.entered(plan.generation, step, rank0=trainer.rank == 0, origin=ctx.goodput_origin)
         return Entered(info, step)
 
     def _broken_entry(self, plan: Plan, failure: str) -> Union[HandedOver, Broken]:
@@ -303,7 +303,7 @@ class _Worker:
             self.checkpoints.finish(self.trainer, trained=self.log.count > 0)
         if self.trainer.rank == 0:
             self.goodput.finished(self.ctx.report_progress, self.log.metrics, generation=self.trainer.generation,
-                                  step=self.step, node=self.ctx.node_id)
+                                  step=self.step)
             self.ctx.close_job(f"finished {self.cfg.training.steps} steps")
         return self.summary()
 
