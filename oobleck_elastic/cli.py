@@ -4,7 +4,7 @@
     oobleck etcd [--port 2379] [--data-dir D]
     oobleck export CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--dtype bf16] [--force] [key=value ...]
     oobleck simulate --trace 10m --model GPT-2 | --paper | --scale --nodes 10000 [--json] [--plot PNG]
-    oobleck agents | status | events [--follow] | kill-agent --index N  --endpoint E --run-id R
+    oobleck agents | status | events [--follow] | goodput [--json] | kill-agent --index N  --endpoint E --run-id R
 
 `plan` prints the pipeline templates, the fault-tolerance guarantee and the plan for N nodes;
 `export` writes a checkpoint as a Hugging Face model directory (oobleck_elastic/models/export.py);
@@ -206,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
         "kill-agent": "drain a node: it leaves at the next step boundary and its agent exits 0",
         "status": "generation, plan summary and current step",
         "events": "membership and plan history, newest last",
+        "goodput": "the job's wall time split into useful steps, replayed and skipped steps, reconfiguration, "
+                   "checkpointing, startup and waiting for nodes",
     }
     for name, text in ops.items():
         o = sub.add_parser(name, help=text, description=text)
@@ -214,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
             o.add_argument("--index", type=int, required=True, help="node index (see oobleck agents)")
         if name == "events":
             o.add_argument("--follow", "-f", action="store_true", help="keep printing new events until Ctrl-C")
+        if name == "goodput":
+            o.add_argument("--json", action="store_true", help="print one JSON object (seconds per category)")
         o.set_defaults(func=run_ops)
     return ap
 

@@ -1,19 +1,22 @@
-"""Cluster operations over etcd only: `oobleck agents | kill-agent | status | events`.
+"""Cluster operations over etcd only: `oobleck agents | kill-agent | status | events | goodput`.
 
 They read and write the run's keys (rendezvous/keys.py) and never talk to agents directly, so
 they work from any machine that reaches etcd. `kill-agent` is graceful: it marks the node's
 record `draining` (rewritten under the node's own lease, with a compare-and-swap on its
 revision); the leader re-plans without it, its workers leave at the next step boundary and its
-agent exits 0.
+agent exits 0. `goodput` reads the ledger the worker holding rank 0 reports with the job's
+progress (engine/goodput.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from typing import Callable, Optional
 
+from .engine.goodput import Ledger, describe, job_origin
 from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
 from .planning import Plan, PlanningError
 from .rendezvous.keys import Event, Keys, NodeState, read_closed, read_progress, read_stragglers
@@ -140,6 +143,31 @@ def events(client: EtcdClient, keys: Keys, *, follow: bool = False, out: Callabl
         time.sleep(poll_s)
 
 
+def goodput(client: EtcdClient, keys: Keys, *, now: Optional[float] = None) -> tuple[list[str], dict]:
+    """The job's goodput ledger (engine/goodput.py) against its wall time: from its first event to
+    its `closed` record (or `now` while it runs). Returns the lines and the same as JSON."""
+    data, _ = client.get_json(keys.progress)
+    found = data.get("goodput") if isinstance(data, dict) else None
+    if found is None:
+        raise OpsError(f"run '{keys.run_id}' has no goodput ledger yet: it is reported with the progress of "
+                       "the first step")
+    try:
+        ledger = Ledger.from_json(found)
+    except ValueError as err:
+        raise OpsError(f"run '{keys.run_id}': malformed goodput ledger in {keys.progress}: {err}") from None
+    start, _ = job_origin((e.time, e.kind, e.generation) for _, e in read_events(client, keys))
+    closed = read_closed(client, keys)
+    start = ledger.start if start is None else start
+    end = closed.time if closed is not None else (time.time() if now is None else now)
+    state = ("running" if closed is None else f"closed{' as failed' if closed.failed else ''}: {closed.reason}")
+    lines = describe(ledger, start=start, end=end, closed=closed is not None)
+    lines[0] = f"run {keys.run_id} ({state}): {lines[0]}"
+    out = {"run_id": keys.run_id, "closed": closed is not None, "start": start, "end": end, "wall_s": end - start,
+           "accounted_s": ledger.total, "fraction": ledger.fraction, "steps_done": ledger.done,
+           "seconds": ledger.to_json()["seconds"]}
+    return lines, out
+
+
 def run_ops(args: argparse.Namespace) -> int:
     """Entry for the ops subcommands (cli.py wires the parsers)."""
     client, keys = open_run(args)
@@ -150,6 +178,9 @@ def run_ops(args: argparse.Namespace) -> int:
             print(kill_agent(client, keys, args.index))
         elif args.command == "status":
             print("\n".join(status(client, keys)))
+        elif args.command == "goodput":
+            lines, data = goodput(client, keys)
+            print(json.dumps(data, indent=1) if args.json else "\n".join(lines))
         elif args.command == "events":
             try:
                 events(client, keys, follow=args.follow)
@@ -160,5 +191,5 @@ def run_ops(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["EtcdError", "OpsError", "add_connection_args", "agents", "events", "kill_agent", "open_run",
+__all__ = ["EtcdError", "OpsError", "add_connection_args", "agents", "events", "goodput", "kill_agent", "open_run",
            "run_ops", "status"]

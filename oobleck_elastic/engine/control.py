@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..config import JobConfig
 from ..planning import MicrobatchChoice, PipelineSpec, Plan, StagePlacement, fixed_microbatch_size
 from .errors import ErrorRecord, next_error_record
+from .goodput import Origin
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,10 @@ class ControlPlane(Protocol):
         """An event for operators about this job (`oobleck events`): `kind` is an EventKind value
         (`repair`: a corrupt layer copy was replaced; `straggler`: a slow node was named or cleared)."""
 
+    def goodput_origin(self) -> Origin:
+        """What a worker entering a generation as rank 0 continues the job's goodput ledger from
+        (engine/goodput.py): the last one reported with progress, or the job's start and first plan."""
+
 
 def one_worker_plan(cfg: JobConfig, num_layers: int, *, node: str = "local",
                     microbatch_size: Optional[int] = None) -> Plan:
@@ -136,8 +141,10 @@ class LocalControl:
 
     def __init__(self, cfg: JobConfig, num_layers: int) -> None:
         self.node_id, self.local_rank = "local", 0
+        started = time.time()
         size = local_microbatch_size(cfg).size if fixed_microbatch_size(cfg) is None else None
         self._plan = one_worker_plan(cfg, num_layers, node=self.node_id, microbatch_size=size)
+        self._origin = Origin(reported=None, start=started, first_plan=time.time())  # engine/goodput.py
         self._closed: Optional[tuple[str, bool]] = None
         self._last_error: Optional[ErrorRecord] = None
 
@@ -188,6 +195,9 @@ class LocalControl:
     def report_stragglers(self, *, generation: int, step: int, nodes: dict[str, float],
                           pipeline_s: Sequence[float]) -> None:
         pass
+
+    def goodput_origin(self) -> Origin:
+        return self._origin
 
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
         self._last_error = next_error_record(self._last_error, err, step=step, generation=generation,

@@ -10,7 +10,9 @@ device's peak is known), `cluster/nodes`,
 `cluster/pipelines`, `cluster/generation`; `guard/rejected` and `guard/skipped_steps` for steps the
 step guard did not apply (engine/guard.py); at every generation a text entry `plan` with the plan,
 and for every reconfiguration a `reconfiguration` text plus `reconfiguration/seconds` and
-`reconfiguration/bytes_moved`.
+`reconfiguration/bytes_moved`; with every progress report the job's goodput ledger,
+`goodput/<category>` in seconds and `goodput/fraction` (engine/goodput.py; the final one, with the
+final checkpoint, one step past the last).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 from ..planning import Plan
 from .memory import GB
@@ -127,6 +129,15 @@ class Metrics:
             return
         self.writer.add_scalar("integrity/repaired_copies", total, step)
         self.writer.add_text("integrity", text, step)
+
+    def goodput(self, seconds: Mapping[str, float], fraction: float, *, step: int) -> None:
+        """The job's goodput ledger so far (engine/goodput.py): `goodput/<category>` in seconds and
+        `goodput/fraction`, the useful share of the time accounted."""
+        if self.writer is None:
+            return
+        for category, value in seconds.items():
+            self.writer.add_scalar(f"goodput/{category}", value, step)
+        self.writer.add_scalar("goodput/fraction", fraction, step)
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:

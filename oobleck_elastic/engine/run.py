@@ -52,6 +52,7 @@ from .control import ControlPlane, LocalControl
 from .data import build_dataset
 from .devices import configure_nccl, resolve_device
 from .errors import JobFailed, StepAbandoned, is_communication_error
+from .goodput import Category, GoodputClock
 from .guard import Action, StepGuard, TooManySkipped, Verdict
 from .heartbeat import Heartbeat
 from .runlog import RunLog, Summary
@@ -173,6 +174,7 @@ class _Worker:
         self.guard = StepGuard(cfg.fault_tolerance.max_skipped_steps)
         self.stragglers = StragglerWatch(cfg.fault_tolerance.straggler_factor, cfg.fault_tolerance.straggler_steps)
         self.heartbeat = Heartbeat(ctx.local_rank)  # to this node's agent (rendezvous/hang.py)
+        self.goodput = GoodputClock(ctx.node_id)  # the job's goodput ledger, while this worker holds rank 0
         self.step = 0
 
     def enter(self, plan: Plan) -> Union[Entered, HandedOver, Broken]:
@@ -201,6 +203,7 @@ class _Worker:
         ctx.entered(plan.generation)
         self.step = step
         self.log.entered(trainer, info, step)
+        self.goodput.entered(plan.generation, step, rank0=trainer.rank == 0, origin=ctx.goodput_origin)
         return Entered(info, step)
 
     def _broken_entry(self, plan: Plan, failure: str) -> Union[HandedOver, Broken]:
@@ -234,6 +237,7 @@ class _Worker:
                 seen = latest.generation if latest else 0
                 rejections = self.guard.attempts.get(self.step, 0)
                 self.heartbeat.begin(self.step)
+                self.goodput.began_step()
                 completed = False
                 try:
                     result = self.runner.run(lambda s=self.step, g=seen, r=rejections: trainer.train_step(
@@ -245,12 +249,15 @@ class _Worker:
                     self._rejected(result)
                 else:
                     self.guard.decide(self.step, Verdict(True))
-                    self.log.stepped(trainer, result, report=ctx.report_progress if trainer.rank == 0 else None)
+                    self.goodput.ended_step(self.step, Category.USEFUL)
+                    report = self.goodput.reporter(ctx.report_progress, self.log.metrics) if trainer.rank == 0 else None
+                    self.log.stepped(trainer, result, report=report)
                     if result.repaired or result.unrepairable:
                         self._integrity(result)
                     self._watch_stragglers(plan, result)
                     self.step += 1
-                    self.checkpoints.after_step(trainer, self.step)
+                    with self.goodput.checkpointing():
+                        self.checkpoints.after_step(trainer, self.step)
                 if result.next_generation > trainer.generation:
                     return Boundary(result.next_generation)
         except Exception as err:
@@ -285,13 +292,15 @@ class _Worker:
         what = "replaying it" if action is Action.REPLAY else "skipping its batch"
         log.warning("gen %d step %d node %s: step %d not applied: %s; %s", trainer.generation, step,
                     self.ctx.node_id, step + 1, result.rejected, what)
+        self.goodput.ended_step(step, Category.SKIPPED if action is Action.SKIP else Category.REPLAYED)
         self.log.rejected(result, skipped=action is Action.SKIP)
         if trainer.rank == 0:
             self.ctx.record_skip(generation=trainer.generation, step=step, detail=f"{result.rejected}; {what}")
         if action is Action.SKIP:
             trainer.skip(step)
             self.step += 1
-            self.checkpoints.after_step(trainer, self.step)
+            with self.goodput.checkpointing():
+                self.checkpoints.after_step(trainer, self.step)
 
     def _watch_stragglers(self, plan: Plan, result: StepResult) -> None:
         """Every worker follows the same verdict (engine/straggler.py); rank 0 says it and tells the leader."""
@@ -330,8 +339,11 @@ class _Worker:
 
     def finish(self) -> Summary:
         """After the last step: the final checkpoint; the worker holding rank 0 closes the job."""
-        self.checkpoints.finish(self.trainer, trained=self.log.count > 0)
+        with self.goodput.checkpointing():
+            self.checkpoints.finish(self.trainer, trained=self.log.count > 0)
         if self.trainer.rank == 0:
+            self.goodput.finished(self.ctx.report_progress, self.log.metrics, generation=self.trainer.generation,
+                                  step=self.step)
             self.ctx.close_job(f"finished {self.cfg.training.steps} steps")
         return self.summary()
 

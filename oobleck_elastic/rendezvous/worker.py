@@ -41,10 +41,11 @@ from ..etcd.mirror import Mirror
 from ..etcd.store import EtcdStore
 from ..planning import PipelineSpec, Plan, StagePlacement
 from ..engine.errors import ErrorRecord, next_error_record
+from ..engine.goodput import Ledger, Origin, job_origin
 from .keys import (CheckinKind, ClosedRecord, Event, EventKind, Keys, NodeRecord, NodeState, ProgressRecord,
                    StragglerRecord, read_closed, read_progress, readiness_withdrawn)
 from .leader import PlanReader, _parse_plan
-from .membership import put_event
+from .membership import put_event, read_events
 
 if TYPE_CHECKING:
     import torch
@@ -280,6 +281,18 @@ class WorkerContext:
             self._progress = _LatestPut(self.client)
         self._progress.put(self.keys.progress, {"generation": generation, "step": step, "time": time.time(),
                                                 "node": self.node_id, **extra})
+
+    def goodput_origin(self) -> Origin:
+        """The goodput ledger last reported with progress, or (none yet) the job's start and first
+        plan from its events (engine/goodput.py). Read from etcd, at entry only."""
+        data, revision = self.client.get_json(self.keys.progress)
+        if isinstance(data, dict) and data.get("goodput") is not None:
+            try:
+                return Origin(reported=Ledger.from_json(data["goodput"]))
+            except ValueError as err:
+                warn_once(self.keys.progress, revision, f"ignoring the goodput ledger in {self.keys.progress}: {err}")
+        start, first_plan = job_origin((e.time, e.kind, e.generation) for _, e in read_events(self.client, self.keys))
+        return Origin(reported=None, start=start, first_plan=first_plan)
 
     def progress(self) -> Optional[ProgressRecord]:
         """The job's last reported progress (None: none yet, or malformed)."""
