@@ -7,12 +7,12 @@ HBM cell, a faulty ALU) breaks that and nothing else notices: the copy trains on
 are summed into the others', and it is checkpointed.
 
 Every `fault_tolerance.fingerprint_interval_steps` steps, right after the commit and before any
-checkpoint of that step, each worker fingerprints every layer it holds (`fingerprint`): exact
+checkpoint of that step, each worker fingerprints every layer it holds (`fingerprints`): exact
 integer sums over the bits of the layer's parameters and optimizer state (their 16-, 32- or
-64-bit words as integers: the plain sum and a position-weighted sum, modulo 2^64, so a single
-flipped bit always changes the plain sum and two compensating flips almost never leave both
-unchanged). One all-gather over the generation's workers shares a [rank, layer] table, and every
-worker runs the same pure decision on the same table (`compare`), lane by lane under tensor
+64-bit words as integers, summed modulo 2^64: the plain sum, and the sums of runs of 4,096 words
+weighted by the run's position; one pass over memory. A single flipped bit always changes the
+plain sum; words moved between runs change the weighted one). One all-gather over the
+generation's workers shares a [rank, layer] table, and every worker runs the same pure decision on the same table (`compare`), lane by lane under tensor
 parallelism:
 
 - every copy of a layer agrees: nothing to do;
@@ -40,7 +40,7 @@ from ..planning import Plan
 __all__ = ["Corrupt", "Unrepairable", "compare", "fingerprints", "is_check_step", "layer_tensors"]
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHUNK = 1 << 20  # words weighted at once (the weights cycle with this period)
+_CHUNK = 4096  # words summed into one run; runs are weighted by their position
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -50,20 +50,19 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sums(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """[plain sum, position-weighted sum] of the words of `tensors` (int64, on their device)."""
+    """[plain sum, chunk-weighted sum] of the words of `tensors` (int64, on their device): one pass
+    that sums each run of `_CHUNK` words, then weights the runs by their position."""
     total: Optional[torch.Tensor] = None
-    weights: Optional[torch.Tensor] = None
     for t in tensors:
-        words = _words(t).to(torch.int64)
-        if words.numel() == 0:
+        words = _words(t)
+        n = words.numel()
+        if n == 0:
             continue
-        if weights is None or weights.device != words.device:
-            weights = torch.arange(1, _CHUNK + 1, dtype=torch.int64, device=words.device)
-        weighted = torch.zeros((), dtype=torch.int64, device=words.device)
-        for i in range(0, words.numel(), _CHUNK):
-            chunk = words[i:i + _CHUNK]
-            weighted += (chunk * weights[:chunk.numel()]).sum()
-        pair = torch.stack([words.sum(), weighted])
+        full = n // _CHUNK * _CHUNK
+        runs = words[:full].view(-1, _CHUNK).sum(1, dtype=torch.int64)
+        tail = words[full:].sum(dtype=torch.int64)
+        weights = torch.arange(1, runs.numel() + 1, dtype=torch.int64, device=words.device)
+        pair = torch.stack([runs.sum() + tail, (runs * weights).sum() + tail * (runs.numel() + 1)])
         total = pair if total is None else total + pair
     return total if total is not None else torch.zeros(2, dtype=torch.int64)
 
