@@ -12,8 +12,8 @@ integer sums over the bits of the layer's parameters and optimizer state (their 
 64-bit words as integers, summed modulo 2^64: the plain sum, and the sums of runs of 4,096 words
 weighted by the run's position; one pass over memory. A single flipped bit always changes the
 plain sum; words moved between runs change the weighted one). One all-gather over the
-generation's workers shares a [rank, layer] table, and every worker runs the same pure decision on the same table (`compare`), lane by lane under tensor
-parallelism:
+generation's workers shares a [rank, layer] table, and every worker runs the same pure decision
+on the same table (`compare`), lane by lane under tensor parallelism:
 
 - every copy of a layer agrees: nothing to do;
 - a strict majority of its holders agrees: the other copies are corrupt and are replaced by the
