@@ -80,7 +80,8 @@ def test_late_nodes_are_admitted_while_there_is_room_and_planned_once_ready() ->
 
 
 def test_records_parse_kinds_and_states_into_enums_and_refuse_unknown_ones() -> None:
-    from oobleck_elastic.rendezvous.keys import Event, EventKind, Keys, NodeRecord, NodeState
+    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.rendezvous.records import Event, EventKind, NodeRecord, NodeState
 
     ev = Event.parse({"schema_version": 1, "time": 1.0, "kind": "renew", "node": "node3"})
     assert ev is not None and ev.kind is EventKind.RENEW and f"{ev.kind}" == "renew"
@@ -91,14 +92,13 @@ def test_records_parse_kinds_and_states_into_enums_and_refuse_unknown_ones() -> 
     assert rec is not None and rec.state is NodeState.DRAINING
     assert NodeRecord.parse({**data, "state": "asleep"}) is None
     keys = Keys("/oobleck", "r")
-    assert keys.node_of(keys.fenced + "node4") == "node4"
-    assert keys.checkin_of(keys.rollcall(3) + "node1/0") == ("node1", "0")
+    assert keys.node_of(keys.fence("node4")) == "node4"
 
 
 def test_a_roster_round_trips_and_a_malformed_one_is_refused() -> None:
     import pytest
 
-    from oobleck_elastic.rendezvous.keys import Roster
+    from oobleck_elastic.rendezvous.records import Roster
 
     roster = Roster(3, ("node0", "node2"))
     assert Roster.parse(roster.to_json()) == roster

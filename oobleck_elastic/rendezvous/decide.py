@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Collection, Optional, Sequence
 
 from ..planning import Plan
-from .keys import StrEnum
+from .records import StrEnum
 
 
 class Action(StrEnum):

@@ -44,18 +44,21 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from ..etcd import EtcdClient, EtcdError
 from ..etcd.client import KV, parse_json, warn_once
 from ..etcd.mirror import Mirror
+from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
 from .decide import Action, Clocks, LeaderView, Rules, decide, desired_nodes
-from .detect import Deputy, LeaderWatch, RollCall
+from .detect import ROLL_CALL_LOST, Deputy, LeaderWatch, RollCall
+from .keys import Keys
 from .liveness import LIVENESS_LOST, LivenessMonitor
-from .keys import (ClosedRecord, Event, EventKind, Keys, NodeRecord, NodeState, Roster, read_closed, read_roster,
-                   readiness_withdrawn)
 from .membership import Member, live_nodes, put_event
+from .records import (Admission, ClosedRecord, Event, EventKind, FenceRecord, LeaderRecord, NodeRecord, NodeState,
+                      Roster, is_fenced, read_admitted, read_closed, read_fences, read_ready, read_roster,
+                      readiness_withdrawn)
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +67,6 @@ _TXN_EVENTS = 100  # events written in the plan's transaction at most (etcd allo
 _IDLE_S = 1.0  # the leader's tick while nothing waits on the clock (a change wakes it at once)
 Planner = Callable[[list[str], int, Optional[Plan]], Plan]  # (nodes, generation, previous plan)
 
-
-_ROLL_CALL_LOST = "a peer saw its connections break and its agent did not answer a ping"
 _LIVENESS_BATCH_S = 0.05  # after a liveness verdict, how long to wait for more deaths to re-plan once
 
 
@@ -79,11 +80,12 @@ class Leader:
     def __init__(self, client: EtcdClient, keys: Keys, member: Member, *, planner: Planner, min_nodes: int,
                  max_nodes: int, last_call_s: float, settle_s: float, tick_s: float = 0.05,
                  ping_timeout_s: float = 0.3, profile_ready: Callable[[], bool] | None = None,
-                 profile_timeout_s: float = 600.0, profile_log_s: float = 10.0, view: Any = None) -> None:
+                 profile_timeout_s: float = 600.0, profile_log_s: float = 10.0,
+                 view: Optional[KVReader] = None) -> None:
         self.client, self.keys, self.member = client, keys, member
         # what the leader reads: a Mirror of `Keys.agent_watched` (no etcd request per tick; a change
         # wakes the loop at once), or etcd itself when there is none (some tests)
-        self.view: Any = view if view is not None else client
+        self.view: KVReader = view if view is not None else client
         self._version = 0
         self._plans = PlanReader(keys.plan)
         self.planner = planner
@@ -150,7 +152,7 @@ class Leader:
         else:
             self._stop.wait(timeout)
 
-    def _caught_up(self, key: str, done: Callable[[Any], bool]) -> None:
+    def _caught_up(self, key: str, done: Callable[[Optional[KV]], bool]) -> None:
         """After a write: wait (briefly) until the mirror shows it, so the next tick does not act
         on the state before it."""
         if isinstance(self.view, Mirror):
@@ -161,7 +163,7 @@ class Leader:
         if current is not None and isinstance(self.view, Mirror):  # someone leads: no request needed
             self._clear_bogus_leader(current)
             return False
-        value = json.dumps({"node_id": self.member.node_id, "since": time.time()}).encode()
+        value = LeaderRecord(node_id=self.member.node_id, since=time.time()).encode()
         try:
             won = self.client.put_if_absent(self.keys.leader, value, lease=self.member.lease)
         except EtcdError:
@@ -187,8 +189,8 @@ class Leader:
         if kv is None:
             return
         try:
-            record = json.loads(kv.value)
-            bogus = not (isinstance(record, dict) and isinstance(record.get("node_id"), str)) or not kv.lease
+            LeaderRecord.parse(json.loads(kv.value))
+            bogus = not kv.lease
         except (ValueError, UnicodeDecodeError):
             bogus = True
         if bogus:
@@ -259,14 +261,13 @@ class Leader:
                     clocks = Clocks()
                     continue
             view = LeaderView(up=tuple(r.node_id for r in up), plan=plan, fenced=frozenset(fenced),
-                              admitted=frozenset(self.keys.node_of(k)
-                                                 for k, _ in self.view.get_prefix_json(self.keys.admitted(""))),
+                              admitted=frozenset(read_admitted(self.view, self.keys)),
                               not_ready=frozenset(self._not_ready(plan, up)) if plan is not None else frozenset(),
                               outage_recent=outage_recent)
             decision = decide(view, clocks, time.monotonic(), rules)
             clocks = decision.clocks
             for node in decision.admit:
-                self.client.put_json(self.keys.admitted(node), {"time": time.time()})
+                self.client.put_json(self.keys.admitted(node), Admission(time=time.time()).to_json())
             if decision.held:
                 warn_once(self.keys.nodes, plan.generation if plan else 0,
                           f"node {self.member.node_id}: node(s) {', '.join(decision.held)} missing right after an "
@@ -319,7 +320,7 @@ class Leader:
         if self._profile_wait is None:
             for node in nodes:
                 if self.view.get_json(self.keys.admitted(node))[0] is None:
-                    self.client.put_json(self.keys.admitted(node), {"time": time.time()})
+                    self.client.put_json(self.keys.admitted(node), Admission(time=time.time()).to_json())
             self._profile_wait = (now, now + self.profile_log_s)
             detail = (f"admitted {len(nodes)} node(s) ({', '.join(nodes)}); their workers start, and one per device "
                       "kind measures the profile the first plan needs")
@@ -353,18 +354,17 @@ class Leader:
         off from etcd must still find it when it comes back)."""
         live = {r.node_id for r in records}
         fenced = set()
-        for key, data in self.view.get_prefix_json(self.keys.fenced):
-            node = self.keys.node_of(key)
+        for node, rec in read_fences(self.view, self.keys):
             if node in live:
                 fenced.add(node)
-            elif not isinstance(data, dict) or time.time() - float(data.get("time", 0)) > _FENCED_KEEP_S:
-                self.client.delete(key)
+            elif rec is None or time.time() - rec.time > _FENCED_KEEP_S:
+                self.client.delete(self.keys.fence(node))
         return fenced
 
     def _declare_lost(self, node: str, generation: int) -> None:
         """`fenced/<node>`: excluded from plans; its workers stop, and its agent fences itself if it
         comes back (membership.py)."""
-        self.client.put_json(self.keys.fenced + node, {"time": time.time(), "generation": generation})
+        self.client.put_json(self.keys.fence(node), FenceRecord(time=time.time(), generation=generation).to_json())
 
     def _not_ready(self, plan: Plan, up: list[NodeRecord]) -> set[str]:
         """New nodes whose workers have not all said they are ready: a plan with them would make
@@ -373,7 +373,7 @@ class Leader:
         rendezvous/hang.py), which rejoin once it is ready again."""
         waiting = set()
         for rec in up:
-            entries = [value for _, value in self.view.get_prefix_json(self.keys.ready(rec.node_id))]
+            entries = read_ready(self.view, self.keys, rec.node_id)
             if readiness_withdrawn(entries) or (rec.node_id not in plan.nodes and len(entries) < rec.devices):
                 waiting.add(rec.node_id)
         return waiting
@@ -434,7 +434,7 @@ class Leader:
         draining = {r.node_id for r in records if r.state == NodeState.DRAINING}
         staged = {s.node for p in old.pipelines for s in p.stages}
         return tuple(n for n in old.nodes if n in draining and n in staged and n not in plan.nodes and n not in lost
-                     and self.view.get(self.keys.fenced + n) is None)
+                     and not is_fenced(self.view, self.keys, n))
 
     def _events(self, plan: Plan, old: Optional[Plan], records: list[NodeRecord],
                 lost: set[str] = frozenset()) -> list[Event]:  # type: ignore[assignment]
@@ -451,7 +451,7 @@ class Leader:
                                 detail={"drain": "drained at a step boundary" + (
                                             "; hands its layers over in the entry" if n in plan.donors else ""),
                                         "leave": "left the plan",
-                                        "lost": (self._lost_why.get(n, _ROLL_CALL_LOST) if n in lost
+                                        "lost": (self._lost_why.get(n, ROLL_CALL_LOST) if n in lost
                                                  else "lease expired or node unreachable"),
                                         }[kind]))
         causes = sorted({e.kind for e in events} | ({"join"} if added and old else set())) or (
@@ -483,7 +483,7 @@ class PlanReader:
         self.key = key
         self._cached: Optional[tuple[int, Optional[Plan]]] = None  # (mod revision, plan)
 
-    def read(self, reader: Any) -> tuple[Optional[Plan], Optional[int]]:
+    def read(self, reader: KVReader) -> tuple[Optional[Plan], Optional[int]]:
         """(plan, mod revision) from `reader` (a Mirror or an EtcdClient): (None, None) if the key
         is absent, (None, revision) if it holds something that is not a plan (logged once)."""
         kv = reader.get(self.key)
@@ -495,7 +495,7 @@ class PlanReader:
         return self._cached[1], kv.mod_revision
 
 
-def newest_history_plan(client: EtcdClient, keys: Keys) -> Optional[Plan]:
+def newest_history_plan(client: KVReader, keys: Keys) -> Optional[Plan]:
     """The newest valid plan of the history (`plans/<generation>`): what the current plan was when
     the `plan` key holds something that is not a plan, so generations never go back."""
     plans = [p for key, data in client.get_prefix_json(keys.plans) if (p := _parse_plan(data, key=key)) is not None]
