@@ -39,6 +39,7 @@ from typing import Callable, Optional, Protocol
 from ..etcd.client import warn_once
 from ..etcd.protocols import KVReader, KVStore
 from ..planning import Plan
+from .decide import Detector
 from .keys import Keys
 from .liveness import LIVENESS_LOST, LivenessMonitor
 from .membership import put_event
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 
 STALL_RECHECK_S = 1.0  # a stall-only roll call whose suspects all answered is repeated after this
 ROLL_CALL_LOST = "a peer saw its connections break and its agent did not answer a ping"
+LOST_BECAUSE = {Detector.LIVENESS: LIVENESS_LOST, Detector.ROLL_CALL: ROLL_CALL_LOST}
+"""The `lost` event's detail for a node found dead by each detector."""
 
 Clock = Callable[[], float]
 

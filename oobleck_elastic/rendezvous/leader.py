@@ -44,17 +44,17 @@ import json
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from ..etcd import EtcdClient, EtcdError
 from ..etcd.client import KV, parse_json, warn_once
 from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
-from .decide import Action, Clocks, LeaderView, Rules, decide, desired_nodes
-from .detect import ROLL_CALL_LOST, Deputy, LeaderWatch, RollCall
+from .decide import Action, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide, plan_events
+from .detect import LOST_BECAUSE, Deputy, LeaderWatch, RollCall
 from .keys import Keys
-from .liveness import LIVENESS_LOST, LivenessMonitor
+from .liveness import LivenessMonitor
 from .membership import Member, live_nodes, put_event
 from .records import (Admission, ClosedRecord, Event, EventKind, FenceRecord, LeaderRecord, NodeRecord, NodeState,
                       Roster, is_fenced, read_admitted, read_closed, read_fences, read_ready, read_roster,
@@ -66,8 +66,6 @@ _FENCED_KEEP_S = 600.0
 _TXN_EVENTS = 100  # events written in the plan's transaction at most (etcd allows 128 operations)
 _IDLE_S = 1.0  # the leader's tick while nothing waits on the clock (a change wakes it at once)
 Planner = Callable[[list[str], int, Optional[Plan]], Plan]  # (nodes, generation, previous plan)
-
-_LIVENESS_BATCH_S = 0.05  # after a liveness verdict, how long to wait for more deaths to re-plan once
 
 
 class JobUnplannable(PlanningError):
@@ -102,7 +100,6 @@ class Leader:
         self._waiting_for: Optional[int] = None
         self._unplannable: Optional[tuple[tuple[str, ...], int]] = None
         self.liveness: Optional[LivenessMonitor] = None  # connections to the plan's agents while leading
-        self._lost_why: dict[str, str] = {}
         self._pending_dead: dict[str, float] = {}  # found dead by liveness -> when (monotonic)
         self.rollcall = RollCall(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view)
         self.deputy = Deputy(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view,
@@ -219,8 +216,8 @@ class Leader:
                 self.view.remove(self.keys.leader_watched())
 
     def _lead_loop(self) -> None:
-        """The leader's loop: read the mirror into a `LeaderView`, run the roll call (pings), then
-        do what `decide` says (decide.py holds every rule; this loop only does the I/O)."""
+        """The leader's loop: read what it sees into a `LeaderView` (the detectors run meanwhile),
+        ask `decide` what to do, do it. decide.py holds every rule; this loop only does the I/O."""
         self.is_leader.set()
         clocks = Clocks()
         rules = Rules(min_nodes=self.min_nodes, max_nodes=self.max_nodes, last_call_s=self.last_call_s,
@@ -229,62 +226,38 @@ class Leader:
             if read_closed(self.view, self.keys) is not None:
                 self._pause(self.tick_s * 4)
                 continue
-            records = live_nodes(self.view, self.keys)
-            up = [r for r in records if r.state == NodeState.UP]
-            plan, rev = self._plans.read(self.view)  # mirrored while leading (Keys.leader_watched)
-            if plan is None and rev is not None:  # a value that is not a plan: generations go on from history
-                plan = newest_history_plan(self.client, self.keys)
-            fenced = self._fenced(records)
-            outage_recent = self.client.outage_within(self.member.lease_ttl_s + self.settle_s)
-            if plan is not None:
-                self._profile_wait = None
-                if self._liveness_verdict(plan, rev, records, up, fenced):
-                    clocks = Clocks()
-                    continue
-                dead = self.rollcall.check(plan, records)
-                if dead and outage_recent:
-                    # records vanish and pings go unanswered while etcd is away: the nodes renew
-                    # their leases and answer within a TTL of its return, so the verdict waits
-                    warn_once(self.keys.rollcall(plan.generation), plan.generation,
-                              f"node {self.member.node_id}: roll call of generation {plan.generation}: "
-                              f"{', '.join(dead)} silent right after an etcd outage; asking again once the "
-                              "outage is a lease TTL past")
-                    self._pause(self.tick_s)
-                    continue
-                if dead is not None:  # workers saw a failure: re-plan now, without unresponsive nodes
-                    for node in dead:
-                        self._declare_lost(node, plan.generation)
-                    nodes = desired_nodes(plan, [r.node_id for r in up], fenced | set(dead) | self._not_ready(plan, up),
-                                          self.max_nodes)
-                    self._publish(nodes, plan, rev, records, lost=set(dead))
-                    self.rollcall.reset()
-                    clocks = Clocks()
-                    continue
-            view = LeaderView(up=tuple(r.node_id for r in up), plan=plan, fenced=frozenset(fenced),
-                              admitted=frozenset(read_admitted(self.view, self.keys)),
-                              not_ready=frozenset(self._not_ready(plan, up)) if plan is not None else frozenset(),
-                              outage_recent=outage_recent)
+            view, rev, records = self._read_view()
             decision = decide(view, clocks, time.monotonic(), rules)
             clocks = decision.clocks
-            for node in decision.admit:
-                self.client.put_json(self.keys.admitted(node), Admission(time=time.time()).to_json())
-            if decision.held:
-                warn_once(self.keys.nodes, plan.generation if plan else 0,
-                          f"node {self.member.node_id}: node(s) {', '.join(decision.held)} missing right after an "
-                          "etcd outage: waiting a lease TTL for them to renew before re-planning")
-            if decision.action == Action.FIRST_PLAN:
-                self._first_plan(list(decision.nodes), rev, records)
-            elif decision.action == Action.REPLAN:
-                self._publish(list(decision.nodes), plan, rev, records)
+            self._act(decision, view.plan, rev, records)
+            if decision.recheck_s is not None:
+                if decision.recheck_s > 0:
+                    self._pause(decision.recheck_s)
+                continue
             # with nothing pending on the clock, only a change can call for action: sleep until one
-            waiting = decision.action != Action.NONE or plan is None or self.rollcall.open
+            waiting = decision.action != Action.NONE or view.plan is None or self.rollcall.open
             self._pause(self.tick_s if waiting else _IDLE_S)
 
-    def _liveness_verdict(self, plan: Plan, rev: Optional[int], records: list[NodeRecord], up: list[NodeRecord],
-                          fenced: set[str]) -> bool:
-        """Watch the plan's other agents' liveness sockets (liveness.py); when some are found dead,
-        declare them lost and re-plan without them `_LIVENESS_BATCH_S` after the first (deaths
-        within it share one re-plan). Whether it acted (re-planned, or waits for the batch)."""
+    def _read_view(self) -> tuple[LeaderView, Optional[int], list[NodeRecord]]:
+        """What the leader sees now (from its mirror), with the plan key's revision and the node
+        records that the writes need."""
+        records = live_nodes(self.view, self.keys)
+        up = [r for r in records if r.state == NodeState.UP]
+        plan, rev = self._plans.read(self.view)  # mirrored while leading (Keys.leader_watched)
+        if plan is None and rev is not None:  # a value that is not a plan: generations go on from history
+            plan = newest_history_plan(self.client, self.keys)
+        view = LeaderView(up=tuple(r.node_id for r in up), plan=plan, fenced=frozenset(self._fenced(records)),
+                          admitted=frozenset(read_admitted(self.view, self.keys)),
+                          not_ready=frozenset(self._not_ready(plan, up)) if plan is not None else frozenset(),
+                          outage_recent=self.client.outage_within(self.member.lease_ttl_s + self.settle_s),
+                          dead=self._detect(plan, records) if plan is not None else None)
+        return view, rev, records
+
+    def _detect(self, plan: Plan, records: list[NodeRecord]) -> Optional[Detection]:
+        """Nodes of `plan` found dead since the last re-plan: by the liveness sockets (liveness.py:
+        connections to the plan's other agents), or else by the roll call (detect.py). The roll
+        call does not run while liveness deaths are pending: `decide` acts on those first, and the
+        pings would be wasted."""
         assert self.liveness is not None
         me = self.member.node_id
         self.liveness.watch({r.node_id: r.liveness for r in records
@@ -292,22 +265,45 @@ class Leader:
         now = time.monotonic()
         for node in self.liveness.take_dead() & set(plan.nodes):
             self._pending_dead.setdefault(node, now)
-        if not self._pending_dead:
-            return False
-        if now - min(self._pending_dead.values()) < _LIVENESS_BATCH_S:
-            self._pause(_LIVENESS_BATCH_S / 2)  # nodes that die together (a rack) go in one re-plan
-            return True
-        gone = sorted(n for n in self._pending_dead if n in plan.nodes)
+        pending = {node: at for node, at in self._pending_dead.items() if node in plan.nodes}
+        if pending:
+            return Detection(Detector.LIVENESS, tuple(sorted(pending)), since=min(pending.values()))
         self._pending_dead.clear()
-        if not gone:
-            return False
-        for node in gone:
-            self._declare_lost(node, plan.generation)
-            self._lost_why[node] = LIVENESS_LOST
-        nodes = desired_nodes(plan, [r.node_id for r in up], fenced | set(gone), self.max_nodes)
-        self._publish(nodes, plan, rev, records, lost=set(gone))
-        self.rollcall.reset()
-        return True
+        dead = self.rollcall.check(plan, records)
+        return Detection(Detector.ROLL_CALL, tuple(dead)) if dead is not None else None
+
+    def _act(self, decision: Decision, plan: Optional[Plan], rev: Optional[int], records: list[NodeRecord]) -> None:
+        """Do what `decide` said: admit nodes, say why a re-plan is held, declare nodes lost and
+        publish the next plan (or the first one)."""
+        if plan is not None:
+            self._profile_wait = None
+        for node in decision.admit:
+            self.client.put_json(self.keys.admitted(node), Admission(time=time.time()).to_json())
+        if decision.held:
+            self._warn_held(decision.held, decision.detection, plan.generation if plan else 0)
+        if decision.action == Action.FIRST_PLAN:
+            self._first_plan(list(decision.nodes), rev, records)
+        elif decision.action == Action.REPLAN:
+            lost = {node: LOST_BECAUSE[decision.detection] for node in decision.lost if decision.detection}
+            for node in lost:
+                self._declare_lost(node, plan.generation if plan else 0)
+            self._publish(list(decision.nodes), plan, rev, records, lost=lost)
+            if decision.detection is not None:  # the verdict is acted on: the next one starts afresh
+                self.rollcall.reset()
+                self._pending_dead.clear()
+
+    def _warn_held(self, held: tuple[str, ...], detection: Optional[Detector], generation: int) -> None:
+        """One line per generation: a re-plan (or a roll call's verdict) waits out an etcd outage."""
+        me, nodes = self.member.node_id, ", ".join(held)
+        if detection == Detector.ROLL_CALL:
+            # records vanish and pings go unanswered while etcd is away: the nodes renew their
+            # leases and answer within a TTL of its return, so the verdict waits
+            warn_once(self.keys.rollcall(generation), generation,
+                      f"node {me}: roll call of generation {generation}: {nodes} silent right after an etcd "
+                      "outage; asking again once the outage is a lease TTL past")
+        else:
+            warn_once(self.keys.nodes, generation, f"node {me}: node(s) {nodes} missing right after an etcd outage: "
+                                                   "waiting a lease TTL for them to renew before re-planning")
 
     def _first_plan(self, nodes: list[str], rev: int | None, records: list[NodeRecord]) -> None:
         """Publish generation 1 on `nodes` when the profile is at hand; otherwise admit them (their
@@ -379,7 +375,9 @@ class Leader:
         return waiting
 
     def _publish(self, nodes: list[str], old: Optional[Plan], rev: Optional[int], records: list[NodeRecord],
-                 lost: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+                 lost: Optional[Mapping[str, str]] = None) -> None:
+        """Plan generation g+1 on `nodes` and publish it (`lost`: the nodes found dead, and how)."""
+        lost = lost or {}
         generation = (old.generation if old else 0) + 1
         if self._unplannable == (tuple(nodes), generation):
             return  # the planner already refused exactly this; do not burn CPU on it every tick
@@ -400,7 +398,8 @@ class Leader:
             return
         self._waiting_for = None
         plan = dataclasses.replace(plan, donors=self._donors(plan, old, records, lost))
-        events = self._events(plan, old, records, lost)
+        events = plan_events(plan, old, {r.node_id: r.state for r in records}, lost, leader=self.member.node_id,
+                             now=time.time())
         live = {r.node_id for r in records}
         # a node dropped because its record vanished is fenced first: if it was only cut off from
         # etcd, it learns from this, when it comes back, that the job moved on without it
@@ -425,7 +424,8 @@ class Leader:
             log.info("node %s: plan generation %d lost a race (plan or leadership changed)", self.member.node_id,
                      generation)
 
-    def _donors(self, plan: Plan, old: Optional[Plan], records: list[NodeRecord], lost: set[str]) -> tuple[str, ...]:
+    def _donors(self, plan: Plan, old: Optional[Plan], records: list[NodeRecord],
+                lost: Mapping[str, str]) -> tuple[str, ...]:
         """Nodes of `old` that ran a stage, are draining now and leave with `plan`: they join its
         entry to hand their layers over, then leave. Only from the generation just left (a donor
         whose entry failed leaves anyway: its layers then come from others or the checkpoint)."""
@@ -435,33 +435,6 @@ class Leader:
         staged = {s.node for p in old.pipelines for s in p.stages}
         return tuple(n for n in old.nodes if n in draining and n in staged and n not in plan.nodes and n not in lost
                      and not is_fenced(self.view, self.keys, n))
-
-    def _events(self, plan: Plan, old: Optional[Plan], records: list[NodeRecord],
-                lost: set[str] = frozenset()) -> list[Event]:  # type: ignore[assignment]
-        now, me = time.time(), self.member.node_id
-        before = list(old.nodes) if old else []
-        added = [n for n in plan.nodes if n not in before]
-        removed = [n for n in before if n not in plan.nodes]
-        state = {r.node_id: r.state for r in records}
-        events = []
-        for n in removed:
-            kind = (EventKind.LOST if n in lost else EventKind.DRAIN if state.get(n) == NodeState.DRAINING else
-                    EventKind.LEAVE if n in state else EventKind.LOST)
-            events.append(Event(time=now, kind=kind, node=n, generation=plan.generation,
-                                detail={"drain": "drained at a step boundary" + (
-                                            "; hands its layers over in the entry" if n in plan.donors else ""),
-                                        "leave": "left the plan",
-                                        "lost": (self._lost_why.get(n, ROLL_CALL_LOST) if n in lost
-                                                 else "lease expired or node unreachable"),
-                                        }[kind]))
-        causes = sorted({e.kind for e in events} | ({"join"} if added and old else set())) or (
-            ["restart"] if old else ["initial"])
-        events.append(Event(time=now, kind=EventKind.PLAN, node=me, generation=plan.generation,
-                            detail=f"{len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
-                                   f"{plan.world_size} worker(s) ({'/'.join(causes)}"
-                                   f"{': +' + ','.join(added) if added and old else ''}"
-                                   f"{' -' + ','.join(removed) if removed else ''})"))
-        return events
 
 
 def _parse_plan(data: object, *, key: str = "plan", revision: Optional[int] = None) -> Optional[Plan]:
