@@ -37,7 +37,7 @@ def main() -> int:
         ctx.share_profile(load_config(args.config, [a for a in rest if "=" in a]), torch.device("cpu"))
     ctx.report_ready()
     me = f"{ctx.node_id}/{ctx.local_rank}"
-    ctx.client.put_json(f"{ctx.keys.root}probe/{me}/{os.getpid()}",
+    ctx.client.put_json(ctx.keys.probe(ctx.node_id, ctx.local_rank, os.getpid()),
                         {"restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
     seen = 0
     last_step = time.monotonic()

@@ -19,7 +19,8 @@ from typing import Callable, Optional
 from .engine.goodput import Ledger, describe, job_origin
 from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
 from .planning import Plan, PlanningError
-from .rendezvous.keys import Event, Keys, NodeState, read_closed, read_progress, read_stragglers
+from .rendezvous.keys import Keys
+from .rendezvous.records import Event, NodeState, read_closed, read_leader, read_progress, read_stragglers
 from .rendezvous.membership import live_nodes, mark_draining, read_events
 
 
@@ -92,13 +93,13 @@ def kill_agent(client: EtcdClient, keys: Keys, index: int) -> str:
 
 
 def status(client: EtcdClient, keys: Keys) -> list[str]:
-    leader, _ = client.get_json(keys.leader)
+    leader = read_leader(client, keys)
     data, _ = client.get_json(keys.plan)
     progress = read_progress(client, keys)
     closed = read_closed(client, keys)
     live = live_nodes(client, keys)
     lines = [f"run {keys.run_id}: {len(live)} live node(s), leader "
-             f"{leader.get('node_id') if isinstance(leader, dict) else 'none'}"
+             f"{leader.node_id if leader is not None else 'none'}"
              + (f" (closed{' as failed' if closed.failed else ''}: {closed.reason})" if closed is not None else "")]
     plan = None
     if data is not None:

@@ -11,7 +11,8 @@ import pytest
 
 from oobleck_elastic import ops
 from oobleck_elastic.etcd import connect
-from oobleck_elastic.rendezvous.keys import ClosedRecord, Keys, read_closed
+from oobleck_elastic.rendezvous.keys import Keys
+from oobleck_elastic.rendezvous.records import ClosedRecord, read_closed
 from oobleck_elastic.rendezvous.worker import WorkerContext
 
 
@@ -75,7 +76,7 @@ def test_bad_progress_next_index_and_events_are_ignored_or_repaired(etcd_setting
     """A malformed `progress` reads as none (the launcher and `oobleck status` go on); a malformed
     `next_index` is replaced by one past every index in use, so a joining node neither crashes nor
     reuses a fenced node's id; an event of another schema version is not accepted."""
-    from oobleck_elastic.rendezvous.keys import Event, read_progress
+    from oobleck_elastic.rendezvous.records import Event, read_progress
     from oobleck_elastic.rendezvous.membership import Member, read_events
 
     client = connect(etcd_settings)
@@ -90,7 +91,7 @@ def test_bad_progress_next_index_and_events_are_ignored_or_repaired(etcd_setting
         ctx.report_progress(generation=2, step=7)
         ctx.close()  # progress is written in the background: wait for it
         assert (read_progress(client, keys).step, read_progress(client, keys).generation) == (7, 2)
-        client.put_json(keys.fenced + "node4", {"time": 1.0, "generation": 1})
+        client.put_json(keys.fence("node4"), {"time": 1.0, "generation": 1})
         client.put(keys.next_index, "garbage")
         member = Member(client, keys, devices=1, lease_ttl_s=5)
         member.register()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from oobleck_elastic.rendezvous.decide import Action, Clocks, LeaderView, Rules, decide
+from oobleck_elastic.rendezvous.decide import (Action, Clocks, Detection, Detector, LeaderView, Rules, decide,
+                                               plan_events)
+from oobleck_elastic.rendezvous.records import NodeState
 
 from helpers import layout_plan
 
@@ -79,8 +81,82 @@ def test_late_nodes_are_admitted_while_there_is_room_and_planned_once_ready() ->
     assert d.action == Action.REPLAN and d.nodes == ("n0", "n1", "n4") and d.admit == ()
 
 
+def liveness(*nodes: str, since: float) -> Detection:
+    return Detection(Detector.LIVENESS, tuple(nodes), since=since)
+
+
+def rollcall(*nodes: str) -> Detection:
+    return Detection(Detector.ROLL_CALL, tuple(nodes))
+
+
+def test_liveness_deaths_wait_a_batch_window_then_replan_at_once_without_them() -> None:
+    view = LeaderView(up=("n0", "n1", "n2", "n3"), plan=plan_of(4), dead=liveness("n2", since=10.0))
+    d = decide(view, Clocks(change_seen=9.0), 10.02, RULES)
+    assert d.action == Action.WAIT and d.recheck_s == RULES.liveness_batch_s / 2 and d.clocks == Clocks()
+    assert d.lost == () and d.admit == ()
+    # a second death inside the window joins the same re-plan; no settle window after it
+    view = LeaderView(up=("n0", "n1", "n2", "n3"), plan=plan_of(4), dead=liveness("n1", "n2", since=10.0))
+    d = decide(view, Clocks(), 10.05, RULES)
+    assert d.action == Action.REPLAN and d.nodes == ("n0", "n3") and d.lost == ("n1", "n2")
+    assert d.detection == Detector.LIVENESS and d.recheck_s == 0.0 and d.clocks == Clocks()
+
+
+def test_a_liveness_verdict_is_not_held_by_an_etcd_outage() -> None:
+    view = LeaderView(up=("n0", "n1", "n3"), plan=plan_of(4), outage_recent=True, dead=liveness("n3", since=1.0))
+    d = decide(view, Clocks(), 10.0, RULES)
+    assert d.action == Action.REPLAN and d.nodes == ("n0", "n1") and d.held == ()
+
+
+def test_a_liveness_replan_leaves_out_fenced_nodes_and_takes_spares() -> None:
+    view = LeaderView(up=("n0", "n1", "n2", "n3", "n4"), plan=plan_of(4), fenced=frozenset({"n1"}),
+                      dead=liveness("n2", since=1.0))
+    d = decide(view, Clocks(), 10.0, RULES)
+    assert d.action == Action.REPLAN and d.nodes == ("n0", "n3", "n4") and d.lost == ("n2",)
+
+
+def test_a_roll_call_verdict_replans_at_once_without_the_dead_and_the_not_ready() -> None:
+    view = LeaderView(up=("n0", "n1", "n2", "n3", "n4"), plan=plan_of(4), not_ready=frozenset({"n3", "n4"}),
+                      admitted=frozenset({"n4"}), dead=rollcall("n1"))
+    d = decide(view, Clocks(change_seen=9.9), 10.0, RULES)
+    assert d.action == Action.REPLAN and d.nodes == ("n0", "n2") and d.lost == ("n1",)
+    assert d.detection == Detector.ROLL_CALL and d.recheck_s == 0.0 and d.clocks == Clocks() and d.admit == ()
+
+
+def test_a_roll_call_where_everyone_answered_restarts_the_generation_on_the_same_nodes() -> None:
+    d = decide(LeaderView(up=("n0", "n1"), plan=plan_of(2), dead=rollcall()), Clocks(), 10.0, RULES)
+    assert d.action == Action.REPLAN and d.nodes == ("n0", "n1") and d.lost == ()
+
+
+def test_right_after_an_etcd_outage_a_roll_call_verdict_is_held() -> None:
+    view = LeaderView(up=("n0", "n1"), plan=plan_of(4), outage_recent=True, dead=rollcall("n2", "n3"))
+    d = decide(view, Clocks(change_seen=9.0), 10.0, RULES)
+    assert d.action == Action.WAIT and d.held == ("n2", "n3") and d.detection == Detector.ROLL_CALL
+    assert d.clocks == Clocks(change_seen=9.0) and d.lost == () and d.recheck_s is None
+    # a restart (nobody dead) is not held: the workers' failure is real whatever etcd did
+    d = decide(LeaderView(up=("n0", "n1"), plan=plan_of(2), outage_recent=True, dead=rollcall()), Clocks(), 10.0,
+               RULES)
+    assert d.action == Action.REPLAN and d.nodes == ("n0", "n1")
+
+
+def test_the_events_of_a_replan_say_why_each_node_left() -> None:
+    from dataclasses import replace
+
+    from oobleck_elastic.rendezvous.detect import LOST_BECAUSE
+
+    old = plan_of(4)
+    new = replace(layout_plan([[(0, 6)]], [2], generation=2), nodes=("n0",))
+    states = {"n0": NodeState.UP, "n1": NodeState.DRAINING, "n2": NodeState.UP}  # n3: its record vanished
+    events = plan_events(new, old, states, {"n2": LOST_BECAUSE[Detector.LIVENESS]}, leader="n0", now=5.0)
+    assert [(e.kind, e.node) for e in events] == [("drain", "n1"), ("lost", "n2"), ("lost", "n3"), ("plan", "n0")]
+    assert events[1].detail == LOST_BECAUSE[Detector.LIVENESS] and "lease expired" in events[2].detail
+    assert events[-1].detail.endswith("(drain/lost -n1,n2,n3)") and {e.generation for e in events} == {2}
+    restart = plan_events(old, old, {}, {}, leader="n0", now=5.0)
+    assert [e.kind for e in restart] == ["plan"] and "(restart)" in restart[0].detail
+
+
 def test_records_parse_kinds_and_states_into_enums_and_refuse_unknown_ones() -> None:
-    from oobleck_elastic.rendezvous.keys import Event, EventKind, Keys, NodeRecord, NodeState
+    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.rendezvous.records import Event, EventKind, NodeRecord, NodeState
 
     ev = Event.parse({"schema_version": 1, "time": 1.0, "kind": "renew", "node": "node3"})
     assert ev is not None and ev.kind is EventKind.RENEW and f"{ev.kind}" == "renew"
@@ -91,14 +167,13 @@ def test_records_parse_kinds_and_states_into_enums_and_refuse_unknown_ones() -> 
     assert rec is not None and rec.state is NodeState.DRAINING
     assert NodeRecord.parse({**data, "state": "asleep"}) is None
     keys = Keys("/oobleck", "r")
-    assert keys.node_of(keys.fenced + "node4") == "node4"
-    assert keys.checkin_of(keys.rollcall(3) + "node1/0") == ("node1", "0")
+    assert keys.node_of(keys.fence("node4")) == "node4"
 
 
 def test_a_roster_round_trips_and_a_malformed_one_is_refused() -> None:
     import pytest
 
-    from oobleck_elastic.rendezvous.keys import Roster
+    from oobleck_elastic.rendezvous.records import Roster
 
     roster = Roster(3, ("node0", "node2"))
     assert Roster.parse(roster.to_json()) == roster

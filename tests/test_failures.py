@@ -31,7 +31,10 @@ def _pid(client, keys, node: str) -> int:
 
 
 def _leader(client, keys) -> str:
-    return (client.get_json(keys.leader)[0] or {}).get("node_id", "")
+    from oobleck_elastic.rendezvous.records import read_leader
+
+    leader = read_leader(client, keys)
+    return leader.node_id if leader is not None else ""
 
 
 def _step(client, keys) -> int:

@@ -183,7 +183,7 @@ def test_job_origin_and_describe() -> None:
 
 
 def _run_keys(client, keys, *, ledger: Ledger | None, closed_at: float | None) -> None:
-    from oobleck_elastic.rendezvous.keys import ClosedRecord, Event, EventKind
+    from oobleck_elastic.rendezvous.records import ClosedRecord, Event, EventKind
     from oobleck_elastic.rendezvous.membership import put_event
 
     put_event(client, keys, Event(time=1000.0, kind=EventKind.JOIN, node="node0", detail="host h"))
@@ -285,7 +285,8 @@ def test_a_job_with_a_kill_a_join_and_a_drain_accounts_for_its_wall_time(tmp_pat
     from oobleck_elastic import ops
     from oobleck_elastic.etcd import EtcdSettings, connect
     from oobleck_elastic.planning import Plan
-    from oobleck_elastic.rendezvous.keys import Keys, read_closed
+    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.rendezvous.records import read_closed
     from oobleck_elastic.rendezvous.membership import live_nodes, read_events
     from helpers import run_job, tiny_profile, when
 

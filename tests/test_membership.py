@@ -9,7 +9,8 @@ import threading
 import time
 
 from oobleck_elastic.etcd import connect
-from oobleck_elastic.rendezvous.keys import Keys, NodeState
+from oobleck_elastic.rendezvous.keys import Keys
+from oobleck_elastic.rendezvous.records import FenceRecord, NodeState
 from oobleck_elastic.rendezvous.membership import Member, live_nodes, read_events
 
 from helpers import eventually
@@ -43,7 +44,7 @@ def test_a_node_the_leader_declared_lost_does_not_come_back(etcd_settings, run_i
     member = Member(client, keys, devices=1, lease_ttl_s=3)
     try:
         rec = member.register()
-        client.put_json(keys.fenced + rec.node_id, {"time": time.time(), "generation": 2})
+        client.put_json(keys.fence(rec.node_id), FenceRecord(time=time.time(), generation=2).to_json())
         client.revoke_lease(member.lease)
         eventually(member.fenced.is_set)
         assert "the leader declared this node lost" in member.fence_reason

@@ -22,6 +22,7 @@ from helpers import TINY_PROFILE_OVERRIDES, eventually, tiny_profile
 from oobleck_elastic.planning import Plan
 from oobleck_elastic.rendezvous.handler import OobleckRendezvousHandler
 from oobleck_elastic.rendezvous.keys import Keys
+from oobleck_elastic.rendezvous.records import Checkin, CheckinKind, ReadyRecord
 from oobleck_elastic.rendezvous.membership import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +66,8 @@ class Cluster:
                 try:
                     box["info"] = h.next_rendezvous()
                     # what the node's (single) worker does once it has started: report ready
-                    self.client.put_json(self.keys.ready(h.member.node_id) + "0", {"time": time.time()})
+                    self.client.put_json(self.keys.ready_worker(h.member.node_id, 0),
+                                         ReadyRecord(time=time.time()).to_json())
                 except Exception as err:  # noqa: BLE001 - the test inspects it
                     box["error"] = err
             box["thread"] = threading.Thread(target=run, daemon=True)
@@ -188,7 +190,8 @@ def test_leader_death_elects_a_new_leader_that_publishes(cluster_factory) -> Non
 
 def checkin(c: Cluster, plan: Plan, node: str, kind: str) -> None:
     """What a worker of `node` writes when it sees a failure (or stalls joining `plan`)."""
-    c.client.put_json(f"{c.keys.rollcall(plan.generation)}{node}/0", {"time": time.time(), "kind": kind})
+    c.client.put_json(c.keys.checkin(plan.generation, node, 0),
+                      Checkin(time=time.time(), kind=CheckinKind(kind)).to_json())
 
 
 def three_nodes_up(cluster_factory) -> tuple:
@@ -254,7 +257,7 @@ def test_a_dead_agent_is_replanned_at_once_by_its_liveness_socket(cluster_factor
     lost = [e for e in c.events() if e.kind == "lost"]
     assert [(e.node, e.generation) for e in lost] == [(gone, 2)]
     assert lost[0].detail == "its agent's liveness socket closed and refused a new connection: the agent died"
-    assert c.client.get_json(c.keys.fenced + gone)[0] is not None
+    assert c.client.get_json(c.keys.fence(gone))[0] is not None
 
 
 def test_a_dead_leader_is_replaced_at_once_by_its_liveness_socket(cluster_factory) -> None:
@@ -328,7 +331,7 @@ def test_kill_agent_drains_a_node(cluster_factory) -> None:
     plan = c.wait_plan(lambda p: "node2" not in p.nodes)
     assert plan.nodes == ("node0", "node1")
     # the roster agents read is written with the plan, in the same transaction
-    from oobleck_elastic.rendezvous.keys import Roster, read_roster
+    from oobleck_elastic.rendezvous.records import Roster, read_roster
     assert read_roster(c.client, c.keys) == Roster(plan.generation, plan.nodes)
     drain = [e for e in c.events() if e.kind == "drain" and e.generation == plan.generation]
     assert [e.node for e in drain] == ["node2"]

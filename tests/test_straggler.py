@@ -14,7 +14,7 @@ from oobleck_elastic.engine.faults import FaultInjector
 from oobleck_elastic.engine.straggler import ComputeClock, StragglerWatch, slowdowns
 from oobleck_elastic.planning import Plan
 from oobleck_elastic.planning.rebalance import rebalance, rebalanced_plan, step_estimate
-from oobleck_elastic.rendezvous.keys import StragglerRecord
+from oobleck_elastic.rendezvous.records import StragglerRecord
 from tests.helpers import ROOT, layout_plan
 
 

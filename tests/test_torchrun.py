@@ -79,7 +79,7 @@ def test_join_kill_and_drain_under_torchrun(etcd_server, run_id) -> None:
         assert len({ev.node for ev in lost}) == 1 and "drain" in kinds, [ev.line() for ev in lost]
 
         # nobody was restarted: one PID per worker, restart count 0
-        probes = list(client.get_prefix_json(keys.root + "probe/"))
+        probes = list(client.get_prefix_json(keys.probes))
         workers = {k.rsplit("/", 1)[0] for k, _ in probes}
         assert len(probes) == len(workers) == 4, probes
         assert all(v["restart_count"] == 0 for _, v in probes)

@@ -1,11 +1,14 @@
 """The leader's decisions, as a pure function of what it sees and the time.
 
 Each tick the leader (leader.py) reads its mirror into a `LeaderView` (plain data: the nodes that
-are up, the current plan, fenced / admitted / not-ready nodes, whether etcd was away a moment
-ago) and asks `decide(view, clocks, now, rules)` what to do; the loop around it does the I/O
-(admissions, the planner, the publishing transaction). The roll call, which needs pings, runs
-before it. `Clocks` is the only memory between ticks (when a quorum or a change was first seen),
-so every rule is tested on made-up views (tests/test_decide.py) without etcd or threads:
+are up, the current plan, fenced / admitted / not-ready nodes, the nodes its detectors found dead,
+whether etcd was away a moment ago) and asks `decide(view, clocks, now, rules)` what to do; the
+loop around it does the I/O (declaring nodes lost, admissions, the planner, the publishing
+transaction). The detectors run while the view is read: the liveness monitor's verdicts arrive
+from its thread, and the roll call pings (detect.py). `Clocks` is the only memory between ticks
+(when a quorum or a change was first seen), so every rule is tested on made-up views
+(tests/test_decide.py) without etcd or threads. `plan_events` words what a published plan
+changed. The rules:
 
 - **before the first plan**: once nodes are admitted (the profile is being measured), plan those
   still up plus new arrivals up to `max_nodes`; otherwise wait for `min_nodes` up, then a
@@ -14,18 +17,35 @@ so every rule is tested on made-up views (tests/test_decide.py) without etcd or 
   room; the desired node set is the plan's nodes still up and not fenced, then admitted nodes
   whose workers are all ready, up to `max_nodes`; a difference from the plan is published once it
   has lasted `settle_s` (simultaneous failures and joins batch into one re-plan);
+- **after a detector found nodes of the plan dead** (`Detection`), before anything else: those
+  nodes are declared lost and the next generation is published at once, without the settle
+  window. Deaths found by the liveness sockets wait `liveness_batch_s` from the first, so nodes
+  that die together (a rack) go in one re-plan. A roll call's verdict also leaves out not-ready
+  nodes, as the settle rule does (a liveness verdict leaves out only the fenced and the dead);
+  one with no dead node (workers saw a failure, every agent answered) restarts the generation on
+  the same nodes. Nothing else happens in that tick (no admissions);
 - **after an etcd outage** (within a lease TTL + settle of its end): a re-plan that drops nodes is
   held, since a stalled etcd expires every lease at once and the nodes renew theirs within a TTL
-  (membership.py).
+  (membership.py); so is a roll call's verdict that names dead nodes (records expire and pings go
+  unanswered while etcd is away). A liveness verdict is not held: a refused connection proves the
+  agent is gone whatever etcd did.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Collection, Optional, Sequence
+from typing import Collection, Mapping, Optional, Sequence
 
 from ..planning import Plan
-from .keys import StrEnum
+from .records import Event, EventKind, NodeState, StrEnum
+
+
+class Detector(StrEnum):
+    """How a node of the plan was found dead (rendezvous/detect.py, liveness.py)."""
+    LIVENESS = "liveness"
+    """The leader's liveness connection to its agent closed and a new one was refused."""
+    ROLL_CALL = "roll_call"
+    """Workers checked in at the roll call, and its agent did not answer a ping."""
 
 
 class Action(StrEnum):
@@ -49,6 +69,20 @@ class Rules:
     """After MIN nodes are up, how long to wait for more before the first plan."""
     settle_s: float
     """How long a membership change must last before it is re-planned."""
+    liveness_batch_s: float = 0.05
+    """After a liveness verdict, how long to wait for more deaths, so that they share one re-plan."""
+
+
+@dataclass(frozen=True)
+class Detection:
+    """Nodes of the plan a detector found dead (the leader gathers them between re-plans)."""
+
+    by: Detector
+    nodes: tuple[str, ...]
+    """The dead nodes, sorted; empty for a roll call whose suspects all answered (the workers saw
+    a failure, so the generation restarts)."""
+    since: float = 0.0
+    """When the first of them was found (monotonic seconds; the liveness batch runs from it)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +99,8 @@ class LeaderView:
     """Nodes outside the plan whose workers have not all reported ready."""
     outage_recent: bool = False
     """etcd was unreachable (or stalled) within a lease TTL + settle of now."""
+    dead: Optional[Detection] = None
+    """Nodes of the plan found dead since the last re-plan, if any."""
 
 
 @dataclass(frozen=True)
@@ -86,12 +122,21 @@ class Decision:
     """The clocks for the next tick."""
     held: tuple[str, ...] = ()
     """Nodes a re-plan would drop, held because etcd was away a moment ago."""
+    lost: tuple[str, ...] = ()
+    """Nodes to declare lost before publishing (REPLAN after a detection)."""
+    detection: Optional[Detector] = None
+    """The detector this decision acts on (REPLAN: the loop then closes the roll call and forgets
+    the liveness verdicts; WAIT: the verdict is held or batched)."""
+    recheck_s: Optional[float] = None
+    """Look again after this long instead of the loop's usual pause (0: at once)."""
 
 
 def decide(view: LeaderView, clocks: Clocks, now: float, rules: Rules) -> Decision:
     """What the leader does now (see the module docstring)."""
     if view.plan is None:
         return _before_first_plan(view, clocks, now, rules)
+    if view.dead is not None:
+        return _after_detection(view, view.plan, view.dead, clocks, now, rules)
     plan = view.plan
     alive = [n for n in view.up if n not in view.fenced]
     members = sum(1 for n in plan.nodes if n in alive)
@@ -124,6 +169,21 @@ def desired_nodes(plan: Plan, up: Sequence[str], exclude: Collection[str], max_n
     return ([n for n in plan.nodes if n in usable] + [n for n in usable if n not in plan.nodes])[:max_nodes]
 
 
+def _after_detection(view: LeaderView, plan: Plan, dead: Detection, clocks: Clocks, now: float,
+                     rules: Rules) -> Decision:
+    """Re-plan at once without the nodes a detector found dead (see the module docstring)."""
+    if dead.by == Detector.LIVENESS:
+        if now - dead.since < rules.liveness_batch_s:  # nodes that die together go in one re-plan
+            return Decision(Action.WAIT, clocks=Clocks(), detection=dead.by, recheck_s=rules.liveness_batch_s / 2)
+        exclude = view.fenced | set(dead.nodes)
+    else:
+        if dead.nodes and view.outage_recent:  # silence proves nothing right after an etcd outage
+            return Decision(Action.WAIT, clocks=clocks, held=dead.nodes, detection=dead.by)
+        exclude = view.fenced | set(dead.nodes) | view.not_ready
+    return Decision(Action.REPLAN, nodes=tuple(desired_nodes(plan, view.up, exclude, rules.max_nodes)),
+                    lost=dead.nodes, detection=dead.by, clocks=Clocks(), recheck_s=0.0)
+
+
 def _before_first_plan(view: LeaderView, clocks: Clocks, now: float, rules: Rules) -> Decision:
     candidates = [n for n in view.up if n not in view.fenced]
     first = [n for n in candidates if n in view.admitted]
@@ -138,3 +198,30 @@ def _before_first_plan(view: LeaderView, clocks: Clocks, now: float, rules: Rule
         return Decision(Action.FIRST_PLAN, nodes=tuple(view.up[: rules.max_nodes]),
                         clocks=replace(clocks, first_quorum=quorum))
     return Decision(Action.WAIT, clocks=replace(clocks, first_quorum=quorum))
+
+
+def plan_events(plan: Plan, old: Optional[Plan], states: Mapping[str, NodeState], lost: Mapping[str, str], *,
+                leader: str, now: float) -> list[Event]:
+    """The events that go with publishing `plan` after `old`: one per node it leaves out (`lost`
+    with how it was found dead, `drain`, `leave`, or `lost` when its record vanished; `states`:
+    the state of every node with a record), then the `plan` event that sums up the change."""
+    before = list(old.nodes) if old else []
+    added = [n for n in plan.nodes if n not in before]
+    removed = [n for n in before if n not in plan.nodes]
+    events = []
+    for n in removed:
+        kind = (EventKind.LOST if n in lost else EventKind.DRAIN if states.get(n) == NodeState.DRAINING else
+                EventKind.LEAVE if n in states else EventKind.LOST)
+        detail = {EventKind.DRAIN: "drained at a step boundary" + (
+                      "; hands its layers over in the entry" if n in plan.donors else ""),
+                  EventKind.LEAVE: "left the plan",
+                  EventKind.LOST: lost.get(n, "lease expired or node unreachable")}[kind]
+        events.append(Event(time=now, kind=kind, node=n, generation=plan.generation, detail=detail))
+    causes = sorted({e.kind for e in events} | ({"join"} if added and old else set())) or (
+        ["restart"] if old else ["initial"])
+    events.append(Event(time=now, kind=EventKind.PLAN, node=leader, generation=plan.generation,
+                        detail=f"{len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
+                               f"{plan.world_size} worker(s) ({'/'.join(causes)}"
+                               f"{': +' + ','.join(added) if added and old else ''}"
+                               f"{' -' + ','.join(removed) if removed else ''})"))
+    return events

@@ -33,63 +33,76 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
 
-from ..etcd import EtcdClient
+from ..etcd.client import warn_once
+from ..etcd.protocols import KVReader, KVStore
 from ..planning import Plan
-from .keys import CheckinKind, Event, EventKind, Keys, NodeRecord, Roster
+from .decide import Detector
+from .keys import Keys
 from .liveness import LIVENESS_LOST, LivenessMonitor
 from .membership import put_event
+from .records import Checkin, CheckinKind, Event, EventKind, NodeRecord, Ping, Roster, read_leader
 
 log = logging.getLogger(__name__)
 
 STALL_RECHECK_S = 1.0  # a stall-only roll call whose suspects all answered is repeated after this
+ROLL_CALL_LOST = "a peer saw its connections break and its agent did not answer a ping"
+LOST_BECAUSE = {Detector.LIVENESS: LIVENESS_LOST, Detector.ROLL_CALL: ROLL_CALL_LOST}
+"""The `lost` event's detail for a node found dead by each detector."""
+
+Clock = Callable[[], float]
 
 
-def checkins(reader: Any, keys: Keys, generation: int) -> dict[tuple[str, str], str]:
-    """(node, local rank) -> kind (`failure` or `stall`) of every roll-call check-in (`reader`: the
-    agent's mirror, or an EtcdClient)."""
+def checkins(reader: KVReader, keys: Keys, generation: int) -> dict[tuple[str, int], CheckinKind]:
+    """(node, local rank) -> kind (`failure` or `stall`) of every roll-call check-in of
+    `generation` (a key that is not a check-in is logged once and ignored)."""
     out = {}
     for key, value in reader.get_prefix_json(keys.rollcall(generation)):
-        node, local_rank = keys.checkin_of(key)
-        kind = value.get("kind") if isinstance(value, dict) else None
-        out[(node, local_rank)] = CheckinKind(kind) if kind in tuple(CheckinKind) else CheckinKind.FAILURE
+        try:
+            worker = keys.checkin_of(key)
+        except ValueError as err:
+            warn_once(key, None, f"ignoring roll-call key: {err}")
+            continue
+        out[worker] = Checkin.parse(value).kind
     return out
 
 
 class _Pinger:
     """Pings nodes through etcd and collects the answers (one nonce per round)."""
 
-    def __init__(self, client: EtcdClient, keys: Keys, reader: Any) -> None:
-        self.client, self.keys, self.reader = client, keys, reader
-        self.nonce = f"{time.time_ns()}"
+    def __init__(self, client: KVStore, keys: Keys, reader: KVReader, clock: Clock) -> None:
+        self.client, self.keys, self.reader, self.clock = client, keys, reader, clock
+        self.ping_value = Ping.new()
         self.sent: dict[str, float] = {}
         self.alive: set[str] = set()
 
     def ping(self, node: str) -> None:
         if node not in self.sent:
-            self.client.put(self.keys.ping(node), self.nonce)
-            self.sent[node] = time.monotonic()
+            self.client.put(self.keys.ping(node), self.ping_value.encode())
+            self.sent[node] = self.clock()
 
     def answered(self, node: str) -> bool:
         if node not in self.alive:
             kv = self.reader.get(self.keys.pong(node))
-            if kv is not None and kv.value.decode() == self.nonce:
+            if self.ping_value.answered_by(kv.value if kv is not None else None):
                 self.alive.add(node)
         return node in self.alive
 
     def waited(self, node: str) -> float:
-        return time.monotonic() - self.sent[node]
+        return self.clock() - self.sent[node]
 
 
 class RollCall:
     """The leader's side; `check()` once per leader tick."""
 
-    def __init__(self, client: EtcdClient, keys: Keys, *, node_id: str, ping_timeout_s: float,
-                 reader: Any = None) -> None:
+    def __init__(self, client: KVStore, keys: Keys, *, node_id: str, ping_timeout_s: float,
+                 reader: Optional[KVReader] = None, clock: Clock = time.monotonic) -> None:
         self.client, self.keys, self.node_id = client, keys, node_id
-        self.reader = reader if reader is not None else client
+        self.reader: KVReader = reader if reader is not None else client
         self.ping_timeout_s = ping_timeout_s
+        self.clock = clock
         self._round: Optional[tuple[int, _Pinger, float]] = None  # generation, pinger, started
 
     def reset(self) -> None:
@@ -106,15 +119,15 @@ class RollCall:
         entries = checkins(self.reader, self.keys, plan.generation)
         if not entries:
             return None
-        now = time.monotonic()
+        now = self.clock()
         if self._round is None or self._round[0] != plan.generation:
-            self._round = (plan.generation, _Pinger(self.client, self.keys, self.reader), now)
+            self._round = (plan.generation, _Pinger(self.client, self.keys, self.reader, self.clock), now)
             kinds = sorted(set(entries.values()))
             log.info("node %s: roll call for generation %d (%d worker(s) checked in: %s)", self.node_id,
                      plan.generation, len(entries), "/".join(kinds))
         _, pinger, started = self._round
         live = {r.node_id for r in records}
-        workers = {(s.node, str(s.local_rank)) for p in plan.pipelines for s in p.stages}
+        workers = {(s.node, s.local_rank) for p in plan.pipelines for s in p.stages}
         # the leader's own node is alive (and the deputy alone pings it: one pinger per ping key)
         suspects = {node for node, lr in workers if (node, lr) not in entries} - {self.node_id}
         for node in suspects & live:
@@ -130,42 +143,53 @@ class RollCall:
         return dead
 
 
+@dataclass
+class _DeputyRound:
+    """The deputy's ping of one leader during one generation's roll call."""
+
+    generation: int
+    leader: str
+    pinger: _Pinger
+    done: bool = False
+    """The leader's lease was revoked (once per round)."""
+
+
 class Deputy:
     """A non-leader agent's side; `check()` once per election tick."""
 
-    def __init__(self, client: EtcdClient, keys: Keys, *, node_id: str, ping_timeout_s: float,
-                 reader: Any = None, outage_grace_s: float = 0.0) -> None:
+    def __init__(self, client: KVStore, keys: Keys, *, node_id: str, ping_timeout_s: float,
+                 reader: Optional[KVReader] = None, outage_grace_s: float = 0.0, clock: Clock = time.monotonic) -> None:
         self.client, self.keys, self.node_id = client, keys, node_id
-        self.reader = reader if reader is not None else client
+        self.reader: KVReader = reader if reader is not None else client
         self.ping_timeout_s = ping_timeout_s
         self.outage_grace_s = outage_grace_s
-        self._watch: Optional[dict[str, Any]] = None
+        self.clock = clock
+        self._round: Optional[_DeputyRound] = None
 
     def check(self, plan: Optional[Plan | Roster]) -> bool:
         """Whether this call revoked a dead leader's lease (the caller should campaign now)."""
         if plan is None:
             return False
         entries = checkins(self.reader, self.keys, plan.generation)
-        leader = (self.reader.get_json(self.keys.leader)[0] or {})
-        leader_node = leader.get("node_id") if isinstance(leader, dict) else None
+        leader = read_leader(self.reader, self.keys)
+        leader_node = leader.node_id if leader is not None else None
         checked_in = [n for n in plan.nodes if n != leader_node and any(node == n for node, _ in entries)]
         leader_heard = any(node == leader_node for node, _ in entries)  # its workers live: so does it, likely
         if not entries or not leader_node or leader_heard or not checked_in or checked_in[0] != self.node_id:
-            self._watch = None
+            self._round = None
             return False
-        w = self._watch
-        if w is None or w["generation"] != plan.generation or w["leader"] != leader_node:
-            self._watch = w = {"generation": plan.generation, "leader": leader_node,
-                               "pinger": _Pinger(self.client, self.keys, self.reader), "done": False}
-            w["pinger"].ping(leader_node)
+        w = self._round
+        if w is None or w.generation != plan.generation or w.leader != leader_node:
+            self._round = _DeputyRound(plan.generation, leader_node,
+                                       _Pinger(self.client, self.keys, self.reader, self.clock))
+            self._round.pinger.ping(leader_node)
             return False
-        pinger: _Pinger = w["pinger"]
         # twice the roll call's patience: deposing a live leader costs a node (it is fenced)
-        if w["done"] or pinger.answered(leader_node) or pinger.waited(leader_node) < 2 * self.ping_timeout_s:
+        if w.done or w.pinger.answered(leader_node) or w.pinger.waited(leader_node) < 2 * self.ping_timeout_s:
             return False
         if self.outage_grace_s and self.client.outage_within(self.outage_grace_s):
             return False  # the leader could not answer while etcd was away: ask it again later
-        w["done"] = True
+        w.done = True
         data, _ = self.client.get_json(self.keys.node(leader_node))  # not mirrored by non-leaders
         rec = NodeRecord.parse(data, key=self.keys.node(leader_node)) if data is not None else None
         detail = (f"leader {leader_node} did not answer a ping during the roll call of generation "
@@ -178,16 +202,26 @@ class Deputy:
         return True
 
 
+class Monitor(Protocol):
+    """What `LeaderWatch` uses of a `LivenessMonitor` (tests pass a fake)."""
+
+    def watch(self, targets: dict[str, str]) -> None: ...
+
+    def take_dead(self) -> set[str]: ...
+
+    def close(self) -> None: ...
+
+
 class LeaderWatch:
     """The deputy's fast path (liveness.py): the roster's first node other than the leader holds a
     liveness connection to the leader's agent; when it finds the agent gone it revokes the
     leader's lease at once (the leader key and its node record go with it), and campaigns."""
 
-    def __init__(self, client: EtcdClient, keys: Keys, *, node_id: str, reader: Any,
-                 on_dead: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(self, client: KVStore, keys: Keys, *, node_id: str, reader: KVReader,
+                 on_dead: Optional[Callable[[str], None]] = None, monitor: Optional[Monitor] = None) -> None:
         self.client, self.keys, self.node_id, self.reader = client, keys, node_id, reader
         self.on_dead = on_dead
-        self.monitor: Optional[LivenessMonitor] = None  # made when first needed
+        self.monitor: Optional[Monitor] = monitor  # a LivenessMonitor, made when first needed
         self._record: Optional[tuple[str, Optional[NodeRecord]]] = None  # (leader node, its record), cached
 
     def watch(self, leader: Optional[NodeRecord]) -> None:
@@ -202,8 +236,8 @@ class LeaderWatch:
 
     def check(self, roster: Optional[Roster]) -> bool:
         """Whether the leader's agent was found dead (then its lease was revoked here)."""
-        data, _ = self.reader.get_json(self.keys.leader)
-        node = data.get("node_id") if isinstance(data, dict) else None
+        leader = read_leader(self.reader, self.keys)
+        node = leader.node_id if leader is not None else None
         deputy = next((n for n in roster.nodes if n != node), None) if roster is not None else None
         if node is None or deputy != self.node_id:  # one agent watches: the roster's first other node
             self.watch(None)

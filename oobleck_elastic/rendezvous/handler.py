@@ -56,8 +56,9 @@ from ..etcd.mirror import Mirror
 from ..etcd.server import free_port
 from ..planning import (MicrobatchError, ModelProfile, Plan, PlanningError, ProfileError, choose_tensor_parallel,
                         load_profiles, plan_job, templates_for)
-from .keys import (ClosedRecord, Event, EventKind, Keys, NodeState, Roster, read_closed, read_roster,
-                   withdrawn_readiness)
+from ..etcd.protocols import KVReader
+from .keys import Keys
+from .records import ClosedRecord, Event, EventKind, NodeState, ReadyRecord, Roster, read_closed, read_roster
 from .leader import JobUnplannable, Leader
 from .liveness import LivenessServer
 from .membership import Member, mark_draining, put_event
@@ -171,7 +172,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         return False
 
     @property
-    def reader(self) -> Any:
+    def reader(self) -> KVReader:
         """The agent's mirror once the node registered; etcd before."""
         return self.view if self.view is not None else self.client
 
@@ -276,7 +277,8 @@ class OobleckRendezvousHandler(RendezvousHandler):
             self.client.put_json(self.keys.errors, dataclasses.replace(rec, traceback=stack[-4000:]).to_json())
             # not ready until the restarted worker says so: the next plan leaves the node out, and it
             # joins again at a step boundary (leader._not_ready), off the survivors' critical path
-            self.client.put_json(f"{self.keys.ready(node)}{local_rank}", withdrawn_readiness("hung worker restarting"))
+            self.client.put_json(self.keys.ready_worker(node, local_rank),
+                                 ReadyRecord.withdraw("hung worker restarting").to_json())
             put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.HANG, node=node,
                                                     generation=generation, detail=f"{err}: stopped, its agent "
                                                     f"restarts it; first stack lines: {stack.strip()[:300]}"))

@@ -44,18 +44,21 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from ..etcd import EtcdClient, EtcdError
 from ..etcd.client import KV, parse_json, warn_once
 from ..etcd.mirror import Mirror
+from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
-from .decide import Action, Clocks, LeaderView, Rules, decide, desired_nodes
-from .detect import Deputy, LeaderWatch, RollCall
-from .liveness import LIVENESS_LOST, LivenessMonitor
-from .keys import (ClosedRecord, Event, EventKind, Keys, NodeRecord, NodeState, Roster, read_closed, read_roster,
-                   readiness_withdrawn)
+from .decide import Action, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide, plan_events
+from .detect import LOST_BECAUSE, Deputy, LeaderWatch, RollCall
+from .keys import Keys
+from .liveness import LivenessMonitor
 from .membership import Member, live_nodes, put_event
+from .records import (Admission, ClosedRecord, Event, EventKind, FenceRecord, LeaderRecord, NodeRecord, NodeState,
+                      Roster, is_fenced, read_admitted, read_closed, read_fences, read_ready, read_roster,
+                      readiness_withdrawn)
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +66,6 @@ _FENCED_KEEP_S = 600.0
 _TXN_EVENTS = 100  # events written in the plan's transaction at most (etcd allows 128 operations)
 _IDLE_S = 1.0  # the leader's tick while nothing waits on the clock (a change wakes it at once)
 Planner = Callable[[list[str], int, Optional[Plan]], Plan]  # (nodes, generation, previous plan)
-
-
-_ROLL_CALL_LOST = "a peer saw its connections break and its agent did not answer a ping"
-_LIVENESS_BATCH_S = 0.05  # after a liveness verdict, how long to wait for more deaths to re-plan once
 
 
 class JobUnplannable(PlanningError):
@@ -79,11 +78,12 @@ class Leader:
     def __init__(self, client: EtcdClient, keys: Keys, member: Member, *, planner: Planner, min_nodes: int,
                  max_nodes: int, last_call_s: float, settle_s: float, tick_s: float = 0.05,
                  ping_timeout_s: float = 0.3, profile_ready: Callable[[], bool] | None = None,
-                 profile_timeout_s: float = 600.0, profile_log_s: float = 10.0, view: Any = None) -> None:
+                 profile_timeout_s: float = 600.0, profile_log_s: float = 10.0,
+                 view: Optional[KVReader] = None) -> None:
         self.client, self.keys, self.member = client, keys, member
         # what the leader reads: a Mirror of `Keys.agent_watched` (no etcd request per tick; a change
         # wakes the loop at once), or etcd itself when there is none (some tests)
-        self.view: Any = view if view is not None else client
+        self.view: KVReader = view if view is not None else client
         self._version = 0
         self._plans = PlanReader(keys.plan)
         self.planner = planner
@@ -100,7 +100,6 @@ class Leader:
         self._waiting_for: Optional[int] = None
         self._unplannable: Optional[tuple[tuple[str, ...], int]] = None
         self.liveness: Optional[LivenessMonitor] = None  # connections to the plan's agents while leading
-        self._lost_why: dict[str, str] = {}
         self._pending_dead: dict[str, float] = {}  # found dead by liveness -> when (monotonic)
         self.rollcall = RollCall(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view)
         self.deputy = Deputy(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view,
@@ -150,7 +149,7 @@ class Leader:
         else:
             self._stop.wait(timeout)
 
-    def _caught_up(self, key: str, done: Callable[[Any], bool]) -> None:
+    def _caught_up(self, key: str, done: Callable[[Optional[KV]], bool]) -> None:
         """After a write: wait (briefly) until the mirror shows it, so the next tick does not act
         on the state before it."""
         if isinstance(self.view, Mirror):
@@ -161,7 +160,7 @@ class Leader:
         if current is not None and isinstance(self.view, Mirror):  # someone leads: no request needed
             self._clear_bogus_leader(current)
             return False
-        value = json.dumps({"node_id": self.member.node_id, "since": time.time()}).encode()
+        value = LeaderRecord(node_id=self.member.node_id, since=time.time()).encode()
         try:
             won = self.client.put_if_absent(self.keys.leader, value, lease=self.member.lease)
         except EtcdError:
@@ -187,8 +186,8 @@ class Leader:
         if kv is None:
             return
         try:
-            record = json.loads(kv.value)
-            bogus = not (isinstance(record, dict) and isinstance(record.get("node_id"), str)) or not kv.lease
+            LeaderRecord.parse(json.loads(kv.value))
+            bogus = not kv.lease
         except (ValueError, UnicodeDecodeError):
             bogus = True
         if bogus:
@@ -217,8 +216,8 @@ class Leader:
                 self.view.remove(self.keys.leader_watched())
 
     def _lead_loop(self) -> None:
-        """The leader's loop: read the mirror into a `LeaderView`, run the roll call (pings), then
-        do what `decide` says (decide.py holds every rule; this loop only does the I/O)."""
+        """The leader's loop: read what it sees into a `LeaderView` (the detectors run meanwhile),
+        ask `decide` what to do, do it. decide.py holds every rule; this loop only does the I/O."""
         self.is_leader.set()
         clocks = Clocks()
         rules = Rules(min_nodes=self.min_nodes, max_nodes=self.max_nodes, last_call_s=self.last_call_s,
@@ -227,63 +226,38 @@ class Leader:
             if read_closed(self.view, self.keys) is not None:
                 self._pause(self.tick_s * 4)
                 continue
-            records = live_nodes(self.view, self.keys)
-            up = [r for r in records if r.state == NodeState.UP]
-            plan, rev = self._plans.read(self.view)  # mirrored while leading (Keys.leader_watched)
-            if plan is None and rev is not None:  # a value that is not a plan: generations go on from history
-                plan = newest_history_plan(self.client, self.keys)
-            fenced = self._fenced(records)
-            outage_recent = self.client.outage_within(self.member.lease_ttl_s + self.settle_s)
-            if plan is not None:
-                self._profile_wait = None
-                if self._liveness_verdict(plan, rev, records, up, fenced):
-                    clocks = Clocks()
-                    continue
-                dead = self.rollcall.check(plan, records)
-                if dead and outage_recent:
-                    # records vanish and pings go unanswered while etcd is away: the nodes renew
-                    # their leases and answer within a TTL of its return, so the verdict waits
-                    warn_once(self.keys.rollcall(plan.generation), plan.generation,
-                              f"node {self.member.node_id}: roll call of generation {plan.generation}: "
-                              f"{', '.join(dead)} silent right after an etcd outage; asking again once the "
-                              "outage is a lease TTL past")
-                    self._pause(self.tick_s)
-                    continue
-                if dead is not None:  # workers saw a failure: re-plan now, without unresponsive nodes
-                    for node in dead:
-                        self._declare_lost(node, plan.generation)
-                    nodes = desired_nodes(plan, [r.node_id for r in up], fenced | set(dead) | self._not_ready(plan, up),
-                                          self.max_nodes)
-                    self._publish(nodes, plan, rev, records, lost=set(dead))
-                    self.rollcall.reset()
-                    clocks = Clocks()
-                    continue
-            view = LeaderView(up=tuple(r.node_id for r in up), plan=plan, fenced=frozenset(fenced),
-                              admitted=frozenset(self.keys.node_of(k)
-                                                 for k, _ in self.view.get_prefix_json(self.keys.admitted(""))),
-                              not_ready=frozenset(self._not_ready(plan, up)) if plan is not None else frozenset(),
-                              outage_recent=outage_recent)
+            view, rev, records = self._read_view()
             decision = decide(view, clocks, time.monotonic(), rules)
             clocks = decision.clocks
-            for node in decision.admit:
-                self.client.put_json(self.keys.admitted(node), {"time": time.time()})
-            if decision.held:
-                warn_once(self.keys.nodes, plan.generation if plan else 0,
-                          f"node {self.member.node_id}: node(s) {', '.join(decision.held)} missing right after an "
-                          "etcd outage: waiting a lease TTL for them to renew before re-planning")
-            if decision.action == Action.FIRST_PLAN:
-                self._first_plan(list(decision.nodes), rev, records)
-            elif decision.action == Action.REPLAN:
-                self._publish(list(decision.nodes), plan, rev, records)
+            self._act(decision, view.plan, rev, records)
+            if decision.recheck_s is not None:
+                if decision.recheck_s > 0:
+                    self._pause(decision.recheck_s)
+                continue
             # with nothing pending on the clock, only a change can call for action: sleep until one
-            waiting = decision.action != Action.NONE or plan is None or self.rollcall.open
+            waiting = decision.action != Action.NONE or view.plan is None or self.rollcall.open
             self._pause(self.tick_s if waiting else _IDLE_S)
 
-    def _liveness_verdict(self, plan: Plan, rev: Optional[int], records: list[NodeRecord], up: list[NodeRecord],
-                          fenced: set[str]) -> bool:
-        """Watch the plan's other agents' liveness sockets (liveness.py); when some are found dead,
-        declare them lost and re-plan without them `_LIVENESS_BATCH_S` after the first (deaths
-        within it share one re-plan). Whether it acted (re-planned, or waits for the batch)."""
+    def _read_view(self) -> tuple[LeaderView, Optional[int], list[NodeRecord]]:
+        """What the leader sees now (from its mirror), with the plan key's revision and the node
+        records that the writes need."""
+        records = live_nodes(self.view, self.keys)
+        up = [r for r in records if r.state == NodeState.UP]
+        plan, rev = self._plans.read(self.view)  # mirrored while leading (Keys.leader_watched)
+        if plan is None and rev is not None:  # a value that is not a plan: generations go on from history
+            plan = newest_history_plan(self.client, self.keys)
+        view = LeaderView(up=tuple(r.node_id for r in up), plan=plan, fenced=frozenset(self._fenced(records)),
+                          admitted=frozenset(read_admitted(self.view, self.keys)),
+                          not_ready=frozenset(self._not_ready(plan, up)) if plan is not None else frozenset(),
+                          outage_recent=self.client.outage_within(self.member.lease_ttl_s + self.settle_s),
+                          dead=self._detect(plan, records) if plan is not None else None)
+        return view, rev, records
+
+    def _detect(self, plan: Plan, records: list[NodeRecord]) -> Optional[Detection]:
+        """Nodes of `plan` found dead since the last re-plan: by the liveness sockets (liveness.py:
+        connections to the plan's other agents), or else by the roll call (detect.py). The roll
+        call does not run while liveness deaths are pending: `decide` acts on those first, and the
+        pings would be wasted."""
         assert self.liveness is not None
         me = self.member.node_id
         self.liveness.watch({r.node_id: r.liveness for r in records
@@ -291,22 +265,45 @@ class Leader:
         now = time.monotonic()
         for node in self.liveness.take_dead() & set(plan.nodes):
             self._pending_dead.setdefault(node, now)
-        if not self._pending_dead:
-            return False
-        if now - min(self._pending_dead.values()) < _LIVENESS_BATCH_S:
-            self._pause(_LIVENESS_BATCH_S / 2)  # nodes that die together (a rack) go in one re-plan
-            return True
-        gone = sorted(n for n in self._pending_dead if n in plan.nodes)
+        pending = {node: at for node, at in self._pending_dead.items() if node in plan.nodes}
+        if pending:
+            return Detection(Detector.LIVENESS, tuple(sorted(pending)), since=min(pending.values()))
         self._pending_dead.clear()
-        if not gone:
-            return False
-        for node in gone:
-            self._declare_lost(node, plan.generation)
-            self._lost_why[node] = LIVENESS_LOST
-        nodes = desired_nodes(plan, [r.node_id for r in up], fenced | set(gone), self.max_nodes)
-        self._publish(nodes, plan, rev, records, lost=set(gone))
-        self.rollcall.reset()
-        return True
+        dead = self.rollcall.check(plan, records)
+        return Detection(Detector.ROLL_CALL, tuple(dead)) if dead is not None else None
+
+    def _act(self, decision: Decision, plan: Optional[Plan], rev: Optional[int], records: list[NodeRecord]) -> None:
+        """Do what `decide` said: admit nodes, say why a re-plan is held, declare nodes lost and
+        publish the next plan (or the first one)."""
+        if plan is not None:
+            self._profile_wait = None
+        for node in decision.admit:
+            self.client.put_json(self.keys.admitted(node), Admission(time=time.time()).to_json())
+        if decision.held:
+            self._warn_held(decision.held, decision.detection, plan.generation if plan else 0)
+        if decision.action == Action.FIRST_PLAN:
+            self._first_plan(list(decision.nodes), rev, records)
+        elif decision.action == Action.REPLAN:
+            lost = {node: LOST_BECAUSE[decision.detection] for node in decision.lost if decision.detection}
+            for node in lost:
+                self._declare_lost(node, plan.generation if plan else 0)
+            self._publish(list(decision.nodes), plan, rev, records, lost=lost)
+            if decision.detection is not None:  # the verdict is acted on: the next one starts afresh
+                self.rollcall.reset()
+                self._pending_dead.clear()
+
+    def _warn_held(self, held: tuple[str, ...], detection: Optional[Detector], generation: int) -> None:
+        """One line per generation: a re-plan (or a roll call's verdict) waits out an etcd outage."""
+        me, nodes = self.member.node_id, ", ".join(held)
+        if detection == Detector.ROLL_CALL:
+            # records vanish and pings go unanswered while etcd is away: the nodes renew their
+            # leases and answer within a TTL of its return, so the verdict waits
+            warn_once(self.keys.rollcall(generation), generation,
+                      f"node {me}: roll call of generation {generation}: {nodes} silent right after an etcd "
+                      "outage; asking again once the outage is a lease TTL past")
+        else:
+            warn_once(self.keys.nodes, generation, f"node {me}: node(s) {nodes} missing right after an etcd outage: "
+                                                   "waiting a lease TTL for them to renew before re-planning")
 
     def _first_plan(self, nodes: list[str], rev: int | None, records: list[NodeRecord]) -> None:
         """Publish generation 1 on `nodes` when the profile is at hand; otherwise admit them (their
@@ -319,7 +316,7 @@ class Leader:
         if self._profile_wait is None:
             for node in nodes:
                 if self.view.get_json(self.keys.admitted(node))[0] is None:
-                    self.client.put_json(self.keys.admitted(node), {"time": time.time()})
+                    self.client.put_json(self.keys.admitted(node), Admission(time=time.time()).to_json())
             self._profile_wait = (now, now + self.profile_log_s)
             detail = (f"admitted {len(nodes)} node(s) ({', '.join(nodes)}); their workers start, and one per device "
                       "kind measures the profile the first plan needs")
@@ -353,18 +350,17 @@ class Leader:
         off from etcd must still find it when it comes back)."""
         live = {r.node_id for r in records}
         fenced = set()
-        for key, data in self.view.get_prefix_json(self.keys.fenced):
-            node = self.keys.node_of(key)
+        for node, rec in read_fences(self.view, self.keys):
             if node in live:
                 fenced.add(node)
-            elif not isinstance(data, dict) or time.time() - float(data.get("time", 0)) > _FENCED_KEEP_S:
-                self.client.delete(key)
+            elif rec is None or time.time() - rec.time > _FENCED_KEEP_S:
+                self.client.delete(self.keys.fence(node))
         return fenced
 
     def _declare_lost(self, node: str, generation: int) -> None:
         """`fenced/<node>`: excluded from plans; its workers stop, and its agent fences itself if it
         comes back (membership.py)."""
-        self.client.put_json(self.keys.fenced + node, {"time": time.time(), "generation": generation})
+        self.client.put_json(self.keys.fence(node), FenceRecord(time=time.time(), generation=generation).to_json())
 
     def _not_ready(self, plan: Plan, up: list[NodeRecord]) -> set[str]:
         """New nodes whose workers have not all said they are ready: a plan with them would make
@@ -373,13 +369,15 @@ class Leader:
         rendezvous/hang.py), which rejoin once it is ready again."""
         waiting = set()
         for rec in up:
-            entries = [value for _, value in self.view.get_prefix_json(self.keys.ready(rec.node_id))]
+            entries = read_ready(self.view, self.keys, rec.node_id)
             if readiness_withdrawn(entries) or (rec.node_id not in plan.nodes and len(entries) < rec.devices):
                 waiting.add(rec.node_id)
         return waiting
 
     def _publish(self, nodes: list[str], old: Optional[Plan], rev: Optional[int], records: list[NodeRecord],
-                 lost: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+                 lost: Optional[Mapping[str, str]] = None) -> None:
+        """Plan generation g+1 on `nodes` and publish it (`lost`: the nodes found dead, and how)."""
+        lost = lost or {}
         generation = (old.generation if old else 0) + 1
         if self._unplannable == (tuple(nodes), generation):
             return  # the planner already refused exactly this; do not burn CPU on it every tick
@@ -400,7 +398,8 @@ class Leader:
             return
         self._waiting_for = None
         plan = dataclasses.replace(plan, donors=self._donors(plan, old, records, lost))
-        events = self._events(plan, old, records, lost)
+        events = plan_events(plan, old, {r.node_id: r.state for r in records}, lost, leader=self.member.node_id,
+                             now=time.time())
         live = {r.node_id for r in records}
         # a node dropped because its record vanished is fenced first: if it was only cut off from
         # etcd, it learns from this, when it comes back, that the job moved on without it
@@ -425,7 +424,8 @@ class Leader:
             log.info("node %s: plan generation %d lost a race (plan or leadership changed)", self.member.node_id,
                      generation)
 
-    def _donors(self, plan: Plan, old: Optional[Plan], records: list[NodeRecord], lost: set[str]) -> tuple[str, ...]:
+    def _donors(self, plan: Plan, old: Optional[Plan], records: list[NodeRecord],
+                lost: Mapping[str, str]) -> tuple[str, ...]:
         """Nodes of `old` that ran a stage, are draining now and leave with `plan`: they join its
         entry to hand their layers over, then leave. Only from the generation just left (a donor
         whose entry failed leaves anyway: its layers then come from others or the checkpoint)."""
@@ -434,34 +434,7 @@ class Leader:
         draining = {r.node_id for r in records if r.state == NodeState.DRAINING}
         staged = {s.node for p in old.pipelines for s in p.stages}
         return tuple(n for n in old.nodes if n in draining and n in staged and n not in plan.nodes and n not in lost
-                     and self.view.get(self.keys.fenced + n) is None)
-
-    def _events(self, plan: Plan, old: Optional[Plan], records: list[NodeRecord],
-                lost: set[str] = frozenset()) -> list[Event]:  # type: ignore[assignment]
-        now, me = time.time(), self.member.node_id
-        before = list(old.nodes) if old else []
-        added = [n for n in plan.nodes if n not in before]
-        removed = [n for n in before if n not in plan.nodes]
-        state = {r.node_id: r.state for r in records}
-        events = []
-        for n in removed:
-            kind = (EventKind.LOST if n in lost else EventKind.DRAIN if state.get(n) == NodeState.DRAINING else
-                    EventKind.LEAVE if n in state else EventKind.LOST)
-            events.append(Event(time=now, kind=kind, node=n, generation=plan.generation,
-                                detail={"drain": "drained at a step boundary" + (
-                                            "; hands its layers over in the entry" if n in plan.donors else ""),
-                                        "leave": "left the plan",
-                                        "lost": (self._lost_why.get(n, _ROLL_CALL_LOST) if n in lost
-                                                 else "lease expired or node unreachable"),
-                                        }[kind]))
-        causes = sorted({e.kind for e in events} | ({"join"} if added and old else set())) or (
-            ["restart"] if old else ["initial"])
-        events.append(Event(time=now, kind=EventKind.PLAN, node=me, generation=plan.generation,
-                            detail=f"{len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
-                                   f"{plan.world_size} worker(s) ({'/'.join(causes)}"
-                                   f"{': +' + ','.join(added) if added and old else ''}"
-                                   f"{' -' + ','.join(removed) if removed else ''})"))
-        return events
+                     and not is_fenced(self.view, self.keys, n))
 
 
 def _parse_plan(data: object, *, key: str = "plan", revision: Optional[int] = None) -> Optional[Plan]:
@@ -483,7 +456,7 @@ class PlanReader:
         self.key = key
         self._cached: Optional[tuple[int, Optional[Plan]]] = None  # (mod revision, plan)
 
-    def read(self, reader: Any) -> tuple[Optional[Plan], Optional[int]]:
+    def read(self, reader: KVReader) -> tuple[Optional[Plan], Optional[int]]:
         """(plan, mod revision) from `reader` (a Mirror or an EtcdClient): (None, None) if the key
         is absent, (None, revision) if it holds something that is not a plan (logged once)."""
         kv = reader.get(self.key)
@@ -495,7 +468,7 @@ class PlanReader:
         return self._cached[1], kv.mod_revision
 
 
-def newest_history_plan(client: EtcdClient, keys: Keys) -> Optional[Plan]:
+def newest_history_plan(client: KVReader, keys: Keys) -> Optional[Plan]:
     """The newest valid plan of the history (`plans/<generation>`): what the current plan was when
     the `plan` key holds something that is not a plan, so generations never go back."""
     plans = [p for key, data in client.get_prefix_json(keys.plans) if (p := _parse_plan(data, key=key)) is not None]

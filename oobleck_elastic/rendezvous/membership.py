@@ -33,15 +33,17 @@ from typing import Callable, Iterator, Optional
 
 from ..etcd import EtcdClient, EtcdError
 from ..etcd.client import warn_once
-from .keys import Event, EventKind, Keys, NodeRecord, NodeState
+from ..etcd.protocols import KVReader, KVStore
+from .keys import Keys
+from .records import Event, EventKind, NodeRecord, NodeState, is_fenced, read_admitted
 
 log = logging.getLogger(__name__)
 
 
-def live_nodes(client: EtcdClient, keys: Keys) -> list[NodeRecord]:
+def live_nodes(reader: KVReader, keys: Keys) -> list[NodeRecord]:
     """Every valid node record, by index (malformed ones are logged and skipped)."""
     out = []
-    for key, data in client.get_prefix_json(keys.nodes):
+    for key, data in reader.get_prefix_json(keys.nodes):
         rec = NodeRecord.parse(data, key=key)
         if rec is not None:
             out.append(rec)
@@ -57,7 +59,7 @@ def _counter(value: bytes) -> Optional[int]:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
-def put_event(client: EtcdClient, keys: Keys, event: Event) -> None:
+def put_event(client: KVStore, keys: Keys, event: Event) -> None:
     client.put_json(keys.event(event.node), event.to_json())
 
 
@@ -143,11 +145,10 @@ class Member:
     def _first_unused_index(self) -> int:
         """One more than any node index in use: live records, fenced and admitted nodes."""
         used = [r.index for r in live_nodes(self.client, self.keys)]
-        for prefix in (self.keys.fenced, self.keys.admitted("")):
-            for k, _ in self.client.get_prefix_json(prefix):
-                name = self.keys.node_of(k)
-                if name.startswith("node") and name[4:].isdigit():
-                    used.append(int(name[4:]))
+        fenced = {self.keys.node_of(k) for k, _ in self.client.get_prefix_json(self.keys.fenced)}
+        for name in fenced | read_admitted(self.client, self.keys):
+            if name.startswith("node") and name[4:].isdigit():
+                used.append(int(name[4:]))
         return max(used, default=-1) + 1
 
     def _keepalive(self) -> None:
@@ -178,7 +179,7 @@ class Member:
         """etcd let the lease expire although it was refreshed on time: take a new lease and put
         the same record under it, unless the leader declared this node lost meanwhile (then fence)."""
         assert self.record is not None
-        if self.client.get(self.keys.fenced + self.node_id) is not None:
+        if is_fenced(self.client, self.keys, self.node_id):
             self._fence("the lease expired while etcd was unreachable, and the leader declared this node lost")
             return False
         old = self.lease

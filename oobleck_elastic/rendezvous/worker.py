@@ -38,12 +38,15 @@ import torch.distributed as dist
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.client import warn_once
 from ..etcd.mirror import Mirror
+from ..etcd.protocols import KVReader
 from ..etcd.store import EtcdStore
 from ..planning import PipelineSpec, Plan, StagePlacement
 from ..engine.errors import ErrorRecord, next_error_record
 from ..engine.goodput import Ledger, Origin, job_origin
-from .keys import (CheckinKind, ClosedRecord, Event, EventKind, Keys, NodeRecord, NodeState, ProgressRecord,
-                   StragglerRecord, read_closed, read_progress, readiness_withdrawn)
+from .keys import Keys
+from .records import (Checkin, CheckinKind, ClosedRecord, Event, EventKind, NodeRecord, NodeState, ProfileClaim,
+                      ProgressRecord, ReadyRecord, StragglerRecord, is_fenced, read_closed, read_profile_claim,
+                      read_progress, read_ready, readiness_withdrawn)
 from .leader import PlanReader, _parse_plan
 from .membership import put_event, read_events
 
@@ -104,10 +107,10 @@ class WorkerContext:
 
     def watched(self) -> list[str]:
         """The keys (prefixes) a worker reads between steps."""
-        return [self.keys.plan, self.keys.closed, self.keys.fenced + self.node_id, self.keys.node(self.node_id)]
+        return [self.keys.plan, self.keys.closed, self.keys.fence(self.node_id), self.keys.node(self.node_id)]
 
     @property
-    def reader(self) -> Any:
+    def reader(self) -> KVReader:
         """Where reads go: the mirror, or etcd when there is none."""
         return self.view if self.view is not None else self.client
 
@@ -152,7 +155,7 @@ class WorkerContext:
         """Why this worker must exit 0 now, or None: the job is closed, or the node was drained."""
         if read_closed(self.reader, self.keys) is not None:
             return "the job is closed"
-        if self.reader.get_json(self.keys.fenced + self.node_id)[0] is not None:
+        if is_fenced(self.reader, self.keys, self.node_id):
             return f"node {self.node_id} was fenced (declared lost): it must not train on alone"
         if plan is not None and self.node_id not in plan.nodes:
             rec = self.record()
@@ -190,16 +193,14 @@ class WorkerContext:
         key, claim = self.keys.device_profile(label), self.keys.profile_claim(label)
         if valid(self.keys.profile) or valid(key):
             return
-        mine = {"schema_version": 1, "node": self.node_id, "local_rank": self.local_rank, "pid": os.getpid(),
-                "time": time.time()}
+        mine = ProfileClaim(node=self.node_id, local_rank=self.local_rank, pid=os.getpid(), time=time.time())
         rec = self.record()
         lease = rec.lease_id if rec is not None else None  # the claim vanishes with this node
-        if not self.client.put_if_absent(claim, json.dumps(mine), lease=lease):
-            holder, _ = self.client.get_json(claim)
-            if not (isinstance(holder, dict) and holder.get("node") == self.node_id
-                    and holder.get("local_rank") == self.local_rank):
-                return  # another worker measures this device kind
-            self.client.put_json(claim, mine, lease=lease)  # this worker's earlier run held it: take over
+        if not self.client.put_if_absent(claim, json.dumps(mine.to_json(), sort_keys=True), lease=lease):
+            holder = read_profile_claim(self.client, self.keys, label)
+            if holder is None or (holder.node, holder.local_rank) != (self.node_id, self.local_rank):
+                return  # another worker measures this device kind (or a malformed claim holds it)
+            self.client.put_json(claim, mine.to_json(), lease=lease)  # this worker's earlier run held it: take over
         log.info("node %s rank %d: measuring the profile of %s for the planner", self.node_id, self.local_rank,
                  label)
         try:
@@ -220,13 +221,14 @@ class WorkerContext:
 
     def report_ready(self) -> None:
         """This worker has imported everything and loaded its data: it can join a generation."""
-        self.client.put_json(f"{self.keys.ready(self.node_id)}{self.local_rank}", {"time": time.time(),
-                                                                                 "pid": os.getpid()})
+        self.client.put_json(self.keys.ready_worker(self.node_id, self.local_rank),
+                             ReadyRecord(time=time.time(), pid=os.getpid()).to_json())
 
     def report_failure(self, generation: int, *, kind: str = CheckinKind.FAILURE) -> None:
         """Check in at the leader's roll call: this worker saw generation `generation` break
         (`failure`), or has waited too long for its peers while joining it (`stall`)."""
-        self.client.put_json(self._checkin_key(generation), {"time": time.time(), "kind": kind})
+        self.client.put_json(self.keys.checkin(generation, self.node_id, self.local_rank),
+                             Checkin(time=time.time(), kind=CheckinKind(kind)).to_json())
         if kind == CheckinKind.STALL:
             self._stalled.add(generation)
 
@@ -252,10 +254,7 @@ class WorkerContext:
         withdrawn (the join was only slow), so the roll call does not go on pinging for it."""
         if generation in self._stalled:
             self._stalled.discard(generation)
-            self.client.delete(self._checkin_key(generation))
-
-    def _checkin_key(self, generation: int) -> str:
-        return f"{self.keys.rollcall(generation)}{self.node_id}/{self.local_rank}"
+            self.client.delete(self.keys.checkin(generation, self.node_id, self.local_rank))
 
     def join_watch(self, generation: int, *, stall_s: float) -> Callable[[float], None]:
         """The `EtcdStore.on_wait` hook of a worker joining `generation`: it gives up (raises)
@@ -327,7 +326,7 @@ class WorkerContext:
         def check() -> Optional[str]:
             if read_closed(self.reader, self.keys) is not None:
                 return "the job was closed"
-            if self.reader.get_json(self.keys.fenced + self.node_id)[0] is not None:
+            if is_fenced(self.reader, self.keys, self.node_id):
                 return f"node {self.node_id} was fenced (declared lost)"
             latest = self.plan()
             if latest is None or latest.generation <= plan.generation:
@@ -348,11 +347,11 @@ class WorkerContext:
         for node in current.nodes:
             if node in newer.nodes:
                 continue
-            if self.client.get_json(self.keys.fenced + node)[0] is not None:
+            if is_fenced(self.client, self.keys, node):
                 lost.append(node)
             elif self.client.get_json(self.keys.node(node))[0] is None:
                 lost.append(node)
-            elif readiness_withdrawn(v for _, v in self.client.get_prefix_json(self.keys.ready(node))):
+            elif readiness_withdrawn(read_ready(self.client, self.keys, node)):
                 lost.append(node)
         return lost
 

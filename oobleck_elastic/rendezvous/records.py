@@ -1,0 +1,518 @@
+"""The values stored under a job's etcd keys (keys.py), one record class per kind of value.
+
+Each record knows its JSON form (`to_json`) and how to validate a value read back. The newer
+records (`FenceRecord`, `Admission`, `ReadyRecord`, `Checkin`, `LeaderRecord`, `ProfileClaim`,
+`Roster`, `ClosedRecord`, `ProgressRecord`) have `parse(data)`, which raises ValueError naming
+what is wrong; the `read_*` helpers below log that once per key and revision and return None, so
+a malformed value is ignored (docs/design.md, invariant 5). `NodeRecord.parse` and
+`Event.parse` log and return None themselves. Kinds and states are `StrEnum`s: their values are
+the strings stored.
+
+The JSON forms are the wire format between agents and workers of one job and what tests and
+tools read: a record writes exactly the fields listed in the table of keys.py. A few values are
+signals whose presence is what counts (`fenced/<node>`, `admitted/<node>`, a roll-call
+check-in): their records say when and why, and a reader that only asks whether the key exists
+does not parse them. `ping/<node>` and `pong/<node>` hold a bare nonce (`Ping`), not JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
+
+from ..etcd.client import warn_once
+from ..etcd.protocols import KVReader
+from .keys import Keys
+
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+try:
+    from enum import StrEnum
+except ImportError:  # Python 3.10
+    class StrEnum(str, Enum):  # type: ignore[no-redef]
+        """A str-valued Enum (enum.StrEnum from Python 3.11 on)."""
+
+        def __str__(self) -> str:
+            return str(self.value)
+
+
+class NodeState(StrEnum):
+    """`NodeRecord.state`."""
+    UP = "up"
+    DRAINING = "draining"
+
+
+class EventKind(StrEnum):
+    """`Event.kind`."""
+    JOIN = "join"
+    LEAVE = "leave"
+    LOST = "lost"
+    DRAIN = "drain"
+    PLAN = "plan"
+    LEADER = "leader"
+    WAITING = "waiting"
+    CLOSED = "closed"
+    RENEW = "renew"
+    """A node renewed its lease after etcd let it expire (membership.py)."""
+    HANG = "hang"
+    """A node's agent found one of its workers hung in a step and stopped it (hang.py)."""
+    SKIP = "skip"
+    """The step guard did not apply a step: replayed, or its batch skipped (engine/guard.py)."""
+    REPAIR = "repair"
+    """A corrupt copy of a layer was replaced from its holders' majority (engine/fingerprint.py)."""
+    STRAGGLER = "straggler"
+    """A node was named persistently slower than the others, or no longer is (engine/straggler.py)."""
+
+
+class CheckinKind(StrEnum):
+    """Why a worker checked in at a roll call (`rollcall/g<g>/<node>/<local rank>`)."""
+    FAILURE = "failure"
+    """It saw a communication call of the generation fail."""
+    STALL = "stall"
+    """It waited too long for its peers while joining the generation."""
+
+
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    node_id: str
+    """Unique id of the node in this run (`node<index>`)."""
+    index: int
+    """Small integer the CLI uses (`kill-agent --index N`), assigned in order of arrival."""
+    host: str
+    """Host name or address of the node."""
+    devices: int
+    """Workers (devices) on the node (--nproc-per-node)."""
+    agent_pid: int
+    """PID of the torchrun agent."""
+    state: NodeState
+    """`up` or `draining`."""
+    since: float
+    """Unix time the node registered."""
+    lease_id: int
+    """etcd lease the record is bound to."""
+    liveness: str = ""
+    """"host:port" of the agent's liveness socket (liveness.py); empty: none."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def parse(cls, data: Any, *, key: str = "") -> Optional["NodeRecord"]:
+        """Validate a record read from etcd; log and return None when malformed."""
+        try:
+            if data.get("schema_version") != SCHEMA_VERSION:
+                raise ValueError(f"schema_version {data.get('schema_version')!r}")
+            rec = cls(node_id=str(data["node_id"]), index=int(data["index"]), host=str(data["host"]),
+                      devices=int(data["devices"]), agent_pid=int(data["agent_pid"]),
+                      state=NodeState(str(data["state"])), since=float(data["since"]),
+                      lease_id=int(data["lease_id"]), liveness=data.get("liveness", ""))
+            if not isinstance(rec.liveness, str):
+                raise ValueError(f"liveness {rec.liveness!r} is not a string")
+            if key and not key.endswith("/" + rec.node_id):
+                raise ValueError(f"node_id {rec.node_id!r} does not match the key")
+            return rec
+        except (AttributeError, KeyError, TypeError, ValueError) as err:
+            log.warning("ignoring malformed node record %s: %s", key, err)
+            return None
+
+
+@dataclass(frozen=True)
+class Roster:
+    """The value of `roster`: the current plan's generation and nodes. Agents read this instead
+    of the plan (150 KB at 1,000 nodes), so a re-plan sends each agent a few KB."""
+
+    generation: int
+    nodes: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "generation": self.generation, "nodes": list(self.nodes)}
+
+    @classmethod
+    def parse(cls, data: Any) -> "Roster":
+        if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError("not a roster record")
+        generation, nodes = data.get("generation"), data.get("nodes")
+        if not isinstance(generation, int) or generation < 1 or not isinstance(nodes, list) or \
+                not all(isinstance(n, str) for n in nodes):
+            raise ValueError(f"generation {generation!r} / nodes {str(nodes)[:40]} are not a roster")
+        return cls(generation=generation, nodes=tuple(nodes))
+
+
+@dataclass(frozen=True)
+class ClosedRecord:
+    """The value of `closed`: the job ended (finished, or `failed` with `reason`)."""
+
+    time: float
+    """Unix time it was closed."""
+    reason: str
+    """Why (e.g. `finished 20 steps`, or the error that stopped it)."""
+    failed: bool = False
+    """The job stopped because of an error: workers and agents exit non-zero."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def parse(cls, data: Any) -> "ClosedRecord":
+        """Validate a `closed` value; raises ValueError naming what is wrong."""
+        try:
+            if data.get("schema_version") != SCHEMA_VERSION:
+                raise ValueError(f"schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
+            if not isinstance(data.get("reason"), str) or not isinstance(data.get("failed", False), bool):
+                raise ValueError("reason must be a string and failed a boolean")
+            return cls(time=float(data["time"]), reason=data["reason"], failed=data.get("failed", False))
+        except (AttributeError, KeyError, TypeError) as err:
+            raise ValueError(f"not a closed record ({type(err).__name__}: {err})") from None
+
+
+@dataclass(frozen=True)
+class ProgressRecord:
+    """The value of `progress`: the job's last completed step, reported by the rank-0 worker."""
+
+    generation: int
+    """Generation the step ran in."""
+    step: int
+    """Steps completed."""
+    time: float
+    """Unix time of the report."""
+    node: str = ""
+    """Node of the reporting worker."""
+
+    @classmethod
+    def parse(cls, data: Any) -> "ProgressRecord":
+        """Validate a `progress` value (extra fields are allowed); raises ValueError."""
+        try:
+            gen, step = data["generation"], data["step"]
+            if not (isinstance(gen, int) and isinstance(step, int)) or gen < 0 or step < 0:
+                raise ValueError(f"generation and step must be integers >= 0 (got {gen!r}, {step!r})")
+            return cls(generation=gen, step=step, time=float(data["time"]), node=str(data.get("node", "")))
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"not a progress record ({type(err).__name__}: {err})") from None
+
+
+
+@dataclass(frozen=True)
+class Event:
+    time: float
+    """Unix time."""
+    kind: str
+    """An `EventKind`."""
+    node: str
+    """Node the event is about (or that wrote it)."""
+    generation: Optional[int] = None
+    """Plan generation, when it is about a plan."""
+    detail: str = ""
+    """Human-readable detail."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def parse(cls, data: Any, *, key: str = "") -> Optional["Event"]:
+        try:
+            if data.get("schema_version") != SCHEMA_VERSION:
+                raise ValueError(f"schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
+            gen = data.get("generation")
+            return cls(time=float(data["time"]), kind=EventKind(data["kind"]), node=str(data["node"]),
+                       generation=None if gen is None else int(gen), detail=str(data.get("detail", "")))
+        except (AttributeError, KeyError, TypeError, ValueError) as err:
+            log.warning("ignoring malformed event %s: %s", key, err)
+            return None
+
+    def line(self) -> str:
+        stamp = time.strftime("%H:%M:%S", time.localtime(self.time)) + f".{int(self.time % 1 * 1000):03d}"
+        gen = f" generation {self.generation}" if self.generation is not None else ""
+        return f"{stamp} {self.kind:<8} {self.node}{gen}{': ' + self.detail if self.detail else ''}"
+
+
+def _number(data: Any, name: str) -> float:
+    """`data[name]` as a float; ValueError when `data` is not a dict or the field is not a number."""
+    if not isinstance(data, dict):
+        raise ValueError(f"not a JSON object: {str(data)[:40]}")
+    value = data.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} {value!r} is not a number")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class LeaderRecord:
+    """The value of `leader`: the elected agent's node, bound to that node's lease."""
+
+    node_id: str
+    since: float
+    """Unix time it was elected."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "since": self.since}
+
+    def encode(self) -> bytes:
+        """The value as written (the leader compares it, byte for byte, in the plan's transaction)."""
+        return json.dumps(self.to_json(), sort_keys=True).encode()
+
+    @classmethod
+    def parse(cls, data: Any) -> "LeaderRecord":
+        if not isinstance(data, dict) or not isinstance(data.get("node_id"), str):
+            raise ValueError(f"not a leader record (no node_id): {str(data)[:60]}")
+        return cls(node_id=data["node_id"], since=_number(data, "since") if "since" in data else 0.0)
+
+
+@dataclass(frozen=True)
+class FenceRecord:
+    """The value of `fenced/<node>`: the leader declared the node lost (the key's presence is what
+    fences it; the leader drops an entry once the node's record is gone and the entry is old)."""
+
+    time: float
+    generation: int = 0
+    """The generation the node was lost in."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"time": self.time, "generation": self.generation}
+
+    @classmethod
+    def parse(cls, data: Any) -> "FenceRecord":
+        at = _number(data, "time")
+        generation = data.get("generation", 0)
+        if isinstance(generation, bool) or not isinstance(generation, int):
+            raise ValueError(f"generation {generation!r} is not an integer")
+        return cls(time=at, generation=generation)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The value of `admitted/<node>`: the leader admitted the node, so its agent starts its
+    workers (the key's presence is what counts)."""
+
+    time: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"time": self.time}
+
+    @classmethod
+    def parse(cls, data: Any) -> "Admission":
+        return cls(time=_number(data, "time"))
+
+
+@dataclass(frozen=True)
+class ReadyRecord:
+    """The value of `ready/<node>/<local rank>`: the worker loaded torch, its data and config and
+    can join a generation; or, `withdrawn`, its agent restarts it (hang.py) and the node counts as
+    not ready until the restarted worker reports ready again."""
+
+    time: float
+    pid: Optional[int] = None
+    """The worker's process id (absent in a withdrawn readiness)."""
+    withdrawn: bool = False
+    why: str = ""
+    """Why it was withdrawn."""
+
+    @classmethod
+    def withdraw(cls, why: str) -> "ReadyRecord":
+        """What an agent writes while it restarts that worker."""
+        return cls(time=time.time(), withdrawn=True, why=why)
+
+    def to_json(self) -> dict[str, Any]:
+        if self.withdrawn:
+            return {"time": self.time, "withdrawn": True, "why": self.why}
+        return {"time": self.time, **({"pid": self.pid} if self.pid is not None else {})}
+
+    @classmethod
+    def parse(cls, data: Any) -> "ReadyRecord":
+        at = _number(data, "time")
+        pid = data.get("pid")
+        if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int)):
+            raise ValueError(f"pid {pid!r} is not an integer")
+        return cls(time=at, pid=pid, withdrawn=bool(data.get("withdrawn")), why=str(data.get("why", "")))
+
+
+@dataclass(frozen=True)
+class Checkin:
+    """The value of `rollcall/g<g>/<node>/<local rank>`: a worker of generation g saw a
+    communication call fail, or stalled joining g. The key is the evidence, so `parse` never
+    refuses one: a value it cannot read counts as a `failure` (a roll call too many costs a few
+    pings; a failure missed costs the job its timeout)."""
+
+    time: float
+    kind: CheckinKind = CheckinKind.FAILURE
+
+    def to_json(self) -> dict[str, Any]:
+        return {"time": self.time, "kind": str(self.kind)}
+
+    @classmethod
+    def parse(cls, data: Any) -> "Checkin":
+        kind = data.get("kind") if isinstance(data, dict) else None
+        at = data.get("time") if isinstance(data, dict) else None
+        return cls(time=float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else 0.0,
+                   kind=CheckinKind(kind) if kind in tuple(CheckinKind) else CheckinKind.FAILURE)
+
+
+@dataclass(frozen=True)
+class Ping:
+    """The value of `ping/<node>`: a nonce, one per round of pings; the node's agent answers by
+    copying it, byte for byte, to `pong/<node>` (handler.py)."""
+
+    nonce: str
+
+    @classmethod
+    def new(cls) -> "Ping":
+        return cls(nonce=f"{time.time_ns()}")
+
+    def encode(self) -> bytes:
+        return self.nonce.encode()
+
+    def answered_by(self, pong: Optional[bytes]) -> bool:
+        """Whether a `pong/<node>` value answers this ping."""
+        return pong is not None and pong == self.encode()
+
+
+@dataclass(frozen=True)
+class ProfileClaim:
+    """The value of `profile_claims/<device>`: this worker measures the profile of that device
+    kind (bound to its node's lease, so the claim vanishes with the node)."""
+
+    node: str
+    local_rank: int
+    pid: int
+    time: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def parse(cls, data: Any) -> "ProfileClaim":
+        at = _number(data, "time")
+        node, local_rank, pid = data.get("node"), data.get("local_rank"), data.get("pid")
+        if not isinstance(node, str) or not isinstance(local_rank, int) or not isinstance(pid, int):
+            raise ValueError(f"node {node!r} / local_rank {local_rank!r} / pid {pid!r} are not a claim")
+        return cls(node=node, local_rank=local_rank, pid=pid, time=at)
+
+
+
+# ---------------------------------------------------------------------- readers
+@dataclass(frozen=True)
+class StragglerRecord:
+    """The value of `stragglers`: what the worker holding rank 0 found after a step (engine/straggler.py)."""
+
+    generation: int
+    """Generation the speeds were measured in (the leader acts only on the current one's)."""
+    step: int
+    """The step after which they were found (0-based)."""
+    time: float
+    """Unix time of the report."""
+    nodes: dict[str, float]
+    """Nodes named stragglers -> their slowdown (empty: none any more)."""
+    pipeline_s: tuple[float, ...]
+    """Each pipeline's measured bottleneck, seconds per microbatch, in plan order."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "generation": self.generation, "step": self.step,
+                "time": self.time, "nodes": dict(self.nodes), "pipeline_s": list(self.pipeline_s)}
+
+    @classmethod
+    def parse(cls, data: Any) -> "StragglerRecord":
+        """Validate a `stragglers` value; raises ValueError naming what is wrong."""
+        try:
+            if data.get("schema_version") != SCHEMA_VERSION:
+                raise ValueError(f"schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
+            speeds = tuple(float(v) for v in data["pipeline_s"])
+            if any(v < 0 for v in speeds) or not isinstance(data["generation"], int):
+                raise ValueError("pipeline_s must be >= 0 and generation an integer")
+            return cls(generation=data["generation"], step=int(data["step"]), time=float(data["time"]),
+                       nodes={str(k): float(v) for k, v in data["nodes"].items()}, pipeline_s=speeds)
+        except (AttributeError, KeyError, TypeError) as err:
+            raise ValueError(f"not a stragglers record ({type(err).__name__}: {err})") from None
+
+
+def _read_record(reader: KVReader, key: str, parse: Callable[[Any], T]) -> Optional[T]:
+    """`parse` of the JSON value of `key`; None when it is absent, or malformed (then logged once
+    per revision and ignored)."""
+    data, revision = reader.get_json(key)
+    if data is None:
+        return None
+    try:
+        return parse(data)
+    except ValueError as err:
+        warn_once(key, revision, f"ignoring malformed value of {key}: {err}")
+        return None
+
+
+def _read_prefix(reader: KVReader, prefix: str, parse: Callable[[Any], T]) -> Iterator[tuple[str, T]]:
+    """(key, record) of every key under `prefix` whose value parses (the others are logged once)."""
+    for key, data in reader.get_prefix_json(prefix):
+        try:
+            yield key, parse(data)
+        except ValueError as err:
+            warn_once(key, None, f"ignoring malformed value of {key}: {err}")
+
+
+def read_roster(reader: KVReader, keys: Keys) -> Optional[Roster]:
+    """The current roster, or None (no plan yet, or a malformed value)."""
+    return _read_record(reader, keys.roster, Roster.parse)
+
+
+def read_progress(reader: KVReader, keys: Keys) -> Optional[ProgressRecord]:
+    """The job's progress, or None (none yet, or a malformed value)."""
+    return _read_record(reader, keys.progress, ProgressRecord.parse)
+
+
+def read_stragglers(reader: KVReader, keys: Keys) -> Optional[StragglerRecord]:
+    """The last stragglers report, or None (none yet, or a malformed value)."""
+    return _read_record(reader, keys.stragglers, StragglerRecord.parse)
+
+
+def read_closed(reader: KVReader, keys: Keys) -> Optional[ClosedRecord]:
+    """The job's `closed` record, or None while the job is open (a malformed value is ignored: a
+    stray value must never end a job)."""
+    return _read_record(reader, keys.closed, ClosedRecord.parse)
+
+
+def read_profile_claim(reader: KVReader, keys: Keys, device: str) -> Optional[ProfileClaim]:
+    """Who measures the profile of `device`, or None (nobody, or a malformed claim)."""
+    return _read_record(reader, keys.profile_claim(device), ProfileClaim.parse)
+
+
+def read_leader(reader: KVReader, keys: Keys) -> Optional[LeaderRecord]:
+    """Who leads, or None (nobody, or a value no agent wrote)."""
+    return _read_record(reader, keys.leader, LeaderRecord.parse)
+
+
+def read_fences(reader: KVReader, keys: Keys) -> Iterator[tuple[str, Optional[FenceRecord]]]:
+    """(node, its fence record) of every node declared lost; the record is None when the value is
+    malformed (the node is fenced all the same: the key's presence is what counts)."""
+    for key, data in reader.get_prefix_json(keys.fenced):
+        try:
+            yield keys.node_of(key), FenceRecord.parse(data)
+        except ValueError as err:
+            warn_once(key, None, f"malformed value of {key}: {err}")
+            yield keys.node_of(key), None
+
+
+def is_fenced(reader: KVReader, keys: Keys, node: str) -> bool:
+    """Whether the leader declared `node` lost: its key holds JSON (whatever the fields say; a
+    value that is not JSON is ignored, as the leader ignores it)."""
+    return reader.get_json(keys.fence(node))[0] is not None
+
+
+def read_admitted(reader: KVReader, keys: Keys) -> set[str]:
+    """The nodes the leader admitted (the keys' presence is what counts)."""
+    return {keys.node_of(key) for key, _ in reader.get_prefix_json(keys.admissions)}
+
+
+def read_ready(reader: KVReader, keys: Keys, node: str) -> list[ReadyRecord]:
+    """The readiness of `node`'s workers that reported (malformed values are logged and ignored)."""
+    return [rec for _, rec in _read_prefix(reader, keys.ready(node), ReadyRecord.parse)]
+
+
+def readiness_withdrawn(records: Iterable[ReadyRecord]) -> bool:
+    """Whether any of a node's readiness records was withdrawn by its agent (hang.py)."""
+    return any(rec.withdrawn for rec in records)

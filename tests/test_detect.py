@@ -1,0 +1,214 @@
+"""The failure detectors (rendezvous/detect.py) on made-up states: an in-memory store
+(etcd/memory.py) stands for etcd, a made-up clock for time, a fake for the liveness monitor. No
+etcd process, no threads."""
+
+from __future__ import annotations
+
+from oobleck_elastic.etcd.memory import MemoryKV
+from oobleck_elastic.rendezvous.detect import STALL_RECHECK_S, Deputy, LeaderWatch, RollCall
+from oobleck_elastic.rendezvous.keys import Keys
+from oobleck_elastic.rendezvous.membership import live_nodes, read_events
+from oobleck_elastic.rendezvous.records import (Checkin, CheckinKind, EventKind, LeaderRecord, NodeRecord, NodeState,
+                                                Roster)
+
+from helpers import layout_plan
+
+KEYS = Keys("/oobleck", "r")
+TIMEOUT = 0.25
+EPS = 1 / 64  # times are sums of binary fractions: exact, so a deadline is met exactly
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def cluster(nodes: int, *, leader: str = "n0", liveness: str = "") -> MemoryKV:
+    """n0..n{nodes-1} up, each record under its own lease; `leader` holds the leader key."""
+    kv = MemoryKV()
+    for i in range(nodes):
+        lease = kv.grant_lease(1.0)
+        rec = NodeRecord(node_id=f"n{i}", index=i, host="h", devices=1, agent_pid=1, state=NodeState.UP, since=0.0,
+                         lease_id=lease, liveness=liveness)
+        kv.put_json(KEYS.node(rec.node_id), rec.to_json(), lease=lease)
+        if rec.node_id == leader:
+            kv.put(KEYS.leader, LeaderRecord(node_id=leader, since=0.0).encode(), lease=lease)
+    return kv
+
+
+def check_in(kv: MemoryKV, generation: int, node: str, kind: CheckinKind = CheckinKind.FAILURE) -> None:
+    kv.put_json(KEYS.checkin(generation, node, 0), Checkin(time=1.0, kind=kind).to_json())
+
+
+def answer(kv: MemoryKV, node: str) -> None:
+    """What `node`'s agent does when it sees a ping: copy the nonce to its pong (handler.py)."""
+    kv.put(KEYS.pong(node), kv.get(KEYS.ping(node)).value)
+
+
+def plan_of(nodes: int, generation: int = 3):
+    return layout_plan([[(0, 6)]] * nodes, [2] * nodes, generation=generation)
+
+
+# ---------------------------------------------------------------------- RollCall (the leader's)
+def roll_call(kv: MemoryKV, clock: Clock) -> RollCall:
+    return RollCall(kv, KEYS, node_id="n0", ping_timeout_s=TIMEOUT, clock=clock)
+
+
+def test_no_checkin_no_roll_call() -> None:
+    kv, plan = cluster(4), plan_of(4)
+    rc = roll_call(kv, Clock())
+    assert rc.check(plan, live_nodes(kv, KEYS)) is None and not rc.open
+    assert kv.get(KEYS.ping("n1")) is None
+
+
+def test_silent_suspects_are_dead_after_the_ping_timeout_and_answering_ones_are_not() -> None:
+    kv, plan, clock = cluster(4), plan_of(4), Clock()
+    check_in(kv, plan.generation, "n1")
+    rc = roll_call(kv, clock)
+    assert rc.check(plan, live_nodes(kv, KEYS)) is None and rc.open  # pings sent; waiting for pongs
+    assert kv.get(KEYS.ping("n2")) is not None and kv.get(KEYS.ping("n3")) is not None
+    assert kv.get(KEYS.ping("n0")) is None and kv.get(KEYS.ping("n1")) is None  # the leader; checked in
+    answer(kv, "n2")
+    clock.now += TIMEOUT - EPS
+    assert rc.check(plan, live_nodes(kv, KEYS)) is None  # n3 still has time
+    clock.now += EPS
+    assert rc.check(plan, live_nodes(kv, KEYS)) == ["n3"]
+
+
+def test_a_suspect_without_a_record_is_dead_without_a_ping() -> None:
+    kv, plan = cluster(3), plan_of(3)
+    kv.revoke_lease(live_nodes(kv, KEYS)[2].lease_id)  # n2's record expired
+    check_in(kv, plan.generation, "n1")
+    assert roll_call(kv, Clock()).check(plan, live_nodes(kv, KEYS)) == ["n2"]
+    assert kv.get(KEYS.ping("n2")) is None
+
+
+def test_a_stale_pong_answers_nothing() -> None:
+    kv, plan, clock = cluster(2), plan_of(2), Clock()
+    kv.put(KEYS.pong("n1"), "an earlier nonce")
+    check_in(kv, plan.generation, "n0")
+    rc = roll_call(kv, clock)
+    assert rc.check(plan, live_nodes(kv, KEYS)) is None
+    clock.now += TIMEOUT
+    assert rc.check(plan, live_nodes(kv, KEYS)) == ["n1"]
+
+
+def test_a_failure_where_everyone_answers_asks_for_a_restart() -> None:
+    kv, plan = cluster(3), plan_of(3)
+    check_in(kv, plan.generation, "n1")
+    rc = roll_call(kv, Clock())
+    rc.check(plan, live_nodes(kv, KEYS))
+    answer(kv, "n2")
+    assert rc.check(plan, live_nodes(kv, KEYS)) == []  # re-plan on the same nodes
+
+
+def test_stalls_alone_where_everyone_answers_are_asked_again_later() -> None:
+    kv, plan, clock = cluster(3), plan_of(3), Clock()
+    check_in(kv, plan.generation, "n1", CheckinKind.STALL)
+    rc = roll_call(kv, clock)
+    rc.check(plan, live_nodes(kv, KEYS))
+    answer(kv, "n2")
+    assert rc.check(plan, live_nodes(kv, KEYS)) is None and rc.open  # only slow
+    clock.now += STALL_RECHECK_S
+    assert rc.check(plan, live_nodes(kv, KEYS)) is None and not rc.open  # the next check pings anew
+    first = kv.get(KEYS.ping("n2")).mod_revision
+    rc.check(plan, live_nodes(kv, KEYS))
+    assert kv.get(KEYS.ping("n2")).mod_revision > first
+
+
+def test_a_checkin_of_another_generation_or_a_malformed_key_is_ignored() -> None:
+    kv, plan = cluster(3), plan_of(3)
+    check_in(kv, plan.generation - 1, "n1")
+    kv.put_json(KEYS.rollcall(plan.generation) + "n1/not-a-rank", {"time": 1.0, "kind": "failure"})
+    assert roll_call(kv, Clock()).check(plan, live_nodes(kv, KEYS)) is None
+
+
+# ---------------------------------------------------------------------- Deputy (about the leader)
+def deputy(kv: MemoryKV, clock: Clock, node: str = "n1") -> Deputy:
+    return Deputy(kv, KEYS, node_id=node, ping_timeout_s=TIMEOUT, clock=clock, outage_grace_s=5.0)
+
+
+def test_the_deputy_revokes_the_lease_of_a_leader_that_does_not_answer() -> None:
+    kv, roster, clock = cluster(4), Roster(3, ("n0", "n1", "n2", "n3")), Clock()
+    check_in(kv, 3, "n1")
+    check_in(kv, 3, "n2")
+    d = deputy(kv, clock)
+    assert not d.check(roster) and kv.get(KEYS.ping("n0")) is not None  # pinged
+    clock.now += 2 * TIMEOUT - EPS  # twice the roll call's patience
+    assert not d.check(roster)
+    kv.outage = True  # etcd was away: the leader may not have seen the ping
+    clock.now += EPS
+    assert not d.check(roster)
+    kv.outage = False
+    assert d.check(roster)
+    assert kv.get(KEYS.leader) is None and kv.get(KEYS.node("n0")) is None  # its lease is gone
+    events = [ev for _, ev in read_events(kv, KEYS)]
+    assert [(ev.kind, ev.node, ev.generation) for ev in events] == [(EventKind.LOST, "n0", 3)]
+    assert not d.check(roster)  # once per round
+
+
+def test_a_leader_that_answers_keeps_its_lease() -> None:
+    kv, roster, clock = cluster(3), Roster(3, ("n0", "n1", "n2")), Clock()
+    check_in(kv, 3, "n1")
+    d = deputy(kv, clock)
+    d.check(roster)
+    answer(kv, "n0")
+    clock.now += 10 * TIMEOUT
+    assert not d.check(roster) and kv.get(KEYS.leader) is not None
+
+
+def test_only_the_first_node_that_checked_in_pings_and_not_when_the_leader_is_heard() -> None:
+    kv, roster, clock = cluster(4), Roster(3, ("n0", "n1", "n2", "n3")), Clock()
+    check_in(kv, 3, "n2")
+    assert not deputy(kv, clock, "n1").check(roster)  # n1 did not check in: n2 is the deputy
+    assert kv.get(KEYS.ping("n0")) is None
+    check_in(kv, 3, "n0")
+    assert not deputy(kv, clock, "n2").check(roster)  # the leader's own workers checked in: it lives
+    assert kv.get(KEYS.ping("n0")) is None
+
+
+# ---------------------------------------------------------------------- LeaderWatch (liveness)
+class FakeMonitor:
+    """A `LivenessMonitor` whose verdicts the test makes up."""
+
+    def __init__(self) -> None:
+        self.targets: dict[str, str] = {}
+        self.dead: set[str] = set()
+
+    def watch(self, targets: dict[str, str]) -> None:
+        self.targets = dict(targets)
+
+    def take_dead(self) -> set[str]:
+        dead, self.dead = self.dead & set(self.targets), set()
+        return dead
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_leader_watch_revokes_a_dead_leaders_lease_at_once() -> None:
+    kv, monitor = cluster(3, liveness="h:1"), FakeMonitor()
+    watch = LeaderWatch(kv, KEYS, node_id="n1", reader=kv, monitor=monitor)
+    roster = Roster(3, ("n0", "n1", "n2"))
+    assert not watch.check(roster) and monitor.targets == {"n0": "h:1"}
+    monitor.dead = {"n0"}
+    assert watch.check(roster)
+    assert kv.get(KEYS.leader) is None and kv.get(KEYS.node("n0")) is None
+    assert [ev.kind for _, ev in read_events(kv, KEYS)] == [EventKind.LOST]
+
+
+def test_only_the_rosters_first_other_node_watches_the_leader() -> None:
+    kv, monitor = cluster(3, liveness="h:1"), FakeMonitor()
+    watch = LeaderWatch(kv, KEYS, node_id="n2", reader=kv, monitor=monitor)
+    monitor.dead = {"n0"}
+    assert not watch.check(Roster(3, ("n0", "n1", "n2"))) and monitor.targets == {}
+    assert kv.get(KEYS.leader) is not None
+
+
+def test_a_leader_without_a_liveness_address_is_not_watched() -> None:
+    kv = cluster(3)
+    watch = LeaderWatch(kv, KEYS, node_id="n1", reader=kv)
+    assert not watch.check(Roster(3, ("n0", "n1", "n2"))) and watch.monitor is None  # no socket opened
