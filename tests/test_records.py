@@ -26,7 +26,7 @@ def test_leaf_keys_are_the_layout_of_the_table() -> None:
     assert KEYS.probe("node0", 1, 42) == "/oobleck/r/probe/node0/1/42"
     assert KEYS.plan_at(3) == "/oobleck/r/plans/00000003"
     assert KEYS.leader_watched() == ["/oobleck/r/plan", "/oobleck/r/nodes/", "/oobleck/r/fenced/",
-                                     "/oobleck/r/admitted/", "/oobleck/r/ready/"]
+                                     "/oobleck/r/admitted/", "/oobleck/r/ready/", "/oobleck/r/stragglers"]
 
 
 def test_keys_parse_back_what_they_build() -> None:
