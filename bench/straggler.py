@@ -58,7 +58,7 @@ def run(tmp: Path, *, rebalance: bool, steps: int, layout: str, tag: str) -> dic
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900).stdout
     (tmp / f"{tag}.log").write_text(out)
     times = {int(m.group(2)): float(m.group(4)) for m in LINE.finditer(out)}
-    return {"times": times, "rebalanced": "re-split" in out, "ok": f"step {steps}/{steps}" in out}
+    return {"times": times, "rebalanced": "(rebalance)" in out, "ok": f"step {steps}/{steps}" in out}
 
 
 def main() -> None:

@@ -4,7 +4,9 @@ the batch, the compute clock, and a job with one slowed node."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +16,9 @@ from oobleck_elastic.engine.faults import FaultInjector
 from oobleck_elastic.engine.straggler import ComputeClock, StragglerWatch, slowdowns
 from oobleck_elastic.planning import Plan
 from oobleck_elastic.planning.rebalance import rebalance, rebalanced_plan, step_estimate
-from oobleck_elastic.rendezvous.records import StragglerRecord
-from tests.helpers import ROOT, layout_plan
+from oobleck_elastic.rendezvous.decide import Action, Clocks, LeaderView, Rules, decide, plan_events
+from oobleck_elastic.rendezvous.records import NodeState, StragglerRecord
+from tests.helpers import ROOT, assert_same, layout_plan, run_job, tiny_profile
 
 
 def _plan(microbatches=(4, 4, 4, 4)) -> Plan:
@@ -128,6 +131,20 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def test_the_leader_re_splits_when_the_plan_is_otherwise_current() -> None:
+    plan = _plan()
+    rules = Rules(min_nodes=4, max_nodes=4, last_call_s=1, settle_s=0.5, rebalance=True)
+    view = LeaderView(up=plan.nodes, plan=plan, speeds=(0.1, 0.3, 0.1, 0.1))
+    got = decide(view, Clocks(), 10.0, rules)
+    assert got.action == Action.REBALANCE and got.plan == rebalanced_plan(plan, view.speeds)
+    events = plan_events(got.plan, plan, {n: NodeState.UP for n in plan.nodes}, {}, leader="n0", now=1.0)
+    assert [e.detail for e in events] == ["4 node(s), 4 pipeline(s), 4 worker(s) (rebalance)"]
+    # off, no gain, or a membership change pending (which re-plans anyway): no re-split
+    assert decide(view, Clocks(), 10.0, dataclasses.replace(rules, rebalance=False)).action == Action.NONE
+    assert decide(dataclasses.replace(view, speeds=(0.1,) * 4), Clocks(), 10.0, rules).action == Action.NONE
+    assert decide(dataclasses.replace(view, up=plan.nodes[:3]), Clocks(), 10.0, rules).action == Action.WAIT
+
+
 def test_compute_clock_counts_cpu_time_and_stretches_calls(one_thread) -> None:
     clock = ComputeClock(torch.device("cpu"))
     assert clock.timed(_spin)(0.05) == 0.05 and 0.05 <= clock.take() < 0.5 and clock.take() == 0.0
@@ -153,3 +170,27 @@ def test_settings_fault_specs_and_records() -> None:
     assert StragglerRecord.parse(rec.to_json()) == rec
     with pytest.raises(ValueError, match="not a stragglers record"):
         StragglerRecord.parse({"schema_version": 1, "generation": 2})
+
+
+@pytest.mark.slow
+def test_a_slow_node_is_named_and_the_batch_re_split_around_it(tmp_path: Path, etcd_server, run_id) -> None:
+    """Four one-stage pipelines; node1 computes 3x slower from the start. Its peers name it within
+    a few steps, the leader re-splits the 8 microbatches (node1's pipeline gets fewer), and the
+    job ends with the weights of one process (the global batch never changed)."""
+    profile = tiny_profile(tmp_path / "profile.json")
+    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 24, profile,
+                            extra=["planning.device_memory_gb=100"], env={"OOBLECK_STRAGGLE_AT": "node1@0:3"})
+    named = re.search(r"gen 1 step (\d+) node \S+: step \d+: straggler\(s\) node1 \(([\d.]+)x\)", out)
+    assert named is not None and int(named.group(1)) <= 8 and float(named.group(2)) >= 2, out[-3000:]
+    assert "reconfiguration: generation 1 -> 2 (rebalance): 4 node(s), 4 pipeline(s)" in out, out[-3000:]
+    assert "gen 2 step" in out and "communication failed" not in out and "abandoned" not in out, out[-3000:]
+    assert_same(job, ref)
+
+
+@pytest.mark.slow
+def test_no_straggler_is_named_in_a_clean_run(tmp_path: Path, etcd_server, run_id) -> None:
+    """Two two-stage pipelines (the last stages hold the head: their profile estimate is off, their
+    peers are not), 200 steps with nothing slowed: no node named, no re-split."""
+    profile = tiny_profile(tmp_path / "profile.json")
+    out, _, _ = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 200, profile, reference=False)
+    assert "step 200/200" in out and "straggler(s)" not in out and "(rebalance)" not in out, out[-3000:]

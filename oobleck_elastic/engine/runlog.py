@@ -126,7 +126,8 @@ class RunLog:
             log.info("gen %d step %d node %s rank %d: compiled graphs so far: %d", trainer.generation, step,
                      self.node, trainer.rank, graphs_compiled())
         if info is not None and info.previous > 0:
-            self.pending = (info, time.monotonic(), self._cause(nodes), self.broke_at)
+            cause = "rebalance" if trainer.plan is not None and trainer.plan.rebalanced else self._cause(nodes)
+            self.pending = (info, time.monotonic(), cause, self.broke_at)
         self.nodes_before, self.broke_at, self.restored = nodes, None, False
 
     def _log_memory(self, trainer: Trainer, step: int) -> None:

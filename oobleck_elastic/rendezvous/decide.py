@@ -16,7 +16,10 @@ changed. The rules:
 - **while the job runs**: late nodes are admitted (their agents start workers) while the plan has
   room; the desired node set is the plan's nodes still up and not fenced, then admitted nodes
   whose workers are all ready, up to `max_nodes`; a difference from the plan is published once it
-  has lasted `settle_s` (simultaneous failures and joins batch into one re-plan);
+  has lasted `settle_s` (simultaneous failures and joins batch into one re-plan); with no such
+  difference, when the workers name a straggler and report the pipelines' measured speeds for the
+  current generation (`speeds`), the microbatches are re-split among the same pipelines if that
+  shortens the estimated step by 10 % or more (planning/rebalance.py; `Rules.rebalance`);
 - **after a detector found nodes of the plan dead** (`Detection`), before anything else: those
   nodes are declared lost and the next generation is published at once, without the settle
   window. Deaths found by the liveness sockets wait `liveness_batch_s` from the first, so nodes
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Collection, Mapping, Optional, Sequence
 
 from ..planning import Plan
+from ..planning.rebalance import rebalanced_plan
 from .records import Event, EventKind, NodeState, StrEnum
 
 
@@ -57,6 +61,8 @@ class Action(StrEnum):
     """Plan generation 1 on `nodes` (or admit them first while the profile is measured)."""
     REPLAN = "replan"
     """Publish the next generation on `nodes`."""
+    REBALANCE = "rebalance"
+    """Publish `plan`: the same nodes and stages, the microbatches re-split around a straggler."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,9 @@ class Rules:
     """How long a membership change must last before it is re-planned."""
     liveness_batch_s: float = 0.05
     """After a liveness verdict, how long to wait for more deaths, so that they share one re-plan."""
+    rebalance: bool = False
+    """Re-split the microbatches at the pipelines' measured speeds when the workers name a
+    straggler (fault_tolerance.straggler_rebalance)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,9 @@ class LeaderView:
     """etcd was unreachable (or stalled) within a lease TTL + settle of now."""
     dead: Optional[Detection] = None
     """Nodes of the plan found dead since the last re-plan, if any."""
+    speeds: tuple[float, ...] = ()
+    """Each pipeline's measured seconds per microbatch, reported for the current generation while
+    the workers name a straggler (engine/straggler.py); empty otherwise."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,8 @@ class Decision:
     the liveness verdicts; WAIT: the verdict is held or batched)."""
     recheck_s: Optional[float] = None
     """Look again after this long instead of the loop's usual pause (0: at once)."""
+    plan: Optional[Plan] = None
+    """The plan to publish as it is (REBALANCE)."""
 
 
 def decide(view: LeaderView, clocks: Clocks, now: float, rules: Rules) -> Decision:
@@ -154,6 +168,9 @@ def decide(view: LeaderView, clocks: Clocks, now: float, rules: Rules) -> Decisi
     if dropped and view.outage_recent:
         return Decision(Action.WAIT, admit=tuple(admit), clocks=replace(clocks, change_seen=None), held=dropped)
     if desired == list(plan.nodes):
+        split = rebalanced_plan(plan, view.speeds) if rules.rebalance and view.speeds else None
+        if split is not None:
+            return Decision(Action.REBALANCE, admit=tuple(admit), plan=split, clocks=replace(clocks, change_seen=None))
         return Decision(Action.NONE, admit=tuple(admit), clocks=replace(clocks, change_seen=None))
     seen = clocks.change_seen if clocks.change_seen is not None else now
     if now - seen >= rules.settle_s:
@@ -218,7 +235,7 @@ def plan_events(plan: Plan, old: Optional[Plan], states: Mapping[str, NodeState]
                   EventKind.LOST: lost.get(n, "lease expired or node unreachable")}[kind]
         events.append(Event(time=now, kind=kind, node=n, generation=plan.generation, detail=detail))
     causes = sorted({e.kind for e in events} | ({"join"} if added and old else set())) or (
-        ["restart"] if old else ["initial"])
+        ["rebalance"] if plan.rebalanced else ["restart"] if old else ["initial"])
     events.append(Event(time=now, kind=EventKind.PLAN, node=leader, generation=plan.generation,
                         detail=f"{len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
                                f"{plan.world_size} worker(s) ({'/'.join(causes)}"

@@ -220,7 +220,11 @@ class OobleckRendezvousHandler(RendezvousHandler):
                                  min_nodes=self.params.min_nodes, max_nodes=self.params.max_nodes,
                                  last_call_s=self.last_call_s, settle_s=self.settle_s,
                                  profile_ready=self.profile_ready,
-                                 profile_timeout_s=self.cfg.fault_tolerance.rendezvous_timeout_s, view=self.view)
+                                 profile_timeout_s=self.cfg.fault_tolerance.rendezvous_timeout_s, view=self.view,
+                                 # GPipe keeps every microbatch in memory: its count is planned, not moved
+                                 rebalance=self.cfg.fault_tolerance.straggler_rebalance
+                                 and self.cfg.fault_tolerance.straggler_factor > 0
+                                 and self.cfg.planning.schedule == "1f1b")
             self.leader.start()
             threading.Thread(target=self._answer_pings, name="oobleck-pong", daemon=True).start()
             self._watch_preemption()

@@ -58,7 +58,7 @@ from .liveness import LivenessMonitor
 from .membership import Member, live_nodes, put_event
 from .records import (Admission, ClosedRecord, Event, EventKind, FenceRecord, LeaderRecord, NodeRecord, NodeState,
                       Roster, is_fenced, read_admitted, read_closed, read_fences, read_ready, read_roster,
-                      readiness_withdrawn)
+                      read_stragglers, readiness_withdrawn)
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,10 @@ class Leader:
                  max_nodes: int, last_call_s: float, settle_s: float, tick_s: float = 0.05,
                  ping_timeout_s: float = 0.3, profile_ready: Callable[[], bool] | None = None,
                  profile_timeout_s: float = 600.0, profile_log_s: float = 10.0,
-                 view: Optional[KVReader] = None) -> None:
+                 view: Optional[KVReader] = None, rebalance: bool = False) -> None:
+        """`rebalance`: re-split the microbatches around stragglers the workers name (decide.py)."""
         self.client, self.keys, self.member = client, keys, member
+        self.rebalance = rebalance
         # what the leader reads: a Mirror of `Keys.agent_watched` (no etcd request per tick; a change
         # wakes the loop at once), or etcd itself when there is none (some tests)
         self.view: KVReader = view if view is not None else client
@@ -221,7 +223,7 @@ class Leader:
         self.is_leader.set()
         clocks = Clocks()
         rules = Rules(min_nodes=self.min_nodes, max_nodes=self.max_nodes, last_call_s=self.last_call_s,
-                      settle_s=self.settle_s)
+                      settle_s=self.settle_s, rebalance=self.rebalance)
         while not self._stop.is_set() and self._still_leader():
             if read_closed(self.view, self.keys) is not None:
                 self._pause(self.tick_s * 4)
@@ -250,8 +252,17 @@ class Leader:
                           admitted=frozenset(read_admitted(self.view, self.keys)),
                           not_ready=frozenset(self._not_ready(plan, up)) if plan is not None else frozenset(),
                           outage_recent=self.client.outage_within(self.member.lease_ttl_s + self.settle_s),
-                          dead=self._detect(plan, records) if plan is not None else None)
+                          dead=self._detect(plan, records) if plan is not None else None,
+                          speeds=self._speeds(plan))
         return view, rev, records
+
+    def _speeds(self, plan: Optional[Plan]) -> tuple[float, ...]:
+        """The pipelines' measured seconds per microbatch, when the workers of `plan`'s generation
+        named a straggler (engine/straggler.py); empty otherwise."""
+        if not self.rebalance or plan is None:
+            return ()
+        rec = read_stragglers(self.view, self.keys)
+        return rec.pipeline_s if rec is not None and rec.generation == plan.generation and rec.nodes else ()
 
     def _detect(self, plan: Plan, records: list[NodeRecord]) -> Optional[Detection]:
         """Nodes of `plan` found dead since the last re-plan: by the liveness sockets (liveness.py:
@@ -283,6 +294,8 @@ class Leader:
             self._warn_held(decision.held, decision.detection, plan.generation if plan else 0)
         if decision.action == Action.FIRST_PLAN:
             self._first_plan(list(decision.nodes), rev, records)
+        elif decision.action == Action.REBALANCE and plan is not None and decision.plan is not None:
+            self._commit(decision.plan, plan, rev, records, {})
         elif decision.action == Action.REPLAN:
             lost = {node: LOST_BECAUSE[decision.detection] for node in decision.lost if decision.detection}
             for node in lost:
@@ -397,7 +410,13 @@ class Leader:
                                                         generation=generation, detail=str(err)))
             return
         self._waiting_for = None
-        plan = dataclasses.replace(plan, donors=self._donors(plan, old, records, lost))
+        self._commit(dataclasses.replace(plan, donors=self._donors(plan, old, records, lost)), old, rev, records, lost)
+
+    def _commit(self, plan: Plan, old: Optional[Plan], rev: Optional[int], records: list[NodeRecord],
+                lost: Mapping[str, str]) -> None:
+        """Publish `plan` as the next generation, with its events, in one transaction that holds
+        only while the plan key is at `rev` and this agent leads."""
+        generation = plan.generation
         events = plan_events(plan, old, {r.node_id: r.state for r in records}, lost, leader=self.member.node_id,
                              now=time.time())
         live = {r.node_id for r in records}
