@@ -54,7 +54,7 @@ def run(tmp: Path, *, rebalance: bool, steps: int, layout: str, tag: str) -> dic
     cmd = [sys.executable, "-m", "launcher.local", "--nodes", "4", "--rdzv-conf",
            "lease_ttl=2,settle=0.2,last_call_timeout=1", "--", "examples/train.py", "--config",
            "configs/gpt2-tiny.yaml", *overrides]
-    env = {**os.environ, "OOBLECK_STRAGGLE_AT": "node1@0:3"}
+    env = {**os.environ, "OOBLECK_STRAGGLE_AT": "node1@0:3", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900).stdout
     (tmp / f"{tag}.log").write_text(out)
     times = {int(m.group(2)): float(m.group(4)) for m in LINE.finditer(out)}

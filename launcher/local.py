@@ -14,8 +14,6 @@
 - `--preempt K@S[:G]` sends node K's agent SIGTERM at step S, as a scheduler's preemption notice
   does, and SIGKILLs the node if it is still running G seconds later (default 60), as the reclaim
   would. A node that exits 0 after its notice is reported as preempted, not failed.
-- Every node's workers get OMP_NUM_THREADS = cores // (nodes x nproc-per-node), at least 1,
-  unless it is set: the simulated nodes share this host's cores.
 - On exit, Ctrl-C or SIGTERM every node is killed the same way and etcd is stopped, all by PID.
 Exit status: 0 when every node that was not killed on purpose exited 0.
 """
@@ -128,11 +126,6 @@ class LocalCluster:
     def start_node(self) -> Node:
         number = len(self.nodes)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        # every simulated node shares this host's cores: one intra-op thread per worker unless told
-        # otherwise (torchrun sets the same only for several workers in one torchrun); more makes
-        # the workers' OpenMP threads spin against each other (3x slower steps measured on 2 cores)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(
-            1, self.args.nodes * self.args.nproc_per_node))))
         proc = subprocess.Popen(self.torchrun_command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env, start_new_session=True)
         node = Node(number, proc)

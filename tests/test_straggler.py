@@ -15,9 +15,12 @@ from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.faults import FaultInjector
 from oobleck_elastic.engine.straggler import ComputeClock, StragglerWatch, slowdowns
 from oobleck_elastic.planning import Plan
-from oobleck_elastic.planning.rebalance import rebalance, rebalanced_plan, step_estimate
+from oobleck_elastic.planning.rebalance import mitigate, rebalance, rebalanced_plan, step_estimate
 from oobleck_elastic.rendezvous.decide import Action, Clocks, LeaderView, Rules, decide, plan_events
-from oobleck_elastic.rendezvous.records import NodeState, StragglerRecord
+from oobleck_elastic.etcd import EtcdSettings, connect
+from oobleck_elastic.rendezvous.keys import Keys
+from oobleck_elastic.rendezvous.membership import read_events
+from oobleck_elastic.rendezvous.records import EventKind, NodeState, StragglerRecord
 from tests.helpers import ROOT, assert_same, layout_plan, run_job, tiny_profile
 
 
@@ -108,12 +111,17 @@ def test_rebalanced_plan_keeps_nodes_stages_and_the_global_batch() -> None:
     assert new is not None and new.rebalanced and new.generation == 4
     assert [p.microbatches for p in new.pipelines] == [5, 1, 5, 5]
     assert new.nodes == plan.nodes and [p.stages for p in new.pipelines] == [p.stages for p in plan.pipelines]
-    assert new.num_microbatches == plan.num_microbatches and new.est_step_time_s == pytest.approx(0.5)
+    # the plan's estimates stay in the profile's units: each pipeline's scaled by its microbatches
+    assert new.num_microbatches == plan.num_microbatches and new.est_step_time_s == pytest.approx(1.25)
+    assert [p.est_time_s for p in new.pipelines] == pytest.approx([1.25, 0.25, 1.25, 1.25])
     assert Plan.from_json(new.to_json()) == new and "rebalanced" not in plan.to_json()
     # no gain worth a re-plan, or speeds that do not fit the plan: nothing
     assert rebalanced_plan(plan, [0.1, 0.105, 0.1, 0.1]) is None
     assert rebalanced_plan(new, [0.1, 0.3, 0.1, 0.1]) is None
     assert rebalanced_plan(plan, [0.1, 0.3]) is None
+
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # CPU workers measure their compute with one intra-op thread each
 
 
 def _spin(cpu_seconds: float) -> float:
@@ -145,11 +153,51 @@ def test_the_leader_re_splits_when_the_plan_is_otherwise_current() -> None:
     assert decide(dataclasses.replace(view, up=plan.nodes[:3]), Clocks(), 10.0, rules).action == Action.WAIT
 
 
+def _without_n1(est_step_time_s: float) -> Plan:
+    """The planner's plan for n0, n2, n3 (made up): 16 microbatches as 6/5/5, estimated at 1.5x the
+    step of the four-pipeline plan (whose pipelines the profile estimates at 1 s each)."""
+    plan = layout_plan([[(0, 6)]] * 3, [6, 5, 5], generation=4)
+    return dataclasses.replace(plan, nodes=("n0", "n2", "n3"), est_step_time_s=est_step_time_s)
+
+
+def test_mitigate_re_splits_or_leaves_the_straggler_out_whichever_is_faster() -> None:
+    plan = _plan()
+    # 3x slower: re-split 5/1/5/5 takes 0.5 s; without node n1, 6 microbatches at the healthy
+    # pipelines' measured/estimated ratio (0.4 s / 1 s) x 1.5 = 0.6 s: the re-split wins
+    remedy = mitigate(plan, [0.1, 0.3, 0.1, 0.1], ["n1"], _without_n1(1.5))
+    assert remedy is not None and remedy.plan is not None and remedy.leave_out == ()
+    assert (remedy.now_s, remedy.split_s, remedy.without_s) == pytest.approx((1.2, 0.5, 0.6))
+    assert [p.microbatches for p in remedy.plan.pipelines] == [5, 1, 5, 5]
+    # 10x slower: even one microbatch takes it 1 s; without it 0.6 s
+    remedy = mitigate(plan, [0.1, 1.0, 0.1, 0.1], ["n1"], _without_n1(1.5))
+    assert remedy is not None and remedy.plan is None and remedy.leave_out == ("n1",)
+    assert remedy.describe() == "the step now 4.0000 s, re-split 1.0000 s, without the straggler(s) 0.6000 s"
+    # no plan without it (too few nodes): the re-split; no gain anywhere: nothing
+    assert mitigate(plan, [0.1, 1.0, 0.1, 0.1], ["n1"], None).plan is not None
+    assert mitigate(plan, [0.1, 0.105, 0.1, 0.1], ["n1"], _without_n1(1.5)) is None
+    rules = Rules(min_nodes=3, max_nodes=4, last_call_s=1, settle_s=0.5, rebalance=True)
+    view = LeaderView(up=plan.nodes, plan=plan, speeds=(0.1, 1.0, 0.1, 0.1), slow=("n1",), without=_without_n1(1.5))
+    got = decide(view, Clocks(), 10.0, rules)
+    assert got.action == Action.REPLAN and got.nodes == ("n0", "n2", "n3") and got.leave_out == ("n1",)
+    # once left out, the leader counts it as not ready: the plan without it is current
+    after = LeaderView(up=plan.nodes, plan=_without_n1(1.5), not_ready=frozenset({"n1"}))
+    assert decide(after, Clocks(), 11.0, rules).action == Action.NONE
+
+
 def test_compute_clock_counts_cpu_time_and_stretches_calls(one_thread) -> None:
     clock = ComputeClock(torch.device("cpu"))
     assert clock.timed(_spin)(0.05) == 0.05 and 0.05 <= clock.take() < 0.5 and clock.take() == 0.0
     clock.timed(time.sleep)(0.05)  # waiting is no compute (more workers than cores)
     assert clock.take() < 0.01
+    # with more threads a worker's time says little about its device: it reports none, and a
+    # generation where any worker reports none names nobody
+    torch.set_num_threads(2)
+    unmeasured = ComputeClock(torch.device("cpu"))
+    unmeasured.timed(_spin)(0.01)
+    assert not unmeasured.measures and unmeasured.take() == 0.0
+    watch = StragglerWatch(factor=1.5, steps=2)
+    assert all(not watch.observe(_plan(), [0.4, 1.2, 0.4, 0.0]).named for _ in range(5))
+    torch.set_num_threads(1)
     slowed = ComputeClock(torch.device("cpu"), slowdown=lambda: 3.0)
     t0 = time.perf_counter()
     slowed.timed(_spin)(0.05)
@@ -179,7 +227,8 @@ def test_a_slow_node_is_named_and_the_batch_re_split_around_it(tmp_path: Path, e
     job ends with the weights of one process (the global batch never changed)."""
     profile = tiny_profile(tmp_path / "profile.json")
     out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 24, profile,
-                            extra=["planning.device_memory_gb=100"], env={"OOBLECK_STRAGGLE_AT": "node1@0:3"})
+                            extra=["planning.device_memory_gb=100"],
+                            env={"OOBLECK_STRAGGLE_AT": "node1@0:3", **ONE_THREAD})
     named = re.search(r"gen 1 step (\d+) node \S+: step \d+: straggler\(s\) node1 \(([\d.]+)x\)", out)
     assert named is not None and int(named.group(1)) <= 8 and float(named.group(2)) >= 2, out[-3000:]
     assert "reconfiguration: generation 1 -> 2 (rebalance): 4 node(s), 4 pipeline(s)" in out, out[-3000:]
@@ -192,5 +241,30 @@ def test_no_straggler_is_named_in_a_clean_run(tmp_path: Path, etcd_server, run_i
     """Two two-stage pipelines (the last stages hold the head: their profile estimate is off, their
     peers are not), 200 steps with nothing slowed: no node named, no re-split."""
     profile = tiny_profile(tmp_path / "profile.json")
-    out, _, _ = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 200, profile, reference=False)
+    out, _, _ = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 200, profile, reference=False,
+                        env=ONE_THREAD)
     assert "step 200/200" in out and "straggler(s)" not in out and "(rebalance)" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_very_slow_node_is_left_out_when_that_is_faster(tmp_path: Path, etcd_server, run_id) -> None:
+    """node1 computes 10x slower: even one microbatch of eight keeps every step waiting for it, so
+    the leader leaves it out (three pipelines, the same global batch: the reference weights); its
+    workers wait outside the plan and exit 0 at the end."""
+    profile = tiny_profile(tmp_path / "profile.json")
+    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 20, profile,
+                            extra=["planning.device_memory_gb=100"],
+                            env={"OOBLECK_STRAGGLE_AT": "node1@0:10", **ONE_THREAD})
+    assert re.search(r"reconfiguration: generation 1 -> 2 \([^)]*-node1\): 3 node\(s\), 3 pipeline\(s\)", out), \
+        out[-3000:]
+    client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
+    try:
+        left = [e for _, e in read_events(client, Keys("/oobleck", run_id))
+                if e.kind == EventKind.STRAGGLER and e.detail.startswith("left out")]
+    finally:
+        client.close()
+    assert [(e.node, e.generation) for e in left] == [("node1", 2)], left
+    assert left[0].detail.startswith("left out of the plan: a straggler, and the step is faster without it "
+                                     "(the step now "), left[0].detail
+    assert "0 killed on purpose, 0 preempted, 0 failed" in out
+    assert_same(job, ref)

@@ -5,7 +5,8 @@ pipeline finishes last and the others wait at the gradient sum. It is no failure
 notices it.
 
 **Measuring.** Each worker times its own compute in a step (`ComputeClock`: the stage's forward
-and backward chunks, not the waits for its neighbours; CUDA events on a GPU), and the seconds ride
+and backward chunks, not the waits for its neighbours; CUDA events on a GPU, the step thread's
+CPU time on a CPU with one intra-op thread, nothing otherwise), and the seconds ride
 on the commit all-reduce the step makes anyway (engine/trainer.py: a MAX over a vector with one
 slot per rank, so every worker learns every worker's time with no new collective).
 
@@ -52,15 +53,19 @@ _SIGNIFICANT = 0.5  # a straggler's time per microbatch is at least this share o
 class ComputeClock:
     """Sums the time of the compute calls it wraps (`timed`) until `take()`. On CUDA it records
     events around each call and reads them at `take()`, after the step's one host read. On the CPU
-    with one intra-op thread (torch.get_num_threads(), what torchrun and launcher.local give
-    workers that share a host) it counts the calling thread's CPU time, not the wall time: a
-    worker that waits for a core has done no less work, while a slower core shows; with more
-    threads the work is spread over the pool's threads, so it counts the wall time. With a
+    with one intra-op thread (torch.get_num_threads(); torchrun sets OMP_NUM_THREADS=1 for several
+    workers per node) it counts the calling thread's CPU time, not the wall time: a worker that
+    waits for a core has done no less work, while a slower core shows. With more threads it
+    reports nothing (`measures`), and no straggler is named. With a
     `slowdown` factor > 1 (fault injection, engine/faults.py) every call is stretched to that
     many times its duration, as on a slower device."""
 
     def __init__(self, device: torch.device, slowdown: Callable[[], float] = lambda: 1.0) -> None:
         self.device, self.slowdown = device, slowdown
+        self.measures = device.type == "cuda" or torch.get_num_threads() == 1
+        """Whether its times can be compared between workers: on the CPU only with one intra-op
+        thread (with more, the pool's threads spin and share the cores unevenly: a worker's time
+        then says more about its neighbours than about its device)."""
         self._seconds = 0.0
         self._events: list[tuple[Any, Any]] = []
 
@@ -90,8 +95,8 @@ class ComputeClock:
         return run
 
     def take(self) -> float:
-        """Seconds of compute since the last `take()`."""
-        seconds, self._seconds = self._seconds, 0.0
+        """Seconds of compute since the last `take()` (0 when it does not `measure`)."""
+        seconds, self._seconds = (self._seconds if self.measures else 0.0), 0.0
         for start, end in self._events:
             end.synchronize()
             seconds += start.elapsed_time(end) / 1000
@@ -168,6 +173,8 @@ class StragglerWatch:
             return Verdict()
         if plan.generation != self._generation:  # another split: start over
             self._generation, self._window = plan.generation, {}
+            return Verdict(named=dict(self.named))
+        if min(busy[:plan.world_size], default=0.0) <= 0:  # some worker cannot measure (ComputeClock)
             return Verdict(named=dict(self.named))
         for rank in range(min(len(busy), plan.world_size)):
             self._window.setdefault(rank, deque(maxlen=self.steps)).append(busy[rank])

@@ -153,6 +153,10 @@ class Trainer:
         self._step = 0  # the step running now (for injected slowdowns)
         self.clock = ComputeClock(self.device, slowdown=lambda: self.faults.slowdown(node=self.node, step=self._step))
         """Times this worker's compute in a step (engine/straggler.py)."""
+        if not self.clock.measures and cfg.fault_tolerance.straggler_factor > 0:
+            log.info("node %s: this worker's compute time is not compared with the others' (no straggler is named): "
+                     "on the CPU that needs one intra-op thread per worker (OMP_NUM_THREADS=1; torch has %d)",
+                     node, torch.get_num_threads())
         self.batches = BatchPrefetcher(dataset, self.my_samples, pin_memory=self.device.type == "cuda")
         """Collates (and pins, on CUDA) the next step's batch while a step runs."""
         self.compile = compile_enabled(cfg, self.device)

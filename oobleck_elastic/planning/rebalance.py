@@ -1,28 +1,41 @@
-"""Re-splitting the global batch among a plan's pipelines at their measured speeds (stragglers).
+"""Mitigating a straggler: re-split the global batch at the pipelines' measured speeds, or leave it out.
 
 Pipeline p with S_p stages and a measured bottleneck of w_p seconds per microbatch (its slowest
 stage's compute per microbatch, engine/straggler.py) takes about T_p(b) = (b + S_p - 1) w_p for b
 microbatches (1F1B: the first microbatch crosses every stage, the others follow at the
 bottleneck's pace). `rebalance` hands the global batch's microbatches out one at a time to the
 pipeline that would finish it first, each pipeline keeping at least one: for a makespan of
-increasing functions this greedy split is optimal. `rebalanced_plan` turns it into the next
-generation's plan on the same nodes, stages and ranks (`Plan.rebalanced`), or None when it would
-not shorten the estimated step by at least `MIN_GAIN` (measurement noise must not re-plan every
-few steps). Pure numbers: tested on made-up speeds.
+increasing functions this greedy split is optimal.
+
+`mitigate` weighs the two remedies against the step as it is, on the same measured scale:
+
+- **re-split** (`rebalanced_plan`): the next generation on the same nodes, stages and ranks with
+  the new split (`Plan.rebalanced`), estimated by the model above;
+- **leave the stragglers out**: the planner's plan for the other nodes (`without`, made by the
+  leader), whose estimate comes from the profile; it is put on the measured scale by the ratio of
+  measured to estimated iteration time of the pipelines that hold no straggler.
+
+The re-split is preferred: leaving nodes out costs capacity and replicas, so it is chosen only
+when it is faster than the re-split by `MIN_GAIN` too. Either is applied only when it shortens
+the estimated step by at least `MIN_GAIN` (measurement noise must not re-plan every few steps).
+A re-split keeps the plan's estimates in the profile's units (each pipeline's scaled by its new
+microbatch count). Pure numbers: tested on made-up speeds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Optional, Sequence
+import statistics
+from dataclasses import dataclass
+from typing import Collection, Optional, Sequence
 
 from .plan import Plan
 
-__all__ = ["MIN_GAIN", "rebalance", "rebalanced_plan", "step_estimate"]
+__all__ = ["MIN_GAIN", "Remedy", "mitigate", "rebalance", "rebalanced_plan", "step_estimate"]
 
 MIN_GAIN = 0.1
-"""A re-split is published only when it shortens the estimated step by at least this fraction."""
+"""A remedy is applied only when it shortens the estimated step by at least this fraction."""
 
 
 def step_estimate(stages: Sequence[int], per_mb: Sequence[float], microbatches: Sequence[int]) -> float:
@@ -45,11 +58,15 @@ def rebalance(stages: Sequence[int], per_mb: Sequence[float], total: int) -> tup
     return tuple(counts)
 
 
+def _fits(plan: Plan, per_mb: Sequence[float]) -> bool:
+    return len(per_mb) == len(plan.pipelines) and all(w > 0 for w in per_mb)
+
+
 def rebalanced_plan(plan: Plan, per_mb: Sequence[float], *, min_gain: float = MIN_GAIN) -> Optional[Plan]:
     """The next generation's plan with the microbatches re-split at `per_mb` (seconds per microbatch
     of each pipeline, in plan order), or None: the speeds do not fit the plan, or the split would
     shorten the estimated step by less than `min_gain`."""
-    if len(per_mb) != len(plan.pipelines) or any(w <= 0 for w in per_mb):
+    if not _fits(plan, per_mb):
         return None
     stages = [len(p.stages) for p in plan.pipelines]
     now = [p.microbatches for p in plan.pipelines]
@@ -57,7 +74,55 @@ def rebalanced_plan(plan: Plan, per_mb: Sequence[float], *, min_gain: float = MI
     before, after = step_estimate(stages, per_mb, now), step_estimate(stages, per_mb, counts)
     if list(counts) == now or after > (1 - min_gain) * before:
         return None
-    pipelines = tuple(dataclasses.replace(p, microbatches=b, est_time_s=(b + s - 1) * w)
-                      for p, b, s, w in zip(plan.pipelines, counts, stages, per_mb))
-    return dataclasses.replace(plan, generation=plan.generation + 1, pipelines=pipelines, est_step_time_s=after,
-                               donors=(), rebalanced=True)
+    pipelines = tuple(dataclasses.replace(p, microbatches=b,
+                                          est_time_s=p.est_time_s * (b + s - 1) / (p.microbatches + s - 1))
+                      for p, b, s in zip(plan.pipelines, counts, stages))
+    return dataclasses.replace(plan, generation=plan.generation + 1, pipelines=pipelines,
+                               est_step_time_s=max(p.est_time_s for p in pipelines), donors=(), rebalanced=True)
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """What `mitigate` chose, with the estimates it compared (measured scale, seconds per step)."""
+
+    plan: Optional[Plan]
+    """The re-split plan to publish as it is, or None."""
+    leave_out: tuple[str, ...] = ()
+    """Or: the stragglers to leave out of the plan (the leader re-plans without them)."""
+    now_s: float = 0.0
+    split_s: Optional[float] = None
+    without_s: Optional[float] = None
+
+    def describe(self) -> str:
+        parts = [f"the step now {self.now_s:.4f} s"]
+        if self.split_s is not None:
+            parts.append(f"re-split {self.split_s:.4f} s")
+        if self.without_s is not None:
+            parts.append(f"without the straggler(s) {self.without_s:.4f} s")
+        return ", ".join(parts)
+
+
+def mitigate(plan: Plan, per_mb: Sequence[float], slow: Collection[str], without: Optional[Plan] = None, *,
+             min_gain: float = MIN_GAIN) -> Optional[Remedy]:
+    """The better of re-splitting `plan` at `per_mb` and the plan `without` the `slow` nodes (module
+    docstring), or None when neither shortens the estimated step by `min_gain`."""
+    if not _fits(plan, per_mb):
+        return None
+    stages = [len(p.stages) for p in plan.pipelines]
+    now_s = step_estimate(stages, per_mb, [p.microbatches for p in plan.pipelines])
+    split = rebalanced_plan(plan, per_mb, min_gain=0.0)
+    split_s = step_estimate(stages, per_mb, [p.microbatches for p in split.pipelines]) if split else None
+    without_s = None
+    healthy = [(b + s - 1) * w / p.est_time_s for p, s, w, b in zip(plan.pipelines, stages, per_mb,
+                                                                    [p.microbatches for p in plan.pipelines])
+               if p.est_time_s > 0 and not set(p.nodes) & set(slow)]
+    if without is not None and healthy and without.est_step_time_s > 0:
+        without_s = without.est_step_time_s * statistics.median(healthy)
+    # leaving nodes out costs capacity and replicas: it must beat the re-split by min_gain too
+    leave = without_s is not None and (split_s is None or without_s <= (1 - min_gain) * split_s)
+    best_s = without_s if leave else split_s
+    if best_s is None or best_s > (1 - min_gain) * now_s:
+        return None
+    if leave:
+        return Remedy(plan=None, leave_out=tuple(sorted(slow)), now_s=now_s, split_s=split_s, without_s=without_s)
+    return Remedy(plan=split, now_s=now_s, split_s=split_s, without_s=without_s)

@@ -18,8 +18,10 @@ changed. The rules:
   whose workers are all ready, up to `max_nodes`; a difference from the plan is published once it
   has lasted `settle_s` (simultaneous failures and joins batch into one re-plan); with no such
   difference, when the workers name a straggler and report the pipelines' measured speeds for the
-  current generation (`speeds`), the microbatches are re-split among the same pipelines if that
-  shortens the estimated step by 10 % or more (planning/rebalance.py; `Rules.rebalance`);
+  current generation (`speeds`), the microbatches are re-split among the same pipelines, or the
+  stragglers are left out of the plan (`without`: the planner's plan for the other nodes),
+  whichever is faster, if that shortens the estimated step by 10 % or more
+  (planning/rebalance.py; `Rules.rebalance`); a node left out stays out (`not_ready`);
 - **after a detector found nodes of the plan dead** (`Detection`), before anything else: those
   nodes are declared lost and the next generation is published at once, without the settle
   window. Deaths found by the liveness sockets wait `liveness_batch_s` from the first, so nodes
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Collection, Mapping, Optional, Sequence
 
 from ..planning import Plan
-from ..planning.rebalance import rebalanced_plan
+from ..planning.rebalance import mitigate
 from .records import Event, EventKind, NodeState, StrEnum
 
 
@@ -113,6 +115,10 @@ class LeaderView:
     speeds: tuple[float, ...] = ()
     """Each pipeline's measured seconds per microbatch, reported for the current generation while
     the workers name a straggler (engine/straggler.py); empty otherwise."""
+    slow: tuple[str, ...] = ()
+    """The nodes the workers named stragglers (with `speeds`)."""
+    without: Optional[Plan] = None
+    """The planner's plan for the plan's nodes without `slow` (None: none could be made)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,10 @@ class Decision:
     """Look again after this long instead of the loop's usual pause (0: at once)."""
     plan: Optional[Plan] = None
     """The plan to publish as it is (REBALANCE)."""
+    leave_out: tuple[str, ...] = ()
+    """Stragglers to leave out of this and later plans (REPLAN chosen by `mitigate`)."""
+    why: str = ""
+    """What a straggler remedy compared (REBALANCE, or REPLAN with `leave_out`)."""
 
 
 def decide(view: LeaderView, clocks: Clocks, now: float, rules: Rules) -> Decision:
@@ -168,10 +178,14 @@ def decide(view: LeaderView, clocks: Clocks, now: float, rules: Rules) -> Decisi
     if dropped and view.outage_recent:
         return Decision(Action.WAIT, admit=tuple(admit), clocks=replace(clocks, change_seen=None), held=dropped)
     if desired == list(plan.nodes):
-        split = rebalanced_plan(plan, view.speeds) if rules.rebalance and view.speeds else None
-        if split is not None:
-            return Decision(Action.REBALANCE, admit=tuple(admit), plan=split, clocks=replace(clocks, change_seen=None))
-        return Decision(Action.NONE, admit=tuple(admit), clocks=replace(clocks, change_seen=None))
+        remedy = mitigate(plan, view.speeds, view.slow, view.without) if rules.rebalance and view.speeds else None
+        clear = replace(clocks, change_seen=None)
+        if remedy is not None and remedy.plan is not None:
+            return Decision(Action.REBALANCE, admit=tuple(admit), plan=remedy.plan, clocks=clear, why=remedy.describe())
+        if remedy is not None and remedy.leave_out:
+            return Decision(Action.REPLAN, nodes=tuple(n for n in desired if n not in remedy.leave_out),
+                            admit=tuple(admit), clocks=clear, leave_out=remedy.leave_out, why=remedy.describe())
+        return Decision(Action.NONE, admit=tuple(admit), clocks=clear)
     seen = clocks.change_seen if clocks.change_seen is not None else now
     if now - seen >= rules.settle_s:
         return Decision(Action.REPLAN, nodes=tuple(desired), admit=tuple(admit),

@@ -54,11 +54,12 @@ from ..planning import Plan, PlanningError
 from .decide import Action, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide, plan_events
 from .detect import LOST_BECAUSE, Deputy, LeaderWatch, RollCall
 from .keys import Keys
+from .stragglers import LeaderStragglers
 from .liveness import LivenessMonitor
 from .membership import Member, live_nodes, put_event
 from .records import (Admission, ClosedRecord, Event, EventKind, FenceRecord, LeaderRecord, NodeRecord, NodeState,
                       Roster, is_fenced, read_admitted, read_closed, read_fences, read_ready, read_roster,
-                      read_stragglers, readiness_withdrawn)
+                      readiness_withdrawn)
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class Leader:
                  view: Optional[KVReader] = None, rebalance: bool = False) -> None:
         """`rebalance`: re-split the microbatches around stragglers the workers name (decide.py)."""
         self.client, self.keys, self.member = client, keys, member
-        self.rebalance = rebalance
+        self.stragglers = LeaderStragglers(planner, enabled=rebalance)
         # what the leader reads: a Mirror of `Keys.agent_watched` (no etcd request per tick; a change
         # wakes the loop at once), or etcd itself when there is none (some tests)
         self.view: KVReader = view if view is not None else client
@@ -223,7 +224,7 @@ class Leader:
         self.is_leader.set()
         clocks = Clocks()
         rules = Rules(min_nodes=self.min_nodes, max_nodes=self.max_nodes, last_call_s=self.last_call_s,
-                      settle_s=self.settle_s, rebalance=self.rebalance)
+                      settle_s=self.settle_s, rebalance=self.stragglers.enabled)
         while not self._stop.is_set() and self._still_leader():
             if read_closed(self.view, self.keys) is not None:
                 self._pause(self.tick_s * 4)
@@ -253,16 +254,8 @@ class Leader:
                           not_ready=frozenset(self._not_ready(plan, up)) if plan is not None else frozenset(),
                           outage_recent=self.client.outage_within(self.member.lease_ttl_s + self.settle_s),
                           dead=self._detect(plan, records) if plan is not None else None,
-                          speeds=self._speeds(plan))
+                          **self.stragglers.view_fields(self.view, self.keys, plan))
         return view, rev, records
-
-    def _speeds(self, plan: Optional[Plan]) -> tuple[float, ...]:
-        """The pipelines' measured seconds per microbatch, when the workers of `plan`'s generation
-        named a straggler (engine/straggler.py); empty otherwise."""
-        if not self.rebalance or plan is None:
-            return ()
-        rec = read_stragglers(self.view, self.keys)
-        return rec.pipeline_s if rec is not None and rec.generation == plan.generation and rec.nodes else ()
 
     def _detect(self, plan: Plan, records: list[NodeRecord]) -> Optional[Detection]:
         """Nodes of `plan` found dead since the last re-plan: by the liveness sockets (liveness.py:
@@ -295,7 +288,13 @@ class Leader:
         if decision.action == Action.FIRST_PLAN:
             self._first_plan(list(decision.nodes), rev, records)
         elif decision.action == Action.REBALANCE and plan is not None and decision.plan is not None:
+            log.info("node %s: re-splitting the microbatches of generation %d at the measured speeds (%s)",
+                     self.member.node_id, plan.generation, decision.why)
             self._commit(decision.plan, plan, rev, records, {})
+        elif decision.action == Action.REPLAN and decision.leave_out:
+            self.stragglers.leave_out(self.client, self.keys, decision.leave_out, why=decision.why,
+                                      generation=plan.generation + 1 if plan else 1, leader=self.member.node_id)
+            self._publish(list(decision.nodes), plan, rev, records)
         elif decision.action == Action.REPLAN:
             lost = {node: LOST_BECAUSE[decision.detection] for node in decision.lost if decision.detection}
             for node in lost:
@@ -379,8 +378,9 @@ class Leader:
         """New nodes whose workers have not all said they are ready: a plan with them would make
         every worker wait in init_process_group while theirs are still importing torch; and nodes
         of the plan whose agent withdrew a worker's readiness (it restarts a hung worker,
-        rendezvous/hang.py), which rejoin once it is ready again."""
-        waiting = set()
+        rendezvous/hang.py), which rejoin once it is ready again; and stragglers this leader left out
+        (decide.py), which stay out."""
+        waiting = set(self.stragglers.left_out)
         for rec in up:
             entries = read_ready(self.view, self.keys, rec.node_id)
             if readiness_withdrawn(entries) or (rec.node_id not in plan.nodes and len(entries) < rec.devices):

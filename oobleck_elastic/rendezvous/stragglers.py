@@ -1,0 +1,58 @@
+"""The leader's side of straggler mitigation: what `decide` needs to see, and leaving a node out.
+
+The workers name stragglers and report each pipeline's measured seconds per microbatch under
+`stragglers` (engine/straggler.py). While that report is about the current generation,
+`LeaderStragglers.view_fields` hands `decide` the speeds, the slow nodes and the planner's plan
+without them (made once per report: planning is milliseconds, but the leader ticks often), and
+`decide` picks a remedy (planning/rebalance.py). A re-split is published like any plan; a node
+left out (`leave_out`) is remembered by this leader and counted as not ready from then on, so no
+later plan takes it back (a new leader forgets: its workers would name the node again).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+from ..planning import Plan, PlanningError
+from .keys import Keys
+from .membership import put_event
+from .records import Event, EventKind, read_stragglers
+
+log = logging.getLogger(__name__)
+
+
+class LeaderStragglers:
+    def __init__(self, planner: Callable[[list[str], int, Optional[Plan]], Plan], *, enabled: bool) -> None:
+        self.planner, self.enabled = planner, enabled
+        self.left_out: set[str] = set()
+        """Stragglers left out of the plan for good."""
+        self._without: Optional[tuple[tuple[int, int], Optional[Plan]]] = None  # (report, plan without them)
+
+    def view_fields(self, reader: Any, keys: Keys, plan: Optional[Plan]) -> dict[str, Any]:
+        """`speeds`, `slow` and `without` of the leader's view (decide.py): empty unless the workers
+        of `plan`'s generation named a straggler."""
+        if not self.enabled or plan is None:
+            return {}
+        rec = read_stragglers(reader, keys)
+        if rec is None or rec.generation != plan.generation or not rec.nodes:
+            return {}
+        if self._without is None or self._without[0] != (rec.generation, rec.step):
+            nodes = [n for n in plan.nodes if n not in rec.nodes]
+            try:
+                without = self.planner(nodes, plan.generation + 1, plan) if nodes else None
+            except PlanningError:
+                without = None
+            self._without = ((rec.generation, rec.step), without)
+        return {"speeds": rec.pipeline_s, "slow": tuple(sorted(rec.nodes)), "without": self._without[1]}
+
+    def leave_out(self, client: Any, keys: Keys, nodes: tuple[str, ...], *, generation: int, why: str,
+                  leader: str) -> None:
+        """Keep `nodes` out of this and later plans (`generation`: the one about to be published)."""
+        self.left_out |= set(nodes)
+        detail = f"left out of the plan: a straggler, and the step is faster without it ({why}); it stays out"
+        for node in nodes:
+            log.warning("node %s: node %s %s", leader, node, detail)
+            put_event(client, keys, Event(time=time.time(), kind=EventKind.STRAGGLER, node=node,
+                                          generation=generation, detail=detail))
