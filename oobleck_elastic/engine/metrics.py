@@ -26,7 +26,7 @@ from ..planning import Plan
 from .memory import GB
 from .memory import describe as describe_memory
 from .mfu import Throughput
-from .trainer import StepResult
+from .step import StepResult
 
 log = logging.getLogger("oobleck_elastic.train")
 
