@@ -184,6 +184,33 @@ def test_mitigate_re_splits_or_leaves_the_straggler_out_whichever_is_faster() ->
     assert decide(after, Clocks(), 11.0, rules).action == Action.NONE
 
 
+def test_the_report_reaches_the_leader_and_oobleck_status(etcd_settings, run_id) -> None:
+    from oobleck_elastic import ops
+    from oobleck_elastic.rendezvous.stragglers import LeaderStragglers
+    from oobleck_elastic.rendezvous.worker import WorkerContext
+
+    client = connect(etcd_settings)
+    keys = Keys("/oobleck", run_id)
+    plan = _plan()
+    try:
+        ctx = WorkerContext(client=client, keys=keys, node_id="n0", local_rank=0)
+        ctx.report_stragglers(generation=3, step=6, nodes={"n1": 3.04}, pipeline_s=(0.1, 0.3, 0.1, 0.1))
+        assert "stragglers (generation 3, after step 6): n1 3.0x slower" in ops.status(client, keys)
+        made: list[list[str]] = []
+        leader = LeaderStragglers(lambda nodes, g, old: made.append(nodes) or _without_n1(1.5), enabled=True)
+        fields = leader.view_fields(client, keys, plan)
+        assert fields == {"speeds": (0.1, 0.3, 0.1, 0.1), "slow": ("n1",), "without": _without_n1(1.5)}
+        assert leader.view_fields(client, keys, plan) == fields and made == [["n0", "n2", "n3"]]  # once a report
+        # a report about another generation, or none named, or the remedy off: nothing to see
+        assert leader.view_fields(client, keys, dataclasses.replace(plan, generation=4)) == {}
+        assert LeaderStragglers(lambda *a: plan, enabled=False).view_fields(client, keys, plan) == {}
+        ctx.report_stragglers(generation=3, step=9, nodes={}, pipeline_s=(0.1, 0.1, 0.1, 0.1))
+        assert leader.view_fields(client, keys, plan) == {}
+        assert not any(line.startswith("stragglers") for line in ops.status(client, keys))
+    finally:
+        client.close()
+
+
 def test_compute_clock_counts_cpu_time_and_stretches_calls(one_thread) -> None:
     clock = ComputeClock(torch.device("cpu"))
     assert clock.timed(_spin)(0.05) == 0.05 and 0.05 <= clock.take() < 0.5 and clock.take() == 0.0
@@ -223,17 +250,24 @@ def test_settings_fault_specs_and_records() -> None:
 @pytest.mark.slow
 def test_a_slow_node_is_named_and_the_batch_re_split_around_it(tmp_path: Path, etcd_server, run_id) -> None:
     """Four one-stage pipelines; node1 computes 3x slower from the start. Its peers name it within
-    a few steps, the leader re-splits the 8 microbatches (node1's pipeline gets fewer), and the
+    a few steps, the leader re-splits the 32 microbatches (node1's pipeline gets about a third of
+    the others'; without node1 the step would take 11 microbatch times against about 10), and the
     job ends with the weights of one process (the global batch never changed)."""
     profile = tiny_profile(tmp_path / "profile.json")
     out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 24, profile,
-                            extra=["planning.device_memory_gb=100"],
+                            extra=["planning.device_memory_gb=100", "training.global_batch_size=64"],
                             env={"OOBLECK_STRAGGLE_AT": "node1@0:3", **ONE_THREAD})
     named = re.search(r"gen 1 step (\d+) node \S+: step \d+: straggler\(s\) node1 \(([\d.]+)x\)", out)
     assert named is not None and int(named.group(1)) <= 8 and float(named.group(2)) >= 2, out[-3000:]
     assert "reconfiguration: generation 1 -> 2 (rebalance): 4 node(s), 4 pipeline(s)" in out, out[-3000:]
     assert "gen 2 step" in out and "communication failed" not in out and "abandoned" not in out, out[-3000:]
     assert_same(job, ref)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tmp_path / "job" / "runs" / "gpt2-tiny"), size_guidance={"scalars": 0})
+    ea.Reload()
+    assert {e.value for e in ea.Scalars("straggler/count")} == {1.0}
+    assert min(e.value for e in ea.Scalars("straggler/slowdown/node1")) >= 2
 
 
 @pytest.mark.slow
