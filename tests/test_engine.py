@@ -99,8 +99,7 @@ def test_three_plans_match_the_single_process_reference(tmp_path: Path) -> None:
         for key, copies in merged.items():
             for t in copies:  # every replica equals the reference
                 torch.testing.assert_close(t, ref[key], rtol=1e-5, atol=1e-6, msg=f"plan {k}: {key}")
-        start = {key: t for key, t in ref.items()}
-        assert start  # the reference moved: compare with fresh weights to make sure training happened
+    # the reference moved: every tensor differs from the fresh weights, so training happened
     fresh = helpers.reference_state(cfg, RandomTokens(), 0)
     moved = [k for k, t in ref.items() if not torch.equal(t, fresh[k])]
     assert len(moved) == len(ref)

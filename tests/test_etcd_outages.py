@@ -91,12 +91,22 @@ def _job_through(tmp_path: Path, own_etcd, run_id: str, outage, steps: int = 20)
     keys = Keys("/oobleck", run_id)
     profile = tiny_profile(tmp_path / "profile.json")
 
+    hit: list[int] = []  # the step reported when the outage began
+
+    def begin(c) -> None:
+        hit.append((c.get_json(keys.progress)[0] or {}).get("step", 0))
+        outage(proc_of[0])
+
+    proc_of: list = []
+
     def during(proc) -> None:
-        when(own_etcd.endpoint, proc, lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 3,
-             lambda c: outage(proc))
+        proc_of.append(proc)
+        when(own_etcd.endpoint, proc, lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 3, begin)
 
     out, job, ref = run_job(tmp_path, own_etcd, run_id, ["--nodes", "4"], steps, profile, during=during,
                             rdzv="lease_ttl=2,settle=0.2,last_call_timeout=1,etcd_outage=30")
+    # the fault was done, to a job that still had steps to run
+    assert len(hit) == 1 and 3 <= hit[0] < steps, (hit, out[-3000:])
     client = connect(EtcdSettings(endpoint=own_etcd.endpoint))
     try:
         events = [ev for _, ev in read_events(client, keys)]
@@ -185,7 +195,11 @@ def test_a_job_rides_out_an_etcd_restart(tmp_path: Path, own_etcd, run_id) -> No
         own_etcd.port = port
         own_etcd.start()
 
-    out, job, ref, events = _job_through(tmp_path, own_etcd, run_id, restart)
+    pids: list[int] = []
+    out, job, ref, events = _job_through(tmp_path, own_etcd, run_id, lambda proc: (pids.append(own_etcd.pid),
+                                                                                    restart(proc),
+                                                                                    pids.append(own_etcd.pid)))
+    assert len(pids) == 2 and pids[0] != pids[1], pids  # a new etcd process served the rest of the job
     assert_same(job, ref)
     assert [ev.generation for ev in events if ev.kind == "plan"] == [1], "\n".join(ev.line() for ev in events)
     assert not [ev for ev in events if ev.kind == "lost"], [ev.line() for ev in events]

@@ -377,7 +377,9 @@ def test_malformed_values_are_ignored_with_a_warning(cluster_factory, caplog) ->
     text = caplog.text
     assert "ignoring malformed JSON in etcd key /oobleck/" in text and "node99" in text
     assert "ignoring malformed node record /oobleck/" in text and "node98" in text
-    assert any("node99" not in line for line in ops.agents(c.client, c.keys))
+    agents = ops.agents(c.client, c.keys)
+    assert all("node99" not in line and "node98" not in line for line in agents), agents
+    assert sum("node0" in line or "node1" in line for line in agents) == 2, agents
 
 
 def test_status_and_events_commands(cluster_factory) -> None:

@@ -81,8 +81,20 @@ def test_varuna_restarts_from_its_last_checkpoint() -> None:
     check_breakdown(tl)
 
 
-def test_checkpoint_restart_has_varunas_mechanism() -> None:
-    assert CheckpointRestart is Varuna
+def test_checkpoint_restart_ignores_joins_and_restarts_from_its_checkpoint_on_a_failure() -> None:
+    """torchrun's restart-from-checkpoint: a node that joins a running job waits (no restart); a
+    failure rolls back to the last checkpoint and restarts on the nodes up."""
+    events = start("a", "b") + [NodeEvent(30.0, "add", "c"), NodeEvent(55.0, "remove", "b")]
+    tl = replay(CheckpointRestart("torchrun", tput, 100, restart_s=5.0, checkpoint_every=2, checkpoint_s=1.0),
+                events, end_s=100.0)
+    # start 0-5; 10 s steps end at 15, 25 | ckpt 25-26 | 36, 46 | ckpt 46-47 | c joins at 30: nothing |
+    # failure at 55: the 8 s in flight are lost (step 4 was checkpointed); restart 55-60 on a and c:
+    # steps end at 70, 80 | ckpt 80-81 | 91 | 9 s in flight at 100
+    assert tl.samples == 700 and tl.rate == tput(2)
+    b = tl.breakdown
+    assert (b["lost"], b["restart"], b["checkpoint"]) == pytest.approx((8.0, 10.0, 3.0))
+    assert tl.breakdown["useful"] == pytest.approx(79.0)
+    check_breakdown(tl)
 
 
 def test_bamboo_absorbs_one_failure_and_restarts_after_two_neighbours() -> None:
