@@ -38,6 +38,7 @@ from oobleck_elastic.planning import profiler
 from oobleck_elastic.rendezvous.handler import OobleckRendezvousHandler
 from oobleck_elastic.rendezvous.keys import Keys, sanitise
 from oobleck_elastic.rendezvous.membership import Member, read_events
+from oobleck_elastic.rendezvous.records import ProfileClaim
 from oobleck_elastic.rendezvous.worker import WorkerContext
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -239,8 +240,8 @@ def test_the_claim_is_bound_to_the_node_lease_and_a_restarted_worker_takes_it_ov
             seen["lease"] = etcd.get(keys.profile_claim(label)).lease
         fake.during = look
         # the same worker's earlier run (torchrun restarted it) left its claim behind
-        etcd.put_json(keys.profile_claim(label), {"node": member.node_id, "local_rank": 0, "pid": 1},
-                      lease=member.lease)
+        etcd.put_json(keys.profile_claim(label), ProfileClaim(node=member.node_id, local_rank=0, pid=1,
+                                                              time=1.0).to_json(), lease=member.lease)
         w.share_profile(job(), CPU)
         assert fake.calls == 1 and seen["lease"] == member.lease
         assert etcd.get_json(keys.device_profile(label))[0] is not None
