@@ -114,6 +114,15 @@ def test_a_liveness_replan_leaves_out_fenced_nodes_and_takes_spares() -> None:
     assert d.action == Action.REPLAN and d.nodes == ("n0", "n3", "n4") and d.lost == ("n2",)
 
 
+def test_a_liveness_replan_leaves_out_not_ready_nodes_too() -> None:
+    """A spare whose workers still import torch, and a node of the plan restarting a hung worker
+    (its readiness withdrawn), stay out of the re-plan after a death, as after a roll call."""
+    view = LeaderView(up=("n0", "n1", "n2", "n3", "n4"), plan=plan_of(4), not_ready=frozenset({"n1", "n4"}),
+                      dead=liveness("n2", since=1.0))
+    d = decide(view, Clocks(), 10.0, RULES)
+    assert d.action == Action.REPLAN and d.nodes == ("n0", "n3") and d.lost == ("n2",)
+
+
 def test_a_roll_call_verdict_replans_at_once_without_the_dead_and_the_not_ready() -> None:
     view = LeaderView(up=("n0", "n1", "n2", "n3", "n4"), plan=plan_of(4), not_ready=frozenset({"n3", "n4"}),
                       admitted=frozenset({"n4"}), dead=rollcall("n1"))

@@ -25,10 +25,10 @@ changed. The rules:
 - **after a detector found nodes of the plan dead** (`Detection`), before anything else: those
   nodes are declared lost and the next generation is published at once, without the settle
   window. Deaths found by the liveness sockets wait `liveness_batch_s` from the first, so nodes
-  that die together (a rack) go in one re-plan. A roll call's verdict also leaves out not-ready
-  nodes, as the settle rule does (a liveness verdict leaves out only the fenced and the dead);
-  one with no dead node (workers saw a failure, every agent answered) restarts the generation on
-  the same nodes. Nothing else happens in that tick (no admissions);
+  that die together (a rack) go in one re-plan. Either verdict also leaves out not-ready nodes,
+  as the settle rule does; a roll call's verdict with no dead node (workers saw a failure, every
+  agent answered) restarts the generation on the same nodes. Nothing else happens in that tick
+  (no admissions);
 - **after an etcd outage** (within a lease TTL + settle of its end): a re-plan that drops nodes is
   held, since a stalled etcd expires every lease at once and the nodes renew theirs within a TTL
   (membership.py); so is a roll call's verdict that names dead nodes (records expire and pings go
@@ -206,11 +206,10 @@ def _after_detection(view: LeaderView, plan: Plan, dead: Detection, clocks: Cloc
     if dead.by == Detector.LIVENESS:
         if now - dead.since < rules.liveness_batch_s:  # nodes that die together go in one re-plan
             return Decision(Action.WAIT, clocks=Clocks(), detection=dead.by, recheck_s=rules.liveness_batch_s / 2)
-        exclude = view.fenced | set(dead.nodes)
-    else:
-        if dead.nodes and view.outage_recent:  # silence proves nothing right after an etcd outage
-            return Decision(Action.WAIT, clocks=clocks, held=dead.nodes, detection=dead.by)
-        exclude = view.fenced | set(dead.nodes) | view.not_ready
+    elif dead.nodes and view.outage_recent:  # silence proves nothing right after an etcd outage
+        return Decision(Action.WAIT, clocks=clocks, held=dead.nodes, detection=dead.by)
+    # not-ready nodes stay out too: a spare still importing torch, a node restarting a hung worker
+    exclude = view.fenced | set(dead.nodes) | view.not_ready
     return Decision(Action.REPLAN, nodes=tuple(desired_nodes(plan, view.up, exclude, rules.max_nodes)),
                     lost=dead.nodes, detection=dead.by, clocks=Clocks(), recheck_s=0.0)
 
