@@ -37,6 +37,7 @@ A worker lives through generations without ever restarting:
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import time
 from dataclasses import dataclass
@@ -210,12 +211,12 @@ class _Worker:
         """The entry failed (outside its except block: see Trainer.abort)."""
         trainer, ctx = self.trainer, self.ctx
         if ctx.my_stage(plan) is None:  # a donor: the others re-plan without it
-            trainer.abort()
+            _abort(trainer)
             log.warning("gen %d node %s: handing layers over to generation %d failed (%s); leaving the job "
                         "(node drained)", trainer.generation, ctx.node_id, plan.generation, failure)
             return HandedOver()
         self.log.broke()
-        trainer.abort()
+        _abort(trainer)
         ctx.report_failure(plan.generation)
         log.warning("gen %d node %s: entering generation %d failed (%s); waiting for a newer plan",
                     trainer.generation, ctx.node_id, plan.generation, failure)
@@ -267,7 +268,7 @@ class _Worker:
         if failure is None:
             return Finished()
         self.log.broke()  # outside the except block: see Trainer.abort
-        trainer.abort(abandoned=abandoned)
+        _abort(trainer, abandoned=abandoned)
         if abandoned:  # the leader has acted already: no roll call needed
             log.warning("gen %d step %d node %s: step abandoned (%s); entering the next generation",
                         trainer.generation, self.step, ctx.node_id, failure)
@@ -365,6 +366,17 @@ class _Worker:
         self.trainer.close()
 
 
+def _abort(trainer: Trainer, *, abandoned: bool = False) -> None:
+    """Tear a broken generation down (Trainer.abort). Its gloo groups may keep threads blocked on
+    the dead peer, which the interpreter's shutdown would wait for: this process ends at once after
+    training instead (engine/runner.py, `exit_now_if_abandoned`)."""
+    trainer.abort(abandoned=abandoned)
+    exit_now_at_the_end("a generation broke in this process")
+
+
+_EXIT_WATCH_S = 30.0  # a job's worker still there this long after training dumps its stacks
+
+
 def _record_fatal(ctx: ControlPlane, cfg: JobConfig, err: BaseException, *, step: int, generation: int) -> None:
     """Log and store an error that ends this worker; close the job as failed when the same error
     has now ended workers at this step in `max_repeated_errors` generations in a row."""
@@ -416,4 +428,6 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
             _record_fatal(ctx, cfg, err, step=worker.step, generation=plan.generation if plan is not None else 0)
         raise
     finally:
+        if not isinstance(ctx, LocalControl):  # a job's worker: say where it hangs if it cannot exit
+            faulthandler.dump_traceback_later(_EXIT_WATCH_S)
         worker.close()
