@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -65,6 +65,37 @@ def _parse_poison(spec: str, env: str, *, with_factor: bool) -> dict[tuple[int, 
     return out
 
 
+def _refuse() -> Any:
+    raise ValueError("malformed")
+
+
+def _count(text: str) -> int:
+    """A rank, step or layer: digits only."""
+    return int(text) if text.isdigit() else _refuse()
+
+
+def _at_least(value: float, low: float) -> float:
+    return value if value >= low else _refuse()
+
+
+def _parse_at(environ: Mapping[str, str], env: str, form: str, *, who: Callable[[str], Any],
+              value: Callable[[str], Any]) -> dict[tuple[Any, int], Any]:
+    """The WHO@STEP:VALUE items of `environ[env]` -> {(who, step): value}; `who` and `value` convert
+    their part or raise ValueError, and any item that does not parse is one error naming `form`."""
+    spec = environ.get(env, "").strip()
+    out = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        head, _, rest = item.partition("@")
+        step, sep, tail = rest.partition(":")
+        try:
+            if not sep:
+                _refuse()
+            out[(who(head), _count(step))] = value(tail)
+        except ValueError:
+            raise ValueError(f"{env}={spec!r}: each item must be {form}") from None
+    return out
+
+
 @dataclass(frozen=True)
 class FaultInjector:
     points: frozenset[tuple[int, int]]
@@ -89,41 +120,14 @@ class FaultInjector:
             if not sep or not rank.isdigit() or not step.isdigit():
                 raise ValueError(f"{ENV}={spec!r}: each item must be RANK@STEP, e.g. 1@3")
             points.add((int(rank), int(step)))
-        slow_spec = environ.get(SLOW_ENV, "").strip()
-        slow = {}
-        for item in filter(None, (p.strip() for p in slow_spec.split(","))):
-            rank, sep, rest = item.partition("@")
-            step, sep2, seconds = rest.partition(":")
-            try:
-                ok = sep and sep2 and rank.isdigit() and step.isdigit() and float(seconds) >= 0
-            except ValueError:
-                ok = False
-            if not ok:
-                raise ValueError(f"{SLOW_ENV}={slow_spec!r}: each item must be RANK@STEP:SECONDS, e.g. 0@0:5")
-            slow[(int(rank), int(step))] = float(seconds)
+        slow = _parse_at(environ, SLOW_ENV, "RANK@STEP:SECONDS, e.g. 0@0:5", who=_count,
+                         value=lambda v: _at_least(float(v), 0))
         poison = _parse_poison(environ.get(NAN_ENV, "").strip(), NAN_ENV, with_factor=False)
         poison.update(_parse_poison(environ.get(SPIKE_ENV, "").strip(), SPIKE_ENV, with_factor=True))
-        flips = {}
-        flip_spec = environ.get(FLIP_ENV, "").strip()
-        for item in filter(None, (p.strip() for p in flip_spec.split(","))):
-            rank, sep, rest = item.partition("@")
-            step, sep2, layer = rest.partition(":")
-            if not (sep and sep2 and rank.isdigit() and step.isdigit() and layer.isdigit()):
-                raise ValueError(f"{FLIP_ENV}={flip_spec!r}: each item must be RANK@STEP:LAYER, e.g. 1@3:2")
-            flips[(int(rank), int(step))] = int(layer)
-        straggle = {}
-        straggle_spec = environ.get(STRAGGLE_ENV, "").strip()
-        for item in filter(None, (p.strip() for p in straggle_spec.split(","))):
-            node, sep, rest = item.partition("@")
-            step, sep2, factor = rest.partition(":")
-            try:
-                ok = bool(node and sep and sep2 and step.isdigit() and float(factor) >= 1)
-            except ValueError:
-                ok = False
-            if not ok:
-                raise ValueError(f"{STRAGGLE_ENV}={straggle_spec!r}: each item must be NODE@STEP:FACTOR with "
-                                 "FACTOR >= 1, e.g. node1@0:3")
-            straggle[node] = (int(step), float(factor))
+        flips = _parse_at(environ, FLIP_ENV, "RANK@STEP:LAYER, e.g. 1@3:2", who=_count, value=_count)
+        slowed = _parse_at(environ, STRAGGLE_ENV, "NODE@STEP:FACTOR with FACTOR >= 1, e.g. node1@0:3",
+                           who=lambda n: n or _refuse(), value=lambda v: _at_least(float(v), 1))
+        straggle = {node: (step, factor) for (node, step), factor in slowed.items()}
         return cls(frozenset(points), slow, poison, flips=flips, straggle=straggle)
 
     def slowdown(self, *, node: str, step: int) -> float:
