@@ -143,7 +143,7 @@ def compare(plan: Plan, table: dict[int, dict[int, tuple[int, int]]]) -> list[Co
     return out
 
 
-def gather(plan: Plan, rank: int, prints: dict[int, tuple[int, int]],
+def gather(plan: Plan, prints: dict[int, tuple[int, int]],
            group: Optional[dist.ProcessGroup]) -> dict[int, dict[int, tuple[int, int]]]:
     """Every rank's fingerprints by layer, from one all-gather over `group` (the generation's
     workers; CPU tensors over gloo whatever the data backend)."""

@@ -76,7 +76,7 @@ class ComputeClock:
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-            now = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+            now = time.thread_time if self.measures else time.perf_counter  # (CPU: the CUDA path reads events)
             t0 = now()
             out = fn(*args, **kwargs)
             factor = self.slowdown()

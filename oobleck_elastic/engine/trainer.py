@@ -342,7 +342,7 @@ class Trainer:
         over the generation; raises Unrepairable when a layer's copies have no majority."""
         assert self.plan is not None and self.groups is not None
         tensors = {i: layer_tensors(self.layer_model.layers[i], self.optimizer) for i in self.owned}
-        table = gather(self.plan, self.rank, fingerprints(tensors), self.step_group)
+        table = gather(self.plan, fingerprints(tensors), self.step_group)
         corrupt = compare(self.plan, table)
         repair(corrupt, rank=self.rank, tensors_of=tensors, groups=self.groups.sets)
         return corrupt
