@@ -162,7 +162,7 @@ class StragglerWatch:
     def __init__(self, factor: float, steps: int) -> None:
         self.factor, self.steps = factor, steps
         self._generation: Optional[int] = None
-        self._window: dict[int, deque[tuple[float, float]]] = {}
+        self._window: dict[int, deque[float]] = {}  # rank -> its compute seconds of the last steps
         self._reported: Optional[int] = None  # the generation last reported to the leader
         self.named: dict[str, float] = {}
 

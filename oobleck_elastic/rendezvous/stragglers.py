@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
+from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
 from .keys import Keys
 from .membership import put_event
@@ -30,7 +31,7 @@ class LeaderStragglers:
         """Stragglers left out of the plan for good."""
         self._without: Optional[tuple[tuple[int, int], Optional[Plan]]] = None  # (report, plan without them)
 
-    def view_fields(self, reader: Any, keys: Keys, plan: Optional[Plan]) -> dict[str, Any]:
+    def view_fields(self, reader: KVReader, keys: Keys, plan: Optional[Plan]) -> dict[str, Any]:
         """`speeds`, `slow` and `without` of the leader's view (decide.py): empty unless the workers
         of `plan`'s generation named a straggler."""
         if not self.enabled or plan is None:
