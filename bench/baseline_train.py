@@ -80,8 +80,14 @@ class Progress:
         self.rank, self.restart = rank, restart
 
     def event(self, kind: str, **data: object) -> None:
-        rec = {"kind": kind, "time": time.time(), "rank": self.rank, "restart": self.restart, "pid": os.getpid(),
-               **data}
+        rec = {
+            "kind": kind,
+            "time": time.time(),
+            "rank": self.rank,
+            "restart": self.restart,
+            "pid": os.getpid(),
+            **data,
+        }
         with open(self.dir / "history.jsonl", "a") as fh:  # one short write per line: atomic with O_APPEND
             fh.write(json.dumps(rec) + "\n")
 
@@ -113,7 +119,7 @@ def share(indices: list[int], rank: int, world: int) -> list[int]:
     """This rank's contiguous share of the global batch, as even as possible."""
     base, extra = divmod(len(indices), world)
     start = rank * base + min(rank, extra)
-    return indices[start:start + base + (1 if rank < extra else 0)]
+    return indices[start : start + base + (1 if rank < extra else 0)]
 
 
 def main() -> int:
@@ -169,8 +175,15 @@ def main() -> int:
     model = DDP(module)  # broadcasts rank 0's parameters (all ranks loaded the same checkpoint anyway)
     params = list(model.parameters())
     if rank == 0:
-        progress.event("ready", world=world, resumed_from=step if latest is not None else None,
-                       imported=t_imported, data_ready=t_data, group_ready=t_group, model_built=t_model)
+        progress.event(
+            "ready",
+            world=world,
+            resumed_from=step if latest is not None else None,
+            imported=t_imported,
+            data_ready=t_data,
+            group_ready=t_group,
+            model_built=t_model,
+        )
 
     try:
         while step < t.steps:
@@ -182,7 +195,7 @@ def main() -> int:
             for k, i in enumerate(chunks):
                 last = k == len(chunks) - 1
                 with model.no_sync() if not last else contextlib.nullcontext():
-                    loss = loss_fn(model(x[i:i + t.microbatch_size]), y[i:i + t.microbatch_size]) * world
+                    loss = loss_fn(model(x[i : i + t.microbatch_size]), y[i : i + t.microbatch_size]) * world
                     loss.backward()
                 local_loss += loss.item() / world
             torch.nn.utils.clip_grad_norm_(params, t.optimizer.grad_clip)
@@ -194,16 +207,32 @@ def main() -> int:
             step += 1
             seconds = time.perf_counter() - t0
             if rank == 0:
-                log.info("baseline step %d/%d rank 0 world %d restart %d: loss %.4f, %.1f samples/s, %.3f s/step",
-                         step, t.steps, world, restart, float(total[0]), t.global_batch_size / seconds, seconds)
+                log.info(
+                    "baseline step %d/%d rank 0 world %d restart %d: loss %.4f, %.1f samples/s, %.3f s/step",
+                    step,
+                    t.steps,
+                    world,
+                    restart,
+                    float(total[0]),
+                    t.global_batch_size / seconds,
+                    seconds,
+                )
                 progress.step(step=step, world=world, seconds=seconds, loss=float(total[0]))
                 if args.checkpoint_every and step % args.checkpoint_every == 0 and step < t.steps:
                     path = save_checkpoint(ckpt_dir, step, module, optimizer)
                     progress.event("checkpoint", step=step, path=str(path))
     except (RuntimeError, ConnectionError, TimeoutError) as err:
         first = str(err).splitlines()[0][:160] if str(err) else ""
-        log.warning("baseline step %d rank %d world %d restart %d: communication failed (%s: %s); exiting so "
-                    "torchrun restarts the workers", step, rank, world, restart, type(err).__name__, first)
+        log.warning(
+            "baseline step %d rank %d world %d restart %d: communication failed (%s: %s); exiting so "
+            "torchrun restarts the workers",
+            step,
+            rank,
+            world,
+            restart,
+            type(err).__name__,
+            first,
+        )
         progress.event("failed", step=step, error=f"{type(err).__name__}: {first}")
         sys.stdout.flush()
         os._exit(1)  # what the uncaught exception would do, without waiting on gloo's teardown

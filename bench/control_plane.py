@@ -58,16 +58,35 @@ def _planner(nodes_total: int):
     from oobleck_elastic.config import load_config
     from oobleck_elastic.planning import LayerProfile, ModelProfile, plan_job, templates_for
 
-    b = int(0.1 * 1024 ** 3)
-    profile = ModelProfile(layers=[LayerProfile(name=f"l{i}", forward_s=0.01, backward_s=0.02, param_bytes=b,
-                                                grad_bytes=b, optimizer_bytes=2 * b, activation_bytes=0)
-                                   for i in range(6)])
-    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [
-        "planning.device_memory_gb=1.25", "planning.memory_margin=0", "planning.gpus_per_node=1",
-        f"training.global_batch_size={8 * nodes_total}", "training.microbatch_size=2"])
+    b = int(0.1 * 1024**3)
+    profile = ModelProfile(
+        layers=[
+            LayerProfile(
+                name=f"l{i}",
+                forward_s=0.01,
+                backward_s=0.02,
+                param_bytes=b,
+                grad_bytes=b,
+                optimizer_bytes=2 * b,
+                activation_bytes=0,
+            )
+            for i in range(6)
+        ]
+    )
+    cfg = load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        [
+            "planning.device_memory_gb=1.25",
+            "planning.memory_margin=0",
+            "planning.gpus_per_node=1",
+            f"training.global_batch_size={8 * nodes_total}",
+            "training.microbatch_size=2",
+        ],
+    )
     templates = templates_for(cfg, profile)
-    return lambda nodes, generation, previous: plan_job(cfg, nodes=nodes, generation=generation,
-                                                        templates=templates, previous=previous).plan
+    return lambda nodes, generation, previous: (
+        plan_job(cfg, nodes=nodes, generation=generation, templates=templates, previous=previous).plan
+    )
 
 
 def _thread_cpu_s(native_id: int) -> float:
@@ -75,8 +94,17 @@ def _thread_cpu_s(native_id: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def agents_process(endpoint: str, run_id: str, count: int, total: int, ttl: float, settle: float,
-                   commands: mp.Queue, answers: mp.Queue, liveness: bool = True) -> None:
+def agents_process(
+    endpoint: str,
+    run_id: str,
+    count: int,
+    total: int,
+    ttl: float,
+    settle: float,
+    commands: mp.Queue,
+    answers: mp.Queue,
+    liveness: bool = True,
+) -> None:
     """Host `count` agents; obey commands: ("kill", k) stops k agents that do not lead, like a
     SIGKILL; ("cpu",) answers the leader thread's CPU seconds if it is here; ("stop",) ends."""
     from oobleck_elastic.etcd.mirror import Mirror
@@ -90,12 +118,22 @@ def agents_process(endpoint: str, run_id: str, count: int, total: int, ttl: floa
     agents = []
     for _ in range(count):
         server = LivenessServer("127.0.0.1") if liveness else None
-        member = Member(client, keys, devices=1, lease_ttl_s=ttl, host="sim",
-                        liveness=server.address if server is not None else "")
+        member = Member(
+            client, keys, devices=1, lease_ttl_s=ttl, host="sim", liveness=server.address if server is not None else ""
+        )
         member.register()
         view = Mirror(client, keys.agent_watched(member.node_id), name=f"agent {member.node_id}").start()
-        leader = Leader(client, keys, member, planner=planner, min_nodes=total, max_nodes=total, last_call_s=1.0,
-                        settle_s=settle, view=view)
+        leader = Leader(
+            client,
+            keys,
+            member,
+            planner=planner,
+            min_nodes=total,
+            max_nodes=total,
+            last_call_s=1.0,
+            settle_s=settle,
+            view=view,
+        )
         leader.start()
         agents.append((member, view, leader, server))
     answers.put(("ready", count))
@@ -163,8 +201,11 @@ def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: flo
             for p in range(procs):
                 commands, answers = ctx.Queue(), ctx.Queue()
                 count = n // procs + (1 if p < n % procs else 0)
-                proc = ctx.Process(target=agents_process, args=(server.endpoint, run_id, count, n, ttl, settle,
-                                                                 commands, answers, liveness), daemon=True)
+                proc = ctx.Process(
+                    target=agents_process,
+                    args=(server.endpoint, run_id, count, n, ttl, settle, commands, answers, liveness),
+                    daemon=True,
+                )
                 proc.start()
                 workers.append(proc)
                 channels.append((commands, answers))
@@ -175,6 +216,7 @@ def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: flo
             def generation() -> int:  # from the small roster: polling the plan would be most of the traffic
                 roster = read_roster(client, keys)
                 return roster.generation if roster is not None else 0
+
             first_plan_s = _wait("first plan", lambda: generation() >= 1, 600)
             print(f"[N={n}] generation 1 published {first_plan_s:.2f} s after all were present", file=sys.stderr)
             for _, answers in channels:
@@ -186,6 +228,7 @@ def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: flo
                     commands.put(("cpu",))
                 found = [answers.get(timeout=60)[1] for _, answers in channels]
                 return next((c for c in found if c is not None), float("nan"))
+
             cpu0, m0, w0 = leader_cpu(), etcd_metrics(server), time.monotonic()
             time.sleep(window)
             cpu1, m1, w1 = leader_cpu(), etcd_metrics(server), time.monotonic()
@@ -193,10 +236,16 @@ def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: flo
             rates = {k: (m1.get(k, 0.0) - m0.get(k, 0.0)) / span for k in m1}
             keepalive = rates.get("req:LeaseKeepAlive", 0.0)
             total = sum(v for k, v in rates.items() if k.startswith("req:"))
-            others = {k[4:]: round(v, 2) for k, v in rates.items() if k.startswith("req:") and v > 0
-                      and k != "req:LeaseKeepAlive"}
-            print(f"[N={n}] steady: {total:.1f} req/s ({keepalive:.1f} keep-alives), "
-                  f"{rates['tx_bytes'] / 1024:.1f} KiB/s out of etcd", file=sys.stderr)
+            others = {
+                k[4:]: round(v, 2)
+                for k, v in rates.items()
+                if k.startswith("req:") and v > 0 and k != "req:LeaseKeepAlive"
+            }
+            print(
+                f"[N={n}] steady: {total:.1f} req/s ({keepalive:.1f} keep-alives), "
+                f"{rates['tx_bytes'] / 1024:.1f} KiB/s out of etcd",
+                file=sys.stderr,
+            )
 
             g = generation()
             commands, answers = channels[-1]
@@ -208,17 +257,30 @@ def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: flo
             kill_to_plan_s = time.monotonic() - t_kill
             time.sleep(1.0)  # the watch traffic of the new plan reaches every agent
             replan_tx = etcd_metrics(server)["tx_bytes"] - before["tx_bytes"]
-            print(f"[N={n}] {killed} agents killed: generation {g + 1} published {kill_to_plan_s:.2f} s later",
-                  file=sys.stderr)
-            return {"bench": "control_plane", "nodes": n, "procs": procs, "lease_ttl_s": ttl, "settle_s": settle,
-                    "liveness": liveness,
-                    "register_s": round(register_s, 2), "first_plan_s": round(first_plan_s, 3),
-                    "steady_requests_per_s": round(total, 2), "steady_keepalives_per_s": round(keepalive, 2),
-                    "steady_other_requests_per_s": round(total - keepalive, 2), "other_requests_by_method": others,
-                    "steady_rx_bytes_per_s": round(rates["rx_bytes"]),
-                    "steady_tx_bytes_per_s": round(rates["tx_bytes"]),
-                    "leader_cpu_s_per_s": round((cpu1 - cpu0) / span, 4), "killed": killed,
-                    "kill_to_plan_s": round(kill_to_plan_s, 3), "replan_tx_bytes": round(replan_tx)}
+            print(
+                f"[N={n}] {killed} agents killed: generation {g + 1} published {kill_to_plan_s:.2f} s later",
+                file=sys.stderr,
+            )
+            return {
+                "bench": "control_plane",
+                "nodes": n,
+                "procs": procs,
+                "lease_ttl_s": ttl,
+                "settle_s": settle,
+                "liveness": liveness,
+                "register_s": round(register_s, 2),
+                "first_plan_s": round(first_plan_s, 3),
+                "steady_requests_per_s": round(total, 2),
+                "steady_keepalives_per_s": round(keepalive, 2),
+                "steady_other_requests_per_s": round(total - keepalive, 2),
+                "other_requests_by_method": others,
+                "steady_rx_bytes_per_s": round(rates["rx_bytes"]),
+                "steady_tx_bytes_per_s": round(rates["tx_bytes"]),
+                "leader_cpu_s_per_s": round((cpu1 - cpu0) / span, 4),
+                "killed": killed,
+                "kill_to_plan_s": round(kill_to_plan_s, 3),
+                "replan_tx_bytes": round(replan_tx),
+            }
         finally:
             for commands, _ in channels:
                 commands.put(("stop",))
@@ -238,17 +300,33 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, nargs="+", default=[64, 256, 1000])
     ap.add_argument("--kill", type=int, default=4, help="agents killed at once (default 4)")
-    ap.add_argument("--lease-ttl", type=float, default=5.0,
-                    help="lease TTL, seconds (default 5, as fault_tolerance.lease_ttl_s)")
+    ap.add_argument(
+        "--lease-ttl", type=float, default=5.0, help="lease TTL, seconds (default 5, as fault_tolerance.lease_ttl_s)"
+    )
     ap.add_argument("--settle", type=float, default=0.5)
     ap.add_argument("--window", type=float, default=10.0, help="steady-state measurement window, seconds")
     ap.add_argument("--procs", type=int, default=4, help="processes hosting the agents")
-    ap.add_argument("--no-liveness", action="store_true",
-                    help="agents without liveness sockets: a kill is found by lease expiry only")
+    ap.add_argument(
+        "--no-liveness",
+        action="store_true",
+        help="agents without liveness sockets: a kill is found by lease expiry only",
+    )
     args = ap.parse_args(argv)
     for n in args.nodes:
-        print(json.dumps(run(n, procs=args.procs, kill=args.kill, ttl=args.lease_ttl, settle=args.settle,
-                             window=args.window, liveness=not args.no_liveness)), flush=True)
+        print(
+            json.dumps(
+                run(
+                    n,
+                    procs=args.procs,
+                    kill=args.kill,
+                    ttl=args.lease_ttl,
+                    settle=args.settle,
+                    window=args.window,
+                    liveness=not args.no_liveness,
+                )
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

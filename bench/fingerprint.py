@@ -35,8 +35,15 @@ from tests.helpers import RandomTokens  # noqa: E402
 
 
 def measure(model: str, *, steps: int, repeats: int, seq_len: int) -> dict:
-    cfg = load_config(ROOT / f"configs/{model}.yaml", [f"data.seq_len={seq_len}", "training.global_batch_size=4",
-                                                         "training.microbatch_size=2", "training.compile=false"])
+    cfg = load_config(
+        ROOT / f"configs/{model}.yaml",
+        [
+            f"data.seq_len={seq_len}",
+            "training.global_batch_size=4",
+            "training.microbatch_size=2",
+            "training.compile=false",
+        ],
+    )
     trainer = single_process(cfg, dataset=RandomTokens(n=64, seq_len=seq_len, vocab=cfg.model.vocab_size))
     try:
         step_s = []
@@ -52,9 +59,16 @@ def measure(model: str, *, steps: int, repeats: int, seq_len: int) -> dict:
     finally:
         trainer.close()
     check, step = statistics.median(check_s), statistics.median(step_s[1:] or step_s)
-    return {"bench": "fingerprint", "model": model, "seq_len": seq_len, "bytes": size, "check_s": round(check, 4),
-            "gb_per_s": round(size / check / 1e9, 2), "step_s": round(step, 4),
-            "check_over_step": round(check / step, 3)}
+    return {
+        "bench": "fingerprint",
+        "model": model,
+        "seq_len": seq_len,
+        "bytes": size,
+        "check_s": round(check, 4),
+        "gb_per_s": round(size / check / 1e9, 2),
+        "step_s": round(step, 4),
+        "check_over_step": round(check / step, 3),
+    }
 
 
 def main() -> None:

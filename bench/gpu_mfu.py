@@ -51,16 +51,42 @@ from oobleck_elastic.engine.trainer import single_process  # noqa: E402
 from oobleck_elastic.models import build_layer_model, num_layers  # noqa: E402
 
 MODELS = {
-    "gpt2-small": ["model.family=gpt2", "model.vocab_size=50304", "model.hidden_size=768", "model.num_layers=12",
-                   "model.num_heads=12", "model.max_seq_len=1024", "data.seq_len=1024",
-                   "training.global_batch_size=64", "training.microbatch_size=16"],
-    "llama-1b": ["model.family=llama", "model.vocab_size=32000", "model.hidden_size=2048", "model.num_layers=16",
-                 "model.num_heads=32", "model.num_kv_heads=8", "model.intermediate_size=5632",
-                 "model.tie_embeddings=false", "model.max_seq_len=2048", "data.seq_len=2048",
-                 "training.global_batch_size=16", "training.microbatch_size=4"],
-    "cpu-gpt2": ["model.family=gpt2", "model.vocab_size=4096", "model.hidden_size=256", "model.num_layers=4",
-                 "model.num_heads=4", "model.max_seq_len=256", "data.seq_len=256",
-                 "training.global_batch_size=16", "training.microbatch_size=4"],
+    "gpt2-small": [
+        "model.family=gpt2",
+        "model.vocab_size=50304",
+        "model.hidden_size=768",
+        "model.num_layers=12",
+        "model.num_heads=12",
+        "model.max_seq_len=1024",
+        "data.seq_len=1024",
+        "training.global_batch_size=64",
+        "training.microbatch_size=16",
+    ],
+    "llama-1b": [
+        "model.family=llama",
+        "model.vocab_size=32000",
+        "model.hidden_size=2048",
+        "model.num_layers=16",
+        "model.num_heads=32",
+        "model.num_kv_heads=8",
+        "model.intermediate_size=5632",
+        "model.tie_embeddings=false",
+        "model.max_seq_len=2048",
+        "data.seq_len=2048",
+        "training.global_batch_size=16",
+        "training.microbatch_size=4",
+    ],
+    "cpu-gpt2": [
+        "model.family=gpt2",
+        "model.vocab_size=4096",
+        "model.hidden_size=256",
+        "model.num_layers=4",
+        "model.num_heads=4",
+        "model.max_seq_len=256",
+        "data.seq_len=256",
+        "training.global_batch_size=16",
+        "training.microbatch_size=4",
+    ],
 }
 
 
@@ -84,9 +110,19 @@ class NanoGPT(nn.Module):
         super().__init__()
         self.heads = heads
         self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
-        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
-            ln1=nn.LayerNorm(h), qkv=nn.Linear(h, 3 * h), proj=nn.Linear(h, h), ln2=nn.LayerNorm(h),
-            fc=nn.Linear(h, 4 * h), out=nn.Linear(4 * h, h))) for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                dict(
+                    ln1=nn.LayerNorm(h),
+                    qkv=nn.Linear(h, 3 * h),
+                    proj=nn.Linear(h, h),
+                    ln2=nn.LayerNorm(h),
+                    fc=nn.Linear(h, 4 * h),
+                    out=nn.Linear(4 * h, h),
+                )
+            )
+            for _ in range(layers)
+        )
         self.ln_f = nn.LayerNorm(h)
         self.head = nn.Linear(h, vocab, bias=False)
         self.head.weight = self.wte.weight
@@ -114,8 +150,11 @@ class Loop:
         self.model = torch.compile(model)
         self.opt = build_optimizer(model.parameters(), cfg.training)
         t = cfg.training
-        self.loss_fn = token_sum_loss(t.global_batch_size * dataset[0][0].shape[-1], lean_bf16=t.precision == "bf16",
-                                      vocab_size=cfg.model.vocab_size)
+        self.loss_fn = token_sum_loss(
+            t.global_batch_size * dataset[0][0].shape[-1],
+            lean_bf16=t.precision == "bf16",
+            vocab_size=cfg.model.vocab_size,
+        )
         self.dtype = torch.bfloat16 if t.precision == "bf16" else None
 
     def step(self, step: int) -> float:
@@ -126,7 +165,7 @@ class Loop:
         total = torch.zeros((), device=self.device)
         with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
             for i in range(0, x.shape[0], t.microbatch_size):
-                loss = self.loss_fn(self.model(x[i:i + t.microbatch_size]), y[i:i + t.microbatch_size])
+                loss = self.loss_fn(self.model(x[i : i + t.microbatch_size]), y[i : i + t.microbatch_size])
                 loss.backward()
                 total += loss.detach()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.optimizer.grad_clip, foreach=True)
@@ -161,8 +200,9 @@ def gemm_ceiling(device: torch.device, tokens: int, h: int, dtype: torch.dtype, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=sorted(MODELS), default=None,
-                    help="gpt2-small on CUDA, cpu-gpt2 on the CPU by default")
+    ap.add_argument(
+        "--model", choices=sorted(MODELS), default=None, help="gpt2-small on CUDA, cpu-gpt2 on the CPU by default"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per side per round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side first (compilation)")
@@ -171,8 +211,10 @@ def main() -> None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     name = args.model or ("gpt2-small" if device.type == "cuda" else "cpu-gpt2")
     precision = "bf16" if device.type == "cuda" else "fp32"
-    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [*MODELS[name], f"training.precision={precision}",
-                                                        "data.cache_dir=/tmp/gpu_mfu_cache", *args.overrides])
+    cfg = load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        [*MODELS[name], f"training.precision={precision}", "data.cache_dir=/tmp/gpu_mfu_cache", *args.overrides],
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -184,19 +226,41 @@ def main() -> None:
     peak = device_peak_tflops(device, precision, t.peak_tflops)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     ceiling = gemm_ceiling(device, t.microbatch_size * seq, cfg.model.hidden_size, dtype, 10)
-    base = {"bench": "gpu_mfu", "model": name, "device": torch.cuda.get_device_name(device)
-            if device.type == "cuda" else "cpu", "precision": precision, "tokens_per_step": tokens,
-            "flops_per_token": fpt, "peak_tflops": peak}
-    print(json.dumps({**base, "side": "ceiling", "gemm_tflops": round(ceiling, 3),
-                      "tokens_per_s_at_ceiling": round(ceiling * 1e12 / fpt)}), flush=True)
+    base = {
+        "bench": "gpu_mfu",
+        "model": name,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "precision": precision,
+        "tokens_per_step": tokens,
+        "flops_per_token": fpt,
+        "peak_tflops": peak,
+    }
+    print(
+        json.dumps(
+            {
+                **base,
+                "side": "ceiling",
+                "gemm_tflops": round(ceiling, 3),
+                "tokens_per_s_at_ceiling": round(ceiling * 1e12 / fpt),
+            }
+        ),
+        flush=True,
+    )
 
     results: dict[str, list[float]] = {}
     first: dict[str, list[float]] = {}
 
     def engine_side(compile_on: bool) -> Callable[[int], object]:
-        c = load_config(ROOT / "configs/gpt2-tiny.yaml", [*MODELS[name], f"training.precision={precision}",
-                                                          f"training.compile={str(compile_on).lower()}",
-                                                          "data.cache_dir=/tmp/gpu_mfu_cache", *args.overrides])
+        c = load_config(
+            ROOT / "configs/gpt2-tiny.yaml",
+            [
+                *MODELS[name],
+                f"training.precision={precision}",
+                f"training.compile={str(compile_on).lower()}",
+                "data.cache_dir=/tmp/gpu_mfu_cache",
+                *args.overrides,
+            ],
+        )
         trainer = single_process(c, dataset=dataset, device=device)
         sides_open.append(trainer)
         return lambda s: trainer.train_step(s)
@@ -238,18 +302,38 @@ def main() -> None:
     for label, m in med.items():
         tps = tokens / m
         achieved = tps * fpt / 1e12
-        print(json.dumps({**base, "side": label, "median_step_s": round(m, 5), "tokens_per_s": round(tps),
-                          "tflops": round(achieved, 4), "mfu": round(achieved / peak, 4) if peak else None,
-                          "fraction_of_gemm_ceiling": round(achieved / ceiling, 4),
-                          "compile_s": round(max(0.0, sum(first[label]) - len(first[label]) * m), 2),
-                          "steps": len(results[label])}), flush=True)
-    ratios = {"engine_over_plain": med["engine"] and med["plain"] / med["engine"],
-              "engine_over_engine_eager": med["engine_eager"] / med["engine"]}
+        print(
+            json.dumps(
+                {
+                    **base,
+                    "side": label,
+                    "median_step_s": round(m, 5),
+                    "tokens_per_s": round(tps),
+                    "tflops": round(achieved, 4),
+                    "mfu": round(achieved / peak, 4) if peak else None,
+                    "fraction_of_gemm_ceiling": round(achieved / ceiling, 4),
+                    "compile_s": round(max(0.0, sum(first[label]) - len(first[label]) * m), 2),
+                    "steps": len(results[label]),
+                }
+            ),
+            flush=True,
+        )
+    ratios = {
+        "engine_over_plain": med["engine"] and med["plain"] / med["engine"],
+        "engine_over_engine_eager": med["engine_eager"] / med["engine"],
+    }
     if "nanogpt" in med:
         ratios["engine_over_nanogpt"] = med["nanogpt"] / med["engine"]
-    print(json.dumps({**base, "figure": "ratios (throughput, > 1 = the engine is faster)",
-                      **{k: round(v, 4) for k, v in ratios.items()},
-                      "peak_memory_gb": round((peak_device_bytes(device) or peak_rss_bytes()) / 2**30, 3)}))
+    print(
+        json.dumps(
+            {
+                **base,
+                "figure": "ratios (throughput, > 1 = the engine is faster)",
+                **{k: round(v, 4) for k, v in ratios.items()},
+                "peak_memory_gb": round((peak_device_bytes(device) or peak_rss_bytes()) / 2**30, 3),
+            }
+        )
+    )
     assert math.isfinite(ratios["engine_over_plain"])
 
 

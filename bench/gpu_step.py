@@ -61,8 +61,8 @@ class PlainLoop:
         mbs, total = self.cfg.training.microbatch_size, 0.0
         for i in range(0, x.shape[0], mbs):
             with torch.autocast("cuda", dtype=self.dtype, enabled=self.dtype is not None):
-                out = self.model(x[i:i + mbs])
-            loss = self.loss_fn(out.float(), y[i:i + mbs])
+                out = self.model(x[i : i + mbs])
+            loss = self.loss_fn(out.float(), y[i : i + mbs])
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.training.optimizer.grad_clip)
@@ -90,8 +90,9 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gpu_step.py needs a CUDA device")
-    cfg = load_config(args.config, ["data.source=stdlib", "data.tokenizer=bytes", "model.vocab_size=256",
-                                    *args.overrides])
+    cfg = load_config(
+        args.config, ["data.source=stdlib", "data.tokenizer=bytes", "model.vocab_size=256", *args.overrides]
+    )
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dataset = build_dataset(cfg, log=lambda *_: None)
@@ -99,8 +100,7 @@ def main() -> None:
     plan = one_worker_plan(cfg, cfg.model.num_layers + 2)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     store = dist.FileStore(tempfile.mktemp(prefix="gpu_step_store_"), 1)
-    engine = Trainer(cfg, dataset=dataset, plan=plan, rank=0, store=store, device=device,
-                     timeout=timedelta(seconds=60))
+    engine = Trainer(cfg, dataset=dataset, plan=plan, rank=0, store=store, device=device, timeout=timedelta(seconds=60))
     plain = PlainLoop(cfg, dataset, device)
 
     def never() -> str | None:
@@ -130,15 +130,33 @@ def main() -> None:
     tokens = t.global_batch_size * dataset[0][0].shape[-1]
     med = {k: statistics.median(v) for k, v in times.items()}
     for name in sides:
-        print(json.dumps({"bench": "gpu_step", "side": name, "config": Path(args.config).stem,
-                          "precision": t.precision, "device": torch.cuda.get_device_name(device),
-                          "median_step_s": round(med[name], 5),
-                          "samples_per_s": round(t.global_batch_size / med[name], 1),
-                          "tokens_per_s": round(tokens / med[name]), "steps": len(times[name])}))
-    print(json.dumps({"bench": "gpu_step", "ratio_engine_over_plain": round(med["engine"] / med["plain"], 4),
-                      "overhead_pct": round(100 * (med["engine"] / med["plain"] - 1), 2),
-                      "p25_ratio": round(statistics.quantiles(times["engine"], n=4)[0]
-                                         / statistics.quantiles(times["plain"], n=4)[0], 4)}))
+        print(
+            json.dumps(
+                {
+                    "bench": "gpu_step",
+                    "side": name,
+                    "config": Path(args.config).stem,
+                    "precision": t.precision,
+                    "device": torch.cuda.get_device_name(device),
+                    "median_step_s": round(med[name], 5),
+                    "samples_per_s": round(t.global_batch_size / med[name], 1),
+                    "tokens_per_s": round(tokens / med[name]),
+                    "steps": len(times[name]),
+                }
+            )
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "gpu_step",
+                "ratio_engine_over_plain": round(med["engine"] / med["plain"], 4),
+                "overhead_pct": round(100 * (med["engine"] / med["plain"] - 1), 2),
+                "p25_ratio": round(
+                    statistics.quantiles(times["engine"], n=4)[0] / statistics.quantiles(times["plain"], n=4)[0], 4
+                ),
+            }
+        )
+    )
     engine.close()
     # the planner's estimate of the same step (one worker, one stage) from the profile measured on this GPU
     from oobleck_elastic.planning import plan_job
@@ -146,9 +164,18 @@ def main() -> None:
 
     profile = load_or_profile(cfg, device=device, cache_dir="/tmp/gpu_step_cache", log=lambda *_: None)
     est = plan_job(cfg, nodes=1, profile=profile).plan.est_step_time_s
-    print(json.dumps({"bench": "gpu_step", "figure": "estimated_vs_measured", "precision": t.precision,
-                      "planner_est_step_s": round(est, 5), "engine_measured_step_s": round(med["engine"], 5),
-                      "ratio_measured_over_estimated": round(med["engine"] / est, 3)}))
+    print(
+        json.dumps(
+            {
+                "bench": "gpu_step",
+                "figure": "estimated_vs_measured",
+                "precision": t.precision,
+                "planner_est_step_s": round(est, 5),
+                "engine_measured_step_s": round(med["engine"], 5),
+                "ratio_measured_over_estimated": round(med["engine"] / est, 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -57,10 +57,17 @@ LLAMA_QUARTER = {"family": "llama", "blocks": 4, "hidden": 2048, "heads": 16, "v
 
 
 def overrides(model: dict) -> list[str]:
-    over = [f"model.family={model['family']}", f"model.num_layers={model['blocks']}",
-            f"model.hidden_size={model['hidden']}", f"model.num_heads={model['heads']}",
-            f"model.vocab_size={model['vocab']}", "data.seq_len=16", "training.global_batch_size=4",
-            "training.microbatch_size=1", "fault_tolerance.comm_timeout_s=600"]
+    over = [
+        f"model.family={model['family']}",
+        f"model.num_layers={model['blocks']}",
+        f"model.hidden_size={model['hidden']}",
+        f"model.num_heads={model['heads']}",
+        f"model.vocab_size={model['vocab']}",
+        "data.seq_len=16",
+        "training.global_batch_size=4",
+        "training.microbatch_size=1",
+        "fault_tolerance.comm_timeout_s=600",
+    ]
     if "inter" in model:
         over.append(f"model.intermediate_size={model['inter']}")
     return over
@@ -88,16 +95,25 @@ def worker(rank: int, world: int, tmp: str, over: list[str], out: str) -> None:
     store = dist.FileStore(os.path.join(tmp, "store"), world)
     rss_start = memory.current_rss_bytes()
     t_entry, cpu_entry = time.monotonic(), time.process_time()
-    trainer = Trainer(cfg, dataset=RandomTokens(n=16, seq_len=16, vocab=cfg.model.vocab_size), plan=plan,
-                      rank=rank, store=store)
+    trainer = Trainer(
+        cfg, dataset=RandomTokens(n=16, seq_len=16, vocab=cfg.model.vocab_size), plan=plan, rank=rank, store=store
+    )
     entry_s, entry_cpu_s = time.monotonic() - t_entry, time.process_time() - cpu_entry
     start_s = time.monotonic() - T0
     params = sum(p.numel() * p.element_size() for p in trainer.params)
     peak_before = memory.peak_rss_bytes()
     trainer.train_step(0)
-    record = {"rank": rank, "rss_start": rss_start, "peak_before_step": peak_before,
-              "peak_after_step": memory.peak_rss_bytes(), "held": trainer.held_bytes(), "params": params,
-              "start_s": start_s, "entry_s": entry_s, "entry_cpu_s": entry_cpu_s}
+    record = {
+        "rank": rank,
+        "rss_start": rss_start,
+        "peak_before_step": peak_before,
+        "peak_after_step": memory.peak_rss_bytes(),
+        "held": trainer.held_bytes(),
+        "params": params,
+        "start_s": start_s,
+        "entry_s": entry_s,
+        "entry_cpu_s": entry_cpu_s,
+    }
     Path(out).write_text(json.dumps(record))
     trainer.close()
 
@@ -115,31 +131,57 @@ def model_bytes(over: list[str]) -> int:
 def save_pretrained(model: dict, path: Path) -> None:
     import transformers
 
-    config = transformers.GPT2Config(vocab_size=model["vocab"], n_positions=64, n_embd=model["hidden"],
-                                     n_layer=model["blocks"], n_head=model["heads"], resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=model["vocab"],
+        n_positions=64,
+        n_embd=model["hidden"],
+        n_layer=model["blocks"],
+        n_head=model["heads"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     transformers.GPT2LMHeadModel(config).save_pretrained(path, max_shard_size="200MB")
 
 
 def run_case(model: dict, stages: int, init: str, pretrained: Path | None) -> dict:
     over = overrides(model) + ([f"model.pretrained_path={pretrained}"] if pretrained else [])
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(stages), tmp,
-                                   os.path.join(tmp, f"r{r}.json"), *over], cwd=ROOT) for r in range(stages)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    str(r),
+                    str(stages),
+                    tmp,
+                    os.path.join(tmp, f"r{r}.json"),
+                    *over,
+                ],
+                cwd=ROOT,
+            )
+            for r in range(stages)
+        ]
         codes = [p.wait(timeout=1200) for p in procs]
         if any(codes):
             raise SystemExit(f"a worker failed ({codes}) for {stages} stages, {init}")
         recs = [json.loads(Path(tmp, f"r{r}.json").read_text()) for r in range(stages)]
-    return {"bench": "memory", "init": init, "family": model["family"], "stages": stages,
-            "model_bytes": model_bytes(overrides(model)),
-            "max_held_bytes": max(r["held"] for r in recs),
-            "max_growth_before_step_bytes": max(r["peak_before_step"] - r["rss_start"] for r in recs),
-            "growth_minus_params_bytes": max(r["peak_before_step"] - r["rss_start"] - r["params"] for r in recs),
-            "max_peak_after_step_bytes": max(r["peak_after_step"] for r in recs),
-            "max_rss_start_bytes": max(r["rss_start"] for r in recs),
-            "max_start_s": round(max(r["start_s"] for r in recs), 2),
-            "max_entry_s": round(max(r["entry_s"] for r in recs), 2),
-            "max_entry_cpu_s": round(max(r["entry_cpu_s"] for r in recs), 2)}
+    return {
+        "bench": "memory",
+        "init": init,
+        "family": model["family"],
+        "stages": stages,
+        "model_bytes": model_bytes(overrides(model)),
+        "max_held_bytes": max(r["held"] for r in recs),
+        "max_growth_before_step_bytes": max(r["peak_before_step"] - r["rss_start"] for r in recs),
+        "growth_minus_params_bytes": max(r["peak_before_step"] - r["rss_start"] - r["params"] for r in recs),
+        "max_peak_after_step_bytes": max(r["peak_after_step"] for r in recs),
+        "max_rss_start_bytes": max(r["rss_start"] for r in recs),
+        "max_start_s": round(max(r["start_s"] for r in recs), 2),
+        "max_entry_s": round(max(r["entry_s"] for r in recs), 2),
+        "max_entry_cpu_s": round(max(r["entry_cpu_s"] for r in recs), 2),
+    }
 
 
 def main() -> None:
@@ -150,8 +192,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--quick", action="store_true", help="a small model (smoke run)")
-    ap.add_argument("--startup", action="store_true",
-                    help="instead: start-up of a ~1 B Llama on 4 and 1 stages and of a 0.34 B one on 1 stage")
+    ap.add_argument(
+        "--startup",
+        action="store_true",
+        help="instead: start-up of a ~1 B Llama on 4 and 1 stages and of a 0.34 B one on 1 stage",
+    )
     args = ap.parse_args()
     model = QUICK if args.quick else GPT2
     if not args.startup:
@@ -160,8 +205,10 @@ def main() -> None:
             save_pretrained(model, pretrained)
             for init in ("random", "pretrained"):
                 for stages in args.stages:
-                    print(json.dumps(run_case(model, stages, init, pretrained if init == "pretrained" else None)),
-                          flush=True)
+                    print(
+                        json.dumps(run_case(model, stages, init, pretrained if init == "pretrained" else None)),
+                        flush=True,
+                    )
     else:
         for model, stages in ((LLAMA_1B, 4), (LLAMA_QUARTER, 1), (LLAMA_1B, 1)):
             print(json.dumps({**run_case(model, stages, "random", None), "bench": "startup"}), flush=True)

@@ -57,8 +57,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_PCT = 3.0
-DEFAULT_OVERRIDES = ["model.hidden_size=128", "model.num_layers=6", "model.max_seq_len=64", "data.seq_len=64",
-                     "training.global_batch_size=32", "training.microbatch_size=4", "training.steps=1000"]
+DEFAULT_OVERRIDES = [
+    "model.hidden_size=128",
+    "model.num_layers=6",
+    "model.max_seq_len=64",
+    "data.seq_len=64",
+    "training.global_batch_size=32",
+    "training.microbatch_size=4",
+    "training.steps=1000",
+]
 
 
 class RandomTokens:
@@ -88,14 +95,31 @@ def make_plan(pipelines: int, stages: int, num_layers: int, microbatch_size: int
     for p in range(pipelines):
         placed = []
         for s in range(stages):
-            placed.append(StagePlacement(index=s, start=cuts[s], end=cuts[s + 1], node=f"n{rank}", local_rank=0,
-                                         rank=rank))
+            placed.append(
+                StagePlacement(index=s, start=cuts[s], end=cuts[s + 1], node=f"n{rank}", local_rank=0, rank=rank)
+            )
             rank += 1
-        specs.append(PipelineSpec(index=p, template_nodes=stages, nodes=tuple(st.node for st in placed),
-                                  microbatches=mbs[p], stages=tuple(placed), est_time_s=1.0))
-    plan = Plan(generation=1, nodes=tuple(f"n{r}" for r in range(rank)), spares=(), gpus_per_node=1,
-                num_layers=num_layers, microbatch_size=microbatch_size, pipelines=tuple(specs),
-                est_step_time_s=1.0, f=1)
+        specs.append(
+            PipelineSpec(
+                index=p,
+                template_nodes=stages,
+                nodes=tuple(st.node for st in placed),
+                microbatches=mbs[p],
+                stages=tuple(placed),
+                est_time_s=1.0,
+            )
+        )
+    plan = Plan(
+        generation=1,
+        nodes=tuple(f"n{r}" for r in range(rank)),
+        spares=(),
+        gpus_per_node=1,
+        num_layers=num_layers,
+        microbatch_size=microbatch_size,
+        pipelines=tuple(specs),
+        est_step_time_s=1.0,
+        f=1,
+    )
     plan.check()
     return plan
 
@@ -120,8 +144,10 @@ class Baseline:
         assert all([(s.start, s.end) for s in p.stages] == cuts for p in plan.pipelines), "pipelines differ"
         # every rank creates every group, in the same order
         pp_groups = [dist.new_group([s.rank for s in p.stages]) for p in plan.pipelines]
-        dp_groups = [dist.new_group([p.stages[i].rank for p in plan.pipelines]) if len(plan.pipelines) > 1
-                     else None for i in range(n_stages)]
+        dp_groups = [
+            dist.new_group([p.stages[i].rank for p in plan.pipelines]) if len(plan.pipelines) > 1 else None
+            for i in range(n_stages)
+        ]
         tied_ranks = sorted({p.stages[0].rank for p in plan.pipelines} | {p.stages[-1].rank for p in plan.pipelines})
         tied_group = dist.new_group(tied_ranks)
         self.pipeline, self.stage = plan.stage_of(rank)
@@ -143,14 +169,18 @@ class Baseline:
         seq_len = dataset[0][0].shape[-1]
         self.loss_fn = token_sum_loss(t.global_batch_size * seq_len)
         stage = PipelineStage(self.module, self.stage.index, n_stages, torch.device("cpu"), group=self.pp_group)
-        self.schedule = Schedule1F1B(stage, n_microbatches=self.pipeline.microbatches, loss_fn=self.loss_fn,
-                                     scale_grads=False)
+        self.schedule = Schedule1F1B(
+            stage, n_microbatches=self.pipeline.microbatches, loss_fn=self.loss_fn, scale_grads=False
+        )
         o = t.optimizer
         decay = [p for p in self.params if p.ndim >= 2]
         no_decay = [p for p in self.params if p.ndim < 2]
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                                            {"params": no_decay, "weight_decay": 0.0}],
-                                           lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr,
+            betas=tuple(o.betas),
+            eps=o.eps,
+        )
         self.max_norm = o.grad_clip
         start = t.microbatch_size * sum(p.microbatches for p in plan.pipelines[: self.pipeline.index])
         self.slice = slice(start, start + t.microbatch_size * self.pipeline.microbatches)
@@ -192,8 +222,9 @@ class Baseline:
         # clip_grad_norm_ for a pipeline: the norm needs every stage's squared sum
         if self.max_norm > 0:
             grads = [p.grad for p in self.params if p.grad is not None]
-            norm2 = torch.stack(torch._foreach_norm([p.grad for p in self.norm_params
-                                                     if p.grad is not None])).pow(2).sum()
+            norm2 = (
+                torch.stack(torch._foreach_norm([p.grad for p in self.norm_params if p.grad is not None])).pow(2).sum()
+            )
             dist.all_reduce(norm2, group=self.pp_group)
             coef = torch.clamp(self.max_norm / (norm2.sqrt() + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef)
@@ -213,10 +244,10 @@ def worker(rank: int, world: int, tmp: str, cfg_dict: dict, layout: tuple[int, i
     cfg = from_dict(cfg_dict)
     t = cfg.training
     pipelines, stages = layout
-    plan = make_plan(pipelines, stages, cfg.model.num_layers + 2, t.microbatch_size,
-                     t.global_batch_size // t.microbatch_size)
-    dataset = RandomTokens(n=max(256, 4 * t.global_batch_size), seq_len=cfg.data.seq_len,
-                           vocab=cfg.model.vocab_size)
+    plan = make_plan(
+        pipelines, stages, cfg.model.num_layers + 2, t.microbatch_size, t.global_batch_size // t.microbatch_size
+    )
+    dataset = RandomTokens(n=max(256, 4 * t.global_batch_size), seq_len=cfg.data.seq_len, vocab=cfg.model.vocab_size)
     store = dist.FileStore(os.path.join(tmp, "store"), world)
     # the engine (re)creates the default process group from the store; the baseline's groups come after
     engine = Trainer(cfg, dataset=dataset, plan=plan, rank=rank, store=store)
@@ -269,25 +300,39 @@ def run_world(world: int, args: argparse.Namespace, cfg) -> dict:
     out = ctx.Queue()
     opts = {"warmup": args.warmup, "rounds": args.rounds, "steps": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, args=(world, tmp, to_dict(cfg), layout, opts, out), nprocs=world, join=True,
-                           start_method="spawn")
+        mp.start_processes(
+            worker, args=(world, tmp, to_dict(cfg), layout, opts, out), nprocs=world, join=True, start_method="spawn"
+        )
     res = out.get(timeout=10)
     med = statistics.median
     eng = med([t for block in res["times"]["engine"] for t in block])
     base = med([t for block in res["times"]["baseline"] for t in block])
-    rounds = [round((med(e) / med(b) - 1.0) * 100.0, 1)
-              for e, b in zip(res["times"]["engine"], res["times"]["baseline"])]
+    rounds = [
+        round((med(e) / med(b) - 1.0) * 100.0, 1) for e, b in zip(res["times"]["engine"], res["times"]["baseline"])
+    ]
     q1 = [statistics.quantiles([t for block in res["times"][k] for t in block], n=4)[0] for k in ("engine", "baseline")]
     gbs = cfg.training.global_batch_size
     overhead = (eng / base - 1.0) * 100.0
-    return {"bench": "overhead", "world": world, "plan": f"{layout[0]}x{layout[1]}",
-            "engine_samples_s": round(gbs / eng, 1), "baseline_samples_s": round(gbs / base, 1),
-            "engine_step_ms": round(eng * 1e3, 2), "baseline_step_ms": round(base * 1e3, 2),
-            "overhead_pct": round(overhead, 2), "goal_pct": GOAL_PCT, "meets_goal": overhead <= GOAL_PCT,
-            "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup, "round_overhead_pct": rounds,
-            "overhead_p25_pct": round((q1[0] / q1[1] - 1.0) * 100.0, 2),
-            "load_avg_1min": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
-            "max_weight_diff": float(f"{res['max_weight_diff']:.3g}")}
+    return {
+        "bench": "overhead",
+        "world": world,
+        "plan": f"{layout[0]}x{layout[1]}",
+        "engine_samples_s": round(gbs / eng, 1),
+        "baseline_samples_s": round(gbs / base, 1),
+        "engine_step_ms": round(eng * 1e3, 2),
+        "baseline_step_ms": round(base * 1e3, 2),
+        "overhead_pct": round(overhead, 2),
+        "goal_pct": GOAL_PCT,
+        "meets_goal": overhead <= GOAL_PCT,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "round_overhead_pct": rounds,
+        "overhead_p25_pct": round((q1[0] / q1[1] - 1.0) * 100.0, 2),
+        "load_avg_1min": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
+        "max_weight_diff": float(f"{res['max_weight_diff']:.3g}"),
+    }
 
 
 def main(argv=None) -> None:

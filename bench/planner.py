@@ -42,6 +42,7 @@ def timed(fn, repeats: int):
 
 def enumerate_covers(sizes: list[int], total: int, kmin: int):
     """Every multiset of template sizes adding up to `total` (Oobleck's _enumerate_instantiation_options)."""
+
     def rec(i: int, left: int, chosen: list[int]):
         if left == 0:
             if len(chosen) >= kmin:
@@ -52,6 +53,7 @@ def enumerate_covers(sizes: list[int], total: int, kmin: int):
         s = sizes[i]
         for count in range(left // s, -1, -1):
             yield from rec(i + 1, left - count * s, chosen + [s] * count)
+
     yield from rec(0, total, [])
 
 
@@ -79,31 +81,67 @@ def main() -> None:
         return build_templates(profile, gpus_per_node=8, device_memory_gb=80.0, memory_margin=0.1, links=Links())
 
     t_templates, templates = timed(build, args.repeats)
-    t_inst, plan = timed(lambda: instantiate(templates, num_nodes=1024, num_microbatches=GLOBAL_MICROBATCHES,
-                                             f=1), args.repeats)
-    t_replan, replan = timed(lambda: instantiate(templates, num_nodes=1023, num_microbatches=GLOBAL_MICROBATCHES,
-                                                 f=1), args.repeats)
+    t_inst, plan = timed(
+        lambda: instantiate(templates, num_nodes=1024, num_microbatches=GLOBAL_MICROBATCHES, f=1), args.repeats
+    )
+    t_replan, replan = timed(
+        lambda: instantiate(templates, num_nodes=1023, num_microbatches=GLOBAL_MICROBATCHES, f=1), args.repeats
+    )
     common = {"bench": "planner", "model": "gpt3-175b-like", "layers": profile.num_layers, "gpus_per_node": 8}
     print(json.dumps(common | {"figure": "templates_s", "value": t_templates, "templates": templates.sizes()}))
-    print(json.dumps(common | {"figure": "instantiate_1024_nodes_s", "value": t_inst,
-                               "pipelines": len(plan.pipelines), "nodes_used": plan.nodes_used}))
+    print(
+        json.dumps(
+            common
+            | {
+                "figure": "instantiate_1024_nodes_s",
+                "value": t_inst,
+                "pipelines": len(plan.pipelines),
+                "nodes_used": plan.nodes_used,
+            }
+        )
+    )
     total = t_templates + t_inst
-    print(json.dumps(common | {"figure": "templates_plus_instantiate_s", "value": total, "goal": 1.0,
-                               "meets_goal": total < 1.0}))
-    print(json.dumps(common | {"figure": "replan_after_one_loss_s", "value": t_replan, "goal": 0.05,
-                               "meets_goal": t_replan < 0.05, "nodes_used": replan.nodes_used}))
+    print(
+        json.dumps(
+            common | {"figure": "templates_plus_instantiate_s", "value": total, "goal": 1.0, "meets_goal": total < 1.0}
+        )
+    )
+    print(
+        json.dumps(
+            common
+            | {
+                "figure": "replan_after_one_loss_s",
+                "value": t_replan,
+                "goal": 0.05,
+                "meets_goal": t_replan < 0.05,
+                "nodes_used": replan.nodes_used,
+            }
+        )
+    )
     # the algorithms side by side on compute-only templates (the makespan then depends on the
     # templates alone, not on how many replicas share the gradient all-reduce)
     templates = build_templates(profile, gpus_per_node=8, device_memory_gb=80.0, memory_margin=0.1)
     for n in (24, 48, 96, 144):
-        t_ours, ours = timed(lambda n=n: instantiate(templates, num_nodes=n, num_microbatches=GLOBAL_MICROBATCHES,
-                                                     f=1), args.repeats)
-        t_enum, (enum_makespan, options) = timed(lambda n=n: enumeration_makespan(templates, n, GLOBAL_MICROBATCHES, 1),
-                                                 1)
-        print(json.dumps(common | {"figure": "instantiate_vs_enumeration", "nodes": n, "ours_s": t_ours,
-                                   "enumeration_s": t_enum, "enumeration_options": options,
-                                   "ratio_enumeration_over_ours": t_enum / t_ours,
-                                   "same_makespan": math.isclose(ours.makespan_s, enum_makespan, rel_tol=1e-6)}))
+        t_ours, ours = timed(
+            lambda n=n: instantiate(templates, num_nodes=n, num_microbatches=GLOBAL_MICROBATCHES, f=1), args.repeats
+        )
+        t_enum, (enum_makespan, options) = timed(
+            lambda n=n: enumeration_makespan(templates, n, GLOBAL_MICROBATCHES, 1), 1
+        )
+        print(
+            json.dumps(
+                common
+                | {
+                    "figure": "instantiate_vs_enumeration",
+                    "nodes": n,
+                    "ours_s": t_ours,
+                    "enumeration_s": t_enum,
+                    "enumeration_options": options,
+                    "ratio_enumeration_over_ours": t_enum / t_ours,
+                    "same_makespan": math.isclose(ours.makespan_s, enum_makespan, rel_tol=1e-6),
+                }
+            )
+        )
 
     tensor_parallel(common)
 
@@ -115,18 +153,37 @@ def tensor_parallel(common: dict) -> None:
     plans = compare_tensor_parallel(cfg, profiles, 1024)
     for d, jp in plans.items():
         p = jp.plan
-        print(json.dumps(common | {"figure": "tensor_parallel_1024_nodes", "tensor_parallel": d,
-                                   "stages_per_node": 8 // d, "pipelines": len(p.pipelines),
-                                   "stages_per_pipeline": sorted({len(q.stages) for q in p.pipelines}),
-                                   "est_step_s": p.est_step_time_s, "est_samples_per_s": p.samples_per_s,
-                                   "bubble_fraction": 1 - jp.efficiency}))
+        print(
+            json.dumps(
+                common
+                | {
+                    "figure": "tensor_parallel_1024_nodes",
+                    "tensor_parallel": d,
+                    "stages_per_node": 8 // d,
+                    "pipelines": len(p.pipelines),
+                    "stages_per_pipeline": sorted({len(q.stages) for q in p.pipelines}),
+                    "est_step_s": p.est_step_time_s,
+                    "est_samples_per_s": p.samples_per_s,
+                    "bubble_fraction": 1 - jp.efficiency,
+                }
+            )
+        )
     auto = plan_job(cfg, nodes=1024, profile=profiles)
     rates = {d: jp.plan.samples_per_s for d, jp in plans.items()}
-    print(json.dumps(common | {"figure": "tensor_parallel_1024_nodes", "tensor_parallel": "auto",
-                               "chose": auto.plan.tensor_parallel, "est_samples_per_s": auto.plan.samples_per_s,
-                               "bubble_fraction": 1 - auto.efficiency,
-                               "ratio_auto_over_tp1": auto.plan.samples_per_s / rates[1],
-                               "planning_all_degrees_s": time.perf_counter() - t0}))
+    print(
+        json.dumps(
+            common
+            | {
+                "figure": "tensor_parallel_1024_nodes",
+                "tensor_parallel": "auto",
+                "chose": auto.plan.tensor_parallel,
+                "est_samples_per_s": auto.plan.samples_per_s,
+                "bubble_fraction": 1 - auto.efficiency,
+                "ratio_auto_over_tp1": auto.plan.samples_per_s / rates[1],
+                "planning_all_degrees_s": time.perf_counter() - t0,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

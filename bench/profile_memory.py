@@ -35,12 +35,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {
     "gpt2-tiny": [],
-    "gpt2-24x1024": ["model.num_layers=24", "model.hidden_size=1024", "model.num_heads=16",
-                     "model.vocab_size=50257", "model.max_seq_len=128", "data.seq_len=128",
-                     "training.microbatch_size=1", "training.global_batch_size=8"],
+    "gpt2-24x1024": [
+        "model.num_layers=24",
+        "model.hidden_size=1024",
+        "model.num_heads=16",
+        "model.vocab_size=50257",
+        "model.max_seq_len=128",
+        "data.seq_len=128",
+        "training.microbatch_size=1",
+        "training.global_batch_size=8",
+    ],
 }
 MODES = ("old", "one_layer", "once")
-MIB = 1024 ** 2
+MIB = 1024**2
 
 
 def _status_mib(field: str) -> float:
@@ -62,9 +69,15 @@ def run_case(model: str, mode: str) -> dict:
     from oobleck_elastic.models.build import build_meta_layers
     from oobleck_elastic.planning import profiler
 
-    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml",
-                      MODELS[model] + ["planning.profile_warmup=0", "planning.profile_repeats=1",
-                                       f"planning.profile_identical_blocks_once={mode == 'once'}"])
+    cfg = load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        MODELS[model]
+        + [
+            "planning.profile_warmup=0",
+            "planning.profile_repeats=1",
+            f"planning.profile_identical_blocks_once={mode == 'once'}",
+        ],
+    )
     metas = build_meta_layers(cfg.model, cfg.model.num_layers + 2, seed=0)
     sizes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in metas]
     tied = metas[0].wte.weight.numel() * metas[0].wte.weight.element_size()  # GPT-2: wte is lm_head
@@ -91,10 +104,18 @@ def run_case(model: str, mode: str) -> dict:
         profiler.profile_model(cfg, device="cpu")
     seconds = time.perf_counter() - t0
     peak = _status_mib("VmHWM")
-    return {"model": model, "mode": mode, "peak_rss_mib": round(peak, 1), "import_rss_mib": round(import_rss, 1),
-            "peak_over_import_mib": round(peak - import_rss, 1), "model_param_mib": round(model_bytes / MIB, 1),
-            "largest_layer_mib": round(largest / MIB, 1), "seconds": round(seconds, 2), "layers_built": built,
-            "torch_threads": torch.get_num_threads()}
+    return {
+        "model": model,
+        "mode": mode,
+        "peak_rss_mib": round(peak, 1),
+        "import_rss_mib": round(import_rss, 1),
+        "peak_over_import_mib": round(peak - import_rss, 1),
+        "model_param_mib": round(model_bytes / MIB, 1),
+        "largest_layer_mib": round(largest / MIB, 1),
+        "seconds": round(seconds, 2),
+        "layers_built": built,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,14 +125,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.case:
         model, _, mode = args.case.partition(":")
         if model not in MODELS or mode not in MODES:
-            ap.error(f"--case {args.case}: choose MODEL:MODE with MODEL in {', '.join(MODELS)} and MODE in "
-                     f"{', '.join(MODES)}")
+            ap.error(
+                f"--case {args.case}: choose MODEL:MODE with MODEL in {', '.join(MODELS)} and MODE in "
+                f"{', '.join(MODES)}"
+            )
         print(json.dumps(run_case(model, mode)), flush=True)
         return 0
     for model in MODELS:
         for mode in MODES:
-            out = subprocess.run([sys.executable, __file__, "--case", f"{model}:{mode}"], capture_output=True,
-                                 text=True, check=False, cwd=ROOT)
+            out = subprocess.run(
+                [sys.executable, __file__, "--case", f"{model}:{mode}"],
+                capture_output=True,
+                text=True,
+                check=False,
+                cwd=ROOT,
+            )
             if out.returncode != 0:
                 print(out.stderr, file=sys.stderr)
                 return out.returncode

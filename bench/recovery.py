@@ -90,8 +90,12 @@ from oobleck_elastic.rendezvous.keys import Keys  # noqa: E402
 from oobleck_elastic.rendezvous.membership import live_nodes, read_events  # noqa: E402
 
 CONFIG = ROOT / "configs" / "gpt2-tiny.yaml"
-OVERRIDES = ["data.seq_len=32", "training.global_batch_size=16", "training.microbatch_size=2",
-             "fault_tolerance.comm_timeout_s=30"]
+OVERRIDES = [
+    "data.seq_len=32",
+    "training.global_batch_size=16",
+    "training.microbatch_size=2",
+    "fault_tolerance.comm_timeout_s=30",
+]
 OURS_RDZV = "lease_ttl=2,settle=0.2,last_call_timeout=1"
 C10D_RDZV = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
 NODES, VICTIM = 4, 1
@@ -101,8 +105,10 @@ STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
 OURS_STEP = re.compile(STAMP + r" INFO gen (\d+) step (\d+)/(\d+) node (\S+): loss ([\d.]+)")
 OURS_FAIL = re.compile(STAMP + r" WARNING gen (\d+) step (\d+) node (\S+): communication failed")
 OURS_ABANDON = re.compile(STAMP + r" WARNING gen (\d+) step (\d+) node (\S+): step abandoned")
-OURS_ENTER = re.compile(STAMP + r" INFO gen (\d+) step (\d+) node (\S+) rank (\d+): "
-                        r"entered from generation (\d+) \(([^,]+)")
+OURS_ENTER = re.compile(
+    STAMP + r" INFO gen (\d+) step (\d+) node (\S+) rank (\d+): "
+    r"entered from generation (\d+) \(([^,]+)"
+)
 
 
 def stamp(text: str) -> float:
@@ -143,10 +149,19 @@ class BaselineCluster(LocalCluster):
 
     def torchrun_command(self) -> list[str]:
         host = 1 if len(self.nodes) == 0 else 0  # node 0 serves the c10d store
-        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES - 1}:{NODES}",
-                "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}",
-                f"--rdzv-id={self.run_id}", "--monitor-interval=0.1", "--max-restarts=3",
-                f"--rdzv-conf={C10D_RDZV},is_host={host}"] + self.script
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={NODES - 1}:{NODES}",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}",
+            "--monitor-interval=0.1",
+            "--max-restarts=3",
+            f"--rdzv-conf={C10D_RDZV},is_host={host}",
+        ] + self.script
 
     def start_node(self):  # as LocalCluster.start_node, plus the 2.13 workaround in the environment
         old = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
@@ -161,8 +176,18 @@ class BaselineCluster(LocalCluster):
 
 
 def cluster_args(**kw: Any) -> argparse.Namespace:
-    base = dict(nodes=NODES, nproc_per_node=1, min_nodes=None, max_nodes=NODES, endpoint=None, run_id=None,
-                kill=[], join=[], rdzv_conf="", max_restarts=3)
+    base = dict(
+        nodes=NODES,
+        nproc_per_node=1,
+        min_nodes=None,
+        max_nodes=NODES,
+        endpoint=None,
+        run_id=None,
+        kill=[],
+        join=[],
+        rdzv_conf="",
+        max_restarts=3,
+    )
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -181,8 +206,15 @@ def wait_port(port: int, timeout_s: float, alive: Callable[[], bool]) -> None:
 class Run:
     """One job: start, kill node VICTIM at the kill step, wait for the end, keep the raw data."""
 
-    def __init__(self, job: str, cluster: LocalCluster, lines: Lines,
-                 read_progress: Callable[[], Optional[dict]], *, want_world: Optional[int]) -> None:
+    def __init__(
+        self,
+        job: str,
+        cluster: LocalCluster,
+        lines: Lines,
+        read_progress: Callable[[], Optional[dict]],
+        *,
+        want_world: Optional[int],
+    ) -> None:
         self.job, self.cluster, self.lines, self.read_progress = job, cluster, lines, read_progress
         self.want_world = want_world
         self.t_kill: Optional[float] = None
@@ -202,8 +234,11 @@ class Run:
                 return
             if self.t_kill is None:
                 p = self.read_progress()
-                if p and int(p.get("step", 0)) >= kill_step and (
-                        self.want_world is None or p.get("world") == self.want_world):
+                if (
+                    p
+                    and int(p.get("step", 0)) >= kill_step
+                    and (self.want_world is None or p.get("world") == self.want_world)
+                ):
                     self.kill_info = self.before_kill()
                     self.killed_at = int(p["step"])
                     self.t_kill = time.time()
@@ -212,8 +247,9 @@ class Run:
                         node.killed = True
                         for pid in [node.proc.pid] + descendants(node.proc.pid):
                             os.kill(pid, signal.SIGSTOP)
-                        self.lines.write(f"[bench] froze node {node.number} (SIGSTOP) at step {self.killed_at} "
-                                         f"at {self.t_kill:.3f}")
+                        self.lines.write(
+                            f"[bench] froze node {node.number} (SIGSTOP) at step {self.killed_at} at {self.t_kill:.3f}"
+                        )
                     else:
                         self.cluster.kill(nodes[self.victim()], f"at step {self.killed_at}")
             time.sleep(0.02)
@@ -240,13 +276,16 @@ def analyse(records: list[tuple[int, float]], t_kill: float, killed_at: int, gbs
     past = next((t for s, t in after if s > killed_at), None)
     step_after = median(a_int)
     lost = max(0, killed_at - resumed)
-    out.update(kill_to_next_step_s=round(first_t - t_kill, 3),
-               kill_to_step_past_kill_s=round(past - t_kill, 3) if past else None,
-               resumed_from_step=resumed, lost_steps=lost,
-               step_time_before_s=round(median(b_int), 3) if b_int else None,
-               step_time_after_s=round(step_after, 3) if step_after else None,
-               samples_s_before=round(gbs / median(b_int), 2) if b_int else None,
-               samples_s_after=round(gbs / step_after, 2) if step_after else None)
+    out.update(
+        kill_to_next_step_s=round(first_t - t_kill, 3),
+        kill_to_step_past_kill_s=round(past - t_kill, 3) if past else None,
+        resumed_from_step=resumed,
+        lost_steps=lost,
+        step_time_before_s=round(median(b_int), 3) if b_int else None,
+        step_time_after_s=round(step_after, 3) if step_after else None,
+        samples_s_before=round(gbs / median(b_int), 2) if b_int else None,
+        samples_s_after=round(gbs / step_after, 2) if step_after else None,
+    )
     if b_int and step_after:
         out["after_over_before"] = round(median(b_int) / step_after, 3)
         out["throughput_goal"] = bool(out["after_over_before"] >= GOAL_THROUGHPUT * (NODES - 1) / NODES)
@@ -260,12 +299,23 @@ def rel(t: Optional[float], t0: float) -> Optional[float]:
 
 
 # ------------------------------------------------------------------------------------ ours
-def run_ours(work: Path, etcd: EtcdServer, args: argparse.Namespace, overrides: list[str],
-             register: Callable[[LocalCluster], None]) -> dict:
+def run_ours(
+    work: Path,
+    etcd: EtcdServer,
+    args: argparse.Namespace,
+    overrides: list[str],
+    register: Callable[[LocalCluster], None],
+) -> dict:
     run_id = f"rec-{uuid.uuid4().hex[:6]}"
     lines = Lines(args.log_dir / f"{work.name}.log")
-    script = [str(ROOT / "examples" / "train.py"), "--config", str(CONFIG), *overrides,
-              f"checkpoint.dir={work / 'ck'}", f"logging.tensorboard_dir={work / 'tb'}"]
+    script = [
+        str(ROOT / "examples" / "train.py"),
+        "--config",
+        str(CONFIG),
+        *overrides,
+        f"checkpoint.dir={work / 'ck'}",
+        f"logging.tensorboard_dir={work / 'tb'}",
+    ]
     rdzv = OURS_RDZV.replace("lease_ttl=2", f"lease_ttl={args.lease_ttl:g}")
     cluster = LocalCluster(cluster_args(endpoint=etcd.endpoint, run_id=run_id, rdzv_conf=rdzv), script, out=lines)
     register(cluster)
@@ -289,8 +339,7 @@ def run_ours(work: Path, etcd: EtcdServer, args: argparse.Namespace, overrides: 
         node = next((r.node_id for r in live_nodes(client, keys) if r.agent_pid == victim_pid), None)
         prog = progress() or {}
         leader_node = leader.get("node_id", leader.get("node")) if isinstance(leader, dict) else None
-        return {"victim": node, "victim_was_leader": leader_node == node,
-                "victim_was_rank0": prog.get("node") == node}
+        return {"victim": node, "victim_was_leader": leader_node == node, "victim_was_rank0": prog.get("node") == node}
 
     run = Run("oobleck", cluster, lines, progress, want_world=None)
     run.before_kill = before_kill
@@ -321,9 +370,14 @@ def report_ours(run: Run, events: list, args: argparse.Namespace, t0: float) -> 
             abandons.append(stamp(m.group(1)))
         elif m := OURS_ENTER.search(text):
             enters.append((stamp(m.group(1)), int(m.group(2)), int(m.group(3)), m.group(7)))
-    out: dict[str, Any] = {"bench": "recovery", "job": "a:oobleck", "lease_ttl_s": args.lease_ttl,
-                           "kill_step": args.kill_step,
-                           "killed_at_step": run.killed_at, **run.kill_info}
+    out: dict[str, Any] = {
+        "bench": "recovery",
+        "job": "a:oobleck",
+        "lease_ttl_s": args.lease_ttl,
+        "kill_step": args.kill_step,
+        "killed_at_step": run.killed_at,
+        **run.kill_info,
+    }
     if run.t_kill is None:
         return {**out, "error": "the job never reached the kill step", "timed_out": run.timed_out}
     tk = run.t_kill
@@ -349,14 +403,24 @@ def report_ours(run: Run, events: list, args: argparse.Namespace, t0: float) -> 
 
 
 # ------------------------------------------------------------------------------------ baseline
-def run_baseline(work: Path, args: argparse.Namespace, overrides: list[str],
-                 register: Callable[[LocalCluster], None]) -> dict:
+def run_baseline(
+    work: Path, args: argparse.Namespace, overrides: list[str], register: Callable[[LocalCluster], None]
+) -> dict:
     prog_dir = work / "progress"
     prog_dir.mkdir(parents=True)
     lines = Lines(args.log_dir / f"{work.name}.log")
-    script = [str(ROOT / "bench" / "baseline_train.py"), "--config", str(CONFIG), "--progress-dir", str(prog_dir),
-              "--checkpoint-every", str(args.checkpoint_every), *overrides,
-              f"checkpoint.dir={work / 'ck'}", f"logging.tensorboard_dir={work / 'tb'}"]
+    script = [
+        str(ROOT / "bench" / "baseline_train.py"),
+        "--config",
+        str(CONFIG),
+        "--progress-dir",
+        str(prog_dir),
+        "--checkpoint-every",
+        str(args.checkpoint_every),
+        *overrides,
+        f"checkpoint.dir={work / 'ck'}",
+        f"logging.tensorboard_dir={work / 'tb'}",
+    ]
     port = free_port()
     cluster = BaselineCluster(cluster_args(run_id=f"rec-{uuid.uuid4().hex[:6]}"), script, out=lines, port=port)
     register(cluster)
@@ -388,10 +452,16 @@ def run_baseline(work: Path, args: argparse.Namespace, overrides: list[str],
 
 
 def report_baseline(run: Run, history: list[dict], args: argparse.Namespace, t0: float) -> dict:
-    out: dict[str, Any] = {"bench": "recovery", "job": "b:torchrun-ddp", "kill_step": args.kill_step,
-                           "killed_at_step": run.killed_at, "checkpoint_every": args.checkpoint_every}
-    restarts_before = sorted({h["restart"] for h in history if h["kind"] == "step" and
-                              (run.t_kill is None or h["time"] <= run.t_kill)})
+    out: dict[str, Any] = {
+        "bench": "recovery",
+        "job": "b:torchrun-ddp",
+        "kill_step": args.kill_step,
+        "killed_at_step": run.killed_at,
+        "checkpoint_every": args.checkpoint_every,
+    }
+    restarts_before = sorted(
+        {h["restart"] for h in history if h["kind"] == "step" and (run.t_kill is None or h["time"] <= run.t_kill)}
+    )
     out["restarts_before_kill"] = max(restarts_before, default=0)
     if run.t_kill is None:
         return {**out, "error": "the job never reached the kill step with 4 nodes", "timed_out": run.timed_out}
@@ -422,10 +492,15 @@ def report_baseline(run: Run, history: list[dict], args: argparse.Namespace, t0:
 # ------------------------------------------------------------------------------------ main
 def code_version() -> str:
     try:
-        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -440,9 +515,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=600, help="seconds one job may take (600)")
     ap.add_argument("--log-dir", type=Path, help="where run logs are kept (default: a new temp dir)")
     ap.add_argument("--only", choices=["a", "b"], help="run only ours (a) or only the baseline (b)")
-    ap.add_argument("--victim", choices=["node1", "leader", "hung"], default="node1",
-                    help="ours: kill launcher node 1 (default) or whichever node leads, or SIGSTOP node 1 "
-                         "(hung: its sockets stay open); 'leader' and 'hung' run ours only")
+    ap.add_argument(
+        "--victim",
+        choices=["node1", "leader", "hung"],
+        default="node1",
+        help="ours: kill launcher node 1 (default) or whichever node leads, or SIGSTOP node 1 "
+        "(hung: its sockets stay open); 'leader' and 'hung' run ours only",
+    )
     ap.add_argument("--lease-ttl", type=float, default=2.0, help="ours: etcd lease TTL in seconds (2)")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="extra config overrides for both jobs")
     args = ap.parse_args(argv)
@@ -515,20 +594,37 @@ def compare(results: dict[str, list[dict]], args: argparse.Namespace, load0: flo
     a_cost, b_cost = med("a", "recovery_cost_s"), med("b", "recovery_cost_s")
     a_next = med("a", "kill_to_next_step_s")
     ratio = round(b_cost / a_cost, 2) if a_cost and b_cost else None
-    ratio_past = (round(med("b", "kill_to_step_past_kill_s") / med("a", "kill_to_step_past_kill_s"), 2)
-                  if med("a", "kill_to_step_past_kill_s") and med("b", "kill_to_step_past_kill_s") else None)
+    ratio_past = (
+        round(med("b", "kill_to_step_past_kill_s") / med("a", "kill_to_step_past_kill_s"), 2)
+        if med("a", "kill_to_step_past_kill_s") and med("b", "kill_to_step_past_kill_s")
+        else None
+    )
     a_tp = med("a", "after_over_before")
-    return {"bench": "recovery", "compare": "b:torchrun-ddp / a:oobleck", "repeats": args.repeats,
-            "kill_step": args.kill_step, "steps": args.steps, "checkpoint_every": args.checkpoint_every,
-            "a_kill_to_next_step_s": a_next, "b_kill_to_next_step_s": med("b", "kill_to_next_step_s"),
-            "a_lost_steps": med("a", "lost_steps"), "b_lost_steps": med("b", "lost_steps"),
-            "a_recovery_cost_s": a_cost, "b_recovery_cost_s": b_cost, "ratio_b_over_a": ratio,
-            "ratio_b_over_a_measured_to_step_past_kill": ratio_past,
-            "a_after_over_before": a_tp, "b_after_over_before": med("b", "after_over_before"),
-            "goals": {"a_under_1s": a_next is not None and a_next < GOAL_RECOVERY_S,
-                      "ratio_at_least_10x": ratio is not None and ratio >= GOAL_RATIO,
-                      "a_throughput_after_at_least_95pct_of_3_4": a_tp is not None and a_tp >= GOAL_THROUGHPUT * 0.75},
-            "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "code": code_version()}
+    return {
+        "bench": "recovery",
+        "compare": "b:torchrun-ddp / a:oobleck",
+        "repeats": args.repeats,
+        "kill_step": args.kill_step,
+        "steps": args.steps,
+        "checkpoint_every": args.checkpoint_every,
+        "a_kill_to_next_step_s": a_next,
+        "b_kill_to_next_step_s": med("b", "kill_to_next_step_s"),
+        "a_lost_steps": med("a", "lost_steps"),
+        "b_lost_steps": med("b", "lost_steps"),
+        "a_recovery_cost_s": a_cost,
+        "b_recovery_cost_s": b_cost,
+        "ratio_b_over_a": ratio,
+        "ratio_b_over_a_measured_to_step_past_kill": ratio_past,
+        "a_after_over_before": a_tp,
+        "b_after_over_before": med("b", "after_over_before"),
+        "goals": {
+            "a_under_1s": a_next is not None and a_next < GOAL_RECOVERY_S,
+            "ratio_at_least_10x": ratio is not None and ratio >= GOAL_RATIO,
+            "a_throughput_after_at_least_95pct_of_3_4": a_tp is not None and a_tp >= GOAL_THROUGHPUT * 0.75,
+        },
+        "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
+        "code": code_version(),
+    }
 
 
 if __name__ == "__main__":

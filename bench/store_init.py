@@ -31,8 +31,7 @@ from datetime import timedelta
 KINDS = ("etcd", "tcp")
 
 
-def worker(rank: int, world: int, endpoint: str, run: str, tcp_ports: list[int], reps: int,
-           barrier, results) -> None:
+def worker(rank: int, world: int, endpoint: str, run: str, tcp_ports: list[int], reps: int, barrier, results) -> None:
     import torch
     import torch.distributed as dist
 
@@ -43,7 +42,7 @@ def worker(rank: int, world: int, endpoint: str, run: str, tcp_ports: list[int],
     timeout = timedelta(seconds=120)
     keep = []  # a TCPStore master must outlive the clients of its repetition
     for rep in range(reps + 1):
-        for kind in (KINDS if rep % 2 == 0 else KINDS[::-1]):
+        for kind in KINDS if rep % 2 == 0 else KINDS[::-1]:
             barrier.wait()
             t0 = time.perf_counter()
             if kind == "etcd":
@@ -72,8 +71,9 @@ def run_world(world: int, reps: int, endpoint: str) -> dict:
     barrier, results = ctx.Barrier(world), ctx.Queue()
     ports = [free_port() for _ in range(reps + 1)]
     run = uuid.uuid4().hex[:8]
-    procs = [ctx.Process(target=worker, args=(r, world, endpoint, run, ports, reps, barrier, results))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=worker, args=(r, world, endpoint, run, ports, reps, barrier, results)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     rows = []
@@ -93,8 +93,7 @@ def run_world(world: int, reps: int, endpoint: str) -> dict:
     out: dict = {"bench": "store_init", "world": world, "reps": reps}
     for kind in KINDS:
         init = [max(r[4] for r in rows if r[0] == kind and r[1] == rep) * 1e3 for rep in range(1, reps + 1)]
-        both = [max(r[3] + r[4] for r in rows if r[0] == kind and r[1] == rep) * 1e3
-                for rep in range(1, reps + 1)]
+        both = [max(r[3] + r[4] for r in rows if r[0] == kind and r[1] == rep) * 1e3 for rep in range(1, reps + 1)]
         out[f"{kind}_init_ms"] = round(statistics.median(init), 1)
         out[f"{kind}_init_ms_min"] = round(min(init), 1)
         out[f"{kind}_store_plus_init_ms"] = round(statistics.median(both), 1)

@@ -44,16 +44,34 @@ BATCH = 32
 
 def run(tmp: Path, *, rebalance: bool, steps: int, layout: str, tag: str) -> dict:
     profile = tiny_profile(tmp / "profile.json")
-    overrides = [f"training.steps={steps}", "data.seq_len=64", f"training.global_batch_size={BATCH}",
-                 "training.microbatch_size=2", f"data.cache_dir={tmp / 'cache'}",
-                 f"checkpoint.dir={tmp / tag / 'ckpt'}",
-                 f"logging.tensorboard_dir={tmp / tag / 'runs'}", f"planning.profile_path={profile}",
-                 *TINY_PROFILE_OVERRIDES, f"fault_tolerance.straggler_rebalance={str(rebalance).lower()}"]
+    overrides = [
+        f"training.steps={steps}",
+        "data.seq_len=64",
+        f"training.global_batch_size={BATCH}",
+        "training.microbatch_size=2",
+        f"data.cache_dir={tmp / 'cache'}",
+        f"checkpoint.dir={tmp / tag / 'ckpt'}",
+        f"logging.tensorboard_dir={tmp / tag / 'runs'}",
+        f"planning.profile_path={profile}",
+        *TINY_PROFILE_OVERRIDES,
+        f"fault_tolerance.straggler_rebalance={str(rebalance).lower()}",
+    ]
     if layout == "1x4":
         overrides.append("planning.device_memory_gb=100")
-    cmd = [sys.executable, "-m", "launcher.local", "--nodes", "4", "--rdzv-conf",
-           "lease_ttl=2,settle=0.2,last_call_timeout=1", "--", "examples/train.py", "--config",
-           "configs/gpt2-tiny.yaml", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher.local",
+        "--nodes",
+        "4",
+        "--rdzv-conf",
+        "lease_ttl=2,settle=0.2,last_call_timeout=1",
+        "--",
+        "examples/train.py",
+        "--config",
+        "configs/gpt2-tiny.yaml",
+        *overrides,
+    ]
     env = {**os.environ, "OOBLECK_STRAGGLE_AT": "node1@0:3", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900).stdout
     (tmp / f"{tag}.log").write_text(out)
@@ -78,14 +96,37 @@ def main() -> None:
             tail = [got["times"][s] for s in range(args.steps - args.tail + 1, args.steps + 1) if s in got["times"]]
             samples_s = BATCH * len(tail) / sum(tail) if tail else 0.0
             results[rebalance].append(samples_s)
-            print(json.dumps({"bench": "straggler", "run": tag, "layout": args.layout, "slowed": "node1 3x",
-                              "mitigation": rebalance, "samples_s": round(samples_s, 2),
-                              "rebalanced": got["rebalanced"], "completed": got["ok"], "tail_steps": len(tail)}),
-                  flush=True)
+            print(
+                json.dumps(
+                    {
+                        "bench": "straggler",
+                        "run": tag,
+                        "layout": args.layout,
+                        "slowed": "node1 3x",
+                        "mitigation": rebalance,
+                        "samples_s": round(samples_s, 2),
+                        "rebalanced": got["rebalanced"],
+                        "completed": got["ok"],
+                        "tail_steps": len(tail),
+                    }
+                ),
+                flush=True,
+            )
     with_, without = statistics.median(results[True]), statistics.median(results[False])
-    print(json.dumps({"bench": "straggler", "compare": "with / without mitigation", "layout": args.layout,
-                      "samples_s_with": round(with_, 2), "samples_s_without": round(without, 2),
-                      "ratio": round(with_ / without, 3) if without else None, "goal": 1.3}), flush=True)
+    print(
+        json.dumps(
+            {
+                "bench": "straggler",
+                "compare": "with / without mitigation",
+                "layout": args.layout,
+                "samples_s_with": round(with_, 2),
+                "samples_s_without": round(without, 2),
+                "ratio": round(with_ / without, 3) if without else None,
+                "goal": 1.3,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Plan a job from Python: profile (or read a profile), build templates, instantiate on N nodes.
 
-    python examples/plan.py --config configs/gpt2-tiny.yaml --nodes 4
+python examples/plan.py --config configs/gpt2-tiny.yaml --nodes 4
 """
 
 import argparse
@@ -18,8 +18,7 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = load_config(args.config, args.overrides)
-    profile = (ModelProfile.load(cfg.planning.profile_path) if cfg.planning.profile_path
-               else load_or_profile(cfg))
+    profile = ModelProfile.load(cfg.planning.profile_path) if cfg.planning.profile_path else load_or_profile(cfg)
     job = plan_job(cfg, nodes=args.nodes, profile=profile)
     print(job.guarantee.describe())
     for pipe in job.plan.pipelines:

@@ -37,8 +37,10 @@ def main() -> int:
         ctx.share_profile(load_config(args.config, [a for a in rest if "=" in a]), torch.device("cpu"))
     ctx.report_ready()
     me = f"{ctx.node_id}/{ctx.local_rank}"
-    ctx.client.put_json(ctx.keys.probe(ctx.node_id, ctx.local_rank, os.getpid()),
-                        {"restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
+    ctx.client.put_json(
+        ctx.keys.probe(ctx.node_id, ctx.local_rank, os.getpid()),
+        {"restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))},
+    )
     seen = 0
     last_step = time.monotonic()
     while True:
@@ -50,8 +52,14 @@ def main() -> int:
         if plan is not None and plan.generation != seen:
             seen = plan.generation
             stage = ctx.my_stage(plan)
-            where = (f"pipeline {stage[0].index} stage {stage[1].index} layers [{stage[1].start},{stage[1].end}) "
-                     f"rank {stage[1].rank}") if stage else "no stage (spare)"
+            where = (
+                (
+                    f"pipeline {stage[0].index} stage {stage[1].index} layers [{stage[1].start},{stage[1].end}) "
+                    f"rank {stage[1].rank}"
+                )
+                if stage
+                else "no stage (spare)"
+            )
             print(f"[{me}] generation {plan.generation}: {len(plan.nodes)} node(s); {where}", flush=True)
         stage = ctx.my_stage(plan) if plan else None
         if stage and stage[1].rank == 0 and time.monotonic() - last_step >= args.step_time:

@@ -118,16 +118,31 @@ class LocalCluster:
     def torchrun_command(self) -> list[str]:
         a = self.args
         conf = f"--rdzv-conf={a.rdzv_conf}" if a.rdzv_conf else None
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={a.min_nodes or a.nodes}:{a.max_nodes}",
-               f"--nproc-per-node={a.nproc_per_node}", "--rdzv-backend=oobleck", f"--rdzv-endpoint={self.endpoint}",
-               f"--rdzv-id={self.run_id}", "--monitor-interval=0.1", f"--max-restarts={a.max_restarts}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={a.min_nodes or a.nodes}:{a.max_nodes}",
+            f"--nproc-per-node={a.nproc_per_node}",
+            "--rdzv-backend=oobleck",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}",
+            "--monitor-interval=0.1",
+            f"--max-restarts={a.max_restarts}",
+        ]
         return cmd + ([conf] if conf else []) + self.script
 
     def start_node(self) -> Node:
         number = len(self.nodes)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(self.torchrun_command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            self.torchrun_command(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         node = Node(number, proc)
         self.nodes.append(node)
         threading.Thread(target=self._stream, args=(node,), daemon=True).start()
@@ -146,8 +161,9 @@ class LocalCluster:
         if node.proc.poll() is None:
             node.killed = True
             pids = kill_node(node.proc.pid)
-            self.say(f"killed node {node.number} (SIGKILL to pids {', '.join(map(str, pids))}) {why} "
-                     f"at {time.time():.3f}")
+            self.say(
+                f"killed node {node.number} (SIGKILL to pids {', '.join(map(str, pids))}) {why} at {time.time():.3f}"
+            )
 
     def run(self) -> int:
         a = self.args
@@ -181,8 +197,12 @@ class LocalCluster:
                             kill_node(n.proc.pid)
                     closed_at = float("inf")
                 for n in self.nodes:  # the reclaim after a preemption notice's grace
-                    if n.preempted_at is not None and n.proc.poll() is None and not n.killed \
-                            and time.monotonic() - n.preempted_at > n.grace:
+                    if (
+                        n.preempted_at is not None
+                        and n.proc.poll() is None
+                        and not n.killed
+                        and time.monotonic() - n.preempted_at > n.grace
+                    ):
                         self.kill(n, f"{n.grace:g}s after its preemption notice (--preempt)")
                 if kills or joins or preempts:
                     progress = read_progress(client, keys)
@@ -199,8 +219,10 @@ class LocalCluster:
                             node = self.nodes[number]
                             node.preempted_at, node.grace = time.monotonic(), grace
                             os.kill(node.proc.pid, signal.SIGTERM)
-                            self.say(f"preemption notice to node {number} (SIGTERM to its agent, pid {node.proc.pid}) "
-                                     f"at step {step}; grace {grace:g}s (--preempt {number}@{at})")
+                            self.say(
+                                f"preemption notice to node {number} (SIGTERM to its agent, pid {node.proc.pid}) "
+                                f"at step {step}; grace {grace:g}s (--preempt {number}@{at})"
+                            )
                         else:
                             self.say(f"--preempt {number}@{at}: there is no running node {number}")
                     while joins and step >= joins[0]:
@@ -216,8 +238,10 @@ class LocalCluster:
         preempted = [n for n in self.nodes if n.preempted_at is not None and not n.killed and n.proc.returncode == 0]
         for n in preempted:
             self.say(f"node {n.number} was preempted: it left the job and exited 0")
-        self.say(f"done: {len(self.nodes)} node(s), {sum(n.killed for n in self.nodes)} killed on purpose, "
-                 f"{len(preempted)} preempted, {len(failed)} failed")
+        self.say(
+            f"done: {len(self.nodes)} node(s), {sum(n.killed for n in self.nodes)} killed on purpose, "
+            f"{len(preempted)} preempted, {len(failed)} failed"
+        )
         return 1 if failed else 0
 
     def cleanup(self) -> None:
@@ -237,32 +261,63 @@ def etcd_view(endpoint: str, rdzv_conf: str) -> tuple[EtcdSettings, str]:
     """The etcd settings and key prefix the nodes use, from the `--rdzv-conf` they are given (TLS,
     auth, outage bound, key_prefix), so the launcher watches the same etcd keys as they do."""
     conf = dict(item.split("=", 1) for item in rdzv_conf.split(",") if "=" in item)
-    settings = EtcdSettings(endpoint=endpoint, cacert=conf.get("cacert"), cert=conf.get("cert"), key=conf.get("key"),
-                            user=conf.get("user"), password=conf.get("password"),
-                            outage_s=float(conf.get("etcd_outage", 60.0)))
+    settings = EtcdSettings(
+        endpoint=endpoint,
+        cacert=conf.get("cacert"),
+        cert=conf.get("cert"),
+        key=conf.get("key"),
+        user=conf.get("user"),
+        password=conf.get("password"),
+        outage_s=float(conf.get("etcd_outage", 60.0)),
+    )
     return settings, conf.get("key_prefix", "/oobleck")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m launcher.local", description=__doc__.splitlines()[0],
-                                 epilog="Everything after -- is the training script and its arguments.")
+    ap = argparse.ArgumentParser(
+        prog="python -m launcher.local",
+        description=__doc__.splitlines()[0],
+        epilog="Everything after -- is the training script and its arguments.",
+    )
     ap.add_argument("--nodes", type=int, default=4, help="nodes started at once (default 4)")
     ap.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
     ap.add_argument("--min-nodes", type=int, help="--nnodes MIN (default: --nodes)")
     ap.add_argument("--max-nodes", type=int, help="--nnodes MAX (default: --nodes + number of --join)")
     ap.add_argument("--endpoint", help="etcd host:port (default: start an embedded etcd)")
     ap.add_argument("--run-id", help="--rdzv-id (default: a fresh one)")
-    ap.add_argument("--kill", type=parse_at, action="append", default=[], metavar="NODE@STEP",
-                    help="SIGKILL node NODE (launcher numbering) once the job reaches step STEP")
-    ap.add_argument("--preempt", type=parse_preempt, action="append", default=[], metavar="NODE@STEP[:GRACE]",
-                    help="send node NODE's agent SIGTERM (a preemption notice) at step STEP; SIGKILL it GRACE "
-                         "seconds later if it is still running (default 60)")
-    ap.add_argument("--join", type=int, action="append", default=[], metavar="STEP",
-                    help="start one more node once the job reaches step STEP")
+    ap.add_argument(
+        "--kill",
+        type=parse_at,
+        action="append",
+        default=[],
+        metavar="NODE@STEP",
+        help="SIGKILL node NODE (launcher numbering) once the job reaches step STEP",
+    )
+    ap.add_argument(
+        "--preempt",
+        type=parse_preempt,
+        action="append",
+        default=[],
+        metavar="NODE@STEP[:GRACE]",
+        help="send node NODE's agent SIGTERM (a preemption notice) at step STEP; SIGKILL it GRACE "
+        "seconds later if it is still running (default 60)",
+    )
+    ap.add_argument(
+        "--join",
+        type=int,
+        action="append",
+        default=[],
+        metavar="STEP",
+        help="start one more node once the job reaches step STEP",
+    )
     ap.add_argument("--rdzv-conf", default="", help="passed to torchrun --rdzv-conf (e.g. lease_ttl=2,settle=0.2)")
     ap.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts (local worker crashes)")
-    ap.add_argument("--exit-grace", type=float, default=60.0,
-                    help="seconds after the job closed before nodes still running are killed (default 60)")
+    ap.add_argument(
+        "--exit-grace",
+        type=float,
+        default=60.0,
+        help="seconds after the job closed before nodes still running are killed (default 60)",
+    )
     return ap
 
 
@@ -272,7 +327,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         build_parser().error("give the training script after --, e.g. -- examples/train.py --config CFG")
     cut = argv.index("--")
     args = build_parser().parse_args(argv[:cut])
-    script = argv[cut + 1:]
+    script = argv[cut + 1 :]
     if not script:
         build_parser().error("no training script after --")
     if args.max_nodes is None:

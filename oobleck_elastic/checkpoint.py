@@ -42,10 +42,25 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-__all__ = ["CheckpointError", "SCHEMA_VERSION", "MANIFEST", "step_dir", "layer_file",
-           "save_layer", "write_manifest", "read_manifest", "latest_checkpoint",
-           "list_checkpoints", "load_layer", "load_model_state", "prune_checkpoints", "verify_checkpoint",
-           "newest_intact_checkpoint", "set_aside", "Unusable"]
+__all__ = [
+    "CheckpointError",
+    "SCHEMA_VERSION",
+    "MANIFEST",
+    "step_dir",
+    "layer_file",
+    "save_layer",
+    "write_manifest",
+    "read_manifest",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_layer",
+    "load_model_state",
+    "prune_checkpoints",
+    "verify_checkpoint",
+    "newest_intact_checkpoint",
+    "set_aside",
+    "Unusable",
+]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -126,8 +141,14 @@ def _storable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_layer(ckpt_dir: str | Path, *, step: int, layer: int, params: dict[str, torch.Tensor],
-               optimizer_state: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def save_layer(
+    ckpt_dir: str | Path,
+    *,
+    step: int,
+    layer: int,
+    params: dict[str, torch.Tensor],
+    optimizer_state: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
     """Write one layer's parameters and optimizer state; returns {"file", "sha256", "bytes"}.
 
     Non-tensor optimizer values (a float `step`) are stored as 0-dim tensors and restored as
@@ -139,51 +160,81 @@ def save_layer(ckpt_dir: str | Path, *, step: int, layer: int, params: dict[str,
         tensors[f"param.{name}"] = p
     for name, state in optimizer_state.items():
         if name not in params:
-            raise ValueError(f"save_layer(layer={layer}): optimizer state for '{name}', which is "
-                             f"not a parameter of the layer ({sorted(params)})")
+            raise ValueError(
+                f"save_layer(layer={layer}): optimizer state for '{name}', which is "
+                f"not a parameter of the layer ({sorted(params)})"
+            )
         for key, value in state.items():
             if "." in key:
-                raise ValueError(f"save_layer(layer={layer}): optimizer state key '{key}' of "
-                                 f"'{name}' contains '.'; rename it")
+                raise ValueError(
+                    f"save_layer(layer={layer}): optimizer state key '{key}' of '{name}' contains '.'; rename it"
+                )
             if isinstance(value, torch.Tensor):
                 tensors[f"optim.{name}.{key}"] = value
             elif isinstance(value, (bool, int, float)):
                 tensors[f"optim.{name}.{key}"] = torch.tensor(value)
                 scalars[f"optim.{name}.{key}"] = type(value).__name__
             else:
-                raise TypeError(f"save_layer(layer={layer}): optimizer state '{name}.{key}' is a "
-                                f"{type(value).__name__}; only tensors and numbers are stored")
-    metadata = {"format": "oobleck-layer", "schema_version": str(SCHEMA_VERSION),
-                "step": str(int(step)), "layer": str(int(layer)), "scalars": json.dumps(scalars)}
+                raise TypeError(
+                    f"save_layer(layer={layer}): optimizer state '{name}.{key}' is a "
+                    f"{type(value).__name__}; only tensors and numbers are stored"
+                )
+    metadata = {
+        "format": "oobleck-layer",
+        "schema_version": str(SCHEMA_VERSION),
+        "step": str(int(step)),
+        "layer": str(int(layer)),
+        "scalars": json.dumps(scalars),
+    }
     path = step_dir(ckpt_dir, step) / layer_file(layer)
     storable = _storable(tensors)
     _atomic(path, lambda tmp: save_file(storable, str(tmp), metadata=metadata))
     return {"file": path.name, "sha256": _sha256(path), "bytes": path.stat().st_size}
 
 
-def write_manifest(ckpt_dir: str | Path, *, step: int, data_cursor: dict[str, Any],
-                   plan: dict[str, Any] | None, config: dict[str, Any], layers: list[dict[str, Any]],
-                   layer_names: list[str], hf_names: list[dict[str, str]],
-                   extra: dict[str, Any] | None = None) -> Path:
+def write_manifest(
+    ckpt_dir: str | Path,
+    *,
+    step: int,
+    data_cursor: dict[str, Any],
+    plan: dict[str, Any] | None,
+    config: dict[str, Any],
+    layers: list[dict[str, Any]],
+    layer_names: list[str],
+    hf_names: list[dict[str, str]],
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """Write `manifest.json` (last, atomically) after checking every layer file is in place."""
     sdir = step_dir(ckpt_dir, step)
     if not len(layers) == len(layer_names) == len(hf_names):
-        raise ValueError(f"write_manifest: {len(layers)} layer entries, {len(layer_names)} "
-                         f"layer_names and {len(hf_names)} hf_names; give one per layer")
+        raise ValueError(
+            f"write_manifest: {len(layers)} layer entries, {len(layer_names)} "
+            f"layer_names and {len(hf_names)} hf_names; give one per layer"
+        )
     for i, entry in enumerate(layers):
         if entry is None or not {"file", "sha256", "bytes"} <= set(entry):
-            raise ValueError(f"write_manifest: layer {i} entry {entry!r} lacks file/sha256/bytes "
-                             "(pass the dict save_layer returned)")
+            raise ValueError(
+                f"write_manifest: layer {i} entry {entry!r} lacks file/sha256/bytes (pass the dict save_layer returned)"
+            )
         f = sdir / entry["file"]
         if not f.is_file() or f.stat().st_size != entry["bytes"]:
-            raise CheckpointError(f"checkpoint file {f} is missing or has the wrong size; save "
-                                  f"layer {i} before writing the manifest of step {step}")
-    manifest = {"schema_version": SCHEMA_VERSION, "step": int(step), "created_unix": time.time(),
-                "num_layers": len(layers), "data_cursor": data_cursor, "plan": plan,
-                "config": config, "layer_names": list(layer_names),
-                "hf_names": [dict(h) for h in hf_names],
-                "layers": [{"file": e["file"], "sha256": e["sha256"], "bytes": int(e["bytes"])}
-                           for e in layers], "extra": extra or {}}
+            raise CheckpointError(
+                f"checkpoint file {f} is missing or has the wrong size; save "
+                f"layer {i} before writing the manifest of step {step}"
+            )
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "step": int(step),
+        "created_unix": time.time(),
+        "num_layers": len(layers),
+        "data_cursor": data_cursor,
+        "plan": plan,
+        "config": config,
+        "layer_names": list(layer_names),
+        "hf_names": [dict(h) for h in hf_names],
+        "layers": [{"file": e["file"], "sha256": e["sha256"], "bytes": int(e["bytes"])} for e in layers],
+        "extra": extra or {},
+    }
     blob = json.dumps(manifest, indent=1, sort_keys=True).encode()
     path = sdir / MANIFEST
     _atomic(path, lambda tmp: tmp.write_bytes(blob))
@@ -207,8 +258,10 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         return CheckpointError(f"checkpoint manifest {mpath} is malformed: {what}; {hint}")
 
     if not mpath.is_file():
-        raise CheckpointError(f"checkpoint manifest {mpath} does not exist: the checkpoint "
-                              f"is incomplete (its save was interrupted); {hint}")
+        raise CheckpointError(
+            f"checkpoint manifest {mpath} does not exist: the checkpoint "
+            f"is incomplete (its save was interrupted); {hint}"
+        )
     try:
         data = json.loads(mpath.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -217,18 +270,28 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         raise bad("not a JSON object")
     if data.get("schema_version") != SCHEMA_VERSION:
         raise bad(f"schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
-    for key, typ in (("step", int), ("layers", list), ("layer_names", list), ("hf_names", list),
-                     ("data_cursor", dict), ("config", dict)):
+    for key, typ in (
+        ("step", int),
+        ("layers", list),
+        ("layer_names", list),
+        ("hf_names", list),
+        ("data_cursor", dict),
+        ("config", dict),
+    ):
         if not isinstance(data.get(key), typ):
             raise bad(f"key '{key}' is missing or not a {typ.__name__}")
     n = len(data["layers"])
     if len(data["layer_names"]) != n or len(data["hf_names"]) != n:
-        raise bad(f"{n} layers but {len(data['layer_names'])} layer_names and "
-                  f"{len(data['hf_names'])} hf_names")
+        raise bad(f"{n} layers but {len(data['layer_names'])} layer_names and {len(data['hf_names'])} hf_names")
     for i, e in enumerate(data["layers"]):
-        if not (isinstance(e, dict) and isinstance(e.get("file"), str)
-                and isinstance(e.get("sha256"), str) and isinstance(e.get("bytes"), int)
-                and "/" not in e["file"] and ".." not in e["file"]):
+        if not (
+            isinstance(e, dict)
+            and isinstance(e.get("file"), str)
+            and isinstance(e.get("sha256"), str)
+            and isinstance(e.get("bytes"), int)
+            and "/" not in e["file"]
+            and ".." not in e["file"]
+        ):
             raise bad(f"layers[{i}] is not {{file, sha256, bytes}}: {e!r}")
     return data
 
@@ -238,8 +301,7 @@ def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if p.is_dir() and (m := _STEP_RE.match(p.name))]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
     return [p for _, p in sorted(found)]
 
 
@@ -258,12 +320,16 @@ def _checked_file(sdir: Path, manifest: dict[str, Any], layer: int, *, verify: b
     if verify:
         size = path.stat().st_size
         if size != entry["bytes"]:
-            raise CheckpointError(f"checkpoint file {path} is corrupt: truncated or resized "
-                                  f"(expected {entry['bytes']} bytes, got {size}); {hint}")
+            raise CheckpointError(
+                f"checkpoint file {path} is corrupt: truncated or resized "
+                f"(expected {entry['bytes']} bytes, got {size}); {hint}"
+            )
         digest = _sha256(path)
         if digest != entry["sha256"]:
-            raise CheckpointError(f"checkpoint file {path} is corrupt: sha256 mismatch (expected "
-                                  f"{entry['sha256'][:12]}…, got {digest[:12]}…); {hint}")
+            raise CheckpointError(
+                f"checkpoint file {path} is corrupt: sha256 mismatch (expected "
+                f"{entry['sha256'][:12]}…, got {digest[:12]}…); {hint}"
+            )
     return path
 
 
@@ -318,16 +384,20 @@ def set_aside(step_dir: str | Path, why: str) -> Path | None:
     return target
 
 
-def load_layer(step_dir: str | Path, layer: int, *, verify: bool = True,
-               manifest: dict[str, Any] | None = None, device: str = "cpu",
-               ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+def load_layer(
+    step_dir: str | Path,
+    layer: int,
+    *,
+    verify: bool = True,
+    manifest: dict[str, Any] | None = None,
+    device: str = "cpu",
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
     """(params, optimizer_state) of one layer; checks size and sha256 first when `verify`."""
     sdir = Path(step_dir)
     manifest = manifest if manifest is not None else read_manifest(sdir)
     hint = _FALLBACK.format(dir=sdir.name)
     if not 0 <= layer < len(manifest["layers"]):
-        raise CheckpointError(f"checkpoint {sdir} has layers 0..{len(manifest['layers']) - 1}, "
-                              f"not layer {layer}")
+        raise CheckpointError(f"checkpoint {sdir} has layers 0..{len(manifest['layers']) - 1}, not layer {layer}")
     path = _checked_file(sdir, manifest, layer, verify=verify)
     try:
         with safe_open(str(path), "pt", device=device) as fh:
@@ -360,8 +430,10 @@ def load_model_state(path: str | Path, *, verify: bool = True) -> dict[str, torc
     else:
         found = latest_checkpoint(p)
         if found is None:
-            raise CheckpointError(f"no complete checkpoint under {p}: expected a step-XXXXXXXX "
-                                  f"directory with {MANIFEST} (or such a directory itself)")
+            raise CheckpointError(
+                f"no complete checkpoint under {p}: expected a step-XXXXXXXX "
+                f"directory with {MANIFEST} (or such a directory itself)"
+            )
         sdir = found
     manifest = read_manifest(sdir)
     state: dict[str, torch.Tensor] = {}
@@ -369,9 +441,11 @@ def load_model_state(path: str | Path, *, verify: bool = True) -> dict[str, torc
         params, _ = load_layer(sdir, i, verify=verify, manifest=manifest)
         for local, tensor in params.items():
             if local not in names:
-                raise CheckpointError(f"checkpoint {sdir}: parameter '{local}' of layer {i} "
-                                      f"({manifest['layer_names'][i]}) has no Hugging Face name "
-                                      f"in {MANIFEST}")
+                raise CheckpointError(
+                    f"checkpoint {sdir}: parameter '{local}' of layer {i} "
+                    f"({manifest['layer_names'][i]}) has no Hugging Face name "
+                    f"in {MANIFEST}"
+                )
             state[names[local]] = tensor
     return state
 

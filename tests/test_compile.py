@@ -26,9 +26,16 @@ def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _cfg(cache: Path, *extra: str):
-    return load_config(ROOT / "configs/gpt2-tiny.yaml", ["data.seq_len=32", "training.global_batch_size=8",
-                                                         "training.microbatch_size=2", f"data.cache_dir={cache}",
-                                                         *extra])
+    return load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        [
+            "data.seq_len=32",
+            "training.global_batch_size=8",
+            "training.microbatch_size=2",
+            f"data.cache_dir={cache}",
+            *extra,
+        ],
+    )
 
 
 def _train(cfg, steps: int) -> dict[str, torch.Tensor]:
@@ -60,13 +67,22 @@ def test_warm_up_compiles_each_kind_once_and_steps_compile_nothing(shared_cache:
 
 
 @pytest.mark.slow
-def test_a_node_failure_recompiles_nothing_on_the_survivors(tmp_path: Path, etcd_server, run_id,
-                                                            shared_cache: Path) -> None:
+def test_a_node_failure_recompiles_nothing_on_the_survivors(
+    tmp_path: Path, etcd_server, run_id, shared_cache: Path
+) -> None:
     """Four nodes, compiled layers, one SIGKILLed: every survivor entered generation 2 with as
     many compiled graphs as it had after its warm-up, and the weights are the reference's."""
     profile = tiny_profile(tmp_path / "profile.json")
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--kill", "1@3"], 8, profile,
-                            extra=["training.compile=true", f"data.cache_dir={shared_cache}"], killed_by_test=0)
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4", "--kill", "1@3"],
+        8,
+        profile,
+        extra=["training.compile=true", f"data.cache_dir={shared_cache}"],
+        killed_by_test=0,
+    )
     counts: dict[str, list[tuple[int, int]]] = {}
     for gen, node, n in re.findall(r"gen (\d+) step \d+ node (\S+) rank \d+: compiled graphs so far: (\d+)", out):
         counts.setdefault(node, []).append((int(gen), int(n)))
@@ -77,14 +93,21 @@ def test_a_node_failure_recompiles_nothing_on_the_survivors(tmp_path: Path, etcd
     assert_same(job, ref)
 
 
-def test_a_planner_chosen_microbatch_is_compiled_before_the_first_step(shared_cache: Path, tmp_path: Path,
-                                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_a_planner_chosen_microbatch_is_compiled_before_the_first_step(
+    shared_cache: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """With training.microbatch_size=auto the size is known only from the first plan: the worker
     compiles every kind of layer right after entering it, before its first step."""
     from oobleck_elastic.engine.run import train
 
-    cfg = _cfg(shared_cache, "training.compile=true", "training.microbatch_size=auto", "training.steps=2",
-               f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'runs'}")
+    cfg = _cfg(
+        shared_cache,
+        "training.compile=true",
+        "training.microbatch_size=auto",
+        "training.steps=2",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        f"logging.tensorboard_dir={tmp_path / 'runs'}",
+    )
     with caplog.at_level("INFO"):
         train(cfg)
     text = caplog.text

@@ -48,23 +48,37 @@ def test_every_field_has_a_docstring() -> None:
             default = f.default_factory() if f.default_factory is not MISSING else None  # type: ignore[misc]
             if is_dataclass(default):
                 walk(type(default))
+
     walk(JobConfig)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["training.stepz=3"], "<defaults>: unknown key 'training.stepz': did you mean 'training.steps'?"),
-    (["training.steps=many"], "<defaults>: bad value for 'training.steps': Value 'many' of type 'str' could "
-                              "not be converted to Integer"),
-    (["training.global_batch_size=10", "training.microbatch_size=4"],
-     "<defaults>: 'training.global_batch_size' (10) must be a multiple of 'training.microbatch_size' (4): "
-     "change one of them, e.g. training.global_batch_size=12"),
-    (["fault_tolerance.f=-1"], "<defaults>: 'fault_tolerance.f' must be >= 0 (got -1): it is the number of "
-                               "simultaneous node failures to survive"),
-    (["planning.schedule=zigzag"], "<defaults>: 'planning.schedule' is 'zigzag'; choose one of 1f1b, gpipe"),
-    (["data.seq_len=128"], "<defaults>: 'data.seq_len' (128) exceeds 'model.max_seq_len' (64): lower "
-                           "data.seq_len or raise model.max_seq_len"),
-    (["training.steps"], "override 'training.steps' is not of the form key=value (e.g. training.steps=10)"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["training.stepz=3"], "<defaults>: unknown key 'training.stepz': did you mean 'training.steps'?"),
+        (
+            ["training.steps=many"],
+            "<defaults>: bad value for 'training.steps': Value 'many' of type 'str' could not be converted to Integer",
+        ),
+        (
+            ["training.global_batch_size=10", "training.microbatch_size=4"],
+            "<defaults>: 'training.global_batch_size' (10) must be a multiple of 'training.microbatch_size' (4): "
+            "change one of them, e.g. training.global_batch_size=12",
+        ),
+        (
+            ["fault_tolerance.f=-1"],
+            "<defaults>: 'fault_tolerance.f' must be >= 0 (got -1): it is the number of "
+            "simultaneous node failures to survive",
+        ),
+        (["planning.schedule=zigzag"], "<defaults>: 'planning.schedule' is 'zigzag'; choose one of 1f1b, gpipe"),
+        (
+            ["data.seq_len=128"],
+            "<defaults>: 'data.seq_len' (128) exceeds 'model.max_seq_len' (64): lower "
+            "data.seq_len or raise model.max_seq_len",
+        ),
+        (["training.steps"], "override 'training.steps' is not of the form key=value (e.g. training.steps=10)"),
+    ],
+)
 def test_bad_input_gets_one_clear_error(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)

@@ -16,6 +16,7 @@ from helpers import ROOT
 def test_64_agents_plan_replan_and_do_not_poll() -> None:
     sys.path.insert(0, str(ROOT / "bench"))  # the agent processes (spawned) import it by name too
     import control_plane as bench
+
     ttl = 2.0
     result = bench.run(64, procs=2, kill=4, ttl=ttl, settle=0.3, window=4.0)
     assert result["killed"] == 4

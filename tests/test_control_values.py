@@ -16,9 +16,18 @@ from oobleck_elastic.rendezvous.records import ClosedRecord, read_closed
 from oobleck_elastic.rendezvous.worker import WorkerContext
 
 
-@pytest.mark.parametrize("value", [{"schema_version": 99}, {"schema_version": 1}, {"schema_version": 1, "time": 1.0},
-                                   {"schema_version": 1, "time": 1.0, "reason": 3},
-                                   {"schema_version": 1, "time": 1.0, "reason": "x", "failed": "yes"}, [1], "closed"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"schema_version": 99},
+        {"schema_version": 1},
+        {"schema_version": 1, "time": 1.0},
+        {"schema_version": 1, "time": 1.0, "reason": 3},
+        {"schema_version": 1, "time": 1.0, "reason": "x", "failed": "yes"},
+        [1],
+        "closed",
+    ],
+)
 def test_a_malformed_closed_value_is_refused(value) -> None:
     with pytest.raises(ValueError):
         ClosedRecord.parse(value)
@@ -96,8 +105,9 @@ def test_bad_progress_next_index_and_events_are_ignored_or_repaired(etcd_setting
         member = Member(client, keys, devices=1, lease_ttl_s=5)
         member.register()
         assert member.node_id == "node5"  # past the fenced node4: never a reused id
-        client.put_json(keys.event("node0"), {**Event(time=1.0, kind="join", node="node0").to_json(),
-                                               "schema_version": 99})
+        client.put_json(
+            keys.event("node0"), {**Event(time=1.0, kind="join", node="node0").to_json(), "schema_version": 99}
+        )
         assert [ev for _, ev in read_events(client, keys) if ev.node == "node0"] == []
     finally:
         if member is not None:

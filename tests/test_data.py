@@ -12,8 +12,15 @@ import torch
 
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine import data as data_mod
-from oobleck_elastic.engine.data import (DataError, GlobalBatchSampler, TokenWindows,
-                                         build_dataset, collate, corpus_files, pipeline_slices)
+from oobleck_elastic.engine.data import (
+    DataError,
+    GlobalBatchSampler,
+    TokenWindows,
+    build_dataset,
+    collate,
+    corpus_files,
+    pipeline_slices,
+)
 
 SMALL = 200_000  # corpus cap for the tests (bytes)
 
@@ -81,8 +88,7 @@ def test_bpe_trains_caches_and_stays_in_vocab(tmp_path, monkeypatch):
 
 def test_bpe_vocab_too_small(tmp_path):
     with pytest.raises(DataError, match="too small for data.tokenizer=bpe"):
-        build_dataset(cfg(tmp_path, "data.tokenizer=bpe", "model.vocab_size=256"),
-                      log=quiet, max_bytes=SMALL)
+        build_dataset(cfg(tmp_path, "data.tokenizer=bpe", "model.vocab_size=256"), log=quiet, max_bytes=SMALL)
 
 
 def test_files_source(tmp_path):
@@ -96,7 +102,8 @@ def test_files_source(tmp_path):
     single.write_text("zulu " * 40)
     c = cfg(tmp_path, "data.source=files", f"data.paths=[{docs},{single}]", "data.seq_len=16")
     assert corpus_files("files", c.data.paths) == sorted(
-        [(docs / "b.txt").resolve(), (docs / "sub" / "a.txt").resolve(), single.resolve()])
+        [(docs / "b.txt").resolve(), (docs / "sub" / "a.txt").resolve(), single.resolve()]
+    )
     ds = build_dataset(c, log=quiet)
     expected = b"".join(p.read_bytes() for p in corpus_files("files", c.data.paths))
     assert np.asarray(ds.tokens).astype(np.uint8).tobytes() == expected
@@ -108,8 +115,7 @@ def test_files_missing_path_message(tmp_path):
     c = cfg(tmp_path, "data.source=files", f"data.paths=[{missing}]")
     with pytest.raises(DataError) as err:
         build_dataset(c, log=quiet)
-    assert str(err.value) == (f"data.paths entry '{missing}' does not exist: fix the path or "
-                              "remove it from data.paths")
+    assert str(err.value) == (f"data.paths entry '{missing}' does not exist: fix the path or remove it from data.paths")
 
 
 def test_files_empty_corpus(tmp_path):
@@ -129,7 +135,7 @@ def test_windows_labels_are_next_tokens():
     for i in (0, 1, len(ds) - 1):
         x, y = ds[i]
         assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (8,)
-        assert torch.equal(x, torch.from_numpy(tokens[i * 8:i * 8 + 8].astype(np.int64)))
+        assert torch.equal(x, torch.from_numpy(tokens[i * 8 : i * 8 + 8].astype(np.int64)))
         assert torch.equal(y[:-1], x[1:]) and int(y[-1]) == int(tokens[i * 8 + 8])
     with pytest.raises(IndexError):
         ds[len(ds)]

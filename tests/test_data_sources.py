@@ -19,14 +19,22 @@ import torch
 
 from oobleck_elastic.config import ConfigError, load_config
 from oobleck_elastic.engine import data as data_mod
-from oobleck_elastic.engine.data import (BatchPrefetcher, DataError, GlobalBatchSampler, TokenWindows, build_dataset,
-                                         collate)
+from oobleck_elastic.engine.data import (
+    BatchPrefetcher,
+    DataError,
+    GlobalBatchSampler,
+    TokenWindows,
+    build_dataset,
+    collate,
+)
 from oobleck_elastic.engine.sources import TokenFiles
 
 ROOT = Path(__file__).resolve().parents[1]
 EOT = "<|endoftext|>"
-WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
-         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
 
 
 def make_docs(n: int, seed: int = 0) -> list[str]:
@@ -48,8 +56,9 @@ def tokdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(make_docs(200, seed=1), vocab_size=300, min_frequency=2, special_tokens=[EOT],
-                            show_progress=False)
+    bpe.train_from_iterator(
+        make_docs(200, seed=1), vocab_size=300, min_frequency=2, special_tokens=[EOT], show_progress=False
+    )
     out = tmp_path_factory.mktemp("tok") / "tokenizer"
     PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOT).save_pretrained(str(out))
     return out
@@ -68,8 +77,10 @@ def expected_ids(tok, docs: list[str]) -> np.ndarray:
 
 
 def cfg(tmp_path: Path, *overrides: str):
-    return load_config(ROOT / "configs/gpt2-tiny.yaml",
-                       [f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=320", "data.seq_len=8", *overrides])
+    return load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        [f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=320", "data.seq_len=8", *overrides],
+    )
 
 
 def write_jsonl(path: Path, docs: list[str]) -> Path:
@@ -102,8 +113,9 @@ def hf(tokdir: Path) -> list[str]:
 def test_jsonl_hf_tokens_are_docs_joined_by_eot(tmp_path, tokdir, hf_tok):
     two = ["alpha bravo charlie.", "zulu yankee xray whiskey victor."]
     f = write_jsonl(tmp_path / "two.jsonl", two)
-    ds = build_dataset(cfg(tmp_path, "data.source=jsonl", f"data.paths=[{f}]", "data.seq_len=4", *hf(tokdir)),
-                       log=quiet)
+    ds = build_dataset(
+        cfg(tmp_path, "data.source=jsonl", f"data.paths=[{f}]", "data.seq_len=4", *hf(tokdir)), log=quiet
+    )
     d1, d2 = (hf_tok(t, add_special_tokens=False)["input_ids"] for t in two)
     eot = hf_tok.convert_tokens_to_ids(EOT)
     assert np.asarray(ds.tokens).tolist() == d1 + [eot] + d2 + [eot]
@@ -117,8 +129,11 @@ def test_parquet_hf_disk_and_directories_match_jsonl(tmp_path, tokdir, hf_tok):
     write_jsonl(shards / "a.jsonl", DOCS[:40])
     write_parquet(tmp_path / "pq" / "00.parquet", DOCS[:30])
     write_parquet(tmp_path / "pq" / "01.parquet", DOCS[30:])
-    for source, path in (("jsonl", shards), ("parquet", tmp_path / "pq"),
-                         ("hf_disk", write_hf_disk(tmp_path / "disk", DOCS))):
+    for source, path in (
+        ("jsonl", shards),
+        ("parquet", tmp_path / "pq"),
+        ("hf_disk", write_hf_disk(tmp_path / "disk", DOCS)),
+    ):
         ds = build_dataset(cfg(tmp_path, f"data.source={source}", f"data.paths=[{path}]", *hf(tokdir)), log=quiet)
         assert np.array_equal(np.asarray(ds.tokens), expected), source
 
@@ -128,8 +143,10 @@ def test_bytes_and_bpe_tokenizers_on_jsonl(tmp_path):
     ds = build_dataset(cfg(tmp_path, "data.source=jsonl", f"data.paths=[{f}]", "model.vocab_size=256"), log=quiet)
     assert np.asarray(ds.tokens).astype(np.uint8).tobytes() == "".join(DOCS).encode()  # no separator
     lines: list[str] = []
-    bpe = build_dataset(cfg(tmp_path, "data.source=jsonl", f"data.paths=[{f}]", "data.tokenizer=bpe",
-                            "model.vocab_size=400"), log=lines.append)
+    bpe = build_dataset(
+        cfg(tmp_path, "data.source=jsonl", f"data.paths=[{f}]", "data.tokenizer=bpe", "model.vocab_size=400"),
+        log=lines.append,
+    )
     assert any("training a byte-level BPE" in line for line in lines)
     from tokenizers import Tokenizer
 
@@ -144,8 +161,7 @@ def test_files_source_with_hf_tokenizer(tmp_path, tokdir, hf_tok):
     for i, doc in enumerate(DOCS[:10]):
         (tmp_path / "docs" / f"{i:02d}.txt").parent.mkdir(exist_ok=True)
         (tmp_path / "docs" / f"{i:02d}.txt").write_text(doc)
-    ds = build_dataset(cfg(tmp_path, "data.source=files", f"data.paths=[{tmp_path / 'docs'}]", *hf(tokdir)),
-                       log=quiet)
+    ds = build_dataset(cfg(tmp_path, "data.source=files", f"data.paths=[{tmp_path / 'docs'}]", *hf(tokdir)), log=quiet)
     assert np.array_equal(np.asarray(ds.tokens), expected_ids(hf_tok, DOCS[:10]))
 
 
@@ -180,10 +196,14 @@ def test_progress_lines_and_num_proc(tmp_path, tokdir, hf_tok, monkeypatch):
     monkeypatch.setattr(sources, "BATCH_DOCS", 30)
     f = write_jsonl(tmp_path / "docs.jsonl", DOCS)
     lines: list[str] = []
-    ds = build_dataset(cfg(tmp_path, "data.source=jsonl", f"data.paths=[{f}]", "data.num_proc=2", *hf(tokdir)),
-                       log=lines.append)
+    ds = build_dataset(
+        cfg(tmp_path, "data.source=jsonl", f"data.paths=[{f}]", "data.num_proc=2", *hf(tokdir)), log=lines.append
+    )
     assert [line.split(" (")[0] for line in lines if "tokenised" in line] == [
-        "data: tokenised 30/80 documents", "data: tokenised 60/80 documents", "data: tokenised 80/80 documents"]
+        "data: tokenised 30/80 documents",
+        "data: tokenised 60/80 documents",
+        "data: tokenised 80/80 documents",
+    ]
     assert np.array_equal(np.asarray(ds.tokens), expected_ids(hf_tok, DOCS))
 
 
@@ -234,8 +254,15 @@ def test_token_files_memory_mapped_and_concatenated(tmp_path):
     assert isinstance(one.tokens, np.memmap) and np.array_equal(one.tokens, a)
     npy = build_dataset(cfg(tmp_path, "data.source=tokens", f"data.paths=[{tmp_path / 'b.npy'}]"), log=quiet)
     assert isinstance(npy.tokens, np.memmap) and np.array_equal(npy.tokens, b)
-    both = build_dataset(cfg(tmp_path, "data.source=tokens", f"data.paths=[{tmp_path / 'a.bin'},{tmp_path / 'b.npy'}]",
-                             "data.tokenizer=bpe"), log=quiet)
+    both = build_dataset(
+        cfg(
+            tmp_path,
+            "data.source=tokens",
+            f"data.paths=[{tmp_path / 'a.bin'},{tmp_path / 'b.npy'}]",
+            "data.tokenizer=bpe",
+        ),
+        log=quiet,
+    )
     assert isinstance(both.tokens, TokenFiles) and all(isinstance(x, np.memmap) for x in both.tokens.arrays)
     ref = TokenWindows(np.concatenate([a, b]), 8)
     assert len(both) == len(ref) == (1777 - 1) // 8
@@ -246,8 +273,16 @@ def test_token_files_memory_mapped_and_concatenated(tmp_path):
 
     big = rng.integers(0, 70_000, 100, dtype=np.uint32)
     big.tofile(tmp_path / "big.bin")
-    wide = build_dataset(cfg(tmp_path, "data.source=tokens", f"data.paths=[{tmp_path / 'big.bin'}]",
-                             "data.token_dtype=uint32", "model.vocab_size=70000"), log=quiet)
+    wide = build_dataset(
+        cfg(
+            tmp_path,
+            "data.source=tokens",
+            f"data.paths=[{tmp_path / 'big.bin'}]",
+            "data.token_dtype=uint32",
+            "model.vocab_size=70000",
+        ),
+        log=quiet,
+    )
     assert np.array_equal(wide.tokens, big)
 
 
@@ -256,14 +291,22 @@ def test_exactly_once_order_is_the_same_over_every_source(tmp_path, tokdir, hf_t
     ids[:500].tofile(tmp_path / "part0.bin")
     np.save(tmp_path / "part1.npy", ids[500:])
     ids.tofile(tmp_path / "all.bin")
-    sources = {"jsonl": write_jsonl(tmp_path / "d.jsonl", DOCS), "parquet": write_parquet(tmp_path / "d.parquet", DOCS),
-               "hf_disk": write_hf_disk(tmp_path / "disk", DOCS)}
-    built = {s: build_dataset(cfg(tmp_path, f"data.source={s}", f"data.paths=[{p}]", *hf(tokdir)), log=quiet)
-             for s, p in sources.items()}
-    built["tokens.bin"] = build_dataset(cfg(tmp_path, "data.source=tokens", f"data.paths=[{tmp_path / 'all.bin'}]"),
-                                        log=quiet)
-    built["tokens.bin+npy"] = build_dataset(cfg(tmp_path, "data.source=tokens", "data.paths=["
-                                                f"{tmp_path / 'part0.bin'},{tmp_path / 'part1.npy'}]"), log=quiet)
+    sources = {
+        "jsonl": write_jsonl(tmp_path / "d.jsonl", DOCS),
+        "parquet": write_parquet(tmp_path / "d.parquet", DOCS),
+        "hf_disk": write_hf_disk(tmp_path / "disk", DOCS),
+    }
+    built = {
+        s: build_dataset(cfg(tmp_path, f"data.source={s}", f"data.paths=[{p}]", *hf(tokdir)), log=quiet)
+        for s, p in sources.items()
+    }
+    built["tokens.bin"] = build_dataset(
+        cfg(tmp_path, "data.source=tokens", f"data.paths=[{tmp_path / 'all.bin'}]"), log=quiet
+    )
+    built["tokens.bin+npy"] = build_dataset(
+        cfg(tmp_path, "data.source=tokens", f"data.paths=[{tmp_path / 'part0.bin'},{tmp_path / 'part1.npy'}]"),
+        log=quiet,
+    )
     ref = TokenWindows(ids, 8)
     gbs = 8
     for name, ds in built.items():
@@ -290,31 +333,39 @@ def _error(tmp_path, *overrides: str) -> str:
 def test_text_source_errors(tmp_path, tokdir, hf_tok):
     f = write_jsonl(tmp_path / "docs.jsonl", DOCS)
     assert _error(tmp_path, "data.source=jsonl", f"data.paths=[{f}]", "data.text_field=body") == (
-        f"data.text_field 'body' is not a column of {f}: columns are id, text")
+        f"data.text_field 'body' is not a column of {f}: columns are id, text"
+    )
     p = write_parquet(tmp_path / "docs.parquet", DOCS)
     assert _error(tmp_path, "data.source=parquet", f"data.paths=[{p}]", "data.text_field=body") == (
-        f"data.text_field 'body' is not a column of {p}: columns are id, text")
+        f"data.text_field 'body' is not a column of {p}: columns are id, text"
+    )
     disk = write_hf_disk(tmp_path / "disk", DOCS)
     assert _error(tmp_path, "data.source=hf_disk", f"data.paths=[{disk}]", "data.text_field=body") == (
-        f"data.text_field 'body' is not a column of {disk}: columns are id, text")
+        f"data.text_field 'body' is not a column of {disk}: columns are id, text"
+    )
     assert _error(tmp_path, "data.source=hf_disk", f"data.paths=[{disk}]", "data.text_field=id") == (
         f"data.text_field 'id' of {disk} holds Value('int64') values, not text: choose a text column "
-        "(columns are id, text)")
+        "(columns are id, text)"
+    )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert _error(tmp_path, "data.source=jsonl", f"data.paths=[{empty}]") == (
-        f"data.paths file '{empty}' is empty: remove it from data.paths")
+        f"data.paths file '{empty}' is empty: remove it from data.paths"
+    )
     junk = tmp_path / "junk.jsonl"
     junk.write_text("this is not json\n")
     assert _error(tmp_path, "data.source=jsonl", f"data.paths=[{junk}]").startswith(
-        f"data.paths file '{junk}' is not JSON lines (")
+        f"data.paths file '{junk}' is not JSON lines ("
+    )
     bad_pq = tmp_path / "bad.parquet"
     bad_pq.write_bytes(b"PAR1 not really")
     assert _error(tmp_path, "data.source=parquet", f"data.paths=[{bad_pq}]").startswith(
-        f"data.paths file '{bad_pq}' is not a readable Parquet file (")
+        f"data.paths file '{bad_pq}' is not a readable Parquet file ("
+    )
     (tmp_path / "nothing").mkdir()
     assert _error(tmp_path, "data.source=parquet", f"data.paths=[{tmp_path / 'nothing'}]") == (
-        f"data.paths entry '{tmp_path / 'nothing'}' has no non-empty *.parquet files for data.source=parquet")
+        f"data.paths entry '{tmp_path / 'nothing'}' has no non-empty *.parquet files for data.source=parquet"
+    )
 
 
 def test_tokenizer_errors(tmp_path, tokdir, hf_tok):
@@ -325,17 +376,20 @@ def test_tokenizer_errors(tmp_path, tokdir, hf_tok):
     src = ["data.source=jsonl", f"data.paths=[{f}]"]
     n = len(hf_tok)
     assert _error(tmp_path, *src, *hf(tokdir), "model.vocab_size=256") == (
-        f"data.tokenizer_path '{tokdir}' has {n} tokens but model.vocab_size is 256: set model.vocab_size >= {n}")
+        f"data.tokenizer_path '{tokdir}' has {n} tokens but model.vocab_size is 256: set model.vocab_size >= {n}"
+    )
     assert _error(tmp_path, *src, "data.tokenizer=hf", f"data.tokenizer_path={tmp_path / 'none'}") == (
         f"data.tokenizer_path '{tmp_path / 'none'}' is not a directory: give the directory of a tokenizer saved "
-        "with save_pretrained")
+        "with save_pretrained"
+    )
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(DOCS, vocab_size=270, show_progress=False)
     no_eos = tmp_path / "no-eos"
     PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer).save_pretrained(str(no_eos))
     assert _error(tmp_path, *src, *hf(no_eos)) == (
         f"data.tokenizer_path '{no_eos}' has no end-of-text token (no eos_token and no <|endoftext|>): save the "
-        "tokenizer with an eos_token")
+        "tokenizer with an eos_token"
+    )
 
 
 def test_token_file_errors(tmp_path):
@@ -343,41 +397,60 @@ def test_token_file_errors(tmp_path):
     np.arange(300, dtype=np.uint16).tofile(small)
     assert _error(tmp_path, "data.source=tokens", f"data.paths=[{small}]", "model.vocab_size=70000") == (
         f"token file '{small}' is read as data.token_dtype=uint16 (ids up to 65535) but model.vocab_size is 70000: "
-        "write the files as uint32 and set data.token_dtype=uint32")
+        "write the files as uint32 and set data.token_dtype=uint32"
+    )
     npy = tmp_path / "small.npy"
     np.save(npy, np.arange(300, dtype=np.uint16))
     assert _error(tmp_path, "data.source=tokens", f"data.paths=[{npy}]", "model.vocab_size=70000") == (
-        f"token file '{npy}' holds uint16 ids (at most 65535) but model.vocab_size is 70000: save it as uint32")
+        f"token file '{npy}' holds uint16 ids (at most 65535) but model.vocab_size is 70000: save it as uint32"
+    )
     assert _error(tmp_path, "data.source=tokens", f"data.paths=[{small}]", "model.vocab_size=256") == (
         f"token file '{small}' has token id 299 >= model.vocab_size (256) in its first 300 tokens: raise "
-        "model.vocab_size or check data.token_dtype")
+        "model.vocab_size or check data.token_dtype"
+    )
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\1\0\2")
     assert _error(tmp_path, "data.source=tokens", f"data.paths=[{odd}]") == (
-        f"token file '{odd}' has 3 bytes, not a multiple of 2 (data.token_dtype=uint16): check data.token_dtype")
+        f"token file '{odd}' has 3 bytes, not a multiple of 2 (data.token_dtype=uint16): check data.token_dtype"
+    )
     empty = tmp_path / "empty.bin"
     empty.write_bytes(b"")
     assert _error(tmp_path, "data.source=tokens", f"data.paths=[{empty}]") == (
-        f"token file '{empty}' is empty: remove it from data.paths")
+        f"token file '{empty}' is empty: remove it from data.paths"
+    )
     txt = tmp_path / "x.txt"
     txt.write_text("hi")
     assert _error(tmp_path, "data.source=tokens", f"data.paths=[{txt}]").startswith(
-        f"token file '{txt}' is neither .bin nor .npy")
+        f"token file '{txt}' is neither .bin nor .npy"
+    )
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["data.tokenizer=hf"], "'data.tokenizer' is hf but 'data.tokenizer_path' is not set: give the directory of a "
-                            "tokenizer saved with save_pretrained"),
-    (["data.source=jsonl"], "'data.source' is jsonl but 'data.paths' is empty"),
-    (["data.source=hf_disk", "data.paths=[a,b]"], "'data.source' is hf_disk but 'data.paths' has 2 entries: give the "
-                                                   "one directory written by Dataset.save_to_disk"),
-    (["data.tokenizer_path=tok"], "'data.tokenizer_path' is set but 'data.tokenizer' is bytes: set data.tokenizer=hf "
-                                  "to use it"),
-    (["data.num_proc=0"], "'data.num_proc' must be >= 1 (got 0)"),
-    (["data.token_dtype=int8"], "'data.token_dtype' is 'int8'; choose one of uint16, uint32"),
-    (["data.seq_len=128"], "'data.seq_len' (128) exceeds 'model.max_seq_len' (64): lower data.seq_len or raise "
-                           "model.max_seq_len"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["data.tokenizer=hf"],
+            "'data.tokenizer' is hf but 'data.tokenizer_path' is not set: give the directory of a "
+            "tokenizer saved with save_pretrained",
+        ),
+        (["data.source=jsonl"], "'data.source' is jsonl but 'data.paths' is empty"),
+        (
+            ["data.source=hf_disk", "data.paths=[a,b]"],
+            "'data.source' is hf_disk but 'data.paths' has 2 entries: give the "
+            "one directory written by Dataset.save_to_disk",
+        ),
+        (
+            ["data.tokenizer_path=tok"],
+            "'data.tokenizer_path' is set but 'data.tokenizer' is bytes: set data.tokenizer=hf to use it",
+        ),
+        (["data.num_proc=0"], "'data.num_proc' must be >= 1 (got 0)"),
+        (["data.token_dtype=int8"], "'data.token_dtype' is 'int8'; choose one of uint16, uint32"),
+        (
+            ["data.seq_len=128"],
+            "'data.seq_len' (128) exceeds 'model.max_seq_len' (64): lower data.seq_len or raise model.max_seq_len",
+        ),
+    ],
+)
 def test_config_errors(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
@@ -426,11 +499,22 @@ def test_train_two_steps_on_jsonl_with_hf_tokenizer(tmp_path, tokdir):
     from oobleck_elastic.engine.run import train
 
     f = write_jsonl(tmp_path / "docs.jsonl", make_docs(60, seed=5))
-    c = load_config(ROOT / "configs/gpt2-tiny.yaml", [
-        "training.steps=2", "data.seq_len=32", "training.global_batch_size=4", "training.microbatch_size=2",
-        "model.vocab_size=320", "data.source=jsonl", f"data.paths=[{f}]", *hf(tokdir),
-        f"data.cache_dir={tmp_path / 'cache'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
-        f"logging.tensorboard_dir={tmp_path / 'runs'}"])
+    c = load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        [
+            "training.steps=2",
+            "data.seq_len=32",
+            "training.global_batch_size=4",
+            "training.microbatch_size=2",
+            "model.vocab_size=320",
+            "data.source=jsonl",
+            f"data.paths=[{f}]",
+            *hf(tokdir),
+            f"data.cache_dir={tmp_path / 'cache'}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            f"logging.tensorboard_dir={tmp_path / 'runs'}",
+        ],
+    )
     summary = train(c)
     assert summary.final_step == 2 and math.isfinite(summary.first_loss) and math.isfinite(summary.last_loss)
 
@@ -445,10 +529,14 @@ def test_a_node_failure_on_jsonl_text_keeps_the_exactly_once_order(tmp_path, tok
     data = tmp_path / "corpus.jsonl"
     data.write_text("".join(json.dumps({"text": d}) + "\n" for d in make_docs(600, seed=3)))
     profile = tiny_profile(tmp_path / "profile.json")
-    extra = ["data.source=jsonl", f"data.paths=[{data}]", "data.tokenizer=hf", f"data.tokenizer_path={tokdir}",
-             "model.vocab_size=320"]
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--kill", "1@3"], 8, profile,
-                            extra=extra)
+    extra = [
+        "data.source=jsonl",
+        f"data.paths=[{data}]",
+        "data.tokenizer=hf",
+        f"data.tokenizer_path={tokdir}",
+        "model.vocab_size=320",
+    ]
+    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--kill", "1@3"], 8, profile, extra=extra)
     assert "entered from generation 1" in out, out[-3000:]
     assert out.count("data: tokenising") == 1, out[-3000:]  # the four workers share one host's cache
     assert_same(job, ref)

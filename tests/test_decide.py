@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from oobleck_elastic.rendezvous.decide import (Action, Clocks, Detection, Detector, LeaderView, Rules, decide,
-                                               plan_events)
+from oobleck_elastic.rendezvous.decide import (
+    Action,
+    Clocks,
+    Detection,
+    Detector,
+    LeaderView,
+    Rules,
+    decide,
+    plan_events,
+)
 from oobleck_elastic.rendezvous.records import NodeState
 
 from helpers import layout_plan
@@ -37,8 +45,9 @@ def test_max_nodes_up_plans_at_once_and_leaves_the_rest_as_spares() -> None:
 
 
 def test_admitted_first_nodes_are_planned_with_new_arrivals_up_to_max() -> None:
-    view = LeaderView(up=("n0", "n1", "n2", "n3", "n4", "n5"), admitted=frozenset({"n1", "n2"}),
-                      fenced=frozenset({"n0"}))
+    view = LeaderView(
+        up=("n0", "n1", "n2", "n3", "n4", "n5"), admitted=frozenset({"n1", "n2"}), fenced=frozenset({"n0"})
+    )
     d = decide(view, Clocks(), 10.0, RULES)
     assert d.action == Action.FIRST_PLAN and d.nodes == ("n1", "n2", "n3", "n4") and d.admit == ("n3", "n4")
 
@@ -66,8 +75,12 @@ def test_right_after_an_etcd_outage_missing_nodes_are_held_not_replanned() -> No
 
 
 def test_a_fenced_node_is_dropped_even_with_a_record() -> None:
-    d = decide(LeaderView(up=("n0", "n1", "n2", "n3"), plan=plan_of(4), fenced=frozenset({"n2"})),
-               Clocks(change_seen=9.0), 10.0, RULES)
+    d = decide(
+        LeaderView(up=("n0", "n1", "n2", "n3"), plan=plan_of(4), fenced=frozenset({"n2"})),
+        Clocks(change_seen=9.0),
+        10.0,
+        RULES,
+    )
     assert d.action == Action.REPLAN and d.nodes == ("n0", "n1", "n3")
 
 
@@ -75,8 +88,12 @@ def test_late_nodes_are_admitted_while_there_is_room_and_planned_once_ready() ->
     view = LeaderView(up=("n0", "n1", "n4", "n5", "n6"), plan=plan_of(2), not_ready=frozenset({"n4", "n5", "n6"}))
     d = decide(view, Clocks(), 10.0, RULES)
     assert d.action == Action.NONE and d.admit == ("n4", "n5")  # n6 would exceed max_nodes: a spare
-    view = LeaderView(up=("n0", "n1", "n4", "n5", "n6"), plan=plan_of(2), admitted=frozenset({"n4", "n5"}),
-                      not_ready=frozenset({"n5", "n6"}))
+    view = LeaderView(
+        up=("n0", "n1", "n4", "n5", "n6"),
+        plan=plan_of(2),
+        admitted=frozenset({"n4", "n5"}),
+        not_ready=frozenset({"n5", "n6"}),
+    )
     d = decide(view, Clocks(change_seen=9.0), 10.0, RULES)
     assert d.action == Action.REPLAN and d.nodes == ("n0", "n1", "n4") and d.admit == ()
 
@@ -108,8 +125,9 @@ def test_a_liveness_verdict_is_not_held_by_an_etcd_outage() -> None:
 
 
 def test_a_liveness_replan_leaves_out_fenced_nodes_and_takes_spares() -> None:
-    view = LeaderView(up=("n0", "n1", "n2", "n3", "n4"), plan=plan_of(4), fenced=frozenset({"n1"}),
-                      dead=liveness("n2", since=1.0))
+    view = LeaderView(
+        up=("n0", "n1", "n2", "n3", "n4"), plan=plan_of(4), fenced=frozenset({"n1"}), dead=liveness("n2", since=1.0)
+    )
     d = decide(view, Clocks(), 10.0, RULES)
     assert d.action == Action.REPLAN and d.nodes == ("n0", "n3", "n4") and d.lost == ("n2",)
 
@@ -117,15 +135,24 @@ def test_a_liveness_replan_leaves_out_fenced_nodes_and_takes_spares() -> None:
 def test_a_liveness_replan_leaves_out_not_ready_nodes_too() -> None:
     """A spare whose workers still import torch, and a node of the plan restarting a hung worker
     (its readiness withdrawn), stay out of the re-plan after a death, as after a roll call."""
-    view = LeaderView(up=("n0", "n1", "n2", "n3", "n4"), plan=plan_of(4), not_ready=frozenset({"n1", "n4"}),
-                      dead=liveness("n2", since=1.0))
+    view = LeaderView(
+        up=("n0", "n1", "n2", "n3", "n4"),
+        plan=plan_of(4),
+        not_ready=frozenset({"n1", "n4"}),
+        dead=liveness("n2", since=1.0),
+    )
     d = decide(view, Clocks(), 10.0, RULES)
     assert d.action == Action.REPLAN and d.nodes == ("n0", "n3") and d.lost == ("n2",)
 
 
 def test_a_roll_call_verdict_replans_at_once_without_the_dead_and_the_not_ready() -> None:
-    view = LeaderView(up=("n0", "n1", "n2", "n3", "n4"), plan=plan_of(4), not_ready=frozenset({"n3", "n4"}),
-                      admitted=frozenset({"n4"}), dead=rollcall("n1"))
+    view = LeaderView(
+        up=("n0", "n1", "n2", "n3", "n4"),
+        plan=plan_of(4),
+        not_ready=frozenset({"n3", "n4"}),
+        admitted=frozenset({"n4"}),
+        dead=rollcall("n1"),
+    )
     d = decide(view, Clocks(change_seen=9.9), 10.0, RULES)
     assert d.action == Action.REPLAN and d.nodes == ("n0", "n2") and d.lost == ("n1",)
     assert d.detection == Detector.ROLL_CALL and d.recheck_s == 0.0 and d.clocks == Clocks() and d.admit == ()
@@ -142,8 +169,7 @@ def test_right_after_an_etcd_outage_a_roll_call_verdict_is_held() -> None:
     assert d.action == Action.WAIT and d.held == ("n2", "n3") and d.detection == Detector.ROLL_CALL
     assert d.clocks == Clocks(change_seen=9.0) and d.lost == () and d.recheck_s is None
     # a restart (nobody dead) is not held: the workers' failure is real whatever etcd did
-    d = decide(LeaderView(up=("n0", "n1"), plan=plan_of(2), outage_recent=True, dead=rollcall()), Clocks(), 10.0,
-               RULES)
+    d = decide(LeaderView(up=("n0", "n1"), plan=plan_of(2), outage_recent=True, dead=rollcall()), Clocks(), 10.0, RULES)
     assert d.action == Action.REPLAN and d.nodes == ("n0", "n1")
 
 
@@ -170,8 +196,17 @@ def test_records_parse_kinds_and_states_into_enums_and_refuse_unknown_ones() -> 
     ev = Event.parse({"schema_version": 1, "time": 1.0, "kind": "renew", "node": "node3"})
     assert ev is not None and ev.kind is EventKind.RENEW and f"{ev.kind}" == "renew"
     assert Event.parse({"schema_version": 1, "time": 1.0, "kind": "reboot", "node": "node3"}) is None
-    data = {"schema_version": 1, "node_id": "node2", "index": 2, "host": "h", "devices": 1, "agent_pid": 1,
-            "state": "draining", "since": 1.0, "lease_id": 7}
+    data = {
+        "schema_version": 1,
+        "node_id": "node2",
+        "index": 2,
+        "host": "h",
+        "devices": 1,
+        "agent_pid": 1,
+        "state": "draining",
+        "since": 1.0,
+        "lease_id": 7,
+    }
     rec = NodeRecord.parse(data, key="/oobleck/r/nodes/node2")
     assert rec is not None and rec.state is NodeState.DRAINING
     assert NodeRecord.parse({**data, "state": "asleep"}) is None
@@ -186,8 +221,12 @@ def test_a_roster_round_trips_and_a_malformed_one_is_refused() -> None:
 
     roster = Roster(3, ("node0", "node2"))
     assert Roster.parse(roster.to_json()) == roster
-    for bad in ({"schema_version": 1, "generation": 0, "nodes": []}, {"schema_version": 2, "generation": 1,
-                                                                      "nodes": []},
-                {"schema_version": 1, "generation": 1, "nodes": [1]}, [], "x"):
+    for bad in (
+        {"schema_version": 1, "generation": 0, "nodes": []},
+        {"schema_version": 2, "generation": 1, "nodes": []},
+        {"schema_version": 1, "generation": 1, "nodes": [1]},
+        [],
+        "x",
+    ):
         with pytest.raises(ValueError):
             Roster.parse(bad)

@@ -8,8 +8,15 @@ from oobleck_elastic.etcd.memory import MemoryKV
 from oobleck_elastic.rendezvous.detect import STALL_RECHECK_S, Deputy, LeaderWatch, RollCall
 from oobleck_elastic.rendezvous.keys import Keys
 from oobleck_elastic.rendezvous.membership import live_nodes, read_events
-from oobleck_elastic.rendezvous.records import (Checkin, CheckinKind, EventKind, LeaderRecord, NodeRecord, NodeState,
-                                                Roster)
+from oobleck_elastic.rendezvous.records import (
+    Checkin,
+    CheckinKind,
+    EventKind,
+    LeaderRecord,
+    NodeRecord,
+    NodeState,
+    Roster,
+)
 
 from helpers import layout_plan
 
@@ -31,8 +38,17 @@ def cluster(nodes: int, *, leader: str = "n0", liveness: str = "") -> MemoryKV:
     kv = MemoryKV()
     for i in range(nodes):
         lease = kv.grant_lease(1.0)
-        rec = NodeRecord(node_id=f"n{i}", index=i, host="h", devices=1, agent_pid=1, state=NodeState.UP, since=0.0,
-                         lease_id=lease, liveness=liveness)
+        rec = NodeRecord(
+            node_id=f"n{i}",
+            index=i,
+            host="h",
+            devices=1,
+            agent_pid=1,
+            state=NodeState.UP,
+            since=0.0,
+            lease_id=lease,
+            liveness=liveness,
+        )
         kv.put_json(KEYS.node(rec.node_id), rec.to_json(), lease=lease)
         if rec.node_id == leader:
             kv.put(KEYS.leader, LeaderRecord(node_id=leader, since=0.0).encode(), lease=lease)

@@ -42,10 +42,17 @@ def config(**over):
     # all keys), so its gradient is rounding noise of ~1e-10 that AdamW with eps=1e-8 would blow up to
     # a full lr-sized update in a random direction; a larger eps keeps noise-level gradients noise-level
     # and the comparison about the math, at the strict 1e-5 relative tolerance.
-    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", ["data.seq_len=16", "training.global_batch_size=16",
-                                                       "training.microbatch_size=2", f"training.steps={STEPS}",
-                                                       "training.optimizer.eps=1e-6",
-                                                       *[f"{k}={v}" for k, v in over.items()]])
+    cfg = load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        [
+            "data.seq_len=16",
+            "training.global_batch_size=16",
+            "training.microbatch_size=2",
+            f"training.steps={STEPS}",
+            "training.optimizer.eps=1e-6",
+            *[f"{k}={v}" for k, v in over.items()],
+        ],
+    )
     return cfg
 
 
@@ -61,8 +68,10 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
         assert configs == {backend_for(trainer.device)} == {"cpu:gloo"}, configs
         for step in range(STEPS):
             trainer.train_step(step)
-        torch.save({f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
-                   os.path.join(tmp, f"plan{k}-rank{rank}.pt"))
+        torch.save(
+            {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
+            os.path.join(tmp, f"plan{k}-rank{rank}.pt"),
+        )
         trainer.close()
     # resume under another plan: 2 steps on plan 1, checkpoint, 1 more step on plan 2
     ckpt_dir = os.path.join(tmp, "ckpt")
@@ -76,8 +85,10 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
         if k == 0:
             state.save(trainer, ckpt_dir, next_step=2)
         else:
-            torch.save({f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
-                       os.path.join(tmp, f"resumed-rank{rank}.pt"))
+            torch.save(
+                {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
+                os.path.join(tmp, f"resumed-rank{rank}.pt"),
+            )
         trainer.close()
 
 
@@ -113,11 +124,28 @@ def _plan(generation: int, pipelines: list[list[tuple[str, int, int]]]) -> Plan:
         for si, (node, start, end) in enumerate(stages):
             placed.append(StagePlacement(index=si, start=start, end=end, node=node, local_rank=0, rank=rank))
             rank += 1
-        specs.append(PipelineSpec(index=pi, template_nodes=len(stages), nodes=tuple(n for n, _, _ in stages),
-                                  microbatches=4, stages=tuple(placed), est_time_s=1.0))
+        specs.append(
+            PipelineSpec(
+                index=pi,
+                template_nodes=len(stages),
+                nodes=tuple(n for n, _, _ in stages),
+                microbatches=4,
+                stages=tuple(placed),
+                est_time_s=1.0,
+            )
+        )
     nodes = tuple(n for p in pipelines for n, _, _ in p)
-    return Plan(generation=generation, nodes=nodes, spares=(), gpus_per_node=1, num_layers=6, microbatch_size=2,
-                pipelines=tuple(specs), est_step_time_s=1.0, f=1)
+    return Plan(
+        generation=generation,
+        nodes=nodes,
+        spares=(),
+        gpus_per_node=1,
+        num_layers=6,
+        microbatch_size=2,
+        pipelines=tuple(specs),
+        est_step_time_s=1.0,
+        f=1,
+    )
 
 
 def test_transfers_come_from_surviving_holders_spread_over_them() -> None:
@@ -152,7 +180,11 @@ def test_a_drained_donor_is_a_source_and_never_a_receiver() -> None:
     g2.check()
     assert g2.world_size == 2 and g2.entry_world_size == 4
     assert (g2.donor_rank("b", 0), g2.donor_rank("d", 0), g2.donor_rank("a", 0), g2.donor_rank("b", 1)) == (
-        2, 3, None, None)
+        2,
+        3,
+        None,
+        None,
+    )
     assert g2.entry_ranks() == {("a", 0): 0, ("c", 0): 1, ("b", 0): 2, ("d", 0): 3}
     transfers, lost = plan_transfers(g1.layers_by_worker(), g2)
     assert lost == []
@@ -171,8 +203,12 @@ def test_transfers_use_each_workers_own_layout_after_a_half_done_entry() -> None
     g1 = _plan(1, [[("a", 0, 3), ("b", 3, 6)], [("c", 0, 3), ("d", 3, 6)]])
     g2 = _plan(2, [[("a", 0, 2), ("b", 2, 4), ("e", 4, 6)], [("c", 0, 3), ("d", 3, 6)]])
     g3 = _plan(3, [[("a", 0, 3), ("b", 3, 6)], [("c", 0, 3), ("d", 3, 6)]])
-    held = {("a", 0): g2.layers_by_worker()[("a", 0)], ("b", 0): g2.layers_by_worker()[("b", 0)],
-            ("c", 0): g1.layers_by_worker()[("c", 0)], ("d", 0): g1.layers_by_worker()[("d", 0)]}
+    held = {
+        ("a", 0): g2.layers_by_worker()[("a", 0)],
+        ("b", 0): g2.layers_by_worker()[("b", 0)],
+        ("c", 0): g1.layers_by_worker()[("c", 0)],
+        ("d", 0): g1.layers_by_worker()[("d", 0)],
+    }
     transfers, lost = plan_transfers(held, g3)
     assert lost == []
     assert {(t.layer, t.dst) for t in transfers} == {(2, 0), (4, 1), (5, 1)}
@@ -195,8 +231,10 @@ def _slow_stage_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
     trainer.enter_generation(plan, store)
     for step in range(STEPS):
         trainer.train_step(step)
-    torch.save({f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
-               os.path.join(tmp, f"slow-rank{rank}.pt"))
+    torch.save(
+        {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
+        os.path.join(tmp, f"slow-rank{rank}.pt"),
+    )
     trainer.close()
 
 
@@ -209,8 +247,10 @@ def test_a_slow_stage_is_not_a_failure(tmp_path: Path) -> None:
     cfg = config(**{"fault_tolerance.join_timeout_s": 1, "fault_tolerance.comm_timeout_s": 60})
     mp.spawn(_slow_stage_worker, args=(2, str(tmp_path), to_dict(cfg)), nprocs=2, join=True)
     ref = reference_state(cfg)
-    merged = {**torch.load(tmp_path / "slow-rank0.pt", weights_only=True),
-              **torch.load(tmp_path / "slow-rank1.pt", weights_only=True)}
+    merged = {
+        **torch.load(tmp_path / "slow-rank0.pt", weights_only=True),
+        **torch.load(tmp_path / "slow-rank1.pt", weights_only=True),
+    }
     assert set(merged) == set(ref)
     for key, t in merged.items():
         torch.testing.assert_close(t, ref[key], rtol=1e-5, atol=1e-6, msg=key)

@@ -12,35 +12,60 @@ import torch.distributed as dist
 
 from oobleck_elastic.checkpoint import CheckpointError
 from oobleck_elastic.engine.devices import NCCL_ENV, backend_for, configure_nccl, resolve_device
-from oobleck_elastic.engine.errors import (ErrorRecord, JobFailed, StepAbandoned, error_signature,
-                                           is_communication_error, next_error_record)
+from oobleck_elastic.engine.errors import (
+    ErrorRecord,
+    JobFailed,
+    StepAbandoned,
+    error_signature,
+    is_communication_error,
+    next_error_record,
+)
 from oobleck_elastic.engine.runner import StepRunner
 from oobleck_elastic.engine.trainer import LayersLost
 from oobleck_elastic.rendezvous.worker import GenerationSuperseded
 
-GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
-               "[127.0.0.1]:2971. This is typically caused by a remote worker crashing.")
-GLOO_TIMEOUT = ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 4000ms for recv "
-                "operation to complete")
+GLOO_CLOSED = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    "[127.0.0.1]:2971. This is typically caused by a remote worker crashing."
+)
+GLOO_TIMEOUT = (
+    "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 4000ms for recv "
+    "operation to complete"
+)
 
 
-@pytest.mark.parametrize("err", [
-    RuntimeError(GLOO_CLOSED), RuntimeError(GLOO_TIMEOUT), dist.DistBackendError("NCCL communicator was aborted"),
-    dist.DistNetworkError("Connection reset"), dist.DistStoreError("timed out waiting for key"),
-    ConnectionResetError("reset"), TimeoutError("socket"), StepAbandoned("generation 3 left out node2"),
-    GenerationSuperseded("generation 3 was superseded by generation 4 while joining it"),
-])
+@pytest.mark.parametrize(
+    "err",
+    [
+        RuntimeError(GLOO_CLOSED),
+        RuntimeError(GLOO_TIMEOUT),
+        dist.DistBackendError("NCCL communicator was aborted"),
+        dist.DistNetworkError("Connection reset"),
+        dist.DistStoreError("timed out waiting for key"),
+        ConnectionResetError("reset"),
+        TimeoutError("socket"),
+        StepAbandoned("generation 3 left out node2"),
+        GenerationSuperseded("generation 3 was superseded by generation 4 while joining it"),
+    ],
+)
 def test_communication_errors_send_a_worker_to_the_roll_call(err: BaseException) -> None:
     assert is_communication_error(err)
 
 
-@pytest.mark.parametrize("err", [
-    RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x32 and 64x32)"),
-    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-    CheckpointError("checkpoint step-00000020: layer 2 file layer-002.safetensors: sha256 mismatch (timed out)"),
-    LayersLost([2, 3]), ValueError("bad"), KeyError(1), AssertionError("bug"), JobFailed("closed as failed"),
-    RuntimeError("plan(s) of generation(s) [3] are not available to ('node1', 0)"),
-])
+@pytest.mark.parametrize(
+    "err",
+    [
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x32 and 64x32)"),
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        CheckpointError("checkpoint step-00000020: layer 2 file layer-002.safetensors: sha256 mismatch (timed out)"),
+        LayersLost([2, 3]),
+        ValueError("bad"),
+        KeyError(1),
+        AssertionError("bug"),
+        JobFailed("closed as failed"),
+        RuntimeError("plan(s) of generation(s) [3] are not available to ('node1', 0)"),
+    ],
+)
 def test_other_errors_end_the_worker(err: BaseException) -> None:
     assert not is_communication_error(err)
 
@@ -68,8 +93,13 @@ def test_repeated_error_counts_generations_in_a_row_at_one_step() -> None:
     assert next_error_record(r3, ValueError("x"), step=3, generation=5, node="node1", local_rank=0).count == 1
     # round trip through JSON, and malformed values are ignored
     assert ErrorRecord.parse(r3.to_json()) == r3
-    for bad in [None, "x", {**r3.to_json(), "schema_version": 99}, {**r3.to_json(), "count": "3"},
-                {k: v for k, v in r3.to_json().items() if k != "step"}]:
+    for bad in [
+        None,
+        "x",
+        {**r3.to_json(), "schema_version": 99},
+        {**r3.to_json(), "count": "3"},
+        {k: v for k, v in r3.to_json().items() if k != "step"},
+    ]:
         assert ErrorRecord.parse(bad) is None, bad
 
 
@@ -79,6 +109,7 @@ def test_runner_returns_results_and_reraises_errors_with_their_traceback() -> No
 
     def boom() -> None:
         raise ValueError("from the step thread")
+
     with pytest.raises(ValueError, match="from the step thread") as info:
         runner.run(boom, should_abandon=lambda: None, interval_s=0.01)
     assert any(tb.name == "boom" for tb in info.traceback)
@@ -91,6 +122,7 @@ def test_runner_abandons_a_blocked_step_as_soon_as_the_control_plane_says_so() -
     def should_abandon() -> str | None:
         asked.append(time.monotonic())
         return "generation 2 left out lost node(s) node3" if len(asked) >= 3 else None
+
     t0 = time.monotonic()
     with pytest.raises(StepAbandoned, match="left out lost node"):
         StepRunner().run(release.wait, should_abandon=should_abandon, interval_s=0.02)

@@ -88,9 +88,12 @@ def test_early_exit_quotes_the_log() -> None:
 
 def test_run_etcd_command_stops_cleanly_on_sigint(tmp_path: Path) -> None:
     port, data_dir = free_port(), tmp_path / "etcd-data"
-    proc = subprocess.Popen([sys.executable, "-m", "oobleck_elastic.etcd.server", "--port", str(port),
-                             "--data-dir", str(data_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "oobleck_elastic.etcd.server", "--port", str(port), "--data-dir", str(data_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
@@ -240,9 +243,16 @@ dist.destroy_process_group()
 def test_init_process_group_gloo_with_etcd_store(etcd_settings: EtcdSettings, run_id: str) -> None:
     world, prefix = 4, f"/test/{run_id}/pg"
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, etcd_settings.endpoint, prefix, str(r), str(world)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, etcd_settings.endpoint, prefix, str(r), str(world)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for r in range(world)
+    ]
     try:
         outs = [p.communicate(timeout=90)[0] for p in procs]
         for p, out in zip(procs, outs):
@@ -275,15 +285,34 @@ def test_connect_tls_to_plaintext_server_fails_fast(etcd_settings: EtcdSettings,
     cert = tmp_path / "ca.pem"
     try:
         from cryptography import x509  # noqa: F401
+
         have_cryptography = True
     except ImportError:
         have_cryptography = False
     if have_cryptography:
         _self_signed_with_cryptography(cert)
     elif shutil.which("openssl"):
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                        "-subj", "/CN=127.0.0.1", "-keyout", str(tmp_path / "ca.key"), "-out", str(cert)],
-                       check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=127.0.0.1",
+                "-keyout",
+                str(tmp_path / "ca.key"),
+                "-out",
+                str(cert),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
     else:
         pytest.skip("neither the cryptography package nor the openssl CLI is available to make a cert")
     t0 = time.monotonic()
@@ -303,7 +332,14 @@ def _self_signed_with_cryptography(path: Path) -> None:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now)
-            .not_valid_after(now + dt.timedelta(days=1)).sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + dt.timedelta(days=1))
+        .sign(key, hashes.SHA256())
+    )
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))

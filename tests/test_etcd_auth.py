@@ -25,14 +25,39 @@ def auth_etcd(tmp_path: Path):
     if not shutil.which("openssl"):
         pytest.skip("the openssl CLI is needed to make a certificate")
     cert, key = tmp_path / "server.pem", tmp_path / "server.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out",
-                    str(cert)], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     server = EtcdServer(data_dir=str(tmp_path / "etcd"), tls=(str(cert), str(key)), extra_args=["--unsafe-no-fsync"])
     server.start()
     try:
-        etcdctl = [str(Path(find_etcd_binary()).with_name("etcdctl")), "--endpoints", server.client_url,
-                   "--cacert", str(cert)]
+        etcdctl = [
+            str(Path(find_etcd_binary()).with_name("etcdctl")),
+            "--endpoints",
+            server.client_url,
+            "--cacert",
+            str(cert),
+        ]
         for args in (["user", "add", "root:secret"], ["auth", "enable"]):
             subprocess.run(etcdctl + args, check=True, capture_output=True, timeout=30)
         yield server, str(cert)
@@ -42,23 +67,39 @@ def auth_etcd(tmp_path: Path):
 
 def test_commands_without_or_with_wrong_credentials_give_one_line(auth_etcd) -> None:
     server, cert = auth_etcd
-    base = [sys.executable, "-m", "oobleck_elastic.cli", "agents", "--endpoint", server.endpoint, "--run-id", "job",
-            "--cacert", cert]
-    for extra, expected in (([], "this etcd has auth enabled: give a user and password"),
-                            (["--user", "root", "--password", "wrong"], "check the password and the permissions")):
+    base = [
+        sys.executable,
+        "-m",
+        "oobleck_elastic.cli",
+        "agents",
+        "--endpoint",
+        server.endpoint,
+        "--run-id",
+        "job",
+        "--cacert",
+        cert,
+    ]
+    for extra, expected in (
+        ([], "this etcd has auth enabled: give a user and password"),
+        (["--user", "root", "--password", "wrong"], "check the password and the permissions"),
+    ):
         proc = subprocess.run(base + extra, cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"oobleck agents: error: etcd at {server.endpoint} refused "
-                                                       "the request ("), proc.stderr
+        assert len(lines) == 1 and lines[0].startswith(
+            f"oobleck agents: error: etcd at {server.endpoint} refused the request ("
+        ), proc.stderr
         assert expected in lines[0], proc.stderr
 
 
 def test_a_client_signs_in_again_after_an_etcd_restart(auth_etcd, caplog) -> None:
     server, cert = auth_etcd
     caplog.set_level(logging.WARNING)
-    client = connect(EtcdSettings(endpoint=server.endpoint, cacert=cert, user="root", password="secret",
-                                  timeout_s=2.0, outage_s=30.0))
+    client = connect(
+        EtcdSettings(
+            endpoint=server.endpoint, cacert=cert, user="root", password="secret", timeout_s=2.0, outage_s=30.0
+        )
+    )
     try:
         client.put("/a/k", "1")
         port = server.port

@@ -46,6 +46,7 @@ def test_requests_ride_out_a_restart_on_the_same_port_and_data_dir(own_etcd, tmp
             time.sleep(3.0)
             own_etcd.port = port
             own_etcd.start()
+
         t = threading.Thread(target=restart, daemon=True)
         t.start()
         assert client.get_json("/t/b")[0] == {"v": 1}  # the data dir kept it
@@ -103,8 +104,16 @@ def _job_through(tmp_path: Path, own_etcd, run_id: str, outage, steps: int = 20)
         proc_of.append(proc)
         when(own_etcd.endpoint, proc, lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 3, begin)
 
-    out, job, ref = run_job(tmp_path, own_etcd, run_id, ["--nodes", "4"], steps, profile, during=during,
-                            rdzv="lease_ttl=2,settle=0.2,last_call_timeout=1,etcd_outage=30")
+    out, job, ref = run_job(
+        tmp_path,
+        own_etcd,
+        run_id,
+        ["--nodes", "4"],
+        steps,
+        profile,
+        during=during,
+        rdzv="lease_ttl=2,settle=0.2,last_call_timeout=1,etcd_outage=30",
+    )
     # the fault was done, to a job that still had steps to run
     assert len(hit) == 1 and 3 <= hit[0] < steps, (hit, out[-3000:])
     client = connect(EtcdSettings(endpoint=own_etcd.endpoint))
@@ -132,8 +141,10 @@ def test_a_job_rides_out_a_stalled_etcd(tmp_path: Path, own_etcd, run_id) -> Non
     out, job, ref, events = _job_through(tmp_path, own_etcd, run_id, stall)
     assert_same(job, ref)
     # training went on while etcd was stopped: steps were logged inside the stall
-    stamps = [datetime.strptime(m, "%Y-%m-%d %H:%M:%S,%f").timestamp()
-              for m in re.findall(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO gen \d+ step \d+/\d+", out)]
+    stamps = [
+        datetime.strptime(m, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for m in re.findall(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO gen \d+ step \d+/\d+", out)
+    ]
     assert sum(window[0] + 0.5 < t < window[1] - 0.5 for t in stamps) >= 2, (window, stamps)
     plans = [ev for ev in events if ev.kind == "plan"]
     assert [ev.generation for ev in plans] == [1], [ev.line() for ev in events]
@@ -196,9 +207,9 @@ def test_a_job_rides_out_an_etcd_restart(tmp_path: Path, own_etcd, run_id) -> No
         own_etcd.start()
 
     pids: list[int] = []
-    out, job, ref, events = _job_through(tmp_path, own_etcd, run_id, lambda proc: (pids.append(own_etcd.pid),
-                                                                                    restart(proc),
-                                                                                    pids.append(own_etcd.pid)))
+    out, job, ref, events = _job_through(
+        tmp_path, own_etcd, run_id, lambda proc: (pids.append(own_etcd.pid), restart(proc), pids.append(own_etcd.pid))
+    )
     assert len(pids) == 2 and pids[0] != pids[1], pids  # a new etcd process served the rest of the job
     assert_same(job, ref)
     assert [ev.generation for ev in events if ev.kind == "plan"] == [1], "\n".join(ev.line() for ev in events)

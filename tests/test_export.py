@@ -24,12 +24,21 @@ SHARD = 20_000  # bytes: the tiny models below need several shards
 
 
 def job(family: str, **model):
-    base = dict(family=family, vocab_size=128, hidden_size=32, num_layers=2, num_heads=4,
-                num_kv_heads=None if family == "gpt2" else 2, intermediate_size=64, max_seq_len=SEQ,
-                tie_embeddings=family == "gpt2")
+    base = dict(
+        family=family,
+        vocab_size=128,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=None if family == "gpt2" else 2,
+        intermediate_size=64,
+        max_seq_len=SEQ,
+        tie_embeddings=family == "gpt2",
+    )
     base.update(model)
-    return load_config(None, [f"model.{k}={'null' if v is None else v}" for k, v in base.items()]
-                       + [f"data.seq_len={SEQ}"])
+    return load_config(
+        None, [f"model.{k}={'null' if v is None else v}" for k, v in base.items()] + [f"data.seq_len={SEQ}"]
+    )
 
 
 def ids() -> torch.Tensor:
@@ -46,10 +55,21 @@ def write_checkpoint(cfg, root: Path, step: int = 1):
     entries = []
     for i, layer in enumerate(lm.layers):
         named = dict(layer.named_parameters())
-        entries.append(save_layer(root, step=step, layer=i, params=named,
-                                  optimizer_state={n: opt.state[p] for n, p in named.items()}))
-    manifest = write_manifest(root, step=step, data_cursor={"step": step}, plan=None, config=to_dict(cfg),
-                              layers=entries, layer_names=lm.names, hf_names=lm.hf_names)
+        entries.append(
+            save_layer(
+                root, step=step, layer=i, params=named, optimizer_state={n: opt.state[p] for n, p in named.items()}
+            )
+        )
+    manifest = write_manifest(
+        root,
+        step=step,
+        data_cursor={"step": step},
+        plan=None,
+        config=to_dict(cfg),
+        layers=entries,
+        layer_names=lm.names,
+        hf_names=lm.hf_names,
+    )
     return lm, manifest.parent
 
 
@@ -61,8 +81,12 @@ def test_export_loads_in_transformers_and_round_trips(tmp_path, family):
     out = export_checkpoint(sdir, tmp_path / "hf", max_shard_bytes=SHARD, log=lines.append)
     assert out == tmp_path / "hf"
     assert len(lines) == 5
-    assert [line.split(":")[0] for line in lines[:4]] == ["layer 1/4 embedding", "layer 2/4 block.0",
-                                                          "layer 3/4 block.1", "layer 4/4 head"]
+    assert [line.split(":")[0] for line in lines[:4]] == [
+        "layer 1/4 embedding",
+        "layer 2/4 block.0",
+        "layer 3/4 block.1",
+        "layer 4/4 head",
+    ]
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
     n = len(shards)
     assert n > 2 and shards == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
@@ -83,7 +107,8 @@ def test_export_loads_in_transformers_and_round_trips(tmp_path, family):
     tied = family == "gpt2"
     assert set(weight_map) == (names - {"lm_head.weight"} if tied else names)  # a tie is written once
     assert index["metadata"]["total_size"] == sum(
-        p.numel() * 4 for p in {id(p): p for layer in lm.layers for p in layer.parameters()}.values())
+        p.numel() * 4 for p in {id(p): p for layer in lm.layers for p in layer.parameters()}.values()
+    )
     conf = json.loads((out / "config.json").read_text())
     assert conf["tie_word_embeddings"] is tied and conf["model_type"] == family and conf["use_cache"] is True
 
@@ -111,24 +136,35 @@ def test_one_shard_is_model_safetensors_and_bf16(tmp_path):
 
 def test_a_checkpoint_of_a_pretrained_job_keeps_its_config_json(tmp_path):
     src = tmp_path / "src"
-    conf = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                    rope_theta=5000.0, bos_token_id=0, eos_token_id=0)
+    conf = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        rope_theta=5000.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     transformers.LlamaForCausalLM(conf).save_pretrained(src)
     (src / "tokenizer_config.json").write_text("{}")
-    cfg = load_config(None, ["model.family=llama", f"model.pretrained_path={src}", f"data.seq_len={SEQ}",
-                             f"model.max_seq_len={SEQ}"])
+    cfg = load_config(
+        None, ["model.family=llama", f"model.pretrained_path={src}", f"data.seq_len={SEQ}", f"model.max_seq_len={SEQ}"]
+    )
     lm, sdir = write_checkpoint(cfg, tmp_path / "ckpt")
     moved = tmp_path / "moved"
     src.rename(moved)
     with pytest.raises(FileNotFoundError) as err:
         export_checkpoint(sdir, tmp_path / "hf", log=lambda _: None)
-    assert str(err.value) == (f"model.pretrained_path '{src}' does not exist: give a local directory written by "
-                              "save_pretrained (config.json + *.safetensors); hub downloads are disabled; the "
-                              "checkpoint was trained from it and its config.json is needed: pass "
-                              "model.pretrained_path=DIR")
-    out = export_checkpoint(sdir, tmp_path / "hf", overrides=[f"model.pretrained_path={moved}"],
-                            log=lambda _: None)
+    assert str(err.value) == (
+        f"model.pretrained_path '{src}' does not exist: give a local directory written by "
+        "save_pretrained (config.json + *.safetensors); hub downloads are disabled; the "
+        "checkpoint was trained from it and its config.json is needed: pass "
+        "model.pretrained_path=DIR"
+    )
+    out = export_checkpoint(sdir, tmp_path / "hf", overrides=[f"model.pretrained_path={moved}"], log=lambda _: None)
     written = json.loads((out / "config.json").read_text())
     assert written["rope_parameters"]["rope_theta"] == 5000.0 and written["tie_word_embeddings"] is False
     assert (out / "tokenizer_config.json").read_text() == "{}"
@@ -145,8 +181,9 @@ def test_cli_takes_the_newest_intact_checkpoint(tmp_path, capsys):
     (root / "step-00000003").mkdir()  # an interrupted save
     assert main(["export", str(root), str(tmp_path / "hf"), "--max-shard-size", "20KB"]) == 0
     stdout = capsys.readouterr().out.splitlines()
-    assert stdout[0] == (f"exporting checkpoint step-00000002 (newest intact under {root}; "
-                         "skipped step-00000003 (incomplete))")
+    assert stdout[0] == (
+        f"exporting checkpoint step-00000002 (newest intact under {root}; skipped step-00000003 (incomplete))"
+    )
     assert len(stdout) == 6 and stdout[-1].startswith(f"exported step 2 to {tmp_path / 'hf'}: ")
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -157,29 +194,37 @@ def test_cli_takes_the_newest_intact_checkpoint(tmp_path, capsys):
     (tmp_path / "hf" / "README.md").write_text("mine")
     capsys.readouterr()  # drop transformers' loading progress
     assert main(["export", str(sdir), str(tmp_path / "hf")]) == 2
-    assert capsys.readouterr().err == (f"oobleck export: error: output directory '{tmp_path / 'hf'}' exists and is "
-                                       "not empty: choose a new directory or pass --force to replace its model "
-                                       "files\n")
+    assert capsys.readouterr().err == (
+        f"oobleck export: error: output directory '{tmp_path / 'hf'}' exists and is "
+        "not empty: choose a new directory or pass --force to replace its model "
+        "files\n"
+    )
     assert main(["export", str(sdir), str(tmp_path / "hf"), "--force"]) == 0
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["README.md", "config.json", "model.safetensors"]
 
 
 def test_cli_errors(tmp_path, capsys):
     assert main(["export", str(tmp_path), str(tmp_path / "hf")]) == 2
-    assert capsys.readouterr().err == (f"oobleck export: error: '{tmp_path}' is not a checkpoint: give a step "
-                                       "directory (step-XXXXXXXX with manifest.json) or the directory holding them "
-                                       "(checkpoint.dir)\n")
+    assert capsys.readouterr().err == (
+        f"oobleck export: error: '{tmp_path}' is not a checkpoint: give a step "
+        "directory (step-XXXXXXXX with manifest.json) or the directory holding them "
+        "(checkpoint.dir)\n"
+    )
     assert not (tmp_path / "hf").exists()
     assert main(["export", str(tmp_path), str(tmp_path / "hf"), "--max-shard-size", "lots"]) == 2
-    assert capsys.readouterr().err == ("oobleck export: error: shard size 'lots' is not a size: give bytes or a "
-                                       "number with KB, MB, GB (or KiB, MiB, GiB), e.g. 5GB\n")
+    assert capsys.readouterr().err == (
+        "oobleck export: error: shard size 'lots' is not a size: give bytes or a "
+        "number with KB, MB, GB (or KiB, MiB, GiB), e.g. 5GB\n"
+    )
     _, sdir = write_checkpoint(job("gpt2"), tmp_path / "ckpt")
     shutil.copytree(sdir, tmp_path / "bad")
     (tmp_path / "bad" / "layer-002.safetensors").write_bytes(b"broken")
     assert main(["export", str(tmp_path / "bad"), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"oobleck export: error: checkpoint file {tmp_path / 'bad' / 'layer-002.safetensors'} is "
-                          "corrupt: truncated or resized")
+    assert err.startswith(
+        f"oobleck export: error: checkpoint file {tmp_path / 'bad' / 'layer-002.safetensors'} is "
+        "corrupt: truncated or resized"
+    )
     assert not list((tmp_path / "hf").glob("*.safetensors")) and not list((tmp_path / "hf").glob(".export-*"))
 
 

@@ -66,10 +66,17 @@ def test_kill_the_leader(tmp_path: Path, etcd_server, run_id) -> None:
         killed.append(_leader(c, keys))
         kill_node(_pid(c, keys, killed[0]))
 
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 8, tiny_profile(tmp_path / "p.json"),
-                             rdzv="lease_ttl=30,settle=0.2,last_call_timeout=1", killed_by_test=1,
-                             during=lambda proc: when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3,
-                                                      kill_leader))
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4"],
+        8,
+        tiny_profile(tmp_path / "p.json"),
+        rdzv="lease_ttl=30,settle=0.2,last_call_timeout=1",
+        killed_by_test=1,
+        during=lambda proc: when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3, kill_leader),
+    )
     events = _events(etcd_server.endpoint, keys)
     revoked = [e for e in events if e.kind == "lost" and "revoked its lease" in e.detail]
     assert [e.node for e in revoked] == killed, [e.line() for e in events]
@@ -99,13 +106,27 @@ def test_kill_during_reconfiguration(tmp_path: Path, etcd_server, run_id) -> Non
 
     def chain(proc) -> None:
         when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3, first_kill)
-        when(etcd_server.endpoint, proc, lambda c: _plan(c, keys).generation >= 2,
-             lambda c: kill_node(_pid(c, keys, victims[1])), timeout=60)
+        when(
+            etcd_server.endpoint,
+            proc,
+            lambda c: _plan(c, keys).generation >= 2,
+            lambda c: kill_node(_pid(c, keys, victims[1])),
+            timeout=60,
+        )
 
     # generation 2 is one 3-stage pipeline: if the second kill lands after every survivor has
     # entered it, its layers are gone for real and the checkpoint is restored
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 10, tiny_profile(tmp_path / "p.json"),
-                             extra=["checkpoint.interval_steps=2"], killed_by_test=2, during=chain)
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4"],
+        10,
+        tiny_profile(tmp_path / "p.json"),
+        extra=["checkpoint.interval_steps=2"],
+        killed_by_test=2,
+        during=chain,
+    )
     final = _plan_of_run(etcd_server.endpoint, keys)
     assert final.generation == 3 and not set(victims) & set(final.nodes), out[-4000:]
     assert_same(job, ref)
@@ -140,9 +161,16 @@ def test_kill_a_node_while_another_joins(tmp_path: Path, etcd_server, run_id) ->
         victims.append(next(n for n in plan.nodes if n not in (leader, "node4")))
         kill_node(_pid(c, keys, victims[0]))
 
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--join", "1"], 40,
-                             tiny_profile(tmp_path / "p.json"), killed_by_test=1,
-                             during=lambda proc: when(etcd_server.endpoint, proc, joined, kill_one))
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4", "--join", "1"],
+        40,
+        tiny_profile(tmp_path / "p.json"),
+        killed_by_test=1,
+        during=lambda proc: when(etcd_server.endpoint, proc, joined, kill_one),
+    )
     final = _plan_of_run(etcd_server.endpoint, keys)
     assert "node4" in final.nodes and victims[0] not in final.nodes and len(final.nodes) == 4, out[-4000:]
     assert_same(job, ref)
@@ -166,10 +194,17 @@ def test_two_simultaneous_failures_with_f2(tmp_path: Path, etcd_server, run_id) 
         for pid in pids:
             kill_node(pid)
 
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "6"], 10, tiny_profile(tmp_path / "p.json"),
-                             extra=["fault_tolerance.f=2"], killed_by_test=2,
-                             during=lambda proc: when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3,
-                                                      kill_two))
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "6"],
+        10,
+        tiny_profile(tmp_path / "p.json"),
+        extra=["fault_tolerance.f=2"],
+        killed_by_test=2,
+        during=lambda proc: when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3, kill_two),
+    )
     final = _plan_of_run(etcd_server.endpoint, keys)
     assert len(final.nodes) == 4 and not set(victims) & set(final.nodes), out[-4000:]
     assert "restored checkpoint" not in out and "layer bytes moved" in out
@@ -181,10 +216,21 @@ def seed_002_profile(path: Path) -> Path:
     4-stage pipelines, 6 nodes as two 3-stage ones, a size the 8-node plan never used."""
     from oobleck_elastic.planning import LayerProfile, ModelProfile
 
-    b, w = int(0.1 * 1024 ** 3), [3, 1, 1, 1, 1, 3]
-    ModelProfile(layers=[LayerProfile(name=f"l{i}", forward_s=0.01 * w[i], backward_s=0.02 * w[i], param_bytes=b,
-                                      grad_bytes=b, optimizer_bytes=2 * b, activation_bytes=0)
-                         for i in range(6)]).save(path)
+    b, w = int(0.1 * 1024**3), [3, 1, 1, 1, 1, 3]
+    ModelProfile(
+        layers=[
+            LayerProfile(
+                name=f"l{i}",
+                forward_s=0.01 * w[i],
+                backward_s=0.02 * w[i],
+                param_bytes=b,
+                grad_bytes=b,
+                optimizer_bytes=2 * b,
+                activation_bytes=0,
+            )
+            for i in range(6)
+        ]
+    ).save(path)
     return path
 
 
@@ -207,10 +253,17 @@ def test_eight_nodes_become_six(tmp_path: Path, etcd_server, run_id) -> None:
             kill_node(pid)
 
     profile = seed_002_profile(tmp_path / "p.json")
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "8"], 8, profile,
-                             extra=["planning.device_memory_gb=0.85"], killed_by_test=2,
-                             during=lambda proc: when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3,
-                                                      kill_two))
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "8"],
+        8,
+        profile,
+        extra=["planning.device_memory_gb=0.85"],
+        killed_by_test=2,
+        during=lambda proc: when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3, kill_two),
+    )
     final = _plan_of_run(etcd_server.endpoint, keys)
     assert [len(p.stages) for p in final.pipelines] == [3, 3] and not set(victims) & set(final.nodes), out[-4000:]
     assert "restored checkpoint" not in out

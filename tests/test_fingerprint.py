@@ -31,17 +31,23 @@ def test_compare_finds_the_odd_copy_and_its_source() -> None:
     assert compare(plan, _table(plan, {})) == []
     assert compare(plan, _table(plan, {2: 7})) == [Corrupt(layer=2, lane=0, holders=(0, 2, 3), bad=(2,), source=0)]
     assert compare(plan, _table(plan, {0: 7})) == [Corrupt(layer=2, lane=0, holders=(0, 2, 3), bad=(0,), source=2)]
-    with pytest.raises(Unrepairable, match=r"^the copies of layer 2 differ between its 3 holders \(rank 0 on n0, "
-                                           r"rank 2 on n2, rank 3 on n3\) and no majority agrees"):
+    with pytest.raises(
+        Unrepairable,
+        match=r"^the copies of layer 2 differ between its 3 holders \(rank 0 on n0, "
+        r"rank 2 on n2, rank 3 on n3\) and no majority agrees",
+    ):
         compare(plan, _table(plan, {0: 7, 2: 8}))
 
 
 def test_two_holders_that_differ_cannot_be_repaired() -> None:
     plan = layout_plan([[(0, 6)], [(0, 3), (3, 6)]], [2, 2], generation=1)
-    with pytest.raises(Unrepairable, match=r"^the copies of layer 2 differ between its 2 holders \(rank 0 on n0, "
-                                           r"rank 1 on n1\) and no majority agrees, so the intact copy cannot be "
-                                           r"told \(silent data corruption\): restart the job from the newest "
-                                           r"checkpoint, and check those nodes' devices$"):
+    with pytest.raises(
+        Unrepairable,
+        match=r"^the copies of layer 2 differ between its 2 holders \(rank 0 on n0, "
+        r"rank 1 on n1\) and no majority agrees, so the intact copy cannot be "
+        r"told \(silent data corruption\): restart the job from the newest "
+        r"checkpoint, and check those nodes' devices$",
+    ):
         compare(plan, _table(plan, {1: 5}))
 
 
@@ -66,8 +72,11 @@ def test_fingerprints_are_exact_and_see_one_flipped_bit() -> None:
 def test_check_steps_settings_and_fault_specs() -> None:
     assert [s for s in range(10) if is_check_step(s, 4)] == [3, 7]
     assert not any(is_check_step(s, 0) for s in range(10))
-    with pytest.raises(ValueError, match=r"'fault_tolerance.fingerprint_interval_steps' must be >= 0 \(0 = off; "
-                                         r"got -1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'fault_tolerance.fingerprint_interval_steps' must be >= 0 \(0 = off; "
+        r"got -1\)",
+    ):
         load_config(ROOT / "configs/gpt2-tiny.yaml", ["fault_tolerance.fingerprint_interval_steps=-1"])
     with pytest.raises(ValueError, match=r"^OOBLECK_FLIP_AT='1@3': each item must be RANK@STEP:LAYER, e.g. 1@3:2$"):
         FaultInjector.from_env({"OOBLECK_FLIP_AT": "1@3"})
@@ -85,10 +94,20 @@ def test_a_flipped_bit_in_one_of_three_copies_is_repaired_in_place(tmp_path: Pat
     ends with the weights of one process that never saw the flip (without the repair, the flip
     is summed into every copy's gradients from step 4 on and the weights differ)."""
     profile = tiny_profile(tmp_path / "profile.json")
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "3"], 8, profile,
-                            extra=["fault_tolerance.f=2", *_ONE_NODE_PIPELINES], env={"OOBLECK_FLIP_AT": "1@3:2"})
-    repaired = ("step 3: layer 2: the copy of rank 1 differed from its 3 holders' majority; replaced by rank 0's "
-                "(silent data corruption)")
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "3"],
+        8,
+        profile,
+        extra=["fault_tolerance.f=2", *_ONE_NODE_PIPELINES],
+        env={"OOBLECK_FLIP_AT": "1@3:2"},
+    )
+    repaired = (
+        "step 3: layer 2: the copy of rank 1 differed from its 3 holders' majority; replaced by rank 0's "
+        "(silent data corruption)"
+    )
     assert all(f"gen 1 step 3 node node{i}: {repaired}" in out for i in range(3)), out[-3000:]
     assert f"repaired: {repaired}" in out, out[-3000:]  # the summary
     assert_same(job, ref)
@@ -97,8 +116,19 @@ def test_a_flipped_bit_in_one_of_three_copies_is_repaired_in_place(tmp_path: Pat
 @pytest.mark.slow
 def test_a_flipped_bit_with_two_copies_stops_the_job_naming_the_layer(tmp_path: Path, etcd_server, run_id) -> None:
     profile = tiny_profile(tmp_path / "profile.json")
-    out, _, _ = run_job(tmp_path, etcd_server, run_id, ["--nodes", "2"], 8, profile, extra=_ONE_NODE_PIPELINES,
-                        env={"OOBLECK_FLIP_AT": "1@3:2"}, expect_failure=True)
-    assert "the copies of layer 2 differ between its 2 holders (rank 0 on node0, rank 1 on node1) and no majority " \
-           "agrees" in out, out[-3000:]
+    out, _, _ = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "2"],
+        8,
+        profile,
+        extra=_ONE_NODE_PIPELINES,
+        env={"OOBLECK_FLIP_AT": "1@3:2"},
+        expect_failure=True,
+    )
+    assert (
+        "the copies of layer 2 differ between its 2 holders (rank 0 on node0, rank 1 on node1) and no majority "
+        "agrees" in out
+    ), out[-3000:]
     assert "the job was closed as failed" in out or "JobFailed" in out, out[-3000:]

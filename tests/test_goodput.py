@@ -13,12 +13,27 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from oobleck_elastic import cli
-from oobleck_elastic.engine.goodput import (Category, GoodputClock, Ledger, Origin, continue_from, describe,
-                                            job_origin, opening)
+from oobleck_elastic.engine.goodput import (
+    Category,
+    GoodputClock,
+    Ledger,
+    Origin,
+    continue_from,
+    describe,
+    job_origin,
+    opening,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-U, R, S, RC, CK, W, SU = (Category.USEFUL, Category.REPLAYED, Category.SKIPPED, Category.RECONFIGURATION,
-                          Category.CHECKPOINTING, Category.WAITING, Category.STARTUP)
+U, R, S, RC, CK, W, SU = (
+    Category.USEFUL,
+    Category.REPLAYED,
+    Category.SKIPPED,
+    Category.RECONFIGURATION,
+    Category.CHECKPOINTING,
+    Category.WAITING,
+    Category.STARTUP,
+)
 
 
 class FakeTime:
@@ -59,8 +74,9 @@ def test_a_timeline_with_a_replay_a_skip_a_checkpoint_a_failure_a_new_rank_0_and
     a, reports = GoodputClock("node0", t), Reports()
     a.entered(1, 0, rank0=True, origin=lambda: Origin(reported=None, start=1000.0, first_plan=1010.0))
 
-    def step(clock: GoodputClock, index: int, begin: float, end: float, outcome: Category, *, report_at=None,
-             checkpoint=None) -> None:
+    def step(
+        clock: GoodputClock, index: int, begin: float, end: float, outcome: Category, *, report_at=None, checkpoint=None
+    ) -> None:
         t.t = begin
         clock.began_step()
         t.t = end
@@ -121,7 +137,8 @@ def test_continuing_picks_the_newest_ledger() -> None:
     assert kept.at == 50.0 and kept.open is RC and kept.done == 5
     # somebody else held rank 0 meanwhile (this worker was a spare) and reported later
     assert continue_from(own, Origin(reported=newer), now=80.0) == Ledger(
-        start=0.0, at=70.0, seconds={"useful": 60.0, "reconfiguration": 10.0}, open=RC, done=7)
+        start=0.0, at=70.0, seconds={"useful": 60.0, "reconfiguration": 10.0}, open=RC, done=7
+    )
     # nothing reported yet: open at the job's start; a failure before the first step stays startup
     fresh = continue_from(None, Origin(reported=None, start=10.0, first_plan=12.5), now=20.0)
     assert fresh == Ledger(start=10.0, at=12.5, seconds={"waiting": 2.5}, open=SU, done=0)
@@ -146,12 +163,14 @@ def test_reported_ledgers_are_validated() -> None:
     good = Ledger(start=1.0, at=4.0, seconds={"useful": 2.0, "checkpointing": 1.0}, done=2)
     back = Ledger.from_json(json.loads(json.dumps(good.to_json())))
     assert back == Ledger(start=1.0, at=4.0, seconds={c.value: good.get(c) for c in Category}, open=RC, done=2)
-    for bad, message in [({"start": 1.0}, r"not a goodput ledger \(KeyError: 'at'\)"),
-                         ({**good.to_json(), "seconds": {"coffee": 1.0}}, r"unknown or negative .* \['coffee'\]"),
-                         ({**good.to_json(), "seconds": {"useful": -1.0}}, r"unknown or negative .* \['useful'\]"),
-                         ({**good.to_json(), "done": "2"}, r"done '2' must be an integer"),
-                         ({**good.to_json(), "at": 0.5}, r"at 0.5 before start 1.0"),
-                         ("ledger", "not a goodput ledger")]:
+    for bad, message in [
+        ({"start": 1.0}, r"not a goodput ledger \(KeyError: 'at'\)"),
+        ({**good.to_json(), "seconds": {"coffee": 1.0}}, r"unknown or negative .* \['coffee'\]"),
+        ({**good.to_json(), "seconds": {"useful": -1.0}}, r"unknown or negative .* \['useful'\]"),
+        ({**good.to_json(), "done": "2"}, r"done '2' must be an integer"),
+        ({**good.to_json(), "at": 0.5}, r"at 0.5 before start 1.0"),
+        ("ledger", "not a goodput ledger"),
+    ]:
         with pytest.raises(ValueError, match=message):
             Ledger.from_json(bad)
 
@@ -161,11 +180,14 @@ def test_an_unreadable_origin_is_logged_and_the_ledger_goes_on(caplog) -> None:
 
     def broken() -> Origin:
         raise OSError("etcd out of reach")
+
     with caplog.at_level(logging.WARNING):
         clock.entered(2, 6, rank0=True, origin=broken)
     assert clock.ledger == Ledger(start=9.0, at=9.0, seconds={}, open=SU)
-    assert ("gen 2 step 6 node node0: goodput ledger: could not read where it stands (etcd out of reach); "
-            "continuing from now, as if the job started here") in caplog.text
+    assert (
+        "gen 2 step 6 node node0: goodput ledger: could not read where it stands (etcd out of reach); "
+        "continuing from now, as if the job started here"
+    ) in caplog.text
 
 
 def test_job_origin_and_describe() -> None:
@@ -200,8 +222,9 @@ def test_the_goodput_command(etcd_server, run_id, capsys) -> None:
 
     keys = Keys("/oobleck", run_id)
     client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
-    ledger = Ledger(start=1000.0, at=1020.0, done=3, seconds={"waiting": 4.0, "startup": 2.0, "useful": 10.0,
-                                                              "checkpointing": 4.0})
+    ledger = Ledger(
+        start=1000.0, at=1020.0, done=3, seconds={"waiting": 4.0, "startup": 2.0, "useful": 10.0, "checkpointing": 4.0}
+    )
     try:
         _run_keys(client, keys, ledger=ledger, closed_at=1020.5)
     finally:
@@ -211,15 +234,29 @@ def test_the_goodput_command(etcd_server, run_id, capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"run {run_id} (closed: finished 3 steps): wall time 20.50 s, from the job's start")
     assert [line.split()[:2] for line in lines[1:9]] == [
-        ["useful", "10.00"], ["replayed", "0.00"], ["skipped", "0.00"], ["reconfiguration", "0.00"],
-        ["checkpointing", "4.00"], ["waiting", "4.00"], ["startup", "2.00"], ["sum", "20.00"]]
+        ["useful", "10.00"],
+        ["replayed", "0.00"],
+        ["skipped", "0.00"],
+        ["reconfiguration", "0.00"],
+        ["checkpointing", "4.00"],
+        ["waiting", "4.00"],
+        ["startup", "2.00"],
+        ["sum", "20.00"],
+    ]
     assert "0.50 s before the close" in lines[8]
     assert lines[9] == "goodput: 50.0 % of the time accounted went to useful steps (3 step(s) completed)"
     assert cli.main(["goodput", "--json", *base]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["wall_s"], data["accounted_s"], data["fraction"], data["closed"]) == (20.5, 20.0, 0.5, True)
-    assert data["seconds"] == {"useful": 10.0, "replayed": 0.0, "skipped": 0.0, "reconfiguration": 0.0,
-                               "checkpointing": 4.0, "waiting": 4.0, "startup": 2.0}
+    assert data["seconds"] == {
+        "useful": 10.0,
+        "replayed": 0.0,
+        "skipped": 0.0,
+        "reconfiguration": 0.0,
+        "checkpointing": 4.0,
+        "waiting": 4.0,
+        "startup": 2.0,
+    }
 
 
 def test_the_goodput_command_says_what_is_wrong_in_one_line(etcd_server, run_id, capsys) -> None:
@@ -228,23 +265,28 @@ def test_the_goodput_command_says_what_is_wrong_in_one_line(etcd_server, run_id,
 
     assert cli.main(["goodput", "--endpoint", etcd_server.endpoint, "--run-id", "no-such-run"]) == 2
     err = capsys.readouterr().err
-    assert err == (f"oobleck goodput: error: run 'no-such-run' not found at {etcd_server.endpoint} (no keys under "
-                   "/oobleck/no-such-run/): check --run-id and --key-prefix\n")
+    assert err == (
+        f"oobleck goodput: error: run 'no-such-run' not found at {etcd_server.endpoint} (no keys under "
+        "/oobleck/no-such-run/): check --run-id and --key-prefix\n"
+    )
     client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
     try:
         _run_keys(client, Keys("/oobleck", run_id), ledger=None, closed_at=None)
     finally:
         client.close()
     assert cli.main(["goodput", "--endpoint", etcd_server.endpoint, "--run-id", run_id]) == 2
-    assert capsys.readouterr().err == (f"oobleck goodput: error: run '{run_id}' has no goodput ledger yet: it is "
-                                       "reported with the progress of the first step\n")
+    assert capsys.readouterr().err == (
+        f"oobleck goodput: error: run '{run_id}' has no goodput ledger yet: it is "
+        "reported with the progress of the first step\n"
+    )
 
 
 def _final_scalars(tb_dir: Path) -> tuple[dict[str, float], int]:
     ea = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
     ea.Reload()
-    last = {tag.removeprefix("goodput/"): ea.Scalars(tag)[-1] for tag in ea.Tags()["scalars"]
-            if tag.startswith("goodput/")}
+    last = {
+        tag.removeprefix("goodput/"): ea.Scalars(tag)[-1] for tag in ea.Tags()["scalars"] if tag.startswith("goodput/")
+    }
     assert len({e.step for e in last.values()}) == 1, last
     return {k: e.value for k, e in last.items()}, next(iter(last.values())).step
 
@@ -255,10 +297,19 @@ def test_the_single_process_ledger_shows_the_step_guard_and_checkpoints(tmp_path
     from oobleck_elastic.config import load_config
     from oobleck_elastic.engine.run import train
 
-    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [
-        "data.seq_len=16", "training.global_batch_size=8", "training.microbatch_size=2", "training.steps=6",
-        f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval_steps=2",
-        f"logging.tensorboard_dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}"])
+    cfg = load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        [
+            "data.seq_len=16",
+            "training.global_batch_size=8",
+            "training.microbatch_size=2",
+            "training.steps=6",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "checkpoint.interval_steps=2",
+            f"logging.tensorboard_dir={tmp_path / 'runs'}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+    )
     monkeypatch.setenv("OOBLECK_NAN_AT", "0@3x2")
     began = time.time()
     summary = train(cfg)
@@ -274,8 +325,9 @@ def test_the_single_process_ledger_shows_the_step_guard_and_checkpoints(tmp_path
 
 
 @pytest.mark.slow
-def test_a_job_with_a_kill_a_join_and_a_drain_accounts_for_its_wall_time(tmp_path: Path, etcd_server, run_id,
-                                                                        capsys) -> None:
+def test_a_job_with_a_kill_a_join_and_a_drain_accounts_for_its_wall_time(
+    tmp_path: Path, etcd_server, run_id, capsys
+) -> None:
     """Four nodes; step 3 is NaN twice on rank 0 (replayed, then skipped); a checkpoint every 10
     steps; the node holding rank 0 is SIGKILLed once 4 steps are done (another worker holds rank 0
     and continues the ledger); a fifth node, started once 5 are done, joins; then a node is drained.
@@ -320,9 +372,19 @@ def test_a_job_with_a_kill_a_join_and_a_drain_accounts_for_its_wall_time(tmp_pat
         when(etcd_server.endpoint, proc, lambda c: progress(c).get("step", 0) >= 4, kill_rank0)
         when(etcd_server.endpoint, proc, joined_and_trained, drain)
 
-    out, _, _ = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--join", "5"], steps,
-                        tiny_profile(tmp_path / "profile.json"), extra=["checkpoint.interval_steps=10"],
-                        during=during, killed_by_test=1, reference=False, env={"OOBLECK_NAN_AT": "0@2x2"})
+    out, _, _ = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4", "--join", "5"],
+        steps,
+        tiny_profile(tmp_path / "profile.json"),
+        extra=["checkpoint.interval_steps=10"],
+        during=during,
+        killed_by_test=1,
+        reference=False,
+        env={"OOBLECK_NAN_AT": "0@2x2"},
+    )
     assert len(killed) == 1 and len(drained) == 1, out[-4000:]
     assert f"node {drained[0]} was drained" in out and "(join: +node4)" in out, out[-4000:]
     client = connect(EtcdSettings(endpoint=etcd_server.endpoint))

@@ -23,16 +23,19 @@ from helpers import RandomTokens, assert_same, run_job, tiny_profile
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("loss,norm2,running_max,factor,reason", [
-    (2.0, 4.0, 3.0, 0.0, ""),
-    (float("nan"), 4.0, 3.0, 0.0, "the loss is nan"),
-    (2.0, float("inf"), 3.0, 0.0, "the gradient norm is inf"),
-    (2.0, float("nan"), 3.0, 0.0, "the gradient norm is nan"),
-    (31.0, 4.0, 3.0, 10.0, "loss spike: 31 > 10 x the largest loss so far (3)"),
-    (29.0, 4.0, 3.0, 10.0, ""),
-    (31.0, 4.0, 3.0, 0.0, ""),  # spikes off
-    (31.0, 4.0, 0.0, 10.0, ""),  # no applied step yet: nothing to compare with
-])
+@pytest.mark.parametrize(
+    "loss,norm2,running_max,factor,reason",
+    [
+        (2.0, 4.0, 3.0, 0.0, ""),
+        (float("nan"), 4.0, 3.0, 0.0, "the loss is nan"),
+        (2.0, float("inf"), 3.0, 0.0, "the gradient norm is inf"),
+        (2.0, float("nan"), 3.0, 0.0, "the gradient norm is nan"),
+        (31.0, 4.0, 3.0, 10.0, "loss spike: 31 > 10 x the largest loss so far (3)"),
+        (29.0, 4.0, 3.0, 10.0, ""),
+        (31.0, 4.0, 3.0, 0.0, ""),  # spikes off
+        (31.0, 4.0, 0.0, 10.0, ""),  # no applied step yet: nothing to compare with
+    ],
+)
 def test_judge(loss, norm2, running_max, factor, reason) -> None:
     assert judge(loss, norm2, running_max=running_max, spike_factor=factor) == Verdict(not reason, reason)
 
@@ -47,9 +50,11 @@ def test_replay_once_then_skip_then_stop_after_too_many_in_a_row() -> None:
     assert guard.decide(7, bad) is Action.REPLAY
     with pytest.raises(TooManySkipped) as err:
         guard.decide(7, bad)
-    assert str(err.value) == ("2 steps in a row were not applied (steps [6, 7], the last because the loss is nan; "
-                              "fault_tolerance.max_skipped_steps=2): lower the learning rate or check the data of "
-                              "those steps")
+    assert str(err.value) == (
+        "2 steps in a row were not applied (steps [6, 7], the last because the loss is nan; "
+        "fault_tolerance.max_skipped_steps=2): lower the learning rate or check the data of "
+        "those steps"
+    )
     assert guard.skipped == [4, 6, 7]
 
 
@@ -63,10 +68,20 @@ def test_bad_settings_and_fault_specs_are_one_line_errors() -> None:
 
 
 def _cfg(tmp: Path, *extra: str):
-    return load_config(ROOT / "configs/gpt2-tiny.yaml", [
-        "data.seq_len=16", "training.global_batch_size=8", "training.microbatch_size=2", "training.steps=6",
-        "training.optimizer.eps=1e-6", f"checkpoint.dir={tmp / 'ckpt'}", f"logging.tensorboard_dir={tmp / 'runs'}",
-        f"data.cache_dir={tmp / 'cache'}", *extra])
+    return load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        [
+            "data.seq_len=16",
+            "training.global_batch_size=8",
+            "training.microbatch_size=2",
+            "training.steps=6",
+            "training.optimizer.eps=1e-6",
+            f"checkpoint.dir={tmp / 'ckpt'}",
+            f"logging.tensorboard_dir={tmp / 'runs'}",
+            f"data.cache_dir={tmp / 'cache'}",
+            *extra,
+        ],
+    )
 
 
 def _weights(trainer) -> dict[str, torch.Tensor]:
@@ -111,9 +126,13 @@ def test_a_transient_nan_is_replayed_and_changes_nothing(tmp_path: Path, monkeyp
         assert torch.equal(got[key], ref[key]), key
 
 
-@pytest.mark.parametrize("spec,extra", [
-    ({"OOBLECK_NAN_AT": "0@3x2"}, ()),
-    ({"OOBLECK_SPIKE_AT": "0@3:1000x2"}, ("fault_tolerance.loss_spike_factor=10",))])
+@pytest.mark.parametrize(
+    "spec,extra",
+    [
+        ({"OOBLECK_NAN_AT": "0@3x2"}, ()),
+        ({"OOBLECK_SPIKE_AT": "0@3:1000x2"}, ("fault_tolerance.loss_spike_factor=10",)),
+    ],
+)
 def test_a_persistent_fault_skips_the_batch(tmp_path: Path, monkeypatch, spec, extra) -> None:
     cfg = _cfg(tmp_path, *extra)
     ref = _reference(cfg, skip=(3,))
@@ -148,15 +167,17 @@ def test_the_job_loop_skips_and_reports_it(tmp_path: Path, monkeypatch) -> None:
 
 
 @pytest.mark.slow
-def test_a_persistent_nan_on_one_worker_of_four_nodes_is_skipped_everywhere(tmp_path: Path, etcd_server, run_id,
-                                                                            monkeypatch) -> None:
+def test_a_persistent_nan_on_one_worker_of_four_nodes_is_skipped_everywhere(
+    tmp_path: Path, etcd_server, run_id, monkeypatch
+) -> None:
     """Two 2-stage pipelines; rank 1 (the last stage of pipeline 0) gets NaNs at step 3 twice:
     every worker rejects it, replays it, skips it, and the job ends with the weights of one
     process that skipped step 3 (the reference runs with the same fault on its only worker)."""
     monkeypatch.setenv("OOBLECK_NAN_AT", "0@3x2")  # the reference, in this process
     profile = tiny_profile(tmp_path / "profile.json")
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 8, profile,
-                            env={"OOBLECK_NAN_AT": "1@3x2"})
+    out, job, ref = run_job(
+        tmp_path, etcd_server, run_id, ["--nodes", "4"], 8, profile, env={"OOBLECK_NAN_AT": "1@3x2"}
+    )
     assert out.count("step 4 not applied: the loss is nan; replaying it") == 4, out[-3000:]
     assert out.count("step 4 not applied: the loss is nan; skipping its batch") == 4, out[-3000:]
     assert_same(job, ref)

@@ -21,13 +21,16 @@ from helpers import a_follower, assert_same, run_job, tiny_profile, when, worker
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("in_step,tick,last,floor,factor,bound", [
-    (False, 0.0, 1.0, 5.0, 10.0, None),   # idle
-    (True, 96.0, 1.0, 5.0, 10.0, None),   # still for 4 s: within max(5, 10 x 1)
-    (True, 85.0, 1.0, 5.0, 10.0, 10.0),   # still for 15 s: past the bound of 10 s
-    (True, 85.0, 0.0, 5.0, 10.0, 5.0),    # no step time yet: the floor
-    (True, 0.0, 1.0, 0.0, 10.0, None),    # the watch is off
-])
+@pytest.mark.parametrize(
+    "in_step,tick,last,floor,factor,bound",
+    [
+        (False, 0.0, 1.0, 5.0, 10.0, None),  # idle
+        (True, 96.0, 1.0, 5.0, 10.0, None),  # still for 4 s: within max(5, 10 x 1)
+        (True, 85.0, 1.0, 5.0, 10.0, 10.0),  # still for 15 s: past the bound of 10 s
+        (True, 85.0, 0.0, 5.0, 10.0, 5.0),  # no step time yet: the floor
+        (True, 0.0, 1.0, 0.0, 10.0, None),  # the watch is off
+    ],
+)
 def test_overdue(in_step, tick, last, floor, factor, bound) -> None:
     """Standing still counts, not the step's length: a step begun long ago that ticks is fine."""
     beat = Beat(pid=1, in_step=in_step, step=3, since=0.0, last_step_s=last, tick=tick)
@@ -69,14 +72,24 @@ t.join()
 
 
 def test_a_hung_process_is_asked_for_its_stacks_recorded_and_killed(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", HUNG, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HUNG, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         found: list[tuple[int, int, float, str]] = []
-        watch = HangWatch(tmp_path, floor_s=0.5, factor=10.0, node="node9",
-                          record=lambda beat, lr, bound, stack: found.append((beat.pid, lr, bound, stack)),
-                          interval_s=0.1).start()
+        watch = HangWatch(
+            tmp_path,
+            floor_s=0.5,
+            factor=10.0,
+            node="node9",
+            record=lambda beat, lr, bound, stack: found.append((beat.pid, lr, bound, stack)),
+            interval_s=0.1,
+        ).start()
         assert proc.wait(timeout=20) == -signal.SIGKILL
         watch.stop()
         assert len(found) == 1 and found[0][:3] == (proc.pid, 0, 0.5)
@@ -105,11 +118,21 @@ def test_a_stopped_worker_on_a_live_node_is_cut_off(tmp_path: Path, etcd_server,
         os.kill(worker_pid(rec.agent_pid), signal.SIGSTOP)
         stopped.update(node=rec.node_id, at=time.time(), step=(client.get_json(keys.progress)[0] or {})["step"])
 
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 12, profile,
-                            extra=["fault_tolerance.hang_floor_s=3", "fault_tolerance.hang_factor=2"],
-                            during=lambda proc: when(etcd_server.endpoint, proc,
-                                                     lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0)
-                                                     >= 4, stop_a_worker))
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4"],
+        12,
+        profile,
+        extra=["fault_tolerance.hang_floor_s=3", "fault_tolerance.hang_factor=2"],
+        during=lambda proc: when(
+            etcd_server.endpoint,
+            proc,
+            lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 4,
+            stop_a_worker,
+        ),
+    )
     assert f"node {stopped['node']}: worker 0 (pid" in out and "(no stack: the process is stopped" in out, out[-4000:]
     client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
     try:
@@ -124,9 +147,14 @@ def test_a_stopped_worker_on_a_live_node_is_cut_off(tmp_path: Path, etcd_server,
     import datetime
     import re
 
-    done = [datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            for m in (re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO gen \d+ step (\d+)/12 node", ln)
-                      for ln in out.splitlines()) if m and int(m.group(2)) > stopped["step"] + 1]
+    done = [
+        datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for m in (
+            re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO gen \d+ step (\d+)/12 node", ln)
+            for ln in out.splitlines()
+        )
+        if m and int(m.group(2)) > stopped["step"] + 1
+    ]
     assert done and min(done) - stopped["at"] < 25, (min(done) - stopped["at"], out[-3000:])
     print(f"SIGSTOP -> next step: {min(done) - stopped['at']:.2f} s")
     assert_same(job, ref)

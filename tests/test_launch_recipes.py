@@ -23,7 +23,7 @@ def torchrun_command(script: str) -> str:
     code = [ln.split(" #")[0] for ln in joined.splitlines() if not ln.lstrip().startswith("#")]
     lines = [ln for ln in code if re.search(r"(^|\s)torchrun\s", ln)]
     assert len(lines) == 1, lines
-    return lines[0][lines[0].index("torchrun"):]
+    return lines[0][lines[0].index("torchrun") :]
 
 
 def k8s_docs() -> list[dict]:
@@ -39,6 +39,7 @@ def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
 
 
 # ---- SLURM -----------------------------------------------------------------------------------------
+
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_sbatch_is_valid_bash() -> None:
@@ -82,6 +83,7 @@ def test_sbatch_torchrun_line() -> None:
 
 
 # ---- Kubernetes ------------------------------------------------------------------------------------
+
 
 def test_k8s_etcd_deployment_and_service() -> None:
     docs = k8s_docs()

@@ -16,7 +16,6 @@ from oobleck_elastic.rendezvous.membership import Member, live_nodes, read_event
 from helpers import eventually
 
 
-
 def test_a_lease_etcd_dropped_is_renewed_under_the_same_node_id(etcd_settings, run_id) -> None:
     client = connect(etcd_settings)
     keys = Keys("/oobleck", run_id)
@@ -29,8 +28,9 @@ def test_a_lease_etcd_dropped_is_renewed_under_the_same_node_id(etcd_settings, r
         eventually(lambda: renewed)
         assert not member.fenced.is_set() and member.lease != old and member.renewals == 1
         now = live_nodes(client, keys)
-        assert [(r.node_id, r.index, r.state, r.lease_id) for r in now] == [(rec.node_id, rec.index, NodeState.UP,
-                                                                             member.lease)]
+        assert [(r.node_id, r.index, r.state, r.lease_id) for r in now] == [
+            (rec.node_id, rec.index, NodeState.UP, member.lease)
+        ]
         assert client.get(keys.node(rec.node_id)).lease == member.lease
         assert any(ev.kind == "renew" and ev.node == rec.node_id for _, ev in read_events(client, keys))
     finally:
@@ -61,6 +61,7 @@ def test_a_node_that_did_not_refresh_for_a_ttl_is_fenced(etcd_settings, run_id) 
 
     class Frozen(threading.Event):
         """The keep-alive thread's sleep, as if the process had been stopped for 2.5 TTLs once."""
+
         frozen = False
 
         def wait(self, timeout=None) -> bool:

@@ -22,16 +22,30 @@ BLOCKS, HIDDEN = 16, 768  # 16 blocks of 7.1 M parameters: 453 MB of fp32 weight
 # torch's pipelining), gloo groups and their threads, a parameter drawn on the CPU at a time;
 # measured 88-103 MB on this stage split (the whole model, as every worker built it before: 453 MB)
 CONSTANT = 160e6
-MEMORY = re.compile(r"gen (\d+) step 0 node (\S+) rank (\d+): memory on entering: peak RSS ([\d.]+) GB; holds layers "
-                    r"\[(\d+), (\d+)\), ([\d.]+) GB of parameters and optimizer state; resident at start ([\d.]+) GB")
+MEMORY = re.compile(
+    r"gen (\d+) step 0 node (\S+) rank (\d+): memory on entering: peak RSS ([\d.]+) GB; holds layers "
+    r"\[(\d+), (\d+)\), ([\d.]+) GB of parameters and optimizer state; resident at start ([\d.]+) GB"
+)
 
 
 def four_stage_profile(path: Path, layers: int) -> Path:
     """`layers` layers of 0.4 GiB (params+grads+AdamW) on 2.1 GiB devices: at most 5 layers per
     device, so with f=0 four nodes run one 4-stage pipeline."""
-    b = int(0.1 * 1024 ** 3)
-    ModelProfile(layers=[LayerProfile(name=f"l{i}", forward_s=0.01, backward_s=0.02, param_bytes=b, grad_bytes=b,
-                                      optimizer_bytes=2 * b, activation_bytes=0) for i in range(layers)]).save(path)
+    b = int(0.1 * 1024**3)
+    ModelProfile(
+        layers=[
+            LayerProfile(
+                name=f"l{i}",
+                forward_s=0.01,
+                backward_s=0.02,
+                param_bytes=b,
+                grad_bytes=b,
+                optimizer_bytes=2 * b,
+                activation_bytes=0,
+            )
+            for i in range(layers)
+        ]
+    ).save(path)
     return path
 
 
@@ -39,8 +53,16 @@ def save_pretrained_gpt2(path: Path) -> Path:
     """A random GPT-2 of the test's shape written by Hugging Face (sharded safetensors)."""
     import transformers
 
-    config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=HIDDEN, n_layer=BLOCKS, n_head=4,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=256,
+        n_positions=64,
+        n_embd=HIDDEN,
+        n_layer=BLOCKS,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     transformers.GPT2LMHeadModel(config).save_pretrained(path, max_shard_size="100MB")
     assert (path / "model.safetensors.index.json").exists()
     return path
@@ -49,9 +71,16 @@ def save_pretrained_gpt2(path: Path) -> Path:
 @pytest.mark.parametrize("weights", ["random", "pretrained"])
 def test_every_worker_holds_its_stage_not_the_model(tmp_path: Path, etcd_server, run_id, weights: str) -> None:
     profile = four_stage_profile(tmp_path / "profile.json", BLOCKS + 2)
-    extra = [f"model.num_layers={BLOCKS}", f"model.hidden_size={HIDDEN}", "model.num_heads=4",
-             "fault_tolerance.f=0", "planning.device_memory_gb=2.1", "data.seq_len=16", "training.global_batch_size=4",
-             "training.microbatch_size=1"]
+    extra = [
+        f"model.num_layers={BLOCKS}",
+        f"model.hidden_size={HIDDEN}",
+        "model.num_heads=4",
+        "fault_tolerance.f=0",
+        "planning.device_memory_gb=2.1",
+        "data.seq_len=16",
+        "training.global_batch_size=4",
+        "training.microbatch_size=1",
+    ]
     if weights == "pretrained":
         extra.append(f"model.pretrained_path={save_pretrained_gpt2(tmp_path / 'gpt2')}")
     out, _, _ = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 1, profile, extra=extra, reference=False)
@@ -63,8 +92,10 @@ def test_every_worker_holds_its_stage_not_the_model(tmp_path: Path, etcd_server,
         held_bytes = float(held) * 1e9
         full += held_bytes
         assert int(end) - int(start) <= 5, f"rank {rank} holds layers [{start}, {end})"
-        assert growth < held_bytes + CONSTANT, (f"node {node} rank {rank} grew by {growth / 1e6:.0f} MB before its "
-                                                f"first step for a stage of {held_bytes / 1e6:.0f} MB")
+        assert growth < held_bytes + CONSTANT, (
+            f"node {node} rank {rank} grew by {growth / 1e6:.0f} MB before its "
+            f"first step for a stage of {held_bytes / 1e6:.0f} MB"
+        )
     assert full > 4e8  # the whole model: several times any stage
     assert max(float(h) for *_, h, _ in found) * 1e9 < full / 3
     # TensorBoard has the largest worker's peak (carried in the step's commit all-reduce)

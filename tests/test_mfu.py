@@ -11,8 +11,17 @@ from oobleck_elastic.engine.mfu import Throughput, flops_per_token, peak_for_nam
 def test_flops_per_token_is_6n_plus_attention_for_gpt2_small() -> None:
     """GPT-2 small at vocab 50304, seq 1024: N = 12 blocks x 7,087,872 + ln_f + the tied head
     (50304 x 768), embeddings excluded; attention 12 x 12 x 768 x 1024."""
-    cfg = load_config(None, ["model.vocab_size=50304", "model.hidden_size=768", "model.num_layers=12",
-                             "model.num_heads=12", "model.max_seq_len=1024", "data.seq_len=1024"])
+    cfg = load_config(
+        None,
+        [
+            "model.vocab_size=50304",
+            "model.hidden_size=768",
+            "model.num_layers=12",
+            "model.num_heads=12",
+            "model.max_seq_len=1024",
+            "data.seq_len=1024",
+        ],
+    )
     block = (768 * 2304 + 2304) + (768 * 768 + 768) + (768 * 3072 + 3072) + (3072 * 768 + 768) + 4 * 768
     n = 12 * block + 2 * 768 + 50304 * 768
     assert flops_per_token(cfg) == 6 * n + 12 * 12 * 768 * 1024
@@ -21,24 +30,38 @@ def test_flops_per_token_is_6n_plus_attention_for_gpt2_small() -> None:
 
 
 def test_llama_counts_the_untied_head_and_gqa_projections() -> None:
-    cfg = load_config(None, ["model.family=llama", "model.vocab_size=1024", "model.hidden_size=64",
-                             "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
-                             "model.intermediate_size=128", "model.tie_embeddings=false", "data.seq_len=32"])
+    cfg = load_config(
+        None,
+        [
+            "model.family=llama",
+            "model.vocab_size=1024",
+            "model.hidden_size=64",
+            "model.num_layers=2",
+            "model.num_heads=4",
+            "model.num_kv_heads=2",
+            "model.intermediate_size=128",
+            "model.tie_embeddings=false",
+            "data.seq_len=32",
+        ],
+    )
     kv = 64 // 4 * 2
     block = 64 * 64 * 2 + 64 * kv * 2 + 3 * 64 * 128 + 2 * 64
     n = 2 * block + 64 + 1024 * 64
     assert flops_per_token(cfg) == 6 * n + 12 * 2 * 64 * 32
 
 
-@pytest.mark.parametrize("name,precision,tf32,peak", [
-    ("NVIDIA H100 80GB HBM3", "bf16", True, 989.5),
-    ("NVIDIA H100 PCIe", "bf16", True, 756.5),
-    ("NVIDIA H100 NVL", "fp32", True, 417.8),
-    ("NVIDIA H200", "fp32", False, 66.9),
-    ("NVIDIA A100-SXM4-80GB", "bf16", False, 312.0),
-    ("NVIDIA L4", "bf16", False, 121.0),
-    ("Tesla T4", "bf16", False, None),
-])
+@pytest.mark.parametrize(
+    "name,precision,tf32,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", True, 989.5),
+        ("NVIDIA H100 PCIe", "bf16", True, 756.5),
+        ("NVIDIA H100 NVL", "fp32", True, 417.8),
+        ("NVIDIA H200", "fp32", False, 66.9),
+        ("NVIDIA A100-SXM4-80GB", "bf16", False, 312.0),
+        ("NVIDIA L4", "bf16", False, 121.0),
+        ("Tesla T4", "bf16", False, None),
+    ],
+)
 def test_peak_comes_from_the_table_by_name_and_precision(name, precision, tf32, peak) -> None:
     assert peak_for_name(name, precision, tf32=tf32) == peak
 

@@ -15,7 +15,6 @@ from oobleck_elastic.etcd.mirror import Mirror
 from helpers import eventually, stall_process
 
 
-
 def test_the_mirror_follows_puts_and_deletes_and_wakes_waiters(etcd_settings, run_id) -> None:
     client = connect(etcd_settings)
     prefix = f"/t/{run_id}/"
@@ -141,7 +140,6 @@ def test_exact_keys_and_prefixes_added_and_removed_while_running(etcd_settings, 
         client.close()
 
 
-
 def test_a_resume_that_fails_unexpectedly_is_retried(etcd_settings, run_id) -> None:
     """A watch stream ended and re-creating the watch raised something other than an outage (a
     gRPC error pyetcd did not translate): the mirror tries again instead of following that key
@@ -156,6 +154,7 @@ def test_a_resume_that_fails_unexpectedly_is_retried(etcd_settings, run_id) -> N
             failures.append(1)
             raise RuntimeError("StatusCode.UNKNOWN: injected")
         return real(*args, **kwargs)
+
     try:
         client.cancel_watch(mirror._watch[key])
         client.watch = flaky

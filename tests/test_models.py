@@ -11,20 +11,39 @@ import transformers
 from torch import nn
 
 from oobleck_elastic.config import ModelConfig
-from oobleck_elastic.models import (LayerModel, TiedGroup, build_layer_model, describe_ties,
-                                    find_tied_parameters, flatten_hf_model, hf_config,
-                                    layers_from_modules)
+from oobleck_elastic.models import (
+    LayerModel,
+    TiedGroup,
+    build_layer_model,
+    describe_ties,
+    find_tied_parameters,
+    flatten_hf_model,
+    hf_config,
+    layers_from_modules,
+)
 
 FAMILIES = ["gpt2", "llama", "mistral", "qwen2"]
-HF_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+HF_CLASS = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 SEQ = 16
 
 
 def tiny(family: str = "gpt2", **kw) -> ModelConfig:
-    base = dict(family=family, vocab_size=256, hidden_size=32, num_layers=2, num_heads=4,
-                num_kv_heads=None if family == "gpt2" else 2, intermediate_size=64,
-                max_seq_len=SEQ, dropout=0.0)
+    base = dict(
+        family=family,
+        vocab_size=256,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=None if family == "gpt2" else 2,
+        intermediate_size=64,
+        max_seq_len=SEQ,
+        dropout=0.0,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -111,8 +130,7 @@ def test_ties_gpt2_and_llama():
     assert gpt2.tied[0].spans_layers and gpt2.tied[0].layer_indices == [0, 3]
 
     tied = flatten_hf_model(hf_model(tiny("llama", tie_embeddings=True)))
-    assert describe_ties(tied.tied, tied.names) == \
-        "embedding.embed_tokens.weight = head.lm_head.weight"
+    assert describe_ties(tied.tied, tied.names) == "embedding.embed_tokens.weight = head.lm_head.weight"
 
     untied = flatten_hf_model(hf_model(tiny("llama", tie_embeddings=False)))
     assert untied.tied == [] and describe_ties(untied.tied, untied.names) == "none"
@@ -185,8 +203,9 @@ def test_empty_layers_are_allocated_not_drawn(family, monkeypatch):
     part = build_layer_model(cfg, seed=7, owned=[0, 1, 2, 5], empty=[1, 5, 4])
     assert part.built == [0, 1, 2, 5] and sorted(drawn) == [0, 2]
     for i in (1, 5):
-        assert {k: v.shape for k, v in state(part.layers[i]).items()} == {k: v.shape for k, v in
-                                                                        state(full.layers[i]).items()}
+        assert {k: v.shape for k, v in state(part.layers[i]).items()} == {
+            k: v.shape for k, v in state(full.layers[i]).items()
+        }
     emb_name = "wte.weight" if family == "gpt2" else "embed_tokens.weight"
     assert part.layers[5].lm_head.weight is part.layers[0].get_parameter(emb_name)
     if family != "gpt2":
@@ -196,13 +215,11 @@ def test_empty_layers_are_allocated_not_drawn(family, monkeypatch):
 def test_init_scheme_and_untied_head():
     lm = build_layer_model(tiny("gpt2", num_layers=4), seed=0)
     block = lm.layers[1].block
-    assert torch.equal(block.ln_1.weight, torch.ones(32)) and torch.equal(block.attn.c_attn.bias,
-                                                                           torch.zeros(96))
+    assert torch.equal(block.ln_1.weight, torch.ones(32)) and torch.equal(block.attn.c_attn.bias, torch.zeros(96))
     assert abs(block.attn.c_attn.weight.std().item() - 0.02) < 0.003
-    assert abs(block.mlp.c_proj.weight.std().item() - 0.02 / 8 ** 0.5) < 0.002
+    assert abs(block.mlp.c_proj.weight.std().item() - 0.02 / 8**0.5) < 0.002
     untied = build_layer_model(tiny("llama", tie_embeddings=False), seed=0)
-    assert not torch.equal(untied.layers[-1].lm_head.weight,
-                           untied.layers[0].embed_tokens.weight)
+    assert not torch.equal(untied.layers[-1].lm_head.weight, untied.layers[0].embed_tokens.weight)
     rng = torch.get_rng_state()
     build_layer_model(tiny("llama"), seed=0)
     assert torch.equal(rng, torch.get_rng_state())  # the global RNG is not consumed
@@ -229,8 +246,9 @@ def test_stage_and_missing_layers():
 # --------------------------------------------------------------------- hf names
 
 
-@pytest.mark.parametrize("family,tie", [("gpt2", True), ("llama", False), ("llama", True),
-                                        ("mistral", False), ("qwen2", False)])
+@pytest.mark.parametrize(
+    "family,tie", [("gpt2", True), ("llama", False), ("llama", True), ("mistral", False), ("qwen2", False)]
+)
 def test_hf_names_load_into_hf_model(family, tie):
     cfg = tiny(family, tie_embeddings=tie)
     lm = build_layer_model(cfg, seed=11)
@@ -244,8 +262,11 @@ def test_hf_names_load_into_hf_model(family, tie):
         assert lm.hf_names[3]["norm.weight"] == "model.norm.weight"
     assert lm.hf_names[3]["lm_head.weight"] == "lm_head.weight"
     model = hf_model(cfg, seed=99)
-    sd = {lm.hf_names[i][k]: p.detach() for i, layer in enumerate(lm.layers)
-          for k, p in layer.named_parameters(remove_duplicate=False)}
+    sd = {
+        lm.hf_names[i][k]: p.detach()
+        for i, layer in enumerate(lm.layers)
+        for k, p in layer.named_parameters(remove_duplicate=False)
+    }
     assert set(sd) == set(model.state_dict())
     model.load_state_dict(sd)
     x = ids()
@@ -300,13 +321,16 @@ def test_custom_factory(factory_module):
     assert not torch.equal(b.layers[0].weight, b.layers[1].weight)
 
 
-@pytest.mark.parametrize("spec,err,match", [
-    ("{m}:not_a_list", TypeError, "must return a non-empty list of nn.Module"),
-    ("{m}:bad_builder", TypeError, "returned str"),
-    ("{m}:missing", ValueError, "has no function 'missing'"),
-    ("no_such_module_xyz:f", ValueError, "cannot import"),
-    ("nocolon", ValueError, "package.module:function"),
-])
+@pytest.mark.parametrize(
+    "spec,err,match",
+    [
+        ("{m}:not_a_list", TypeError, "must return a non-empty list of nn.Module"),
+        ("{m}:bad_builder", TypeError, "returned str"),
+        ("{m}:missing", ValueError, "has no function 'missing'"),
+        ("no_such_module_xyz:f", ValueError, "cannot import"),
+        ("nocolon", ValueError, "package.module:function"),
+    ],
+)
 def test_bad_custom_factory(factory_module, spec, err, match):
     cfg = tiny(family="custom", custom_factory=spec.format(m=factory_module))
     with pytest.raises(err, match=match):

@@ -57,16 +57,27 @@ def plain_run(cfg, initial: Path, *, decay_everything: bool = False) -> dict[str
     t = cfg.training
     params = list(model.parameters())  # unique: the tied head is the embedding
     decayed = [p for p in params if p.ndim >= 2 or decay_everything]
-    opt = torch.optim.AdamW([{"params": decayed, "weight_decay": t.optimizer.weight_decay},
-                             {"params": [p for p in params if all(p is not d for d in decayed)], "weight_decay": 0.0}],
-                            lr=t.optimizer.lr, betas=tuple(t.optimizer.betas), eps=t.optimizer.eps, foreach=False)
+    opt = torch.optim.AdamW(
+        [
+            {"params": decayed, "weight_decay": t.optimizer.weight_decay},
+            {"params": [p for p in params if all(p is not d for d in decayed)], "weight_decay": 0.0},
+        ],
+        lr=t.optimizer.lr,
+        betas=tuple(t.optimizer.betas),
+        eps=t.optimizer.eps,
+        foreach=False,
+    )
     dataset = build_dataset(cfg, log=lambda *_: None)
     order = GlobalBatchSampler(len(dataset), t.global_batch_size, t.seed)
     for step in range(STEPS):
         x, y = map(torch.stack, zip(*(dataset[i] for i in order.indices(step))))
         logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1),
-                                                 reduction="sum") / y.numel()
+        loss = (
+            torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction="sum"
+            )
+            / y.numel()
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, t.optimizer.grad_clip)
@@ -126,10 +137,12 @@ def test_the_reference_fails_when_the_math_differs(tmp_path: Path) -> None:
 def test_a_four_node_job_matches_the_plain_loop(tmp_path: Path, etcd_server, run_id) -> None:
     """Two two-stage pipelines on four nodes, a node killed at step 3 (the job re-plans)."""
     profile = tiny_profile(tmp_path / "profile.json")
-    out, _, _ = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--kill", "1@3"], STEPS, profile,
-                        reference=False)
+    out, _, _ = run_job(
+        tmp_path, etcd_server, run_id, ["--nodes", "4", "--kill", "1@3"], STEPS, profile, reference=False
+    )
     assert "generation 1 -> 2" in out, out[-3000:]
     cfg = _cfg(tmp_path / "job", profile)
-    initial = _initial(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path / "init", STEPS, profile)),
-                       tmp_path)
+    initial = _initial(
+        load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path / "init", STEPS, profile)), tmp_path
+    )
     _assert_match(_exported(tmp_path / "job" / "ckpt", tmp_path / "job-hf"), plain_run(cfg, initial), initial)

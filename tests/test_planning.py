@@ -10,9 +10,19 @@ import random
 
 import pytest
 
-from oobleck_elastic.planning import (LayerProfile, ModelProfile, Plan, PlanningError, best_cover,
-                                      build_templates, guarantee, instantiate, make_plan, plan_job,
-                                      templates_for)
+from oobleck_elastic.planning import (
+    LayerProfile,
+    ModelProfile,
+    Plan,
+    PlanningError,
+    best_cover,
+    build_templates,
+    guarantee,
+    instantiate,
+    make_plan,
+    plan_job,
+    templates_for,
+)
 from oobleck_elastic.planning.analytic import gpt3_175b_profile
 from oobleck_elastic.planning.templates import GIB, StageCosts, best_template, brute_force_template
 
@@ -22,20 +32,40 @@ def random_profile(rng: random.Random, num_layers: int, *, mem_scale: float = 1.
     for i in range(num_layers):
         fwd = rng.uniform(0.1, 2.0)
         params = int(rng.uniform(0.05, 0.3) * GIB * mem_scale)
-        layers.append(LayerProfile(name=f"l{i}", forward_s=fwd, backward_s=2 * fwd * rng.uniform(0.8, 1.2),
-                                   param_bytes=params, grad_bytes=params, optimizer_bytes=2 * params,
-                                   activation_bytes=int(rng.uniform(0.0, 0.2) * GIB * mem_scale)))
+        layers.append(
+            LayerProfile(
+                name=f"l{i}",
+                forward_s=fwd,
+                backward_s=2 * fwd * rng.uniform(0.8, 1.2),
+                param_bytes=params,
+                grad_bytes=params,
+                optimizer_bytes=2 * params,
+                activation_bytes=int(rng.uniform(0.0, 0.2) * GIB * mem_scale),
+            )
+        )
     return ModelProfile(layers=layers, key={"random": True})
 
 
 def uniform_profile(num_layers: int, *, gib_per_layer: float = 0.25) -> ModelProfile:
     b = int(gib_per_layer * GIB / 4)
-    return ModelProfile(layers=[LayerProfile(name=f"l{i}", forward_s=1.0, backward_s=2.0, param_bytes=b,
-                                             grad_bytes=b, optimizer_bytes=2 * b, activation_bytes=0)
-                                for i in range(num_layers)])
+    return ModelProfile(
+        layers=[
+            LayerProfile(
+                name=f"l{i}",
+                forward_s=1.0,
+                backward_s=2.0,
+                param_bytes=b,
+                grad_bytes=b,
+                optimizer_bytes=2 * b,
+                activation_bytes=0,
+            )
+            for i in range(num_layers)
+        ]
+    )
 
 
 # ---------------------------------------------------------------- templates
+
 
 @pytest.mark.parametrize("seed", range(60))
 def test_template_equals_brute_force(seed: int) -> None:
@@ -72,8 +102,18 @@ def test_template_places_stages_on_nodes_and_devices() -> None:
 def test_memory_is_a_hard_limit_counting_in_flight_activations() -> None:
     # Each layer: 1 GiB static, 1 GiB activations per microbatch. Under 1F1B stage 0 of S keeps S
     # microbatches, so with 4 GiB per device a 2-stage pipeline cannot put 2 layers on stage 0.
-    layers = [LayerProfile(name=f"l{i}", forward_s=1, backward_s=1, param_bytes=GIB // 4, grad_bytes=GIB // 4,
-                           optimizer_bytes=GIB // 2, activation_bytes=GIB) for i in range(3)]
+    layers = [
+        LayerProfile(
+            name=f"l{i}",
+            forward_s=1,
+            backward_s=1,
+            param_bytes=GIB // 4,
+            grad_bytes=GIB // 4,
+            optimizer_bytes=GIB // 2,
+            activation_bytes=GIB,
+        )
+        for i in range(3)
+    ]
     ts = build_templates(ModelProfile(layers=layers), gpus_per_node=1, device_memory_gb=4)
     two = ts[2]
     assert two.layer_ranges() == [(0, 1), (1, 3)]  # stage 0: 1 + 2x1 = 3 GiB; stage 1: 2 + 1x2 = 4 GiB
@@ -83,17 +123,34 @@ def test_memory_is_a_hard_limit_counting_in_flight_activations() -> None:
 
 
 def test_model_that_cannot_fit_names_the_layer_and_its_memory() -> None:
-    layers = [LayerProfile(name="embedding", forward_s=1, backward_s=1, param_bytes=GIB, grad_bytes=GIB,
-                           optimizer_bytes=2 * GIB, activation_bytes=0),
-              LayerProfile(name="head", forward_s=1, backward_s=1, param_bytes=GIB, grad_bytes=GIB,
-                           optimizer_bytes=2 * GIB, activation_bytes=GIB)]
+    layers = [
+        LayerProfile(
+            name="embedding",
+            forward_s=1,
+            backward_s=1,
+            param_bytes=GIB,
+            grad_bytes=GIB,
+            optimizer_bytes=2 * GIB,
+            activation_bytes=0,
+        ),
+        LayerProfile(
+            name="head",
+            forward_s=1,
+            backward_s=1,
+            param_bytes=GIB,
+            grad_bytes=GIB,
+            optimizer_bytes=2 * GIB,
+            activation_bytes=GIB,
+        ),
+    ]
     with pytest.raises(PlanningError) as err:
         build_templates(ModelProfile(layers=layers), gpus_per_node=1, device_memory_gb=4.5)
     assert str(err.value) == (
         "the model cannot fit even with one layer per device: layer 1 'head' alone needs 5.00 GiB "
         "(params+grads+optimizer 4.00 GiB, activations 1.00 GiB per microbatch) but a device has 4.50 GiB "
         "usable of planning.device_memory_gb=4.5: raise planning.device_memory_gb or lower "
-        "training.microbatch_size")
+        "training.microbatch_size"
+    )
 
 
 def test_more_devices_per_node_than_layers_is_refused() -> None:
@@ -102,6 +159,7 @@ def test_more_devices_per_node_than_layers_is_refused() -> None:
 
 
 # ---------------------------------------------------------------- guarantee
+
 
 def test_guarantee_covers_every_count_from_f_plus_1_n0() -> None:
     ts = build_templates(gpt3_175b_profile(), gpus_per_node=8, device_memory_gb=80, memory_margin=0.1)
@@ -134,11 +192,14 @@ def test_config_that_cannot_hold_f_plus_1_replicas_is_refused() -> None:
     ts = build_templates(gpt3_175b_profile(), gpus_per_node=8, device_memory_gb=80, memory_margin=0.1)
     with pytest.raises(PlanningError) as err:
         guarantee(ts, 2, max_nodes=16)
-    assert str(err.value).startswith("cannot tolerate f=2: 3 replicas need at least (f+1)*n0 = 18 nodes (n0=6) "
-                                     "but the job has at most planning.max_nodes=16")
+    assert str(err.value).startswith(
+        "cannot tolerate f=2: 3 replicas need at least (f+1)*n0 = 18 nodes (n0=6) "
+        "but the job has at most planning.max_nodes=16"
+    )
 
 
 # ---------------------------------------------------------------- instantiation
+
 
 def brute_force_makespan(ts, N: int, B: int, kmin: int) -> float:
     """Try every multiset of templates covering N exactly and every split of B."""
@@ -222,13 +283,15 @@ def test_fewer_than_f_plus_1_pipelines_warns() -> None:
     ts = build_templates(uniform_profile(16, gib_per_layer=1.0), gpus_per_node=1, device_memory_gb=10.0)
     a = instantiate(ts, num_nodes=3, num_microbatches=8, f=1)
     assert len(a.pipelines) == 1
-    assert a.warnings == ("1 pipeline(s) instead of f+1=2: only 3 nodes (n0=2); a failure may need a "
-                          "checkpoint restore",)
+    assert a.warnings == (
+        "1 pipeline(s) instead of f+1=2: only 3 nodes (n0=2); a failure may need a checkpoint restore",
+    )
 
 
 def test_spare_nodes_when_sizes_cannot_add_up() -> None:
-    ts = build_templates(uniform_profile(16, gib_per_layer=1.0), gpus_per_node=1, device_memory_gb=10.0,
-                         node_counts=[4])
+    ts = build_templates(
+        uniform_profile(16, gib_per_layer=1.0), gpus_per_node=1, device_memory_gb=10.0, node_counts=[4]
+    )
     plan = make_plan(ts, nodes=[f"n{i}" for i in range(10)], num_microbatches=8, microbatch_size=1, f=1)
     assert [p.nodes for p in plan.pipelines] == [("n0", "n1", "n2", "n3"), ("n4", "n5", "n6", "n7")]
     assert plan.spares == ("n8", "n9")
@@ -237,10 +300,10 @@ def test_spare_nodes_when_sizes_cannot_add_up() -> None:
 
 # ---------------------------------------------------------------- plans as JSON
 
+
 def test_plan_ranks_and_json_round_trip() -> None:
     ts = build_templates(uniform_profile(8), gpus_per_node=2, device_memory_gb=100)
-    plan = make_plan(ts, nodes=["a", "b", "c", "d", "e"], num_microbatches=10, microbatch_size=4, f=1,
-                     generation=3)
+    plan = make_plan(ts, nodes=["a", "b", "c", "d", "e"], num_microbatches=10, microbatch_size=4, f=1, generation=3)
     assert plan.world_size == 10 and plan.num_microbatches == 10
     ranks = {(s.node, s.local_rank): s.rank for p in plan.pipelines for s in p.stages}
     assert ranks == {(n, lr): i * 2 + lr for i, n in enumerate("abcde") for lr in range(2)}
@@ -249,6 +312,7 @@ def test_plan_ranks_and_json_round_trip() -> None:
     again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
     assert again == plan
     import dataclasses
+
     with_donors = dataclasses.replace(plan, donors=("x", "y"))
     assert Plan.from_json(json.loads(json.dumps(with_donors.to_json()))) == with_donors
     assert with_donors.entry_world_size == 14 and with_donors.donor_rank("y", 1) == 13
@@ -257,38 +321,55 @@ def test_plan_ranks_and_json_round_trip() -> None:
     assert Plan.from_json(legacy) == plan
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.pop("pipelines"), "malformed plan: KeyError: 'pipelines'"),
-    (lambda d: d.__setitem__("schema_version", 99), "plan schema_version 99 is not 1"),
-    (lambda d: d["pipelines"][0]["stages"][0].__setitem__("layers", [1, 4]),
-     "plan generation 0: pipeline 0 does not cover layers 0..8 contiguously"),
-    (lambda d: d["pipelines"][0]["stages"][0].__setitem__("rank", 7), "plan generation 0: ranks are not 0..9"),
-    (lambda d: d["pipelines"][0].__setitem__("microbatches", "many"), "malformed plan: ValueError"),
-    (lambda d: d.__setitem__("donors", "e"), "malformed plan: donors is str, not a list"),
-    (lambda d: d.__setitem__("donors", ["e"]), "plan generation 0: donors ['e'] must be distinct nodes outside"),
-    (lambda d: d.__setitem__("donors", ["x", "x"]), "plan generation 0: donors ['x', 'x'] must be distinct"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.pop("pipelines"), "malformed plan: KeyError: 'pipelines'"),
+        (lambda d: d.__setitem__("schema_version", 99), "plan schema_version 99 is not 1"),
+        (
+            lambda d: d["pipelines"][0]["stages"][0].__setitem__("layers", [1, 4]),
+            "plan generation 0: pipeline 0 does not cover layers 0..8 contiguously",
+        ),
+        (lambda d: d["pipelines"][0]["stages"][0].__setitem__("rank", 7), "plan generation 0: ranks are not 0..9"),
+        (lambda d: d["pipelines"][0].__setitem__("microbatches", "many"), "malformed plan: ValueError"),
+        (lambda d: d.__setitem__("donors", "e"), "malformed plan: donors is str, not a list"),
+        (lambda d: d.__setitem__("donors", ["e"]), "plan generation 0: donors ['e'] must be distinct nodes outside"),
+        (lambda d: d.__setitem__("donors", ["x", "x"]), "plan generation 0: donors ['x', 'x'] must be distinct"),
+    ],
+)
 def test_malformed_plan_json_is_rejected(mutate, message: str) -> None:
     ts = build_templates(uniform_profile(8), gpus_per_node=2, device_memory_gb=100)
     data = make_plan(ts, nodes=list("abcde"), num_microbatches=10, microbatch_size=4, f=1).to_json()
     mutate(data)
-    with pytest.raises(PlanningError, match="^" + message.replace("(", r"\(").replace(")", r"\)")
-                       .replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        PlanningError,
+        match="^" + message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]"),
+    ):
         Plan.from_json(data)
 
 
 def _kept(plan: Plan, previous: Plan) -> int:
     """Layers the workers of `plan` already hold under `previous` (what a re-plan need not copy)."""
     held = {(s.node, s.local_rank): set(range(s.start, s.end)) for p in previous.pipelines for s in p.stages}
-    return sum(len(held.get((s.node, s.local_rank), set()) & set(range(s.start, s.end)))
-               for p in plan.pipelines for s in p.stages)
+    return sum(
+        len(held.get((s.node, s.local_rank), set()) & set(range(s.start, s.end)))
+        for p in plan.pipelines
+        for s in p.stages
+    )
 
 
 def _replan_cases():
     from oobleck_elastic.config import load_config
 
-    cfg = load_config("configs/gpt2-tiny.yaml", ["training.global_batch_size=16", "training.microbatch_size=2",
-                                                 "planning.device_memory_gb=1.25", "planning.memory_margin=0"])
+    cfg = load_config(
+        "configs/gpt2-tiny.yaml",
+        [
+            "training.global_batch_size=16",
+            "training.microbatch_size=2",
+            "planning.device_memory_gb=1.25",
+            "planning.memory_margin=0",
+        ],
+    )
     tset = templates_for(cfg, uniform_profile(6, gib_per_layer=0.4))  # n0 = 2, as in the recovery tests
     return cfg, tset
 
@@ -303,8 +384,10 @@ def test_replan_keeps_layers_where_they_are() -> None:
     order = ["d", "c", "a"]
     naive = plan_job(cfg, nodes=order, templates=tset, generation=2).plan
     placed = plan_job(cfg, nodes=order, templates=tset, generation=2, previous=old).plan
-    best = max(_kept(plan_job(cfg, nodes=list(p), templates=tset, generation=2).plan, old)
-               for p in itertools.permutations(order))
+    best = max(
+        _kept(plan_job(cfg, nodes=list(p), templates=tset, generation=2).plan, old)
+        for p in itertools.permutations(order)
+    )
     assert _kept(placed, old) == best > _kept(naive, old)
     assert set(placed.nodes) == set(order) and placed.world_size == naive.world_size
     placed.check()

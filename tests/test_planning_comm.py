@@ -11,9 +11,20 @@ from pathlib import Path
 import pytest
 
 from oobleck_elastic.config import ConfigError, load_config
-from oobleck_elastic.planning import (LayerProfile, Links, ModelProfile, Plan, PlanningError, ProfileError,
-                                      build_templates, choose_tensor_parallel, compare_tensor_parallel,
-                                      load_profiles, plan_job, templates_for)
+from oobleck_elastic.planning import (
+    LayerProfile,
+    Links,
+    ModelProfile,
+    Plan,
+    PlanningError,
+    ProfileError,
+    build_templates,
+    choose_tensor_parallel,
+    compare_tensor_parallel,
+    load_profiles,
+    plan_job,
+    templates_for,
+)
 from oobleck_elastic.planning.analytic import transformer_profile
 from oobleck_elastic.planning.templates import GIB, StageCosts, best_template, brute_force_template
 
@@ -26,10 +37,18 @@ def profile_with_outputs(rng: random.Random, num_layers: int) -> ModelProfile:
     for i in range(num_layers):
         fwd = rng.uniform(0.1, 2.0)
         params = int(rng.uniform(0.05, 0.3) * GIB)
-        layers.append(LayerProfile(name=f"l{i}", forward_s=fwd, backward_s=2 * fwd, param_bytes=params,
-                                   grad_bytes=params, optimizer_bytes=2 * params,
-                                   activation_bytes=int(rng.uniform(0.0, 0.2) * GIB),
-                                   output_bytes=int(rng.choice([0.01, 1.0, 20.0]) * 1e9)))
+        layers.append(
+            LayerProfile(
+                name=f"l{i}",
+                forward_s=fwd,
+                backward_s=2 * fwd,
+                param_bytes=params,
+                grad_bytes=params,
+                optimizer_bytes=2 * params,
+                activation_bytes=int(rng.uniform(0.0, 0.2) * GIB),
+                output_bytes=int(rng.choice([0.01, 1.0, 20.0]) * 1e9),
+            )
+        )
     return ModelProfile(layers=layers)
 
 
@@ -54,11 +73,21 @@ def test_templates_with_communication_equal_brute_force(seed: int) -> None:
 
 def four_layers(big_output_after: int) -> ModelProfile:
     """Four equal layers; the activation leaving layer `big_output_after` is 40 GB."""
-    return ModelProfile(layers=[
-        LayerProfile(name=f"l{i}", forward_s=1.0, backward_s=2.0, param_bytes=1000, grad_bytes=1000,
-                     optimizer_bytes=2000, activation_bytes=0,
-                     output_bytes=40_000_000_000 if i == big_output_after else 1000)
-        for i in range(4)])
+    return ModelProfile(
+        layers=[
+            LayerProfile(
+                name=f"l{i}",
+                forward_s=1.0,
+                backward_s=2.0,
+                param_bytes=1000,
+                grad_bytes=1000,
+                optimizer_bytes=2000,
+                activation_bytes=0,
+                output_bytes=40_000_000_000 if i == big_output_after else 1000,
+            )
+            for i in range(4)
+        ]
+    )
 
 
 def test_counting_communication_changes_the_template() -> None:
@@ -100,8 +129,9 @@ def test_the_step_time_adds_the_gradient_all_reduce_of_the_largest_stage() -> No
     cfg = load_config(overrides=["training.global_batch_size=8", "training.microbatch_size=1"])
     jp = plan_job(cfg, nodes=4, templates=ts)
     k = len(jp.plan.pipelines)
-    assert jp.plan.est_step_time_s == pytest.approx(max(ts[p.template_nodes].iteration_time(p.microbatches, k)
-                                                        for p in jp.plan.pipelines))
+    assert jp.plan.est_step_time_s == pytest.approx(
+        max(ts[p.template_nodes].iteration_time(p.microbatches, k) for p in jp.plan.pipelines)
+    )
 
 
 def gpt_profiles(degrees=(1, 2, 4), **kw) -> dict[int, ModelProfile]:
@@ -121,9 +151,15 @@ def test_analytic_tensor_parallel_profiles_shard_blocks_and_add_their_collective
 
 
 def auto_config(**overrides: object):
-    base = {"model.num_layers": 8, "training.global_batch_size": 64, "training.microbatch_size": 1,
-            "planning.gpus_per_node": 4, "planning.tensor_parallel": "auto", "planning.device_memory_gb": 80.0,
-            "planning.profile_path": "profile-tp{tp}.json"}
+    base = {
+        "model.num_layers": 8,
+        "training.global_batch_size": 64,
+        "training.microbatch_size": 1,
+        "planning.gpus_per_node": 4,
+        "planning.tensor_parallel": "auto",
+        "planning.device_memory_gb": 80.0,
+        "planning.profile_path": "profile-tp{tp}.json",
+    }
     return load_config(overrides=[f"{k}={v}" for k, v in (base | overrides).items()])
 
 
@@ -148,8 +184,11 @@ def test_auto_takes_a_larger_degree_when_a_stage_does_not_fit_one_device() -> No
 
 def test_a_fixed_degree_needs_a_profile_of_that_degree() -> None:
     cfg = auto_config(**{"planning.tensor_parallel": 2})
-    with pytest.raises(PlanningError, match=r"planning.tensor_parallel=2 but the profile was measured at "
-                                            r"tensor_parallel=1: use a profile measured at that degree"):
+    with pytest.raises(
+        PlanningError,
+        match=r"planning.tensor_parallel=2 but the profile was measured at "
+        r"tensor_parallel=1: use a profile measured at that degree",
+    ):
         templates_for(cfg, gpt_profiles(degrees=(1,))[1])
     assert templates_for(cfg, gpt_profiles()).tensor_parallel == 2
 
@@ -174,12 +213,18 @@ def test_a_tensor_parallel_plan_gives_every_lane_a_rank_and_round_trips() -> Non
 
 
 def test_config_rejects_a_degree_that_does_not_divide_the_node() -> None:
-    with pytest.raises(ConfigError, match=r"'planning.tensor_parallel' is 3: give a divisor of "
-                                          r"planning.gpus_per_node \(4\) or auto"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'planning.tensor_parallel' is 3: give a divisor of "
+        r"planning.gpus_per_node \(4\) or auto",
+    ):
         load_config(overrides=["planning.gpus_per_node=4", "planning.tensor_parallel=3"])
-    with pytest.raises(ConfigError, match=r"'planning.tensor_parallel' is 2 but 'planning.profile_path' is not set: "
-                                          r"workers measure profiles on one device; measure one at each degree with "
-                                          r"`torchrun --nproc-per-node T -m oobleck_elastic.planning.profile_tp"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'planning.tensor_parallel' is 2 but 'planning.profile_path' is not set: "
+        r"workers measure profiles on one device; measure one at each degree with "
+        r"`torchrun --nproc-per-node T -m oobleck_elastic.planning.profile_tp",
+    ):
         load_config(overrides=["planning.gpus_per_node=2", "planning.tensor_parallel=2"])
     with pytest.raises(ConfigError, match="'planning.inter_node_bandwidth_gb_s' must be > 0"):
         load_config(overrides=["planning.inter_node_bandwidth_gb_s=0"])
@@ -198,10 +243,24 @@ def test_profiles_per_degree_load_from_a_pattern(tmp_path: Path) -> None:
 
 
 def test_cli_plan_with_auto_compares_the_degrees() -> None:
-    out = subprocess.run([sys.executable, "-m", "oobleck_elastic.cli", "plan", "--config",
-                          str(ROOT / "configs/gpt3-175b.yaml"), "--nodes", "256", "planning.tensor_parallel=auto",
-                          f"planning.profile_path={ROOT / 'configs/profiles/gpt3-175b-tp{tp}.json'}"],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "oobleck_elastic.cli",
+            "plan",
+            "--config",
+            str(ROOT / "configs/gpt3-175b.yaml"),
+            "--nodes",
+            "256",
+            "planning.tensor_parallel=auto",
+            f"planning.profile_path={ROOT / 'configs/profiles/gpt3-175b-tp{tp}.json'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     assert "tensor_parallel=auto: the degree with the best estimated samples/s is chosen" in out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "%" in line]
     assert [int(r[0]) for r in rows[:4]] == [1, 2, 4, 8]
@@ -214,14 +273,48 @@ def test_profile_tp_measures_sharded_layers_with_torchrun(tmp_path: Path) -> Non
     """Two processes profile gpt2-tiny's layers sharded over both: per-device block bytes halve
     (but for the replicated norms and row-wise biases), embedding and head stay whole."""
     one = tmp_path / "p-tp1.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone",
-                    "-m", "oobleck_elastic.planning.profile_tp", "--config", str(ROOT / "configs/gpt2-tiny.yaml"),
-                    "--out", str(tmp_path / "p-tp{tp}.json"), "planning.profile_repeats=1"],
-                   check=True, capture_output=True, timeout=300, cwd=ROOT)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                    "-m", "oobleck_elastic.planning.profile_tp", "--config", str(ROOT / "configs/gpt2-tiny.yaml"),
-                    "--out", str(tmp_path / "p-tp{tp}.json"), "planning.profile_repeats=1"],
-                   check=True, capture_output=True, timeout=300, cwd=ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "1",
+            "--standalone",
+            "-m",
+            "oobleck_elastic.planning.profile_tp",
+            "--config",
+            str(ROOT / "configs/gpt2-tiny.yaml"),
+            "--out",
+            str(tmp_path / "p-tp{tp}.json"),
+            "planning.profile_repeats=1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--standalone",
+            "-m",
+            "oobleck_elastic.planning.profile_tp",
+            "--config",
+            str(ROOT / "configs/gpt2-tiny.yaml"),
+            "--out",
+            str(tmp_path / "p-tp{tp}.json"),
+            "planning.profile_repeats=1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     p1, p2 = ModelProfile.load(one), ModelProfile.load(tmp_path / "p-tp2.json")
     assert (p1.tensor_parallel, p2.tensor_parallel) == (1, 2)
     h = 64

@@ -11,33 +11,59 @@ from pathlib import Path
 import pytest
 
 from oobleck_elastic.config import ConfigError, load_config
-from oobleck_elastic.planning import (LayerProfile, MicrobatchError, MicrobatchOption, ModelProfile, PlanningError,
-                                      ProfileError, build_templates, choose_microbatch_size, microbatch_candidates,
-                                      plan_job, profile_at, profile_microbatch_sizes)
+from oobleck_elastic.planning import (
+    LayerProfile,
+    MicrobatchError,
+    MicrobatchOption,
+    ModelProfile,
+    PlanningError,
+    ProfileError,
+    build_templates,
+    choose_microbatch_size,
+    microbatch_candidates,
+    plan_job,
+    profile_at,
+    profile_microbatch_sizes,
+)
 from oobleck_elastic.planning.microbatch import pick_microbatch_size
 
 ROOT = Path(__file__).resolve().parents[1]
-GIB = 1024 ** 3
+GIB = 1024**3
 CFG = ROOT / "configs/gpt2-tiny.yaml"
 
 
-def linear_profile(*, layers: int, a: float, c: float, act_per_sample: int, static: int,
-                   sizes: tuple[int, ...] = (1, 4)) -> ModelProfile:
+def linear_profile(
+    *, layers: int, a: float, c: float, act_per_sample: int, static: int, sizes: tuple[int, ...] = (1, 4)
+) -> ModelProfile:
     """Every layer takes a + c*b seconds (1/3 forward) and keeps act_per_sample*b bytes, measured
     at `sizes` (the first as `layers`)."""
+
     def at(b: int) -> list[LayerProfile]:
         t = a + c * b
-        return [LayerProfile(name=f"l{i}", forward_s=t / 3, backward_s=2 * t / 3, param_bytes=static // 4,
-                             grad_bytes=static // 4, optimizer_bytes=static // 2,
-                             activation_bytes=act_per_sample * b, output_bytes=1000 * b) for i in range(layers)]
+        return [
+            LayerProfile(
+                name=f"l{i}",
+                forward_s=t / 3,
+                backward_s=2 * t / 3,
+                param_bytes=static // 4,
+                grad_bytes=static // 4,
+                optimizer_bytes=static // 2,
+                activation_bytes=act_per_sample * b,
+                output_bytes=1000 * b,
+            )
+            for i in range(layers)
+        ]
 
-    return ModelProfile(layers=at(sizes[0]), microbatch_size=sizes[0],
-                        at_microbatch_sizes={b: at(b) for b in sizes[1:]})
+    return ModelProfile(
+        layers=at(sizes[0]), microbatch_size=sizes[0], at_microbatch_sizes={b: at(b) for b in sizes[1:]}
+    )
 
 
 def cfg_of(*overrides: str):
-    return load_config(CFG, ["training.microbatch_size=auto", "planning.memory_margin=0",
-                             "planning.count_communication=false", *overrides])
+    return load_config(
+        CFG,
+        ["training.microbatch_size=auto", "planning.memory_margin=0", "planning.count_communication=false", *overrides],
+    )
 
 
 # ------------------------------------------------------------------ config and candidates
@@ -76,8 +102,11 @@ def test_profile_at_fits_lines_through_the_measured_sizes() -> None:
     # one measured size: proportional (no fixed cost known); a falling line is clamped at 0
     one = linear_profile(layers=1, a=0.01, c=0.002, act_per_sample=1000, static=4000, sizes=(2,))
     assert profile_at(one, 6).layers[0].time_s == pytest.approx(3 * (0.01 + 0.004))
-    falling = ModelProfile(layers=[LayerProfile("x", 1.0, 0.0, 0, 0, 0, 10)], microbatch_size=1,
-                           at_microbatch_sizes={2: [LayerProfile("x", 0.5, 0.0, 0, 0, 0, 20)]})
+    falling = ModelProfile(
+        layers=[LayerProfile("x", 1.0, 0.0, 0, 0, 0, 10)],
+        microbatch_size=1,
+        at_microbatch_sizes={2: [LayerProfile("x", 0.5, 0.0, 0, 0, 0, 20)]},
+    )
     assert profile_at(falling, 8).layers[0].forward_s == 0.0
     # the size a profile was measured at: its field, else the key's number, else unknown
     keyed = ModelProfile(layers=[LayerProfile("x", 1.0, 1.0, 0, 0, 0, 10)], key={"microbatch_size": 2})
@@ -157,8 +186,9 @@ def test_ties_go_to_the_larger_size() -> None:
     prof = linear_profile(layers=4, a=0.0, c=0.001, act_per_sample=1000, static=GIB // 100)
     choice = choose_microbatch_size(cfg_of("training.global_batch_size=64", "planning.device_memory_gb=2"), prof, 2)
     assert len({round(o.samples_per_s, 6) for o in choice.options}) == 1 and choice.size == 32
-    opts = [MicrobatchOption(size=b, microbatches=16 // b, step_s=1.0, samples_per_s=16.0, pipelines=2)
-            for b in (1, 2, 4)]
+    opts = [
+        MicrobatchOption(size=b, microbatches=16 // b, step_s=1.0, samples_per_s=16.0, pipelines=2) for b in (1, 2, 4)
+    ]
     assert pick_microbatch_size(opts, nodes=2, min_pipelines=2).size == 4
     # a larger size never wins by dropping below f+1 pipelines when a smaller one keeps them
     fewer = opts + [MicrobatchOption(size=8, microbatches=2, step_s=0.5, samples_per_s=32.0, pipelines=1)]
@@ -177,15 +207,23 @@ def test_none_fits_one_line_error_naming_the_keys() -> None:
         plan_job(cfg, nodes=2, profile=prof)
     # sizes that fit in memory but need more nodes than given: not memory-bound (the job waits)
     with pytest.raises(MicrobatchError) as err:
-        choose_microbatch_size(cfg_of("training.global_batch_size=256", "planning.device_memory_gb=1"),
-                               bubble_profile(), 4)
+        choose_microbatch_size(
+            cfg_of("training.global_batch_size=256", "planning.device_memory_gb=1"), bubble_profile(), 4
+        )
     assert not err.value.memory_bound and "on 4 node(s)" in str(err.value)
 
 
 def test_a_fixed_size_plans_exactly_as_before() -> None:
     prof = linear_profile(layers=4, a=0.01, c=0.001, act_per_sample=GIB // 10, static=GIB // 100)
-    cfg = load_config(CFG, ["training.microbatch_size=2", "planning.memory_margin=0", "planning.device_memory_gb=2",
-                            "training.global_batch_size=64"])
+    cfg = load_config(
+        CFG,
+        [
+            "training.microbatch_size=2",
+            "planning.memory_margin=0",
+            "planning.device_memory_gb=2",
+            "training.global_batch_size=64",
+        ],
+    )
     jp = plan_job(cfg, nodes=3, profile=prof)
     assert jp.microbatch is None and jp.plan.microbatch_size == 2 and jp.plan.num_microbatches == 32
     # the profile is used as it is (no fitting), whatever other sizes it holds
@@ -220,15 +258,27 @@ def test_leader_chooses_once_and_a_new_leader_keeps_the_plans_size() -> None:
 
 # ------------------------------------------------------------------ oobleck plan
 def oobleck(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "oobleck_elastic.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "oobleck_elastic.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cli_prints_the_choice_from_a_profile_file(tmp_path: Path) -> None:
     path = tmp_path / "profile.json"
     linear_profile(layers=6, a=0.01, c=0.001, act_per_sample=GIB // 10, static=GIB // 100).save(path)
-    args = ["plan", "--config", str(CFG), "--nodes", "2", "--profile", str(path), "training.microbatch_size=auto",
-            "planning.device_memory_gb=2", "planning.memory_margin=0", "training.global_batch_size=16"]
+    args = [
+        "plan",
+        "--config",
+        str(CFG),
+        "--nodes",
+        "2",
+        "--profile",
+        str(path),
+        "training.microbatch_size=auto",
+        "planning.device_memory_gb=2",
+        "planning.memory_margin=0",
+        "training.global_batch_size=16",
+    ]
     res = oobleck(*args, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "training.microbatch_size=auto:" in res.stdout and "measured at 1, 4" in res.stdout
@@ -246,9 +296,20 @@ def test_cli_prints_the_choice_from_a_profile_file(tmp_path: Path) -> None:
 
 
 def test_cli_profiles_two_sizes_and_caches_them_under_an_auto_key(tmp_path: Path) -> None:
-    args = ["plan", "--config", str(CFG), "--nodes", "4", "--json", "training.microbatch_size=auto",
-            "planning.device_memory_gb=1", "data.seq_len=16", "planning.profile_repeats=1",
-            "planning.profile_warmup=0", f"data.cache_dir={tmp_path}"]
+    args = [
+        "plan",
+        "--config",
+        str(CFG),
+        "--nodes",
+        "4",
+        "--json",
+        "training.microbatch_size=auto",
+        "planning.device_memory_gb=1",
+        "data.seq_len=16",
+        "planning.profile_repeats=1",
+        "planning.profile_warmup=0",
+        f"data.cache_dir={tmp_path}",
+    ]
     res = oobleck(*args, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "microbatch 1 x 16" in res.stderr and "microbatch 4 x 16" in res.stderr
@@ -256,7 +317,7 @@ def test_cli_profiles_two_sizes_and_caches_them_under_an_auto_key(tmp_path: Path
     choice = out["microbatch_size"]
     assert choice["chosen"] == out["plan"]["microbatch_size"] and choice["measured_sizes"] == [1, 4]
     assert sum(p["microbatches"] for p in out["plan"]["pipelines"]) * choice["chosen"] == 16
-    cached, = (tmp_path / "profiles").glob("*.json")
+    (cached,) = (tmp_path / "profiles").glob("*.json")
     prof = ModelProfile.load(cached)
     assert prof.key["microbatch_size"] == "auto" and prof.key["profiled_microbatch_sizes"] == [1, 4]
     assert prof.microbatch_size == 1 and set(prof.at_microbatch_sizes) == {4}
@@ -270,9 +331,18 @@ def test_single_process_trains_with_the_chosen_size(tmp_path: Path) -> None:
     path = tmp_path / "profile.json"
     # one stage of 6 layers, 0.05 GiB per sample each: b <= 3 fits in 1 GiB; a fixed cost makes it win
     linear_profile(layers=6, a=0.01, c=0.001, act_per_sample=GIB // 20, static=GIB // 100).save(path)
-    cfg = load_config(CFG, ["training.microbatch_size=auto", "training.global_batch_size=12", "data.seq_len=8",
-                            f"planning.profile_path={path}", "planning.device_memory_gb=1", "planning.memory_margin=0",
-                            "training.steps=1"])
+    cfg = load_config(
+        CFG,
+        [
+            "training.microbatch_size=auto",
+            "training.global_batch_size=12",
+            "data.seq_len=8",
+            f"planning.profile_path={path}",
+            "planning.device_memory_gb=1",
+            "planning.memory_margin=0",
+            "training.steps=1",
+        ],
+    )
     trainer = single_process(cfg, dataset=RandomTokens(n=32, seq_len=8))
     try:
         assert trainer.plan is not None and trainer.plan.microbatch_size == 3

@@ -26,8 +26,10 @@ def test_chunked_bf16_loss_matches_fp32_cross_entropy_over_the_real_vocabulary()
     loss = ChunkedCrossEntropy.apply(logits, labels, 64, 1 / 100, 16)  # 5 chunks of 16 tokens
     (2 * loss).backward()
     ref_logits = logits.detach().float().requires_grad_()
-    ref = F.cross_entropy(ref_logits[..., :64].reshape(-1, 64), labels.reshape(-1), ignore_index=-100,
-                          reduction="sum") / 100
+    ref = (
+        F.cross_entropy(ref_logits[..., :64].reshape(-1, 64), labels.reshape(-1), ignore_index=-100, reduction="sum")
+        / 100
+    )
     (2 * ref).backward()
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)  # fp32 arithmetic on the same bf16 logits
     assert logits.grad.dtype == torch.bfloat16
@@ -45,9 +47,16 @@ def test_the_loss_reads_only_the_real_vocabulary() -> None:
 
 
 def _cfg(tmp: Path, *extra: str):
-    return load_config(ROOT / "configs/gpt2-tiny.yaml", ["data.seq_len=32", "training.global_batch_size=8",
-                                                         "training.microbatch_size=2", f"data.cache_dir={tmp}",
-                                                         *extra])
+    return load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        [
+            "data.seq_len=32",
+            "training.global_batch_size=8",
+            "training.microbatch_size=2",
+            f"data.cache_dir={tmp}",
+            *extra,
+        ],
+    )
 
 
 def test_weights_are_cast_to_bf16_once_per_step(tmp_path: Path) -> None:
@@ -59,8 +68,11 @@ def test_weights_are_cast_to_bf16_once_per_step(tmp_path: Path) -> None:
         with torch.profiler.profile(record_shapes=True) as prof:
             trainer.train_step(0)
         # forward casts (autograd's backward casts of the gradients have no sequence number)
-        casts = [e for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
-                 and list(e.input_shapes[0]) == shape and e.sequence_nr >= 0]
+        casts = [
+            e
+            for e in prof.events()
+            if e.name == "aten::_to_copy" and e.input_shapes and list(e.input_shapes[0]) == shape and e.sequence_nr >= 0
+        ]
         blocks = cfg.model.num_layers
         assert len(casts) == blocks, f"{len(casts)} casts of {blocks} c_attn weights in one step of 4 microbatches"
     finally:

@@ -23,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bad_signal_names_grace_and_launcher_specs_are_one_line_errors(capsys) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, ["fault_tolerance.preempt_signals=[SIGTERM,SIGKILL]"])
-    assert str(err.value) == ("<defaults>: 'fault_tolerance.preempt_signals': 'SIGKILL' cannot be a preemption notice; "
-                              "give signal names such as SIGTERM or SIGUSR1 (not SIGINT, SIGKILL or SIGSTOP)")
+    assert str(err.value) == (
+        "<defaults>: 'fault_tolerance.preempt_signals': 'SIGKILL' cannot be a preemption notice; "
+        "give signal names such as SIGTERM or SIGUSR1 (not SIGINT, SIGKILL or SIGSTOP)"
+    )
     with pytest.raises(ConfigError, match="'fault_tolerance.preempt_grace_s' must be > 0 \\(got -1.0\\)"):
         load_config(None, ["fault_tolerance.preempt_grace_s=-1"])
     with pytest.raises(SystemExit):
@@ -37,16 +39,24 @@ def test_a_notice_drains_once_and_gives_up_after_the_grace(monkeypatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     previous = signal.getsignal(signal.SIGUSR1)
     drained, gave_up = [], threading.Event()
-    watch = PreemptionWatch([signal.SIGUSR1], grace_s=0.3, node="node7", drain=lambda d: drained.append(d) or True,
-                            alive=lambda: True, give_up=gave_up.set)
+    watch = PreemptionWatch(
+        [signal.SIGUSR1],
+        grace_s=0.3,
+        node="node7",
+        drain=lambda d: drained.append(d) or True,
+        alive=lambda: True,
+        give_up=gave_up.set,
+    )
     try:
         watch.install()
         assert os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGUSR1)  # a second notice changes nothing
         assert gave_up.wait(5) and time.monotonic() - watch.noticed >= 0.3
-        assert drained == ["preemption notice (SIGUSR1): hands its layers over and leaves within 0.3 s "
-                           "(fault_tolerance.preempt_grace_s)"]
+        assert drained == [
+            "preemption notice (SIGUSR1): hands its layers over and leaves within 0.3 s "
+            "(fault_tolerance.preempt_grace_s)"
+        ]
     finally:
         signal.signal(signal.SIGUSR1, previous)
 
@@ -65,8 +75,9 @@ def test_a_preempted_node_hands_over_and_exits_0(tmp_path: Path, etcd_server, ru
 
 
 @pytest.mark.slow
-def test_a_wave_of_notices_to_every_holder_of_some_layers_needs_no_checkpoint(tmp_path: Path, etcd_server,
-                                                                              run_id) -> None:
+def test_a_wave_of_notices_to_every_holder_of_some_layers_needs_no_checkpoint(
+    tmp_path: Path, etcd_server, run_id
+) -> None:
     """Two 2-stage pipelines; both nodes running a second stage (the only holders of those layers)
     get SIGTERM at once. No checkpoint exists during the run (the only one is written at the end),
     so the job can only finish with the reference weights by receiving the layers from them."""
@@ -85,10 +96,20 @@ def test_a_wave_of_notices_to_every_holder_of_some_layers_needs_no_checkpoint(tm
             noticed.append(node)
             os.kill(pids[node], signal.SIGTERM)
 
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 12, profile,
-                            during=lambda proc: when(etcd_server.endpoint, proc,
-                                                     lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0)
-                                                     >= 4, notify_the_second_stages))
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4"],
+        12,
+        profile,
+        during=lambda proc: when(
+            etcd_server.endpoint,
+            proc,
+            lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 4,
+            notify_the_second_stages,
+        ),
+    )
     assert len(noticed) == 2
     assert out.count("preemption notice (SIGTERM): draining") == 2, out[-4000:]
     assert "as a donor" in out and "no surviving copy" not in out and "communication failed" not in out, out[-4000:]

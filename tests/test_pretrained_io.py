@@ -26,12 +26,22 @@ LAYOUTS = ["single", "sharded"]
 def hf_tiny(name: str) -> torch.nn.Module:
     torch.manual_seed({"gpt2": 1, "llama": 2, "llama-tied": 3}[name])
     if name == "gpt2":
-        conf = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ,
-                                       bos_token_id=0, eos_token_id=0)
+        conf = transformers.GPT2Config(
+            vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, bos_token_id=0, eos_token_id=0
+        )
         return transformers.GPT2LMHeadModel(conf).eval()
-    conf = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                    tie_word_embeddings=name == "llama-tied", bos_token_id=0, eos_token_id=0)
+    conf = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=name == "llama-tied",
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.LlamaForCausalLM(conf).eval()
 
 
@@ -99,8 +109,9 @@ def test_owned_layers_equal_hf_from_pretrained(dirs, name, layout):
 
 def test_tied_groups_match_the_random_init_path(dirs):
     lm = build_layer_model(cfg_for(dirs["gpt2", "single"]), seed=0, owned=[3])
-    fresh = build_layer_model(ModelConfig(family="gpt2", vocab_size=128, hidden_size=32, num_layers=2,
-                                          max_seq_len=SEQ), seed=0, owned=[3])
+    fresh = build_layer_model(
+        ModelConfig(family="gpt2", vocab_size=128, hidden_size=32, num_layers=2, max_seq_len=SEQ), seed=0, owned=[3]
+    )
     assert lm.tied == fresh.tied == [TiedGroup([(0, "wte.weight"), (3, "lm_head.weight")])]
 
 
@@ -201,20 +212,25 @@ def test_empty_layers_are_allocated_not_read(dirs, monkeypatch):
 # --------------------------------------------------------------------- bad input: one exact line each
 
 
-@pytest.mark.parametrize("field,value,hf_key,theirs", [
-    ("num_layers", 6, "num_hidden_layers", 2),
-    ("hidden_size", 48, "hidden_size", 32),
-    ("num_heads", 8, "num_attention_heads", 4),
-    ("vocab_size", 100, "vocab_size", 128),
-    ("num_kv_heads", 4, "num_key_value_heads", 2),
-    ("intermediate_size", 96, "intermediate_size", 64),
-])
+@pytest.mark.parametrize(
+    "field,value,hf_key,theirs",
+    [
+        ("num_layers", 6, "num_hidden_layers", 2),
+        ("hidden_size", 48, "hidden_size", 32),
+        ("num_heads", 8, "num_attention_heads", 4),
+        ("vocab_size", 100, "vocab_size", 128),
+        ("num_kv_heads", 4, "num_key_value_heads", 2),
+        ("intermediate_size", 96, "intermediate_size", 64),
+    ],
+)
 def test_a_model_field_that_disagrees_with_config_json(dirs, field, value, hf_key, theirs):
     path = dirs["llama", "single"]
     with pytest.raises(ValueError) as err:
         build_layer_model(cfg_for(path, family="llama", **{field: value}), seed=0)
-    assert str(err.value) == (f"model.pretrained_path '{path}' has {hf_key}={theirs} in config.json but "
-                              f"model.{field} is {value}: set model.{field}={theirs} or leave it unset")
+    assert str(err.value) == (
+        f"model.pretrained_path '{path}' has {hf_key}={theirs} in config.json but "
+        f"model.{field} is {value}: set model.{field}={theirs} or leave it unset"
+    )
 
 
 def test_fields_at_their_defaults_do_not_count(dirs):
@@ -222,34 +238,45 @@ def test_fields_at_their_defaults_do_not_count(dirs):
     lm = build_layer_model(cfg_for(dirs["llama", "single"]), seed=0, owned=[1])
     assert lm.hf_config.model_type == "llama" and lm.num_layers == 4
     # set to the directory's own values: no disagreement either
-    build_layer_model(cfg_for(dirs["gpt2", "single"], num_layers=2, hidden_size=32, vocab_size=128,
-                              max_seq_len=SEQ), seed=0, owned=[1])
+    build_layer_model(
+        cfg_for(dirs["gpt2", "single"], num_layers=2, hidden_size=32, vocab_size=128, max_seq_len=SEQ),
+        seed=0,
+        owned=[1],
+    )
 
 
 def test_family_tie_and_length_disagreements(dirs):
     g, t = dirs["gpt2", "single"], dirs["llama-tied", "single"]
     with pytest.raises(ValueError) as err:
         build_layer_model(cfg_for(g, family="llama"), seed=0)
-    assert str(err.value) == (f"model.pretrained_path '{g}' holds a gpt2 model but model.family is llama: "
-                              "set model.family=gpt2")
+    assert str(err.value) == (
+        f"model.pretrained_path '{g}' holds a gpt2 model but model.family is llama: set model.family=gpt2"
+    )
     with pytest.raises(ValueError) as err:
         build_layer_model(cfg_for(t, family="llama", tie_embeddings=False), seed=0)
-    assert str(err.value) == (f"model.pretrained_path '{t}' has tie_word_embeddings=true in config.json but "
-                              "model.tie_embeddings is false: set model.tie_embeddings=true or leave it unset")
+    assert str(err.value) == (
+        f"model.pretrained_path '{t}' has tie_word_embeddings=true in config.json but "
+        "model.tie_embeddings is false: set model.tie_embeddings=true or leave it unset"
+    )
     with pytest.raises(ValueError) as err:
         build_layer_model(cfg_for(g, max_seq_len=128), seed=0)
-    assert str(err.value) == (f"model.pretrained_path '{g}' has n_positions=16 in config.json (GPT-2's longest "
-                              "sequence) but model.max_seq_len is 128: set model.max_seq_len (and data.seq_len) "
-                              "to at most 16")
+    assert str(err.value) == (
+        f"model.pretrained_path '{g}' has n_positions=16 in config.json (GPT-2's longest "
+        "sequence) but model.max_seq_len is 128: set model.max_seq_len (and data.seq_len) "
+        "to at most 16"
+    )
 
 
 def test_unsupported_family(tmp_path):
-    transformers.GPTNeoXConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                               intermediate_size=64, vocab_size=128).save_pretrained(tmp_path)
+    transformers.GPTNeoXConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=128
+    ).save_pretrained(tmp_path)
     with pytest.raises(ValueError) as err:
         build_layer_model(cfg_for(tmp_path), seed=0)
-    assert str(err.value) == (f"model.pretrained_path '{tmp_path}' holds a gpt_neox model; flat layers exist "
-                              "for gpt2, llama, mistral, qwen2 (use model.family=custom for others)")
+    assert str(err.value) == (
+        f"model.pretrained_path '{tmp_path}' holds a gpt_neox model; flat layers exist "
+        "for gpt2, llama, mistral, qwen2 (use model.family=custom for others)"
+    )
 
 
 def copy_of(src: Path, dst: Path) -> Path:
@@ -263,9 +290,11 @@ def test_missing_weights_shard_and_tensor(dirs, tmp_path):
     shutil.copy(dirs["gpt2", "single"] / "config.json", bare / "config.json")
     with pytest.raises(FileNotFoundError) as err:
         build_layer_model(cfg_for(bare), seed=0)
-    assert str(err.value) == (f"model.pretrained_path '{bare}' has neither model.safetensors nor "
-                              "model.safetensors.index.json: save the model with save_pretrained "
-                              "(safetensors; pytorch_model.bin is not read)")
+    assert str(err.value) == (
+        f"model.pretrained_path '{bare}' has neither model.safetensors nor "
+        "model.safetensors.index.json: save the model with save_pretrained "
+        "(safetensors; pytorch_model.bin is not read)"
+    )
 
     sharded = copy_of(dirs["gpt2", "sharded"], tmp_path / "sharded")
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
@@ -274,8 +303,10 @@ def test_missing_weights_shard_and_tensor(dirs, tmp_path):
     (sharded / shard).unlink()
     with pytest.raises(FileNotFoundError) as err:
         build_layer_model(cfg_for(sharded), seed=0, owned=[1])
-    assert str(err.value) == (f"model.pretrained_path '{sharded}': shard {shard} does not exist "
-                              f"(model.safetensors.index.json lists '{first}' in it): copy the complete directory")
+    assert str(err.value) == (
+        f"model.pretrained_path '{sharded}': shard {shard} does not exist "
+        f"(model.safetensors.index.json lists '{first}' in it): copy the complete directory"
+    )
 
     listed = copy_of(dirs["llama", "sharded"], tmp_path / "listed")
     path = listed / "model.safetensors.index.json"
@@ -285,9 +316,11 @@ def test_missing_weights_shard_and_tensor(dirs, tmp_path):
     build_layer_model(cfg_for(listed, family="llama"), seed=0, owned=[0, 1, 3])  # layer 2 not needed
     with pytest.raises(ValueError) as err:
         build_layer_model(cfg_for(listed, family="llama"), seed=0, owned=[2])
-    assert str(err.value) == (f"model.pretrained_path '{listed}': tensor 'model.layers.1.mlp.up_proj.weight' is "
-                              "not in model.safetensors.index.json: the directory does not hold this model's "
-                              "weights; rewrite it with save_pretrained")
+    assert str(err.value) == (
+        f"model.pretrained_path '{listed}': tensor 'model.layers.1.mlp.up_proj.weight' is "
+        "not in model.safetensors.index.json: the directory does not hold this model's "
+        "weights; rewrite it with save_pretrained"
+    )
 
     single = copy_of(dirs["llama", "single"], tmp_path / "single")
     with safe_open(str(single / "model.safetensors"), "pt") as fh:
@@ -295,9 +328,11 @@ def test_missing_weights_shard_and_tensor(dirs, tmp_path):
     save_file(tensors, str(single / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError) as err:
         build_layer_model(cfg_for(single, family="llama"), seed=0, owned=[3])
-    assert str(err.value) == (f"model.pretrained_path '{single}': tensor 'model.norm.weight' is not in "
-                              "model.safetensors: the directory does not hold this model's weights; rewrite it "
-                              "with save_pretrained")
+    assert str(err.value) == (
+        f"model.pretrained_path '{single}': tensor 'model.norm.weight' is not in "
+        "model.safetensors: the directory does not hold this model's weights; rewrite it "
+        "with save_pretrained"
+    )
 
 
 def test_weights_that_do_not_match_config_json(dirs, tmp_path):
@@ -308,6 +343,8 @@ def test_weights_that_do_not_match_config_json(dirs, tmp_path):
     build_layer_model(cfg_for(path), seed=0, owned=[1])  # the blocks still fit
     with pytest.raises(ValueError) as err:
         build_layer_model(cfg_for(path), seed=0, owned=[0])
-    assert str(err.value) == (f"model.pretrained_path '{path}': tensor 'transformer.wte.weight' in "
-                              "model.safetensors has shape [128, 32] but config.json implies [100, 32]: the weights "
-                              "do not belong to this config.json")
+    assert str(err.value) == (
+        f"model.pretrained_path '{path}': tensor 'transformer.wte.weight' in "
+        "model.safetensors has shape [128, 32] but config.json implies [100, 32]: the weights "
+        "do not belong to this config.json"
+    )

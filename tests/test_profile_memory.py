@@ -21,7 +21,7 @@ from oobleck_elastic.planning import LayerProfile, ModelProfile, plan_job, profi
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMORY_FIELDS = ("name", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "output_bytes")
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 def memory(prof: ModelProfile) -> list[tuple]:
@@ -30,8 +30,15 @@ def memory(prof: ModelProfile) -> list[tuple]:
 
 def small_job(family: str = "gpt2", *, num_layers: int = 4, once: bool = True) -> JobConfig:
     cfg = JobConfig()
-    cfg.model = ModelConfig(family=family, vocab_size=128, hidden_size=32, num_layers=num_layers, num_heads=4,
-                            max_seq_len=16, tie_embeddings=family == "gpt2")
+    cfg.model = ModelConfig(
+        family=family,
+        vocab_size=128,
+        hidden_size=32,
+        num_layers=num_layers,
+        num_heads=4,
+        max_seq_len=16,
+        tie_embeddings=family == "gpt2",
+    )
     cfg.data.seq_len, cfg.training.microbatch_size = 16, 2
     cfg.planning.profile_warmup, cfg.planning.profile_repeats = 0, 1
     cfg.planning.profile_identical_blocks_once = once
@@ -79,8 +86,9 @@ def test_profile_model_holds_one_layer_at_a_time(monkeypatch: pytest.MonkeyPatch
 def test_a_pretrained_model_is_read_one_layer_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import transformers
 
-    conf = transformers.GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=3, n_head=4, resid_pdrop=0.0,
-                                   embd_pdrop=0.0, attn_pdrop=0.0)  # the dropout of small_job: the same work
+    conf = transformers.GPT2Config(
+        vocab_size=128, n_positions=16, n_embd=32, n_layer=3, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )  # the dropout of small_job: the same work
     transformers.GPT2LMHeadModel(conf).save_pretrained(tmp_path / "gpt2")
     cfg = small_job(num_layers=3, once=False)
     random = profiler.profile_model(cfg, device="cpu")
@@ -123,16 +131,24 @@ def test_only_one_kind_on_one_input_shape_shares_numbers() -> None:
     """Class, plain attributes, parameter shapes, the input's shape and the output's shape all
     have to match before a layer reuses an earlier layer's numbers."""
     torch.manual_seed(0)
-    layers = [nn.Linear(8, 8), nn.Linear(8, 8),  # identical: the second reuses the first
-              nn.Linear(8, 8, bias=False),  # other parameters
-              nn.Dropout(0.1), nn.Dropout(0.5),  # other attributes
-              nn.AvgPool1d(2), nn.AvgPool1d(2),  # same kind, input 8 wide then 4 wide
-              nn.Linear(2, 4), nn.Linear(4, 2), nn.Linear(2, 4),  # same kind and input, but the output
-              nn.Linear(4, 2)]  # (4 wide) is not the input (2 wide) the next layer gets: measured
+    layers = [
+        nn.Linear(8, 8),
+        nn.Linear(8, 8),  # identical: the second reuses the first
+        nn.Linear(8, 8, bias=False),  # other parameters
+        nn.Dropout(0.1),
+        nn.Dropout(0.5),  # other attributes
+        nn.AvgPool1d(2),
+        nn.AvgPool1d(2),  # same kind, input 8 wide then 4 wide
+        nn.Linear(2, 4),
+        nn.Linear(4, 2),
+        nn.Linear(2, 4),  # same kind and input, but the output
+        nn.Linear(4, 2),
+    ]  # (4 wide) is not the input (2 wide) the next layer gets: measured
     x = torch.randn(2, 4, 8)
     lines: list[str] = []
-    once = profiler.profile_layers(layers, x, torch.zeros(2, 4, 2), nn.functional.mse_loss, repeats=1,
-                                   identical_blocks_once=True, log=lines.append)
+    once = profiler.profile_layers(
+        layers, x, torch.zeros(2, 4, 2), nn.functional.mse_loss, repeats=1, identical_blocks_once=True, log=lines.append
+    )
     assert [line.split(":")[0] for line in lines if "identical" in line] == ["profiling layer 2/11 layer.1"]
     full = profiler.profile_layers(layers, x, torch.zeros(2, 4, 2), nn.functional.mse_loss, repeats=1)
     assert memory(once) == memory(full)
@@ -143,17 +159,21 @@ def test_only_one_kind_on_one_input_shape_shares_numbers() -> None:
 def flop_clock(counter: FlopCounterMode) -> types.SimpleNamespace:
     """A stand-in for the profiler's `time` module: perf_counter() is the number of floating-point
     operations run so far x 2^-40 s (exact in binary, so differences are exact)."""
-    return types.SimpleNamespace(perf_counter=lambda: counter.get_total_flops() * 2.0 ** -40)
+    return types.SimpleNamespace(perf_counter=lambda: counter.get_total_flops() * 2.0**-40)
 
 
-SHIPPED = {"gpt2-tiny": [], "llama-tiny": [],
-           # microbatch 1 x 32 tokens (of 4 x 512) keeps it to seconds on a CPU; the model is unchanged
-           "gpt2-small": ["training.microbatch_size=1", "data.seq_len=32"]}
+SHIPPED = {
+    "gpt2-tiny": [],
+    "llama-tiny": [],
+    # microbatch 1 x 32 tokens (of 4 x 512) keeps it to seconds on a CPU; the model is unchanged
+    "gpt2-small": ["training.microbatch_size=1", "data.seq_len=32"],
+}
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_configs_plan_the_same_with_identical_blocks_measured_once(
-        monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
     """The templates and plans (every node count the templates cover) from a profile with
     identical blocks measured once equal those from a profile with every block measured.
 
@@ -167,8 +187,9 @@ def test_shipped_configs_plan_the_same_with_identical_blocks_measured_once(
     counter = FlopCounterMode(display=False)
     monkeypatch.setattr(profiler, "time", flop_clock(counter))
     # one iteration per layer: the clock has no noise to take a median of
-    cfg = load_config(ROOT / "configs" / f"{name}.yaml",
-                      [*SHIPPED[name], "planning.profile_warmup=0", "planning.profile_repeats=1"])
+    cfg = load_config(
+        ROOT / "configs" / f"{name}.yaml", [*SHIPPED[name], "planning.profile_warmup=0", "planning.profile_repeats=1"]
+    )
     profiles = {}
     for once in (True, False):
         cfg.planning.profile_identical_blocks_once = once
@@ -206,8 +227,7 @@ def test_gpt3_175b_profiles_on_a_device_that_holds_one_block(monkeypatch: pytest
     def build_on_meta(model_cfg, *, seed, owned=None, device="cpu"):  # noqa: ANN001, ANN202
         owned = sorted(owned) if owned is not None else list(range(n))
         built.append(owned)
-        return LayerModel(layers=[metas[i] if i in owned else None for i in range(n)], names=names,
-                          hf_names=[{}] * n)
+        return LayerModel(layers=[metas[i] if i in owned else None for i in range(n)], names=names, hf_names=[{}] * n)
 
     held: list[int] = []
 

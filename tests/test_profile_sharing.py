@@ -32,8 +32,16 @@ from helpers import TINY_PROFILE_OVERRIDES, tiny_profile
 from oobleck_elastic import cli
 from oobleck_elastic.config import ConfigError, load_config
 from oobleck_elastic.etcd import EtcdClient, EtcdSettings, connect
-from oobleck_elastic.planning import (LayerProfile, ModelProfile, Plan, PlanningError, ProfileError, build_templates,
-                                      device_memory, templates_for)
+from oobleck_elastic.planning import (
+    LayerProfile,
+    ModelProfile,
+    Plan,
+    PlanningError,
+    ProfileError,
+    build_templates,
+    device_memory,
+    templates_for,
+)
 from oobleck_elastic.planning import profiler
 from oobleck_elastic.rendezvous.handler import OobleckRendezvousHandler
 from oobleck_elastic.rendezvous.keys import Keys, sanitise
@@ -43,15 +51,28 @@ from oobleck_elastic.rendezvous.worker import WorkerContext
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "gpt2-tiny.yaml"
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 def synthetic_profile(*, gib_per_layer: float = 0.4, memory: int | None = None, name: str = "l") -> ModelProfile:
     """6 layers (gpt2-tiny's flat list) of `gib_per_layer` GiB params+grads+AdamW each."""
     b = int(gib_per_layer / 4 * GIB)
-    return ModelProfile(layers=[LayerProfile(name=f"{name}{i}", forward_s=0.01, backward_s=0.02, param_bytes=b,
-                                             grad_bytes=b, optimizer_bytes=2 * b, activation_bytes=0)
-                                for i in range(6)], key={"device": "cpu", "seq_len": 64}, device_memory_bytes=memory)
+    return ModelProfile(
+        layers=[
+            LayerProfile(
+                name=f"{name}{i}",
+                forward_s=0.01,
+                backward_s=0.02,
+                param_bytes=b,
+                grad_bytes=b,
+                optimizer_bytes=2 * b,
+                activation_bytes=0,
+            )
+            for i in range(6)
+        ],
+        key={"device": "cpu", "seq_len": 64},
+        device_memory_bytes=memory,
+    )
 
 
 # ---------------------------------------------------------------------------------------- device memory
@@ -69,8 +90,11 @@ def test_device_memory_defaults_to_the_profiled_device_and_the_config_overrides_
     assert (tset.device_memory_gb, tset.memory_source, tset.n0) == (1.25, "planning.device_memory_gb", 2)
 
     cfg.planning.device_memory_gb = None
-    with pytest.raises(PlanningError, match=r"^planning.device_memory_gb is not set and the profile records no "
-                                            r"device memory .*set planning.device_memory_gb"):
+    with pytest.raises(
+        PlanningError,
+        match=r"^planning.device_memory_gb is not set and the profile records no "
+        r"device memory .*set planning.device_memory_gb",
+    ):
         templates_for(cfg, synthetic_profile())
     with pytest.raises(ConfigError, match="'planning.device_memory_gb' must be > 0"):
         load_config(CONFIG, ["planning.device_memory_gb=0"])
@@ -78,11 +102,17 @@ def test_device_memory_defaults_to_the_profiled_device_and_the_config_overrides_
 
 def test_a_model_too_big_for_the_measured_device_says_so() -> None:
     with pytest.raises(PlanningError) as err:
-        build_templates(synthetic_profile(gib_per_layer=4.0), gpus_per_node=1, device_memory_gb=2.0,
-                        memory_source="the profiled device (Fake GPU)")
+        build_templates(
+            synthetic_profile(gib_per_layer=4.0),
+            gpus_per_node=1,
+            device_memory_gb=2.0,
+            memory_source="the profiled device (Fake GPU)",
+        )
     text = str(err.value)
-    assert "GiB usable of the 2.00 GiB of the profiled device (Fake GPU) (planning.device_memory_gb is not set)" \
-        in text and "use devices with more memory or lower training.microbatch_size" in text
+    assert (
+        "GiB usable of the 2.00 GiB of the profiled device (Fake GPU) (planning.device_memory_gb is not set)" in text
+        and "use devices with more memory or lower training.microbatch_size" in text
+    )
 
 
 def test_profile_json_records_device_memory_and_stays_backward_compatible(tmp_path: Path) -> None:
@@ -100,8 +130,17 @@ def test_profile_json_records_device_memory_and_stays_backward_compatible(tmp_pa
 
 
 def test_cpu_profiles_record_no_device_memory(tmp_path: Path) -> None:
-    cfg = load_config(CONFIG, [f"data.cache_dir={tmp_path}", "planning.profile_repeats=1", "planning.profile_warmup=0",
-                               "data.seq_len=16", "training.microbatch_size=1", "training.global_batch_size=8"])
+    cfg = load_config(
+        CONFIG,
+        [
+            f"data.cache_dir={tmp_path}",
+            "planning.profile_repeats=1",
+            "planning.profile_warmup=0",
+            "data.seq_len=16",
+            "training.microbatch_size=1",
+            "training.global_batch_size=8",
+        ],
+    )
     prof = profiler.load_or_profile(cfg, device="cpu", log=lambda _: None)
     assert prof.device_memory_bytes is None and profiler.device_memory_bytes("cpu") is None
     assert profiler.device_label("cpu").startswith("cpu ")
@@ -122,16 +161,31 @@ def test_oobleck_plan_says_where_the_memory_figure_comes_from(tmp_path: Path, ca
     measured.key["device_name"] = "Fake GPU"
     measured.save(tmp_path / "measured.json")
     synthetic_profile().save(tmp_path / "cpu.json")
+
     def plan(profile: str, *extra: str) -> int:
-        return cli.main(["plan", "--config", str(CONFIG), "--nodes", "2", "--profile", str(tmp_path / profile),
-                         *extra, "planning.memory_margin=0"])
+        return cli.main(
+            [
+                "plan",
+                "--config",
+                str(CONFIG),
+                "--nodes",
+                "2",
+                "--profile",
+                str(tmp_path / profile),
+                *extra,
+                "planning.memory_margin=0",
+            ]
+        )
+
     assert plan("measured.json", "planning.device_memory_gb=null") == 0
     assert "2 GiB each (from the profiled device (Fake GPU))" in capsys.readouterr().out
     assert plan("measured.json", "planning.device_memory_gb=1.25") == 0
     assert "1.25 GiB each (from planning.device_memory_gb)" in capsys.readouterr().out
     assert plan("measured.json", "--json", "planning.device_memory_gb=null") == 0
-    assert json.loads(capsys.readouterr().out)["device_memory"] == {"gib": 2.0,
-                                                                    "source": "the profiled device (Fake GPU)"}
+    assert json.loads(capsys.readouterr().out)["device_memory"] == {
+        "gib": 2.0,
+        "source": "the profiled device (Fake GPU)",
+    }
     assert plan("cpu.json", "planning.device_memory_gb=null") == 2
     assert "error: planning.device_memory_gb is not set" in capsys.readouterr().err
 
@@ -238,10 +292,14 @@ def test_the_claim_is_bound_to_the_node_lease_and_a_restarted_worker_takes_it_ov
 
         def look() -> None:
             seen["lease"] = etcd.get(keys.profile_claim(label)).lease
+
         fake.during = look
         # the same worker's earlier run (torchrun restarted it) left its claim behind
-        etcd.put_json(keys.profile_claim(label), ProfileClaim(node=member.node_id, local_rank=0, pid=1,
-                                                              time=1.0).to_json(), lease=member.lease)
+        etcd.put_json(
+            keys.profile_claim(label),
+            ProfileClaim(node=member.node_id, local_rank=0, pid=1, time=1.0).to_json(),
+            lease=member.lease,
+        )
         w.share_profile(job(), CPU)
         assert fake.calls == 1 and seen["lease"] == member.lease
         assert etcd.get_json(keys.device_profile(label))[0] is not None
@@ -263,8 +321,9 @@ def test_a_malformed_profile_in_etcd_is_measured_again(etcd, run_id, fake, caplo
 class Nodes:
     """Simulated agents (one handler each, rendezvous in threads) with no planning.profile_path."""
 
-    def __init__(self, endpoint: str, run_id: str, *, min_nodes: int, max_nodes: int, extra: list[str],
-                 nproc: int = 1) -> None:
+    def __init__(
+        self, endpoint: str, run_id: str, *, min_nodes: int, max_nodes: int, extra: list[str], nproc: int = 1
+    ) -> None:
         self.endpoint, self.run_id, self.extra, self.nproc = endpoint, run_id, extra, nproc
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.client = connect(EtcdSettings(endpoint=endpoint))
@@ -274,9 +333,16 @@ class Nodes:
     def start(self, n: int) -> list[dict]:
         out = []
         for _ in range(n):
-            params = RendezvousParameters(backend="oobleck", endpoint=self.endpoint, run_id=self.run_id,
-                                          min_nodes=self.min_nodes, max_nodes=self.max_nodes, lease_ttl="1",
-                                          settle="0.1", last_call_timeout="0.3")
+            params = RendezvousParameters(
+                backend="oobleck",
+                endpoint=self.endpoint,
+                run_id=self.run_id,
+                min_nodes=self.min_nodes,
+                max_nodes=self.max_nodes,
+                lease_ttl="1",
+                settle="0.1",
+                last_call_timeout="0.3",
+            )
             argv = ["torchrun", f"--nproc-per-node={self.nproc}", "train.py", "--config", str(CONFIG), *self.extra]
             box: dict = {"handler": OobleckRendezvousHandler(params, argv=argv)}
 
@@ -285,6 +351,7 @@ class Nodes:
                     box["info"] = box["handler"].next_rendezvous()
                 except Exception as err:  # noqa: BLE001 - the test inspects it
                     box["error"] = err
+
             box["thread"] = threading.Thread(target=run, daemon=True)
             box["thread"].start()
             out.append(box)
@@ -325,10 +392,17 @@ def nodes_factory(etcd_server, run_id):
     made: list[Nodes] = []
 
     def make(*, min_nodes: int = 2, max_nodes: int = 4, extra: tuple[str, ...] = (), nproc: int = 1) -> Nodes:
-        n = Nodes(etcd_server.endpoint, run_id, min_nodes=min_nodes, max_nodes=max_nodes,
-                  extra=[*TINY_PROFILE_OVERRIDES, *extra], nproc=nproc)
+        n = Nodes(
+            etcd_server.endpoint,
+            run_id,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            extra=[*TINY_PROFILE_OVERRIDES, *extra],
+            nproc=nproc,
+        )
         made.append(n)
         return n
+
     yield make
     for n in made:
         n.close()
@@ -342,8 +416,7 @@ def joined(boxes: list[dict], timeout: float = 10.0) -> None:
         assert "info" in box, box.get("error", "rendezvous did not return")
 
 
-def test_first_nodes_are_admitted_before_the_plan_and_planned_from_the_workers_profile(nodes_factory,
-                                                                                       caplog) -> None:
+def test_first_nodes_are_admitted_before_the_plan_and_planned_from_the_workers_profile(nodes_factory, caplog) -> None:
     caplog.set_level(logging.INFO, logger="oobleck_elastic.rendezvous")
     c = nodes_factory(min_nodes=2, max_nodes=4)
     first = c.start(2)
@@ -395,10 +468,16 @@ def test_malformed_and_mismatching_profiles_are_logged_once_and_ignored(nodes_fa
     joined(c.start(2))
     time.sleep(1.0)
     assert c.plan() is None
-    for name, why in (("cpu-broken", "not valid JSON"), ("cpu-wrong", "5 layers but model.num_layers=4 gives 6"),
-                      ("cpu-shape", "measured with seq_len=32 but the job has 64")):
-        hits = [r for r in caplog.records if r.getMessage().startswith("ignoring profile in etcd key")
-                and r.getMessage().split(":")[0].endswith(name)]
+    for name, why in (
+        ("cpu-broken", "not valid JSON"),
+        ("cpu-wrong", "5 layers but model.num_layers=4 gives 6"),
+        ("cpu-shape", "measured with seq_len=32 but the job has 64"),
+    ):
+        hits = [
+            r
+            for r in caplog.records
+            if r.getMessage().startswith("ignoring profile in etcd key") and r.getMessage().split(":")[0].endswith(name)
+        ]
         assert len(hits) == 1 and why in hits[0].getMessage(), [r.getMessage() for r in caplog.records]
     c.publish(synthetic_profile())
     assert c.wait(c.plan).generation == 1
@@ -410,8 +489,9 @@ def test_no_profile_within_the_rendezvous_timeout_fails_the_job_with_one_error(n
     joined(c.start(2))
     closed = c.wait(lambda: c.client.get_json(c.keys.closed)[0], timeout=10)
     assert closed["failed"] is True
-    assert closed["reason"].startswith("no worker published a profile of its device within 2s "
-                                       "(fault_tolerance.rendezvous_timeout_s)")
+    assert closed["reason"].startswith(
+        "no worker published a profile of its device within 2s (fault_tolerance.rendezvous_timeout_s)"
+    )
     assert "set planning.profile_path" in closed["reason"] and c.plan() is None
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "no worker published a profile" in errors[0].getMessage()
@@ -428,8 +508,10 @@ def test_a_cpu_profile_without_device_memory_fails_the_job_naming_the_setting(no
     c.publish(synthetic_profile())  # measured on a CPU: no device memory recorded
     closed = c.wait(lambda: c.client.get_json(c.keys.closed)[0], timeout=10)
     assert closed["failed"] is True and c.plan() is None
-    assert closed["reason"].startswith("cannot plan this job with any number of nodes: planning.device_memory_gb is "
-                                       "not set and the profile records no device memory")
+    assert closed["reason"].startswith(
+        "cannot plan this job with any number of nodes: planning.device_memory_gb is "
+        "not set and the profile records no device memory"
+    )
 
 
 def test_with_a_profile_file_the_first_plan_needs_no_worker(nodes_factory, tmp_path) -> None:
@@ -447,11 +529,17 @@ def test_tensor_parallel_auto_pins_the_profile_of_the_degree_it_chose(nodes_fact
     says its degree. Here tp=2 layers run 4x faster (and one 2-device stage per node still fits)."""
     tiny_profile(tmp_path / "p-tp1.json")
     fast = ModelProfile.load(tiny_profile(tmp_path / "p-tp2.json", tensor_parallel=2))
-    fast.layers = [LayerProfile(**{**vars(layer), "forward_s": layer.forward_s / 4, "backward_s": layer.backward_s / 4})
-                   for layer in fast.layers]
+    fast.layers = [
+        LayerProfile(**{**vars(layer), "forward_s": layer.forward_s / 4, "backward_s": layer.backward_s / 4})
+        for layer in fast.layers
+    ]
     fast.save(tmp_path / "p-tp2.json")
-    c = nodes_factory(min_nodes=2, max_nodes=2, nproc=2,
-                      extra=("planning.tensor_parallel=auto", f"planning.profile_path={tmp_path / 'p-tp{tp}.json'}"))
+    c = nodes_factory(
+        min_nodes=2,
+        max_nodes=2,
+        nproc=2,
+        extra=("planning.tensor_parallel=auto", f"planning.profile_path={tmp_path / 'p-tp{tp}.json'}"),
+    )
     joined(c.start(2))
     plan = c.plan()
     assert plan is not None and plan.tensor_parallel == 2 and plan.world_size == 4

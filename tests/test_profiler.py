@@ -19,8 +19,9 @@ B, L, H, V = 2, 16, 32, 256
 
 def job(tmp_path, **model_kw) -> JobConfig:
     cfg = JobConfig()
-    cfg.model = ModelConfig(family="gpt2", vocab_size=V, hidden_size=H, num_layers=2, num_heads=4,
-                            max_seq_len=L, **model_kw)
+    cfg.model = ModelConfig(
+        family="gpt2", vocab_size=V, hidden_size=H, num_layers=2, num_heads=4, max_seq_len=L, **model_kw
+    )
     cfg.data.seq_len = L
     cfg.data.cache_dir = str(tmp_path / "cache")
     cfg.training.microbatch_size = B
@@ -34,12 +35,12 @@ def true_param_bytes(layer: nn.Module) -> int:
 
 
 def test_profile_layers_gpt2():
-    lm = build_layer_model(ModelConfig(vocab_size=V, hidden_size=H, num_layers=2, num_heads=4,
-                                       max_seq_len=L), seed=0)
+    lm = build_layer_model(ModelConfig(vocab_size=V, hidden_size=H, num_layers=2, num_heads=4, max_seq_len=L), seed=0)
     ids = torch.randint(0, V, (B, L))
     lines: list[str] = []
-    prof = profile_layers(lm.layers, ids, ids, lm.loss_fn, warmup=1, repeats=3, names=lm.names,
-                          key={"k": 1}, log=lines.append)
+    prof = profile_layers(
+        lm.layers, ids, ids, lm.loss_fn, warmup=1, repeats=3, names=lm.names, key={"k": 1}, log=lines.append
+    )
     assert prof.num_layers == 4
     assert [p.name for p in prof.layers] == ["embedding", "block.0", "block.1", "head"]
     assert prof.key == {"k": 1}
@@ -110,8 +111,7 @@ def test_stale_cache_is_reprofiled(tmp_path, monkeypatch):
 
 def test_profile_path_is_used(tmp_path, monkeypatch):
     cfg = job(tmp_path, tie_embeddings=True)
-    given = ModelProfile([LayerProfile(f"l{i}", 0.1, 0.2, 10, 10, 20, 5) for i in range(4)],
-                         key={"source": "file"})
+    given = ModelProfile([LayerProfile(f"l{i}", 0.1, 0.2, 10, 10, 20, 5) for i in range(4)], key={"source": "file"})
     given.save(tmp_path / "p.json")
     cfg.planning.profile_path = str(tmp_path / "p.json")
     monkeypatch.setattr(profiler, "profile_model", lambda *a, **k: pytest.fail("profiled"))

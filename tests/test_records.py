@@ -10,9 +10,22 @@ import pytest
 
 from oobleck_elastic.etcd.memory import MemoryKV
 from oobleck_elastic.rendezvous.keys import Keys
-from oobleck_elastic.rendezvous.records import (Admission, Checkin, CheckinKind, FenceRecord, LeaderRecord, Ping,
-                                                ProfileClaim, ReadyRecord, is_fenced, read_admitted, read_fences,
-                                                read_leader, read_ready, readiness_withdrawn)
+from oobleck_elastic.rendezvous.records import (
+    Admission,
+    Checkin,
+    CheckinKind,
+    FenceRecord,
+    LeaderRecord,
+    Ping,
+    ProfileClaim,
+    ReadyRecord,
+    is_fenced,
+    read_admitted,
+    read_fences,
+    read_leader,
+    read_ready,
+    readiness_withdrawn,
+)
 
 KEYS = Keys("/oobleck", "r")
 
@@ -25,8 +38,14 @@ def test_leaf_keys_are_the_layout_of_the_table() -> None:
     assert KEYS.pong("node2") == KEYS.pongs + "node2" == "/oobleck/r/pong/node2"
     assert KEYS.probe("node0", 1, 42) == "/oobleck/r/probe/node0/1/42"
     assert KEYS.plan_at(3) == "/oobleck/r/plans/00000003"
-    assert KEYS.leader_watched() == ["/oobleck/r/plan", "/oobleck/r/nodes/", "/oobleck/r/fenced/",
-                                     "/oobleck/r/admitted/", "/oobleck/r/ready/", "/oobleck/r/stragglers"]
+    assert KEYS.leader_watched() == [
+        "/oobleck/r/plan",
+        "/oobleck/r/nodes/",
+        "/oobleck/r/fenced/",
+        "/oobleck/r/admitted/",
+        "/oobleck/r/ready/",
+        "/oobleck/r/stragglers",
+    ]
 
 
 def test_keys_parse_back_what_they_build() -> None:
@@ -36,26 +55,40 @@ def test_keys_parse_back_what_they_build() -> None:
         KEYS.checkin_of(KEYS.rollcall(3) + "node1/x")
 
 
-@pytest.mark.parametrize("record, wire", [
-    (FenceRecord(time=1.5, generation=2), {"time": 1.5, "generation": 2}),
-    (Admission(time=1.5), {"time": 1.5}),
-    (ReadyRecord(time=1.5, pid=7), {"time": 1.5, "pid": 7}),
-    (ReadyRecord(time=1.5, withdrawn=True, why="hung"), {"time": 1.5, "withdrawn": True, "why": "hung"}),
-    (Checkin(time=1.5, kind=CheckinKind.STALL), {"time": 1.5, "kind": "stall"}),
-    (LeaderRecord(node_id="node0", since=1.5), {"node_id": "node0", "since": 1.5}),
-    (ProfileClaim(node="node0", local_rank=1, pid=7, time=1.5),
-     {"schema_version": 1, "node": "node0", "local_rank": 1, "pid": 7, "time": 1.5}),
-])
+@pytest.mark.parametrize(
+    "record, wire",
+    [
+        (FenceRecord(time=1.5, generation=2), {"time": 1.5, "generation": 2}),
+        (Admission(time=1.5), {"time": 1.5}),
+        (ReadyRecord(time=1.5, pid=7), {"time": 1.5, "pid": 7}),
+        (ReadyRecord(time=1.5, withdrawn=True, why="hung"), {"time": 1.5, "withdrawn": True, "why": "hung"}),
+        (Checkin(time=1.5, kind=CheckinKind.STALL), {"time": 1.5, "kind": "stall"}),
+        (LeaderRecord(node_id="node0", since=1.5), {"node_id": "node0", "since": 1.5}),
+        (
+            ProfileClaim(node="node0", local_rank=1, pid=7, time=1.5),
+            {"schema_version": 1, "node": "node0", "local_rank": 1, "pid": 7, "time": 1.5},
+        ),
+    ],
+)
 def test_records_write_the_fields_of_the_table_and_read_them_back(record, wire) -> None:
     assert record.to_json() == wire
     assert type(record).parse(json.loads(json.dumps(wire))) == record
 
 
-@pytest.mark.parametrize("cls, bad", [
-    (FenceRecord, {"generation": 1}), (FenceRecord, {"time": "x"}), (FenceRecord, []),
-    (Admission, "x"), (ReadyRecord, {"time": 1.0, "pid": "7"}), (ReadyRecord, None),
-    (LeaderRecord, {"since": 1.0}), (LeaderRecord, "garbage"), (ProfileClaim, {"time": 1.0, "node": 3}),
-])
+@pytest.mark.parametrize(
+    "cls, bad",
+    [
+        (FenceRecord, {"generation": 1}),
+        (FenceRecord, {"time": "x"}),
+        (FenceRecord, []),
+        (Admission, "x"),
+        (ReadyRecord, {"time": 1.0, "pid": "7"}),
+        (ReadyRecord, None),
+        (LeaderRecord, {"since": 1.0}),
+        (LeaderRecord, "garbage"),
+        (ProfileClaim, {"time": 1.0, "node": 3}),
+    ],
+)
 def test_malformed_values_are_refused(cls, bad) -> None:
     with pytest.raises(ValueError):
         cls.parse(bad)
@@ -75,10 +108,16 @@ def test_the_leader_value_is_the_bytes_agents_always_wrote() -> None:
 
 
 def test_readers_ignore_malformed_values() -> None:
-    kv = MemoryKV({KEYS.leader: {"since": 1.0}, KEYS.fence("node1"): {"time": 2.0, "generation": 1},
-                   KEYS.fence("node2"): "garbage", KEYS.admitted("node3"): {"time": 1.0},
-                   KEYS.ready_worker("node1", 0): {"time": 1.0, "pid": 3},
-                   KEYS.ready_worker("node1", 1): ["nonsense"]})
+    kv = MemoryKV(
+        {
+            KEYS.leader: {"since": 1.0},
+            KEYS.fence("node1"): {"time": 2.0, "generation": 1},
+            KEYS.fence("node2"): "garbage",
+            KEYS.admitted("node3"): {"time": 1.0},
+            KEYS.ready_worker("node1", 0): {"time": 1.0, "pid": 3},
+            KEYS.ready_worker("node1", 1): ["nonsense"],
+        }
+    )
     kv.put(KEYS.fence("node5"), "{")  # not JSON: ignored, so not fenced
     assert read_leader(kv, KEYS) is None
     assert dict(read_fences(kv, KEYS)) == {"node1": FenceRecord(2.0, 1), "node2": None}

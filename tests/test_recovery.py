@@ -27,19 +27,35 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     profile = tiny_profile(tmp_path / "profile.json")
     train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path / "ref", steps, profile)))
     # a custom key prefix: the launcher must watch the nodes' keys to kill node 1 at step 3
-    cmd = [sys.executable, "-m", "launcher.local", "--nodes", "4", "--kill", f"1@{kill_at}", "--endpoint",
-           etcd_server.endpoint, "--run-id", run_id, "--rdzv-conf",
-           "lease_ttl=2,settle=0.2,last_call_timeout=1,key_prefix=/custom-prefix",
-           "--", "examples/train.py", "--config", "configs/gpt2-tiny.yaml",
-           *overrides(tmp_path / "job", steps, profile)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher.local",
+        "--nodes",
+        "4",
+        "--kill",
+        f"1@{kill_at}",
+        "--endpoint",
+        etcd_server.endpoint,
+        "--run-id",
+        run_id,
+        "--rdzv-conf",
+        "lease_ttl=2,settle=0.2,last_call_timeout=1,key_prefix=/custom-prefix",
+        "--",
+        "examples/train.py",
+        "--config",
+        "configs/gpt2-tiny.yaml",
+        *overrides(tmp_path / "job", steps, profile),
+    ]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     out = res.stdout
     assert res.returncode == 0, out[-5000:] + res.stderr[-2000:]
     assert "[launcher] killed node 1" in out
     # the survivors saw the failure in a collective, or the leader found the dead agent first (its
     # liveness socket) and they abandoned the step for the new plan
-    assert ("communication failed" in out or "step abandoned" in out) and "entered from generation 1" in out, \
-        out[-4000:]
+    assert ("communication failed" in out or "step abandoned" in out) and "entered from generation 1" in out, out[
+        -4000:
+    ]
     assert "Stopping worker group" not in out and "restart" not in out.lower().replace("restarts=", "")
     manifest = read_manifest(latest_checkpoint(tmp_path / "job" / "ckpt"))
     assert manifest["step"] == steps and manifest["plan"]["generation"] == 2
@@ -59,8 +75,10 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     # samples/s at the first step of generation 2 is over the wall time since the previous step
     # completed: the broken step, the reconfiguration and the replay, not the replay alone
     first = min(e.step for e in gens if e.value == 2)
-    at = {tag: next(e.value for e in ea.Scalars(tag) if e.step == first)
-          for tag in ("train/wall_s", "train/step_time_s", "train/samples_per_s", "reconfiguration/seconds")}
+    at = {
+        tag: next(e.value for e in ea.Scalars(tag) if e.step == first)
+        for tag in ("train/wall_s", "train/step_time_s", "train/samples_per_s", "reconfiguration/seconds")
+    }
     assert at["train/wall_s"] > at["train/step_time_s"] + at["reconfiguration/seconds"] * 0.9, at
     assert abs(at["train/samples_per_s"] - 16 / at["train/wall_s"]) < 1e-3 * at["train/samples_per_s"], at
 
@@ -70,16 +88,21 @@ def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id)
     node is drained with `oobleck kill-agent` (leaves at a boundary, its agent exits 0)."""
     from oobleck_elastic import ops
     from oobleck_elastic.rendezvous.keys import Keys
+
     profile = tiny_profile(tmp_path / "profile.json")
     keys = Keys("/oobleck", run_id)
 
     def drain_after_join(proc) -> None:  # once the joiner trains in generation 2, drain node1
-        when(etcd_server.endpoint, proc,
-             lambda c: (c.get_json(keys.progress)[0] or {}).get("generation", 0) >= 2,
-             lambda c: ops.kill_agent(c, keys, 1))
+        when(
+            etcd_server.endpoint,
+            proc,
+            lambda c: (c.get_json(keys.progress)[0] or {}).get("generation", 0) >= 2,
+            lambda c: ops.kill_agent(c, keys, 1),
+        )
 
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "3", "--join", "1"], 30, profile,
-                             during=drain_after_join)
+    out, job, ref = run_job(
+        tmp_path, etcd_server, run_id, ["--nodes", "3", "--join", "1"], 30, profile, during=drain_after_join
+    )
     assert "entered from generation 1" in out and "entered from generation 2" in out, out[-4000:]
     assert "node node1 was drained" in out and "communication failed" not in out, out[-4000:]
     assert "rank 3: entered from generation 1" in out  # the joiner received its layers
@@ -112,10 +135,20 @@ def test_draining_the_last_holders_of_layers_moves_them(tmp_path: Path, etcd_ser
         for node in drained:
             ops.kill_agent(client, keys, index[node])
 
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 12, profile,
-                            during=lambda proc: when(etcd_server.endpoint, proc,
-                                                     lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0)
-                                                     >= 4, drain_the_second_stages))
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4"],
+        12,
+        profile,
+        during=lambda proc: when(
+            etcd_server.endpoint,
+            proc,
+            lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 4,
+            drain_the_second_stages,
+        ),
+    )
     assert len(drained) == 2
     assert "as a donor" in out and "no surviving copy" not in out and "communication failed" not in out, out[-4000:]
     for node in drained:
@@ -155,12 +188,22 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
             if rec.node_id in victims:
                 kill_node(rec.agent_pid)
 
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 9, profile,
-                             extra=["checkpoint.interval_steps=2"], killed_by_test=2,
-                             during=lambda proc: when(etcd_server.endpoint, proc,
-                                                      lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0)
-                                                      >= 5,
-                                                      kill_both_first_stages))
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4"],
+        9,
+        profile,
+        extra=["checkpoint.interval_steps=2"],
+        killed_by_test=2,
+        during=lambda proc: when(
+            etcd_server.endpoint,
+            proc,
+            lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 5,
+            kill_both_first_stages,
+        ),
+    )
     assert "had no surviving copy; restored checkpoint" in out, out[-4000:]
     assert_same(job, ref)
 
@@ -191,8 +234,12 @@ def test_hung_node_is_cut_off_by_the_control_plane(tmp_path: Path, etcd_server, 
         stopped["at"] = time.monotonic()
 
     def freeze_then_time_the_next_step(proc) -> None:
-        when(etcd_server.endpoint, proc, lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 4,
-             freeze_a_non_leader)
+        when(
+            etcd_server.endpoint,
+            proc,
+            lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 4,
+            freeze_a_non_leader,
+        )
         client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
         try:
             while proc.poll() is None and "resumed" not in stopped:
@@ -202,9 +249,17 @@ def test_hung_node_is_cut_off_by_the_control_plane(tmp_path: Path, etcd_server, 
         finally:
             client.close()
 
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--exit-grace", "5"], 9, profile,
-                            extra=["fault_tolerance.comm_timeout_s=30"], killed_by_test=1,
-                            during=freeze_then_time_the_next_step)
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4", "--exit-grace", "5"],
+        9,
+        profile,
+        extra=["fault_tolerance.comm_timeout_s=30"],
+        killed_by_test=1,
+        during=freeze_then_time_the_next_step,
+    )
     assert "step abandoned (StepAbandoned: generation 2 left out lost node(s)" in out, out[-4000:]
     assert "entered from generation 1" in out
     assert "Timed out waiting" not in out  # nobody waited for the communication timeout
@@ -231,12 +286,22 @@ def test_local_worker_crash_is_restarted_by_its_agent_and_rejoins(tmp_path: Path
     def crash_a_worker(client) -> None:
         os.kill(worker_pid(a_follower(client, keys).agent_pid), signal.SIGKILL)
 
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 12, profile,
-                             during=lambda proc: when(etcd_server.endpoint, proc,
-                                                      lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0)
-                                                      >= 4,
-                                                      crash_a_worker))
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4"],
+        12,
+        profile,
+        during=lambda proc: when(
+            etcd_server.endpoint,
+            proc,
+            lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 4,
+            crash_a_worker,
+        ),
+    )
     from oobleck_elastic.etcd import EtcdSettings, connect
+
     client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
     events = [ev for _, ev in read_events(client, keys)]
     client.close()
@@ -244,6 +309,7 @@ def test_local_worker_crash_is_restarted_by_its_agent_and_rejoins(tmp_path: Path
     assert [ev.generation for ev in plans] == [1, 2] and "(restart)" in plans[1].detail, [e.line() for e in plans]
     # a crashed worker is no lost node: its agent restarts it and no plan leaves a node out (the
     # agents' own `leave` events at the end of the job belong to no generation)
-    assert not [ev for ev in events if ev.kind in ("lost", "leave", "drain") and ev.generation is not None], \
-        [e.line() for e in events]
+    assert not [ev for ev in events if ev.kind in ("lost", "leave", "drain") and ev.generation is not None], [
+        e.line() for e in events
+    ]
     assert_same(job, ref)

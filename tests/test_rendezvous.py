@@ -37,8 +37,9 @@ def profile_path(tmp_path: Path) -> Path:
 class Cluster:
     """Simulated nodes: one handler each, rendezvous run in threads."""
 
-    def __init__(self, endpoint: str, run_id: str, profile: Path, *, min_nodes: int, max_nodes: int,
-                 **conf: str) -> None:
+    def __init__(
+        self, endpoint: str, run_id: str, profile: Path, *, min_nodes: int, max_nodes: int, **conf: str
+    ) -> None:
         self.endpoint, self.run_id, self.profile = endpoint, run_id, profile
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.conf = {"lease_ttl": str(TTL), "settle": "0.1", "last_call_timeout": "0.3", **conf}
@@ -47,10 +48,23 @@ class Cluster:
         self.keys = Keys("/oobleck", run_id)
 
     def handler(self) -> OobleckRendezvousHandler:
-        params = RendezvousParameters(backend="oobleck", endpoint=self.endpoint, run_id=self.run_id,
-                                      min_nodes=self.min_nodes, max_nodes=self.max_nodes, **self.conf)
-        argv = ["torchrun", "--nproc-per-node=1", "train.py", "--config", str(ROOT / "configs/gpt2-tiny.yaml"),
-                f"planning.profile_path={self.profile}", *TINY_PROFILE_OVERRIDES]
+        params = RendezvousParameters(
+            backend="oobleck",
+            endpoint=self.endpoint,
+            run_id=self.run_id,
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
+            **self.conf,
+        )
+        argv = [
+            "torchrun",
+            "--nproc-per-node=1",
+            "train.py",
+            "--config",
+            str(ROOT / "configs/gpt2-tiny.yaml"),
+            f"planning.profile_path={self.profile}",
+            *TINY_PROFILE_OVERRIDES,
+        ]
         h = OobleckRendezvousHandler(params, argv=argv)
         self.handlers.append(h)
         return h
@@ -66,10 +80,12 @@ class Cluster:
                 try:
                     box["info"] = h.next_rendezvous()
                     # what the node's (single) worker does once it has started: report ready
-                    self.client.put_json(self.keys.ready_worker(h.member.node_id, 0),
-                                         ReadyRecord(time=time.time()).to_json())
+                    self.client.put_json(
+                        self.keys.ready_worker(h.member.node_id, 0), ReadyRecord(time=time.time()).to_json()
+                    )
                 except Exception as err:  # noqa: BLE001 - the test inspects it
                     box["error"] = err
+
             box["thread"] = threading.Thread(target=run, daemon=True)
             box["thread"].start()
             results.append(box)
@@ -86,8 +102,9 @@ class Cluster:
             if plan is not None and check(plan):
                 return plan
             time.sleep(0.05)
-        raise AssertionError(f"no plan matching the check within {timeout}s; last: "
-                             f"{self.plan() and self.plan().to_json()}")
+        raise AssertionError(
+            f"no plan matching the check within {timeout}s; last: {self.plan() and self.plan().to_json()}"
+        )
 
     def crash(self, h: OobleckRendezvousHandler) -> None:
         """What a SIGKILL looks like to etcd: the lease is no longer refreshed, nothing is revoked."""
@@ -115,6 +132,7 @@ def cluster_factory(etcd_server, run_id, profile_path):
         c = Cluster(etcd_server.endpoint, run_id, profile_path, **kw)
         made.append(c)
         return c
+
     yield make
     for c in made:
         c.close()
@@ -190,8 +208,9 @@ def test_leader_death_elects_a_new_leader_that_publishes(cluster_factory) -> Non
 
 def checkin(c: Cluster, plan: Plan, node: str, kind: str) -> None:
     """What a worker of `node` writes when it sees a failure (or stalls joining `plan`)."""
-    c.client.put_json(c.keys.checkin(plan.generation, node, 0),
-                      Checkin(time=time.time(), kind=CheckinKind(kind)).to_json())
+    c.client.put_json(
+        c.keys.checkin(plan.generation, node, 0), Checkin(time=time.time(), kind=CheckinKind(kind)).to_json()
+    )
 
 
 def three_nodes_up(cluster_factory) -> tuple:
@@ -216,8 +235,10 @@ def test_dead_leader_is_replaced_by_a_deputy_without_waiting_for_its_lease(clust
     assert new.nodes == tuple(survivors)
     deputy_events = [e for e in c.events() if e.kind == "lost" and "revoked its lease" in e.detail]
     assert [(e.node, e.generation) for e in deputy_events] == [(dead, 1)]
-    assert (f"leader {dead} did not answer a ping during the roll call of generation 1; revoked its lease"
-            == deputy_events[0].detail)
+    assert (
+        f"leader {dead} did not answer a ping during the roll call of generation 1; revoked its lease"
+        == deputy_events[0].detail
+    )
     assert c.client.get_json(c.keys.node(dead))[0] is None
     leaders = [e.node for e in c.events() if e.kind == "leader"]
     assert leaders[0] == dead and len(leaders) == 2 and leaders[1] in survivors
@@ -266,17 +287,24 @@ def test_a_dead_leader_is_replaced_at_once_by_its_liveness_socket(cluster_factor
     new leader re-plans without it."""
     c, boxes, plan, old = three_nodes_up(cluster_factory)
     dead = old.member.node_id
-    deputy = next(b["handler"] for b in boxes
-                  if b["handler"].member.node_id == next(n for n in plan.nodes if n != dead))
-    eventually(lambda: deputy.leader.leader_watch.monitor is not None
-               and dead in deputy.leader.leader_watch.monitor._ever_connected)
+    deputy = next(
+        b["handler"] for b in boxes if b["handler"].member.node_id == next(n for n in plan.nodes if n != dead)
+    )
+    eventually(
+        lambda: (
+            deputy.leader.leader_watch.monitor is not None
+            and dead in deputy.leader.leader_watch.monitor._ever_connected
+        )
+    )
     c.crash(old)
     old.liveness.close(goodbye=False)
     new = c.wait_plan(lambda p: p.generation == 2, timeout=10)
     assert dead not in new.nodes and len(new.nodes) == 2
     lost = [e for e in c.events() if e.kind == "lost" and e.node == dead]
-    assert [e.detail for e in lost][:1] == [f"leader {dead}: its agent's liveness socket closed and refused a new "
-                                            "connection: the agent died; revoked its lease"], [e.line() for e in lost]
+    assert [e.detail for e in lost][:1] == [
+        f"leader {dead}: its agent's liveness socket closed and refused a new "
+        "connection: the agent died; revoked its lease"
+    ], [e.line() for e in lost]
     leaders = [e.node for e in c.events() if e.kind == "leader"]
     assert leaders[0] == dead and len(leaders) == 2
 
@@ -332,6 +360,7 @@ def test_kill_agent_drains_a_node(cluster_factory) -> None:
     assert plan.nodes == ("node0", "node1")
     # the roster agents read is written with the plan, in the same transaction
     from oobleck_elastic.rendezvous.records import Roster, read_roster
+
     assert read_roster(c.client, c.keys) == Roster(plan.generation, plan.nodes)
     drain = [e for e in c.events() if e.kind == "drain" and e.generation == plan.generation]
     assert [e.node for e in drain] == ["node2"]
@@ -403,19 +432,30 @@ def test_connection_errors_are_clear(etcd_server, run_id, tmp_path) -> None:
     with pytest.raises(EtcdError, match="^etcd TLS settings cert and key must be given together"):
         connect(EtcdSettings(endpoint=etcd_server.endpoint, cacert=__file__, cert=__file__))
     import argparse
-    args = argparse.Namespace(endpoint=etcd_server.endpoint, run_id="no-such-run", key_prefix="/oobleck",
-                              cacert=None, cert=None, key=None, user=None, password=None)
+
+    args = argparse.Namespace(
+        endpoint=etcd_server.endpoint,
+        run_id="no-such-run",
+        key_prefix="/oobleck",
+        cacert=None,
+        cert=None,
+        key=None,
+        user=None,
+        password=None,
+    )
     with pytest.raises(ops.OpsError, match="^run 'no-such-run' not found at 127.0.0.1:"):
         ops.open_run(args)
 
 
 def test_unknown_rdzv_conf_option_is_refused(etcd_server, run_id, profile_path, monkeypatch) -> None:
     monkeypatch.setenv("TORCH_ELASTIC_WORKER_IDENTICAL", "0")
-    params = RendezvousParameters(backend="oobleck", endpoint=etcd_server.endpoint, run_id=run_id, min_nodes=1,
-                                  max_nodes=1, lease_tll="3")
+    params = RendezvousParameters(
+        backend="oobleck", endpoint=etcd_server.endpoint, run_id=run_id, min_nodes=1, max_nodes=1, lease_tll="3"
+    )
     with pytest.raises(ValueError, match=r"unknown --rdzv-conf option\(s\) \['lease_tll'\]"):
-        OobleckRendezvousHandler(params, argv=["torchrun", "train.py", "--config",
-                                               str(ROOT / "configs/gpt2-tiny.yaml")])
+        OobleckRendezvousHandler(
+            params, argv=["torchrun", "train.py", "--config", str(ROOT / "configs/gpt2-tiny.yaml")]
+        )
 
 
 def test_a_malformed_plan_value_never_sends_generations_back(cluster_factory, caplog) -> None:
@@ -451,12 +491,15 @@ def test_garbage_in_the_leader_key_does_not_block_the_election(cluster_factory, 
     assert len([r for r in caplog.records if "removing a bogus value" in r.getMessage()]) == 1
 
 
-@pytest.mark.parametrize("option, value, bound", [("lease_ttl", "abc", ">"), ("settle", "-1", ">="),
-                                                  ("etcd_outage", "0", ">")])
+@pytest.mark.parametrize(
+    "option, value, bound", [("lease_ttl", "abc", ">"), ("settle", "-1", ">="), ("etcd_outage", "0", ">")]
+)
 def test_a_bad_rdzv_conf_value_names_the_option(etcd_server, run_id, monkeypatch, option, value, bound) -> None:
     monkeypatch.setenv("TORCH_ELASTIC_WORKER_IDENTICAL", "0")
-    params = RendezvousParameters(backend="oobleck", endpoint=etcd_server.endpoint, run_id=run_id, min_nodes=1,
-                                  max_nodes=1, **{option: value})
+    params = RendezvousParameters(
+        backend="oobleck", endpoint=etcd_server.endpoint, run_id=run_id, min_nodes=1, max_nodes=1, **{option: value}
+    )
     with pytest.raises(ValueError, match=rf"--rdzv-conf {option}={value}: give a number of seconds {bound} 0"):
-        OobleckRendezvousHandler(params, argv=["torchrun", "train.py", "--config",
-                                               str(ROOT / "configs/gpt2-tiny.yaml")])
+        OobleckRendezvousHandler(
+            params, argv=["torchrun", "train.py", "--config", str(ROOT / "configs/gpt2-tiny.yaml")]
+        )

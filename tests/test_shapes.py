@@ -48,8 +48,7 @@ def assert_stage_io(cfg: ModelConfig, lm, dtype: torch.dtype | None, seed: int =
     n = lm.num_layers
     for start in range(n):
         for end in range(start + 1, n + 1):
-            inp, out = stage_io(cfg, seed=seed, start=start, end=end, microbatch_size=MB, seq_len=SEQ,
-                                autocast=dtype)
+            inp, out = stage_io(cfg, seed=seed, start=start, end=end, microbatch_size=MB, seq_len=SEQ, autocast=dtype)
             assert inp.device.type == out.device.type == "meta"
             want_in, want_out = real_io(lm, start, end, dtype, tokens)
             assert meta_of(inp) == meta_of(want_in), (start, end, "input")
@@ -70,9 +69,17 @@ def test_stage_io_matches_the_real_layers(name: str, dtype: torch.dtype | None) 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_stage_io_of_a_pretrained_directory(tmp_path: Path, family: str) -> None:
     # dimensions that differ from ModelConfig's defaults: the shapes must come from config.json
-    cfg = ModelConfig(family=family, vocab_size=96, hidden_size=24, num_layers=3, num_heads=4,
-                      num_kv_heads=None if family == "gpt2" else 2, intermediate_size=40, max_seq_len=SEQ,
-                      tie_embeddings=family == "gpt2")
+    cfg = ModelConfig(
+        family=family,
+        vocab_size=96,
+        hidden_size=24,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=None if family == "gpt2" else 2,
+        intermediate_size=40,
+        max_seq_len=SEQ,
+        tie_embeddings=family == "gpt2",
+    )
     cls = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[family]
     getattr(transformers, cls)(hf_config(cfg)).save_pretrained(tmp_path / "m")
     pre = ModelConfig(family=family, pretrained_path=str(tmp_path / "m"))
@@ -159,10 +166,17 @@ def config(**over):
     # all keys), so its gradient is rounding noise of ~1e-10 that AdamW with eps=1e-8 would blow up to
     # a full lr-sized update in a random direction; a larger eps keeps noise-level gradients noise-level
     # and the comparison about the math.
-    return load_config(ROOT / "configs/gpt2-tiny.yaml", [f"data.seq_len={SEQ}", "training.global_batch_size=16",
-                                                         f"training.microbatch_size={MB}", f"training.steps={STEPS}",
-                                                         "training.optimizer.eps=1e-6",
-                                                         *[f"{k}={v}" for k, v in over.items()]])
+    return load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        [
+            f"data.seq_len={SEQ}",
+            "training.global_batch_size=16",
+            f"training.microbatch_size={MB}",
+            f"training.steps={STEPS}",
+            "training.optimizer.eps=1e-6",
+            *[f"{k}={v}" for k, v in over.items()],
+        ],
+    )
 
 
 class PickleExchange(AssertionError):
@@ -177,8 +191,14 @@ def _forbid_pickles() -> None:
     def forbidden(*args, **kwargs):
         raise PickleExchange("a pickled object was to be exchanged between ranks")
 
-    names = ("send_object_list", "recv_object_list", "broadcast_object_list", "all_gather_object",
-             "gather_object", "scatter_object_list")
+    names = (
+        "send_object_list",
+        "recv_object_list",
+        "broadcast_object_list",
+        "all_gather_object",
+        "gather_object",
+        "scatter_object_list",
+    )
     for module in (dist, distributed_c10d, stage, schedules):  # also where imported by name
         for name in names:
             if hasattr(module, name):
@@ -220,8 +240,10 @@ def _worker(rank: int, tmp: str, cfgs: dict[str, dict]) -> None:
         for step in range(STEPS):
             trainer.train_step(step)
         assert pstage._inference_mode == InferenceMode.STATIC
-        torch.save({f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
-                   os.path.join(tmp, f"{name}-rank{rank}.pt"))
+        torch.save(
+            {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
+            os.path.join(tmp, f"{name}-rank{rank}.pt"),
+        )
         if name == "fp32":
             assert _dynamic_stage_is_caught(trainer.groups.pipeline_group, trainer.stage.index, WORLD)
         trainer.close()

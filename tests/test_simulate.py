@@ -10,10 +10,27 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_elastic.simulate import (Bamboo, CheckpointRestart, NodeEvent, Oobleck, OobleckElastic, TraceError,
-                                      Varuna, load_trace, node_counts, replay, synthetic_trace)
-from oobleck_elastic.simulate.paper import (SYSTEMS, load_inputs, paper_table, run_paper, smallest_template,
-                                            table_throughput)
+from oobleck_elastic.simulate import (
+    Bamboo,
+    CheckpointRestart,
+    NodeEvent,
+    Oobleck,
+    OobleckElastic,
+    TraceError,
+    Varuna,
+    load_trace,
+    node_counts,
+    replay,
+    synthetic_trace,
+)
+from oobleck_elastic.simulate.paper import (
+    SYSTEMS,
+    load_inputs,
+    paper_table,
+    run_paper,
+    smallest_template,
+    table_throughput,
+)
 from oobleck_elastic.simulate.timeline import CATEGORIES, Timeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,8 +87,7 @@ def test_oobleck_admits_joining_nodes_only_at_the_next_reconfiguration() -> None
 
 def test_varuna_restarts_from_its_last_checkpoint() -> None:
     events = start("a", "b") + [NodeEvent(55.0, "remove", "b")]
-    tl = replay(Varuna("varuna", tput, 100, restart_s=10.0, checkpoint_every=3, checkpoint_s=4.0), events,
-                end_s=200.0)
+    tl = replay(Varuna("varuna", tput, 100, restart_s=10.0, checkpoint_every=3, checkpoint_s=4.0), events, end_s=200.0)
     # start: 10 s; 10 s steps end at 20, 30, 40 | checkpoint 40-44 | 54 | failure at 55: step 4 and 1 s lost
     assert tl.breakdown["lost"] == pytest.approx(11.0)
     assert tl.breakdown["restart"] == pytest.approx(10.0 + 10.0)
@@ -85,8 +101,11 @@ def test_checkpoint_restart_ignores_joins_and_restarts_from_its_checkpoint_on_a_
     """torchrun's restart-from-checkpoint: a node that joins a running job waits (no restart); a
     failure rolls back to the last checkpoint and restarts on the nodes up."""
     events = start("a", "b") + [NodeEvent(30.0, "add", "c"), NodeEvent(55.0, "remove", "b")]
-    tl = replay(CheckpointRestart("torchrun", tput, 100, restart_s=5.0, checkpoint_every=2, checkpoint_s=1.0),
-                events, end_s=100.0)
+    tl = replay(
+        CheckpointRestart("torchrun", tput, 100, restart_s=5.0, checkpoint_every=2, checkpoint_s=1.0),
+        events,
+        end_s=100.0,
+    )
     # start 0-5; 10 s steps end at 15, 25 | ckpt 25-26 | 36, 46 | ckpt 46-47 | c joins at 30: nothing |
     # failure at 55: the 8 s in flight are lost (step 4 was checkpointed); restart 55-60 on a and c:
     # steps end at 70, 80 | ckpt 80-81 | 91 | 9 s in flight at 100
@@ -100,8 +119,9 @@ def test_checkpoint_restart_ignores_joins_and_restarts_from_its_checkpoint_on_a_
 def test_bamboo_absorbs_one_failure_and_restarts_after_two_neighbours() -> None:
     nodes = ["n0", "n1", "n2", "n3", "n4"]
     one = start(*nodes) + [NodeEvent(35.0, "remove", "n2")]
-    tl = replay(Bamboo("bamboo", tput, 100, reconfiguration_s=7.0, restart_s=30.0, redundant_fraction=0.8), one,
-                end_s=100.0)
+    tl = replay(
+        Bamboo("bamboo", tput, 100, reconfiguration_s=7.0, restart_s=30.0, redundant_fraction=0.8), one, end_s=100.0
+    )
     # start: a 30 s restart; 4 s steps (5 nodes) from 30; at 35 the step in flight (1 s done) finishes
     # 1.5x slower: 3 s + 1.5 s, then a 7 s reconfiguration
     assert tl.breakdown["restart"] == pytest.approx(30.0) and tl.breakdown["lost"] == 0
@@ -116,8 +136,16 @@ def test_bamboo_absorbs_one_failure_and_restarts_after_two_neighbours() -> None:
 
 
 def elastic(**kw) -> OobleckElastic:
-    base = dict(detection_s=0.5, replan_s=0.1, replica_bytes=4e9, node_bandwidth_b_s=1e9, restart_s=40.0,
-                checkpoint_every=4, checkpoint_s=2.0, pipelines=lambda n: [n // 2, n - n // 2])
+    base = dict(
+        detection_s=0.5,
+        replan_s=0.1,
+        replica_bytes=4e9,
+        node_bandwidth_b_s=1e9,
+        restart_s=40.0,
+        checkpoint_every=4,
+        checkpoint_s=2.0,
+        pipelines=lambda n: [n // 2, n - n // 2],
+    )
     return OobleckElastic("oobleck_elastic", tput, 100, **(base | kw))
 
 
@@ -162,8 +190,11 @@ def test_traces_load_and_refuse_bad_lines(tmp_path: Path) -> None:
     assert node_counts(events)[0] == (0.0, 30) and node_counts(events)[-1][1] == 15
     bad = tmp_path / "bad.csv"
     bad.write_text("0,add,node1\n1000,explode,node1\n")
-    with pytest.raises(TraceError, match=r"bad.csv:2: expected add or remove of a named node at a time >= 0 "
-                                         r"\(got '1000,explode,node1'\)"):
+    with pytest.raises(
+        TraceError,
+        match=r"bad.csv:2: expected add or remove of a named node at a time >= 0 "
+        r"\(got '1000,explode,node1'\)",
+    ):
         load_trace(bad)
     with pytest.raises(TraceError, match="trace file '.*missing.csv' does not exist"):
         load_trace(tmp_path / "missing.csv")
@@ -201,8 +232,14 @@ def test_paper_reproduction_runs_every_model_trace_and_system() -> None:
 
 
 def test_cli_paper_json_has_the_documented_keys() -> None:
-    out = subprocess.run([sys.executable, "-m", "oobleck_elastic.cli", "simulate", "--paper", "--json"],
-                         capture_output=True, text=True, timeout=300, check=True, cwd=ROOT).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "oobleck_elastic.cli", "simulate", "--paper", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        cwd=ROOT,
+    ).stdout
     rows = [json.loads(line) for line in out.splitlines()]
     assert len(rows) == 5 * 8 * 5
     assert {r["model"] for r in rows} == {"BERT-large", "GPT-2", "GPT-3-medium", "GPT-3-2.7B", "GPT-3-6.7B"}
@@ -212,8 +249,13 @@ def test_cli_paper_json_has_the_documented_keys() -> None:
 
 
 def test_cli_reports_a_bad_trace_in_one_line() -> None:
-    res = subprocess.run([sys.executable, "-m", "oobleck_elastic.cli", "simulate", "--trace", "nope"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-m", "oobleck_elastic.cli", "simulate", "--trace", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert res.returncode == 2
     assert res.stderr.strip().endswith("configs/simulate/traces/nope.csv' does not exist")
 
@@ -232,10 +274,33 @@ def test_scale_study_runs_the_planner_against_checkpoint_restart() -> None:
 
 def test_cli_synthetic_run_prints_a_table_and_plots(tmp_path: Path) -> None:
     png = tmp_path / "run.png"
-    res = subprocess.run([sys.executable, "-m", "oobleck_elastic.cli", "simulate", "--nodes", "20", "--mtbf", "5",
-                          "--hours", "6", "--join-delay-s", "600", "--model", "GPT-2",
-                          "--systems", "oobleck_elastic,varuna", "--plot", str(png)],
-                         capture_output=True, text=True, timeout=120, check=True, cwd=ROOT)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "oobleck_elastic.cli",
+            "simulate",
+            "--nodes",
+            "20",
+            "--mtbf",
+            "5",
+            "--hours",
+            "6",
+            "--join-delay-s",
+            "600",
+            "--model",
+            "GPT-2",
+            "--systems",
+            "oobleck_elastic,varuna",
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=ROOT,
+    )
     lines = res.stdout.splitlines()
     assert lines[0].startswith("GPT-2 on synthetic-20n-mtbf5h:") and lines[0].endswith("6.00 h")
     assert lines[1].split()[:3] == ["system", "samples/s", "samples"]

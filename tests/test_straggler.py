@@ -27,9 +27,13 @@ from tests.helpers import ROOT, assert_same, layout_plan, run_job, tiny_profile
 def _plan(microbatches=(4, 4, 4, 4)) -> Plan:
     """Four one-stage pipelines (ranks 0-3 on nodes n0-n3), each stage estimated at 0.1 s per microbatch."""
     plan = layout_plan([[(0, 6)]] * 4, list(microbatches), generation=3)
-    return dataclasses.replace(plan, pipelines=tuple(
-        dataclasses.replace(p, stages=tuple(dataclasses.replace(s, compute_s=0.1) for s in p.stages))
-        for p in plan.pipelines))
+    return dataclasses.replace(
+        plan,
+        pipelines=tuple(
+            dataclasses.replace(p, stages=tuple(dataclasses.replace(s, compute_s=0.1) for s in p.stages))
+            for p in plan.pipelines
+        ),
+    )
 
 
 def test_slowdowns_are_relative_to_the_stage_s_peers_or_its_estimate() -> None:
@@ -49,9 +53,13 @@ def test_slowdowns_are_relative_to_the_stage_s_peers_or_its_estimate() -> None:
 
 def _two_stage_plan() -> Plan:
     plan = layout_plan([[(0, 3), (3, 6)], [(0, 3), (3, 6)]], [4, 4], generation=1)
-    return dataclasses.replace(plan, pipelines=tuple(
-        dataclasses.replace(p, stages=tuple(dataclasses.replace(s, compute_s=0.1) for s in p.stages))
-        for p in plan.pipelines))
+    return dataclasses.replace(
+        plan,
+        pipelines=tuple(
+            dataclasses.replace(p, stages=tuple(dataclasses.replace(s, compute_s=0.1) for s in p.stages))
+            for p in plan.pipelines
+        ),
+    )
 
 
 def _observe(watch: StragglerWatch, plan: Plan, busy: list[float], times: int) -> list:
@@ -79,17 +87,34 @@ def test_a_node_is_named_after_the_window_and_cleared_the_same_way() -> None:
 def test_noise_and_tiny_stages_are_no_stragglers() -> None:
     watch = StragglerWatch(factor=1.5, steps=5)
     # contention only adds time: every worker slowed in four steps of five is still no straggler
-    noisy = [[0.4, 0.4, 0.4, 0.4], [0.9, 0.4, 1.2, 1.2], [1.5, 0.9, 0.4, 1.3], [1.4, 1.9, 1.2, 0.4],
-             [0.4, 1.4, 1.9, 0.9], [0.9, 0.4, 1.4, 1.8], [1.4, 1.9, 0.4, 1.4]]
+    noisy = [
+        [0.4, 0.4, 0.4, 0.4],
+        [0.9, 0.4, 1.2, 1.2],
+        [1.5, 0.9, 0.4, 1.3],
+        [1.4, 1.9, 1.2, 0.4],
+        [0.4, 1.4, 1.9, 0.9],
+        [0.9, 0.4, 1.4, 1.8],
+        [1.4, 1.9, 0.4, 1.4],
+    ]
     assert all(not watch.observe(_plan(), busy).named for busy in noisy)
     # one pipeline cut [0, 1) + [1, 6), the other [0, 6): the 1-layer stage has no peer, and its
     # estimate (1 ms) is far off (5 ms of fixed overheads): 5x, but too small to matter
     plan = layout_plan([[(0, 1), (1, 6)], [(0, 6)]], [4, 4], generation=1)
-    plan = dataclasses.replace(plan, pipelines=(dataclasses.replace(plan.pipelines[0], stages=(
-        dataclasses.replace(plan.pipelines[0].stages[0], compute_s=0.001),
-        dataclasses.replace(plan.pipelines[0].stages[1], compute_s=0.1))),
-        dataclasses.replace(plan.pipelines[1], stages=(
-            dataclasses.replace(plan.pipelines[1].stages[0], compute_s=0.101),))))
+    plan = dataclasses.replace(
+        plan,
+        pipelines=(
+            dataclasses.replace(
+                plan.pipelines[0],
+                stages=(
+                    dataclasses.replace(plan.pipelines[0].stages[0], compute_s=0.001),
+                    dataclasses.replace(plan.pipelines[0].stages[1], compute_s=0.1),
+                ),
+            ),
+            dataclasses.replace(
+                plan.pipelines[1], stages=(dataclasses.replace(plan.pipelines[1].stages[0], compute_s=0.101),)
+            ),
+        ),
+    )
     watch = StragglerWatch(factor=1.5, steps=2)
     assert all(not watch.observe(plan, [0.02, 0.4, 0.404]).named for _ in range(4))
     assert StragglerWatch(factor=0, steps=2).observe(plan, [1, 9, 1]).named == {}
@@ -232,11 +257,17 @@ def test_compute_clock_counts_cpu_time_and_stretches_calls(one_thread) -> None:
 
 
 def test_settings_fault_specs_and_records() -> None:
-    with pytest.raises(ValueError, match=r"'fault_tolerance.straggler_factor' must be 0 \(off\) or > 1 and "
-                                         r"'fault_tolerance.straggler_steps' >= 1 \(got 1.0 and 5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'fault_tolerance.straggler_factor' must be 0 \(off\) or > 1 and "
+        r"'fault_tolerance.straggler_steps' >= 1 \(got 1.0 and 5\)",
+    ):
         load_config(ROOT / "configs/gpt2-tiny.yaml", ["fault_tolerance.straggler_factor=1"])
-    with pytest.raises(ValueError, match=r"^OOBLECK_STRAGGLE_AT='node1:3': each item must be NODE@STEP:FACTOR with "
-                                         r"FACTOR >= 1, e.g. node1@0:3$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^OOBLECK_STRAGGLE_AT='node1:3': each item must be NODE@STEP:FACTOR with "
+        r"FACTOR >= 1, e.g. node1@0:3$",
+    ):
         FaultInjector.from_env({"OOBLECK_STRAGGLE_AT": "node1:3"})
     faults = FaultInjector.from_env({"OOBLECK_STRAGGLE_AT": "node1@4:3"})
     assert [faults.slowdown(node="node1", step=s) for s in (3, 4, 9)] == [1.0, 3.0, 3.0]
@@ -254,9 +285,16 @@ def test_a_slow_node_is_named_and_the_batch_re_split_around_it(tmp_path: Path, e
     the others'; without node1 the step would take 11 microbatch times against about 10), and the
     job ends with the weights of one process (the global batch never changed)."""
     profile = tiny_profile(tmp_path / "profile.json")
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 24, profile,
-                            extra=["planning.device_memory_gb=100", "training.global_batch_size=64"],
-                            env={"OOBLECK_STRAGGLE_AT": "node1@0:3", **ONE_THREAD})
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4"],
+        24,
+        profile,
+        extra=["planning.device_memory_gb=100", "training.global_batch_size=64"],
+        env={"OOBLECK_STRAGGLE_AT": "node1@0:3", **ONE_THREAD},
+    )
     named = re.search(r"gen 1 step (\d+) node \S+: step \d+: straggler\(s\) node1 \(([\d.]+)x\)", out)
     assert named is not None and int(named.group(1)) <= 8 and float(named.group(2)) >= 2, out[-3000:]
     assert "reconfiguration: generation 1 -> 2 (rebalance): 4 node(s), 4 pipeline(s)" in out, out[-3000:]
@@ -275,8 +313,7 @@ def test_no_straggler_is_named_in_a_clean_run(tmp_path: Path, etcd_server, run_i
     """Two two-stage pipelines (the last stages hold the head: their profile estimate is off, their
     peers are not), 200 steps with nothing slowed: no node named, no re-split."""
     profile = tiny_profile(tmp_path / "profile.json")
-    out, _, _ = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 200, profile, reference=False,
-                        env=ONE_THREAD)
+    out, _, _ = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 200, profile, reference=False, env=ONE_THREAD)
     assert "step 200/200" in out and "straggler(s)" not in out and "(rebalance)" not in out, out[-3000:]
 
 
@@ -286,19 +323,31 @@ def test_a_very_slow_node_is_left_out_when_that_is_faster(tmp_path: Path, etcd_s
     the leader leaves it out (three pipelines, the same global batch: the reference weights); its
     workers wait outside the plan and exit 0 at the end."""
     profile = tiny_profile(tmp_path / "profile.json")
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 20, profile,
-                            extra=["planning.device_memory_gb=100"],
-                            env={"OOBLECK_STRAGGLE_AT": "node1@0:10", **ONE_THREAD})
-    assert re.search(r"reconfiguration: generation 1 -> 2 \([^)]*-node1\): 3 node\(s\), 3 pipeline\(s\)", out), \
-        out[-3000:]
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4"],
+        20,
+        profile,
+        extra=["planning.device_memory_gb=100"],
+        env={"OOBLECK_STRAGGLE_AT": "node1@0:10", **ONE_THREAD},
+    )
+    assert re.search(r"reconfiguration: generation 1 -> 2 \([^)]*-node1\): 3 node\(s\), 3 pipeline\(s\)", out), out[
+        -3000:
+    ]
     client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
     try:
-        left = [e for _, e in read_events(client, Keys("/oobleck", run_id))
-                if e.kind == EventKind.STRAGGLER and e.detail.startswith("left out")]
+        left = [
+            e
+            for _, e in read_events(client, Keys("/oobleck", run_id))
+            if e.kind == EventKind.STRAGGLER and e.detail.startswith("left out")
+        ]
     finally:
         client.close()
     assert [(e.node, e.generation) for e in left] == [("node1", 2)], left
-    assert left[0].detail.startswith("left out of the plan: a straggler, and the step is faster without it "
-                                     "(the step now "), left[0].detail
+    assert left[0].detail.startswith(
+        "left out of the plan: a straggler, and the step is faster without it (the step now "
+    ), left[0].detail
     assert "0 killed on purpose, 0 preempted, 0 failed" in out
     assert_same(job, ref)

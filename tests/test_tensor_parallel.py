@@ -27,8 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 
 
-def tp_plan(layout: list[list[tuple[int, int]]], microbatches: list[int], *, generation: int, tp: int = 2,
-            gpus_per_node: int = 2) -> Plan:
+def tp_plan(
+    layout: list[list[tuple[int, int]]],
+    microbatches: list[int],
+    *,
+    generation: int,
+    tp: int = 2,
+    gpus_per_node: int = 2,
+) -> Plan:
     """A plan from layer ranges per stage; gpus_per_node / tp stages per node, nodes `n0`, `n1`, ..."""
     per_node = gpus_per_node // tp
     pipelines, slot = [], 0
@@ -36,26 +42,54 @@ def tp_plan(layout: list[list[tuple[int, int]]], microbatches: list[int], *, gen
         stages = []
         for s, (u, v) in enumerate(ranges):
             node, lr = divmod(slot, per_node)
-            stages.append(StagePlacement(index=s, start=u, end=v, node=f"n{node}", local_rank=lr * tp,
-                                         rank=node * gpus_per_node + lr * tp))
+            stages.append(
+                StagePlacement(
+                    index=s, start=u, end=v, node=f"n{node}", local_rank=lr * tp, rank=node * gpus_per_node + lr * tp
+                )
+            )
             slot += 1
         assert slot % per_node == 0, "a pipeline must fill its nodes"
-        pipelines.append(PipelineSpec(index=index, template_nodes=len(ranges) // per_node,
-                                      nodes=tuple(dict.fromkeys(st.node for st in stages)), microbatches=mb,
-                                      stages=tuple(stages), est_time_s=1.0))
-    plan = Plan(generation=generation, nodes=tuple(f"n{i}" for i in range(slot // per_node)), spares=(),
-                gpus_per_node=gpus_per_node, num_layers=6, microbatch_size=2, pipelines=tuple(pipelines),
-                est_step_time_s=1.0, f=1, tensor_parallel=tp)
+        pipelines.append(
+            PipelineSpec(
+                index=index,
+                template_nodes=len(ranges) // per_node,
+                nodes=tuple(dict.fromkeys(st.node for st in stages)),
+                microbatches=mb,
+                stages=tuple(stages),
+                est_time_s=1.0,
+            )
+        )
+    plan = Plan(
+        generation=generation,
+        nodes=tuple(f"n{i}" for i in range(slot // per_node)),
+        spares=(),
+        gpus_per_node=gpus_per_node,
+        num_layers=6,
+        microbatch_size=2,
+        pipelines=tuple(pipelines),
+        est_step_time_s=1.0,
+        f=1,
+        tensor_parallel=tp,
+    )
     plan.check()
     return plan
 
 
 def config(family: str = "gpt2"):
     # eps=1e-6: see tests/test_engine.py (noise-level gradients stay noise-level at 1e-5 relative)
-    return load_config(ROOT / f"configs/{family}-tiny.yaml",
-                       ["data.seq_len=16", "training.global_batch_size=16", "training.microbatch_size=2",
-                        f"training.steps={STEPS}", "training.optimizer.eps=1e-6", "planning.gpus_per_node=2",
-                        "model.num_layers=4", "model.num_kv_heads=2" if family == "llama" else "model.dropout=0.0"])
+    return load_config(
+        ROOT / f"configs/{family}-tiny.yaml",
+        [
+            "data.seq_len=16",
+            "training.global_batch_size=16",
+            "training.microbatch_size=2",
+            f"training.steps={STEPS}",
+            "training.optimizer.eps=1e-6",
+            "planning.gpus_per_node=2",
+            "model.num_layers=4",
+            "model.num_kv_heads=2" if family == "llama" else "model.dropout=0.0",
+        ],
+    )
 
 
 def reference_state(cfg) -> dict[str, torch.Tensor]:
@@ -73,8 +107,9 @@ def _layers_worker(rank: int, world: int, tmp: str, family: str) -> None:
     from oobleck_elastic.models.tensor_parallel import from_full, local, parallelize_layer, to_full
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world), rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(os.path.join(tmp, "store"), world), rank=rank, world_size=world
+    )
     cfg = config(family).model
     ref, mine = build_layer_model(cfg, seed=7), build_layer_model(cfg, seed=7)
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
@@ -166,10 +201,12 @@ def test_a_checkpoint_resumes_at_another_tensor_parallel_degree(tmp_path: Path) 
     cfg = config()
     ref = reference_state(cfg)
     tp1 = tp_plan([[(0, 2), (2, 6)], [(0, 4), (4, 6)]], [3, 5], generation=3, tp=1)  # 2 stages on each node
-    runs = [("a", ONE_PIPELINE, [0, 1], None, "ck-tp2"),  # tp=2 -> checkpoint -> tp=1
-            ("tp2-to-tp1", tp1, [2], "ck-tp2/step-00000002", None),
-            ("b", tp1, [0, 1], None, "ck-tp1"),  # tp=1 -> checkpoint -> tp=2
-            ("tp1-to-tp2", ONE_PIPELINE, [2], "ck-tp1/step-00000002", None)]
+    runs = [
+        ("a", ONE_PIPELINE, [0, 1], None, "ck-tp2"),  # tp=2 -> checkpoint -> tp=1
+        ("tp2-to-tp1", tp1, [2], "ck-tp2/step-00000002", None),
+        ("b", tp1, [0, 1], None, "ck-tp1"),  # tp=1 -> checkpoint -> tp=2
+        ("tp1-to-tp2", ONE_PIPELINE, [2], "ck-tp1/step-00000002", None),
+    ]
     mp.spawn(_train_worker, args=(6, str(tmp_path), to_dict(cfg), runs), nprocs=6, join=True)
     check_runs(tmp_path, ref, "tp2-to-tp1", tp1.world_size)
     check_runs(tmp_path, ref, "tp1-to-tp2", 4)
@@ -184,20 +221,26 @@ def test_layers_move_lane_to_lane() -> None:
     # n0's lanes (ranks 0, 1) need layers 3-5 from n1's lanes (ranks 2, 3), lane to lane; n1 needs 0-2 from n0
     assert {(t.layer, t.src, t.dst) for t in transfers} == (
         {(layer, 2 + lane, lane) for layer in (3, 4, 5) for lane in (0, 1)}
-        | {(layer, lane, 2 + lane) for layer in (0, 1, 2) for lane in (0, 1)})
+        | {(layer, lane, 2 + lane) for layer in (0, 1, 2) for lane in (0, 1)}
+    )
 
 
 @pytest.mark.slow
-def test_a_killed_node_under_tensor_parallelism_moves_layers_lane_to_lane(tmp_path: Path, etcd_server,
-                                                                           run_id) -> None:
+def test_a_killed_node_under_tensor_parallelism_moves_layers_lane_to_lane(tmp_path: Path, etcd_server, run_id) -> None:
     """Four nodes of two workers run two 2-stage pipelines, each stage sharded over a node's two
     workers; node 1 is SIGKILLed at step 3: the three survivors re-plan into one 3-stage
     pipeline in-process, receive lane j of the layers they newly own from lane j of a surviving
     holder, and finish with the reference weights."""
     profile = tiny_profile(tmp_path / "profile.json", tensor_parallel=2)
-    out, job, ref = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4", "--nproc-per-node", "2",
-                                                            "--kill", "1@3"], 8, profile,
-                            extra=["planning.gpus_per_node=2", "planning.tensor_parallel=2"])
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4", "--nproc-per-node", "2", "--kill", "1@3"],
+        8,
+        profile,
+        extra=["planning.gpus_per_node=2", "planning.tensor_parallel=2"],
+    )
     assert "[launcher] killed node 1" in out and "entered from generation 1" in out, out[-4000:]
     moved = [line for line in out.splitlines() if "entered from generation 1" in line and " 0 layer bytes" not in line]
     assert len(moved) >= 2, "both lanes of some survivor must have received layers"
@@ -207,10 +250,20 @@ def test_a_killed_node_under_tensor_parallelism_moves_layers_lane_to_lane(tmp_pa
 @pytest.mark.slow
 def test_compiled_tensor_parallel_layers_match_the_reference(tmp_path: Path) -> None:
     """Compiled layers over DTensor shards (engine/compiled.py): the eager reference's weights."""
-    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [
-        "data.seq_len=16", "training.global_batch_size=16", "training.microbatch_size=2", f"training.steps={STEPS}",
-        "training.optimizer.eps=1e-6", "planning.gpus_per_node=2", "model.num_layers=4",
-        "training.compile=true", f"data.cache_dir={tmp_path / 'cache'}"])
+    cfg = load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        [
+            "data.seq_len=16",
+            "training.global_batch_size=16",
+            "training.microbatch_size=2",
+            f"training.steps={STEPS}",
+            "training.optimizer.eps=1e-6",
+            "planning.gpus_per_node=2",
+            "model.num_layers=4",
+            "training.compile=true",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+    )
     ref = reference_state(from_dict({**to_dict(cfg), "training": {**to_dict(cfg)["training"], "compile": False}}))
     runs = [("compiled", ONE_PIPELINE, list(range(STEPS)), None, None)]
     mp.spawn(_train_worker, args=(4, str(tmp_path), to_dict(cfg), runs), nprocs=4, join=True)

@@ -26,14 +26,36 @@ pytestmark = pytest.mark.slow
 
 
 def test_join_kill_and_drain_under_torchrun(etcd_server, run_id) -> None:
-    cmd = [sys.executable, "-m", "launcher.local", "--nodes", "3", "--join", "3", "--kill", "1@35",
-           "--endpoint", etcd_server.endpoint, "--run-id", run_id,
-           "--rdzv-conf", f"lease_ttl={TTL},settle=0.2,last_call_timeout=0.5", "--",
-           "examples/probe.py", "--config", "configs/gpt2-tiny.yaml", "--steps", "70", "--step-time", "0.2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher.local",
+        "--nodes",
+        "3",
+        "--join",
+        "3",
+        "--kill",
+        "1@35",
+        "--endpoint",
+        etcd_server.endpoint,
+        "--run-id",
+        run_id,
+        "--rdzv-conf",
+        f"lease_ttl={TTL},settle=0.2,last_call_timeout=0.5",
+        "--",
+        "examples/probe.py",
+        "--config",
+        "configs/gpt2-tiny.yaml",
+        "--steps",
+        "70",
+        "--step-time",
+        "0.2",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[tuple[float, str]] = []
-    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout),
-                              daemon=True)
+    reader = threading.Thread(
+        target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout), daemon=True
+    )
     reader.start()
     client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
     keys = Keys("/oobleck", run_id)

@@ -21,10 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def overrides(tmp: Path, steps: int) -> list[str]:
-    return [f"training.steps={steps}", "data.seq_len=32", "training.global_batch_size=12", "training.microbatch_size=2",
-            "training.optimizer.eps=1e-6",  # see tests/test_engine.py: zero-gradient biases under AdamW
-            f"data.cache_dir={tmp / 'cache'}", f"checkpoint.dir={tmp / 'ckpt'}",
-            f"logging.tensorboard_dir={tmp / 'runs'}"]
+    return [
+        f"training.steps={steps}",
+        "data.seq_len=32",
+        "training.global_batch_size=12",
+        "training.microbatch_size=2",
+        "training.optimizer.eps=1e-6",  # see tests/test_engine.py: zero-gradient biases under AdamW
+        f"data.cache_dir={tmp / 'cache'}",
+        f"checkpoint.dir={tmp / 'ckpt'}",
+        f"logging.tensorboard_dir={tmp / 'runs'}",
+    ]
 
 
 def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path) -> None:
@@ -34,8 +40,15 @@ def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path) -> Non
     ea = EventAccumulator(str(tmp_path / "runs" / "gpt2-tiny"), size_guidance={"scalars": 0, "tensors": 0})
     ea.Reload()
     tags = set(ea.Tags()["scalars"])
-    assert tags >= {"train/loss", "train/samples_per_s", "train/tokens_per_s", "train/step_time_s", "cluster/nodes",
-                    "cluster/pipelines", "cluster/generation"}
+    assert tags >= {
+        "train/loss",
+        "train/samples_per_s",
+        "train/tokens_per_s",
+        "train/step_time_s",
+        "cluster/nodes",
+        "cluster/pipelines",
+        "cluster/generation",
+    }
     loss = ea.Scalars("train/loss")
     assert [e.step for e in loss] == [0, 1, 2]
     assert loss[0].value == pytest.approx(summary.first_loss) and loss[-1].value == pytest.approx(summary.last_loss)
@@ -69,13 +82,32 @@ TOLERANCE = {"fp32": {"rtol": 1e-5, "atol": 1e-6}, "bf16": {"rtol": 1e-3, "atol"
 def test_torchrun_job_equals_single_process(tmp_path: Path, etcd_server, run_id, precision: str) -> None:
     steps = 4
     ref_dir, job_dir = tmp_path / "ref", tmp_path / "job"
-    common = [f"planning.profile_path={tiny_profile(tmp_path / 'profile.json')}", *TINY_PROFILE_OVERRIDES,
-              f"training.precision={precision}"]
+    common = [
+        f"planning.profile_path={tiny_profile(tmp_path / 'profile.json')}",
+        *TINY_PROFILE_OVERRIDES,
+        f"training.precision={precision}",
+    ]
     summary = train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(ref_dir, steps) + common), max_bytes=None)
     assert summary.last_loss < summary.first_loss - 0.1, (summary.first_loss, summary.last_loss)  # it learns
-    cmd = [sys.executable, "-m", "launcher.local", "--nodes", "3", "--endpoint", etcd_server.endpoint, "--run-id",
-           run_id, "--rdzv-conf", "lease_ttl=2,settle=0.2,last_call_timeout=0.5", "--", "examples/train.py",
-           "--config", "configs/gpt2-tiny.yaml", *overrides(job_dir, steps), *common]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher.local",
+        "--nodes",
+        "3",
+        "--endpoint",
+        etcd_server.endpoint,
+        "--run-id",
+        run_id,
+        "--rdzv-conf",
+        "lease_ttl=2,settle=0.2,last_call_timeout=0.5",
+        "--",
+        "examples/train.py",
+        "--config",
+        "configs/gpt2-tiny.yaml",
+        *overrides(job_dir, steps),
+        *common,
+    ]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert "rank 2: entered from generation 0" in res.stdout, res.stdout[-3000:]

@@ -16,8 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cfg():
-    return load_config(ROOT / "configs/gpt2-tiny.yaml", ["data.seq_len=8", "training.global_batch_size=8",
-                                                        "training.microbatch_size=2", "training.steps=4"])
+    return load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        ["data.seq_len=8", "training.global_batch_size=8", "training.microbatch_size=2", "training.steps=4"],
+    )
 
 
 def test_a_loaded_trainer_continues_exactly_like_the_original() -> None:

@@ -19,10 +19,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cfg(tmp: Path, pad: int):
-    return load_config(ROOT / "configs/gpt2-tiny.yaml", [
-        "model.vocab_size=300", f"model.pad_vocab_to={pad}", "data.seq_len=16", "training.global_batch_size=8",
-        "training.microbatch_size=2", "training.optimizer.eps=1e-6",  # see tests/test_engine.py
-        f"checkpoint.dir={tmp / f'ckpt{pad}'}"])
+    return load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        [
+            "model.vocab_size=300",
+            f"model.pad_vocab_to={pad}",
+            "data.seq_len=16",
+            "training.global_batch_size=8",
+            "training.microbatch_size=2",
+            "training.optimizer.eps=1e-6",  # see tests/test_engine.py
+            f"checkpoint.dir={tmp / f'ckpt{pad}'}",
+        ],
+    )
 
 
 def _run(cfg, steps: int):

@@ -30,15 +30,22 @@ def _etcd_outcome(endpoint: str, run_id: str) -> tuple[dict, ErrorRecord | None,
     return closed, record, plans
 
 
-def test_a_deterministic_error_stops_the_job_after_max_repeated_errors(tmp_path: Path, etcd_server,
-                                                                      run_id) -> None:
+def test_a_deterministic_error_stops_the_job_after_max_repeated_errors(tmp_path: Path, etcd_server, run_id) -> None:
     """Four nodes, two 2-stage pipelines: whichever worker holds rank 1 raises at step 2; its agent
     restarts it, the roll call re-plans, it receives its layers from the other pipeline, and it
     raises again at step 2; after two generations the job is closed as failed."""
     profile = tiny_profile(tmp_path / "profile.json")
-    out, _, _ = run_job(tmp_path, etcd_server, run_id, ["--nodes", "4"], 6, profile,
-                        extra=["fault_tolerance.max_repeated_errors=2"], env={"OOBLECK_FAIL_AT": "1@2"},
-                        expect_failure=True)
+    out, _, _ = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4"],
+        6,
+        profile,
+        extra=["fault_tolerance.max_repeated_errors=2"],
+        env={"OOBLECK_FAIL_AT": "1@2"},
+        expect_failure=True,
+    )
     # the worker ends with the original traceback, twice (once per generation), then the job stops
     assert out.count("RuntimeError: injected fault: rank 1 at step 2 (OOBLECK_FAIL_AT)") >= 2, out[-5000:]
     assert "Traceback (most recent call last)" in out
@@ -52,16 +59,24 @@ def test_a_deterministic_error_stops_the_job_after_max_repeated_errors(tmp_path:
     assert "the job was closed as failed" in out  # the healthy worker stops too, with the reason
 
 
-def test_a_corrupt_checkpoint_stops_the_resume_instead_of_training_half_restored(tmp_path: Path, etcd_server,
-                                                                               run_id) -> None:
+def test_a_corrupt_checkpoint_stops_the_resume_instead_of_training_half_restored(
+    tmp_path: Path, etcd_server, run_id
+) -> None:
     profile = tiny_profile(tmp_path / "profile.json")
     run_job(tmp_path / "first", etcd_server, run_id + "a", ["--nodes", "2"], 4, profile)
     ckpt = tmp_path / "first" / "job" / "ckpt" / "step-00000004"
     layer = ckpt / "layer-002.safetensors"
     flip_byte(layer)
-    out, _, _ = run_job(tmp_path / "second", etcd_server, run_id + "b", ["--nodes", "2"], 6, profile,
-                        extra=[f"checkpoint.dir={ckpt.parent}", "checkpoint.resume=true",
-                               "fault_tolerance.max_repeated_errors=1"], expect_failure=True)
+    out, _, _ = run_job(
+        tmp_path / "second",
+        etcd_server,
+        run_id + "b",
+        ["--nodes", "2"],
+        6,
+        profile,
+        extra=[f"checkpoint.dir={ckpt.parent}", "checkpoint.resume=true", "fault_tolerance.max_repeated_errors=1"],
+        expect_failure=True,
+    )
     assert "CheckpointError" in out and "layer-002.safetensors" in out, out[-5000:]
     assert "communication failed (CheckpointError" not in out  # not mistaken for a network failure
     closed, record, _ = _etcd_outcome(etcd_server.endpoint, run_id + "b")
@@ -69,8 +84,7 @@ def test_a_corrupt_checkpoint_stops_the_resume_instead_of_training_half_restored
     assert not (ckpt.parent / "step-00000006").exists()  # it never trained on
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path: Path, etcd_server,
-                                                                        run_id) -> None:
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path: Path, etcd_server, run_id) -> None:
     """Checkpoints at steps 2 and 4, one byte of step 4 flipped: the resumed job says which file
     was bad and which checkpoint it used, restores step 2 on every worker, sets step 4 aside
     (never rewritten in place), and ends with the weights of an uninterrupted run."""
@@ -80,14 +94,29 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
     from oobleck_elastic.engine.run import train
 
     profile = tiny_profile(tmp_path / "profile.json")
-    run_job(tmp_path / "first", etcd_server, run_id + "a", ["--nodes", "2"], 4, profile,
-            extra=["checkpoint.interval_steps=2"], reference=False)
+    run_job(
+        tmp_path / "first",
+        etcd_server,
+        run_id + "a",
+        ["--nodes", "2"],
+        4,
+        profile,
+        extra=["checkpoint.interval_steps=2"],
+        reference=False,
+    )
     ckpt_dir = tmp_path / "first" / "job" / "ckpt"
     layer = ckpt_dir / "step-00000004" / "layer-002.safetensors"
     flip_byte(layer)
-    out, job, _ = run_job(tmp_path / "second", etcd_server, run_id + "b", ["--nodes", "2"], 6, profile,
-                          extra=[f"checkpoint.dir={ckpt_dir}", "checkpoint.resume=true",
-                                 "checkpoint.interval_steps=2"], reference=False)
+    out, job, _ = run_job(
+        tmp_path / "second",
+        etcd_server,
+        run_id + "b",
+        ["--nodes", "2"],
+        6,
+        profile,
+        extra=[f"checkpoint.dir={ckpt_dir}", "checkpoint.resume=true", "checkpoint.interval_steps=2"],
+        reference=False,
+    )
     assert "checkpoint step-00000004 cannot be used" in out and "layer-002.safetensors is corrupt" in out, out[-4000:]
     assert "using checkpoint step-00000002 instead" in out and "resumed from" in out
     names = [p.name for p in list_checkpoints(ckpt_dir)]

@@ -43,8 +43,15 @@ from torch import nn
 
 from ..config import JobConfig
 
-__all__ = ["compile_enabled", "CompiledLayer", "compiled_stage", "run_layer", "warm_up", "use_cache_dir",
-           "graphs_compiled"]
+__all__ = [
+    "compile_enabled",
+    "CompiledLayer",
+    "compiled_stage",
+    "run_layer",
+    "warm_up",
+    "use_cache_dir",
+    "graphs_compiled",
+]
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +113,15 @@ def use_cache_dir(cfg: JobConfig) -> str:
     return chosen
 
 
-def warm_up(cfg: JobConfig, *, device: torch.device, microbatch_size: int, seq_len: int,
-            autocast: Optional[torch.dtype], node: str = "local") -> float:
+def warm_up(
+    cfg: JobConfig,
+    *,
+    device: torch.device,
+    microbatch_size: int,
+    seq_len: int,
+    autocast: Optional[torch.dtype],
+    node: str = "local",
+) -> float:
     """Compile every kind of layer of the model, forward and backward, on `device` (module
     docstring); returns the seconds it took."""
     from ..models import build_layer_model, num_layers
@@ -130,14 +144,26 @@ def warm_up(cfg: JobConfig, *, device: torch.device, microbatch_size: int, seq_l
         if i == 0:
             x = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=device)
         else:
-            spec, _ = stage_io(cfg.model, seed=cfg.training.seed, start=i, end=i + 1,
-                               microbatch_size=microbatch_size, seq_len=seq_len, autocast=autocast)
+            spec, _ = stage_io(
+                cfg.model,
+                seed=cfg.training.seed,
+                start=i,
+                end=i + 1,
+                microbatch_size=microbatch_size,
+                seq_len=seq_len,
+                autocast=autocast,
+            )
             x = torch.randn(spec.shape, dtype=spec.dtype, device=device, requires_grad=True)
         with torch.autocast(device_type=device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
             out = run_layer(layer, x)
         out.float().sum().backward()
         del layer, x, out
     seconds = time.perf_counter() - t0
-    log.info("node %s: compiled %d kind(s) of layer (of %d layers), forward and backward, in %.1f s",
-             node, len(kinds), n, seconds)
+    log.info(
+        "node %s: compiled %d kind(s) of layer (of %d layers), forward and backward, in %.1f s",
+        node,
+        len(kinds),
+        n,
+        seconds,
+    )
     return seconds

@@ -84,8 +84,9 @@ class ControlPlane(Protocol):
     def record_skip(self, *, generation: int, step: int, detail: str) -> None:
         """The step guard did not apply `step` (engine/guard.py): an event for operators."""
 
-    def report_stragglers(self, *, generation: int, step: int, nodes: dict[str, float],
-                          pipeline_s: Sequence[float]) -> None:
+    def report_stragglers(
+        self, *, generation: int, step: int, nodes: dict[str, float], pipeline_s: Sequence[float]
+    ) -> None:
         """The nodes named stragglers after `step` and each pipeline's measured seconds per
         microbatch (engine/straggler.py), for the leader to re-split the batch (rank 0 reports)."""
 
@@ -98,20 +99,37 @@ class ControlPlane(Protocol):
         (engine/goodput.py): the last one reported with progress, or the job's start and first plan."""
 
 
-def one_worker_plan(cfg: JobConfig, num_layers: int, *, node: str = "local",
-                    microbatch_size: Optional[int] = None) -> Plan:
+def one_worker_plan(
+    cfg: JobConfig, num_layers: int, *, node: str = "local", microbatch_size: Optional[int] = None
+) -> Plan:
     """Generation 1 of a one-worker job: one pipeline, one stage holding every layer, microbatches
     of training.microbatch_size (`microbatch_size` when the config says auto)."""
     t = cfg.training
     size = fixed_microbatch_size(cfg) or microbatch_size
     if size is None:
-        raise ValueError("training.microbatch_size=auto: give one_worker_plan the microbatch size chosen "
-                         "(local_microbatch_size)")
+        raise ValueError(
+            "training.microbatch_size=auto: give one_worker_plan the microbatch size chosen (local_microbatch_size)"
+        )
     stage = StagePlacement(index=0, start=0, end=num_layers, node=node, local_rank=0, rank=0)
-    pipe = PipelineSpec(index=0, template_nodes=1, nodes=(node,), microbatches=t.global_batch_size // size,
-                        stages=(stage,), est_time_s=0.0)
-    return Plan(generation=1, nodes=(node,), spares=(), gpus_per_node=1, num_layers=num_layers,
-                microbatch_size=size, pipelines=(pipe,), est_step_time_s=0.0, f=0)
+    pipe = PipelineSpec(
+        index=0,
+        template_nodes=1,
+        nodes=(node,),
+        microbatches=t.global_batch_size // size,
+        stages=(stage,),
+        est_time_s=0.0,
+    )
+    return Plan(
+        generation=1,
+        nodes=(node,),
+        spares=(),
+        gpus_per_node=1,
+        num_layers=num_layers,
+        microbatch_size=size,
+        pipelines=(pipe,),
+        est_step_time_s=0.0,
+        f=0,
+    )
 
 
 def local_microbatch_size(cfg: JobConfig) -> MicrobatchChoice:
@@ -129,9 +147,14 @@ def local_microbatch_size(cfg: JobConfig) -> MicrobatchChoice:
     else:
         profile = load_or_profile(cfg, device=resolve_device(cfg.training.device, 0), log=log.info)
     choice = single_worker_microbatch_size(cfg, profile)
-    log.info("training.microbatch_size=auto: %d (%s)", choice.size, ", ".join(
-        f"{o.size}: {o.samples_per_s:.4g} samples/s" if o.fits else f"{o.size}: does not fit"
-        for o in choice.options))
+    log.info(
+        "training.microbatch_size=auto: %d (%s)",
+        choice.size,
+        ", ".join(
+            f"{o.size}: {o.samples_per_s:.4g} samples/s" if o.fits else f"{o.size}: does not fit"
+            for o in choice.options
+        ),
+    )
     return choice
 
 
@@ -192,16 +215,18 @@ class LocalControl:
     def record_event(self, *, kind: str, generation: int, detail: str) -> None:
         pass
 
-    def report_stragglers(self, *, generation: int, step: int, nodes: dict[str, float],
-                          pipeline_s: Sequence[float]) -> None:
+    def report_stragglers(
+        self, *, generation: int, step: int, nodes: dict[str, float], pipeline_s: Sequence[float]
+    ) -> None:
         pass
 
     def goodput_origin(self) -> Origin:
         return self._origin
 
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
-        self._last_error = next_error_record(self._last_error, err, step=step, generation=generation,
-                                             node=self.node_id, local_rank=0, now=time.time())
+        self._last_error = next_error_record(
+            self._last_error, err, step=step, generation=generation, node=self.node_id, local_rank=0, now=time.time()
+        )
         return self._last_error
 
     def close_job(self, reason: str, *, failed: bool = False) -> None:

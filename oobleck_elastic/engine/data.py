@@ -52,19 +52,48 @@ import torch
 
 from ..config import JobConfig
 from ..models.build import stable_seed
-from .sources import (BATCH_DOCS, EOT_TOKEN, TEXT_SOURCES, DataError, TokenizerSpec, build_once, files_key,
-                      iter_text_batches, load_hf_tokenizer, load_text_dataset, load_token_cache, open_token_files,
-                      text_source_files, tokenize_texts, tokenizer_fingerprint, write_token_npy)
+from .sources import (
+    BATCH_DOCS,
+    EOT_TOKEN,
+    TEXT_SOURCES,
+    DataError,
+    TokenizerSpec,
+    build_once,
+    files_key,
+    iter_text_batches,
+    load_hf_tokenizer,
+    load_text_dataset,
+    load_token_cache,
+    open_token_files,
+    text_source_files,
+    tokenize_texts,
+    tokenizer_fingerprint,
+    write_token_npy,
+)
 from .sources import atomic_write as _atomic_write
 
-__all__ = ["DataError", "STDLIB_MAX_BYTES", "STDLIB_EXCLUDE", "EOT_TOKEN", "corpus_files",
-           "read_corpus", "load_or_train_bpe", "tokenize_corpus", "TokenWindows", "build_dataset",
-           "GlobalBatchSampler", "pipeline_slices", "collate", "BatchPrefetcher"]
+__all__ = [
+    "DataError",
+    "STDLIB_MAX_BYTES",
+    "STDLIB_EXCLUDE",
+    "EOT_TOKEN",
+    "corpus_files",
+    "read_corpus",
+    "load_or_train_bpe",
+    "tokenize_corpus",
+    "TokenWindows",
+    "build_dataset",
+    "GlobalBatchSampler",
+    "pipeline_slices",
+    "collate",
+    "BatchPrefetcher",
+]
 
 STDLIB_MAX_BYTES = 8 * 1024 * 1024
 """Default corpus cap for source=stdlib (the whole stdlib is ~12 MB)."""
-STDLIB_EXCLUDE = frozenset({"test", "tests", "idlelib", "idle_test", "lib2to3", "site-packages",
-                            "dist-packages", "__pycache__"})
+STDLIB_EXCLUDE = frozenset(
+    {"test", "tests", "idlelib", "idle_test", "lib2to3", "site-packages", "dist-packages", "__pycache__"}
+)
 """Directory names skipped when collecting the stdlib corpus."""
 
 Log = Callable[[str], None]
@@ -89,31 +118,32 @@ def corpus_files(source: str, paths: Sequence[str] = ()) -> list[Path]:
     """The corpus files of `source` (`stdlib` or `files`), sorted by path."""
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
-        files = [p for p in root.rglob("*.py")
-                 if not STDLIB_EXCLUDE.intersection(p.relative_to(root).parts[:-1])]
+        files = [p for p in root.rglob("*.py") if not STDLIB_EXCLUDE.intersection(p.relative_to(root).parts[:-1])]
         if not files:
-            raise DataError(f"data.source=stdlib: no .py files under '{root}' (the Python "
-                            "standard library); use data.source=files with data.paths")
+            raise DataError(
+                f"data.source=stdlib: no .py files under '{root}' (the Python "
+                "standard library); use data.source=files with data.paths"
+            )
         return sorted(files, key=lambda p: p.relative_to(root).as_posix())
     if source != "files":
         raise DataError(f"data.source is '{source}'; choose stdlib or files")
     if not paths:
-        raise DataError("data.source is files but data.paths is empty: list text files or "
-                        "directories in data.paths")
+        raise DataError("data.source is files but data.paths is empty: list text files or directories in data.paths")
     found: set[Path] = set()
     for entry in paths:
         p = Path(entry).expanduser()
         if not p.exists():
-            raise DataError(f"data.paths entry '{entry}' does not exist: fix the path or "
-                            "remove it from data.paths")
+            raise DataError(f"data.paths entry '{entry}' does not exist: fix the path or remove it from data.paths")
         if p.is_dir():
             found.update(f.resolve() for f in _walk(p) if f.is_file() and not _is_binary(f))
         else:
             found.add(p.resolve())
     files = sorted(f for f in found if f.stat().st_size > 0)
     if not files:
-        raise DataError(f"data.paths {list(paths)} contain no non-empty text files: add text "
-                        "files (binary and hidden files are skipped in directories)")
+        raise DataError(
+            f"data.paths {list(paths)} contain no non-empty text files: add text "
+            "files (binary and hidden files are skipped in directories)"
+        )
     return files
 
 
@@ -156,8 +186,9 @@ def _train_bpe(texts: list[str], vocab_size: int):  # -> tokenizers.Tokenizer
     from tokenizers import ByteLevelBPETokenizer
 
     tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2,
-                            special_tokens=[EOT_TOKEN], show_progress=False)
+    tok.train_from_iterator(
+        texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT_TOKEN], show_progress=False
+    )
     return tok._tokenizer
 
 
@@ -169,20 +200,19 @@ def load_or_train_bpe(docs: Sequence[bytes], *, vocab_size: int, path: Path, log
         try:
             return Tokenizer.from_file(str(path))
         except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception
-            raise DataError(f"tokenizer cache '{path}' is unreadable ({err}); delete it to "
-                            "retrain") from None
+            raise DataError(f"tokenizer cache '{path}' is unreadable ({err}); delete it to retrain") from None
     if vocab_size <= 256:
-        raise DataError(f"model.vocab_size ({vocab_size}) is too small for data.tokenizer=bpe: "
-                        "a byte-level BPE needs 256 byte tokens plus merges and <|endoftext|>; "
-                        "raise model.vocab_size (e.g. 4096) or use data.tokenizer=bytes")
+        raise DataError(
+            f"model.vocab_size ({vocab_size}) is too small for data.tokenizer=bpe: "
+            "a byte-level BPE needs 256 byte tokens plus merges and <|endoftext|>; "
+            "raise model.vocab_size (e.g. 4096) or use data.tokenizer=bytes"
+        )
     t0 = time.perf_counter()
-    log(f"data: training a byte-level BPE tokenizer (vocab {vocab_size}) on "
-        f"{sum(map(len, docs)) / 1e6:.1f} MB")
+    log(f"data: training a byte-level BPE tokenizer (vocab {vocab_size}) on {sum(map(len, docs)) / 1e6:.1f} MB")
     tok = _train_bpe([d.decode("utf-8", errors="replace") for d in docs], vocab_size)
     blob = tok.to_str().encode()
     _atomic_write(path, lambda fh: fh.write(blob))
-    log(f"data: tokenizer trained in {time.perf_counter() - t0:.1f} s "
-        f"({tok.get_vocab_size()} tokens) -> {path}")
+    log(f"data: tokenizer trained in {time.perf_counter() - t0:.1f} s ({tok.get_vocab_size()} tokens) -> {path}")
     return tok
 
 
@@ -190,8 +220,9 @@ def _dtype(vocab_size: int) -> type:
     return np.uint16 if vocab_size <= 65536 else np.uint32
 
 
-def tokenize_corpus(docs: Sequence[bytes], *, tokenizer: str, vocab_size: int, tok=None,
-                    log: Log = print, batch_docs: int = 256) -> np.ndarray:
+def tokenize_corpus(
+    docs: Sequence[bytes], *, tokenizer: str, vocab_size: int, tok=None, log: Log = print, batch_docs: int = 256
+) -> np.ndarray:
     """The flat token array: bytes as they are, or BPE ids with <|endoftext|> after each doc."""
     if tokenizer == "bytes":
         return np.frombuffer(b"".join(docs), dtype=np.uint8).astype(np.uint16)
@@ -201,17 +232,21 @@ def tokenize_corpus(docs: Sequence[bytes], *, tokenizer: str, vocab_size: int, t
     chunks: list[np.ndarray] = []
     t0, last = time.perf_counter(), time.perf_counter()
     for start in range(0, len(docs), batch_docs):
-        texts = [d.decode("utf-8", errors="replace") for d in docs[start:start + batch_docs]]
+        texts = [d.decode("utf-8", errors="replace") for d in docs[start : start + batch_docs]]
         for enc in tok.encode_batch(texts, add_special_tokens=False):
             chunks.append(np.asarray(enc.ids + [eot], dtype=np.int64))
         if time.perf_counter() - last > 5.0:
             last = time.perf_counter()
-            log(f"data: tokenised {min(start + batch_docs, len(docs))}/{len(docs)} documents "
-                f"({time.perf_counter() - t0:.0f} s)")
+            log(
+                f"data: tokenised {min(start + batch_docs, len(docs))}/{len(docs)} documents "
+                f"({time.perf_counter() - t0:.0f} s)"
+            )
     flat = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
     if flat.size and int(flat.max()) >= vocab_size:
-        raise DataError(f"tokenizer produced id {int(flat.max())} >= model.vocab_size "
-                        f"({vocab_size}); delete the tokenizer cache or raise model.vocab_size")
+        raise DataError(
+            f"tokenizer produced id {int(flat.max())} >= model.vocab_size "
+            f"({vocab_size}); delete the tokenizer cache or raise model.vocab_size"
+        )
     return flat.astype(_dtype(vocab_size))
 
 
@@ -221,8 +256,9 @@ def tokenize_corpus(docs: Sequence[bytes], *, tokenizer: str, vocab_size: int, t
 class TokenWindows(torch.utils.data.Dataset):
     """Fixed windows over a flat token array: item i = (input_ids, labels), labels = next tokens."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, *, vocab_size: int | None = None,
-                 source: str | None = None) -> None:
+    def __init__(
+        self, tokens: np.ndarray, seq_len: int, *, vocab_size: int | None = None, source: str | None = None
+    ) -> None:
         if seq_len < 1:
             raise DataError(f"data.seq_len must be >= 1 (got {seq_len})")
         self.tokens, self.seq_len = tokens, int(seq_len)
@@ -239,13 +275,13 @@ class TokenWindows(torch.utils.data.Dataset):
         if not 0 <= i < self._n:
             raise IndexError(f"sample {i} is out of range: the dataset has {self._n} windows")
         start = i * self.seq_len
-        window = torch.from_numpy(np.asarray(self.tokens[start:start + self.seq_len + 1],
-                                             dtype=np.int64))
+        window = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
         return window[:-1], window[1:]
 
     def __repr__(self) -> str:
-        return (f"TokenWindows({self._n} windows of {self.seq_len} tokens, "
-                f"{len(self.tokens)} tokens, source={self.source})")
+        return (
+            f"TokenWindows({self._n} windows of {self.seq_len} tokens, {len(self.tokens)} tokens, source={self.source})"
+        )
 
 
 def _hf_spec(d: Any, vocab: int) -> tuple[TokenizerSpec, str]:
@@ -275,13 +311,17 @@ def _corpus_tokens(cfg: JobConfig, log: Log, max_bytes: int | None) -> np.ndarra
         log(f"data: reading {len(parts)} {d.source} files ({total / 1e6:.1f} MB)")
         docs = read_corpus(parts)
         if spec is not None:
-            batches = ([x.decode("utf-8", errors="replace") for x in docs[i:i + BATCH_DOCS]]
-                       for i in range(0, len(docs), BATCH_DOCS))
-            n = write_token_npy(token_path, tokenize_texts(batches, spec, vocab_size=vocab, num_docs=len(docs),
-                                                           num_proc=d.num_proc, log=log), _dtype(vocab))
+            batches = (
+                [x.decode("utf-8", errors="replace") for x in docs[i : i + BATCH_DOCS]]
+                for i in range(0, len(docs), BATCH_DOCS)
+            )
+            n = write_token_npy(
+                token_path,
+                tokenize_texts(batches, spec, vocab_size=vocab, num_docs=len(docs), num_proc=d.num_proc, log=log),
+                _dtype(vocab),
+            )
         else:
-            tok = (load_or_train_bpe(docs, vocab_size=vocab, path=tok_path, log=log)
-                   if d.tokenizer == "bpe" else None)
+            tok = load_or_train_bpe(docs, vocab_size=vocab, path=tok_path, log=log) if d.tokenizer == "bpe" else None
             flat = tokenize_corpus(docs, tokenizer=d.tokenizer, vocab_size=vocab, tok=tok, log=log)
             _atomic_write(token_path, lambda fh: np.save(fh, flat, allow_pickle=False))
             n = len(flat)
@@ -290,8 +330,7 @@ def _corpus_tokens(cfg: JobConfig, log: Log, max_bytes: int | None) -> np.ndarra
     built = build_once(token_path, build, log=log, also=has_tokenizer)
     tokens = load_token_cache(token_path)
     if not built:
-        log(f"data: {len(parts)} {d.source} files, {total / 1e6:.1f} MB, {len(tokens)} tokens "
-            f"(cached {token_path})")
+        log(f"data: {len(parts)} {d.source} files, {total / 1e6:.1f} MB, {len(tokens)} tokens (cached {token_path})")
     return tokens
 
 
@@ -317,8 +356,9 @@ def _text_source_tokens(cfg: JobConfig, log: Log) -> np.ndarray:
             tok = load_or_train_bpe(docs, vocab_size=vocab, path=tok_path, log=log)
             spec = TokenizerSpec("bpe", str(tok_path), tok.token_to_id(EOT_TOKEN))
         log(f"data: tokenising {len(ds)} documents with data.tokenizer={d.tokenizer} (data.num_proc={d.num_proc})")
-        chunks = tokenize_texts(iter_text_batches(ds, d.text_field), spec, vocab_size=vocab, num_docs=len(ds),
-                                num_proc=d.num_proc, log=log)
+        chunks = tokenize_texts(
+            iter_text_batches(ds, d.text_field), spec, vocab_size=vocab, num_docs=len(ds), num_proc=d.num_proc, log=log
+        )
         n = write_token_npy(token_path, chunks, _dtype(vocab))
         log(f"data: {n} tokens cached in {time.perf_counter() - t0:.1f} s -> {token_path}")
 
@@ -346,16 +386,20 @@ def build_dataset(cfg: JobConfig, *, log: Log = print, max_bytes: int | None = N
         if d.tokenizer not in ("bytes", "bpe", "hf"):
             raise DataError(f"data.tokenizer is '{d.tokenizer}'; choose bytes, bpe or hf")
         if d.tokenizer == "bytes" and vocab < 256:
-            raise DataError(f"model.vocab_size ({vocab}) is below 256 but data.tokenizer=bytes "
-                            "needs one token per byte value: set model.vocab_size=256 (or more)")
+            raise DataError(
+                f"model.vocab_size ({vocab}) is below 256 but data.tokenizer=bytes "
+                "needs one token per byte value: set model.vocab_size=256 (or more)"
+            )
         if d.source in TEXT_SOURCES:
             tokens = _text_source_tokens(cfg, log)
         else:
             tokens = _corpus_tokens(cfg, log, max_bytes)
     ds = TokenWindows(tokens, d.seq_len, vocab_size=vocab, source=d.source)
     if len(ds) == 0:
-        raise DataError(f"the corpus has {len(tokens)} tokens, fewer than one window of "
-                        f"data.seq_len+1 = {d.seq_len + 1}: add data or lower data.seq_len")
+        raise DataError(
+            f"the corpus has {len(tokens)} tokens, fewer than one window of "
+            f"data.seq_len+1 = {d.seq_len + 1}: add data or lower data.seq_len"
+        )
     return ds
 
 
@@ -369,9 +413,11 @@ class GlobalBatchSampler:
         if global_batch_size < 1:
             raise DataError(f"training.global_batch_size must be >= 1 (got {global_batch_size})")
         if num_samples < global_batch_size:
-            raise DataError(f"the dataset has {num_samples} samples, fewer than one global batch "
-                            f"(training.global_batch_size={global_batch_size}): add data "
-                            "(data.paths), lower data.seq_len or lower training.global_batch_size")
+            raise DataError(
+                f"the dataset has {num_samples} samples, fewer than one global batch "
+                f"(training.global_batch_size={global_batch_size}): add data "
+                "(data.paths), lower data.seq_len or lower training.global_batch_size"
+            )
         self.num_samples, self.global_batch_size, self.seed = num_samples, global_batch_size, seed
         self.steps_per_epoch = num_samples // global_batch_size
         self._cached: tuple[int, torch.Tensor] | None = None
@@ -392,7 +438,7 @@ class GlobalBatchSampler:
             raise ValueError(f"step must be >= 0 (got {step})")
         epoch, block = divmod(step, self.steps_per_epoch)
         start = block * self.global_batch_size
-        return self.epoch_permutation(epoch)[start:start + self.global_batch_size].tolist()
+        return self.epoch_permutation(epoch)[start : start + self.global_batch_size].tolist()
 
 
 def pipeline_slices(plan_microbatches: Sequence[int], microbatch_size: int) -> list[tuple[int, int]]:
@@ -431,8 +477,9 @@ class BatchPrefetcher:
     prepared batch early; an exception raised while preparing surfaces from the `get` that uses it.
     """
 
-    def __init__(self, dataset: TokenWindows, indices_of: Callable[[int], Sequence[int]], *,
-                 pin_memory: bool = False) -> None:
+    def __init__(
+        self, dataset: TokenWindows, indices_of: Callable[[int], Sequence[int]], *, pin_memory: bool = False
+    ) -> None:
         self.dataset, self.indices_of = dataset, indices_of
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
         self.hits = self.misses = 0

@@ -47,13 +47,16 @@ def resolve_device(setting: str, local_rank: int) -> torch.device:
         raise ValueError(f"training.device is '{setting}'; choose one of auto, cpu, cuda")
     if not torch.cuda.is_available():
         if setting == "cuda":
-            raise RuntimeError("training.device=cuda but CUDA is not available on this machine "
-                               "(set training.device=auto or cpu)")
+            raise RuntimeError(
+                "training.device=cuda but CUDA is not available on this machine (set training.device=auto or cpu)"
+            )
         return torch.device("cpu")
     count = torch.cuda.device_count()
     if local_rank >= count:
-        raise RuntimeError(f"worker LOCAL_RANK={local_rank} has no GPU: this node has {count}; "
-                           f"start at most {count} workers per node (--nproc-per-node)")
+        raise RuntimeError(
+            f"worker LOCAL_RANK={local_rank} has no GPU: this node has {count}; "
+            f"start at most {count} workers per node (--nproc-per-node)"
+        )
     return torch.device("cuda", local_rank)
 
 

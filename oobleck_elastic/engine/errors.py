@@ -41,7 +41,8 @@ _COMM_PATTERNS = re.compile(
     r"gloo/transport|third_party/gloo|Connection (closed|reset|refused)|Broken pipe|Timed out waiting|"
     r"timed out|Socket|connectFullMesh|ProcessGroup\w* .*(aborted|destroyed|shut ?down)|"
     r"NCCL (error|communicator)|ncclRemoteError|ncclSystemError|Collective .*timed out",
-    re.IGNORECASE)
+    re.IGNORECASE,
+)
 
 
 class StepAbandoned(RuntimeError):
@@ -105,13 +106,25 @@ class ErrorRecord:
             rec = cls(**{k: data[k] for k in cls.__dataclass_fields__})
         except (KeyError, TypeError):
             return None
-        ok = (isinstance(rec.signature, str) and isinstance(rec.step, int) and isinstance(rec.count, int)
-              and rec.count >= 1)
+        ok = (
+            isinstance(rec.signature, str)
+            and isinstance(rec.step, int)
+            and isinstance(rec.count, int)
+            and rec.count >= 1
+        )
         return rec if ok else None
 
 
-def next_error_record(previous: Optional[ErrorRecord], err: BaseException, *, step: int, generation: int,
-                      node: str, local_rank: int, now: Optional[float] = None) -> ErrorRecord:
+def next_error_record(
+    previous: Optional[ErrorRecord],
+    err: BaseException,
+    *,
+    step: int,
+    generation: int,
+    node: str,
+    local_rank: int,
+    now: Optional[float] = None,
+) -> ErrorRecord:
     """The record to store after `err` ended a worker: the count goes up when the previous record
     has the same signature at the same step in an earlier generation (several workers failing in
     one generation count once), and starts again at 1 for any other error or step."""
@@ -121,7 +134,14 @@ def next_error_record(previous: Optional[ErrorRecord], err: BaseException, *, st
         return ErrorRecord(**{**asdict(previous), "time": time.time() if now is None else now})
     tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
     first = (str(err).strip().splitlines() or [""])[0][:300]
-    return ErrorRecord(signature=sig, step=step, count=previous.count + 1 if same and previous else 1,
-                       generation=generation, node=node, local_rank=local_rank,
-                       error=f"{type(err).__name__}: {first}", traceback=tb[-4000:],
-                       time=time.time() if now is None else now)
+    return ErrorRecord(
+        signature=sig,
+        step=step,
+        count=previous.count + 1 if same and previous else 1,
+        generation=generation,
+        node=node,
+        local_rank=local_rank,
+        error=f"{type(err).__name__}: {first}",
+        traceback=tb[-4000:],
+        time=time.time() if now is None else now,
+    )

@@ -55,8 +55,14 @@ def _parse_poison(spec: str, env: str, *, with_factor: bool) -> dict[tuple[int, 
         rank, sep, rest = body.partition("@")
         step, sep2, factor = rest.partition(":")
         try:
-            ok = (bool(sep) and rank.isdigit() and step.isdigit() and (times == "" or int(times) >= 1)
-                  and bool(sep2) == with_factor and (not with_factor or float(factor) > 0))
+            ok = (
+                bool(sep)
+                and rank.isdigit()
+                and step.isdigit()
+                and (times == "" or int(times) >= 1)
+                and bool(sep2) == with_factor
+                and (not with_factor or float(factor) > 0)
+            )
         except ValueError:
             ok = False
         if not ok:
@@ -78,8 +84,9 @@ def _at_least(value: float, low: float) -> float:
     return value if value >= low else _refuse()
 
 
-def _parse_at(environ: Mapping[str, str], env: str, form: str, *, who: Callable[[str], Any],
-              value: Callable[[str], Any]) -> dict[tuple[Any, int], Any]:
+def _parse_at(
+    environ: Mapping[str, str], env: str, form: str, *, who: Callable[[str], Any], value: Callable[[str], Any]
+) -> dict[tuple[Any, int], Any]:
     """The WHO@STEP:VALUE items of `environ[env]` -> {(who, step): value}; `who` and `value` convert
     their part or raise ValueError, and any item that does not parse is one error naming `form`."""
     spec = environ.get(env, "").strip()
@@ -120,13 +127,19 @@ class FaultInjector:
             if not sep or not rank.isdigit() or not step.isdigit():
                 raise ValueError(f"{ENV}={spec!r}: each item must be RANK@STEP, e.g. 1@3")
             points.add((int(rank), int(step)))
-        slow = _parse_at(environ, SLOW_ENV, "RANK@STEP:SECONDS, e.g. 0@0:5", who=_count,
-                         value=lambda v: _at_least(float(v), 0))
+        slow = _parse_at(
+            environ, SLOW_ENV, "RANK@STEP:SECONDS, e.g. 0@0:5", who=_count, value=lambda v: _at_least(float(v), 0)
+        )
         poison = _parse_poison(environ.get(NAN_ENV, "").strip(), NAN_ENV, with_factor=False)
         poison.update(_parse_poison(environ.get(SPIKE_ENV, "").strip(), SPIKE_ENV, with_factor=True))
         flips = _parse_at(environ, FLIP_ENV, "RANK@STEP:LAYER, e.g. 1@3:2", who=_count, value=_count)
-        slowed = _parse_at(environ, STRAGGLE_ENV, "NODE@STEP:FACTOR with FACTOR >= 1, e.g. node1@0:3",
-                           who=lambda n: n or _refuse(), value=lambda v: _at_least(float(v), 1))
+        slowed = _parse_at(
+            environ,
+            STRAGGLE_ENV,
+            "NODE@STEP:FACTOR with FACTOR >= 1, e.g. node1@0:3",
+            who=lambda n: n or _refuse(),
+            value=lambda v: _at_least(float(v), 1),
+        )
         straggle = {node: (step, factor) for (node, step), factor in slowed.items()}
         return cls(frozenset(points), slow, poison, flips=flips, straggle=straggle)
 

@@ -136,15 +136,24 @@ def compare(plan: Plan, table: dict[int, dict[int, tuple[int, int]]]) -> list[Co
                 raise Unrepairable(
                     f"the copies of layer {layer}{lane_text} differ between its {len(holders)} holders ({where}) "
                     "and no majority agrees, so the intact copy cannot be told (silent data corruption): "
-                    "restart the job from the newest checkpoint, and check those nodes' devices")
+                    "restart the job from the newest checkpoint, and check those nodes' devices"
+                )
             bad = tuple(r for r, fp in zip(holders, prints) if fp != best)
-            out.append(Corrupt(layer=layer, lane=lane, holders=holders, bad=bad,
-                               source=next(r for r, fp in zip(holders, prints) if fp == best)))
+            out.append(
+                Corrupt(
+                    layer=layer,
+                    lane=lane,
+                    holders=holders,
+                    bad=bad,
+                    source=next(r for r, fp in zip(holders, prints) if fp == best),
+                )
+            )
     return out
 
 
-def gather(plan: Plan, prints: dict[int, tuple[int, int]],
-           group: Optional[dist.ProcessGroup]) -> dict[int, dict[int, tuple[int, int]]]:
+def gather(
+    plan: Plan, prints: dict[int, tuple[int, int]], group: Optional[dist.ProcessGroup]
+) -> dict[int, dict[int, tuple[int, int]]]:
     """Every rank's fingerprints by layer, from one all-gather over `group` (the generation's
     workers; CPU tensors over gloo whatever the data backend)."""
     mine = torch.zeros((plan.num_layers, 3), dtype=torch.int64)
@@ -152,12 +161,19 @@ def gather(plan: Plan, prints: dict[int, tuple[int, int]],
         mine[layer] = torch.tensor([1, a, b], dtype=torch.int64)
     rows = [torch.empty_like(mine) for _ in range(plan.world_size)]
     dist.all_gather(rows, mine, group=group)
-    return {r: {li: (int(rows[r][li, 1]), int(rows[r][li, 2])) for li in range(plan.num_layers) if rows[r][li, 0]}
-            for r in range(plan.world_size)}
+    return {
+        r: {li: (int(rows[r][li, 1]), int(rows[r][li, 2])) for li in range(plan.num_layers) if rows[r][li, 0]}
+        for r in range(plan.world_size)
+    }
 
 
-def repair(corrupt: list[Corrupt], *, rank: int, tensors_of: dict[int, list[torch.Tensor]],
-           groups: dict[tuple[int, ...], dist.ProcessGroup]) -> None:
+def repair(
+    corrupt: list[Corrupt],
+    *,
+    rank: int,
+    tensors_of: dict[int, list[torch.Tensor]],
+    groups: dict[tuple[int, ...], dist.ProcessGroup],
+) -> None:
     """Replace the corrupt copies this rank takes part in: for each one, in the same order on every
     rank, the layer's holders broadcast the source's parameters and optimizer state over their
     group (`groups`: this rank's holder-set groups, engine/groups.py)."""
@@ -165,5 +181,4 @@ def repair(corrupt: list[Corrupt], *, rank: int, tensors_of: dict[int, list[torc
         if rank not in c.holders:
             continue
         for t in tensors_of[c.layer]:
-            dist.broadcast(t.data if isinstance(t, torch.nn.Parameter) else t, src=c.source,
-                           group=groups[c.holders])
+            dist.broadcast(t.data if isinstance(t, torch.nn.Parameter) else t, src=c.source, group=groups[c.holders])

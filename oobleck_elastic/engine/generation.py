@@ -135,16 +135,30 @@ class GenerationEntry:
     """The generation-entry protocol (module docstring) of one worker, identified across
     generations by (node, local rank)."""
 
-    def __init__(self, cfg: JobConfig, *, device: torch.device, identity: tuple[str, int], timeout: timedelta,
-                 join_timeout: timedelta) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        *,
+        device: torch.device,
+        identity: tuple[str, int],
+        timeout: timedelta,
+        join_timeout: timedelta,
+    ) -> None:
         self.cfg, self.device, self.identity = cfg, device, identity
         self.node = identity[0]
         self.timeout, self.join_timeout = timeout, join_timeout
         self._meta_layers: Optional[list[nn.Module]] = None
 
-    def enter(self, state: WorkerState, plan: Plan, store: Optional[dist.Store], *,
-              roll_forward: Callable[[int, float], None], detach_kept: bool,
-              load_plan: Callable[[int], Optional[Plan]] = lambda g: None) -> Installed:
+    def enter(
+        self,
+        state: WorkerState,
+        plan: Plan,
+        store: Optional[dist.Store],
+        *,
+        roll_forward: Callable[[int, float], None],
+        detach_kept: bool,
+        load_plan: Callable[[int], Optional[Plan]] = lambda g: None,
+    ) -> Installed:
         """Join generation `plan.generation` from `state`: connect, agree on the step, settle the
         interrupted step (`roll_forward(step, norm2)` applies it to `state`), agree on who holds
         what, move layers and install the new stage's layers and optimizer. `detach_kept`: a step
@@ -169,34 +183,67 @@ class GenerationEntry:
         lost_layers = tuple(lost) if held else ()
 
         def account(moved: int, donor: bool = False) -> Reconfiguration:
-            return Reconfiguration(generation=plan.generation, previous=previous, resume_step=committed + 1,
-                                   rolled_forward=rolled, bytes_moved=moved, seconds=time.perf_counter() - t0,
-                                   donor=donor, moves=moves, lost_layers=lost_layers)
+            return Reconfiguration(
+                generation=plan.generation,
+                previous=previous,
+                resume_step=committed + 1,
+                rolled_forward=rolled,
+                bytes_moved=moved,
+                seconds=time.perf_counter() - t0,
+                donor=donor,
+                moves=moves,
+                lost_layers=lost_layers,
+            )
+
         if stage is None:
             moved = self._hand_over(state, rank, transfers, exchange_layers=not lost)
             info = account(moved, donor=True)
-            log.info("gen %d step %d node %s rank %d: handed layers %s over as a donor (%d layer bytes sent, "
-                     "%.3f s); leaving", plan.generation, committed + 1, self.node, rank, state.owned, moved,
-                     info.seconds)
-            after = WorkerState(layer_model=build_layer_model(self.cfg.model, seed=self.cfg.training.seed, owned=[],
-                                                              device=str(self.device)),
-                                plan=plan, generation=plan.generation, rank=rank, committed_step=committed,
-                                synced_step=committed)
+            log.info(
+                "gen %d step %d node %s rank %d: handed layers %s over as a donor (%d layer bytes sent, "
+                "%.3f s); leaving",
+                plan.generation,
+                committed + 1,
+                self.node,
+                rank,
+                state.owned,
+                moved,
+                info.seconds,
+            )
+            after = WorkerState(
+                layer_model=build_layer_model(
+                    self.cfg.model, seed=self.cfg.training.seed, owned=[], device=str(self.device)
+                ),
+                plan=plan,
+                generation=plan.generation,
+                rank=rank,
+                committed_step=committed,
+                synced_step=committed,
+            )
             gc.collect()
             return Installed(state=after, info=info)
-        after, groups, moved = self._install(state, plan, rank, transfers, exchange_layers=not lost, current=current,
-                                             detach_kept=detach_kept)
+        after, groups, moved = self._install(
+            state, plan, rank, transfers, exchange_layers=not lost, current=current, detach_kept=detach_kept
+        )
         info = account(moved)
-        log.info("gen %d step %d node %s rank %d: entered from generation %d (%s, %d layer bytes moved, %.3f s)",
-                 plan.generation, committed + 1, self.node, rank, previous,
-                 "rolled forward" if rolled else "no step to roll forward", moved, info.seconds)
+        log.info(
+            "gen %d step %d node %s rank %d: entered from generation %d (%s, %d layer bytes moved, %.3f s)",
+            plan.generation,
+            committed + 1,
+            self.node,
+            rank,
+            previous,
+            "rolled forward" if rolled else "no step to roll forward",
+            moved,
+            info.seconds,
+        )
         return Installed(state=after, info=info, groups=groups, lost=lost_layers)
 
     def _transfer_sizes(self, state: WorkerState, tensor_parallel: int) -> list[int]:
         """Bytes of one lane's transfer of every layer, from the layers' shapes (meta device)."""
         if self._meta_layers is None:
-            self._meta_layers = build_meta_layers(self.cfg.model, state.layer_model.num_layers,
-                                                  seed=self.cfg.training.seed)
+            self._meta_layers = build_meta_layers(
+                self.cfg.model, state.layer_model.num_layers, seed=self.cfg.training.seed
+            )
         return [transfer_bytes(layer, tensor_parallel) for layer in self._meta_layers]
 
     def _connect(self, plan: Plan, rank: int, store: Optional[dist.Store]) -> None:
@@ -207,8 +254,13 @@ class GenerationEntry:
         release_groups(abort=False)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend_for(self.device), store=store, rank=rank,
-                                world_size=plan.entry_world_size, timeout=min(self.timeout, self.join_timeout))
+        dist.init_process_group(
+            backend_for(self.device),
+            store=store,
+            rank=rank,
+            world_size=plan.entry_world_size,
+            timeout=min(self.timeout, self.join_timeout),
+        )
 
     @staticmethod
     def _agree_on_step(state: WorkerState) -> tuple[int, int]:
@@ -232,8 +284,9 @@ class GenerationEntry:
         state.committed_step = state.synced_step = committed
         return rolled, current
 
-    def _agree_on_layouts(self, state: WorkerState, plan: Plan, rank: int, current: bool,
-                          load_plan: Callable[[int], Optional[Plan]]) -> dict[Identity, range]:
+    def _agree_on_layouts(
+        self, state: WorkerState, plan: Plan, rank: int, current: bool, load_plan: Callable[[int], Optional[Plan]]
+    ) -> dict[Identity, range]:
         """What every worker of `plan`'s entry (stages and donors) really holds: the layers of its
         stage in the generation it last entered (not always the previous one: an entry may have
         failed half-way on some workers), or nothing (new, restarted, or behind the agreed step).
@@ -243,17 +296,29 @@ class GenerationEntry:
         dist.all_reduce(held)
         _set_pg_timeout(self.timeout)  # every peer is connected now
         layouts = {int(g) for g in held.tolist() if g > 0}
-        plans = {g: state.plan if state.plan is not None and state.plan.generation == g else load_plan(g)
-                 for g in layouts}
+        plans = {
+            g: state.plan if state.plan is not None and state.plan.generation == g else load_plan(g) for g in layouts
+        }
         missing = sorted(g for g, p in plans.items() if p is None)
         if missing:
             raise RuntimeError(f"plan(s) of generation(s) {missing} are not available to {self.identity}")
-        return {ident: plans[int(held[r])].layers_by_worker().get(ident, range(0))
-                for ident, r in plan.entry_ranks().items() if int(held[r]) > 0}
+        return {
+            ident: plans[int(held[r])].layers_by_worker().get(ident, range(0))
+            for ident, r in plan.entry_ranks().items()
+            if int(held[r]) > 0
+        }
 
-    def _install(self, state: WorkerState, plan: Plan, rank: int, transfers: list[Transfer], *,
-                 exchange_layers: bool, current: bool, detach_kept: bool
-                 ) -> tuple[WorkerState, GenerationGroups, int]:
+    def _install(
+        self,
+        state: WorkerState,
+        plan: Plan,
+        rank: int,
+        transfers: list[Transfer],
+        *,
+        exchange_layers: bool,
+        current: bool,
+        detach_kept: bool,
+    ) -> tuple[WorkerState, GenerationGroups, int]:
         """Build the stage's layers: kept ones stay (copies after an abandoned step), received ones
         are allocated and filled by the transfer with their optimizer state, others are built from
         the seed (or read from the pretrained directory); then a new optimizer. With tensor
@@ -263,31 +328,43 @@ class GenerationEntry:
         stage = plan.stage_of(rank)[1]
         owned = list(range(stage.start, stage.end))
         kept = [i for i in owned if i in state.owned] if current else []
-        groups = GenerationGroups(plan, state.layer_model, rank=rank, timeout=self.timeout,
-                                  connect_timeout=self.join_timeout, device_type=self.device.type)
+        groups = GenerationGroups(
+            plan,
+            state.layer_model,
+            rank=rank,
+            timeout=self.timeout,
+            connect_timeout=self.join_timeout,
+            device_type=self.device.type,
+        )
         sharded = groups.mesh is not None
         fresh = owned if sharded else [i for i in owned if i not in kept]
         # layers about to be received are only allocated: their values come with the transfer
         incoming = {t.layer for t in transfers if t.dst == rank} if exchange_layers else set()
-        target = build_layer_model(self.cfg.model, seed=self.cfg.training.seed, owned=fresh, device=str(self.device),
-                                   empty=incoming)
+        target = build_layer_model(
+            self.cfg.model, seed=self.cfg.training.seed, owned=fresh, device=str(self.device), empty=incoming
+        )
         old_state = state.optimizer.state if state.optimizer is not None else {}
         if sharded:
             for i in owned:
                 parallelize_layer(target.layers[i], groups.mesh)
-            keep_state = {id(new): (new, st) for new, st in _copy_kept_shards(state.layer_model, kept, target,
-                                                                               old_state)}
+            keep_state = {
+                id(new): (new, st) for new, st in _copy_kept_shards(state.layer_model, kept, target, old_state)
+            }
         else:
             kept_layers, kept_params = _kept_layers(state.layer_model, kept, detach=detach_kept)
             for i in kept:
                 target.layers[i] = kept_layers[i]
             target.retie()
-            keep_state = {id(new): (new, {k: v.clone() if new is not old else v for k, v in old_state[old].items()})
-                          for old, new in kept_params if old in old_state}
+            keep_state = {
+                id(new): (new, {k: v.clone() if new is not old else v for k, v in old_state[old].items()})
+                for old, new in kept_params
+                if old in old_state
+            }
         states, moved = ({}, 0)
         if exchange_layers:
-            states, moved = exchange(transfers, rank=rank, source=state.layer_model, optimizer=state.optimizer,
-                                     target=target)
+            states, moved = exchange(
+                transfers, rank=rank, source=state.layer_model, optimizer=state.optimizer, target=target
+            )
         if plan.donors:
             _release_donors()
         params = list(dict.fromkeys(p for i in owned for p in target.layers[i].parameters()))
@@ -296,9 +373,18 @@ class GenerationEntry:
         for p, st in {**keep_state, **states}.values():
             if id(p) in ours:
                 optimizer.state[p] = st
-        after = WorkerState(layer_model=target, owned=owned, optimizer=optimizer, plan=plan,
-                            generation=plan.generation, rank=rank, committed_step=state.committed_step,
-                            synced_step=state.synced_step, params=params, max_loss=state.max_loss)
+        after = WorkerState(
+            layer_model=target,
+            owned=owned,
+            optimizer=optimizer,
+            plan=plan,
+            generation=plan.generation,
+            rank=rank,
+            committed_step=state.committed_step,
+            synced_step=state.synced_step,
+            params=params,
+            max_loss=state.max_loss,
+        )
         return after, groups, moved
 
     def _hand_over(self, state: WorkerState, rank: int, transfers: list[Transfer], *, exchange_layers: bool) -> int:
@@ -306,15 +392,17 @@ class GenerationEntry:
         stages need from it, then leave the generation. Returns the bytes sent."""
         moved = 0
         if exchange_layers:
-            _, moved = exchange(transfers, rank=rank, source=state.layer_model, optimizer=state.optimizer,
-                                target=state.layer_model)
+            _, moved = exchange(
+                transfers, rank=rank, source=state.layer_model, optimizer=state.optimizer, target=state.layer_model
+            )
         _release_donors()
         release_groups(abort=False)
         return moved
 
 
-def _copy_kept_shards(old: LayerModel, kept: list[int], target: LayerModel, old_state: dict[Any, dict[str, Any]]
-                      ) -> Iterator[tuple[nn.Parameter, dict[str, torch.Tensor]]]:
+def _copy_kept_shards(
+    old: LayerModel, kept: list[int], target: LayerModel, old_state: dict[Any, dict[str, Any]]
+) -> Iterator[tuple[nn.Parameter, dict[str, torch.Tensor]]]:
     """Copy this lane's shards of the kept layers into `target`'s (built and sharded for the new
     generation) and give their optimizer state, re-laid on the new lanes' mesh."""
     for i in kept:
@@ -324,12 +412,18 @@ def _copy_kept_shards(old: LayerModel, kept: list[int], target: LayerModel, old_
             with torch.no_grad():
                 local(p_new).copy_(_shard_of(new_layer, name, p_old))
             if p_old in old_state:
-                yield p_new, {k: v.clone() if k == "step" else wrap_like(p_new, _shard_of(new_layer, name, v).clone())
-                              for k, v in old_state[p_old].items()}
+                yield (
+                    p_new,
+                    {
+                        k: v.clone() if k == "step" else wrap_like(p_new, _shard_of(new_layer, name, v).clone())
+                        for k, v in old_state[p_old].items()
+                    },
+                )
 
 
-def _kept_layers(old: LayerModel, kept: list[int], *, detach: bool
-                 ) -> tuple[dict[int, nn.Module], list[tuple[nn.Parameter, nn.Parameter]]]:
+def _kept_layers(
+    old: LayerModel, kept: list[int], *, detach: bool
+) -> tuple[dict[int, nn.Module], list[tuple[nn.Parameter, nn.Parameter]]]:
     """The kept layers for the next generation and (old, new) pairs of their parameters: the
     layers themselves, or copies after an abandoned step (`detach`: its thread may still run)."""
     layers: dict[int, nn.Module] = {}

@@ -59,8 +59,20 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 log = logging.getLogger("oobleck_elastic.train")
 
-__all__ = ["Category", "Ledger", "Origin", "GoodputClock", "opening", "continue_from", "began_step",
-           "ended_step", "switch", "entering", "job_origin", "describe"]
+__all__ = [
+    "Category",
+    "Ledger",
+    "Origin",
+    "GoodputClock",
+    "opening",
+    "continue_from",
+    "began_step",
+    "ended_step",
+    "switch",
+    "entering",
+    "job_origin",
+    "describe",
+]
 
 
 class Category(str, Enum):
@@ -119,8 +131,12 @@ class Ledger:
     def to_json(self) -> dict[str, Any]:
         """The value sent with progress (the open interval is not sent: a successor's starts as
         `reconfiguration`)."""
-        return {"start": self.start, "at": self.at, "done": self.done,
-                "seconds": {c.value: round(self.get(c), 6) for c in Category}}
+        return {
+            "start": self.start,
+            "at": self.at,
+            "done": self.done,
+            "seconds": {c.value: round(self.get(c), 6) for c in Category},
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> "Ledger":
@@ -246,9 +262,14 @@ class GoodputClock:
         try:
             found = origin()
         except Exception as err:  # noqa: BLE001 - the ledger is informative; training goes on
-            log.warning("gen %d step %d node %s: goodput ledger: could not read where it stands (%s); continuing "
-                        "from %s", generation, step, self.node, err,
-                        "this worker's own" if self.ledger is not None else "now, as if the job started here")
+            log.warning(
+                "gen %d step %d node %s: goodput ledger: could not read where it stands (%s); continuing from %s",
+                generation,
+                step,
+                self.node,
+                err,
+                "this worker's own" if self.ledger is not None else "now, as if the job started here",
+            )
             found = Origin(reported=None)
         self.ledger = continue_from(self.ledger, found, self.clock())
 
@@ -280,6 +301,7 @@ class GoodputClock:
     def reporter(self, report: Callable[..., None], metrics: Any) -> Callable[..., None]:
         """`report` (ControlPlane.report_progress) with the ledger so far added as `goodput`, also
         written to TensorBoard (`metrics`, engine/metrics.py; None: not written)."""
+
         def send(**fields: Any) -> None:
             ledger = self.snapshot()
             if ledger is None:
@@ -287,8 +309,10 @@ class GoodputClock:
                 return
             report(**fields, goodput=ledger.to_json())
             if metrics is not None:
-                metrics.goodput({c.value: ledger.get(c) for c in Category}, ledger.fraction,
-                                step=max(0, fields.get("step", 1) - 1))
+                metrics.goodput(
+                    {c.value: ledger.get(c) for c in Category}, ledger.fraction, step=max(0, fields.get("step", 1) - 1)
+                )
+
         return send
 
     def finished(self, report: Callable[..., None], metrics: Any, *, generation: int, step: int) -> None:
@@ -298,9 +322,15 @@ class GoodputClock:
         if ledger is not None:
             if metrics is not None:  # one point past the last step's: the final checkpoint included
                 metrics.goodput({c.value: ledger.get(c) for c in Category}, ledger.fraction, step=step)
-            log.info("gen %d step %d node %s: goodput %.1f%% of %.1f s (%s)", generation, step, self.node,
-                     100 * ledger.fraction, ledger.total,
-                     ", ".join(f"{c.value} {ledger.get(c):.1f} s" for c in Category if ledger.get(c) > 0))
+            log.info(
+                "gen %d step %d node %s: goodput %.1f%% of %.1f s (%s)",
+                generation,
+                step,
+                self.node,
+                100 * ledger.fraction,
+                ledger.total,
+                ", ".join(f"{c.value} {ledger.get(c):.1f} s" for c in Category if ledger.get(c) > 0),
+            )
 
 
 # ---------------------------------------------------------------------------- the report
@@ -311,15 +341,20 @@ def describe(ledger: Ledger, *, start: float, end: float, closed: bool) -> list[
 
     def share(seconds: float) -> str:
         return f"{100 * seconds / wall:6.1f} %" if wall > 0 else "     - %"
+
     until = "closed" if closed else "now (running)"
     out = [f"wall time {wall:.2f} s, from the job's start {_stamp(start)} to {until} {_stamp(end)}"]
     for c in Category:
         out.append(f"  {c.value:<16} {ledger.get(c):10.2f} s {share(ledger.get(c))}  {MEANING[c]}")
     gap = end - ledger.at
-    out.append(f"  {'sum':<16} {ledger.total:10.2f} s {share(ledger.total)}  accounted up to the last report, "
-               f"{gap:.2f} s before the {'close' if closed else 'time of reading'}")
-    out.append(f"goodput: {100 * ledger.fraction:.1f} % of the time accounted went to useful steps "
-               f"({ledger.done} step(s) completed)")
+    out.append(
+        f"  {'sum':<16} {ledger.total:10.2f} s {share(ledger.total)}  accounted up to the last report, "
+        f"{gap:.2f} s before the {'close' if closed else 'time of reading'}"
+    )
+    out.append(
+        f"goodput: {100 * ledger.fraction:.1f} % of the time accounted went to useful steps "
+        f"({ledger.done} step(s) completed)"
+    )
     return out
 
 

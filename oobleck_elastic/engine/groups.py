@@ -83,8 +83,16 @@ class Holders:
 class GenerationGroups:
     """The process groups one worker uses in one generation."""
 
-    def __init__(self, plan: Plan, layer_model: LayerModel, *, rank: int, timeout: timedelta,
-                 connect_timeout: Optional[timedelta] = None, device_type: str = "cpu") -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        layer_model: LayerModel,
+        *,
+        rank: int,
+        timeout: timedelta,
+        connect_timeout: Optional[timedelta] = None,
+        device_type: str = "cpu",
+    ) -> None:
         """Collective groups connect under `connect_timeout` (a peer that died meanwhile is given
         up on soon), then run under `timeout`; pipeline groups run and connect under `timeout`."""
         tp = plan.tensor_parallel
@@ -102,6 +110,7 @@ class GenerationGroups:
             if rank in ranks and connect != timeout:
                 _set_pg_timeout(timeout, g)
             return g
+
         for p in plan.pipelines:  # every rank creates every group, in the same order
             for lane in range(tp):
                 ranks = [s.rank + lane for s in p.stages]
@@ -170,7 +179,7 @@ class GradSync:
             for p in params:
                 shard = local(p)
                 n = shard.numel()
-                p.grad = wrap_like(p, flat[offset:offset + n].view_as(shard).clone())
+                p.grad = wrap_like(p, flat[offset : offset + n].view_as(shard).clone())
                 offset += n
 
     def norm_squared(self) -> torch.Tensor:
@@ -181,6 +190,7 @@ class GradSync:
 
         def counted(p: torch.Tensor) -> bool:
             return p.grad is not None and (lane == 0 or is_sharded(p))
+
         grads = [local(p.grad) for ranks, params in self.buckets if ranks[0] == me for p in params if counted(p)]
         grads += [local(p.grad) for params, ranks in self.tied if ranks[0] == me for p in params if counted(p)]
         if not grads:

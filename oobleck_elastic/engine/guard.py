@@ -48,8 +48,9 @@ def judge(loss: float, norm2: float, *, running_max: float, spike_factor: float)
     if not math.isfinite(norm2):
         return Verdict(False, f"the gradient norm is {math.sqrt(norm2) if norm2 > 0 else norm2}")
     if spike_factor > 0 and running_max > 0 and loss > spike_factor * running_max:
-        return Verdict(False, f"loss spike: {loss:.4g} > {spike_factor:g} x the largest loss so far "
-                              f"({running_max:.4g})")
+        return Verdict(
+            False, f"loss spike: {loss:.4g} > {spike_factor:g} x the largest loss so far ({running_max:.4g})"
+        )
     return Verdict(True)
 
 
@@ -88,7 +89,9 @@ class StepGuard:
         self.skipped.append(step)
         self.in_a_row.append(step)
         if len(self.in_a_row) >= self.max_skipped:
-            raise TooManySkipped(f"{len(self.in_a_row)} steps in a row were not applied (steps {self.in_a_row}, the "
-                                 f"last because {verdict.reason}; fault_tolerance.max_skipped_steps="
-                                 f"{self.max_skipped}): lower the learning rate or check the data of those steps")
+            raise TooManySkipped(
+                f"{len(self.in_a_row)} steps in a row were not applied (steps {self.in_a_row}, the "
+                f"last because {verdict.reason}; fault_tolerance.max_skipped_steps="
+                f"{self.max_skipped}): lower the learning rate or check the data of those steps"
+            )
         return Action.SKIP

@@ -58,8 +58,14 @@ def read_beat(path: Path) -> Optional[Beat]:
     """The heartbeat in `path`, or None (missing, being written, malformed)."""
     try:
         fields = path.read_text().split()
-        return Beat(pid=int(fields[0]), in_step=fields[1] == "step", step=int(fields[2]), since=float(fields[3]),
-                    last_step_s=float(fields[4]), tick=float(fields[5]))
+        return Beat(
+            pid=int(fields[0]),
+            in_step=fields[1] == "step",
+            step=int(fields[2]),
+            since=float(fields[3]),
+            last_step_s=float(fields[4]),
+            tick=float(fields[5]),
+        )
     except (OSError, ValueError, IndexError):
         return None
 
@@ -86,9 +92,10 @@ class Heartbeat:
         self._state = (in_step, step, since)
         if self._fd is None:
             return
-        line = (f"{os.getpid()} {'step' if in_step else 'idle'} {step} {since:.3f} {self.last_step_s:.3f} "
-                f"{time.time():.3f}")
-        os.pwrite(self._fd, line.ljust(LINE - 1).encode()[:LINE - 1] + b"\n", 0)
+        line = (
+            f"{os.getpid()} {'step' if in_step else 'idle'} {step} {since:.3f} {self.last_step_s:.3f} {time.time():.3f}"
+        )
+        os.pwrite(self._fd, line.ljust(LINE - 1).encode()[: LINE - 1] + b"\n", 0)
 
     def begin(self, step: int) -> None:
         self._write(True, step, time.time())

@@ -35,15 +35,16 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     with the gradient computed chunk by chunk in the forward (module docstring)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab: int, scale: float,
-                chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+    def forward(
+        ctx, logits: torch.Tensor, labels: torch.Tensor, vocab: int, scale: float, chunk: int = CHUNK_TOKENS
+    ) -> torch.Tensor:
         flat = logits.reshape(-1, logits.shape[-1])
         targets = labels.reshape(-1)
         grad = torch.zeros_like(flat)
         total = torch.zeros((), dtype=torch.float32, device=flat.device)
         for i in range(0, flat.shape[0], chunk):
-            z = flat[i:i + chunk, :vocab].float()
-            t = targets[i:i + chunk]
+            z = flat[i : i + chunk, :vocab].float()
+            t = targets[i : i + chunk]
             valid = t != -100
             safe = t.clamp(min=0)
             lse = torch.logsumexp(z, dim=-1)
@@ -51,7 +52,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             z.sub_(lse[:, None]).exp_()  # softmax, in place
             z.scatter_add_(1, safe[:, None], -valid[:, None].to(z.dtype))
             z.mul_((valid.to(z.dtype) * scale)[:, None])
-            grad[i:i + chunk, :vocab] = z
+            grad[i : i + chunk, :vocab] = z
         ctx.save_for_backward(grad)
         ctx.shape = logits.shape
         return total * scale
@@ -62,8 +63,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return (grad * grad_output.to(grad.dtype)).view(ctx.shape), None, None, None, None
 
 
-def token_sum_loss(global_tokens: int, *, vocab_size: int | None = None, lean_bf16: bool = False
-                   ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def token_sum_loss(
+    global_tokens: int, *, vocab_size: int | None = None, lean_bf16: bool = False
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """loss_fn(logits, labels) = sum of token cross-entropies over the first `vocab_size` logits
     (all when None) / global_tokens; `lean_bf16`: bf16 logits go through ChunkedCrossEntropy."""
 
@@ -73,7 +75,9 @@ def token_sum_loss(global_tokens: int, *, vocab_size: int | None = None, lean_bf
             return ChunkedCrossEntropy.apply(logits, labels, vocab, 1.0 / global_tokens)
         if vocab < logits.shape[-1]:
             logits = logits[..., :vocab]
-        return F.cross_entropy(logits.reshape(-1, vocab).float(), labels.reshape(-1),
-                               ignore_index=-100, reduction="sum") / global_tokens
+        return (
+            F.cross_entropy(logits.reshape(-1, vocab).float(), labels.reshape(-1), ignore_index=-100, reduction="sum")
+            / global_tokens
+        )
 
     return loss_fn

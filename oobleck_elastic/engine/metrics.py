@@ -34,9 +34,11 @@ log = logging.getLogger("oobleck_elastic.train")
 def describe_plan(plan: Optional[Plan]) -> str:
     if plan is None:
         return "single process: every layer in one stage"
-    lines = [f"generation {plan.generation}: {len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
-             f"{plan.world_size} worker(s), tensor parallel {plan.tensor_parallel}, "
-             f"est. step {plan.est_step_time_s:.4g} s"]
+    lines = [
+        f"generation {plan.generation}: {len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
+        f"{plan.world_size} worker(s), tensor parallel {plan.tensor_parallel}, "
+        f"est. step {plan.est_step_time_s:.4g} s"
+    ]
     for p in plan.pipelines:
         stages = ", ".join(f"[{s.start},{s.end})@{s.node}:{s.local_rank}" for s in p.stages)
         lines.append(f"pipeline {p.index}: {p.microbatches} microbatches; {stages}")
@@ -44,9 +46,19 @@ def describe_plan(plan: Optional[Plan]) -> str:
 
 
 class Metrics:
-    def __init__(self, log_dir: str | Path, *, enabled: bool, samples_per_step: int, tokens_per_step: int,
-                 total_steps: int, log_interval: int = 1, node: str = "local", flops_per_token: float = 0.0,
-                 peak_tflops: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        log_dir: str | Path,
+        *,
+        enabled: bool,
+        samples_per_step: int,
+        tokens_per_step: int,
+        total_steps: int,
+        log_interval: int = 1,
+        node: str = "local",
+        flops_per_token: float = 0.0,
+        peak_tflops: Optional[float] = None,
+    ) -> None:
         self.enabled, self.samples, self.tokens = enabled, samples_per_step, tokens_per_step
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
         self.total, self.interval, self.node = total_steps, max(1, log_interval), node
@@ -77,8 +89,13 @@ class Metrics:
         assert w is not None
         w.add_scalar("train/loss", result.loss, s)
         w.add_scalar("train/samples_per_s", sps, s)
-        perf = Throughput.of(tokens=self.tokens, seconds=wall, flops_per_token=self.flops_per_token,
-                             devices=plan.world_size if plan else 1, peak_tflops=self.peak_tflops)
+        perf = Throughput.of(
+            tokens=self.tokens,
+            seconds=wall,
+            flops_per_token=self.flops_per_token,
+            devices=plan.world_size if plan else 1,
+            peak_tflops=self.peak_tflops,
+        )
         w.add_scalar("train/tokens_per_s", perf.tokens_per_s, s)
         w.add_scalar("perf/tflops_per_device", perf.tflops_per_device, s)
         if perf.mfu is not None:
@@ -98,10 +115,21 @@ class Metrics:
         if (s + 1) % self.interval == 0 or s + 1 == self.total:
             gen = plan.generation if plan else 0
             est = f", plan est. {plan.est_step_time_s:.3f} s" if plan else ""
-            log.info("gen %d step %d/%d node %s: loss %.4f, %.1f samples/s, %s; %.3f s/step (%.3f s since the "
-                     "last%s); largest worker's %s", gen, s + 1, self.total, self.node, result.loss, sps,
-                     perf.describe(), result.seconds, wall, est,
-                     describe_memory(result.peak_rss_bytes, result.peak_device_bytes))
+            log.info(
+                "gen %d step %d/%d node %s: loss %.4f, %.1f samples/s, %s; %.3f s/step (%.3f s since the "
+                "last%s); largest worker's %s",
+                gen,
+                s + 1,
+                self.total,
+                self.node,
+                result.loss,
+                sps,
+                perf.describe(),
+                result.seconds,
+                wall,
+                est,
+                describe_memory(result.peak_rss_bytes, result.peak_device_bytes),
+            )
 
     def rejected(self, step: int, text: str, *, skipped: bool) -> None:
         """The step guard did not apply `step` (engine/guard.py): `guard/rejected` = 1 at it,

@@ -79,8 +79,7 @@ def device_peak_tflops(device: torch.device, precision: str, override: Optional[
         return float(override)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    return peak_for_name(torch.cuda.get_device_name(device), precision,
-                         tf32=torch.backends.cuda.matmul.allow_tf32)
+    return peak_for_name(torch.cuda.get_device_name(device), precision, tf32=torch.backends.cuda.matmul.allow_tf32)
 
 
 def peak_for_name(name: str, precision: str, *, tf32: bool) -> Optional[float]:
@@ -104,12 +103,14 @@ class Throughput:
     """tflops_per_device over the device's peak (None when the peak is unknown)."""
 
     @classmethod
-    def of(cls, *, tokens: int, seconds: float, flops_per_token: float, devices: int,
-           peak_tflops: Optional[float]) -> "Throughput":
+    def of(
+        cls, *, tokens: int, seconds: float, flops_per_token: float, devices: int, peak_tflops: Optional[float]
+    ) -> "Throughput":
         tps = tokens / seconds if seconds > 0 else 0.0
         per_device = tps * flops_per_token / max(1, devices) / 1e12
-        return cls(tokens_per_s=tps, tflops_per_device=per_device,
-                   mfu=per_device / peak_tflops if peak_tflops else None)
+        return cls(
+            tokens_per_s=tps, tflops_per_device=per_device, mfu=per_device / peak_tflops if peak_tflops else None
+        )
 
     def describe(self) -> str:
         mfu = f"MFU {100 * self.mfu:.1f} %" if self.mfu is not None else "MFU unknown (set training.peak_tflops)"

@@ -27,8 +27,7 @@ from torch.distributed.tensor import DTensor
 from ..config import TrainingConfig
 from .loss import token_sum_loss
 
-__all__ = ["token_sum_loss", "build_optimizer", "adamw_step", "lr_factor", "set_lr", "clip_coefficient",
-           "scale_grads"]
+__all__ = ["token_sum_loss", "build_optimizer", "adamw_step", "lr_factor", "set_lr", "clip_coefficient", "scale_grads"]
 
 
 def build_optimizer(params: Iterable[nn.Parameter], cfg: TrainingConfig) -> torch.optim.Optimizer:

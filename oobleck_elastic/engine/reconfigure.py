@@ -114,8 +114,10 @@ def moves_of(transfers: list[Transfer], plan: Plan, layer_bytes: list[int]) -> t
     for t in transfers:
         per_layer = grouped.setdefault((node_of[t.src], node_of[t.dst]), {})
         per_layer[t.layer] = per_layer.get(t.layer, 0) + layer_bytes[t.layer]
-    return tuple(Move(src=src, dst=dst, layers=tuple(sorted(layers)), bytes=sum(layers.values()))
-                 for (src, dst), layers in sorted(grouped.items()))
+    return tuple(
+        Move(src=src, dst=dst, layers=tuple(sorted(layers)), bytes=sum(layers.values()))
+        for (src, dst), layers in sorted(grouped.items())
+    )
 
 
 def _flat(layer: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -142,12 +144,12 @@ def _unflat(flat: torch.Tensor, layer: nn.Module) -> dict[int, tuple[nn.Paramete
         shard = local(p)
         n = shard.numel()
         with torch.no_grad():
-            shard.copy_(flat[offset:offset + n].view_as(shard))
+            shard.copy_(flat[offset : offset + n].view_as(shard))
         offset += n
         state = {}
         for key in OPTIM_KEYS:
             size = 1 if key == "step" else n
-            chunk = flat[offset:offset + size]
+            chunk = flat[offset : offset + size]
             # fused AdamW keeps `step` as a scalar on the parameter's device; moments live with p
             state[key] = adamw_step(chunk, shard) if key == "step" else wrap_like(p, chunk.view_as(shard).clone())
             offset += size
@@ -155,9 +157,15 @@ def _unflat(flat: torch.Tensor, layer: nn.Module) -> dict[int, tuple[nn.Paramete
     return out
 
 
-def exchange(transfers: list[Transfer], *, rank: int, source: LayerModel, optimizer: Optional[torch.optim.Optimizer],
-             target: LayerModel, group: Optional[dist.ProcessGroup] = None
-             ) -> tuple[dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]], int]:
+def exchange(
+    transfers: list[Transfer],
+    *,
+    rank: int,
+    source: LayerModel,
+    optimizer: Optional[torch.optim.Optimizer],
+    target: LayerModel,
+    group: Optional[dist.ProcessGroup] = None,
+) -> tuple[dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]], int]:
     """Post every send and receive of this rank at once and fill received layers in place.
 
     Senders read layers from `source` and their state from `optimizer` (the previous generation's);

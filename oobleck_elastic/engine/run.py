@@ -198,8 +198,12 @@ class _Worker:
             return self._broken_entry(plan, _describe(err))
         if info is not None and info.donor:
             exit_now_at_the_end("donor")
-            log.info("node %s: leaving the job (node %s was drained; its layers were handed over to generation %d)",
-                     ctx.node_id, ctx.node_id, plan.generation)
+            log.info(
+                "node %s: leaving the job (node %s was drained; its layers were handed over to generation %d)",
+                ctx.node_id,
+                ctx.node_id,
+                plan.generation,
+            )
             return HandedOver()
         ctx.entered(plan.generation)
         self.step = step
@@ -212,14 +216,24 @@ class _Worker:
         trainer, ctx = self.trainer, self.ctx
         if ctx.my_stage(plan) is None:  # a donor: the others re-plan without it
             _abort(trainer)
-            log.warning("gen %d node %s: handing layers over to generation %d failed (%s); leaving the job "
-                        "(node drained)", trainer.generation, ctx.node_id, plan.generation, failure)
+            log.warning(
+                "gen %d node %s: handing layers over to generation %d failed (%s); leaving the job (node drained)",
+                trainer.generation,
+                ctx.node_id,
+                plan.generation,
+                failure,
+            )
             return HandedOver()
         self.log.broke()
         _abort(trainer)
         ctx.report_failure(plan.generation)
-        log.warning("gen %d node %s: entering generation %d failed (%s); waiting for a newer plan",
-                    trainer.generation, ctx.node_id, plan.generation, failure)
+        log.warning(
+            "gen %d node %s: entering generation %d failed (%s); waiting for a newer plan",
+            trainer.generation,
+            ctx.node_id,
+            plan.generation,
+            failure,
+        )
         return Broken(failure)
 
     def run_generation(self, plan: Plan) -> Union[Finished, Boundary, Broken]:
@@ -231,6 +245,7 @@ class _Worker:
         def should_abandon() -> Optional[str]:
             self.heartbeat.tick()  # this worker stands not still (rendezvous/hang.py)
             return check()
+
         failure, abandoned = None, False
         try:
             while self.step < steps:
@@ -241,8 +256,13 @@ class _Worker:
                 self.goodput.began_step()
                 completed = False
                 try:
-                    result = self.runner.run(lambda s=self.step, g=seen, r=rejections: trainer.train_step(
-                        s, seen_generation=g, rejections=r), should_abandon=should_abandon, interval_s=watch_s)
+                    result = self.runner.run(
+                        lambda s=self.step, g=seen, r=rejections: trainer.train_step(
+                            s, seen_generation=g, rejections=r
+                        ),
+                        should_abandon=should_abandon,
+                        interval_s=watch_s,
+                    )
                     completed = True
                 finally:
                     self.heartbeat.end(self.step, completed=completed)
@@ -270,12 +290,22 @@ class _Worker:
         self.log.broke()  # outside the except block: see Trainer.abort
         _abort(trainer, abandoned=abandoned)
         if abandoned:  # the leader has acted already: no roll call needed
-            log.warning("gen %d step %d node %s: step abandoned (%s); entering the next generation",
-                        trainer.generation, self.step, ctx.node_id, failure)
+            log.warning(
+                "gen %d step %d node %s: step abandoned (%s); entering the next generation",
+                trainer.generation,
+                self.step,
+                ctx.node_id,
+                failure,
+            )
         else:
             ctx.report_failure(trainer.generation)
-            log.warning("gen %d step %d node %s: communication failed (%s); waiting for the next plan",
-                        trainer.generation, self.step, ctx.node_id, failure)
+            log.warning(
+                "gen %d step %d node %s: communication failed (%s); waiting for the next plan",
+                trainer.generation,
+                self.step,
+                ctx.node_id,
+                failure,
+            )
         return Broken(failure)
 
     def _rejected(self, result: StepResult) -> None:
@@ -291,8 +321,15 @@ class _Worker:
                 self.ctx.close_job(str(err), failed=True)
             raise JobFailed(str(err)) from None
         what = "replaying it" if action is Action.REPLAY else "skipping its batch"
-        log.warning("gen %d step %d node %s: step %d not applied: %s; %s", trainer.generation, step,
-                    self.ctx.node_id, step + 1, result.rejected, what)
+        log.warning(
+            "gen %d step %d node %s: step %d not applied: %s; %s",
+            trainer.generation,
+            step,
+            self.ctx.node_id,
+            step + 1,
+            result.rejected,
+            what,
+        )
         self.goodput.ended_step(step, Category.SKIPPED if action is Action.SKIP else Category.REPLAYED)
         self.log.rejected(result, skipped=action is Action.SKIP)
         if trainer.rank == 0:
@@ -309,15 +346,21 @@ class _Worker:
         if not verdict.report or self.trainer.rank != 0:
             return
         named = ", ".join(f"{node} ({slow:.1f}x)" for node, slow in sorted(verdict.named.items()))
-        detail = (f"step {result.step}: straggler(s) {named}; pipelines' seconds per microbatch "
-                  + " ".join(f"{s:.4f}" for s in verdict.pipeline_s)) if verdict.named else \
-            f"step {result.step}: no straggler any more"
+        detail = (
+            (
+                f"step {result.step}: straggler(s) {named}; pipelines' seconds per microbatch "
+                + " ".join(f"{s:.4f}" for s in verdict.pipeline_s)
+            )
+            if verdict.named
+            else f"step {result.step}: no straggler any more"
+        )
         log.warning("gen %d step %d node %s: %s", plan.generation, result.step, self.ctx.node_id, detail)
         self.log.stragglers(verdict.named, result.step)
         if verdict.changed:
             self.ctx.record_event(kind="straggler", generation=plan.generation, detail=detail)
-        self.ctx.report_stragglers(generation=plan.generation, step=result.step, nodes=verdict.named,
-                                   pipeline_s=verdict.pipeline_s)
+        self.ctx.report_stragglers(
+            generation=plan.generation, step=result.step, nodes=verdict.named, pipeline_s=verdict.pipeline_s
+        )
 
     def _integrity(self, result: StepResult) -> None:
         """The replica fingerprints after `result.step` found corrupt copies (engine/fingerprint.py):
@@ -331,9 +374,11 @@ class _Worker:
         for c in result.repaired:
             bad = ", ".join(f"rank {r}" for r in c.bad)
             lane = f" lane {c.lane}" if trainer.plan is not None and trainer.plan.tensor_parallel > 1 else ""
-            detail = (f"step {result.step}: layer {c.layer}{lane}"
-                      f": the copy of {bad} differed from its {len(c.holders)} holders' majority; replaced by "
-                      f"rank {c.source}'s (silent data corruption)")
+            detail = (
+                f"step {result.step}: layer {c.layer}{lane}"
+                f": the copy of {bad} differed from its {len(c.holders)} holders' majority; replaced by "
+                f"rank {c.source}'s (silent data corruption)"
+            )
             self.log.repaired(detail, result.step, generation=trainer.generation)
             if trainer.rank == 0:
                 ctx.record_event(kind="repair", generation=trainer.generation, detail=detail)
@@ -343,8 +388,9 @@ class _Worker:
         with self.goodput.checkpointing():
             self.checkpoints.finish(self.trainer, trained=self.log.count > 0)
         if self.trainer.rank == 0:
-            self.goodput.finished(self.ctx.report_progress, self.log.metrics, generation=self.trainer.generation,
-                                  step=self.step)
+            self.goodput.finished(
+                self.ctx.report_progress, self.log.metrics, generation=self.trainer.generation, step=self.step
+            )
             self.ctx.close_job(f"finished {self.cfg.training.steps} steps")
         return self.summary()
 
@@ -384,14 +430,28 @@ def _record_fatal(ctx: ControlPlane, cfg: JobConfig, err: BaseException, *, step
     try:
         rec = ctx.record_error(err, step=step, generation=generation)
     except Exception as etcd_err:  # noqa: BLE001 - never hide the original error behind this one
-        log.error("gen %d step %d node %s: could not record the error in etcd: %s", generation, step, ctx.node_id,
-                  _describe(etcd_err))
+        log.error(
+            "gen %d step %d node %s: could not record the error in etcd: %s",
+            generation,
+            step,
+            ctx.node_id,
+            _describe(etcd_err),
+        )
         return
-    log.error("gen %d step %d node %s: %s ends this worker (%d of %d in a row at this step; not a communication "
-              "failure)", generation, step, ctx.node_id, rec.error, rec.count, limit)
+    log.error(
+        "gen %d step %d node %s: %s ends this worker (%d of %d in a row at this step; not a communication failure)",
+        generation,
+        step,
+        ctx.node_id,
+        rec.error,
+        rec.count,
+        limit,
+    )
     if rec.count >= limit:
-        reason = (f"{rec.error} ended a worker at step {step} in {rec.count} generations in a row "
-                  f"(fault_tolerance.max_repeated_errors={limit})")
+        reason = (
+            f"{rec.error} ended a worker at step {step} in {rec.count} generations in a row "
+            f"(fault_tolerance.max_repeated_errors={limit})"
+        )
         log.error("gen %d step %d node %s: closing the job as failed: %s", generation, step, ctx.node_id, reason)
         ctx.close_job(reason, failed=True)
 
@@ -421,8 +481,11 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
             outcome = worker.run_generation(plan)
             if isinstance(outcome, Finished):
                 return worker.finish()
-            target = (Target.exactly(outcome.generation) if isinstance(outcome, Boundary)
-                      else Target.newer_than(worker.trainer.generation))
+            target = (
+                Target.exactly(outcome.generation)
+                if isinstance(outcome, Boundary)
+                else Target.newer_than(worker.trainer.generation)
+            )
     except Exception as err:
         if not isinstance(err, JobFailed):
             _record_fatal(ctx, cfg, err, step=worker.step, generation=plan.generation if plan is not None else 0)

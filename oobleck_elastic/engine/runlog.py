@@ -55,8 +55,10 @@ class Summary:
     """One line per corrupt layer copy replaced from its holders' majority (engine/fingerprint.py)."""
 
     def lines(self) -> list[str]:
-        out = [f"trained steps {self.final_step - self.steps}..{self.final_step} in {self.seconds:.1f}s"
-               + (f" (resumed from step {self.resumed_from})" if self.resumed_from is not None else "")]
+        out = [
+            f"trained steps {self.final_step - self.steps}..{self.final_step} in {self.seconds:.1f}s"
+            + (f" (resumed from step {self.resumed_from})" if self.resumed_from is not None else "")
+        ]
         if self.first_loss is not None:
             out.append(f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}")
         out += [f"reconfiguration: {r}" for r in self.reconfigurations]
@@ -110,11 +112,17 @@ class RunLog:
         if writer and self.metrics is None:
             t = self.cfg.training
             seq_len = trainer.dataset[0][0].shape[-1]
-            self.metrics = Metrics(self.tb_dir, enabled=True, samples_per_step=t.global_batch_size,
-                                   tokens_per_step=t.global_batch_size * seq_len, total_steps=t.steps,
-                                   log_interval=self.cfg.logging.log_interval, node=self.node,
-                                   flops_per_token=flops_per_token(self.cfg, seq_len),
-                                   peak_tflops=device_peak_tflops(trainer.device, t.precision, t.peak_tflops))
+            self.metrics = Metrics(
+                self.tb_dir,
+                enabled=True,
+                samples_per_step=t.global_batch_size,
+                tokens_per_step=t.global_batch_size * seq_len,
+                total_steps=t.steps,
+                log_interval=self.cfg.logging.log_interval,
+                node=self.node,
+                flops_per_token=flops_per_token(self.cfg, seq_len),
+                peak_tflops=device_peak_tflops(trainer.device, t.precision, t.peak_tflops),
+            )
         elif not writer and self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -123,8 +131,14 @@ class RunLog:
         nodes = trainer.plan.nodes if trainer.plan is not None else ()
         self._log_memory(trainer, step)
         if trainer.compile:  # a survivor of a reconfiguration must show no new graph here
-            log.info("gen %d step %d node %s rank %d: compiled graphs so far: %d", trainer.generation, step,
-                     self.node, trainer.rank, graphs_compiled())
+            log.info(
+                "gen %d step %d node %s rank %d: compiled graphs so far: %d",
+                trainer.generation,
+                step,
+                self.node,
+                trainer.rank,
+                graphs_compiled(),
+            )
         if info is not None and info.previous > 0:
             cause = "rebalance" if trainer.plan is not None and trainer.plan.rebalanced else self._cause(nodes)
             self.pending = (info, time.monotonic(), cause, self.broke_at)
@@ -135,17 +149,34 @@ class RunLog:
         before its first step), what its layers hold, and its resident memory at start."""
         owned = trainer.owned
         layers = f"layers [{owned[0]}, {owned[-1] + 1})" if owned else "no layers"
-        log.info("gen %d step %d node %s rank %d: memory on entering: %s; holds %s, %.3f GB of parameters and "
-                 "optimizer state; resident at start %.3f GB", trainer.generation, step, self.node, trainer.rank,
-                 memory.describe(memory.peak_rss_bytes(), memory.peak_device_bytes(trainer.device)), layers,
-                 trainer.held_bytes() / memory.GB, self.rss_at_start / memory.GB)
+        log.info(
+            "gen %d step %d node %s rank %d: memory on entering: %s; holds %s, %.3f GB of parameters and "
+            "optimizer state; resident at start %.3f GB",
+            trainer.generation,
+            step,
+            self.node,
+            trainer.rank,
+            memory.describe(memory.peak_rss_bytes(), memory.peak_device_bytes(trainer.device)),
+            layers,
+            trainer.held_bytes() / memory.GB,
+            self.rss_at_start / memory.GB,
+        )
 
     def _cause(self, nodes: tuple[str, ...]) -> str:
         """Why the generation changed, as seen here, with the nodes involved."""
         joined = [n for n in nodes if n not in self.nodes_before]
         left = [n for n in self.nodes_before if n not in nodes]
-        kind = ("restore" if self.restored else "failure" if self.broke_at is not None
-                else "join" if joined and not left else "drain" if left and not joined else "re-plan")
+        kind = (
+            "restore"
+            if self.restored
+            else "failure"
+            if self.broke_at is not None
+            else "join"
+            if joined and not left
+            else "drain"
+            if left and not joined
+            else "re-plan"
+        )
         who = " ".join([f"+{n}" for n in joined] + [f"-{n}" for n in left])
         return f"{kind}{': ' + who if who else ''}"
 
@@ -191,26 +222,37 @@ class RunLog:
         info, at, cause, broke_at = self.pending
         self.pending = None
         p = trainer.plan
-        since_failure = (f"; {time.monotonic() - broke_at:.3f}s after the failure was seen here"
-                         if broke_at is not None else "")
-        text = (f"generation {info.previous} -> {info.generation} ({cause}): {len(p.nodes)} node(s), "
-                f"{len(p.pipelines)} pipeline(s); resumed at step {info.resume_step}"
-                f"{' (rolled forward)' if info.rolled_forward else ''}; {info.bytes_moved} layer bytes moved "
-                f"here in {info.seconds:.3f}s; first step done {time.monotonic() - at + info.seconds:.3f}s "
-                f"after entering{since_failure}"
-                + (f"; moved {'; '.join(m.describe() for m in info.moves)}" if info.moves else ""))
+        since_failure = (
+            f"; {time.monotonic() - broke_at:.3f}s after the failure was seen here" if broke_at is not None else ""
+        )
+        text = (
+            f"generation {info.previous} -> {info.generation} ({cause}): {len(p.nodes)} node(s), "
+            f"{len(p.pipelines)} pipeline(s); resumed at step {info.resume_step}"
+            f"{' (rolled forward)' if info.rolled_forward else ''}; {info.bytes_moved} layer bytes moved "
+            f"here in {info.seconds:.3f}s; first step done {time.monotonic() - at + info.seconds:.3f}s "
+            f"after entering{since_failure}"
+            + (f"; moved {'; '.join(m.describe() for m in info.moves)}" if info.moves else "")
+        )
         self.changes.append(text)
         if self.metrics is not None:
             self.metrics.reconfiguration(text, info, step=result.step)
 
     def summary(self, *, checkpoint: Optional[Path], resumed: Optional[int]) -> Summary:
         writer = self.metrics is not None
-        return Summary(steps=self.count, final_step=self.cfg.training.steps, first_loss=self.first,
-                       last_loss=self.last, seconds=time.monotonic() - self.t0,
-                       checkpoint=str(checkpoint) if checkpoint and writer else None,
-                       tensorboard=self.tb_dir if writer else None, resumed_from=resumed,
-                       reconfigurations=tuple(self.changes), peak_rss_bytes=memory.peak_rss_bytes(),
-                       not_applied=tuple(self.not_applied), repairs=tuple(self.repairs))
+        return Summary(
+            steps=self.count,
+            final_step=self.cfg.training.steps,
+            first_loss=self.first,
+            last_loss=self.last,
+            seconds=time.monotonic() - self.t0,
+            checkpoint=str(checkpoint) if checkpoint and writer else None,
+            tensorboard=self.tb_dir if writer else None,
+            resumed_from=resumed,
+            reconfigurations=tuple(self.changes),
+            peak_rss_bytes=memory.peak_rss_bytes(),
+            not_applied=tuple(self.not_applied),
+            repairs=tuple(self.repairs),
+        )
 
     def close(self) -> None:
         if self.metrics is not None:

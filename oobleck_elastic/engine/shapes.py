@@ -55,15 +55,26 @@ def _run(layer: nn.Module, index: int, x: torch.Tensor) -> torch.Tensor:
             f"layer {index} ({type(layer).__name__}) cannot run on the meta device: {err}. Stage shapes "
             "are computed by running meta copies of the layers before the stage; make its forward "
             "device-agnostic (no .item(), .tolist() or data-dependent shapes, no tensors created on a "
-            "fixed device)") from err
+            "fixed device)"
+        ) from err
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"layer {index} ({type(layer).__name__}) returned {type(out).__name__}; a pipeline "
-                        "layer must map one tensor to one tensor")
+        raise TypeError(
+            f"layer {index} ({type(layer).__name__}) returned {type(out).__name__}; a pipeline "
+            "layer must map one tensor to one tensor"
+        )
     return out
 
 
-def stage_io(model_cfg: ModelConfig, *, seed: int, start: int, end: int, microbatch_size: int, seq_len: int,
-             autocast: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def stage_io(
+    model_cfg: ModelConfig,
+    *,
+    seed: int,
+    start: int,
+    end: int,
+    microbatch_size: int,
+    seq_len: int,
+    autocast: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Meta tensors (input of layer `start`, output of layer `end - 1`) of the stage holding layers
     [start, end), for one microbatch of `microbatch_size` sequences of `seq_len` tokens.
 

@@ -48,10 +48,27 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["DataError", "TEXT_SOURCES", "CHECK_TOKENS", "PROGRESS_EVERY_S", "atomic_write", "build_once",
-           "files_key", "write_token_npy", "load_token_cache", "load_hf_tokenizer", "tokenizer_fingerprint",
-           "TokenizerSpec", "tokenize_texts", "text_source_files", "check_text_files", "load_text_dataset",
-           "iter_text_batches", "TokenFiles", "open_token_files"]
+__all__ = [
+    "DataError",
+    "TEXT_SOURCES",
+    "CHECK_TOKENS",
+    "PROGRESS_EVERY_S",
+    "atomic_write",
+    "build_once",
+    "files_key",
+    "write_token_npy",
+    "load_token_cache",
+    "load_hf_tokenizer",
+    "tokenizer_fingerprint",
+    "TokenizerSpec",
+    "tokenize_texts",
+    "text_source_files",
+    "check_text_files",
+    "load_text_dataset",
+    "iter_text_batches",
+    "TokenFiles",
+    "open_token_files",
+]
 
 Log = Callable[[str], None]
 
@@ -91,13 +108,15 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def build_once(path: Path, build: Callable[[], None], *, log: Log = print,
-               also: Optional[Callable[[], bool]] = None) -> bool:
+def build_once(
+    path: Path, build: Callable[[], None], *, log: Log = print, also: Optional[Callable[[], bool]] = None
+) -> bool:
     """Make sure `path` exists, calling build() (which writes it atomically) in one process of the host.
 
     Returns True when this process built it. Others wait on an flock of `<path>.lock` meanwhile.
     `also`: a further condition for an existing file to count (else it is rebuilt).
     """
+
     def done() -> bool:
         return path.is_file() and (also is None or also())
 
@@ -165,12 +184,16 @@ def load_token_cache(path: Path) -> np.ndarray:
 def load_hf_tokenizer(path: Optional[str], vocab_size: int) -> tuple[Any, int]:
     """(tokenizer, end-of-text id) of the saved tokenizer in `path`, checked against model.vocab_size."""
     if not path:
-        raise DataError("data.tokenizer is hf but data.tokenizer_path is not set: give the directory of a "
-                        "tokenizer saved with save_pretrained")
+        raise DataError(
+            "data.tokenizer is hf but data.tokenizer_path is not set: give the directory of a "
+            "tokenizer saved with save_pretrained"
+        )
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise DataError(f"data.tokenizer_path '{path}' is not a directory: give the directory of a tokenizer "
-                        "saved with save_pretrained")
+        raise DataError(
+            f"data.tokenizer_path '{path}' is not a directory: give the directory of a tokenizer "
+            "saved with save_pretrained"
+        )
     from transformers import AutoTokenizer
 
     try:
@@ -179,12 +202,16 @@ def load_hf_tokenizer(path: Optional[str], vocab_size: int) -> tuple[Any, int]:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DataError(f"data.tokenizer_path '{path}' could not be loaded as a tokenizer ({first})") from None
     if len(tok) > vocab_size:
-        raise DataError(f"data.tokenizer_path '{path}' has {len(tok)} tokens but model.vocab_size is "
-                        f"{vocab_size}: set model.vocab_size >= {len(tok)}")
+        raise DataError(
+            f"data.tokenizer_path '{path}' has {len(tok)} tokens but model.vocab_size is "
+            f"{vocab_size}: set model.vocab_size >= {len(tok)}"
+        )
     eos = tok.eos_token or (EOT_TOKEN if EOT_TOKEN in tok.get_vocab() else None)
     if eos is None:
-        raise DataError(f"data.tokenizer_path '{path}' has no end-of-text token (no eos_token and no "
-                        f"{EOT_TOKEN}): save the tokenizer with an eos_token")
+        raise DataError(
+            f"data.tokenizer_path '{path}' has no end-of-text token (no eos_token and no "
+            f"{EOT_TOKEN}): save the tokenizer with an eos_token"
+        )
     return tok, int(tok.convert_tokens_to_ids(eos))
 
 
@@ -196,8 +223,9 @@ def tokenizer_fingerprint(path: str) -> str:
     h = hashlib.sha256()
     root = Path(path).expanduser()
     for f in sorted(root.iterdir()):
-        if f.is_file() and (f.name.startswith("tokenizer") or f.name in _TOKENIZER_FILES
-                            or f.suffix in (".model", ".tiktoken")):
+        if f.is_file() and (
+            f.name.startswith("tokenizer") or f.name in _TOKENIZER_FILES or f.suffix in (".model", ".tiktoken")
+        ):
             h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()[:16]
 
@@ -224,14 +252,17 @@ def _encoder(spec: TokenizerSpec) -> Callable[[list[str]], list[np.ndarray]]:
         from tokenizers import Tokenizer
 
         bpe = Tokenizer.from_file(str(spec.path))
-        return lambda texts: [np.asarray(e.ids + eot, dtype=np.int64)
-                              for e in bpe.encode_batch(texts, add_special_tokens=False)]
+        return lambda texts: [
+            np.asarray(e.ids + eot, dtype=np.int64) for e in bpe.encode_batch(texts, add_special_tokens=False)
+        ]
     if spec.kind == "hf":
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(str(spec.path), local_files_only=True)
-        return lambda texts: [np.asarray(ids + eot, dtype=np.int64)
-                              for ids in hf(texts, add_special_tokens=False, verbose=False)["input_ids"]]
+        return lambda texts: [
+            np.asarray(ids + eot, dtype=np.int64)
+            for ids in hf(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        ]
     raise DataError(f"data.tokenizer is '{spec.kind}'; choose bytes, bpe or hf")
 
 
@@ -246,8 +277,15 @@ def _encode_in_worker(texts: list[str]) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
-def tokenize_texts(batches: Iterable[list[str]], spec: TokenizerSpec, *, vocab_size: int, num_docs: int,
-                   num_proc: int = 1, log: Log = print) -> Iterator[np.ndarray]:
+def tokenize_texts(
+    batches: Iterable[list[str]],
+    spec: TokenizerSpec,
+    *,
+    vocab_size: int,
+    num_docs: int,
+    num_proc: int = 1,
+    log: Log = print,
+) -> Iterator[np.ndarray]:
     """The token ids of every batch of documents, in order, one array per batch (ids < vocab_size)."""
     t0 = last = time.perf_counter()
     done = 0
@@ -255,8 +293,10 @@ def tokenize_texts(batches: Iterable[list[str]], spec: TokenizerSpec, *, vocab_s
     def checked(ids: np.ndarray, n: int) -> np.ndarray:
         nonlocal done, last
         if ids.size and int(ids.max()) >= vocab_size:
-            raise DataError(f"data.tokenizer {spec.kind} produced id {int(ids.max())} >= model.vocab_size "
-                            f"({vocab_size}): raise model.vocab_size or use a smaller tokenizer")
+            raise DataError(
+                f"data.tokenizer {spec.kind} produced id {int(ids.max())} >= model.vocab_size "
+                f"({vocab_size}): raise model.vocab_size or use a smaller tokenizer"
+            )
         done += n
         if time.perf_counter() - last >= PROGRESS_EVERY_S:
             last = time.perf_counter()
@@ -294,8 +334,9 @@ def _where(paths: Sequence[str]) -> str:
 def text_source_files(source: str, paths: Sequence[str]) -> list[Path]:
     """The files of a text dataset: `paths` in order, directories expanded (sorted)."""
     if not paths:
-        raise DataError(f"data.source is {source} but data.paths is empty: list the dataset's files or "
-                        "directories in data.paths")
+        raise DataError(
+            f"data.source is {source} but data.paths is empty: list the dataset's files or directories in data.paths"
+        )
     out: list[Path] = []
     for entry in paths:
         p = Path(entry).expanduser()
@@ -303,16 +344,25 @@ def text_source_files(source: str, paths: Sequence[str]) -> list[Path]:
             raise DataError(f"data.paths entry '{entry}' does not exist: fix the path or remove it from data.paths")
         if source == "hf_disk":
             if not p.is_dir():
-                raise DataError(f"data.paths entry '{entry}' is not a directory: data.source=hf_disk reads a "
-                                "directory written by Dataset.save_to_disk")
+                raise DataError(
+                    f"data.paths entry '{entry}' is not a directory: data.source=hf_disk reads a "
+                    "directory written by Dataset.save_to_disk"
+                )
             out.extend(sorted(f for f in p.rglob("*") if f.is_file()))
         elif p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(_SUFFIXES[source])
-                           and not any(part.startswith(".") for part in f.relative_to(p).parts)
-                           and f.stat().st_size > 0)
+            found = sorted(
+                f
+                for f in p.rglob("*")
+                if f.is_file()
+                and f.name.endswith(_SUFFIXES[source])
+                and not any(part.startswith(".") for part in f.relative_to(p).parts)
+                and f.stat().st_size > 0
+            )
             if not found:
-                raise DataError(f"data.paths entry '{entry}' has no non-empty "
-                                f"{'/'.join('*' + s for s in _SUFFIXES[source])} files for data.source={source}")
+                raise DataError(
+                    f"data.paths entry '{entry}' has no non-empty "
+                    f"{'/'.join('*' + s for s in _SUFFIXES[source])} files for data.source={source}"
+                )
             out.extend(found)
         else:
             out.append(p)
@@ -363,8 +413,7 @@ def _datasets() -> Any:
     return datasets
 
 
-def load_text_dataset(source: str, paths: Sequence[str], text_field: str, *, cache_dir: Path,
-                      log: Log = print) -> Any:
+def load_text_dataset(source: str, paths: Sequence[str], text_field: str, *, cache_dir: Path, log: Log = print) -> Any:
     """The `datasets.Dataset` of a jsonl / parquet / hf_disk source, with `text_field` checked."""
     datasets = _datasets()
     files = text_source_files(source, paths)
@@ -375,11 +424,17 @@ def load_text_dataset(source: str, paths: Sequence[str], text_field: str, *, cac
         if source == "hf_disk":
             ds = datasets.load_from_disk(str(Path(paths[0]).expanduser()))
             if isinstance(ds, datasets.DatasetDict):
-                raise DataError(f"data.paths[0] '{paths[0]}' holds a DatasetDict with splits {', '.join(ds)}: "
-                                f"give the directory of one split (e.g. {paths[0]}/{next(iter(ds), 'train')})")
+                raise DataError(
+                    f"data.paths[0] '{paths[0]}' holds a DatasetDict with splits {', '.join(ds)}: "
+                    f"give the directory of one split (e.g. {paths[0]}/{next(iter(ds), 'train')})"
+                )
         else:
-            ds = datasets.load_dataset("json" if source == "jsonl" else source, data_files=[str(f) for f in files],
-                                       split="train", cache_dir=str(cache_dir))
+            ds = datasets.load_dataset(
+                "json" if source == "jsonl" else source,
+                data_files=[str(f) for f in files],
+                split="train",
+                cache_dir=str(cache_dir),
+            )
     except DataError:
         raise
     except Exception as err:  # noqa: BLE001 - datasets wraps reader errors in its own types
@@ -393,8 +448,10 @@ def load_text_dataset(source: str, paths: Sequence[str], text_field: str, *, cac
         raise _columns_error(text_field, _where(paths), ds.column_names)
     dtype = getattr(ds.features[text_field], "dtype", None)
     if dtype not in ("string", "large_string"):
-        raise DataError(f"data.text_field '{text_field}' of {_where(paths)} holds {ds.features[text_field]} values, "
-                        f"not text: choose a text column (columns are {', '.join(ds.column_names)})")
+        raise DataError(
+            f"data.text_field '{text_field}' of {_where(paths)} holds {ds.features[text_field]} values, "
+            f"not text: choose a text column (columns are {', '.join(ds.column_names)})"
+        )
     if len(ds) == 0:
         raise DataError(f"data.paths {_where(paths)} hold no documents: add rows with a '{text_field}' field")
     log(f"data: {len(ds)} documents in {len(files)} {source} files")
@@ -434,7 +491,7 @@ class TokenFiles:
                 lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
                 if lo >= stop:
                     break
-                pieces.append(self.arrays[k][max(start, lo) - lo:min(stop, hi) - lo])
+                pieces.append(self.arrays[k][max(start, lo) - lo : min(stop, hi) - lo])
             out = np.concatenate(pieces).astype(self.dtype, copy=False) if pieces else np.zeros(0, self.dtype)
             return out[::step] if step != 1 else out
         i = int(key) + (len(self) if int(key) < 0 else 0)
@@ -481,28 +538,39 @@ def _open_token_file(f: Path, token_dtype: str, vocab_size: int, check: int = CH
         except (ValueError, OSError) as err:
             raise DataError(f"token file '{f}' is not a readable .npy file ({err})") from None
         if arr.ndim != 1 or arr.dtype.kind not in "ui":
-            raise DataError(f"token file '{f}' holds a {arr.ndim}-D {arr.dtype} array: save a flat 1-D array of "
-                            "integer token ids")
+            raise DataError(
+                f"token file '{f}' holds a {arr.ndim}-D {arr.dtype} array: save a flat 1-D array of integer token ids"
+            )
         if np.iinfo(arr.dtype).max < vocab_size - 1:
-            raise DataError(f"token file '{f}' holds {arr.dtype} ids (at most {np.iinfo(arr.dtype).max}) but "
-                            f"model.vocab_size is {vocab_size}: save it as uint32")
+            raise DataError(
+                f"token file '{f}' holds {arr.dtype} ids (at most {np.iinfo(arr.dtype).max}) but "
+                f"model.vocab_size is {vocab_size}: save it as uint32"
+            )
     elif f.suffix == ".bin":
         dt = np.dtype(token_dtype)
         if np.iinfo(dt).max < vocab_size - 1:
-            raise DataError(f"token file '{f}' is read as data.token_dtype={token_dtype} (ids up to "
-                            f"{np.iinfo(dt).max}) but model.vocab_size is {vocab_size}: write the files as uint32 "
-                            "and set data.token_dtype=uint32")
+            raise DataError(
+                f"token file '{f}' is read as data.token_dtype={token_dtype} (ids up to "
+                f"{np.iinfo(dt).max}) but model.vocab_size is {vocab_size}: write the files as uint32 "
+                "and set data.token_dtype=uint32"
+            )
         if size % dt.itemsize:
-            raise DataError(f"token file '{f}' has {size} bytes, not a multiple of {dt.itemsize} "
-                            f"(data.token_dtype={token_dtype}): check data.token_dtype")
+            raise DataError(
+                f"token file '{f}' has {size} bytes, not a multiple of {dt.itemsize} "
+                f"(data.token_dtype={token_dtype}): check data.token_dtype"
+            )
         arr = np.memmap(f, dtype=dt, mode="r")
     else:
-        raise DataError(f"token file '{f}' is neither .bin nor .npy: data.source=tokens reads flat .bin files "
-                        "(dtype data.token_dtype) or 1-D .npy files")
+        raise DataError(
+            f"token file '{f}' is neither .bin nor .npy: data.source=tokens reads flat .bin files "
+            "(dtype data.token_dtype) or 1-D .npy files"
+        )
     top = int(arr[:check].max())
     if top >= vocab_size:
-        raise DataError(f"token file '{f}' has token id {top} >= model.vocab_size ({vocab_size}) in its first "
-                        f"{min(len(arr), check)} tokens: raise model.vocab_size or check data.token_dtype")
+        raise DataError(
+            f"token file '{f}' has token id {top} >= model.vocab_size ({vocab_size}) in its first "
+            f"{min(len(arr), check)} tokens: raise model.vocab_size or check data.token_dtype"
+        )
     return arr
 
 

@@ -49,14 +49,22 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
     for i, layer in params.items():  # the step guard never applies a non-finite step (engine/guard.py)
         bad = [n for n, t in layer.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
         if bad:
-            raise ckpt.CheckpointError(f"layer {i} parameter(s) {bad} hold non-finite values at step {next_step}: "
-                                       "not saved (the newest intact checkpoint stays the newest)")
+            raise ckpt.CheckpointError(
+                f"layer {i} parameter(s) {bad} hold non-finite values at step {next_step}: "
+                "not saved (the newest intact checkpoint stays the newest)"
+            )
     step_path = ckpt.step_dir(ckpt_dir, next_step)
     if trainer.rank == 0 and (step_path / ckpt.MANIFEST).exists():
         # never rewrite a checkpoint in place (e.g. a run with checkpoint.resume=false in a used dir)
         moved = ckpt.set_aside(step_path, "replaced")
-        log.warning("gen %d step %d node %s: checkpoint %s existed; kept as %s", trainer.generation, next_step,
-                    trainer.node, step_path, moved)
+        log.warning(
+            "gen %d step %d node %s: checkpoint %s existed; kept as %s",
+            trainer.generation,
+            next_step,
+            trainer.node,
+            step_path,
+            moved,
+        )
     dist.barrier(group=trainer.step_group)  # nobody writes before the old directory is out of the way
     for i in trainer.owned:
         if primary[i] == trainer.rank:
@@ -71,10 +79,16 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
         path = _receipt(step_path, i)
         layers.append(json.loads(path.read_text()))
         path.unlink()
-    manifest = ckpt.write_manifest(ckpt_dir, step=next_step, data_cursor={"step": next_step,
-                                                                          "seed": trainer.cfg.training.seed},
-                                   plan=plan.to_json(), config=to_dict(trainer.cfg),
-                                   layers=layers, layer_names=list(lm.names), hf_names=list(lm.hf_names))
+    manifest = ckpt.write_manifest(
+        ckpt_dir,
+        step=next_step,
+        data_cursor={"step": next_step, "seed": trainer.cfg.training.seed},
+        plan=plan.to_json(),
+        config=to_dict(trainer.cfg),
+        layers=layers,
+        layer_names=list(lm.names),
+        hf_names=list(lm.hf_names),
+    )
     log.info("gen %d step %d node %s: checkpoint %s", trainer.generation, next_step, trainer.node, manifest.parent)
     return manifest.parent
 
@@ -85,8 +99,10 @@ def restore(trainer: Trainer, path: str | Path) -> int:
     step_path = Path(path)
     manifest = ckpt.read_manifest(step_path)
     if len(manifest["layers"]) != trainer.layer_model.num_layers:
-        raise ckpt.CheckpointError(f"checkpoint {step_path} has {len(manifest['layers'])} layers but the model has "
-                                   f"{trainer.layer_model.num_layers}: it belongs to another model config")
+        raise ckpt.CheckpointError(
+            f"checkpoint {step_path} has {len(manifest['layers'])} layers but the model has "
+            f"{trainer.layer_model.num_layers}: it belongs to another model config"
+        )
     layers, optim = {}, {}
     for i in trainer.owned:
         layers[i], optim[i] = ckpt.load_layer(step_path, i, manifest=manifest)
@@ -114,8 +130,9 @@ class CheckpointPolicy:
         naming the bad file, never "no checkpoint"."""
         path, unusable = ckpt.newest_intact_checkpoint(self.cfg.checkpoint.dir)
         for u in unusable:
-            log.warning("gen %d node %s: checkpoint %s cannot be used: %s", trainer.generation, self.node,
-                        u.path.name, u.reason)
+            log.warning(
+                "gen %d node %s: checkpoint %s cannot be used: %s", trainer.generation, self.node, u.path.name, u.reason
+            )
         damaged = [u for u in unusable if u.damaged]
         if damaged and path is None:
             raise ckpt.CheckpointError(f"no intact checkpoint under {self.cfg.checkpoint.dir}: {damaged[0].reason}")
@@ -139,11 +156,15 @@ class CheckpointPolicy:
         Returns (the step to go on from, a line saying what happened)."""
         latest = self.intact_checkpoint(trainer)
         if latest is None:
-            raise RuntimeError(f"{err} and no checkpoint in {self.cfg.checkpoint.dir}: cannot continue without "
-                               "training on re-initialised layers; set checkpoint.interval_steps") from err
+            raise RuntimeError(
+                f"{err} and no checkpoint in {self.cfg.checkpoint.dir}: cannot continue without "
+                "training on re-initialised layers; set checkpoint.interval_steps"
+            ) from err
         step = restore(trainer, latest)
-        text = (f"generation {trainer.generation}: layers {err.layers} had no surviving copy; restored checkpoint "
-                f"{latest} and continue from step {step}")
+        text = (
+            f"generation {trainer.generation}: layers {err.layers} had no surviving copy; restored checkpoint "
+            f"{latest} and continue from step {step}"
+        )
         log.warning("gen %d step %d node %s: %s", trainer.generation, step, self.node, text)
         return step, text
 

@@ -71,6 +71,7 @@ class ComputeClock:
 
     def timed(self, fn: Callable[..., T]) -> Callable[..., T]:
         """`fn`, timed into this clock."""
+
         def run(*args: Any, **kwargs: Any) -> T:
             cuda = self.device.type == "cuda"
             if cuda:
@@ -92,6 +93,7 @@ class ComputeClock:
                     time.sleep(elapsed * (factor - 1))
                 self._seconds += elapsed * max(factor, 1.0)
             return out
+
         return run
 
     def take(self) -> float:
@@ -111,8 +113,9 @@ def _workers(plan: Plan) -> list[tuple[int, str, int, float, tuple[int, int]]]:
     for p in plan.pipelines:
         for s in p.stages:
             expected = s.compute_s if s.compute_s > 0 else float(s.end - s.start)  # unknown: layers as the unit
-            out += [(s.rank + j, s.node, p.microbatches, expected, (s.start, s.end))
-                    for j in range(plan.tensor_parallel)]
+            out += [
+                (s.rank + j, s.node, p.microbatches, expected, (s.start, s.end)) for j in range(plan.tensor_parallel)
+            ]
     return out
 
 
@@ -174,7 +177,7 @@ class StragglerWatch:
         if plan.generation != self._generation:  # another split: start over
             self._generation, self._window = plan.generation, {}
             return Verdict(named=dict(self.named))
-        if min(busy[:plan.world_size], default=0.0) <= 0:  # some worker cannot measure (ComputeClock)
+        if min(busy[: plan.world_size], default=0.0) <= 0:  # some worker cannot measure (ComputeClock)
             return Verdict(named=dict(self.named))
         for rank in range(min(len(busy), plan.world_size)):
             self._window.setdefault(rank, deque(maxlen=self.steps)).append(busy[rank])
@@ -196,6 +199,8 @@ class StragglerWatch:
         if report:
             self._reported = plan.generation
         self.named = named
-        pipes = tuple(max(found.get(s.rank + j, (0.0, 0.0, 0.0))[1] for s in p.stages
-                              for j in range(plan.tensor_parallel)) for p in plan.pipelines)
+        pipes = tuple(
+            max(found.get(s.rank + j, (0.0, 0.0, 0.0))[1] for s in p.stages for j in range(plan.tensor_parallel))
+            for p in plan.pipelines
+        )
         return Verdict(named=dict(named), changed=changed, report=report, pipeline_s=pipes)

@@ -69,9 +69,19 @@ _SEEN = 5  # the commit's fixed slots (generation, peak RSS, peak device memory,
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, *, dataset: Any, plan: Optional[Plan] = None, rank: int = 0,
-                 store: Optional[dist.Store] = None, timeout: Optional[timedelta] = None,
-                 device: str | torch.device = "cpu", node: str = "local", local_rank: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        *,
+        dataset: Any,
+        plan: Optional[Plan] = None,
+        rank: int = 0,
+        store: Optional[dist.Store] = None,
+        timeout: Optional[timedelta] = None,
+        device: str | torch.device = "cpu",
+        node: str = "local",
+        local_rank: int = 0,
+    ) -> None:
         """A worker holding no layer yet; with `plan` (and the `store` of its process groups) it
         enters that plan as global rank `rank` at once."""
         from .data import GlobalBatchSampler
@@ -86,8 +96,9 @@ class Trainer:
         self.lane = 0  # this worker's tensor-parallel lane in its stage
         self.state = WorkerState(layer_model=build_layer_model(cfg.model, seed=t.seed, owned=[], device=device))
         """What this worker holds across generations (layers, optimizer, steps): only its stage's."""
-        self.loss_fn = token_sum_loss(t.global_batch_size * seq_len, lean_bf16=t.precision == "bf16",
-                                      vocab_size=self.state.layer_model.vocab_size)
+        self.loss_fn = token_sum_loss(
+            t.global_batch_size * seq_len, lean_bf16=t.precision == "bf16", vocab_size=self.state.layer_model.vocab_size
+        )
         self.groups: Optional[GenerationGroups] = None
         self.grad_sync: Optional[GradSync] = None
         self.schedule: Any = None
@@ -106,9 +117,12 @@ class Trainer:
         self.clock = ComputeClock(self.device, slowdown=lambda: self.faults.slowdown(node=self.node, step=self._step))
         """Times this worker's compute in a step (engine/straggler.py)."""
         if not self.clock.measures and cfg.fault_tolerance.straggler_factor > 0:
-            log.info("node %s: this worker's compute time is not compared with the others' (no straggler is named): "
-                     "on the CPU that needs one intra-op thread per worker (OMP_NUM_THREADS=1; torch has %d)",
-                     node, torch.get_num_threads())
+            log.info(
+                "node %s: this worker's compute time is not compared with the others' (no straggler is named): "
+                "on the CPU that needs one intra-op thread per worker (OMP_NUM_THREADS=1; torch has %d)",
+                node,
+                torch.get_num_threads(),
+            )
         self.batches = BatchPrefetcher(dataset, self.my_samples, pin_memory=self.device.type == "cuda")
         """Collates (and pins, on CUDA) the next step's batch while a step runs."""
         self.compile = compile_enabled(cfg, self.device)
@@ -121,8 +135,13 @@ class Trainer:
         if plan is not None:  # enter it now (tests and benchmarks); a job's loop enters plans itself
             placed = plan.stage_of(rank)[1]
             identity = (placed.node, placed.local_rank + rank - placed.rank)
-        self.entry = GenerationEntry(cfg, device=self.device, identity=identity, timeout=self.timeout,
-                                     join_timeout=timedelta(seconds=cfg.fault_tolerance.join_timeout_s))
+        self.entry = GenerationEntry(
+            cfg,
+            device=self.device,
+            identity=identity,
+            timeout=self.timeout,
+            join_timeout=timedelta(seconds=cfg.fault_tolerance.join_timeout_s),
+        )
         if plan is not None:
             self.enter_generation(plan, store)
 
@@ -165,18 +184,26 @@ class Trainer:
         if not self.compile or self.warmed:
             return 0.0
         self.warmed = True
-        return warm_up(self.cfg, device=self.device, microbatch_size=microbatch_size,
-                       seq_len=self.dataset[0][0].shape[-1], autocast=self.dtype, node=self.node)
+        return warm_up(
+            self.cfg,
+            device=self.device,
+            microbatch_size=microbatch_size,
+            seq_len=self.dataset[0][0].shape[-1],
+            autocast=self.dtype,
+            node=self.node,
+        )
 
     # ------------------------------------------------------------------ entering a generation
-    def enter_generation(self, plan: Plan, store: Optional[dist.Store], *,
-                         load_plan: Callable[[int], Optional[Plan]] = lambda g: None) -> Reconfiguration:
+    def enter_generation(
+        self, plan: Plan, store: Optional[dist.Store], *, load_plan: Callable[[int], Optional[Plan]] = lambda g: None
+    ) -> Reconfiguration:
         """Enter `plan`'s generation (engine/generation.py) and build the stage's schedule. Raises
         LayersLost, with the new stage installed, when a layer has no surviving copy (the caller
         restores the newest checkpoint)."""
         self._drop_groups()  # the previous generation's: its groups are destroyed by the entry
-        installed = self.entry.enter(self.state, plan, store, roll_forward=self._apply,
-                                     detach_kept=self._detach_kept, load_plan=load_plan)
+        installed = self.entry.enter(
+            self.state, plan, store, roll_forward=self._apply, detach_kept=self._detach_kept, load_plan=load_plan
+        )
         self.state, self._detach_kept = installed.state, False
         if installed.groups is None:  # a donor: it holds nothing now and leaves
             gc.collect()
@@ -206,19 +233,35 @@ class Trainer:
         self.step_group = dist.new_group(list(range(plan.world_size)), timeout=self.timeout) if plan.donors else None
         self.grad_sync = GradSync(self.groups, self.layer_model, self.owned)
         layers = self.layer_model.stage(self.stage.start, self.stage.end)
-        self.stage_module = Autocast(compiled_stage(list(layers)) if self.compile else layers, self.dtype,
-                                     last=self.stage.end == self.layer_model.num_layers)
+        self.stage_module = Autocast(
+            compiled_stage(list(layers)) if self.compile else layers,
+            self.dtype,
+            last=self.stage.end == self.layer_model.num_layers,
+        )
         stages = len(self.pipeline.stages)
         self.schedule = None
         if stages > 1:
             from .shapes import stage_io
 
             # static shapes (meta tensors): torch then exchanges no pickled metadata between stages
-            inputs, outputs = stage_io(self.cfg.model, seed=self.cfg.training.seed, start=self.stage.start,
-                                       end=self.stage.end, microbatch_size=plan.microbatch_size,
-                                       seq_len=self.dataset[0][0].shape[-1], autocast=self.dtype)
-            pstage = PipelineStage(self.stage_module, self.stage.index, stages, self.device, input_args=inputs,
-                                   output_args=outputs, group=self.groups.pipeline_group)
+            inputs, outputs = stage_io(
+                self.cfg.model,
+                seed=self.cfg.training.seed,
+                start=self.stage.start,
+                end=self.stage.end,
+                microbatch_size=plan.microbatch_size,
+                seq_len=self.dataset[0][0].shape[-1],
+                autocast=self.dtype,
+            )
+            pstage = PipelineStage(
+                self.stage_module,
+                self.stage.index,
+                stages,
+                self.device,
+                input_args=inputs,
+                output_args=outputs,
+                group=self.groups.pipeline_group,
+            )
             # time the stage's own compute, not its waits for its neighbours (engine/straggler.py)
             pstage.forward_one_chunk = self.clock.timed(pstage.forward_one_chunk)  # type: ignore[method-assign]
             pstage.backward_one_chunk = self.clock.timed(pstage.backward_one_chunk)  # type: ignore[method-assign]
@@ -231,8 +274,9 @@ class Trainer:
     def my_samples(self, step: int) -> list[int]:
         indices = self.sampler.indices(step)
         assert self.plan is not None, "enter a generation first"
-        start, end = pipeline_slices([p.microbatches for p in self.plan.pipelines],
-                                     self.plan.microbatch_size)[self.pipeline.index]
+        start, end = pipeline_slices([p.microbatches for p in self.plan.pipelines], self.plan.microbatch_size)[
+            self.pipeline.index
+        ]
         return indices[start:end]
 
     def _forward_backward_local(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -242,7 +286,7 @@ class Trainer:
         x, y = to_device(x, self.device), to_device(y, self.device)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(0, x.shape[0], mbs):
-            loss = self.loss_fn(self.stage_module(x[i:i + mbs]), y[i:i + mbs])
+            loss = self.loss_fn(self.stage_module(x[i : i + mbs]), y[i : i + mbs])
             loss.backward()
             total += loss.detach()
         return total
@@ -279,8 +323,9 @@ class Trainer:
         assert grad_sync is not None, "enter a generation first"
         # one autocast region for the whole step: torch casts each weight to bf16 once per region
         # (its autocast cache), not once per microbatch
-        with torch.autocast(device_type=self.device.type, dtype=self.dtype or torch.float32,
-                            enabled=self.dtype is not None):
+        with torch.autocast(
+            device_type=self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None
+        ):
             loss = self._forward_backward_pipeline(x, y, schedule)
         poison = self.faults.loss_factor(rank=self.rank, step=step)
         if poison is not None:  # injected (engine/faults.py): a NaN poisons the gradients too
@@ -293,8 +338,7 @@ class Trainer:
         # here). Every lane of a last stage computes the same loss: lane 0 reports it.
         if self.lane != 0:
             loss = torch.zeros_like(loss)
-        reduced = torch.stack([grad_sync.norm_squared().to(loss.device, torch.float64),
-                               loss.to(torch.float64)]).cpu()
+        reduced = torch.stack([grad_sync.norm_squared().to(loss.device, torch.float64), loss.to(torch.float64)]).cpu()
         dist.all_reduce(reduced, group=step_group)
         norm2, loss = float(reduced[0]), float(reduced[1])
         with self._current(epoch):
@@ -305,8 +349,15 @@ class Trainer:
         # (and every worker's compute seconds in this step, one slot per rank: engine/straggler.py)
         device_peak = memory.peak_device_bytes(self.device)
         seen = torch.zeros(_SEEN + self.plan.world_size, dtype=torch.float64)
-        seen[:_SEEN] = torch.tensor([max(seen_generation, self.generation), memory.peak_rss_bytes(),
-                                     -1 if device_peak is None else device_peak, self.state.max_loss, rejections])
+        seen[:_SEEN] = torch.tensor(
+            [
+                max(seen_generation, self.generation),
+                memory.peak_rss_bytes(),
+                -1 if device_peak is None else device_peak,
+                self.state.max_loss,
+                rejections,
+            ]
+        )
         seen[_SEEN + self.rank] = self.clock.take()
         dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=step_group)
         # the step guard (engine/guard.py): the same loss, norm and running maximum on every worker
@@ -330,11 +381,20 @@ class Trainer:
                 self.state.synced_step = self.state.committed_step
                 assert self.optimizer is not None
                 self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(step=step, loss=loss, seconds=time.perf_counter() - t0, grad_norm=norm2 ** 0.5,
-                          next_generation=int(seen[0]), peak_rss_bytes=int(seen[1]),
-                          peak_device_bytes=None if seen[2] < 0 else int(seen[2]), rejected=verdict.reason,
-                          rejections=int(seen[4]), repaired=tuple(repaired), unrepairable=unrepairable,
-                          compute_s=tuple(seen[_SEEN:].tolist()))
+        return StepResult(
+            step=step,
+            loss=loss,
+            seconds=time.perf_counter() - t0,
+            grad_norm=norm2**0.5,
+            next_generation=int(seen[0]),
+            peak_rss_bytes=int(seen[1]),
+            peak_device_bytes=None if seen[2] < 0 else int(seen[2]),
+            rejected=verdict.reason,
+            rejections=int(seen[4]),
+            repaired=tuple(repaired),
+            unrepairable=unrepairable,
+            compute_s=tuple(seen[_SEEN:].tolist()),
+        )
 
     def check_replicas(self, step: int) -> list[Corrupt]:
         """Compare every layer's copies with its other holders after step `step` and replace the
@@ -377,9 +437,18 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def held_bytes(self) -> int:
         """Bytes of the parameters (this lane's shards) and optimizer state this worker holds."""
-        tensors = {id(t): t for p in self.params for t in [local(p), *(
-            local(v) for v in (self.optimizer.state.get(p, {}) if self.optimizer else {}).values()
-            if torch.is_tensor(v))]}
+        tensors = {
+            id(t): t
+            for p in self.params
+            for t in [
+                local(p),
+                *(
+                    local(v)
+                    for v in (self.optimizer.state.get(p, {}) if self.optimizer else {}).values()
+                    if torch.is_tensor(v)
+                ),
+            ]
+        }
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def _portable(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -396,9 +465,14 @@ class Trainer:
 
     def layer_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """Owned layers' parameters, detached copies on the CPU, by layer index and local name."""
-        return {i: {n: self._portable(n, to_full(layer, n, p.detach())).to("cpu", copy=True)
-                    for n, p in layer.named_parameters()}
-                for i in self.owned for layer in [self.layer_model.layers[i]]}
+        return {
+            i: {
+                n: self._portable(n, to_full(layer, n, p.detach())).to("cpu", copy=True)
+                for n, p in layer.named_parameters()
+            }
+            for i in self.owned
+            for layer in [self.layer_model.layers[i]]
+        }
 
     def optimizer_state(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
         """Owned layers' optimizer state (e.g. exp_avg, exp_avg_sq, step) by layer and name, on the CPU."""
@@ -409,16 +483,20 @@ class Trainer:
             for n, p in layer.named_parameters():
                 st = self.optimizer.state.get(p, {})
                 out.setdefault(i, {})[n] = {
-                    k: (v.detach().to("cpu", copy=True) if k == "step" else
-                        self._portable(n, to_full(layer, n, v.detach())).to("cpu", copy=True))
-                    for k, v in st.items() if torch.is_tensor(v)}
+                    k: (
+                        v.detach().to("cpu", copy=True)
+                        if k == "step"
+                        else self._portable(n, to_full(layer, n, v.detach())).to("cpu", copy=True)
+                    )
+                    for k, v in st.items()
+                    if torch.is_tensor(v)
+                }
         return out
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint holds of this worker (torch's Stateful): the next step to run, and the
         owned layers' parameters and optimizer state by layer index and local name, on the CPU."""
-        return {"next_step": self.committed_step + 1, "layers": self.layer_state(),
-                "optimizer": self.optimizer_state()}
+        return {"next_step": self.committed_step + 1, "layers": self.layer_state(), "optimizer": self.optimizer_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Install a `state_dict` (of any plan) for the layers this worker owns now: weights are
@@ -439,10 +517,14 @@ class Trainer:
                 moments = optim.get(i, {}).get(name)
                 if moments:
                     self.optimizer.state[p] = {
-                        k: adamw_step(v, local(p)) if k == "step" else
-                        wrap_like(p, from_full(layer, name, self._installable(name, torch.as_tensor(v)))
-                                  .to(p.device, copy=True))
-                        for k, v in moments.items()}
+                        k: adamw_step(v, local(p))
+                        if k == "step"
+                        else wrap_like(
+                            p,
+                            from_full(layer, name, self._installable(name, torch.as_tensor(v))).to(p.device, copy=True),
+                        )
+                        for k, v in moments.items()
+                    }
         self.state.committed_step = self.state.synced_step = int(state["next_step"]) - 1
 
     def abort(self, *, abandoned: bool = False) -> None:
@@ -479,5 +561,6 @@ def single_process(cfg: JobConfig, *, dataset: Any, device: str | torch.device =
     control = LocalControl(cfg, num_layers(cfg.model))
     plan = control.plan()
     assert plan is not None
-    return Trainer(cfg, dataset=dataset, plan=plan, rank=0, store=control.store_for(plan.generation, cfg),
-                   device=device)
+    return Trainer(
+        cfg, dataset=dataset, plan=plan, rank=0, store=control.store_for(plan.generation, cfg), device=device
+    )

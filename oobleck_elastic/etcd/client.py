@@ -37,13 +37,22 @@ _RETRY_S = 0.25
 _MEMBER_RETRY_S = 1.0
 _STALL_S = 1.0  # a request answered later than this counts as an outage (etcd was stalled)
 # what etcd answers when credentials are missing, wrong or not allowed (gRPC details)
-_AUTH_MARKERS = ("user name is empty", "authentication failed", "permission denied", "user name not found",
-                 "invalid auth token")
+_AUTH_MARKERS = (
+    "user name is empty",
+    "authentication failed",
+    "permission denied",
+    "user name not found",
+    "invalid auth token",
+)
 # what pyetcd raises while no member answers: a member whose request failed is skipped for
 # `_MEMBER_RETRY_S` (pyetcd's default is 300 s, which turned a 5 s stall into a dead job), and
 # while every member is skipped it raises NoServerAvailableError or "Trying to use a failed node"
-_UNREACHABLE = (pyetcd.exceptions.ConnectionFailedError, pyetcd.exceptions.ConnectionTimeoutError,
-                pyetcd.exceptions.NoServerAvailableError, ValueError)
+_UNREACHABLE = (
+    pyetcd.exceptions.ConnectionFailedError,
+    pyetcd.exceptions.ConnectionTimeoutError,
+    pyetcd.exceptions.NoServerAvailableError,
+    ValueError,
+)
 
 
 class EtcdError(RuntimeError):
@@ -82,7 +91,7 @@ class EtcdSettings:
         ep = self.endpoint.split(",")[0].strip()
         for scheme in ("http://", "https://"):
             if ep.startswith(scheme):
-                ep = ep[len(scheme):]
+                ep = ep[len(scheme) :]
         host, _, port = ep.rstrip("/").rpartition(":")
         if not host:
             return ep, 2379
@@ -93,8 +102,11 @@ class EtcdSettings:
 
     def to_env(self) -> dict[str, str]:
         """Environment variables that `from_env` reads back (passed to workers)."""
-        env = {f"{ENV_PREFIX}ENDPOINT": self.endpoint, f"{ENV_PREFIX}TIMEOUT_S": str(self.timeout_s),
-               f"{ENV_PREFIX}OUTAGE_S": str(self.outage_s)}
+        env = {
+            f"{ENV_PREFIX}ENDPOINT": self.endpoint,
+            f"{ENV_PREFIX}TIMEOUT_S": str(self.timeout_s),
+            f"{ENV_PREFIX}OUTAGE_S": str(self.outage_s),
+        }
         for name in ("cacert", "cert", "key", "user", "password"):
             value = getattr(self, name)
             if value:
@@ -107,10 +119,16 @@ class EtcdSettings:
         if f"{ENV_PREFIX}ENDPOINT" not in env:
             raise EtcdError(f"{ENV_PREFIX}ENDPOINT is not set: run under torchrun --rdzv-backend=oobleck")
         get = lambda name: env.get(f"{ENV_PREFIX}{name}") or None  # noqa: E731
-        return cls(endpoint=env[f"{ENV_PREFIX}ENDPOINT"], cacert=get("CACERT"), cert=get("CERT"),
-                   key=get("KEY"), user=get("USER"), password=get("PASSWORD"),
-                   timeout_s=float(env.get(f"{ENV_PREFIX}TIMEOUT_S", "5")),
-                   outage_s=float(env.get(f"{ENV_PREFIX}OUTAGE_S", "60")))
+        return cls(
+            endpoint=env[f"{ENV_PREFIX}ENDPOINT"],
+            cacert=get("CACERT"),
+            cert=get("CERT"),
+            key=get("KEY"),
+            user=get("USER"),
+            password=get("PASSWORD"),
+            timeout_s=float(env.get(f"{ENV_PREFIX}TIMEOUT_S", "5")),
+            outage_s=float(env.get(f"{ENV_PREFIX}OUTAGE_S", "60")),
+        )
 
     def check(self) -> None:
         """Static checks of the TLS/auth settings (files exist, pairs complete)."""
@@ -129,6 +147,7 @@ class EtcdSettings:
 @dataclass(frozen=True)
 class KV:
     """One key as stored: its value and the revisions and lease etcd keeps with it."""
+
     key: str
     value: bytes
     mod_revision: int
@@ -138,8 +157,13 @@ class KV:
 
     @classmethod
     def of(cls, kv: Any) -> "KV":
-        return cls(key=kv.key.decode(), value=bytes(kv.value), mod_revision=kv.mod_revision,
-                   create_revision=kv.create_revision, lease=getattr(kv, "lease", getattr(kv, "lease_id", 0)))
+        return cls(
+            key=kv.key.decode(),
+            value=bytes(kv.value),
+            mod_revision=kv.mod_revision,
+            create_revision=kv.create_revision,
+            lease=getattr(kv, "lease", getattr(kv, "lease_id", 0)),
+        )
 
 
 class EtcdClient:
@@ -158,8 +182,13 @@ class EtcdClient:
         value, meta = self._call(self.raw.get, key)
         if value is None:
             return None
-        return KV(key=key, value=bytes(value), mod_revision=meta.mod_revision, create_revision=meta.create_revision,
-                  lease=meta.lease_id)
+        return KV(
+            key=key,
+            value=bytes(value),
+            mod_revision=meta.mod_revision,
+            create_revision=meta.create_revision,
+            lease=meta.lease_id,
+        )
 
     def range(self, prefix: str, *, exact: bool = False) -> tuple[int, list[KV]]:
         """(revision of the read, every key under prefix sorted by key); with `exact`, the key
@@ -182,8 +211,9 @@ class EtcdClient:
         """Create key; False if it exists already."""
         return bool(self._call(self.raw.put_if_not_exists, key, value, lease=lease))
 
-    def put_if_revision(self, key: str, value: bytes | str, revision: Optional[int], *,
-                        lease: Optional[int] = None) -> bool:
+    def put_if_revision(
+        self, key: str, value: bytes | str, revision: Optional[int], *, lease: Optional[int] = None
+    ) -> bool:
         """Compare-and-put: write key only if its mod revision is still `revision` (None: only if
         it does not exist). False when the compare failed (someone else wrote first)."""
         return self.transact(revisions={key: revision}, puts={key: value}, lease=lease)
@@ -193,21 +223,31 @@ class EtcdClient:
         if revision is None:
             return bool(self._call(self.raw.delete, key))
         tx = self.raw.transactions
-        ok, _ = self._call(self.raw.transaction, compare=[tx.mod(key) == revision], success=[tx.delete(key)],
-                           failure=[])
+        ok, _ = self._call(
+            self.raw.transaction, compare=[tx.mod(key) == revision], success=[tx.delete(key)], failure=[]
+        )
         return bool(ok)
 
-    def transact(self, *, values: Optional[dict[str, bytes]] = None,
-                 revisions: Optional[dict[str, Optional[int]]] = None,
-                 puts: Optional[dict[str, bytes | str]] = None, lease: Optional[int] = None) -> bool:
+    def transact(
+        self,
+        *,
+        values: Optional[dict[str, bytes]] = None,
+        revisions: Optional[dict[str, Optional[int]]] = None,
+        puts: Optional[dict[str, bytes | str]] = None,
+        lease: Optional[int] = None,
+    ) -> bool:
         """One transaction: if every key in `values` holds that value and every key in `revisions`
         is at that mod revision (None: does not exist), put all of `puts` (under `lease`, when
         given). Whether it did."""
         tx = self.raw.transactions
         compare = [tx.value(k) == v for k, v in (values or {}).items()]
         compare += [tx.create(k) == 0 if r is None else tx.mod(k) == r for k, r in (revisions or {}).items()]
-        ok, _ = self._call(self.raw.transaction, compare=compare,
-                           success=[tx.put(k, v, lease=lease) for k, v in (puts or {}).items()], failure=[])
+        ok, _ = self._call(
+            self.raw.transaction,
+            compare=compare,
+            success=[tx.put(k, v, lease=lease) for k, v in (puts or {}).items()],
+            failure=[],
+        )
         return bool(ok)
 
     def delete_prefix(self, prefix: str) -> None:
@@ -256,14 +296,17 @@ class EtcdClient:
             used[:] = [self.raw.watcher]  # the stream this attempt goes through
             fn = self.raw.add_watch_callback if exact else self.raw.add_watch_prefix_callback
             return fn(prefix, callback, start_revision=start_revision)
+
         while True:
             started = time.monotonic()
             try:
                 return self._call(add)
             except pyetcd.exceptions.WatchTimedOut:
                 if time.monotonic() - since > self.settings.outage_s:
-                    raise EtcdError(f"etcd at {self.settings.endpoint} did not create a watch of {prefix} within "
-                                    f"{self.settings.outage_s:.0f} s") from None
+                    raise EtcdError(
+                        f"etcd at {self.settings.endpoint} did not create a watch of {prefix} within "
+                        f"{self.settings.outage_s:.0f} s"
+                    ) from None
                 if time.monotonic() - started < 0.9 * self.settings.timeout_s:
                     # the stream ended under the request (pyetcd starts it again at the next one):
                     # nothing is stuck, and replacing it would end every watch on it once more
@@ -327,18 +370,25 @@ class EtcdClient:
                 now = time.monotonic()
                 if self._outage_since is None:
                     self._outage_since = now
-                    log.warning("etcd at %s is unreachable (%s); retrying for up to %.0f s", self.settings.endpoint,
-                                type(err).__name__, self.settings.outage_s)
+                    log.warning(
+                        "etcd at %s is unreachable (%s); retrying for up to %.0f s",
+                        self.settings.endpoint,
+                        type(err).__name__,
+                        self.settings.outage_s,
+                    )
                 if now - self._outage_since > self.settings.outage_s:
-                    raise EtcdError(f"etcd at {self.settings.endpoint} has been unreachable for more than "
-                                    f"{self.settings.outage_s:.0f} s ({type(err).__name__}): is the server running, "
-                                    "and is the endpoint right?") from None
+                    raise EtcdError(
+                        f"etcd at {self.settings.endpoint} has been unreachable for more than "
+                        f"{self.settings.outage_s:.0f} s ({type(err).__name__}): is the server running, "
+                        "and is the endpoint right?"
+                    ) from None
                 time.sleep(_RETRY_S)
                 continue
             if self._outage_since is not None:
                 now = time.monotonic()
-                log.warning("etcd at %s is reachable again after %.1f s", self.settings.endpoint,
-                            now - self._outage_since)
+                log.warning(
+                    "etcd at %s is reachable again after %.1f s", self.settings.endpoint, now - self._outage_since
+                )
                 self.last_outage = (self._outage_since, now)
                 self._outage_since = None
             elif time.monotonic() - started > _STALL_S:  # answered, but late: etcd stalled
@@ -348,11 +398,15 @@ class EtcdClient:
     def _authenticate(self) -> None:
         """Sign in again with the configured user and password (a new token for every request and
         for new watch streams)."""
-        log.warning("etcd at %s rejected the auth token (etcd restarted?); signing in again as %s",
-                    self.settings.endpoint, self.settings.user)
+        log.warning(
+            "etcd at %s rejected the auth token (etcd restarted?); signing in again as %s",
+            self.settings.endpoint,
+            self.settings.user,
+        )
         resp = self.raw.authstub.Authenticate(
             pyetcd.etcdrpc.AuthenticateRequest(name=self.settings.user, password=self.settings.password),
-            self.settings.timeout_s)
+            self.settings.timeout_s,
+        )
         self.raw.metadata = (("token", resp.token),)
         self.raw.call_credentials = grpc.metadata_call_credentials(EtcdTokenCallCredentials(resp.token))
         self._new_watch_stream()
@@ -402,8 +456,10 @@ def parse_json(value: bytes | str, key: str, revision: Optional[int] = None) -> 
 def auth_message(s: EtcdSettings, details: str) -> str:
     """One line for a request etcd refused for its credentials, saying what to change."""
     if not s.user:
-        hint = ("this etcd has auth enabled: give a user and password (--rdzv-conf user=U,password=P, or --user "
-                "and --password for `oobleck` commands); etcd accepts passwords only over TLS, so give cacert too")
+        hint = (
+            "this etcd has auth enabled: give a user and password (--rdzv-conf user=U,password=P, or --user "
+            "and --password for `oobleck` commands); etcd accepts passwords only over TLS, so give cacert too"
+        )
     else:
         hint = f"check the password and the permissions of etcd user '{s.user}'"
     return f"etcd at {s.endpoint} refused the request ({details}): {hint}"
@@ -416,10 +472,17 @@ def connect(settings: EtcdSettings) -> EtcdClient:
         creds = None
         if settings.cacert:
             creds = pyetcd.MultiEndpointEtcd3Client.get_secure_creds(settings.cacert, settings.key, settings.cert)
-        endpoints = [pyetcd.Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=_MEMBER_RETRY_S)
-                     for host, port in settings.host_ports]
-        raw = pyetcd.MultiEndpointEtcd3Client(endpoints=endpoints, timeout=settings.timeout_s, user=settings.user,
-                                              password=settings.password, failover=True)
+        endpoints = [
+            pyetcd.Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=_MEMBER_RETRY_S)
+            for host, port in settings.host_ports
+        ]
+        raw = pyetcd.MultiEndpointEtcd3Client(
+            endpoints=endpoints,
+            timeout=settings.timeout_s,
+            user=settings.user,
+            password=settings.password,
+            failover=True,
+        )
         for attempt in range(len(endpoints)):  # a member that does not answer: try the next one
             try:
                 raw.status()
@@ -427,11 +490,15 @@ def connect(settings: EtcdSettings) -> EtcdClient:
             except (pyetcd.exceptions.ConnectionFailedError, pyetcd.exceptions.ConnectionTimeoutError):
                 if attempt == len(endpoints) - 1:
                     raise
-    except (pyetcd.exceptions.ConnectionFailedError, pyetcd.exceptions.ConnectionTimeoutError,
-            pyetcd.exceptions.Etcd3Exception) as err:
+    except (
+        pyetcd.exceptions.ConnectionFailedError,
+        pyetcd.exceptions.ConnectionTimeoutError,
+        pyetcd.exceptions.Etcd3Exception,
+    ) as err:
         tls = " over TLS (check cacert/cert/key match the server)" if settings.cacert else ""
-        raise EtcdError(f"cannot reach etcd at {settings.endpoint}{tls}: {type(err).__name__}"
-                        f"{': ' + str(err) if str(err) else ''}") from None
+        raise EtcdError(
+            f"cannot reach etcd at {settings.endpoint}{tls}: {type(err).__name__}{': ' + str(err) if str(err) else ''}"
+        ) from None
     except Exception as err:  # grpc raises its own types for auth and TLS failures
         details = err.details() if isinstance(err, grpc.RpcError) and hasattr(err, "details") else ""
         if details and any(marker in details for marker in _AUTH_MARKERS):

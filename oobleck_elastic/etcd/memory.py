@@ -50,9 +50,13 @@ class MemoryKV:
     def put(self, key: str, value: bytes | str, *, lease: Optional[int] = None) -> None:
         self.revision += 1
         old = self.data.get(key)
-        self.data[key] = KV(key=key, value=value.encode() if isinstance(value, str) else bytes(value),
-                            mod_revision=self.revision, create_revision=old.create_revision if old else self.revision,
-                            lease=lease or 0)
+        self.data[key] = KV(
+            key=key,
+            value=value.encode() if isinstance(value, str) else bytes(value),
+            mod_revision=self.revision,
+            create_revision=old.create_revision if old else self.revision,
+            lease=lease or 0,
+        )
 
     def put_json(self, key: str, value: Any, *, lease: Optional[int] = None) -> None:
         self.put(key, json.dumps(value, sort_keys=True), lease=lease)

@@ -110,9 +110,12 @@ class Mirror:
 
     def _follow(self, prefix: str) -> None:
         """Watch `prefix` from the revision after the last one applied."""
-        self._watch[prefix] = self.client.watch(prefix, lambda r, p=prefix: self._on_response(p, r),
-                                                start_revision=self._revision[prefix] + 1,
-                                                exact=not prefix.endswith("/"))
+        self._watch[prefix] = self.client.watch(
+            prefix,
+            lambda r, p=prefix: self._on_response(p, r),
+            start_revision=self._revision[prefix] + 1,
+            exact=not prefix.endswith("/"),
+        )
 
     def _changed(self) -> None:
         self.version += 1
@@ -125,8 +128,9 @@ class Mirror:
         events = getattr(response, "events", None)
         if events is None:  # the stream ended; pyetcd calls back from its own thread, so resume in another
             compacted = isinstance(response, pyetcd.exceptions.RevisionCompactedError)
-            threading.Thread(target=self._resume, args=(prefix, compacted), name=f"{self.name}-resume",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._resume, args=(prefix, compacted), name=f"{self.name}-resume", daemon=True
+            ).start()
             return
         with self._cond:
             for event in events:
@@ -135,8 +139,13 @@ class Mirror:
                     self._data.pop(key, None)
                     self._parsed.pop(key, None)
                 else:
-                    self._data[key] = KV(key=key, value=bytes(event.value), mod_revision=event.mod_revision,
-                                         create_revision=event.create_revision, lease=event.lease)
+                    self._data[key] = KV(
+                        key=key,
+                        value=bytes(event.value),
+                        mod_revision=event.mod_revision,
+                        create_revision=event.create_revision,
+                        lease=event.lease,
+                    )
                 self._revision[prefix] = max(self._revision[prefix], event.mod_revision)
             if events:
                 self._changed()
@@ -147,8 +156,12 @@ class Mirror:
         while not self._closed and prefix in self._revision:
             try:
                 if compacted:
-                    log.warning("%s: etcd compacted the history after revision %d; listing %s again", self.name,
-                                self._revision[prefix], prefix)
+                    log.warning(
+                        "%s: etcd compacted the history after revision %d; listing %s again",
+                        self.name,
+                        self._revision[prefix],
+                        prefix,
+                    )
                     self._sync(prefix)
                 else:
                     self._follow(prefix)
@@ -159,13 +172,20 @@ class Mirror:
                 compacted = True
             except Exception as err:  # noqa: BLE001 - an unexpected answer (a gRPC error): try again
                 if not isinstance(err, EtcdError) and time.monotonic() - since <= self.client.settings.outage_s:
-                    log.warning("%s: resuming the watch of %s failed (%s: %s); retrying", self.name, prefix,
-                                type(err).__name__, err)
+                    log.warning(
+                        "%s: resuming the watch of %s failed (%s: %s); retrying",
+                        self.name,
+                        prefix,
+                        type(err).__name__,
+                        err,
+                    )
                     time.sleep(_RETRY_S)
                     continue
                 if not isinstance(err, EtcdError):
-                    err = EtcdError(f"could not resume the watch of {prefix} for {self.client.settings.outage_s:.0f} "
-                                    f"s: {type(err).__name__}: {err}")
+                    err = EtcdError(
+                        f"could not resume the watch of {prefix} for {self.client.settings.outage_s:.0f} "
+                        f"s: {type(err).__name__}: {err}"
+                    )
                 log.error("%s: %s", self.name, err)
                 with self._cond:
                     self.error = err

@@ -38,11 +38,9 @@ class KVReader(Protocol):
 class KVStore(KVReader, Protocol):
     """A reader that also writes: `EtcdClient` and `MemoryKV`."""
 
-    def put(self, key: str, value: bytes | str, *, lease: Optional[int] = None) -> None:
-        ...
+    def put(self, key: str, value: bytes | str, *, lease: Optional[int] = None) -> None: ...
 
-    def put_json(self, key: str, value: Any, *, lease: Optional[int] = None) -> None:
-        ...
+    def put_json(self, key: str, value: Any, *, lease: Optional[int] = None) -> None: ...
 
     def put_if_absent(self, key: str, value: bytes | str, *, lease: Optional[int] = None) -> bool:
         """Create `key`; False if it exists already."""

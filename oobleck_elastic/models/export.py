@@ -42,17 +42,35 @@ from .. import checkpoint as ckpt
 from ..config import ConfigError, ModelConfig, from_dict
 from .pretrained import INDEX_FILE, WEIGHTS_FILE, is_tied, pretrained_config
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "DTYPES", "parse_size", "resolve_checkpoint",
-           "export_config", "export_checkpoint"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "DTYPES",
+    "parse_size",
+    "resolve_checkpoint",
+    "export_config",
+    "export_checkpoint",
+]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-_CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-              "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-               "tokenizer.model", "chat_template.jinja")
+_CAUSAL_LM = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+_SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
 _PARTIAL = ".export-shard-"
 
 
@@ -65,8 +83,10 @@ def parse_size(text: str | int) -> int:
         unit = next((u for u in _UNITS if s.endswith(u)), "")
         number = s[: len(s) - len(unit)].strip()
         if not number.isdigit():
-            raise ValueError(f"shard size '{text}' is not a size: give bytes or a number with "
-                             "KB, MB, GB (or KiB, MiB, GiB), e.g. 5GB")
+            raise ValueError(
+                f"shard size '{text}' is not a size: give bytes or a number with "
+                "KB, MB, GB (or KiB, MiB, GiB), e.g. 5GB"
+            )
         value = int(number) * _UNITS.get(unit, 1)
     if value < 1:
         raise ValueError(f"shard size {text!r} must be at least 1 byte")
@@ -89,12 +109,12 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str | None]:
     if not p.is_dir() or not steps:
         raise ckpt.CheckpointError(
             f"'{p}' is not a checkpoint: give a step directory (step-XXXXXXXX with "
-            f"{ckpt.MANIFEST}) or the directory holding them (checkpoint.dir)")
+            f"{ckpt.MANIFEST}) or the directory holding them (checkpoint.dir)"
+        )
     found, unusable = ckpt.newest_intact_checkpoint(p)
     if found is None:
         raise ckpt.CheckpointError(f"no intact checkpoint under {p}: {unusable[0].reason}")
-    skipped = "".join(f"; skipped {u.path.name} ({'damaged' if u.damaged else 'incomplete'})"
-                      for u in unusable)
+    skipped = "".join(f"; skipped {u.path.name} ({'damaged' if u.damaged else 'incomplete'})" for u in unusable)
     return found, f"checkpoint {found.name} (newest intact under {p}{skipped})"
 
 
@@ -103,12 +123,13 @@ def _model_config(manifest: dict[str, Any], sdir: Path, overrides: Sequence[str]
 
     data = manifest["config"]
     if not isinstance(data.get("model"), dict):
-        raise ckpt.CheckpointError(f"checkpoint {sdir}: {ckpt.MANIFEST} records no model config "
-                                   "(key config.model): it was not written by an oobleck job")
+        raise ckpt.CheckpointError(
+            f"checkpoint {sdir}: {ckpt.MANIFEST} records no model config "
+            "(key config.model): it was not written by an oobleck job"
+        )
     bad = [o for o in overrides if "=" not in o]
     if bad:
-        raise ConfigError(f"override '{bad[0]}' is not of the form key=value "
-                          "(e.g. model.pretrained_path=/data/llama)")
+        raise ConfigError(f"override '{bad[0]}' is not of the form key=value (e.g. model.pretrained_path=/data/llama)")
     if overrides:
         merged = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(overrides)))
         data = OmegaConf.to_container(merged)
@@ -120,15 +141,18 @@ def export_config(model: ModelConfig, sdir: Path) -> Any:
     from .build import hf_config
 
     if model.family == "custom":
-        raise ValueError(f"checkpoint {sdir} is of a model.family=custom model, which has no "
-                         "Hugging Face form; read its layers with checkpoint.load_layer")
+        raise ValueError(
+            f"checkpoint {sdir} is of a model.family=custom model, which has no "
+            "Hugging Face form; read its layers with checkpoint.load_layer"
+        )
     if not model.pretrained_path:
         return hf_config(model)
     try:
         return pretrained_config(model)
     except FileNotFoundError as err:
-        raise FileNotFoundError(f"{err}; the checkpoint was trained from it and its config.json "
-                                "is needed: pass model.pretrained_path=DIR") from None
+        raise FileNotFoundError(
+            f"{err}; the checkpoint was trained from it and its config.json is needed: pass model.pretrained_path=DIR"
+        ) from None
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -138,25 +162,33 @@ def _digest(t: torch.Tensor) -> str:
 
 def _prepare_out(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
-        raise FileExistsError(f"output '{out}' exists and is not a directory: choose a new "
-                              "directory")
+        raise FileExistsError(f"output '{out}' exists and is not a directory: choose a new directory")
     if out.is_dir() and any(out.iterdir()):
         if not force:
-            raise FileExistsError(f"output directory '{out}' exists and is not empty: choose a new "
-                                  "directory or pass --force to replace its model files")
+            raise FileExistsError(
+                f"output directory '{out}' exists and is not empty: choose a new "
+                "directory or pass --force to replace its model files"
+            )
         for f in out.iterdir():
-            if f.is_file() and (f.name in (WEIGHTS_FILE, INDEX_FILE, "config.json")
-                                or f.name.startswith(_PARTIAL)
-                                or (f.name.startswith("model-") and f.name.endswith(".safetensors"))):
+            if f.is_file() and (
+                f.name in (WEIGHTS_FILE, INDEX_FILE, "config.json")
+                or f.name.startswith(_PARTIAL)
+                or (f.name.startswith("model-") and f.name.endswith(".safetensors"))
+            ):
                 f.unlink()
     out.mkdir(parents=True, exist_ok=True)
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                      dtype: torch.dtype | None = None, force: bool = False,
-                      overrides: Sequence[str] = (),
-                      log: Callable[[str], None] = print) -> Path:
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+    force: bool = False,
+    overrides: Sequence[str] = (),
+    log: Callable[[str], None] = print,
+) -> Path:
     """Write the checkpoint at `checkpoint` as a Hugging Face directory `out_dir`; returns it.
 
     `dtype` None keeps the stored dtype (fp32). See the module docstring for the mechanism.
@@ -172,13 +204,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
         raise ckpt.CheckpointError(
             f"checkpoint {sdir} has {n} layers but its config has {config.num_hidden_layers} "
             f"blocks ({config.num_hidden_layers + 2} layers): set model.num_layers="
-            f"{n - 2} or export the checkpoint of this model")
+            f"{n - 2} or export the checkpoint of this model"
+        )
     out = Path(out_dir).expanduser()
     _prepare_out(out, force)
     tied = is_tied(config)
     names, hf_names = manifest["layer_names"], manifest["hf_names"]
-    emb_key = next((k for k in hf_names[0].values() if k.endswith(("wte.weight", "embed_tokens.weight"))),
-                   None)
+    emb_key = next((k for k in hf_names[0].values() if k.endswith(("wte.weight", "embed_tokens.weight"))), None)
     shards: list[tuple[Path, list[str], int]] = []
     current: dict[str, torch.Tensor] = {}
     state: dict[str, Any] = {"bytes": 0, "total": 0, "params": 0, "dtype": None}
@@ -201,9 +233,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
             for local in sorted(params):
                 key = hf_names[i].get(local)
                 if key is None:
-                    raise ckpt.CheckpointError(f"checkpoint {sdir}: parameter '{local}' of layer "
-                                               f"{i} ({names[i]}) has no Hugging Face name in "
-                                               f"{ckpt.MANIFEST}")
+                    raise ckpt.CheckpointError(
+                        f"checkpoint {sdir}: parameter '{local}' of layer "
+                        f"{i} ({names[i]}) has no Hugging Face name in "
+                        f"{ckpt.MANIFEST}"
+                    )
                 t = params[local]
                 if dtype is not None and t.is_floating_point():
                     t = t.to(dtype)
@@ -215,11 +249,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
                     if emb_digest is not None and _digest(t) != emb_digest:
                         raise ckpt.CheckpointError(
                             f"checkpoint {sdir}: lm_head.weight of layer {i} differs from the "
-                            f"tied embedding {emb_key}: the checkpoint is inconsistent")
+                            f"tied embedding {emb_key}: the checkpoint is inconsistent"
+                        )
                     continue  # tied: written once, as the embedding
                 if key in seen:
-                    raise ckpt.CheckpointError(f"checkpoint {sdir}: Hugging Face name '{key}' "
-                                               f"appears twice in {ckpt.MANIFEST}")
+                    raise ckpt.CheckpointError(
+                        f"checkpoint {sdir}: Hugging Face name '{key}' appears twice in {ckpt.MANIFEST}"
+                    )
                 seen.add(key)
                 nbytes = t.numel() * t.element_size()
                 if current and state["bytes"] + nbytes > max_shard_bytes:
@@ -240,9 +276,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
                 final = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
                 tmp.replace(out / final)
                 weight_map.update({key: final for key in keys})
-            index = {"metadata": {"total_size": state["total"],
-                                  "total_parameters": state["params"]},
-                     "weight_map": dict(sorted(weight_map.items()))}
+            index = {
+                "metadata": {"total_size": state["total"], "total_parameters": state["params"]},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
             (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     except BaseException:
         for tmp, _, _ in shards:
@@ -258,7 +295,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
         for name in _SIDE_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, out / name)
-    log(f"exported step {manifest['step']} to {out}: {len(shards)} shard(s), "
+    log(
+        f"exported step {manifest['step']} to {out}: {len(shards)} shard(s), "
         f"{_human(state['total'])}; load it with "
-        f"transformers.AutoModelForCausalLM.from_pretrained('{out}')")
+        f"transformers.AutoModelForCausalLM.from_pretrained('{out}')"
+    )
     return out

@@ -34,8 +34,16 @@ from torch import nn
 
 from .ties import TiedGroup
 
-__all__ = ["causal_mask", "GPT2Embedding", "GPT2BlockLayer", "TokenEmbedding", "RopeDecoderLayer",
-           "LMHead", "LayerModel", "causal_lm_loss"]
+__all__ = [
+    "causal_mask",
+    "GPT2Embedding",
+    "GPT2BlockLayer",
+    "TokenEmbedding",
+    "RopeDecoderLayer",
+    "LMHead",
+    "LayerModel",
+    "causal_lm_loss",
+]
 
 _EXPLICIT_MASK = {None, "eager"}
 
@@ -48,8 +56,10 @@ def check_attn_implementation(impl: str | None) -> None:
     """Raise if the wrappers cannot make attention causal under `impl`."""
     if impl in _EXPLICIT_MASK or _mask_free(impl):
         return
-    raise ValueError(f"attention implementation {impl!r} is not supported by the flat layers; "
-                     "set model.attn_implementation to 'sdpa' or 'eager'")
+    raise ValueError(
+        f"attention implementation {impl!r} is not supported by the flat layers; "
+        "set model.attn_implementation to 'sdpa' or 'eager'"
+    )
 
 
 def causal_mask(h: torch.Tensor, *, window: int | None = None) -> torch.Tensor:
@@ -126,8 +136,9 @@ class RopeDecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(h.shape[1], device=h.device)[None]
         mask = _attention_mask(self.layer.self_attn.config, h, self._window())
-        return self.layer(h, attention_mask=mask, position_ids=pos,
-                          position_embeddings=self.rotary_emb(h, pos), use_cache=False)
+        return self.layer(
+            h, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary_emb(h, pos), use_cache=False
+        )
 
 
 class LMHead(nn.Module):
@@ -147,8 +158,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     Labels are already aligned with the logits (label t is the token after input t); entries
     equal to -100 are ignored.
     """
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                           ignore_index=-100)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
 @dataclass
@@ -174,8 +184,10 @@ class LayerModel:
     def __post_init__(self) -> None:
         n = len(self.layers)
         if len(self.names) != n or len(self.hf_names) != n:
-            raise ValueError(f"LayerModel: {n} layers but {len(self.names)} names and "
-                             f"{len(self.hf_names)} hf_names entries; give one per layer")
+            raise ValueError(
+                f"LayerModel: {n} layers but {len(self.names)} names and "
+                f"{len(self.hf_names)} hf_names entries; give one per layer"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -191,8 +203,9 @@ class LayerModel:
             raise IndexError(f"layer range [{start}, {end}) is outside 0..{self.num_layers}")
         missing = [self.names[i] for i in range(start, end) if self.layers[i] is None]
         if missing:
-            raise RuntimeError(f"layers {missing} are not built in this process; build them with "
-                               f"owned covering [{start}, {end})")
+            raise RuntimeError(
+                f"layers {missing} are not built in this process; build them with owned covering [{start}, {end})"
+            )
         return [layer for layer in self.layers[start:end] if layer is not None]
 
     def retie(self) -> None:

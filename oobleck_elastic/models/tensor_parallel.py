@@ -38,15 +38,28 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from .layers import GPT2BlockLayer, RopeDecoderLayer
 
-__all__ = ["Conv1DColwise", "Conv1DRowwise", "check_tensor_parallel", "parallelize_layer", "to_full",
-           "from_full", "wrap_like", "local", "is_sharded"]
+__all__ = [
+    "Conv1DColwise",
+    "Conv1DRowwise",
+    "check_tensor_parallel",
+    "parallelize_layer",
+    "to_full",
+    "from_full",
+    "wrap_like",
+    "local",
+    "is_sharded",
+]
 
 _QKV = "_oobleck_qkv_perm"
 
 
 def _register(module: nn.Module, name: str, tensor: torch.Tensor, mesh: DeviceMesh, placement: Any) -> None:
-    module.register_parameter(name, nn.Parameter(distribute_tensor(tensor, mesh, [placement], src_data_rank=None),
-                                                 requires_grad=tensor.requires_grad))
+    module.register_parameter(
+        name,
+        nn.Parameter(
+            distribute_tensor(tensor, mesh, [placement], src_data_rank=None), requires_grad=tensor.requires_grad
+        ),
+    )
 
 
 class Conv1DColwise(ColwiseParallel):
@@ -57,9 +70,13 @@ class Conv1DColwise(ColwiseParallel):
         _register(module, "bias", module.bias, mesh, Shard(0))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._partition,
-                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
 
 
 class Conv1DRowwise(RowwiseParallel):
@@ -71,29 +88,42 @@ class Conv1DRowwise(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(module, device_mesh, self._partition,
-                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
 
 
 def check_tensor_parallel(config: Any, tp: int) -> None:
     """Raise ValueError when a Hugging Face config's heads or widths do not split over `tp` lanes."""
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
-    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) \
-        or 4 * config.hidden_size
-    bad = [f"{what} ({n})" for what, n in (("model.num_heads", heads), ("model.num_kv_heads", kv),
-                                            ("model.intermediate_size", inter)) if n is not None and n % tp]
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
+    bad = [
+        f"{what} ({n})"
+        for what, n in (("model.num_heads", heads), ("model.num_kv_heads", kv), ("model.intermediate_size", inter))
+        if n is not None and n % tp
+    ]
     if bad:
-        raise ValueError(f"planning.tensor_parallel={tp} must divide {', '.join(bad)}: each lane takes an equal share "
-                         "of the heads and of the MLP width; choose a degree that divides them")
+        raise ValueError(
+            f"planning.tensor_parallel={tp} must divide {', '.join(bad)}: each lane takes an equal share "
+            "of the heads and of the MLP width; choose a degree that divides them"
+        )
 
 
 def _qkv_permutation(hidden: int, tp: int) -> torch.Tensor:
     """Column order putting lane r's query, key and value columns together, lane after lane."""
     width = hidden // tp
-    return torch.cat([torch.arange(part * hidden + r * width, part * hidden + (r + 1) * width)
-                      for r in range(tp) for part in range(3)])
+    return torch.cat(
+        [
+            torch.arange(part * hidden + r * width, part * hidden + (r + 1) * width)
+            for r in range(tp)
+            for part in range(3)
+        ]
+    )
 
 
 def parallelize_layer(layer: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -111,18 +141,36 @@ def parallelize_layer(layer: nn.Module, mesh: DeviceMesh) -> nn.Module:
             attn.c_attn.weight.copy_(attn.c_attn.weight[:, perm])
             attn.c_attn.bias.copy_(attn.c_attn.bias[perm])
         setattr(attn.c_attn, _QKV, perm)
-        parallelize_module(block, mesh, {"attn.c_attn": Conv1DColwise(), "attn.c_proj": Conv1DRowwise(),
-                                         "mlp.c_fc": Conv1DColwise(), "mlp.c_proj": Conv1DRowwise()},
-                           src_data_rank=None)
+        parallelize_module(
+            block,
+            mesh,
+            {
+                "attn.c_attn": Conv1DColwise(),
+                "attn.c_proj": Conv1DRowwise(),
+                "mlp.c_fc": Conv1DColwise(),
+                "mlp.c_proj": Conv1DRowwise(),
+            },
+            src_data_rank=None,
+        )
         attn.split_size = attn.embed_dim // tp
         attn.num_heads = attn.num_heads // tp
     elif isinstance(layer, RopeDecoderLayer):
         inner = layer.layer
         check_tensor_parallel(inner.self_attn.config, tp)
-        parallelize_module(inner, mesh, {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                                         "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                                         "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                                         "mlp.down_proj": RowwiseParallel()}, src_data_rank=None)
+        parallelize_module(
+            inner,
+            mesh,
+            {
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(),
+            },
+            src_data_rank=None,
+        )
     return layer
 
 
@@ -172,5 +220,4 @@ def wrap_like(p: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
     """`shard` (this lane's part) as a tensor laid out like parameter `p` (a DTensor if p is one)."""
     if not isinstance(p, DTensor):
         return shard
-    return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
+    return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

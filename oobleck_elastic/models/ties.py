@@ -79,6 +79,5 @@ def describe_ties(groups: Sequence[TiedGroup], names: Sequence[str]) -> str:
         return "none"
     parts = []
     for group in groups:
-        parts.append(" = ".join(f"{names[i]}.{n}" if i < len(names) else f"layer{i}.{n}"
-                                for i, n in group.members))
+        parts.append(" = ".join(f"{names[i]}.{n}" if i < len(names) else f"layer{i}.{n}" for i, n in group.members))
     return "; ".join(parts)

@@ -28,19 +28,55 @@ from typing import Mapping, Optional, Sequence
 from ..config import JobConfig
 from .comm import Links
 from .instantiate import Assignment, best_cover, instantiate
-from .microbatch import (MicrobatchChoice, MicrobatchError, MicrobatchOption, fixed_microbatch_size,
-                         microbatch_candidates, pick_microbatch_size, profile_at, profile_microbatch_sizes)
+from .microbatch import (
+    MicrobatchChoice,
+    MicrobatchError,
+    MicrobatchOption,
+    fixed_microbatch_size,
+    microbatch_candidates,
+    pick_microbatch_size,
+    profile_at,
+    profile_microbatch_sizes,
+)
 from .plan import Guarantee, PipelineSpec, Plan, StagePlacement, guarantee, make_plan
 from .profile import LayerProfile, ModelProfile, ProfileError
 from .templates import GIB, PlanningError, Template, TemplateSet, build_templates
 
 __all__ = [
-    "Assignment", "Guarantee", "JobPlan", "LayerProfile", "ModelProfile", "PipelineSpec", "Plan",
-    "PlanningError", "ProfileError", "StagePlacement", "Template", "TemplateSet", "best_cover",
-    "build_templates", "device_memory", "guarantee", "instantiate", "make_plan", "plan_job", "templates_for",
-    "Links", "links_for", "load_profiles", "choose_tensor_parallel", "compare_tensor_parallel",
-    "tensor_parallel_degrees", "MicrobatchChoice", "MicrobatchError", "MicrobatchOption", "choose_microbatch_size",
-    "fixed_microbatch_size", "microbatch_candidates", "profile_at", "profile_microbatch_sizes",
+    "Assignment",
+    "Guarantee",
+    "JobPlan",
+    "LayerProfile",
+    "ModelProfile",
+    "PipelineSpec",
+    "Plan",
+    "PlanningError",
+    "ProfileError",
+    "StagePlacement",
+    "Template",
+    "TemplateSet",
+    "best_cover",
+    "build_templates",
+    "device_memory",
+    "guarantee",
+    "instantiate",
+    "make_plan",
+    "plan_job",
+    "templates_for",
+    "Links",
+    "links_for",
+    "load_profiles",
+    "choose_tensor_parallel",
+    "compare_tensor_parallel",
+    "tensor_parallel_degrees",
+    "MicrobatchChoice",
+    "MicrobatchError",
+    "MicrobatchOption",
+    "choose_microbatch_size",
+    "fixed_microbatch_size",
+    "microbatch_candidates",
+    "profile_at",
+    "profile_microbatch_sizes",
     "single_worker_microbatch_size",
 ]
 
@@ -77,10 +113,12 @@ def device_memory(cfg: JobConfig, profile: ModelProfile) -> tuple[float, str]:
     if profile.device_memory_bytes:
         name = profile.key.get("device_name") if isinstance(profile.key, dict) else None
         return profile.device_memory_bytes / GIB, f"the profiled device ({name or 'unnamed'})"
-    raise PlanningError("planning.device_memory_gb is not set and the profile records no device memory (profiles "
-                        "measured on the CPU and profile files without device_memory_bytes have none): set "
-                        "planning.device_memory_gb to the GiB of memory one device gives one stage, e.g. "
-                        "planning.device_memory_gb=80")
+    raise PlanningError(
+        "planning.device_memory_gb is not set and the profile records no device memory (profiles "
+        "measured on the CPU and profile files without device_memory_bytes have none): set "
+        "planning.device_memory_gb to the GiB of memory one device gives one stage, e.g. "
+        "planning.device_memory_gb=80"
+    )
 
 
 def links_for(cfg: JobConfig) -> Optional[Links]:
@@ -88,8 +126,11 @@ def links_for(cfg: JobConfig) -> Optional[Links]:
     p = cfg.planning
     if not p.count_communication:
         return None
-    return Links(intra_node_gb_s=p.intra_node_bandwidth_gb_s, inter_node_gb_s=p.inter_node_bandwidth_gb_s,
-                 latency_s=p.link_latency_us * 1e-6)
+    return Links(
+        intra_node_gb_s=p.intra_node_bandwidth_gb_s,
+        inter_node_gb_s=p.inter_node_bandwidth_gb_s,
+        latency_s=p.link_latency_us * 1e-6,
+    )
 
 
 def tensor_parallel_degrees(cfg: JobConfig) -> list[int]:
@@ -109,9 +150,11 @@ def load_profiles(cfg: JobConfig, path: Optional[str] = None) -> dict[int, Model
     if "{tp}" not in path:
         profile = ModelProfile.load(path)
         if profile.tensor_parallel not in degrees:
-            raise ProfileError(f"{path} was measured at tensor_parallel={profile.tensor_parallel} but "
-                               f"planning.tensor_parallel={cfg.planning.tensor_parallel}: use a profile of that "
-                               "degree (profile_path with {tp} in it picks one per degree)")
+            raise ProfileError(
+                f"{path} was measured at tensor_parallel={profile.tensor_parallel} but "
+                f"planning.tensor_parallel={cfg.planning.tensor_parallel}: use a profile of that "
+                "degree (profile_path with {tp} in it picks one per degree)"
+            )
         return {profile.tensor_parallel: profile}
     found = {d: path.replace("{tp}", str(d)) for d in degrees}
     profiles = {d: ModelProfile.load(f) for d, f in found.items() if Path(f).is_file()}
@@ -130,11 +173,18 @@ def _build(cfg: JobConfig, profile: ModelProfile, microbatch_size: int) -> Templ
         profile = profile_at(profile, microbatch_size)
     microbatches = t.global_batch_size // microbatch_size
     memory_gb, source = device_memory(cfg, profile)
-    tset = build_templates(profile, gpus_per_node=p.gpus_per_node, device_memory_gb=memory_gb,
-                           memory_margin=p.memory_margin, schedule=p.schedule,
-                           gpipe_microbatches=-(-microbatches // (cfg.fault_tolerance.f + 1)),
-                           max_nodes=p.max_template_nodes, memory_source=source,
-                           tensor_parallel=profile.tensor_parallel, links=links_for(cfg))
+    tset = build_templates(
+        profile,
+        gpus_per_node=p.gpus_per_node,
+        device_memory_gb=memory_gb,
+        memory_margin=p.memory_margin,
+        schedule=p.schedule,
+        gpipe_microbatches=-(-microbatches // (cfg.fault_tolerance.f + 1)),
+        max_nodes=p.max_template_nodes,
+        memory_source=source,
+        tensor_parallel=profile.tensor_parallel,
+        links=links_for(cfg),
+    )
     return dataclasses.replace(tset, microbatch_size=microbatch_size)
 
 
@@ -150,9 +200,14 @@ def _choose(cfg: JobConfig, profile: ModelProfile, nodes: int) -> tuple[Microbat
             # on any layer than at a size that fit nowhere cannot fit either
             acts = [la.activation_bytes for la in profile_at(profile, b).layers]
             if all(x >= y for x, y in zip(acts, too_big[1])):
-                options.append(MicrobatchOption(size=b, microbatches=total // b, memory_bound=True,
-                                                error=f"more activation memory than size {too_big[0]}, which does "
-                                                "not fit"))
+                options.append(
+                    MicrobatchOption(
+                        size=b,
+                        microbatches=total // b,
+                        memory_bound=True,
+                        error=f"more activation memory than size {too_big[0]}, which does not fit",
+                    )
+                )
                 continue
         try:
             tset = _build(cfg, profile, b)
@@ -170,11 +225,23 @@ def _choose(cfg: JobConfig, profile: ModelProfile, nodes: int) -> tuple[Microbat
         built[b] = tset
         plan = jp.plan
         peak = max(tset[pipe.template_nodes].peak_memory_bytes for pipe in plan.pipelines)
-        options.append(MicrobatchOption(size=b, microbatches=total // b, step_s=plan.est_step_time_s,
-                                        samples_per_s=plan.samples_per_s, pipelines=len(plan.pipelines),
-                                        peak_memory_bytes=peak))
-    choice = pick_microbatch_size(options, nodes=nodes, min_pipelines=cfg.fault_tolerance.f + 1,
-                                  measured_sizes=sorted(profile.measurements()), memory=memory)
+        options.append(
+            MicrobatchOption(
+                size=b,
+                microbatches=total // b,
+                step_s=plan.est_step_time_s,
+                samples_per_s=plan.samples_per_s,
+                pipelines=len(plan.pipelines),
+                peak_memory_bytes=peak,
+            )
+        )
+    choice = pick_microbatch_size(
+        options,
+        nodes=nodes,
+        min_pipelines=cfg.fault_tolerance.f + 1,
+        measured_sizes=sorted(profile.measurements()),
+        memory=memory,
+    )
     return choice, built
 
 
@@ -190,14 +257,18 @@ def single_worker_microbatch_size(cfg: JobConfig, profile: ModelProfile) -> Micr
     """training.microbatch_size=auto for a one-worker job (engine/control.py `LocalControl`): the
     choice for one stage holding every layer on one device (one node, f = 0)."""
     local = dataclasses.replace(
-        cfg, planning=dataclasses.replace(cfg.planning, gpus_per_node=1, tensor_parallel=1, max_nodes=None,
-                                          max_template_nodes=1),
-        fault_tolerance=dataclasses.replace(cfg.fault_tolerance, f=0))
+        cfg,
+        planning=dataclasses.replace(
+            cfg.planning, gpus_per_node=1, tensor_parallel=1, max_nodes=None, max_template_nodes=1
+        ),
+        fault_tolerance=dataclasses.replace(cfg.fault_tolerance, f=0),
+    )
     return choose_microbatch_size(local, profile, 1)
 
 
-def compare_tensor_parallel(cfg: JobConfig, profiles: Mapping[int, ModelProfile],
-                            nodes: int) -> dict[int, "JobPlan | PlanningError"]:
+def compare_tensor_parallel(
+    cfg: JobConfig, profiles: Mapping[int, ModelProfile], nodes: int
+) -> dict[int, "JobPlan | PlanningError"]:
     """For each degree: the templates, guarantee and plan on `nodes` nodes, or why none fits
     (with training.microbatch_size auto, each degree at its own best size for `nodes` nodes)."""
     out: dict[int, JobPlan | PlanningError] = {}
@@ -216,13 +287,15 @@ def choose_tensor_parallel(cfg: JobConfig, profiles: Mapping[int, ModelProfile],
     plans = compare_tensor_parallel(cfg, profiles, nodes)
     ok = {d: jp.plan.samples_per_s for d, jp in plans.items() if isinstance(jp, JobPlan)}
     if not ok:
-        raise PlanningError("no tensor-parallel degree can be planned: "
-                            + "; ".join(f"tp={d}: {err}" for d, err in plans.items()))
+        raise PlanningError(
+            "no tensor-parallel degree can be planned: " + "; ".join(f"tp={d}: {err}" for d, err in plans.items())
+        )
     return max(sorted(ok), key=lambda d: ok[d])
 
 
-def _sized(cfg: JobConfig, profile: ModelProfile, nodes: Optional[int],
-           microbatch_size: Optional[int]) -> tuple[TemplateSet, Optional[MicrobatchChoice]]:
+def _sized(
+    cfg: JobConfig, profile: ModelProfile, nodes: Optional[int], microbatch_size: Optional[int]
+) -> tuple[TemplateSet, Optional[MicrobatchChoice]]:
     """Templates at the configured microbatch size, at `microbatch_size` (auto, size already
     chosen), or at the size chosen now for planning.max_nodes or `nodes` nodes (auto)."""
     size = fixed_microbatch_size(cfg) or microbatch_size
@@ -230,15 +303,18 @@ def _sized(cfg: JobConfig, profile: ModelProfile, nodes: Optional[int],
         return _build(cfg, profile, size), None
     reference = cfg.planning.max_nodes or nodes
     if reference is None:
-        raise PlanningError("training.microbatch_size=auto needs a node count to choose for: set "
-                            "planning.max_nodes")
+        raise PlanningError("training.microbatch_size=auto needs a node count to choose for: set planning.max_nodes")
     choice, built = _choose(cfg, profile, reference)
     return built[choice.size], choice
 
 
-def _resolve(cfg: JobConfig, profile: ModelProfile | Mapping[int, ModelProfile], nodes: Optional[int],
-             microbatch_size: Optional[int], previous: Optional[Plan] = None,
-             ) -> tuple[TemplateSet, Optional[MicrobatchChoice]]:
+def _resolve(
+    cfg: JobConfig,
+    profile: ModelProfile | Mapping[int, ModelProfile],
+    nodes: Optional[int],
+    microbatch_size: Optional[int],
+    previous: Optional[Plan] = None,
+) -> tuple[TemplateSet, Optional[MicrobatchChoice]]:
     """Templates and, when the microbatch size was chosen now, the choice. With the `previous`
     plan, its tensor-parallel degree and microbatch size are kept (chosen once for the job)."""
     profiles = {profile.tensor_parallel: profile} if isinstance(profile, ModelProfile) else dict(profile)
@@ -252,18 +328,26 @@ def _resolve(cfg: JobConfig, profile: ModelProfile | Mapping[int, ModelProfile],
             return _sized(cfg, profiles[previous.tensor_parallel], nodes, microbatch_size)
         reference = cfg.planning.max_nodes or nodes
         if reference is None:
-            raise PlanningError("planning.tensor_parallel=auto needs a node count to choose for: set "
-                                "planning.max_nodes")
+            raise PlanningError(
+                "planning.tensor_parallel=auto needs a node count to choose for: set planning.max_nodes"
+            )
         return _sized(cfg, profiles[choose_tensor_parallel(cfg, profiles, reference)], nodes, microbatch_size)
     if int(tp) not in profiles:
         have = ", ".join(str(d) for d in sorted(profiles))
-        raise PlanningError(f"planning.tensor_parallel={tp} but the profile was measured at tensor_parallel={have}: "
-                            "use a profile measured at that degree")
+        raise PlanningError(
+            f"planning.tensor_parallel={tp} but the profile was measured at tensor_parallel={have}: "
+            "use a profile measured at that degree"
+        )
     return _sized(cfg, profiles[int(tp)], nodes, microbatch_size)
 
 
-def templates_for(cfg: JobConfig, profile: ModelProfile | Mapping[int, ModelProfile],
-                  nodes: Optional[int] = None, *, microbatch_size: Optional[int] = None) -> TemplateSet:
+def templates_for(
+    cfg: JobConfig,
+    profile: ModelProfile | Mapping[int, ModelProfile],
+    nodes: Optional[int] = None,
+    *,
+    microbatch_size: Optional[int] = None,
+) -> TemplateSet:
     """Templates for a job config and a profile (memory limit, schedule, devices per node, links,
     tensor-parallel degree, microbatch size). Given profiles by degree and
     planning.tensor_parallel=auto, the degree is chosen for `nodes` nodes (planning.max_nodes when
@@ -273,10 +357,15 @@ def templates_for(cfg: JobConfig, profile: ModelProfile | Mapping[int, ModelProf
     return _resolve(cfg, profile, nodes, microbatch_size)[0]
 
 
-def plan_job(cfg: JobConfig, *, nodes: Sequence[str] | int,
-             profile: Optional[ModelProfile | Mapping[int, ModelProfile]] = None,
-             generation: int = 0, templates: Optional[TemplateSet] = None,
-             previous: Optional[Plan] = None) -> JobPlan:
+def plan_job(
+    cfg: JobConfig,
+    *,
+    nodes: Sequence[str] | int,
+    profile: Optional[ModelProfile | Mapping[int, ModelProfile]] = None,
+    generation: int = 0,
+    templates: Optional[TemplateSet] = None,
+    previous: Optional[Plan] = None,
+) -> JobPlan:
     """Templates, guarantee and the plan for `nodes` (ids, or a count: node0, node1, ...).
 
     Give the profile, or templates already computed from it (their `microbatch_size` is the
@@ -295,16 +384,27 @@ def plan_job(cfg: JobConfig, *, nodes: Sequence[str] | int,
         tset, choice = _resolve(cfg, profile, len(nodes), None, previous)  # type: ignore[arg-type]
     size = fixed_microbatch_size(cfg) or tset.microbatch_size
     if size is None:
-        raise PlanningError("training.microbatch_size=auto but the templates were built without a microbatch "
-                            "size: build them with templates_for")
+        raise PlanningError(
+            "training.microbatch_size=auto but the templates were built without a microbatch "
+            "size: build them with templates_for"
+        )
     g = guarantee(tset, cfg.fault_tolerance.f, max_nodes=cfg.planning.max_nodes)
     microbatches = cfg.training.global_batch_size // size
     cap = -(-microbatches // (cfg.fault_tolerance.f + 1)) if cfg.planning.schedule == "gpipe" else None
     if len(nodes) < tset.n0:
-        raise PlanningError(f"{len(nodes)} node(s) cannot hold one replica of the model: at least "
-                            f"n0={tset.n0} nodes of {tset.gpus_per_node} device(s) are needed; the "
-                            "job waits for more nodes")
-    plan = make_plan(tset, nodes=list(nodes), num_microbatches=microbatches,
-                     microbatch_size=size, f=cfg.fault_tolerance.f,
-                     generation=generation, microbatch_cap=cap, previous=previous)
+        raise PlanningError(
+            f"{len(nodes)} node(s) cannot hold one replica of the model: at least "
+            f"n0={tset.n0} nodes of {tset.gpus_per_node} device(s) are needed; the "
+            "job waits for more nodes"
+        )
+    plan = make_plan(
+        tset,
+        nodes=list(nodes),
+        num_microbatches=microbatches,
+        microbatch_size=size,
+        f=cfg.fault_tolerance.f,
+        generation=generation,
+        microbatch_cap=cap,
+        previous=previous,
+    )
     return JobPlan(templates=tset, guarantee=g, plan=plan, microbatch=choice)

@@ -21,11 +21,20 @@ from .comm import Links
 from .profile import LayerProfile, ModelProfile
 
 
-def transformer_profile(*, num_layers: int, hidden: int, vocab: int, seq_len: int,
-                        microbatch_size: int, device_tflops: float,
-                        param_bytes_per_param: int = 2, optimizer_bytes_per_param: int = 12,
-                        name: str = "transformer", tensor_parallel: int = 1,
-                        links: Links = Links()) -> ModelProfile:
+def transformer_profile(
+    *,
+    num_layers: int,
+    hidden: int,
+    vocab: int,
+    seq_len: int,
+    microbatch_size: int,
+    device_tflops: float,
+    param_bytes_per_param: int = 2,
+    optimizer_bytes_per_param: int = 12,
+    name: str = "transformer",
+    tensor_parallel: int = 1,
+    links: Links = Links(),
+) -> ModelProfile:
     """Embedding, `num_layers` decoder blocks and an LM head, for one (microbatch, seq) shape,
     per device with blocks sharded over `tensor_parallel` devices."""
     tokens = microbatch_size * seq_len
@@ -36,11 +45,16 @@ def transformer_profile(*, num_layers: int, hidden: int, vocab: int, seq_len: in
         fwd = fwd_flops / flops_per_s
         bwd = 3.0 * fwd + comm_s  # recomputed forward (its collectives too) + 2x forward FLOPs
         fwd += comm_s
-        return LayerProfile(name=lname, forward_s=fwd, backward_s=bwd,
-                            param_bytes=params * param_bytes_per_param,
-                            grad_bytes=params * param_bytes_per_param,
-                            optimizer_bytes=params * optimizer_bytes_per_param,
-                            activation_bytes=saved, output_bytes=out)
+        return LayerProfile(
+            name=lname,
+            forward_s=fwd,
+            backward_s=bwd,
+            param_bytes=params * param_bytes_per_param,
+            grad_bytes=params * param_bytes_per_param,
+            optimizer_bytes=params * optimizer_bytes_per_param,
+            activation_bytes=saved,
+            output_bytes=out,
+        )
 
     hidden_out = tokens * hidden * act_elem
     block_params = 12 * hidden * hidden + 13 * hidden
@@ -50,23 +64,40 @@ def transformer_profile(*, num_layers: int, hidden: int, vocab: int, seq_len: in
     layers = [layer("embedding", emb_params, 2.0 * tokens * hidden, tokens * 8, hidden_out)]
     tp = tensor_parallel
     tp_comm = 2 * links.all_reduce_s(hidden_out, tp, same_node=True)  # after attention, after the MLP
-    layers += [layer(f"block.{i}", block_params // tp, block_flops / tp, block_saved, hidden_out, tp_comm)
-               for i in range(num_layers)]
+    layers += [
+        layer(f"block.{i}", block_params // tp, block_flops / tp, block_saved, hidden_out, tp_comm)
+        for i in range(num_layers)
+    ]
     head_params = vocab * hidden + 2 * hidden
-    layers.append(layer("head", head_params, 2.0 * tokens * vocab * hidden,
-                        hidden_out + tokens * vocab * 4, 4))
-    key = {"analytic": name, "num_layers": num_layers, "hidden": hidden, "vocab": vocab,
-           "seq_len": seq_len, "microbatch_size": microbatch_size, "device_tflops": device_tflops,
-           "recompute": True, "tensor_parallel": tp}
+    layers.append(layer("head", head_params, 2.0 * tokens * vocab * hidden, hidden_out + tokens * vocab * 4, 4))
+    key = {
+        "analytic": name,
+        "num_layers": num_layers,
+        "hidden": hidden,
+        "vocab": vocab,
+        "seq_len": seq_len,
+        "microbatch_size": microbatch_size,
+        "device_tflops": device_tflops,
+        "recompute": True,
+        "tensor_parallel": tp,
+    }
     return ModelProfile(layers=layers, key=key, tensor_parallel=tp)
 
 
-def gpt3_175b_profile(*, microbatch_size: int = 1, device_tflops: float = 150.0,
-                      tensor_parallel: int = 1) -> ModelProfile:
+def gpt3_175b_profile(
+    *, microbatch_size: int = 1, device_tflops: float = 150.0, tensor_parallel: int = 1
+) -> ModelProfile:
     """96 blocks of width 12288, sequence 2048, GPT-2 vocabulary; A100-class throughput."""
-    return transformer_profile(num_layers=96, hidden=12288, vocab=50257, seq_len=2048,
-                               microbatch_size=microbatch_size, device_tflops=device_tflops,
-                               name="gpt3-175b", tensor_parallel=tensor_parallel)
+    return transformer_profile(
+        num_layers=96,
+        hidden=12288,
+        vocab=50257,
+        seq_len=2048,
+        microbatch_size=microbatch_size,
+        device_tflops=device_tflops,
+        name="gpt3-175b",
+        tensor_parallel=tensor_parallel,
+    )
 
 
 def main() -> None:
@@ -77,8 +108,9 @@ def main() -> None:
     ap.add_argument("--device-tflops", type=float, default=150.0)
     args = ap.parse_args()
     out = Path(args.out.replace("{tp}", str(args.tensor_parallel)))
-    gpt3_175b_profile(microbatch_size=args.microbatch_size, device_tflops=args.device_tflops,
-                      tensor_parallel=args.tensor_parallel).save(out)
+    gpt3_175b_profile(
+        microbatch_size=args.microbatch_size, device_tflops=args.device_tflops, tensor_parallel=args.tensor_parallel
+    ).save(out)
     print(f"wrote {out}")
 
 

@@ -59,6 +59,8 @@ class Links:
         return 2 * (k - 1) * self.latency_s + 2 * (k - 1) / k * nbytes / self.bandwidth(same_node)
 
     def to_json(self) -> dict[str, Any]:
-        return {"intra_node_gb_s": self.intra_node_gb_s, "inter_node_gb_s": self.inter_node_gb_s,
-                "latency_s": self.latency_s}
-
+        return {
+            "intra_node_gb_s": self.intra_node_gb_s,
+            "inter_node_gb_s": self.inter_node_gb_s,
+            "latency_s": self.latency_s,
+        }

@@ -40,6 +40,7 @@ Cover = dict[int, int]  # template node count -> number of pipelines
 @dataclass(frozen=True)
 class Assignment:
     """The pure-number result of instantiation (node ids are attached by `plan.make_plan`)."""
+
     pipelines: tuple[tuple[int, int], ...]
     """(template node count, microbatches) per pipeline, larger templates first."""
     nodes_used: int
@@ -50,8 +51,9 @@ class Assignment:
     """Why the plan is below the fault-tolerance target or leaves nodes idle."""
 
 
-def _cover_dp(sizes: Sequence[int], values: Sequence[int], total: int, kmin: int,
-              kmax: Optional[int]) -> Optional[tuple[int, Cover]]:
+def _cover_dp(
+    sizes: Sequence[int], values: Sequence[int], total: int, kmin: int, kmax: Optional[int]
+) -> Optional[tuple[int, Cover]]:
     """Exact cover of `total` nodes with template sizes, pipeline count in [kmin, kmax],
     maximising the summed value. DP over (nodes, count): the count is capped at kmin (all that
     matters for a lower bound) unless kmax can bind, then tracked exactly up to kmax."""
@@ -88,8 +90,9 @@ def _cover_dp(sizes: Sequence[int], values: Sequence[int], total: int, kmin: int
     return value, cover
 
 
-def _cover_dp_exact_count(sizes: Sequence[int], values: Sequence[int], total: int, kmin: int,
-                          kmax: int) -> Optional[tuple[int, Cover]]:
+def _cover_dp_exact_count(
+    sizes: Sequence[int], values: Sequence[int], total: int, kmin: int, kmax: int
+) -> Optional[tuple[int, Cover]]:
     """`_cover_dp` when the pipeline count must stay <= kmax (more nodes than microbatches can
     keep busy): the count is tracked exactly, vectorised over it with numpy."""
     best = np.full((total + 1, kmax + 1), -1, dtype=np.int64)  # -1 = unreachable
@@ -119,8 +122,9 @@ def _cover_dp_exact_count(sizes: Sequence[int], values: Sequence[int], total: in
     return value, cover
 
 
-def best_cover(sizes: Sequence[int], values: Sequence[int], total: int, *, kmin: int = 0,
-               kmax: Optional[int] = None) -> Optional[tuple[int, Cover]]:
+def best_cover(
+    sizes: Sequence[int], values: Sequence[int], total: int, *, kmin: int = 0, kmax: Optional[int] = None
+) -> Optional[tuple[int, Cover]]:
     """Max-value exact cover of `total` by `sizes` with kmin <= count <= kmax; sizes whose value
     is 0 are unusable. Returns (value, cover) or None."""
     usable = [(s, v) for s, v in zip(sizes, values) if v > 0 and s <= total]
@@ -149,8 +153,9 @@ def best_cover(sizes: Sequence[int], values: Sequence[int], total: int, *, kmin:
     return sub[0] + q * vs, cover
 
 
-def instantiate(templates: TemplateSet, *, num_nodes: int, num_microbatches: int, f: int,
-                microbatch_cap: Optional[int] = None) -> Assignment:
+def instantiate(
+    templates: TemplateSet, *, num_nodes: int, num_microbatches: int, f: int, microbatch_cap: Optional[int] = None
+) -> Assignment:
     """Pipelines and microbatches for `num_nodes` nodes. Never fails for num_nodes >= n0.
 
     `microbatch_cap` bounds microbatches per pipeline (GPipe memory was planned for it).
@@ -166,18 +171,22 @@ def instantiate(templates: TemplateSet, *, num_nodes: int, num_microbatches: int
     warnings: list[str] = []
     k = min(f + 1, num_nodes // n0, B)
     if k < f + 1:
-        why = (f"only {num_nodes} nodes (n0={n0})" if num_nodes // n0 < f + 1
-               else f"only {B} microbatches per global batch")
-        warnings.append(f"{k} pipeline(s) instead of f+1={f + 1}: {why}; a failure may need a "
-                        "checkpoint restore")
+        why = (
+            f"only {num_nodes} nodes (n0={n0})"
+            if num_nodes // n0 < f + 1
+            else f"only {B} microbatches per global batch"
+        )
+        warnings.append(f"{k} pipeline(s) instead of f+1={f + 1}: {why}; a failure may need a checkpoint restore")
     ones = [1] * len(sizes)
     used = min(num_nodes, B * max(sizes))  # at most B pipelines: one microbatch each
     while used >= n0 and best_cover(sizes, ones, used, kmin=k, kmax=B) is None:
         used -= 1
     if used < num_nodes:
-        warnings.append(f"{num_nodes - used} node(s) left idle as spares: no combination of template "
-                        f"sizes {sizes} adds up to {num_nodes} with at least {k} pipelines"
-                        + (f" and at most {B} (one microbatch each)" if num_nodes // n0 > B else ""))
+        warnings.append(
+            f"{num_nodes - used} node(s) left idle as spares: no combination of template "
+            f"sizes {sizes} adds up to {num_nodes} with at least {k} pipelines"
+            + (f" and at most {B} (one microbatch each)" if num_nodes // n0 > B else "")
+        )
     cap = microbatch_cap if microbatch_cap is not None else B
 
     def capacity(t, z: float) -> int:
@@ -195,8 +204,10 @@ def instantiate(templates: TemplateSet, *, num_nodes: int, num_microbatches: int
         return got if got is not None and got[0] >= B else None
 
     if feasible(cands[-1]) is None:
-        raise PlanningError(f"{B} microbatches do not fit: each pipeline may take at most {cap} "
-                            "(GPipe keeps all of them in memory); use schedule 1f1b or more memory")
+        raise PlanningError(
+            f"{B} microbatches do not fit: each pipeline may take at most {cap} "
+            "(GPipe keeps all of them in memory); use schedule 1f1b or more memory"
+        )
     lo, hi = 0, len(cands) - 1
     while lo < hi:
         mid = (lo + hi) // 2
@@ -218,8 +229,9 @@ def instantiate(templates: TemplateSet, *, num_nodes: int, num_microbatches: int
             excess -= 1
             heapq.heappush(heap, (-templates[n].iteration_time(b - 1, k), i))
     makespan = max(templates[n].iteration_time(b, len(pipes)) for n, b in pipes)
-    return Assignment(pipelines=tuple((n, b) for n, b in pipes), nodes_used=used,
-                      makespan_s=makespan, warnings=tuple(warnings))
+    return Assignment(
+        pipelines=tuple((n, b) for n, b in pipes), nodes_used=used, makespan_s=makespan, warnings=tuple(warnings)
+    )
 
 
 def coverage(templates: TemplateSet, f: int, *, upto: int) -> tuple[list[int], list[int]]:

@@ -45,8 +45,16 @@ from ..config import JobConfig
 from .profile import ModelProfile
 from .templates import PlanningError
 
-__all__ = ["MicrobatchChoice", "MicrobatchError", "MicrobatchOption", "fixed_microbatch_size",
-           "microbatch_candidates", "pick_microbatch_size", "profile_at", "profile_microbatch_sizes"]
+__all__ = [
+    "MicrobatchChoice",
+    "MicrobatchError",
+    "MicrobatchOption",
+    "fixed_microbatch_size",
+    "microbatch_candidates",
+    "pick_microbatch_size",
+    "profile_at",
+    "profile_microbatch_sizes",
+]
 
 PROFILE_SECOND_SIZE_MAX = 4
 """The second size the profiler measures for `auto` is the largest candidate up to this."""
@@ -90,7 +98,7 @@ def _fit(points: Sequence[tuple[int, float]], size: int) -> float:
     """Least-squares line through (size, value) points at `size`, clamped at >= 0; one point:
     proportional."""
     if len(points) == 1:
-        (b0, y0), = points
+        ((b0, y0),) = points
         return max(0.0, y0 * size / b0)
     n = len(points)
     mb = sum(b for b, _ in points) / n
@@ -105,23 +113,38 @@ def profile_at(profile: ModelProfile, size: int) -> ModelProfile:
     docstring). Raises PlanningError when the profile does not say which size it was measured at."""
     measured = profile.measurements()
     if not measured:
-        raise PlanningError("training.microbatch_size=auto needs to know the microbatch size the profile was "
-                            "measured at, and this profile records none (neither microbatch_size nor "
-                            "key.microbatch_size): add it to the profile file, or set training.microbatch_size")
+        raise PlanningError(
+            "training.microbatch_size=auto needs to know the microbatch size the profile was "
+            "measured at, and this profile records none (neither microbatch_size nor "
+            "key.microbatch_size): add it to the profile file, or set training.microbatch_size"
+        )
     if size in measured:
         layers = list(measured[size])
     else:
         sizes = sorted(measured)
         layers = []
         for i, base in enumerate(profile.layers):
-            fit = {name: _fit([(b, float(getattr(measured[b][i], name))) for b in sizes], size)
-                   for name in ("forward_s", "backward_s", "activation_bytes", "output_bytes")}
-            layers.append(dataclasses.replace(
-                base, forward_s=fit["forward_s"], backward_s=fit["backward_s"],
-                activation_bytes=int(round(fit["activation_bytes"])), output_bytes=int(round(fit["output_bytes"]))))
+            fit = {
+                name: _fit([(b, float(getattr(measured[b][i], name))) for b in sizes], size)
+                for name in ("forward_s", "backward_s", "activation_bytes", "output_bytes")
+            }
+            layers.append(
+                dataclasses.replace(
+                    base,
+                    forward_s=fit["forward_s"],
+                    backward_s=fit["backward_s"],
+                    activation_bytes=int(round(fit["activation_bytes"])),
+                    output_bytes=int(round(fit["output_bytes"])),
+                )
+            )
     key = dict(profile.key) | {"microbatch_size": size, "fitted_from_microbatch_sizes": sorted(measured)}
-    return ModelProfile(layers=layers, key=key, device_memory_bytes=profile.device_memory_bytes,
-                        tensor_parallel=profile.tensor_parallel, microbatch_size=size)
+    return ModelProfile(
+        layers=layers,
+        key=key,
+        device_memory_bytes=profile.device_memory_bytes,
+        tensor_parallel=profile.tensor_parallel,
+        microbatch_size=size,
+    )
 
 
 @dataclass(frozen=True)
@@ -152,8 +175,12 @@ class MicrobatchOption:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"size": self.size, "microbatches": self.microbatches, "fits": self.fits}
         if self.fits:
-            out |= {"step_s": self.step_s, "samples_per_s": self.samples_per_s, "pipelines": self.pipelines,
-                    "peak_memory_bytes": self.peak_memory_bytes}
+            out |= {
+                "step_s": self.step_s,
+                "samples_per_s": self.samples_per_s,
+                "pipelines": self.pipelines,
+                "peak_memory_bytes": self.peak_memory_bytes,
+            }
         else:
             out["error"] = self.error
         return out
@@ -175,12 +202,23 @@ class MicrobatchChoice:
     """f+1: sizes whose plan has fewer pipelines are chosen only when no size reaches it."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"chosen": self.size, "nodes": self.nodes, "measured_sizes": list(self.measured_sizes),
-                "min_pipelines": self.min_pipelines, "candidates": [o.to_json() for o in self.options]}
+        return {
+            "chosen": self.size,
+            "nodes": self.nodes,
+            "measured_sizes": list(self.measured_sizes),
+            "min_pipelines": self.min_pipelines,
+            "candidates": [o.to_json() for o in self.options],
+        }
 
 
-def pick_microbatch_size(options: Sequence[MicrobatchOption], *, nodes: int, min_pipelines: int = 1,
-                         measured_sizes: Sequence[int] = (), memory: str = "") -> MicrobatchChoice:
+def pick_microbatch_size(
+    options: Sequence[MicrobatchOption],
+    *,
+    nodes: int,
+    min_pipelines: int = 1,
+    measured_sizes: Sequence[int] = (),
+    memory: str = "",
+) -> MicrobatchChoice:
     """The fitting option with the best samples/s (ties within TIE_TOLERANCE: the larger size),
     among those whose plan has at least `min_pipelines` (f+1) pipelines when any has: a larger
     microbatch never buys throughput with fault tolerance. Raises MicrobatchError (one line naming
@@ -195,12 +233,20 @@ def pick_microbatch_size(options: Sequence[MicrobatchOption], *, nodes: int, min
         reason = " ".join(str(smallest.error).split())
         raise MicrobatchError(
             f"training.microbatch_size=auto: no candidate microbatch size ({sizes}) can be planned {where}"
-            + (f" with {memory}" if memory else "") + f" (at size {smallest.size}: {reason}); raise "
+            + (f" with {memory}" if memory else "")
+            + f" (at size {smallest.size}: {reason}); raise "
             "planning.device_memory_gb (or use devices with more memory)"
-            + ("" if bound else ", add nodes") + " or set training.microbatch_size to a number",
-            memory_bound=bound)
+            + ("" if bound else ", add nodes")
+            + " or set training.microbatch_size to a number",
+            memory_bound=bound,
+        )
     ok = [o for o in ok if o.pipelines >= min_pipelines] or ok
     best = max(o.samples_per_s or 0.0 for o in ok)
     chosen = max(o.size for o in ok if (o.samples_per_s or 0.0) >= best * (1 - TIE_TOLERANCE))
-    return MicrobatchChoice(size=chosen, nodes=nodes, options=tuple(sorted(options, key=lambda o: o.size)),
-                            measured_sizes=tuple(sorted(measured_sizes)), min_pipelines=min_pipelines)
+    return MicrobatchChoice(
+        size=chosen,
+        nodes=nodes,
+        options=tuple(sorted(options, key=lambda o: o.size)),
+        measured_sizes=tuple(sorted(measured_sizes)),
+        min_pipelines=min_pipelines,
+    )

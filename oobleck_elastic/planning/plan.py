@@ -44,8 +44,14 @@ class StagePlacement:
     (engine/straggler.py). 0 = unknown."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "layers": [self.start, self.end], "node": self.node,
-                "local_rank": self.local_rank, "rank": self.rank, "compute_s": self.compute_s}
+        return {
+            "index": self.index,
+            "layers": [self.start, self.end],
+            "node": self.node,
+            "local_rank": self.local_rank,
+            "rank": self.rank,
+            "compute_s": self.compute_s,
+        }
 
 
 @dataclass(frozen=True)
@@ -64,9 +70,14 @@ class PipelineSpec:
     """Estimated iteration time with its microbatches."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "template_nodes": self.template_nodes, "nodes": list(self.nodes),
-                "microbatches": self.microbatches, "est_time_s": self.est_time_s,
-                "stages": [s.to_json() for s in self.stages]}
+        return {
+            "index": self.index,
+            "template_nodes": self.template_nodes,
+            "nodes": list(self.nodes),
+            "microbatches": self.microbatches,
+            "est_time_s": self.est_time_s,
+            "stages": [s.to_json() for s in self.stages],
+        }
 
 
 @dataclass(frozen=True)
@@ -126,8 +137,12 @@ class Plan:
 
     def entry_ranks(self) -> dict[tuple[str, int], int]:
         """(node, local rank) -> rank in this generation's entry, for the stages and the donors."""
-        ranks = {(s.node, s.local_rank + j): s.rank + j for p in self.pipelines for s in p.stages
-                 for j in range(self.tensor_parallel)}
+        ranks = {
+            (s.node, s.local_rank + j): s.rank + j
+            for p in self.pipelines
+            for s in p.stages
+            for j in range(self.tensor_parallel)
+        }
         for d in self.donors:
             for lr in range(self.gpus_per_node):
                 rank = self.donor_rank(d, lr)
@@ -161,49 +176,78 @@ class Plan:
 
     def layers_by_worker(self) -> dict[tuple[str, int], range]:
         """(node, local rank) -> the layers that worker holds in this plan (its lane's shards)."""
-        return {(s.node, s.local_rank + j): range(s.start, s.end) for p in self.pipelines for s in p.stages
-                for j in range(self.tensor_parallel)}
+        return {
+            (s.node, s.local_rank + j): range(s.start, s.end)
+            for p in self.pipelines
+            for s in p.stages
+            for j in range(self.tensor_parallel)
+        }
 
     def holders(self, layer: int, lane: int = 0) -> list[int]:
         """Ranks holding lane `lane` of `layer` (one per pipeline)."""
         return [s.rank + lane for p in self.pipelines for s in p.stages if s.start <= layer < s.end]
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema_version": PLAN_SCHEMA_VERSION, "generation": self.generation,
-                "nodes": list(self.nodes), "spares": list(self.spares),
-                "gpus_per_node": self.gpus_per_node, "num_layers": self.num_layers,
-                "microbatch_size": self.microbatch_size, "f": self.f,
-                "est_step_time_s": self.est_step_time_s, "warnings": list(self.warnings),
-                "tensor_parallel": self.tensor_parallel,
-                "donors": list(self.donors), "pipelines": [p.to_json() for p in self.pipelines],
-                **({"rebalanced": True} if self.rebalanced else {})}
+        return {
+            "schema_version": PLAN_SCHEMA_VERSION,
+            "generation": self.generation,
+            "nodes": list(self.nodes),
+            "spares": list(self.spares),
+            "gpus_per_node": self.gpus_per_node,
+            "num_layers": self.num_layers,
+            "microbatch_size": self.microbatch_size,
+            "f": self.f,
+            "est_step_time_s": self.est_step_time_s,
+            "warnings": list(self.warnings),
+            "tensor_parallel": self.tensor_parallel,
+            "donors": list(self.donors),
+            "pipelines": [p.to_json() for p in self.pipelines],
+            **({"rebalanced": True} if self.rebalanced else {}),
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> "Plan":
         """Parse and validate; raises PlanningError on anything malformed."""
         try:
             if data.get("schema_version") != PLAN_SCHEMA_VERSION:
-                raise PlanningError(f"plan schema_version {data.get('schema_version')!r} is not "
-                                    f"{PLAN_SCHEMA_VERSION}")
+                raise PlanningError(f"plan schema_version {data.get('schema_version')!r} is not {PLAN_SCHEMA_VERSION}")
             pipelines = tuple(
-                PipelineSpec(index=int(p["index"]), template_nodes=int(p["template_nodes"]),
-                             nodes=tuple(str(n) for n in p["nodes"]),
-                             microbatches=int(p["microbatches"]), est_time_s=float(p["est_time_s"]),
-                             stages=tuple(StagePlacement(index=int(s["index"]), start=int(s["layers"][0]),
-                                                         end=int(s["layers"][1]), node=str(s["node"]),
-                                                         local_rank=int(s["local_rank"]), rank=int(s["rank"]),
-                                                         compute_s=float(s.get("compute_s", 0.0)))
-                                          for s in p["stages"]))
-                for p in data["pipelines"])
-            plan = cls(generation=int(data["generation"]), nodes=tuple(str(n) for n in data["nodes"]),
-                       spares=tuple(str(n) for n in data["spares"]),
-                       gpus_per_node=int(data["gpus_per_node"]), num_layers=int(data["num_layers"]),
-                       microbatch_size=int(data["microbatch_size"]), pipelines=pipelines,
-                       est_step_time_s=float(data["est_step_time_s"]), f=int(data["f"]),
-                       warnings=tuple(str(w) for w in data.get("warnings", ())),
-                       donors=tuple(str(n) for n in _list(data.get("donors", []), "donors")),
-                       tensor_parallel=int(data.get("tensor_parallel", 1)),
-                       rebalanced=data.get("rebalanced", False) is True)
+                PipelineSpec(
+                    index=int(p["index"]),
+                    template_nodes=int(p["template_nodes"]),
+                    nodes=tuple(str(n) for n in p["nodes"]),
+                    microbatches=int(p["microbatches"]),
+                    est_time_s=float(p["est_time_s"]),
+                    stages=tuple(
+                        StagePlacement(
+                            index=int(s["index"]),
+                            start=int(s["layers"][0]),
+                            end=int(s["layers"][1]),
+                            node=str(s["node"]),
+                            local_rank=int(s["local_rank"]),
+                            rank=int(s["rank"]),
+                            compute_s=float(s.get("compute_s", 0.0)),
+                        )
+                        for s in p["stages"]
+                    ),
+                )
+                for p in data["pipelines"]
+            )
+            plan = cls(
+                generation=int(data["generation"]),
+                nodes=tuple(str(n) for n in data["nodes"]),
+                spares=tuple(str(n) for n in data["spares"]),
+                gpus_per_node=int(data["gpus_per_node"]),
+                num_layers=int(data["num_layers"]),
+                microbatch_size=int(data["microbatch_size"]),
+                pipelines=pipelines,
+                est_step_time_s=float(data["est_step_time_s"]),
+                f=int(data["f"]),
+                warnings=tuple(str(w) for w in data.get("warnings", ())),
+                donors=tuple(str(n) for n in _list(data.get("donors", []), "donors")),
+                tensor_parallel=int(data.get("tensor_parallel", 1)),
+                rebalanced=data.get("rebalanced", False) is True,
+            )
         except PlanningError:
             raise
         except (AttributeError, KeyError, TypeError, ValueError, IndexError) as err:
@@ -215,24 +259,33 @@ class Plan:
         """Structural invariants: every pipeline covers all layers in order, ranks are dense."""
         tp = self.tensor_parallel
         if tp < 1 or self.gpus_per_node % tp:
-            raise PlanningError(f"plan generation {self.generation}: tensor_parallel {tp} does not divide "
-                                f"gpus_per_node {self.gpus_per_node}")
+            raise PlanningError(
+                f"plan generation {self.generation}: tensor_parallel {tp} does not divide "
+                f"gpus_per_node {self.gpus_per_node}"
+            )
         ranks = sorted(s.rank + j for p in self.pipelines for s in p.stages for j in range(tp))
         if ranks != list(range(len(ranks))):
             raise PlanningError(f"plan generation {self.generation}: ranks are not 0..{len(ranks) - 1}")
         for p in self.pipelines:
             bounds = [(s.start, s.end) for s in p.stages]
-            contiguous = (bool(bounds) and bounds[0][0] == 0 and bounds[-1][1] == self.num_layers
-                          and all(u < v for u, v in bounds)
-                          and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])))
+            contiguous = (
+                bool(bounds)
+                and bounds[0][0] == 0
+                and bounds[-1][1] == self.num_layers
+                and all(u < v for u, v in bounds)
+                and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            )
             if not contiguous:
-                raise PlanningError(f"plan generation {self.generation}: pipeline {p.index} does not "
-                                    f"cover layers 0..{self.num_layers} contiguously: {bounds}")
+                raise PlanningError(
+                    f"plan generation {self.generation}: pipeline {p.index} does not "
+                    f"cover layers 0..{self.num_layers} contiguously: {bounds}"
+                )
             if p.microbatches < 1:
                 raise PlanningError(f"plan generation {self.generation}: pipeline {p.index} has no microbatch")
         if len(set(self.donors)) != len(self.donors) or set(self.donors) & set(self.nodes):
-            raise PlanningError(f"plan generation {self.generation}: donors {list(self.donors)} must be distinct "
-                                "nodes outside the plan")
+            raise PlanningError(
+                f"plan generation {self.generation}: donors {list(self.donors)} must be distinct nodes outside the plan"
+            )
 
 
 def _list(value: Any, name: str) -> list[Any]:
@@ -241,17 +294,26 @@ def _list(value: Any, name: str) -> list[Any]:
     return value
 
 
-def make_plan(templates: TemplateSet, *, nodes: Sequence[str], num_microbatches: int,
-              microbatch_size: int, f: int, generation: int = 0,
-              microbatch_cap: Optional[int] = None, previous: Optional["Plan"] = None) -> Plan:
+def make_plan(
+    templates: TemplateSet,
+    *,
+    nodes: Sequence[str],
+    num_microbatches: int,
+    microbatch_size: int,
+    f: int,
+    generation: int = 0,
+    microbatch_cap: Optional[int] = None,
+    previous: Optional["Plan"] = None,
+) -> Plan:
     """Instantiate templates on `nodes` (ids, in preference order) for one generation. With the
     `previous` plan, the nodes that will run are placed where they keep the most of the layers
     they already hold (fewer layers to copy in the reconfiguration); who runs and who is a spare
     still follows the preference order."""
     if len(set(nodes)) != len(nodes):
         raise PlanningError(f"duplicate node ids in {list(nodes)}")
-    a: Assignment = instantiate(templates, num_nodes=len(nodes), num_microbatches=num_microbatches,
-                                f=f, microbatch_cap=microbatch_cap)
+    a: Assignment = instantiate(
+        templates, num_nodes=len(nodes), num_microbatches=num_microbatches, f=f, microbatch_cap=microbatch_cap
+    )
     if previous is not None:
         nodes = keep_layers_in_place(templates, a, list(nodes), previous)
     g = templates.gpus_per_node
@@ -259,18 +321,43 @@ def make_plan(templates: TemplateSet, *, nodes: Sequence[str], num_microbatches:
     cursor = 0
     for index, (n, mb) in enumerate(a.pipelines):
         tpl = templates[n]
-        pnodes = tuple(nodes[cursor:cursor + n])
-        stages = tuple(StagePlacement(index=s.index, start=s.start, end=s.end, node=pnodes[s.node],
-                                      local_rank=s.local_rank, rank=(cursor + s.node) * g + s.local_rank,
-                                      compute_s=s.time_s - s.comm_s)
-                       for s in tpl.stages)
-        pipelines.append(PipelineSpec(index=index, template_nodes=n, nodes=pnodes, microbatches=mb,
-                                      stages=stages, est_time_s=tpl.iteration_time(mb, len(a.pipelines))))
+        pnodes = tuple(nodes[cursor : cursor + n])
+        stages = tuple(
+            StagePlacement(
+                index=s.index,
+                start=s.start,
+                end=s.end,
+                node=pnodes[s.node],
+                local_rank=s.local_rank,
+                rank=(cursor + s.node) * g + s.local_rank,
+                compute_s=s.time_s - s.comm_s,
+            )
+            for s in tpl.stages
+        )
+        pipelines.append(
+            PipelineSpec(
+                index=index,
+                template_nodes=n,
+                nodes=pnodes,
+                microbatches=mb,
+                stages=stages,
+                est_time_s=tpl.iteration_time(mb, len(a.pipelines)),
+            )
+        )
         cursor += n
-    plan = Plan(generation=generation, nodes=tuple(nodes), spares=tuple(nodes[cursor:]),
-                gpus_per_node=g, num_layers=templates.num_layers, microbatch_size=microbatch_size,
-                pipelines=tuple(pipelines), est_step_time_s=a.makespan_s, f=f, warnings=a.warnings,
-                tensor_parallel=templates.tensor_parallel)
+    plan = Plan(
+        generation=generation,
+        nodes=tuple(nodes),
+        spares=tuple(nodes[cursor:]),
+        gpus_per_node=g,
+        num_layers=templates.num_layers,
+        microbatch_size=microbatch_size,
+        pipelines=tuple(pipelines),
+        est_step_time_s=a.makespan_s,
+        f=f,
+        warnings=a.warnings,
+        tensor_parallel=templates.tensor_parallel,
+    )
     plan.check()
     return plan
 
@@ -288,7 +375,7 @@ def keep_layers_in_place(templates: TemplateSet, a: Assignment, nodes: list[str]
             for j in range(templates.tensor_parallel):
                 per_node[st.node][st.local_rank + j] = range(st.start, st.end)
         slots.extend(per_node)
-    used = nodes[:len(slots)]
+    used = nodes[: len(slots)]
     gains = []
     for ni, node in enumerate(used):
         mine = {lr: held[(node, lr)] for lr in range(g) if (node, lr) in held}
@@ -305,7 +392,7 @@ def keep_layers_in_place(templates: TemplateSet, a: Assignment, nodes: list[str]
             placed[si] = used[ni]
             taken.add(ni)
     rest = iter(node for ni, node in enumerate(used) if ni not in taken)
-    return [placed[si] if si in placed else next(rest) for si in range(len(slots))] + nodes[len(slots):]
+    return [placed[si] if si in placed else next(rest) for si in range(len(slots))] + nodes[len(slots) :]
 
 
 @dataclass(frozen=True)
@@ -326,20 +413,30 @@ class Guarantee:
     """Counts >= min_nodes that leave some node idle (all of them when finite)."""
 
     def describe(self) -> str:
-        head = (f"templates for {self.n0}..{self.n_max} nodes; n_max >= 2*n0-1 = {2 * self.n0 - 1}: "
-                f"{'yes' if self.meets_2n0 else 'no'}. ")
+        head = (
+            f"templates for {self.n0}..{self.n_max} nodes; n_max >= 2*n0-1 = {2 * self.n0 - 1}: "
+            f"{'yes' if self.meets_2n0 else 'no'}. "
+        )
         if self.covered_from is None:
             return head + (f"f={self.f}: only multiples of {self.n0} nodes can be fully used")
-        text = head + (f"f={self.f}: every node count >= {self.covered_from} runs >= {self.f + 1} "
-                       "pipelines with no idle node")
+        text = head + (
+            f"f={self.f}: every node count >= {self.covered_from} runs >= {self.f + 1} pipelines with no idle node"
+        )
         if self.uncovered:
             text += f" (below that, {', '.join(map(str, self.uncovered))} leave nodes idle)"
         return text
 
     def to_json(self) -> dict[str, Any]:
-        return {"f": self.f, "n0": self.n0, "n_max": self.n_max, "meets_2n0_minus_1": self.meets_2n0,
-                "min_nodes": self.min_nodes, "covered_from": self.covered_from,
-                "uncovered": list(self.uncovered), "text": self.describe()}
+        return {
+            "f": self.f,
+            "n0": self.n0,
+            "n_max": self.n_max,
+            "meets_2n0_minus_1": self.meets_2n0,
+            "min_nodes": self.min_nodes,
+            "covered_from": self.covered_from,
+            "uncovered": list(self.uncovered),
+            "text": self.describe(),
+        }
 
 
 def guarantee(templates: TemplateSet, f: int, *, max_nodes: Optional[int] = None) -> Guarantee:
@@ -355,15 +452,22 @@ def guarantee(templates: TemplateSet, f: int, *, max_nodes: Optional[int] = None
         raise PlanningError(
             f"cannot tolerate f={f}: {f + 1} replicas need at least (f+1)*n0 = {min_nodes} nodes "
             f"(n0={n0}) but the job has at most planning.max_nodes={max_nodes}: lower fault_tolerance.f, "
-            "add nodes, or give each device more memory (smaller n0)")
+            "add nodes, or give each device more memory (smaller n0)"
+        )
     meets = n_max >= 2 * n0 - 1
     if n_max == n0 and n0 > 1:
-        return Guarantee(f=f, n0=n0, n_max=n_max, meets_2n0=meets, min_nodes=min_nodes,
-                         covered_from=None, uncovered=())
+        return Guarantee(f=f, n0=n0, n_max=n_max, meets_2n0=meets, min_nodes=min_nodes, covered_from=None, uncovered=())
     k = f + 1
     while k * (n_max - n0) < n0 - 1:
         k += 1
     upto = max(min_nodes, k * n0) + n_max
     bad = tuple(coverage(templates, f, upto=upto)[1])
-    return Guarantee(f=f, n0=n0, n_max=n_max, meets_2n0=meets, min_nodes=min_nodes,
-                     covered_from=(bad[-1] + 1) if bad else min_nodes, uncovered=bad)
+    return Guarantee(
+        f=f,
+        n0=n0,
+        n_max=n_max,
+        meets_2n0=meets,
+        min_nodes=min_nodes,
+        covered_from=(bad[-1] + 1) if bad else min_nodes,
+        uncovered=bad,
+    )

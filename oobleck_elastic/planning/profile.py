@@ -120,8 +120,7 @@ class ModelProfile:
         return {**self.at_microbatch_sizes, base: self.layers}
 
     def to_json(self) -> dict[str, Any]:
-        out = {"schema_version": SCHEMA_VERSION, "key": self.key,
-               "layers": [asdict(layer) for layer in self.layers]}
+        out = {"schema_version": SCHEMA_VERSION, "key": self.key, "layers": [asdict(layer) for layer in self.layers]}
         if self.device_memory_bytes is not None:
             out["device_memory_bytes"] = self.device_memory_bytes
         if self.tensor_parallel != 1:
@@ -129,8 +128,9 @@ class ModelProfile:
         if self.microbatch_size is not None:
             out["microbatch_size"] = self.microbatch_size
         if self.at_microbatch_sizes:
-            out["at_microbatch_sizes"] = {str(b): [asdict(layer) for layer in layers]
-                                          for b, layers in sorted(self.at_microbatch_sizes.items())}
+            out["at_microbatch_sizes"] = {
+                str(b): [asdict(layer) for layer in layers] for b, layers in sorted(self.at_microbatch_sizes.items())
+            }
         return out
 
     @classmethod
@@ -138,8 +138,9 @@ class ModelProfile:
         if not isinstance(data, dict) or "layers" not in data:
             raise ProfileError(f"{source}: not a profile (expected an object with 'layers')")
         if data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
-            raise ProfileError(f"{source}: schema_version {data.get('schema_version')} is not "
-                               f"{SCHEMA_VERSION}; re-create the profile")
+            raise ProfileError(
+                f"{source}: schema_version {data.get('schema_version')} is not {SCHEMA_VERSION}; re-create the profile"
+            )
         if not isinstance(data["layers"], list):
             raise ProfileError(f"{source}: 'layers' must be a list")
         layers = []
@@ -165,15 +166,22 @@ class ModelProfile:
         at_sizes: dict[int, list[LayerProfile]] = {}
         for b, items in more.items():
             if not str(b).isdigit() or int(b) < 1 or not isinstance(items, list):
-                raise ProfileError(f"{source}: at_microbatch_sizes: {b!r} must be a positive size with a list of "
-                                   "layers")
+                raise ProfileError(
+                    f"{source}: at_microbatch_sizes: {b!r} must be a positive size with a list of layers"
+                )
             try:
                 at_sizes[int(b)] = [_layer_from_json(item) for item in items]
             except (TypeError, ValueError, KeyError) as err:
                 raise ProfileError(f"{source}: at_microbatch_sizes[{b}]: {err}") from None
         try:
-            return cls(layers=layers, key=dict(data.get("key") or {}), device_memory_bytes=memory, tensor_parallel=tp,
-                       microbatch_size=size, at_microbatch_sizes=at_sizes)
+            return cls(
+                layers=layers,
+                key=dict(data.get("key") or {}),
+                device_memory_bytes=memory,
+                tensor_parallel=tp,
+                microbatch_size=size,
+                at_microbatch_sizes=at_sizes,
+            )
         except ProfileError as err:
             raise ProfileError(f"{source}: {err}") from None
 

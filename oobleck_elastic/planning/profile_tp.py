@@ -32,8 +32,9 @@ from .profile import ModelProfile
 from .profiler import device_memory_bytes, profile_key, profile_model
 
 
-def profile_tensor_parallel(cfg: JobConfig, *, device: torch.device,
-                            log: Callable[[str], None] | None = print) -> ModelProfile:
+def profile_tensor_parallel(
+    cfg: JobConfig, *, device: torch.device, log: Callable[[str], None] | None = print
+) -> ModelProfile:
     """The profile at the degree of the default process group's size (every rank calls this)."""
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -42,8 +43,13 @@ def profile_tensor_parallel(cfg: JobConfig, *, device: torch.device,
     tp = dist.get_world_size()
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     key = profile_key(cfg, device=device) | {"tensor_parallel": tp}
-    prof = profile_model(cfg, device=device, key=key, prepare=lambda layer: parallelize_layer(layer, mesh),
-                         log=log if dist.get_rank() == 0 else None)
+    prof = profile_model(
+        cfg,
+        device=device,
+        key=key,
+        prepare=lambda layer: parallelize_layer(layer, mesh),
+        log=log if dist.get_rank() == 0 else None,
+    )
     prof.tensor_parallel = tp
     prof.device_memory_bytes = device_memory_bytes(device)
     return prof

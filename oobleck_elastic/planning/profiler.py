@@ -78,11 +78,19 @@ from ..models.tensor_parallel import local
 from .microbatch import profile_microbatch_sizes
 from .profile import LayerProfile, ModelProfile, ProfileError, profile_cache_key
 
-__all__ = ["device_label", "device_memory_bytes", "layer_kind", "profile_layers", "profile_layer_by_layer",
-           "profile_model", "profile_key", "load_or_profile"]
+__all__ = [
+    "device_label",
+    "device_memory_bytes",
+    "layer_kind",
+    "profile_layers",
+    "profile_layer_by_layer",
+    "profile_model",
+    "profile_key",
+    "load_or_profile",
+]
 
 _OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}
-MIB = 1024 ** 2
+MIB = 1024**2
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -126,8 +134,17 @@ class _SavedTensorMeter:
 class _LayerMeter:
     """Times one layer on one input and counts its bytes (see the module docstring)."""
 
-    def __init__(self, labels: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
-                 device: torch.device, warmup: int, repeats: int, optimizer: str, precision: str) -> None:
+    def __init__(
+        self,
+        labels: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        device: torch.device,
+        warmup: int,
+        repeats: int,
+        optimizer: str,
+        precision: str,
+    ) -> None:
         self.labels, self.loss_fn, self.device = labels, loss_fn, device
         self.warmup, self.repeats, self.optimizer, self.precision = warmup, repeats, optimizer, precision
         self.cuda = device.type == "cuda"
@@ -179,8 +196,7 @@ class _LayerMeter:
             p.grad = None
         return fwd_s, bwd_s
 
-    def measure(self, layer: nn.Module, x: torch.Tensor, *, last: bool,
-                name: str) -> tuple[LayerProfile, torch.Tensor]:
+    def measure(self, layer: nn.Module, x: torch.Tensor, *, last: bool, name: str) -> tuple[LayerProfile, torch.Tensor]:
         """The layer's profile on input `x`, and its output (detached: the next layer's input)."""
         fwd_times, bwd_times = [], []
         for it in range(self.warmup + self.repeats):
@@ -195,9 +211,15 @@ class _LayerMeter:
         del target  # frees the graph: only the output tensor is kept
         pbytes = _param_bytes(layer)
         prof = LayerProfile(
-            name=name, forward_s=statistics.median(fwd_times), backward_s=statistics.median(bwd_times),
-            param_bytes=pbytes, grad_bytes=pbytes, optimizer_bytes=_OPTIMIZER_STATES[self.optimizer] * pbytes,
-            activation_bytes=meter.nbytes, output_bytes=out.numel() * out.element_size())
+            name=name,
+            forward_s=statistics.median(fwd_times),
+            backward_s=statistics.median(bwd_times),
+            param_bytes=pbytes,
+            grad_bytes=pbytes,
+            optimizer_bytes=_OPTIMIZER_STATES[self.optimizer] * pbytes,
+            activation_bytes=meter.nbytes,
+            output_bytes=out.numel() * out.element_size(),
+        )
         return prof, out
 
 
@@ -211,32 +233,52 @@ def layer_kind(layer: nn.Module) -> tuple:
     None: widths, heads, eps, dropout, attention type...; `layer_idx` left out), and the name,
     shape and dtype of every parameter and buffer. Works on meta layers (no weights needed)."""
     modules = tuple(
-        (name, f"{type(m).__module__}.{type(m).__qualname__}",
-         tuple(sorted((k, v) for k, v in vars(m).items()
-                      if not k.startswith("_") and k not in _INDEX_ATTRIBUTES and isinstance(v, _SIMPLE_TYPES))))
-        for name, m in layer.named_modules(remove_duplicate=False))
-    params = tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad)
-                   for n, p in layer.named_parameters(remove_duplicate=False))
+        (
+            name,
+            f"{type(m).__module__}.{type(m).__qualname__}",
+            tuple(
+                sorted(
+                    (k, v)
+                    for k, v in vars(m).items()
+                    if not k.startswith("_") and k not in _INDEX_ATTRIBUTES and isinstance(v, _SIMPLE_TYPES)
+                )
+            ),
+        )
+        for name, m in layer.named_modules(remove_duplicate=False)
+    )
+    params = tuple(
+        (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in layer.named_parameters(remove_duplicate=False)
+    )
     buffers = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in layer.named_buffers(remove_duplicate=False))
     return modules, params, buffers
 
 
 def _check_settings(optimizer: str, warmup: int, repeats: int, precision: str) -> None:
     if optimizer not in _OPTIMIZER_STATES:
-        raise ValueError(f"optimizer '{optimizer}' unknown; choose one of "
-                         f"{', '.join(_OPTIMIZER_STATES)}")
+        raise ValueError(f"optimizer '{optimizer}' unknown; choose one of {', '.join(_OPTIMIZER_STATES)}")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup})")
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision '{precision}' unknown; choose fp32 or bf16")
 
 
-def profile_layer_by_layer(build: Callable[[int], nn.Module], num_layers: int, sample_input: torch.Tensor,
-                           labels: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
-                           kinds: Sequence[Hashable | None] | None = None, warmup: int = 1, repeats: int = 5,
-                           optimizer: str = "adamw", key: dict[str, Any] | None = None,
-                           names: Sequence[str] | None = None, precision: str = "fp32", release: bool = True,
-                           log: Callable[[str], None] | None = None) -> ModelProfile:
+def profile_layer_by_layer(
+    build: Callable[[int], nn.Module],
+    num_layers: int,
+    sample_input: torch.Tensor,
+    labels: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    kinds: Sequence[Hashable | None] | None = None,
+    warmup: int = 1,
+    repeats: int = 5,
+    optimizer: str = "adamw",
+    key: dict[str, Any] | None = None,
+    names: Sequence[str] | None = None,
+    precision: str = "fp32",
+    release: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> ModelProfile:
     """Profile layers 0..num_layers-1, holding one at a time: `build(i)` returns layer i on
     sample_input's device; after its measurement the profiler drops it (with `release`, also
     gc.collect() and, on CUDA, empty_cache()) and keeps only its output, the next layer's input.
@@ -253,8 +295,9 @@ def profile_layer_by_layer(build: Callable[[int], nn.Module], num_layers: int, s
     names = list(names) if names is not None else [f"layer.{i}" for i in range(num_layers)]
     device = sample_input.device
     cuda = device.type == "cuda"
-    meter = _LayerMeter(labels, loss_fn, device=device, warmup=warmup, repeats=repeats, optimizer=optimizer,
-                        precision=precision)
+    meter = _LayerMeter(
+        labels, loss_fn, device=device, warmup=warmup, repeats=repeats, optimizer=optimizer, precision=precision
+    )
     result: list[LayerProfile] = []
     measured: dict[Hashable, tuple[int, LayerProfile, torch.Size, torch.dtype]] = {}
     x = sample_input
@@ -271,8 +314,10 @@ def profile_layer_by_layer(build: Callable[[int], nn.Module], num_layers: int, s
             if seen is not None and (last or (seen[2], seen[3]) == (x.shape, x.dtype)):
                 result.append(dataclasses.replace(seen[1], name=names[i]))
                 if log is not None:
-                    log(f"profiling layer {i + 1}/{num_layers} {names[i]}: identical to "
-                        f"{names[seen[0]]}, its numbers reused")
+                    log(
+                        f"profiling layer {i + 1}/{num_layers} {names[i]}: identical to "
+                        f"{names[seen[0]]}, its numbers reused"
+                    )
                 continue  # x has the shape this layer's output would have
             layer = build(i)
             if layer is None:
@@ -287,35 +332,64 @@ def profile_layer_by_layer(build: Callable[[int], nn.Module], num_layers: int, s
                 measured[kind] = (i, prof, out.shape, out.dtype)
             result.append(prof)
             if log is not None:
-                log(f"profiling layer {i + 1}/{num_layers} {names[i]}: fwd "
+                log(
+                    f"profiling layer {i + 1}/{num_layers} {names[i]}: fwd "
                     f"{prof.forward_s * 1e3:.2f} ms, bwd {prof.backward_s * 1e3:.2f} ms, "
                     f"params {prof.param_bytes / MIB:.2f} MiB, activations "
-                    f"{prof.activation_bytes / MIB:.2f} MiB")
+                    f"{prof.activation_bytes / MIB:.2f} MiB"
+                )
             x = out if not last else x
             del out
     return ModelProfile(layers=result, key=dict(key or {}))
 
 
-def profile_layers(layers: Sequence[nn.Module], sample_input: torch.Tensor, labels: torch.Tensor,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
-                   warmup: int = 1, repeats: int = 5, optimizer: str = "adamw",
-                   key: dict[str, Any] | None = None, names: Sequence[str] | None = None,
-                   precision: str = "fp32", identical_blocks_once: bool = False,
-                   log: Callable[[str], None] | None = None) -> ModelProfile:
+def profile_layers(
+    layers: Sequence[nn.Module],
+    sample_input: torch.Tensor,
+    labels: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    warmup: int = 1,
+    repeats: int = 5,
+    optimizer: str = "adamw",
+    key: dict[str, Any] | None = None,
+    names: Sequence[str] | None = None,
+    precision: str = "fp32",
+    identical_blocks_once: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> ModelProfile:
     """Profile every layer of an already built list on one microbatch (see the module
     docstring); layers must be on sample_input's device. With identical_blocks_once, layers of
     one `layer_kind` are measured once. The last layer is profiled together with loss_fn."""
     if not layers or any(layer is None for layer in layers):
         raise ValueError("profile_layers needs every layer built (no None entries)")
     kinds = [layer_kind(layer) for layer in layers] if identical_blocks_once else None
-    return profile_layer_by_layer(layers.__getitem__, len(layers), sample_input, labels, loss_fn, kinds=kinds,
-                                  warmup=warmup, repeats=repeats, optimizer=optimizer, key=key, names=names,
-                                  precision=precision, release=False, log=log)
+    return profile_layer_by_layer(
+        layers.__getitem__,
+        len(layers),
+        sample_input,
+        labels,
+        loss_fn,
+        kinds=kinds,
+        warmup=warmup,
+        repeats=repeats,
+        optimizer=optimizer,
+        key=key,
+        names=names,
+        precision=precision,
+        release=False,
+        log=log,
+    )
 
 
-def profile_model(cfg: JobConfig, *, device: str | torch.device, key: dict[str, Any] | None = None,
-                  prepare: Callable[[nn.Module], nn.Module] | None = None,
-                  log: Callable[[str], None] | None = None) -> ModelProfile:
+def profile_model(
+    cfg: JobConfig,
+    *,
+    device: str | torch.device,
+    key: dict[str, Any] | None = None,
+    prepare: Callable[[nn.Module], nn.Module] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> ModelProfile:
     """Measure the job's model on `device` one layer at a time: layer i is built alone
     (`build_layer_model(owned=[i])`, initialised from the job's seed), passed through `prepare`
     (e.g. tensor-parallel sharding), measured and freed before layer i+1 is built (a pretrained
@@ -347,14 +421,26 @@ def profile_model(cfg: JobConfig, *, device: str | torch.device, key: dict[str, 
         ids = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(dev)
         labels = torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(dev)
         if log is not None:
-            log(f"profile: measuring {n} layers on {dev}, one at a time (microbatch {shape[0]} x "
+            log(
+                f"profile: measuring {n} layers on {dev}, one at a time (microbatch {shape[0]} x "
                 f"{shape[1]}, {cfg.training.precision}"
-                + (", identical blocks measured once)" if kinds is not None else ")"))
-        measured[size] = profile_layer_by_layer(build_prepared, n, ids, labels, whole.loss_fn, kinds=kinds,
-                                                warmup=cfg.planning.profile_warmup,
-                                                repeats=cfg.planning.profile_repeats,
-                                                optimizer=cfg.training.optimizer.name, key=key, names=whole.names,
-                                                precision=cfg.training.precision, log=log)
+                + (", identical blocks measured once)" if kinds is not None else ")")
+            )
+        measured[size] = profile_layer_by_layer(
+            build_prepared,
+            n,
+            ids,
+            labels,
+            whole.loss_fn,
+            kinds=kinds,
+            warmup=cfg.planning.profile_warmup,
+            repeats=cfg.planning.profile_repeats,
+            optimizer=cfg.training.optimizer.name,
+            key=key,
+            names=whole.names,
+            precision=cfg.training.precision,
+            log=log,
+        )
     prof = measured[sizes[0]]
     prof.microbatch_size = sizes[0]
     prof.at_microbatch_sizes = {b: measured[b].layers for b in sizes[1:]}
@@ -419,19 +505,24 @@ def _key_diff(old: dict[str, Any], new: dict[str, Any]) -> str:
     return ", ".join(keys) or "?"
 
 
-def load_or_profile(cfg: JobConfig, *, device: str | torch.device = "cpu",
-                    cache_dir: str | Path | None = None,
-                    log: Callable[[str], None] = print) -> ModelProfile:
+def load_or_profile(
+    cfg: JobConfig,
+    *,
+    device: str | torch.device = "cpu",
+    cache_dir: str | Path | None = None,
+    log: Callable[[str], None] = print,
+) -> ModelProfile:
     """The job's profile: `planning.profile_path`, else a cache hit with the same key, else a
     fresh measurement (`profile_model`, saved to the cache). See the module docstring."""
     if cfg.planning.profile_path:
         prof = ModelProfile.load(cfg.planning.profile_path)
         log(f"profile: using {cfg.planning.profile_path} ({prof.num_layers} layers)")
         expected = cfg.model.num_layers + 2
-        if cfg.model.family != "custom" and not cfg.model.pretrained_path \
-                and prof.num_layers != expected:
-            log(f"profile: warning: {cfg.planning.profile_path} has {prof.num_layers} layers but "
-                f"model.num_layers={cfg.model.num_layers} gives {expected}")
+        if cfg.model.family != "custom" and not cfg.model.pretrained_path and prof.num_layers != expected:
+            log(
+                f"profile: warning: {cfg.planning.profile_path} has {prof.num_layers} layers but "
+                f"model.num_layers={cfg.model.num_layers} gives {expected}"
+            )
         return prof
     key = profile_key(cfg, device=device)
     path = Path(cache_dir or cfg.data.cache_dir) / "profiles" / f"{profile_cache_key(key)}.json"
@@ -445,8 +536,7 @@ def load_or_profile(cfg: JobConfig, *, device: str | torch.device = "cpu",
                 log(f"profile: reusing cached {path} ({cached.num_layers} layers)")
                 cached.device_memory_bytes = device_memory_bytes(device) or cached.device_memory_bytes
                 return cached
-            log(f"profile: cached {path} is stale (key differs in {_key_diff(cached.key, key)}); "
-                "re-profiling")
+            log(f"profile: cached {path} is stale (key differs in {_key_diff(cached.key, key)}); re-profiling")
     prof = profile_model(cfg, device=device, key=key, log=log)
     prof.device_memory_bytes = device_memory_bytes(device)
     prof.save(path)

@@ -74,11 +74,18 @@ def rebalanced_plan(plan: Plan, per_mb: Sequence[float], *, min_gain: float = MI
     before, after = step_estimate(stages, per_mb, now), step_estimate(stages, per_mb, counts)
     if list(counts) == now or after > (1 - min_gain) * before:
         return None
-    pipelines = tuple(dataclasses.replace(p, microbatches=b,
-                                          est_time_s=p.est_time_s * (b + s - 1) / (p.microbatches + s - 1))
-                      for p, b, s in zip(plan.pipelines, counts, stages))
-    return dataclasses.replace(plan, generation=plan.generation + 1, pipelines=pipelines,
-                               est_step_time_s=max(p.est_time_s for p in pipelines), donors=(), rebalanced=True)
+    pipelines = tuple(
+        dataclasses.replace(p, microbatches=b, est_time_s=p.est_time_s * (b + s - 1) / (p.microbatches + s - 1))
+        for p, b, s in zip(plan.pipelines, counts, stages)
+    )
+    return dataclasses.replace(
+        plan,
+        generation=plan.generation + 1,
+        pipelines=pipelines,
+        est_step_time_s=max(p.est_time_s for p in pipelines),
+        donors=(),
+        rebalanced=True,
+    )
 
 
 @dataclass(frozen=True)
@@ -102,8 +109,14 @@ class Remedy:
         return ", ".join(parts)
 
 
-def mitigate(plan: Plan, per_mb: Sequence[float], slow: Collection[str], without: Optional[Plan] = None, *,
-             min_gain: float = MIN_GAIN) -> Optional[Remedy]:
+def mitigate(
+    plan: Plan,
+    per_mb: Sequence[float],
+    slow: Collection[str],
+    without: Optional[Plan] = None,
+    *,
+    min_gain: float = MIN_GAIN,
+) -> Optional[Remedy]:
     """The better of re-splitting `plan` at `per_mb` and the plan `without` the `slow` nodes (module
     docstring), or None when neither shortens the estimated step by `min_gain`."""
     if not _fits(plan, per_mb):
@@ -113,9 +126,11 @@ def mitigate(plan: Plan, per_mb: Sequence[float], slow: Collection[str], without
     split = rebalanced_plan(plan, per_mb, min_gain=0.0)
     split_s = step_estimate(stages, per_mb, [p.microbatches for p in split.pipelines]) if split else None
     without_s = None
-    healthy = [(b + s - 1) * w / p.est_time_s for p, s, w, b in zip(plan.pipelines, stages, per_mb,
-                                                                    [p.microbatches for p in plan.pipelines])
-               if p.est_time_s > 0 and not set(p.nodes) & set(slow)]
+    healthy = [
+        (b + s - 1) * w / p.est_time_s
+        for p, s, w, b in zip(plan.pipelines, stages, per_mb, [p.microbatches for p in plan.pipelines])
+        if p.est_time_s > 0 and not set(p.nodes) & set(slow)
+    ]
     if without is not None and healthy and without.est_step_time_s > 0:
         without_s = without.est_step_time_s * statistics.median(healthy)
     # leaving nodes out costs capacity and replicas: it must beat the re-split by min_gain too

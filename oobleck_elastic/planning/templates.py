@@ -45,7 +45,7 @@ import numpy as np
 from .comm import Links
 from .profile import ModelProfile
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 class PlanningError(ValueError):
@@ -74,9 +74,16 @@ class StageSpec:
     """Gradient bytes one device of the stage all-reduces with the other replicas."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "layers": [self.start, self.end], "node": self.node,
-                "local_rank": self.local_rank, "time_s": self.time_s, "comm_s": self.comm_s,
-                "memory_bytes": self.memory_bytes, "grad_bytes": self.grad_bytes}
+        return {
+            "index": self.index,
+            "layers": [self.start, self.end],
+            "node": self.node,
+            "local_rank": self.local_rank,
+            "time_s": self.time_s,
+            "comm_s": self.comm_s,
+            "memory_bytes": self.memory_bytes,
+            "grad_bytes": self.grad_bytes,
+        }
 
 
 @dataclass(frozen=True)
@@ -128,19 +135,31 @@ class Template:
         return [(s.start, s.end) for s in self.stages]
 
     def to_json(self) -> dict[str, Any]:
-        return {"num_nodes": self.num_nodes, "num_stages": self.num_stages,
-                "tensor_parallel": self.tensor_parallel,
-                "total_time_s": self.total_time_s, "bottleneck_s": self.bottleneck_s,
-                "peak_memory_bytes": self.peak_memory_bytes,
-                "stages": [s.to_json() for s in self.stages]}
+        return {
+            "num_nodes": self.num_nodes,
+            "num_stages": self.num_stages,
+            "tensor_parallel": self.tensor_parallel,
+            "total_time_s": self.total_time_s,
+            "bottleneck_s": self.bottleneck_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "stages": [s.to_json() for s in self.stages],
+        }
 
 
 class StageCosts:
     """Prefix sums over a profile: O(1) time and memory of any layer range at any position, and
     the communication of a stage with its neighbours (`links`, `stages_per_node`)."""
 
-    def __init__(self, profile: ModelProfile, *, memory_limit_bytes: float, schedule: str = "1f1b",
-                 gpipe_microbatches: int = 1, links: Optional[Links] = None, stages_per_node: int = 1) -> None:
+    def __init__(
+        self,
+        profile: ModelProfile,
+        *,
+        memory_limit_bytes: float,
+        schedule: str = "1f1b",
+        gpipe_microbatches: int = 1,
+        links: Optional[Links] = None,
+        stages_per_node: int = 1,
+    ) -> None:
         if schedule not in ("1f1b", "gpipe"):
             raise PlanningError(f"unknown schedule '{schedule}': use 1f1b or gpipe")
         self.profile = profile
@@ -168,8 +187,10 @@ class StageCosts:
         self._span_act = ac[None, :] - ac[:, None]
         cuts = np.arange(self.num_layers + 1)
         self._empty = cuts[:, None] >= cuts[None, :]
-        self._cut_s = {same: np.array([self.links.p2p_s(self._out[c], same_node=same) if links else 0.0
-                                       for c in cuts]) for same in (True, False)}
+        self._cut_s = {
+            same: np.array([self.links.p2p_s(self._out[c], same_node=same) if links else 0.0 for c in cuts])
+            for same in (True, False)
+        }
 
     def time(self, start: int, end: int) -> float:
         """Forward + backward compute of layers [start, end)."""
@@ -204,8 +225,11 @@ class StageCosts:
         return num_stages - position
 
     def memory(self, start: int, end: int, position: int, num_stages: int) -> int:
-        return (self._static[end] - self._static[start]
-                + self.in_flight(position, num_stages) * (self._act[end] - self._act[start]))
+        return (
+            self._static[end]
+            - self._static[start]
+            + self.in_flight(position, num_stages) * (self._act[end] - self._act[start])
+        )
 
     def matrices(self, position: int, num_stages: int) -> np.ndarray:
         """(L+1) x (L+1) stage times of [u, v) at `position`; inf where u >= v, where it does not
@@ -258,33 +282,57 @@ def best_partition(costs: StageCosts, num_stages: int) -> Optional[list[tuple[in
     return ranges[::-1]
 
 
-def best_template(costs: StageCosts, num_nodes: int, gpus_per_node: int,
-                  tensor_parallel: int = 1) -> Optional[Template]:
+def best_template(
+    costs: StageCosts, num_nodes: int, gpus_per_node: int, tensor_parallel: int = 1
+) -> Optional[Template]:
     """The exact minimum-bottleneck template on `num_nodes` nodes, or None when none fits."""
     ranges = best_partition(costs, num_nodes * gpus_per_node // tensor_parallel)
     if ranges is None:
         return None
-    return make_template(costs, ranges, num_nodes=num_nodes, gpus_per_node=gpus_per_node,
-                         tensor_parallel=tensor_parallel)
+    return make_template(
+        costs, ranges, num_nodes=num_nodes, gpus_per_node=gpus_per_node, tensor_parallel=tensor_parallel
+    )
 
 
-def make_template(costs: StageCosts, ranges: Sequence[tuple[int, int]], *, num_nodes: int,
-                  gpus_per_node: int, tensor_parallel: int = 1) -> Template:
+def make_template(
+    costs: StageCosts,
+    ranges: Sequence[tuple[int, int]],
+    *,
+    num_nodes: int,
+    gpus_per_node: int,
+    tensor_parallel: int = 1,
+) -> Template:
     """A Template from explicit layer ranges (also used by tests and reconfiguration)."""
     num_stages = len(ranges)
     per_node = gpus_per_node // tensor_parallel
     stages = tuple(
-        StageSpec(index=i, start=u, end=v, node=i // per_node, local_rank=(i % per_node) * tensor_parallel,
-                  time_s=costs.stage_time(u, v, i, num_stages), memory_bytes=costs.memory(u, v, i, num_stages),
-                  comm_s=costs.comm(u, v, i, num_stages), grad_bytes=costs.grad_bytes(u, v))
-        for i, (u, v) in enumerate(ranges))
-    return Template(num_nodes=num_nodes, gpus_per_node=gpus_per_node, stages=stages,
-                    total_time_s=sum(s.time_s for s in stages), bottleneck_s=max(s.time_s for s in stages),
-                    tensor_parallel=tensor_parallel, links=costs.links)
+        StageSpec(
+            index=i,
+            start=u,
+            end=v,
+            node=i // per_node,
+            local_rank=(i % per_node) * tensor_parallel,
+            time_s=costs.stage_time(u, v, i, num_stages),
+            memory_bytes=costs.memory(u, v, i, num_stages),
+            comm_s=costs.comm(u, v, i, num_stages),
+            grad_bytes=costs.grad_bytes(u, v),
+        )
+        for i, (u, v) in enumerate(ranges)
+    )
+    return Template(
+        num_nodes=num_nodes,
+        gpus_per_node=gpus_per_node,
+        stages=stages,
+        total_time_s=sum(s.time_s for s in stages),
+        bottleneck_s=max(s.time_s for s in stages),
+        tensor_parallel=tensor_parallel,
+        links=costs.links,
+    )
 
 
-def brute_force_template(costs: StageCosts, num_nodes: int, gpus_per_node: int, microbatches: int,
-                         tensor_parallel: int = 1) -> Optional[tuple[float, list[tuple[int, int]]]]:
+def brute_force_template(
+    costs: StageCosts, num_nodes: int, gpus_per_node: int, microbatches: int, tensor_parallel: int = 1
+) -> Optional[tuple[float, list[tuple[int, int]]]]:
     """Reference for tests: try every partition; return (min T(m), ranges) or None. With
     communication, the minimum of (bottleneck, then sum) is the one returned (as the planner's)."""
     n, s = costs.num_layers, num_nodes * gpus_per_node // tensor_parallel
@@ -297,8 +345,11 @@ def brute_force_template(costs: StageCosts, num_nodes: int, gpus_per_node: int, 
         times = [costs.stage_time(u, v, i, s) for i, (u, v) in enumerate(ranges)]
         rank = (max(times), sum(times)) if costs.links is not None or microbatches > 1 else (sum(times), 0.0)
         eps = 1e-12 * max(1.0, abs(rank[0]))
-        if best is None or rank[0] < best[0][0] - eps or (abs(rank[0] - best[0][0]) <= eps
-                                                          and rank[1] < best[0][1] - eps):
+        if (
+            best is None
+            or rank[0] < best[0][0] - eps
+            or (abs(rank[0] - best[0][0]) <= eps and rank[1] < best[0][1] - eps)
+        ):
             best = (rank, ranges)
     if best is None:
         return None
@@ -353,12 +404,20 @@ def memory_limit_bytes(device_memory_gb: float, margin: float) -> float:
     return device_memory_gb * GIB * (1.0 - margin)
 
 
-def build_templates(profile: ModelProfile, *, gpus_per_node: int, device_memory_gb: float,
-                    memory_margin: float = 0.0, schedule: str = "1f1b",
-                    gpipe_microbatches: int = 1, max_nodes: Optional[int] = None,
-                    node_counts: Optional[Iterable[int]] = None,
-                    memory_source: str = "planning.device_memory_gb", tensor_parallel: int = 1,
-                    links: Optional[Links] = None) -> TemplateSet:
+def build_templates(
+    profile: ModelProfile,
+    *,
+    gpus_per_node: int,
+    device_memory_gb: float,
+    memory_margin: float = 0.0,
+    schedule: str = "1f1b",
+    gpipe_microbatches: int = 1,
+    max_nodes: Optional[int] = None,
+    node_counts: Optional[Iterable[int]] = None,
+    memory_source: str = "planning.device_memory_gb",
+    tensor_parallel: int = 1,
+    links: Optional[Links] = None,
+) -> TemplateSet:
     """Templates for every node count from 1 to min(max_nodes, layers // stages per node) that fit.
 
     The profile holds per-device numbers at `tensor_parallel` devices per stage. `links` costs the
@@ -369,18 +428,26 @@ def build_templates(profile: ModelProfile, *, gpus_per_node: int, device_memory_
     if gpus_per_node < 1:
         raise PlanningError(f"gpus_per_node must be >= 1 (got {gpus_per_node})")
     if tensor_parallel < 1 or gpus_per_node % tensor_parallel:
-        raise PlanningError(f"planning.tensor_parallel={tensor_parallel} must divide planning.gpus_per_node="
-                            f"{gpus_per_node}: a stage's devices are on one node")
+        raise PlanningError(
+            f"planning.tensor_parallel={tensor_parallel} must divide planning.gpus_per_node="
+            f"{gpus_per_node}: a stage's devices are on one node"
+        )
     per_node = gpus_per_node // tensor_parallel
-    costs = StageCosts(profile, memory_limit_bytes=memory_limit_bytes(device_memory_gb, memory_margin),
-                       schedule=schedule, gpipe_microbatches=gpipe_microbatches, links=links,
-                       stages_per_node=per_node)
+    costs = StageCosts(
+        profile,
+        memory_limit_bytes=memory_limit_bytes(device_memory_gb, memory_margin),
+        schedule=schedule,
+        gpipe_microbatches=gpipe_microbatches,
+        links=links,
+        stages_per_node=per_node,
+    )
     cap = profile.num_layers // per_node
     if cap < 1:
         raise PlanningError(
             f"the model has {profile.num_layers} layers but one node runs {per_node} stages "
             f"({gpus_per_node} devices, {tensor_parallel} per stage) and every stage needs at least one layer: "
-            "lower planning.gpus_per_node or raise planning.tensor_parallel")
+            "lower planning.gpus_per_node or raise planning.tensor_parallel"
+        )
     if max_nodes is not None:
         cap = min(cap, max_nodes)
     counts = sorted(set(node_counts)) if node_counts is not None else list(range(1, cap + 1))
@@ -391,21 +458,33 @@ def build_templates(profile: ModelProfile, *, gpus_per_node: int, device_memory_
             if t is not None:
                 templates[n] = t
     if not templates:
-        raise PlanningError(_no_fit_message(costs, device_memory_gb, memory_margin, cap * per_node,
-                                            memory_source))
-    return TemplateSet(templates=templates, gpus_per_node=gpus_per_node, num_layers=profile.num_layers,
-                       device_memory_gb=device_memory_gb, memory_source=memory_source,
-                       tensor_parallel=tensor_parallel, links=links)
+        raise PlanningError(_no_fit_message(costs, device_memory_gb, memory_margin, cap * per_node, memory_source))
+    return TemplateSet(
+        templates=templates,
+        gpus_per_node=gpus_per_node,
+        num_layers=profile.num_layers,
+        device_memory_gb=device_memory_gb,
+        memory_source=memory_source,
+        tensor_parallel=tensor_parallel,
+        links=links,
+    )
 
 
-def _no_fit_message(costs: StageCosts, device_memory_gb: float, margin: float, max_stages: int,
-                    memory_source: str = "planning.device_memory_gb") -> str:
+def _no_fit_message(
+    costs: StageCosts,
+    device_memory_gb: float,
+    margin: float,
+    max_stages: int,
+    memory_source: str = "planning.device_memory_gb",
+) -> str:
     if memory_source == "planning.device_memory_gb":
         budget = f"{costs.memory_limit / GIB:.2f} GiB usable of planning.device_memory_gb={device_memory_gb:g}"
         raise_it = "raise planning.device_memory_gb"
     else:  # the device's real memory: raising it in the config would only plan an out-of-memory job
-        budget = (f"{costs.memory_limit / GIB:.2f} GiB usable of the {device_memory_gb:.2f} GiB of {memory_source} "
-                  "(planning.device_memory_gb is not set)")
+        budget = (
+            f"{costs.memory_limit / GIB:.2f} GiB usable of the {device_memory_gb:.2f} GiB of {memory_source} "
+            "(planning.device_memory_gb is not set)"
+        )
         raise_it = "use devices with more memory"
     if margin:
         budget += f" (memory_margin {margin:g})"
@@ -413,13 +492,17 @@ def _no_fit_message(costs: StageCosts, device_memory_gb: float, margin: float, m
         # a layer alone on the LAST stage has the fewest microbatches in flight: its best case
         need = costs.memory(i, i + 1, max_stages - 1, max_stages)
         if need > costs.memory_limit:
-            return (f"the model cannot fit even with one layer per device: layer {i} '{layer.name}' "
-                    f"alone needs {need / GIB:.2f} GiB (params+grads+optimizer "
-                    f"{layer.static_bytes / GIB:.2f} GiB, activations "
-                    f"{layer.activation_bytes / GIB:.2f} GiB per microbatch) but a device has "
-                    f"{budget}: {raise_it} or lower training.microbatch_size")
+            return (
+                f"the model cannot fit even with one layer per device: layer {i} '{layer.name}' "
+                f"alone needs {need / GIB:.2f} GiB (params+grads+optimizer "
+                f"{layer.static_bytes / GIB:.2f} GiB, activations "
+                f"{layer.activation_bytes / GIB:.2f} GiB per microbatch) but a device has "
+                f"{budget}: {raise_it} or lower training.microbatch_size"
+            )
     total = costs.memory(0, costs.num_layers, 0, 1)
-    return (f"no split of the model into at most {max_stages} stages fits in memory (the whole model "
-            f"needs {total / GIB:.2f} GiB for one microbatch; early stages keep more microbatches "
-            f"in flight under 1F1B) with {budget}: {raise_it}, lower "
-            f"training.microbatch_size, or use more devices per node")
+    return (
+        f"no split of the model into at most {max_stages} stages fits in memory (the whole model "
+        f"needs {total / GIB:.2f} GiB for one microbatch; early stages keep more microbatches "
+        f"in flight under 1F1B) with {budget}: {raise_it}, lower "
+        f"training.microbatch_size, or use more devices per node"
+    )

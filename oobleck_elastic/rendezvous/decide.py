@@ -48,6 +48,7 @@ from .records import Event, EventKind, NodeState, StrEnum
 
 class Detector(StrEnum):
     """How a node of the plan was found dead (rendezvous/detect.py, liveness.py)."""
+
     LIVENESS = "liveness"
     """The leader's liveness connection to its agent closed and a new one was refused."""
     ROLL_CALL = "roll_call"
@@ -183,13 +184,20 @@ def decide(view: LeaderView, clocks: Clocks, now: float, rules: Rules) -> Decisi
         if remedy is not None and remedy.plan is not None:
             return Decision(Action.REBALANCE, admit=tuple(admit), plan=remedy.plan, clocks=clear, why=remedy.describe())
         if remedy is not None and remedy.leave_out:
-            return Decision(Action.REPLAN, nodes=tuple(n for n in desired if n not in remedy.leave_out),
-                            admit=tuple(admit), clocks=clear, leave_out=remedy.leave_out, why=remedy.describe())
+            return Decision(
+                Action.REPLAN,
+                nodes=tuple(n for n in desired if n not in remedy.leave_out),
+                admit=tuple(admit),
+                clocks=clear,
+                leave_out=remedy.leave_out,
+                why=remedy.describe(),
+            )
         return Decision(Action.NONE, admit=tuple(admit), clocks=clear)
     seen = clocks.change_seen if clocks.change_seen is not None else now
     if now - seen >= rules.settle_s:
-        return Decision(Action.REPLAN, nodes=tuple(desired), admit=tuple(admit),
-                        clocks=replace(clocks, change_seen=None))
+        return Decision(
+            Action.REPLAN, nodes=tuple(desired), admit=tuple(admit), clocks=replace(clocks, change_seen=None)
+        )
     return Decision(Action.WAIT, admit=tuple(admit), clocks=replace(clocks, change_seen=seen))
 
 
@@ -200,8 +208,9 @@ def desired_nodes(plan: Plan, up: Sequence[str], exclude: Collection[str], max_n
     return ([n for n in plan.nodes if n in usable] + [n for n in usable if n not in plan.nodes])[:max_nodes]
 
 
-def _after_detection(view: LeaderView, plan: Plan, dead: Detection, clocks: Clocks, now: float,
-                     rules: Rules) -> Decision:
+def _after_detection(
+    view: LeaderView, plan: Plan, dead: Detection, clocks: Clocks, now: float, rules: Rules
+) -> Decision:
     """Re-plan at once without the nodes a detector found dead (see the module docstring)."""
     if dead.by == Detector.LIVENESS:
         if now - dead.since < rules.liveness_batch_s:  # nodes that die together go in one re-plan
@@ -210,8 +219,14 @@ def _after_detection(view: LeaderView, plan: Plan, dead: Detection, clocks: Cloc
         return Decision(Action.WAIT, clocks=clocks, held=dead.nodes, detection=dead.by)
     # not-ready nodes stay out too: a spare still importing torch, a node restarting a hung worker
     exclude = view.fenced | set(dead.nodes) | view.not_ready
-    return Decision(Action.REPLAN, nodes=tuple(desired_nodes(plan, view.up, exclude, rules.max_nodes)),
-                    lost=dead.nodes, detection=dead.by, clocks=Clocks(), recheck_s=0.0)
+    return Decision(
+        Action.REPLAN,
+        nodes=tuple(desired_nodes(plan, view.up, exclude, rules.max_nodes)),
+        lost=dead.nodes,
+        detection=dead.by,
+        clocks=Clocks(),
+        recheck_s=0.0,
+    )
 
 
 def _before_first_plan(view: LeaderView, clocks: Clocks, now: float, rules: Rules) -> Decision:
@@ -219,19 +234,28 @@ def _before_first_plan(view: LeaderView, clocks: Clocks, now: float, rules: Rule
     first = [n for n in candidates if n in view.admitted]
     if first:  # nodes were admitted (their workers measure the profile): plan them, plus arrivals
         admit = [n for n in candidates if n not in view.admitted][: max(0, rules.max_nodes - len(first))]
-        return Decision(Action.FIRST_PLAN, nodes=tuple(first + admit)[: rules.max_nodes], admit=tuple(admit),
-                        clocks=clocks)
+        return Decision(
+            Action.FIRST_PLAN, nodes=tuple(first + admit)[: rules.max_nodes], admit=tuple(admit), clocks=clocks
+        )
     if len(view.up) < rules.min_nodes:
         return Decision(Action.NONE, clocks=replace(clocks, first_quorum=None))
     quorum = clocks.first_quorum if clocks.first_quorum is not None else now
     if len(view.up) >= rules.max_nodes or now - quorum >= rules.last_call_s:
-        return Decision(Action.FIRST_PLAN, nodes=tuple(view.up[: rules.max_nodes]),
-                        clocks=replace(clocks, first_quorum=quorum))
+        return Decision(
+            Action.FIRST_PLAN, nodes=tuple(view.up[: rules.max_nodes]), clocks=replace(clocks, first_quorum=quorum)
+        )
     return Decision(Action.WAIT, clocks=replace(clocks, first_quorum=quorum))
 
 
-def plan_events(plan: Plan, old: Optional[Plan], states: Mapping[str, NodeState], lost: Mapping[str, str], *,
-                leader: str, now: float) -> list[Event]:
+def plan_events(
+    plan: Plan,
+    old: Optional[Plan],
+    states: Mapping[str, NodeState],
+    lost: Mapping[str, str],
+    *,
+    leader: str,
+    now: float,
+) -> list[Event]:
     """The events that go with publishing `plan` after `old`: one per node it leaves out (`lost`
     with how it was found dead, `drain`, `leave`, or `lost` when its record vanished; `states`:
     the state of every node with a record), then the `plan` event that sums up the change."""
@@ -240,18 +264,35 @@ def plan_events(plan: Plan, old: Optional[Plan], states: Mapping[str, NodeState]
     removed = [n for n in before if n not in plan.nodes]
     events = []
     for n in removed:
-        kind = (EventKind.LOST if n in lost else EventKind.DRAIN if states.get(n) == NodeState.DRAINING else
-                EventKind.LEAVE if n in states else EventKind.LOST)
-        detail = {EventKind.DRAIN: "drained at a step boundary" + (
-                      "; hands its layers over in the entry" if n in plan.donors else ""),
-                  EventKind.LEAVE: "left the plan",
-                  EventKind.LOST: lost.get(n, "lease expired or node unreachable")}[kind]
+        kind = (
+            EventKind.LOST
+            if n in lost
+            else EventKind.DRAIN
+            if states.get(n) == NodeState.DRAINING
+            else EventKind.LEAVE
+            if n in states
+            else EventKind.LOST
+        )
+        detail = {
+            EventKind.DRAIN: "drained at a step boundary"
+            + ("; hands its layers over in the entry" if n in plan.donors else ""),
+            EventKind.LEAVE: "left the plan",
+            EventKind.LOST: lost.get(n, "lease expired or node unreachable"),
+        }[kind]
         events.append(Event(time=now, kind=kind, node=n, generation=plan.generation, detail=detail))
     causes = sorted({e.kind for e in events} | ({"join"} if added and old else set())) or (
-        ["rebalance"] if plan.rebalanced else ["restart"] if old else ["initial"])
-    events.append(Event(time=now, kind=EventKind.PLAN, node=leader, generation=plan.generation,
-                        detail=f"{len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
-                               f"{plan.world_size} worker(s) ({'/'.join(causes)}"
-                               f"{': +' + ','.join(added) if added and old else ''}"
-                               f"{' -' + ','.join(removed) if removed else ''})"))
+        ["rebalance"] if plan.rebalanced else ["restart"] if old else ["initial"]
+    )
+    events.append(
+        Event(
+            time=now,
+            kind=EventKind.PLAN,
+            node=leader,
+            generation=plan.generation,
+            detail=f"{len(plan.nodes)} node(s), {len(plan.pipelines)} pipeline(s), "
+            f"{plan.world_size} worker(s) ({'/'.join(causes)}"
+            f"{': +' + ','.join(added) if added and old else ''}"
+            f"{' -' + ','.join(removed) if removed else ''})",
+        )
+    )
     return events

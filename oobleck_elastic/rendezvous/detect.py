@@ -97,8 +97,16 @@ class _Pinger:
 class RollCall:
     """The leader's side; `check()` once per leader tick."""
 
-    def __init__(self, client: KVStore, keys: Keys, *, node_id: str, ping_timeout_s: float,
-                 reader: Optional[KVReader] = None, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        client: KVStore,
+        keys: Keys,
+        *,
+        node_id: str,
+        ping_timeout_s: float,
+        reader: Optional[KVReader] = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
         self.client, self.keys, self.node_id = client, keys, node_id
         self.reader: KVReader = reader if reader is not None else client
         self.ping_timeout_s = ping_timeout_s
@@ -123,8 +131,13 @@ class RollCall:
         if self._round is None or self._round[0] != plan.generation:
             self._round = (plan.generation, _Pinger(self.client, self.keys, self.reader, self.clock), now)
             kinds = sorted(set(entries.values()))
-            log.info("node %s: roll call for generation %d (%d worker(s) checked in: %s)", self.node_id,
-                     plan.generation, len(entries), "/".join(kinds))
+            log.info(
+                "node %s: roll call for generation %d (%d worker(s) checked in: %s)",
+                self.node_id,
+                plan.generation,
+                len(entries),
+                "/".join(kinds),
+            )
         _, pinger, started = self._round
         live = {r.node_id for r in records}
         workers = {(s.node, s.local_rank) for p in plan.pipelines for s in p.stages}
@@ -157,8 +170,17 @@ class _DeputyRound:
 class Deputy:
     """A non-leader agent's side; `check()` once per election tick."""
 
-    def __init__(self, client: KVStore, keys: Keys, *, node_id: str, ping_timeout_s: float,
-                 reader: Optional[KVReader] = None, outage_grace_s: float = 0.0, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        client: KVStore,
+        keys: Keys,
+        *,
+        node_id: str,
+        ping_timeout_s: float,
+        reader: Optional[KVReader] = None,
+        outage_grace_s: float = 0.0,
+        clock: Clock = time.monotonic,
+    ) -> None:
         self.client, self.keys, self.node_id = client, keys, node_id
         self.reader: KVReader = reader if reader is not None else client
         self.ping_timeout_s = ping_timeout_s
@@ -180,8 +202,9 @@ class Deputy:
             return False
         w = self._round
         if w is None or w.generation != plan.generation or w.leader != leader_node:
-            self._round = _DeputyRound(plan.generation, leader_node,
-                                       _Pinger(self.client, self.keys, self.reader, self.clock))
+            self._round = _DeputyRound(
+                plan.generation, leader_node, _Pinger(self.client, self.keys, self.reader, self.clock)
+            )
             self._round.pinger.ping(leader_node)
             return False
         # twice the roll call's patience: deposing a live leader costs a node (it is fenced)
@@ -192,11 +215,16 @@ class Deputy:
         w.done = True
         data, _ = self.client.get_json(self.keys.node(leader_node))  # not mirrored by non-leaders
         rec = NodeRecord.parse(data, key=self.keys.node(leader_node)) if data is not None else None
-        detail = (f"leader {leader_node} did not answer a ping during the roll call of generation "
-                  f"{plan.generation}; revoked its lease")
+        detail = (
+            f"leader {leader_node} did not answer a ping during the roll call of generation "
+            f"{plan.generation}; revoked its lease"
+        )
         log.warning("node %s: %s", self.node_id, detail)
-        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.LOST, node=leader_node,
-                                                generation=plan.generation, detail=detail))
+        put_event(
+            self.client,
+            self.keys,
+            Event(time=time.time(), kind=EventKind.LOST, node=leader_node, generation=plan.generation, detail=detail),
+        )
         if rec is not None:  # no record: its lease, which also holds the leader key, is gone already
             self.client.revoke_lease(rec.lease_id)
         return True
@@ -217,8 +245,16 @@ class LeaderWatch:
     liveness connection to the leader's agent; when it finds the agent gone it revokes the
     leader's lease at once (the leader key and its node record go with it), and campaigns."""
 
-    def __init__(self, client: KVStore, keys: Keys, *, node_id: str, reader: KVReader,
-                 on_dead: Optional[Callable[[str], None]] = None, monitor: Optional[Monitor] = None) -> None:
+    def __init__(
+        self,
+        client: KVStore,
+        keys: Keys,
+        *,
+        node_id: str,
+        reader: KVReader,
+        on_dead: Optional[Callable[[str], None]] = None,
+        monitor: Optional[Monitor] = None,
+    ) -> None:
         self.client, self.keys, self.node_id, self.reader = client, keys, node_id, reader
         self.on_dead = on_dead
         self.monitor: Optional[Monitor] = monitor  # a LivenessMonitor, made when first needed
@@ -244,8 +280,10 @@ class LeaderWatch:
             return False
         if self._record is None or self._record[0] != node:
             rec_data, _ = self.client.get_json(self.keys.node(node))  # once per leader: not mirrored here
-            self._record = (node, NodeRecord.parse(rec_data, key=self.keys.node(node))
-                            if rec_data is not None else None)
+            self._record = (
+                node,
+                NodeRecord.parse(rec_data, key=self.keys.node(node)) if rec_data is not None else None,
+            )
         known = self._record[1]
         self.watch(known)
         if known is None or self.monitor is None or node not in self.monitor.take_dead():

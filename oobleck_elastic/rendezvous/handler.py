@@ -43,8 +43,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousHandler, RendezvousInfo,
-                                                   RendezvousParameters, RendezvousTimeoutError)
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+)
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from ..config import ConfigError, JobConfig, load_config
@@ -54,8 +59,17 @@ from ..engine.heartbeat import Beat
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.mirror import Mirror
 from ..etcd.server import free_port
-from ..planning import (MicrobatchError, ModelProfile, Plan, PlanningError, ProfileError, choose_tensor_parallel,
-                        load_profiles, plan_job, templates_for)
+from ..planning import (
+    MicrobatchError,
+    ModelProfile,
+    Plan,
+    PlanningError,
+    ProfileError,
+    choose_tensor_parallel,
+    load_profiles,
+    plan_job,
+    templates_for,
+)
 from ..etcd.protocols import KVReader
 from .keys import Keys
 from .records import ClosedRecord, Event, EventKind, NodeState, ReadyRecord, Roster, read_closed, read_roster
@@ -83,8 +97,15 @@ RDZV_OPTIONS = {
     "etcd_outage": "seconds etcd requests are retried while etcd is unreachable before failing (default 60)",
 }
 # set by torchrun itself or kept for compatibility with other backends; accepted silently
-_TORCHRUN_OPTIONS = {"timeout", "close_timeout", "is_host", "local_addr", "read_timeout",
-                     "keep_alive_interval", "keep_alive_max_attempt"}
+_TORCHRUN_OPTIONS = {
+    "timeout",
+    "close_timeout",
+    "is_host",
+    "local_addr",
+    "read_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+}
 
 
 def script_arguments(argv: list[str]) -> tuple[int, Optional[str], list[str]]:
@@ -113,18 +134,26 @@ class OobleckRendezvousHandler(RendezvousHandler):
         conf = {k: v for k, v in params.config.items() if v is not None}
         unknown = set(conf) - set(RDZV_OPTIONS) - _TORCHRUN_OPTIONS
         if unknown:
-            raise ValueError(f"unknown --rdzv-conf option(s) {sorted(unknown)} for --rdzv-backend=oobleck; "
-                             f"known: {', '.join(sorted(RDZV_OPTIONS))}")
+            raise ValueError(
+                f"unknown --rdzv-conf option(s) {sorted(unknown)} for --rdzv-backend=oobleck; "
+                f"known: {', '.join(sorted(RDZV_OPTIONS))}"
+            )
         nproc, script_config, overrides = script_arguments(argv if argv is not None else sys.argv)
         config_path = conf.get("config") or script_config
         if not config_path:
-            raise ConfigError("--rdzv-backend=oobleck needs the job config to plan pipelines: give the training "
-                              "script --config PATH or pass --rdzv-conf config=PATH")
+            raise ConfigError(
+                "--rdzv-backend=oobleck needs the job config to plan pipelines: give the training "
+                "script --config PATH or pass --rdzv-conf config=PATH"
+            )
         self.cfg: JobConfig = load_config(config_path, overrides)
         self.devices = nproc
         if self.cfg.planning.gpus_per_node != nproc:
-            log.warning("planning.gpus_per_node=%d but --nproc-per-node=%d: planning with %d device(s) per node",
-                        self.cfg.planning.gpus_per_node, nproc, nproc)
+            log.warning(
+                "planning.gpus_per_node=%d but --nproc-per-node=%d: planning with %d device(s) per node",
+                self.cfg.planning.gpus_per_node,
+                nproc,
+                nproc,
+            )
             self.cfg.planning.gpus_per_node = nproc
         ft = self.cfg.fault_tolerance
 
@@ -135,16 +164,25 @@ class OobleckRendezvousHandler(RendezvousHandler):
             except (TypeError, ValueError):
                 result = float("nan")
             if not (result >= 0 if zero_ok else result > 0):
-                raise ValueError(f"--rdzv-conf {option}={value}: give a number of seconds {'>=' if zero_ok else '>'} 0 "
-                                 f"(e.g. {option}={default:g}); {option}: {RDZV_OPTIONS[option]}")
+                raise ValueError(
+                    f"--rdzv-conf {option}={value}: give a number of seconds {'>=' if zero_ok else '>'} 0 "
+                    f"(e.g. {option}={default:g}); {option}: {RDZV_OPTIONS[option]}"
+                )
             return result
+
         self.lease_ttl_s = seconds("lease_ttl", ft.lease_ttl_s)
         self.settle_s = seconds("settle", ft.settle_s, zero_ok=True)
         self.last_call_s = seconds("last_call_timeout", 2.0)
         self.join_timeout_s = seconds("join_timeout", ft.rendezvous_timeout_s)
-        self.settings = EtcdSettings(endpoint=params.endpoint or "127.0.0.1:2379", cacert=conf.get("cacert"),
-                                     cert=conf.get("cert"), key=conf.get("key"), user=conf.get("user"),
-                                     password=conf.get("password"), outage_s=seconds("etcd_outage", 60.0))
+        self.settings = EtcdSettings(
+            endpoint=params.endpoint or "127.0.0.1:2379",
+            cacert=conf.get("cacert"),
+            cert=conf.get("cert"),
+            key=conf.get("key"),
+            user=conf.get("user"),
+            password=conf.get("password"),
+            outage_s=seconds("etcd_outage", 60.0),
+        )
         self.keys = Keys(conf.get("key_prefix", "/oobleck"), params.run_id)
         self.client: EtcdClient = connect(self.settings)
         self.member: Optional[Member] = None
@@ -198,8 +236,11 @@ class OobleckRendezvousHandler(RendezvousHandler):
         if self.view is not None:
             self.view.close()
         if self.member is not None and self.member.record is not None:
-            put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.LEAVE, node=self.member.node_id,
-                                                    detail="agent shut down"))
+            put_event(
+                self.client,
+                self.keys,
+                Event(time=time.time(), kind=EventKind.LEAVE, node=self.member.node_id, detail="agent shut down"),
+            )
             self.member.close(revoke=True)
         self.client.close()
         return True
@@ -211,20 +252,35 @@ class OobleckRendezvousHandler(RendezvousHandler):
         if self.member is None:
             host = self.params.local_addr or socket.gethostname()
             self.liveness = LivenessServer(host)
-            self.member = Member(self.client, self.keys, devices=self.devices, lease_ttl_s=self.lease_ttl_s,
-                                 host=host, liveness=self.liveness.address)
+            self.member = Member(
+                self.client,
+                self.keys,
+                devices=self.devices,
+                lease_ttl_s=self.lease_ttl_s,
+                host=host,
+                liveness=self.liveness.address,
+            )
             self.member.register()
-            self.view = Mirror(self.client, self.keys.agent_watched(self.member.node_id),
-                               name=f"agent {self.member.node_id}").start()
-            self.leader = Leader(self.client, self.keys, self.member, planner=self.plan_for,
-                                 min_nodes=self.params.min_nodes, max_nodes=self.params.max_nodes,
-                                 last_call_s=self.last_call_s, settle_s=self.settle_s,
-                                 profile_ready=self.profile_ready,
-                                 profile_timeout_s=self.cfg.fault_tolerance.rendezvous_timeout_s, view=self.view,
-                                 # GPipe keeps every microbatch in memory: its count is planned, not moved
-                                 rebalance=self.cfg.fault_tolerance.straggler_rebalance
-                                 and self.cfg.fault_tolerance.straggler_factor > 0
-                                 and self.cfg.planning.schedule == "1f1b")
+            self.view = Mirror(
+                self.client, self.keys.agent_watched(self.member.node_id), name=f"agent {self.member.node_id}"
+            ).start()
+            self.leader = Leader(
+                self.client,
+                self.keys,
+                self.member,
+                planner=self.plan_for,
+                min_nodes=self.params.min_nodes,
+                max_nodes=self.params.max_nodes,
+                last_call_s=self.last_call_s,
+                settle_s=self.settle_s,
+                profile_ready=self.profile_ready,
+                profile_timeout_s=self.cfg.fault_tolerance.rendezvous_timeout_s,
+                view=self.view,
+                # GPipe keeps every microbatch in memory: its count is planned, not moved
+                rebalance=self.cfg.fault_tolerance.straggler_rebalance
+                and self.cfg.fault_tolerance.straggler_factor > 0
+                and self.cfg.planning.schedule == "1f1b",
+            )
             self.leader.start()
             threading.Thread(target=self._answer_pings, name="oobleck-pong", daemon=True).start()
             self._watch_preemption()
@@ -232,14 +288,19 @@ class OobleckRendezvousHandler(RendezvousHandler):
         node = self.member.node_id
         plan = self._wait_admitted(node)
         os.environ.update(self.settings.to_env())
-        os.environ.update({"OOBLECK_RUN_ID": self.params.run_id, "OOBLECK_KEY_PREFIX": self.keys.prefix,
-                           "OOBLECK_NODE_ID": node, "OOBLECK_NODE_INDEX": str(self.member.record.index),  # type: ignore[union-attr]
-                           "OOBLECK_GENERATION": str(plan.generation if plan else 0)})
+        os.environ.update(
+            {
+                "OOBLECK_RUN_ID": self.params.run_id,
+                "OOBLECK_KEY_PREFIX": self.keys.prefix,
+                "OOBLECK_NODE_ID": node,
+                "OOBLECK_NODE_INDEX": str(self.member.record.index),  # type: ignore[union-attr]
+                "OOBLECK_GENERATION": str(plan.generation if plan else 0),
+            }
+        )
         if plan is None:
             log.info("node %s: admitted; the first plan follows once a worker has measured the profile", node)
         else:
-            log.info("node %s: admitted (current generation %d, %d node(s))", node, plan.generation,
-                     len(plan.nodes))
+            log.info("node %s: admitted (current generation %d, %d node(s))", node, plan.generation, len(plan.nodes))
         info = RendezvousStoreInfo("127.0.0.1", free_port())
         return RendezvousInfo(self._store, 0, 1, info)
 
@@ -251,14 +312,22 @@ class OobleckRendezvousHandler(RendezvousHandler):
 
         def drain(detail: str) -> bool:
             rec = member.current_record()
-            return rec is not None and (rec.state == NodeState.DRAINING
-                                        or mark_draining(self.client, self.keys, rec, detail))
+            return rec is not None and (
+                rec.state == NodeState.DRAINING or mark_draining(self.client, self.keys, rec, detail)
+            )
 
-        watch = PreemptionWatch(parse_signals(ft.preempt_signals), grace_s=ft.preempt_grace_s, node=member.node_id,
-                                drain=drain, alive=lambda: not self._stopping.is_set())
+        watch = PreemptionWatch(
+            parse_signals(ft.preempt_signals),
+            grace_s=ft.preempt_grace_s,
+            node=member.node_id,
+            drain=drain,
+            alive=lambda: not self._stopping.is_set(),
+        )
         if threading.current_thread() is not threading.main_thread():
-            log.warning("node %s: preemption notices are not handled (the rendezvous runs outside the main thread)",
-                        member.node_id)
+            log.warning(
+                "node %s: preemption notices are not handled (the rendezvous runs outside the main thread)",
+                member.node_id,
+            )
             return
         watch.install()
 
@@ -271,24 +340,37 @@ class OobleckRendezvousHandler(RendezvousHandler):
         os.environ[HEARTBEAT_ENV] = str(directory)
 
         def record(beat: Beat, local_rank: int, bound: float, stack: str) -> None:
-            err = WorkerHung(f"worker {local_rank} of node {node} hung in step {beat.step + 1} for more than "
-                             f"{bound:.0f} s (fault_tolerance.hang_floor_s / hang_factor)")
+            err = WorkerHung(
+                f"worker {local_rank} of node {node} hung in step {beat.step + 1} for more than "
+                f"{bound:.0f} s (fault_tolerance.hang_floor_s / hang_factor)"
+            )
             plan, _ = self.client.get_json(self.keys.plan)
             generation = int(plan.get("generation", 0)) if isinstance(plan, dict) else 0
             data, _ = self.client.get_json(self.keys.errors)
-            rec = next_error_record(ErrorRecord.parse(data), err, step=beat.step, generation=generation, node=node,
-                                    local_rank=local_rank)
+            rec = next_error_record(
+                ErrorRecord.parse(data), err, step=beat.step, generation=generation, node=node, local_rank=local_rank
+            )
             self.client.put_json(self.keys.errors, dataclasses.replace(rec, traceback=stack[-4000:]).to_json())
             # not ready until the restarted worker says so: the next plan leaves the node out, and it
             # joins again at a step boundary (leader._not_ready), off the survivors' critical path
-            self.client.put_json(self.keys.ready_worker(node, local_rank),
-                                 ReadyRecord.withdraw("hung worker restarting").to_json())
-            put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.HANG, node=node,
-                                                    generation=generation, detail=f"{err}: stopped, its agent "
-                                                    f"restarts it; first stack lines: {stack.strip()[:300]}"))
+            self.client.put_json(
+                self.keys.ready_worker(node, local_rank), ReadyRecord.withdraw("hung worker restarting").to_json()
+            )
+            put_event(
+                self.client,
+                self.keys,
+                Event(
+                    time=time.time(),
+                    kind=EventKind.HANG,
+                    node=node,
+                    generation=generation,
+                    detail=f"{err}: stopped, its agent restarts it; first stack lines: {stack.strip()[:300]}",
+                ),
+            )
 
-        self.hang_watch = HangWatch(directory, floor_s=ft.hang_floor_s, factor=ft.hang_factor, node=node,
-                                    record=record).start()
+        self.hang_watch = HangWatch(
+            directory, floor_s=ft.hang_floor_s, factor=ft.hang_factor, node=node, record=record
+        ).start()
         self._heartbeat_dir = directory
 
     def _answer_pings(self) -> None:
@@ -325,14 +407,17 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 raise RendezvousClosedError(f"node {node} was fenced (lease expired) while waiting")
             closed = read_closed(self.view, self.keys)  # e.g. closed as failed: no plan will come
             if closed is not None:
-                raise RendezvousClosedError(f"run {self.params.run_id} was closed while node {node} waited to "
-                                            "be admitted" + (f": {closed.reason}" if closed.reason else ""))
+                raise RendezvousClosedError(
+                    f"run {self.params.run_id} was closed while node {node} waited to "
+                    "be admitted" + (f": {closed.reason}" if closed.reason else "")
+                )
             now = time.monotonic()
             if now > deadline:
                 raise RendezvousTimeoutError(
                     f"node {node} was not admitted within {self.join_timeout_s:.0f}s (run {self.params.run_id}, "
                     f"--nnodes {self.params.min_nodes}:{self.params.max_nodes}); are the other nodes using the "
-                    "same --rdzv-id and --rdzv-endpoint?")
+                    "same --rdzv-id and --rdzv-endpoint?"
+                )
             if now > next_log:
                 log.info("node %s: waiting to be admitted (generation %s)", node, plan.generation if plan else "none")
                 next_log = now + 10
@@ -346,16 +431,16 @@ class OobleckRendezvousHandler(RendezvousHandler):
         if self._templates is None:
             profile = self._profile(len(nodes))
             try:
-                self._templates = templates_for(self.cfg, profile, len(nodes),
-                                                microbatch_size=previous.microbatch_size if previous else None)
+                self._templates = templates_for(
+                    self.cfg, profile, len(nodes), microbatch_size=previous.microbatch_size if previous else None
+                )
             except MicrobatchError as err:
                 if err.memory_bound or self.cfg.planning.max_nodes:  # no other node count is tried
                     raise JobUnplannable(str(err)) from None
                 raise  # no size can be planned on these nodes yet: wait for more
             except PlanningError as err:  # the config and the pinned profile are fixed: no node count helps
                 raise JobUnplannable(str(err)) from None
-        return plan_job(self.cfg, nodes=nodes, generation=generation, templates=self._templates,
-                        previous=previous).plan
+        return plan_job(self.cfg, nodes=nodes, generation=generation, templates=self._templates, previous=previous).plan
 
     def profile_ready(self) -> bool:
         """Whether the planner has its profile now (the leader publishes no first plan before):
@@ -372,15 +457,20 @@ class OobleckRendezvousHandler(RendezvousHandler):
         try:
             if self.cfg.planning.profile_path and self._pinned is None and self._read_pinned() is None:
                 profiles = load_profiles(self.cfg)
-                degree = (choose_tensor_parallel(self.cfg, profiles, self.cfg.planning.max_nodes or nodes)
-                          if len(profiles) > 1 else next(iter(profiles)))
+                degree = (
+                    choose_tensor_parallel(self.cfg, profiles, self.cfg.planning.max_nodes or nodes)
+                    if len(profiles) > 1
+                    else next(iter(profiles))
+                )
                 self._pin(profiles[degree])
             profile = self._pinned_or_measured()
         except ProfileError as err:
             raise PlanningError(str(err)) from None
         if profile is None:
-            raise PlanningError("no profile to plan from yet: no worker has published the profile of its device "
-                                "(workers call WorkerContext.share_profile before they report ready)")
+            raise PlanningError(
+                "no profile to plan from yet: no worker has published the profile of its device "
+                "(workers call WorkerContext.share_profile before they report ready)"
+            )
         return profile
 
     def _pinned_or_measured(self) -> ModelProfile | None:
@@ -398,9 +488,13 @@ class OobleckRendezvousHandler(RendezvousHandler):
         _, key, profile = candidates[0]
         if len(candidates) > 1 and (key, -1) not in self._warned:
             self._warned.add((key, -1))
-            log.warning("workers published profiles of %d device kinds (%s): planning with %s, the first one; the "
-                        "planner assumes every device is of one kind", len(candidates),
-                        ", ".join(self.keys.node_of(k) for _, k, _ in candidates), self.keys.node_of(key))
+            log.warning(
+                "workers published profiles of %d device kinds (%s): planning with %s, the first one; the "
+                "planner assumes every device is of one kind",
+                len(candidates),
+                ", ".join(self.keys.node_of(k) for _, k, _ in candidates),
+                self.keys.node_of(key),
+            )
         return self._pin(profile)
 
     def _pin(self, profile: ModelProfile) -> ModelProfile | None:
@@ -434,8 +528,11 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 raise ProfileError(f"{profile.num_layers} layers but model.num_layers={m.num_layers} gives {expected}")
             # with training.microbatch_size auto, the key says "auto" (and the sizes measured): the
             # size itself is the planner's to choose from it, and the plan carries it to the workers
-            for name, want in (("microbatch_size", t.microbatch_size), ("seq_len", self.cfg.data.seq_len),
-                               ("precision", t.precision)):
+            for name, want in (
+                ("microbatch_size", t.microbatch_size),
+                ("seq_len", self.cfg.data.seq_len),
+                ("precision", t.precision),
+            ):
                 if name in profile.key and profile.key[name] != want:
                     raise ProfileError(f"measured with {name}={profile.key[name]!r} but the job has {want!r}")
             return profile

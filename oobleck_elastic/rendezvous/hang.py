@@ -63,8 +63,16 @@ def overdue(beat: Beat, now: float, *, floor_s: float, factor: float) -> Optiona
 class HangWatch:
     """Watches the heartbeat files in `directory` (module docstring)."""
 
-    def __init__(self, directory: Path, *, floor_s: float, factor: float, node: str,
-                 record: Callable[[Beat, int, float, str], None], interval_s: float = 0.25) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        floor_s: float,
+        factor: float,
+        node: str,
+        record: Callable[[Beat, int, float, str], None],
+        interval_s: float = 0.25,
+    ) -> None:
         """`record(beat, local_rank, bound, stack)` stores what was found (errors key, event)."""
         self.directory, self.floor_s, self.factor, self.node = directory, floor_s, factor, node
         self.record, self.interval_s = record, interval_s
@@ -119,9 +127,17 @@ class HangWatch:
             stack = self._stacks(beat.pid, self.directory / f"{local_rank}.stack")
             if stack is None:
                 return  # gone already
-        log.error("node %s: worker %d (pid %d) has stood still in step %d for %.1f s (bound %.1f s): its stacks:"
-                  "\n%s\nstopping it; its agent restarts it and the job re-plans", self.node, local_rank, beat.pid,
-                  beat.step + 1, time.time() - beat.tick, bound, stack)
+        log.error(
+            "node %s: worker %d (pid %d) has stood still in step %d for %.1f s (bound %.1f s): its stacks:"
+            "\n%s\nstopping it; its agent restarts it and the job re-plans",
+            self.node,
+            local_rank,
+            beat.pid,
+            beat.step + 1,
+            time.time() - beat.tick,
+            bound,
+            stack,
+        )
         try:
             self.record(beat, local_rank, bound, stack)
         except Exception as err:  # noqa: BLE001 - etcd out of reach: cut the worker off anyway

@@ -212,8 +212,15 @@ class Keys:
         reads is in `leader_watched`; the c10d store, events, progress and the plan history are in
         neither: agents do not read them while the job runs. So a node record that changes wakes
         the leader alone, not every agent."""
-        return [self.roster, self.leader, self.closed, self.rollcalls, self.ping(node_id),
-                self.admitted(node_id), self.pongs]
+        return [
+            self.roster,
+            self.leader,
+            self.closed,
+            self.rollcalls,
+            self.ping(node_id),
+            self.admitted(node_id),
+            self.pongs,
+        ]
 
     def leader_watched(self) -> list[str]:
         """What the leader reads besides `agent_watched` (mirrored while it leads)."""

@@ -57,9 +57,24 @@ from .keys import Keys
 from .stragglers import LeaderStragglers
 from .liveness import LivenessMonitor
 from .membership import Member, live_nodes, put_event
-from .records import (Admission, ClosedRecord, Event, EventKind, FenceRecord, LeaderRecord, NodeRecord, NodeState,
-                      Roster, is_fenced, read_admitted, read_closed, read_fences, read_ready, read_roster,
-                      readiness_withdrawn)
+from .records import (
+    Admission,
+    ClosedRecord,
+    Event,
+    EventKind,
+    FenceRecord,
+    LeaderRecord,
+    NodeRecord,
+    NodeState,
+    Roster,
+    is_fenced,
+    read_admitted,
+    read_closed,
+    read_fences,
+    read_ready,
+    read_roster,
+    readiness_withdrawn,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +91,25 @@ class JobUnplannable(PlanningError):
 
 
 class Leader:
-    def __init__(self, client: EtcdClient, keys: Keys, member: Member, *, planner: Planner, min_nodes: int,
-                 max_nodes: int, last_call_s: float, settle_s: float, tick_s: float = 0.05,
-                 ping_timeout_s: float = 0.3, profile_ready: Callable[[], bool] | None = None,
-                 profile_timeout_s: float = 600.0, profile_log_s: float = 10.0,
-                 view: Optional[KVReader] = None, rebalance: bool = False) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        keys: Keys,
+        member: Member,
+        *,
+        planner: Planner,
+        min_nodes: int,
+        max_nodes: int,
+        last_call_s: float,
+        settle_s: float,
+        tick_s: float = 0.05,
+        ping_timeout_s: float = 0.3,
+        profile_ready: Callable[[], bool] | None = None,
+        profile_timeout_s: float = 600.0,
+        profile_log_s: float = 10.0,
+        view: Optional[KVReader] = None,
+        rebalance: bool = False,
+    ) -> None:
         """`rebalance`: re-split the microbatches around stragglers the workers name (decide.py)."""
         self.client, self.keys, self.member = client, keys, member
         self.stragglers = LeaderStragglers(planner, enabled=rebalance)
@@ -105,10 +134,15 @@ class Leader:
         self.liveness: Optional[LivenessMonitor] = None  # connections to the plan's agents while leading
         self._pending_dead: dict[str, float] = {}  # found dead by liveness -> when (monotonic)
         self.rollcall = RollCall(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view)
-        self.deputy = Deputy(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view,
-                             outage_grace_s=member.lease_ttl_s + settle_s)
-        self.leader_watch = LeaderWatch(client, keys, node_id=member.node_id, reader=self.view,
-                                        on_dead=self._nudge)
+        self.deputy = Deputy(
+            client,
+            keys,
+            node_id=member.node_id,
+            ping_timeout_s=ping_timeout_s,
+            reader=self.view,
+            outage_grace_s=member.lease_ttl_s + settle_s,
+        )
+        self.leader_watch = LeaderWatch(client, keys, node_id=member.node_id, reader=self.view, on_dead=self._nudge)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="oobleck-leader", daemon=True)
@@ -169,15 +203,19 @@ class Leader:
         except EtcdError:
             raise
         except Exception as err:  # noqa: BLE001 - the lease expired (etcd stalled): the member renews it
-            log.info("node %s: cannot campaign yet (%s); the lease is being renewed", self.member.node_id,
-                     type(err).__name__)
+            log.info(
+                "node %s: cannot campaign yet (%s); the lease is being renewed", self.member.node_id, type(err).__name__
+            )
             return False
         if won:
             self._value = value
             self._caught_up(self.keys.leader, lambda kv: kv is not None and kv.value == value)
             log.info("node %s: elected leader", self.member.node_id)
-            put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.LEADER, node=self.member.node_id,
-                                                    detail="elected leader"))
+            put_event(
+                self.client,
+                self.keys,
+                Event(time=time.time(), kind=EventKind.LEADER, node=self.member.node_id, detail="elected leader"),
+            )
         else:
             self._clear_bogus_leader(self.view.get(self.keys.leader))
         return bool(won)
@@ -194,9 +232,12 @@ class Leader:
         except (ValueError, UnicodeDecodeError):
             bogus = True
         if bogus:
-            warn_once(self.keys.leader, kv.mod_revision,
-                      f"node {self.member.node_id}: removing a bogus value of {self.keys.leader} ({kv.value[:60]!r}): "
-                      "not an agent's leader record bound to a lease")
+            warn_once(
+                self.keys.leader,
+                kv.mod_revision,
+                f"node {self.member.node_id}: removing a bogus value of {self.keys.leader} ({kv.value[:60]!r}): "
+                "not an agent's leader record bound to a lease",
+            )
             self.client.delete(self.keys.leader, revision=kv.mod_revision)
 
     def _still_leader(self) -> bool:
@@ -223,8 +264,13 @@ class Leader:
         ask `decide` what to do, do it. decide.py holds every rule; this loop only does the I/O."""
         self.is_leader.set()
         clocks = Clocks()
-        rules = Rules(min_nodes=self.min_nodes, max_nodes=self.max_nodes, last_call_s=self.last_call_s,
-                      settle_s=self.settle_s, rebalance=self.stragglers.enabled)
+        rules = Rules(
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
+            last_call_s=self.last_call_s,
+            settle_s=self.settle_s,
+            rebalance=self.stragglers.enabled,
+        )
         while not self._stop.is_set() and self._still_leader():
             if read_closed(self.view, self.keys) is not None:
                 self._pause(self.tick_s * 4)
@@ -249,12 +295,16 @@ class Leader:
         plan, rev = self._plans.read(self.view)  # mirrored while leading (Keys.leader_watched)
         if plan is None and rev is not None:  # a value that is not a plan: generations go on from history
             plan = newest_history_plan(self.client, self.keys)
-        view = LeaderView(up=tuple(r.node_id for r in up), plan=plan, fenced=frozenset(self._fenced(records)),
-                          admitted=frozenset(read_admitted(self.view, self.keys)),
-                          not_ready=frozenset(self._not_ready(plan, up)) if plan is not None else frozenset(),
-                          outage_recent=self.client.outage_within(self.member.lease_ttl_s + self.settle_s),
-                          dead=self._detect(plan, records) if plan is not None else None,
-                          **self.stragglers.view_fields(self.view, self.keys, plan))
+        view = LeaderView(
+            up=tuple(r.node_id for r in up),
+            plan=plan,
+            fenced=frozenset(self._fenced(records)),
+            admitted=frozenset(read_admitted(self.view, self.keys)),
+            not_ready=frozenset(self._not_ready(plan, up)) if plan is not None else frozenset(),
+            outage_recent=self.client.outage_within(self.member.lease_ttl_s + self.settle_s),
+            dead=self._detect(plan, records) if plan is not None else None,
+            **self.stragglers.view_fields(self.view, self.keys, plan),
+        )
         return view, rev, records
 
     def _detect(self, plan: Plan, records: list[NodeRecord]) -> Optional[Detection]:
@@ -264,8 +314,9 @@ class Leader:
         pings would be wasted."""
         assert self.liveness is not None
         me = self.member.node_id
-        self.liveness.watch({r.node_id: r.liveness for r in records
-                             if r.node_id in plan.nodes and r.node_id != me and r.liveness})
+        self.liveness.watch(
+            {r.node_id: r.liveness for r in records if r.node_id in plan.nodes and r.node_id != me and r.liveness}
+        )
         now = time.monotonic()
         for node in self.liveness.take_dead() & set(plan.nodes):
             self._pending_dead.setdefault(node, now)
@@ -288,12 +339,22 @@ class Leader:
         if decision.action == Action.FIRST_PLAN:
             self._first_plan(list(decision.nodes), rev, records)
         elif decision.action == Action.REBALANCE and plan is not None and decision.plan is not None:
-            log.info("node %s: re-splitting the microbatches of generation %d at the measured speeds (%s)",
-                     self.member.node_id, plan.generation, decision.why)
+            log.info(
+                "node %s: re-splitting the microbatches of generation %d at the measured speeds (%s)",
+                self.member.node_id,
+                plan.generation,
+                decision.why,
+            )
             self._commit(decision.plan, plan, rev, records, {})
         elif decision.action == Action.REPLAN and decision.leave_out:
-            self.stragglers.leave_out(self.client, self.keys, decision.leave_out, why=decision.why,
-                                      generation=plan.generation + 1 if plan else 1, leader=self.member.node_id)
+            self.stragglers.leave_out(
+                self.client,
+                self.keys,
+                decision.leave_out,
+                why=decision.why,
+                generation=plan.generation + 1 if plan else 1,
+                leader=self.member.node_id,
+            )
             self._publish(list(decision.nodes), plan, rev, records)
         elif decision.action == Action.REPLAN:
             lost = {node: LOST_BECAUSE[decision.detection] for node in decision.lost if decision.detection}
@@ -310,12 +371,19 @@ class Leader:
         if detection == Detector.ROLL_CALL:
             # records vanish and pings go unanswered while etcd is away: the nodes renew their
             # leases and answer within a TTL of its return, so the verdict waits
-            warn_once(self.keys.rollcall(generation), generation,
-                      f"node {me}: roll call of generation {generation}: {nodes} silent right after an etcd "
-                      "outage; asking again once the outage is a lease TTL past")
+            warn_once(
+                self.keys.rollcall(generation),
+                generation,
+                f"node {me}: roll call of generation {generation}: {nodes} silent right after an etcd "
+                "outage; asking again once the outage is a lease TTL past",
+            )
         else:
-            warn_once(self.keys.nodes, generation, f"node {me}: node(s) {nodes} missing right after an etcd outage: "
-                                                   "waiting a lease TTL for them to renew before re-planning")
+            warn_once(
+                self.keys.nodes,
+                generation,
+                f"node {me}: node(s) {nodes} missing right after an etcd outage: "
+                "waiting a lease TTL for them to renew before re-planning",
+            )
 
     def _first_plan(self, nodes: list[str], rev: int | None, records: list[NodeRecord]) -> None:
         """Publish generation 1 on `nodes` when the profile is at hand; otherwise admit them (their
@@ -330,30 +398,45 @@ class Leader:
                 if self.view.get_json(self.keys.admitted(node))[0] is None:
                     self.client.put_json(self.keys.admitted(node), Admission(time=time.time()).to_json())
             self._profile_wait = (now, now + self.profile_log_s)
-            detail = (f"admitted {len(nodes)} node(s) ({', '.join(nodes)}); their workers start, and one per device "
-                      "kind measures the profile the first plan needs")
+            detail = (
+                f"admitted {len(nodes)} node(s) ({', '.join(nodes)}); their workers start, and one per device "
+                "kind measures the profile the first plan needs"
+            )
             log.info("node %s: %s", self.member.node_id, detail)
-            put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.WAITING, node=self.member.node_id,
-                                                    generation=1, detail=detail))
+            put_event(
+                self.client,
+                self.keys,
+                Event(time=time.time(), kind=EventKind.WAITING, node=self.member.node_id, generation=1, detail=detail),
+            )
             return
         since, next_line = self._profile_wait
         if now - since >= self.profile_timeout_s:
-            self._fail(f"no worker published a profile of its device within {self.profile_timeout_s:.0f}s "
-                       f"(fault_tolerance.rendezvous_timeout_s) after {len(nodes)} node(s) were admitted, so "
-                       "no plan can be made: check the workers' logs for an error while profiling (each worker "
-                       "calls WorkerContext.share_profile before it reports ready), or set planning.profile_path "
-                       "to a profile file")
+            self._fail(
+                f"no worker published a profile of its device within {self.profile_timeout_s:.0f}s "
+                f"(fault_tolerance.rendezvous_timeout_s) after {len(nodes)} node(s) were admitted, so "
+                "no plan can be made: check the workers' logs for an error while profiling (each worker "
+                "calls WorkerContext.share_profile before it reports ready), or set planning.profile_path "
+                "to a profile file"
+            )
         elif now >= next_line:
             self._profile_wait = (since, now + self.profile_log_s)
-            log.info("node %s: still waiting for a worker-measured profile (%.0fs of %.0fs; %d node(s) admitted)",
-                     self.member.node_id, now - since, self.profile_timeout_s, len(nodes))
+            log.info(
+                "node %s: still waiting for a worker-measured profile (%.0fs of %.0fs; %d node(s) admitted)",
+                self.member.node_id,
+                now - since,
+                self.profile_timeout_s,
+                len(nodes),
+            )
 
     def _fail(self, reason: str) -> None:
         """Close the job as failed: workers and agents leave with this error (no plan can follow)."""
         log.error("node %s: %s", self.member.node_id, reason)
         self.client.put_json(self.keys.closed, ClosedRecord(time=time.time(), reason=reason, failed=True).to_json())
-        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.CLOSED, node=self.member.node_id,
-                                                detail=reason))
+        put_event(
+            self.client,
+            self.keys,
+            Event(time=time.time(), kind=EventKind.CLOSED, node=self.member.node_id, detail=reason),
+        )
         self._profile_wait = None
 
     def _fenced(self, records: list[NodeRecord]) -> set[str]:
@@ -387,8 +470,14 @@ class Leader:
                 waiting.add(rec.node_id)
         return waiting
 
-    def _publish(self, nodes: list[str], old: Optional[Plan], rev: Optional[int], records: list[NodeRecord],
-                 lost: Optional[Mapping[str, str]] = None) -> None:
+    def _publish(
+        self,
+        nodes: list[str],
+        old: Optional[Plan],
+        rev: Optional[int],
+        records: list[NodeRecord],
+        lost: Optional[Mapping[str, str]] = None,
+    ) -> None:
         """Plan generation g+1 on `nodes` and publish it (`lost`: the nodes found dead, and how)."""
         lost = lost or {}
         generation = (old.generation if old else 0) + 1
@@ -403,22 +492,37 @@ class Leader:
             self._unplannable = (tuple(nodes), generation)
             if self._waiting_for != len(nodes):
                 self._waiting_for = len(nodes)
-                log.warning("node %s: cannot plan generation %d with %d node(s): %s", self.member.node_id,
-                            generation, len(nodes), err)
-                put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.WAITING,
-                                                        node=self.member.node_id,
-                                                        generation=generation, detail=str(err)))
+                log.warning(
+                    "node %s: cannot plan generation %d with %d node(s): %s",
+                    self.member.node_id,
+                    generation,
+                    len(nodes),
+                    err,
+                )
+                put_event(
+                    self.client,
+                    self.keys,
+                    Event(
+                        time=time.time(),
+                        kind=EventKind.WAITING,
+                        node=self.member.node_id,
+                        generation=generation,
+                        detail=str(err),
+                    ),
+                )
             return
         self._waiting_for = None
         self._commit(dataclasses.replace(plan, donors=self._donors(plan, old, records, lost)), old, rev, records, lost)
 
-    def _commit(self, plan: Plan, old: Optional[Plan], rev: Optional[int], records: list[NodeRecord],
-                lost: Mapping[str, str]) -> None:
+    def _commit(
+        self, plan: Plan, old: Optional[Plan], rev: Optional[int], records: list[NodeRecord], lost: Mapping[str, str]
+    ) -> None:
         """Publish `plan` as the next generation, with its events, in one transaction that holds
         only while the plan key is at `rev` and this agent leads."""
         generation = plan.generation
-        events = plan_events(plan, old, {r.node_id: r.state for r in records}, lost, leader=self.member.node_id,
-                             now=time.time())
+        events = plan_events(
+            plan, old, {r.node_id: r.state for r in records}, lost, leader=self.member.node_id, now=time.time()
+        )
         live = {r.node_id for r in records}
         # a node dropped because its record vanished is fenced first: if it was only cut off from
         # etcd, it learns from this, when it comes back, that the job moved on without it
@@ -430,8 +534,11 @@ class Leader:
         # the plan, its history entry and its events in one transaction, within etcd's limit on
         # operations per transaction (--max-txn-ops, 128 by default): beyond it, per-node events follow
         later, inline = (events[:-1], events[-1:]) if len(events) > _TXN_EVENTS else ([], events)
-        puts = {self.keys.plan: blob, self.keys.plan_at(generation): blob,
-                self.keys.roster: json.dumps(Roster(generation, plan.nodes).to_json())}
+        puts = {
+            self.keys.plan: blob,
+            self.keys.plan_at(generation): blob,
+            self.keys.roster: json.dumps(Roster(generation, plan.nodes).to_json()),
+        }
         puts.update((self.keys.event(ev.node), json.dumps(ev.to_json())) for ev in inline)
         ok = self.client.transact(values={self.keys.leader: self._value}, revisions={self.keys.plan: rev}, puts=puts)
         if ok:
@@ -440,11 +547,13 @@ class Leader:
             self._caught_up(self.keys.plan, lambda kv: kv is not None and kv.mod_revision != rev)
             log.info("node %s: published generation %d: %s", self.member.node_id, generation, events[-1].detail)
         else:
-            log.info("node %s: plan generation %d lost a race (plan or leadership changed)", self.member.node_id,
-                     generation)
+            log.info(
+                "node %s: plan generation %d lost a race (plan or leadership changed)", self.member.node_id, generation
+            )
 
-    def _donors(self, plan: Plan, old: Optional[Plan], records: list[NodeRecord],
-                lost: Mapping[str, str]) -> tuple[str, ...]:
+    def _donors(
+        self, plan: Plan, old: Optional[Plan], records: list[NodeRecord], lost: Mapping[str, str]
+    ) -> tuple[str, ...]:
         """Nodes of `old` that ran a stage, are draining now and leave with `plan`: they join its
         entry to hand their layers over, then leave. Only from the generation just left (a donor
         whose entry failed leaves anyway: its layers then come from others or the checkpoint)."""
@@ -452,8 +561,15 @@ class Leader:
             return ()
         draining = {r.node_id for r in records if r.state == NodeState.DRAINING}
         staged = {s.node for p in old.pipelines for s in p.stages}
-        return tuple(n for n in old.nodes if n in draining and n in staged and n not in plan.nodes and n not in lost
-                     and not is_fenced(self.view, self.keys, n))
+        return tuple(
+            n
+            for n in old.nodes
+            if n in draining
+            and n in staged
+            and n not in plan.nodes
+            and n not in lost
+            and not is_fenced(self.view, self.keys, n)
+        )
 
 
 def _parse_plan(data: object, *, key: str = "plan", revision: Optional[int] = None) -> Optional[Plan]:

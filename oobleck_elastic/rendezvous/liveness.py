@@ -86,8 +86,14 @@ class LivenessServer:
 class LivenessMonitor:
     """Connections to other agents' `LivenessServer`s; reports the nodes found dead."""
 
-    def __init__(self, *, on_dead: Optional[Callable[[str], None]] = None, connect_timeout_s: float = 0.25,
-                 retry_s: float = 1.0, name: str = "liveness") -> None:
+    def __init__(
+        self,
+        *,
+        on_dead: Optional[Callable[[str], None]] = None,
+        connect_timeout_s: float = 0.25,
+        retry_s: float = 1.0,
+        name: str = "liveness",
+    ) -> None:
         self.on_dead = on_dead
         self.connect_timeout_s, self.retry_s, self.name = connect_timeout_s, retry_s, name
         self._lock = threading.Lock()
@@ -161,9 +167,14 @@ class LivenessMonitor:
                 self._next_try[node] = time.monotonic() + self.retry_s
                 if node not in self._warned:
                     self._warned.add(node)
-                    log.warning("%s: node %s refuses connections at its liveness address %s:%d (is --local-addr "
-                                "set to an address the other nodes reach?); its death is detected by lease and "
-                                "ping only", self.name, node, *addr)
+                    log.warning(
+                        "%s: node %s refuses connections at its liveness address %s:%d (is --local-addr "
+                        "set to an address the other nodes reach?); its death is detected by lease and "
+                        "ping only",
+                        self.name,
+                        node,
+                        *addr,
+                    )
             return
         except OSError as err:
             self._next_try[node] = time.monotonic() + self.retry_s
@@ -206,8 +217,12 @@ class LivenessMonitor:
             sock.close()
 
     def _found_dead(self, node: str, addr: tuple[str, int]) -> None:
-        log.warning("%s: node %s's agent is gone (its liveness socket %s:%d closed and refuses connections)",
-                    self.name, node, *addr)
+        log.warning(
+            "%s: node %s's agent is gone (its liveness socket %s:%d closed and refuses connections)",
+            self.name,
+            node,
+            *addr,
+        )
         with self._lock:
             self._dead.add(node)
         if self.on_dead is not None:

@@ -70,8 +70,9 @@ def mark_draining(client: EtcdClient, keys: Keys, rec: NodeRecord, detail: str) 
     key = keys.node(rec.node_id)
     kv = client.get(key)
     draining = dataclasses.replace(rec, state=NodeState.DRAINING)
-    if kv is None or not client.put_if_revision(key, json.dumps(draining.to_json()), kv.mod_revision,
-                                                lease=rec.lease_id):
+    if kv is None or not client.put_if_revision(
+        key, json.dumps(draining.to_json()), kv.mod_revision, lease=rec.lease_id
+    ):
         return False
     put_event(client, keys, Event(time=time.time(), kind=EventKind.DRAIN, node=rec.node_id, detail=detail))
     return True
@@ -87,9 +88,18 @@ def read_events(client: EtcdClient, keys: Keys) -> Iterator[tuple[str, Event]]:
 class Member:
     """This node's membership record and lease."""
 
-    def __init__(self, client: EtcdClient, keys: Keys, *, devices: int, lease_ttl_s: float,
-                 host: Optional[str] = None, on_fenced: Optional[Callable[[], None]] = None,
-                 on_renewed: Optional[Callable[[], None]] = None, liveness: str = "") -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        keys: Keys,
+        *,
+        devices: int,
+        lease_ttl_s: float,
+        host: Optional[str] = None,
+        on_fenced: Optional[Callable[[], None]] = None,
+        on_renewed: Optional[Callable[[], None]] = None,
+        liveness: str = "",
+    ) -> None:
         self.client = client
         self.keys = keys
         self.devices = devices
@@ -116,17 +126,37 @@ class Member:
     def register(self) -> NodeRecord:
         index = self._next_index()
         self.lease = self.client.grant_lease(self.lease_ttl_s)
-        self.record = NodeRecord(node_id=f"node{index}", index=index, host=self.host, devices=self.devices,
-                                 agent_pid=os.getpid(), state=NodeState.UP, since=time.time(), lease_id=self.lease,
-                                 liveness=self.liveness)
+        self.record = NodeRecord(
+            node_id=f"node{index}",
+            index=index,
+            host=self.host,
+            devices=self.devices,
+            agent_pid=os.getpid(),
+            state=NodeState.UP,
+            since=time.time(),
+            lease_id=self.lease,
+            liveness=self.liveness,
+        )
         self.client.put_json(self.keys.node(self.record.node_id), self.record.to_json(), lease=self.lease)
-        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.JOIN, node=self.record.node_id,
-                                                detail=f"host {self.host}, {self.devices} device(s), "
-                                                       f"agent pid {os.getpid()}"))
+        put_event(
+            self.client,
+            self.keys,
+            Event(
+                time=time.time(),
+                kind=EventKind.JOIN,
+                node=self.record.node_id,
+                detail=f"host {self.host}, {self.devices} device(s), agent pid {os.getpid()}",
+            ),
+        )
         self._thread = threading.Thread(target=self._keepalive, name="oobleck-lease", daemon=True)
         self._thread.start()
-        log.info("node %s registered (index %d, lease %x, ttl %.1fs)", self.record.node_id, index,
-                 self.lease, self.lease_ttl_s)
+        log.info(
+            "node %s registered (index %d, lease %x, ttl %.1fs)",
+            self.record.node_id,
+            index,
+            self.lease,
+            self.lease_ttl_s,
+        )
         return self.record
 
     def _next_index(self) -> int:
@@ -137,8 +167,12 @@ class Member:
             if current is None:  # not a counter: never reuse an id that is live, fenced or admitted
                 assert kv is not None
                 current = self._first_unused_index()
-                warn_once(key, kv.mod_revision, f"node {self.keys.run_id}: ignoring malformed value of {key} "
-                                                f"({kv.value[:40]!r}); continuing from index {current}")
+                warn_once(
+                    key,
+                    kv.mod_revision,
+                    f"node {self.keys.run_id}: ignoring malformed value of {key} "
+                    f"({kv.value[:40]!r}); continuing from index {current}",
+                )
             if self.client.put_if_revision(key, json.dumps(current + 1), kv.mod_revision if kv else None):
                 return current
 
@@ -168,8 +202,10 @@ class Member:
                 last_ok = sent
                 continue
             if sent - last_ok > self.lease_ttl_s:
-                self._fence(f"lease expired: this node did not refresh it for {sent - last_ok:.1f}s (more than the "
-                            f"{self.lease_ttl_s:.1f}s TTL); the job has moved on without it")
+                self._fence(
+                    f"lease expired: this node did not refresh it for {sent - last_ok:.1f}s (more than the "
+                    f"{self.lease_ttl_s:.1f}s TTL); the job has moved on without it"
+                )
                 return
             if not self._renew():
                 return
@@ -189,11 +225,23 @@ class Member:
         self.record = dataclasses.replace(self.record, lease_id=self.lease)
         self.client.put_json(self.keys.node(self.node_id), self.record.to_json(), lease=self.lease)
         self.renewals += 1
-        log.warning("node %s: etcd let lease %x expire although it was refreshed on time (etcd stalled, restarted "
-                    "or was cut off); membership renewed under lease %x", self.node_id, old, self.lease)
-        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.RENEW, node=self.node_id,
-                                                detail=f"lease renewed after etcd let it expire ({old:x} -> "
-                                                       f"{self.lease:x})"))
+        log.warning(
+            "node %s: etcd let lease %x expire although it was refreshed on time (etcd stalled, restarted "
+            "or was cut off); membership renewed under lease %x",
+            self.node_id,
+            old,
+            self.lease,
+        )
+        put_event(
+            self.client,
+            self.keys,
+            Event(
+                time=time.time(),
+                kind=EventKind.RENEW,
+                node=self.node_id,
+                detail=f"lease renewed after etcd let it expire ({old:x} -> {self.lease:x})",
+            ),
+        )
         if self.on_renewed is not None:
             self.on_renewed()
         return True

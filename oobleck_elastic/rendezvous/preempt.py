@@ -46,9 +46,16 @@ TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 class PreemptionWatch:
     """Drains this node when one of `signals` arrives (module docstring)."""
 
-    def __init__(self, signals: Sequence[signal.Signals], *, grace_s: float, node: str,
-                 drain: Callable[[str], bool], alive: Callable[[], bool],
-                 give_up: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self,
+        signals: Sequence[signal.Signals],
+        *,
+        grace_s: float,
+        node: str,
+        drain: Callable[[str], bool],
+        alive: Callable[[], bool],
+        give_up: Optional[Callable[[], None]] = None,
+    ) -> None:
         """`drain(detail)` marks the node draining; `alive()` says whether the agent still runs;
         `give_up()` hands the node to torchrun's own handling (default: SIGINT to this process)."""
         self.signals, self.grace_s, self.node = list(signals), grace_s, node
@@ -64,7 +71,8 @@ class PreemptionWatch:
         mine = {s.name for s in self.signals}
         current = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", ",".join(TORCHRUN_SIGNALS))
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(
-            s for s in (x.strip() for x in current.split(",")) if s and s not in mine)
+            s for s in (x.strip() for x in current.split(",")) if s and s not in mine
+        )
         for sig in self.signals:
             signal.signal(sig, self._on_signal)
         threading.Thread(target=self._run, name="oobleck-preempt", daemon=True).start()
@@ -79,17 +87,27 @@ class PreemptionWatch:
         assert self._signal is not None
         name = self._signal.name
         try:
-            marked = self._drain(f"preemption notice ({name}): hands its layers over and leaves within "
-                                 f"{self.grace_s:g} s (fault_tolerance.preempt_grace_s)")
-            log.warning("node %s: preemption notice (%s): %s", self.node, name,
-                        "draining: the node leaves at the next step boundary" if marked else
-                        "could not mark the node draining")
+            marked = self._drain(
+                f"preemption notice ({name}): hands its layers over and leaves within "
+                f"{self.grace_s:g} s (fault_tolerance.preempt_grace_s)"
+            )
+            log.warning(
+                "node %s: preemption notice (%s): %s",
+                self.node,
+                name,
+                "draining: the node leaves at the next step boundary" if marked else "could not mark the node draining",
+            )
         except Exception as err:  # noqa: BLE001 - etcd out of reach: the grace still applies
             log.warning("node %s: preemption notice (%s): could not mark the node draining: %s", self.node, name, err)
         deadline = self.noticed + self.grace_s if self.noticed is not None else time.monotonic()
         while self._alive() and time.monotonic() < deadline:
             time.sleep(0.1)
         if self._alive():
-            log.error("node %s: still running %.0f s after its preemption notice (%s): stopping its workers; the "
-                      "job handles this as a failure", self.node, self.grace_s, name)
+            log.error(
+                "node %s: still running %.0f s after its preemption notice (%s): stopping its workers; the "
+                "job handles this as a failure",
+                self.node,
+                self.grace_s,
+                name,
+            )
             self._give_up()  # torchrun's own handling: its workers are stopped

@@ -37,6 +37,7 @@ SCHEMA_VERSION = 1
 try:
     from enum import StrEnum
 except ImportError:  # Python 3.10
+
     class StrEnum(str, Enum):  # type: ignore[no-redef]
         """A str-valued Enum (enum.StrEnum from Python 3.11 on)."""
 
@@ -46,12 +47,14 @@ except ImportError:  # Python 3.10
 
 class NodeState(StrEnum):
     """`NodeRecord.state`."""
+
     UP = "up"
     DRAINING = "draining"
 
 
 class EventKind(StrEnum):
     """`Event.kind`."""
+
     JOIN = "join"
     LEAVE = "leave"
     LOST = "lost"
@@ -74,12 +77,11 @@ class EventKind(StrEnum):
 
 class CheckinKind(StrEnum):
     """Why a worker checked in at a roll call (`rollcall/g<g>/<node>/<local rank>`)."""
+
     FAILURE = "failure"
     """It saw a communication call of the generation fail."""
     STALL = "stall"
     """It waited too long for its peers while joining the generation."""
-
-
 
 
 @dataclass(frozen=True)
@@ -112,10 +114,17 @@ class NodeRecord:
         try:
             if data.get("schema_version") != SCHEMA_VERSION:
                 raise ValueError(f"schema_version {data.get('schema_version')!r}")
-            rec = cls(node_id=str(data["node_id"]), index=int(data["index"]), host=str(data["host"]),
-                      devices=int(data["devices"]), agent_pid=int(data["agent_pid"]),
-                      state=NodeState(str(data["state"])), since=float(data["since"]),
-                      lease_id=int(data["lease_id"]), liveness=data.get("liveness", ""))
+            rec = cls(
+                node_id=str(data["node_id"]),
+                index=int(data["index"]),
+                host=str(data["host"]),
+                devices=int(data["devices"]),
+                agent_pid=int(data["agent_pid"]),
+                state=NodeState(str(data["state"])),
+                since=float(data["since"]),
+                lease_id=int(data["lease_id"]),
+                liveness=data.get("liveness", ""),
+            )
             if not isinstance(rec.liveness, str):
                 raise ValueError(f"liveness {rec.liveness!r} is not a string")
             if key and not key.endswith("/" + rec.node_id):
@@ -142,8 +151,12 @@ class Roster:
         if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
             raise ValueError("not a roster record")
         generation, nodes = data.get("generation"), data.get("nodes")
-        if not isinstance(generation, int) or generation < 1 or not isinstance(nodes, list) or \
-                not all(isinstance(n, str) for n in nodes):
+        if (
+            not isinstance(generation, int)
+            or generation < 1
+            or not isinstance(nodes, list)
+            or not all(isinstance(n, str) for n in nodes)
+        ):
             raise ValueError(f"generation {generation!r} / nodes {str(nodes)[:40]} are not a roster")
         return cls(generation=generation, nodes=tuple(nodes))
 
@@ -200,7 +213,6 @@ class ProgressRecord:
             raise ValueError(f"not a progress record ({type(err).__name__}: {err})") from None
 
 
-
 @dataclass(frozen=True)
 class Event:
     time: float
@@ -223,8 +235,13 @@ class Event:
             if data.get("schema_version") != SCHEMA_VERSION:
                 raise ValueError(f"schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
             gen = data.get("generation")
-            return cls(time=float(data["time"]), kind=EventKind(data["kind"]), node=str(data["node"]),
-                       generation=None if gen is None else int(gen), detail=str(data.get("detail", "")))
+            return cls(
+                time=float(data["time"]),
+                kind=EventKind(data["kind"]),
+                node=str(data["node"]),
+                generation=None if gen is None else int(gen),
+                detail=str(data.get("detail", "")),
+            )
         except (AttributeError, KeyError, TypeError, ValueError) as err:
             log.warning("ignoring malformed event %s: %s", key, err)
             return None
@@ -352,8 +369,10 @@ class Checkin:
     def parse(cls, data: Any) -> "Checkin":
         kind = data.get("kind") if isinstance(data, dict) else None
         at = data.get("time") if isinstance(data, dict) else None
-        return cls(time=float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else 0.0,
-                   kind=CheckinKind(kind) if kind in tuple(CheckinKind) else CheckinKind.FAILURE)
+        return cls(
+            time=float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else 0.0,
+            kind=CheckinKind(kind) if kind in tuple(CheckinKind) else CheckinKind.FAILURE,
+        )
 
 
 @dataclass(frozen=True)
@@ -397,7 +416,6 @@ class ProfileClaim:
         return cls(node=node, local_rank=local_rank, pid=pid, time=at)
 
 
-
 # ---------------------------------------------------------------------- readers
 @dataclass(frozen=True)
 class StragglerRecord:
@@ -415,8 +433,14 @@ class StragglerRecord:
     """Each pipeline's measured bottleneck, seconds per microbatch, in plan order."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, "generation": self.generation, "step": self.step,
-                "time": self.time, "nodes": dict(self.nodes), "pipeline_s": list(self.pipeline_s)}
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "generation": self.generation,
+            "step": self.step,
+            "time": self.time,
+            "nodes": dict(self.nodes),
+            "pipeline_s": list(self.pipeline_s),
+        }
 
     @classmethod
     def parse(cls, data: Any) -> "StragglerRecord":
@@ -427,8 +451,13 @@ class StragglerRecord:
             speeds = tuple(float(v) for v in data["pipeline_s"])
             if any(v < 0 for v in speeds) or not isinstance(data["generation"], int):
                 raise ValueError("pipeline_s must be >= 0 and generation an integer")
-            return cls(generation=data["generation"], step=int(data["step"]), time=float(data["time"]),
-                       nodes={str(k): float(v) for k, v in data["nodes"].items()}, pipeline_s=speeds)
+            return cls(
+                generation=data["generation"],
+                step=int(data["step"]),
+                time=float(data["time"]),
+                nodes={str(k): float(v) for k, v in data["nodes"].items()},
+                pipeline_s=speeds,
+            )
         except (AttributeError, KeyError, TypeError) as err:
             raise ValueError(f"not a stragglers record ({type(err).__name__}: {err})") from None
 

@@ -48,12 +48,16 @@ class LeaderStragglers:
             self._without = ((rec.generation, rec.step), without)
         return {"speeds": rec.pipeline_s, "slow": tuple(sorted(rec.nodes)), "without": self._without[1]}
 
-    def leave_out(self, client: Any, keys: Keys, nodes: tuple[str, ...], *, generation: int, why: str,
-                  leader: str) -> None:
+    def leave_out(
+        self, client: Any, keys: Keys, nodes: tuple[str, ...], *, generation: int, why: str, leader: str
+    ) -> None:
         """Keep `nodes` out of this and later plans (`generation`: the one about to be published)."""
         self.left_out |= set(nodes)
         detail = f"left out of the plan: a straggler, and the step is faster without it ({why}); it stays out"
         for node in nodes:
             log.warning("node %s: node %s %s", leader, node, detail)
-            put_event(client, keys, Event(time=time.time(), kind=EventKind.STRAGGLER, node=node,
-                                          generation=generation, detail=detail))
+            put_event(
+                client,
+                keys,
+                Event(time=time.time(), kind=EventKind.STRAGGLER, node=node, generation=generation, detail=detail),
+            )

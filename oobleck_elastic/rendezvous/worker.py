@@ -44,9 +44,25 @@ from ..planning import PipelineSpec, Plan, StagePlacement
 from ..engine.errors import ErrorRecord, next_error_record
 from ..engine.goodput import Ledger, Origin, job_origin
 from .keys import Keys
-from .records import (Checkin, CheckinKind, ClosedRecord, Event, EventKind, NodeRecord, NodeState, ProfileClaim,
-                      ProgressRecord, ReadyRecord, StragglerRecord, is_fenced, read_closed, read_profile_claim,
-                      read_progress, read_ready, readiness_withdrawn)
+from .records import (
+    Checkin,
+    CheckinKind,
+    ClosedRecord,
+    Event,
+    EventKind,
+    NodeRecord,
+    NodeState,
+    ProfileClaim,
+    ProgressRecord,
+    ReadyRecord,
+    StragglerRecord,
+    is_fenced,
+    read_closed,
+    read_profile_claim,
+    read_progress,
+    read_ready,
+    readiness_withdrawn,
+)
 from .leader import PlanReader, _parse_plan
 from .membership import put_event, read_events
 
@@ -94,8 +110,13 @@ class WorkerContext:
     def from_env(cls, environ: Optional[dict[str, str]] = None) -> "WorkerContext":
         env = dict(os.environ if environ is None else environ)
         settings = EtcdSettings.from_env(env)
-        ctx = cls(client=connect(settings), keys=Keys(env.get("OOBLECK_KEY_PREFIX", "/oobleck"), env["OOBLECK_RUN_ID"]),
-                  node_id=env["OOBLECK_NODE_ID"], local_rank=int(env.get("LOCAL_RANK", "0")), owns_client=True)
+        ctx = cls(
+            client=connect(settings),
+            keys=Keys(env.get("OOBLECK_KEY_PREFIX", "/oobleck"), env["OOBLECK_RUN_ID"]),
+            node_id=env["OOBLECK_NODE_ID"],
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            owns_client=True,
+        )
         ctx.watch()
         return ctx
 
@@ -130,8 +151,12 @@ class WorkerContext:
             self._plans = PlanReader(self.keys.plan)
         plan, rev = self._plans.read(self.reader)
         if plan is not None and self.newest is not None and plan.generation < self.newest.generation:
-            warn_once(self.keys.plan, rev, f"ignoring plan of generation {plan.generation} in {self.keys.plan}: "
-                                           f"generation {self.newest.generation} was already seen")
+            warn_once(
+                self.keys.plan,
+                rev,
+                f"ignoring plan of generation {plan.generation} in {self.keys.plan}: "
+                f"generation {self.newest.generation} was already seen",
+            )
             return self.newest
         if plan is not None:
             self.newest = plan
@@ -201,8 +226,7 @@ class WorkerContext:
             if holder is None or (holder.node, holder.local_rank) != (self.node_id, self.local_rank):
                 return  # another worker measures this device kind (or a malformed claim holds it)
             self.client.put_json(claim, mine.to_json(), lease=lease)  # this worker's earlier run held it: take over
-        log.info("node %s rank %d: measuring the profile of %s for the planner", self.node_id, self.local_rank,
-                 label)
+        log.info("node %s rank %d: measuring the profile of %s for the planner", self.node_id, self.local_rank, label)
         try:
             profile = profiler.load_or_profile(cfg, device=device, log=log.info)
             self.client.put(key, json.dumps(profile.to_json()))
@@ -215,39 +239,64 @@ class WorkerContext:
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the profiled layers' memory goes back to training
-        log.info("node %s rank %d: published the profile of %s (%d layers%s)", self.node_id, self.local_rank,
-                 label, profile.num_layers, f", {profile.device_memory_bytes / 1024 ** 3:.1f} GiB device memory"
-                 if profile.device_memory_bytes else "")
+        log.info(
+            "node %s rank %d: published the profile of %s (%d layers%s)",
+            self.node_id,
+            self.local_rank,
+            label,
+            profile.num_layers,
+            f", {profile.device_memory_bytes / 1024**3:.1f} GiB device memory" if profile.device_memory_bytes else "",
+        )
 
     def report_ready(self) -> None:
         """This worker has imported everything and loaded its data: it can join a generation."""
-        self.client.put_json(self.keys.ready_worker(self.node_id, self.local_rank),
-                             ReadyRecord(time=time.time(), pid=os.getpid()).to_json())
+        self.client.put_json(
+            self.keys.ready_worker(self.node_id, self.local_rank),
+            ReadyRecord(time=time.time(), pid=os.getpid()).to_json(),
+        )
 
     def report_failure(self, generation: int, *, kind: str = CheckinKind.FAILURE) -> None:
         """Check in at the leader's roll call: this worker saw generation `generation` break
         (`failure`), or has waited too long for its peers while joining it (`stall`)."""
-        self.client.put_json(self.keys.checkin(generation, self.node_id, self.local_rank),
-                             Checkin(time=time.time(), kind=CheckinKind(kind)).to_json())
+        self.client.put_json(
+            self.keys.checkin(generation, self.node_id, self.local_rank),
+            Checkin(time=time.time(), kind=CheckinKind(kind)).to_json(),
+        )
         if kind == CheckinKind.STALL:
             self._stalled.add(generation)
 
     def record_skip(self, *, generation: int, step: int, detail: str) -> None:
         """An event saying the step guard did not apply `step` (engine/guard.py)."""
-        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.SKIP, node=self.node_id,
-                                                generation=generation, detail=f"step {step}: {detail}"))
+        put_event(
+            self.client,
+            self.keys,
+            Event(
+                time=time.time(),
+                kind=EventKind.SKIP,
+                node=self.node_id,
+                generation=generation,
+                detail=f"step {step}: {detail}",
+            ),
+        )
 
-    def report_stragglers(self, *, generation: int, step: int, nodes: dict[str, float],
-                          pipeline_s: Sequence[float]) -> None:
+    def report_stragglers(
+        self, *, generation: int, step: int, nodes: dict[str, float], pipeline_s: Sequence[float]
+    ) -> None:
         """The `stragglers` record the leader re-splits the batch from (engine/straggler.py)."""
-        self.client.put_json(self.keys.stragglers, StragglerRecord(
-            generation=generation, step=step, time=time.time(), nodes=dict(nodes),
-            pipeline_s=tuple(pipeline_s)).to_json())
+        self.client.put_json(
+            self.keys.stragglers,
+            StragglerRecord(
+                generation=generation, step=step, time=time.time(), nodes=dict(nodes), pipeline_s=tuple(pipeline_s)
+            ).to_json(),
+        )
 
     def record_event(self, *, kind: str, generation: int, detail: str) -> None:
         """An event about this job from this worker's node (engine/control.py)."""
-        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind(kind), node=self.node_id,
-                                                generation=generation, detail=detail))
+        put_event(
+            self.client,
+            self.keys,
+            Event(time=time.time(), kind=EventKind(kind), node=self.node_id, generation=generation, detail=detail),
+        )
 
     def entered(self, generation: int) -> None:
         """This worker has entered `generation`: a `stall` check-in it made while joining is
@@ -266,11 +315,13 @@ class WorkerContext:
             nonlocal reported
             latest = self.plan()
             if latest is not None and latest.generation > generation:
-                raise GenerationSuperseded(f"generation {generation} was superseded by generation "
-                                           f"{latest.generation} while joining it")
+                raise GenerationSuperseded(
+                    f"generation {generation} was superseded by generation {latest.generation} while joining it"
+                )
             if stall_s > 0 and waited >= stall_s and not reported:
                 self.report_failure(generation, kind=CheckinKind.STALL)
                 reported = True
+
         return hook
 
     def report_progress(self, *, generation: int, step: int, **extra: Any) -> None:
@@ -278,8 +329,10 @@ class WorkerContext:
         never waits for etcd."""
         if self._progress is None:
             self._progress = _LatestPut(self.client)
-        self._progress.put(self.keys.progress, {"generation": generation, "step": step, "time": time.time(),
-                                                "node": self.node_id, **extra})
+        self._progress.put(
+            self.keys.progress,
+            {"generation": generation, "step": step, "time": time.time(), "node": self.node_id, **extra},
+        )
 
     def goodput_origin(self) -> Origin:
         """The goodput ledger last reported with progress, or (none yet) the job's start and first
@@ -310,9 +363,13 @@ class WorkerContext:
         """The etcd-backed c10d store of `generation`'s process groups (keys under
         `store/g<generation>/`); joining gives up at once when the generation is superseded."""
         ft = cfg.fault_tolerance
-        return EtcdStore(self.client, prefix=self.keys.store(generation), timeout=timedelta(seconds=ft.comm_timeout_s),
-                         min_wait=timedelta(seconds=ft.comm_timeout_s),
-                         on_wait=self.join_watch(generation, stall_s=ft.stall_report_s))
+        return EtcdStore(
+            self.client,
+            prefix=self.keys.store(generation),
+            timeout=timedelta(seconds=ft.comm_timeout_s),
+            min_wait=timedelta(seconds=ft.comm_timeout_s),
+            on_wait=self.join_watch(generation, stall_s=ft.stall_report_s),
+        )
 
     def abandon_check(self, plan: Plan) -> Callable[[], Optional[str]]:
         """The `should_abandon` of a step of generation `plan.generation` (engine/runner.py): the
@@ -337,6 +394,7 @@ class WorkerContext:
                 checked[latest.generation] = self.lost_nodes(plan, latest)
             lost = checked[latest.generation]
             return f"generation {latest.generation} left out lost node(s) {', '.join(lost)}" if lost else None
+
         return check
 
     def lost_nodes(self, current: Plan, newer: Plan) -> list[str]:
@@ -358,8 +416,14 @@ class WorkerContext:
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
         """Store the error that ends this worker (see engine/errors.py); returns the new record."""
         data, _ = self.client.get_json(self.keys.errors)
-        rec = next_error_record(ErrorRecord.parse(data), err, step=step, generation=generation, node=self.node_id,
-                                local_rank=self.local_rank)
+        rec = next_error_record(
+            ErrorRecord.parse(data),
+            err,
+            step=step,
+            generation=generation,
+            node=self.node_id,
+            local_rank=self.local_rank,
+        )
         self.client.put_json(self.keys.errors, rec.to_json())
         return rec
 

@@ -12,5 +12,19 @@ from .systems import Bamboo, CheckpointRestart, Oobleck, OobleckElastic, SystemM
 from .timeline import CATEGORIES, Timeline
 from .trace import NodeEvent, TraceError, load_trace, node_counts, synthetic_trace
 
-__all__ = ["Bamboo", "CATEGORIES", "CheckpointRestart", "NodeEvent", "Oobleck", "OobleckElastic", "SystemModel",
-           "Timeline", "TraceError", "Varuna", "load_trace", "node_counts", "replay", "synthetic_trace"]
+__all__ = [
+    "Bamboo",
+    "CATEGORIES",
+    "CheckpointRestart",
+    "NodeEvent",
+    "Oobleck",
+    "OobleckElastic",
+    "SystemModel",
+    "Timeline",
+    "TraceError",
+    "Varuna",
+    "load_trace",
+    "node_counts",
+    "replay",
+    "synthetic_trace",
+]

@@ -1,9 +1,9 @@
 """`oobleck simulate`: replay a node trace through the system models (docs/simulate.md).
 
-    oobleck simulate --trace 10m --model GPT-2 [--systems oobleck,varuna] [--json] [--plot out.png]
-    oobleck simulate --nodes 30 --mtbf-h 12 --hours 24 [--join-delay-s 600] --model BERT-large
-    oobleck simulate --paper [--json] [--plot paper.png]        # the SOSP'23 comparison in one go
-    oobleck simulate --scale --nodes 10000 --global-batch 8192   # this project's planner at scale
+oobleck simulate --trace 10m --model GPT-2 [--systems oobleck,varuna] [--json] [--plot out.png]
+oobleck simulate --nodes 30 --mtbf-h 12 --hours 24 [--join-delay-s 600] --model BERT-large
+oobleck simulate --paper [--json] [--plot paper.png]        # the SOSP'23 comparison in one go
+oobleck simulate --scale --nodes 10000 --global-batch 8192   # this project's planner at scale
 """
 
 from __future__ import annotations
@@ -20,29 +20,48 @@ from .trace import load_trace, synthetic_trace
 
 
 def add_parser(sub: Any) -> None:
-    s = sub.add_parser("simulate", help="replay node failures and joins through this and other systems' models",
-                       description=__doc__.split("\n\n")[0])
+    s = sub.add_parser(
+        "simulate",
+        help="replay node failures and joins through this and other systems' models",
+        description=__doc__.split("\n\n")[0],
+    )
     what = s.add_mutually_exclusive_group()
-    what.add_argument("--trace", help="trace file (time_ms,add|remove,node) or a shipped trace's name, e.g. 10m, "
-                      "scale_gcp-trace")
+    what.add_argument(
+        "--trace", help="trace file (time_ms,add|remove,node) or a shipped trace's name, e.g. 10m, scale_gcp-trace"
+    )
     what.add_argument("--paper", action="store_true", help="every model x trace x system of the Oobleck paper")
-    what.add_argument("--scale", action="store_true", help="GPT-3-175B-like model planned by this project at "
-                      "--nodes nodes, failures from --node-mtbf-h, against torchrun checkpoint-restart")
+    what.add_argument(
+        "--scale",
+        action="store_true",
+        help="GPT-3-175B-like model planned by this project at "
+        "--nodes nodes, failures from --node-mtbf-h, against torchrun checkpoint-restart",
+    )
     s.add_argument("--nodes", type=int, help="synthetic trace / --scale: nodes at the start")
-    s.add_argument("--mtbf-h", "--mtbf", type=float,
-                   help="synthetic trace: mean time between failures of one node, hours")
-    s.add_argument("--hours", type=float, help="length of the run (synthetic and --scale: 24; a trace: until its "
-                   "last event)")
-    s.add_argument("--join-delay-s", type=float, help="a failed node is replaced this many seconds later "
-                   "(synthetic; --scale default 600)")
+    s.add_argument(
+        "--mtbf-h", "--mtbf", type=float, help="synthetic trace: mean time between failures of one node, hours"
+    )
+    s.add_argument(
+        "--hours", type=float, help="length of the run (synthetic and --scale: 24; a trace: until its last event)"
+    )
+    s.add_argument(
+        "--join-delay-s",
+        type=float,
+        help="a failed node is replaced this many seconds later (synthetic; --scale default 600)",
+    )
     s.add_argument("--seed", type=int, default=0, help="seed of the synthetic failures (0)")
-    s.add_argument("--model", default="GPT-2", help="model of the paper's inputs (BERT-large, GPT-2, GPT-3-medium, "
-                   "GPT-3-2.7B, GPT-3-6.7B; default GPT-2)")
+    s.add_argument(
+        "--model",
+        default="GPT-2",
+        help="model of the paper's inputs (BERT-large, GPT-2, GPT-3-medium, GPT-3-2.7B, GPT-3-6.7B; default GPT-2)",
+    )
     s.add_argument("--systems", default=",".join(paper.SYSTEMS), help="comma-separated systems (default: all five)")
     s.add_argument("--inputs", default=str(paper.INPUTS), help="the paper's inputs (configs/simulate/sosp23.yaml)")
     s.add_argument("--global-batch", type=int, default=1536, help="--scale: sequences per step (1536)")
-    s.add_argument("--node-mtbf-h", type=float, help="--scale: per-node MTBF in hours (default: 1.8 h MTTF at "
-                   "16,384 GPUs, 3,686 h per 8-GPU node)")
+    s.add_argument(
+        "--node-mtbf-h",
+        type=float,
+        help="--scale: per-node MTBF in hours (default: 1.8 h MTTF at 16,384 GPUs, 3,686 h per 8-GPU node)",
+    )
     s.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     s.add_argument("--plot", help="write a PNG of throughput over time (--paper: average samples/s per run)")
     s.set_defaults(func=run)
@@ -57,8 +76,13 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         events, label = load_trace(paper.trace_path(args.trace)), Path(args.trace).stem
     elif args.nodes and args.mtbf_h:
-        events = synthetic_trace(args.nodes, mtbf_h=args.mtbf_h, duration_h=args.hours or 24.0,
-                                 join_delay_s=args.join_delay_s, seed=args.seed)
+        events = synthetic_trace(
+            args.nodes,
+            mtbf_h=args.mtbf_h,
+            duration_h=args.hours or 24.0,
+            join_delay_s=args.join_delay_s,
+            seed=args.seed,
+        )
         label = f"synthetic-{args.nodes}n-mtbf{args.mtbf_h:g}h"
     else:
         raise ValueError("give --trace, --nodes with --mtbf-h, --paper or --scale")
@@ -72,8 +96,10 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(paper.Run(args.model, label, name, tl).row()))
     else:
         removals = sum(e.kind == "remove" for e in events)
-        print(f"{args.model} on {label}: {removals} removal(s), {len(events) - removals} addition(s), "
-              f"{max(tl.t for tl in timelines) / 3600:.2f} h")
+        print(
+            f"{args.model} on {label}: {removals} removal(s), {len(events) - removals} addition(s), "
+            f"{max(tl.t for tl in timelines) / 3600:.2f} h"
+        )
         print(summary_table(named))
     if args.plot:
         print(f"plot: {plot(named, args.plot, title=f'{args.model} on {label}')}", file=sys.stderr)
@@ -97,8 +123,9 @@ def _paper(args: argparse.Namespace) -> int:
 def _scale(args: argparse.Namespace) -> int:
     from .scale import ScaleSettings, run_scale
 
-    settings = ScaleSettings(nodes=args.nodes or 1024, hours=args.hours or 24.0, seed=args.seed,
-                             global_batch=args.global_batch)
+    settings = ScaleSettings(
+        nodes=args.nodes or 1024, hours=args.hours or 24.0, seed=args.seed, global_batch=args.global_batch
+    )
     if args.node_mtbf_h:
         settings.node_mtbf_h = args.node_mtbf_h
     if args.join_delay_s is not None:
@@ -109,12 +136,15 @@ def _scale(args: argparse.Namespace) -> int:
         for row in rows:
             print(json.dumps(row | {"wall_s": round(result.wall_s, 2)}))
     else:
-        print(f"GPT-3-175B-like, {settings.nodes} nodes x 8 devices, {settings.hours:g} h, node MTBF "
-              f"{settings.node_mtbf_h:.0f} h: {result.failures} failure(s); simulated in {result.wall_s:.1f} s")
+        print(
+            f"GPT-3-175B-like, {settings.nodes} nodes x 8 devices, {settings.hours:g} h, node MTBF "
+            f"{settings.node_mtbf_h:.0f} h: {result.failures} failure(s); simulated in {result.wall_s:.1f} s"
+        )
         print(summary_table(list(result.timelines.items())))
         for name, every in result.checkpoint_every.items():
             print(f"{name}: checkpoint every {every} steps")
     if args.plot:
-        print(f"plot: {plot(list(result.timelines.items()), args.plot, title=f'{settings.nodes} nodes')}",
-              file=sys.stderr)
+        print(
+            f"plot: {plot(list(result.timelines.items()), args.plot, title=f'{settings.nodes} nodes')}", file=sys.stderr
+        )
     return 0

@@ -47,14 +47,17 @@ def table_throughput(values: Sequence[float], *, top: int) -> Any:
     def tput(n: int) -> float:
         i = min(max(top - n, 0), len(values) - 1)
         return float(values[i])
+
     return tput
 
 
 def even_pipelines(n0: int):
     """Pipelines of the plan for n nodes, as node counts: as many as n // n0 allows, near-equal."""
+
     def sizes(n: int) -> list[int]:
         k = max(1, n // n0)
         return [n // k + (1 if i < n % k else 0) for i in range(k)]
+
     return sizes
 
 
@@ -75,19 +78,44 @@ def systems_for(inputs: dict[str, Any], model: str, names: Sequence[str] = SYSTE
     every = int(inputs.get("varuna_checkpoint_every", 10))
     made: dict[str, SystemModel] = {
         "oobleck": Oobleck("oobleck", tp["oobleck"], batch, min_nodes=low, reconfiguration_s=c["oobleck"]),
-        "varuna": Varuna("varuna", tp["varuna"], batch, min_nodes=low, restart_s=c["varuna_restart"],
-                         checkpoint_every=every, checkpoint_s=c["varuna_checkpoint"]),
-        "bamboo": Bamboo("bamboo", tp["bamboo"], batch, min_nodes=low, reconfiguration_s=c["bamboo"],
-                         restart_s=float(inputs.get("bamboo_restart_s", 30)),
-                         redundant_fraction=1 - float(inputs.get("bamboo_useful_fraction", 0.1971))),
-        "oobleck_elastic": OobleckElastic("oobleck_elastic", tp["oobleck"], batch, min_nodes=low,
-                                          replica_bytes=float(m.get("params", 0)) * BYTES_PER_PARAM,
-                                          restart_s=c["varuna_restart"], checkpoint_every=10 * every,
-                                          checkpoint_s=c["varuna_checkpoint"],
-                                          pipelines=even_pipelines(smallest_template(tp["oobleck"], low, top))),
-        "checkpoint_restart": CheckpointRestart("checkpoint_restart", tp["oobleck"], batch, min_nodes=low,
-                                                restart_s=c["varuna_restart"], checkpoint_every=every,
-                                                checkpoint_s=c["varuna_checkpoint"]),
+        "varuna": Varuna(
+            "varuna",
+            tp["varuna"],
+            batch,
+            min_nodes=low,
+            restart_s=c["varuna_restart"],
+            checkpoint_every=every,
+            checkpoint_s=c["varuna_checkpoint"],
+        ),
+        "bamboo": Bamboo(
+            "bamboo",
+            tp["bamboo"],
+            batch,
+            min_nodes=low,
+            reconfiguration_s=c["bamboo"],
+            restart_s=float(inputs.get("bamboo_restart_s", 30)),
+            redundant_fraction=1 - float(inputs.get("bamboo_useful_fraction", 0.1971)),
+        ),
+        "oobleck_elastic": OobleckElastic(
+            "oobleck_elastic",
+            tp["oobleck"],
+            batch,
+            min_nodes=low,
+            replica_bytes=float(m.get("params", 0)) * BYTES_PER_PARAM,
+            restart_s=c["varuna_restart"],
+            checkpoint_every=10 * every,
+            checkpoint_s=c["varuna_checkpoint"],
+            pipelines=even_pipelines(smallest_template(tp["oobleck"], low, top)),
+        ),
+        "checkpoint_restart": CheckpointRestart(
+            "checkpoint_restart",
+            tp["oobleck"],
+            batch,
+            min_nodes=low,
+            restart_s=c["varuna_restart"],
+            checkpoint_every=every,
+            checkpoint_s=c["varuna_checkpoint"],
+        ),
     }
     unknown = [n for n in names if n not in made]
     if unknown:
@@ -104,10 +132,16 @@ class Run:
 
     def row(self) -> dict[str, Any]:
         tl = self.timeline
-        return {"model": self.model, "trace": self.trace, "system": self.system,
-                "samples_per_s": tl.average_samples_per_s(), "samples": tl.samples, "seconds": tl.t,
-                "breakdown_s": {k: round(v, 3) for k, v in tl.breakdown.items()},
-                "idle_gpu_fraction": round(tl.idle_fraction, 4)}
+        return {
+            "model": self.model,
+            "trace": self.trace,
+            "system": self.system,
+            "samples_per_s": tl.average_samples_per_s(),
+            "samples": tl.samples,
+            "seconds": tl.t,
+            "breakdown_s": {k: round(v, 3) for k, v in tl.breakdown.items()},
+            "idle_gpu_fraction": round(tl.idle_fraction, 4),
+        }
 
 
 def trace_path(name: str) -> Path:
@@ -115,21 +149,29 @@ def trace_path(name: str) -> Path:
     return path if path.suffix == ".csv" else TRACES / f"{name}.csv"
 
 
-def simulate(events: list[NodeEvent], systems: Sequence[SystemModel], *, provisioning_s: float,
-             end_s: Optional[float] = None) -> list[Timeline]:
+def simulate(
+    events: list[NodeEvent], systems: Sequence[SystemModel], *, provisioning_s: float, end_s: Optional[float] = None
+) -> list[Timeline]:
     return [replay(s, events, provisioning_s=provisioning_s, end_s=end_s) for s in systems]
 
 
-def run_paper(inputs: Optional[dict[str, Any]] = None, *, models: Optional[Sequence[str]] = None,
-              traces: Optional[Sequence[str]] = None, systems: Sequence[str] = SYSTEMS) -> list[Run]:
+def run_paper(
+    inputs: Optional[dict[str, Any]] = None,
+    *,
+    models: Optional[Sequence[str]] = None,
+    traces: Optional[Sequence[str]] = None,
+    systems: Sequence[str] = SYSTEMS,
+) -> list[Run]:
     """Every model x trace x system of the paper's comparison."""
     inputs = inputs or load_inputs()
     runs = []
     for trace in traces or inputs["traces"]:
         events = load_trace(trace_path(trace))
         for model in models or list(inputs["models"]):
-            for system, tl in zip(systems, simulate(events, systems_for(inputs, model, systems),
-                                                    provisioning_s=float(inputs["provisioning_s"]))):
+            for system, tl in zip(
+                systems,
+                simulate(events, systems_for(inputs, model, systems), provisioning_s=float(inputs["provisioning_s"])),
+            ):
                 runs.append(Run(model=model, trace=Path(trace).stem, system=system, timeline=tl))
     return runs
 

@@ -12,14 +12,19 @@ from .timeline import CATEGORIES, Timeline
 def summary_table(named: Sequence[tuple[str, Timeline]]) -> str:
     """Average samples/s, total samples, the time breakdown (share of the run) and the share of
     the usable node-time in which nodes did not train (idle GPUs), per system."""
-    head = (f"{'system':<20} {'samples/s':>10} {'samples':>12} " + " ".join(f"{c:>15}" for c in CATEGORIES)
-            + f" {'idle GPUs':>10}")
+    head = (
+        f"{'system':<20} {'samples/s':>10} {'samples':>12} "
+        + " ".join(f"{c:>15}" for c in CATEGORIES)
+        + f" {'idle GPUs':>10}"
+    )
     out = [head]
     for name, tl in named:
         total = sum(tl.breakdown.values()) or 1.0
-        out.append(f"{name:<20} {tl.average_samples_per_s():>10.3f} {tl.samples:>12.0f} "
-                   + " ".join(f"{tl.breakdown[c] / total:>15.1%}" for c in CATEGORIES)
-                   + f" {tl.idle_fraction:>10.1%}")
+        out.append(
+            f"{name:<20} {tl.average_samples_per_s():>10.3f} {tl.samples:>12.0f} "
+            + " ".join(f"{tl.breakdown[c] / total:>15.1%}" for c in CATEGORIES)
+            + f" {tl.idle_fraction:>10.1%}"
+        )
     return "\n".join(out)
 
 
@@ -40,6 +45,7 @@ def throughput_series(tl: Timeline, *, bins: int = 200, end: float | None = None
         if i + 1 >= len(times) or times[i + 1] <= times[i] or samples[i + 1] < samples[i]:
             return samples[i]
         return samples[i] + (samples[i + 1] - samples[i]) * (t - times[i]) / (times[i + 1] - times[i])
+
     xs, ys = [], []
     for b in range(bins):
         lo, hi = b * width, (b + 1) * width

@@ -70,13 +70,21 @@ class ScaleResult:
         out = []
         for name, tl in self.timelines.items():
             total = sum(tl.breakdown.values())
-            out.append({"study": "scale", "nodes": self.settings.nodes, "hours": self.settings.hours,
-                        "node_mtbf_h": round(self.settings.node_mtbf_h, 1), "failures": self.failures,
-                        "system": name, "samples_per_s": tl.average_samples_per_s(),
-                        "useful_fraction": tl.breakdown["useful"] / total if total else 0.0,
-                        "checkpoint_every_steps": self.checkpoint_every.get(name),
-                        "idle_gpu_fraction": round(tl.idle_fraction, 4),
-                        "breakdown_s": {k: round(v, 1) for k, v in tl.breakdown.items()}})
+            out.append(
+                {
+                    "study": "scale",
+                    "nodes": self.settings.nodes,
+                    "hours": self.settings.hours,
+                    "node_mtbf_h": round(self.settings.node_mtbf_h, 1),
+                    "failures": self.failures,
+                    "system": name,
+                    "samples_per_s": tl.average_samples_per_s(),
+                    "useful_fraction": tl.breakdown["useful"] / total if total else 0.0,
+                    "checkpoint_every_steps": self.checkpoint_every.get(name),
+                    "idle_gpu_fraction": round(tl.idle_fraction, 4),
+                    "breakdown_s": {k: round(v, 1) for k, v in tl.breakdown.items()},
+                }
+            )
         return out
 
 
@@ -88,9 +96,10 @@ class Planner:
         from ..planning import templates_for
         from ..planning.analytic import gpt3_175b_profile
 
-        self.cfg = load_config(ROOT / "configs" / "gpt3-175b.yaml",
-                               [f"planning.tensor_parallel={tensor_parallel}",
-                                f"training.global_batch_size={global_batch}"])
+        self.cfg = load_config(
+            ROOT / "configs" / "gpt3-175b.yaml",
+            [f"planning.tensor_parallel={tensor_parallel}", f"training.global_batch_size={global_batch}"],
+        )
         profile = gpt3_175b_profile(tensor_parallel=tensor_parallel)
         self.templates = templates_for(self.cfg, profile)
         self.replica_bytes = float(sum(layer.static_bytes for layer in gpt3_175b_profile().layers))
@@ -123,27 +132,47 @@ class Planner:
 def run_scale(settings: ScaleSettings, planner: Optional[Planner] = None) -> ScaleResult:
     t0 = time.perf_counter()
     planner = planner or Planner(settings.tensor_parallel, settings.global_batch)
-    events = synthetic_trace(settings.nodes, mtbf_h=settings.node_mtbf_h, duration_h=settings.hours,
-                             join_delay_s=settings.join_delay_s, seed=settings.seed)
+    events = synthetic_trace(
+        settings.nodes,
+        mtbf_h=settings.node_mtbf_h,
+        duration_h=settings.hours,
+        join_delay_s=settings.join_delay_s,
+        seed=settings.seed,
+    )
     failures = sum(e.kind == "remove" for e in events)
     end = settings.hours * 3600.0
     ckpt_s = settings.checkpoint_fixed_s + planner.replica_bytes / (
-        settings.nodes * settings.checkpoint_gb_s_per_node * 1e9)
+        settings.nodes * settings.checkpoint_gb_s_per_node * 1e9
+    )
     step_s = planner.batch / max(planner.throughput(settings.nodes), 1e-9)
     cluster_mtbf_s = settings.node_mtbf_h * 3600.0 / settings.nodes
     young = math.sqrt(2 * ckpt_s * cluster_mtbf_s)
     result = ScaleResult(settings=settings, failures=failures)
 
     def ours(every: int) -> OobleckElastic:
-        return OobleckElastic("oobleck_elastic", planner.throughput, planner.batch, min_nodes=planner.n0,
-                              replica_bytes=planner.replica_bytes,
-                              node_bandwidth_b_s=settings.node_bandwidth_gb_s * 1e9,
-                              restart_s=settings.restart_s, checkpoint_every=every, checkpoint_s=ckpt_s,
-                              pipelines=planner.pipelines)
+        return OobleckElastic(
+            "oobleck_elastic",
+            planner.throughput,
+            planner.batch,
+            min_nodes=planner.n0,
+            replica_bytes=planner.replica_bytes,
+            node_bandwidth_b_s=settings.node_bandwidth_gb_s * 1e9,
+            restart_s=settings.restart_s,
+            checkpoint_every=every,
+            checkpoint_s=ckpt_s,
+            pipelines=planner.pipelines,
+        )
 
     def restart(every: int) -> CheckpointRestart:
-        return CheckpointRestart("checkpoint_restart", planner.throughput, planner.batch, min_nodes=planner.n0,
-                                 restart_s=settings.restart_s, checkpoint_every=every, checkpoint_s=ckpt_s)
+        return CheckpointRestart(
+            "checkpoint_restart",
+            planner.throughput,
+            planner.batch,
+            min_nodes=planner.n0,
+            restart_s=settings.restart_s,
+            checkpoint_every=every,
+            checkpoint_s=ckpt_s,
+        )
 
     for name, make in (("oobleck_elastic", ours), ("checkpoint_restart", restart)):
         best: Optional[tuple[float, int, Timeline]] = None

@@ -64,8 +64,12 @@ class SystemModel:
     """Nodes of the running configuration, in order."""
 
     def timeline(self) -> Timeline:
-        return Timeline(batch=self.batch, checkpoint_every=self.checkpoint_every, checkpoint_s=self.checkpoint_s,
-                        redundant_fraction=self.redundant_fraction)
+        return Timeline(
+            batch=self.batch,
+            checkpoint_every=self.checkpoint_every,
+            checkpoint_s=self.checkpoint_s,
+            redundant_fraction=self.redundant_fraction,
+        )
 
     def rate(self, n: int) -> float:
         return self.throughput(n) if n >= self.min_nodes else 0.0
@@ -122,8 +126,14 @@ class Bamboo(SystemModel):
         ring = {x: i for i, x in enumerate(self._layout)}
         n = len(self._layout)
         down = self._exposed | set(removed)
-        fatal = any(x in ring and (self._layout[(ring[x] + 1) % n] in down or self._layout[ring[x] - 1] in down)
-                    for x in removed) if n > 1 else bool(removed)
+        fatal = (
+            any(
+                x in ring and (self._layout[(ring[x] + 1) % n] in down or self._layout[ring[x] - 1] in down)
+                for x in removed
+            )
+            if n > 1
+            else bool(removed)
+        )
         if fatal or tl.rate <= 0:
             tl.lose_partial_step()
             self._restart(tl, up)
@@ -169,7 +179,7 @@ class OobleckElastic(SystemModel):
         lost_spans: Optional[list[tuple[float, float]]] = None  # where every pipeline so far lost its copy
         cursor = 0
         for size in sizes:
-            nodes = self.configured[cursor:cursor + size]
+            nodes = self.configured[cursor : cursor + size]
             cursor += size
             spans = [(i / size, (i + 1) / size) for i, x in enumerate(nodes) if x in gone]
             lost_spans = spans if lost_spans is None else _intersect(lost_spans, spans)
@@ -194,8 +204,9 @@ class OobleckElastic(SystemModel):
         elif added and tl.rate > 0:  # admitted at the step boundary: the step in flight completes first
             sizes = self.pipelines(len(up)) or [1]
             tl.finish_step_now()
-            self.configure(tl, up, cost=self.replan_s + self.transfer_s(min(sizes), len(added)),
-                           category="reconfiguration")
+            self.configure(
+                tl, up, cost=self.replan_s + self.transfer_s(min(sizes), len(added)), category="reconfiguration"
+            )
 
 
 def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -208,8 +219,9 @@ def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> li
     return out
 
 
-def replay(system: SystemModel, events: list[NodeEvent], *, provisioning_s: float = 0.0,
-           end_s: Optional[float] = None) -> Timeline:
+def replay(
+    system: SystemModel, events: list[NodeEvent], *, provisioning_s: float = 0.0, end_s: Optional[float] = None
+) -> Timeline:
     """Run `system` over `events` until `end_s` (default: the last event); returns its timeline."""
     changes: list[tuple[float, int, str, str]] = []  # (time, order, kind, node): removals first
     removed_at: dict[str, float] = {}
@@ -264,5 +276,5 @@ def _advance(tl: Timeline, system: SystemModel, up: list[str], until: float) -> 
 
 def _node_key(name: str) -> tuple[str, int]:
     head = name.rstrip("0123456789")
-    tail = name[len(head):]
+    tail = name[len(head) :]
     return (head, int(tail) if tail else -1)

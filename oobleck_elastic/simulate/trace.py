@@ -51,16 +51,18 @@ def load_trace(path: str | Path) -> list[NodeEvent]:
             except ValueError:
                 raise TraceError(f"{path}:{lineno}: time '{time_ms}' is not a number of milliseconds") from None
             if kind not in ("add", "remove") or not node or t < 0:
-                raise TraceError(f"{path}:{lineno}: expected add or remove of a named node at a time >= 0 "
-                                 f"(got {','.join(row)!r})")
+                raise TraceError(
+                    f"{path}:{lineno}: expected add or remove of a named node at a time >= 0 (got {','.join(row)!r})"
+                )
             events.append(NodeEvent(t, kind, node))
     if not events:
         raise TraceError(f"{path}: no events")
     return sorted(events, key=lambda e: e.time_s)
 
 
-def synthetic_trace(nodes: int, *, mtbf_h: float, duration_h: float, join_delay_s: Optional[float] = None,
-                    seed: int = 0) -> list[NodeEvent]:
+def synthetic_trace(
+    nodes: int, *, mtbf_h: float, duration_h: float, join_delay_s: Optional[float] = None, seed: int = 0
+) -> list[NodeEvent]:
     """`nodes` nodes at t = 0; each fails after an exponential lifetime of mean `mtbf_h` hours;
     with `join_delay_s`, a replacement node joins that long after each failure (and may fail in
     turn). Events up to `duration_h` hours."""
