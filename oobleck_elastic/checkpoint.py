@@ -98,7 +98,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic(path: Path, write: Callable[[Path], None]) -> None:
+def _atomic(path: Path, write: Callable[[Path], object]) -> None:
     """write(tmp) on a temp path next to `path`, fsync, rename to `path`, fsync the directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -360,7 +360,7 @@ def newest_intact_checkpoint(ckpt_dir: str | Path) -> tuple[Path | None, list[Un
     """The newest step directory that verifies completely (`verify_checkpoint`), and every newer
     one that does not, newest first. A directory without a manifest is an interrupted save; one
     whose manifest or files are bad is damaged."""
-    unusable = []
+    unusable: list[Unusable] = []
     for sdir in reversed(list_checkpoints(ckpt_dir)):
         try:
             verify_checkpoint(sdir)

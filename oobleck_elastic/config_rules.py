@@ -106,11 +106,11 @@ def validate(cfg: JobConfig, *, where: str = "<config>") -> None:
     mbs = t.microbatch_size
     if mbs != "auto" and (isinstance(mbs, (str, bool)) or mbs < 1):
         problems.append(f"'training.microbatch_size' is {mbs!r}: give a number >= 1 or auto")
-    elif mbs != "auto" and t.global_batch_size % t.microbatch_size:
+    elif isinstance(mbs, int) and t.global_batch_size % mbs:
         problems.append(
             f"'training.global_batch_size' ({t.global_batch_size}) must be a multiple of "
             f"'training.microbatch_size' ({t.microbatch_size}): change one of them, e.g. "
-            f"training.global_batch_size={(t.global_batch_size // t.microbatch_size + 1) * t.microbatch_size}"
+            f"training.global_batch_size={(t.global_batch_size // mbs + 1) * mbs}"
         )
     if cfg.fault_tolerance.f < 0:
         problems.append(

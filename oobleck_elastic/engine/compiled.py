@@ -139,8 +139,7 @@ def warm_up(
     from .shapes import stage_io
 
     for i in sorted(kinds.values()):
-        layer = build_layer_model(cfg.model, seed=cfg.training.seed, owned=[i], device=str(device)).layers[i]
-        assert layer is not None
+        layer = build_layer_model(cfg.model, seed=cfg.training.seed, owned=[i], device=str(device)).held(i)
         if i == 0:
             x = torch.zeros((microbatch_size, seq_len), dtype=torch.int64, device=device)
         else:

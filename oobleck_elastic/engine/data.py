@@ -57,6 +57,7 @@ from .sources import (
     EOT_TOKEN,
     TEXT_SOURCES,
     DataError,
+    TokenFiles,
     TokenizerSpec,
     build_once,
     files_key,
@@ -107,7 +108,7 @@ def _is_binary(path: Path) -> bool:
 
 
 def _walk(root: Path) -> list[Path]:
-    out = []
+    out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         out.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
@@ -257,7 +258,7 @@ class TokenWindows(torch.utils.data.Dataset):
     """Fixed windows over a flat token array: item i = (input_ids, labels), labels = next tokens."""
 
     def __init__(
-        self, tokens: np.ndarray, seq_len: int, *, vocab_size: int | None = None, source: str | None = None
+        self, tokens: np.ndarray | TokenFiles, seq_len: int, *, vocab_size: int | None = None, source: str | None = None
     ) -> None:
         if seq_len < 1:
             raise DataError(f"data.seq_len must be >= 1 (got {seq_len})")

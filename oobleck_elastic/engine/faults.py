@@ -158,11 +158,12 @@ class FaultInjector:
     def flip_bit(self, *, rank: int, step: int, layers: Sequence[Optional[torch.nn.Module]]) -> None:
         """Called after `step` is applied: flip the bit the environment names, if any (module docstring)."""
         layer_index = self.flips.pop((rank, step), None)
-        if layer_index is None or layers[layer_index] is None:
+        layer = None if layer_index is None else layers[layer_index]
+        if layer is None:
             return
         from ..models.tensor_parallel import local
 
-        param = max(layers[layer_index].parameters(), key=lambda p: p.numel())
+        param = max(layer.parameters(), key=lambda p: p.numel())
         words = local(param).detach().view(-1).view(torch.int32)
         words[0] ^= 1 << FLIP_BIT
 

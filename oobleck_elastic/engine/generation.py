@@ -176,7 +176,7 @@ class GenerationEntry:
         rolled, current = self._settle(state, committed, roll_forward)
         held = self._agree_on_layouts(state, plan, rank, current, load_plan)
         transfers, lost = plan_transfers(held, plan)
-        moves = ()  # what moves when nothing is lost (meta shapes built only then)
+        moves: tuple[Move, ...] = ()  # what moves when nothing is lost (meta shapes built only then)
         if transfers and not lost:
             moves = moves_of(transfers, plan, self._transfer_sizes(state, plan.tensor_parallel))
         # (nobody holding anything is the first start: layers built from the seed, none lost)
@@ -302,8 +302,9 @@ class GenerationEntry:
         missing = sorted(g for g, p in plans.items() if p is None)
         if missing:
             raise RuntimeError(f"plan(s) of generation(s) {missing} are not available to {self.identity}")
+        found = {g: p for g, p in plans.items() if p is not None}
         return {
-            ident: plans[int(held[r])].layers_by_worker().get(ident, range(0))
+            ident: found[int(held[r])].layers_by_worker().get(ident, range(0))
             for ident, r in plan.entry_ranks().items()
             if int(held[r]) > 0
         }
@@ -345,8 +346,9 @@ class GenerationEntry:
         )
         old_state = state.optimizer.state if state.optimizer is not None else {}
         if sharded:
+            assert groups.mesh is not None
             for i in owned:
-                parallelize_layer(target.layers[i], groups.mesh)
+                parallelize_layer(target.held(i), groups.mesh)
             keep_state = {
                 id(new): (new, st) for new, st in _copy_kept_shards(state.layer_model, kept, target, old_state)
             }
@@ -360,14 +362,15 @@ class GenerationEntry:
                 for old, new in kept_params
                 if old in old_state
             }
-        states, moved = ({}, 0)
+        states: dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]] = {}
+        moved = 0
         if exchange_layers:
             states, moved = exchange(
                 transfers, rank=rank, source=state.layer_model, optimizer=state.optimizer, target=target
             )
         if plan.donors:
             _release_donors()
-        params = list(dict.fromkeys(p for i in owned for p in target.layers[i].parameters()))
+        params = list(dict.fromkeys(p for i in owned for p in target.held(i).parameters()))
         optimizer = build_optimizer(params, self.cfg.training)
         ours = {id(p) for p in params}
         for p, st in {**keep_state, **states}.values():

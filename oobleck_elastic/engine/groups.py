@@ -127,10 +127,10 @@ class GenerationGroups:
                         self.mesh = DeviceMesh.from_group(g, device_type)
         self.sets: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for holders in by_lane:
-            for ranks in holders.group_sets():
-                g = make(list(ranks))
-                if rank in ranks:
-                    self.sets[ranks] = g
+            for members in holders.group_sets():
+                g = make(list(members))
+                if rank in members:
+                    self.sets[members] = g
 
 
 def _params_of(module: nn.Module, exclude: set[int]) -> list[torch.Tensor]:
@@ -188,11 +188,11 @@ class GradSync:
         parameter's shard on every lane, a replicated one on lane 0 only."""
         me, lane = self.groups.rank, self.groups.lane
 
-        def counted(p: torch.Tensor) -> bool:
-            return p.grad is not None and (lane == 0 or is_sharded(p))
+        def counted(p: torch.Tensor) -> list[torch.Tensor]:  # [its local gradient] or []
+            return [local(p.grad)] if p.grad is not None and (lane == 0 or is_sharded(p)) else []
 
-        grads = [local(p.grad) for ranks, params in self.buckets if ranks[0] == me for p in params if counted(p)]
-        grads += [local(p.grad) for params, ranks in self.tied if ranks[0] == me for p in params if counted(p)]
+        grads = [g for ranks, params in self.buckets if ranks[0] == me for p in params for g in counted(p)]
+        grads += [g for params, ranks in self.tied if ranks[0] == me for p in params for g in counted(p)]
         if not grads:
             return torch.zeros((), dtype=torch.float64)
         total = torch.stack(torch._foreach_norm(grads, dtype=torch.float64)).pow(2).sum()

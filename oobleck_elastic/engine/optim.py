@@ -42,7 +42,7 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: TrainingConfig) -> torc
             members = [p for p in params if (p.ndim >= 2) == decayed and isinstance(p, DTensor) == sharded]
             if members:
                 groups.append({"params": members, "weight_decay": o.weight_decay if decayed else 0.0})
-    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=True)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(float(o.betas[0]), float(o.betas[1])), eps=o.eps, fused=True)
 
 
 def adamw_step(value: torch.Tensor | float, param: torch.Tensor) -> torch.Tensor:

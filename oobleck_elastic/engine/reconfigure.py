@@ -91,11 +91,13 @@ class Move:
 
     def describe(self) -> str:
         """`layers 3-5 node1 -> node2 (2.4 MB)`."""
-        runs, start = [], self.layers[0]
-        for prev, cur in zip(self.layers, self.layers[1:] + (None,)):
+        runs: list[str] = []
+        start = prev = self.layers[0]
+        for cur in [*self.layers[1:], -1]:  # -1 closes the last run
             if cur != prev + 1:
                 runs.append(f"{start}" if start == prev else f"{start}-{prev}")
                 start = cur
+            prev = cur
         what = "layer" if len(self.layers) == 1 else "layers"
         return f"{what} {','.join(runs)} {self.src} -> {self.dst} ({self.bytes / 1e6:.1f} MB)"
 
@@ -192,5 +194,5 @@ def exchange(
             work.wait()
     states: dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]] = {}
     for index, buf in received:
-        states.update(_unflat(buf, target.layers[index]))
+        states.update(_unflat(buf, target.held(index)))
     return states, moved

@@ -38,6 +38,7 @@ A worker lives through generations without ever restarting:
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -107,7 +108,7 @@ def _next_plan(ctx: ControlPlane, target: Target) -> Optional[Plan]:
         latest = ctx.plan()
         plan = ctx.plan_at(target.generation) if target.exact else latest
         donor = plan is not None and plan.donor_rank(ctx.node_id, ctx.local_rank) is not None
-        if donor and plan.generation >= target.generation and ctx.should_leave(None) is None:
+        if plan is not None and donor and plan.generation >= target.generation and ctx.should_leave(None) is None:
             return plan  # drained: hand the layers over in this generation's entry, then leave
         if ctx.should_leave(latest):
             return None
@@ -257,9 +258,7 @@ class _Worker:
                 completed = False
                 try:
                     result = self.runner.run(
-                        lambda s=self.step, g=seen, r=rejections: trainer.train_step(
-                            s, seen_generation=g, rejections=r
-                        ),
+                        functools.partial(trainer.train_step, self.step, seen_generation=seen, rejections=rejections),
                         should_abandon=should_abandon,
                         interval_s=watch_s,
                     )

@@ -212,7 +212,9 @@ def load_hf_tokenizer(path: Optional[str], vocab_size: int) -> tuple[Any, int]:
             f"data.tokenizer_path '{path}' has no end-of-text token (no eos_token and no "
             f"{EOT_TOKEN}): save the tokenizer with an eos_token"
         )
-    return tok, int(tok.convert_tokens_to_ids(eos))
+    eos_id = tok.convert_tokens_to_ids(eos)
+    assert isinstance(eos_id, int), eos_id
+    return tok, eos_id
 
 
 _TOKENIZER_FILES = {"vocab.json", "merges.txt", "vocab.txt", "special_tokens_map.json", "added_tokens.json"}

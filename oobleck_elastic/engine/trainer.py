@@ -326,10 +326,10 @@ class Trainer:
         with torch.autocast(
             device_type=self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None
         ):
-            loss = self._forward_backward_pipeline(x, y, schedule)
+            local_loss = self._forward_backward_pipeline(x, y, schedule)
         poison = self.faults.loss_factor(rank=self.rank, step=step)
         if poison is not None:  # injected (engine/faults.py): a NaN poisons the gradients too
-            loss = loss * poison
+            local_loss = local_loss * poison
             if poison != poison:
                 torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], poison)
         grad_sync.all_reduce()
@@ -337,8 +337,10 @@ class Trainer:
         # is the step's one read of a device value (the loss and the norm stay on the device until
         # here). Every lane of a last stage computes the same loss: lane 0 reports it.
         if self.lane != 0:
-            loss = torch.zeros_like(loss)
-        reduced = torch.stack([grad_sync.norm_squared().to(loss.device, torch.float64), loss.to(torch.float64)]).cpu()
+            local_loss = torch.zeros_like(local_loss)
+        reduced = torch.stack(
+            [grad_sync.norm_squared().to(local_loss.device, torch.float64), local_loss.to(torch.float64)]
+        ).cpu()
         dist.all_reduce(reduced, group=step_group)
         norm2, loss = float(reduced[0]), float(reduced[1])
         with self._current(epoch):
@@ -348,6 +350,7 @@ class Trainer:
         # (and, at no extra cost, the largest peak memory of any worker)
         # (and every worker's compute seconds in this step, one slot per rank: engine/straggler.py)
         device_peak = memory.peak_device_bytes(self.device)
+        assert self.plan is not None
         seen = torch.zeros(_SEEN + self.plan.world_size, dtype=torch.float64)
         seen[:_SEEN] = torch.tensor(
             [
@@ -401,7 +404,7 @@ class Trainer:
         corrupt ones from the majority (engine/fingerprint.py); the repaired copies. Collective
         over the generation; raises Unrepairable when a layer's copies have no majority."""
         assert self.plan is not None and self.groups is not None
-        tensors = {i: layer_tensors(self.layer_model.layers[i], self.optimizer) for i in self.owned}
+        tensors = {i: layer_tensors(self.layer_model.held(i), self.optimizer) for i in self.owned}
         table = gather(self.plan, fingerprints(tensors), self.step_group)
         corrupt = compare(self.plan, table)
         repair(corrupt, rank=self.rank, tensors_of=tensors, groups=self.groups.sets)
@@ -471,7 +474,7 @@ class Trainer:
                 for n, p in layer.named_parameters()
             }
             for i in self.owned
-            for layer in [self.layer_model.layers[i]]
+            for layer in [self.layer_model.held(i)]
         }
 
     def optimizer_state(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
@@ -479,7 +482,7 @@ class Trainer:
         out: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
         assert self.optimizer is not None
         for i in self.owned:
-            layer = self.layer_model.layers[i]
+            layer = self.layer_model.held(i)
             for n, p in layer.named_parameters():
                 st = self.optimizer.state.get(p, {})
                 out.setdefault(i, {})[n] = {
@@ -508,7 +511,7 @@ class Trainer:
         for i in self.owned:
             if i not in layers:
                 raise KeyError(f"the state has no layer {i}")
-            layer = self.layer_model.layers[i]
+            layer = self.layer_model.held(i)
             for name, p in layer.named_parameters():
                 if name not in layers[i]:
                     raise KeyError(f"the state's layer {i} has no parameter '{name}'")

@@ -164,23 +164,24 @@ def _head_index_names(n_blocks: int) -> list[str]:
 def flatten_hf_model(model: nn.Module) -> LayerModel:
     """The flat layers of a Hugging Face causal LM, reusing its modules (ties stay shared)."""
     family = _family_of(model)
+    hf: Any = model  # transformers models expose their children as dynamic attributes
     if family == "gpt2":
-        t = model.transformer
+        t = hf.transformer
         layers: list[nn.Module] = [GPT2Embedding(t.wte, t.wpe, t.drop)]
         prefixes = [{"wte": "transformer.wte", "wpe": "transformer.wpe"}]
         for i, block in enumerate(t.h):
             layers.append(GPT2BlockLayer(block))
             prefixes.append({"block": f"transformer.h.{i}"})
-        layers.append(LMHead(t.ln_f, model.lm_head))
+        layers.append(LMHead(t.ln_f, hf.lm_head))
         prefixes.append({"norm": "transformer.ln_f", "lm_head": "lm_head"})
     else:
-        m = model.model
+        m = hf.model
         layers = [TokenEmbedding(m.embed_tokens)]
         prefixes = [{"embed_tokens": "model.embed_tokens"}]
         for i, layer in enumerate(m.layers):
             layers.append(RopeDecoderLayer(layer, m.rotary_emb))
             prefixes.append({"layer": f"model.layers.{i}"})
-        layers.append(LMHead(m.norm, model.lm_head))
+        layers.append(LMHead(m.norm, hf.lm_head))
         prefixes.append({"norm": "model.norm", "lm_head": "lm_head"})
     return LayerModel(
         layers=list(layers),
@@ -415,7 +416,7 @@ def _meta_custom(cfg: ModelConfig, end: int, *, seed: int) -> list[nn.Module]:
             model = _build_custom(cfg, seed=seed, owned=range(end), device="cpu")
     except Exception:  # noqa: BLE001 - e.g. a factory computing on its tensors: build on CPU (re-raises real errors)
         model = _build_custom(cfg, seed=seed, owned=range(end), device="cpu")
-    modules = nn.ModuleList(model.layers[:end])
+    modules = nn.ModuleList([model.held(i) for i in range(end)])
     # deepcopy with every parameter and buffer pre-mapped to a meta copy: shared tensors stay
     # shared, nothing is copied on CPU, and the factory's modules keep their weights
     memo: dict[int, Any] = {

@@ -157,7 +157,7 @@ def export_config(model: ModelConfig, sdir: Path) -> Any:
 
 def _digest(t: torch.Tensor) -> str:
     data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(memoryview(data)).hexdigest()
+    return hashlib.sha256(data.tobytes()).hexdigest()
 
 
 def _prepare_out(out: Path, force: bool) -> None:

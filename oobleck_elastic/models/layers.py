@@ -98,10 +98,12 @@ class GPT2Embedding(nn.Module):
 class GPT2BlockLayer(nn.Module):
     """One `GPT2Block`, causal under sdpa (no mask, is_causal) and eager (explicit mask)."""
 
+    block: Any  # a transformers GPT2Block: its children are dynamic attributes
+
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
         self.block = block
-        check_attn_implementation(block.attn.config._attn_implementation)
+        check_attn_implementation(self.block.attn.config._attn_implementation)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         mask = _attention_mask(self.block.attn.config, h, None)
@@ -122,10 +124,12 @@ class TokenEmbedding(nn.Module):
 class RopeDecoderLayer(nn.Module):
     """One Llama/Mistral/Qwen2 decoder layer with its own (parameter-free) rotary embedding."""
 
+    layer: Any  # a transformers decoder layer: its children are dynamic attributes
+
     def __init__(self, layer: nn.Module, rotary_emb: nn.Module) -> None:
         super().__init__()
         self.layer, self.rotary_emb = layer, rotary_emb
-        check_attn_implementation(layer.self_attn.config._attn_implementation)
+        check_attn_implementation(self.layer.self_attn.config._attn_implementation)
 
     def _window(self) -> int | None:
         attn = self.layer.self_attn
@@ -197,6 +201,10 @@ class LayerModel:
     def built(self) -> list[int]:
         """Indices of the layers held by this process."""
         return [i for i, layer in enumerate(self.layers) if layer is not None]
+
+    def held(self, i: int) -> nn.Module:
+        """Layer `i`, which this process must hold."""
+        return self._require(i, i + 1)[0]
 
     def _require(self, start: int, end: int) -> list[nn.Module]:
         if not 0 <= start < end <= self.num_layers:

@@ -245,7 +245,7 @@ def _set_tensor(layer: nn.Module, name: str, value: torch.Tensor) -> None:
     module = layer.get_submodule(mod_name)
     if leaf in module._parameters:
         old = module._parameters[leaf]
-        module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=old is None or old.requires_grad)
     else:
         module._buffers[leaf] = value
 

@@ -65,7 +65,7 @@ def _register(module: nn.Module, name: str, tensor: torch.Tensor, mesh: DeviceMe
 class Conv1DColwise(ColwiseParallel):
     """`ColwiseParallel` for Hugging Face `Conv1D` (weight [in, out]): weight Shard(1), bias Shard(0)."""
 
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    def _partition(self, name: str, module: Any, mesh: DeviceMesh) -> None:  # a transformers Conv1D
         _register(module, "weight", module.weight, mesh, Shard(1))
         _register(module, "bias", module.bias, mesh, Shard(0))
 
@@ -82,7 +82,7 @@ class Conv1DColwise(ColwiseParallel):
 class Conv1DRowwise(RowwiseParallel):
     """`RowwiseParallel` for Hugging Face `Conv1D`: weight Shard(0), bias replicated."""
 
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    def _partition(self, name: str, module: Any, mesh: DeviceMesh) -> None:  # a transformers Conv1D
         _register(module, "weight", module.weight, mesh, Shard(0))
         _register(module, "bias", module.bias, mesh, Replicate())
 

@@ -124,9 +124,10 @@ class HangWatch:
         if _stopped(beat.pid):  # a stopped process runs no signal handler: no stack to ask for
             stack = "(no stack: the process is stopped, e.g. by SIGSTOP)"
         else:
-            stack = self._stacks(beat.pid, self.directory / f"{local_rank}.stack")
-            if stack is None:
+            asked = self._stacks(beat.pid, self.directory / f"{local_rank}.stack")
+            if asked is None:
                 return  # gone already
+            stack = asked
         log.error(
             "node %s: worker %d (pid %d) has stood still in step %d for %.1f s (bound %.1f s): its stacks:"
             "\n%s\nstopping it; its agent restarts it and the job re-plans",
