@@ -14,9 +14,9 @@ the job reports `--kill-step` completed steps; the survivors go on to the last s
   `torchrun --rdzv-backend=oobleck --nnodes=4:4 --rdzv-conf=lease_ttl=2,settle=0.2,
   last_call_timeout=1 examples/train.py --config configs/gpt2-tiny.yaml ...` per node, on an
   etcd started here (`EtcdServer`). Progress: the `progress` key in etcd (rank 0, after every
-  step); steps and their times: the rank-0 worker's log lines `gen G step S/T node N: ...`
-  (logging asctime, ms); the reconfiguration: `communication failed` / `entered from generation`
-  log lines and the `lost` / `plan` events in etcd.
+  step); steps, their times and the reconfiguration: the workers' JSON event lines
+  (`logging.events_dir`, oobleck_elastic/logs.py: `step`, `comm_failed`, `step_abandoned`,
+  `entered`) and the `lost` / `plan` events in etcd.
 - (b) baseline: `bench/baseline_train.py` (DDP over gloo, checkpoint every `--checkpoint-every`
   steps with torch.save, resume from the newest; see its docstring) under stock torchrun with the
   same process handling (a LocalCluster subclass): `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun
@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -76,7 +75,6 @@ import tempfile
 import threading
 import time
 import uuid
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -86,6 +84,7 @@ sys.path.insert(0, str(ROOT))
 from launcher.local import LocalCluster, descendants, kill_node  # noqa: E402
 from oobleck_elastic.etcd import EtcdSettings, connect  # noqa: E402
 from oobleck_elastic.etcd.server import EtcdServer, free_port  # noqa: E402
+from oobleck_elastic.logs import read_event_lines  # noqa: E402
 from oobleck_elastic.rendezvous.keys import Keys  # noqa: E402
 from oobleck_elastic.rendezvous.membership import live_nodes, read_events  # noqa: E402
 
@@ -100,19 +99,6 @@ OURS_RDZV = "lease_ttl=2,settle=0.2,last_call_timeout=1"
 C10D_RDZV = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
 NODES, VICTIM = 4, 1
 GOAL_RECOVERY_S, GOAL_RATIO, GOAL_THROUGHPUT = 1.0, 10.0, 0.95
-
-STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
-OURS_STEP = re.compile(STAMP + r" INFO gen (\d+) step (\d+)/(\d+) node (\S+): loss ([\d.]+)")
-OURS_FAIL = re.compile(STAMP + r" WARNING gen (\d+) step (\d+) node (\S+): communication failed")
-OURS_ABANDON = re.compile(STAMP + r" WARNING gen (\d+) step (\d+) node (\S+): step abandoned")
-OURS_ENTER = re.compile(
-    STAMP + r" INFO gen (\d+) step (\d+) node (\S+) rank (\d+): "
-    r"entered from generation (\d+) \(([^,]+)"
-)
-
-
-def stamp(text: str) -> float:
-    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 class Lines:
@@ -315,6 +301,7 @@ def run_ours(
         *overrides,
         f"checkpoint.dir={work / 'ck'}",
         f"logging.tensorboard_dir={work / 'tb'}",
+        f"logging.events_dir={work / 'events'}",
     ]
     rdzv = OURS_RDZV.replace("lease_ttl=2", f"lease_ttl={args.lease_ttl:g}")
     cluster = LocalCluster(cluster_args(endpoint=etcd.endpoint, run_id=run_id, rdzv_conf=rdzv), script, out=lines)
@@ -355,21 +342,20 @@ def run_ours(
         cluster.cleanup()
         client.close()
         lines.close()
-    return report_ours(run, events, args, t0)
+    return report_ours(run, events, read_event_lines(work / "events"), args, t0)
 
 
-def report_ours(run: Run, events: list, args: argparse.Namespace, t0: float) -> dict:
-    steps, fails, enters, abandons = [], [], [], []
-    for _, line in run.lines.lines:
-        text = line.split("] ", 1)[1] if line.startswith("[node ") else line
-        if m := OURS_STEP.search(text):
-            steps.append((int(m.group(3)), stamp(m.group(1))))
-        elif m := OURS_FAIL.search(text):
-            fails.append(stamp(m.group(1)))
-        elif m := OURS_ABANDON.search(text):
-            abandons.append(stamp(m.group(1)))
-        elif m := OURS_ENTER.search(text):
-            enters.append((stamp(m.group(1)), int(m.group(2)), int(m.group(3)), m.group(7)))
+def report_ours(run: Run, events: list, lines: list[dict], args: argparse.Namespace, t0: float) -> dict:
+    """The report of one run of ours from the etcd `events` and the workers' JSON event `lines`
+    (oobleck_elastic/logs.py: `step` lines come from the worker holding rank 0)."""
+    steps = [(int(e["step"]), e["t"]) for e in lines if e["event"] == "step"]
+    fails = [e["t"] for e in lines if e["event"] == "comm_failed"]
+    abandons = [e["t"] for e in lines if e["event"] == "step_abandoned"]
+    enters = [
+        (e["t"], e["gen"], e["step"], "rolled forward" if e.get("rolled_forward") else "")
+        for e in lines
+        if e["event"] == "entered"
+    ]
     out: dict[str, Any] = {
         "bench": "recovery",
         "job": "a:oobleck",

@@ -288,6 +288,9 @@ class LoggingConfig:
     """Print a progress line every this many steps."""
     level: str = "INFO"
     """Python logging level."""
+    events_dir: str = ""
+    """Also write the job's events (steps, failures, generation entries, checkpoints...) as JSON
+    lines, one file per worker process, in this directory (oobleck_elastic/logs.py); empty: off."""
 
 
 @dataclass

@@ -34,6 +34,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.tensor import DTensor
 
 from ..config import JobConfig
+from ..logs import JobLog
 from ..models import LayerModel, build_layer_model
 from ..models.build import build_meta_layers
 from ..models.tensor_parallel import from_full, local, parallelize_layer, wrap_like
@@ -43,7 +44,7 @@ from .groups import GenerationGroups
 from .optim import build_optimizer
 from .reconfigure import Identity, Move, Transfer, exchange, moves_of, plan_transfers, transfer_bytes
 
-log = logging.getLogger(__name__)
+log = JobLog(logging.getLogger(__name__))
 
 
 class LayersLost(RuntimeError):
@@ -198,16 +199,13 @@ class GenerationEntry:
         if stage is None:
             moved = self._hand_over(state, rank, transfers, exchange_layers=not lost)
             info = account(moved, donor=True)
-            log.info(
-                "gen %d step %d node %s rank %d: handed layers %s over as a donor (%d layer bytes sent, "
-                "%.3f s); leaving",
-                plan.generation,
-                committed + 1,
-                self.node,
-                rank,
+            log.at(gen=plan.generation, step=committed + 1, node=self.node, rank=rank).info(
+                "handed layers %s over as a donor (%d layer bytes sent, %.3f s); leaving",
                 state.owned,
                 moved,
                 info.seconds,
+                event="donated",
+                fields={"bytes": moved, "seconds": info.seconds},
             )
             after = WorkerState(
                 layer_model=build_layer_model(
@@ -225,16 +223,14 @@ class GenerationEntry:
             state, plan, rank, transfers, exchange_layers=not lost, current=current, detach_kept=detach_kept
         )
         info = account(moved)
-        log.info(
-            "gen %d step %d node %s rank %d: entered from generation %d (%s, %d layer bytes moved, %.3f s)",
-            plan.generation,
-            committed + 1,
-            self.node,
-            rank,
+        log.at(gen=plan.generation, step=committed + 1, node=self.node, rank=rank).info(
+            "entered from generation %d (%s, %d layer bytes moved, %.3f s)",
             previous,
             "rolled forward" if rolled else "no step to roll forward",
             moved,
             info.seconds,
+            event="entered",
+            fields={"previous": previous, "rolled_forward": rolled, "bytes": moved, "seconds": info.seconds},
         )
         return Installed(state=after, info=info, groups=groups, lost=lost_layers)
 

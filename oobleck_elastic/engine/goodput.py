@@ -57,7 +57,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
-log = logging.getLogger("oobleck_elastic.train")
+from ..logs import JobLog
+
+log = JobLog(logging.getLogger("oobleck_elastic.train"))
 
 __all__ = [
     "Category",
@@ -262,11 +264,8 @@ class GoodputClock:
         try:
             found = origin()
         except Exception as err:  # noqa: BLE001 - the ledger is informative; training goes on
-            log.warning(
-                "gen %d step %d node %s: goodput ledger: could not read where it stands (%s); continuing from %s",
-                generation,
-                step,
-                self.node,
+            log.at(gen=generation, step=step, node=self.node).warning(
+                "goodput ledger: could not read where it stands (%s); continuing from %s",
                 err,
                 "this worker's own" if self.ledger is not None else "now, as if the job started here",
             )
@@ -322,11 +321,8 @@ class GoodputClock:
         if ledger is not None:
             if metrics is not None:  # one point past the last step's: the final checkpoint included
                 metrics.goodput({c.value: ledger.get(c) for c in Category}, ledger.fraction, step=step)
-            log.info(
-                "gen %d step %d node %s: goodput %.1f%% of %.1f s (%s)",
-                generation,
-                step,
-                self.node,
+            log.at(gen=generation, step=step, node=self.node).info(
+                "goodput %.1f%% of %.1f s (%s)",
                 100 * ledger.fraction,
                 ledger.total,
                 ", ".join(f"{c.value} {ledger.get(c):.1f} s" for c in Category if ledger.get(c) > 0),

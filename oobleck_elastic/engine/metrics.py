@@ -22,13 +22,14 @@ import time
 from pathlib import Path
 from typing import Mapping, Optional
 
+from ..logs import JobLog
 from ..planning import Plan
 from .memory import GB
 from .memory import describe as describe_memory
 from .mfu import Throughput
 from .step import StepResult
 
-log = logging.getLogger("oobleck_elastic.train")
+log = JobLog(logging.getLogger("oobleck_elastic.train"))
 
 
 def describe_plan(plan: Optional[Plan]) -> str:
@@ -115,13 +116,8 @@ class Metrics:
         if (s + 1) % self.interval == 0 or s + 1 == self.total:
             gen = plan.generation if plan else 0
             est = f", plan est. {plan.est_step_time_s:.3f} s" if plan else ""
-            log.info(
-                "gen %d step %d/%d node %s: loss %.4f, %.1f samples/s, %s; %.3f s/step (%.3f s since the "
-                "last%s); largest worker's %s",
-                gen,
-                s + 1,
-                self.total,
-                self.node,
+            log.at(gen=gen, step=s + 1, total=self.total, node=self.node).info(
+                "loss %.4f, %.1f samples/s, %s; %.3f s/step (%.3f s since the last%s); largest worker's %s",
                 result.loss,
                 sps,
                 perf.describe(),
@@ -129,6 +125,8 @@ class Metrics:
                 wall,
                 est,
                 describe_memory(result.peak_rss_bytes, result.peak_device_bytes),
+                event="step",
+                fields={"loss": result.loss, "samples_s": sps, "seconds": result.seconds},
             )
 
     def rejected(self, step: int, text: str, *, skipped: bool) -> None:
@@ -178,7 +176,7 @@ class Metrics:
         self.writer.add_text("reconfiguration", text, step)
         self.writer.add_scalar("reconfiguration/seconds", getattr(info, "seconds", 0.0), step)
         self.writer.add_scalar("reconfiguration/bytes_moved", getattr(info, "bytes_moved", 0), step)
-        log.info("gen %d step %d node %s: %s", getattr(info, "generation", 0), step, self.node, text)
+        log.at(gen=getattr(info, "generation", 0), step=step, node=self.node).info("%s", text)
 
     def close(self) -> None:
         if self.writer is not None:

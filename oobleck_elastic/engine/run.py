@@ -48,6 +48,7 @@ import torch
 
 from ..config import JobConfig
 from ..models import num_layers
+from ..logs import JobLog, attach_event_lines
 from ..planning import Plan
 from . import memory
 from .control import ControlPlane, LocalControl
@@ -65,12 +66,13 @@ from .trainer import LayersLost, Reconfiguration, StepResult, Trainer
 
 __all__ = ["train", "Summary", "Target"]
 
-log = logging.getLogger("oobleck_elastic.train")
+log = JobLog(logging.getLogger("oobleck_elastic.train"))
 
 
 def train(cfg: JobConfig, control: Optional[ControlPlane] = None, *, max_bytes: Optional[int] = None) -> Summary:
     """Train as one worker over `control`, or as the single-process reference when it is None."""
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(message)s")
+    attach_event_lines(cfg.logging.events_dir)
     torch.manual_seed(cfg.training.seed)
     dataset = build_dataset(cfg, log=log.info, max_bytes=max_bytes)
     if control is None:
@@ -166,8 +168,8 @@ class _Worker:
         if device.type == "cuda":
             nccl, replaced = configure_nccl()
             for message in replaced:
-                log.warning("node %s: %s", ctx.node_id, message)
-            log.info("node %s: worker %d on %s; NCCL settings %s", ctx.node_id, ctx.local_rank, device, nccl)
+                log.at(node=ctx.node_id).warning("%s", message)
+            log.at(node=ctx.node_id).info("worker %d on %s; NCCL settings %s", ctx.local_rank, device, nccl)
         rss_at_start = memory.current_rss_bytes()
         self.trainer = Trainer(cfg, dataset=dataset, node=ctx.node_id, local_rank=ctx.local_rank, device=device)
         self.log = RunLog(cfg, node=ctx.node_id, rss_at_start=rss_at_start)
@@ -199,11 +201,11 @@ class _Worker:
             return self._broken_entry(plan, _describe(err))
         if info is not None and info.donor:
             exit_now_at_the_end("donor")
-            log.info(
-                "node %s: leaving the job (node %s was drained; its layers were handed over to generation %d)",
-                ctx.node_id,
+            log.at(node=ctx.node_id).info(
+                "leaving the job (node %s was drained; its layers were handed over to generation %d)",
                 ctx.node_id,
                 plan.generation,
+                event="handed_over",
             )
             return HandedOver()
         ctx.entered(plan.generation)
@@ -217,23 +219,22 @@ class _Worker:
         trainer, ctx = self.trainer, self.ctx
         if ctx.my_stage(plan) is None:  # a donor: the others re-plan without it
             _abort(trainer)
-            log.warning(
-                "gen %d node %s: handing layers over to generation %d failed (%s); leaving the job (node drained)",
-                trainer.generation,
-                ctx.node_id,
+            log.at(gen=trainer.generation, node=ctx.node_id).warning(
+                "handing layers over to generation %d failed (%s); leaving the job (node drained)",
                 plan.generation,
                 failure,
+                event="handover_failed",
             )
             return HandedOver()
         self.log.broke()
         _abort(trainer)
         ctx.report_failure(plan.generation)
-        log.warning(
-            "gen %d node %s: entering generation %d failed (%s); waiting for a newer plan",
-            trainer.generation,
-            ctx.node_id,
+        log.at(gen=trainer.generation, node=ctx.node_id).warning(
+            "entering generation %d failed (%s); waiting for a newer plan",
             plan.generation,
             failure,
+            event="entry_failed",
+            fields={"target": plan.generation},
         )
         return Broken(failure)
 
@@ -289,21 +290,13 @@ class _Worker:
         self.log.broke()  # outside the except block: see Trainer.abort
         _abort(trainer, abandoned=abandoned)
         if abandoned:  # the leader has acted already: no roll call needed
-            log.warning(
-                "gen %d step %d node %s: step abandoned (%s); entering the next generation",
-                trainer.generation,
-                self.step,
-                ctx.node_id,
-                failure,
+            log.at(gen=trainer.generation, step=self.step, node=ctx.node_id).warning(
+                "step abandoned (%s); entering the next generation", failure, event="step_abandoned"
             )
         else:
             ctx.report_failure(trainer.generation)
-            log.warning(
-                "gen %d step %d node %s: communication failed (%s); waiting for the next plan",
-                trainer.generation,
-                self.step,
-                ctx.node_id,
-                failure,
+            log.at(gen=trainer.generation, step=self.step, node=ctx.node_id).warning(
+                "communication failed (%s); waiting for the next plan", failure, event="comm_failed"
             )
         return Broken(failure)
 
@@ -315,19 +308,17 @@ class _Worker:
         try:
             action = self.guard.decide(step, Verdict(False, result.rejected))
         except TooManySkipped as err:
-            log.error("gen %d step %d node %s: %s", trainer.generation, step, self.ctx.node_id, err)
+            log.at(gen=trainer.generation, step=step, node=self.ctx.node_id).error("%s", err, event="too_many_skipped")
             if trainer.rank == 0:
                 self.ctx.close_job(str(err), failed=True)
             raise JobFailed(str(err)) from None
         what = "replaying it" if action is Action.REPLAY else "skipping its batch"
-        log.warning(
-            "gen %d step %d node %s: step %d not applied: %s; %s",
-            trainer.generation,
-            step,
-            self.ctx.node_id,
+        log.at(gen=trainer.generation, step=step, node=self.ctx.node_id).warning(
+            "step %d not applied: %s; %s",
             step + 1,
             result.rejected,
             what,
+            event="skipped" if action is Action.SKIP else "replayed",
         )
         self.goodput.ended_step(step, Category.SKIPPED if action is Action.SKIP else Category.REPLAYED)
         self.log.rejected(result, skipped=action is Action.SKIP)
@@ -353,7 +344,9 @@ class _Worker:
             if verdict.named
             else f"step {result.step}: no straggler any more"
         )
-        log.warning("gen %d step %d node %s: %s", plan.generation, result.step, self.ctx.node_id, detail)
+        log.at(gen=plan.generation, step=result.step, node=self.ctx.node_id).warning(
+            "%s", detail, event="straggler", fields={"stragglers": verdict.named}
+        )
         self.log.stragglers(verdict.named, result.step)
         if verdict.changed:
             self.ctx.record_event(kind="straggler", generation=plan.generation, detail=detail)
@@ -366,7 +359,9 @@ class _Worker:
         say which were replaced, or stop the job when a layer's copies have no majority."""
         trainer, ctx = self.trainer, self.ctx
         if result.unrepairable:
-            log.error("gen %d step %d node %s: %s", trainer.generation, result.step, ctx.node_id, result.unrepairable)
+            log.at(gen=trainer.generation, step=result.step, node=ctx.node_id).error(
+                "%s", result.unrepairable, event="unrepairable"
+            )
             if trainer.rank == 0:
                 ctx.close_job(result.unrepairable, failed=True)
             raise JobFailed(result.unrepairable)
@@ -398,7 +393,7 @@ class _Worker:
         failed = self.ctx.failure_of_job()
         if failed is not None:
             raise JobFailed(f"the job was closed as failed: {failed}")
-        log.info("node %s: leaving the job (%s)", self.ctx.node_id, self.ctx.should_leave(self.ctx.plan()))
+        log.at(node=self.ctx.node_id).info("leaving the job (%s)", self.ctx.should_leave(self.ctx.plan()), event="left")
         return self.summary()
 
     def summary(self) -> Summary:
@@ -429,29 +424,25 @@ def _record_fatal(ctx: ControlPlane, cfg: JobConfig, err: BaseException, *, step
     try:
         rec = ctx.record_error(err, step=step, generation=generation)
     except Exception as etcd_err:  # noqa: BLE001 - never hide the original error behind this one
-        log.error(
-            "gen %d step %d node %s: could not record the error in etcd: %s",
-            generation,
-            step,
-            ctx.node_id,
-            _describe(etcd_err),
+        log.at(gen=generation, step=step, node=ctx.node_id).error(
+            "could not record the error in etcd: %s", _describe(etcd_err)
         )
         return
-    log.error(
-        "gen %d step %d node %s: %s ends this worker (%d of %d in a row at this step; not a communication failure)",
-        generation,
-        step,
-        ctx.node_id,
+    log.at(gen=generation, step=step, node=ctx.node_id).error(
+        "%s ends this worker (%d of %d in a row at this step; not a communication failure)",
         rec.error,
         rec.count,
         limit,
+        event="fatal_error",
     )
     if rec.count >= limit:
         reason = (
             f"{rec.error} ended a worker at step {step} in {rec.count} generations in a row "
             f"(fault_tolerance.max_repeated_errors={limit})"
         )
-        log.error("gen %d step %d node %s: closing the job as failed: %s", generation, step, ctx.node_id, reason)
+        log.at(gen=generation, step=step, node=ctx.node_id).error(
+            "closing the job as failed: %s", reason, event="job_failed"
+        )
         ctx.close_job(reason, failed=True)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..config import JobConfig
+from ..logs import JobLog
 from . import memory
 from .metrics import Metrics
 from .compiled import graphs_compiled
@@ -24,7 +25,7 @@ from .mfu import device_peak_tflops, flops_per_token
 from .optim import lr_factor
 from .trainer import Reconfiguration, StepResult, Trainer
 
-log = logging.getLogger("oobleck_elastic.train")
+log = JobLog(logging.getLogger("oobleck_elastic.train"))
 
 
 @dataclass
@@ -131,13 +132,8 @@ class RunLog:
         nodes = trainer.plan.nodes if trainer.plan is not None else ()
         self._log_memory(trainer, step)
         if trainer.compile:  # a survivor of a reconfiguration must show no new graph here
-            log.info(
-                "gen %d step %d node %s rank %d: compiled graphs so far: %d",
-                trainer.generation,
-                step,
-                self.node,
-                trainer.rank,
-                graphs_compiled(),
+            log.at(gen=trainer.generation, step=step, node=self.node, rank=trainer.rank).info(
+                "compiled graphs so far: %d", graphs_compiled()
             )
         if info is not None and info.previous > 0:
             cause = "rebalance" if trainer.plan is not None and trainer.plan.rebalanced else self._cause(nodes)
@@ -149,13 +145,8 @@ class RunLog:
         before its first step), what its layers hold, and its resident memory at start."""
         owned = trainer.owned
         layers = f"layers [{owned[0]}, {owned[-1] + 1})" if owned else "no layers"
-        log.info(
-            "gen %d step %d node %s rank %d: memory on entering: %s; holds %s, %.3f GB of parameters and "
-            "optimizer state; resident at start %.3f GB",
-            trainer.generation,
-            step,
-            self.node,
-            trainer.rank,
+        log.at(gen=trainer.generation, step=step, node=self.node, rank=trainer.rank).info(
+            "memory on entering: %s; holds %s, %.3f GB of parameters and optimizer state; resident at start %.3f GB",
             memory.describe(memory.peak_rss_bytes(), memory.peak_device_bytes(trainer.device)),
             layers,
             trainer.held_bytes() / memory.GB,
@@ -213,7 +204,7 @@ class RunLog:
     def repaired(self, text: str, step: int, *, generation: int) -> None:
         """A corrupt copy of a layer was replaced from its holders' majority (engine/fingerprint.py)."""
         self.repairs.append(text)
-        log.warning("gen %d step %d node %s: %s", generation, step, self.node, text)
+        log.at(gen=generation, step=step, node=self.node).warning("%s", text, event="repaired")
         if self.metrics is not None:
             self.metrics.repaired(text, step, total=len(self.repairs))
 

@@ -29,9 +29,10 @@ import torch.distributed as dist
 
 from .. import checkpoint as ckpt
 from ..config import JobConfig, to_dict
+from ..logs import JobLog
 from .trainer import LayersLost, Trainer
 
-log = logging.getLogger(__name__)
+log = JobLog(logging.getLogger(__name__))
 
 
 def _receipt(step_path: Path, layer: int) -> Path:
@@ -57,13 +58,8 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
     if trainer.rank == 0 and (step_path / ckpt.MANIFEST).exists():
         # never rewrite a checkpoint in place (e.g. a run with checkpoint.resume=false in a used dir)
         moved = ckpt.set_aside(step_path, "replaced")
-        log.warning(
-            "gen %d step %d node %s: checkpoint %s existed; kept as %s",
-            trainer.generation,
-            next_step,
-            trainer.node,
-            step_path,
-            moved,
+        log.at(gen=trainer.generation, step=next_step, node=trainer.node).warning(
+            "checkpoint %s existed; kept as %s", step_path, moved
         )
     dist.barrier(group=trainer.step_group)  # nobody writes before the old directory is out of the way
     for i in trainer.owned:
@@ -89,7 +85,9 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
         layer_names=list(lm.names),
         hf_names=list(lm.hf_names),
     )
-    log.info("gen %d step %d node %s: checkpoint %s", trainer.generation, next_step, trainer.node, manifest.parent)
+    log.at(gen=trainer.generation, step=next_step, node=trainer.node).info(
+        "checkpoint %s", manifest.parent, event="checkpoint", fields={"path": str(manifest.parent)}
+    )
     return manifest.parent
 
 
@@ -130,8 +128,8 @@ class CheckpointPolicy:
         naming the bad file, never "no checkpoint"."""
         path, unusable = ckpt.newest_intact_checkpoint(self.cfg.checkpoint.dir)
         for u in unusable:
-            log.warning(
-                "gen %d node %s: checkpoint %s cannot be used: %s", trainer.generation, self.node, u.path.name, u.reason
+            log.at(gen=trainer.generation, node=self.node).warning(
+                "checkpoint %s cannot be used: %s", u.path.name, u.reason
             )
         damaged = [u for u in unusable if u.damaged]
         if damaged and path is None:
@@ -139,7 +137,7 @@ class CheckpointPolicy:
         for u in unusable:
             ckpt.set_aside(u.path, "corrupt" if u.damaged else "incomplete")
         if unusable and path is not None:
-            log.warning("gen %d node %s: using checkpoint %s instead", trainer.generation, self.node, path.name)
+            log.at(gen=trainer.generation, node=self.node).warning("using checkpoint %s instead", path.name)
         return path
 
     def resume(self, trainer: Trainer) -> int:
@@ -148,7 +146,9 @@ class CheckpointPolicy:
         if latest is None:
             return 0
         self.resumed = restore(trainer, latest)
-        log.info("gen %d step %d node %s: resumed from %s", trainer.generation, self.resumed, self.node, latest)
+        log.at(gen=trainer.generation, step=self.resumed, node=self.node).info(
+            "resumed from %s", latest, event="resumed"
+        )
         return self.resumed
 
     def restore_lost(self, trainer: Trainer, err: LayersLost) -> tuple[int, str]:
@@ -165,7 +165,7 @@ class CheckpointPolicy:
             f"generation {trainer.generation}: layers {err.layers} had no surviving copy; restored checkpoint "
             f"{latest} and continue from step {step}"
         )
-        log.warning("gen %d step %d node %s: %s", trainer.generation, step, self.node, text)
+        log.at(gen=trainer.generation, step=step, node=self.node).warning("%s", text, event="restored")
         return step, text
 
     def after_step(self, trainer: Trainer, done: int) -> None:

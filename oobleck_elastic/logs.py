@@ -1,0 +1,132 @@
+"""Log lines that say where they come from, and the same lines as JSON for programs.
+
+A worker's line about the job starts with where the job stands, in the project's vocabulary
+(docs/design.md): `gen G step S node N rank R: ...`, any of the four left out when it does not
+apply. `JobLog` is a `logging.LoggerAdapter` that writes that prefix, so no call site types it:
+
+    log = JobLog(logging.getLogger(__name__))
+    log.at(gen=3, step=12, node="n1").warning("communication failed (%s)", err, event="comm_failed")
+
+`at(...)` returns a copy holding more of the place (`total=T` renders the step as `S/T`). A call
+may name an `event` (a short kind such as `step`, `comm_failed`, `entered`) and `fields` (a dict
+of values): they change nothing in the text line, and when the job's `logging.events_dir` is set
+every record carrying an event is also written by `EventLines` as one JSON object per line,
+
+    {"t": 1763900000.123, "level": "WARNING", "event": "comm_failed", "gen": 3, "step": 12,
+     "node": "n1", "msg": "communication failed (...)", ...fields}
+
+to `events-<host>-<pid>.jsonl` in that directory (one file per process, appended, flushed per
+line). Benchmarks and tools read them with `read_event_lines` instead of parsing log text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import Any, Iterable, MutableMapping, Optional
+
+__all__ = ["JobLog", "EventLines", "attach_event_lines", "read_event_lines", "where_prefix"]
+
+_ORDER = ("gen", "step", "node", "rank")
+
+
+def where_prefix(where: dict[str, Any]) -> str:
+    """`gen 3 step 12/20 node n1 rank 0: ` for the fields present (none: the empty string)."""
+    parts = []
+    for key in _ORDER:
+        if where.get(key) is None:
+            continue
+        value = where[key]
+        if key == "step" and where.get("total") is not None:
+            value = f"{value}/{where['total']}"
+        parts.append(f"{key} {value}")
+    return " ".join(parts) + ": " if parts else ""
+
+
+class JobLog(logging.LoggerAdapter):
+    """A logger whose lines start with `gen/step/node/rank` (module docstring)."""
+
+    def __init__(self, logger: logging.Logger, **where: Any) -> None:
+        super().__init__(logger, where)
+
+    def at(self, **where: Any) -> "JobLog":
+        """This log with more of the place known (later values win)."""
+        return JobLog(self.logger, **{**(self.extra or {}), **where})
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+        where = dict(self.extra or {})
+        event, fields = kwargs.pop("event", None), kwargs.pop("fields", None)
+        extra = dict(kwargs.get("extra") or {})
+        extra.update(oobleck_where=where, oobleck_event=event, oobleck_fields=fields or {})
+        kwargs["extra"] = extra
+        return where_prefix(where) + str(msg), kwargs
+
+
+class EventLines(logging.Handler):
+    """Writes every record that carries an `event` as one JSON line (module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.path = path
+        self._fh = open(path, "a", encoding="utf-8")
+        self._lock_file = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = getattr(record, "oobleck_event", None)
+        if event is None:
+            return
+        try:
+            where = getattr(record, "oobleck_where", {})
+            line: dict[str, Any] = {"t": round(record.created, 6), "level": record.levelname, "event": event}
+            line.update({k: where[k] for k in (*_ORDER, "total") if where.get(k) is not None})
+            line["msg"] = record.getMessage().removeprefix(where_prefix(where))  # the place has its own keys
+            line.update(getattr(record, "oobleck_fields", {}))
+            text = json.dumps(line, default=str)
+            with self._lock_file:
+                self._fh.write(text + "\n")
+                self._fh.flush()
+        except Exception:  # noqa: BLE001 - logging must never break training
+            self.handleError(record)
+
+    def close(self) -> None:
+        with self._lock_file:
+            self._fh.close()
+        super().close()
+
+
+def attach_event_lines(directory: str | Path, logger: str = "oobleck_elastic") -> Optional[EventLines]:
+    """Add an `EventLines` handler for this process under `directory` to `logger` (once per
+    process and directory); None when `directory` is empty."""
+    if not directory:
+        return None
+    d = Path(directory).expanduser()
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"events-{socket.gethostname()}-{os.getpid()}.jsonl"
+    target = logging.getLogger(logger)
+    for h in target.handlers:
+        if isinstance(h, EventLines) and h.path == path:
+            return h
+    handler = EventLines(path)
+    target.addHandler(handler)
+    return handler
+
+
+def read_event_lines(directory: str | Path, events: Optional[Iterable[str]] = None) -> list[dict[str, Any]]:
+    """Every JSON event line under `directory` (of the kinds in `events`, all when None), by time.
+    A torn last line (a process killed while writing) is skipped."""
+    wanted = None if events is None else set(events)
+    out: list[dict[str, Any]] = []
+    for path in sorted(Path(directory).glob("events-*.jsonl")):
+        for text in path.read_text(encoding="utf-8").splitlines():
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+            if wanted is None or line.get("event") in wanted:
+                out.append(line)
+    out.sort(key=lambda e: e["t"])
+    return out
