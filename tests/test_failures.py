@@ -87,10 +87,11 @@ def test_kill_the_leader(tmp_path: Path, etcd_server, run_id) -> None:
 
 
 def test_kill_during_reconfiguration(tmp_path: Path, etcd_server, run_id) -> None:
-    """A node dies at step 3; the moment generation 2 is published (survivors are joining it), its
-    former pipeline partner dies too. The survivors stalled in generation 2's rendezvous find it
-    out by the roll call, enter generation 3 on the two nodes of the intact pipeline, and finish
-    with the reference weights."""
+    """A node dies at step 3; the moment generation 2 is published, its former pipeline partner
+    dies too, while every survivor is still entering generation 2 (each waits 5 s before it
+    connects: OOBLECK_SLOW_ENTRY). The survivors stalled in generation 2's rendezvous find it out,
+    enter generation 3 on the two nodes of the intact pipeline, which still hold every layer, and
+    finish with the reference weights without a checkpoint restore."""
     from launcher.local import kill_node
     from oobleck_elastic.rendezvous.keys import Keys
 
@@ -114,8 +115,9 @@ def test_kill_during_reconfiguration(tmp_path: Path, etcd_server, run_id) -> Non
             timeout=60,
         )
 
-    # generation 2 is one 3-stage pipeline: if the second kill lands after every survivor has
-    # entered it, its layers are gone for real and the checkpoint is restored
+    # generation 2 is one 3-stage pipeline: had the second kill landed after every survivor had
+    # entered it, its layers would be gone for real and the checkpoint restored; the slow entry
+    # makes the kill land before (the checkpoint is there for that case, which must not happen)
     out, job, ref = run_job(
         tmp_path,
         etcd_server,
@@ -126,9 +128,13 @@ def test_kill_during_reconfiguration(tmp_path: Path, etcd_server, run_id) -> Non
         extra=["checkpoint.interval_steps=2"],
         killed_by_test=2,
         during=chain,
+        env={"OOBLECK_SLOW_ENTRY": "*@2:5"},
     )
     final = _plan_of_run(etcd_server.endpoint, keys)
     assert final.generation == 3 and not set(victims) & set(final.nodes), out[-4000:]
+    # nobody entered generation 2 and no layer was lost: the survivors came from generation 1
+    assert "entered from generation 2" not in out and "entered from generation 1" in out, out[-4000:]
+    assert "no surviving copy" not in out and "restored checkpoint" not in out, out[-4000:]
     assert_same(job, ref)
 
 

@@ -26,6 +26,10 @@ of the layer, which the replica fingerprints find and repair (engine/fingerprint
 node1) compute FACTOR times slower from step STEP on, in every generation: each forward and
 backward chunk is followed by a sleep of (FACTOR - 1) times its duration, as on a slower device
 (a straggler, engine/straggler.py).
+
+`OOBLECK_SLOW_ENTRY="NODE@GENERATION:SECONDS[,...]"` makes every worker of node NODE (`*`: of every
+node) sleep SECONDS before it connects to generation GENERATION: a slow reconfiguration, so that a
+test can make a second failure land deterministically while the survivors are entering.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ NAN_ENV = "OOBLECK_NAN_AT"
 SPIKE_ENV = "OOBLECK_SPIKE_AT"
 FLIP_ENV = "OOBLECK_FLIP_AT"
 STRAGGLE_ENV = "OOBLECK_STRAGGLE_AT"
+SLOW_ENTRY_ENV = "OOBLECK_SLOW_ENTRY"
 FLIP_BIT = 26
 
 
@@ -117,6 +122,8 @@ class FaultInjector:
     """(rank, step) -> the layer one of whose bits to flip after that step (once; popped when done)."""
     straggle: dict[str, tuple[int, float]] = field(default_factory=dict)
     """node -> (first step, factor): that node's workers compute this many times slower."""
+    slow_entry: dict[tuple[str, int], float] = field(default_factory=dict)
+    """(node or `*`, generation) -> seconds to sleep before connecting to that generation."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "FaultInjector":
@@ -141,7 +148,20 @@ class FaultInjector:
             value=lambda v: _at_least(float(v), 1),
         )
         straggle = {node: (step, factor) for (node, step), factor in slowed.items()}
-        return cls(frozenset(points), slow, poison, flips=flips, straggle=straggle)
+        slow_entry = _parse_at(
+            environ,
+            SLOW_ENTRY_ENV,
+            "NODE@GENERATION:SECONDS (NODE * for every node), e.g. *@2:5",
+            who=lambda n: n or _refuse(),
+            value=lambda v: _at_least(float(v), 0),
+        )
+        return cls(frozenset(points), slow, poison, flips=flips, straggle=straggle, slow_entry=slow_entry)
+
+    def before_entry(self, *, node: str, generation: int) -> None:
+        """Called by a worker before it connects to `generation`: sleep as the environment says."""
+        seconds = self.slow_entry.get((node, generation), self.slow_entry.get(("*", generation), 0.0))
+        if seconds:
+            time.sleep(seconds)
 
     def slowdown(self, *, node: str, step: int) -> float:
         """How many times slower this node's workers compute at `step` (1: not slowed)."""

@@ -186,6 +186,7 @@ class _Worker:
         job's first start, resume from a checkpoint; when layers have no surviving copy, restore."""
         trainer, ctx = self.trainer, self.ctx
         info: Optional[Reconfiguration] = None
+        trainer.faults.before_entry(node=ctx.node_id, generation=plan.generation)  # injected: engine/faults.py
         try:
             try:
                 info = trainer.enter_generation(plan, ctx.store_for(plan.generation, self.cfg), load_plan=ctx.plan_at)
