@@ -3,6 +3,8 @@
 oobleck simulate --trace 10m --model GPT-2 [--systems oobleck,varuna] [--json] [--plot out.png]
 oobleck simulate --nodes 30 --mtbf-h 12 --hours 24 [--join-delay-s 600] --model BERT-large
 oobleck simulate --paper [--json] [--plot paper.png]        # the SOSP'23 comparison in one go
+oobleck simulate --paper --artifact                         # as the authors' simulator computes it
+oobleck simulate --paper --correct stale-timeout,run-span   # artifact vs these corrections only
 oobleck simulate --scale --nodes 10000 --global-batch 8192   # this project's planner at scale
 """
 
@@ -14,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import paper
+from . import paper, paper_artifact
+from .artifact import Corrections
 from .report import plot, plot_paper, summary_table
 from .trace import load_trace, synthetic_trace
 
@@ -35,6 +38,17 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="GPT-3-175B-like model planned by this project at "
         "--nodes nodes, failures from --node-mtbf-h, against torchrun checkpoint-restart",
+    )
+    s.add_argument(
+        "--artifact",
+        action="store_true",
+        help="--paper: only the published systems, as the authors' simulator (SOSP'23 artifact) computes them",
+    )
+    s.add_argument(
+        "--correct",
+        default="all",
+        help="--paper: corrections to the artifact's simulator in the corrected column: all, none, or "
+        f"comma-separated from {', '.join(Corrections.names())} (docs/simulate.md; default all)",
     )
     s.add_argument("--nodes", type=int, help="synthetic trace / --scale: nodes at the start")
     s.add_argument(
@@ -108,12 +122,29 @@ def run(args: argparse.Namespace) -> int:
 
 def _paper(args: argparse.Namespace) -> int:
     inputs = paper.load_inputs(args.inputs)
+    corrections = Corrections.parse(args.correct)
+    cells = paper_artifact.compare(inputs, corrections=corrections)
+    if args.artifact:
+        if args.json:
+            for c in cells:
+                print(json.dumps(c.row(corrections) | {"samples_per_s": c.artifact}))
+        else:
+            print(paper_artifact.comparison_table(cells, artifact_only=True))
+        return 0
     runs = paper.run_paper(inputs, systems=[n.strip() for n in args.systems.split(",") if n.strip()])
     rows = [r.row() for r in runs]
+    by_cell = {(c.model, c.trace, c.system): c for c in cells}
+    for row in rows:
+        cell = by_cell.get((row["model"], row["trace"], row["system"]))
+        if cell is not None:
+            row |= {k: v for k, v in cell.row(corrections).items() if k not in row}
     if args.json:
         for row in rows:
             print(json.dumps(row))
     else:
+        print(f"The published systems as the authors' simulator computes them, and corrected ({corrections.label()}):")
+        print(paper_artifact.comparison_table(cells))
+        print("\nEvery system on this project's timeline model (docs/simulate.md):")
         print(paper.paper_table(runs))
     if args.plot:
         print(f"plot: {plot_paper(rows, args.plot)}", file=sys.stderr)
