@@ -3,7 +3,8 @@
 Every other "same weights as one process" test compares a job with the engine's own `Trainer` on
 the one-worker plan, so a mistake in the engine's math (its layers, loss normalisation, clipping,
 optimizer groups, learning-rate schedule) would be in both sides. Here the reference is
-`transformers.GPT2LMHeadModel` trained by a loop written from the documented rules alone
+the Hugging Face model (`transformers.GPT2LMHeadModel`; `LlamaForCausalLM` for the Llama
+configuration) trained by a loop written from the documented rules alone
 (README "Training"; docs/design.md invariant 1): the whole global batch in one forward, the token
 cross-entropy summed and divided by the global token count, `torch.nn.utils.clip_grad_norm_`,
 `torch.optim.AdamW` (not fused) with weight decay on matrices only, linear warm-up then cosine
@@ -47,12 +48,13 @@ def _lr(step: int, t) -> float:
 
 
 def plain_run(cfg, initial: Path, *, decay_everything: bool = False) -> dict[str, torch.Tensor]:
-    """`STEPS` steps of GPT2LMHeadModel from the Hugging Face directory `initial`; its state dict.
-    `decay_everything`: weight decay on biases and norms too (a common difference, to see the
-    comparison fail)."""
-    from transformers import GPT2LMHeadModel
+    """`STEPS` steps of the Hugging Face model in the directory `initial` (GPT2LMHeadModel or
+    LlamaForCausalLM, as its config says); its state dict, a tied head left out. `decay_everything`:
+    weight decay on biases and norms too (a common difference, to see the comparison fail)."""
+    from transformers import AutoModelForCausalLM
 
-    model = GPT2LMHeadModel.from_pretrained(initial, attn_implementation="eager", torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(initial, attn_implementation="eager", torch_dtype=torch.float32)
+    assert type(model).__name__ in ("GPT2LMHeadModel", "LlamaForCausalLM"), type(model)
     model.train()
     t = cfg.training
     params = list(model.parameters())  # unique: the tied head is the embedding
@@ -84,7 +86,13 @@ def plain_run(cfg, initial: Path, *, decay_everything: bool = False) -> dict[str
         for group in opt.param_groups:
             group["lr"] = _lr(step, t)
         opt.step()
-    return {k: v.detach() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    seen: set[int] = set()  # a tied head is the embedding: keep its first name only, as the export does
+    out = {}
+    for k, v in model.state_dict().items():
+        if v.data_ptr() not in seen:
+            seen.add(v.data_ptr())
+            out[k] = v.detach()
+    return out
 
 
 def _initial(cfg, tmp: Path) -> Path:
@@ -110,26 +118,28 @@ def _assert_match(engine: dict[str, torch.Tensor], plain: dict[str, torch.Tensor
         torch.testing.assert_close(engine[key], plain[key], rtol=RTOL, atol=ATOL, msg=key)
 
 
-def _cfg(tmp: Path, profile: Path):
-    return load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp, STEPS, profile))
+def _cfg(tmp: Path, profile: Path, config: str = "gpt2-tiny"):
+    return load_config(ROOT / f"configs/{config}.yaml", overrides(tmp, STEPS, profile))
 
 
-def test_the_one_worker_engine_matches_a_plain_hugging_face_loop(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path / "ref", tiny_profile(tmp_path / "profile.json"))
+@pytest.mark.parametrize("config", ["gpt2-tiny", "llama-tiny"])
+def test_the_one_worker_engine_matches_a_plain_hugging_face_loop(tmp_path: Path, config: str) -> None:
+    cfg = _cfg(tmp_path / "ref", tiny_profile(tmp_path / "profile.json"), config)
     initial = _initial(cfg, tmp_path)
     plain = plain_run(cfg, initial)
     train(cfg)
     _assert_match(_exported(Path(cfg.checkpoint.dir), tmp_path / "engine-hf"), plain, initial)
 
 
-def test_the_reference_fails_when_the_math_differs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("config", ["gpt2-tiny", "llama-tiny"])
+def test_the_reference_fails_when_the_math_differs(tmp_path: Path, config: str) -> None:
     """The comparison can fail: the same loop with weight decay on biases and norms too does not
     match the engine (which decays matrices only)."""
-    cfg = _cfg(tmp_path / "ref", tiny_profile(tmp_path / "profile.json"))
+    cfg = _cfg(tmp_path / "ref", tiny_profile(tmp_path / "profile.json"), config)
     initial = _initial(cfg, tmp_path)
     train(cfg)
     engine = _exported(Path(cfg.checkpoint.dir), tmp_path / "engine-hf")
-    with pytest.raises(AssertionError, match=r"^transformer\.\S+$"):  # names the first tensor off
+    with pytest.raises(AssertionError, match=r"^(transformer|model)\.\S+$"):  # names the first tensor off
         _assert_match(engine, plain_run(cfg, initial, decay_everything=True), initial)
 
 
