@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from ..logs import JobLog
 from ..config import JobConfig
 
 __all__ = [
@@ -53,7 +54,7 @@ __all__ = [
     "graphs_compiled",
 ]
 
-log = logging.getLogger(__name__)
+log = JobLog(logging.getLogger(__name__))
 
 
 def compile_enabled(cfg: JobConfig, device: torch.device) -> bool:
@@ -158,11 +159,7 @@ def warm_up(
         out.float().sum().backward()
         del layer, x, out
     seconds = time.perf_counter() - t0
-    log.info(
-        "node %s: compiled %d kind(s) of layer (of %d layers), forward and backward, in %.1f s",
-        node,
-        len(kinds),
-        n,
-        seconds,
+    log.at(node=node).info(
+        "compiled %d kind(s) of layer (of %d layers), forward and backward, in %.1f s", len(kinds), n, seconds
     )
     return seconds

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..logs import JobLog
 from ..config import JobConfig
 from ..models import LayerModel, build_layer_model, num_layers
 from ..models.tensor_parallel import from_full, local, to_full, wrap_like
@@ -63,7 +64,7 @@ from .optim import adamw_step, clip_coefficient, scale_grads, set_lr, token_sum_
 
 __all__ = ["Trainer", "StepResult", "LayersLost", "Reconfiguration", "WorkerState", "single_process"]
 
-log = logging.getLogger(__name__)
+log = JobLog(logging.getLogger(__name__))
 
 _SEEN = 5  # the commit's fixed slots (generation, peak RSS, peak device memory, max loss, rejections)
 
@@ -117,10 +118,9 @@ class Trainer:
         self.clock = ComputeClock(self.device, slowdown=lambda: self.faults.slowdown(node=self.node, step=self._step))
         """Times this worker's compute in a step (engine/straggler.py)."""
         if not self.clock.measures and cfg.fault_tolerance.straggler_factor > 0:
-            log.info(
-                "node %s: this worker's compute time is not compared with the others' (no straggler is named): "
-                "on the CPU that needs one intra-op thread per worker (OMP_NUM_THREADS=1; torch has %d)",
-                node,
+            log.at(node=node).info(
+                "this worker's compute time is not compared with the others' (no straggler is named): on "
+                "the CPU that needs one intra-op thread per worker (OMP_NUM_THREADS=1; torch has %d)",
                 torch.get_num_threads(),
             )
         self.batches = BatchPrefetcher(dataset, self.my_samples, pin_memory=self.device.type == "cuda")

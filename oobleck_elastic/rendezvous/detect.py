@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
+from ..logs import JobLog
 from ..etcd.client import warn_once
 from ..etcd.protocols import KVReader, KVStore
 from ..planning import Plan
@@ -45,7 +46,7 @@ from .liveness import LIVENESS_LOST, LivenessMonitor
 from .membership import put_event
 from .records import Checkin, CheckinKind, Event, EventKind, NodeRecord, Ping, Roster, read_leader
 
-log = logging.getLogger(__name__)
+log = JobLog(logging.getLogger(__name__))
 
 STALL_RECHECK_S = 1.0  # a stall-only roll call whose suspects all answered is repeated after this
 ROLL_CALL_LOST = "a peer saw its connections break and its agent did not answer a ping"
@@ -131,9 +132,8 @@ class RollCall:
         if self._round is None or self._round[0] != plan.generation:
             self._round = (plan.generation, _Pinger(self.client, self.keys, self.reader, self.clock), now)
             kinds = sorted(set(entries.values()))
-            log.info(
-                "node %s: roll call for generation %d (%d worker(s) checked in: %s)",
-                self.node_id,
+            log.at(node=self.node_id).info(
+                "roll call for generation %d (%d worker(s) checked in: %s)",
                 plan.generation,
                 len(entries),
                 "/".join(kinds),
@@ -219,7 +219,7 @@ class Deputy:
             f"leader {leader_node} did not answer a ping during the roll call of generation "
             f"{plan.generation}; revoked its lease"
         )
-        log.warning("node %s: %s", self.node_id, detail)
+        log.at(node=self.node_id).warning("%s", detail)
         put_event(
             self.client,
             self.keys,
@@ -291,10 +291,10 @@ class LeaderWatch:
         try:
             self.client.revoke_lease(known.lease_id)
         except Exception as err:  # noqa: BLE001 - another agent revoked it first
-            log.info("node %s: leader %s's lease is gone already (%s)", self.node_id, node, type(err).__name__)
+            log.at(node=self.node_id).info("leader %s's lease is gone already (%s)", node, type(err).__name__)
             return True
         detail = f"leader {node}: {LIVENESS_LOST}; revoked its lease"
-        log.warning("node %s: %s", self.node_id, detail)
+        log.at(node=self.node_id).warning("%s", detail)
         put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.LOST, node=node, detail=detail))
         return True
 

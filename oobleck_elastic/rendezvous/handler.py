@@ -52,6 +52,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
+from ..logs import JobLog
 from ..config import ConfigError, JobConfig, load_config
 from ..engine.errors import ErrorRecord, next_error_record
 from ..engine.heartbeat import ENV as HEARTBEAT_ENV
@@ -79,7 +80,7 @@ from .membership import Member, mark_draining, put_event
 from .hang import HangWatch, WorkerHung
 from .preempt import PreemptionWatch, parse_signals
 
-log = logging.getLogger(__name__)
+log = JobLog(logging.getLogger(__name__))
 
 BACKEND = "oobleck"
 RDZV_OPTIONS = {
@@ -298,9 +299,9 @@ class OobleckRendezvousHandler(RendezvousHandler):
             }
         )
         if plan is None:
-            log.info("node %s: admitted; the first plan follows once a worker has measured the profile", node)
+            log.at(node=node).info("admitted; the first plan follows once a worker has measured the profile")
         else:
-            log.info("node %s: admitted (current generation %d, %d node(s))", node, plan.generation, len(plan.nodes))
+            log.at(node=node).info("admitted (current generation %d, %d node(s))", plan.generation, len(plan.nodes))
         info = RendezvousStoreInfo("127.0.0.1", free_port())
         return RendezvousInfo(self._store, 0, 1, info)
 
@@ -324,9 +325,8 @@ class OobleckRendezvousHandler(RendezvousHandler):
             alive=lambda: not self._stopping.is_set(),
         )
         if threading.current_thread() is not threading.main_thread():
-            log.warning(
-                "node %s: preemption notices are not handled (the rendezvous runs outside the main thread)",
-                member.node_id,
+            log.at(node=member.node_id).warning(
+                "preemption notices are not handled (the rendezvous runs outside the main thread)"
             )
             return
         watch.install()
@@ -386,7 +386,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
                     self.client.put(self.keys.pong(self.member.node_id), kv.value)
                     answered = kv.mod_revision
             except Exception as err:  # noqa: BLE001 - a missed pong only delays the re-plan
-                log.warning("node %s: could not answer a ping: %s", self.member.node_id, err)
+                log.at(node=self.member.node_id).warning("could not answer a ping: %s", err)
                 self._stopping.wait(0.1)
 
     def _wait_admitted(self, node: str) -> Roster | None:
@@ -419,7 +419,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
                     "same --rdzv-id and --rdzv-endpoint?"
                 )
             if now > next_log:
-                log.info("node %s: waiting to be admitted (generation %s)", node, plan.generation if plan else "none")
+                log.at(node=node).info("waiting to be admitted (generation %s)", plan.generation if plan else "none")
                 next_log = now + 10
             version = self.view.wait(version, 0.5)
 

@@ -31,11 +31,12 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..logs import JobLog
 from ..engine.heartbeat import STACK_SIGNAL, Beat, read_beat
 
 __all__ = ["overdue", "HangWatch", "WorkerHung"]
 
-log = logging.getLogger(__name__)
+log = JobLog(logging.getLogger(__name__))
 
 
 class WorkerHung(RuntimeError):
@@ -128,10 +129,9 @@ class HangWatch:
             if asked is None:
                 return  # gone already
             stack = asked
-        log.error(
-            "node %s: worker %d (pid %d) has stood still in step %d for %.1f s (bound %.1f s): its stacks:"
-            "\n%s\nstopping it; its agent restarts it and the job re-plans",
-            self.node,
+        log.at(node=self.node).error(
+            "worker %d (pid %d) has stood still in step %d for %.1f s (bound %.1f s): its "
+            "stacks:\n%s\nstopping it; its agent restarts it and the job re-plans",
             local_rank,
             beat.pid,
             beat.step + 1,
@@ -142,7 +142,7 @@ class HangWatch:
         try:
             self.record(beat, local_rank, bound, stack)
         except Exception as err:  # noqa: BLE001 - etcd out of reach: cut the worker off anyway
-            log.warning("node %s: could not record the hang of worker %d: %s", self.node, local_rank, err)
+            log.at(node=self.node).warning("could not record the hang of worker %d: %s", local_rank, err)
         try:
             os.kill(beat.pid, signal.SIGKILL)
         except ProcessLookupError:

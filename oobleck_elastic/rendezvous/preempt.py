@@ -33,11 +33,12 @@ import time
 from typing import Callable, Optional, Sequence
 
 
+from ..logs import JobLog
 from ..config import parse_signals
 
 __all__ = ["TORCHRUN_SIGNALS", "parse_signals", "PreemptionWatch"]
 
-log = logging.getLogger(__name__)
+log = JobLog(logging.getLogger(__name__))
 
 TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 """What torchrun's agent handles when TORCHELASTIC_SIGNALS_TO_HANDLE is unset."""
@@ -91,22 +92,20 @@ class PreemptionWatch:
                 f"preemption notice ({name}): hands its layers over and leaves within "
                 f"{self.grace_s:g} s (fault_tolerance.preempt_grace_s)"
             )
-            log.warning(
-                "node %s: preemption notice (%s): %s",
-                self.node,
+            log.at(node=self.node).warning(
+                "preemption notice (%s): %s",
                 name,
                 "draining: the node leaves at the next step boundary" if marked else "could not mark the node draining",
             )
         except Exception as err:  # noqa: BLE001 - etcd out of reach: the grace still applies
-            log.warning("node %s: preemption notice (%s): could not mark the node draining: %s", self.node, name, err)
+            log.at(node=self.node).warning("preemption notice (%s): could not mark the node draining: %s", name, err)
         deadline = self.noticed + self.grace_s if self.noticed is not None else time.monotonic()
         while self._alive() and time.monotonic() < deadline:
             time.sleep(0.1)
         if self._alive():
-            log.error(
-                "node %s: still running %.0f s after its preemption notice (%s): stopping its workers; the "
-                "job handles this as a failure",
-                self.node,
+            log.at(node=self.node).error(
+                "still running %.0f s after its preemption notice (%s): stopping its workers; the job "
+                "handles this as a failure",
                 self.grace_s,
                 name,
             )

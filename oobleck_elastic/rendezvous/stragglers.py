@@ -15,13 +15,14 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
+from ..logs import JobLog
 from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
 from .keys import Keys
 from .membership import put_event
 from .records import Event, EventKind, read_stragglers
 
-log = logging.getLogger(__name__)
+log = JobLog(logging.getLogger(__name__))
 
 
 class LeaderStragglers:
@@ -55,7 +56,7 @@ class LeaderStragglers:
         self.left_out |= set(nodes)
         detail = f"left out of the plan: a straggler, and the step is faster without it ({why}); it stays out"
         for node in nodes:
-            log.warning("node %s: node %s %s", leader, node, detail)
+            log.at(node=leader).warning("node %s %s", node, detail)
             put_event(
                 client,
                 keys,

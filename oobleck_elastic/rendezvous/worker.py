@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
+from ..logs import JobLog
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.client import warn_once
 from ..etcd.mirror import Mirror
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
 
     from ..config import JobConfig
 
-log = logging.getLogger(__name__)
+log = JobLog(logging.getLogger(__name__))
 
 
 def under_oobleck(environ: Optional[dict[str, str]] = None) -> bool:
@@ -226,7 +227,7 @@ class WorkerContext:
             if holder is None or (holder.node, holder.local_rank) != (self.node_id, self.local_rank):
                 return  # another worker measures this device kind (or a malformed claim holds it)
             self.client.put_json(claim, mine.to_json(), lease=lease)  # this worker's earlier run held it: take over
-        log.info("node %s rank %d: measuring the profile of %s for the planner", self.node_id, self.local_rank, label)
+        log.at(node=self.node_id, rank=self.local_rank).info("measuring the profile of %s for the planner", label)
         try:
             profile = profiler.load_or_profile(cfg, device=device, log=log.info)
             self.client.put(key, json.dumps(profile.to_json()))
@@ -239,10 +240,8 @@ class WorkerContext:
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the profiled layers' memory goes back to training
-        log.info(
-            "node %s rank %d: published the profile of %s (%d layers%s)",
-            self.node_id,
-            self.local_rank,
+        log.at(node=self.node_id, rank=self.local_rank).info(
+            "published the profile of %s (%d layers%s)",
             label,
             profile.num_layers,
             f", {profile.device_memory_bytes / 1024**3:.1f} GiB device memory" if profile.device_memory_bytes else "",
