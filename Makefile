@@ -2,7 +2,7 @@
 #   make demo   - the main job: train a small GPT-2 on a local 4-node simulation (embedded etcd,
 #                 one torchrun per node), SIGKILL one node mid-run, keep training, print a summary
 #   make test   - the test suite (what CI runs, after make lint)
-#   make lint   - ruff check and ruff format --check (settings in pyproject.toml)
+#   make lint   - ruff check, ruff format --check and mypy on oobleck_elastic/ (settings in pyproject.toml)
 # On a CPU machine torch is pinned to the local CPU build; on a GPU machine use e.g.
 #   make TORCH=torch test
 PYTHON ?= python3
@@ -29,6 +29,7 @@ test: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 chaos: $(VENV)/.installed
 	$(PY) -m pytest -q -m chaos -s tests/test_chaos.py

@@ -354,7 +354,7 @@ def _known_keys(parent: str) -> list[str]:
         match = [f for f in fields(node) if f.name == part]
         if not match or match[0].default_factory is MISSING:
             return []
-        node = type(match[0].default_factory())  # type: ignore[misc]
+        node = type(match[0].default_factory())
         if not is_dataclass(node):
             return []
     return [f.name for f in fields(node)]

@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import grpc
 import pyetcd
@@ -233,7 +233,7 @@ class EtcdClient:
         *,
         values: Optional[dict[str, bytes]] = None,
         revisions: Optional[dict[str, Optional[int]]] = None,
-        puts: Optional[dict[str, bytes | str]] = None,
+        puts: Optional[Mapping[str, bytes | str]] = None,
         lease: Optional[int] = None,
     ) -> bool:
         """One transaction: if every key in `values` holds that value and every key in `revisions`

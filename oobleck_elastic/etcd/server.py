@@ -38,7 +38,7 @@ import urllib.error
 import urllib.request
 import weakref
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import BinaryIO, Optional, Sequence
 
 from .client import EtcdError
 
@@ -145,7 +145,7 @@ class EtcdServer:
         self.data_dir: Optional[str] = data_dir
         self.log_path: Optional[str] = log_path
         self._proc: Optional[subprocess.Popen] = None
-        self._log_file = None
+        self._log_file: Optional[BinaryIO] = None
         self.returncode: Optional[int] = None
 
     # ------------------------------------------------------------------ properties
@@ -220,8 +220,9 @@ class EtcdServer:
                 )
         if self._given_data_dir is None or self._given_log_path is None:
             self._tmp_dir = tempfile.mkdtemp(prefix="oobleck-etcd-")
-        self.data_dir = self._given_data_dir or os.path.join(self._tmp_dir, "data")
-        self.log_path = self._given_log_path or os.path.join(self._tmp_dir, "etcd.log")
+        scratch = self._tmp_dir or ""  # set above whenever a path below is not given
+        self.data_dir = self._given_data_dir or os.path.join(scratch, "data")
+        self.log_path = self._given_log_path or os.path.join(scratch, "etcd.log")
         self._log_file = open(self.log_path, "ab")
         cmd = self.command()
         cmd[0] = binary
@@ -252,8 +253,10 @@ class EtcdServer:
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         last = "no answer yet"
+        proc = self._proc
+        assert proc is not None, "start() first"
         while True:
-            rc = self._proc.poll()
+            rc = proc.poll()
             if rc is not None:
                 raise EtcdServerError(
                     f"etcd exited with code {rc} while starting on {self.endpoint} "
@@ -264,7 +267,7 @@ class EtcdServer:
                 with urllib.request.urlopen(f"{self.client_url}/health", timeout=1.0, context=context) as resp:
                     body = resp.read()
                 if json.loads(body).get("health") == "true":
-                    if self._proc.poll() is None:
+                    if proc.poll() is None:
                         return
                     continue
                 last = body.decode(errors="replace")
@@ -404,7 +407,7 @@ def start_cluster(
     return; stop each member with `stop()`. `",".join(m.endpoint for m in ...)` is the endpoint
     list for `--rdzv-endpoint`."""
     names = [f"m{i}" for i in range(members)]
-    ports = []
+    ports: list[int] = []
     while len(ports) < 2 * members:
         port = free_port(host)
         if port not in ports:

@@ -157,7 +157,7 @@ class EtcdStore(dist.Store):
     def clone(self) -> "EtcdStore":
         """A store on the same client, prefix and timeout (c10d clones stores for some backends)."""
         return EtcdStore(
-            self.client, prefix=self.prefix, timeout=self.timeout, on_wait=self.on_wait, min_wait=self.min_wait
+            self.client, prefix=self.prefix, timeout=self._timeout(), on_wait=self.on_wait, min_wait=self.min_wait
         )
 
     # ------------------------------------------------------------------ extras
@@ -169,8 +169,12 @@ class EtcdStore(dist.Store):
         return f"EtcdStore({self.client.settings.endpoint}, prefix={self.prefix!r})"
 
     # ------------------------------------------------------------------ waiting
+    def _timeout(self) -> timedelta:
+        """The store's timeout (a property of c10d's Store that torch's type stubs do not declare)."""
+        return self.timeout  # type: ignore[attr-defined]
+
     def _wait_get(self, keys: list[str], override_timeout: Optional[timedelta]) -> list[bytes]:
-        timeout = override_timeout if override_timeout is not None else self.timeout
+        timeout = override_timeout if override_timeout is not None else self._timeout()
         if self.min_wait is not None and timeout.total_seconds() > 0:
             timeout = max(timeout, self.min_wait)
         total_s = timeout.total_seconds()

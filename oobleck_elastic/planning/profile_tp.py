@@ -41,7 +41,9 @@ def profile_tensor_parallel(
     from ..models.tensor_parallel import parallelize_layer
 
     tp = dist.get_world_size()
-    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+    world = dist.group.WORLD
+    assert world is not None, "init_process_group first"
+    mesh = DeviceMesh.from_group(world, device.type)
     key = profile_key(cfg, device=device) | {"tensor_parallel": tp}
     prof = profile_model(
         cfg,

@@ -109,7 +109,8 @@ class _SavedTensorMeter:
     """Pack hook that adds up the storages autograd saves, skipping parameter storages."""
 
     def __init__(self, exclude: set[tuple[str, int]]) -> None:
-        self.exclude, self.seen = exclude, {}
+        self.exclude = exclude
+        self.seen: dict[tuple[str, int], int] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         try:
@@ -403,7 +404,7 @@ def profile_model(
     n = whole.num_layers
 
     def build(i: int) -> nn.Module:
-        return models.build_layer_model(cfg.model, seed=seed, owned=[i], device=dev).layers[i]
+        return models.build_layer_model(cfg.model, seed=seed, owned=[i], device=dev).held(i)
 
     kinds = None
     if cfg.planning.profile_identical_blocks_once:
@@ -480,7 +481,7 @@ def profile_key(cfg: JobConfig, *, device: str | torch.device) -> dict[str, Any]
         conf = Path(cfg.model.pretrained_path).expanduser() / "config.json"
         if conf.is_file():
             model["pretrained_config_sha256"] = hashlib.sha256(conf.read_bytes()).hexdigest()
-    key = {
+    key: dict[str, Any] = {
         "model": model,
         "microbatch_size": cfg.training.microbatch_size,  # a number, or "auto"
         "seq_len": cfg.data.seq_len,

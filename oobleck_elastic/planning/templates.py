@@ -188,7 +188,7 @@ class StageCosts:
         cuts = np.arange(self.num_layers + 1)
         self._empty = cuts[:, None] >= cuts[None, :]
         self._cut_s = {
-            same: np.array([self.links.p2p_s(self._out[c], same_node=same) if links else 0.0 for c in cuts])
+            same: np.array([links.p2p_s(self._out[c], same_node=same) if links else 0.0 for c in cuts])
             for same in (True, False)
         }
 

@@ -191,6 +191,7 @@ class Member:
         while not self._stop.wait(interval):
             sent = time.monotonic()
             try:
+                assert self.lease is not None, "the keep-alive runs only while registered"
                 ttl = self.client.refresh_lease(self.lease)
             except EtcdError as err:  # unreachable for longer than the outage bound
                 self._fence(f"etcd stayed unreachable: {err}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from dataclasses import asdict, dataclass
 from enum import Enum
@@ -34,11 +35,11 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 
-try:
+if sys.version_info >= (3, 11):
     from enum import StrEnum
-except ImportError:  # Python 3.10
+else:  # Python 3.10
 
-    class StrEnum(str, Enum):  # type: ignore[no-redef]
+    class StrEnum(str, Enum):
         """A str-valued Enum (enum.StrEnum from Python 3.11 on)."""
 
         def __str__(self) -> str:
