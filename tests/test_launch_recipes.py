@@ -73,8 +73,8 @@ def test_sbatch_torchrun_line() -> None:
     cmd = torchrun_command(text)
     for flag in TORCHRUN_FLAGS:
         assert flag in cmd, flag
-    assert '--rdzv-id="$SLURM_JOB_ID"' in cmd
-    assert '--nnodes="${MIN_NODES}:${SLURM_NNODES}"' in cmd
+    assert '--rdzv-id="$RDZV_ID"' in cmd and re.search(r"^RDZV_ID=\$\{RDZV_ID:-\$SLURM_JOB_ID\}", text, re.M)
+    assert '--nnodes="${MIN_NODES}:${MAX_NODES}"' in cmd
     assert "examples/train.py --config" in cmd
     srun = [ln for ln in re.sub(r"\\\n\s*", " ", text).splitlines() if "torchrun" in ln and "srun" in ln]
     assert srun, "torchrun must be started with srun on every node"

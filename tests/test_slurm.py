@@ -1,0 +1,123 @@
+"""launcher/slurm/oobleck.sbatch on a real Slurm (tests/slurm_cluster.py: munge, slurmctld and four
+slurmd on this machine). The job trains gpt2-tiny as two 2-stage pipelines on four nodes; Slurm
+takes a node away (`scontrol update ... state=down`, or a preemption notice through `scancel
+--signal=TERM` of the node's step); the job must end with the single-process reference's weights
+and Slurm must report it COMPLETED, with nothing left behind (etcd data, processes)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+
+from oobleck_elastic.config import load_config
+from oobleck_elastic.engine.run import train
+from oobleck_elastic.etcd import EtcdError, EtcdSettings, connect
+from oobleck_elastic.etcd.server import free_port
+from oobleck_elastic.checkpoint import load_model_state
+from oobleck_elastic.rendezvous.keys import Keys
+from oobleck_elastic.rendezvous.records import read_progress
+from helpers import assert_same, overrides, tiny_profile
+from slurm_cluster import SlurmCluster, missing
+
+ROOT = Path(__file__).resolve().parents[1]
+SBATCH = ROOT / "launcher" / "slurm" / "oobleck.sbatch"
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
+
+
+@pytest.fixture
+def slurm():
+    cluster = SlurmCluster(nodes=4).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+class Job:
+    """One submission of oobleck.sbatch: its Slurm job id, etcd endpoint and run keys."""
+
+    def __init__(
+        self, slurm: SlurmCluster, tmp: Path, steps: int, *, nodes: int = 4, env: Optional[dict] = None
+    ) -> None:
+        self.slurm, self.tmp = slurm, tmp
+        profile = tiny_profile(tmp / "profile.json")
+        self.overrides = overrides(tmp / "job", steps, profile)
+        self.reference = overrides(tmp / "ref", steps, profile)
+        self.etcd_port = free_port()
+        self.etcd_data = slurm.root / f"etcd-{self.etcd_port}"
+        job_env = {
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # torchrun, oobleck, python
+            "CONFIG": "configs/gpt2-tiny.yaml",
+            "TRAIN_ARGS": " ".join(self.overrides),
+            "MIN_NODES": "2",
+            "GPUS_PER_NODE": "1",
+            "ETCD_IP": "127.0.0.1",  # every node of this Slurm is this machine
+            "ETCD_PORT": str(self.etcd_port),
+            "ETCD_DATA_DIR": str(self.etcd_data),
+            "RDZV_CONF": "lease_ttl=2,settle=0.2,last_call_timeout=1",
+            **(env or {}),
+        }
+        self.endpoint = job_env.get("ETCD_ENDPOINT") or f"127.0.0.1:{self.etcd_port}"
+        args = [f"--nodes={nodes}", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10:00"]
+        self.id = slurm.sbatch(SBATCH, args, cwd=ROOT, env=job_env)
+        self.keys = Keys("/oobleck", job_env.get("RDZV_ID", self.id))
+
+    def when_step(self, step: int, action: Callable[[], None], timeout_s: float = 180.0) -> None:
+        """Run `action` once the run reports `step` completed steps."""
+        deadline = time.monotonic() + timeout_s
+        client = None
+        try:
+            while time.monotonic() < deadline:
+                state = self.slurm.job(self.id).get("JobState")
+                assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {state}:\n{self.output()[-5000:]}"
+                try:
+                    client = client or connect(EtcdSettings(endpoint=self.endpoint, timeout_s=2))
+                    progress = read_progress(client, self.keys)
+                except EtcdError:
+                    progress = None
+                if progress is not None and progress.step >= step:
+                    action()
+                    return
+                time.sleep(0.1)
+            raise AssertionError(f"the job did not reach step {step}:\n{self.output()[-5000:]}")
+        finally:
+            if client is not None:
+                client.close()
+
+    def output(self) -> str:
+        return self.slurm.output(self.id)
+
+    def finish(self, timeout_s: float = 240.0) -> tuple[dict[str, str], str]:
+        """Slurm's record of the ended job, and its output (also kept in the test's tmp dir)."""
+        info = self.slurm.wait_job(self.id, timeout_s)
+        out = self.output()
+        (self.tmp / f"slurm-{self.id}.out").write_text(out)
+        return info, out
+
+    def weights(self) -> dict:
+        return load_model_state(self.tmp / "job" / "ckpt")
+
+    def reference_weights(self) -> dict:
+        train(load_config(ROOT / "configs/gpt2-tiny.yaml", self.reference))
+        return load_model_state(self.tmp / "ref" / "ckpt")
+
+
+def test_a_node_set_down_by_slurm_is_survived(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """n3 is set DOWN at step 4 of 12: Slurm kills its step (its agent and worker); the three other
+    nodes re-plan and train to the end with the reference's weights, and the job is COMPLETED."""
+    job = Job(slurm, tmp_path, steps=12)
+    job.when_step(4, lambda: slurm.run(["scontrol", "update", "nodename=n3", "state=down", "reason=test"]))
+    info, out = job.finish()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out[-5000:]
+    assert "node n3: no longer in the allocation (Slurm took it away" in out, out[-5000:]
+    for node in ("n1", "n2", "n4"):
+        assert f"node {node}: its agent's step exited with status 0" in out, out[-5000:]
+    assert f"run {job.id} finished: " in out, out[-5000:]
+    assert "(failure: -node" in out, out[-5000:]
+    assert not job.etcd_data.exists(), "the job left its etcd data behind"
+    assert_same(job.weights(), job.reference_weights())
