@@ -259,7 +259,9 @@ class SlurmCluster:
                 )
             time.sleep(0.5)
 
-    def steps(self, job: str) -> dict[str, str]:
-        """Running steps of a job: {step id: node list}."""
-        res = self.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %N"], check=False)
-        return dict(line.split() for line in res.stdout.splitlines() if len(line.split()) == 2)
+    def step_on(self, job: str, node: str, name: str = "torchrun") -> str:
+        """The id (`job.step`) of the job's running step named `name` on `node`."""
+        res = self.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j %N"], check=False)
+        found = [f[0] for f in (line.split() for line in res.stdout.splitlines()) if f[1:] == [name, node]]
+        assert len(found) == 1, f"expected one {name} step of job {job} on {node}:\n{res.stdout}"
+        return found[0]

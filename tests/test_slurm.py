@@ -121,3 +121,20 @@ def test_a_node_set_down_by_slurm_is_survived(slurm: SlurmCluster, tmp_path: Pat
     assert "(failure: -node" in out, out[-5000:]
     assert not job.etcd_data.exists(), "the job left its etcd data behind"
     assert_same(job.weights(), job.reference_weights())
+
+
+def test_scancel_signal_term_of_a_node_drains_it(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """`scancel --signal=TERM JOB.STEP` of n3's step at step 4 of 12 is a preemption notice: the node
+    is drained (hands its layers over at a step boundary, no failure), its step exits 0, and the job
+    is COMPLETED with the reference's weights."""
+    job = Job(slurm, tmp_path, steps=12)
+    # Slurm 22.05's scancel delivers a step's signal yet says "Invalid job id specified" (exit 225)
+    job.when_step(4, lambda: slurm.run(["scancel", "--signal=TERM", slurm.step_on(job.id, "n3")], check=False))
+    info, out = job.finish()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out[-5000:]
+    assert "preemption notice (SIGTERM): draining" in out and "(drain: -node" in out, out[-5000:]
+    assert "communication failed" not in out and "step abandoned" not in out, out[-5000:]
+    for node in ("n1", "n2", "n3", "n4"):
+        assert f"node {node}: its agent's step exited with status 0" in out, out[-5000:]
+    assert "no longer in the allocation" not in out, out[-5000:]
+    assert_same(job.weights(), job.reference_weights())

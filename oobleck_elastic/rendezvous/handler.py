@@ -196,6 +196,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self._stopping = threading.Event()
         self.hang_watch: Optional[HangWatch] = None
         self._heartbeat_dir: Optional[Path] = None
+        self._notice_dir: Optional[Path] = None
         os.environ["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"  # the agent skips store-based rank assignment
 
     # ------------------------------------------------------------------ RendezvousHandler
@@ -231,8 +232,9 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self._stopping.set()
         if self.hang_watch is not None:
             self.hang_watch.stop()
-        if self._heartbeat_dir is not None:
-            shutil.rmtree(self._heartbeat_dir, ignore_errors=True)
+        for directory in (self._heartbeat_dir, self._notice_dir):
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
         if self.view is not None:
             self.view.close()
         if self.member is not None and self.member.record is not None:
@@ -316,19 +318,21 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 rec.state == NodeState.DRAINING or mark_draining(self.client, self.keys, rec, detail)
             )
 
-        watch = PreemptionWatch(
-            parse_signals(ft.preempt_signals),
-            grace_s=ft.preempt_grace_s,
-            node=member.node_id,
-            drain=drain,
-            alive=lambda: not self._stopping.is_set(),
-        )
         if threading.current_thread() is not threading.main_thread():
             log.warning(
                 "node %s: preemption notices are not handled (the rendezvous runs outside the main thread)",
                 member.node_id,
             )
             return
+        self._notice_dir = Path(tempfile.mkdtemp(prefix=f"oobleck-preempt-{member.node_id}-"))
+        watch = PreemptionWatch(
+            parse_signals(ft.preempt_signals),
+            grace_s=ft.preempt_grace_s,
+            node=member.node_id,
+            drain=drain,
+            alive=lambda: not self._stopping.is_set(),
+            notice_file=self._notice_dir / "notice",
+        )
         watch.install()
 
     def _watch_hangs(self) -> None:
