@@ -17,7 +17,7 @@ import pytest
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.run import train
 from oobleck_elastic.etcd import EtcdError, EtcdSettings, connect
-from oobleck_elastic.etcd.server import free_port
+from oobleck_elastic.etcd.server import free_port, start_cluster
 from oobleck_elastic.checkpoint import load_model_state
 from oobleck_elastic.rendezvous.keys import Keys
 from oobleck_elastic.rendezvous.records import read_progress
@@ -45,7 +45,9 @@ class Job:
         self, slurm: SlurmCluster, tmp: Path, steps: int, *, nodes: int = 4, env: Optional[dict] = None
     ) -> None:
         self.slurm, self.tmp = slurm, tmp
-        profile = tiny_profile(tmp / "profile.json")
+        profile = tmp / "profile.json"  # written once: a second job of the same run reads it
+        if not profile.exists():
+            tiny_profile(profile)
         self.overrides = overrides(tmp / "job", steps, profile)
         self.reference = overrides(tmp / "ref", steps, profile)
         self.etcd_port = free_port()
@@ -63,12 +65,12 @@ class Job:
             **(env or {}),
         }
         self.endpoint = job_env.get("ETCD_ENDPOINT") or f"127.0.0.1:{self.etcd_port}"
-        args = [f"--nodes={nodes}", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10:00"]
+        args = [f"--nodes={nodes}", "--exclusive", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10:00"]
         self.id = slurm.sbatch(SBATCH, args, cwd=ROOT, env=job_env)
         self.keys = Keys("/oobleck", job_env.get("RDZV_ID", self.id))
 
-    def when_step(self, step: int, action: Callable[[], None], timeout_s: float = 180.0) -> None:
-        """Run `action` once the run reports `step` completed steps."""
+    def when_step(self, step: int, action: Callable[[], None], timeout_s: float = 180.0, generation: int = 0) -> None:
+        """Run `action` once the run reports `step` completed steps in `generation` or a later one."""
         deadline = time.monotonic() + timeout_s
         client = None
         try:
@@ -80,7 +82,7 @@ class Job:
                     progress = read_progress(client, self.keys)
                 except EtcdError:
                     progress = None
-                if progress is not None and progress.step >= step:
+                if progress is not None and progress.step >= step and progress.generation >= generation:
                     action()
                     return
                 time.sleep(0.1)
@@ -137,4 +139,32 @@ def test_scancel_signal_term_of_a_node_drains_it(slurm: SlurmCluster, tmp_path: 
     for node in ("n1", "n2", "n3", "n4"):
         assert f"node {node}: its agent's step exited with status 0" in out, out[-5000:]
     assert "no longer in the allocation" not in out, out[-5000:]
+    assert_same(job.weights(), job.reference_weights())
+
+
+def test_an_external_etcd_and_a_second_allocation_that_joins_the_run(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """ETCD_ENDPOINT: a 3-member etcd outside the allocation, so no node of it holds the control
+    plane. A 3-node job (MAX_NODES=4) trains; at step 1 a second 1-node sbatch with the same
+    ETCD_ENDPOINT and RDZV_ID adds its node to the run; once it trains an etcd member is SIGKILLed. Both
+    jobs are COMPLETED and the run ends with the reference's weights."""
+    import signal
+
+    members = start_cluster(3, str(tmp_path / "etcd"), extra_args=["--unsafe-no-fsync"])
+    try:
+        env = {"ETCD_ENDPOINT": ",".join(m.endpoint for m in members), "MAX_NODES": "4"}
+        job = Job(slurm, tmp_path, steps=24, nodes=3, env=env)
+        joiner: list[Job] = []
+        job.when_step(1, lambda: joiner.append(Job(slurm, tmp_path, steps=24, nodes=1, env={**env, "RDZV_ID": job.id})))
+        job.when_step(0, lambda: os.kill(members[0].pid, signal.SIGKILL), generation=2)  # the joiner trains
+        info, out = job.finish()
+        (second,) = joiner
+        info2, out2 = second.finish()
+    finally:
+        for member in members:
+            member.stop()
+    assert info["JobState"] == "COMPLETED" and info2["JobState"] == "COMPLETED", out[-3000:] + out2[-3000:]
+    assert f"etcd at {env['ETCD_ENDPOINT']} (not started by this job); run id {job.id}" in out2, out2[-3000:]
+    assert "(join: +node" in out + out2, out[-3000:] + out2[-3000:]
+    assert f"run {job.id} finished: " in out and f"run {job.id} finished: " in out2, out[-3000:] + out2[-3000:]
+    assert "communication failed" not in out + out2, out[-3000:] + out2[-3000:]
     assert_same(job.weights(), job.reference_weights())
