@@ -143,3 +143,34 @@ def test_k8s_configmap_is_a_valid_job_config(tmp_path: Path) -> None:
     path.write_text(cm["data"]["gpt2-small.yaml"])
     cfg = load_config(path)
     assert cfg.planning.gpus_per_node == 8  # = --nproc-per-node and nvidia.com/gpu
+
+
+def test_k8s_manifest_is_valid_against_the_kubernetes_schemas() -> None:
+    """Every resource against the real schemas of the newest Kubernetes that kubernetes-validate
+    ships (offline), strictly: an unknown or misspelt field fails, as a typo would on a cluster."""
+    kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (the test extras)")
+    version = kv.latest_version()
+    for doc in k8s_docs():
+        kv.validate(doc, version, strict=True)
+    job = one(k8s_docs(), "Job")
+    pod = job["spec"]["template"]["spec"]
+    pod["terminationGracePeriodSecond"] = pod.pop("terminationGracePeriodSeconds")
+    with pytest.raises(kv.ValidationError, match="terminationGracePeriodSecond"):
+        kv.validate(job, version, strict=True)
+
+
+def test_k8s_eviction_is_a_preemption_notice_with_time_to_drain(tmp_path: Path) -> None:
+    """The kubelet sends SIGTERM to the trainer container's PID 1, then SIGKILL after the pod's
+    grace period: PID 1 must be torchrun's agent (a shell would not pass the signal on), SIGTERM a
+    preemption notice of the job config, and its drain grace shorter than the pod's."""
+    from oobleck_elastic.config import load_config
+
+    pod = one(k8s_docs(), "Job")["spec"]["template"]["spec"]
+    (trainer,) = pod["containers"]
+    assert trainer["command"] == ["torchrun"]
+    cm = one(k8s_docs(), "ConfigMap")
+    path = tmp_path / "gpt2-small.yaml"
+    path.write_text(cm["data"]["gpt2-small.yaml"])
+    ft = load_config(path).fault_tolerance
+    assert "SIGTERM" in ft.preempt_signals
+    assert ft.preempt_grace_s + 20 <= pod["terminationGracePeriodSeconds"]
