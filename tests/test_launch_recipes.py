@@ -82,6 +82,21 @@ def test_sbatch_torchrun_line() -> None:
         assert re.search(rf"^{var}=", text, re.M), var
 
 
+def test_sbatch_runs_one_step_per_node_and_exits_with_the_runs_result() -> None:
+    """Slurm kills a step on all its nodes when one fails: each node's agent runs in its own step,
+    and the job's status is the run's (`oobleck outcome`), not that of the node that exited last
+    (tests/test_slurm.py runs it on a real Slurm)."""
+    text = re.sub(r"\\\n\s*", " ", SBATCH.read_text())
+    srun = [ln for ln in text.splitlines() if "torchrun" in ln and "srun" in ln]
+    assert len(srun) == 1 and '-w "$node"' in srun[0] and "--nodes=1" in srun[0], srun
+    assert srun[0].rstrip().endswith("&")
+    code = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert code[-1] == 'oobleck outcome --endpoint "$ENDPOINT" --run-id "$RDZV_ID"'
+    getent = [ln for ln in code if "getent" in ln]  # a failing getent must reach the script's own message
+    assert len(getent) == 1 and getent[0].endswith("|| true)"), getent
+    assert re.search(r'rm -rf "\$ETCD_DATA_DIR"', text)
+
+
 # ---- Kubernetes ------------------------------------------------------------------------------------
 
 
