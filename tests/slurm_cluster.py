@@ -95,7 +95,7 @@ class SlurmCluster:
                 f"--seed-file={r}/munge/munged.seed",
             ],
         )
-        self._wait_for(lambda: (r / "munge" / "munge.sock").exists(), timeout_s, "munged to open its socket")
+        self.wait_for(lambda: (r / "munge" / "munge.sock").exists(), timeout_s, "munged to open its socket")
         ctl_port = free_port()
         node_ports = []
         while len(node_ports) < len(self.nodes):
@@ -145,9 +145,7 @@ class SlurmCluster:
         self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         for node in self.nodes:
             self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node, *_stepd(), "-f", str(self.conf)])
-        self._wait_for(
-            lambda: self.node_states() == {n: "idle" for n in self.nodes}, timeout_s, "every node to be idle"
-        )
+        self.wait_for(lambda: self.node_states() == {n: "idle" for n in self.nodes}, timeout_s, "every node to be idle")
 
     def stop(self) -> None:
         """Cancel every job, end what is left of them, stop the daemons, delete the directory."""
@@ -197,7 +195,7 @@ class SlurmCluster:
                     pass
 
     @staticmethod
-    def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    def wait_for(predicate, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
         while not predicate():
             if time.monotonic() > deadline:

@@ -168,3 +168,21 @@ def test_an_external_etcd_and_a_second_allocation_that_joins_the_run(slurm: Slur
     assert f"run {job.id} finished: " in out and f"run {job.id} finished: " in out2, out[-3000:] + out2[-3000:]
     assert "communication failed" not in out + out2, out[-3000:] + out2[-3000:]
     assert_same(job.weights(), job.reference_weights())
+
+
+def test_slurm_ends_a_job_whose_batch_host_fails(slurm: SlurmCluster) -> None:
+    """Why etcd on the head node adds no point of failure of its own (launcher/slurm/README.md):
+    the head node is the batch host, and Slurm ends a job whose batch host fails, --no-kill or not,
+    while its other steps still run."""
+    script = slurm.root / "sleep.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --no-kill\n"
+        'for n in n1 n2; do srun --overlap -N1 -n1 -w "$n" sleep 60 & done\nwait\necho "the batch script ended"\n'
+    )
+    job = slurm.sbatch(script, ["--nodes=2", "--exclusive"], cwd=slurm.root, env={})
+    slurm.wait_for(lambda: slurm.job(job)["JobState"] == "RUNNING", 30, "the job to run")
+    assert slurm.job(job)["BatchHost"] == "n1"
+    slurm.run(["scontrol", "update", "nodename=n1", "state=down", "reason=test"])
+    info = slurm.wait_job(job, 60)
+    assert info["JobState"] in ("FAILED", "NODE_FAIL"), info
+    assert "the batch script ended" not in slurm.output(job)
