@@ -12,6 +12,15 @@ them (processes holding a file in the scratch directory: slurmstepd's spool sock
 output files), stops the daemons by their PIDs (SIGTERM, then SIGKILL) and deletes the
 directory. `start()` calls it when the cluster does not come up, so nothing outlives a failure.
 
+With `netns=True` every node gets its own network: a network namespace per node with one address
+(10.231.X.1K) and hostname (`nK`, in its own UTS namespace, with a private /etc/hosts that names
+every node), all on a bridge in a switch namespace that the test's own namespace joins too (at
+10.231.X.254, where slurmctld listens). slurmd enters its namespaces with `nsenter --net` and
+`unshare -m -u` (not `ip netns exec`, which remounts /sys: slurmd then finds no cgroup mount), and
+job steps inherit them, so the sbatch finds its etcd address with `getent` as on a cluster.
+`cut(node)` takes a node's link down: its processes run on, unreachable, as after a switch or
+cable failure. `stop()` deletes the namespaces too.
+
 Needs root (slurmd runs job steps as the submitting user) and the Debian packages `munge
 slurmctld slurmd slurm-client`; `missing()` says in one line what is absent. Never install
 `slurm-wlm-emulator`: it switches slurmd to a front-end build in which every node is node 0.
@@ -56,13 +65,30 @@ def _stepd() -> list[str]:
 class SlurmCluster:
     """munged + slurmctld + `nodes` slurmd on loopback (module docstring)."""
 
-    def __init__(self, nodes: int = 4, cpus: int = 2) -> None:
+    def __init__(self, nodes: int = 4, cpus: int = 2, *, netns: bool = False, slurmd_timeout_s: int = 30) -> None:
         self.nodes = [f"n{i}" for i in range(1, nodes + 1)]
-        self.cpus = cpus
+        self.cpus, self.netns, self.slurmd_timeout_s = cpus, netns, slurmd_timeout_s
         self.root = Path(tempfile.mkdtemp(prefix="oobslurm-"))
         self.conf = self.root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self._daemons: dict[str, subprocess.Popen] = {}
+        tag = "".join(c for c in self.root.name.split("-")[-1] if c.isalnum())[:6]
+        self._ns = {n: f"oob{tag}{n}" for n in (*self.nodes, "sw")}
+        self._host_link = f"oob{tag}"  # the test's own end of the link to the switch
+        self._made_ns: list[str] = []
+        self._subnet = ""
+
+    def address(self, node: str) -> str:
+        """A node's address: 127.0.0.1 on loopback, its own address with `netns`."""
+        return f"{self._subnet}.{10 + self.nodes.index(node) + 1}" if self.netns else "127.0.0.1"
+
+    @property
+    def controller_address(self) -> str:
+        return f"{self._subnet}.254" if self.netns else "127.0.0.1"
+
+    def cut(self, node: str) -> None:
+        """Take the node's link to the switch down (netns only)."""
+        self._ip("-n", self._ns["sw"], "link", "set", f"v{node}", "down")
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -96,6 +122,8 @@ class SlurmCluster:
             ],
         )
         self.wait_for(lambda: (r / "munge" / "munge.sock").exists(), timeout_s, "munged to open its socket")
+        if self.netns:
+            self._make_network()
         ctl_port = free_port()
         node_ports = []
         while len(node_ports) < len(self.nodes):
@@ -104,7 +132,7 @@ class SlurmCluster:
                 node_ports.append(p)
         lines = [
             "ClusterName=oobtest",
-            "SlurmctldHost=localhost(127.0.0.1)",
+            f"SlurmctldHost=localhost({self.controller_address})",
             f"SlurmctldPort={ctl_port}",
             "SlurmUser=root",
             "SlurmdUser=root",
@@ -128,7 +156,7 @@ class SlurmCluster:
             "SelectTypeParameters=CR_Core",
             "SlurmdParameters=config_overrides",
             "ReturnToService=2",
-            "SlurmdTimeout=30",
+            f"SlurmdTimeout={self.slurmd_timeout_s}",
             "KillWait=5",
             "MinJobAge=300",
             "InactiveLimit=0",
@@ -136,15 +164,20 @@ class SlurmCluster:
             "MailProg=/bin/true",
         ]
         for node, port in zip(self.nodes, node_ports):
+            host = node if self.netns else "localhost"
             lines.append(
-                f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} "
+                f"NodeName={node} NodeHostname={host} NodeAddr={self.address(node)} Port={port} "
                 f"CPUs={self.cpus} RealMemory=1000 State=UNKNOWN"
             )
         lines.append(f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
         self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         for node in self.nodes:
-            self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node, *_stepd(), "-f", str(self.conf)])
+            slurmd = ["slurmd", "-D", "-N", node, *_stepd(), "-f", str(self.conf)]
+            if self.netns:  # its own network, hostname and /etc/hosts; job steps inherit them
+                inner = f"mount --bind {self.root}/hosts /etc/hosts && hostname {node} && exec {' '.join(slurmd)}"
+                slurmd = ["nsenter", f"--net=/run/netns/{self._ns[node]}", "unshare", "-m", "-u", "sh", "-c", inner]
+            self._spawn(f"slurmd-{node}", slurmd)
         self.wait_for(lambda: self.node_states() == {n: "idle" for n in self.nodes}, timeout_s, "every node to be idle")
 
     def stop(self) -> None:
@@ -158,7 +191,42 @@ class SlurmCluster:
         for name in sorted(self._daemons, key=lambda n: ("slurmd" not in n, n == "munged")):
             self._terminate(self._daemons[name])
         self._end_stray_processes()
+        for ns in reversed(self._made_ns):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def _ip(self, *args: str) -> None:
+        res = subprocess.run(["ip", *args], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise AssertionError(f"ip {' '.join(args)} exited {res.returncode}: {res.stderr.strip()}")
+
+    def _make_network(self) -> None:
+        """A switch namespace with a bridge; per node a namespace with a veth to it; one veth from
+        the test's own namespace (module docstring)."""
+        used = subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True).stdout
+        third = next(x for x in range(1 + os.getpid() % 200, 255) if f" 10.231.{x}." not in used)
+        self._subnet = f"10.231.{third}"
+        sw = self._ns["sw"]
+        self._ip("netns", "add", sw)
+        self._made_ns.append(sw)
+        self._ip("-n", sw, "link", "add", "br0", "type", "bridge")
+        self._ip("-n", sw, "link", "set", "br0", "up")
+        hosts = ["127.0.0.1 localhost"]
+        for node in self.nodes:
+            ns = self._ns[node]
+            self._ip("netns", "add", ns)
+            self._made_ns.append(ns)
+            self._ip("link", "add", f"v{node}", "netns", sw, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            self._ip("-n", sw, "link", "set", f"v{node}", "master", "br0", "up")
+            self._ip("-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", "eth0")
+            self._ip("-n", ns, "link", "set", "eth0", "up")
+            self._ip("-n", ns, "link", "set", "lo", "up")
+            hosts.append(f"{self.address(node)} {node}")
+        self._ip("link", "add", self._host_link, "type", "veth", "peer", "name", "vhost", "netns", sw)
+        self._ip("-n", sw, "link", "set", "vhost", "master", "br0", "up")
+        self._ip("addr", "add", f"{self.controller_address}/24", "dev", self._host_link)
+        self._ip("link", "set", self._host_link, "up")
+        (self.root / "hosts").write_text("\n".join(hosts) + "\n")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "wb")
