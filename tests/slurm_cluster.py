@@ -43,13 +43,14 @@ from oobleck_elastic.etcd.server import free_port
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "squeue")
 
 
-def missing() -> Optional[str]:
-    """Why a Slurm cluster cannot run here, in one line; None when it can."""
-    absent = [b for b in BINARIES if shutil.which(b) is None]
+def missing(netns: bool = False) -> Optional[str]:
+    """Why a Slurm cluster (with `netns`: nodes in network namespaces) cannot run here, in one line;
+    None when it can."""
+    absent = [b for b in BINARIES + (("ip", "nsenter", "unshare") if netns else ()) if shutil.which(b) is None]
     if absent:
         return (
             f"needs Slurm and munge ({', '.join(absent)} not found): "
-            "apt-get install munge slurmctld slurmd slurm-client"
+            "apt-get install munge slurmctld slurmd slurm-client" + (" iproute2 util-linux" if netns else "")
         )
     if os.geteuid() != 0:
         return "needs root: slurmd runs job steps as the submitting user"
@@ -188,8 +189,9 @@ class SlurmCluster:
             while time.monotonic() < deadline and self.run(["squeue", "-h"], check=False).stdout.strip():
                 time.sleep(0.5)
         self._end_stray_processes()
-        for name in sorted(self._daemons, key=lambda n: ("slurmd" not in n, n == "munged")):
-            self._terminate(self._daemons[name])
+        for name in sorted(self._daemons, key=lambda n: (n != "slurmctld", n == "munged")):
+            # slurmctld takes 10 s to stop once jobs ran; its state is thrown away: 2 s, then SIGKILL
+            self._terminate(self._daemons[name], grace_s=2.0 if name == "slurmctld" else 10.0)
         self._end_stray_processes()
         for ns in reversed(self._made_ns):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -236,11 +238,11 @@ class SlurmCluster:
         log.close()
 
     @staticmethod
-    def _terminate(proc: subprocess.Popen) -> None:
+    def _terminate(proc: subprocess.Popen, grace_s: float) -> None:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(10)
+                proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

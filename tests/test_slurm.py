@@ -1,8 +1,10 @@
 """launcher/slurm/oobleck.sbatch on a real Slurm (tests/slurm_cluster.py: munge, slurmctld and four
-slurmd on this machine). The job trains gpt2-tiny as two 2-stage pipelines on four nodes; Slurm
-takes a node away (`scontrol update ... state=down`, or a preemption notice through `scancel
---signal=TERM` of the node's step); the job must end with the single-process reference's weights
-and Slurm must report it COMPLETED, with nothing left behind (etcd data, processes)."""
+slurmd on this machine, on loopback or in network namespaces). The job trains gpt2-tiny (two 2-stage
+pipelines on four nodes); Slurm takes a node away (`scontrol update ... state=down`), its link is
+cut, or a preemption notice reaches it (`scancel --signal=TERM` of its step); a second allocation
+joins a run whose etcd runs outside Slurm. Each time the job must end with the single-process
+reference's weights and Slurm must report it COMPLETED, with nothing left behind (etcd data,
+processes, namespaces)."""
 
 from __future__ import annotations
 
@@ -148,6 +150,8 @@ def test_a_node_cut_off_from_the_network_is_survived(tmp_path: Path) -> None:
     unreachable; the others re-plan and finish. Slurm notices only after SlurmdTimeout (45 s), so
     the script stops n3's step CLOSE_GRACE (5 s) after the run closed; once Slurm has declared n3
     down the job is COMPLETED, with the reference's weights."""
+    if missing(netns=True):
+        pytest.skip(str(missing(netns=True)))
     slurm = SlurmCluster(nodes=4, netns=True, slurmd_timeout_s=45).start()
     try:
         job = Job(slurm, tmp_path, steps=10, env={"CLOSE_GRACE": "5"})
