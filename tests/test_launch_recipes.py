@@ -189,3 +189,17 @@ def test_k8s_eviction_is_a_preemption_notice_with_time_to_drain(tmp_path: Path) 
     ft = load_config(path).fault_tolerance
     assert "SIGTERM" in ft.preempt_signals
     assert ft.preempt_grace_s + 20 <= pod["terminationGracePeriodSeconds"]
+
+
+@pytest.mark.skipif(shutil.which("getent") is None, reason="needs getent")
+def test_sbatch_says_why_when_the_head_node_has_no_address(tmp_path: Path) -> None:
+    """`getent` failing inside `$(...)` under `set -e` used to end the script with status 2 and
+    an empty output; it must reach the script's own message."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "scontrol").write_text("#!/bin/sh\necho no-such-node.invalid\n")
+    (stub / "scontrol").chmod(0o755)
+    env = {"PATH": f"{stub}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "x", "SLURM_JOB_ID": "7", "SLURM_NNODES": "1"}
+    res = subprocess.run(["bash", str(SBATCH)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1, res.stderr
+    assert res.stderr == "cannot find a routable address for no-such-node.invalid (got ''); set ETCD_IP\n"
