@@ -29,6 +29,7 @@ Options come through `--rdzv-conf key=value,...`; see `RDZV_OPTIONS`.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -325,6 +326,8 @@ class OobleckRendezvousHandler(RendezvousHandler):
             )
             return
         self._notice_dir = Path(tempfile.mkdtemp(prefix=f"oobleck-preempt-{member.node_id}-"))
+        # torchrun does not always call shutdown() (a run that finished): remove it at exit too
+        atexit.register(shutil.rmtree, self._notice_dir, ignore_errors=True)
         watch = PreemptionWatch(
             parse_signals(ft.preempt_signals),
             grace_s=ft.preempt_grace_s,
@@ -376,6 +379,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
             directory, floor_s=ft.hang_floor_s, factor=ft.hang_factor, node=node, record=record
         ).start()
         self._heartbeat_dir = directory
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
 
     def _answer_pings(self) -> None:
         """The leader's roll call asks whether this node is alive (a nonce under `ping/<node>`):
