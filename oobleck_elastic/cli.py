@@ -4,7 +4,8 @@
     oobleck etcd [--port 2379] [--data-dir D]
     oobleck export CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--dtype bf16] [--force] [key=value ...]
     oobleck simulate --trace 10m --model GPT-2 | --paper | --scale --nodes 10000 [--json] [--plot PNG]
-    oobleck agents | status | events [--follow] | goodput [--json] | kill-agent --index N  --endpoint E --run-id R
+    oobleck agents | status | events [--follow] | goodput [--json] | outcome | kill-agent --index N
+        --endpoint E --run-id R
 
 `plan` prints the pipeline templates, the fault-tolerance guarantee and the plan for N nodes;
 `export` writes a checkpoint as a Hugging Face model directory (oobleck_elastic/models/export.py);
@@ -259,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         "events": "membership and plan history, newest last",
         "goodput": "the job's wall time split into useful steps, replayed and skipped steps, reconfiguration, "
         "checkpointing, startup and waiting for nodes",
+        "outcome": "the run's result as an exit status: 0 finished, 1 failed, 3 not closed (for batch scripts)",
     }
     for name, text in ops.items():
         o = sub.add_parser(name, help=text, description=text)

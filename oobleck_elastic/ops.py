@@ -1,11 +1,13 @@
-"""Cluster operations over etcd only: `oobleck agents | kill-agent | status | events | goodput`.
+"""Cluster operations over etcd only: `oobleck agents | kill-agent | status | events | goodput | outcome`.
 
 They read and write the run's keys (rendezvous/keys.py) and never talk to agents directly, so
 they work from any machine that reaches etcd. `kill-agent` is graceful: it marks the node's
 record `draining` (rewritten under the node's own lease, with a compare-and-swap on its
 revision); the leader re-plans without it, its workers leave at the next step boundary and its
 agent exits 0. `goodput` reads the ledger the worker holding rank 0 reports with the job's
-progress (engine/goodput.py).
+progress (engine/goodput.py). `outcome` turns the run's `closed` record into an exit status, so a
+batch script reports the run's result rather than the status of whichever node exited last (a node
+lost or drained on the way exits non-zero or 0 whatever the run did).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .engine.goodput import Ledger, describe, job_origin
 from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
 from .planning import Plan, PlanningError
 from .rendezvous.keys import Keys
-from .rendezvous.records import Event, NodeState, read_closed, read_leader, read_progress, read_stragglers
+from .rendezvous.records import ClosedRecord, Event, NodeState, read_closed, read_leader, read_progress, read_stragglers
 from .rendezvous.membership import live_nodes, mark_draining, read_events
 
 
@@ -205,6 +207,23 @@ def goodput(client: EtcdClient, keys: Keys, *, now: Optional[float] = None) -> t
     return lines, out
 
 
+OUTCOME_OPEN = 3
+"""`oobleck outcome`'s exit status for a run that is not closed (1 is a failed run, 2 an etcd error)."""
+
+
+def outcome(closed: Optional[ClosedRecord], run_id: str) -> tuple[int, str]:
+    """The exit status and line `oobleck outcome` gives for a run's `closed` record: 0 finished,
+    1 closed as failed, OUTCOME_OPEN (3) not closed (it still runs, or every node stopped first)."""
+    if closed is None:
+        return OUTCOME_OPEN, (
+            f"run {run_id} is not closed: it still runs, or every node stopped before it finished "
+            "(see oobleck status and oobleck events)"
+        )
+    if closed.failed:
+        return 1, f"run {run_id} failed: {closed.reason}"
+    return 0, f"run {run_id} finished: {closed.reason}"
+
+
 def run_ops(args: argparse.Namespace) -> int:
     """Entry for the ops subcommands (cli.py wires the parsers)."""
     client, keys = open_run(args)
@@ -218,6 +237,10 @@ def run_ops(args: argparse.Namespace) -> int:
         elif args.command == "goodput":
             lines, data = goodput(client, keys)
             print(json.dumps(data, indent=1) if args.json else "\n".join(lines))
+        elif args.command == "outcome":
+            code, line = outcome(read_closed(client, keys), keys.run_id)
+            print(line)
+            return code
         elif args.command == "events":
             try:
                 events(client, keys, follow=args.follow)
@@ -237,6 +260,7 @@ __all__ = [
     "goodput",
     "kill_agent",
     "open_run",
+    "outcome",
     "run_ops",
     "status",
 ]

@@ -84,3 +84,17 @@ def test_plan_with_profile_file_and_errors(tmp_path: Path) -> None:
     assert refuse.returncode == 2 and "cannot tolerate f=2" in refuse.stderr
     missing = oobleck("plan", "--config", cfg, "--nodes", "8", "--profile", str(tmp_path / "x.json"), cwd=ROOT)
     assert missing.returncode == 2 and "profile file" in missing.stderr and "does not exist" in missing.stderr
+
+
+def test_outcome_exit_status_follows_the_closed_record() -> None:
+    """`oobleck outcome` gives a batch script the run's result: a lost node's exit status is not it."""
+    from oobleck_elastic.ops import OUTCOME_OPEN, outcome
+    from oobleck_elastic.rendezvous.records import ClosedRecord
+
+    assert outcome(ClosedRecord(time=1.0, reason="finished 12 steps"), "7") == (0, "run 7 finished: finished 12 steps")
+    assert outcome(ClosedRecord(time=1.0, reason="ValueError at step 3", failed=True), "7") == (
+        1,
+        "run 7 failed: ValueError at step 3",
+    )
+    code, line = outcome(None, "7")
+    assert code == OUTCOME_OPEN == 3 and line.startswith("run 7 is not closed: it still runs, or every node stopped")

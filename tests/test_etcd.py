@@ -69,6 +69,16 @@ def test_given_data_dir_is_kept_and_reused(tmp_path: Path) -> None:
         client.close()
 
 
+def test_etcd_variables_of_the_environment_do_not_stop_the_server(tmp_path: Path, monkeypatch) -> None:
+    """A launcher's knobs named like etcd's flags (the sbatch's ETCD_DATA_DIR, exported to every step
+    of a Slurm job) would make etcd refuse to start ("conflicting environment variable")."""
+    monkeypatch.setenv("ETCD_DATA_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("ETCD_IP", "127.0.0.1")
+    with EtcdServer(data_dir=str(tmp_path / "data")) as server:
+        assert server.running()
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_port_in_use_is_a_clear_error(etcd_server: EtcdServer) -> None:
     with pytest.raises(EtcdServerError, match=rf"client port 127\.0\.0\.1:{etcd_server.port} is already in use"):
         EtcdServer(port=etcd_server.port).start()

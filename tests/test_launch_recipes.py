@@ -73,13 +73,28 @@ def test_sbatch_torchrun_line() -> None:
     cmd = torchrun_command(text)
     for flag in TORCHRUN_FLAGS:
         assert flag in cmd, flag
-    assert '--rdzv-id="$SLURM_JOB_ID"' in cmd
-    assert '--nnodes="${MIN_NODES}:${SLURM_NNODES}"' in cmd
+    assert '--rdzv-id="$RDZV_ID"' in cmd and re.search(r"^RDZV_ID=\$\{RDZV_ID:-\$SLURM_JOB_ID\}", text, re.M)
+    assert '--nnodes="${MIN_NODES}:${MAX_NODES}"' in cmd
     assert "examples/train.py --config" in cmd
     srun = [ln for ln in re.sub(r"\\\n\s*", " ", text).splitlines() if "torchrun" in ln and "srun" in ln]
     assert srun, "torchrun must be started with srun on every node"
     for var in ("CONFIG", "MIN_NODES"):
         assert re.search(rf"^{var}=", text, re.M), var
+
+
+def test_sbatch_runs_one_step_per_node_and_exits_with_the_runs_result() -> None:
+    """Slurm kills a step on all its nodes when one fails: each node's agent runs in its own step,
+    and the job's status is the run's (`oobleck outcome`), not that of the node that exited last
+    (tests/test_slurm.py runs it on a real Slurm)."""
+    text = re.sub(r"\\\n\s*", " ", SBATCH.read_text())
+    srun = [ln for ln in text.splitlines() if "torchrun" in ln and "srun" in ln]
+    assert len(srun) == 1 and '-w "$node"' in srun[0] and "--nodes=1" in srun[0], srun
+    assert srun[0].rstrip().endswith("&")
+    code = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert code[-1] == 'oobleck outcome --endpoint "$ENDPOINT" --run-id "$RDZV_ID"'
+    getent = [ln for ln in code if "getent" in ln]  # a failing getent must reach the script's own message
+    assert len(getent) == 1 and getent[0].endswith("|| true)"), getent
+    assert re.search(r'rm -rf "\$ETCD_DATA_DIR"', text)
 
 
 # ---- Kubernetes ------------------------------------------------------------------------------------
@@ -143,3 +158,48 @@ def test_k8s_configmap_is_a_valid_job_config(tmp_path: Path) -> None:
     path.write_text(cm["data"]["gpt2-small.yaml"])
     cfg = load_config(path)
     assert cfg.planning.gpus_per_node == 8  # = --nproc-per-node and nvidia.com/gpu
+
+
+def test_k8s_manifest_is_valid_against_the_kubernetes_schemas() -> None:
+    """Every resource against the real schemas of the newest Kubernetes that kubernetes-validate
+    ships (offline), strictly: an unknown or misspelt field fails, as a typo would on a cluster."""
+    kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (the test extras)")
+    version = kv.latest_version()
+    for doc in k8s_docs():
+        kv.validate(doc, version, strict=True)
+    job = one(k8s_docs(), "Job")
+    pod = job["spec"]["template"]["spec"]
+    pod["terminationGracePeriodSecond"] = pod.pop("terminationGracePeriodSeconds")
+    with pytest.raises(kv.ValidationError, match="terminationGracePeriodSecond"):
+        kv.validate(job, version, strict=True)
+
+
+def test_k8s_eviction_is_a_preemption_notice_with_time_to_drain(tmp_path: Path) -> None:
+    """The kubelet sends SIGTERM to the trainer container's PID 1, then SIGKILL after the pod's
+    grace period: PID 1 must be torchrun's agent (a shell would not pass the signal on), SIGTERM a
+    preemption notice of the job config, and its drain grace shorter than the pod's."""
+    from oobleck_elastic.config import load_config
+
+    pod = one(k8s_docs(), "Job")["spec"]["template"]["spec"]
+    (trainer,) = pod["containers"]
+    assert trainer["command"] == ["torchrun"]
+    cm = one(k8s_docs(), "ConfigMap")
+    path = tmp_path / "gpt2-small.yaml"
+    path.write_text(cm["data"]["gpt2-small.yaml"])
+    ft = load_config(path).fault_tolerance
+    assert "SIGTERM" in ft.preempt_signals
+    assert ft.preempt_grace_s + 20 <= pod["terminationGracePeriodSeconds"]
+
+
+@pytest.mark.skipif(shutil.which("getent") is None, reason="needs getent")
+def test_sbatch_says_why_when_the_head_node_has_no_address(tmp_path: Path) -> None:
+    """`getent` failing inside `$(...)` under `set -e` used to end the script with status 2 and
+    an empty output; it must reach the script's own message."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "scontrol").write_text("#!/bin/sh\necho no-such-node.invalid\n")
+    (stub / "scontrol").chmod(0o755)
+    env = {"PATH": f"{stub}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "x", "SLURM_JOB_ID": "7", "SLURM_NNODES": "1"}
+    res = subprocess.run(["bash", str(SBATCH)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1, res.stderr
+    assert res.stderr == "cannot find a routable address for no-such-node.invalid (got ''); set ETCD_IP\n"

@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 
+import subprocess
+import sys
+
 from launcher.local import build_parser
 from oobleck_elastic.config import ConfigError, load_config
-from oobleck_elastic.rendezvous.preempt import PreemptionWatch
+from oobleck_elastic.rendezvous.preempt import NOTICE_ENV, SIGNALS_ENV, PreemptionWatch
 from helpers import assert_same, run_job, tiny_profile, when
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +62,47 @@ def test_a_notice_drains_once_and_gives_up_after_the_grace(monkeypatch) -> None:
         ]
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+WORKER = """
+import sys, time
+from oobleck_elastic.rendezvous.preempt import guard_worker
+print([s.name for s in guard_worker()], flush=True)
+for _ in range(400):
+    time.sleep(0.05)
+print("still running", flush=True)
+"""
+
+
+def test_a_worker_survives_a_notice_its_agent_recorded_and_dies_of_any_other(tmp_path: Path) -> None:
+    """Slurm signals every process of a step: a worker must not die of the notice its agent drains
+    the node for (rendezvous/preempt.py: guard_worker), yet torchrun's own SIGTERM must still stop it."""
+    notice = tmp_path / "notice"
+    env = {**os.environ, NOTICE_ENV: str(notice), SIGNALS_ENV: "SIGTERM,SIGUSR1"}
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "['SIGTERM', 'SIGUSR1']"
+        return proc
+
+    proc = start()  # no notice recorded: the signal is torchrun stopping its workers
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == -signal.SIGTERM and time.monotonic() - t0 < 5
+    notice.write_text("SIGTERM")  # the agent recorded a notice: the worker goes on
+    proc = start()
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.5)
+        assert proc.poll() is None
+        notice.unlink()  # the agent gave up: torchrun's SIGTERM stops the worker again
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.slow

@@ -12,6 +12,8 @@ Mechanism:
   the error quotes the tail of that log.
 - `--heartbeat-interval 10 --election-timeout 50` (`fast_election`) makes the single member elect
   itself in about 0.1 s instead of up to 1 s. It is harmless for a one-member cluster on loopback.
+- etcd gets the environment without `ETCD_*` variables (`etcd_environment`): it would read them as
+  flags, and a launcher's knobs of those names (`ETCD_DATA_DIR`, ...) would stop it from starting.
 - `stop()` sends SIGTERM to the recorded PID, waits 5 s, then sends SIGKILL. It removes the data
   directory and log only when it created them itself.
 
@@ -38,13 +40,20 @@ import urllib.error
 import urllib.request
 import weakref
 from pathlib import Path
-from typing import BinaryIO, Optional, Sequence
+from typing import BinaryIO, Mapping, Optional, Sequence
 
 from .client import EtcdError
 
 
 class EtcdServerError(EtcdError):
     """The etcd server could not be started or died; the message says why and what to change."""
+
+
+def etcd_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` without the `ETCD_*` variables: etcd reads them as its flags and refuses to start when
+    one names a flag also given on its command line (a launcher's `ETCD_DATA_DIR` or `ETCD_PORT`
+    knob, exported to every process of a Slurm job, would stop it). Its command line says it all."""
+    return {k: v for k, v in env.items() if not k.startswith("ETCD_")}
 
 
 def find_etcd_binary() -> str:
@@ -229,7 +238,12 @@ class EtcdServer:
         self.returncode = None
         try:
             self._proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=etcd_environment(os.environ),
             )
         except OSError as err:
             self._cleanup_files()

@@ -29,6 +29,7 @@ Options come through `--rdzv-conf key=value,...`; see `RDZV_OPTIONS`.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -197,6 +198,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self._stopping = threading.Event()
         self.hang_watch: Optional[HangWatch] = None
         self._heartbeat_dir: Optional[Path] = None
+        self._notice_dir: Optional[Path] = None
         os.environ["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"  # the agent skips store-based rank assignment
 
     # ------------------------------------------------------------------ RendezvousHandler
@@ -232,8 +234,9 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self._stopping.set()
         if self.hang_watch is not None:
             self.hang_watch.stop()
-        if self._heartbeat_dir is not None:
-            shutil.rmtree(self._heartbeat_dir, ignore_errors=True)
+        for directory in (self._heartbeat_dir, self._notice_dir):
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
         if self.view is not None:
             self.view.close()
         if self.member is not None and self.member.record is not None:
@@ -317,18 +320,22 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 rec.state == NodeState.DRAINING or mark_draining(self.client, self.keys, rec, detail)
             )
 
+        if threading.current_thread() is not threading.main_thread():
+            log.at(node=member.node_id).warning(
+                "preemption notices are not handled (the rendezvous runs outside the main thread)"
+            )
+            return
+        self._notice_dir = Path(tempfile.mkdtemp(prefix=f"oobleck-preempt-{member.node_id}-"))
+        # torchrun does not always call shutdown() (a run that finished): remove it at exit too
+        atexit.register(shutil.rmtree, self._notice_dir, ignore_errors=True)
         watch = PreemptionWatch(
             parse_signals(ft.preempt_signals),
             grace_s=ft.preempt_grace_s,
             node=member.node_id,
             drain=drain,
             alive=lambda: not self._stopping.is_set(),
+            notice_file=self._notice_dir / "notice",
         )
-        if threading.current_thread() is not threading.main_thread():
-            log.at(node=member.node_id).warning(
-                "preemption notices are not handled (the rendezvous runs outside the main thread)"
-            )
-            return
         watch.install()
 
     def _watch_hangs(self) -> None:
@@ -372,6 +379,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
             directory, floor_s=ft.hang_floor_s, factor=ft.hang_factor, node=node, record=record
         ).start()
         self._heartbeat_dir = directory
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
 
     def _answer_pings(self) -> None:
         """The leader's roll call asks whether this node is alive (a nonce under `ping/<node>`):

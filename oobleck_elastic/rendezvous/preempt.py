@@ -21,6 +21,16 @@ when it starts workers) and handles them itself:
 
 Later notices while draining are ignored. The launcher's `--preempt NODE@STEP[:GRACE]` sends
 SIGTERM to a node's agent at a step, as a scheduler would.
+
+A notice often reaches the workers too: Slurm signals every process of a job step (`scancel
+--signal=TERM JOB.STEP`, a preemption), Kubernetes every process of a container whose entry point
+is a shell. By default a worker dies of it, and the drain becomes a failure. So the agent tells its
+workers where it records a notice (`NOTICE_ENV`: a file it creates as soon as a notice arrives and
+deletes when it gives up) and which signals are notices (`SIGNALS_ENV`), and each worker handles
+them (`guard_worker`): a worker that receives one waits up to `WORKER_WAIT_S` for its agent's record;
+while the record exists the worker goes on (its agent drains the node, and the worker leaves after
+handing its layers over); without it the worker dies of the signal as before. So torchrun, which
+stops its workers with SIGTERM, still stops them (up to `WORKER_WAIT_S` later).
 """
 
 from __future__ import annotations
@@ -30,18 +40,26 @@ import os
 import signal
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
 
 
 from ..logs import JobLog
 from ..config import parse_signals
 
-__all__ = ["TORCHRUN_SIGNALS", "parse_signals", "PreemptionWatch"]
+__all__ = ["NOTICE_ENV", "SIGNALS_ENV", "TORCHRUN_SIGNALS", "PreemptionWatch", "guard_worker", "parse_signals"]
 
 log = JobLog(logging.getLogger(__name__))
 
 TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 """What torchrun's agent handles when TORCHELASTIC_SIGNALS_TO_HANDLE is unset."""
+
+NOTICE_ENV = "OOBLECK_PREEMPT_NOTICE"
+"""Workers' environment: the file their agent creates when it receives a preemption notice."""
+SIGNALS_ENV = "OOBLECK_PREEMPT_SIGNALS"
+"""Workers' environment: the names of the preemption signals, comma-separated."""
+WORKER_WAIT_S = 1.0
+"""How long a worker that received a notice waits for its agent's record of it."""
 
 
 class PreemptionWatch:
@@ -56,10 +74,13 @@ class PreemptionWatch:
         drain: Callable[[str], bool],
         alive: Callable[[], bool],
         give_up: Optional[Callable[[], None]] = None,
+        notice_file: Optional[Path] = None,
     ) -> None:
         """`drain(detail)` marks the node draining; `alive()` says whether the agent still runs;
-        `give_up()` hands the node to torchrun's own handling (default: SIGINT to this process)."""
+        `give_up()` hands the node to torchrun's own handling (default: SIGINT to this process);
+        `notice_file` is created when a notice arrives, for the workers (`guard_worker`)."""
         self.signals, self.grace_s, self.node = list(signals), grace_s, node
+        self.notice_file = notice_file
         self._drain, self._alive = drain, alive
         self._give_up = give_up or (lambda: os.kill(os.getpid(), signal.SIGINT))
         self.noticed: Optional[float] = None
@@ -74,6 +95,9 @@ class PreemptionWatch:
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(
             s for s in (x.strip() for x in current.split(",")) if s and s not in mine
         )
+        if self.notice_file is not None:
+            os.environ[NOTICE_ENV] = str(self.notice_file)
+            os.environ[SIGNALS_ENV] = ",".join(s.name for s in self.signals)
         for sig in self.signals:
             signal.signal(sig, self._on_signal)
         threading.Thread(target=self._run, name="oobleck-preempt", daemon=True).start()
@@ -87,6 +111,11 @@ class PreemptionWatch:
         self._wake.wait()
         assert self._signal is not None
         name = self._signal.name
+        if self.notice_file is not None:  # first: the workers that got the signal too wait for it
+            try:
+                self.notice_file.write_text(name)
+            except OSError as err:
+                log.at(node=self.node).warning("cannot record the preemption notice for its workers: %s", err)
         try:
             marked = self._drain(
                 f"preemption notice ({name}): hands its layers over and leaves within "
@@ -109,4 +138,51 @@ class PreemptionWatch:
                 self.grace_s,
                 name,
             )
+            if self.notice_file is not None:  # the workers die of the SIGTERM torchrun stops them with
+                self.notice_file.unlink(missing_ok=True)
             self._give_up()  # torchrun's own handling: its workers are stopped
+
+
+def guard_worker(environ: Mapping[str, str] = os.environ, *, wait_s: float = WORKER_WAIT_S) -> list[signal.Signals]:
+    """In a worker (main thread): a preemption signal that reaches this worker does not kill it when
+    its agent recorded a notice within `wait_s` (module docstring). Returns the signals handled
+    (none outside an oobleck agent that watches notices)."""
+    path, names = environ.get(NOTICE_ENV), environ.get(SIGNALS_ENV)
+    if not path or not names or threading.current_thread() is not threading.main_thread():
+        return []
+    notice, signals = Path(path), parse_signals([n for n in names.split(",") if n])
+    doomed: set[signal.Signals] = set()
+    warned: list[bool] = []
+
+    def tolerate(sig: signal.Signals) -> None:
+        if not warned:
+            warned.append(True)
+            log.warning(
+                "a preemption notice (%s) reached this worker too: its agent drains the node; the worker "
+                "goes on until it has handed its layers over",
+                sig.name,
+            )
+
+    def decide(sig: signal.Signals) -> None:
+        deadline = time.monotonic() + wait_s
+        while not notice.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if notice.exists():
+            tolerate(sig)
+        else:  # not a notice (torchrun stops its workers), or the agent gave up: die of it
+            doomed.add(sig)
+            os.kill(os.getpid(), sig)
+
+    def on_signal(signum: int, _frame: object) -> None:  # runs in the main thread
+        sig = signal.Signals(signum)
+        if sig in doomed:
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        elif notice.exists():
+            tolerate(sig)
+        else:
+            threading.Thread(target=decide, args=(sig,), name="oobleck-notice", daemon=True).start()
+
+    for sig in signals:
+        signal.signal(sig, on_signal)
+    return signals

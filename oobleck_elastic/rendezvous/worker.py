@@ -66,6 +66,7 @@ from .records import (
 )
 from .leader import PlanReader, _parse_plan
 from .membership import put_event, read_events
+from .preempt import guard_worker
 
 if TYPE_CHECKING:
     import torch
@@ -119,6 +120,7 @@ class WorkerContext:
             owns_client=True,
         )
         ctx.watch()
+        guard_worker(env)  # a preemption notice that reaches this worker too drains its node, not kills it
         return ctx
 
     def watch(self) -> "WorkerContext":
