@@ -2,21 +2,144 @@
 
 from __future__ import annotations
 
-from oobleck_elastic.planning import Links, build_templates
+import functools
+import random
+
+import pytest
+from tests.test_planning import random_profile
+
+from oobleck_elastic.planning import (
+    Links,
+    PipelineSpec,
+    Plan,
+    PlanningError,
+    StagePlacement,
+    TemplateSet,
+    build_templates,
+    instantiate,
+    make_plan,
+)
 from oobleck_elastic.planning.analytic import gpt3_175b_profile
 from oobleck_elastic.planning.instantiate import candidate_makespans
+from oobleck_elastic.planning.placement import (
+    bytes_received,
+    keep_layers_in_place,
+    keep_layers_in_place_pairwise,
+    shard_bytes_of,
+)
 
 
-def test_candidate_makespans_are_the_iteration_times_bit_for_bit() -> None:
-    ts = build_templates(
-        gpt3_175b_profile(tensor_parallel=8),
+@functools.cache
+def _gpt3_templates(tp: int, max_nodes: int | None = None) -> TemplateSet:
+    return build_templates(
+        gpt3_175b_profile(tensor_parallel=tp),
         gpus_per_node=8,
         device_memory_gb=80.0,
         memory_margin=0.1,
         links=Links(),
-        tensor_parallel=8,
-        max_nodes=20,
+        tensor_parallel=tp,
+        max_nodes=max_nodes,
     )
+
+
+def test_candidate_makespans_are_the_iteration_times_bit_for_bit() -> None:
+    ts = _gpt3_templates(8, 20)
     tpl = [ts[n] for n in ts.sizes()]
     want = sorted({t.iteration_time(b, 3) for t in tpl for b in range(1, 41)})
     assert candidate_makespans(tpl, 3, 40).tolist() == want
+
+
+def _random_replans(seed: int):
+    """A random template set, a plan on some nodes, then survivors (shuffled, some new nodes)."""
+    rng = random.Random(seed)
+    profile = random_profile(rng, rng.randint(3, 30), mem_scale=rng.uniform(0.2, 1.5))
+    g = rng.choice([1, 2, 4, 8])
+    tp = rng.choice([d for d in (1, 2, 4, 8) if g % d == 0])
+    try:
+        ts = build_templates(
+            profile, gpus_per_node=g, device_memory_gb=rng.uniform(1.0, 8.0), tensor_parallel=tp, max_nodes=12
+        )
+    except PlanningError:
+        return
+    B, f = rng.randint(1, 200), rng.randint(0, 2)
+    nodes = [f"n{i}" for i in range(rng.randint(ts.n0, 60))]
+    previous = make_plan(ts, nodes=nodes, num_microbatches=B, microbatch_size=1, f=f)
+    for _ in range(4):
+        keep = rng.choice([0.5, 0.9, 0.98])
+        survivors = [x for x in nodes if rng.random() < keep] + [f"new{i}" for i in range(rng.randint(0, 3))]
+        if rng.random() < 0.5:
+            rng.shuffle(survivors)
+        if len(survivors) >= ts.n0:
+            a = instantiate(ts, num_nodes=len(survivors), num_microbatches=B, f=f)
+            yield ts, a, survivors, previous
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_placement_equals_the_pairwise_rule(seed: int) -> None:
+    for ts, a, survivors, previous in _random_replans(seed):
+        assert keep_layers_in_place(ts, a, list(survivors), previous) == keep_layers_in_place_pairwise(
+            ts, a, list(survivors), previous
+        )
+
+
+def test_placement_equals_the_pairwise_rule_for_gpt3_at_tp8() -> None:
+    ts = _gpt3_templates(8)
+    nodes = [f"node{i}" for i in range(128)]
+    previous = make_plan(ts, nodes=nodes, num_microbatches=1536, microbatch_size=1, f=1)
+    survivors = nodes[:40] + nodes[41:90] + nodes[92:] + ["fresh"]
+    a = instantiate(ts, num_nodes=len(survivors), num_microbatches=1536, f=1)
+    placed = keep_layers_in_place(ts, a, list(survivors), previous)
+    assert placed == keep_layers_in_place_pairwise(ts, a, list(survivors), previous)
+    assert placed != survivors  # the loss shifts the pipelines: placement has work to do
+
+
+def _two_stage_plan(nodes: list[str], generation: int, cuts: list[tuple[int, int]]) -> Plan:
+    """One pipeline of one stage per node (1 device per node) over the given layer ranges."""
+    stages = tuple(
+        StagePlacement(index=i, start=s, end=e, node=n, local_rank=0, rank=i)
+        for i, (n, (s, e)) in enumerate(zip(nodes, cuts))
+    )
+    pipe = PipelineSpec(
+        index=0, template_nodes=len(nodes), nodes=tuple(nodes), microbatches=1, stages=stages, est_time_s=1.0
+    )
+    return Plan(
+        generation=generation,
+        nodes=tuple(nodes),
+        spares=(),
+        gpus_per_node=1,
+        num_layers=cuts[-1][1],
+        microbatch_size=1,
+        pipelines=(pipe,),
+        est_step_time_s=1.0,
+        f=0,
+    )
+
+
+def test_bytes_received_counts_the_layers_a_worker_did_not_hold() -> None:
+    layer = [1, 10, 100, 1000, 10000]
+    before = _two_stage_plan(["a", "b"], 1, [(0, 2), (2, 5)])  # a: 0-1, b: 2-4
+    after = _two_stage_plan(["b", "c"], 2, [(0, 3), (3, 5)])  # b: 0-2 (keeps 2), c: 3-4 (new)
+    assert bytes_received(before, after, layer) == {"b": 1 + 10, "c": 1000 + 10000}
+    assert bytes_received(after, after, layer) == {}
+    shards = shard_bytes_of(gpt3_175b_profile(tensor_parallel=8).layers)
+    block = gpt3_175b_profile(tensor_parallel=8).layers[1]
+    assert shards[1] == block.param_bytes + block.optimizer_bytes
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_placement_equals_the_pairwise_rule_across_degrees(seed: int) -> None:
+    """A previous plan at another tensor-parallel degree: a stage's lanes overlap partly."""
+    rng = random.Random(seed)
+    profile = random_profile(rng, rng.randint(8, 30), mem_scale=0.2)
+    ts = {tp: build_templates(profile, gpus_per_node=4, device_memory_gb=8.0, tensor_parallel=tp) for tp in (1, 2, 4)}
+    old_tp, new_tp = rng.sample([1, 2, 4], 2)
+    nodes = [f"n{i}" for i in range(rng.randint(ts[old_tp].n0, 40))]
+    previous = make_plan(ts[old_tp], nodes=nodes, num_microbatches=64, microbatch_size=1, f=1)
+    survivors = [x for x in nodes if rng.random() < 0.8]
+    rng.shuffle(survivors)
+    if len(survivors) < ts[new_tp].n0:
+        return
+    a = instantiate(ts[new_tp], num_nodes=len(survivors), num_microbatches=64, f=1)
+    assert keep_layers_in_place(ts[new_tp], a, list(survivors), previous) == keep_layers_in_place_pairwise(
+        ts[new_tp], a, list(survivors), previous
+    )
