@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+from typing import Optional
 
 import pytest
 from tests.test_planning import random_profile
@@ -20,7 +21,7 @@ from oobleck_elastic.planning import (
     make_plan,
 )
 from oobleck_elastic.planning.analytic import gpt3_175b_profile
-from oobleck_elastic.planning.instantiate import candidate_makespans
+from oobleck_elastic.planning.instantiate import _cover_dp, candidate_makespans
 from oobleck_elastic.planning.placement import (
     bytes_received,
     keep_layers_in_place,
@@ -47,6 +48,39 @@ def test_candidate_makespans_are_the_iteration_times_bit_for_bit() -> None:
     tpl = [ts[n] for n in ts.sizes()]
     want = sorted({t.iteration_time(b, 3) for t in tpl for b in range(1, 41)})
     assert candidate_makespans(tpl, 3, 40).tolist() == want
+
+
+def _cover_dp_by_rows(sizes: list[int], values: list[int], total: int, kmin: int) -> Optional[tuple[int, dict]]:
+    """The knapsack of `_cover_dp` one row and one size at a time, in plain Python: the order
+    its ties must follow (the first size in order, then the smaller count, wins)."""
+    best: list[list[Optional[tuple[int, int, int]]]] = [[None] * (kmin + 1) for _ in range(total + 1)]
+    best[0][0] = (0, 0, 0)
+    for j in range(1, total + 1):
+        for s, v in zip(sizes, values):
+            for c, prev in enumerate(best[j - s] if s <= j else []):
+                nc = min(c + 1, kmin)
+                if prev is not None and (best[j][nc] is None or prev[0] + v > best[j][nc][0]):
+                    best[j][nc] = (prev[0] + v, s, c)
+    ok = [c for c in range(kmin, kmin + 1) if best[total][c] is not None]
+    if not ok:
+        return None
+    c, cover, j = ok[0], {}, total
+    value = best[total][c][0]
+    while j > 0:
+        _, s, c = best[j][c]
+        cover[s] = cover.get(s, 0) + 1
+        j -= s
+    return value, cover
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_cover_dp_equals_the_row_by_row_knapsack(seed: int) -> None:
+    rng = random.Random(seed)
+    sizes = sorted(rng.sample(range(1, 30), rng.randint(1, 8)))
+    for _ in range(10):
+        values = [rng.randint(1, 6) for _ in sizes]  # few distinct values: many ties
+        total, kmin = rng.randint(1, 120), rng.randint(0, 4)
+        assert _cover_dp(sizes, values, total, kmin, None) == _cover_dp_by_rows(sizes, values, total, kmin)
 
 
 def _random_replans(seed: int):

@@ -66,32 +66,48 @@ def _cover_dp(
         assert kmax is not None
         return _cover_dp_exact_count(sizes, values, total, kmin, kmax)
     cmax = kmin
-    # best[j][c] = (value, size of the last pipeline, count before it)
-    best: list[list[Optional[tuple[int, int, int]]]] = [[None] * (cmax + 1) for _ in range(total + 1)]
-    best[0][0] = (0, 0, 0)
-    for j in range(1, total + 1):
-        row = best[j]
-        for s, v in zip(sizes, values):
-            if s > j:
-                continue
-            for c, prev in enumerate(best[j - s]):
-                if prev is None:
-                    continue
-                nc = min(c + 1, cmax)
-                if row[nc] is None or prev[0] + v > row[nc][0]:  # type: ignore[index]
-                    row[nc] = (prev[0] + v, s, c)
-    ok = [c for c in range(kmin, cmax + 1) if best[total][c] is not None]
+    # value[j, c]: best value of j nodes with min(count, cmax) == c pipelines (-1: unreachable);
+    # last[j, c]: index of the last pipeline's size; before[j, c]: the count before it
+    size = np.asarray(sizes, dtype=np.int64)
+    gain = np.asarray(values, dtype=np.int64)
+    value = np.full((total + 1, cmax + 1), -1, dtype=np.int64)
+    last = np.zeros((total + 1, cmax + 1), dtype=np.int64)
+    before = np.zeros((total + 1, cmax + 1), dtype=np.int64)
+    value[0, 0] = 0
+    # row j reads rows j - s only, s >= min(sizes): that many rows at a time depend on earlier rows only
+    step = int(size.min())
+    counts = np.arange(cmax + 1)
+    from_count = np.maximum(counts - 1, 0)  # a pipeline more: count c comes from c - 1 ...
+    for j0 in range(1, total + 1, step):
+        rows = np.arange(j0, min(j0 + step, total + 1))
+        src = rows[:, None] - size[None, :]  # (rows, sizes)
+        prev = np.where((src >= 0)[:, :, None], value[np.maximum(src, 0)], -1)  # (rows, sizes, count)
+        cand = np.where(prev >= 0, prev + gain[None, :, None], -1)
+        new = np.full_like(cand, -1)
+        new[:, :, 1:] = cand[:, :, :-1]
+        came = np.broadcast_to(from_count, new.shape).copy()
+        if cmax == 0:
+            new, came = cand, np.zeros_like(came)
+        else:  # ... and the capped count from cmax itself, on a strictly better value (the earlier count wins ties)
+            capped = cand[:, :, cmax] > new[:, :, cmax]
+            new[:, :, cmax] = np.where(capped, cand[:, :, cmax], new[:, :, cmax])
+            came[:, :, cmax] = np.where(capped, cmax, cmax - 1)
+        pick = new.argmax(axis=1)  # the first size with the best value, as a scan in size order keeps
+        value[rows] = np.take_along_axis(new, pick[:, None, :], axis=1)[:, 0, :]
+        last[rows] = pick
+        before[rows] = np.take_along_axis(came, pick[:, None, :], axis=1)[:, 0, :]
+    ok = [c for c in range(kmin, cmax + 1) if value[total, c] >= 0]
     if not ok:
         return None
-    c = max(ok, key=lambda c: best[total][c][0])  # type: ignore[index]
-    value = best[total][c][0]  # type: ignore[index]
+    c = max(ok, key=lambda c: int(value[total, c]))
+    best = int(value[total, c])
     cover: Cover = {}
     j = total
     while j > 0:
-        _, s, c = best[j][c]  # type: ignore[misc]
+        s, c = sizes[int(last[j, c])], int(before[j, c])
         cover[s] = cover.get(s, 0) + 1
         j -= s
-    return value, cover
+    return best, cover
 
 
 def _cover_dp_exact_count(
