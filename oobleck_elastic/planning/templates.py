@@ -191,6 +191,7 @@ class StageCosts:
             same: np.array([self.links.p2p_s(self._out[c], same_node=same) if links else 0.0 for c in cuts])
             for same in (True, False)
         }
+        self._matrices: dict[tuple[int, Optional[bool], Optional[bool]], np.ndarray] = {}
 
     def time(self, start: int, end: int) -> float:
         """Forward + backward compute of layers [start, end)."""
@@ -233,20 +234,42 @@ class StageCosts:
 
     def matrices(self, position: int, num_stages: int) -> np.ndarray:
         """(L+1) x (L+1) stage times of [u, v) at `position`; inf where u >= v, where it does not
-        fit in memory, where stage 0 does not start at 0 or the last stage does not end at L."""
+        fit in memory, where stage 0 does not start at 0 or the last stage does not end at L.
+        The matrix depends on the position only through the microbatches in flight, whether the
+        stage is first or last and which links it receives over: templates of every size share
+        them, so they are kept (read-only) for the next template, up to ~64 MB of them."""
+        first, last = position == 0, position == num_stages - 1
+        key = (
+            self.in_flight(position, num_stages),
+            None if first else self.same_node(position - 1),
+            None if last else self.same_node(position),
+        )
+        found = self._matrices.get(key)
+        if found is None:
+            found = self._matrix(*key)
+            found.flags.writeable = False
+            if len(self._matrices) * found.nbytes > 64e6:
+                self._matrices.clear()
+            self._matrices[key] = found
+        return found
+
+    def _matrix(self, in_flight: int, link_in: Optional[bool], link_out: Optional[bool]) -> np.ndarray:
+        """`matrices` for a stage keeping `in_flight` microbatches, receiving its input over a link
+        inside a node (True), across nodes (False) or not at all (None: the first stage), and its
+        output's gradient likewise (None: the last stage)."""
         n = self.num_layers
         u = np.arange(n + 1)
-        mem = self._span_static + self.in_flight(position, num_stages) * self._span_act
+        mem = self._span_static + in_flight * self._span_act
         bad = self._empty | (mem > self.memory_limit)
         w = self._span_time
-        if position == 0:
+        if link_in is None:
             bad |= (u != 0)[:, None]
         else:
-            w = w + self._cut_s[self.same_node(position - 1)][:, None]
-        if position == num_stages - 1:
+            w = w + self._cut_s[link_in][:, None]
+        if link_out is None:
             bad |= (u != n)[None, :]
         else:
-            w = w + self._cut_s[self.same_node(position)][None, :]
+            w = w + self._cut_s[link_out][None, :]
         return np.where(bad, np.inf, w)
 
 
