@@ -16,7 +16,8 @@ nodes. It needs far less:
 - A node's overlap with a kind needs only the stages that intersect what it holds: per template
   and block of local ranks (a stage's lanes) the stages' layer ranges are sorted and disjoint,
   so a bisection finds them, and a stage's lanes are counted at once (lanes x layers). A node
-  overlaps a handful of kinds.
+  overlaps a handful of kinds, and nodes that held the same stages (the i-th nodes of the
+  previous plan's pipelines of one template) are scored once.
 - Taking the earliest free slot of a kind takes the kind's slots in order, so one cursor per kind
   replaces the search over slots: the greedy pass visits each (node, overlap) group once, in the
   order of the direct rule, and takes the earliest free slot among its kinds.
@@ -84,24 +85,12 @@ def keep_layers_in_place(templates: TemplateSet, a: Assignment, nodes: list[str]
     blocks = {n: _blocks(templates, n) for n in {n for n, _ in a.pipelines}}
     held = _held_by_node(previous, templates.gpus_per_node)
     groups: list[tuple[int, int, list[Kind]]] = []  # (-kept, node's preference index, kinds)
+    scored: dict[tuple[tuple[int, int, int, int], ...], list[tuple[int, list[Kind]]]] = {}
     for ni, node in enumerate(used):
-        gains: dict[Kind, int] = {}
-        for lr, width, first, end in held.get(node, ()):
-            for n, per_block in blocks.items():
-                for block in range(lr - lr % tp, lr + width, tp):  # stages start at multiples of tp
-                    if block not in per_block:
-                        continue
-                    starts, ends, where = per_block[block]
-                    lanes = min(lr + width, block + tp) - max(lr, block)  # workers both stages have
-                    k = bisect.bisect_right(ends, first)  # first stage ending after `first`
-                    while k < len(starts) and starts[k] < end:
-                        kind = (n, where[k])
-                        gains[kind] = gains.get(kind, 0) + lanes * (min(end, ends[k]) - max(first, starts[k]))
-                        k += 1
-        by_kept: dict[int, list[Kind]] = {}
-        for kind, kept in gains.items():
-            by_kept.setdefault(kept, []).append(kind)
-        groups.extend((-kept, ni, kinds) for kept, kinds in by_kept.items())
+        mine = tuple(held.get(node, ()))
+        if mine not in scored:  # nodes that held the same stages score alike: once per kind of holding
+            scored[mine] = _score(mine, blocks, tp)
+        groups.extend((-kept, ni, kinds) for kept, kinds in scored[mine])
     groups.sort()  # (-kept, ni) is unique: the lists are never compared
     taken_of: dict[Kind, int] = {kind: 0 for kind in slots}  # slots of a kind are taken in order
     placed: dict[int, str] = {}
@@ -118,6 +107,32 @@ def keep_layers_in_place(templates: TemplateSet, a: Assignment, nodes: list[str]
         taken.add(ni)
     rest = iter(node for ni, node in enumerate(used) if ni not in taken)
     return [placed[si] if si in placed else next(rest) for si in range(cursor)] + nodes[cursor:]
+
+
+def _score(
+    mine: Sequence[tuple[int, int, int, int]],
+    blocks: dict[int, dict[int, tuple[list[int], list[int], list[int]]]],
+    tp: int,
+) -> list[tuple[int, list[Kind]]]:
+    """(layers kept, slot kinds that keep that many) for a node holding the stages `mine`
+    ((first local rank, local ranks, first layer, end layer) each), over the templates' `blocks`."""
+    gains: dict[Kind, int] = {}
+    for lr, width, first, end in mine:
+        for n, per_block in blocks.items():
+            for block in range(lr - lr % tp, lr + width, tp):  # stages start at multiples of tp
+                if block not in per_block:
+                    continue
+                starts, ends, where = per_block[block]
+                lanes = min(lr + width, block + tp) - max(lr, block)  # workers both stages have
+                k = bisect.bisect_right(ends, first)  # first stage ending after `first`
+                while k < len(starts) and starts[k] < end:
+                    kind = (n, where[k])
+                    gains[kind] = gains.get(kind, 0) + lanes * (min(end, ends[k]) - max(first, starts[k]))
+                    k += 1
+    by_kept: dict[int, list[Kind]] = {}
+    for kind, kept in gains.items():
+        by_kept.setdefault(kept, []).append(kind)
+    return list(by_kept.items())
 
 
 def keep_layers_in_place_pairwise(
