@@ -13,8 +13,9 @@ Prints one JSON line per figure:
     from 4,096 nodes): one node of the plan lost, the survivors re-planned with the previous
     plan: instantiation, the leader's layer placement, and the whole re-plan (goal at tp = 8 and
     10,000 nodes: < 1 s), with the bytes the re-plan moves; up to 384 nodes side by side with
-    the direct all-pairs placement it replaces (same placement, same bytes), and the bytes moved
-    without placement (preference order).
+    the direct all-pairs placement it replaces (same placement, same bytes) and with the
+    assignment that keeps the most bytes (the exact optimum); and the bytes moved without
+    placement (preference order).
 
     python bench/planner.py [--repeats 5] [--only replan|tp|...]
 """
@@ -26,6 +27,8 @@ import json
 import math
 import statistics
 import time
+
+import numpy as np
 
 from pathlib import Path
 
@@ -280,8 +283,76 @@ def replan_case(templates, shards: list[int], n: int, repeats: int) -> dict:
             "ratio_pairwise_over_ours": t_pair / t_place,
             "same_placement": pair == order,
             "pairwise_bytes_moved": sum(bytes_received(previous, plan(pair), shards).values()),
+            "optimal_bytes_moved": sum(
+                bytes_received(
+                    previous, plan(fewest_bytes_order(templates, a, survivors, previous, shards)), shards
+                ).values()
+            ),
         }
     return row
+
+
+def fewest_bytes_order(templates, a, nodes: list[str], previous, shards: list[int]) -> list[str]:
+    """`nodes` ordered into the slots of assignment `a` so that they keep the most layer bytes of
+    `previous`: the exact optimum (an assignment problem, solved with `max_weight_assignment`),
+    the yardstick for the greedy placement."""
+    prefix = np.concatenate([[0], np.cumsum(shards)])
+    held = previous.layers_by_worker()
+    slots = []  # per node slot: [(local rank, start, end)]
+    for n, _ in a.pipelines:
+        per_node = [[] for _ in range(n)]
+        for st in templates[n].stages:
+            per_node[st.node] += [(st.local_rank + j, st.start, st.end) for j in range(templates.tensor_parallel)]
+        slots.extend(per_node)
+    used = nodes[: len(slots)]
+    kept = np.zeros((len(used), len(slots)))
+    for i, node in enumerate(used):
+        for k, slot in enumerate(slots):
+            for lr, start, end in slot:
+                had = held.get((node, lr))
+                if had is not None and max(start, had.start) < min(end, had.stop):
+                    kept[i, k] += prefix[min(end, had.stop)] - prefix[max(start, had.start)]
+    order = [""] * len(slots)
+    for i, k in enumerate(max_weight_assignment(kept)):
+        order[k] = used[i]
+    return order + nodes[len(slots) :]
+
+
+def max_weight_assignment(weight: np.ndarray) -> list[int]:
+    """Column of each row in a maximum-weight perfect assignment of a square matrix: the
+    shortest-augmenting-path Hungarian method (potentials u, v), one row added at a time, the
+    scan over columns vectorised."""
+    cost = weight.max() - weight
+    n = cost.shape[0]
+    u, v = np.zeros(n + 1), np.zeros(n + 1)
+    row_of = np.zeros(n + 1, dtype=int)  # column j (1-based) -> its row (1-based); 0 = free
+    for i in range(1, n + 1):
+        row_of[0], col = i, 0
+        best = np.full(n + 1, np.inf)
+        came = np.zeros(n + 1, dtype=int)
+        done = np.zeros(n + 1, dtype=bool)
+        while row_of[col]:
+            done[col] = True
+            r = row_of[col]
+            reduced = cost[r - 1] - u[r] - v[1:]
+            open_ = ~done[1:]
+            better = open_ & (reduced < best[1:])
+            best[1:][better] = reduced[better]
+            came[1:][better] = col
+            nxt = int(np.where(open_, best[1:], np.inf).argmin()) + 1
+            delta = best[nxt]
+            u[row_of[done]] += delta
+            v[done] -= delta
+            best[1:][open_] -= delta
+            col = nxt
+        while col:
+            prev = came[col]
+            row_of[col] = row_of[prev]
+            col = prev
+    out = [0] * n
+    for j in range(1, n + 1):
+        out[row_of[j] - 1] = j - 1
+    return out
 
 
 if __name__ == "__main__":
