@@ -21,7 +21,7 @@ from oobleck_elastic.planning import (
     make_plan,
 )
 from oobleck_elastic.planning.analytic import gpt3_175b_profile
-from oobleck_elastic.planning.instantiate import _cover_dp, candidate_makespans
+from oobleck_elastic.planning.instantiate import _cover_dp, _least_makespan, candidate_makespans
 from oobleck_elastic.planning.placement import (
     bytes_received,
     keep_layers_in_place,
@@ -48,6 +48,36 @@ def test_candidate_makespans_are_the_iteration_times_bit_for_bit() -> None:
     tpl = [ts[n] for n in ts.sizes()]
     want = sorted({t.iteration_time(b, 3) for t in tpl for b in range(1, 41)})
     assert candidate_makespans(tpl, 3, 40).tolist() == want
+
+
+def test_a_window_of_candidates_is_the_full_list_cut() -> None:
+    tpl = [_gpt3_templates(8, 20)[n] for n in _gpt3_templates(8, 20).sizes()]
+    full = candidate_makespans(tpl, 2, 300)
+    lowest, highest = float(full[1000]) - 1e-9, float(full[2500])
+    window = candidate_makespans(tpl, 2, 300, lowest=lowest, highest=highest)
+    assert window.tolist() == full[(full >= lowest) & (full <= highest)].tolist() and len(window) == 1501
+
+
+@pytest.mark.parametrize("at", [0, 1, 7, 500, 20_000, 59_999])
+def test_least_makespan_is_the_least_feasible_candidate(at: int) -> None:
+    """Wherever the answer lies above the relaxation's start (the window grows to reach it), the
+    search returns the least candidate the feasibility test accepts; None when it accepts none."""
+    tpl = [_gpt3_templates(8)[n] for n in _gpt3_templates(8).sizes()]
+    full = candidate_makespans(tpl, 2, 1000)
+    need = [3] * len(tpl)
+    start = min(t.iteration_time(3, 2) for t in tpl)
+    first = int((full >= start).argmax())
+    threshold = float(full[min(first + at, len(full) - 1)])
+    asked: list[float] = []
+
+    def feasible(z: float) -> bool:
+        asked.append(z)
+        return z >= threshold
+
+    got = _least_makespan(tpl, 2, 1000, lambda z: z >= start, feasible, need=need)
+    assert got == threshold
+    assert len(asked) < 80  # a gallop and a bisection, not a scan
+    assert _least_makespan(tpl, 2, 1000, lambda z: z >= start, lambda z: False, need=need) is None
 
 
 def _cover_dp_by_rows(sizes: list[int], values: list[int], total: int, kmin: int) -> Optional[tuple[int, dict]]:

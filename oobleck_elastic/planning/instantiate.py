@@ -18,13 +18,14 @@ unbounded knapsack with an exact weight. The optimal Z is one of the values T_t(
 over them is exact; it starts where a relaxation first allows Z (no cover of N nodes holds more
 than N x the best capacity per node, an integer test), gallops up from there and bisects, so a
 handful of knapsacks decide even 760,000 candidate values (93 templates x 8,192 microbatches at
-tp = 8). The knapsack itself is cut to a few hundred nodes by a classic
-exchange argument: with t* the template of best capacity per node, some optimal cover has fewer
-than n_t* pipelines of other templates (any n_t* of them contain a subset whose node count is a
-multiple of n_t*, which t* pipelines can replace without losing capacity), so only the remainder
-r < n_t* * n_max, r = N mod n_t*, needs the DP. This replaces Oobleck's enumeration of every
-partition of N followed by one ILP each, and takes milliseconds at 10,000 nodes and tp = 1,
-under 0.2 s at tp = 8 (bench/planner.py).
+tp = 8), of which only a window around that start is ever built (`_least_makespan`). The
+knapsack itself is cut to a few hundred nodes by a classic exchange argument: with t* the
+template of best capacity per node, some optimal cover has fewer than n_t* pipelines of other
+templates (any n_t* of them contain a subset whose node count is a multiple of n_t*, which t*
+pipelines can replace without losing capacity), so only the remainder r < n_t* * n_max,
+r = N mod n_t*, needs the DP. This replaces Oobleck's enumeration of every partition of N
+followed by one ILP each, and takes milliseconds at 10,000 nodes and tp = 1, a few tens of
+milliseconds at tp = 8 (bench/planner.py).
 """
 
 from __future__ import annotations
@@ -217,45 +218,28 @@ def instantiate(
             return cap
         return min(cap, int(math.floor((z - first) / t.bottleneck_s + 1e-9)) + 1)
 
-    cands = candidate_makespans(tpl, k, min(B, cap))
-    checked: dict[int, Optional[tuple[int, Cover]]] = {}
+    checked: dict[float, Optional[tuple[int, Cover]]] = {}
 
-    def feasible(i: int) -> Optional[tuple[int, Cover]]:
-        if i not in checked:
-            z = float(cands[i])
+    def feasible(z: float) -> Optional[tuple[int, Cover]]:
+        if z not in checked:
             got = best_cover(sizes, [capacity(t, z) for t in tpl], used, kmin=k, kmax=B)
-            checked[i] = got if got is not None and got[0] >= B else None
-        return checked[i]
+            checked[z] = got if got is not None and got[0] >= B else None
+        return checked[z]
 
-    # No cover of `used` nodes holds more than `used` x the best capacity per node: below the
-    # first candidate where that bound reaches B nothing is feasible (integer test, no rounding).
-    lo, hi = 0, len(cands) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        z = float(cands[mid])
-        if any(capacity(t, z) * used >= B * t.num_nodes for t in tpl):
-            hi = mid
-        else:
-            lo = mid + 1
-    # The optimum is usually at or just above that bound: gallop up from it, then bisect.
-    step, below = 1, lo - 1
-    while feasible(lo) is None:
-        if lo == len(cands) - 1:
-            raise PlanningError(
-                f"{B} microbatches do not fit: each pipeline may take at most {cap} "
-                "(GPipe keeps all of them in memory); use schedule 1f1b or more memory"
-            )
-        below, lo = lo, min(lo + step, len(cands) - 1)
-        step *= 2
-    hi, lo = lo, below + 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if feasible(mid) is not None:
-            hi = mid
-        else:
-            lo = mid + 1
-    z = float(cands[lo])
-    _, cover = feasible(lo)  # type: ignore[misc]
+    def allowed(z: float) -> bool:
+        """No cover of `used` nodes holds more than `used` x the best capacity per node (an
+        integer test, no rounding): where this is False nothing is feasible."""
+        return any(capacity(t, z) * used >= B * t.num_nodes for t in tpl)
+
+    z = _least_makespan(
+        tpl, k, min(B, cap), allowed, lambda z: feasible(z) is not None, need=[-(-B * t.num_nodes // used) for t in tpl]
+    )
+    if z is None:
+        raise PlanningError(
+            f"{B} microbatches do not fit: each pipeline may take at most {cap} "
+            "(GPipe keeps all of them in memory); use schedule 1f1b or more memory"
+        )
+    _, cover = feasible(z)  # type: ignore[misc]
     pipes = [[n, capacity(templates[n], z)] for n in sorted(cover, reverse=True) for _ in range(cover[n])]
     excess = sum(b for _, b in pipes) - B
     heap = [(-templates[n].iteration_time(b, k), i) for i, (n, b) in enumerate(pipes)]
@@ -273,12 +257,82 @@ def instantiate(
     )
 
 
-def candidate_makespans(tpl: Sequence, replicas: int, most: int) -> np.ndarray:
-    """Every T_t(b) for b = 1..`most`, sorted and distinct: the values the optimal makespan can
-    take. Computed as `Template.iteration_time` computes them (the same float operations in the
-    same order, so the same values), in numpy: 93 templates x 8,192 microbatches is 760,000."""
-    b = np.arange(most, dtype=np.float64)
-    return np.unique(np.concatenate([t.total_time_s + b * t.bottleneck_s + t.grad_sync_s(replicas) for t in tpl]))
+def _least_makespan(
+    tpl: Sequence, replicas: int, most: int, allowed, feasible, *, need: Sequence[int]
+) -> Optional[float]:
+    """The least candidate makespan (`candidate_makespans`) that `feasible` accepts, None when
+    not even the largest is. `allowed` is a relaxation (False: surely infeasible) and `need[i]` the
+    microbatches template i must take for it to allow; both predicates are monotone in Z.
+
+    The candidates are built only in a window: from one bottleneck below where the relaxation
+    first allows (bisected exactly within the window) up to a span that quadruples while no
+    candidate of the window is feasible. Galloping up from the relaxation's start, then
+    bisecting, finds the least feasible one in a handful of knapsacks. The windows hold every
+    candidate between their ends, so the answer is the one a search over all of them gives."""
+    top = max(t.iteration_time(most, replicas) for t in tpl)
+    starts = [t.iteration_time(b, replicas) for t, b in zip(tpl, need) if 1 <= b <= most]
+    if not starts:
+        return top if feasible(top) else None
+    margin = max(t.bottleneck_s for t in tpl)
+    lowest = min(starts) - margin  # below this, every template falls short of its need by a whole microbatch
+    span = 64 * margin if margin > 0 else math.inf
+    while True:
+        highest = min(min(starts) + span, top)
+        cands = candidate_makespans(tpl, replicas, most, lowest=lowest, highest=highest)
+        lo, hi = 0, len(cands) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if allowed(float(cands[mid])):
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo == 0 and allowed(float(cands[0])) and lowest > -math.inf:
+            lowest = -math.inf  # the relaxation allows even the window's first: take every candidate
+            continue
+        step, below = 1, lo - 1
+        while not feasible(float(cands[lo])):
+            if lo == len(cands) - 1:
+                break
+            below, lo = lo, min(lo + step, len(cands) - 1)
+            step *= 2
+        else:
+            hi, lo = lo, below + 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if feasible(float(cands[mid])):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return float(cands[lo])
+        if highest >= top:
+            return None
+        span *= 4
+
+
+def candidate_makespans(
+    tpl: Sequence, replicas: int, most: int, *, lowest: float = -math.inf, highest: float = math.inf
+) -> np.ndarray:
+    """Every T_t(b) for b = 1..`most` within [lowest, highest], sorted and distinct: the values the
+    optimal makespan can take. Computed as `Template.iteration_time` computes them (the same float
+    operations in the same order, so the same values), in numpy: 93 templates x 8,192
+    microbatches is 760,000, so the search asks for a window of them."""
+    parts = []
+    for t in tpl:
+        base, step, sync = t.total_time_s, t.bottleneck_s, t.grad_sync_s(replicas)
+        first, last = 0, most - 1
+        if step <= 0:
+            last = 0  # every b gives the same value
+        else:  # the b range of the window, one wider on each side; the values decide below
+            if lowest > -math.inf:
+                first = max(first, math.floor((lowest - base - sync) / step) - 1)
+            if highest < math.inf:
+                last = min(last, math.ceil((highest - base - sync) / step) + 1)
+        if first > last:
+            continue
+        b = np.arange(first, last + 1, dtype=np.float64)
+        values = base + b * step + sync
+        parts.append(values[(values >= lowest) & (values <= highest)])
+    return np.unique(np.concatenate(parts)) if parts else np.empty(0)
 
 
 def coverage(templates: TemplateSet, f: int, *, upto: int) -> tuple[list[int], list[int]]:
