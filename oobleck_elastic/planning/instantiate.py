@@ -77,26 +77,28 @@ def _cover_dp(
     value[0, 0] = 0
     # row j reads rows j - s only, s >= min(sizes): that many rows at a time depend on earlier rows only
     step = int(size.min())
-    counts = np.arange(cmax + 1)
-    from_count = np.maximum(counts - 1, 0)  # a pipeline more: count c comes from c - 1 ...
+    from_count = np.maximum(np.arange(cmax + 1) - 1, 0)  # a pipeline more: count c comes from c - 1 ...
     for j0 in range(1, total + 1, step):
-        rows = np.arange(j0, min(j0 + step, total + 1))
-        src = rows[:, None] - size[None, :]  # (rows, sizes)
-        prev = np.where((src >= 0)[:, :, None], value[np.maximum(src, 0)], -1)  # (rows, sizes, count)
-        cand = np.where(prev >= 0, prev + gain[None, :, None], -1)
-        new = np.full_like(cand, -1)
-        new[:, :, 1:] = cand[:, :, :-1]
-        came = np.broadcast_to(from_count, new.shape).copy()
+        rows = slice(j0, min(j0 + step, total + 1))
+        src = np.arange(rows.start, rows.stop)[:, None] - size[None, :]  # (rows, sizes)
+        prev = value[np.maximum(src, 0)]  # (rows, sizes, count)
+        cand = np.where((src >= 0)[:, :, None] & (prev >= 0), prev + gain[None, :, None], -1)
         if cmax == 0:
-            new, came = cand, np.zeros_like(came)
+            new, came = cand, None
         else:  # ... and the capped count from cmax itself, on a strictly better value (the earlier count wins ties)
+            new = np.empty_like(cand)
+            new[:, :, 0] = -1
+            new[:, :, 1:] = cand[:, :, :-1]
             capped = cand[:, :, cmax] > new[:, :, cmax]
-            new[:, :, cmax] = np.where(capped, cand[:, :, cmax], new[:, :, cmax])
+            new[:, :, cmax][capped] = cand[:, :, cmax][capped]
+            came = np.broadcast_to(from_count, new.shape).copy()
             came[:, :, cmax] = np.where(capped, cmax, cmax - 1)
         pick = new.argmax(axis=1)  # the first size with the best value, as a scan in size order keeps
-        value[rows] = np.take_along_axis(new, pick[:, None, :], axis=1)[:, 0, :]
+        value[rows] = new.max(axis=1)
         last[rows] = pick
-        before[rows] = np.take_along_axis(came, pick[:, None, :], axis=1)[:, 0, :]
+        if came is not None:
+            r, c = np.indices(pick.shape)
+            before[rows] = came[r, pick, c]
     ok = [c for c in range(kmin, cmax + 1) if value[total, c] >= 0]
     if not ok:
         return None
