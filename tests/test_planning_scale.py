@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from typing import Optional
@@ -11,6 +12,7 @@ from tests.test_planning import random_profile
 
 from oobleck_elastic.planning import (
     Links,
+    ModelProfile,
     PipelineSpec,
     Plan,
     PlanningError,
@@ -22,6 +24,7 @@ from oobleck_elastic.planning import (
 )
 from oobleck_elastic.planning.analytic import gpt3_175b_profile
 from oobleck_elastic.planning.instantiate import _cover_dp, _least_makespan, candidate_makespans
+from oobleck_elastic.planning.templates import GIB, StageCosts, best_partition, brute_force_template
 from oobleck_elastic.planning.placement import (
     bytes_received,
     keep_layers_in_place,
@@ -48,6 +51,35 @@ def test_candidate_makespans_are_the_iteration_times_bit_for_bit() -> None:
     tpl = [ts[n] for n in ts.sizes()]
     want = sorted({t.iteration_time(b, 3) for t in tpl for b in range(1, 41)})
     assert candidate_makespans(tpl, 3, 40).tolist() == want
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_partitions_sharing_one_stage_costs_equal_brute_force(seed: int) -> None:
+    """One StageCosts serves every stage count in a random order (its matrices and bottleneck
+    chains are shared), counts that are no multiple of the stages per node included."""
+    rng = random.Random(seed)
+    L = rng.randint(3, 9)
+    profile = ModelProfile(  # with what crosses a stage boundary, so that the links matter
+        layers=[
+            dataclasses.replace(layer, output_bytes=int(rng.uniform(0.01, 0.5) * GIB))
+            for layer in random_profile(rng, L).layers
+        ]
+    )
+    costs = StageCosts(
+        profile,
+        memory_limit_bytes=rng.uniform(0.8, 3.0) * GIB,
+        schedule=rng.choice(["1f1b", "gpipe"]),
+        gpipe_microbatches=3,
+        links=Links(intra_node_gb_s=rng.uniform(1, 100), inter_node_gb_s=rng.uniform(0.1, 5), latency_s=1e-3),
+        stages_per_node=rng.choice([2, 3]),
+    )
+    for stages in rng.sample(range(1, L + 1), L):
+        got = best_partition(costs, stages)
+        want = brute_force_template(costs, stages, 1, 8)
+        assert (got is None) == (want is None)
+        if got is not None:
+            times = [costs.stage_time(u, v, i, stages) for i, (u, v) in enumerate(got)]
+            assert sum(times) + 7 * max(times) == pytest.approx(want[0], rel=1e-9)
 
 
 def test_a_window_of_candidates_is_the_full_list_cut() -> None:

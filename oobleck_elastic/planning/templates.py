@@ -29,7 +29,10 @@ Exact search: a dynamic programme over (stage, layers covered so far) finds the 
 exactly S stages (each stage's cost may depend on its position, its first and its last layer:
 memory, links, boundary bytes), then a second pass finds, among partitions with every stage
 <= W, the one with the least sum. O(S L^2) per template, vectorised over the first layer with
-numpy. `brute_force_template` checks it on small cases in the tests.
+numpy. `brute_force_template` checks it on small cases in the tests. A stage's cost depends on
+its position only through its distance from the last stage (microbatches in flight under 1F1B)
+and its links, so the first pass runs from the last stage backwards and is shared by the
+templates of every size (`StageCosts.tail`): only the second pass is paid per template.
 """
 
 from __future__ import annotations
@@ -192,6 +195,7 @@ class StageCosts:
             for same in (True, False)
         }
         self._matrices: dict[tuple[int, Optional[bool], Optional[bool]], np.ndarray] = {}
+        self._tails: dict[int, list[np.ndarray]] = {}  # num_stages % stages_per_node -> tail(0), tail(1), ...
 
     def time(self, start: int, end: int) -> float:
         """Forward + backward compute of layers [start, end)."""
@@ -253,6 +257,21 @@ class StageCosts:
             self._matrices[key] = found
         return found
 
+    def tail(self, stages: int, num_stages: int) -> np.ndarray:
+        """[u]: the least bottleneck of the last `stages` stages of `num_stages` covering layers
+        [u, L) (inf: none fits). A stage's matrix depends on its distance from the end (its
+        microbatches in flight, first/last) and on its links, which repeat every
+        `stages_per_node` positions; templates have num_stages = nodes x stages_per_node, so every
+        template shares one chain: each is computed once, from the one before, and kept."""
+        chain = self._tails.setdefault(num_stages % self.stages_per_node, [])
+        if not chain:
+            chain.append(np.full(self.num_layers + 1, np.inf))
+            chain[0][self.num_layers] = 0.0  # no stage left: only the end is covered
+        while len(chain) <= stages:  # the stage len(chain) from the end, then the ones after it
+            w = self.matrices(num_stages - len(chain), num_stages)
+            chain.append(np.maximum(w, chain[-1][None, :]).min(axis=1))
+        return chain[stages]
+
     def _matrix(self, in_flight: int, link_in: Optional[bool], link_out: Optional[bool]) -> np.ndarray:
         """`matrices` for a stage keeping `in_flight` microbatches, receiving its input over a link
         inside a node (True), across nodes (False) or not at all (None: the first stage), and its
@@ -280,11 +299,10 @@ def best_partition(costs: StageCosts, num_stages: int) -> Optional[list[tuple[in
     if num_stages > n:
         return None
     mats = [costs.matrices(i, num_stages) for i in range(num_stages)]
-    best = np.full(n + 1, np.inf)
-    best[0] = 0.0
-    for w in mats:  # best[v]: least bottleneck of stages so far covering layers [0, v)
-        best = np.maximum(best[:, None], w).min(axis=0)
-    bottleneck = best[n]
+    if num_stages == 1:
+        bottleneck = mats[0][0, n]
+    else:  # the first stage, then the least bottleneck of the others from where it ends
+        bottleneck = np.maximum(mats[0][0], costs.tail(num_stages - 1, num_stages)).min()
     if not math.isfinite(bottleneck):
         return None
     limit = bottleneck * (1 + 1e-12) + 1e-15
