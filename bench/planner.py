@@ -7,9 +7,17 @@ Prints one JSON line per figure:
     enumerating every multiset of templates that covers N nodes (each then given its best batch
     split), at node counts where the enumeration still finishes; both must find the same makespan;
   - tensor parallelism: the estimated samples/s, step time and bubble fraction of the plan on
-    1,024 nodes at tp = 1, 2, 4, 8 and for `auto` (communication counted with the default links).
+    1,024 nodes at tp = 1, 2, 4, 8 and for `auto` (communication counted with the default links),
+    and how long `auto` takes to plan every degree (goal: < 2 s);
+  - re-planning at scale, at tp = 1 and tp = 8, 128 to 10,000 nodes (global batch 1,536, 8,192
+    from 4,096 nodes): one node of the plan lost, the survivors re-planned with the previous
+    plan: instantiation, the leader's layer placement, and the whole re-plan (goal at tp = 8 and
+    10,000 nodes: < 1 s), with the bytes the re-plan moves; up to 384 nodes side by side with
+    the direct all-pairs placement it replaces (same placement, same bytes) and with the
+    assignment that keeps the most bytes (the exact optimum); and the bytes moved without
+    placement (preference order).
 
-    python bench/planner.py [--repeats 5]
+    python bench/planner.py [--repeats 5] [--only replan|tp|...]
 """
 
 from __future__ import annotations
@@ -20,11 +28,26 @@ import math
 import statistics
 import time
 
+import numpy as np
+
 from pathlib import Path
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.planning import Links, build_templates, compare_tensor_parallel, instantiate, plan_job
+from oobleck_elastic.planning import (
+    Links,
+    build_templates,
+    compare_tensor_parallel,
+    instantiate,
+    make_plan,
+    plan_job,
+)
 from oobleck_elastic.planning.analytic import gpt3_175b_profile
+from oobleck_elastic.planning.placement import (
+    bytes_received,
+    keep_layers_in_place,
+    keep_layers_in_place_pairwise,
+    shard_bytes_of,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,12 +55,21 @@ GLOBAL_MICROBATCHES = 1536  # GPT-3's 1536-sequence global batch, microbatch 1
 
 
 def timed(fn, repeats: int):
-    times, result = [], None
+    """(median wall seconds, result) of `repeats` calls."""
+    wall, _, result = timed_cpu(fn, repeats)
+    return wall, result
+
+
+def timed_cpu(fn, repeats: int):
+    """(median wall seconds, median CPU seconds of this process, result): on a shared machine the
+    CPU time is what the code costs, the wall time what it cost under the load of the moment."""
+    walls, cpus, result = [], [], None
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return statistics.median(walls), statistics.median(cpus), result
 
 
 def enumerate_covers(sizes: list[int], total: int, kmin: int):
@@ -74,20 +106,32 @@ def enumeration_makespan(templates, total: int, B: int, f: int) -> tuple[float, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--only", choices=("basics", "tp", "replan"), help="one part: templates/instantiation, tp, or re-planning"
+    )
     args = ap.parse_args()
+    common = {"bench": "planner", "model": "gpt3-175b-like", "layers": 98, "gpus_per_node": 8}
+    if args.only in (None, "basics"):
+        basics(common, args.repeats)
+    if args.only in (None, "tp"):
+        tensor_parallel(common)
+    if args.only in (None, "replan"):
+        replan_at_scale(common, min(args.repeats, 3))
+
+
+def basics(common: dict, repeats: int) -> None:
     profile = gpt3_175b_profile()
 
     def build():
         return build_templates(profile, gpus_per_node=8, device_memory_gb=80.0, memory_margin=0.1, links=Links())
 
-    t_templates, templates = timed(build, args.repeats)
+    t_templates, templates = timed(build, repeats)
     t_inst, plan = timed(
-        lambda: instantiate(templates, num_nodes=1024, num_microbatches=GLOBAL_MICROBATCHES, f=1), args.repeats
+        lambda: instantiate(templates, num_nodes=1024, num_microbatches=GLOBAL_MICROBATCHES, f=1), repeats
     )
     t_replan, replan = timed(
-        lambda: instantiate(templates, num_nodes=1023, num_microbatches=GLOBAL_MICROBATCHES, f=1), args.repeats
+        lambda: instantiate(templates, num_nodes=1023, num_microbatches=GLOBAL_MICROBATCHES, f=1), repeats
     )
-    common = {"bench": "planner", "model": "gpt3-175b-like", "layers": profile.num_layers, "gpus_per_node": 8}
     print(json.dumps(common | {"figure": "templates_s", "value": t_templates, "templates": templates.sizes()}))
     print(
         json.dumps(
@@ -123,7 +167,7 @@ def main() -> None:
     templates = build_templates(profile, gpus_per_node=8, device_memory_gb=80.0, memory_margin=0.1)
     for n in (24, 48, 96, 144):
         t_ours, ours = timed(
-            lambda n=n: instantiate(templates, num_nodes=n, num_microbatches=GLOBAL_MICROBATCHES, f=1), args.repeats
+            lambda n=n: instantiate(templates, num_nodes=n, num_microbatches=GLOBAL_MICROBATCHES, f=1), repeats
         )
         t_enum, (enum_makespan, options) = timed(
             lambda n=n: enumeration_makespan(templates, n, GLOBAL_MICROBATCHES, 1), 1
@@ -142,8 +186,6 @@ def main() -> None:
                 }
             )
         )
-
-    tensor_parallel(common)
 
 
 def tensor_parallel(common: dict) -> None:
@@ -168,7 +210,8 @@ def tensor_parallel(common: dict) -> None:
                 }
             )
         )
-    auto = plan_job(cfg, nodes=1024, profile=profiles)
+    t_compare = time.perf_counter() - t0
+    t_auto, cpu_auto, auto = timed_cpu(lambda: plan_job(cfg, nodes=1024, profile=profiles), 3)
     rates = {d: jp.plan.samples_per_s for d, jp in plans.items()}
     print(
         json.dumps(
@@ -180,10 +223,136 @@ def tensor_parallel(common: dict) -> None:
                 "est_samples_per_s": auto.plan.samples_per_s,
                 "bubble_fraction": 1 - auto.efficiency,
                 "ratio_auto_over_tp1": auto.plan.samples_per_s / rates[1],
-                "planning_all_degrees_s": time.perf_counter() - t0,
+                "planning_all_degrees_s": t_compare,
+                "auto_plan_job_s": t_auto,
+                "auto_plan_job_cpu_s": cpu_auto,
+                "goal": 2.0,
+                "meets_goal": t_auto < 2.0,
             }
         )
     )
+
+
+def replan_at_scale(common: dict, repeats: int) -> None:
+    for tp in (1, 8):
+        profile = gpt3_175b_profile(tensor_parallel=tp)
+        templates = build_templates(
+            profile, gpus_per_node=8, device_memory_gb=80.0, memory_margin=0.1, links=Links(), tensor_parallel=tp
+        )
+        for n in (128, 256, 384, 1024, 4096, 10000):
+            print(json.dumps(common | replan_case(templates, shard_bytes_of(profile.layers), n, repeats)), flush=True)
+
+
+def replan_case(templates, shards: list[int], n: int, repeats: int) -> dict:
+    """One node a third of the way in lost from a plan on n nodes; the survivors re-planned."""
+    batch = GLOBAL_MICROBATCHES if n <= 1024 else 8192
+    nodes = [f"node{i}" for i in range(n)]
+    previous = make_plan(templates, nodes=nodes, num_microbatches=batch, microbatch_size=1, f=1)
+    survivors = nodes[: n // 3] + nodes[n // 3 + 1 :]
+
+    def plan(order, prev=None):
+        return make_plan(
+            templates, nodes=order, num_microbatches=batch, microbatch_size=1, f=1, generation=1, previous=prev
+        )
+
+    t_inst, a = timed(lambda: instantiate(templates, num_nodes=n - 1, num_microbatches=batch, f=1), repeats)
+    t_place, order = timed(lambda: keep_layers_in_place(templates, a, list(survivors), previous), repeats)
+    t_replan, cpu_replan, replan = timed_cpu(lambda: plan(list(survivors), previous), repeats)
+    received = bytes_received(previous, replan, shards)
+    tp = templates.tensor_parallel
+    row = {
+        "figure": "replan_at_scale",
+        "tensor_parallel": tp,
+        "nodes": n,
+        "global_batch": batch,
+        "pipelines_before_after": [len(previous.pipelines), len(replan.pipelines)],
+        "instantiate_s": t_inst,
+        "placement_s": t_place,
+        "replan_s": t_replan,
+        "replan_cpu_s": cpu_replan,
+        "bytes_moved": sum(received.values()),
+        "bytes_moved_busiest_node": max(received.values(), default=0),
+        "bytes_moved_without_placement": sum(bytes_received(previous, plan(list(survivors)), shards).values()),
+    }
+    if tp == 8 and n == 10000:
+        row |= {"goal": 1.0, "meets_goal": t_replan < 1.0}
+    if n <= 384:  # the direct rule is quadratic: side by side where it finishes in seconds
+        t_pair, pair = timed(lambda: keep_layers_in_place_pairwise(templates, a, list(survivors), previous), 1)
+        row |= {
+            "pairwise_placement_s": t_pair,
+            "ratio_pairwise_over_ours": t_pair / t_place,
+            "same_placement": pair == order,
+            "pairwise_bytes_moved": sum(bytes_received(previous, plan(pair), shards).values()),
+            "optimal_bytes_moved": sum(
+                bytes_received(
+                    previous, plan(fewest_bytes_order(templates, a, survivors, previous, shards)), shards
+                ).values()
+            ),
+        }
+    return row
+
+
+def fewest_bytes_order(templates, a, nodes: list[str], previous, shards: list[int]) -> list[str]:
+    """`nodes` ordered into the slots of assignment `a` so that they keep the most layer bytes of
+    `previous`: the exact optimum (an assignment problem, solved with `max_weight_assignment`),
+    the yardstick for the greedy placement."""
+    prefix = np.concatenate([[0], np.cumsum(shards)])
+    held = previous.layers_by_worker()
+    slots = []  # per node slot: [(local rank, start, end)]
+    for n, _ in a.pipelines:
+        per_node = [[] for _ in range(n)]
+        for st in templates[n].stages:
+            per_node[st.node] += [(st.local_rank + j, st.start, st.end) for j in range(templates.tensor_parallel)]
+        slots.extend(per_node)
+    used = nodes[: len(slots)]
+    kept = np.zeros((len(used), len(slots)))
+    for i, node in enumerate(used):
+        for k, slot in enumerate(slots):
+            for lr, start, end in slot:
+                had = held.get((node, lr))
+                if had is not None and max(start, had.start) < min(end, had.stop):
+                    kept[i, k] += prefix[min(end, had.stop)] - prefix[max(start, had.start)]
+    order = [""] * len(slots)
+    for i, k in enumerate(max_weight_assignment(kept)):
+        order[k] = used[i]
+    return order + nodes[len(slots) :]
+
+
+def max_weight_assignment(weight: np.ndarray) -> list[int]:
+    """Column of each row in a maximum-weight perfect assignment of a square matrix: the
+    shortest-augmenting-path Hungarian method (potentials u, v), one row added at a time, the
+    scan over columns vectorised."""
+    cost = weight.max() - weight
+    n = cost.shape[0]
+    u, v = np.zeros(n + 1), np.zeros(n + 1)
+    row_of = np.zeros(n + 1, dtype=int)  # column j (1-based) -> its row (1-based); 0 = free
+    for i in range(1, n + 1):
+        row_of[0], col = i, 0
+        best = np.full(n + 1, np.inf)
+        came = np.zeros(n + 1, dtype=int)
+        done = np.zeros(n + 1, dtype=bool)
+        while row_of[col]:
+            done[col] = True
+            r = row_of[col]
+            reduced = cost[r - 1] - u[r] - v[1:]
+            open_ = ~done[1:]
+            better = open_ & (reduced < best[1:])
+            best[1:][better] = reduced[better]
+            came[1:][better] = col
+            nxt = int(np.where(open_, best[1:], np.inf).argmin()) + 1
+            delta = best[nxt]
+            u[row_of[done]] += delta
+            v[done] -= delta
+            best[1:][open_] -= delta
+            col = nxt
+        while col:
+            prev = came[col]
+            row_of[col] = row_of[prev]
+            col = prev
+    out = [0] * n
+    for j in range(1, n + 1):
+        out[row_of[j] - 1] = j - 1
+    return out
 
 
 if __name__ == "__main__":

@@ -117,6 +117,7 @@ def main() -> None:
                             "oobleck_elastic_useful": round(ours["useful_fraction"], 4),
                             "checkpoint_restart_useful": round(base["useful_fraction"], 4),
                             "checkpoint_every_steps": [ours["checkpoint_every_steps"], base["checkpoint_every_steps"]],
+                            "oobleck_elastic_costs": ours["costs"],
                             "wall_s": round(r.wall_s, 2),
                             "goal_s": 60.0 if nodes >= 10000 else None,
                         }

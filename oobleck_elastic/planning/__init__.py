@@ -284,7 +284,11 @@ def compare_tensor_parallel(
 def choose_tensor_parallel(cfg: JobConfig, profiles: Mapping[int, ModelProfile], nodes: int) -> int:
     """The degree whose plan on `nodes` nodes has the best estimated samples/s (ties: the smaller
     degree). Raises PlanningError when no degree can be planned."""
-    plans = compare_tensor_parallel(cfg, profiles, nodes)
+    return _best_degree(compare_tensor_parallel(cfg, profiles, nodes))
+
+
+def _best_degree(plans: Mapping[int, "JobPlan | PlanningError"]) -> int:
+    """The degree of `compare_tensor_parallel`'s plans with the best samples/s (ties: the smaller)."""
     ok = {d: jp.plan.samples_per_s for d, jp in plans.items() if isinstance(jp, JobPlan)}
     if not ok:
         raise PlanningError(
@@ -331,7 +335,12 @@ def _resolve(
             raise PlanningError(
                 "planning.tensor_parallel=auto needs a node count to choose for: set planning.max_nodes"
             )
-        return _sized(cfg, profiles[choose_tensor_parallel(cfg, profiles, reference)], nodes, microbatch_size)
+        plans = compare_tensor_parallel(cfg, profiles, reference)
+        best = plans[_best_degree(plans)]
+        assert isinstance(best, JobPlan)
+        if microbatch_size is None:  # the comparison built these very templates: do not build them again
+            return best.templates, best.microbatch
+        return _sized(cfg, profiles[best.plan.tensor_parallel], nodes, microbatch_size)
     if int(tp) not in profiles:
         have = ", ".join(str(d) for d in sorted(profiles))
         raise PlanningError(

@@ -14,13 +14,18 @@ gradient all-reduce among the replicas (templates.py), costed during the search 
 pipelines the plan must have at least; the makespan reported is recomputed for the pipelines
 it has. Z is feasible
 when some exact cover of the chosen node count by template sizes has sum c_t(Z) >= B: an
-unbounded knapsack with an exact weight. The optimal Z is one of the values T_t(b), so a binary
-search over them is exact. The knapsack itself is cut to a few hundred nodes by a classic
-exchange argument: with t* the template of best capacity per node, some optimal cover has fewer
-than n_t* pipelines of other templates (any n_t* of them contain a subset whose node count is a
-multiple of n_t*, which t* pipelines can replace without losing capacity), so only the remainder
-r < n_t* * n_max, r = N mod n_t*, needs the DP. This replaces Oobleck's enumeration of every
-partition of N followed by one ILP each, and is milliseconds at 1,000+ nodes.
+unbounded knapsack with an exact weight. The optimal Z is one of the values T_t(b), so a search
+over them is exact; it starts where a relaxation first allows Z (no cover of N nodes holds more
+than N x the best capacity per node, an integer test), gallops up from there and bisects, so a
+handful of knapsacks decide even 760,000 candidate values (93 templates x 8,192 microbatches at
+tp = 8), of which only a window around that start is ever built (`_least_makespan`). The
+knapsack itself is cut to a few hundred nodes by a classic exchange argument: with t* the
+template of best capacity per node, some optimal cover has fewer than n_t* pipelines of other
+templates (any n_t* of them contain a subset whose node count is a multiple of n_t*, which t*
+pipelines can replace without losing capacity), so only the remainder r < n_t* * n_max,
+r = N mod n_t*, needs the DP. This replaces Oobleck's enumeration of every partition of N
+followed by one ILP each, and takes milliseconds at 10,000 nodes and tp = 1, a few tens of
+milliseconds at tp = 8 (bench/planner.py).
 """
 
 from __future__ import annotations
@@ -62,32 +67,50 @@ def _cover_dp(
         assert kmax is not None
         return _cover_dp_exact_count(sizes, values, total, kmin, kmax)
     cmax = kmin
-    # best[j][c] = (value, size of the last pipeline, count before it)
-    best: list[list[Optional[tuple[int, int, int]]]] = [[None] * (cmax + 1) for _ in range(total + 1)]
-    best[0][0] = (0, 0, 0)
-    for j in range(1, total + 1):
-        row = best[j]
-        for s, v in zip(sizes, values):
-            if s > j:
-                continue
-            for c, prev in enumerate(best[j - s]):
-                if prev is None:
-                    continue
-                nc = min(c + 1, cmax)
-                if row[nc] is None or prev[0] + v > row[nc][0]:  # type: ignore[index]
-                    row[nc] = (prev[0] + v, s, c)
-    ok = [c for c in range(kmin, cmax + 1) if best[total][c] is not None]
+    # value[j, c]: best value of j nodes with min(count, cmax) == c pipelines (-1: unreachable);
+    # last[j, c]: index of the last pipeline's size; before[j, c]: the count before it
+    size = np.asarray(sizes, dtype=np.int64)
+    gain = np.asarray(values, dtype=np.int64)
+    value = np.full((total + 1, cmax + 1), -1, dtype=np.int64)
+    last = np.zeros((total + 1, cmax + 1), dtype=np.int64)
+    before = np.zeros((total + 1, cmax + 1), dtype=np.int64)
+    value[0, 0] = 0
+    # row j reads rows j - s only, s >= min(sizes): that many rows at a time depend on earlier rows only
+    step = int(size.min())
+    from_count = np.maximum(np.arange(cmax + 1) - 1, 0)  # a pipeline more: count c comes from c - 1 ...
+    for j0 in range(1, total + 1, step):
+        rows = slice(j0, min(j0 + step, total + 1))
+        src = np.arange(rows.start, rows.stop)[:, None] - size[None, :]  # (rows, sizes)
+        prev = value[np.maximum(src, 0)]  # (rows, sizes, count)
+        cand = np.where((src >= 0)[:, :, None] & (prev >= 0), prev + gain[None, :, None], -1)
+        if cmax == 0:
+            new, came = cand, None
+        else:  # ... and the capped count from cmax itself, on a strictly better value (the earlier count wins ties)
+            new = np.empty_like(cand)
+            new[:, :, 0] = -1
+            new[:, :, 1:] = cand[:, :, :-1]
+            capped = cand[:, :, cmax] > new[:, :, cmax]
+            new[:, :, cmax][capped] = cand[:, :, cmax][capped]
+            came = np.broadcast_to(from_count, new.shape).copy()
+            came[:, :, cmax] = np.where(capped, cmax, cmax - 1)
+        pick = new.argmax(axis=1)  # the first size with the best value, as a scan in size order keeps
+        value[rows] = new.max(axis=1)
+        last[rows] = pick
+        if came is not None:
+            r, c = np.indices(pick.shape)
+            before[rows] = came[r, pick, c]
+    ok = [c for c in range(kmin, cmax + 1) if value[total, c] >= 0]
     if not ok:
         return None
-    c = max(ok, key=lambda c: best[total][c][0])  # type: ignore[index]
-    value = best[total][c][0]  # type: ignore[index]
+    c = max(ok, key=lambda c: int(value[total, c]))
+    best = int(value[total, c])
     cover: Cover = {}
     j = total
     while j > 0:
-        _, s, c = best[j][c]  # type: ignore[misc]
+        s, c = sizes[int(last[j, c])], int(before[j, c])
         cover[s] = cover.get(s, 0) + 1
         j -= s
-    return value, cover
+    return best, cover
 
 
 def _cover_dp_exact_count(
@@ -197,25 +220,27 @@ def instantiate(
             return cap
         return min(cap, int(math.floor((z - first) / t.bottleneck_s + 1e-9)) + 1)
 
-    cands = sorted({t.iteration_time(b, k) for t in tpl for b in range(1, min(B, cap) + 1)})
+    checked: dict[float, Optional[tuple[int, Cover]]] = {}
 
     def feasible(z: float) -> Optional[tuple[int, Cover]]:
-        got = best_cover(sizes, [capacity(t, z) for t in tpl], used, kmin=k, kmax=B)
-        return got if got is not None and got[0] >= B else None
+        if z not in checked:
+            got = best_cover(sizes, [capacity(t, z) for t in tpl], used, kmin=k, kmax=B)
+            checked[z] = got if got is not None and got[0] >= B else None
+        return checked[z]
 
-    if feasible(cands[-1]) is None:
+    def allowed(z: float) -> bool:
+        """No cover of `used` nodes holds more than `used` x the best capacity per node (an
+        integer test, no rounding): where this is False nothing is feasible."""
+        return any(capacity(t, z) * used >= B * t.num_nodes for t in tpl)
+
+    z = _least_makespan(
+        tpl, k, min(B, cap), allowed, lambda z: feasible(z) is not None, need=[-(-B * t.num_nodes // used) for t in tpl]
+    )
+    if z is None:
         raise PlanningError(
             f"{B} microbatches do not fit: each pipeline may take at most {cap} "
             "(GPipe keeps all of them in memory); use schedule 1f1b or more memory"
         )
-    lo, hi = 0, len(cands) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if feasible(cands[mid]) is not None:
-            hi = mid
-        else:
-            lo = mid + 1
-    z = cands[lo]
     _, cover = feasible(z)  # type: ignore[misc]
     pipes = [[n, capacity(templates[n], z)] for n in sorted(cover, reverse=True) for _ in range(cover[n])]
     excess = sum(b for _, b in pipes) - B
@@ -232,6 +257,84 @@ def instantiate(
     return Assignment(
         pipelines=tuple((n, b) for n, b in pipes), nodes_used=used, makespan_s=makespan, warnings=tuple(warnings)
     )
+
+
+def _least_makespan(
+    tpl: Sequence, replicas: int, most: int, allowed, feasible, *, need: Sequence[int]
+) -> Optional[float]:
+    """The least candidate makespan (`candidate_makespans`) that `feasible` accepts, None when
+    not even the largest is. `allowed` is a relaxation (False: surely infeasible) and `need[i]` the
+    microbatches template i must take for it to allow; both predicates are monotone in Z.
+
+    The candidates are built only in a window: from one bottleneck below where the relaxation
+    first allows (bisected exactly within the window) up to a span that quadruples while no
+    candidate of the window is feasible. Galloping up from the relaxation's start, then
+    bisecting, finds the least feasible one in a handful of knapsacks. The windows hold every
+    candidate between their ends, so the answer is the one a search over all of them gives."""
+    top = max(t.iteration_time(most, replicas) for t in tpl)
+    starts = [t.iteration_time(b, replicas) for t, b in zip(tpl, need) if 1 <= b <= most]
+    if not starts:
+        return top if feasible(top) else None
+    margin = max(t.bottleneck_s for t in tpl)
+    lowest = min(starts) - margin  # below this, every template falls short of its need by a whole microbatch
+    span = 64 * margin if margin > 0 else math.inf
+    while True:
+        highest = min(min(starts) + span, top)
+        cands = candidate_makespans(tpl, replicas, most, lowest=lowest, highest=highest)
+        lo, hi = 0, len(cands) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if allowed(float(cands[mid])):
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo == 0 and allowed(float(cands[0])) and lowest > -math.inf:
+            lowest = -math.inf  # the relaxation allows even the window's first: take every candidate
+            continue
+        step, below = 1, lo - 1
+        while not feasible(float(cands[lo])):
+            if lo == len(cands) - 1:
+                break
+            below, lo = lo, min(lo + step, len(cands) - 1)
+            step *= 2
+        else:
+            hi, lo = lo, below + 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if feasible(float(cands[mid])):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return float(cands[lo])
+        if highest >= top:
+            return None
+        span *= 4
+
+
+def candidate_makespans(
+    tpl: Sequence, replicas: int, most: int, *, lowest: float = -math.inf, highest: float = math.inf
+) -> np.ndarray:
+    """Every T_t(b) for b = 1..`most` within [lowest, highest], sorted and distinct: the values the
+    optimal makespan can take. Computed as `Template.iteration_time` computes them (the same float
+    operations in the same order, so the same values), in numpy: 93 templates x 8,192
+    microbatches is 760,000, so the search asks for a window of them."""
+    parts = []
+    for t in tpl:
+        base, step, sync = t.total_time_s, t.bottleneck_s, t.grad_sync_s(replicas)
+        first, last = 0, most - 1
+        if step <= 0:
+            last = 0  # every b gives the same value
+        else:  # the b range of the window, one wider on each side; the values decide below
+            if lowest > -math.inf:
+                first = max(first, math.floor((lowest - base - sync) / step) - 1)
+            if highest < math.inf:
+                last = min(last, math.ceil((highest - base - sync) / step) + 1)
+        if first > last:
+            continue
+        b = np.arange(first, last + 1, dtype=np.float64)
+        values = base + b * step + sync
+        parts.append(values[(values >= lowest) & (values <= highest)])
+    return np.unique(np.concatenate(parts)) if parts else np.empty(0)
 
 
 def coverage(templates: TemplateSet, f: int, *, upto: int) -> tuple[list[int], list[int]]:

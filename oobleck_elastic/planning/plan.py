@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from .instantiate import Assignment, coverage, instantiate
+from .placement import keep_layers_in_place
 from .templates import PlanningError, TemplateSet
 
 PLAN_SCHEMA_VERSION = 1
@@ -307,8 +308,8 @@ def make_plan(
 ) -> Plan:
     """Instantiate templates on `nodes` (ids, in preference order) for one generation. With the
     `previous` plan, the nodes that will run are placed where they keep the most of the layers
-    they already hold (fewer layers to copy in the reconfiguration); who runs and who is a spare
-    still follows the preference order."""
+    they already hold (fewer layers to copy in the reconfiguration, placement.py); who runs and
+    who is a spare still follows the preference order."""
     if len(set(nodes)) != len(nodes):
         raise PlanningError(f"duplicate node ids in {list(nodes)}")
     a: Assignment = instantiate(
@@ -360,39 +361,6 @@ def make_plan(
     )
     plan.check()
     return plan
-
-
-def keep_layers_in_place(templates: TemplateSet, a: Assignment, nodes: list[str], previous: "Plan") -> list[str]:
-    """`nodes` reordered so that the running ones sit in the node slots of assignment `a` where
-    they keep the most layers of `previous` (greedy on the largest overlaps, ties in preference
-    order; nodes without any overlap fill the remaining slots in preference order)."""
-    g = templates.gpus_per_node
-    held = previous.layers_by_worker()
-    slots: list[dict[int, range]] = []  # per node slot: local rank -> layers
-    for n, _ in a.pipelines:
-        per_node: list[dict[int, range]] = [{} for _ in range(n)]
-        for st in templates[n].stages:
-            for j in range(templates.tensor_parallel):
-                per_node[st.node][st.local_rank + j] = range(st.start, st.end)
-        slots.extend(per_node)
-    used = nodes[: len(slots)]
-    gains = []
-    for ni, node in enumerate(used):
-        mine = {lr: held[(node, lr)] for lr in range(g) if (node, lr) in held}
-        if not mine:
-            continue
-        for si, slot in enumerate(slots):
-            kept = sum(len(set(mine[lr]) & set(layers)) for lr, layers in slot.items() if lr in mine)
-            if kept:
-                gains.append((-kept, ni, si))
-    placed: dict[int, str] = {}
-    taken: set[int] = set()
-    for _, ni, si in sorted(gains):
-        if si not in placed and ni not in taken:
-            placed[si] = used[ni]
-            taken.add(ni)
-    rest = iter(node for ni, node in enumerate(used) if ni not in taken)
-    return [placed[si] if si in placed else next(rest) for si in range(len(slots))] + nodes[len(slots) :]
 
 
 @dataclass(frozen=True)

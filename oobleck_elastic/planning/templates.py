@@ -29,7 +29,10 @@ Exact search: a dynamic programme over (stage, layers covered so far) finds the 
 exactly S stages (each stage's cost may depend on its position, its first and its last layer:
 memory, links, boundary bytes), then a second pass finds, among partitions with every stage
 <= W, the one with the least sum. O(S L^2) per template, vectorised over the first layer with
-numpy. `brute_force_template` checks it on small cases in the tests.
+numpy. `brute_force_template` checks it on small cases in the tests. A stage's cost depends on
+its position only through its distance from the last stage (microbatches in flight under 1F1B)
+and its links, so the first pass runs from the last stage backwards and is shared by the
+templates of every size (`StageCosts.tail`): only the second pass is paid per template.
 """
 
 from __future__ import annotations
@@ -191,6 +194,8 @@ class StageCosts:
             same: np.array([links.p2p_s(self._out[c], same_node=same) if links else 0.0 for c in cuts])
             for same in (True, False)
         }
+        self._matrices: dict[tuple[int, Optional[bool], Optional[bool]], np.ndarray] = {}
+        self._tails: dict[int, list[np.ndarray]] = {}  # num_stages % stages_per_node -> tail(0), tail(1), ...
 
     def time(self, start: int, end: int) -> float:
         """Forward + backward compute of layers [start, end)."""
@@ -233,20 +238,57 @@ class StageCosts:
 
     def matrices(self, position: int, num_stages: int) -> np.ndarray:
         """(L+1) x (L+1) stage times of [u, v) at `position`; inf where u >= v, where it does not
-        fit in memory, where stage 0 does not start at 0 or the last stage does not end at L."""
+        fit in memory, where stage 0 does not start at 0 or the last stage does not end at L.
+        The matrix depends on the position only through the microbatches in flight, whether the
+        stage is first or last and which links it receives over: templates of every size share
+        them, so they are kept (read-only) for the next template, up to ~64 MB of them."""
+        first, last = position == 0, position == num_stages - 1
+        key = (
+            self.in_flight(position, num_stages),
+            None if first else self.same_node(position - 1),
+            None if last else self.same_node(position),
+        )
+        found = self._matrices.get(key)
+        if found is None:
+            found = self._matrix(*key)
+            found.flags.writeable = False
+            if len(self._matrices) * found.nbytes > 64e6:
+                self._matrices.clear()
+            self._matrices[key] = found
+        return found
+
+    def tail(self, stages: int, num_stages: int) -> np.ndarray:
+        """[u]: the least bottleneck of the last `stages` stages of `num_stages` covering layers
+        [u, L) (inf: none fits). A stage's matrix depends on its distance from the end (its
+        microbatches in flight, first/last) and on its links, which repeat every
+        `stages_per_node` positions; templates have num_stages = nodes x stages_per_node, so every
+        template shares one chain: each is computed once, from the one before, and kept."""
+        chain = self._tails.setdefault(num_stages % self.stages_per_node, [])
+        if not chain:
+            chain.append(np.full(self.num_layers + 1, np.inf))
+            chain[0][self.num_layers] = 0.0  # no stage left: only the end is covered
+        while len(chain) <= stages:  # the stage len(chain) from the end, then the ones after it
+            w = self.matrices(num_stages - len(chain), num_stages)
+            chain.append(np.maximum(w, chain[-1][None, :]).min(axis=1))
+        return chain[stages]
+
+    def _matrix(self, in_flight: int, link_in: Optional[bool], link_out: Optional[bool]) -> np.ndarray:
+        """`matrices` for a stage keeping `in_flight` microbatches, receiving its input over a link
+        inside a node (True), across nodes (False) or not at all (None: the first stage), and its
+        output's gradient likewise (None: the last stage)."""
         n = self.num_layers
         u = np.arange(n + 1)
-        mem = self._span_static + self.in_flight(position, num_stages) * self._span_act
+        mem = self._span_static + in_flight * self._span_act
         bad = self._empty | (mem > self.memory_limit)
         w = self._span_time
-        if position == 0:
+        if link_in is None:
             bad |= (u != 0)[:, None]
         else:
-            w = w + self._cut_s[self.same_node(position - 1)][:, None]
-        if position == num_stages - 1:
+            w = w + self._cut_s[link_in][:, None]
+        if link_out is None:
             bad |= (u != n)[None, :]
         else:
-            w = w + self._cut_s[self.same_node(position)][None, :]
+            w = w + self._cut_s[link_out][None, :]
         return np.where(bad, np.inf, w)
 
 
@@ -257,11 +299,10 @@ def best_partition(costs: StageCosts, num_stages: int) -> Optional[list[tuple[in
     if num_stages > n:
         return None
     mats = [costs.matrices(i, num_stages) for i in range(num_stages)]
-    best = np.full(n + 1, np.inf)
-    best[0] = 0.0
-    for w in mats:  # best[v]: least bottleneck of stages so far covering layers [0, v)
-        best = np.maximum(best[:, None], w).min(axis=0)
-    bottleneck = best[n]
+    if num_stages == 1:
+        bottleneck = mats[0][0, n]
+    else:  # the first stage, then the least bottleneck of the others from where it ends
+        bottleneck = np.maximum(mats[0][0], costs.tail(num_stages - 1, num_stages)).min()
     if not math.isfinite(bottleneck):
         return None
     limit = bottleneck * (1 + 1e-12) + 1e-15

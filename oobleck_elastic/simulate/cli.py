@@ -174,6 +174,7 @@ def _scale(args: argparse.Namespace) -> int:
         print(summary_table(list(result.timelines.items())))
         for name, every in result.checkpoint_every.items():
             print(f"{name}: checkpoint every {every} steps")
+        print("\n".join(result.cost_lines()))
     if args.plot:
         print(
             f"plot: {plot(list(result.timelines.items()), args.plot, title=f'{settings.nodes} nodes')}", file=sys.stderr

@@ -8,6 +8,25 @@ restarts on every failure. Both checkpoint at their best interval: the best of 0
 Young's sqrt(2 x checkpoint cost x cluster MTBF), by simulation. Failures: Poisson per node with a
 per-node MTBF scaled from a published cluster MTTF (`node_mtbf_h`), failed nodes replaced after
 `join_delay_s`.
+
+What a failure costs `oobleck_elastic` is measured, not assumed (`measure_costs`, printed per
+cost as "assumed X, measured Y (how)"):
+
+- detection: what the rendezvous of the real config takes to declare the node lost. A machine
+  that fails (power, kernel, network) closes no socket, and a collective to it hangs under NCCL,
+  so its lease decides: `fault_tolerance.lease_ttl_s` + `settle_s` (bench/control_plane.py
+  measured 4.7-5.9 s kill -> next plan on that path, 64-1,000 nodes, TTL 5 s). A killed agent
+  process (`failure="process"`) is found by the liveness sockets: 0.1 s kill -> plan, measured by
+  bench/recovery.py (bench/RESULTS.md). The study used to assume 0.6 s for both.
+- re-planning: the leader's call (`plan_job` with the previous plan and the cached templates:
+  instantiation and layer placement, at the study's tensor-parallel degree), timed in this run at
+  the study's node count: two losses (a node a third of the way in, the last node) and one join;
+  the slowest is charged (the study used to assume 0.05 s).
+- transfer: the bytes those re-plans make each node receive (`planning.placement.bytes_received`:
+  the parameters and optimizer state of the layer shards a worker did not hold), the busiest
+  node's at `node_bandwidth_gb_s`; the slowest is charged per event (nodes receive in parallel
+  and no node receives more than its new stage, so it does not grow with the nodes lost). The
+  study used to charge the lost nodes' share of one replica.
 """
 
 from __future__ import annotations
@@ -56,6 +75,37 @@ class ScaleSettings:
     global_batch: int = 1536
     """Sequences per step (GPT-3's 1,536 of 2,048 tokens). At 10,000 nodes use 8,192 (16M
     tokens): 1,536 microbatches cannot keep the ~1,600 pipelines that many nodes hold busy."""
+    failure: str = "node"
+    """What a failure is, for its detection time: `node` (the machine is gone: its lease decides)
+    or `process` (its agent process died: the liveness sockets see it at once)."""
+    measured_costs: bool = True
+    """Charge the measured detection, re-planning and transfer (module docstring); False charges
+    the assumptions the study made before (0.6 s, 0.05 s, the lost nodes' share of a replica)."""
+
+
+LIVENESS_KILL_TO_PLAN_S = 0.11
+"""Kill -> plan published through the liveness sockets, bench/RESULTS.md ("Recovery re-measured on
+this session's final code", bench/recovery.py, commit f7d59f8: 0.10-0.11 s)."""
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One cost of a failure: what the study assumed, what it charges now and where that comes from."""
+
+    name: str
+    """detection, replan or transfer."""
+    assumed_s: float
+    """What the study charged before it measured (for transfer: one node lost at the start)."""
+    measured_s: float
+    """What it measures (charged unless `ScaleSettings.measured_costs` is off)."""
+    how: str
+    """How it was measured."""
+
+    def line(self) -> str:
+        return f"{self.name}: assumed {self.assumed_s:.3g} s, measured {self.measured_s:.3g} s ({self.how})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"assumed_s": self.assumed_s, "measured_s": round(self.measured_s, 4), "how": self.how}
 
 
 @dataclass
@@ -65,6 +115,12 @@ class ScaleResult:
     timelines: dict[str, Timeline] = field(default_factory=dict)
     checkpoint_every: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
+    costs: dict[str, Cost] = field(default_factory=dict)
+    """oobleck_elastic's costs of a failure, assumed beside measured."""
+
+    def cost_lines(self) -> list[str]:
+        charged = "measured" if self.settings.measured_costs else "assumed"
+        return [f"oobleck_elastic charges the {charged} costs:"] + [f"  {c.line()}" for c in self.costs.values()]
 
     def rows(self) -> list[dict[str, Any]]:
         out = []
@@ -84,6 +140,7 @@ class ScaleResult:
                     "idle_gpu_fraction": round(tl.idle_fraction, 4),
                     "breakdown_s": {k: round(v, 1) for k, v in tl.breakdown.items()},
                 }
+                | ({"costs": {k: c.to_json() for k, c in self.costs.items()}} if name == "oobleck_elastic" else {})
             )
         return out
 
@@ -95,6 +152,7 @@ class Planner:
         from ..config import load_config
         from ..planning import templates_for
         from ..planning.analytic import gpt3_175b_profile
+        from ..planning.placement import shard_bytes_of
 
         self.cfg = load_config(
             ROOT / "configs" / "gpt3-175b.yaml",
@@ -102,6 +160,8 @@ class Planner:
         )
         profile = gpt3_175b_profile(tensor_parallel=tensor_parallel)
         self.templates = templates_for(self.cfg, profile)
+        self.shard_bytes = shard_bytes_of(profile.layers)
+        """Bytes a transfer moves per layer shard (one lane's parameters and optimizer state)."""
         self.replica_bytes = float(sum(layer.static_bytes for layer in gpt3_175b_profile().layers))
         self.batch = float(self.cfg.training.global_batch_size)
         self._plans: dict[int, Any] = {}
@@ -128,6 +188,82 @@ class Planner:
     def n0(self) -> int:
         return self.templates.n0
 
+    def replans(self, n: int) -> list[tuple[str, float, int]]:
+        """Re-plans at `n` nodes as the leader makes them (plan_job with the previous plan and the
+        cached templates): (what happened, seconds, bytes the busiest node receives), for a node
+        lost a third of the way in, the last node lost, and a node joining n - 1."""
+        from ..planning import plan_job
+        from ..planning.placement import bytes_received
+
+        nodes = [f"node{i}" for i in range(n)]
+        cases = [
+            ("node lost", nodes, nodes[: n // 3] + nodes[n // 3 + 1 :]),
+            ("last node lost", nodes, nodes[:-1]),
+            ("node joined", nodes[:-1], nodes),
+        ]
+        out = []
+        for what, before, after in cases:
+            previous = plan_job(self.cfg, nodes=before, templates=self.templates, generation=1).plan
+            t0 = time.perf_counter()
+            plan = plan_job(self.cfg, nodes=after, templates=self.templates, generation=2, previous=previous).plan
+            took = time.perf_counter() - t0
+            out.append((what, took, max(bytes_received(previous, plan, self.shard_bytes).values(), default=0)))
+        return out
+
+
+def measure_costs(settings: ScaleSettings, planner: Planner) -> dict[str, Cost]:
+    """Detection, re-planning and transfer of one failure at `settings.nodes` (module docstring)."""
+    ft = planner.cfg.fault_tolerance
+    if settings.failure == "node":
+        detection = Cost(
+            "detection",
+            0.6,
+            ft.lease_ttl_s + ft.settle_s,
+            f"a failed machine's lease expires: lease_ttl_s {ft.lease_ttl_s:g} s + settle_s {ft.settle_s:g} s of "
+            "the config; bench/control_plane.py measured 4.7-5.9 s kill -> next plan at 64-1,000 nodes with TTL 5 s",
+        )
+    elif settings.failure == "process":
+        detection = Cost(
+            "detection",
+            0.6,
+            LIVENESS_KILL_TO_PLAN_S,
+            "a killed agent's liveness socket closes: kill -> plan 0.10-0.11 s, bench/recovery.py on 4 nodes",
+        )
+    else:
+        raise ValueError(f"failure must be 'node' or 'process' (got {settings.failure!r})")
+    cases = planner.replans(settings.nodes)
+    slowest = max(cases, key=lambda c: c[1])
+    what = ", ".join(f"{w} {t:.3f} s" for w, t, _ in cases)
+    replan = Cost(
+        "replan",
+        0.05,
+        slowest[1],
+        f"plan_job with the previous plan at {settings.nodes:,} nodes, tp={settings.tensor_parallel}, in this run: "
+        f"{what}; the slowest charged",
+    )
+    bandwidth = settings.node_bandwidth_gb_s * 1e9
+    busiest = max(cases, key=lambda c: c[2])
+    sizes = planner.pipelines(settings.nodes) or [1]
+    transfer = Cost(
+        "transfer",
+        planner.replica_bytes / min(sizes) / bandwidth,
+        busiest[2] / bandwidth,
+        f"the busiest receiver of those re-plans: {busiest[2] / 1e9:.1f} GB ({busiest[0]}) at "
+        f"{settings.node_bandwidth_gb_s:g} GB/s per node; assumed: one node's share of a replica",
+    )
+    return {c.name: c for c in (detection, replan, transfer)}
+
+
+@dataclass
+class MeasuredOobleckElastic(OobleckElastic):
+    """`OobleckElastic` charging a measured transfer per re-plan instead of a share of a replica."""
+
+    measured_transfer_s: float = 0.0
+    """The busiest node's receive time of a measured re-plan (`measure_costs`)."""
+
+    def transfer_s(self, pipeline_nodes: int, nodes_lost: int = 1) -> float:
+        return self.measured_transfer_s
+
 
 def run_scale(settings: ScaleSettings, planner: Optional[Planner] = None) -> ScaleResult:
     t0 = time.perf_counter()
@@ -147,13 +283,11 @@ def run_scale(settings: ScaleSettings, planner: Optional[Planner] = None) -> Sca
     step_s = planner.batch / max(planner.throughput(settings.nodes), 1e-9)
     cluster_mtbf_s = settings.node_mtbf_h * 3600.0 / settings.nodes
     young = math.sqrt(2 * ckpt_s * cluster_mtbf_s)
-    result = ScaleResult(settings=settings, failures=failures)
+    result = ScaleResult(settings=settings, failures=failures, costs=measure_costs(settings, planner))
+    charged = {k: (c.measured_s if settings.measured_costs else c.assumed_s) for k, c in result.costs.items()}
 
     def ours(every: int) -> OobleckElastic:
-        return OobleckElastic(
-            "oobleck_elastic",
-            planner.throughput,
-            planner.batch,
+        common: dict[str, Any] = dict(
             min_nodes=planner.n0,
             replica_bytes=planner.replica_bytes,
             node_bandwidth_b_s=settings.node_bandwidth_gb_s * 1e9,
@@ -161,6 +295,17 @@ def run_scale(settings: ScaleSettings, planner: Optional[Planner] = None) -> Sca
             checkpoint_every=every,
             checkpoint_s=ckpt_s,
             pipelines=planner.pipelines,
+            detection_s=charged["detection"],
+            replan_s=charged["replan"],
+        )
+        if not settings.measured_costs:
+            return OobleckElastic("oobleck_elastic", planner.throughput, planner.batch, **common)
+        return MeasuredOobleckElastic(
+            "oobleck_elastic",
+            planner.throughput,
+            planner.batch,
+            measured_transfer_s=charged["transfer"],
+            **common,
         )
 
     def restart(every: int) -> CheckpointRestart:
