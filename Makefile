@@ -2,6 +2,7 @@
 #   make demo   - the main job: train a small GPT-2 on a local 4-node simulation (embedded etcd,
 #                 one torchrun per node), SIGKILL one node mid-run, keep training, print a summary
 #   make test   - the test suite (what CI runs, after make lint)
+#   make test-all - the suite and the extended multi-process tests
 #   make lint   - ruff check, ruff format --check and mypy on oobleck_elastic/ (settings in pyproject.toml)
 # On a CPU machine torch is pinned to the local CPU build; on a GPU machine use e.g.
 #   make TORCH=torch test
@@ -11,7 +12,7 @@ TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint chaos bench clean
+.PHONY: demo test test-all lint chaos bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +26,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-all: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not chaos" $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -148,6 +148,7 @@ def _plan_of_run(endpoint: str, keys):
         client.close()
 
 
+@pytest.mark.extended  # the default run covers this ground (the README's test section)
 def test_kill_a_node_while_another_joins(tmp_path: Path, etcd_server, run_id) -> None:
     """A fifth node joins at step 1; the moment the plan that adds it is published (it is about to
     receive its layers), a node that is not the leader dies. The job ends on the four live nodes,

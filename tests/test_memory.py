@@ -68,7 +68,7 @@ def save_pretrained_gpt2(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("weights", ["random", "pretrained"])
+@pytest.mark.parametrize("weights", ["random", pytest.param("pretrained", marks=pytest.mark.extended)])
 def test_every_worker_holds_its_stage_not_the_model(tmp_path: Path, etcd_server, run_id, weights: str) -> None:
     profile = four_stage_profile(tmp_path / "profile.json", BLOCKS + 2)
     extra = [

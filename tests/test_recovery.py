@@ -83,6 +83,7 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     assert abs(at["train/samples_per_s"] - 16 / at["train/wall_s"]) < 1e-3 * at["train/samples_per_s"], at
 
 
+@pytest.mark.extended  # the default run covers this ground (the README's test section)
 def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id) -> None:
     """A 4th node joins a 3-node job (admitted at a step boundary, layers copied to it), then a
     node is drained with `oobleck kill-agent` (leaves at a boundary, its agent exits 0)."""

@@ -144,6 +144,7 @@ def test_scancel_signal_term_of_a_node_drains_it(slurm: SlurmCluster, tmp_path: 
     assert_same(job.weights(), job.reference_weights())
 
 
+@pytest.mark.extended  # the default run covers this ground (the README's test section)
 def test_a_node_cut_off_from_the_network_is_survived(tmp_path: Path) -> None:
     """Nodes with their own addresses and hostnames (network namespaces; the sbatch finds its etcd
     address with getent, unmodified). n3's link is cut at step 3 of 10: its agent and worker run on,

@@ -248,6 +248,7 @@ def test_a_killed_node_under_tensor_parallelism_moves_layers_lane_to_lane(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the default run covers this ground (the README's test section)
 def test_compiled_tensor_parallel_layers_match_the_reference(tmp_path: Path) -> None:
     """Compiled layers over DTensor shards (engine/compiled.py): the eager reference's weights."""
     cfg = load_config(
