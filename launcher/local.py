@@ -193,7 +193,15 @@ class LocalCluster:
                 if closed_at is not None and time.monotonic() - closed_at > self.args.exit_grace:
                     for n in self.nodes:  # e.g. a hung (SIGSTOPped) node that can no longer exit by itself
                         if n.proc.poll() is None:
-                            self.say(f"node {n.number} did not exit {self.args.exit_grace:.0f}s after the job closed")
+                            self.say(
+                                f"node {n.number} did not exit {self.args.exit_grace:.0f}s after the job closed; "
+                                "its agent's stacks follow"
+                            )
+                            try:  # the agent prints its threads' stacks (faulthandler, rendezvous/handler.py)
+                                os.kill(n.proc.pid, signal.SIGUSR1)
+                                time.sleep(1.0)
+                            except ProcessLookupError:
+                                pass
                             kill_node(n.proc.pid)
                     closed_at = float("inf")
                 for n in self.nodes:  # the reclaim after a preemption notice's grace

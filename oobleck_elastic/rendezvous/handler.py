@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import faulthandler
 import json
 import logging
+import signal
 import os
 import shutil
 import socket
@@ -132,6 +134,8 @@ def script_arguments(argv: list[str]) -> tuple[int, Optional[str], list[str]]:
 
 class OobleckRendezvousHandler(RendezvousHandler):
     def __init__(self, params: RendezvousParameters, *, argv: Optional[list[str]] = None) -> None:
+        if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <agent>` prints its threads' stacks (a slow exit)
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         self.params = params
         conf = {k: v for k, v in params.config.items() if v is not None}
         unknown = set(conf) - set(RDZV_OPTIONS) - _TORCHRUN_OPTIONS
