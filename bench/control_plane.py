@@ -4,8 +4,9 @@ Each simulated agent runs the real rendezvous code a node's torchrun agent runs,
 workers: `Member` (registration, lease keep-alive), a `Mirror` of `Keys.agent_watched` and a
 `Leader` thread (election, deputy, planning with the real planner over a 6-layer profile). The
 agents live in `--procs` processes (threads inside; the agents of one process share one etcd
-client and its watch stream: the same requests and watches as one client each, fewer TCP
-connections). Measured per N:
+client, its watch stream and its keep-alive stream: the same requests and watches as one client
+each, fewer TCP connections and streams; each agent keeps its own lease, keys, mirror and
+watches). Measured per N:
 
 - `register_s`: start -> all N node records present;
 - `first_plan_s`: all present -> generation 1 published (the leader plans N nodes, `max_nodes=N`);
