@@ -1,7 +1,8 @@
 """Lease keep-alives share one etcd stream per client (etcd/keepalive.py): many leases refreshed
 from many threads get each its own answer through one `LeaseKeepAlive` stream (etcd's own count
 of started streams says so), a lease that is gone answers 0, and a refresh rides out a stalled
-and a restarted etcd as any request does."""
+and a restarted etcd as any request does. On a fake stub: a broken stream, a missing answer and
+an auth error reach the caller as pyetcd's per-request errors would."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import threading
 import time
 import urllib.request
 
+import grpc
+import pyetcd.etcdrpc
+import pyetcd.exceptions
+import pytest
+
 from oobleck_elastic.etcd import EtcdSettings, connect
+from oobleck_elastic.etcd.keepalive import KeepAliveStream
 from oobleck_elastic.etcd.server import EtcdServer
 
 from helpers import stall_process
@@ -78,3 +85,92 @@ def test_a_refresh_rides_out_a_stalled_and_a_restarted_server(own_etcd) -> None:
         t.join()
     finally:
         client.close()
+
+
+# ---------------------------------------------------------------------- failures, on a fake stub
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class FakeCall:
+    """A LeaseKeepAlive call: answers each request with `ttl`, or ends with `error` at the first."""
+
+    def __init__(self, requests, error=None, silent=False, ttl=9) -> None:
+        self.requests, self.error, self.silent, self.ttl = requests, error, silent, ttl
+        self.cancelled = threading.Event()
+
+    def __iter__(self):
+        for request in self.requests:
+            if self.error is not None:
+                raise self.error
+            if self.silent:  # etcd stalled: no answer until the call is cancelled
+                self.cancelled.wait(10)
+                raise FakeRpcError(grpc.StatusCode.CANCELLED)
+            yield pyetcd.etcdrpc.LeaseKeepAliveResponse(ID=request.ID, TTL=self.ttl)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class FakeRaw:
+    """What KeepAliveStream uses of a pyetcd client; each call's behaviour comes from `plans`."""
+
+    _manage_grpc_errors = pyetcd.MultiEndpointEtcd3Client._manage_grpc_errors
+
+    def __init__(self, *plans: dict) -> None:
+        self.plans, self.calls, self.failed, self.cleared = list(plans), [], 0, 0
+        self.call_credentials = self.metadata = None
+        self.leasestub = self
+        self.endpoint_in_use = self
+
+    def LeaseKeepAlive(self, requests, credentials=None, metadata=None) -> FakeCall:  # noqa: N802 - gRPC's name
+        self.calls.append(FakeCall(requests, **self.plans.pop(0)))
+        return self.calls[-1]
+
+    def fail(self) -> None:
+        self.failed += 1
+
+    def _clear_old_stubs(self) -> None:
+        self.cleared += 1
+
+
+def test_a_broken_stream_fails_like_a_request_and_the_next_refresh_opens_another() -> None:
+    raw = FakeRaw({"error": FakeRpcError(grpc.StatusCode.UNAVAILABLE)}, {})
+    stream = KeepAliveStream(raw, timeout_s=2.0)
+    try:
+        with pytest.raises(pyetcd.exceptions.ConnectionFailedError):
+            stream.refresh(7)
+        assert raw.failed == 1  # pyetcd tries another member next
+        assert stream.refresh(7) == 9 and len(raw.calls) == 2
+    finally:
+        stream.close()
+
+
+def test_no_answer_within_the_timeout_is_a_timeout_and_ends_the_stream() -> None:
+    raw = FakeRaw({"silent": True}, {})
+    stream = KeepAliveStream(raw, timeout_s=0.3)
+    try:
+        with pytest.raises(pyetcd.exceptions.ConnectionTimeoutError):
+            stream.refresh(7)
+        assert raw.calls[0].cancelled.is_set() and (raw.failed, raw.cleared) == (1, 1)
+        assert stream.refresh(7) == 9 and len(raw.calls) == 2
+    finally:
+        stream.close()
+
+
+def test_an_auth_error_reaches_the_caller_as_the_grpc_error() -> None:
+    raw = FakeRaw({"error": FakeRpcError(grpc.StatusCode.UNAUTHENTICATED, "invalid auth token")})
+    stream = KeepAliveStream(raw, timeout_s=2.0)
+    try:
+        with pytest.raises(grpc.RpcError) as err:  # EtcdClient._call signs in again on this one
+            stream.refresh(7)
+        assert err.value.details() == "invalid auth token" and raw.failed == 0
+    finally:
+        stream.close()
