@@ -4,16 +4,20 @@ Each simulated agent runs the real rendezvous code a node's torchrun agent runs,
 workers: `Member` (registration, lease keep-alive), a `Mirror` of `Keys.agent_watched` and a
 `Leader` thread (election, deputy, planning with the real planner over a 6-layer profile). The
 agents live in `--procs` processes (threads inside; the agents of one process share one etcd
-client and its watch stream: the same requests and watches as one client each, fewer TCP
-connections). Measured per N:
+client, its watch stream and its keep-alive stream: the same requests and watches as one client
+each, fewer TCP connections and streams; each agent keeps its own lease, keys, mirror and
+watches). Measured per N:
 
 - `register_s`: start -> all N node records present;
 - `first_plan_s`: all present -> generation 1 published (the leader plans N nodes, `max_nodes=N`);
 - steady state, over `--window` seconds after the plan: etcd requests/s (gRPC messages received
   by etcd, from its /metrics), split into lease keep-alives (one per node every TTL/3: the cost
-  of liveness) and everything else (which must not grow with N: nobody polls), and bytes/s in
-  and out of etcd;
+  of liveness) and everything else (which must not grow with N: nobody polls), the keep-alive
+  streams opened (0: each agent process refreshes all its leases down one stream), and bytes/s
+  in and out of etcd;
 - `leader_cpu`: CPU seconds per second of the leader's thread over the window;
+- the cost of the agents: CPU seconds per second of the agent processes (all threads) and of
+  etcd over the window, the agents' per agent (milliseconds per second), and threads per agent;
 - `kill_to_plan_s`: `--kill` agents stop at once without revoking anything and their liveness
   sockets close (what a SIGKILL looks like to etcd and to the leader) -> the next plan is
   published: the leader's liveness verdict + 50 ms batch + planning (with `--no-liveness`: lease
@@ -21,6 +25,9 @@ connections). Measured per N:
 - `replan_tx_bytes`: bytes out of etcd from the kill to 1 s after that plan: the watch events that
   bring the new roster to every agent and the plan to the leader, plus this script's own polling
   of the roster (every 0.1 s) and the keep-alives of the window.
+
+Before the agents stop, the job is closed (`closed`), as a finished job is: leaving agents then
+elect no new leader and nobody re-plans 1,000 departures.
 
 One JSON line per N on stdout; progress on stderr. Run:
 
@@ -49,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oobleck_elastic.etcd import EtcdSettings, connect  # noqa: E402
 from oobleck_elastic.etcd.server import EtcdServer  # noqa: E402
 from oobleck_elastic.rendezvous.keys import Keys  # noqa: E402
-from oobleck_elastic.rendezvous.records import read_roster  # noqa: E402
+from oobleck_elastic.rendezvous.records import ClosedRecord, read_roster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,7 +97,12 @@ def _planner(nodes_total: int):
 
 
 def _thread_cpu_s(native_id: int) -> float:
-    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return _process_cpu_s(f"self/task/{native_id}")
+
+
+def _process_cpu_s(pid: int | str) -> float:
+    """CPU seconds (user + system) of a process (or `self/task/<tid>`: a thread), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -106,7 +118,8 @@ def agents_process(
     liveness: bool = True,
 ) -> None:
     """Host `count` agents; obey commands: ("kill", k) stops k agents that do not lead, like a
-    SIGKILL; ("cpu",) answers the leader thread's CPU seconds if it is here; ("stop",) ends."""
+    SIGKILL; ("cpu",) answers the leader thread's CPU seconds if it is here, this process's CPU
+    seconds and its thread count; ("stop",) ends."""
     from oobleck_elastic.etcd.mirror import Mirror
     from oobleck_elastic.rendezvous.leader import Leader
     from oobleck_elastic.rendezvous.liveness import LivenessServer
@@ -153,7 +166,8 @@ def agents_process(
             answers.put(("killed", len(victims)))
         elif command[0] == "cpu":
             here = [a[2] for a in agents if a[2].is_leader.is_set() and a[2]._thread is not None]
-            answers.put(("cpu", _thread_cpu_s(here[0]._thread.native_id) if here else None))
+            leader_cpu = _thread_cpu_s(here[0]._thread.native_id) if here else None
+            answers.put(("cpu", leader_cpu, time.process_time(), len(os.listdir("/proc/self/task"))))
         else:
             for member, view, leader, server in agents:
                 leader.stop()
@@ -166,13 +180,17 @@ def agents_process(
 
 
 def etcd_metrics(server: EtcdServer) -> dict[str, float]:
-    """Totals from etcd's /metrics: requests by method (gRPC messages received), bytes in and out."""
+    """Totals from etcd's /metrics: requests by method (gRPC messages received), calls (streams)
+    started by method, bytes in and out."""
     text = urllib.request.urlopen(f"{server.client_url}/metrics", timeout=10).read().decode()
     out: dict[str, float] = {"rx_bytes": 0.0, "tx_bytes": 0.0}
     for line in text.splitlines():
         m = re.match(r'grpc_server_msg_received_total\{.*grpc_method="(\w+)".*\} ([0-9.e+]+)', line)
         if m:
             out[f"req:{m.group(1)}"] = out.get(f"req:{m.group(1)}", 0.0) + float(m.group(2))
+        m = re.match(r'grpc_server_started_total\{.*grpc_method="(\w+)".*\} ([0-9.e+]+)', line)
+        if m:
+            out[f"started:{m.group(1)}"] = out.get(f"started:{m.group(1)}", 0.0) + float(m.group(2))
         m = re.match(r"etcd_network_client_grpc_(received|sent)_bytes_total ([0-9.e+]+)", line)
         if m:
             out["rx_bytes" if m.group(1) == "received" else "tx_bytes"] += float(m.group(2))
@@ -223,16 +241,19 @@ def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: flo
                 answers.get(timeout=600)  # every agent has started (mirrors and leader threads)
             time.sleep(max(2.0, ttl))
 
-            def leader_cpu() -> float:
+            def cpu() -> tuple[float, float, float, int]:
+                """(leader thread, agent processes, etcd) CPU seconds so far, and the agents' threads."""
                 for commands, _ in channels:
                     commands.put(("cpu",))
-                found = [answers.get(timeout=60)[1] for _, answers in channels]
-                return next((c for c in found if c is not None), float("nan"))
+                found = [answers.get(timeout=60)[1:] for _, answers in channels]
+                leader = next((c[0] for c in found if c[0] is not None), float("nan"))
+                return leader, sum(c[1] for c in found), _process_cpu_s(server.pid), sum(c[2] for c in found)
 
-            cpu0, m0, w0 = leader_cpu(), etcd_metrics(server), time.monotonic()
+            (cpu0, agents0, etcd0, threads), m0, w0 = cpu(), etcd_metrics(server), time.monotonic()
             time.sleep(window)
-            cpu1, m1, w1 = leader_cpu(), etcd_metrics(server), time.monotonic()
+            (cpu1, agents1, etcd1, _), m1, w1 = cpu(), etcd_metrics(server), time.monotonic()
             span = w1 - w0
+            agents_cpu, etcd_cpu = (agents1 - agents0) / span, (etcd1 - etcd0) / span
             rates = {k: (m1.get(k, 0.0) - m0.get(k, 0.0)) / span for k in m1}
             keepalive = rates.get("req:LeaseKeepAlive", 0.0)
             total = sum(v for k, v in rates.items() if k.startswith("req:"))
@@ -243,7 +264,8 @@ def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: flo
             }
             print(
                 f"[N={n}] steady: {total:.1f} req/s ({keepalive:.1f} keep-alives), "
-                f"{rates['tx_bytes'] / 1024:.1f} KiB/s out of etcd",
+                f"{rates['tx_bytes'] / 1024:.1f} KiB/s out of etcd; CPU: agents {agents_cpu:.3f} s/s "
+                f"({1000 * agents_cpu / n:.3f} ms/s per agent), etcd {etcd_cpu:.3f} s/s",
                 file=sys.stderr,
             )
 
@@ -273,15 +295,26 @@ def run(n: int, *, procs: int, kill: int, ttl: float, settle: float, window: flo
                 "steady_requests_per_s": round(total, 2),
                 "steady_keepalives_per_s": round(keepalive, 2),
                 "steady_other_requests_per_s": round(total - keepalive, 2),
+                # 0: every keep-alive goes down a stream opened before the window (etcd/keepalive.py)
+                "steady_keepalive_streams_opened_per_s": round(rates.get("started:LeaseKeepAlive", 0.0), 2),
                 "other_requests_by_method": others,
                 "steady_rx_bytes_per_s": round(rates["rx_bytes"]),
                 "steady_tx_bytes_per_s": round(rates["tx_bytes"]),
                 "leader_cpu_s_per_s": round((cpu1 - cpu0) / span, 4),
+                "agents_cpu_s_per_s": round(agents_cpu, 4),
+                "agent_cpu_ms_per_s": round(1000 * agents_cpu / n, 4),
+                "etcd_cpu_s_per_s": round(etcd_cpu, 4),
+                "threads_per_agent": round(threads / n, 2),
                 "killed": killed,
                 "kill_to_plan_s": round(kill_to_plan_s, 3),
                 "replan_tx_bytes": round(replan_tx),
             }
         finally:
+            # a finished job: leaving agents elect no new leader, nobody re-plans their departures
+            try:
+                client.put_json(keys.closed, ClosedRecord(time=time.time(), reason="benchmark over").to_json())
+            except Exception as err:  # noqa: BLE001 - stopping the agents matters more
+                print(f"[N={n}] could not close the job: {err}", file=sys.stderr)
             for commands, _ in channels:
                 commands.put(("stop",))
             for proc in workers:

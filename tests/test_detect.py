@@ -152,7 +152,9 @@ def test_the_deputy_revokes_the_lease_of_a_leader_that_does_not_answer() -> None
     check_in(kv, 3, "n1")
     check_in(kv, 3, "n2")
     d = deputy(kv, clock)
+    assert not d.pending  # nothing timed yet: its agent may sleep until a change
     assert not d.check(roster) and kv.get(KEYS.ping("n0")) is not None  # pinged
+    assert d.pending  # timing the ping: its agent must look again before a change comes
     clock.now += 2 * TIMEOUT - EPS  # twice the roll call's patience
     assert not d.check(roster)
     kv.outage = True  # etcd was away: the leader may not have seen the ping
@@ -163,6 +165,7 @@ def test_the_deputy_revokes_the_lease_of_a_leader_that_does_not_answer() -> None
     assert kv.get(KEYS.leader) is None and kv.get(KEYS.node("n0")) is None  # its lease is gone
     events = [ev for _, ev in read_events(kv, KEYS)]
     assert [(ev.kind, ev.node, ev.generation) for ev in events] == [(EventKind.LOST, "n0", 3)]
+    assert not d.pending
     assert not d.check(roster)  # once per round
 
 
@@ -174,6 +177,8 @@ def test_a_leader_that_answers_keeps_its_lease() -> None:
     answer(kv, "n0")
     clock.now += 10 * TIMEOUT
     assert not d.check(roster) and kv.get(KEYS.leader) is not None
+    kv.delete(KEYS.checkin(3, "n1", 0))  # the roll call is over: nothing left to time
+    assert not d.check(roster) and not d.pending
 
 
 def test_only_the_first_node_that_checked_in_pings_and_not_when_the_leader_is_heard() -> None:

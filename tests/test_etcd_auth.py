@@ -102,11 +102,14 @@ def test_a_client_signs_in_again_after_an_etcd_restart(auth_etcd, caplog) -> Non
     )
     try:
         client.put("/a/k", "1")
+        lease = client.grant_lease(60)
+        assert client.refresh_lease(lease) == 60  # the keep-alive stream is open, under the first token
         port = server.port
         server.stop()  # the data dir was given: it stays; the simple auth tokens are gone
         time.sleep(0.5)
         server.port = port
         server.start()
+        assert client.refresh_lease(lease) > 0  # a new keep-alive stream (TLS, credentials) carries it
         assert client.get("/a/k").value == b"1"
         client.put("/a/k", "2")
         assert client.get("/a/k").value == b"2"

@@ -166,3 +166,38 @@ def test_a_resume_that_fails_unexpectedly_is_retried(etcd_settings, run_id) -> N
     finally:
         mirror.close()
         client.close()
+
+
+def test_prefix_reads_match_etcd_through_puts_deletes_adds_and_removes(etcd_settings, run_id) -> None:
+    """Prefix reads come from a sorted index of the mirrored keys: after any mix of puts,
+    overwrites, deletes and added or removed prefixes they list what etcd lists, in key order."""
+    client = connect(etcd_settings)
+    root = f"/t/{run_id}/"
+    for key in ["nodes/n1", "nodes/n10", "nodes/n2", "ready/n1/0", "ready/n10/0", "ready/n1/1", "x"]:
+        client.put(root + key, key)
+    mirror = Mirror(client, [root + "nodes/", root + "ready/"]).start()
+    prefixes = ["", "nodes/", "nodes/n1", "ready/n1/", "ready/n10/", "ready/n", "ready/n2/", "z"]
+
+    def same() -> bool:
+        mirrored = {p: [(kv.key, kv.value) for kv in mirror.range(root + p)] for p in prefixes}
+        expected = {
+            p: [(kv.key, kv.value) for kv in client.range(root + p)[1] if not kv.key.endswith("/x")] for p in prefixes
+        }
+        return mirrored == expected
+
+    try:
+        assert same()
+        client.put(root + "ready/n2/0", "new")
+        client.put(root + "nodes/n1", "overwritten")
+        client.delete(root + "ready/n1/0")
+        client.delete(root + "nodes/n10")
+        client.put(root + "nodes/n0", "first")
+        eventually(same)
+        assert [kv.key for kv in mirror.range(root + "ready/n1/")] == [root + "ready/n1/1"]
+        mirror.remove([root + "ready/"])
+        assert mirror.range(root + "ready/") == [] and same() is False  # no longer mirrored
+        mirror.add([root + "ready/"])
+        assert same()
+    finally:
+        mirror.close()
+        client.close()

@@ -30,6 +30,8 @@ import pyetcd.etcdrpc
 import pyetcd.exceptions
 from pyetcd.client import EtcdTokenCallCredentials
 
+from .keepalive import KeepAliveStream
+
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "OOBLECK_ETCD_"
@@ -173,6 +175,7 @@ class EtcdClient:
     def __init__(self, raw: Any, settings: EtcdSettings) -> None:
         self.raw = raw
         self.settings = settings
+        self._keepalive = KeepAliveStream(raw, settings.timeout_s)  # one stream for every lease refreshed here
         self._outage_since: Optional[float] = None  # monotonic time etcd was first found unreachable
         self.last_outage: Optional[tuple[float, float]] = None
         """(start, end), monotonic, of the last etcd outage this client rode out."""
@@ -262,9 +265,9 @@ class EtcdClient:
         return int(self._call(self.raw.lease, max(1, int(round(ttl_s)))).id)
 
     def refresh_lease(self, lease_id: int) -> int:
-        """Keep the lease alive; the TTL etcd now grants it, <= 0 when the lease is gone."""
-        responses = self._call(lambda: list(self.raw.refresh_lease(lease_id)))
-        return int(responses[0].TTL) if responses else 0
+        """Keep the lease alive; the TTL etcd now grants it, <= 0 when the lease is gone. Sent down
+        this client's one keep-alive stream (keepalive.py), not a new stream per refresh."""
+        return self._call(self._keepalive.refresh, lease_id)
 
     def revoke_lease(self, lease_id: int) -> None:
         """End the lease now; its keys disappear. A lease already gone is not an error."""
@@ -410,6 +413,7 @@ class EtcdClient:
         self.raw.metadata = (("token", resp.token),)
         self.raw.call_credentials = grpc.metadata_call_credentials(EtcdTokenCallCredentials(resp.token))
         self._new_watch_stream()
+        self._keepalive.reset()
 
     def outage_within(self, seconds: float) -> bool:
         """Whether etcd is unreachable now, or was (or answered later than `_STALL_S`) within the
@@ -422,6 +426,7 @@ class EtcdClient:
         """Close the channels and wait (briefly) for the watch stream's thread to end: a thread
         still blocked in gRPC when the interpreter exits aborts the process when it wakes."""
         watcher = self.raw._stubs.get("watcher")
+        self._keepalive.close()
         try:
             self.raw.close()
         except Exception:  # noqa: BLE001 - closing a broken channel must not mask the real error

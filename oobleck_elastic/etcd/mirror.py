@@ -24,6 +24,7 @@ revision they read (`KV.mod_revision`), as they did with direct reads.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -46,6 +47,7 @@ class Mirror:
         self.prefixes = [prefixes] if isinstance(prefixes, str) else list(prefixes)
         self.name = name
         self._data: dict[str, KV] = {}
+        self._keys: list[str] = []  # the keys of _data, sorted: a prefix read is a bisect, not a scan
         self._revision = {p: 0 for p in self.prefixes}  # last revision applied, per prefix
         self._watch: dict[str, Any] = {}
         self._cond = threading.Condition()
@@ -86,6 +88,7 @@ class Mirror:
                     if not any(_covers(other, key) for other in self.prefixes):
                         del self._data[key]
                     self._parsed.pop(key, None)
+                self._keys = sorted(self._data)
                 self._changed()
 
     def close(self) -> None:
@@ -104,6 +107,7 @@ class Mirror:
             for key in [k for k in self._data if _covers(prefix, k)]:
                 del self._data[key]
             self._data.update((kv.key, kv) for kv in kvs)
+            self._keys = sorted(self._data)
             self._revision[prefix] = revision
             self._changed()
         self._follow(prefix)
@@ -136,9 +140,12 @@ class Mirror:
             for event in events:
                 key = event.key.decode()
                 if isinstance(event, pyetcd.events.DeleteEvent):
-                    self._data.pop(key, None)
+                    if self._data.pop(key, None) is not None:
+                        del self._keys[bisect.bisect_left(self._keys, key)]
                     self._parsed.pop(key, None)
                 else:
+                    if key not in self._data:
+                        bisect.insort(self._keys, key)
                     self._data[key] = KV(
                         key=key,
                         value=bytes(event.value),
@@ -203,10 +210,17 @@ class Mirror:
             return self._data.get(key)
 
     def range(self, prefix: str) -> list[KV]:
-        """Every key under prefix, sorted by key."""
+        """Every key under prefix, sorted by key (the leader reads one node's readiness prefix per
+        node: with 1,000 node records mirrored, a scan of every key per read was 1,000,000 string
+        comparisons per leader tick)."""
         self._check()
         with self._cond:
-            return sorted((kv for k, kv in self._data.items() if k.startswith(prefix)), key=lambda kv: kv.key)
+            keys, out = self._keys, []
+            i = bisect.bisect_left(keys, prefix)
+            while i < len(keys) and keys[i].startswith(prefix):
+                out.append(self._data[keys[i]])
+                i += 1
+            return out
 
     def _json(self, kv: KV) -> Any:
         """The parsed value of kv, parsed once per revision (callers must not modify it)."""

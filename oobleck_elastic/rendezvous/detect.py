@@ -188,11 +188,19 @@ class Deputy:
         self.clock = clock
         self._round: Optional[_DeputyRound] = None
 
+    @property
+    def pending(self) -> bool:
+        """Whether this deputy is timing a ping of the leader (its caller must look again soon)."""
+        return self._round is not None and not self._round.done
+
     def check(self, plan: Optional[Plan | Roster]) -> bool:
         """Whether this call revoked a dead leader's lease (the caller should campaign now)."""
         if plan is None:
             return False
         entries = checkins(self.reader, self.keys, plan.generation)
+        if not entries:  # no roll call (the common case: return before looking at 1,000 names)
+            self._round = None
+            return False
         leader = read_leader(self.reader, self.keys)
         leader_node = leader.node_id if leader is not None else None
         checked_in = [n for n in plan.nodes if n != leader_node and any(node == n for node, _ in entries)]

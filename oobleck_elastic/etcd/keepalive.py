@@ -1,0 +1,156 @@
+"""Lease keep-alives over one long-lived etcd stream per client.
+
+etcd refreshes leases only through the `LeaseKeepAlive` bidirectional stream. Opening a stream
+per refresh (what pyetcd's `refresh_lease` does) costs the client about 1 ms of CPU: a new HTTP/2
+stream and a gRPC thread to feed it one request. An agent refreshes once per TTL/3, so for one
+agent that is nothing; for the agents that share a client (the control-plane benchmark hosts
+hundreds per process) it was most of their CPU. `KeepAliveStream` keeps one stream open instead
+and sends each refresh down it: requests go in through a queue, one reader thread takes the
+answers and hands each to the caller waiting for that lease (answers for one lease come back in
+the order it was asked; each caller takes the first answer waiting for its lease).
+
+Failures look exactly like pyetcd's per-request ones, so `EtcdClient._call` retries them the
+same way: an answer that does not come within the client's timeout ends the stream and raises
+`ConnectionTimeoutError` with the endpoint marked failed (what a DEADLINE_EXCEEDED does); a
+stream that ends with a gRPC error raises what pyetcd makes of that error (`ConnectionFailedError`
+for UNAVAILABLE, with the endpoint marked failed; "invalid auth token" as the gRPC error itself,
+after which the client signs in again and calls `reset`). The next refresh opens a new stream,
+on the endpoint pyetcd uses then (a stream opened on a stub pyetcd has since replaced is
+reopened, so failover between cluster members carries over).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Optional
+
+import grpc
+import pyetcd.etcdrpc
+import pyetcd.exceptions
+
+
+class _Waiter:
+    """One refresh waiting for its answer: the granted TTL, or the error that ended the stream."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.ttl = 0
+        self.error: Optional[BaseException] = None
+
+
+class _Stream:
+    """One open `LeaseKeepAlive` call, its request queue and its reader thread."""
+
+    def __init__(self, raw: Any, on_end: Any) -> None:
+        self.stub = raw.leasestub
+        self.requests: queue.Queue = queue.Queue()
+        self.waiters: dict[int, list[_Waiter]] = {}
+        self.lock = threading.Lock()
+        self.ended = False
+        self.call = self.stub.LeaseKeepAlive(
+            iter(self.requests.get, None), credentials=raw.call_credentials, metadata=raw.metadata
+        )
+        self.reader = threading.Thread(target=self._read, args=(on_end,), name="oobleck-keepalive", daemon=True)
+        self.reader.start()
+
+    def _read(self, on_end: Any) -> None:
+        error: BaseException
+        try:
+            for response in self.call:
+                with self.lock:
+                    waiting = self.waiters.get(response.ID)
+                    waiter = waiting.pop(0) if waiting else None
+                if waiter is not None:
+                    waiter.ttl = int(response.TTL)
+                    waiter.done.set()
+            error = pyetcd.exceptions.ConnectionFailedError()  # etcd ended the stream
+        except grpc.RpcError as err:
+            error = err
+        self.end(error)
+        on_end(self)
+
+    def ask(self, lease_id: int) -> _Waiter:
+        waiter = _Waiter()
+        with self.lock:
+            if self.ended:
+                waiter.error = pyetcd.exceptions.ConnectionFailedError()
+                waiter.done.set()
+                return waiter
+            self.waiters.setdefault(lease_id, []).append(waiter)
+        self.requests.put(pyetcd.etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
+        return waiter
+
+    def end(self, error: BaseException) -> None:
+        """Fail every waiting refresh with `error` and close the call (idempotent)."""
+        with self.lock:
+            self.ended = True
+            waiting = [w for ws in self.waiters.values() for w in ws]
+            self.waiters.clear()
+        for waiter in waiting:
+            waiter.error = error
+            waiter.done.set()
+        self.requests.put(None)  # ends the request iterator
+        self.call.cancel()
+
+
+class KeepAliveStream:
+    """Refreshes leases through one shared `LeaseKeepAlive` stream of a pyetcd client (`raw`)."""
+
+    def __init__(self, raw: Any, timeout_s: float) -> None:
+        self.raw = raw
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._stream: Optional[_Stream] = None
+
+    def _current(self) -> _Stream:
+        with self._lock:
+            stream = self._stream
+            if stream is None or stream.ended or stream.stub is not self.raw.leasestub:
+                if stream is not None:
+                    stream.end(pyetcd.exceptions.ConnectionFailedError())
+                stream = self._stream = _Stream(self.raw, self._forget)
+            return stream
+
+    def _forget(self, stream: _Stream) -> None:
+        with self._lock:
+            if self._stream is stream:
+                self._stream = None
+
+    def refresh(self, lease_id: int) -> int:
+        """Keep the lease alive; the TTL etcd now grants it (0 when the lease is gone). Raises
+        pyetcd's exceptions (or the gRPC error) as a per-request refresh would."""
+        stream = self._current()
+        waiter = stream.ask(lease_id)
+        if not waiter.done.wait(self.timeout_s):
+            # no answer within the timeout: like a request's DEADLINE_EXCEEDED, the endpoint is
+            # marked failed (pyetcd tries another member next) and the stream is ended
+            stream.end(pyetcd.exceptions.ConnectionTimeoutError())
+            self._forget(stream)
+            self.raw.endpoint_in_use.fail()
+            self.raw._clear_old_stubs()
+            raise pyetcd.exceptions.ConnectionTimeoutError()
+        if waiter.error is None:
+            return waiter.ttl
+        if isinstance(waiter.error, grpc.RpcError):
+            try:
+                raise waiter.error
+            except grpc.RpcError as err:
+                self.raw._manage_grpc_errors(err)  # marks the endpoint, raises pyetcd's exception (or err)
+        raise waiter.error
+
+    def reset(self) -> None:
+        """End the stream (the next refresh opens a new one: after signing in again)."""
+        with self._lock:
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.end(pyetcd.exceptions.ConnectionFailedError())
+
+    def close(self) -> None:
+        """End the stream and wait (briefly) for its reader thread."""
+        with self._lock:
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.end(pyetcd.exceptions.ConnectionFailedError())
+            if stream.reader is not threading.current_thread():
+                stream.reader.join(timeout=2.0)
