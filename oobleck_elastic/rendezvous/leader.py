@@ -46,6 +46,7 @@ import threading
 import time
 from typing import Callable, Mapping, Optional
 
+from ..logs import JobLog
 from ..etcd import EtcdClient, EtcdError
 from ..etcd.client import KV, parse_json, warn_once
 from ..etcd.mirror import Mirror
@@ -76,7 +77,7 @@ from .records import (
     readiness_withdrawn,
 )
 
-log = logging.getLogger(__name__)
+log = JobLog(logging.getLogger(__name__))
 
 _FENCED_KEEP_S = 600.0
 _TXN_EVENTS = 100  # events written in the plan's transaction at most (etcd allows 128 operations)
@@ -173,9 +174,9 @@ class Leader:
                     if self._idle():
                         pause = _IDLE_S
             except EtcdError as err:
-                log.warning("node %s: leader loop: %s", self.member.node_id, err)
+                log.at(node=self.member.node_id).warning("leader loop: %s", err)
             except Exception:  # noqa: BLE001 - keep the agent alive; log the bug loudly
-                log.exception("node %s: leader loop failed; retrying", self.member.node_id)
+                log.at(node=self.member.node_id).exception("leader loop failed; retrying")
             self.is_leader.clear()
             self._pause(pause)
             pause = self.tick_s * 4
@@ -216,14 +217,14 @@ class Leader:
         except EtcdError:
             raise
         except Exception as err:  # noqa: BLE001 - the lease expired (etcd stalled): the member renews it
-            log.info(
-                "node %s: cannot campaign yet (%s); the lease is being renewed", self.member.node_id, type(err).__name__
+            log.at(node=self.member.node_id).info(
+                "cannot campaign yet (%s); the lease is being renewed", type(err).__name__
             )
             return False
         if won:
             self._value = value
             self._caught_up(self.keys.leader, lambda kv: kv is not None and kv.value == value)
-            log.info("node %s: elected leader", self.member.node_id)
+            log.at(node=self.member.node_id).info("elected leader")
             put_event(
                 self.client,
                 self.keys,
@@ -352,9 +353,8 @@ class Leader:
         if decision.action == Action.FIRST_PLAN:
             self._first_plan(list(decision.nodes), rev, records)
         elif decision.action == Action.REBALANCE and plan is not None and decision.plan is not None:
-            log.info(
-                "node %s: re-splitting the microbatches of generation %d at the measured speeds (%s)",
-                self.member.node_id,
+            log.at(node=self.member.node_id).info(
+                "re-splitting the microbatches of generation %d at the measured speeds (%s)",
                 plan.generation,
                 decision.why,
             )
@@ -415,7 +415,7 @@ class Leader:
                 f"admitted {len(nodes)} node(s) ({', '.join(nodes)}); their workers start, and one per device "
                 "kind measures the profile the first plan needs"
             )
-            log.info("node %s: %s", self.member.node_id, detail)
+            log.at(node=self.member.node_id).info("%s", detail)
             put_event(
                 self.client,
                 self.keys,
@@ -433,9 +433,8 @@ class Leader:
             )
         elif now >= next_line:
             self._profile_wait = (since, now + self.profile_log_s)
-            log.info(
-                "node %s: still waiting for a worker-measured profile (%.0fs of %.0fs; %d node(s) admitted)",
-                self.member.node_id,
+            log.at(node=self.member.node_id).info(
+                "still waiting for a worker-measured profile (%.0fs of %.0fs; %d node(s) admitted)",
                 now - since,
                 self.profile_timeout_s,
                 len(nodes),
@@ -443,7 +442,7 @@ class Leader:
 
     def _fail(self, reason: str) -> None:
         """Close the job as failed: workers and agents leave with this error (no plan can follow)."""
-        log.error("node %s: %s", self.member.node_id, reason)
+        log.at(node=self.member.node_id).error("%s", reason)
         self.client.put_json(self.keys.closed, ClosedRecord(time=time.time(), reason=reason, failed=True).to_json())
         put_event(
             self.client,
@@ -505,12 +504,8 @@ class Leader:
             self._unplannable = (tuple(nodes), generation)
             if self._waiting_for != len(nodes):
                 self._waiting_for = len(nodes)
-                log.warning(
-                    "node %s: cannot plan generation %d with %d node(s): %s",
-                    self.member.node_id,
-                    generation,
-                    len(nodes),
-                    err,
+                log.at(node=self.member.node_id).warning(
+                    "cannot plan generation %d with %d node(s): %s", generation, len(nodes), err
                 )
                 put_event(
                     self.client,
@@ -558,10 +553,10 @@ class Leader:
             for ev in later:
                 put_event(self.client, self.keys, ev)
             self._caught_up(self.keys.plan, lambda kv: kv is not None and kv.mod_revision != rev)
-            log.info("node %s: published generation %d: %s", self.member.node_id, generation, events[-1].detail)
+            log.at(node=self.member.node_id).info("published generation %d: %s", generation, events[-1].detail)
         else:
-            log.info(
-                "node %s: plan generation %d lost a race (plan or leadership changed)", self.member.node_id, generation
+            log.at(node=self.member.node_id).info(
+                "plan generation %d lost a race (plan or leadership changed)", generation
             )
 
     def _donors(

@@ -31,13 +31,14 @@ import threading
 import time
 from typing import Callable, Iterator, Optional
 
+from ..logs import JobLog
 from ..etcd import EtcdClient, EtcdError
 from ..etcd.client import warn_once
 from ..etcd.protocols import KVReader, KVStore
 from .keys import Keys
 from .records import Event, EventKind, NodeRecord, NodeState, is_fenced, read_admitted
 
-log = logging.getLogger(__name__)
+log = JobLog(logging.getLogger(__name__))
 
 
 def live_nodes(reader: KVReader, keys: Keys) -> list[NodeRecord]:
@@ -197,7 +198,7 @@ class Member:
                 self._fence(f"etcd stayed unreachable: {err}")
                 return
             except Exception as err:  # noqa: BLE001 - an unexpected answer: try again next tick
-                log.warning("node %s: lease refresh failed (%s); retrying", self.node_id, err)
+                log.at(node=self.node_id).warning("lease refresh failed (%s); retrying", err)
                 continue
             if ttl > 0:
                 last_ok = sent
@@ -226,10 +227,9 @@ class Member:
         self.record = dataclasses.replace(self.record, lease_id=self.lease)
         self.client.put_json(self.keys.node(self.node_id), self.record.to_json(), lease=self.lease)
         self.renewals += 1
-        log.warning(
-            "node %s: etcd let lease %x expire although it was refreshed on time (etcd stalled, restarted "
-            "or was cut off); membership renewed under lease %x",
-            self.node_id,
+        log.at(node=self.node_id).warning(
+            "etcd let lease %x expire although it was refreshed on time (etcd stalled, restarted or "
+            "was cut off); membership renewed under lease %x",
             old,
             self.lease,
         )
@@ -248,7 +248,7 @@ class Member:
         return True
 
     def _fence(self, reason: str) -> None:
-        log.error("node %s: %s; the node is fenced", self.node_id, reason)
+        log.at(node=self.node_id).error("%s; the node is fenced", reason)
         self.fence_reason = reason
         self.fenced.set()
         if self.on_fenced:
@@ -268,4 +268,4 @@ class Member:
             try:
                 self.client.revoke_lease(self.lease)
             except (EtcdError, Exception) as err:  # noqa: BLE001 - best effort on the way out
-                log.warning("node %s: could not revoke lease: %s", self.record and self.record.node_id, err)
+                log.at(node=self.record and self.record.node_id).warning("could not revoke lease: %s", err)
