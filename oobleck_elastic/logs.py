@@ -61,9 +61,10 @@ class JobLog(logging.LoggerAdapter):
         where = dict(self.extra or {})
         event, fields = kwargs.pop("event", None), kwargs.pop("fields", None)
         extra = dict(kwargs.get("extra") or {})
-        extra.update(oobleck_where=where, oobleck_event=event, oobleck_fields=fields or {})
+        prefix = where_prefix(where)
+        extra.update(oobleck_where=where, oobleck_prefix=prefix, oobleck_event=event, oobleck_fields=fields or {})
         kwargs["extra"] = extra
-        return where_prefix(where) + str(msg), kwargs
+        return prefix + str(msg), kwargs
 
 
 class EventLines(logging.Handler):
@@ -73,9 +74,8 @@ class EventLines(logging.Handler):
         super().__init__(level=logging.DEBUG)
         self.path = path
         self._fh = open(path, "a", encoding="utf-8")
-        self._lock_file = threading.Lock()
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def emit(self, record: logging.LogRecord) -> None:  # under the handler's own lock (Handler.handle)
         event = getattr(record, "oobleck_event", None)
         if event is None:
             return
@@ -83,17 +83,15 @@ class EventLines(logging.Handler):
             where = getattr(record, "oobleck_where", {})
             line: dict[str, Any] = {"t": round(record.created, 6), "level": record.levelname, "event": event}
             line.update({k: where[k] for k in (*_ORDER, "total") if where.get(k) is not None})
-            line["msg"] = record.getMessage().removeprefix(where_prefix(where))  # the place has its own keys
+            line["msg"] = record.getMessage().removeprefix(getattr(record, "oobleck_prefix", ""))  # the place has keys
             line.update(getattr(record, "oobleck_fields", {}))
-            text = json.dumps(line, default=str)
-            with self._lock_file:
-                self._fh.write(text + "\n")
-                self._fh.flush()
+            self._fh.write(json.dumps(line, default=str) + "\n")
+            self._fh.flush()
         except Exception:  # noqa: BLE001 - logging must never break training
             self.handleError(record)
 
     def close(self) -> None:
-        with self._lock_file:
+        with self.lock or threading.Lock():  # not while a record is being written
             self._fh.close()
         super().close()
 
