@@ -143,8 +143,8 @@ def main() -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from oobleck_elastic.config import load_config
-    from oobleck_elastic.engine.data import GlobalBatchSampler, build_dataset, collate
-    from oobleck_elastic.engine.optim import build_optimizer, set_lr, token_sum_loss
+    from oobleck_elastic.data.dataset import GlobalBatchSampler, build_dataset, collate
+    from oobleck_elastic.engine.step.optim import build_optimizer, set_lr, token_sum_loss
     from oobleck_elastic.models import build_layer_model
 
     t_imported = time.time()

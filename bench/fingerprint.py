@@ -1,4 +1,4 @@
-"""The cost of one replica check (engine/fingerprint.py) beside the cost of one step.
+"""The cost of one replica check (engine/resilience/fingerprint.py) beside the cost of one step.
 
 Method. One process builds a model's layers (`configs/<model>.yaml`), trains `--steps` steps of
 the single-process reference (so every parameter has its AdamW moments), then times
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from oobleck_elastic.config import load_config  # noqa: E402
-from oobleck_elastic.engine.fingerprint import fingerprints, layer_tensors  # noqa: E402
+from oobleck_elastic.engine.resilience.fingerprint import fingerprints, layer_tensors  # noqa: E402
 from oobleck_elastic.engine.trainer import single_process  # noqa: E402
 from tests.helpers import RandomTokens  # noqa: E402
 

@@ -2,7 +2,7 @@
 a nanoGPT-style model and the matrix-multiply ceiling of the same device.
 
 Sides (each prints one JSON line: tokens/s, TFLOP/s per device, MFU when the device's peak is
-known (engine/mfu.py), peak memory, compile time = first steps' excess over the median):
+known (engine/telemetry/mfu.py), peak memory, compile time = first steps' excess over the median):
 
 - `ceiling`: the device's matrix-multiply throughput, measured here: a (tokens × H) @ (H × 4H)
   product, the MLP's shape, in the training precision. tokens/s of a side ÷ (ceiling TFLOP/s ÷
@@ -43,10 +43,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from oobleck_elastic.config import load_config  # noqa: E402
-from oobleck_elastic.engine.loss import token_sum_loss  # noqa: E402
-from oobleck_elastic.engine.memory import peak_device_bytes, peak_rss_bytes  # noqa: E402
-from oobleck_elastic.engine.mfu import device_peak_tflops, flops_per_token  # noqa: E402
-from oobleck_elastic.engine.optim import build_optimizer, set_lr  # noqa: E402
+from oobleck_elastic.engine.step.loss import token_sum_loss  # noqa: E402
+from oobleck_elastic.engine.telemetry.memory import peak_device_bytes, peak_rss_bytes  # noqa: E402
+from oobleck_elastic.engine.telemetry.mfu import device_peak_tflops, flops_per_token  # noqa: E402
+from oobleck_elastic.engine.step.optim import build_optimizer, set_lr  # noqa: E402
 from oobleck_elastic.engine.trainer import single_process  # noqa: E402
 from oobleck_elastic.models import build_layer_model, num_layers  # noqa: E402
 

@@ -85,7 +85,7 @@ def worker(rank: int, world: int, tmp: str, over: list[str], out: str) -> None:
 
     from helpers import RandomTokens, layout_plan
     from oobleck_elastic.config import load_config
-    from oobleck_elastic.engine import memory
+    from oobleck_elastic.engine.telemetry import memory
     from oobleck_elastic.engine.trainer import Trainer
 
     torch.set_num_threads(1)

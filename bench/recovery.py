@@ -85,7 +85,7 @@ from launcher.local import LocalCluster, descendants, kill_node  # noqa: E402
 from oobleck_elastic.etcd import EtcdSettings, connect  # noqa: E402
 from oobleck_elastic.etcd.server import EtcdServer, free_port  # noqa: E402
 from oobleck_elastic.logs import read_event_lines  # noqa: E402
-from oobleck_elastic.rendezvous.keys import Keys  # noqa: E402
+from oobleck_elastic.records.keys import Keys  # noqa: E402
 from oobleck_elastic.rendezvous.membership import live_nodes, read_events  # noqa: E402
 
 CONFIG = ROOT / "configs" / "gpt2-tiny.yaml"

@@ -5,7 +5,7 @@ Method. The same job runs `--repeats` times with the mitigation and as often wit
 own etcd each run), configs/gpt2-tiny.yaml with seq_len 64, a global batch of 32 in microbatches
 of 2, and `--layout` pipelines: `1x4` (four one-stage pipelines: planning.device_memory_gb=100) or
 `2x2` (two two-stage pipelines, the tiny synthetic profile the tests use). Node 1 computes 3x
-slower from step 0 (OOBLECK_STRAGGLE_AT=node1@0:3, engine/faults.py: each of its forward and
+slower from step 0 (OOBLECK_STRAGGLE_AT=node1@0:3, engine/resilience/faults.py: each of its forward and
 backward chunks is followed by a sleep of twice its duration). With the mitigation
 (fault_tolerance.straggler_rebalance=true, the default) the workers name node1 after
 straggler_steps steps and the leader re-splits the microbatches at the measured speeds; without

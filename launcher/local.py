@@ -33,8 +33,8 @@ from typing import IO, Optional
 
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.etcd.server import EtcdServer
-from oobleck_elastic.rendezvous.keys import Keys
-from oobleck_elastic.rendezvous.records import read_closed, read_progress
+from oobleck_elastic.records.keys import Keys
+from oobleck_elastic.records.control import read_closed, read_progress
 
 
 @dataclass

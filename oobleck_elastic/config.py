@@ -143,10 +143,10 @@ class TrainingConfig:
     compile: Optional[bool] = None
     """Compile every layer with torch.compile (one graph per kind of layer, shared by identical
     blocks, compiled before the worker joins so that reconfiguration never compiles; see
-    engine/compiled.py). None = on for CUDA, off for the CPU."""
+    engine/step/compiled.py). None = on for CUDA, off for the CPU."""
     peak_tflops: Optional[float] = None
     """Dense peak TFLOP/s of one device at the training precision, for MFU. None = from the table
-    of known GPUs (engine/mfu.py: H100, H200, A100, ...); CPUs and unlisted GPUs then report MFU
+    of known GPUs (engine/telemetry/mfu.py: H100, H200, A100, ...); CPUs and unlisted GPUs then report MFU
     as unknown."""
 
 
@@ -199,19 +199,19 @@ class FaultToleranceConfig:
     max_skipped_steps: int = 3
     """A step whose loss or gradient norm is not finite (or whose loss spikes, see
     loss_spike_factor) is never applied: it is replayed once, then its batch is skipped. This many
-    skipped steps in a row stop the job as failed, naming them (engine/guard.py)."""
+    skipped steps in a row stop the job as failed, naming them (engine/resilience/guard.py)."""
     loss_spike_factor: float = 0.0
     """Treat a loss above this factor times the largest loss of any applied step like a non-finite
     one (replayed, then skipped); 0 = off. Megatron-LM uses 10."""
     fingerprint_interval_steps: int = 0
     """Every this many steps, the holders of each layer compare fingerprints of their copies
     (weights and optimizer state); a copy that differs from a majority is replaced in place, and
-    copies with no majority stop the job naming the layer and its nodes (engine/fingerprint.py).
+    copies with no majority stop the job naming the layer and its nodes (engine/resilience/fingerprint.py).
     0 = off."""
     straggler_factor: float = 1.5
     """A node whose workers compute this many times slower per microbatch than the generation's
     typical worker (against the plan's estimate of their stages), over straggler_steps steps, is
-    named a straggler (event, TensorBoard, `oobleck status`; engine/straggler.py); 0 = off."""
+    named a straggler (event, TensorBoard, `oobleck status`; engine/resilience/straggler.py); 0 = off."""
     straggler_steps: int = 5
     """Steps a slowdown must last (the median over this window) before a node is named or cleared."""
     straggler_rebalance: bool = True

@@ -1,11 +1,11 @@
 """Cluster operations over etcd only: `oobleck agents | kill-agent | status | events | goodput | outcome`.
 
-They read and write the run's keys (rendezvous/keys.py) and never talk to agents directly, so
+They read and write the run's keys (records/keys.py) and never talk to agents directly, so
 they work from any machine that reaches etcd. `kill-agent` is graceful: it marks the node's
 record `draining` (rewritten under the node's own lease, with a compare-and-swap on its
 revision); the leader re-plans without it, its workers leave at the next step boundary and its
 agent exits 0. `goodput` reads the ledger the worker holding rank 0 reports with the job's
-progress (engine/goodput.py). `outcome` turns the run's `closed` record into an exit status, so a
+progress (engine/telemetry/goodput.py). `outcome` turns the run's `closed` record into an exit status, so a
 batch script reports the run's result rather than the status of whichever node exited last (a node
 lost or drained on the way exits non-zero or 0 whatever the run did).
 """
@@ -18,11 +18,11 @@ import os
 import time
 from typing import Callable, Optional
 
-from .engine.goodput import Ledger, describe, job_origin
+from .engine.telemetry.goodput import Ledger, describe, job_origin
 from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
 from .planning import Plan, PlanningError
-from .rendezvous.keys import Keys
-from .rendezvous.records import ClosedRecord, Event, NodeState, read_closed, read_leader, read_progress, read_stragglers
+from .records.keys import Keys
+from .records.control import ClosedRecord, Event, NodeState, read_closed, read_leader, read_progress, read_stragglers
 from .rendezvous.membership import live_nodes, mark_draining, read_events
 
 
@@ -174,7 +174,7 @@ def events(
 
 
 def goodput(client: EtcdClient, keys: Keys, *, now: Optional[float] = None) -> tuple[list[str], dict]:
-    """The job's goodput ledger (engine/goodput.py) against its wall time: from its first event to
+    """The job's goodput ledger (engine/telemetry/goodput.py) against its wall time: from its first event to
     its `closed` record (or `now` while it runs). Returns the lines and the same as JSON."""
     data, _ = client.get_json(keys.progress)
     found = data.get("goodput") if isinstance(data, dict) else None

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.chaos
 
 def test_random_kills_and_joins(tmp_path: Path, etcd_server, run_id) -> None:
     from launcher.local import kill_node
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.rendezvous.membership import live_nodes
 
     seed = int(os.environ.get("OOBLECK_CHAOS_SEED", "0"))

@@ -1,4 +1,4 @@
-"""Compiled layers (engine/compiled.py): one graph per kind of layer, compiled before the worker
+"""Compiled layers (engine/step/compiled.py): one graph per kind of layer, compiled before the worker
 joins; steps, rebuilt layers and a reconfiguration after a node failure compile nothing; the
 weights stay those of the eager reference."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.engine.compiled import CompiledLayer, graphs_compiled, warm_up
-from oobleck_elastic.engine.data import build_dataset
+from oobleck_elastic.engine.step.compiled import CompiledLayer, graphs_compiled, warm_up
+from oobleck_elastic.data.dataset import build_dataset
 from oobleck_elastic.engine.trainer import single_process
 from helpers import assert_same, run_job, tiny_profile
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.engine import data as data_mod
-from oobleck_elastic.engine.data import (
+from oobleck_elastic.data import dataset as data_mod
+from oobleck_elastic.data.dataset import (
     DataError,
     GlobalBatchSampler,
     TokenWindows,

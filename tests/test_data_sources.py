@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from oobleck_elastic.config import ConfigError, load_config
-from oobleck_elastic.engine import data as data_mod
-from oobleck_elastic.engine.data import (
+from oobleck_elastic.data import dataset as data_mod
+from oobleck_elastic.data.dataset import (
     BatchPrefetcher,
     DataError,
     GlobalBatchSampler,
@@ -27,7 +27,7 @@ from oobleck_elastic.engine.data import (
     build_dataset,
     collate,
 )
-from oobleck_elastic.engine.sources import TokenFiles
+from oobleck_elastic.data.sources import TokenFiles
 
 ROOT = Path(__file__).resolve().parents[1]
 EOT = "<|endoftext|>"
@@ -190,7 +190,7 @@ def test_cache_reused_and_rebuilt_when_the_file_changes(tmp_path, tokdir, monkey
 
 
 def test_progress_lines_and_num_proc(tmp_path, tokdir, hf_tok, monkeypatch):
-    from oobleck_elastic.engine import sources
+    from oobleck_elastic.data import sources
 
     monkeypatch.setattr(sources, "PROGRESS_EVERY_S", 0.0)
     monkeypatch.setattr(sources, "BATCH_DOCS", 30)

@@ -12,7 +12,7 @@ from oobleck_elastic.rendezvous.decide import (
     decide,
     plan_events,
 )
-from oobleck_elastic.rendezvous.records import NodeState
+from oobleck_elastic.records.control import NodeState
 
 from helpers import layout_plan
 
@@ -190,8 +190,8 @@ def test_the_events_of_a_replan_say_why_each_node_left() -> None:
 
 
 def test_records_parse_kinds_and_states_into_enums_and_refuse_unknown_ones() -> None:
-    from oobleck_elastic.rendezvous.keys import Keys
-    from oobleck_elastic.rendezvous.records import Event, EventKind, NodeRecord, NodeState
+    from oobleck_elastic.records.keys import Keys
+    from oobleck_elastic.records.control import Event, EventKind, NodeRecord, NodeState
 
     ev = Event.parse({"schema_version": 1, "time": 1.0, "kind": "renew", "node": "node3"})
     assert ev is not None and ev.kind is EventKind.RENEW and f"{ev.kind}" == "renew"
@@ -217,7 +217,7 @@ def test_records_parse_kinds_and_states_into_enums_and_refuse_unknown_ones() -> 
 def test_a_roster_round_trips_and_a_malformed_one_is_refused() -> None:
     import pytest
 
-    from oobleck_elastic.rendezvous.records import Roster
+    from oobleck_elastic.records.control import Roster
 
     roster = Roster(3, ("node0", "node2"))
     assert Roster.parse(roster.to_json()) == roster

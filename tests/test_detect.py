@@ -6,17 +6,9 @@ from __future__ import annotations
 
 from oobleck_elastic.etcd.memory import MemoryKV
 from oobleck_elastic.rendezvous.detect import STALL_RECHECK_S, Deputy, LeaderWatch, RollCall
-from oobleck_elastic.rendezvous.keys import Keys
+from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.rendezvous.membership import live_nodes, read_events
-from oobleck_elastic.rendezvous.records import (
-    Checkin,
-    CheckinKind,
-    EventKind,
-    LeaderRecord,
-    NodeRecord,
-    NodeState,
-    Roster,
-)
+from oobleck_elastic.records.control import Checkin, CheckinKind, EventKind, LeaderRecord, NodeRecord, NodeState, Roster
 
 from helpers import layout_plan
 

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from oobleck_elastic.checkpoint import CheckpointError
-from oobleck_elastic.engine.devices import NCCL_ENV, backend_for, configure_nccl, resolve_device
-from oobleck_elastic.engine.errors import (
+from oobleck_elastic.engine.generation.devices import NCCL_ENV, backend_for, configure_nccl, resolve_device
+from oobleck_elastic.engine.resilience.errors import (
     ErrorRecord,
     JobFailed,
     StepAbandoned,

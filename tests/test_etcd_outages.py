@@ -86,7 +86,7 @@ def _job_through(tmp_path: Path, own_etcd, run_id: str, outage, steps: int = 20)
     """A 4-node job (lease TTL 2 s) that has `outage(proc)` done to its etcd once it reached step
     3; returns (log, job weights, reference weights, the events in etcd after the job)."""
     from helpers import run_job, tiny_profile, when
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.rendezvous.membership import read_events
 
     keys = Keys("/oobleck", run_id)

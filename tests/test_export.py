@@ -46,7 +46,7 @@ def ids() -> torch.Tensor:
 
 
 def write_checkpoint(cfg, root: Path, step: int = 1):
-    """One AdamW step on a build_layer_model model, saved as engine/state.py saves it."""
+    """One AdamW step on a build_layer_model model, saved as engine/checkpointing.py saves it."""
     lm = build_layer_model(cfg.model, seed=5)
     params = list({id(p): p for layer in lm.layers for p in layer.parameters()}.values())
     opt = torch.optim.AdamW(params, lr=1e-2)

@@ -31,7 +31,7 @@ def _pid(client, keys, node: str) -> int:
 
 
 def _leader(client, keys) -> str:
-    from oobleck_elastic.rendezvous.records import read_leader
+    from oobleck_elastic.records.control import read_leader
 
     leader = read_leader(client, keys)
     return leader.node_id if leader is not None else ""
@@ -57,7 +57,7 @@ def test_kill_the_leader(tmp_path: Path, etcd_server, run_id) -> None:
     roll call, a deputy finds the leader's agent gone (its liveness socket) or silent (a ping) and
     revokes its lease, a new leader re-plans."""
     from launcher.local import kill_node
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
 
     keys = Keys("/oobleck", run_id)
     killed: list[str] = []
@@ -93,7 +93,7 @@ def test_kill_during_reconfiguration(tmp_path: Path, etcd_server, run_id) -> Non
     enter generation 3 on the two nodes of the intact pipeline, which still hold every layer, and
     finish with the reference weights without a checkpoint restore."""
     from launcher.local import kill_node
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
 
     keys = Keys("/oobleck", run_id)
     victims: list[str] = []
@@ -154,7 +154,7 @@ def test_kill_a_node_while_another_joins(tmp_path: Path, etcd_server, run_id) ->
     receive its layers), a node that is not the leader dies. The job ends on the four live nodes,
     the newcomer included, with the reference weights."""
     from launcher.local import kill_node
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
 
     keys = Keys("/oobleck", run_id)
     victims: list[str] = []
@@ -188,7 +188,7 @@ def test_two_simultaneous_failures_with_f2(tmp_path: Path, etcd_server, run_id) 
     same moment; the third pipeline still holds every layer, so the four survivors re-plan into
     two pipelines and copy what they miss from it (no checkpoint restore)."""
     from launcher.local import kill_node
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
 
     keys = Keys("/oobleck", run_id)
     victims: list[str] = []
@@ -246,7 +246,7 @@ def test_eight_nodes_become_six(tmp_path: Path, etcd_server, run_id) -> None:
     pipeline, the last of the other, so every layer keeps a copy); no template of the old size
     covers 6 nodes, and the global re-plan runs two 3-stage pipelines."""
     from launcher.local import kill_node
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
 
     keys = Keys("/oobleck", run_id)
     victims: list[str] = []

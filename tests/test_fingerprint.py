@@ -1,4 +1,4 @@
-"""Replica fingerprints (engine/fingerprint.py): the decision on made-up tables, the fingerprint of
+"""Replica fingerprints (engine/resilience/fingerprint.py): the decision on made-up tables, the fingerprint of
 real tensors, and jobs where one copy of a layer has a bit flipped (repaired with three holders,
 the job stopped with two)."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.engine.faults import FaultInjector
-from oobleck_elastic.engine.fingerprint import Corrupt, Unrepairable, compare, fingerprints, is_check_step
+from oobleck_elastic.engine.resilience.faults import FaultInjector
+from oobleck_elastic.engine.resilience.fingerprint import Corrupt, Unrepairable, compare, fingerprints, is_check_step
 from tests.helpers import ROOT, assert_same, layout_plan, run_job, tiny_profile
 
 

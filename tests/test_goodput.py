@@ -1,4 +1,4 @@
-"""The goodput ledger (engine/goodput.py): its rules on made-up timelines, `oobleck goodput` on
+"""The goodput ledger (engine/telemetry/goodput.py): its rules on made-up timelines, `oobleck goodput` on
 etcd values, the single process's TensorBoard scalars with the step guard exercised, and a job
 with a kill, a join and a drain whose ledger sums to its wall time."""
 
@@ -13,7 +13,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from oobleck_elastic import cli
-from oobleck_elastic.engine.goodput import (
+from oobleck_elastic.engine.telemetry.goodput import (
     Category,
     GoodputClock,
     Ledger,
@@ -205,7 +205,7 @@ def test_job_origin_and_describe() -> None:
 
 
 def _run_keys(client, keys, *, ledger: Ledger | None, closed_at: float | None) -> None:
-    from oobleck_elastic.rendezvous.records import ClosedRecord, Event, EventKind
+    from oobleck_elastic.records.control import ClosedRecord, Event, EventKind
     from oobleck_elastic.rendezvous.membership import put_event
 
     put_event(client, keys, Event(time=1000.0, kind=EventKind.JOIN, node="node0", detail="host h"))
@@ -218,7 +218,7 @@ def _run_keys(client, keys, *, ledger: Ledger | None, closed_at: float | None) -
 
 def test_the_goodput_command(etcd_server, run_id, capsys) -> None:
     from oobleck_elastic.etcd import EtcdSettings, connect
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
 
     keys = Keys("/oobleck", run_id)
     client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
@@ -261,7 +261,7 @@ def test_the_goodput_command(etcd_server, run_id, capsys) -> None:
 
 def test_the_goodput_command_says_what_is_wrong_in_one_line(etcd_server, run_id, capsys) -> None:
     from oobleck_elastic.etcd import EtcdSettings, connect
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
 
     assert cli.main(["goodput", "--endpoint", etcd_server.endpoint, "--run-id", "no-such-run"]) == 2
     err = capsys.readouterr().err
@@ -292,7 +292,7 @@ def _final_scalars(tb_dir: Path) -> tuple[dict[str, float], int]:
 
 
 def test_the_single_process_ledger_shows_the_step_guard_and_checkpoints(tmp_path: Path, monkeypatch) -> None:
-    """Step 4 is NaN twice (OOBLECK_NAN_AT, engine/faults.py): one run replayed, one skipped; a
+    """Step 4 is NaN twice (OOBLECK_NAN_AT, engine/resilience/faults.py): one run replayed, one skipped; a
     checkpoint every 2 steps. TensorBoard has the ledger at every step and the final one."""
     from oobleck_elastic.config import load_config
     from oobleck_elastic.engine.run import train
@@ -337,8 +337,8 @@ def test_a_job_with_a_kill_a_join_and_a_drain_accounts_for_its_wall_time(
     from oobleck_elastic import ops
     from oobleck_elastic.etcd import EtcdSettings, connect
     from oobleck_elastic.planning import Plan
-    from oobleck_elastic.rendezvous.keys import Keys
-    from oobleck_elastic.rendezvous.records import read_closed
+    from oobleck_elastic.records.keys import Keys
+    from oobleck_elastic.records.control import read_closed
     from oobleck_elastic.rendezvous.membership import live_nodes, read_events
     from helpers import run_job, tiny_profile, when
 

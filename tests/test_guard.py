@@ -1,4 +1,4 @@
-"""The step guard (engine/guard.py): a non-finite or spiking step is never applied; it is replayed
+"""The step guard (engine/resilience/guard.py): a non-finite or spiking step is never applied; it is replayed
 once, then its batch is skipped; too many skips in a row stop the job naming the steps. The
 decisions are pure functions tested on made-up numbers; a single process and a four-node job
 with injected NaNs end with the weights of the documented outcome."""
@@ -13,9 +13,9 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from oobleck_elastic.config import ConfigError, load_config
-from oobleck_elastic.engine.errors import JobFailed
-from oobleck_elastic.engine.faults import FaultInjector
-from oobleck_elastic.engine.guard import Action, StepGuard, TooManySkipped, Verdict, judge
+from oobleck_elastic.engine.resilience.errors import JobFailed
+from oobleck_elastic.engine.resilience.faults import FaultInjector
+from oobleck_elastic.engine.resilience.guard import Action, StepGuard, TooManySkipped, Verdict, judge
 from oobleck_elastic.engine.run import train
 from oobleck_elastic.engine.trainer import single_process
 from helpers import RandomTokens, assert_same, run_job, tiny_profile

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_elastic.engine.heartbeat import Beat, Heartbeat, read_beat
+from oobleck_elastic.engine.resilience.heartbeat import Beat, Heartbeat, read_beat
 from oobleck_elastic.rendezvous.hang import HangWatch, overdue
 from helpers import a_follower, assert_same, run_job, tiny_profile, when, worker_pid
 
@@ -59,7 +59,7 @@ def test_the_heartbeat_file_round_trips(tmp_path: Path) -> None:
 
 HUNG = """
 import sys, threading, time
-from oobleck_elastic.engine.heartbeat import Heartbeat
+from oobleck_elastic.engine.resilience.heartbeat import Heartbeat
 hb = Heartbeat(0, sys.argv[1])
 def stuck_in_a_kernel():
     time.sleep(3600)
@@ -106,7 +106,7 @@ def test_a_stopped_worker_on_a_live_node_is_cut_off(tmp_path: Path, etcd_server,
     only it: its peers wait for it, but they tick), the job re-plans and goes on long before
     comm_timeout_s (30 s here), with the reference weights."""
     from oobleck_elastic.etcd import EtcdSettings, connect
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.rendezvous.membership import read_events
 
     profile = tiny_profile(tmp_path / "profile.json")

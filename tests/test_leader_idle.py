@@ -11,10 +11,10 @@ from oobleck_elastic.etcd import connect
 from oobleck_elastic.etcd.memory import MemoryKV
 from oobleck_elastic.etcd.mirror import Mirror
 from oobleck_elastic.planning import PlanningError
-from oobleck_elastic.rendezvous.keys import Keys
+from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.rendezvous.leader import Leader, RosterReader
 from oobleck_elastic.rendezvous.membership import Member
-from oobleck_elastic.rendezvous.records import Roster
+from oobleck_elastic.records.control import Roster
 
 from helpers import eventually
 

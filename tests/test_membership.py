@@ -9,8 +9,8 @@ import threading
 import time
 
 from oobleck_elastic.etcd import connect
-from oobleck_elastic.rendezvous.keys import Keys
-from oobleck_elastic.rendezvous.records import FenceRecord, NodeState
+from oobleck_elastic.records.keys import Keys
+from oobleck_elastic.records.control import FenceRecord, NodeState
 from oobleck_elastic.rendezvous.membership import Member, live_nodes, read_events
 
 from helpers import eventually

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.engine.mfu import Throughput, flops_per_token, peak_for_name
+from oobleck_elastic.engine.telemetry.mfu import Throughput, flops_per_token, peak_for_name
 
 
 def test_flops_per_token_is_6n_plus_attention_for_gpt2_small() -> None:

@@ -11,7 +11,7 @@ cross-entropy summed and divided by the global token count, `torch.nn.utils.clip
 decay to `min_lr_ratio`. It shares with the engine only what defines the run, not how it is
 computed: the initial weights (the engine's step-0 checkpoint exported to a Hugging Face
 directory, `oobleck export`), the data windows and the order of the samples (a function of
-(seed, step), engine/data.py). The engine's final weights, exported the same way, must match it
+(seed, step), data/dataset.py). The engine's final weights, exported the same way, must match it
 to 1e-5 relative (fp32, the tolerance of the other equality tests: the engine sums microbatches
 and, in a job, pipelines and replicas in another order than one full-batch forward does).
 """
@@ -26,9 +26,9 @@ import torch
 from safetensors.torch import load_file
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.engine.data import GlobalBatchSampler, build_dataset
+from oobleck_elastic.data.dataset import GlobalBatchSampler, build_dataset
 from oobleck_elastic.engine.run import train
-from oobleck_elastic.engine.state import save
+from oobleck_elastic.engine.checkpointing import save
 from oobleck_elastic.engine.trainer import single_process
 from oobleck_elastic.models.export import export_checkpoint
 from tests.helpers import ROOT, overrides, run_job, tiny_profile

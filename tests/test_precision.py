@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.engine.data import build_dataset
-from oobleck_elastic.engine.loss import ChunkedCrossEntropy, token_sum_loss
+from oobleck_elastic.data.dataset import build_dataset
+from oobleck_elastic.engine.step.loss import ChunkedCrossEntropy, token_sum_loss
 from oobleck_elastic.engine.trainer import single_process
 
 ROOT = Path(__file__).resolve().parents[1]

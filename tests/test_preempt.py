@@ -126,7 +126,7 @@ def test_a_wave_of_notices_to_every_holder_of_some_layers_needs_no_checkpoint(
     get SIGTERM at once. No checkpoint exists during the run (the only one is written at the end),
     so the job can only finish with the reference weights by receiving the layers from them."""
     from oobleck_elastic.planning import Plan
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.rendezvous.membership import live_nodes
 
     profile = tiny_profile(tmp_path / "profile.json")

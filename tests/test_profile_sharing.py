@@ -44,9 +44,9 @@ from oobleck_elastic.planning import (
 )
 from oobleck_elastic.planning import profiler
 from oobleck_elastic.rendezvous.handler import OobleckRendezvousHandler
-from oobleck_elastic.rendezvous.keys import Keys, sanitise
+from oobleck_elastic.records.keys import Keys, sanitise
 from oobleck_elastic.rendezvous.membership import Member, read_events
-from oobleck_elastic.rendezvous.records import ProfileClaim
+from oobleck_elastic.records.control import ProfileClaim
 from oobleck_elastic.rendezvous.worker import WorkerContext
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The etcd key layout (rendezvous/keys.py) and the records stored there (rendezvous/records.py):
+"""The etcd key layout (records/keys.py) and the records stored there (records/control.py):
 the keys and JSON forms other agents, workers, tools and tests read stay what they were, and a
 malformed value is refused (then logged and ignored by the readers). No etcd: MemoryKV."""
 
@@ -9,8 +9,8 @@ import json
 import pytest
 
 from oobleck_elastic.etcd.memory import MemoryKV
-from oobleck_elastic.rendezvous.keys import Keys
-from oobleck_elastic.rendezvous.records import (
+from oobleck_elastic.records.keys import Keys
+from oobleck_elastic.records.control import (
     Admission,
     Checkin,
     CheckinKind,

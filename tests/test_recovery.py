@@ -88,7 +88,7 @@ def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id)
     """A 4th node joins a 3-node job (admitted at a step boundary, layers copied to it), then a
     node is drained with `oobleck kill-agent` (leaves at a boundary, its agent exits 0)."""
     from oobleck_elastic import ops
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
 
     profile = tiny_profile(tmp_path / "profile.json")
     keys = Keys("/oobleck", run_id)
@@ -121,7 +121,7 @@ def test_draining_the_last_holders_of_layers_moves_them(tmp_path: Path, etcd_ser
     with "no surviving copy"; with them it ends with the reference weights."""
     from oobleck_elastic import ops
     from oobleck_elastic.planning import Plan
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.rendezvous.membership import live_nodes, read_events
     from oobleck_elastic.etcd import EtcdSettings, connect
 
@@ -175,7 +175,7 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
     reference weights."""
     from launcher.local import kill_node
     from oobleck_elastic.planning import Plan
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.rendezvous.membership import live_nodes
 
     profile = tiny_profile(tmp_path / "profile.json")
@@ -222,7 +222,7 @@ def test_hung_node_is_cut_off_by_the_control_plane(tmp_path: Path, etcd_server, 
 
     from launcher.local import descendants
     from oobleck_elastic.etcd import EtcdSettings, connect
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
 
     profile = tiny_profile(tmp_path / "profile.json")
     keys = Keys("/oobleck", run_id)
@@ -278,7 +278,7 @@ def test_local_worker_crash_is_restarted_by_its_agent_and_rejoins(tmp_path: Path
     import os
     import signal
 
-    from oobleck_elastic.rendezvous.keys import Keys
+    from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.rendezvous.membership import read_events
 
     profile = tiny_profile(tmp_path / "profile.json")

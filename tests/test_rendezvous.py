@@ -21,8 +21,8 @@ from oobleck_elastic.etcd import EtcdError, EtcdSettings, connect
 from helpers import TINY_PROFILE_OVERRIDES, eventually, tiny_profile
 from oobleck_elastic.planning import Plan
 from oobleck_elastic.rendezvous.handler import OobleckRendezvousHandler
-from oobleck_elastic.rendezvous.keys import Keys
-from oobleck_elastic.rendezvous.records import Checkin, CheckinKind, ReadyRecord
+from oobleck_elastic.records.keys import Keys
+from oobleck_elastic.records.control import Checkin, CheckinKind, ReadyRecord
 from oobleck_elastic.rendezvous.membership import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -359,7 +359,7 @@ def test_kill_agent_drains_a_node(cluster_factory) -> None:
     plan = c.wait_plan(lambda p: "node2" not in p.nodes)
     assert plan.nodes == ("node0", "node1")
     # the roster agents read is written with the plan, in the same transaction
-    from oobleck_elastic.rendezvous.records import Roster, read_roster
+    from oobleck_elastic.records.control import Roster, read_roster
 
     assert read_roster(c.client, c.keys) == Roster(plan.generation, plan.nodes)
     drain = [e for e in c.events() if e.kind == "drain" and e.generation == plan.generation]

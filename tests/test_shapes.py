@@ -1,4 +1,4 @@
-"""Static stage shapes (engine/shapes.py): `stage_io` equals what the real layers produce (shape,
+"""Static stage shapes (engine/step/shapes.py): `stage_io` equals what the real layers produce (shape,
 stride, dtype, requires_grad) for GPT-2, Llama, a pretrained directory and custom factories, in fp32
 and under bf16 autocast; and pipelines built with them train to the single-process reference while
 every way of exchanging pickled objects raises in every worker."""
@@ -17,7 +17,7 @@ import transformers
 from torch import nn
 
 from oobleck_elastic.config import ModelConfig, from_dict, load_config, to_dict
-from oobleck_elastic.engine.shapes import stage_io
+from oobleck_elastic.engine.step.shapes import stage_io
 from oobleck_elastic.engine.trainer import Autocast, Trainer
 from oobleck_elastic.models import build_layer_model, hf_config
 import helpers

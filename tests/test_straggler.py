@@ -1,4 +1,4 @@
-"""Stragglers (engine/straggler.py, planning/rebalance.py): naming on made-up times, the re-split of
+"""Stragglers (engine/resilience/straggler.py, planning/rebalance.py): naming on made-up times, the re-split of
 the batch, the compute clock, and a job with one slowed node."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.engine.faults import FaultInjector
-from oobleck_elastic.engine.straggler import ComputeClock, StragglerWatch, slowdowns
+from oobleck_elastic.engine.resilience.faults import FaultInjector
+from oobleck_elastic.engine.resilience.straggler import ComputeClock, StragglerWatch, slowdowns
 from oobleck_elastic.planning import Plan
 from oobleck_elastic.planning.rebalance import mitigate, rebalance, rebalanced_plan, step_estimate
 from oobleck_elastic.rendezvous.decide import Action, Clocks, LeaderView, Rules, decide, plan_events
 from oobleck_elastic.etcd import EtcdSettings, connect
-from oobleck_elastic.rendezvous.keys import Keys
+from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.rendezvous.membership import read_events
-from oobleck_elastic.rendezvous.records import EventKind, NodeState, StragglerRecord
+from oobleck_elastic.records.control import EventKind, NodeState, StragglerRecord
 from tests.helpers import ROOT, assert_same, layout_plan, run_job, tiny_profile
 
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
-from oobleck_elastic.engine import state
-from oobleck_elastic.engine.reconfigure import plan_transfers
+from oobleck_elastic.engine import checkpointing
+from oobleck_elastic.engine.generation.reconfigure import plan_transfers
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
 import helpers
@@ -151,11 +151,11 @@ def _train_worker(rank: int, world: int, tmp: str, cfg_dict: dict, runs: list) -
         store = dist.FileStore(os.path.join(tmp, f"store{k}"), plan.world_size)
         trainer = Trainer(cfg, dataset=RandomTokens(), plan=plan, rank=rank, store=store)
         if restore:
-            assert state.restore(trainer, os.path.join(tmp, restore)) == steps[0]
+            assert checkpointing.restore(trainer, os.path.join(tmp, restore)) == steps[0]
         for step in steps:
             trainer.train_step(step)
         if save:
-            state.save(trainer, os.path.join(tmp, save), next_step=steps[-1] + 1)
+            checkpointing.save(trainer, os.path.join(tmp, save), next_step=steps[-1] + 1)
         torch.save(flat_state(trainer), os.path.join(tmp, f"{name}-rank{rank}.pt"))
         trainer.close()
 
@@ -250,7 +250,7 @@ def test_a_killed_node_under_tensor_parallelism_moves_layers_lane_to_lane(tmp_pa
 @pytest.mark.slow
 @pytest.mark.extended  # the default run covers this ground (the README's test section)
 def test_compiled_tensor_parallel_layers_match_the_reference(tmp_path: Path) -> None:
-    """Compiled layers over DTensor shards (engine/compiled.py): the eager reference's weights."""
+    """Compiled layers over DTensor shards (engine/step/compiled.py): the eager reference's weights."""
     cfg = load_config(
         ROOT / "configs/gpt2-tiny.yaml",
         [

@@ -16,7 +16,7 @@ import pytest
 from oobleck_elastic import ops
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.planning import Plan
-from oobleck_elastic.rendezvous.keys import Keys
+from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.rendezvous.membership import live_nodes, read_events
 
 ROOT = Path(__file__).resolve().parents[1]

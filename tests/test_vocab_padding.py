@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.engine import state
+from oobleck_elastic.engine import checkpointing
 from oobleck_elastic.engine.trainer import single_process
 from oobleck_elastic.models.export import export_checkpoint
 from helpers import RandomTokens
@@ -49,7 +49,7 @@ def test_padded_rows_stay_zero_and_the_run_equals_an_unpadded_one(tmp_path: Path
         weights = padded.layer_state()
         assert weights[0]["wte.weight"].shape[0] == 300
         assert padded.optimizer_state()[0]["wte.weight"]["exp_avg"].shape[0] == 300
-        saved = state.save(padded, padded.cfg.checkpoint.dir, next_step=3)
+        saved = checkpointing.save(padded, padded.cfg.checkpoint.dir, next_step=3)
     finally:
         padded.close()
     plain = _run(_cfg(tmp_path, 1), 3)
@@ -64,7 +64,7 @@ def test_padded_rows_stay_zero_and_the_run_equals_an_unpadded_one(tmp_path: Path
     # the checkpoint loads back into a padded worker, padded again
     again = single_process(_cfg(tmp_path, 64), dataset=RandomTokens(n=64, seq_len=16, vocab=300))
     try:
-        assert state.restore(again, saved) == 3
+        assert checkpointing.restore(again, saved) == 3
         assert again.layer_model.layers[0].wte.weight.shape[0] == 320
         assert not again.layer_model.layers[0].wte.weight[300:].any()
         for i, layer in again.layer_state().items():

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from helpers import flip_byte, run_job, tiny_profile
-from oobleck_elastic.engine.errors import ErrorRecord
+from oobleck_elastic.engine.resilience.errors import ErrorRecord
 from oobleck_elastic.etcd import EtcdSettings, connect
-from oobleck_elastic.rendezvous.keys import Keys
+from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.rendezvous.membership import read_events
 
 pytestmark = pytest.mark.slow

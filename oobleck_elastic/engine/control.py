@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from ..config import JobConfig
 from ..planning import MicrobatchChoice, PipelineSpec, Plan, StagePlacement, fixed_microbatch_size
-from .errors import ErrorRecord, next_error_record
-from .goodput import Origin
+from .resilience.errors import ErrorRecord, next_error_record
+from .telemetry.goodput import Origin
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +82,13 @@ class ControlPlane(Protocol):
         """Every worker leaves (with an error when `failed`)."""
 
     def record_skip(self, *, generation: int, step: int, detail: str) -> None:
-        """The step guard did not apply `step` (engine/guard.py): an event for operators."""
+        """The step guard did not apply `step` (engine/resilience/guard.py): an event for operators."""
 
     def report_stragglers(
         self, *, generation: int, step: int, nodes: dict[str, float], pipeline_s: Sequence[float]
     ) -> None:
         """The nodes named stragglers after `step` and each pipeline's measured seconds per
-        microbatch (engine/straggler.py), for the leader to re-split the batch (rank 0 reports)."""
+        microbatch (engine/resilience/straggler.py), for the leader to re-split the batch (rank 0 reports)."""
 
     def record_event(self, *, kind: str, generation: int, detail: str) -> None:
         """An event for operators about this job (`oobleck events`): `kind` is an EventKind value
@@ -96,7 +96,7 @@ class ControlPlane(Protocol):
 
     def goodput_origin(self) -> Origin:
         """What a worker entering a generation as rank 0 continues the job's goodput ledger from
-        (engine/goodput.py): the last one reported with progress, or the job's start and first plan."""
+        (engine/telemetry/goodput.py): the last one reported with progress, or the job's start and first plan."""
 
 
 def one_worker_plan(
@@ -139,7 +139,7 @@ def local_microbatch_size(cfg: JobConfig) -> MicrobatchChoice:
     (`planning.single_worker_microbatch_size`)."""
     from ..planning import load_profiles, single_worker_microbatch_size
     from ..planning.profiler import load_or_profile
-    from .devices import resolve_device
+    from .generation.devices import resolve_device
 
     if cfg.planning.profile_path:
         one = dataclasses.replace(cfg, planning=dataclasses.replace(cfg.planning, tensor_parallel=1))
@@ -167,7 +167,7 @@ class LocalControl:
         started = time.time()
         size = local_microbatch_size(cfg).size if fixed_microbatch_size(cfg) is None else None
         self._plan = one_worker_plan(cfg, num_layers, node=self.node_id, microbatch_size=size)
-        self._origin = Origin(reported=None, start=started, first_plan=time.time())  # engine/goodput.py
+        self._origin = Origin(reported=None, start=started, first_plan=time.time())  # engine/telemetry/goodput.py
         self._closed: Optional[tuple[str, bool]] = None
         self._last_error: Optional[ErrorRecord] = None
 

@@ -26,7 +26,7 @@ A worker lives through generations without ever restarting:
 - when a communication call fails (a peer died), it tears its process group down at once, which
   spreads the error to every peer within tens of milliseconds, and waits for the leader's next
   plan; the interrupted step is rolled forward or replayed by the commit rule;
-- any other error ends the worker with its traceback (engine/errors.py);
+- any other error ends the worker with its traceback (engine/resilience/errors.py);
 - a layer with no surviving copy makes every worker restore the newest checkpoint, say so in
   the log and TensorBoard, and continue from its step;
 - at the end the rank-0 worker writes the final checkpoint's manifest and closes the job, and
@@ -50,18 +50,18 @@ from ..config import JobConfig
 from ..models import num_layers
 from ..logs import JobLog, attach_event_lines
 from ..planning import Plan
-from . import memory
+from .telemetry import memory
 from .control import ControlPlane, LocalControl
-from .data import build_dataset
-from .devices import configure_nccl, resolve_device
-from .errors import JobFailed, StepAbandoned, is_communication_error
-from .goodput import Category, GoodputClock
-from .guard import Action, StepGuard, TooManySkipped, Verdict
-from .heartbeat import Heartbeat
-from .runlog import RunLog, Summary
+from ..data.dataset import build_dataset
+from .generation.devices import configure_nccl, resolve_device
+from .resilience.errors import JobFailed, StepAbandoned, is_communication_error
+from .telemetry.goodput import Category, GoodputClock
+from .resilience.guard import Action, StepGuard, TooManySkipped, Verdict
+from .resilience.heartbeat import Heartbeat
+from .telemetry.runlog import RunLog, Summary
 from .runner import StepRunner, exit_now_at_the_end
-from .state import CheckpointPolicy
-from .straggler import StragglerWatch
+from .checkpointing import CheckpointPolicy
+from .resilience.straggler import StragglerWatch
 from .trainer import LayersLost, Reconfiguration, StepResult, Trainer
 
 __all__ = ["train", "Summary", "Target"]
@@ -186,7 +186,9 @@ class _Worker:
         job's first start, resume from a checkpoint; when layers have no surviving copy, restore."""
         trainer, ctx = self.trainer, self.ctx
         info: Optional[Reconfiguration] = None
-        trainer.faults.before_entry(node=ctx.node_id, generation=plan.generation)  # injected: engine/faults.py
+        trainer.faults.before_entry(
+            node=ctx.node_id, generation=plan.generation
+        )  # injected: engine/resilience/faults.py
         try:
             try:
                 info = trainer.enter_generation(plan, ctx.store_for(plan.generation, self.cfg), load_plan=ctx.plan_at)
@@ -302,7 +304,7 @@ class _Worker:
         return Broken(failure)
 
     def _rejected(self, result: StepResult) -> None:
-        """The step guard did not apply `result.step` (engine/guard.py): replay it, or skip its
+        """The step guard did not apply `result.step` (engine/resilience/guard.py): replay it, or skip its
         batch, or stop the job when too many were skipped in a row."""
         trainer, step = self.trainer, result.step
         self.guard.attempts[step] = max(self.guard.attempts.get(step, 0), result.rejections)
@@ -332,7 +334,8 @@ class _Worker:
                 self.checkpoints.after_step(trainer, self.step)
 
     def _watch_stragglers(self, plan: Plan, result: StepResult) -> None:
-        """Every worker follows the same verdict (engine/straggler.py); rank 0 says it and tells the leader."""
+        """Every worker follows the same verdict (engine/resilience/straggler.py); rank 0 says it and tells
+        the leader."""
         verdict = self.stragglers.observe(plan, result.compute_s)
         if not verdict.report or self.trainer.rank != 0:
             return
@@ -356,7 +359,7 @@ class _Worker:
         )
 
     def _integrity(self, result: StepResult) -> None:
-        """The replica fingerprints after `result.step` found corrupt copies (engine/fingerprint.py):
+        """The replica fingerprints after `result.step` found corrupt copies (engine/resilience/fingerprint.py):
         say which were replaced, or stop the job when a layer's copies have no majority."""
         trainer, ctx = self.trainer, self.ctx
         if result.unrepairable:
@@ -451,7 +454,7 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
     """The one training loop of a worker (see the module docstring) or of the single process."""
     worker = _Worker(cfg, dataset, ctx)
     ctx.share_profile(cfg, worker.trainer.device)
-    # compiled layers are compiled before this worker counts (engine/compiled.py); with a microbatch
+    # compiled layers are compiled before this worker counts (engine/step/compiled.py); with a microbatch
     # size chosen by the planner (`auto`), right after the first entry, before the first step
     if isinstance(cfg.training.microbatch_size, int):
         worker.trainer.warm_up(cfg.training.microbatch_size)

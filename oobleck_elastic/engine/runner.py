@@ -26,7 +26,7 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 
-from .errors import StepAbandoned
+from .resilience.errors import StepAbandoned
 
 T = TypeVar("T")
 _abandoned: list[threading.Thread] = []  # step threads left behind, possibly still blocked

@@ -2,7 +2,7 @@
 
 A `Trainer` starts with no layers at all: its `LayerModel` knows every layer's name and shape
 but holds none (`None` entries). Entering a generation (`enter_generation`, through the
-`GenerationEntry` of engine/generation.py: connect, agree on the committed step, move layers,
+`GenerationEntry` of engine/generation/entry.py: connect, agree on the committed step, move layers,
 install the stage) builds, receives or restores exactly the layers of its stage, directly on
 its device, as a new `WorkerState`; the trainer then builds the stage's pipeline schedule.
 There is no other mode: the single-process reference (`single_process`) is a worker that
@@ -22,7 +22,7 @@ its share of the global batch, then:
    the same step boundary.
 
 What a step costs besides the arithmetic (README "Speed"): the batch is collated ahead by a
-`BatchPrefetcher`; the layers run compiled when `training.compile` says so (engine/compiled.py);
+`BatchPrefetcher`; the layers run compiled when `training.compile` says so (engine/step/compiled.py);
 under bf16 one autocast region covers the step; the loss stays on the device until step 2 reads
 it with the norm, the step's only host read.
 """
@@ -48,19 +48,28 @@ from ..models import LayerModel, build_layer_model, num_layers
 from ..models.tensor_parallel import from_full, local, to_full, wrap_like
 from ..models.vocab import is_vocab_param, pad_rows, padded_vocab_size, unpad_rows
 from ..planning import Plan
-from . import memory
-from .compiled import compile_enabled, compiled_stage, use_cache_dir, warm_up
-from .data import BatchPrefetcher, pipeline_slices
-from .devices import release_groups, to_device
-from .errors import StepAbandoned
-from .faults import FaultInjector
-from .fingerprint import Corrupt, Unrepairable, compare, fingerprints, gather, is_check_step, layer_tensors, repair
-from .groups import GenerationGroups, GradSync
-from .guard import judge
-from .generation import GenerationEntry, LayersLost, Reconfiguration, WorkerState
-from .step import Autocast, StepResult
-from .straggler import ComputeClock
-from .optim import adamw_step, clip_coefficient, scale_grads, set_lr, token_sum_loss
+from .telemetry import memory
+from .step.compiled import compile_enabled, compiled_stage, use_cache_dir, warm_up
+from ..data.dataset import BatchPrefetcher, pipeline_slices
+from .generation.devices import release_groups, to_device
+from .resilience.errors import StepAbandoned
+from .resilience.faults import FaultInjector
+from .resilience.fingerprint import (
+    Corrupt,
+    Unrepairable,
+    compare,
+    fingerprints,
+    gather,
+    is_check_step,
+    layer_tensors,
+    repair,
+)
+from .generation.groups import GenerationGroups, GradSync
+from .resilience.guard import judge
+from .generation.entry import GenerationEntry, LayersLost, Reconfiguration, WorkerState
+from .step.result import Autocast, StepResult
+from .resilience.straggler import ComputeClock
+from .step.optim import adamw_step, clip_coefficient, scale_grads, set_lr, token_sum_loss
 
 __all__ = ["Trainer", "StepResult", "LayersLost", "Reconfiguration", "WorkerState", "single_process"]
 
@@ -85,7 +94,7 @@ class Trainer:
     ) -> None:
         """A worker holding no layer yet; with `plan` (and the `store` of its process groups) it
         enters that plan as global rank `rank` at once."""
-        from .data import GlobalBatchSampler
+        from ..data.dataset import GlobalBatchSampler
 
         self.cfg, self.dataset, self.node = cfg, dataset, node
         self.device = torch.device(device)
@@ -116,7 +125,7 @@ class Trainer:
         self.faults = FaultInjector.from_env()
         self._step = 0  # the step running now (for injected slowdowns)
         self.clock = ComputeClock(self.device, slowdown=lambda: self.faults.slowdown(node=self.node, step=self._step))
-        """Times this worker's compute in a step (engine/straggler.py)."""
+        """Times this worker's compute in a step (engine/resilience/straggler.py)."""
         if not self.clock.measures and cfg.fault_tolerance.straggler_factor > 0:
             log.at(node=node).info(
                 "this worker's compute time is not compared with the others' (no straggler is named): on "
@@ -126,7 +135,7 @@ class Trainer:
         self.batches = BatchPrefetcher(dataset, self.my_samples, pin_memory=self.device.type == "cuda")
         """Collates (and pins, on CUDA) the next step's batch while a step runs."""
         self.compile = compile_enabled(cfg, self.device)
-        """Layers run compiled (engine/compiled.py)."""
+        """Layers run compiled (engine/step/compiled.py)."""
         self.warmed = False
         """Every kind of layer has been compiled (`warm_up`)."""
         if self.compile:
@@ -179,7 +188,7 @@ class Trainer:
         return self.state.committed_step
 
     def warm_up(self, microbatch_size: int) -> float:
-        """Compile every kind of layer for `microbatch_size` (engine/compiled.py), once; the seconds
+        """Compile every kind of layer for `microbatch_size` (engine/step/compiled.py), once; the seconds
         it took (0 when compilation is off or it was done already)."""
         if not self.compile or self.warmed:
             return 0.0
@@ -197,7 +206,7 @@ class Trainer:
     def enter_generation(
         self, plan: Plan, store: Optional[dist.Store], *, load_plan: Callable[[int], Optional[Plan]] = lambda g: None
     ) -> Reconfiguration:
-        """Enter `plan`'s generation (engine/generation.py) and build the stage's schedule. Raises
+        """Enter `plan`'s generation (engine/generation/entry.py) and build the stage's schedule. Raises
         LayersLost, with the new stage installed, when a layer has no surviving copy (the caller
         restores the newest checkpoint)."""
         self._drop_groups()  # the previous generation's: its groups are destroyed by the entry
@@ -241,7 +250,7 @@ class Trainer:
         stages = len(self.pipeline.stages)
         self.schedule = None
         if stages > 1:
-            from .shapes import stage_io
+            from .step.shapes import stage_io
 
             # static shapes (meta tensors): torch then exchanges no pickled metadata between stages
             inputs, outputs = stage_io(
@@ -262,7 +271,7 @@ class Trainer:
                 output_args=outputs,
                 group=self.groups.pipeline_group,
             )
-            # time the stage's own compute, not its waits for its neighbours (engine/straggler.py)
+            # time the stage's own compute, not its waits for its neighbours (engine/resilience/straggler.py)
             pstage.forward_one_chunk = self.clock.timed(pstage.forward_one_chunk)  # type: ignore[method-assign]
             pstage.backward_one_chunk = self.clock.timed(pstage.backward_one_chunk)  # type: ignore[method-assign]
             mb = self.pipeline.microbatches
@@ -312,7 +321,7 @@ class Trainer:
         """Run step `step` (0-based) and apply it. It may run in another thread: it uses the
         generation's objects as they were when it started, and after `abandon()` it raises
         StepAbandoned instead of changing this trainer's state. `rejections`: how often this worker
-        has seen the step guard reject `step` (the commit agrees on the largest, engine/guard.py)."""
+        has seen the step guard reject `step` (the commit agrees on the largest, engine/resilience/guard.py)."""
         t0 = time.perf_counter()
         epoch = self._epoch
         self.faults.check(rank=self.rank, step=step)
@@ -328,7 +337,7 @@ class Trainer:
         ):
             local_loss = self._forward_backward_pipeline(x, y, schedule)
         poison = self.faults.loss_factor(rank=self.rank, step=step)
-        if poison is not None:  # injected (engine/faults.py): a NaN poisons the gradients too
+        if poison is not None:  # injected (engine/resilience/faults.py): a NaN poisons the gradients too
             local_loss = local_loss * poison
             if poison != poison:
                 torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], poison)
@@ -348,7 +357,7 @@ class Trainer:
         # COMMIT: returns only once every worker has finished this step's communication; it also
         # carries the newest plan generation anyone has seen, so all leave at the same boundary
         # (and, at no extra cost, the largest peak memory of any worker)
-        # (and every worker's compute seconds in this step, one slot per rank: engine/straggler.py)
+        # (and every worker's compute seconds in this step, one slot per rank: engine/resilience/straggler.py)
         device_peak = memory.peak_device_bytes(self.device)
         assert self.plan is not None
         seen = torch.zeros(_SEEN + self.plan.world_size, dtype=torch.float64)
@@ -363,7 +372,7 @@ class Trainer:
         )
         seen[_SEEN + self.rank] = self.clock.take()
         dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=step_group)
-        # the step guard (engine/guard.py): the same loss, norm and running maximum on every worker
+        # the step guard (engine/resilience/guard.py): the same loss, norm and running maximum on every worker
         ft = self.cfg.fault_tolerance
         verdict = judge(loss, norm2, running_max=float(seen[3]), spike_factor=ft.loss_spike_factor)
         repaired: list[Corrupt] = []
@@ -401,7 +410,7 @@ class Trainer:
 
     def check_replicas(self, step: int) -> list[Corrupt]:
         """Compare every layer's copies with its other holders after step `step` and replace the
-        corrupt ones from the majority (engine/fingerprint.py); the repaired copies. Collective
+        corrupt ones from the majority (engine/resilience/fingerprint.py); the repaired copies. Collective
         over the generation; raises Unrepairable when a layer's copies have no majority."""
         assert self.plan is not None and self.groups is not None
         tensors = {i: layer_tensors(self.layer_model.held(i), self.optimizer) for i in self.owned}
@@ -411,7 +420,7 @@ class Trainer:
         return corrupt
 
     def skip(self, step: int) -> None:
-        """Count `step` as done with no update: the step guard rejected it twice (engine/guard.py)."""
+        """Count `step` as done with no update: the step guard rejected it twice (engine/resilience/guard.py)."""
         with self._lock:
             assert self.optimizer is not None
             self.optimizer.zero_grad(set_to_none=True)
@@ -428,7 +437,7 @@ class Trainer:
     def _apply(self, step: int, norm2: float, epoch: Optional[int] = None) -> None:
         with self._current(self._epoch if epoch is None else epoch):
             assert self.optimizer is not None
-            if not math.isfinite(norm2):  # never applied (engine/guard.py), a roll-forward included
+            if not math.isfinite(norm2):  # never applied (engine/resilience/guard.py), a roll-forward included
                 self.optimizer.zero_grad(set_to_none=True)
                 return
             scale_grads(self.params, clip_coefficient(norm2, self.cfg.training.optimizer.grad_clip))
@@ -534,7 +543,7 @@ class Trainer:
         """After a communication error, or when the control plane abandoned a step (`abandoned`):
         tear every process group down at once, so that the error reaches every peer blocked on
         this worker in tens of milliseconds (NCCL operations blocked on a hung peer are aborted;
-        a blocked gloo operation is left to its thread, see `engine/devices.py`). A gloo group
+        a blocked gloo operation is left to its thread, see `engine/generation/devices.py`). A gloo group
         closes its sockets only when the last reference goes, so the schedule, stage and groups
         are dropped and collected too (call this outside the `except` block: the exception's
         traceback keeps the failed call's frames, and with them the groups, alive)."""

@@ -42,7 +42,7 @@ class StagePlacement:
     compute_s: float = 0.0
     """Estimated forward + backward time of one microbatch on this stage, communication excluded
     (the template's); what a worker's measured compute time is compared with to find stragglers
-    (engine/straggler.py). 0 = unknown."""
+    (engine/resilience/straggler.py). 0 = unknown."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -112,7 +112,7 @@ class Plan:
     local rank `local_rank + j` and rank `rank + j`."""
     rebalanced: bool = False
     """This plan only re-splits the previous generation's microbatches among its pipelines at their
-    measured speeds (a straggler, engine/straggler.py): same nodes, stages and ranks; workers move
+    measured speeds (a straggler, engine/resilience/straggler.py): same nodes, stages and ranks; workers move
     to it at a step boundary."""
 
     @property

@@ -1,7 +1,7 @@
 """Mitigating a straggler: re-split the global batch at the pipelines' measured speeds, or leave it out.
 
 Pipeline p with S_p stages and a measured bottleneck of w_p seconds per microbatch (its slowest
-stage's compute per microbatch, engine/straggler.py) takes about T_p(b) = (b + S_p - 1) w_p for b
+stage's compute per microbatch, engine/resilience/straggler.py) takes about T_p(b) = (b + S_p - 1) w_p for b
 microbatches (1F1B: the first microbatch crosses every stage, the others follow at the
 bottleneck's pace). `rebalance` hands the global batch's microbatches out one at a time to the
 pipeline that would finish it first, each pipeline keeping at least one: for a makespan of

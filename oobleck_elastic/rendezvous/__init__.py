@@ -9,7 +9,7 @@ find dead nodes and leaders) with `liveness` (agents' sockets), `hang` (hung wor
 imported here: torch loads the entry point while its own rendezvous package is still importing.
 """
 
-from .keys import Keys
-from .records import Event, NodeRecord
+from ..records.keys import Keys
+from ..records.control import Event, NodeRecord
 
 __all__ = ["Event", "Keys", "NodeRecord"]

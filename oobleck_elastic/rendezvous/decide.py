@@ -43,7 +43,7 @@ from typing import Collection, Mapping, Optional, Sequence
 
 from ..planning import Plan
 from ..planning.rebalance import mitigate
-from .records import Event, EventKind, NodeState, StrEnum
+from ..records.control import Event, EventKind, NodeState, StrEnum
 
 
 class Detector(StrEnum):
@@ -115,7 +115,7 @@ class LeaderView:
     """Nodes of the plan found dead since the last re-plan, if any."""
     speeds: tuple[float, ...] = ()
     """Each pipeline's measured seconds per microbatch, reported for the current generation while
-    the workers name a straggler (engine/straggler.py); empty otherwise."""
+    the workers name a straggler (engine/resilience/straggler.py); empty otherwise."""
     slow: tuple[str, ...] = ()
     """The nodes the workers named stragglers (with `speeds`)."""
     without: Optional[Plan] = None

@@ -41,10 +41,10 @@ from ..etcd.client import warn_once
 from ..etcd.protocols import KVReader, KVStore
 from ..planning import Plan
 from .decide import Detector
-from .keys import Keys
+from ..records.keys import Keys
 from .liveness import LIVENESS_LOST, LivenessMonitor
 from .membership import put_event
-from .records import Checkin, CheckinKind, Event, EventKind, NodeRecord, Ping, Roster, read_leader
+from ..records.control import Checkin, CheckinKind, Event, EventKind, NodeRecord, Ping, Roster, read_leader
 
 log = JobLog(logging.getLogger(__name__))
 

@@ -57,9 +57,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from ..logs import JobLog
 from ..config import ConfigError, JobConfig, load_config
-from ..engine.errors import ErrorRecord, next_error_record
-from ..engine.heartbeat import ENV as HEARTBEAT_ENV
-from ..engine.heartbeat import Beat
+from ..engine.resilience.errors import ErrorRecord, next_error_record
+from ..engine.resilience.heartbeat import ENV as HEARTBEAT_ENV
+from ..engine.resilience.heartbeat import Beat
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.mirror import Mirror
 from ..etcd.server import free_port
@@ -75,8 +75,8 @@ from ..planning import (
     templates_for,
 )
 from ..etcd.protocols import KVReader
-from .keys import Keys
-from .records import ClosedRecord, Event, EventKind, NodeState, ReadyRecord, Roster, read_closed, read_roster
+from ..records.keys import Keys
+from ..records.control import ClosedRecord, Event, EventKind, NodeState, ReadyRecord, Roster, read_closed, read_roster
 from .leader import JobUnplannable, Leader
 from .liveness import LivenessServer
 from .membership import Member, mark_draining, put_event
@@ -343,7 +343,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         watch.install()
 
     def _watch_hangs(self) -> None:
-        """This node's workers tell it when their steps begin and end (engine/heartbeat.py); a worker
+        """This node's workers tell it when their steps begin and end (engine/resilience/heartbeat.py); a worker
         stuck in a step is recorded and stopped (rendezvous/hang.py)."""
         assert self.member is not None
         node, ft = self.member.node_id, self.cfg.fault_tolerance

@@ -3,7 +3,7 @@
 The control plane finds dead nodes (liveness sockets, leases, the roll call), but a worker that
 hangs while its agent runs (a stuck kernel, a deadlock, a stopped process) answers nothing and
 fails nothing: its agent answers for the node, and its peers wait in their collectives until
-`comm_timeout_s`. So the agent watches its workers' heartbeats (engine/heartbeat.py: a local
+`comm_timeout_s`. So the agent watches its workers' heartbeats (engine/resilience/heartbeat.py: a local
 file per worker, rewritten when a step begins and ends, no etcd write per step):
 
 - **Decision** (`overdue`, pure): a worker in a step that has stood still (no tick from its main
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..logs import JobLog
-from ..engine.heartbeat import STACK_SIGNAL, Beat, read_beat
+from ..engine.resilience.heartbeat import STACK_SIGNAL, Beat, read_beat
 
 __all__ = ["overdue", "HangWatch", "WorkerHung"]
 

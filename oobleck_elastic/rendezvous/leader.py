@@ -54,11 +54,11 @@ from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
 from .decide import Action, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide, plan_events
 from .detect import LOST_BECAUSE, Deputy, LeaderWatch, RollCall
-from .keys import Keys
+from ..records.keys import Keys
 from .stragglers import LeaderStragglers
 from .liveness import LivenessMonitor
 from .membership import Member, live_nodes, put_event
-from .records import (
+from ..records.control import (
     Admission,
     ClosedRecord,
     Event,

@@ -35,8 +35,8 @@ from ..logs import JobLog
 from ..etcd import EtcdClient, EtcdError
 from ..etcd.client import warn_once
 from ..etcd.protocols import KVReader, KVStore
-from .keys import Keys
-from .records import Event, EventKind, NodeRecord, NodeState, is_fenced, read_admitted
+from ..records.keys import Keys
+from ..records.control import Event, EventKind, NodeRecord, NodeState, is_fenced, read_admitted
 
 log = JobLog(logging.getLogger(__name__))
 

@@ -1,7 +1,7 @@
 """The leader's side of straggler mitigation: what `decide` needs to see, and leaving a node out.
 
 The workers name stragglers and report each pipeline's measured seconds per microbatch under
-`stragglers` (engine/straggler.py). While that report is about the current generation,
+`stragglers` (engine/resilience/straggler.py). While that report is about the current generation,
 `LeaderStragglers.view_fields` hands `decide` the speeds, the slow nodes and the planner's plan
 without them (made once per report: planning is milliseconds, but the leader ticks often), and
 `decide` picks a remedy (planning/rebalance.py). A re-split is published like any plan; a node
@@ -18,9 +18,9 @@ from typing import Any, Callable, Optional
 from ..logs import JobLog
 from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
-from .keys import Keys
+from ..records.keys import Keys
 from .membership import put_event
-from .records import Event, EventKind, read_stragglers
+from ..records.control import Event, EventKind, read_stragglers
 
 log = JobLog(logging.getLogger(__name__))
 

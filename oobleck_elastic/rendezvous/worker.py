@@ -42,10 +42,10 @@ from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..etcd.store import EtcdStore
 from ..planning import PipelineSpec, Plan, StagePlacement
-from ..engine.errors import ErrorRecord, next_error_record
-from ..engine.goodput import Ledger, Origin, job_origin
-from .keys import Keys
-from .records import (
+from ..engine.resilience.errors import ErrorRecord, next_error_record
+from ..engine.telemetry.goodput import Ledger, Origin, job_origin
+from ..records.keys import Keys
+from ..records.control import (
     Checkin,
     CheckinKind,
     ClosedRecord,
@@ -267,7 +267,7 @@ class WorkerContext:
             self._stalled.add(generation)
 
     def record_skip(self, *, generation: int, step: int, detail: str) -> None:
-        """An event saying the step guard did not apply `step` (engine/guard.py)."""
+        """An event saying the step guard did not apply `step` (engine/resilience/guard.py)."""
         put_event(
             self.client,
             self.keys,
@@ -283,7 +283,7 @@ class WorkerContext:
     def report_stragglers(
         self, *, generation: int, step: int, nodes: dict[str, float], pipeline_s: Sequence[float]
     ) -> None:
-        """The `stragglers` record the leader re-splits the batch from (engine/straggler.py)."""
+        """The `stragglers` record the leader re-splits the batch from (engine/resilience/straggler.py)."""
         self.client.put_json(
             self.keys.stragglers,
             StragglerRecord(
@@ -337,7 +337,7 @@ class WorkerContext:
 
     def goodput_origin(self) -> Origin:
         """The goodput ledger last reported with progress, or (none yet) the job's start and first
-        plan from its events (engine/goodput.py). Read from etcd, at entry only."""
+        plan from its events (engine/telemetry/goodput.py). Read from etcd, at entry only."""
         data, revision = self.client.get_json(self.keys.progress)
         if isinstance(data, dict) and data.get("goodput") is not None:
             try:
@@ -415,7 +415,7 @@ class WorkerContext:
         return lost
 
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
-        """Store the error that ends this worker (see engine/errors.py); returns the new record."""
+        """Store the error that ends this worker (see engine/resilience/errors.py); returns the new record."""
         data, _ = self.client.get_json(self.keys.errors)
         rec = next_error_record(
             ErrorRecord.parse(data),

@@ -1,7 +1,7 @@
 """What a worker tells about its run: progress, reconfigurations, memory, and the final summary.
 
 `RunLog` follows one worker across generations. The worker holding rank 0 of the current
-generation writes TensorBoard (engine/metrics.py); every worker logs its own entries. A
+generation writes TensorBoard (engine/telemetry/metrics.py); every worker logs its own entries. A
 generation change is described once its first step is done, so the line can say how long the
 whole change took as this worker saw it: from the failure it noticed (a broken collective or an
 abandoned step) to the first step of the new generation, with its cause (failure, join, drain,
@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..config import JobConfig
-from ..logs import JobLog
+from ...config import JobConfig
+from ...logs import JobLog
 from . import memory
 from .metrics import Metrics
-from .compiled import graphs_compiled
+from ..step.compiled import graphs_compiled
 from .mfu import device_peak_tflops, flops_per_token
-from .optim import lr_factor
-from .trainer import Reconfiguration, StepResult, Trainer
+from ..step.optim import lr_factor
+from ..trainer import Reconfiguration, StepResult, Trainer
 
 log = JobLog(logging.getLogger("oobleck_elastic.train"))
 
@@ -51,9 +51,9 @@ class Summary:
     peak_rss_bytes: int = 0
     """This process's peak resident memory."""
     not_applied: tuple[str, ...] = ()
-    """One line per step the step guard did not apply (replayed or skipped, engine/guard.py)."""
+    """One line per step the step guard did not apply (replayed or skipped, engine/resilience/guard.py)."""
     repairs: tuple[str, ...] = ()
-    """One line per corrupt layer copy replaced from its holders' majority (engine/fingerprint.py)."""
+    """One line per corrupt layer copy replaced from its holders' majority (engine/resilience/fingerprint.py)."""
 
     def lines(self) -> list[str]:
         out = [
@@ -93,7 +93,7 @@ class RunLog:
         self.restored = False  # the last entry restored the checkpoint (lost layers)
         self.rss_at_start = rss_at_start  # before this worker held any layer
         self.not_applied: list[str] = []  # steps the step guard rejected, with what followed
-        self.repairs: list[str] = []  # corrupt layer copies replaced (engine/fingerprint.py)
+        self.repairs: list[str] = []  # corrupt layer copies replaced (engine/resilience/fingerprint.py)
 
     def broke(self) -> None:
         """This worker saw its generation fail (a communication error or an abandoned step)."""
@@ -197,12 +197,12 @@ class RunLog:
             self.metrics.rejected(result.step, text, skipped=skipped)
 
     def stragglers(self, named: dict[str, float], step: int) -> None:
-        """The nodes named stragglers now (engine/straggler.py), for TensorBoard."""
+        """The nodes named stragglers now (engine/resilience/straggler.py), for TensorBoard."""
         if self.metrics is not None:
             self.metrics.stragglers(named, step)
 
     def repaired(self, text: str, step: int, *, generation: int) -> None:
-        """A corrupt copy of a layer was replaced from its holders' majority (engine/fingerprint.py)."""
+        """A corrupt copy of a layer was replaced from its holders' majority (engine/resilience/fingerprint.py)."""
         self.repairs.append(text)
         log.at(gen=generation, step=step, node=self.node).warning("%s", text, event="repaired")
         if self.metrics is not None:

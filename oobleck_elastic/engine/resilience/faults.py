@@ -15,17 +15,17 @@ for it in their receives. A slow step is not a failure and must not be treated a
 the first TIMES times it runs it in this process (default 1: a transient fault that a replay does
 not meet again; 2 or more: a persistent one, whose batch is skipped). `OOBLECK_SPIKE_AT=
 "RANK@STEP:FACTOR[xTIMES][,...]"` multiplies the loss that worker reports by FACTOR instead (give
-the rank of a last stage: the others report no loss). Both exercise the step guard (engine/guard.py).
+the rank of a last stage: the others report no loss). Both exercise the step guard (engine/resilience/guard.py).
 
 `OOBLECK_FLIP_AT="RANK@STEP:LAYER[,...]"` flips one bit (bit 26, an exponent bit of a float32: the
 value is multiplied or divided by 256) of the first element of layer LAYER's largest parameter on
 that worker, right after step STEP is applied, once per process: silent corruption of one copy
-of the layer, which the replica fingerprints find and repair (engine/fingerprint.py).
+of the layer, which the replica fingerprints find and repair (engine/resilience/fingerprint.py).
 
 `OOBLECK_STRAGGLE_AT="NODE@STEP:FACTOR[,...]"` makes every worker of node NODE (its id, e.g.
 node1) compute FACTOR times slower from step STEP on, in every generation: each forward and
 backward chunk is followed by a sleep of (FACTOR - 1) times its duration, as on a slower device
-(a straggler, engine/straggler.py).
+(a straggler, engine/resilience/straggler.py).
 
 `OOBLECK_SLOW_ENTRY="NODE@GENERATION:SECONDS[,...]"` makes every worker of node NODE (`*`: of every
 node) sleep SECONDS before it connects to generation GENERATION: a slow reconfiguration, so that a
@@ -181,7 +181,7 @@ class FaultInjector:
         layer = None if layer_index is None else layers[layer_index]
         if layer is None:
             return
-        from ..models.tensor_parallel import local
+        from ...models.tensor_parallel import local
 
         param = max(layer.parameters(), key=lambda p: p.numel())
         words = local(param).detach().view(-1).view(torch.int32)

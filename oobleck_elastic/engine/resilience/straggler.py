@@ -28,7 +28,7 @@ named nodes and every pipeline's measured time per microbatch to the job's progr
 **Mitigating** (planning/rebalance.py; the leader runs it, rendezvous/leader.py): the leader
 re-splits the global batch's microbatches among the same pipelines at their measured speeds and
 publishes that as a plan on the same nodes and stages (`Plan.rebalanced`); workers move to it at
-a step boundary. The global batch and its sample order are unchanged (engine/data.py cuts it by
+a step boundary. The global batch and its sample order are unchanged (data/dataset.py cuts it by
 pipeline), so the weights still equal one process's.
 """
 
@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
-from ..planning import Plan
+from ...planning import Plan
 
 __all__ = ["ComputeClock", "StragglerWatch", "Verdict", "slowdowns"]
 
@@ -57,7 +57,7 @@ class ComputeClock:
     workers per node) it counts the calling thread's CPU time, not the wall time: a worker that
     waits for a core has done no less work, while a slower core shows. With more threads it
     reports nothing (`measures`), and no straggler is named. With a
-    `slowdown` factor > 1 (fault injection, engine/faults.py) every call is stretched to that
+    `slowdown` factor > 1 (fault injection, engine/resilience/faults.py) every call is stretched to that
     many times its duration, as on a slower device."""
 
     def __init__(self, device: torch.device, slowdown: Callable[[], float] = lambda: 1.0) -> None:

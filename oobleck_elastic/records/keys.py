@@ -24,7 +24,7 @@ JSON, one record class each (records.py); those marked * carry `schema_version` 
 | `progress`               | ProgressRecord: {generation, step, time, node, ...} | worker rank 0     |       |
 | `stragglers`             | StragglerRecord: nodes named stragglers, each pipeline's measured seconds per microbatch | worker rank 0 | |
 | `closed`                 | ClosedRecord*: {time, reason, failed}: the job finished (or failed), stop planning | workers / handler / leader (no profile in time) | |
-| `errors`                 | the last error that ended a worker and how often in a row (engine/errors.py) | workers |       |
+| `errors`                 | the last error that ended a worker and how often in a row (engine/resilience/errors.py) | workers |       |
 | `store/g<generation>/...` (`store`) | c10d Store keys of that generation's process groups | workers |      |
 | `probe/<node>/<local rank>/<pid>` (`probe`) | what examples/probe.py's workers saw (tests read it) | that example |  |
 
@@ -169,7 +169,7 @@ class Keys:
 
     @property
     def stragglers(self) -> str:
-        """The nodes the workers named stragglers, and the pipelines' measured speeds (engine/straggler.py)."""
+        """The nodes the workers named stragglers, and the pipelines' measured speeds (engine/resilience/straggler.py)."""
         return self.root + "stragglers"
 
     @property

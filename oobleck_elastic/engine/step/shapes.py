@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import ModelConfig
-from ..models.build import build_meta_layers, num_layers
+from ...config import ModelConfig
+from ...models.build import build_meta_layers, num_layers
 
 __all__ = ["stage_io"]
 

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ..config import JobConfig, ModelConfig
+from ...config import JobConfig, ModelConfig
 
 __all__ = ["PEAK_TFLOPS", "flops_per_token", "device_peak_tflops", "Throughput"]
 
@@ -51,7 +51,7 @@ PEAK_TFLOPS: dict[str, tuple[float, float, float]] = {
 def flops_per_token(cfg: JobConfig, seq_len: Optional[int] = None) -> float:
     """Training FLOPs of one token (module docstring) for the job's model at `seq_len`
     (default `data.seq_len`); built on the meta device, so it costs no memory."""
-    from ..models.build import build_meta_layers, num_layers
+    from ...models.build import build_meta_layers, num_layers
 
     m: ModelConfig = cfg.model
     n = num_layers(m)
@@ -65,7 +65,7 @@ def flops_per_token(cfg: JobConfig, seq_len: Optional[int] = None) -> float:
 
 def _hidden_size(m: ModelConfig) -> int:
     if m.pretrained_path:
-        from ..models.build import _pretrained_config
+        from ...models.build import _pretrained_config
 
         config = _pretrained_config(m)
         return int(getattr(config, "hidden_size", getattr(config, "n_embd", m.hidden_size)))

@@ -43,9 +43,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from ..models import LayerModel
-from ..models.tensor_parallel import is_sharded, local, wrap_like
-from ..planning import Plan
+from ...models import LayerModel
+from ...models.tensor_parallel import is_sharded, local, wrap_like
+from ...planning import Plan
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..etcd.client import EtcdError
+from ...etcd.client import EtcdError
 
 SCHEMA_VERSION = 1
 

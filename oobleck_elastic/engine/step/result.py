@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .fingerprint import Corrupt
+from ..resilience.fingerprint import Corrupt
 
 
 @dataclass(frozen=True)
@@ -24,26 +24,26 @@ class StepResult:
     next_generation: int = 0
     """Newest plan generation any worker had seen at this step's end."""
     peak_rss_bytes: int = 0
-    """The largest peak resident memory of any worker of the generation (engine/memory.py)."""
+    """The largest peak resident memory of any worker of the generation (engine/telemetry/memory.py)."""
     peak_device_bytes: Optional[int] = None
     """The largest peak device memory of any worker (CUDA only)."""
     rejected: str = ""
-    """Why the step guard did not apply the step (engine/guard.py); empty when it was applied."""
+    """Why the step guard did not apply the step (engine/resilience/guard.py); empty when it was applied."""
     rejections: int = 0
     """How many times any worker had seen this step rejected before this run of it."""
     repaired: tuple[Corrupt, ...] = ()
     """Layer copies found corrupt after this step and replaced from their holders' majority
-    (engine/fingerprint.py); the same on every worker."""
+    (engine/resilience/fingerprint.py); the same on every worker."""
     unrepairable: str = ""
-    """Why the job must stop: a layer's copies differ with no majority (engine/fingerprint.py)."""
+    """Why the job must stop: a layer's copies differ with no majority (engine/resilience/fingerprint.py)."""
     compute_s: tuple[float, ...] = ()
-    """Every worker's compute seconds in this step, by rank (engine/straggler.py)."""
+    """Every worker's compute seconds in this step, by rank (engine/resilience/straggler.py)."""
 
 
 class Autocast(nn.Module):
     """Runs a stage under bf16 autocast (fp32 master weights stay in the wrapped module). What it
     hands to the next stage is float32; the last stage's logits are bf16 (`last`; what a head's
-    matrix multiply gives under autocast), for the loss to upcast chunk by chunk (engine/loss.py)."""
+    matrix multiply gives under autocast), for the loss to upcast chunk by chunk (engine/step/loss.py)."""
 
     def __init__(self, module: nn.Module, dtype: Optional[torch.dtype], *, last: bool = False) -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """Optimizer, learning-rate schedule, loss scaling and gradient clipping, shared by the
 single-process reference and the pipelined engine so both do exactly the same math.
 
-- Loss (engine/loss.py, `token_sum_loss`): every microbatch's token cross-entropy is SUMMED and
+- Loss (engine/step/loss.py, `token_sum_loss`): every microbatch's token cross-entropy is SUMMED and
   divided by the number of tokens in the GLOBAL batch, so summing gradients over microbatches,
   stages and replicas gives the gradient of the mean loss over the global batch, whatever the
   plan (docs/design.md, invariant 1).
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..config import TrainingConfig
+from ...config import TrainingConfig
 from .loss import token_sum_loss
 
 __all__ = ["token_sum_loss", "build_optimizer", "adamw_step", "lr_factor", "set_lr", "clip_coefficient", "scale_grads"]

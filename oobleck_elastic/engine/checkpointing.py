@@ -47,7 +47,7 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
     primary = {i: min(plan.holders(i)) for i in trainer.owned}
     mine = trainer.state_dict()
     params, optim = mine["layers"], mine["optimizer"]
-    for i, layer in params.items():  # the step guard never applies a non-finite step (engine/guard.py)
+    for i, layer in params.items():  # the step guard never applies a non-finite step (engine/resilience/guard.py)
         bad = [n for n, t in layer.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
         if bad:
             raise ckpt.CheckpointError(

@@ -69,11 +69,11 @@ class EventKind(StrEnum):
     HANG = "hang"
     """A node's agent found one of its workers hung in a step and stopped it (hang.py)."""
     SKIP = "skip"
-    """The step guard did not apply a step: replayed, or its batch skipped (engine/guard.py)."""
+    """The step guard did not apply a step: replayed, or its batch skipped (engine/resilience/guard.py)."""
     REPAIR = "repair"
-    """A corrupt copy of a layer was replaced from its holders' majority (engine/fingerprint.py)."""
+    """A corrupt copy of a layer was replaced from its holders' majority (engine/resilience/fingerprint.py)."""
     STRAGGLER = "straggler"
-    """A node was named persistently slower than the others, or no longer is (engine/straggler.py)."""
+    """A node was named persistently slower than the others, or no longer is (engine/resilience/straggler.py)."""
 
 
 class CheckinKind(StrEnum):
@@ -420,7 +420,7 @@ class ProfileClaim:
 # ---------------------------------------------------------------------- readers
 @dataclass(frozen=True)
 class StragglerRecord:
-    """The value of `stragglers`: what the worker holding rank 0 found after a step (engine/straggler.py)."""
+    """The value of `stragglers`: what the worker holding rank 0 found after a step (engine/resilience/straggler.py)."""
 
     generation: int
     """Generation the speeds were measured in (the leader acts only on the current one's)."""

@@ -5,13 +5,13 @@ job has one event stream. Scalars per step: `train/loss`, `train/samples_per_s` 
 `train/tokens_per_s` (over `train/wall_s`, the wall time since the previous step completed on
 this worker: a step after a reconfiguration counts its cost), `train/step_time_s` (the step's own
 time) beside `train/est_step_time_s` (the planner's estimate for the plan), `train/lr`,
-`train/grad_norm`, `perf/tflops_per_device` and `perf/mfu` (engine/mfu.py; MFU only when the
+`train/grad_norm`, `perf/tflops_per_device` and `perf/mfu` (engine/telemetry/mfu.py; MFU only when the
 device's peak is known), `cluster/nodes`,
 `cluster/pipelines`, `cluster/generation`; `guard/rejected` and `guard/skipped_steps` for steps the
-step guard did not apply (engine/guard.py); at every generation a text entry `plan` with the plan,
+step guard did not apply (engine/resilience/guard.py); at every generation a text entry `plan` with the plan,
 and for every reconfiguration a `reconfiguration` text plus `reconfiguration/seconds` and
 `reconfiguration/bytes_moved`; with every progress report the job's goodput ledger,
-`goodput/<category>` in seconds and `goodput/fraction` (engine/goodput.py; the final one, with the
+`goodput/<category>` in seconds and `goodput/fraction` (engine/telemetry/goodput.py; the final one, with the
 final checkpoint, one step past the last).
 """
 
@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 from typing import Mapping, Optional
 
-from ..logs import JobLog
-from ..planning import Plan
+from ...logs import JobLog
+from ...planning import Plan
 from .memory import GB
 from .memory import describe as describe_memory
 from .mfu import Throughput
-from .step import StepResult
+from ..step.result import StepResult
 
 log = JobLog(logging.getLogger("oobleck_elastic.train"))
 
@@ -71,7 +71,7 @@ class Metrics:
             self.writer = SummaryWriter(log_dir=str(self.log_dir))
         self._t0 = time.monotonic()
         self.skipped = 0
-        self.slow_nodes: set[str] = set()  # nodes ever named stragglers (engine/straggler.py)
+        self.slow_nodes: set[str] = set()  # nodes ever named stragglers (engine/resilience/straggler.py)
 
     def plan(self, plan: Optional[Plan], step: int) -> None:
         if self.writer is not None:
@@ -130,7 +130,7 @@ class Metrics:
             )
 
     def rejected(self, step: int, text: str, *, skipped: bool) -> None:
-        """The step guard did not apply `step` (engine/guard.py): `guard/rejected` = 1 at it,
+        """The step guard did not apply `step` (engine/resilience/guard.py): `guard/rejected` = 1 at it,
         `guard/skipped_steps` counts skipped batches, and the reason as text."""
         if self.writer is None:
             return
@@ -141,7 +141,7 @@ class Metrics:
 
     def stragglers(self, named: dict[str, float], step: int) -> None:
         """`straggler/count` of nodes named stragglers, `straggler/slowdown/<node>` for each one, and
-        0 for a node no longer named (engine/straggler.py)."""
+        0 for a node no longer named (engine/resilience/straggler.py)."""
         if self.writer is None:
             return
         self.writer.add_scalar("straggler/count", len(named), step)
@@ -150,14 +150,14 @@ class Metrics:
         self.slow_nodes |= set(named)
 
     def repaired(self, text: str, step: int, *, total: int) -> None:
-        """Corrupt layer copies replaced (engine/fingerprint.py): `integrity/repaired_copies` counts them."""
+        """Corrupt layer copies replaced (engine/resilience/fingerprint.py): `integrity/repaired_copies` counts them."""
         if self.writer is None:
             return
         self.writer.add_scalar("integrity/repaired_copies", total, step)
         self.writer.add_text("integrity", text, step)
 
     def goodput(self, seconds: Mapping[str, float], fraction: float, *, step: int) -> None:
-        """The job's goodput ledger so far (engine/goodput.py): `goodput/<category>` in seconds and
+        """The job's goodput ledger so far (engine/telemetry/goodput.py): `goodput/<category>` in seconds and
         `goodput/fraction`, the useful share of the time accounted."""
         if self.writer is None:
             return

@@ -41,8 +41,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..logs import JobLog
-from ..config import JobConfig
+from ...logs import JobLog
+from ...config import JobConfig
 
 __all__ = [
     "compile_enabled",
@@ -125,9 +125,9 @@ def warm_up(
 ) -> float:
     """Compile every kind of layer of the model, forward and backward, on `device` (module
     docstring); returns the seconds it took."""
-    from ..models import build_layer_model, num_layers
-    from ..models.build import build_meta_layers
-    from ..planning.profiler import layer_kind
+    from ...models import build_layer_model, num_layers
+    from ...models.build import build_meta_layers
+    from ...planning.profiler import layer_kind
 
     t0 = time.perf_counter()
     n = num_layers(cfg.model)

@@ -8,7 +8,7 @@ worker holding rank 0:
 
 - `useful`: ran a step applied for the first time, and the bookkeeping after it (metrics, the
   progress report) until the next step began;
-- `replayed`: ran a step that was then replayed: rejected by the step guard (engine/guard.py), or
+- `replayed`: ran a step that was then replayed: rejected by the step guard (engine/resilience/guard.py), or
   completed once already and run again after a checkpoint restore;
 - `skipped`: ran a step whose batch the step guard then skipped;
 - `reconfiguration`: from the start of the step a failure interrupted (or from the step boundary
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
-from ..logs import JobLog
+from ...logs import JobLog
 
 log = JobLog(logging.getLogger("oobleck_elastic.train"))
 
@@ -299,7 +299,7 @@ class GoodputClock:
 
     def reporter(self, report: Callable[..., None], metrics: Any) -> Callable[..., None]:
         """`report` (ControlPlane.report_progress) with the ledger so far added as `goodput`, also
-        written to TensorBoard (`metrics`, engine/metrics.py; None: not written)."""
+        written to TensorBoard (`metrics`, engine/telemetry/metrics.py; None: not written)."""
 
         def send(**fields: Any) -> None:
             ledger = self.snapshot()

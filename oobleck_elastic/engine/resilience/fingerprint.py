@@ -2,7 +2,7 @@
 
 Every layer has one holder per pipeline (f+1 copies or more), and after every applied step the
 copies are bit-identical: the same summed gradients went into the same optimizer from the same
-state (engine/groups.py). A bit flipped in one device's memory (silent data corruption: a bad
+state (engine/generation/groups.py). A bit flipped in one device's memory (silent data corruption: a bad
 HBM cell, a faulty ALU) breaks that and nothing else notices: the copy trains on, its gradients
 are summed into the others', and it is checkpointed.
 
@@ -35,7 +35,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from ..planning import Plan
+from ...planning import Plan
 
 __all__ = ["Corrupt", "Unrepairable", "compare", "fingerprints", "is_check_step", "layer_tensors"]
 
@@ -82,7 +82,7 @@ def fingerprints(layers: dict[int, list[torch.Tensor]]) -> dict[int, tuple[int, 
 def layer_tensors(layer: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[torch.Tensor]:
     """What a layer's copies must agree on: its parameters (this lane's shards) and their optimizer
     state, in a fixed order."""
-    from ..models.tensor_parallel import local
+    from ...models.tensor_parallel import local
 
     out = []
     for _, p in sorted(layer.named_parameters(), key=lambda kv: kv[0]):
@@ -176,7 +176,7 @@ def repair(
 ) -> None:
     """Replace the corrupt copies this rank takes part in: for each one, in the same order on every
     rank, the layer's holders broadcast the source's parameters and optimizer state over their
-    group (`groups`: this rank's holder-set groups, engine/groups.py)."""
+    group (`groups`: this rank's holder-set groups, engine/generation/groups.py)."""
     for c in corrupt:
         if rank not in c.holders:
             continue

@@ -33,15 +33,15 @@ from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.tensor import DTensor
 
-from ..config import JobConfig
-from ..logs import JobLog
-from ..models import LayerModel, build_layer_model
-from ..models.build import build_meta_layers
-from ..models.tensor_parallel import from_full, local, parallelize_layer, wrap_like
-from ..planning import Plan
+from ...config import JobConfig
+from ...logs import JobLog
+from ...models import LayerModel, build_layer_model
+from ...models.build import build_meta_layers
+from ...models.tensor_parallel import from_full, local, parallelize_layer, wrap_like
+from ...planning import Plan
 from .devices import backend_for, release_groups
 from .groups import GenerationGroups
-from .optim import build_optimizer
+from ..step.optim import build_optimizer
 from .reconfigure import Identity, Move, Transfer, exchange, moves_of, plan_transfers, transfer_bytes
 
 log = JobLog(logging.getLogger(__name__))
@@ -100,7 +100,7 @@ class WorkerState:
     synced_norm2: float = 0.0
     """The squared global gradient norm of `synced_step`."""
     max_loss: float = 0.0
-    """The largest loss of any step applied here (the step guard's spike threshold, engine/guard.py)."""
+    """The largest loss of any step applied here (the step guard's spike threshold, engine/resilience/guard.py)."""
     params: list[nn.Parameter] = field(default_factory=list)
     """The owned layers' parameters, each once (tied ones are shared), in the optimizer's order."""
 

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models import LayerModel
-from ..models.tensor_parallel import local, wrap_like
-from ..planning import Plan
-from .optim import adamw_step
+from ...models import LayerModel
+from ...models.tensor_parallel import local, wrap_like
+from ...planning import Plan
+from ..step.optim import adamw_step
 
 Identity = tuple[str, int]  # (node id, local rank)
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")

@@ -1,0 +1,9 @@
+"""Telemetry: what a run tells about itself.
+
+`metrics` (TensorBoard and progress lines), `mfu` (FLOPs per token, device peaks, utilisation),
+`goodput` (where the wall time went, per category), `runlog` (progress, reconfigurations and the
+final summary of one worker's run) and `memory` (peak resident and device memory).
+
+Imports: `records`, `models`, `planning`, `config`, `logs` and `engine.step`; the `Trainer` only
+for type hints.
+"""
