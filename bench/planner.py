@@ -33,14 +33,7 @@ import numpy as np
 from pathlib import Path
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.planning import (
-    Links,
-    build_templates,
-    compare_tensor_parallel,
-    instantiate,
-    make_plan,
-    plan_job,
-)
+from oobleck_elastic.planning import Links, build_templates, compare_tensor_parallel, instantiate, make_plan, plan_job
 from oobleck_elastic.planning.analytic import gpt3_175b_profile
 from oobleck_elastic.planning.placement import (
     bytes_received,

@@ -18,7 +18,7 @@ import os
 import time
 from typing import Callable, Optional
 
-from .engine.telemetry.goodput import Ledger, describe, job_origin
+from .records.goodput import Ledger, describe, job_origin
 from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
 from .planning import Plan, PlanningError
 from .records.keys import Keys

@@ -13,16 +13,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from oobleck_elastic import cli
-from oobleck_elastic.engine.telemetry.goodput import (
-    Category,
-    GoodputClock,
-    Ledger,
-    Origin,
-    continue_from,
-    describe,
-    job_origin,
-    opening,
-)
+from oobleck_elastic.records.goodput import Category, Ledger, Origin, continue_from, describe, job_origin, opening
+from oobleck_elastic.engine.telemetry.goodput import GoodputClock
 
 ROOT = Path(__file__).resolve().parents[1]
 U, R, S, RC, CK, W, SU = (

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_elastic.engine.resilience.heartbeat import Beat, Heartbeat, read_beat
+from oobleck_elastic.records.heartbeat import Beat, read_beat
+from oobleck_elastic.engine.resilience.heartbeat import Heartbeat
 from oobleck_elastic.rendezvous.hang import HangWatch, overdue
 from helpers import a_follower, assert_same, run_job, tiny_profile, when, worker_pid
 

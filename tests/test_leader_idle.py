@@ -12,7 +12,8 @@ from oobleck_elastic.etcd.memory import MemoryKV
 from oobleck_elastic.etcd.mirror import Mirror
 from oobleck_elastic.planning import PlanningError
 from oobleck_elastic.records.keys import Keys
-from oobleck_elastic.rendezvous.leader import Leader, RosterReader
+from oobleck_elastic.rendezvous.leader import Leader
+from oobleck_elastic.records.plans import RosterReader
 from oobleck_elastic.rendezvous.membership import Member
 from oobleck_elastic.records.control import Roster
 

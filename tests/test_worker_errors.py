@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import flip_byte, run_job, tiny_profile
-from oobleck_elastic.engine.resilience.errors import ErrorRecord
+from oobleck_elastic.records.errors import ErrorRecord
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.rendezvous.membership import read_events

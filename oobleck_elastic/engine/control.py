@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from ..config import JobConfig
 from ..planning import MicrobatchChoice, PipelineSpec, Plan, StagePlacement, fixed_microbatch_size
-from .resilience.errors import ErrorRecord, next_error_record
-from .telemetry.goodput import Origin
+from ..records.errors import ErrorRecord, next_error_record
+from ..records.goodput import Origin
 
 log = logging.getLogger(__name__)
 

@@ -55,7 +55,8 @@ from .control import ControlPlane, LocalControl
 from ..data.dataset import build_dataset
 from .generation.devices import configure_nccl, resolve_device
 from .resilience.errors import JobFailed, StepAbandoned, is_communication_error
-from .telemetry.goodput import Category, GoodputClock
+from ..records.goodput import Category
+from .telemetry.goodput import GoodputClock
 from .resilience.guard import Action, StepGuard, TooManySkipped, Verdict
 from .resilience.heartbeat import Heartbeat
 from .telemetry.runlog import RunLog, Summary

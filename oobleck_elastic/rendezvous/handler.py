@@ -57,9 +57,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from ..logs import JobLog
 from ..config import ConfigError, JobConfig, load_config
-from ..engine.resilience.errors import ErrorRecord, next_error_record
-from ..engine.resilience.heartbeat import ENV as HEARTBEAT_ENV
-from ..engine.resilience.heartbeat import Beat
+from ..records.errors import ErrorRecord, next_error_record
+from ..records.heartbeat import ENV as HEARTBEAT_ENV
+from ..records.heartbeat import Beat
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.mirror import Mirror
 from ..etcd.server import free_port

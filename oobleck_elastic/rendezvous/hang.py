@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..logs import JobLog
-from ..engine.resilience.heartbeat import STACK_SIGNAL, Beat, read_beat
+from ..records.heartbeat import STACK_SIGNAL, Beat, read_beat
 
 __all__ = ["overdue", "HangWatch", "WorkerHung"]
 

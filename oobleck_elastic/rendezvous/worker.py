@@ -42,8 +42,8 @@ from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..etcd.store import EtcdStore
 from ..planning import PipelineSpec, Plan, StagePlacement
-from ..engine.resilience.errors import ErrorRecord, next_error_record
-from ..engine.telemetry.goodput import Ledger, Origin, job_origin
+from ..records.errors import ErrorRecord, next_error_record
+from ..records.goodput import Ledger, Origin, job_origin
 from ..records.keys import Keys
 from ..records.control import (
     Checkin,
@@ -64,7 +64,7 @@ from ..records.control import (
     read_ready,
     readiness_withdrawn,
 )
-from .leader import PlanReader, _parse_plan
+from ..records.plans import PlanReader, parse_plan
 from .membership import put_event, read_events
 from .preempt import guard_worker
 
@@ -168,7 +168,7 @@ class WorkerContext:
     def plan_at(self, generation: int) -> Optional[Plan]:
         """The plan of a past or current generation (from the leader's history)."""
         data, _ = self.client.get_json(self.keys.plan_at(generation))  # at entry only: not mirrored
-        return _parse_plan(data)
+        return parse_plan(data)
 
     def my_stage(self, plan: Plan) -> Optional[tuple[PipelineSpec, StagePlacement]]:
         """This worker's pipeline and stage in `plan`, or None (a spare, or not in the plan)."""

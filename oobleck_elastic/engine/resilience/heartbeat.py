@@ -6,14 +6,12 @@ collectives. So each worker tells its agent, locally and with no etcd write, wha
 `Heartbeat.begin(step)` and `Heartbeat.end(step)` overwrite one line of a small file in the
 directory the agent gives it (`OOBLECK_HEARTBEAT_DIR`, file `<local rank>.hb`), and while a step
 runs the worker's main thread, which waits for the step thread in short slices (engine/runner.py),
-`tick()`s it at every slice:
-
-    <pid> <state: step|idle> <step> <unix time the state began> <seconds of the last step> <last tick>
+`tick()`s it at every slice. The line's format is the `Beat` record (records/heartbeat.py).
 
 A worker whose peers are slow, or that waits on them in a collective, keeps ticking; a stopped
 or frozen process (or one whose main thread cannot get the interpreter back) does not.
 
-one `pwrite` of a fixed-width line (no fsync: the agent reads it through the page cache). The
+Each write is one `pwrite` of a fixed-width line (no fsync: the agent reads it through the page cache). The
 agent's `HangWatch` (rendezvous/hang.py) reads it. The worker also registers `faulthandler` on
 SIGUSR2, writing every thread's stack to `<local rank>.stack` in the same directory, so the agent
 can record where a hung worker stands before it stops it.
@@ -23,51 +21,13 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Optional
 
-__all__ = ["ENV", "LINE", "Beat", "Heartbeat", "read_beat"]
+from ...records.heartbeat import ENV, STACK_SIGNAL, Beat
 
-ENV = "OOBLECK_HEARTBEAT_DIR"
-LINE = 96
-"""Bytes of the heartbeat line (space-padded)."""
-STACK_SIGNAL = signal.SIGUSR2
-"""The signal that makes a worker write its threads' stacks (faulthandler)."""
-
-
-@dataclass(frozen=True)
-class Beat:
-    pid: int
-    """The worker process."""
-    in_step: bool
-    """A step is running."""
-    step: int
-    """The step running, or the last one that ended."""
-    since: float
-    """Unix time the state began."""
-    last_step_s: float
-    """Wall time of the last step that ended (0: none yet)."""
-    tick: float
-    """Unix time the worker's main thread last said it is alive."""
-
-
-def read_beat(path: Path) -> Optional[Beat]:
-    """The heartbeat in `path`, or None (missing, being written, malformed)."""
-    try:
-        fields = path.read_text().split()
-        return Beat(
-            pid=int(fields[0]),
-            in_step=fields[1] == "step",
-            step=int(fields[2]),
-            since=float(fields[3]),
-            last_step_s=float(fields[4]),
-            tick=float(fields[5]),
-        )
-    except (OSError, ValueError, IndexError):
-        return None
+__all__ = ["Heartbeat"]
 
 
 class Heartbeat:
@@ -92,10 +52,8 @@ class Heartbeat:
         self._state = (in_step, step, since)
         if self._fd is None:
             return
-        line = (
-            f"{os.getpid()} {'step' if in_step else 'idle'} {step} {since:.3f} {self.last_step_s:.3f} {time.time():.3f}"
-        )
-        os.pwrite(self._fd, line.ljust(LINE - 1).encode()[: LINE - 1] + b"\n", 0)
+        beat = Beat(os.getpid(), in_step, step, since, self.last_step_s, time.time())
+        os.pwrite(self._fd, beat.line(), 0)
 
     def begin(self, step: int) -> None:
         self._write(True, step, time.time())

@@ -1,0 +1,75 @@
+"""The heartbeat line a worker writes for its own agent: what a worker is doing, on a local file.
+
+A worker that hangs on a live node (a stuck kernel, a deadlock, a stopped process) is not seen by
+the control plane: its agent answers every liveness check, and its peers wait in their
+collectives. So each worker tells its agent, locally and with no etcd write, what it is doing,
+by overwriting one fixed-width line of a small file (`<local rank>.hb`) in the directory the agent
+gives it (`OOBLECK_HEARTBEAT_DIR`):
+
+    <pid> <state: step|idle> <step> <unix time the state began> <seconds of the last step> <last tick>
+
+The worker side is engine/resilience/heartbeat.py (`Heartbeat`); the agent side is
+rendezvous/hang.py (`HangWatch`), which reads the line with `read_beat` and, before it stops a hung
+worker, sends `STACK_SIGNAL` so the worker's faulthandler writes every thread's stack to
+`<local rank>.stack` beside it.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["ENV", "LINE", "STACK_SIGNAL", "Beat", "read_beat"]
+
+
+ENV = "OOBLECK_HEARTBEAT_DIR"
+
+
+LINE = 96
+"""Bytes of the heartbeat line (space-padded)."""
+
+
+STACK_SIGNAL = signal.SIGUSR2
+"""The signal that makes a worker write its threads' stacks (faulthandler)."""
+
+
+@dataclass(frozen=True)
+class Beat:
+    pid: int
+    """The worker process."""
+    in_step: bool
+    """A step is running."""
+    step: int
+    """The step running, or the last one that ended."""
+    since: float
+    """Unix time the state began."""
+    last_step_s: float
+    """Wall time of the last step that ended (0: none yet)."""
+    tick: float
+    """Unix time the worker's main thread last said it is alive."""
+
+    def line(self) -> bytes:
+        """The beat as the file holds it: one space-padded line of `LINE` bytes."""
+        text = (
+            f"{self.pid} {'step' if self.in_step else 'idle'} {self.step} {self.since:.3f} "
+            f"{self.last_step_s:.3f} {self.tick:.3f}"
+        )
+        return text.ljust(LINE - 1).encode()[: LINE - 1] + b"\n"
+
+
+def read_beat(path: Path) -> Optional[Beat]:
+    """The heartbeat in `path`, or None (missing, being written, malformed)."""
+    try:
+        fields = path.read_text().split()
+        return Beat(
+            pid=int(fields[0]),
+            in_step=fields[1] == "step",
+            step=int(fields[2]),
+            since=float(fields[3]),
+            last_step_s=float(fields[4]),
+            tick=float(fields[5]),
+        )
+    except (OSError, ValueError, IndexError):
+        return None
