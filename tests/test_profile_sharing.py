@@ -452,7 +452,7 @@ def test_every_later_leader_plans_from_the_pinned_profile(nodes_factory) -> None
     old.view.close()
     plan = c.wait(lambda: (p := c.plan()) is not None and p.generation == 2 and p, timeout=15)
     assert len(plan.nodes) == 2 and [len(p.nodes) for p in plan.pipelines] == [2]  # planned with n0 = 2
-    assert c.leader() is not old and c.leader()._pinned.layers[0].name == "l0"
+    assert c.leader() is not old and c.leader().planner.pinned.layers[0].name == "l0"
 
 
 def test_malformed_and_mismatching_profiles_are_logged_once_and_ignored(nodes_factory, caplog) -> None:

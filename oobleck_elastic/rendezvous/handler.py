@@ -17,10 +17,9 @@ workers when `num_nodes_waiting() > 0` or when a local worker exits non-zero):
   new rendezvous round for anyone.
 - `num_nodes_waiting()` is always 0: a positive value makes the agent restart its workers.
 - `shutdown()` only takes this node out (revokes its lease); it never closes the job.
-- The profile the leader plans from: `planning.profile_path` when set (read at once, as before),
-  else the first profile a worker measured and published under `profiles/<device>`. Either one
-  is pinned under `profile` by the first leader that plans, so every later leader plans from the
-  same numbers. A malformed or mismatching profile in etcd is logged once and ignored.
+- The leader plans with a `JobPlanner` (rendezvous/planner.py): from `planning.profile_path`, or
+  the first profile a worker measured, pinned in etcd so every later leader plans from the same
+  numbers.
 - Workers inherit the agent's environment, so the handler exports the etcd endpoint, TLS and
   auth settings, run id, key prefix and node id (`OOBLECK_*`) before the agent starts them.
 
@@ -32,7 +31,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import faulthandler
-import json
 import logging
 import signal
 import os
@@ -43,7 +41,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
@@ -63,21 +61,11 @@ from ..records.heartbeat import Beat
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.mirror import Mirror
 from ..etcd.server import free_port
-from ..planning import (
-    MicrobatchError,
-    ModelProfile,
-    Plan,
-    PlanningError,
-    ProfileError,
-    choose_tensor_parallel,
-    load_profiles,
-    plan_job,
-    templates_for,
-)
 from ..etcd.protocols import KVReader
 from ..records.keys import Keys
 from ..records.control import ClosedRecord, Event, EventKind, NodeState, ReadyRecord, Roster, read_closed, read_roster
-from .leader import JobUnplannable, Leader
+from .leader import Leader
+from .planner import JobPlanner
 from .liveness import LivenessServer
 from .membership import Member, mark_draining, put_event
 from .hang import HangWatch, WorkerHung
@@ -194,9 +182,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self.member: Optional[Member] = None
         self.leader: Optional[Leader] = None
         self.liveness: Optional[LivenessServer] = None
-        self._templates: Any = None
-        self._pinned: ModelProfile | None = None
-        self._warned: set[tuple[str, int]] = set()  # (key, mod revision) of values already reported
+        self.planner = JobPlanner(self.cfg, self.client, self.keys)
         self._store = dist.HashStore()
         self.view: Optional[Mirror] = None
         self._stopping = threading.Event()
@@ -276,12 +262,12 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 self.client,
                 self.keys,
                 self.member,
-                planner=self.plan_for,
+                planner=self.planner.plan_for,
                 min_nodes=self.params.min_nodes,
                 max_nodes=self.params.max_nodes,
                 last_call_s=self.last_call_s,
                 settle_s=self.settle_s,
-                profile_ready=self.profile_ready,
+                profile_ready=self.planner.profile_ready,
                 profile_timeout_s=self.cfg.fault_tolerance.rendezvous_timeout_s,
                 view=self.view,
                 # GPipe keeps every microbatch in memory: its count is planned, not moved
@@ -434,125 +420,6 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 log.at(node=node).info("waiting to be admitted (generation %s)", plan.generation if plan else "none")
                 next_log = now + 10
             version = self.view.wait(version, 0.5)
-
-    def plan_for(self, nodes: list[str], generation: int, previous: Optional[Plan] = None) -> Plan:
-        """The planner the leader calls: templates from the job's profile (pinned in etcd);
-        nodes keep as many of the layers they hold in `previous` as the new plan allows. With
-        training.microbatch_size=auto the size is chosen once: the current plan's when there is
-        one (a new leader keeps it), else the best for planning.max_nodes or these nodes."""
-        if self._templates is None:
-            profile = self._profile(len(nodes))
-            try:
-                self._templates = templates_for(
-                    self.cfg, profile, len(nodes), microbatch_size=previous.microbatch_size if previous else None
-                )
-            except MicrobatchError as err:
-                if err.memory_bound or self.cfg.planning.max_nodes:  # no other node count is tried
-                    raise JobUnplannable(str(err)) from None
-                raise  # no size can be planned on these nodes yet: wait for more
-            except PlanningError as err:  # the config and the pinned profile are fixed: no node count helps
-                raise JobUnplannable(str(err)) from None
-        return plan_job(self.cfg, nodes=nodes, generation=generation, templates=self._templates, previous=previous).plan
-
-    def profile_ready(self) -> bool:
-        """Whether the planner has its profile now (the leader publishes no first plan before):
-        always with planning.profile_path, else once one is pinned or a worker published one."""
-        if self.cfg.planning.profile_path or self._pinned is not None:
-            return True
-        return self._pinned_or_measured() is not None
-
-    def _profile(self, nodes: int) -> ModelProfile:
-        """The profile every leader plans from: the one pinned in etcd, else planning.profile_path
-        (with `{tp}` in it and tensor_parallel=auto: the degree best for planning.max_nodes or
-        `nodes` nodes), else the first worker-measured one; whichever is used first is pinned for
-        all later leaders, so the degree never changes during the job."""
-        try:
-            if self.cfg.planning.profile_path and self._pinned is None and self._read_pinned() is None:
-                profiles = load_profiles(self.cfg)
-                degree = (
-                    choose_tensor_parallel(self.cfg, profiles, self.cfg.planning.max_nodes or nodes)
-                    if len(profiles) > 1
-                    else next(iter(profiles))
-                )
-                self._pin(profiles[degree])
-            profile = self._pinned_or_measured()
-        except ProfileError as err:
-            raise PlanningError(str(err)) from None
-        if profile is None:
-            raise PlanningError(
-                "no profile to plan from yet: no worker has published the profile of its device "
-                "(workers call WorkerContext.share_profile before they report ready)"
-            )
-        return profile
-
-    def _pinned_or_measured(self) -> ModelProfile | None:
-        """The pinned profile, or pin the first valid worker-measured one; None when there is none."""
-        if self._pinned is not None or self._read_pinned() is not None:
-            return self._pinned
-        candidates = []
-        for kv in self.client.range(self.keys.profiles)[1]:
-            profile = self._valid(kv.key, kv.value, kv.mod_revision, of_this_job=True)
-            if profile is not None:
-                candidates.append((kv.create_revision, kv.key, profile))
-        if not candidates:
-            return None
-        candidates.sort(key=lambda c: c[0])
-        _, key, profile = candidates[0]
-        if len(candidates) > 1 and (key, -1) not in self._warned:
-            self._warned.add((key, -1))
-            log.warning(
-                "workers published profiles of %d device kinds (%s): planning with %s, the first one; the "
-                "planner assumes every device is of one kind",
-                len(candidates),
-                ", ".join(self.keys.node_of(k) for _, k, _ in candidates),
-                self.keys.node_of(key),
-            )
-        return self._pin(profile)
-
-    def _pin(self, profile: ModelProfile) -> ModelProfile | None:
-        """Put `profile` under `profile` unless one is there already; return whichever is pinned."""
-        self.client.put_if_absent(self.keys.profile, json.dumps(profile.to_json()))
-        return self._read_pinned()
-
-    def _read_pinned(self) -> ModelProfile | None:
-        if self._pinned is None:
-            kv = self.client.get(self.keys.profile)
-            if kv is not None:
-                self._pinned = self._valid(self.keys.profile, kv.value, kv.mod_revision)
-        return self._pinned
-
-    def _valid(self, key: str, value: bytes, revision: int, *, of_this_job: bool = False) -> ModelProfile | None:
-        """A profile read from etcd, validated (JSON and schema; with `of_this_job`, also the job's
-        layer count, microbatch shape and precision: a worker-measured profile must match the config,
-        while the pinned one is trusted as a leader chose it, also a planning.profile_path file);
-        None, with one warning per key and revision, when it is malformed or for another job."""
-        try:
-            try:
-                data = json.loads(value)
-            except (ValueError, UnicodeDecodeError) as err:
-                raise ProfileError(f"not valid JSON ({err})") from None
-            profile = ModelProfile.from_json(data, source=key)
-            if not of_this_job:
-                return profile
-            m, t = self.cfg.model, self.cfg.training
-            expected = m.num_layers + 2
-            if m.family != "custom" and not m.pretrained_path and profile.num_layers != expected:
-                raise ProfileError(f"{profile.num_layers} layers but model.num_layers={m.num_layers} gives {expected}")
-            # with training.microbatch_size auto, the key says "auto" (and the sizes measured): the
-            # size itself is the planner's to choose from it, and the plan carries it to the workers
-            for name, want in (
-                ("microbatch_size", t.microbatch_size),
-                ("seq_len", self.cfg.data.seq_len),
-                ("precision", t.precision),
-            ):
-                if name in profile.key and profile.key[name] != want:
-                    raise ProfileError(f"measured with {name}={profile.key[name]!r} but the job has {want!r}")
-            return profile
-        except ProfileError as err:
-            if (key, revision) not in self._warned:
-                self._warned.add((key, revision))
-                log.warning("ignoring profile in etcd key %s: %s", key, err)
-            return None
 
 
 __all__ = ["BACKEND", "OobleckRendezvousHandler", "RDZV_OPTIONS", "script_arguments"]
