@@ -233,12 +233,11 @@ def test_a_fixed_size_plans_exactly_as_before() -> None:
 
 # ------------------------------------------------------------------ the leader's planner
 def test_leader_chooses_once_and_a_new_leader_keeps_the_plans_size() -> None:
-    from oobleck_elastic.rendezvous.handler import OobleckRendezvousHandler
     from oobleck_elastic.rendezvous.leader import JobUnplannable
+    from oobleck_elastic.rendezvous.planner import JobPlanner
 
     def handler(cfg, prof):
-        h = object.__new__(OobleckRendezvousHandler)  # the planner only: no etcd
-        h.cfg, h._templates = cfg, None
+        h = JobPlanner(cfg, None, None)  # the planner only: no etcd
         h._profile = lambda nodes: prof
         return h
 
