@@ -143,7 +143,8 @@ def main() -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from oobleck_elastic.config import load_config
-    from oobleck_elastic.data.dataset import GlobalBatchSampler, build_dataset, collate
+    from oobleck_elastic.data.sampler import GlobalBatchSampler, collate
+    from oobleck_elastic.data.dataset import build_dataset
     from oobleck_elastic.engine.step.optim import build_optimizer, set_lr, token_sum_loss
     from oobleck_elastic.models import build_layer_model
 

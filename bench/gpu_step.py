@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from oobleck_elastic.config import load_config  # noqa: E402
 from oobleck_elastic.engine.control import one_worker_plan  # noqa: E402
-from oobleck_elastic.data.dataset import build_dataset, collate  # noqa: E402
+from oobleck_elastic.data.dataset import build_dataset  # noqa: E402
+from oobleck_elastic.data.sampler import collate  # noqa: E402
 from oobleck_elastic.engine.step.optim import build_optimizer, set_lr, token_sum_loss  # noqa: E402
 from oobleck_elastic.engine.runner import StepRunner  # noqa: E402
 from oobleck_elastic.engine.trainer import Trainer  # noqa: E402

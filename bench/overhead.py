@@ -132,7 +132,7 @@ class Baseline:
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        from oobleck_elastic.data.dataset import GlobalBatchSampler
+        from oobleck_elastic.data.sampler import GlobalBatchSampler
         from oobleck_elastic.engine.step.optim import token_sum_loss
         from oobleck_elastic.models import build_layer_model
 
@@ -200,7 +200,7 @@ class Baseline:
         import torch.distributed as dist
 
         from oobleck_elastic.engine.step.optim import set_lr
-        from oobleck_elastic.data.dataset import collate
+        from oobleck_elastic.data.sampler import collate
 
         x, y = collate(self.dataset, self.sampler.indices(step)[self.slice])
         if self.first:

@@ -11,16 +11,11 @@ import pytest
 import torch
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.data import dataset as data_mod
-from oobleck_elastic.data.dataset import (
-    DataError,
-    GlobalBatchSampler,
-    TokenWindows,
-    build_dataset,
-    collate,
-    corpus_files,
-    pipeline_slices,
-)
+from oobleck_elastic.data import tokenizer as tokenizer_mod
+from oobleck_elastic.data.errors import DataError
+from oobleck_elastic.data.sampler import GlobalBatchSampler, collate, pipeline_slices
+from oobleck_elastic.data.dataset import TokenWindows, build_dataset
+from oobleck_elastic.data.corpus import corpus_files
 
 SMALL = 200_000  # corpus cap for the tests (bytes)
 
@@ -79,7 +74,7 @@ def test_bpe_trains_caches_and_stays_in_vocab(tmp_path, monkeypatch):
     def boom(*_a, **_k):
         raise AssertionError("retrained although the tokenizer is cached")
 
-    monkeypatch.setattr(data_mod, "_train_bpe", boom)
+    monkeypatch.setattr(tokenizer_mod, "_train_bpe", boom)
     for token_file in (tmp_path / "cache" / "tokens").glob("*.npy"):
         token_file.unlink()  # force re-tokenising: the tokenizer must come from the cache
     again = build_dataset(c, log=quiet, max_bytes=SMALL)

@@ -18,16 +18,11 @@ import pytest
 import torch
 
 from oobleck_elastic.config import ConfigError, load_config
-from oobleck_elastic.data import dataset as data_mod
-from oobleck_elastic.data.dataset import (
-    BatchPrefetcher,
-    DataError,
-    GlobalBatchSampler,
-    TokenWindows,
-    build_dataset,
-    collate,
-)
-from oobleck_elastic.data.sources import TokenFiles
+from oobleck_elastic.data import text as text_mod
+from oobleck_elastic.data.sampler import BatchPrefetcher, GlobalBatchSampler, collate
+from oobleck_elastic.data.errors import DataError
+from oobleck_elastic.data.dataset import TokenWindows, build_dataset
+from oobleck_elastic.data.tokens import TokenFiles
 
 ROOT = Path(__file__).resolve().parents[1]
 EOT = "<|endoftext|>"
@@ -175,7 +170,7 @@ def test_cache_reused_and_rebuilt_when_the_file_changes(tmp_path, tokdir, monkey
     def boom(*_a, **_k):
         raise AssertionError("tokenised again although the tokens are cached")
 
-    monkeypatch.setattr(data_mod, "tokenize_texts", boom)
+    monkeypatch.setattr(text_mod, "tokenize_texts", boom)
     again: list[str] = []
     b = build_dataset(c, log=again.append)
     assert np.array_equal(a.tokens, b.tokens) and any("(cached" in line for line in again)
@@ -190,10 +185,10 @@ def test_cache_reused_and_rebuilt_when_the_file_changes(tmp_path, tokdir, monkey
 
 
 def test_progress_lines_and_num_proc(tmp_path, tokdir, hf_tok, monkeypatch):
-    from oobleck_elastic.data import sources
+    from oobleck_elastic.data import tokenizer
 
-    monkeypatch.setattr(sources, "PROGRESS_EVERY_S", 0.0)
-    monkeypatch.setattr(sources, "BATCH_DOCS", 30)
+    monkeypatch.setattr(tokenizer, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(text_mod, "BATCH_DOCS", 30)
     f = write_jsonl(tmp_path / "docs.jsonl", DOCS)
     lines: list[str] = []
     ds = build_dataset(
@@ -216,7 +211,7 @@ def _build_in_child(c, barrier, queue) -> None:
 
 def test_three_processes_tokenise_once(tmp_path, tokdir, monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    slow = data_mod.tokenize_texts
+    slow = text_mod.tokenize_texts
 
     def slow_tokenize(*a, **k):  # hold the lock long enough for the others to queue on it
         import time
@@ -224,7 +219,7 @@ def test_three_processes_tokenise_once(tmp_path, tokdir, monkeypatch):
         time.sleep(1.0)
         yield from slow(*a, **k)
 
-    monkeypatch.setattr(data_mod, "tokenize_texts", slow_tokenize)
+    monkeypatch.setattr(text_mod, "tokenize_texts", slow_tokenize)
     f = write_jsonl(tmp_path / "docs.jsonl", DOCS)
     c = cfg(tmp_path, "data.source=jsonl", f"data.paths=[{f}]", *hf(tokdir))
     ctx = multiprocessing.get_context("fork")

@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import load_file
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.data.dataset import GlobalBatchSampler, build_dataset
+from oobleck_elastic.data.sampler import GlobalBatchSampler
+from oobleck_elastic.data.dataset import build_dataset
 from oobleck_elastic.engine.run import train
 from oobleck_elastic.engine.checkpointing import save
 from oobleck_elastic.engine.trainer import single_process

@@ -50,7 +50,7 @@ from ..models.vocab import is_vocab_param, pad_rows, padded_vocab_size, unpad_ro
 from ..planning import Plan
 from .telemetry import memory
 from .step.compiled import compile_enabled, compiled_stage, use_cache_dir, warm_up
-from ..data.dataset import BatchPrefetcher, pipeline_slices
+from ..data.sampler import BatchPrefetcher, pipeline_slices
 from .generation.devices import release_groups, to_device
 from .resilience.errors import StepAbandoned
 from .resilience.faults import FaultInjector
@@ -94,7 +94,7 @@ class Trainer:
     ) -> None:
         """A worker holding no layer yet; with `plan` (and the `store` of its process groups) it
         enters that plan as global rank `rank` at once."""
-        from ..data.dataset import GlobalBatchSampler
+        from ..data.sampler import GlobalBatchSampler
 
         self.cfg, self.dataset, self.node = cfg, dataset, node
         self.device = torch.device(device)

@@ -1,0 +1,236 @@
+"""Tokenizers as a picklable `TokenizerSpec`, and encoding documents in order, in parallel.
+
+A `TokenizerSpec` (kind, path, end-of-text id) lets worker processes load their own copy: `bytes`
+(UTF-8 bytes, no separator), `bpe` (a `tokenizers` JSON file, `<|endoftext|>` after every
+document) and `hf` (`AutoTokenizer.from_pretrained(data.tokenizer_path, local_files_only=True)`,
+its eos_token or `<|endoftext|>` after every document; `load_hf_tokenizer` checks that
+`len(tokenizer)` fits `model.vocab_size`). `tokenize_texts` encodes batches of documents in order,
+in `data.num_proc` spawned processes when > 1, logging progress every `PROGRESS_EVERY_S`.
+`tokenizer_fingerprint` (a hash of a tokenizer's files) is part of the token cache's key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cache import Log
+from .errors import DataError
+from .cache import atomic_write
+
+__all__ = [
+    "load_or_train_bpe",
+    "EOT_TOKEN",
+    "BATCH_DOCS",
+    "PROGRESS_EVERY_S",
+    "TokenizerSpec",
+    "hf_spec",
+    "load_hf_tokenizer",
+    "tokenize_texts",
+    "tokenizer_fingerprint",
+]
+
+
+PROGRESS_EVERY_S = 5.0
+"""Seconds between two 'data: tokenised i/n documents' lines."""
+
+
+BATCH_DOCS = 1000
+"""Documents per tokenizer call (and per task of a worker process)."""
+
+
+EOT_TOKEN = "<|endoftext|>"
+"""The end-of-text token BPE appends to every document (and hf uses when it has no eos_token)."""
+
+
+def load_hf_tokenizer(path: Optional[str], vocab_size: int) -> tuple[Any, int]:
+    """(tokenizer, end-of-text id) of the saved tokenizer in `path`, checked against model.vocab_size."""
+    if not path:
+        raise DataError(
+            "data.tokenizer is hf but data.tokenizer_path is not set: give the directory of a "
+            "tokenizer saved with save_pretrained"
+        )
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise DataError(
+            f"data.tokenizer_path '{path}' is not a directory: give the directory of a tokenizer "
+            "saved with save_pretrained"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - transformers raises many kinds
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(f"data.tokenizer_path '{path}' could not be loaded as a tokenizer ({first})") from None
+    if len(tok) > vocab_size:
+        raise DataError(
+            f"data.tokenizer_path '{path}' has {len(tok)} tokens but model.vocab_size is "
+            f"{vocab_size}: set model.vocab_size >= {len(tok)}"
+        )
+    eos = tok.eos_token or (EOT_TOKEN if EOT_TOKEN in tok.get_vocab() else None)
+    if eos is None:
+        raise DataError(
+            f"data.tokenizer_path '{path}' has no end-of-text token (no eos_token and no "
+            f"{EOT_TOKEN}): save the tokenizer with an eos_token"
+        )
+    eos_id = tok.convert_tokens_to_ids(eos)
+    assert isinstance(eos_id, int), eos_id
+    return tok, eos_id
+
+
+_TOKENIZER_FILES = {"vocab.json", "merges.txt", "vocab.txt", "special_tokens_map.json", "added_tokens.json"}
+
+
+def tokenizer_fingerprint(path: str) -> str:
+    """A hash of the tokenizer files in `path` (tokenizer*, vocab, merges, *.model; not the weights)."""
+    h = hashlib.sha256()
+    root = Path(path).expanduser()
+    for f in sorted(root.iterdir()):
+        if f.is_file() and (
+            f.name.startswith("tokenizer") or f.name in _TOKENIZER_FILES or f.suffix in (".model", ".tiktoken")
+        ):
+            h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What a (worker) process needs to rebuild the tokenizer: kind, file or directory, end-of-text id."""
+
+    kind: str
+    """`bytes`, `bpe` (path = tokenizers JSON file) or `hf` (path = save_pretrained directory)."""
+    path: Optional[str] = None
+    eot: Optional[int] = None
+    """Id appended after every document (None: no separator)."""
+
+
+_ENCODER: Optional[Callable[[list[str]], list[np.ndarray]]] = None
+
+
+def _encoder(spec: TokenizerSpec) -> Callable[[list[str]], list[np.ndarray]]:
+    eot = [] if spec.eot is None else [spec.eot]
+    if spec.kind == "bytes":
+        return lambda texts: [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+    if spec.kind == "bpe":
+        from tokenizers import Tokenizer
+
+        bpe = Tokenizer.from_file(str(spec.path))
+        return lambda texts: [
+            np.asarray(e.ids + eot, dtype=np.int64) for e in bpe.encode_batch(texts, add_special_tokens=False)
+        ]
+    if spec.kind == "hf":
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(str(spec.path), local_files_only=True)
+        return lambda texts: [
+            np.asarray(ids + eot, dtype=np.int64)
+            for ids in hf(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        ]
+    raise DataError(f"data.tokenizer is '{spec.kind}'; choose bytes, bpe or hf")
+
+
+def _init_worker(spec: TokenizerSpec) -> None:
+    global _ENCODER
+    _ENCODER = _encoder(spec)
+
+
+def _encode_in_worker(texts: list[str]) -> np.ndarray:
+    assert _ENCODER is not None
+    out = _ENCODER(texts)
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def tokenize_texts(
+    batches: Iterable[list[str]],
+    spec: TokenizerSpec,
+    *,
+    vocab_size: int,
+    num_docs: int,
+    num_proc: int = 1,
+    log: Log = print,
+) -> Iterator[np.ndarray]:
+    """The token ids of every batch of documents, in order, one array per batch (ids < vocab_size)."""
+    t0 = last = time.perf_counter()
+    done = 0
+
+    def checked(ids: np.ndarray, n: int) -> np.ndarray:
+        nonlocal done, last
+        if ids.size and int(ids.max()) >= vocab_size:
+            raise DataError(
+                f"data.tokenizer {spec.kind} produced id {int(ids.max())} >= model.vocab_size "
+                f"({vocab_size}): raise model.vocab_size or use a smaller tokenizer"
+            )
+        done += n
+        if time.perf_counter() - last >= PROGRESS_EVERY_S:
+            last = time.perf_counter()
+            log(f"data: tokenised {done}/{num_docs} documents ({last - t0:.0f} s)")
+        return ids
+
+    if num_proc <= 1:
+        enc = _encoder(spec)
+        for texts in batches:
+            out = enc(texts)
+            yield checked(np.concatenate(out) if out else np.zeros(0, np.int64), len(texts))
+        return
+    import multiprocessing
+
+    sizes: list[int] = []
+
+    def counted() -> Iterator[list[str]]:
+        for texts in batches:
+            sizes.append(len(texts))
+            yield texts
+
+    # spawn: a fresh interpreter per worker (no fork of torch's or the tokenizer's threads)
+    with multiprocessing.get_context("spawn").Pool(num_proc, _init_worker, (spec,)) as pool:
+        for i, ids in enumerate(pool.imap(_encode_in_worker, counted())):
+            yield checked(ids, sizes[i])
+
+
+def hf_spec(d: Any, vocab: int) -> tuple[TokenizerSpec, str]:
+    """The spec of data.tokenizer=hf (loaded and checked against model.vocab_size) and its identity."""
+    _, eot = load_hf_tokenizer(d.tokenizer_path, vocab)
+    path = str(Path(d.tokenizer_path).expanduser().resolve())
+    return TokenizerSpec("hf", path, eot), f"hf:{tokenizer_fingerprint(path)}"
+
+
+def _train_bpe(texts: list[str], vocab_size: int):  # -> tokenizers.Tokenizer
+    """Train a byte-level BPE (the slow part; tests monkeypatch it to check the cache)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(
+        texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT_TOKEN], show_progress=False
+    )
+    return tok._tokenizer
+
+
+def load_or_train_bpe(docs: Sequence[bytes], *, vocab_size: int, path: Path, log: Log = print):
+    """The BPE tokenizer cached at `path`, trained on `docs` first when the file is missing."""
+    from tokenizers import Tokenizer
+
+    if path.is_file():
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception
+            raise DataError(f"tokenizer cache '{path}' is unreadable ({err}); delete it to retrain") from None
+    if vocab_size <= 256:
+        raise DataError(
+            f"model.vocab_size ({vocab_size}) is too small for data.tokenizer=bpe: "
+            "a byte-level BPE needs 256 byte tokens plus merges and <|endoftext|>; "
+            "raise model.vocab_size (e.g. 4096) or use data.tokenizer=bytes"
+        )
+    t0 = time.perf_counter()
+    log(f"data: training a byte-level BPE tokenizer (vocab {vocab_size}) on {sum(map(len, docs)) / 1e6:.1f} MB")
+    tok = _train_bpe([d.decode("utf-8", errors="replace") for d in docs], vocab_size)
+    blob = tok.to_str().encode()
+    atomic_write(path, lambda fh: fh.write(blob))
+    log(f"data: tokenizer trained in {time.perf_counter() - t0:.1f} s ({tok.get_vocab_size()} tokens) -> {path}")
+    return tok
