@@ -6,15 +6,8 @@ from (seed, layer index) alone; `flatten_hf_model` wraps an existing Hugging Fac
 Hugging Face parameter names, tied-parameter groups, loss). See build.py, layers.py, ties.py.
 """
 
-from .build import (
-    HF_FAMILIES,
-    build_layer_model,
-    flatten_hf_model,
-    hf_config,
-    layers_from_modules,
-    num_layers,
-    stable_seed,
-)
+from .hf import HF_FAMILIES, hf_config
+from .build import build_layer_model, flatten_hf_model, layers_from_modules, num_layers, stable_seed
 from .layers import (
     GPT2BlockLayer,
     GPT2Embedding,

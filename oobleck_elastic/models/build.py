@@ -29,7 +29,6 @@ import copy
 import hashlib
 import importlib
 import math
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -43,9 +42,21 @@ from .layers import (
     LMHead,
     RopeDecoderLayer,
     TokenEmbedding,
-    check_attn_implementation,
 )
-from .ties import TiedGroup, find_tied_parameters
+from .hf import (
+    HF_FAMILIES,
+    EMBED_NAME,
+    ROPE_PREFIX,
+    assemble,
+    check_owned,
+    hf_config,
+    layer_hf_names,
+    layer_names,
+    meta_layer,
+    modeling,
+)
+from .pretrained import build_pretrained, pretrained_config
+from .ties import find_tied_parameters
 from .vocab import is_vocab_param, padded_vocab_size
 
 __all__ = [
@@ -60,10 +71,7 @@ __all__ = [
     "LayerModel",
 ]
 
-HF_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
-_ROPE_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 _RESIDUAL_OUT = ("c_proj.weight", "o_proj.weight", "down_proj.weight")
-_EMBED_NAME = {"gpt2": "wte.weight"}  # others: embed_tokens.weight
 
 
 def stable_seed(seed: int, *parts: Any) -> int:
@@ -72,70 +80,7 @@ def stable_seed(seed: int, *parts: Any) -> int:
     return int.from_bytes(hashlib.sha256(blob).digest()[:8], "big") & (2**63 - 1)
 
 
-def _modeling(family: str) -> Any:
-    return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-
-
-def hf_config(cfg: ModelConfig) -> Any:
-    """The transformers config (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config) for cfg."""
-    import transformers
-
-    if cfg.family not in HF_FAMILIES:
-        raise ValueError(
-            f"model.family '{cfg.family}' has no Hugging Face config; choose one of "
-            f"{', '.join(HF_FAMILIES)} (or build custom layers with custom_factory)"
-        )
-    check_attn_implementation(cfg.attn_implementation)
-    vocab, inter = cfg.vocab_size, cfg.intermediate_size or 4 * cfg.hidden_size
-    if cfg.family == "gpt2":
-        if cfg.num_kv_heads not in (None, cfg.num_heads):
-            raise ValueError("GPT-2 has no grouped-query attention: unset model.num_kv_heads or use model.family=llama")
-        conf = transformers.GPT2Config(
-            vocab_size=vocab,
-            n_positions=cfg.max_seq_len,
-            n_embd=cfg.hidden_size,
-            n_layer=cfg.num_layers,
-            n_head=cfg.num_heads,
-            n_inner=inter,
-            resid_pdrop=cfg.dropout,
-            embd_pdrop=cfg.dropout,
-            attn_pdrop=cfg.dropout,
-            bos_token_id=vocab - 1,
-            eos_token_id=vocab - 1,
-            tie_word_embeddings=True,
-            use_cache=False,
-        )
-    else:
-        cls = getattr(transformers, f"{_ROPE_PREFIX[cfg.family]}Config")
-        extra = {"sliding_window": None} if cfg.family == "mistral" else {}
-        conf = cls(
-            vocab_size=vocab,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=inter,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads,
-            num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
-            max_position_embeddings=cfg.max_seq_len,
-            attention_dropout=cfg.dropout,
-            tie_word_embeddings=cfg.tie_embeddings,
-            use_cache=False,
-            bos_token_id=min(1, vocab - 1),
-            eos_token_id=min(2, vocab - 1),
-            **extra,
-        )
-    conf._attn_implementation = cfg.attn_implementation
-    return conf
-
-
 # ----------------------------------------------------------------------------- flatten
-
-
-def _hf_names(layer: nn.Module, prefixes: dict[str, str]) -> dict[str, str]:
-    out = {}
-    for name, _ in layer.named_parameters(remove_duplicate=False):
-        head, _, rest = name.partition(".")
-        out[name] = f"{prefixes[head]}.{rest}"
-    return out
 
 
 _CAUSAL_LM = {
@@ -148,17 +93,13 @@ _CAUSAL_LM = {
 
 def _family_of(model: nn.Module) -> str:
     for family, cls_name in _CAUSAL_LM.items():
-        if isinstance(model, getattr(_modeling(family), cls_name)):
+        if isinstance(model, getattr(modeling(family), cls_name)):
             return family
     raise TypeError(
         f"flatten_hf_model supports {', '.join(_CAUSAL_LM.values())}, not "
         f"{type(model).__name__}; wrap other models' layers yourself and use "
         "layers_from_modules(...) (or model.family=custom)"
     )
-
-
-def _head_index_names(n_blocks: int) -> list[str]:
-    return ["embedding", *(f"block.{i}" for i in range(n_blocks)), "head"]
 
 
 def flatten_hf_model(model: nn.Module) -> LayerModel:
@@ -185,47 +126,14 @@ def flatten_hf_model(model: nn.Module) -> LayerModel:
         prefixes.append({"norm": "model.norm", "lm_head": "lm_head"})
     return LayerModel(
         layers=list(layers),
-        names=_head_index_names(len(layers) - 2),
-        hf_names=[_hf_names(m, p) for m, p in zip(layers, prefixes)],
+        names=layer_names(len(layers) - 2),
+        hf_names=[layer_hf_names(m, p) for m, p in zip(layers, prefixes)],
         tied=find_tied_parameters(layers),
         hf_config=model.config,
     )
 
 
 # ----------------------------------------------------------------------------- build
-
-
-def _meta_layer(
-    family: str, config: Any, index: int, n_layers: int, vocab_rows: int | None = None
-) -> tuple[nn.Module, dict]:
-    """Construct layer `index` on the meta device; returns (layer, local -> HF prefix map).
-    `vocab_rows`: rows of the embedding and head (the padded vocabulary, models/vocab.py)."""
-    h, vocab = config.hidden_size, vocab_rows or config.vocab_size
-    last = index == n_layers - 1
-    with torch.device("meta"):
-        if family == "gpt2":
-            if index == 0:
-                return (
-                    GPT2Embedding(
-                        nn.Embedding(vocab, h), nn.Embedding(config.n_positions, h), nn.Dropout(config.embd_pdrop)
-                    ),
-                    {"wte": "transformer.wte", "wpe": "transformer.wpe"},
-                )
-            if last:
-                return (
-                    LMHead(nn.LayerNorm(h, eps=config.layer_norm_epsilon), nn.Linear(h, vocab, bias=False)),
-                    {"norm": "transformer.ln_f", "lm_head": "lm_head"},
-                )
-            block = _modeling("gpt2").GPT2Block(config, layer_idx=index - 1)
-            return GPT2BlockLayer(block), {"block": f"transformer.h.{index - 1}"}
-        mod, prefix = _modeling(family), _ROPE_PREFIX[family]
-        if index == 0:
-            return (TokenEmbedding(nn.Embedding(vocab, h)), {"embed_tokens": "model.embed_tokens"})
-        if last:
-            norm = getattr(mod, f"{prefix}RMSNorm")(h, eps=config.rms_norm_eps)
-            return (LMHead(norm, nn.Linear(h, vocab, bias=False)), {"norm": "model.norm", "lm_head": "lm_head"})
-        layer = getattr(mod, f"{prefix}DecoderLayer")(config, index - 1)
-        return RopeDecoderLayer(layer, nn.Identity()), {"layer": f"model.layers.{index - 1}"}
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -266,16 +174,6 @@ def _init_parameters(
                     p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, scale, generator=gen))
 
 
-def _check_owned(owned: Iterable[int] | None, n: int) -> set[int]:
-    if owned is None:
-        return set(range(n))
-    result = {int(i) for i in owned}
-    bad = sorted(i for i in result if not 0 <= i < n)
-    if bad:
-        raise ValueError(f"owned layers {bad} are out of range: the model has {n} layers (0..{n - 1})")
-    return result
-
-
 def _move(layers: list[nn.Module | None], device: str | torch.device) -> None:
     built = [layer for layer in layers if layer is not None]
     if built and torch.device(device) != torch.device("cpu"):
@@ -299,13 +197,13 @@ def build_layer_model(
     if cfg.family == "custom":  # a user's factory builds its own way: no empty layers
         return _build_custom(cfg, seed=seed, owned=owned, device=device)
     if cfg.pretrained_path:
-        return _build_pretrained(cfg, owned=owned, device=device, empty=empty)
+        return build_pretrained(cfg, owned=owned, device=device, empty=empty)
     config = hf_config(cfg)
     family, n = cfg.family, cfg.num_layers + 2
     rows = padded_vocab_size(cfg.vocab_size, cfg.pad_vocab_to)
     tied = cfg.tie_embeddings or family == "gpt2"
-    emb_name = _EMBED_NAME.get(family, "embed_tokens.weight")
-    keep = _check_owned(owned, n)
+    emb_name = EMBED_NAME.get(family, "embed_tokens.weight")
+    keep = check_owned(owned, n)
     blank = set(empty)
 
     def draw(i: int, layer: nn.Module, prefixes: dict[str, str], hf_names: list[dict[str, str]]) -> None:
@@ -332,60 +230,14 @@ def num_layers(cfg: ModelConfig) -> int:
     if cfg.family == "custom":
         return len(_build_custom(cfg, seed=0, owned=[], device="cpu").layers)
     if cfg.pretrained_path:
-        return _pretrained_config(cfg).num_hidden_layers + 2
+        return pretrained_config(cfg).num_hidden_layers + 2
     return cfg.num_layers + 2
-
-
-def assemble(
-    family: str,
-    config: Any,
-    *,
-    keep: set[int],
-    tied: bool,
-    device: str | torch.device,
-    fill: Callable[[int, nn.Module, dict[str, str], list[dict[str, str]]], None],
-    vocab_rows: int | None = None,
-) -> LayerModel:
-    """The flat layers of a Hugging Face `config`: every layer constructed on the meta device (for
-    its names: no memory, no RNG), the layers of `keep` materialised on `device` by
-    `fill(index, layer, local -> HF prefixes, HF names of the layers so far)`, which must leave no
-    meta parameter; a Rope layer then gets its rotary embedding (non-persistent `inv_freq`,
-    computed on the CPU), and tied ends built here share one Parameter. `vocab_rows`: the padded
-    vocabulary (models/vocab.py; None = config.vocab_size)."""
-    n = config.num_hidden_layers + 2
-    emb_name = _EMBED_NAME.get(family, "embed_tokens.weight")
-    rotary_cls = None if family == "gpt2" else getattr(_modeling(family), f"{_ROPE_PREFIX[family]}RotaryEmbedding")
-    layers: list[nn.Module | None] = []
-    hf_names: list[dict[str, str]] = []
-    for i in range(n):
-        layer, prefixes = _meta_layer(family, config, i, n, vocab_rows)
-        hf_names.append(_hf_names(layer, prefixes))
-        if i not in keep:
-            layers.append(None)
-            continue
-        fill(i, layer, prefixes, hf_names)
-        if isinstance(layer, RopeDecoderLayer):
-            assert rotary_cls is not None
-            layer.rotary_emb = rotary_cls(config).to(device)
-        layers.append(layer)
-    groups = [TiedGroup([(0, emb_name), (n - 1, "lm_head.weight")])] if tied else []
-    padded = vocab_rows is not None and vocab_rows > config.vocab_size
-    model = LayerModel(
-        layers=layers,
-        names=_head_index_names(n - 2),
-        hf_names=hf_names,
-        tied=groups,
-        hf_config=config,
-        vocab_size=config.vocab_size if padded else None,
-    )
-    model.retie()
-    return model
 
 
 def build_meta_layers(cfg: ModelConfig, end: int, *, seed: int) -> list[nn.Module]:
     """Layers 0..end-1 on the meta device, for shape inference: no weights are materialised.
 
-    Hugging Face layers come from `_meta_layer` (a pretrained model's from its config.json alone),
+    Hugging Face layers come from `meta_layer` (a pretrained model's from its config.json alone),
     Rope layers with a rotary embedding built on meta. Custom layers are built as
     `build_layer_model` builds them, under `torch.device("meta")` (on CPU when the factory cannot
     build there), and copied to meta; the factory's own modules are left untouched.
@@ -393,7 +245,7 @@ def build_meta_layers(cfg: ModelConfig, end: int, *, seed: int) -> list[nn.Modul
     if cfg.family == "custom":
         return _meta_custom(cfg, end, seed=seed)
     if cfg.pretrained_path:
-        config = _pretrained_config(cfg)
+        config = pretrained_config(cfg)
         family, n = config.model_type, config.num_hidden_layers + 2
     else:
         config, family, n = hf_config(cfg), cfg.family, cfg.num_layers + 2
@@ -402,10 +254,10 @@ def build_meta_layers(cfg: ModelConfig, end: int, *, seed: int) -> list[nn.Modul
     layers = []
     rows = padded_vocab_size(config.vocab_size, cfg.pad_vocab_to)
     for i in range(end):
-        layer, _ = _meta_layer(family, config, i, n, rows)
+        layer, _ = meta_layer(family, config, i, n, rows)
         if isinstance(layer, RopeDecoderLayer):
             with torch.device("meta"):
-                layer.rotary_emb = getattr(_modeling(family), f"{_ROPE_PREFIX[family]}RotaryEmbedding")(config)
+                layer.rotary_emb = getattr(modeling(family), f"{ROPE_PREFIX[family]}RotaryEmbedding")(config)
         layers.append(layer)
     return layers
 
@@ -424,31 +276,6 @@ def _meta_custom(cfg: ModelConfig, end: int, *, seed: int) -> list[nn.Module]:
     }
     memo.update({id(b): b.detach().to("meta") for b in modules.buffers()})
     return list(copy.deepcopy(modules, memo))
-
-
-def _pretrained_dir(cfg: ModelConfig) -> Path:
-    from .pretrained import pretrained_dir
-
-    return pretrained_dir(cfg.pretrained_path or "")
-
-
-def _pretrained_config(cfg: ModelConfig) -> Any:
-    """The Hugging Face config of a local pretrained model, set up as `_build_pretrained` loads it."""
-    from .pretrained import pretrained_config
-
-    return pretrained_config(cfg)
-
-
-def _build_pretrained(
-    cfg: ModelConfig, *, owned: Iterable[int] | None, device: str | torch.device, empty: Iterable[int] = ()
-) -> LayerModel:
-    """Only the owned layers' tensors are read, straight onto `device` (see pretrained.py)."""
-    from .pretrained import build_pretrained
-
-    return build_pretrained(cfg, owned=owned, device=device, empty=empty)
-
-
-# ----------------------------------------------------------------------------- custom
 
 
 def _load_factory(spec: str) -> Callable[[ModelConfig], Any]:
@@ -492,7 +319,7 @@ def _build_custom(
             f"nn.Module layers (or zero-argument functions building them); "
             f"got {type(items).__name__}"
         )
-    keep = _check_owned(owned, len(items))
+    keep = check_owned(owned, len(items))
     modules: list[nn.Module | None] = []
     for i, item in enumerate(items):
         if not isinstance(item, nn.Module) and i in keep:

@@ -138,7 +138,7 @@ def _model_config(manifest: dict[str, Any], sdir: Path, overrides: Sequence[str]
 
 def export_config(model: ModelConfig, sdir: Path) -> Any:
     """The Hugging Face config of the model a checkpoint was trained as."""
-    from .build import hf_config
+    from .hf import hf_config
 
     if model.family == "custom":
         raise ValueError(

@@ -7,7 +7,7 @@ in one process's memory:
 
 1. The config comes from `config.json` alone (`pretrained_config`), checked against the job's
    `model.*` fields (rule below), with `use_cache=False` and `model.attn_implementation`.
-2. Every layer is constructed on the meta device (`_meta_layer` of build.py: no memory, no RNG),
+2. Every layer is constructed on the meta device (`meta_layer` of build.py: no memory, no RNG),
    which also gives each parameter's Hugging Face name; only owned layers go further.
 3. The tensors an owned layer needs are located (the index's weight_map, or the single file's
    header) and read one at a time with `safetensors.safe_open(..., device=...)`, each shard opened
@@ -47,6 +47,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..config import ModelConfig
+from .hf import HF_FAMILIES, check_owned
 from .layers import LayerModel, RopeDecoderLayer, check_attn_implementation
 
 __all__ = [
@@ -138,8 +139,6 @@ def pretrained_config(cfg: ModelConfig) -> Any:
     """The Hugging Face config in `cfg.pretrained_path`, checked against `cfg`, with
     `use_cache=False` and `_attn_implementation = cfg.attn_implementation`."""
     from transformers import AutoConfig
-
-    from .build import HF_FAMILIES
 
     path = pretrained_dir(cfg.pretrained_path or "")
     check_attn_implementation(cfg.attn_implementation)
@@ -298,16 +297,17 @@ def build_pretrained(
     Only the owned layers' tensors are read (see the module docstring), in `dtype` on `device`;
     owned layers also in `empty` are only allocated (their values come from a peer or a checkpoint).
     """
-    from .build import _EMBED_NAME, _check_owned, assemble
+    from .build import EMBED_NAME
+    from .hf import assemble
     from .vocab import is_vocab_param, pad_rows, padded_vocab_size
 
     config = pretrained_config(cfg)
     path = pretrained_dir(cfg.pretrained_path or "")
     family, n = config.model_type, config.num_hidden_layers + 2
     tied = is_tied(config)
-    emb_name = _EMBED_NAME.get(family, "embed_tokens.weight")
+    emb_name = EMBED_NAME.get(family, "embed_tokens.weight")
     reader = WeightReader(path, family=family, device=device, dtype=dtype)
-    keep = _check_owned(owned, n)
+    keep = check_owned(owned, n)
     blank = set(empty)
     rows = padded_vocab_size(config.vocab_size, cfg.pad_vocab_to)
 

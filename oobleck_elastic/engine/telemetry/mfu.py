@@ -65,9 +65,9 @@ def flops_per_token(cfg: JobConfig, seq_len: Optional[int] = None) -> float:
 
 def _hidden_size(m: ModelConfig) -> int:
     if m.pretrained_path:
-        from ...models.build import _pretrained_config
+        from ...models.pretrained import pretrained_config
 
-        config = _pretrained_config(m)
+        config = pretrained_config(m)
         return int(getattr(config, "hidden_size", getattr(config, "n_embd", m.hidden_size)))
     return m.hidden_size
 
