@@ -35,7 +35,8 @@ from .keepalive import KeepAliveStream
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "OOBLECK_ETCD_"
-_RETRY_S = 0.25
+RETRY_S = 0.25
+"""Seconds between two tries of a request while etcd is out of reach."""
 _MEMBER_RETRY_S = 1.0
 _STALL_S = 1.0  # a request answered later than this counts as an outage (etcd was stalled)
 # what etcd answers when credentials are missing, wrong or not allowed (gRPC details)
@@ -313,7 +314,7 @@ class EtcdClient:
                 if time.monotonic() - started < 0.9 * self.settings.timeout_s:
                     # the stream ended under the request (pyetcd starts it again at the next one):
                     # nothing is stuck, and replacing it would end every watch on it once more
-                    time.sleep(_RETRY_S)
+                    time.sleep(RETRY_S)
                 elif used and self.raw._stubs.get("watcher") is used[0]:
                     self._new_watch_stream()  # no answer for a whole timeout: the stream may be stuck
 
@@ -385,7 +386,7 @@ class EtcdClient:
                         f"{self.settings.outage_s:.0f} s ({type(err).__name__}): is the server running, "
                         "and is the endpoint right?"
                     ) from None
-                time.sleep(_RETRY_S)
+                time.sleep(RETRY_S)
                 continue
             if self._outage_since is not None:
                 now = time.monotonic()

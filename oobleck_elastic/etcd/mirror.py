@@ -33,7 +33,7 @@ from typing import Any, Iterator, Optional
 import pyetcd.events
 import pyetcd.exceptions
 
-from .client import _RETRY_S, KV, EtcdClient, EtcdError, parse_json
+from .client import RETRY_S, KV, EtcdClient, EtcdError, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class Mirror:
                         type(err).__name__,
                         err,
                     )
-                    time.sleep(_RETRY_S)
+                    time.sleep(RETRY_S)
                     continue
                 if not isinstance(err, EtcdError):
                     err = EtcdError(

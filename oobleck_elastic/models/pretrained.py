@@ -297,8 +297,6 @@ def build_pretrained(
     Only the owned layers' tensors are read (see the module docstring), in `dtype` on `device`;
     owned layers also in `empty` are only allocated (their values come from a peer or a checkpoint).
     """
-    from .build import EMBED_NAME
-    from .hf import assemble
     from .vocab import is_vocab_param, pad_rows, padded_vocab_size
 
     config = pretrained_config(cfg)
