@@ -6,6 +6,10 @@ Every section is a dataclass whose fields carry a docstring (the string right be
 turns every omegaconf error (unknown key, wrong type) and every semantic problem (global batch not
 a multiple of the microbatch, f < 0, ...) into one `ConfigError` whose message names the key and
 says what to change.
+
+The semantic rules sit beside the fields they constrain: every section's `validate()` returns one
+clause per broken rule, and `JobConfig.validate()` gathers them and adds the rules that span
+sections (data.seq_len against model.max_seq_len).
 """
 
 from __future__ import annotations
@@ -25,8 +29,31 @@ class ConfigError(ValueError):
     """A configuration problem, with a message that names the key and what to change."""
 
 
+class Section:
+    """A section of the job config. `validate()` returns one clause per broken rule of the
+    section (ranges, combinations: what its field types cannot express), naming each key by its
+    full dotted path; an empty list means the section is fine. A section that holds sections
+    checks them too."""
+
+    def validate(self) -> list[str]:
+        return []
+
+
+def _at_least(prefix: str, section: object, names: Sequence[str], low: int) -> list[str]:
+    """A clause for each field `names` of `section` (keys `prefix.name`) below `low`."""
+    return [
+        f"'{prefix}.{name}' must be >= {low} (got {getattr(section, name)})"
+        for name in names
+        if getattr(section, name) < low
+    ]
+
+
+def _choice(key: str, value: str, choices: Sequence[str]) -> list[str]:
+    return [] if value in choices else [f"'{key}' is '{value}'; choose one of {', '.join(choices)}"]
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     family: str = "gpt2"
     """Model family: `gpt2`, `llama`, `mistral` or `qwen2` (Hugging Face classes, built from this
     config with random weights), or `custom` (see `custom_factory`)."""
@@ -60,9 +87,30 @@ class ModelConfig:
     custom_factory: Optional[str] = None
     """For family=custom: `module:function` returning a list[nn.Module] of layers."""
 
+    def validate(self) -> list[str]:
+        problems = _choice("model.family", self.family, ("gpt2", "llama", "mistral", "qwen2", "custom"))
+        problems += _choice("model.attn_implementation", self.attn_implementation, ("sdpa", "eager"))
+        problems += _at_least(
+            "model", self, ("vocab_size", "pad_vocab_to", "hidden_size", "num_layers", "num_heads", "max_seq_len"), 1
+        )
+        if self.hidden_size >= 1 and self.num_heads >= 1 and self.hidden_size % self.num_heads:
+            problems.append(
+                f"'model.hidden_size' ({self.hidden_size}) must be a multiple of 'model.num_heads' ({self.num_heads})"
+            )
+        if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
+            problems.append(
+                f"'model.num_heads' ({self.num_heads}) must be a multiple of 'model.num_kv_heads' ({self.num_kv_heads})"
+            )
+        if self.family == "custom" and not self.custom_factory:
+            problems.append(
+                "'model.family' is custom but 'model.custom_factory' is not set "
+                "(give module:function returning a list[nn.Module])"
+            )
+        return problems
+
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     source: str = "stdlib"
     """`stdlib` (the Python standard library's source files, present on every machine), `files`
     (the text files in `paths`), `jsonl` / `parquet` (JSON-lines / Parquet files, or directories
@@ -90,9 +138,33 @@ class DataConfig:
     cache_dir: str = ".oobleck-cache"
     """Where tokenizers, token files, Arrow copies of JSONL/Parquet datasets and profiles are cached."""
 
+    def validate(self) -> list[str]:
+        problems = _choice("data.source", self.source, ("stdlib", "files", "jsonl", "parquet", "hf_disk", "tokens"))
+        problems += _choice("data.tokenizer", self.tokenizer, ("bytes", "bpe", "hf"))
+        problems += _choice("data.token_dtype", self.token_dtype, ("uint16", "uint32"))
+        problems += _at_least("data", self, ("seq_len", "num_proc"), 1)
+        if self.source in ("files", "jsonl", "parquet", "hf_disk", "tokens") and not self.paths:
+            problems.append(f"'data.source' is {self.source} but 'data.paths' is empty")
+        if self.source == "hf_disk" and len(self.paths) > 1:
+            problems.append(
+                f"'data.source' is hf_disk but 'data.paths' has {len(self.paths)} entries: give the one "
+                "directory written by Dataset.save_to_disk"
+            )
+        if self.tokenizer == "hf" and self.source != "tokens" and not self.tokenizer_path:
+            problems.append(
+                "'data.tokenizer' is hf but 'data.tokenizer_path' is not set: give the directory of a "
+                "tokenizer saved with save_pretrained"
+            )
+        if self.tokenizer_path and self.tokenizer != "hf":
+            problems.append(
+                f"'data.tokenizer_path' is set but 'data.tokenizer' is {self.tokenizer}: "
+                "set data.tokenizer=hf to use it"
+            )
+        return problems
+
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(Section):
     name: str = "adamw"
     """Optimizer: `adamw` or `sgd`."""
     lr: float = 3e-4
@@ -106,9 +178,12 @@ class OptimizerConfig:
     grad_clip: float = 1.0
     """Global gradient-norm clip across all stages and replicas; 0 disables."""
 
+    def validate(self) -> list[str]:
+        return _choice("training.optimizer.name", self.name, ("adamw", "sgd"))
+
 
 @dataclass
-class LRScheduleConfig:
+class LRScheduleConfig(Section):
     warmup_steps: int = 0
     """Linear warm-up steps."""
     decay: str = "cosine"
@@ -116,9 +191,13 @@ class LRScheduleConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
 
+    def validate(self) -> list[str]:
+        problems = _choice("training.lr_schedule.decay", self.decay, ("constant", "linear", "cosine"))
+        return problems + _at_least("training.lr_schedule", self, ("warmup_steps",), 0)
+
 
 @dataclass
-class TrainingConfig:
+class TrainingConfig(Section):
     global_batch_size: int = 16
     """Samples per optimizer step, summed over all pipelines."""
     microbatch_size: Union[int, str] = 2
@@ -149,9 +228,30 @@ class TrainingConfig:
     of known GPUs (engine/telemetry/mfu.py: H100, H200, A100, ...); CPUs and unlisted GPUs then report MFU
     as unknown."""
 
+    def validate(self) -> list[str]:
+        problems = self.optimizer.validate() + self.lr_schedule.validate()
+        problems += _choice("training.precision", self.precision, ("fp32", "bf16"))
+        problems += _choice("training.device", self.device, ("auto", "cpu", "cuda"))
+        problems += _at_least("training", self, ("global_batch_size",), 1)
+        problems += _at_least("training", self, ("steps",), 0)
+        mbs = self.microbatch_size
+        if mbs != "auto" and (isinstance(mbs, (str, bool)) or mbs < 1):
+            problems.append(f"'training.microbatch_size' is {mbs!r}: give a number >= 1 or auto")
+        elif isinstance(mbs, int) and self.global_batch_size % mbs:
+            problems.append(
+                f"'training.global_batch_size' ({self.global_batch_size}) must be a multiple of "
+                f"'training.microbatch_size' ({mbs}): change one of them, e.g. "
+                f"training.global_batch_size={(self.global_batch_size // mbs + 1) * mbs}"
+            )
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            problems.append(
+                f"'training.peak_tflops' must be > 0 (got {self.peak_tflops}); leave it unset for the table"
+            )
+        return problems
+
 
 @dataclass
-class FaultToleranceConfig:
+class FaultToleranceConfig(Section):
     f: int = 1
     """Simultaneous node failures to survive without a checkpoint (>= f+1 pipelines)."""
     lease_ttl_s: float = 5.0
@@ -223,9 +323,51 @@ class FaultToleranceConfig:
     drops a lost node, this node being fenced, or the job being closed abandons the step at once
     (a hung peer is cut off by the control plane, not by a collective timing out)."""
 
+    def validate(self) -> list[str]:
+        problems = []
+        if self.f < 0:
+            problems.append(
+                f"'fault_tolerance.f' must be >= 0 (got {self.f}): it is the number of simultaneous node failures "
+                "to survive"
+            )
+        try:
+            parse_signals(self.preempt_signals)
+        except ConfigError as err:
+            problems.append(str(err))
+        if self.preempt_grace_s <= 0:
+            problems.append(f"'fault_tolerance.preempt_grace_s' must be > 0 (got {self.preempt_grace_s})")
+        if self.hang_floor_s < 0 or self.hang_factor < 1:
+            problems.append(
+                "'fault_tolerance.hang_floor_s' must be >= 0 (0 = off) and 'fault_tolerance.hang_factor' >= 1 "
+                f"(got {self.hang_floor_s} and {self.hang_factor})"
+            )
+        if self.fingerprint_interval_steps < 0:
+            problems.append(
+                "'fault_tolerance.fingerprint_interval_steps' must be >= 0 (0 = off; got "
+                f"{self.fingerprint_interval_steps})"
+            )
+        if self.straggler_factor < 0 or 0 < self.straggler_factor <= 1 or self.straggler_steps < 1:
+            problems.append(
+                "'fault_tolerance.straggler_factor' must be 0 (off) or > 1 and "
+                f"'fault_tolerance.straggler_steps' >= 1 (got {self.straggler_factor} and {self.straggler_steps})"
+            )
+        if self.loss_spike_factor < 0 or 0 < self.loss_spike_factor <= 1:
+            problems.append(
+                f"'fault_tolerance.loss_spike_factor' must be 0 (off) or > 1 (got {self.loss_spike_factor})"
+            )
+        if self.watch_interval_s <= 0:
+            problems.append(f"'fault_tolerance.watch_interval_s' must be > 0 (got {self.watch_interval_s})")
+        if self.join_timeout_s <= 0 or self.comm_timeout_s <= 0:
+            problems.append(
+                "'fault_tolerance.join_timeout_s' and 'fault_tolerance.comm_timeout_s' must be > 0 (got "
+                f"{self.join_timeout_s} and {self.comm_timeout_s})"
+            )
+        problems += _at_least("fault_tolerance", self, ("max_skipped_steps", "max_repeated_errors"), 1)
+        return problems + _at_least("fault_tolerance", self, ("stall_report_s",), 0)
+
 
 @dataclass
-class PlanningConfig:
+class PlanningConfig(Section):
     device_memory_gb: float | None = None
     """Memory of one device (GiB) available to one stage; a HARD limit for the planner. None
     (the default) = the total memory of the device the profile was measured on (recorded by the
@@ -269,9 +411,40 @@ class PlanningConfig:
     shapes (every decoder block of GPT-2 or Llama) reuse the first one's numbers. False = build
     and time every layer (part of the profile's cache key)."""
 
+    def validate(self) -> list[str]:
+        problems = _choice("planning.schedule", self.schedule, ("1f1b", "gpipe"))
+        problems += _at_least("planning", self, ("gpus_per_node", "profile_repeats"), 1)
+        problems += _at_least("planning", self, ("profile_warmup",), 0)
+        if self.device_memory_gb is not None and self.device_memory_gb <= 0:
+            problems.append(f"'planning.device_memory_gb' must be > 0 (got {self.device_memory_gb})")
+        if not 0 <= self.memory_margin < 1:
+            problems.append(f"'planning.memory_margin' must be in [0, 1) (got {self.memory_margin})")
+        tp = self.tensor_parallel
+        if tp != "auto" and (isinstance(tp, str) or tp < 1 or (self.gpus_per_node >= 1 and self.gpus_per_node % tp)):
+            problems.append(
+                f"'planning.tensor_parallel' is {tp!r}: give a divisor of planning.gpus_per_node "
+                f"({self.gpus_per_node}) or auto"
+            )
+        if tp != 1 and not self.profile_path:
+            problems.append(
+                f"'planning.tensor_parallel' is {tp} but 'planning.profile_path' is not set: workers measure "
+                "profiles on one device; measure one at each degree with `torchrun --nproc-per-node T -m "
+                "oobleck_elastic.planning.profile_tp --config CFG --out profile-tp{tp}.json` and set "
+                "planning.profile_path=profile-tp{tp}.json"
+            )
+        if self.intra_node_bandwidth_gb_s <= 0 or self.inter_node_bandwidth_gb_s <= 0 or self.link_latency_us < 0:
+            problems.append(
+                "'planning.intra_node_bandwidth_gb_s' and 'planning.inter_node_bandwidth_gb_s' must be > 0 "
+                "and 'planning.link_latency_us' >= 0 (got "
+                f"{self.intra_node_bandwidth_gb_s}, {self.inter_node_bandwidth_gb_s}, {self.link_latency_us})"
+            )
+        if self.max_nodes is not None and self.max_nodes < 1:
+            problems.append(f"'planning.max_nodes' must be >= 1 (got {self.max_nodes})")
+        return problems
+
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     dir: str = "checkpoints"
     """Directory of safetensors checkpoints."""
     interval_steps: int = 0
@@ -279,9 +452,12 @@ class CheckpointConfig:
     resume: bool = True
     """Resume from the newest checkpoint in `dir` when one exists."""
 
+    def validate(self) -> list[str]:
+        return _at_least("checkpoint", self, ("interval_steps",), 0)
+
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(Section):
     tensorboard_dir: str = "runs"
     """TensorBoard log directory (one writer per job)."""
     log_interval: int = 1
@@ -294,7 +470,7 @@ class LoggingConfig:
 
 
 @dataclass
-class JobConfig:
+class JobConfig(Section):
     name: str = "oobleck"
     """Job name used in logs and TensorBoard."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -311,6 +487,25 @@ class JobConfig:
     """Checkpoints."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Logs and TensorBoard."""
+
+    def validate(self) -> list[str]:
+        """Every section's problems, then the rules that span sections."""
+        sections: list[Section] = [
+            self.model,
+            self.data,
+            self.training,
+            self.fault_tolerance,
+            self.planning,
+            self.checkpoint,
+            self.logging,
+        ]
+        problems = [problem for section in sections for problem in section.validate()]
+        if self.data.seq_len > self.model.max_seq_len:
+            problems.append(
+                f"'data.seq_len' ({self.data.seq_len}) exceeds 'model.max_seq_len' "
+                f"({self.model.max_seq_len}): lower data.seq_len or raise model.max_seq_len"
+            )
+        return problems
 
 
 def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
@@ -388,10 +583,15 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         job: JobConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise ConfigError(f"{where}: {_omegaconf_message(err)}") from None
-    from .config_rules import validate
-
-    validate(job, where=where)
+    _raise_problems(job, where)
     return job
+
+
+def _raise_problems(job: JobConfig, where: str) -> None:
+    """One ConfigError, one clause per broken rule of any section, when there is any."""
+    problems = job.validate()
+    if problems:
+        raise ConfigError(f"{where}: " + "; ".join(problems))
 
 
 def to_yaml(cfg: JobConfig) -> str:
@@ -410,7 +610,5 @@ def from_dict(data: dict[str, Any]) -> JobConfig:
         job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), data))
     except OmegaConfBaseException as err:
         raise ConfigError(f"<dict>: {_omegaconf_message(err)}") from None
-    from .config_rules import validate
-
-    validate(job)  # type: ignore[arg-type]
+    _raise_problems(job, "<config>")  # type: ignore[arg-type]
     return job  # type: ignore[return-value]
