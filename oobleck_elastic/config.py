@@ -16,17 +16,32 @@ from __future__ import annotations
 
 import difflib
 import signal
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Literal, Optional, Sequence, Union, cast, get_args, get_origin, get_type_hints
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 
 class ConfigError(ValueError):
     """A configuration problem, with a message that names the key and what to change."""
+
+
+# The choices of the choice fields. omegaconf (>= 2.4) refuses any other value when it merges a
+# YAML file or an override; load_config words that as "'key' is 'x'; choose one of a, b".
+ModelFamily = Literal["gpt2", "llama", "mistral", "qwen2", "custom"]
+AttnImplementation = Literal["sdpa", "eager"]
+DataSource = Literal["stdlib", "files", "jsonl", "parquet", "hf_disk", "tokens"]
+TokenizerKind = Literal["bytes", "bpe", "hf"]
+TokenDtype = Literal["uint16", "uint32"]
+OptimizerName = Literal["adamw", "sgd"]
+LRDecay = Literal["constant", "linear", "cosine"]
+Precision = Literal["fp32", "bf16"]
+DeviceKind = Literal["auto", "cpu", "cuda"]
+Schedule = Literal["1f1b", "gpipe"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
 class Section:
@@ -48,13 +63,9 @@ def _at_least(prefix: str, section: object, names: Sequence[str], low: int) -> l
     ]
 
 
-def _choice(key: str, value: str, choices: Sequence[str]) -> list[str]:
-    return [] if value in choices else [f"'{key}' is '{value}'; choose one of {', '.join(choices)}"]
-
-
 @dataclass
 class ModelConfig(Section):
-    family: str = "gpt2"
+    family: ModelFamily = "gpt2"
     """Model family: `gpt2`, `llama`, `mistral` or `qwen2` (Hugging Face classes, built from this
     config with random weights), or `custom` (see `custom_factory`)."""
     vocab_size: int = 256
@@ -80,7 +91,7 @@ class ModelConfig(Section):
     """Share the token embedding with the LM head (GPT-2 always does)."""
     dropout: float = 0.0
     """Dropout probability (0 keeps runs bit-comparable with the single-process reference)."""
-    attn_implementation: str = "sdpa"
+    attn_implementation: AttnImplementation = "sdpa"
     """`sdpa` or `eager`; both are causal."""
     pretrained_path: Optional[str] = None
     """Local directory with Hugging Face weights (config.json + safetensors); no hub downloads."""
@@ -88,9 +99,7 @@ class ModelConfig(Section):
     """For family=custom: `module:function` returning a list[nn.Module] of layers."""
 
     def validate(self) -> list[str]:
-        problems = _choice("model.family", self.family, ("gpt2", "llama", "mistral", "qwen2", "custom"))
-        problems += _choice("model.attn_implementation", self.attn_implementation, ("sdpa", "eager"))
-        problems += _at_least(
+        problems = _at_least(
             "model", self, ("vocab_size", "pad_vocab_to", "hidden_size", "num_layers", "num_heads", "max_seq_len"), 1
         )
         if self.hidden_size >= 1 and self.num_heads >= 1 and self.hidden_size % self.num_heads:
@@ -111,7 +120,7 @@ class ModelConfig(Section):
 
 @dataclass
 class DataConfig(Section):
-    source: str = "stdlib"
+    source: DataSource = "stdlib"
     """`stdlib` (the Python standard library's source files, present on every machine), `files`
     (the text files in `paths`), `jsonl` / `parquet` (JSON-lines / Parquet files, or directories
     of *.jsonl, *.json / *.parquet, in `paths`; one document per row), `hf_disk` (the
@@ -119,7 +128,7 @@ class DataConfig(Section):
     1-D .npy files in `paths`, memory-mapped as they are, in order; no tokenizer, no cache)."""
     paths: list[str] = field(default_factory=list)
     """Files or directories of the source (all sources but stdlib)."""
-    tokenizer: str = "bytes"
+    tokenizer: TokenizerKind = "bytes"
     """`bytes` (vocab 256), `bpe` (byte-level BPE trained on the corpus and cached) or `hf` (the
     pretrained tokenizer in `tokenizer_path`). Not used by source=tokens."""
     tokenizer_path: Optional[str] = None
@@ -127,7 +136,7 @@ class DataConfig(Section):
     its vocabulary must fit model.vocab_size. Nothing is downloaded."""
     text_field: str = "text"
     """The column holding each document's text (source=jsonl, parquet, hf_disk)."""
-    token_dtype: str = "uint16"
+    token_dtype: TokenDtype = "uint16"
     """dtype of the .bin files of source=tokens: `uint16` (nanoGPT; ids < 65536) or `uint32`.
     .npy files carry their own dtype."""
     num_proc: int = 1
@@ -139,10 +148,7 @@ class DataConfig(Section):
     """Where tokenizers, token files, Arrow copies of JSONL/Parquet datasets and profiles are cached."""
 
     def validate(self) -> list[str]:
-        problems = _choice("data.source", self.source, ("stdlib", "files", "jsonl", "parquet", "hf_disk", "tokens"))
-        problems += _choice("data.tokenizer", self.tokenizer, ("bytes", "bpe", "hf"))
-        problems += _choice("data.token_dtype", self.token_dtype, ("uint16", "uint32"))
-        problems += _at_least("data", self, ("seq_len", "num_proc"), 1)
+        problems = _at_least("data", self, ("seq_len", "num_proc"), 1)
         if self.source in ("files", "jsonl", "parquet", "hf_disk", "tokens") and not self.paths:
             problems.append(f"'data.source' is {self.source} but 'data.paths' is empty")
         if self.source == "hf_disk" and len(self.paths) > 1:
@@ -165,7 +171,7 @@ class DataConfig(Section):
 
 @dataclass
 class OptimizerConfig(Section):
-    name: str = "adamw"
+    name: OptimizerName = "adamw"
     """Optimizer: `adamw` or `sgd`."""
     lr: float = 3e-4
     """Peak learning rate."""
@@ -178,22 +184,18 @@ class OptimizerConfig(Section):
     grad_clip: float = 1.0
     """Global gradient-norm clip across all stages and replicas; 0 disables."""
 
-    def validate(self) -> list[str]:
-        return _choice("training.optimizer.name", self.name, ("adamw", "sgd"))
-
 
 @dataclass
 class LRScheduleConfig(Section):
     warmup_steps: int = 0
     """Linear warm-up steps."""
-    decay: str = "cosine"
+    decay: LRDecay = "cosine"
     """After warm-up: `constant`, `linear` or `cosine` down to min_lr_ratio x lr at the last step."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
 
     def validate(self) -> list[str]:
-        problems = _choice("training.lr_schedule.decay", self.decay, ("constant", "linear", "cosine"))
-        return problems + _at_least("training.lr_schedule", self, ("warmup_steps",), 0)
+        return _at_least("training.lr_schedule", self, ("warmup_steps",), 0)
 
 
 @dataclass
@@ -211,9 +213,9 @@ class TrainingConfig(Section):
     """Optimizer settings."""
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     """Learning-rate schedule."""
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     """`fp32` or `bf16` (autocast, fp32 master weights)."""
-    device: str = "auto"
+    device: DeviceKind = "auto"
     """`auto` (a worker trains on `cuda:<LOCAL_RANK>` when CUDA is available, else on the CPU),
     `cpu` or `cuda`. Data (pipeline send/receive, gradient sync, layer transfers) then runs over
     NCCL on CUDA and gloo on the CPU; control collectives always run on CPU tensors over gloo."""
@@ -230,8 +232,6 @@ class TrainingConfig(Section):
 
     def validate(self) -> list[str]:
         problems = self.optimizer.validate() + self.lr_schedule.validate()
-        problems += _choice("training.precision", self.precision, ("fp32", "bf16"))
-        problems += _choice("training.device", self.device, ("auto", "cpu", "cuda"))
         problems += _at_least("training", self, ("global_batch_size",), 1)
         problems += _at_least("training", self, ("steps",), 0)
         mbs = self.microbatch_size
@@ -392,7 +392,7 @@ class PlanningConfig(Section):
     """Latency of one message between devices, microseconds."""
     count_communication: bool = True
     """Count communication in the planner's step-time estimate (False: compute only, as before)."""
-    schedule: str = "1f1b"
+    schedule: Schedule = "1f1b"
     """Pipeline schedule: `1f1b` (stage i of S keeps up to S-i microbatches) or `gpipe`
     (every stage keeps all microbatches)."""
     max_nodes: Optional[int] = None
@@ -412,8 +412,7 @@ class PlanningConfig(Section):
     and time every layer (part of the profile's cache key)."""
 
     def validate(self) -> list[str]:
-        problems = _choice("planning.schedule", self.schedule, ("1f1b", "gpipe"))
-        problems += _at_least("planning", self, ("gpus_per_node", "profile_repeats"), 1)
+        problems = _at_least("planning", self, ("gpus_per_node", "profile_repeats"), 1)
         problems += _at_least("planning", self, ("profile_warmup",), 0)
         if self.device_memory_gb is not None and self.device_memory_gb <= 0:
             problems.append(f"'planning.device_memory_gb' must be > 0 (got {self.device_memory_gb})")
@@ -462,7 +461,7 @@ class LoggingConfig(Section):
     """TensorBoard log directory (one writer per job)."""
     log_interval: int = 1
     """Print a progress line every this many steps."""
-    level: str = "INFO"
+    level: LogLevel = "INFO"
     """Python logging level."""
     events_dir: str = ""
     """Also write the job's events (steps, failures, generation entries, checkpoints...) as JSON
@@ -525,6 +524,26 @@ def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
     return out
 
 
+def _field_type(key: str) -> Any:
+    """The type of the field at dotted `key` (a section's dataclass for a section), or None."""
+    node: Any = JobConfig
+    for part in key.split("."):
+        if not is_dataclass(node):
+            return None
+        node = get_type_hints(node).get(part)
+    return node
+
+
+def _choices(key: str) -> tuple[str, ...]:
+    """The choices of the field at `key` when it is a choice field (typed Literal), else ()."""
+    kind = _field_type(key)
+    return get_args(kind) if get_origin(kind) is Literal else ()
+
+
+def _choice_clause(key: str, value: Any) -> str:
+    return f"'{key}' is '{value}'; choose one of {', '.join(_choices(key))}"
+
+
 def _omegaconf_message(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None)
     first = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -538,21 +557,50 @@ def _omegaconf_message(err: OmegaConfBaseException) -> str:
         else:
             msg += f": valid keys here are {', '.join(sorted(known))}"
         return msg
+    if isinstance(err, ValidationError) and key and _choices(key):
+        return _choice_clause(key, getattr(err, "value", None))
     if isinstance(err, ValidationError) and key:
         return f"bad value for '{key}': {first}"
     return f"{first}" + (f" (key '{key}')" if key else "")
 
 
 def _known_keys(parent: str) -> list[str]:
-    node: Any = JobConfig
-    for part in [p for p in parent.split(".") if p]:
-        match = [f for f in fields(node) if f.name == part]
-        if not match or match[0].default_factory is MISSING:
-            return []
-        node = type(match[0].default_factory())
-        if not is_dataclass(node):
-            return []
-    return [f.name for f in fields(node)]
+    node = _field_type(parent) if parent else JobConfig
+    return [f.name for f in fields(node)] if is_dataclass(node) else []
+
+
+def _build(given: DictConfig, where: str) -> JobConfig:
+    """`given` (the YAML file with the overrides merged in) merged onto the schema, then validated.
+
+    omegaconf stops at the first value a choice field refuses; the value is taken out of `given` and
+    the merge retried, so that every bad choice becomes a clause. The rules then run on the config
+    holding the values as given, and one ConfigError (its clauses after `where: `) lists the bad
+    choices, then the broken rules. Any other omegaconf error (unknown key, wrong type) is raised
+    as it is.
+    """
+    refused: dict[str, Any] = {}
+    while True:
+        try:
+            job = cast(JobConfig, OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), given)))
+            break
+        except ValidationError as err:
+            key = err.full_key
+            parent, _, leaf = (key or "").rpartition(".")
+            holder = OmegaConf.select(given, parent) if parent else given
+            if not key or not _choices(key) or not isinstance(holder, DictConfig) or leaf not in holder:
+                raise
+            refused[key] = holder[leaf]
+            del holder[leaf]
+    for key, value in refused.items():  # the rules see the config as given
+        parent, _, leaf = key.rpartition(".")
+        holder = job
+        for part in [p for p in parent.split(".") if p]:
+            holder = getattr(holder, part)
+        setattr(holder, leaf, value)
+    problems = [_choice_clause(key, value) for key, value in refused.items()] + job.validate()
+    if problems:
+        raise ConfigError(f"{where}: " + "; ".join(problems))
+    return job
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
@@ -562,7 +610,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """
     where = str(path) if path else "<defaults>"
     try:
-        cfg = OmegaConf.structured(JobConfig)
+        given = OmegaConf.create()
         if path is not None:
             p = Path(path)
             if not p.is_file():
@@ -574,24 +622,17 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
                 at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
                 problem = getattr(err, "problem", None) or str(err).splitlines()[0]
                 raise ConfigError(f"config file '{p}' is not valid YAML{at}: {problem}") from None
-            cfg = OmegaConf.merge(cfg, loaded)
+            if not isinstance(loaded, DictConfig):
+                raise ConfigError(f"config file '{p}' is not a mapping of sections (model:, data:, training:, ...)")
+            given = loaded
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"override '{bad[0]}' is not of the form key=value (e.g. training.steps=10)")
-        if overrides:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        job: JobConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+        if overrides:  # merged before the schema, so that an override can fix a choice the file got wrong
+            given = cast(DictConfig, OmegaConf.merge(given, OmegaConf.from_dotlist(list(overrides))))
+        return _build(given, where)
     except OmegaConfBaseException as err:
         raise ConfigError(f"{where}: {_omegaconf_message(err)}") from None
-    _raise_problems(job, where)
-    return job
-
-
-def _raise_problems(job: JobConfig, where: str) -> None:
-    """One ConfigError, one clause per broken rule of any section, when there is any."""
-    problems = job.validate()
-    if problems:
-        raise ConfigError(f"{where}: " + "; ".join(problems))
 
 
 def to_yaml(cfg: JobConfig) -> str:
@@ -607,8 +648,6 @@ def to_dict(cfg: JobConfig) -> dict[str, Any]:
 def from_dict(data: dict[str, Any]) -> JobConfig:
     """Inverse of to_dict (validated)."""
     try:
-        job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), data))
+        return _build(OmegaConf.create(data), "<config>")
     except OmegaConfBaseException as err:
         raise ConfigError(f"<dict>: {_omegaconf_message(err)}") from None
-    _raise_problems(job, "<config>")  # type: ignore[arg-type]
-    return job  # type: ignore[return-value]

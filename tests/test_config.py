@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import pytest
 
@@ -103,3 +104,73 @@ def test_a_malformed_yaml_file_is_one_error_naming_the_file_and_line(tmp_path) -
     bad.write_text("training:\n  steps: 10\n  microbatch_size: [2\nmodel: {}\n")
     with pytest.raises(ConfigError, match=r"config file '.*bad.yaml' is not valid YAML at line \d+, column \d+"):
         load_config(bad)
+
+
+# --------------------------------------------------------------------- choices (Literal-typed fields)
+CHOICES = {
+    "model.family": ("gpt2", "llama", "mistral", "qwen2", "custom"),
+    "model.attn_implementation": ("sdpa", "eager"),
+    "data.source": ("stdlib", "files", "jsonl", "parquet", "hf_disk", "tokens"),
+    "data.tokenizer": ("bytes", "bpe", "hf"),
+    "data.token_dtype": ("uint16", "uint32"),
+    "training.optimizer.name": ("adamw", "sgd"),
+    "training.lr_schedule.decay": ("constant", "linear", "cosine"),
+    "training.precision": ("fp32", "bf16"),
+    "training.device": ("auto", "cpu", "cuda"),
+    "planning.schedule": ("1f1b", "gpipe"),
+    "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+}
+
+
+@pytest.mark.parametrize("key", CHOICES)
+def test_a_choice_field_is_typed_and_refuses_other_values(key: str) -> None:
+    kind: Any = JobConfig
+    for part in key.split("."):
+        kind = get_type_hints(kind)[part]
+    assert get_origin(kind) is Literal and get_args(kind) == CHOICES[key]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{key}=nope"])
+    assert str(err.value) == f"<defaults>: '{key}' is 'nope'; choose one of {', '.join(CHOICES[key])}"
+    value = CHOICES[key][1]
+    cfg = load_config(None, [f"{key}={value}"] + (["data.paths=[x]"] if key == "data.source" else []))
+    got = cfg
+    for part in key.split("."):
+        got = getattr(got, part)
+    assert got == value and type(got) is str  # a plain string, as in YAML and to_dict
+
+
+def test_every_bad_choice_and_broken_rule_is_one_clause_of_one_error() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            None, ["planning.schedule=zigzag", "training.device=tpu", "data.tokenizer=hff", "data.tokenizer_path=t"]
+        )
+    assert str(err.value) == (
+        "<defaults>: 'planning.schedule' is 'zigzag'; choose one of 1f1b, gpipe; "
+        "'training.device' is 'tpu'; choose one of auto, cpu, cuda; "
+        "'data.tokenizer' is 'hff'; choose one of bytes, bpe, hf; "
+        # the rules see the values as given
+        "'data.tokenizer_path' is set but 'data.tokenizer' is hff: set data.tokenizer=hf to use it"
+    )
+
+
+def test_an_override_fixes_a_choice_the_file_got_wrong(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("planning:\n  schedule: zigzag\n")
+    with pytest.raises(ConfigError, match="'planning.schedule' is 'zigzag'; choose one of 1f1b, gpipe"):
+        load_config(path)
+    assert load_config(path, ["planning.schedule=gpipe"]).planning.schedule == "gpipe"
+
+
+def test_from_dict_refuses_a_bad_choice_with_the_same_words() -> None:
+    data = to_dict(load_config(None))
+    data["training"]["precision"] = "fp16"
+    with pytest.raises(ConfigError) as err:
+        from_dict(data)
+    assert str(err.value) == "<config>: 'training.precision' is 'fp16'; choose one of fp32, bf16"
+
+
+def test_a_file_that_is_not_a_mapping_is_one_error(tmp_path: Path) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- model\n")
+    with pytest.raises(ConfigError, match="config file '.*list.yaml' is not a mapping of sections"):
+        load_config(path)
