@@ -33,7 +33,7 @@ def test_every_field_has_a_docstring() -> None:
     import ast
     import inspect
 
-    from oobleck_elastic import config
+    from oobleck_elastic.config import schema as config
 
     tree = ast.parse(inspect.getsource(config))
     documented = set()
@@ -174,3 +174,30 @@ def test_a_file_that_is_not_a_mapping_is_one_error(tmp_path: Path) -> None:
     path.write_text("- model\n")
     with pytest.raises(ConfigError, match="config file '.*list.yaml' is not a mapping of sections"):
         load_config(path)
+
+
+# --------------------------------------------------------------------- the package
+def test_the_config_package_imports_one_way() -> None:
+    """schema imports nothing of the package, the others only modules before them: no cycle, hidden
+    (a function-local import) or not; and the old rules module is gone."""
+    import ast
+
+    package = Path(__file__).resolve().parents[1] / "oobleck_elastic" / "config"
+    imports: dict[str, set[str]] = {}
+    for module in package.glob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names |= {node.module} if node.module else {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module.startswith("oobleck_elastic.config."):
+                    names.add(node.module.rpartition(".")[2])
+        imports[module.stem] = names
+    assert imports["schema"] == set(), imports["schema"]
+    done: list[str] = []
+    while len(done) < len(imports):  # a topological order exists: no cycle
+        ready = [m for m in imports if m not in done and imports[m] <= set(done)]
+        assert ready, f"import cycle among {sorted(set(imports) - set(done))}: {imports}"
+        done += ready
+    sources = package.parent.rglob("*.py")
+    assert not [p for p in sources if "config_rules" in p.read_text()], "config_rules.py is gone; import config"
