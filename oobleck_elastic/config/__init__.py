@@ -4,8 +4,10 @@
                   section's fields, its `validate()`: the rules their types cannot express
     loading.py    `load_config(path, overrides)`: the YAML file and `key=value` overrides merged
                   onto the schema, every problem turned into one `ConfigError`; to/from dict
+    reference.py  the configuration reference, rendered as Markdown from the field docstrings
+                  (`oobleck config reference`; docs/config.md is its output, checked in)
 
-Imports go one way: loading imports schema, which imports nothing of this package.
+Imports go one way: loading and reference import schema, which imports nothing of this package.
 """
 
 from .loading import from_dict, load_config, to_dict, to_yaml
