@@ -201,3 +201,72 @@ def test_the_config_package_imports_one_way() -> None:
         done += ready
     sources = package.parent.rglob("*.py")
     assert not [p for p in sources if "config_rules" in p.read_text()], "config_rules.py is gone; import config"
+
+
+# --------------------------------------------------------------------- each section's rules, on made-up sections
+def test_each_section_checks_its_own_rules() -> None:
+    from oobleck_elastic.config import (
+        CheckpointConfig,
+        DataConfig,
+        FaultToleranceConfig,
+        LoggingConfig,
+        LRScheduleConfig,
+        ModelConfig,
+        OptimizerConfig,
+        PlanningConfig,
+        TrainingConfig,
+    )
+
+    for section in (ModelConfig, DataConfig, TrainingConfig, FaultToleranceConfig, PlanningConfig, CheckpointConfig):
+        assert section().validate() == [], section.__name__
+    assert OptimizerConfig().validate() == LoggingConfig().validate() == []
+    assert ModelConfig(hidden_size=65, num_heads=4, num_kv_heads=3, family="custom").validate() == [
+        "'model.hidden_size' (65) must be a multiple of 'model.num_heads' (4)",
+        "'model.num_heads' (4) must be a multiple of 'model.num_kv_heads' (3)",
+        "'model.family' is custom but 'model.custom_factory' is not set (give module:function returning a "
+        "list[nn.Module])",
+    ]
+    assert ModelConfig(vocab_size=0, num_heads=0).validate() == [
+        "'model.vocab_size' must be >= 1 (got 0)",
+        "'model.num_heads' must be >= 1 (got 0)",
+    ]
+    assert DataConfig(source="tokens", tokenizer="hf").validate() == [
+        "'data.source' is tokens but 'data.paths' is empty"
+    ]
+    assert DataConfig(source="files", paths=["a"], tokenizer="hf").validate() == [
+        "'data.tokenizer' is hf but 'data.tokenizer_path' is not set: give the directory of a tokenizer saved "
+        "with save_pretrained"
+    ]
+    # a section holding sections checks them too, with their full keys
+    training = TrainingConfig(steps=-1, lr_schedule=LRScheduleConfig(warmup_steps=-2), microbatch_size="big")
+    assert training.validate() == [
+        "'training.lr_schedule.warmup_steps' must be >= 0 (got -2)",
+        "'training.steps' must be >= 0 (got -1)",
+        "'training.microbatch_size' is 'big': give a number >= 1 or auto",
+    ]
+    assert TrainingConfig(microbatch_size="auto", global_batch_size=10).validate() == []
+    assert FaultToleranceConfig(f=-1, preempt_signals=["SIGKILL"], watch_interval_s=0).validate() == [
+        "'fault_tolerance.f' must be >= 0 (got -1): it is the number of simultaneous node failures to survive",
+        "'fault_tolerance.preempt_signals': 'SIGKILL' cannot be a preemption notice; give signal names such as "
+        "SIGTERM or SIGUSR1 (not SIGINT, SIGKILL or SIGSTOP)",
+        "'fault_tolerance.watch_interval_s' must be > 0 (got 0)",
+    ]
+    assert PlanningConfig(gpus_per_node=4, tensor_parallel="auto", profile_path="p{tp}.json").validate() == []
+    assert PlanningConfig(memory_margin=1.0, max_nodes=0).validate() == [
+        "'planning.memory_margin' must be in [0, 1) (got 1.0)",
+        "'planning.max_nodes' must be >= 1 (got 0)",
+    ]
+    assert CheckpointConfig(interval_steps=-1).validate() == ["'checkpoint.interval_steps' must be >= 0 (got -1)"]
+
+
+def test_the_job_gathers_its_sections_then_checks_across_them() -> None:
+    from oobleck_elastic.config import CheckpointConfig, DataConfig, ModelConfig
+
+    job = JobConfig(
+        model=ModelConfig(max_seq_len=32), data=DataConfig(seq_len=64), checkpoint=CheckpointConfig(interval_steps=-1)
+    )
+    assert job.validate() == [
+        "'checkpoint.interval_steps' must be >= 0 (got -1)",
+        "'data.seq_len' (64) exceeds 'model.max_seq_len' (32): lower data.seq_len or raise model.max_seq_len",
+    ]
+    assert JobConfig().validate() == []
