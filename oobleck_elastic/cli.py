@@ -3,6 +3,7 @@
     oobleck plan --config configs/gpt2-tiny.yaml --nodes 4 [--profile FILE] [--json] [key=value ...]
     oobleck etcd [--port 2379] [--data-dir D]
     oobleck export CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--dtype bf16] [--force] [key=value ...]
+    oobleck config reference
     oobleck simulate --trace 10m --model GPT-2 | --paper | --scale --nodes 10000 [--json] [--plot PNG]
     oobleck agents | status | events [--follow] | goodput [--json] | outcome | kill-agent --index N
         --endpoint E --run-id R
@@ -10,7 +11,8 @@
 `plan` prints the pipeline templates, the fault-tolerance guarantee and the plan for N nodes;
 `export` writes a checkpoint as a Hugging Face model directory (oobleck_elastic/models/export.py);
 `etcd` runs the embedded etcd server; `simulate` replays node failures through system models
-(oobleck_elastic/simulate/); the others inspect and steer a running job through etcd.
+(oobleck_elastic/simulate/); `config reference` prints every config key as Markdown (docs/config.md);
+the others inspect and steer a running job through etcd.
 """
 
 from __future__ import annotations
@@ -234,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. training.steps=10")
     p.set_defaults(func=cmd_plan)
     add_export_parser(sub)
+    add_config_parser(sub)
 
     from .ops import add_connection_args, run_ops
     from .simulate.cli import add_parser as add_simulate
@@ -330,6 +333,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     except CheckpointError as err:
         print(f"oobleck export: error: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def add_config_parser(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser(
+        "config",
+        help="the job config's reference",
+        description="The job config: `reference` prints every section and key (type, choices, default "
+        "and what it does) as Markdown, from the schema's field docstrings; docs/config.md is its output.",
+    )
+    what = c.add_subparsers(dest="what", metavar="{reference}", required=True)
+    what.add_parser("reference", help="print every section and key as Markdown").set_defaults(func=cmd_config_reference)
+
+
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    from .config.reference import render_reference
+
+    sys.stdout.write(render_reference())
     return 0
 
 

@@ -1,33 +1,63 @@
-"""Job configuration: one structured omegaconf schema, loaded from YAML plus CLI dotlist overrides.
+"""The job config's schema: one dataclass per section, each field with a docstring below it, and
+beside the fields the rules their types cannot express.
 
-Every section is a dataclass whose fields carry a docstring (the string right below the field);
-`oobleck config --help`-style documentation and the README are generated from the same text.
-`load_config(path, overrides)` merges the schema, the YAML file and `key=value` overrides and
-turns every omegaconf error (unknown key, wrong type) and every semantic problem (global batch not
-a multiple of the microbatch, f < 0, ...) into one `ConfigError` whose message names the key and
-says what to change.
+Types do most of the checking: omegaconf refuses an unknown key, a value of the wrong type and,
+for the choice fields (typed `Literal[...]`), any value not listed. The rest (ranges and
+combinations: f >= 0, a global batch that is a multiple of the microbatch, a source that needs
+paths) is each section's `validate()`, which returns one clause per broken rule, naming the key
+by its dotted path and what to change; `JobConfig.validate()` gathers the sections' clauses and
+adds the rules that span sections. The field docstrings are the configuration reference
+(`oobleck config reference`, docs/config.md).
 """
 
 from __future__ import annotations
 
-import difflib
 import signal
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from pathlib import Path
-from typing import Any, Optional, Sequence, Union
-
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Sequence, Union
 
 
 class ConfigError(ValueError):
     """A configuration problem, with a message that names the key and what to change."""
 
 
+# The choices of the choice fields. omegaconf (>= 2.4) refuses any other value when it merges a
+# YAML file or an override; load_config words that as "'key' is 'x'; choose one of a, b".
+ModelFamily = Literal["gpt2", "llama", "mistral", "qwen2", "custom"]
+AttnImplementation = Literal["sdpa", "eager"]
+DataSource = Literal["stdlib", "files", "jsonl", "parquet", "hf_disk", "tokens"]
+TokenizerKind = Literal["bytes", "bpe", "hf"]
+TokenDtype = Literal["uint16", "uint32"]
+OptimizerName = Literal["adamw", "sgd"]
+LRDecay = Literal["constant", "linear", "cosine"]
+Precision = Literal["fp32", "bf16"]
+DeviceKind = Literal["auto", "cpu", "cuda"]
+Schedule = Literal["1f1b", "gpipe"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
+class Section:
+    """A section of the job config. `validate()` returns one clause per broken rule of the
+    section (ranges, combinations: what its field types cannot express), naming each key by its
+    full dotted path; an empty list means the section is fine. A section that holds sections
+    checks them too."""
+
+    def validate(self) -> list[str]:
+        return []
+
+
+def _at_least(prefix: str, section: object, names: Sequence[str], low: int) -> list[str]:
+    """A clause for each field `names` of `section` (keys `prefix.name`) below `low`."""
+    return [
+        f"'{prefix}.{name}' must be >= {low} (got {getattr(section, name)})"
+        for name in names
+        if getattr(section, name) < low
+    ]
+
+
 @dataclass
-class ModelConfig:
-    family: str = "gpt2"
+class ModelConfig(Section):
+    family: ModelFamily = "gpt2"
     """Model family: `gpt2`, `llama`, `mistral` or `qwen2` (Hugging Face classes, built from this
     config with random weights), or `custom` (see `custom_factory`)."""
     vocab_size: int = 256
@@ -53,17 +83,36 @@ class ModelConfig:
     """Share the token embedding with the LM head (GPT-2 always does)."""
     dropout: float = 0.0
     """Dropout probability (0 keeps runs bit-comparable with the single-process reference)."""
-    attn_implementation: str = "sdpa"
+    attn_implementation: AttnImplementation = "sdpa"
     """`sdpa` or `eager`; both are causal."""
     pretrained_path: Optional[str] = None
     """Local directory with Hugging Face weights (config.json + safetensors); no hub downloads."""
     custom_factory: Optional[str] = None
     """For family=custom: `module:function` returning a list[nn.Module] of layers."""
 
+    def validate(self) -> list[str]:
+        problems = _at_least(
+            "model", self, ("vocab_size", "pad_vocab_to", "hidden_size", "num_layers", "num_heads", "max_seq_len"), 1
+        )
+        if self.hidden_size >= 1 and self.num_heads >= 1 and self.hidden_size % self.num_heads:
+            problems.append(
+                f"'model.hidden_size' ({self.hidden_size}) must be a multiple of 'model.num_heads' ({self.num_heads})"
+            )
+        if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
+            problems.append(
+                f"'model.num_heads' ({self.num_heads}) must be a multiple of 'model.num_kv_heads' ({self.num_kv_heads})"
+            )
+        if self.family == "custom" and not self.custom_factory:
+            problems.append(
+                "'model.family' is custom but 'model.custom_factory' is not set "
+                "(give module:function returning a list[nn.Module])"
+            )
+        return problems
+
 
 @dataclass
-class DataConfig:
-    source: str = "stdlib"
+class DataConfig(Section):
+    source: DataSource = "stdlib"
     """`stdlib` (the Python standard library's source files, present on every machine), `files`
     (the text files in `paths`), `jsonl` / `parquet` (JSON-lines / Parquet files, or directories
     of *.jsonl, *.json / *.parquet, in `paths`; one document per row), `hf_disk` (the
@@ -71,7 +120,7 @@ class DataConfig:
     1-D .npy files in `paths`, memory-mapped as they are, in order; no tokenizer, no cache)."""
     paths: list[str] = field(default_factory=list)
     """Files or directories of the source (all sources but stdlib)."""
-    tokenizer: str = "bytes"
+    tokenizer: TokenizerKind = "bytes"
     """`bytes` (vocab 256), `bpe` (byte-level BPE trained on the corpus and cached) or `hf` (the
     pretrained tokenizer in `tokenizer_path`). Not used by source=tokens."""
     tokenizer_path: Optional[str] = None
@@ -79,7 +128,7 @@ class DataConfig:
     its vocabulary must fit model.vocab_size. Nothing is downloaded."""
     text_field: str = "text"
     """The column holding each document's text (source=jsonl, parquet, hf_disk)."""
-    token_dtype: str = "uint16"
+    token_dtype: TokenDtype = "uint16"
     """dtype of the .bin files of source=tokens: `uint16` (nanoGPT; ids < 65536) or `uint32`.
     .npy files carry their own dtype."""
     num_proc: int = 1
@@ -90,10 +139,31 @@ class DataConfig:
     cache_dir: str = ".oobleck-cache"
     """Where tokenizers, token files, Arrow copies of JSONL/Parquet datasets and profiles are cached."""
 
+    def validate(self) -> list[str]:
+        problems = _at_least("data", self, ("seq_len", "num_proc"), 1)
+        if self.source in ("files", "jsonl", "parquet", "hf_disk", "tokens") and not self.paths:
+            problems.append(f"'data.source' is {self.source} but 'data.paths' is empty")
+        if self.source == "hf_disk" and len(self.paths) > 1:
+            problems.append(
+                f"'data.source' is hf_disk but 'data.paths' has {len(self.paths)} entries: give the one "
+                "directory written by Dataset.save_to_disk"
+            )
+        if self.tokenizer == "hf" and self.source != "tokens" and not self.tokenizer_path:
+            problems.append(
+                "'data.tokenizer' is hf but 'data.tokenizer_path' is not set: give the directory of a "
+                "tokenizer saved with save_pretrained"
+            )
+        if self.tokenizer_path and self.tokenizer != "hf":
+            problems.append(
+                f"'data.tokenizer_path' is set but 'data.tokenizer' is {self.tokenizer}: "
+                "set data.tokenizer=hf to use it"
+            )
+        return problems
+
 
 @dataclass
-class OptimizerConfig:
-    name: str = "adamw"
+class OptimizerConfig(Section):
+    name: OptimizerName = "adamw"
     """Optimizer: `adamw` or `sgd`."""
     lr: float = 3e-4
     """Peak learning rate."""
@@ -108,17 +178,20 @@ class OptimizerConfig:
 
 
 @dataclass
-class LRScheduleConfig:
+class LRScheduleConfig(Section):
     warmup_steps: int = 0
     """Linear warm-up steps."""
-    decay: str = "cosine"
+    decay: LRDecay = "cosine"
     """After warm-up: `constant`, `linear` or `cosine` down to min_lr_ratio x lr at the last step."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
 
+    def validate(self) -> list[str]:
+        return _at_least("training.lr_schedule", self, ("warmup_steps",), 0)
+
 
 @dataclass
-class TrainingConfig:
+class TrainingConfig(Section):
     global_batch_size: int = 16
     """Samples per optimizer step, summed over all pipelines."""
     microbatch_size: Union[int, str] = 2
@@ -132,9 +205,9 @@ class TrainingConfig:
     """Optimizer settings."""
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     """Learning-rate schedule."""
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     """`fp32` or `bf16` (autocast, fp32 master weights)."""
-    device: str = "auto"
+    device: DeviceKind = "auto"
     """`auto` (a worker trains on `cuda:<LOCAL_RANK>` when CUDA is available, else on the CPU),
     `cpu` or `cuda`. Data (pipeline send/receive, gradient sync, layer transfers) then runs over
     NCCL on CUDA and gloo on the CPU; control collectives always run on CPU tensors over gloo."""
@@ -149,9 +222,28 @@ class TrainingConfig:
     of known GPUs (engine/telemetry/mfu.py: H100, H200, A100, ...); CPUs and unlisted GPUs then report MFU
     as unknown."""
 
+    def validate(self) -> list[str]:
+        problems = self.optimizer.validate() + self.lr_schedule.validate()
+        problems += _at_least("training", self, ("global_batch_size",), 1)
+        problems += _at_least("training", self, ("steps",), 0)
+        mbs = self.microbatch_size
+        if mbs != "auto" and (isinstance(mbs, (str, bool)) or mbs < 1):
+            problems.append(f"'training.microbatch_size' is {mbs!r}: give a number >= 1 or auto")
+        elif isinstance(mbs, int) and self.global_batch_size % mbs:
+            problems.append(
+                f"'training.global_batch_size' ({self.global_batch_size}) must be a multiple of "
+                f"'training.microbatch_size' ({mbs}): change one of them, e.g. "
+                f"training.global_batch_size={(self.global_batch_size // mbs + 1) * mbs}"
+            )
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            problems.append(
+                f"'training.peak_tflops' must be > 0 (got {self.peak_tflops}); leave it unset for the table"
+            )
+        return problems
+
 
 @dataclass
-class FaultToleranceConfig:
+class FaultToleranceConfig(Section):
     f: int = 1
     """Simultaneous node failures to survive without a checkpoint (>= f+1 pipelines)."""
     lease_ttl_s: float = 5.0
@@ -223,9 +315,51 @@ class FaultToleranceConfig:
     drops a lost node, this node being fenced, or the job being closed abandons the step at once
     (a hung peer is cut off by the control plane, not by a collective timing out)."""
 
+    def validate(self) -> list[str]:
+        problems = []
+        if self.f < 0:
+            problems.append(
+                f"'fault_tolerance.f' must be >= 0 (got {self.f}): it is the number of simultaneous node failures "
+                "to survive"
+            )
+        try:
+            parse_signals(self.preempt_signals)
+        except ConfigError as err:
+            problems.append(str(err))
+        if self.preempt_grace_s <= 0:
+            problems.append(f"'fault_tolerance.preempt_grace_s' must be > 0 (got {self.preempt_grace_s})")
+        if self.hang_floor_s < 0 or self.hang_factor < 1:
+            problems.append(
+                "'fault_tolerance.hang_floor_s' must be >= 0 (0 = off) and 'fault_tolerance.hang_factor' >= 1 "
+                f"(got {self.hang_floor_s} and {self.hang_factor})"
+            )
+        if self.fingerprint_interval_steps < 0:
+            problems.append(
+                "'fault_tolerance.fingerprint_interval_steps' must be >= 0 (0 = off; got "
+                f"{self.fingerprint_interval_steps})"
+            )
+        if self.straggler_factor < 0 or 0 < self.straggler_factor <= 1 or self.straggler_steps < 1:
+            problems.append(
+                "'fault_tolerance.straggler_factor' must be 0 (off) or > 1 and "
+                f"'fault_tolerance.straggler_steps' >= 1 (got {self.straggler_factor} and {self.straggler_steps})"
+            )
+        if self.loss_spike_factor < 0 or 0 < self.loss_spike_factor <= 1:
+            problems.append(
+                f"'fault_tolerance.loss_spike_factor' must be 0 (off) or > 1 (got {self.loss_spike_factor})"
+            )
+        if self.watch_interval_s <= 0:
+            problems.append(f"'fault_tolerance.watch_interval_s' must be > 0 (got {self.watch_interval_s})")
+        if self.join_timeout_s <= 0 or self.comm_timeout_s <= 0:
+            problems.append(
+                "'fault_tolerance.join_timeout_s' and 'fault_tolerance.comm_timeout_s' must be > 0 (got "
+                f"{self.join_timeout_s} and {self.comm_timeout_s})"
+            )
+        problems += _at_least("fault_tolerance", self, ("max_skipped_steps", "max_repeated_errors"), 1)
+        return problems + _at_least("fault_tolerance", self, ("stall_report_s",), 0)
+
 
 @dataclass
-class PlanningConfig:
+class PlanningConfig(Section):
     device_memory_gb: float | None = None
     """Memory of one device (GiB) available to one stage; a HARD limit for the planner. None
     (the default) = the total memory of the device the profile was measured on (recorded by the
@@ -250,7 +384,7 @@ class PlanningConfig:
     """Latency of one message between devices, microseconds."""
     count_communication: bool = True
     """Count communication in the planner's step-time estimate (False: compute only, as before)."""
-    schedule: str = "1f1b"
+    schedule: Schedule = "1f1b"
     """Pipeline schedule: `1f1b` (stage i of S keeps up to S-i microbatches) or `gpipe`
     (every stage keeps all microbatches)."""
     max_nodes: Optional[int] = None
@@ -269,9 +403,39 @@ class PlanningConfig:
     shapes (every decoder block of GPT-2 or Llama) reuse the first one's numbers. False = build
     and time every layer (part of the profile's cache key)."""
 
+    def validate(self) -> list[str]:
+        problems = _at_least("planning", self, ("gpus_per_node", "profile_repeats"), 1)
+        problems += _at_least("planning", self, ("profile_warmup",), 0)
+        if self.device_memory_gb is not None and self.device_memory_gb <= 0:
+            problems.append(f"'planning.device_memory_gb' must be > 0 (got {self.device_memory_gb})")
+        if not 0 <= self.memory_margin < 1:
+            problems.append(f"'planning.memory_margin' must be in [0, 1) (got {self.memory_margin})")
+        tp = self.tensor_parallel
+        if tp != "auto" and (isinstance(tp, str) or tp < 1 or (self.gpus_per_node >= 1 and self.gpus_per_node % tp)):
+            problems.append(
+                f"'planning.tensor_parallel' is {tp!r}: give a divisor of planning.gpus_per_node "
+                f"({self.gpus_per_node}) or auto"
+            )
+        if tp != 1 and not self.profile_path:
+            problems.append(
+                f"'planning.tensor_parallel' is {tp} but 'planning.profile_path' is not set: workers measure "
+                "profiles on one device; measure one at each degree with `torchrun --nproc-per-node T -m "
+                "oobleck_elastic.planning.profile_tp --config CFG --out profile-tp{tp}.json` and set "
+                "planning.profile_path=profile-tp{tp}.json"
+            )
+        if self.intra_node_bandwidth_gb_s <= 0 or self.inter_node_bandwidth_gb_s <= 0 or self.link_latency_us < 0:
+            problems.append(
+                "'planning.intra_node_bandwidth_gb_s' and 'planning.inter_node_bandwidth_gb_s' must be > 0 "
+                "and 'planning.link_latency_us' >= 0 (got "
+                f"{self.intra_node_bandwidth_gb_s}, {self.inter_node_bandwidth_gb_s}, {self.link_latency_us})"
+            )
+        if self.max_nodes is not None and self.max_nodes < 1:
+            problems.append(f"'planning.max_nodes' must be >= 1 (got {self.max_nodes})")
+        return problems
+
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     dir: str = "checkpoints"
     """Directory of safetensors checkpoints."""
     interval_steps: int = 0
@@ -279,14 +443,17 @@ class CheckpointConfig:
     resume: bool = True
     """Resume from the newest checkpoint in `dir` when one exists."""
 
+    def validate(self) -> list[str]:
+        return _at_least("checkpoint", self, ("interval_steps",), 0)
+
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(Section):
     tensorboard_dir: str = "runs"
     """TensorBoard log directory (one writer per job)."""
     log_interval: int = 1
     """Print a progress line every this many steps."""
-    level: str = "INFO"
+    level: LogLevel = "INFO"
     """Python logging level."""
     events_dir: str = ""
     """Also write the job's events (steps, failures, generation entries, checkpoints...) as JSON
@@ -294,7 +461,7 @@ class LoggingConfig:
 
 
 @dataclass
-class JobConfig:
+class JobConfig(Section):
     name: str = "oobleck"
     """Job name used in logs and TensorBoard."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -312,6 +479,25 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Logs and TensorBoard."""
 
+    def validate(self) -> list[str]:
+        """Every section's problems, then the rules that span sections."""
+        sections: list[Section] = [
+            self.model,
+            self.data,
+            self.training,
+            self.fault_tolerance,
+            self.planning,
+            self.checkpoint,
+            self.logging,
+        ]
+        problems = [problem for section in sections for problem in section.validate()]
+        if self.data.seq_len > self.model.max_seq_len:
+            problems.append(
+                f"'data.seq_len' ({self.data.seq_len}) exceeds 'model.max_seq_len' "
+                f"({self.model.max_seq_len}): lower data.seq_len or raise model.max_seq_len"
+            )
+        return problems
+
 
 def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
     """Signal names (`SIGTERM`, `USR1`, `SIGUSR1`) as signals; a ConfigError naming
@@ -328,89 +514,3 @@ def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
             )
         out.append(sig)
     return out
-
-
-def _omegaconf_message(err: OmegaConfBaseException) -> str:
-    key = getattr(err, "full_key", None)
-    first = str(err).splitlines()[0] if str(err) else type(err).__name__
-    if isinstance(err, ConfigKeyError) and key:
-        parent, _, leaf = key.rpartition(".")
-        known = _known_keys(parent)
-        hint = difflib.get_close_matches(leaf, known, n=1)
-        msg = f"unknown key '{key}'"
-        if hint:
-            msg += f": did you mean '{(parent + '.') if parent else ''}{hint[0]}'?"
-        else:
-            msg += f": valid keys here are {', '.join(sorted(known))}"
-        return msg
-    if isinstance(err, ValidationError) and key:
-        return f"bad value for '{key}': {first}"
-    return f"{first}" + (f" (key '{key}')" if key else "")
-
-
-def _known_keys(parent: str) -> list[str]:
-    node: Any = JobConfig
-    for part in [p for p in parent.split(".") if p]:
-        match = [f for f in fields(node) if f.name == part]
-        if not match or match[0].default_factory is MISSING:
-            return []
-        node = type(match[0].default_factory())
-        if not is_dataclass(node):
-            return []
-    return [f.name for f in fields(node)]
-
-
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
-    """Load a JobConfig from an optional YAML file and `key=value` overrides, validated.
-
-    Raises ConfigError with a message naming the offending key.
-    """
-    where = str(path) if path else "<defaults>"
-    try:
-        cfg = OmegaConf.structured(JobConfig)
-        if path is not None:
-            p = Path(path)
-            if not p.is_file():
-                raise ConfigError(f"config file '{p}' does not exist")
-            try:
-                loaded = OmegaConf.load(p)
-            except yaml.YAMLError as err:
-                mark = getattr(err, "problem_mark", None)
-                at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-                problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-                raise ConfigError(f"config file '{p}' is not valid YAML{at}: {problem}") from None
-            cfg = OmegaConf.merge(cfg, loaded)
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"override '{bad[0]}' is not of the form key=value (e.g. training.steps=10)")
-        if overrides:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        job: JobConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"{where}: {_omegaconf_message(err)}") from None
-    from .config_rules import validate
-
-    validate(job, where=where)
-    return job
-
-
-def to_yaml(cfg: JobConfig) -> str:
-    """The config as YAML (for logs, TensorBoard and checkpoints)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def to_dict(cfg: JobConfig) -> dict[str, Any]:
-    """The config as plain JSON-able dict."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
-
-
-def from_dict(data: dict[str, Any]) -> JobConfig:
-    """Inverse of to_dict (validated)."""
-    try:
-        job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), data))
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"<dict>: {_omegaconf_message(err)}") from None
-    from .config_rules import validate
-
-    validate(job)  # type: ignore[arg-type]
-    return job  # type: ignore[return-value]

@@ -1,0 +1,151 @@
+"""Loading a job config: a YAML file plus `key=value` overrides, merged onto the schema.
+
+The file and the overrides are merged first (so an override can fix any value of the file), then
+onto the structured schema, where omegaconf checks every key and type; the sections' rules run
+on the result. Whatever is wrong becomes one `ConfigError`, prefixed with the file (or
+`<defaults>`), whose clauses each name a key and what to change: an unknown key with the
+closest known one (did you mean), a value omegaconf refused, a choice outside its `Literal`, a
+broken rule.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, Sequence, cast, get_args, get_origin, get_type_hints
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from .schema import ConfigError, JobConfig
+
+
+def _field_type(key: str) -> Any:
+    """The type of the field at dotted `key` (a section's dataclass for a section), or None."""
+    node: Any = JobConfig
+    for part in key.split("."):
+        if not is_dataclass(node):
+            return None
+        node = get_type_hints(node).get(part)
+    return node
+
+
+def _choices(key: str) -> tuple[str, ...]:
+    """The choices of the field at `key` when it is a choice field (typed Literal), else ()."""
+    kind = _field_type(key)
+    return get_args(kind) if get_origin(kind) is Literal else ()
+
+
+def _choice_clause(key: str, value: Any) -> str:
+    return f"'{key}' is '{value}'; choose one of {', '.join(_choices(key))}"
+
+
+def _omegaconf_message(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None)
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if isinstance(err, ConfigKeyError) and key:
+        parent, _, leaf = key.rpartition(".")
+        known = _known_keys(parent)
+        hint = difflib.get_close_matches(leaf, known, n=1)
+        msg = f"unknown key '{key}'"
+        if hint:
+            msg += f": did you mean '{(parent + '.') if parent else ''}{hint[0]}'?"
+        else:
+            msg += f": valid keys here are {', '.join(sorted(known))}"
+        return msg
+    if isinstance(err, ValidationError) and key and _choices(key):
+        return _choice_clause(key, getattr(err, "value", None))
+    if isinstance(err, ValidationError) and key:
+        return f"bad value for '{key}': {first}"
+    return f"{first}" + (f" (key '{key}')" if key else "")
+
+
+def _known_keys(parent: str) -> list[str]:
+    node = _field_type(parent) if parent else JobConfig
+    return [f.name for f in fields(node)] if is_dataclass(node) else []
+
+
+def _build(given: DictConfig, where: str) -> JobConfig:
+    """`given` (the YAML file with the overrides merged in) merged onto the schema, then validated.
+
+    omegaconf stops at the first value a choice field refuses; the value is taken out of `given` and
+    the merge retried, so that every bad choice becomes a clause. The rules then run on the config
+    holding the values as given, and one ConfigError (its clauses after `where: `) lists the bad
+    choices, then the broken rules. Any other omegaconf error (unknown key, wrong type) is raised
+    as it is.
+    """
+    refused: dict[str, Any] = {}
+    while True:
+        try:
+            job = cast(JobConfig, OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), given)))
+            break
+        except ValidationError as err:
+            key = err.full_key
+            parent, _, leaf = (key or "").rpartition(".")
+            holder = OmegaConf.select(given, parent) if parent else given
+            if not key or not _choices(key) or not isinstance(holder, DictConfig) or leaf not in holder:
+                raise
+            refused[key] = holder[leaf]
+            del holder[leaf]
+    for key, value in refused.items():  # the rules see the config as given
+        parent, _, leaf = key.rpartition(".")
+        holder = job
+        for part in [p for p in parent.split(".") if p]:
+            holder = getattr(holder, part)
+        setattr(holder, leaf, value)
+    problems = [_choice_clause(key, value) for key, value in refused.items()] + job.validate()
+    if problems:
+        raise ConfigError(f"{where}: " + "; ".join(problems))
+    return job
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
+    """Load a JobConfig from an optional YAML file and `key=value` overrides, validated.
+
+    Raises ConfigError with a message naming the offending key.
+    """
+    where = str(path) if path else "<defaults>"
+    try:
+        given = OmegaConf.create()
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file '{p}' does not exist")
+            try:
+                loaded = OmegaConf.load(p)
+            except yaml.YAMLError as err:
+                mark = getattr(err, "problem_mark", None)
+                at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+                problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+                raise ConfigError(f"config file '{p}' is not valid YAML{at}: {problem}") from None
+            if not isinstance(loaded, DictConfig):
+                raise ConfigError(f"config file '{p}' is not a mapping of sections (model:, data:, training:, ...)")
+            given = loaded
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"override '{bad[0]}' is not of the form key=value (e.g. training.steps=10)")
+        if overrides:  # merged before the schema, so that an override can fix a choice the file got wrong
+            given = cast(DictConfig, OmegaConf.merge(given, OmegaConf.from_dotlist(list(overrides))))
+        return _build(given, where)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{where}: {_omegaconf_message(err)}") from None
+
+
+def to_yaml(cfg: JobConfig) -> str:
+    """The config as YAML (for logs, TensorBoard and checkpoints)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: JobConfig) -> dict[str, Any]:
+    """The config as plain JSON-able dict."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
+
+
+def from_dict(data: dict[str, Any]) -> JobConfig:
+    """Inverse of to_dict (validated)."""
+    try:
+        return _build(OmegaConf.create(data), "<config>")
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"<dict>: {_omegaconf_message(err)}") from None
