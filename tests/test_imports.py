@@ -33,7 +33,7 @@ ALLOWED: dict[str, frozenset[str]] = {
         "checkpoint": ("logs",),
         "etcd": ("logs",),
         # floor 2: models, and the pure-number planes
-        "models": ("config",),
+        "models": ("checkpoint", "config"),
         "planning": ("config", "logs", "models"),
         "simulate": ("config", "logs", "planning"),
         "data": ("config", "logs", "models"),

@@ -47,7 +47,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..config import ModelConfig
-from .hf import HF_FAMILIES, check_owned
+from .hf import EMBED_NAME, HF_FAMILIES, assemble, check_owned
 from .layers import LayerModel, RopeDecoderLayer, check_attn_implementation
 
 __all__ = [

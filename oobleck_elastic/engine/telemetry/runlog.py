@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ...config import JobConfig
 from ...logs import JobLog
@@ -23,7 +23,11 @@ from .metrics import Metrics
 from ..step.compiled import graphs_compiled
 from .mfu import device_peak_tflops, flops_per_token
 from ..step.optim import lr_factor
-from ..trainer import Reconfiguration, StepResult, Trainer
+from ..generation.entry import Reconfiguration
+from ..step.result import StepResult
+
+if TYPE_CHECKING:  # the trainer is handed in; the loop at the engine's root builds on telemetry
+    from ..trainer import Trainer
 
 log = JobLog(logging.getLogger("oobleck_elastic.train"))
 
