@@ -49,8 +49,6 @@ from torch import nn
 from ..logs import JobLog
 from ..config import JobConfig
 from ..models import LayerModel, build_layer_model, num_layers
-from ..models.tensor_parallel import from_full, local, to_full, wrap_like
-from ..models.vocab import is_vocab_param, pad_rows, padded_vocab_size, unpad_rows
 from ..planning import Plan
 from .telemetry import memory
 from .step.compiled import compile_enabled, compiled_stage, use_cache_dir, warm_up
@@ -71,17 +69,21 @@ from .resilience.fingerprint import (
 from .generation.groups import GenerationGroups, GradSync
 from .resilience.guard import Verdict, judge
 from .generation.entry import GenerationEntry, LayersLost, Reconfiguration, WorkerState
+from .portable import PortableState
 from .step.commit import CommitVote, commit, own_slot
 from .step.result import Autocast, StepResult
 from .resilience.straggler import ComputeClock
-from .step.optim import adamw_step, clip_coefficient, scale_grads, set_lr, token_sum_loss
+from .step.optim import clip_coefficient, scale_grads, set_lr, token_sum_loss
 
 __all__ = ["Trainer", "StepResult", "LayersLost", "Reconfiguration", "WorkerState", "single_process"]
 
 log = JobLog(logging.getLogger(__name__))
 
 
-class Trainer:
+class Trainer(PortableState):
+    """One worker's part of a plan (module docstring); its state in and out of checkpoints
+    (`state_dict`, `load_state_dict`, `layer_state`, ...) is `PortableState`'s (engine/portable.py)."""
+
     def __init__(
         self,
         cfg: JobConfig,
@@ -474,99 +476,6 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.state.committed_step = step
-
-    # ------------------------------------------------------------------ state
-    def held_bytes(self) -> int:
-        """Bytes of the parameters (this lane's shards) and optimizer state this worker holds."""
-        tensors = {
-            id(t): t
-            for p in self.params
-            for t in [
-                local(p),
-                *(
-                    local(v)
-                    for v in (self.optimizer.state.get(p, {}) if self.optimizer else {}).values()
-                    if torch.is_tensor(v)
-                ),
-            ]
-        }
-        return sum(t.numel() * t.element_size() for t in tensors.values())
-
-    def _portable(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """A full tensor as it leaves the worker: without the padded vocabulary rows (models/vocab.py)."""
-        real = self.layer_model.vocab_size
-        return unpad_rows(t, real) if real is not None and is_vocab_param(name) else t
-
-    def _installable(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """A full tensor from outside (a checkpoint) as the layer holds it: padded again."""
-        real = self.layer_model.vocab_size
-        if real is not None and is_vocab_param(name):
-            t = pad_rows(t, padded_vocab_size(real, self.cfg.model.pad_vocab_to))
-        return t
-
-    def layer_state(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Owned layers' parameters, detached copies on the CPU, by layer index and local name."""
-        return {
-            i: {
-                n: self._portable(n, to_full(layer, n, p.detach())).to("cpu", copy=True)
-                for n, p in layer.named_parameters()
-            }
-            for i in self.owned
-            for layer in [self.layer_model.held(i)]
-        }
-
-    def optimizer_state(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
-        """Owned layers' optimizer state (e.g. exp_avg, exp_avg_sq, step) by layer and name, on the CPU."""
-        out: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
-        assert self.optimizer is not None
-        for i in self.owned:
-            layer = self.layer_model.held(i)
-            for n, p in layer.named_parameters():
-                st = self.optimizer.state.get(p, {})
-                out.setdefault(i, {})[n] = {
-                    k: (
-                        v.detach().to("cpu", copy=True)
-                        if k == "step"
-                        else self._portable(n, to_full(layer, n, v.detach())).to("cpu", copy=True)
-                    )
-                    for k, v in st.items()
-                    if torch.is_tensor(v)
-                }
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint holds of this worker (torch's Stateful): the next step to run, and the
-        owned layers' parameters and optimizer state by layer index and local name, on the CPU."""
-        return {"next_step": self.committed_step + 1, "layers": self.layer_state(), "optimizer": self.optimizer_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Install a `state_dict` (of any plan) for the layers this worker owns now: weights are
-        copied into the parameters, optimizer moments and AdamW's `step` go to the parameters'
-        device; training goes on at `next_step`. Layers missing from `state`
-        or a parameter missing from a layer raise KeyError naming them."""
-        assert self.optimizer is not None
-        layers, optim = state["layers"], state.get("optimizer", {})
-        for i in self.owned:
-            if i not in layers:
-                raise KeyError(f"the state has no layer {i}")
-            layer = self.layer_model.held(i)
-            for name, p in layer.named_parameters():
-                if name not in layers[i]:
-                    raise KeyError(f"the state's layer {i} has no parameter '{name}'")
-                with torch.no_grad():  # this lane's shard of the full tensor (all of it without tensor parallelism)
-                    local(p).copy_(from_full(layer, name, self._installable(name, layers[i][name])))
-                moments = optim.get(i, {}).get(name)
-                if moments:
-                    self.optimizer.state[p] = {
-                        k: adamw_step(v, local(p))
-                        if k == "step"
-                        else wrap_like(
-                            p,
-                            from_full(layer, name, self._installable(name, torch.as_tensor(v))).to(p.device, copy=True),
-                        )
-                        for k, v in moments.items()
-                    }
-        self.state.committed_step = self.state.synced_step = int(state["next_step"]) - 1
 
     def abort(self, *, abandoned: bool = False) -> None:
         """After a communication error, or when the control plane abandoned a step (`abandoned`):
