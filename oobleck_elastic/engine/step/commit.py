@@ -17,9 +17,9 @@ seen (all leave for it at the same boundary), the largest peak memory of any wor
 rejections of this step (engine/resilience/guard.py), and every worker's compute seconds in the
 step (engine/resilience/straggler.py). Each is a field of `CommitVote`, declared with its rule:
 
-- `_largest`: one slot; the commit gives the largest value of any worker. `None` travels as -1
-  (below any real value, so a worker with nothing to say never wins) and any negative reads as
-  `None`.
+- `_largest`: one slot; the commit gives the largest value of any worker. In an optional field
+  `None` travels as -1 (below any real value, so a worker with nothing to say never wins) and any
+  negative reads back as `None`.
 - `_by_rank`: one slot per rank; a worker fills its own slot (`own_slot`) and leaves the others
   0, so the MAX gathers every worker's value (the values are never negative).
 
@@ -27,8 +27,9 @@ step (engine/resilience/straggler.py). Each is a field of `CommitVote`, declared
 (`CommitVote.layout`: five slots, then one per rank) and `unpack` reads it back, refusing a tensor
 of another shape or dtype. Every field's rule is a MAX, so one MAX all-reduce of the packed
 tensor is the field-wise reduction (`combine`, the same rule in plain Python). A one-slot field
-travels rounded to float32 on its way into the float64 tensor, as it always has: exact for
-generations and counts, seven significant digits for bytes and the loss, and the same on every
+travels rounded to float32 on its way into the float64 tensor (the protocol's wire format:
+changing it would move the step guard's threshold in its eighth digit): exact for generations
+and counts below 2^24, seven significant digits for bytes and the loss, and the same on every
 worker, which is all an agreement needs; the per-rank seconds travel as float64. A feature that
 needs the workers to agree on something adds a field with its rule, not a slot index.
 """
