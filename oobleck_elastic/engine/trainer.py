@@ -17,9 +17,13 @@ its share of the global batch, then:
 2. one all-reduce over the generation sums the squared gradient norm and the loss;
 3. one tiny all-reduce is the COMMIT point (docs/design.md, invariant 2): a worker calls
    optimizer.step() only after it returns, i.e. after every worker finished steps 1-2, so if any
-   worker committed, every worker holds the synchronised gradients and the norm. It is a MAX of
-   the newest plan generation each worker has seen, so everyone leaves for a new generation at
-   the same step boundary.
+   worker committed, every worker holds the synchronised gradients and the norm. It is one MAX
+   over every worker's `CommitVote` (engine/step/commit.py): the newest plan generation each
+   worker has seen, so everyone leaves for a new generation at the same step boundary, and what
+   the step guard and the straggler watch need every worker to agree on;
+4. the step guard's verdict (engine/resilience/guard.py), the same on every worker, applies the
+   step or drops it; after an applied step, every `fingerprint_interval_steps`, the copies of
+   every layer are compared and repaired (engine/resilience/fingerprint.py).
 
 What a step costs besides the arithmetic (README "Speed"): the batch is collated ahead by a
 `BatchPrefetcher`; the layers run compiled when `training.compile` says so (engine/step/compiled.py);
@@ -45,8 +49,6 @@ from torch import nn
 from ..logs import JobLog
 from ..config import JobConfig
 from ..models import LayerModel, build_layer_model, num_layers
-from ..models.tensor_parallel import from_full, local, to_full, wrap_like
-from ..models.vocab import is_vocab_param, pad_rows, padded_vocab_size, unpad_rows
 from ..planning import Plan
 from .telemetry import memory
 from .step.compiled import compile_enabled, compiled_stage, use_cache_dir, warm_up
@@ -65,20 +67,23 @@ from .resilience.fingerprint import (
     repair,
 )
 from .generation.groups import GenerationGroups, GradSync
-from .resilience.guard import judge
+from .resilience.guard import Verdict, judge
 from .generation.entry import GenerationEntry, LayersLost, Reconfiguration, WorkerState
+from .portable import PortableState
+from .step.commit import CommitVote, commit, own_slot
 from .step.result import Autocast, StepResult
 from .resilience.straggler import ComputeClock
-from .step.optim import adamw_step, clip_coefficient, scale_grads, set_lr, token_sum_loss
+from .step.optim import clip_coefficient, scale_grads, set_lr, token_sum_loss
 
 __all__ = ["Trainer", "StepResult", "LayersLost", "Reconfiguration", "WorkerState", "single_process"]
 
 log = JobLog(logging.getLogger(__name__))
 
-_SEEN = 5  # the commit's fixed slots (generation, peak RSS, peak device memory, max loss, rejections)
 
+class Trainer(PortableState):
+    """One worker's part of a plan (module docstring); its state in and out of checkpoints
+    (`state_dict`, `load_state_dict`, `layer_state`, ...) is `PortableState`'s (engine/portable.py)."""
 
-class Trainer:
     def __init__(
         self,
         cfg: JobConfig,
@@ -320,27 +325,66 @@ class Trainer:
     def train_step(self, step: int, *, seen_generation: int = 0, rejections: int = 0) -> StepResult:
         """Run step `step` (0-based) and apply it. It may run in another thread: it uses the
         generation's objects as they were when it started, and after `abandon()` it raises
-        StepAbandoned instead of changing this trainer's state. `rejections`: how often this worker
-        has seen the step guard reject `step` (the commit agrees on the largest, engine/resilience/guard.py)."""
-        t0 = time.perf_counter()
-        epoch = self._epoch
-        self.faults.check(rank=self.rank, step=step)
-        self._step = step
-        self.clock.take()  # what an abandoned or rejected run left
+        StepAbandoned instead of changing this trainer's state. `seen_generation`: the newest plan
+        generation this worker has seen; `rejections`: how often this worker has seen the step
+        guard reject `step` (the commit agrees on the largest of each, engine/step/commit.py)."""
+        t0, epoch = time.perf_counter(), self._epoch
+        self._begin(step)
         x, y = self.batches.get(step)
         schedule, grad_sync, step_group = self.schedule, self.grad_sync, self.step_group
         assert grad_sync is not None, "enter a generation first"
-        # one autocast region for the whole step: torch casts each weight to bf16 once per region
-        # (its autocast cache), not once per microbatch
+        local_loss = self._forward_backward(x, y, schedule)
+        local_loss = self.faults.poisoned(local_loss, rank=self.rank, step=step, params=self.params)
+        norm2, loss = self._synchronise(step, local_loss, grad_sync, step_group, epoch)
+        agreed = commit(self._vote(seen_generation, rejections), group=step_group)
+        spike_factor = self.cfg.fault_tolerance.loss_spike_factor
+        verdict = judge(loss, norm2, running_max=agreed.max_loss, spike_factor=spike_factor)
+        repaired: tuple[Corrupt, ...] = ()
+        unrepairable = ""
+        if verdict.apply:
+            self._apply(step, norm2, epoch)
+            self.faults.flip_bit(rank=self.rank, step=step, layers=self.layer_model.layers)
+            repaired, unrepairable = self._compare_copies(step)
+        self._settle(verdict, loss, agreed.max_loss, epoch)
+        return StepResult(
+            step=step,
+            loss=loss,
+            seconds=time.perf_counter() - t0,
+            grad_norm=norm2**0.5,
+            next_generation=agreed.generation,
+            peak_rss_bytes=agreed.peak_rss_bytes,
+            peak_device_bytes=agreed.peak_device_bytes,
+            rejected=verdict.reason,
+            rejections=agreed.rejections,
+            repaired=repaired,
+            unrepairable=unrepairable,
+            compute_s=agreed.compute_s,
+        )
+
+    def _begin(self, step: int) -> None:
+        """The injected faults of a step's start (engine/resilience/faults.py), and a clean clock."""
+        self.faults.check(rank=self.rank, step=step)
+        self._step = step
+        self.clock.take()  # what an abandoned or rejected run left
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, schedule: Any) -> torch.Tensor:
+        """This stage's part of the step's schedule in one autocast region (torch casts each weight
+        to bf16 once per region, its autocast cache, not once per microbatch); the summed loss."""
         with torch.autocast(
             device_type=self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None
         ):
-            local_loss = self._forward_backward_pipeline(x, y, schedule)
-        poison = self.faults.loss_factor(rank=self.rank, step=step)
-        if poison is not None:  # injected (engine/resilience/faults.py): a NaN poisons the gradients too
-            local_loss = local_loss * poison
-            if poison != poison:
-                torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], poison)
+            return self._forward_backward_pipeline(x, y, schedule)
+
+    def _synchronise(
+        self,
+        step: int,
+        local_loss: torch.Tensor,
+        grad_sync: GradSync,
+        step_group: Optional[dist.ProcessGroup],
+        epoch: int,
+    ) -> tuple[float, float]:
+        """Steps 1-2 of the module docstring: the gradients summed among each layer's holders, then
+        one SUM all-reduce of the squared norm and the loss; (squared norm, loss), global."""
         grad_sync.all_reduce()
         # control collectives: CPU tensors, so they go over gloo whatever the data backend; this
         # is the step's one read of a device value (the loss and the norm stay on the device until
@@ -354,59 +398,46 @@ class Trainer:
         norm2, loss = float(reduced[0]), float(reduced[1])
         with self._current(epoch):
             self.state.synced_step, self.state.synced_norm2 = step, norm2
-        # COMMIT: returns only once every worker has finished this step's communication; it also
-        # carries the newest plan generation anyone has seen, so all leave at the same boundary
-        # (and, at no extra cost, the largest peak memory of any worker)
-        # (and every worker's compute seconds in this step, one slot per rank: engine/resilience/straggler.py)
+        return norm2, loss
+
+    def _vote(self, seen_generation: int, rejections: int) -> CommitVote:
+        """This worker's part of the COMMIT (engine/step/commit.py): the newest generation it has
+        seen, its peak memory, the step guard's running maximum and rejections, and its compute
+        seconds in this step (the straggler clock, engine/resilience/straggler.py)."""
         device_peak = memory.peak_device_bytes(self.device)
         assert self.plan is not None
-        seen = torch.zeros(_SEEN + self.plan.world_size, dtype=torch.float64)
-        seen[:_SEEN] = torch.tensor(
-            [
-                max(seen_generation, self.generation),
-                memory.peak_rss_bytes(),
-                -1 if device_peak is None else device_peak,
-                self.state.max_loss,
-                rejections,
-            ]
+        return CommitVote(
+            generation=max(seen_generation, self.generation),
+            peak_rss_bytes=memory.peak_rss_bytes(),
+            peak_device_bytes=device_peak,
+            max_loss=self.state.max_loss,
+            rejections=rejections,
+            compute_s=own_slot(self.rank, self.plan.world_size, self.clock.take()),
         )
-        seen[_SEEN + self.rank] = self.clock.take()
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=step_group)
-        # the step guard (engine/resilience/guard.py): the same loss, norm and running maximum on every worker
-        ft = self.cfg.fault_tolerance
-        verdict = judge(loss, norm2, running_max=float(seen[3]), spike_factor=ft.loss_spike_factor)
-        repaired: list[Corrupt] = []
-        unrepairable = ""
-        if verdict.apply:
-            self._apply(step, norm2, epoch)
-            self.faults.flip_bit(rank=self.rank, step=step, layers=self.layer_model.layers)
-            if is_check_step(step, ft.fingerprint_interval_steps):  # every worker, the same steps
-                try:
-                    repaired = self.check_replicas(step)
-                except Unrepairable as err:
-                    unrepairable = str(err)
+
+    def _compare_copies(self, step: int) -> tuple[tuple[Corrupt, ...], str]:
+        """After an applied step, every `fingerprint_interval_steps` (the same steps on every
+        worker): the layers' copies compared and repaired (`check_replicas`); (the repaired
+        copies, why the job must stop: a layer's copies have no majority)."""
+        if not is_check_step(step, self.cfg.fault_tolerance.fingerprint_interval_steps):
+            return (), ""
+        try:
+            return tuple(self.check_replicas(step)), ""
+        except Unrepairable as err:
+            return (), str(err)
+
+    def _settle(self, verdict: Verdict, loss: float, running_max: float, epoch: int) -> None:
+        """The step guard's verdict on this worker's state (engine/resilience/guard.py): an applied
+        step raises the running maximum of the loss; a rejected one is neither committed nor kept
+        for a roll-forward, and its gradients are dropped."""
         with self._current(epoch):
             if verdict.apply:
-                self.state.max_loss = max(float(seen[3]), loss)
-            else:  # dropped: neither committed nor kept for a roll-forward
-                self.state.max_loss = float(seen[3])
+                self.state.max_loss = max(running_max, loss)
+            else:
+                self.state.max_loss = running_max
                 self.state.synced_step = self.state.committed_step
                 assert self.optimizer is not None
                 self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(
-            step=step,
-            loss=loss,
-            seconds=time.perf_counter() - t0,
-            grad_norm=norm2**0.5,
-            next_generation=int(seen[0]),
-            peak_rss_bytes=int(seen[1]),
-            peak_device_bytes=None if seen[2] < 0 else int(seen[2]),
-            rejected=verdict.reason,
-            rejections=int(seen[4]),
-            repaired=tuple(repaired),
-            unrepairable=unrepairable,
-            compute_s=tuple(seen[_SEEN:].tolist()),
-        )
 
     def check_replicas(self, step: int) -> list[Corrupt]:
         """Compare every layer's copies with its other holders after step `step` and replace the
@@ -445,99 +476,6 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.state.committed_step = step
-
-    # ------------------------------------------------------------------ state
-    def held_bytes(self) -> int:
-        """Bytes of the parameters (this lane's shards) and optimizer state this worker holds."""
-        tensors = {
-            id(t): t
-            for p in self.params
-            for t in [
-                local(p),
-                *(
-                    local(v)
-                    for v in (self.optimizer.state.get(p, {}) if self.optimizer else {}).values()
-                    if torch.is_tensor(v)
-                ),
-            ]
-        }
-        return sum(t.numel() * t.element_size() for t in tensors.values())
-
-    def _portable(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """A full tensor as it leaves the worker: without the padded vocabulary rows (models/vocab.py)."""
-        real = self.layer_model.vocab_size
-        return unpad_rows(t, real) if real is not None and is_vocab_param(name) else t
-
-    def _installable(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """A full tensor from outside (a checkpoint) as the layer holds it: padded again."""
-        real = self.layer_model.vocab_size
-        if real is not None and is_vocab_param(name):
-            t = pad_rows(t, padded_vocab_size(real, self.cfg.model.pad_vocab_to))
-        return t
-
-    def layer_state(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Owned layers' parameters, detached copies on the CPU, by layer index and local name."""
-        return {
-            i: {
-                n: self._portable(n, to_full(layer, n, p.detach())).to("cpu", copy=True)
-                for n, p in layer.named_parameters()
-            }
-            for i in self.owned
-            for layer in [self.layer_model.held(i)]
-        }
-
-    def optimizer_state(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
-        """Owned layers' optimizer state (e.g. exp_avg, exp_avg_sq, step) by layer and name, on the CPU."""
-        out: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
-        assert self.optimizer is not None
-        for i in self.owned:
-            layer = self.layer_model.held(i)
-            for n, p in layer.named_parameters():
-                st = self.optimizer.state.get(p, {})
-                out.setdefault(i, {})[n] = {
-                    k: (
-                        v.detach().to("cpu", copy=True)
-                        if k == "step"
-                        else self._portable(n, to_full(layer, n, v.detach())).to("cpu", copy=True)
-                    )
-                    for k, v in st.items()
-                    if torch.is_tensor(v)
-                }
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint holds of this worker (torch's Stateful): the next step to run, and the
-        owned layers' parameters and optimizer state by layer index and local name, on the CPU."""
-        return {"next_step": self.committed_step + 1, "layers": self.layer_state(), "optimizer": self.optimizer_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Install a `state_dict` (of any plan) for the layers this worker owns now: weights are
-        copied into the parameters, optimizer moments and AdamW's `step` go to the parameters'
-        device; training goes on at `next_step`. Layers missing from `state`
-        or a parameter missing from a layer raise KeyError naming them."""
-        assert self.optimizer is not None
-        layers, optim = state["layers"], state.get("optimizer", {})
-        for i in self.owned:
-            if i not in layers:
-                raise KeyError(f"the state has no layer {i}")
-            layer = self.layer_model.held(i)
-            for name, p in layer.named_parameters():
-                if name not in layers[i]:
-                    raise KeyError(f"the state's layer {i} has no parameter '{name}'")
-                with torch.no_grad():  # this lane's shard of the full tensor (all of it without tensor parallelism)
-                    local(p).copy_(from_full(layer, name, self._installable(name, layers[i][name])))
-                moments = optim.get(i, {}).get(name)
-                if moments:
-                    self.optimizer.state[p] = {
-                        k: adamw_step(v, local(p))
-                        if k == "step"
-                        else wrap_like(
-                            p,
-                            from_full(layer, name, self._installable(name, torch.as_tensor(v))).to(p.device, copy=True),
-                        )
-                        for k, v in moments.items()
-                    }
-        self.state.committed_step = self.state.synced_step = int(state["next_step"]) - 1
 
     def abort(self, *, abandoned: bool = False) -> None:
         """After a communication error, or when the control plane abandoned a step (`abandoned`):

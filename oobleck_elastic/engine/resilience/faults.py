@@ -195,3 +195,16 @@ class FaultInjector:
         factor, times = self.poison[(rank, step)]
         self.runs[(rank, step)] = self.runs.get((rank, step), 0) + 1
         return factor if self.runs[(rank, step)] <= times else None
+
+    def poisoned(
+        self, loss: torch.Tensor, *, rank: int, step: int, params: Sequence[torch.nn.Parameter]
+    ) -> torch.Tensor:
+        """Called once per run of `step`, after its backward: this worker's `loss` times the injected
+        factor (`loss_factor`; a NaN multiplies the gradients of `params` too), or `loss` itself."""
+        factor = self.loss_factor(rank=rank, step=step)
+        if factor is None:
+            return loss
+        loss = loss * factor
+        if factor != factor:  # NaN
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
+        return loss

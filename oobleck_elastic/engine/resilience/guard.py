@@ -5,9 +5,10 @@ Mechanism, with no collective of its own:
 
 - **Same inputs everywhere.** After a step's norm all-reduce every worker holds the same global
   loss and squared gradient norm. The running maximum of the loss over applied steps rides on the
-  commit all-reduce (a MAX, like the generation it already carries), so after the commit every
-  worker also holds the same maximum, a worker that just joined included. `judge` is a pure
-  function of those numbers, so every worker reaches the same verdict at the same step.
+  commit all-reduce (`CommitVote.max_loss`, engine/step/commit.py: a MAX, like the generation it
+  already carries), so after the commit every worker also holds the same maximum, a worker that
+  just joined included. `judge` is a pure function of those numbers, so every worker reaches the
+  same verdict at the same step.
 - **Never applied.** A rejected step's gradients are dropped, and the step is neither committed
   nor kept as synchronised (a generation entry after a failure therefore replays it rather than
   rolling it forward); `Trainer._apply` also refuses a non-finite norm on its own. Checkpoints

@@ -7,8 +7,8 @@ notices it.
 **Measuring.** Each worker times its own compute in a step (`ComputeClock`: the stage's forward
 and backward chunks, not the waits for its neighbours; CUDA events on a GPU, the step thread's
 CPU time on a CPU with one intra-op thread, nothing otherwise), and the seconds ride
-on the commit all-reduce the step makes anyway (engine/trainer.py: a MAX over a vector with one
-slot per rank, so every worker learns every worker's time with no new collective).
+on the commit all-reduce the step makes anyway (engine/step/commit.py: `CommitVote.compute_s`,
+one slot per rank in a MAX, so every worker learns every worker's time with no new collective).
 
 **Naming** (`slowdowns`, `StragglerWatch`; pure, the same on every worker). Over the last
 `straggler_steps` steps of a generation (its first step left out), each worker's fastest time

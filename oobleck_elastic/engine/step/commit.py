@@ -1,0 +1,179 @@
+"""The commit vote: what every worker puts into a step's COMMIT all-reduce, as one typed record.
+
+**Exactly-once steps** (docs/design.md, invariant 2). After a step's pipeline schedule and its
+gradient sums among each layer's holders, every worker of the generation makes two control
+collectives: a SUM all-reduce of the squared gradient norm and the loss (`Trainer`), then the
+COMMIT, one MAX all-reduce of every worker's `CommitVote` (`commit`). A worker calls
+`optimizer.step()` only after the commit returns, and the commit returns only once every worker
+has joined it, i.e. has finished all of the step's communication before it. So if any worker
+applied step s, every worker holds step s's synchronised gradients and norm: after a failure the
+survivors roll the step forward when some worker committed it and replay it when none did, and
+every step is applied exactly once.
+
+**What rides on it.** The commit is a collective the step makes anyway, so whatever the workers
+must agree on at a step boundary rides on it for free: the newest plan generation any worker has
+seen (all leave for it at the same boundary), the largest peak memory of any worker
+(engine/telemetry/memory.py), the step guard's running maximum of the loss and its count of
+rejections of this step (engine/resilience/guard.py), and every worker's compute seconds in the
+step (engine/resilience/straggler.py). Each is a field of `CommitVote`, declared with its rule:
+
+- `_largest`: one slot; the commit gives the largest value of any worker. In an optional field
+  `None` travels as -1 (below any real value, so a worker with nothing to say never wins) and any
+  negative reads back as `None`.
+- `_by_rank`: one slot per rank; a worker fills its own slot (`own_slot`) and leaves the others
+  0, so the MAX gathers every worker's value (the values are never negative).
+
+**Layout.** `pack` lays the fields out in their declaration order in one flat float64 tensor
+(`CommitVote.layout`: five slots, then one per rank) and `unpack` reads it back, refusing a tensor
+of another shape or dtype. Every field's rule is a MAX, so one MAX all-reduce of the packed
+tensor is the field-wise reduction (`combine`, the same rule in plain Python). A one-slot field
+travels rounded to float32 on its way into the float64 tensor (the protocol's wire format:
+changing it would move the step guard's threshold in its eighth digit): exact for generations
+and counts below 2^24, seven significant digits for bytes and the loss, and the same on every
+worker, which is all an agreement needs; the per-rank seconds travel as float64. A feature that
+needs the workers to agree on something adds a field with its rule, not a slot index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CommitVote", "combine", "commit", "own_slot"]
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """How a field of the vote travels and reduces (module docstring)."""
+
+    by_rank: bool
+    """One slot per rank (a worker fills its own) rather than one slot."""
+    kind: type
+    """`int` or `float`: what a slot reads back as."""
+    wire: torch.dtype
+    """The precision a value is rounded to on its way into the float64 tensor."""
+    optional: bool = False
+    """`None` travels as -1, and a negative slot reads back as `None`."""
+
+    def encode(self, value: Any) -> Any:
+        return -1 if self.optional and value is None else value
+
+    def decode(self, slot: float) -> Any:
+        return None if self.optional and slot < 0 else self.kind(slot)
+
+
+def _largest(kind: type, *, optional: bool = False) -> Any:
+    """A one-slot field: the commit gives the largest value of any worker."""
+    return field(metadata={"vote": _Rule(False, kind, torch.float32, optional)})
+
+
+def _by_rank() -> Any:
+    """A field of one float64 slot per rank: the commit gives every worker's value by rank."""
+    return field(metadata={"vote": _Rule(True, float, torch.float64)})
+
+
+@dataclass(frozen=True)
+class CommitVote:
+    """One worker's vote, or (from `commit`, `unpack`, `combine`) the generation's agreed one."""
+
+    generation: int = _largest(int)
+    """The newest plan generation seen: every worker leaves for the agreed one at this boundary."""
+    peak_rss_bytes: int = _largest(int)
+    """Peak resident memory (engine/telemetry/memory.py)."""
+    peak_device_bytes: Optional[int] = _largest(int, optional=True)
+    """Peak device memory (None off CUDA)."""
+    max_loss: float = _largest(float)
+    """The largest loss of any applied step (the step guard's spike threshold)."""
+    rejections: int = _largest(int)
+    """How many times this step was rejected by the step guard before this run of it."""
+    compute_s: tuple[float, ...] = _by_rank()
+    """Compute seconds in the step, by rank (a worker's own vote: its own slot, 0 elsewhere)."""
+
+    def __post_init__(self) -> None:
+        widths = {len(getattr(self, f.name)) for f, rule in _rules() if rule.by_rank}
+        if len(widths) > 1:
+            raise ValueError(f"a commit vote's per-rank fields must have one length (one slot per rank): {widths}")
+
+    @property
+    def world_size(self) -> int:
+        """The ranks the vote has slots for."""
+        return next((len(getattr(self, f.name)) for f, rule in _rules() if rule.by_rank), 0)
+
+    @classmethod
+    def layout(cls, world_size: int) -> dict[str, slice]:
+        """Each field's slots in the packed tensor of a vote over `world_size` ranks, in order."""
+        out, start = {}, 0
+        for f, rule in _rules():
+            width = world_size if rule.by_rank else 1
+            out[f.name], start = slice(start, start + width), start + width
+        return out
+
+    @classmethod
+    def size(cls, world_size: int) -> int:
+        """Slots of the packed tensor of a vote over `world_size` ranks."""
+        return sum(world_size if rule.by_rank else 1 for _, rule in _rules())
+
+    def pack(self) -> torch.Tensor:
+        """The flat float64 tensor of `layout(world_size)` that the commit all-reduces."""
+        layout = self.layout(self.world_size)
+        out = torch.zeros(self.size(self.world_size), dtype=torch.float64)
+        for f, rule in _rules():
+            value = getattr(self, f.name)
+            values = [rule.encode(v) for v in value] if rule.by_rank else [rule.encode(value)]
+            out[layout[f.name]] = torch.tensor(values, dtype=rule.wire)
+        return out
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, *, world_size: int) -> "CommitVote":
+        """The vote `packed` holds (a `pack`ed vote over `world_size` ranks, reduced or not);
+        ValueError when it has another shape or dtype."""
+        size = cls.size(world_size)
+        if packed.dtype != torch.float64 or tuple(packed.shape) != (size,):
+            names = ", ".join(f"{name} x {s.stop - s.start}" for name, s in cls.layout(world_size).items())
+            raise ValueError(
+                f"a commit vote over {world_size} ranks is a flat float64 tensor of {size} slots ({names}); "
+                f"got shape {tuple(packed.shape)} of {packed.dtype}"
+            )
+        values: dict[str, Any] = {}
+        for (f, rule), where in zip(_rules(), cls.layout(world_size).values()):
+            slots = packed[where].tolist()
+            values[f.name] = tuple(rule.decode(s) for s in slots) if rule.by_rank else rule.decode(slots[0])
+        return cls(**values)
+
+
+def _rules() -> list[tuple[Any, _Rule]]:
+    """The vote's fields with their rules, in declaration order."""
+    return [(f, f.metadata["vote"]) for f in fields(CommitVote)]
+
+
+def own_slot(rank: int, world_size: int, value: float) -> tuple[float, ...]:
+    """A per-rank field of one worker's vote: `value` in its own slot, 0 in the others."""
+    return tuple(value if r == rank else 0.0 for r in range(world_size))
+
+
+def combine(votes: Sequence[CommitVote]) -> CommitVote:
+    """What the commit all-reduce makes of `votes`, field by field in plain Python: the largest
+    value of each one-slot field (`None` only when every vote has `None`), the largest value of
+    each per-rank slot (for values the wire carries exactly: see the module docstring)."""
+    if not votes:
+        raise ValueError("no votes to combine")
+    values: dict[str, Any] = {}
+    for f, rule in _rules():
+        column = [getattr(v, f.name) for v in votes]
+        if rule.by_rank:
+            values[f.name] = tuple(max(slot) for slot in zip(*column))
+        else:
+            values[f.name] = rule.decode(max(rule.encode(v) for v in column))
+    return CommitVote(**values)
+
+
+def commit(vote: CommitVote, *, group: Optional[dist.ProcessGroup]) -> CommitVote:
+    """The COMMIT (module docstring): one MAX all-reduce of this worker's `vote` over `group` (the
+    generation's stages; None: the world), a CPU tensor, so over gloo whatever the data backend.
+    Returns only once every worker has joined; the agreed vote, the same on every worker."""
+    packed = vote.pack()
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    return CommitVote.unpack(packed, world_size=vote.world_size)

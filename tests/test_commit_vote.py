@@ -1,0 +1,108 @@
+"""The commit vote (engine/step/commit.py) on made-up values: its layout, a round trip through the
+packed tensor, the MAX all-reduce of several workers' votes against the field-wise rule, the
+precision of each field on the wire, and a malformed tensor refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from oobleck_elastic.engine.step.commit import CommitVote, combine, commit, own_slot
+
+
+def _vote(rank: int, world_size: int, **fields) -> CommitVote:
+    values = dict(
+        generation=3,
+        peak_rss_bytes=3 * 2**30,
+        peak_device_bytes=None,
+        max_loss=2.5,
+        rejections=0,
+        compute_s=own_slot(rank, world_size, 0.125 * (rank + 1)),
+    )
+    return CommitVote(**{**values, **fields})
+
+
+def test_the_layout_has_five_slots_then_one_per_rank() -> None:
+    assert CommitVote.layout(4) == {
+        "generation": slice(0, 1),
+        "peak_rss_bytes": slice(1, 2),
+        "peak_device_bytes": slice(2, 3),
+        "max_loss": slice(3, 4),
+        "rejections": slice(4, 5),
+        "compute_s": slice(5, 9),
+    }
+    assert [CommitVote.size(n) for n in (1, 2, 8)] == [6, 7, 13]
+    packed = _vote(2, 4, generation=7, peak_device_bytes=5 * 2**20, rejections=1).pack()
+    assert packed.dtype == torch.float64 and packed.tolist() == [7, 3 * 2**30, 5 * 2**20, 2.5, 1, 0, 0, 0.375, 0]
+
+
+def test_a_vote_survives_pack_and_unpack() -> None:
+    for vote in (_vote(1, 3), _vote(0, 1, peak_device_bytes=2**33, max_loss=0.0, rejections=2)):
+        again = CommitVote.unpack(vote.pack(), world_size=vote.world_size)
+        assert again == vote
+        assert type(again.generation) is int and type(again.max_loss) is float
+    assert _vote(0, 2).pack()[2] == -1  # None travels as -1 ...
+    packed = _vote(0, 2).pack()
+    packed[2] = -7.0
+    assert CommitVote.unpack(packed, world_size=2).peak_device_bytes is None  # ... and any negative reads as None
+
+
+def test_the_max_of_several_votes_is_the_field_wise_rule() -> None:
+    votes = [
+        _vote(0, 3, generation=4, peak_rss_bytes=2**30, max_loss=3.0),
+        _vote(1, 3, generation=5, peak_rss_bytes=2**31, peak_device_bytes=2**20, rejections=1),
+        _vote(2, 3, generation=4, peak_rss_bytes=2**29, peak_device_bytes=2**22, max_loss=1.5),
+    ]
+    reduced = CommitVote.unpack(torch.stack([v.pack() for v in votes]).amax(0), world_size=3)
+    assert reduced == combine(votes)
+    assert reduced == CommitVote(
+        generation=5,
+        peak_rss_bytes=2**31,
+        peak_device_bytes=2**22,
+        max_loss=3.0,
+        rejections=1,
+        compute_s=(0.125, 0.25, 0.375),  # every worker's own slot
+    )
+    assert combine(votes[:1]) == votes[0]
+    assert combine([_vote(r, 2) for r in range(2)]).peak_device_bytes is None  # no worker has a device
+    with pytest.raises(ValueError, match="no votes"):
+        combine([])
+
+
+def test_commit_is_one_max_all_reduce_over_the_group(monkeypatch) -> None:
+    others = [_vote(1, 3, generation=9, max_loss=4.0), _vote(2, 3, rejections=2)]
+    calls = []
+
+    def all_reduce(tensor: torch.Tensor, op=None, group=None) -> None:  # the other workers' votes arrive
+        calls.append((op, group))
+        tensor.copy_(torch.stack([tensor, *(v.pack() for v in others)]).amax(0))
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    mine = _vote(0, 3)
+    group = object()
+    assert commit(mine, group=group) == combine([mine, *others])
+    assert calls == [(dist.ReduceOp.MAX, group)]
+
+
+def test_one_slot_fields_travel_as_float32_and_seconds_as_float64() -> None:
+    loss, seconds = 5.57361912727356, 0.1234567890123
+    vote = _vote(0, 2, peak_rss_bytes=1_234_567_891, max_loss=loss, compute_s=(seconds, 0.0))
+    again = CommitVote.unpack(vote.pack(), world_size=2)
+    assert again.peak_rss_bytes == 1_234_567_936  # the nearest float32
+    assert again.max_loss == float(torch.tensor(loss, dtype=torch.float32)) != loss
+    assert again.compute_s == (seconds, 0.0)
+
+
+def test_a_malformed_tensor_is_refused_naming_the_layout() -> None:
+    layout = (
+        r"\(generation x 1, peak_rss_bytes x 1, peak_device_bytes x 1, max_loss x 1, rejections x 1, compute_s x 3\)"
+    )
+    with pytest.raises(
+        ValueError, match=rf"over 3 ranks is a flat float64 tensor of 8 slots {layout}; got shape \(7,\) "
+    ):
+        CommitVote.unpack(torch.zeros(7, dtype=torch.float64), world_size=3)
+    with pytest.raises(ValueError, match=r"got shape \(8,\) of torch.float32"):
+        CommitVote.unpack(torch.zeros(8), world_size=3)
+    with pytest.raises(ValueError, match=r"got shape \(2, 4\)"):
+        CommitVote.unpack(torch.zeros(2, 4, dtype=torch.float64), world_size=3)
