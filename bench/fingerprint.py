@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from oobleck_elastic.config import load_config  # noqa: E402
 from oobleck_elastic.engine.resilience.fingerprint import fingerprints, layer_tensors  # noqa: E402
 from oobleck_elastic.engine.trainer import single_process  # noqa: E402
-from tests.helpers import RandomTokens  # noqa: E402
+from oobleck_elastic.testing import RandomTokens  # noqa: E402
 
 
 def measure(model: str, *, steps: int, repeats: int, seq_len: int) -> dict:

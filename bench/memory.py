@@ -47,7 +47,6 @@ from pathlib import Path
 
 T0 = time.monotonic()  # before torch is imported: the start of a worker's start-up
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 GPT2 = {"family": "gpt2", "blocks": 24, "hidden": 1024, "heads": 16, "vocab": 256}
@@ -83,7 +82,7 @@ def worker(rank: int, world: int, tmp: str, over: list[str], out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from helpers import RandomTokens, layout_plan
+    from oobleck_elastic.testing import RandomTokens, layout_plan
     from oobleck_elastic.config import load_config
     from oobleck_elastic.engine.telemetry import memory
     from oobleck_elastic.engine.trainer import Trainer

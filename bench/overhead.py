@@ -68,22 +68,6 @@ DEFAULT_OVERRIDES = [
 ]
 
 
-class RandomTokens:
-    """Deterministic synthetic windows (input, next-token labels), as in tests/test_engine.py."""
-
-    def __init__(self, n: int, seq_len: int, vocab: int) -> None:
-        import torch
-
-        g = torch.Generator().manual_seed(0)
-        self.data = torch.randint(0, vocab, (n, seq_len + 1), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int):
-        return self.data[i, :-1], self.data[i, 1:]
-
-
 def make_plan(pipelines: int, stages: int, num_layers: int, microbatch_size: int, microbatches: int):
     """`pipelines` identical pipelines of `stages` contiguous, near-equal layer ranges; the global
     batch's microbatches are split as evenly as possible between the pipelines."""
@@ -239,6 +223,7 @@ def worker(rank: int, world: int, tmp: str, cfg_dict: dict, layout: tuple[int, i
 
     from oobleck_elastic.config import from_dict
     from oobleck_elastic.engine.trainer import Trainer
+    from oobleck_elastic.testing import RandomTokens
 
     torch.set_num_threads(1)
     cfg = from_dict(cfg_dict)

@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers import TINY_PROFILE_OVERRIDES, tiny_profile  # noqa: E402
+from oobleck_elastic.testing import TINY_PROFILE_OVERRIDES, tiny_profile  # noqa: E402
 
 LINE = re.compile(r"gen (\d+) step (\d+)/(\d+) node \S+: .*\(([\d.]+) s since the last")
 BATCH = 32

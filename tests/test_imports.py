@@ -37,6 +37,7 @@ ALLOWED: dict[str, frozenset[str]] = {
         "planning": ("config", "logs", "models"),
         "simulate": ("config", "logs", "planning"),
         "data": ("config", "logs", "models"),
+        "testing": ("planning",),
         # floor 3: the records every agent and worker share
         "records": ("etcd", "logs", "planning"),
         # floor 4: the control plane

@@ -51,37 +51,12 @@ SLOW_ENTRY_ENV = "OOBLECK_SLOW_ENTRY"
 FLIP_BIT = 26
 
 
-def _parse_poison(spec: str, env: str, *, with_factor: bool) -> dict[tuple[int, int], tuple[float, int]]:
-    """RANK@STEP[:FACTOR][xTIMES] items -> {(rank, step): (factor, times)}."""
-    out: dict[tuple[int, int], tuple[float, int]] = {}
-    form = "RANK@STEP:FACTOR[xTIMES], e.g. 0@3:100x2" if with_factor else "RANK@STEP[xTIMES], e.g. 1@3x2"
-    for item in filter(None, (p.strip() for p in spec.split(","))):
-        body, _, times = item.partition("x")
-        rank, sep, rest = body.partition("@")
-        step, sep2, factor = rest.partition(":")
-        try:
-            ok = (
-                bool(sep)
-                and rank.isdigit()
-                and step.isdigit()
-                and (times == "" or int(times) >= 1)
-                and bool(sep2) == with_factor
-                and (not with_factor or float(factor) > 0)
-            )
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(f"{env}={spec!r}: each item must be {form}")
-        out[(int(rank), int(step))] = (float(factor) if with_factor else float("nan"), int(times or 1))
-    return out
-
-
 def _refuse() -> Any:
     raise ValueError("malformed")
 
 
 def _count(text: str) -> int:
-    """A rank, step or layer: digits only."""
+    """A rank, step, layer or repeat count: digits only."""
     return int(text) if text.isdigit() else _refuse()
 
 
@@ -89,23 +64,43 @@ def _at_least(value: float, low: float) -> float:
     return value if value >= low else _refuse()
 
 
-def _parse_at(
-    environ: Mapping[str, str], env: str, form: str, *, who: Callable[[str], Any], value: Callable[[str], Any]
+def _parse(
+    environ: Mapping[str, str],
+    env: str,
+    form: str,
+    *,
+    who: Callable[[str], Any] = _count,
+    value: Optional[Callable[[str], Any]] = None,
+    times: bool = False,
 ) -> dict[tuple[Any, int], Any]:
-    """The WHO@STEP:VALUE items of `environ[env]` -> {(who, step): value}; `who` and `value` convert
-    their part or raise ValueError, and any item that does not parse is one error naming `form`."""
+    """The one grammar of every drill: `WHO@STEP[:VALUE][xTIMES]` items, comma-separated, in
+    `environ[env]` -> {(who, step): value} (`value` None: items carry no `:VALUE` and map to None;
+    `times`: items may end with `xTIMES`, TIMES >= 1, and map to (value, times)). `who` and `value`
+    convert their part or raise ValueError; any item that does not parse is one error naming `form`."""
     spec = environ.get(env, "").strip()
     out = {}
     for item in filter(None, (p.strip() for p in spec.split(","))):
-        head, _, rest = item.partition("@")
-        step, sep, tail = rest.partition(":")
         try:
-            if not sep:
+            body, count = item, 1
+            if times:
+                body, _, repeat = item.partition("x")
+                count = _count(repeat) if repeat else 1
+                if count < 1:
+                    _refuse()
+            head, at, rest = body.partition("@")
+            step, colon, tail = rest.partition(":")
+            if not at or bool(colon) != (value is not None):
                 _refuse()
-            out[(who(head), _count(step))] = value(tail)
+            key = (who(head), _count(step))
+            got = value(tail) if value is not None else None
+            out[key] = (got, count) if times else got
         except ValueError:
             raise ValueError(f"{env}={spec!r}: each item must be {form}") from None
     return out
+
+
+def _positive(text: str) -> float:
+    return float(text) if float(text) > 0 else _refuse()
 
 
 @dataclass(frozen=True)
@@ -127,20 +122,15 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "FaultInjector":
-        spec = environ.get(ENV, "").strip()
-        points = set()
-        for item in filter(None, (p.strip() for p in spec.split(","))):
-            rank, sep, step = item.partition("@")
-            if not sep or not rank.isdigit() or not step.isdigit():
-                raise ValueError(f"{ENV}={spec!r}: each item must be RANK@STEP, e.g. 1@3")
-            points.add((int(rank), int(step)))
-        slow = _parse_at(
-            environ, SLOW_ENV, "RANK@STEP:SECONDS, e.g. 0@0:5", who=_count, value=lambda v: _at_least(float(v), 0)
+        points = frozenset(_parse(environ, ENV, "RANK@STEP, e.g. 1@3"))
+        slow = _parse(environ, SLOW_ENV, "RANK@STEP:SECONDS, e.g. 0@0:5", value=lambda v: _at_least(float(v), 0))
+        nan = _parse(environ, NAN_ENV, "RANK@STEP[xTIMES], e.g. 1@3x2", times=True)
+        poison = {key: (float("nan"), count) for key, (_, count) in nan.items()}
+        poison.update(
+            _parse(environ, SPIKE_ENV, "RANK@STEP:FACTOR[xTIMES], e.g. 0@3:100x2", value=_positive, times=True)
         )
-        poison = _parse_poison(environ.get(NAN_ENV, "").strip(), NAN_ENV, with_factor=False)
-        poison.update(_parse_poison(environ.get(SPIKE_ENV, "").strip(), SPIKE_ENV, with_factor=True))
-        flips = _parse_at(environ, FLIP_ENV, "RANK@STEP:LAYER, e.g. 1@3:2", who=_count, value=_count)
-        slowed = _parse_at(
+        flips = _parse(environ, FLIP_ENV, "RANK@STEP:LAYER, e.g. 1@3:2", value=_count)
+        slowed = _parse(
             environ,
             STRAGGLE_ENV,
             "NODE@STEP:FACTOR with FACTOR >= 1, e.g. node1@0:3",
@@ -148,14 +138,14 @@ class FaultInjector:
             value=lambda v: _at_least(float(v), 1),
         )
         straggle = {node: (step, factor) for (node, step), factor in slowed.items()}
-        slow_entry = _parse_at(
+        slow_entry = _parse(
             environ,
             SLOW_ENTRY_ENV,
             "NODE@GENERATION:SECONDS (NODE * for every node), e.g. *@2:5",
             who=lambda n: n or _refuse(),
             value=lambda v: _at_least(float(v), 0),
         )
-        return cls(frozenset(points), slow, poison, flips=flips, straggle=straggle, slow_entry=slow_entry)
+        return cls(points, slow, poison, flips=flips, straggle=straggle, slow_entry=slow_entry)
 
     def before_entry(self, *, node: str, generation: int) -> None:
         """Called by a worker before it connects to `generation`: sleep as the environment says."""

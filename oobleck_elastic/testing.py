@@ -1,0 +1,97 @@
+"""Synthetic inputs for tests, benchmarks and drills: shared here so neither imports the other.
+
+`RandomTokens` (deterministic windows of random tokens, a dataset with no file behind it),
+`layout_plan` (a plan from layer ranges per stage, without the planner) and `tiny_profile` (a
+profile whose 6 layers of 0.4 GiB each force multi-stage pipelines on 1.25 GiB devices, with the
+`TINY_PROFILE_OVERRIDES` that plan them so).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .planning import LayerProfile, ModelProfile, PipelineSpec, Plan, StagePlacement
+
+__all__ = ["RandomTokens", "layout_plan", "tiny_profile", "TINY_PROFILE_OVERRIDES"]
+
+
+class RandomTokens:
+    """Deterministic synthetic windows (input, next-token labels) of random tokens."""
+
+    def __init__(self, n: int = 64, seq_len: int = 16, vocab: int = 256) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.data = torch.randint(0, vocab, (n, seq_len + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        return self.data[i, :-1], self.data[i, 1:]
+
+
+def layout_plan(
+    layout: list[list[tuple[int, int]]],
+    microbatches: list[int],
+    *,
+    generation: int,
+    num_layers: int = 6,
+    microbatch_size: int = 2,
+) -> Plan:
+    """A plan from layer ranges per stage, one pipeline per entry, one device per node `n<rank>`."""
+    pipelines, rank = [], 0
+    for index, (ranges, mb) in enumerate(zip(layout, microbatches, strict=True)):
+        stages = []
+        for s, (u, v) in enumerate(ranges):
+            stages.append(StagePlacement(index=s, start=u, end=v, node=f"n{rank}", local_rank=0, rank=rank))
+            rank += 1
+        pipelines.append(
+            PipelineSpec(
+                index=index,
+                template_nodes=len(ranges),
+                nodes=tuple(st.node for st in stages),
+                microbatches=mb,
+                stages=tuple(stages),
+                est_time_s=1.0,
+            )
+        )
+    plan = Plan(
+        generation=generation,
+        nodes=tuple(f"n{r}" for r in range(rank)),
+        spares=(),
+        gpus_per_node=1,
+        num_layers=num_layers,
+        microbatch_size=microbatch_size,
+        pipelines=tuple(pipelines),
+        est_step_time_s=1.0,
+        f=1,
+    )
+    plan.check()
+    return plan
+
+
+def tiny_profile(path: Path, tensor_parallel: int = 1) -> Path:
+    """6 layers of 0.4 GiB (params+grads+AdamW) planned on 1.25 GiB devices: n0 = 2 nodes, so
+    gpt2-tiny runs as 2-stage pipelines (3 nodes: one 3-stage pipeline; 4 nodes: 2 x 2 stages);
+    with `tensor_parallel` = gpus_per_node, one stage per node."""
+    b = int(0.1 * 1024**3)
+    ModelProfile(
+        layers=[
+            LayerProfile(
+                name=f"l{i}",
+                forward_s=0.01,
+                backward_s=0.02,
+                param_bytes=b,
+                grad_bytes=b,
+                optimizer_bytes=2 * b,
+                activation_bytes=0,
+            )
+            for i in range(6)
+        ],
+        tensor_parallel=tensor_parallel,
+    ).save(path)
+    return path
+
+
+TINY_PROFILE_OVERRIDES = ["planning.device_memory_gb=1.25", "planning.memory_margin=0"]
