@@ -63,23 +63,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _planner(nodes_total: int):
     from oobleck_elastic.config import load_config
-    from oobleck_elastic.planning import LayerProfile, ModelProfile, plan_job, templates_for
+    from oobleck_elastic.planning import plan_job, templates_for
+    from oobleck_elastic.testing import uniform_profile
 
-    b = int(0.1 * 1024**3)
-    profile = ModelProfile(
-        layers=[
-            LayerProfile(
-                name=f"l{i}",
-                forward_s=0.01,
-                backward_s=0.02,
-                param_bytes=b,
-                grad_bytes=b,
-                optimizer_bytes=2 * b,
-                activation_bytes=0,
-            )
-            for i in range(6)
-        ]
-    )
+    profile = uniform_profile()
     cfg = load_config(
         ROOT / "configs/gpt2-tiny.yaml",
         [

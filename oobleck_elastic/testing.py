@@ -9,12 +9,13 @@ profile whose 6 layers of 0.4 GiB each force multi-stage pipelines on 1.25 GiB d
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
 from .planning import LayerProfile, ModelProfile, PipelineSpec, Plan, StagePlacement
 
-__all__ = ["RandomTokens", "layout_plan", "tiny_profile", "TINY_PROFILE_OVERRIDES"]
+__all__ = ["RandomTokens", "layout_plan", "uniform_profile", "tiny_profile", "TINY_PROFILE_OVERRIDES"]
 
 
 class RandomTokens:
@@ -71,15 +72,22 @@ def layout_plan(
     return plan
 
 
-def tiny_profile(path: Path, tensor_parallel: int = 1) -> Path:
-    """6 layers of 0.4 GiB (params+grads+AdamW) planned on 1.25 GiB devices: n0 = 2 nodes, so
-    gpt2-tiny runs as 2-stage pipelines (3 nodes: one 3-stage pipeline; 4 nodes: 2 x 2 stages);
-    with `tensor_parallel` = gpus_per_node, one stage per node."""
-    b = int(0.1 * 1024**3)
-    ModelProfile(
+def uniform_profile(
+    layers: int = 6,
+    *,
+    gib_per_layer: float = 0.4,
+    name: str = "l",
+    tensor_parallel: int = 1,
+    key: Optional[dict[str, Any]] = None,
+    device_memory_bytes: Optional[int] = None,
+) -> ModelProfile:
+    """`layers` identical layers of `gib_per_layer` GiB each (params + grads + AdamW's two states,
+    a quarter each), 10 ms forward and 20 ms backward, no activations."""
+    b = int(gib_per_layer / 4 * 1024**3)
+    return ModelProfile(
         layers=[
             LayerProfile(
-                name=f"l{i}",
+                name=f"{name}{i}",
                 forward_s=0.01,
                 backward_s=0.02,
                 param_bytes=b,
@@ -87,10 +95,19 @@ def tiny_profile(path: Path, tensor_parallel: int = 1) -> Path:
                 optimizer_bytes=2 * b,
                 activation_bytes=0,
             )
-            for i in range(6)
+            for i in range(layers)
         ],
+        key=dict(key or {}),
+        device_memory_bytes=device_memory_bytes,
         tensor_parallel=tensor_parallel,
-    ).save(path)
+    )
+
+
+def tiny_profile(path: Path, tensor_parallel: int = 1) -> Path:
+    """6 layers of 0.4 GiB (params+grads+AdamW) planned on 1.25 GiB devices: n0 = 2 nodes, so
+    gpt2-tiny runs as 2-stage pipelines (3 nodes: one 3-stage pipeline; 4 nodes: 2 x 2 stages);
+    with `tensor_parallel` = gpus_per_node, one stage per node."""
+    uniform_profile(tensor_parallel=tensor_parallel).save(path)
     return path
 
 

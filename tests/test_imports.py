@@ -31,15 +31,15 @@ ALLOWED: dict[str, frozenset[str]] = {
         "logs": (),
         "config": (),
         "checkpoint": ("logs",),
-        "etcd": ("logs",),
+        "etcd": (),
         # floor 2: models, and the pure-number planes
         "models": ("checkpoint", "config"),
         "planning": ("config", "logs", "models"),
         "simulate": ("config", "logs", "planning"),
-        "data": ("config", "logs", "models"),
+        "data": ("config", "models"),
         "testing": ("planning",),
         # floor 3: the records every agent and worker share
-        "records": ("etcd", "logs", "planning"),
+        "records": ("etcd", "planning"),
         # floor 4: the control plane
         "rendezvous": ("config", "etcd", "logs", "planning", "records"),
         # floor 4: the data plane, its sub-packages from the bottom up, the loop at its root

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from oobleck_elastic.planning import LayerProfile, ModelProfile
+from oobleck_elastic.testing import uniform_profile
 from helpers import run_job
 
 pytestmark = pytest.mark.slow
@@ -31,21 +31,7 @@ MEMORY = re.compile(
 def four_stage_profile(path: Path, layers: int) -> Path:
     """`layers` layers of 0.4 GiB (params+grads+AdamW) on 2.1 GiB devices: at most 5 layers per
     device, so with f=0 four nodes run one 4-stage pipeline."""
-    b = int(0.1 * 1024**3)
-    ModelProfile(
-        layers=[
-            LayerProfile(
-                name=f"l{i}",
-                forward_s=0.01,
-                backward_s=0.02,
-                param_bytes=b,
-                grad_bytes=b,
-                optimizer_bytes=2 * b,
-                activation_bytes=0,
-            )
-            for i in range(layers)
-        ]
-    ).save(path)
+    uniform_profile(layers).save(path)
     return path
 
 

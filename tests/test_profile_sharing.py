@@ -29,6 +29,7 @@ import torch
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from helpers import TINY_PROFILE_OVERRIDES, tiny_profile
+from oobleck_elastic.testing import uniform_profile
 from oobleck_elastic import cli
 from oobleck_elastic.config import ConfigError, load_config
 from oobleck_elastic.etcd import EtcdClient, EtcdSettings, connect
@@ -56,22 +57,8 @@ GIB = 1024**3
 
 def synthetic_profile(*, gib_per_layer: float = 0.4, memory: int | None = None, name: str = "l") -> ModelProfile:
     """6 layers (gpt2-tiny's flat list) of `gib_per_layer` GiB params+grads+AdamW each."""
-    b = int(gib_per_layer / 4 * GIB)
-    return ModelProfile(
-        layers=[
-            LayerProfile(
-                name=f"{name}{i}",
-                forward_s=0.01,
-                backward_s=0.02,
-                param_bytes=b,
-                grad_bytes=b,
-                optimizer_bytes=2 * b,
-                activation_bytes=0,
-            )
-            for i in range(6)
-        ],
-        key={"device": "cpu", "seq_len": 64},
-        device_memory_bytes=memory,
+    return uniform_profile(
+        gib_per_layer=gib_per_layer, name=name, key={"device": "cpu", "seq_len": 64}, device_memory_bytes=memory
     )
 
 

@@ -4,10 +4,11 @@ The loop lives at this package's root: `run` (the worker entry: one `train(cfg)`
 the local simulation and the single process), `runner` (the step thread the loop watches),
 `control` (the `ControlPlane` protocol the loop is handed: the etcd-backed one is
 `rendezvous.worker`, the in-process one `LocalControl`), `trainer` (the `Trainer`: one step of a
-stage, composed of the pieces below) and `checkpointing` (saving, restoring and when).
+stage, composed of the pieces below), `portable` (its state as checkpoints read and write it) and
+`checkpointing` (saving, restoring and when).
 
 By concept below it: `step/` (what one step computes: optimizer, loss, compiled layers, stage
-shapes, the step's result), `generation/` (entering a plan: process groups, devices, moving
+shapes, the commit vote, the step's result), `generation/` (entering a plan: process groups, devices, moving
 layers), `resilience/` (guard, fingerprints, stragglers, heartbeat, fault injection, error
 classes) and `telemetry/` (metrics, MFU, goodput, the run log, memory).
 
