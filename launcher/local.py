@@ -14,6 +14,11 @@
 - `--preempt K@S[:G]` sends node K's agent SIGTERM at step S, as a scheduler's preemption notice
   does, and SIGKILLs the node if it is still running G seconds later (default 60), as the reclaim
   would. A node that exits 0 after its notice is reported as preempted, not failed.
+- Threads: four workers of torch's default intra-op threads each on a machine with fewer cores
+  busy-wait on each other and run several times slower than they would alone, so unless
+  `OMP_NUM_THREADS` is set, each worker gets (cores // workers, at least 1) threads, the workers
+  being every node the job may run at once (`--max-nodes` x `--nproc-per-node`); the launcher says
+  so in one line (`worker_threads`).
 - On exit, Ctrl-C or SIGTERM every node is killed the same way and etcd is stopped, all by PID.
 Exit status: 0 when every node that was not killed on purpose exited 0.
 """
@@ -29,7 +34,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import IO, Optional
+from typing import IO, Mapping, Optional
 
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.etcd.server import EtcdServer
@@ -102,10 +107,34 @@ def parse_at(value: str) -> tuple[int, int]:
     return int(node), int(step)
 
 
+def worker_threads(cores: int, workers: int, environ: Mapping[str, str]) -> tuple[Optional[int], str]:
+    """The intra-op threads each worker gets (None: `OMP_NUM_THREADS` is set, and stays), and the
+    line that says so."""
+    given = environ.get("OMP_NUM_THREADS")
+    if given:
+        return None, f"each worker computes on OMP_NUM_THREADS={given} thread(s), as set ({cores} core(s))"
+    threads = max(1, cores // max(1, workers))
+    return threads, (
+        f"each worker computes on {threads} thread(s): {cores} core(s) over up to {workers} worker(s) "
+        "(set OMP_NUM_THREADS to choose)"
+    )
+
+
+def cores_available() -> int:
+    """The cores this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 class LocalCluster:
     def __init__(self, args: argparse.Namespace, script: list[str], *, out: IO[str] = sys.stdout) -> None:
         self.args, self.script, self.out = args, script, out
         self.run_id = args.run_id or f"local-{uuid.uuid4().hex[:6]}"
+        self.threads, self.threads_line = worker_threads(
+            cores_available(), (args.max_nodes or args.nodes) * args.nproc_per_node, os.environ
+        )
         self.etcd: Optional[EtcdServer] = None
         self.endpoint = args.endpoint
         self.nodes: list[Node] = []
@@ -132,9 +161,16 @@ class LocalCluster:
         ]
         return cmd + ([conf] if conf else []) + self.script
 
+    def node_env(self) -> dict[str, str]:
+        """A node's environment: this process's, unbuffered, with the workers' threads pinned."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        return env
+
     def start_node(self) -> Node:
         number = len(self.nodes)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = self.node_env()
         proc = subprocess.Popen(
             self.torchrun_command(),
             stdout=subprocess.PIPE,
@@ -172,6 +208,7 @@ class LocalCluster:
                 self.etcd = EtcdServer().start()
                 self.endpoint = self.etcd.endpoint
                 self.say(f"embedded etcd at {self.endpoint} (pid {self.etcd.pid}), run id {self.run_id}")
+            self.say(self.threads_line)
             for _ in range(a.nodes):
                 self.start_node()
             return self._supervise()
@@ -331,10 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = build_parser().parse_args(argv[:cut])  # --help and bad options first
+    if cut == len(argv):
         build_parser().error("give the training script after --, e.g. -- examples/train.py --config CFG")
-    cut = argv.index("--")
-    args = build_parser().parse_args(argv[:cut])
     script = argv[cut + 1 :]
     if not script:
         build_parser().error("no training script after --")

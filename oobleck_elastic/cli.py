@@ -187,6 +187,17 @@ def plan_json(jp: JobPlan) -> dict:
     return out
 
 
+def _node_count(text: str) -> int:
+    """`--nodes`: checked before anything is profiled."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of nodes") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: give at least 1 node")
+    return n
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     profiles = _load_profiles(cfg, args.profile)
@@ -230,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         "every node count, and instantiate them on N nodes.",
     )
     p.add_argument("--config", required=True, help="YAML job config (see configs/)")
-    p.add_argument("--nodes", type=int, required=True, help="number of nodes to plan for")
+    p.add_argument("--nodes", type=_node_count, required=True, help="number of nodes to plan for (>= 1)")
     p.add_argument("--profile", help="profile JSON to use instead of measuring (overrides planning.profile_path)")
     p.add_argument("--json", action="store_true", help="print one JSON object with keys templates, guarantee, plan")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. training.steps=10")

@@ -84,6 +84,11 @@ def test_plan_with_profile_file_and_errors(tmp_path: Path) -> None:
     assert refuse.returncode == 2 and "cannot tolerate f=2" in refuse.stderr
     missing = oobleck("plan", "--config", cfg, "--nodes", "8", "--profile", str(tmp_path / "x.json"), cwd=ROOT)
     assert missing.returncode == 2 and "profile file" in missing.stderr and "does not exist" in missing.stderr
+    # a bad node count is refused before anything is profiled (gpt2-tiny has no profile file: it would profile)
+    for bad, why in (("-2", "-2: give at least 1 node"), ("four", "'four' is not a number of nodes")):
+        neg = oobleck("plan", "--config", str(ROOT / "configs/gpt2-tiny.yaml"), "--nodes", bad, cwd=tmp_path)
+        assert neg.returncode == 2 and neg.stderr.strip().endswith(f"oobleck plan: error: argument --nodes: {why}")
+        assert not (tmp_path / ".oobleck-cache").exists()
 
 
 def test_outcome_exit_status_follows_the_closed_record() -> None:

@@ -257,6 +257,14 @@ def test_each_section_checks_its_own_rules() -> None:
         "'planning.max_nodes' must be >= 1 (got 0)",
     ]
     assert CheckpointConfig(interval_steps=-1).validate() == ["'checkpoint.interval_steps' must be >= 0 (got -1)"]
+    assert OptimizerConfig(lr=-1e-3, betas=[0.9, 1.0], grad_clip=-1).validate() == [
+        "'training.optimizer.lr' must be > 0 (got -0.001)",
+        "'training.optimizer.grad_clip' must be >= 0 (got -1)",
+        "'training.optimizer.betas' must be two numbers in [0, 1) (got [0.9, 1.0])",
+    ]
+    assert TrainingConfig(optimizer=OptimizerConfig(lr=0.0)).validate() == [
+        "'training.optimizer.lr' must be > 0 (got 0.0)"
+    ]
 
 
 def test_the_job_gathers_its_sections_then_checks_across_them() -> None:

@@ -176,6 +176,14 @@ class OptimizerConfig(Section):
     grad_clip: float = 1.0
     """Global gradient-norm clip across all stages and replicas; 0 disables."""
 
+    def validate(self) -> list[str]:
+        p = "training.optimizer"
+        out = [] if self.lr > 0 else [f"'{p}.lr' must be > 0 (got {self.lr})"]
+        out += _at_least(p, self, ("eps", "weight_decay", "grad_clip"), 0)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            out.append(f"'{p}.betas' must be two numbers in [0, 1) (got {list(self.betas)})")
+        return out
+
 
 @dataclass
 class LRScheduleConfig(Section):

@@ -1,0 +1,49 @@
+"""The local launcher's decisions, without starting a job: worker threads, its command line."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from launcher.local import LocalCluster, build_parser, worker_threads
+
+
+def test_workers_share_the_cores_unless_omp_num_threads_is_set() -> None:
+    assert worker_threads(2, 4, {}) == (
+        1,
+        "each worker computes on 1 thread(s): 2 core(s) over up to 4 worker(s) (set OMP_NUM_THREADS to choose)",
+    )
+    assert worker_threads(16, 4, {})[0] == 4
+    assert worker_threads(16, 5, {})[0] == 3
+    assert worker_threads(2, 1, {})[0] == 2
+    threads, line = worker_threads(2, 4, {"OMP_NUM_THREADS": "2"})
+    assert threads is None and line == "each worker computes on OMP_NUM_THREADS=2 thread(s), as set (2 core(s))"
+
+
+def test_every_node_the_job_may_run_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("launcher.local.cores_available", lambda: 8)
+    args = build_parser().parse_args(["--nodes", "2", "--max-nodes", "4", "--nproc-per-node", "2"])
+    cluster = LocalCluster(args, ["examples/train.py"])
+    assert cluster.threads == 1 and cluster.node_env()["OMP_NUM_THREADS"] == "1"  # 8 cores over 4 x 2 workers
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    cluster = LocalCluster(argparse.Namespace(**{**vars(args), "nproc_per_node": 1}), ["examples/train.py"])
+    assert cluster.threads is None and cluster.node_env()["OMP_NUM_THREADS"] == "3"
+
+
+def test_help_and_a_missing_script() -> None:
+    run = [sys.executable, "-m", "launcher.local"]
+    help_ = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=60)
+    assert help_.returncode == 0 and "--kill NODE@STEP" in help_.stdout
+    missing = subprocess.run([*run, "--nodes", "2"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().endswith(
+        "error: give the training script after --, e.g. -- examples/train.py --config CFG"
+    )
+    bad = subprocess.run(
+        [*run, "--nodes", "two", "--", "examples/train.py"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "argument --nodes: invalid int value: 'two'" in bad.stderr
