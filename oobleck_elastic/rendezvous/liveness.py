@@ -53,32 +53,49 @@ class LivenessServer:
         """What peers connect to ("host:port")."""
         self._peers: list[socket.socket] = []
         self._closed = False
+        self._goodbye = True
+        self._lock = threading.Lock()  # a connection accepted while close() runs is closed like the others
         threading.Thread(target=self._accept, name="oobleck-liveness", daemon=True).start()
 
     def _accept(self) -> None:
-        while not self._closed:
+        while True:
             try:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            self._peers.append(conn)  # kept open: its closing is the signal
+            with self._lock:
+                if not self._closed:
+                    self._peers.append(conn)  # kept open: its closing is the signal
+                    continue
+            self._close_peers([conn], goodbye=self._goodbye)  # accepted as close() ran
+            return
 
     def close(self, *, goodbye: bool = True) -> None:
         """A clean exit: every watcher is told (`BYE`) before the sockets close, so that leaving
         is not taken for dying. `goodbye=False` closes them as a killed process's kernel does."""
-        self._closed = True
-        for peer in self._peers if goodbye else ():
-            try:
-                peer.sendall(BYE)
-            except OSError:
-                pass
+        with self._lock:
+            self._closed, self._goodbye = True, goodbye
+            peers, self._peers = self._peers, []
+        self._close_peers(peers, goodbye=goodbye)
         try:  # wakes the accepting thread; a bare close() would leave the port listening under it
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        for s in [self._sock, *self._peers]:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    @staticmethod
+    def _close_peers(peers: list[socket.socket], *, goodbye: bool) -> None:
+        for peer in peers:
+            if goodbye:
+                try:
+                    peer.sendall(BYE)
+                except OSError:
+                    pass
             try:
-                s.close()
+                peer.close()
             except OSError:
                 pass
 
