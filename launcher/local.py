@@ -99,18 +99,18 @@ ROLES = ("leader", "rank0", "follower")
 neither (the first such in launcher order)."""
 
 
-def parse_at(value: str) -> tuple[str, int]:
-    """TARGET@STEP: TARGET a launcher number (`2`), a node id (`node2`) or a role (ROLES)."""
+def parse_at(value: str) -> tuple[int | str, int]:
+    """TARGET@STEP: TARGET a launcher number (`2`, as an int), a node id (`node2`) or a role (ROLES)."""
     node, _, step = value.partition("@")
     if not (node.isdigit() or node in ROLES or (node.startswith("node") and node[4:].isdigit())) or not step.isdigit():
         raise argparse.ArgumentTypeError(
             f"'{value}' is not NODE@STEP: NODE a launcher number (2), a node id (node2) or one of "
             f"{', '.join(ROLES)}; STEP a step (e.g. 2@5, leader@5)"
         )
-    return node, int(step)
+    return (int(node) if node.isdigit() else node), int(step)
 
 
-def parse_preempt(value: str) -> tuple[str, int, float]:
+def parse_preempt(value: str) -> tuple[int | str, int, float]:
     at, _, grace = value.partition(":")
     node, step = parse_at(at)
     try:
@@ -140,12 +140,11 @@ class Roles:
         return node + (", " + " and ".join(roles) if roles else "")
 
 
-def resolve(target: str, live: Sequence[int], roles: Roles) -> tuple[Optional[int], str]:
+def resolve(target: int | str, live: Sequence[int], roles: Roles) -> tuple[Optional[int], str]:
     """The launcher number `target` names among the `live` nodes (launcher numbers, in order), or
     (None, why not): a number names that node; a node id or a role, the node that holds it now."""
-    if target.isdigit():
-        n = int(target)
-        return (n, "") if n in live else (None, f"there is no running node {n}")
+    if isinstance(target, int):
+        return (target, "") if target in live else (None, f"there is no running node {target}")
     by_id = {roles.ids[n]: n for n in live if n in roles.ids}
     if target == "follower":
         busy = {roles.leader, roles.rank0}
@@ -254,8 +253,8 @@ class LocalCluster:
             who = self.roles.describe(node.number)
             pids = kill_node(node.proc.pid)
             self.say(
-                f"killed node {node.number}{f' ({who})' if who else ''} (SIGKILL to pids {', '.join(map(str, pids))}) "
-                f"{why} at {time.time():.3f}"
+                f"killed node {node.number} (SIGKILL to pids {', '.join(map(str, pids))}) {why} at {time.time():.3f}"
+                + (f"; it was {who}" if who else "")
             )
 
     def _learn(self, client: Any, keys: Keys, plans: PlanReader) -> None:
@@ -282,7 +281,7 @@ class LocalCluster:
             self.say(f"the leader is {roles.leader or 'not elected yet'}; rank 0 is on {roles.rank0 or 'no node yet'}")
         self.roles = roles
 
-    def _target(self, target: str, flag: str) -> tuple[Optional[Node], bool]:
+    def _target(self, target: int | str, flag: str) -> tuple[Optional[Node], bool]:
         """The running node `target` names (`flag` for the message), and whether to try again later
         (a role or a node id not known yet)."""
         live = [n.number for n in self.nodes if n.proc.poll() is None and not n.killed]
@@ -370,9 +369,9 @@ class LocalCluster:
                             os.kill(node.proc.pid, signal.SIGTERM)
                             who = self.roles.describe(node.number)
                             self.say(
-                                f"preemption notice to node {node.number}{f' ({who})' if who else ''} (SIGTERM to "
-                                f"its agent, pid {node.proc.pid}) at step {step}; grace {grace:g}s "
-                                f"(--preempt {target}@{at})"
+                                f"preemption notice to node {node.number} (SIGTERM to its agent, pid {node.proc.pid}) "
+                                f"at step {step}; grace {grace:g}s (--preempt {target}@{at})"
+                                + (f"; it is {who}" if who else "")
                             )
                     while joins and step >= joins[0]:
                         at = joins.pop(0)

@@ -98,6 +98,15 @@ def overrides(tmp: Path, steps: int, profile: Path) -> list[str]:
     ]
 
 
+def paced(first: int, last: int, seconds: float, rank: int = 0) -> dict[str, str]:
+    """The environment of a job whose rank `rank` sleeps `seconds` as it starts each step in
+    [first, last) (`OOBLECK_SLOW_AT`): the job lasts at least (last - first) x seconds however fast
+    the machine computes, for tests whose own actions (a join, a drain) must land while it runs.
+    The sleep is not compute (stragglers are timed on compute alone) and the main thread keeps
+    ticking the heartbeat through it."""
+    return {"OOBLECK_SLOW_AT": ",".join(f"{rank}@{s}:{seconds:g}" for s in range(first, last))}
+
+
 def run_job(
     tmp: Path,
     etcd_server,

@@ -332,7 +332,7 @@ def test_a_job_with_a_kill_a_join_and_a_drain_accounts_for_its_wall_time(
     from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.records.control import read_closed
     from oobleck_elastic.rendezvous.membership import live_nodes, read_events
-    from helpers import run_job, tiny_profile, when
+    from helpers import paced, run_job, tiny_profile, when
 
     keys, steps = Keys("/oobleck", run_id), 40
     killed, drained = [], []
@@ -375,7 +375,7 @@ def test_a_job_with_a_kill_a_join_and_a_drain_accounts_for_its_wall_time(
         during=during,
         killed_by_test=1,
         reference=False,
-        env={"OOBLECK_NAN_AT": "0@2x2"},
+        env={"OOBLECK_NAN_AT": "0@2x2", **paced(5, steps, 2.0)},  # 70 s for the join and the drain
     )
     assert len(killed) == 1 and len(drained) == 1, out[-4000:]
     assert f"node {drained[0]} was drained" in out and "(join: +node4)" in out, out[-4000:]

@@ -50,7 +50,7 @@ def test_help_and_a_missing_script() -> None:
 
 
 def test_a_target_is_a_number_a_node_id_or_a_role() -> None:
-    assert parse_at("2@5") == ("2", 5) and parse_at("node3@0") == ("node3", 0) and parse_at("leader@4") == ("leader", 4)
+    assert parse_at("2@5") == (2, 5) and parse_at("node3@0") == ("node3", 0) and parse_at("leader@4") == ("leader", 4)
     for bad in ("two@5", "2", "boss@1", "node@1", "1@x"):
         with pytest.raises(argparse.ArgumentTypeError, match="is not NODE@STEP: NODE a launcher number"):
             parse_at(bad)
@@ -58,8 +58,8 @@ def test_a_target_is_a_number_a_node_id_or_a_role() -> None:
     live = [0, 1, 2, 3]
     assert resolve("leader", live, roles) == (1, "") and resolve("rank0", live, roles) == (1, "")
     assert resolve("follower", live, roles) == (0, "")
-    assert resolve("node2", live, roles) == (2, "") and resolve("3", live, roles) == (3, "")
-    assert resolve("3", [0, 1, 2], roles) == (None, "there is no running node 3")
+    assert resolve("node2", live, roles) == (2, "") and resolve(3, live, roles) == (3, "")
+    assert resolve(3, [0, 1, 2], roles) == (None, "there is no running node 3")
     assert resolve("node3", [0, 1, 2], roles) == (None, "no running node is node3")
     assert resolve("follower", [1], roles) == (None, "every running node is the leader or rank 0")
     unknown = Roles(ids={0: "node0"})
