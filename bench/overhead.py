@@ -71,41 +71,12 @@ DEFAULT_OVERRIDES = [
 def make_plan(pipelines: int, stages: int, num_layers: int, microbatch_size: int, microbatches: int):
     """`pipelines` identical pipelines of `stages` contiguous, near-equal layer ranges; the global
     batch's microbatches are split as evenly as possible between the pipelines."""
-    from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
+    from oobleck_elastic.testing import layout_plan
 
     cuts = [round(k * num_layers / stages) for k in range(stages + 1)]
     mbs = [microbatches // pipelines + (1 if i < microbatches % pipelines else 0) for i in range(pipelines)]
-    specs, rank = [], 0
-    for p in range(pipelines):
-        placed = []
-        for s in range(stages):
-            placed.append(
-                StagePlacement(index=s, start=cuts[s], end=cuts[s + 1], node=f"n{rank}", local_rank=0, rank=rank)
-            )
-            rank += 1
-        specs.append(
-            PipelineSpec(
-                index=p,
-                template_nodes=stages,
-                nodes=tuple(st.node for st in placed),
-                microbatches=mbs[p],
-                stages=tuple(placed),
-                est_time_s=1.0,
-            )
-        )
-    plan = Plan(
-        generation=1,
-        nodes=tuple(f"n{r}" for r in range(rank)),
-        spares=(),
-        gpus_per_node=1,
-        num_layers=num_layers,
-        microbatch_size=microbatch_size,
-        pipelines=tuple(specs),
-        est_step_time_s=1.0,
-        f=1,
-    )
-    plan.check()
-    return plan
+    ranges = [(cuts[s], cuts[s + 1]) for s in range(stages)]
+    return layout_plan([ranges] * pipelines, mbs, generation=1, num_layers=num_layers, microbatch_size=microbatch_size)
 
 
 class Baseline:

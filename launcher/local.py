@@ -140,22 +140,26 @@ class Roles:
         return node + (", " + " and ".join(roles) if roles else "")
 
 
-def resolve(target: int | str, live: Sequence[int], roles: Roles) -> tuple[Optional[int], str]:
-    """The launcher number `target` names among the `live` nodes (launcher numbers, in order), or
-    (None, why not): a number names that node; a node id or a role, the node that holds it now."""
+def resolve(target: int | str, live: Sequence[int], roles: Roles) -> tuple[Optional[int], str, bool]:
+    """(the launcher number `target` names among the `live` nodes (launcher numbers, in order) or
+    None, why not, whether to ask again later): a number names that node; a node id or a role, the
+    node that holds it now. Later: the role's holder is not known yet, or a live node's id is not
+    (it may be the one named)."""
     if isinstance(target, int):
-        return (target, "") if target in live else (None, f"there is no running node {target}")
-    by_id = {roles.ids[n]: n for n in live if n in roles.ids}
+        return (target, "", False) if target in live else (None, f"there is no running node {target}", False)
+    unlabelled = any(n not in roles.ids for n in live)
     if target == "follower":
-        busy = {roles.leader, roles.rank0}
-        if roles.leader is None or roles.rank0 is None:
-            return None, "the leader and rank 0 are not known yet"
-        free = [n for n in live if n in roles.ids and roles.ids[n] not in busy]
-        return (free[0], "") if free else (None, "every running node is the leader or rank 0")
+        if roles.leader is None or roles.rank0 is None or unlabelled:
+            return None, "the leader, rank 0 or a node's id is not known yet", True
+        free = [n for n in live if roles.ids[n] not in (roles.leader, roles.rank0)]
+        return (free[0], "", False) if free else (None, "every running node is the leader or rank 0", False)
     node = {"leader": roles.leader, "rank0": roles.rank0}.get(target, target)
     if node is None:
-        return None, f"the {target} is not known yet"
-    return (by_id[node], "") if node in by_id else (None, f"no running node is {node}")
+        return None, f"the {target} is not known yet", True
+    by_id = {roles.ids[n]: n for n in live if n in roles.ids}
+    if node in by_id:
+        return by_id[node], "", False
+    return None, f"no running node is {node}{' yet' if unlabelled else ''}", unlabelled
 
 
 def worker_threads(cores: int, workers: int, environ: Mapping[str, str]) -> tuple[Optional[int], str]:
@@ -285,13 +289,12 @@ class LocalCluster:
         """The running node `target` names (`flag` for the message), and whether to try again later
         (a role or a node id not known yet)."""
         live = [n.number for n in self.nodes if n.proc.poll() is None and not n.killed]
-        number, why = resolve(target, live, self.roles)
+        number, why, later = resolve(target, live, self.roles)
         if number is not None:
             return self.nodes[number], False
-        if "not known yet" in why:
-            return None, True
-        self.say(f"{flag}: {why}")
-        return None, False
+        if not later:
+            self.say(f"{flag}: {why}")
+        return None, later
 
     def run(self) -> int:
         a = self.args

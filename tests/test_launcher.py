@@ -56,15 +56,20 @@ def test_a_target_is_a_number_a_node_id_or_a_role() -> None:
             parse_at(bad)
     roles = Roles(ids={0: "node1", 1: "node0", 2: "node2", 3: "node3"}, leader="node0", rank0="node0")
     live = [0, 1, 2, 3]
-    assert resolve("leader", live, roles) == (1, "") and resolve("rank0", live, roles) == (1, "")
-    assert resolve("follower", live, roles) == (0, "")
-    assert resolve("node2", live, roles) == (2, "") and resolve(3, live, roles) == (3, "")
-    assert resolve(3, [0, 1, 2], roles) == (None, "there is no running node 3")
-    assert resolve("node3", [0, 1, 2], roles) == (None, "no running node is node3")
-    assert resolve("follower", [1], roles) == (None, "every running node is the leader or rank 0")
+    assert resolve("leader", live, roles) == (1, "", False) and resolve("rank0", live, roles) == (1, "", False)
+    assert resolve("follower", live, roles) == (0, "", False)
+    assert resolve("node2", live, roles) == (2, "", False) and resolve(3, live, roles) == (3, "", False)
+    assert resolve(3, [0, 1, 2], roles) == (None, "there is no running node 3", False)
+    assert resolve("node3", [0, 1, 2], roles) == (None, "no running node is node3", False)
+    assert resolve("follower", [1], roles) == (None, "every running node is the leader or rank 0", False)
     unknown = Roles(ids={0: "node0"})
-    assert resolve("leader", live, unknown) == (None, "the leader is not known yet")
-    assert resolve("follower", live, unknown) == (None, "the leader and rank 0 are not known yet")
+    assert resolve("leader", live, unknown) == (None, "the leader is not known yet", True)
+    assert resolve("follower", live, unknown) == (None, "the leader, rank 0 or a node's id is not known yet", True)
+    # a node whose id is not known yet may be the one named: ask again, do not drop the kill
+    assert resolve("node5", live, unknown) == (None, "no running node is node5 yet", True)
+    partly = Roles(ids={0: "node1"}, leader="node0", rank0="node1")
+    assert resolve("leader", [0, 1], partly) == (None, "no running node is node0 yet", True)
+    assert resolve("follower", [0, 1], partly)[2] is True
     assert roles.describe(1) == "node0, the leader and rank 0" and roles.describe(2) == "node2"
     assert Roles(ids={0: "node1"}, leader="node1", rank0="node0").describe(0) == "node1, the leader"
     assert unknown.describe(3) == ""

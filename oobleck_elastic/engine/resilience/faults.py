@@ -103,6 +103,15 @@ def _positive(text: str) -> float:
     return float(text) if float(text) > 0 else _refuse()
 
 
+def _seconds(text: str) -> float:
+    return _at_least(float(text), 0)
+
+
+def _node(text: str) -> str:
+    """A node id, or `*` where the drill allows it: anything not empty."""
+    return text or _refuse()
+
+
 @dataclass(frozen=True)
 class FaultInjector:
     points: frozenset[tuple[int, int]]
@@ -123,7 +132,7 @@ class FaultInjector:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "FaultInjector":
         points = frozenset(_parse(environ, ENV, "RANK@STEP, e.g. 1@3"))
-        slow = _parse(environ, SLOW_ENV, "RANK@STEP:SECONDS, e.g. 0@0:5", value=lambda v: _at_least(float(v), 0))
+        slow = _parse(environ, SLOW_ENV, "RANK@STEP:SECONDS, e.g. 0@0:5", value=_seconds)
         nan = _parse(environ, NAN_ENV, "RANK@STEP[xTIMES], e.g. 1@3x2", times=True)
         poison = {key: (float("nan"), count) for key, (_, count) in nan.items()}
         poison.update(
@@ -134,7 +143,7 @@ class FaultInjector:
             environ,
             STRAGGLE_ENV,
             "NODE@STEP:FACTOR with FACTOR >= 1, e.g. node1@0:3",
-            who=lambda n: n or _refuse(),
+            who=_node,
             value=lambda v: _at_least(float(v), 1),
         )
         straggle = {node: (step, factor) for (node, step), factor in slowed.items()}
@@ -142,8 +151,8 @@ class FaultInjector:
             environ,
             SLOW_ENTRY_ENV,
             "NODE@GENERATION:SECONDS (NODE * for every node), e.g. *@2:5",
-            who=lambda n: n or _refuse(),
-            value=lambda v: _at_least(float(v), 0),
+            who=_node,
+            value=_seconds,
         )
         return cls(points, slow, poison, flips=flips, straggle=straggle, slow_entry=slow_entry)
 

@@ -114,7 +114,7 @@ class CommitVote:
     @classmethod
     def size(cls, world_size: int) -> int:
         """Slots of the packed tensor of a vote over `world_size` ranks."""
-        return sum(world_size if rule.by_rank else 1 for _, rule in _rules())
+        return max((s.stop for s in cls.layout(world_size).values()), default=0)
 
     def pack(self) -> torch.Tensor:
         """The flat float64 tensor of `layout(world_size)` that the commit all-reduces."""
