@@ -241,7 +241,9 @@ def export_checkpoint(
     job = _job_config(manifest, sdir, overrides)
     model = job.model
     shapes = stored_shapes(sdir, manifest)
-    values = checkpoint_values(shapes, manifest["hf_names"], num_heads=None if model.pretrained_path else model.num_heads)
+    values = checkpoint_values(
+        shapes, manifest["hf_names"], num_heads=None if model.pretrained_path else model.num_heads
+    )
     conflict = override_conflict(overrides, model, manifest["config"].get("model", {}), values, str(sdir))
     if conflict:
         raise ConfigError(conflict)
@@ -253,7 +255,9 @@ def export_checkpoint(
             f"blocks ({config.num_hidden_layers + 2} layers): set model.num_layers="
             f"{n - 2} or export the checkpoint of this model"
         )
-    expected = [{k: tuple(p.shape) for k, p in meta_layer(family, config, i, n)[0].named_parameters()} for i in range(n)]
+    expected = [
+        {k: tuple(p.shape) for k, p in meta_layer(family, config, i, n)[0].named_parameters()} for i in range(n)
+    ]
     mismatch = shape_mismatch(shapes, expected, manifest["layer_names"], str(sdir))
     if mismatch:
         raise ckpt.CheckpointError(mismatch)

@@ -40,14 +40,16 @@ RECORDED_KEYS = ("family", "num_heads")
 _PARAM = "param."  # a layer file's parameter keys (checkpoint.py)
 
 
-def stored_shapes(sdir: Path, manifest: Mapping[str, Any]) -> list[dict[str, Shape]]:
+def stored_shapes(sdir: Path, manifest: dict[str, Any]) -> list[dict[str, Shape]]:
     """Per layer, each stored parameter's local name -> shape, from the files' headers."""
     out = []
     for i, entry in enumerate(manifest["layers"]):
         path = sdir / entry["file"]
         try:
             with safe_open(str(path), "pt") as fh:
-                shapes = {k[len(_PARAM) :]: tuple(fh.get_slice(k).get_shape()) for k in fh.keys() if k.startswith(_PARAM)}
+                shapes = {
+                    k[len(_PARAM) :]: tuple(fh.get_slice(k).get_shape()) for k in fh.keys() if k.startswith(_PARAM)
+                }
         except (SafetensorError, OSError) as err:
             ckpt.load_layer(sdir, i, manifest=manifest)  # names a missing, resized or altered file
             raise ckpt.CheckpointError(f"checkpoint file {path} is corrupt: {err}") from None

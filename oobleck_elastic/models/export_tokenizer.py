@@ -182,7 +182,9 @@ def load_tokenizer(source: TokenizerSource, vocab_size: int) -> Optional[Any]:
         try:
             raw = Tokenizer.from_file(str(source.path))
         except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception
-            raise ValueError(f"tokenizer '{source.path}' ({source.origin}) is not a tokenizers JSON file ({err})")
+            raise ValueError(
+                f"tokenizer '{source.path}' ({source.origin}) is not a tokenizers JSON file ({err})"
+            ) from None
         eot = END_OF_TEXT if raw.token_to_id(END_OF_TEXT) is not None else None
         tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=eot, eos_token=eot)
     else:
