@@ -122,6 +122,19 @@ def test_round_trip_generates_text_with_the_exported_tokenizer(tmp_path, capsys,
     assert generated.shape[1] > prompt["input_ids"].shape[1]
     assert tok.decode(generated[0]).startswith("the cat sat")
 
+    if kind == "bpe":  # a checkpoint saved before checkpoints carried their tokenizer
+        del manifest["extra"]["tokenizer"]
+        (step / "manifest.json").write_text(json.dumps(manifest))
+        capsys.readouterr()  # drop transformers' loading progress
+        assert main(["export", str(ckpt), str(tmp_path / "old")]) == 2
+        assert capsys.readouterr().err == (
+            f"oobleck export: error: checkpoint {step} holds no copy of its data.tokenizer=bpe tokenizer (it was "
+            "saved before checkpoints carried one): pass --tokenizer FILE (the job's "
+            "<data.cache_dir>/tokenizers/*.json) or --tokenizer none\n"
+        )
+        assert main(["export", str(ckpt), str(tmp_path / "old"), "--tokenizer", str(step / path)]) == 0
+        assert (tmp_path / "old" / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+
 
 def test_overrides_that_contradict_the_checkpoint_are_refused(tmp_path, capsys):
     """The report's case: model.vocab_size=5000 over a 320-row checkpoint exited 0 and wrote a
