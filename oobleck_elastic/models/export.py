@@ -2,7 +2,8 @@
 
 A checkpoint step directory (checkpoint.py) holds one safetensors file per layer, under local
 parameter names, and a manifest recording the job config, the layer names and each layer's
-local -> Hugging Face name map. The export needs nothing else:
+local -> Hugging Face name map, and (a job with data.tokenizer=bpe or hf) a copy of the job's
+tokenizer. The export needs nothing else:
 
 1. The checkpoint: a step directory (with `manifest.json`), or a checkpoint directory, of which
    the newest step that verifies completely (`newest_intact_checkpoint`) is taken.
