@@ -2,7 +2,9 @@
 
 Save: each layer is written once, by its primary holder (the lowest rank holding it), which
 also leaves a small JSON receipt (file, sha256, bytes) beside it; after a barrier over the
-generation, rank 0 reads the receipts and writes the manifest, which completes the checkpoint.
+generation, rank 0 reads the receipts, copies the job's tokenizer (a bpe JSON or a pretrained
+tokenizer's files, `data.tokenizer.save_tokenizer_files`) into `<step>/tokenizer/`, and writes
+the manifest (the tokenizer recorded as `extra.tokenizer`), which completes the checkpoint.
 The data cursor is just the next step: the data order is a function of (seed, step).
 
 Never in place: a complete checkpoint already at the step being saved is set aside first.
@@ -29,6 +31,8 @@ import torch.distributed as dist
 
 from .. import checkpoint as ckpt
 from ..config import JobConfig, to_dict
+from ..data.errors import DataError
+from ..data.tokenizer import save_tokenizer_files
 from ..logs import JobLog
 from .trainer import LayersLost, Trainer
 
@@ -75,6 +79,18 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
         path = _receipt(step_path, i)
         layers.append(json.loads(path.read_text()))
         path.unlink()
+    extra = {}
+    files = getattr(trainer.dataset, "tokenizer", None)
+    if files is not None:  # the tokenizer goes along, for `oobleck export` (models/export_tokenizer.py)
+        try:
+            record = save_tokenizer_files(files, step_path)
+        except (DataError, OSError) as err:
+            record = None
+            log.at(gen=trainer.generation, step=next_step, node=trainer.node).warning(
+                "checkpoint %s carries no tokenizer: %s", step_path, err
+            )
+        if record is not None:
+            extra["tokenizer"] = record
     manifest = ckpt.write_manifest(
         ckpt_dir,
         step=next_step,
@@ -84,6 +100,7 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
         layers=layers,
         layer_names=list(lm.names),
         hf_names=list(lm.hf_names),
+        extra=extra,
     )
     log.at(gen=trainer.generation, step=next_step, node=trainer.node).info(
         "checkpoint %s", manifest.parent, event="checkpoint", fields={"path": str(manifest.parent)}
