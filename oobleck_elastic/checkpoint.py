@@ -406,7 +406,11 @@ def describe_partial(sdir: str | Path, num_layers: int | None = None) -> str:
     """Why a step directory without a manifest is no checkpoint, from what its save left:
     `no manifest (5 of 10 layer files, 1 .tmp file)`. The layer count is the one its
     `saving.json` recorded, else `num_layers` (unknown: `5 layer files`)."""
-    names = [p.name for p in Path(sdir).iterdir()] if Path(sdir).is_dir() else []
+    try:
+        names = [p.name for p in Path(sdir).iterdir()]
+    except OSError:  # another worker set it aside meanwhile
+        names = []
+    expected: int | None
     try:
         expected = int(json.loads((Path(sdir) / SAVING).read_text())["num_layers"])
     except (OSError, ValueError, TypeError, KeyError):

@@ -243,7 +243,10 @@ def test_a_replan_to_one_pipeline_retakes_the_checkpoint_the_next_failure_needs(
     )
     assert "interrupted checkpoint" in out and "step-00000002 set aside as step-00000002.partial-" in out, out[-4000:]
     assert "no manifest (3 of 6 layer files, 1 .tmp file)" in out
-    retakes = [line for line in out.splitlines() if "layer 0 has 1 copy < f+1=2" in line]
-    assert retakes and "; checkpoint at step " in retakes[0], out[-4000:]
-    assert "had no surviving copy; restored checkpoint" in out, out[-4000:]
+    retakes = [line for line in out.splitlines() if "generation 2: layer 0 has 1 copy < f+1=2" in line]
+    assert len(retakes) == 1 and "; checkpoint at step " in retakes[0], out[-4000:]
+    step = int(retakes[0].rsplit(" ", 1)[1])
+    assert 3 <= step < 7
+    # the second failure is recovered from the retaken checkpoint, the only one there was
+    assert f"had no surviving copy; restored checkpoint {root / f'step-{step:08d}'} and continue" in out, out[-4000:]
     assert_same(job, ref)
