@@ -170,6 +170,21 @@ def test_export_of_only_partial_checkpoints_names_each_and_why(tmp_path: Path, c
     assert not (tmp_path / "hf").exists()
 
 
+def test_export_names_a_damaged_checkpoint_beside_a_partial_one(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "ckpt"
+    bad = complete(root, 4) / ckpt.layer_file(0)
+    size = bad.stat().st_size
+    bad.write_bytes(bad.read_bytes()[:-1])
+    partial(root, 8, files=0, of=6)
+    assert main(["export", str(root), str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err == (
+        f"oobleck export: error: no intact checkpoint under {root}, only partial or damaged ones: "
+        f"step-00000004: checkpoint file {bad} is corrupt: truncated or resized (expected {size} bytes, got "
+        f"{size - 1}); delete step-00000004 to fall back to an older checkpoint; "
+        "step-00000008: no manifest (0 of 6 layer files)\n"
+    )
+
+
 # ----------------------------------------------------------------------------- a trainer's saves
 
 

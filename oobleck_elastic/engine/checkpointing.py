@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -139,7 +139,9 @@ def restore(trainer: Trainer, path: str | Path) -> int:
     return int(manifest["step"])
 
 
-def retake_reason(plan: Plan, *, previous: int, step: int, steps: int, extra: Optional[Any] = None) -> Optional[str]:
+def retake_reason(
+    plan: Plan, *, previous: int, step: int, steps: int, extra: Optional[Mapping[int, Iterable[str]]] = None
+) -> Optional[str]:
     """Why the workers entering `plan`'s generation at `step` must save a checkpoint before its
     first step, or None (module docstring, "Retake"). `previous`: the newest generation any of
     them was in (0 at the job's first start); `steps`: training.steps; `extra`: shadow copies
