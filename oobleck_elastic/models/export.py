@@ -119,21 +119,9 @@ def _human(n: int) -> str:
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str | None]:
-    """(step directory, a note saying which one was chosen, or None when `path` is one)."""
-    p = Path(path).expanduser()
-    if (p / ckpt.MANIFEST).is_file():
-        return p, None
-    steps = ckpt.list_checkpoints(p)
-    if not p.is_dir() or not steps:
-        raise ckpt.CheckpointError(
-            f"'{p}' is not a checkpoint: give a step directory (step-XXXXXXXX with "
-            f"{ckpt.MANIFEST}) or the directory holding them (checkpoint.dir)"
-        )
-    found, unusable = ckpt.newest_intact_checkpoint(p)
-    if found is None:
-        raise ckpt.CheckpointError(f"no intact checkpoint under {p}: {unusable[0].reason}")
-    skipped = "".join(f"; skipped {u.path.name} ({'damaged' if u.damaged else 'incomplete'})" for u in unusable)
-    return found, f"checkpoint {found.name} (newest intact under {p}{skipped})"
+    """(step directory, a note saying which one was chosen, or None when `path` is one); with no
+    intact checkpoint, an error naming each partial or damaged one (`checkpoint.find_checkpoint`)."""
+    return ckpt.find_checkpoint(path)
 
 
 def _job_config(manifest: dict[str, Any], sdir: Path, overrides: Sequence[str]) -> JobConfig:
