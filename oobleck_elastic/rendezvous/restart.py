@@ -15,7 +15,9 @@ under it instead of a TCPStore:
   it pickles locally for torch. A malformed value is refused with a `RendezvousStateError` naming
   the key.
 - The agents share an `EtcdStore` under `Keys.torchrun_store` (rank assignment, MASTER_ADDR/PORT of
-  each round, the exit barrier), so no agent hosts a store the others depend on.
+  each round, the exit barrier), so no agent hosts a store the others depend on; the workers'
+  global rank 0 hosts the workers' own store (`RestartRendezvousHandler`), as with torchrun's
+  `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`.
 
 Everything else (rounds, `num_nodes_waiting()`, last call, keep-alive heartbeats, `shutdown()`
 closing the rendezvous, `local_addr`) is torch's code. etcd errors reach torch as
@@ -25,22 +27,24 @@ closing the rendezvous, `local_addr`) is torch's code. etcd errors reach torch a
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from datetime import datetime, timedelta
 from typing import Any, Optional
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
+    RendezvousInfo,
     RendezvousParameters,
     RendezvousStateError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
+    RendezvousTimeout,
     Token,
     _NodeDesc,
     _RendezvousState,
-    create_handler,
 )
 
 from ..etcd import EtcdClient, EtcdError
@@ -159,13 +163,69 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return pickle.dumps(state_from_json(data, self.key)), revision
 
 
-def restart_handler(params: RendezvousParameters, client: EtcdClient, keys: Keys) -> DynamicRendezvousHandler:
-    """torch's dynamic rendezvous handler on etcd (module docstring); `params` as torchrun gives them
-    (join_timeout, last_call_timeout, close_timeout, heartbeat, keep_alive_* are torch's options)."""
-    join_timeout = float(params.get("join_timeout", 600))
-    store = EtcdStore(client, prefix=keys.torchrun_store, timeout=timedelta(seconds=join_timeout))
+_NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+class RestartRendezvousHandler(DynamicRendezvousHandler):
+    """torch's handler without its shared TCPStore: each round's rank 0 publishes MASTER_ADDR and
+    a free MASTER_PORT in the etcd store, and the workers' global rank 0 hosts their own store.
+
+    torch 2.13's shared-store path publishes the address only in the first round a node is rank 0
+    of: a node that joins a later round, while rank 0 stays the same, waits for that round's
+    MASTER_ADDR until the join timeout (found by tests/test_torchrun_dropin.py). Its opt-out is the
+    process-wide `TORCH_DISABLE_SHARE_RDZV_TCP_STORE`; it is set only while `next_rendezvous()`
+    runs (on the agent's thread) and restored after, so no other code of the process sees it."""
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        previous = os.environ.get(_NO_SHARED_STORE)
+        os.environ[_NO_SHARED_STORE] = "1"
+        try:
+            return super().next_rendezvous()
+        finally:
+            if previous is None:
+                os.environ.pop(_NO_SHARED_STORE, None)
+            else:
+                os.environ[_NO_SHARED_STORE] = previous
+
+
+def _seconds(params: RendezvousParameters, option: str) -> Optional[timedelta]:
+    value = params.get(option)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if seconds <= 0:
+        raise ValueError(f"--rdzv-conf {option}={value}: give a number of seconds > 0")
+    return timedelta(seconds=seconds)
+
+
+def restart_handler(params: RendezvousParameters, client: EtcdClient, keys: Keys) -> RestartRendezvousHandler:
+    """torch's dynamic rendezvous on etcd (module docstring). `params` as torchrun gives them; torch's
+    options join_timeout (600), last_call_timeout (30), close_timeout (30), heartbeat_timeout,
+    keep_alive_interval (5) and keep_alive_max_attempt (3) keep torch's defaults (seconds may be
+    fractions here)."""
+    timeout = RendezvousTimeout(
+        *(_seconds(params, f"{name}_timeout") for name in ("join", "last_call", "close", "heartbeat"))
+    )
+    store = EtcdStore(client, prefix=keys.torchrun_store, timeout=timeout.join)
     backend = EtcdRendezvousBackend(client, keys.torchrun_state)
-    return create_handler(store, backend, params)
+    return RestartRendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
+        keep_alive_interval=int(params.get_as_int("keep_alive_interval", 5) or 5),
+        keep_alive_max_attempt=int(params.get_as_int("keep_alive_max_attempt", 3) or 3),
+    )
 
 
-__all__ = ["EtcdRendezvousBackend", "restart_handler", "state_from_json", "state_to_json"]
+__all__ = ["EtcdRendezvousBackend", "RestartRendezvousHandler", "restart_handler", "state_from_json", "state_to_json"]
