@@ -27,7 +27,11 @@ from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, _NodeDesc, _RendezvousState
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    _NodeDesc,
+    _RendezvousState,
+)
 
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.records.keys import Keys
@@ -379,3 +383,62 @@ def test_the_backend_state_is_validated_json_that_round_trips(etcd_settings, run
             EtcdRendezvousBackend(client, key).get_state()
     finally:
         client.close()
+
+
+def test_a_notice_with_nothing_to_drain_is_answered_as_torchrun_answers_it(monkeypatch) -> None:
+    """applies() False: no drain, no grace: the same signal comes back as torchrun's
+    SignalException in the main thread; uninstall() gives the previous handler back."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from oobleck_elastic.rendezvous.preempt import PreemptionWatch
+
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    previous = signal.getsignal(signal.SIGUSR1)
+    drained: list[str] = []
+    watch = PreemptionWatch(
+        [signal.SIGUSR1], grace_s=600, node="node3", drain=drained.append, alive=lambda: True, applies=lambda: False
+    )
+    try:
+        watch.install()
+        with pytest.raises(SignalException) as err:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            for _ in range(600):
+                time.sleep(0.1)
+        assert err.value.sigval == signal.SIGUSR1 and drained == []
+        watch.uninstall()
+        watch.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) == previous
+        assert os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+SLEEPER = """
+import sys, time
+open(sys.argv[1], "w").write("started")
+time.sleep(600)
+"""
+
+
+def test_sigterm_stops_an_in_place_agent_whose_workers_do_not_use_the_worker_context(
+    tmp_path: Path, etcd_server, run_id
+) -> None:
+    """A plain worker never reports ready: SIGTERM to its agent stops it as torchrun would (a
+    SignalException), before fault_tolerance.preempt_grace_s (60) would have passed."""
+    worker, started = tmp_path / "sleeper.py", tmp_path / "started"
+    worker.write_text(SLEEPER)
+    spec = _launch_spec(etcd_server.endpoint, run_id, (1, 1), 1, worker, started)
+    spec["config"]["rdzv_configs"] = {"config": str(CONFIG), "lease_ttl": 2, "last_call_timeout": 0.3}
+    spec["args"] = ["-u", str(worker), str(started)]
+    proc = _agent(tmp_path, "a", spec, _env())
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert started.exists(), (tmp_path / "a.log").read_text()[-3000:]
+        os.kill(proc.pid, signal.SIGTERM)
+        rc = proc.wait(timeout=45)  # a drain would wait out the 60 s grace
+        log = (tmp_path / "a.log").read_text()
+        assert rc != 0 and "SIGTERM: nothing to drain" in log and "SignalException" in log, log[-3000:]
+    finally:
+        _stop([proc])
