@@ -442,3 +442,24 @@ def test_sigterm_stops_an_in_place_agent_whose_workers_do_not_use_the_worker_con
         assert rc != 0 and "SIGTERM: nothing to drain" in log and "SignalException" in log, log[-3000:]
     finally:
         _stop([proc])
+
+
+def test_train_py_refuses_a_torchrun_world_it_was_not_started_in_place_for(tmp_path: Path) -> None:
+    """examples/train.py in a world of 2 without the in-place backend (e.g. mode=restart) would
+    train alone on every node: it exits 2 with one line instead."""
+    env = dict(_env(), WORLD_SIZE="2", RANK="0")
+    for name in ("OOBLECK_RUN_ID", "OOBLECK_ETCD_ENDPOINT", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    res = subprocess.run(
+        [sys.executable, "examples/train.py", "--config", str(CONFIG)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip() == (
+        "train.py: error: started in a torchrun world of 2 processes, not by --rdzv-backend=oobleck in place: "
+        "give torchrun --rdzv-backend=oobleck (and this --config), or run one process"
+    )

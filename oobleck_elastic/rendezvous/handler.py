@@ -1,4 +1,6 @@
-"""`torchrun --rdzv-backend=oobleck`: a TorchElastic rendezvous handler on etcd v3.
+"""`torchrun --rdzv-backend=oobleck` in place (`--rdzv-conf mode=in_place`, the default with a job
+config): a TorchElastic rendezvous handler on etcd v3. (`mode=restart`, for plain scripts, is torch's
+own dynamic rendezvous on etcd: restart.py; entry.py picks, options.py reads the launch.)
 
 What torchrun's agent needs from a handler, and what this one does differently from the stock
 c10d/etcd handlers so that healthy workers are never restarted (the agent restarts ALL local
@@ -13,17 +15,21 @@ workers when `num_nodes_waiting() > 0` or when a local worker exits non-zero):
   (`WorkerContext.share_profile`), and they wait for the plan that gives them a stage. It returns a
   node-local view (rank 0 of 1, an in-memory store): the agent's own rank assignment and exit
   barrier stay on this node, because job-wide ranks come from the plan, which workers read from
-  etcd. A node that arrives while the job runs is admitted into the next generation without a
-  new rendezvous round for anyone.
+  etcd. Its MASTER_PORT is `NO_ENV_WORLD`, a line of text: a plain script's `init_process_group`
+  (env://) fails at once with it instead of training alone in a world of one node. The devices
+  per node are the agent's (`options.agent_local_world_size`) unless the launch named them.
 - `num_nodes_waiting()` is always 0: a positive value makes the agent restart its workers.
-- `shutdown()` only takes this node out (revokes its lease); it never closes the job.
+- `shutdown()` only takes this node out (revokes its lease); it never closes the job. It never
+  raises (torchrun calls it in `finally:`): False with etcd unreachable, the same answer again on a
+  second call; it gives the preemption signals back and ends the handler's threads.
 - The leader plans with a `JobPlanner` (rendezvous/planner.py): from `planning.profile_path`, or
   the first profile a worker measured, pinned in etcd so every later leader plans from the same
   numbers.
 - Workers inherit the agent's environment, so the handler exports the etcd endpoint, TLS and
   auth settings, run id, key prefix and node id (`OOBLECK_*`) before the agent starts them.
+  Nothing else of the process's environment is set for good (no `TORCH_ELASTIC_WORKER_IDENTICAL`).
 
-Options come through `--rdzv-conf key=value,...`; see `RDZV_OPTIONS`.
+Options come through `--rdzv-conf key=value,...`; see `options.RDZV_OPTIONS`.
 """
 
 from __future__ import annotations
