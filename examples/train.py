@@ -10,6 +10,7 @@
 """
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -28,6 +29,14 @@ def main() -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
+        return 2
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not under_oobleck() and world != "1":  # torchrun's world without the in-place backend: not ours to train in
+        print(
+            f"train.py: error: started in a torchrun world of {world} processes, not by --rdzv-backend=oobleck "
+            "in place: give torchrun --rdzv-backend=oobleck (and this --config), or run one process",
+            file=sys.stderr,
+        )
         return 2
     if under_oobleck():  # a worker of a job: the control plane is etcd
         control = WorkerContext.from_env()

@@ -222,6 +222,27 @@ class EtcdClient:
         it does not exist). False when the compare failed (someone else wrote first)."""
         return self.transact(revisions={key: revision}, puts={key: value}, lease=lease)
 
+    def swap(self, key: str, value: bytes | str, revision: Optional[int]) -> tuple[bool, Optional[KV]]:
+        """Compare-and-put in one round trip: write key only if its mod revision is still
+        `revision` (None: only if it does not exist). Returns whether it wrote, and the key as it
+        is right after the transaction (the value written, or the one that won)."""
+        tx = self.raw.transactions
+        compare = [tx.create(key) == 0] if revision is None else [tx.mod(key) == revision]
+        ok, resp = self._call(
+            self.raw.transaction, compare=compare, success=[tx.put(key, value), tx.get(key)], failure=[tx.get(key)]
+        )
+        kvs = resp[-1]
+        if not kvs:
+            return bool(ok), None
+        current, meta = kvs[0]
+        return bool(ok), KV(
+            key=key,
+            value=bytes(current),
+            mod_revision=meta.mod_revision,
+            create_revision=meta.create_revision,
+            lease=getattr(meta, "lease_id", 0),
+        )
+
     def delete(self, key: str, *, revision: Optional[int] = None) -> bool:
         """Delete key (only if its mod revision is still `revision`, when given); whether it went."""
         if revision is None:

@@ -27,6 +27,8 @@ JSON, one record class each (records.py); those marked * carry `schema_version` 
 | `errors`                 | the last error that ended a worker and how often in a row (engine/resilience/errors.py) | workers |       |
 | `store/g<generation>/...` (`store`) | c10d Store keys of that generation's process groups | workers |      |
 | `probe/<node>/<local rank>/<pid>` (`probe`) | what examples/probe.py's workers saw (tests read it) | that example |  |
+| `torchrun/state` (`torchrun_state`) | torch's dynamic-rendezvous state (its own encoding; only in `mode=restart`, rendezvous/restart.py) | agents (CAS) | |
+| `torchrun/store/...` (`torchrun_store`) | c10d Store keys of torchrun's rounds (agent rank assignment, MASTER_ADDR/PORT, exit barrier) in `mode=restart` | agents | |
 
 Values that fail to parse or validate are logged and ignored (docs/design.md, invariant 5).
 """
@@ -182,6 +184,16 @@ class Keys:
 
     def store(self, generation: int) -> str:
         return f"{self.root}store/g{generation}/"
+
+    @property
+    def torchrun_state(self) -> str:
+        """torch's dynamic-rendezvous state of a `mode=restart` job (rendezvous/restart.py)."""
+        return self.root + "torchrun/state"
+
+    @property
+    def torchrun_store(self) -> str:
+        """Prefix of the c10d store the agents of a `mode=restart` job share."""
+        return self.root + "torchrun/store/"
 
     @property
     def probes(self) -> str:

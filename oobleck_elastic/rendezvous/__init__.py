@@ -1,6 +1,8 @@
 """Control plane: `torchrun --rdzv-backend=oobleck` on etcd v3, in the torchrun agent.
 
-`handler` (the RendezvousHandler torchrun calls, registered through `entry`), `membership` (a
+`handler` (the in-place RendezvousHandler torchrun calls, registered through `entry`, which picks
+it or `restart`, torch's dynamic rendezvous on etcd for plain scripts; `options` reads the launch
+and the `--rdzv-conf` options), `membership` (a
 node's leased record), `leader` (election, and the loop that reads a view, decides and publishes
 plans) with `decide` (its rules, a pure function) and `planner` (its planning and profile
 pinning), `detect` (the roll call and the deputies that find dead nodes and leaders) with

@@ -3,17 +3,34 @@
 torch imports entry points while `torch.distributed.elastic.rendezvous` itself is being imported,
 so this module must not import that package (or the handler) at import time: the creator
 imports the handler when torchrun first asks for a handler.
+
+`create_handler` picks the mode (options.py): `in_place` is the Oobleck handler (handler.py),
+`restart` torch's dynamic rendezvous on etcd (restart.py).
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
+
+
+def create_handler(params: Any, *, argv: Optional[list[str]] = None) -> Any:
+    """The handler of `params`' mode; `argv` as in `options.launch_of`."""
+    from .options import launch_of, mode_of
+
+    launch = launch_of(params, argv)
+    if mode_of(launch) == "restart":
+        from ..etcd import connect
+        from ..records.keys import Keys
+        from .options import etcd_settings, rdzv_conf
+        from .restart import restart_handler
+
+        conf = rdzv_conf(params)
+        return restart_handler(
+            params, connect(etcd_settings(params, conf)), Keys(conf.get("key_prefix", "/oobleck"), params.run_id)
+        )
+    from .handler import OobleckRendezvousHandler
+
+    return OobleckRendezvousHandler(params, argv=argv)
 
 
 def get_creator() -> Callable[[Any], Any]:
     """Zero-argument factory torch calls; returns `(RendezvousParameters) -> RendezvousHandler`."""
-
-    def create(params: Any) -> Any:
-        from .handler import OobleckRendezvousHandler
-
-        return OobleckRendezvousHandler(params)
-
-    return create
+    return create_handler

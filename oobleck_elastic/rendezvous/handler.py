@@ -1,4 +1,6 @@
-"""`torchrun --rdzv-backend=oobleck`: a TorchElastic rendezvous handler on etcd v3.
+"""`torchrun --rdzv-backend=oobleck` in place (`--rdzv-conf mode=in_place`, the default with a job
+config): a TorchElastic rendezvous handler on etcd v3. (`mode=restart`, for plain scripts, is torch's
+own dynamic rendezvous on etcd: restart.py; entry.py picks, options.py reads the launch.)
 
 What torchrun's agent needs from a handler, and what this one does differently from the stock
 c10d/etcd handlers so that healthy workers are never restarted (the agent restarts ALL local
@@ -13,17 +15,21 @@ workers when `num_nodes_waiting() > 0` or when a local worker exits non-zero):
   (`WorkerContext.share_profile`), and they wait for the plan that gives them a stage. It returns a
   node-local view (rank 0 of 1, an in-memory store): the agent's own rank assignment and exit
   barrier stay on this node, because job-wide ranks come from the plan, which workers read from
-  etcd. A node that arrives while the job runs is admitted into the next generation without a
-  new rendezvous round for anyone.
+  etcd. Its MASTER_PORT is `NO_ENV_WORLD`, a line of text: a plain script's `init_process_group`
+  (env://) fails at once with it instead of training alone in a world of one node. The devices
+  per node are the agent's (`options.agent_local_world_size`) unless the launch named them.
 - `num_nodes_waiting()` is always 0: a positive value makes the agent restart its workers.
-- `shutdown()` only takes this node out (revokes its lease); it never closes the job.
+- `shutdown()` only takes this node out (revokes its lease); it never closes the job. It never
+  raises (torchrun calls it in `finally:`): False with etcd unreachable, the same answer again on a
+  second call; it gives the preemption signals back and ends the handler's threads.
 - The leader plans with a `JobPlanner` (rendezvous/planner.py): from `planning.profile_path`, or
   the first profile a worker measured, pinned in etcd so every later leader plans from the same
   numbers.
 - Workers inherit the agent's environment, so the handler exports the etcd endpoint, TLS and
   auth settings, run id, key prefix and node id (`OOBLECK_*`) before the agent starts them.
+  Nothing else of the process's environment is set for good (no `TORCH_ELASTIC_WORKER_IDENTICAL`).
 
-Options come through `--rdzv-conf key=value,...`; see `RDZV_OPTIONS`.
+Options come through `--rdzv-conf key=value,...`; see `options.RDZV_OPTIONS`.
 """
 
 from __future__ import annotations
@@ -58,125 +64,69 @@ from ..config import ConfigError, JobConfig, load_config
 from ..records.errors import ErrorRecord, next_error_record
 from ..records.heartbeat import ENV as HEARTBEAT_ENV
 from ..records.heartbeat import Beat
-from ..etcd import EtcdClient, EtcdSettings, connect
+from ..etcd import EtcdClient, connect
 from ..etcd.mirror import Mirror
-from ..etcd.server import free_port
 from ..etcd.protocols import KVReader
 from ..records.keys import Keys
-from ..records.control import ClosedRecord, Event, EventKind, NodeState, ReadyRecord, Roster, read_closed, read_roster
+from ..records.control import (
+    ClosedRecord,
+    Event,
+    EventKind,
+    NodeState,
+    ReadyRecord,
+    Roster,
+    read_closed,
+    read_ready,
+    read_roster,
+)
 from .leader import Leader
 from .planner import JobPlanner
 from .liveness import LivenessServer
 from .membership import Member, mark_draining, put_event
 from .hang import HangWatch, WorkerHung
+from .options import RDZV_OPTIONS, agent_local_world_size, etcd_settings, launch_of, rdzv_conf, seconds
 from .preempt import PreemptionWatch, parse_signals
 
 log = JobLog(logging.getLogger(__name__))
 
+_SHUTDOWN_OUTAGE_S = 2.0
+"""How long `shutdown()` waits for an unreachable etcd before it returns False."""
+
 BACKEND = "oobleck"
-RDZV_OPTIONS = {
-    "config": "job YAML (default: the training script's --config argument)",
-    "lease_ttl": "seconds before a silent node's record expires (default fault_tolerance.lease_ttl_s)",
-    "last_call_timeout": "seconds to wait for more nodes once --nnodes MIN are up (default 2)",
-    "settle": "seconds that batch simultaneous membership changes (default fault_tolerance.settle_s)",
-    "cacert": "CA certificate of the etcd server (enables TLS)",
-    "cert": "client certificate for mutual TLS",
-    "key": "client key for mutual TLS",
-    "user": "etcd user",
-    "password": "etcd password",
-    "key_prefix": "etcd key prefix (default /oobleck)",
-    "join_timeout": "seconds a node waits to be admitted before giving up (default 600)",
-    "etcd_outage": "seconds etcd requests are retried while etcd is unreachable before failing (default 60)",
-}
-# set by torchrun itself or kept for compatibility with other backends; accepted silently
-_TORCHRUN_OPTIONS = {
-    "timeout",
-    "close_timeout",
-    "is_host",
-    "local_addr",
-    "read_timeout",
-    "keep_alive_interval",
-    "keep_alive_max_attempt",
-}
-
-
-def script_arguments(argv: list[str]) -> tuple[int, Optional[str], list[str]]:
-    """(nproc_per_node, --config value, dotlist overrides) from torchrun's own command line."""
-    try:
-        from torch.distributed.run import get_args_parser
-
-        args = get_args_parser().parse_args(argv[1:])
-        nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1
-        script_args = list(args.training_script_args)
-    except (SystemExit, Exception):  # noqa: BLE001 - not started by torchrun (tests, CLI)
-        return 1, None, []
-    config = None
-    for i, arg in enumerate(script_args):
-        if arg == "--config" and i + 1 < len(script_args):
-            config = script_args[i + 1]
-        elif arg.startswith("--config="):
-            config = arg.split("=", 1)[1]
-    overrides = [a for a in script_args if "=" in a and not a.startswith("-")]
-    return nproc, config, overrides
+NO_ENV_WORLD = (
+    "oobleck in-place job: no env:// world here (RANK/WORLD_SIZE are node-local); use WorkerContext, "
+    "or --rdzv-conf mode=restart for a plain torch.distributed script"
+)
+"""MASTER_PORT of an in-place job's workers: a script that calls `init_process_group` through
+`env://` fails at once with this text (Python shows 200 characters of it) instead of training
+alone in a world of one node."""
 
 
 class OobleckRendezvousHandler(RendezvousHandler):
     def __init__(self, params: RendezvousParameters, *, argv: Optional[list[str]] = None) -> None:
+        """`argv`: a torchrun command line to take the script's --config from (tests); by default
+        only torchrun's own command line for this rendezvous counts (options.py)."""
         if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <agent>` prints its threads' stacks (a slow exit)
             faulthandler.register(signal.SIGUSR1, all_threads=True)
         self.params = params
-        conf = {k: v for k, v in params.config.items() if v is not None}
-        unknown = set(conf) - set(RDZV_OPTIONS) - _TORCHRUN_OPTIONS
-        if unknown:
-            raise ValueError(
-                f"unknown --rdzv-conf option(s) {sorted(unknown)} for --rdzv-backend=oobleck; "
-                f"known: {', '.join(sorted(RDZV_OPTIONS))}"
-            )
-        nproc, script_config, overrides = script_arguments(argv if argv is not None else sys.argv)
-        config_path = conf.get("config") or script_config
-        if not config_path:
+        conf = rdzv_conf(params)
+        launch = launch_of(params, argv)
+        if not launch.config:
             raise ConfigError(
-                "--rdzv-backend=oobleck needs the job config to plan pipelines: give the training "
-                "script --config PATH or pass --rdzv-conf config=PATH"
+                "--rdzv-backend=oobleck in place needs the job config to plan pipelines: give the training "
+                "script --config PATH on torchrun's command line or pass --rdzv-conf config=PATH "
+                "(a script that does not use the worker context: --rdzv-conf mode=restart)"
             )
-        self.cfg: JobConfig = load_config(config_path, overrides)
-        self.devices = nproc
-        if self.cfg.planning.gpus_per_node != nproc:
-            log.warning(
-                "planning.gpus_per_node=%d but --nproc-per-node=%d: planning with %d device(s) per node",
-                self.cfg.planning.gpus_per_node,
-                nproc,
-                nproc,
-            )
-            self.cfg.planning.gpus_per_node = nproc
+        self.cfg: JobConfig = load_config(launch.config, launch.overrides)
+        self.devices: Optional[int] = None
+        if launch.nproc is not None:
+            self._plan_devices(launch.nproc)
         ft = self.cfg.fault_tolerance
-
-        def seconds(option: str, default: float, *, zero_ok: bool = False) -> float:
-            value = conf.get(option, default)
-            try:
-                result = float(value)
-            except (TypeError, ValueError):
-                result = float("nan")
-            if not (result >= 0 if zero_ok else result > 0):
-                raise ValueError(
-                    f"--rdzv-conf {option}={value}: give a number of seconds {'>=' if zero_ok else '>'} 0 "
-                    f"(e.g. {option}={default:g}); {option}: {RDZV_OPTIONS[option]}"
-                )
-            return result
-
-        self.lease_ttl_s = seconds("lease_ttl", ft.lease_ttl_s)
-        self.settle_s = seconds("settle", ft.settle_s, zero_ok=True)
-        self.last_call_s = seconds("last_call_timeout", 2.0)
-        self.join_timeout_s = seconds("join_timeout", ft.rendezvous_timeout_s)
-        self.settings = EtcdSettings(
-            endpoint=params.endpoint or "127.0.0.1:2379",
-            cacert=conf.get("cacert"),
-            cert=conf.get("cert"),
-            key=conf.get("key"),
-            user=conf.get("user"),
-            password=conf.get("password"),
-            outage_s=seconds("etcd_outage", 60.0),
-        )
+        self.lease_ttl_s = seconds(conf, "lease_ttl", ft.lease_ttl_s)
+        self.settle_s = seconds(conf, "settle", ft.settle_s, zero_ok=True)
+        self.last_call_s = seconds(conf, "last_call_timeout", 2.0)
+        self.join_timeout_s = seconds(conf, "join_timeout", ft.rendezvous_timeout_s)
+        self.settings = etcd_settings(params, conf)
         self.keys = Keys(conf.get("key_prefix", "/oobleck"), params.run_id)
         self.client: EtcdClient = connect(self.settings)
         self.member: Optional[Member] = None
@@ -187,9 +137,25 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self.view: Optional[Mirror] = None
         self._stopping = threading.Event()
         self.hang_watch: Optional[HangWatch] = None
+        self.preemption: Optional[PreemptionWatch] = None
         self._heartbeat_dir: Optional[Path] = None
         self._notice_dir: Optional[Path] = None
-        os.environ["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"  # the agent skips store-based rank assignment
+        self._shut_down: Optional[bool] = None
+        # No TORCH_ELASTIC_WORKER_IDENTICAL: with the node-local view (rank 0 of 1, an in-memory
+        # store) torch's own rank assignment gives the same ranks, and the process's environment
+        # stays as it was for any other job it runs.
+
+    def _plan_devices(self, nproc: int) -> None:
+        """Plan with `nproc` devices per node (torchrun's --nproc-per-node)."""
+        self.devices = nproc
+        if self.cfg.planning.gpus_per_node != nproc:
+            log.warning(
+                "planning.gpus_per_node=%d but --nproc-per-node=%d: planning with %d device(s) per node",
+                self.cfg.planning.gpus_per_node,
+                nproc,
+                nproc,
+            )
+            self.cfg.planning.gpus_per_node = nproc
 
     # ------------------------------------------------------------------ RendezvousHandler
     def get_backend(self) -> str:
@@ -217,39 +183,82 @@ class OobleckRendezvousHandler(RendezvousHandler):
         return 0  # joins are admitted by the leader; a positive value would restart healthy workers
 
     def shutdown(self) -> bool:
-        if self.leader is not None:
-            self.leader.stop()
-        if self.liveness is not None:
-            self.liveness.close()
+        """Take this node out of the job (its lease is revoked; the job goes on without it): stop
+        the threads, give the signals back, remove the temporary directories, close the etcd
+        connection. Never raises: torchrun calls it in a `finally:`, where an error would replace
+        the worker's own. False (one log line) when etcd could not be told that the node leaves
+        (its record then expires with its lease); a second call returns the first one's answer."""
+        if self._shut_down is not None:
+            return self._shut_down
+        self._shut_down = True
         self._stopping.set()
-        if self.hang_watch is not None:
-            self.hang_watch.stop()
+        node = self.member.node_id if self.member is not None else None
+        steps = [
+            self.preemption.uninstall if self.preemption is not None else None,
+            self.leader.stop if self.leader is not None else None,
+            self.liveness.close if self.liveness is not None else None,
+            self.hang_watch.stop if self.hang_watch is not None else None,
+            self.view.close if self.view is not None else None,
+        ]
+        for step in steps:
+            if step is None:
+                continue
+            try:
+                step()
+            except Exception as err:  # noqa: BLE001 - the rest of the shutdown must still run
+                log.at(node=node).warning("shutdown: %s failed: %s", getattr(step, "__qualname__", step), err)
         for directory in (self._heartbeat_dir, self._notice_dir):
             if directory is not None:
                 shutil.rmtree(directory, ignore_errors=True)
-        if self.view is not None:
-            self.view.close()
-        if self.member is not None and self.member.record is not None:
+        self._shut_down = self._leave()
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001 - a broken channel: nothing left to close
+            pass
+        return self._shut_down
+
+    def _leave(self) -> bool:
+        """Record this node's leaving and revoke its lease; False when etcd does not answer within
+        `_SHUTDOWN_OUTAGE_S` (not the job's whole `etcd_outage`: the agent is on its way out)."""
+        if self.member is None or self.member.record is None:
+            return True
+        node = self.member.node_id
+        settings = self.client.settings
+        self.client.settings = dataclasses.replace(settings, outage_s=min(settings.outage_s, _SHUTDOWN_OUTAGE_S))
+        self.member.close(revoke=False)  # first: a keep-alive that found the lease revoked would register again
+        try:
             put_event(
                 self.client,
                 self.keys,
-                Event(time=time.time(), kind=EventKind.LEAVE, node=self.member.node_id, detail="agent shut down"),
+                Event(time=time.time(), kind=EventKind.LEAVE, node=node, detail="agent shut down"),
             )
-            self.member.close(revoke=True)
-        self.client.close()
-        return True
+            if self.member.lease is not None and not self.member.fenced.is_set():
+                self.client.revoke_lease(self.member.lease)
+            return True
+        except Exception as err:  # noqa: BLE001 - etcd gone: say so once, the lease expires by itself
+            log.at(node=node).warning(
+                "shutdown: etcd did not answer (%s): node %s leaves when its lease expires (%.0f s)",
+                err,
+                node,
+                self.lease_ttl_s,
+            )
+            return False
 
     def next_rendezvous(self) -> RendezvousInfo:
         closed = read_closed(self.client, self.keys)
         if closed is not None:
             raise RendezvousClosedError(f"run {self.params.run_id} is closed: {closed.reason}")
+        if self._shut_down is not None:
+            raise RendezvousClosedError(f"the rendezvous handler of run {self.params.run_id} was shut down")
         if self.member is None:
+            if self.devices is None:  # started by torch's agent: its WorkerSpec says how many workers
+                self._plan_devices(agent_local_world_size(self, sys._getframe(1)) or 1)
             host = self.params.local_addr or socket.gethostname()
             self.liveness = LivenessServer(host)
             self.member = Member(
                 self.client,
                 self.keys,
-                devices=self.devices,
+                devices=self.devices or 1,
                 lease_ttl_s=self.lease_ttl_s,
                 host=host,
                 liveness=self.liveness.address,
@@ -295,7 +304,8 @@ class OobleckRendezvousHandler(RendezvousHandler):
             log.at(node=node).info("admitted; the first plan follows once a worker has measured the profile")
         else:
             log.at(node=node).info("admitted (current generation %d, %d node(s))", plan.generation, len(plan.nodes))
-        info = RendezvousStoreInfo("127.0.0.1", free_port())
+        # a node-local view: job-wide ranks come from the plan; MASTER_PORT refuses env:// (NO_ENV_WORLD)
+        info = RendezvousStoreInfo(self.params.local_addr or "127.0.0.1", NO_ENV_WORLD)  # type: ignore[arg-type]
         return RendezvousInfo(self._store, 0, 1, info)
 
     # ------------------------------------------------------------------ helpers
@@ -325,8 +335,17 @@ class OobleckRendezvousHandler(RendezvousHandler):
             drain=drain,
             alive=lambda: not self._stopping.is_set(),
             notice_file=self._notice_dir / "notice",
+            applies=self._drainable,
         )
         watch.install()
+        self.preemption = watch
+
+    def _drainable(self) -> bool:
+        """Whether a preemption notice can drain this node: some worker of it reported ready (it uses
+        the worker context, which leaves at a step boundary). Otherwise the notice stops the node as
+        torchrun would (preempt.py)."""
+        assert self.member is not None
+        return bool(read_ready(self.client, self.keys, self.member.node_id))
 
     def _watch_hangs(self) -> None:
         """This node's workers tell it when their steps begin and end (engine/resilience/heartbeat.py); a worker
@@ -422,4 +441,4 @@ class OobleckRendezvousHandler(RendezvousHandler):
             version = self.view.wait(version, 0.5)
 
 
-__all__ = ["BACKEND", "OobleckRendezvousHandler", "RDZV_OPTIONS", "script_arguments"]
+__all__ = ["BACKEND", "NO_ENV_WORLD", "OobleckRendezvousHandler", "RDZV_OPTIONS"]

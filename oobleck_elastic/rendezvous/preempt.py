@@ -17,7 +17,14 @@ when it starts workers) and handles them itself:
    state over before they leave (engine/generation/entry.py). Its workers exit 0, and so does its agent.
 3. If the node is still there `fault_tolerance.preempt_grace_s` after the notice (the job is
    stuck, or the grace was too short), the watch hands the signal back to torchrun's handling
-   (SIGINT to its own agent): the workers are killed and the job handles it as a failure.
+   (the same signal, answered as torchrun's agent answers it: a `SignalException` in the main
+   thread): the workers are stopped and the job handles it as a failure.
+4. A node with nothing to drain (`applies()` is False: no worker of it ever reported ready, so its
+   workers do not use the worker context, or have not started) hands the signal back at once: it
+   stops within a second, as with torchrun's c10d backend, instead of waiting out the grace.
+
+`uninstall()` (the handler's `shutdown()`) gives the signals back to the handlers they had
+before `install()` and to torchrun's list, and ends the watch's thread.
 
 Later notices while draining are ignored. The launcher's `--preempt NODE@STEP[:GRACE]` sends
 SIGTERM to a node's agent at a step, as a scheduler would.
@@ -41,7 +48,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 
 from ..logs import JobLog
@@ -75,22 +82,31 @@ class PreemptionWatch:
         alive: Callable[[], bool],
         give_up: Optional[Callable[[], None]] = None,
         notice_file: Optional[Path] = None,
+        applies: Optional[Callable[[], bool]] = None,
     ) -> None:
         """`drain(detail)` marks the node draining; `alive()` says whether the agent still runs;
-        `give_up()` hands the node to torchrun's own handling (default: SIGINT to this process);
-        `notice_file` is created when a notice arrives, for the workers (`guard_worker`)."""
+        `give_up()` hands the node to torchrun's own handling (default: the signal again, answered
+        as torchrun answers it); `notice_file` is created when a notice arrives, for the workers
+        (`guard_worker`); `applies()` says whether the node has anything to drain (default: yes)."""
         self.signals, self.grace_s, self.node = list(signals), grace_s, node
         self.notice_file = notice_file
         self._drain, self._alive = drain, alive
-        self._give_up = give_up or (lambda: os.kill(os.getpid(), signal.SIGINT))
+        self._give_up = give_up or self._hand_back
+        self._applies = applies or (lambda: True)
         self.noticed: Optional[float] = None
         """Monotonic time of the first notice."""
         self._wake = threading.Event()
         self._signal: Optional[signal.Signals] = None
+        self._handed_back = False
+        self._stopped = False
+        self._previous: dict[signal.Signals, Any] = {}
+        self._previous_env: dict[str, Optional[str]] = {}
+        self._thread: Optional[threading.Thread] = None
 
     def install(self) -> None:
         """Take the signals away from torchrun's agent and handle them here (main thread only)."""
         mine = {s.name for s in self.signals}
+        self._previous_env = {k: os.environ.get(k) for k in ("TORCHELASTIC_SIGNALS_TO_HANDLE", NOTICE_ENV, SIGNALS_ENV)}
         current = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", ",".join(TORCHRUN_SIGNALS))
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(
             s for s in (x.strip() for x in current.split(",")) if s and s not in mine
@@ -99,18 +115,63 @@ class PreemptionWatch:
             os.environ[NOTICE_ENV] = str(self.notice_file)
             os.environ[SIGNALS_ENV] = ",".join(s.name for s in self.signals)
         for sig in self.signals:
-            signal.signal(sig, self._on_signal)
-        threading.Thread(target=self._run, name="oobleck-preempt", daemon=True).start()
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._thread = threading.Thread(target=self._run, name="oobleck-preempt", daemon=True)
+        self._thread.start()
+
+    def uninstall(self) -> None:
+        """Give the signals back (module docstring) and end the thread; idempotent. The handlers
+        are restored from the main thread only (Python's rule); elsewhere the environment is."""
+        if self._thread is None:
+            return
+        self._stopped = True
+        self._wake.set()
+        if threading.current_thread() is threading.main_thread():
+            for sig, previous in self._previous.items():
+                if signal.getsignal(sig) == self._on_signal:
+                    signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        for name, value in self._previous_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+        self._thread = None
 
     def _on_signal(self, signum: int, _frame: object) -> None:
+        if self._handed_back:  # torchrun's answer to a stop signal (its `_terminate_process_handler`)
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+
+            raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
         if self.noticed is None:
             self.noticed, self._signal = time.monotonic(), signal.Signals(signum)
             self._wake.set()
 
+    def _hand_back(self) -> None:
+        """torchrun's own handling of the noticed signal: deliver it again, now answered as torchrun
+        answers it (the agent stops its workers and exits)."""
+        assert self._signal is not None
+        self._handed_back = True
+        os.kill(os.getpid(), self._signal)
+
     def _run(self) -> None:
         self._wake.wait()
+        if self._stopped:
+            return
         assert self._signal is not None
         name = self._signal.name
+        try:
+            applies = self._applies()
+        except Exception as err:  # noqa: BLE001 - etcd out of reach: try to drain, the grace still applies
+            log.at(node=self.node).warning("preemption notice (%s): cannot tell whether to drain: %s", name, err)
+            applies = True
+        if not applies:
+            log.at(node=self.node).warning(
+                "%s: nothing to drain (no worker of this node uses the worker context): stopping now", name
+            )
+            self._give_up()
+            return
         if self.notice_file is not None:  # first: the workers that got the signal too wait for it
             try:
                 self.notice_file.write_text(name)
@@ -129,9 +190,9 @@ class PreemptionWatch:
         except Exception as err:  # noqa: BLE001 - etcd out of reach: the grace still applies
             log.at(node=self.node).warning("preemption notice (%s): could not mark the node draining: %s", name, err)
         deadline = self.noticed + self.grace_s if self.noticed is not None else time.monotonic()
-        while self._alive() and time.monotonic() < deadline:
+        while self._alive() and not self._stopped and time.monotonic() < deadline:
             time.sleep(0.1)
-        if self._alive():
+        if self._alive() and not self._stopped:
             log.at(node=self.node).error(
                 "still running %.0f s after its preemption notice (%s): stopping its workers; the job "
                 "handles this as a failure",
