@@ -23,6 +23,15 @@ falls back to the previous one. `load_layer` checks the size and sha256 recorded
 manifest before parsing, so a corrupt or truncated file is reported by name instead of
 silently loading bad weights. `load_model_state` maps local names to Hugging Face names, so a
 checkpoint loads into a fresh `transformers` model with `load_state_dict`.
+
+Partial checkpoints. A save interrupted by a failure leaves a step directory without a manifest:
+some layer files, maybe a `.tmp-` file of a writer that was killed. A save first writes
+`saving.json` (the step, how many layer files it will write, the generation), so such a
+directory says how far its save got (`describe_partial`: "no manifest (5 of 10 layer files,
+1 .tmp file)"). Nothing resumes from it; `set_aside_partials` renames every one out of the
+listing (`step-XXXXXXXX.partial-<time>`, kept for a post-mortem) and says why, and
+`find_checkpoint` (`oobleck export`) names each partial or damaged one when there is no intact
+checkpoint.
 """
 
 from __future__ import annotations
@@ -59,12 +68,21 @@ __all__ = [
     "verify_checkpoint",
     "newest_intact_checkpoint",
     "set_aside",
+    "set_aside_partials",
     "Unusable",
+    "SAVING",
+    "begin_save",
+    "describe_partial",
+    "find_checkpoint",
+    "is_complete",
 ]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+SAVING = "saving.json"
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
+_ASIDE_RE = re.compile(r"^step-(\d{8,})\.([a-z]+)-")
+_LAYER_RE = re.compile(r"^layer-\d{3,}\.safetensors$")
 _FALLBACK = "delete {dir} to fall back to an older checkpoint"
 
 
@@ -192,6 +210,15 @@ def save_layer(
     return {"file": path.name, "sha256": _sha256(path), "bytes": path.stat().st_size}
 
 
+def begin_save(ckpt_dir: str | Path, *, step: int, num_layers: int, generation: int = 0) -> Path:
+    """Write `saving.json` into the step directory before any layer file: what the save will
+    write, so that the directory, if the save is interrupted, says how far it got."""
+    path = step_dir(ckpt_dir, step) / SAVING
+    blob = json.dumps({"step": int(step), "num_layers": int(num_layers), "generation": int(generation)}).encode()
+    _atomic(path, lambda tmp: tmp.write_bytes(blob))
+    return path
+
+
 def write_manifest(
     ckpt_dir: str | Path,
     *,
@@ -307,7 +334,7 @@ def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
 
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     """The newest step directory whose manifest exists and parses; None if there is none."""
-    return next((d for d in reversed(list_checkpoints(ckpt_dir)) if _is_complete(d)), None)
+    return next((d for d in reversed(list_checkpoints(ckpt_dir)) if is_complete(d)), None)
 
 
 def _checked_file(sdir: Path, manifest: dict[str, Any], layer: int, *, verify: bool) -> Path:
@@ -356,18 +383,94 @@ class Unusable:
     """A manifest is there but it, or a file it lists, is bad (not just an interrupted save)."""
 
 
-def newest_intact_checkpoint(ckpt_dir: str | Path) -> tuple[Path | None, list[Unusable]]:
+def newest_intact_checkpoint(
+    ckpt_dir: str | Path, *, num_layers: int | None = None
+) -> tuple[Path | None, list[Unusable]]:
     """The newest step directory that verifies completely (`verify_checkpoint`), and every newer
-    one that does not, newest first. A directory without a manifest is an interrupted save; one
-    whose manifest or files are bad is damaged."""
+    one that does not, newest first. A directory without a manifest is an interrupted save
+    (`describe_partial` says why); one whose manifest or files are bad is damaged."""
     unusable: list[Unusable] = []
     for sdir in reversed(list_checkpoints(ckpt_dir)):
+        if not (sdir / MANIFEST).exists():
+            unusable.append(Unusable(path=sdir, reason=describe_partial(sdir, num_layers), damaged=False))
+            continue
         try:
             verify_checkpoint(sdir)
             return sdir, unusable
         except CheckpointError as err:
-            unusable.append(Unusable(path=sdir, reason=str(err), damaged=(sdir / MANIFEST).exists()))
+            unusable.append(Unusable(path=sdir, reason=str(err), damaged=True))
     return None, unusable
+
+
+def describe_partial(sdir: str | Path, num_layers: int | None = None) -> str:
+    """Why a step directory without a manifest is no checkpoint, from what its save left:
+    `no manifest (5 of 10 layer files, 1 .tmp file)`. The layer count is the one its
+    `saving.json` recorded, else `num_layers` (unknown: `5 layer files`)."""
+    try:
+        names = [p.name for p in Path(sdir).iterdir()]
+    except OSError:  # another worker set it aside meanwhile
+        names = []
+    expected: int | None
+    try:
+        expected = int(json.loads((Path(sdir) / SAVING).read_text())["num_layers"])
+    except (OSError, ValueError, TypeError, KeyError):
+        expected = num_layers
+    layers = sum(1 for n in names if _LAYER_RE.match(n))
+    tmp = sum(1 for n in names if ".tmp-" in n)
+    parts = [f"{layers} of {expected} layer files" if expected is not None else f"{layers} layer files"]
+    if tmp:
+        parts.append(f"{tmp} .tmp file{'s' if tmp > 1 else ''}")
+    return f"no manifest ({', '.join(parts)})"
+
+
+def set_aside_partials(ckpt_dir: str | Path, num_layers: int | None = None) -> list[tuple[Path, Path, str]]:
+    """Rename every step directory without a manifest (an interrupted save) out of the listing,
+    as `step-XXXXXXXX.partial-<time>` (`set_aside`): (directory, new name, why) for each one this
+    call moved."""
+    moved = []
+    for sdir in list_checkpoints(ckpt_dir):
+        if (sdir / MANIFEST).exists():
+            continue
+        why = describe_partial(sdir, num_layers)
+        target = set_aside(sdir, "partial")
+        if target is not None:
+            moved.append((sdir, target, why))
+    return moved
+
+
+def find_checkpoint(path: str | Path) -> tuple[Path, str | None]:
+    """The step directory `path` names: itself when it has a manifest, else the newest intact one
+    under it; with a note saying which was chosen and what was skipped (None when `path` is one).
+    Raises CheckpointError naming every partial or damaged step directory and why, on one line,
+    when there is no intact one."""
+    p = Path(path).expanduser()
+    if (p / MANIFEST).is_file():
+        return p, None
+    if p.is_dir() and (_STEP_RE.match(p.name) or _ASIDE_RE.match(p.name)):
+        raise CheckpointError(
+            f"'{p}' is a partial checkpoint: {p.name}: {describe_partial(p)}; give an intact step "
+            "directory or the directory holding them (checkpoint.dir)"
+        )
+    aside = sorted(
+        (d for d in p.iterdir() if d.is_dir() and _ASIDE_RE.match(d.name)) if p.is_dir() else [],
+        key=lambda d: (_step(d), d.name),
+    )
+    if not list_checkpoints(p) and not aside:
+        raise CheckpointError(
+            f"'{p}' is not a checkpoint: give a step directory (step-XXXXXXXX with "
+            f"{MANIFEST}) or the directory holding them (checkpoint.dir)"
+        )
+    found, unusable = newest_intact_checkpoint(p)
+    if found is None:
+        named = [(u.path, u.reason) for u in unusable]
+        for d in aside:
+            why = _ASIDE_RE.match(d.name)
+            state = describe_partial(d) if not (d / MANIFEST).exists() else "has a manifest"
+            named.append((d, f"set aside as {why.group(2) if why else '?'}, {state}"))
+        reasons = "; ".join(f"{d.name}: {why}" for d, why in sorted(named, key=lambda e: (_step(e[0]), e[0].name)))
+        raise CheckpointError(f"no intact checkpoint under {p}, only partial or damaged ones: {reasons}")
+    skipped = "".join(f"; skipped {u.path.name} ({'damaged' if u.damaged else 'incomplete'})" for u in unusable)
+    return found, f"checkpoint {found.name} (newest intact under {p}{skipped})"
 
 
 def set_aside(step_dir: str | Path, why: str) -> Path | None:
@@ -456,7 +559,7 @@ def prune_checkpoints(ckpt_dir: str | Path, keep: int) -> list[Path]:
     if keep < 1:
         raise ValueError(f"prune_checkpoints: keep must be >= 1 (got {keep})")
     dirs = list_checkpoints(ckpt_dir)
-    complete = [d for d in dirs if _is_complete(d)]
+    complete = [d for d in dirs if is_complete(d)]
     if not complete:
         return []
     latest = complete[-1]
@@ -470,7 +573,8 @@ def prune_checkpoints(ckpt_dir: str | Path, keep: int) -> list[Path]:
     return removed
 
 
-def _is_complete(sdir: Path) -> bool:
+def is_complete(sdir: Path) -> bool:
+    """The step directory has a manifest that parses (its files are not checked)."""
     try:
         read_manifest(sdir)
     except CheckpointError:
@@ -479,5 +583,5 @@ def _is_complete(sdir: Path) -> bool:
 
 
 def _step(sdir: Path) -> int:
-    m = _STEP_RE.match(sdir.name)
+    m = _STEP_RE.match(sdir.name) or _ASIDE_RE.match(sdir.name)
     return int(m.group(1)) if m else -1

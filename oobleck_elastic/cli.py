@@ -2,7 +2,8 @@
 
     oobleck plan --config configs/gpt2-tiny.yaml --nodes 4 [--profile FILE] [--json] [key=value ...]
     oobleck etcd [--port 2379] [--data-dir D]
-    oobleck export CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--dtype bf16] [--force] [key=value ...]
+    oobleck export CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--dtype bf16] [--force] [--tokenizer PATH|none]
+                   [key=value ...]
     oobleck config reference
     oobleck simulate --trace 10m --model GPT-2 | --paper | --scale --nodes 10000 [--json] [--plot PNG]
     oobleck agents | status | events [--follow] | goodput [--json] | outcome | kill-agent --index N
@@ -295,10 +296,12 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
         help="write a checkpoint as a Hugging Face model directory (config.json + safetensors shards)",
         description="Write a checkpoint as a Hugging Face model directory, one layer at a time: config.json, "
         "safetensors shards (model.safetensors, or model-0000k-of-0000N.safetensors + "
-        "model.safetensors.index.json) and, for a job started from model.pretrained_path, its tokenizer files. "
-        "The model config is the one recorded in the checkpoint; key=value overrides change it (e.g. "
-        "model.pretrained_path=DIR when that directory moved). Tied embeddings are written once. Load the result "
-        "with transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) or use it as model.pretrained_path.",
+        "model.safetensors.index.json), generation_config.json and the tokenizer the job trained with (its "
+        "bos/eos/pad ids set in both configs). The model config is the one recorded in the checkpoint; key=value "
+        "overrides change it (e.g. model.pretrained_path=DIR when that directory moved), and a model.* override "
+        "that contradicts the checkpoint's tensors is refused. Tied embeddings are written once. Load the result "
+        "with transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) and AutoTokenizer.from_pretrained(OUT_DIR), "
+        "or use it as model.pretrained_path.",
     )
     x.add_argument(
         "checkpoint",
@@ -318,6 +321,12 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
         "--force",
         action="store_true",
         help="write into a non-empty OUT_DIR, replacing its model files (other files are kept)",
+    )
+    x.add_argument(
+        "--tokenizer",
+        metavar="PATH|none",
+        help="export this tokenizer instead of the job's: a tokenizers JSON file or a save_pretrained directory "
+        "(e.g. for a checkpoint saved before checkpoints carried their tokenizer), or none",
     )
     x.add_argument(
         "overrides",
@@ -340,6 +349,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             dtype=DTYPES[args.dtype] if args.dtype else None,
             force=args.force,
             overrides=args.overrides,
+            tokenizer=args.tokenizer,
         )
     except CheckpointError as err:
         print(f"oobleck export: error: {err}", file=sys.stderr)

@@ -20,13 +20,14 @@ from oobleck_elastic.models import build_layer_model
 from oobleck_elastic.models.export import export_checkpoint, parse_size
 
 SEQ = 16
+EOT = "<|endoftext|>"
 SHARD = 20_000  # bytes: the tiny models below need several shards
 
 
 def job(family: str, **model):
     base = dict(
         family=family,
-        vocab_size=128,
+        vocab_size=256,  # data.tokenizer=bytes (the default): its tokenizer is exported
         hidden_size=32,
         num_layers=2,
         num_heads=4,
@@ -80,7 +81,8 @@ def test_export_loads_in_transformers_and_round_trips(tmp_path, family):
     lines: list[str] = []
     out = export_checkpoint(sdir, tmp_path / "hf", max_shard_bytes=SHARD, log=lines.append)
     assert out == tmp_path / "hf"
-    assert len(lines) == 5
+    assert len(lines) == 6
+    assert lines[4] == "tokenizer: bytes from data.tokenizer=bytes, bos=None eos=None pad=None"
     assert [line.split(":")[0] for line in lines[:4]] == [
         "layer 1/4 embedding",
         "layer 2/4 block.0",
@@ -111,6 +113,10 @@ def test_export_loads_in_transformers_and_round_trips(tmp_path, family):
     )
     conf = json.loads((out / "config.json").read_text())
     assert conf["tie_word_embeddings"] is tied and conf["model_type"] == family and conf["use_cache"] is True
+    # the byte tokenizer names no special token (training put no separator between documents)
+    assert conf["bos_token_id"] is None and conf["eos_token_id"] is None and conf["pad_token_id"] is None
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok("hé €")["input_ids"] == list("hé €".encode()) and tok.decode(list("hé €".encode())) == "hé €"
 
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
@@ -126,7 +132,13 @@ def test_export_loads_in_transformers_and_round_trips(tmp_path, family):
 def test_one_shard_is_model_safetensors_and_bf16(tmp_path):
     _, sdir = write_checkpoint(job("llama", tie_embeddings=True), tmp_path / "ckpt")
     out = export_checkpoint(sdir, tmp_path / "hf", dtype=torch.bfloat16, log=lambda _: None)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     conf = json.loads((out / "config.json").read_text())
     assert conf["dtype"] == "bfloat16" and conf["tie_word_embeddings"] is True
     with safe_open(str(out / "model.safetensors"), "pt") as fh:
@@ -134,10 +146,22 @@ def test_one_shard_is_model_safetensors_and_bf16(tmp_path):
         assert fh.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
 
 
+def save_bpe_tokenizer(path: Path, vocab: int) -> Path:
+    """A byte-level BPE trained here on a few sentences, saved as a transformers tokenizer
+    directory with eos = <|endoftext|>."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    texts = [f"the {w} sat on the mat {i}" for i, w in enumerate(["cat", "dog", "bird", "fish"] * 10)]
+    bpe.train_from_iterator(texts, vocab_size=vocab, min_frequency=2, special_tokens=[EOT], show_progress=False)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOT).save_pretrained(str(path))
+    return path
+
+
 def test_a_checkpoint_of_a_pretrained_job_keeps_its_config_json(tmp_path):
     src = tmp_path / "src"
     conf = transformers.LlamaConfig(
-        vocab_size=128,
+        vocab_size=300,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -149,9 +173,18 @@ def test_a_checkpoint_of_a_pretrained_job_keeps_its_config_json(tmp_path):
         eos_token_id=0,
     )
     transformers.LlamaForCausalLM(conf).save_pretrained(src)
-    (src / "tokenizer_config.json").write_text("{}")
+    save_bpe_tokenizer(src, 300)
     cfg = load_config(
-        None, ["model.family=llama", f"model.pretrained_path={src}", f"data.seq_len={SEQ}", f"model.max_seq_len={SEQ}"]
+        None,
+        [
+            "model.family=llama",
+            f"model.pretrained_path={src}",
+            f"data.seq_len={SEQ}",
+            f"model.max_seq_len={SEQ}",
+            "model.pad_vocab_to=1",  # write_checkpoint stores the layers as built (the trainer unpads)
+            "data.tokenizer=hf",
+            f"data.tokenizer_path={src}",
+        ],
     )
     lm, sdir = write_checkpoint(cfg, tmp_path / "ckpt")
     moved = tmp_path / "moved"
@@ -164,10 +197,20 @@ def test_a_checkpoint_of_a_pretrained_job_keeps_its_config_json(tmp_path):
         "checkpoint was trained from it and its config.json is needed: pass "
         "model.pretrained_path=DIR"
     )
-    out = export_checkpoint(sdir, tmp_path / "hf", overrides=[f"model.pretrained_path={moved}"], log=lambda _: None)
+    with pytest.raises(ValueError) as err:
+        export_checkpoint(sdir, tmp_path / "hf", overrides=[f"model.pretrained_path={moved}"], log=lambda _: None)
+    assert str(err.value) == (
+        f"tokenizer '{src}' (data.tokenizer_path) does not exist: pass --tokenizer PATH (a tokenizers JSON file "
+        "or a save_pretrained directory) or --tokenizer none"
+    )
+    assert not (tmp_path / "hf").exists()  # refused before anything is written
+    overrides = [f"model.pretrained_path={moved}", f"data.tokenizer_path={moved}"]
+    out = export_checkpoint(sdir, tmp_path / "hf", overrides=overrides, log=lambda _: None)
     written = json.loads((out / "config.json").read_text())
     assert written["rope_parameters"]["rope_theta"] == 5000.0 and written["tie_word_embeddings"] is False
-    assert (out / "tokenizer_config.json").read_text() == "{}"
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.eos_token == EOT and written["eos_token_id"] == tok.convert_tokens_to_ids(EOT) == 0
+    assert (out / "generation_config.json").read_bytes() == (moved / "generation_config.json").read_bytes()
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.allclose(model(ids()).logits, lm(ids()), atol=1e-5)
@@ -184,7 +227,7 @@ def test_cli_takes_the_newest_intact_checkpoint(tmp_path, capsys):
     assert stdout[0] == (
         f"exporting checkpoint step-00000002 (newest intact under {root}; skipped step-00000003 (incomplete))"
     )
-    assert len(stdout) == 6 and stdout[-1].startswith(f"exported step 2 to {tmp_path / 'hf'}: ")
+    assert len(stdout) == 7 and stdout[-1].startswith(f"exported step 2 to {tmp_path / 'hf'}: ")
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
@@ -200,7 +243,14 @@ def test_cli_takes_the_newest_intact_checkpoint(tmp_path, capsys):
         "files\n"
     )
     assert main(["export", str(sdir), str(tmp_path / "hf"), "--force"]) == 0
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
 
 
 def test_cli_errors(tmp_path, capsys):

@@ -34,7 +34,7 @@ import numpy as np
 from ..config import JobConfig
 from .cache import Log, atomic_write, build_once, load_token_cache, write_token_npy
 from .errors import DataError
-from .tokenizer import BATCH_DOCS, EOT_TOKEN, hf_spec, tokenize_texts
+from .tokenizer import BATCH_DOCS, EOT_TOKEN, TokenizerFiles, hf_spec, tokenize_texts
 from .tokens import dtype_for_vocab
 from .tokenizer import load_or_train_bpe
 
@@ -158,8 +158,8 @@ def tokenize_corpus(
     return flat.astype(dtype_for_vocab(vocab_size))
 
 
-def corpus_tokens(cfg: JobConfig, log: Log, max_bytes: int | None) -> np.ndarray:
-    """The token cache of source=stdlib/files (built once per host)."""
+def corpus_tokens(cfg: JobConfig, log: Log, max_bytes: int | None) -> tuple[np.ndarray, TokenizerFiles]:
+    """The token cache of source=stdlib/files (built once per host), and where its tokenizer is."""
     d, vocab = cfg.data, cfg.model.vocab_size
     if max_bytes is None:
         max_bytes = STDLIB_MAX_BYTES if d.source == "stdlib" else 0
@@ -198,4 +198,10 @@ def corpus_tokens(cfg: JobConfig, log: Log, max_bytes: int | None) -> np.ndarray
     tokens = load_token_cache(token_path)
     if not built:
         log(f"data: {len(parts)} {d.source} files, {total / 1e6:.1f} MB, {len(tokens)} tokens (cached {token_path})")
-    return tokens
+    return tokens, _files(d.tokenizer, tok_path, spec.path if spec is not None else None)
+
+
+def _files(kind: str, bpe_path: Path, hf_path: str | None) -> TokenizerFiles:
+    if kind == "bpe":
+        return TokenizerFiles("bpe", str(bpe_path.resolve()))
+    return TokenizerFiles(kind, hf_path)

@@ -25,6 +25,7 @@ from .errors import DataError
 from .text import TEXT_SOURCES, text_source_tokens
 from .tokens import open_token_files
 from .tokens import TokenFiles
+from .tokenizer import TokenizerFiles
 
 __all__ = ["TokenWindows", "build_dataset"]
 
@@ -42,12 +43,21 @@ class TokenWindows(torch.utils.data.Dataset):
     """Fixed windows over a flat token array: item i = (input_ids, labels), labels = next tokens."""
 
     def __init__(
-        self, tokens: np.ndarray | TokenFiles, seq_len: int, *, vocab_size: int | None = None, source: str | None = None
+        self,
+        tokens: np.ndarray | TokenFiles,
+        seq_len: int,
+        *,
+        vocab_size: int | None = None,
+        source: str | None = None,
+        tokenizer: TokenizerFiles | None = None,
     ) -> None:
         if seq_len < 1:
             raise DataError(f"data.seq_len must be >= 1 (got {seq_len})")
         self.tokens, self.seq_len = tokens, int(seq_len)
         self.vocab_size, self.source = vocab_size, source
+        self.tokenizer = tokenizer
+        """Where the tokenizer of these tokens is (None: source=tokens, ids as they are); a
+        checkpoint copies it (`save_tokenizer_files`)."""
         self._n = max(0, (len(tokens) - 1) // self.seq_len)
 
     def __len__(self) -> int:
@@ -77,6 +87,7 @@ def build_dataset(cfg: JobConfig, *, log: Log = print, max_bytes: int | None = N
     source=tokens uses the ids of its files as they are: data.tokenizer is not used.
     """
     d, vocab = cfg.data, cfg.model.vocab_size
+    tokenizer: TokenizerFiles | None = None
     if d.source == "tokens":
         if d.tokenizer != "bytes":
             log(f"data: data.source=tokens uses the token ids as they are (data.tokenizer={d.tokenizer} is unused)")
@@ -91,10 +102,10 @@ def build_dataset(cfg: JobConfig, *, log: Log = print, max_bytes: int | None = N
                 "needs one token per byte value: set model.vocab_size=256 (or more)"
             )
         if d.source in TEXT_SOURCES:
-            tokens = text_source_tokens(cfg, log)
+            tokens, tokenizer = text_source_tokens(cfg, log)
         else:
-            tokens = corpus_tokens(cfg, log, max_bytes)
-    ds = TokenWindows(tokens, d.seq_len, vocab_size=vocab, source=d.source)
+            tokens, tokenizer = corpus_tokens(cfg, log, max_bytes)
+    ds = TokenWindows(tokens, d.seq_len, vocab_size=vocab, source=d.source, tokenizer=tokenizer)
     if len(ds) == 0:
         raise DataError(
             f"the corpus has {len(tokens)} tokens, fewer than one window of "

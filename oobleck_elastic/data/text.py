@@ -24,7 +24,7 @@ import numpy as np
 from ..config import JobConfig
 from .cache import Log, build_once, files_key, load_token_cache, write_token_npy
 from .errors import DataError
-from .tokenizer import BATCH_DOCS, TokenizerSpec, hf_spec, tokenize_texts
+from .tokenizer import BATCH_DOCS, TokenizerFiles, TokenizerSpec, hf_spec, tokenize_texts
 from .tokens import dtype_for_vocab
 from .tokenizer import EOT_TOKEN, load_or_train_bpe
 
@@ -192,8 +192,9 @@ def iter_text_batches(ds: Any, text_field: str, batch_size: Optional[int] = None
 # ----------------------------------------------------------------------------- token files
 
 
-def text_source_tokens(cfg: JobConfig, log: Log) -> np.ndarray:
-    """The token cache of source=jsonl/parquet/hf_disk (built once per host)."""
+def text_source_tokens(cfg: JobConfig, log: Log) -> tuple[np.ndarray, TokenizerFiles]:
+    """The token cache of source=jsonl/parquet/hf_disk (built once per host), and where its
+    tokenizer is."""
     d, vocab = cfg.data, cfg.model.vocab_size
     cache = Path(d.cache_dir).expanduser()
     files = text_source_files(d.source, d.paths)
@@ -224,4 +225,5 @@ def text_source_tokens(cfg: JobConfig, log: Log) -> np.ndarray:
     tokens = load_token_cache(token_path)
     if not built:
         log(f"data: {len(files)} {d.source} files, {len(tokens)} tokens (cached {token_path})")
-    return tokens
+    path = str(tok_path.resolve()) if d.tokenizer == "bpe" else spec.path if d.tokenizer == "hf" else None
+    return tokens, TokenizerFiles(d.tokenizer, path)

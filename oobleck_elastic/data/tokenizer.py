@@ -7,11 +7,15 @@ its eos_token or `<|endoftext|>` after every document; `load_hf_tokenizer` check
 `len(tokenizer)` fits `model.vocab_size`). `tokenize_texts` encodes batches of documents in order,
 in `data.num_proc` spawned processes when > 1, logging progress every `PROGRESS_EVERY_S`.
 `tokenizer_fingerprint` (a hash of a tokenizer's files) is part of the token cache's key.
+`TokenizerFiles` says where the job's tokenizer lives; `save_tokenizer_files` copies it into a
+checkpoint's step directory, so that `oobleck export` writes the tokenizer the job trained with
+(models/export_tokenizer.py, which also holds the end-of-text rule, `end_of_text`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..models.export_tokenizer import END_OF_TEXT, TOKENIZER_DIR, end_of_text
 from .cache import Log
 from .errors import DataError
 from .cache import atomic_write
@@ -30,6 +35,8 @@ __all__ = [
     "BATCH_DOCS",
     "PROGRESS_EVERY_S",
     "TokenizerSpec",
+    "TokenizerFiles",
+    "save_tokenizer_files",
     "hf_spec",
     "load_hf_tokenizer",
     "tokenize_texts",
@@ -45,7 +52,7 @@ BATCH_DOCS = 1000
 """Documents per tokenizer call (and per task of a worker process)."""
 
 
-EOT_TOKEN = "<|endoftext|>"
+EOT_TOKEN = END_OF_TEXT
 """The end-of-text token BPE appends to every document (and hf uses when it has no eos_token)."""
 
 
@@ -74,7 +81,7 @@ def load_hf_tokenizer(path: Optional[str], vocab_size: int) -> tuple[Any, int]:
             f"data.tokenizer_path '{path}' has {len(tok)} tokens but model.vocab_size is "
             f"{vocab_size}: set model.vocab_size >= {len(tok)}"
         )
-    eos = tok.eos_token or (EOT_TOKEN if EOT_TOKEN in tok.get_vocab() else None)
+    eos = end_of_text(tok)
     if eos is None:
         raise DataError(
             f"data.tokenizer_path '{path}' has no end-of-text token (no eos_token and no "
@@ -88,16 +95,54 @@ def load_hf_tokenizer(path: Optional[str], vocab_size: int) -> tuple[Any, int]:
 _TOKENIZER_FILES = {"vocab.json", "merges.txt", "vocab.txt", "special_tokens_map.json", "added_tokens.json"}
 
 
+def _is_tokenizer_file(f: Path) -> bool:
+    return f.is_file() and (
+        f.name.startswith("tokenizer") or f.name in _TOKENIZER_FILES or f.suffix in (".model", ".tiktoken")
+    )
+
+
 def tokenizer_fingerprint(path: str) -> str:
     """A hash of the tokenizer files in `path` (tokenizer*, vocab, merges, *.model; not the weights)."""
     h = hashlib.sha256()
     root = Path(path).expanduser()
     for f in sorted(root.iterdir()):
-        if f.is_file() and (
-            f.name.startswith("tokenizer") or f.name in _TOKENIZER_FILES or f.suffix in (".model", ".tiktoken")
-        ):
+        if _is_tokenizer_file(f):
             h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """Where the tokenizer a job's tokens came from lives: `kind` bytes (no file), bpe (`path`: the
+    cached tokenizers JSON) or hf (`path`: the save_pretrained directory)."""
+
+    kind: str
+    path: Optional[str] = None
+
+
+_ALSO_COPIED = ("config.json", "chat_template.jinja")
+"""Besides the tokenizer files: what AutoTokenizer may read to pick the class, the chat template."""
+
+
+def save_tokenizer_files(files: TokenizerFiles, step_dir: Path) -> Optional[dict[str, str]]:
+    """Copy the job's tokenizer into `<step_dir>/tokenizer/` (before the manifest is written) and
+    return the manifest's `extra.tokenizer` record; None for bytes (the config says it all)."""
+    if files.kind not in ("bpe", "hf"):
+        return None
+    src = Path(str(files.path)).expanduser()
+    dest = step_dir / TOKENIZER_DIR
+    dest.mkdir(parents=True, exist_ok=True)
+    if files.kind == "bpe":
+        if not src.is_file():
+            raise DataError(f"the job's tokenizer {src} is gone (data.cache_dir was cleaned?): not copied")
+        shutil.copyfile(src, dest / "bpe.json")
+        return {"kind": "bpe", "path": f"{TOKENIZER_DIR}/bpe.json"}
+    if not src.is_dir():
+        raise DataError(f"data.tokenizer_path {src} is gone: the tokenizer is not copied")
+    for f in sorted(src.iterdir()):
+        if _is_tokenizer_file(f) or (f.is_file() and f.name in _ALSO_COPIED):
+            shutil.copyfile(f, dest / f.name)
+    return {"kind": "hf", "path": TOKENIZER_DIR}
 
 
 @dataclass(frozen=True)

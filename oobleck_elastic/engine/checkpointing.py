@@ -2,19 +2,37 @@
 
 Save: each layer is written once, by its primary holder (the lowest rank holding it), which
 also leaves a small JSON receipt (file, sha256, bytes) beside it; after a barrier over the
-generation, rank 0 reads the receipts and writes the manifest, which completes the checkpoint.
+generation, rank 0 reads the receipts, copies the job's tokenizer (a bpe JSON or a pretrained
+tokenizer's files, `data.tokenizer.save_tokenizer_files`) into `<step>/tokenizer/`, and writes
+the manifest (the tokenizer recorded as `extra.tokenizer`), which completes the checkpoint.
 The data cursor is just the next step: the data order is a function of (seed, step).
 
-Never in place: a complete checkpoint already at the step being saved is set aside first.
+Never in place: a complete checkpoint already at the step being saved is set aside first. Never
+on top of a partial one: before a save, rank 0 sets aside every step directory without a manifest
+(an earlier save interrupted by a failure) as `step-XXXXXXXX.partial-<time>`, one log line each
+naming it and what it held, then writes the save's `saving.json` (checkpoint.py).
 
 Restore: a worker loads exactly the layers it now owns, whatever plan wrote them, copies the
 weights into its parameters and installs the optimizer state, and training resumes at the
 manifest's step. Tied parameters load the same values from both layers' files.
 
 `CheckpointPolicy` decides when: a resume at the first start (`checkpoint.resume`), a restore
-when some layer has no surviving copy, a save every `checkpoint.interval_steps` and at the end.
+when some layer has no surviving copy, a save every `checkpoint.interval_steps` and at the end,
+and a retake when a re-plan leaves some layer with fewer than f+1 copies (`retake_reason`).
 A resume is all or nothing: the newest checkpoint whose every file verifies is found before
 anything is restored; newer unusable ones are named and set aside.
+
+Retake. With f+1 copies of every layer, f node failures leave a copy to recover from; with
+fewer (a re-plan over the survivors made fewer pipelines), the next failure may take the last
+copy of some layer, and the job then restores the newest checkpoint, which may be old (or
+partial, and set aside: then an older one). So on entering a generation from a running job
+whose plan leaves a layer short (planning/copies.py: distinct nodes holding it, plus shadow
+copies when there are any), the workers save a checkpoint at that step boundary, before the
+generation's first step, once per generation: "generation G: layer L has 1 copy < f+1=2;
+checkpoint at step S". Not when a complete checkpoint of step S exists already (rank 0 looks,
+one all-reduce shares it), not after restoring a checkpoint (it is the state), not on a plan
+that only re-splits the batch (the same layout as the generation before, which retook), and not
+after the last step (the final checkpoint follows).
 """
 
 from __future__ import annotations
@@ -22,14 +40,17 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import checkpoint as ckpt
 from ..config import JobConfig, to_dict
+from ..data.errors import DataError
+from ..data.tokenizer import save_tokenizer_files
 from ..logs import JobLog
+from ..planning import Plan, shortfall
 from .trainer import LayersLost, Trainer
 
 log = JobLog(logging.getLogger(__name__))
@@ -55,12 +76,23 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
                 "not saved (the newest intact checkpoint stays the newest)"
             )
     step_path = ckpt.step_dir(ckpt_dir, next_step)
-    if trainer.rank == 0 and (step_path / ckpt.MANIFEST).exists():
-        # never rewrite a checkpoint in place (e.g. a run with checkpoint.resume=false in a used dir)
-        moved = ckpt.set_aside(step_path, "replaced")
-        log.at(gen=trainer.generation, step=next_step, node=trainer.node).warning(
-            "checkpoint %s existed; kept as %s", step_path, moved
-        )
+    lm = trainer.layer_model
+    if trainer.rank == 0:
+        at = log.at(gen=trainer.generation, step=next_step, node=trainer.node)
+        if (step_path / ckpt.MANIFEST).exists():
+            # never rewrite a checkpoint in place (e.g. a run with checkpoint.resume=false in a used dir)
+            moved = ckpt.set_aside(step_path, "replaced")
+            at.warning("checkpoint %s existed; kept as %s", step_path, moved)
+        for old, new, why in ckpt.set_aside_partials(ckpt_dir, lm.num_layers):
+            at.warning(
+                "interrupted checkpoint %s set aside as %s: %s",
+                old,
+                new.name,
+                why,
+                event="checkpoint_partial",
+                fields={"path": str(old), "moved_to": str(new), "why": why},
+            )
+        ckpt.begin_save(ckpt_dir, step=next_step, num_layers=lm.num_layers, generation=trainer.generation)
     dist.barrier(group=trainer.step_group)  # nobody writes before the old directory is out of the way
     for i in trainer.owned:
         if primary[i] == trainer.rank:
@@ -69,12 +101,23 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
     dist.barrier(group=trainer.step_group)
     if trainer.rank != 0:
         return step_path
-    lm = trainer.layer_model
     layers = []
     for i in range(lm.num_layers):
         path = _receipt(step_path, i)
         layers.append(json.loads(path.read_text()))
         path.unlink()
+    extra = {}
+    files = getattr(trainer.dataset, "tokenizer", None)
+    if files is not None:  # the tokenizer goes along, for `oobleck export` (models/export_tokenizer.py)
+        try:
+            record = save_tokenizer_files(files, step_path)
+        except (DataError, OSError) as err:
+            record = None
+            log.at(gen=trainer.generation, step=next_step, node=trainer.node).warning(
+                "checkpoint %s carries no tokenizer: %s", step_path, err
+            )
+        if record is not None:
+            extra["tokenizer"] = record
     manifest = ckpt.write_manifest(
         ckpt_dir,
         step=next_step,
@@ -84,7 +127,9 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
         layers=layers,
         layer_names=list(lm.names),
         hf_names=list(lm.hf_names),
+        extra=extra,
     )
+    (step_path / ckpt.SAVING).unlink(missing_ok=True)  # the manifest says it all now
     log.at(gen=trainer.generation, step=next_step, node=trainer.node).info(
         "checkpoint %s", manifest.parent, event="checkpoint", fields={"path": str(manifest.parent)}
     )
@@ -111,6 +156,21 @@ def restore(trainer: Trainer, path: str | Path) -> int:
     return int(manifest["step"])
 
 
+def retake_reason(
+    plan: Plan, *, previous: int, step: int, steps: int, extra: Optional[Mapping[int, Iterable[str]]] = None
+) -> Optional[str]:
+    """Why the workers entering `plan`'s generation at `step` must save a checkpoint before its
+    first step, or None (module docstring, "Retake"). `previous`: the newest generation any of
+    them was in (0 at the job's first start); `steps`: training.steps; `extra`: shadow copies
+    ({layer: nodes}, planning/copies.py)."""
+    if previous <= 0 or plan.rebalanced or step >= steps:
+        return None
+    short = shortfall(plan, extra)
+    if short is None:
+        return None
+    return f"generation {plan.generation}: {short.describe()}; checkpoint at step {step}"
+
+
 class CheckpointPolicy:
     """When a worker resumes, restores and saves (module docstring)."""
 
@@ -126,16 +186,26 @@ class CheckpointPolicy:
         a resume is all or nothing. Newer unusable ones are named in the log and set aside (kept,
         never resumed from nor rewritten in place). Damaged ones and no intact one: an error
         naming the bad file, never "no checkpoint"."""
-        path, unusable = ckpt.newest_intact_checkpoint(self.cfg.checkpoint.dir)
-        for u in unusable:
-            log.at(gen=trainer.generation, node=self.node).warning(
-                "checkpoint %s cannot be used: %s", u.path.name, u.reason
-            )
+        path, unusable = ckpt.newest_intact_checkpoint(
+            self.cfg.checkpoint.dir, num_layers=trainer.layer_model.num_layers
+        )
+        at = log.at(gen=trainer.generation, node=self.node)
         damaged = [u for u in unusable if u.damaged]
+        for u in damaged:
+            at.warning("checkpoint %s cannot be used: %s", u.path.name, u.reason)
         if damaged and path is None:
             raise ckpt.CheckpointError(f"no intact checkpoint under {self.cfg.checkpoint.dir}: {damaged[0].reason}")
         for u in unusable:
-            ckpt.set_aside(u.path, "corrupt" if u.damaged else "incomplete")
+            moved = ckpt.set_aside(u.path, "corrupt" if u.damaged else "partial")
+            if moved is not None and not u.damaged:  # the worker that moved it says so, once
+                at.warning(
+                    "interrupted checkpoint %s set aside as %s: %s",
+                    u.path,
+                    moved.name,
+                    u.reason,
+                    event="checkpoint_partial",
+                    fields={"path": str(u.path), "moved_to": str(moved), "why": u.reason},
+                )
         if unusable and path is not None:
             log.at(gen=trainer.generation, node=self.node).warning("using checkpoint %s instead", path.name)
         return path
@@ -167,6 +237,22 @@ class CheckpointPolicy:
         )
         log.at(gen=trainer.generation, step=step, node=self.node).warning("%s", text, event="restored")
         return step, text
+
+    def retake(self, trainer: Trainer, reason: str, step: int) -> Optional[Path]:
+        """Save the checkpoint `retake_reason` asked for (every worker calls this), unless a
+        complete one of `step` exists already: rank 0 looks, one all-reduce tells the others."""
+        exists = torch.zeros(1, device=trainer.device)
+        if trainer.rank == 0:
+            exists[0] = float(ckpt.is_complete(ckpt.step_dir(self.cfg.checkpoint.dir, step)))
+        dist.all_reduce(exists, op=dist.ReduceOp.MAX, group=trainer.step_group)
+        at = log.at(gen=trainer.generation, step=step, node=self.node)
+        if bool(exists.item()):
+            if trainer.rank == 0:
+                at.info("%s exists already (not retaken)", reason, event="checkpoint_retake", fields={"saved": False})
+            return None
+        if trainer.rank == 0:
+            at.warning("%s", reason, event="checkpoint_retake", fields={"saved": True})
+        return save(trainer, self.cfg.checkpoint.dir, next_step=step)
 
     def after_step(self, trainer: Trainer, done: int) -> None:
         """`done` steps are complete: save every `checkpoint.interval_steps` (not the last: `finish`)."""

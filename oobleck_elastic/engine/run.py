@@ -29,6 +29,8 @@ A worker lives through generations without ever restarting:
 - any other error ends the worker with its traceback (engine/resilience/errors.py);
 - a layer with no surviving copy makes every worker restore the newest checkpoint, say so in
   the log and TensorBoard, and continue from its step;
+- a re-plan that leaves some layer with fewer than f+1 copies makes every worker save a
+  checkpoint before the generation's first step (engine/checkpointing.py, "Retake");
 - at the end the rank-0 worker writes the final checkpoint's manifest and closes the job, and
   every worker exits 0; a drained node's workers exit 0 as soon as the plan leaves them out,
   after handing their layers over in the next generation's entry when the plan names the node
@@ -61,7 +63,7 @@ from .resilience.guard import Action, StepGuard, TooManySkipped, Verdict
 from .resilience.heartbeat import Heartbeat
 from .telemetry.runlog import RunLog, Summary
 from .runner import StepRunner, exit_now_at_the_end
-from .checkpointing import CheckpointPolicy
+from .checkpointing import CheckpointPolicy, retake_reason
 from .resilience.straggler import StragglerWatch
 from .trainer import LayersLost, Reconfiguration, StepResult, Trainer
 
@@ -181,6 +183,8 @@ class _Worker:
         self.heartbeat = Heartbeat(ctx.local_rank)  # to this node's agent (rendezvous/hang.py)
         self.goodput = GoodputClock(ctx.node_id)  # the job's goodput ledger, while this worker holds rank 0
         self.step = 0
+        self.retake: Optional[str] = None
+        """Why this generation saves a checkpoint before its first step (`retake_reason`), if it does."""
 
     def enter(self, plan: Plan) -> Union[Entered, HandedOver, Broken]:
         """Enter `plan`'s generation: connect, settle the interrupted step, move layers; at the
@@ -214,6 +218,11 @@ class _Worker:
             return HandedOver()
         ctx.entered(plan.generation)
         self.step = step
+        self.retake = (
+            retake_reason(plan, previous=info.previous, step=step, steps=self.cfg.training.steps)
+            if info is not None
+            else None  # a checkpoint was just restored: it is the state
+        )
         self.log.entered(trainer, info, step)
         self.goodput.entered(plan.generation, step, rank0=trainer.rank == 0, origin=ctx.goodput_origin)
         return Entered(info, step)
@@ -254,6 +263,10 @@ class _Worker:
 
         failure, abandoned = None, False
         try:
+            if self.retake is not None:  # a re-plan left some layer short of f+1 copies
+                reason, self.retake = self.retake, None
+                with self.goodput.checkpointing():
+                    self.checkpoints.retake(trainer, reason, self.step)
             while self.step < steps:
                 latest = ctx.plan() if trainer.rank == 0 else None
                 seen = latest.generation if latest else 0

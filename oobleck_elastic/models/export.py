@@ -2,29 +2,38 @@
 
 A checkpoint step directory (checkpoint.py) holds one safetensors file per layer, under local
 parameter names, and a manifest recording the job config, the layer names and each layer's
-local -> Hugging Face name map. The export needs nothing else:
+local -> Hugging Face name map, and (a job with data.tokenizer=bpe or hf) a copy of the job's
+tokenizer. The export needs nothing else:
 
 1. The checkpoint: a step directory (with `manifest.json`), or a checkpoint directory, of which
    the newest step that verifies completely (`newest_intact_checkpoint`) is taken.
 2. The Hugging Face config: the config recorded in the manifest (`key=value` overrides change
    it, e.g. `model.pretrained_path` when the pretrained directory moved) gives `hf_config(model)`,
-   or, for a job started from `model.pretrained_path`, that directory's `config.json` (whose
-   tokenizer and generation files are copied along). `use_cache` is turned back on,
-   `architectures` and `dtype` are set.
-3. The weights: layer files are read one at a time (size and sha256 checked against the
+   or, for a job started from `model.pretrained_path`, that directory's `config.json`.
+   `use_cache` is turned back on, `architectures` and `dtype` are set. Before anything is
+   written the config is checked against the stored tensors' shapes (export_checks.py): a
+   model.* override that contradicts them is refused, naming the key and the checkpoint's value.
+3. The tokenizer (export_tokenizer.py): the one the job trained with (its copy in the
+   checkpoint, data.tokenizer=bytes, data.tokenizer_path), the pretrained directory's for
+   data.source=tokens, or `--tokenizer PATH|none`. It is written with `save_pretrained` and its
+   bos/eos/pad ids go into config.json and generation_config.json (a pretrained directory's
+   generation_config.json is kept when its eos agrees with the tokenizer's).
+4. The weights: layer files are read one at a time (size and sha256 checked against the
    manifest), each parameter renamed to its Hugging Face name and appended to the shard being
    assembled; a shard is written as soon as the next tensor would take it past `max_shard_bytes`
    (a tensor larger than that gets a shard of its own). At most one shard plus one layer are in
    memory. Optimizer state is not exported.
-4. Tied weights (`tie_word_embeddings`): the embedding is written once and the head's
+5. Tied weights (`tie_word_embeddings`): the embedding is written once and the head's
    `lm_head.weight` (stored in both layers' files) is checked equal to it and left out, as
    `save_pretrained` does.
-5. Shards are written under temporary names and renamed at the end, as `save_pretrained` names
+6. Shards are written under temporary names and renamed at the end, as `save_pretrained` names
    them: one shard is `model.safetensors`; several are `model-0000k-of-0000N.safetensors` plus
-   `model.safetensors.index.json` (`metadata.total_size`, `weight_map`). `config.json` comes last.
+   `model.safetensors.index.json` (`metadata.total_size`, `weight_map`). `config.json`, the
+   generation config and the tokenizer come last.
 
 An output directory that exists and is not empty is refused unless `force`; with `force` only the
-model files named above (and leftovers of an interrupted export) are replaced, other files stay.
+model and tokenizer files named above (and leftovers of an interrupted export) are replaced,
+other files stay.
 """
 
 from __future__ import annotations
@@ -39,7 +48,16 @@ import torch
 from safetensors.torch import save_file
 
 from .. import checkpoint as ckpt
-from ..config import ConfigError, ModelConfig, from_dict
+from ..config import ConfigError, JobConfig, ModelConfig, from_dict
+from .export_checks import checkpoint_values, override_conflict, shape_mismatch, stored_shapes
+from .export_tokenizer import (
+    SpecialTokens,
+    choose_tokenizer,
+    has_tokenizer_files,
+    load_tokenizer,
+    special_tokens,
+)
+from .hf import meta_layer
 from .pretrained import INDEX_FILE, WEIGHTS_FILE, is_tied, pretrained_config
 
 __all__ = [
@@ -60,8 +78,8 @@ _CAUSAL_LM = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
-_SIDE_FILES = (
-    "generation_config.json",
+GENERATION_FILE = "generation_config.json"
+_TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -101,24 +119,12 @@ def _human(n: int) -> str:
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str | None]:
-    """(step directory, a note saying which one was chosen, or None when `path` is one)."""
-    p = Path(path).expanduser()
-    if (p / ckpt.MANIFEST).is_file():
-        return p, None
-    steps = ckpt.list_checkpoints(p)
-    if not p.is_dir() or not steps:
-        raise ckpt.CheckpointError(
-            f"'{p}' is not a checkpoint: give a step directory (step-XXXXXXXX with "
-            f"{ckpt.MANIFEST}) or the directory holding them (checkpoint.dir)"
-        )
-    found, unusable = ckpt.newest_intact_checkpoint(p)
-    if found is None:
-        raise ckpt.CheckpointError(f"no intact checkpoint under {p}: {unusable[0].reason}")
-    skipped = "".join(f"; skipped {u.path.name} ({'damaged' if u.damaged else 'incomplete'})" for u in unusable)
-    return found, f"checkpoint {found.name} (newest intact under {p}{skipped})"
+    """(step directory, a note saying which one was chosen, or None when `path` is one); with no
+    intact checkpoint, an error naming each partial or damaged one (`checkpoint.find_checkpoint`)."""
+    return ckpt.find_checkpoint(path)
 
 
-def _model_config(manifest: dict[str, Any], sdir: Path, overrides: Sequence[str]) -> ModelConfig:
+def _job_config(manifest: dict[str, Any], sdir: Path, overrides: Sequence[str]) -> JobConfig:
     from omegaconf import OmegaConf
 
     data = manifest["config"]
@@ -133,7 +139,7 @@ def _model_config(manifest: dict[str, Any], sdir: Path, overrides: Sequence[str]
     if overrides:
         merged = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(overrides)))
         data = OmegaConf.to_container(merged)
-    return from_dict(data).model
+    return from_dict(data)
 
 
 def export_config(model: ModelConfig, sdir: Path) -> Any:
@@ -155,6 +161,27 @@ def export_config(model: ModelConfig, sdir: Path) -> Any:
         ) from None
 
 
+def _write_generation_config(config: Any, pretrained: str | None, special: SpecialTokens | None, out: Path) -> None:
+    """The pretrained directory's generation_config.json when its eos agrees with the tokenizer's
+    (or no tokenizer is known), else one derived from config.json."""
+    from transformers import GenerationConfig
+
+    src = Path(pretrained).expanduser() / GENERATION_FILE if pretrained else None
+    if src is not None and src.is_file():
+        eos = json.loads(src.read_text()).get("eos_token_id")
+        if special is None or special.eos == eos or (isinstance(eos, list) and special.eos in eos):
+            shutil.copy2(src, out / GENERATION_FILE)
+            return
+    GenerationConfig.from_model_config(config).save_pretrained(str(out))
+
+
+def _tokenizer_line(source: Any, special: SpecialTokens | None) -> str:
+    if source.kind == "none":
+        return f"tokenizer: none ({source.origin}); AutoTokenizer cannot load this directory"
+    ids = "" if special is None else f", bos={special.bos} eos={special.eos} pad={special.pad}"
+    return f"tokenizer: {source.kind} from {source.origin}{ids}"
+
+
 def _digest(t: torch.Tensor) -> str:
     data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
     return hashlib.sha256(data.tobytes()).hexdigest()
@@ -171,7 +198,7 @@ def _prepare_out(out: Path, force: bool) -> None:
             )
         for f in out.iterdir():
             if f.is_file() and (
-                f.name in (WEIGHTS_FILE, INDEX_FILE, "config.json")
+                f.name in (WEIGHTS_FILE, INDEX_FILE, "config.json", GENERATION_FILE, *_TOKENIZER_FILES)
                 or f.name.startswith(_PARTIAL)
                 or (f.name.startswith("model-") and f.name.endswith(".safetensors"))
             ):
@@ -187,17 +214,28 @@ def export_checkpoint(
     dtype: torch.dtype | None = None,
     force: bool = False,
     overrides: Sequence[str] = (),
+    tokenizer: str | None = None,
     log: Callable[[str], None] = print,
 ) -> Path:
     """Write the checkpoint at `checkpoint` as a Hugging Face directory `out_dir`; returns it.
 
-    `dtype` None keeps the stored dtype (fp32). See the module docstring for the mechanism.
+    `dtype` None keeps the stored dtype (fp32). `tokenizer`: a tokenizers JSON file or a
+    save_pretrained directory to export instead of the job's, or "none". See the module
+    docstring for the mechanism.
     """
     sdir, note = resolve_checkpoint(checkpoint)
     if note:
         log(f"exporting {note}")
     manifest = ckpt.read_manifest(sdir)
-    model = _model_config(manifest, sdir, overrides)
+    job = _job_config(manifest, sdir, overrides)
+    model = job.model
+    shapes = stored_shapes(sdir, manifest)
+    values = checkpoint_values(
+        shapes, manifest["hf_names"], num_heads=None if model.pretrained_path else model.num_heads
+    )
+    conflict = override_conflict(overrides, model, manifest["config"].get("model", {}), values, str(sdir))
+    if conflict:
+        raise ConfigError(conflict)
     config = export_config(model, sdir)
     family, n = config.model_type, len(manifest["layers"])
     if n != config.num_hidden_layers + 2:
@@ -206,6 +244,26 @@ def export_checkpoint(
             f"blocks ({config.num_hidden_layers + 2} layers): set model.num_layers="
             f"{n - 2} or export the checkpoint of this model"
         )
+    expected = [
+        {k: tuple(p.shape) for k, p in meta_layer(family, config, i, n)[0].named_parameters()} for i in range(n)
+    ]
+    mismatch = shape_mismatch(shapes, expected, manifest["layer_names"], str(sdir))
+    if mismatch:
+        raise ckpt.CheckpointError(mismatch)
+    source = choose_tokenizer(
+        tokenizer,
+        manifest.get("extra", {}).get("tokenizer"),
+        data_source=job.data.source,
+        data_tokenizer=job.data.tokenizer,
+        tokenizer_path=job.data.tokenizer_path,
+        pretrained_path=model.pretrained_path,
+        pretrained_has_tokenizer=has_tokenizer_files(model.pretrained_path),
+        step_dir=sdir,
+    )
+    tok = load_tokenizer(source, config.vocab_size)
+    special = special_tokens(tok) if source.kind in ("bpe", "hf") else None
+    if source.kind == "bytes":
+        special = SpecialTokens(bos=None, eos=None, pad=None)
     out = Path(out_dir).expanduser()
     _prepare_out(out, force)
     tied = is_tied(config)
@@ -289,12 +347,13 @@ def export_checkpoint(
     config.architectures = [_CAUSAL_LM[family]]
     config.tie_word_embeddings = tied
     config.dtype = state["dtype"] or torch.float32
+    if special is not None:
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = special.bos, special.eos, special.pad
     config.save_pretrained(str(out))
-    if model.pretrained_path:
-        src = Path(model.pretrained_path).expanduser()
-        for name in _SIDE_FILES:
-            if (src / name).is_file():
-                shutil.copy2(src / name, out / name)
+    _write_generation_config(config, model.pretrained_path, special, out)
+    if tok is not None:
+        tok.save_pretrained(str(out))
+    log(_tokenizer_line(source, special))
     log(
         f"exported step {manifest['step']} to {out}: {len(shards)} shard(s), "
         f"{_human(state['total'])}; load it with "

@@ -57,7 +57,12 @@ def modeling(family: str) -> Any:
 
 
 def hf_config(cfg: ModelConfig) -> Any:
-    """The transformers config (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config) for cfg."""
+    """The transformers config (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config) for cfg.
+
+    It names no special tokens (bos/eos/pad None): a model config knows no tokenizer, and training
+    reads none of them (a pad_token_id would even become a Llama embedding's padding_idx, whose
+    row gets no gradient). `oobleck export` sets them from the job's tokenizer
+    (export_tokenizer.py)."""
     import transformers
 
     if cfg.family not in HF_FAMILIES:
@@ -80,8 +85,8 @@ def hf_config(cfg: ModelConfig) -> Any:
             resid_pdrop=cfg.dropout,
             embd_pdrop=cfg.dropout,
             attn_pdrop=cfg.dropout,
-            bos_token_id=vocab - 1,
-            eos_token_id=vocab - 1,
+            bos_token_id=None,
+            eos_token_id=None,
             tie_word_embeddings=True,
             use_cache=False,
         )
@@ -99,8 +104,8 @@ def hf_config(cfg: ModelConfig) -> Any:
             attention_dropout=cfg.dropout,
             tie_word_embeddings=cfg.tie_embeddings,
             use_cache=False,
-            bos_token_id=min(1, vocab - 1),
-            eos_token_id=min(2, vocab - 1),
+            bos_token_id=None,
+            eos_token_id=None,
             **extra,
         )
     conf._attn_implementation = cfg.attn_implementation

@@ -5,8 +5,9 @@ no etcd, no engine), so they can be tested exhaustively and benchmarked at scale
 per-layer costs) and `profiler` (measuring them), `partition` and `templates` (the best stage
 partition for every node count), `instantiate` (how many pipelines of each template, and their
 microbatches), `placement` (which nodes, keeping layers where they are), `plan` (the plan and
-its JSON), `microbatch` (the microbatch size), `comm` (links), `analytic` (a profile from a
-formula, for large models) and `rebalance` (re-splitting the batch around a straggler).
+its JSON), `copies` (the copies of each layer against f+1), `microbatch` (the microbatch size),
+`comm` (links), `analytic` (a profile from a formula, for large models) and `rebalance`
+(re-splitting the batch around a straggler).
 
 Imports: `config`, `models` (the profiler builds layers to measure them) and the standard library;
 never `etcd`, `rendezvous`, `records` or `engine`.
@@ -15,6 +16,7 @@ never `etcd`, `rendezvous`, `records` or `engine`.
 from __future__ import annotations
 
 from .comm import Links
+from .copies import Shortfall, layer_copies, shortfall
 from .instantiate import Assignment, best_cover, instantiate
 from .job import (
     JobPlan,
@@ -45,6 +47,7 @@ from .templates import PlanningError, Template, TemplateSet, build_templates
 __all__ = [
     "Assignment",
     "Guarantee",
+    "Shortfall",
     "JobPlan",
     "LayerProfile",
     "ModelProfile",
@@ -59,6 +62,8 @@ __all__ = [
     "build_templates",
     "device_memory",
     "guarantee",
+    "layer_copies",
+    "shortfall",
     "instantiate",
     "make_plan",
     "plan_job",
