@@ -234,21 +234,28 @@ def replan_at_scale(common: dict, repeats: int) -> None:
         )
         for n in (128, 256, 384, 1024, 4096, 10000):
             print(json.dumps(common | replan_case(templates, shard_bytes_of(profile.layers), n, repeats)), flush=True)
+        # the case that dissolves a pipeline: enough nodes of one pipeline lost that the others
+        # cannot refill it (its survivors are spread over the rest)
+        for n in (1024, 10000):
+            row = replan_case(templates, shard_bytes_of(profile.layers), n, repeats, lost=5)
+            print(json.dumps(common | row), flush=True)
 
 
-def replan_case(templates, shards: list[int], n: int, repeats: int) -> dict:
-    """One node a third of the way in lost from a plan on n nodes; the survivors re-planned."""
+def replan_case(templates, shards: list[int], n: int, repeats: int, lost: int = 1) -> dict:
+    """`lost` nodes a third of the way in lost from a plan on n nodes; the survivors re-planned.
+    One node: its pipeline is refilled (from a spare, or a node of the longest pipeline); more: a
+    pipeline may be dissolved and the mix of templates change (`pipeline_sizes_before_after`)."""
     batch = GLOBAL_MICROBATCHES if n <= 1024 else 8192
     nodes = [f"node{i}" for i in range(n)]
     previous = make_plan(templates, nodes=nodes, num_microbatches=batch, microbatch_size=1, f=1)
-    survivors = nodes[: n // 3] + nodes[n // 3 + 1 :]
+    survivors = nodes[: n // 3] + nodes[n // 3 + lost :]
 
     def plan(order, prev=None):
         return make_plan(
             templates, nodes=order, num_microbatches=batch, microbatch_size=1, f=1, generation=1, previous=prev
         )
 
-    t_inst, a = timed(lambda: instantiate(templates, num_nodes=n - 1, num_microbatches=batch, f=1), repeats)
+    t_inst, a = timed(lambda: instantiate(templates, num_nodes=n - lost, num_microbatches=batch, f=1), repeats)
     t_place, order = timed(lambda: keep_layers_in_place(templates, a, list(survivors), previous), repeats)
     t_replan, cpu_replan, replan = timed_cpu(lambda: plan(list(survivors), previous), repeats)
     received = bytes_received(previous, replan, shards)
@@ -257,8 +264,10 @@ def replan_case(templates, shards: list[int], n: int, repeats: int) -> dict:
         "figure": "replan_at_scale",
         "tensor_parallel": tp,
         "nodes": n,
+        "nodes_lost": lost,
         "global_batch": batch,
         "pipelines_before_after": [len(previous.pipelines), len(replan.pipelines)],
+        "pipeline_sizes_before_after": [_sizes(previous), _sizes(replan)],
         "instantiate_s": t_inst,
         "placement_s": t_place,
         "replan_s": t_replan,
@@ -269,6 +278,8 @@ def replan_case(templates, shards: list[int], n: int, repeats: int) -> dict:
     }
     if tp == 8 and n == 10000:
         row |= {"goal": 1.0, "meets_goal": t_replan < 1.0}
+    if lost > 1:
+        return row
     if n <= 384:  # the direct rule is quadratic: side by side where it finishes in seconds
         t_pair, pair = timed(lambda: keep_layers_in_place_pairwise(templates, a, list(survivors), previous), 1)
         row |= {
@@ -283,6 +294,14 @@ def replan_case(templates, shards: list[int], n: int, repeats: int) -> dict:
             ),
         }
     return row
+
+
+def _sizes(plan) -> dict[str, int]:
+    """Pipelines by node count ({"6": 1665, "10": 1})."""
+    counts: dict[str, int] = {}
+    for p in plan.pipelines:
+        counts[str(len(p.nodes))] = counts.get(str(len(p.nodes)), 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
 
 
 def fewest_bytes_order(templates, a, nodes: list[str], previous, shards: list[int]) -> list[str]:

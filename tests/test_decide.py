@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from oobleck_elastic.rendezvous.decide import (
     Action,
     Clocks,
@@ -171,6 +173,24 @@ def test_right_after_an_etcd_outage_a_roll_call_verdict_is_held() -> None:
     # a restart (nobody dead) is not held: the workers' failure is real whatever etcd did
     d = decide(LeaderView(up=("n0", "n1"), plan=plan_of(2), outage_recent=True, dead=rollcall()), Clocks(), 10.0, RULES)
     assert d.action == Action.REPLAN and d.nodes == ("n0", "n1")
+
+
+def test_below_n0_the_refused_nodes_are_not_replanned_again_until_a_change() -> None:
+    dead = Detection(Detector.ROLL_CALL, ("n0",))
+    view = LeaderView(up=("n1",), plan=plan_of(2), dead=dead)
+    d = decide(view, Clocks(), 10.0, RULES)  # first time: re-plan (the planner then refuses)
+    assert d.action == Action.REPLAN and d.nodes == ("n1",) and d.lost == ("n0",)
+    refused = replace(view, refused=("n1",))
+    d = decide(refused, Clocks(), 10.1, RULES)
+    assert d.action == Action.WAIT_FOR_NODES and d.lost == () and d.recheck_s is None
+    # the same without a detection (the settle rule), and not once the node set changes
+    d = decide(replace(refused, dead=None), Clocks(change_seen=9.0), 10.1, RULES)
+    assert d.action == Action.WAIT_FOR_NODES
+    # an arrival is admitted meanwhile (detection or not); once it is ready, the set changes
+    d = decide(replace(refused, up=("n1", "n2"), not_ready=frozenset({"n2"})), Clocks(), 10.1, RULES)
+    assert d.action == Action.WAIT_FOR_NODES and d.admit == ("n2",)
+    d = decide(replace(refused, up=("n1", "n2"), admitted=frozenset({"n2"})), Clocks(), 10.1, RULES)
+    assert d.action == Action.REPLAN and d.nodes == ("n1", "n2")
 
 
 def test_the_events_of_a_replan_say_why_each_node_left() -> None:

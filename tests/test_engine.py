@@ -229,12 +229,12 @@ def _slow_stage_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
     while store.add("started", 0) < world:  # connect together: the connect timeout is 1 s
         pass
     trainer.enter_generation(plan, store)
-    for step in range(STEPS):
-        trainer.train_step(step)
+    seconds = [trainer.train_step(step).seconds for step in range(STEPS)]
     torch.save(
         {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
         os.path.join(tmp, f"slow-rank{rank}.pt"),
     )
+    torch.save(torch.tensor(seconds), os.path.join(tmp, f"slow-rank{rank}-seconds.pt"))
     trainer.close()
 
 
@@ -254,6 +254,11 @@ def test_a_slow_stage_is_not_a_failure(tmp_path: Path) -> None:
     assert set(merged) == set(ref)
     for key, t in merged.items():
         torch.testing.assert_close(t, ref[key], rtol=1e-5, atol=1e-6, msg=key)
+    # the delay happened: the second stage waited out most of the first's 4 s in each of those
+    # steps (it starts its own clock a little later), 3x its connect timeout or more: a lower
+    # bound, true however fast the machine
+    waited = torch.load(tmp_path / "slow-rank1-seconds.pt")
+    assert (waited[:2] >= 3.0).all(), waited
 
 
 def test_moves_name_each_sending_and_receiving_node_with_the_bytes() -> None:

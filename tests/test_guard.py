@@ -166,6 +166,31 @@ def test_the_job_loop_skips_and_reports_it(tmp_path: Path, monkeypatch) -> None:
     assert sorted({e.step for e in ea.Scalars("train/loss")}) == [0, 1, 2, 4, 5]
 
 
+def test_the_guard_state_is_kept_in_checkpoints_so_a_resumed_job_sees_a_spike_at_once(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A job skips step 1 (a persistent NaN) and stops at step 3 with its checkpoint; resumed to
+    step 6, its first step spikes 1000x. The checkpoint kept the running maximum and the skipped
+    step, so the resumed job rejects the spike at once (it used to start from no maximum and
+    apply it) and goes on with the skip history."""
+    import json
+
+    monkeypatch.setenv("OOBLECK_NAN_AT", "0@1x2")
+    first = train(_cfg(tmp_path, "training.steps=3", "fault_tolerance.loss_spike_factor=10"))
+    assert first.final_step == 3
+    manifest = json.loads((tmp_path / "ckpt" / "step-00000003" / "manifest.json").read_text())
+    guard = manifest["extra"]["guard"]
+    assert guard["skipped"] == [1] and guard["in_a_row"] == [] and guard["max_loss"] > 0, guard
+    monkeypatch.delenv("OOBLECK_NAN_AT")
+    monkeypatch.setenv("OOBLECK_SPIKE_AT", "0@3:1000x2")
+    resumed = train(_cfg(tmp_path, "fault_tolerance.loss_spike_factor=10"))
+    assert resumed.final_step == 6
+    assert [line.split(":")[0] for line in resumed.not_applied] == ["step 4", "step 4"], resumed.not_applied
+    assert "loss spike" in resumed.not_applied[0], resumed.not_applied
+    manifest = json.loads((tmp_path / "ckpt" / "step-00000006" / "manifest.json").read_text())
+    assert manifest["extra"]["guard"]["skipped"] == [1, 3]
+
+
 @pytest.mark.slow
 def test_a_persistent_nan_on_one_worker_of_four_nodes_is_skipped_everywhere(
     tmp_path: Path, etcd_server, run_id, monkeypatch

@@ -5,17 +5,20 @@ once per revision, not once per tick."""
 
 from __future__ import annotations
 
+import json
 import time
+from collections import Counter
 
 from oobleck_elastic.etcd import connect
 from oobleck_elastic.etcd.memory import MemoryKV
 from oobleck_elastic.etcd.mirror import Mirror
-from oobleck_elastic.planning import PlanningError
+from oobleck_elastic.planning import Plan, PlanningError
 from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.rendezvous.leader import Leader
 from oobleck_elastic.records.plans import RosterReader
 from oobleck_elastic.rendezvous.membership import Member
-from oobleck_elastic.records.control import Roster
+from oobleck_elastic.records.control import Checkin, CheckinKind, ReadyRecord, Roster
+from oobleck_elastic.testing import layout_plan
 
 from helpers import eventually
 
@@ -76,5 +79,81 @@ def test_a_non_leader_sleeps_until_a_change(etcd_settings, run_id) -> None:
         for member, view, leader in agents:
             leader.stop()
             view.close()
+            member.close()
+        client.close()
+
+
+def _plan_on(nodes: list[str]) -> Plan:
+    """A 2-stage pipeline on `nodes` (two nodes of one device each), generation 1."""
+    text = json.dumps(layout_plan([[(0, 3), (3, 6)]], [4], generation=1).to_json())
+    for i, node in enumerate(nodes):
+        text = text.replace(f'"n{i}"', json.dumps(node))
+    return Plan.from_json(json.loads(text))
+
+
+def test_a_lone_leader_below_n0_sleeps_until_a_node_arrives(etcd_settings, run_id) -> None:
+    """One node of a 2-node pipeline died and its worker checked in at the roll call: the planner
+    cannot plan the survivor alone. The leader declares the dead node lost and asks the planner
+    once; then it sleeps (it used to ask again on every pass, writing the same fence thousands of
+    times a second), and a node arriving wakes it to plan again."""
+    client = connect(etcd_settings)
+    keys = Keys("/oobleck", run_id)
+    members = [Member(client, keys, devices=1, lease_ttl_s=5, host="test") for _ in range(2)]
+    for member in members:
+        member.register()
+    dead, survivor = members[0].node_id, members[1].node_id
+    plan = _plan_on([dead, survivor])
+    client.put_json(keys.plan, plan.to_json())
+    client.put_json(keys.plan_at(1), plan.to_json())
+    client.put_json(keys.roster, Roster(1, plan.nodes).to_json())
+    members[0].close()
+    client.put_json(keys.checkin(1, survivor, 0), Checkin(time=time.time(), kind=CheckinKind.FAILURE).to_json())
+    asked: list[tuple[str, ...]] = []
+
+    def planner(nodes: list[str], generation: int, previous: object) -> Plan:
+        asked.append(tuple(nodes))
+        raise PlanningError("at least n0=2 nodes are needed")
+
+    writes = Counter()
+    for name in ("put", "put_json", "put_if_absent", "transact", "delete"):
+        real = getattr(client, name)
+
+        def counted(*args: object, _real=real, _name=name, **kwargs: object) -> object:
+            writes[_name] += 1
+            return _real(*args, **kwargs)
+
+        setattr(client, name, counted)
+    view = Mirror(client, keys.agent_watched(survivor), name=survivor).start()
+    leader = Leader(
+        client, keys, members[1], planner=planner, min_nodes=2, max_nodes=2, last_call_s=1, settle_s=0.2, view=view
+    )
+    passes = []
+    read_view = leader._read_view
+
+    def counted_view() -> object:
+        passes.append(time.monotonic())
+        return read_view()
+
+    leader._read_view = counted_view
+    newcomer = Member(client, keys, devices=1, lease_ttl_s=5, host="test")
+    try:
+        leader.start()
+        eventually(lambda: asked == [(survivor,)])
+        assert client.get(keys.fence(dead)) is not None  # declared lost with the refused attempt
+        time.sleep(1.0)
+        writes.clear()
+        passes.clear()
+        time.sleep(4.0)
+        assert dict(writes) == {} and len(passes) <= 6, (dict(writes), len(passes))
+        assert asked == [(survivor,)]
+        newcomer.register()  # a change: the leader admits it, and plans again once it is ready
+        eventually(lambda: client.get(keys.admitted(newcomer.node_id)) is not None, timeout=5.0)
+        client.put_json(keys.ready_worker(newcomer.node_id, 0), ReadyRecord(time=time.time(), pid=1).to_json())
+        eventually(lambda: len(asked) == 2, timeout=5.0)
+        assert asked[1] == (survivor, newcomer.node_id)
+    finally:
+        leader.stop()
+        view.close()
+        for member in (*members[1:], newcomer):
             member.close()
         client.close()

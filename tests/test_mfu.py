@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.engine.telemetry.mfu import Throughput, flops_per_token, peak_for_name
+from oobleck_elastic.engine.telemetry.mfu import PEAK_TFLOPS, Throughput, flops_per_token, peak_for_name, peak_row
 
 
 def test_flops_per_token_is_6n_plus_attention_for_gpt2_small() -> None:
@@ -59,11 +59,41 @@ def test_llama_counts_the_untied_head_and_gqa_projections() -> None:
         ("NVIDIA H200", "fp32", False, 66.9),
         ("NVIDIA A100-SXM4-80GB", "bf16", False, 312.0),
         ("NVIDIA L4", "bf16", False, 121.0),
+        ("NVIDIA L40", "bf16", False, 181.05),
+        ("NVIDIA GH200 480GB", "fp32", True, 494.7),
         ("Tesla T4", "bf16", False, None),
     ],
 )
 def test_peak_comes_from_the_table_by_name_and_precision(name, precision, tf32, peak) -> None:
     assert peak_for_name(name, precision, tf32=tf32) == peak
+
+
+NAMES = {
+    # every row, as torch.cuda.get_device_name() spells the device
+    "gb200": "NVIDIA GB200",
+    "b200": "NVIDIA B200",
+    "gh200": "NVIDIA GH200 480GB",
+    "h200": "NVIDIA H200",
+    "h100 nvl": "NVIDIA H100 NVL",
+    "h100 pcie": "NVIDIA H100 PCIe",
+    "h100": "NVIDIA H100 80GB HBM3",
+    "a100": "NVIDIA A100-SXM4-80GB",
+    "l40s": "NVIDIA L40S",
+    "l40": "NVIDIA L40",
+    "l4": "NVIDIA L4",
+    "a10g": "NVIDIA A10G",
+    "a10": "NVIDIA A10",
+}
+
+
+def test_every_row_of_the_peak_table_is_matched_by_its_own_device_name_only() -> None:
+    assert set(NAMES) == set(PEAK_TFLOPS)
+    for row, name in NAMES.items():
+        assert peak_row(name) == row, name
+    # whole words: a longer model number is not a shorter one's row; unknown devices stay unknown
+    for name in ("NVIDIA L40G", "NVIDIA A1000", "NVIDIA RTX A6000", "Tesla T4", "AMD Instinct MI300X", "cpu"):
+        assert peak_row(name) is None, name
+    assert peak_row("NVIDIA A100 80GB PCIe") == "a100"
 
 
 def test_throughput_per_device_and_mfu() -> None:

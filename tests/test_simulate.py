@@ -306,3 +306,17 @@ def test_cli_synthetic_run_prints_a_table_and_plots(tmp_path: Path) -> None:
     assert lines[1].split()[:3] == ["system", "samples/s", "samples"]
     assert [line.split()[0] for line in lines[2:]] == ["oobleck_elastic", "varuna"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_detection_model_for_machine_losses_in_paper_and_scale() -> None:
+    """The traces remove machines: a lost machine closes no socket, so its lease decides. `--paper`
+    charges what `--scale` charges, the default config's lease TTL + settle window (it charged a
+    killed process's 0.6 s)."""
+    from oobleck_elastic.config import FaultToleranceConfig
+    from oobleck_elastic.simulate.paper import load_inputs, systems_for
+    from oobleck_elastic.simulate.systems import OobleckElastic, machine_loss_detection_s
+
+    ft = FaultToleranceConfig()
+    assert machine_loss_detection_s() == ft.lease_ttl_s + ft.settle_s == 5.5
+    (ours,) = systems_for(load_inputs(), "GPT-2", ["oobleck_elastic"])
+    assert isinstance(ours, OobleckElastic) and ours.detection_s == 5.5

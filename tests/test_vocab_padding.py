@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
@@ -75,3 +76,35 @@ def test_padded_rows_stay_zero_and_the_run_equals_an_unpadded_one(tmp_path: Path
     out = export_checkpoint(saved, tmp_path / "hf", log=lambda m: None)
     model = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     assert model.config.vocab_size == 300 and model.lm_head.weight.shape[0] == 300
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_padded_vocabulary_matrices_hold_the_unpadded_draws_then_zeros(family: str) -> None:
+    """The real rows are drawn as the unpadded matrix (the same shape, the same generator), not
+    cut from a larger draw: equal to an unpadded build by construction, for a tied and an untied
+    head."""
+    from oobleck_elastic.config import ModelConfig
+    from oobleck_elastic.models.build import build_layer_model
+
+    def built(pad: int) -> dict[str, torch.Tensor]:
+        cfg = ModelConfig(
+            family=family,
+            vocab_size=300,
+            pad_vocab_to=pad,
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            intermediate_size=64,
+            tie_embeddings=family == "gpt2",
+        )
+        model = build_layer_model(cfg, seed=7)
+        return {f"{i}.{n}": p.detach() for i, layer in enumerate(model.layers) for n, p in layer.named_parameters()}
+
+    padded, plain = built(64), built(1)
+    assert set(padded) == set(plain)
+    vocab = [name for name in plain if padded[name].shape != plain[name].shape]
+    assert len(vocab) == 2, vocab  # the embedding and the head (tied or not)
+    for name in plain:
+        assert torch.equal(padded[name][: plain[name].shape[0]], plain[name]), name
+    for name in vocab:
+        assert padded[name].shape[0] == 320 and not padded[name][300:].any(), name

@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,7 @@ from ..data.errors import DataError
 from ..data.tokenizer import save_tokenizer_files
 from ..logs import JobLog
 from ..planning import Plan, shortfall
+from .resilience.guard import StepGuard
 from .trainer import LayersLost, Trainer
 
 log = JobLog(logging.getLogger(__name__))
@@ -60,8 +61,25 @@ def _receipt(step_path: Path, layer: int) -> Path:
     return step_path / f"layer-{layer:03d}.receipt.json"
 
 
-def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[Path]:
-    """Write this worker's share of a checkpoint; rank 0 completes it. Returns the step dir."""
+def guard_record(trainer: Trainer, guard: Optional[StepGuard]) -> dict[str, Any]:
+    """The step guard's state a checkpoint keeps (`extra.guard`): the running maximum of the loss
+    (the same on every worker after the commit) and the skipped steps."""
+    return {"max_loss": trainer.state.max_loss, **(guard.state_dict() if guard is not None else {})}
+
+
+def load_guard_record(trainer: Trainer, guard: Optional[StepGuard], manifest: Mapping[str, Any]) -> None:
+    """Back to a checkpoint's guard state (none recorded: no maximum yet, nothing skipped)."""
+    record = (manifest.get("extra") or {}).get("guard") or {}
+    trainer.state.max_loss = float(record.get("max_loss", 0.0))
+    if guard is not None:
+        guard.load_state_dict(record)
+
+
+def save(
+    trainer: Trainer, ckpt_dir: str | Path, *, next_step: int, guard: Optional[StepGuard] = None
+) -> Optional[Path]:
+    """Write this worker's share of a checkpoint; rank 0 completes it. Returns the step dir.
+    `guard`: the step guard whose skip history goes in the manifest (`guard_record`)."""
     plan = trainer.plan
     if plan is None:
         raise RuntimeError("a trainer saves a checkpoint only after entering a generation")
@@ -106,7 +124,7 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
         path = _receipt(step_path, i)
         layers.append(json.loads(path.read_text()))
         path.unlink()
-    extra = {}
+    extra: dict[str, Any] = {"guard": guard_record(trainer, guard)}
     files = getattr(trainer.dataset, "tokenizer", None)
     if files is not None:  # the tokenizer goes along, for `oobleck export` (models/export_tokenizer.py)
         try:
@@ -136,9 +154,10 @@ def save(trainer: Trainer, ckpt_dir: str | Path, *, next_step: int) -> Optional[
     return manifest.parent
 
 
-def restore(trainer: Trainer, path: str | Path) -> int:
+def restore(trainer: Trainer, path: str | Path, *, guard: Optional[StepGuard] = None) -> int:
     """Load the owned layers' weights and optimizer state from a checkpoint into the trainer
-    (`Trainer.load_state_dict`); returns the checkpoint's step, where training goes on."""
+    (`Trainer.load_state_dict`), and the step guard's state (`load_guard_record`); returns the
+    checkpoint's step, where training goes on."""
     step_path = Path(path)
     manifest = ckpt.read_manifest(step_path)
     if len(manifest["layers"]) != trainer.layer_model.num_layers:
@@ -153,6 +172,7 @@ def restore(trainer: Trainer, path: str | Path) -> int:
         trainer.load_state_dict({"next_step": int(manifest["step"]), "layers": layers, "optimizer": optim})
     except KeyError as err:
         raise ckpt.CheckpointError(f"checkpoint {step_path}: {err.args[0]}") from None
+    load_guard_record(trainer, guard, manifest)
     return int(manifest["step"])
 
 
@@ -174,8 +194,8 @@ def retake_reason(
 class CheckpointPolicy:
     """When a worker resumes, restores and saves (module docstring)."""
 
-    def __init__(self, cfg: JobConfig, *, node: str) -> None:
-        self.cfg, self.node = cfg, node
+    def __init__(self, cfg: JobConfig, *, node: str, guard: Optional[StepGuard] = None) -> None:
+        self.cfg, self.node, self.guard = cfg, node, guard
         self.resumed: Optional[int] = None
         """Step of the checkpoint the job resumed from at its start, if any."""
         self.final_dir: Optional[Path] = None
@@ -215,7 +235,7 @@ class CheckpointPolicy:
         latest = self.intact_checkpoint(trainer) if self.cfg.checkpoint.resume else None
         if latest is None:
             return 0
-        self.resumed = restore(trainer, latest)
+        self.resumed = restore(trainer, latest, guard=self.guard)
         log.at(gen=trainer.generation, step=self.resumed, node=self.node).info(
             "resumed from %s", latest, event="resumed"
         )
@@ -230,7 +250,7 @@ class CheckpointPolicy:
                 f"{err} and no checkpoint in {self.cfg.checkpoint.dir}: cannot continue without "
                 "training on re-initialised layers; set checkpoint.interval_steps"
             ) from err
-        step = restore(trainer, latest)
+        step = restore(trainer, latest, guard=self.guard)
         text = (
             f"generation {trainer.generation}: layers {err.layers} had no surviving copy; restored checkpoint "
             f"{latest} and continue from step {step}"
@@ -252,15 +272,15 @@ class CheckpointPolicy:
             return None
         if trainer.rank == 0:
             at.warning("%s", reason, event="checkpoint_retake", fields={"saved": True})
-        return save(trainer, self.cfg.checkpoint.dir, next_step=step)
+        return save(trainer, self.cfg.checkpoint.dir, next_step=step, guard=self.guard)
 
     def after_step(self, trainer: Trainer, done: int) -> None:
         """`done` steps are complete: save every `checkpoint.interval_steps` (not the last: `finish`)."""
         every = self.cfg.checkpoint.interval_steps
         if every and done % every == 0 and done < self.cfg.training.steps:
-            save(trainer, self.cfg.checkpoint.dir, next_step=done)
+            save(trainer, self.cfg.checkpoint.dir, next_step=done, guard=self.guard)
 
     def finish(self, trainer: Trainer, *, trained: bool) -> None:
         """The final checkpoint (unless this run resumed at the end and trained nothing)."""
         if trained or self.resumed is None:
-            self.final_dir = save(trainer, self.cfg.checkpoint.dir, next_step=self.cfg.training.steps)
+            self.final_dir = save(trainer, self.cfg.checkpoint.dir, next_step=self.cfg.training.steps, guard=self.guard)

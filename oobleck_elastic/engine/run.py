@@ -176,9 +176,9 @@ class _Worker:
         rss_at_start = memory.current_rss_bytes()
         self.trainer = Trainer(cfg, dataset=dataset, node=ctx.node_id, local_rank=ctx.local_rank, device=device)
         self.log = RunLog(cfg, node=ctx.node_id, rss_at_start=rss_at_start)
-        self.checkpoints = CheckpointPolicy(cfg, node=ctx.node_id)
-        self.runner = StepRunner(self.trainer.device)
         self.guard = StepGuard(cfg.fault_tolerance.max_skipped_steps)
+        self.checkpoints = CheckpointPolicy(cfg, node=ctx.node_id, guard=self.guard)
+        self.runner = StepRunner(self.trainer.device)
         self.stragglers = StragglerWatch(cfg.fault_tolerance.straggler_factor, cfg.fault_tolerance.straggler_steps)
         self.heartbeat = Heartbeat(ctx.local_rank)  # to this node's agent (rendezvous/hang.py)
         self.goodput = GoodputClock(ctx.node_id)  # the job's goodput ledger, while this worker holds rank 0

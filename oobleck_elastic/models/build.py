@@ -150,9 +150,11 @@ def _init_parameters(
     n_blocks: int,
     seed_keys: dict[str, tuple[int, str]],
     skip: frozenset[str] = frozenset(),
+    vocab_size: int | None = None,
 ) -> None:
     """Draw every parameter of `layer` (but those in `skip`) from its own generator (see module
-    docstring)."""
+    docstring). A vocabulary matrix padded beyond `vocab_size` rows (models/vocab.py) gets its real
+    rows drawn as the unpadded matrix would be, and zeros below: the padding changes no number."""
     for mod_name, module in layer.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             name = f"{mod_name}.{pname}" if mod_name else pname
@@ -166,12 +168,16 @@ def _init_parameters(
                 key_index, key_name = seed_keys.get(name, (index, name))
                 gen = torch.Generator().manual_seed(stable_seed(seed, key_index, key_name))
                 scale = std / math.sqrt(2 * n_blocks) if name.endswith(_RESIDUAL_OUT) else std
+                padded = vocab_size is not None and is_vocab_param(name) and p.shape[0] > vocab_size
+                real = p[:vocab_size] if padded else p
                 # drawn on the CPU (the same numbers whatever the device): in place there, else
                 # through one host tensor at a time
-                if p.device.type == "cpu":
-                    p.normal_(0.0, scale, generator=gen)
+                if real.device.type == "cpu":
+                    real.normal_(0.0, scale, generator=gen)
                 else:
-                    p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, scale, generator=gen))
+                    real.copy_(torch.empty(real.shape, dtype=p.dtype).normal_(0.0, scale, generator=gen))
+                if padded:
+                    p[vocab_size:].zero_()
 
 
 def _move(layers: list[nn.Module | None], device: str | torch.device) -> None:
@@ -214,12 +220,15 @@ def build_layer_model(
         # a tied head built with the embedding becomes the embedding's Parameter: nothing to draw
         skip = frozenset(keys) if 0 in keep else frozenset()
         _init_parameters(
-            layer, seed=seed, index=i, std=config.initializer_range, n_blocks=cfg.num_layers, seed_keys=keys, skip=skip
+            layer,
+            seed=seed,
+            index=i,
+            std=config.initializer_range,
+            n_blocks=cfg.num_layers,
+            seed_keys=keys,
+            skip=skip,
+            vocab_size=cfg.vocab_size,
         )
-        with torch.no_grad():  # padded rows are zero (models/vocab.py)
-            for name, p in layer.named_parameters():
-                if is_vocab_param(name) and p.shape[0] > cfg.vocab_size:
-                    p[cfg.vocab_size :].zero_()
 
     return assemble(family, config, keep=keep, tied=tied, device=device, fill=draw, vocab_rows=rows)
 

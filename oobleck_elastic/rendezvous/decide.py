@@ -33,7 +33,11 @@ changed. The rules:
   held, since a stalled etcd expires every lease at once and the nodes renew theirs within a TTL
   (membership.py); so is a roll call's verdict that names dead nodes (records expire and pings go
   unanswered while etcd is away). A liveness verdict is not held: a refused connection proves the
-  agent is gone whatever etcd did.
+  agent is gone whatever etcd did;
+- **below n0**: a re-plan on exactly the nodes the planner last refused (`refused`: too few for
+  one replica) is not asked for again, whether a detector or the settle rule calls for it: the
+  dead were declared lost with the refused attempt, so the leader goes on as while running
+  (arrivals are admitted) and waits for a change (`WAIT_FOR_NODES`), idle.
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ class Action(StrEnum):
     """Publish the next generation on `nodes`."""
     REBALANCE = "rebalance"
     """Publish `plan`: the same nodes and stages, the microbatches re-split around a straggler."""
+    WAIT_FOR_NODES = "wait_for_nodes"
+    """A re-plan would use exactly the nodes the planner refused (fewer than n0): only a change
+    (a node arriving or leaving, the job closing) can help, so the leader sleeps until one."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,9 @@ class LeaderView:
     """The nodes the workers named stragglers (with `speeds`)."""
     without: Optional[Plan] = None
     """The planner's plan for the plan's nodes without `slow` (None: none could be made)."""
+    refused: tuple[str, ...] = ()
+    """The nodes the planner could not plan the next generation on (too few for one replica);
+    empty when it refused nothing since the current plan."""
 
 
 @dataclass(frozen=True)
@@ -161,8 +171,20 @@ def decide(view: LeaderView, clocks: Clocks, now: float, rules: Rules) -> Decisi
     if view.plan is None:
         return _before_first_plan(view, clocks, now, rules)
     if view.dead is not None:
-        return _after_detection(view, view.plan, view.dead, clocks, now, rules)
-    plan = view.plan
+        decision = _after_detection(view, view.plan, view.dead, clocks, now, rules)
+        if not _refused(view, decision):
+            return decision
+        # the dead were declared lost with the attempt the planner refused: carry on as usual
+        # (admitting arrivals), which waits for a change
+    return _while_running(view, view.plan, clocks, now, rules)
+
+
+def _refused(view: LeaderView, decision: Decision) -> bool:
+    """Whether `decision` re-plans on exactly the nodes the planner refused last."""
+    return decision.action == Action.REPLAN and bool(view.refused) and decision.nodes == view.refused
+
+
+def _while_running(view: LeaderView, plan: Plan, clocks: Clocks, now: float, rules: Rules) -> Decision:
     alive = [n for n in view.up if n not in view.fenced]
     members = sum(1 for n in plan.nodes if n in alive)
     admit = []
@@ -178,6 +200,8 @@ def decide(view: LeaderView, clocks: Clocks, now: float, rules: Rules) -> Decisi
     dropped = tuple(n for n in plan.nodes if n not in desired)
     if dropped and view.outage_recent:
         return Decision(Action.WAIT, admit=tuple(admit), clocks=replace(clocks, change_seen=None), held=dropped)
+    if view.refused and tuple(desired) == view.refused:  # asking the planner again cannot help
+        return Decision(Action.WAIT_FOR_NODES, admit=tuple(admit), clocks=replace(clocks, change_seen=None))
     if desired == list(plan.nodes):
         remedy = mitigate(plan, view.speeds, view.slow, view.without) if rules.rebalance and view.speeds else None
         clear = replace(clocks, change_seen=None)

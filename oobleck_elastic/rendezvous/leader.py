@@ -293,6 +293,9 @@ class Leader:
             decision = decide(view, clocks, time.monotonic(), rules)
             clocks = decision.clocks
             self._act(decision, view.plan, rev, records)
+            if decision.action == Action.WAIT_FOR_NODES:  # below n0: only a change can help
+                self._pause(_IDLE_S)
+                continue
             if decision.recheck_s is not None:
                 if decision.recheck_s > 0:
                     self._pause(decision.recheck_s)
@@ -317,9 +320,16 @@ class Leader:
             not_ready=frozenset(self._not_ready(plan, up)) if plan is not None else frozenset(),
             outage_recent=self.client.outage_within(self.member.lease_ttl_s + self.settle_s),
             dead=self._detect(plan, records) if plan is not None else None,
+            refused=self._refused(plan),
             **self.stragglers.view_fields(self.view, self.keys, plan),
         )
         return view, rev, records
+
+    def _refused(self, plan: Optional[Plan]) -> tuple[str, ...]:
+        """The nodes the planner refused for the generation after `plan` (decide.py)."""
+        if self._unplannable is None or plan is None or self._unplannable[1] != plan.generation + 1:
+            return ()
+        return self._unplannable[0]
 
     def _detect(self, plan: Plan, records: list[NodeRecord]) -> Optional[Detection]:
         """Nodes of `plan` found dead since the last re-plan: by the liveness sockets (liveness.py:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .systems import CheckpointRestart, OobleckElastic, replay
+from .systems import CheckpointRestart, OobleckElastic, machine_loss_detection_s, replay
 from .timeline import Timeline
 from .trace import synthetic_trace
 
@@ -218,7 +218,7 @@ def measure_costs(settings: ScaleSettings, planner: Planner) -> dict[str, Cost]:
         detection = Cost(
             "detection",
             0.6,
-            ft.lease_ttl_s + ft.settle_s,
+            machine_loss_detection_s(ft),
             f"a failed machine's lease expires: lease_ttl_s {ft.lease_ttl_s:g} s + settle_s {ft.settle_s:g} s of "
             "the config; bench/control_plane.py measured 4.7-5.9 s kill -> next plan at 64-1,000 nodes with TTL 5 s",
         )

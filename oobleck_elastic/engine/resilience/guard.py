@@ -21,13 +21,17 @@ Mechanism, with no collective of its own:
   in a row the job stops as failed, naming the steps.
 - **Loss spikes** (`fault_tolerance.loss_spike_factor`, 0 = off): a loss above that factor times
   the largest loss of any applied step is rejected the same way (Megatron-LM's rerun machine
-  uses 10x). The maximum starts again from the first step after a restart from a checkpoint.
+  uses 10x).
+- **Kept in checkpoints.** The running maximum and the skipped steps go in the manifest
+  (`extra.guard`, engine/checkpointing.py), so a job resumed or restored from a checkpoint judges
+  spikes from its first step on, and its skip history goes on from the checkpoint's.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 from enum import Enum
 
 __all__ = ["Verdict", "judge", "Action", "StepGuard", "TooManySkipped"]
@@ -96,3 +100,14 @@ class StepGuard:
                 f"{self.max_skipped}): lower the learning rate or check the data of those steps"
             )
         return Action.SKIP
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the skipped steps (all, and those since the last applied one).
+        Rejections of steps not yet applied are not kept: a resumed job judges them afresh."""
+        return {"skipped": list(self.skipped), "in_a_row": list(self.in_a_row)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Back to a checkpoint's state (a checkpoint without one: nothing skipped)."""
+        self.skipped = [int(s) for s in state.get("skipped", [])]
+        self.in_a_row = [int(s) for s in state.get("in_a_row", [])]
+        self.attempts = {}

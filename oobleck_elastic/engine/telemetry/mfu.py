@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,25 +28,26 @@ import torch
 
 from ...config import JobConfig, ModelConfig
 
-__all__ = ["PEAK_TFLOPS", "flops_per_token", "device_peak_tflops", "Throughput"]
+__all__ = ["PEAK_TFLOPS", "flops_per_token", "device_peak_tflops", "peak_row", "Throughput"]
 
 PEAK_TFLOPS: dict[str, tuple[float, float, float]] = {
-    # name fragment (lower case, most specific first): (bf16 dense, tf32 dense, fp32), TFLOP/s,
-    # from NVIDIA's data sheets (the with-sparsity figures halved)
+    # model words (lower case): (bf16 dense, tf32 dense, fp32), TFLOP/s, from NVIDIA's data sheets
+    # (the with-sparsity figures halved); matched word by word against the device's name
     "gb200": (2500.0, 1250.0, 80.0),
     "b200": (2250.0, 1100.0, 75.0),
+    "gh200": (989.5, 494.7, 66.9),
     "h200": (989.5, 494.7, 66.9),
     "h100 nvl": (835.5, 417.8, 60.0),
     "h100 pcie": (756.5, 378.0, 51.2),
     "h100": (989.5, 494.7, 66.9),  # SXM ("NVIDIA H100 80GB HBM3")
-    "gh200": (989.5, 494.7, 66.9),
     "a100": (312.0, 156.0, 19.5),
     "l40s": (362.1, 183.0, 91.6),
+    "l40": (181.05, 90.5, 90.5),
     "l4": (121.0, 60.0, 30.3),
     "a10g": (70.0, 35.0, 31.2),
     "a10": (125.0, 62.5, 31.2),
 }
-"""Dense peak TFLOP/s of known GPUs by a fragment of `torch.cuda.get_device_name()`."""
+"""Dense peak TFLOP/s of known GPUs by the words of their model in `torch.cuda.get_device_name()`."""
 
 
 def flops_per_token(cfg: JobConfig, seq_len: Optional[int] = None) -> float:
@@ -82,13 +84,28 @@ def device_peak_tflops(device: torch.device, precision: str, override: Optional[
     return peak_for_name(torch.cuda.get_device_name(device), precision, tf32=torch.backends.cuda.matmul.allow_tf32)
 
 
+def name_words(name: str) -> list[str]:
+    """A device name's words, lower case, split at anything but letters and digits
+    ("NVIDIA A100-SXM4-80GB" -> nvidia, a100, sxm4, 80gb)."""
+    return re.findall(r"[a-z0-9]+", name.lower())
+
+
+def peak_row(name: str) -> Optional[str]:
+    """The `PEAK_TFLOPS` row of a device name (pure, for tests): the row whose words all are words
+    of the name, the most specific (most words) if several are; None when none is. Whole words
+    only: "NVIDIA L40" is not an L4, "NVIDIA GH200" not an H200."""
+    words = set(name_words(name))
+    rows = [row for row in PEAK_TFLOPS if set(row.split()) <= words]
+    return max(rows, key=lambda row: len(row.split()), default=None)
+
+
 def peak_for_name(name: str, precision: str, *, tf32: bool) -> Optional[float]:
-    """`PEAK_TFLOPS` lookup by device name (pure, for tests): bf16 tensor cores, else TF32 or FP32."""
-    lower = name.lower()
-    for fragment, (bf16, tf32_peak, fp32) in PEAK_TFLOPS.items():
-        if fragment in lower:
-            return bf16 if precision == "bf16" else tf32_peak if tf32 else fp32
-    return None
+    """The device's peak by its name (`peak_row`): bf16 tensor cores, else TF32 or FP32."""
+    row = peak_row(name)
+    if row is None:
+        return None
+    bf16, tf32_peak, fp32 = PEAK_TFLOPS[row]
+    return bf16 if precision == "bf16" else tf32_peak if tf32 else fp32
 
 
 @dataclass(frozen=True)
