@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from oobleck_elastic.checkpoint import latest_checkpoint, load_model_state, read_manifest
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.run import train
+from oobleck_elastic.etcd import EtcdSettings, connect
 from helpers import a_follower, assert_same, overrides, run_job, tiny_profile, when, worker_pid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,6 +208,53 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
     )
     assert "had no surviving copy; restored checkpoint" in out, out[-4000:]
     assert_same(job, ref)
+
+
+@pytest.mark.slow
+def test_losing_every_copy_of_a_layer_without_a_checkpoint_fails_the_job(tmp_path: Path, etcd_server, run_id) -> None:
+    """The same loss with no checkpoint to restore: the job is closed as failed with the reason,
+    at once. (The survivors' workers used to raise, and their agents restarted them into a job
+    that trained again from step 0 on re-initialised layers.)"""
+    from launcher.local import kill_node
+    from oobleck_elastic.planning import Plan
+    from oobleck_elastic.records.control import read_closed
+    from oobleck_elastic.records.keys import Keys
+    from oobleck_elastic.rendezvous.membership import live_nodes
+
+    profile = tiny_profile(tmp_path / "profile.json")
+    keys = Keys("/oobleck", run_id)
+
+    def kill_both_first_stages(client) -> None:
+        plan = Plan.from_json(client.get_json(keys.plan)[0])
+        victims = {p.stages[0].node for p in plan.pipelines}
+        for rec in live_nodes(client, keys):
+            if rec.node_id in victims:
+                kill_node(rec.agent_pid)
+
+    out, _, _ = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4"],
+        40,
+        profile,
+        expect_failure=True,
+        during=lambda proc: when(
+            etcd_server.endpoint,
+            proc,
+            lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 3,
+            kill_both_first_stages,
+        ),
+    )
+    client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
+    try:
+        closed = read_closed(client, keys)
+    finally:
+        client.close()
+    assert closed is not None and closed.failed, out[-4000:]
+    assert closed.reason.startswith("no surviving copy of layer(s) [0, 1, 2] and no checkpoint in "), closed.reason
+    killed_at = out.index("no surviving copy")
+    assert "step 1/40" not in out[killed_at:], out[-4000:]  # nothing trained again from step 0
 
 
 def test_hung_node_is_cut_off_by_the_control_plane(tmp_path: Path, etcd_server, run_id) -> None:

@@ -57,6 +57,12 @@ from .trainer import LayersLost, Trainer
 log = JobLog(logging.getLogger(__name__))
 
 
+class NothingToRestore(RuntimeError):
+    """Some layer has no surviving copy and no checkpoint holds it: the job cannot go on. The
+    worker closes the job as failed (engine/run.py), so no agent restarts its workers into a
+    job that would train from step 0 again on re-initialised layers."""
+
+
 def _receipt(step_path: Path, layer: int) -> Path:
     return step_path / f"layer-{layer:03d}.receipt.json"
 
@@ -246,7 +252,7 @@ class CheckpointPolicy:
         Returns (the step to go on from, a line saying what happened)."""
         latest = self.intact_checkpoint(trainer)
         if latest is None:
-            raise RuntimeError(
+            raise NothingToRestore(
                 f"{err} and no checkpoint in {self.cfg.checkpoint.dir}: cannot continue without "
                 "training on re-initialised layers; set checkpoint.interval_steps"
             ) from err

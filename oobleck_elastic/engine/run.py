@@ -63,7 +63,7 @@ from .resilience.guard import Action, StepGuard, TooManySkipped, Verdict
 from .resilience.heartbeat import Heartbeat
 from .telemetry.runlog import RunLog, Summary
 from .runner import StepRunner, exit_now_at_the_end
-from .checkpointing import CheckpointPolicy, retake_reason
+from .checkpointing import CheckpointPolicy, NothingToRestore, retake_reason
 from .resilience.straggler import StragglerWatch
 from .trainer import LayersLost, Reconfiguration, StepResult, Trainer
 
@@ -201,7 +201,12 @@ class _Worker:
                 if info.previous == 0 and step == 0:
                     step = self.checkpoints.resume(trainer)
             except LayersLost as err:
-                step, text = self.checkpoints.restore_lost(trainer, err)
+                try:
+                    step, text = self.checkpoints.restore_lost(trainer, err)
+                except NothingToRestore as lost:
+                    log.at(gen=plan.generation, node=ctx.node_id).error("%s", lost, event="job_failed")
+                    ctx.close_job(str(lost), failed=True)  # every worker stops; no agent restarts it
+                    raise JobFailed(str(lost)) from None
                 self.log.restored_checkpoint(text, step)
         except Exception as err:
             if not is_communication_error(err):
