@@ -97,9 +97,8 @@ def test_commit_is_one_max_all_reduce_over_the_group(monkeypatch) -> None:
 
 def test_one_slot_fields_travel_as_float32_and_seconds_and_unix_times_as_float64() -> None:
     loss, seconds, began = 5.57361912727356, 0.1234567890123, 1_764_000_123.456789
-    vote = _vote(
-        0, 2, peak_rss_bytes=1_234_567_891, max_loss=loss, compute_s=(seconds, 0.0), entry_began=began, entry_ended=began
-    )
+    times = {"entry_began": began, "entry_ended": began}
+    vote = _vote(0, 2, peak_rss_bytes=1_234_567_891, max_loss=loss, compute_s=(seconds, 0.0), **times)
     again = CommitVote.unpack(vote.pack(), world_size=2)
     assert again.peak_rss_bytes == 1_234_567_936  # the nearest float32
     assert again.max_loss == float(torch.tensor(loss, dtype=torch.float32)) != loss

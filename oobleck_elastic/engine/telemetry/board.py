@@ -73,7 +73,9 @@ TAGS: dict[str, str] = {
     **{f"goodput/{c.value}": f"seconds of the job's wall time charged to {c.value}" for c in Category},
     "goodput/fraction": "useful seconds over the seconds accounted",
     "reconfiguration/bytes_moved_job": "layer bytes moved between all workers by a reconfiguration",
-    "reconfiguration/seconds_until_all_entered": "from the first worker beginning to enter the generation to the last one entered",
+    "reconfiguration/seconds_until_all_entered": (
+        "from the first worker beginning to enter the generation to the last one entered"
+    ),
     "guard/rejected": "1 at a step the step guard did not apply",
     "guard/skipped_steps": "batches skipped so far",
     "straggler/count": "nodes named stragglers",
