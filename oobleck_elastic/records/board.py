@@ -18,8 +18,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from ..etcd.client import warn_once
 from ..etcd.protocols import KVReader, KVStore
-from .control import SCHEMA_VERSION, _read_record
+from .control import SCHEMA_VERSION
 from .keys import Keys
 
 __all__ = ["BoardRecord", "claim_board", "read_board"]
@@ -53,7 +54,14 @@ class BoardRecord:
 
 def read_board(reader: KVReader, keys: Keys) -> Optional[BoardRecord]:
     """The job's TensorBoard run, or None (not chosen yet, or a malformed value: logged once)."""
-    return _read_record(reader, keys.tensorboard, BoardRecord.parse)
+    data, revision = reader.get_json(keys.tensorboard)
+    if data is None:
+        return None
+    try:
+        return BoardRecord.parse(data)
+    except ValueError as err:
+        warn_once(keys.tensorboard, revision, f"ignoring malformed value of {keys.tensorboard}: {err}")
+        return None
 
 
 def claim_board(store: KVStore, keys: Keys, proposed: str, *, node: str) -> str:
