@@ -72,7 +72,7 @@ def test_a_malformed_run_record_is_replaced_and_refused_by_readers() -> None:
 # ---------------------------------------------------------------------------- job-level figures
 def test_the_job_figures_sum_every_move_and_span_every_workers_entry() -> None:
     moves = (
-        Move(src="node0", dst="node2", layers=(3, 4), bytes=3_200_000),
+        Move(src="node3", dst="node2", layers=(3, 4), bytes=3_200_000),
         Move(src="node1", dst="node2", layers=(5,), bytes=1_600_000),
     )
     began, ended = [NOON + 0.5, NOON + 0.25, NOON + 1.0], [NOON + 2.0, NOON + 3.5, NOON + 2.75]
@@ -91,7 +91,7 @@ def test_the_job_figures_sum_every_move_and_span_every_workers_entry() -> None:
 
     agreed = combine([vote(r) for r in range(3)])  # what the first step's commit gives rank 0
     assert (agreed.entry_began, agreed.entry_ended) == (NOON + 0.25, NOON + 3.5)
-    # rank 0 itself moved nothing: the job moved 4.8 MB, and its last worker entered 3.25 s after the first began
+    # rank 0 (on node0) moved nothing: the job moved 4.8 MB, and its last worker entered 3.25 s after the first began
     assert JobFigures.of(moves, (agreed.entry_began, agreed.entry_ended)) == JobFigures(4_800_000, 3.25)
     assert JobFigures.of((), (None, None)) == JobFigures(0, None)
 
