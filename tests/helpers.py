@@ -211,3 +211,16 @@ def eventually(predicate: Callable[[], object], timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def tensorboard_runs(root: Path) -> list[Path]:
+    """The TensorBoard run directories under `root` (`logging.tensorboard_dir`): each directory
+    holding event files, sorted."""
+    return sorted({p.parent for p in root.rglob("events.out.tfevents.*")})
+
+
+def tensorboard_run(root: Path) -> Path:
+    """The one TensorBoard run under `root`, `<run id>/<start>` (engine/telemetry/board.py)."""
+    runs = tensorboard_runs(root)
+    assert len(runs) == 1, f"expected one TensorBoard run under {root}, found {[str(r) for r in runs]}"
+    return runs[0]

@@ -18,23 +18,31 @@ def _vote(rank: int, world_size: int, **fields) -> CommitVote:
         peak_device_bytes=None,
         max_loss=2.5,
         rejections=0,
+        entry_began=BEGAN + rank,
+        entry_ended=BEGAN + 10 + rank,
         compute_s=own_slot(rank, world_size, 0.125 * (rank + 1)),
     )
     return CommitVote(**{**values, **fields})
 
 
-def test_the_layout_has_five_slots_then_one_per_rank() -> None:
+BEGAN = 1_764_000_000.125  # a Unix time
+
+
+def test_the_layout_has_seven_slots_then_one_per_rank() -> None:
     assert CommitVote.layout(4) == {
         "generation": slice(0, 1),
         "peak_rss_bytes": slice(1, 2),
         "peak_device_bytes": slice(2, 3),
         "max_loss": slice(3, 4),
         "rejections": slice(4, 5),
-        "compute_s": slice(5, 9),
+        "entry_began": slice(5, 6),
+        "entry_ended": slice(6, 7),
+        "compute_s": slice(7, 11),
     }
-    assert [CommitVote.size(n) for n in (1, 2, 8)] == [6, 7, 13]
+    assert [CommitVote.size(n) for n in (1, 2, 8)] == [8, 9, 15]
     packed = _vote(2, 4, generation=7, peak_device_bytes=5 * 2**20, rejections=1).pack()
-    assert packed.dtype == torch.float64 and packed.tolist() == [7, 3 * 2**30, 5 * 2**20, 2.5, 1, 0, 0, 0.375, 0]
+    assert packed.dtype == torch.float64
+    assert packed.tolist() == [7, 3 * 2**30, 5 * 2**20, 2.5, 1, -(BEGAN + 2), BEGAN + 12, 0, 0, 0.375, 0]
 
 
 def test_a_vote_survives_pack_and_unpack() -> None:
@@ -62,6 +70,8 @@ def test_the_max_of_several_votes_is_the_field_wise_rule() -> None:
         peak_device_bytes=2**22,
         max_loss=3.0,
         rejections=1,
+        entry_began=BEGAN,  # the first worker to begin entering ...
+        entry_ended=BEGAN + 12,  # ... and the last one to have entered
         compute_s=(0.125, 0.25, 0.375),  # every worker's own slot
     )
     assert combine(votes[:1]) == votes[0]
@@ -85,24 +95,27 @@ def test_commit_is_one_max_all_reduce_over_the_group(monkeypatch) -> None:
     assert calls == [(dist.ReduceOp.MAX, group)]
 
 
-def test_one_slot_fields_travel_as_float32_and_seconds_as_float64() -> None:
-    loss, seconds = 5.57361912727356, 0.1234567890123
-    vote = _vote(0, 2, peak_rss_bytes=1_234_567_891, max_loss=loss, compute_s=(seconds, 0.0))
+def test_one_slot_fields_travel_as_float32_and_seconds_and_unix_times_as_float64() -> None:
+    loss, seconds, began = 5.57361912727356, 0.1234567890123, 1_764_000_123.456789
+    times = {"entry_began": began, "entry_ended": began}
+    vote = _vote(0, 2, peak_rss_bytes=1_234_567_891, max_loss=loss, compute_s=(seconds, 0.0), **times)
     again = CommitVote.unpack(vote.pack(), world_size=2)
     assert again.peak_rss_bytes == 1_234_567_936  # the nearest float32
     assert again.max_loss == float(torch.tensor(loss, dtype=torch.float32)) != loss
     assert again.compute_s == (seconds, 0.0)
+    assert again.entry_began == again.entry_ended == began  # to the microsecond, where float32 is off by 64 s
 
 
 def test_a_malformed_tensor_is_refused_naming_the_layout() -> None:
     layout = (
-        r"\(generation x 1, peak_rss_bytes x 1, peak_device_bytes x 1, max_loss x 1, rejections x 1, compute_s x 3\)"
+        r"\(generation x 1, peak_rss_bytes x 1, peak_device_bytes x 1, max_loss x 1, rejections x 1, "
+        r"entry_began x 1, entry_ended x 1, compute_s x 3\)"
     )
     with pytest.raises(
-        ValueError, match=rf"over 3 ranks is a flat float64 tensor of 8 slots {layout}; got shape \(7,\) "
+        ValueError, match=rf"over 3 ranks is a flat float64 tensor of 10 slots {layout}; got shape \(7,\) "
     ):
         CommitVote.unpack(torch.zeros(7, dtype=torch.float64), world_size=3)
-    with pytest.raises(ValueError, match=r"got shape \(8,\) of torch.float32"):
-        CommitVote.unpack(torch.zeros(8), world_size=3)
+    with pytest.raises(ValueError, match=r"got shape \(10,\) of torch.float32"):
+        CommitVote.unpack(torch.zeros(10), world_size=3)
     with pytest.raises(ValueError, match=r"got shape \(2, 4\)"):
         CommitVote.unpack(torch.zeros(2, 4, dtype=torch.float64), world_size=3)

@@ -90,9 +90,10 @@ _ONE_NODE_PIPELINES = ["planning.device_memory_gb=100", "fault_tolerance.fingerp
 @pytest.mark.slow
 def test_a_flipped_bit_in_one_of_three_copies_is_repaired_in_place(tmp_path: Path, etcd_server, run_id) -> None:
     """f = 2 on three nodes: three copies of every layer. Rank 1's copy of layer 2 gets a bit
-    flipped after step 3; the check after that step replaces it from the other two, so the job
-    ends with the weights of one process that never saw the flip (without the repair, the flip
-    is summed into every copy's gradients from step 4 on and the weights differ)."""
+    flipped after 0-based step 3 (the progress line's step 4); the check after that step replaces it
+    from the other two, so the job ends with the weights of one process that never saw the flip
+    (without the repair, the flip is summed into every copy's gradients from then on and the
+    weights differ). The lines number the step as the progress line does."""
     profile = tiny_profile(tmp_path / "profile.json")
     out, job, ref = run_job(
         tmp_path,
@@ -105,10 +106,10 @@ def test_a_flipped_bit_in_one_of_three_copies_is_repaired_in_place(tmp_path: Pat
         env={"OOBLECK_FLIP_AT": "1@3:2"},
     )
     repaired = (
-        "step 3: layer 2: the copy of rank 1 differed from its 3 holders' majority; replaced by rank 0's "
+        "step 4: layer 2: the copy of rank 1 differed from its 3 holders' majority; replaced by rank 0's "
         "(silent data corruption)"
     )
-    assert all(f"gen 1 step 3 node node{i}: {repaired}" in out for i in range(3)), out[-3000:]
+    assert all(f"gen 1 step 4 node node{i}: {repaired}" in out for i in range(3)), out[-3000:]
     assert f"repaired: {repaired}" in out, out[-3000:]  # the summary
     assert_same(job, ref)
 
@@ -136,10 +137,10 @@ def test_a_flipped_bit_with_two_copies_stops_the_job_naming_the_layer(tmp_path: 
 
 @pytest.mark.slow
 def test_a_bit_flipped_between_checks_is_repaired_at_the_next_check(tmp_path: Path, etcd_server, run_id) -> None:
-    """The realistic case: the flip lands after step 2, between the checks after steps 1 and 3, so
-    the corrupt copy trains step 3 and its gradients reach the other copies. The check after
-    step 3 replaces it; from then on the copies agree (the checks after steps 5 and 7 find
-    nothing). The weights differ from a run without the flip: the damage between two checks is
+    """The realistic case (0-based steps; the logs count from 1): the flip lands after step 2,
+    between the checks after steps 1 and 3, so the corrupt copy trains step 3 and its gradients
+    reach the other copies. The check after step 3 (the log's step 4) replaces it; from then on
+    the copies agree (the checks after steps 5 and 7 find nothing). The weights differ from a run without the flip: the damage between two checks is
     not undone, only bounded by the interval."""
     profile = tiny_profile(tmp_path / "profile.json")
     out, job, ref = run_job(
@@ -153,11 +154,11 @@ def test_a_bit_flipped_between_checks_is_repaired_at_the_next_check(tmp_path: Pa
         env={"OOBLECK_FLIP_AT": "1@2:2"},
     )
     repaired = (
-        "step 3: layer 2: the copy of rank 1 differed from its 3 holders' majority; replaced by rank 0's "
+        "step 4: layer 2: the copy of rank 1 differed from its 3 holders' majority; replaced by rank 0's "
         "(silent data corruption)"
     )
-    assert all(f"gen 1 step 3 node node{i}: {repaired}" in out for i in range(3)), out[-3000:]
-    assert out.count("silent data corruption") == 4, out[-3000:]  # 3 workers and the summary: step 3 only
+    assert all(f"gen 1 step 4 node node{i}: {repaired}" in out for i in range(3)), out[-3000:]
+    assert out.count("silent data corruption") == 4, out[-3000:]  # 3 workers and the summary: once
     assert _differs(job, ref)
 
 

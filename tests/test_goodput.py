@@ -15,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from oobleck_elastic import cli
 from oobleck_elastic.records.goodput import Category, Ledger, Origin, continue_from, describe, job_origin, opening
 from oobleck_elastic.engine.telemetry.goodput import GoodputClock
+from helpers import tensorboard_run
 
 ROOT = Path(__file__).resolve().parents[1]
 U, R, S, RC, CK, W, SU = (
@@ -47,13 +48,13 @@ class Reports:
 
     def __init__(self) -> None:
         self.sent: list[dict] = []
-        self.scalars: list[tuple[dict, float, int]] = []
+        self.scalars: list[tuple[dict, float, int, bool]] = []
 
     def __call__(self, **fields) -> None:
         self.sent.append(fields)
 
-    def goodput(self, values: dict, fraction: float, *, step: int) -> None:
-        self.scalars.append((values, fraction, step))
+    def goodput(self, values: dict, fraction: float, *, step: int, final: bool = False) -> None:
+        self.scalars.append((values, fraction, step, final))
 
     def last(self) -> Ledger:
         return Ledger.from_json(self.sent[-1]["goodput"])
@@ -87,7 +88,8 @@ def test_a_timeline_with_a_replay_a_skip_a_checkpoint_a_failure_a_new_rank_0_and
     step(a, 2, 1018.75, 1019.75, U, report_at=1019.75)
     assert seconds(reports.last()) == {W: 10, SU: 3, U: 2.75, R: 1, S: 1, CK: 2}
     assert reports.last().done == 3
-    assert reports.scalars[-1] == ({c.value: reports.last().get(c) for c in Category}, 2.75 / 19.75, 2)
+    # at the step the report (and the progress line) names: 3 steps done
+    assert reports.scalars[-1] == ({c.value: reports.last().get(c) for c in Category}, 2.75 / 19.75, 3, False)
     t.t = 1020.0
     a.began_step()  # step 3 begins; node A dies in it
 
@@ -108,7 +110,7 @@ def test_a_timeline_with_a_replay_a_skip_a_checkpoint_a_failure_a_new_rank_0_and
     final = reports.last()
     assert seconds(final) == {W: 10, SU: 3, U: 5.25, R: 1, S: 1, CK: 3, RC: 10.25}
     assert final.total == pytest.approx(final.at - 1000.0) and final.at == 1033.5 and final.done == 5
-    assert reports.sent[-1]["step"] == 5 and reports.scalars[-1][2] == 5  # the final point, past step 4's
+    assert reports.sent[-1]["step"] == 5 and reports.scalars[-1][2:] == (5, True)  # the final point, at the last step
 
 
 def test_a_worker_not_holding_rank_0_keeps_no_ledger_and_reports_none() -> None:
@@ -307,7 +309,7 @@ def test_the_single_process_ledger_shows_the_step_guard_and_checkpoints(tmp_path
     summary = train(cfg)
     wall = time.time() - began
     assert summary.not_applied == ("step 4: the loss is nan; replayed", "step 4: the loss is nan; batch skipped")
-    final, step = _final_scalars(tmp_path / "runs" / cfg.name)
+    final, step = _final_scalars(tensorboard_run(tmp_path / "runs"))
     assert step == 6 and set(final) == {c.value for c in Category} | {"fraction"}
     assert final["replayed"] > 0 and final["skipped"] > 0 and final["checkpointing"] > 0 and final["startup"] > 0
     assert final["reconfiguration"] == 0 and final["waiting"] < 0.1  # a fixed microbatch size: nothing to plan
@@ -395,7 +397,7 @@ def test_a_job_with_a_kill_a_join_and_a_drain_accounts_for_its_wall_time(
         assert ledger.get(c) > 0, (c, ledger.seconds)  # every category was exercised
     assert ledger.done == steps
     # TensorBoard's final point is the same ledger
-    final, at = _final_scalars(tmp_path / "job" / "runs" / "gpt2-tiny")
+    final, at = _final_scalars(tensorboard_run(tmp_path / "job" / "runs"))
     assert at == steps and final["fraction"] == pytest.approx(ledger.fraction, rel=1e-5)
     for c in Category:
         assert final[c.value] == pytest.approx(ledger.get(c), rel=1e-5, abs=1e-3)

@@ -18,7 +18,7 @@ from oobleck_elastic.engine.resilience.faults import FaultInjector
 from oobleck_elastic.engine.resilience.guard import Action, StepGuard, TooManySkipped, Verdict, judge
 from oobleck_elastic.engine.run import train
 from oobleck_elastic.engine.trainer import single_process
-from helpers import RandomTokens, assert_same, run_job, tiny_profile
+from helpers import RandomTokens, assert_same, run_job, tensorboard_run, tiny_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -160,10 +160,11 @@ def test_the_job_loop_skips_and_reports_it(tmp_path: Path, monkeypatch) -> None:
     summary = train(cfg)
     assert summary.not_applied == ("step 4: the loss is nan; replayed", "step 4: the loss is nan; batch skipped")
     assert summary.final_step == 6
-    ea = EventAccumulator(str(tmp_path / "runs" / cfg.name), size_guidance={"scalars": 0})
+    ea = EventAccumulator(str(tensorboard_run(tmp_path / "runs")), size_guidance={"scalars": 0})
     ea.Reload()
-    assert [(e.step, e.value) for e in ea.Scalars("guard/skipped_steps")] == [(3, 0.0), (3, 1.0)]
-    assert sorted({e.step for e in ea.Scalars("train/loss")}) == [0, 1, 2, 4, 5]
+    # at the step's number, as the summary says it: step 4 replayed, then skipped
+    assert [(e.step, e.value) for e in ea.Scalars("guard/skipped_steps")] == [(4, 0.0), (4, 1.0)]
+    assert sorted({e.step for e in ea.Scalars("train/loss")}) == [1, 2, 3, 5, 6]
 
 
 def test_the_guard_state_is_kept_in_checkpoints_so_a_resumed_job_sees_a_spike_at_once(

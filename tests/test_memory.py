@@ -13,7 +13,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from oobleck_elastic.testing import uniform_profile
-from helpers import run_job
+from helpers import run_job, tensorboard_run
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def test_every_worker_holds_its_stage_not_the_model(tmp_path: Path, etcd_server,
     assert full > 4e8  # the whole model: several times any stage
     assert max(float(h) for *_, h, _ in found) * 1e9 < full / 3
     # TensorBoard has the largest worker's peak (carried in the step's commit all-reduce)
-    ea = EventAccumulator(str(tmp_path / "job" / "runs" / "gpt2-tiny"), size_guidance={"scalars": 0})
+    ea = EventAccumulator(str(tensorboard_run(tmp_path / "job" / "runs")), size_guidance={"scalars": 0})
     ea.Reload()
     peak = ea.Scalars("memory/peak_rss_gb")[-1].value
     assert max(float(p) for _, _, _, p, *_ in found) <= peak < 4, peak

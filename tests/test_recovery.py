@@ -5,6 +5,7 @@ holders, settle the interrupted step, and finish with the same weights as one pr
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from oobleck_elastic.checkpoint import latest_checkpoint, load_model_state, read
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.run import train
 from oobleck_elastic.etcd import EtcdSettings, connect
-from helpers import a_follower, assert_same, overrides, run_job, tiny_profile, when, worker_pid
+from helpers import a_follower, assert_same, overrides, run_job, tensorboard_run, tiny_profile, when, worker_pid
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -66,7 +67,7 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     ref, job = load_model_state(tmp_path / "ref" / "ckpt"), load_model_state(tmp_path / "job" / "ckpt")
     for key in ref:
         torch.testing.assert_close(job[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
-    ea = EventAccumulator(str(tmp_path / "job" / "runs" / "gpt2-tiny"), size_guidance={"scalars": 0, "tensors": 0})
+    ea = EventAccumulator(str(tensorboard_run(tmp_path / "job" / "runs")), size_guidance={"scalars": 0, "tensors": 0})
     ea.Reload()
     gens = ea.Scalars("cluster/generation")
     assert sorted({e.value for e in gens}) == [1, 2]
@@ -78,10 +79,32 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     first = min(e.step for e in gens if e.value == 2)
     at = {
         tag: next(e.value for e in ea.Scalars(tag) if e.step == first)
-        for tag in ("train/wall_s", "train/step_time_s", "train/samples_per_s", "reconfiguration/seconds")
+        for tag in (
+            "Throughput/wall_s",
+            "Throughput/step_time_s",
+            "Throughput/samples_per_s",
+            "reconfiguration/bytes_moved_job",
+            "reconfiguration/seconds_until_all_entered",
+        )
     }
-    assert at["train/wall_s"] > at["train/step_time_s"] + at["reconfiguration/seconds"] * 0.9, at
-    assert abs(at["train/samples_per_s"] - 16 / at["train/wall_s"]) < 1e-3 * at["train/samples_per_s"], at
+    assert at["Throughput/wall_s"] > at["Throughput/step_time_s"], at
+    sps = at["Throughput/samples_per_s"]
+    assert abs(sps - 16 / at["Throughput/wall_s"]) < 1e-3 * sps, at
+    # the job-level figures: every worker's bytes (sent plus received, each byte counted at both
+    # ends) sum to twice the job's; the window from the first worker beginning to enter to the last
+    # one entered holds every worker's own entry, and rank 0 waited through it since its last step
+    entries = [
+        re.search(r"entered from generation 1 \(.*?, (\d+) layer bytes moved, ([\d.]+) s\)", line)
+        for line in out.splitlines()
+    ]
+    entries = [m for m in entries if m is not None]
+    assert len(entries) == 3, out[-4000:]  # the three survivors
+    assert at["reconfiguration/bytes_moved_job"] == pytest.approx(sum(int(m.group(1)) for m in entries) / 2, rel=1e-6)
+    assert at["reconfiguration/bytes_moved_job"] > 0
+    window = at["reconfiguration/seconds_until_all_entered"]
+    assert max(float(m.group(2)) for m in entries) - 0.001 <= window < at["Throughput/wall_s"], (entries, at)
+    # TensorBoard's step is the progress line's: the first step of generation 2 is "gen 2 step N/8"
+    assert f"gen 2 step {first}/{steps} " in out, out[-4000:]
 
 
 @pytest.mark.extended  # the default run covers this ground (the README's test section)

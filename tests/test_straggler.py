@@ -21,7 +21,7 @@ from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.rendezvous.membership import read_events
 from oobleck_elastic.records.control import EventKind, NodeState, StragglerRecord
-from tests.helpers import ROOT, assert_same, layout_plan, run_job, tiny_profile
+from tests.helpers import ROOT, assert_same, layout_plan, run_job, tensorboard_run, tiny_profile
 
 
 def _plan(microbatches=(4, 4, 4, 4)) -> Plan:
@@ -302,7 +302,7 @@ def test_a_slow_node_is_named_and_the_batch_re_split_around_it(tmp_path: Path, e
     assert_same(job, ref)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ea = EventAccumulator(str(tmp_path / "job" / "runs" / "gpt2-tiny"), size_guidance={"scalars": 0})
+    ea = EventAccumulator(str(tensorboard_run(tmp_path / "job" / "runs")), size_guidance={"scalars": 0})
     ea.Reload()
     assert {e.value for e in ea.Scalars("straggler/count")} == {1.0}
     assert min(e.value for e in ea.Scalars("straggler/slowdown/node1")) >= 2

@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from oobleck_elastic.checkpoint import latest_checkpoint, load_model_state, read_manifest
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.run import train
-from helpers import TINY_PROFILE_OVERRIDES, tiny_profile
+from helpers import TINY_PROFILE_OVERRIDES, tensorboard_run, tiny_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,20 +37,20 @@ def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path) -> Non
     cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path, 3))
     summary = train(cfg, max_bytes=300_000)
     assert summary.final_step == 3 and summary.resumed_from is None
-    ea = EventAccumulator(str(tmp_path / "runs" / "gpt2-tiny"), size_guidance={"scalars": 0, "tensors": 0})
+    ea = EventAccumulator(str(tensorboard_run(tmp_path / "runs")), size_guidance={"scalars": 0, "tensors": 0})
     ea.Reload()
     tags = set(ea.Tags()["scalars"])
     assert tags >= {
         "train/loss",
-        "train/samples_per_s",
-        "train/tokens_per_s",
-        "train/step_time_s",
+        "Throughput/samples_per_s",
+        "Throughput/tokens_per_s",
+        "Throughput/step_time_s",
         "cluster/nodes",
         "cluster/pipelines",
         "cluster/generation",
     }
     loss = ea.Scalars("train/loss")
-    assert [e.step for e in loss] == [0, 1, 2]
+    assert [e.step for e in loss] == [1, 2, 3]  # the progress lines' "step 1/3" .. "step 3/3"
     assert loss[0].value == pytest.approx(summary.first_loss) and loss[-1].value == pytest.approx(summary.last_loss)
     assert [e.value for e in ea.Scalars("cluster/nodes")] == [1, 1, 1]
     text = ea.Tensors("plan/text_summary")[0]
@@ -122,7 +122,7 @@ def test_torchrun_job_equals_single_process(tmp_path: Path, etcd_server, run_id,
         train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(fp32, steps) + common[:-1]), max_bytes=None)
         other = load_model_state(fp32 / "ckpt")
         assert max((other[k] - t).abs().max().item() for k, t in ref.items()) > 1e-6
-    ea = EventAccumulator(str(job_dir / "runs" / "gpt2-tiny"), size_guidance={"scalars": 0})
+    ea = EventAccumulator(str(tensorboard_run(job_dir / "runs")), size_guidance={"scalars": 0})
     ea.Reload()
     assert [e.value for e in ea.Scalars("cluster/nodes")] == [3] * steps
     assert [e.value for e in ea.Scalars("cluster/generation")] == [1] * steps

@@ -458,7 +458,9 @@ class CheckpointConfig(Section):
 @dataclass
 class LoggingConfig(Section):
     tensorboard_dir: str = "runs"
-    """TensorBoard log directory (one writer per job)."""
+    """TensorBoard log directory: one run per start of a job, `<run id>/<UTC start>` (the run id is
+    the job's --rdzv-id, `name` for the single process), written by the worker holding rank 0
+    (engine/telemetry/board.py)."""
     log_interval: int = 1
     """Print a progress line every this many steps."""
     level: LogLevel = "INFO"
@@ -471,7 +473,7 @@ class LoggingConfig(Section):
 @dataclass
 class JobConfig(Section):
     name: str = "oobleck"
-    """Job name used in logs and TensorBoard."""
+    """Job name used in logs, and the TensorBoard run id of the single process."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model."""
     data: DataConfig = field(default_factory=DataConfig)

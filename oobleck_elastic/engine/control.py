@@ -98,6 +98,14 @@ class ControlPlane(Protocol):
         """What a worker entering a generation as rank 0 continues the job's goodput ledger from
         (engine/telemetry/goodput.py): the last one reported with progress, or the job's start and first plan."""
 
+    @property
+    def run_id(self) -> str:
+        """The job's run id (torchrun's `--rdzv-id`; `name` for the single process)."""
+
+    def tensorboard_run(self, proposed: str) -> str:
+        """The job's TensorBoard run under `logging.tensorboard_dir` (engine/telemetry/board.py):
+        `proposed` by its first writer, the same for every later one."""
+
 
 def one_worker_plan(
     cfg: JobConfig, num_layers: int, *, node: str = "local", microbatch_size: Optional[int] = None
@@ -163,7 +171,7 @@ class LocalControl:
     training.microbatch_size=auto the one-worker plan's size is `local_microbatch_size`'s."""
 
     def __init__(self, cfg: JobConfig, num_layers: int) -> None:
-        self.node_id, self.local_rank = "local", 0
+        self.node_id, self.local_rank, self._run_id = "local", 0, cfg.name
         started = time.time()
         size = local_microbatch_size(cfg).size if fixed_microbatch_size(cfg) is None else None
         self._plan = one_worker_plan(cfg, num_layers, node=self.node_id, microbatch_size=size)
@@ -222,6 +230,13 @@ class LocalControl:
 
     def goodput_origin(self) -> Origin:
         return self._origin
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    def tensorboard_run(self, proposed: str) -> str:
+        return proposed  # one process: its writer is the job's only one
 
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
         self._last_error = next_error_record(

@@ -175,7 +175,9 @@ class _Worker:
             log.at(node=ctx.node_id).info("worker %d on %s; NCCL settings %s", ctx.local_rank, device, nccl)
         rss_at_start = memory.current_rss_bytes()
         self.trainer = Trainer(cfg, dataset=dataset, node=ctx.node_id, local_rank=ctx.local_rank, device=device)
-        self.log = RunLog(cfg, node=ctx.node_id, rss_at_start=rss_at_start)
+        self.log = RunLog(
+            cfg, node=ctx.node_id, rss_at_start=rss_at_start, run_id=ctx.run_id, claim_run=ctx.tensorboard_run
+        )
         self.guard = StepGuard(cfg.fault_tolerance.max_skipped_steps)
         self.checkpoints = CheckpointPolicy(cfg, node=ctx.node_id, guard=self.guard)
         self.runner = StepRunner(self.trainer.device)
@@ -359,15 +361,16 @@ class _Worker:
         if not verdict.report or self.trainer.rank != 0:
             return
         named = ", ".join(f"{node} ({slow:.1f}x)" for node, slow in sorted(verdict.named.items()))
+        done = result.step + 1  # the step's number, as the progress line and TensorBoard count it
         detail = (
             (
-                f"step {result.step}: straggler(s) {named}; pipelines' seconds per microbatch "
+                f"step {done}: straggler(s) {named}; pipelines' seconds per microbatch "
                 + " ".join(f"{s:.4f}" for s in verdict.pipeline_s)
             )
             if verdict.named
-            else f"step {result.step}: no straggler any more"
+            else f"step {done}: no straggler any more"
         )
-        log.at(gen=plan.generation, step=result.step, node=self.ctx.node_id).warning(
+        log.at(gen=plan.generation, step=done, node=self.ctx.node_id).warning(
             "%s", detail, event="straggler", fields={"stragglers": verdict.named}
         )
         self.log.stragglers(verdict.named, result.step)
@@ -392,7 +395,7 @@ class _Worker:
             bad = ", ".join(f"rank {r}" for r in c.bad)
             lane = f" lane {c.lane}" if trainer.plan is not None and trainer.plan.tensor_parallel > 1 else ""
             detail = (
-                f"step {result.step}: layer {c.layer}{lane}"
+                f"step {result.step + 1}: layer {c.layer}{lane}"
                 f": the copy of {bad} differed from its {len(c.holders)} holders' majority; replaced by "
                 f"rank {c.source}'s (silent data corruption)"
             )

@@ -129,6 +129,7 @@ class Trainer(PortableState):
         self._detach_kept = False
         self.faults = FaultInjector.from_env()
         self._step = 0  # the step running now (for injected slowdowns)
+        self.entry_window = (0.0, 0.0)  # Unix times this worker began and finished entering its generation
         self.clock = ComputeClock(self.device, slowdown=lambda: self.faults.slowdown(node=self.node, step=self._step))
         """Times this worker's compute in a step (engine/resilience/straggler.py)."""
         if not self.clock.measures and cfg.fault_tolerance.straggler_factor > 0:
@@ -215,6 +216,7 @@ class Trainer(PortableState):
         LayersLost, with the new stage installed, when a layer has no surviving copy (the caller
         restores the newest checkpoint)."""
         self._drop_groups()  # the previous generation's: its groups are destroyed by the entry
+        began = time.time()
         installed = self.entry.enter(
             self.state, plan, store, roll_forward=self._apply, detach_kept=self._detach_kept, load_plan=load_plan
         )
@@ -224,6 +226,7 @@ class Trainer(PortableState):
             return installed.info
         self.groups = installed.groups
         self._build_pipeline(plan)
+        self.entry_window = (began, time.time())  # voted at every step (engine/telemetry/board.py)
         if installed.lost:
             raise LayersLost(list(installed.lost))
         return installed.info
@@ -359,6 +362,7 @@ class Trainer(PortableState):
             repaired=repaired,
             unrepairable=unrepairable,
             compute_s=agreed.compute_s,
+            entry_window=(agreed.entry_began, agreed.entry_ended),
         )
 
     def _begin(self, step: int) -> None:
@@ -403,7 +407,8 @@ class Trainer(PortableState):
     def _vote(self, seen_generation: int, rejections: int) -> CommitVote:
         """This worker's part of the COMMIT (engine/step/commit.py): the newest generation it has
         seen, its peak memory, the step guard's running maximum and rejections, and its compute
-        seconds in this step (the straggler clock, engine/resilience/straggler.py)."""
+        seconds in this step (the straggler clock, engine/resilience/straggler.py), and when it began and
+        finished entering this generation (engine/telemetry/board.py)."""
         device_peak = memory.peak_device_bytes(self.device)
         assert self.plan is not None
         return CommitVote(
@@ -412,6 +417,8 @@ class Trainer(PortableState):
             peak_device_bytes=device_peak,
             max_loss=self.state.max_loss,
             rejections=rejections,
+            entry_began=self.entry_window[0],
+            entry_ended=self.entry_window[1],
             compute_s=own_slot(self.rank, self.plan.world_size, self.clock.take()),
         )
 

@@ -3,7 +3,8 @@
 `keys` (the etcd key layout of a job), `control` (node records, rosters, events, readiness,
 progress, stragglers, the leader's and the fences' records), `plans` (plans and rosters parsed
 once per revision), `errors` (the error that ended a worker), `heartbeat` (the line a worker
-writes for its own agent) and `goodput` (the job's goodput ledger). Each value has one record class
+writes for its own agent), `goodput` (the job's goodput ledger) and `board` (the job's
+TensorBoard run, chosen once). Each value has one record class
 that writes JSON and reads it back validated: a malformed value is logged and ignored, never
 unpickled or executed.
 

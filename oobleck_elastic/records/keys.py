@@ -23,6 +23,7 @@ JSON, one record class each (records.py); those marked * carry `schema_version` 
 | `fenced/<node>` (`fence`) | FenceRecord: {time, generation}: declared lost before its lease expired: excluded from plans; its workers stop | leader | |
 | `progress`               | ProgressRecord: {generation, step, time, node, ...} | worker rank 0     |       |
 | `stragglers`             | StragglerRecord: nodes named stragglers, each pipeline's measured seconds per microbatch | worker rank 0 | |
+| `tensorboard`            | BoardRecord*: {run, node, time}: the job's TensorBoard run under `logging.tensorboard_dir` (records/board.py) | the first worker holding rank 0 (put-if-absent) | |
 | `closed`                 | ClosedRecord*: {time, reason, failed}: the job finished (or failed), stop planning | workers / handler / leader (no profile in time) | |
 | `errors`                 | the last error that ended a worker and how often in a row (engine/resilience/errors.py) | workers |       |
 | `store/g<generation>/...` (`store`) | c10d Store keys of that generation's process groups | workers |      |
@@ -173,6 +174,11 @@ class Keys:
     def stragglers(self) -> str:
         """The nodes the workers named stragglers, and the pipelines' measured speeds (engine/resilience/straggler.py)."""
         return self.root + "stragglers"
+
+    @property
+    def tensorboard(self) -> str:
+        """The job's TensorBoard run directory, chosen once by its first writer (records/board.py)."""
+        return self.root + "tensorboard"
 
     @property
     def closed(self) -> str:

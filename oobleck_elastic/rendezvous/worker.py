@@ -42,6 +42,7 @@ from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..etcd.store import EtcdStore
 from ..planning import PipelineSpec, Plan, StagePlacement
+from ..records.board import claim_board
 from ..records.errors import ErrorRecord, next_error_record
 from ..records.goodput import Ledger, Origin, job_origin
 from ..records.keys import Keys
@@ -346,6 +347,16 @@ class WorkerContext:
                 warn_once(self.keys.progress, revision, f"ignoring the goodput ledger in {self.keys.progress}: {err}")
         start, first_plan = job_origin((e.time, e.kind, e.generation) for _, e in read_events(self.client, self.keys))
         return Origin(reported=None, start=start, first_plan=first_plan)
+
+    @property
+    def run_id(self) -> str:
+        """The job's run id (`--rdzv-id`)."""
+        return self.keys.run_id
+
+    def tensorboard_run(self, proposed: str) -> str:
+        """The job's TensorBoard run (records/board.py): `proposed` when this worker is the job's
+        first writer, else the run its first writer chose. Read from etcd, at entry only."""
+        return claim_board(self.client, self.keys, proposed, node=self.node_id)
 
     def progress(self) -> Optional[ProgressRecord]:
         """The job's last reported progress (None: none yet, or malformed)."""

@@ -22,15 +22,22 @@ step (engine/resilience/straggler.py). Each is a field of `CommitVote`, declared
   negative reads back as `None`.
 - `_by_rank`: one slot per rank; a worker fills its own slot (`own_slot`) and leaves the others
   0, so the MAX gathers every worker's value (the values are never negative).
+- `_smallest`: one slot that travels negated, so the MAX gives the smallest value of any worker.
+
+The entry's window rides the same way: every worker's Unix times of beginning and finishing its
+entry into the generation (`entry_began`, smallest; `entry_ended`, largest), so rank 0 learns at
+the first step after a reconfiguration how long the job took until every worker had entered
+(engine/telemetry/board.py). They travel as float64 (a Unix time in float32 is off by minutes).
 
 **Layout.** `pack` lays the fields out in their declaration order in one flat float64 tensor
-(`CommitVote.layout`: five slots, then one per rank) and `unpack` reads it back, refusing a tensor
+(`CommitVote.layout`: seven slots, then one per rank) and `unpack` reads it back, refusing a tensor
 of another shape or dtype. Every field's rule is a MAX, so one MAX all-reduce of the packed
 tensor is the field-wise reduction (`combine`, the same rule in plain Python). A one-slot field
 travels rounded to float32 on its way into the float64 tensor (the protocol's wire format:
 changing it would move the step guard's threshold in its eighth digit): exact for generations
 and counts below 2^24, seven significant digits for bytes and the loss, and the same on every
-worker, which is all an agreement needs; the per-rank seconds travel as float64. A feature that
+worker, which is all an agreement needs; the entry's Unix times and the per-rank seconds travel
+as float64. A feature that
 needs the workers to agree on something adds a field with its rule, not a slot index.
 """
 
@@ -57,17 +64,28 @@ class _Rule:
     """The precision a value is rounded to on its way into the float64 tensor."""
     optional: bool = False
     """`None` travels as -1, and a negative slot reads back as `None`."""
+    negated: bool = False
+    """The value travels negated, so the MAX gives the smallest."""
 
     def encode(self, value: Any) -> Any:
-        return -1 if self.optional and value is None else value
+        if self.optional and value is None:
+            return -1
+        return -value if self.negated else value
 
     def decode(self, slot: float) -> Any:
-        return None if self.optional and slot < 0 else self.kind(slot)
+        if self.optional and slot < 0:
+            return None
+        return self.kind(-slot if self.negated else slot)
 
 
-def _largest(kind: type, *, optional: bool = False) -> Any:
+def _largest(kind: type, *, optional: bool = False, wire: torch.dtype = torch.float32) -> Any:
     """A one-slot field: the commit gives the largest value of any worker."""
-    return field(metadata={"vote": _Rule(False, kind, torch.float32, optional)})
+    return field(metadata={"vote": _Rule(False, kind, wire, optional)})
+
+
+def _smallest(kind: type, *, wire: torch.dtype = torch.float32) -> Any:
+    """A one-slot field that travels negated: the commit gives the smallest value of any worker."""
+    return field(metadata={"vote": _Rule(False, kind, wire, negated=True)})
 
 
 def _by_rank() -> Any:
@@ -89,6 +107,10 @@ class CommitVote:
     """The largest loss of any applied step (the step guard's spike threshold)."""
     rejections: int = _largest(int)
     """How many times this step was rejected by the step guard before this run of it."""
+    entry_began: float = _smallest(float, wire=torch.float64)
+    """Unix time this worker began entering the current generation (the agreed vote: the first)."""
+    entry_ended: float = _largest(float, wire=torch.float64)
+    """Unix time this worker had entered it (the agreed vote: the last)."""
     compute_s: tuple[float, ...] = _by_rank()
     """Compute seconds in the step, by rank (a worker's own vote: its own slot, 0 elsewhere)."""
 

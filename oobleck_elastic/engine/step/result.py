@@ -38,6 +38,9 @@ class StepResult:
     """Why the job must stop: a layer's copies differ with no majority (engine/resilience/fingerprint.py)."""
     compute_s: tuple[float, ...] = ()
     """Every worker's compute seconds in this step, by rank (engine/resilience/straggler.py)."""
+    entry_window: tuple[Optional[float], Optional[float]] = (None, None)
+    """Unix times the first worker of the generation began entering it and the last one had
+    entered it (engine/telemetry/board.py); None: not known."""
 
 
 class Autocast(nn.Module):

@@ -85,9 +85,7 @@ class GoodputClock:
                 return
             report(**fields, goodput=ledger.to_json())
             if metrics is not None:
-                metrics.goodput(
-                    {c.value: ledger.get(c) for c in Category}, ledger.fraction, step=max(0, fields.get("step", 1) - 1)
-                )
+                metrics.goodput({c.value: ledger.get(c) for c in Category}, ledger.fraction, step=fields.get("step", 0))
 
         return send
 
@@ -96,8 +94,8 @@ class GoodputClock:
         self.reporter(report, None)(generation=generation, step=step)
         ledger = self.ledger
         if ledger is not None:
-            if metrics is not None:  # one point past the last step's: the final checkpoint included
-                metrics.goodput({c.value: ledger.get(c) for c in Category}, ledger.fraction, step=step)
+            if metrics is not None:  # the last step's point: the final checkpoint included
+                metrics.goodput({c.value: ledger.get(c) for c in Category}, ledger.fraction, step=step, final=True)
             log.at(gen=generation, step=step, node=self.node).info(
                 "goodput %.1f%% of %.1f s (%s)",
                 100 * ledger.fraction,

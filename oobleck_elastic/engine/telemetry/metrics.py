@@ -1,18 +1,20 @@
 """Metrics: one TensorBoard writer per job and progress lines that say generation, step and node.
 
 Only the worker holding rank 0 of the current generation (or the single process) writes, so a
-job has one event stream. Scalars per step: `train/loss`, `train/samples_per_s` and
-`train/tokens_per_s` (over `train/wall_s`, the wall time since the previous step completed on
-this worker: a step after a reconfiguration counts its cost), `train/step_time_s` (the step's own
-time) beside `train/est_step_time_s` (the planner's estimate for the plan), `train/lr`,
-`train/grad_norm`, `perf/tflops_per_device` and `perf/mfu` (engine/telemetry/mfu.py; MFU only when the
-device's peak is known), `cluster/nodes`,
-`cluster/pipelines`, `cluster/generation`; `guard/rejected` and `guard/skipped_steps` for steps the
-step guard did not apply (engine/resilience/guard.py); at every generation a text entry `plan` with the plan,
-and for every reconfiguration a `reconfiguration` text plus `reconfiguration/seconds` and
-`reconfiguration/bytes_moved`; with every progress report the job's goodput ledger,
-`goodput/<category>` in seconds and `goodput/fraction` (engine/telemetry/goodput.py; the final one, with the
-final checkpoint, one step past the last).
+job has one event stream, in one run directory per job (board.py: the directory, the step
+numbering, the tags and the custom-scalars page). Per step, at the number of steps done
+(`board.tb_step`): `Throughput/` tokens and samples per second over `Throughput/wall_s`, the wall
+time since the previous step completed on this worker (a step after a reconfiguration counts its
+cost), `Throughput/step_time_s` (the step's own time) beside `Throughput/est_step_time_s` (the
+planner's estimate), `Throughput/tflops_per_device` and `Throughput/mfu` (mfu.py; MFU only when the
+device's peak is known); `train/loss`, `train/lr`, `train/grad_norm`; `cluster/nodes`,
+`cluster/pipelines`, `cluster/generation`; `memory/peak_rss_gb` (and `memory/peak_device_gb` on
+CUDA), the largest worker's. `guard/rejected` and `guard/skipped_steps` for steps the step guard
+did not apply (engine/resilience/guard.py); at every generation a text entry `plan`, and for every
+reconfiguration a `reconfiguration` text plus the job-level `reconfiguration/bytes_moved_job` and
+`reconfiguration/seconds_until_all_entered` (board.py); with every progress report the job's
+goodput ledger, `goodput/<category>` in seconds and `goodput/fraction` (goodput.py; at the last
+step the final one, which includes the final checkpoint).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Mapping, Optional
 
 from ...logs import JobLog
 from ...planning import Plan
+from . import board
 from .memory import GB
 from .memory import describe as describe_memory
 from .mfu import Throughput
@@ -69,27 +72,27 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(self.log_dir))
+            self.writer.add_custom_scalars(board.LAYOUT)  # once per writer: each event file has it
         self._t0 = time.monotonic()
         self.skipped = 0
         self.slow_nodes: set[str] = set()  # nodes ever named stragglers (engine/resilience/straggler.py)
 
     def plan(self, plan: Optional[Plan], step: int) -> None:
+        """The plan of the generation entered after `step` steps (the `entered` line's step)."""
         if self.writer is not None:
             self.writer.add_text("plan", describe_plan(plan).replace("\n", "  \n"), step)
 
     def step(self, result: StepResult, *, lr: float, plan: Optional[Plan], wall_s: Optional[float] = None) -> None:
-        """Scalars of one step. `wall_s`: the wall time since the previous step completed (samples/s
-        and tokens/s are over it, so a step that followed a reconfiguration counts what it cost);
-        `train/step_time_s` is the step's own compute time."""
+        """Scalars of one step, at `board.tb_step(result.step)`. `wall_s`: the wall time since the
+        previous step completed (samples/s and tokens/s are over it, so a step that followed a
+        reconfiguration counts what it cost); `Throughput/step_time_s` is the step's own time."""
         if not self.enabled:
             return
-        s = result.step
+        s = board.tb_step(result.step)
         wall = wall_s if wall_s is not None and wall_s > 0 else result.seconds
         sps = self.samples / wall if wall > 0 else 0.0
         w = self.writer
         assert w is not None
-        w.add_scalar("train/loss", result.loss, s)
-        w.add_scalar("train/samples_per_s", sps, s)
         perf = Throughput.of(
             tokens=self.tokens,
             seconds=wall,
@@ -97,14 +100,16 @@ class Metrics:
             devices=plan.world_size if plan else 1,
             peak_tflops=self.peak_tflops,
         )
-        w.add_scalar("train/tokens_per_s", perf.tokens_per_s, s)
-        w.add_scalar("perf/tflops_per_device", perf.tflops_per_device, s)
+        w.add_scalar("Throughput/tokens_per_s", perf.tokens_per_s, s)
+        w.add_scalar("Throughput/samples_per_s", sps, s)
+        w.add_scalar("Throughput/tflops_per_device", perf.tflops_per_device, s)
         if perf.mfu is not None:
-            w.add_scalar("perf/mfu", perf.mfu, s)
-        w.add_scalar("train/step_time_s", result.seconds, s)
+            w.add_scalar("Throughput/mfu", perf.mfu, s)
+        w.add_scalar("Throughput/step_time_s", result.seconds, s)
         if plan is not None:
-            w.add_scalar("train/est_step_time_s", plan.est_step_time_s, s)
-        w.add_scalar("train/wall_s", wall, s)
+            w.add_scalar("Throughput/est_step_time_s", plan.est_step_time_s, s)
+        w.add_scalar("Throughput/wall_s", wall, s)
+        w.add_scalar("train/loss", result.loss, s)
         w.add_scalar("train/lr", lr, s)
         w.add_scalar("train/grad_norm", result.grad_norm, s)
         w.add_scalar("cluster/nodes", len(plan.nodes) if plan else 1, s)
@@ -113,10 +118,10 @@ class Metrics:
         w.add_scalar("memory/peak_rss_gb", result.peak_rss_bytes / GB, s)
         if result.peak_device_bytes is not None:
             w.add_scalar("memory/peak_device_gb", result.peak_device_bytes / GB, s)
-        if (s + 1) % self.interval == 0 or s + 1 == self.total:
+        if s % self.interval == 0 or s == self.total:
             gen = plan.generation if plan else 0
             est = f", plan est. {plan.est_step_time_s:.3f} s" if plan else ""
-            log.at(gen=gen, step=s + 1, total=self.total, node=self.node).info(
+            log.at(gen=gen, step=s, total=self.total, node=self.node).info(
                 "loss %.4f, %.1f samples/s, %s; %.3f s/step (%.3f s since the last%s); largest worker's %s",
                 result.loss,
                 sps,
@@ -130,36 +135,40 @@ class Metrics:
             )
 
     def rejected(self, step: int, text: str, *, skipped: bool) -> None:
-        """The step guard did not apply `step` (engine/resilience/guard.py): `guard/rejected` = 1 at it,
-        `guard/skipped_steps` counts skipped batches, and the reason as text."""
+        """The step guard did not apply 0-based `step` (engine/resilience/guard.py): `guard/rejected` = 1
+        at its number, `guard/skipped_steps` counts skipped batches, and the reason as text."""
         if self.writer is None:
             return
         self.skipped += int(skipped)
-        self.writer.add_scalar("guard/rejected", 1, step)
-        self.writer.add_scalar("guard/skipped_steps", self.skipped, step)
-        self.writer.add_text("guard", text, step)
+        at = board.tb_step(step)
+        self.writer.add_scalar("guard/rejected", 1, at)
+        self.writer.add_scalar("guard/skipped_steps", self.skipped, at)
+        self.writer.add_text("guard", text, at)
 
     def stragglers(self, named: dict[str, float], step: int) -> None:
-        """`straggler/count` of nodes named stragglers, `straggler/slowdown/<node>` for each one, and
-        0 for a node no longer named (engine/resilience/straggler.py)."""
+        """After 0-based `step`: `straggler/count` of nodes named stragglers, `straggler/slowdown/<node>`
+        for each one, and 0 for a node no longer named (engine/resilience/straggler.py)."""
         if self.writer is None:
             return
-        self.writer.add_scalar("straggler/count", len(named), step)
+        at = board.tb_step(step)
+        self.writer.add_scalar("straggler/count", len(named), at)
         for node in sorted(set(named) | self.slow_nodes):
-            self.writer.add_scalar(f"straggler/slowdown/{node}", named.get(node, 0.0), step)
+            self.writer.add_scalar(f"straggler/slowdown/{node}", named.get(node, 0.0), at)
         self.slow_nodes |= set(named)
 
     def repaired(self, text: str, step: int, *, total: int) -> None:
-        """Corrupt layer copies replaced (engine/resilience/fingerprint.py): `integrity/repaired_copies` counts them."""
+        """Corrupt layer copies replaced after 0-based `step` (engine/resilience/fingerprint.py):
+        `integrity/repaired_copies` counts them."""
         if self.writer is None:
             return
-        self.writer.add_scalar("integrity/repaired_copies", total, step)
-        self.writer.add_text("integrity", text, step)
+        self.writer.add_scalar("integrity/repaired_copies", total, board.tb_step(step))
+        self.writer.add_text("integrity", text, board.tb_step(step))
 
-    def goodput(self, seconds: Mapping[str, float], fraction: float, *, step: int) -> None:
-        """The job's goodput ledger so far (engine/telemetry/goodput.py): `goodput/<category>` in seconds and
-        `goodput/fraction`, the useful share of the time accounted."""
-        if self.writer is None:
+    def goodput(self, seconds: Mapping[str, float], fraction: float, *, step: int, final: bool = False) -> None:
+        """The job's goodput ledger after `step` steps (engine/telemetry/goodput.py): `goodput/<category>`
+        in seconds and `goodput/fraction`, the useful share of the time accounted. At the last step
+        only the `final` ledger is written (it includes the final checkpoint), one point per step."""
+        if self.writer is None or (step == self.total and not final):
             return
         for category, value in seconds.items():
             self.writer.add_scalar(f"goodput/{category}", value, step)
@@ -169,14 +178,17 @@ class Metrics:
         if self.writer is not None:
             self.writer.add_text(tag, text, step)
 
-    def reconfiguration(self, text: str, info: object, *, step: int) -> None:
-        """A generation change: the text, and its time and layer bytes moved on the writer."""
+    def reconfiguration(self, text: str, info: object, *, step: int, figures: "board.JobFigures") -> None:
+        """A generation change seen at 0-based `step`, its first: the text, and the job-level
+        figures (board.py) at the step's number."""
         if self.writer is None:
             return
-        self.writer.add_text("reconfiguration", text, step)
-        self.writer.add_scalar("reconfiguration/seconds", getattr(info, "seconds", 0.0), step)
-        self.writer.add_scalar("reconfiguration/bytes_moved", getattr(info, "bytes_moved", 0), step)
-        log.at(gen=getattr(info, "generation", 0), step=step, node=self.node).info("%s", text)
+        at = board.tb_step(step)
+        self.writer.add_text("reconfiguration", text, at)
+        self.writer.add_scalar("reconfiguration/bytes_moved_job", figures.bytes_moved, at)
+        if figures.seconds_until_all_entered is not None:
+            self.writer.add_scalar("reconfiguration/seconds_until_all_entered", figures.seconds_until_all_entered, at)
+        log.at(gen=getattr(info, "generation", 0), step=at, node=self.node).info("%s", text)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from ...config import JobConfig
 from ...logs import JobLog
-from . import memory
+from . import board, memory
 from .metrics import Metrics
 from ..step.compiled import graphs_compiled
 from .mfu import device_peak_tflops, flops_per_token
@@ -47,7 +47,7 @@ class Summary:
     checkpoint: Optional[str]
     """Final checkpoint directory (on the worker that wrote its manifest)."""
     tensorboard: Optional[str]
-    """TensorBoard log directory (on the writer)."""
+    """The job's TensorBoard run directory, `<tensorboard_dir>/<run id>/<start>` (on the writer)."""
     resumed_from: Optional[int]
     """Step of the checkpoint training resumed from."""
     reconfigurations: tuple[str, ...] = ()
@@ -74,16 +74,29 @@ class Summary:
         if self.checkpoint:
             out.append(f"final checkpoint: {self.checkpoint}")
         if self.tensorboard:
-            out.append(f"TensorBoard logs: {self.tensorboard}  (open with: tensorboard --logdir {self.tensorboard})")
+            out.append(
+                f"TensorBoard logs: {self.tensorboard}  "
+                f"(open with: tensorboard --logdir {Path(self.tensorboard).parent.parent}; one run per start)"
+            )
         return out
 
 
 class RunLog:
     """Metrics, reconfiguration lines and the summary of one worker (module docstring)."""
 
-    def __init__(self, cfg: JobConfig, *, node: str, rss_at_start: int) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        *,
+        node: str,
+        rss_at_start: int,
+        run_id: Optional[str] = None,
+        claim_run: Callable[[str], str] = lambda proposed: proposed,
+    ) -> None:
         self.cfg, self.node = cfg, node
-        self.tb_dir = str(Path(cfg.logging.tensorboard_dir) / cfg.name)
+        self.run_id = run_id or cfg.name  # the job's --rdzv-id; `name` for the single process
+        self.claim_run = claim_run  # the control plane's `tensorboard_run` (board.py)
+        self.tb_run: Optional[str] = None  # the job's TensorBoard run, once this worker has written
         self.metrics: Optional[Metrics] = None
         self.first: Optional[float] = None
         self.last: Optional[float] = None
@@ -118,7 +131,7 @@ class RunLog:
             t = self.cfg.training
             seq_len = trainer.dataset[0][0].shape[-1]
             self.metrics = Metrics(
-                self.tb_dir,
+                self._tb_dir(trainer.generation, step),
                 enabled=True,
                 samples_per_step=t.global_batch_size,
                 tokens_per_step=t.global_batch_size * seq_len,
@@ -143,6 +156,28 @@ class RunLog:
             cause = "rebalance" if trainer.plan is not None and trainer.plan.rebalanced else self._cause(nodes)
             self.pending = (info, time.monotonic(), cause, self.broke_at)
         self.nodes_before, self.broke_at, self.restored = nodes, None, False
+
+    @property
+    def tb_dir(self) -> Optional[str]:
+        """The job's TensorBoard run directory, once this worker has written to it."""
+        return str(Path(self.cfg.logging.tensorboard_dir) / self.tb_run) if self.tb_run is not None else None
+
+    def _tb_dir(self, generation: int, step: int) -> str:
+        """The job's run directory (board.py): proposed by this worker when it is the job's first
+        writer, else the one the first writer chose (etcd); this worker's proposal when etcd fails."""
+        if self.tb_run is None:
+            root = Path(self.cfg.logging.tensorboard_dir)
+            proposed = board.run_name(self.run_id, taken=lambda name: (root / name).exists())
+            try:
+                self.tb_run = self.claim_run(proposed)
+            except Exception as err:  # noqa: BLE001 - TensorBoard is informative; training goes on
+                log.at(gen=generation, step=step, node=self.node).warning(
+                    "could not agree on the job's TensorBoard run (%s); writing to %s", err, proposed
+                )
+                self.tb_run = proposed
+        tb_dir = self.tb_dir
+        assert tb_dir is not None
+        return tb_dir
 
     def _log_memory(self, trainer: Trainer, step: int) -> None:
         """This worker's memory on entering a generation: its peak so far (at the first entry:
@@ -208,7 +243,7 @@ class RunLog:
     def repaired(self, text: str, step: int, *, generation: int) -> None:
         """A corrupt copy of a layer was replaced from its holders' majority (engine/resilience/fingerprint.py)."""
         self.repairs.append(text)
-        log.at(gen=generation, step=step, node=self.node).warning("%s", text, event="repaired")
+        log.at(gen=generation, step=step + 1, node=self.node).warning("%s", text, event="repaired")
         if self.metrics is not None:
             self.metrics.repaired(text, step, total=len(self.repairs))
 
@@ -230,7 +265,8 @@ class RunLog:
         )
         self.changes.append(text)
         if self.metrics is not None:
-            self.metrics.reconfiguration(text, info, step=result.step)
+            figures = board.JobFigures.of(info.moves, result.entry_window)
+            self.metrics.reconfiguration(text, info, step=result.step, figures=figures)
 
     def summary(self, *, checkpoint: Optional[Path], resumed: Optional[int]) -> Summary:
         writer = self.metrics is not None

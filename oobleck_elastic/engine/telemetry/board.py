@@ -1,0 +1,159 @@
+"""What a job's TensorBoard run holds and where it lies: its directory, its tags, its step
+numbering, its custom-scalars page and the job-level figures of a reconfiguration.
+
+**One run per job.** The worker holding rank 0 of the current generation writes (metrics.py), and
+every worker that holds rank 0 in turn writes into the same directory,
+`<logging.tensorboard_dir>/<run id>/<start>` (`run_name`): the run id is the job's `--rdzv-id`
+(`name` for the single process), `<start>` the UTC time (`YYYYMMDD-HHMMSS`, `-2`, `-3`, ... when
+that directory exists already) at which the job's first writer opened it. The first writer
+records the name in etcd (records/board.py) and every later one reads it there, so a job's event
+files never spread over several runs, and a job started again (the same command, the same run
+id, fresh etcd keys; or the single process run twice) never writes into an older run: its
+curves, the goodput ledger's among them, start in a run of their own. `tensorboard --logdir
+<logging.tensorboard_dir>` shows each start as `<run id>/<start>`.
+
+**Steps.** TensorBoard's step is the step number the logs print: a step's scalars are written at
+the number of steps done once it is (`step 3/6` in the progress line is written at 3), a
+generation's plan at the number of steps done when it was entered (its `entered` line's step).
+
+**Tags** (`TAGS`, the list the README's TensorBoard paragraph documents). Throughput comes first
+in TensorBoard's Scalars and Time Series tabs: they sort groups by name, code unit by code unit,
+so the capital of `Throughput/` sorts before the lower-case groups (tests/test_board.py checks it
+with TensorBoard's comparison). `LAYOUT` is a custom-scalars page (the Custom Scalars tab,
+written once by each writer): throughput, nodes and pipelines, memory and goodput on one page.
+
+**Job-level reconfiguration figures.** `reconfiguration/bytes_moved_job` sums every move of the
+entry (`job_bytes_moved`: each worker computes the same transfer list, engine/generation/
+reconfigure.py, so no communication is needed), where the old `bytes_moved` was rank 0's own
+bytes. `reconfiguration/seconds_until_all_entered` runs from the moment the first worker of the
+generation began entering it to the moment the last one had entered: every worker carries its
+entry's start and end (Unix times) in the step's commit vote as a smallest and a largest value
+(engine/step/commit.py), so the first step after the entry gives rank 0 both, with no extra
+collective (`seconds_until_all_entered`). The times come from several hosts: clocks that disagree
+shift this figure by their difference.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+from ...records.goodput import Category
+from ..generation.reconfigure import Move
+
+__all__ = [
+    "TAGS",
+    "TEXTS",
+    "LAYOUT",
+    "run_name",
+    "tb_step",
+    "JobFigures",
+    "job_bytes_moved",
+    "seconds_until_all_entered",
+    "layout_tags",
+]
+
+TAGS: dict[str, str] = {
+    "Throughput/tokens_per_s": "tokens per second over the wall time since the previous step completed",
+    "Throughput/samples_per_s": "samples per second, over the same wall time",
+    "Throughput/tflops_per_device": "model TFLOP/s per device (engine/telemetry/mfu.py)",
+    "Throughput/mfu": "model FLOPs utilisation (only where the device's peak is known)",
+    "Throughput/step_time_s": "the step's own time on the writer",
+    "Throughput/est_step_time_s": "the planner's estimate of a step for the plan",
+    "Throughput/wall_s": "wall time since the previous step completed (a reconfiguration included)",
+    "train/loss": "mean token loss of the global batch",
+    "train/lr": "learning rate",
+    "train/grad_norm": "global gradient norm before clipping",
+    "cluster/nodes": "nodes of the plan",
+    "cluster/pipelines": "pipelines (data-parallel replicas) of the plan",
+    "cluster/generation": "the plan's generation",
+    "memory/peak_rss_gb": "the largest peak resident memory of any worker",
+    "memory/peak_device_gb": "the largest peak device memory of any worker (CUDA only)",
+    **{f"goodput/{c.value}": f"seconds of the job's wall time charged to {c.value}" for c in Category},
+    "goodput/fraction": "useful seconds over the seconds accounted",
+    "reconfiguration/bytes_moved_job": "layer bytes moved between all workers by a reconfiguration",
+    "reconfiguration/seconds_until_all_entered": (
+        "from the first worker beginning to enter the generation to the last one entered"
+    ),
+    "guard/rejected": "1 at a step the step guard did not apply",
+    "guard/skipped_steps": "batches skipped so far",
+    "straggler/count": "nodes named stragglers",
+    "straggler/slowdown/<node>": "a straggler's slowdown (0 once no longer named)",
+    "integrity/repaired_copies": "corrupt layer copies replaced so far",
+}
+"""Every scalar tag the writer may write, with its meaning."""
+
+TEXTS = ("plan", "reconfiguration", "guard", "integrity")
+"""The text tags (TensorBoard's TEXT tab)."""
+
+CATEGORY = "oobleck"
+"""The custom-scalars category of `LAYOUT`."""
+
+LAYOUT: dict[str, dict[str, tuple[str, list[str]]]] = {
+    CATEGORY: {
+        "throughput: tokens/s": ("Multiline", ["^Throughput/tokens_per_s$"]),
+        "throughput: step time (s): own, planned, since the previous step": (
+            "Multiline",
+            ["^Throughput/step_time_s$", "^Throughput/est_step_time_s$", "^Throughput/wall_s$"],
+        ),
+        "nodes and pipelines": ("Multiline", ["^cluster/nodes$", "^cluster/pipelines$"]),
+        "memory (GB, the largest worker's peak)": ("Multiline", ["^memory/peak_(rss|device)_gb$"]),
+        "goodput: useful fraction": ("Multiline", ["^goodput/fraction$"]),
+        "goodput: seconds by category": ("Multiline", [f"^goodput/{c.value}$" for c in Category]),
+    }
+}
+"""The custom-scalars page (`SummaryWriter.add_custom_scalars`): chart title -> (kind, tag regexes)."""
+
+
+def layout_tags(layout: dict[str, dict[str, tuple[str, list[str]]]] = LAYOUT) -> list[str]:
+    """Every tag regex of a custom-scalars layout, in order."""
+    return [tag for charts in layout.values() for _, tags in charts.values() for tag in tags]
+
+
+def run_name(run_id: str, *, now: Optional[float] = None, taken: Callable[[str], bool] = lambda name: False) -> str:
+    """A new run's directory under `logging.tensorboard_dir`: `<run id>/<UTC start>`, with `-2`,
+    `-3`, ... appended while `taken(name)` (the directory exists)."""
+    if not run_id or "/" in run_id or run_id in (".", ".."):
+        raise ValueError(f"run id {run_id!r} cannot name a TensorBoard directory: use a name without '/'")
+    base = f"{run_id}/{time.strftime('%Y%m%d-%H%M%S', time.gmtime(time.time() if now is None else now))}"
+    name, n = base, 1
+    while taken(name):
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
+def tb_step(step: int) -> int:
+    """TensorBoard's step for 0-based step `step`: the number of steps done once it is, the number
+    the progress line prints."""
+    return step + 1
+
+
+def job_bytes_moved(moves: Iterable[Move]) -> int:
+    """Layer bytes moved between all workers by an entry (each move counted once, at its sender)."""
+    return sum(m.bytes for m in moves)
+
+
+def seconds_until_all_entered(first_began: Optional[float], last_entered: Optional[float]) -> Optional[float]:
+    """From the first worker beginning to enter a generation to the last one entered (Unix times
+    agreed in the commit vote); None when either is unknown."""
+    if first_began is None or last_entered is None:
+        return None
+    return max(0.0, last_entered - first_began)
+
+
+@dataclass(frozen=True)
+class JobFigures:
+    """A reconfiguration's job-level figures, as rank 0 writes them."""
+
+    bytes_moved: int
+    """`reconfiguration/bytes_moved_job`: layer bytes moved between all workers."""
+    seconds_until_all_entered: Optional[float]
+    """`reconfiguration/seconds_until_all_entered` (None: not known, then not written)."""
+
+    @classmethod
+    def of(cls, moves: Iterable[Move], entry_window: tuple[Optional[float], Optional[float]]) -> "JobFigures":
+        """From the entry's moves (the same on every worker) and the agreed entry window of the
+        generation's first step (`StepResult.entry_window`)."""
+        return cls(job_bytes_moved(moves), seconds_until_all_entered(*entry_window))
