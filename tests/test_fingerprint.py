@@ -140,8 +140,9 @@ def test_a_bit_flipped_between_checks_is_repaired_at_the_next_check(tmp_path: Pa
     """The realistic case (0-based steps; the logs count from 1): the flip lands after step 2,
     between the checks after steps 1 and 3, so the corrupt copy trains step 3 and its gradients
     reach the other copies. The check after step 3 (the log's step 4) replaces it; from then on
-    the copies agree (the checks after steps 5 and 7 find nothing). The weights differ from a run without the flip: the damage between two checks is
-    not undone, only bounded by the interval."""
+    the copies agree (the checks after steps 5 and 7 find nothing). The weights differ from a
+    run without the flip: the damage between two checks is not undone, only bounded by the
+    interval."""
     profile = tiny_profile(tmp_path / "profile.json")
     out, job, ref = run_job(
         tmp_path,
