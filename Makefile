@@ -10,6 +10,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+DEMO_CKPT ?= checkpoints/demo
 PY := $(VENV)/bin/python
 
 .PHONY: demo test test-all lint chaos bench clean
@@ -20,9 +21,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
+# each demo starts clean: it trains from step 0 into its own checkpoint dir, removed first (a resumed
+# run with no step left would stop at once with "nothing to do")
 demo: $(VENV)/.installed
+	rm -rf $(DEMO_CKPT)
 	$(PY) -m launcher.local --nodes 4 --kill 1@8 --rdzv-conf lease_ttl=2,settle=0.2,last_call_timeout=1 \
-		-- examples/train.py --config configs/gpt2-demo.yaml
+		-- examples/train.py --config configs/gpt2-demo.yaml checkpoint.dir=$(DEMO_CKPT)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
