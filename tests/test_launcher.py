@@ -200,6 +200,22 @@ def test_a_misspelt_key_stops_the_launcher_before_any_node() -> None:
     )
 
 
+def test_an_agent_whose_config_does_not_load_exits_with_one_line() -> None:
+    """Under torchrun of one's own (no launcher): the handler loads the config before it connects
+    to etcd, so a misspelt key ends the agent with one line, not a traceback through torchrun."""
+    res = _run(
+        [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=oobleck", "--rdzv-endpoint=127.0.0.1:1"]
+        + ["--rdzv-id=x", "--nnodes=1", "--nproc-per-node=1", "examples/train.py"]
+        + ["--config", "configs/gpt2-tiny.yaml", "data.tokenizr=hf"],
+        timeout=120,
+    )
+    assert (res.returncode, res.stdout) == (1, "")
+    assert res.stderr == (
+        "torchrun --rdzv-backend=oobleck: error: configs/gpt2-tiny.yaml: unknown key 'data.tokenizr': "
+        "did you mean 'data.tokenizer'?\n"
+    )
+
+
 @pytest.mark.slow
 def test_a_deterministic_start_up_error_is_not_restarted_and_the_kept_etcd_tells_why(tmp_path: Path) -> None:
     """Two nodes whose workers fail building the dataset (a directory with no JSONL file passes the
