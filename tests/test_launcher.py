@@ -5,6 +5,7 @@ one-line errors of examples/train.py and of a job's agents, with no restart of a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -148,6 +149,22 @@ def test_known_errors_are_one_line_and_end_the_job_only_before_its_first_step() 
     assert not ends_the_job(RuntimeError("a bug"), steps_done=None)  # a bug keeps its traceback and restarts
 
 
+def test_an_agent_exits_with_one_line_on_a_job_closed_as_failed_instead_of_restarting() -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+    from oobleck_elastic.records.control import ClosedRecord
+    from oobleck_elastic.rendezvous.handler import closed_error
+
+    failed = closed_error("r1", ClosedRecord(time=0.0, reason="DataError: no such file", failed=True))
+    assert isinstance(failed, SystemExit) and failed.code == (
+        "torchrun --rdzv-backend=oobleck: run r1 was closed as failed: DataError: no such file"
+    )
+    waiting = closed_error("r1", ClosedRecord(time=0.0, reason="x", failed=True), node="node3")
+    assert str(waiting.code).startswith("torchrun --rdzv-backend=oobleck: run r1 was closed as failed while node node3")
+    finished = closed_error("r1", ClosedRecord(time=0.0, reason="finished 20 steps"))
+    assert isinstance(finished, RendezvousClosedError) and str(finished) == "run r1 was closed: finished 20 steps"
+
+
 def test_nothing_to_do_when_the_newest_checkpoint_is_at_the_last_step(tmp_path: Path) -> None:
     assert nothing_to_do(tmp_path / "none", 20) is None
     step = tmp_path / "step-00000020"
@@ -155,6 +172,13 @@ def test_nothing_to_do_when_the_newest_checkpoint_is_at_the_last_step(tmp_path: 
     assert nothing_to_do(tmp_path, 20) is None  # no manifest: not a complete checkpoint
     (step / "manifest.json").write_text("{}")
     assert nothing_to_do(tmp_path, 20) is None  # a manifest that does not parse
+    manifest = {"schema_version": 1, "step": 20, "layers": [], "layer_names": [], "hf_names": []}
+    (step / "manifest.json").write_text(json.dumps({**manifest, "data_cursor": {}, "config": {}}))
+    assert nothing_to_do(tmp_path, 20) == (
+        f"nothing to do: checkpoint step-00000020 in {tmp_path} is already at training.steps=20; raise "
+        "training.steps, point checkpoint.dir elsewhere or set checkpoint.resume=false"
+    )
+    assert nothing_to_do(tmp_path, 21) is None  # one step left
 
 
 ONE_LINE_ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
