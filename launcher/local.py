@@ -392,11 +392,11 @@ class LocalCluster:
             etcd, self.etcd = self.etcd, None
             pid, endpoint = etcd.pid, etcd.endpoint
             if self.args.keep_etcd:
-                data_dir = etcd.detach()
+                data_dir, scratch = etcd.data_dir, etcd.detach()
                 commands = "; ".join(ops_commands(endpoint, self.run_id, etcd_view(endpoint, self.args.rdzv_conf)[1]))
                 self.say(
                     f"kept the embedded etcd running (--keep-etcd): pid {pid}, endpoint {endpoint}, data dir "
-                    f"{data_dir}; {commands}; stop it with: kill {pid}"
+                    f"{data_dir}; {commands}; stop it with: kill {pid}" + (f"; rm -r {scratch}" if scratch else "")
                 )
             else:
                 etcd.stop()

@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, eventually
 from launcher.checks import failure_reason, kill_verdict, ops_commands, preflight, script_config
 from launcher.local import LocalCluster, Roles, build_parser, parse_at, resolve, worker_threads
 from oobleck_elastic.checkpoint import CheckpointError, nothing_to_do
@@ -240,6 +241,14 @@ def test_an_agent_whose_config_does_not_load_exits_with_one_line() -> None:
     )
 
 
+def _gone(pid: int) -> bool:
+    """The process exited (or is a zombie nobody has reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 @pytest.mark.slow
 def test_a_deterministic_start_up_error_is_not_restarted_and_the_kept_etcd_tells_why(tmp_path: Path) -> None:
     """Two nodes whose workers fail building the dataset (a directory with no JSONL file passes the
@@ -282,3 +291,7 @@ def test_a_deterministic_start_up_error_is_not_restarted_and_the_kept_etcd_tells
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGTERM)
+            scratch = re.search(rf"stop it with: kill {pid}; rm -r (\S+)\n", res.stdout)
+            assert scratch is not None, res.stdout[-2000:]
+            eventually(lambda: _gone(pid))
+            shutil.rmtree(scratch.group(1))

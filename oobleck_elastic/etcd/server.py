@@ -316,14 +316,15 @@ class EtcdServer:
 
     def detach(self) -> Optional[str]:
         """Leave the running server to outlive this process: nothing here stops it or removes its
-        data directory and log any more (stop it with `kill <pid>`). Returns the data directory."""
+        data directory and log any more (stop it with `kill <pid>`). Returns the temporary
+        directory it created for them (to remove once it is stopped), or None."""
         _LIVE.discard(self)
         self._proc = None
-        self._tmp_dir = None
+        scratch, self._tmp_dir = self._tmp_dir, None
         if self._log_file is not None:  # etcd writes to its own copy of the descriptor
             self._log_file.close()
             self._log_file = None
-        return self.data_dir
+        return scratch
 
     def _cleanup_files(self) -> None:
         if self._log_file is not None:
