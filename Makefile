@@ -1,6 +1,7 @@
 # The two set-up commands of the README. Each creates .venv on first use.
 #   make demo   - the main job: train a small GPT-2 on a local 4-node simulation (embedded etcd,
-#                 one torchrun per node), SIGKILL one node mid-run, keep training, print a summary
+#                 one torchrun per node), SIGKILL one node mid-run, keep training, print a summary;
+#                 each run starts clean (its checkpoint dir, DEMO_CKPT, is removed first)
 #   make test   - the test suite (what CI runs, after make lint)
 #   make test-all - the suite and the extended multi-process tests
 #   make lint   - ruff check, ruff format --check and mypy on oobleck_elastic/ (settings in pyproject.toml)
