@@ -1,6 +1,7 @@
 # The two set-up commands of the README. Each creates .venv on first use.
 #   make demo   - the main job: train a small GPT-2 on a local 4-node simulation (embedded etcd,
-#                 one torchrun per node), SIGKILL one node mid-run, keep training, print a summary
+#                 one torchrun per node), SIGKILL one node mid-run, keep training, print a summary;
+#                 each run starts clean (its checkpoint dir, DEMO_CKPT, is removed first)
 #   make test   - the test suite (what CI runs, after make lint)
 #   make test-all - the suite and the extended multi-process tests
 #   make lint   - ruff check, ruff format --check and mypy on oobleck_elastic/ (settings in pyproject.toml)
@@ -10,6 +11,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+DEMO_CKPT ?= checkpoints/demo
 PY := $(VENV)/bin/python
 
 .PHONY: demo test test-all lint chaos bench clean
@@ -20,9 +22,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
+# each demo starts clean: it trains from step 0 into its own checkpoint dir, removed first (a resumed
+# run with no step left would stop at once with "nothing to do")
 demo: $(VENV)/.installed
+	rm -rf $(DEMO_CKPT)
 	$(PY) -m launcher.local --nodes 4 --kill 1@8 --rdzv-conf lease_ttl=2,settle=0.2,last_call_timeout=1 \
-		-- examples/train.py --config configs/gpt2-demo.yaml
+		-- examples/train.py --config configs/gpt2-demo.yaml checkpoint.dir=$(DEMO_CKPT)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -14,8 +14,9 @@ import os
 import sys
 import traceback
 
-from oobleck_elastic.config import ConfigError, load_config
+from oobleck_elastic.config import ConfigError, JobConfig, load_config
 from oobleck_elastic.engine.run import train
+from oobleck_elastic.engine.startup import KNOWN_ERRORS, exit_code, one_line
 from oobleck_elastic.engine.runner import exit_now_if_abandoned
 from oobleck_elastic.rendezvous.worker import WorkerContext, under_oobleck
 
@@ -38,6 +39,14 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        return run(cfg)
+    except KNOWN_ERRORS as err:  # a setting, a file, a plan, a checkpoint: one line says what to change
+        print(f"train.py: error: {one_line(err)}", file=sys.stderr, flush=True)
+        return exit_code(err)
+
+
+def run(cfg: JobConfig) -> int:
     if under_oobleck():  # a worker of a job: the control plane is etcd
         control = WorkerContext.from_env()
         try:

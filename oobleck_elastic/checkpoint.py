@@ -61,6 +61,7 @@ __all__ = [
     "write_manifest",
     "read_manifest",
     "latest_checkpoint",
+    "nothing_to_do",
     "list_checkpoints",
     "load_layer",
     "load_model_state",
@@ -335,6 +336,18 @@ def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     """The newest step directory whose manifest exists and parses; None if there is none."""
     return next((d for d in reversed(list_checkpoints(ckpt_dir)) if is_complete(d)), None)
+
+
+def nothing_to_do(ckpt_dir: str | Path, steps: int) -> str | None:
+    """Why a run resuming from `ckpt_dir` has no step left to train (its newest complete checkpoint
+    is already at `steps`, training.steps), or None. Cheap: the manifest is read, no file verified."""
+    latest = latest_checkpoint(ckpt_dir)
+    if latest is None or _step(latest) < steps:
+        return None
+    return (
+        f"nothing to do: checkpoint {latest.name} in {ckpt_dir} is already at training.steps={steps}; "
+        f"raise training.steps, point checkpoint.dir elsewhere or set checkpoint.resume=false"
+    )
 
 
 def _checked_file(sdir: Path, manifest: dict[str, Any], layer: int, *, verify: bool) -> Path:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,9 +26,9 @@ from .errors import DataError
 from .text import TEXT_SOURCES, text_source_tokens
 from .tokens import open_token_files
 from .tokens import TokenFiles
-from .tokenizer import TokenizerFiles
+from .tokenizer import TokenizerFiles, check_tokenizer_path
 
-__all__ = ["TokenWindows", "build_dataset"]
+__all__ = ["TokenWindows", "build_dataset", "check_data"]
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -77,6 +78,18 @@ class TokenWindows(torch.utils.data.Dataset):
         return (
             f"TokenWindows({self._n} windows of {self.seq_len} tokens, {len(self.tokens)} tokens, source={self.source})"
         )
+
+
+def check_data(cfg: JobConfig) -> None:
+    """The checks that touch no file's content (the launcher makes them before it starts a node):
+    every `data.paths` entry exists, and a pretrained tokenizer's directory does. Raises DataError."""
+    d = cfg.data
+    if d.source != "stdlib":
+        for entry in d.paths:
+            if not Path(entry).expanduser().exists():
+                raise DataError(f"data.paths entry '{entry}' does not exist: fix the path or remove it from data.paths")
+    if d.tokenizer == "hf" and d.source != "tokens":
+        check_tokenizer_path(d.tokenizer_path)
 
 
 def build_dataset(cfg: JobConfig, *, log: Log = print, max_bytes: int | None = None) -> TokenWindows:

@@ -56,19 +56,25 @@ EOT_TOKEN = END_OF_TEXT
 """The end-of-text token BPE appends to every document (and hf uses when it has no eos_token)."""
 
 
-def load_hf_tokenizer(path: Optional[str], vocab_size: int) -> tuple[Any, int]:
-    """(tokenizer, end-of-text id) of the saved tokenizer in `path`, checked against model.vocab_size."""
+def check_tokenizer_path(path: Optional[str]) -> None:
+    """Raise DataError unless `path` (data.tokenizer_path) is set and a directory."""
     if not path:
         raise DataError(
             "data.tokenizer is hf but data.tokenizer_path is not set: give the directory of a "
             "tokenizer saved with save_pretrained"
         )
-    p = Path(path).expanduser()
-    if not p.is_dir():
+    if not Path(path).expanduser().is_dir():
         raise DataError(
             f"data.tokenizer_path '{path}' is not a directory: give the directory of a tokenizer "
             "saved with save_pretrained"
         )
+
+
+def load_hf_tokenizer(path: Optional[str], vocab_size: int) -> tuple[Any, int]:
+    """(tokenizer, end-of-text id) of the saved tokenizer in `path`, checked against model.vocab_size."""
+    check_tokenizer_path(path)
+    assert path is not None
+    p = Path(path).expanduser()
     from transformers import AutoTokenizer
 
     try:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..config import JobConfig
 from ..planning import MicrobatchChoice, PipelineSpec, Plan, StagePlacement, fixed_microbatch_size
+from ..records.control import ProgressRecord
 from ..records.errors import ErrorRecord, next_error_record
 from ..records.goodput import Origin
 
@@ -93,6 +94,9 @@ class ControlPlane(Protocol):
     def record_event(self, *, kind: str, generation: int, detail: str) -> None:
         """An event for operators about this job (`oobleck events`): `kind` is an EventKind value
         (`repair`: a corrupt layer copy was replaced; `straggler`: a slow node was named or cleared)."""
+
+    def progress(self) -> Optional[ProgressRecord]:
+        """The job's last reported progress (None: no step reported yet)."""
 
     def goodput_origin(self) -> Origin:
         """What a worker entering a generation as rank 0 continues the job's goodput ledger from
@@ -227,6 +231,9 @@ class LocalControl:
         self, *, generation: int, step: int, nodes: dict[str, float], pipeline_s: Sequence[float]
     ) -> None:
         pass
+
+    def progress(self) -> Optional[ProgressRecord]:
+        return None
 
     def goodput_origin(self) -> Origin:
         return self._origin

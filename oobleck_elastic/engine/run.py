@@ -64,6 +64,7 @@ from .resilience.heartbeat import Heartbeat
 from .telemetry.runlog import RunLog, Summary
 from .runner import StepRunner, exit_now_at_the_end
 from .checkpointing import CheckpointPolicy, NothingToRestore, retake_reason
+from .startup import KNOWN_ERRORS, check_start, end_job_at_start
 from .resilience.straggler import StragglerWatch
 from .trainer import LayersLost, Reconfiguration, StepResult, Trainer
 
@@ -77,10 +78,16 @@ def train(cfg: JobConfig, control: Optional[ControlPlane] = None, *, max_bytes: 
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(message)s")
     attach_event_lines(cfg.logging.events_dir)
     torch.manual_seed(cfg.training.seed)
-    dataset = build_dataset(cfg, log=log.info, max_bytes=max_bytes)
-    if control is None:
-        control = LocalControl(cfg, num_layers(cfg.model))
-    return _train(cfg, dataset, control)
+    try:
+        check_start(cfg)
+        dataset = build_dataset(cfg, log=log.info, max_bytes=max_bytes)
+        if control is None:
+            control = LocalControl(cfg, num_layers(cfg.model))
+        return _train(cfg, dataset, control)
+    except KNOWN_ERRORS as err:
+        if control is not None and not isinstance(control, LocalControl):
+            end_job_at_start(control, err)
+        raise
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ Mechanism:
 - etcd gets the environment without `ETCD_*` variables (`etcd_environment`): it would read them as
   flags, and a launcher's knobs of those names (`ETCD_DATA_DIR`, ...) would stop it from starting.
 - `stop()` sends SIGTERM to the recorded PID, waits 5 s, then sends SIGKILL. It removes the data
-  directory and log only when it created them itself.
+  directory and log only when it created them itself. `detach()` leaves the server running past
+  this process instead (the local launcher's `--keep-etcd`), its files in place.
 
 `python -m oobleck_elastic.etcd.server --port 2379 [--data-dir D]` runs `run_etcd_command`, the body
 of `oobleck etcd`.
@@ -312,6 +313,18 @@ class EtcdServer:
             self.returncode = proc.returncode
         self._cleanup_files()
         return self.returncode
+
+    def detach(self) -> Optional[str]:
+        """Leave the running server to outlive this process: nothing here stops it or removes its
+        data directory and log any more (stop it with `kill <pid>`). Returns the temporary
+        directory it created for them (to remove once it is stopped), or None."""
+        _LIVE.discard(self)
+        self._proc = None
+        scratch, self._tmp_dir = self._tmp_dir, None
+        if self._log_file is not None:  # etcd writes to its own copy of the descriptor
+            self._log_file.close()
+            self._log_file = None
+        return scratch
 
     def _cleanup_files(self) -> None:
         if self._log_file is not None:

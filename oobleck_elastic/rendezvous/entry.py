@@ -5,7 +5,9 @@ so this module must not import that package (or the handler) at import time: the
 imports the handler when torchrun first asks for a handler.
 
 `create_handler` picks the mode (options.py): `in_place` is the Oobleck handler (handler.py),
-`restart` torch's dynamic rendezvous on etcd (restart.py).
+`restart` torch's dynamic rendezvous on etcd (restart.py). A job config the handler cannot load
+(a misspelt key, a bad value) ends the agent with one line (SystemExit), not with a traceback
+through torchrun.
 """
 
 from typing import Any, Callable, Optional
@@ -33,4 +35,13 @@ def create_handler(params: Any, *, argv: Optional[list[str]] = None) -> Any:
 
 def get_creator() -> Callable[[Any], Any]:
     """Zero-argument factory torch calls; returns `(RendezvousParameters) -> RendezvousHandler`."""
-    return create_handler
+
+    def create(params: Any) -> Any:
+        from ..config import ConfigError
+
+        try:
+            return create_handler(params)
+        except ConfigError as err:  # a setting to change: one line, and this agent exits 1 (no traceback)
+            raise SystemExit(f"torchrun --rdzv-backend=oobleck: error: {err}") from None
+
+    return create

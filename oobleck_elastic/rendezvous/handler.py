@@ -247,7 +247,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         closed = read_closed(self.client, self.keys)
         if closed is not None:
-            raise RendezvousClosedError(f"run {self.params.run_id} is closed: {closed.reason}")
+            raise closed_error(self.params.run_id, closed)
         if self._shut_down is not None:
             raise RendezvousClosedError(f"the rendezvous handler of run {self.params.run_id} was shut down")
         if self.member is None:
@@ -424,10 +424,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 raise RendezvousClosedError(f"node {node} was fenced (lease expired) while waiting")
             closed = read_closed(self.view, self.keys)  # e.g. closed as failed: no plan will come
             if closed is not None:
-                raise RendezvousClosedError(
-                    f"run {self.params.run_id} was closed while node {node} waited to "
-                    "be admitted" + (f": {closed.reason}" if closed.reason else "")
-                )
+                raise closed_error(self.params.run_id, closed, node=node)
             now = time.monotonic()
             if now > deadline:
                 raise RendezvousTimeoutError(
@@ -441,4 +438,14 @@ class OobleckRendezvousHandler(RendezvousHandler):
             version = self.view.wait(version, 0.5)
 
 
-__all__ = ["BACKEND", "NO_ENV_WORLD", "OobleckRendezvousHandler", "RDZV_OPTIONS"]
+def closed_error(run_id: str, closed: ClosedRecord, *, node: Optional[str] = None) -> BaseException:
+    """What `next_rendezvous` raises on a closed job. Closed as failed (a worker's error that every
+    restart would repeat, engine/startup.py): SystemExit with one line, so the agent restarts no
+    worker and exits 1 without a traceback; closed otherwise: torch's RendezvousClosedError."""
+    where = f" while node {node} waited to be admitted" if node else ""
+    if closed.failed:
+        return SystemExit(f"torchrun --rdzv-backend=oobleck: run {run_id} was closed as failed{where}: {closed.reason}")
+    return RendezvousClosedError(f"run {run_id} was closed{where}" + (f": {closed.reason}" if closed.reason else ""))
+
+
+__all__ = ["BACKEND", "NO_ENV_WORLD", "OobleckRendezvousHandler", "RDZV_OPTIONS", "closed_error"]

@@ -1,0 +1,151 @@
+"""The local launcher's decisions that need no running job: the job config checked before any
+node starts, whether a due `--kill` may happen, why nodes failed, and the operations commands.
+
+- `preflight(script, rdzv_conf)`: the config the training script after `--` is given (`--config
+  PATH` and `key=value` overrides, or `--rdzv-conf config=PATH`, as the rendezvous handler reads
+  them) is loaded and validated, and what a worker checks first (engine/startup.py: steps left
+  after the checkpoint it would resume from, the data files) is checked once, so that a misspelt
+  key or a missing file is one line from the launcher (exit 2) instead of one traceback per node.
+- `kill_verdict`: a `--kill` or `--preempt` happens only to a node that is training: the job
+  has reported a step at or after the one named, is not closed, and the target is in the current
+  plan (its roster); otherwise it waits, and what never happened is said once the job ended.
+- `failure_reason`: the launcher's last line names why nodes failed: the reason the job was
+  closed as failed, else the error record a worker left, else the last error line a failed node
+  printed.
+- `ops_commands`: the `oobleck status` and `oobleck goodput` command lines for this job's etcd;
+  `etcd_view`: the etcd settings and key prefix the nodes use; `worker_threads`: the intra-op
+  threads each worker gets.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Mapping, Optional, Sequence
+
+from oobleck_elastic.etcd import EtcdSettings
+
+__all__ = [
+    "cores_available",
+    "etcd_view",
+    "failure_reason",
+    "kill_verdict",
+    "ops_commands",
+    "preflight",
+    "script_config",
+    "worker_threads",
+]
+
+
+def script_config(script: Sequence[str], rdzv_conf: str = "") -> tuple[Optional[str], list[str]]:
+    """(config path, dotlist overrides) the rendezvous handler will read from the script's
+    arguments (`script[0]` is the script): `--rdzv-conf config=PATH` first, else `--config PATH` /
+    `--config=PATH`; overrides are the `key=value` arguments that are not options."""
+    args = list(script[1:])
+    config = dict(item.split("=", 1) for item in rdzv_conf.split(",") if "=" in item).get("config")
+    for i, arg in enumerate(args):
+        if config is None and arg == "--config" and i + 1 < len(args):
+            config = args[i + 1]
+        elif config is None and arg.startswith("--config="):
+            config = arg.split("=", 1)[1]
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    return config, overrides
+
+
+def preflight(script: Sequence[str], rdzv_conf: str = "") -> Optional[str]:
+    """The one line saying what is wrong with the job's config, its data or its resume point, or
+    None (nothing found, or no config to check: the handler then says what it needs)."""
+    config, overrides = script_config(script, rdzv_conf)
+    if config is None:
+        return None
+    from oobleck_elastic.config import ConfigError, load_config
+    from oobleck_elastic.engine.startup import KNOWN_ERRORS, check_start, one_line
+
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as err:
+        return " ".join(str(err).split("\n"))
+    try:
+        check_start(cfg)
+    except KNOWN_ERRORS as err:
+        return one_line(err)
+    return None
+
+
+def kill_verdict(
+    *, at: int, step: Optional[int], closed: bool, node_id: Optional[str], roster: Optional[Sequence[str]]
+) -> tuple[bool, str]:
+    """(whether a kill or preemption due at step `at` happens now, why not). `step`: the job's
+    last reported step (None: none yet); `closed`: the job is closed; `node_id`: the target's id
+    (None: not known yet); `roster`: the current plan's nodes (None: no plan yet). When the answer
+    is no, the caller asks again later; the reason is what it says if the job ends first."""
+    if closed:
+        return False, "the job closed first"
+    if step is None or step < at:
+        return False, f"the job never reported step {at}" + (f" (its last was {step})" if step is not None else "")
+    if node_id is None:
+        return False, "the node's id is not known yet"
+    if roster is None or node_id not in roster:
+        return False, f"{node_id} holds no stage in the current plan (it is not training)"
+    return True, ""
+
+
+_ERROR_LINE = re.compile(r"\b(\w*Error|JobFailed)\b: |\berror: ")
+
+
+def failure_reason(closed_failed: Optional[str], error_record: Optional[str], lines: Sequence[str]) -> str:
+    """Why nodes failed, in one line: the reason the job was closed as failed, else the error a
+    worker recorded, else the last error line in `lines` (the failed nodes' output), else ''."""
+    if closed_failed:
+        return closed_failed
+    if error_record:
+        return error_record
+    for line in reversed(lines):
+        text = line.strip()
+        m = _ERROR_LINE.search(text)
+        if m:
+            return text[m.start() :] if m.group(1) else text[m.end() :]
+    return ""
+
+
+def ops_commands(endpoint: str, run_id: str, key_prefix: str = "/oobleck") -> list[str]:
+    """The commands that inspect this job through its etcd."""
+    prefix = "" if key_prefix == "/oobleck" else f" --key-prefix {key_prefix}"
+    return [f"oobleck {what} --endpoint {endpoint} --run-id {run_id}{prefix}" for what in ("status", "goodput")]
+
+
+def worker_threads(cores: int, workers: int, environ: Mapping[str, str]) -> tuple[Optional[int], str]:
+    """The intra-op threads each worker gets (None: `OMP_NUM_THREADS` is set, and stays), and the
+    line that says so."""
+    given = environ.get("OMP_NUM_THREADS")
+    if given:
+        return None, f"each worker computes on OMP_NUM_THREADS={given} thread(s), as set ({cores} core(s))"
+    threads = max(1, cores // max(1, workers))
+    return threads, (
+        f"each worker computes on {threads} thread(s): {cores} core(s) over up to {workers} worker(s) "
+        "(set OMP_NUM_THREADS to choose)"
+    )
+
+
+def cores_available() -> int:
+    """The cores this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def etcd_view(endpoint: str, rdzv_conf: str) -> tuple[EtcdSettings, str]:
+    """The etcd settings and key prefix the nodes use, from the `--rdzv-conf` they are given (TLS,
+    auth, outage bound, key_prefix), so the launcher watches the same etcd keys as they do."""
+    conf = dict(item.split("=", 1) for item in rdzv_conf.split(",") if "=" in item)
+    settings = EtcdSettings(
+        endpoint=endpoint,
+        cacert=conf.get("cacert"),
+        cert=conf.get("cert"),
+        key=conf.get("key"),
+        user=conf.get("user"),
+        password=conf.get("password"),
+        outage_s=float(conf.get("etcd_outage", 60.0)),
+    )
+    return settings, conf.get("key_prefix", "/oobleck")

@@ -1,0 +1,88 @@
+"""What a worker checks before it builds anything, and how a known error ends a run in one line.
+
+Known errors (`KNOWN_ERRORS`) are the package's own: a setting, a data file, a plan, a profile, a
+checkpoint or a job already closed as failed. Their messages say what to change, so a worker or
+the single process prints them as one line (`one_line`) instead of a traceback; anything else is
+a bug and keeps its traceback.
+
+A known error raised before the job has completed a step is deterministic: every node would
+raise it again after every restart (the same config, the same files). So the worker closes the
+job as failed with that line (`ends_the_job`), before it exits: its agent then finds the job
+closed when it would restart the workers, and stops instead (rendezvous/handler.py), and so does
+every other agent. Once the job has trained, a node's known error goes through the repeated-error
+rule instead (engine/resilience/errors.py): a late node with a bad disk must not end a healthy job.
+
+`check_start` is what can be checked before the dataset and the model are built, in the worker,
+the single process and the local launcher alike: that a resumed run has steps left
+(`checkpoint.nothing_to_do`) and that the data files exist (`data.check_data`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from ..checkpoint import CheckpointError, nothing_to_do
+from ..config import ConfigError, JobConfig
+from ..data.dataset import check_data
+from ..data.errors import DataError
+from ..planning import PlanningError
+from ..planning.profile import ProfileError
+from ..logs import JobLog
+from .control import ControlPlane
+from .resilience.errors import JobFailed
+
+__all__ = ["KNOWN_ERRORS", "check_start", "end_job_at_start", "ends_the_job", "exit_code", "one_line"]
+
+KNOWN_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError,
+    DataError,
+    PlanningError,
+    ProfileError,
+    CheckpointError,
+    JobFailed,
+)
+"""The package's own errors: their messages say what to change (one line, no traceback)."""
+
+log = JobLog(logging.getLogger(__name__))
+
+
+def one_line(err: BaseException) -> str:
+    """`Type: message`, the message's lines joined: what a known error prints."""
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def exit_code(err: BaseException) -> int:
+    """2 for a setting to change (as argparse exits on a bad option), 1 for any other error."""
+    return 2 if isinstance(err, ConfigError) else 1
+
+
+def ends_the_job(err: BaseException, *, steps_done: Optional[int]) -> bool:
+    """Whether `err`, ending a worker of a job that has completed `steps_done` steps (None: none
+    reported yet), closes the job as failed at once: a known error before any step, other than
+    the job's own failure (JobFailed: it is closed already)."""
+    return isinstance(err, KNOWN_ERRORS) and not isinstance(err, JobFailed) and not steps_done
+
+
+def check_start(cfg: JobConfig) -> None:
+    """Raise the first problem found before anything is built: nothing left to train (ConfigError),
+    a data file or tokenizer directory that does not exist (DataError)."""
+    if cfg.checkpoint.resume:
+        why = nothing_to_do(cfg.checkpoint.dir, cfg.training.steps)
+        if why:
+            raise ConfigError(why)
+    check_data(cfg)
+
+
+def end_job_at_start(ctx: ControlPlane, err: BaseException) -> None:
+    """Close the job as failed with `err`'s line when `ends_the_job` says so (the first such
+    error's line stays the reason); never hides `err`, which the worker still ends with."""
+    try:
+        progress = ctx.progress()
+        if not ends_the_job(err, steps_done=progress.step if progress is not None else None):
+            return
+        if ctx.failure_of_job() is None:
+            ctx.close_job(one_line(err), failed=True)
+    except Exception as etcd_err:  # noqa: BLE001 - the worker ends with `err` all the same
+        log.at(node=ctx.node_id).error("could not close the job after %s: %s", one_line(err), one_line(etcd_err))
