@@ -59,7 +59,7 @@ def test_plan_reports_profiling_progress_and_measures_again_on_request(tmp_path:
     args = ["plan", "--config", str(ROOT / "configs/gpt2-tiny.yaml"), "--nodes", "2", f"data.cache_dir={tmp_path}"]
     first = oobleck(*args, "planning.profile_repeats=2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
-    assert "3 to build and time, identical blocks reuse their numbers; 3 runs each)" in first.stderr
+    assert "identical blocks measured once: 3 layers to build and time, 3 runs each)" in first.stderr
     lines = [line for line in first.stderr.splitlines() if line.startswith("profiling layer ")]
     assert [line.split("; ")[-1].split(",")[0] for line in lines if "identical" not in line] == [
         "1/3 layers measured",

@@ -44,7 +44,8 @@ def test_profile_layers_gpt2():
     assert prof.num_layers == 4
     assert [p.name for p in prof.layers] == ["embedding", "block.0", "block.1", "head"]
     assert prof.key == {"k": 1}
-    assert lines[2].startswith("profiling layer 3/4 block.1")
+    per_layer = [line for line in lines if line.startswith("profiling layer ")]  # not the progress lines
+    assert per_layer[2].startswith("profiling layer 3/4 block.1")
     for layer, p in zip(lm.layers, prof.layers):
         assert p.forward_s > 0 and p.backward_s > 0
         assert p.param_bytes == true_param_bytes(layer)  # tied wte counted in both layers

@@ -461,11 +461,11 @@ def profile_model(
                 f"profile: measuring {n} layers on {dev}, one at a time (microbatch {shape[0]} x "
                 f"{shape[1]}, {cfg.training.precision}"
                 + (
-                    f"; {layers_to_measure(kinds, n)} to build and time, identical blocks reuse their numbers"
+                    f", identical blocks measured once: {layers_to_measure(kinds, n)} layers to build and time"
                     if kinds is not None
                     else ""
                 )
-                + f"; {runs} runs each)"
+                + f", {runs} runs each)"
             )
         measured[size] = profile_layer_by_layer(
             build_prepared,
