@@ -208,8 +208,8 @@ def test_a_run_with_nothing_to_do_says_so_in_one_line_and_exits_2(tmp_path: Path
     assert launched.stderr == f"launcher.local: error: ConfigError: {want}\n"
     bad = _run([*train_, "data.tokenizer=hf", f"data.tokenizer_path={tmp_path / 'x.json'}"])
     assert bad.returncode == 1 and bad.stderr == (
-        f"train.py: error: DataError: data.tokenizer_path '{tmp_path / 'x.json'}' is not a directory: give the "
-        "directory of a tokenizer saved with save_pretrained\n"
+        f"train.py: error: DataError: data.tokenizer_path '{tmp_path / 'x.json'}' does not exist: give the "
+        "directory of a tokenizer saved with save_pretrained, or a tokenizers JSON file (Tokenizer.save)\n"
     )
 
 
