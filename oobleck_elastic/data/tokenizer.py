@@ -174,6 +174,9 @@ def save_tokenizer_files(files: TokenizerFiles, step_dir: Path) -> Optional[dict
     src = Path(str(files.path)).expanduser()
     dest = step_dir / TOKENIZER_DIR
     dest.mkdir(parents=True, exist_ok=True)
+    if files.kind == "hf" and src.is_file():  # a `tokenizers` JSON (Tokenizer.save): kept as a BPE is
+        shutil.copyfile(src, dest / "bpe.json")
+        return {"kind": "bpe", "path": f"{TOKENIZER_DIR}/bpe.json"}
     if files.kind == "bpe":
         if not src.is_file():
             raise DataError(f"the job's tokenizer {src} is gone (data.cache_dir was cleaned?): not copied")
