@@ -1,6 +1,6 @@
 """The `oobleck` command line.
 
-    oobleck plan --config configs/gpt2-tiny.yaml --nodes 4 [--profile FILE] [--json] [key=value ...]
+    oobleck plan --config configs/gpt2-tiny.yaml --nodes 4 [--profile FILE | --reprofile] [--json] [key=value ...]
     oobleck etcd [--port 2379] [--data-dir D]
     oobleck export CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--dtype bf16] [--force] [--tokenizer PATH|none]
                    [key=value ...]
@@ -200,7 +200,12 @@ def _node_count(text: str) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, [*args.overrides, *(["planning.reprofile=true"] if args.reprofile else [])])
+    if args.reprofile and (args.profile or cfg.planning.profile_path):
+        raise ConfigError(
+            f"--reprofile measures the profile, but {'--profile' if args.profile else 'planning.profile_path'} "
+            "gives a profile file: drop one of them"
+        )
     profiles = _load_profiles(cfg, args.profile)
     jp = plan_job(cfg, nodes=args.nodes, profile=profiles)
     comparison = None
@@ -244,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="YAML job config (see configs/)")
     p.add_argument("--nodes", type=_node_count, required=True, help="number of nodes to plan for (>= 1)")
     p.add_argument("--profile", help="profile JSON to use instead of measuring (overrides planning.profile_path)")
+    p.add_argument(
+        "--reprofile",
+        action="store_true",
+        help="measure the profile again and replace the cached one (planning.reprofile=true), e.g. one "
+        "measured while the machine was busy",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object with keys templates, guarantee, plan")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. training.steps=10")
     p.set_defaults(func=cmd_plan)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,33 @@ def test_plan_text_report_and_profile_cache(tmp_path: Path) -> None:
     assert "plan for 3 node(s), generation 0:" in first.stdout
     second = oobleck(*args, cwd=tmp_path)
     assert "profiling layer" not in second.stderr and "profile: reusing cached" in second.stderr
+
+
+def test_plan_reports_profiling_progress_and_measures_again_on_request(tmp_path: Path) -> None:
+    args = ["plan", "--config", str(ROOT / "configs/gpt2-tiny.yaml"), "--nodes", "2", f"data.cache_dir={tmp_path}"]
+    first = oobleck(*args, "planning.profile_repeats=2", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "identical blocks measured once: 3 layers to build and time, 3 runs each)" in first.stderr
+    lines = [line for line in first.stderr.splitlines() if line.startswith("profiling layer ")]
+    assert [line.split("; ")[-1].split(",")[0] for line in lines if "identical" not in line] == [
+        "1/3 layers measured",
+        "2/3 layers measured",
+        "3/3 layers measured",
+    ]
+    assert "s so far, about " in lines[0] and " s left" in lines[0]
+    (cached,) = (tmp_path / "profiles").glob("*.json")
+    os.utime(cached, (1_000_000_000, 1_000_000_000))  # measured long ago
+    reused = oobleck(*args, "planning.profile_repeats=2", cwd=tmp_path)
+    assert "profiling layer" not in reused.stderr and "ago; to measure again: oobleck plan --reprofile" in reused.stderr
+    assert cached.stat().st_mtime == 1_000_000_000
+    again = oobleck(*args, "planning.profile_repeats=2", "--reprofile", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert f"profile: measuring again as asked (reprofile): replacing {cached}" in again.stderr
+    assert "profiling layer 6/6 head" in again.stderr and cached.stat().st_mtime > 1_000_000_000
+    both = oobleck(*args, "--reprofile", "--profile", str(cached), cwd=tmp_path)
+    assert both.returncode == 2 and both.stderr.strip() == (
+        "oobleck plan: error: --reprofile measures the profile, but --profile gives a profile file: drop one of them"
+    )
 
 
 def test_plan_with_profile_file_and_errors(tmp_path: Path) -> None:

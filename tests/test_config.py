@@ -278,3 +278,36 @@ def test_the_job_gathers_its_sections_then_checks_across_them() -> None:
         "'data.seq_len' (64) exceeds 'model.max_seq_len' (32): lower data.seq_len or raise model.max_seq_len",
     ]
     assert JobConfig().validate() == []
+
+
+def test_relative_paths_of_a_file_are_relative_to_its_folder(tmp_path: Path, monkeypatch) -> None:
+    """Paths written in a config file resolve against the file's folder, from any working
+    directory; overrides and defaults stay relative to the working directory; `~` is expanded."""
+    folder = tmp_path / "job"
+    folder.mkdir()
+    (folder / "job.yaml").write_text(
+        "data:\n"
+        "  source: jsonl\n"
+        "  paths: [corpus.jsonl, ../shared/more, /abs/elsewhere]\n"
+        "  tokenizer: hf\n"
+        "  tokenizer_path: tok.json\n"
+        "  cache_dir: ~/oobleck-cache\n"
+        "planning: {profile_path: 'profiles/p-tp{tp}.json'}\n"
+        "checkpoint: {dir: ckpt}\n"
+        "logging: {events_dir: ''}\n"
+    )
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = load_config("../job/job.yaml", ["logging.tensorboard_dir=tb"])
+    assert cfg.data.paths == [str(folder / "corpus.jsonl"), str(tmp_path / "shared" / "more"), "/abs/elsewhere"]
+    assert cfg.data.tokenizer_path == str(folder / "tok.json")
+    assert cfg.data.cache_dir == str(tmp_path / "home" / "oobleck-cache")
+    assert cfg.planning.profile_path == str(folder / "profiles" / "p-tp{tp}.json")
+    assert cfg.checkpoint.dir == str(folder / "ckpt")
+    assert cfg.logging.events_dir == ""  # empty = off, not the folder
+    assert cfg.logging.tensorboard_dir == "tb"  # an override: relative to the working directory
+    assert load_config(None).checkpoint.dir == "checkpoints"  # defaults too
+    over = load_config(folder / "job.yaml", ["data.paths=[mine.jsonl]", "data.tokenizer_path=t.json"])
+    assert over.data.paths == ["mine.jsonl"] and over.data.tokenizer_path == "t.json"
+    assert from_dict(to_dict(cfg)) == cfg  # resolved once: the dict form (checkpoints, workers) keeps them

@@ -374,8 +374,8 @@ def test_tokenizer_errors(tmp_path, tokdir, hf_tok):
         f"data.tokenizer_path '{tokdir}' has {n} tokens but model.vocab_size is 256: set model.vocab_size >= {n}"
     )
     assert _error(tmp_path, *src, "data.tokenizer=hf", f"data.tokenizer_path={tmp_path / 'none'}") == (
-        f"data.tokenizer_path '{tmp_path / 'none'}' is not a directory: give the directory of a tokenizer saved "
-        "with save_pretrained"
+        f"data.tokenizer_path '{tmp_path / 'none'}' does not exist: give the directory of a tokenizer saved "
+        "with save_pretrained, or a tokenizers JSON file (Tokenizer.save)"
     )
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(DOCS, vocab_size=270, show_progress=False)
@@ -384,6 +384,40 @@ def test_tokenizer_errors(tmp_path, tokdir, hf_tok):
     assert _error(tmp_path, *src, *hf(no_eos)) == (
         f"data.tokenizer_path '{no_eos}' has no end-of-text token (no eos_token and no <|endoftext|>): save the "
         "tokenizer with an eos_token"
+    )
+
+
+def test_a_tokenizers_json_file_is_a_tokenizer_path(tmp_path):
+    """data.tokenizer_path may be the file `Tokenizer.save` writes: documents are encoded by it,
+    each followed by <|endoftext|>; its errors name the file and what to change."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(
+        make_docs(200, seed=1), vocab_size=300, min_frequency=2, special_tokens=[EOT], show_progress=False
+    )
+    tok_file = tmp_path / "tok.json"
+    bpe.save(str(tok_file))
+    two = ["alpha bravo charlie.", "zulu yankee xray whiskey victor."]
+    f = write_jsonl(tmp_path / "two.jsonl", two)
+    src = ["data.source=jsonl", f"data.paths=[{f}]", "data.seq_len=4"]
+    ds = build_dataset(cfg(tmp_path, *src, *hf(tok_file)), log=quiet)
+    eot = bpe.token_to_id(EOT)
+    d1, d2 = (bpe.encode(t).ids for t in two)
+    assert np.asarray(ds.tokens).tolist() == d1 + [eot] + d2 + [eot]
+    assert _error(tmp_path, *src, *hf(tok_file), "model.vocab_size=256") == (
+        f"data.tokenizer_path '{tok_file}' has 300 tokens but model.vocab_size is 256: set model.vocab_size >= 300"
+    )
+    no_eot = ByteLevelBPETokenizer()
+    no_eot.train_from_iterator(DOCS, vocab_size=270, show_progress=False)
+    no_eot.save(str(tmp_path / "no-eot.json"))
+    assert _error(tmp_path, *src, *hf(tmp_path / "no-eot.json")) == (
+        f"data.tokenizer_path '{tmp_path / 'no-eot.json'}' has no <|endoftext|> token: train it with "
+        "special_tokens=['<|endoftext|>']"
+    )
+    (tmp_path / "junk.json").write_text("{}")
+    assert _error(tmp_path, *src, *hf(tmp_path / "junk.json")).startswith(
+        f"data.tokenizer_path '{tmp_path / 'junk.json'}' is not a tokenizers JSON file ("
     )
 
 

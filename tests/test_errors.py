@@ -134,7 +134,7 @@ def test_devices_and_backends_on_a_cpu_machine(monkeypatch) -> None:
     assert resolve_device("auto", 1) == torch.device("cuda", 1)
     with pytest.raises(RuntimeError, match="LOCAL_RANK=2 has no GPU: this node has 2"):
         resolve_device("cuda", 2)
-    assert backend_for(torch.device("cpu")) == "cpu:gloo"
+    assert backend_for(torch.device("cpu")) == "gloo"
     assert backend_for(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     values, replaced = configure_nccl(env)  # 1 tears the process down: replaced; a harmless choice is kept

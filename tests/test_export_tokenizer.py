@@ -260,3 +260,15 @@ def test_special_tokens_follow_the_end_of_text_rule(tmp_path):
     assert special_tokens(tok) == SpecialTokens(
         bos=tok.convert_tokens_to_ids("b"), eos=eot, pad=tok.convert_tokens_to_ids("a")
     )
+
+
+def test_a_tokenizers_json_given_as_tokenizer_path_goes_into_the_checkpoint_as_a_bpe(tmp_path: Path) -> None:
+    """data.tokenizer_path may be a `tokenizers` JSON file (Tokenizer.save): the checkpoint keeps it
+    as `bpe.json`, which the export wraps like a job's own BPE."""
+    from oobleck_elastic.data.tokenizer import TokenizerFiles, save_tokenizer_files
+
+    source = tmp_path / "tok.json"
+    source.write_text('{"version": "1.0"}')
+    record = save_tokenizer_files(TokenizerFiles("hf", str(source)), tmp_path / "step-00000001")
+    assert record == {"kind": "bpe", "path": "tokenizer/bpe.json"}
+    assert (tmp_path / "step-00000001" / "tokenizer" / "bpe.json").read_text() == source.read_text()

@@ -151,10 +151,8 @@ def test_known_errors_are_one_line_and_end_the_job_only_before_its_first_step() 
 
 
 def test_an_agent_exits_with_one_line_on_a_job_closed_as_failed_instead_of_restarting() -> None:
-    from torch.distributed.elastic.rendezvous import RendezvousClosedError
-
     from oobleck_elastic.records.control import ClosedRecord
-    from oobleck_elastic.rendezvous.handler import closed_error
+    from oobleck_elastic.rendezvous.handler import JobOver, closed_error
 
     failed = closed_error("r1", ClosedRecord(time=0.0, reason="DataError: no such file", failed=True))
     assert isinstance(failed, SystemExit) and failed.code == (
@@ -162,8 +160,12 @@ def test_an_agent_exits_with_one_line_on_a_job_closed_as_failed_instead_of_resta
     )
     waiting = closed_error("r1", ClosedRecord(time=0.0, reason="x", failed=True), node="node3")
     assert str(waiting.code).startswith("torchrun --rdzv-backend=oobleck: run r1 was closed as failed while node node3")
-    finished = closed_error("r1", ClosedRecord(time=0.0, reason="finished 20 steps"))
-    assert isinstance(finished, RendezvousClosedError) and str(finished) == "run r1 was closed: finished 20 steps"
+    finished = closed_error("r1", ClosedRecord(time=0.0, reason="finished 20 steps"), node="node4")
+    assert isinstance(finished, JobOver) and finished.code == 0  # a spare or a late joiner: nothing failed
+    assert finished.line == (
+        "torchrun --rdzv-backend=oobleck: run r1 was closed while node node4 waited to be admitted "
+        "(finished 20 steps); nothing for this node to do"
+    )
 
 
 def test_nothing_to_do_when_the_newest_checkpoint_is_at_the_last_step(tmp_path: Path) -> None:
@@ -208,8 +210,8 @@ def test_a_run_with_nothing_to_do_says_so_in_one_line_and_exits_2(tmp_path: Path
     assert launched.stderr == f"launcher.local: error: ConfigError: {want}\n"
     bad = _run([*train_, "data.tokenizer=hf", f"data.tokenizer_path={tmp_path / 'x.json'}"])
     assert bad.returncode == 1 and bad.stderr == (
-        f"train.py: error: DataError: data.tokenizer_path '{tmp_path / 'x.json'}' is not a directory: give the "
-        "directory of a tokenizer saved with save_pretrained\n"
+        f"train.py: error: DataError: data.tokenizer_path '{tmp_path / 'x.json'}' does not exist: give the "
+        "directory of a tokenizer saved with save_pretrained, or a tokenizers JSON file (Tokenizer.save)\n"
     )
 
 
@@ -295,3 +297,25 @@ def test_a_deterministic_start_up_error_is_not_restarted_and_the_kept_etcd_tells
             assert scratch is not None, res.stdout[-2000:]
             eventually(lambda: _gone(pid))
             shutil.rmtree(scratch.group(1))
+
+
+@pytest.mark.slow
+def test_a_spare_never_admitted_exits_0_with_one_line_when_the_job_finishes(tmp_path: Path, etcd_server) -> None:
+    """Three nodes for a job of at most two: the third waits as a spare and the job finishes
+    without it. Its agent exits 0 with one line (it used to print torch's RendezvousClosedError
+    traceback and exit 1, so the launcher counted a failure where nothing failed)."""
+    from helpers import run_job, tiny_profile
+
+    run_id = uuid.uuid4().hex[:8]
+    out, _, _ = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "3", "--min-nodes", "2", "--max-nodes", "2"],
+        5,
+        tiny_profile(tmp_path / "profile.json"),
+        reference=False,
+    )
+    line = f"torchrun --rdzv-backend=oobleck: run {run_id} was closed while node node2 waited to be admitted"
+    assert out.count(line) == 1 and "Traceback" not in out, out[-3000:]
+    assert out.rstrip().endswith("done: 3 node(s), 0 killed on purpose, 0 preempted, 0 failed"), out[-3000:]

@@ -108,9 +108,9 @@ def test_identical_blocks_are_built_and_measured_once(monkeypatch: pytest.Monkey
     measured: list[str] = []
     real_measure = profiler._LayerMeter.measure
 
-    def counting(self, layer: nn.Module, x: torch.Tensor, *, last: bool, name: str):  # noqa: ANN001, ANN202
+    def counting(self, layer: nn.Module, x: torch.Tensor, *, last: bool, name: str, **kw):  # noqa: ANN001, ANN202
         measured.append(name)
-        return real_measure(self, layer, x, last=last, name=name)
+        return real_measure(self, layer, x, last=last, name=name, **kw)
 
     monkeypatch.setattr(profiler._LayerMeter, "measure", counting)
     lines: list[str] = []
@@ -231,7 +231,7 @@ def test_gpt3_175b_profiles_on_a_device_that_holds_one_block(monkeypatch: pytest
 
     held: list[int] = []
 
-    def measure(self, layer: nn.Module, x: torch.Tensor, *, last: bool, name: str):  # noqa: ANN001, ANN202
+    def measure(self, layer: nn.Module, x: torch.Tensor, *, last: bool, name: str, **_: object):  # noqa: ANN001, ANN202
         pbytes = 4 * sum(p.numel() for p in layer.parameters())
         held.append(pbytes)
         out = torch.empty(*x.shape[:2], h, device="meta")

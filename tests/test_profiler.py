@@ -44,7 +44,8 @@ def test_profile_layers_gpt2():
     assert prof.num_layers == 4
     assert [p.name for p in prof.layers] == ["embedding", "block.0", "block.1", "head"]
     assert prof.key == {"k": 1}
-    assert lines[2].startswith("profiling layer 3/4 block.1")
+    per_layer = [line for line in lines if line.startswith("profiling layer ")]  # not the progress lines
+    assert per_layer[2].startswith("profiling layer 3/4 block.1")
     for layer, p in zip(lm.layers, prof.layers):
         assert p.forward_s > 0 and p.backward_s > 0
         assert p.param_bytes == true_param_bytes(layer)  # tied wte counted in both layers
@@ -143,3 +144,34 @@ def test_a_profile_with_identical_blocks_measured_once_is_never_taken_for_a_full
     full = load_or_profile(cfg, log=lines.append)  # measured, not the cached profile
     assert full.key == key and not any("reusing" in line or "identical to" in line for line in lines)
     assert sum(line.startswith("profiling layer") for line in lines) == 4
+
+
+def test_a_cached_profile_is_reused_with_its_age_and_measured_again_on_request(tmp_path, monkeypatch):
+    cfg = job(tmp_path)
+    load_or_profile(cfg, log=lambda _: None)
+    path = tmp_path / "cache" / "profiles" / f"{profile_cache_key(profile_key(cfg, device='cpu'))}.json"
+    mtime = path.stat().st_mtime
+    calls: list[int] = []
+    real = profiler.profile_model
+
+    def counted(*a, **k):
+        calls.append(1)
+        prof = real(*a, **k)
+        prof.layers[0] = LayerProfile("embedding", 123.0, 456.0, 1, 1, 1, 1)  # marks this measurement
+        return prof
+
+    monkeypatch.setattr(profiler, "profile_model", counted)
+    lines: list[str] = []
+    load_or_profile(cfg, log=lines.append, now=lambda: mtime + 7200)
+    assert calls == [] and lines == [
+        f"profile: reusing cached {path} (4 layers), measured 2 h 00 min ago; to measure again: oobleck plan "
+        "--reprofile, or planning.reprofile=true for a job"
+    ]
+    lines.clear()
+    again = load_or_profile(cfg, log=lines.append, reprofile=True, now=lambda: mtime + 90)
+    assert calls == [1]
+    assert lines[0] == f"profile: measuring again as asked (reprofile): replacing {path}, measured 1 min 30 s ago"
+    assert ModelProfile.load(path).layers[0].forward_s == 123.0 == again.layers[0].forward_s  # the file was replaced
+    cfg.planning.reprofile = True  # the config's way (a job)
+    load_or_profile(cfg, log=lambda _: None)
+    assert calls == [1, 1]

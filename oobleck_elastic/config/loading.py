@@ -6,20 +6,25 @@ on the result. Whatever is wrong becomes one `ConfigError`, prefixed with the fi
 `<defaults>`), whose clauses each name a key and what to change: an unknown key with the
 closest known one (did you mean), a value omegaconf refused, a choice outside its `Literal`, a
 broken rule.
+
+Paths (`schema.PATH_KEYS`): the relative paths of the file are made absolute against the file's
+folder before the overrides are merged (`resolve_file_paths`), so a config file works from any
+working directory; the overrides' paths stay as given (relative to the working directory).
 """
 
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence, cast, get_args, get_origin, get_type_hints
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from .schema import ConfigError, JobConfig
+from .schema import PATH_KEYS, ConfigError, JobConfig
 
 
 def _field_type(key: str) -> Any:
@@ -101,8 +106,31 @@ def _build(given: DictConfig, where: str) -> JobConfig:
     return job
 
 
+def resolve_path(value: str, folder: Path) -> str:
+    """`value` (a path written in a config file in `folder`) as an absolute path: `~` expanded,
+    a relative path joined to `folder` and normalised; an empty string stays empty (= off)."""
+    if not value:
+        return value
+    expanded = os.path.expanduser(value)
+    return expanded if os.path.isabs(expanded) else os.path.normpath(os.path.join(folder, expanded))
+
+
+def resolve_file_paths(given: DictConfig, folder: Path) -> None:
+    """Make every path of PATH_KEYS in `given` (a loaded config file) absolute against `folder`, in
+    place. Values that are not text (a wrong type, null) are left for the schema to judge."""
+    folder = folder.resolve()
+    for key in PATH_KEYS:
+        value = OmegaConf.select(given, key, default=None)
+        if isinstance(value, str):
+            OmegaConf.update(given, key, resolve_path(value, folder))
+        elif isinstance(value, ListConfig) and all(isinstance(v, str) for v in value):
+            OmegaConf.update(given, key, [resolve_path(v, folder) for v in value], merge=False)
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
-    """Load a JobConfig from an optional YAML file and `key=value` overrides, validated.
+    """Load a JobConfig from an optional YAML file and `key=value` overrides, validated. Relative
+    paths written in the file are relative to its folder; those of the overrides to the working
+    directory (schema.PATH_KEYS).
 
     Raises ConfigError with a message naming the offending key.
     """
@@ -123,6 +151,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             if not isinstance(loaded, DictConfig):
                 raise ConfigError(f"config file '{p}' is not a mapping of sections (model:, data:, training:, ...)")
             given = loaded
+            resolve_file_paths(given, p.parent)
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"override '{bad[0]}' is not of the form key=value (e.g. training.steps=10)")

@@ -36,6 +36,23 @@ Schedule = Literal["1f1b", "gpipe"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
+PATH_KEYS = (
+    "model.pretrained_path",
+    "data.paths",
+    "data.tokenizer_path",
+    "data.cache_dir",
+    "planning.profile_path",
+    "checkpoint.dir",
+    "logging.tensorboard_dir",
+    "logging.events_dir",
+)
+"""The keys that hold file system paths. A relative path written in a config FILE is relative to
+that file's folder (`configs/x.yaml` saying `data.paths: [corpus.jsonl]` reads
+`configs/corpus.jsonl`, from whatever directory the job starts in); a relative path given as a
+command-line override, and the defaults (`checkpoints`, `runs`, `.oobleck-cache`), are relative to
+the working directory. `load_config` makes the file's paths absolute; `~` is expanded."""
+
+
 class Section:
     """A section of the job config. `validate()` returns one clause per broken rule of the
     section (ranges, combinations: what its field types cannot express), naming each key by its
@@ -86,7 +103,8 @@ class ModelConfig(Section):
     attn_implementation: AttnImplementation = "sdpa"
     """`sdpa` or `eager`; both are causal."""
     pretrained_path: Optional[str] = None
-    """Local directory with Hugging Face weights (config.json + safetensors); no hub downloads."""
+    """Local directory with Hugging Face weights (config.json + safetensors); no hub downloads.
+    A relative path: see Paths."""
     custom_factory: Optional[str] = None
     """For family=custom: `module:function` returning a list[nn.Module] of layers."""
 
@@ -119,13 +137,14 @@ class DataConfig(Section):
     `datasets.Dataset.save_to_disk` directory `paths[0]`) or `tokens` (pre-tokenized flat .bin or
     1-D .npy files in `paths`, memory-mapped as they are, in order; no tokenizer, no cache)."""
     paths: list[str] = field(default_factory=list)
-    """Files or directories of the source (all sources but stdlib)."""
+    """Files or directories of the source (all sources but stdlib). Relative paths: see Paths."""
     tokenizer: TokenizerKind = "bytes"
     """`bytes` (vocab 256), `bpe` (byte-level BPE trained on the corpus and cached) or `hf` (the
     pretrained tokenizer in `tokenizer_path`). Not used by source=tokens."""
     tokenizer_path: Optional[str] = None
-    """For tokenizer=hf: a local directory saved by `transformers` / `tokenizers` (save_pretrained);
-    its vocabulary must fit model.vocab_size. Nothing is downloaded."""
+    """For tokenizer=hf: a local directory saved with `save_pretrained` (`transformers`), or a
+    `tokenizers` JSON file (`Tokenizer.save("tok.json")`, holding GPT-2's end-of-text special token);
+    its vocabulary must fit model.vocab_size. Nothing is downloaded. A relative path: see Paths."""
     text_field: str = "text"
     """The column holding each document's text (source=jsonl, parquet, hf_disk)."""
     token_dtype: TokenDtype = "uint16"
@@ -137,7 +156,8 @@ class DataConfig(Section):
     seq_len: int = 64
     """Tokens per sample (the microbatch shape is microbatch_size x seq_len)."""
     cache_dir: str = ".oobleck-cache"
-    """Where tokenizers, token files, Arrow copies of JSONL/Parquet datasets and profiles are cached."""
+    """Where tokenizers, token files, Arrow copies of JSONL/Parquet datasets and profiles are cached.
+    A relative path: see Paths."""
 
     def validate(self) -> list[str]:
         problems = _at_least("data", self, ("seq_len", "num_proc"), 1)
@@ -401,7 +421,12 @@ class PlanningConfig(Section):
     max_template_nodes: Optional[int] = None
     """Largest template size in nodes; None = as many as there are layers to split."""
     profile_path: Optional[str] = None
-    """Use this profile JSON instead of measuring (required for planning-only models)."""
+    """Use this profile JSON instead of measuring (required for planning-only models). A relative
+    path: see Paths."""
+    reprofile: bool = False
+    """Measure the profile again even when `data.cache_dir/profiles/` holds one for this model,
+    microbatch shape and device (e.g. one measured while the machine was busy), and replace it
+    (`oobleck plan --reprofile` does the same). Not used with profile_path."""
     profile_warmup: int = 1
     """Profiler warm-up runs per layer."""
     profile_repeats: int = 5
@@ -445,7 +470,7 @@ class PlanningConfig(Section):
 @dataclass
 class CheckpointConfig(Section):
     dir: str = "checkpoints"
-    """Directory of safetensors checkpoints."""
+    """Directory of safetensors checkpoints. A relative path: see Paths."""
     interval_steps: int = 0
     """Save every this many steps; 0 = only at the end."""
     resume: bool = True
@@ -460,14 +485,15 @@ class LoggingConfig(Section):
     tensorboard_dir: str = "runs"
     """TensorBoard log directory: one run per start of a job, `<run id>/<UTC start>` (the run id is
     the job's --rdzv-id, `name` for the single process), written by the worker holding rank 0
-    (engine/telemetry/board.py)."""
+    (engine/telemetry/board.py). A relative path: see Paths."""
     log_interval: int = 1
     """Print a progress line every this many steps."""
     level: LogLevel = "INFO"
     """Python logging level."""
     events_dir: str = ""
     """Also write the job's events (steps, failures, generation entries, checkpoints...) as JSON
-    lines, one file per worker process, in this directory (oobleck_elastic/logs.py); empty: off."""
+    lines, one file per worker process, in this directory (oobleck_elastic/logs.py); empty: off.
+    A relative path: see Paths."""
 
 
 @dataclass

@@ -4,8 +4,11 @@ A `TokenizerSpec` (kind, path, end-of-text id) lets worker processes load their 
 (UTF-8 bytes, no separator), `bpe` (a `tokenizers` JSON file, `<|endoftext|>` after every
 document) and `hf` (`AutoTokenizer.from_pretrained(data.tokenizer_path, local_files_only=True)`,
 its eos_token or `<|endoftext|>` after every document; `load_hf_tokenizer` checks that
-`len(tokenizer)` fits `model.vocab_size`). `tokenize_texts` encodes batches of documents in order,
-in `data.num_proc` spawned processes when > 1, logging progress every `PROGRESS_EVERY_S`.
+`len(tokenizer)` fits `model.vocab_size`). `data.tokenizer_path` may also be a `tokenizers` JSON
+file (`Tokenizer.save("tok.json")`, e.g. a byte-level BPE trained with `tokenizers`): it is then
+used as the `bpe` kind is, `<|endoftext|>` (which it must hold) after every document.
+`tokenize_texts` encodes batches of documents in order, in `data.num_proc` spawned processes
+when > 1, logging progress every `PROGRESS_EVERY_S`.
 `tokenizer_fingerprint` (a hash of a tokenizer's files) is part of the token cache's key.
 `TokenizerFiles` says where the job's tokenizer lives; `save_tokenizer_files` copies it into a
 checkpoint's step directory, so that `oobleck export` writes the tokenizer the job trained with
@@ -39,6 +42,7 @@ __all__ = [
     "save_tokenizer_files",
     "hf_spec",
     "load_hf_tokenizer",
+    "load_tokenizer_file",
     "tokenize_texts",
     "tokenizer_fingerprint",
 ]
@@ -56,25 +60,57 @@ EOT_TOKEN = END_OF_TEXT
 """The end-of-text token BPE appends to every document (and hf uses when it has no eos_token)."""
 
 
+def load_tokenizer_file(path: str, vocab_size: int) -> tuple[Any, int]:
+    """(tokenizers.Tokenizer, id of `<|endoftext|>`) of the `tokenizers` JSON file `path`, checked
+    against model.vocab_size."""
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(Path(path).expanduser()))
+    except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(
+            f"data.tokenizer_path '{path}' is not a tokenizers JSON file ({first}): save one with "
+            "Tokenizer.save('tok.json'), or give a directory saved with save_pretrained"
+        ) from None
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise DataError(
+            f"data.tokenizer_path '{path}' has {size} tokens but model.vocab_size is "
+            f"{vocab_size}: set model.vocab_size >= {size}"
+        )
+    eot = tok.token_to_id(EOT_TOKEN)
+    if eot is None:
+        raise DataError(
+            f"data.tokenizer_path '{path}' has no {EOT_TOKEN} token: train it with special_tokens=['{EOT_TOKEN}']"
+        )
+    return tok, eot
+
+
 def check_tokenizer_path(path: Optional[str]) -> None:
-    """Raise DataError unless `path` (data.tokenizer_path) is set and a directory."""
+    """Raise DataError unless `path` (data.tokenizer_path) is set and is a directory (saved with
+    save_pretrained) or a file (a `tokenizers` JSON)."""
     if not path:
         raise DataError(
             "data.tokenizer is hf but data.tokenizer_path is not set: give the directory of a "
             "tokenizer saved with save_pretrained"
         )
-    if not Path(path).expanduser().is_dir():
+    p = Path(path).expanduser()
+    if not p.is_file() and not p.is_dir():
         raise DataError(
-            f"data.tokenizer_path '{path}' is not a directory: give the directory of a tokenizer "
-            "saved with save_pretrained"
+            f"data.tokenizer_path '{path}' does not exist: give the directory of a tokenizer saved "
+            "with save_pretrained, or a tokenizers JSON file (Tokenizer.save)"
         )
 
 
 def load_hf_tokenizer(path: Optional[str], vocab_size: int) -> tuple[Any, int]:
-    """(tokenizer, end-of-text id) of the saved tokenizer in `path`, checked against model.vocab_size."""
+    """(tokenizer, end-of-text id) of the saved tokenizer in `path` (a save_pretrained directory,
+    or a `tokenizers` JSON file: `load_tokenizer_file`), checked against model.vocab_size."""
     check_tokenizer_path(path)
     assert path is not None
     p = Path(path).expanduser()
+    if p.is_file():
+        return load_tokenizer_file(path, vocab_size)
     from transformers import AutoTokenizer
 
     try:
@@ -138,6 +174,9 @@ def save_tokenizer_files(files: TokenizerFiles, step_dir: Path) -> Optional[dict
     src = Path(str(files.path)).expanduser()
     dest = step_dir / TOKENIZER_DIR
     dest.mkdir(parents=True, exist_ok=True)
+    if files.kind == "hf" and src.is_file():  # a `tokenizers` JSON (Tokenizer.save): kept as a BPE is
+        shutil.copyfile(src, dest / "bpe.json")
+        return {"kind": "bpe", "path": f"{TOKENIZER_DIR}/bpe.json"}
     if files.kind == "bpe":
         if not src.is_file():
             raise DataError(f"the job's tokenizer {src} is gone (data.cache_dir was cleaned?): not copied")
@@ -246,10 +285,13 @@ def tokenize_texts(
 
 
 def hf_spec(d: Any, vocab: int) -> tuple[TokenizerSpec, str]:
-    """The spec of data.tokenizer=hf (loaded and checked against model.vocab_size) and its identity."""
+    """The spec of data.tokenizer=hf (loaded and checked against model.vocab_size) and its identity
+    (a hash of its files: part of the token cache's key)."""
     _, eot = load_hf_tokenizer(d.tokenizer_path, vocab)
-    path = str(Path(d.tokenizer_path).expanduser().resolve())
-    return TokenizerSpec("hf", path, eot), f"hf:{tokenizer_fingerprint(path)}"
+    path = Path(d.tokenizer_path).expanduser().resolve()
+    if path.is_file():  # a tokenizers JSON file
+        return TokenizerSpec("bpe", str(path), eot), f"file:{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}"
+    return TokenizerSpec("hf", str(path), eot), f"hf:{tokenizer_fingerprint(str(path))}"
 
 
 def _train_bpe(texts: list[str], vocab_size: int):  # -> tokenizers.Tokenizer

@@ -49,7 +49,11 @@ a cached profile under `<cache_dir>/profiles/<profile_cache_key(key)>.json` whos
 equals the current key exactly (model config, microbatch shape, precision, optimizer, device
 kind, library versions, whether identical blocks were measured once), else a fresh measurement
 (`profile_model`) with the job's seed, which is then saved there. A cached file with another
-key is reported as stale and replaced. A profile measured (or reused) on a CUDA device records
+key is reported as stale and replaced. A reused profile is logged with its file, its age (the
+file's modification time) and how to measure again: the cache cannot tell a profile measured
+on a busy machine from a good one, so `planning.reprofile` (`oobleck plan --reprofile`) measures
+anew and replaces the file. Measuring logs its progress and the time left (planning/progress.py).
+A profile measured (or reused) on a CUDA device records
 that device's total memory (`ModelProfile.device_memory_bytes`), the planner's default for
 `planning.device_memory_gb`.
 
@@ -77,12 +81,14 @@ from ..config import JobConfig
 from ..models.tensor_parallel import local
 from .microbatch import profile_microbatch_sizes
 from .profile import LayerProfile, ModelProfile, ProfileError, profile_cache_key
+from .progress import ProfileProgress, format_seconds
 
 __all__ = [
     "device_label",
     "device_memory_bytes",
     "layer_kind",
     "profile_layers",
+    "layers_to_measure",
     "profile_layer_by_layer",
     "profile_model",
     "profile_key",
@@ -197,11 +203,16 @@ class _LayerMeter:
             p.grad = None
         return fwd_s, bwd_s
 
-    def measure(self, layer: nn.Module, x: torch.Tensor, *, last: bool, name: str) -> tuple[LayerProfile, torch.Tensor]:
-        """The layer's profile on input `x`, and its output (detached: the next layer's input)."""
+    def measure(
+        self, layer: nn.Module, x: torch.Tensor, *, last: bool, name: str, on_run: Callable[[], None] | None = None
+    ) -> tuple[LayerProfile, torch.Tensor]:
+        """The layer's profile on input `x`, and its output (detached: the next layer's input);
+        `on_run` is called after each of the warmup + repeats runs (progress)."""
         fwd_times, bwd_times = [], []
         for it in range(self.warmup + self.repeats):
             fwd_s, bwd_s = self.timed_iteration(layer, x, last)
+            if on_run is not None:
+                on_run()
             if it >= self.warmup:
                 fwd_times.append(fwd_s)
                 bwd_times.append(bwd_s)
@@ -263,6 +274,17 @@ def _check_settings(optimizer: str, warmup: int, repeats: int, precision: str) -
         raise ValueError(f"precision '{precision}' unknown; choose fp32 or bf16")
 
 
+def layers_to_measure(kinds: Sequence[Hashable | None] | None, num_layers: int) -> int:
+    """How many of `num_layers` layers `profile_layer_by_layer` builds and measures: one per
+    distinct kind (the last layer apart, as it is measured with the loss), every layer without a
+    kind. Layers of one kind with different input shapes are each measured, which this count (for
+    progress only) does not foresee."""
+    if kinds is None:
+        return num_layers
+    seen = {(k, i == num_layers - 1) for i, k in enumerate(kinds) if k is not None}
+    return len(seen) + sum(1 for k in kinds if k is None)
+
+
 def profile_layer_by_layer(
     build: Callable[[int], nn.Module],
     num_layers: int,
@@ -279,6 +301,7 @@ def profile_layer_by_layer(
     precision: str = "fp32",
     release: bool = True,
     log: Callable[[str], None] | None = None,
+    progress: ProfileProgress | None = None,
 ) -> ModelProfile:
     """Profile layers 0..num_layers-1, holding one at a time: `build(i)` returns layer i on
     sample_input's device; after its measurement the profiler drops it (with `release`, also
@@ -287,13 +310,18 @@ def profile_layer_by_layer(
     With `kinds` (one hashable per layer, e.g. `layer_kind` of its meta copy; None = always
     measure), a layer whose kind, input shape and dtype equal those of a layer measured before is
     not built: it gets that layer's numbers under its own name, and the earlier output (same
-    shape) goes on as its output. The last layer is profiled together with loss_fn."""
+    shape) goes on as its output. The last layer is profiled together with loss_fn.
+
+    With `log`, one line per layer, and progress lines with the time left (`progress`, or one made
+    here for this call: planning/progress.py)."""
     _check_settings(optimizer, warmup, repeats, precision)
     if num_layers < 1:
         raise ValueError("profile_layer_by_layer needs at least one layer")
     if kinds is not None and len(kinds) != num_layers:
         raise ValueError(f"kinds has {len(kinds)} entries for {num_layers} layers; give one per layer")
     names = list(names) if names is not None else [f"layer.{i}" for i in range(num_layers)]
+    if progress is None and log is not None:
+        progress = ProfileProgress(layers_to_measure(kinds, num_layers), warmup + repeats, log)
     device = sample_input.device
     cuda = device.type == "cuda"
     meter = _LayerMeter(
@@ -320,10 +348,14 @@ def profile_layer_by_layer(
                         f"{names[seen[0]]}, its numbers reused"
                     )
                 continue  # x has the shape this layer's output would have
+            if progress is not None:
+                progress.start_layer(names[i])
             layer = build(i)
             if layer is None:
                 raise ValueError(f"layer {i} ({names[i]}) is not built; profiling needs every layer")
-            prof, out = meter.measure(layer, x, last=last, name=names[i])
+            prof, out = meter.measure(
+                layer, x, last=last, name=names[i], on_run=progress.run_done if progress is not None else None
+            )
             del layer
             if release:
                 gc.collect()
@@ -332,12 +364,13 @@ def profile_layer_by_layer(
             if kind is not None:
                 measured[kind] = (i, prof, out.shape, out.dtype)
             result.append(prof)
+            summary = progress.layer_done() if progress is not None else ""
             if log is not None:
                 log(
                     f"profiling layer {i + 1}/{num_layers} {names[i]}: fwd "
                     f"{prof.forward_s * 1e3:.2f} ms, bwd {prof.backward_s * 1e3:.2f} ms, "
                     f"params {prof.param_bytes / MIB:.2f} MiB, activations "
-                    f"{prof.activation_bytes / MIB:.2f} MiB"
+                    f"{prof.activation_bytes / MIB:.2f} MiB; {summary}"
                 )
             x = out if not last else x
             del out
@@ -416,6 +449,8 @@ def profile_model(
 
     measured: dict[int, ModelProfile] = {}
     sizes = profile_microbatch_sizes(cfg)  # the configured size; for `auto`, two (planning/microbatch.py)
+    runs = cfg.planning.profile_warmup + cfg.planning.profile_repeats
+    progress = ProfileProgress(layers_to_measure(kinds, n) * len(sizes), runs, log) if log is not None else None
     for size in sizes:
         gen = torch.Generator().manual_seed(seed)
         shape = (size, cfg.data.seq_len)
@@ -425,7 +460,12 @@ def profile_model(
             log(
                 f"profile: measuring {n} layers on {dev}, one at a time (microbatch {shape[0]} x "
                 f"{shape[1]}, {cfg.training.precision}"
-                + (", identical blocks measured once)" if kinds is not None else ")")
+                + (
+                    f", identical blocks measured once: {layers_to_measure(kinds, n)} layers to build and time"
+                    if kinds is not None
+                    else ""
+                )
+                + f", {runs} runs each)"
             )
         measured[size] = profile_layer_by_layer(
             build_prepared,
@@ -441,6 +481,7 @@ def profile_model(
             names=whole.names,
             precision=cfg.training.precision,
             log=log,
+            progress=progress,
         )
     prof = measured[sizes[0]]
     prof.microbatch_size = sizes[0]
@@ -506,15 +547,22 @@ def _key_diff(old: dict[str, Any], new: dict[str, Any]) -> str:
     return ", ".join(keys) or "?"
 
 
+REPROFILE_HINT = "oobleck plan --reprofile, or planning.reprofile=true for a job"
+"""How to measure a cached profile again (named when a cached profile is reused)."""
+
+
 def load_or_profile(
     cfg: JobConfig,
     *,
     device: str | torch.device = "cpu",
     cache_dir: str | Path | None = None,
     log: Callable[[str], None] = print,
+    reprofile: bool = False,
+    now: Callable[[], float] = time.time,
 ) -> ModelProfile:
     """The job's profile: `planning.profile_path`, else a cache hit with the same key, else a
-    fresh measurement (`profile_model`, saved to the cache). See the module docstring."""
+    fresh measurement (`profile_model`, saved to the cache). `reprofile` (or
+    `planning.reprofile`) measures again and replaces the cached file. See the module docstring."""
     if cfg.planning.profile_path:
         prof = ModelProfile.load(cfg.planning.profile_path)
         log(f"profile: using {cfg.planning.profile_path} ({prof.num_layers} layers)")
@@ -526,15 +574,21 @@ def load_or_profile(
             )
         return prof
     key = profile_key(cfg, device=device)
-    path = Path(cache_dir or cfg.data.cache_dir) / "profiles" / f"{profile_cache_key(key)}.json"
-    if path.is_file():
+    path = Path(cache_dir or cfg.data.cache_dir).expanduser() / "profiles" / f"{profile_cache_key(key)}.json"
+    if (reprofile or cfg.planning.reprofile) and path.is_file():
+        age = format_seconds(now() - path.stat().st_mtime)
+        log(f"profile: measuring again as asked (reprofile): replacing {path}, measured {age} ago")
+    elif path.is_file():
         try:
             cached = ModelProfile.load(path)
         except ProfileError as err:
             log(f"profile: cached {path} is unreadable ({err}); re-profiling")
         else:
             if cached.key == key:
-                log(f"profile: reusing cached {path} ({cached.num_layers} layers)")
+                log(
+                    f"profile: reusing cached {path} ({cached.num_layers} layers), measured "
+                    f"{format_seconds(now() - path.stat().st_mtime)} ago; to measure again: {REPROFILE_HINT}"
+                )
                 cached.device_memory_bytes = device_memory_bytes(device) or cached.device_memory_bytes
                 return cached
             log(f"profile: cached {path} is stale (key differs in {_key_diff(cached.key, key)}); re-profiling")

@@ -8,7 +8,11 @@
   backend of its tensors' device: control collectives (generation agreement, held layouts, norm
   and loss, commit vote) are small CPU tensors and go over gloo; data (pipeline send/receive,
   holder-set gradient sums, tied-weight sums, layer and optimizer-state transfers) are device
-  tensors and go over NCCL. On the CPU the map is `cpu:gloo`: both are gloo.
+  tensors and go over NCCL. On the CPU every group is plain `gloo` (both kinds over gloo), not
+  the map `cpu:gloo`: torch 2.13 gives a group created from a map without NCCL no default
+  backend whenever a backend plugin is registered (importing `torch.distributed.fsdp` registers
+  its test backend `fake`), and destroying such a world then warns "No backend of type 0 found
+  for Process Group with name undefined" at the end of every run.
 - **Abandoning a generation.** `release_groups(abort=True)` aborts every group of the generation and
   forgets them (`_abort_process_group` on the world). NCCL operations blocked on a dead or hung
   peer return with an error at once; gloo has no way to interrupt a blocked operation, which
@@ -61,9 +65,9 @@ def resolve_device(setting: str, local_rank: int) -> torch.device:
 
 
 def backend_for(device: torch.device) -> str:
-    """The process groups' device-to-backend map: gloo for CPU tensors, and NCCL for CUDA ones
-    when the worker trains on a GPU (the same mechanism on both, so CPU tests cover it)."""
-    return "cpu:gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:nccl"
+    """The process groups' backend: on a GPU the device-to-backend map gloo for CPU tensors and
+    NCCL for CUDA ones; on the CPU plain gloo (see the module docstring for why not `cpu:gloo`)."""
+    return "gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:nccl"
 
 
 _SAFE = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": ("0", "2"), "TORCH_NCCL_ENABLE_MONITORING": ("0",)}
