@@ -1,11 +1,15 @@
-"""Seeded chaos, run by hand (CI skips it):
+"""Seeded chaos: a 4-node job runs while a seeded schedule SIGKILLs random nodes (the leader
+included) and starts new ones; checkpoints every 3 steps cover the cases where every copy of a
+layer dies. The invariant is the same as everywhere: the final weights equal an uninterrupted
+single-process run on the same global batches.
 
-    OOBLECK_CHAOS_SEED=7 OOBLECK_CHAOS_EVENTS=6 .venv/bin/python -m pytest -m chaos tests/test_chaos.py
+    make test-all       # seeds 1-5 and 4242, 8 events each (extended: not in CI)
+    OOBLECK_CHAOS_SEED=7 OOBLECK_CHAOS_EVENTS=6 .venv/bin/python -m pytest -m chaos -s tests/test_chaos.py
 
-A 4-node job runs while a seeded schedule SIGKILLs random nodes (the leader included) and starts
-new ones, one event after the previous reconfiguration has finished; checkpoints every 3 steps
-cover the cases where every copy of a layer dies. The invariant is the same as everywhere: the
-final weights equal an uninterrupted single-process run on the same global batches."""
+The schedule keeps n0 = 2 nodes alive by what the job itself has seen: the next victim is chosen
+only once the current plan has left out every node killed before (so a node whose record has not
+expired yet is never counted as alive), among that plan's nodes, and only while more than two of
+them are left. A seed therefore can never make the job's task impossible."""
 
 from __future__ import annotations
 
@@ -17,43 +21,73 @@ import pytest
 
 from helpers import assert_same, run_job, tiny_profile, when
 
-pytestmark = pytest.mark.chaos
+N0 = 2  # the tiny profile's fewest nodes for one replica
 
 
-def test_random_kills_and_joins(tmp_path: Path, etcd_server, run_id) -> None:
+def schedule(seed: int, events: int) -> tuple[list[tuple[int, str]], int]:
+    """(step, kill|join) of each event and the job's steps, from the seed."""
+    rng = random.Random(seed)
+    kinds = [rng.choice(["kill", "kill", "join"]) for _ in range(events)]
+    return [(4 + 6 * i, kind) for i, kind in enumerate(kinds)], 8 + 6 * events
+
+
+def pick_victim(rng: random.Random, plan_nodes: list[str], killed: list[str]) -> str | None:
+    """The next node to kill: one of the current plan's nodes, while more than n0 of them remain."""
+    alive = [n for n in plan_nodes if n not in killed]
+    return rng.choice(alive) if len(alive) > N0 else None
+
+
+def test_a_victim_is_chosen_only_among_the_plans_nodes_while_more_than_n0_remain() -> None:
+    rng = random.Random(0)
+    assert pick_victim(rng, ["a", "b", "c"], []) in {"a", "b", "c"}
+    assert pick_victim(rng, ["a", "b", "c"], ["c"]) is None  # two left: keep them
+    assert pick_victim(rng, ["a", "b"], []) is None
+    assert pick_victim(rng, ["a", "b", "c", "d"], ["a"]) in {"b", "c", "d"}
+    assert schedule(4242, 8) == schedule(4242, 8) and len(schedule(4242, 8)[0]) == 8
+
+
+def _chaos(tmp_path: Path, etcd_server, run_id: str, seed: int, events: int) -> None:
     from launcher.local import kill_node
+    from oobleck_elastic.planning import Plan
     from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.rendezvous.membership import live_nodes
 
-    seed = int(os.environ.get("OOBLECK_CHAOS_SEED", "0"))
-    events = int(os.environ.get("OOBLECK_CHAOS_EVENTS", "4"))
-    rng = random.Random(seed)
-    kinds = [rng.choice(["kill", "kill", "join"]) for _ in range(events)]
-    steps = 8 + 6 * events
-    event_steps = [4 + 6 * i for i in range(events)]
-    joins = [str(s) for s, k in zip(event_steps, kinds) if k == "join"]
-    kills = [s for s, k in zip(event_steps, kinds) if k == "kill"]
+    plan_of_events, steps = schedule(seed, events)
+    said = f"seed {seed}: events {plan_of_events}"
+    print(said, flush=True)
+    rng = random.Random(seed + 1)
+    joins = [str(s) for s, k in plan_of_events if k == "join"]
+    kills = [s for s, k in plan_of_events if k == "kill"]
     keys = Keys("/oobleck", run_id)
     done: list[str] = []
 
+    def current_plan(c) -> Plan | None:
+        value = c.get_json(keys.plan)[0]
+        return Plan.from_json(value) if value else None
+
     def chaos(proc) -> None:
-        generation = 1
         for at in kills:
 
             def ready(c, at=at) -> bool:
                 progress = c.get_json(keys.progress)[0] or {}
-                # the generation reached so far, read when polled (it grows after each kill)
-                return progress.get("step", 0) >= at and progress.get("generation", 0) >= generation  # noqa: B023
+                plan = current_plan(c)
+                # the job has reached the step, and its plan no longer holds a node killed before
+                return (
+                    progress.get("step", 0) >= at and plan is not None and not set(done) & set(plan.nodes)  # noqa: B023
+                )
 
             def kill(c) -> None:
-                nodes = live_nodes(c, keys)
-                if len(nodes) > 2:  # keep n0 = 2 nodes alive
-                    victim = rng.choice(nodes)
-                    kill_node(victim.agent_pid)
-                    done.append(victim.node_id)
+                plan = current_plan(c)
+                assert plan is not None
+                victim = pick_victim(rng, list(plan.nodes), done)
+                if victim is None:
+                    return
+                record = next((r for r in live_nodes(c, keys) if r.node_id == victim), None)
+                if record is not None:
+                    kill_node(record.agent_pid)
+                    done.append(victim)
 
             when(etcd_server.endpoint, proc, ready, kill)
-            generation += 1
 
     profile = tiny_profile(tmp_path / "profile.json")
     launcher_args = ["--nodes", "4", "--exit-grace", "20"] + [a for s in joins for a in ("--join", s)]
@@ -68,5 +102,18 @@ def test_random_kills_and_joins(tmp_path: Path, etcd_server, run_id) -> None:
         during=chaos,
         killed_by_test=lambda: len(done),
     )
-    print(f"seed {seed}: events {list(zip(event_steps, kinds))}, killed {done}")
+    print(f"{said}, killed {done}", flush=True)
     assert_same(job, ref)
+
+
+@pytest.mark.chaos
+def test_random_kills_and_joins(tmp_path: Path, etcd_server, run_id) -> None:
+    seed = int(os.environ.get("OOBLECK_CHAOS_SEED", "0"))
+    events = int(os.environ.get("OOBLECK_CHAOS_EVENTS", "4"))
+    _chaos(tmp_path, etcd_server, run_id, seed, events)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5, 4242])
+def test_chaos_seeds(tmp_path: Path, etcd_server, run_id, seed: int) -> None:
+    _chaos(tmp_path, etcd_server, run_id, seed, 8)
