@@ -49,9 +49,7 @@ def ft(**values) -> FaultToleranceConfig:
 )
 def test_overdue(in_step, progress, waiting, typical, floor, factor, bound) -> None:
     """Standing still counts, not the step's length, and waiting for a peer is not standing still."""
-    beat = Beat(
-        pid=1, in_step=in_step, step=3, since=0.0, typical_step_s=typical, progress=progress, waiting=waiting
-    )
+    beat = Beat(pid=1, in_step=in_step, step=3, since=0.0, typical_step_s=typical, progress=progress, waiting=waiting)
     assert overdue(beat, 100.0, ft(hang_floor_s=floor, hang_factor=factor)) == bound
 
 
@@ -263,3 +261,65 @@ def test_a_stopped_worker_on_a_live_node_is_cut_off(tmp_path: Path, etcd_server,
     assert done and min(done) - stopped["at"] < 25, (min(done) - stopped["at"], out[-3000:])
     print(f"SIGSTOP -> next step: {min(done) - stopped['at']:.2f} s")
     assert_same(job, ref)
+
+
+def _step_times(out: str) -> list[tuple[float, int]]:
+    """(log time, step) of every completed step in a job's output."""
+    found = []
+    for line in out.splitlines():
+        m = re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO gen \d+ step (\d+)/\d+ node", line)
+        if m:
+            found.append((datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), int(m.group(2))))
+    return found
+
+
+def _a_stuck_step_is_cut_off(tmp_path: Path, etcd_server, run_id: str, where: str) -> None:
+    """OOBLECK_BLOCK_AT=1@4:WHERE blocks rank 1's step thread in step 5 while its main thread runs
+    on: its agent finds that the step thread makes no progress (its peers wait for it in their
+    communication calls), records its stacks, withdraws its readiness and stops it; the job goes
+    on within the bound (3 s) + a re-plan, not at comm_timeout_s (30 s), with the reference weights."""
+    from oobleck_elastic.etcd import EtcdSettings, connect
+    from oobleck_elastic.records.keys import Keys
+    from oobleck_elastic.rendezvous.membership import read_events
+
+    profile = tiny_profile(tmp_path / "profile.json")
+    keys = Keys("/oobleck", run_id)
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4"],
+        12,
+        profile,
+        extra=["fault_tolerance.hang_floor_s=3", "fault_tolerance.hang_factor=2"],
+        env={"OOBLECK_BLOCK_AT": f"1@4:{where}"},
+    )
+    client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
+    try:
+        hangs = [ev for _, ev in read_events(client, keys) if ev.kind == "hang"]
+        errors = client.get_json(keys.errors)[0]
+    finally:
+        client.close()
+    assert len(hangs) == 1, (hangs, out[-4000:])  # only the stuck worker: its peers waited for it
+    node = hangs[0].node
+    assert f"node {node}: worker 0 (pid" in out and "its step thread has made no progress in step" in out, out[-4000:]
+    assert errors["error"].startswith(f"WorkerHung: worker 0 of node {node} hung in step")
+    assert "_blocked_step_thread" in errors["traceback"], errors["traceback"]  # its stacks, from faulthandler
+    # the blocked step: 5 (loop: nobody completes it) or 6 (comm: rank 1 posted step 5's commit)
+    stuck = 5 if where == "loop" else 6
+    times = _step_times(out)
+    before = max(t for t, s in times if s == stuck - 1)
+    after = min(t for t, s in times if s == stuck)
+    assert after - before < 25, (after - before, out[-3000:])  # comm_timeout_s is 30 s here
+    print(f"OOBLECK_BLOCK_AT {where}: step {stuck - 1} -> step {stuck}: {after - before:.2f} s")
+    assert_same(job, ref)
+
+
+@pytest.mark.slow
+def test_a_step_thread_stuck_in_a_plain_loop_is_cut_off(tmp_path: Path, etcd_server, run_id) -> None:
+    _a_stuck_step_is_cut_off(tmp_path, etcd_server, run_id, "loop")
+
+
+@pytest.mark.slow
+def test_a_step_thread_stuck_inside_a_collective_wait_is_cut_off(tmp_path: Path, etcd_server, run_id) -> None:
+    _a_stuck_step_is_cut_off(tmp_path, etcd_server, run_id, "comm")
