@@ -49,8 +49,17 @@ def ft(**values) -> FaultToleranceConfig:
 )
 def test_overdue(in_step, progress, waiting, typical, floor, factor, bound) -> None:
     """Standing still counts, not the step's length, and waiting for a peer is not standing still."""
-    beat = Beat(pid=1, in_step=in_step, step=3, since=0.0, typical_step_s=typical, progress=progress, waiting=waiting)
-    assert overdue(beat, 100.0, ft(hang_floor_s=floor, hang_factor=factor)) == bound
+    beat = Beat(1, in_step, 3, 0.0, typical_step_s=typical, progress=progress, waiting=waiting, written=99.9)
+    assert overdue(beat, 100.0, ft(hang_floor_s=floor, hang_factor=factor)) == bound  # its main thread writes
+
+
+def test_a_process_that_stopped_writing_is_hung_even_while_waiting() -> None:
+    """A stopped or frozen process (SIGSTOP) writes nothing more: past the bound it is hung, even if
+    its step thread was waiting for a peer when it stopped."""
+    conf = ft(hang_floor_s=5.0, hang_factor=10.0)
+    beat = Beat(1, True, 3, 0.0, typical_step_s=0.1, progress=90.0, waiting=90.0, written=90.0)
+    assert overdue(beat, 96.0, conf) == 5.0
+    assert overdue(beat, 94.0, conf) is None
 
 
 def test_only_the_stuck_worker_stands_still() -> None:
@@ -60,7 +69,7 @@ def test_only_the_stuck_worker_stands_still() -> None:
     now, conf = 100.0, ft(hang_floor_s=3.0, hang_factor=2.0)
 
     def beat(progress: float, waiting: float) -> Beat:
-        return Beat(pid=1, in_step=True, step=5, since=80.0, typical_step_s=0.5, progress=progress, waiting=waiting)
+        return Beat(1, True, 5, 80.0, typical_step_s=0.5, progress=progress, waiting=waiting, written=99.9)
 
     stuck = beat(progress=90.0, waiting=0.0)  # no progress since 90, not waiting for a peer
     peers = [beat(progress=91.0, waiting=91.0), beat(progress=90.5, waiting=90.5), beat(progress=92.0, waiting=92.0)]
@@ -127,6 +136,7 @@ def test_the_heartbeat_file_round_trips(tmp_path: Path) -> None:
         hb.tick()
         moved = read_beat(tmp_path / "2.hb")
         assert moved is not None and moved.progress > beat.progress and moved.waiting == 0.0
+        assert moved.written >= moved.progress and still is not None and moved.written > still.written
         with progress.waiting(Work(False)):
             time.sleep(0.01)
             hb.tick()
@@ -143,7 +153,7 @@ def test_the_heartbeat_file_round_trips(tmp_path: Path) -> None:
     assert Heartbeat(0, str(tmp_path / "missing"))._fd is None  # no directory: a no-op
     old = tmp_path / "old.hb"  # a six-field line (an older worker): not waiting
     old.write_text("12 step 3 10.000 0.500 11.000".ljust(95) + "\n")
-    assert read_beat(old) == Beat(12, True, 3, 10.0, 0.5, 11.0, 0.0)
+    assert read_beat(old) == Beat(12, True, 3, 10.0, 0.5, 11.0, 0.0, 11.0)
 
 
 def test_oobleck_block_at_is_parsed() -> None:

@@ -6,14 +6,17 @@ collectives. So each worker tells its agent, locally and with no etcd write, wha
 by overwriting one fixed-width line of a small file (`<local rank>.hb`) in the directory the agent
 gives it (`OOBLECK_HEARTBEAT_DIR`):
 
-    <pid> <state: step|idle> <step> <unix time the state began> <typical step s> <last progress> <waiting since>
+    <pid> <state: step|idle> <step> <unix time the state began> <typical step s> <last progress>
+    <waiting since> <written>                                                        (one line)
 
 While a step runs, "last progress" is when the worker's step thread last passed a progress point
 (a compute chunk, entering or leaving a communication call; the step thread only bumps a counter,
 and the worker's main thread turns a change of it into a time when it rewrites the line), and
 "waiting since" is when the step thread began waiting for a peer in a communication call whose
-part it has posted (0: it is not). Outside a step both are the time of the last write. A line of
-six fields (an older worker) reads as one that is not waiting.
+part it has posted (0: it is not); "written" is when the main thread wrote the line. Outside a
+step "last progress" is the time of the last write. A line of six fields (an older worker, whose
+last field was the time of its write) reads as one that is not waiting and progressed when it
+wrote.
 
 The worker side is engine/resilience/heartbeat.py (`Heartbeat`); the agent side is
 rendezvous/hang.py (`HangWatch`), which reads the line with `read_beat` and, before it stops a hung
@@ -34,7 +37,7 @@ __all__ = ["ENV", "LINE", "STACK_SIGNAL", "Beat", "read_beat"]
 ENV = "OOBLECK_HEARTBEAT_DIR"
 
 
-LINE = 96
+LINE = 128
 """Bytes of the heartbeat line (space-padded)."""
 
 
@@ -58,12 +61,14 @@ class Beat:
     """Unix time the worker's step thread last made progress (module docstring)."""
     waiting: float = 0.0
     """Unix time the step thread began waiting for a peer in a communication call (0: it is not)."""
+    written: float = 0.0
+    """Unix time the worker's main thread wrote the line (a stopped process stops writing)."""
 
     def line(self) -> bytes:
         """The beat as the file holds it: one space-padded line of `LINE` bytes."""
         text = (
             f"{self.pid} {'step' if self.in_step else 'idle'} {self.step} {self.since:.3f} "
-            f"{self.typical_step_s:.3f} {self.progress:.3f} {self.waiting:.3f}"
+            f"{self.typical_step_s:.3f} {self.progress:.3f} {self.waiting:.3f} {self.written:.3f}"
         )
         return text.ljust(LINE - 1).encode()[: LINE - 1] + b"\n"
 
@@ -80,6 +85,7 @@ def read_beat(path: Path) -> Optional[Beat]:
             typical_step_s=float(fields[4]),
             progress=float(fields[5]),
             waiting=float(fields[6]) if len(fields) > 6 else 0.0,
+            written=float(fields[7] if len(fields) > 7 else fields[5]),
         )
     except (OSError, ValueError, IndexError):
         return None

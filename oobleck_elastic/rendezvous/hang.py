@@ -19,7 +19,8 @@ call entered or left) and whether it is waiting for a peer in a communication ca
   thread is blocked in a plain loop, in compute, or inside a communication call whose handles
   completed. A collective hung with every part posted names nobody here (every worker waits for
   an incomplete handle): its own timeout (`comm_timeout_s`, derived from the measured steps by
-  default) ends it. A stopped process writes no beat at all, and stands still too.
+  default) ends it. A stopped or frozen process writes no beat at all (its main thread stands
+  still too), and is hung past the bound whatever its step thread was doing.
 - **Action** (`HangWatch`): the agent asks the worker for its threads' stacks (SIGUSR2:
   `faulthandler`, registered by the worker, writes them to `<local rank>.stack`; a stopped process
   cannot answer, and is recorded as stopped), records them under the run's `errors` key and as a
@@ -65,12 +66,14 @@ def _stopped(pid: int) -> bool:
 
 
 def overdue(beat: Beat, now: float, ft: FaultToleranceConfig) -> Optional[float]:
-    """The hang bound a worker's step thread has stood still beyond (module docstring), or None:
-    not in a step, waiting for a peer, moved within the bound, or the watch is off."""
-    if not beat.in_step or beat.waiting:
-        return None
+    """The hang bound a worker in a step has stood still beyond (module docstring), or None: not in
+    a step, moved within the bound, waiting for a peer (its main thread writing), or the watch is off."""
     bound = hang_bound(ft, beat.typical_step_s)
-    return bound if bound is not None and now - beat.progress > bound else None
+    if not beat.in_step or bound is None:
+        return None
+    if now - beat.written > bound:  # the whole process stands still (stopped, frozen)
+        return bound
+    return bound if not beat.waiting and now - beat.progress > bound else None
 
 
 class HangWatch:

@@ -77,7 +77,7 @@ class Heartbeat:
             return
         now = time.time()
         progress, waiting = (self._moved, self._waiting) if in_step else (now, 0.0)
-        beat = Beat(os.getpid(), in_step, step, since, self.typical_step_s, progress, waiting)
+        beat = Beat(os.getpid(), in_step, step, since, self.typical_step_s, progress, waiting, now)
         os.pwrite(self._fd, beat.line(), 0)
 
     def begin(self, step: int) -> None:
