@@ -43,7 +43,8 @@ def ft(**values) -> FaultToleranceConfig:
         (True, 0.0, 0.0, 1.0, 0.0, 10.0, None),  # the watch is off
         (True, 50.0, 60.0, 1.0, 5.0, 10.0, None),  # waiting for a peer since 60: not hung
         (True, 50.0, 0.0, 0.0, None, 10.0, None),  # auto: 120 s before a step was measured
-        (True, 50.0, 0.0, 0.5, None, 10.0, 10.0),  # auto: 10 s once steps are measured
+        (True, 75.0, 0.0, 0.5, None, 10.0, None),  # auto: 30 s once steps are measured
+        (True, 65.0, 0.0, 0.5, None, 10.0, 30.0),
         (True, 50.0, 0.0, 6.0, None, 10.0, None),  # auto: 10 x a 6 s step
     ],
 )
@@ -82,14 +83,14 @@ def test_the_derived_clocks() -> None:
     """Auto values follow the typical step; explicit values override them (config/timing.py)."""
     auto = ft()
     assert typical_step([]) == 0.0 and typical_step([0.3, 9.0, 0.2, 0.4]) == 0.3
-    assert hang_bound(auto, 0.0) == 120.0 and hang_bound(auto, 0.2) == 10.0 and hang_bound(auto, 3.0) == 30.0
-    assert comm_timeout(auto, 0.0) == 300.0 and comm_timeout(auto, 0.2) == 60.0 and comm_timeout(auto, 3.0) == 90.0
+    assert hang_bound(auto, 0.0) == 120.0 and hang_bound(auto, 0.2) == 30.0 and hang_bound(auto, 6.0) == 60.0
+    assert comm_timeout(auto, 0.0) == 300.0 and comm_timeout(auto, 0.2) == 120.0 and comm_timeout(auto, 6.0) == 180.0
     assert stall_report(auto, 0.0) == 1.0 and stall_report(auto, 2.5) == 2.5
     explicit = ft(hang_floor_s=20.0, comm_timeout_s=45.0, stall_report_s=0.0)
-    assert hang_bound(explicit, 0.2) == 20.0 and hang_bound(explicit, 3.0) == 30.0
+    assert hang_bound(explicit, 0.2) == 20.0 and hang_bound(explicit, 6.0) == 60.0
     assert comm_timeout(explicit, 3.0) == 45.0 and stall_report(explicit, 2.5) == 0.0
     off = ft(hang_floor_s=0.0)
-    assert hang_bound(off, 3.0) is None and comm_timeout(off, 3.0) == 90.0  # the watch off: still above 10 steps
+    assert hang_bound(off, 6.0) is None and comm_timeout(off, 6.0) == 180.0  # the watch off: still 3 x 10 steps
     assert ft(hang_floor_s=-1.0).validate() and ft(comm_timeout_s=0.0).validate() and ft(stall_report_s=-1).validate()
     assert not ft().validate()
 

@@ -265,7 +265,7 @@ class FaultToleranceConfig(Section):
     slow peer is not a failure. Dead and hung peers are found by the control plane (liveness
     sockets, leases, the roll call, the hang watch), which abandons the step without waiting for
     this timeout; an abandoned gloo call keeps its thread, and the previous copy of its layers,
-    until it. None (auto): 300 s until the worker has measured a step, then max(60 s, 3 x the
+    until it. None (auto): 300 s until the worker has measured a step, then max(120 s, 3 x the
     hang bound) at each generation's entry (config/timing.py)."""
     join_timeout_s: float = 3.0
     """Timeout of connecting a generation's collective groups. A peer that dies during a
@@ -298,7 +298,7 @@ class FaultToleranceConfig(Section):
     entered or left, and not waiting for a peer in one) for longer than max(hang_floor_s,
     hang_factor x its typical step) while its node is alive is hung: its agent records its
     stacks, stops it and restarts it, and the job re-plans (rendezvous/hang.py). The floor covers
-    a first step; 0 = off. None (auto): 120 s until the worker has measured a step, then 10 s
+    a first step; 0 = off. None (auto): 120 s until the worker has measured a step, then 30 s
     (config/timing.py)."""
     hang_factor: float = 10.0
     """See hang_floor_s; the typical step is the median wall time of the worker's last steps."""

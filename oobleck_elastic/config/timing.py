@@ -44,12 +44,14 @@ __all__ = [
 
 FIRST_STEP_FLOOR_S = 120.0
 """Auto hang floor before a step was measured (a first step compiles, autotunes, warms up)."""
-MEASURED_FLOOR_S = 10.0
-"""Auto hang floor once steps are measured (scheduling noise on a busy host, a slow checkpoint)."""
+MEASURED_FLOOR_S = 30.0
+"""Auto hang floor once steps are measured (a garbage collection, a busy host, a data source that
+hiccups: a step thread may pause this long without being stuck)."""
 FIRST_COMM_TIMEOUT_S = 300.0
 """Auto communication timeout before a step was measured."""
-COMM_FLOOR_S = 60.0
-"""Least auto communication timeout once steps are measured."""
+COMM_FLOOR_S = 120.0
+"""Least auto communication timeout once steps are measured (a newcomer's first step in a
+generation may compile and warm up while its peers wait in their receives)."""
 COMM_OVER_HANG = 3.0
 """The auto communication timeout is at least this many hang bounds."""
 STALL_FLOOR_S = 1.0

@@ -12,7 +12,7 @@ call entered or left) and whether it is waiting for a peer in a communication ca
 - **Decision** (`overdue`, pure): a worker in a step whose step thread has made no progress, and
   is not waiting for a peer, for longer than the hang bound -- max(floor, `hang_factor` × its
   typical step), the floor being `fault_tolerance.hang_floor_s` or, by default, derived from the
-  measured steps (config/timing.py: 120 s before a step was measured, 10 s after) -- is hung; a
+  measured steps (config/timing.py: 120 s before a step was measured, 30 s after) -- is hung; a
   floor of 0 turns the watch off. Standing still, not a long step, is the sign, and waiting is
   not standing still: the peers of a hung worker wait for it in communication calls whose
   handles cannot complete without its part, so only the hung one is cut off, whether its step
