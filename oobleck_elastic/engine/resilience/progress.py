@@ -25,7 +25,12 @@ collective's own timeout, `fault_tolerance.comm_timeout_s` (derived from the mea
 by default, config/timing.py), ends it.
 
 Pipeline sends and receives are waited for inside torch's schedules; `watch_pipeline_waits`
-wraps the schedules' one waiting function so those waits are marked too.
+wraps the schedules' one waiting function so those waits are marked too. The collectives of
+tensor parallelism run inside a layer's forward and backward, within a compute chunk, and are not
+marked: a lane blocked outside them leaves its stage's other lanes standing still in them, so
+every lane of that stage is cut off (they are replaced alike). On a GPU the step's one device sync
+(the norm read after the gradient sums) is marked as waiting, so a kernel stuck on the device
+shows as a wait and is left to the communication timeout.
 """
 
 from __future__ import annotations
