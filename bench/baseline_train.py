@@ -143,6 +143,7 @@ def main() -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from oobleck_elastic.config import load_config
+    from oobleck_elastic.config.timing import comm_timeout
     from oobleck_elastic.data.sampler import GlobalBatchSampler, collate
     from oobleck_elastic.data.dataset import build_dataset
     from oobleck_elastic.engine.step.optim import build_optimizer, set_lr, token_sum_loss
@@ -158,7 +159,7 @@ def main() -> int:
     loss_fn = token_sum_loss(t.global_batch_size * seq_len)
 
     t_data = time.time()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.fault_tolerance.comm_timeout_s))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=comm_timeout(cfg.fault_tolerance)))
     t_group = time.time()
     layers = build_layer_model(cfg.model, seed=t.seed)
     module = layers.stage(0, layers.num_layers)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from oobleck_elastic.engine.resilience.progress import Progress
 from oobleck_elastic.engine.step.commit import CommitVote, combine, commit, own_slot
 
 
@@ -84,15 +85,26 @@ def test_commit_is_one_max_all_reduce_over_the_group(monkeypatch) -> None:
     others = [_vote(1, 3, generation=9, max_loss=4.0), _vote(2, 3, rejections=2)]
     calls = []
 
-    def all_reduce(tensor: torch.Tensor, op=None, group=None) -> None:  # the other workers' votes arrive
-        calls.append((op, group))
+    class Work:
+        def wait(self) -> None:
+            calls.append("waited")
+
+        def is_completed(self) -> bool:
+            return False
+
+    def all_reduce(tensor: torch.Tensor, op=None, group=None, async_op=False) -> Work:  # the others' votes arrive
+        calls.append((op, group, async_op))
         tensor.copy_(torch.stack([tensor, *(v.pack() for v in others)]).amax(0))
+        return Work()
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     mine = _vote(0, 3)
-    group = object()
-    assert commit(mine, group=group) == combine([mine, *others])
-    assert calls == [(dist.ReduceOp.MAX, group)]
+    group, progress = object(), Progress()
+    # its wait is marked as waiting for the peers (engine/resilience/progress.py)
+    waiting = lambda: calls.append(progress.waits_for_a_peer())  # noqa: E731
+    assert commit(mine, group=group, progress=progress, while_waiting=waiting) == combine([mine, *others])
+    assert calls == [(dist.ReduceOp.MAX, group, True), True, "waited"]
+    assert not progress.waits_for_a_peer()
 
 
 def test_one_slot_fields_travel_as_float32_and_seconds_and_unix_times_as_float64() -> None:

@@ -6,8 +6,11 @@
                   onto the schema, every problem turned into one `ConfigError`; to/from dict
     reference.py  the configuration reference, rendered as Markdown from the field docstrings
                   (`oobleck config reference`; docs/config.md is its output, checked in)
+    timing.py     the fault-tolerance clocks left to `None` (auto), derived from the measured
+                  step times: the hang bound, the communication timeout, the stall report
 
-Imports go one way: loading and reference import schema, which imports nothing of this package.
+Imports go one way: loading, reference and timing import schema, which imports nothing of this
+package.
 """
 
 from .loading import from_dict, load_config, to_dict, to_yaml

@@ -278,13 +278,15 @@ class FaultToleranceConfig(Section):
     """etcd lease TTL of a node's membership record."""
     settle_s: float = 0.5
     """Window in which simultaneous membership changes are batched into one re-plan."""
-    comm_timeout_s: float = 300.0
+    comm_timeout_s: Optional[float] = None
     """Timeout of a step's communication (pipeline sends and receives, gradient sums, the commit)
     and of every collective once connected. A step may take this long, the first one of a
     generation included (allocator warm-up, kernel autotuning, compilation, a large stage): a
     slow peer is not a failure. Dead and hung peers are found by the control plane (liveness
-    sockets, leases, the roll call), which abandons the step without waiting for this timeout;
-    an abandoned gloo call keeps its thread, and the previous copy of its layers, until it."""
+    sockets, leases, the roll call, the hang watch), which abandons the step without waiting for
+    this timeout; an abandoned gloo call keeps its thread, and the previous copy of its layers,
+    until it. None (auto): 300 s until the worker has measured a step, then max(120 s, 3 x the
+    hang bound) at each generation's entry (config/timing.py)."""
     join_timeout_s: float = 3.0
     """Timeout of connecting a generation's collective groups. A peer that dies during a
     reconfiguration, after publishing its address, holds the others in gloo's connection set-up
@@ -292,10 +294,11 @@ class FaultToleranceConfig(Section):
     comm_timeout_s. It never applies to a step: pipeline groups, whose gloo receives keep the
     timeout they connected with, connect under comm_timeout_s. Raise it when thousands of ranks
     connect slowly."""
-    stall_report_s: float = 1.0
+    stall_report_s: Optional[float] = None
     """A worker waiting this long for its peers while joining a generation checks in at the
     leader's roll call, which pings the nodes not heard from and re-plans without the dead ones
-    (a node killed during a reconfiguration); 0 disables it."""
+    (a node killed during a reconfiguration); 0 disables it. None (auto): max(1 s, the worker's
+    typical step) (config/timing.py)."""
     rendezvous_timeout_s: float = 600.0
     """How long the first rendezvous waits for the minimum number of nodes."""
     max_repeated_errors: int = 3
@@ -310,12 +313,15 @@ class FaultToleranceConfig(Section):
     preempt_grace_s: float = 60.0
     """Seconds a node has, after its preemption notice, to hand its layers over and leave; a node
     still there then is stopped and handled as a failure."""
-    hang_floor_s: float = 120.0
-    """A worker in one step for longer than max(hang_floor_s, hang_factor x its last step time)
-    while its node is alive is hung: its agent records its stacks, stops it and restarts it, and
-    the job re-plans (rendezvous/hang.py). The floor covers a first step; 0 = off."""
+    hang_floor_s: Optional[float] = None
+    """A worker whose step thread makes no progress (no compute chunk, no communication call
+    entered or left, and not waiting for a peer in one) for longer than max(hang_floor_s,
+    hang_factor x its typical step) while its node is alive is hung: its agent records its
+    stacks, stops it and restarts it, and the job re-plans (rendezvous/hang.py). The floor covers
+    a first step; 0 = off. None (auto): 120 s until the worker has measured a step, then 30 s
+    (config/timing.py)."""
     hang_factor: float = 10.0
-    """See hang_floor_s."""
+    """See hang_floor_s; the typical step is the median wall time of the worker's last steps."""
     max_skipped_steps: int = 3
     """A step whose loss or gradient norm is not finite (or whose loss spikes, see
     loss_spike_factor) is never applied: it is replayed once, then its batch is skipped. This many
@@ -356,7 +362,7 @@ class FaultToleranceConfig(Section):
             problems.append(str(err))
         if self.preempt_grace_s <= 0:
             problems.append(f"'fault_tolerance.preempt_grace_s' must be > 0 (got {self.preempt_grace_s})")
-        if self.hang_floor_s < 0 or self.hang_factor < 1:
+        if (self.hang_floor_s is not None and self.hang_floor_s < 0) or self.hang_factor < 1:
             problems.append(
                 "'fault_tolerance.hang_floor_s' must be >= 0 (0 = off) and 'fault_tolerance.hang_factor' >= 1 "
                 f"(got {self.hang_floor_s} and {self.hang_factor})"
@@ -377,13 +383,15 @@ class FaultToleranceConfig(Section):
             )
         if self.watch_interval_s <= 0:
             problems.append(f"'fault_tolerance.watch_interval_s' must be > 0 (got {self.watch_interval_s})")
-        if self.join_timeout_s <= 0 or self.comm_timeout_s <= 0:
+        if self.join_timeout_s <= 0 or (self.comm_timeout_s is not None and self.comm_timeout_s <= 0):
             problems.append(
                 "'fault_tolerance.join_timeout_s' and 'fault_tolerance.comm_timeout_s' must be > 0 (got "
                 f"{self.join_timeout_s} and {self.comm_timeout_s})"
             )
         problems += _at_least("fault_tolerance", self, ("max_skipped_steps", "max_repeated_errors"), 1)
-        return problems + _at_least("fault_tolerance", self, ("stall_report_s",), 0)
+        if self.stall_report_s is not None and self.stall_report_s < 0:
+            problems.append(f"'fault_tolerance.stall_report_s' must be >= 0 (got {self.stall_report_s})")
+        return problems
 
 
 @dataclass

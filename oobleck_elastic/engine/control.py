@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import JobConfig
+from ..config.timing import comm_timeout
 from ..planning import MicrobatchChoice, PipelineSpec, Plan, StagePlacement, fixed_microbatch_size
 from ..records.control import ProgressRecord
 from ..records.errors import ErrorRecord, next_error_record
@@ -55,8 +56,9 @@ class ControlPlane(Protocol):
     def failure_of_job(self) -> Optional[str]:
         """The reason the job was closed as failed, or None."""
 
-    def store_for(self, generation: int, cfg: JobConfig) -> dist.Store:
-        """The c10d store of `generation`'s process groups."""
+    def store_for(self, generation: int, cfg: JobConfig, *, typical_step_s: float = 0.0) -> dist.Store:
+        """The c10d store of `generation`'s process groups (`typical_step_s`: this worker's typical
+        step, from which the auto timeouts derive, config/timing.py)."""
 
     def abandon_check(self, plan: Plan) -> Callable[[], Optional[str]]:
         """`should_abandon` for steps of `plan` (see engine/runner.py)."""
@@ -198,9 +200,9 @@ class LocalControl:
     def failure_of_job(self) -> Optional[str]:
         return self._closed[0] if self._closed is not None and self._closed[1] else None
 
-    def store_for(self, generation: int, cfg: JobConfig) -> dist.Store:
+    def store_for(self, generation: int, cfg: JobConfig, *, typical_step_s: float = 0.0) -> dist.Store:
         store = dist.HashStore()
-        store.set_timeout(timedelta(seconds=cfg.fault_tolerance.comm_timeout_s))
+        store.set_timeout(timedelta(seconds=comm_timeout(cfg.fault_tolerance, typical_step_s)))
         return store
 
     def abandon_check(self, plan: Plan) -> Callable[[], Optional[str]]:

@@ -203,9 +203,18 @@ class _Worker:
         trainer.faults.before_entry(
             node=ctx.node_id, generation=plan.generation
         )  # injected: engine/resilience/faults.py
+        typical = self.heartbeat.typical_step_s  # the auto timeouts follow it (config/timing.py)
+        derived = trainer.derive_timeout(typical)
+        if derived is not None:
+            log.at(gen=plan.generation, node=ctx.node_id).info(
+                "communication timeout %.0f s (from the typical step, %.3f s; fault_tolerance.comm_timeout_s sets it)",
+                derived,
+                typical,
+            )
         try:
             try:
-                info = trainer.enter_generation(plan, ctx.store_for(plan.generation, self.cfg), load_plan=ctx.plan_at)
+                store = ctx.store_for(plan.generation, self.cfg, typical_step_s=typical)
+                info = trainer.enter_generation(plan, store, load_plan=ctx.plan_at)
                 step = info.resume_step
                 if info.previous == 0 and step == 0:
                     step = self.checkpoints.resume(trainer)
@@ -272,7 +281,7 @@ class _Worker:
         check, watch_s = ctx.abandon_check(plan), self.cfg.fault_tolerance.watch_interval_s
 
         def should_abandon() -> Optional[str]:
-            self.heartbeat.tick()  # this worker stands not still (rendezvous/hang.py)
+            self.heartbeat.tick()  # what the step thread reported (rendezvous/hang.py)
             return check()
 
         failure, abandoned = None, False

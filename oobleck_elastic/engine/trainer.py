@@ -48,6 +48,7 @@ from torch import nn
 
 from ..logs import JobLog
 from ..config import JobConfig
+from ..config.timing import comm_timeout
 from ..models import LayerModel, build_layer_model, num_layers
 from ..planning import Plan
 from .telemetry import memory
@@ -72,6 +73,7 @@ from .generation.entry import GenerationEntry, LayersLost, Reconfiguration, Work
 from .portable import PortableState
 from .step.commit import CommitVote, commit, own_slot
 from .step.result import Autocast, StepResult
+from .resilience.progress import STEP_PROGRESS, watch_pipeline_waits
 from .resilience.straggler import ComputeClock
 from .step.optim import clip_coefficient, scale_grads, set_lr, token_sum_loss
 
@@ -107,7 +109,11 @@ class Trainer(PortableState):
         self.sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.seed)
         seq_len = dataset[0][0].shape[-1]
         self.dtype = torch.bfloat16 if t.precision == "bf16" else None
-        self.timeout = timeout or timedelta(seconds=cfg.fault_tolerance.comm_timeout_s)
+        self.timeout = timeout or timedelta(seconds=comm_timeout(cfg.fault_tolerance))
+        self._derive_timeout = timeout is None
+        """The timeout follows the measured steps (`derive_timeout`, config/timing.py)."""
+        self.progress = STEP_PROGRESS
+        """What the step thread tells the main thread (engine/resilience/progress.py)."""
         self.lane = 0  # this worker's tensor-parallel lane in its stage
         self.state = WorkerState(layer_model=build_layer_model(cfg.model, seed=t.seed, owned=[], device=device))
         """What this worker holds across generations (layers, optimizer, steps): only its stage's."""
@@ -208,6 +214,17 @@ class Trainer(PortableState):
             node=self.node,
         )
 
+    def derive_timeout(self, typical_step_s: float) -> Optional[float]:
+        """Before entering a generation: its collectives' timeout from this worker's typical step
+        (config/timing.py), unless one was given; the new seconds when they changed, else None."""
+        if not self._derive_timeout:
+            return None
+        seconds = comm_timeout(self.cfg.fault_tolerance, typical_step_s)
+        if seconds == self.timeout.total_seconds():
+            return None
+        self.timeout = self.entry.timeout = timedelta(seconds=seconds)
+        return seconds
+
     # ------------------------------------------------------------------ entering a generation
     def enter_generation(
         self, plan: Plan, store: Optional[dist.Store], *, load_plan: Callable[[int], Optional[Plan]] = lambda g: None
@@ -280,8 +297,14 @@ class Trainer(PortableState):
                 group=self.groups.pipeline_group,
             )
             # time the stage's own compute, not its waits for its neighbours (engine/resilience/straggler.py)
-            pstage.forward_one_chunk = self.clock.timed(pstage.forward_one_chunk)  # type: ignore[method-assign]
-            pstage.backward_one_chunk = self.clock.timed(pstage.backward_one_chunk)  # type: ignore[method-assign]
+            # and each chunk is a progress point of the step thread (engine/resilience/progress.py)
+            pstage.forward_one_chunk = self.progress.timed(  # type: ignore[method-assign]
+                self.clock.timed(pstage.forward_one_chunk)
+            )
+            pstage.backward_one_chunk = self.progress.timed(  # type: ignore[method-assign]
+                self.clock.timed(pstage.backward_one_chunk)
+            )
+            watch_pipeline_waits(self.progress)  # the schedule's sends and receives are waits
             mb = self.pipeline.microbatches
             cls = Schedule1F1B if self.cfg.planning.schedule == "1f1b" and mb >= stages else ScheduleGPipe
             # every stage gets the loss_fn: without one a schedule runs forward only
@@ -306,6 +329,7 @@ class Trainer(PortableState):
             loss = self.loss_fn(self.stage_module(x[i : i + mbs]), y[i : i + mbs])
             loss.backward()
             total += loss.detach()
+            self.progress.point()  # a compute chunk (engine/resilience/progress.py)
         return total
 
     def _forward_backward_pipeline(self, x: torch.Tensor, y: torch.Tensor, schedule: Any) -> torch.Tensor:
@@ -339,7 +363,12 @@ class Trainer(PortableState):
         local_loss = self._forward_backward(x, y, schedule)
         local_loss = self.faults.poisoned(local_loss, rank=self.rank, step=step, params=self.params)
         norm2, loss = self._synchronise(step, local_loss, grad_sync, step_group, epoch)
-        agreed = commit(self._vote(seen_generation, rejections), group=step_group)
+        agreed = commit(
+            self._vote(seen_generation, rejections),
+            group=step_group,
+            progress=self.progress,
+            while_waiting=lambda: self.faults.block(rank=self.rank, step=step, where="comm"),
+        )
         spike_factor = self.cfg.fault_tolerance.loss_spike_factor
         verdict = judge(loss, norm2, running_max=agreed.max_loss, spike_factor=spike_factor)
         repaired: tuple[Corrupt, ...] = ()
@@ -368,6 +397,7 @@ class Trainer(PortableState):
     def _begin(self, step: int) -> None:
         """The injected faults of a step's start (engine/resilience/faults.py), and a clean clock."""
         self.faults.check(rank=self.rank, step=step)
+        self.faults.block(rank=self.rank, step=step, where="loop")
         self._step = step
         self.clock.take()  # what an abandoned or rejected run left
 
@@ -395,10 +425,14 @@ class Trainer(PortableState):
         # here). Every lane of a last stage computes the same loss: lane 0 reports it.
         if self.lane != 0:
             local_loss = torch.zeros_like(local_loss)
-        reduced = torch.stack(
+        stacked = torch.stack(
             [grad_sync.norm_squared().to(local_loss.device, torch.float64), local_loss.to(torch.float64)]
-        ).cpu()
-        dist.all_reduce(reduced, group=step_group)
+        )
+        with self.progress.waiting():  # the device sync waits for the gradient sums
+            reduced = stacked.cpu()
+        work = dist.all_reduce(reduced, group=step_group, async_op=True)
+        with self.progress.waiting(work):
+            work.wait()
         norm2, loss = float(reduced[0]), float(reduced[1])
         with self._current(epoch):
             self.state.synced_step, self.state.synced_norm2 = step, norm2
@@ -452,9 +486,12 @@ class Trainer(PortableState):
         over the generation; raises Unrepairable when a layer's copies have no majority."""
         assert self.plan is not None and self.groups is not None
         tensors = {i: layer_tensors(self.layer_model.held(i), self.optimizer) for i in self.owned}
-        table = gather(self.plan, fingerprints(tensors), self.step_group)
+        prints = fingerprints(tensors)
+        with self.progress.waiting():  # engine/resilience/progress.py
+            table = gather(self.plan, prints, self.step_group)
         corrupt = compare(self.plan, table)
-        repair(corrupt, rank=self.rank, tensors_of=tensors, groups=self.groups.sets)
+        with self.progress.waiting():
+            repair(corrupt, rank=self.rank, tensors_of=tensors, groups=self.groups.sets)
         return corrupt
 
     def skip(self, step: int) -> None:
@@ -492,6 +529,7 @@ class Trainer(PortableState):
         closes its sockets only when the last reference goes, so the schedule, stage and groups
         are dropped and collected too (call this outside the `except` block: the exception's
         traceback keeps the failed call's frames, and with them the groups, alive)."""
+        self.faults.disarm()  # engine/resilience/faults.py: a stuck step is injected once per job
         if abandoned:
             with self._lock:
                 self._epoch += 1

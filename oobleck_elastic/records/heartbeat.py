@@ -6,7 +6,17 @@ collectives. So each worker tells its agent, locally and with no etcd write, wha
 by overwriting one fixed-width line of a small file (`<local rank>.hb`) in the directory the agent
 gives it (`OOBLECK_HEARTBEAT_DIR`):
 
-    <pid> <state: step|idle> <step> <unix time the state began> <seconds of the last step> <last tick>
+    <pid> <state: step|idle> <step> <unix time the state began> <typical step s> <last progress>
+    <waiting since> <written>                                                        (one line)
+
+While a step runs, "last progress" is when the worker's step thread last passed a progress point
+(a compute chunk, entering or leaving a communication call; the step thread only bumps a counter,
+and the worker's main thread turns a change of it into a time when it rewrites the line), and
+"waiting since" is when the step thread began waiting for a peer in a communication call whose
+part it has posted (0: it is not); "written" is when the main thread wrote the line. Outside a
+step "last progress" is the time of the last write. A line of six fields (an older worker, whose
+last field was the time of its write) reads as one that is not waiting and progressed when it
+wrote.
 
 The worker side is engine/resilience/heartbeat.py (`Heartbeat`); the agent side is
 rendezvous/hang.py (`HangWatch`), which reads the line with `read_beat` and, before it stops a hung
@@ -27,7 +37,7 @@ __all__ = ["ENV", "LINE", "STACK_SIGNAL", "Beat", "read_beat"]
 ENV = "OOBLECK_HEARTBEAT_DIR"
 
 
-LINE = 96
+LINE = 128
 """Bytes of the heartbeat line (space-padded)."""
 
 
@@ -45,16 +55,20 @@ class Beat:
     """The step running, or the last one that ended."""
     since: float
     """Unix time the state began."""
-    last_step_s: float
-    """Wall time of the last step that ended (0: none yet)."""
-    tick: float
-    """Unix time the worker's main thread last said it is alive."""
+    typical_step_s: float
+    """The worker's typical step: the median wall time of its last completed steps (0: none yet)."""
+    progress: float
+    """Unix time the worker's step thread last made progress (module docstring)."""
+    waiting: float = 0.0
+    """Unix time the step thread began waiting for a peer in a communication call (0: it is not)."""
+    written: float = 0.0
+    """Unix time the worker's main thread wrote the line (a stopped process stops writing)."""
 
     def line(self) -> bytes:
         """The beat as the file holds it: one space-padded line of `LINE` bytes."""
         text = (
             f"{self.pid} {'step' if self.in_step else 'idle'} {self.step} {self.since:.3f} "
-            f"{self.last_step_s:.3f} {self.tick:.3f}"
+            f"{self.typical_step_s:.3f} {self.progress:.3f} {self.waiting:.3f} {self.written:.3f}"
         )
         return text.ljust(LINE - 1).encode()[: LINE - 1] + b"\n"
 
@@ -68,8 +82,10 @@ def read_beat(path: Path) -> Optional[Beat]:
             in_step=fields[1] == "step",
             step=int(fields[2]),
             since=float(fields[3]),
-            last_step_s=float(fields[4]),
-            tick=float(fields[5]),
+            typical_step_s=float(fields[4]),
+            progress=float(fields[5]),
+            waiting=float(fields[6]) if len(fields) > 6 else 0.0,
+            written=float(fields[7] if len(fields) > 7 else fields[5]),
         )
     except (OSError, ValueError, IndexError):
         return None

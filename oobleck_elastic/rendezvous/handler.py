@@ -348,8 +348,8 @@ class OobleckRendezvousHandler(RendezvousHandler):
         return bool(read_ready(self.client, self.keys, self.member.node_id))
 
     def _watch_hangs(self) -> None:
-        """This node's workers tell it when their steps begin and end (engine/resilience/heartbeat.py); a worker
-        stuck in a step is recorded and stopped (rendezvous/hang.py)."""
+        """This node's workers tell it whether their step threads move (engine/resilience/heartbeat.py); a
+        worker stuck in a step is recorded and stopped (rendezvous/hang.py)."""
         assert self.member is not None
         node, ft = self.member.node_id, self.cfg.fault_tolerance
         directory = Path(tempfile.mkdtemp(prefix=f"oobleck-heartbeat-{node}-"))
@@ -358,7 +358,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         def record(beat: Beat, local_rank: int, bound: float, stack: str) -> None:
             err = WorkerHung(
                 f"worker {local_rank} of node {node} hung in step {beat.step + 1} for more than "
-                f"{bound:.0f} s (fault_tolerance.hang_floor_s / hang_factor)"
+                f"{bound:.1f} s with no progress of its step thread (fault_tolerance.hang_floor_s / hang_factor)"
             )
             plan, _ = self.client.get_json(self.keys.plan)
             generation = int(plan.get("generation", 0)) if isinstance(plan, dict) else 0
@@ -384,9 +384,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 ),
             )
 
-        self.hang_watch = HangWatch(
-            directory, floor_s=ft.hang_floor_s, factor=ft.hang_factor, node=node, record=record
-        ).start()
+        self.hang_watch = HangWatch(directory, ft=ft, node=node, record=record).start()
         self._heartbeat_dir = directory
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
 

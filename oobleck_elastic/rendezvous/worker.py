@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
+from ..config.timing import comm_timeout, stall_report
 from ..logs import JobLog
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.client import warn_once
@@ -371,16 +372,18 @@ class WorkerContext:
         closed = read_closed(self.reader, self.keys)
         return closed.reason if closed is not None and closed.failed else None
 
-    def store_for(self, generation: int, cfg: JobConfig) -> EtcdStore:
+    def store_for(self, generation: int, cfg: JobConfig, *, typical_step_s: float = 0.0) -> EtcdStore:
         """The etcd-backed c10d store of `generation`'s process groups (keys under
-        `store/g<generation>/`); joining gives up at once when the generation is superseded."""
+        `store/g<generation>/`); joining gives up at once when the generation is superseded. Its
+        timeouts derive from this worker's typical step unless the config sets them (config/timing.py)."""
         ft = cfg.fault_tolerance
+        timeout = timedelta(seconds=comm_timeout(ft, typical_step_s))
         return EtcdStore(
             self.client,
             prefix=self.keys.store(generation),
-            timeout=timedelta(seconds=ft.comm_timeout_s),
-            min_wait=timedelta(seconds=ft.comm_timeout_s),
-            on_wait=self.join_watch(generation, stall_s=ft.stall_report_s),
+            timeout=timeout,
+            min_wait=timeout,
+            on_wait=self.join_watch(generation, stall_s=stall_report(ft, typical_step_s)),
         )
 
     def abandon_check(self, plan: Plan) -> Callable[[], Optional[str]]:

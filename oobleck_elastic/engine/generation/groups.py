@@ -46,6 +46,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from ...models import LayerModel
 from ...models.tensor_parallel import is_sharded, local, wrap_like
 from ...planning import Plan
+from ..resilience.progress import STEP_PROGRESS
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,8 @@ class GradSync:
             flat = torch.cat([g.reshape(-1) for g in grads])
             work.append((params, flat, dist.all_reduce(flat, group=self.groups.sets[ranks], async_op=True)))
         for params, flat, handle in work:
-            handle.wait()
+            with STEP_PROGRESS.waiting(handle):  # engine/resilience/progress.py
+                handle.wait()
             offset = 0
             for p in params:
                 shard = local(p)

@@ -27,6 +27,15 @@ node1) compute FACTOR times slower from step STEP on, in every generation: each 
 backward chunk is followed by a sleep of (FACTOR - 1) times its duration, as on a slower device
 (a straggler, engine/resilience/straggler.py).
 
+`OOBLECK_BLOCK_AT="RANK@STEP[:WHERE][,...]"` blocks the step thread of the worker holding global
+rank RANK at step STEP, for good, while its main thread keeps running: a stuck step, which the
+worker's agent must find (rendezvous/hang.py). WHERE is `loop` (the default: a plain loop at the
+step's start, before any compute, as a deadlock or a stuck kernel would) or `comm` (inside the
+wait of the step's commit all-reduce, after this worker posted its part: a collective wait that
+never returns). It blocks once per job: not in a worker its agent restarted
+(`TORCHELASTIC_RESTART_COUNT` > 0), nor in one that saw a generation break (so the survivor that
+holds rank RANK when the step is replayed runs it).
+
 `OOBLECK_SLOW_ENTRY="NODE@GENERATION:SECONDS[,...]"` makes every worker of node NODE (`*`: of every
 node) sleep SECONDS before it connects to generation GENERATION: a slow reconfiguration, so that a
 test can make a second failure land deterministically while the survivors are entering.
@@ -48,6 +57,8 @@ SPIKE_ENV = "OOBLECK_SPIKE_AT"
 FLIP_ENV = "OOBLECK_FLIP_AT"
 STRAGGLE_ENV = "OOBLECK_STRAGGLE_AT"
 SLOW_ENTRY_ENV = "OOBLECK_SLOW_ENTRY"
+BLOCK_ENV = "OOBLECK_BLOCK_AT"
+BLOCK_PLACES = ("loop", "comm")
 FLIP_BIT = 26
 
 
@@ -72,11 +83,13 @@ def _parse(
     who: Callable[[str], Any] = _count,
     value: Optional[Callable[[str], Any]] = None,
     times: bool = False,
+    default: Any = None,
 ) -> dict[tuple[Any, int], Any]:
     """The one grammar of every drill: `WHO@STEP[:VALUE][xTIMES]` items, comma-separated, in
     `environ[env]` -> {(who, step): value} (`value` None: items carry no `:VALUE` and map to None;
-    `times`: items may end with `xTIMES`, TIMES >= 1, and map to (value, times)). `who` and `value`
-    convert their part or raise ValueError; any item that does not parse is one error naming `form`."""
+    `default` not None: `:VALUE` may be left out and means `default`; `times`: items may end with
+    `xTIMES`, TIMES >= 1, and map to (value, times)). `who` and `value` convert their part or raise
+    ValueError; any item that does not parse is one error naming `form`."""
     spec = environ.get(env, "").strip()
     out = {}
     for item in filter(None, (p.strip() for p in spec.split(","))):
@@ -89,10 +102,10 @@ def _parse(
                     _refuse()
             head, at, rest = body.partition("@")
             step, colon, tail = rest.partition(":")
-            if not at or bool(colon) != (value is not None):
+            if not at or (colon and value is None) or (not colon and value is not None and default is None):
                 _refuse()
             key = (who(head), _count(step))
-            got = value(tail) if value is not None else None
+            got = value(tail) if colon and value is not None else default
             out[key] = (got, count) if times else got
         except ValueError:
             raise ValueError(f"{env}={spec!r}: each item must be {form}") from None
@@ -105,6 +118,16 @@ def _positive(text: str) -> float:
 
 def _seconds(text: str) -> float:
     return _at_least(float(text), 0)
+
+
+def _place(text: str) -> str:
+    return text if text in BLOCK_PLACES else _refuse()
+
+
+def _blocked_step_thread() -> None:
+    """Where an injected stuck step stands (OOBLECK_BLOCK_AT): for good, in a plain loop."""
+    while True:
+        time.sleep(0.05)
 
 
 def _node(text: str) -> str:
@@ -128,6 +151,10 @@ class FaultInjector:
     """node -> (first step, factor): that node's workers compute this many times slower."""
     slow_entry: dict[tuple[str, int], float] = field(default_factory=dict)
     """(node or `*`, generation) -> seconds to sleep before connecting to that generation."""
+    blocks: dict[tuple[int, int], str] = field(default_factory=dict)
+    """(rank, step) -> where that worker's step thread blocks for good (`loop` or `comm`)."""
+    disarmed: set[str] = field(default_factory=set)
+    """Drills this process no longer runs (`block`: it saw a generation break)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "FaultInjector":
@@ -154,7 +181,22 @@ class FaultInjector:
             who=_node,
             value=_seconds,
         )
-        return cls(points, slow, poison, flips=flips, straggle=straggle, slow_entry=slow_entry)
+        blocks = _parse(
+            environ, BLOCK_ENV, "RANK@STEP[:WHERE] with WHERE loop or comm, e.g. 1@3:comm", value=_place, default="loop"
+        )
+        if environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+            blocks = {}  # a restarted worker: the stuck step happened once already
+        return cls(points, slow, poison, flips=flips, straggle=straggle, slow_entry=slow_entry, blocks=blocks)
+
+    def block(self, *, rank: int, step: int, where: str) -> None:
+        """Called by the step thread at step start (`loop`) and inside the commit's wait (`comm`):
+        block it for good as the environment says (module docstring)."""
+        if self.blocks.get((rank, step)) == where and "block" not in self.disarmed:
+            _blocked_step_thread()
+
+    def disarm(self) -> None:
+        """A generation broke in this process: blocks are not injected again (module docstring)."""
+        self.disarmed.add("block")
 
     def before_entry(self, *, node: str, generation: int) -> None:
         """Called by a worker before it connects to `generation`: sleep as the environment says."""

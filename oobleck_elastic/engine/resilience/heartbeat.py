@@ -1,15 +1,23 @@
-"""A worker's heartbeat to its own agent: when its steps start and end, on a local file.
+"""A worker's heartbeat to its own agent: whether its step thread moves, on a local file.
 
-A worker that hangs on a live node (a stuck kernel, a deadlock, a stopped process) is not seen by
-the control plane: its agent answers every liveness check, and its peers wait in their
-collectives. So each worker tells its agent, locally and with no etcd write, what it is doing:
-`Heartbeat.begin(step)` and `Heartbeat.end(step)` overwrite one line of a small file in the
-directory the agent gives it (`OOBLECK_HEARTBEAT_DIR`, file `<local rank>.hb`), and while a step
-runs the worker's main thread, which waits for the step thread in short slices (engine/runner.py),
-`tick()`s it at every slice. The line's format is the `Beat` record (records/heartbeat.py).
+A worker that hangs on a live node (a stuck kernel, a deadlock, a collective that never returns,
+a stopped process) is not seen by the control plane: its agent answers every liveness check, and
+its peers wait in their collectives. So each worker tells its agent, locally and with no etcd
+write, what it is doing: `Heartbeat.begin(step)` and `Heartbeat.end(step)` overwrite one line of a
+small file in the directory the agent gives it (`OOBLECK_HEARTBEAT_DIR`, file `<local rank>.hb`),
+and while a step runs the worker's main thread, which waits for the step thread in short slices
+(engine/runner.py), `tick()`s it at every slice. The line's format is the `Beat` record
+(records/heartbeat.py).
 
-A worker whose peers are slow, or that waits on them in a collective, keeps ticking; a stopped
-or frozen process (or one whose main thread cannot get the interpreter back) does not.
+A tick does not say "now": it says when the step thread last made progress, and since when it
+has been waiting for a peer, from what the step thread reported with plain attribute writes
+(`Progress`, engine/resilience/progress.py: a counter bumped per compute chunk and per
+communication call, and a mark while it waits in a communication call it posted its part of).
+So a step thread that stands still makes the beat stand still while the process lives, and a
+stopped or frozen process (or one whose main thread cannot get the interpreter back) writes
+nothing at all. The beat also carries the worker's typical step (the lower median of its last
+`TYPICAL_STEPS` completed steps), from which the agent's bound and the job's timeouts are
+derived (config/timing.py).
 
 Each write is one `pwrite` of a fixed-width line (no fsync: the agent reads it through the page cache). The
 agent's `HangWatch` (rendezvous/hang.py) reads it. The worker also registers `faulthandler` on
@@ -22,24 +30,34 @@ from __future__ import annotations
 import faulthandler
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import IO, Optional
 
+from ...config.timing import typical_step
 from ...records.heartbeat import ENV, STACK_SIGNAL, Beat
+from .progress import STEP_PROGRESS, Progress
 
-__all__ = ["Heartbeat"]
+__all__ = ["Heartbeat", "TYPICAL_STEPS"]
+
+TYPICAL_STEPS = 20
+"""Completed steps whose median is the typical step."""
 
 
 class Heartbeat:
     """The worker side (module docstring); a no-op when the agent gave no directory."""
 
-    def __init__(self, local_rank: int, directory: Optional[str] = None) -> None:
+    def __init__(self, local_rank: int, directory: Optional[str] = None, progress: Progress = STEP_PROGRESS) -> None:
         directory = directory if directory is not None else os.environ.get(ENV)
+        self.progress = progress
         self._fd: Optional[int] = None
         self._stack: Optional[IO[str]] = None
-        self.last_step_s = 0.0
-        self._state: tuple[bool, int, float] = (False, -1, time.time())
-        """(in a step, the step, when the state began): what `tick` rewrites."""
+        self._steps: deque[float] = deque(maxlen=TYPICAL_STEPS)
+        now = time.time()
+        self._state: tuple[bool, int, float] = (False, -1, now)
+        """(in a step, the step, when the state began)."""
+        self._seen, self._moved, self._waiting = progress.count, now, 0.0
+        """The progress count last seen, when it last changed, since when the step thread waits."""
         if not directory or not Path(directory).is_dir():
             return
         base = Path(directory)
@@ -48,18 +66,34 @@ class Heartbeat:
         faulthandler.register(STACK_SIGNAL, file=self._stack, all_threads=True)
         self._write(*self._state)
 
+    @property
+    def typical_step_s(self) -> float:
+        """The lower median of the last completed steps' wall times (0: none yet)."""
+        return typical_step(self._steps)
+
     def _write(self, in_step: bool, step: int, since: float) -> None:
         self._state = (in_step, step, since)
         if self._fd is None:
             return
-        beat = Beat(os.getpid(), in_step, step, since, self.last_step_s, time.time())
+        now = time.time()
+        progress, waiting = (self._moved, self._waiting) if in_step else (now, 0.0)
+        beat = Beat(os.getpid(), in_step, step, since, self.typical_step_s, progress, waiting, now)
         os.pwrite(self._fd, beat.line(), 0)
 
     def begin(self, step: int) -> None:
-        self._write(True, step, time.time())
+        now = time.time()
+        self._seen, self._moved, self._waiting = self.progress.count, now, 0.0
+        self._write(True, step, now)
 
     def tick(self) -> None:
-        """The main thread is alive (called while it waits for a step)."""
+        """Called by the main thread while it waits for a step: what the step thread reported."""
+        now, count = time.time(), self.progress.count
+        if count != self._seen:
+            self._seen, self._moved = count, now
+        if not self.progress.waits_for_a_peer():
+            self._waiting = 0.0
+        elif not self._waiting:
+            self._waiting = now
         self._write(*self._state)
 
     def end(self, step: int, *, completed: bool = True) -> None:
@@ -67,7 +101,7 @@ class Heartbeat:
         does not count as a step time)."""
         now = time.time()
         if completed and self._state[0]:
-            self.last_step_s = now - self._state[2]
+            self._steps.append(now - self._state[2])
         self._write(False, step, now)
 
     def close(self) -> None:

@@ -44,10 +44,12 @@ needs the workers to agree on something adds a field with its rule, not a slot i
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from ..resilience.progress import STEP_PROGRESS, Progress
 
 __all__ = ["CommitVote", "combine", "commit", "own_slot"]
 
@@ -192,10 +194,21 @@ def combine(votes: Sequence[CommitVote]) -> CommitVote:
     return CommitVote(**values)
 
 
-def commit(vote: CommitVote, *, group: Optional[dist.ProcessGroup]) -> CommitVote:
+def commit(
+    vote: CommitVote,
+    *,
+    group: Optional[dist.ProcessGroup],
+    progress: Progress = STEP_PROGRESS,
+    while_waiting: Callable[[], None] = lambda: None,
+) -> CommitVote:
     """The COMMIT (module docstring): one MAX all-reduce of this worker's `vote` over `group` (the
     generation's stages; None: the world), a CPU tensor, so over gloo whatever the data backend.
-    Returns only once every worker has joined; the agreed vote, the same on every worker."""
+    Returns only once every worker has joined; the agreed vote, the same on every worker. Its wait
+    is marked on `progress` (engine/resilience/progress.py); `while_waiting` runs inside it (an
+    injected block, engine/resilience/faults.py)."""
     packed = vote.pack()
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    work = dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    with progress.waiting(work):
+        while_waiting()
+        work.wait()
     return CommitVote.unpack(packed, world_size=vote.world_size)
