@@ -174,7 +174,8 @@ def test_slices_that_overlap_or_leave_samples_out() -> None:
     led.applied(1, 1)
     assert check(led.lines).problems == [
         "step 0 (fed in generation 1): pipeline 1's slice [4,8) of the batch starts at 4, not 6: samples overlap",
-        "step 0 (fed in generation 1): positions [4,6) of epoch 0 were consumed by step 0 too",
+        "step 0 (fed in generation 1): positions [4,6) of epoch 0 were consumed twice in this step "
+        "(pipeline 1 and an earlier one)",
         "step 1 (fed in generation 1): pipeline 1's slice [6,8) of the batch starts at 6, not 4: samples are left out",
     ]
 

@@ -285,10 +285,9 @@ def _step_problems(s: int, gen: int, records: Sequence[_Fed], consumed: dict[int
                     twice.setdefault(taken[pos], []).append(pos)
                 taken[pos] = s
         for other, where_twice in sorted(twice.items()):
-            out.append(
-                f"{where}: positions {_fmt(tuple((x, y + 1) for x, y in _pairs(where_twice)))} of epoch {e} "
-                f"were consumed by step {other} too"
-            )
+            by = f"by step {other} too" if other != s else f"twice in this step (pipeline {p} and an earlier one)"
+            spans = _fmt(tuple((x, y + 1) for x, y in _pairs(where_twice)))
+            out.append(f"{where}: positions {spans} of epoch {e} were consumed {by}")
     if cursor != batch:
         out.append(f"{where}: the pipelines' slices end at {cursor}, not at the batch size {batch}")
     return out
