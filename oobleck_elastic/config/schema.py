@@ -465,7 +465,8 @@ class LoggingConfig(Section):
     """Python logging level."""
     events_dir: str = ""
     """Also write the job's events (steps, failures, generation entries, checkpoints...) as JSON
-    lines, one file per worker process, in this directory (oobleck_elastic/logs.py); empty: off."""
+    lines, one file per worker process, in this directory (oobleck_elastic/logs.py), with the
+    sample ledger that `oobleck samples --check` proves exactly-once from; empty: off."""
 
 
 @dataclass
