@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 
 from oobleck_elastic import cli
 from oobleck_elastic.records.samples import EVENT, check, describe, runs
@@ -262,3 +264,49 @@ def test_a_sampler_that_repeats_a_sample_fails_the_check(tmp_path: Path, monkeyp
         "batch gives it [32,40) of epoch 0",
         "  step 4 (fed in generation 1): positions [23,24) of epoch 0 were consumed by step 2 too",
     ], lines
+
+
+def test_a_rolled_forward_step_is_recorded_against_the_generation_that_fed_it(tmp_path: Path, monkeypatch) -> None:
+    """Step 1's commit never returns here (a peer died in it); the entry of the next generation
+    rolls its synchronised gradients forward (`roll_forward`, what GenerationEntry calls): the
+    ledger counts that one application, of generation 1's batch."""
+    import logging
+
+    from oobleck_elastic.config import load_config
+    from oobleck_elastic.engine import trainer as trainer_module
+    from oobleck_elastic.logs import attach_event_lines, read_event_lines
+    from helpers import RandomTokens
+
+    cfg = load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        [
+            "data.seq_len=8",
+            "training.global_batch_size=8",
+            "training.microbatch_size=2",
+            "training.steps=3",
+            f"logging.events_dir={tmp_path / 'ev'}",
+        ],
+    )
+    handler = attach_event_lines(tmp_path / "ev")
+    t = trainer_module.single_process(cfg, dataset=RandomTokens(n=32, seq_len=8))
+    try:
+        t.train_step(0)
+        with monkeypatch.context() as m:
+            m.setattr(trainer_module, "commit", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("peer died")))
+            with pytest.raises(RuntimeError, match="peer died"):
+                t.train_step(1)
+        assert (t.state.synced_step, t.committed_step) == (1, 0)
+        t._roll_forward(t.state.synced_step, t.state.synced_norm2)
+        t.train_step(2)
+    finally:
+        t.close()
+        logging.getLogger("oobleck_elastic").removeHandler(handler)
+        handler.close()
+    lines = read_event_lines(tmp_path / "ev", [EVENT])
+    assert [(x["kind"], x["step"], x.get("how")) for x in lines if x["kind"] != "fed"] == [
+        ("applied", 0, "step"),
+        ("applied", 1, "roll_forward"),
+        ("applied", 2, "step"),
+    ]
+    report = check(lines)
+    assert (report.problems, report.applied, report.reruns) == ([], 3, 0)
