@@ -137,8 +137,8 @@ def test_a_restore_undoes_the_steps_after_its_checkpoint_and_they_run_again() ->
 def test_a_restore_at_the_jobs_start_resumes_a_stopped_job() -> None:
     led = Ledger(steps=4)
     led.run(range(3), 1)  # a first run stopped after step 2 (its checkpoint: step 2)
-    led.restored(2, 1)  # the job started again: generation 1 again, resumed at step 2
-    led.run([2, 3], 1)
+    led.restored(2, 1)  # the job started again: generation 1 again, resumed at step 2, on two pipelines
+    led.run([2, 3], 1, TWO)
     assert check(led.lines).problems == []
 
 

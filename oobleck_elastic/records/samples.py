@@ -19,8 +19,8 @@ consumed is, cheaply, a few ranges of permutation positions (one per pipeline wh
   the next generation by the commit rule);
 - `skipped` — the step guard skipped the step's batch (a commit without an update);
 - `restored` — the worker restored a checkpoint (a lost layer, or a resume at the job's start)
-  and goes on from step `step`: every commit recorded before it (its time `t`) of a step at or
-  after `step` is undone.
+  and goes on from step `step`: every commit and batch recorded before it (its time `t`) of a
+  step at or after `step` is undone (a job started again resumes with generation 1 again).
 
 Every worker writes its outcomes, so a record survives the kill of any one node.
 
@@ -157,8 +157,9 @@ class SampleReport:
         return not self.problems
 
 
-def _undone(c: _Commit, restores: Sequence[_Restored]) -> bool:
-    return any(r.t > c.t and r.step <= c.step for r in restores)
+def _undone(rec: _Commit | _Fed, restores: Sequence[_Restored]) -> bool:
+    """A commit, or a batch taken, that a later restore rolled back (its step is re-run)."""
+    return any(r.t > rec.t and r.step <= rec.step for r in restores)
 
 
 def check(lines: Iterable[dict], steps: Optional[int] = None) -> SampleReport:
@@ -215,7 +216,8 @@ def check(lines: Iterable[dict], steps: Optional[int] = None) -> SampleReport:
     # 2. each applied step consumed exactly the sampler's block, over its generation's pipelines
     by_attempt: dict[tuple[int, int], list[_Fed]] = {}
     for f in fed:
-        by_attempt.setdefault((f.step, f.gen), []).append(f)
+        if not _undone(f, restores):  # a job resumed anew counts generations from 1 again
+            by_attempt.setdefault((f.step, f.gen), []).append(f)
     consumed: dict[int, dict[int, int]] = {}  # epoch -> position -> step
     for s, gen in sorted(applied_in.items()):
         records = by_attempt.get((s, gen), [])
