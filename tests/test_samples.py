@@ -47,12 +47,12 @@ class Ledger:
                 positions=positions,
             )
 
-    def applied(self, step: int, gen: int, *, workers: int = 2, how: str = "step") -> None:
-        for _ in range(workers):
-            self._add(kind="applied", gen=gen, step=step, how=how)
+    def applied(self, step: int, gen: int, *, workers: int = 2, how: str = "step", first: int = 0) -> None:
+        for rank in range(first, first + workers):
+            self._add(kind="applied", gen=gen, step=step, how=how, node=f"node{rank}", rank=rank)
 
     def skipped(self, step: int, gen: int) -> None:
-        self._add(kind="skipped", gen=gen, step=step)
+        self._add(kind="skipped", gen=gen, step=step, node="node0", rank=0)
 
     def restored(self, step: int, gen: int) -> None:
         self._add(kind="restored", gen=gen, step=step)
@@ -79,7 +79,7 @@ def test_a_job_through_a_join_a_failure_with_a_roll_forward_a_replay_and_a_skip_
     led.run(range(3, 5), 2, THREE)  # a join: three pipelines
     led.fed(5, 2, THREE)  # a failure after the commit of step 5: one worker applied it in the step,
     led.applied(5, 2, workers=1)
-    led.applied(5, 2, workers=1, how="roll_forward")  # another rolled it forward entering generation 3
+    led.applied(5, 2, workers=1, how="roll_forward", first=1)  # another rolled it forward entering generation 3
     led.fed(6, 3, TWO)  # step 6 broke before its commit in generation 3: replayed in 4
     led.run([6], 4, TWO)
     led.fed(7, 4, TWO)  # the guard rejected step 7 once (replayed), then it went through
@@ -217,7 +217,8 @@ def test_the_samples_command(tmp_path: Path, capsys) -> None:
     assert f"no events directory {tmp_path / 'none'}" in capsys.readouterr().err
 
 
-def _single_process(tmp_path: Path, monkeypatch) -> list[str]:
+def _single_process(tmp_path: Path, monkeypatch, *, nan: bool = True, extra: tuple[str, ...] = ()) -> list[str]:
+    from oobleck_elastic import ops
     from oobleck_elastic.config import load_config
     from oobleck_elastic.engine.run import train
 
@@ -230,13 +231,15 @@ def _single_process(tmp_path: Path, monkeypatch) -> list[str]:
             "training.steps=6",
             f"checkpoint.dir={tmp_path / 'ckpt'}",
             f"logging.events_dir={tmp_path / 'events'}",
+            f"logging.tensorboard_dir={tmp_path / 'runs'}",
             f"data.cache_dir={tmp_path / 'cache'}",
+            *extra,
         ],
     )
-    monkeypatch.setenv("OOBLECK_NAN_AT", "0@3x2")  # step 4 replayed, then skipped
+    if nan:
+        monkeypatch.setenv("OOBLECK_NAN_AT", "0@3x2")  # step 4 replayed, then skipped
     train(cfg)
-    ok, lines = __import__("oobleck_elastic.ops", fromlist=["samples"]).samples(str(tmp_path / "events"))
-    return lines
+    return ops.samples(str(tmp_path / "events"))[1]
 
 
 def test_the_single_process_ledger_is_exactly_once_with_a_skip(tmp_path: Path, monkeypatch) -> None:
@@ -310,3 +313,27 @@ def test_a_rolled_forward_step_is_recorded_against_the_generation_that_fed_it(tm
     ]
     report = check(lines)
     assert (report.problems, report.applied, report.reruns) == ([], 3, 0)
+
+
+def test_a_job_resumed_from_an_older_checkpoint_runs_steps_again_and_counts_them_once(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Six steps with a checkpoint every 2; the checkpoints of steps 4 and 6 are then gone, so the
+    job started again resumes from step 2 and re-runs steps 2-5 (a `restored` record)."""
+    import shutil
+
+    from oobleck_elastic.checkpoint import step_dir
+    from oobleck_elastic.logs import read_event_lines
+
+    _single_process(tmp_path, monkeypatch, nan=False, extra=("checkpoint.interval_steps=2",))
+    for step in (4, 6):
+        shutil.rmtree(step_dir(tmp_path / "ckpt", step))
+    lines = _single_process(tmp_path, monkeypatch, nan=False, extra=("checkpoint.interval_steps=2",))
+    assert lines == [
+        "samples: exactly once: 6 of 6 steps applied, 0 skipped by the step guard (none); 4 attempt(s) not counted "
+        "(replays, broken generations, re-runs after 1 restore(s)); generations 1"
+    ]
+    without = [x for x in read_event_lines(tmp_path / "events", [EVENT]) if x["kind"] != "restored"]
+    assert check(without).problems == [
+        f"step {s} applied 2 times in generation 1 by node local rank 0: its samples were repeated" for s in range(2, 6)
+    ]

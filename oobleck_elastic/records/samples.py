@@ -29,7 +29,9 @@ Every worker writes its outcomes, so a record survives the kill of any one node.
 1. every step 0..steps-1 was committed (applied or skipped) exactly once, counting the
    commits no restore undid: an application recorded by several workers, or in the loop by some
    and by a roll-forward by others, is one application of the gradients fed in one generation;
-   two generations' applications of one step, or an application and a skip, are a repeat;
+   two generations' applications of one step, or an application and a skip, are a repeat, and
+   so is one worker's second commit of a step in one generation (a job started again without
+   its restore record numbers its generations from 1 again);
 2. the samples an applied step consumed, across the pipelines of the generation that fed it, are
    exactly the sampler's block for that step: every pipeline recorded, the slices tiling the
    batch without overlap, every pipeline's positions its slice of the block (and the same in
@@ -92,6 +94,8 @@ class _Commit:
     kind: str  # applied | skipped
     gen: int
     step: int
+    writer: tuple[str, int] = ("", -1)
+    """(node, rank) of the worker that wrote it."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,7 @@ def _parse(line: dict) -> _Fed | _Commit | _Restored:
             _runs_of(line["positions"]),
         )
     if kind in ("applied", "skipped"):
-        return _Commit(t, kind, gen, step)
+        return _Commit(t, kind, gen, step, (str(line.get("node", "")), int(line.get("rank", -1))))
     if kind == "restored":
         return _Restored(t, gen, step)
     raise ValueError(f"unknown kind {kind!r}")
@@ -190,9 +194,18 @@ def check(lines: Iterable[dict], steps: Optional[int] = None) -> SampleReport:
 
     # 1. one live commit per step
     live: dict[int, set[tuple[str, int]]] = {}
+    by_writer: dict[tuple[int, str, int, tuple[str, int]], int] = {}
     for c in commits:
         if not _undone(c, restores):
             live.setdefault(c.step, set()).add((c.kind, c.gen))
+            key = (c.step, c.kind, c.gen, c.writer)
+            by_writer[key] = by_writer.get(key, 0) + 1
+    for (s, kind, gen, (node, rank)), n in sorted(by_writer.items()):
+        if n > 1:  # one worker commits a step once: twice is a re-run that no restore undid
+            problems.append(
+                f"step {s} {kind} {n} times in generation {gen} by node {node or '?'} rank {rank}: "
+                "its samples were repeated"
+            )
     never = [s for s in range(steps) if s not in live]
     if never:
         problems.append(f"never committed: step(s) {_spans(never)}")
