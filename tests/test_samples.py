@@ -134,6 +134,18 @@ def test_a_restore_undoes_the_steps_after_its_checkpoint_and_they_run_again() ->
     ]
 
 
+def test_a_restore_by_several_workers_is_one_even_when_a_batch_is_taken_between_their_records() -> None:
+    led = Ledger(steps=6)
+    led.run(range(6), 1, TWO)
+    led.restored(4, 2)  # node3 restored first and fed step 4 while node1 was still restoring
+    led.fed(4, 2)
+    led.restored(4, 2)
+    led.applied(4, 2)
+    led.run([5], 2)
+    report = check(led.lines)
+    assert (report.problems, report.restores, report.reruns) == ([], 1, 2)
+
+
 def test_a_restore_at_the_jobs_start_resumes_a_stopped_job() -> None:
     led = Ledger(steps=4)
     led.run(range(3), 1)  # a first run stopped after step 2 (its checkpoint: step 2)

@@ -40,12 +40,14 @@ Every worker writes its outcomes, so a record survives the kill of any one node.
 4. the steps without an update are the step guard's skips, listed.
 
 Replays, broken generations and restores leave attempts that are not counted; they are
-reported as re-runs. The order between a restore and the commits it undoes is the records'
-wall-clock time (a restore follows a failure's detection and a re-entry, seconds later).
+reported as re-runs. The order between a restore and the records it undoes is the records'
+wall-clock time (a restore follows a failure's detection and a re-entry, seconds later); the
+workers' records of one restore count as one, from the first (`_restore_events`).
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
@@ -161,6 +163,21 @@ class SampleReport:
         return not self.problems
 
 
+def _restore_events(restores: Sequence[_Restored], commits: Sequence[_Commit]) -> list[_Restored]:
+    """One restore per event, at its first worker's time: every worker of a generation writes its
+    own record as it restores, and a fast one may take the generation's first batch before a slow
+    one has written its record; none commits before all have restored (the step's collectives),
+    so the records of one (generation, step) with no commit between them are one restore."""
+    events: list[_Restored] = []
+    commit_times = sorted(c.t for c in commits)
+    for r in sorted(restores, key=lambda r: r.t):
+        last = next((e for e in reversed(events) if (e.gen, e.step) == (r.gen, r.step)), None)
+        if last is not None and bisect.bisect_right(commit_times, last.t) == bisect.bisect_left(commit_times, r.t):
+            continue  # the same event (no commit in between): it began at `last.t`
+        events.append(r)
+    return events
+
+
 def _undone(rec: _Commit | _Fed, restores: Sequence[_Restored]) -> bool:
     """A commit, or a batch taken, that a later restore rolled back (its step is re-run)."""
     return any(r.t > rec.t and r.step <= rec.step for r in restores)
@@ -187,6 +204,7 @@ def check(lines: Iterable[dict], steps: Optional[int] = None) -> SampleReport:
             restores.append(rec)
     if steps is None:
         steps = max((f.steps for f in fed), default=0)
+    restores = _restore_events(restores, commits)
     report = SampleReport(steps=steps, restores=len(restores), generations=sorted({f.gen for f in fed}))
     if not fed and not commits:
         report.problems = problems + ["no sample ledger records (was logging.events_dir set for the job?)"]
