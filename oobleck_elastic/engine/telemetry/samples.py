@@ -6,9 +6,10 @@ JSON event lines in the worker's events file (logs.py `event_line`: no text log 
 `logging.events_dir` is set:
 
 - `fed(...)`, when the worker feeding a pipeline (its first stage, lane 0) has taken a step's
-  batch, before the step's first communication: the sample indices actually collated, mapped to
-  their positions in the epoch's permutation (`GlobalBatchSampler.positions`) and written as
-  ranges; one range per pipeline when the batch is the sampler's;
+  batch, before the step's first communication: the sample indices actually collated, as ranges
+  of their positions in the epoch's permutation: the slice's one range when the permutation holds
+  exactly those indices there (a comparison of the batch's indices), else every index looked up
+  in the inverse permutation (`GlobalBatchSampler.positions`);
 - `committed("applied" | "skipped", ...)`, by every worker when it applied a step's update (in
   the step, or rolling it forward while entering the next generation) or the step guard skipped it;
 - `restored(...)`, by every worker that restored a checkpoint.
@@ -16,7 +17,7 @@ JSON event lines in the worker's events file (logs.py `event_line`: no text log 
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 from ...config import JobConfig
 from ...logs import event_line
@@ -32,6 +33,8 @@ class Sampler(Protocol):
     steps_per_epoch: int
 
     def epoch_of(self, step: int) -> int: ...
+
+    def epoch_permutation(self, epoch: int) -> Any: ...
 
     def positions(self, epoch: int, indices: Sequence[int]) -> list[int]: ...
 
@@ -69,9 +72,19 @@ class SampleLedger:
             "steps_per_epoch": s.steps_per_epoch,
             "steps": self.steps,
             "epoch": epoch,
-            "positions": runs(s.positions(epoch, indices)),
+            "positions": self._positions(step, epoch, indices, slice_),
         }
         event_line(EVENT, fields, gen=generation, step=step, node=self.node, rank=rank)
+
+    def _positions(self, step: int, epoch: int, indices: Sequence[int], slice_: tuple[int, int]) -> list[list[int]]:
+        """`indices` as runs of positions in `epoch`'s permutation: the slice's own range when the
+        permutation holds exactly `indices` there (a comparison), else each index looked up."""
+        s = self.sampler
+        lo = (step % s.steps_per_epoch) * s.global_batch_size + slice_[0]
+        hi = lo + slice_[1] - slice_[0]
+        if [int(i) for i in s.epoch_permutation(epoch)[lo:hi].tolist()] == [int(i) for i in indices]:
+            return [[lo, hi]] if hi > lo else []
+        return runs(s.positions(epoch, indices))
 
     def committed(self, kind: str, step: int, *, generation: int, rank: int, how: Optional[str] = None) -> None:
         """Step `step`'s `kind` ("applied": of the gradients fed in `generation`; "skipped")."""
