@@ -8,12 +8,15 @@
     oobleck simulate --trace 10m --model GPT-2 | --paper | --scale --nodes 10000 [--json] [--plot PNG]
     oobleck agents | status | events [--follow] | goodput [--json] | outcome | kill-agent --index N
         --endpoint E --run-id R
+    oobleck samples --check --events-dir DIR [--steps N]
 
 `plan` prints the pipeline templates, the fault-tolerance guarantee and the plan for N nodes;
 `export` writes a checkpoint as a Hugging Face model directory (oobleck_elastic/models/export.py);
 `etcd` runs the embedded etcd server; `simulate` replays node failures through system models
 (oobleck_elastic/simulate/); `config reference` prints every config key as Markdown (docs/config.md);
-the others inspect and steer a running job through etcd.
+`samples --check` proves from a job's sample ledger (its logging.events_dir) that every step
+consumed its samples exactly once (oobleck_elastic/records/samples.py); the others inspect and steer a
+running job through etcd.
 """
 
 from __future__ import annotations
@@ -298,7 +301,24 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "goodput":
             o.add_argument("--json", action="store_true", help="print one JSON object (seconds per category)")
         o.set_defaults(func=run_ops)
+    text = (
+        "check the sample ledger of a job's logging.events_dir: every step committed exactly once, on exactly "
+        "its samples, across joins, drains, failures, replays, skips and restores"
+    )
+    s = sub.add_parser("samples", help=text, description=text)
+    s.add_argument("--events-dir", required=True, help="the job's logging.events_dir")
+    s.add_argument("--check", action="store_true", help="exit 1 when a sample was skipped or repeated")
+    s.add_argument("--steps", type=int, help="the job's training.steps (default: as recorded)")
+    s.set_defaults(func=cmd_samples)
     return ap
+
+
+def cmd_samples(args: argparse.Namespace) -> int:
+    from .ops import samples
+
+    ok, lines = samples(args.events_dir, steps=args.steps)
+    print("\n".join(lines))
+    return 1 if args.check and not ok else 0
 
 
 def add_export_parser(sub: argparse._SubParsersAction) -> None:

@@ -17,6 +17,8 @@ every record carrying an event is also written by `EventLines` as one JSON objec
 
 to `events-<host>-<pid>.jsonl` in that directory (one file per process, appended, flushed per
 line). Benchmarks and tools read them with `read_event_lines` instead of parsing log text.
+Records that are data rather than news (the sample ledger, one line per step) go to the same
+files through `event_line`, which skips the text log.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable, MutableMapping, Optional
 
-__all__ = ["JobLog", "EventLines", "attach_event_lines", "read_event_lines", "where_prefix"]
+__all__ = ["JobLog", "EventLines", "attach_event_lines", "event_line", "read_event_lines", "where_prefix"]
 
 _ORDER = ("gen", "step", "node", "rank")
 
@@ -111,6 +113,19 @@ def attach_event_lines(directory: str | Path, logger: str = "oobleck_elastic") -
     handler = EventLines(path)
     target.addHandler(handler)
     return handler
+
+
+def event_line(event: str, fields: dict[str, Any], logger: str = "oobleck_elastic", **where: Any) -> bool:
+    """Write one JSON event line (module docstring) to this process's `EventLines` handlers of
+    `logger` and nowhere else (no text line); False when no events directory is attached."""
+    handlers = [h for h in logging.getLogger(logger).handlers if isinstance(h, EventLines)]
+    if not handlers:
+        return False
+    record = logging.LogRecord(logger, logging.INFO, __file__, 0, "", None, None)
+    record.oobleck_event, record.oobleck_where, record.oobleck_fields = event, where, fields
+    for h in handlers:
+        h.handle(record)
+    return True
 
 
 def read_event_lines(directory: str | Path, events: Optional[Iterable[str]] = None) -> list[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""Cluster operations over etcd only: `oobleck agents | kill-agent | status | events | goodput | outcome`.
+"""Cluster operations: `oobleck agents | kill-agent | status | events | goodput | outcome` over
+etcd, and `oobleck samples` over a job's events directory.
 
 They read and write the run's keys (records/keys.py) and never talk to agents directly, so
 they work from any machine that reaches etcd. `kill-agent` is graceful: it marks the node's
@@ -7,7 +8,9 @@ revision); the leader re-plans without it, its workers leave at the next step bo
 agent exits 0. `goodput` reads the ledger the worker holding rank 0 reports with the job's
 progress (engine/telemetry/goodput.py). `outcome` turns the run's `closed` record into an exit status, so a
 batch script reports the run's result rather than the status of whichever node exited last (a node
-lost or drained on the way exits non-zero or 0 whatever the run did).
+lost or drained on the way exits non-zero or 0 whatever the run did). `samples` checks the sample
+ledger the workers write to `logging.events_dir` (records/samples.py): every step committed once,
+on exactly the samples the sampler gives it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import os
 import time
 from typing import Callable, Optional
 
+from .logs import read_event_lines
+from .records import samples as sample_ledger
 from .records.goodput import Ledger, describe, job_origin
 from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
 from .planning import Plan, PlanningError
@@ -207,6 +212,15 @@ def goodput(client: EtcdClient, keys: Keys, *, now: Optional[float] = None) -> t
     return lines, out
 
 
+def samples(events_dir: str, *, steps: Optional[int] = None) -> tuple[bool, list[str]]:
+    """The sample ledger check over the `samples` lines of a job's events directory (whether it
+    holds, and the report's lines)."""
+    if not os.path.isdir(events_dir):
+        raise OpsError(f"no events directory {events_dir}: pass the job's logging.events_dir")
+    report = sample_ledger.check(read_event_lines(events_dir, [sample_ledger.EVENT]), steps=steps)
+    return report.ok, sample_ledger.describe(report)
+
+
 OUTCOME_OPEN = 3
 """`oobleck outcome`'s exit status for a run that is not closed (1 is a failed run, 2 an etcd error)."""
 
@@ -262,5 +276,6 @@ __all__ = [
     "open_run",
     "outcome",
     "run_ops",
+    "samples",
     "status",
 ]

@@ -121,12 +121,14 @@ def run_job(
     env: Optional[dict[str, str]] = None,
     expect_failure: bool = False,
     reference: bool = True,
+    job_extra: list[str] = (),
 ) -> tuple[str, dict, dict]:
     """Run a job (and the single-process reference); return (stdout, job state, reference state).
     `env`: extra environment of the launcher and its nodes. `expect_failure`: the job must end with
-    a non-zero status (then the states are empty). `reference=False` skips the reference run."""
+    a non-zero status (then the states are empty). `reference=False` skips the reference run.
+    `job_extra`: overrides of the job alone (not of the reference run), e.g. its events directory."""
     tmp.mkdir(parents=True, exist_ok=True)
-    cfg_over = overrides(tmp / "job", steps, profile) + list(extra)
+    cfg_over = overrides(tmp / "job", steps, profile) + list(extra) + list(job_extra)
     if reference and not expect_failure:
         train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp / "ref", steps, profile) + list(extra)))
     cmd = [

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from oobleck_elastic.logs import JobLog, attach_event_lines, read_event_lines, where_prefix
+from oobleck_elastic.logs import JobLog, attach_event_lines, event_line, read_event_lines, where_prefix
 
 
 @pytest.fixture
@@ -73,3 +73,21 @@ def test_events_are_json_lines_and_plain_lines_are_not(logger, tmp_path):
 def test_off_without_a_directory(logger):
     assert attach_event_lines("", logger=logger.name) is None
     assert logger.handlers == []
+
+
+def test_event_line_writes_the_events_file_and_no_text_line(logger, tmp_path, caplog):
+    assert event_line("samples", {"kind": "skipped"}, logger=logger.name, gen=1, step=2) is False  # no directory
+    attach_event_lines(tmp_path / "ev", logger=logger.name)
+    with caplog.at_level(logging.DEBUG, logger=logger.name):
+        assert event_line("samples", {"kind": "skipped"}, logger=logger.name, gen=1, step=2, rank=0) is True
+    assert caplog.records == []
+    (line,) = read_event_lines(tmp_path / "ev")
+    assert {k: v for k, v in line.items() if k != "t"} == {
+        "level": "INFO",
+        "event": "samples",
+        "gen": 1,
+        "step": 2,
+        "rank": 0,
+        "msg": "",
+        "kind": "skipped",
+    }

@@ -196,8 +196,9 @@ def test_draining_the_last_holders_of_layers_moves_them(tmp_path: Path, etcd_ser
 def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, etcd_server, run_id) -> None:
     """Two nodes die at once and they held both copies of the same layers (more than f=1
     failures): the survivors restore the newest checkpoint by themselves and still end with the
-    reference weights."""
+    reference weights, every sample used once."""
     from launcher.local import kill_node
+    from oobleck_elastic import ops
     from oobleck_elastic.planning import Plan
     from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.rendezvous.membership import live_nodes
@@ -221,6 +222,7 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
         9,
         profile,
         extra=["checkpoint.interval_steps=2"],
+        job_extra=[f"logging.events_dir={tmp_path / 'events'}"],
         killed_by_test=2,
         during=lambda proc: when(
             etcd_server.endpoint,
@@ -231,6 +233,10 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
     )
     assert "had no surviving copy; restored checkpoint" in out, out[-4000:]
     assert_same(job, ref)
+    # the steps after the checkpoint ran twice, and count once (records/samples.py)
+    ok, lines = ops.samples(str(tmp_path / "events"))
+    assert ok and lines[0].startswith("samples: exactly once: 9 of 9 steps applied, 0 skipped"), lines
+    assert "re-runs after 1 restore(s)" in lines[0], lines
 
 
 @pytest.mark.slow

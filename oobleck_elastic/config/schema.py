@@ -500,8 +500,9 @@ class LoggingConfig(Section):
     """Python logging level."""
     events_dir: str = ""
     """Also write the job's events (steps, failures, generation entries, checkpoints...) as JSON
-    lines, one file per worker process, in this directory (oobleck_elastic/logs.py); empty: off.
-    A relative path: see Paths."""
+    lines, one file per worker process, in this directory (oobleck_elastic/logs.py), with the
+    sample ledger that `oobleck samples --check` proves exactly-once from; empty: off. A relative
+    path: see Paths."""
 
 
 @dataclass

@@ -42,6 +42,7 @@ class GlobalBatchSampler:
         self.num_samples, self.global_batch_size, self.seed = num_samples, global_batch_size, seed
         self.steps_per_epoch = num_samples // global_batch_size
         self._cached: tuple[int, torch.Tensor] | None = None
+        self._inverse: tuple[int, torch.Tensor] | None = None
 
     def epoch_permutation(self, epoch: int) -> torch.Tensor:
         """The sample order of one epoch."""
@@ -49,6 +50,17 @@ class GlobalBatchSampler:
             gen = torch.Generator().manual_seed(stable_seed(self.seed, "data-epoch", epoch))
             self._cached = (epoch, torch.randperm(self.num_samples, generator=gen))
         return self._cached[1]
+
+    def positions(self, epoch: int, indices: Sequence[int]) -> list[int]:
+        """Where each sample index stands in `epoch`'s permutation (the inverse of `indices`):
+        what the sample ledger records (records/samples.py), ranges when the batch is right."""
+        if self._inverse is None or self._inverse[0] != epoch:
+            perm = self.epoch_permutation(epoch)
+            inverse = torch.empty_like(perm)
+            inverse[perm] = torch.arange(len(perm))
+            self._inverse = (epoch, inverse)
+        inv = self._inverse[1]
+        return [int(inv[int(i)]) for i in indices]
 
     def epoch_of(self, step: int) -> int:
         return step // self.steps_per_epoch
@@ -106,6 +118,8 @@ class BatchPrefetcher:
         self.hits = self.misses = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-prefetch")
         self._next: Optional[tuple[int, list[int], Future]] = None
+        self.last: Optional[tuple[int, list[int]]] = None
+        """(step, the sample indices) of the last batch `get` returned."""
 
     def _build(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = collate(self.dataset, indices)
@@ -114,6 +128,7 @@ class BatchPrefetcher:
     def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, labels) of `step`; then starts preparing step + 1."""
         indices = [int(i) for i in self.indices_of(step)]
+        self.last = (step, indices)
         pending, self._next = self._next, None
         if pending is not None and pending[0] == step and pending[1] == indices:
             batch = pending[2].result()

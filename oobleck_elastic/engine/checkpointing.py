@@ -242,6 +242,7 @@ class CheckpointPolicy:
         if latest is None:
             return 0
         self.resumed = restore(trainer, latest, guard=self.guard)
+        trainer.samples.restored(self.resumed, generation=trainer.generation, rank=trainer.rank)
         log.at(gen=trainer.generation, step=self.resumed, node=self.node).info(
             "resumed from %s", latest, event="resumed"
         )
@@ -257,6 +258,7 @@ class CheckpointPolicy:
                 "training on re-initialised layers; set checkpoint.interval_steps"
             ) from err
         step = restore(trainer, latest, guard=self.guard)
+        trainer.samples.restored(step, generation=trainer.generation, rank=trainer.rank)
         text = (
             f"generation {trainer.generation}: layers {err.layers} had no surviving copy; restored checkpoint "
             f"{latest} and continue from step {step}"

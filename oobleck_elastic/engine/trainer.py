@@ -52,6 +52,7 @@ from ..config.timing import comm_timeout
 from ..models import LayerModel, build_layer_model, num_layers
 from ..planning import Plan
 from .telemetry import memory
+from .telemetry.samples import SampleLedger
 from .step.compiled import compile_enabled, compiled_stage, use_cache_dir, warm_up
 from ..data.sampler import BatchPrefetcher, pipeline_slices
 from .generation.devices import release_groups, to_device
@@ -146,6 +147,8 @@ class Trainer(PortableState):
             )
         self.batches = BatchPrefetcher(dataset, self.my_samples, pin_memory=self.device.type == "cuda")
         """Collates (and pins, on CUDA) the next step's batch while a step runs."""
+        self.samples = SampleLedger(cfg, self.sampler, node)
+        """This worker's sample ledger records (engine/telemetry/samples.py)."""
         self.compile = compile_enabled(cfg, self.device)
         """Layers run compiled (engine/step/compiled.py)."""
         self.warmed = False
@@ -235,7 +238,7 @@ class Trainer(PortableState):
         self._drop_groups()  # the previous generation's: its groups are destroyed by the entry
         began = time.time()
         installed = self.entry.enter(
-            self.state, plan, store, roll_forward=self._apply, detach_kept=self._detach_kept, load_plan=load_plan
+            self.state, plan, store, roll_forward=self._roll_forward, detach_kept=self._detach_kept, load_plan=load_plan
         )
         self.state, self._detach_kept = installed.state, False
         if installed.groups is None:  # a donor: it holds nothing now and leaves
@@ -355,9 +358,10 @@ class Trainer(PortableState):
         StepAbandoned instead of changing this trainer's state. `seen_generation`: the newest plan
         generation this worker has seen; `rejections`: how often this worker has seen the step
         guard reject `step` (the commit agrees on the largest of each, engine/step/commit.py)."""
-        t0, epoch = time.perf_counter(), self._epoch
+        t0, epoch, generation = time.perf_counter(), self._epoch, self.generation
         self._begin(step)
         x, y = self.batches.get(step)
+        self._fed(step)
         schedule, grad_sync, step_group = self.schedule, self.grad_sync, self.step_group
         assert grad_sync is not None, "enter a generation first"
         local_loss = self._forward_backward(x, y, schedule)
@@ -375,6 +379,7 @@ class Trainer(PortableState):
         unrepairable = ""
         if verdict.apply:
             self._apply(step, norm2, epoch)
+            self.samples.committed("applied", step, generation=generation, rank=self.rank, how="step")
             self.faults.flip_bit(rank=self.rank, step=step, layers=self.layer_model.layers)
             repaired, unrepairable = self._compare_copies(step)
         self._settle(verdict, loss, agreed.max_loss, epoch)
@@ -393,6 +398,29 @@ class Trainer(PortableState):
             compute_s=agreed.compute_s,
             entry_window=(agreed.entry_began, agreed.entry_ended),
         )
+
+    def _fed(self, step: int) -> None:
+        """The sample ledger's record of the batch just taken, by the worker feeding the pipeline."""
+        if self.stage.index != 0 or self.lane != 0 or self.batches.last is None or self.plan is None:
+            return
+        taken, indices = self.batches.last
+        slices = pipeline_slices([p.microbatches for p in self.plan.pipelines], self.plan.microbatch_size)
+        self.samples.fed(
+            taken,
+            indices,
+            generation=self.generation,
+            rank=self.rank,
+            pipeline=self.pipeline.index,
+            pipelines=len(self.plan.pipelines),
+            slice_=slices[self.pipeline.index],
+        )
+
+    def _roll_forward(self, step: int, norm2: float) -> None:
+        """Apply the interrupted step while entering a generation (engine/generation/entry.py);
+        the sample ledger records it against the generation that fed it (still this state's)."""
+        self._apply(step, norm2)
+        if self.state.committed_step == step:
+            self.samples.committed("applied", step, generation=self.generation, rank=self.rank, how="roll_forward")
 
     def _begin(self, step: int) -> None:
         """The injected faults of a step's start (engine/resilience/faults.py), and a clean clock."""
@@ -500,6 +528,7 @@ class Trainer(PortableState):
             assert self.optimizer is not None
             self.optimizer.zero_grad(set_to_none=True)
             self.state.committed_step = self.state.synced_step = step
+        self.samples.committed("skipped", step, generation=self.generation, rank=self.rank)
 
     @contextlib.contextmanager
     def _current(self, epoch: int) -> Iterator[None]:
