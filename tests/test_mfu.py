@@ -104,3 +104,14 @@ def test_throughput_per_device_and_mfu() -> None:
     assert "MFU 4.1 %" in t.describe()
     unknown = Throughput.of(tokens=1, seconds=1, flops_per_token=1, devices=1, peak_tflops=None)
     assert unknown.mfu is None and "MFU unknown (set training.peak_tflops)" in unknown.describe()
+
+
+def test_a_custom_model_reports_unknown_flops_instead_of_a_guess() -> None:
+    """A user's own layer list: its blocks, width and attention are not known, so there is no
+    FLOPs count (it used to count `model.num_layers` blocks of `model.hidden_size` that the
+    factory never built), and throughput says so."""
+    cfg = load_config(None, ["model.family=custom", "model.custom_factory=tests.somewhere:layers"])
+    assert flops_per_token(cfg) is None
+    t = Throughput.of(tokens=1000, seconds=2.0, flops_per_token=None, devices=4, peak_tflops=100.0)
+    assert (t.tokens_per_s, t.tflops_per_device, t.mfu) == (500.0, None, None)
+    assert t.describe() == "500 tokens/s, TFLOP/s and MFU unknown (a custom model)"

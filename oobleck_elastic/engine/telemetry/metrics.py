@@ -60,7 +60,7 @@ class Metrics:
         total_steps: int,
         log_interval: int = 1,
         node: str = "local",
-        flops_per_token: float = 0.0,
+        flops_per_token: Optional[float] = 0.0,
         peak_tflops: Optional[float] = None,
     ) -> None:
         self.enabled, self.samples, self.tokens = enabled, samples_per_step, tokens_per_step
@@ -102,7 +102,8 @@ class Metrics:
         )
         w.add_scalar("Throughput/tokens_per_s", perf.tokens_per_s, s)
         w.add_scalar("Throughput/samples_per_s", sps, s)
-        w.add_scalar("Throughput/tflops_per_device", perf.tflops_per_device, s)
+        if perf.tflops_per_device is not None:
+            w.add_scalar("Throughput/tflops_per_device", perf.tflops_per_device, s)
         if perf.mfu is not None:
             w.add_scalar("Throughput/mfu", perf.mfu, s)
         w.add_scalar("Throughput/step_time_s", result.seconds, s)

@@ -50,12 +50,16 @@ PEAK_TFLOPS: dict[str, tuple[float, float, float]] = {
 """Dense peak TFLOP/s of known GPUs by the words of their model in `torch.cuda.get_device_name()`."""
 
 
-def flops_per_token(cfg: JobConfig, seq_len: Optional[int] = None) -> float:
+def flops_per_token(cfg: JobConfig, seq_len: Optional[int] = None) -> Optional[float]:
     """Training FLOPs of one token (module docstring) for the job's model at `seq_len`
-    (default `data.seq_len`); built on the meta device, so it costs no memory."""
+    (default `data.seq_len`); built on the meta device, so it costs no memory. None for a custom
+    model (`model.family=custom`): its blocks, hidden size and attention are unknown, and a
+    count from guessed ones would be a made-up figure."""
     from ...models.build import build_meta_layers, num_layers
 
     m: ModelConfig = cfg.model
+    if m.family == "custom":
+        return None
     n = num_layers(m)
     layers = build_meta_layers(m, n, seed=cfg.training.seed)
     matmul_params = sum(p.numel() for layer in layers[1:] for p in layer.parameters())
@@ -114,21 +118,31 @@ class Throughput:
 
     tokens_per_s: float
     """Tokens of the global batch over the step's wall time."""
-    tflops_per_device: float
-    """Model TFLOP/s per worker that trains."""
+    tflops_per_device: Optional[float]
+    """Model TFLOP/s per worker that trains (None when the FLOPs per token are unknown)."""
     mfu: Optional[float]
-    """tflops_per_device over the device's peak (None when the peak is unknown)."""
+    """tflops_per_device over the device's peak (None when either is unknown)."""
 
     @classmethod
     def of(
-        cls, *, tokens: int, seconds: float, flops_per_token: float, devices: int, peak_tflops: Optional[float]
+        cls,
+        *,
+        tokens: int,
+        seconds: float,
+        flops_per_token: Optional[float],
+        devices: int,
+        peak_tflops: Optional[float],
     ) -> "Throughput":
         tps = tokens / seconds if seconds > 0 else 0.0
+        if flops_per_token is None:
+            return cls(tokens_per_s=tps, tflops_per_device=None, mfu=None)
         per_device = tps * flops_per_token / max(1, devices) / 1e12
         return cls(
             tokens_per_s=tps, tflops_per_device=per_device, mfu=per_device / peak_tflops if peak_tflops else None
         )
 
     def describe(self) -> str:
+        if self.tflops_per_device is None:
+            return f"{self.tokens_per_s:,.0f} tokens/s, TFLOP/s and MFU unknown (a custom model)"
         mfu = f"MFU {100 * self.mfu:.1f} %" if self.mfu is not None else "MFU unknown (set training.peak_tflops)"
         return f"{self.tokens_per_s:,.0f} tokens/s, {self.tflops_per_device:.3g} TFLOP/s per device, {mfu}"
