@@ -326,7 +326,7 @@ class EtcdClient:
         def add() -> Any:
             used[:] = [self.raw.watcher]  # the stream this attempt goes through
             if all(w is not used[0] for w in self._watchers):
-                self._watchers = [w for w in self._watchers if _running(w)] + [used[0]]
+                self._watchers = [w for w in self._watchers if closing.running(w)] + [used[0]]
             fn = self.raw.add_watch_callback if exact else self.raw.add_watch_prefix_callback
             return fn(prefix, callback, start_revision=start_revision)
 
@@ -465,12 +465,6 @@ class EtcdClient:
         closing.close_client(self.raw, self._watchers, self._keepalive)
         self._watchers = []
         closing.forget(self)
-
-
-def _running(watcher: Any) -> bool:
-    """Whether a pyetcd watcher's thread may still run (it is then closed and joined at close)."""
-    thread = getattr(watcher, "_callback_thread", None)
-    return thread is not None and thread.is_alive()
 
 
 _warned: set[tuple[str, Optional[int]]] = set()

@@ -87,6 +87,12 @@ def close_open_clients() -> int:
 atexit.register(close_open_clients)
 
 
+def running(watcher: Any) -> bool:
+    """Whether a pyetcd watcher's thread may still run (it is then closed and joined at close)."""
+    thread = getattr(watcher, "_callback_thread", None)
+    return thread is not None and thread.is_alive()
+
+
 def _threads(watchers: Iterable[Any]) -> list[threading.Thread]:
     return [t for w in watchers if (t := getattr(w, "_callback_thread", None)) is not None]
 
@@ -97,7 +103,8 @@ def close_client(raw: Any, watchers: Iterable[Any], keepalive: Any, wait_s: floa
     for the watch threads and the channels' calls to end. True when everything ended in time."""
     deadline = time.monotonic() + wait_s
     watchers = list(watchers)
-    current = raw._stubs.get("watcher")
+    stubs = getattr(raw, "_stubs", {})
+    current = stubs.get("watcher")
     if current is not None and all(current is not w for w in watchers):
         watchers.append(current)
     keepalive.close()
@@ -117,7 +124,7 @@ def close_client(raw: Any, watchers: Iterable[Any], keepalive: Any, wait_s: floa
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
     while time.monotonic() < deadline and any(_in_flight(ch) for ch in channels):
         time.sleep(0.005)
-    raw._stubs.clear()  # the stubs and the watchers hold the calls: drop them now, not at exit
+    stubs.clear()  # the stubs and the watchers hold the calls: drop them now, not at exit
     ended = not any(_in_flight(ch) for ch in channels) and not any(
         t.is_alive() for t in _threads(watchers) if t is not me
     )
