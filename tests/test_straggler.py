@@ -339,7 +339,7 @@ def test_a_slow_node_is_named_and_the_batch_re_split_around_it(tmp_path: Path, e
         etcd_server,
         run_id,
         ["--nodes", "4"],
-        30,
+        24,
         profile,
         extra=["planning.device_memory_gb=100", "training.global_batch_size=64"],
         env={"OOBLECK_STRAGGLE_AT": "node1@0:3", **ONE_THREAD},
