@@ -330,9 +330,10 @@ def test_settings_fault_specs_and_records() -> None:
 @pytest.mark.slow
 def test_a_slow_node_is_named_and_the_batch_re_split_around_it(tmp_path: Path, etcd_server, run_id) -> None:
     """Four one-stage pipelines; node1 computes 3x slower from the start. Its peers name it once
-    the window (10 steps) is full, or a few steps later on a noisy machine, the leader re-splits the 32 microbatches (node1's pipeline gets about a third of
-    the others'; without node1 the step would take 11 microbatch times against about 10), and the
-    job ends with the weights of one process (the global batch never changed)."""
+    the window (10 steps) is full, or a few steps later on a noisy machine; the leader re-splits
+    the 32 microbatches (node1's pipeline gets about a third of the others'; without node1 the
+    step would take 11 microbatch times against about 10), and the job ends with the weights of
+    one process (the global batch never changed)."""
     profile = tiny_profile(tmp_path / "profile.json")
     out, job, ref = run_job(
         tmp_path,
