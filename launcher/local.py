@@ -308,8 +308,12 @@ class LocalCluster:
         keys = Keys(prefix, self.run_id)
         plans = PlanReader(keys.plan)
         closed_at: Optional[float] = None
+        exited_at: dict[int, float] = {}  # node number -> when the launcher saw it exit
         try:
             while any(n.proc.poll() is None for n in self.nodes):
+                for n in self.nodes:
+                    if n.number not in exited_at and n.proc.poll() is not None:
+                        exited_at[n.number] = time.monotonic()
                 if closed_at is None and read_closed(client, keys) is not None:
                     closed_at = time.monotonic()
                 if closed_at is not None and time.monotonic() - closed_at > self.args.exit_grace:
@@ -368,6 +372,7 @@ class LocalCluster:
         for flag, pending in (("--kill", kills), ("--preempt", preempts)):
             for target, at, *_ in pending:
                 self.say(f"{flag} {target}@{at} not done: {self._not_due_why(target, at)}")
+        self._say_exit_times(closed_at, exited_at)
         failed = [n for n in self.nodes if not n.killed and n.proc.returncode != 0]
         for n in failed:
             self.say(f"node {n.number} exited with status {n.proc.returncode}")
@@ -379,6 +384,17 @@ class LocalCluster:
             f"{len(preempted)} preempted, {len(failed)} failed" + (f": {reason}" if failed and reason else "")
         )
         return 1 if failed else 0
+
+    def _say_exit_times(self, closed_at: Optional[float], exited_at: dict[int, float]) -> None:
+        """One line: how long after the job closed its last nodes exited (a slow agent exit shows)."""
+        if closed_at is None or closed_at == float("inf"):
+            return
+        end = time.monotonic()
+        after = {n.number: max(0.0, exited_at.get(n.number, end) - closed_at) for n in self.nodes if not n.killed}
+        after = {k: v for k, v in after.items() if exited_at.get(k, end) >= closed_at}
+        if after:
+            slowest = max(after, key=lambda k: after[k])
+            self.say(f"every node exited within {after[slowest]:.1f}s of the job closing (the last: node {slowest})")
 
     def cleanup(self) -> None:
         for n in self.nodes:

@@ -338,8 +338,10 @@ class FaultToleranceConfig(Section):
     """A node whose workers compute this many times slower per microbatch than the generation's
     typical worker (against the plan's estimate of their stages), over straggler_steps steps, is
     named a straggler (event, TensorBoard, `oobleck status`; engine/resilience/straggler.py); 0 = off."""
-    straggler_steps: int = 5
-    """Steps a slowdown must last (the median over this window) before a node is named or cleared."""
+    straggler_steps: int = 10
+    """The window, in steps: a node is named when its fastest time in the window and the median of
+    its step-by-step slowdowns both reach straggler_factor (a shared machine's noise reaches both
+    only when it lasts the whole window); one step at full speed clears it."""
     straggler_rebalance: bool = True
     """The leader re-splits the microbatches among the pipelines at their measured speeds when a
     straggler is named and that shortens the estimated step by 10 % or more (the global batch,

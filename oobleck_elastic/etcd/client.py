@@ -30,6 +30,7 @@ import pyetcd.etcdrpc
 import pyetcd.exceptions
 from pyetcd.client import EtcdTokenCallCredentials
 
+from . import closing
 from .keepalive import KeepAliveStream
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,11 @@ class EtcdClient:
         self._outage_since: Optional[float] = None  # monotonic time etcd was first found unreachable
         self.last_outage: Optional[tuple[float, float]] = None
         """(start, end), monotonic, of the last etcd outage this client rode out."""
+        self.closed = False
+        """`close()` was called: the channels are closed and every request fails."""
+        self._watchers: list[Any] = []  # every pyetcd watch stream a watch went through (closed at close)
+        self._close_lock = threading.Lock()
+        closing.register(self)
 
     # ------------------------------------------------------------------ verbs
     def get(self, key: str) -> Optional[KV]:
@@ -319,6 +325,8 @@ class EtcdClient:
 
         def add() -> Any:
             used[:] = [self.raw.watcher]  # the stream this attempt goes through
+            if all(w is not used[0] for w in self._watchers):
+                self._watchers = [w for w in self._watchers if closing.running(w)] + [used[0]]
             fn = self.raw.add_watch_callback if exact else self.raw.add_watch_prefix_callback
             return fn(prefix, callback, start_revision=start_revision)
 
@@ -375,6 +383,8 @@ class EtcdClient:
         Retrying is safe for the control plane's requests: reads, puts of whole values, and
         compare-and-swap transactions (a retried one that had succeeded fails its compare, which
         callers treat as a lost race and re-read)."""
+        if self.closed:
+            raise EtcdError(f"the etcd client of {self.settings.endpoint} was closed (this process is shutting down)")
         started = time.monotonic()
         renewed = False
         while True:
@@ -445,17 +455,16 @@ class EtcdClient:
         return self.last_outage is not None and time.monotonic() - self.last_outage[1] < seconds
 
     def close(self) -> None:
-        """Close the channels and wait (briefly) for the watch stream's thread to end: a thread
-        still blocked in gRPC when the interpreter exits aborts the process when it wakes."""
-        watcher = self.raw._stubs.get("watcher")
-        self._keepalive.close()
-        try:
-            self.raw.close()
-        except Exception:  # noqa: BLE001 - closing a broken channel must not mask the real error
-            pass
-        thread = getattr(watcher, "_callback_thread", None)
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=2.0)
+        """Close the client for good (idempotent): end its keep-alive and watch streams, close its
+        gRPC channels and wait (briefly) for their threads and calls to end, so that nothing is
+        left to the garbage collector at exit (closing.py says why that hangs)."""
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
+        closing.close_client(self.raw, self._watchers, self._keepalive)
+        self._watchers = []
+        closing.forget(self)
 
 
 _warned: set[tuple[str, Optional[int]]] = set()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Optional
 
 import grpc
@@ -102,6 +103,7 @@ class KeepAliveStream:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._stream: Optional[_Stream] = None
+        self._streams: list[_Stream] = []  # every stream opened and maybe not over yet (joined at close)
 
     def _current(self) -> _Stream:
         with self._lock:
@@ -110,6 +112,7 @@ class KeepAliveStream:
                 if stream is not None:
                     stream.end(pyetcd.exceptions.ConnectionFailedError())
                 stream = self._stream = _Stream(self.raw, self._forget)
+                self._streams = [s for s in self._streams if s.reader.is_alive()] + [stream]
             return stream
 
     def _forget(self, stream: _Stream) -> None:
@@ -146,11 +149,16 @@ class KeepAliveStream:
         if stream is not None:
             stream.end(pyetcd.exceptions.ConnectionFailedError())
 
-    def close(self) -> None:
-        """End the stream and wait (briefly) for its reader thread."""
+    def close(self, wait_s: float = 2.0) -> None:
+        """End the stream and wait (up to `wait_s`) for the reader thread of every stream it opened,
+        the ones replaced before included: a reader still in gRPC at exit can leave a call's lock
+        taken for good (closing.py)."""
         with self._lock:
             stream, self._stream = self._stream, None
+            streams, self._streams = self._streams, []
         if stream is not None:
             stream.end(pyetcd.exceptions.ConnectionFailedError())
-            if stream.reader is not threading.current_thread():
-                stream.reader.join(timeout=2.0)
+        deadline = time.monotonic() + wait_s
+        for s in streams:
+            if s.reader is not threading.current_thread():
+                s.reader.join(timeout=max(0.0, deadline - time.monotonic()))

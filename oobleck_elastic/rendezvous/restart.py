@@ -176,9 +176,21 @@ class RestartRendezvousHandler(DynamicRendezvousHandler):
     process-wide `TORCH_DISABLE_SHARE_RDZV_TCP_STORE`; it is set only while `next_rendezvous()`
     runs (on the agent's thread) and restored after, so no other code of the process sees it."""
 
+    client: Optional[EtcdClient] = None
+    """The etcd client under the store and the backend: closed by `shutdown()` (etcd/closing.py)."""
+
     @property
     def use_agent_store(self) -> bool:
         return False
+
+    def shutdown(self) -> bool:
+        """torch's shutdown (closes the rendezvous, never raises), then the etcd client is closed:
+        its gRPC calls must not be left to the garbage collector at exit (etcd/closing.py)."""
+        try:
+            return super().shutdown()
+        finally:
+            if self.client is not None:
+                self.client.close()
 
     def next_rendezvous(self) -> RendezvousInfo:
         previous = os.environ.get(_NO_SHARED_STORE)
@@ -215,7 +227,7 @@ def restart_handler(params: RendezvousParameters, client: EtcdClient, keys: Keys
     )
     store = EtcdStore(client, prefix=keys.torchrun_store, timeout=timeout.join)
     backend = EtcdRendezvousBackend(client, keys.torchrun_state)
-    return RestartRendezvousHandler.from_backend(
+    handler = RestartRendezvousHandler.from_backend(
         params.run_id,
         store,
         backend,
@@ -226,6 +238,8 @@ def restart_handler(params: RendezvousParameters, client: EtcdClient, keys: Keys
         keep_alive_interval=int(params.get_as_int("keep_alive_interval", 5) or 5),
         keep_alive_max_attempt=int(params.get_as_int("keep_alive_max_attempt", 3) or 3),
     )
+    handler.client = client
+    return handler
 
 
 __all__ = ["EtcdRendezvousBackend", "RestartRendezvousHandler", "restart_handler", "state_from_json", "state_to_json"]

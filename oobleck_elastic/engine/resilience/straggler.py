@@ -11,17 +11,29 @@ on the commit all-reduce the step makes anyway (engine/step/commit.py: `CommitVo
 one slot per rank in a MAX, so every worker learns every worker's time with no new collective).
 
 **Naming** (`slowdowns`, `StragglerWatch`; pure, the same on every worker). Over the last
-`straggler_steps` steps of a generation (its first step left out), each worker's fastest time
-per microbatch (contention only ever adds time, so noise shows in some steps of the window and a
-slow device in all of them) is compared with the typical time of its stage: its peers' (the workers of other
+`straggler_steps` steps of a generation (its first step left out), each worker's time per
+microbatch is compared with the typical time of its stage: its peers' (the workers of other
 pipelines that run the same layers; with f+1 pipelines of a template every stage has f of them),
 or, for a stage cut like no other, the time the plan expects of it (`StagePlacement.compute_s`,
 from the profile) at the generation's typical ratio of measured to expected time, so that the
-profile's absolute scale does not matter. A node is named when one of its workers is at least
-`fault_tolerance.straggler_factor` times its stage's typical time and takes at least half the
-largest stage's typical time (a tiny stage a few milliseconds off is no straggler). It is
-cleared the same way. The
-worker holding rank 0 logs both, writes an event and TensorBoard `straggler/*`, and adds the
+profile's absolute scale does not matter. A worker's slowdown is the smaller of two measures over
+the window, each robust to one kind of a shared machine's noise:
+- its fastest time against its stage's fastest: contention only ever adds time, so a healthy
+  worker shows its speed in some step of the window, a slow device in none of them (noise that
+  comes and goes, on any worker);
+- its slowdown step by step (against its stage's typical time in the same step) that it reaches
+  in three steps of four (the lower quartile over the window): a stretch of steps in which the
+  whole machine is loaded slows every worker alike, and a device 3x slower is at least 3 / 1.8x
+  slower in every step even when its peers are slowed 1.8x (noise that lasts, on every worker).
+A healthy worker reaches the factor in both only when contention slows it by that factor in every
+step of the window, and in three steps of four more than its peers (10 steps by default, seconds
+on a shared machine; a window of 5 and the fastest time alone named a healthy node at 1.5x in a
+clean 200-step run on a loaded two-core machine). A node is named when
+one of its workers is at least `fault_tolerance.straggler_factor` times its stage's typical time
+and takes at least half the largest stage's typical time (a tiny stage a few milliseconds off is
+no straggler): a device 3x slower is named once the window is full, `straggler_steps` + 1 steps
+into a generation. It is cleared the same way (one step at full speed clears it). The worker
+holding rank 0 logs both, writes an event and TensorBoard `straggler/*`, and adds the
 named nodes and every pipeline's measured time per microbatch to the job's progress record
 (`oobleck status` shows them).
 
@@ -145,6 +157,21 @@ def slowdowns(plan: Plan, busy: Sequence[float]) -> dict[int, tuple[float, float
     return out
 
 
+def _lower_quartile(values: Sequence[float]) -> float:
+    """The value that at least three quarters of `values` reach."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 4]
+
+
+def _step_slowdowns(plan: Plan, window: Sequence[Sequence[float]]) -> dict[int, float]:
+    """rank -> the lower quartile, over the steps of `window` (by rank, then step), of its slowdown
+    in each step (`slowdowns` of that step's times): how slow it was in three steps of four."""
+    steps = min((len(w) for w in window), default=0)
+    per_step = [slowdowns(plan, [w[k] for w in window]) for k in range(steps)]
+    ranks = {r for found in per_step for r in found}
+    return {r: _lower_quartile([found[r][0] for found in per_step if r in found]) for r in ranks}
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What `StragglerWatch.observe` found after a step."""
@@ -187,6 +214,9 @@ class StragglerWatch:
         # a healthy worker shows its speed in some step of the window, and a slow one in none
         fastest = [min(self._window[r]) if r in self._window else 0.0 for r in range(plan.world_size)]
         found = slowdowns(plan, fastest)
+        # and how slow it was step by step in three steps of four: a loaded machine slows all alike
+        stepwise = _step_slowdowns(plan, [list(self._window.get(r, ())) for r in range(plan.world_size)])
+        found = {r: (min(slow, stepwise.get(r, slow)), per_mb, typical) for r, (slow, per_mb, typical) in found.items()}
         # a worker matters only if it takes a fair share of the largest stage's typical time
         largest = max((typical for _, _, typical in found.values()), default=0.0)
         named: dict[str, float] = {}
