@@ -35,7 +35,7 @@ def test_join_kill_and_drain_under_torchrun(etcd_server, run_id) -> None:
         "--join",
         "3",
         "--kill",
-        "1@35",
+        "1@70",  # 13 s of steps after the join at step 3: the joiner is planned first even on a busy machine
         "--endpoint",
         etcd_server.endpoint,
         "--run-id",
@@ -47,7 +47,7 @@ def test_join_kill_and_drain_under_torchrun(etcd_server, run_id) -> None:
         "--config",
         "configs/gpt2-tiny.yaml",
         "--steps",
-        "70",
+        "110",
         "--step-time",
         "0.2",
     ]
