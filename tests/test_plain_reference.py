@@ -19,6 +19,7 @@ and, in a job, pipelines and replicas in another order than one full-batch forwa
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -151,7 +152,9 @@ def test_a_four_node_job_matches_the_plain_loop(tmp_path: Path, etcd_server, run
     out, _, _ = run_job(
         tmp_path, etcd_server, run_id, ["--nodes", "4", "--kill", "1@3"], STEPS, profile, reference=False
     )
-    assert "generation 1 -> 2" in out, out[-3000:]
+    # the job re-planned around the kill (in generation 2, or a later one when an entry broke:
+    # the weights are what this test is about; how fast it recovers is bench/recovery.py's)
+    assert re.search(r"generation 1 -> \d+ \(failure: -node\d\)", out), out[-3000:]
     cfg = _cfg(tmp_path / "job", profile)
     initial = _initial(
         load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path / "init", STEPS, profile)), tmp_path
