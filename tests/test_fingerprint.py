@@ -94,23 +94,9 @@ def test_a_flipped_bit_in_one_of_three_copies_is_repaired_in_place(tmp_path: Pat
     from the other two, so the job ends with the weights of one process that never saw the flip
     (without the repair, the flip is summed into every copy's gradients from then on and the
     weights differ). The lines number the step as the progress line does."""
-    profile = tiny_profile(tmp_path / "profile.json")
-    out, job, ref = run_job(
-        tmp_path,
-        etcd_server,
-        run_id,
-        ["--nodes", "3"],
-        8,
-        profile,
-        extra=["fault_tolerance.f=2", *_ONE_NODE_PIPELINES],
-        env={"OOBLECK_FLIP_AT": "1@3:2"},
-    )
-    repaired = (
-        "step 4: layer 2: the copy of rank 1 differed from its 3 holders' majority; replaced by rank 0's "
-        "(silent data corruption)"
-    )
-    assert all(f"gen 1 step 4 node node{i}: {repaired}" in out for i in range(3)), out[-3000:]
-    assert f"repaired: {repaired}" in out, out[-3000:]  # the summary
+    out, job, ref = _three_copies(tmp_path, etcd_server, run_id, "1@3:2")
+    assert all(f"gen 1 step 4 node node{i}: {REPAIRED}" in out for i in range(3)), out[-3000:]
+    assert f"repaired: {REPAIRED}" in out, out[-3000:]  # the summary
     assert_same(job, ref)
 
 
@@ -143,22 +129,8 @@ def test_a_bit_flipped_between_checks_is_repaired_at_the_next_check(tmp_path: Pa
     the copies agree (the checks after steps 5 and 7 find nothing). The weights differ from a
     run without the flip: the damage between two checks is not undone, only bounded by the
     interval."""
-    profile = tiny_profile(tmp_path / "profile.json")
-    out, job, ref = run_job(
-        tmp_path,
-        etcd_server,
-        run_id,
-        ["--nodes", "3"],
-        8,
-        profile,
-        extra=["fault_tolerance.f=2", *_ONE_NODE_PIPELINES],
-        env={"OOBLECK_FLIP_AT": "1@2:2"},
-    )
-    repaired = (
-        "step 4: layer 2: the copy of rank 1 differed from its 3 holders' majority; replaced by rank 0's "
-        "(silent data corruption)"
-    )
-    assert all(f"gen 1 step 4 node node{i}: {repaired}" in out for i in range(3)), out[-3000:]
+    out, job, ref = _three_copies(tmp_path, etcd_server, run_id, "1@2:2")
+    assert all(f"gen 1 step 4 node node{i}: {REPAIRED}" in out for i in range(3)), out[-3000:]
     assert out.count("silent data corruption") == 4, out[-3000:]  # 3 workers and the summary: once
     assert _differs(job, ref)
 
@@ -167,19 +139,34 @@ def test_a_bit_flipped_between_checks_is_repaired_at_the_next_check(tmp_path: Pa
 def test_without_the_check_a_flipped_bit_stays_in_the_weights(tmp_path: Path, etcd_server, run_id) -> None:
     """The negative control of the repair tests: the same flip with the check off; the job
     finishes, nothing is repaired, and its weights differ from the run without the flip."""
-    profile = tiny_profile(tmp_path / "profile.json")
-    out, job, ref = run_job(
+    out, job, ref = _three_copies(
+        tmp_path, etcd_server, run_id, "1@3:2", "fault_tolerance.fingerprint_interval_steps=0"
+    )
+    assert "silent data corruption" not in out, out[-3000:]
+    assert _differs(job, ref)
+
+
+REPAIRED = (
+    "step 4: layer 2: the copy of rank 1 differed from its 3 holders' majority; replaced by rank 0's "
+    "(silent data corruption)"
+)
+"""The repair line of the f = 2 jobs whose rank 1 gets layer 2's bit flipped before the check
+after the log's step 4."""
+
+
+def _three_copies(tmp_path: Path, etcd_server, run_id: str, flip: str, *extra: str) -> tuple[str, dict, dict]:
+    """An 8-step job on three one-node pipelines with f = 2 (three copies of every layer), a bit
+    flipped as `OOBLECK_FLIP_AT=flip` says; (output, job weights, reference weights)."""
+    return run_job(
         tmp_path,
         etcd_server,
         run_id,
         ["--nodes", "3"],
         8,
-        profile,
-        extra=["fault_tolerance.f=2", "planning.device_memory_gb=100", "fault_tolerance.fingerprint_interval_steps=0"],
-        env={"OOBLECK_FLIP_AT": "1@3:2"},
+        tiny_profile(tmp_path / "profile.json"),
+        extra=["fault_tolerance.f=2", *_ONE_NODE_PIPELINES, *extra],
+        env={"OOBLECK_FLIP_AT": flip},
     )
-    assert "silent data corruption" not in out, out[-3000:]
-    assert _differs(job, ref)
 
 
 def _differs(job: dict, ref: dict) -> bool:

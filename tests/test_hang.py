@@ -261,14 +261,7 @@ def test_a_stopped_worker_on_a_live_node_is_cut_off(tmp_path: Path, etcd_server,
     assert errors["error"].startswith(f"WorkerHung: worker 0 of node {stopped['node']} hung in step")
     assert "stopped" in errors["traceback"]
     # the step after the stop completed within the bound + a re-plan, not after comm_timeout_s (30 s)
-    done = [
-        datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        for m in (
-            re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO gen \d+ step (\d+)/12 node", ln)
-            for ln in out.splitlines()
-        )
-        if m and int(m.group(2)) > stopped["step"] + 1
-    ]
+    done = [at for at, step in _step_times(out) if step > stopped["step"] + 1]
     assert done and min(done) - stopped["at"] < 25, (min(done) - stopped["at"], out[-3000:])
     print(f"SIGSTOP -> next step: {min(done) - stopped['at']:.2f} s")
     assert_same(job, ref)

@@ -197,22 +197,11 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
     """Two nodes die at once and they held both copies of the same layers (more than f=1
     failures): the survivors restore the newest checkpoint by themselves and still end with the
     reference weights, every sample used once."""
-    from launcher.local import kill_node
     from oobleck_elastic import ops
-    from oobleck_elastic.planning import Plan
     from oobleck_elastic.records.keys import Keys
-    from oobleck_elastic.rendezvous.membership import live_nodes
 
     profile = tiny_profile(tmp_path / "profile.json")
     keys = Keys("/oobleck", run_id)
-
-    def kill_both_first_stages(client) -> None:
-        plan = Plan.from_json(client.get_json(keys.plan)[0])
-        victims = {p.stages[0].node for p in plan.pipelines}
-        assert len(victims) == 2
-        for rec in live_nodes(client, keys):
-            if rec.node_id in victims:
-                kill_node(rec.agent_pid)
 
     out, job, ref = run_job(
         tmp_path,
@@ -228,7 +217,7 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
             etcd_server.endpoint,
             proc,
             lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 5,
-            kill_both_first_stages,
+            _kill_both_first_stages(keys),
         ),
     )
     assert "had no surviving copy; restored checkpoint" in out, out[-4000:]
@@ -244,21 +233,11 @@ def test_losing_every_copy_of_a_layer_without_a_checkpoint_fails_the_job(tmp_pat
     """The same loss with no checkpoint to restore: the job is closed as failed with the reason,
     at once. (The survivors' workers used to raise, and their agents restarted them into a job
     that trained again from step 0 on re-initialised layers.)"""
-    from launcher.local import kill_node
-    from oobleck_elastic.planning import Plan
     from oobleck_elastic.records.control import read_closed
     from oobleck_elastic.records.keys import Keys
-    from oobleck_elastic.rendezvous.membership import live_nodes
 
     profile = tiny_profile(tmp_path / "profile.json")
     keys = Keys("/oobleck", run_id)
-
-    def kill_both_first_stages(client) -> None:
-        plan = Plan.from_json(client.get_json(keys.plan)[0])
-        victims = {p.stages[0].node for p in plan.pipelines}
-        for rec in live_nodes(client, keys):
-            if rec.node_id in victims:
-                kill_node(rec.agent_pid)
 
     out, _, _ = run_job(
         tmp_path,
@@ -272,7 +251,7 @@ def test_losing_every_copy_of_a_layer_without_a_checkpoint_fails_the_job(tmp_pat
             etcd_server.endpoint,
             proc,
             lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 3,
-            kill_both_first_stages,
+            _kill_both_first_stages(keys),
         ),
     )
     client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
@@ -391,3 +370,21 @@ def test_local_worker_crash_is_restarted_by_its_agent_and_rejoins(tmp_path: Path
         e.line() for e in events
     ]
     assert_same(job, ref)
+
+
+def _kill_both_first_stages(keys):
+    """The action that SIGKILLs the nodes of every pipeline's first stage at once (two pipelines:
+    both copies of the first layers)."""
+    from launcher.local import kill_node
+    from oobleck_elastic.planning import Plan
+    from oobleck_elastic.rendezvous.membership import live_nodes
+
+    def kill(client) -> None:
+        plan = Plan.from_json(client.get_json(keys.plan)[0])
+        victims = {p.stages[0].node for p in plan.pipelines}
+        assert len(victims) == 2
+        for rec in live_nodes(client, keys):
+            if rec.node_id in victims:
+                kill_node(rec.agent_pid)
+
+    return kill
