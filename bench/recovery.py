@@ -1,7 +1,8 @@
 """Recovery from a node failure: the oobleck job against the honest torchrun baseline, side by side.
 
-Goals (from the issue): (a) under 1 s from a node's death to resumed training; (b) at least 10x
-faster than torchrun's restart-from-checkpoint, counting the work it redoes; (c) after losing 1 of
+Goals: (a) a median under 0.5 s from a node's death to resumed training (the leader's death: under
+0.8 s); (b) at least 20x faster than torchrun's restart-from-checkpoint, counting the work it
+redoes; (c) after losing 1 of
 4 nodes, samples/s at least 95 % of 3/4 of the samples/s before.
 
 Method. Both jobs train the same tiny GPT-2 (configs/gpt2-tiny.yaml + OVERRIDES: seq_len 32,
@@ -40,7 +41,11 @@ The kill happens when progress shows step >= S (polled every 20 ms; the baseline
 - `samples_s_before` / `samples_s_after`: global batch / median interval between consecutive step
   completions, before the kill (steps 3..P) and after recovery (from the 2nd step after it);
 - `recovery_cost_s` = kill_to_next_step_s + lost_steps x median step time after recovery;
-- `timeline_s`: seconds after the kill of each phase (detection, new membership, first step).
+- `timeline_s`: seconds after the kill of each phase (detection, new membership, first step);
+  `last_survivor_saw_failure`: the last survivor's main thread saw its step fail or abandoned it
+  (the `seen` field of `comm_failed` / `step_abandoned`, before the generation's teardown);
+- `longest_teardown_s`: the longest teardown of a survivor's generation (`abort_s` of the same
+  lines: aborting its groups and collecting their cycles).
 
 The comparison line: `ratio_b_over_a` = recovery_cost_s of b / of a (medians over repeats) and
 the three goals. The jobs run one after the other (order alternates between repeats), never
@@ -98,7 +103,7 @@ OVERRIDES = [
 OURS_RDZV = "lease_ttl=2,settle=0.2,last_call_timeout=1"
 C10D_RDZV = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
 NODES, VICTIM = 4, 1
-GOAL_RECOVERY_S, GOAL_RATIO, GOAL_THROUGHPUT = 1.0, 10.0, 0.95
+GOAL_RECOVERY_S, GOAL_RATIO, GOAL_THROUGHPUT = 0.5, 20.0, 0.95
 
 
 class Lines:
@@ -351,6 +356,8 @@ def report_ours(run: Run, events: list, lines: list[dict], args: argparse.Namesp
     steps = [(int(e["step"]), e["t"]) for e in lines if e["event"] == "step"]
     fails = [e["t"] for e in lines if e["event"] == "comm_failed"]
     abandons = [e["t"] for e in lines if e["event"] == "step_abandoned"]
+    # when each survivor's main thread saw its step fail or abandoned (before the teardown)
+    seen = [e.get("seen", e["t"]) for e in lines if e["event"] in ("comm_failed", "step_abandoned")]
     enters = [
         (e["t"], e["gen"], e["step"], "rolled forward" if e.get("rolled_forward") else "")
         for e in lines
@@ -378,11 +385,14 @@ def report_ours(run: Run, events: list, lines: list[dict], args: argparse.Namesp
     out["timeline_s"] = {
         "first_comm_failure": rel(min((t for t in fails if t > tk), default=None), tk),
         "first_step_abandoned": rel(min((t for t in abandons if t > tk), default=None), tk),
+        "last_survivor_saw_failure": rel(max((t for t in seen if t > tk), default=None), tk),
         "node_declared_lost": rel(min(lost, default=None), tk),
         "new_plan_published": rel(min(plans, default=None), tk),
         "all_entered_new_generation": rel(max((e[0] for e in gen2), default=None), tk),
         "first_step_done": rel(first_after, tk),
     }
+    teardowns = [e["abort_s"] for e in lines if "abort_s" in e and e["t"] > tk]
+    out["longest_teardown_s"] = max(teardowns, default=None)
     out["completed"] = out.get("final_step") == args.steps and not run.timed_out
     out["wall_s"] = round(time.time() - t0, 1)
     return out
@@ -604,8 +614,8 @@ def compare(results: dict[str, list[dict]], args: argparse.Namespace, load0: flo
         "a_after_over_before": a_tp,
         "b_after_over_before": med("b", "after_over_before"),
         "goals": {
-            "a_under_1s": a_next is not None and a_next < GOAL_RECOVERY_S,
-            "ratio_at_least_10x": ratio is not None and ratio >= GOAL_RATIO,
+            "a_median_under_0_5s": a_next is not None and a_next < GOAL_RECOVERY_S,
+            "ratio_at_least_20x": ratio is not None and ratio >= GOAL_RATIO,
             "a_throughput_after_at_least_95pct_of_3_4": a_tp is not None and a_tp >= GOAL_THROUGHPUT * 0.75,
         },
         "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],

@@ -56,6 +56,11 @@ def exit_now_if_abandoned(code: int) -> None:
         os._exit(code)
 
 
+def abandoned_threads() -> list[threading.Thread]:
+    """The step threads left behind by an abandonment that are still running."""
+    return [t for t in _abandoned if t.is_alive()]
+
+
 class StepRunner:
     """Runs functions in one long-lived daemon thread (torch's intra-op thread pools are per
     calling thread, so a new thread per step would build a new pool every step). After an

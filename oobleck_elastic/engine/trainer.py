@@ -56,6 +56,7 @@ from .telemetry.samples import SampleLedger
 from .step.compiled import compile_enabled, compiled_stage, use_cache_dir, warm_up
 from ..data.sampler import BatchPrefetcher, pipeline_slices
 from .generation.devices import release_groups, to_device
+from .runner import abandoned_threads
 from .resilience.errors import StepAbandoned
 from .resilience.faults import FaultInjector
 from .resilience.fingerprint import (
@@ -565,10 +566,10 @@ class Trainer(PortableState):
                 self._detach_kept = True
         self._drop_groups()
         try:
-            release_groups(abort=True)
+            release_groups(abort=True, busy=abandoned_threads())
         except Exception:  # noqa: BLE001 - the groups are broken anyway
             pass
-        gc.collect()
+        gc.collect()  # cheap: what existed before the first generation is frozen (engine/run.py)
 
     def close(self) -> None:
         self.batches.close()

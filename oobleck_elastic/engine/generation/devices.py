@@ -17,7 +17,11 @@
   forgets them (`_abort_process_group` on the world). NCCL operations blocked on a dead or hung
   peer return with an error at once; gloo has no way to interrupt a blocked operation, which
   returns only when its timeout fires or its peer's sockets close, so the caller runs steps
-  where it can stop waiting for them (see `engine/run.py`).
+  where it can stop waiting for them (see `engine/run.py`). Nor can a gloo group be freed while
+  such an operation runs: its destructor joins the group's worker threads, so whichever thread
+  drops the last reference waits for the operation's timeout (`comm_timeout_s`, 30 s and more).
+  So the aborted groups are handed to a daemon thread that holds them until the abandoned step
+  threads (`busy`) have ended, then drops them; the worker enters the next generation at once.
 - **NCCL error handling** (`configure_nccl`): a peer's failure must never kill a healthy
   worker. `TORCH_NCCL_ASYNC_ERROR_HANDLING=2` (clean up only: on a timeout or error the watchdog
   aborts the communicators and the waiting call raises, the process lives on; 1 and torch's
@@ -30,7 +34,8 @@
 from __future__ import annotations
 
 import os
-from typing import MutableMapping
+import threading
+from typing import Any, MutableMapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -94,16 +99,32 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
-def release_groups(*, abort: bool) -> None:
+def release_groups(*, abort: bool, busy: Sequence[threading.Thread] = ()) -> None:
     """Forget every process group of this process: aborted (`abort`, see the module docstring)
     or destroyed (a healthy generation left at a step boundary); and restart torch's group
     numbering: groups are named by a per-process counter that only a
     complete teardown resets, so a default group whose set-up failed half-way (a generation
     superseded while it was being joined) would leave this worker naming its groups differently
-    from its peers in the next generation, and they would wait for each other's keys forever."""
+    from its peers in the next generation, and they would wait for each other's keys forever.
+    `busy`: abandoned step threads that may still be blocked in an operation of these groups;
+    the aborted groups are freed only once they have ended, on a daemon thread."""
     if dist.is_initialized():
         if abort:
+            doomed: list[Any] = list(_world.pg_map)
             _abort_process_group()
+            _free_later(doomed, busy)
         else:
             dist.destroy_process_group()
     _world.group_count = 0
+
+
+def _free_later(groups: list[Any], busy: Sequence[threading.Thread]) -> None:
+    """Hold `groups` on a daemon thread until every thread of `busy` has ended, then drop them
+    there (module docstring). The caller must keep no other reference."""
+
+    def free() -> None:
+        for thread in busy:
+            thread.join()
+        groups.clear()
+
+    threading.Thread(target=free, name="oobleck-free-groups", daemon=True).start()
