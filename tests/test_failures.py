@@ -241,6 +241,7 @@ def seed_002_profile(path: Path) -> Path:
     return path
 
 
+@pytest.mark.extended  # the default run covers this ground (the README's test section)
 def test_eight_nodes_become_six(tmp_path: Path, etcd_server, run_id) -> None:
     """Seed 002's case: 8 nodes (two 4-stage pipelines) lose two at once (the first stage of one
     pipeline, the last of the other, so every layer keeps a copy); no template of the old size

@@ -168,6 +168,7 @@ def test_a_node_cut_off_from_the_network_is_survived(tmp_path: Path) -> None:
     assert_same(job.weights(), job.reference_weights())
 
 
+@pytest.mark.extended  # the default run covers this ground (the README's test section)
 def test_an_external_etcd_and_a_second_allocation_that_joins_the_run(slurm: SlurmCluster, tmp_path: Path) -> None:
     """ETCD_ENDPOINT: a 3-member etcd outside the allocation, so no node of it holds the control
     plane. A 3-node job (MAX_NODES=4) trains; at step 1 a second 1-node sbatch with the same
