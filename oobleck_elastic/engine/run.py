@@ -513,7 +513,8 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
     # size chosen by the planner (`auto`), right after the first entry, before the first step
     if isinstance(cfg.training.microbatch_size, int):
         worker.trainer.warm_up(cfg.training.microbatch_size)
-    _freeze_startup_objects()
+    if not isinstance(ctx, LocalControl):  # a job's worker process, not a caller's (tests, the reference)
+        _freeze_startup_objects()
     ctx.report_ready()
     target, plan = Target.first(), None
     try:
