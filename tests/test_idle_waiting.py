@@ -82,6 +82,48 @@ def idle_costs(etcd_server, launcher: int, processes: dict[str, list[int]]) -> I
     return Idle(cpu=cpu, requests=requests)
 
 
+def test_a_worker_waiting_for_a_plan_sleeps_until_one_comes(etcd_settings, run_id, monkeypatch) -> None:
+    """A worker that reported ready and waits for a plan giving it a stage (the first plan, its
+    node's admission into one, or as a spare) sleeps on its mirror (it looked every 50 ms): with
+    the bound on one sleep raised to a minute, it looks once or twice in 3 s, and the plan's
+    arrival wakes it."""
+    import threading
+
+    from oobleck_elastic.engine import run
+    from oobleck_elastic.engine.run import Target, _next_plan
+    from oobleck_elastic.etcd import connect
+    from oobleck_elastic.records.keys import Keys
+    from oobleck_elastic.rendezvous.worker import WorkerContext
+    from oobleck_elastic.testing import layout_plan
+
+    client = connect(etcd_settings)
+    ctx = WorkerContext(client=client, keys=Keys("/oobleck", run_id), node_id="n1", local_rank=0).watch()
+    looks: list[float] = []
+    read = ctx.plan
+
+    def counted():
+        looks.append(time.monotonic())
+        return read()
+
+    ctx.plan = counted  # type: ignore[method-assign]
+    got: list = []
+    monkeypatch.setattr(run, "_NEWS_WAIT_S", 60.0)
+    waiter = threading.Thread(target=lambda: got.append(_next_plan(ctx, Target.first())), daemon=True)
+    try:
+        waiter.start()
+        time.sleep(0.5)
+        looks.clear()
+        time.sleep(3.0)
+        assert len(looks) <= 2, len(looks)
+        plan = layout_plan([[(0, 3), (3, 6)]], [4], generation=1)
+        client.put_json(ctx.keys.plan, plan.to_json())
+        waiter.join(timeout=30.0)  # the news, not the 60 s bound, ends the sleep
+        assert got == [plan]
+    finally:
+        ctx.close()
+        client.close()
+
+
 @pytest.mark.slow
 def test_a_lone_agent_below_n0_is_idle(tmp_path: Path, etcd_server, run_id) -> None:
     """Two nodes run one 2-stage pipeline (n0 = 2); one is killed at step 3. Over the next 20 s
