@@ -333,8 +333,8 @@ class Leader:
         return view, rev, records
 
     def _refused(self, plan: Optional[Plan]) -> tuple[str, ...]:
-        """The nodes the planner refused for the generation after `plan` (decide.py)."""
-        if self._unplannable is None or plan is None or self._unplannable[1] != plan.generation + 1:
+        """The nodes the planner refused for the generation after `plan` (decide.py; no plan yet: the first)."""
+        if self._unplannable is None or self._unplannable[1] != (plan.generation if plan is not None else 0) + 1:
             return ()
         return self._unplannable[0]
 
