@@ -174,7 +174,9 @@ def test_a_lone_agent_below_n0_is_idle(tmp_path: Path, etcd_server, run_id) -> N
 
 
 @pytest.mark.slow
-def test_nodes_waiting_for_the_profile_and_for_admission_are_idle(tmp_path: Path, etcd_server, run_id) -> None:
+def test_nodes_waiting_for_the_profile_and_for_admission_are_idle(
+    tmp_path: Path, etcd_server, etcd_settings, run_id
+) -> None:
     """Three nodes start a job of at most two (`--nnodes 2:2`) with no profile file, and the test
     holds the claim on the profile of this machine's device kind, as the worker measuring it would
     (`WorkerContext.share_profile`): the leader admits two nodes and waits for the profile, their
@@ -185,6 +187,7 @@ def test_nodes_waiting_for_the_profile_and_for_admission_are_idle(tmp_path: Path
     the third node, never admitted, exits 0 when the job ends."""
     import torch
 
+    from oobleck_elastic.etcd import connect
     from oobleck_elastic.planning import Plan, profiler
     from oobleck_elastic.records.control import ProfileClaim
     from oobleck_elastic.records.keys import Keys
@@ -196,29 +199,26 @@ def test_nodes_waiting_for_the_profile_and_for_admission_are_idle(tmp_path: Path
     seen: list[Idle] = []
     admitted_then: list[set[str]] = []
 
+    def admitted(client) -> set[str]:
+        return {keys.node_of(k) for k, _ in client.get_prefix_json(keys.admissions)}
+
     def waiting(client) -> bool:
-        ready = len(client.range(keys.readiness)[1])
-        return ready == 2 and len(live_nodes(client, keys)) == 3
-
-    def measure(client) -> None:
-        time.sleep(2.0)  # the workers' lines after they reported ready are done
-        admitted_then.append({keys.node_of(k) for k, _ in client.get_prefix_json(keys.admissions)})
-        seen.append(idle_costs(etcd_server, proc_pid[0], node_processes(client, keys)))
-        client.put(keys.device_profile(label), profile.read_text())  # the measuring worker is done
-
-    proc_pid: list[int] = []
+        return len(client.range(keys.readiness)[1]) == 2 and len(live_nodes(client, keys)) == 3
 
     def during(proc) -> None:
-        proc_pid.append(proc.pid)
+        def measure(client) -> None:
+            time.sleep(2.0)  # the workers' lines after they reported ready are done
+            admitted_then.append(admitted(client))
+            seen.append(idle_costs(etcd_server, proc.pid, node_processes(client, keys)))
+            client.put(keys.device_profile(label), profile.read_text())  # the measuring worker is done
+
         when(etcd_server.endpoint, proc, waiting, measure, timeout=240)
 
-    from oobleck_elastic.etcd import EtcdSettings, connect
-
-    client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
+    client = connect(etcd_settings)
     try:
         holder = ProfileClaim(node="the-test", local_rank=0, pid=os.getpid(), time=time.time())
         client.put_json(keys.profile_claim(label), holder.to_json())
-        out, _, _ = run_job(
+        run_job(
             tmp_path,
             etcd_server,
             run_id,
@@ -234,9 +234,9 @@ def test_nodes_waiting_for_the_profile_and_for_admission_are_idle(tmp_path: Path
         assert len(idle.cpu) == 6, idle  # three agents, and the workers of each node
         assert idle.requests == {}, idle
         assert idle.busy() == {}, idle
-        (admitted,) = admitted_then
+        (first,) = admitted_then
         plan = Plan.from_json(client.get_json(keys.plan)[0])
-        assert plan.generation == 1 and set(plan.nodes) == admitted and len(admitted) == 2, (plan.nodes, admitted)
-        assert {keys.node_of(k) for k, _ in client.get_prefix_json(keys.admissions)} == admitted  # the third never
+        assert plan.generation == 1 and set(plan.nodes) == first and len(first) == 2, (plan.nodes, first)
+        assert admitted(client) == first  # the third node was never admitted
     finally:
         client.close()
