@@ -4,11 +4,13 @@ acts on a running job's etcd state, and a local job run beside its single-proces
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -205,6 +207,18 @@ def stall_process(pid: int, seconds: float) -> threading.Thread:
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
+
+
+def etcd_grpc(server, metric: str) -> dict[str, int]:
+    """etcd's count `metric` (from its /metrics, e.g. `grpc_server_msg_received_total`: requests
+    received, each message of a stream counted) per gRPC method, summed over its other labels."""
+    text = urllib.request.urlopen(f"{server.client_url}/metrics", timeout=10).read().decode()
+    counts: dict[str, int] = {}
+    for labels, value in re.findall(rf"^{metric}{{([^}}]*)}} (\S+)$", text, re.M):
+        method = re.search(r'grpc_method="([^"]*)"', labels)
+        if method is not None:
+            counts[method.group(1)] = counts.get(method.group(1), 0) + int(float(value))
+    return counts
 
 
 def eventually(predicate: Callable[[], object], timeout: float = 10.0) -> None:

@@ -193,6 +193,20 @@ def test_below_n0_the_refused_nodes_are_not_replanned_again_until_a_change() -> 
     assert d.action == Action.REPLAN and d.nodes == ("n1", "n2")
 
 
+def test_below_n0_before_the_first_plan_the_refused_nodes_are_not_planned_again_until_a_change() -> None:
+    view = LeaderView(up=("n0", "n1"), refused=("n0", "n1"))  # the planner refused generation 1 on them
+    d = decide(view, Clocks(first_quorum=1.0), 10.0, RULES)
+    assert d.action == Action.WAIT_FOR_NODES and d.nodes == () and d.clocks.first_quorum == 1.0
+    d = decide(replace(view, up=("n0", "n1", "n2")), Clocks(first_quorum=1.0), 10.0, RULES)
+    assert d.action == Action.FIRST_PLAN and d.nodes == ("n0", "n1", "n2")
+    # nodes admitted while the profile was measured: the same, and an arrival is admitted and planned
+    admitted = replace(view, admitted=frozenset({"n0", "n1"}))
+    d = decide(admitted, Clocks(), 10.0, RULES)
+    assert d.action == Action.WAIT_FOR_NODES and d.admit == ()
+    d = decide(replace(admitted, up=("n0", "n1", "n2")), Clocks(), 10.0, RULES)
+    assert d.action == Action.FIRST_PLAN and d.nodes == ("n0", "n1", "n2") and d.admit == ("n2",)
+
+
 def test_the_events_of_a_replan_say_why_each_node_left() -> None:
     from dataclasses import replace
 

@@ -6,10 +6,8 @@ an auth error reach the caller as pyetcd's per-request errors would."""
 
 from __future__ import annotations
 
-import re
 import threading
 import time
-import urllib.request
 
 import grpc
 import pyetcd.etcdrpc
@@ -20,14 +18,12 @@ from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.etcd.keepalive import KeepAliveStream
 from oobleck_elastic.etcd.server import EtcdServer
 
-from helpers import stall_process
+from helpers import etcd_grpc, stall_process
 
 
 def _keepalive_streams(server: EtcdServer) -> int:
     """How many LeaseKeepAlive streams etcd has started (its /metrics)."""
-    text = urllib.request.urlopen(f"{server.client_url}/metrics", timeout=10).read().decode()
-    m = re.search(r'grpc_server_started_total\{[^}]*grpc_method="LeaseKeepAlive"[^}]*\} (\d+)', text)
-    return int(m.group(1)) if m else 0
+    return etcd_grpc(server, "grpc_server_started_total").get("LeaseKeepAlive", 0)
 
 
 def test_many_leases_share_one_stream_and_each_gets_its_answer(own_etcd) -> None:

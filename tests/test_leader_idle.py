@@ -37,6 +37,33 @@ def test_the_roster_is_parsed_once_per_revision() -> None:
     assert reader.read(kv) is None
 
 
+def _count_calls(obj: object, names: tuple[str, ...]) -> Counter:
+    """Count the calls of `obj`'s methods `names` from now on (they still run)."""
+    calls: Counter = Counter()
+    for name in names:
+        real = getattr(obj, name)
+
+        def counted(*args: object, _real=real, _name=name, **kwargs: object) -> object:
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        setattr(obj, name, counted)
+    return calls
+
+
+def _count_passes(leader: Leader) -> list[float]:
+    """When the leader's loop read its view, from now on (one entry per pass)."""
+    passes: list[float] = []
+    read_view = leader._read_view
+
+    def counted_view() -> object:
+        passes.append(time.monotonic())
+        return read_view()
+
+    leader._read_view = counted_view
+    return passes
+
+
 def _refuse(nodes: list[str], generation: int, previous: object) -> object:
     raise PlanningError("this test publishes no plan")
 
@@ -114,27 +141,12 @@ def test_a_lone_leader_below_n0_sleeps_until_a_node_arrives(etcd_settings, run_i
         asked.append(tuple(nodes))
         raise PlanningError("at least n0=2 nodes are needed")
 
-    writes = Counter()
-    for name in ("put", "put_json", "put_if_absent", "transact", "delete"):
-        real = getattr(client, name)
-
-        def counted(*args: object, _real=real, _name=name, **kwargs: object) -> object:
-            writes[_name] += 1
-            return _real(*args, **kwargs)
-
-        setattr(client, name, counted)
+    writes = _count_calls(client, ("put", "put_json", "put_if_absent", "transact", "delete"))
     view = Mirror(client, keys.agent_watched(survivor), name=survivor).start()
     leader = Leader(
         client, keys, members[1], planner=planner, min_nodes=2, max_nodes=2, last_call_s=1, settle_s=0.2, view=view
     )
-    passes = []
-    read_view = leader._read_view
-
-    def counted_view() -> object:
-        passes.append(time.monotonic())
-        return read_view()
-
-    leader._read_view = counted_view
+    passes = _count_passes(leader)
     newcomer = Member(client, keys, devices=1, lease_ttl_s=5, host="test")
     try:
         leader.start()
@@ -156,4 +168,95 @@ def test_a_lone_leader_below_n0_sleeps_until_a_node_arrives(etcd_settings, run_i
         view.close()
         for member in (*members[1:], newcomer):
             member.close()
+        client.close()
+
+
+def test_a_leader_waiting_for_the_profile_asks_etcd_nothing_until_one_is_published(
+    etcd_settings, run_id, tmp_path
+) -> None:
+    """No `planning.profile_path`: the leader admits the first two nodes and waits for a worker to
+    publish the profile. Meanwhile it reads nothing from etcd (its mirror holds the profile keys)
+    and passes its loop about once a second (it used to read both profile keys 20 times a second);
+    the profile's arrival wakes it, and generation 1 follows."""
+    from oobleck_elastic.config import load_config
+    from oobleck_elastic.rendezvous.planner import JobPlanner
+
+    from helpers import ROOT, TINY_PROFILE_OVERRIDES, tiny_profile
+
+    client = connect(etcd_settings)
+    keys = Keys("/oobleck", run_id)
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [*TINY_PROFILE_OVERRIDES, "planning.profile_path=null"])
+    planner = JobPlanner(cfg, client, keys)
+    members = [Member(client, keys, devices=1, lease_ttl_s=5, host="test") for _ in range(2)]
+    for member in members:
+        member.register()
+    me = members[0].node_id
+    view = Mirror(client, keys.agent_watched(me), name=me).start()
+    leader = Leader(
+        client,
+        keys,
+        members[0],
+        planner=planner.plan_for,
+        min_nodes=2,
+        max_nodes=2,
+        last_call_s=0.3,
+        settle_s=0.1,
+        profile_ready=planner.profile_ready,
+        view=view,
+    )
+    passes = _count_passes(leader)
+    try:
+        leader.start()
+        eventually(lambda: len(list(client.get_prefix_json(keys.admissions))) == 2, timeout=5.0)
+        time.sleep(1.0)
+        reads = _count_calls(client, ("get", "range", "get_json", "get_prefix_json", "count"))
+        passes.clear()
+        time.sleep(4.0)
+        assert dict(reads) == {} and len(passes) <= 6, (dict(reads), len(passes))
+        assert client.get(keys.plan) is None
+        client.put(keys.device_profile("cpu Fake"), tiny_profile(tmp_path / "p.json").read_text())
+        eventually(lambda: client.get(keys.plan) is not None, timeout=5.0)
+        plan = Plan.from_json(client.get_json(keys.plan)[0])
+        assert plan.generation == 1 and set(plan.nodes) == {m.node_id for m in members}
+    finally:
+        leader.stop()
+        view.close()
+        for member in members:
+            member.close()
+        client.close()
+
+
+def test_a_lone_leader_below_n0_before_the_first_plan_sleeps_until_a_node_arrives(etcd_settings, run_id) -> None:
+    """`--nnodes 1:2` and n0 = 2: the planner refuses the first plan on the one node up. The leader
+    asks it once, then sleeps (it ticked 20 times a second); a second node wakes it to ask again."""
+    client = connect(etcd_settings)
+    keys = Keys("/oobleck", run_id)
+    member, newcomer = (Member(client, keys, devices=1, lease_ttl_s=5, host="test") for _ in range(2))
+    member.register()
+    asked: list[tuple[str, ...]] = []
+
+    def planner(nodes: list[str], generation: int, previous: object) -> Plan:
+        asked.append(tuple(nodes))
+        raise PlanningError("at least n0=2 nodes are needed")
+
+    view = Mirror(client, keys.agent_watched(member.node_id), name=member.node_id).start()
+    leader = Leader(
+        client, keys, member, planner=planner, min_nodes=1, max_nodes=2, last_call_s=0.2, settle_s=0.1, view=view
+    )
+    passes = _count_passes(leader)
+    try:
+        leader.start()
+        eventually(lambda: asked == [(member.node_id,)])
+        time.sleep(1.0)
+        passes.clear()
+        time.sleep(4.0)
+        assert len(passes) <= 6 and asked == [(member.node_id,)], (len(passes), asked)
+        newcomer.register()
+        eventually(lambda: len(asked) == 2, timeout=5.0)
+        assert asked[1] == (member.node_id, newcomer.node_id)
+    finally:
+        leader.stop()
+        view.close()
+        for m in (member, newcomer):
+            m.close()
         client.close()

@@ -53,6 +53,10 @@ class ControlPlane(Protocol):
     def should_leave(self, plan: Optional[Plan]) -> Optional[str]:
         """Why this worker must stop now (job closed, node drained or fenced), or None."""
 
+    def wait_for_news(self, timeout: float) -> None:
+        """Sleep until what `plan`, `plan_at` and `should_leave` read may have changed since the
+        last call (a watched key changed), or `timeout` seconds at most."""
+
     def failure_of_job(self) -> Optional[str]:
         """The reason the job was closed as failed, or None."""
 
@@ -196,6 +200,9 @@ class LocalControl:
 
     def should_leave(self, plan: Optional[Plan]) -> Optional[str]:
         return "the job is closed" if self._closed is not None else None
+
+    def wait_for_news(self, timeout: float) -> None:
+        time.sleep(timeout)  # nothing changes under a single process but itself
 
     def failure_of_job(self) -> Optional[str]:
         return self._closed[0] if self._closed is not None and self._closed[1] else None

@@ -43,7 +43,6 @@ import faulthandler
 import gc
 import functools
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -114,9 +113,15 @@ class Target:
         return cls(generation + 1, False)
 
 
+_NEWS_WAIT_S = 1.0
+"""Longest sleep between looks at the plan (news wakes a worker sooner; this bounds a missed one)."""
+
+
 def _next_plan(ctx: ControlPlane, target: Target) -> Optional[Plan]:
     """Wait for the plan to enter (`target`): one that gives this worker a stage, or names its
-    node a donor. None when this worker must leave (job closed, node drained)."""
+    node a donor. None when this worker must leave (job closed, node drained). Between looks it
+    sleeps until what it reads changes (`ControlPlane.wait_for_news`): a worker waiting for the
+    first plan, for its node's admission into one, or as a spare costs nothing."""
     while True:
         latest = ctx.plan()
         plan = ctx.plan_at(target.generation) if target.exact else latest
@@ -129,7 +134,7 @@ def _next_plan(ctx: ControlPlane, target: Target) -> Optional[Plan]:
             return plan
         if target.exact and plan is not None:  # no stage in the agreed generation (spare): wait for a later one
             target = Target.newer_than(plan.generation)
-        time.sleep(0.05)
+        ctx.wait_for_news(_NEWS_WAIT_S)
 
 
 def _describe(err: BaseException) -> str:

@@ -241,8 +241,18 @@ class Keys:
         ]
 
     def leader_watched(self) -> list[str]:
-        """What the leader reads besides `agent_watched` (mirrored while it leads)."""
-        return [self.plan, self.nodes, self.fenced, self.admissions, self.readiness, self.stragglers]
+        """What the leader reads besides `agent_watched` (mirrored while it leads); the profile
+        keys so that a leader waiting for the first profile learns of it without asking etcd."""
+        return [
+            self.plan,
+            self.nodes,
+            self.fenced,
+            self.admissions,
+            self.readiness,
+            self.stragglers,
+            self.profile,
+            self.profiles,
+        ]
 
 
 def sanitise(name: str) -> str:

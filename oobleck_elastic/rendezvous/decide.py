@@ -37,7 +37,8 @@ changed. The rules:
 - **below n0**: a re-plan on exactly the nodes the planner last refused (`refused`: too few for
   one replica) is not asked for again, whether a detector or the settle rule calls for it: the
   dead were declared lost with the refused attempt, so the leader goes on as while running
-  (arrivals are admitted) and waits for a change (`WAIT_FOR_NODES`), idle.
+  (arrivals are admitted) and waits for a change (`WAIT_FOR_NODES`), idle. So is a first plan on
+  exactly the nodes the planner refused for generation 1 (`--nnodes` MIN below n0).
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ class LeaderView:
     without: Optional[Plan] = None
     """The planner's plan for the plan's nodes without `slow` (None: none could be made)."""
     refused: tuple[str, ...] = ()
-    """The nodes the planner could not plan the next generation on (too few for one replica);
-    empty when it refused nothing since the current plan."""
+    """The nodes the planner could not plan the next generation on (too few for one replica;
+    before the first plan: generation 1); empty when it refused nothing since the current plan."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,10 @@ class Decision:
 def decide(view: LeaderView, clocks: Clocks, now: float, rules: Rules) -> Decision:
     """What the leader does now (see the module docstring)."""
     if view.plan is None:
-        return _before_first_plan(view, clocks, now, rules)
+        first = _before_first_plan(view, clocks, now, rules)
+        if first.action == Action.FIRST_PLAN and view.refused and first.nodes == view.refused:
+            return replace(first, action=Action.WAIT_FOR_NODES, nodes=())  # admissions still happen
+        return first
     if view.dead is not None:
         decision = _after_detection(view, view.plan, view.dead, clocks, now, rules)
         if not _refused(view, decision):

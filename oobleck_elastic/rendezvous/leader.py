@@ -29,7 +29,9 @@ the profile is at hand already (`planning.profile_path`, or pinned in etcd), the
 workers), their handlers return and their workers start and wait for a plan that gives them a
 stage; once `profile_ready()` says a worker-measured profile is in etcd, the leader plans the
 admitted nodes that are still up (and any admitted meanwhile, up to `max_nodes`) and publishes
-generation 1. The wait logs one line about every 10 s; after `profile_timeout_s` without a profile
+generation 1. The wait costs nothing: the leader mirrors the profile keys (`Keys.leader_watched`),
+asks the planner again only when they changed (the planner reads etcd), and otherwise sleeps until
+a change or its next line. It logs one line about every 10 s; after `profile_timeout_s` without a profile
 the job is closed as failed (`closed` with `failed`), with one error that says what to check.
 With the profile at hand nothing changes: the first plan is published as soon as the nodes are
 chosen, and their handlers return once it includes them. A planner error that no number of nodes
@@ -125,6 +127,8 @@ class Leader:
         self.profile_ready: Callable[[], bool] = profile_ready or (lambda: True)
         self.profile_timeout_s, self.profile_log_s = profile_timeout_s, profile_log_s
         self._profile_wait: tuple[float, float] | None = None  # (since, next progress line), monotonic
+        self._profile_known = False  # profile_ready() said yes (a profile never goes away once pinned)
+        self._profile_seen: Optional[tuple[tuple[str, int], ...]] = None  # the profile keys when last asked
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.last_call_s, self.settle_s, self.tick_s = last_call_s, settle_s, tick_s
         self.is_leader = threading.Event()
@@ -293,15 +297,18 @@ class Leader:
             decision = decide(view, clocks, time.monotonic(), rules)
             clocks = decision.clocks
             self._act(decision, view.plan, rev, records)
-            if decision.action == Action.WAIT_FOR_NODES:  # below n0: only a change can help
-                self._pause(_IDLE_S)
+            if decision.action == Action.WAIT_FOR_NODES or self._profile_wait is not None:
+                self._pause(_IDLE_S)  # below n0, or no profile yet: only a change can help
                 continue
             if decision.recheck_s is not None:
                 if decision.recheck_s > 0:
                     self._pause(decision.recheck_s)
                 continue
             # with nothing pending on the clock, only a change can call for action: sleep until one
-            waiting = decision.action != Action.NONE or view.plan is None or self.rollcall.open
+            # (before the first plan that is fewer than MIN nodes up: a node's arrival is a change too;
+            # without a mirror, nothing wakes the loop but its tick)
+            mirrored = isinstance(self.view, Mirror)
+            waiting = decision.action != Action.NONE or (view.plan is None and not mirrored) or self.rollcall.open
             self._pause(self.tick_s if waiting else _IDLE_S)
 
     def _read_view(self) -> tuple[LeaderView, Optional[int], list[NodeRecord]]:
@@ -326,8 +333,8 @@ class Leader:
         return view, rev, records
 
     def _refused(self, plan: Optional[Plan]) -> tuple[str, ...]:
-        """The nodes the planner refused for the generation after `plan` (decide.py)."""
-        if self._unplannable is None or plan is None or self._unplannable[1] != plan.generation + 1:
+        """The nodes the planner refused for the generation after `plan` (decide.py; no plan yet: the first)."""
+        if self._unplannable is None or self._unplannable[1] != (plan.generation if plan is not None else 0) + 1:
             return ()
         return self._unplannable[0]
 
@@ -411,7 +418,7 @@ class Leader:
     def _first_plan(self, nodes: list[str], rev: int | None, records: list[NodeRecord]) -> None:
         """Publish generation 1 on `nodes` when the profile is at hand; otherwise admit them (their
         workers start and one of them measures the profile) and wait for it."""
-        if self.profile_ready():
+        if self._has_profile():
             self._profile_wait = None
             self._publish(nodes, None, rev, records)
             return
@@ -449,6 +456,22 @@ class Leader:
                 self.profile_timeout_s,
                 len(nodes),
             )
+
+    def _has_profile(self) -> bool:
+        """Whether the planner has its profile: asked (`profile_ready`, which reads etcd) only when
+        the mirrored profile keys changed since it last said no, so a leader waiting for a worker
+        to measure the profile sends etcd nothing; without a mirror, asked every time."""
+        if self._profile_known:
+            return True
+        if isinstance(self.view, Mirror):
+            seen = tuple((kv.key, kv.mod_revision) for kv in self.view.range(self.keys.profiles))
+            pinned = self.view.get(self.keys.profile)
+            seen += ((pinned.key, pinned.mod_revision),) if pinned is not None else ()
+            if seen == self._profile_seen:
+                return False
+            self._profile_seen = seen
+        self._profile_known = self.profile_ready()
+        return self._profile_known
 
     def _fail(self, reason: str) -> None:
         """Close the job as failed: workers and agents leave with this error (no plan can follow)."""

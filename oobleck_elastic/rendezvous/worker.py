@@ -107,6 +107,7 @@ class WorkerContext:
     _progress: Optional["_LatestPut"] = None
     _plans: Optional[PlanReader] = None
     _stalled: set[int] = field(default_factory=set)  # generations this worker checked in as stalled
+    _news: int = 0  # the mirror's version when `wait_for_news` last returned
     owns_client: bool = False
     """`close()` closes the client too (it was made for this worker by `from_env`)."""
 
@@ -166,6 +167,15 @@ class WorkerContext:
         if plan is not None:
             self.newest = plan
         return plan
+
+    def wait_for_news(self, timeout: float) -> None:
+        """Sleep until the mirror applied a change since the last call (the plan, `closed`, this
+        node's record or fence: what `plan`, `plan_at` and `should_leave` read; a plan's history
+        entry is written with the plan), or `timeout` seconds at most. Without a mirror: `timeout`."""
+        if self.view is None:
+            time.sleep(timeout)
+        else:
+            self._news = self.view.wait(self._news, timeout)
 
     def plan_at(self, generation: int) -> Optional[Plan]:
         """The plan of a past or current generation (from the leader's history)."""
