@@ -43,6 +43,7 @@ import faulthandler
 import gc
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
