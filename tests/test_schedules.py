@@ -12,7 +12,7 @@ import pytest
 
 from oobleck_elastic.planning import LayerProfile, Links, ModelProfile
 from oobleck_elastic.planning.partition import StageCosts
-from oobleck_elastic.planning.schedule_cost import chunk_ranges, schedule_cost, template_cost
+from oobleck_elastic.planning.schedule_cost import best_schedule, chunk_ranges, schedule_cost, template_cost
 from oobleck_elastic.planning.schedule_sim import StageTimes, simulate
 from oobleck_elastic.planning.schedules import Action, Order, ScheduleError, schedule_order
 from oobleck_elastic.planning.templates import make_template
@@ -293,6 +293,35 @@ def test_a_cut_between_nodes_costs_the_inter_node_link() -> None:
     intra, inter = LINKS.p2p_s(1e9, same_node=True), LINKS.p2p_s(1e9, same_node=False)
     # device 1 receives its input over NVLink and its output's gradient from node 1, per microbatch
     assert cost.simulation.comm_s == pytest.approx((2 * intra, 2 * (intra + inter), 2 * (inter + intra), 2 * intra))
+
+
+def test_best_schedule_is_the_fastest_that_fits_in_memory() -> None:
+    prof = profile([1.0] * 8, [2.0] * 8, act=1000)
+    t = template(prof, [(0, 2), (2, 4), (4, 6), (6, 8)], links=None)
+    roomy = best_schedule(prof, t, 8, 1e12)
+    steps = {(c.schedule, c.chunks): c.step_s for c in roomy.costs}
+    assert steps == pytest.approx(
+        {
+            ("1f1b", 1): 66.0,
+            ("gpipe", 1): 66.0,
+            ("interleaved-1f1b", 2): 57.0,
+            ("zero-bubble", 1): 54.0,
+            ("zbv", 2): 51.0,
+        }
+    )
+    assert roomy.best is not None and (roomy.best.schedule, roomy.best.step_s) == ("zbv", 51.0) and not roomy.refused
+    # at 1F1B's own peak only 1F1B fits (GPipe ties it on time but holds every microbatch)
+    limit = template_cost(prof, t, "1f1b", 8).peak_memory_bytes
+    tight = best_schedule(prof, t, 8, limit)
+    assert tight.best is not None and tight.best.schedule == "1f1b"
+    assert sorted(tight.refused) == ["gpipe/1", "interleaved-1f1b/2", "zbv/2", "zero-bubble/1"]
+    assert tight.refused["zbv/2"] == f"needs 39600 bytes on a device, over the limit of {limit}"
+    # 9 microbatches do not divide into the looped schedules' rounds on 4 devices
+    odd = best_schedule(prof, t, 9, 1e12)
+    assert sorted(odd.refused) == ["interleaved-1f1b/2", "zero-bubble/1"]
+    assert "2 rounds of equal size" in odd.refused["zero-bubble/1"]
+    assert odd.best is not None and odd.best.schedule == "zbv"
+    assert best_schedule(prof, t, 8, 1000).best is None
 
 
 # ---------------------------------------------------------------- orders that cannot run
