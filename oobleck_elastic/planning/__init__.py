@@ -6,8 +6,10 @@ per-layer costs) and `profiler` (measuring them), `partition` and `templates` (t
 partition for every node count), `instantiate` (how many pipelines of each template, and their
 microbatches), `placement` (which nodes, keeping layers where they are), `plan` (the plan and
 its JSON), `copies` (the copies of each layer against f+1), `microbatch` (the microbatch size),
-`comm` (links), `analytic` (a profile from a formula, for large models) and `rebalance`
-(re-splitting the batch around a straggler).
+`comm` (links), `analytic` (a profile from a formula, for large models), `rebalance`
+(re-splitting the batch around a straggler), and `schedules`, `schedule_sim`, `schedule_cost`
+(pipeline schedules as per-device action lists, and their step time and memory from one
+simulation; the planner does not choose among them yet).
 
 Imports: `config`, `models` (the profiler builds layers to measure them) and the standard library;
 never `etcd`, `rendezvous`, `records` or `engine`.

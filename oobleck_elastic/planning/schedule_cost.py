@@ -1,0 +1,263 @@
+"""A template's step time and memory under a pipeline schedule, from one simulation.
+
+`schedule_cost` turns a profile and the stages' layer ranges into what the simulator needs
+(`schedule_sim.py`) and simulates one step of the schedule's order (`schedules.py`):
+
+- **times**: a stage's forward is its layers' `forward_s`; its backward their `backward_s`,
+  split for zero-bubble schedules into the input gradient I and the weight gradient W by
+  `weight_share` (W = share x backward; the profile measures the backward whole, and Qi et al.'s
+  transformer has I = W, share 0.5). Schedules with a full backward B only use the sum.
+- **messages**: the activation leaving the last layer of stage s (`output_bytes`), forward, and
+  its gradient, backward, over the link between the two stages' devices: `Links.p2p_s` inside
+  a node or across nodes, with `stages_per_node` consecutive devices on one node (the
+  template's placement). Two stages on one device (chunks) pass it for free.
+- **placement**: stage s on device s (1f1b, gpipe), on device s % D (interleaved-1f1b and
+  zero-bubble with v chunks: loop placement), or the V of zbv.
+- **memory**, a hard limit: each device holds its stages' parameters, gradients and optimizer
+  state plus the simulated peak of activations in flight (a forward's `activation_bytes` held
+  until its backward, B or W, has run). For one stage per device and m >= S under 1F1B the peak
+  is S - s microbatches on stage s: templates.py's count.
+- **step time**: the makespan plus the cross-replica gradient all-reduce of the device with the
+  most gradient bytes (after the schedule, as the engine runs it; templates.py's `grad_sync_s`).
+
+With a single stage per device, `chunk_ranges` is not needed: the template's ranges are the
+stages. With v chunks per device the model is cut into v x D stages; `chunk_ranges` gives the
+exact least-bottleneck contiguous split (partition.py's programme, memory unbounded: the limit
+is checked on the simulated devices afterwards).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from .comm import Links
+from .partition import StageCosts, best_partition
+from .profile import ModelProfile
+from .schedule_sim import Comm, Simulation, StageTimes, simulate
+from .schedules import ScheduleError, schedule_order, stage_placement
+from .templates import Template
+
+__all__ = [
+    "CANDIDATES",
+    "ScheduleChoice",
+    "ScheduleCost",
+    "best_schedule",
+    "chunk_ranges",
+    "schedule_cost",
+    "stage_times",
+    "template_cost",
+]
+
+CANDIDATES: tuple[tuple[str, int], ...] = (
+    ("1f1b", 1),
+    ("gpipe", 1),
+    ("interleaved-1f1b", 2),
+    ("zero-bubble", 1),
+    ("zbv", 2),
+)
+"""(schedule, chunks per device) that `best_schedule` compares by default; ties go to the first."""
+
+
+@dataclass(frozen=True)
+class ScheduleCost:
+    """One pipeline's step under one schedule, as simulated."""
+
+    schedule: str
+    """The schedule's name (schedules.SCHEDULES)."""
+    chunks: int
+    """Stages per device."""
+    microbatches: int
+    """Microbatches per step."""
+    makespan_s: float
+    """The schedule's time: first forward to last backward."""
+    grad_sync_s: float
+    """The cross-replica gradient all-reduce after it."""
+    bubble_fraction: float
+    """Share of the devices' time not computing."""
+    peak_in_flight: tuple[int, ...]
+    """Per device: the most forwards whose activations it holds at once."""
+    activation_bytes: tuple[int, ...]
+    """Per device: the peak of activations held."""
+    memory_bytes: tuple[int, ...]
+    """Per device: parameters + gradients + optimizer state of its stages + activation_bytes."""
+    simulation: Simulation
+    """The simulation itself (per-action spans, busy and receive times)."""
+
+    @property
+    def step_s(self) -> float:
+        """Estimated step time: the schedule, then the gradient all-reduce."""
+        return self.makespan_s + self.grad_sync_s
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max(self.memory_bytes)
+
+    def fits(self, memory_limit_bytes: float) -> bool:
+        """Whether every device stays within `memory_limit_bytes`."""
+        return self.peak_memory_bytes <= memory_limit_bytes
+
+
+def _check_ranges(profile: ModelProfile, ranges: Sequence[tuple[int, int]]) -> None:
+    bounds = [0] + [v for _, v in ranges]
+    if [u for u, _ in ranges] != bounds[:-1] or bounds[-1] != profile.num_layers or any(u >= v for u, v in ranges):
+        raise ScheduleError(
+            f"stage ranges {list(ranges)} must cover layers 0..{profile.num_layers} contiguously, "
+            "at least one layer each"
+        )
+
+
+def stage_times(profile: ModelProfile, ranges: Sequence[tuple[int, int]], weight_share: float = 0.5) -> StageTimes:
+    """Per stage forward, input-gradient and weight-gradient times and activation bytes."""
+    if not 0.0 <= weight_share <= 1.0:
+        raise ScheduleError(f"weight_share must be within [0, 1] (got {weight_share})")
+    _check_ranges(profile, ranges)
+    layers = profile.layers
+    fwd = [sum(la.forward_s for la in layers[u:v]) for u, v in ranges]
+    bwd = [sum(la.backward_s for la in layers[u:v]) for u, v in ranges]
+    return StageTimes(
+        forward_s=fwd,
+        input_grad_s=[b * (1.0 - weight_share) for b in bwd],
+        weight_grad_s=[b * weight_share for b in bwd],
+        activation_bytes=[sum(la.activation_bytes for la in layers[u:v]) for u, v in ranges],
+    )
+
+
+def link_comm(profile: ModelProfile, ranges: Sequence[tuple[int, int]], links: Links, stages_per_node: int) -> Comm:
+    """comm(boundary, src, dst): the activation leaving stage `boundary` over the link between
+    devices src and dst (one node: device // stages_per_node equal)."""
+    out = [profile.layers[v - 1].output_bytes for _, v in ranges]
+
+    def comm(boundary: int, src: int, dst: int) -> float:
+        return links.p2p_s(out[boundary], same_node=src // stages_per_node == dst // stages_per_node)
+
+    return comm
+
+
+def chunk_ranges(profile: ModelProfile, stages: int) -> list[tuple[int, int]]:
+    """The least-bottleneck split of the layers into `stages` contiguous stages (forward +
+    backward; ties: least total), memory not bounded. ScheduleError when there are fewer layers."""
+    costs = StageCosts(profile, memory_limit_bytes=math.inf, schedule="gpipe", gpipe_microbatches=0)
+    ranges = best_partition(costs, stages)
+    if ranges is None:
+        raise ScheduleError(f"the model has {profile.num_layers} layers: it cannot be cut into {stages} stages")
+    return ranges
+
+
+def schedule_cost(
+    profile: ModelProfile,
+    ranges: Sequence[tuple[int, int]],
+    schedule: str,
+    microbatches: int,
+    *,
+    chunks: int = 1,
+    links: Optional[Links] = None,
+    stages_per_node: int = 1,
+    replicas: int = 1,
+    weight_share: float = 0.5,
+) -> ScheduleCost:
+    """Simulate `schedule` on len(ranges) / chunks devices, stage s running layers ranges[s]
+    (module docstring). Raises ScheduleError when the ranges do not fit the schedule."""
+    if len(ranges) % chunks:
+        raise ScheduleError(f"{len(ranges)} stages do not divide into {chunks} chunks per device")
+    devices = len(ranges) // chunks
+    order = schedule_order(schedule, devices, microbatches, chunks)
+    placement = stage_placement(schedule, devices, chunks)
+    if order.stage_devices() != dict(enumerate(placement)):
+        raise ScheduleError(f"schedule {schedule}: its order places stages unlike {placement}")  # a bug here
+    times = stage_times(profile, ranges, weight_share)
+    comm = link_comm(profile, ranges, links, stages_per_node) if links is not None else None
+    sim = simulate(order, times, comm)
+    static = [0] * devices
+    grads = [0] * devices
+    for s, (u, v) in enumerate(ranges):
+        static[placement[s]] += sum(la.static_bytes for la in profile.layers[u:v])
+        grads[placement[s]] += sum(la.grad_bytes for la in profile.layers[u:v])
+    sync = links.all_reduce_s(max(grads), replicas, same_node=False) if links is not None else 0.0
+    return ScheduleCost(
+        schedule=schedule,
+        chunks=chunks,
+        microbatches=microbatches,
+        makespan_s=sim.makespan_s,
+        grad_sync_s=sync,
+        bubble_fraction=sim.bubble_fraction,
+        peak_in_flight=sim.peak_in_flight,
+        activation_bytes=sim.peak_activation_bytes,
+        memory_bytes=tuple(s + a for s, a in zip(static, sim.peak_activation_bytes)),
+        simulation=sim,
+    )
+
+
+def template_cost(
+    profile: ModelProfile,
+    template: Template,
+    schedule: str,
+    microbatches: int,
+    *,
+    chunks: int = 1,
+    replicas: int = 1,
+    weight_share: float = 0.5,
+) -> ScheduleCost:
+    """`schedule_cost` of a template: its stages and links for one chunk per device; for more,
+    the model re-cut into chunks x stages by `chunk_ranges` on the template's devices."""
+    ranges = template.layer_ranges() if chunks == 1 else chunk_ranges(profile, chunks * template.num_stages)
+    return schedule_cost(
+        profile,
+        ranges,
+        schedule,
+        microbatches,
+        chunks=chunks,
+        links=template.links,
+        stages_per_node=template.gpus_per_node // template.tensor_parallel,
+        replicas=replicas,
+        weight_share=weight_share,
+    )
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """The fastest schedule of a template that fits in memory, and why each other one lost."""
+
+    best: Optional[ScheduleCost]
+    """The least step time among the schedules that fit (None: none fits)."""
+    costs: tuple[ScheduleCost, ...]
+    """Every candidate that could be simulated, in candidate order."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """'name/chunks' -> why it was not a candidate: cannot be built, or over the memory limit."""
+
+
+def best_schedule(
+    profile: ModelProfile,
+    template: Template,
+    microbatches: int,
+    memory_limit_bytes: float,
+    *,
+    candidates: Sequence[tuple[str, int]] = CANDIDATES,
+    replicas: int = 1,
+    weight_share: float = 0.5,
+) -> ScheduleChoice:
+    """Simulate every (schedule, chunks) candidate on `template` and keep the fastest whose every
+    device fits in `memory_limit_bytes` (a hard limit); ties (relative 1e-9) go to the earlier
+    candidate. A candidate that cannot be built (microbatches that do not divide into rounds,
+    fewer layers than chunks) is refused with its error."""
+    costs: list[ScheduleCost] = []
+    refused: dict[str, str] = {}
+    best: Optional[ScheduleCost] = None
+    for name, chunks in candidates:
+        key = f"{name}/{chunks}"
+        try:
+            cost = template_cost(
+                profile, template, name, microbatches, chunks=chunks, replicas=replicas, weight_share=weight_share
+            )
+        except ScheduleError as err:
+            refused[key] = str(err)
+            continue
+        costs.append(cost)
+        if not cost.fits(memory_limit_bytes):
+            refused[key] = (
+                f"needs {cost.peak_memory_bytes} bytes on a device, over the limit of {memory_limit_bytes:.0f}"
+            )
+        elif best is None or cost.step_s < best.step_s * (1 - 1e-9):
+            best = cost
+    return ScheduleChoice(best=best, costs=tuple(costs), refused=refused)

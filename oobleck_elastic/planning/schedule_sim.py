@@ -1,0 +1,270 @@
+"""One discrete-event simulation for every pipeline schedule: its makespan, bubble and memory.
+
+Input: an `Order` (per device, its actions in order, `schedules.py`), each stage's compute times
+(`StageTimes`: forward F, input gradient I, weight gradient W; a full backward B takes I + W)
+and the cost of each message between stages (`comm`). Every device runs its actions one at a
+time, in its order; an action starts when the device is free and its inputs are there:
+
+- `sF k` needs the activation of `(s-1)F k` (none for stage 0);
+- `sB k` / `sI k` need `sF k` and the gradient from `(s+1)B k` or `(s+1)I k` (the last stage:
+  only `sF k`, its loss is computed in the forward);
+- `sW k` needs `sI k`.
+
+A message between stages on different devices (the activation forward, the gradient backward,
+`comm(boundary, src, dst)` seconds for the boundary between stage `boundary` and `boundary + 1`)
+is received by the receiving device right before the action that needs it: it starts when the
+sender has finished and the receiver is free, and occupies the receiver (torch's schedules wait
+for their receives before computing). Stages on one device pass tensors for free. The
+sender is not held (its send is asynchronous) and two messages over one link do not slow each
+other: a simplification. With these rules a device's receive-then-compute is one busy block, so
+on one stage per device a stage costs w_s = F_s + B_s + its two receives per microbatch, the w_s
+of templates.py's model, T(m) = sum_s w_s + (m - 1) max_s w_s. Where that formula is exact the
+simulation gives it (`tests/test_schedules.py`): 1F1B and GPipe on stages of equal time; 1F1B
+whenever the last stage is the slowest (it then never waits after its first forward); GPipe is
+two flow shops, sum F' + (m - 1) max F' + sum B' + (m - 1) max B' (F', B' with their receives),
+the formula only when the slowest forward and the slowest backward are on one stage, larger
+otherwise. For 1F1B with an earlier bottleneck the formula is an estimate either way: it charges
+the stages after the bottleneck once more although the bottleneck's warm-up forwards may cover
+their round trip (the test's example: 6.0 where the formula says 6.3), and two bottlenecks can
+make each other wait (23 where it says 22).
+
+The simulation processes each action once (O(actions)): a device runs ahead until its next
+action lacks an input, then waits on that input; finishing an action wakes the devices waiting
+for it. When every device waits, the order cannot run (a backward listed before its forward on
+one device, or devices waiting for each other in a cycle): ScheduleError names each blocked
+device's next action and the action it waits for. The order is checked first: every stage runs
+F and either B or I and W exactly once per microbatch, on one device.
+
+Memory: a forward keeps its activations (`StageTimes.activation_bytes`) until its backward
+finishes, B or W (the weight gradient still needs the stage's inputs); `peak_in_flight` counts
+them per device, `peak_activation_bytes` weighs them by their stage's bytes. The walk is over
+each device's order, so it does not depend on the times.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from .schedules import Action, Order, ScheduleError
+
+__all__ = ["Comm", "Simulation", "StageTimes", "simulate"]
+
+Comm = Callable[[int, int, int], float]
+"""comm(boundary, src_device, dst_device): seconds for one message between stage `boundary` and
+`boundary + 1` (the activation forward and the gradient backward cost the same)."""
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Per stage (all chunks of all devices, in pipeline order) compute times of one microbatch."""
+
+    forward_s: Sequence[float]
+    """Forward time."""
+    input_grad_s: Sequence[float]
+    """Backward time for the gradient of the stage's input (what the stage before waits for)."""
+    weight_grad_s: Sequence[float]
+    """Backward time for the gradient of the stage's weights. A full backward B takes I + W."""
+    activation_bytes: Optional[Sequence[int]] = None
+    """Bytes a forward keeps until its backward finishes (None: counted as 0)."""
+
+    def __post_init__(self) -> None:
+        n = len(self.forward_s)
+        others = [self.input_grad_s, self.weight_grad_s] + ([self.activation_bytes] if self.activation_bytes else [])
+        if any(len(x) != n for x in others):
+            raise ScheduleError("StageTimes: forward, input-grad, weight-grad and activation lists differ in length")
+        if any(t < 0 for x in (self.forward_s, self.input_grad_s, self.weight_grad_s) for t in x):
+            raise ScheduleError("StageTimes: times must be >= 0")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward_s)
+
+    @classmethod
+    def uniform(
+        cls, stages: int, forward_s: float, backward_s: float, weight_share: float = 0.5, activation_bytes: int = 0
+    ) -> "StageTimes":
+        """Every stage alike; the backward split into I and W by `weight_share` (W = share x B)."""
+        w = backward_s * weight_share
+        return cls(
+            forward_s=[forward_s] * stages,
+            input_grad_s=[backward_s - w] * stages,
+            weight_grad_s=[w] * stages,
+            activation_bytes=[activation_bytes] * stages,
+        )
+
+    def duration(self, a: Action) -> float:
+        s = a.stage
+        if a.kind == "F":
+            return self.forward_s[s]
+        if a.kind == "I":
+            return self.input_grad_s[s]
+        if a.kind == "W":
+            return self.weight_grad_s[s]
+        return self.input_grad_s[s] + self.weight_grad_s[s]
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What one simulated step of an order took."""
+
+    makespan_s: float
+    """From the first action's start to the last one's end."""
+    busy_s: tuple[float, ...]
+    """Per device: seconds computing."""
+    comm_s: tuple[float, ...]
+    """Per device: seconds receiving from other devices."""
+    peak_in_flight: tuple[int, ...]
+    """Per device: the most forwards whose activations were kept at once."""
+    peak_activation_bytes: tuple[int, ...]
+    """Per device: the most activation bytes kept at once."""
+    spans: dict[Action, tuple[float, float]]
+    """Every action's (start, end) of its compute (its receive ends at its start)."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the devices' time not spent computing (receiving counts as idle)."""
+        total = self.makespan_s * len(self.busy_s)
+        return 0.0 if total <= 0 else 1.0 - sum(self.busy_s) / total
+
+    @property
+    def bubble_s(self) -> float:
+        """Device-seconds not spent computing, over all devices."""
+        return self.makespan_s * len(self.busy_s) - sum(self.busy_s)
+
+
+def _check(order: Order, times: StageTimes) -> dict[int, int]:
+    """Stage -> device, after checking that the order runs every stage's work exactly once."""
+    if times.num_stages != order.num_stages:
+        raise ScheduleError(f"the order has {order.num_stages} stages but the times give {times.num_stages}")
+    where = order.stage_devices()
+    seen: dict[Action, tuple[int, int]] = {}
+    for d, acts in enumerate(order.devices):
+        for i, a in enumerate(acts):
+            if not (0 <= a.stage < order.num_stages and 0 <= a.microbatch < order.microbatches):
+                raise ScheduleError(
+                    f"device {d} runs {a} (position {i}): stages are 0..{order.num_stages - 1}, "
+                    f"microbatches 0..{order.microbatches - 1}"
+                )
+            if a in seen:
+                first = f"device {seen[a][0]} position {seen[a][1]}"
+                raise ScheduleError(f"{a} is listed twice: {first} and device {d} position {i}")
+            seen[a] = (d, i)
+    for s in range(order.num_stages):
+        for k in range(order.microbatches):
+            f, b, i, w = (Action(s, kind, k) in seen for kind in "FBIW")  # type: ignore[arg-type]
+            if b and (i or w):
+                raise ScheduleError(f"stage {s} microbatch {k} has both a full backward {s}B{k} and a split one (I/W)")
+            missing = ([] if f else [f"{s}F{k}"]) + (
+                []
+                if b or (i and w)
+                else [f"{s}I{k}" if w else f"{s}W{k}" if i else f"{s}B{k} (or {s}I{k} and {s}W{k})"]
+            )
+            if missing:
+                raise ScheduleError(
+                    f"the order never runs {', '.join(missing)}: every stage needs F and B (or I and W) "
+                    "for every microbatch"
+                )
+    return where
+
+
+def simulate(order: Order, times: StageTimes, comm: Optional[Comm] = None) -> Simulation:
+    """Simulate one step of `order` with `times` and messages costing `comm` (None: free).
+    Raises ScheduleError when the order is incomplete or cannot run (module docstring)."""
+    where = _check(order, times)
+    last = order.num_stages - 1
+    n = order.num_devices
+    # a backward's gradient comes from the next stage's I when it has one, else its B
+    split = {(a.stage, a.microbatch) for acts in order.devices for a in acts if a.kind == "I"}
+    done: dict[Action, tuple[float, float]] = {}
+    free = [0.0] * n
+    busy = [0.0] * n
+    recv = [0.0] * n
+    head = [0] * n
+    waiting: defaultdict[Action, list[int]] = defaultdict(list)
+    blocked: dict[int, Action] = {}
+    ready = list(range(n))
+    while ready:
+        d = ready.pop()
+        blocked.pop(d, None)
+        acts = order.devices[d]
+        while head[d] < len(acts):
+            a = acts[head[d]]
+            needs = _inputs(a, last, split)
+            missing = next((x for x in needs if x not in done), None)
+            if missing is not None:
+                waiting[missing].append(d)
+                blocked[d] = missing
+                break
+            start = free[d]
+            for x in needs:
+                end = done[x][1]
+                src = where[x.stage]
+                if src == d or comm is None:
+                    start = max(start, end)
+                else:  # received over a link, after the sender finished and once this device is free
+                    boundary = min(x.stage, a.stage)
+                    t = comm(boundary, src, d)
+                    start = max(start, end) + t
+                    recv[d] += t
+            finish = start + times.duration(a)
+            done[a] = (start, finish)
+            busy[d] += finish - start
+            free[d] = finish
+            head[d] += 1
+            ready.extend(waiting.pop(a, ()))
+    if blocked:
+        raise ScheduleError(
+            f"order '{order.name}' cannot run, its dependencies are violated: "
+            + "; ".join(_blocked(order, where, d, head[d], w) for d, w in sorted(blocked.items()))
+        )
+    peaks, peak_bytes = _memory(order, times)
+    makespan = max((e for _, e in done.values()), default=0.0) - min((s for s, _ in done.values()), default=0.0)
+    return Simulation(
+        makespan_s=makespan,
+        busy_s=tuple(busy),
+        comm_s=tuple(recv),
+        peak_in_flight=peaks,
+        peak_activation_bytes=peak_bytes,
+        spans=done,
+    )
+
+
+def _blocked(order: Order, where: dict[int, int], device: int, position: int, wanted: Action) -> str:
+    """One blocked device, for the error: its next action, what it waits for, and where that is."""
+    line = f"device {device} at {order.devices[device][position]} (position {position}) waits for {wanted}"
+    owner = order.devices[where[wanted.stage]]
+    if wanted in owner:
+        line += f", which device {where[wanted.stage]} runs later (position {owner.index(wanted)})"
+    return line
+
+
+def _inputs(a: Action, last: int, split: set[tuple[int, int]]) -> list[Action]:
+    s, k = a.stage, a.microbatch
+    if a.kind == "F":
+        return [Action(s - 1, "F", k)] if s > 0 else []
+    if a.kind == "W":
+        return [Action(s, "I", k)]
+    if s == last:
+        return [Action(s, "F", k)]
+    return [Action(s, "F", k), Action(s + 1, "I" if (s + 1, k) in split else "B", k)]
+
+
+def _memory(order: Order, times: StageTimes) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per device, the most forwards (and activation bytes) kept at once, walking its order."""
+    act = times.activation_bytes or [0] * times.num_stages
+    peaks, peak_bytes = [], []
+    for acts in order.devices:
+        held = held_bytes = top = top_bytes = 0
+        for a in acts:
+            if a.kind == "F":
+                held += 1
+                held_bytes += act[a.stage]
+                top, top_bytes = max(top, held), max(top_bytes, held_bytes)
+            elif a.kind in ("B", "W"):  # an I keeps them: its W still needs the stage's inputs
+                held -= 1
+                held_bytes -= act[a.stage]
+        peaks.append(top)
+        peak_bytes.append(top_bytes)
+    return tuple(peaks), tuple(peak_bytes)

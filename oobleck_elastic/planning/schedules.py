@@ -1,0 +1,279 @@
+"""Pipeline schedules as action lists: what each device computes, in which order.
+
+A schedule is, per device, an ordered list of actions. An action is one computation of one
+stage on one microbatch, written like torch's schedule IR (`torch.distributed.pipelining`):
+`2F0` is stage 2's forward of microbatch 0; `2B0` its full backward; a zero-bubble schedule
+splits the backward into `2I0` (the gradient of the stage's input, which the stage before waits
+for) and `2W0` (the gradient of its weights, which nobody waits for and can fill a bubble). A
+stage is a contiguous range of layers; with more than one chunk per device ("virtual stages")
+the model is cut into `chunks x devices` stages and a device runs several of them.
+
+The orders, for D devices, m microbatches and v chunks per device:
+
+- `gpipe`: every forward, then every backward (one stage per device). A stage holds all m
+  microbatches' activations.
+- `1f1b` (PipeDream-flush): stage s runs min(m, D - s) forwards, then alternates one backward
+  and one forward, then the remaining backwards. Stage s holds at most D - s microbatches;
+  it is exactly the order torch's `Schedule1F1B` runs (its `_step_microbatches`).
+- `interleaved-1f1b` (Narayanan et al. 2021): stage c*D + d is chunk c of device d ("loop"
+  placement). Forwards go depth first in rounds of r microbatches (r = m // max(1, m // D), so
+  m must be a multiple of the rounds): the k-th forward of a device is chunk (k // r) % v, the
+  k-th backward chunk v - 1 - (k // r) % v. Device d first runs (v - 1) r + 2 (D - 1 - d)
+  forwards, then one forward and one backward at a time, then the remaining backwards.
+- `zero-bubble` (ZB-H1, Qi et al. 2024, and its interleaved form for v > 1): as interleaved
+  1F1B with (v - 1) r + (D - 1 - d) warm-up forwards and the backward split into I and W;
+  device d runs each I at once and its W's d places late (the last device defers the most),
+  so the W's fill the cool-down that 1F1B leaves idle, at 1F1B's activation memory.
+- `zbv` (Qi et al., V placement): two chunks per device, stage d and stage 2D - 1 - d on
+  device d, so the first and the last stage share device 0; warm-up 2 (D - d) - 1 forwards of
+  chunk 0, then pairs, then F-I-W triples of both chunks, then the cool-down I's and W's.
+
+These orders are the ones torch 2.13's `ScheduleInterleaved1F1B`,
+`ScheduleInterleavedZeroBubble` and `ScheduleZBVZeroBubble` build in their `pipeline_order`
+(without the idle `None` slots: timing is the simulator's job, `schedule_sim.py`); the tests
+compare them action for action, so the engine and the planner's model run the same schedule.
+This module imports no torch: the planning plane stays pure numbers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from .partition import PlanningError
+
+__all__ = ["SCHEDULES", "Action", "Order", "ScheduleError", "schedule_order", "stage_placement"]
+
+Kind = Literal["F", "B", "I", "W"]
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv")
+"""Schedule names `schedule_order` knows."""
+
+
+class ScheduleError(PlanningError):
+    """A schedule that cannot be built or run; the message says which action and what to change."""
+
+
+_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One computation of one stage on one microbatch."""
+
+    stage: int
+    """Stage index in pipeline order (0 = embedding side), over all chunks of all devices."""
+    kind: Kind
+    """F forward, B full backward, I input gradient, W weight gradient (I + W = B)."""
+    microbatch: int
+    """Microbatch index, 0 .. m - 1."""
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """`Action.parse("2F0")`: the inverse of str()."""
+        found = _ACTION.match(text.strip())
+        if found is None:
+            raise ScheduleError(f"'{text}' is not an action: write stage, F/B/I/W, microbatch (e.g. 2F0)")
+        return cls(int(found[1]), found[2], int(found[3]))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Order:
+    """A schedule: per device, the actions it runs, in order."""
+
+    name: str
+    """The schedule's name (one of SCHEDULES, or anything for hand-made orders)."""
+    devices: tuple[tuple[Action, ...], ...]
+    """devices[d]: device d's actions in the order it runs them."""
+    num_stages: int
+    """Stages over all devices (devices x chunks per device)."""
+    microbatches: int
+    """Microbatches per step."""
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    def stage_devices(self) -> dict[int, int]:
+        """Stage -> the device running it (ScheduleError when a stage runs on two devices)."""
+        where: dict[int, int] = {}
+        for d, actions in enumerate(self.devices):
+            for a in actions:
+                if where.setdefault(a.stage, d) != d:
+                    raise ScheduleError(f"stage {a.stage} has actions on device {where[a.stage]} and device {d} ({a})")
+        return where
+
+    def __str__(self) -> str:
+        return "\n".join(f"{d}: " + " ".join(map(str, acts)) for d, acts in enumerate(self.devices))
+
+    @classmethod
+    def parse(cls, text: str, *, name: str = "custom") -> "Order":
+        """An order from lines of actions, one line per device (`str(order)` without the prefixes)."""
+        rows = [line.split(":", 1)[-1].split() for line in text.strip().splitlines()]
+        devices = tuple(tuple(Action.parse(a) for a in row) for row in rows)
+        flat = [a for row in devices for a in row]
+        return cls(
+            name=name,
+            devices=devices,
+            num_stages=1 + max((a.stage for a in flat), default=-1),
+            microbatches=1 + max((a.microbatch for a in flat), default=-1),
+        )
+
+
+def schedule_order(name: str, devices: int, microbatches: int, chunks: int = 1) -> Order:
+    """The action lists of schedule `name` on `devices` devices with `microbatches` microbatches
+    and `chunks` stages per device (interleaved-1f1b and zero-bubble: any v >= 1; zbv: 2;
+    1f1b and gpipe: 1). Raises ScheduleError naming what to change."""
+    if devices < 1 or microbatches < 1 or chunks < 1:
+        raise ScheduleError(
+            f"a schedule needs >= 1 device, microbatch and chunk (got {devices}, {microbatches}, {chunks})"
+        )
+    if name in ("1f1b", "gpipe") and chunks != 1:
+        raise ScheduleError(f"schedule {name} runs one stage per device (got chunks={chunks}): use interleaved-1f1b")
+    if name == "zbv" and chunks != 2:
+        raise ScheduleError(f"schedule zbv runs exactly 2 chunks per device (got chunks={chunks})")
+    build: dict[str, Callable[[int, int, int], list[list[Action]]]] = {
+        "1f1b": lambda d, m, v: [_one_f_one_b(s, d, m) for s in range(d)],
+        "gpipe": lambda d, m, v: [_gpipe(s, m) for s in range(d)],
+        "interleaved-1f1b": lambda d, m, v: [_looped(r, d, m, v, zero_bubble=False) for r in range(d)],
+        "zero-bubble": lambda d, m, v: [_looped(r, d, m, v, zero_bubble=True) for r in range(d)],
+        "zbv": lambda d, m, v: [_zbv(r, d, m) for r in range(d)],
+    }
+    if name not in build:
+        raise ScheduleError(f"unknown schedule '{name}': use one of {', '.join(SCHEDULES)}")
+    lists = build[name](devices, microbatches, chunks)
+    return Order(
+        name=name,
+        devices=tuple(tuple(a) for a in lists),
+        num_stages=devices * chunks,
+        microbatches=microbatches,
+    )
+
+
+def _gpipe(stage: int, m: int) -> list[Action]:
+    return [Action(stage, "F", k) for k in range(m)] + [Action(stage, "B", k) for k in range(m)]
+
+
+def _one_f_one_b(stage: int, devices: int, m: int) -> list[Action]:
+    warmup = min(m, devices - stage)
+    out = [Action(stage, "F", k) for k in range(warmup)]
+    for b in range(m):
+        out.append(Action(stage, "B", b))
+        if warmup + b < m:
+            out.append(Action(stage, "F", warmup + b))
+    return out
+
+
+def _rounds(devices: int, m: int) -> int:
+    """Microbatches per round of the looped schedules (depth-first groups of forwards)."""
+    rounds = max(1, m // devices)
+    if m % rounds:
+        raise ScheduleError(
+            f"interleaved schedules run microbatches in {rounds} rounds of equal size, and {m} "
+            f"microbatches on {devices} devices do not divide into them: use a multiple of {rounds}"
+        )
+    return m // rounds
+
+
+class _Counter:
+    """Next microbatch index per stage, for one kind of action."""
+
+    def __init__(self) -> None:
+        self.next: defaultdict[int, int] = defaultdict(int)
+
+    def take(self, stage: int) -> int:
+        k = self.next[stage]
+        self.next[stage] = k + 1
+        return k
+
+
+def _looped(rank: int, devices: int, m: int, v: int, *, zero_bubble: bool) -> list[Action]:
+    """Interleaved 1F1B or (zero_bubble) interleaved ZB-H1 on device `rank`, loop placement."""
+    per_round = _rounds(devices, m)
+    total = m * v  # forwards (and backwards) of this device
+    spread = 1 if zero_bubble else 2  # extra warm-up forwards per hop from the last device
+    warmup = min((v - 1) * per_round + spread * (devices - 1 - rank), total)
+
+    def fwd_stage(op: int) -> int:
+        return (op // per_round) % v * devices + rank
+
+    def bwd_stage(j: int) -> int:  # j: this device's j-th backward
+        return (v - 1 - (j // per_round) % v) * devices + rank
+
+    fwd, bwd, wgt = _Counter(), _Counter(), _Counter()
+    out: list[Action] = []
+    backward_kind: Kind = "I" if zero_bubble else "B"
+    weights_done = 0
+
+    def backward(j: int) -> None:
+        nonlocal weights_done
+        s = bwd_stage(j)
+        out.append(Action(s, backward_kind, bwd.take(s)))
+        if zero_bubble and j >= rank:  # device `rank` keeps `rank` weight gradients back
+            w = bwd_stage(weights_done)
+            out.append(Action(w, "W", wgt.take(w)))
+            weights_done += 1
+
+    for op in range(warmup):
+        s = fwd_stage(op)
+        out.append(Action(s, "F", fwd.take(s)))
+    for j in range(total):
+        op = warmup + j
+        if op < total:
+            s = fwd_stage(op)
+            out.append(Action(s, "F", fwd.take(s)))
+        backward(j)
+    while zero_bubble and weights_done < total:
+        w = bwd_stage(weights_done)
+        out.append(Action(w, "W", wgt.take(w)))
+        weights_done += 1
+    return out
+
+
+def _zbv(rank: int, devices: int, m: int) -> list[Action]:
+    """ZB-V on device `rank`: chunk 0 is stage `rank`, chunk 1 stage 2 D - 1 - rank."""
+    low, high = rank, 2 * devices - 1 - rank
+    n = max(2 * devices - 1, m)  # the V fills only with enough microbatches: extras dropped below
+    count = {(s, k): 0 for s in (low, high) for k in "FIW"}
+    out: list[Action] = []
+
+    def act(stage: int, *kinds: Kind) -> None:
+        for kind in kinds:
+            out.append(Action(stage, kind, count[stage, kind]))
+            count[stage, kind] += 1
+
+    for _ in range(2 * (devices - rank) - 1):
+        act(low, "F")
+    for _ in range(rank):
+        act(high, "F")
+        act(low, "F")
+    for _ in range(devices - rank):
+        act(high, "F", "I", "W")
+    while count[high, "F"] < count[low, "F"] or count[low, "F"] < n:
+        if count[low, "F"] < n:
+            act(low, "F")
+        act(low, "I", "W")
+        act(high, "F", "I", "W")
+    for _ in range(rank):
+        act(low, "I")
+        act(high, "I")
+    for _ in range(devices - rank):
+        act(low, "I")
+        out.append(Action(low, "W", count[low, "W"]))
+        count[low, "W"] += 1
+    for stage in (high, low):
+        while count[stage, "W"] < count[stage, "I"]:
+            act(stage, "W")
+    return [a for a in out if a.microbatch < m]
+
+
+def stage_placement(name: str, devices: int, chunks: int) -> list[int]:
+    """Stage -> device of schedule `name`: loop placement (stage s on device s % D), or the V of
+    zbv (stage s < D on device s, stage s >= D on device 2 D - 1 - s)."""
+    if name == "zbv":
+        return [s if s < devices else 2 * devices - 1 - s for s in range(2 * devices)]
+    return [s % devices for s in range(devices * chunks)]

@@ -1,0 +1,370 @@
+"""Pipeline schedules as action lists, and the one simulator that costs all of them: the orders
+are torch's, 1F1B and GPipe agree with templates.py's formula where that formula is exact, the
+published bubbles of interleaved 1F1B and ZB-H1 come out, memory is counted per device, and an
+order that cannot run is refused with the actions that block it."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from oobleck_elastic.planning import LayerProfile, Links, ModelProfile
+from oobleck_elastic.planning.partition import StageCosts
+from oobleck_elastic.planning.schedule_cost import best_schedule, chunk_ranges, schedule_cost, template_cost
+from oobleck_elastic.planning.schedule_sim import StageTimes, simulate
+from oobleck_elastic.planning.schedules import Action, Order, ScheduleError, schedule_order
+from oobleck_elastic.planning.templates import make_template
+
+LINKS = Links(intra_node_gb_s=150.0, inter_node_gb_s=12.5, latency_s=1e-5)
+
+
+def profile(forward: list[float], backward: list[float], *, act: int = 1000, out: list[int] | None = None):
+    return ModelProfile(
+        layers=[
+            LayerProfile(
+                name=f"l{i}",
+                forward_s=f,
+                backward_s=b,
+                param_bytes=100 * (i + 1),
+                grad_bytes=100 * (i + 1),
+                optimizer_bytes=200 * (i + 1),
+                activation_bytes=act * (i + 1),
+                output_bytes=(out or [0] * len(forward))[i],
+            )
+            for i, (f, b) in enumerate(zip(forward, backward))
+        ]
+    )
+
+
+def template(prof: ModelProfile, ranges: list[tuple[int, int]], *, links: Links | None, per_node: int = 1):
+    costs = StageCosts(prof, memory_limit_bytes=1e30, links=links, stages_per_node=per_node)
+    return make_template(costs, ranges, num_nodes=len(ranges) // per_node, gpus_per_node=per_node)
+
+
+def strings(order: Order) -> list[list[str]]:
+    return [[str(a) for a in acts] for acts in order.devices]
+
+
+# ---------------------------------------------------------------- the orders are torch's
+
+
+def torch_order(cls_name: str, devices: int, microbatches: int, chunks: int) -> list[list[str]]:
+    """torch's pipeline_order for a schedule class, built from stand-in stages (no process group),
+    without the idle slots and the REDUCE_GRAD bookkeeping."""
+    import torch
+    from torch.distributed.pipelining import schedules
+
+    stage_kw = {"group_size": devices, "group_rank": 0, "num_stages": devices * chunks}
+    cls = getattr(schedules, cls_name)
+    if cls_name in ("Schedule1F1B", "ScheduleGPipe"):
+        sched = cls(SimpleNamespace(**stage_kw), n_microbatches=microbatches)
+    else:
+        stages = [SimpleNamespace(stage_index=i, submod=torch.nn.Identity(), **stage_kw) for i in range(chunks)]
+        sched = cls(stages, n_microbatches=microbatches)
+    return [
+        [str(a) for a in sched.pipeline_order[r] if a is not None and a.computation_type.value in "FBIW"]
+        for r in range(devices)
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, cls_name, chunks",
+    [
+        ("interleaved-1f1b", "ScheduleInterleaved1F1B", 2),
+        ("interleaved-1f1b", "ScheduleInterleaved1F1B", 3),
+        ("zero-bubble", "ScheduleInterleavedZeroBubble", 1),
+        ("zero-bubble", "ScheduleInterleavedZeroBubble", 2),
+        ("zbv", "ScheduleZBVZeroBubble", 2),
+    ],
+)
+def test_orders_are_the_ones_torch_builds(name: str, cls_name: str, chunks: int) -> None:
+    compared = 0
+    for p in range(1, 7):
+        for m in range(1, 3 * p + 3):
+            try:
+                theirs = torch_order(cls_name, p, m, chunks)
+            except ValueError:  # m does not divide into torch's rounds: ours refuses it too
+                with pytest.raises(ScheduleError, match="rounds of equal size"):
+                    schedule_order(name, p, m, chunks)
+                continue
+            assert strings(schedule_order(name, p, m, chunks)) == theirs, (p, m)
+            compared += 1
+    assert compared >= 50
+
+
+def test_1f1b_and_gpipe_are_the_orders_torch_runs() -> None:
+    for p in range(1, 7):
+        for m in range(p, 3 * p + 2):  # torch's Schedule1F1B refuses m < p (the engine runs GPipe then)
+            assert strings(schedule_order("gpipe", p, m)) == torch_order("ScheduleGPipe", p, m, 1)
+            ours, theirs = strings(schedule_order("1f1b", p, m)), torch_order("Schedule1F1B", p, m, 1)
+            # torch's pipeline_order numbers the last rank's forwards from 1 (1F1 .. 1Fm, no 1F0);
+            # its runtime (_step_microbatches, which the engine runs) does not use it
+            assert ours[:-1] == theirs[:-1]
+            assert [a.rstrip("0123456789")[-1] for a in ours[-1]] == [a.rstrip("0123456789")[-1] for a in theirs[-1]]
+            assert ours[-1] == [f"{p - 1}{k}{i}" for i in range(m) for k in "FB"]
+
+
+def test_1f1b_warms_up_with_one_forward_per_stage_after_it() -> None:
+    assert str(schedule_order("1f1b", 3, 5)) == (
+        "0: 0F0 0F1 0F2 0B0 0F3 0B1 0F4 0B2 0B3 0B4\n"
+        "1: 1F0 1F1 1B0 1F2 1B1 1F3 1B2 1F4 1B3 1B4\n"
+        "2: 2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3 2F4 2B4"
+    )
+    order = schedule_order("zbv", 2, 3, 2)
+    assert Order.parse(str(order), name="zbv") == order
+    assert Action.parse(" 12W3 ") == Action(12, "W", 3)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ("pipedream", 2, 4),
+            "unknown schedule 'pipedream': use one of 1f1b, gpipe, interleaved-1f1b, zero-bubble, zbv",
+        ),
+        (("zbv", 2, 4, 3), "schedule zbv runs exactly 2 chunks per device (got chunks=3)"),
+        (("1f1b", 2, 4, 2), "schedule 1f1b runs one stage per device (got chunks=2): use interleaved-1f1b"),
+        (
+            ("interleaved-1f1b", 4, 9, 2),
+            "interleaved schedules run microbatches in 2 rounds of equal size, and 9 microbatches on 4 devices "
+            "do not divide into them: use a multiple of 2",
+        ),
+        (("gpipe", 0, 4), "a schedule needs >= 1 device, microbatch and chunk (got 0, 4, 1)"),
+    ],
+)
+def test_a_schedule_that_cannot_be_built_says_what_to_change(args: tuple, message: str) -> None:
+    with pytest.raises(ScheduleError) as err:
+        schedule_order(*args)
+    assert str(err.value) == message
+
+
+# ---------------------------------------------------------------- 1F1B and GPipe against templates.py
+
+
+def test_1f1b_and_gpipe_equal_the_template_formula_on_uniform_stages() -> None:
+    prof = profile([1.0] * 8, [2.0] * 8)
+    for p in (1, 2, 4, 8):
+        t = template(prof, [(i * 8 // p, (i + 1) * 8 // p) for i in range(p)], links=None)
+        for m in range(1, 17):
+            for name in ("1f1b", "gpipe"):
+                assert template_cost(prof, t, name, m).step_s == pytest.approx(t.iteration_time(m), rel=1e-12)
+    for p in range(1, 9):  # any forward/backward split, stage times alike
+        for m in range(1, 17):
+            times = StageTimes.uniform(p, 0.7, 1.9)
+            for name in ("1f1b", "gpipe"):
+                assert simulate(schedule_order(name, p, m), times).makespan_s == pytest.approx((m + p - 1) * 2.6)
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_1f1b_equals_the_template_formula_when_the_last_stage_is_the_slowest(seed: int) -> None:
+    """Non-uniform stages, communication counted: once the last stage (the head, usually) is the
+    bottleneck it never waits after its first forward, so T = sum w + (m - 1) max w exactly."""
+    rng = random.Random(seed)
+    p = rng.randint(2, 6)
+    per_node = rng.choice([1, 2]) if p % 2 == 0 else 1
+    n = 2 * p
+    fwd = [rng.uniform(0.1, 1.0) for _ in range(n)]
+    bwd = [rng.uniform(0.1, 2.0) for _ in range(n)]
+    fwd[-1] = bwd[-1] = 2.0 * n  # a heavy head on the last stage
+    prof = profile(fwd, bwd, out=[int(rng.uniform(1e8, 5e9)) for _ in range(n)])
+    t = template(prof, [(2 * i, 2 * i + 2) for i in range(p)], links=LINKS, per_node=per_node)
+    assert t.stages[-1].time_s == t.bottleneck_s
+    assert any(s.comm_s > 0 for s in t.stages)
+    for m in range(1, 3 * p + 1):
+        cost = template_cost(prof, t, "1f1b", m, replicas=3)
+        assert cost.step_s == pytest.approx(t.iteration_time(m, replicas=3), rel=1e-12)
+        assert cost.grad_sync_s == t.grad_sync_s(3) > 0
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_gpipe_is_two_flow_shops_and_the_template_formula_when_backward_tracks_forward(seed: int) -> None:
+    rng = random.Random(seed)
+    p, m = rng.randint(1, 6), rng.randint(1, 12)
+    fwd = [rng.uniform(0.1, 3) for _ in range(p)]
+    bwd = [rng.uniform(0.1, 5) for _ in range(p)]
+    recv = [0.0] + [rng.uniform(0, 1) for _ in range(p - 1)]  # recv[s]: the message into stage s
+    sim = simulate(schedule_order("gpipe", p, m), StageTimes(fwd, bwd, [0.0] * p), lambda b, s, d: recv[b + 1])
+    f = [fwd[s] + recv[s] for s in range(p)]
+    b = [bwd[s] + (recv[s + 1] if s < p - 1 else 0.0) for s in range(p)]
+    assert sim.makespan_s == pytest.approx(sum(f) + (m - 1) * max(f) + sum(b) + (m - 1) * max(b), rel=1e-12)
+    assert sim.comm_s == pytest.approx([m * (recv[s] + (recv[s + 1] if s < p - 1 else 0)) for s in range(p)])
+    # backward = 2 x forward on every layer, no communication: templates.py's formula is exact
+    prof = profile(fwd, [2 * x for x in fwd])
+    t = template(prof, [(s, s + 1) for s in range(p)], links=None)
+    assert template_cost(prof, t, "gpipe", m).step_s == pytest.approx(t.iteration_time(m), rel=1e-12)
+
+
+def test_the_template_formula_is_an_estimate_for_1f1b_with_an_early_bottleneck() -> None:
+    # Stage 0 slowest: its three warm-up forwards cover the round trip, it never waits, and the
+    # step is m w_0 = 6.0; the formula adds the other stage once more: 6.3.
+    sim = simulate(schedule_order("1f1b", 2, 2), StageTimes([1.0, 0.1], [2.0, 0.2], [0.0, 0.0]))
+    assert sim.makespan_s == pytest.approx(6.0) and 3.3 + 1 * 3.0 == pytest.approx(6.3)
+    # Two co-bottlenecks: stage 1 runs its third forward before the second backward, stage 0
+    # waits for that backward (14 -> 15): 23, where the formula says 12 + 2 x 5 = 22.
+    sim = simulate(schedule_order("1f1b", 3, 3), StageTimes([1.0, 4.0, 1.0], [4.0, 1.0, 1.0], [0.0] * 3))
+    assert sim.makespan_s == pytest.approx(23.0)
+    assert sim.spans[Action(0, "B", 1)] == (15.0, 19.0)
+
+
+# ---------------------------------------------------------------- the published bubbles
+
+
+def test_interleaved_1f1b_bubble_is_the_published_one() -> None:
+    """Narayanan et al.: v chunks per device shrink the bubble to (p-1)/v of a microbatch's time,
+    a fraction (p - 1) / (v m + p - 1), with m a multiple of p."""
+    for p in range(2, 7):
+        for v in (2, 3, 4):
+            for m in (p, 2 * p, 3 * p):
+                sim = simulate(schedule_order("interleaved-1f1b", p, m, v), StageTimes.uniform(p * v, 1 / v, 2 / v))
+                assert sim.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-9)
+                assert sim.makespan_s == pytest.approx((m + (p - 1) / v) * 3)
+                # the price: device d holds (v - 1) r + 2 (p - 1 - d) + 1 chunks' activations (r = p here)
+                warm = [min((v - 1) * p + 2 * (p - 1 - d) + 1, v * m) for d in range(p)]
+                assert sim.peak_in_flight == tuple(warm)
+
+
+def test_zero_bubble_h1_leaves_a_third_of_the_1f1b_bubble_at_its_memory() -> None:
+    """Qi et al. (ZB-H1), forward = input grad = weight grad: bubble (p-1)(F+I-W) = (p-1)F
+    against 1F1B's (p-1)(F+I+W), with no device holding more microbatches than 1F1B's first."""
+    for p in range(2, 9):
+        for m in range(p, 3 * p + 1):
+            if schedule_order_ok("zero-bubble", p, m):
+                times = StageTimes.uniform(p, 1.0, 2.0, weight_share=0.5, activation_bytes=10)
+                zb, base = (simulate(schedule_order(n, p, m), times) for n in ("zero-bubble", "1f1b"))
+                assert zb.makespan_s == pytest.approx(3 * m + p - 1)
+                assert zb.bubble_s == pytest.approx(base.bubble_s / 3)
+                assert max(base.peak_in_flight) == p
+                assert zb.peak_in_flight == (p,) * p  # a W keeps its microbatch: later stages hold p too
+                assert max(zb.peak_activation_bytes) == 10 * p
+
+
+def test_zbv_idles_only_while_the_first_microbatch_reaches_the_last_device() -> None:
+    for p in range(2, 7):
+        for m in range(2 * p - 1, 4 * p):
+            times = StageTimes.uniform(2 * p, 0.5, 1.0, activation_bytes=5)  # 2 chunks: F = I = W = 0.5
+            zbv = simulate(schedule_order("zbv", p, m, 2), times)
+            assert zbv.makespan_s == pytest.approx((p - 1) * 0.5 + 3 * m)
+            if schedule_order_ok("zero-bubble", p, m):
+                zb = simulate(schedule_order("zero-bubble", p, m), StageTimes.uniform(p, 1.0, 2.0))
+                assert zbv.bubble_s < zb.bubble_s
+            assert zbv.peak_activation_bytes == (10 * p,) * p  # 2p half-size chunks: 1F1B's p microbatches
+
+
+def schedule_order_ok(name: str, p: int, m: int) -> bool:
+    try:
+        schedule_order(name, p, m)
+    except ScheduleError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- memory
+
+
+def test_1f1b_holds_p_minus_s_microbatches_and_gpipe_all_of_them() -> None:
+    for p in range(1, 7):
+        for m in range(1, 13):
+            times = StageTimes.uniform(p, 1.0, 2.0, activation_bytes=7)
+            one = simulate(schedule_order("1f1b", p, m), times)
+            assert one.peak_in_flight == tuple(min(m, p - s) for s in range(p))
+            assert one.peak_activation_bytes == tuple(7 * min(m, p - s) for s in range(p))
+            assert simulate(schedule_order("gpipe", p, m), times).peak_in_flight == (m,) * p
+
+
+def test_template_memory_is_the_template_count_under_1f1b_and_chunks_share_a_device() -> None:
+    prof = profile([1.0] * 8, [2.0] * 8, act=1000)
+    t = template(prof, [(0, 2), (2, 4), (4, 6), (6, 8)], links=None)
+    cost = template_cost(prof, t, "1f1b", 8)
+    assert cost.memory_bytes == tuple(s.memory_bytes for s in t.stages)
+    assert cost.fits(max(cost.memory_bytes)) and not cost.fits(max(cost.memory_bytes) - 1)
+    # 2 chunks on 4 devices: stage s holds layer s, stages s and s + 4 share device s
+    assert chunk_ranges(prof, 8) == [(i, i + 1) for i in range(8)]
+    inter = template_cost(prof, t, "interleaved-1f1b", 8, chunks=2)
+    static = [sum(la.static_bytes for la in prof.layers[i::4]) for i in range(4)]
+    assert [m - a for m, a in zip(inter.memory_bytes, inter.activation_bytes)] == static
+    assert inter.bubble_fraction < cost.bubble_fraction
+
+
+def test_a_cut_between_nodes_costs_the_inter_node_link() -> None:
+    prof = profile([1.0] * 4, [2.0] * 4, out=[10**9] * 4)
+    cost = schedule_cost(prof, [(0, 1), (1, 2), (2, 3), (3, 4)], "gpipe", 2, links=LINKS, stages_per_node=2)
+    intra, inter = LINKS.p2p_s(1e9, same_node=True), LINKS.p2p_s(1e9, same_node=False)
+    # device 1 receives its input over NVLink and its output's gradient from node 1, per microbatch
+    assert cost.simulation.comm_s == pytest.approx((2 * intra, 2 * (intra + inter), 2 * (inter + intra), 2 * intra))
+
+
+def test_best_schedule_is_the_fastest_that_fits_in_memory() -> None:
+    prof = profile([1.0] * 8, [2.0] * 8, act=1000)
+    t = template(prof, [(0, 2), (2, 4), (4, 6), (6, 8)], links=None)
+    roomy = best_schedule(prof, t, 8, 1e12)
+    steps = {(c.schedule, c.chunks): c.step_s for c in roomy.costs}
+    assert steps == pytest.approx(
+        {
+            ("1f1b", 1): 66.0,
+            ("gpipe", 1): 66.0,
+            ("interleaved-1f1b", 2): 57.0,
+            ("zero-bubble", 1): 54.0,
+            ("zbv", 2): 51.0,
+        }
+    )
+    assert roomy.best is not None and (roomy.best.schedule, roomy.best.step_s) == ("zbv", 51.0) and not roomy.refused
+    # at 1F1B's own peak only 1F1B fits (GPipe ties it on time but holds every microbatch)
+    limit = template_cost(prof, t, "1f1b", 8).peak_memory_bytes
+    tight = best_schedule(prof, t, 8, limit)
+    assert tight.best is not None and tight.best.schedule == "1f1b"
+    assert sorted(tight.refused) == ["gpipe/1", "interleaved-1f1b/2", "zbv/2", "zero-bubble/1"]
+    assert tight.refused["zbv/2"] == f"needs 39600 bytes on a device, over the limit of {limit}"
+    # 9 microbatches do not divide into the looped schedules' rounds on 4 devices
+    odd = best_schedule(prof, t, 9, 1e12)
+    assert sorted(odd.refused) == ["interleaved-1f1b/2", "zero-bubble/1"]
+    assert "2 rounds of equal size" in odd.refused["zero-bubble/1"]
+    assert odd.best is not None and odd.best.schedule == "zbv"
+    assert best_schedule(prof, t, 8, 1000).best is None
+
+
+# ---------------------------------------------------------------- orders that cannot run
+
+EVERY = "every stage needs F and B (or I and W) for every microbatch"
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (
+            ["0B0 0F0"],
+            "order 'custom' cannot run, its dependencies are violated: device 0 at 0B0 (position 0) waits for "
+            "0F0, which device 0 runs later (position 1)",
+        ),
+        (
+            ["0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0"],
+            "order 'custom' cannot run, its dependencies are violated: device 0 at 0B0 (position 1) waits for "
+            "1B0, which device 1 runs later (position 3); device 1 at 1F1 (position 0) waits for 0F1, which "
+            "device 0 runs later (position 2)",
+        ),
+        (["0F0 0F1 0B0"], "the order never runs 0B1 (or 0I1 and 0W1): " + EVERY),
+        (["0F0 0I0"], "the order never runs 0W0: " + EVERY),
+        (["0W0"], "the order never runs 0F0, 0I0: " + EVERY),
+        (["0F0 0B0 0F0"], "0F0 is listed twice: device 0 position 0 and device 0 position 2"),
+        (["0F0 0I0 0W0 0B0"], "stage 0 microbatch 0 has both a full backward 0B0 and a split one (I/W)"),
+        (["0F0 1F0", "1B0 0B0"], "stage 1 has actions on device 0 and device 1 (1B0)"),
+    ],
+)
+def test_an_order_that_cannot_run_is_refused_with_what_blocks_it(lines: list[str], message: str) -> None:
+    order = Order.parse("\n".join(lines))
+    times = StageTimes([1.0] * order.num_stages, [1.0] * order.num_stages, [0.5] * order.num_stages)
+    with pytest.raises(ScheduleError) as err:
+        simulate(order, times)
+    assert str(err.value) == message
+
+
+def test_a_split_backward_feeds_the_stage_before_at_its_input_gradient() -> None:
+    # 1I0 ends at 1 + 1 + 1 = 3; 0B0 starts there, not after 1W0
+    order = Order.parse("0F0 0B0\n1F0 1I0 1W0")
+    sim = simulate(order, StageTimes([1.0, 1.0], [1.0, 1.0], [5.0, 5.0]))
+    assert sim.spans[Action(0, "B", 0)] == (3.0, 9.0)
+    assert sim.makespan_s == 9.0 and sim.busy_s == (7.0, 7.0)
+    # activations are kept until the weight gradient: 0F1 runs while 0W0 still needs microbatch 0
+    held = simulate(Order.parse("0F0 0I0 0F1 0W0 0I1 0W1"), StageTimes([1.0], [1.0], [1.0], [3]))
+    assert held.peak_in_flight == (2,) and held.peak_activation_bytes == (6,)
