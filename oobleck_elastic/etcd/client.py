@@ -501,15 +501,22 @@ def auth_message(s: EtcdSettings, details: str) -> str:
     return f"etcd at {s.endpoint} refused the request ({details}): {hint}"
 
 
-def connect(settings: EtcdSettings) -> EtcdClient:
-    """Connect and verify the server answers; raises EtcdError with what to change."""
+def connect(settings: EtcdSettings, *, own_connection: bool = False) -> EtcdClient:
+    """Connect and verify the server answers; raises EtcdError with what to change.
+
+    gRPC shares one TCP connection between the channels of a process that reach the same
+    endpoint with the same options (its global subchannel pool): two clients connected here share
+    it, each with its own streams. With `own_connection`, this client opens a connection of its
+    own, as a client in another process does (the control-plane benchmark hosts many simulated
+    node agents per process, each connecting as a node's agent would)."""
     settings.check()
+    options = [("grpc.use_local_subchannel_pool", 1)] if own_connection else None
     try:
         creds = None
         if settings.cacert:
             creds = pyetcd.MultiEndpointEtcd3Client.get_secure_creds(settings.cacert, settings.key, settings.cert)
         endpoints = [
-            pyetcd.Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=_MEMBER_RETRY_S)
+            pyetcd.Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=_MEMBER_RETRY_S, opts=options)
             for host, port in settings.host_ports
         ]
         raw = pyetcd.MultiEndpointEtcd3Client(
