@@ -149,6 +149,11 @@ def test_a_lone_agent_below_n0_is_idle(tmp_path: Path, etcd_server, run_id) -> N
         )
 
         def measure(client) -> None:
+            from oobleck_elastic.rendezvous.membership import live_nodes
+
+            deadline = time.time() + 30.0  # the killed node's record goes with its lease (the TTL)
+            while len(live_nodes(client, keys)) > 1 and time.time() < deadline:
+                time.sleep(0.2)
             time.sleep(2.0)  # the refused re-plan and its log lines are done
             seen.append(idle_costs(etcd_server, proc.pid, node_processes(client, keys)))
 
