@@ -287,11 +287,13 @@ def _final_scalars(tb_dir: Path) -> tuple[dict[str, float], int]:
     return {k: e.value for k, e in last.items()}, next(iter(last.values())).step
 
 
-def test_the_single_process_ledger_shows_the_step_guard_and_checkpoints(tmp_path: Path, monkeypatch) -> None:
+def test_the_single_process_ledger_shows_the_step_guard_and_checkpoints(tmp_path: Path, monkeypatch, caplog) -> None:
     """Step 4 is NaN twice (OOBLECK_NAN_AT, engine/resilience/faults.py): one run replayed, one skipped; a
-    checkpoint every 2 steps. TensorBoard has the ledger at every step and the final one."""
+    checkpoint every 2 steps. TensorBoard has the ledger at every step and the final one; its
+    categories match what the event lines measured (`witness`; tolerances: see EPS)."""
     from oobleck_elastic.config import load_config
     from oobleck_elastic.engine.run import train
+    from oobleck_elastic.logs import EventLines, read_event_lines
 
     cfg = load_config(
         ROOT / "configs/gpt2-tiny.yaml",
@@ -304,11 +306,19 @@ def test_the_single_process_ledger_shows_the_step_guard_and_checkpoints(tmp_path
             "checkpoint.interval_steps=2",
             f"logging.tensorboard_dir={tmp_path / 'runs'}",
             f"data.cache_dir={tmp_path / 'cache'}",
+            f"logging.events_dir={tmp_path / 'events'}",
         ],
     )
     monkeypatch.setenv("OOBLECK_NAN_AT", "0@3x2")
+    caplog.set_level(logging.INFO, logger="oobleck_elastic")  # the `step` and `checkpoint` lines are INFO
     began = time.time()
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    finally:  # this process's event lines go to this test's directory only
+        root = logging.getLogger("oobleck_elastic")
+        for h in [h for h in root.handlers if isinstance(h, EventLines) and tmp_path in h.path.parents]:
+            root.removeHandler(h)
+            h.close()
     wall = time.time() - began
     assert summary.not_applied == ("step 4: the loss is nan; replayed", "step 4: the loss is nan; batch skipped")
     final, step = _final_scalars(tensorboard_run(tmp_path / "runs"))
@@ -318,6 +328,14 @@ def test_the_single_process_ledger_shows_the_step_guard_and_checkpoints(tmp_path
     accounted = sum(v for k, v in final.items() if k != "fraction")
     assert final["fraction"] == pytest.approx(final["useful"] / accounted, rel=1e-5)
     assert 0 < accounted <= wall  # from the LocalControl's start to the final report, inside train()
+    w = witness(read_event_lines(tmp_path / "events"), steps=6)
+    n, said = w.counts, (w, final)
+    assert (n["applied"], n["again"], n["replayed"], n["skipped"], n["checkpoints"], n["changes"]) == (5, 0, 1, 1, 3, 0)
+    assert abs(final["checkpointing"] - w.checkpoints) <= EPS * n["checkpoints"], said
+    assert abs(final["replayed"] - w.rejected) <= EPS and abs(final["skipped"] - w.skipped) <= EPS, said
+    assert w.applied - EPS <= final["useful"] <= w.applied + BOOKKEEPING * n["applied"], said
+    span = w.last_line - w.first_step  # from the first step's start to the final checkpoint's line
+    assert abs(final["useful"] + final["replayed"] + final["skipped"] + final["checkpointing"] - span) <= EPS, said
 
 
 def test_the_witness_reads_each_category_from_the_event_lines() -> None:
