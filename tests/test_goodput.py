@@ -382,9 +382,10 @@ def test_the_witness_reads_each_category_from_the_event_lines() -> None:
 # Tolerances. The ledger's clock (`time.time` in GoodputClock) and a line's own measurement (a
 # `seconds` on `time.perf_counter`, or its `t`) are read a few calls apart at both ends of each
 # thing timed: a thread hand-off for a step, a log call, a dozen TensorBoard scalars queued. On
-# the shared 2-core machine (load average 3 to 45) that came to 1-13 ms per thing (a step run, a
-# checkpoint, a generation change, the span); EPS allows 40 ms per thing, still less than half of
-# any one thing checked (a rejected run takes 0.1 s, a checkpoint 0.1-0.2 s). BOOKKEEPING bounds
+# the shared 2-core machine (load average 3 to 250) that came to 1-13 ms per thing (a step run, a
+# checkpoint, a generation change, the span); EPS allows 40 ms per thing, less than half of a
+# rejected run (0.1 s or more) or of the checkpoints together (0.8-1.4 s for the job's 5-6, so a
+# checkpoint charged elsewhere fails; one short one alone may not). BOOKKEEPING bounds
 # what `useful` adds to an applied step's own time (the progress report: an etcd put and get;
 # TensorBoard; the log line): 4-11 ms a step there, 50 ms allowed.
 EPS, BOOKKEEPING = 0.04, 0.05
