@@ -331,7 +331,7 @@ def test_the_single_process_ledger_shows_the_step_guard_and_checkpoints(tmp_path
     w = witness(read_event_lines(tmp_path / "events"), steps=6)
     n, said = w.counts, (w, final)
     assert (n["applied"], n["again"], n["replayed"], n["skipped"], n["checkpoints"], n["changes"]) == (5, 0, 1, 1, 3, 0)
-    assert abs(final["checkpointing"] - w.checkpoints) <= EPS * n["checkpoints"], said
+    assert abs(final["checkpointing"] - w.checkpoints) <= CHECKPOINT_EPS * n["checkpoints"], said
     assert abs(final["replayed"] - w.rejected) <= EPS and abs(final["skipped"] - w.skipped) <= EPS, said
     assert w.applied - EPS <= final["useful"] <= w.applied + BOOKKEEPING * n["applied"], said
     span = w.last_line - w.first_step  # from the first step's start to the final checkpoint's line
@@ -384,11 +384,12 @@ def test_the_witness_reads_each_category_from_the_event_lines() -> None:
 # thing timed: a thread hand-off for a step, a log call, a dozen TensorBoard scalars queued. On
 # the shared 2-core machine (load average 3 to 250) that came to 1-13 ms per thing (a step run, a
 # checkpoint, a generation change, the span); EPS allows 40 ms per thing, less than half of a
-# rejected run (0.1 s or more) or of the checkpoints together (0.8-1.4 s for the job's 5-6, so a
-# checkpoint charged elsewhere fails; one short one alone may not). BOOKKEEPING bounds
+# rejected run (0.1 s or more). A checkpoint's ends have no thread hand-off (1-3 ms measured):
+# CHECKPOINT_EPS allows 20 ms each, a third of the job's 5-6 checkpoints together (0.4-1.4 s), so
+# they cannot go to another category unseen (one short one alone may). BOOKKEEPING bounds
 # what `useful` adds to an applied step's own time (the progress report: an etcd put and get;
 # TensorBoard; the log line): 4-11 ms a step there, 50 ms allowed.
-EPS, BOOKKEEPING = 0.04, 0.05
+EPS, CHECKPOINT_EPS, BOOKKEEPING = 0.04, 0.02, 0.05
 
 
 def _cross_check(
@@ -404,7 +405,7 @@ def _cross_check(
     lines = {e["step"] for e in events if e["event"] == "step"}
     assert lines == set(range(1, steps + 1)) - {skipped + 1}, said  # every step applied has its line
     assert n["replayed"] == n["skipped"] == 1 and n["changes"] >= 3 and n["checkpoints"] >= 5, said
-    assert abs(got[CK] - w.checkpoints) <= EPS * n["checkpoints"], said
+    assert abs(got[CK] - w.checkpoints) <= CHECKPOINT_EPS * n["checkpoints"], said
     assert abs(got[S] - w.skipped) <= EPS * n["skipped"], said
     assert abs(got[R] - w.rejected - w.again) <= EPS * (n["replayed"] + n["again"]), said
     # reconfiguration: the gaps between generations, which hold each new rank 0's entry
