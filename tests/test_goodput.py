@@ -383,12 +383,12 @@ def test_the_witness_reads_each_category_from_the_event_lines() -> None:
 # `seconds` on `time.perf_counter`, or its `t`) are read a few calls apart at both ends of each
 # thing timed: a thread hand-off for a step, a log call, a dozen TensorBoard scalars queued. On
 # the shared 2-core machine (load average 3 to 250) that came to 1-13 ms per thing (a step run, a
-# checkpoint, a generation change, the span); EPS allows 40 ms per thing, less than half of a
-# rejected run (0.1 s or more). A checkpoint's ends have no thread hand-off (1-3 ms measured):
-# CHECKPOINT_EPS allows 20 ms each, a third of the job's 5-6 checkpoints together (0.4-1.4 s), so
-# they cannot go to another category unseen (one short one alone may). BOOKKEEPING bounds
-# what `useful` adds to an applied step's own time (the progress report: an etcd put and get;
-# TensorBoard; the log line): 4-11 ms a step there, 50 ms allowed.
+# checkpoint, a generation change, the span); EPS allows 40 ms per thing, less than one rejected
+# run (60 ms or more), so a run charged to another category fails. A checkpoint's ends have no
+# thread hand-off (1-3 ms measured): CHECKPOINT_EPS allows 20 ms each, a third of the job's 5-6
+# checkpoints together (0.4-1.4 s), so they cannot go to another category unseen (one short one
+# alone may). BOOKKEEPING bounds what `useful` adds to an applied step's own time (the progress
+# report: an etcd put and get; TensorBoard; the log line): 4-11 ms a step there, 50 ms allowed.
 EPS, CHECKPOINT_EPS, BOOKKEEPING = 0.04, 0.02, 0.05
 
 
