@@ -1,6 +1,7 @@
 """The goodput ledger (engine/telemetry/goodput.py): its rules on made-up timelines, `oobleck goodput` on
 etcd values, the single process's TensorBoard scalars with the step guard exercised, and a job
-with a kill, a join and a drain whose ledger sums to its wall time."""
+with a kill, a join and a drain whose ledger sums to its wall time and whose every category
+matches what the job's JSON event lines measured independently (`witness`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from oobleck_elastic import cli
 from oobleck_elastic.records.goodput import Category, Ledger, Origin, continue_from, describe, job_origin, opening
 from oobleck_elastic.engine.telemetry.goodput import GoodputClock
+from goodput_witness import Witness, witness
 from helpers import tensorboard_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -285,11 +287,13 @@ def _final_scalars(tb_dir: Path) -> tuple[dict[str, float], int]:
     return {k: e.value for k, e in last.items()}, next(iter(last.values())).step
 
 
-def test_the_single_process_ledger_shows_the_step_guard_and_checkpoints(tmp_path: Path, monkeypatch) -> None:
+def test_the_single_process_ledger_shows_the_step_guard_and_checkpoints(tmp_path: Path, monkeypatch, caplog) -> None:
     """Step 4 is NaN twice (OOBLECK_NAN_AT, engine/resilience/faults.py): one run replayed, one skipped; a
-    checkpoint every 2 steps. TensorBoard has the ledger at every step and the final one."""
+    checkpoint every 2 steps. TensorBoard has the ledger at every step and the final one; its
+    categories match what the event lines measured (`witness`; tolerances: see EPS)."""
     from oobleck_elastic.config import load_config
     from oobleck_elastic.engine.run import train
+    from oobleck_elastic.logs import EventLines, read_event_lines
 
     cfg = load_config(
         ROOT / "configs/gpt2-tiny.yaml",
@@ -302,11 +306,19 @@ def test_the_single_process_ledger_shows_the_step_guard_and_checkpoints(tmp_path
             "checkpoint.interval_steps=2",
             f"logging.tensorboard_dir={tmp_path / 'runs'}",
             f"data.cache_dir={tmp_path / 'cache'}",
+            f"logging.events_dir={tmp_path / 'events'}",
         ],
     )
     monkeypatch.setenv("OOBLECK_NAN_AT", "0@3x2")
+    caplog.set_level(logging.INFO, logger="oobleck_elastic")  # the `step` and `checkpoint` lines are INFO
     began = time.time()
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    finally:  # this process's event lines go to this test's directory only
+        root = logging.getLogger("oobleck_elastic")
+        for h in [h for h in root.handlers if isinstance(h, EventLines) and tmp_path in h.path.parents]:
+            root.removeHandler(h)
+            h.close()
     wall = time.time() - began
     assert summary.not_applied == ("step 4: the loss is nan; replayed", "step 4: the loss is nan; batch skipped")
     final, step = _final_scalars(tensorboard_run(tmp_path / "runs"))
@@ -316,6 +328,96 @@ def test_the_single_process_ledger_shows_the_step_guard_and_checkpoints(tmp_path
     accounted = sum(v for k, v in final.items() if k != "fraction")
     assert final["fraction"] == pytest.approx(final["useful"] / accounted, rel=1e-5)
     assert 0 < accounted <= wall  # from the LocalControl's start to the final report, inside train()
+    w = witness(read_event_lines(tmp_path / "events"), steps=6)
+    n, said = w.counts, (w, final)
+    assert (n["applied"], n["again"], n["replayed"], n["skipped"], n["checkpoints"], n["changes"]) == (5, 0, 1, 1, 3, 0)
+    assert abs(final["checkpointing"] - w.checkpoints) <= CHECKPOINT_EPS * n["checkpoints"], said
+    assert abs(final["replayed"] - w.rejected) <= EPS and abs(final["skipped"] - w.skipped) <= EPS, said
+    assert w.applied - EPS <= final["useful"] <= w.applied + BOOKKEEPING * n["applied"], said
+    span = w.last_line - w.first_step  # from the first step's start to the final checkpoint's line
+    assert abs(final["useful"] + final["replayed"] + final["skipped"] + final["checkpointing"] - span) <= EPS, said
+
+
+def test_the_witness_reads_each_category_from_the_event_lines() -> None:
+    """A made-up job: node0 holds rank 0 in generation 1 (steps 1-2, step 3 replayed then skipped,
+    step 4, a checkpoint it never reported) and is killed; node2 holds it in generation 2 (a
+    retake, steps 5-6, step 5 run again, the final checkpoint)."""
+
+    def line(t: float, event: str, gen: int, step: int, node: str, **fields) -> dict:
+        return {"t": t, "event": event, "gen": gen, "step": step, "node": node, **fields}
+
+    events = [
+        line(10.0, "entered", 1, 0, "node0", rank=0, seconds=2.0),
+        line(10.0, "entered", 1, 0, "node1", rank=1, seconds=2.0),
+        line(11.0, "step", 1, 1, "node0", seconds=1.0),
+        line(12.0, "step", 1, 2, "node0", seconds=1.0),
+        line(12.5, "replayed", 1, 2, "node1", seconds=0.5),  # not rank 0's: not counted
+        line(12.5, "replayed", 1, 2, "node0", seconds=0.5),
+        line(13.0, "skipped", 1, 2, "node0", seconds=0.5),
+        line(14.0, "step", 1, 4, "node0", seconds=1.0),
+        line(14.5, "checkpoint", 1, 4, "node0", seconds=0.5),  # node0 reported no more
+        line(20.0, "entered", 2, 4, "node2", rank=0, seconds=3.0),
+        line(20.25, "checkpoint", 2, 4, "node2", seconds=0.25),  # the retake
+        line(21.0, "step", 2, 5, "node2", seconds=0.75),
+        line(22.0, "step", 2, 6, "node2", seconds=1.0),
+        line(23.0, "step", 2, 5, "node2", seconds=1.0),  # the same step again (made up)
+        line(23.5, "checkpoint", 2, 6, "node2", seconds=0.5),  # the final one
+    ]
+    w = witness(events, steps=6, killed=("node0",))
+    assert w == Witness(
+        applied=1.0 + 1.0 + 1.0 + 0.75 + 1.0,
+        again=1.0,
+        rejected=0.5,
+        skipped=0.5,
+        checkpoints=0.25 + 0.5,
+        gaps=(21.0 - 0.75) - 14.0 - 0.25,  # node0's step 4 ends, node2's step 5 begins; less the retake
+        entries=3.0,
+        first_step=10.0,
+        last_line=23.5,
+        killed_last=1.0,
+        counts={"applied": 5, "again": 1, "replayed": 1, "skipped": 1, "checkpoints": 2, "changes": 1},
+    )
+
+
+# Tolerances. The ledger's clock (`time.time` in GoodputClock) and a line's own measurement (a
+# `seconds` on `time.perf_counter`, or its `t`) are read a few calls apart at both ends of each
+# thing timed: a thread hand-off for a step, a log call, a dozen TensorBoard scalars queued. On
+# the shared 2-core machine (load average 3 to 250) that came to 1-13 ms per thing (a step run, a
+# checkpoint, a generation change, the span); EPS allows 40 ms per thing, less than one rejected
+# run (60 ms or more), so a run charged to another category fails. A checkpoint's ends have no
+# thread hand-off (1-3 ms measured): CHECKPOINT_EPS allows 20 ms each, a third of the job's 5-6
+# checkpoints together (0.4-1.4 s), so they cannot go to another category unseen (one short one
+# alone may). BOOKKEEPING bounds what `useful` adds to an applied step's own time (the progress
+# report: an etcd put and get; TensorBoard; the log line): 4-11 ms a step there, 50 ms allowed.
+EPS, CHECKPOINT_EPS, BOOKKEEPING = 0.04, 0.02, 0.05
+
+
+def _cross_check(
+    ledger: Ledger, events: list[dict], *, steps: int, skipped: int, killed: str, first_plan: float, keep: Path
+) -> None:
+    """Each category of the job's final ledger against what its event lines measured (`Witness`).
+    A killed rank 0 may have written its last step's line and died before reporting it: then the
+    ledger charges that step to `reconfiguration`, not `useful` (`w.killed_last`, one way only)."""
+    w = witness(events, steps=steps, killed=(killed,))
+    got, n = {c: ledger.get(c) for c in Category}, w.counts
+    said = f"{w}\nledger {ledger.to_json()['seconds']}"
+    keep.write_text(said + "\n")  # kept for a post-mortem
+    lines = {e["step"] for e in events if e["event"] == "step"}
+    assert lines == set(range(1, steps + 1)) - {skipped + 1}, said  # every step applied has its line
+    assert n["replayed"] == n["skipped"] == 1 and n["changes"] >= 3 and n["checkpoints"] >= 5, said
+    assert abs(got[CK] - w.checkpoints) <= CHECKPOINT_EPS * n["checkpoints"], said
+    assert abs(got[S] - w.skipped) <= EPS * n["skipped"], said
+    assert abs(got[R] - w.rejected - w.again) <= EPS * (n["replayed"] + n["again"]), said
+    # reconfiguration: the gaps between generations, which hold each new rank 0's entry
+    assert w.gaps - EPS * n["changes"] <= got[RC] <= w.gaps + w.killed_last + EPS * n["changes"], said
+    assert got[RC] >= w.entries > 0, said
+    # useful: the applied steps' own times (the ledger's window holds each), plus their bookkeeping
+    assert w.applied - w.killed_last - EPS <= got[U] <= w.applied + BOOKKEEPING * n["applied"], said
+    # from the first plan (etcd) to the first step's start (its line); from there to the final
+    # checkpoint's line (just before the last report) the other five categories share the time
+    assert abs(got[SU] - (w.first_step - first_plan)) <= EPS, said
+    span = w.last_line - w.first_step
+    assert abs(got[U] + got[R] + got[S] + got[RC] + got[CK] - span) <= EPS, said
 
 
 @pytest.mark.slow
@@ -326,10 +428,14 @@ def test_a_job_with_a_kill_a_join_and_a_drain_accounts_for_its_wall_time(
     steps; the node holding rank 0 is SIGKILLed once 4 steps are done (another worker holds rank 0
     and continues the ledger); a fifth node, started once 5 are done, joins; then a node is drained.
     The ledger's categories sum to the wall time from the job's first event to its `closed`
-    record, measured here, within 2 %. The sample ledger (records/samples.py) proves every
-    sample used exactly once, the skipped batch aside."""
+    record, measured here, within 2 % (which holds by construction), and each category matches
+    what the job's JSON event lines measured where it happened (`_cross_check`): the steps' own
+    times, the rejected runs', the checkpoints', the gaps between generations, the first step's
+    start. The sample ledger (records/samples.py) proves every sample used exactly once, the
+    skipped batch aside."""
     from launcher.local import kill_node
     from oobleck_elastic import ops
+    from oobleck_elastic.logs import read_event_lines
     from oobleck_elastic.etcd import EtcdSettings, connect
     from oobleck_elastic.planning import Plan
     from oobleck_elastic.records.keys import Keys
@@ -387,12 +493,17 @@ def test_a_job_with_a_kill_a_join_and_a_drain_accounts_for_its_wall_time(
         ledger = Ledger.from_json(client.get_json(keys.progress)[0]["goodput"])
         closed = read_closed(client, keys)
         start = min(e.time for _, e in read_events(client, keys))
+        first_plan = min(e.time for _, e in read_events(client, keys) if e.kind == "plan")
         holders = {rank0(Plan.from_json(v)) for _, v in client.get_prefix_json(keys.plans)}
     finally:
         client.close()
     assert closed is not None and closed.reason == f"finished {steps} steps"
     wall = closed.time - start
-    assert abs(ledger.total - wall) <= 0.02 * wall, (ledger.total, wall, ledger.seconds)
+    assert abs(ledger.total - wall) <= 0.02 * wall, (ledger.total, wall, ledger.seconds)  # by construction
+    # each category against the job's event lines, which the ledger is not computed from
+    events = read_event_lines(tmp_path / "events")
+    keep = tmp_path / "witness.txt"
+    _cross_check(ledger, events, steps=steps, skipped=2, killed=killed[0], first_plan=first_plan, keep=keep)
     assert len(holders) >= 2 and killed[0] in holders  # rank 0 changed hands: the ledger was continued
     for c in Category:
         assert ledger.get(c) > 0, (c, ledger.seconds)  # every category was exercised

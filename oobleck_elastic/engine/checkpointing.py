@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
@@ -82,10 +83,18 @@ def load_guard_record(trainer: Trainer, guard: Optional[StepGuard], manifest: Ma
 
 
 def save(
-    trainer: Trainer, ckpt_dir: str | Path, *, next_step: int, guard: Optional[StepGuard] = None
+    trainer: Trainer,
+    ckpt_dir: str | Path,
+    *,
+    next_step: int,
+    guard: Optional[StepGuard] = None,
+    began: Optional[float] = None,
 ) -> Optional[Path]:
     """Write this worker's share of a checkpoint; rank 0 completes it. Returns the step dir.
-    `guard`: the step guard whose skip history goes in the manifest (`guard_record`)."""
+    `guard`: the step guard whose skip history goes in the manifest (`guard_record`). The
+    `checkpoint` line's `seconds` run from `began` (`time.perf_counter()`; default: now) to the
+    manifest, on this clock, not the goodput ledger's (tests cross-check the two)."""
+    t0 = time.perf_counter() if began is None else began
     plan = trainer.plan
     if plan is None:
         raise RuntimeError("a trainer saves a checkpoint only after entering a generation")
@@ -154,8 +163,13 @@ def save(
         extra=extra,
     )
     (step_path / ckpt.SAVING).unlink(missing_ok=True)  # the manifest says it all now
+    seconds = time.perf_counter() - t0
     log.at(gen=trainer.generation, step=next_step, node=trainer.node).info(
-        "checkpoint %s", manifest.parent, event="checkpoint", fields={"path": str(manifest.parent)}
+        "checkpoint %s (%.3f s)",
+        manifest.parent,
+        seconds,
+        event="checkpoint",
+        fields={"path": str(manifest.parent), "seconds": seconds},
     )
     return manifest.parent
 
@@ -268,7 +282,9 @@ class CheckpointPolicy:
 
     def retake(self, trainer: Trainer, reason: str, step: int) -> Optional[Path]:
         """Save the checkpoint `retake_reason` asked for (every worker calls this), unless a
-        complete one of `step` exists already: rank 0 looks, one all-reduce tells the others."""
+        complete one of `step` exists already: rank 0 looks, one all-reduce tells the others. The
+        time counted (`seconds` of the `checkpoint` or `checkpoint_retake` line) includes the look."""
+        t0 = time.perf_counter()
         exists = torch.zeros(1, device=trainer.device)
         if trainer.rank == 0:
             exists[0] = float(ckpt.is_complete(ckpt.step_dir(self.cfg.checkpoint.dir, step)))
@@ -276,11 +292,16 @@ class CheckpointPolicy:
         at = log.at(gen=trainer.generation, step=step, node=self.node)
         if bool(exists.item()):
             if trainer.rank == 0:
-                at.info("%s exists already (not retaken)", reason, event="checkpoint_retake", fields={"saved": False})
+                at.info(
+                    "%s exists already (not retaken)",
+                    reason,
+                    event="checkpoint_retake",
+                    fields={"saved": False, "seconds": time.perf_counter() - t0},
+                )
             return None
         if trainer.rank == 0:
             at.warning("%s", reason, event="checkpoint_retake", fields={"saved": True})
-        return save(trainer, self.cfg.checkpoint.dir, next_step=step, guard=self.guard)
+        return save(trainer, self.cfg.checkpoint.dir, next_step=step, guard=self.guard, began=t0)
 
     def after_step(self, trainer: Trainer, done: int) -> None:
         """`done` steps are complete: save every `checkpoint.interval_steps` (not the last: `finish`)."""

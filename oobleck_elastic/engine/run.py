@@ -369,6 +369,7 @@ class _Worker:
             result.rejected,
             what,
             event="skipped" if action is Action.SKIP else "replayed",
+            fields={"seconds": result.seconds},  # the run's own time (tests cross-check the goodput ledger)
         )
         self.goodput.ended_step(step, Category.SKIPPED if action is Action.SKIP else Category.REPLAYED)
         self.log.rejected(result, skipped=action is Action.SKIP)
