@@ -5,7 +5,8 @@ no etcd, no engine), so they can be tested exhaustively and benchmarked at scale
 per-layer costs) and `profiler` (measuring them), `partition` and `templates` (the best stage
 partition for every node count), `instantiate` (how many pipelines of each template, and their
 microbatches), `placement` (which nodes, keeping layers where they are), `plan` (the plan and
-its JSON), `copies` (the copies of each layer against f+1), `microbatch` (the microbatch size),
+its JSON), `copies` (the copies of each layer against f+1), `shadows` (host-memory shadow copies
+of each layer: where, and which losses the plan then survives), `microbatch` (the microbatch size),
 `comm` (links), `analytic` (a profile from a formula, for large models) and `rebalance`
 (re-splitting the batch around a straggler).
 
@@ -24,12 +25,14 @@ from .job import (
     choose_tensor_parallel,
     compare_tensor_parallel,
     device_memory,
+    host_memory,
     links_for,
     load_profiles,
     plan_job,
     single_worker_microbatch_size,
     templates_for,
     tensor_parallel_degrees,
+    with_shadows,
 )
 from .microbatch import (
     MicrobatchChoice,
@@ -42,6 +45,7 @@ from .microbatch import (
 )
 from .plan import Guarantee, PipelineSpec, Plan, StagePlacement, guarantee, make_plan
 from .profile import LayerProfile, ModelProfile, ProfileError
+from .shadows import ShadowPlacement, place_shadows, shadow_bytes, survives, tolerated_losses
 from .templates import PlanningError, Template, TemplateSet, build_templates
 
 __all__ = [
@@ -83,4 +87,11 @@ __all__ = [
     "profile_at",
     "profile_microbatch_sizes",
     "single_worker_microbatch_size",
+    "ShadowPlacement",
+    "host_memory",
+    "place_shadows",
+    "shadow_bytes",
+    "survives",
+    "tolerated_losses",
+    "with_shadows",
 ]
