@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
 
 from .templates import GIB, PlanningError
 
@@ -71,7 +71,10 @@ def device_holders(plan: "Plan") -> list[frozenset[str]]:
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:.4g} GiB"
+    """Bytes in GiB; small figures (test models) in MiB or bytes."""
+    if n == 0 or n >= GIB / 100:
+        return f"{n / GIB:.4g} GiB"
+    return f"{n / 2**20:.4g} MiB" if n >= 2**20 / 100 else f"{int(n)} bytes"
 
 
 @dataclass(frozen=True)
@@ -212,26 +215,66 @@ def place_shadows(
         )
     order = {n: i for i, n in enumerate(plan.nodes)}
     free = dict(budget)
-    heap = [(-free[n], order[n], n) for n in plan.nodes]  # most free first, then plan order
+    version = dict.fromkeys(plan.nodes, 0)
+    heap = [(-free[n], order[n], 0, n) for n in plan.nodes]  # most free first, then plan order
     heapq.heapify(heap)
     chosen: list[tuple[str, ...]] = [() for _ in held]
+    kept: dict[str, list[int]] = {n: [] for n in plan.nodes}  # node -> layers it shadows
+
+    def take(node: str, layer: int, delta: int) -> None:
+        """Reserve (delta > 0) or release `layer`'s bytes on `node`; its heap entry is renewed."""
+        free[node] -= delta
+        version[node] += 1
+        heapq.heappush(heap, (-free[node], order[node], version[node], node))
+        if delta > 0:
+            kept[node].append(layer)
+        else:
+            kept[node].remove(layer)
+
+    def make_room(layer: int, need: int, picked: list[str]) -> Optional[str]:
+        """A node not holding `layer` that gets room for it by handing one of its shadows to a node
+        with room for that one (greedy placement's one-step repair), or None."""
+        by_room = sorted(plan.nodes, key=lambda n: (-free[n], order[n]))
+        for x in by_room:
+            if x in held[layer] or x in picked:
+                continue
+            for m in sorted(kept[x], key=lambda i: (layer_bytes[i], i)):
+                size = int(layer_bytes[m])
+                if free[x] + size < need:
+                    continue
+                for y in by_room:
+                    if free[y] < size:
+                        break
+                    if y != x and y not in held[m] and y not in chosen[m]:
+                        chosen[m] = tuple(y if n == x else n for n in chosen[m])
+                        take(x, m, -size)
+                        take(y, m, size)
+                        return x
+        return None
+
     for layer in sorted(range(plan.num_layers), key=lambda i: (-layer_bytes[i], i)):
         need = int(layer_bytes[layer])
         picked: list[str] = []
-        popped = []
+        popped: list[str] = []
         while len(picked) < copies:
-            entry = heapq.heappop(heap)  # never empty: enough nodes do not hold the layer
-            popped.append(entry)
-            node = entry[2]
-            if node in held[layer]:
+            negative, _, ver, node = heapq.heappop(heap)  # never empty: enough nodes do not hold the layer
+            if ver != version[node]:
+                continue  # an outdated entry: the node's free memory changed since
+            popped.append(node)
+            if node in held[layer] or node in picked:
                 continue
-            if free[node] < need:  # the eligible node with the most room left has too little
-                raise PlanningError(_no_room(layer, len(picked) + 1, copies, need, node, free, budget, budget_source))
+            if free[node] < need:  # the node not holding the layer with the most room left has too little
+                freed = make_room(layer, need, picked)
+                if freed is None:
+                    raise PlanningError(
+                        _no_room(layer, len(picked) + 1, copies, need, node, free, budget, budget_source)
+                    )
+                node = freed
             picked.append(node)
-        for node in picked:
-            free[node] -= need
-        for _, _, node in popped:
-            heapq.heappush(heap, (-free[node], order[node], node))
+            take(node, layer, need)
+        for node in dict.fromkeys(popped + picked):  # back in the heap, once each
+            version[node] += 1
+            heapq.heappush(heap, (-free[node], order[node], version[node], node))
         chosen[layer] = tuple(picked)
     placement = ShadowPlacement(
         copies=copies, layers=tuple(chosen), layer_bytes=empty.layer_bytes, budgets=empty.budgets
@@ -300,7 +343,7 @@ def describe(plan: "Plan", budget_source: str = CONFIG_SOURCE, *, list_nodes_up_
     if len(plan.nodes) <= list_nodes_up_to:
         layers = shadows.by_node()
         for node in plan.nodes:
-            out.append(f"  {node}: layers {_spans(layers.get(node, []))}, {_gib(load[node])} of {_gib(budget[node])}")
+            out.append(f"  {node}: layers {_spans(layers.get(node, []))} ({_gib(load[node])} of {_gib(budget[node])})")
     return out
 
 
