@@ -20,9 +20,11 @@ Where (`place_shadows`): layers largest first; each takes, among the nodes that 
 their devices, the s with the most host memory left (ties: the plan's node order). Shadows so
 spread over every node (with equal budgets: the least loaded first), no node goes over its
 budget (`planning.host_memory_gb`, else measured), and one plan with one set of budgets always
-gives one placement. It is greedy: where it finds no room, a cleverer packing might still fit;
-the error then names the layer, its bytes and the free memory of the best node left for it, and
-what to change. Too few nodes that do not hold some layer is an error before any packing.
+gives one placement. It is greedy, with one repair: where no node not holding the layer has room
+left, one of them hands one of its shadows to a node with room for that one. A cleverer packing
+might still fit where that fails; the error names the layer, its bytes and the free memory of
+the best node left for it, and what to change. Too few nodes that do not hold some layer is an
+error before any packing.
 
 The placement is part of the plan (`Plan.shadows`, written in its JSON only when set, so plans
 without shadows read and write as before) and `ShadowPlacement.check` validates it whenever a
