@@ -124,6 +124,31 @@ def test_every_loss_of_up_to_f_plus_s_nodes_leaves_every_layer(name: str, plan: 
     assert [len(h) for h in reference_holders(plan, shadows)] == layer_copies(plan, shadows.extra())
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_uneven_layers_and_budgets_are_placed_within_budget_or_refused(seed: int) -> None:
+    """Random layer sizes and per-node budgets: a placement keeps every budget and the loss
+    property; a refusal says which layer found no room."""
+    rng = random.Random(seed)
+    placed = refused = 0
+    for _ in range(40):
+        _, plan = rng.choice(SMALL)
+        s = rng.choice([1, 2])
+        if len(plan.nodes) - max(len(h) for h in reference_holders(plan, None)) < s:
+            continue
+        sizes = [rng.randint(1, 10) for _ in range(plan.num_layers)]
+        budget = {n: rng.randint(0, 30) for n in plan.nodes}
+        try:
+            shadows = place_shadows(plan, s, sizes, budget)
+        except PlanningError as err:
+            assert str(err).startswith("no node has host memory for shadow copy "), err
+            refused += 1
+            continue
+        placed += 1
+        assert_well_placed(plan, shadows, s, budget)
+        assert tolerated_losses(plan, shadows) == enumerate_losses(plan, shadows) - 1 >= plan.f + s
+    assert placed and refused  # both paths were taken
+
+
 def test_without_shadows_the_plan_tolerates_its_device_copies_minus_one() -> None:
     for _, plan in SMALL:
         assert tolerated_losses(plan) == enumerate_losses(plan, None) - 1 == min(layer_copies(plan)) - 1
