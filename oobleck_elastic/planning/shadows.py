@@ -259,7 +259,7 @@ def place_shadows(
         picked: list[str] = []
         popped: list[str] = []
         while len(picked) < copies:
-            negative, _, ver, node = heapq.heappop(heap)  # never empty: enough nodes do not hold the layer
+            _, _, ver, node = heapq.heappop(heap)  # never empty: enough nodes do not hold the layer
             if ver != version[node]:
                 continue  # an outdated entry: the node's free memory changed since
             popped.append(node)
