@@ -5,13 +5,15 @@ no etcd, no engine), so they can be tested exhaustively and benchmarked at scale
 per-layer costs) and `profiler` (measuring them), `partition` and `templates` (the best stage
 partition for every node count), `instantiate` (how many pipelines of each template, and their
 microbatches), `placement` (which nodes, keeping layers where they are), `plan` (the plan and
-its JSON), `copies` (the copies of each layer against f+1), `shadows` (host-memory shadow copies
-of each layer: where, and which losses the plan then survives), `microbatch` (the microbatch size),
+its JSON), `copies` (the copies of each layer against f+1), `microbatch` (the microbatch size),
 `comm` (links), `analytic` (a profile from a formula, for large models) and `rebalance`
 (re-splitting the batch around a straggler).
 
 Imports: `config`, `models` (the profiler builds layers to measure them) and the standard library;
 never `etcd`, `rendezvous`, `records` or `engine`.
+
+`shadows` places each layer's host-memory shadow copies on a plan (on nodes that do not hold it on
+their devices) and says which node losses the plan then survives.
 """
 
 from __future__ import annotations
