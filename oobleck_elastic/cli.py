@@ -22,6 +22,7 @@ running job through etcd.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Optional, Sequence
@@ -36,9 +37,13 @@ from .planning import (
     PlanningError,
     ProfileError,
     compare_tensor_parallel,
+    host_memory,
     load_profiles,
     plan_job,
+    tolerated_losses,
+    with_shadows,
 )
+from .planning.shadows import describe as describe_shadows
 
 GIB = 1024**3
 
@@ -67,8 +72,9 @@ def _ranges(ranges: Sequence[tuple[int, int]]) -> str:
     return " ".join(text)
 
 
-def format_plan(jp: JobPlan, cfg: JobConfig) -> str:
-    """Human-readable report of templates, guarantee and plan."""
+def format_plan(jp: JobPlan, cfg: JobConfig, host_memory_source: str = "planning.host_memory_gb") -> str:
+    """Human-readable report of templates, guarantee and plan (and its shadow copies, whose
+    budgets come from `host_memory_source`)."""
     t = cfg.training
     mbs = jp.plan.microbatch_size
     B = t.global_batch_size // mbs
@@ -131,6 +137,7 @@ def format_plan(jp: JobPlan, cfg: JobConfig) -> str:
         )
     if p.spares:
         out.append(f"  spares: {', '.join(p.spares)}")
+    out += describe_shadows(p, host_memory_source)
     for w in p.warnings:
         out.append(f"warning: {w}")
     return "\n".join(out)
@@ -211,6 +218,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     profiles = _load_profiles(cfg, args.profile)
     jp = plan_job(cfg, nodes=args.nodes, profile=profiles)
+    host = host_memory(cfg) if cfg.fault_tolerance.shadow_copies else None
+    jp = dataclasses.replace(jp, plan=with_shadows(cfg, jp.plan, profiles, host))
     comparison = None
     if cfg.planning.tensor_parallel == "auto" and len(profiles) > 1:
         comparison = compare_tensor_parallel(cfg, profiles, cfg.planning.max_nodes or args.nodes)
@@ -228,13 +237,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 }
                 for d, c in comparison.items()
             }
+        if host is not None:
+            out["host_memory"] = {"gib": host[0], "source": host[1]}
+            out["tolerated_losses"] = tolerated_losses(jp.plan, jp.plan.shadows)
         print(json.dumps(out, indent=1))
     else:
         if comparison is not None:
             print(format_comparison(comparison, jp.templates.tensor_parallel) + "\n")
         if jp.microbatch is not None:
             print(format_microbatch(jp.microbatch) + "\n")
-        print(format_plan(jp, cfg))
+        print(format_plan(jp, cfg, *([host[1]] if host is not None else [])))
     return 0
 
 

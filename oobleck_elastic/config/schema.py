@@ -274,6 +274,12 @@ class TrainingConfig(Section):
 class FaultToleranceConfig(Section):
     f: int = 1
     """Simultaneous node failures to survive without a checkpoint (>= f+1 pipelines)."""
+    shadow_copies: int = 0
+    """Copies of every layer's weights and optimizer state kept in the host memory of that many
+    nodes that do not hold the layer on their devices (0 = none): with f+1 device copies, any
+    f + shadow_copies simultaneous node losses leave a copy of every layer. The planner places
+    them within planning.host_memory_gb (planning/shadows.py) and `oobleck plan` shows them; the
+    engine does not keep them yet (a job trains as with 0)."""
     lease_ttl_s: float = 5.0
     """etcd lease TTL of a node's membership record."""
     settle_s: float = 0.5
@@ -358,6 +364,11 @@ class FaultToleranceConfig(Section):
                 f"'fault_tolerance.f' must be >= 0 (got {self.f}): it is the number of simultaneous node failures "
                 "to survive"
             )
+        if self.shadow_copies < 0:
+            problems.append(
+                f"'fault_tolerance.shadow_copies' must be >= 0 (got {self.shadow_copies}): 0 keeps no copy "
+                "in host memory"
+            )
         try:
             parse_signals(self.preempt_signals)
         except ConfigError as err:
@@ -405,6 +416,10 @@ class PlanningConfig(Section):
     device memory, or to plan below the device's real memory."""
     memory_margin: float = 0.1
     """Fraction of device_memory_gb kept free for allocator slack and buffers."""
+    host_memory_gb: Optional[float] = None
+    """Host memory (GiB) of each node that shadow copies (fault_tolerance.shadow_copies) may
+    use; a hard limit for their placement. None = measured: the memory available now on the
+    machine that plans (MemAvailable)."""
     gpus_per_node: int = 1
     """Devices (workers) per node; a template on n nodes has n x gpus_per_node / tensor_parallel stages."""
     tensor_parallel: Union[int, str] = 1
@@ -451,6 +466,10 @@ class PlanningConfig(Section):
         problems += _at_least("planning", self, ("profile_warmup",), 0)
         if self.device_memory_gb is not None and self.device_memory_gb <= 0:
             problems.append(f"'planning.device_memory_gb' must be > 0 (got {self.device_memory_gb})")
+        if self.host_memory_gb is not None and self.host_memory_gb <= 0:
+            problems.append(
+                f"'planning.host_memory_gb' must be > 0 (got {self.host_memory_gb}); leave it unset to measure it"
+            )
         if not 0 <= self.memory_margin < 1:
             problems.append(f"'planning.memory_margin' must be in [0, 1) (got {self.memory_margin})")
         tp = self.tensor_parallel

@@ -13,6 +13,9 @@ simulation; the planner does not choose among them yet).
 
 Imports: `config`, `models` (the profiler builds layers to measure them) and the standard library;
 never `etcd`, `rendezvous`, `records` or `engine`.
+
+`shadows` places each layer's host-memory shadow copies on a plan (on nodes that do not hold it on
+their devices) and says which node losses the plan then survives.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ from .job import (
     choose_tensor_parallel,
     compare_tensor_parallel,
     device_memory,
+    host_memory,
     links_for,
     load_profiles,
     plan_job,
     single_worker_microbatch_size,
     templates_for,
     tensor_parallel_degrees,
+    with_shadows,
 )
 from .microbatch import (
     MicrobatchChoice,
@@ -44,6 +49,7 @@ from .microbatch import (
 )
 from .plan import Guarantee, PipelineSpec, Plan, StagePlacement, guarantee, make_plan
 from .profile import LayerProfile, ModelProfile, ProfileError
+from .shadows import ShadowPlacement, place_shadows, shadow_bytes, survives, tolerated_losses
 from .templates import PlanningError, Template, TemplateSet, build_templates
 
 __all__ = [
@@ -85,4 +91,11 @@ __all__ = [
     "profile_at",
     "profile_microbatch_sizes",
     "single_worker_microbatch_size",
+    "ShadowPlacement",
+    "host_memory",
+    "place_shadows",
+    "shadow_bytes",
+    "survives",
+    "tolerated_losses",
+    "with_shadows",
 ]

@@ -15,11 +15,16 @@ global_batch_size // (f+1), its time and memory fitted from the sizes the profil
 at, the best estimated samples/s on planning.max_nodes (else the first plan's node count) nodes.
 The templates carry the size they were built for (`TemplateSet.microbatch_size`), the plan carries
 it to the workers (`Plan.microbatch_size`), and a re-plan keeps the previous plan's size.
+
+With `fault_tolerance.shadow_copies` > 0, `with_shadows` places each layer's host-memory shadow
+copies on a plan (shadows.py) within `host_memory`: `planning.host_memory_gb` for every node, else
+the memory available now on the machine that plans. `plan_job` itself places none.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
@@ -36,11 +41,14 @@ from .microbatch import (
 )
 from .plan import Guarantee, Plan, guarantee, make_plan
 from .profile import ModelProfile, ProfileError
+from .shadows import place_shadows, shadow_bytes
 from .templates import GIB, PlanningError, TemplateSet, build_templates
 
 __all__ = [
     "JobPlan",
     "device_memory",
+    "host_memory",
+    "with_shadows",
     "links_for",
     "tensor_parallel_degrees",
     "load_profiles",
@@ -91,6 +99,48 @@ def device_memory(cfg: JobConfig, profile: ModelProfile) -> tuple[float, str]:
         "planning.device_memory_gb to the GiB of memory one device gives one stage, e.g. "
         "planning.device_memory_gb=80"
     )
+
+
+def host_memory(cfg: JobConfig) -> tuple[float, str]:
+    """(GiB of host memory each node gives shadow copies, where that figure comes from):
+    `planning.host_memory_gb` if set, else the memory available now on this machine."""
+    if cfg.planning.host_memory_gb is not None:
+        return float(cfg.planning.host_memory_gb), "planning.host_memory_gb"
+    return _available_host_bytes() / GIB, "the memory available on this machine (planning.host_memory_gb unset)"
+
+
+def _available_host_bytes() -> int:
+    """MemAvailable of /proc/meminfo; elsewhere the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def with_shadows(
+    cfg: JobConfig,
+    plan: Plan,
+    profile: ModelProfile | Mapping[int, ModelProfile],
+    host: Optional[tuple[float, str]] = None,
+) -> Plan:
+    """`plan` with `fault_tolerance.shadow_copies` shadow copies of each layer placed (shadows.py),
+    sized from the profile at the plan's tensor-parallel degree, within `host` (GiB per node and
+    its source; default `host_memory(cfg)`); `plan` itself with 0. Raises PlanningError when they
+    cannot be placed."""
+    copies = cfg.fault_tolerance.shadow_copies
+    if copies == 0:
+        return plan
+    profiles = {profile.tensor_parallel: profile} if isinstance(profile, ModelProfile) else dict(profile)
+    if plan.tensor_parallel not in profiles:
+        raise PlanningError(f"no profile at tensor_parallel={plan.tensor_parallel} to size the shadow copies from")
+    gib, source = host if host is not None else host_memory(cfg)
+    sizes = shadow_bytes(profiles[plan.tensor_parallel].layers, plan.tensor_parallel)
+    placed = place_shadows(plan, copies, sizes, int(gib * GIB), budget_source=source)
+    return dataclasses.replace(plan, shadows=placed)
 
 
 def links_for(cfg: JobConfig) -> Optional[Links]:

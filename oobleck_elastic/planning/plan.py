@@ -3,8 +3,9 @@
 A `Plan` is what the leader publishes for one generation and what every worker reads: the
 pipelines (template size, nodes, microbatches, stages with layer ranges and global ranks), the
 spare nodes, the donors (drained nodes that hand their layers over in this generation's entry,
-then leave), and the estimates. Ranks are dense: the i-th node of `nodes` (spares excluded)
-hosts ranks i*g .. i*g+g-1, local rank = device; donors' workers follow, in the entry only.
+then leave), the estimates, and the host-memory shadow copies when there are any (shadows.py).
+Ranks are dense: the i-th node of `nodes` (spares excluded) hosts ranks i*g .. i*g+g-1, local
+rank = device; donors' workers follow, in the entry only.
 `Plan.from_json` validates everything it reads (docs/design.md, invariant 5): control data is
 JSON, never pickle.
 
@@ -20,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 from .instantiate import Assignment, coverage, instantiate
 from .placement import keep_layers_in_place
+from .shadows import ShadowPlacement
 from .templates import PlanningError, TemplateSet
 
 PLAN_SCHEMA_VERSION = 1
@@ -114,6 +116,9 @@ class Plan:
     """This plan only re-splits the previous generation's microbatches among its pipelines at their
     measured speeds (a straggler, engine/resilience/straggler.py): same nodes, stages and ranks; workers move
     to it at a step boundary."""
+    shadows: Optional[ShadowPlacement] = None
+    """Host-memory shadow copies of every layer, on nodes that do not hold it on their devices
+    (shadows.py, fault_tolerance.shadow_copies); None: none (in the JSON only when set)."""
 
     @property
     def world_size(self) -> int:
@@ -204,6 +209,7 @@ class Plan:
             "donors": list(self.donors),
             "pipelines": [p.to_json() for p in self.pipelines],
             **({"rebalanced": True} if self.rebalanced else {}),
+            **({"shadows": self.shadows.to_json()} if self.shadows is not None else {}),
         }
 
     @classmethod
@@ -248,6 +254,7 @@ class Plan:
                 donors=tuple(str(n) for n in _list(data.get("donors", []), "donors")),
                 tensor_parallel=int(data.get("tensor_parallel", 1)),
                 rebalanced=data.get("rebalanced", False) is True,
+                shadows=ShadowPlacement.from_json(data["shadows"]) if data.get("shadows") is not None else None,
             )
         except PlanningError:
             raise
@@ -287,6 +294,8 @@ class Plan:
             raise PlanningError(
                 f"plan generation {self.generation}: donors {list(self.donors)} must be distinct nodes outside the plan"
             )
+        if self.shadows is not None:
+            self.shadows.check(self)
 
 
 def _list(value: Any, name: str) -> list[Any]:

@@ -1,0 +1,362 @@
+"""Shadow copies: each layer's weights and optimizer state also kept in the host memory of nodes
+that do not hold the layer on their devices, and where the planner puts them.
+
+A layer's device copies are the distinct nodes whose stages cover it (copies.py): one per
+pipeline, f+1 of them in a plan that meets its target. With `fault_tolerance.shadow_copies` = s,
+every layer also gets s shadow nodes: nodes of the plan (spares included; donors are not in the
+plan's nodes, they leave) that do not hold it on their devices, all distinct. A loss of nodes
+takes a layer only when it takes every one of its holders, device and shadow; so the largest k
+such that EVERY loss of k nodes leaves a copy of every layer is the fewest holders of any layer
+minus one (`tolerated_losses`), and a plan with f+1 device copies of each layer and s shadows
+tolerates any f + s simultaneous losses. `survives` checks one loss set.
+
+What a shadow holds (`shadow_bytes`): the layer's parameters and optimizer state, what a layer
+transfer moves (placement.py `shard_bytes_of`: gradients are recomputed), for every
+tensor-parallel lane: tensor_parallel x (param_bytes + optimizer_bytes) of the profile at the
+plan's degree. For fp32 AdamW that is 3 x the fp32 parameters; a parameter the lanes replicate
+is counted once per lane (an upper bound).
+
+Where (`place_shadows`): layers largest first; each takes, among the nodes that do not hold it on
+their devices, the s with the most host memory left (ties: the plan's node order). Shadows so
+spread over every node (with equal budgets: the least loaded first), no node goes over its
+budget (`planning.host_memory_gb`, else measured), and one plan with one set of budgets always
+gives one placement. It is greedy, with one repair: where no node not holding the layer has room
+left, one of them hands one of its shadows to a node with room for that one. A cleverer packing
+might still fit where that fails; the error names the layer, its bytes and the free memory of
+the best node left for it, and what to change. Too few nodes that do not hold some layer is an
+error before any packing.
+
+The placement is part of the plan (`Plan.shadows`, written in its JSON only when set, so plans
+without shadows read and write as before) and `ShadowPlacement.check` validates it whenever a
+plan is checked. `ShadowPlacement.extra()` gives the shadows as copies.py's `extra`. Only the
+planning side exists: `oobleck plan` places and shows shadows, the engine does not yet keep them
+current nor restore layers from them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
+
+from .templates import GIB, PlanningError
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = [
+    "ShadowPlacement",
+    "device_holders",
+    "place_shadows",
+    "shadow_bytes",
+    "survives",
+    "tolerated_losses",
+]
+
+CONFIG_SOURCE = "planning.host_memory_gb"
+
+
+def shadow_bytes(profile_layers: Sequence[Any], tensor_parallel: int = 1) -> list[int]:
+    """Bytes of each layer's shadow copy: parameters and optimizer state of every
+    tensor-parallel lane, from the profile's per-device bytes at `tensor_parallel`."""
+    return [tensor_parallel * (layer.param_bytes + layer.optimizer_bytes) for layer in profile_layers]
+
+
+def device_holders(plan: "Plan") -> list[frozenset[str]]:
+    """The nodes holding each layer (index = layer) on their devices."""
+    holders: list[set[str]] = [set() for _ in range(plan.num_layers)]
+    for p in plan.pipelines:
+        for s in p.stages:
+            for layer in range(s.start, s.end):
+                holders[layer].add(s.node)
+    return [frozenset(h) for h in holders]
+
+
+def _gib(n: float) -> str:
+    """Bytes in GiB; small figures (test models) in MiB or bytes."""
+    if n == 0 or n >= GIB / 100:
+        return f"{n / GIB:.4g} GiB"
+    return f"{n / 2**20:.4g} MiB" if n >= 2**20 / 100 else f"{int(n)} bytes"
+
+
+@dataclass(frozen=True)
+class ShadowPlacement:
+    """Which nodes keep each layer in host memory, and the budgets that placement respects."""
+
+    copies: int
+    """Shadow copies of every layer (fault_tolerance.shadow_copies)."""
+    layers: tuple[tuple[str, ...], ...]
+    """Layer -> the nodes keeping its shadow copies."""
+    layer_bytes: tuple[int, ...]
+    """Layer -> bytes of one shadow copy (`shadow_bytes`)."""
+    budgets: tuple[tuple[str, int], ...]
+    """(node, bytes of host memory shadows may use there), for every node of the plan."""
+
+    def extra(self) -> dict[int, tuple[str, ...]]:
+        """{layer: shadow nodes}: copies.py's `extra`."""
+        return {layer: nodes for layer, nodes in enumerate(self.layers) if nodes}
+
+    def budget(self) -> dict[str, int]:
+        return dict(self.budgets)
+
+    def load(self) -> dict[str, int]:
+        """Node -> bytes of the shadows it keeps (0 for a node with none), every budgeted node."""
+        out = {node: 0 for node, _ in self.budgets}
+        for layer, nodes in enumerate(self.layers):
+            for node in nodes:
+                out[node] = out.get(node, 0) + self.layer_bytes[layer]
+        return out
+
+    def by_node(self) -> dict[str, list[int]]:
+        """Node -> the layers it keeps shadows of (nodes with none left out)."""
+        out: dict[str, list[int]] = {}
+        for layer, nodes in enumerate(self.layers):
+            for node in nodes:
+                out.setdefault(node, []).append(layer)
+        return out
+
+    def check(self, plan: "Plan") -> None:
+        """Raises PlanningError unless every layer of `plan` has `copies` distinct shadows on
+        nodes of the plan that do not hold it on their devices, within every node's budget."""
+        head = f"plan generation {plan.generation}: shadow copies:"
+        if self.copies < 0:
+            raise PlanningError(f"{head} copies must be >= 0 (got {self.copies})")
+        if len(self.layers) != plan.num_layers or len(self.layer_bytes) != plan.num_layers:
+            raise PlanningError(
+                f"{head} {len(self.layers)} layers placed and {len(self.layer_bytes)} sized, "
+                f"but the plan has {plan.num_layers}"
+            )
+        members = set(plan.nodes)
+        budget = self.budget()
+        if set(budget) != members:
+            raise PlanningError(f"{head} budgets are for {sorted(budget)}, not the plan's nodes {sorted(members)}")
+        for layer, (nodes, held) in enumerate(zip(self.layers, device_holders(plan))):
+            if len(nodes) != self.copies or len(set(nodes)) != len(nodes):
+                raise PlanningError(f"{head} layer {layer} has {list(nodes)}, not {self.copies} distinct nodes")
+            for node in nodes:
+                if node not in members:
+                    raise PlanningError(f"{head} layer {layer} on {node}, which is not a node of the plan")
+                if node in held:
+                    raise PlanningError(f"{head} layer {layer} on {node}, which holds it on its devices")
+        for node, used in self.load().items():
+            if used > budget[node]:
+                raise PlanningError(f"{head} {node} keeps {_gib(used)}, over its budget of {_gib(budget[node])}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "copies": self.copies,
+            "layers": [list(nodes) for nodes in self.layers],
+            "layer_bytes": list(self.layer_bytes),
+            "budget_bytes": dict(self.budgets),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> "ShadowPlacement":
+        """Parse (types only; `check` against the plan validates the placement)."""
+        if not isinstance(data, dict):
+            raise PlanningError(f"malformed plan: shadows is {type(data).__name__}, not an object")
+        try:
+            layers, sizes, budgets = data["layers"], data["layer_bytes"], data["budget_bytes"]
+            if not isinstance(layers, list) or not all(isinstance(x, list) for x in layers):
+                raise TypeError("shadows.layers must be a list of lists of nodes")
+            if not isinstance(sizes, list) or not isinstance(budgets, dict):
+                raise TypeError("shadows.layer_bytes must be a list and shadows.budget_bytes an object")
+            return cls(
+                copies=_count(data["copies"], "copies"),
+                layers=tuple(tuple(str(n) for n in nodes) for nodes in layers),
+                layer_bytes=tuple(_count(b, "layer_bytes") for b in sizes),
+                budgets=tuple((str(n), _count(b, "budget_bytes")) for n, b in budgets.items()),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise PlanningError(f"malformed plan: shadows: {type(err).__name__}: {err}") from None
+
+
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"shadows.{name}: {value!r} is not an integer >= 0")
+    return value
+
+
+def place_shadows(
+    plan: "Plan",
+    copies: int,
+    layer_bytes: Sequence[int],
+    budgets: Union[int, Mapping[str, int]],
+    *,
+    budget_source: str = CONFIG_SOURCE,
+) -> ShadowPlacement:
+    """`copies` shadow nodes for every layer of `plan`, none holding the layer on its devices,
+    within `budgets` (bytes of host memory per node: one figure for every node, or by node);
+    `layer_bytes` from `shadow_bytes`. `budget_source` says where the budgets come from (for the
+    error's advice). Raises PlanningError naming what to change when no placement is found."""
+    if copies < 0:
+        raise PlanningError(f"fault_tolerance.shadow_copies must be >= 0 (got {copies})")
+    if len(layer_bytes) != plan.num_layers:
+        raise PlanningError(f"{len(layer_bytes)} layer sizes for a plan of {plan.num_layers} layers")
+    budget = {n: int(budgets) for n in plan.nodes} if isinstance(budgets, (int, float)) else dict(budgets)
+    missing = [n for n in plan.nodes if n not in budget]
+    if missing:
+        raise PlanningError(f"no host-memory budget for node(s) {', '.join(missing)}")
+    held = device_holders(plan)
+    empty = ShadowPlacement(
+        copies=copies,
+        layers=tuple(() for _ in held),
+        layer_bytes=tuple(int(b) for b in layer_bytes),
+        budgets=tuple((n, budget[n]) for n in plan.nodes),
+    )
+    if copies == 0:
+        return empty
+    total = len(plan.nodes)
+    tight = min(range(plan.num_layers), key=lambda i: (total - len(held[i]), i))
+    if total - len(held[tight]) < copies:
+        room = total - len(held[tight])
+        raise PlanningError(
+            f"fault_tolerance.shadow_copies={copies} needs {copies} nodes that do not hold layer {tight} on "
+            f"their devices, but {len(held[tight])} of the plan's {total} nodes hold it, leaving {room}: lower "
+            f"fault_tolerance.shadow_copies to {room} or add nodes"
+        )
+    order = {n: i for i, n in enumerate(plan.nodes)}
+    free = dict(budget)
+    version = dict.fromkeys(plan.nodes, 0)
+    heap = [(-free[n], order[n], 0, n) for n in plan.nodes]  # most free first, then plan order
+    heapq.heapify(heap)
+    chosen: list[tuple[str, ...]] = [() for _ in held]
+    kept: dict[str, list[int]] = {n: [] for n in plan.nodes}  # node -> layers it shadows
+
+    def take(node: str, layer: int, delta: int) -> None:
+        """Reserve (delta > 0) or release `layer`'s bytes on `node`; its heap entry is renewed."""
+        free[node] -= delta
+        version[node] += 1
+        heapq.heappush(heap, (-free[node], order[node], version[node], node))
+        if delta > 0:
+            kept[node].append(layer)
+        else:
+            kept[node].remove(layer)
+
+    def make_room(layer: int, need: int, picked: list[str]) -> Optional[str]:
+        """A node not holding `layer` that gets room for it by handing one of its shadows to a node
+        with room for that one (greedy placement's one-step repair), or None."""
+        by_room = sorted(plan.nodes, key=lambda n: (-free[n], order[n]))
+        for x in by_room:
+            if x in held[layer] or x in picked:
+                continue
+            for m in sorted(kept[x], key=lambda i: (layer_bytes[i], i)):
+                size = int(layer_bytes[m])
+                if free[x] + size < need:
+                    continue
+                for y in by_room:
+                    if free[y] < size:
+                        break
+                    if y != x and y not in held[m] and y not in chosen[m]:
+                        chosen[m] = tuple(y if n == x else n for n in chosen[m])
+                        take(x, m, -size)
+                        take(y, m, size)
+                        return x
+        return None
+
+    for layer in sorted(range(plan.num_layers), key=lambda i: (-layer_bytes[i], i)):
+        need = int(layer_bytes[layer])
+        picked: list[str] = []
+        popped: list[str] = []
+        while len(picked) < copies:
+            _, _, ver, node = heapq.heappop(heap)  # never empty: enough nodes do not hold the layer
+            if ver != version[node]:
+                continue  # an outdated entry: the node's free memory changed since
+            popped.append(node)
+            if node in held[layer] or node in picked:
+                continue
+            if free[node] < need:  # the node not holding the layer with the most room left has too little
+                freed = make_room(layer, need, picked)
+                if freed is None:
+                    raise PlanningError(
+                        _no_room(layer, len(picked) + 1, copies, need, node, free, budget, budget_source)
+                    )
+                node = freed
+            picked.append(node)
+            take(node, layer, need)
+        for node in dict.fromkeys(popped + picked):  # back in the heap, once each
+            version[node] += 1
+            heapq.heappush(heap, (-free[node], order[node], version[node], node))
+        chosen[layer] = tuple(picked)
+    placement = ShadowPlacement(
+        copies=copies, layers=tuple(chosen), layer_bytes=empty.layer_bytes, budgets=empty.budgets
+    )
+    placement.check(plan)
+    return placement
+
+
+def _no_room(
+    layer: int, copy: int, copies: int, need: int, node: str, free: dict[str, int], budget: dict[str, int], source: str
+) -> str:
+    if source == CONFIG_SOURCE:
+        where = f"of its {_gib(budget[node])} budget ({CONFIG_SOURCE})"
+        fix = f"raise {CONFIG_SOURCE}, add nodes or lower fault_tolerance.shadow_copies"
+    else:
+        where = f"of the {_gib(budget[node])} of {source}"
+        fix = f"set {CONFIG_SOURCE}, use nodes with more host memory, add nodes or lower fault_tolerance.shadow_copies"
+    return (
+        f"no node has host memory for shadow copy {copy} of {copies} of layer {layer} ({_gib(need)} of weights "
+        f"and optimizer state): of the nodes that do not hold it on their devices, {node} has the most left, "
+        f"{_gib(free[node])} {where}: {fix}"
+    )
+
+
+def _holders(plan: "Plan", shadows: "ShadowPlacement | None") -> list[frozenset[str]]:
+    held = device_holders(plan)
+    if shadows is None:
+        return held
+    if len(shadows.layers) != plan.num_layers:
+        raise PlanningError(f"shadows of {len(shadows.layers)} layers for a plan of {plan.num_layers}")
+    return [h | frozenset(s) for h, s in zip(held, shadows.layers)]
+
+
+def survives(plan: "Plan", shadows: "ShadowPlacement | None", lost_nodes: Iterable[str]) -> bool:
+    """Whether every layer keeps a copy, on a device or in host memory, when `lost_nodes` fail."""
+    lost = set(lost_nodes)
+    return all(h - lost for h in _holders(plan, shadows))
+
+
+def tolerated_losses(plan: "Plan", shadows: "ShadowPlacement | None" = None) -> int:
+    """The largest k such that every loss of k nodes leaves a copy of every layer: a loss takes a
+    layer only when it holds all the layer's holders, so the fewest holders of any layer - 1."""
+    return min(len(h) for h in _holders(plan, shadows)) - 1
+
+
+def describe(plan: "Plan", budget_source: str = CONFIG_SOURCE, *, list_nodes_up_to: int = 8) -> list[str]:
+    """`oobleck plan`'s lines about the plan's shadow copies: how many, which losses the plan then
+    survives, host memory per node against its budget, and (up to `list_nodes_up_to` nodes) each
+    node's shadows. Nothing when the plan has none."""
+    shadows = plan.shadows
+    if shadows is None or shadows.copies == 0:
+        return []
+    s = shadows.copies
+    out = [
+        f"shadow copies (fault_tolerance.shadow_copies={s}): every layer also in the host memory of {s} "
+        f"node(s) that do not hold it on their devices; any {tolerated_losses(plan, shadows)} simultaneous "
+        f"node losses leave a copy of every layer ({tolerated_losses(plan)} without them)"
+    ]
+    load, budget = shadows.load(), shadows.budget()
+    low, high = min(budget.values()), max(budget.values())
+    each = f"{_gib(low)} each" if low == high else f"{_gib(low)} to {_gib(high)}"
+    out.append(
+        f"  host memory for shadows per node: most {_gib(max(load.values()))}, least {_gib(min(load.values()))}, "
+        f"of {each} ({budget_source})"
+    )
+    if len(plan.nodes) <= list_nodes_up_to:
+        layers = shadows.by_node()
+        for node in plan.nodes:
+            out.append(f"  {node}: layers {_spans(layers.get(node, []))} ({_gib(load[node])} of {_gib(budget[node])})")
+    return out
+
+
+def _spans(layers: Sequence[int]) -> str:
+    """`0-2, 5` for [0, 1, 2, 5]; `none` for []."""
+    if not layers:
+        return "none"
+    runs: list[list[int]] = []
+    for x in sorted(layers):
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
