@@ -328,6 +328,18 @@ def test_config_fields_are_validated() -> None:
     assert gib > 0 and source == "the memory available on this machine (planning.host_memory_gb unset)"
 
 
+def test_a_job_asking_for_shadow_copies_is_refused_until_training_keeps_them() -> None:
+    from oobleck_elastic.config import ConfigError
+    from oobleck_elastic.engine.startup import check_start
+
+    with pytest.raises(ConfigError) as err:
+        check_start(load_config(ROOT / "configs/gpt2-tiny.yaml", ["fault_tolerance.shadow_copies=1"]))
+    assert str(err.value) == (
+        "fault_tolerance.shadow_copies=1: training does not keep shadow copies yet "
+        "(`oobleck plan` only shows where they would go); set it to 0 to train"
+    )
+
+
 def test_shadow_bytes_are_weights_and_optimizer_state_of_every_lane() -> None:
     layers = uniform_profile(3, gib_per_layer=0.4).layers  # params 0.1 GiB, AdamW states 0.2 GiB
     assert shadow_bytes(layers) == [LAYER] * 3

@@ -279,7 +279,7 @@ class FaultToleranceConfig(Section):
     nodes that do not hold the layer on their devices (0 = none): with f+1 device copies, any
     f + shadow_copies simultaneous node losses leave a copy of every layer. The planner places
     them within planning.host_memory_gb (planning/shadows.py) and `oobleck plan` shows them; the
-    engine does not keep them yet (a job trains as with 0)."""
+    engine does not keep them yet, so a job refuses to start with more than 0."""
     lease_ttl_s: float = 5.0
     """etcd lease TTL of a node's membership record."""
     settle_s: float = 0.5

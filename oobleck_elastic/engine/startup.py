@@ -66,8 +66,14 @@ def ends_the_job(err: BaseException, *, steps_done: Optional[int]) -> bool:
 
 
 def check_start(cfg: JobConfig) -> None:
-    """Raise the first problem found before anything is built: nothing left to train (ConfigError),
-    a data file or tokenizer directory that does not exist (DataError)."""
+    """Raise the first problem found before anything is built: nothing left to train or shadow
+    copies asked for (ConfigError), a data file or tokenizer directory that does not exist
+    (DataError)."""
+    if cfg.fault_tolerance.shadow_copies > 0:
+        raise ConfigError(
+            f"fault_tolerance.shadow_copies={cfg.fault_tolerance.shadow_copies}: training does not keep "
+            "shadow copies yet (`oobleck plan` only shows where they would go); set it to 0 to train"
+        )
     if cfg.checkpoint.resume:
         why = nothing_to_do(cfg.checkpoint.dir, cfg.training.steps)
         if why:
