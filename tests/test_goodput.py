@@ -280,8 +280,12 @@ def test_the_goodput_command_says_what_is_wrong_in_one_line(etcd_server, run_id,
 def _final_scalars(tb_dir: Path) -> tuple[dict[str, float], int]:
     ea = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
     ea.Reload()
+    # the newest point of each tag: several rank-0 writers' files are read in name order, which is
+    # not their order when two were created in the same second (the names start with the second)
     last = {
-        tag.removeprefix("goodput/"): ea.Scalars(tag)[-1] for tag in ea.Tags()["scalars"] if tag.startswith("goodput/")
+        tag.removeprefix("goodput/"): max(ea.Scalars(tag), key=lambda e: (e.step, e.wall_time))
+        for tag in ea.Tags()["scalars"]
+        if tag.startswith("goodput/")
     }
     assert len({e.step for e in last.values()}) == 1, last
     return {k: e.value for k, e in last.items()}, next(iter(last.values())).step

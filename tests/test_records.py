@@ -45,6 +45,8 @@ def test_leaf_keys_are_the_layout_of_the_table() -> None:
         "/oobleck/r/admitted/",
         "/oobleck/r/ready/",
         "/oobleck/r/stragglers",
+        "/oobleck/r/profile",
+        "/oobleck/r/profiles/",
     ]
 
 

@@ -100,6 +100,10 @@ class LivenessServer:
                 pass
 
 
+IDLE_S = 1.0
+"""The longest a monitor's thread sleeps with nothing to do."""
+
+
 class LivenessMonitor:
     """Connections to other agents' `LivenessServer`s; reports the nodes found dead."""
 
@@ -123,6 +127,11 @@ class LivenessMonitor:
         self._left: set[str] = set()  # agents that said goodbye
         self._warned: set[str] = set()
         self._selector = selectors.DefaultSelector()
+        # a new target, or close(), wakes the thread at once; otherwise it sleeps in select() until
+        # a watched connection closes or a retry is due (at most IDLE_S): no polling while idle
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"oobleck-{name}", daemon=True)
         self._thread.start()
@@ -136,6 +145,7 @@ class LivenessMonitor:
             self._targets = parsed
             self._dead &= set(parsed)
             self._left &= set(parsed)
+        self._wake()
 
     def take_dead(self) -> set[str]:
         """Nodes found dead since the last call (each reported once)."""
@@ -146,20 +156,40 @@ class LivenessMonitor:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake()
         self._thread.join(timeout=2.0)
         for sock in self._socks.values():
             sock.close()
         self._socks.clear()
         self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"w")
+        except OSError:  # closed, or its buffer full of wake-ups not read yet: awake anyway
+            pass
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         while not self._stop.is_set():
             self._connect_missing()
-            for key, _ in self._selector.select(timeout=0.1) if self._socks else []:
-                self._closed(key.data)
-            if not self._socks:
-                self._stop.wait(0.1)
+            for key, _ in self._selector.select(timeout=self._sleep_s()):
+                if key.data is None:  # woken: read the wake-ups, then look at the targets again
+                    try:
+                        while self._wake_r.recv(4096):
+                            pass
+                    except OSError:
+                        pass
+                else:
+                    self._closed(key.data)
+
+    def _sleep_s(self) -> float:
+        """Until the next retry of a target not connected yet, at most IDLE_S."""
+        with self._lock:
+            waiting = [t for n, t in self._next_try.items() if n in self._targets and n not in self._socks]
+        return max(0.0, min([IDLE_S, *(t - time.monotonic() for t in waiting)]))
 
     def _connect_missing(self) -> None:
         with self._lock:
