@@ -124,6 +124,7 @@ def _job_through(tmp_path: Path, own_etcd, run_id: str, outage, steps: int = 20)
     return out, job, ref, events
 
 
+@pytest.mark.extended  # the default run covers this ground (the README's test section)
 @pytest.mark.slow
 def test_a_job_rides_out_a_stalled_etcd(tmp_path: Path, own_etcd, run_id) -> None:
     """etcd SIGSTOPped for 6 s (three lease TTLs) during a 4-node job: every lease expires the

@@ -127,6 +127,7 @@ def test_a_node_set_down_by_slurm_is_survived(slurm: SlurmCluster, tmp_path: Pat
     assert_same(job.weights(), job.reference_weights())
 
 
+@pytest.mark.extended  # the default run covers this ground (the README's test section)
 def test_scancel_signal_term_of_a_node_drains_it(slurm: SlurmCluster, tmp_path: Path) -> None:
     """`scancel --signal=TERM JOB.STEP` of n3's step at step 4 of 12 is a preemption notice: the node
     is drained (hands its layers over at a step boundary, no failure), its step exits 0, and the job

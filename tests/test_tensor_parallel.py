@@ -196,6 +196,7 @@ def test_two_heterogeneous_tensor_parallel_pipelines_match_the_reference(tmp_pat
     check_runs(tmp_path, ref, "two", 6)
 
 
+@pytest.mark.extended  # the default run covers this ground (the README's test section)
 @pytest.mark.slow
 def test_a_checkpoint_resumes_at_another_tensor_parallel_degree(tmp_path: Path) -> None:
     cfg = config()
