@@ -61,6 +61,8 @@ def _rank(rank: int, port: int, results: "mp.Queue", done: "mp.Event") -> None: 
     t = torch.full((2,), 3.0)
     dist.all_reduce(t)
     results.put({"released_s": released, "thread_alive": thread.is_alive(), "next": t.tolist()})
+    results.close()
+    results.join_thread()  # the queue's feeder thread has written it: os._exit would drop it
     done.set()
     os._exit(0)  # the blocked operation's thread cannot end cleanly (engine/runner.py)
 
