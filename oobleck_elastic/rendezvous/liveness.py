@@ -131,6 +131,7 @@ class LivenessMonitor:
         # a watched connection closes or a retry is due (at most IDLE_S): no polling while idle
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)  # a full buffer of unread wake-ups must not block watch()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"oobleck-{name}", daemon=True)
@@ -186,9 +187,13 @@ class LivenessMonitor:
                     self._closed(key.data)
 
     def _sleep_s(self) -> float:
-        """Until the next retry of a target not connected yet, at most IDLE_S."""
+        """Until the next retry of a target not connected yet, at most IDLE_S (the targets that
+        `_connect_missing` tries: not the dead nor those that left, whose old retry times are past)."""
         with self._lock:
-            waiting = [t for n, t in self._next_try.items() if n in self._targets and n not in self._socks]
+            skip = self._dead | self._left
+            waiting = [
+                t for n, t in self._next_try.items() if n in self._targets and n not in self._socks and n not in skip
+            ]
         return max(0.0, min([IDLE_S, *(t - time.monotonic() for t in waiting)]))
 
     def _connect_missing(self) -> None:
