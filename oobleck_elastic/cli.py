@@ -43,6 +43,7 @@ from .planning import (
     tolerated_losses,
     with_shadows,
 )
+from .planning.schedule_choice import describe as describe_schedules
 from .planning.shadows import describe as describe_shadows
 
 GIB = 1024**3
@@ -119,9 +120,10 @@ def format_plan(jp: JobPlan, cfg: JobConfig, host_memory_source: str = "planning
     )
     groups: list[list] = []  # consecutive pipelines with the same template and microbatches
     for pipe in p.pipelines:
-        if groups and (groups[-1][0].template_nodes, groups[-1][0].microbatches) == (
+        if groups and (groups[-1][0].template_nodes, groups[-1][0].microbatches, groups[-1][0].schedule) == (
             pipe.template_nodes,
             pipe.microbatches,
+            pipe.schedule,
         ):
             groups[-1].append(pipe)
         else:
@@ -134,9 +136,12 @@ def format_plan(jp: JobPlan, cfg: JobConfig, host_memory_source: str = "planning
         out.append(
             f"  {which}: template {first.template_nodes} node(s) [{span}], "
             f"{first.microbatches} microbatches each, est. {first.est_time_s:.4g} s"
+            + (f", {first.schedule} x{first.num_chunks} chunks" if first.num_chunks > 1 else f", {first.schedule}")
         )
     if p.spares:
         out.append(f"  spares: {', '.join(p.spares)}")
+    if jp.schedules is not None:
+        out += describe_schedules(jp.schedules, p)
     out += describe_shadows(p, host_memory_source)
     for w in p.warnings:
         out.append(f"warning: {w}")

@@ -12,6 +12,8 @@ from oobleck_elastic.config import ConfigError, JobConfig, from_dict, load_confi
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
 
+SCHEDULE_NAMES = "1f1b, gpipe, interleaved-1f1b, zero-bubble, zbv, auto"
+
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_load(path: Path) -> None:
@@ -71,7 +73,10 @@ def test_every_field_has_a_docstring() -> None:
             "<defaults>: 'fault_tolerance.f' must be >= 0 (got -1): it is the number of "
             "simultaneous node failures to survive",
         ),
-        (["planning.schedule=zigzag"], "<defaults>: 'planning.schedule' is 'zigzag'; choose one of 1f1b, gpipe"),
+        (
+            ["planning.schedule=zigzag"],
+            "<defaults>: 'planning.schedule' is 'zigzag'; choose one of " + SCHEDULE_NAMES,
+        ),
         (
             ["data.seq_len=128"],
             "<defaults>: 'data.seq_len' (128) exceeds 'model.max_seq_len' (64): lower "
@@ -117,7 +122,7 @@ CHOICES = {
     "training.lr_schedule.decay": ("constant", "linear", "cosine"),
     "training.precision": ("fp32", "bf16"),
     "training.device": ("auto", "cpu", "cuda"),
-    "planning.schedule": ("1f1b", "gpipe"),
+    "planning.schedule": ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv", "auto"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
 }
 
@@ -145,7 +150,7 @@ def test_every_bad_choice_and_broken_rule_is_one_clause_of_one_error() -> None:
             None, ["planning.schedule=zigzag", "training.device=tpu", "data.tokenizer=hff", "data.tokenizer_path=t"]
         )
     assert str(err.value) == (
-        "<defaults>: 'planning.schedule' is 'zigzag'; choose one of 1f1b, gpipe; "
+        "<defaults>: 'planning.schedule' is 'zigzag'; choose one of " + SCHEDULE_NAMES + "; "
         "'training.device' is 'tpu'; choose one of auto, cpu, cuda; "
         "'data.tokenizer' is 'hff'; choose one of bytes, bpe, hf; "
         # the rules see the values as given
@@ -156,7 +161,10 @@ def test_every_bad_choice_and_broken_rule_is_one_clause_of_one_error() -> None:
 def test_an_override_fixes_a_choice_the_file_got_wrong(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
     path.write_text("planning:\n  schedule: zigzag\n")
-    with pytest.raises(ConfigError, match="'planning.schedule' is 'zigzag'; choose one of 1f1b, gpipe"):
+    with pytest.raises(
+        ConfigError,
+        match="'planning.schedule' is 'zigzag'; choose one of " + SCHEDULE_NAMES,
+    ):
         load_config(path)
     assert load_config(path, ["planning.schedule=gpipe"]).planning.schedule == "gpipe"
 

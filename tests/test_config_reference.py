@@ -40,7 +40,10 @@ def test_every_field_has_a_row_with_its_type_default_and_docstring() -> None:
         return rows
 
     assert walk(JobConfig, "") > 80
-    assert '| `planning.schedule` | one of `1f1b`, `gpipe` | `"1f1b"` | Pipeline schedule:' in text
+    assert (
+        "| `planning.schedule` | one of `1f1b`, `gpipe`, `interleaved-1f1b`, `zero-bubble`, `zbv`, `auto` "
+        '| `"1f1b"` | Pipeline schedule:' in text
+    )
     assert "| `model.num_kv_heads` | int or null | `null` |" in text
     assert '| `fault_tolerance.preempt_signals` | list of str | `["SIGTERM"]` |' in text
 

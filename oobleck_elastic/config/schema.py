@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence, Union
+from typing import get_args, Literal, Optional, Sequence, Union
 
 
 class ConfigError(ValueError):
@@ -32,7 +32,30 @@ OptimizerName = Literal["adamw", "sgd"]
 LRDecay = Literal["constant", "linear", "cosine"]
 Precision = Literal["fp32", "bf16"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
-Schedule = Literal["1f1b", "gpipe"]
+Schedule = Literal["1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv", "auto"]
+MAX_CHUNKS = 8
+"""The most chunks per device `planning.chunks_per_device` accepts (and `auto` tries)."""
+
+
+def schedule_chunks_problem(schedule: str, chunks: Union[int, str]) -> Optional[str]:
+    """Why `planning.schedule` and `planning.chunks_per_device` cannot go together, or None."""
+    if chunks == "auto":
+        return None
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= MAX_CHUNKS:
+        return f"'planning.chunks_per_device' is {chunks!r}: use auto or 1..{MAX_CHUNKS}"
+    if schedule in ("1f1b", "gpipe") and chunks != 1:
+        return (
+            f"planning.schedule={schedule} runs one stage per device but planning.chunks_per_device={chunks}: "
+            "use interleaved-1f1b or zero-bubble for more chunks, or chunks_per_device=auto"
+        )
+    if schedule == "zbv" and chunks != 2:
+        return (
+            f"planning.schedule=zbv runs exactly 2 chunks per device but planning.chunks_per_device={chunks}: "
+            "use 2 or auto"
+        )
+    return None
+
+
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
@@ -438,8 +461,16 @@ class PlanningConfig(Section):
     count_communication: bool = True
     """Count communication in the planner's step-time estimate (False: compute only, as before)."""
     schedule: Schedule = "1f1b"
-    """Pipeline schedule: `1f1b` (stage i of S keeps up to S-i microbatches) or `gpipe`
-    (every stage keeps all microbatches)."""
+    """Pipeline schedule: `1f1b` (stage i of S keeps up to S-i microbatches), `gpipe` (every
+    stage keeps all microbatches), `interleaved-1f1b` (several non-contiguous stages per device,
+    chunks_per_device), `zero-bubble` (ZB-H1: the backward split into input and weight
+    gradients, the weight gradients filling the bubble; with chunks, its interleaved form), `zbv`
+    (two stages per device in a V), or `auto` (per pipeline, the fastest that fits in memory).
+    Planned by simulating each schedule's actions; the engine runs 1f1b and gpipe (a job's
+    `auto` chooses among those; `oobleck plan` shows every schedule)."""
+    chunks_per_device: Union[int, str] = "auto"
+    """Stages (chunks) per device for interleaved-1f1b and zero-bubble: 1..8, or `auto` (the
+    fastest that fits). 1f1b and gpipe run 1, zbv 2."""
     max_nodes: Optional[int] = None
     """Largest cluster the job runs on (torchrun --nnodes MAX); the config is refused when
     that many nodes cannot hold f+1 pipelines. None = no check."""
@@ -493,6 +524,10 @@ class PlanningConfig(Section):
             )
         if self.max_nodes is not None and self.max_nodes < 1:
             problems.append(f"'planning.max_nodes' must be >= 1 (got {self.max_nodes})")
+        if self.schedule in get_args(Schedule):  # a name outside them is its own clause already
+            why = schedule_chunks_problem(self.schedule, self.chunks_per_device)
+            if why:
+                problems.append(why)
         return problems
 
 

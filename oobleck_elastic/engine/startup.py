@@ -28,6 +28,7 @@ from ..data.dataset import check_data
 from ..data.errors import DataError
 from ..planning import PlanningError
 from ..planning.profile import ProfileError
+from ..planning.schedule_choice import candidates
 from ..logs import JobLog
 from .control import ControlPlane
 from .resilience.errors import JobFailed
@@ -66,14 +67,18 @@ def ends_the_job(err: BaseException, *, steps_done: Optional[int]) -> bool:
 
 
 def check_start(cfg: JobConfig) -> None:
-    """Raise the first problem found before anything is built: nothing left to train or shadow
-    copies asked for (ConfigError), a data file or tokenizer directory that does not exist
-    (DataError)."""
+    """Raise the first problem found before anything is built: nothing left to train, shadow
+    copies or a schedule the engine does not run asked for (ConfigError), a data file or
+    tokenizer directory that does not exist (DataError)."""
     if cfg.fault_tolerance.shadow_copies > 0:
         raise ConfigError(
             f"fault_tolerance.shadow_copies={cfg.fault_tolerance.shadow_copies}: training does not keep "
             "shadow copies yet (`oobleck plan` only shows where they would go); set it to 0 to train"
         )
+    try:
+        candidates(cfg.planning.schedule, cfg.planning.chunks_per_device, engine_only=True)
+    except PlanningError as err:
+        raise ConfigError(str(err)) from None
     if cfg.checkpoint.resume:
         why = nothing_to_do(cfg.checkpoint.dir, cfg.training.steps)
         if why:

@@ -310,7 +310,7 @@ class Trainer(PortableState):
             )
             watch_pipeline_waits(self.progress)  # the schedule's sends and receives are waits
             mb = self.pipeline.microbatches
-            cls = Schedule1F1B if self.cfg.planning.schedule == "1f1b" and mb >= stages else ScheduleGPipe
+            cls = Schedule1F1B if self.pipeline.schedule == "1f1b" and mb >= stages else ScheduleGPipe
             # every stage gets the loss_fn: without one a schedule runs forward only
             self.schedule = cls(pstage, n_microbatches=mb, loss_fn=self.loss_fn, scale_grads=False)
 

@@ -42,7 +42,8 @@ from .microbatch import (
 from .plan import Guarantee, Plan, guarantee, make_plan
 from .profile import ModelProfile, ProfileError
 from .shadows import place_shadows, shadow_bytes
-from .templates import GIB, PlanningError, TemplateSet, build_templates
+from .schedule_choice import PipelineSchedules, candidates, closed_form
+from .templates import GIB, PlanningError, TemplateSet, build_templates, memory_limit_bytes
 
 __all__ = [
     "JobPlan",
@@ -57,6 +58,7 @@ __all__ = [
     "compare_tensor_parallel",
     "choose_tensor_parallel",
     "templates_for",
+    "pipeline_schedules",
     "plan_job",
 ]
 
@@ -72,6 +74,9 @@ class JobPlan:
     microbatch: Optional[MicrobatchChoice] = None
     """With training.microbatch_size auto, how this plan's microbatch size was chosen (None: the
     size was fixed, by the config or by the job's earlier plans)."""
+    schedules: Optional[PipelineSchedules] = dataclasses.field(default=None, compare=False, repr=False)
+    """What chose each pipeline's schedule, with every candidate it simulated (None: 1f1b or
+    gpipe, templates.py's closed form)."""
 
     @property
     def efficiency(self) -> float:
@@ -200,14 +205,14 @@ def _build(cfg: JobConfig, profile: ModelProfile, microbatch_size: int) -> Templ
         gpus_per_node=p.gpus_per_node,
         device_memory_gb=memory_gb,
         memory_margin=p.memory_margin,
-        schedule=p.schedule,
+        schedule="gpipe" if p.schedule == "gpipe" else "1f1b",  # the others: simulated per pipeline
         gpipe_microbatches=-(-microbatches // (cfg.fault_tolerance.f + 1)),
         max_nodes=p.max_template_nodes,
         memory_source=source,
         tensor_parallel=profile.tensor_parallel,
         links=links_for(cfg),
     )
-    return dataclasses.replace(tset, microbatch_size=microbatch_size)
+    return dataclasses.replace(tset, microbatch_size=microbatch_size, profile=profile)
 
 
 def _choose(cfg: JobConfig, profile: ModelProfile, nodes: int) -> tuple[MicrobatchChoice, dict[int, TemplateSet]]:
@@ -388,6 +393,19 @@ def templates_for(
     return _resolve(cfg, profile, nodes, microbatch_size)[0]
 
 
+def pipeline_schedules(cfg: JobConfig, tset: TemplateSet, *, engine_only: bool = False) -> Optional[PipelineSchedules]:
+    """What chooses each pipeline's schedule (schedule_choice.py), or None for 1f1b and gpipe
+    (templates.py's closed form). PlanningError for a bad schedule or chunk count."""
+    p = cfg.planning
+    options = candidates(p.schedule, p.chunks_per_device, engine_only=engine_only)
+    if closed_form(p.schedule):
+        return None
+    if tset.profile is None or tset.device_memory_gb is None:
+        raise PlanningError(f"planning.schedule={p.schedule}: the templates were built without their profile")
+    limit = memory_limit_bytes(tset.device_memory_gb, p.memory_margin)
+    return PipelineSchedules(tset.profile, tset, limit, options)
+
+
 def plan_job(
     cfg: JobConfig,
     *,
@@ -396,12 +414,15 @@ def plan_job(
     generation: int = 0,
     templates: Optional[TemplateSet] = None,
     previous: Optional[Plan] = None,
+    engine_only: bool = False,
 ) -> JobPlan:
     """Templates, guarantee and the plan for `nodes` (ids, or a count: node0, node1, ...).
 
     Give the profile, or templates already computed from it (their `microbatch_size` is the
     plan's). With the `previous` generation's plan, nodes are placed where they keep the most
-    layers they hold, and its tensor-parallel degree and microbatch size are kept (`auto`)."""
+    layers they hold, and its tensor-parallel degree and microbatch size are kept (`auto`).
+    `planning.schedule` other than 1f1b and gpipe is chosen per pipeline (schedule_choice.py);
+    with `engine_only` only among the schedules the engine runs (a job's plans)."""
     if isinstance(nodes, int):
         if nodes < 1:
             raise PlanningError(f"--nodes must be >= 1 (got {nodes})")
@@ -428,8 +449,11 @@ def plan_job(
             f"n0={tset.n0} nodes of {tset.gpus_per_node} device(s) are needed; the "
             "job waits for more nodes"
         )
+    schedules = pipeline_schedules(cfg, tset, engine_only=engine_only)
     plan = make_plan(
         tset,
+        schedules=schedules,
+        schedule=cfg.planning.schedule,
         nodes=list(nodes),
         num_microbatches=microbatches,
         microbatch_size=size,
@@ -438,4 +462,4 @@ def plan_job(
         microbatch_cap=cap,
         previous=previous,
     )
-    return JobPlan(templates=tset, guarantee=g, plan=plan, microbatch=choice)
+    return JobPlan(templates=tset, guarantee=g, plan=plan, microbatch=choice, schedules=schedules)

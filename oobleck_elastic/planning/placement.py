@@ -179,9 +179,12 @@ def bytes_received(previous: "Plan", plan: "Plan", shard_bytes: Sequence[int]) -
     out: dict[str, int] = {}
     for (node, lr), now in plan.layers_by_worker().items():
         had = before.get((node, lr), range(0))
-        kept_first, kept_end = max(now.start, had.start), min(now.stop, had.stop)
-        kept = prefix[kept_end] - prefix[kept_first] if kept_first < kept_end else 0
-        moved = prefix[now.stop] - prefix[now.start] - kept
+        if isinstance(now, range) and isinstance(had, range):  # one contiguous stage each: prefix sums
+            kept_first, kept_end = max(now.start, had.start), min(now.stop, had.stop)
+            kept = prefix[kept_end] - prefix[kept_first] if kept_first < kept_end else 0
+            moved = prefix[now.stop] - prefix[now.start] - kept
+        else:  # chunks: several ranges
+            moved = sum(shard_bytes[i] for i in set(now) - set(had))
         if moved:
             out[node] = out.get(node, 0) + moved
     return out

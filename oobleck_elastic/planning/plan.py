@@ -17,12 +17,15 @@ template range reaches n_max >= 2*n0 - 1.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from .instantiate import Assignment, coverage, instantiate
 from .placement import keep_layers_in_place
 from .shadows import ShadowPlacement
 from .templates import PlanningError, TemplateSet
+
+if TYPE_CHECKING:
+    from .schedule_choice import PipelineSchedules
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -45,6 +48,23 @@ class StagePlacement:
     """Estimated forward + backward time of one microbatch on this stage, communication excluded
     (the template's); what a worker's measured compute time is compared with to find stragglers
     (engine/resilience/straggler.py). 0 = unknown."""
+    chunks: tuple[tuple[int, int], ...] = ()
+    """With more than one chunk per device (interleaved and V schedules): the layer ranges
+    [start, end) of the virtual stages this device runs, in pipeline order (`start`/`end` are
+    then the first one's). Empty: the one range start..end."""
+
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The layer ranges this device runs: its chunks', or (start, end)."""
+        return self.chunks or ((self.start, self.end),)
+
+    def layers(self) -> Sequence[int]:
+        """Every layer this device holds, ascending."""
+        if not self.chunks:
+            return range(self.start, self.end)
+        return tuple(i for u, v in self.chunks for i in range(u, v))
+
+    def holds(self, layer: int) -> bool:
+        return any(u <= layer < v for u, v in self.layer_ranges())
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -54,6 +74,7 @@ class StagePlacement:
             "local_rank": self.local_rank,
             "rank": self.rank,
             "compute_s": self.compute_s,
+            **({"chunks": [list(c) for c in self.chunks]} if self.chunks else {}),
         }
 
 
@@ -71,6 +92,10 @@ class PipelineSpec:
     """Stages in order."""
     est_time_s: float
     """Estimated iteration time with its microbatches."""
+    schedule: str = "1f1b"
+    """The pipeline schedule this pipeline runs (planning/schedules.py's names)."""
+    num_chunks: int = 1
+    """Virtual stages per device (`StagePlacement.chunks`); 1 = one contiguous stage each."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -79,6 +104,8 @@ class PipelineSpec:
             "nodes": list(self.nodes),
             "microbatches": self.microbatches,
             "est_time_s": self.est_time_s,
+            "schedule": self.schedule,
+            "chunks": self.num_chunks,
             "stages": [s.to_json() for s in self.stages],
         }
 
@@ -180,10 +207,10 @@ class Plan:
                     return s
         return None
 
-    def layers_by_worker(self) -> dict[tuple[str, int], range]:
+    def layers_by_worker(self) -> dict[tuple[str, int], Sequence[int]]:
         """(node, local rank) -> the layers that worker holds in this plan (its lane's shards)."""
         return {
-            (s.node, s.local_rank + j): range(s.start, s.end)
+            (s.node, s.local_rank + j): s.layers()
             for p in self.pipelines
             for s in p.stages
             for j in range(self.tensor_parallel)
@@ -191,7 +218,7 @@ class Plan:
 
     def holders(self, layer: int, lane: int = 0) -> list[int]:
         """Ranks holding lane `lane` of `layer` (one per pipeline)."""
-        return [s.rank + lane for p in self.pipelines for s in p.stages if s.start <= layer < s.end]
+        return [s.rank + lane for p in self.pipelines for s in p.stages if s.holds(layer)]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -225,6 +252,8 @@ class Plan:
                     nodes=tuple(str(n) for n in p["nodes"]),
                     microbatches=int(p["microbatches"]),
                     est_time_s=float(p["est_time_s"]),
+                    schedule=str(p.get("schedule", "1f1b")),
+                    num_chunks=int(p.get("chunks", 1)),
                     stages=tuple(
                         StagePlacement(
                             index=int(s["index"]),
@@ -234,6 +263,7 @@ class Plan:
                             local_rank=int(s["local_rank"]),
                             rank=int(s["rank"]),
                             compute_s=float(s.get("compute_s", 0.0)),
+                            chunks=tuple((int(u), int(v)) for u, v in _list(s.get("chunks", []), "chunks")),
                         )
                         for s in p["stages"]
                     ),
@@ -275,7 +305,12 @@ class Plan:
         if ranks != list(range(len(ranks))):
             raise PlanningError(f"plan generation {self.generation}: ranks are not 0..{len(ranks) - 1}")
         for p in self.pipelines:
-            bounds = [(s.start, s.end) for s in p.stages]
+            bounds = _pipeline_ranges(p)
+            if bounds is None:
+                raise PlanningError(
+                    f"plan generation {self.generation}: pipeline {p.index} runs {p.num_chunks} chunk(s) per "
+                    f"device but its stages list {[len(s.layer_ranges()) for s in p.stages]} ranges"
+                )
             contiguous = (
                 bool(bounds)
                 and bounds[0][0] == 0
@@ -298,6 +333,25 @@ class Plan:
             self.shadows.check(self)
 
 
+def _pipeline_ranges(p: PipelineSpec) -> Optional[list[tuple[int, int]]]:
+    """Every layer range of a pipeline in pipeline order (its virtual stages with chunks: loop
+    placement puts stage c*D + d on device d; the V of zbv stages d and 2D - 1 - d), or None when
+    the stages do not hold `num_chunks` ranges each."""
+    if p.num_chunks == 1:
+        return None if any(s.chunks for s in p.stages) else [(s.start, s.end) for s in p.stages]
+    if any(len(s.chunks) != p.num_chunks for s in p.stages):
+        return None
+    from .schedules import stage_placement
+
+    order = stage_placement(p.schedule, len(p.stages), p.num_chunks)
+    seen = [0] * len(p.stages)
+    out = []
+    for device in order:
+        out.append(p.stages[device].chunks[seen[device]])
+        seen[device] += 1
+    return out
+
+
 def _list(value: Any, name: str) -> list[Any]:
     if not isinstance(value, list):
         raise PlanningError(f"malformed plan: {name} is {type(value).__name__}, not a list")
@@ -314,15 +368,20 @@ def make_plan(
     generation: int = 0,
     microbatch_cap: Optional[int] = None,
     previous: Optional["Plan"] = None,
+    schedules: Optional["PipelineSchedules"] = None,
+    schedule: str = "1f1b",
 ) -> Plan:
     """Instantiate templates on `nodes` (ids, in preference order) for one generation. With the
     `previous` plan, the nodes that will run are placed where they keep the most of the layers
     they already hold (fewer layers to copy in the reconfiguration, placement.py); who runs and
-    who is a spare still follows the preference order."""
+    who is a spare still follows the preference order. With `schedules`, each pipeline runs the
+    schedule chosen for its microbatches (schedule_choice.py) and its estimate is simulated;
+    without, every pipeline runs `schedule` (1f1b or gpipe) under templates.py's closed form."""
     if len(set(nodes)) != len(nodes):
         raise PlanningError(f"duplicate node ids in {list(nodes)}")
+    planned = templates if schedules is None else schedules.lines(len(nodes), num_microbatches, f + 1)
     a: Assignment = instantiate(
-        templates, num_nodes=len(nodes), num_microbatches=num_microbatches, f=f, microbatch_cap=microbatch_cap
+        planned, num_nodes=len(nodes), num_microbatches=num_microbatches, f=f, microbatch_cap=microbatch_cap
     )
     if previous is not None:
         nodes = keep_layers_in_place(templates, a, list(nodes), previous)
@@ -332,15 +391,17 @@ def make_plan(
     for index, (n, mb) in enumerate(a.pipelines):
         tpl = templates[n]
         pnodes = tuple(nodes[cursor : cursor + n])
+        cost = schedules.cost(n, mb, len(a.pipelines)) if schedules is not None else None
         stages = tuple(
             StagePlacement(
                 index=s.index,
-                start=s.start,
-                end=s.end,
+                start=s.start if cost is None else cost.device_ranges(s.index)[0][0],
+                end=s.end if cost is None else cost.device_ranges(s.index)[0][1],
                 node=pnodes[s.node],
                 local_rank=s.local_rank,
                 rank=(cursor + s.node) * g + s.local_rank,
-                compute_s=s.time_s - s.comm_s,
+                compute_s=s.time_s - s.comm_s if cost is None else cost.device_compute_s[s.index],
+                chunks=cost.device_ranges(s.index) if cost is not None and cost.chunks > 1 else (),
             )
             for s in tpl.stages
         )
@@ -351,7 +412,9 @@ def make_plan(
                 nodes=pnodes,
                 microbatches=mb,
                 stages=stages,
-                est_time_s=tpl.iteration_time(mb, len(a.pipelines)),
+                est_time_s=tpl.iteration_time(mb, len(a.pipelines)) if cost is None else cost.step_s,
+                schedule=schedule if cost is None else cost.schedule,
+                num_chunks=1 if cost is None else cost.chunks,
             )
         )
         cursor += n
@@ -363,7 +426,7 @@ def make_plan(
         num_layers=templates.num_layers,
         microbatch_size=microbatch_size,
         pipelines=tuple(pipelines),
-        est_step_time_s=a.makespan_s,
+        est_step_time_s=a.makespan_s if schedules is None else max(p.est_time_s for p in pipelines),
         f=f,
         warnings=a.warnings,
         tensor_parallel=templates.tensor_parallel,

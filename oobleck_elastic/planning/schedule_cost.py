@@ -84,6 +84,16 @@ class ScheduleCost:
     """Per device: parameters + gradients + optimizer state of its stages + activation_bytes."""
     simulation: Simulation
     """The simulation itself (per-action spans, busy and receive times)."""
+    ranges: tuple[tuple[int, int], ...] = ()
+    """The layer range of every stage, in pipeline order (chunks x devices of them)."""
+    placement: tuple[int, ...] = ()
+    """The device of every stage."""
+    device_compute_s: tuple[float, ...] = ()
+    """Per device: forward + backward time of one microbatch through its stages."""
+
+    def device_ranges(self, device: int) -> tuple[tuple[int, int], ...]:
+        """The layer ranges device `device` runs, in pipeline order."""
+        return tuple(r for r, d in zip(self.ranges, self.placement) if d == device)
 
     @property
     def step_s(self) -> float:
@@ -168,12 +178,14 @@ def schedule_cost(
         raise ScheduleError(f"schedule {schedule}: its order places stages unlike {placement}")  # a bug here
     times = stage_times(profile, ranges, weight_share)
     comm = link_comm(profile, ranges, links, stages_per_node) if links is not None else None
-    sim = simulate(order, times, comm)
+    sim = simulate(order, times, comm, checked=True)  # schedule_order's orders are complete
     static = [0] * devices
     grads = [0] * devices
+    compute = [0.0] * devices
     for s, (u, v) in enumerate(ranges):
         static[placement[s]] += sum(la.static_bytes for la in profile.layers[u:v])
         grads[placement[s]] += sum(la.grad_bytes for la in profile.layers[u:v])
+        compute[placement[s]] += times.forward_s[s] + times.input_grad_s[s] + times.weight_grad_s[s]
     sync = links.all_reduce_s(max(grads), replicas, same_node=False) if links is not None else 0.0
     return ScheduleCost(
         schedule=schedule,
@@ -186,6 +198,9 @@ def schedule_cost(
         activation_bytes=sim.peak_activation_bytes,
         memory_bytes=tuple(s + a for s, a in zip(static, sim.peak_activation_bytes)),
         simulation=sim,
+        ranges=tuple((int(u), int(v)) for u, v in ranges),
+        placement=tuple(placement),
+        device_compute_s=tuple(compute),
     )
 
 

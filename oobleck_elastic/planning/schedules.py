@@ -40,7 +40,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Literal, NamedTuple
 
 from .partition import PlanningError
 
@@ -58,9 +58,9 @@ class ScheduleError(PlanningError):
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
-@dataclass(frozen=True, order=True)
-class Action:
-    """One computation of one stage on one microbatch."""
+class Action(NamedTuple):
+    """One computation of one stage on one microbatch (a named tuple: the simulator hashes
+    millions of them at scale, and a tuple hashes in C)."""
 
     stage: int
     """Stage index in pipeline order (0 = embedding side), over all chunks of all devices."""

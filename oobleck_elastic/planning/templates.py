@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 from .comm import Links
@@ -237,6 +237,9 @@ class TemplateSet:
     microbatch_size: Optional[int] = None
     """Samples per microbatch the activations were counted for (None: not recorded; plan_job
     then uses training.microbatch_size)."""
+    profile: Optional[ModelProfile] = field(default=None, compare=False, repr=False)
+    """The profile the templates were built from (at microbatch_size): what simulated schedules
+    are costed with (schedule_choice.py). None: not kept (closed-form schedules only)."""
 
     @property
     def n0(self) -> int:

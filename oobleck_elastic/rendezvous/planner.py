@@ -76,7 +76,9 @@ class JobPlanner:
                 raise  # no size can be planned on these nodes yet: wait for more
             except PlanningError as err:  # the config and the pinned profile are fixed: no node count helps
                 raise JobUnplannable(str(err)) from None
-        return plan_job(self.cfg, nodes=nodes, generation=generation, templates=self._templates, previous=previous).plan
+        return plan_job(
+            self.cfg, nodes=nodes, generation=generation, templates=self._templates, previous=previous, engine_only=True
+        ).plan
 
     def profile_ready(self) -> bool:
         """Whether the planner has its profile now (the leader publishes no first plan before):

@@ -25,7 +25,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -282,7 +282,7 @@ class GenerationEntry:
 
     def _agree_on_layouts(
         self, state: WorkerState, plan: Plan, rank: int, current: bool, load_plan: Callable[[int], Optional[Plan]]
-    ) -> dict[Identity, range]:
+    ) -> dict[Identity, Sequence[int]]:
         """What every worker of `plan`'s entry (stages and donors) really holds: the layers of its
         stage in the generation it last entered (not always the previous one: an entry may have
         failed half-way on some workers), or nothing (new, restarted, or behind the agreed step).

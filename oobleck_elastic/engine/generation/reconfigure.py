@@ -22,7 +22,7 @@ ordering deadlocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ class Transfer:
     """Receiver's rank in the new generation."""
 
 
-def plan_transfers(held: dict[Identity, range], new: Plan) -> tuple[list[Transfer], list[int]]:
+def plan_transfers(held: dict[Identity, Sequence[int]], new: Plan) -> tuple[list[Transfer], list[int]]:
     """The transfers into `new` and the layers no worker of `new` holds (lost). `held`: the layers
     each worker really holds now (`Plan.layers_by_worker` of the generation it last entered); a
     new or restarted worker holds nothing, and workers may hold the layout of different
@@ -65,7 +65,7 @@ def plan_transfers(held: dict[Identity, range], new: Plan) -> tuple[list[Transfe
             for lane in range(tp):  # lane j of a stage is local rank local_rank + j, a multiple of tp + j
                 had = held.get((s.node, s.local_rank + lane), range(0))
                 dst = s.rank + lane
-                for layer in range(s.start, s.end):
+                for layer in s.layers():
                     if layer in had:
                         continue
                     sources = sorted(survivors_of.get((layer, lane), []))

@@ -1,0 +1,283 @@
+"""Which schedule each pipeline of a plan runs, and the line the instantiation plans it with.
+
+`planning.schedule` and `planning.chunks_per_device` name the candidates (`candidates`):
+
+- `1f1b` and `gpipe` keep the closed-form model of templates.py (no simulation);
+- `interleaved-1f1b` and `zero-bubble` with chunks `auto` try 1 .. 8 chunks per device, `zbv`
+  runs 2; a number fixes the chunks;
+- `auto` tries 1F1B, interleaved 1F1B (2 .. 8 chunks), zero-bubble (1 .. 8 chunks) and zbv
+  (GPipe is never faster than 1F1B and holds more activations).
+
+A pipeline's step under a schedule is not linear in its microbatches (interleaved schedules run
+them in rounds), so the instantiation (instantiate.py, which needs T(b) = total + (b - 1) x
+bottleneck) plans with a line per template: for the template's share of the global batch
+b_ref = ceil(B x n / N), each candidate is simulated once at k D microbatches, the multiple of
+the template's device count D at or above b_ref (every schedule runs a multiple of D); its slope
+is the busiest device's load per microbatch (compute and receives: the steady state's pace), and
+the line of the candidate fastest at b_ref stands in for the template (`PipelineSchedules.lines`).
+Simulating costs O(D^2 v) per candidate, minutes for all 93 templates of GPT-3 on 1,024 nodes,
+so only the sizes n0 .. max(2 n0 - 1, n0 + 7) get simulated lines (every node count from 2 n0
+splits into them), and a template that no candidate can run (over the memory limit) is left out.
+Once the instantiation has
+given every pipeline its b microbatches, each pipeline's schedule is chosen at that b, exactly:
+every candidate simulated (schedule_cost.py, one discrete-event simulation of its action list),
+the fastest whose every device fits in memory kept (`PipelineSchedules.cost`); its time is the
+pipeline's estimate and the slowest pipeline's is the plan's. Pipelines of one plan may so run
+different schedules.
+
+With `engine_only`, the candidates are limited to what the engine runs (`ENGINE_RUNS`): a job's
+plans never name a schedule its workers cannot run; `oobleck plan` shows every schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Optional, Sequence, Union
+
+from ..config.schema import MAX_CHUNKS, schedule_chunks_problem
+from .profile import ModelProfile
+from .schedule_cost import ScheduleCost, chunk_ranges, schedule_cost
+from .schedules import SCHEDULES, ScheduleError
+from .templates import PlanningError, Template, TemplateSet
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = [
+    "ENGINE_RUNS",
+    "describe",
+    "MAX_CHUNKS",
+    "PipelineSchedules",
+    "candidates",
+    "closed_form",
+]
+
+ENGINE_RUNS: frozenset[tuple[str, int]] = frozenset({("1f1b", 1), ("gpipe", 1)})
+"""(schedule, chunks per device) the engine runs (engine/trainer.py)."""
+
+SIMULATED_SIZES = 8
+"""At least this many template sizes (from n0 up) are planned with simulated lines."""
+
+WEIGHT_SHARE = 0.5
+"""The weight gradient's share of a layer's backward time (Qi et al.'s transformer: I = W); the
+profile measures the backward whole."""
+
+
+def closed_form(schedule: str) -> bool:
+    """Whether `schedule` is planned with templates.py's closed form (no simulation)."""
+    return schedule in ("1f1b", "gpipe")
+
+
+def candidates(schedule: str, chunks: Union[int, str], *, engine_only: bool = False) -> list[tuple[str, int]]:
+    """(schedule, chunks per device) pairs `planning.schedule` / `planning.chunks_per_device`
+    allow, in order of preference (ties go to the first); with `engine_only`, those the engine
+    runs. Raises PlanningError for a name or a chunk count that cannot be."""
+    if schedule != "auto" and schedule not in SCHEDULES:
+        raise PlanningError(f"planning.schedule is '{schedule}': use one of {', '.join(SCHEDULES)} or auto")
+    why = schedule_chunks_problem(schedule, chunks)
+    if why:
+        raise PlanningError(why)
+    many = list(range(1, MAX_CHUNKS + 1)) if chunks == "auto" else [int(chunks)]
+    if schedule == "auto":
+        out = [("1f1b", 1)]
+        out += [("interleaved-1f1b", v) for v in many if v > 1]
+        out += [("zero-bubble", v) for v in many]
+        out += [("zbv", 2)] if 2 in many else []
+    elif schedule in ("1f1b", "gpipe"):
+        out = [(schedule, 1)]
+    elif schedule == "zbv":
+        out = [("zbv", 2)]
+    else:
+        out = [(schedule, v) for v in many]
+    if engine_only:
+        out = [c for c in out if c in ENGINE_RUNS]
+        if not out:
+            raise PlanningError(
+                f"planning.schedule={schedule} is planned (oobleck plan shows it) but the engine does not run it "
+                f"yet: use {' or '.join(sorted({s for s, _ in ENGINE_RUNS}))} or auto"
+            )
+    return out
+
+
+class PipelineSchedules:
+    """The schedule of every pipeline of a template set: per (template nodes, microbatches,
+    replicas), the fastest candidate that fits, cached (module docstring)."""
+
+    def __init__(
+        self,
+        profile: ModelProfile,
+        templates: TemplateSet,
+        memory_limit_bytes: float,
+        options: Sequence[tuple[str, int]],
+        *,
+        weight_share: float = WEIGHT_SHARE,
+    ) -> None:
+        self.profile = profile
+        self.templates = templates
+        self.memory_limit_bytes = memory_limit_bytes
+        self.options = list(options)
+        self.weight_share = weight_share
+        self._ranges: dict[tuple[int, int], Optional[list[tuple[int, int]]]] = {}
+        self._costs: dict[tuple[int, str, int, int, int], Union[ScheduleCost, str]] = {}
+
+    def _stage_ranges(self, template: Template, chunks: int) -> Optional[list[tuple[int, int]]]:
+        key = (template.num_nodes, chunks)
+        if key not in self._ranges:
+            if chunks == 1:
+                self._ranges[key] = template.layer_ranges()
+            elif chunks * template.num_stages > self.profile.num_layers:
+                self._ranges[key] = None
+            else:
+                self._ranges[key] = chunk_ranges(self.profile, chunks * template.num_stages)
+        return self._ranges[key]
+
+    def simulate(
+        self, nodes: int, name: str, chunks: int, microbatches: int, replicas: int
+    ) -> Union[ScheduleCost, str]:
+        """One candidate on the template of `nodes` nodes: its cost, or why it cannot run (cannot
+        be built, or over the memory limit)."""
+        key = (nodes, name, chunks, microbatches, replicas)
+        if key not in self._costs:
+            template = self.templates[nodes]
+            ranges = self._stage_ranges(template, chunks)
+            result: Union[ScheduleCost, str]
+            if ranges is None:
+                result = (
+                    f"{self.profile.num_layers} layers cannot make {chunks} chunks on each of {template.num_stages} "
+                    "devices"
+                )
+            else:
+                try:
+                    result = schedule_cost(
+                        self.profile,
+                        ranges,
+                        name,
+                        microbatches,
+                        chunks=chunks,
+                        links=template.links,
+                        stages_per_node=template.gpus_per_node // template.tensor_parallel,
+                        replicas=replicas,
+                        weight_share=self.weight_share,
+                    )
+                except ScheduleError as err:
+                    result = str(err)
+                if isinstance(result, ScheduleCost) and not result.fits(self.memory_limit_bytes):
+                    result = (
+                        f"needs {result.peak_memory_bytes / 2**30:.2f} GiB on a device, over the limit of "
+                        f"{self.memory_limit_bytes / 2**30:.2f} GiB"
+                    )
+            self._costs[key] = result
+        return self._costs[key]
+
+    def table(self, nodes: int, microbatches: int, replicas: int) -> list[tuple[str, int, Union[ScheduleCost, str]]]:
+        """Every candidate on one template: (schedule, chunks, cost or why not)."""
+        return [(n, c, self.simulate(nodes, n, c, microbatches, replicas)) for n, c in self.options]
+
+    def cost(self, nodes: int, microbatches: int, replicas: int) -> ScheduleCost:
+        """The fastest candidate that fits (ties: the first); PlanningError saying why each failed."""
+        best: Optional[ScheduleCost] = None
+        for _, _, got in self.table(nodes, microbatches, replicas):
+            if isinstance(got, ScheduleCost) and (best is None or got.step_s < best.step_s * (1 - 1e-9)):
+                best = got
+        if best is None:
+            why = "; ".join(f"{n}/{c}: {got}" for n, c, got in self.table(nodes, microbatches, replicas))
+            raise PlanningError(
+                f"no schedule of planning.schedule can run {microbatches} microbatches on the {nodes}-node "
+                f"template ({why}): change planning.schedule or planning.chunks_per_device"
+            )
+        return best
+
+    def simulated_sizes(self) -> list[int]:
+        """The template sizes planned with simulated lines: n0 .. max(2 n0 - 1, n0 + 7) (module
+        docstring)."""
+        n0 = self.templates.n0
+        return [n for n in self.templates.sizes() if n <= max(2 * n0 - 1, n0 + SIMULATED_SIZES - 1)]
+
+    def lines(self, num_nodes: int, num_microbatches: int, replicas: int) -> TemplateSet:
+        """The template set the instantiation plans with: the simulated sizes (`simulated_sizes`),
+        each template's (total_time_s, bottleneck_s) the line of its fastest candidate around its
+        share of the batch (module docstring). A template no candidate can run there (at the share
+        and at k D microbatches: over the memory limit, since the templates were built for 1F1B's
+        activations, or microbatches that do not divide into rounds) is left out, as are templates
+        larger than the job; PlanningError when none is left."""
+        out = {}
+        refused: dict[int, str] = {}
+        for n in self.simulated_sizes():
+            if n > num_nodes:
+                break
+            t = self.templates[n]
+            share = max(1, math.ceil(num_microbatches * n / max(num_nodes, 1)))
+            d = t.num_stages
+            k = max(1, math.ceil(share / d))
+            best: Optional[tuple[float, float, float]] = None  # (T at share, first, slope)
+            for name, chunks in self.options:
+                got = self.simulate(n, name, chunks, k * d, replicas)
+                at_share = self.simulate(n, name, chunks, share, replicas) if share != k * d else got
+                if not isinstance(at_share, ScheduleCost):  # memory and rounds depend on the microbatches
+                    got = at_share
+                if not isinstance(got, ScheduleCost):
+                    refused.setdefault(n, f"{name}/{chunks}: {got}")
+                    continue
+                # every device runs each of its stages once per microbatch: its load per microbatch,
+                # compute and receives, is the steady state's pace; the slowest device's sets it
+                sim = got.simulation
+                slope = max((b + c) / got.microbatches for b, c in zip(sim.busy_s, sim.comm_s))
+                first = got.makespan_s - (k * d - 1) * slope  # the line's T(1), all-reduce excluded
+                at = first + (share - 1) * slope
+                if best is None or at < best[0] * (1 - 1e-9):
+                    best = (at, first, slope)
+            if best is not None:
+                out[n] = dataclasses.replace(t, total_time_s=best[1], bottleneck_s=best[2])
+        if not out:
+            n0 = self.templates.n0
+            raise PlanningError(
+                f"no template of at most {num_nodes} node(s) runs a schedule of planning.schedule (the {n0}-node "
+                f"one: {refused.get(n0, 'more nodes than the job has')}): change planning.schedule or "
+                "planning.chunks_per_device, or give the devices more memory"
+            )
+        return dataclasses.replace(self.templates, templates=out)
+
+
+def describe(schedules: PipelineSchedules, plan: "Plan") -> list[str]:
+    """`oobleck plan`'s table: for each kind of pipeline of `plan` (template and microbatches),
+    every candidate's estimated step, bubble and peak memory, and the one chosen."""
+    out = [
+        "",
+        "schedules (per kind of pipeline, each schedule at its fastest chunk count that fits; bubble: the "
+        "devices' idle share of the schedule, all-reduce excluded):",
+        f"  {'pipelines':>9} {'nodes':>5} {'mb':>4}  {'schedule':<17} {'chunks':>6} {'step s':>9} {'bubble':>7} "
+        f"{'peak GiB':>9}",
+    ]
+    replicas = len(plan.pipelines)
+    kinds: dict[tuple[int, int], list[int]] = {}
+    for p in plan.pipelines:
+        kinds.setdefault((p.template_nodes, p.microbatches), []).append(p.index)
+    for (n, mb), members in kinds.items():
+        chosen = plan.pipelines[members[0]]
+        which = str(members[0]) if len(members) == 1 else f"{members[0]}-{members[-1]}"
+        best: dict[str, tuple[int, Union[ScheduleCost, str]]] = {}  # per schedule: its fastest chunk count
+        for name, chunks, got in schedules.table(n, mb, replicas):
+            had = best.get(name)
+            if had is None or (
+                isinstance(got, ScheduleCost) and (isinstance(had[1], str) or got.step_s < had[1].step_s)
+            ):
+                best[name] = (chunks, got)
+        for name, (chunks, got) in best.items():
+            head = f"  {which:>9} {n:>5} {mb:>4}  {name:<17} {chunks:>6}"
+            which = ""
+            if isinstance(got, str):
+                out.append(f"{head}  not possible: {got}")
+                continue
+            mark = "  <- chosen" if (name, chunks) == (chosen.schedule, chosen.num_chunks) else ""
+            out.append(
+                f"{head} {got.step_s:>9.4g} {got.bubble_fraction:>7.1%} {got.peak_memory_bytes / 2**30:>9.3f}{mark}"
+            )
+    runs = sorted({(p.schedule, p.num_chunks) for p in plan.pipelines} - ENGINE_RUNS)
+    if runs:
+        out.append(
+            "  note: the engine does not run "
+            + ", ".join(f"{s} with {c} chunk(s)" for s, c in runs)
+            + " yet; a job plans with the schedules it runs (1f1b, gpipe)"
+        )
+    return out

@@ -1,0 +1,226 @@
+"""The planner chooses each pipeline's schedule: planning.schedule / planning.chunks_per_device,
+the per-pipeline simulation, the plan's virtual stages, and the GPT-3 figure (schedule_choice.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from oobleck_elastic.cli import main as cli_main
+from oobleck_elastic.config import ConfigError, load_config
+from oobleck_elastic.engine.startup import check_start
+from oobleck_elastic.planning import LayerProfile, ModelProfile, PlanningError, load_profiles, plan_job
+from oobleck_elastic.planning.plan import Plan
+from oobleck_elastic.planning.schedule_choice import ENGINE_RUNS, PipelineSchedules, candidates
+from oobleck_elastic.planning.schedule_cost import ScheduleCost, schedule_cost
+
+GIB = 2**30
+
+
+def model(layers: int = 24, seed: int = 0) -> ModelProfile:
+    """A transformer-like profile: blocks of varying speed, embeddings, real byte counts."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(layers):
+        f = rng.uniform(0.8, 1.2) * 1e-2
+        out.append(
+            LayerProfile(
+                name=f"block{i}",
+                forward_s=f,
+                backward_s=2 * f,
+                param_bytes=50 * 2**20,
+                grad_bytes=50 * 2**20,
+                optimizer_bytes=100 * 2**20,
+                activation_bytes=40 * 2**20,
+                output_bytes=8 * 2**20,
+            )
+        )
+    return ModelProfile(layers=out)
+
+
+def config(**overrides: object):
+    base = {
+        "planning.device_memory_gb": 3,  # 3 nodes hold one replica
+        "planning.gpus_per_node": 1,
+        "training.global_batch_size": 16,
+        "training.microbatch_size": 1,
+        "fault_tolerance.f": 1,
+    }
+    return load_config(overrides=[f"{k}={v}" for k, v in (base | overrides).items()])
+
+
+def test_the_candidates_each_setting_allows() -> None:
+    assert candidates("1f1b", "auto") == [("1f1b", 1)]
+    assert candidates("zbv", "auto") == [("zbv", 2)]
+    assert candidates("interleaved-1f1b", 3) == [("interleaved-1f1b", 3)]
+    assert candidates("zero-bubble", "auto") == [("zero-bubble", v) for v in range(1, 9)]
+    auto = candidates("auto", "auto")
+    assert auto[0] == ("1f1b", 1) and ("zbv", 2) in auto and ("gpipe", 1) not in auto
+    assert len(auto) == 1 + 7 + 8 + 1
+    assert candidates("auto", "auto", engine_only=True) == [("1f1b", 1)]
+    assert set(candidates("gpipe", 1, engine_only=True)) <= ENGINE_RUNS
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"planning.schedule": "1f1b", "planning.chunks_per_device": 2},
+            "planning.schedule=1f1b runs one stage per device but planning.chunks_per_device=2: "
+            "use interleaved-1f1b or zero-bubble for more chunks, or chunks_per_device=auto",
+        ),
+        (
+            {"planning.schedule": "zbv", "planning.chunks_per_device": 3},
+            "planning.schedule=zbv runs exactly 2 chunks per device but planning.chunks_per_device=3: use 2 or auto",
+        ),
+        ({"planning.chunks_per_device": 9}, "'planning.chunks_per_device' is 9: use auto or 1..8"),
+        ({"planning.chunks_per_device": "many"}, "'planning.chunks_per_device' is 'many': use auto or 1..8"),
+    ],
+)
+def test_bad_schedule_settings_are_one_line_naming_the_key(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config(**overrides)
+    assert str(err.value) == f"<defaults>: {message}"
+
+
+def test_a_job_refuses_a_schedule_the_engine_does_not_run_and_auto_plans_only_those() -> None:
+    with pytest.raises(ConfigError) as err:
+        check_start(config(**{"planning.schedule": "zero-bubble"}))
+    assert str(err.value) == (
+        "planning.schedule=zero-bubble is planned (oobleck plan shows it) but the engine does not run it yet: "
+        "use 1f1b or gpipe or auto"
+    )
+    cfg = config(**{"planning.schedule": "auto"})
+    plan = plan_job(cfg, nodes=10, profile=model(), engine_only=True).plan
+    assert {(p.schedule, p.num_chunks) for p in plan.pipelines} == {("1f1b", 1)}
+
+
+def test_each_pipeline_runs_the_fastest_candidate_at_its_microbatches_and_the_plan_round_trips() -> None:
+    prof = model()
+    cfg = config(**{"planning.schedule": "auto"})
+    jp = plan_job(cfg, nodes=10, profile=prof)
+    plan, schedules = jp.plan, jp.schedules
+    assert schedules is not None and len(plan.pipelines) == 3
+    limit = 3 * GIB * 0.9  # memory_margin
+    for p in plan.pipelines:
+        # the estimate is the simulation of the chosen schedule on the pipeline's own stages
+        tset = jp.templates[p.template_nodes]
+        ranges = list(schedules.cost(p.template_nodes, p.microbatches, len(plan.pipelines)).ranges)
+        again = schedule_cost(
+            prof,
+            ranges,
+            p.schedule,
+            p.microbatches,
+            chunks=p.num_chunks,
+            links=tset.links,
+            replicas=len(plan.pipelines),
+        )
+        assert p.est_time_s == pytest.approx(again.step_s, rel=1e-12)
+        # and no candidate that fits is faster
+        for name, chunks, got in schedules.table(p.template_nodes, p.microbatches, len(plan.pipelines)):
+            if not isinstance(got, str):
+                assert got.fits(limit)
+                assert got.step_s >= p.est_time_s * (1 - 1e-9), (name, chunks)
+    assert plan.est_step_time_s == max(p.est_time_s for p in plan.pipelines)
+    assert any(p.num_chunks > 1 for p in plan.pipelines)  # this model gains from chunks
+    assert Plan.from_json(plan.to_json()) == plan
+    for layer in range(prof.num_layers):  # every layer has exactly one holder per pipeline
+        assert len(plan.holders(layer)) == len(plan.pipelines)
+
+
+def test_chunks_are_virtual_stages_in_loop_placement_and_cover_the_model() -> None:
+    prof = model()
+    cfg = config(**{"planning.schedule": "interleaved-1f1b", "planning.chunks_per_device": 2})
+    plan = plan_job(cfg, nodes=10, profile=prof).plan
+    for p in plan.pipelines:
+        d = len(p.stages)
+        assert p.schedule == "interleaved-1f1b" and p.num_chunks == 2
+        for s in p.stages:
+            assert len(s.chunks) == 2 and (s.start, s.end) == s.chunks[0]
+        # stage c*D + d on device d: device d's second chunk follows the last device's first
+        assert p.stages[0].chunks[1][0] == p.stages[d - 1].chunks[0][1]
+        held = sorted(i for s in p.stages for i in s.layers())
+        assert held == list(range(prof.num_layers))
+    broken = plan.to_json()
+    broken["pipelines"][0]["stages"][0]["chunks"] = broken["pipelines"][0]["stages"][0]["chunks"][:1]
+    with pytest.raises(PlanningError, match="runs 2 chunk\\(s\\) per device but its stages list"):
+        Plan.from_json(broken)
+
+
+def test_a_fixed_schedule_its_microbatches_cannot_feed_says_what_to_change() -> None:
+    # 10 microbatches on a 5-device pipeline run in 2 rounds of 5: fine; 11 do not divide into 2 rounds
+    def plan(microbatches: int):
+        cfg = config(
+            **{
+                "planning.schedule": "interleaved-1f1b",
+                "planning.chunks_per_device": 2,
+                "training.global_batch_size": microbatches,
+                "fault_tolerance.f": 0,
+            }
+        )
+        return plan_job(cfg, nodes=5, profile=model())
+
+    assert plan(10).plan.pipelines[0].num_chunks == 2
+    with pytest.raises(PlanningError) as err:
+        plan(11)
+    text = str(err.value)
+    assert text.startswith("no template of at most 5 node(s) runs a schedule of planning.schedule (the 3-node one: ")
+    assert "interleaved schedules run microbatches in 2 rounds of equal size" in text
+    assert text.endswith("change planning.schedule or planning.chunks_per_device, or give the devices more memory")
+
+
+def test_memory_is_a_hard_limit_and_a_candidate_over_it_is_not_chosen() -> None:
+    prof = model()
+    jp = plan_job(config(**{"planning.schedule": "auto"}), nodes=10, profile=prof)
+    assert jp.schedules is not None
+    tried = 0
+    for n in jp.schedules.simulated_sizes():
+        fits = [got for _, _, got in jp.schedules.table(n, 8, 2) if isinstance(got, ScheduleCost)]
+        fastest = jp.schedules.cost(n, 8, 2)
+        smaller = [c for c in fits if c.peak_memory_bytes < fastest.peak_memory_bytes]
+        if not smaller:
+            continue
+        # one byte below the fastest's peak: it is refused, the fastest of those below runs
+        limit = fastest.peak_memory_bytes - 1
+        tight = PipelineSchedules(prof, jp.templates, limit, jp.schedules.options)
+        again = tight.cost(n, 8, 2)
+        assert again.step_s == min(c.step_s for c in smaller) and again.peak_memory_bytes <= limit
+        refused = {(name, c): got for name, c, got in tight.table(n, 8, 2)}
+        assert refused[(fastest.schedule, fastest.chunks)] == (
+            f"needs {fastest.peak_memory_bytes / GIB:.2f} GiB on a device, over the limit of {limit / GIB:.2f} GiB"
+        )
+        tried += 1
+    assert tried >= 3
+
+
+def test_the_instantiation_line_is_the_simulated_steady_state() -> None:
+    prof = model()
+    jp = plan_job(config(**{"planning.schedule": "zero-bubble"}), nodes=10, profile=prof)
+    assert jp.schedules is not None
+    lines = jp.schedules.lines(10, 16, 2)
+    for n in jp.schedules.simulated_sizes():
+        t, d = lines[n], jp.templates[n].num_stages
+        for m in (2 * d, 4 * d, 6 * d):  # also far from where the line was drawn
+            exact = min(got.makespan_s for _, _, got in jp.schedules.table(n, m, 2) if not isinstance(got, str))
+            # an estimate: the line is one candidate's, the best at m may be another
+            assert t.total_time_s + (m - 1) * t.bottleneck_s == pytest.approx(exact, rel=0.07)
+
+
+def test_gpt3_on_1024_nodes_auto_cuts_the_bubble(capsys: pytest.CaptureFixture[str]) -> None:
+    """The figure the README quotes: GPT-3 175B on 1,024 nodes of 8 devices at tp 8."""
+    base = ["planning.tensor_parallel=8"]
+    cfg = load_config("configs/gpt3-175b.yaml", base)
+    profiles = load_profiles(cfg)
+    one = plan_job(cfg, nodes=1024, profile=profiles)
+    auto_cfg = load_config("configs/gpt3-175b.yaml", base + ["planning.schedule=auto"])
+    auto = plan_job(auto_cfg, nodes=1024, profile=profiles)
+    assert 1 - one.efficiency == pytest.approx(0.48, abs=0.01)
+    assert 1 - auto.efficiency < 0.30
+    assert auto.plan.samples_per_s > 1.35 * one.plan.samples_per_s
+    assert {p.schedule for p in auto.plan.pipelines} == {"zero-bubble"}
+    code = cli_main(["plan", "--config", "configs/gpt3-175b.yaml", "--nodes", "1024", *base, "planning.schedule=auto"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "schedules (per kind of pipeline" in out and "<- chosen" in out
+    assert "note: the engine does not run zero-bubble" in out
