@@ -47,7 +47,8 @@ from .microbatch import (
     profile_at,
     profile_microbatch_sizes,
 )
-from .plan import Guarantee, PipelineSpec, Plan, StagePlacement, guarantee, make_plan
+from .guarantee import Guarantee, guarantee
+from .plan import PipelineSpec, Plan, StagePlacement, make_plan
 from .profile import LayerProfile, ModelProfile, ProfileError
 from .shadows import ShadowPlacement, place_shadows, shadow_bytes, survives, tolerated_losses
 from .templates import PlanningError, Template, TemplateSet, build_templates

@@ -39,7 +39,8 @@ from .microbatch import (
     pick_microbatch_size,
     profile_at,
 )
-from .plan import Guarantee, Plan, guarantee, make_plan
+from .guarantee import Guarantee, guarantee
+from .plan import Plan, make_plan
 from .profile import ModelProfile, ProfileError
 from .shadows import place_shadows, shadow_bytes
 from .schedule_choice import PipelineSchedules, candidates, closed_form
