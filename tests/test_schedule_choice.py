@@ -224,3 +224,26 @@ def test_gpt3_on_1024_nodes_auto_cuts_the_bubble(capsys: pytest.CaptureFixture[s
     assert code == 0
     assert "schedules (per kind of pipeline" in out and "<- chosen" in out
     assert "note: the engine does not run zero-bubble" in out
+
+
+def test_a_replan_of_interleaved_pipelines_moves_only_what_changes_owner_and_loses_nothing() -> None:
+    from oobleck_elastic.engine.generation.reconfigure import plan_transfers
+
+    prof = model()
+    cfg = config(**{"planning.schedule": "interleaved-1f1b", "planning.chunks_per_device": 2})
+    old = plan_job(cfg, nodes=10, profile=prof, generation=1).plan
+    assert all(p.num_chunks == 2 for p in old.pipelines) and len(old.pipelines) >= 2
+    held = old.layers_by_worker()
+    survivors = [n for n in old.nodes if n != old.pipelines[0].nodes[0]]  # a node of the first pipeline dies
+    held = {ident: layers for ident, layers in held.items() if ident[0] in survivors}
+    new = plan_job(cfg, nodes=survivors, profile=prof, generation=2, previous=old).plan
+    transfers, lost = plan_transfers(held, new)
+    assert lost == []
+    needs = {(s.node, s.local_rank): set(s.layers()) for p in new.pipelines for s in p.stages}
+    # every layer a worker needs and did not hold arrives exactly once, from a worker that held it
+    for (node, lr), layers in needs.items():
+        rank = new.entry_ranks()[(node, lr)]
+        got = sorted(t.layer for t in transfers if t.dst == rank)
+        assert got == sorted(layers - set(held.get((node, lr), ())))
+    by_rank = {r: ident for ident, r in new.entry_ranks().items()}
+    assert all(t.layer in held[by_rank[t.src]] for t in transfers)
