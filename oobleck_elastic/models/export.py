@@ -1,6 +1,6 @@
 """Export a checkpoint as a Hugging Face model directory, one layer at a time (`oobleck export`).
 
-A checkpoint step directory (checkpoint.py) holds one safetensors file per layer, under local
+A checkpoint step directory (checkpoint/files.py) holds one safetensors file per layer, under local
 parameter names, and a manifest recording the job config, the layer names and each layer's
 local -> Hugging Face name map, and (a job with data.tokenizer=bpe or hf) a copy of the job's
 tokenizer. The export needs nothing else:

@@ -37,7 +37,7 @@ Shape = tuple[int, ...]
 RECORDED_KEYS = ("family", "num_heads")
 """model.* keys no tensor shape shows but the weights depend on: compared with the recorded config."""
 
-_PARAM = "param."  # a layer file's parameter keys (checkpoint.py)
+_PARAM = "param."  # a layer file's parameter keys (checkpoint/files.py)
 
 
 def stored_shapes(sdir: Path, manifest: dict[str, Any]) -> list[dict[str, Shape]]:

@@ -1,37 +1,8 @@
-"""Per-layer safetensors checkpoints with a manifest, atomic writes and verified loads.
+"""One checkpoint's files: per-layer safetensors, the manifest, atomic writes, verified reads.
 
-Layout (one directory per saved step):
-
-    <dir>/step-00000042/layer-000.safetensors    parameters + optimizer state of layer 0
-    <dir>/step-00000042/layer-001.safetensors
-    ...
-    <dir>/step-00000042/manifest.json             written last: the checkpoint is complete
-
-A layer file holds `param.<name>` for every parameter of the layer (local names, as in
-`layer.named_parameters()`) and `optim.<name>.<key>` for every optimizer state tensor of that
-parameter (AdamW: `exp_avg`, `exp_avg_sq`, `step`). One file per layer lets any stage write the
-layers it owns, in parallel with the others, and lets a re-planned job load exactly the layers a
-worker now holds, whatever the old stage split was. Tied weights (GPT-2 `wte` = `lm_head`) are
-stored in both layers' files, as each stage holds its own copy.
-
-Every file is written to a temporary name in the same directory, fsynced and renamed (then the
-directory is fsynced), so a crash leaves either the old state or the new file, never a partial
-one. The manifest (`schema_version`, step, data cursor, plan, config, per-layer file, sha256 and
-size, layer names, Hugging Face names) is written only after every layer file is in place, so
-`latest_checkpoint` treats a step directory without a readable manifest as incomplete and
-falls back to the previous one. `load_layer` checks the size and sha256 recorded in the
-manifest before parsing, so a corrupt or truncated file is reported by name instead of
-silently loading bad weights. `load_model_state` maps local names to Hugging Face names, so a
-checkpoint loads into a fresh `transformers` model with `load_state_dict`.
-
-Partial checkpoints. A save interrupted by a failure leaves a step directory without a manifest:
-some layer files, maybe a `.tmp-` file of a writer that was killed. A save first writes
-`saving.json` (the step, how many layer files it will write, the generation), so such a
-directory says how far its save got (`describe_partial`: "no manifest (5 of 10 layer files,
-1 .tmp file)"). Nothing resumes from it; `set_aside_partials` renames every one out of the
-listing (`step-XXXXXXXX.partial-<time>`, kept for a post-mortem) and says why, and
-`find_checkpoint` (`oobleck export`) names each partial or damaged one when there is no intact
-checkpoint.
+The layout, the atomic-write protocol and the manifest are described in the package docstring
+(`oobleck_elastic/checkpoint/__init__.py`). This module writes and reads the files of one step
+directory; `directory.py` finds step directories under a checkpoint root.
 """
 
 from __future__ import annotations
@@ -39,11 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
-import shutil
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,39 +19,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-__all__ = [
-    "CheckpointError",
-    "SCHEMA_VERSION",
-    "MANIFEST",
-    "step_dir",
-    "layer_file",
-    "save_layer",
-    "write_manifest",
-    "read_manifest",
-    "latest_checkpoint",
-    "nothing_to_do",
-    "list_checkpoints",
-    "load_layer",
-    "load_model_state",
-    "prune_checkpoints",
-    "verify_checkpoint",
-    "newest_intact_checkpoint",
-    "set_aside",
-    "set_aside_partials",
-    "Unusable",
-    "SAVING",
-    "begin_save",
-    "describe_partial",
-    "find_checkpoint",
-    "is_complete",
-]
-
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 SAVING = "saving.json"
-_STEP_RE = re.compile(r"^step-(\d{8,})$")
-_ASIDE_RE = re.compile(r"^step-(\d{8,})\.([a-z]+)-")
-_LAYER_RE = re.compile(r"^layer-\d{3,}\.safetensors$")
 _FALLBACK = "delete {dir} to fall back to an older checkpoint"
 
 
@@ -104,7 +42,7 @@ def layer_file(layer: int) -> str:
 # ----------------------------------------------------------------------------- atomic writes
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -131,7 +69,7 @@ def _atomic(path: Path, write: Callable[[Path], object]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _sha256(path: Path) -> str:
@@ -324,32 +262,6 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
-    """Every step directory under `ckpt_dir` (complete or not), oldest first."""
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
-    """The newest step directory whose manifest exists and parses; None if there is none."""
-    return next((d for d in reversed(list_checkpoints(ckpt_dir)) if is_complete(d)), None)
-
-
-def nothing_to_do(ckpt_dir: str | Path, steps: int) -> str | None:
-    """Why a run resuming from `ckpt_dir` has no step left to train (its newest complete checkpoint
-    is already at `steps`, training.steps), or None. Cheap: the manifest is read, no file verified."""
-    latest = latest_checkpoint(ckpt_dir)
-    if latest is None or _step(latest) < steps:
-        return None
-    return (
-        f"nothing to do: checkpoint {latest.name} in {ckpt_dir} is already at training.steps={steps}; "
-        f"raise training.steps, point checkpoint.dir elsewhere or set checkpoint.resume=false"
-    )
-
-
 def _checked_file(sdir: Path, manifest: dict[str, Any], layer: int, *, verify: bool) -> Path:
     """The file of `layer`, after checking that it exists and (`verify`) its size and sha256."""
     hint = _FALLBACK.format(dir=sdir.name)
@@ -382,122 +294,6 @@ def verify_checkpoint(step_dir: str | Path) -> dict[str, Any]:
     for layer in range(len(manifest["layers"])):
         _checked_file(sdir, manifest, layer, verify=True)
     return manifest
-
-
-@dataclass(frozen=True)
-class Unusable:
-    """A step directory a resume cannot use."""
-
-    path: Path
-    """The step directory."""
-    reason: str
-    """Why (names the bad file)."""
-    damaged: bool
-    """A manifest is there but it, or a file it lists, is bad (not just an interrupted save)."""
-
-
-def newest_intact_checkpoint(
-    ckpt_dir: str | Path, *, num_layers: int | None = None
-) -> tuple[Path | None, list[Unusable]]:
-    """The newest step directory that verifies completely (`verify_checkpoint`), and every newer
-    one that does not, newest first. A directory without a manifest is an interrupted save
-    (`describe_partial` says why); one whose manifest or files are bad is damaged."""
-    unusable: list[Unusable] = []
-    for sdir in reversed(list_checkpoints(ckpt_dir)):
-        if not (sdir / MANIFEST).exists():
-            unusable.append(Unusable(path=sdir, reason=describe_partial(sdir, num_layers), damaged=False))
-            continue
-        try:
-            verify_checkpoint(sdir)
-            return sdir, unusable
-        except CheckpointError as err:
-            unusable.append(Unusable(path=sdir, reason=str(err), damaged=True))
-    return None, unusable
-
-
-def describe_partial(sdir: str | Path, num_layers: int | None = None) -> str:
-    """Why a step directory without a manifest is no checkpoint, from what its save left:
-    `no manifest (5 of 10 layer files, 1 .tmp file)`. The layer count is the one its
-    `saving.json` recorded, else `num_layers` (unknown: `5 layer files`)."""
-    try:
-        names = [p.name for p in Path(sdir).iterdir()]
-    except OSError:  # another worker set it aside meanwhile
-        names = []
-    expected: int | None
-    try:
-        expected = int(json.loads((Path(sdir) / SAVING).read_text())["num_layers"])
-    except (OSError, ValueError, TypeError, KeyError):
-        expected = num_layers
-    layers = sum(1 for n in names if _LAYER_RE.match(n))
-    tmp = sum(1 for n in names if ".tmp-" in n)
-    parts = [f"{layers} of {expected} layer files" if expected is not None else f"{layers} layer files"]
-    if tmp:
-        parts.append(f"{tmp} .tmp file{'s' if tmp > 1 else ''}")
-    return f"no manifest ({', '.join(parts)})"
-
-
-def set_aside_partials(ckpt_dir: str | Path, num_layers: int | None = None) -> list[tuple[Path, Path, str]]:
-    """Rename every step directory without a manifest (an interrupted save) out of the listing,
-    as `step-XXXXXXXX.partial-<time>` (`set_aside`): (directory, new name, why) for each one this
-    call moved."""
-    moved = []
-    for sdir in list_checkpoints(ckpt_dir):
-        if (sdir / MANIFEST).exists():
-            continue
-        why = describe_partial(sdir, num_layers)
-        target = set_aside(sdir, "partial")
-        if target is not None:
-            moved.append((sdir, target, why))
-    return moved
-
-
-def find_checkpoint(path: str | Path) -> tuple[Path, str | None]:
-    """The step directory `path` names: itself when it has a manifest, else the newest intact one
-    under it; with a note saying which was chosen and what was skipped (None when `path` is one).
-    Raises CheckpointError naming every partial or damaged step directory and why, on one line,
-    when there is no intact one."""
-    p = Path(path).expanduser()
-    if (p / MANIFEST).is_file():
-        return p, None
-    if p.is_dir() and (_STEP_RE.match(p.name) or _ASIDE_RE.match(p.name)):
-        raise CheckpointError(
-            f"'{p}' is a partial checkpoint: {p.name}: {describe_partial(p)}; give an intact step "
-            "directory or the directory holding them (checkpoint.dir)"
-        )
-    aside = sorted(
-        (d for d in p.iterdir() if d.is_dir() and _ASIDE_RE.match(d.name)) if p.is_dir() else [],
-        key=lambda d: (_step(d), d.name),
-    )
-    if not list_checkpoints(p) and not aside:
-        raise CheckpointError(
-            f"'{p}' is not a checkpoint: give a step directory (step-XXXXXXXX with "
-            f"{MANIFEST}) or the directory holding them (checkpoint.dir)"
-        )
-    found, unusable = newest_intact_checkpoint(p)
-    if found is None:
-        named = [(u.path, u.reason) for u in unusable]
-        for d in aside:
-            why = _ASIDE_RE.match(d.name)
-            state = describe_partial(d) if not (d / MANIFEST).exists() else "has a manifest"
-            named.append((d, f"set aside as {why.group(2) if why else '?'}, {state}"))
-        reasons = "; ".join(f"{d.name}: {why}" for d, why in sorted(named, key=lambda e: (_step(e[0]), e[0].name)))
-        raise CheckpointError(f"no intact checkpoint under {p}, only partial or damaged ones: {reasons}")
-    skipped = "".join(f"; skipped {u.path.name} ({'damaged' if u.damaged else 'incomplete'})" for u in unusable)
-    return found, f"checkpoint {found.name} (newest intact under {p}{skipped})"
-
-
-def set_aside(step_dir: str | Path, why: str) -> Path | None:
-    """Rename a step directory out of the checkpoint listing (`step-XXXXXXXX.<why>-<time>`), so that
-    it is kept for a post-mortem but never resumed from nor rewritten in place. Several workers
-    may race to do it: the loser gets None."""
-    sdir = Path(step_dir)
-    target = sdir.with_name(f"{sdir.name}.{why}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}")
-    try:
-        os.rename(sdir, target)
-    except FileNotFoundError:
-        return None
-    _fsync_dir(sdir.parent)
-    return target
 
 
 def load_layer(
@@ -535,66 +331,3 @@ def load_layer(
         else:
             raise CheckpointError(f"checkpoint file {path} has an unexpected tensor '{key}'; {hint}")
     return params, optim
-
-
-def load_model_state(path: str | Path, *, verify: bool = True) -> dict[str, torch.Tensor]:
-    """The full model state dict under Hugging Face names, from a step directory or a checkpoint
-    root (its latest complete checkpoint). Tied weights appear under every HF name."""
-    p = Path(path)
-    if (p / MANIFEST).is_file() or p.name == MANIFEST:
-        sdir = p.parent if p.name == MANIFEST else p
-    else:
-        found = latest_checkpoint(p)
-        if found is None:
-            raise CheckpointError(
-                f"no complete checkpoint under {p}: expected a step-XXXXXXXX "
-                f"directory with {MANIFEST} (or such a directory itself)"
-            )
-        sdir = found
-    manifest = read_manifest(sdir)
-    state: dict[str, torch.Tensor] = {}
-    for i, names in enumerate(manifest["hf_names"]):
-        params, _ = load_layer(sdir, i, verify=verify, manifest=manifest)
-        for local, tensor in params.items():
-            if local not in names:
-                raise CheckpointError(
-                    f"checkpoint {sdir}: parameter '{local}' of layer {i} "
-                    f"({manifest['layer_names'][i]}) has no Hugging Face name "
-                    f"in {MANIFEST}"
-                )
-            state[names[local]] = tensor
-    return state
-
-
-def prune_checkpoints(ckpt_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints, and incomplete step directories
-    older than the newest complete one (newer ones may still be being written)."""
-    if keep < 1:
-        raise ValueError(f"prune_checkpoints: keep must be >= 1 (got {keep})")
-    dirs = list_checkpoints(ckpt_dir)
-    complete = [d for d in dirs if is_complete(d)]
-    if not complete:
-        return []
-    latest = complete[-1]
-    keep_set = set(complete[-keep:])
-    removed = []
-    for d in dirs:
-        if d in keep_set or _step(d) > _step(latest):
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    return removed
-
-
-def is_complete(sdir: Path) -> bool:
-    """The step directory has a manifest that parses (its files are not checked)."""
-    try:
-        read_manifest(sdir)
-    except CheckpointError:
-        return False
-    return True
-
-
-def _step(sdir: Path) -> int:
-    m = _STEP_RE.match(sdir.name) or _ASIDE_RE.match(sdir.name)
-    return int(m.group(1)) if m else -1
