@@ -69,7 +69,8 @@ from .resilience.fingerprint import (
     layer_tensors,
     repair,
 )
-from .generation.groups import GenerationGroups, GradSync
+from .generation.grad_sync import GradSync
+from .generation.groups import GenerationGroups
 from .resilience.guard import Verdict, judge
 from .generation.entry import GenerationEntry, LayersLost, Reconfiguration, WorkerState
 from .portable import PortableState
@@ -255,6 +256,8 @@ class Trainer(PortableState):
     def _drop_groups(self) -> None:
         """Forget this generation's stage, schedule and process groups (a gloo group closes its
         sockets only when the last reference to it goes)."""
+        if self.grad_sync is not None:
+            self.grad_sync.close()  # its hooks must never post on the groups dropped here
         self.stage_module = None
         self.schedule = None
         self.grad_sync = None
@@ -365,6 +368,7 @@ class Trainer(PortableState):
         self._fed(step)
         schedule, grad_sync, step_group = self.schedule, self.grad_sync, self.step_group
         assert grad_sync is not None, "enter a generation first"
+        grad_sync.begin_step(self.pipeline.microbatches)  # reductions start as layers finish
         local_loss = self._forward_backward(x, y, schedule)
         local_loss = self.faults.poisoned(local_loss, rank=self.rank, step=step, params=self.params)
         norm2, loss = self._synchronise(step, local_loss, grad_sync, step_group, epoch)

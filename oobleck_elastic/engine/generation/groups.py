@@ -1,4 +1,4 @@
-"""Process groups of one generation and the exact cross-replica gradient sync.
+"""Process groups of one generation, and who holds what (grad_sync.py sums gradients over them).
 
 For a plan, every layer is held by exactly one stage of every pipeline; pipelines of different
 templates cut the layers differently, so the set of ranks holding layer l ("its holders")
@@ -35,18 +35,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Optional
+from typing import Optional
 
-import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ...models import LayerModel
-from ...models.tensor_parallel import is_sharded, local, wrap_like
 from ...planning import Plan
-from ..resilience.progress import STEP_PROGRESS
 
 
 @dataclass(frozen=True)
@@ -132,70 +128,3 @@ class GenerationGroups:
                 g = make(list(members))
                 if rank in members:
                     self.sets[members] = g
-
-
-def _params_of(module: nn.Module, exclude: set[int]) -> list[torch.Tensor]:
-    return [p for p in module.parameters() if id(p) not in exclude and p.requires_grad]
-
-
-class GradSync:
-    """Buckets this rank's gradients by holder set and all-reduces them (SUM)."""
-
-    def __init__(self, groups: GenerationGroups, layer_model: LayerModel, owned: Iterable[int]) -> None:
-        self.groups = groups
-        self.owned = sorted(owned)
-        holders = groups.holders
-        tied_ids: set[int] = set()
-        self.tied: list[tuple[list[torch.Tensor], tuple[int, ...]]] = []
-        for members, ranks in holders.tied:
-            params = {}
-            for li, name in members:
-                layer = layer_model.layers[li]
-                if li in self.owned and layer is not None:
-                    p = layer.get_parameter(name)
-                    params[id(p)] = p
-            tied_ids |= set(params)
-            if params:
-                self.tied.append((list(params.values()), ranks))
-        buckets: dict[tuple[int, ...], list[torch.Tensor]] = {}
-        for li in self.owned:
-            layer = layer_model.layers[li]
-            assert layer is not None, f"layer {li} is not built on rank {groups.rank}"
-            buckets.setdefault(holders.layer[li], []).extend(_params_of(layer, tied_ids))
-        order = {s: i for i, s in enumerate(holders.group_sets())}
-        self.buckets = sorted(buckets.items(), key=lambda kv: order.get(kv[0], -1))
-        self.tied_ids = tied_ids
-
-    def all_reduce(self) -> None:
-        work = []
-        for ranks, params in self.buckets + [(r, ps) for ps, r in self.tied]:
-            if len(ranks) < 2:
-                continue
-            grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            work.append((params, flat, dist.all_reduce(flat, group=self.groups.sets[ranks], async_op=True)))
-        for params, flat, handle in work:
-            with STEP_PROGRESS.waiting(handle):  # engine/resilience/progress.py
-                handle.wait()
-            offset = 0
-            for p in params:
-                shard = local(p)
-                n = shard.numel()
-                p.grad = wrap_like(p, flat[offset : offset + n].view_as(shard).clone())
-                offset += n
-
-    def norm_squared(self) -> torch.Tensor:
-        """Sum of squared gradients of the parameters this rank is the primary holder of, so that
-        an all-reduce over the world counts every parameter of the model exactly once: a sharded
-        parameter's shard on every lane, a replicated one on lane 0 only."""
-        me, lane = self.groups.rank, self.groups.lane
-
-        def counted(p: torch.Tensor) -> list[torch.Tensor]:  # [its local gradient] or []
-            return [local(p.grad)] if p.grad is not None and (lane == 0 or is_sharded(p)) else []
-
-        grads = [g for ranks, params in self.buckets if ranks[0] == me for p in params for g in counted(p)]
-        grads += [g for params, ranks in self.tied if ranks[0] == me for p in params for g in counted(p)]
-        if not grads:
-            return torch.zeros((), dtype=torch.float64)
-        total = torch.stack(torch._foreach_norm(grads, dtype=torch.float64)).pow(2).sum()
-        return total

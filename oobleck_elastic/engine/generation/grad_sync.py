@@ -1,0 +1,193 @@
+"""The exact cross-replica gradient sync, started while the pipeline still runs.
+
+Every layer is held by one stage of every pipeline; its gradients are SUM-reduced among exactly
+its holders (groups.py: layers with the same holder set share a process group). Tied parameters
+(GPT-2's wte = lm_head, in the first and the last stage) are summed over the union of their
+holders, each rank contributing its local copy once, after the schedule.
+
+Overlap. A layer's gradient is final once the stage has accumulated it for every microbatch of
+the step, which for the stage's last layers happens while its first layers are still in their
+last backward, and, on the stages after the first, while the stages before them still work. So
+the reduction is not left until the schedule ends: a hook on each parameter
+(`register_post_accumulate_grad_hook`) counts its accumulations in the step, and once every
+parameter of a layer has been accumulated `microbatches` times the layer's gradients are
+flattened and their all-reduce posted asynchronously (`async_op=True`), on its holder set's
+group. The schedule goes on; `all_reduce()`, after the schedule, posts whatever was not posted
+yet (tied parameters, layers whose weight gradients a zero-bubble schedule assigns without
+accumulating, parameters that got no gradient), waits for every reduction and writes the sums
+back. Nothing is applied before that: the commit point and the step guard are unchanged.
+
+Collectives on one group must be posted in the same order on every member, while the order in
+which layers become final depends on the schedule each holder runs. So every holder set posts its
+layers in one canonical order, the highest layer first (the order a backward finishes them): a
+layer that is final waits until every higher layer of its set was posted. Under 1F1B or GPipe
+that order is the backward's own, and nothing waits.
+
+The hooks are armed by `begin_step` and disarmed when `all_reduce` returns or `close` is called
+(a new generation, an abandoned step), so a backward outside a step, or the abandoned step's
+thread still running, never posts a collective.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...models import LayerModel
+from ...models.tensor_parallel import is_sharded, local, wrap_like
+from ..resilience.progress import STEP_PROGRESS
+from .groups import GenerationGroups
+
+__all__ = ["GradSync"]
+
+
+def _params_of(module: nn.Module, exclude: set[int]) -> list[torch.Tensor]:
+    return [p for p in module.parameters() if id(p) not in exclude and p.requires_grad]
+
+
+class GradSync:
+    """Buckets this rank's gradients by holder set and all-reduces them (SUM), each layer's as
+    soon as it is final (module docstring)."""
+
+    def __init__(self, groups: GenerationGroups, layer_model: LayerModel, owned: Iterable[int]) -> None:
+        self.groups = groups
+        self.owned = sorted(owned)
+        holders = groups.holders
+        tied_ids: set[int] = set()
+        self.tied: list[tuple[list[torch.Tensor], tuple[int, ...]]] = []
+        for members, ranks in holders.tied:
+            params = {}
+            for li, name in members:
+                layer = layer_model.layers[li]
+                if li in self.owned and layer is not None:
+                    p = layer.get_parameter(name)
+                    params[id(p)] = p
+            tied_ids |= set(params)
+            if params:
+                self.tied.append((list(params.values()), ranks))
+        self.tied_ids = tied_ids
+        self.layer_params: dict[int, list[torch.Tensor]] = {}
+        buckets: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        for li in self.owned:
+            layer = layer_model.layers[li]
+            assert layer is not None, f"layer {li} is not built on rank {groups.rank}"
+            self.layer_params[li] = _params_of(layer, tied_ids)
+            buckets.setdefault(holders.layer[li], []).extend(self.layer_params[li])
+        order = {s: i for i, s in enumerate(holders.group_sets())}
+        self.buckets = sorted(buckets.items(), key=lambda kv: order.get(kv[0], -1))
+        # per holder set shared with another rank: its layers in posting order, highest first
+        self.sequence: dict[tuple[int, ...], list[int]] = {}
+        for li in sorted(self.owned, reverse=True):
+            ranks = holders.layer[li]
+            if len(ranks) > 1 and self.layer_params[li]:
+                self.sequence.setdefault(ranks, []).append(li)
+        self._set_of = {li: ranks for ranks, layers in self.sequence.items() for li in layers}
+        self._layer_of = {id(p): li for li in self._set_of for p in self.layer_params[li]}
+        self._lock = threading.Lock()
+        self._armed = False
+        self._expected = 0
+        self._counts: dict[int, int] = {}
+        self._missing: dict[int, int] = {}
+        self._next: dict[tuple[int, ...], int] = {}
+        self._final: set[int] = set()
+        self._posted: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
+        self.posted_early = 0
+        """Layers whose reduction the last step posted during its schedule (the overlap's measure)."""
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._accumulated)
+            for li in self._set_of
+            for p in self.layer_params[li]
+        ]
+
+    # ------------------------------------------------------------------ overlap
+    def begin_step(self, microbatches: int) -> None:
+        """Arm the hooks for a step of `microbatches` microbatches on this stage."""
+        with self._lock:
+            self._expected = microbatches
+            self._counts = {id(p): 0 for li in self._set_of for p in self.layer_params[li]}
+            self._missing = {li: len(self.layer_params[li]) for li in self._set_of}
+            self._next = {ranks: 0 for ranks in self.sequence}
+            self._final = set()
+            self._posted = []
+            self._armed = microbatches > 0
+
+    def close(self) -> None:
+        """Disarm and remove the hooks (the generation ends, or its step was abandoned)."""
+        with self._lock:
+            self._armed = False
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        with self._lock:
+            if not self._armed:
+                return
+            key = id(p)
+            self._counts[key] += 1
+            if self._counts[key] != self._expected:
+                return
+            li = self._layer_of[key]
+            self._missing[li] -= 1
+            if self._missing[li]:
+                return
+            self._final.add(li)
+            self._post_ready(self._set_of[li])
+
+    def _post_ready(self, ranks: tuple[int, ...], *, all_left: bool = False) -> None:
+        """Post this set's layers in order while the next one is final (or all that are left)."""
+        layers = self.sequence[ranks]
+        while self._next[ranks] < len(layers) and (all_left or layers[self._next[ranks]] in self._final):
+            self._post(self.layer_params[layers[self._next[ranks]]], ranks)
+            self._next[ranks] += 1
+
+    def _post(self, params: list[torch.Tensor], ranks: tuple[int, ...]) -> None:
+        grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._posted.append((params, flat, dist.all_reduce(flat, group=self.groups.sets[ranks], async_op=True)))
+
+    # ------------------------------------------------------------------ after the schedule
+    def all_reduce(self) -> None:
+        """Post what is left (in each set's order, then the tied parameters), wait for every
+        reduction and write the sums back as the parameters' gradients."""
+        with self._lock:
+            if not self._armed:  # no begin_step: nothing was posted early
+                self._next = {ranks: 0 for ranks in self.sequence}
+                self._posted = []
+            self._armed = False
+            self.posted_early = len(self._posted)
+            for ranks in self.sequence:
+                self._post_ready(ranks, all_left=True)
+            for params, ranks in self.tied:
+                if len(ranks) > 1:
+                    self._post(params, ranks)
+            posted, self._posted = self._posted, []
+        for params, flat, handle in posted:
+            with STEP_PROGRESS.waiting(handle):  # engine/resilience/progress.py
+                handle.wait()
+            offset = 0
+            for p in params:
+                shard = local(p)
+                n = shard.numel()
+                p.grad = wrap_like(p, flat[offset : offset + n].view_as(shard).clone())
+                offset += n
+
+    def norm_squared(self) -> torch.Tensor:
+        """Sum of squared gradients of the parameters this rank is the primary holder of, so that
+        an all-reduce over the world counts every parameter of the model exactly once: a sharded
+        parameter's shard on every lane, a replicated one on lane 0 only."""
+        me, lane = self.groups.rank, self.groups.lane
+
+        def counted(p: torch.Tensor) -> list[torch.Tensor]:  # [its local gradient] or []
+            return [local(p.grad)] if p.grad is not None and (lane == 0 or is_sharded(p)) else []
+
+        grads = [g for ranks, params in self.buckets if ranks[0] == me for p in params for g in counted(p)]
+        grads += [g for params, ranks in self.tied if ranks[0] == me for p in params for g in counted(p)]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64)
+        total = torch.stack(torch._foreach_norm(grads, dtype=torch.float64)).pow(2).sum()
+        return total
