@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import random
 import subprocess
@@ -116,16 +118,24 @@ def test_a_cut_inside_a_node_costs_the_intra_node_link() -> None:
     assert [s.comm_s for s in t.stages] == pytest.approx([costs.boundary_s(t.stages[0].end, 0)] * 2)
 
 
-def test_the_step_time_adds_the_gradient_all_reduce_of_the_largest_stage() -> None:
+def test_the_step_time_adds_the_part_of_the_all_reduce_the_pipeline_does_not_hide() -> None:
+    def ring(nbytes: int, k: int) -> float:
+        return 0.0 if k == 1 else 2 * (k - 1) * 1e-5 + 2 * (k - 1) / k * nbytes / 10e9
+
     profile = four_layers(big_output_after=-1)
     ts = build_templates(profile, gpus_per_node=1, device_memory_gb=1.0, links=LINKS)
     t = ts[2]
-    grad = max(s.grad_bytes for s in t.stages)
-    assert grad == 2000
+    assert [s.grad_bytes for s in t.stages] == [2000, 2000]
     for k in (1, 2, 5):
-        sync = 0.0 if k == 1 else 2 * (k - 1) * 1e-5 + 2 * (k - 1) / k * grad / 10e9
-        assert t.grad_sync_s(k) == pytest.approx(sync)
-        assert t.iteration_time(3, k) == pytest.approx(t.total_time_s + 2 * t.bottleneck_s + sync)
+        # stage 0's last backward finishes layer 1 two seconds before layer 0: layer 1's reduction
+        # hides behind layer 0's backward, only layer 0's is left after the schedule
+        assert t.grad_sync_s(k) == pytest.approx(ring(1000, k))
+        assert t.iteration_time(3, k) == pytest.approx(t.total_time_s + 2 * t.bottleneck_s + ring(1000, k))
+    # with an instant backward nothing hides: stage 0's two layers are reduced one after the other
+    instant = ModelProfile(layers=[dataclasses.replace(la, backward_s=0.0) for la in profile.layers])
+    t0 = build_templates(instant, gpus_per_node=1, device_memory_gb=1.0, links=LINKS)[2]
+    for k in (2, 5):
+        assert t0.grad_sync_s(k) == pytest.approx(2 * ring(1000, k))
     cfg = load_config(overrides=["training.global_batch_size=8", "training.microbatch_size=1"])
     jp = plan_job(cfg, nodes=4, templates=ts)
     k = len(jp.plan.pipelines)

@@ -215,9 +215,9 @@ def test_gpt3_on_1024_nodes_auto_cuts_the_bubble(capsys: pytest.CaptureFixture[s
     one = plan_job(cfg, nodes=1024, profile=profiles)
     auto_cfg = load_config("configs/gpt3-175b.yaml", base + ["planning.schedule=auto"])
     auto = plan_job(auto_cfg, nodes=1024, profile=profiles)
-    assert 1 - one.efficiency == pytest.approx(0.48, abs=0.01)
-    assert 1 - auto.efficiency < 0.30
-    assert auto.plan.samples_per_s > 1.35 * one.plan.samples_per_s
+    assert 1 - one.efficiency == pytest.approx(0.464, abs=0.01)  # with the all-reduce overlapped
+    assert 1 - auto.efficiency < 0.20
+    assert auto.plan.samples_per_s > 1.45 * one.plan.samples_per_s
     assert {p.schedule for p in auto.plan.pipelines} == {"zero-bubble"}
     code = cli_main(["plan", "--config", "configs/gpt3-175b.yaml", "--nodes", "1024", *base, "planning.schedule=auto"])
     out = capsys.readouterr().out

@@ -175,7 +175,8 @@ def test_1f1b_equals_the_template_formula_when_the_last_stage_is_the_slowest(see
     for m in range(1, 3 * p + 1):
         cost = template_cost(prof, t, "1f1b", m, replicas=3)
         assert cost.step_s == pytest.approx(t.iteration_time(m, replicas=3), rel=1e-12)
-        assert cost.grad_sync_s == t.grad_sync_s(3) > 0
+        # the exposed all-reduce too (planning/overlap.py): the cool-down's chain is exact here
+        assert cost.grad_sync_s == pytest.approx(t.grad_sync_s(3), rel=1e-9) and cost.grad_sync_s > 0
 
 
 @pytest.mark.parametrize("seed", range(25))

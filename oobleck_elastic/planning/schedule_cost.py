@@ -17,8 +17,9 @@
   state plus the simulated peak of activations in flight (a forward's `activation_bytes` held
   until its backward, B or W, has run). For one stage per device and m >= S under 1F1B the peak
   is S - s microbatches on stage s: templates.py's count.
-- **step time**: the makespan plus the cross-replica gradient all-reduce of the device with the
-  most gradient bytes (after the schedule, as the engine runs it; templates.py's `grad_sync_s`).
+- **step time**: the makespan plus the part of the cross-replica gradient all-reduce that the
+  schedule leaves exposed: each layer's reduction starts once the layer's last backward has run
+  (overlap.py, as the engine posts it).
 
 With a single stage per device, `chunk_ranges` is not needed: the template's ranges are the
 stages. With v chunks per device the model is cut into v x D stages; `chunk_ranges` gives the
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .comm import Links
+from .overlap import Ready, exposed_sync_s, layer_ready_times
 from .partition import StageCosts, best_partition
 from .profile import ModelProfile
 from .schedule_sim import Comm, Simulation, StageTimes, simulate
@@ -73,7 +75,7 @@ class ScheduleCost:
     makespan_s: float
     """The schedule's time: first forward to last backward."""
     grad_sync_s: float
-    """The cross-replica gradient all-reduce after it."""
+    """The part of the cross-replica gradient all-reduce the schedule does not hide (overlap.py)."""
     bubble_fraction: float
     """Share of the devices' time not computing."""
     peak_in_flight: tuple[int, ...]
@@ -180,13 +182,11 @@ def schedule_cost(
     comm = link_comm(profile, ranges, links, stages_per_node) if links is not None else None
     sim = simulate(order, times, comm, checked=True)  # schedule_order's orders are complete
     static = [0] * devices
-    grads = [0] * devices
     compute = [0.0] * devices
     for s, (u, v) in enumerate(ranges):
         static[placement[s]] += sum(la.static_bytes for la in profile.layers[u:v])
-        grads[placement[s]] += sum(la.grad_bytes for la in profile.layers[u:v])
         compute[placement[s]] += times.forward_s[s] + times.input_grad_s[s] + times.weight_grad_s[s]
-    sync = links.all_reduce_s(max(grads), replicas, same_node=False) if links is not None else 0.0
+    sync = exposed(profile, ranges, placement, sim, links, replicas) if links is not None else 0.0
     return ScheduleCost(
         schedule=schedule,
         chunks=chunks,
@@ -202,6 +202,30 @@ def schedule_cost(
         placement=tuple(placement),
         device_compute_s=tuple(compute),
     )
+
+
+def exposed(
+    profile: ModelProfile,
+    ranges: Sequence[tuple[int, int]],
+    placement: Sequence[int],
+    sim: Simulation,
+    links: Links,
+    replicas: int,
+) -> float:
+    """The all-reduce left after the schedule (overlap.py): each stage's layers final during its
+    last B (layer by layer) or at the end of its last W, reduced one after another per device."""
+    last: dict[int, tuple[float, float, bool]] = {}  # stage -> its last backward's span, and whether split
+    for a, (start, end) in sim.spans.items():
+        if a.kind in ("B", "W") and (a.stage not in last or end > last[a.stage][1]):
+            last[a.stage] = (start, end, a.kind == "W")
+    devices: list[list[Ready]] = [[] for _ in range(max(placement) + 1)]
+    for s, (u, v) in enumerate(ranges):
+        start, end, split = last[s]
+        layers = profile.layers[u:v]
+        devices[placement[s]] += layer_ready_times(
+            start, end, [la.backward_s for la in layers], [la.grad_bytes for la in layers], split=split
+        )
+    return exposed_sync_s(devices, sim.makespan_s, links, replicas)
 
 
 def template_cost(

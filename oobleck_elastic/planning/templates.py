@@ -17,8 +17,11 @@ communication counted). Then
     T(m) = sum_i w_i + (m - 1) * max_i w_i + grad_sync(replicas)
 
 the first microbatch crosses every stage once, every further one is paced by the bottleneck,
-and the cross-replica gradient all-reduce of the largest stage follows the schedule (the engine
-does not overlap it). Without communication sum_i w_i is the model's total work, the same for
+and grad_sync is the part of the cross-replica gradient all-reduce the pipeline does not hide:
+the engine posts each layer's reduction once its last backward has passed it, so the stages
+after the first reduce during the cool-down, and stage 0 during its own last backward
+(overlap.py; `_sync_ready` places each layer's moment relative to the schedule's end).
+Without communication sum_i w_i is the model's total work, the same for
 every partition, so minimising the bottleneck W = max_i w_i minimises T(m) for every m >= 2;
 with it, the sums differ only by which layers' outputs cross the boundaries.
 
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 from .comm import Links
+from .overlap import Ready, exposed_sync_s, layer_ready_times
 from .partition import PlanningError, StageCosts, best_partition
 from .profile import ModelProfile
 
@@ -113,15 +117,21 @@ class Template:
         """Forward + backward time of one microbatch through every stage, communication excluded."""
         return sum(s.time_s - s.comm_s for s in self.stages)
 
+    sync_ready: tuple[tuple[Ready, ...], ...] = ()
+    """Per stage, its layers' (when the gradient is final, relative to the schedule's end; bytes)
+    under 1F1B and GPipe (`make_template`); empty: no all-reduce counted."""
+
     @functools.cached_property
-    def _sync_bytes(self) -> int:
-        return max(s.grad_bytes for s in self.stages)
+    def _exposed(self) -> dict[int, float]:
+        return {}
 
     def grad_sync_s(self, replicas: int) -> float:
-        """The cross-replica gradient all-reduce after the schedule: its largest stage's."""
-        if self.links is None:
+        """The part of the cross-replica gradient all-reduce the schedule leaves exposed (overlap.py)."""
+        if self.links is None or not self.sync_ready:
             return 0.0
-        return self.links.all_reduce_s(self._sync_bytes, replicas, same_node=False)
+        if replicas not in self._exposed:
+            self._exposed[replicas] = exposed_sync_s(self.sync_ready, 0.0, self.links, replicas)
+        return self._exposed[replicas]
 
     def iteration_time(self, microbatches: int, replicas: int = 1) -> float:
         """Estimated time of one iteration with `microbatches` microbatches, gradients all-reduced
@@ -188,7 +198,30 @@ def make_template(
         bottleneck_s=max(s.time_s for s in stages),
         tensor_parallel=tensor_parallel,
         links=costs.links,
+        sync_ready=_sync_ready(costs, ranges),
     )
+
+
+def _sync_ready(costs: StageCosts, ranges: Sequence[tuple[int, int]]) -> tuple[tuple[Ready, ...], ...]:
+    """When each layer's gradient is final under 1F1B or GPipe, relative to the schedule's end:
+    stage 0's last backward ends the schedule, and stage s's ended before it by the backwards and
+    gradient receives of the stages before it (the cool-down's chain), each stage's layers
+    finishing last to first within its last backward (overlap.py)."""
+    layers = costs.profile.layers
+    out = []
+    end = 0.0
+    for i, (u, v) in enumerate(ranges):
+        backward = [la.backward_s for la in layers[u:v]]
+        out.append(
+            tuple(
+                layer_ready_times(
+                    end - sum(backward), end, backward, [la.grad_bytes for la in layers[u:v]], split=False
+                )
+            )
+        )
+        recv = costs.boundary_s(v, i) if i < len(ranges) - 1 else 0.0
+        end -= sum(backward) + recv
+    return tuple(out)
 
 
 def brute_force_template(

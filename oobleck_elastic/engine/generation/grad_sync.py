@@ -12,10 +12,11 @@ the reduction is not left until the schedule ends: a hook on each parameter
 (`register_post_accumulate_grad_hook`) counts its accumulations in the step, and once every
 parameter of a layer has been accumulated `microbatches` times the layer's gradients are
 flattened and their all-reduce posted asynchronously (`async_op=True`), on its holder set's
-group. The schedule goes on; `all_reduce()`, after the schedule, posts whatever was not posted
-yet (tied parameters, layers whose weight gradients a zero-bubble schedule assigns without
-accumulating, parameters that got no gradient), waits for every reduction and writes the sums
-back. Nothing is applied before that: the commit point and the step guard are unchanged.
+group. A schedule that splits the backward (zero-bubble) assigns the weight gradients in its W pass
+without accumulating them: the trainer says when a stage's last W has run (`stage_final`), and
+its layers are posted then. The schedule goes on; `all_reduce()`, after the schedule, posts
+whatever was not posted yet (tied parameters, parameters that got no gradient), waits for every
+reduction and writes the sums back. Nothing is applied before that: the commit point and the step guard are unchanged.
 
 Collectives on one group must be posted in the same order on every member, while the order in
 which layers become final depends on the schedule each holder runs. So every holder set posts its
@@ -122,6 +123,21 @@ class GradSync:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    def stage_final(self, layers: Iterable[int]) -> None:
+        """`layers` have their final gradient although no hook saw it: a schedule that splits the
+        backward assigns the weight gradients in its W pass; call this after a stage's last W."""
+        with self._lock:
+            if not self._armed:
+                return
+            touched = set()
+            for li in layers:
+                if li in self._set_of and li not in self._final:
+                    self._final.add(li)
+                    touched.add(self._set_of[li])
+            for ranks in self.sequence:
+                if ranks in touched:
+                    self._post_ready(ranks)
 
     def _accumulated(self, p: torch.Tensor) -> None:
         with self._lock:
