@@ -12,7 +12,9 @@ worker each, its own etcd each run), m = p = 4 microbatches of 2 (global batch 8
 `--steps` steps. Model: configs/gpt2-tiny.yaml with 6 blocks (8 layers). Profile: the synthetic
 one the tests use (`oobleck_elastic.testing.uniform_profile`: 10 ms forward, 20 ms backward per
 layer, no activations; 0.5 GiB of state per layer on 1 GiB devices, so 2 layers per device and
-exactly one 4-stage pipeline of 2 layers per stage), given to the job as
+exactly one 4-stage pipeline of 2 layers per stage; `--profile uneven`: the same with
+`UNEVEN_FORWARD_S`, whose slowest stage is the second, where the closed form of 1F1B and the
+simulation differ), given to the job as
 `planning.profile_path`, so the job's plan and the pace are made of these numbers. The real
 arithmetic of two tiny blocks on a microbatch is a few ms, stretched by the sharing; at the
 default k = 2 a stage's forward is paced to 40 ms and its backward to 80 ms, so the real part is
@@ -34,14 +36,16 @@ commit) and the optimizer step, none of them paced.
 Reported per run: `step_s`, the median over the steps after `--warmup` of the rank-0 worker's
 step time (`train_step`, first forward to applied update: the `seconds` of its `step` event
 lines, logging.events_dir); `wall_s`, the median time between consecutive step lines; `est_s`,
-the estimate; `ratio` = step_s / est_s (goal: within 10 %, 0.9 .. 1.1); `samples_s` = global
+the plan's estimate (1f1b and gpipe: templates.py's closed form; the others simulated); `ratio` =
+step_s / est_s (goal: within 10 %, 0.9 .. 1.1); `sim_s`, the simulator's step for the same stages
+(planning/schedule_cost.py), and in the summary `sim_ratio` = step_s / sim_s; `samples_s` = global
 batch / step_s; `vs_1f1b` = samples_s / the median samples/s of 1f1b's runs; `overruns`: paced
 passes longer than their target (should be 0). A summary line per schedule gives the medians.
 
 Run (about 1 min per job on 2 cores):
 
     .venv/bin/python bench/schedules.py [--schedules 1f1b gpipe] [--repeats 3] [--steps 20]
-        [--warmup 5] [--factor 2]
+        [--warmup 5] [--factor 2] [--profile uniform|uneven]
 """
 
 from __future__ import annotations
@@ -62,7 +66,9 @@ sys.path.insert(0, str(ROOT))
 from oobleck_elastic.config import load_config  # noqa: E402
 from oobleck_elastic.logs import read_event_lines  # noqa: E402
 from oobleck_elastic.planning import ModelProfile, plan_job  # noqa: E402
+from oobleck_elastic.planning.job import links_for  # noqa: E402
 from oobleck_elastic.planning.schedule_choice import ENGINE_RUNS  # noqa: E402
+from oobleck_elastic.planning.schedule_cost import schedule_cost  # noqa: E402
 from oobleck_elastic.testing import uniform_profile  # noqa: E402
 
 NODES = 4
@@ -89,17 +95,35 @@ def scaled(profile: ModelProfile, factor: float) -> ModelProfile:
     return dataclasses.replace(profile, layers=layers)
 
 
-def estimate(schedule: str, profile: ModelProfile, factor: float) -> tuple[float, bool]:
-    """The planner's step estimate on the paced devices, and whether its stages are the job's."""
+UNEVEN_FORWARD_S = (0.004, 0.010, 0.010, 0.016, 0.010, 0.010, 0.010, 0.010)
+"""`--profile uneven`: per layer forward (backward twice it); stage 1 (layers 2-3) the slowest."""
+
+
+def bench_profile(kind: str) -> ModelProfile:
+    """The synthetic profile: 8 layers of 0.5 GiB state, no activations; `uniform`: 10 ms forward,
+    20 ms backward each; `uneven`: UNEVEN_FORWARD_S."""
+    profile = uniform_profile(NODES * 2, gib_per_layer=0.5)
+    if kind == "uniform":
+        return profile
+    layers = [dataclasses.replace(la, forward_s=f, backward_s=2 * f) for la, f in zip(profile.layers, UNEVEN_FORWARD_S)]
+    return dataclasses.replace(profile, layers=layers)
+
+
+def estimate(schedule: str, profile: ModelProfile, factor: float) -> tuple[float, float, bool]:
+    """The planner's step estimate on the paced devices (its plan's), the simulator's for the same
+    stages (planning/schedule_cost.py), and whether the plan's stages are the job's."""
     cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [*OVERRIDES, f"planning.schedule={schedule}"])
-    paced = plan_job(cfg, nodes=NODES, profile=scaled(profile, factor), engine_only=False).plan
+    paced_profile = scaled(profile, factor)
+    paced = plan_job(cfg, nodes=NODES, profile=paced_profile, engine_only=False).plan
     job = plan_job(cfg, nodes=NODES, profile=profile, engine_only=False).plan
 
     def cut(plan):
         return [[(s.start, s.end) for s in p.stages] for p in plan.pipelines]
 
     assert len(paced.pipelines) == 1 and len(paced.pipelines[0].stages) == NODES, cut(paced)
-    return paced.est_step_time_s, cut(paced) == cut(job)
+    pipe = paced.pipelines[0]
+    sim = schedule_cost(paced_profile, cut(paced)[0], schedule, pipe.microbatches, links=links_for(cfg))
+    return paced.est_step_time_s, sim.step_s, cut(paced) == cut(job)
 
 
 def run(tmp: Path, *, schedule: str, factor: float, steps: int, tag: str) -> dict:
@@ -152,10 +176,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out at the start of each run")
     ap.add_argument("--factor", type=float, default=2.0, help="training.paced_devices")
+    ap.add_argument("--profile", choices=["uniform", "uneven"], default="uniform")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="oobleck-schedules-"))
     print(f"logs in {tmp}", file=sys.stderr)
-    profile = uniform_profile(NODES * 2, gib_per_layer=0.5)
+    profile = bench_profile(args.profile)
     profile.save(tmp / "profile.json")
     runnable = []
     for schedule in args.schedules:
@@ -180,16 +205,18 @@ def main() -> None:
                         "run": f"{schedule}-{i}",
                         "schedule": schedule,
                         "factor": args.factor,
+                        "profile": args.profile,
                         "step_s": round(step_s, 4),
                         "wall_s": round(statistics.median(walls), 4) if walls else None,
                         "est_s": round(est[schedule][0], 4),
                         "ratio": round(step_s / est[schedule][0], 3),
+                        "sim_s": round(est[schedule][1], 4),
                         "samples_s": round(BATCH / step_s, 2),
                         "vs_1f1b": round(ref / step_s, 3) if ref else None,  # this repeat's 1f1b run
                         "overruns": got["overruns"],
                         "steps_kept": len(kept),
                         "completed": got["ok"],
-                        "same_stages": est[schedule][1],
+                        "same_stages": est[schedule][2],
                         **({} if got["ok"] else {"last_line": got["tail"]}),
                     }
                 ),
@@ -207,8 +234,11 @@ def main() -> None:
                     "factor": args.factor,
                     "runs": len(runs),
                     "step_s": round(step_s, 4),
+                    "profile": args.profile,
                     "est_s": round(est[schedule][0], 4),
                     "ratio": round(step_s / est[schedule][0], 3),
+                    "sim_s": round(est[schedule][1], 4),
+                    "sim_ratio": round(step_s / est[schedule][1], 3),
                     "samples_s": round(sps, 2),
                     "vs_1f1b": round(sps / base, 3) if base else None,
                     "overruns": sum(r["overruns"] for r in runs),
