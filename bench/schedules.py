@@ -39,8 +39,9 @@ lines, logging.events_dir); `wall_s`, the median time between consecutive step l
 the plan's estimate (1f1b and gpipe: templates.py's closed form; the others simulated); `ratio` =
 step_s / est_s (goal: within 10 %, 0.9 .. 1.1); `sim_s`, the simulator's step for the same stages
 (planning/schedule_cost.py), and in the summary `sim_ratio` = step_s / sim_s; `samples_s` = global
-batch / step_s; `vs_1f1b` = samples_s / the median samples/s of 1f1b's runs; `overruns`: paced
-passes longer than their target (should be 0). A summary line per schedule gives the medians.
+batch / step_s; `vs_1f1b` = samples_s / that of the same repeat's 1f1b run; `overruns`: the
+stages in which some paced pass took longer than its target (each logs `paced_overrun` once;
+should be 0). A summary line per schedule gives the medians (`vs_1f1b` of the medians).
 
 Run (about 1 min per job on 2 cores):
 

@@ -152,3 +152,28 @@ def test_a_paced_job_pads_each_pass_to_the_plans_time(tmp_path: Path) -> None:
         assert got["wall_s"]["backward"] / got["calls"]["backward"] >= 0.040, got
         for seconds in got["seconds"]:
             assert seconds >= MICROBATCHES * FACTOR * COMPUTE_S, got
+
+
+def test_an_overrun_is_counted_and_logged_once_after_the_first_step(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from oobleck_elastic.engine.step.paced import Pacer
+    from oobleck_elastic.logs import JobLog
+
+    step = [3]
+    pacer = Pacer(
+        PaceTargets(0.001, 0.0, 0.0),
+        log=JobLog(logging.getLogger("paced-test"), gen=2, node="n0"),
+        step=lambda: step[0],
+    )
+    forward = pacer.paced(lambda i, args: time.sleep(0.004), "forward_one_chunk")
+    with caplog.at_level(logging.WARNING, logger="paced-test"):
+        forward(0, ())  # the stage's first step: one-off costs, counted, not logged
+        assert caplog.messages == []
+        step[0] = 4
+        forward(0, ())
+        forward(1, ())
+    assert pacer.overruns == 3
+    assert len(caplog.messages) == 1
+    assert caplog.messages[0].startswith("gen 2 step 4 node n0: paced device: a forward took ")
+    assert caplog.messages[0].endswith("more than its 1.0 ms target; raise training.paced_devices")

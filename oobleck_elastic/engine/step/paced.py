@@ -16,14 +16,15 @@ expects of it:
 layers (planning/plan.py), the numbers its estimates are made of; a plan that does not carry
 `forward_s` (0) is paced as forward = a third of compute_s (backward twice the forward). The
 time counted is the wall time from the call's start (on CUDA after the device has finished the
-pass); the sleep runs to a deadline, so it absorbs the real arithmetic exactly as long as that
-is shorter than the target. Waiting for a core is then part of the padded time, not added to
-it: with k chosen so that the real arithmetic (stretched by the sharing) is a small part of the
-target, every pass takes its target and the workers never compete for cores, like devices. A
-pass longer than its target is not shortened; the first such overrun is logged once per stage
-(raise k). The sleeps are outside the straggler clock's reach on the CPU (it counts thread CPU
-time, engine/resilience/straggler.py): it still measures the real arithmetic. Communication, the
-step's collectives and the optimizer step are not paced.
+pass); the sleep runs to a deadline, so it absorbs the real arithmetic, and the time it waited
+for a core, as long as they are shorter than the target. With k chosen so that they are a small
+part of it, every pass takes exactly its target whatever the other workers do, as on devices of
+their own. A pass longer than its target is not shortened; the first such overrun after the
+stage's first step (whose first passes carry one-off costs) is logged, once per stage: raise k.
+On the CPU the sleeps are outside the straggler clock's reach (it counts thread CPU time,
+engine/resilience/straggler.py): it still measures the real arithmetic. Communication, the
+step's collectives, the optimizer step and one-stage pipelines (no pipeline stage to wrap) are
+not paced.
 
 `pace_targets` and `padding_s` are the decisions, pure; `Pacer` applies them and keeps what it
 padded (`calls`, `wall_s` per pass: tests read them); `pace_stage` installs it on a
@@ -119,6 +120,8 @@ class Pacer:
     """Wall seconds of those calls, sleeps included, per pass."""
     overruns: int = 0
     """Calls that took longer than their target before any padding."""
+    _first_step: Optional[int] = None
+    _warned: bool = False
 
     def paced(self, fn: Callable[..., Any], method: str) -> Callable[..., Any]:
         """`fn` (the stage's `method`), each call padded to its pass's target."""
@@ -126,6 +129,8 @@ class Pacer:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
+            if self._first_step is None:
+                self._first_step = self.step()
             out = fn(*args, **kwargs)
             pass_ = pass_of(method, args, kwargs)
             target = self.targets.of(pass_)
@@ -144,14 +149,17 @@ class Pacer:
 
     def _overrun(self, pass_: str, elapsed: float, target: float) -> None:
         self.overruns += 1
-        if self.overruns == 1 and self.log is not None:
-            self.log.at(step=self.step()).warning(
-                "paced device: a %s took %.1f ms, more than its %.1f ms target; raise training.paced_devices",
-                pass_,
-                elapsed * 1e3,
-                target * 1e3,
-                event="paced_overrun",
-            )
+        step = self.step()
+        if self._warned or self.log is None or step == self._first_step:
+            return  # the first step's first passes carry one-off costs (allocations): not the pace's fault
+        self._warned = True
+        self.log.at(step=step).warning(
+            "paced device: a %s took %.1f ms, more than its %.1f ms target; raise training.paced_devices",
+            pass_,
+            elapsed * 1e3,
+            target * 1e3,
+            event="paced_overrun",
+        )
 
 
 def pace_stage(
