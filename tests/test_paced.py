@@ -79,6 +79,8 @@ class _Stage:
 def test_pace_stage_pads_every_pass_of_a_stage() -> None:
     stage = StagePlacement(index=0, start=0, end=2, node="n0", local_rank=0, rank=0, compute_s=0.012, forward_s=0.004)
     assert pace_stage(_Stage(), stage, 0.0, device=torch.device("cpu")) is None  # off: nothing wrapped
+    chunked = dataclasses.replace(stage, chunks=((0, 1), (3, 4)))  # the plan's times are the device's
+    assert pace_stage(_Stage(), chunked, 2.0, device=torch.device("cpu")) is None
     pstage = _Stage()
     pacer = pace_stage(pstage, stage, 2.0, device=torch.device("cpu"))
     assert pacer is not None

@@ -24,7 +24,8 @@ stage's first step (whose first passes carry one-off costs) is logged, once per 
 On the CPU the sleeps are outside the straggler clock's reach (it counts thread CPU time,
 engine/resilience/straggler.py): it still measures the real arithmetic. Communication, the
 step's collectives, the optimizer step and one-stage pipelines (no pipeline stage to wrap) are
-not paced.
+not paced, nor a device running several chunks (interleaved schedules: the plan gives the
+device's times, not each chunk's).
 
 `pace_targets` and `padding_s` are the decisions, pure; `Pacer` applies them and keeps what it
 padded (`calls`, `wall_s` per pass: tests read them); `pace_stage` installs it on a
@@ -174,6 +175,12 @@ def pace_stage(
     """Pad `pstage`'s passes to `stage`'s plan times x `factor`; None (nothing changed) when the
     factor is 0. Wrap before any timer that should see the padded pass."""
     if factor <= 0:
+        return None
+    if len(stage.layer_ranges()) > 1:  # the plan's times are the device's, not each chunk's
+        if log is not None:
+            log.warning(
+                "paced device: this device runs %d chunks; only one stage per device is paced", len(stage.chunks)
+            )
         return None
     pacer = Pacer(pace_targets(stage.compute_s, stage.forward_s, factor), device=device, log=log, step=step)
     for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
