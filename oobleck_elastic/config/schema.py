@@ -268,6 +268,13 @@ class TrainingConfig(Section):
     """Compile every layer with torch.compile (one graph per kind of layer, shared by identical
     blocks, compiled before the worker joins so that reconfiguration never compiles; see
     engine/step/compiled.py). None = on for CUDA, off for the CPU."""
+    paced_devices: float = 0.0
+    """For benchmarks and tests, never for training: 0 (the default) = off. When > 0, every
+    forward and backward (input- and weight-gradient pass when the backward is split) of one
+    microbatch on a stage is padded by a sleep to the plan's time for that stage's layers (from
+    the profile) times this factor, so that workers sharing a machine's cores behave like devices
+    of their own (engine/step/paced.py; bench/schedules.py). Pick it so that the real arithmetic
+    is a small part of the padded time; on the CPU each worker then also uses one intra-op thread."""
     peak_tflops: Optional[float] = None
     """Dense peak TFLOP/s of one device at the training precision, for MFU. None = from the table
     of known GPUs (engine/telemetry/mfu.py: H100, H200, A100, ...); CPUs and unlisted GPUs then report MFU
@@ -286,6 +293,8 @@ class TrainingConfig(Section):
                 f"'training.microbatch_size' ({mbs}): change one of them, e.g. "
                 f"training.global_batch_size={(self.global_batch_size // mbs + 1) * mbs}"
             )
+        if self.paced_devices < 0:
+            problems.append(f"'training.paced_devices' must be >= 0 (got {self.paced_devices}); 0 turns pacing off")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             problems.append(
                 f"'training.peak_tflops' must be > 0 (got {self.peak_tflops}); leave it unset for the table"

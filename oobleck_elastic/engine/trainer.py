@@ -78,6 +78,7 @@ from .step.commit import CommitVote, commit, own_slot
 from .step.result import Autocast, StepResult
 from .resilience.progress import STEP_PROGRESS, watch_pipeline_waits
 from .resilience.straggler import ComputeClock
+from .step.paced import Pacer, pace_stage, pin_threads
 from .step.optim import clip_coefficient, scale_grads, set_lr, token_sum_loss
 
 __all__ = ["Trainer", "StepResult", "LayersLost", "Reconfiguration", "WorkerState", "single_process"]
@@ -139,6 +140,8 @@ class Trainer(PortableState):
         self.faults = FaultInjector.from_env()
         self._step = 0  # the step running now (for injected slowdowns)
         self.entry_window = (0.0, 0.0)  # Unix times this worker began and finished entering its generation
+        pin_threads(t.paced_devices, self.device)  # before the clock reads the thread count (engine/step/paced.py)
+        self.pacer: Optional[Pacer] = None  # pads a pipeline stage's passes (training.paced_devices)
         self.clock = ComputeClock(self.device, slowdown=lambda: self.faults.slowdown(node=self.node, step=self._step))
         """Times this worker's compute in a step (engine/resilience/straggler.py)."""
         if not self.clock.measures and cfg.fault_tolerance.straggler_factor > 0:
@@ -302,6 +305,14 @@ class Trainer(PortableState):
                 input_args=inputs,
                 output_args=outputs,
                 group=self.groups.pipeline_group,
+            )
+            self.pacer = pace_stage(  # training.paced_devices: pad each pass (engine/step/paced.py)
+                pstage,
+                self.stage,
+                self.cfg.training.paced_devices,
+                device=self.device,
+                log=log.at(gen=plan.generation, node=self.node),
+                step=lambda: self._step,
             )
             # time the stage's own compute, not its waits for its neighbours (engine/resilience/straggler.py)
             # and each chunk is a progress point of the step thread (engine/resilience/progress.py)

@@ -45,6 +45,9 @@ class StagePlacement:
     """Estimated forward + backward time of one microbatch on this stage, communication excluded
     (the template's); what a worker's measured compute time is compared with to find stragglers
     (engine/resilience/straggler.py). 0 = unknown."""
+    forward_s: float = 0.0
+    """The forward's part of compute_s (the rest is the backward), from the same profile; what a
+    paced worker pads its forwards to (engine/step/paced.py). 0 = unknown."""
     chunks: tuple[tuple[int, int], ...] = ()
     """With more than one chunk per device (interleaved and V schedules): the layer ranges
     [start, end) of the virtual stages this device runs, in pipeline order (`start`/`end` are
@@ -71,6 +74,7 @@ class StagePlacement:
             "local_rank": self.local_rank,
             "rank": self.rank,
             "compute_s": self.compute_s,
+            **({"forward_s": self.forward_s} if self.forward_s else {}),
             **({"chunks": [list(c) for c in self.chunks]} if self.chunks else {}),
         }
 
@@ -260,6 +264,7 @@ class Plan:
                             local_rank=int(s["local_rank"]),
                             rank=int(s["rank"]),
                             compute_s=float(s.get("compute_s", 0.0)),
+                            forward_s=float(s.get("forward_s", 0.0)),
                             chunks=tuple((int(u), int(v)) for u, v in _list(s.get("chunks", []), "chunks")),
                         )
                         for s in p["stages"]
@@ -355,6 +360,13 @@ def _list(value: Any, name: str) -> list[Any]:
     return value
 
 
+def _forward_s(templates: TemplateSet, ranges: Sequence[tuple[int, int]]) -> float:
+    """Forward time of one microbatch through `ranges` in the templates' profile (0: none kept)."""
+    if templates.profile is None:
+        return 0.0
+    return sum(la.forward_s for u, v in ranges for la in templates.profile.layers[u:v])
+
+
 def make_plan(
     templates: TemplateSet,
     *,
@@ -398,6 +410,7 @@ def make_plan(
                 local_rank=s.local_rank,
                 rank=(cursor + s.node) * g + s.local_rank,
                 compute_s=s.time_s - s.comm_s if cost is None else cost.device_compute_s[s.index],
+                forward_s=_forward_s(templates, ((s.start, s.end),) if cost is None else cost.device_ranges(s.index)),
                 chunks=cost.device_ranges(s.index) if cost is not None and cost.chunks > 1 else (),
             )
             for s in tpl.stages

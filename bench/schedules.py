@@ -1,0 +1,254 @@
+"""Pipeline schedules on paced devices: each schedule's measured step against the planner's estimate.
+
+Four workers on this machine's cores share them, so a pipeline bubble is filled by another
+worker's arithmetic and no schedule can be told from another by its speed. On paced devices
+(`training.paced_devices` = k, engine/step/paced.py) every forward and backward (input and weight
+gradient, when split) of one microbatch on a stage is padded by a sleep to k x the plan's time
+for that stage's layers, so each worker behaves like a device of its own and a schedule's bubble
+shows in the step time.
+
+Method. One 4-stage pipeline on 4 simulated nodes (`python -m launcher.local --nodes 4`, one
+worker each, its own etcd each run), m = p = 4 microbatches of 2 (global batch 8), f = 0,
+`--steps` steps. Model: configs/gpt2-tiny.yaml with 6 blocks (8 layers). Profile: the synthetic
+one the tests use (`oobleck_elastic.testing.uniform_profile`: 10 ms forward, 20 ms backward per
+layer, no activations; 0.5 GiB of state per layer on 1 GiB devices, so 2 layers per device and
+exactly one 4-stage pipeline of 2 layers per stage; `--profile uneven`: the same with
+`UNEVEN_FORWARD_S`, whose slowest stage is the second, where the closed form of 1F1B and the
+simulation differ), given to the job as
+`planning.profile_path`, so the job's plan and the pace are made of these numbers. The real
+arithmetic of two tiny blocks on a microbatch is a few ms, stretched by the sharing; at the
+default k = 2 a stage's forward is paced to 40 ms and its backward to 80 ms, so the real part is
+a small share of every pass (a pass that overruns its target logs `paced_overrun`, counted here).
+The schedules given (`--schedules`, default 1f1b and gpipe; `zero-bubble` once the engine runs it:
+one the engine refuses, planning/schedule_choice.py's ENGINE_RUNS, is skipped with a line) run
+alternately, `--repeats` times each, one job at a time.
+
+The estimate, and what is honest about it. The job's plan is made from the unscaled profile, and
+its workers pace to k x its stage times. The estimate comparable with the paced run is the plan
+`plan_job` makes for the same config from the profile with every layer's time x k (the paced
+devices' profile), communication counted as configured (planning.count_communication and the
+links; the synthetic profile has no activation bytes, so a send costs the link latency only);
+the bench checks that this plan cuts the stages as the job's does (`same_stages`). What the
+estimate leaves out, and the measurement includes: the real sends between the workers (gloo over
+loopback, unpaced), the last stage's loss, the step's collectives (tied-weight gradient sum, norm,
+commit) and the optimizer step, none of them paced.
+
+Reported per run: `step_s`, the median over the steps after `--warmup` of the rank-0 worker's
+step time (`train_step`, first forward to applied update: the `seconds` of its `step` event
+lines, logging.events_dir); `wall_s`, the median time between consecutive step lines; `est_s`,
+the plan's estimate (1f1b and gpipe: templates.py's closed form; the others simulated); `ratio` =
+step_s / est_s (goal: within 10 %, 0.9 .. 1.1); `sim_s`, the simulator's step for the same stages
+(planning/schedule_cost.py), and in the summary `sim_ratio` = step_s / sim_s; `samples_s` = global
+batch / step_s; `vs_1f1b` = samples_s / that of the same repeat's 1f1b run; `overruns`: the
+stages in which some paced pass took longer than its target (each logs `paced_overrun` once;
+should be 0). A summary line per schedule gives the medians (`vs_1f1b` of the medians).
+
+Run (about 1 min per job on 2 cores):
+
+    .venv/bin/python bench/schedules.py [--schedules 1f1b gpipe] [--repeats 3] [--steps 20]
+        [--warmup 5] [--factor 2] [--profile uniform|uneven]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from oobleck_elastic.config import load_config  # noqa: E402
+from oobleck_elastic.logs import read_event_lines  # noqa: E402
+from oobleck_elastic.planning import ModelProfile, plan_job  # noqa: E402
+from oobleck_elastic.planning.job import links_for  # noqa: E402
+from oobleck_elastic.planning.schedule_choice import ENGINE_RUNS  # noqa: E402
+from oobleck_elastic.planning.schedule_cost import schedule_cost  # noqa: E402
+from oobleck_elastic.testing import uniform_profile  # noqa: E402
+
+NODES = 4
+MICROBATCH = 2
+BATCH = NODES * MICROBATCH  # m = p microbatches
+OVERRIDES = [
+    "model.num_layers=6",  # 8 layers: 2 per stage
+    "data.seq_len=64",
+    f"training.global_batch_size={BATCH}",
+    f"training.microbatch_size={MICROBATCH}",
+    "fault_tolerance.f=0",
+    "planning.device_memory_gb=1.0",
+    "planning.memory_margin=0",
+    "planning.chunks_per_device=1",
+]
+
+
+def scaled(profile: ModelProfile, factor: float) -> ModelProfile:
+    """The paced devices' profile: every layer's times x `factor`, bytes unchanged."""
+    layers = [
+        dataclasses.replace(la, forward_s=la.forward_s * factor, backward_s=la.backward_s * factor)
+        for la in profile.layers
+    ]
+    return dataclasses.replace(profile, layers=layers)
+
+
+UNEVEN_FORWARD_S = (0.004, 0.010, 0.010, 0.016, 0.010, 0.010, 0.010, 0.010)
+"""`--profile uneven`: per layer forward (backward twice it); stage 1 (layers 2-3) the slowest."""
+
+
+def bench_profile(kind: str) -> ModelProfile:
+    """The synthetic profile: 8 layers of 0.5 GiB state, no activations; `uniform`: 10 ms forward,
+    20 ms backward each; `uneven`: UNEVEN_FORWARD_S."""
+    profile = uniform_profile(NODES * 2, gib_per_layer=0.5)
+    if kind == "uniform":
+        return profile
+    layers = [dataclasses.replace(la, forward_s=f, backward_s=2 * f) for la, f in zip(profile.layers, UNEVEN_FORWARD_S)]
+    return dataclasses.replace(profile, layers=layers)
+
+
+def estimate(schedule: str, profile: ModelProfile, factor: float) -> tuple[float, float, bool]:
+    """The planner's step estimate on the paced devices (its plan's), the simulator's for the same
+    stages (planning/schedule_cost.py), and whether the plan's stages are the job's."""
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [*OVERRIDES, f"planning.schedule={schedule}"])
+    paced_profile = scaled(profile, factor)
+    paced = plan_job(cfg, nodes=NODES, profile=paced_profile, engine_only=False).plan
+    job = plan_job(cfg, nodes=NODES, profile=profile, engine_only=False).plan
+
+    def cut(plan):
+        return [[(s.start, s.end) for s in p.stages] for p in plan.pipelines]
+
+    assert len(paced.pipelines) == 1 and len(paced.pipelines[0].stages) == NODES, cut(paced)
+    pipe = paced.pipelines[0]
+    sim = schedule_cost(paced_profile, cut(paced)[0], schedule, pipe.microbatches, links=links_for(cfg))
+    return paced.est_step_time_s, sim.step_s, cut(paced) == cut(job)
+
+
+def run(tmp: Path, *, schedule: str, factor: float, steps: int, tag: str) -> dict:
+    profile = tmp / "profile.json"
+    events = tmp / tag / "events"
+    events.mkdir(parents=True)
+    overrides = [
+        *OVERRIDES,
+        f"planning.schedule={schedule}",
+        f"training.paced_devices={factor}",
+        f"training.steps={steps}",
+        f"data.cache_dir={tmp / 'cache'}",
+        f"checkpoint.dir={tmp / tag / 'ckpt'}",
+        f"logging.tensorboard_dir={tmp / tag / 'runs'}",
+        f"logging.events_dir={events}",
+        f"planning.profile_path={profile}",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher.local",
+        "--nodes",
+        str(NODES),
+        "--rdzv-conf",
+        "lease_ttl=2,settle=0.2,last_call_timeout=1",
+        "--",
+        "examples/train.py",
+        "--config",
+        "configs/gpt2-tiny.yaml",
+        *overrides,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    (tmp / f"{tag}.log").write_text(proc.stdout + proc.stderr)
+    lines = read_event_lines(events, ["step", "paced_overrun"])
+    steps_seen = [e for e in lines if e["event"] == "step"]
+    return {
+        "ok": proc.returncode == 0 and any(e.get("step") == steps for e in steps_seen),
+        "seconds": {int(e["step"]): float(e["seconds"]) for e in steps_seen},
+        "t": {int(e["step"]): float(e["t"]) for e in steps_seen},
+        "overruns": sum(1 for e in lines if e["event"] == "paced_overrun"),
+        "tail": (proc.stdout + proc.stderr).strip().splitlines()[-1:],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5, help="steps left out at the start of each run")
+    ap.add_argument("--factor", type=float, default=2.0, help="training.paced_devices")
+    ap.add_argument("--profile", choices=["uniform", "uneven"], default="uniform")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="oobleck-schedules-"))
+    print(f"logs in {tmp}", file=sys.stderr)
+    profile = bench_profile(args.profile)
+    profile.save(tmp / "profile.json")
+    runnable = []
+    for schedule in args.schedules:
+        if (schedule, 1) not in ENGINE_RUNS:
+            print(json.dumps({"bench": "schedules", "schedule": schedule, "skipped": "the engine does not run it yet"}))
+        else:
+            runnable.append(schedule)
+    est = {s: estimate(s, profile, args.factor) for s in runnable}
+    results: dict[str, list[dict]] = {s: [] for s in runnable}
+    for i in range(args.repeats):
+        for schedule in runnable:
+            got = run(tmp, schedule=schedule, factor=args.factor, steps=args.steps, tag=f"{schedule}-{i}")
+            kept = [s for s in range(args.warmup + 1, args.steps + 1) if s in got["seconds"]]
+            step_s = statistics.median(got["seconds"][s] for s in kept) if kept else float("nan")
+            walls = [got["t"][s] - got["t"][s - 1] for s in kept if s - 1 in got["t"]]
+            results[schedule].append({"step_s": step_s, "overruns": got["overruns"]})
+            ref = results["1f1b"][i]["step_s"] if len(results.get("1f1b", [])) > i else None
+            print(
+                json.dumps(
+                    {
+                        "bench": "schedules",
+                        "run": f"{schedule}-{i}",
+                        "schedule": schedule,
+                        "factor": args.factor,
+                        "profile": args.profile,
+                        "step_s": round(step_s, 4),
+                        "wall_s": round(statistics.median(walls), 4) if walls else None,
+                        "est_s": round(est[schedule][0], 4),
+                        "ratio": round(step_s / est[schedule][0], 3),
+                        "sim_s": round(est[schedule][1], 4),
+                        "samples_s": round(BATCH / step_s, 2),
+                        "vs_1f1b": round(ref / step_s, 3) if ref else None,  # this repeat's 1f1b run
+                        "overruns": got["overruns"],
+                        "steps_kept": len(kept),
+                        "completed": got["ok"],
+                        "same_stages": est[schedule][2],
+                        **({} if got["ok"] else {"last_line": got["tail"]}),
+                    }
+                ),
+                flush=True,
+            )
+    base = statistics.median(BATCH / r["step_s"] for r in results["1f1b"]) if results.get("1f1b") else None
+    for schedule, runs in results.items():
+        step_s = statistics.median(r["step_s"] for r in runs)
+        sps = BATCH / step_s
+        print(
+            json.dumps(
+                {
+                    "bench": "schedules",
+                    "summary": schedule,
+                    "factor": args.factor,
+                    "runs": len(runs),
+                    "step_s": round(step_s, 4),
+                    "profile": args.profile,
+                    "est_s": round(est[schedule][0], 4),
+                    "ratio": round(step_s / est[schedule][0], 3),
+                    "sim_s": round(est[schedule][1], 4),
+                    "sim_ratio": round(step_s / est[schedule][1], 3),
+                    "samples_s": round(sps, 2),
+                    "vs_1f1b": round(sps / base, 3) if base else None,
+                    "overruns": sum(r["overruns"] for r in runs),
+                    "goal": "ratio within 0.9 .. 1.1",
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
