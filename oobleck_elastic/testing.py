@@ -39,8 +39,10 @@ def layout_plan(
     generation: int,
     num_layers: int = 6,
     microbatch_size: int = 2,
+    schedule: str = "1f1b",
 ) -> Plan:
-    """A plan from layer ranges per stage, one pipeline per entry, one device per node `n<rank>`."""
+    """A plan from layer ranges per stage, one pipeline per entry, one device per node `n<rank>`,
+    every pipeline running `schedule` with one chunk per device."""
     pipelines, rank = [], 0
     for index, (ranges, mb) in enumerate(zip(layout, microbatches, strict=True)):
         stages = []
@@ -55,6 +57,7 @@ def layout_plan(
                 microbatches=mb,
                 stages=tuple(stages),
                 est_time_s=1.0,
+                schedule=schedule,
             )
         )
     plan = Plan(

@@ -10,8 +10,8 @@ entered the one-worker plan (one pipeline, one stage holding every layer), so it
 entry and the same step as any worker of a job. With tensor parallelism the worker is one lane
 of its stage: its layers hold that lane's shards, and every lane runs the same schedule. A step
 (`train_step`) runs the pipeline's schedule (1F1B, or GPipe when chosen or when the pipeline has
-fewer microbatches than stages; a one-stage pipeline runs its microbatches one after another) on
-its share of the global batch, then:
+fewer microbatches than stages, or ZB-H1 under zero-bubble; a one-stage pipeline runs its
+microbatches one after another) on its share of the global batch, then:
 
 1. gradients are SUM-reduced among each layer's holders (GradSync);
 2. one all-reduce over the generation sums the squared gradient norm and the loss;
@@ -50,7 +50,8 @@ from ..logs import JobLog
 from ..config import JobConfig
 from ..config.timing import comm_timeout
 from ..models import LayerModel, build_layer_model, num_layers
-from ..planning import Plan
+from ..planning import PipelineSpec, Plan, PlanningError
+from ..planning.schedule_choice import ENGINE_RUNS
 from .telemetry import memory
 from .telemetry.samples import SampleLedger
 from .step.compiled import compile_enabled, compiled_stage, use_cache_dir, warm_up
@@ -262,7 +263,7 @@ class Trainer(PortableState):
         self.step_group = None
 
     def _build_pipeline(self, plan: Plan) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import PipelineStage
 
         assert self.groups is not None
         self.pipeline, self.stage = plan.stage_of(self.rank)
@@ -301,18 +302,12 @@ class Trainer(PortableState):
                 group=self.groups.pipeline_group,
             )
             # time the stage's own compute, not its waits for its neighbours (engine/resilience/straggler.py)
-            # and each chunk is a progress point of the step thread (engine/resilience/progress.py)
-            pstage.forward_one_chunk = self.progress.timed(  # type: ignore[method-assign]
-                self.clock.timed(pstage.forward_one_chunk)
-            )
-            pstage.backward_one_chunk = self.progress.timed(  # type: ignore[method-assign]
-                self.clock.timed(pstage.backward_one_chunk)
-            )
+            # and each chunk is a progress point of the step thread (engine/resilience/progress.py);
+            # zero-bubble splits the backward into the input gradient and the weight gradient
+            for chunk in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(pstage, chunk, self.progress.timed(self.clock.timed(getattr(pstage, chunk))))
             watch_pipeline_waits(self.progress)  # the schedule's sends and receives are waits
-            mb = self.pipeline.microbatches
-            cls = Schedule1F1B if self.pipeline.schedule == "1f1b" and mb >= stages else ScheduleGPipe
-            # every stage gets the loss_fn: without one a schedule runs forward only
-            self.schedule = cls(pstage, n_microbatches=mb, loss_fn=self.loss_fn, scale_grads=False)
+            self.schedule = _schedule(self.pipeline, pstage, self.loss_fn)
 
     # ------------------------------------------------------------------ one step
     def my_samples(self, step: int) -> list[int]:
@@ -575,6 +570,27 @@ class Trainer(PortableState):
         self.batches.close()
         if self.plan is not None and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _schedule(pipeline: PipelineSpec, stage: Any, loss_fn: Callable[..., torch.Tensor]) -> Any:
+    """The torch schedule running `pipeline`'s schedule on this worker's `stage`: 1F1B (GPipe
+    when chosen, or when the pipeline has fewer microbatches than stages), or ZB-H1 (zero-bubble
+    with one chunk per device: torch's interleaved zero-bubble schedule on one stage per rank, the
+    order planning/schedules.py simulates). Every stage gets the loss_fn (without one a schedule
+    runs forward only) and sums, never averages, the microbatches' gradients (`scale_grads=False`:
+    the loss is already divided by the global batch)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble
+
+    if (pipeline.schedule, pipeline.num_chunks) not in ENGINE_RUNS:
+        raise PlanningError(
+            f"pipeline {pipeline.index} runs {pipeline.schedule} with {pipeline.num_chunks} chunk(s) per device, "
+            "which the engine does not run"
+        )
+    mb, stages = pipeline.microbatches, len(pipeline.stages)
+    if pipeline.schedule == "zero-bubble":
+        return ScheduleInterleavedZeroBubble([stage], n_microbatches=mb, loss_fn=loss_fn, scale_grads=False)
+    cls = Schedule1F1B if pipeline.schedule == "1f1b" and mb >= stages else ScheduleGPipe
+    return cls(stage, n_microbatches=mb, loss_fn=loss_fn, scale_grads=False)
 
 
 def single_process(cfg: JobConfig, *, dataset: Any, device: str | torch.device = "cpu") -> Trainer:
