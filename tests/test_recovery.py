@@ -108,10 +108,14 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     assert f"gen 2 step {first}/{steps} " in out, out[-4000:]
 
 
-def test_kill_one_node_of_four_under_zero_bubble_matches_reference(tmp_path: Path, etcd_server, run_id) -> None:
-    """The same failure under planning.schedule=zero-bubble: two 2-stage ZB-H1 pipelines lose a
-    node at step 3, the survivors re-plan in-process into one 3-stage ZB-H1 pipeline and end with the
-    single-process weights."""
+@pytest.mark.parametrize("schedule", ["zero-bubble", "interleaved-1f1b"])
+def test_kill_one_node_of_four_under_other_schedules_matches_reference(
+    tmp_path: Path, etcd_server, run_id, schedule: str
+) -> None:
+    """The same failure under planning.schedule=zero-bubble (two 2-stage ZB-H1 pipelines become
+    one 3-stage one) and interleaved-1f1b (two pipelines of 2 devices holding 3 one-layer chunks
+    each become one of 3 devices holding 2): the survivors re-plan in-process, receive the
+    non-contiguous layers they newly own, and end with the single-process weights."""
     from oobleck_elastic.planning import Plan
     from oobleck_elastic.records.keys import Keys
 
@@ -122,7 +126,7 @@ def test_kill_one_node_of_four_under_zero_bubble_matches_reference(tmp_path: Pat
         ["--nodes", "4", "--kill", "1@3"],
         8,
         tiny_profile(tmp_path / "profile.json"),
-        extra=["planning.schedule=zero-bubble"],
+        extra=[f"planning.schedule={schedule}"],
     )
     assert "[launcher] killed node 1" in out and "entered from generation 1" in out, out[-4000:]
     assert "Stopping worker group" not in out and "restart" not in out.lower().replace("restarts=", "")
@@ -131,9 +135,10 @@ def test_kill_one_node_of_four_under_zero_bubble_matches_reference(tmp_path: Pat
         plans = [Plan.from_json(client.get_json(keys.plan_at(g))[0]) for g in (1, 2)]
     finally:
         client.close()
-    assert [[(p.schedule, len(p.stages)) for p in plan.pipelines] for plan in plans] == [
-        [("zero-bubble", 2), ("zero-bubble", 2)],
-        [("zero-bubble", 3)],
+    chunks = (1, 1) if schedule == "zero-bubble" else (3, 2)
+    assert [[(p.schedule, len(p.stages), p.num_chunks) for p in plan.pipelines] for plan in plans] == [
+        [(schedule, 2, chunks[0]), (schedule, 2, chunks[0])],
+        [(schedule, 3, chunks[1])],
     ]
     assert read_manifest(latest_checkpoint(tmp_path / "job" / "ckpt"))["plan"]["generation"] == 2
     assert_same(job, ref)

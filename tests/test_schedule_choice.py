@@ -59,11 +59,12 @@ def test_the_candidates_each_setting_allows() -> None:
     auto = candidates("auto", "auto")
     assert auto[0] == ("1f1b", 1) and ("zbv", 2) in auto and ("gpipe", 1) not in auto
     assert len(auto) == 1 + 7 + 8 + 1
-    assert candidates("auto", "auto", engine_only=True) == [("1f1b", 1), ("zero-bubble", 1)]
-    assert candidates("auto", "auto", engine_only=True, compiled=True) == [("1f1b", 1)]
+    interleaved = [("interleaved-1f1b", v) for v in range(2, 9)]
+    assert candidates("auto", "auto", engine_only=True) == [("1f1b", 1), *interleaved, ("zero-bubble", 1)]
+    assert candidates("auto", "auto", engine_only=True, compiled=True) == [("1f1b", 1), *interleaved]
     assert candidates("zero-bubble", "auto", engine_only=True) == [("zero-bubble", 1)]
     assert set(candidates("gpipe", 1, engine_only=True)) <= ENGINE_RUNS
-    assert ENGINE_RUNS == {("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1)}
+    assert ENGINE_RUNS == {("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1), *interleaved}
 
 
 @pytest.mark.parametrize(
@@ -90,18 +91,25 @@ def test_bad_schedule_settings_are_one_line_naming_the_key(overrides: dict, mess
 
 def test_a_job_refuses_a_schedule_the_engine_does_not_run_and_auto_plans_only_those() -> None:
     with pytest.raises(ConfigError) as err:
-        check_start(config(**{"planning.schedule": "interleaved-1f1b"}))
+        check_start(config(**{"planning.schedule": "zbv"}))
     assert str(err.value) == (
-        "planning.schedule=interleaved-1f1b is planned (oobleck plan shows it) but the engine does not run it "
-        "yet: use 1f1b or gpipe or zero-bubble or auto"
+        "planning.schedule=zbv is planned (oobleck plan shows it) but the engine does not run it "
+        "yet: use 1f1b or gpipe or interleaved-1f1b or zero-bubble or auto"
     )
     with pytest.raises(ConfigError) as err:
         check_start(config(**{"planning.schedule": "zero-bubble", "planning.chunks_per_device": 2}))
     assert str(err.value) == (
         "planning.schedule=zero-bubble with planning.chunks_per_device=2 is planned (oobleck plan shows it) but "
-        "the engine runs zero-bubble with 1 chunk(s) per device only: set planning.chunks_per_device=1 or auto"
+        "the engine runs zero-bubble with 1 chunk(s) per device only: set planning.chunks_per_device to 1 or auto"
+    )
+    with pytest.raises(ConfigError) as err:
+        check_start(config(**{"planning.schedule": "interleaved-1f1b", "planning.chunks_per_device": 1}))
+    assert str(err.value).endswith(
+        "the engine runs interleaved-1f1b with 2..8 chunk(s) per device only: set planning.chunks_per_device to "
+        "2..8 or auto"
     )
     check_start(config(**{"planning.schedule": "zero-bubble"}))  # chunks auto: the engine's one chunk
+    check_start(config(**{"planning.schedule": "interleaved-1f1b"}))
     cfg = config(**{"planning.schedule": "auto"})
     plan = plan_job(cfg, nodes=10, profile=model(), engine_only=True).plan
     # on this model ZB-H1 beats 1F1B: the weight gradients fill the cool-down
@@ -131,13 +139,14 @@ def test_compiled_layers_never_run_zero_bubble() -> None:
         cfg = config(**{"planning.schedule": schedule, "training.compile": compile_})
         assert layers_compiled(cfg, device) is compiled, (schedule, compile_, device)
         assert JobPlanner(cfg, None, None, device_type=device).compiled is compiled  # type: ignore[arg-type]
-    # the leader's planner: with compiled layers auto falls back to 1F1B on the same nodes
+    # the leader's planner: with compiled layers auto takes the best schedule that does not split the
+    # backward (interleaved 1F1B) on the same nodes
     cfg = config(**{"planning.schedule": "auto"})
     plan = plan_job(cfg, nodes=10, profile=model(), engine_only=True, compiled=True).plan
-    assert {(p.schedule, p.num_chunks) for p in plan.pipelines} == {("1f1b", 1)}
+    assert {(p.schedule, p.num_chunks) for p in plan.pipelines} == {("interleaved-1f1b", 2)}
     planner = JobPlanner(cfg, None, None, device_type="cuda")  # type: ignore[arg-type]
     planner._profile = lambda nodes: model()  # type: ignore[method-assign]  # the planner only: no etcd
-    assert {p.schedule for p in planner.plan_for([f"node{i}" for i in range(10)], 1).pipelines} == {"1f1b"}
+    assert {p.schedule for p in planner.plan_for([f"node{i}" for i in range(10)], 1).pipelines} == {"interleaved-1f1b"}
     planner = JobPlanner(cfg, None, None, device_type="cpu")  # type: ignore[arg-type]
     planner._profile = lambda nodes: model()  # type: ignore[method-assign]
     assert {p.schedule for p in planner.plan_for([f"node{i}" for i in range(10)], 1).pipelines} == {"zero-bubble"}

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ENGINE_RUNS",
     "describe",
+    "engine_runs_text",
     "MAX_CHUNKS",
     "PipelineSchedules",
     "SPLIT_BACKWARD",
@@ -59,7 +60,9 @@ __all__ = [
     "layers_compiled",
 ]
 
-ENGINE_RUNS: frozenset[tuple[str, int]] = frozenset({("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1)})
+ENGINE_RUNS: frozenset[tuple[str, int]] = frozenset(
+    {("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1)} | {("interleaved-1f1b", v) for v in range(2, MAX_CHUNKS + 1)}
+)
 """(schedule, chunks per device) the engine runs (engine/trainer.py)."""
 
 SPLIT_BACKWARD: frozenset[str] = frozenset({"zero-bubble", "zbv"})
@@ -71,6 +74,21 @@ SIMULATED_SIZES = 8
 WEIGHT_SHARE = 0.5
 """The weight gradient's share of a layer's backward time (Qi et al.'s transformer: I = W); the
 profile measures the backward whole."""
+
+
+def _chunk_counts(counts: Sequence[int]) -> str:
+    """`1`, or `2..8` for a run of chunk counts."""
+    low, high = min(counts), max(counts)
+    return str(low) if low == high else f"{low}..{high}"
+
+
+def engine_runs_text() -> str:
+    """What the engine runs, in words: "1f1b, gpipe, interleaved-1f1b with 2..8 chunks, zero-bubble"."""
+    out = []
+    for name in sorted({s for s, _ in ENGINE_RUNS}):
+        counts = [c for s, c in ENGINE_RUNS if s == name]
+        out.append(name if counts == [1] else f"{name} with {_chunk_counts(counts)} chunks")
+    return ", ".join(out)
 
 
 def closed_form(schedule: str) -> bool:
@@ -115,11 +133,11 @@ def candidates(
     if engine_only:
         runs = [c for c in out if c in ENGINE_RUNS]
         if not runs and schedule in {s for s, _ in ENGINE_RUNS}:
-            one = sorted(c for s, c in ENGINE_RUNS if s == schedule)
+            counts = _chunk_counts([c for s, c in ENGINE_RUNS if s == schedule])
             raise PlanningError(
                 f"planning.schedule={schedule} with planning.chunks_per_device={chunks} is planned (oobleck plan "
-                f"shows it) but the engine runs {schedule} with {' or '.join(map(str, one))} chunk(s) per device "
-                f"only: set planning.chunks_per_device={one[0]} or auto"
+                f"shows it) but the engine runs {schedule} with {counts} chunk(s) per device only: set "
+                f"planning.chunks_per_device to {counts} or auto"
             )
         if not runs:
             raise PlanningError(
@@ -314,8 +332,6 @@ def describe(schedules: PipelineSchedules, plan: "Plan") -> list[str]:
         out.append(
             "  note: the engine does not run "
             + ", ".join(f"{s} with {c} chunk(s)" for s, c in runs)
-            + " yet; a job plans with the schedules it runs ("
-            + ", ".join(s if c == 1 else f"{s} with {c} chunks" for s, c in sorted(ENGINE_RUNS))
-            + ")"
+            + f" yet; a job plans with the schedules it runs ({engine_runs_text()})"
         )
     return out
