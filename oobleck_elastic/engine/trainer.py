@@ -52,7 +52,7 @@ from ..config import JobConfig
 from ..config.timing import comm_timeout
 from ..models import LayerModel, build_layer_model, num_layers
 from ..planning import PipelineSpec, Plan, PlanningError
-from ..planning.schedule_choice import ENGINE_RUNS
+from ..planning.schedule_choice import ENGINE_RUNS, engine_runs_text
 from .telemetry import memory
 from .telemetry.samples import SampleLedger
 from .step.compiled import compile_enabled, compiled_stage, use_cache_dir, warm_up
@@ -603,7 +603,7 @@ def _schedule(pipeline: PipelineSpec, stages: list[Any], loss_fn: Callable[..., 
     if (pipeline.schedule, pipeline.num_chunks) not in ENGINE_RUNS:
         raise PlanningError(
             f"pipeline {pipeline.index} runs {pipeline.schedule} with {pipeline.num_chunks} chunk(s) per device, "
-            "which the engine does not run"
+            f"which the engine does not run (it runs {engine_runs_text()}): set planning.schedule to one of those"
         )
     mb = pipeline.microbatches
     if pipeline.schedule in ("zero-bubble", "interleaved-1f1b"):
