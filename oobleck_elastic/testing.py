@@ -39,22 +39,33 @@ def layout_plan(
     generation: int,
     num_layers: int = 6,
     microbatch_size: int = 2,
+    schedule: str = "1f1b",
+    chunks: int = 1,
 ) -> Plan:
-    """A plan from layer ranges per stage, one pipeline per entry, one device per node `n<rank>`."""
+    """A plan from layer ranges per stage, one pipeline per entry, one device per node `n<rank>`,
+    every pipeline running `schedule`. With `chunks` > 1 a pipeline's ranges are its virtual
+    stages in pipeline order, in loop placement: device d of D holds ranges d, D + d, ..."""
     pipelines, rank = [], 0
     for index, (ranges, mb) in enumerate(zip(layout, microbatches, strict=True)):
+        devices = len(ranges) // chunks
         stages = []
-        for s, (u, v) in enumerate(ranges):
-            stages.append(StagePlacement(index=s, start=u, end=v, node=f"n{rank}", local_rank=0, rank=rank))
+        for s in range(devices):
+            held = tuple(ranges[c * devices + s] for c in range(chunks)) if chunks > 1 else ()
+            u, v = ranges[s]
+            stages.append(
+                StagePlacement(index=s, start=u, end=v, node=f"n{rank}", local_rank=0, rank=rank, chunks=held)
+            )
             rank += 1
         pipelines.append(
             PipelineSpec(
                 index=index,
-                template_nodes=len(ranges),
+                template_nodes=devices,
                 nodes=tuple(st.node for st in stages),
                 microbatches=mb,
                 stages=tuple(stages),
                 est_time_s=1.0,
+                schedule=schedule,
+                num_chunks=chunks,
             )
         )
     plan = Plan(

@@ -1,7 +1,8 @@
 """Invariants 1-2 through a real node failure: four torchrun nodes train two 2-stage pipelines,
 one node is SIGKILLed mid-run, the survivors re-plan into one 3-stage pipeline in-process (no
 worker restarts), receive the layers they newly own with their AdamW state from surviving
-holders, settle the interrupted step, and finish with the same weights as one process."""
+holders, settle the interrupted step, and finish with the same weights as one process (under
+1F1B, and under zero-bubble)."""
 
 from __future__ import annotations
 
@@ -105,6 +106,42 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     assert max(float(m.group(2)) for m in entries) - 0.001 <= window < at["Throughput/wall_s"], (entries, at)
     # TensorBoard's step is the progress line's: the first step of generation 2 is "gen 2 step N/8"
     assert f"gen 2 step {first}/{steps} " in out, out[-4000:]
+
+
+@pytest.mark.parametrize("schedule", ["zero-bubble", "interleaved-1f1b"])
+def test_kill_one_node_of_four_under_other_schedules_matches_reference(
+    tmp_path: Path, etcd_server, run_id, schedule: str
+) -> None:
+    """The same failure under planning.schedule=zero-bubble (two 2-stage ZB-H1 pipelines become
+    one 3-stage one) and interleaved-1f1b (two pipelines of 2 devices holding 3 one-layer chunks
+    each become one of 3 devices holding 2): the survivors re-plan in-process, receive the
+    non-contiguous layers they newly own, and end with the single-process weights."""
+    from oobleck_elastic.planning import Plan
+    from oobleck_elastic.records.keys import Keys
+
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4", "--kill", "1@3"],
+        8,
+        tiny_profile(tmp_path / "profile.json"),
+        extra=[f"planning.schedule={schedule}"],
+    )
+    assert "[launcher] killed node 1" in out and "entered from generation 1" in out, out[-4000:]
+    assert "Stopping worker group" not in out and "restart" not in out.lower().replace("restarts=", "")
+    client, keys = connect(EtcdSettings(endpoint=etcd_server.endpoint)), Keys("/oobleck", run_id)
+    try:
+        plans = [Plan.from_json(client.get_json(keys.plan_at(g))[0]) for g in (1, 2)]
+    finally:
+        client.close()
+    chunks = (1, 1) if schedule == "zero-bubble" else (3, 2)
+    assert [[(p.schedule, len(p.stages), p.num_chunks) for p in plan.pipelines] for plan in plans] == [
+        [(schedule, 2, chunks[0]), (schedule, 2, chunks[0])],
+        [(schedule, 3, chunks[1])],
+    ]
+    assert read_manifest(latest_checkpoint(tmp_path / "job" / "ckpt"))["plan"]["generation"] == 2
+    assert_same(job, ref)
 
 
 @pytest.mark.extended  # the default run covers this ground (the README's test section)

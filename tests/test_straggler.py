@@ -193,6 +193,13 @@ def test_rebalanced_plan_keeps_nodes_stages_and_the_global_batch() -> None:
     assert rebalanced_plan(plan, [0.1, 0.105, 0.1, 0.1]) is None
     assert rebalanced_plan(new, [0.1, 0.3, 0.1, 0.1]) is None
     assert rebalanced_plan(plan, [0.1, 0.3]) is None
+    # a pipeline whose schedule runs microbatches in rounds (zero-bubble, interleaved) is never re-split:
+    # its new count could be one the schedule cannot run
+    for schedule in ("zero-bubble", "interleaved-1f1b"):
+        ran = dataclasses.replace(
+            plan, pipelines=(dataclasses.replace(plan.pipelines[0], schedule=schedule),) + plan.pipelines[1:]
+        )
+        assert rebalanced_plan(ran, [0.1, 0.3, 0.1, 0.1]) is None
 
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # CPU workers measure their compute with one intra-op thread each

@@ -68,15 +68,18 @@ def ends_the_job(err: BaseException, *, steps_done: Optional[int]) -> bool:
 
 def check_start(cfg: JobConfig) -> None:
     """Raise the first problem found before anything is built: nothing left to train, shadow
-    copies or a schedule the engine does not run asked for (ConfigError), a data file or
-    tokenizer directory that does not exist (DataError)."""
+    copies or a schedule the engine does not run (or not with compiled layers) asked for
+    (ConfigError), a data file or tokenizer directory that does not exist (DataError)."""
     if cfg.fault_tolerance.shadow_copies > 0:
         raise ConfigError(
             f"fault_tolerance.shadow_copies={cfg.fault_tolerance.shadow_copies}: training does not keep "
             "shadow copies yet (`oobleck plan` only shows where they would go); set it to 0 to train"
         )
     try:
-        candidates(cfg.planning.schedule, cfg.planning.chunks_per_device, engine_only=True)
+        # compile unset is decided per device, by the workers and the leader (schedule_choice.layers_compiled)
+        candidates(
+            cfg.planning.schedule, cfg.planning.chunks_per_device, engine_only=True, compiled=bool(cfg.training.compile)
+        )
     except PlanningError as err:
         raise ConfigError(str(err)) from None
     if cfg.checkpoint.resume:

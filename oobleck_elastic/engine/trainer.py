@@ -10,8 +10,9 @@ entered the one-worker plan (one pipeline, one stage holding every layer), so it
 entry and the same step as any worker of a job. With tensor parallelism the worker is one lane
 of its stage: its layers hold that lane's shards, and every lane runs the same schedule. A step
 (`train_step`) runs the pipeline's schedule (1F1B, or GPipe when chosen or when the pipeline has
-fewer microbatches than stages; a one-stage pipeline runs its microbatches one after another) on
-its share of the global batch, then:
+fewer microbatches than stages, ZB-H1 under zero-bubble, or interleaved 1F1B over the worker's
+virtual stages, its chunks of non-contiguous layers; a one-stage pipeline runs its microbatches
+one after another) on its share of the global batch, then:
 
 1. gradients are SUM-reduced among each layer's holders (GradSync);
 2. one all-reduce over the generation sums the squared gradient norm and the loss;
@@ -50,7 +51,8 @@ from ..logs import JobLog
 from ..config import JobConfig
 from ..config.timing import comm_timeout
 from ..models import LayerModel, build_layer_model, num_layers
-from ..planning import Plan
+from ..planning import PipelineSpec, Plan, PlanningError
+from ..planning.schedule_choice import ENGINE_RUNS, engine_runs_text
 from .telemetry import memory
 from .telemetry.samples import SampleLedger
 from .step.compiled import compile_enabled, compiled_stage, use_cache_dir, warm_up
@@ -268,7 +270,7 @@ class Trainer(PortableState):
         self.step_group = None
 
     def _build_pipeline(self, plan: Plan) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import PipelineStage
 
         assert self.groups is not None
         self.pipeline, self.stage = plan.stage_of(self.rank)
@@ -276,57 +278,69 @@ class Trainer(PortableState):
         # the generation's stages without its donors (which leave after the entry); None = the world
         self.step_group = dist.new_group(list(range(plan.world_size)), timeout=self.timeout) if plan.donors else None
         self.grad_sync = GradSync(self.groups, self.layer_model, self.owned)
-        layers = self.layer_model.stage(self.stage.start, self.stage.end)
-        self.stage_module = Autocast(
-            compiled_stage(list(layers)) if self.compile else layers,
-            self.dtype,
-            last=self.stage.end == self.layer_model.num_layers,
-        )
         stages = len(self.pipeline.stages)
+        # the device's virtual stages (one range without chunks); a one-stage pipeline's are contiguous
+        held = self.stage.layers()
+        ranges = self.stage.layer_ranges() if stages > 1 else ((min(held), max(held) + 1),)
+        modules = [self._stage_module(u, v) for u, v in ranges]
+        self.stage_module = modules[0] if len(modules) == 1 else nn.Sequential(*modules)
         self.schedule = None
         if stages > 1:
+            from ..planning.schedules import stage_placement
             from .step.shapes import stage_io
 
-            # static shapes (meta tensors): torch then exchanges no pickled metadata between stages
-            inputs, outputs = stage_io(
-                self.cfg.model,
-                seed=self.cfg.training.seed,
-                start=self.stage.start,
-                end=self.stage.end,
-                microbatch_size=plan.microbatch_size,
-                seq_len=self.dataset[0][0].shape[-1],
-                autocast=self.dtype,
-            )
-            pstage = PipelineStage(
-                self.stage_module,
-                self.stage.index,
-                stages,
-                self.device,
-                input_args=inputs,
-                output_args=outputs,
-                group=self.groups.pipeline_group,
-            )
-            self.pacer = pace_stage(  # training.paced_devices: pad each pass (engine/step/paced.py)
-                pstage,
-                self.stage,
-                self.cfg.training.paced_devices,
-                device=self.device,
-                log=log.at(gen=plan.generation, node=self.node),
-                step=lambda: self._step,
-            )
-            # time the stage's own compute, not its waits for its neighbours (engine/resilience/straggler.py)
-            # and each chunk is a progress point of the step thread (engine/resilience/progress.py)
-            pstage.forward_one_chunk = self.progress.timed(  # type: ignore[method-assign]
-                self.clock.timed(pstage.forward_one_chunk)
-            )
-            pstage.backward_one_chunk = self.progress.timed(  # type: ignore[method-assign]
-                self.clock.timed(pstage.backward_one_chunk)
-            )
+            placed = stage_placement(self.pipeline.schedule, stages, len(ranges))  # virtual stage -> device
+            indices = [k for k, device in enumerate(placed) if device == self.stage.index]
+            pstages: list[PipelineStage] = []
+            for index, (start, end), module in zip(indices, ranges, modules, strict=True):
+                # static shapes (meta tensors): torch then exchanges no pickled metadata between stages
+                inputs, outputs = stage_io(
+                    self.cfg.model,
+                    seed=self.cfg.training.seed,
+                    start=start,
+                    end=end,
+                    microbatch_size=plan.microbatch_size,
+                    seq_len=self.dataset[0][0].shape[-1],
+                    autocast=self.dtype,
+                )
+                pstage = PipelineStage(
+                    module,
+                    index,
+                    len(placed),
+                    self.device,
+                    input_args=inputs,
+                    output_args=outputs,
+                    group=self.groups.pipeline_group,
+                )
+                if not pstages:  # training.paced_devices: pad each pass (engine/step/paced.py)
+                    self.pacer = pace_stage(
+                        pstage,
+                        self.stage,
+                        self.cfg.training.paced_devices,
+                        device=self.device,
+                        log=log.at(gen=plan.generation, node=self.node),
+                        step=lambda: self._step,
+                    )
+                # a split backward assigns the weight gradients in its W pass, no hook sees them:
+                # the gradient sync is told when a virtual stage's last W has run (grad_sync.py)
+                pstage.backward_weight_one_chunk = _after_weight_pass(  # type: ignore[method-assign]
+                    pstage.backward_weight_one_chunk, self.grad_sync, range(start, end)
+                )
+                # time the stage's own compute, not its waits for its neighbours (engine/resilience/straggler.py)
+                # and each chunk is a progress point of the step thread (engine/resilience/progress.py);
+                # zero-bubble splits the backward into the input gradient and the weight gradient
+                for chunk in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                    setattr(pstage, chunk, self.progress.timed(self.clock.timed(getattr(pstage, chunk))))
+                pstages.append(pstage)
             watch_pipeline_waits(self.progress)  # the schedule's sends and receives are waits
-            mb = self.pipeline.microbatches
-            cls = Schedule1F1B if self.pipeline.schedule == "1f1b" and mb >= stages else ScheduleGPipe
-            # every stage gets the loss_fn: without one a schedule runs forward only
-            self.schedule = cls(pstage, n_microbatches=mb, loss_fn=self.loss_fn, scale_grads=False)
+            self.schedule = _schedule(self.pipeline, pstages, self.loss_fn)
+
+    def _stage_module(self, start: int, end: int) -> nn.Module:
+        """Layers [start, end) of this worker, compiled when `training.compile` says so, under the
+        step's precision (the model's last layer hands on bf16 logits)."""
+        layers = self.layer_model.stage(start, end)
+        last = end == self.layer_model.num_layers
+        return Autocast(compiled_stage(list(layers)) if self.compile else layers, self.dtype, last=last)
 
     # ------------------------------------------------------------------ one step
     def my_samples(self, step: int) -> list[int]:
@@ -590,6 +604,47 @@ class Trainer(PortableState):
         self.batches.close()
         if self.plan is not None and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _after_weight_pass(weight_pass: Callable[..., Any], sync: GradSync, layers: range) -> Callable[..., Any]:
+    """`weight_pass` (a stage's backward_weight_one_chunk), then `sync.weight_pass(layers)`: the
+    generation's own GradSync, bound here, so an abandoned step never reaches the next one's."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = weight_pass(*args, **kwargs)
+        sync.weight_pass(layers)
+        return out
+
+    return run
+
+
+def _schedule(pipeline: PipelineSpec, stages: list[Any], loss_fn: Callable[..., torch.Tensor]) -> Any:
+    """The torch schedule running `pipeline`'s schedule on this worker's `stages` (its virtual
+    stages, in pipeline order): 1F1B (GPipe when chosen, or when the pipeline has fewer
+    microbatches than stages), interleaved 1F1B over the chunks, or ZB-H1 (zero-bubble: torch's
+    interleaved zero-bubble schedule, on one stage per rank with one chunk), the orders
+    planning/schedules.py simulates. Every stage gets the loss_fn (without one a schedule runs
+    forward only) and sums, never averages, the microbatches' gradients (`scale_grads=False`: the
+    loss is already divided by the global batch)."""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
+
+    if (pipeline.schedule, pipeline.num_chunks) not in ENGINE_RUNS:
+        raise PlanningError(
+            f"pipeline {pipeline.index} runs {pipeline.schedule} with {pipeline.num_chunks} chunk(s) per device, "
+            f"which the engine does not run (it runs {engine_runs_text()}): set planning.schedule to one of those"
+        )
+    mb = pipeline.microbatches
+    if pipeline.schedule in ("zero-bubble", "interleaved-1f1b"):
+        cls = ScheduleInterleavedZeroBubble if pipeline.schedule == "zero-bubble" else ScheduleInterleaved1F1B
+        return cls(stages, n_microbatches=mb, loss_fn=loss_fn, scale_grads=False)
+    (stage,) = stages
+    one = Schedule1F1B if pipeline.schedule == "1f1b" and mb >= len(pipeline.stages) else ScheduleGPipe
+    return one(stage, n_microbatches=mb, loss_fn=loss_fn, scale_grads=False)
 
 
 def single_process(cfg: JobConfig, *, dataset: Any, device: str | torch.device = "cpu") -> Trainer:

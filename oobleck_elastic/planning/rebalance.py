@@ -62,11 +62,19 @@ def _fits(plan: Plan, per_mb: Sequence[float]) -> bool:
     return len(per_mb) == len(plan.pipelines) and all(w > 0 for w in per_mb)
 
 
+def _resplittable(plan: Plan) -> bool:
+    """Every pipeline runs 1F1B or GPipe: any microbatch count runs, at the model above. Interleaved
+    and zero-bubble schedules run microbatches in rounds (planning/schedules.py), so a re-split
+    could hand a pipeline a count its schedule cannot run; those plans are not re-split."""
+    return all(p.schedule in ("1f1b", "gpipe") for p in plan.pipelines)
+
+
 def rebalanced_plan(plan: Plan, per_mb: Sequence[float], *, min_gain: float = MIN_GAIN) -> Optional[Plan]:
     """The next generation's plan with the microbatches re-split at `per_mb` (seconds per microbatch
     of each pipeline, in plan order), or None: the speeds do not fit the plan, or the split would
-    shorten the estimated step by less than `min_gain`."""
-    if not _fits(plan, per_mb):
+    shorten the estimated step by less than `min_gain`, or a pipeline runs a schedule in rounds
+    (`_resplittable`)."""
+    if not _fits(plan, per_mb) or not _resplittable(plan):
         return None
     stages = [len(p.stages) for p in plan.pipelines]
     now = [p.microbatches for p in plan.pipelines]

@@ -37,6 +37,7 @@ from ..planning import (
     plan_job,
     templates_for,
 )
+from ..planning.schedule_choice import layers_compiled
 from ..records.keys import Keys
 from .leader import JobUnplannable
 
@@ -48,8 +49,11 @@ __all__ = ["JobPlanner"]
 class JobPlanner:
     """The planner of one job's leader (module docstring)."""
 
-    def __init__(self, cfg: JobConfig, client: EtcdClient, keys: Keys) -> None:
+    def __init__(self, cfg: JobConfig, client: EtcdClient, keys: Keys, *, device_type: str = "cpu") -> None:
+        """`device_type`: the workers' kind of device ("cuda", "cpu"), which says whether they
+        compile their layers (`layers_compiled`): then no plan splits the backward (zero-bubble)."""
         self.cfg, self.client, self.keys = cfg, client, keys
+        self.compiled = layers_compiled(cfg, device_type)
         self._templates: Any = None
         self._pinned: ModelProfile | None = None
         self._warned: set[tuple[str, int]] = set()  # (key, mod revision) of values already reported
@@ -77,7 +81,13 @@ class JobPlanner:
             except PlanningError as err:  # the config and the pinned profile are fixed: no node count helps
                 raise JobUnplannable(str(err)) from None
         return plan_job(
-            self.cfg, nodes=nodes, generation=generation, templates=self._templates, previous=previous, engine_only=True
+            self.cfg,
+            nodes=nodes,
+            generation=generation,
+            templates=self._templates,
+            previous=previous,
+            engine_only=True,
+            compiled=self.compiled,
         ).plan
 
     def profile_ready(self) -> bool:

@@ -323,7 +323,7 @@ class GenerationEntry:
         kept layer's shards and optimizer state are copied into it. Returns the new state, the
         generation's groups and the layer bytes this worker sent plus received."""
         stage = plan.stage_of(rank)[1]
-        owned = list(range(stage.start, stage.end))
+        owned = list(stage.layers())  # with chunks: every virtual stage's layers
         kept = [i for i in owned if i in state.owned] if current else []
         groups = GenerationGroups(
             plan,

@@ -13,8 +13,8 @@ the reduction is not left until the schedule ends: a hook on each parameter
 parameter of a layer has been accumulated `microbatches` times the layer's gradients are
 flattened and their all-reduce posted asynchronously (`async_op=True`), on its holder set's
 group. A schedule that splits the backward (zero-bubble) assigns the weight gradients in its W pass
-without accumulating them: the trainer says when a stage's last W has run (`stage_final`), and
-its layers are posted then. The schedule goes on; `all_reduce()`, after the schedule, posts
+without accumulating them: the trainer reports every W pass (`weight_pass`), and after a
+virtual stage's last one its layers are posted. The schedule goes on; `all_reduce()`, after the schedule, posts
 whatever was not posted yet (tied parameters, parameters that got no gradient), waits for every
 reduction and writes the sums back. Nothing is applied before that: the commit point and the step guard are unchanged.
 
@@ -95,6 +95,7 @@ class GradSync:
         self._missing: dict[int, int] = {}
         self._next: dict[tuple[int, ...], int] = {}
         self._final: set[int] = set()
+        self._w_counts: dict[tuple[int, int], int] = {}  # a virtual stage's W passes in the step
         self._posted: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
         self.posted_early = 0
         """Layers whose reduction the last step posted during its schedule (the overlap's measure)."""
@@ -113,6 +114,7 @@ class GradSync:
             self._missing = {li: len(self.layer_params[li]) for li in self._set_of}
             self._next = {ranks: 0 for ranks in self.sequence}
             self._final = set()
+            self._w_counts = {}
             self._posted = []
             self._armed = microbatches > 0
 
@@ -124,11 +126,16 @@ class GradSync:
             h.remove()
         self._hooks = []
 
-    def stage_final(self, layers: Iterable[int]) -> None:
-        """`layers` have their final gradient although no hook saw it: a schedule that splits the
-        backward assigns the weight gradients in its W pass; call this after a stage's last W."""
+    def weight_pass(self, layers: range) -> None:
+        """A split backward's W pass over `layers` (one virtual stage) ran for one microbatch; after
+        the step's last one their gradients are final, although no hook saw them (the W pass
+        assigns them): they are posted then."""
         with self._lock:
             if not self._armed:
+                return
+            key = (layers.start, layers.stop)
+            self._w_counts[key] = self._w_counts.get(key, 0) + 1
+            if self._w_counts[key] != self._expected:
                 return
             touched = set()
             for li in layers:

@@ -118,15 +118,15 @@ class ComputeClock:
         return seconds
 
 
-def _workers(plan: Plan) -> list[tuple[int, str, int, float, tuple[int, int]]]:
+def _workers(plan: Plan) -> list[tuple[int, str, int, float, tuple[tuple[int, int], ...]]]:
     """(rank, node, microbatches of its pipeline, expected seconds per microbatch, its stage's
-    layers) of every worker."""
+    layer ranges: one, or its chunks') of every worker."""
     out = []
     for p in plan.pipelines:
         for s in p.stages:
-            expected = s.compute_s if s.compute_s > 0 else float(s.end - s.start)  # unknown: layers as the unit
+            expected = s.compute_s if s.compute_s > 0 else float(len(s.layers()))  # unknown: layers as the unit
             out += [
-                (s.rank + j, s.node, p.microbatches, expected, (s.start, s.end)) for j in range(plan.tensor_parallel)
+                (s.rank + j, s.node, p.microbatches, expected, s.layer_ranges()) for j in range(plan.tensor_parallel)
             ]
     return out
 
@@ -147,7 +147,7 @@ def slowdowns(plan: Plan, busy: Sequence[float]) -> dict[int, tuple[float, float
     ratios = [per_mb[r] / expected for r, _, _, expected, _ in workers]
     if not ratios or _lower_median(ratios) <= 0:
         return {}
-    peers: dict[tuple[int, int], list[float]] = {}
+    peers: dict[tuple[tuple[int, int], ...], list[float]] = {}
     for r, _, _, _, layers in workers:
         peers.setdefault(layers, []).append(per_mb[r])
     out = {}

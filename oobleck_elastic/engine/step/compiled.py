@@ -24,7 +24,8 @@ caches (on by default) are kept in `TORCHINDUCTOR_CACHE_DIR`, which a worker set
 set already, to `<data.cache_dir>/inductor`: a node that joins (or a worker restarted on the same
 host, or any host sharing that directory) reuses the kernels compiled there and only traces.
 
-`training.compile` decides: true, false, or unset = on for CUDA devices, off for the CPU (on the
+`training.compile` decides: true, false, or unset = on for CUDA devices, off for the CPU and under
+`planning.schedule=zero-bubble`, whose split backward torch cannot run on compiled layers (on the
 CPU, compiled steps of a GPT-2 stage measured only ~5 % faster here, for 20-30 s of compilation
 per worker on two cores; bench/gpu_mfu.py compares both).
 """
@@ -43,6 +44,7 @@ from torch import nn
 
 from ...logs import JobLog
 from ...config import JobConfig
+from ...planning.schedule_choice import layers_compiled
 
 __all__ = [
     "compile_enabled",
@@ -58,9 +60,10 @@ log = JobLog(logging.getLogger(__name__))
 
 
 def compile_enabled(cfg: JobConfig, device: torch.device) -> bool:
-    """`training.compile`, or when unset: on for CUDA, off for the CPU (module docstring)."""
-    setting = cfg.training.compile
-    return device.type == "cuda" if setting is None else bool(setting)
+    """`training.compile`, or when unset: on for CUDA, off for the CPU and under a schedule that
+    splits the backward (zero-bubble: planning/schedule_choice.py `layers_compiled`, the rule the
+    leader's planner follows too)."""
+    return layers_compiled(cfg, device.type)
 
 
 def _run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,11 @@ def describe_plan(plan: Optional[Plan]) -> str:
         f"est. step {plan.est_step_time_s:.4g} s"
     ]
     for p in plan.pipelines:
-        stages = ", ".join(f"[{s.start},{s.end})@{s.node}:{s.local_rank}" for s in p.stages)
-        lines.append(f"pipeline {p.index}: {p.microbatches} microbatches; {stages}")
+        stages = ", ".join(
+            "+".join(f"[{u},{v})" for u, v in s.layer_ranges()) + f"@{s.node}:{s.local_rank}" for s in p.stages
+        )
+        runs = p.schedule if p.num_chunks == 1 else f"{p.schedule} with {p.num_chunks} chunks"
+        lines.append(f"pipeline {p.index}: {p.microbatches} microbatches, {runs}; {stages}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,149 @@
+"""The engine runs zero-bubble (ZB-H1, one chunk per device: torch's interleaved zero-bubble schedule
+on one stage per worker, the backward split into input and weight gradients) and interleaved 1F1B
+(several non-contiguous virtual stages per worker). Invariant 1 holds under both: four gloo ranks
+train plans whose pipelines all run zero-bubble (two pipelines of two stages; three stages beside
+one stage, with fewer microbatches than stages; four stages in two rounds) or interleaved-1f1b
+with two chunks per device (two pipelines of two devices; three devices of one-layer chunks beside
+a one-device pipeline) and end with the single-process reference's weights (1e-5 relative, fp32).
+A node killed under either is tests/test_recovery.py's."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from oobleck_elastic.config import from_dict, load_config, to_dict
+from oobleck_elastic.engine.trainer import Trainer
+import helpers
+from helpers import RandomTokens, layout_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 3
+
+PLANS = [
+    # f+1 = two pipelines of two stages, 4 microbatches each (two rounds of two)
+    layout_plan([[(0, 3), (3, 6)], [(0, 2), (2, 6)]], [4, 4], generation=1, schedule="zero-bubble"),
+    # three stages with 2 microbatches (fewer than stages), beside a one-stage pipeline
+    layout_plan([[(0, 1), (1, 3), (3, 6)], [(0, 6)]], [2, 6], generation=2, schedule="zero-bubble"),
+    # one pipeline of four stages, 8 microbatches: the tied wte / lm_head on the first and last
+    layout_plan([[(0, 1), (1, 3), (3, 5), (5, 6)]], [8], generation=3, schedule="zero-bubble"),
+]
+
+
+def config():
+    # the same run as tests/test_engine.py (eps=1e-6: see there)
+    return load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        [
+            "data.seq_len=16",
+            "training.global_batch_size=16",
+            "training.microbatch_size=2",
+            f"training.steps={STEPS}",
+            "training.optimizer.eps=1e-6",
+        ],
+    )
+
+
+def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
+    cfg = from_dict(cfg_dict)
+    torch.set_num_threads(1)
+    for k, plan in enumerate(PLANS):
+        store = dist.FileStore(os.path.join(tmp, f"store{k}"), world)
+        trainer = Trainer(cfg, dataset=RandomTokens(), plan=plan, rank=rank, store=store)
+        if len(trainer.pipeline.stages) > 1:
+            # torch's zero-bubble schedule, whose weight-gradient passes are timed and progress points
+            # like the forward and the input-gradient passes (engine/resilience/{straggler,progress}.py)
+            assert type(trainer.schedule).__name__ == "ScheduleInterleavedZeroBubble", type(trainer.schedule)
+            (stage,) = trainer.schedule._stages
+            order = trainer.schedule.pipeline_order[trainer.stage.index]
+            kinds = {a.computation_type.value for a in order if a is not None}
+            assert {"F", "I", "W"} <= kinds, kinds
+            for chunk in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                assert chunk in vars(stage) and hasattr(vars(stage)[chunk], "__wrapped__"), chunk
+        for step in range(STEPS):
+            trainer.train_step(step)
+        torch.save(
+            {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
+            os.path.join(tmp, f"plan{k}-rank{rank}.pt"),
+        )
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_zero_bubble_plans_match_the_single_process_reference(tmp_path: Path) -> None:
+    cfg = config()
+    ref = helpers.reference_state(cfg, RandomTokens(), STEPS)
+    mp.spawn(_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4, join=True)
+    for k in range(len(PLANS)):
+        merged: dict[str, list[torch.Tensor]] = {}
+        for rank in range(4):
+            for key, t in torch.load(tmp_path / f"plan{k}-rank{rank}.pt", weights_only=True).items():
+                merged.setdefault(key, []).append(t)
+        assert set(merged) == set(ref), f"plan {k}: parameters missing"
+        for key, copies in merged.items():
+            for t in copies:  # every replica equals the reference
+                torch.testing.assert_close(t, ref[key], rtol=1e-5, atol=1e-6, msg=f"plan {k}: {key}")
+    fresh = helpers.reference_state(cfg, RandomTokens(), 0)  # training happened: every tensor moved
+    assert all(not torch.equal(t, fresh[k]) for k, t in ref.items())
+
+
+INTERLEAVED = [
+    # two pipelines of two devices, two chunks each: device 0 holds layers 0-1 and 3, device 1 layer 2 and 4-5
+    layout_plan(
+        [[(0, 2), (2, 3), (3, 4), (4, 6)], [(0, 1), (1, 2), (2, 4), (4, 6)]],
+        [4, 4],
+        generation=1,
+        schedule="interleaved-1f1b",
+        chunks=2,
+    ),
+    # three devices of two one-layer chunks (6 microbatches: two rounds of three), beside one device
+    # holding both chunks of a one-device pipeline
+    layout_plan(
+        [[(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6)], [(0, 3), (3, 6)]],
+        [6, 2],
+        generation=2,
+        schedule="interleaved-1f1b",
+        chunks=2,
+    ),
+]
+
+
+def _interleaved_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
+    cfg = from_dict(cfg_dict)
+    torch.set_num_threads(1)
+    for k, plan in enumerate(INTERLEAVED):
+        store = dist.FileStore(os.path.join(tmp, f"store{k}"), world)
+        trainer = Trainer(cfg, dataset=RandomTokens(), plan=plan, rank=rank, store=store)
+        assert trainer.owned == sorted(trainer.stage.layers())  # every chunk's layers, not one range
+        if len(trainer.pipeline.stages) > 1:
+            assert type(trainer.schedule).__name__ == "ScheduleInterleaved1F1B", type(trainer.schedule)
+            d = len(trainer.pipeline.stages)
+            assert [s.stage_index for s in trainer.schedule._stages] == [trainer.stage.index, d + trainer.stage.index]
+        for step in range(STEPS):
+            trainer.train_step(step)
+        torch.save(
+            {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
+            os.path.join(tmp, f"interleaved{k}-rank{rank}.pt"),
+        )
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_interleaved_plans_with_two_chunks_per_device_match_the_single_process_reference(tmp_path: Path) -> None:
+    cfg = config()
+    ref = helpers.reference_state(cfg, RandomTokens(), STEPS)
+    mp.spawn(_interleaved_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4, join=True)
+    for k in range(len(INTERLEAVED)):
+        merged: dict[str, list[torch.Tensor]] = {}
+        for rank in range(4):
+            for key, t in torch.load(tmp_path / f"interleaved{k}-rank{rank}.pt", weights_only=True).items():
+                merged.setdefault(key, []).append(t)
+        assert set(merged) == set(ref), f"plan {k}: parameters missing"
+        for key, copies in merged.items():
+            for t in copies:
+                torch.testing.assert_close(t, ref[key], rtol=1e-5, atol=1e-6, msg=f"plan {k}: {key}")
