@@ -67,6 +67,10 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
                 assert chunk in vars(stage) and hasattr(vars(stage)[chunk], "__wrapped__"), chunk
         for step in range(STEPS):
             trainer.train_step(step)
+            # every layer shared with another pipeline was found final by its last W pass and its
+            # all-reduce posted before the schedule ended (engine/generation/grad_sync.py)
+            sync = trainer.grad_sync
+            assert sync is not None and sync.posted_early == sum(len(v) for v in sync.sequence.values())
         torch.save(
             {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
             os.path.join(tmp, f"plan{k}-rank{rank}.pt"),
@@ -126,6 +130,9 @@ def _interleaved_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None
             assert [s.stage_index for s in trainer.schedule._stages] == [trainer.stage.index, d + trainer.stage.index]
         for step in range(STEPS):
             trainer.train_step(step)
+            # every layer shared with another pipeline, in both chunks, posted during the schedule
+            sync = trainer.grad_sync
+            assert sync is not None and sync.posted_early == sum(len(v) for v in sync.sequence.values())
         torch.save(
             {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
             os.path.join(tmp, f"interleaved{k}-rank{rank}.pt"),
