@@ -43,13 +43,14 @@ each device's order, so it does not depend on the times.
 
 from __future__ import annotations
 
+from array import array
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from .schedules import Action, Order, ScheduleError
 
-__all__ = ["Comm", "Simulation", "StageTimes", "simulate"]
+__all__ = ["Comm", "Simulation", "StageTimes", "simulate", "simulate_reference"]
 
 Comm = Callable[[int, int, int], float]
 """comm(boundary, src_device, dst_device): seconds for one message between stage `boundary` and
@@ -119,8 +120,13 @@ class Simulation:
     """Per device: the most forwards whose activations were kept at once."""
     peak_activation_bytes: tuple[int, ...]
     """Per device: the most activation bytes kept at once."""
-    spans: dict[Action, tuple[float, float]]
-    """Every action's (start, end) of its compute (its receive ends at its start)."""
+    span_table: Callable[[], dict[Action, tuple[float, float]]] = field(repr=False, compare=False)
+    """What builds `spans` (a planner keeps hundreds of simulations and reads none of their spans)."""
+
+    @property
+    def spans(self) -> dict[Action, tuple[float, float]]:
+        """Every action's (start, end) of its compute (its receive ends at its start)."""
+        return self.span_table()
 
     @property
     def bubble_fraction(self) -> float:
@@ -170,16 +176,174 @@ def _check(order: Order, times: StageTimes) -> dict[int, int]:
 
 
 def simulate(order: Order, times: StageTimes, comm: Optional[Comm] = None, *, checked: bool = False) -> Simulation:
-    """Simulate one step of `order` with `times` and messages costing `comm` (None: free).
-    Raises ScheduleError when the order is incomplete or cannot run (module docstring).
-    `checked`: the order is known complete (schedules.py built it; its tests check every one), so
-    only its stage count is compared; the planner simulates thousands."""
+    """Simulate one step of `order` with `times` and messages costing `comm` (None: free; it must
+    be a pure function of its arguments). Raises ScheduleError when the order is incomplete or
+    cannot run (module docstring). `checked`: the order is known complete (schedules.py built
+    it; its tests check every one), so only its stage count is compared; the planner simulates
+    thousands. The same rules as `simulate_reference`, computed on integer slots and lists
+    (module docstring, "Speed"): the same floats, bit for bit."""
+    where = _where(order, times, checked)
+    sim = _run(order, times, comm, where)
+    return sim if sim is not None else simulate_reference(order, times, comm, checked=True)  # raises: blocked
+
+
+def _where(order: Order, times: StageTimes, checked: bool) -> list[int]:
     if checked:
         if times.num_stages != order.num_stages:
             raise ScheduleError(f"the order has {order.num_stages} stages but the times give {times.num_stages}")
         where = order.stage_devices()
     else:
         where = _check(order, times)
+    return [where[s] for s in range(order.num_stages)]
+
+
+def _run(order: Order, times: StageTimes, comm: Optional[Comm], where: list[int]) -> Optional[Simulation]:
+    """The simulation on slots (None when the order cannot run: the reference says why). Action
+    (stage s, kind, microbatch k) has slot base[kind] + s m + k; `end` holds each slot's finish
+    (-1: not yet run), so an input is found by arithmetic instead of hashing actions."""
+    n, stages, m = order.num_devices, order.num_stages, order.microbatches
+    last, sm = stages - 1, stages * m
+    i_base, w_base, b_base = sm, 2 * sm, 3 * sm
+    fwd, inp, wgt = list(times.forward_s), list(times.input_grad_s), list(times.weight_grad_s)
+    full = [times.input_grad_s[s] + times.weight_grad_s[s] for s in range(stages)]  # as StageTimes.duration
+    act = list(times.activation_bytes) if times.activation_bytes else [0] * stages
+    # the message into stage s: its input activation from s - 1 (cf), its output gradient from
+    # s + 1 (cb); None where the two stages share a device (free)
+    cf: list[Optional[float]] = [None] * stages
+    cb: list[Optional[float]] = [None] * stages
+    if comm is not None:
+        for s in range(1, stages):
+            if where[s - 1] != where[s]:
+                cf[s] = comm(s - 1, where[s - 1], where[s])
+                cb[s - 1] = comm(s - 1, where[s], where[s - 1])
+    grad_base = [b_base] * sm  # per (s, k): the slot base of its backward, I when split, else B
+    for acts in order.devices:
+        for s, kind, k in acts:
+            if kind == "I":
+                grad_base[s * m + k] = i_base
+    begin = [-1.0] * (4 * sm)
+    end = [-1.0] * (4 * sm)
+    free, busy, recv = [0.0] * n, [0.0] * n, [0.0] * n
+    head = [0] * n
+    held, held_bytes, top, top_bytes = [0] * n, [0] * n, [0] * n, [0] * n
+    waiting: dict[int, list[int]] = {}
+    ready = list(range(n))
+    while ready:
+        d = ready.pop()
+        acts = order.devices[d]
+        h, count = head[d], len(acts)
+        t, b, r = free[d], busy[d], recv[d]
+        hl, hb, tp, tb = held[d], held_bytes[d], top[d], top_bytes[d]
+        while h < count:
+            s, kind, k = acts[h]
+            j = s * m + k
+            if kind == "F":
+                start = t
+                if s:
+                    e = end[j - m]
+                    if e < 0.0:
+                        waiting.setdefault(j - m, []).append(d)
+                        break
+                    if e > start:
+                        start = e
+                    c = cf[s]
+                    if c is not None:
+                        start += c
+                        r += c
+                slot, dur = j, fwd[s]
+                hl += 1
+                hb += act[s]
+                if hl > tp:
+                    tp = hl
+                if hb > tb:
+                    tb = hb
+            elif kind == "W":
+                e = end[i_base + j]
+                if e < 0.0:
+                    waiting.setdefault(i_base + j, []).append(d)
+                    break
+                start = e if e > t else t
+                slot, dur = w_base + j, wgt[s]
+                hl -= 1
+                hb -= act[s]
+            else:  # I or B: this stage's forward, and the next stage's gradient
+                e = end[j]
+                if e < 0.0:
+                    waiting.setdefault(j, []).append(d)
+                    break
+                start = e if e > t else t
+                if s != last:
+                    g = grad_base[j + m] + j + m
+                    e = end[g]
+                    if e < 0.0:
+                        waiting.setdefault(g, []).append(d)
+                        break
+                    if e > start:
+                        start = e
+                    c = cb[s]
+                    if c is not None:
+                        start += c
+                        r += c
+                if kind == "I":
+                    slot, dur = i_base + j, inp[s]
+                else:
+                    slot, dur = b_base + j, full[s]
+                    hl -= 1
+                    hb -= act[s]
+            finish = start + dur
+            begin[slot] = start
+            end[slot] = finish
+            b += finish - start
+            t = finish
+            h += 1
+            woken = waiting.pop(slot, None)
+            if woken is not None:
+                ready.extend(woken)
+        head[d], free[d], busy[d], recv[d] = h, t, b, r
+        held[d], held_bytes[d], top[d], top_bytes[d] = hl, hb, tp, tb
+    if any(head[d] < len(order.devices[d]) for d in range(n)):
+        return None
+    firsts = [begin[_slot(acts[0], m, sm)] for acts in order.devices if acts]
+    return Simulation(
+        makespan_s=max(end) - min(firsts) if firsts else 0.0,
+        busy_s=tuple(busy),
+        comm_s=tuple(recv),
+        peak_in_flight=tuple(top),
+        peak_activation_bytes=tuple(top_bytes),
+        span_table=_SlotSpans(order, array("d", begin), array("d", end)),
+    )
+
+
+_BASE = {"F": 0, "I": 1, "W": 2, "B": 3}
+
+
+def _slot(a: Action, m: int, sm: int) -> int:
+    return _BASE[a.kind] * sm + a.stage * m + a.microbatch
+
+
+class _SlotSpans:
+    """A fast simulation's spans, kept as two arrays of slots; the dict is built when asked for."""
+
+    def __init__(self, order: Order, begin: array, end: array) -> None:
+        self.order, self.begin, self.end = order, begin, end
+
+    def __call__(self) -> dict[Action, tuple[float, float]]:
+        m, sm = self.order.microbatches, self.order.num_stages * self.order.microbatches
+        out = {}
+        for acts in self.order.devices:
+            for a in acts:
+                i = _slot(a, m, sm)
+                out[a] = (self.begin[i], self.end[i])
+        return out
+
+
+def simulate_reference(
+    order: Order, times: StageTimes, comm: Optional[Comm] = None, *, checked: bool = False
+) -> Simulation:
+    """`simulate` as the rules read (module docstring): actions as tuples in a dict, one at a
+    time; the definition the fast `simulate` is tested against, and what explains an order that
+    cannot run."""
+    where = dict(enumerate(_where(order, times, checked)))
     last = order.num_stages - 1
     n = order.num_devices
     # a backward's gradient comes from the next stage's I when it has one, else its B
@@ -234,7 +398,7 @@ def simulate(order: Order, times: StageTimes, comm: Optional[Comm] = None, *, ch
         comm_s=tuple(recv),
         peak_in_flight=peaks,
         peak_activation_bytes=peak_bytes,
-        spans=done,
+        span_table=lambda: done,
     )
 
 
