@@ -178,7 +178,9 @@ def schedule_cost(
         raise ScheduleError(f"schedule {schedule}: its order places stages unlike {placement}")  # a bug here
     times = stage_times(profile, ranges, weight_share)
     comm = link_comm(profile, ranges, links, stages_per_node) if links is not None else None
-    sim = simulate(order, times, comm, checked=True)  # schedule_order's orders are complete
+    sim = simulate(  # schedule_order's orders are complete
+        order, times, comm, checked=True, rebuild=lambda: schedule_order(schedule, devices, microbatches, chunks)
+    )
     static = [0] * devices
     grads = [0] * devices
     compute = [0.0] * devices

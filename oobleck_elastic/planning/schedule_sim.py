@@ -175,15 +175,25 @@ def _check(order: Order, times: StageTimes) -> dict[int, int]:
     return where
 
 
-def simulate(order: Order, times: StageTimes, comm: Optional[Comm] = None, *, checked: bool = False) -> Simulation:
+def simulate(
+    order: Order,
+    times: StageTimes,
+    comm: Optional[Comm] = None,
+    *,
+    checked: bool = False,
+    rebuild: Optional[Callable[[], Order]] = None,
+) -> Simulation:
     """Simulate one step of `order` with `times` and messages costing `comm` (None: free; it must
     be a pure function of its arguments). Raises ScheduleError when the order is incomplete or
     cannot run (module docstring). `checked`: the order is known complete (schedules.py built
     it; its tests check every one), so only its stage count is compared; the planner simulates
     thousands. The same rules as `simulate_reference`, computed on integer slots and lists
-    (module docstring, "Speed"): the same floats, bit for bit."""
+    (module docstring, "Speed"): the same floats, bit for bit. `rebuild`: what builds `order`
+    again when the spans are asked for, so that the simulation need not keep its actions alive
+    (the garbage collector scans every live Action: a planner's hundreds of kept simulations
+    would hold millions)."""
     where = _where(order, times, checked)
-    sim = _run(order, times, comm, where)
+    sim = _run(order, times, comm, where, rebuild or (lambda: order))
     return sim if sim is not None else simulate_reference(order, times, comm, checked=True)  # raises: blocked
 
 
@@ -197,7 +207,9 @@ def _where(order: Order, times: StageTimes, checked: bool) -> list[int]:
     return [where[s] for s in range(order.num_stages)]
 
 
-def _run(order: Order, times: StageTimes, comm: Optional[Comm], where: list[int]) -> Optional[Simulation]:
+def _run(
+    order: Order, times: StageTimes, comm: Optional[Comm], where: list[int], rebuild: Callable[[], Order]
+) -> Optional[Simulation]:
     """The simulation on slots (None when the order cannot run: the reference says why). Action
     (stage s, kind, microbatch k) has slot base[kind] + s m + k; `end` holds each slot's finish
     (-1: not yet run), so an input is found by arithmetic instead of hashing actions."""
@@ -310,7 +322,7 @@ def _run(order: Order, times: StageTimes, comm: Optional[Comm], where: list[int]
         comm_s=tuple(recv),
         peak_in_flight=tuple(top),
         peak_activation_bytes=tuple(top_bytes),
-        span_table=_SlotSpans(order, array("d", begin), array("d", end)),
+        span_table=_SlotSpans(rebuild, array("d", begin), array("d", end)),
     )
 
 
@@ -324,13 +336,14 @@ def _slot(a: Action, m: int, sm: int) -> int:
 class _SlotSpans:
     """A fast simulation's spans, kept as two arrays of slots; the dict is built when asked for."""
 
-    def __init__(self, order: Order, begin: array, end: array) -> None:
+    def __init__(self, order: Callable[[], Order], begin: array, end: array) -> None:
         self.order, self.begin, self.end = order, begin, end
 
     def __call__(self) -> dict[Action, tuple[float, float]]:
-        m, sm = self.order.microbatches, self.order.num_stages * self.order.microbatches
+        order = self.order()
+        m, sm = order.microbatches, order.num_stages * order.microbatches
         out = {}
-        for acts in self.order.devices:
+        for acts in order.devices:
             for a in acts:
                 i = _slot(a, m, sm)
                 out[a] = (self.begin[i], self.end[i])
