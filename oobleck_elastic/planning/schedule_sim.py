@@ -39,6 +39,18 @@ Memory: a forward keeps its activations (`StageTimes.activation_bytes`) until it
 finishes, B or W (the weight gradient still needs the stage's inputs); `peak_in_flight` counts
 them per device, `peak_activation_bytes` weighs them by their stage's bytes. The walk is over
 each device's order, so it does not depend on the times.
+
+Speed: the planner simulates hundreds of orders of up to a few thousand actions per device
+(GPT-3 on 1,024 nodes: 334 simulations, 700,000 actions). `simulate` runs the rules above on
+integers: action (stage s, kind, microbatch k) is slot base(kind) + s m + k of flat lists of
+start and end times, so an input is found by arithmetic (its end is -1 while it has not run),
+each boundary's two messages are costed once per simulation (a stage runs on one device, so the
+message into a stage always crosses the same link), and the memory walk rides along. Every
+float is computed by the same operations in the same order as in `simulate_reference`, the
+plain event loop on actions the rules read like, so the two agree bit for bit (tests compare
+them on random orders and times); an order that cannot run is handed to the reference, which
+says why. Each action is computed once and never revisited, whatever order the devices are
+visited in: an action's times depend only on its inputs' ends and its device's previous one.
 """
 
 from __future__ import annotations
