@@ -28,6 +28,7 @@ is checked on the simulated devices afterwards).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -90,6 +91,13 @@ class ScheduleCost:
     """The device of every stage."""
     device_compute_s: tuple[float, ...] = ()
     """Per device: forward + backward time of one microbatch through its stages."""
+    grad_bytes: tuple[int, ...] = ()
+    """Per device: the gradient bytes of its stages (what the all-reduce sums)."""
+
+    def for_replicas(self, replicas: int, links: Optional[Links]) -> "ScheduleCost":
+        """The same schedule in a job of `replicas` pipelines: only the all-reduce changes (the
+        simulation does not depend on it, so the planner need not run it again)."""
+        return dataclasses.replace(self, grad_sync_s=_grad_sync(links, self.grad_bytes, replicas))
 
     def device_ranges(self, device: int) -> tuple[tuple[int, int], ...]:
         """The layer ranges device `device` runs, in pipeline order."""
@@ -188,7 +196,7 @@ def schedule_cost(
         static[placement[s]] += sum(la.static_bytes for la in profile.layers[u:v])
         grads[placement[s]] += sum(la.grad_bytes for la in profile.layers[u:v])
         compute[placement[s]] += times.forward_s[s] + times.input_grad_s[s] + times.weight_grad_s[s]
-    sync = links.all_reduce_s(max(grads), replicas, same_node=False) if links is not None else 0.0
+    sync = _grad_sync(links, grads, replicas)
     return ScheduleCost(
         schedule=schedule,
         chunks=chunks,
@@ -203,7 +211,13 @@ def schedule_cost(
         ranges=tuple((int(u), int(v)) for u, v in ranges),
         placement=tuple(placement),
         device_compute_s=tuple(compute),
+        grad_bytes=tuple(grads),
     )
+
+
+def _grad_sync(links: Optional[Links], grads: Sequence[int], replicas: int) -> float:
+    """The cross-replica all-reduce of the device with the most gradient bytes."""
+    return links.all_reduce_s(max(grads), replicas, same_node=False) if links is not None else 0.0
 
 
 def template_cost(
