@@ -175,3 +175,37 @@ def test_a_cached_profile_is_reused_with_its_age_and_measured_again_on_request(t
     cfg.planning.reprofile = True  # the config's way (a job)
     load_or_profile(cfg, log=lambda _: None)
     assert calls == [1, 1]
+
+
+def test_the_profiler_measures_the_input_and_weight_gradients_apart():
+    """Each block's backward is also timed as torch's zero-bubble stages split it: the input's
+    gradient (I), then the weights' (W). Both are recorded, and they add up to about the whole
+    backward (a loose bound: timings on a shared machine; two graph passes cost a bit more)."""
+    lm = build_layer_model(
+        ModelConfig(vocab_size=V, hidden_size=128, num_layers=2, num_heads=4, max_seq_len=64), seed=0
+    )
+    ids = torch.randint(0, V, (B, 64))
+    prof = profile_layers(lm.layers, ids, ids, lm.loss_fn, warmup=1, repeats=3, names=lm.names)
+    embedding, *blocks, head = prof.layers
+    assert embedding.input_grad_s == 0.0 and embedding.weight_grad_s > 0  # token ids take no gradient
+    for p in [*blocks, head]:
+        assert p.input_grad_s > 0 and p.weight_grad_s > 0
+        assert 0.1 * p.backward_s < p.input_grad_s + p.weight_grad_s < 10 * p.backward_s
+    again = ModelProfile.from_json(json.loads(json.dumps(prof.to_json())))
+    assert [(p.input_grad_s, p.weight_grad_s) for p in again.layers] == [
+        (p.input_grad_s, p.weight_grad_s) for p in prof.layers
+    ]
+
+
+def test_a_profile_without_the_split_loads_and_one_with_half_of_it_is_refused():
+    old = {"name": "l0", "forward_s": 1.0, "backward_s": 2.0, "param_bytes": 1, "grad_bytes": 1}
+    old |= {"optimizer_bytes": 2, "activation_bytes": 3}
+    prof = ModelProfile.from_json({"layers": [old]})
+    assert prof.layers[0].input_grad_s is None and not prof.layers[0].split_measured
+    assert prof.layers[0].split_backward(0.25) == (1.5, 0.5)
+    assert "input_grad_s" not in json.dumps(prof.to_json())  # written as it was read
+    with pytest.raises(ValueError) as err:
+        ModelProfile.from_json({"layers": [old | {"input_grad_s": 0.5}]}, source="p.json")
+    assert str(err.value) == "p.json: layer 0: layer l0: give both input_grad_s and weight_grad_s, or neither"
+    split = ModelProfile.from_json({"layers": [old | {"input_grad_s": 0.5, "weight_grad_s": 1.25}]})
+    assert split.layers[0].split_backward(0.25) == (0.5, 1.25)

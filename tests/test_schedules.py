@@ -12,7 +12,13 @@ import pytest
 
 from oobleck_elastic.planning import LayerProfile, Links, ModelProfile
 from oobleck_elastic.planning.partition import StageCosts
-from oobleck_elastic.planning.schedule_cost import best_schedule, chunk_ranges, schedule_cost, template_cost
+from oobleck_elastic.planning.schedule_cost import (
+    best_schedule,
+    chunk_ranges,
+    schedule_cost,
+    stage_times,
+    template_cost,
+)
 from oobleck_elastic.planning.schedule_sim import StageTimes, simulate, simulate_reference
 from oobleck_elastic.planning.schedules import Action, Order, ScheduleError, schedule_order
 from oobleck_elastic.planning.templates import make_template
@@ -368,6 +374,28 @@ def test_a_split_backward_feeds_the_stage_before_at_its_input_gradient() -> None
     # activations are kept until the weight gradient: 0F1 runs while 0W0 still needs microbatch 0
     held = simulate(Order.parse("0F0 0I0 0F1 0W0 0I1 0W1"), StageTimes([1.0], [1.0], [1.0], [3]))
     assert held.peak_in_flight == (2,) and held.peak_activation_bytes == (6,)
+
+
+def test_stage_times_use_the_measured_split_and_the_whole_backward_for_b() -> None:
+    """Measured input and weight gradients are a stage's I and W; a schedule with a full
+    backward runs the measured backward_s (the split costs two passes it does not make)."""
+    split = [(1.0, 2.5), (2.0, 2.0), (3.0, 1.5)]  # (I, W) of layers 0-2; layer 3 split by the share
+    layers = [
+        LayerProfile(f"l{i}", 1.0, 3.0, 0, 0, 0, 10, input_grad_s=x, weight_grad_s=w) for i, (x, w) in enumerate(split)
+    ]
+    prof = ModelProfile(layers=layers + [LayerProfile("l3", 1.0, 3.0, 0, 0, 0, 10)])
+    times = stage_times(prof, [(0, 2), (2, 4)], weight_share=0.25)
+    assert list(times.input_grad_s) == [1.0 + 2.0, 3.0 + 2.25]
+    assert list(times.weight_grad_s) == [2.5 + 2.0, 1.5 + 0.75]
+    assert list(times.backward_s or []) == [6.0, 6.0]
+    one = schedule_cost(prof, [(0, 2), (2, 4)], "1f1b", 4, weight_share=0.25)
+    assert one.simulation.busy_s == (4 * (2.0 + 6.0),) * 2  # F + measured B per microbatch
+    zb = schedule_cost(prof, [(0, 2), (2, 4)], "zero-bubble", 4, weight_share=0.25)
+    assert zb.simulation.busy_s == (4 * (2.0 + 3.0 + 4.5), 4 * (2.0 + 5.25 + 2.25))  # F + I + W
+    assert zb.device_compute_s == (9.5, 9.5) and one.device_compute_s == (8.0, 8.0)
+    # without any measured split: the share, and B = I + W as before
+    plain = stage_times(profile([1.0] * 4, [3.0] * 4), [(0, 2), (2, 4)], weight_share=0.25)
+    assert plain.backward_s is None and list(plain.input_grad_s) == [4.5, 4.5]
 
 
 # ---------------------------------------------------------------- the fast simulation is the reference's

@@ -4,9 +4,11 @@
 (`schedule_sim.py`) and simulates one step of the schedule's order (`schedules.py`):
 
 - **times**: a stage's forward is its layers' `forward_s`; its backward their `backward_s`,
-  split for zero-bubble schedules into the input gradient I and the weight gradient W by
-  `weight_share` (W = share x backward; the profile measures the backward whole, and Qi et al.'s
-  transformer has I = W, share 0.5). Schedules with a full backward B only use the sum.
+  split for zero-bubble schedules into the input gradient I and the weight gradient W: the
+  profile's measured `input_grad_s` and `weight_grad_s` where it has them (the profiler times
+  torch's split; schedules with a full backward B then run the measured `backward_s`), else by
+  `weight_share` (W = share x backward, B = I + W; Qi et al.'s transformer has I = W, share 0.5;
+  the analytic GPT-3 profiles have no split and use the share).
 - **messages**: the activation leaving the last layer of stage s (`output_bytes`), forward, and
   its gradient, backward, over the link between the two stages' devices: `Links.p2p_s` inside
   a node or across nodes, with `stages_per_node` consecutive devices on one node (the
@@ -127,18 +129,33 @@ def _check_ranges(profile: ModelProfile, ranges: Sequence[tuple[int, int]]) -> N
 
 
 def stage_times(profile: ModelProfile, ranges: Sequence[tuple[int, int]], weight_share: float = 0.5) -> StageTimes:
-    """Per stage forward, input-gradient and weight-gradient times and activation bytes."""
+    """Per stage forward, input-gradient and weight-gradient times and activation bytes. Where the
+    profile measured the split (`LayerProfile.input_grad_s`, `weight_grad_s`), a stage's I and W
+    are its layers' measured ones and its full backward B their `backward_s` (measured apart:
+    a schedule running B whole does not pay for the split); a layer without them is split by
+    `weight_share`. A profile without any measured split: I and W are `weight_share` of the
+    stage's backward, and B = I + W."""
     if not 0.0 <= weight_share <= 1.0:
         raise ScheduleError(f"weight_share must be within [0, 1] (got {weight_share})")
     _check_ranges(profile, ranges)
     layers = profile.layers
     fwd = [sum(la.forward_s for la in layers[u:v]) for u, v in ranges]
     bwd = [sum(la.backward_s for la in layers[u:v]) for u, v in ranges]
+    act = [sum(la.activation_bytes for la in layers[u:v]) for u, v in ranges]
+    if not any(la.split_measured for la in layers):
+        return StageTimes(
+            forward_s=fwd,
+            input_grad_s=[b * (1.0 - weight_share) for b in bwd],
+            weight_grad_s=[b * weight_share for b in bwd],
+            activation_bytes=act,
+        )
+    split = [[la.split_backward(weight_share) for la in layers[u:v]] for u, v in ranges]
     return StageTimes(
         forward_s=fwd,
-        input_grad_s=[b * (1.0 - weight_share) for b in bwd],
-        weight_grad_s=[b * weight_share for b in bwd],
-        activation_bytes=[sum(la.activation_bytes for la in layers[u:v]) for u, v in ranges],
+        input_grad_s=[sum(i for i, _ in stage) for stage in split],
+        weight_grad_s=[sum(w for _, w in stage) for stage in split],
+        activation_bytes=act,
+        backward_s=bwd,
     )
 
 
@@ -189,13 +206,17 @@ def schedule_cost(
     sim = simulate(  # schedule_order's orders are complete
         order, times, comm, checked=True, rebuild=lambda: schedule_order(schedule, devices, microbatches, chunks)
     )
+    split = times.backward_s is not None and any(a.kind == "I" for a in order.devices[0])  # split backwards
     static = [0] * devices
     grads = [0] * devices
     compute = [0.0] * devices
     for s, (u, v) in enumerate(ranges):
         static[placement[s]] += sum(la.static_bytes for la in profile.layers[u:v])
         grads[placement[s]] += sum(la.grad_bytes for la in profile.layers[u:v])
-        compute[placement[s]] += times.forward_s[s] + times.input_grad_s[s] + times.weight_grad_s[s]
+        if times.backward_s is not None and not split:  # B measured whole
+            compute[placement[s]] += times.forward_s[s] + times.backward_s[s]
+        else:
+            compute[placement[s]] += times.forward_s[s] + times.input_grad_s[s] + times.weight_grad_s[s]
     sync = _grad_sync(links, grads, replicas)
     return ScheduleCost(
         schedule=schedule,

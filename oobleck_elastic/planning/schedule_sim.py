@@ -1,9 +1,10 @@
 """One discrete-event simulation for every pipeline schedule: its makespan, bubble and memory.
 
 Input: an `Order` (per device, its actions in order, `schedules.py`), each stage's compute times
-(`StageTimes`: forward F, input gradient I, weight gradient W; a full backward B takes I + W)
-and the cost of each message between stages (`comm`). Every device runs its actions one at a
-time, in its order; an action starts when the device is free and its inputs are there:
+(`StageTimes`: forward F, input gradient I, weight gradient W; a full backward B takes I + W,
+or its own measured time where the profile timed the split apart) and the cost of each message
+between stages (`comm`). Every device runs its actions one at a time, in its order; an action
+starts when the device is free and its inputs are there:
 
 - `sF k` needs the activation of `(s-1)F k` (none for stage 0);
 - `sB k` / `sI k` need `sF k` and the gradient from `(s+1)B k` or `(s+1)I k` (the last stage:
@@ -78,16 +79,23 @@ class StageTimes:
     input_grad_s: Sequence[float]
     """Backward time for the gradient of the stage's input (what the stage before waits for)."""
     weight_grad_s: Sequence[float]
-    """Backward time for the gradient of the stage's weights. A full backward B takes I + W."""
+    """Backward time for the gradient of the stage's weights."""
     activation_bytes: Optional[Sequence[int]] = None
     """Bytes a forward keeps until its backward finishes (None: counted as 0)."""
+    backward_s: Optional[Sequence[float]] = None
+    """A full backward B's time, where it was measured apart from its split (None: B takes I + W)."""
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
-        others = [self.input_grad_s, self.weight_grad_s] + ([self.activation_bytes] if self.activation_bytes else [])
+        others = [self.input_grad_s, self.weight_grad_s] + [
+            x for x in (self.activation_bytes, self.backward_s) if x is not None
+        ]
         if any(len(x) != n for x in others):
-            raise ScheduleError("StageTimes: forward, input-grad, weight-grad and activation lists differ in length")
-        if any(t < 0 for x in (self.forward_s, self.input_grad_s, self.weight_grad_s) for t in x):
+            raise ScheduleError(
+                "StageTimes: forward, input-grad, weight-grad, backward and activation lists differ in length"
+            )
+        times = (self.forward_s, self.input_grad_s, self.weight_grad_s, self.backward_s or ())
+        if any(t < 0 for x in times for t in x):
             raise ScheduleError("StageTimes: times must be >= 0")
 
     @property
@@ -115,6 +123,12 @@ class StageTimes:
             return self.input_grad_s[s]
         if a.kind == "W":
             return self.weight_grad_s[s]
+        return self.full_backward_s(s)
+
+    def full_backward_s(self, s: int) -> float:
+        """Stage s's full backward B: measured, else I + W."""
+        if self.backward_s is not None:
+            return self.backward_s[s]
         return self.input_grad_s[s] + self.weight_grad_s[s]
 
 
@@ -229,7 +243,7 @@ def _run(
     last, sm = stages - 1, stages * m
     i_base, w_base, b_base = sm, 2 * sm, 3 * sm
     fwd, inp, wgt = list(times.forward_s), list(times.input_grad_s), list(times.weight_grad_s)
-    full = [times.input_grad_s[s] + times.weight_grad_s[s] for s in range(stages)]  # as StageTimes.duration
+    full = [times.full_backward_s(s) for s in range(stages)]
     act = list(times.activation_bytes) if times.activation_bytes else [0] * stages
     # the message into stage s: its input activation from s - 1 (cf), its output gradient from
     # s + 1 (cb); None where the two stages share a device (free)
