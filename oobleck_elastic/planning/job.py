@@ -415,6 +415,7 @@ def plan_job(
     templates: Optional[TemplateSet] = None,
     previous: Optional[Plan] = None,
     engine_only: bool = False,
+    schedules: Optional[PipelineSchedules] = None,
 ) -> JobPlan:
     """Templates, guarantee and the plan for `nodes` (ids, or a count: node0, node1, ...).
 
@@ -422,7 +423,9 @@ def plan_job(
     plan's). With the `previous` generation's plan, nodes are placed where they keep the most
     layers they hold, and its tensor-parallel degree and microbatch size are kept (`auto`).
     `planning.schedule` other than 1f1b and gpipe is chosen per pipeline (schedule_choice.py);
-    with `engine_only` only among the schedules the engine runs (a job's plans)."""
+    with `engine_only` only among the schedules the engine runs (a job's plans). `schedules`: the
+    `JobPlan.schedules` of an earlier call with the same config and templates, reused with the
+    simulations it has cached (a study planning many node counts; the plans are the same)."""
     if isinstance(nodes, int):
         if nodes < 1:
             raise PlanningError(f"--nodes must be >= 1 (got {nodes})")
@@ -449,7 +452,10 @@ def plan_job(
             f"n0={tset.n0} nodes of {tset.gpus_per_node} device(s) are needed; the "
             "job waits for more nodes"
         )
-    schedules = pipeline_schedules(cfg, tset, engine_only=engine_only)
+    if schedules is None:
+        schedules = pipeline_schedules(cfg, tset, engine_only=engine_only)
+    elif schedules.templates is not tset:
+        raise ValueError("plan_job: the schedules given were made for other templates")
     plan = make_plan(
         tset,
         schedules=schedules,
