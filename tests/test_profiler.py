@@ -131,6 +131,7 @@ def test_profile_key_contents():
     assert key["microbatch_size"] == cfg.training.microbatch_size
     assert key["seq_len"] == cfg.data.seq_len and key["dtype"] == "float32"
     assert key["device"] == "cpu" and key["torch"] == torch.__version__
+    assert key["backward_split"] == "stage_backward_input+weight"  # caches without the split are stale
     assert json.loads(json.dumps(key)) == key
 
 

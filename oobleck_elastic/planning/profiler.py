@@ -52,7 +52,8 @@ the sizes measured.
 `load_or_profile` returns the profile of a job: the file in `planning.profile_path` if set, else
 a cached profile under `<cache_dir>/profiles/<profile_cache_key(key)>.json` whose stored key
 equals the current key exactly (model config, microbatch shape, precision, optimizer, device
-kind, library versions, whether identical blocks were measured once), else a fresh measurement
+kind, library versions, whether identical blocks were measured once, that the backward was
+also timed split), else a fresh measurement
 (`profile_model`) with the job's seed, which is then saved there. A cached file with another
 key is reported as stale and replaced. A reused profile is logged with its file, its age (the
 file's modification time) and how to measure again: the cache cannot tell a profile measured
@@ -589,6 +590,9 @@ def profile_key(cfg: JobConfig, *, device: str | torch.device) -> dict[str, Any]
         "device": dev.type,
         "device_name": device_name,
         "identical_blocks_once": cfg.planning.profile_identical_blocks_once,
+        # profiles cached before the backward was also timed split (input_grad_s, weight_grad_s)
+        # are stale: measured again once, not planned with the share forever
+        "backward_split": "stage_backward_input+weight",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
