@@ -17,7 +17,12 @@ Prints one JSON line per figure:
     assignment that keeps the most bytes (the exact optimum); and the bytes moved without
     placement (preference order).
 
-    python bench/planner.py [--repeats 5] [--only replan|tp|...]
+  - pipeline schedules: the plan on 1,024 nodes at tp = 8 with `planning.schedule=auto` (every
+    pipeline's schedule chosen by simulating 1F1B, interleaved 1F1B, zero-bubble and zbv at up to
+    8 chunks), its samples/s and bubble, and the CPU seconds of plan_job (goal: < 2 s), beside the
+    1F1B plan's.
+
+    python bench/planner.py [--repeats 5] [--only replan|tp|schedules|...]
 """
 
 from __future__ import annotations
@@ -33,7 +38,15 @@ import numpy as np
 from pathlib import Path
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.planning import Links, build_templates, compare_tensor_parallel, instantiate, make_plan, plan_job
+from oobleck_elastic.planning import (
+    Links,
+    build_templates,
+    compare_tensor_parallel,
+    instantiate,
+    load_profiles,
+    make_plan,
+    plan_job,
+)
 from oobleck_elastic.planning.analytic import gpt3_175b_profile
 from oobleck_elastic.planning.placement import (
     bytes_received,
@@ -100,7 +113,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
-        "--only", choices=("basics", "tp", "replan"), help="one part: templates/instantiation, tp, or re-planning"
+        "--only",
+        choices=("basics", "tp", "replan", "schedules"),
+        help="one part: templates/instantiation, tp, re-planning, or pipeline schedules",
     )
     args = ap.parse_args()
     common = {"bench": "planner", "model": "gpt3-175b-like", "layers": 98, "gpus_per_node": 8}
@@ -110,6 +125,32 @@ def main() -> None:
         tensor_parallel(common)
     if args.only in (None, "replan"):
         replan_at_scale(common, min(args.repeats, 3))
+    if args.only in (None, "schedules"):
+        schedules(common, args.repeats)
+
+
+def schedules(common: dict, repeats: int) -> None:
+    """plan_job for GPT-3 on 1,024 nodes at tp 8, 1F1B and auto: CPU seconds (median of `repeats`
+    calls, each from scratch: a fresh PipelineSchedules simulates every candidate again)."""
+    for schedule in ("1f1b", "auto"):
+        cfg = load_config(
+            ROOT / "configs/gpt3-175b.yaml", ["planning.tensor_parallel=8", f"planning.schedule={schedule}"]
+        )
+        profiles = load_profiles(cfg)
+        wall, cpu, jp = timed_cpu(lambda c=cfg, p=profiles: plan_job(c, nodes=1024, profile=p), repeats)
+        row = {
+            "figure": "schedules_1024_nodes_tp8",
+            "schedule": schedule,
+            "pipelines": len(jp.plan.pipelines),
+            "chosen": sorted({f"{p.schedule}/{p.num_chunks}" for p in jp.plan.pipelines}),
+            "est_samples_per_s": jp.plan.samples_per_s,
+            "bubble_fraction": 1 - jp.efficiency,
+            "plan_job_cpu_s": cpu,
+            "plan_job_wall_s": wall,
+        }
+        if schedule == "auto":
+            row |= {"goal_cpu_s": 2.0, "meets_goal": cpu < 2.0}
+        print(json.dumps(common | row), flush=True)
 
 
 def basics(common: dict, repeats: int) -> None:

@@ -3,7 +3,7 @@ and 10,000 nodes against torchrun checkpoint-restart (goal: 10,000 nodes in < 60
 
 Prints one JSON line per figure (the scale rows carry both systems side by side):
 
-    python bench/simulate.py [--hours 24] [--seeds 1]
+    python bench/simulate.py [--hours 24] [--seeds 1] [--schedule auto]
     python bench/simulate.py --artifact-dir /tmp/Oobleck/tools/simulator   # ours vs the authors' simulator
 
 With `--artifact-dir` (a checkout of the authors' simulator, SymbioticLab/Oobleck `tools/simulator`,
@@ -74,6 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hours", type=float, default=24.0)
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--schedule", default="1f1b", help="the scale rows' planning.schedule: 1f1b (default) or auto")
     ap.add_argument("--artifact-dir", type=Path, help="the authors' tools/simulator: compare every cell, then stop")
     args = ap.parse_args()
     if args.artifact_dir:
@@ -95,7 +96,14 @@ def main() -> None:
         for rate, mtbf in (("1.8h@16384gpus", node_mtbf_h(1.8, 16384)), ("7.9h@1024gpus", node_mtbf_h(7.9, 1024))):
             for seed in range(args.seeds):
                 r = run_scale(
-                    ScaleSettings(nodes=nodes, hours=args.hours, node_mtbf_h=mtbf, seed=seed, global_batch=batch)
+                    ScaleSettings(
+                        nodes=nodes,
+                        hours=args.hours,
+                        node_mtbf_h=mtbf,
+                        seed=seed,
+                        global_batch=batch,
+                        schedule=args.schedule,
+                    )
                 )
                 rows = {x["system"]: x for x in r.rows()}
                 ours, base = rows["oobleck_elastic"], rows["checkpoint_restart"]
@@ -107,6 +115,8 @@ def main() -> None:
                             "nodes": nodes,
                             "hours": args.hours,
                             "global_batch": batch,
+                            "schedule": args.schedule,
+                            "schedules_at_start": r.chosen,
                             "mttf_source": rate,
                             "node_mtbf_h": round(mtbf),
                             "seed": seed,

@@ -115,6 +115,19 @@ def test_profile_at_fits_lines_through_the_measured_sizes() -> None:
         profile_at(ModelProfile(layers=[LayerProfile("x", 1.0, 1.0, 0, 0, 0, 10)]), 2)
 
 
+def test_profile_at_fits_the_measured_backward_split_too() -> None:
+    def layer(b: int, split: bool) -> LayerProfile:
+        i, w = (0.001 + 0.002 * b, 0.003 * b) if split else (None, None)
+        return LayerProfile("x", 0.01 * b, 0.005 * b, 0, 0, 0, 10 * b, input_grad_s=i, weight_grad_s=w)
+
+    both = ModelProfile(layers=[layer(1, True)], microbatch_size=1, at_microbatch_sizes={4: [layer(4, True)]})
+    at8 = profile_at(both, 8).layers[0]
+    assert at8.input_grad_s == pytest.approx(0.001 + 0.002 * 8) and at8.weight_grad_s == pytest.approx(0.024)
+    # a size measured without the split: none fitted (the planner splits by its share)
+    half = ModelProfile(layers=[layer(1, True)], microbatch_size=1, at_microbatch_sizes={4: [layer(4, False)]})
+    assert not profile_at(half, 8).layers[0].split_measured
+
+
 def test_multi_size_profile_json_round_trip_and_validation() -> None:
     prof = linear_profile(layers=2, a=0.01, c=0.002, act_per_sample=1000, static=4000)
     data = json.loads(json.dumps(prof.to_json()))

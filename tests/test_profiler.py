@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from oobleck_elastic.config import JobConfig, ModelConfig
 from oobleck_elastic.models import build_layer_model
@@ -129,6 +131,7 @@ def test_profile_key_contents():
     assert key["microbatch_size"] == cfg.training.microbatch_size
     assert key["seq_len"] == cfg.data.seq_len and key["dtype"] == "float32"
     assert key["device"] == "cpu" and key["torch"] == torch.__version__
+    assert key["backward_split"] == "stage_backward_input+weight"  # caches without the split are stale
     assert json.loads(json.dumps(key)) == key
 
 
@@ -175,3 +178,45 @@ def test_a_cached_profile_is_reused_with_its_age_and_measured_again_on_request(t
     cfg.planning.reprofile = True  # the config's way (a job)
     load_or_profile(cfg, log=lambda _: None)
     assert calls == [1, 1]
+
+
+def test_the_profiler_measures_the_input_and_weight_gradients_apart(monkeypatch):
+    """Each layer's backward is also timed as torch's zero-bubble stages split it: the input's
+    gradient (I), then the weights' (W). On the real clock both are recorded (> 0: wall times on
+    a shared machine are compared no further). On a clock that advances by the FLOPs run (as in
+    test_profile_memory.py), I + W is exactly the whole backward's work, and for a transformer
+    block I = W = the forward (Qi et al.'s I = W)."""
+    lm = build_layer_model(ModelConfig(vocab_size=V, hidden_size=H, num_layers=2, num_heads=4, max_seq_len=L), seed=0)
+    ids = torch.randint(0, V, (B, L))
+    prof = profile_layers(lm.layers, ids, ids, lm.loss_fn, warmup=1, repeats=3, names=lm.names)
+    embedding, *blocks, head = prof.layers
+    assert embedding.input_grad_s == 0.0 and embedding.weight_grad_s > 0  # token ids take no gradient
+    assert all(p.input_grad_s > 0 and p.weight_grad_s > 0 for p in [*blocks, head])
+    again = ModelProfile.from_json(json.loads(json.dumps(prof.to_json())))
+    assert [(p.input_grad_s, p.weight_grad_s) for p in again.layers] == [
+        (p.input_grad_s, p.weight_grad_s) for p in prof.layers
+    ]
+    counter = FlopCounterMode(display=False)
+    monkeypatch.setattr(
+        profiler, "time", types.SimpleNamespace(perf_counter=lambda: counter.get_total_flops() * 2.0**-40)
+    )
+    with counter:
+        flops = profile_layers(lm.layers, ids, ids, lm.loss_fn, warmup=0, repeats=1, names=lm.names)
+    for p in flops.layers[1:]:
+        assert p.input_grad_s + p.weight_grad_s == p.backward_s > 0
+    for p in flops.layers[1:-1]:
+        assert p.input_grad_s == p.weight_grad_s == p.forward_s
+
+
+def test_a_profile_without_the_split_loads_and_one_with_half_of_it_is_refused():
+    old = {"name": "l0", "forward_s": 1.0, "backward_s": 2.0, "param_bytes": 1, "grad_bytes": 1}
+    old |= {"optimizer_bytes": 2, "activation_bytes": 3}
+    prof = ModelProfile.from_json({"layers": [old]})
+    assert prof.layers[0].input_grad_s is None and not prof.layers[0].split_measured
+    assert prof.layers[0].split_backward(0.25) == (1.5, 0.5)
+    assert "input_grad_s" not in json.dumps(prof.to_json())  # written as it was read
+    with pytest.raises(ValueError) as err:
+        ModelProfile.from_json({"layers": [old | {"input_grad_s": 0.5}]}, source="p.json")
+    assert str(err.value) == "p.json: layer 0: layer l0: give both input_grad_s and weight_grad_s, or neither"
+    split = ModelProfile.from_json({"layers": [old | {"input_grad_s": 0.5, "weight_grad_s": 1.25}]})
+    assert split.layers[0].split_backward(0.25) == (0.5, 1.25)

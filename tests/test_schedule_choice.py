@@ -264,6 +264,48 @@ def test_the_instantiation_line_is_the_simulated_steady_state() -> None:
             assert t.total_time_s + (m - 1) * t.bottleneck_s == pytest.approx(exact, rel=0.07)
 
 
+def test_a_candidate_is_simulated_once_for_every_replica_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The instantiation's lines and the pipelines' choice ask for the same candidates with
+    different replica counts: the simulation does not depend on them, only the all-reduce does,
+    and that is the one a fresh simulation for those replicas gives."""
+    import oobleck_elastic.planning.schedule_choice as choice
+
+    prof = model()
+    jp = plan_job(config(**{"planning.schedule": "auto"}), nodes=10, profile=prof)
+    assert jp.schedules is not None
+    fresh = PipelineSchedules(prof, jp.templates, jp.schedules.memory_limit_bytes, jp.schedules.options)
+    runs: list[tuple] = []
+    monkeypatch.setattr(choice, "schedule_cost", lambda *a, **k: runs.append(a) or schedule_cost(*a, **k))
+    n = jp.templates.n0
+    two = fresh.table(n, 8, 2)
+    simulated = len(runs)
+    assert simulated >= 5
+    five = fresh.table(n, 8, 5)
+    assert len(runs) == simulated  # none again
+    for (name, chunks, got), (_, _, other) in zip(two, five):
+        if isinstance(got, str):
+            assert other == got
+            continue
+        assert isinstance(other, ScheduleCost)
+        t = jp.templates[n]
+        alone = schedule_cost(
+            prof,
+            got.ranges,
+            name,
+            8,
+            chunks=chunks,
+            links=t.links,
+            stages_per_node=t.gpus_per_node // t.tensor_parallel,
+            replicas=5,
+        )
+        assert (other.step_s, other.grad_sync_s, other.makespan_s) == (
+            alone.step_s,
+            alone.grad_sync_s,
+            alone.makespan_s,
+        )
+        assert other.grad_sync_s > got.grad_sync_s > 0
+
+
 def test_gpt3_on_1024_nodes_auto_cuts_the_bubble(capsys: pytest.CaptureFixture[str]) -> None:
     """The figure the README quotes: GPT-3 175B on 1,024 nodes of 8 devices at tp 8."""
     base = ["planning.tensor_parallel=8"]

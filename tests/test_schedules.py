@@ -12,8 +12,14 @@ import pytest
 
 from oobleck_elastic.planning import LayerProfile, Links, ModelProfile
 from oobleck_elastic.planning.partition import StageCosts
-from oobleck_elastic.planning.schedule_cost import best_schedule, chunk_ranges, schedule_cost, template_cost
-from oobleck_elastic.planning.schedule_sim import StageTimes, simulate
+from oobleck_elastic.planning.schedule_cost import (
+    best_schedule,
+    chunk_ranges,
+    schedule_cost,
+    stage_times,
+    template_cost,
+)
+from oobleck_elastic.planning.schedule_sim import StageTimes, simulate, simulate_reference
 from oobleck_elastic.planning.schedules import Action, Order, ScheduleError, schedule_order
 from oobleck_elastic.planning.templates import make_template
 
@@ -253,9 +259,9 @@ def test_zbv_idles_only_while_the_first_microbatch_reaches_the_last_device() -> 
             assert zbv.peak_activation_bytes == (10 * p,) * p  # 2p half-size chunks: 1F1B's p microbatches
 
 
-def schedule_order_ok(name: str, p: int, m: int) -> bool:
+def schedule_order_ok(name: str, p: int, m: int, chunks: int = 1) -> bool:
     try:
-        schedule_order(name, p, m)
+        schedule_order(name, p, m, chunks)
     except ScheduleError:
         return False
     return True
@@ -369,3 +375,122 @@ def test_a_split_backward_feeds_the_stage_before_at_its_input_gradient() -> None
     # activations are kept until the weight gradient: 0F1 runs while 0W0 still needs microbatch 0
     held = simulate(Order.parse("0F0 0I0 0F1 0W0 0I1 0W1"), StageTimes([1.0], [1.0], [1.0], [3]))
     assert held.peak_in_flight == (2,) and held.peak_activation_bytes == (6,)
+
+
+def test_stage_times_use_the_measured_split_and_the_whole_backward_for_b() -> None:
+    """Measured input and weight gradients are a stage's I and W; a schedule with a full
+    backward runs the measured backward_s (the split costs two passes it does not make)."""
+    split = [(1.0, 2.5), (2.0, 2.0), (3.0, 1.5)]  # (I, W) of layers 0-2; layer 3 split by the share
+    layers = [
+        LayerProfile(f"l{i}", 1.0, 3.0, 0, 0, 0, 10, input_grad_s=x, weight_grad_s=w) for i, (x, w) in enumerate(split)
+    ]
+    prof = ModelProfile(layers=layers + [LayerProfile("l3", 1.0, 3.0, 0, 0, 0, 10)])
+    times = stage_times(prof, [(0, 2), (2, 4)], weight_share=0.25)
+    assert list(times.input_grad_s) == [1.0 + 2.0, 3.0 + 2.25]
+    assert list(times.weight_grad_s) == [2.5 + 2.0, 1.5 + 0.75]
+    assert list(times.backward_s or []) == [6.0, 6.0]
+    one = schedule_cost(prof, [(0, 2), (2, 4)], "1f1b", 4, weight_share=0.25)
+    assert one.simulation.busy_s == (4 * (2.0 + 6.0),) * 2  # F + measured B per microbatch
+    zb = schedule_cost(prof, [(0, 2), (2, 4)], "zero-bubble", 4, weight_share=0.25)
+    assert zb.simulation.busy_s == (4 * (2.0 + 3.0 + 4.5), 4 * (2.0 + 5.25 + 2.25))  # F + I + W
+    assert zb.device_compute_s == (9.5, 9.5) and one.device_compute_s == (8.0, 8.0)
+    # without any measured split: the share, and B = I + W as before
+    plain = stage_times(profile([1.0] * 4, [3.0] * 4), [(0, 2), (2, 4)], weight_share=0.25)
+    assert plain.backward_s is None and list(plain.input_grad_s) == [4.5, 4.5]
+
+
+# ---------------------------------------------------------------- the fast simulation is the reference's
+
+
+def random_order(rng: random.Random, devices: int, stages: int, m: int) -> Order:
+    """A runnable order no schedule builds: stages placed on devices at random (every device
+    one at least), each (stage, microbatch) backward whole or split at random, every device's
+    actions in the order of one random topological walk of the whole step."""
+    place = list(range(devices)) + [rng.randrange(devices) for _ in range(stages - devices)]
+    rng.shuffle(place)
+    split = {(s, k): rng.random() < 0.5 for s in range(stages) for k in range(m)}
+    todo = {Action(s, "F", k) for s in range(stages) for k in range(m)}
+    todo |= {Action(s, kind, k) for (s, k), cut in split.items() for kind in (("I", "W") if cut else ("B",))}
+    done: set[Action] = set()
+    lists: list[list[Action]] = [[] for _ in range(devices)]
+
+    def ready(a: Action) -> bool:
+        s, kind, k = a
+        if kind == "F":
+            return s == 0 or Action(s - 1, "F", k) in done
+        if kind == "W":
+            return Action(s, "I", k) in done
+        grad = Action(s + 1, "I" if split.get((s + 1, k)) else "B", k)
+        return Action(s, "F", k) in done and (s == stages - 1 or grad in done)
+
+    while todo:
+        a = rng.choice(sorted(x for x in todo if ready(x)))
+        todo.remove(a)
+        done.add(a)
+        lists[place[a.stage]].append(a)
+    return Order(name="random", devices=tuple(map(tuple, lists)), num_stages=stages, microbatches=m)
+
+
+def random_times(rng: random.Random, stages: int) -> StageTimes:
+    def draw() -> float:  # some exact zeros: ties between a device's free time and an input
+        return 0.0 if rng.random() < 0.1 else rng.uniform(0.01, 3.0)
+
+    return StageTimes(
+        forward_s=[draw() for _ in range(stages)],
+        input_grad_s=[draw() for _ in range(stages)],
+        weight_grad_s=[draw() for _ in range(stages)],
+        activation_bytes=[rng.randrange(0, 10**9) for _ in range(stages)],
+    )
+
+
+def same_simulation(order: Order, times: StageTimes, comm, *, checked: bool) -> None:
+    fast = simulate(order, times, comm, checked=checked)
+    plain = simulate_reference(order, times, comm, checked=checked)
+    assert fast.makespan_s == plain.makespan_s  # bit for bit, not approximately
+    assert fast.busy_s == plain.busy_s and fast.comm_s == plain.comm_s
+    assert fast.peak_in_flight == plain.peak_in_flight
+    assert fast.peak_activation_bytes == plain.peak_activation_bytes
+    assert fast.spans == plain.spans
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_fast_simulation_gives_the_reference_floats_bit_for_bit(seed: int) -> None:
+    rng = random.Random(seed)
+    links = [rng.uniform(0.0, 0.5) for _ in range(16)]
+
+    def comm(boundary: int, src: int, dst: int) -> float:  # a link per (boundary, src, dst)
+        return links[(boundary * 7 + src * 3 + dst) % 16]
+
+    name = rng.choice(["1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv"])
+    devices, m = rng.randint(1, 6), rng.randint(1, 14)
+    chunks = {"1f1b": 1, "gpipe": 1, "zbv": 2}.get(name, rng.randint(1, 4))
+    if schedule_order_ok(name, devices, m, chunks):
+        order = schedule_order(name, devices, m, chunks)
+        for c in (comm, None):
+            same_simulation(order, random_times(rng, order.num_stages), c, checked=True)
+    devices = rng.randint(1, 4)
+    order = random_order(rng, devices, rng.randint(devices, 7), rng.randint(1, 5))
+    same_simulation(order, random_times(rng, order.num_stages), comm, checked=False)
+
+
+def test_a_schedule_costs_what_the_reference_simulation_says() -> None:
+    """schedule_cost's figures come from the fast simulation; on a template with links they are
+    the reference's, and its spans (the order rebuilt on demand) too."""
+    rng = random.Random(7)
+    prof = profile([rng.uniform(0.1, 1) for _ in range(12)], [rng.uniform(0.1, 2) for _ in range(12)], out=[10**9] * 12)
+    for name, chunks in (("1f1b", 1), ("zero-bubble", 2), ("interleaved-1f1b", 3), ("zbv", 2)):
+        ranges = chunk_ranges(prof, 4 * chunks)
+        cost = schedule_cost(prof, ranges, name, 8, chunks=chunks, links=LINKS, stages_per_node=2)
+        times = StageTimes(
+            [sum(la.forward_s for la in prof.layers[u:v]) for u, v in ranges],
+            [sum(la.backward_s for la in prof.layers[u:v]) * 0.5 for u, v in ranges],
+            [sum(la.backward_s for la in prof.layers[u:v]) * 0.5 for u, v in ranges],
+            [sum(la.activation_bytes for la in prof.layers[u:v]) for u, v in ranges],
+        )
+
+        def comm(boundary: int, src: int, dst: int) -> float:
+            return LINKS.p2p_s(10**9, same_node=src // 2 == dst // 2)
+
+        plain = simulate_reference(schedule_order(name, 4, 8, chunks), times, comm)
+        assert cost.makespan_s == plain.makespan_s and cost.simulation.busy_s == plain.busy_s
+        assert cost.simulation.spans == plain.spans

@@ -79,3 +79,37 @@ def test_scale_study_charges_and_reports_the_measured_costs() -> None:
     recon = [r.timelines["oobleck_elastic"].breakdown["reconfiguration"] for r in (measured, assumed)]
     assert measured.failures == assumed.failures > 0
     assert recon[0] > recon[1] > 0  # 5.5 s detections instead of 0.6 s
+
+
+@functools.cache
+def _small_batch_planner(schedule: str) -> Planner:
+    # 256 sequences on 96 nodes: ~20 microbatches a pipeline, as 1,536 give on 1,024 nodes
+    # (a simulation's cost grows with the microbatches)
+    return Planner(tensor_parallel=8, global_batch=256, schedule=schedule)
+
+
+def test_the_scale_study_charges_the_schedules_the_planner_chooses() -> None:
+    """With planning.schedule=auto every plan of the run (each node count) runs the schedules
+    chosen by simulation, and both systems are charged that throughput: at least 1F1B's."""
+    settings = dict(nodes=96, hours=6.0, node_mtbf_h=100.0, seed=3, global_batch=256)
+    auto = run_scale(ScaleSettings(**settings, schedule="auto"), _small_batch_planner("auto"))
+    one = run_scale(ScaleSettings(**settings), _small_batch_planner("1f1b"))
+    rows = {(r["schedule"], r["system"]): r for r in auto.rows() + one.rows()}
+    for system in ("oobleck_elastic", "checkpoint_restart"):
+        assert rows["auto", system]["samples_per_s"] >= rows["1f1b", system]["samples_per_s"] > 0
+    assert auto.failures == one.failures > 0
+    assert one.chosen == {"1f1b/1": 16} and "1f1b/1" not in auto.chosen  # zero-bubble and zbv
+    assert rows["auto", "oobleck_elastic"]["schedules_at_start"] == auto.chosen
+    assert auto.start_samples_per_s > 1.1 * one.start_samples_per_s
+    # one PipelineSchedules serves every node count: the plans of a fresh one per call
+    planner = _small_batch_planner("auto")
+    for n in (95, 97):
+        fresh = plan_job(planner.cfg, nodes=n, templates=planner.templates).plan
+        shared = planner.plan(n)
+        assert shared is not None
+        assert shared.samples_per_s == fresh.samples_per_s
+        assert [(p.nodes, p.schedule, p.num_chunks, p.microbatches) for p in shared.pipelines] == [
+            (p.nodes, p.schedule, p.num_chunks, p.microbatches) for p in fresh.pipelines
+        ]
+    with pytest.raises(ValueError, match="the planner plans with schedule auto, the settings say 1f1b"):
+        run_scale(ScaleSettings(**settings), planner)

@@ -4,6 +4,9 @@ Times come from FLOP counts at an assumed sustained device throughput; bytes fro
 counts under mixed precision (2-byte weights and grads, 12 bytes of fp32 master weights plus two
 Adam moments per parameter) and, with full activation recomputation, only each block's input
 kept per microbatch (backward then costs a recomputed forward plus twice the forward FLOPs).
+The backward is not split into its input and weight gradients (`LayerProfile.input_grad_s`,
+`weight_grad_s` stay None): zero-bubble schedules are planned on these profiles with the
+planner's share, I = W = half the backward.
 With tensor parallelism over t devices of a node (Megatron-style, as the engine shards them),
 a block's matrices, FLOPs and optimizer state are split t ways and its forward and backward each
 add two all-reduces of the block's activation over the intra-node link (`comm.Links`); the

@@ -419,6 +419,7 @@ def plan_job(
     previous: Optional[Plan] = None,
     engine_only: bool = False,
     compiled: bool = False,
+    schedules: Optional[PipelineSchedules] = None,
 ) -> JobPlan:
     """Templates, guarantee and the plan for `nodes` (ids, or a count: node0, node1, ...).
 
@@ -428,7 +429,9 @@ def plan_job(
     `planning.schedule` other than 1f1b and gpipe is chosen per pipeline (schedule_choice.py);
     with `engine_only` only among the schedules the engine runs (a job's plans), and with
     `compiled` (its workers compile their layers, `schedule_choice.layers_compiled`) only among
-    those that do not split the backward."""
+    those that do not split the backward. `schedules`: the `JobPlan.schedules` of an earlier call
+    with the same config and templates, reused with the simulations it has cached (a study
+    planning many node counts; the plans are the same)."""
     if isinstance(nodes, int):
         if nodes < 1:
             raise PlanningError(f"--nodes must be >= 1 (got {nodes})")
@@ -455,7 +458,10 @@ def plan_job(
             f"n0={tset.n0} nodes of {tset.gpus_per_node} device(s) are needed; the "
             "job waits for more nodes"
         )
-    schedules = pipeline_schedules(cfg, tset, engine_only=engine_only, compiled=compiled)
+    if schedules is None:
+        schedules = pipeline_schedules(cfg, tset, engine_only=engine_only, compiled=compiled)
+    elif schedules.templates is not tset:
+        raise ValueError("plan_job: the schedules given were made for other templates")
     plan = make_plan(
         tset,
         schedules=schedules,

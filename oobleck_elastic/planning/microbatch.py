@@ -13,9 +13,10 @@ so the bubble (sum - max) grows with b while the m * fixed-cost part shrinks wit
 - **Candidates** (`microbatch_candidates`): every divisor b of training.global_batch_size with
   b <= global_batch_size // (f+1), so that f+1 pipelines each get at least one microbatch.
 - **Time and memory at size b** (`profile_at`): from the sizes the profile was measured at
-  (`ModelProfile.measurements()`). For every layer, forward time, backward time, activation bytes
-  and output bytes are fitted as a + c * b (least squares over the measured sizes: exact through
-  two; clamped at >= 0) and evaluated at b; parameters, gradients and optimizer state do not
+  (`ModelProfile.measurements()`). For every layer, forward time, backward time (and its input
+  and weight gradients where every size measured them), activation bytes and output bytes are
+  fitted as a + c * b (least squares over the measured sizes: exact through two; clamped at
+  >= 0) and evaluated at b; parameters, gradients and optimizer state do not
   depend on b. A measured size is used as measured. With a single measured size b0 the fit is
   proportional, y(b) = y(b0) * b / b0: exact for activations and outputs, but for time it knows
   no fixed cost, so the bubble then favours small microbatches. For `auto` the profiler therefore
@@ -124,10 +125,10 @@ def profile_at(profile: ModelProfile, size: int) -> ModelProfile:
         sizes = sorted(measured)
         layers = []
         for i, base in enumerate(profile.layers):
-            fit = {
-                name: _fit([(b, float(getattr(measured[b][i], name))) for b in sizes], size)
-                for name in ("forward_s", "backward_s", "activation_bytes", "output_bytes")
-            }
+            names = ["forward_s", "backward_s", "activation_bytes", "output_bytes"]
+            split = all(measured[b][i].split_measured for b in sizes)  # fitted only where every size has it
+            names += ["input_grad_s", "weight_grad_s"] if split else []
+            fit = {name: _fit([(b, float(getattr(measured[b][i], name))) for b in sizes], size) for name in names}
             layers.append(
                 dataclasses.replace(
                     base,
@@ -135,6 +136,8 @@ def profile_at(profile: ModelProfile, size: int) -> ModelProfile:
                     backward_s=fit["backward_s"],
                     activation_bytes=int(round(fit["activation_bytes"])),
                     output_bytes=int(round(fit["output_bytes"])),
+                    input_grad_s=fit.get("input_grad_s"),
+                    weight_grad_s=fit.get("weight_grad_s"),
                 )
             )
     key = dict(profile.key) | {"microbatch_size": size, "fitted_from_microbatch_sizes": sorted(measured)}

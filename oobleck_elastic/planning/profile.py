@@ -19,6 +19,11 @@ when absent): the planner needs a profile at the degree it plans for, one per de
 `microbatch_size` when that is a number). For `training.microbatch_size: auto` a profile also
 holds the same layers measured at other sizes (`at_microbatch_sizes`, JSON object size -> layers);
 `measurements()` gives them all by size, and `microbatch.profile_at` fits any other size from them.
+
+`input_grad_s` and `weight_grad_s` (optional, per layer) split the backward as zero-bubble
+schedules run it: the profiler times torch's own split (the input gradient, then the weight
+gradient from what it kept) beside the whole backward. Files without them load unchanged, and
+the planner then splits `backward_s` by a share (`LayerProfile.split_backward`).
 """
 
 from __future__ import annotations
@@ -54,6 +59,29 @@ class LayerProfile:
     """Bytes autograd keeps for backward for one microbatch."""
     output_bytes: int = 0
     """Bytes of the layer's output for one microbatch (what crosses a stage boundary)."""
+    input_grad_s: float | None = None
+    """The backward split as zero-bubble schedules run it: the time of the gradient of the
+    layer's input alone (I, what the stage before waits for), seconds (median). None: not
+    measured (older files, analytic profiles); the planner then splits `backward_s` by a share."""
+    weight_grad_s: float | None = None
+    """The other half of that split: the gradient of the layer's weights (W), run after I from
+    what I kept. Measured apart, I + W is about `backward_s` (a little more: two passes)."""
+
+    def __post_init__(self) -> None:
+        if (self.input_grad_s is None) != (self.weight_grad_s is None):
+            raise ProfileError(f"layer {self.name}: give both input_grad_s and weight_grad_s, or neither")
+
+    @property
+    def split_measured(self) -> bool:
+        """Whether the input and weight gradients were measured apart."""
+        return self.input_grad_s is not None
+
+    def split_backward(self, weight_share: float) -> tuple[float, float]:
+        """(input gradient, weight gradient) seconds: the measured ones, else `backward_s` split
+        with W = weight_share x backward_s."""
+        if self.input_grad_s is not None and self.weight_grad_s is not None:
+            return self.input_grad_s, self.weight_grad_s
+        return self.backward_s * (1.0 - weight_share), self.backward_s * weight_share
 
     @property
     def static_bytes(self) -> int:
@@ -120,7 +148,7 @@ class ModelProfile:
         return {**self.at_microbatch_sizes, base: self.layers}
 
     def to_json(self) -> dict[str, Any]:
-        out = {"schema_version": SCHEMA_VERSION, "key": self.key, "layers": [asdict(layer) for layer in self.layers]}
+        out = {"schema_version": SCHEMA_VERSION, "key": self.key, "layers": [_layer_json(la) for la in self.layers]}
         if self.device_memory_bytes is not None:
             out["device_memory_bytes"] = self.device_memory_bytes
         if self.tensor_parallel != 1:
@@ -129,7 +157,7 @@ class ModelProfile:
             out["microbatch_size"] = self.microbatch_size
         if self.at_microbatch_sizes:
             out["at_microbatch_sizes"] = {
-                str(b): [asdict(layer) for layer in layers] for b, layers in sorted(self.at_microbatch_sizes.items())
+                str(b): [_layer_json(la) for la in layers] for b, layers in sorted(self.at_microbatch_sizes.items())
             }
         return out
 
@@ -206,16 +234,22 @@ class ModelProfile:
 
 
 _INT_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "output_bytes")
+_SPLIT_FIELDS = ("input_grad_s", "weight_grad_s")
+
+
+def _layer_json(layer: LayerProfile) -> dict[str, Any]:
+    """A layer's JSON object; the split fields only when measured."""
+    return {k: v for k, v in asdict(layer).items() if not (k in _SPLIT_FIELDS and v is None)}
 
 
 def _layer_from_json(item: Any) -> LayerProfile:
     if not isinstance(item, dict):
         raise TypeError("expected an object")
-    unknown = set(item) - {"name", "forward_s", "backward_s", *_INT_FIELDS}
+    unknown = set(item) - {"name", "forward_s", "backward_s", *_INT_FIELDS, *_SPLIT_FIELDS}
     if unknown:
         raise KeyError(f"unknown fields {sorted(unknown)}")
     kw: dict[str, Any] = {"name": str(item["name"])}
-    for k in ("forward_s", "backward_s"):
+    for k in ("forward_s", "backward_s", *(f for f in _SPLIT_FIELDS if item.get(f) is not None)):
         v = float(item[k])
         if not v >= 0:
             raise ValueError(f"{k} must be >= 0 (got {item[k]})")

@@ -24,12 +24,17 @@ For every layer measured, `warmup` untimed and `repeats` timed iterations of
 
     forward:  out = layer(input.detach().requires_grad_())   (+ loss_fn for the last layer)
     backward: out.backward(randn_like(out))                   (loss.backward() for the last layer)
+    split:    another forward, then the backward as torch's zero-bubble stages split it:
+              stage_backward_input (the input's gradient, I), then stage_backward_weight (the
+              weights' gradients from the intermediates' gradients I kept, W)
 
-are timed and the medians kept: on the CPU with `time.perf_counter`; on CUDA with CUDA events
-(`torch.cuda.Event(enable_timing=True)` recorded on the device's current stream around the forward
-and the backward, read after the event that ends the backward has completed), so the times are
-the kernels' own and include neither Python launch overhead nor host synchronisation. Memory
-numbers are exact counts, not timings:
+are timed and the medians kept (`backward_s`, and `input_grad_s` and `weight_grad_s` from the
+split; a layer whose input takes no gradient, the embedding of token ids, has I = 0 and its
+whole backward as W; one run is one full and one split iteration): on the CPU with
+`time.perf_counter`; on CUDA with CUDA events (`torch.cuda.Event(enable_timing=True)` recorded
+on the device's current stream around the forward and the backward, read after the event that
+ends the backward has completed), so the times are the kernels' own and include neither Python
+launch overhead nor host synchronisation. Memory numbers are exact counts, not timings:
 
 - param_bytes: bytes of the layer's parameter storages, each storage counted once;
   grad_bytes = param_bytes; optimizer_bytes = 2 x param_bytes for AdamW (two moments), 0 for SGD.
@@ -47,7 +52,8 @@ the sizes measured.
 `load_or_profile` returns the profile of a job: the file in `planning.profile_path` if set, else
 a cached profile under `<cache_dir>/profiles/<profile_cache_key(key)>.json` whose stored key
 equals the current key exactly (model config, microbatch shape, precision, optimizer, device
-kind, library versions, whether identical blocks were measured once), else a fresh measurement
+kind, library versions, whether identical blocks were measured once, that the backward was
+also timed split), else a fresh measurement
 (`profile_model`) with the job's seed, which is then saved there. A cached file with another
 key is reported as stale and replaced. A reused profile is logged with its file, its age (the
 file's modification time) and how to measure again: the cache cannot tell a profile measured
@@ -76,6 +82,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from ..config import JobConfig
 from ..models.tensor_parallel import local
@@ -166,13 +173,59 @@ class _LayerMeter:
         return contextlib.nullcontext()
 
     def forward(self, layer: nn.Module, x: torch.Tensor, last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        _, out, target = self.forward_from(layer, x, last)
+        return out, target
+
+    def forward_from(
+        self, layer: nn.Module, x: torch.Tensor, last: bool, *, through_view: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the input, the layer's output, what backward starts from). `through_view`: the layer
+        gets a view of the input, not the leaf itself (module backward hooks, such as those of
+        torch's FlopCounterMode, refuse a leaf input under torch.autograd.grad)."""
         inp = x.detach()
         if inp.is_floating_point():
             inp.requires_grad_(True)
         with self.autocast():
-            out = layer(inp)
+            out = layer(inp.view_as(inp) if through_view and inp.requires_grad else inp)
             target = self.loss_fn(out, self.labels) if last else out
-        return out, target
+        return inp, out, target
+
+    def timed_split(self, layer: nn.Module, x: torch.Tensor, last: bool) -> tuple[float, float]:
+        """(input-gradient, weight-gradient) seconds of one backward split as torch's zero-bubble
+        stages run it: `stage_backward_input` (the input's gradient, keeping the gradients of the
+        intermediates the weights need), then `stage_backward_weight` (the weights' gradients
+        from those). A layer whose input takes no gradient (token ids) has none: its whole
+        backward is weight gradient."""
+        inp, out, target = self.forward_from(layer, x, last, through_view=True)
+        if target._is_view():  # stage_backward_input detaches it in place, which a view refuses
+            target = target.clone()
+        grad = None if last else torch.randn_like(out)
+        params = list(layer.parameters())
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.cuda else []
+
+        def mark(k: int) -> float:
+            if self.cuda:
+                marks[k].record()
+                return 0.0
+            return time.perf_counter()
+
+        split = target.requires_grad and inp.requires_grad
+        t0 = mark(0)
+        if split:
+            _, groups = stage_backward_input([target], None if grad is None else [grad], [inp], iter(params))
+        t1 = mark(1)
+        if split:
+            stage_backward_weight(iter(params), groups)
+        elif target.requires_grad:
+            target.backward(grad)
+        t2 = mark(2)
+        if self.cuda:
+            marks[2].synchronize()
+            t0, t1, t2 = 0.0, marks[0].elapsed_time(marks[1]) / 1e3, marks[0].elapsed_time(marks[2]) / 1e3
+        del out, target, grad, inp
+        for p in params:
+            p.grad = None
+        return (t1 - t0 if split else 0.0), t2 - t1
 
     def timed_iteration(self, layer: nn.Module, x: torch.Tensor, last: bool) -> tuple[float, float]:
         """(forward, backward) seconds of one iteration of `layer` on input `x`."""
@@ -208,14 +261,17 @@ class _LayerMeter:
     ) -> tuple[LayerProfile, torch.Tensor]:
         """The layer's profile on input `x`, and its output (detached: the next layer's input);
         `on_run` is called after each of the warmup + repeats runs (progress)."""
-        fwd_times, bwd_times = [], []
+        fwd_times, bwd_times, input_times, weight_times = [], [], [], []
         for it in range(self.warmup + self.repeats):
             fwd_s, bwd_s = self.timed_iteration(layer, x, last)
+            input_s, weight_s = self.timed_split(layer, x, last)
             if on_run is not None:
                 on_run()
             if it >= self.warmup:
                 fwd_times.append(fwd_s)
                 bwd_times.append(bwd_s)
+                input_times.append(input_s)
+                weight_times.append(weight_s)
         meter = _SavedTensorMeter({_storage_key(p) for p in layer.parameters()})
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             out, target = self.forward(layer, x, last)
@@ -226,6 +282,8 @@ class _LayerMeter:
             name=name,
             forward_s=statistics.median(fwd_times),
             backward_s=statistics.median(bwd_times),
+            input_grad_s=statistics.median(input_times),
+            weight_grad_s=statistics.median(weight_times),
             param_bytes=pbytes,
             grad_bytes=pbytes,
             optimizer_bytes=_OPTIMIZER_STATES[self.optimizer] * pbytes,
@@ -532,6 +590,9 @@ def profile_key(cfg: JobConfig, *, device: str | torch.device) -> dict[str, Any]
         "device": dev.type,
         "device_name": device_name,
         "identical_blocks_once": cfg.planning.profile_identical_blocks_once,
+        # profiles cached before the backward was also timed split (input_grad_s, weight_grad_s)
+        # are stale: measured again once, not planned with the share forever
+        "backward_split": "stage_backward_input+weight",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }

@@ -174,6 +174,7 @@ class PipelineSchedules:
         self.weight_share = weight_share
         self._ranges: dict[tuple[int, int], Optional[list[tuple[int, int]]]] = {}
         self._costs: dict[tuple[int, str, int, int, int], Union[ScheduleCost, str]] = {}
+        self._simulated: dict[tuple[int, str, int, int], Union[ScheduleCost, str]] = {}  # any replicas
 
     def _stage_ranges(self, template: Template, chunks: int) -> Optional[list[tuple[int, int]]]:
         key = (template.num_nodes, chunks)
@@ -192,6 +193,11 @@ class PipelineSchedules:
         """One candidate on the template of `nodes` nodes: its cost, or why it cannot run (cannot
         be built, or over the memory limit)."""
         key = (nodes, name, chunks, microbatches, replicas)
+        done = self._simulated.get(key[:4])
+        if key not in self._costs and done is not None:  # simulated for another replica count
+            self._costs[key] = (
+                done if isinstance(done, str) else done.for_replicas(replicas, self.templates[nodes].links)
+            )
         if key not in self._costs:
             template = self.templates[nodes]
             ranges = self._stage_ranges(template, chunks)
@@ -221,7 +227,7 @@ class PipelineSchedules:
                         f"needs {result.peak_memory_bytes / 2**30:.2f} GiB on a device, over the limit of "
                         f"{self.memory_limit_bytes / 2**30:.2f} GiB"
                     )
-            self._costs[key] = result
+            self._costs[key] = self._simulated[key[:4]] = result
         return self._costs[key]
 
     def table(self, nodes: int, microbatches: int, replicas: int) -> list[tuple[str, int, Union[ScheduleCost, str]]]:

@@ -4,9 +4,11 @@
 (`schedule_sim.py`) and simulates one step of the schedule's order (`schedules.py`):
 
 - **times**: a stage's forward is its layers' `forward_s`; its backward their `backward_s`,
-  split for zero-bubble schedules into the input gradient I and the weight gradient W by
-  `weight_share` (W = share x backward; the profile measures the backward whole, and Qi et al.'s
-  transformer has I = W, share 0.5). Schedules with a full backward B only use the sum.
+  split for zero-bubble schedules into the input gradient I and the weight gradient W: the
+  profile's measured `input_grad_s` and `weight_grad_s` where it has them (the profiler times
+  torch's split; schedules with a full backward B then run the measured `backward_s`), else by
+  `weight_share` (W = share x backward, B = I + W; Qi et al.'s transformer has I = W, share 0.5;
+  the analytic GPT-3 profiles have no split and use the share).
 - **messages**: the activation leaving the last layer of stage s (`output_bytes`), forward, and
   its gradient, backward, over the link between the two stages' devices: `Links.p2p_s` inside
   a node or across nodes, with `stages_per_node` consecutive devices on one node (the
@@ -29,6 +31,7 @@ is checked on the simulated devices afterwards).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -92,6 +95,16 @@ class ScheduleCost:
     """The device of every stage."""
     device_compute_s: tuple[float, ...] = ()
     """Per device: forward + backward time of one microbatch through its stages."""
+    grad_bytes: tuple[int, ...] = ()
+    """Per device: the gradient bytes of its stages (what the all-reduce sums)."""
+    sync_ready: tuple[tuple[Ready, ...], ...] = ()
+    """Per device: when each of its layers' gradients is final, and its bytes (overlap.py)."""
+
+    def for_replicas(self, replicas: int, links: Optional[Links]) -> "ScheduleCost":
+        """The same schedule in a job of `replicas` pipelines: only the all-reduce changes (the
+        simulation does not depend on it, so the planner need not run it again)."""
+        sync = exposed_sync_s(self.sync_ready, self.makespan_s, links, replicas) if links is not None else 0.0
+        return dataclasses.replace(self, grad_sync_s=sync)
 
     def device_ranges(self, device: int) -> tuple[tuple[int, int], ...]:
         """The layer ranges device `device` runs, in pipeline order."""
@@ -121,18 +134,33 @@ def _check_ranges(profile: ModelProfile, ranges: Sequence[tuple[int, int]]) -> N
 
 
 def stage_times(profile: ModelProfile, ranges: Sequence[tuple[int, int]], weight_share: float = 0.5) -> StageTimes:
-    """Per stage forward, input-gradient and weight-gradient times and activation bytes."""
+    """Per stage forward, input-gradient and weight-gradient times and activation bytes. Where the
+    profile measured the split (`LayerProfile.input_grad_s`, `weight_grad_s`), a stage's I and W
+    are its layers' measured ones and its full backward B their `backward_s` (measured apart:
+    a schedule running B whole does not pay for the split); a layer without them is split by
+    `weight_share`. A profile without any measured split: I and W are `weight_share` of the
+    stage's backward, and B = I + W."""
     if not 0.0 <= weight_share <= 1.0:
         raise ScheduleError(f"weight_share must be within [0, 1] (got {weight_share})")
     _check_ranges(profile, ranges)
     layers = profile.layers
     fwd = [sum(la.forward_s for la in layers[u:v]) for u, v in ranges]
     bwd = [sum(la.backward_s for la in layers[u:v]) for u, v in ranges]
+    act = [sum(la.activation_bytes for la in layers[u:v]) for u, v in ranges]
+    if not any(la.split_measured for la in layers):
+        return StageTimes(
+            forward_s=fwd,
+            input_grad_s=[b * (1.0 - weight_share) for b in bwd],
+            weight_grad_s=[b * weight_share for b in bwd],
+            activation_bytes=act,
+        )
+    split = [[la.split_backward(weight_share) for la in layers[u:v]] for u, v in ranges]
     return StageTimes(
         forward_s=fwd,
-        input_grad_s=[b * (1.0 - weight_share) for b in bwd],
-        weight_grad_s=[b * weight_share for b in bwd],
-        activation_bytes=[sum(la.activation_bytes for la in layers[u:v]) for u, v in ranges],
+        input_grad_s=[sum(i for i, _ in stage) for stage in split],
+        weight_grad_s=[sum(w for _, w in stage) for stage in split],
+        activation_bytes=act,
+        backward_s=bwd,
     )
 
 
@@ -180,13 +208,22 @@ def schedule_cost(
         raise ScheduleError(f"schedule {schedule}: its order places stages unlike {placement}")  # a bug here
     times = stage_times(profile, ranges, weight_share)
     comm = link_comm(profile, ranges, links, stages_per_node) if links is not None else None
-    sim = simulate(order, times, comm, checked=True)  # schedule_order's orders are complete
+    sim = simulate(  # schedule_order's orders are complete
+        order, times, comm, checked=True, rebuild=lambda: schedule_order(schedule, devices, microbatches, chunks)
+    )
+    split = times.backward_s is not None and any(a.kind == "I" for a in order.devices[0])  # split backwards
     static = [0] * devices
+    grads = [0] * devices
     compute = [0.0] * devices
     for s, (u, v) in enumerate(ranges):
         static[placement[s]] += sum(la.static_bytes for la in profile.layers[u:v])
-        compute[placement[s]] += times.forward_s[s] + times.input_grad_s[s] + times.weight_grad_s[s]
-    sync = exposed(profile, ranges, placement, sim, links, replicas) if links is not None else 0.0
+        grads[placement[s]] += sum(la.grad_bytes for la in profile.layers[u:v])
+        if times.backward_s is not None and not split:  # B measured whole
+            compute[placement[s]] += times.forward_s[s] + times.backward_s[s]
+        else:
+            compute[placement[s]] += times.forward_s[s] + times.input_grad_s[s] + times.weight_grad_s[s]
+    ready = sync_ready(profile, ranges, placement, sim)
+    sync = exposed_sync_s(ready, sim.makespan_s, links, replicas) if links is not None else 0.0
     return ScheduleCost(
         schedule=schedule,
         chunks=chunks,
@@ -201,31 +238,24 @@ def schedule_cost(
         ranges=tuple((int(u), int(v)) for u, v in ranges),
         placement=tuple(placement),
         device_compute_s=tuple(compute),
+        grad_bytes=tuple(grads),
+        sync_ready=ready,
     )
 
 
-def exposed(
-    profile: ModelProfile,
-    ranges: Sequence[tuple[int, int]],
-    placement: Sequence[int],
-    sim: Simulation,
-    links: Links,
-    replicas: int,
-) -> float:
-    """The all-reduce left after the schedule (overlap.py): each stage's layers final during its
-    last B (layer by layer) or at the end of its last W, reduced one after another per device."""
-    last: dict[int, tuple[float, float, bool]] = {}  # stage -> its last backward's span, and whether split
-    for a, (start, end) in sim.spans.items():
-        if a.kind in ("B", "W") and (a.stage not in last or end > last[a.stage][1]):
-            last[a.stage] = (start, end, a.kind == "W")
+def sync_ready(
+    profile: ModelProfile, ranges: Sequence[tuple[int, int]], placement: Sequence[int], sim: Simulation
+) -> tuple[tuple[Ready, ...], ...]:
+    """Per device, when each of its layers' gradients is final (overlap.py): during its stage's
+    last B, layer by layer, or at the end of its last W."""
     devices: list[list[Ready]] = [[] for _ in range(max(placement) + 1)]
     for s, (u, v) in enumerate(ranges):
-        start, end, split = last[s]
+        start, end, split = sim.last_backward[s]
         layers = profile.layers[u:v]
         devices[placement[s]] += layer_ready_times(
             start, end, [la.backward_s for la in layers], [la.grad_bytes for la in layers], split=split
         )
-    return exposed_sync_s(devices, sim.makespan_s, links, replicas)
+    return tuple(tuple(d) for d in devices)
 
 
 def template_cost(

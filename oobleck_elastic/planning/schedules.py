@@ -38,9 +38,10 @@ This module imports no torch: the planning plane stays pure numbers.
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from functools import lru_cache, partial
+from itertools import chain, repeat
 from dataclasses import dataclass
-from typing import Callable, Literal, NamedTuple
+from typing import Callable, Iterable, Literal, NamedTuple
 
 from .partition import PlanningError
 
@@ -81,6 +82,11 @@ class Action(NamedTuple):
         return cls(int(found[1]), found[2], int(found[3]))  # type: ignore[arg-type]
 
 
+_make_action = partial(tuple.__new__, Action)
+"""`_make_action((stage, kind, microbatch))`: an Action without NamedTuple's Python-level
+constructor (the planner builds millions)."""
+
+
 @dataclass(frozen=True)
 class Order:
     """A schedule: per device, the actions it runs, in order."""
@@ -102,10 +108,19 @@ class Order:
         """Stage -> the device running it (ScheduleError when a stage runs on two devices)."""
         where: dict[int, int] = {}
         for d, actions in enumerate(self.devices):
+            for s in sorted({a[0] for a in actions}):
+                if where.setdefault(s, d) != d:
+                    return self._stage_devices_error()
+        return where
+
+    def _stage_devices_error(self) -> dict[int, int]:
+        """stage_devices' error: the first action, in device order, of a stage seen on an earlier device."""
+        where: dict[int, int] = {}
+        for d, actions in enumerate(self.devices):
             for a in actions:
                 if where.setdefault(a.stage, d) != d:
                     raise ScheduleError(f"stage {a.stage} has actions on device {where[a.stage]} and device {d} ({a})")
-        return where
+        return where  # unreachable: stage_devices found a stage on two devices
 
     def __str__(self) -> str:
         return "\n".join(f"{d}: " + " ".join(map(str, acts)) for d, acts in enumerate(self.devices))
@@ -179,59 +194,48 @@ def _rounds(devices: int, m: int) -> int:
     return m // rounds
 
 
-class _Counter:
-    """Next microbatch index per stage, for one kind of action."""
-
-    def __init__(self) -> None:
-        self.next: defaultdict[int, int] = defaultdict(int)
-
-    def take(self, stage: int) -> int:
-        k = self.next[stage]
-        self.next[stage] = k + 1
-        return k
-
-
 def _looped(rank: int, devices: int, m: int, v: int, *, zero_bubble: bool) -> list[Action]:
-    """Interleaved 1F1B or (zero_bubble) interleaved ZB-H1 on device `rank`, loop placement."""
+    """Interleaved 1F1B or (zero_bubble) interleaved ZB-H1 on device `rank`, loop placement.
+    The device's i-th forward (and i-th backward, i-th weight gradient) is of chunk (i // r) % v
+    (backwards: v - 1 - that) and of microbatch (i // (r v)) r + i % r: each chunk sees its
+    microbatches in rounds of r, in order. After the warm-up, backward j follows forward
+    warm-up + j (while there are forwards) and, in zero-bubble, weight gradient j - rank."""
     per_round = _rounds(devices, m)
     total = m * v  # forwards (and backwards) of this device
     spread = 1 if zero_bubble else 2  # extra warm-up forwards per hop from the last device
     warmup = min((v - 1) * per_round + spread * (devices - 1 - rank), total)
+    chunk, micro = _rounds_of(per_round, v, total)
+    fwd_stage = [c * devices + rank for c in range(v)]
+    bwd_stage = fwd_stage[::-1]
+    fwd = _actions(map(fwd_stage.__getitem__, chunk), "F", micro)
+    bwd = _actions(map(bwd_stage.__getitem__, chunk), "I" if zero_bubble else "B", micro)
+    wgt = _actions(map(bwd_stage.__getitem__, chunk), "W", micro) if zero_bubble else []
+    left = total - warmup  # backwards that a forward still follows
+    late = min(rank, total) if zero_bubble else total  # the first backward a weight gradient follows
+    lo, hi = min(left, late), max(left, late)
+    out = fwd[:warmup] + _zip(fwd[warmup : warmup + lo], bwd[:lo])
+    if left <= late:
+        out += bwd[lo:hi]
+    else:
+        out += _zip(fwd[warmup + lo : warmup + hi], bwd[lo:hi], wgt[: hi - late])
+    return out + _zip(bwd[hi:], wgt[hi - late : total - late]) + wgt[total - late :]
 
-    def fwd_stage(op: int) -> int:
-        return (op // per_round) % v * devices + rank
 
-    def bwd_stage(j: int) -> int:  # j: this device's j-th backward
-        return (v - 1 - (j // per_round) % v) * devices + rank
+@lru_cache(maxsize=64)
+def _rounds_of(per_round: int, v: int, total: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per forward i of a device: its chunk, (i // r) % v, and its microbatch, (i // (r v)) r + i % r."""
+    block = per_round * v
+    chunks = tuple((i // per_round) % v for i in range(total))
+    return chunks, tuple((i // block) * per_round + i % per_round for i in range(total))
 
-    fwd, bwd, wgt = _Counter(), _Counter(), _Counter()
-    out: list[Action] = []
-    backward_kind: Kind = "I" if zero_bubble else "B"
-    weights_done = 0
 
-    def backward(j: int) -> None:
-        nonlocal weights_done
-        s = bwd_stage(j)
-        out.append(Action(s, backward_kind, bwd.take(s)))
-        if zero_bubble and j >= rank:  # device `rank` keeps `rank` weight gradients back
-            w = bwd_stage(weights_done)
-            out.append(Action(w, "W", wgt.take(w)))
-            weights_done += 1
+def _actions(stages: Iterable[int], kind: Kind, micro: Iterable[int]) -> list[Action]:
+    return list(map(_make_action, zip(stages, repeat(kind), micro)))
 
-    for op in range(warmup):
-        s = fwd_stage(op)
-        out.append(Action(s, "F", fwd.take(s)))
-    for j in range(total):
-        op = warmup + j
-        if op < total:
-            s = fwd_stage(op)
-            out.append(Action(s, "F", fwd.take(s)))
-        backward(j)
-    while zero_bubble and weights_done < total:
-        w = bwd_stage(weights_done)
-        out.append(Action(w, "W", wgt.take(w)))
-        weights_done += 1
-    return out
+
+def _zip(*lists: list[Action]) -> list[Action]:
+    """The lists' first elements, then their second ones, ... (as long as the shortest)."""
+    return list(chain.from_iterable(zip(*lists)))
 
 
 def _zbv(rank: int, devices: int, m: int) -> list[Action]:

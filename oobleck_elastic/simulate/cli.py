@@ -72,6 +72,12 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--inputs", default=str(paper.INPUTS), help="the paper's inputs (configs/simulate/sosp23.yaml)")
     s.add_argument("--global-batch", type=int, default=1536, help="--scale: sequences per step (1536)")
     s.add_argument(
+        "--schedule",
+        default="1f1b",
+        help="--scale: planning.schedule of the planner: 1f1b (default; the closed form) or auto (each "
+        "pipeline's schedule chosen by simulation), or one schedule's name",
+    )
+    s.add_argument(
         "--node-mtbf-h",
         type=float,
         help="--scale: per-node MTBF in hours (default: 1.8 h MTTF at 16,384 GPUs, 3,686 h per 8-GPU node)",
@@ -155,7 +161,11 @@ def _scale(args: argparse.Namespace) -> int:
     from .scale import ScaleSettings, run_scale
 
     settings = ScaleSettings(
-        nodes=args.nodes or 1024, hours=args.hours or 24.0, seed=args.seed, global_batch=args.global_batch
+        nodes=args.nodes or 1024,
+        hours=args.hours or 24.0,
+        seed=args.seed,
+        global_batch=args.global_batch,
+        schedule=args.schedule,
     )
     if args.node_mtbf_h:
         settings.node_mtbf_h = args.node_mtbf_h
@@ -170,6 +180,11 @@ def _scale(args: argparse.Namespace) -> int:
         print(
             f"GPT-3-175B-like, {settings.nodes} nodes x 8 devices, {settings.hours:g} h, node MTBF "
             f"{settings.node_mtbf_h:.0f} h: {result.failures} failure(s); simulated in {result.wall_s:.1f} s"
+        )
+        chosen = ", ".join(f"{n} x {k}" for k, n in sorted(result.chosen.items()))
+        print(
+            f"planning.schedule={settings.schedule}: {chosen} at the start, "
+            f"{result.start_samples_per_s:.1f} samples/s before any failure"
         )
         print(summary_table(list(result.timelines.items())))
         for name, every in result.checkpoint_every.items():

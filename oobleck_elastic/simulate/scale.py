@@ -78,6 +78,10 @@ class ScaleSettings:
     failure: str = "node"
     """What a failure is, for its detection time: `node` (the machine is gone: its lease decides)
     or `process` (its agent process died: the liveness sockets see it at once)."""
+    schedule: str = "1f1b"
+    """`planning.schedule` of the planner: `1f1b` (templates.py's closed form) or `auto` (every
+    pipeline's schedule chosen by simulation, among all the planner knows, as `oobleck plan`
+    shows them; planning/schedule_choice.py), or one schedule's name."""
     measured_costs: bool = True
     """Charge the measured detection, re-planning and transfer (module docstring); False charges
     the assumptions the study made before (0.6 s, 0.05 s, the lost nodes' share of a replica)."""
@@ -117,6 +121,10 @@ class ScaleResult:
     wall_s: float = 0.0
     costs: dict[str, Cost] = field(default_factory=dict)
     """oobleck_elastic's costs of a failure, assumed beside measured."""
+    chosen: dict[str, int] = field(default_factory=dict)
+    """The plan at the start: its pipelines per schedule ("zero-bubble/3": 46)."""
+    start_samples_per_s: float = 0.0
+    """That plan's estimated samples/s, before any failure."""
 
     def cost_lines(self) -> list[str]:
         charged = "measured" if self.settings.measured_costs else "assumed"
@@ -133,6 +141,9 @@ class ScaleResult:
                     "hours": self.settings.hours,
                     "node_mtbf_h": round(self.settings.node_mtbf_h, 1),
                     "failures": self.failures,
+                    "schedule": self.settings.schedule,
+                    "schedules_at_start": self.chosen,
+                    "plan_samples_per_s_at_start": self.start_samples_per_s,
                     "system": name,
                     "samples_per_s": tl.average_samples_per_s(),
                     "useful_fraction": tl.breakdown["useful"] / total if total else 0.0,
@@ -146,20 +157,28 @@ class ScaleResult:
 
 
 class Planner:
-    """Plans of the GPT-3-175B-like model per node count, cached."""
+    """Plans of the GPT-3-175B-like model per node count, cached; with a simulated schedule, one
+    `PipelineSchedules` serves every node count (its simulations cached: the same plans as a
+    fresh one per call, in a fraction of the time)."""
 
-    def __init__(self, tensor_parallel: int = 8, global_batch: int = 1536) -> None:
+    def __init__(self, tensor_parallel: int = 8, global_batch: int = 1536, schedule: str = "1f1b") -> None:
         from ..config import load_config
         from ..planning import templates_for
         from ..planning.analytic import gpt3_175b_profile
+        from ..planning.job import pipeline_schedules
         from ..planning.placement import shard_bytes_of
 
         self.cfg = load_config(
             ROOT / "configs" / "gpt3-175b.yaml",
-            [f"planning.tensor_parallel={tensor_parallel}", f"training.global_batch_size={global_batch}"],
+            [
+                f"planning.tensor_parallel={tensor_parallel}",
+                f"training.global_batch_size={global_batch}",
+                f"planning.schedule={schedule}",
+            ],
         )
         profile = gpt3_175b_profile(tensor_parallel=tensor_parallel)
         self.templates = templates_for(self.cfg, profile)
+        self.schedules = pipeline_schedules(self.cfg, self.templates)
         self.shard_bytes = shard_bytes_of(profile.layers)
         """Bytes a transfer moves per layer shard (one lane's parameters and optimizer state)."""
         self.replica_bytes = float(sum(layer.static_bytes for layer in gpt3_175b_profile().layers))
@@ -171,7 +190,7 @@ class Planner:
 
         if n not in self._plans:
             try:
-                self._plans[n] = plan_job(self.cfg, nodes=n, templates=self.templates).plan
+                self._plans[n] = plan_job(self.cfg, nodes=n, templates=self.templates, schedules=self.schedules).plan
             except PlanningError:
                 self._plans[n] = None
         return self._plans[n]
@@ -191,7 +210,8 @@ class Planner:
     def replans(self, n: int) -> list[tuple[str, float, int]]:
         """Re-plans at `n` nodes as the leader makes them (plan_job with the previous plan and the
         cached templates): (what happened, seconds, bytes the busiest node receives), for a node
-        lost a third of the way in, the last node lost, and a node joining n - 1."""
+        lost a third of the way in, the last node lost, and a node joining n - 1. The timed call
+        plans as the leader does, from scratch (its schedules simulated anew)."""
         from ..planning import plan_job
         from ..planning.placement import bytes_received
 
@@ -203,7 +223,9 @@ class Planner:
         ]
         out = []
         for what, before, after in cases:
-            previous = plan_job(self.cfg, nodes=before, templates=self.templates, generation=1).plan
+            previous = plan_job(
+                self.cfg, nodes=before, templates=self.templates, generation=1, schedules=self.schedules
+            ).plan
             t0 = time.perf_counter()
             plan = plan_job(self.cfg, nodes=after, templates=self.templates, generation=2, previous=previous).plan
             took = time.perf_counter() - t0
@@ -267,7 +289,11 @@ class MeasuredOobleckElastic(OobleckElastic):
 
 def run_scale(settings: ScaleSettings, planner: Optional[Planner] = None) -> ScaleResult:
     t0 = time.perf_counter()
-    planner = planner or Planner(settings.tensor_parallel, settings.global_batch)
+    planner = planner or Planner(settings.tensor_parallel, settings.global_batch, settings.schedule)
+    if planner.cfg.planning.schedule != settings.schedule:
+        raise ValueError(
+            f"the planner plans with schedule {planner.cfg.planning.schedule}, the settings say {settings.schedule}"
+        )
     events = synthetic_trace(
         settings.nodes,
         mtbf_h=settings.node_mtbf_h,
@@ -284,6 +310,12 @@ def run_scale(settings: ScaleSettings, planner: Optional[Planner] = None) -> Sca
     cluster_mtbf_s = settings.node_mtbf_h * 3600.0 / settings.nodes
     young = math.sqrt(2 * ckpt_s * cluster_mtbf_s)
     result = ScaleResult(settings=settings, failures=failures, costs=measure_costs(settings, planner))
+    start = planner.plan(settings.nodes)
+    if start is not None:
+        for p in start.pipelines:
+            key = f"{p.schedule}/{p.num_chunks}"
+            result.chosen[key] = result.chosen.get(key, 0) + 1
+        result.start_samples_per_s = start.samples_per_s
     charged = {k: (c.measured_s if settings.measured_costs else c.assumed_s) for k, c in result.costs.items()}
 
     def ours(every: int) -> OobleckElastic:
