@@ -346,3 +346,23 @@ def test_a_replan_of_interleaved_pipelines_moves_only_what_changes_owner_and_los
         assert got == sorted(layers - set(held.get((node, lr), ())))
     by_rank = {r: ident for ident, r in new.entry_ranks().items()}
     assert all(t.layer in held[by_rank[t.src]] for t in transfers)
+
+
+def test_the_leaders_replans_reuse_its_simulations_and_plan_the_same() -> None:
+    cfg = config(**{"planning.schedule": "auto"})
+    nodes = [f"node{i}" for i in range(10)]
+
+    def planner() -> JobPlanner:
+        p = JobPlanner(cfg, None, None, device_type="cpu")  # type: ignore[arg-type]
+        p._profile = lambda n: model()  # type: ignore[method-assign]  # the planner only: no etcd
+        return p
+
+    leader = planner()
+    first = leader.plan_for(nodes, 1)
+    chooser = leader._schedules
+    assert chooser is not None
+    again = leader.plan_for(nodes[:-1], 2, previous=first)  # a node lost
+    assert leader._schedules is chooser  # the same cache, not a new one
+    fresh = planner()
+    fresh.plan_for(nodes, 1)
+    assert again == fresh.plan_for(nodes[:-1], 2, previous=first)

@@ -55,6 +55,7 @@ class JobPlanner:
         self.cfg, self.client, self.keys = cfg, client, keys
         self.compiled = layers_compiled(cfg, device_type)
         self._templates: Any = None
+        self._schedules: Any = None  # the schedule chooser of _templates, with its simulations cached
         self._pinned: ModelProfile | None = None
         self._warned: set[tuple[str, int]] = set()  # (key, mod revision) of values already reported
 
@@ -80,7 +81,10 @@ class JobPlanner:
                 raise  # no size can be planned on these nodes yet: wait for more
             except PlanningError as err:  # the config and the pinned profile are fixed: no node count helps
                 raise JobUnplannable(str(err)) from None
-        return plan_job(
+        reuse = (
+            self._schedules if self._schedules is not None and self._schedules.templates is self._templates else None
+        )
+        jp = plan_job(
             self.cfg,
             nodes=nodes,
             generation=generation,
@@ -88,7 +92,10 @@ class JobPlanner:
             previous=previous,
             engine_only=True,
             compiled=self.compiled,
-        ).plan
+            schedules=reuse,  # a re-plan does not simulate again what an earlier plan did
+        )
+        self._schedules = jp.schedules
+        return jp.plan
 
     def profile_ready(self) -> bool:
         """Whether the planner has its profile now (the leader publishes no first plan before):
