@@ -81,6 +81,11 @@ def test_pace_stage_pads_every_pass_of_a_stage() -> None:
     assert pace_stage(_Stage(), stage, 0.0, device=torch.device("cpu")) is None  # off: nothing wrapped
     chunked = dataclasses.replace(stage, chunks=((0, 1), (3, 4)))  # the plan's times are the device's
     assert pace_stage(_Stage(), chunked, 2.0, device=torch.device("cpu")) is None
+    # with each chunk's times, each chunk is paced to its own: chunk 1 forward 2 x 5 ms
+    timed = dataclasses.replace(chunked, chunk_times=((0.003, 0.001), (0.015, 0.005)))
+    second = pace_stage(_Stage(), timed, 2.0, device=torch.device("cpu"), chunk=1)
+    assert second is not None and second.targets.forward_s == pytest.approx(0.010)
+    assert second.targets.backward_s == pytest.approx(0.020)
     pstage = _Stage()
     pacer = pace_stage(pstage, stage, 2.0, device=torch.device("cpu"))
     assert pacer is not None

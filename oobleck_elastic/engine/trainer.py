@@ -312,15 +312,17 @@ class Trainer(PortableState):
                     output_args=outputs,
                     group=self.groups.pipeline_group,
                 )
-                if not pstages:  # training.paced_devices: pad each pass (engine/step/paced.py)
-                    self.pacer = pace_stage(
-                        pstage,
-                        self.stage,
-                        self.cfg.training.paced_devices,
-                        device=self.device,
-                        log=log.at(gen=plan.generation, node=self.node),
-                        step=lambda: self._step,
-                    )
+                pacer = pace_stage(  # training.paced_devices: pad each pass (engine/step/paced.py)
+                    pstage,
+                    self.stage,
+                    self.cfg.training.paced_devices,
+                    device=self.device,
+                    log=log.at(gen=plan.generation, node=self.node),
+                    step=lambda: self._step,
+                    chunk=len(pstages),
+                )
+                if not pstages:
+                    self.pacer = pacer  # the first chunk's (tests read what it padded)
                 # a split backward assigns the weight gradients in its W pass, no hook sees them:
                 # the gradient sync is told when a virtual stage's last W has run (grad_sync.py)
                 pstage.backward_weight_one_chunk = _after_weight_pass(  # type: ignore[method-assign]

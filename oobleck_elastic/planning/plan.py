@@ -52,6 +52,9 @@ class StagePlacement:
     """With more than one chunk per device (interleaved and V schedules): the layer ranges
     [start, end) of the virtual stages this device runs, in pipeline order (`start`/`end` are
     then the first one's). Empty: the one range start..end."""
+    chunk_times: tuple[tuple[float, float], ...] = ()
+    """With chunks: each chunk's (compute_s, forward_s), as the stage's are (a paced device pads
+    each chunk's passes to them). Empty: none, or unknown."""
 
     def layer_ranges(self) -> tuple[tuple[int, int], ...]:
         """The layer ranges this device runs: its chunks', or (start, end)."""
@@ -76,6 +79,7 @@ class StagePlacement:
             "compute_s": self.compute_s,
             **({"forward_s": self.forward_s} if self.forward_s else {}),
             **({"chunks": [list(c) for c in self.chunks]} if self.chunks else {}),
+            **({"chunk_times": [list(t) for t in self.chunk_times]} if self.chunk_times else {}),
         }
 
 
@@ -266,6 +270,9 @@ class Plan:
                             compute_s=float(s.get("compute_s", 0.0)),
                             forward_s=float(s.get("forward_s", 0.0)),
                             chunks=tuple((int(u), int(v)) for u, v in _list(s.get("chunks", []), "chunks")),
+                            chunk_times=tuple(
+                                (float(c), float(f)) for c, f in _list(s.get("chunk_times", []), "chunk_times")
+                            ),
                         )
                         for s in p["stages"]
                     ),
@@ -367,6 +374,17 @@ def _forward_s(templates: TemplateSet, ranges: Sequence[tuple[int, int]]) -> flo
     return sum(la.forward_s for u, v in ranges for la in templates.profile.layers[u:v])
 
 
+def _chunk_times(templates: TemplateSet, ranges: Sequence[tuple[int, int]]) -> tuple[tuple[float, float], ...]:
+    """Each chunk's (forward + backward, forward) of one microbatch in the templates' profile."""
+    if templates.profile is None or len(ranges) < 2:
+        return ()
+    layers = templates.profile.layers
+    return tuple(
+        (sum(la.forward_s + la.backward_s for la in layers[u:v]), sum(la.forward_s for la in layers[u:v]))
+        for u, v in ranges
+    )
+
+
 def make_plan(
     templates: TemplateSet,
     *,
@@ -412,6 +430,7 @@ def make_plan(
                 compute_s=s.time_s - s.comm_s if cost is None else cost.device_compute_s[s.index],
                 forward_s=_forward_s(templates, ((s.start, s.end),) if cost is None else cost.device_ranges(s.index)),
                 chunks=cost.device_ranges(s.index) if cost is not None and cost.chunks > 1 else (),
+                chunk_times=_chunk_times(templates, cost.device_ranges(s.index)) if cost is not None else (),
             )
             for s in tpl.stages
         )

@@ -24,8 +24,8 @@ stage's first step (whose first passes carry one-off costs) is logged, once per 
 On the CPU the sleeps are outside the straggler clock's reach (it counts thread CPU time,
 engine/resilience/straggler.py): it still measures the real arithmetic. Communication, the
 step's collectives, the optimizer step and one-stage pipelines (no pipeline stage to wrap) are
-not paced, nor a device running several chunks (interleaved schedules: the plan gives the
-device's times, not each chunk's).
+not paced. A device running several chunks (interleaved schedules) paces each chunk's passes
+to that chunk's times (`StagePlacement.chunk_times`); a plan without them leaves it unpaced.
 
 `pace_targets` and `padding_s` are the decisions, pure; `Pacer` applies them and keeps what it
 padded (`calls`, `wall_s` per pass: tests read them); `pace_stage` installs it on a
@@ -171,22 +171,28 @@ def pace_stage(
     device: torch.device,
     log: Optional[JobLog] = None,
     step: Callable[[], int] = lambda: 0,
+    chunk: int = 0,
 ) -> Optional[Pacer]:
-    """Pad `pstage`'s passes to `stage`'s plan times x `factor`; None (nothing changed) when the
-    factor is 0. Wrap before any timer that should see the padded pass."""
+    """Pad `pstage`'s passes to `stage`'s plan times x `factor` (with chunks: chunk `chunk`'s,
+    `StagePlacement.chunk_times`); None (nothing changed) when the factor is 0. Wrap before any
+    timer that should see the padded pass."""
     if factor <= 0:
         return None
-    if len(stage.layer_ranges()) > 1:  # the plan's times are the device's, not each chunk's
-        if log is not None:
-            log.warning(
-                "paced device: this device runs %d chunks; only one stage per device is paced", len(stage.chunks)
-            )
-        return None
-    pacer = Pacer(pace_targets(stage.compute_s, stage.forward_s, factor), device=device, log=log, step=step)
+    compute_s, forward_s = stage.compute_s, stage.forward_s
+    if len(stage.layer_ranges()) > 1:
+        if len(stage.chunk_times) != len(stage.layer_ranges()):  # the device's times only
+            if log is not None and chunk == 0:
+                log.warning(
+                    "paced device: this device runs %d chunks and the plan gives no time per chunk; not paced",
+                    len(stage.chunks),
+                )
+            return None
+        compute_s, forward_s = stage.chunk_times[chunk]
+    pacer = Pacer(pace_targets(compute_s, forward_s, factor), device=device, log=log, step=step)
     for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
         if hasattr(pstage, method):
             setattr(pstage, method, pacer.paced(getattr(pstage, method), method))
-    if log is not None and stage.compute_s <= 0:
+    if log is not None and compute_s <= 0:
         log.warning("paced device: the plan gives this stage no compute time; its passes are not padded")
     return pacer
 
