@@ -14,7 +14,7 @@ from oobleck_elastic.planning import LayerProfile, ModelProfile, PlanningError, 
 from oobleck_elastic.planning.plan import Plan
 from oobleck_elastic.planning.schedule_choice import ENGINE_RUNS, PipelineSchedules, candidates, layers_compiled
 from oobleck_elastic.rendezvous.planner import JobPlanner
-from oobleck_elastic.planning.schedule_cost import ScheduleCost, schedule_cost
+from oobleck_elastic.planning.schedule_cost import ScheduleCost, schedule_cost, template_cost
 
 GIB = 2**30
 
@@ -275,7 +275,7 @@ def test_a_candidate_is_simulated_once_for_every_replica_count(monkeypatch: pyte
     assert jp.schedules is not None
     fresh = PipelineSchedules(prof, jp.templates, jp.schedules.memory_limit_bytes, jp.schedules.options)
     runs: list[tuple] = []
-    monkeypatch.setattr(choice, "schedule_cost", lambda *a, **k: runs.append(a) or schedule_cost(*a, **k))
+    monkeypatch.setattr(choice, "template_cost", lambda *a, **k: runs.append(a) or template_cost(*a, **k))
     n = jp.templates.n0
     two = fresh.table(n, 8, 2)
     simulated = len(runs)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 from ..config import JobConfig
 from ..config.schema import MAX_CHUNKS, schedule_chunks_problem
 from .profile import ModelProfile
-from .schedule_cost import ScheduleCost, chunk_ranges, schedule_cost
+from .schedule_cost import ScheduleCost, chunk_ranges, template_cost
 from .schedules import SCHEDULES, ScheduleError
 from .templates import PlanningError, Template, TemplateSet
 
@@ -209,16 +209,15 @@ class PipelineSchedules:
                 )
             else:
                 try:
-                    result = schedule_cost(
+                    result = template_cost(
                         self.profile,
-                        ranges,
+                        template,
                         name,
                         microbatches,
                         chunks=chunks,
-                        links=template.links,
-                        stages_per_node=template.gpus_per_node // template.tensor_parallel,
                         replicas=replicas,
                         weight_share=self.weight_share,
+                        ranges=ranges,
                     )
                 except ScheduleError as err:
                     result = str(err)

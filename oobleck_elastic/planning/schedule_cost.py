@@ -267,10 +267,13 @@ def template_cost(
     chunks: int = 1,
     replicas: int = 1,
     weight_share: float = 0.5,
+    ranges: Optional[Sequence[tuple[int, int]]] = None,
 ) -> ScheduleCost:
     """`schedule_cost` of a template: its stages and links for one chunk per device; for more,
-    the model re-cut into chunks x stages by `chunk_ranges` on the template's devices."""
-    ranges = template.layer_ranges() if chunks == 1 else chunk_ranges(profile, chunks * template.num_stages)
+    the model re-cut into chunks x stages by `chunk_ranges` on the template's devices (`ranges`:
+    that cut, when the caller has it already)."""
+    if ranges is None:
+        ranges = template.layer_ranges() if chunks == 1 else chunk_ranges(profile, chunks * template.num_stages)
     return schedule_cost(
         profile,
         ranges,
