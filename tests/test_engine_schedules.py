@@ -49,6 +49,30 @@ def config():
     )
 
 
+def _train_and_save(trainer: Trainer, path: str) -> None:
+    """STEPS steps, then this worker's layers saved to `path`. After every step, each layer shared
+    with another pipeline had its all-reduce posted during the schedule (found final by its last
+    W pass, or by the accumulation hooks in every chunk: engine/generation/grad_sync.py)."""
+    for step in range(STEPS):
+        trainer.train_step(step)
+        sync = trainer.grad_sync
+        assert sync is not None and sync.posted_early == sum(len(v) for v in sync.sequence.values())
+    torch.save({f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()}, path)
+    trainer.close()
+
+
+def _assert_every_copy_is_the_reference(tmp: Path, name: str, ref: dict[str, torch.Tensor]) -> None:
+    """Every rank's saved copy of every parameter (`<name>-rank<r>.pt`) equals the reference."""
+    merged: dict[str, list[torch.Tensor]] = {}
+    for rank in range(4):
+        for key, t in torch.load(tmp / f"{name}-rank{rank}.pt", weights_only=True).items():
+            merged.setdefault(key, []).append(t)
+    assert set(merged) == set(ref), f"{name}: parameters missing"
+    for key, copies in merged.items():
+        for t in copies:  # every replica equals the reference
+            torch.testing.assert_close(t, ref[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+
+
 def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
     cfg = from_dict(cfg_dict)
     torch.set_num_threads(1)
@@ -65,17 +89,7 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
             assert {"F", "I", "W"} <= kinds, kinds
             for chunk in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 assert chunk in vars(stage) and hasattr(vars(stage)[chunk], "__wrapped__"), chunk
-        for step in range(STEPS):
-            trainer.train_step(step)
-            # every layer shared with another pipeline was found final by its last W pass and its
-            # all-reduce posted before the schedule ended (engine/generation/grad_sync.py)
-            sync = trainer.grad_sync
-            assert sync is not None and sync.posted_early == sum(len(v) for v in sync.sequence.values())
-        torch.save(
-            {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
-            os.path.join(tmp, f"plan{k}-rank{rank}.pt"),
-        )
-        trainer.close()
+        _train_and_save(trainer, os.path.join(tmp, f"plan{k}-rank{rank}.pt"))
 
 
 @pytest.mark.slow
@@ -84,14 +98,7 @@ def test_zero_bubble_plans_match_the_single_process_reference(tmp_path: Path) ->
     ref = helpers.reference_state(cfg, RandomTokens(), STEPS)
     mp.spawn(_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4, join=True)
     for k in range(len(PLANS)):
-        merged: dict[str, list[torch.Tensor]] = {}
-        for rank in range(4):
-            for key, t in torch.load(tmp_path / f"plan{k}-rank{rank}.pt", weights_only=True).items():
-                merged.setdefault(key, []).append(t)
-        assert set(merged) == set(ref), f"plan {k}: parameters missing"
-        for key, copies in merged.items():
-            for t in copies:  # every replica equals the reference
-                torch.testing.assert_close(t, ref[key], rtol=1e-5, atol=1e-6, msg=f"plan {k}: {key}")
+        _assert_every_copy_is_the_reference(tmp_path, f"plan{k}", ref)
     fresh = helpers.reference_state(cfg, RandomTokens(), 0)  # training happened: every tensor moved
     assert all(not torch.equal(t, fresh[k]) for k, t in ref.items())
 
@@ -128,16 +135,7 @@ def _interleaved_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None
             assert type(trainer.schedule).__name__ == "ScheduleInterleaved1F1B", type(trainer.schedule)
             d = len(trainer.pipeline.stages)
             assert [s.stage_index for s in trainer.schedule._stages] == [trainer.stage.index, d + trainer.stage.index]
-        for step in range(STEPS):
-            trainer.train_step(step)
-            # every layer shared with another pipeline, in both chunks, posted during the schedule
-            sync = trainer.grad_sync
-            assert sync is not None and sync.posted_early == sum(len(v) for v in sync.sequence.values())
-        torch.save(
-            {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
-            os.path.join(tmp, f"interleaved{k}-rank{rank}.pt"),
-        )
-        trainer.close()
+        _train_and_save(trainer, os.path.join(tmp, f"interleaved{k}-rank{rank}.pt"))
 
 
 @pytest.mark.slow
@@ -146,11 +144,4 @@ def test_interleaved_plans_with_two_chunks_per_device_match_the_single_process_r
     ref = helpers.reference_state(cfg, RandomTokens(), STEPS)
     mp.spawn(_interleaved_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4, join=True)
     for k in range(len(INTERLEAVED)):
-        merged: dict[str, list[torch.Tensor]] = {}
-        for rank in range(4):
-            for key, t in torch.load(tmp_path / f"interleaved{k}-rank{rank}.pt", weights_only=True).items():
-                merged.setdefault(key, []).append(t)
-        assert set(merged) == set(ref), f"plan {k}: parameters missing"
-        for key, copies in merged.items():
-            for t in copies:
-                torch.testing.assert_close(t, ref[key], rtol=1e-5, atol=1e-6, msg=f"plan {k}: {key}")
+        _assert_every_copy_is_the_reference(tmp_path, f"interleaved{k}", ref)
