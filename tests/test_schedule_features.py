@@ -40,7 +40,7 @@ from oobleck_elastic.engine.resilience.fingerprint import Corrupt
 from oobleck_elastic.engine.resilience.straggler import ComputeClock, StragglerWatch
 from oobleck_elastic.engine.trainer import Trainer, single_process
 from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
-from oobleck_elastic.planning.rebalance import rebalanced_plan
+from oobleck_elastic.planning.rebalance import mitigate, rebalanced_plan
 from helpers import RandomTokens, layout_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -346,7 +346,8 @@ def test_a_slow_worker_of_an_interleaved_plan_is_named_and_the_batch_not_re_spli
     """Two interleaved pipelines cut differently (no peers: each worker is compared with its
     estimate, here its layers over all its chunks: 3, 3, 2 and 4); rank 1 (n1) computes 3x as
     slowly per layer and is named. The leader does not re-split the batch of a plan in rounds
-    (planning/rebalance.py), while it re-splits the same pipelines under 1F1B."""
+    (planning/rebalance.py), while it re-splits the same pipelines under 1F1B; it can still leave
+    the straggler out."""
     plan = layout_plan([[(0, 2), (2, 3), (3, 4), (4, 6)], [(0, 1), (1, 2), (2, 3), (3, 6)]], [4, 4], generation=1, **IL)
     assert [len(s.layers()) for p in plan.pipelines for s in p.stages] == [3, 3, 2, 4]
     watch = StragglerWatch(factor=1.5, steps=3)
@@ -354,6 +355,10 @@ def test_a_slow_worker_of_an_interleaved_plan_is_named_and_the_batch_not_re_spli
     assert [v.named for v in verdicts] == [{}, {}, {}, {"n1": 3.0}]
     assert verdicts[-1].pipeline_s == pytest.approx((0.225, 0.1))
     assert rebalanced_plan(plan, verdicts[-1].pipeline_s) is None
+    # leaving n1 out is still a remedy (the leader re-plans without it)
+    without = layout_plan([[(0, 2), (2, 3), (3, 4), (4, 6)]], [8], generation=2, **IL)
+    remedy = mitigate(plan, verdicts[-1].pipeline_s, ["n1"], without)
+    assert remedy is not None and remedy.plan is None and remedy.leave_out == ("n1",), remedy
     one_f_one_b = layout_plan([[(0, 3), (3, 6)], [(0, 2), (2, 6)]], [4, 4], generation=1)
     assert rebalanced_plan(one_f_one_b, verdicts[-1].pipeline_s) is not None
 
