@@ -237,6 +237,14 @@ class GenerationEntry:
         keep = state.shadows if state.shadows is not None and state.shadows.step == committed else None
         after.shadows, seeded = self.seed_shadows(after, plan, rank, keep, shadowed, exchange_layers=not lost)
         info = account(moved, seeded=seeded)
+        if info.from_shadows and rank == 0:
+            log.at(gen=plan.generation, step=committed + 1, node=self.node, rank=rank).warning(
+                "layers %s had no surviving device copy: taken from their shadow copies at step %d (no step lost)",
+                list(info.from_shadows),
+                committed + 1,
+                event="from_shadows",
+                fields={"layers": list(info.from_shadows), "step": committed + 1},
+            )
         log.at(gen=plan.generation, step=committed + 1, node=self.node, rank=rank).info(
             "entered from generation %d (%s, %d layer bytes moved, %.3f s)",
             previous,
