@@ -24,12 +24,14 @@ import helpers
 from helpers import RandomTokens
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 3
+STEPS = 4
 
 
-def _plan(generation: int, pipelines: list[list[tuple[str, int, int]]], microbatches: list[int]) -> Plan:
+def _plan(
+    generation: int, pipelines: list[list[tuple[str, int, int]]], microbatches: list[int], shadows: int = 1
+) -> Plan:
     """A plan from pipelines given as [(node, first layer, end layer), ...] (one device per node),
-    with one shadow copy of every layer placed."""
+    with `shadows` shadow copies of every layer placed."""
     specs, rank = [], 0
     for pi, (stages, mb) in enumerate(zip(pipelines, microbatches, strict=True)):
         placed = []
@@ -57,19 +59,25 @@ def _plan(generation: int, pipelines: list[list[tuple[str, int, int]]], microbat
         est_step_time_s=1.0,
         f=1,
     )
-    return dataclasses.replace(plan, shadows=place_shadows(plan, 1, [1] * 6, 100))
+    return dataclasses.replace(plan, shadows=place_shadows(plan, shadows, [1] * 6, 100)) if shadows else plan
 
 
 # generation 1: two pipelines of two stages; generation 2: n0 and n2 (both holders of layers 0-2)
 # are gone, and n1 and n3 run one pipeline of two stages
 BEFORE = _plan(1, [[("n0", 0, 3), ("n1", 3, 6)], [("n2", 0, 3), ("n3", 3, 6)]], [4, 4])
 AFTER = _plan(2, [[("n1", 0, 3), ("n3", 3, 6)]], [8])
+# the chain the workers run: BEFORE; n1 (keeper of layers 0 and 2) is lost, the shadows are placed
+# again and seeded (MID); then n0 and n2, both holders of layers 0-2 in MID, are lost (LAST)
+MID = _plan(2, [[("n0", 0, 3), ("n3", 3, 6)], [("n2", 0, 6)]], [4, 4])
+LAST = _plan(3, [[("n3", 0, 6)]], [8], shadows=0)
 
 
 def test_the_placement_the_tests_rely_on() -> None:
     assert BEFORE.shadows is not None and AFTER.shadows is not None
     assert BEFORE.shadows.layers == (("n1",), ("n3",), ("n1",), ("n0",), ("n2",), ("n0",))
     assert AFTER.shadows.layers == (("n3",), ("n3",), ("n3",), ("n1",), ("n1",), ("n1",))
+    assert MID.shadows is not None and LAST.shadows is None
+    assert MID.shadows.layers == (("n3",), ("n3",), ("n3",), ("n0",), ("n0",), ("n0",))
 
 
 def test_keepers_and_the_step_routes() -> None:
@@ -125,7 +133,6 @@ def config():
             "training.microbatch_size=2",
             f"training.steps={STEPS}",
             "training.optimizer.eps=1e-6",
-            "fault_tolerance.shadow_copies=1",
         ],
     )
 
@@ -149,17 +156,21 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
     cfg = from_dict(cfg_dict)
     torch.set_num_threads(1)
     trainer = Trainer(cfg, dataset=RandomTokens(), plan=BEFORE, rank=rank, store=dist.FileStore(f"{tmp}/s1", world))
+    node = trainer.entry.identity[0]
     for step in range(2):
         trainer.train_step(step)
-    _dump(trainer, os.path.join(tmp, f"before-{rank}.pt"))
-    node = trainer.entry.identity[0]
-    if node in ("n0", "n2"):  # both holders of layers 0-2 leave
-        trainer.close()
-        return
-    info = trainer.enter_generation(AFTER, dist.FileStore(f"{tmp}/s2", 2))
-    torch.save({"from_shadows": info.from_shadows, "lost": info.lost_layers}, os.path.join(tmp, f"info-{rank}.pt"))
-    trainer.train_step(2)
-    _dump(trainer, os.path.join(tmp, f"after-{node}.pt"))
+    _dump(trainer, os.path.join(tmp, f"g1-{node}.pt"))
+    for plan, gone, step in [(MID, "n1", 2), (LAST, "n0 n2", 3)]:
+        if node in gone.split():
+            trainer.close()
+            return
+        info = trainer.enter_generation(plan, dist.FileStore(f"{tmp}/s{plan.generation}", plan.world_size))
+        torch.save(
+            {"from_shadows": info.from_shadows, "lost": info.lost_layers},
+            os.path.join(tmp, f"info{plan.generation}-{node}.pt"),
+        )
+        trainer.train_step(step)
+        _dump(trainer, os.path.join(tmp, f"g{plan.generation}-{node}.pt"))
     trainer.close()
 
 
@@ -181,18 +192,24 @@ def _assert_shadows_equal_holders(dumps: list[dict]) -> int:
 
 
 @pytest.mark.slow
-def test_losing_both_holders_of_layers_goes_on_from_the_shadows(tmp_path: Path) -> None:
+def test_a_keepers_loss_then_both_holders_loss_goes_on_from_the_new_shadows(tmp_path: Path) -> None:
+    """BEFORE -> MID -> LAST: the keeper's loss re-places the shadows (seeded from the holders,
+    bit-identical to them), and the next loss of both holders of layers 0-2 is recovered from
+    those new shadows, ending with the reference weights of four steps."""
     cfg = config()
     ref = helpers.reference_state(cfg, RandomTokens(), STEPS)
     mp.spawn(_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4, join=True)
-    before = [torch.load(tmp_path / f"before-{r}.pt", weights_only=True) for r in range(4)]
-    assert _assert_shadows_equal_holders(before) == 6
-    assert all(d["shadow_step"] == 1 for d in before)
-    infos = [torch.load(tmp_path / f"info-{r}.pt", weights_only=True) for r in (1, 3)]
-    assert all(i["from_shadows"] == (0, 1, 2) and i["lost"] == () for i in infos), infos
-    after = [torch.load(tmp_path / f"after-{n}.pt", weights_only=True) for n in ("n1", "n3")]
-    assert _assert_shadows_equal_holders(after) == 6  # the new shadows, seeded and kept, one step on
-    merged = {f"{i}:{n}": t for d in after for i, layer in d["layers"].items() for n, t in layer.items()}
+    g1 = [torch.load(tmp_path / f"g1-n{r}.pt", weights_only=True) for r in range(4)]
+    assert _assert_shadows_equal_holders(g1) == 6
+    assert all(d["shadow_step"] == 1 for d in g1)
+    g2 = [torch.load(tmp_path / f"g2-{n}.pt", weights_only=True) for n in ("n0", "n2", "n3")]
+    assert _assert_shadows_equal_holders(g2) == 6  # placed again, seeded, one step on
+    assert all(d.get("shadow_step", 2) == 2 for d in g2)
+    for n in ("n0", "n2", "n3"):
+        assert torch.load(tmp_path / f"info2-{n}.pt", weights_only=True) == {"from_shadows": (), "lost": ()}
+    assert torch.load(tmp_path / "info3-n3.pt", weights_only=True) == {"from_shadows": (0, 1, 2), "lost": ()}
+    last = torch.load(tmp_path / "g3-n3.pt", weights_only=True)
+    merged = {f"{i}:{n}": t for i, layer in last["layers"].items() for n, t in layer.items()}
     assert set(merged) == set(ref)
     for key, t in merged.items():
         torch.testing.assert_close(t, ref[key], rtol=1e-5, atol=1e-6, msg=key)
