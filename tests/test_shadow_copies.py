@@ -213,3 +213,51 @@ def test_a_keepers_loss_then_both_holders_loss_goes_on_from_the_new_shadows(tmp_
     assert set(merged) == set(ref)
     for key, t in merged.items():
         torch.testing.assert_close(t, ref[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+# one pipeline of three stages; n0 and n1 are lost: layer 1 keeps its shadow on n2, layers 0, 2
+# and 3 lose every holder and every shadow
+CHAIN = _plan(1, [[("n0", 0, 2), ("n1", 2, 4), ("n2", 4, 6)]], [8])
+ALONE = _plan(2, [[("n2", 0, 6)]], [8], shadows=0)
+
+
+def _fallback_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
+    from oobleck_elastic.engine import checkpointing
+    from oobleck_elastic.engine.generation.entry import LayersLost
+
+    cfg = from_dict(cfg_dict)
+    torch.set_num_threads(1)
+    trainer = Trainer(cfg, dataset=RandomTokens(), plan=CHAIN, rank=rank, store=dist.FileStore(f"{tmp}/s1", world))
+    trainer.train_step(0)
+    checkpointing.save(trainer, os.path.join(tmp, "ckpt"), next_step=1)
+    trainer.train_step(1)
+    if trainer.entry.identity[0] != "n2":
+        trainer.close()
+        return
+    try:
+        trainer.enter_generation(ALONE, dist.FileStore(f"{tmp}/s2", 1))
+        raise AssertionError("no layer was lost")
+    except LayersLost as err:
+        lost = err.layers
+    step = checkpointing.restore(trainer, os.path.join(tmp, "ckpt", "step-00000001"))
+    for s in range(step, STEPS):
+        trainer.train_step(s)
+    torch.save({"lost": lost, "layers": trainer.layer_state()}, os.path.join(tmp, "alone.pt"))
+    trainer.close()
+
+
+@pytest.mark.slow
+def test_when_the_shadows_are_lost_too_the_checkpoint_is_restored(tmp_path: Path) -> None:
+    """Holders and shadows of some layers lost at once: the entry names exactly those layers (not
+    the one whose shadow survived) and the job falls back to the newest checkpoint."""
+    assert CHAIN.shadows is not None
+    assert CHAIN.shadows.layers == (("n1",), ("n2",), ("n0",), ("n0",), ("n1",), ("n0",))
+    cfg = config()
+    ref = helpers.reference_state(cfg, RandomTokens(), STEPS)
+    mp.spawn(_fallback_worker, args=(3, str(tmp_path), to_dict(cfg)), nprocs=3, join=True)
+    out = torch.load(tmp_path / "alone.pt", weights_only=True)
+    assert out["lost"] == [0, 2, 3]
+    merged = {f"{i}:{n}": t for i, layer in out["layers"].items() for n, t in layer.items()}
+    assert set(merged) == set(ref)
+    for key, t in merged.items():
+        torch.testing.assert_close(t, ref[key], rtol=1e-5, atol=1e-6, msg=key)
