@@ -266,9 +266,7 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
 
 
 @pytest.mark.slow
-def test_losing_both_holders_of_layers_goes_on_from_their_shadow_copies(
-    tmp_path: Path, etcd_server, run_id
-) -> None:
+def test_losing_both_holders_of_layers_goes_on_from_their_shadow_copies(tmp_path: Path, etcd_server, run_id) -> None:
     """The same loss of both copies of the first layers, with fault_tolerance.shadow_copies=1 and
     no periodic checkpoint: the survivors take those layers from the shadow copies they keep in
     host memory, at the step the job had reached, and end with the reference weights, every

@@ -140,6 +140,8 @@ def config():
 def _dump(trainer: Trainer, path: str) -> None:
     """The worker's layers and its shadows, with their optimizer state."""
     shadows = trainer.state.shadows
+    if shadows is not None:
+        shadows.settle()  # the last step's update runs in the background
     out = {"layers": trainer.layer_state(), "optim": trainer.optimizer_state(), "shadows": {}, "shadow_optim": {}}
     if shadows is not None and shadows.optimizer is not None:
         for i in shadows.layers:

@@ -616,7 +616,7 @@ class Trainer(PortableState):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if shadows is not None:  # the same update on the shadow copies this worker keeps
-                shadows.apply(step, norm2, self.cfg)
+                shadows.apply(step, norm2, self.cfg, background=True)
             self.state.committed_step = step
 
     def abort(self, *, abandoned: bool = False) -> None:

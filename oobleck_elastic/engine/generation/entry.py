@@ -322,6 +322,8 @@ class GenerationEntry:
         held = torch.zeros(2, plan.entry_world_size, dtype=torch.float64)
         held[0, rank] = state.generation if state.owned and current else 0
         shadows = state.shadows
+        if shadows is not None:
+            shadows.settle()
         if shadows is not None and shadows.layers and shadows.step == committed:
             held[1, rank] = shadows.generation
         dist.all_reduce(held)
@@ -505,7 +507,10 @@ class GenerationEntry:
 
 def _shadow_source(state: WorkerState) -> Optional[tuple[LayerModel, Optional[torch.optim.Optimizer]]]:
     """The shadow copies `state` keeps, as a source of layer transfers."""
-    return (state.shadows.layer_model, state.shadows.optimizer) if state.shadows is not None else None
+    if state.shadows is None:
+        return None
+    state.shadows.settle()
+    return state.shadows.layer_model, state.shadows.optimizer
 
 
 def _copy_kept_shards(

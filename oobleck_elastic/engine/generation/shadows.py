@@ -33,6 +33,7 @@ shadows live on nodes running stages (a spare has no worker in the generation).
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -136,6 +137,17 @@ class ShadowStore:
     """(step, layer -> flat gradients) received and not yet applied."""
     layers: list[int] = field(default_factory=list)
     """The kept layers' indices."""
+    _running: Optional[threading.Thread] = field(default=None, repr=False)
+    _failed: Optional[BaseException] = field(default=None, repr=False)
+
+    def settle(self) -> None:
+        """Wait for the update running in the background (`apply`); re-raise its error."""
+        if self._running is not None:
+            self._running.join()
+            self._running = None
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise RuntimeError(f"updating the shadow copies failed: {failed}") from failed
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -143,6 +155,7 @@ class ShadowStore:
 
     def nbytes(self) -> int:
         """Host bytes of the kept parameters and optimizer state."""
+        self.settle()
         total = 0
         for p in self.params:
             total += p.numel() * p.element_size()
@@ -153,27 +166,49 @@ class ShadowStore:
         return total
 
     def received(self, step: int, grads: dict[int, torch.Tensor]) -> None:
+        self.settle()
         self.pending = (step, grads)
 
     def discard(self) -> None:
         """Drop the pending gradients (a rejected, abandoned or replayed step)."""
+        self.settle()
         self.pending = None
 
     def skip(self, step: int) -> None:
         """`step` counts as done with no update (the step guard skipped it)."""
+        self.settle()
         self.pending = None
         self.step = step
 
-    def apply(self, step: int, norm2: float, cfg: JobConfig) -> None:
+    def apply(self, step: int, norm2: float, cfg: JobConfig, *, background: bool = False) -> None:
         """Apply step `step`'s gradients as the holders do (clip with the global norm, the step's
-        learning rate, AdamW). Raises when they were not received: the commit rule guarantees they
-        were, so a missing one is a bug, never a silent divergence."""
+        learning rate, AdamW); with `background`, in a thread of its own, off the step's critical
+        path (`settle` waits for it: every other use of the store does). Raises when they were not
+        received: the commit rule guarantees they were, so a missing one is a bug, never a silent
+        divergence."""
+        self.settle()
         if not self.layers:
             self.step = step
             return
         if self.pending is None or self.pending[0] != step:
             have = None if self.pending is None else self.pending[0]
             raise RuntimeError(f"shadow copies have no gradients of step {step} to apply (pending: {have})")
+        self.step = step  # what the store will hold once settled
+        if not background:
+            self._update(step, norm2, cfg)
+            return
+
+        def run() -> None:
+            try:
+                self._update(step, norm2, cfg)
+            except BaseException as err:  # noqa: BLE001 - re-raised by settle()
+                self._failed = err
+
+        self._running = threading.Thread(target=run, name=f"shadow-update-{step}", daemon=True)
+        self._running.start()
+
+    def _update(self, step: int, norm2: float, cfg: JobConfig) -> None:
+        assert self.pending is not None
         _, grads = self.pending
         for i in self.layers:
             flat, offset = grads[i], 0
@@ -189,7 +224,6 @@ class ShadowStore:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.pending = None
-        self.step = step
 
 
 def new_store(
@@ -204,6 +238,8 @@ def new_store(
     """The store of `layers` for `generation`: the ones `kept` has are taken over (modules and
     optimizer state), `incoming` ones only allocated (a seed transfer fills them)."""
     layers = sorted(layers)
+    if kept is not None:
+        kept.settle()
     keep = [i for i in layers if kept is not None and i in kept.layers]
     target = build_layer_model(
         cfg.model, seed=cfg.training.seed, owned=[i for i in layers if i not in keep], device="cpu", empty=incoming
@@ -255,6 +291,8 @@ class ShadowLink:
                 flats[layer] = _grad_flat(layer_model.held(layer))
             ops.append(dist.P2POp(dist.isend, flats[layer], keeper, self.group))
             moved += flats[layer].numel() * 4
+        if store is not None:
+            store.settle()  # the previous step's update is done before new gradients arrive
         for layer, src in self.receives:
             assert store is not None, "a keeper without its shadow store"
             buf = torch.empty(_grad_numel(store.layer_model.held(layer)))
