@@ -266,6 +266,47 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
 
 
 @pytest.mark.slow
+def test_losing_both_holders_of_layers_goes_on_from_their_shadow_copies(tmp_path: Path, etcd_server, run_id) -> None:
+    """The same loss of both copies of the first layers, with fault_tolerance.shadow_copies=1 and
+    no periodic checkpoint: the survivors take those layers from the shadow copies they keep in
+    host memory, at the step the job had reached, and end with the reference weights, every
+    step applied once and none trained twice."""
+    from oobleck_elastic import ops
+    from oobleck_elastic.records.keys import Keys
+
+    profile = tiny_profile(tmp_path / "profile.json")
+    keys = Keys("/oobleck", run_id)
+
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4"],
+        9,
+        profile,
+        job_extra=[
+            "fault_tolerance.shadow_copies=1",
+            "planning.host_memory_gb=1",
+            f"logging.events_dir={tmp_path / 'events'}",
+        ],
+        killed_by_test=2,
+        during=lambda proc: when(
+            etcd_server.endpoint,
+            proc,
+            lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 3,
+            _kill_both_first_stages(keys),
+        ),
+    )
+    assert "had no surviving device copy: taken from their shadow copies" in out, out[-4000:]
+    assert "no surviving copy of layer" not in out and "restored checkpoint" not in out, out[-4000:]
+    assert_same(job, ref)
+    ok, lines = ops.samples(str(tmp_path / "events"))
+    assert ok and lines[0].startswith("samples: exactly once: 9 of 9 steps applied, 0 skipped"), lines
+    # at most the interrupted step was replayed; no committed step was trained again
+    assert "re-runs after 0 restore(s)" in lines[0], lines
+
+
+@pytest.mark.slow
 def test_losing_every_copy_of_a_layer_without_a_checkpoint_fails_the_job(tmp_path: Path, etcd_server, run_id) -> None:
     """The same loss with no checkpoint to restore: the job is closed as failed with the reason,
     at once. (The survivors' workers used to raise, and their agents restarted them into a job

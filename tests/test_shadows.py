@@ -214,7 +214,7 @@ def test_too_few_nodes_not_holding_a_layer() -> None:
         place_shadows(plan, 3, [LAYER] * 6, 100 * LAYER)
     assert str(err.value) == (
         "fault_tolerance.shadow_copies=3 needs 3 nodes that do not hold layer 0 on their devices, but 2 of the "
-        "plan's 4 nodes hold it, leaving 2: lower fault_tolerance.shadow_copies to 2 or add nodes"
+        "plan's 4 nodes running stages hold it, leaving 2: lower fault_tolerance.shadow_copies to 2 or add nodes"
     )
     assert tolerated_losses(plan, place_shadows(plan, 2, [LAYER] * 6, 100 * LAYER)) == 3
 
@@ -328,16 +328,67 @@ def test_config_fields_are_validated() -> None:
     assert gib > 0 and source == "the memory available on this machine (planning.host_memory_gb unset)"
 
 
-def test_a_job_asking_for_shadow_copies_is_refused_until_training_keeps_them() -> None:
+def test_a_job_with_shadow_copies_starts_but_not_with_tensor_parallelism() -> None:
     from oobleck_elastic.config import ConfigError
     from oobleck_elastic.engine.startup import check_start
 
+    check_start(load_config(ROOT / "configs/gpt2-tiny.yaml", ["fault_tolerance.shadow_copies=1"]))
     with pytest.raises(ConfigError) as err:
-        check_start(load_config(ROOT / "configs/gpt2-tiny.yaml", ["fault_tolerance.shadow_copies=1"]))
+        check_start(
+            load_config(
+                ROOT / "configs/gpt2-tiny.yaml",
+                [
+                    "fault_tolerance.shadow_copies=1",
+                    "planning.tensor_parallel=2",
+                    "planning.gpus_per_node=2",
+                    "planning.profile_path=profile-tp{tp}.json",
+                ],
+            )
+        )
     assert str(err.value) == (
-        "fault_tolerance.shadow_copies=1: training does not keep shadow copies yet "
-        "(`oobleck plan` only shows where they would go); set it to 0 to train"
+        "fault_tolerance.shadow_copies=1 with tensor parallelism: training keeps shadow copies only with "
+        "planning.tensor_parallel=1 (a keeper would need every lane's shards); set planning.tensor_parallel=1 or "
+        "fault_tolerance.shadow_copies=0"
     )
+
+
+def test_spares_keep_no_shadow() -> None:
+    """A spare has no worker in the generation: shadows go to nodes running stages, and a
+    placement naming a spare is refused."""
+    two = layout_plan([[(0, 1), (1, 6)], [(0, 5), (5, 6)]], [4, 4], generation=1)
+    plan = dataclasses.replace(two, nodes=(*two.nodes, "s0", "s1"), spares=("s0", "s1"))
+    placed = place_shadows(plan, 1, [LAYER] * 6, 100 * LAYER)
+    assert not {n for nodes in placed.layers for n in nodes} & {"s0", "s1"}
+    bad = dataclasses.replace(placed, layers=(("s0",), *placed.layers[1:]))
+    with pytest.raises(PlanningError) as err:
+        bad.check(plan)
+    assert str(err.value) == "plan generation 1: shadow copies: layer 0 on s0, a spare (no worker to keep it)"
+
+
+def test_a_job_keeps_as_many_shadows_as_fit_after_losses() -> None:
+    """Two nodes that both hold every layer leave no node for a shadow: a job's re-plan keeps none
+    and says why; `oobleck plan` (fewer=False) refuses."""
+    from oobleck_elastic.planning import with_shadows
+
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", ["fault_tolerance.shadow_copies=1", "planning.host_memory_gb=1"])
+    plan = layout_plan([[(0, 6)], [(0, 6)]], [4, 4], generation=2)
+    profile = uniform_profile(6, gib_per_layer=0.004)
+    kept = with_shadows(cfg, plan, profile, fewer=True)
+    assert kept.shadows is None
+    assert kept.warnings[-1] == (
+        "no shadow copies instead of fault_tolerance.shadow_copies=1: fault_tolerance.shadow_copies=1 needs 1 "
+        "nodes that do not hold layer 0 on their devices, but 2 of the plan's 2 nodes running stages hold it, "
+        "leaving 0: lower fault_tolerance.shadow_copies to 0 or add nodes"
+    )
+    with pytest.raises(PlanningError):
+        with_shadows(cfg, plan, profile)
+    four = layout_plan([[(0, 3), (3, 6)], [(0, 3), (3, 6)]], [4, 4], generation=2)
+    cfg3 = load_config(
+        ROOT / "configs/gpt2-tiny.yaml", ["fault_tolerance.shadow_copies=3", "planning.host_memory_gb=1"]
+    )
+    fewer = with_shadows(cfg3, four, profile, fewer=True)
+    assert fewer.shadows is not None and fewer.shadows.copies == 2
+    assert fewer.warnings[-1].startswith("2 shadow copies of each layer instead of fault_tolerance.shadow_copies=3: ")
 
 
 def test_shadow_bytes_are_weights_and_optimizer_state_of_every_lane() -> None:

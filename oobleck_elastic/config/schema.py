@@ -312,8 +312,11 @@ class FaultToleranceConfig(Section):
     """Copies of every layer's weights and optimizer state kept in the host memory of that many
     nodes that do not hold the layer on their devices (0 = none): with f+1 device copies, any
     f + shadow_copies simultaneous node losses leave a copy of every layer. The planner places
-    them within planning.host_memory_gb (planning/shadows.py) and `oobleck plan` shows them; the
-    engine does not keep them yet, so a job refuses to start with more than 0."""
+    them within planning.host_memory_gb (planning/shadows.py) on nodes running stages, and
+    `oobleck plan` shows them. The holders send each step's summed gradients to the shadows, which
+    apply the same AdamW update in host memory before the step commits, so a layer whose device
+    copies are all lost comes back from a shadow with no step lost (engine/generation/shadows.py).
+    Not with tensor parallelism (planning.tensor_parallel must be 1)."""
     lease_ttl_s: float = 5.0
     """etcd lease TTL of a node's membership record."""
     settle_s: float = 0.5

@@ -193,6 +193,7 @@ def restore(trainer: Trainer, path: str | Path, *, guard: Optional[StepGuard] = 
     except KeyError as err:
         raise ckpt.CheckpointError(f"checkpoint {step_path}: {err.args[0]}") from None
     load_guard_record(trainer, guard, manifest)
+    trainer.reseed_shadows()  # the shadow copies were older than the restored layers
     return int(manifest["step"])
 
 

@@ -249,7 +249,13 @@ class _Worker:
         ctx.entered(plan.generation)
         self.step = step
         self.retake = (
-            retake_reason(plan, previous=info.previous, step=step, steps=self.cfg.training.steps)
+            retake_reason(
+                plan,
+                previous=info.previous,
+                step=step,
+                steps=self.cfg.training.steps,
+                extra=plan.shadows.extra() if plan.shadows is not None else None,
+            )
             if info is not None
             else None  # a checkpoint was just restored: it is the state
         )

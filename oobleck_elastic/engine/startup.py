@@ -29,6 +29,7 @@ from ..data.errors import DataError
 from ..planning import PlanningError
 from ..planning.profile import ProfileError
 from ..planning.schedule_choice import candidates
+from ..planning.shadows import SHADOWS_WITH_TP
 from ..logs import JobLog
 from .control import ControlPlane
 from .resilience.errors import JobFailed
@@ -68,13 +69,10 @@ def ends_the_job(err: BaseException, *, steps_done: Optional[int]) -> bool:
 
 def check_start(cfg: JobConfig) -> None:
     """Raise the first problem found before anything is built: nothing left to train, shadow
-    copies or a schedule the engine does not run (or not with compiled layers) asked for
+    copies with tensor parallelism or a schedule the engine does not run (or not with compiled layers) asked for
     (ConfigError), a data file or tokenizer directory that does not exist (DataError)."""
-    if cfg.fault_tolerance.shadow_copies > 0:
-        raise ConfigError(
-            f"fault_tolerance.shadow_copies={cfg.fault_tolerance.shadow_copies}: training does not keep "
-            "shadow copies yet (`oobleck plan` only shows where they would go); set it to 0 to train"
-        )
+    if cfg.fault_tolerance.shadow_copies > 0 and cfg.planning.tensor_parallel not in (1, "auto"):
+        raise ConfigError(SHADOWS_WITH_TP.format(copies=cfg.fault_tolerance.shadow_copies))
     try:
         # compile unset is decided per device, by the workers and the leader (schedule_choice.layers_compiled)
         candidates(

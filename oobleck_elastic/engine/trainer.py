@@ -72,6 +72,7 @@ from .resilience.fingerprint import (
     repair,
 )
 from .generation.grad_sync import GradSync
+from .generation.shadows import ShadowLink
 from .generation.groups import GenerationGroups
 from .resilience.guard import Verdict, judge
 from .generation.entry import GenerationEntry, LayersLost, Reconfiguration, WorkerState
@@ -128,6 +129,8 @@ class Trainer(PortableState):
         )
         self.groups: Optional[GenerationGroups] = None
         self.grad_sync: Optional[GradSync] = None
+        self.shadow_link: Optional[ShadowLink] = None
+        """This worker's per-step traffic to the shadow copies (engine/generation/shadows.py)."""
         self.schedule: Any = None
         self.stage_module: Optional[nn.Module] = None
         self.step_group: Optional[dist.ProcessGroup] = None
@@ -258,6 +261,15 @@ class Trainer(PortableState):
             raise LayersLost(list(installed.lost))
         return installed.info
 
+    def reseed_shadows(self) -> int:
+        """Seed every shadow copy this worker keeps again from the layers' holders (after a
+        checkpoint restore; engine/generation/shadows.py). Collective over the generation's
+        stages; the bytes this worker sent plus received."""
+        if self.plan is None or self.state.shadows is None:
+            return 0
+        self.state.shadows, moved = self.entry.seed_shadows(self.state, self.plan, self.rank, None, {})
+        return moved
+
     def _drop_groups(self) -> None:
         """Forget this generation's stage, schedule and process groups (a gloo group closes its
         sockets only when the last reference to it goes)."""
@@ -266,6 +278,7 @@ class Trainer(PortableState):
         self.stage_module = None
         self.schedule = None
         self.grad_sync = None
+        self.shadow_link = None
         self.groups = None
         self.step_group = None
 
@@ -278,6 +291,9 @@ class Trainer(PortableState):
         # the generation's stages without its donors (which leave after the entry); None = the world
         self.step_group = dist.new_group(list(range(plan.world_size)), timeout=self.timeout) if plan.donors else None
         self.grad_sync = GradSync(self.groups, self.layer_model, self.owned)
+        if plan.shadows is not None and plan.shadows.copies > 0:  # every stage worker makes the group
+            group = dist.new_group(list(range(plan.world_size)), timeout=self.timeout)
+            self.shadow_link = ShadowLink(plan, self.rank, group)
         stages = len(self.pipeline.stages)
         # the device's virtual stages (one range without chunks); a one-stage pipeline's are contiguous
         held = self.stage.layers()
@@ -394,11 +410,12 @@ class Trainer(PortableState):
         x, y = self.batches.get(step)
         self._fed(step)
         schedule, grad_sync, step_group = self.schedule, self.grad_sync, self.step_group
+        shadow_link = self.shadow_link
         assert grad_sync is not None, "enter a generation first"
         grad_sync.begin_step(self.pipeline.microbatches)  # reductions start as layers finish
         local_loss = self._forward_backward(x, y, schedule)
         local_loss = self.faults.poisoned(local_loss, rank=self.rank, step=step, params=self.params)
-        norm2, loss = self._synchronise(step, local_loss, grad_sync, step_group, epoch)
+        norm2, loss = self._synchronise(step, local_loss, grad_sync, step_group, epoch, shadow_link)
         agreed = commit(
             self._vote(seen_generation, rejections),
             group=step_group,
@@ -476,10 +493,15 @@ class Trainer(PortableState):
         grad_sync: GradSync,
         step_group: Optional[dist.ProcessGroup],
         epoch: int,
+        shadow_link: Optional[ShadowLink] = None,
     ) -> tuple[float, float]:
         """Steps 1-2 of the module docstring: the gradients summed among each layer's holders, then
-        one SUM all-reduce of the squared norm and the loss; (squared norm, loss), global."""
+        one SUM all-reduce of the squared norm and the loss; (squared norm, loss), global. The
+        summed gradients of layers with shadow copies go to their keepers meanwhile, and the
+        keepers' arrive, before this returns (so before the commit: engine/generation/shadows.py)."""
         grad_sync.all_reduce()
+        shadows = self.state.shadows
+        posted = shadow_link.post(self.layer_model, shadows) if shadow_link is not None else None
         # control collectives: CPU tensors, so they go over gloo whatever the data backend; this
         # is the step's one read of a device value (the loss and the norm stay on the device until
         # here). Every lane of a last stage computes the same loss: lane 0 reports it.
@@ -494,7 +516,13 @@ class Trainer(PortableState):
         with self.progress.waiting(work):
             work.wait()
         norm2, loss = float(reduced[0]), float(reduced[1])
+        grads = None
+        if posted is not None:
+            with self.progress.waiting():
+                grads = posted.wait()
         with self._current(epoch):
+            if grads is not None and shadows is not None:
+                shadows.received(step, grads)
             self.state.synced_step, self.state.synced_norm2 = step, norm2
         return norm2, loss
 
@@ -539,6 +567,8 @@ class Trainer(PortableState):
                 self.state.synced_step = self.state.committed_step
                 assert self.optimizer is not None
                 self.optimizer.zero_grad(set_to_none=True)
+                if self.state.shadows is not None:
+                    self.state.shadows.discard()
 
     def check_replicas(self, step: int) -> list[Corrupt]:
         """Compare every layer's copies with its other holders after step `step` and replace the
@@ -560,6 +590,8 @@ class Trainer(PortableState):
             assert self.optimizer is not None
             self.optimizer.zero_grad(set_to_none=True)
             self.state.committed_step = self.state.synced_step = step
+            if self.state.shadows is not None:
+                self.state.shadows.skip(step)
         self.samples.committed("skipped", step, generation=self.generation, rank=self.rank)
 
     @contextlib.contextmanager
@@ -573,13 +605,18 @@ class Trainer(PortableState):
     def _apply(self, step: int, norm2: float, epoch: Optional[int] = None) -> None:
         with self._current(self._epoch if epoch is None else epoch):
             assert self.optimizer is not None
+            shadows = self.state.shadows
             if not math.isfinite(norm2):  # never applied (engine/resilience/guard.py), a roll-forward included
                 self.optimizer.zero_grad(set_to_none=True)
+                if shadows is not None:
+                    shadows.discard()
                 return
             scale_grads(self.params, clip_coefficient(norm2, self.cfg.training.optimizer.grad_clip))
             set_lr(self.optimizer, step, self.cfg.training)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if shadows is not None:  # the same update on the shadow copies this worker keeps
+                shadows.apply(step, norm2, self.cfg, background=True)
             self.state.committed_step = step
 
     def abort(self, *, abandoned: bool = False) -> None:

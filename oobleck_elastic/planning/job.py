@@ -132,11 +132,14 @@ def with_shadows(
     plan: Plan,
     profile: ModelProfile | Mapping[int, ModelProfile],
     host: Optional[tuple[float, str]] = None,
+    *,
+    fewer: bool = False,
 ) -> Plan:
     """`plan` with `fault_tolerance.shadow_copies` shadow copies of each layer placed (shadows.py),
     sized from the profile at the plan's tensor-parallel degree, within `host` (GiB per node and
     its source; default `host_memory(cfg)`); `plan` itself with 0. Raises PlanningError when they
-    cannot be placed."""
+    cannot be placed; with `fewer` (a job after losses: too few nodes may be left) it places as
+    many copies as fit instead, and the plan's warnings say why it keeps fewer."""
     copies = cfg.fault_tolerance.shadow_copies
     if copies == 0:
         return plan
@@ -145,8 +148,21 @@ def with_shadows(
         raise PlanningError(f"no profile at tensor_parallel={plan.tensor_parallel} to size the shadow copies from")
     gib, source = host if host is not None else host_memory(cfg)
     sizes = shadow_bytes(profiles[plan.tensor_parallel].layers, plan.tensor_parallel)
-    placed = place_shadows(plan, copies, sizes, int(gib * GIB), budget_source=source)
-    return dataclasses.replace(plan, shadows=placed)
+    why = ""
+    for n in range(copies, 0 if fewer else copies - 1, -1):
+        try:
+            placed = place_shadows(plan, n, sizes, int(gib * GIB), budget_source=source)
+        except PlanningError as err:
+            if not fewer:
+                raise
+            why = why or str(err)
+            continue
+        if n < copies:
+            warning = f"{n} shadow copies of each layer instead of fault_tolerance.shadow_copies={copies}: {why}"
+            return dataclasses.replace(plan, shadows=placed, warnings=(*plan.warnings, warning))
+        return dataclasses.replace(plan, shadows=placed)
+    warning = f"no shadow copies instead of fault_tolerance.shadow_copies={copies}: {why}"
+    return dataclasses.replace(plan, warnings=(*plan.warnings, warning))
 
 
 def links_for(cfg: JobConfig) -> Optional[Links]:

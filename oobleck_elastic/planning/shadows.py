@@ -3,8 +3,9 @@ that do not hold the layer on their devices, and where the planner puts them.
 
 A layer's device copies are the distinct nodes whose stages cover it (copies.py): one per
 pipeline, f+1 of them in a plan that meets its target. With `fault_tolerance.shadow_copies` = s,
-every layer also gets s shadow nodes: nodes of the plan (spares included; donors are not in the
-plan's nodes, they leave) that do not hold it on their devices, all distinct. A loss of nodes
+every layer also gets s shadow nodes: nodes of the plan running stages (not spares, which have no
+worker in the generation; nor donors, which leave) that do not hold it on their devices, all
+distinct. A loss of nodes
 takes a layer only when it takes every one of its holders, device and shadow; so the largest k
 such that EVERY loss of k nodes leaves a copy of every layer is the fewest holders of any layer
 minus one (`tolerated_losses`), and a plan with f+1 device copies of each layer and s shadows
@@ -16,21 +17,21 @@ tensor-parallel lane: tensor_parallel x (param_bytes + optimizer_bytes) of the p
 plan's degree. For fp32 AdamW that is 3 x the fp32 parameters; a parameter the lanes replicate
 is counted once per lane (an upper bound).
 
-Where (`place_shadows`): layers largest first; each takes, among the nodes that do not hold it on
-their devices, the s with the most host memory left (ties: the plan's node order). Shadows so
-spread over every node (with equal budgets: the least loaded first), no node goes over its
-budget (`planning.host_memory_gb`, else measured), and one plan with one set of budgets always
-gives one placement. It is greedy, with one repair: where no node not holding the layer has room
-left, one of them hands one of its shadows to a node with room for that one. A cleverer packing
-might still fit where that fails; the error names the layer, its bytes and the free memory of
-the best node left for it, and what to change. Too few nodes that do not hold some layer is an
-error before any packing.
+Where (`place_shadows`): layers largest first; each takes, among the nodes running stages that do
+not hold it on their devices (a spare has no worker in the generation to keep a shadow), the s
+with the most host memory left (ties: the plan's node order). Shadows so spread over every node
+(with equal budgets: the least loaded first), no node goes over its budget
+(`planning.host_memory_gb`, else measured), and one plan with one set of budgets always gives one
+placement. It is greedy, with one repair: where no node not holding the layer has room left, one
+of them hands one of its shadows to a node with room for that one. A cleverer packing might still
+fit where that fails; the error names the layer, its bytes and the free memory of the best node
+left for it, and what to change. Too few nodes that do not hold some layer is an error before any
+packing.
 
 The placement is part of the plan (`Plan.shadows`, written in its JSON only when set, so plans
 without shadows read and write as before) and `ShadowPlacement.check` validates it whenever a
-plan is checked. `ShadowPlacement.extra()` gives the shadows as copies.py's `extra`. Only the
-planning side exists: `oobleck plan` places and shows shadows, the engine does not yet keep them
-current nor restore layers from them.
+plan is checked. `ShadowPlacement.extra()` gives the shadows as copies.py's `extra`. The engine
+keeps them current and restores layers from them (engine/generation/shadows.py).
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ __all__ = [
 ]
 
 CONFIG_SOURCE = "planning.host_memory_gb"
+SHADOWS_WITH_TP = (
+    "fault_tolerance.shadow_copies={copies} with tensor parallelism: training keeps shadow copies only with "
+    "planning.tensor_parallel=1 (a keeper would need every lane's shards); set planning.tensor_parallel=1 or "
+    "fault_tolerance.shadow_copies=0"
+)
 
 
 def shadow_bytes(profile_layers: Sequence[Any], tensor_parallel: int = 1) -> list[int]:
@@ -117,7 +123,8 @@ class ShadowPlacement:
 
     def check(self, plan: "Plan") -> None:
         """Raises PlanningError unless every layer of `plan` has `copies` distinct shadows on
-        nodes of the plan that do not hold it on their devices, within every node's budget."""
+        nodes of the plan running stages that do not hold it on their devices, within every node's
+        budget."""
         head = f"plan generation {plan.generation}: shadow copies:"
         if self.copies < 0:
             raise PlanningError(f"{head} copies must be >= 0 (got {self.copies})")
@@ -138,6 +145,8 @@ class ShadowPlacement:
                     raise PlanningError(f"{head} layer {layer} on {node}, which is not a node of the plan")
                 if node in held:
                     raise PlanningError(f"{head} layer {layer} on {node}, which holds it on its devices")
+                if node in plan.spares:
+                    raise PlanningError(f"{head} layer {layer} on {node}, a spare (no worker to keep it)")
         for node, used in self.load().items():
             if used > budget[node]:
                 raise PlanningError(f"{head} {node} keeps {_gib(used)}, over its budget of {_gib(budget[node])}")
@@ -197,7 +206,9 @@ def place_shadows(
     missing = [n for n in plan.nodes if n not in budget]
     if missing:
         raise PlanningError(f"no host-memory budget for node(s) {', '.join(missing)}")
+    spares = frozenset(plan.spares)  # no worker of theirs is in the generation to keep a shadow
     held = device_holders(plan)
+    barred = [h | spares for h in held]
     empty = ShadowPlacement(
         copies=copies,
         layers=tuple(() for _ in held),
@@ -206,14 +217,14 @@ def place_shadows(
     )
     if copies == 0:
         return empty
-    total = len(plan.nodes)
+    total = len(plan.nodes) - len(spares)
     tight = min(range(plan.num_layers), key=lambda i: (total - len(held[i]), i))
     if total - len(held[tight]) < copies:
         room = total - len(held[tight])
         raise PlanningError(
             f"fault_tolerance.shadow_copies={copies} needs {copies} nodes that do not hold layer {tight} on "
-            f"their devices, but {len(held[tight])} of the plan's {total} nodes hold it, leaving {room}: lower "
-            f"fault_tolerance.shadow_copies to {room} or add nodes"
+            f"their devices, but {len(held[tight])} of the plan's {total} nodes running stages hold it, leaving "
+            f"{room}: lower fault_tolerance.shadow_copies to {room} or add nodes"
         )
     order = {n: i for i, n in enumerate(plan.nodes)}
     free = dict(budget)
@@ -238,7 +249,7 @@ def place_shadows(
         with room for that one (greedy placement's one-step repair), or None."""
         by_room = sorted(plan.nodes, key=lambda n: (-free[n], order[n]))
         for x in by_room:
-            if x in held[layer] or x in picked:
+            if x in barred[layer] or x in picked:
                 continue
             for m in sorted(kept[x], key=lambda i: (layer_bytes[i], i)):
                 size = int(layer_bytes[m])
@@ -247,7 +258,7 @@ def place_shadows(
                 for y in by_room:
                     if free[y] < size:
                         break
-                    if y != x and y not in held[m] and y not in chosen[m]:
+                    if y != x and y not in barred[m] and y not in chosen[m]:
                         chosen[m] = tuple(y if n == x else n for n in chosen[m])
                         take(x, m, -size)
                         take(y, m, size)
@@ -263,7 +274,7 @@ def place_shadows(
             if ver != version[node]:
                 continue  # an outdated entry: the node's free memory changed since
             popped.append(node)
-            if node in held[layer] or node in picked:
+            if node in barred[layer] or node in picked:
                 continue
             if free[node] < need:  # the node not holding the layer with the most room left has too little
                 freed = make_room(layer, need, picked)

@@ -36,8 +36,10 @@ from ..planning import (
     load_profiles,
     plan_job,
     templates_for,
+    with_shadows,
 )
 from ..planning.schedule_choice import layers_compiled
+from ..planning.shadows import SHADOWS_WITH_TP
 from ..records.keys import Keys
 from .leader import JobUnplannable
 
@@ -95,6 +97,11 @@ class JobPlanner:
             schedules=reuse,  # a re-plan does not simulate again what an earlier plan did
         )
         self._schedules = jp.schedules
+        copies = self.cfg.fault_tolerance.shadow_copies
+        if copies and jp.plan.tensor_parallel > 1:
+            raise JobUnplannable(SHADOWS_WITH_TP.format(copies=copies))
+        if copies:  # host-memory shadow copies of every layer (planning/shadows.py), as many as fit
+            return with_shadows(self.cfg, jp.plan, self._profile(len(nodes)), fewer=True)
         return jp.plan
 
     def profile_ready(self) -> bool:

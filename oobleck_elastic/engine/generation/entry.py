@@ -43,6 +43,7 @@ from .devices import backend_for, release_groups
 from .groups import GenerationGroups
 from ..step.optim import build_optimizer
 from .reconfigure import Identity, Move, Transfer, exchange, moves_of, plan_transfers, transfer_bytes
+from .shadows import ShadowStore, keepers_by_identity, new_store, seed_transfers
 
 log = JobLog(logging.getLogger(__name__))
 
@@ -71,6 +72,10 @@ class Reconfiguration:
     """Wall time of the protocol on this worker."""
     lost_layers: tuple[int, ...] = ()
     """Layers without a surviving copy (then the checkpoint was restored)."""
+    from_shadows: tuple[int, ...] = ()
+    """Layers no surviving worker held on its devices, restored from their shadow copies."""
+    shadow_bytes: int = 0
+    """Bytes this worker sent plus received seeding the new plan's shadow copies."""
     donor: bool = False
     """This worker only handed its layers over (a drained node) and leaves the job."""
     moves: tuple[Move, ...] = ()
@@ -103,6 +108,8 @@ class WorkerState:
     """The largest loss of any step applied here (the step guard's spike threshold, engine/resilience/guard.py)."""
     params: list[nn.Parameter] = field(default_factory=list)
     """The owned layers' parameters, each once (tied ones are shared), in the optimizer's order."""
+    shadows: Optional[ShadowStore] = None
+    """The host-memory shadow copies this worker keeps (shadows.py), if any."""
 
 
 @dataclass(frozen=True)
@@ -175,15 +182,16 @@ class GenerationEntry:
         self._connect(plan, rank, store)
         previous, committed = self._agree_on_step(state)
         rolled, current = self._settle(state, committed, roll_forward)
-        held = self._agree_on_layouts(state, plan, rank, current, load_plan)
-        transfers, lost = plan_transfers(held, plan)
+        held, shadowed = self._agree_on_layouts(state, plan, rank, current, load_plan, committed)
+        transfers, lost = plan_transfers(held, plan, shadowed)
+        from_shadows = tuple(sorted({t.layer for t in transfers if t.from_shadow}))
         moves: tuple[Move, ...] = ()  # what moves when nothing is lost (meta shapes built only then)
         if transfers and not lost:
             moves = moves_of(transfers, plan, self._transfer_sizes(state, plan.tensor_parallel))
         # (nobody holding anything is the first start: layers built from the seed, none lost)
         lost_layers = tuple(lost) if held else ()
 
-        def account(moved: int, donor: bool = False) -> Reconfiguration:
+        def account(moved: int, donor: bool = False, seeded: int = 0) -> Reconfiguration:
             return Reconfiguration(
                 generation=plan.generation,
                 previous=previous,
@@ -194,6 +202,8 @@ class GenerationEntry:
                 donor=donor,
                 moves=moves,
                 lost_layers=lost_layers,
+                from_shadows=from_shadows if held else (),
+                shadow_bytes=seeded,
             )
 
         if stage is None:
@@ -222,7 +232,19 @@ class GenerationEntry:
         after, groups, moved = self._install(
             state, plan, rank, transfers, exchange_layers=not lost, current=current, detach_kept=detach_kept
         )
-        info = account(moved)
+        # the new plan's shadows: kept where the keeper keeps them again, else seeded from a holder
+        # (after a loss the checkpoint restore seeds them all: `seed_shadows`)
+        keep = state.shadows if state.shadows is not None and state.shadows.step == committed else None
+        after.shadows, seeded = self.seed_shadows(after, plan, rank, keep, shadowed, exchange_layers=not lost)
+        info = account(moved, seeded=seeded)
+        if info.from_shadows and rank == 0:
+            log.at(gen=plan.generation, step=committed + 1, node=self.node, rank=rank).warning(
+                "layers %s had no surviving device copy: taken from their shadow copies at step %d (no step lost)",
+                list(info.from_shadows),
+                committed + 1,
+                event="from_shadows",
+                fields={"layers": list(info.from_shadows), "step": committed + 1},
+            )
         log.at(gen=plan.generation, step=committed + 1, node=self.node, rank=rank).info(
             "entered from generation %d (%s, %d layer bytes moved, %.3f s)",
             previous,
@@ -277,21 +299,36 @@ class GenerationEntry:
         current = state.committed_step == committed
         if state.optimizer is not None:
             state.optimizer.zero_grad(set_to_none=True)
+        if state.shadows is not None:
+            state.shadows.discard()  # a step's gradients not applied by now never will be
         state.committed_step = state.synced_step = committed
         return rolled, current
 
     def _agree_on_layouts(
-        self, state: WorkerState, plan: Plan, rank: int, current: bool, load_plan: Callable[[int], Optional[Plan]]
-    ) -> dict[Identity, Sequence[int]]:
+        self,
+        state: WorkerState,
+        plan: Plan,
+        rank: int,
+        current: bool,
+        load_plan: Callable[[int], Optional[Plan]],
+        committed: int,
+    ) -> tuple[dict[Identity, Sequence[int]], dict[Identity, Sequence[int]]]:
         """What every worker of `plan`'s entry (stages and donors) really holds: the layers of its
         stage in the generation it last entered (not always the previous one: an entry may have
-        failed half-way on some workers), or nothing (new, restarted, or behind the agreed step).
-        One all-reduce of generations; every copy is at the same committed step, so any is a source."""
-        held = torch.zeros(plan.entry_world_size, dtype=torch.float64)
-        held[rank] = state.generation if state.owned and current else 0
+        failed half-way on some workers), or nothing (new, restarted, or behind the agreed step);
+        and the layers whose shadow copies it keeps current (at `committed`), by the plan that
+        placed them. One all-reduce of generations; every copy is at the same committed step, so
+        any is a source."""
+        held = torch.zeros(2, plan.entry_world_size, dtype=torch.float64)
+        held[0, rank] = state.generation if state.owned and current else 0
+        shadows = state.shadows
+        if shadows is not None:
+            shadows.settle()
+        if shadows is not None and shadows.layers and shadows.step == committed:
+            held[1, rank] = shadows.generation
         dist.all_reduce(held)
         _set_pg_timeout(self.timeout)  # every peer is connected now
-        layouts = {int(g) for g in held.tolist() if g > 0}
+        layouts = {int(g) for g in held.reshape(-1).tolist() if g > 0}
         plans = {
             g: state.plan if state.plan is not None and state.plan.generation == g else load_plan(g) for g in layouts
         }
@@ -299,11 +336,68 @@ class GenerationEntry:
         if missing:
             raise RuntimeError(f"plan(s) of generation(s) {missing} are not available to {self.identity}")
         found = {g: p for g, p in plans.items() if p is not None}
-        return {
-            ident: found[int(held[r])].layers_by_worker().get(ident, range(0))
-            for ident, r in plan.entry_ranks().items()
-            if int(held[r]) > 0
+        ranks = plan.entry_ranks()
+        layers = {
+            ident: found[int(held[0, r])].layers_by_worker().get(ident, range(0))
+            for ident, r in ranks.items()
+            if int(held[0, r]) > 0
         }
+        kept: dict[Identity, Sequence[int]] = {
+            ident: keepers_by_identity(found[int(held[1, r])]).get(ident, [])
+            for ident, r in ranks.items()
+            if int(held[1, r]) > 0
+        }
+        return layers, kept
+
+    def seed_shadows(
+        self,
+        state: WorkerState,
+        plan: Plan,
+        rank: int,
+        keep: Optional[ShadowStore],
+        kept: dict[Identity, Sequence[int]],
+        *,
+        exchange_layers: bool = True,
+    ) -> tuple[Optional[ShadowStore], int]:
+        """This worker's store of `plan`'s shadow copies (shadows.py), `state` being its stage in
+        `plan`: the shadows `keep` has that the plan gives it again stay, the others come from a
+        holder (`seed_transfers`; `kept`: what every worker keeps current). Collective over the
+        generation's stages (point-to-point). Without `exchange_layers` (layers were lost: a
+        checkpoint restore follows, then this again with nothing kept) nothing moves. Returns
+        (the store, None without shadows; bytes this worker sent plus received)."""
+        if plan.shadows is None or plan.shadows.copies == 0:
+            return None, 0
+        placed = keepers_by_identity(plan)
+        mine = placed.get(self.identity, [])
+        again: dict[Identity, Sequence[int]] = {
+            ident: [i for i in layers if i in placed.get(ident, [])] for ident, layers in kept.items()
+        }
+        transfers = seed_transfers(plan, again)
+        incoming = [t.layer for t in transfers if t.dst == rank]
+        store = new_store(
+            self.cfg,
+            generation=plan.generation,
+            step=state.committed_step,
+            layers=mine,
+            kept=keep if self.identity in again else None,
+            incoming=incoming if exchange_layers else (),
+        )
+        if not exchange_layers:
+            return store, 0
+        states, moved = exchange(
+            transfers,
+            rank=rank,
+            source=state.layer_model,
+            optimizer=state.optimizer,
+            target=store.layer_model,
+            device=self.device,
+        )
+        if store.optimizer is not None:
+            mine_ids = {id(p) for p in store.params}
+            for p, st in states.values():
+                if id(p) in mine_ids:
+                    store.optimizer.state[p] = st
+        return store, moved
 
     def _install(
         self,
@@ -362,7 +456,13 @@ class GenerationEntry:
         moved = 0
         if exchange_layers:
             states, moved = exchange(
-                transfers, rank=rank, source=state.layer_model, optimizer=state.optimizer, target=target
+                transfers,
+                rank=rank,
+                source=state.layer_model,
+                optimizer=state.optimizer,
+                target=target,
+                shadow=_shadow_source(state),
+                device=self.device,
             )
         if plan.donors:
             _release_donors()
@@ -392,11 +492,25 @@ class GenerationEntry:
         moved = 0
         if exchange_layers:
             _, moved = exchange(
-                transfers, rank=rank, source=state.layer_model, optimizer=state.optimizer, target=state.layer_model
+                transfers,
+                rank=rank,
+                source=state.layer_model,
+                optimizer=state.optimizer,
+                target=state.layer_model,
+                shadow=_shadow_source(state),
+                device=self.device,
             )
         _release_donors()
         release_groups(abort=False)
         return moved
+
+
+def _shadow_source(state: WorkerState) -> Optional[tuple[LayerModel, Optional[torch.optim.Optimizer]]]:
+    """The shadow copies `state` keeps, as a source of layer transfers."""
+    if state.shadows is None:
+        return None
+    state.shadows.settle()
+    return state.shadows.layer_model, state.shadows.optimizer
 
 
 def _copy_kept_shards(

@@ -45,13 +45,19 @@ class Transfer:
     """Sender's rank in the new generation."""
     dst: int
     """Receiver's rank in the new generation."""
+    from_shadow: bool = False
+    """The sender gives its host-memory shadow copy (shadows.py), not a layer of its stage."""
 
 
-def plan_transfers(held: dict[Identity, Sequence[int]], new: Plan) -> tuple[list[Transfer], list[int]]:
+def plan_transfers(
+    held: dict[Identity, Sequence[int]], new: Plan, shadows: Optional[dict[Identity, Sequence[int]]] = None
+) -> tuple[list[Transfer], list[int]]:
     """The transfers into `new` and the layers no worker of `new` holds (lost). `held`: the layers
     each worker really holds now (`Plan.layers_by_worker` of the generation it last entered); a
     new or restarted worker holds nothing, and workers may hold the layout of different
-    generations when an entry failed half-way."""
+    generations when an entry failed half-way. `shadows`: the layers whose host-memory shadow
+    copies each worker keeps current (shadows.py); a layer no surviving worker holds on its
+    devices comes from a surviving keeper of its shadow, and is lost only when none is left."""
     tp = new.tensor_parallel
     new_rank = new.entry_ranks()  # donors (drained nodes) are sources too, never receivers
     survivors_of: dict[tuple[int, int], list[int]] = {}  # (layer, lane) -> ranks holding that shard
@@ -59,6 +65,11 @@ def plan_transfers(held: dict[Identity, Sequence[int]], new: Plan) -> tuple[list
         if ident in new_rank:
             for layer in layers:
                 survivors_of.setdefault((layer, ident[1] % tp), []).append(new_rank[ident])
+    shadow_of: dict[int, list[int]] = {}  # layer -> ranks keeping its shadow (lane 0: no tensor parallelism)
+    for ident, layers in (shadows or {}).items():
+        if ident in new_rank:
+            for layer in layers:
+                shadow_of.setdefault(layer, []).append(new_rank[ident])
     transfers, lost = [], set()
     for p in new.pipelines:
         for s in p.stages:
@@ -69,10 +80,15 @@ def plan_transfers(held: dict[Identity, Sequence[int]], new: Plan) -> tuple[list
                     if layer in had:
                         continue
                     sources = sorted(survivors_of.get((layer, lane), []))
-                    if not sources:
+                    if sources:
+                        transfers.append(Transfer(layer=layer, src=sources[(layer + s.rank) % len(sources)], dst=dst))
+                        continue
+                    keepers = sorted(shadow_of.get(layer, [])) if tp == 1 else []
+                    if not keepers:
                         lost.add(layer)
                         continue
-                    transfers.append(Transfer(layer=layer, src=sources[(layer + s.rank) % len(sources)], dst=dst))
+                    src = dst if dst in keepers else keepers[(layer + s.rank) % len(keepers)]
+                    transfers.append(Transfer(layer=layer, src=src, dst=dst, from_shadow=True))
     return transfers, sorted(lost)
 
 
@@ -88,6 +104,8 @@ class Move:
     """Layer indices, ascending."""
     bytes: int
     """Bytes sent: the layers' parameters and optimizer state (fp32)."""
+    from_shadow: bool = False
+    """The sender gave its host-memory shadow copies (shadows.py)."""
 
     def describe(self) -> str:
         """`layers 3-5 node1 -> node2 (2.4 MB)`."""
@@ -99,7 +117,8 @@ class Move:
                 start = cur
             prev = cur
         what = "layer" if len(self.layers) == 1 else "layers"
-        return f"{what} {','.join(runs)} {self.src} -> {self.dst} ({self.bytes / 1e6:.1f} MB)"
+        shadow = " from its shadow" if self.from_shadow else ""
+        return f"{what} {','.join(runs)} {self.src}{shadow} -> {self.dst} ({self.bytes / 1e6:.1f} MB)"
 
 
 def transfer_bytes(layer: nn.Module, tensor_parallel: int = 1) -> int:
@@ -112,13 +131,13 @@ def moves_of(transfers: list[Transfer], plan: Plan, layer_bytes: list[int]) -> t
     """The transfers of an entry into `plan` as moves between nodes (a pure function of what every
     worker of the entry computes alike); `layer_bytes[i]`: one lane's transfer of layer i."""
     node_of = {rank: node for (node, _), rank in plan.entry_ranks().items()}
-    grouped: dict[tuple[str, str], dict[int, int]] = {}
+    grouped: dict[tuple[str, str, bool], dict[int, int]] = {}
     for t in transfers:
-        per_layer = grouped.setdefault((node_of[t.src], node_of[t.dst]), {})
+        per_layer = grouped.setdefault((node_of[t.src], node_of[t.dst], t.from_shadow), {})
         per_layer[t.layer] = per_layer.get(t.layer, 0) + layer_bytes[t.layer]
     return tuple(
-        Move(src=src, dst=dst, layers=tuple(sorted(layers)), bytes=sum(layers.values()))
-        for (src, dst), layers in sorted(grouped.items())
+        Move(src=src, dst=dst, layers=tuple(sorted(layers)), bytes=sum(layers.values()), from_shadow=shadow)
+        for (src, dst, shadow), layers in sorted(grouped.items())
     )
 
 
@@ -153,7 +172,10 @@ def _unflat(flat: torch.Tensor, layer: nn.Module) -> dict[int, tuple[nn.Paramete
             size = 1 if key == "step" else n
             chunk = flat[offset : offset + size]
             # fused AdamW keeps `step` as a scalar on the parameter's device; moments live with p
-            state[key] = adamw_step(chunk, shard) if key == "step" else wrap_like(p, chunk.view_as(shard).clone())
+            if key == "step":
+                state[key] = adamw_step(chunk, shard)
+            else:
+                state[key] = wrap_like(p, chunk.view_as(shard).to(shard.device, copy=True))
             offset += size
         out[id(p)] = (p, state)
     return out
@@ -167,25 +189,36 @@ def exchange(
     optimizer: Optional[torch.optim.Optimizer],
     target: LayerModel,
     group: Optional[dist.ProcessGroup] = None,
+    shadow: Optional[tuple[LayerModel, Optional[torch.optim.Optimizer]]] = None,
+    device: Optional[torch.device] = None,
 ) -> tuple[dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]], int]:
     """Post every send and receive of this rank at once and fill received layers in place.
 
-    Senders read layers from `source` and their state from `optimizer` (the previous generation's);
-    receivers write into `target` and get back the optimizer state to install, keyed by
-    id(parameter). Returns (received states, bytes sent plus received by this rank)."""
+    Senders read layers from `source` and their state from `optimizer` (the previous generation's),
+    or from `shadow` (its layers and optimizer) for a transfer `from_shadow`; receivers write into
+    `target` and get back the optimizer state to install, keyed by id(parameter). Buffers travel
+    on `device` (default: the layer's), so a host-memory shadow and a device layer meet on one
+    backend. A transfer to itself (a keeper that is the layer's new holder) is a local copy.
+    Returns (received states, bytes sent plus received by this rank)."""
     ops, received = [], []
     moved = 0
     for t in transfers:
         if t.src == rank:
-            layer = source.layers[t.layer]
-            assert layer is not None and optimizer is not None, f"rank {rank} does not hold layer {t.layer}"
-            buf = _flat(layer, optimizer)
+            model, state = shadow if t.from_shadow and shadow is not None else (source, optimizer)
+            layer = model.layers[t.layer]
+            assert layer is not None and state is not None, f"rank {rank} does not hold layer {t.layer}"
+            buf = _flat(layer, state)
+            if device is not None:
+                buf = buf.to(device)
+            if t.dst == rank:
+                received.append((t.layer, buf))
+                continue
             ops.append(dist.P2POp(dist.isend, buf, t.dst, group))
             moved += buf.numel() * 4
         if t.dst == rank:
             layer = target.layers[t.layer]
             assert layer is not None, f"layer {t.layer} must be built before it is received"
-            buf = torch.empty(_numel(layer), device=next(layer.parameters()).device)
+            buf = torch.empty(_numel(layer), device=device or next(layer.parameters()).device)
             ops.append(dist.P2POp(dist.irecv, buf, t.src, group))
             received.append((t.layer, buf))
             moved += buf.numel() * 4

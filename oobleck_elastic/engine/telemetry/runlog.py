@@ -262,6 +262,7 @@ class RunLog:
             f"here in {info.seconds:.3f}s; first step done {time.monotonic() - at + info.seconds:.3f}s "
             f"after entering{since_failure}"
             + (f"; moved {'; '.join(m.describe() for m in info.moves)}" if info.moves else "")
+            + (f"; layers {list(info.from_shadows)} from their shadow copies" if info.from_shadows else "")
         )
         self.changes.append(text)
         if self.metrics is not None:
