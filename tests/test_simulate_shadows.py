@@ -132,6 +132,13 @@ def test_the_shadows_overhead_is_charged_on_every_step_and_their_host_memory_rep
     assert OobleckElastic("x", tput, 100, shadow_copies=1).rate(4) == pytest.approx(20.0 / (1 + SHADOW_STEP_OVERHEAD))
 
 
+def test_of_the_papers_runs_one_restores_its_checkpoint_and_one_shadow_copy_avoids_it() -> None:
+    runs = run_paper(load_inputs(), systems=with_shadows([], [1]))
+    assert len(runs) == 5 * 8 * 2
+    restored = {(r.model, r.trace, r.system): r.row()["restores"] for r in runs if r.row()["restores"]}
+    assert restored == {("GPT-3-6.7B", "scale_p3-trace", "oobleck_elastic"): 1}
+
+
 def test_shadows_avoid_the_paper_traces_one_restore() -> None:
     # GPT-3-6.7B on the p3 spot trace: three pipelines of 10 nodes lose one share's every copy at once
     runs = run_paper(
