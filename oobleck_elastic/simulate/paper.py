@@ -148,7 +148,9 @@ def systems_for(
     for name in names:
         head, _, copies = name.partition(":s=")
         if head == "oobleck_elastic" and copies.isdigit() and int(copies) > 0:
-            made[name] = replace(base, name=name, shadow_copies=int(copies), shadow_overhead=shadow_overhead)
+            made[name] = replace(
+                base, name=name, configured=[], shadow_copies=int(copies), shadow_overhead=shadow_overhead
+            )
     unknown = [n for n in names if n not in made]
     if unknown:
         raise ValueError(
