@@ -189,6 +189,11 @@ def test_cli_reports_what_shadows_buy(tmp_path: Path) -> None:
     bad = simulate(*common, "--shadow-copies", "one")
     assert bad.returncode == 2
     assert "'one' is not a count of shadow copies >= 0 (or several: 1,2)" in bad.stderr
+    bad = simulate(*common, "--shadow-copies", "1", "--shadow-overhead", "-0.1")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().endswith(
+        "shadow copies must be >= 0 and their step overhead (--shadow-overhead) a fraction >= 0 (got 1 and -0.1)"
+    )
 
 
 def test_the_scale_study_runs_each_shadow_count_beside_none() -> None:

@@ -139,5 +139,8 @@ def _host_bytes(
 def step_overhead(copies: int, per_copy: float = SHADOW_STEP_OVERHEAD) -> float:
     """The failure-free step-time overhead of `copies` shadow copies of every layer (a fraction)."""
     if copies < 0 or per_copy < 0:
-        raise ValueError(f"shadow copies ({copies}) and their overhead ({per_copy}) must be >= 0")
+        raise ValueError(
+            f"shadow copies must be >= 0 and their step overhead (--shadow-overhead) a fraction >= 0 "
+            f"(got {copies} and {per_copy:g})"
+        )
     return copies * per_copy
