@@ -3,8 +3,9 @@
 `trace.py` reads and draws node-availability traces; `timeline.py` keeps one system's time
 (training, stalls, checkpoints, lost work) and its breakdown; `systems.py` holds the system
 models (this project, Oobleck as published, Varuna, Bamboo, torchrun checkpoint-restart) and
-`replay`; `paper.py` reproduces the Oobleck paper's comparison from its shipped inputs;
-`scale.py` runs this project's planner at 1,000-10,000 nodes; `report.py` prints and plots.
+`replay`; `shadows.py` decides which losses this project's shadow copies survive; `paper.py`
+reproduces the Oobleck paper's comparison from its shipped inputs; `scale.py` runs this project's
+planner at 1,000-10,000 nodes; `report.py` prints and plots.
 The mechanisms and their sources: docs/simulate.md. Command line: `oobleck simulate`.
 """
 

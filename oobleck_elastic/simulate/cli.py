@@ -6,6 +6,7 @@ oobleck simulate --paper [--json] [--plot paper.png]        # the SOSP'23 compar
 oobleck simulate --paper --artifact                         # as the authors' simulator computes it
 oobleck simulate --paper --correct stale-timeout,run-span   # artifact vs these corrections only
 oobleck simulate --scale --nodes 10000 --global-batch 8192   # this project's planner at scale
+oobleck simulate --paper --shadow-copies 1,2                # what host-memory shadow copies buy
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 
 from . import paper, paper_artifact
 from .artifact import Corrections
-from .report import plot, plot_paper, summary_table
+from .report import plot, plot_paper, shadow_table, summary_table
+from .shadows import SHADOW_STEP_OVERHEAD
 from .trace import load_trace, synthetic_trace
 
 
@@ -82,9 +84,33 @@ def add_parser(sub: Any) -> None:
         type=float,
         help="--scale: per-node MTBF in hours (default: 1.8 h MTTF at 16,384 GPUs, 3,686 h per 8-GPU node)",
     )
+    s.add_argument(
+        "--shadow-copies",
+        type=_copies,
+        default=[],
+        help="also run oobleck_elastic with this many host-memory shadow copies of every layer "
+        "(fault_tolerance.shadow_copies; comma-separated for several, e.g. 1,2) and print what they buy",
+    )
+    s.add_argument(
+        "--shadow-overhead",
+        type=float,
+        default=SHADOW_STEP_OVERHEAD,
+        help="failure-free step-time overhead of one shadow copy of every layer, a fraction; s copies cost s "
+        f"times it (default {SHADOW_STEP_OVERHEAD:g}: simulate/shadows.py SHADOW_STEP_OVERHEAD, bench/shadows.py)",
+    )
     s.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     s.add_argument("--plot", help="write a PNG of throughput over time (--paper: average samples/s per run)")
     s.set_defaults(func=run)
+
+
+def _copies(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = [-1]
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a count of shadow copies >= 0 (or several: 1,2)")
+    return values
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,8 +132,8 @@ def run(args: argparse.Namespace) -> int:
         label = f"synthetic-{args.nodes}n-mtbf{args.mtbf_h:g}h"
     else:
         raise ValueError("give --trace, --nodes with --mtbf-h, --paper or --scale")
-    names = [n.strip() for n in args.systems.split(",") if n.strip()]
-    systems = paper.systems_for(inputs, args.model, names)
+    names = paper.with_shadows([n.strip() for n in args.systems.split(",") if n.strip()], args.shadow_copies)
+    systems = paper.systems_for(inputs, args.model, names, shadow_overhead=args.shadow_overhead)
     end = args.hours * 3600.0 if args.hours else (24 * 3600.0 if not args.trace else None)
     timelines = paper.simulate(events, systems, provisioning_s=float(inputs["provisioning_s"]), end_s=end)
     named = list(zip(names, timelines))
@@ -121,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
             f"{max(tl.t for tl in timelines) / 3600:.2f} h"
         )
         print(summary_table(named))
+        if any(c > 0 for c in args.shadow_copies):
+            print("\n" + _shadow_header(args))
+            print(shadow_table([paper.Run(args.model, label, name, tl).row() for name, tl in named]))
     if args.plot:
         print(f"plot: {plot(named, args.plot, title=f'{args.model} on {label}')}", file=sys.stderr)
     return 0
@@ -137,7 +166,8 @@ def _paper(args: argparse.Namespace) -> int:
         else:
             print(paper_artifact.comparison_table(cells, artifact_only=True))
         return 0
-    runs = paper.run_paper(inputs, systems=[n.strip() for n in args.systems.split(",") if n.strip()])
+    names = paper.with_shadows([n.strip() for n in args.systems.split(",") if n.strip()], args.shadow_copies)
+    runs = paper.run_paper(inputs, systems=names, shadow_overhead=args.shadow_overhead)
     rows = [r.row() for r in runs]
     by_cell = {(c.model, c.trace, c.system): c for c in cells}
     for row in rows:
@@ -152,6 +182,9 @@ def _paper(args: argparse.Namespace) -> int:
         print(paper_artifact.comparison_table(cells))
         print("\nEvery system on this project's timeline model (docs/simulate.md):")
         print(paper.paper_table(runs))
+        if any(c > 0 for c in args.shadow_copies):
+            print("\n" + _shadow_header(args))
+            print(shadow_table(rows))
     if args.plot:
         print(f"plot: {plot_paper(rows, args.plot)}", file=sys.stderr)
     return 0
@@ -171,6 +204,8 @@ def _scale(args: argparse.Namespace) -> int:
         settings.node_mtbf_h = args.node_mtbf_h
     if args.join_delay_s is not None:
         settings.join_delay_s = args.join_delay_s
+    settings.shadow_copies = [c for c in dict.fromkeys(args.shadow_copies) if c > 0]
+    settings.shadow_overhead = args.shadow_overhead
     result = run_scale(settings)
     rows = result.rows()
     if args.json:
@@ -190,8 +225,18 @@ def _scale(args: argparse.Namespace) -> int:
         for name, every in result.checkpoint_every.items():
             print(f"{name}: checkpoint every {every} steps")
         print("\n".join(result.cost_lines()))
+        if settings.shadow_copies:
+            print("\n" + _shadow_header(args))
+            print(shadow_table(rows))
     if args.plot:
         print(
             f"plot: {plot(list(result.timelines.items()), args.plot, title=f'{settings.nodes} nodes')}", file=sys.stderr
         )
     return 0
+
+
+def _shadow_header(args: argparse.Namespace) -> str:
+    return (
+        f"Shadow copies (oobleck_elastic:s=N): each slows every step by {args.shadow_overhead:.1%} "
+        "(--shadow-overhead); host memory reported, not charged:"
+    )

@@ -12,12 +12,13 @@ Varuna-sized restart, a checkpoint every `varuna_checkpoint_every` steps).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import yaml
 
+from .shadows import SHADOW_STEP_OVERHEAD
 from .systems import Bamboo, CheckpointRestart, Oobleck, OobleckElastic, SystemModel, Varuna, replay
 from .timeline import Timeline
 from .trace import NodeEvent, load_trace
@@ -68,7 +69,31 @@ def smallest_template(tput: Any, min_nodes: int, top: int) -> int:
     return -(-fewest // 2)
 
 
-def systems_for(inputs: dict[str, Any], model: str, names: Sequence[str] = SYSTEMS) -> list[SystemModel]:
+def shadow_name(copies: int) -> str:
+    """The name of `oobleck_elastic` run with `copies` shadow copies of every layer."""
+    return "oobleck_elastic" if copies == 0 else f"oobleck_elastic:s={copies}"
+
+
+def with_shadows(names: Sequence[str], shadow_copies: Sequence[int]) -> list[str]:
+    """`names` with `oobleck_elastic` followed by its runs with each of `shadow_copies` (the
+    baseline without shadows added where it is missing)."""
+    extra = [shadow_name(s) for s in dict.fromkeys(shadow_copies) if s > 0]
+    if not extra:
+        return list(names)
+    names = list(names) if "oobleck_elastic" in names else [*names, "oobleck_elastic"]
+    at = names.index("oobleck_elastic") + 1
+    return names[:at] + [n for n in extra if n not in names] + names[at:]
+
+
+def systems_for(
+    inputs: dict[str, Any],
+    model: str,
+    names: Sequence[str] = SYSTEMS,
+    *,
+    shadow_overhead: float = SHADOW_STEP_OVERHEAD,
+) -> list[SystemModel]:
+    """The named systems for `model`; `oobleck_elastic:s=N` is `oobleck_elastic` with N shadow
+    copies of every layer, each slowing its steps by `shadow_overhead`."""
     if model not in inputs["models"]:
         raise ValueError(f"unknown model '{model}': choose one of {', '.join(inputs['models'])}")
     m = inputs["models"][model]
@@ -102,6 +127,7 @@ def systems_for(inputs: dict[str, Any], model: str, names: Sequence[str] = SYSTE
             batch,
             min_nodes=low,
             replica_bytes=float(m.get("params", 0)) * BYTES_PER_PARAM,
+            num_layers=int(m.get("layers", 0)),
             restart_s=c["varuna_restart"],
             checkpoint_every=10 * every,
             checkpoint_s=c["varuna_checkpoint"],
@@ -117,9 +143,19 @@ def systems_for(inputs: dict[str, Any], model: str, names: Sequence[str] = SYSTE
             checkpoint_s=c["varuna_checkpoint"],
         ),
     }
+    base = made["oobleck_elastic"]
+    assert isinstance(base, OobleckElastic)
+    for name in names:
+        head, _, copies = name.partition(":s=")
+        if head == "oobleck_elastic" and copies.isdigit() and int(copies) > 0:
+            made[name] = replace(
+                base, name=name, configured=[], shadow_copies=int(copies), shadow_overhead=shadow_overhead
+            )
     unknown = [n for n in names if n not in made]
     if unknown:
-        raise ValueError(f"unknown system(s) {unknown}: choose from {', '.join(SYSTEMS)}")
+        raise ValueError(
+            f"unknown system(s) {unknown}: choose from {', '.join(SYSTEMS)} (oobleck_elastic:s=N: with N shadow copies)"
+        )
     return [made[n] for n in names]
 
 
@@ -141,7 +177,19 @@ class Run:
             "seconds": tl.t,
             "breakdown_s": {k: round(v, 3) for k, v in tl.breakdown.items()},
             "idle_gpu_fraction": round(tl.idle_fraction, 4),
-        }
+        } | (shadow_fields(tl) if self.system.startswith("oobleck_elastic") else {})
+
+
+def shadow_fields(tl: Timeline) -> dict[str, Any]:
+    """What an `oobleck_elastic` run's shadow copies did: restores after a lost layer, losses
+    recovered from shadows instead, the steps a restore would have redone, and the most host
+    memory the shadows took on one node at the start (reported, not charged)."""
+    return {
+        "restores": int(tl.counts.get("restores", 0)),
+        "shadow_recoveries": int(tl.counts.get("shadow_recoveries", 0)),
+        "steps_not_redone": int(tl.counts.get("steps_not_redone", 0)),
+        "host_shadow_gb_per_node": round(tl.counts.get("host_shadow_bytes_per_node", 0) / 1e9, 3),
+    }
 
 
 def trace_path(name: str) -> Path:
@@ -161,8 +209,10 @@ def run_paper(
     models: Optional[Sequence[str]] = None,
     traces: Optional[Sequence[str]] = None,
     systems: Sequence[str] = SYSTEMS,
+    shadow_overhead: float = SHADOW_STEP_OVERHEAD,
 ) -> list[Run]:
-    """Every model x trace x system of the paper's comparison."""
+    """Every model x trace x system of the paper's comparison (`oobleck_elastic:s=N` among the
+    systems: with N shadow copies)."""
     inputs = inputs or load_inputs()
     runs = []
     for trace in traces or inputs["traces"]:
@@ -170,7 +220,11 @@ def run_paper(
         for model in models or list(inputs["models"]):
             for system, tl in zip(
                 systems,
-                simulate(events, systems_for(inputs, model, systems), provisioning_s=float(inputs["provisioning_s"])),
+                simulate(
+                    events,
+                    systems_for(inputs, model, systems, shadow_overhead=shadow_overhead),
+                    provisioning_s=float(inputs["provisioning_s"]),
+                ),
             ):
                 runs.append(Run(model=model, trace=Path(trace).stem, system=system, timeline=tl))
     return runs

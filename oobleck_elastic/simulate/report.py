@@ -28,6 +28,36 @@ def summary_table(named: Sequence[tuple[str, Timeline]]) -> str:
     return "\n".join(out)
 
 
+def shadow_table(rows: Sequence[dict]) -> str:
+    """What shadow copies buy `oobleck_elastic`, one line per run and shadow count: average
+    samples/s and its change against the same run without shadows, restores after a lost layer,
+    losses recovered from shadows instead (restores avoided), the committed steps a restore would
+    have redone, and the most host memory shadows take on one node (reported, not charged). `rows`:
+    `paper.Run.row()`-like dicts (`model`, `trace` optional) of `oobleck_elastic` and
+    `oobleck_elastic:s=N` runs."""
+    head = (
+        f"{'run':<30} {'shadows':>7} {'samples/s':>10} {'vs s=0':>8} {'restores':>8} {'avoided':>8} "
+        f"{'steps not redone':>16} {'host GB/node':>12}"
+    )
+    out = [head]
+    base: dict[str, float] = {}
+    for r in rows:
+        if not str(r["system"]).startswith("oobleck_elastic"):
+            continue
+        label = " ".join(str(r[k]) for k in ("model", "trace") if k in r) or f"{r.get('nodes', '-')} nodes"
+        copies = int(str(r["system"]).partition(":s=")[2] or 0)
+        if copies == 0:
+            base[label] = r["samples_per_s"]
+        ref = base.get(label)
+        change = f"{r['samples_per_s'] / ref - 1:+.2%}" if ref else "-"
+        out.append(
+            f"{label:<30} {copies:>7} {r['samples_per_s']:>10.3f} {change:>8} {r.get('restores', 0):>8} "
+            f"{r.get('shadow_recoveries', 0):>8} {r.get('steps_not_redone', 0):>16} "
+            f"{r.get('host_shadow_gb_per_node', 0.0):>12.3f}"
+        )
+    return "\n".join(out)
+
+
 def throughput_series(tl: Timeline, *, bins: int = 200, end: float | None = None) -> tuple[list[float], list[float]]:
     """(bin centres in hours, samples/s committed in each bin) from a timeline's curve; a
     rollback shows as a bin below zero (work taken back)."""

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from .shadows import SHADOW_STEP_OVERHEAD
+from .paper import shadow_fields, shadow_name
 from .systems import CheckpointRestart, OobleckElastic, machine_loss_detection_s, replay
 from .timeline import Timeline
 from .trace import synthetic_trace
@@ -82,6 +84,12 @@ class ScaleSettings:
     """`planning.schedule` of the planner: `1f1b` (templates.py's closed form) or `auto` (every
     pipeline's schedule chosen by simulation, among all the planner knows, as `oobleck plan`
     shows them; planning/schedule_choice.py), or one schedule's name."""
+    shadow_copies: list[int] = field(default_factory=list)
+    """Also run `oobleck_elastic` with each of these counts of host-memory shadow copies
+    (`oobleck_elastic:s=N`, simulate/shadows.py). The engine keeps shadows only at tensor
+    parallel 1; at the study's tp 8 these rows say what they would buy if it kept them there."""
+    shadow_overhead: float = SHADOW_STEP_OVERHEAD
+    """Failure-free step-time overhead of one shadow copy of every layer."""
     measured_costs: bool = True
     """Charge the measured detection, re-planning and transfer (module docstring); False charges
     the assumptions the study made before (0.6 s, 0.05 s, the lost nodes' share of a replica)."""
@@ -152,6 +160,7 @@ class ScaleResult:
                     "breakdown_s": {k: round(v, 1) for k, v in tl.breakdown.items()},
                 }
                 | ({"costs": {k: c.to_json() for k, c in self.costs.items()}} if name == "oobleck_elastic" else {})
+                | (shadow_fields(tl) if name.startswith("oobleck_elastic") else {})
             )
         return out
 
@@ -318,8 +327,11 @@ def run_scale(settings: ScaleSettings, planner: Optional[Planner] = None) -> Sca
         result.start_samples_per_s = start.samples_per_s
     charged = {k: (c.measured_s if settings.measured_costs else c.assumed_s) for k, c in result.costs.items()}
 
-    def ours(every: int) -> OobleckElastic:
+    def ours(every: int, copies: int = 0) -> OobleckElastic:
         common: dict[str, Any] = dict(
+            shadow_copies=copies,
+            shadow_overhead=settings.shadow_overhead,
+            num_layers=len(planner.shard_bytes),
             min_nodes=planner.n0,
             replica_bytes=planner.replica_bytes,
             node_bandwidth_b_s=settings.node_bandwidth_gb_s * 1e9,
@@ -331,9 +343,9 @@ def run_scale(settings: ScaleSettings, planner: Optional[Planner] = None) -> Sca
             replan_s=charged["replan"],
         )
         if not settings.measured_costs:
-            return OobleckElastic("oobleck_elastic", planner.throughput, planner.batch, **common)
+            return OobleckElastic(shadow_name(copies), planner.throughput, planner.batch, **common)
         return MeasuredOobleckElastic(
-            "oobleck_elastic",
+            shadow_name(copies),
             planner.throughput,
             planner.batch,
             measured_transfer_s=charged["transfer"],
@@ -351,7 +363,12 @@ def run_scale(settings: ScaleSettings, planner: Optional[Planner] = None) -> Sca
             checkpoint_s=ckpt_s,
         )
 
-    for name, make in (("oobleck_elastic", ours), ("checkpoint_restart", restart)):
+    def with_copies(copies: int) -> Any:
+        return lambda every: ours(every, copies)
+
+    runs: list[tuple[str, Any]] = [("oobleck_elastic", ours)]
+    runs += [(shadow_name(c), with_copies(c)) for c in dict.fromkeys(settings.shadow_copies) if c > 0]
+    for name, make in runs + [("checkpoint_restart", restart)]:
         best: Optional[tuple[float, int, Timeline]] = None
         for factor in (0.25, 0.5, 1.0, 2.0, 4.0, 16.0):  # each system at its best checkpoint interval
             every = max(1, round(factor * young / step_s))

@@ -29,7 +29,12 @@ Oobleck artifact's simulator (docs/simulate.md has the sources):
   and the step in flight; a join waits for the next step boundary and costs re-planning + the
   copy of its layers. If a burst of failures takes every copy of some layer (pipelines hold
   contiguous equal shares of the model on their nodes, assigned in node order), or fewer than
-  `min_nodes` remain, the job restores its last checkpoint (rollback + restart cost).
+  `min_nodes` remain, the job restores its last checkpoint (rollback + restart cost). With
+  `shadow_copies` = s > 0 (`fault_tolerance.shadow_copies`) every layer is also kept in the host
+  memory of s other nodes (placed by the planner's rule, shadows.py): a burst that takes every
+  device copy of a layer but not its shadows costs what a failure costs (the layer comes from the
+  keeper like any layer transfer, no step is redone), and every step is slower by s x
+  `shadow_overhead` (charged as `redundant` time: work that does not advance training).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..config import FaultToleranceConfig
+from .shadows import SHADOW_STEP_OVERHEAD, host_bytes_per_node, loss_outcome, step_overhead
 from .timeline import Timeline
 from .trace import NodeEvent
 
@@ -176,6 +182,29 @@ class OobleckElastic(SystemModel):
     """Restoring the checkpoint after a lost layer."""
     pipelines: Callable[[int], list[int]] = lambda n: [n]
     """Node counts of the pipelines of the plan for n nodes."""
+    shadow_copies: int = 0
+    """Host-memory shadow copies of every layer (`fault_tolerance.shadow_copies`)."""
+    shadow_overhead: float = SHADOW_STEP_OVERHEAD
+    """Failure-free step-time overhead of one shadow copy of every layer (a fraction)."""
+    num_layers: int = 0
+    """The model's layers, where shadows are placed layer by layer (0: unknown)."""
+
+    def __post_init__(self) -> None:
+        overhead = step_overhead(self.shadow_copies, self.shadow_overhead)
+        if overhead > 0:  # the upkeep's share of every step
+            self.redundant_fraction = overhead / (1 + overhead)
+
+    def rate(self, n: int) -> float:
+        return super().rate(n) / (1 + step_overhead(self.shadow_copies, self.shadow_overhead))
+
+    def loss(self, running: list[str]) -> str:
+        """`replica`, `shadow` or `restore` for losing `running` at once (simulate/shadows.py)."""
+        if not self.layers_lost(running):
+            return "replica"
+        if self.shadow_copies <= 0:
+            return "restore"
+        sizes = self.pipelines(len(self.configured))
+        return loss_outcome(self.configured, sizes, running, self.shadow_copies, self.num_layers)
 
     def transfer_s(self, pipeline_nodes: int, nodes_lost: int = 1) -> float:
         """Copying the share of a replica that `nodes_lost` nodes of a pipeline held."""
@@ -203,10 +232,16 @@ class OobleckElastic(SystemModel):
     def react(self, tl: Timeline, removed: list[str], added: list[str], up: list[str]) -> None:
         running = [x for x in removed if x in self.configured]
         if tl.rate <= 0 and len(up) >= self.min_nodes:  # (re)start
-            self.configure(tl, up, cost=self.replan_s, category="reconfiguration")
+            self._configure(tl, up, cost=self.replan_s)
             return
         if running:
-            if len(up) < self.min_nodes or self.layers_lost(running):
+            outcome = self.loss(running) if len(up) >= self.min_nodes else "too few nodes"
+            if outcome == "restore":
+                tl.counts["restores"] = tl.counts.get("restores", 0) + 1
+            elif outcome == "shadow":  # what a restore would have rolled back is kept
+                tl.counts["shadow_recoveries"] = tl.counts.get("shadow_recoveries", 0) + 1
+                tl.counts["steps_not_redone"] = tl.counts.get("steps_not_redone", 0) + tl.steps_since_checkpoint
+            if outcome in ("restore", "too few nodes"):
                 tl.rollback()
                 self.configure(tl, up, cost=self.detection_s + self.restart_s, category="restart")
                 return
@@ -219,6 +254,18 @@ class OobleckElastic(SystemModel):
             tl.finish_step_now()
             self.configure(
                 tl, up, cost=self.replan_s + self.transfer_s(min(sizes), len(added)), category="reconfiguration"
+            )
+
+    def _configure(self, tl: Timeline, up: list[str], *, cost: float) -> None:
+        """A (re)start; the first one records the shadows' host memory per node (reported only)."""
+        self.configure(tl, up, cost=cost, category="reconfiguration")
+        if self.shadow_copies > 0 and "host_shadow_bytes_per_node" not in tl.counts:
+            tl.counts["host_shadow_bytes_per_node"] = host_bytes_per_node(
+                self.configured,
+                self.pipelines(len(self.configured)),
+                self.shadow_copies,
+                self.replica_bytes,
+                self.num_layers,
             )
 
 
@@ -251,6 +298,7 @@ def replay(
     end = end_s if end_s is not None else max(e.time_s for e in events)
     tl = system.timeline()
     up: list[str] = []
+    members: set[str] = set()  # the nodes of `up`: membership in O(1) at 10,000 nodes
     i = 0
     while i < len(changes) and changes[i][0] <= end:
         t = changes[i][0]
@@ -258,11 +306,13 @@ def replay(
         removed, added = [], []
         while i < len(changes) and changes[i][0] == t:
             _, _, kind, node = changes[i]
-            if kind == "remove" and node in up:
+            if kind == "remove" and node in members:
                 up.remove(node)
+                members.discard(node)
                 removed.append(node)
-            elif kind == "add" and node not in up:
+            elif kind == "add" and node not in members:
                 bisect.insort(up, node, key=_node_key)
+                members.add(node)
                 added.append(node)
             i += 1
         if removed or added:

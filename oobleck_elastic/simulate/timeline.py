@@ -51,6 +51,9 @@ class Timeline:
     idle_node_s: float = 0.0
     """Of those, node-seconds of nodes that did not train: waiting to be admitted, left out of
     the plan, or all of them while the job stalls or is stopped (filled by `systems.replay`)."""
+    counts: dict[str, float] = field(default_factory=dict)
+    """What the system did, counted by its model (`OobleckElastic`: `restores` after a lost layer,
+    `shadow_recoveries`, `steps_not_redone`, `host_shadow_bytes_per_node`)."""
     curve: list[tuple[float, float]] = field(default_factory=list)
     """(time, committed samples) at every change of state, for the throughput plot: between two
     points the samples grow linearly (whole steps at a constant rate) or not at all."""
@@ -80,6 +83,11 @@ class Timeline:
     def busy_until(self) -> float:
         """When the current stall ends (<= t: none)."""
         return self._busy_until
+
+    @property
+    def steps_since_checkpoint(self) -> int:
+        """Committed steps a rollback now would discard."""
+        return self._steps_since_ckpt
 
     @property
     def into_step(self) -> float:
