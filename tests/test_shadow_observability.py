@@ -1,0 +1,49 @@
+"""Shadow copies made observable: `oobleck status` lists the placement of the plan in etcd, every
+recovery says where each layer came from (a surviving replica, a shadow copy or the checkpoint),
+TensorBoard shows the shadows' host memory, lag and traffic, and the goodput ledger charges the
+wait for the shadow exchange to `shadows`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from oobleck_elastic import ops
+from oobleck_elastic.etcd import connect
+from oobleck_elastic.planning import place_shadows
+from oobleck_elastic.records.keys import Keys
+from oobleck_elastic.testing import layout_plan
+
+MIB = 2**20
+
+
+def shadowed_plan():
+    """Two pipelines on four nodes, each layer on two of them; one shadow per layer elsewhere
+    (largest first, on the node not holding it with the most room left: layer 3 on n0, then
+    0 on n1, 1 on n3, 2 on n2, 4 on n2, 5 on n0)."""
+    plan = layout_plan([[(0, 3), (3, 6)], [(0, 2), (2, 6)]], [4, 4], generation=3)
+    placed = place_shadows(plan, 1, [MIB, MIB, MIB, 2 * MIB, MIB, MIB], 8 * MIB)
+    return dataclasses.replace(plan, shadows=placed)
+
+
+def test_oobleck_status_lists_the_shadow_placement(etcd_settings, run_id) -> None:
+    client = connect(etcd_settings)
+    keys = Keys("/oobleck", run_id)
+    try:
+        client.put_json(keys.plan, shadowed_plan().to_json())
+        lines = ops.status(client, keys)
+        at = next(i for i, line in enumerate(lines) if line.startswith("shadow copies"))
+        assert lines[at : at + 6] == [
+            "shadow copies (fault_tolerance.shadow_copies=1): every layer also in the host memory of 1 node(s) "
+            "that do not hold it on their devices; any 2 simultaneous node losses leave a copy of every layer "
+            "(1 without them)",
+            "  host memory for shadows per node: most 3 MiB, least 1 MiB, of 8 MiB each (the plan's budgets)",
+            "  n0: layers 3, 5 (3 MiB of 8 MiB)",
+            "  n1: layers 0 (1 MiB of 8 MiB)",
+            "  n2: layers 2, 4 (2 MiB of 8 MiB)",
+            "  n3: layers 1 (1 MiB of 8 MiB)",
+        ]
+        # a plan without shadows: no line about them
+        client.put_json(keys.plan, layout_plan([[(0, 3), (3, 6)], [(0, 6)]], [4, 4], generation=4).to_json())
+        assert not [line for line in ops.status(client, keys) if "shadow" in line]
+    finally:
+        client.close()
