@@ -8,12 +8,24 @@ from __future__ import annotations
 import dataclasses
 
 from oobleck_elastic import ops
+from oobleck_elastic.engine.telemetry.goodput import GoodputClock
 from oobleck_elastic.etcd import connect
 from oobleck_elastic.planning import place_shadows
+from oobleck_elastic.records.goodput import MEANING, Category, Ledger, Origin, describe, ended_step
 from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.testing import layout_plan
 
 MIB = 2**20
+
+
+class FakeTime:
+    """A wall clock the test sets."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
 
 
 def shadowed_plan():
@@ -47,3 +59,41 @@ def test_oobleck_status_lists_the_shadow_placement(etcd_settings, run_id) -> Non
         assert not [line for line in ops.status(client, keys) if "shadow" in line]
     finally:
         client.close()
+
+
+# ----------------------------------------------------------------------------- the goodput ledger
+
+
+def test_the_goodput_ledger_charges_the_shadow_exchange_to_shadows() -> None:
+    """A step's seconds on the shadow exchange go to `shadows`, the rest to its outcome (a replay
+    too); never more than the step itself; the report lists the category."""
+    t = FakeTime(1010.0)
+    clock = GoodputClock("node0", t)
+    clock.entered(1, 0, rank0=True, origin=lambda: Origin(reported=None, start=1000.0, first_plan=1005.0))
+    for index, (begin, end, outcome, shadows_s) in enumerate(
+        [(1010.0, 1012.0, Category.USEFUL, 0.5), (1012.0, 1013.0, Category.REPLAYED, 0.25)]
+    ):
+        t.t = begin
+        clock.began_step()
+        t.t = end
+        clock.ended_step(index, outcome, shadows_s)
+    t.t = 1013.0
+    clock.began_step()
+    t.t = 1014.0
+    clock.ended_step(1, Category.USEFUL, 3.0)  # more than the step took: the whole step, no more
+    ledger = clock.snapshot()
+    assert ledger is not None
+    assert {c.value: ledger.get(c) for c in Category if ledger.get(c)} == {
+        "waiting": 5.0,
+        "startup": 5.0,
+        "useful": 1.5,
+        "replayed": 0.75,
+        "shadows": 1.75,
+    }
+    assert ledger.total == 14.0 and ledger.done == 2
+    assert ended_step(ledger, 1014.0, 2, Category.USEFUL, 1.0).seconds == ledger.seconds  # a step of no time
+    lines = describe(ledger, start=1000.0, end=1014.0, closed=True)
+    assert lines[4].split()[:4] == ["shadows", "1.75", "s", "12.5"]
+    assert MEANING[Category.SHADOWS] in lines[4]
+    back = Ledger.from_json(ledger.to_json())  # it travels with progress
+    assert back.get(Category.SHADOWS) == 1.75 and back.total == ledger.total
