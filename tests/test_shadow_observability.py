@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from oobleck_elastic import ops
+from oobleck_elastic.engine.generation.reconfigure import LayerSources, Move
 from oobleck_elastic.engine.telemetry.goodput import GoodputClock
 from oobleck_elastic.etcd import connect
 from oobleck_elastic.planning import place_shadows
@@ -97,3 +98,33 @@ def test_the_goodput_ledger_charges_the_shadow_exchange_to_shadows() -> None:
     assert MEANING[Category.SHADOWS] in lines[4]
     back = Ledger.from_json(ledger.to_json())  # it travels with progress
     assert back.get(Category.SHADOWS) == 1.75 and back.total == ledger.total
+
+
+# ----------------------------------------------------------------------------- where layers came from
+
+
+def test_a_recovery_says_where_each_layer_came_from() -> None:
+    """From the entry's moves: a layer a keeper sent is `shadow`, every other one `replica` (kept
+    in place or moved), with the bytes each source sent; after a restore every layer is `disk`,
+    with the bytes of the layer files every worker read."""
+    moves = (
+        Move(src="n2", dst="n0", layers=(0, 1), bytes=3_000_000, from_shadow=True),
+        Move(src="n3", dst="n1", layers=(1,), bytes=1_500_000),
+        Move(src="n3", dst="n0", layers=(2,), bytes=1_200_000, from_shadow=True),
+        Move(src="n1", dst="n0", layers=(4, 5), bytes=2_000_000),
+    )
+    sources = LayerSources.of_moves(6, moves)
+    assert sources == LayerSources(replica=(3, 4, 5), shadow=(0, 1, 2), replica_bytes=3_500_000, shadow_bytes=4_200_000)
+    assert sources.fields() == {
+        "replica": {"layers": 3, "bytes": 3_500_000},
+        "shadow": {"layers": 3, "bytes": 4_200_000},
+        "disk": {"layers": 0, "bytes": 0},
+    }
+    assert sources.describe() == (
+        "layers by source: 3 from replicas (3.5 MB moved), 3 from shadows (4.2 MB), 0 from disk (0.0 MB read)"
+    )
+    assert LayerSources.of_moves(6, ()) == LayerSources(replica=tuple(range(6)))  # nothing moved: all kept
+    # a restore: layer i's file read by each of its 2 holders (one per pipeline)
+    restored = LayerSources.of_restore(shadowed_plan(), [10, 20, 30, 40, 50, 60])
+    assert restored == LayerSources(disk=tuple(range(6)), disk_bytes=2 * 210)
+    assert restored.describe().endswith("0 from shadows (0.0 MB), 6 from disk (0.0 MB read)")

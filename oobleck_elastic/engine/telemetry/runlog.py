@@ -263,6 +263,7 @@ class RunLog:
             f"after entering{since_failure}"
             + (f"; moved {'; '.join(m.describe() for m in info.moves)}" if info.moves else "")
             + (f"; layers {list(info.from_shadows)} from their shadow copies" if info.from_shadows else "")
+            + (f"; {info.sources.describe()}" if info.sources is not None else "")
         )
         self.changes.append(text)
         if self.metrics is not None:
