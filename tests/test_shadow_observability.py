@@ -6,9 +6,18 @@ wait for the shadow exchange to `shadows`."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from oobleck_elastic import ops
+from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.generation.reconfigure import LayerSources, Move
+from oobleck_elastic.engine.generation.shadows import new_store
+from oobleck_elastic.engine.telemetry.board import TAGS, ShadowFigures
+from oobleck_elastic.engine.telemetry.metrics import Metrics
 from oobleck_elastic.engine.telemetry.goodput import GoodputClock
 from oobleck_elastic.etcd import connect
 from oobleck_elastic.planning import place_shadows
@@ -16,6 +25,7 @@ from oobleck_elastic.records.goodput import MEANING, Category, Ledger, Origin, d
 from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.testing import layout_plan
 
+ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
 
@@ -128,3 +138,56 @@ def test_a_recovery_says_where_each_layer_came_from() -> None:
     restored = LayerSources.of_restore(shadowed_plan(), [10, 20, 30, 40, 50, 60])
     assert restored == LayerSources(disk=tuple(range(6)), disk_bytes=2 * 210)
     assert restored.describe().endswith("0 from shadows (0.0 MB), 6 from disk (0.0 MB read)")
+
+
+# ----------------------------------------------------------------------------- TensorBoard
+
+
+def test_tensorboard_shows_the_shadows_host_memory_lag_and_traffic(tmp_path: Path) -> None:
+    """A real store of two layers: its host bytes are measured at creation (no AdamW state yet)
+    and after each update (parameters and both moments), never waiting for a background update;
+    the figures carry the plan's total, the lag and the traffic, and the writer puts them under
+    `shadows/`, every tag documented."""
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", ["data.seq_len=16"])
+    store = new_store(cfg, generation=1, step=-1, layers=[1, 2], kept=None, incoming=[])
+    params = store.params
+    weights = sum(p.numel() * p.element_size() for p in params)
+    assert store.host_bytes == weights == store.nbytes()
+    grads = {
+        i: torch.cat([torch.cat([torch.ones(1), torch.full((p.numel(),), 1e-3)]) for p in layer.parameters()])
+        for i in store.layers
+        for layer in [store.layer_model.held(i)]
+    }
+    store.received(0, grads)
+    store.apply(0, 1.0, cfg, background=True)
+    store.settle()
+    assert store.host_bytes == store.nbytes() > 3 * weights  # the moments, and AdamW's step counters
+    steps = sum(
+        v.numel() * v.element_size() for p in params for k, v in store.optimizer.state[p].items() if k == "step"
+    )
+    assert store.host_bytes == 3 * weights + steps
+
+    plan = shadowed_plan()
+    figures = ShadowFigures.of(0, plan, store, traffic_bytes=123_456, seconds=0.25)
+    assert figures == ShadowFigures(
+        host_bytes=store.host_bytes, job_planned_bytes=7 * MIB, lag_steps=0, traffic_bytes=123_456, seconds=0.25
+    )
+    assert ShadowFigures.of(3, plan, store, traffic_bytes=0, seconds=0.0).lag_steps == 3  # honest, whatever it is
+    assert ShadowFigures.of(0, plan, None, traffic_bytes=0, seconds=0.0).host_bytes == 0  # the writer keeps none
+    assert ShadowFigures.of(0, layout_plan([[(0, 6)]], [8], generation=1), store, traffic_bytes=0, seconds=0) is None
+
+    metrics = Metrics(tmp_path / "tb", enabled=True, samples_per_step=8, tokens_per_step=128, total_steps=4)
+    metrics.shadows(figures, 0)
+    metrics.shadows(dataclasses.replace(figures, traffic_bytes=654_321, seconds=0.5), 1)
+    metrics.close()
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0}).Reload()
+    written = {t: [(e.step, e.value) for e in events.Scalars(t)] for t in events.Tags()["scalars"]}
+    assert set(written) <= set(TAGS) and all(t.startswith("shadows/") for t in written)
+    assert written["shadows/host_gb"] == [(n, pytest.approx(store.host_bytes / 1e9)) for n in (1, 2)]
+    assert written["shadows/host_gb_job_planned"] == [
+        (1, pytest.approx(7 * MIB / 1e9)),
+        (2, pytest.approx(7 * MIB / 1e9)),
+    ]
+    assert written["shadows/lag_steps"] == [(1, 0.0), (2, 0.0)]
+    assert written["shadows/traffic_bytes"] == [(1, 123_456.0), (2, 654_321.0)]
+    assert written["shadows/seconds"] == [(1, 0.25), (2, 0.5)]
