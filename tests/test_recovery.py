@@ -20,6 +20,7 @@ from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.run import train
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.logs import read_event_lines
+from oobleck_elastic.records.goodput import Category, Ledger
 from helpers import a_follower, assert_same, overrides, run_job, tensorboard_run, tiny_profile, when, worker_pid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -316,6 +317,17 @@ def test_losing_both_holders_of_layers_goes_on_from_their_shadow_copies(tmp_path
     assert sources["disk"] == {"layers": 0, "bytes": 0} and sources["shadow"]["bytes"] > 0
     assert sources["replica"]["layers"] + sources["shadow"]["layers"] == 6
     assert re.search(r"layers by source: \d+ from replicas \(.* MB moved\), [1-9]\d* from shadows", out), out[-4000:]
+    # TensorBoard: the shadows never lag; the goodput ledger charged their exchange to `shadows`
+    events = EventAccumulator(str(tensorboard_run(tmp_path / "job" / "runs")), size_guidance={"scalars": 0}).Reload()
+    lags = [e.value for e in events.Scalars("shadows/lag_steps")]
+    assert lags and set(lags) == {0.0}, lags
+    assert all(e.value > 0 for e in events.Scalars("shadows/host_gb_job_planned"))
+    client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
+    try:
+        ledger = Ledger.from_json(client.get_json(keys.progress)[0]["goodput"])
+    finally:
+        client.close()
+    assert ledger.get(Category.SHADOWS) > 0, ledger.seconds
     ok, lines = ops.samples(str(tmp_path / "events"))
     assert ok and lines[0].startswith("samples: exactly once: 9 of 9 steps applied, 0 skipped"), lines
     # at most the interrupted step was replayed; no committed step was trained again
