@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     ops = {
         "agents": "one line per node: index, host, state (up / draining / lost), devices, since when",
         "kill-agent": "drain a node: it leaves at the next step boundary and its agent exits 0",
-        "status": "generation, plan summary and current step",
+        "status": "generation, plan summary, shadow copies and current step",
         "events": "membership and plan history, newest last",
         "goodput": "the job's wall time split into useful steps, replayed and skipped steps, reconfiguration, "
         "checkpointing, startup and waiting for nodes",

@@ -26,6 +26,7 @@ from .records import samples as sample_ledger
 from .records.goodput import Ledger, describe, job_origin
 from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
 from .planning import Plan, PlanningError
+from .planning.shadows import describe as describe_shadows
 from .records.keys import Keys
 from .records.control import ClosedRecord, Event, NodeState, read_closed, read_leader, read_progress, read_stragglers
 from .rendezvous.membership import live_nodes, mark_draining, read_events
@@ -113,7 +114,14 @@ def kill_agent(client: EtcdClient, keys: Keys, index: int) -> str:
     return f"node {rec.node_id} (index {index}, host {rec.host}) is draining: it leaves at the next step boundary"
 
 
+PLAN_BUDGETS = "the plan's budgets"
+"""Where `oobleck status` says the shadows' host-memory budgets come from: the plan in etcd carries
+them (`Plan.shadows`), not where the leader found them."""
+
+
 def status(client: EtcdClient, keys: Keys) -> list[str]:
+    """The run's leader, plan (pipelines, spares, shadow copies: planning/shadows.py `describe`),
+    current step and stragglers."""
     leader = read_leader(client, keys)
     data, _ = client.get_json(keys.plan)
     progress = read_progress(client, keys)
@@ -143,6 +151,7 @@ def status(client: EtcdClient, keys: Keys) -> list[str]:
             )
         if plan.spares:
             lines.append(f"  spares: {', '.join(plan.spares)}")
+        lines += describe_shadows(plan, PLAN_BUDGETS)
     if progress is not None:
         lines.append(f"step {progress.step} (generation {progress.generation}, {time.time() - progress.time:.1f}s ago)")
     else:

@@ -19,6 +19,8 @@ from oobleck_elastic.checkpoint import latest_checkpoint, load_model_state, read
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.run import train
 from oobleck_elastic.etcd import EtcdSettings, connect
+from oobleck_elastic.logs import read_event_lines
+from oobleck_elastic.records.goodput import Category, Ledger
 from helpers import a_follower, assert_same, overrides, run_job, tensorboard_run, tiny_profile, when, worker_pid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -259,6 +261,12 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
     )
     assert "had no surviving copy; restored checkpoint" in out, out[-4000:]
     assert_same(job, ref)
+    # every survivor says where the layers came from: all of them from disk, none from a copy
+    restored = read_event_lines(tmp_path / "events", ["restored"])
+    assert restored and all(e["sources"] == restored[0]["sources"] for e in restored), restored
+    sources = restored[0]["sources"]
+    assert sources["replica"] == sources["shadow"] == {"layers": 0, "bytes": 0} and sources["disk"]["bytes"] > 0
+    assert sources["disk"]["layers"] == 6 and "6 from disk" in out
     # the steps after the checkpoint ran twice, and count once (records/samples.py)
     ok, lines = ops.samples(str(tmp_path / "events"))
     assert ok and lines[0].startswith("samples: exactly once: 9 of 9 steps applied, 0 skipped"), lines
@@ -300,6 +308,26 @@ def test_losing_both_holders_of_layers_goes_on_from_their_shadow_copies(tmp_path
     assert "had no surviving device copy: taken from their shadow copies" in out, out[-4000:]
     assert "no surviving copy of layer" not in out and "restored checkpoint" not in out, out[-4000:]
     assert_same(job, ref)
+    # the entry after the loss: the lost layers from the shadows, the others from replicas, none from disk
+    entered = [e for e in read_event_lines(tmp_path / "events", ["entered"]) if "sources" in e]
+    after = [e for e in entered if e["sources"]["shadow"]["layers"] > 0]
+    assert after and all(e["gen"] == after[0]["gen"] for e in after), entered  # one entry took from shadows
+    assert all(e["sources"] == after[0]["sources"] for e in entered if e["gen"] == after[0]["gen"]), entered
+    sources = after[0]["sources"]
+    assert sources["disk"] == {"layers": 0, "bytes": 0} and sources["shadow"]["bytes"] > 0
+    assert sources["replica"]["layers"] + sources["shadow"]["layers"] == 6
+    assert re.search(r"layers by source: \d+ from replicas \(.* MB moved\), [1-9]\d* from shadows", out), out[-4000:]
+    # TensorBoard: the shadows never lag; the goodput ledger charged their exchange to `shadows`
+    events = EventAccumulator(str(tensorboard_run(tmp_path / "job" / "runs")), size_guidance={"scalars": 0}).Reload()
+    lags = [e.value for e in events.Scalars("shadows/lag_steps")]
+    assert lags and set(lags) == {0.0}, lags
+    assert all(e.value > 0 for e in events.Scalars("shadows/host_gb_job_planned"))
+    client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
+    try:
+        ledger = Ledger.from_json(client.get_json(keys.progress)[0]["goodput"])
+    finally:
+        client.close()
+    assert ledger.get(Category.SHADOWS) > 0, ledger.seconds
     ok, lines = ops.samples(str(tmp_path / "events"))
     assert ok and lines[0].startswith("samples: exactly once: 9 of 9 steps applied, 0 skipped"), lines
     # at most the interrupted step was replayed; no committed step was trained again

@@ -17,7 +17,9 @@ import torch.multiprocessing as mp
 from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.engine.generation.reconfigure import Transfer, plan_transfers
 from oobleck_elastic.engine.generation.shadows import keepers, keepers_by_identity, routes, seed_transfers
+from oobleck_elastic.engine.telemetry.board import ShadowFigures
 from oobleck_elastic.engine.trainer import Trainer
+from oobleck_elastic.models.build import build_meta_layers
 from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
 from oobleck_elastic.planning.shadows import place_shadows
 import helpers
@@ -160,7 +162,13 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
     trainer = Trainer(cfg, dataset=RandomTokens(), plan=BEFORE, rank=rank, store=dist.FileStore(f"{tmp}/s1", world))
     node = trainer.entry.identity[0]
     for step in range(2):
-        trainer.train_step(step)
+        result = trainer.train_step(step)
+    link, store = trainer.shadow_link, trainer.state.shadows
+    assert link is not None and store is not None
+    figures = ShadowFigures.of(1, trainer.plan, store, traffic_bytes=link.bytes_per_step, seconds=result.shadow_s)
+    assert figures is not None
+    seen = {"lag": figures.lag_steps, "host": figures.host_bytes, "shadow_s": result.shadow_s}
+    torch.save({**seen, "traffic": figures.traffic_bytes, "nbytes": store.nbytes()}, os.path.join(tmp, f"tb-{node}.pt"))
     _dump(trainer, os.path.join(tmp, f"g1-{node}.pt"))
     for plan, gone, step in [(MID, "n1", 2), (LAST, "n0 n2", 3)]:
         if node in gone.split():
@@ -174,6 +182,18 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
         trainer.train_step(step)
         _dump(trainer, os.path.join(tmp, f"g{plan.generation}-{node}.pt"))
     trainer.close()
+
+
+def _route_bytes(plan: Plan) -> dict[int, int]:
+    """Rank -> bytes it sends plus receives for the shadows each step, from `routes` and the
+    layers' parameter counts (a flat fp32 gradient with one presence flag per parameter)."""
+    layers = build_meta_layers(config().model, plan.num_layers, seed=0)
+    size = [4 * sum(1 + p.numel() for p in layer.parameters()) for layer in layers]
+    out = dict.fromkeys(range(plan.world_size), 0)
+    for layer, src, keeper in routes(plan):
+        out[src] += size[layer]
+        out[keeper] += size[layer]
+    return out
 
 
 def _assert_shadows_equal_holders(dumps: list[dict]) -> int:
@@ -203,6 +223,13 @@ def test_a_keepers_loss_then_both_holders_loss_goes_on_from_the_new_shadows(tmp_
     mp.spawn(_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4, join=True)
     g1 = [torch.load(tmp_path / f"g1-n{r}.pt", weights_only=True) for r in range(4)]
     assert _assert_shadows_equal_holders(g1) == 6
+    # what TensorBoard shows of them (engine/telemetry/board.py): no lag, the store's bytes, the
+    # gradient traffic the routes imply (4 bytes per element, 1 presence flag per parameter), time spent
+    expected = _route_bytes(BEFORE)
+    for r in range(4):
+        tb = torch.load(tmp_path / f"tb-n{r}.pt", weights_only=True)
+        assert tb["lag"] == 0 and tb["host"] == tb["nbytes"] > 0 and tb["traffic"] == expected[r], (r, tb)
+        assert tb["shadow_s"] > 0, (r, tb)
     assert all(d["shadow_step"] == 1 for d in g1)
     g2 = [torch.load(tmp_path / f"g2-{n}.pt", weights_only=True) for n in ("n0", "n2", "n3")]
     assert _assert_shadows_equal_holders(g2) == 6  # placed again, seeded, one step on

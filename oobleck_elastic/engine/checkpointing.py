@@ -53,6 +53,7 @@ from ..data.tokenizer import save_tokenizer_files
 from ..logs import JobLog
 from ..planning import Plan, shortfall
 from .resilience.guard import StepGuard
+from .generation.reconfigure import LayerSources
 from .trainer import LayersLost, Trainer
 
 log = JobLog(logging.getLogger(__name__))
@@ -197,6 +198,16 @@ def restore(trainer: Trainer, path: str | Path, *, guard: Optional[StepGuard] = 
     return int(manifest["step"])
 
 
+def restored_sources(plan: Optional[Plan], path: str | Path, num_layers: int) -> LayerSources:
+    """Where the layers came from after a restore of the checkpoint at `path` into `plan`: every
+    layer from disk, the bytes its manifest gives for the files every worker read (the single
+    process, with no plan, reads every layer once)."""
+    sizes = [int(e["bytes"]) for e in ckpt.read_manifest(path)["layers"]]
+    if plan is None:
+        return LayerSources(disk=tuple(range(num_layers)), disk_bytes=sum(sizes))
+    return LayerSources.of_restore(plan, sizes)
+
+
 def retake_reason(
     plan: Plan, *, previous: int, step: int, steps: int, extra: Optional[Mapping[int, Iterable[str]]] = None
 ) -> Optional[str]:
@@ -274,11 +285,14 @@ class CheckpointPolicy:
             ) from err
         step = restore(trainer, latest, guard=self.guard)
         trainer.samples.restored(step, generation=trainer.generation, rank=trainer.rank)
+        sources = restored_sources(trainer.plan, latest, trainer.layer_model.num_layers)
         text = (
             f"generation {trainer.generation}: layers {err.layers} had no surviving copy; restored checkpoint "
-            f"{latest} and continue from step {step}"
+            f"{latest} and continue from step {step}; {sources.describe()}"
         )
-        log.at(gen=trainer.generation, step=step, node=self.node).warning("%s", text, event="restored")
+        log.at(gen=trainer.generation, step=step, node=self.node).warning(
+            "%s", text, event="restored", fields={"lost": list(err.layers), "sources": sources.fields()}
+        )
         return step, text
 
     def retake(self, trainer: Trainer, reason: str, step: int) -> Optional[Path]:

@@ -323,7 +323,7 @@ class _Worker:
                     self._rejected(result)
                 else:
                     self.guard.decide(self.step, Verdict(True))
-                    self.goodput.ended_step(self.step, Category.USEFUL)
+                    self.goodput.ended_step(self.step, Category.USEFUL, result.shadow_s)
                     report = self.goodput.reporter(ctx.report_progress, self.log.metrics) if trainer.rank == 0 else None
                     self.log.stepped(trainer, result, report=report)
                     if result.repaired or result.unrepairable:
@@ -377,7 +377,7 @@ class _Worker:
             event="skipped" if action is Action.SKIP else "replayed",
             fields={"seconds": result.seconds},  # the run's own time (tests cross-check the goodput ledger)
         )
-        self.goodput.ended_step(step, Category.SKIPPED if action is Action.SKIP else Category.REPLAYED)
+        self.goodput.ended_step(step, Category.SKIPPED if action is Action.SKIP else Category.REPLAYED, result.shadow_s)
         self.log.rejected(result, skipped=action is Action.SKIP)
         if trainer.rank == 0:
             self.ctx.record_skip(generation=trainer.generation, step=step, detail=f"{result.rejected}; {what}")

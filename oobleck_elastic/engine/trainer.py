@@ -131,6 +131,8 @@ class Trainer(PortableState):
         self.grad_sync: Optional[GradSync] = None
         self.shadow_link: Optional[ShadowLink] = None
         """This worker's per-step traffic to the shadow copies (engine/generation/shadows.py)."""
+        self.shadow_s = 0.0
+        """Seconds the last step spent on the shadow exchange (`StepResult.shadow_s`)."""
         self.schedule: Any = None
         self.stage_module: Optional[nn.Module] = None
         self.step_group: Optional[dist.ProcessGroup] = None
@@ -445,6 +447,7 @@ class Trainer(PortableState):
             repaired=repaired,
             unrepairable=unrepairable,
             compute_s=agreed.compute_s,
+            shadow_s=self.shadow_s,
             entry_window=(agreed.entry_began, agreed.entry_ended),
         )
 
@@ -501,7 +504,9 @@ class Trainer(PortableState):
         keepers' arrive, before this returns (so before the commit: engine/generation/shadows.py)."""
         grad_sync.all_reduce()
         shadows = self.state.shadows
+        began = time.perf_counter()  # the shadows' own time in the step: `StepResult.shadow_s`
         posted = shadow_link.post(self.layer_model, shadows) if shadow_link is not None else None
+        self.shadow_s = time.perf_counter() - began if posted is not None else 0.0
         # control collectives: CPU tensors, so they go over gloo whatever the data backend; this
         # is the step's one read of a device value (the loss and the norm stay on the device until
         # here). Every lane of a last stage computes the same loss: lane 0 reports it.
@@ -518,8 +523,10 @@ class Trainer(PortableState):
         norm2, loss = float(reduced[0]), float(reduced[1])
         grads = None
         if posted is not None:
+            began = time.perf_counter()
             with self.progress.waiting():
                 grads = posted.wait()
+            self.shadow_s += time.perf_counter() - began
         with self._current(epoch):
             if grads is not None and shadows is not None:
                 shadows.received(step, grads)

@@ -11,6 +11,10 @@ worker holding rank 0:
 - `replayed`: ran a step that was then replayed: rejected by the step guard (engine/resilience/guard.py), or
   completed once already and run again after a checkpoint restore;
 - `skipped`: ran a step whose batch the step guard then skipped;
+- `shadows`: the part of a step (whatever its outcome) spent on the shadow copies' exchange
+  (engine/generation/shadows.py): gathering the summed gradients for the keepers and posting them,
+  and waiting for the exchange to complete before the commit, as rank 0 timed it
+  (`StepResult.shadow_s`); the rest of the step goes to its outcome's category;
 - `reconfiguration`: from the start of the step a failure interrupted (or from the step boundary
   of a join or drain) to the start of the next generation's first step: the lost part of the step,
   detection, the roll call, re-planning, waiting for nodes when too few survive, entering the
@@ -77,6 +81,7 @@ class Category(str, Enum):
     USEFUL = "useful"
     REPLAYED = "replayed"
     SKIPPED = "skipped"
+    SHADOWS = "shadows"
     RECONFIGURATION = "reconfiguration"
     CHECKPOINTING = "checkpointing"
     WAITING = "waiting"
@@ -87,6 +92,7 @@ MEANING = {
     Category.USEFUL: "steps applied for the first time, with their bookkeeping",
     Category.REPLAYED: "step runs rejected by the step guard and replayed, or re-run after a checkpoint restore",
     Category.SKIPPED: "step runs whose batch the step guard skipped",
+    Category.SHADOWS: "steps' time on the shadow copies' gradient exchange (fault_tolerance.shadow_copies)",
     Category.RECONFIGURATION: "failures, joins and drains: from the step they interrupted to the next first step",
     Category.CHECKPOINTING: "writing checkpoints",
     Category.WAITING: "from the job's start to the first plan (nodes registering, the rendezvous)",
@@ -196,14 +202,17 @@ def began_step(ledger: Ledger, now: float) -> Ledger:
     return dataclasses.replace(ledger, open=None)
 
 
-def ended_step(ledger: Ledger, now: float, step: int, outcome: Category) -> Ledger:
+def ended_step(ledger: Ledger, now: float, step: int, outcome: Category, shadows_s: float = 0.0) -> Ledger:
     """Step `step` (0-based), begun at `ledger.at`, ended at `now`: `outcome` is USEFUL when it was
     applied (REPLAYED when the job had completed it before), REPLAYED or SKIPPED when the step guard
-    rejected it. The bookkeeping after it is `useful` until the next transition."""
+    rejected it. `shadows_s` of the step (at most all of it) went to the shadow copies' exchange:
+    `shadows`; the rest to `outcome`. The bookkeeping after it is `useful` until the next transition."""
     counts = outcome in (Category.USEFUL, Category.SKIPPED)  # the step is done (a guard replay is not)
     if outcome is Category.USEFUL and step < ledger.done:
         outcome = Category.REPLAYED
     done = max(ledger.done, step + 1) if counts else ledger.done
+    if shadows_s > 0 and now > ledger.at:
+        ledger = _charge(ledger, Category.SHADOWS, ledger.at + min(shadows_s, now - ledger.at))
     ledger = _charge(ledger, outcome, now)
     return dataclasses.replace(ledger, open=Category.USEFUL, done=done)
 

@@ -42,7 +42,7 @@ from ...planning import Plan
 from .devices import backend_for, release_groups
 from .groups import GenerationGroups
 from ..step.optim import build_optimizer
-from .reconfigure import Identity, Move, Transfer, exchange, moves_of, plan_transfers, transfer_bytes
+from .reconfigure import Identity, LayerSources, Move, Transfer, exchange, moves_of, plan_transfers, transfer_bytes
 from .shadows import ShadowStore, keepers_by_identity, new_store, seed_transfers
 
 log = JobLog(logging.getLogger(__name__))
@@ -80,6 +80,10 @@ class Reconfiguration:
     """This worker only handed its layers over (a drained node) and leaves the job."""
     moves: tuple[Move, ...] = ()
     """Every layer move of the entry, node to node (the same on every worker)."""
+    sources: Optional[LayerSources] = None
+    """Where the generation's layers came from (replicas, shadows; the same on every worker);
+    None at the first start (layers built from the seed) and when layers were lost (the
+    checkpoint restore says where they came from: engine/checkpointing.py)."""
 
 
 @dataclass
@@ -204,6 +208,7 @@ class GenerationEntry:
                 lost_layers=lost_layers,
                 from_shadows=from_shadows if held else (),
                 shadow_bytes=seeded,
+                sources=LayerSources.of_moves(plan.num_layers, moves) if held and not lost_layers else None,
             )
 
         if stage is None:
@@ -252,7 +257,13 @@ class GenerationEntry:
             moved,
             info.seconds,
             event="entered",
-            fields={"previous": previous, "rolled_forward": rolled, "bytes": moved, "seconds": info.seconds},
+            fields={
+                "previous": previous,
+                "rolled_forward": rolled,
+                "bytes": moved,
+                "seconds": info.seconds,
+                **({"sources": info.sources.fields()} if info.sources is not None else {}),
+            },
         )
         return Installed(state=after, info=info, groups=groups, lost=lost_layers)
 

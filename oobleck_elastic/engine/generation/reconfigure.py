@@ -121,6 +121,64 @@ class Move:
         return f"{what} {','.join(runs)} {self.src}{shadow} -> {self.dst} ({self.bytes / 1e6:.1f} MB)"
 
 
+SOURCES = ("replica", "shadow", "disk")
+"""Where a layer of a generation came from on entering it (`LayerSources`)."""
+
+
+@dataclass(frozen=True)
+class LayerSources:
+    """Where each layer of a generation came from when the job entered it, as counts and bytes:
+    `replica`, a surviving device holder (kept in place, or moved from one); `shadow`, the keeper
+    of its host-memory shadow copy (no surviving worker held it on its devices); `disk`, a
+    checkpoint (after a loss every layer is restored from it: the job goes back to its step). The
+    same on every worker of the entry: it is computed from the entry's moves, which every worker
+    computes alike, or from the plan and the checkpoint's manifest."""
+
+    replica: tuple[int, ...] = ()
+    """Layers whose copies all came from surviving device holders."""
+    shadow: tuple[int, ...] = ()
+    """Layers sent by a keeper of their shadow copy."""
+    disk: tuple[int, ...] = ()
+    """Layers read from a checkpoint."""
+    replica_bytes: int = 0
+    """Bytes moved from device holders to workers that did not hold the layer (every worker's)."""
+    shadow_bytes: int = 0
+    """Bytes the shadows' keepers sent (every keeper's)."""
+    disk_bytes: int = 0
+    """Bytes of checkpoint layer files read (every worker reads its stage's layers)."""
+
+    @classmethod
+    def of_moves(cls, num_layers: int, moves: Sequence[Move]) -> "LayerSources":
+        """An entry that lost no layer: a layer some keeper sent is `shadow`, every other one `replica`."""
+        shadow = sorted({i for m in moves if m.from_shadow for i in m.layers})
+        return cls(
+            replica=tuple(i for i in range(num_layers) if i not in shadow),
+            shadow=tuple(shadow),
+            replica_bytes=sum(m.bytes for m in moves if not m.from_shadow),
+            shadow_bytes=sum(m.bytes for m in moves if m.from_shadow),
+        )
+
+    @classmethod
+    def of_restore(cls, plan: Plan, file_bytes: Sequence[int]) -> "LayerSources":
+        """A checkpoint restore into `plan`: every layer from disk; `file_bytes[i]`, the size of
+        layer i's file (its manifest), read once by every worker holding the layer."""
+        read = sum(file_bytes[i] for layers in plan.layers_by_worker().values() for i in layers)
+        return cls(disk=tuple(range(plan.num_layers)), disk_bytes=read)
+
+    def fields(self) -> dict[str, dict[str, int]]:
+        """{source: {"layers": count, "bytes": bytes}} for the JSON events."""
+        return {k: {"layers": len(getattr(self, k)), "bytes": getattr(self, f"{k}_bytes")} for k in SOURCES}
+
+    def describe(self) -> str:
+        """`layers by source: 4 from replicas (2.4 MB moved), 2 from shadows (1.2 MB), 0 from disk`."""
+        mb = {k: getattr(self, f"{k}_bytes") / 1e6 for k in SOURCES}
+        return (
+            f"layers by source: {len(self.replica)} from replicas ({mb['replica']:.1f} MB moved), "
+            f"{len(self.shadow)} from shadows ({mb['shadow']:.1f} MB), "
+            f"{len(self.disk)} from disk ({mb['disk']:.1f} MB read)"
+        )
+
+
 def transfer_bytes(layer: nn.Module, tensor_parallel: int = 1) -> int:
     """Bytes one lane's transfer of `layer` sends (parameters, two moments and `step`, fp32); the
     layer may live on the meta device."""

@@ -137,6 +137,9 @@ class ShadowStore:
     """(step, layer -> flat gradients) received and not yet applied."""
     layers: list[int] = field(default_factory=list)
     """The kept layers' indices."""
+    host_bytes: int = 0
+    """`nbytes` as of the last update (or the store's creation): read without waiting for the
+    update running in the background (TensorBoard, engine/telemetry/metrics.py)."""
     _running: Optional[threading.Thread] = field(default=None, repr=False)
     _failed: Optional[BaseException] = field(default=None, repr=False)
 
@@ -156,6 +159,9 @@ class ShadowStore:
     def nbytes(self) -> int:
         """Host bytes of the kept parameters and optimizer state."""
         self.settle()
+        return self._count_bytes()
+
+    def _count_bytes(self) -> int:
         total = 0
         for p in self.params:
             total += p.numel() * p.element_size()
@@ -224,6 +230,7 @@ class ShadowStore:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.pending = None
+        self.host_bytes = self._count_bytes()
 
 
 def new_store(
@@ -261,6 +268,7 @@ def new_store(
         for p in params:
             if id(p) in moved_state:
                 store.optimizer.state[p] = moved_state[id(p)]
+    store.host_bytes = store._count_bytes()
     return store
 
 

@@ -38,6 +38,10 @@ class StepResult:
     """Why the job must stop: a layer's copies differ with no majority (engine/resilience/fingerprint.py)."""
     compute_s: tuple[float, ...] = ()
     """Every worker's compute seconds in this step, by rank (engine/resilience/straggler.py)."""
+    shadow_s: float = 0.0
+    """Seconds this worker spent in the step on the shadow copies' exchange: gathering and posting
+    the gradients for the keepers, and waiting for the exchange before the commit
+    (engine/generation/shadows.py; 0 without shadows). The goodput ledger charges it to `shadows`."""
     entry_window: tuple[Optional[float], Optional[float]] = (None, None)
     """Unix times the first worker of the generation began entering it and the last one had
     entered it (engine/telemetry/board.py); None: not known."""

@@ -22,6 +22,15 @@ so the capital of `Throughput/` sorts before the lower-case groups (tests/test_b
 with TensorBoard's comparison). `LAYOUT` is a custom-scalars page (the Custom Scalars tab,
 written once by each writer): throughput, nodes and pipelines, memory and goodput on one page.
 
+**Shadow copies** (`ShadowFigures`, with `fault_tolerance.shadow_copies`): per step, the host
+memory of the shadows the writer keeps (`ShadowStore.host_bytes`, measured after each update, so
+the figure never waits for the update running in the background) and the whole job's as the plan
+sizes them (the placement's per-node load: the planner's bytes, not a measurement); their lag,
+the step just done minus the step the writer's shadows hold (0 by design: the keepers receive a
+step's gradients before its commit and apply them with it; a positive figure is a bug); the
+bytes the writer sent plus received for them in the step (`ShadowLink.bytes_per_step`) and its
+seconds on their exchange (`StepResult.shadow_s`, what the goodput ledger charges to `shadows`).
+
 **Job-level reconfiguration figures.** `reconfiguration/bytes_moved_job` sums every move of the
 entry (`job_bytes_moved`: each worker computes the same transfer list, engine/generation/
 reconfigure.py, so no communication is needed), where the old `bytes_moved` was rank 0's own
@@ -39,8 +48,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+from ...planning import Plan
 from ...records.goodput import Category
 from ..generation.reconfigure import Move
+from ..generation.shadows import ShadowStore
 
 __all__ = [
     "TAGS",
@@ -49,6 +60,7 @@ __all__ = [
     "run_name",
     "tb_step",
     "JobFigures",
+    "ShadowFigures",
     "job_bytes_moved",
     "seconds_until_all_entered",
     "layout_tags",
@@ -81,6 +93,11 @@ TAGS: dict[str, str] = {
     "straggler/count": "nodes named stragglers",
     "straggler/slowdown/<node>": "a straggler's slowdown (0 once no longer named)",
     "integrity/repaired_copies": "corrupt layer copies replaced so far",
+    "shadows/host_gb": "host memory of the shadow copies the writer keeps (as of their last update)",
+    "shadows/host_gb_job_planned": "host memory of every node's shadow copies, as the plan sizes them",
+    "shadows/lag_steps": "steps the writer's shadow copies are behind the step just done (0 by design)",
+    "shadows/traffic_bytes": "bytes the writer sent plus received for the shadow copies in the step",
+    "shadows/seconds": "the writer's time in the step on the shadow exchange (goodput's `shadows`)",
 }
 """Every scalar tag the writer may write, with its meaning."""
 
@@ -157,3 +174,35 @@ class JobFigures:
         """From the entry's moves (the same on every worker) and the agreed entry window of the
         generation's first step (`StepResult.entry_window`)."""
         return cls(job_bytes_moved(moves), seconds_until_all_entered(*entry_window))
+
+
+@dataclass(frozen=True)
+class ShadowFigures:
+    """One step's shadow-copy figures, as the writer writes them (module docstring)."""
+
+    host_bytes: int
+    """`shadows/host_gb`: the writer's shadows (0 when it keeps none)."""
+    job_planned_bytes: int
+    """`shadows/host_gb_job_planned`: every node's shadows, as the plan sizes them."""
+    lag_steps: int
+    """`shadows/lag_steps`: the step done minus the step the writer's shadows hold (0 when it keeps none)."""
+    traffic_bytes: int
+    """`shadows/traffic_bytes`: the writer's shadow traffic in the step."""
+    seconds: float
+    """`shadows/seconds`: the writer's time in the step on the shadow exchange."""
+
+    @classmethod
+    def of(
+        cls, step: int, plan: Optional[Plan], store: Optional[ShadowStore], *, traffic_bytes: int, seconds: float
+    ) -> Optional["ShadowFigures"]:
+        """After 0-based `step` was applied: the figures, or None when the plan keeps no shadows."""
+        if plan is None or plan.shadows is None or plan.shadows.copies == 0:
+            return None
+        kept = store is not None and bool(store.layers)
+        return cls(
+            host_bytes=store.host_bytes if store is not None and kept else 0,
+            job_planned_bytes=sum(plan.shadows.load().values()),
+            lag_steps=step - store.step if store is not None and kept else 0,
+            traffic_bytes=traffic_bytes,
+            seconds=seconds,
+        )

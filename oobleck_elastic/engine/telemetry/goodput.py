@@ -53,9 +53,10 @@ class GoodputClock:
         if self.ledger is not None:
             self.ledger = began_step(self.ledger, self.clock())
 
-    def ended_step(self, step: int, outcome: Category) -> None:
+    def ended_step(self, step: int, outcome: Category, shadows_s: float = 0.0) -> None:
+        """Step `step` ended as `outcome`, `shadows_s` of it on the shadow copies' exchange."""
         if self.ledger is not None:
-            self.ledger = ended_step(self.ledger, self.clock(), step, outcome)
+            self.ledger = ended_step(self.ledger, self.clock(), step, outcome, shadows_s)
 
     @contextlib.contextmanager
     def checkpointing(self) -> Iterator[None]:

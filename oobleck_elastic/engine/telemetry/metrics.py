@@ -14,7 +14,9 @@ did not apply (engine/resilience/guard.py); at every generation a text entry `pl
 reconfiguration a `reconfiguration` text plus the job-level `reconfiguration/bytes_moved_job` and
 `reconfiguration/seconds_until_all_entered` (board.py); with every progress report the job's
 goodput ledger, `goodput/<category>` in seconds and `goodput/fraction` (goodput.py; at the last
-step the final one, which includes the final checkpoint).
+step the final one, which includes the final checkpoint); with shadow copies, per step,
+`shadows/host_gb`, `shadows/host_gb_job_planned`, `shadows/lag_steps`, `shadows/traffic_bytes` and
+`shadows/seconds` (board.py).
 """
 
 from __future__ import annotations
@@ -177,6 +179,18 @@ class Metrics:
         for category, value in seconds.items():
             self.writer.add_scalar(f"goodput/{category}", value, step)
         self.writer.add_scalar("goodput/fraction", fraction, step)
+
+    def shadows(self, figures: "board.ShadowFigures", step: int) -> None:
+        """The shadow copies after 0-based `step` (board.py): `shadows/host_gb`,
+        `shadows/host_gb_job_planned`, `shadows/lag_steps`, `shadows/traffic_bytes`, `shadows/seconds`."""
+        if self.writer is None:
+            return
+        at = board.tb_step(step)
+        self.writer.add_scalar("shadows/host_gb", figures.host_bytes / GB, at)
+        self.writer.add_scalar("shadows/host_gb_job_planned", figures.job_planned_bytes / GB, at)
+        self.writer.add_scalar("shadows/lag_steps", figures.lag_steps, at)
+        self.writer.add_scalar("shadows/traffic_bytes", figures.traffic_bytes, at)
+        self.writer.add_scalar("shadows/seconds", figures.seconds, at)
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:

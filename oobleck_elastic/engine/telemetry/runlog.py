@@ -223,6 +223,16 @@ class RunLog:
         self.last_step_end = now
         if self.metrics is not None:
             self.metrics.step(result, lr=t.optimizer.lr * lr_factor(result.step, t), plan=trainer.plan, wall_s=wall)
+            link = trainer.shadow_link
+            shadows = board.ShadowFigures.of(
+                result.step,
+                trainer.plan,
+                trainer.state.shadows,
+                traffic_bytes=link.bytes_per_step if link is not None else 0,
+                seconds=result.shadow_s,
+            )
+            if shadows is not None:
+                self.metrics.shadows(shadows, result.step)
         if self.pending is not None:
             self._describe_reconfiguration(trainer, result)
         if report is not None:
@@ -263,6 +273,7 @@ class RunLog:
             f"after entering{since_failure}"
             + (f"; moved {'; '.join(m.describe() for m in info.moves)}" if info.moves else "")
             + (f"; layers {list(info.from_shadows)} from their shadow copies" if info.from_shadows else "")
+            + (f"; {info.sources.describe()}" if info.sources is not None else "")
         )
         self.changes.append(text)
         if self.metrics is not None:
