@@ -311,7 +311,14 @@ def test_gpt3_on_1024_nodes_auto_cuts_the_bubble(capsys: pytest.CaptureFixture[s
     assert 1 - one.efficiency == pytest.approx(0.464, abs=0.01)  # with the all-reduce overlapped
     assert 1 - auto.efficiency < 0.20
     assert auto.plan.samples_per_s > 1.45 * one.plan.samples_per_s
-    assert {p.schedule for p in auto.plan.pipelines} == {"zero-bubble"}
+    assert {(p.schedule, p.num_chunks) for p in auto.plan.pipelines} == {("zero-bubble", 4), ("zero-bubble", 5)}
+    assert auto.plan.samples_per_s == pytest.approx(296.0, abs=0.05)
+    # a job plans it so (the engine runs every schedule); with compiled layers, no split backward
+    job = plan_job(auto_cfg, nodes=1024, profile=profiles, engine_only=True)
+    assert job.plan == auto.plan
+    compiled = plan_job(auto_cfg, nodes=1024, profile=profiles, engine_only=True, compiled=True)
+    assert {(p.schedule, p.num_chunks) for p in compiled.plan.pipelines} == {("interleaved-1f1b", 5)}
+    assert (compiled.plan.samples_per_s, 1 - compiled.efficiency) == pytest.approx((277.15, 0.2455), abs=5e-3)
     code = cli_main(["plan", "--config", "configs/gpt3-175b.yaml", "--nodes", "1024", *base, "planning.schedule=auto"])
     out = capsys.readouterr().out
     assert code == 0
