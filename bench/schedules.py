@@ -19,9 +19,10 @@ simulation differ), given to the job as
 arithmetic of two tiny blocks on a microbatch is a few ms, stretched by the sharing; at the
 default k = 2 a stage's forward is paced to 40 ms and its backward to 80 ms, so the real part is
 a small share of every pass (a pass that overruns its target logs `paced_overrun`, counted here).
-The schedules given (`--schedules`, default 1f1b and gpipe; `zero-bubble` once the engine runs it:
-one the engine refuses, planning/schedule_choice.py's ENGINE_RUNS, is skipped with a line) run
-alternately, `--repeats` times each, one job at a time.
+The schedules given (`--schedules`, default 1f1b and gpipe; `name/chunks` for a chunk count,
+e.g. `zero-bubble/2`; interleaved-1f1b and zbv run 2 chunks, the others 1; one the engine refuses,
+planning/schedule_choice.py's ENGINE_RUNS, is skipped with a line) run alternately, `--repeats`
+times each, one job at a time.
 
 The estimate, and what is honest about it. The job's plan is made from the unscaled profile, and
 its workers pace to k x its stage times. The estimate comparable with the paced run is the plan
@@ -45,7 +46,7 @@ should be 0). A summary line per schedule gives the medians (`vs_1f1b` of the me
 
 Run (about 1 min per job on 2 cores):
 
-    .venv/bin/python bench/schedules.py [--schedules 1f1b gpipe] [--repeats 3] [--steps 20]
+    .venv/bin/python bench/schedules.py [--schedules 1f1b gpipe zero-bubble/2 zbv] [--repeats 3] [--steps 20]
         [--warmup 5] [--factor 2] [--profile uniform|uneven]
 """
 
@@ -84,13 +85,20 @@ OVERRIDES = [
     "planning.device_memory_gb=1.0",
     "planning.memory_margin=0",
 ]
-CHUNKS = {"interleaved-1f1b": 2}
-"""Chunks per device a schedule runs here (the others: 1); interleaved 1F1B with 2 chunks puts
-one layer in each of 8 virtual stages."""
+CHUNKS = {"interleaved-1f1b": 2, "zbv": 2}
+"""Chunks per device a schedule runs here unless its name says (`zero-bubble/2`; the others: 1);
+2 chunks put one layer in each of 8 virtual stages."""
 
 
-def schedule_overrides(schedule: str) -> list[str]:
-    return [f"planning.schedule={schedule}", f"planning.chunks_per_device={CHUNKS.get(schedule, 1)}"]
+def parse(spec: str) -> tuple[str, int]:
+    """`zero-bubble/2` -> ("zero-bubble", 2); a bare name runs CHUNKS' count, else 1."""
+    name, _, chunks = spec.partition("/")
+    return name, int(chunks) if chunks else CHUNKS.get(name, 1)
+
+
+def schedule_overrides(spec: str) -> list[str]:
+    name, chunks = parse(spec)
+    return [f"planning.schedule={name}", f"planning.chunks_per_device={chunks}"]
 
 
 def scaled(profile: ModelProfile, factor: float) -> ModelProfile:
@@ -132,7 +140,7 @@ def estimate(schedule: str, profile: ModelProfile, factor: float) -> tuple[float
     if pipe.num_chunks > 1:  # the plan's estimate is the simulation of its virtual stages already
         return paced.est_step_time_s, pipe.est_time_s, cut(paced) == cut(job)
     ranges = [r for device in cut(paced)[0] for r in device]
-    sim = schedule_cost(paced_profile, ranges, schedule, pipe.microbatches, links=links_for(cfg))
+    sim = schedule_cost(paced_profile, ranges, parse(schedule)[0], pipe.microbatches, links=links_for(cfg))
     return paced.est_step_time_s, sim.step_s, cut(paced) == cut(job)
 
 
@@ -194,7 +202,7 @@ def main() -> None:
     profile.save(tmp / "profile.json")
     runnable = []
     for schedule in args.schedules:
-        if (schedule, CHUNKS.get(schedule, 1)) not in ENGINE_RUNS:
+        if parse(schedule) not in ENGINE_RUNS:
             print(json.dumps({"bench": "schedules", "schedule": schedule, "skipped": "the engine does not run it yet"}))
         else:
             runnable.append(schedule)
@@ -202,7 +210,8 @@ def main() -> None:
     results: dict[str, list[dict]] = {s: [] for s in runnable}
     for i in range(args.repeats):
         for schedule in runnable:
-            got = run(tmp, schedule=schedule, factor=args.factor, steps=args.steps, tag=f"{schedule}-{i}")
+            tag = f"{schedule.replace('/', '-')}-{i}"
+            got = run(tmp, schedule=schedule, factor=args.factor, steps=args.steps, tag=tag)
             kept = [s for s in range(args.warmup + 1, args.steps + 1) if s in got["seconds"]]
             step_s = statistics.median(got["seconds"][s] for s in kept) if kept else float("nan")
             walls = [got["t"][s] - got["t"][s - 1] for s in kept if s - 1 in got["t"]]

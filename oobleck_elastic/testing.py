@@ -44,13 +44,18 @@ def layout_plan(
 ) -> Plan:
     """A plan from layer ranges per stage, one pipeline per entry, one device per node `n<rank>`,
     every pipeline running `schedule`. With `chunks` > 1 a pipeline's ranges are its virtual
-    stages in pipeline order, in loop placement: device d of D holds ranges d, D + d, ..."""
+    stages in pipeline order, placed as the schedule places them (planning/schedules.py
+    `stage_placement`): loop placement, device d of D holding ranges d, D + d, ..., or zbv's V,
+    device d holding ranges d and 2 D - 1 - d."""
+    from .planning.schedules import stage_placement
+
     pipelines, rank = [], 0
     for index, (ranges, mb) in enumerate(zip(layout, microbatches, strict=True)):
         devices = len(ranges) // chunks
+        placed = stage_placement(schedule, devices, chunks)
         stages = []
         for s in range(devices):
-            held = tuple(ranges[c * devices + s] for c in range(chunks)) if chunks > 1 else ()
+            held = tuple(r for r, d in zip(ranges, placed) if d == s) if chunks > 1 else ()
             u, v = ranges[s]
             stages.append(
                 StagePlacement(index=s, start=u, end=v, node=f"n{rank}", local_rank=0, rank=rank, chunks=held)

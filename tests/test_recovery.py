@@ -2,7 +2,7 @@
 one node is SIGKILLed mid-run, the survivors re-plan into one 3-stage pipeline in-process (no
 worker restarts), receive the layers they newly own with their AdamW state from surviving
 holders, settle the interrupted step, and finish with the same weights as one process (under
-1F1B, and under zero-bubble)."""
+1F1B, and under zero-bubble, interleaved 1F1B and zbv)."""
 
 from __future__ import annotations
 
@@ -110,14 +110,24 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     assert f"gen 2 step {first}/{steps} " in out, out[-4000:]
 
 
-@pytest.mark.parametrize("schedule", ["zero-bubble", "interleaved-1f1b"])
+@pytest.mark.parametrize(
+    "schedule, chunks, planned",
+    [
+        ("zero-bubble", 1, (1, 1)),
+        ("interleaved-1f1b", "auto", (3, 2)),
+        ("zero-bubble", 2, (2, 2)),
+        ("zbv", "auto", (2, 2)),
+    ],
+)
 def test_kill_one_node_of_four_under_other_schedules_matches_reference(
-    tmp_path: Path, etcd_server, run_id, schedule: str
+    tmp_path: Path, etcd_server, run_id, schedule: str, chunks: object, planned: tuple[int, int]
 ) -> None:
     """The same failure under planning.schedule=zero-bubble (two 2-stage ZB-H1 pipelines become
-    one 3-stage one) and interleaved-1f1b (two pipelines of 2 devices holding 3 one-layer chunks
-    each become one of 3 devices holding 2): the survivors re-plan in-process, receive the
-    non-contiguous layers they newly own, and end with the single-process weights."""
+    one 3-stage one), interleaved-1f1b (two pipelines of 2 devices holding 3 one-layer chunks
+    each become one of 3 devices holding 2), zero-bubble with 2 chunks per device and zbv (2
+    chunks, the V: device 0 holds the first and the last layers): the survivors re-plan
+    in-process, receive the non-contiguous layers they newly own, and end with the
+    single-process weights."""
     from oobleck_elastic.planning import Plan
     from oobleck_elastic.records.keys import Keys
 
@@ -128,7 +138,7 @@ def test_kill_one_node_of_four_under_other_schedules_matches_reference(
         ["--nodes", "4", "--kill", "1@3"],
         8,
         tiny_profile(tmp_path / "profile.json"),
-        extra=[f"planning.schedule={schedule}"],
+        extra=[f"planning.schedule={schedule}", f"planning.chunks_per_device={chunks}"],
     )
     assert "[launcher] killed node 1" in out and "entered from generation 1" in out, out[-4000:]
     assert "Stopping worker group" not in out and "restart" not in out.lower().replace("restarts=", "")
@@ -137,10 +147,9 @@ def test_kill_one_node_of_four_under_other_schedules_matches_reference(
         plans = [Plan.from_json(client.get_json(keys.plan_at(g))[0]) for g in (1, 2)]
     finally:
         client.close()
-    chunks = (1, 1) if schedule == "zero-bubble" else (3, 2)
     assert [[(p.schedule, len(p.stages), p.num_chunks) for p in plan.pipelines] for plan in plans] == [
-        [(schedule, 2, chunks[0]), (schedule, 2, chunks[0])],
-        [(schedule, 3, chunks[1])],
+        [(schedule, 2, planned[0]), (schedule, 2, planned[0])],
+        [(schedule, 3, planned[1])],
     ]
     assert read_manifest(latest_checkpoint(tmp_path / "job" / "ckpt"))["plan"]["generation"] == 2
     assert_same(job, ref)

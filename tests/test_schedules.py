@@ -12,8 +12,9 @@ import pytest
 
 from oobleck_elastic.planning import LayerProfile, Links, ModelProfile
 from oobleck_elastic.planning.partition import StageCosts
+from oobleck_elastic.planning.schedule_choice import PipelineSchedules
 from oobleck_elastic.planning.schedule_cost import (
-    best_schedule,
+    ScheduleCost,
     chunk_ranges,
     schedule_cost,
     stage_times,
@@ -21,7 +22,7 @@ from oobleck_elastic.planning.schedule_cost import (
 )
 from oobleck_elastic.planning.schedule_sim import StageTimes, simulate, simulate_reference
 from oobleck_elastic.planning.schedules import Action, Order, ScheduleError, schedule_order
-from oobleck_elastic.planning.templates import make_template
+from oobleck_elastic.planning.templates import PlanningError, TemplateSet, make_template
 
 LINKS = Links(intra_node_gb_s=150.0, inter_node_gb_s=12.5, latency_s=1e-5)
 
@@ -63,7 +64,9 @@ def torch_order(cls_name: str, devices: int, microbatches: int, chunks: int) -> 
     from torch.distributed.pipelining import schedules
 
     stage_kw = {"group_size": devices, "group_rank": 0, "num_stages": devices * chunks}
-    cls = getattr(schedules, cls_name)
+    from oobleck_elastic.engine.step.zero_bubble import OneChunkZeroBubble
+
+    cls = OneChunkZeroBubble if cls_name == "OneChunkZeroBubble" else getattr(schedules, cls_name)
     if cls_name in ("Schedule1F1B", "ScheduleGPipe"):
         sched = cls(SimpleNamespace(**stage_kw), n_microbatches=microbatches)
     else:
@@ -91,8 +94,12 @@ def test_orders_are_the_ones_torch_builds(name: str, cls_name: str, chunks: int)
         for m in range(1, 3 * p + 3):
             try:
                 theirs = torch_order(cls_name, p, m, chunks)
-            except ValueError:  # m does not divide into torch's rounds: ours refuses it too
-                with pytest.raises(ScheduleError, match="rounds of equal size"):
+            except ValueError:  # m does not divide into torch's rounds
+                if chunks == 1:  # one chunk needs no rounds: the engine runs the order of one round
+                    theirs = torch_order("OneChunkZeroBubble", p, m, chunks)
+                    assert strings(schedule_order(name, p, m, chunks)) == theirs, (p, m)
+                    continue
+                with pytest.raises(ScheduleError, match="rounds of equal size"):  # ours refuses it too
                     schedule_order(name, p, m, chunks)
                 continue
             assert strings(schedule_order(name, p, m, chunks)) == theirs, (p, m)
@@ -302,11 +309,13 @@ def test_a_cut_between_nodes_costs_the_inter_node_link() -> None:
     assert cost.simulation.comm_s == pytest.approx((2 * intra, 2 * (intra + inter), 2 * (inter + intra), 2 * intra))
 
 
-def test_best_schedule_is_the_fastest_that_fits_in_memory() -> None:
+def test_the_pipeline_schedule_is_the_fastest_that_fits_in_memory() -> None:
     prof = profile([1.0] * 8, [2.0] * 8, act=1000)
     t = template(prof, [(0, 2), (2, 4), (4, 6), (6, 8)], links=None)
-    roomy = best_schedule(prof, t, 8, 1e12)
-    steps = {(c.schedule, c.chunks): c.step_s for c in roomy.costs}
+    tset = TemplateSet(templates={4: t}, gpus_per_node=1, num_layers=8, profile=prof)
+    options = [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1), ("zbv", 2)]
+    roomy = PipelineSchedules(prof, tset, 1e12, options)
+    steps = {(name, c): got.step_s for name, c, got in roomy.table(4, 8, 1) if isinstance(got, ScheduleCost)}
     assert steps == pytest.approx(
         {
             ("1f1b", 1): 66.0,
@@ -316,19 +325,22 @@ def test_best_schedule_is_the_fastest_that_fits_in_memory() -> None:
             ("zbv", 2): 51.0,
         }
     )
-    assert roomy.best is not None and (roomy.best.schedule, roomy.best.step_s) == ("zbv", 51.0) and not roomy.refused
+    best = roomy.cost(4, 8, 1)
+    assert (best.schedule, best.step_s) == ("zbv", 51.0)
     # at 1F1B's own peak only 1F1B fits (GPipe ties it on time but holds every microbatch)
     limit = template_cost(prof, t, "1f1b", 8).peak_memory_bytes
-    tight = best_schedule(prof, t, 8, limit)
-    assert tight.best is not None and tight.best.schedule == "1f1b"
-    assert sorted(tight.refused) == ["gpipe/1", "interleaved-1f1b/2", "zbv/2", "zero-bubble/1"]
-    assert tight.refused["zbv/2"] == f"needs 39600 bytes on a device, over the limit of {limit}"
-    # 9 microbatches do not divide into the looped schedules' rounds on 4 devices
-    odd = best_schedule(prof, t, 9, 1e12)
-    assert sorted(odd.refused) == ["interleaved-1f1b/2", "zero-bubble/1"]
-    assert "2 rounds of equal size" in odd.refused["zero-bubble/1"]
-    assert odd.best is not None and odd.best.schedule == "zbv"
-    assert best_schedule(prof, t, 8, 1000).best is None
+    tight = PipelineSchedules(prof, tset, limit, options)
+    assert tight.cost(4, 8, 1).schedule == "1f1b"
+    refused = {f"{name}/{c}": got for name, c, got in tight.table(4, 8, 1) if isinstance(got, str)}
+    assert sorted(refused) == ["gpipe/1", "interleaved-1f1b/2", "zbv/2", "zero-bubble/1"]
+    assert refused["zbv/2"] == f"needs {39600 / 2**30:.2f} GiB on a device, over the limit of {limit / 2**30:.2f} GiB"
+    # 9 microbatches do not divide into the interleaved rounds on 4 devices; one chunk needs none
+    odd = {f"{name}/{c}": got for name, c, got in roomy.table(4, 9, 1)}
+    assert [k for k, got in odd.items() if isinstance(got, str)] == ["interleaved-1f1b/2"]
+    assert "2 rounds of equal size" in str(odd["interleaved-1f1b/2"])
+    assert roomy.cost(4, 9, 1).schedule == "zbv"
+    with pytest.raises(PlanningError, match="no schedule of planning.schedule can run 8 microbatches on the 4-node"):
+        PipelineSchedules(prof, tset, 1000, options).cost(4, 8, 1)
 
 
 # ---------------------------------------------------------------- orders that cannot run

@@ -480,9 +480,10 @@ class PlanningConfig(Section):
     chunks_per_device), `zero-bubble` (ZB-H1: the backward split into input and weight
     gradients, the weight gradients filling the bubble; with chunks, its interleaved form), `zbv`
     (two stages per device in a V), or `auto` (per pipeline, the fastest that fits in memory).
-    Planned by simulating each schedule's actions; the engine runs 1f1b, gpipe, interleaved-1f1b
-    (2..8 chunks) and zero-bubble with one chunk per device (a job's `auto` chooses among those,
-    without zero-bubble when the layers run compiled; `oobleck plan` shows every schedule)."""
+    Planned by simulating each schedule's actions; the engine runs every one (interleaved-1f1b
+    with 2..8 chunks; zero-bubble with 1..8, any microbatch count with one chunk; zbv with 2), so
+    a job's `auto` plans as `oobleck plan` does, without zero-bubble and zbv when the layers run
+    compiled."""
     chunks_per_device: Union[int, str] = "auto"
     """Stages (chunks) per device for interleaved-1f1b and zero-bubble: 1..8, or `auto` (the
     fastest that fits). 1f1b and gpipe run 1, zbv 2."""

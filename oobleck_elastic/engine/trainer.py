@@ -10,9 +10,9 @@ entered the one-worker plan (one pipeline, one stage holding every layer), so it
 entry and the same step as any worker of a job. With tensor parallelism the worker is one lane
 of its stage: its layers hold that lane's shards, and every lane runs the same schedule. A step
 (`train_step`) runs the pipeline's schedule (1F1B, or GPipe when chosen or when the pipeline has
-fewer microbatches than stages, ZB-H1 under zero-bubble, or interleaved 1F1B over the worker's
-virtual stages, its chunks of non-contiguous layers; a one-stage pipeline runs its microbatches
-one after another) on its share of the global batch, then:
+fewer microbatches than stages, ZB-H1 under zero-bubble, or interleaved 1F1B, interleaved
+zero-bubble or ZB-V over the worker's virtual stages, its chunks of non-contiguous layers; a
+one-stage pipeline runs its microbatches one after another) on its share of the global batch, then:
 
 1. gradients are SUM-reduced among each layer's holders (GradSync);
 2. one all-reduce over the generation sums the squared gradient norm and the loss;
@@ -134,6 +134,8 @@ class Trainer(PortableState):
         self.shadow_s = 0.0
         """Seconds the last step spent on the shadow exchange (`StepResult.shadow_s`)."""
         self.schedule: Any = None
+        self.ends = (True, True)
+        """Whether this worker's stages include the pipeline's first and its last (zbv: both on device 0)."""
         self.stage_module: Optional[nn.Module] = None
         self.step_group: Optional[dist.ProcessGroup] = None
         """The group of the generation's step collectives: its stages (None: the whole world)."""
@@ -309,6 +311,7 @@ class Trainer(PortableState):
 
             placed = stage_placement(self.pipeline.schedule, stages, len(ranges))  # virtual stage -> device
             indices = [k for k, device in enumerate(placed) if device == self.stage.index]
+            self.ends = (0 in indices, len(placed) - 1 in indices)  # holds the first / the last virtual stage
             pstages: list[PipelineStage] = []
             for index, (start, end), module in zip(indices, ranges, modules, strict=True):
                 # static shapes (meta tensors): torch then exchanges no pickled metadata between stages
@@ -389,9 +392,11 @@ class Trainer(PortableState):
         the others), on the device."""
         if schedule is None:  # one-stage pipeline: no pipelining needed
             return self.clock.timed(self._forward_backward_local)(x, y)
-        first, last = self.stage.index == 0, self.stage.index == len(self.pipeline.stages) - 1
+        first, last = self.ends
         losses: list[torch.Tensor] = []
-        if first:
+        if first and last:  # zbv's V: device 0 holds the first and the last stage
+            schedule.step(to_device(x, self.device), target=to_device(y, self.device), losses=losses)
+        elif first:
             schedule.step(to_device(x, self.device))
         elif last:
             schedule.step(target=to_device(y, self.device), losses=losses)
@@ -667,17 +672,21 @@ def _after_weight_pass(weight_pass: Callable[..., Any], sync: GradSync, layers: 
 def _schedule(pipeline: PipelineSpec, stages: list[Any], loss_fn: Callable[..., torch.Tensor]) -> Any:
     """The torch schedule running `pipeline`'s schedule on this worker's `stages` (its virtual
     stages, in pipeline order): 1F1B (GPipe when chosen, or when the pipeline has fewer
-    microbatches than stages), interleaved 1F1B over the chunks, or ZB-H1 (zero-bubble: torch's
-    interleaved zero-bubble schedule, on one stage per rank with one chunk), the orders
-    planning/schedules.py simulates. Every stage gets the loss_fn (without one a schedule runs
-    forward only) and sums, never averages, the microbatches' gradients (`scale_grads=False`: the
-    loss is already divided by the global batch)."""
+    microbatches than stages), interleaved 1F1B over the chunks, zero-bubble (torch's interleaved
+    zero-bubble schedule: ZB-H1 on one chunk per device, at any microbatch count with
+    `OneChunkZeroBubble`, engine/step/zero_bubble.py; its interleaved form over 2..8 chunks) or
+    ZB-V (two stages per device in a V), the orders planning/schedules.py simulates. Every stage
+    gets the loss_fn (without one a schedule runs forward only) and sums, never averages, the
+    microbatches' gradients (`scale_grads=False`: the loss is already divided by the global batch)."""
     from torch.distributed.pipelining import (
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
     )
+
+    from .step.zero_bubble import OneChunkZeroBubble
 
     if (pipeline.schedule, pipeline.num_chunks) not in ENGINE_RUNS:
         raise PlanningError(
@@ -685,9 +694,13 @@ def _schedule(pipeline: PipelineSpec, stages: list[Any], loss_fn: Callable[..., 
             f"which the engine does not run (it runs {engine_runs_text()}): set planning.schedule to one of those"
         )
     mb = pipeline.microbatches
-    if pipeline.schedule in ("zero-bubble", "interleaved-1f1b"):
-        cls = ScheduleInterleavedZeroBubble if pipeline.schedule == "zero-bubble" else ScheduleInterleaved1F1B
-        return cls(stages, n_microbatches=mb, loss_fn=loss_fn, scale_grads=False)
+    many = {
+        "interleaved-1f1b": ScheduleInterleaved1F1B,
+        "zero-bubble": OneChunkZeroBubble if len(stages) == 1 else ScheduleInterleavedZeroBubble,
+        "zbv": ScheduleZBVZeroBubble,
+    }
+    if pipeline.schedule in many:
+        return many[pipeline.schedule](stages, n_microbatches=mb, loss_fn=loss_fn, scale_grads=False)
     (stage,) = stages
     one = Schedule1F1B if pipeline.schedule == "1f1b" and mb >= len(pipeline.stages) else ScheduleGPipe
     return one(stage, n_microbatches=mb, loss_fn=loss_fn, scale_grads=False)

@@ -25,8 +25,11 @@ the fastest whose every device fits in memory kept (`PipelineSchedules.cost`); i
 pipeline's estimate and the slowest pipeline's is the plan's. Pipelines of one plan may so run
 different schedules.
 
-With `engine_only`, the candidates are limited to what the engine runs (`ENGINE_RUNS`): a job's
-plans never name a schedule its workers cannot run; `oobleck plan` shows every schedule. With
+With `engine_only`, the candidates are limited to what the engine runs (`ENGINE_RUNS`: every
+schedule, interleaved 1F1B with 2 .. 8 chunks): a job's plans never name a schedule its workers
+cannot run. Torch's looped schedules (interleaved 1F1B, zero-bubble with chunks) refuse a
+microbatch count that is not a multiple of their rounds, and so does the simulated order
+(schedules.py), so such a candidate is refused here, never planned; one chunk needs no rounds. With
 `compiled` (the workers' layers run `torch.compile`d, `layers_compiled`), the schedules that split
 the backward into input and weight gradients (`SPLIT_BACKWARD`) are left out too: torch cannot
 split the backward of a compiled layer, and refuses such stages in its zero-bubble schedules.
@@ -61,7 +64,9 @@ __all__ = [
 ]
 
 ENGINE_RUNS: frozenset[tuple[str, int]] = frozenset(
-    {("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1)} | {("interleaved-1f1b", v) for v in range(2, MAX_CHUNKS + 1)}
+    {("1f1b", 1), ("gpipe", 1), ("zbv", 2)}
+    | {("interleaved-1f1b", v) for v in range(2, MAX_CHUNKS + 1)}
+    | {("zero-bubble", v) for v in range(1, MAX_CHUNKS + 1)}
 )
 """(schedule, chunks per device) the engine runs (engine/trainer.py)."""
 
@@ -132,17 +137,12 @@ def candidates(
         out = [(schedule, v) for v in many]
     if engine_only:
         runs = [c for c in out if c in ENGINE_RUNS]
-        if not runs and schedule in {s for s, _ in ENGINE_RUNS}:
+        if not runs:  # a chunk count the engine does not run with this schedule
             counts = _chunk_counts([c for s, c in ENGINE_RUNS if s == schedule])
             raise PlanningError(
                 f"planning.schedule={schedule} with planning.chunks_per_device={chunks} is planned (oobleck plan "
                 f"shows it) but the engine runs {schedule} with {counts} chunk(s) per device only: set "
                 f"planning.chunks_per_device to {counts} or auto"
-            )
-        if not runs:
-            raise PlanningError(
-                f"planning.schedule={schedule} is planned (oobleck plan shows it) but the engine does not run it "
-                f"yet: use {' or '.join(sorted({s for s, _ in ENGINE_RUNS}))} or auto"
             )
         out = [c for c in runs if not (compiled and c[0] in SPLIT_BACKWARD)]
         if not out:
@@ -332,11 +332,4 @@ def describe(schedules: PipelineSchedules, plan: "Plan") -> list[str]:
             out.append(
                 f"{head} {got.step_s:>9.4g} {got.bubble_fraction:>7.1%} {got.peak_memory_bytes / 2**30:>9.3f}{mark}"
             )
-    runs = sorted({(p.schedule, p.num_chunks) for p in plan.pipelines} - ENGINE_RUNS)
-    if runs:
-        out.append(
-            "  note: the engine does not run "
-            + ", ".join(f"{s} with {c} chunk(s)" for s, c in runs)
-            + f" yet; a job plans with the schedules it runs ({engine_runs_text()})"
-        )
     return out

@@ -27,13 +27,16 @@ With a single stage per device, `chunk_ranges` is not needed: the template's ran
 stages. With v chunks per device the model is cut into v x D stages; `chunk_ranges` gives the
 exact least-bottleneck contiguous split (partition.py's programme, memory unbounded: the limit
 is checked on the simulated devices afterwards).
+
+Which schedule a pipeline runs, the fastest candidate that fits in memory, is chosen from these
+costs by schedule_choice.py (`PipelineSchedules.cost`), the planner's one path.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .comm import Links
@@ -45,24 +48,12 @@ from .schedules import ScheduleError, schedule_order, stage_placement
 from .templates import Template
 
 __all__ = [
-    "CANDIDATES",
-    "ScheduleChoice",
     "ScheduleCost",
-    "best_schedule",
     "chunk_ranges",
     "schedule_cost",
     "stage_times",
     "template_cost",
 ]
-
-CANDIDATES: tuple[tuple[str, int], ...] = (
-    ("1f1b", 1),
-    ("gpipe", 1),
-    ("interleaved-1f1b", 2),
-    ("zero-bubble", 1),
-    ("zbv", 2),
-)
-"""(schedule, chunks per device) that `best_schedule` compares by default; ties go to the first."""
 
 
 @dataclass(frozen=True)
@@ -285,51 +276,3 @@ def template_cost(
         replicas=replicas,
         weight_share=weight_share,
     )
-
-
-@dataclass(frozen=True)
-class ScheduleChoice:
-    """The fastest schedule of a template that fits in memory, and why each other one lost."""
-
-    best: Optional[ScheduleCost]
-    """The least step time among the schedules that fit (None: none fits)."""
-    costs: tuple[ScheduleCost, ...]
-    """Every candidate that could be simulated, in candidate order."""
-    refused: dict[str, str] = field(default_factory=dict)
-    """'name/chunks' -> why it was not a candidate: cannot be built, or over the memory limit."""
-
-
-def best_schedule(
-    profile: ModelProfile,
-    template: Template,
-    microbatches: int,
-    memory_limit_bytes: float,
-    *,
-    candidates: Sequence[tuple[str, int]] = CANDIDATES,
-    replicas: int = 1,
-    weight_share: float = 0.5,
-) -> ScheduleChoice:
-    """Simulate every (schedule, chunks) candidate on `template` and keep the fastest whose every
-    device fits in `memory_limit_bytes` (a hard limit); ties (relative 1e-9) go to the earlier
-    candidate. A candidate that cannot be built (microbatches that do not divide into rounds,
-    fewer layers than chunks) is refused with its error."""
-    costs: list[ScheduleCost] = []
-    refused: dict[str, str] = {}
-    best: Optional[ScheduleCost] = None
-    for name, chunks in candidates:
-        key = f"{name}/{chunks}"
-        try:
-            cost = template_cost(
-                profile, template, name, microbatches, chunks=chunks, replicas=replicas, weight_share=weight_share
-            )
-        except ScheduleError as err:
-            refused[key] = str(err)
-            continue
-        costs.append(cost)
-        if not cost.fits(memory_limit_bytes):
-            refused[key] = (
-                f"needs {cost.peak_memory_bytes} bytes on a device, over the limit of {memory_limit_bytes:.0f}"
-            )
-        elif best is None or cost.step_s < best.step_s * (1 - 1e-9):
-            best = cost
-    return ScheduleChoice(best=best, costs=tuple(costs), refused=refused)

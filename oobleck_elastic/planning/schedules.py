@@ -17,8 +17,9 @@ The orders, for D devices, m microbatches and v chunks per device:
   it is exactly the order torch's `Schedule1F1B` runs (its `_step_microbatches`).
 - `interleaved-1f1b` (Narayanan et al. 2021): stage c*D + d is chunk c of device d ("loop"
   placement). Forwards go depth first in rounds of r microbatches (r = m // max(1, m // D), so
-  m must be a multiple of the rounds): the k-th forward of a device is chunk (k // r) % v, the
-  k-th backward chunk v - 1 - (k // r) % v. Device d first runs (v - 1) r + 2 (D - 1 - d)
+  with v > 1 m must be a multiple of the rounds, torch's rule; one chunk needs no rounds, and
+  runs any m as one): the k-th forward of a device is chunk (k // r) % v, the k-th backward
+  chunk v - 1 - (k // r) % v. Device d first runs (v - 1) r + 2 (D - 1 - d)
   forwards, then one forward and one backward at a time, then the remaining backwards.
 - `zero-bubble` (ZB-H1, Qi et al. 2024, and its interleaved form for v > 1): as interleaved
   1F1B with (v - 1) r + (D - 1 - d) warm-up forwards and the backward split into I and W;
@@ -29,7 +30,8 @@ The orders, for D devices, m microbatches and v chunks per device:
   chunk 0, then pairs, then F-I-W triples of both chunks, then the cool-down I's and W's.
 
 These orders are the ones torch 2.13's `ScheduleInterleaved1F1B`,
-`ScheduleInterleavedZeroBubble` and `ScheduleZBVZeroBubble` build in their `pipeline_order`
+`ScheduleInterleavedZeroBubble` (with one chunk, at an m torch's rounds refuse: the engine's
+`OneChunkZeroBubble`, the same order in one round) and `ScheduleZBVZeroBubble` build in their `pipeline_order`
 (without the idle `None` slots: timing is the simulator's job, `schedule_sim.py`); the tests
 compare them action for action, so the engine and the planner's model run the same schedule.
 This module imports no torch: the planning plane stays pure numbers.
@@ -183,8 +185,12 @@ def _one_f_one_b(stage: int, devices: int, m: int) -> list[Action]:
     return out
 
 
-def _rounds(devices: int, m: int) -> int:
-    """Microbatches per round of the looped schedules (depth-first groups of forwards)."""
+def _rounds(devices: int, m: int, chunks: int) -> int:
+    """Microbatches per round of the looped schedules (depth-first groups of forwards). With one
+    chunk per device the rounds change nothing (every forward is of the one chunk, and the warm-up
+    of the chunks before the last is empty): all m run as one round, whatever m."""
+    if chunks == 1:
+        return m
     rounds = max(1, m // devices)
     if m % rounds:
         raise ScheduleError(
@@ -200,7 +206,7 @@ def _looped(rank: int, devices: int, m: int, v: int, *, zero_bubble: bool) -> li
     (backwards: v - 1 - that) and of microbatch (i // (r v)) r + i % r: each chunk sees its
     microbatches in rounds of r, in order. After the warm-up, backward j follows forward
     warm-up + j (while there are forwards) and, in zero-bubble, weight gradient j - rank."""
-    per_round = _rounds(devices, m)
+    per_round = _rounds(devices, m, v)
     total = m * v  # forwards (and backwards) of this device
     spread = 1 if zero_bubble else 2  # extra warm-up forwards per hop from the last device
     warmup = min((v - 1) * per_round + spread * (devices - 1 - rank), total)
