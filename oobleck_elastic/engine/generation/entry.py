@@ -43,7 +43,7 @@ from .devices import backend_for, release_groups
 from .groups import GenerationGroups
 from ..step.optim import build_optimizer
 from .reconfigure import Identity, LayerSources, Move, Transfer, exchange, moves_of, plan_transfers, transfer_bytes
-from .shadows import ShadowStore, keepers_by_identity, new_store, seed_transfers
+from .shadows import ShadowStore, keepers_by_identity, seed_store
 
 log = JobLog(logging.getLogger(__name__))
 
@@ -370,45 +370,21 @@ class GenerationEntry:
         *,
         exchange_layers: bool = True,
     ) -> tuple[Optional[ShadowStore], int]:
-        """This worker's store of `plan`'s shadow copies (shadows.py), `state` being its stage in
-        `plan`: the shadows `keep` has that the plan gives it again stay, the others come from a
-        holder (`seed_transfers`; `kept`: what every worker keeps current). Collective over the
-        generation's stages (point-to-point). Without `exchange_layers` (layers were lost: a
-        checkpoint restore follows, then this again with nothing kept) nothing moves. Returns
-        (the store, None without shadows; bytes this worker sent plus received)."""
-        if plan.shadows is None or plan.shadows.copies == 0:
-            return None, 0
-        placed = keepers_by_identity(plan)
-        mine = placed.get(self.identity, [])
-        again: dict[Identity, Sequence[int]] = {
-            ident: [i for i in layers if i in placed.get(ident, [])] for ident, layers in kept.items()
-        }
-        transfers = seed_transfers(plan, again)
-        incoming = [t.layer for t in transfers if t.dst == rank]
-        store = new_store(
+        """This worker's store of `plan`'s shadow copies, `state` being its stage in `plan`
+        (shadows.py `seed_store`)."""
+        return seed_store(
             self.cfg,
-            generation=plan.generation,
-            step=state.committed_step,
-            layers=mine,
-            kept=keep if self.identity in again else None,
-            incoming=incoming if exchange_layers else (),
-        )
-        if not exchange_layers:
-            return store, 0
-        states, moved = exchange(
-            transfers,
-            rank=rank,
-            source=state.layer_model,
-            optimizer=state.optimizer,
-            target=store.layer_model,
+            identity=self.identity,
             device=self.device,
+            layer_model=state.layer_model,
+            optimizer=state.optimizer,
+            step=state.committed_step,
+            plan=plan,
+            rank=rank,
+            keep=keep,
+            kept=kept,
+            exchange_layers=exchange_layers,
         )
-        if store.optimizer is not None:
-            mine_ids = {id(p) for p in store.params}
-            for p, st in states.values():
-                if id(p) in mine_ids:
-                    store.optimizer.state[p] = st
-        return store, moved
 
     def _install(
         self,

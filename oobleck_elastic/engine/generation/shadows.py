@@ -46,9 +46,18 @@ from ...logs import JobLog
 from ...models import LayerModel, build_layer_model
 from ...planning import Plan
 from ..step.optim import build_optimizer, clip_coefficient, scale_grads, set_lr
-from .reconfigure import Identity, Transfer
+from .reconfigure import Identity, Transfer, exchange
 
-__all__ = ["PostedShadows", "ShadowStore", "ShadowLink", "keepers", "keepers_by_identity", "routes", "seed_transfers"]
+__all__ = [
+    "PostedShadows",
+    "ShadowStore",
+    "ShadowLink",
+    "keepers",
+    "keepers_by_identity",
+    "routes",
+    "seed_store",
+    "seed_transfers",
+]
 
 log = JobLog(logging.getLogger(__name__))
 
@@ -270,6 +279,56 @@ def new_store(
                 store.optimizer.state[p] = moved_state[id(p)]
     store.host_bytes = store._count_bytes()
     return store
+
+
+def seed_store(
+    cfg: JobConfig,
+    *,
+    identity: Identity,
+    device: torch.device,
+    layer_model: LayerModel,
+    optimizer: Optional[torch.optim.Optimizer],
+    step: int,
+    plan: Plan,
+    rank: int,
+    keep: Optional[ShadowStore],
+    kept: dict[Identity, Sequence[int]],
+    exchange_layers: bool = True,
+) -> tuple[Optional[ShadowStore], int]:
+    """The store of `plan`'s shadow copies for worker `identity` (rank `rank`), whose stage in
+    `plan` is `layer_model` with `optimizer`, at `step`: the shadows `keep` has that the plan
+    gives it again stay, the others come from a holder (`seed_transfers`; `kept`: what every
+    worker keeps current). Collective over the generation's stages (point-to-point). Without
+    `exchange_layers` (layers were lost: a checkpoint restore follows, then this again with
+    nothing kept) nothing moves. Returns (the store, None without shadows; bytes this worker sent
+    plus received)."""
+    if plan.shadows is None or plan.shadows.copies == 0:
+        return None, 0
+    placed = keepers_by_identity(plan)
+    again: dict[Identity, Sequence[int]] = {
+        ident: [i for i in layers if i in placed.get(ident, [])] for ident, layers in kept.items()
+    }
+    transfers = seed_transfers(plan, again)
+    incoming = [t.layer for t in transfers if t.dst == rank]
+    store = new_store(
+        cfg,
+        generation=plan.generation,
+        step=step,
+        layers=placed.get(identity, []),
+        kept=keep if identity in again else None,
+        incoming=incoming if exchange_layers else (),
+    )
+    if not exchange_layers:
+        return store, 0
+    states, moved = exchange(
+        transfers, rank=rank, source=layer_model, optimizer=optimizer, target=store.layer_model, device=device
+    )
+    if store.optimizer is not None:
+        mine = {id(p) for p in store.params}
+        for p, st in states.values():
+            if id(p) in mine:
+                store.optimizer.state[p] = st
+    return store, moved
 
 
 class ShadowLink:
