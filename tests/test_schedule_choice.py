@@ -12,7 +12,7 @@ from oobleck_elastic.config import ConfigError, load_config
 from oobleck_elastic.engine.startup import check_start
 from oobleck_elastic.planning import LayerProfile, ModelProfile, PlanningError, load_profiles, plan_job
 from oobleck_elastic.planning.plan import Plan
-from oobleck_elastic.planning.schedule_choice import ENGINE_RUNS, PipelineSchedules, candidates, layers_compiled
+from oobleck_elastic.planning.schedule_choice import ENGINE_RUNS, PipelineSchedules, candidates
 from oobleck_elastic.rendezvous.planner import JobPlanner
 from oobleck_elastic.planning.schedule_cost import ScheduleCost, schedule_cost, template_cost
 
@@ -61,7 +61,6 @@ def test_the_candidates_each_setting_allows() -> None:
     assert len(auto) == 1 + 7 + 8 + 1
     interleaved = [("interleaved-1f1b", v) for v in range(2, 9)]
     assert candidates("auto", "auto", engine_only=True) == [("1f1b", 1), *interleaved, ("zero-bubble", 1)]
-    assert candidates("auto", "auto", engine_only=True, compiled=True) == [("1f1b", 1), *interleaved]
     assert candidates("zero-bubble", "auto", engine_only=True) == [("zero-bubble", 1)]
     assert set(candidates("gpipe", 1, engine_only=True)) <= ENGINE_RUNS
     assert ENGINE_RUNS == {("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1), *interleaved}
@@ -117,40 +116,17 @@ def test_a_job_refuses_a_schedule_the_engine_does_not_run_and_auto_plans_only_th
     assert chosen <= ENGINE_RUNS and ("zero-bubble", 1) in chosen
 
 
-def test_compiled_layers_never_run_zero_bubble() -> None:
-    """torch cannot split a compiled layer's backward: zero-bubble with training.compile=true is
-    refused at start, and a job whose workers compile (true, or unset on CUDA) never plans it."""
-    with pytest.raises(ConfigError) as err:
-        check_start(config(**{"planning.schedule": "zero-bubble", "training.compile": "true"}))
-    assert str(err.value) == (
-        "planning.schedule=zero-bubble splits every backward into input and weight gradients, which compiled "
-        "layers cannot run (torch refuses torch.compile in its zero-bubble schedules): set training.compile=false, "
-        "or use planning.schedule=1f1b or auto"
-    )
-    check_start(config(**{"planning.schedule": "auto", "training.compile": "true"}))
-    # who compiles: the setting, else CUDA, except under a fixed zero-bubble (it then runs uncompiled)
-    for schedule, compile_, device, compiled in [
-        ("auto", "null", "cuda", True),
-        ("auto", "null", "cpu", False),
-        ("auto", "false", "cuda", False),
-        ("auto", "true", "cpu", True),
-        ("zero-bubble", "null", "cuda", False),
-        ("1f1b", "null", "cuda", True),
-    ]:
-        cfg = config(**{"planning.schedule": schedule, "training.compile": compile_})
-        assert layers_compiled(cfg, device) is compiled, (schedule, compile_, device)
-        assert JobPlanner(cfg, None, None, device_type=device).compiled is compiled  # type: ignore[arg-type]
-    # the leader's planner: with compiled layers auto takes the best schedule that does not split the
-    # backward (interleaved 1F1B) on the same nodes
-    cfg = config(**{"planning.schedule": "auto"})
-    plan = plan_job(cfg, nodes=10, profile=model(), engine_only=True, compiled=True).plan
-    assert {(p.schedule, p.num_chunks) for p in plan.pipelines} == {("interleaved-1f1b", 2)}
-    planner = JobPlanner(cfg, None, None, device_type="cuda")  # type: ignore[arg-type]
-    planner._profile = lambda nodes: model()  # type: ignore[method-assign]  # the planner only: no etcd
-    assert {p.schedule for p in planner.plan_for([f"node{i}" for i in range(10)], 1).pipelines} == {"interleaved-1f1b"}
-    planner = JobPlanner(cfg, None, None, device_type="cpu")  # type: ignore[arg-type]
-    planner._profile = lambda nodes: model()  # type: ignore[method-assign]
-    assert "zero-bubble" in {p.schedule for p in planner.plan_for([f"node{i}" for i in range(10)], 1).pipelines}
+def test_compiled_layers_run_zero_bubble() -> None:
+    """Compiled layers split their backward (engine/step/split_layer.py): zero-bubble with
+    training.compile=true starts, and a job's leader plans the same schedules whether its workers
+    compile or not (zero-bubble among them on this model)."""
+    check_start(config(**{"planning.schedule": "zero-bubble", "training.compile": "true"}))
+    for compile_ in ("true", "false", "null"):
+        cfg = config(**{"planning.schedule": "auto", "training.compile": compile_})
+        check_start(cfg)
+        planner = JobPlanner(cfg, None, None)  # type: ignore[arg-type]
+        planner._profile = lambda nodes: model()  # type: ignore[method-assign]  # the planner only: no etcd
+        assert "zero-bubble" in {p.schedule for p in planner.plan_for([f"node{i}" for i in range(10)], 1).pipelines}
 
 
 def test_each_pipeline_runs_the_fastest_candidate_at_its_microbatches_and_the_plan_round_trips() -> None:
@@ -353,7 +329,7 @@ def test_the_leaders_replans_reuse_its_simulations_and_plan_the_same() -> None:
     nodes = [f"node{i}" for i in range(10)]
 
     def planner() -> JobPlanner:
-        p = JobPlanner(cfg, None, None, device_type="cpu")  # type: ignore[arg-type]
+        p = JobPlanner(cfg, None, None)  # type: ignore[arg-type]
         p._profile = lambda n: model()  # type: ignore[method-assign]  # the planner only: no etcd
         return p
 

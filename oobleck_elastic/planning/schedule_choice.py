@@ -26,10 +26,9 @@ pipeline's estimate and the slowest pipeline's is the plan's. Pipelines of one p
 different schedules.
 
 With `engine_only`, the candidates are limited to what the engine runs (`ENGINE_RUNS`): a job's
-plans never name a schedule its workers cannot run; `oobleck plan` shows every schedule. With
-`compiled` (the workers' layers run `torch.compile`d, `layers_compiled`), the schedules that split
-the backward into input and weight gradients (`SPLIT_BACKWARD`) are left out too: torch cannot
-split the backward of a compiled layer, and refuses such stages in its zero-bubble schedules.
+plans never name a schedule its workers cannot run; `oobleck plan` shows every schedule. Compiled
+layers run every schedule (engine/step/compiled.py: their backward is compiled split into input
+and weight gradients), so whether the workers compile does not matter here.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
-from ..config import JobConfig
 from ..config.schema import MAX_CHUNKS, schedule_chunks_problem
 from .profile import ModelProfile
 from .schedule_cost import ScheduleCost, chunk_ranges, template_cost
@@ -54,19 +52,14 @@ __all__ = [
     "engine_runs_text",
     "MAX_CHUNKS",
     "PipelineSchedules",
-    "SPLIT_BACKWARD",
     "candidates",
     "closed_form",
-    "layers_compiled",
 ]
 
 ENGINE_RUNS: frozenset[tuple[str, int]] = frozenset(
     {("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1)} | {("interleaved-1f1b", v) for v in range(2, MAX_CHUNKS + 1)}
 )
 """(schedule, chunks per device) the engine runs (engine/trainer.py)."""
-
-SPLIT_BACKWARD: frozenset[str] = frozenset({"zero-bubble", "zbv"})
-"""Schedules that split each backward into input and weight gradients: not with compiled layers."""
 
 SIMULATED_SIZES = 8
 """At least this many template sizes (from n0 up) are planned with simulated lines."""
@@ -96,22 +89,10 @@ def closed_form(schedule: str) -> bool:
     return schedule in ("1f1b", "gpipe")
 
 
-def layers_compiled(cfg: JobConfig, device_type: str) -> bool:
-    """Whether workers on devices of `device_type` ("cuda", "cpu") run their layers compiled:
-    `training.compile`, or when it is unset, on for CUDA and off for the CPU, and off when
-    `planning.schedule` names a schedule that splits the backward (`SPLIT_BACKWARD`)."""
-    if cfg.training.compile is not None:
-        return bool(cfg.training.compile)
-    return device_type == "cuda" and cfg.planning.schedule not in SPLIT_BACKWARD
-
-
-def candidates(
-    schedule: str, chunks: Union[int, str], *, engine_only: bool = False, compiled: bool = False
-) -> list[tuple[str, int]]:
+def candidates(schedule: str, chunks: Union[int, str], *, engine_only: bool = False) -> list[tuple[str, int]]:
     """(schedule, chunks per device) pairs `planning.schedule` / `planning.chunks_per_device`
     allow, in order of preference (ties go to the first); with `engine_only`, those the engine
-    runs, and of those with `compiled` (the layers run compiled) the ones that do not split the
-    backward. Raises PlanningError for a name or a chunk count that cannot be, or (`engine_only`)
+    runs. Raises PlanningError for a name or a chunk count that cannot be, or (`engine_only`)
     a setting the engine cannot run, saying what to change."""
     if schedule != "auto" and schedule not in SCHEDULES:
         raise PlanningError(f"planning.schedule is '{schedule}': use one of {', '.join(SCHEDULES)} or auto")
@@ -144,13 +125,7 @@ def candidates(
                 f"planning.schedule={schedule} is planned (oobleck plan shows it) but the engine does not run it "
                 f"yet: use {' or '.join(sorted({s for s, _ in ENGINE_RUNS}))} or auto"
             )
-        out = [c for c in runs if not (compiled and c[0] in SPLIT_BACKWARD)]
-        if not out:
-            raise PlanningError(
-                f"planning.schedule={schedule} splits every backward into input and weight gradients, which "
-                "compiled layers cannot run (torch refuses torch.compile in its zero-bubble schedules): set "
-                "training.compile=false, or use planning.schedule=1f1b or auto"
-            )
+        out = runs
     return out
 
 
