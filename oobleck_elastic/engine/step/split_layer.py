@@ -119,6 +119,7 @@ class _Weight(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
         call: _Call = ctx.call
         graphs = call.graphs
+        grad = grad.contiguous()
         with _no_autocast(call):
             if call.boundary is None:
                 split_counters["weight_only"] += 1
@@ -143,6 +144,7 @@ class _Input(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
         call: _Call = ctx.call
         assert call.graphs.input is not None
+        grad = grad.contiguous()  # as the graph was compiled for: one graph whatever the gradient's strides
         split_counters["input"] += 1
         with _no_autocast(call):
             dx, *boundary = call.graphs.input(*call.saved, grad)
