@@ -75,7 +75,7 @@ def trace(layer: nn.Module, x: torch.Tensor) -> Traced:
     def keep(gm: fx.GraphModule, _inputs: Any) -> Callable:
         return make_boxed_func(gm)
 
-    traced = aot_function(fn, fw_compiler=keep, bw_compiler=keep, partition_fn=partition)
+    traced = aot_function(fn, fw_compiler=keep, bw_compiler=keep, partition_fn=partition)  # type: ignore[arg-type]
     out = traced(*params.values(), *buffers.values(), x)
     placeholders = [n for n in graphs["backward"].graph.nodes if n.op == "placeholder"]
     saved = len(_outputs(graphs["forward"])) - 1

@@ -111,12 +111,12 @@ def _no_autocast(call: _Call) -> Any:
 
 class _Weight(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, call: _Call, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, call: _Call, *params: torch.Tensor) -> torch.Tensor:
         ctx.call = call
         return params[0].new_zeros((), dtype=call.graphs.out_dtype).expand(call.graphs.out_shape)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
         call: _Call = ctx.call
         graphs = call.graphs
         grad = grad.contiguous()
@@ -126,7 +126,7 @@ class _Weight(torch.autograd.Function):
                 grads = graphs.weight_only(*call.saved, grad)
             else:
                 split_counters["weight"] += 1
-                sources = {"backward": [*call.saved, call.output_grad], "boundary": call.boundary}
+                sources: dict[str, list[Any]] = {"backward": [*call.saved, call.output_grad], "boundary": call.boundary}
                 grads = graphs.weight(*[sources[kind][i] for kind, i in graphs.weight_inputs])
                 call.saved, call.boundary, call.output_grad = [], None, None
         return (None, *grads)
@@ -134,14 +134,14 @@ class _Weight(torch.autograd.Function):
 
 class _Input(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, call: _Call, x: torch.Tensor, *flat: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, call: _Call, x: torch.Tensor, *flat: torch.Tensor) -> torch.Tensor:
         ctx.call = call
         with _no_autocast(call):
             call.out, *call.saved = call.graphs.forward(*flat, x)
         return x.new_zeros((), dtype=call.graphs.out_dtype).expand(call.graphs.out_shape)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
         call: _Call = ctx.call
         assert call.graphs.input is not None
         grad = grad.contiguous()  # as the graph was compiled for: one graph whatever the gradient's strides
@@ -154,12 +154,13 @@ class _Input(torch.autograd.Function):
 
 class _Join(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, call: _Call, from_input: torch.Tensor, from_weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, call: _Call, from_input: torch.Tensor, from_weight: torch.Tensor) -> torch.Tensor:
         out, call.out = call.out, None
+        assert out is not None
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
         return None, grad, grad
 
 
@@ -169,11 +170,16 @@ def run_split(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled():
         return layer(x)
     graphs = graphs_for(layer, x)
-    values = dict(layer.named_parameters())
+    values: dict[str, torch.Tensor] = dict(layer.named_parameters())
     values.update(layer.named_buffers())
     flat = [values[name] for name in graphs.names]
     params = flat[: graphs.n_params]
     call = _Call(graphs, x.device.type)
-    stand_in = _Weight.apply(call, *params)  # created first: run after Input (module docstring)
+    # created first: run after Input (module docstring); a layer without parameters has no Weight node
+    if params:
+        stand_in = _Weight.apply(call, *params)
+    else:
+        stand_in = x.new_zeros((), dtype=graphs.out_dtype).expand(graphs.out_shape)
     from_input = _Input.apply(call, x, *[t.detach() for t in flat])
-    return _Join.apply(call, from_input, stand_in)
+    out: torch.Tensor = _Join.apply(call, from_input, stand_in)
+    return out
