@@ -15,6 +15,13 @@ a new generation: a worker compiles each kind of layer (embedding, block, head) 
 backward. The layers themselves are not changed (no `_orig_mod` in their names): checkpoints,
 transfers and exports see plain modules. Without gradients (`torch.no_grad`) a layer runs eager.
 
+Tensor-parallel layers (DTensor parameters, models/tensor_parallel.py) are not traced apart: they
+run through one `torch.compile`d function that takes the layer as an input (the same sharing by
+kind through dynamo's guards), one autograd node per layer, compiled without donated buffers so
+that a split backward can keep its graph. Under zero-bubble such a layer runs its whole compiled
+backward in both passes (the input-gradient pass drops the weight gradients, the weight-gradient
+pass computes the input gradient again): correct, not faster.
+
 Why split, for every schedule. A layer compiled whole (one `torch.compile`d call) is one autograd
 node whose backward computes every gradient at once: torch's split backward then runs it twice
 (the I pass drops the weight gradients it computed, the W pass computes the input gradient again),
@@ -42,11 +49,12 @@ per worker on two cores; bench/gpu_mfu.py compares both).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -82,9 +90,30 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return layer(x)
+
+
+@functools.cache
+def _compiled_whole() -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    return torch.compile(_run_layer, dynamic=False)
+
+
+def _sharded(layer: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in layer.parameters())
+
+
 def run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` through its kind's compiled graphs (module docstring)."""
-    return run_split(layer, x)
+    """`layer(x)` through its kind's compiled graphs (module docstring); a tensor-parallel layer
+    (DTensor parameters) through one whole-layer compiled function."""
+    if not _sharded(layer):
+        return run_split(layer, x)
+    # the input-gradient pass of a split backward keeps the graph, which donated buffers forbid (read
+    # when the forward compiles)
+    with torch._functorch.config.patch(donated_buffer=False):
+        return _compiled_whole()(layer, x)
 
 
 class CompiledLayer(nn.Module):
