@@ -59,6 +59,12 @@ def _call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
+def _call_kept(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`_call` again: a code object of its own, so its compiled graphs are its own (dynamo caches
+    per code object)."""
+    return layer(x)
+
+
 def _passes(stage: nn.Module, x: torch.Tensor, grad: torch.Tensor, split: bool) -> None:
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
@@ -96,7 +102,7 @@ def main() -> None:
     }
     # torch's input-gradient pass keeps the graph (retain_graph), which a compiled backward with
     # donated buffers refuses: the whole-layer side of the zb passes compiles without them
-    whole_zb = torch.compile(_call, dynamic=False)
+    whole_zb = torch.compile(_call_kept, dynamic=False)
     stage_zb = nn.Sequential(*[_Wrapped(layer, whole_zb) for layer in layers])
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.microbatch, args.seq_len, cfg.model.hidden_size, generator=gen)
