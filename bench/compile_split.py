@@ -16,7 +16,7 @@ torch's input-gradient pass and its weight-gradient pass (`zb`: `stage_backward_
 `stage_backward_weight`, zero-bubble's passes; with `whole` each pass runs the layer's whole
 compiled backward, compiled without donated buffers, which a kept graph needs). Reported per
 (side, passes): the median seconds of a step's passes over `--steps` after `--warmup`, one JSON
-line each, with `vs_eager` = eager's median / this one's,
+line each, with `vs_eager` = eager's median / this one's and `vs_whole` the same against `whole`,
 per repeat and in a summary line per pair (medians over repeats).
 
 Run (a few minutes on 2 cores, most of it compiling):
@@ -135,22 +135,15 @@ def main() -> None:
             results.setdefault((name, passes), []).append(s)
             line = {"repeat": repeat, "side": name, "passes": passes, "step_s": round(s, 5)}
             line["vs_eager"] = round(medians[("eager", passes)] / s, 3)
+            line["vs_whole"] = round(medians[("whole", passes)] / s, 3)
             print(json.dumps(line), flush=True)
     for (name, passes), runs in results.items():
         med = statistics.median(runs)
         eager = statistics.median(results[("eager", passes)])
-        print(
-            json.dumps(
-                {
-                    "summary": True,
-                    "side": name,
-                    "passes": passes,
-                    "step_s": round(med, 5),
-                    "vs_eager": round(eager / med, 3),
-                }
-            ),
-            flush=True,
-        )
+        whole = statistics.median(results[("whole", passes)])
+        summary = {"summary": True, "side": name, "passes": passes, "step_s": round(med, 5)}
+        summary.update(vs_eager=round(eager / med, 3), vs_whole=round(whole / med, 3))
+        print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":
