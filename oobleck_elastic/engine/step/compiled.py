@@ -26,8 +26,8 @@ Why split, for every schedule. A layer compiled whole (one `torch.compile`d call
 node whose backward computes every gradient at once: torch's split backward then runs it twice
 (the I pass drops the weight gradients it computed, the W pass computes the input gradient again),
 and a compiled backward with donated buffers refuses the I pass's kept graph outright. The split
-graphs cost about as much as the whole layer's in a whole backward (bench/compile_split.py,
-bench/RESULTS.md), and one set of graphs serves every schedule, so a re-plan that changes a
+graphs run a whole backward at 0.91-0.96x the whole layer's speed on the CPU, and zero-bubble's
+passes at 1.3-1.6x (bench/compile_split.py, bench/RESULTS.md), and one set of graphs serves every schedule, so a re-plan that changes a
 pipeline's schedule compiles nothing either.
 
 Warm-up (`warm_up`). Before a worker reports ready (engine/run.py), it builds one layer of every
