@@ -1,5 +1,5 @@
-"""Compiled layers (engine/step/compiled.py): one graph per kind of layer, compiled before the worker
-joins; steps, rebuilt layers and a reconfiguration after a node failure compile nothing; the
+"""Compiled layers (engine/step/compiled.py): one set of graphs per kind of layer, compiled before the
+worker joins; steps, rebuilt layers and a reconfiguration after a node failure compile nothing; the
 weights stay those of the eager reference."""
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ def test_warm_up_compiles_each_kind_once_and_steps_compile_nothing(shared_cache:
     before = graphs_compiled()
     warm_up(cfg, device=torch.device("cpu"), microbatch_size=2, seq_len=32, autocast=None)
     warmed = graphs_compiled()
-    assert warmed >= 3 and warmed - before <= 3  # embedding, block, head (none when compiled before)
+    # embedding (forward, weight gradient), block and head (forward, input and weight gradients): 8
+    # graphs, none when compiled before in this process
+    assert warmed >= 8 and warmed - before in (0, 8)
     compiled = _train(cfg, 3)
     # new layer objects of known kinds (a rebuilt stage, another seed) reuse the graphs
     _train(_cfg(shared_cache, "training.compile=true", "training.seed=7"), 1)

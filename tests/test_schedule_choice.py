@@ -12,7 +12,7 @@ from oobleck_elastic.config import ConfigError, load_config
 from oobleck_elastic.engine.startup import check_start
 from oobleck_elastic.planning import LayerProfile, ModelProfile, PlanningError, load_profiles, plan_job
 from oobleck_elastic.planning.plan import Plan
-from oobleck_elastic.planning.schedule_choice import ENGINE_RUNS, PipelineSchedules, candidates, layers_compiled
+from oobleck_elastic.planning.schedule_choice import ENGINE_RUNS, PipelineSchedules, candidates
 from oobleck_elastic.rendezvous.planner import JobPlanner
 from oobleck_elastic.planning.schedule_cost import ScheduleCost, schedule_cost, template_cost
 
@@ -63,7 +63,6 @@ def test_the_candidates_each_setting_allows() -> None:
     zero_bubble = [("zero-bubble", v) for v in range(1, 9)]
     # the engine runs every candidate: a job's auto is oobleck plan's
     assert candidates("auto", "auto", engine_only=True) == auto
-    assert candidates("auto", "auto", engine_only=True, compiled=True) == [("1f1b", 1), *interleaved]
     assert candidates("zero-bubble", "auto", engine_only=True) == zero_bubble
     assert candidates("zbv", "auto", engine_only=True) == [("zbv", 2)]
     assert set(candidates("gpipe", 1, engine_only=True)) <= ENGINE_RUNS
@@ -111,40 +110,20 @@ def test_a_job_refuses_a_chunk_count_the_engine_does_not_run_and_auto_plans_only
     assert chosen <= ENGINE_RUNS and ("zbv", 2) in chosen
 
 
-def test_compiled_layers_never_run_zero_bubble() -> None:
-    """torch cannot split a compiled layer's backward: zero-bubble with training.compile=true is
-    refused at start, and a job whose workers compile (true, or unset on CUDA) never plans it."""
-    with pytest.raises(ConfigError) as err:
-        check_start(config(**{"planning.schedule": "zero-bubble", "training.compile": "true"}))
-    assert str(err.value) == (
-        "planning.schedule=zero-bubble splits every backward into input and weight gradients, which compiled "
-        "layers cannot run (torch refuses torch.compile in its zero-bubble schedules): set training.compile=false, "
-        "or use planning.schedule=1f1b or auto"
-    )
-    check_start(config(**{"planning.schedule": "auto", "training.compile": "true"}))
-    # who compiles: the setting, else CUDA, except under a fixed zero-bubble (it then runs uncompiled)
-    for schedule, compile_, device, compiled in [
-        ("auto", "null", "cuda", True),
-        ("auto", "null", "cpu", False),
-        ("auto", "false", "cuda", False),
-        ("auto", "true", "cpu", True),
-        ("zero-bubble", "null", "cuda", False),
-        ("1f1b", "null", "cuda", True),
-    ]:
-        cfg = config(**{"planning.schedule": schedule, "training.compile": compile_})
-        assert layers_compiled(cfg, device) is compiled, (schedule, compile_, device)
-        assert JobPlanner(cfg, None, None, device_type=device).compiled is compiled  # type: ignore[arg-type]
-    # the leader's planner: with compiled layers auto takes the best schedule that does not split the
-    # backward (interleaved 1F1B) on the same nodes
-    cfg = config(**{"planning.schedule": "auto"})
-    plan = plan_job(cfg, nodes=10, profile=model(), engine_only=True, compiled=True).plan
-    assert {(p.schedule, p.num_chunks) for p in plan.pipelines} == {("interleaved-1f1b", 2)}
-    planner = JobPlanner(cfg, None, None, device_type="cuda")  # type: ignore[arg-type]
-    planner._profile = lambda nodes: model()  # type: ignore[method-assign]  # the planner only: no etcd
-    assert {p.schedule for p in planner.plan_for([f"node{i}" for i in range(10)], 1).pipelines} == {"interleaved-1f1b"}
-    planner = JobPlanner(cfg, None, None, device_type="cpu")  # type: ignore[arg-type]
-    planner._profile = lambda nodes: model()  # type: ignore[method-assign]
-    assert "zbv" in {p.schedule for p in planner.plan_for([f"node{i}" for i in range(10)], 1).pipelines}
+def test_compiled_layers_run_zero_bubble() -> None:
+    """Compiled layers split their backward (engine/step/split_layer.py): zero-bubble with
+    training.compile=true starts, and a job's leader plans the same schedules whether its workers
+    compile or not (the V among them on this model)."""
+    check_start(config(**{"planning.schedule": "zero-bubble", "training.compile": "true"}))
+    chosen = []
+    for compile_ in ("true", "false", "null"):
+        cfg = config(**{"planning.schedule": "auto", "training.compile": compile_})
+        check_start(cfg)
+        planner = JobPlanner(cfg, None, None)  # type: ignore[arg-type]
+        planner._profile = lambda nodes: model()  # type: ignore[method-assign]  # the planner only: no etcd
+        plan = planner.plan_for([f"node{i}" for i in range(10)], 1)
+        chosen.append(sorted((p.schedule, p.num_chunks) for p in plan.pipelines))
+    assert chosen[0] == chosen[1] == chosen[2] and ("zbv", 2) in chosen[0], chosen
 
 
 def test_each_pipeline_runs_the_fastest_candidate_at_its_microbatches_and_the_plan_round_trips() -> None:
@@ -313,12 +292,9 @@ def test_gpt3_on_1024_nodes_auto_cuts_the_bubble(capsys: pytest.CaptureFixture[s
     assert auto.plan.samples_per_s > 1.45 * one.plan.samples_per_s
     assert {(p.schedule, p.num_chunks) for p in auto.plan.pipelines} == {("zero-bubble", 4), ("zero-bubble", 5)}
     assert auto.plan.samples_per_s == pytest.approx(296.0, abs=0.05)
-    # a job plans it so (the engine runs every schedule); with compiled layers, no split backward
+    # a job plans it so (the engine runs every schedule, compiled layers included)
     job = plan_job(auto_cfg, nodes=1024, profile=profiles, engine_only=True)
     assert job.plan == auto.plan
-    compiled = plan_job(auto_cfg, nodes=1024, profile=profiles, engine_only=True, compiled=True)
-    assert {(p.schedule, p.num_chunks) for p in compiled.plan.pipelines} == {("interleaved-1f1b", 5)}
-    assert (compiled.plan.samples_per_s, 1 - compiled.efficiency) == pytest.approx((277.15, 0.2455), abs=5e-3)
     code = cli_main(["plan", "--config", "configs/gpt3-175b.yaml", "--nodes", "1024", *base, "planning.schedule=auto"])
     out = capsys.readouterr().out
     assert code == 0
@@ -353,7 +329,7 @@ def test_the_leaders_replans_reuse_its_simulations_and_plan_the_same() -> None:
     nodes = [f"node{i}" for i in range(10)]
 
     def planner() -> JobPlanner:
-        p = JobPlanner(cfg, None, None, device_type="cpu")  # type: ignore[arg-type]
+        p = JobPlanner(cfg, None, None)  # type: ignore[arg-type]
         p._profile = lambda n: model()  # type: ignore[method-assign]  # the planner only: no etcd
         return p
 

@@ -265,11 +265,10 @@ class TrainingConfig(Section):
     seed: int = 1234
     """Seeds layer initialisation (per layer index) and data order (per step)."""
     compile: Optional[bool] = None
-    """Compile every layer with torch.compile (one graph per kind of layer, shared by identical
-    blocks, compiled before the worker joins so that reconfiguration never compiles; see
-    engine/step/compiled.py). None = on for CUDA, off for the CPU and under
-    `planning.schedule=zero-bubble` (torch cannot split a compiled layer's backward: true with
-    zero-bubble is refused)."""
+    """Compile every layer with torch.compile (one set of graphs per kind of layer, shared by
+    identical blocks, compiled before the worker joins so that reconfiguration never compiles; the
+    backward is compiled as an input-gradient and a weight-gradient graph, so every schedule runs,
+    zero-bubble included; see engine/step/compiled.py). None = on for CUDA, off for the CPU."""
     paced_devices: float = 0.0
     """For benchmarks and tests, never for training: 0 (the default) = off. When > 0, every
     forward and backward (input- and weight-gradient pass when the backward is split) of one
@@ -481,9 +480,8 @@ class PlanningConfig(Section):
     gradients, the weight gradients filling the bubble; with chunks, its interleaved form), `zbv`
     (two stages per device in a V), or `auto` (per pipeline, the fastest that fits in memory).
     Planned by simulating each schedule's actions; the engine runs every one (interleaved-1f1b
-    with 2..8 chunks; zero-bubble with 1..8, any microbatch count with one chunk; zbv with 2), so
-    a job's `auto` plans as `oobleck plan` does, without zero-bubble and zbv when the layers run
-    compiled."""
+    with 2..8 chunks; zero-bubble with 1..8, any microbatch count with one chunk; zbv with 2),
+    compiled layers included, so a job's `auto` plans as `oobleck plan` does."""
     chunks_per_device: Union[int, str] = "auto"
     """Stages (chunks) per device for interleaved-1f1b and zero-bubble: 1..8, or `auto` (the
     fastest that fits). 1f1b and gpipe run 1, zbv 2."""

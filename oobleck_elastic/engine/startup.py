@@ -69,15 +69,12 @@ def ends_the_job(err: BaseException, *, steps_done: Optional[int]) -> bool:
 
 def check_start(cfg: JobConfig) -> None:
     """Raise the first problem found before anything is built: nothing left to train, shadow
-    copies with tensor parallelism or a schedule the engine does not run (or not with compiled layers) asked for
+    copies with tensor parallelism or a schedule the engine does not run asked for
     (ConfigError), a data file or tokenizer directory that does not exist (DataError)."""
     if cfg.fault_tolerance.shadow_copies > 0 and cfg.planning.tensor_parallel not in (1, "auto"):
         raise ConfigError(SHADOWS_WITH_TP.format(copies=cfg.fault_tolerance.shadow_copies))
     try:
-        # compile unset is decided per device, by the workers and the leader (schedule_choice.layers_compiled)
-        candidates(
-            cfg.planning.schedule, cfg.planning.chunks_per_device, engine_only=True, compiled=bool(cfg.training.compile)
-        )
+        candidates(cfg.planning.schedule, cfg.planning.chunks_per_device, engine_only=True)
     except PlanningError as err:
         raise ConfigError(str(err)) from None
     if cfg.checkpoint.resume:

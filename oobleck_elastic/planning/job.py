@@ -410,13 +410,11 @@ def templates_for(
     return _resolve(cfg, profile, nodes, microbatch_size)[0]
 
 
-def pipeline_schedules(
-    cfg: JobConfig, tset: TemplateSet, *, engine_only: bool = False, compiled: bool = False
-) -> Optional[PipelineSchedules]:
+def pipeline_schedules(cfg: JobConfig, tset: TemplateSet, *, engine_only: bool = False) -> Optional[PipelineSchedules]:
     """What chooses each pipeline's schedule (schedule_choice.py), or None for 1f1b and gpipe
     (templates.py's closed form). PlanningError for a bad schedule or chunk count."""
     p = cfg.planning
-    options = candidates(p.schedule, p.chunks_per_device, engine_only=engine_only, compiled=compiled)
+    options = candidates(p.schedule, p.chunks_per_device, engine_only=engine_only)
     if closed_form(p.schedule):
         return None
     if tset.profile is None or tset.device_memory_gb is None:
@@ -434,7 +432,6 @@ def plan_job(
     templates: Optional[TemplateSet] = None,
     previous: Optional[Plan] = None,
     engine_only: bool = False,
-    compiled: bool = False,
     schedules: Optional[PipelineSchedules] = None,
 ) -> JobPlan:
     """Templates, guarantee and the plan for `nodes` (ids, or a count: node0, node1, ...).
@@ -443,11 +440,9 @@ def plan_job(
     plan's). With the `previous` generation's plan, nodes are placed where they keep the most
     layers they hold, and its tensor-parallel degree and microbatch size are kept (`auto`).
     `planning.schedule` other than 1f1b and gpipe is chosen per pipeline (schedule_choice.py);
-    with `engine_only` only among the schedules the engine runs (a job's plans), and with
-    `compiled` (its workers compile their layers, `schedule_choice.layers_compiled`) only among
-    those that do not split the backward. `schedules`: the `JobPlan.schedules` of an earlier call
-    with the same config and templates, reused with the simulations it has cached (a study
-    planning many node counts; the plans are the same)."""
+    with `engine_only` only among the schedules the engine runs (a job's plans). `schedules`: the
+    `JobPlan.schedules` of an earlier call with the same config and templates, reused with the
+    simulations it has cached (a study planning many node counts; the plans are the same)."""
     if isinstance(nodes, int):
         if nodes < 1:
             raise PlanningError(f"--nodes must be >= 1 (got {nodes})")
@@ -475,7 +470,7 @@ def plan_job(
             "job waits for more nodes"
         )
     if schedules is None:
-        schedules = pipeline_schedules(cfg, tset, engine_only=engine_only, compiled=compiled)
+        schedules = pipeline_schedules(cfg, tset, engine_only=engine_only)
     elif schedules.templates is not tset:
         raise ValueError("plan_job: the schedules given were made for other templates")
     plan = make_plan(

@@ -29,10 +29,9 @@ With `engine_only`, the candidates are limited to what the engine runs (`ENGINE_
 schedule, interleaved 1F1B with 2 .. 8 chunks): a job's plans never name a schedule its workers
 cannot run. Torch's looped schedules (interleaved 1F1B, zero-bubble with chunks) refuse a
 microbatch count that is not a multiple of their rounds, and so does the simulated order
-(schedules.py), so such a candidate is refused here, never planned; one chunk needs no rounds. With
-`compiled` (the workers' layers run `torch.compile`d, `layers_compiled`), the schedules that split
-the backward into input and weight gradients (`SPLIT_BACKWARD`) are left out too: torch cannot
-split the backward of a compiled layer, and refuses such stages in its zero-bubble schedules.
+(schedules.py), so such a candidate is refused here, never planned; one chunk needs no rounds.
+Compiled layers run every schedule (engine/step/compiled.py: their backward is compiled split into
+input and weight gradients), so whether the workers compile does not matter here.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
-from ..config import JobConfig
 from ..config.schema import MAX_CHUNKS, schedule_chunks_problem
 from .profile import ModelProfile
 from .schedule_cost import ScheduleCost, chunk_ranges, template_cost
@@ -57,10 +55,8 @@ __all__ = [
     "engine_runs_text",
     "MAX_CHUNKS",
     "PipelineSchedules",
-    "SPLIT_BACKWARD",
     "candidates",
     "closed_form",
-    "layers_compiled",
 ]
 
 ENGINE_RUNS: frozenset[tuple[str, int]] = frozenset(
@@ -69,9 +65,6 @@ ENGINE_RUNS: frozenset[tuple[str, int]] = frozenset(
     | {("zero-bubble", v) for v in range(1, MAX_CHUNKS + 1)}
 )
 """(schedule, chunks per device) the engine runs (engine/trainer.py)."""
-
-SPLIT_BACKWARD: frozenset[str] = frozenset({"zero-bubble", "zbv"})
-"""Schedules that split each backward into input and weight gradients: not with compiled layers."""
 
 SIMULATED_SIZES = 8
 """At least this many template sizes (from n0 up) are planned with simulated lines."""
@@ -101,22 +94,10 @@ def closed_form(schedule: str) -> bool:
     return schedule in ("1f1b", "gpipe")
 
 
-def layers_compiled(cfg: JobConfig, device_type: str) -> bool:
-    """Whether workers on devices of `device_type` ("cuda", "cpu") run their layers compiled:
-    `training.compile`, or when it is unset, on for CUDA and off for the CPU, and off when
-    `planning.schedule` names a schedule that splits the backward (`SPLIT_BACKWARD`)."""
-    if cfg.training.compile is not None:
-        return bool(cfg.training.compile)
-    return device_type == "cuda" and cfg.planning.schedule not in SPLIT_BACKWARD
-
-
-def candidates(
-    schedule: str, chunks: Union[int, str], *, engine_only: bool = False, compiled: bool = False
-) -> list[tuple[str, int]]:
+def candidates(schedule: str, chunks: Union[int, str], *, engine_only: bool = False) -> list[tuple[str, int]]:
     """(schedule, chunks per device) pairs `planning.schedule` / `planning.chunks_per_device`
     allow, in order of preference (ties go to the first); with `engine_only`, those the engine
-    runs, and of those with `compiled` (the layers run compiled) the ones that do not split the
-    backward. Raises PlanningError for a name or a chunk count that cannot be, or (`engine_only`)
+    runs. Raises PlanningError for a name or a chunk count that cannot be, or (`engine_only`)
     a setting the engine cannot run, saying what to change."""
     if schedule != "auto" and schedule not in SCHEDULES:
         raise PlanningError(f"planning.schedule is '{schedule}': use one of {', '.join(SCHEDULES)} or auto")
@@ -144,13 +125,7 @@ def candidates(
                 f"shows it) but the engine runs {schedule} with {counts} chunk(s) per device only: set "
                 f"planning.chunks_per_device to {counts} or auto"
             )
-        out = [c for c in runs if not (compiled and c[0] in SPLIT_BACKWARD)]
-        if not out:
-            raise PlanningError(
-                f"planning.schedule={schedule} splits every backward into input and weight gradients, which "
-                "compiled layers cannot run (torch refuses torch.compile in its zero-bubble schedules): set "
-                "training.compile=false, or use planning.schedule=1f1b or auto"
-            )
+        out = runs
     return out
 
 

@@ -49,7 +49,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
@@ -133,10 +132,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self.member: Optional[Member] = None
         self.leader: Optional[Leader] = None
         self.liveness: Optional[LivenessServer] = None
-        # the workers' device (engine/generation/devices.py resolve_device): compiled layers rule out zero-bubble
-        device = self.cfg.training.device
-        device = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.planner = JobPlanner(self.cfg, self.client, self.keys, device_type=device)
+        self.planner = JobPlanner(self.cfg, self.client, self.keys)
         self._store = dist.HashStore()
         self.view: Optional[Mirror] = None
         self._stopping = threading.Event()

@@ -38,7 +38,6 @@ from ..planning import (
     templates_for,
     with_shadows,
 )
-from ..planning.schedule_choice import layers_compiled
 from ..planning.shadows import SHADOWS_WITH_TP
 from ..records.keys import Keys
 from .leader import JobUnplannable
@@ -51,11 +50,8 @@ __all__ = ["JobPlanner"]
 class JobPlanner:
     """The planner of one job's leader (module docstring)."""
 
-    def __init__(self, cfg: JobConfig, client: EtcdClient, keys: Keys, *, device_type: str = "cpu") -> None:
-        """`device_type`: the workers' kind of device ("cuda", "cpu"), which says whether they
-        compile their layers (`layers_compiled`): then no plan splits the backward (zero-bubble)."""
+    def __init__(self, cfg: JobConfig, client: EtcdClient, keys: Keys) -> None:
         self.cfg, self.client, self.keys = cfg, client, keys
-        self.compiled = layers_compiled(cfg, device_type)
         self._templates: Any = None
         self._schedules: Any = None  # the schedule chooser of _templates, with its simulations cached
         self._pinned: ModelProfile | None = None
@@ -93,7 +89,6 @@ class JobPlanner:
             templates=self._templates,
             previous=previous,
             engine_only=True,
-            compiled=self.compiled,
             schedules=reuse,  # a re-plan does not simulate again what an earlier plan did
         )
         self._schedules = jp.schedules

@@ -1,16 +1,35 @@
-"""Compiled layers: every layer runs through one `torch.compile`d function, warmed before the job
-counts on the worker, so reconfiguration never compiles.
+"""Compiled layers: every kind of layer runs through its own compiled graphs, warmed before the
+job counts on the worker, so reconfiguration never compiles.
 
 Mechanism. A stage is `nn.Sequential(CompiledLayer(layer) for each layer)`, and
-`CompiledLayer.forward` calls `run_layer(layer, x)`, a single function compiled once per process
-(`torch.compile(dynamic=False)`). Dynamo treats the layer as an input (torch's default
-`inline_inbuilt_nn_modules`): its guards check the layer's class, its plain attributes and its
-tensors' shapes, dtypes and devices, not which module object it is. So every decoder block of a
-model (the same class and shapes) runs the same compiled graph, as with torchtitan's per-block
-compilation, and so does a block received from another worker or rebuilt at a new generation: a
-worker compiles each kind of layer (embedding, block, head) once, forward and backward. The
-layers themselves are not changed (no `_orig_mod` in their names): checkpoints, transfers and
-exports see plain modules.
+`CompiledLayer.forward` calls `run_layer(layer, x)`: the layer's forward graph, and backward graphs
+split into the input gradient and the weight gradients (engine/step/split_graphs.py: AOTAutograd
+traces the layer as a function of its parameters, buffers and input; engine/step/split_layer.py:
+three autograd nodes per call, so that torch's split backward of a zero-bubble schedule runs the
+input-gradient graph in its I pass and the weight-gradient graph in its W pass, and a whole
+backward runs both once). Graphs are kept per kind of layer (`planning.profiler.layer_kind`:
+class, plain attributes, parameter shapes), input shape and autocast state, not per module object:
+every decoder block of a model (the same class and shapes) runs the same compiled graphs, as with
+torchtitan's per-block compilation, and so does a block received from another worker or rebuilt at
+a new generation: a worker compiles each kind of layer (embedding, block, head) once, forward and
+backward. The layers themselves are not changed (no `_orig_mod` in their names): checkpoints,
+transfers and exports see plain modules. Without gradients (`torch.no_grad`) a layer runs eager.
+
+Tensor-parallel layers (DTensor parameters, models/tensor_parallel.py) are not traced apart: they
+run through one `torch.compile`d function that takes the layer as an input (the same sharing by
+kind through dynamo's guards), one autograd node per layer, compiled without donated buffers so
+that a split backward can keep its graph. Under zero-bubble such a layer runs its whole compiled
+backward in both passes (the input-gradient pass drops the weight gradients, the weight-gradient
+pass computes the input gradient again): no faster than 1F1B's backward twice, and untested (as
+zero-bubble under tensor parallelism is, README's known limits).
+
+Why split, for every schedule. A layer compiled whole (one `torch.compile`d call) is one autograd
+node whose backward computes every gradient at once: torch's split backward then runs it twice
+(the I pass drops the weight gradients it computed, the W pass computes the input gradient again),
+and a compiled backward with donated buffers refuses the I pass's kept graph outright. The split
+graphs run a whole backward at 0.91-0.96x the whole layer's speed on the CPU, and zero-bubble's
+passes at 1.3-1.6x (bench/compile_split.py, bench/RESULTS.md); and one set of graphs serves
+every schedule, so a re-plan that changes a pipeline's schedule compiles nothing either.
 
 Warm-up (`warm_up`). Before a worker reports ready (engine/run.py), it builds one layer of every
 kind of the model on its device, alone (a head's memory at most), and runs a forward and a backward
@@ -24,8 +43,7 @@ caches (on by default) are kept in `TORCHINDUCTOR_CACHE_DIR`, which a worker set
 set already, to `<data.cache_dir>/inductor`: a node that joins (or a worker restarted on the same
 host, or any host sharing that directory) reuses the kernels compiled there and only traces.
 
-`training.compile` decides: true, false, or unset = on for CUDA devices, off for the CPU and under
-`planning.schedule=zero-bubble`, whose split backward torch cannot run on compiled layers (on the
+`training.compile` decides: true, false, or unset = on for CUDA devices, off for the CPU (on the
 CPU, compiled steps of a GPT-2 stage measured only ~5 % faster here, for 20-30 s of compilation
 per worker on two cores; bench/gpu_mfu.py compares both).
 """
@@ -44,7 +62,7 @@ from torch import nn
 
 from ...logs import JobLog
 from ...config import JobConfig
-from ...planning.schedule_choice import layers_compiled
+from .split_layer import run_split
 
 __all__ = [
     "compile_enabled",
@@ -60,19 +78,10 @@ log = JobLog(logging.getLogger(__name__))
 
 
 def compile_enabled(cfg: JobConfig, device: torch.device) -> bool:
-    """`training.compile`, or when unset: on for CUDA, off for the CPU and under a schedule that
-    splits the backward (zero-bubble: planning/schedule_choice.py `layers_compiled`, the rule the
-    leader's planner follows too)."""
-    return layers_compiled(cfg, device.type)
-
-
-def _run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return layer(x)
-
-
-@functools.cache
-def _compiled() -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
-    return torch.compile(_run_layer, dynamic=False)
+    """`training.compile`, or when unset: on for CUDA, off for the CPU."""
+    if cfg.training.compile is not None:
+        return bool(cfg.training.compile)
+    return device.type == "cuda"
 
 
 def graphs_compiled() -> int:
@@ -82,9 +91,30 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return layer(x)
+
+
+@functools.cache
+def _compiled_whole() -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    return torch.compile(_run_layer, dynamic=False)
+
+
+def _sharded(layer: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in layer.parameters())
+
+
 def run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` through the process's one compiled function (module docstring)."""
-    return _compiled()(layer, x)
+    """`layer(x)` through its kind's compiled graphs (module docstring); a tensor-parallel layer
+    (DTensor parameters) through one whole-layer compiled function."""
+    if not _sharded(layer):
+        return run_split(layer, x)
+    # the input-gradient pass of a split backward keeps the graph, which donated buffers forbid (read
+    # when the forward compiles)
+    with torch._functorch.config.patch(donated_buffer=False):
+        return _compiled_whole()(layer, x)
 
 
 class CompiledLayer(nn.Module):

@@ -1,0 +1,185 @@
+"""A compiled layer whose input and weight gradients are separate autograd nodes, for the schedules
+that split the backward (zero-bubble) as for the others.
+
+Autograd graph of one call (`run_split`), for input x, parameters P and output y:
+
+    P -> Weight ------\
+                       Join -> y
+    x -> Input -------/
+
+`Input` runs the compiled forward (split_graphs.py: the layer's forward graph) and returns the
+output; its backward runs the compiled I graph (the input gradient, and the boundary tensors that
+the weight gradients use, kept for `Weight`). `Weight` returns a zero-size stand-in (an expanded
+scalar) and its backward runs the compiled W graph on the boundary: the parameters' gradients.
+`Join` returns Input's output and hands the output gradient to both. So:
+
+- torch's split backward (`stage_backward_input`: autograd.grad over the stage input, keeping the
+  gradients that reach the nodes joining the input's and the weights' paths; then
+  `stage_backward_weight` from those nodes to the weights) runs Input in the first pass and Weight
+  in the second; the node both paths join is `Join`, whose backward only passes the gradient on;
+- a whole backward (1F1B, GPipe, the first stage's W pass) runs both: `Weight` is created first, so
+  autograd's ready queue (later nodes first) runs `Input` before it and `Weight` finds the boundary
+  ready. Should `Weight` run first anyway, it computes the weight gradients from the backward's
+  inputs alone (the `weight_only` graph) and `Input` still gives the input gradient;
+- a layer whose input takes no gradient (token ids) has no Input node: `Weight` runs `weight_only`.
+
+The forward's saved tensors live in one `_Call` per call that the nodes share; `Weight` drops them
+when it has run (after `Input`'s pass), so they live as long as eager autograd's would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from .split_graphs import split_backward, trace
+
+__all__ = ["SplitGraphs", "graphs_for", "run_split", "split_counters"]
+
+split_counters: dict[str, int] = {"input": 0, "weight": 0, "weight_only": 0}
+"""Compiled backward graphs run in this process, by kind (tests check which ran)."""
+
+
+def _compile(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    return torch.compile(gm, dynamic=False)
+
+
+@dataclass
+class SplitGraphs:
+    """The compiled graphs of one kind of layer for one input shape (split_graphs.py)."""
+
+    forward: Callable[..., Any]
+    input: Optional[Callable[..., Any]]
+    weight: Callable[..., Any]
+    weight_only: Callable[..., Any]
+    weight_inputs: list[tuple[str, int]]
+    names: list[str]
+    n_params: int
+    out_shape: torch.Size
+    out_dtype: torch.dtype
+
+
+_GRAPHS: dict[Any, SplitGraphs] = {}
+
+
+def graphs_for(layer: nn.Module, x: torch.Tensor) -> SplitGraphs:
+    """The process's graphs for layers of `layer`'s kind on inputs like `x` under the current
+    autocast state, traced on first use (split_graphs.py)."""
+    from ...planning.profiler import layer_kind
+
+    device = x.device.type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    key = (layer_kind(layer), layer.training, tuple(x.shape), x.dtype, x.requires_grad, x.device, autocast)
+    graphs = _GRAPHS.get(key)
+    if graphs is None:
+        traced = trace(layer, x)
+        split = split_backward(traced)
+        graphs = SplitGraphs(
+            forward=_compile(traced.forward),
+            input=_compile(split.input) if split.input is not None else None,
+            weight=_compile(split.weight),
+            weight_only=_compile(split.weight_only),
+            weight_inputs=split.weight_inputs,
+            names=traced.names,
+            n_params=traced.n_params,
+            out_shape=traced.out_shape,
+            out_dtype=traced.out_dtype,
+        )
+        _GRAPHS[key] = graphs
+    return graphs
+
+
+@dataclass
+class _Call:
+    """One call's state, shared by its Input and Weight nodes."""
+
+    graphs: SplitGraphs
+    device_type: str
+    out: Optional[torch.Tensor] = None
+    saved: list[torch.Tensor] = field(default_factory=list)
+    boundary: Optional[list[torch.Tensor]] = None
+    output_grad: Optional[torch.Tensor] = None
+
+
+def _no_autocast(call: _Call) -> Any:
+    # the graphs hold autocast's casts already (traced under it)
+    return torch.autocast(device_type=call.device_type, enabled=False)
+
+
+class _Weight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: _Call, *params: torch.Tensor) -> torch.Tensor:
+        ctx.call = call
+        return params[0].new_zeros((), dtype=call.graphs.out_dtype).expand(call.graphs.out_shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        call: _Call = ctx.call
+        graphs = call.graphs
+        grad = grad.contiguous()
+        with _no_autocast(call):
+            if call.boundary is None:
+                split_counters["weight_only"] += 1
+                grads = graphs.weight_only(*call.saved, grad)
+            else:
+                split_counters["weight"] += 1
+                sources: dict[str, list[Any]] = {"backward": [*call.saved, call.output_grad], "boundary": call.boundary}
+                grads = graphs.weight(*[sources[kind][i] for kind, i in graphs.weight_inputs])
+                call.saved, call.boundary, call.output_grad = [], None, None
+        return (None, *grads)
+
+
+class _Input(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: _Call, x: torch.Tensor, *flat: torch.Tensor) -> torch.Tensor:
+        ctx.call = call
+        with _no_autocast(call):
+            call.out, *call.saved = call.graphs.forward(*flat, x)
+        return x.new_zeros((), dtype=call.graphs.out_dtype).expand(call.graphs.out_shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        call: _Call = ctx.call
+        assert call.graphs.input is not None
+        grad = grad.contiguous()  # as the graph was compiled for: one graph whatever the gradient's strides
+        split_counters["input"] += 1
+        with _no_autocast(call):
+            dx, *boundary = call.graphs.input(*call.saved, grad)
+        call.boundary, call.output_grad = boundary, grad
+        return (None, dx) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
+class _Join(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: _Call, from_input: torch.Tensor, from_weight: torch.Tensor) -> torch.Tensor:
+        out, call.out = call.out, None
+        assert out is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return None, grad, grad
+
+
+def run_split(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` through its kind's compiled graphs, with separate input- and weight-gradient
+    nodes (module docstring)."""
+    if not torch.is_grad_enabled():
+        return layer(x)
+    graphs = graphs_for(layer, x)
+    values: dict[str, torch.Tensor] = dict(layer.named_parameters())
+    values.update(layer.named_buffers())
+    flat = [values[name] for name in graphs.names]
+    params = flat[: graphs.n_params]
+    call = _Call(graphs, x.device.type)
+    # created first: run after Input (module docstring); a layer without parameters has no Weight node
+    if params:
+        stand_in = _Weight.apply(call, *params)
+    else:
+        stand_in = x.new_zeros((), dtype=graphs.out_dtype).expand(graphs.out_shape)
+    from_input = _Input.apply(call, x, *[t.detach() for t in flat])
+    out: torch.Tensor = _Join.apply(call, from_input, stand_in)
+    return out
