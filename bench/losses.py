@@ -16,10 +16,11 @@ adversarially from the plan in etcd: the device holders of layer 0 first, then t
 its shadow copies, then the holders and keepers of the last layer, then the others in plan order.
 The survivors go on to `--steps`.
 
-Reported per run (one JSON line): `kill_to_next_step_s` (SIGKILL -> the first step completed
-after it: the interrupted step replayed or rolled forward, or the first step after a restore),
-`lost_steps` (completed steps trained again: the step the job had reached minus the step it
-resumed from; 0 unless it restored a checkpoint), `source` (where the layers that lost every
+Reported per run (one JSON line): `kill_to_next_step_s` (SIGKILL -> the first step completed in
+a generation after the one the kill hit: the interrupted step replayed or rolled forward, or the
+first step after a restore; a victim may still log the step in flight as it dies, which does not
+count), `lost_steps` (completed steps trained again: the steps completed before the new generation,
+the victims' last included, minus the step it resumed from; 0 unless it restored a checkpoint), `source` (where the layers that lost every
 device copy came from: `replica` when none did, `shadow` (the `from_shadows` event), `disk` (the
 `restored` event)), `bytes_moved` (layer bytes sent plus received by the workers entering the
 next generation, the `entered` events, halved: each byte is counted by its sender and receiver),
@@ -47,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from recovery import CONFIG, OURS_RDZV, OVERRIDES, Lines, analyse, cluster_args  # noqa: E402
+from recovery import CONFIG, OURS_RDZV, OVERRIDES, Lines, cluster_args  # noqa: E402
 
 from launcher.local import LocalCluster, kill_node  # noqa: E402
 from oobleck_elastic.etcd import EtcdSettings, connect  # noqa: E402
@@ -57,8 +58,6 @@ from oobleck_elastic.planning import Plan  # noqa: E402
 from oobleck_elastic.records.keys import Keys  # noqa: E402
 from oobleck_elastic.rendezvous.membership import live_nodes  # noqa: E402
 from oobleck_elastic.testing import uniform_profile  # noqa: E402
-
-GLOBAL_BATCH = 16
 
 
 def victims(plan: Plan, k: int) -> list[str]:
@@ -70,6 +69,28 @@ def victims(plan: Plan, k: int) -> list[str]:
         order += holders + keepers
     order += list(plan.nodes)
     return list(dict.fromkeys(order))[:k]
+
+
+def recovery_figures(events: list[dict], t_kill: float, steps: int) -> dict[str, Any]:
+    """From the workers' event lines: kill -> the first step completed in a generation after the
+    one the kill hit (a victim may still log the step in flight before it dies), the steps done
+    before and resumed from (completed counts), and whether the job reached its last step."""
+    done = [e for e in events if e["event"] == "step"]
+    gen_at_kill = max((int(e["gen"]) for e in events if e["t"] <= t_kill and e.get("gen") is not None), default=0)
+    before = [int(e["step"]) for e in done if int(e["gen"]) <= gen_at_kill]
+    after = sorted((e["t"], int(e["step"])) for e in done if int(e["gen"]) > gen_at_kill)
+    if not after:
+        return {"completed": False}
+    t_first, first = after[0]
+    resumed = first - 1
+    return {
+        "kill_to_next_step_s": round(t_first - t_kill, 3),
+        "steps_done_before": max(before, default=0),
+        "resumed_from_step": resumed,
+        "lost_steps": max(0, max(before, default=0) - resumed),
+        "final_step": max(s for _, s in after),
+        "completed": max(s for _, s in after) == steps,
+    }
 
 
 def one_job(work: Path, etcd: EtcdServer, args: argparse.Namespace, shadows: int, k: int) -> dict[str, Any]:
@@ -141,20 +162,15 @@ def one_job(work: Path, etcd: EtcdServer, args: argparse.Namespace, shadows: int
         client.close()
         lines.close()
     events = read_event_lines(work / "events")
-    steps = [(int(e["step"]), e["t"]) for e in events if e["event"] == "step"]
     if t_kill is None:
         return {**out, "error": "the job never reached the kill step"}
     out["killed_at_step"] = killed_at
-    measured = analyse(steps, t_kill, killed_at, GLOBAL_BATCH)
-    out.update(
-        {key: measured.get(key) for key in ("kill_to_next_step_s", "lost_steps", "resumed_from_step", "final_step")}
-    )
+    out.update(recovery_figures(events, t_kill, args.steps))
     after = [e for e in events if e["t"] > t_kill]
     restored = any(e["event"] == "restored" for e in after)
     shadowed = any(e["event"] == "from_shadows" for e in after)
     out["source"] = "disk" if restored else "shadow" if shadowed else "replica"
     out["bytes_moved"] = sum(int(e.get("bytes", 0)) for e in after if e["event"] == "entered") // 2
-    out["completed"] = measured.get("final_step") == args.steps
     out["wall_s"] = round(time.time() - t0, 1)
     return out
 
