@@ -4,11 +4,11 @@ What it shows: with `fault_tolerance.shadow_copies` = s, a job with f + 1 device
 layer survives any k <= f + s simultaneous node losses from memory (a surviving replica or shadow
 copy, engine/generation/shadows.py); past that it restores the newest checkpoint (disk).
 
-Method. `--nodes` (default 6) simulated nodes on this machine (`launcher.local.LocalCluster`, one
+Method. `--nodes` (default 7) simulated nodes on this machine (`launcher.local.LocalCluster`, one
 torchrun agent and one worker per node, an etcd started here), configs/gpt2-tiny.yaml with the
 overrides of bench/recovery.py, planned from a synthetic profile (6 layers of 0.45 GiB on 1 GiB
-devices: 3-stage pipelines, so 6 nodes make 2 pipelines and every layer has exactly 2 device
-copies), f = 1, a checkpoint every `--checkpoint-every` steps (the disk the
+devices: at least 3 nodes per pipeline, so 7 nodes make 2 pipelines and every layer has exactly
+2 device copies, and 3 nodes left after 4 losses still make one), f = 1, a checkpoint every `--checkpoint-every` steps (the disk the
 job falls back to). For each setting s in `--shadows` (default 0 1 2) and each k in `--kills`
 (default 1 2 3 4), one job: as soon as it reports `--kill-step` completed steps, k nodes are
 SIGKILLed at the same moment (`launcher.local.kill_node`, one after another in a few ms), chosen
@@ -29,7 +29,7 @@ row. bench/RESULTS.md keeps the table with the command and commit.
 
 Run (about 1-2 min per job on 2 cores; 12 jobs by default):
 
-    .venv/bin/python bench/losses.py [--shadows 0 1 2] [--kills 1 2 3 4] [--nodes 6] [--kill-step 6]
+    .venv/bin/python bench/losses.py [--shadows 0 1 2] [--kills 1 2 3 4] [--nodes 7] [--kill-step 6]
         [--steps 14] [--checkpoint-every 4] [--log-dir DIR]
 """
 
@@ -179,11 +179,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shadows", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--kills", type=int, nargs="+", default=[1, 2, 3, 4])
-    ap.add_argument("--nodes", type=int, default=6)
+    ap.add_argument("--nodes", type=int, default=7)
     ap.add_argument("--kill-step", type=int, default=6)
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--checkpoint-every", type=int, default=4)
-    ap.add_argument("--timeout", type=float, default=400.0)
+    ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--log-dir", type=Path, default=None)
     args = ap.parse_args()
     args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-losses-logs-"))
@@ -192,7 +192,7 @@ def main() -> int:
     rows: dict[int, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-losses-") as d, EtcdServer(data_dir=str(Path(d) / "etcd")) as etcd:
         # gpt2-tiny's 6 layers planned as 0.45 GiB each on 1 GiB devices: 2 layers per device, so
-        # 3-stage pipelines and, on 6 nodes with f = 1, exactly 2 device copies of every layer
+        # pipelines of 3 nodes or more and, on 7 nodes with f = 1, exactly 2 device copies of every layer
         uniform_profile(6, gib_per_layer=0.45).save(Path(d) / "profile.json")
         for shadows in args.shadows:
             for k in args.kills:
