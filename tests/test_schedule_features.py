@@ -1,10 +1,12 @@
-"""What works under 1F1B works under interleaved 1F1B (chunks per device) and zero-bubble (ZB-H1):
+"""What works under 1F1B works under interleaved 1F1B (chunks per device), zero-bubble (ZB-H1) and
+zbv (two chunks per device in a V):
 one four-rank gloo run (`features`, module-scoped) goes through a sequence of plans, each
 entered by a fresh `Trainer` on the ranks, and the tests below read what it recorded.
 
-- tied weights: GPT-2's `wte` (layer 0) and `lm_head` (layer 5) are one tensor; in every plan
+- tied weights: GPT-2's `wte` (layer 0) and `lm_head` (layer 5) are one tensor; in the plans
   below they sit on different devices of a pipeline (chunk 0 of the first device, the last chunk
-  of the last one) and together in one-device pipelines, and every copy ends as the reference's;
+  of the last one), on two chunks of one device (zbv) and together in one-device pipelines, and
+  every copy ends as the reference's;
 - the step guard: a NaN injected on the last device of an interleaved and of a zero-bubble pipeline
   is rejected on every rank, leaves every weight as it was, and the step replayed is applied;
 - fingerprints: a bit flipped in a layer of a device's second chunk is found and repaired from the
@@ -13,9 +15,11 @@ entered by a fresh `Trainer` on the ranks, and the tests below read what it reco
   interleaved 1F1B, F, I and W under zero-bubble), counted here exactly by a clock that counts
   passes, and the straggler watch names a slow worker of an interleaved plan;
 - checkpoints: saved under interleaved 1F1B and resumed into zero-bubble, into 1F1B and into tensor
-  parallelism; saved under zero-bubble and resumed into interleaved 1F1B with three chunks;
-- tensor parallelism: interleaved 1F1B and zero-bubble pipelines whose stages span two lanes;
-- bf16: interleaved and zero-bubble runs equal the bf16 reference (1e-5, as fp32 runs the fp32 one);
+  parallelism (interleaved, zero-bubble, zbv); saved under zero-bubble and resumed into interleaved
+  1F1B with three chunks and into zbv;
+- tensor parallelism: interleaved 1F1B, zero-bubble and zbv pipelines whose stages span two lanes;
+- bf16: interleaved, zero-bubble and zbv runs equal the bf16 reference (1e-5, as fp32 runs the
+  fp32 one);
 - export: the checkpoint written under interleaved 1F1B exports to a Hugging Face model with the
   reference's weights and logits.
 
@@ -64,8 +68,11 @@ def config(*extra: str):
 
 def tp_plan(layout: list[tuple[int, int]], microbatches: int, *, generation: int, schedule: str, chunks: int) -> Plan:
     """One pipeline of two-lane stages, one stage per node `n<k>` of two devices; `layout` is its
-    virtual stages in pipeline order (loop placement with `chunks`, as layout_plan)."""
+    virtual stages in pipeline order (placed as the schedule places them, as layout_plan)."""
+    from oobleck_elastic.planning.schedules import stage_placement
+
     devices = len(layout) // chunks
+    placed = stage_placement(schedule, devices, chunks)
     stages = tuple(
         StagePlacement(
             index=s,
@@ -74,7 +81,7 @@ def tp_plan(layout: list[tuple[int, int]], microbatches: int, *, generation: int
             node=f"n{s}",
             local_rank=0,
             rank=2 * s,
-            chunks=tuple(layout[c * devices + s] for c in range(chunks)) if chunks > 1 else (),
+            chunks=tuple(r for r, d in zip(layout, placed) if d == s) if chunks > 1 else (),
         )
         for s in range(devices)
     )
@@ -106,6 +113,7 @@ def tp_plan(layout: list[tuple[int, int]], microbatches: int, *, generation: int
 
 IL = dict(schedule="interleaved-1f1b", chunks=2)
 ZB = dict(schedule="zero-bubble")
+ZBV = dict(schedule="zbv", chunks=2)
 PLANS = {
     # an interleaved pipeline of two devices (rank 0: layers 0-1 and 3, rank 1: layer 2 and 4-5)
     # beside two one-device pipelines: three copies of every layer
@@ -124,6 +132,11 @@ PLANS = {
         [[(0, 2), (2, 3), (3, 4), (4, 6)], [(0, 1), (1, 2), (2, 4), (4, 6)]], [4, 4], generation=7, **IL
     ),
     "bf16-zero-bubble": layout_plan([[(0, 3), (3, 6)], [(0, 2), (2, 6)]], [4, 4], generation=8, **ZB),
+    # zbv: two pipelines of two devices in a V; device 0 of each holds layer 0 (wte) and layer 5
+    # (lm_head), its first and last virtual stages: the tie on two chunks of one device
+    "zbv": layout_plan([[(0, 1), (1, 3), (3, 5), (5, 6)]] * 2, [4, 4], generation=9, **ZBV),
+    "tp-zbv": tp_plan([(0, 1), (1, 3), (3, 5), (5, 6)], 8, generation=10, **ZBV),
+    "bf16-zbv": layout_plan([[(0, 1), (1, 3), (3, 5), (5, 6)]] * 2, [4, 4], generation=11, **ZBV),
 }
 
 
@@ -145,7 +158,7 @@ def expected_passes(plan: Plan) -> tuple[float, ...]:
     (the backward split into input and weight passes under zero-bubble)."""
     out = [0.0] * plan.world_size
     for p in plan.pipelines:
-        per_chunk = 3 if p.schedule == "zero-bubble" else 2
+        per_chunk = 3 if p.schedule in ("zero-bubble", "zbv") else 2
         for s in p.stages:
             for lane in range(plan.tensor_parallel):
                 out[s.rank + lane] = 1.0 if len(p.stages) == 1 else float(p.num_chunks * p.microbatches * per_chunk)
@@ -224,6 +237,8 @@ def _worker(rank: int, tmp: str, fp32_dict: dict, bf16_dict: dict) -> None:
         ("tp-interleaved", "step-00000002", (2,)),
         ("tp-zero-bubble", "step-00000002", (2,)),
         ("interleaved-3", "step-00000003", (3,)),
+        ("zbv", "step-00000003", (3,)),
+        ("tp-zbv", "step-00000002", (2,)),
     ]:
         t = enter(name)
         assert t is not None
@@ -232,7 +247,7 @@ def _worker(rank: int, tmp: str, fp32_dict: dict, bf16_dict: dict) -> None:
             step(t, k, seen)
         finish(name, t, seen)
 
-    for name in ("bf16-interleaved", "bf16-zero-bubble"):
+    for name in ("bf16-interleaved", "bf16-zero-bubble", "bf16-zbv"):
         t = enter(name, cfg=bf16)
         assert t is not None
         seen = {}
@@ -289,20 +304,23 @@ def assert_reference(
 @pytest.mark.slow
 def test_tied_weights_across_devices_and_chunks_equal_the_reference(features) -> None:
     tmp, ref, _ = features
-    for name, steps in [("interleaved", 2), ("zero-bubble", 3), ("1f1b", 3), ("interleaved-3", 4)]:
+    for name, steps in [("interleaved", 2), ("zero-bubble", 3), ("1f1b", 3), ("interleaved-3", 4), ("zbv", 4)]:
         runs = seen(tmp, name)
         key = "saved" if name == "zero-bubble" else "state"  # zero-bubble's last step flipped a bit (below)
         assert_reference(runs, ref[steps], key=key)
-        # the tie: layer 0's wte and layer 5's lm_head, on two devices of the pipeline, are one tensor
-        first, last = PLANS[name].pipelines[0].stages[0].rank, PLANS[name].pipelines[0].stages[-1].rank
+        # the tie: layer 0's wte and layer 5's lm_head are one tensor, on two devices of the
+        # pipeline, or (zbv) on the first and the last chunk of its first device
+        holder = {i: s.rank for s in PLANS[name].pipelines[0].stages for i in s.layers()}
+        first, last = holder[0], holder[5]
         heads = [k for k in runs[last]["state"] if k.startswith("5:")]
-        assert heads and first != last, heads
+        assert heads and (first == last) == (name == "zbv"), (name, first, last)
         assert any(torch.equal(runs[last][key][k], runs[first][key]["0:wte.weight"]) for k in heads), name
     assert [r["schedule"] for r in seen(tmp, "interleaved")] == ["ScheduleInterleaved1F1B"] * 2 + [None] * 2
     assert {r["schedule"] for r in seen(tmp, "zero-bubble")} == {
         "OneChunkZeroBubble"
     }  # ZB-H1 with one chunk (engine/step/zero_bubble.py)
     assert {r["schedule"] for r in seen(tmp, "interleaved-3")} == {"ScheduleInterleaved1F1B"}
+    assert {r["schedule"] for r in seen(tmp, "zbv")} == {"ScheduleZBVZeroBubble"}
 
 
 @pytest.mark.slow
@@ -368,7 +386,7 @@ def test_a_slow_worker_of_an_interleaved_plan_is_named_and_the_batch_not_re_spli
 @pytest.mark.slow
 def test_checkpoints_resume_across_schedules_and_chunkings(features) -> None:
     tmp, ref, _ = features
-    for name, restored, steps in [("1f1b", 2, 3), ("interleaved-3", 3, 4), ("zero-bubble", 2, 3)]:
+    for name, restored, steps in [("1f1b", 2, 3), ("interleaved-3", 3, 4), ("zero-bubble", 2, 3), ("zbv", 3, 4)]:
         runs = seen(tmp, name)
         assert {r["restored"] for r in runs} == {restored}
         assert_reference(runs, ref[steps], key="saved" if name == "zero-bubble" else "state")
@@ -377,7 +395,7 @@ def test_checkpoints_resume_across_schedules_and_chunkings(features) -> None:
 @pytest.mark.slow
 def test_tensor_parallel_stages_under_interleaved_and_zero_bubble_equal_the_reference(features) -> None:
     tmp, ref, _ = features
-    for name in ("tp-interleaved", "tp-zero-bubble"):
+    for name in ("tp-interleaved", "tp-zero-bubble", "tp-zbv"):
         assert_reference(seen(tmp, name), ref[3], l2=True)
 
 
@@ -387,7 +405,7 @@ def test_bf16_under_interleaved_and_zero_bubble_equals_the_bf16_reference(featur
     microbatches and pipelines (fp32) are in another order. (The bf16 reference is 5 % from the
     fp32 one after two steps, relative L2: a run in fp32 would fail here.)"""
     tmp, ref, ref_bf16 = features
-    for name in ("bf16-interleaved", "bf16-zero-bubble"):
+    for name in ("bf16-interleaved", "bf16-zero-bubble", "bf16-zbv"):
         assert_reference(seen(tmp, name), ref_bf16[2])
     assert max(((ref_bf16[2][k] - ref[2][k]).norm() / ref[2][k].norm()).item() for k in ref[2]) > 1e-2
 
