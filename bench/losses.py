@@ -7,27 +7,28 @@ copy, engine/generation/shadows.py); past that it restores the newest checkpoint
 Method. `--nodes` (default 7) simulated nodes on this machine (`launcher.local.LocalCluster`, one
 torchrun agent and one worker per node, an etcd started here), configs/gpt2-tiny.yaml with the
 overrides of bench/recovery.py, planned from a synthetic profile (6 layers of 0.45 GiB on 1 GiB
-devices: at least 3 nodes per pipeline, so 7 nodes make 2 pipelines and every layer has exactly
-2 device copies, and 3 nodes left after 4 losses still make one), f = 1, a checkpoint every `--checkpoint-every` steps (the disk the
-job falls back to). For each setting s in `--shadows` (default 0 1 2) and each k in `--kills`
-(default 1 2 3 4), one job: as soon as it reports `--kill-step` completed steps, k nodes are
-SIGKILLed at the same moment (`launcher.local.kill_node`, one after another in a few ms), chosen
-adversarially from the plan in etcd: the device holders of layer 0 first, then the nodes keeping
-its shadow copies, then the holders and keepers of the last layer, then the others in plan order.
-The survivors go on to `--steps`.
+devices: at least 3 nodes per pipeline, so 7 nodes make 2 pipelines and every layer has exactly 2
+device copies, and 3 nodes left after 4 losses still make one), f = 1, a checkpoint every
+`--checkpoint-every` steps (the disk the job falls back to). For each setting s in `--shadows`
+(default 0 1 2) and each k in `--kills` (default 1 2 3 4), one job: as soon as it reports `--kill-step`
+completed steps, k nodes are SIGKILLed at the same moment (`launcher.local.kill_node`, one
+after another in a few ms), chosen adversarially from the plan in etcd: the device holders of
+layer 0 first, then the nodes keeping its shadow copies, then the holders and keepers of the last
+layer, then the others in plan order. The survivors go on to `--steps`.
 
-Reported per run (one JSON line): `kill_to_next_step_s` (SIGKILL -> the first step completed in
-a generation after the one the kill hit: the interrupted step replayed or rolled forward, or the
+Reported per run (one JSON line): `kill_to_next_step_s` (SIGKILL -> the first step completed in a
+generation after the one the kill hit: the interrupted step replayed or rolled forward, or the
 first step after a restore; a victim may still log the step in flight as it dies, which does not
-count), `lost_steps` (completed steps trained again: the steps completed before the new generation,
-the victims' last included, minus the step it resumed from; 0 unless it restored a checkpoint), `source` (where the layers that lost every
-device copy came from: `replica` when none did, `shadow` (the `from_shadows` event), `disk` (the
-`restored` event)), `bytes_moved` (layer bytes sent plus received by the workers entering the
-next generation, the `entered` events, halved: each byte is counted by its sender and receiver),
-`victims`, `completed` (the job reached its last step). A last line per setting gives the table
-row. bench/RESULTS.md keeps the table with the command and commit.
+count), `lost_steps` (completed steps trained again: the steps completed before the new
+generation, the victims' last included, minus the step it resumed from; 0 unless it restored a
+checkpoint), `source` (where the layers that lost every device copy came from: `replica` when none
+did, `shadow` (the `from_shadows` event), `disk` (the `restored` event)), `bytes_moved` (layer
+bytes sent plus received by the workers entering the next generation, the `entered` events,
+halved: each byte is counted by its sender and receiver), `victims`, `completed` (the job reached
+its last step). A last line per setting gives the table row. bench/RESULTS.md keeps the table with
+the command and commit.
 
-Run (about 1-2 min per job on 2 cores; 12 jobs by default):
+Run (about 30-40 s per job on 2 cores; 12 jobs by default):
 
     .venv/bin/python bench/losses.py [--shadows 0 1 2] [--kills 1 2 3 4] [--nodes 7] [--kill-step 6]
         [--steps 14] [--checkpoint-every 4] [--log-dir DIR]
