@@ -25,6 +25,12 @@ from helpers import a_follower, etcd_grpc, run_job, tiny_profile, when
 _TICKS = os.sysconf("SC_CLK_TCK")
 _WINDOW_S = 20.0
 _IDLE_CPU_S = 0.01 * _WINDOW_S  # under 1 % of a core
+_IDLE_AGENT_CPU_S = 0.02 * _WINDOW_S
+"""An agent's allowance, 2 % of a core: a waiting agent measured 0.85-1.05 % here, at this code and
+at the code before it, so 1 % failed now and then. Of that, torch's own agent loop (launcher.local
+runs torchrun with --monitor-interval=0.1) took 0.3 % in a bare torchrun; the rest is the
+agent's threads (lease keep-alive, liveness, the leader's watches). The busy loops these tests
+catch cost 1.5 cores."""
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -48,8 +54,12 @@ class Idle:
     """gRPC method -> requests etcd received in the window, lease keep-alives left out (none: absent)."""
 
     def busy(self) -> dict[str, float]:
-        """The groups that used 1 % of a core or more."""
-        return {who: s for who, s in self.cpu.items() if s >= _IDLE_CPU_S}
+        """The groups that used 1 % of a core or more (an agent: 2 %, `_IDLE_AGENT_CPU_S`)."""
+        return {
+            who: s
+            for who, s in self.cpu.items()
+            if s >= (_IDLE_AGENT_CPU_S if who.startswith("agent ") else _IDLE_CPU_S)
+        }
 
 
 def node_processes(client, keys) -> dict[str, list[int]]:
@@ -127,7 +137,7 @@ def test_a_worker_waiting_for_a_plan_sleeps_until_one_comes(etcd_settings, run_i
 @pytest.mark.slow
 def test_a_lone_agent_below_n0_is_idle(tmp_path: Path, etcd_server, run_id) -> None:
     """Two nodes run one 2-stage pipeline (n0 = 2); one is killed at step 3. Over the next 20 s
-    the survivor's agent (the leader) and its worker each use under 1 % of a core, and etcd
+    the survivor's agent (the leader) uses under 2 % of a core and its worker under 1 %, and etcd
     receives nothing but lease keep-alives."""
     from launcher.local import kill_node
     from oobleck_elastic.records.control import EventKind
@@ -186,7 +196,7 @@ def test_nodes_waiting_for_the_profile_and_for_admission_are_idle(
     holds the claim on the profile of this machine's device kind, as the worker measuring it would
     (`WorkerContext.share_profile`): the leader admits two nodes and waits for the profile, their
     workers start, report ready and wait for the first plan, and the third node waits to be
-    admitted. Over 20 s each agent and each node's workers use under 1 % of a core, and etcd
+    admitted. Over 20 s each agent uses under 2 % of a core and each node's workers under 1 %, and etcd
     receives nothing but lease keep-alives. Then the test publishes the profile: the leader plans
     the two admitted nodes at once (the wait ends on the news), they train to the last step, and
     the third node, never admitted, exits 0 when the job ends."""
