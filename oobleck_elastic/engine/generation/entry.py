@@ -348,15 +348,16 @@ class GenerationEntry:
             raise RuntimeError(f"plan(s) of generation(s) {missing} are not available to {self.identity}")
         found = {g: p for g, p in plans.items() if p is not None}
         ranks = plan.entry_ranks()
+        # each generation's layouts once, not once per worker that entered it
+        stage_layers = {g: p.layers_by_worker() for g, p in found.items()}
+        shadow_layers = {g: keepers_by_identity(p) for g, p in found.items()}
         layers = {
-            ident: found[int(held[0, r])].layers_by_worker().get(ident, range(0))
+            ident: stage_layers[int(held[0, r])].get(ident, range(0))
             for ident, r in ranks.items()
             if int(held[0, r]) > 0
         }
         kept: dict[Identity, Sequence[int]] = {
-            ident: keepers_by_identity(found[int(held[1, r])]).get(ident, [])
-            for ident, r in ranks.items()
-            if int(held[1, r]) > 0
+            ident: shadow_layers[int(held[1, r])].get(ident, []) for ident, r in ranks.items() if int(held[1, r]) > 0
         }
         return layers, kept
 
