@@ -144,6 +144,30 @@ def estimate(schedule: str, profile: ModelProfile, factor: float) -> tuple[float
     return paced.est_step_time_s, sim.step_s, cut(paced) == cut(job)
 
 
+def launch(tmp: Path, tag: str, overrides: list[str], nodes: int = NODES) -> subprocess.CompletedProcess:
+    """One job of gpt2-tiny with `overrides` on `nodes` simulated nodes (`python -m launcher.local`,
+    one worker each, one intra-op thread each, its own etcd), to its end; its output goes to
+    `<tmp>/<tag>.log`."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher.local",
+        "--nodes",
+        str(nodes),
+        "--rdzv-conf",
+        "lease_ttl=2,settle=0.2,last_call_timeout=1",
+        "--",
+        "examples/train.py",
+        "--config",
+        "configs/gpt2-tiny.yaml",
+        *overrides,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    (tmp / f"{tag}.log").write_text(proc.stdout + proc.stderr)
+    return proc
+
+
 def run(tmp: Path, *, schedule: str, factor: float, steps: int, tag: str) -> dict:
     profile = tmp / "profile.json"
     events = tmp / tag / "events"
@@ -159,23 +183,7 @@ def run(tmp: Path, *, schedule: str, factor: float, steps: int, tag: str) -> dic
         f"logging.events_dir={events}",
         f"planning.profile_path={profile}",
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "launcher.local",
-        "--nodes",
-        str(NODES),
-        "--rdzv-conf",
-        "lease_ttl=2,settle=0.2,last_call_timeout=1",
-        "--",
-        "examples/train.py",
-        "--config",
-        "configs/gpt2-tiny.yaml",
-        *overrides,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    (tmp / f"{tag}.log").write_text(proc.stdout + proc.stderr)
+    proc = launch(tmp, tag, overrides)
     lines = read_event_lines(events, ["step", "paced_overrun"])
     steps_seen = [e for e in lines if e["event"] == "step"]
     return {

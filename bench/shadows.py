@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from schedules import launch  # noqa: E402
 
 from oobleck_elastic.logs import read_event_lines  # noqa: E402
 from oobleck_elastic.testing import uniform_profile  # noqa: E402
@@ -65,23 +66,7 @@ def run(tmp: Path, *, shadows: int, args: argparse.Namespace, tag: str) -> dict:
         f"logging.events_dir={events}",
         f"planning.profile_path={tmp / 'profile.json'}",
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "launcher.local",
-        "--nodes",
-        str(NODES),
-        "--rdzv-conf",
-        "lease_ttl=2,settle=0.2,last_call_timeout=1",
-        "--",
-        "examples/train.py",
-        "--config",
-        "configs/gpt2-tiny.yaml",
-        *overrides,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    (tmp / f"{tag}.log").write_text(proc.stdout + proc.stderr)
+    proc = launch(tmp, tag, overrides, nodes=NODES)
     steps = [e for e in read_event_lines(events, ["step"]) if e["event"] == "step"]
     seconds = {int(e["step"]): float(e["seconds"]) for e in steps}
     kept = [s for step, s in sorted(seconds.items()) if step > args.warmup]
