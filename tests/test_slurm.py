@@ -205,12 +205,19 @@ def test_slurm_ends_a_job_whose_batch_host_fails(slurm: SlurmCluster) -> None:
     script = slurm.root / "sleep.sbatch"
     script.write_text(
         "#!/bin/bash\n#SBATCH --no-kill\n"
-        'for n in n1 n2; do srun --overlap -N1 -n1 -w "$n" sleep 60 & done\nwait\necho "the batch script ended"\n'
+        'for n in n1 n2; do srun --overlap -N1 -n1 -w "$n" sleep 300 & done\nwait\necho "the batch script ended"\n'
     )
     job = slurm.sbatch(script, ["--nodes=2", "--exclusive"], cwd=slurm.root, env={})
-    slurm.wait_for(lambda: slurm.job(job)["JobState"] == "RUNNING", 30, "the job to run")
+
+    def steps_running() -> list[str]:
+        res = slurm.run(["squeue", "-h", "-s", "-j", job, "-o", "%j %N"], check=False)
+        return sorted(line.split()[1] for line in res.stdout.splitlines() if line.split()[:1] == ["sleep"])
+
+    # Down the batch host only once the batch script runs there (both of its steps started): downed
+    # earlier, while the job is RUNNING but its script not yet launched, Slurm may still run it.
+    slurm.wait_for(lambda: steps_running() == ["n1", "n2"], 60, "the batch script's two steps to run")
     assert slurm.job(job)["BatchHost"] == "n1"
     slurm.run(["scontrol", "update", "nodename=n1", "state=down", "reason=test"])
-    info = slurm.wait_job(job, 60)
-    assert info["JobState"] in ("FAILED", "NODE_FAIL"), info
+    info = slurm.wait_job(job, 120)
+    assert info["JobState"] in ("FAILED", "NODE_FAIL"), f"{info.get('JobState')} ({info.get('Reason')}): {info}"
     assert "the batch script ended" not in slurm.output(job)
