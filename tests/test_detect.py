@@ -198,6 +198,9 @@ class FakeMonitor:
         dead, self.dead = self.dead & set(self.targets), set()
         return dead
 
+    def sync(self, timeout_s: float = 0.5) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -206,11 +209,25 @@ def test_the_leader_watch_revokes_a_dead_leaders_lease_at_once() -> None:
     kv, monitor = cluster(3, liveness="h:1"), FakeMonitor()
     watch = LeaderWatch(kv, KEYS, node_id="n1", reader=kv, monitor=monitor)
     roster = Roster(3, ("n0", "n1", "n2"))
-    assert not watch.check(roster) and monitor.targets == {"n0": "h:1"}
+    assert not watch.check(roster) and monitor.targets == {"n0": "h:1", "n2": "h:1"}
     monitor.dead = {"n0"}
     assert watch.check(roster)
     assert kv.get(KEYS.leader) is None and kv.get(KEYS.node("n0")) is None
     assert [ev.kind for _, ev in read_events(kv, KEYS)] == [EventKind.LOST]
+
+
+def test_the_leader_watch_watches_the_roster_and_revokes_those_dead_with_the_leader_first() -> None:
+    kv, monitor = cluster(4, liveness="h:1"), FakeMonitor()
+    watch = LeaderWatch(kv, KEYS, node_id="n1", reader=kv, monitor=monitor)
+    roster = Roster(3, ("n0", "n1", "n2", "n3"))
+    assert not watch.check(roster) and monitor.targets == {"n0": "h:1", "n2": "h:1", "n3": "h:1"}
+    monitor.dead = {"n2"}  # not acted on while the leader lives: the leader does
+    assert not watch.check(roster) and kv.get(KEYS.node("n2")) is not None
+    monitor.dead = {"n0"}
+    assert watch.check(roster)
+    assert [kv.get(KEYS.node(n)) is None for n in ("n0", "n2", "n3")] == [True, True, False]
+    assert [(ev.kind, ev.node) for _, ev in read_events(kv, KEYS)] == [(EventKind.LOST, "n2"), (EventKind.LOST, "n0")]
+    assert watch.hand_over() == (monitor, {"n2"}) and watch.monitor is None
 
 
 def test_only_the_rosters_first_other_node_watches_the_leader() -> None:

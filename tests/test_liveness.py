@@ -23,7 +23,7 @@ def test_a_closed_agent_is_found_dead_at_once_and_a_live_one_is_not() -> None:
     monitor = LivenessMonitor(on_dead=woke.append)
     try:
         monitor.watch({"a": live.address, "b": doomed.address})
-        eventually(lambda: len(monitor._ever_connected) == 2)
+        eventually(lambda: len(monitor.answered()) == 2)
         doomed.close(goodbye=False)  # what the kernel does to a SIGKILLed agent's sockets
         eventually(lambda: woke == ["b"], timeout=5)
         assert monitor.take_dead() == {"b"} and monitor.take_dead() == set()  # reported once

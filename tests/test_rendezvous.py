@@ -22,7 +22,7 @@ from helpers import TINY_PROFILE_OVERRIDES, eventually, tiny_profile
 from oobleck_elastic.planning import Plan
 from oobleck_elastic.rendezvous.handler import OobleckRendezvousHandler
 from oobleck_elastic.records.keys import Keys
-from oobleck_elastic.records.control import Checkin, CheckinKind, ReadyRecord
+from oobleck_elastic.records.control import Checkin, CheckinKind, ReadyRecord, Roster
 from oobleck_elastic.rendezvous.membership import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -270,7 +270,7 @@ def test_a_dead_agent_is_replanned_at_once_by_its_liveness_socket(cluster_factor
     victim = next(b["handler"] for b in boxes if b["handler"] is not leader)
     gone = victim.member.node_id
     assert c.client.get_json(c.keys.node(gone))[0]["liveness"] == victim.liveness.address
-    eventually(lambda: gone in leader.leader.liveness._ever_connected)
+    eventually(lambda: gone in leader.leader.liveness.answered())
     c.crash(victim)
     victim.liveness.close(goodbye=False)  # killed: its kernel closes the sockets
     new = c.wait_plan(lambda p: p.generation == 2, timeout=10)
@@ -291,10 +291,7 @@ def test_a_dead_leader_is_replaced_at_once_by_its_liveness_socket(cluster_factor
         b["handler"] for b in boxes if b["handler"].member.node_id == next(n for n in plan.nodes if n != dead)
     )
     eventually(
-        lambda: (
-            deputy.leader.leader_watch.monitor is not None
-            and dead in deputy.leader.leader_watch.monitor._ever_connected
-        )
+        lambda: deputy.leader.leader_watch.monitor is not None and dead in deputy.leader.leader_watch.monitor.answered()
     )
     c.crash(old)
     old.liveness.close(goodbye=False)
@@ -307,6 +304,52 @@ def test_a_dead_leader_is_replaced_at_once_by_its_liveness_socket(cluster_factor
     ], [e.line() for e in lost]
     leaders = [e.node for e in c.events() if e.kind == "leader"]
     assert leaders[0] == dead and len(leaders) == 2
+
+
+def test_a_leader_dead_with_another_node_is_replaced_and_both_are_left_out_at_once(cluster_factory) -> None:
+    """The leader's agent and another one die together (leases valid for a minute, no worker
+    checked in): the deputy watched both, so the leader it becomes knows the other refused
+    address for a death too, and the first re-plan leaves both out (not one now and the other
+    when its lease expires)."""
+    c = cluster_factory(min_nodes=2, max_nodes=4, lease_ttl="60")
+    boxes = c.start(4)
+    join_all(boxes)
+    plan, old = c.plan(), leading(boxes)
+    handlers = {b["handler"].member.node_id: b["handler"] for b in boxes}
+    roster = Roster.parse(c.client.get_json(c.keys.roster)[0])
+    deputy_id = next(n for n in roster.nodes if n != old.member.node_id)
+    layers = {s.node: tuple(s.layers()) for p in plan.pipelines for s in p.stages}
+    # dies with the leader and leaves a copy of every layer: a holder of the other layers
+    other = handlers[
+        next(
+            n
+            for n in plan.nodes
+            if n not in (old.member.node_id, deputy_id) and layers[n] != layers[old.member.node_id]
+        )
+    ]
+    deputy = handlers[deputy_id]
+    gone = {old.member.node_id, other.member.node_id}
+    eventually(
+        lambda: deputy.leader.leader_watch.monitor is not None and gone <= deputy.leader.leader_watch.monitor.answered()
+    )
+    for victim in (old, other):  # killed at the same moment: their kernels close the sockets
+        victim.liveness.close(goodbye=False)
+    for victim in (old, other):
+        c.crash(victim)
+    new = c.wait_plan(lambda p: p.generation == 2, timeout=10)
+    assert set(new.nodes) == set(plan.nodes) - gone, "\n".join(e.line() for e in c.events())
+    lost: dict[str, str] = {}
+    for e in c.events():
+        if e.kind == "lost":
+            lost.setdefault(e.node, e.detail)  # the first (the new leader's re-plan repeats them)
+    assert lost == {
+        old.member.node_id: f"leader {old.member.node_id}: its agent's liveness socket closed and refused a new "
+        "connection: the agent died; revoked its lease",
+        other.member.node_id: "its agent's liveness socket closed and refused a new connection: the agent died "
+        f"(with leader {old.member.node_id}); the deputy revoked its lease",
+    }
+    leaders = [e.node for e in c.events() if e.kind == "leader"]
+    assert leaders[0] == old.member.node_id and len(leaders) == 2 and leaders[1] in new.nodes
 
 
 def test_a_roll_call_right_after_an_etcd_outage_holds_its_verdict(cluster_factory) -> None:

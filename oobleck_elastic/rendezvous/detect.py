@@ -43,7 +43,7 @@ from ..planning import Plan
 from .decide import Detector
 from ..records.keys import Keys
 from .liveness import LIVENESS_LOST, LivenessMonitor
-from .membership import put_event
+from .membership import live_nodes, put_event
 from ..records.control import Checkin, CheckinKind, Event, EventKind, NodeRecord, Ping, Roster, read_leader
 
 log = JobLog(logging.getLogger(__name__))
@@ -245,13 +245,21 @@ class Monitor(Protocol):
 
     def take_dead(self) -> set[str]: ...
 
+    def sync(self, timeout_s: float = 0.5) -> None: ...
+
     def close(self) -> None: ...
 
 
 class LeaderWatch:
     """The deputy's fast path (liveness.py): the roster's first node other than the leader holds a
     liveness connection to the leader's agent; when it finds the agent gone it revokes the
-    leader's lease at once (the leader key and its node record go with it), and campaigns."""
+    leader's lease at once (the leader key and its node record go with it), and campaigns.
+
+    It holds one to every other node of the roster as well. A refused connection proves a death
+    only at an address that answered before (a wrong `--local-addr` is refused too), and a new
+    leader has answered nobody yet: when the leader dies with other nodes (a rack, a spot wave),
+    the deputy that takes over knows at once which of them are dead as well (`hand_over`) instead
+    of waiting for their leases."""
 
     def __init__(
         self,
@@ -266,45 +274,77 @@ class LeaderWatch:
         self.client, self.keys, self.node_id, self.reader = client, keys, node_id, reader
         self.on_dead = on_dead
         self.monitor: Optional[Monitor] = monitor  # a LivenessMonitor, made when first needed
-        self._record: Optional[tuple[str, Optional[NodeRecord]]] = None  # (leader node, its record), cached
+        # ((roster generation, leader), the leader's record, the other roster nodes' records), cached
+        self._record: Optional[tuple[tuple[int, str], Optional[NodeRecord], dict[str, NodeRecord]]] = None
+        self._others_dead: set[str] = set()  # roster nodes other than the leader found dead
 
-    def watch(self, leader: Optional[NodeRecord]) -> None:
-        """Hold a liveness connection to `leader`'s agent (None: to nobody)."""
+    def watch(self, leader: Optional[NodeRecord], others: Optional[dict[str, str]] = None) -> None:
+        """Hold liveness connections to `leader`'s agent and to `others` (node -> address);
+        None: to nobody."""
         if leader is None or not leader.liveness:
             if self.monitor is not None:
                 self.monitor.watch({})
+            self._others_dead.clear()
             return
         if self.monitor is None:
             self.monitor = LivenessMonitor(name=f"node {self.node_id}", on_dead=self.on_dead)
-        self.monitor.watch({leader.node_id: leader.liveness})
+        targets = {**(others or {}), leader.node_id: leader.liveness}
+        self.monitor.watch(targets)
+        self._others_dead &= set(targets)
 
     def check(self, roster: Optional[Roster]) -> bool:
         """Whether the leader's agent was found dead (then its lease was revoked here)."""
         leader = read_leader(self.reader, self.keys)
         node = leader.node_id if leader is not None else None
         deputy = next((n for n in roster.nodes if n != node), None) if roster is not None else None
-        if node is None or deputy != self.node_id:  # one agent watches: the roster's first other node
+        if node is None or roster is None or deputy != self.node_id:  # one agent watches: the roster's first other node
             self.watch(None)
             return False
-        if self._record is None or self._record[0] != node:
-            rec_data, _ = self.client.get_json(self.keys.node(node))  # once per leader: not mirrored here
-            self._record = (
-                node,
-                NodeRecord.parse(rec_data, key=self.keys.node(node)) if rec_data is not None else None,
-            )
-        known = self._record[1]
-        self.watch(known)
-        if known is None or self.monitor is None or node not in self.monitor.take_dead():
+        if self._record is None or self._record[0] != (roster.generation, node):
+            # once per generation and leader (not mirrored here): the records give the addresses
+            records = {r.node_id: r for r in live_nodes(self.client, self.keys)}
+            others = {n: r for n, r in records.items() if n in roster.nodes and n not in (node, self.node_id)}
+            self._record = ((roster.generation, node), records.get(node), others)
+        _, known, others = self._record
+        self.watch(known, {n: r.liveness for n, r in others.items() if r.liveness})
+        if known is None or self.monitor is None:
             return False
-        try:
-            self.client.revoke_lease(known.lease_id)
-        except Exception as err:  # noqa: BLE001 - another agent revoked it first
-            log.at(node=self.node_id).info("leader %s's lease is gone already (%s)", node, type(err).__name__)
-            return True
-        detail = f"leader {node}: {LIVENESS_LOST}; revoked its lease"
-        log.at(node=self.node_id).warning("%s", detail)
-        put_event(self.client, self.keys, Event(time=time.time(), kind=EventKind.LOST, node=node, detail=detail))
+        dead = self.monitor.take_dead()
+        if node in dead:  # who died with it: every connection that closed by now has its verdict
+            self.monitor.sync()
+            dead |= self.monitor.take_dead()
+        self._others_dead |= dead - {node}
+        if node not in dead:
+            return False
+        # the nodes that died with it first: their records are gone before the election that the
+        # leader's revoked lease starts, so whoever leads next leaves them out at once
+        for other in sorted(self._others_dead & set(others)):
+            self._revoke(others[other], f"{LIVENESS_LOST} (with leader {node}); the deputy revoked its lease")
+        self._revoke(known, f"leader {node}: {LIVENESS_LOST}; revoked its lease")
         return True
+
+    def _revoke(self, record: NodeRecord, detail: str) -> bool:
+        """Revoke the lease of a node found dead and say so in a `lost` event; False when its
+        lease was gone already (another agent revoked it, or it expired)."""
+        try:
+            self.client.revoke_lease(record.lease_id)
+        except Exception as err:  # noqa: BLE001 - another agent revoked it first
+            log.at(node=self.node_id).info("node %s's lease is gone already (%s)", record.node_id, type(err).__name__)
+            return False
+        log.at(node=self.node_id).warning("node %s: %s", record.node_id, detail)
+        put_event(
+            self.client, self.keys, Event(time=time.time(), kind=EventKind.LOST, node=record.node_id, detail=detail)
+        )
+        return True
+
+    def hand_over(self) -> tuple[Optional[Monitor], set[str]]:
+        """For the leader this agent becomes: the monitor, whose connections are the proof that a
+        refused address is a dead agent, and the other nodes it found dead (not acted on yet).
+        This watch holds nothing afterwards."""
+        monitor, dead = self.monitor, set(self._others_dead)
+        self.monitor, self._record = None, None
+        self._others_dead.clear()
+        return monitor, dead
 
     def close(self) -> None:
         if self.monitor is not None:

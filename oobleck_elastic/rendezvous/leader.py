@@ -169,7 +169,6 @@ class Leader:
                 if read_closed(self.view, self.keys) is not None:
                     pass  # the job is over: nothing to lead (agents leaving must not re-elect)
                 elif self._campaign():
-                    self.leader_watch.watch(None)
                     self._lead()
                 else:
                     roster = self._rosters.read(self.view)
@@ -267,7 +266,7 @@ class Leader:
         """Mirror what the leader reads while it leads (`Keys.leader_watched`), and lead."""
         if isinstance(self.view, Mirror):
             self.view.add(self.keys.leader_watched())
-        self.liveness = LivenessMonitor(name=f"leader {self.member.node_id}", on_dead=self._nudge)
+        self.liveness = self._monitor_to_lead()
         try:
             self._lead_loop()
         finally:
@@ -276,6 +275,21 @@ class Leader:
             self._pending_dead.clear()
             if isinstance(self.view, Mirror) and not self.view.error:
                 self.view.remove(self.keys.leader_watched())
+
+    def _monitor_to_lead(self) -> LivenessMonitor:
+        """The deputy's liveness monitor when this agent was the deputy (its connections prove the
+        deaths of nodes that died with the old leader: detect.py, `LeaderWatch`), else a new one."""
+        monitor, dead = self.leader_watch.hand_over()
+        name = f"leader {self.member.node_id}"
+        if not isinstance(monitor, LivenessMonitor):
+            if monitor is not None:
+                monitor.close()
+            return LivenessMonitor(name=name, on_dead=self._nudge)
+        monitor.name, monitor.on_dead = name, self._nudge
+        now = time.monotonic()
+        for node in dead:
+            self._pending_dead.setdefault(node, now)
+        return monitor
 
     def _lead_loop(self) -> None:
         """The leader's loop: read what it sees into a `LeaderView` (the detectors run meanwhile),

@@ -123,7 +123,7 @@ class LivenessMonitor:
         self._next_try: dict[str, float] = {}
         self._dead: set[str] = set()
         self._reported: set[str] = set()
-        self._ever_connected: set[str] = set()  # only an address that answered before proves a death
+        self._reached: dict[str, tuple[str, int]] = {}  # only an address that answered before proves a death
         self._left: set[str] = set()  # agents that said goodbye
         self._warned: set[str] = set()
         self._selector = selectors.DefaultSelector()
@@ -134,6 +134,7 @@ class LivenessMonitor:
         self._wake_w.setblocking(False)  # a full buffer of unread wake-ups must not block watch()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._stop = threading.Event()
+        self._rounds, self._rounds_done = 0, threading.Condition()  # the thread's rounds so far (sync)
         self._thread = threading.Thread(target=self._run, name=f"oobleck-{name}", daemon=True)
         self._thread.start()
 
@@ -147,6 +148,12 @@ class LivenessMonitor:
             self._dead &= set(parsed)
             self._left &= set(parsed)
         self._wake()
+
+    def answered(self) -> set[str]:
+        """The nodes whose current address accepted a connection of this monitor at least once
+        (at those, and only those, a refused connection is a death)."""
+        with self._lock:
+            return {node for node, addr in self._reached.items() if self._targets.get(node) == addr}
 
     def take_dead(self) -> set[str]:
         """Nodes found dead since the last call (each reported once)."""
@@ -185,6 +192,21 @@ class LivenessMonitor:
                         pass
                 else:
                     self._closed(key.data)
+            with self._rounds_done:
+                self._rounds += 1
+                self._rounds_done.notify_all()
+
+    def sync(self, timeout_s: float = 0.5) -> None:
+        """Return once every connection that had closed when called has had its verdict (the
+        thread finished a whole round begun after this call), or after `timeout_s`. An agent that
+        acts on one death (a deputy on the leader's) sees who died with it."""
+        if self._stop.is_set() or threading.current_thread() is self._thread:
+            return
+        with self._rounds_done:
+            target = self._rounds + 2  # the round running now may have polled before the call
+        self._wake()
+        with self._rounds_done:
+            self._rounds_done.wait_for(lambda: self._rounds >= target or self._stop.is_set(), timeout_s)
 
     def _sleep_s(self) -> float:
         """Until the next retry of a target not connected yet, at most IDLE_S (the targets that
@@ -213,7 +235,7 @@ class LivenessMonitor:
         try:
             sock = socket.create_connection(addr, timeout=self.connect_timeout_s)
         except ConnectionRefusedError:
-            if node in self._ever_connected:
+            if self._reached.get(node) == addr:
                 self._found_dead(node, addr)
             else:  # never reached there: a wrong address proves nothing about the agent
                 self._next_try[node] = time.monotonic() + self.retry_s
@@ -233,7 +255,7 @@ class LivenessMonitor:
             log.debug("%s: no connection to node %s at %s:%d (%s); trying again later", self.name, node, *addr, err)
             return
         sock.setblocking(False)
-        self._ever_connected.add(node)
+        self._reached[node] = addr
         self._socks[node] = sock
         self._selector.register(sock, selectors.EVENT_READ, node)
 
