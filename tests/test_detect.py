@@ -227,15 +227,20 @@ def test_the_leader_watch_watches_the_roster_and_revokes_those_dead_with_the_lea
     assert watch.check(roster)
     assert [kv.get(KEYS.node(n)) is None for n in ("n0", "n2", "n3")] == [True, True, False]
     assert [(ev.kind, ev.node) for _, ev in read_events(kv, KEYS)] == [(EventKind.LOST, "n2"), (EventKind.LOST, "n0")]
+    # no leader yet: the watch goes on (a node that died with the old one has a verdict for the next)
+    assert not watch.check(roster) and set(monitor.targets) == {"n0", "n2", "n3"}
     assert watch.hand_over() == (monitor, {"n2"}) and watch.monitor is None
 
 
-def test_only_the_rosters_first_other_node_watches_the_leader() -> None:
-    kv, monitor = cluster(3, liveness="h:1"), FakeMonitor()
-    watch = LeaderWatch(kv, KEYS, node_id="n2", reader=kv, monitor=monitor)
+def test_only_the_rosters_first_three_other_nodes_watch_the_leader() -> None:
+    kv, monitor = cluster(5, liveness="h:1"), FakeMonitor()
+    watch = LeaderWatch(kv, KEYS, node_id="n4", reader=kv, monitor=monitor)
     monitor.dead = {"n0"}
-    assert not watch.check(Roster(3, ("n0", "n1", "n2"))) and monitor.targets == {}
+    assert not watch.check(Roster(3, ("n0", "n1", "n2", "n3", "n4"))) and monitor.targets == {}
     assert kv.get(KEYS.leader) is not None
+    third = LeaderWatch(kv, KEYS, node_id="n3", reader=kv, monitor=FakeMonitor())
+    assert not third.check(Roster(3, ("n0", "n1", "n2", "n3", "n4")))
+    assert third.monitor is not None and set(third.monitor.targets) == {"n0", "n1", "n2", "n4"}
 
 
 def test_a_leader_without_a_liveness_address_is_not_watched() -> None:

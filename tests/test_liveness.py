@@ -75,3 +75,23 @@ def test_an_agent_that_leaves_cleanly_is_no_death() -> None:
         assert monitor.take_dead() == set() and "a" not in monitor._socks
     finally:
         monitor.close()
+
+
+def test_a_refused_address_is_a_death_only_where_it_answered_or_was_vouched_for() -> None:
+    """A new leader's monitor has reached nobody: the old leader's `liveness_answered` vouches for
+    the addresses it reached, and only those then prove a death when they refuse."""
+    vouched, unknown = LivenessServer("127.0.0.1"), LivenessServer("127.0.0.1")
+    addresses = {"v": vouched.address, "u": unknown.address}
+    vouched.close(goodbye=False)
+    unknown.close(goodbye=False)  # both refuse from now on
+    woke: list[str] = []
+    monitor = LivenessMonitor(on_dead=woke.append, retry_s=0.05)
+    try:
+        monitor.vouch({"v": addresses["v"], "x": "not an address"})
+        monitor.watch(addresses)
+        monitor.sync()
+        eventually(lambda: woke == ["v"], timeout=5)
+        time.sleep(0.3)  # "u" was tried again several times meanwhile
+        assert woke == ["v"] and monitor.take_dead() == {"v"} and monitor.answered() == {"v"}
+    finally:
+        monitor.close()

@@ -12,6 +12,7 @@ from oobleck_elastic.etcd.memory import MemoryKV
 from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.records.control import (
     Admission,
+    AnsweredRecord,
     Checkin,
     CheckinKind,
     FenceRecord,
@@ -38,6 +39,7 @@ def test_leaf_keys_are_the_layout_of_the_table() -> None:
     assert KEYS.pong("node2") == KEYS.pongs + "node2" == "/oobleck/r/pong/node2"
     assert KEYS.probe("node0", 1, 42) == "/oobleck/r/probe/node0/1/42"
     assert KEYS.plan_at(3) == "/oobleck/r/plans/00000003"
+    assert KEYS.liveness_answered == "/oobleck/r/liveness_answered"
     assert KEYS.leader_watched() == [
         "/oobleck/r/plan",
         "/oobleck/r/nodes/",
@@ -70,6 +72,10 @@ def test_keys_parse_back_what_they_build() -> None:
             ProfileClaim(node="node0", local_rank=1, pid=7, time=1.5),
             {"schema_version": 1, "node": "node0", "local_rank": 1, "pid": 7, "time": 1.5},
         ),
+        (
+            AnsweredRecord(generation=3, addresses={"node1": "h:80"}),
+            {"schema_version": 1, "generation": 3, "addresses": {"node1": "h:80"}},
+        ),
     ],
 )
 def test_records_write_the_fields_of_the_table_and_read_them_back(record, wire) -> None:
@@ -89,6 +95,8 @@ def test_records_write_the_fields_of_the_table_and_read_them_back(record, wire) 
         (LeaderRecord, {"since": 1.0}),
         (LeaderRecord, "garbage"),
         (ProfileClaim, {"time": 1.0, "node": 3}),
+        (AnsweredRecord, {"schema_version": 1, "generation": 3, "addresses": {"node1": 80}}),
+        (AnsweredRecord, {"generation": 3, "addresses": {}}),
     ],
 )
 def test_malformed_values_are_refused(cls, bad) -> None:

@@ -22,7 +22,8 @@ from helpers import TINY_PROFILE_OVERRIDES, eventually, tiny_profile
 from oobleck_elastic.planning import Plan
 from oobleck_elastic.rendezvous.handler import OobleckRendezvousHandler
 from oobleck_elastic.records.keys import Keys
-from oobleck_elastic.records.control import Checkin, CheckinKind, ReadyRecord, Roster
+from oobleck_elastic.records.control import AnsweredRecord, Checkin, CheckinKind, ReadyRecord, Roster, read_answered
+from oobleck_elastic.rendezvous import detect
 from oobleck_elastic.rendezvous.membership import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -350,6 +351,35 @@ def test_a_leader_dead_with_another_node_is_replaced_and_both_are_left_out_at_on
     }
     leaders = [e.node for e in c.events() if e.kind == "leader"]
     assert leaders[0] == old.member.node_id and len(leaders) == 2 and leaders[1] in new.nodes
+
+
+def test_a_new_leader_takes_the_addresses_its_predecessor_reached_as_proof(cluster_factory, monkeypatch) -> None:
+    """No agent watches the leader's socket here (its death is found by the deputy's ping), so
+    only the old leader's `liveness_answered` tells the new one that the refused address of a
+    node that died with it is a dead agent, not a wrong --local-addr: the node is left out as
+    found dead by its socket, in the same re-plan as the leader."""
+    monkeypatch.setattr(detect, "LEADER_WATCHERS", 0)
+    c = cluster_factory(min_nodes=2, max_nodes=4, lease_ttl="60")
+    boxes = c.start(4)
+    join_all(boxes)
+    plan, old = c.plan(), leading(boxes)
+    handlers = {b["handler"].member.node_id: b["handler"] for b in boxes}
+    layers = {s.node: tuple(s.layers()) for p in plan.pipelines for s in p.stages}
+    me = old.member.node_id
+    other = handlers[next(n for n in plan.nodes if n != me and layers[n] != layers[me])]
+    others = set(plan.nodes) - {me}
+    eventually(lambda: set((read_answered(c.client, c.keys) or AnsweredRecord(0, {})).addresses) == others)
+    assert read_answered(c.client, c.keys).addresses[other.member.node_id] == other.liveness.address
+    for victim in (old, other):
+        victim.liveness.close(goodbye=False)
+    for victim in (old, other):
+        c.crash(victim)
+    for node in others - {other.member.node_id}:
+        checkin(c, plan, node, "failure")
+    new = c.wait_plan(lambda p: p.generation == 2, timeout=10)
+    assert set(new.nodes) == others - {other.member.node_id}, "\n".join(e.line() for e in c.events())
+    lost = [e for e in c.events() if e.kind == "lost" and e.node == other.member.node_id]
+    assert lost[0].detail == "its agent's liveness socket closed and refused a new connection: the agent died"
 
 
 def test_a_roll_call_right_after_an_etcd_outage_holds_its_verdict(cluster_factory) -> None:

@@ -163,6 +163,35 @@ class Roster:
 
 
 @dataclass(frozen=True)
+class AnsweredRecord:
+    """The value of `liveness_answered`: the liveness addresses of plan nodes that accepted the
+    leader's connection. A refused connection proves a death only at an address that answered
+    before (rendezvous/liveness.py); a new leader has reached nobody yet and takes these as
+    answered, so nodes that died with the old leader are found dead by their sockets too."""
+
+    generation: int
+    """The generation whose leader wrote it."""
+    addresses: dict[str, str]
+    """Node -> the "host:port" that answered."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "generation": self.generation, "addresses": dict(self.addresses)}
+
+    @classmethod
+    def parse(cls, data: Any) -> "AnsweredRecord":
+        if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError("not a liveness_answered record")
+        generation, addresses = data.get("generation"), data.get("addresses")
+        if (
+            not isinstance(generation, int)
+            or not isinstance(addresses, dict)
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in addresses.items())
+        ):
+            raise ValueError(f"generation {generation!r} / addresses {str(addresses)[:40]} are not one")
+        return cls(generation=generation, addresses=dict(addresses))
+
+
+@dataclass(frozen=True)
 class ClosedRecord:
     """The value of `closed`: the job ended (finished, or `failed` with `reason`)."""
 
@@ -488,6 +517,11 @@ def _read_prefix(reader: KVReader, prefix: str, parse: Callable[[Any], T]) -> It
 def read_roster(reader: KVReader, keys: Keys) -> Optional[Roster]:
     """The current roster, or None (no plan yet, or a malformed value)."""
     return _read_record(reader, keys.roster, Roster.parse)
+
+
+def read_answered(reader: KVReader, keys: Keys) -> Optional[AnsweredRecord]:
+    """The liveness addresses the last leader reached, or None."""
+    return _read_record(reader, keys.liveness_answered, AnsweredRecord.parse)
 
 
 def read_progress(reader: KVReader, keys: Keys) -> Optional[ProgressRecord]:

@@ -78,6 +78,11 @@ class Keys:
         return self.root + "roster"
 
     @property
+    def liveness_answered(self) -> str:
+        """The liveness addresses the leader reached (`AnsweredRecord`): a new leader's proof."""
+        return self.root + "liveness_answered"
+
+    @property
     def plans(self) -> str:
         """Prefix of the plan history."""
         return self.root + "plans/"

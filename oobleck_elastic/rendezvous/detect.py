@@ -15,9 +15,10 @@ waits for an etcd lease to expire when the evidence is already there:
   check-in once it has entered the generation). Right after an etcd outage, silence proves
   nothing (records expired, agents' watches were down): the leader holds the verdict until the
   outage is a lease TTL + settle past (leader.py), and a deputy deposes no leader meanwhile.
-- `LeaderWatch` (run by every other agent; acts on the roster's first node other than the
-  leader): holds a liveness connection to the leader's agent and revokes the lease of a leader
-  found dead (liveness.py), without waiting for workers to check in.
+- `LeaderWatch` (run by every other agent; acts on the roster's first `LEADER_WATCHERS` nodes
+  other than the leader): holds a liveness connection to the leader's agent and to every other
+  roster node, and revokes the lease of a leader found dead (liveness.py), and of the nodes found
+  dead with it, without waiting for workers to check in.
 - `Deputy` (run by every other agent): when the LEADER dies, nobody runs the roll call and its
   `leader` key would outlive it by the lease TTL. So while a roll call is open and none of the
   leader node's own workers has checked in, the first plan node (in plan order) that has checked
@@ -250,10 +251,16 @@ class Monitor(Protocol):
     def close(self) -> None: ...
 
 
+LEADER_WATCHERS = 3
+"""How many agents watch the leader's liveness socket (the roster's first nodes other than the
+leader's): a leader that dies with up to LEADER_WATCHERS - 1 of them is still found by its socket."""
+
+
 class LeaderWatch:
-    """The deputy's fast path (liveness.py): the roster's first node other than the leader holds a
-    liveness connection to the leader's agent; when it finds the agent gone it revokes the
-    leader's lease at once (the leader key and its node record go with it), and campaigns.
+    """The deputies' fast path (liveness.py): the roster's first `LEADER_WATCHERS` nodes other
+    than the leader hold a liveness connection to the leader's agent; the first that finds the
+    agent gone revokes the leader's lease at once (the leader key and its node record go with
+    it), and campaigns.
 
     It holds one to every other node of the roster as well. A refused connection proves a death
     only at an address that answered before (a wrong `--local-addr` is refused too), and a new
@@ -296,9 +303,17 @@ class LeaderWatch:
         """Whether the leader's agent was found dead (then its lease was revoked here)."""
         leader = read_leader(self.reader, self.keys)
         node = leader.node_id if leader is not None else None
-        deputy = next((n for n in roster.nodes if n != node), None) if roster is not None else None
-        if node is None or roster is None or deputy != self.node_id:  # one agent watches: the roster's first other node
+        if roster is None or (node is None and self._record is None):
             self.watch(None)
+            return False
+        if node is None:  # between a revoked leader and the next: keep watching, act on no one
+            assert self._record is not None
+            _, known, others = self._record
+            self.watch(known, {n: r.liveness for n, r in others.items() if r.liveness})
+            return False
+        if self.node_id not in [n for n in roster.nodes if n != node][:LEADER_WATCHERS]:
+            self.watch(None)
+            self._record = None
             return False
         if self._record is None or self._record[0] != (roster.generation, node):
             # once per generation and leader (not mirrored here): the records give the addresses

@@ -2,11 +2,13 @@
 
 Every agent runs a `Leader` thread. It campaigns by creating the `leader` key under its own
 node lease (`put_if_not_exists`): exactly one agent holds it, and when that agent dies its lease
-expires and another wins within the TTL plus one poll tick, or much sooner: the deputy (the
-roster's first other node) holds a liveness connection to the leader's agent and revokes the
-lease the moment it finds the agent gone (liveness.py), or confirms by ping, once workers saw the
-failure, that the leader is gone (detect.py). While leading, the leader holds a liveness
-connection to every other agent of the plan and re-plans without a dead one at once.
+expires and another wins within the TTL plus one poll tick, or much sooner: the deputies (the
+roster's first three other nodes) hold a liveness connection to the leader's agent and revoke
+the lease the moment they find the agent gone (liveness.py), or one confirms by ping, once
+workers saw the failure, that the leader is gone (detect.py). While leading, the leader holds a
+liveness connection to every other agent of the plan and re-plans without a dead one at once;
+it records the addresses that answered it (`liveness_answered`), and a new leader takes them as
+answered (a refused connection there is a death), with the winning deputy's own connections.
 
 The leader polls membership (node records) and, whenever the set of usable nodes differs from
 the current plan's nodes for longer than the settle window (which batches simultaneous
@@ -63,6 +65,7 @@ from .membership import Member, live_nodes, put_event
 from ..records.plans import PlanReader, RosterReader, newest_history_plan
 from ..records.control import (
     Admission,
+    AnsweredRecord,
     ClosedRecord,
     Event,
     EventKind,
@@ -76,6 +79,7 @@ from ..records.control import (
     read_closed,
     read_fences,
     read_ready,
+    read_answered,
     readiness_withdrawn,
 )
 
@@ -139,6 +143,8 @@ class Leader:
         self._unplannable: Optional[tuple[tuple[str, ...], int]] = None
         self.liveness: Optional[LivenessMonitor] = None  # connections to the plan's agents while leading
         self._pending_dead: dict[str, float] = {}  # found dead by liveness -> when (monotonic)
+        self._answered: Optional[tuple[int, dict[str, str]]] = None  # last written (generation, addresses)
+        self._first_detect = True  # a new leader syncs its monitor before its first verdict
         self.rollcall = RollCall(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view)
         self.deputy = Deputy(
             client,
@@ -284,12 +290,27 @@ class Leader:
         if not isinstance(monitor, LivenessMonitor):
             if monitor is not None:
                 monitor.close()
-            return LivenessMonitor(name=name, on_dead=self._nudge)
+            monitor = LivenessMonitor(name=name, on_dead=self._nudge)
         monitor.name, monitor.on_dead = name, self._nudge
         now = time.monotonic()
         for node in dead:
             self._pending_dead.setdefault(node, now)
+        answered = read_answered(self.client, self.keys)  # what the last leader reached
+        if answered is not None:
+            monitor.vouch(answered.addresses)
+        self._answered, self._first_detect = None, True
         return monitor
+
+    def _write_answered(self, plan: Plan, records: list[NodeRecord]) -> None:
+        """Keep `liveness_answered` to the plan's addresses this leader's monitor reached (a
+        few writes per generation: when the set grows), for the next leader (`_monitor_to_lead`)."""
+        assert self.liveness is not None
+        reached = self.liveness.answered() & set(plan.nodes)
+        addresses = {r.node_id: r.liveness for r in records if r.node_id in reached and r.liveness}
+        if not addresses or self._answered == (plan.generation, addresses):
+            return
+        self.client.put_json(self.keys.liveness_answered, AnsweredRecord(plan.generation, addresses).to_json())
+        self._answered = (plan.generation, addresses)
 
     def _lead_loop(self) -> None:
         """The leader's loop: read what it sees into a `LeaderView` (the detectors run meanwhile),
@@ -362,6 +383,10 @@ class Leader:
         self.liveness.watch(
             {r.node_id: r.liveness for r in records if r.node_id in plan.nodes and r.node_id != me and r.liveness}
         )
+        if self._first_detect:  # a new leader: the vouched addresses get their verdicts first
+            self._first_detect = False
+            self.liveness.sync()
+        self._write_answered(plan, records)
         now = time.monotonic()
         for node in self.liveness.take_dead() & set(plan.nodes):
             self._pending_dead.setdefault(node, now)

@@ -149,6 +149,15 @@ class LivenessMonitor:
             self._left &= set(parsed)
         self._wake()
 
+    def vouch(self, addresses: dict[str, str]) -> None:
+        """Take these (node -> "host:port") as having answered before: another monitor reached
+        them (a new leader's, from the old leader's `liveness_answered` record)."""
+        with self._lock:
+            for node, address in addresses.items():
+                parsed = parse_address(address)
+                if parsed is not None:
+                    self._reached.setdefault(node, parsed)
+
     def answered(self) -> set[str]:
         """The nodes whose current address accepted a connection of this monitor at least once
         (at those, and only those, a refused connection is a death)."""
