@@ -32,6 +32,7 @@ waits for an etcd lease to expire when the evidence is already there:
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from .decide import Detector
 from ..records.keys import Keys
 from .liveness import LIVENESS_LOST, LivenessMonitor
 from .membership import live_nodes, put_event
-from ..records.control import Checkin, CheckinKind, Event, EventKind, NodeRecord, Ping, Roster, read_leader
+from ..records.control import Checkin, CheckinKind, Event, EventKind, FenceRecord, NodeRecord, Ping, Roster, read_leader
 
 log = JobLog(logging.getLogger(__name__))
 
@@ -334,23 +335,25 @@ class LeaderWatch:
         # the nodes that died with it first: their records are gone before the election that the
         # leader's revoked lease starts, so whoever leads next leaves them out at once
         for other in sorted(self._others_dead & set(others)):
-            self._revoke(others[other], f"{LIVENESS_LOST} (with leader {node}); the deputy revoked its lease")
-        self._revoke(known, f"leader {node}: {LIVENESS_LOST}; revoked its lease")
+            detail = f"{LIVENESS_LOST} (with leader {node}); the deputy revoked its lease"
+            self._revoke(others[other], detail, roster.generation)
+        self._revoke(known, f"leader {node}: {LIVENESS_LOST}; revoked its lease", roster.generation)
         return True
 
-    def _revoke(self, record: NodeRecord, detail: str) -> bool:
-        """Revoke the lease of a node found dead and say so in a `lost` event; False when its
-        lease was gone already (another agent revoked it, or it expired)."""
-        try:
-            self.client.revoke_lease(record.lease_id)
-        except Exception as err:  # noqa: BLE001 - another agent revoked it first
-            log.at(node=self.node_id).info("node %s's lease is gone already (%s)", record.node_id, type(err).__name__)
-            return False
+    def _revoke(self, record: NodeRecord, detail: str, generation: int) -> None:
+        """Fence a node found dead, revoke its lease, and say so in a `lost` event. Several
+        deputies may find the same death: the one whose fence record is the first writes the
+        event (the others' revocations change nothing)."""
+        fence = FenceRecord(time=time.time(), generation=generation).to_json()
+        first = self.client.put_if_absent(self.keys.fence(record.node_id), json.dumps(fence))
+        self.client.revoke_lease(record.lease_id)  # a lease already gone is no error
+        if not first:
+            log.at(node=self.node_id).info("node %s was found dead by another agent too", record.node_id)
+            return
         log.at(node=self.node_id).warning("node %s: %s", record.node_id, detail)
         put_event(
             self.client, self.keys, Event(time=time.time(), kind=EventKind.LOST, node=record.node_id, detail=detail)
         )
-        return True
 
     def hand_over(self) -> tuple[Optional[Monitor], set[str]]:
         """For the leader this agent becomes: the monitor, whose connections are the proof that a
