@@ -276,17 +276,23 @@ def run_mode(
             peer=peer,
             store=store,
         )
-    times, snap_times, other_times, stage_times, sent, reference = [], [], [], [], 0, None
+    times: list[float] = []
+    snap_times: list[float] = []
+    other_times: list[float] = []
+    stage_times: list[float] = []
+    sent, reference = 0, None
     loss = torch.tensor(0.0)
     for step in range(args.steps):
         t0 = time.perf_counter()
-        for p, g in zip(params, saved):  # the device's backward: this step's gradients
-            p.grad = g.clone()
+        now = [g.clone() for g in saved]  # the device's backward: this step's gradients
+        for p, g in zip(params, now):
+            p.grad = g
         time.sleep(max(0.0, t0 + args.step_s - time.perf_counter()))
         posted = link.post(model, store) if link is not None else None
-        if link is not None:
-            sent += sum(t.numel() * 4 for t in posted.keep.values())  # type: ignore[union-attr]
-        local = torch.stack([sum(g.double().pow(2).sum() for g in (p.grad for p in params)), loss.double()])
+        if posted is not None:
+            sent += sum(t.numel() * 4 for t in posted.keep.values())
+        norm = sum((g.double().pow(2).sum() for g in now), torch.zeros((), dtype=torch.float64))
+        local = torch.stack([norm, loss.double()])
         dist.all_reduce(local, group=groups["step"])
         norm2 = float(local[0])
         if posted is not None:
@@ -367,7 +373,7 @@ def real_grads(cfg: JobConfig) -> dict[str, torch.Tensor]:
     name (layer index.local name), the same on both workers (same seed, same tokens)."""
     model = build_layer_model(cfg.model, seed=cfg.training.seed, device="cpu")
     gen = torch.Generator().manual_seed(cfg.training.seed)
-    shape = (cfg.training.microbatch_size, cfg.data.seq_len)
+    shape = (int(cfg.training.microbatch_size), cfg.data.seq_len)
     x = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
     y = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
     model.loss_fn(model(x), y).backward()
