@@ -76,7 +76,7 @@ is then torn if the holder dies mid-transfer) or into freshly allocated tensors.
 buffer does the same copy as the stager, goes in one send, and lands whole before it is unpacked:
 so plain gloo send/recv of one flat fp32 tensor per snapshot, as `ShadowLink` does for gradients.
 
-Run (about 5 minutes with the defaults on 2 cores: 5 modes x 3 repeats x 12 steps x 1.2 s, plus
+Run (4 minutes with the defaults on 2 cores: 5 modes x 3 repeats x 12 steps x 1.2 s, plus
 building the layers for each run):
 
     .venv/bin/python bench/shadow_designs.py [--repeats 3] [--steps 12] [--warmup 2] [--step-s 1.2]
