@@ -198,8 +198,8 @@ class FakeMonitor:
         dead, self.dead = self.dead & set(self.targets), set()
         return dead
 
-    def sync(self, timeout_s: float = 0.5) -> None:
-        pass
+    def sync(self, timeout_s: float = 0.5) -> bool:
+        return True
 
     def close(self) -> None:
         pass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import time
 
+from oobleck_elastic.rendezvous import liveness
 from oobleck_elastic.rendezvous.liveness import LivenessMonitor, LivenessServer, parse_address
 
 from helpers import eventually
@@ -95,3 +96,23 @@ def test_a_refused_address_is_a_death_only_where_it_answered_or_was_vouched_for(
         assert woke == ["v"] and monitor.take_dead() == {"v"} and monitor.answered() == {"v"}
     finally:
         monitor.close()
+
+
+def test_sync_returns_once_the_closed_connections_have_their_verdicts(monkeypatch) -> None:
+    """An idle monitor sleeps up to IDLE_S between polls (here a minute): `sync` must not wait for
+    it, whether its thread was polling or busy when called, and the verdicts are in when it returns."""
+    monkeypatch.setattr(liveness, "IDLE_S", 60.0)
+    servers = {name: LivenessServer("127.0.0.1") for name in "abc"}
+    monitor = LivenessMonitor()
+    try:
+        monitor.watch({name: server.address for name, server in servers.items()})
+        eventually(lambda: len(monitor.answered()) == 3)
+        assert monitor.sync(timeout_s=20)  # idle: its poll began before the call
+        servers["b"].close(goodbye=False)
+        servers["c"].close(goodbye=False)
+        assert monitor.sync(timeout_s=20) and monitor.take_dead() == {"b", "c"}
+        assert monitor.sync(timeout_s=20) and monitor.sync(timeout_s=20)  # again and again, nothing new
+    finally:
+        monitor.close()
+        servers["a"].close()
+    assert not monitor.sync(timeout_s=20)  # closed: nothing to wait for

@@ -134,7 +134,8 @@ class LivenessMonitor:
         self._wake_w.setblocking(False)  # a full buffer of unread wake-ups must not block watch()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._stop = threading.Event()
-        self._rounds, self._rounds_done = 0, threading.Condition()  # the thread's rounds so far (sync)
+        self._synced = threading.Condition()
+        self._sync_asked = self._sync_done = 0  # `sync` calls made, and answered by a whole round
         self._thread = threading.Thread(target=self._run, name=f"oobleck-{name}", daemon=True)
         self._thread.start()
 
@@ -192,7 +193,10 @@ class LivenessMonitor:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._connect_missing()
-            for key, _ in self._selector.select(timeout=self._sleep_s()):
+            with self._synced:
+                asked = self._sync_asked  # a sync asked before this poll is answered by this round
+            pending = asked > self._sync_done
+            for key, _ in self._selector.select(timeout=0.0 if pending else self._sleep_s()):
                 if key.data is None:  # woken: read the wake-ups, then look at the targets again
                     try:
                         while self._wake_r.recv(4096):
@@ -201,21 +205,22 @@ class LivenessMonitor:
                         pass
                 else:
                     self._closed(key.data)
-            with self._rounds_done:
-                self._rounds += 1
-                self._rounds_done.notify_all()
+            with self._synced:
+                self._sync_done = asked
+                self._synced.notify_all()
 
-    def sync(self, timeout_s: float = 0.5) -> None:
+    def sync(self, timeout_s: float = 0.5) -> bool:
         """Return once every connection that had closed when called has had its verdict (the
-        thread finished a whole round begun after this call), or after `timeout_s`. An agent that
-        acts on one death (a deputy on the leader's) sees who died with it."""
+        thread finished a round whose poll began after this call), or after `timeout_s`. An agent that
+        acts on one death (a deputy on the leader's) sees who died with it. False: timed out."""
         if self._stop.is_set() or threading.current_thread() is self._thread:
-            return
-        with self._rounds_done:
-            target = self._rounds + 2  # the round running now may have polled before the call
-        self._wake()
-        with self._rounds_done:
-            self._rounds_done.wait_for(lambda: self._rounds >= target or self._stop.is_set(), timeout_s)
+            return False
+        with self._synced:
+            self._sync_asked += 1
+            ticket = self._sync_asked
+        self._wake()  # a poll that began before the ticket returns; the next one does not block
+        with self._synced:
+            return self._synced.wait_for(lambda: self._sync_done >= ticket and not self._stop.is_set(), timeout_s)
 
     def _sleep_s(self) -> float:
         """Until the next retry of a target not connected yet, at most IDLE_S (the targets that

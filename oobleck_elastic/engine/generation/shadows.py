@@ -18,6 +18,10 @@ abandoned step's gradients are dropped (`discard`). The shadow's parameters and 
 bit-identical to the holders' whenever holders and keepers run AdamW on the same kind of device
 (on GPUs the holders' CUDA kernel and the keeper's CPU kernel round alike to within fp32 rounding).
 
+Chosen by measurement over snapshots every N steps (GEMINI's design, `bench/shadow_designs.py`
+in bench/RESULTS.md): about 1 % a step either way at N = 1, less for snapshots at N >= 4, but a
+recovery from snapshots loses up to N steps and rolls every survivor back; from gradients none.
+
 **Recovery.** Entering a generation, every worker says which generation's shadows it keeps
 current (one all-reduce with the held layouts, entry.py); a layer that no surviving worker holds
 on its devices comes from a surviving keeper of its shadow (reconfigure.py, `plan_transfers`),
