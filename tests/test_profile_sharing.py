@@ -422,7 +422,11 @@ def test_first_nodes_are_admitted_before_the_plan_and_planned_from_the_workers_p
     assert pinned.layers == synthetic_profile().layers
     waits = [e for _, e in read_events(c.client, c.keys) if e.kind == "waiting"]
     assert len(waits) == 1 and "measures the profile" in waits[0].detail
-    lines = [r.getMessage() for r in caplog.records if "profile" in r.getMessage() and "leader" in r.name]
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if "profile" in r.getMessage() and r.name.endswith((".leader", ".profile_wait"))
+    ]
     assert len(lines) == 1, lines  # one line when the wait starts; the next only after ~10 s
 
 

@@ -271,7 +271,7 @@ def test_a_dead_agent_is_replanned_at_once_by_its_liveness_socket(cluster_factor
     victim = next(b["handler"] for b in boxes if b["handler"] is not leader)
     gone = victim.member.node_id
     assert c.client.get_json(c.keys.node(gone))[0]["liveness"] == victim.liveness.address
-    eventually(lambda: gone in leader.leader.liveness.answered())
+    eventually(lambda: gone in leader.leader.liveness.monitor.answered())
     c.crash(victim)
     victim.liveness.close(goodbye=False)  # killed: its kernel closes the sockets
     new = c.wait_plan(lambda p: p.generation == 2, timeout=10)

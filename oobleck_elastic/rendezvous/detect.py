@@ -46,7 +46,19 @@ from .decide import Detector
 from ..records.keys import Keys
 from .liveness import LIVENESS_LOST, LivenessMonitor
 from .membership import live_nodes, put_event
-from ..records.control import Checkin, CheckinKind, Event, EventKind, FenceRecord, NodeRecord, Ping, Roster, read_leader
+from ..records.control import (
+    AnsweredRecord,
+    Checkin,
+    CheckinKind,
+    Event,
+    EventKind,
+    FenceRecord,
+    NodeRecord,
+    Ping,
+    Roster,
+    read_answered,
+    read_leader,
+)
 
 log = JobLog(logging.getLogger(__name__))
 
@@ -367,3 +379,69 @@ class LeaderWatch:
     def close(self) -> None:
         if self.monitor is not None:
             self.monitor.close()
+
+
+class LeaderLiveness:
+    """The leader's fast path while it leads (liveness.py): a connection to every other agent of
+    the plan; a node found dead is pending until `decide` acts on it (`acted`). A new leader has
+    reached nobody yet, so it starts from what it can trust: the monitor of its `LeaderWatch` when
+    it was a deputy (with the nodes found dead with the old leader), and the addresses the last
+    leader reached (`liveness_answered`), taken as answered; and it records those it reaches."""
+
+    def __init__(
+        self, client: KVStore, keys: Keys, *, node_id: str, watch: LeaderWatch, on_dead: Callable[[str], None]
+    ) -> None:
+        self.client, self.keys, self.node_id = client, keys, node_id
+        monitor, dead = watch.hand_over()
+        name = f"leader {node_id}"
+        if not isinstance(monitor, LivenessMonitor):
+            if monitor is not None:
+                monitor.close()
+            monitor = LivenessMonitor(name=name, on_dead=on_dead)
+        monitor.name, monitor.on_dead = name, on_dead
+        self.monitor = monitor
+        now = time.monotonic()
+        self._pending = {node: now for node in dead}  # found dead -> when (monotonic)
+        answered = read_answered(client, keys)  # what the last leader reached
+        if answered is not None:
+            monitor.vouch(answered.addresses)
+        self._written: Optional[tuple[int, dict[str, str]]] = None  # last (generation, addresses) recorded
+        self._synced = False
+
+    def found_dead(self, plan: Plan, records: list[NodeRecord]) -> dict[str, float]:
+        """Nodes of `plan` found dead and not acted on yet -> since when (monotonic). The first
+        call waits for the verdicts at the vouched addresses (`LivenessMonitor.sync`)."""
+        self.monitor.watch(
+            {
+                r.node_id: r.liveness
+                for r in records
+                if r.node_id in plan.nodes and r.node_id != self.node_id and r.liveness
+            }
+        )
+        if not self._synced:
+            self._synced = True
+            self.monitor.sync()
+        self._record_answered(plan, records)
+        now = time.monotonic()
+        for node in self.monitor.take_dead() & set(plan.nodes):
+            self._pending.setdefault(node, now)
+        self._pending = {node: at for node, at in self._pending.items() if node in plan.nodes}
+        return dict(self._pending)
+
+    def acted(self) -> None:
+        """The pending deaths are acted on (a re-plan without them): the next ones start afresh."""
+        self._pending.clear()
+
+    def close(self) -> None:
+        self.monitor.close()
+        self._pending.clear()
+
+    def _record_answered(self, plan: Plan, records: list[NodeRecord]) -> None:
+        """Keep `liveness_answered` to the plan's addresses this leader reached (a few writes per
+        generation: when the set grows), for the next leader."""
+        reached = self.monitor.answered() & set(plan.nodes)
+        addresses = {r.node_id: r.liveness for r in records if r.node_id in reached and r.liveness}
+        if not addresses or self._written == (plan.generation, addresses):
+            return
+        self.client.put_json(self.keys.liveness_answered, AnsweredRecord(plan.generation, addresses).to_json())
+        self._written = (plan.generation, addresses)

@@ -24,17 +24,9 @@ for more (up to `max_nodes`). Nodes beyond `max_nodes` wait as spares and are ad
 member leaves. Below n0 (too few nodes for one replica) nothing is published: one log line and
 a `waiting` event, and the plan follows as soon as enough nodes are back.
 
-The first plan needs the profile, and the profile comes from the devices that train: a worker
-measures it (`WorkerContext.share_profile`) and publishes it under `profiles/<device>`. So, unless
-the profile is at hand already (`planning.profile_path`, or pinned in etcd), the leader first
-*admits* the first nodes (`admitted/<node>`, the same key that lets a late node's agent start its
-workers), their handlers return and their workers start and wait for a plan that gives them a
-stage; once `profile_ready()` says a worker-measured profile is in etcd, the leader plans the
-admitted nodes that are still up (and any admitted meanwhile, up to `max_nodes`) and publishes
-generation 1. The wait costs nothing: the leader mirrors the profile keys (`Keys.leader_watched`),
-asks the planner again only when they changed (the planner reads etcd), and otherwise sleeps until
-a change or its next line. It logs one line about every 10 s; after `profile_timeout_s` without a profile
-the job is closed as failed (`closed` with `failed`), with one error that says what to check.
+The first plan needs the profile, which the workers measure unless it is at hand already: the
+leader then admits the first nodes unplanned and waits for a worker-measured profile
+(profile_wait.py), and closes the job as failed after `profile_timeout_s` without one.
 With the profile at hand nothing changes: the first plan is published as soon as the nodes are
 chosen, and their handlers return once it includes them. A planner error that no number of nodes
 can cure (`JobUnplannable`: no device memory figure, a layer larger than a device) also closes
@@ -56,37 +48,33 @@ from ..etcd.client import KV, warn_once
 from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
-from .decide import Action, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide, plan_events
-from .detect import LOST_BECAUSE, Deputy, LeaderWatch, RollCall
+from .decide import Action, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide
+from .detect import LOST_BECAUSE, Deputy, LeaderLiveness, LeaderWatch, RollCall
+from .profile_wait import ProfileWait
+from .publish import commit_plan, declare_lost, donors
 from ..records.keys import Keys
 from .stragglers import LeaderStragglers
-from .liveness import LivenessMonitor
 from .membership import Member, live_nodes, put_event
 from ..records.plans import PlanReader, RosterReader, newest_history_plan
 from ..records.control import (
     Admission,
-    AnsweredRecord,
     ClosedRecord,
     Event,
     EventKind,
-    FenceRecord,
     LeaderRecord,
     NodeRecord,
     NodeState,
-    Roster,
     is_fenced,
     read_admitted,
     read_closed,
     read_fences,
     read_ready,
-    read_answered,
     readiness_withdrawn,
 )
 
 log = JobLog(logging.getLogger(__name__))
 
 _FENCED_KEEP_S = 600.0
-_TXN_EVENTS = 100  # events written in the plan's transaction at most (etcd allows 128 operations)
 _IDLE_S = 1.0  # the leader's tick while nothing waits on the clock (a change wakes it at once)
 Planner = Callable[[list[str], int, Optional[Plan]], Plan]  # (nodes, generation, previous plan)
 
@@ -128,11 +116,15 @@ class Leader:
         self._rosters = RosterReader(keys)
         self.planner = planner
         # whether the planner has its profile; before it has, the first nodes are admitted unplanned
-        self.profile_ready: Callable[[], bool] = profile_ready or (lambda: True)
-        self.profile_timeout_s, self.profile_log_s = profile_timeout_s, profile_log_s
-        self._profile_wait: tuple[float, float] | None = None  # (since, next progress line), monotonic
-        self._profile_known = False  # profile_ready() said yes (a profile never goes away once pinned)
-        self._profile_seen: Optional[tuple[tuple[str, int], ...]] = None  # the profile keys when last asked
+        self.profiles = ProfileWait(
+            client,
+            keys,
+            self.view,
+            node_id=member.node_id,
+            profile_ready=profile_ready or (lambda: True),
+            timeout_s=profile_timeout_s,
+            log_s=profile_log_s,
+        )
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.last_call_s, self.settle_s, self.tick_s = last_call_s, settle_s, tick_s
         self.is_leader = threading.Event()
@@ -141,10 +133,7 @@ class Leader:
         self._value = b""
         self._waiting_for: Optional[int] = None
         self._unplannable: Optional[tuple[tuple[str, ...], int]] = None
-        self.liveness: Optional[LivenessMonitor] = None  # connections to the plan's agents while leading
-        self._pending_dead: dict[str, float] = {}  # found dead by liveness -> when (monotonic)
-        self._answered: Optional[tuple[int, dict[str, str]]] = None  # last written (generation, addresses)
-        self._first_detect = True  # a new leader syncs its monitor before its first verdict
+        self.liveness: Optional[LeaderLiveness] = None  # connections to the plan's agents while leading
         self.rollcall = RollCall(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view)
         self.deputy = Deputy(
             client,
@@ -272,45 +261,16 @@ class Leader:
         """Mirror what the leader reads while it leads (`Keys.leader_watched`), and lead."""
         if isinstance(self.view, Mirror):
             self.view.add(self.keys.leader_watched())
-        self.liveness = self._monitor_to_lead()
+        self.liveness = LeaderLiveness(
+            self.client, self.keys, node_id=self.member.node_id, watch=self.leader_watch, on_dead=self._nudge
+        )
         try:
             self._lead_loop()
         finally:
             self.liveness.close()
             self.liveness = None
-            self._pending_dead.clear()
             if isinstance(self.view, Mirror) and not self.view.error:
                 self.view.remove(self.keys.leader_watched())
-
-    def _monitor_to_lead(self) -> LivenessMonitor:
-        """The deputy's liveness monitor when this agent was the deputy (its connections prove the
-        deaths of nodes that died with the old leader: detect.py, `LeaderWatch`), else a new one."""
-        monitor, dead = self.leader_watch.hand_over()
-        name = f"leader {self.member.node_id}"
-        if not isinstance(monitor, LivenessMonitor):
-            if monitor is not None:
-                monitor.close()
-            monitor = LivenessMonitor(name=name, on_dead=self._nudge)
-        monitor.name, monitor.on_dead = name, self._nudge
-        now = time.monotonic()
-        for node in dead:
-            self._pending_dead.setdefault(node, now)
-        answered = read_answered(self.client, self.keys)  # what the last leader reached
-        if answered is not None:
-            monitor.vouch(answered.addresses)
-        self._answered, self._first_detect = None, True
-        return monitor
-
-    def _write_answered(self, plan: Plan, records: list[NodeRecord]) -> None:
-        """Keep `liveness_answered` to the plan's addresses this leader's monitor reached (a
-        few writes per generation: when the set grows), for the next leader (`_monitor_to_lead`)."""
-        assert self.liveness is not None
-        reached = self.liveness.answered() & set(plan.nodes)
-        addresses = {r.node_id: r.liveness for r in records if r.node_id in reached and r.liveness}
-        if not addresses or self._answered == (plan.generation, addresses):
-            return
-        self.client.put_json(self.keys.liveness_answered, AnsweredRecord(plan.generation, addresses).to_json())
-        self._answered = (plan.generation, addresses)
 
     def _lead_loop(self) -> None:
         """The leader's loop: read what it sees into a `LeaderView` (the detectors run meanwhile),
@@ -332,7 +292,7 @@ class Leader:
             decision = decide(view, clocks, time.monotonic(), rules)
             clocks = decision.clocks
             self._act(decision, view.plan, rev, records)
-            if decision.action == Action.WAIT_FOR_NODES or self._profile_wait is not None:
+            if decision.action == Action.WAIT_FOR_NODES or self.profiles.waiting:
                 self._pause(_IDLE_S)  # below n0, or no profile yet: only a change can help
                 continue
             if decision.recheck_s is not None:
@@ -379,21 +339,9 @@ class Leader:
         call does not run while liveness deaths are pending: `decide` acts on those first, and the
         pings would be wasted."""
         assert self.liveness is not None
-        me = self.member.node_id
-        self.liveness.watch(
-            {r.node_id: r.liveness for r in records if r.node_id in plan.nodes and r.node_id != me and r.liveness}
-        )
-        if self._first_detect:  # a new leader: the vouched addresses get their verdicts first
-            self._first_detect = False
-            self.liveness.sync()
-        self._write_answered(plan, records)
-        now = time.monotonic()
-        for node in self.liveness.take_dead() & set(plan.nodes):
-            self._pending_dead.setdefault(node, now)
-        pending = {node: at for node, at in self._pending_dead.items() if node in plan.nodes}
+        pending = self.liveness.found_dead(plan, records)
         if pending:
             return Detection(Detector.LIVENESS, tuple(sorted(pending)), since=min(pending.values()))
-        self._pending_dead.clear()
         dead = self.rollcall.check(plan, records)
         return Detection(Detector.ROLL_CALL, tuple(dead)) if dead is not None else None
 
@@ -401,7 +349,7 @@ class Leader:
         """Do what `decide` said: admit nodes, say why a re-plan is held, declare nodes lost and
         publish the next plan (or the first one)."""
         if plan is not None:
-            self._profile_wait = None
+            self.profiles.reset()
         for node in decision.admit:
             self.client.put_json(self.keys.admitted(node), Admission(time=time.time()).to_json())
         if decision.held:
@@ -428,11 +376,12 @@ class Leader:
         elif decision.action == Action.REPLAN:
             lost = {node: LOST_BECAUSE[decision.detection] for node in decision.lost if decision.detection}
             for node in lost:
-                self._declare_lost(node, plan.generation if plan else 0)
+                declare_lost(self.client, self.keys, node, plan.generation if plan else 0)
             self._publish(list(decision.nodes), plan, rev, records, lost=lost)
             if decision.detection is not None:  # the verdict is acted on: the next one starts afresh
                 self.rollcall.reset()
-                self._pending_dead.clear()
+                if self.liveness is not None:
+                    self.liveness.acted()
 
     def _warn_held(self, held: tuple[str, ...], detection: Optional[Detector], generation: int) -> None:
         """One line per generation: a re-plan (or a roll call's verdict) waits out an etcd outage."""
@@ -456,61 +405,14 @@ class Leader:
 
     def _first_plan(self, nodes: list[str], rev: int | None, records: list[NodeRecord]) -> None:
         """Publish generation 1 on `nodes` when the profile is at hand; otherwise admit them (their
-        workers start and one of them measures the profile) and wait for it."""
-        if self._has_profile():
-            self._profile_wait = None
+        workers start and one of them measures the profile) and wait for it (profile_wait.py)."""
+        if self.profiles.has_profile():
+            self.profiles.reset()
             self._publish(nodes, None, rev, records)
             return
-        now = time.monotonic()
-        if self._profile_wait is None:
-            for node in nodes:
-                if self.view.get_json(self.keys.admitted(node))[0] is None:
-                    self.client.put_json(self.keys.admitted(node), Admission(time=time.time()).to_json())
-            self._profile_wait = (now, now + self.profile_log_s)
-            detail = (
-                f"admitted {len(nodes)} node(s) ({', '.join(nodes)}); their workers start, and one per device "
-                "kind measures the profile the first plan needs"
-            )
-            log.at(node=self.member.node_id).info("%s", detail)
-            put_event(
-                self.client,
-                self.keys,
-                Event(time=time.time(), kind=EventKind.WAITING, node=self.member.node_id, generation=1, detail=detail),
-            )
-            return
-        since, next_line = self._profile_wait
-        if now - since >= self.profile_timeout_s:
-            self._fail(
-                f"no worker published a profile of its device within {self.profile_timeout_s:.0f}s "
-                f"(fault_tolerance.rendezvous_timeout_s) after {len(nodes)} node(s) were admitted, so "
-                "no plan can be made: check the workers' logs for an error while profiling (each worker "
-                "calls WorkerContext.share_profile before it reports ready), or set planning.profile_path "
-                "to a profile file"
-            )
-        elif now >= next_line:
-            self._profile_wait = (since, now + self.profile_log_s)
-            log.at(node=self.member.node_id).info(
-                "still waiting for a worker-measured profile (%.0fs of %.0fs; %d node(s) admitted)",
-                now - since,
-                self.profile_timeout_s,
-                len(nodes),
-            )
-
-    def _has_profile(self) -> bool:
-        """Whether the planner has its profile: asked (`profile_ready`, which reads etcd) only when
-        the mirrored profile keys changed since it last said no, so a leader waiting for a worker
-        to measure the profile sends etcd nothing; without a mirror, asked every time."""
-        if self._profile_known:
-            return True
-        if isinstance(self.view, Mirror):
-            seen = tuple((kv.key, kv.mod_revision) for kv in self.view.range(self.keys.profiles))
-            pinned = self.view.get(self.keys.profile)
-            seen += ((pinned.key, pinned.mod_revision),) if pinned is not None else ()
-            if seen == self._profile_seen:
-                return False
-            self._profile_seen = seen
-        self._profile_known = self.profile_ready()
-        return self._profile_known
+        failed = self.profiles.wait(nodes)
+        if failed is not None:
+            self._fail(failed)
 
     def _fail(self, reason: str) -> None:
         """Close the job as failed: workers and agents leave with this error (no plan can follow)."""
@@ -521,7 +423,7 @@ class Leader:
             self.keys,
             Event(time=time.time(), kind=EventKind.CLOSED, node=self.member.node_id, detail=reason),
         )
-        self._profile_wait = None
+        self.profiles.reset()
 
     def _fenced(self, records: list[NodeRecord]) -> set[str]:
         """Nodes declared lost (by a roll call, or dropped when their record vanished). An entry is
@@ -535,11 +437,6 @@ class Leader:
             elif rec is None or time.time() - rec.time > _FENCED_KEEP_S:
                 self.client.delete(self.keys.fence(node))
         return fenced
-
-    def _declare_lost(self, node: str, generation: int) -> None:
-        """`fenced/<node>`: excluded from plans; its workers stop, and its agent fences itself if it
-        comes back (membership.py)."""
-        self.client.put_json(self.keys.fence(node), FenceRecord(time=time.time(), generation=generation).to_json())
 
     def _not_ready(self, plan: Plan, up: list[NodeRecord]) -> set[str]:
         """New nodes whose workers have not all said they are ready: a plan with them would make
@@ -592,61 +489,29 @@ class Leader:
                 )
             return
         self._waiting_for = None
-        self._commit(dataclasses.replace(plan, donors=self._donors(plan, old, records, lost)), old, rev, records, lost)
+        gone = donors(plan, old, records, lost, lambda node: is_fenced(self.view, self.keys, node))
+        self._commit(dataclasses.replace(plan, donors=gone), old, rev, records, lost)
 
     def _commit(
         self, plan: Plan, old: Optional[Plan], rev: Optional[int], records: list[NodeRecord], lost: Mapping[str, str]
     ) -> None:
-        """Publish `plan` as the next generation, with its events, in one transaction that holds
-        only while the plan key is at `rev` and this agent leads."""
-        generation = plan.generation
-        events = plan_events(
-            plan, old, {r.node_id: r.state for r in records}, lost, leader=self.member.node_id, now=time.time()
+        """Publish `plan` as the next generation, with its events (publish.py), if the plan key is
+        still at `rev` and this agent leads."""
+        events = commit_plan(
+            self.client,
+            self.keys,
+            plan,
+            old,
+            records,
+            lost,
+            leader=self.member.node_id,
+            leader_value=self._value,
+            rev=rev,
         )
-        live = {r.node_id for r in records}
-        # a node dropped because its record vanished is fenced first: if it was only cut off from
-        # etcd, it learns from this, when it comes back, that the job moved on without it
-        # (membership.py); a plan that loses the race below leaves a harmless entry behind
-        for ev in events:
-            if ev.kind == EventKind.LOST and ev.node not in live:
-                self._declare_lost(ev.node, generation)
-        blob = json.dumps(plan.to_json(), sort_keys=True)
-        # the plan, its history entry and its events in one transaction, within etcd's limit on
-        # operations per transaction (--max-txn-ops, 128 by default): beyond it, per-node events follow
-        later, inline = (events[:-1], events[-1:]) if len(events) > _TXN_EVENTS else ([], events)
-        puts = {
-            self.keys.plan: blob,
-            self.keys.plan_at(generation): blob,
-            self.keys.roster: json.dumps(Roster(generation, plan.nodes).to_json()),
-        }
-        puts.update((self.keys.event(ev.node), json.dumps(ev.to_json())) for ev in inline)
-        ok = self.client.transact(values={self.keys.leader: self._value}, revisions={self.keys.plan: rev}, puts=puts)
-        if ok:
-            for ev in later:
-                put_event(self.client, self.keys, ev)
+        if events is not None:
             self._caught_up(self.keys.plan, lambda kv: kv is not None and kv.mod_revision != rev)
-            log.at(node=self.member.node_id).info("published generation %d: %s", generation, events[-1].detail)
+            log.at(node=self.member.node_id).info("published generation %d: %s", plan.generation, events[-1].detail)
         else:
             log.at(node=self.member.node_id).info(
-                "plan generation %d lost a race (plan or leadership changed)", generation
+                "plan generation %d lost a race (plan or leadership changed)", plan.generation
             )
-
-    def _donors(
-        self, plan: Plan, old: Optional[Plan], records: list[NodeRecord], lost: Mapping[str, str]
-    ) -> tuple[str, ...]:
-        """Nodes of `old` that ran a stage, are draining now and leave with `plan`: they join its
-        entry to hand their layers over, then leave. Only from the generation just left (a donor
-        whose entry failed leaves anyway: its layers then come from others or the checkpoint)."""
-        if old is None:
-            return ()
-        draining = {r.node_id for r in records if r.state == NodeState.DRAINING}
-        staged = {s.node for p in old.pipelines for s in p.stages}
-        return tuple(
-            n
-            for n in old.nodes
-            if n in draining
-            and n in staged
-            and n not in plan.nodes
-            and n not in lost
-            and not is_fenced(self.view, self.keys, n)
-        )

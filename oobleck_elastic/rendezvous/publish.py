@@ -1,0 +1,93 @@
+"""Publishing a plan: what the leader writes to etcd when it moves the job to a new generation.
+
+One transaction puts the plan, its history entry (`plans/<generation>`), the roster agents read
+instead of the plan, and the generation's events, and holds only while the plan key is still at
+the revision the leader read and the `leader` key still holds this leader's value: a deposed or
+partitioned leader can never overwrite a newer plan (rendezvous/leader.py). Before it, a node
+dropped because its record vanished is fenced, so that an agent that was only cut off from etcd
+learns, when it comes back, that the job went on without it (membership.py); a plan that loses
+the race leaves a harmless fence behind. etcd caps the operations of a transaction
+(`--max-txn-ops`, 128 by default): past `TXN_EVENTS` events, the per-node ones follow it.
+
+A plan's donors are decided here too: draining nodes of the generation just left that ran a
+stage hand their layers over in the new generation's entry, then leave.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable, Mapping, Optional
+
+from ..etcd import EtcdClient
+from ..etcd.protocols import KVStore
+from ..planning import Plan
+from ..records.control import Event, EventKind, FenceRecord, NodeRecord, NodeState, Roster
+from ..records.keys import Keys
+from .decide import plan_events
+from .membership import put_event
+
+TXN_EVENTS = 100
+"""Events written in the plan's transaction at most (etcd allows 128 operations)."""
+
+
+def declare_lost(client: KVStore, keys: Keys, node: str, generation: int) -> None:
+    """`fenced/<node>`: excluded from plans; its workers stop, and its agent fences itself if it
+    comes back (membership.py)."""
+    client.put_json(keys.fence(node), FenceRecord(time=time.time(), generation=generation).to_json())
+
+
+def donors(
+    plan: Plan,
+    old: Optional[Plan],
+    records: list[NodeRecord],
+    lost: Mapping[str, str],
+    fenced: Callable[[str], bool],
+) -> tuple[str, ...]:
+    """Nodes of `old` that ran a stage, are draining now and leave with `plan`: they join its
+    entry to hand their layers over, then leave. Only from the generation just left (a donor
+    whose entry failed leaves anyway: its layers then come from others or the checkpoint)."""
+    if old is None:
+        return ()
+    draining = {r.node_id for r in records if r.state == NodeState.DRAINING}
+    staged = {s.node for p in old.pipelines for s in p.stages}
+    return tuple(
+        n
+        for n in old.nodes
+        if n in draining and n in staged and n not in plan.nodes and n not in lost and not fenced(n)
+    )
+
+
+def commit_plan(
+    client: EtcdClient,
+    keys: Keys,
+    plan: Plan,
+    old: Optional[Plan],
+    records: list[NodeRecord],
+    lost: Mapping[str, str],
+    *,
+    leader: str,
+    leader_value: bytes,
+    rev: Optional[int],
+) -> Optional[list[Event]]:
+    """Publish `plan` as the next generation with its events (module docstring); its events, or
+    None when the transaction lost the race (the plan or the leadership changed)."""
+    generation = plan.generation
+    events = plan_events(plan, old, {r.node_id: r.state for r in records}, lost, leader=leader, now=time.time())
+    live = {r.node_id for r in records}
+    for ev in events:
+        if ev.kind == EventKind.LOST and ev.node not in live:
+            declare_lost(client, keys, ev.node, generation)
+    blob = json.dumps(plan.to_json(), sort_keys=True)
+    later, inline = (events[:-1], events[-1:]) if len(events) > TXN_EVENTS else ([], events)
+    puts = {
+        keys.plan: blob,
+        keys.plan_at(generation): blob,
+        keys.roster: json.dumps(Roster(generation, plan.nodes).to_json()),
+    }
+    puts.update((keys.event(ev.node), json.dumps(ev.to_json())) for ev in inline)
+    if not client.transact(values={keys.leader: leader_value}, revisions={keys.plan: rev}, puts=puts):
+        return None
+    for ev in later:
+        put_event(client, keys, ev)
+    return events
