@@ -28,7 +28,8 @@ from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
 from .planning import Plan, PlanningError
 from .planning.shadows import describe as describe_shadows
 from .records.keys import Keys
-from .records.control import ClosedRecord, Event, NodeState, read_closed, read_leader, read_progress, read_stragglers
+from .records.control import ClosedRecord, Event, NodeState
+from .records.read import read_closed, read_leader, read_progress, read_stragglers
 from .rendezvous.membership import live_nodes, mark_draining, read_events
 
 

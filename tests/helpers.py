@@ -71,7 +71,7 @@ def a_follower(client: EtcdClient, keys):
     """The record of a live node that is not the leader (so it can fail without the leader's death
     playing a part)."""
     from oobleck_elastic.rendezvous.membership import live_nodes
-    from oobleck_elastic.records.control import read_leader
+    from oobleck_elastic.records.read import read_leader
 
     leader = read_leader(client, keys)
     return next(r for r in live_nodes(client, keys) if leader is None or r.node_id != leader.node_id)

@@ -31,7 +31,7 @@ def _pid(client, keys, node: str) -> int:
 
 
 def _leader(client, keys) -> str:
-    from oobleck_elastic.records.control import read_leader
+    from oobleck_elastic.records.read import read_leader
 
     leader = read_leader(client, keys)
     return leader.node_id if leader is not None else ""

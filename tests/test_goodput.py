@@ -445,7 +445,7 @@ def test_a_job_with_a_kill_a_join_and_a_drain_accounts_for_its_wall_time(
     from oobleck_elastic.etcd import EtcdSettings, connect
     from oobleck_elastic.planning import Plan
     from oobleck_elastic.records.keys import Keys
-    from oobleck_elastic.records.control import read_closed
+    from oobleck_elastic.records.read import read_closed
     from oobleck_elastic.rendezvous.membership import live_nodes, read_events
     from helpers import paced, run_job, tiny_profile, when
 

@@ -26,7 +26,7 @@ from oobleck_elastic.data.errors import DataError
 from oobleck_elastic.engine.resilience.errors import JobFailed
 from oobleck_elastic.engine.startup import ends_the_job, exit_code, one_line
 from oobleck_elastic.etcd import EtcdSettings, connect
-from oobleck_elastic.records.control import read_closed
+from oobleck_elastic.records.read import read_closed
 from oobleck_elastic.records.keys import Keys
 
 

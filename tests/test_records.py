@@ -20,6 +20,8 @@ from oobleck_elastic.records.control import (
     Ping,
     ProfileClaim,
     ReadyRecord,
+)
+from oobleck_elastic.records.read import (
     is_fenced,
     read_admitted,
     read_fences,

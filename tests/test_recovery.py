@@ -348,7 +348,7 @@ def test_losing_every_copy_of_a_layer_without_a_checkpoint_fails_the_job(tmp_pat
     """The same loss with no checkpoint to restore: the job is closed as failed with the reason,
     at once. (The survivors' workers used to raise, and their agents restarted them into a job
     that trained again from step 0 on re-initialised layers.)"""
-    from oobleck_elastic.records.control import read_closed
+    from oobleck_elastic.records.read import read_closed
     from oobleck_elastic.records.keys import Keys
 
     profile = tiny_profile(tmp_path / "profile.json")

@@ -22,7 +22,8 @@ from helpers import TINY_PROFILE_OVERRIDES, eventually, tiny_profile
 from oobleck_elastic.planning import Plan
 from oobleck_elastic.rendezvous.handler import OobleckRendezvousHandler
 from oobleck_elastic.records.keys import Keys
-from oobleck_elastic.records.control import AnsweredRecord, Checkin, CheckinKind, ReadyRecord, Roster, read_answered
+from oobleck_elastic.records.control import AnsweredRecord, Checkin, CheckinKind, ReadyRecord, Roster
+from oobleck_elastic.records.read import read_answered
 from oobleck_elastic.rendezvous import detect
 from oobleck_elastic.rendezvous.membership import read_events
 
@@ -432,7 +433,8 @@ def test_kill_agent_drains_a_node(cluster_factory) -> None:
     plan = c.wait_plan(lambda p: "node2" not in p.nodes)
     assert plan.nodes == ("node0", "node1")
     # the roster agents read is written with the plan, in the same transaction
-    from oobleck_elastic.records.control import Roster, read_roster
+    from oobleck_elastic.records.control import Roster
+    from oobleck_elastic.records.read import read_roster
 
     assert read_roster(c.client, c.keys) == Roster(plan.generation, plan.nodes)
     drain = [e for e in c.events() if e.kind == "drain" and e.generation == plan.generation]

@@ -22,7 +22,7 @@ from oobleck_elastic.etcd import EtcdError, EtcdSettings, connect
 from oobleck_elastic.etcd.server import free_port, start_cluster
 from oobleck_elastic.checkpoint import load_model_state
 from oobleck_elastic.records.keys import Keys
-from oobleck_elastic.records.control import read_progress
+from oobleck_elastic.records.read import read_progress
 from helpers import assert_same, overrides, tiny_profile
 from slurm_cluster import SlurmCluster, missing
 

@@ -14,7 +14,8 @@ from typing import Optional
 from ..etcd.client import parse_json, warn_once
 from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
-from .control import Roster, read_roster
+from .control import Roster
+from .read import read_roster
 from .keys import Keys
 
 __all__ = ["PlanReader", "RosterReader", "newest_history_plan", "parse_plan"]

@@ -56,9 +56,8 @@ from ..records.control import (
     NodeRecord,
     Ping,
     Roster,
-    read_answered,
-    read_leader,
 )
+from ..records.read import read_answered, read_leader
 
 log = JobLog(logging.getLogger(__name__))
 

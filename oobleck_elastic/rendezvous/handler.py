@@ -68,17 +68,8 @@ from ..etcd import EtcdClient, connect
 from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..records.keys import Keys
-from ..records.control import (
-    ClosedRecord,
-    Event,
-    EventKind,
-    NodeState,
-    ReadyRecord,
-    Roster,
-    read_closed,
-    read_ready,
-    read_roster,
-)
+from ..records.control import ClosedRecord, Event, EventKind, NodeState, ReadyRecord, Roster
+from ..records.read import read_closed, read_ready, read_roster
 from .leader import Leader
 from .planner import JobPlanner
 from .liveness import LivenessServer

@@ -56,21 +56,8 @@ from ..records.keys import Keys
 from .stragglers import LeaderStragglers
 from .membership import Member, live_nodes, put_event
 from ..records.plans import PlanReader, RosterReader, newest_history_plan
-from ..records.control import (
-    Admission,
-    ClosedRecord,
-    Event,
-    EventKind,
-    LeaderRecord,
-    NodeRecord,
-    NodeState,
-    is_fenced,
-    read_admitted,
-    read_closed,
-    read_fences,
-    read_ready,
-    readiness_withdrawn,
-)
+from ..records.control import Admission, ClosedRecord, Event, EventKind, LeaderRecord, NodeRecord, NodeState
+from ..records.read import is_fenced, read_admitted, read_closed, read_fences, read_ready, readiness_withdrawn
 
 log = JobLog(logging.getLogger(__name__))
 

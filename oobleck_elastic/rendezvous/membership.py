@@ -36,7 +36,8 @@ from ..etcd import EtcdClient, EtcdError
 from ..etcd.client import warn_once
 from ..etcd.protocols import KVReader, KVStore
 from ..records.keys import Keys
-from ..records.control import Event, EventKind, NodeRecord, NodeState, is_fenced, read_admitted
+from ..records.control import Event, EventKind, NodeRecord, NodeState
+from ..records.read import is_fenced, read_admitted
 
 log = JobLog(logging.getLogger(__name__))
 

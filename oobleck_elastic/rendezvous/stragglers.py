@@ -20,7 +20,8 @@ from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
 from ..records.keys import Keys
 from .membership import put_event
-from ..records.control import Event, EventKind, read_stragglers
+from ..records.control import Event, EventKind
+from ..records.read import read_stragglers
 
 log = JobLog(logging.getLogger(__name__))
 

@@ -59,13 +59,8 @@ from ..records.control import (
     ProgressRecord,
     ReadyRecord,
     StragglerRecord,
-    is_fenced,
-    read_closed,
-    read_profile_claim,
-    read_progress,
-    read_ready,
-    readiness_withdrawn,
 )
+from ..records.read import is_fenced, read_closed, read_profile_claim, read_progress, read_ready, readiness_withdrawn
 from ..records.plans import PlanReader, parse_plan
 from .membership import put_event, read_events
 from .preempt import guard_worker
