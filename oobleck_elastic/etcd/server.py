@@ -43,7 +43,7 @@ import weakref
 from pathlib import Path
 from typing import BinaryIO, Mapping, Optional, Sequence
 
-from .client import EtcdError
+from .settings import EtcdError
 
 
 class EtcdServerError(EtcdError):

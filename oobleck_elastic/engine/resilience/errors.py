@@ -27,7 +27,7 @@ import re
 
 import torch.distributed as dist
 
-from ...etcd.client import EtcdError
+from ...etcd.settings import EtcdError
 
 
 # gloo reports a dead or silent peer as a RuntimeError raised by its TCP transport; these are the
