@@ -60,7 +60,7 @@ def _load_profiles(cfg: JobConfig, profile_path: Optional[str]) -> dict[int, Mod
             "at that degree (--profile FILE, with {tp} in it for auto); this command measures "
             "one device only"
         )
-    from .planning.profiler import load_or_profile  # needs torch + transformers
+    from .planning.profile_cache import load_or_profile  # needs torch + transformers
 
     profile = load_or_profile(cfg, log=lambda msg: print(msg, file=sys.stderr))
     return {profile.tensor_parallel: profile}

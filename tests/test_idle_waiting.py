@@ -203,13 +203,13 @@ def test_nodes_waiting_for_the_profile_and_for_admission_are_idle(
     import torch
 
     from oobleck_elastic.etcd import connect
-    from oobleck_elastic.planning import Plan, profiler
+    from oobleck_elastic.planning import Plan, profile_cache
     from oobleck_elastic.records.control import ProfileClaim
     from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.rendezvous.membership import live_nodes
 
     keys = Keys("/oobleck", run_id)
-    label = profiler.device_label(torch.device("cpu"))
+    label = profile_cache.device_label(torch.device("cpu"))
     profile = tiny_profile(tmp_path / "p.json")
     seen: list[Idle] = []
     admitted_then: list[set[str]] = []

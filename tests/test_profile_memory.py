@@ -17,7 +17,7 @@ from oobleck_elastic import cli, models
 from oobleck_elastic.config import JobConfig, ModelConfig, load_config
 from oobleck_elastic.models import LayerModel
 from oobleck_elastic.models import build as build_module
-from oobleck_elastic.planning import LayerProfile, ModelProfile, plan_job, profiler, templates_for
+from oobleck_elastic.planning import LayerProfile, ModelProfile, layer_meter, plan_job, profiler, templates_for
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMORY_FIELDS = ("name", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "output_bytes")
@@ -106,13 +106,13 @@ def test_identical_blocks_are_built_and_measured_once(monkeypatch: pytest.Monkey
     rec = BuildRecorder(models.build_layer_model)
     monkeypatch.setattr(models, "build_layer_model", rec)
     measured: list[str] = []
-    real_measure = profiler._LayerMeter.measure
+    real_measure = layer_meter.LayerMeter.measure
 
     def counting(self, layer: nn.Module, x: torch.Tensor, *, last: bool, name: str, **kw):  # noqa: ANN001, ANN202
         measured.append(name)
         return real_measure(self, layer, x, last=last, name=name, **kw)
 
-    monkeypatch.setattr(profiler._LayerMeter, "measure", counting)
+    monkeypatch.setattr(layer_meter.LayerMeter, "measure", counting)
     lines: list[str] = []
     once = profiler.profile_model(cfg, device="cpu", log=lines.append)
     assert rec.calls == [[], [0], [1], [6]] and measured == ["embedding", "block.0", "head"]
@@ -157,7 +157,7 @@ def test_only_one_kind_on_one_input_shape_shares_numbers() -> None:
 
 
 def flop_clock(counter: FlopCounterMode) -> types.SimpleNamespace:
-    """A stand-in for the profiler's `time` module: perf_counter() is the number of floating-point
+    """A stand-in for the layer meter's `time` module: perf_counter() is the number of floating-point
     operations run so far x 2^-40 s (exact in binary, so differences are exact)."""
     return types.SimpleNamespace(perf_counter=lambda: counter.get_total_flops() * 2.0**-40)
 
@@ -185,7 +185,7 @@ def test_shipped_configs_plan_the_same_with_identical_blocks_measured_once(
     every block measured field by field (times, bytes, names: a block given another kind's numbers,
     a wrong name or a wrong input for the head shows up here), and so must the plans."""
     counter = FlopCounterMode(display=False)
-    monkeypatch.setattr(profiler, "time", flop_clock(counter))
+    monkeypatch.setattr(layer_meter, "time", flop_clock(counter))
     # one iteration per layer: the clock has no noise to take a median of
     cfg = load_config(
         ROOT / "configs" / f"{name}.yaml", [*SHIPPED[name], "planning.profile_warmup=0", "planning.profile_repeats=1"]
@@ -239,7 +239,7 @@ def test_gpt3_175b_profiles_on_a_device_that_holds_one_block(monkeypatch: pytest
 
     collected: list[int] = []  # a full gc with 98 meta layers alive takes ~0.2 s: count them instead
     monkeypatch.setattr(models, "build_layer_model", build_on_meta)
-    monkeypatch.setattr(profiler._LayerMeter, "measure", measure)
+    monkeypatch.setattr(layer_meter.LayerMeter, "measure", measure)
     monkeypatch.setattr(profiler, "gc", types.SimpleNamespace(collect=lambda: collected.append(len(held))))
     for once in (True, False):
         built.clear()

@@ -43,7 +43,7 @@ from oobleck_elastic.planning import (
     device_memory,
     templates_for,
 )
-from oobleck_elastic.planning import profiler
+from oobleck_elastic.planning import profile_cache
 from oobleck_elastic.rendezvous.handler import OobleckRendezvousHandler
 from oobleck_elastic.records.keys import Keys, sanitise
 from oobleck_elastic.rendezvous.membership import Member, read_events
@@ -128,16 +128,16 @@ def test_cpu_profiles_record_no_device_memory(tmp_path: Path) -> None:
             "training.global_batch_size=8",
         ],
     )
-    prof = profiler.load_or_profile(cfg, device="cpu", log=lambda _: None)
-    assert prof.device_memory_bytes is None and profiler.device_memory_bytes("cpu") is None
-    assert profiler.device_label("cpu").startswith("cpu ")
+    prof = profile_cache.load_or_profile(cfg, device="cpu", log=lambda _: None)
+    assert prof.device_memory_bytes is None and profile_cache.device_memory_bytes("cpu") is None
+    assert profile_cache.device_label("cpu").startswith("cpu ")
     assert sanitise("cuda NVIDIA H100 80GB HBM3") == "cuda-nvidia-h100-80gb-hbm3" and sanitise("//") == "unknown"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_profile_is_timed_with_events_and_records_the_device_memory(tmp_path: Path) -> None:
     cfg = load_config(CONFIG, [f"data.cache_dir={tmp_path}", "planning.device_memory_gb=null"])
-    prof = profiler.load_or_profile(cfg, device="cuda:0", log=lambda _: None)
+    prof = profile_cache.load_or_profile(cfg, device="cuda:0", log=lambda _: None)
     assert prof.device_memory_bytes == torch.cuda.get_device_properties(0).total_memory
     assert prof.key["timer"] == "cuda_events" and all(p.forward_s > 0 and p.backward_s > 0 for p in prof.layers)
     assert templates_for(cfg, prof).memory_source.startswith("the profiled device (")
@@ -179,7 +179,7 @@ def test_oobleck_plan_says_where_the_memory_figure_comes_from(tmp_path: Path, ca
 
 # ---------------------------------------------------------------------------------------- workers
 class FakeMeasure:
-    """Stands in for profiler.load_or_profile: counts calls, can block or fail."""
+    """Stands in for profile_cache.load_or_profile: counts calls, can block or fail."""
 
     def __init__(self, profile: ModelProfile) -> None:
         self.profile, self.calls = profile, 0
@@ -202,7 +202,7 @@ class FakeMeasure:
 @pytest.fixture
 def fake(monkeypatch) -> FakeMeasure:
     f = FakeMeasure(synthetic_profile(memory=2 * GIB))
-    monkeypatch.setattr(profiler, "load_or_profile", f)
+    monkeypatch.setattr(profile_cache, "load_or_profile", f)
     return f
 
 
@@ -226,7 +226,7 @@ def job(*overrides: str):
 
 def test_one_worker_per_device_kind_measures_and_the_others_return_at_once(etcd, run_id, fake) -> None:
     first, second, third = (worker(etcd, run_id, f"node{i}") for i in range(3))
-    keys, label = first.keys, profiler.device_label(CPU)
+    keys, label = first.keys, profile_cache.device_label(CPU)
     fake.release.clear()
     t = threading.Thread(target=first.share_profile, args=(job(), CPU))
     t.start()
@@ -258,7 +258,7 @@ def test_nothing_is_measured_with_a_profile_file_or_a_pinned_profile(etcd, run_i
 
 def test_a_failed_measurement_gives_the_claim_back(etcd, run_id, fake) -> None:
     a, b = worker(etcd, run_id, "node0"), worker(etcd, run_id, "node1")
-    label = profiler.device_label(CPU)
+    label = profile_cache.device_label(CPU)
     fake.error = RuntimeError("CUDA out of memory")
     with pytest.raises(RuntimeError, match="out of memory"):
         a.share_profile(job(), CPU)
@@ -274,7 +274,7 @@ def test_the_claim_is_bound_to_the_node_lease_and_a_restarted_worker_takes_it_ov
     member.register()
     try:
         w = worker(etcd, run_id, member.node_id)
-        label = profiler.device_label(CPU)
+        label = profile_cache.device_label(CPU)
         seen: dict[str, Any] = {}
 
         def look() -> None:
@@ -296,7 +296,7 @@ def test_the_claim_is_bound_to_the_node_lease_and_a_restarted_worker_takes_it_ov
 
 def test_a_malformed_profile_in_etcd_is_measured_again(etcd, run_id, fake, caplog) -> None:
     w = worker(etcd, run_id, "node0")
-    label = profiler.device_label(CPU)
+    label = profile_cache.device_label(CPU)
     etcd.put_json(w.keys.device_profile(label), {"layers": "nope"})
     caplog.set_level(logging.WARNING)
     w.share_profile(job(), CPU)

@@ -12,9 +12,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from oobleck_elastic.config import JobConfig, ModelConfig
 from oobleck_elastic.models import build_layer_model
-from oobleck_elastic.planning import profiler
+from oobleck_elastic.planning import layer_meter, profile_cache
 from oobleck_elastic.planning.profile import LayerProfile, ModelProfile, profile_cache_key
-from oobleck_elastic.planning.profiler import load_or_profile, profile_key, profile_layers
+from oobleck_elastic.planning.profile_cache import load_or_profile, profile_key
+from oobleck_elastic.planning.profiler import profile_layers
 
 B, L, H, V = 2, 16, 32, 256
 
@@ -86,7 +87,7 @@ def test_load_or_profile_caches_by_key(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("re-profiled")
 
-    monkeypatch.setattr(profiler, "profile_model", boom)
+    monkeypatch.setattr(profile_cache, "profile_model", boom)
     lines.clear()
     again = load_or_profile(cfg, log=lines.append)
     assert again.layers == first.layers and "reusing" in lines[0]
@@ -117,7 +118,7 @@ def test_profile_path_is_used(tmp_path, monkeypatch):
     given = ModelProfile([LayerProfile(f"l{i}", 0.1, 0.2, 10, 10, 20, 5) for i in range(4)], key={"source": "file"})
     given.save(tmp_path / "p.json")
     cfg.planning.profile_path = str(tmp_path / "p.json")
-    monkeypatch.setattr(profiler, "profile_model", lambda *a, **k: pytest.fail("profiled"))
+    monkeypatch.setattr(profile_cache, "profile_model", lambda *a, **k: pytest.fail("profiled"))
     lines: list[str] = []
     prof = load_or_profile(cfg, log=lines.append)
     assert prof.layers == given.layers and prof.key == {"source": "file"}
@@ -155,7 +156,7 @@ def test_a_cached_profile_is_reused_with_its_age_and_measured_again_on_request(t
     path = tmp_path / "cache" / "profiles" / f"{profile_cache_key(profile_key(cfg, device='cpu'))}.json"
     mtime = path.stat().st_mtime
     calls: list[int] = []
-    real = profiler.profile_model
+    real = profile_cache.profile_model
 
     def counted(*a, **k):
         calls.append(1)
@@ -163,7 +164,7 @@ def test_a_cached_profile_is_reused_with_its_age_and_measured_again_on_request(t
         prof.layers[0] = LayerProfile("embedding", 123.0, 456.0, 1, 1, 1, 1)  # marks this measurement
         return prof
 
-    monkeypatch.setattr(profiler, "profile_model", counted)
+    monkeypatch.setattr(profile_cache, "profile_model", counted)
     lines: list[str] = []
     load_or_profile(cfg, log=lines.append, now=lambda: mtime + 7200)
     assert calls == [] and lines == [
@@ -198,7 +199,7 @@ def test_the_profiler_measures_the_input_and_weight_gradients_apart(monkeypatch)
     ]
     counter = FlopCounterMode(display=False)
     monkeypatch.setattr(
-        profiler, "time", types.SimpleNamespace(perf_counter=lambda: counter.get_total_flops() * 2.0**-40)
+        layer_meter, "time", types.SimpleNamespace(perf_counter=lambda: counter.get_total_flops() * 2.0**-40)
     )
     with counter:
         flops = profile_layers(lm.layers, ids, ids, lm.loss_fn, warmup=0, repeats=1, names=lm.names)

@@ -24,7 +24,8 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from .schema import PATH_KEYS, ConfigError, JobConfig
+from .job import JobConfig
+from .schema import PATH_KEYS, ConfigError
 
 
 def _field_type(key: str) -> Any:

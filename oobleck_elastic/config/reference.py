@@ -17,13 +17,13 @@ import types
 from dataclasses import fields, is_dataclass
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from .schema import JobConfig
+from .job import JobConfig
 
 REGENERATE = "oobleck config reference > docs/config.md"
 
 _HEADER = f"""# Configuration reference
 
-<!-- Generated from the field docstrings in oobleck_elastic/config/schema.py by
+<!-- Generated from the field docstrings of the sections in oobleck_elastic/config/ by
      `{REGENERATE}`; edit the docstrings, not this file. -->
 
 A job config is a YAML file (see `configs/`) with the sections below; a key it does not give keeps

@@ -27,7 +27,7 @@ from __future__ import annotations
 from statistics import median_low
 from typing import Iterable, Optional
 
-from .schema import FaultToleranceConfig
+from .fault_tolerance import FaultToleranceConfig
 
 __all__ = [
     "FIRST_STEP_FLOOR_S",

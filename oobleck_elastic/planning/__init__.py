@@ -2,14 +2,15 @@
 no etcd, no engine), so they can be tested exhaustively and benchmarked at scale.
 
 `plan_job` (job.py) is the one call the control plane and the CLI make; below it, `profile` (the
-per-layer costs) and `profiler` (measuring them), `partition` and `templates` (the best stage
-partition for every node count), `instantiate` (how many pipelines of each template, and their
-microbatches), `placement` (which nodes, keeping layers where they are), `plan` (the plan and
-its JSON), `copies` (the copies of each layer against f+1), `microbatch` (the microbatch size),
-`comm` (links), `analytic` (a profile from a formula, for large models), `rebalance`
-(re-splitting the batch around a straggler), and `schedules`, `schedule_sim`, `schedule_cost`
-(pipeline schedules as per-device action lists, and their step time and memory from one
-simulation; the planner does not choose among them yet).
+per-layer costs), `profiler` (measuring them, one layer at a time), `layer_meter` (one layer's
+measurement), `profile_cache` (which profile a job uses: a file, the cache or a new measurement),
+`partition` and `templates` (the best stage partition for every node count), `instantiate` (how
+many pipelines of each template, and their microbatches), `placement` (which nodes, keeping layers
+where they are), `plan` (the plan and its JSON), `copies` (the copies of each layer against f+1),
+`microbatch` (the microbatch size), `comm` (links), `analytic` (a profile from a formula, for large
+models), `rebalance` (re-splitting the batch around a straggler), and `schedules`, `schedule_sim`,
+`schedule_cost` (pipeline schedules as per-device action lists, and their step time and memory from
+one simulation; the planner does not choose among them yet).
 
 Imports: `config`, `models` (the profiler builds layers to measure them) and the standard library;
 never `etcd`, `rendezvous`, `records` or `engine`.

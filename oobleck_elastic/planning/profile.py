@@ -3,7 +3,7 @@
 A `ModelProfile` holds one `LayerProfile` per element of the model's flat layer list, measured
 for one microbatch shape on one device kind (`profiler.py`), or read from a file for
 planning-only configs (a GPT-3-175B-like model we cannot build here). It is cached as JSON
-under a key made of everything the numbers depend on (model config, microbatch shape, dtype,
+(`profile_cache.py`) under a key made of everything the numbers depend on (model config, microbatch shape, dtype,
 device); a cached profile is reused only when that key matches exactly.
 
 `device_memory_bytes` is the total memory of the device the profile was measured on (CUDA

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from ..config import JobConfig, load_config
 from .profile import ModelProfile
-from .profiler import device_memory_bytes, profile_key, profile_model
+from .profile_cache import device_memory_bytes, profile_key
+from .profiler import profile_model
 
 
 def profile_tensor_parallel(

@@ -40,7 +40,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
-from ..config.schema import MAX_CHUNKS, schedule_chunks_problem
+from ..config.planning import MAX_CHUNKS, schedule_chunks_problem
 from .profile import ModelProfile
 from .schedule_cost import ScheduleCost, chunk_ranges, template_cost
 from .schedules import SCHEDULES, ScheduleError

@@ -209,7 +209,7 @@ class WorkerContext:
             return  # the leader plans from that file
         import torch
 
-        from ..planning import ModelProfile, ProfileError, profiler
+        from ..planning import ModelProfile, ProfileError, profile_cache
 
         device = torch.device(device)
 
@@ -224,7 +224,7 @@ class WorkerContext:
                 log.warning("ignoring profile in etcd key %s: %s", key, err)
                 return False
 
-        label = profiler.device_label(device)
+        label = profile_cache.device_label(device)
         key, claim = self.keys.device_profile(label), self.keys.profile_claim(label)
         if valid(self.keys.profile) or valid(key):
             return
@@ -238,7 +238,7 @@ class WorkerContext:
             self.client.put_json(claim, mine.to_json(), lease=lease)  # this worker's earlier run held it: take over
         log.at(node=self.node_id, rank=self.local_rank).info("measuring the profile of %s for the planner", label)
         try:
-            profile = profiler.load_or_profile(cfg, device=device, log=log.info)
+            profile = profile_cache.load_or_profile(cfg, device=device, log=log.info)
             self.client.put(key, json.dumps(profile.to_json()))
         except BaseException:
             try:

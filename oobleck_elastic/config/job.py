@@ -1,0 +1,58 @@
+"""The whole job config: `JobConfig`, one field per section, and the rules that span sections.
+
+Its sections live in model_data.py, training.py, fault_tolerance.py, planning.py and outputs.py;
+their order here is the order of the configuration reference (docs/config.md).
+`JobConfig.validate()` gathers every section's clauses, then adds the rules between sections
+(schema.py describes the mechanism). Users import it from the package: `from
+oobleck_elastic.config import JobConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .fault_tolerance import FaultToleranceConfig
+from .model_data import DataConfig, ModelConfig
+from .outputs import CheckpointConfig, LoggingConfig
+from .planning import PlanningConfig
+from .schema import Section
+from .training import TrainingConfig
+
+
+@dataclass
+class JobConfig(Section):
+    name: str = "oobleck"
+    """Job name used in logs, and the TensorBoard run id of the single process."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The training data."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Batch sizes, steps, optimizer, precision, seed."""
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    """Failures to tolerate and detection timeouts."""
+    planning: PlanningConfig = field(default_factory=PlanningConfig)
+    """Device memory, devices per node, schedule, profile."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Logs and TensorBoard."""
+
+    def validate(self) -> list[str]:
+        """Every section's problems, then the rules that span sections."""
+        sections: list[Section] = [
+            self.model,
+            self.data,
+            self.training,
+            self.fault_tolerance,
+            self.planning,
+            self.checkpoint,
+            self.logging,
+        ]
+        problems = [problem for section in sections for problem in section.validate()]
+        if self.data.seq_len > self.model.max_seq_len:
+            problems.append(
+                f"'data.seq_len' ({self.data.seq_len}) exceeds 'model.max_seq_len' "
+                f"({self.model.max_seq_len}): lower data.seq_len or raise model.max_seq_len"
+            )
+        return problems
