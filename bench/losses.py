@@ -11,7 +11,7 @@ devices: at least 3 nodes per pipeline, so 7 nodes make 2 pipelines and every la
 device copies, and 3 nodes left after 4 losses still make one), f = 1, a checkpoint every
 `--checkpoint-every` steps (the disk the job falls back to). For each setting s in `--shadows`
 (default 0 1 2) and each k in `--kills` (default 1 2 3 4), one job: as soon as it reports `--kill-step`
-completed steps, k nodes are SIGKILLed at the same moment (`launcher.local.kill_node`, one
+completed steps, k nodes are SIGKILLed at the same moment (`launcher.faults.kill_node`, one
 after another in a few ms), chosen adversarially from the plan in etcd: the device holders of
 layer 0 first, then the nodes keeping its shadow copies, then the holders and keepers of the last
 layer, then the others in plan order. The survivors go on to `--steps`.
@@ -51,7 +51,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from recovery import CONFIG, OURS_RDZV, OVERRIDES, Lines, cluster_args  # noqa: E402
 
-from launcher.local import LocalCluster, kill_node  # noqa: E402
+from launcher.faults import kill_node  # noqa: E402
+from launcher.local import LocalCluster  # noqa: E402
 from oobleck_elastic.etcd import EtcdSettings, connect  # noqa: E402
 from oobleck_elastic.etcd.server import EtcdServer  # noqa: E402
 from oobleck_elastic.logs import read_event_lines  # noqa: E402

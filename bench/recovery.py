@@ -8,7 +8,7 @@ redoes; (c) after losing 1 of
 Method. Both jobs train the same tiny GPT-2 (configs/gpt2-tiny.yaml + OVERRIDES: seq_len 32,
 global batch 16 in microbatches of 2) on the same data for `--steps` steps, on 4 simulated nodes
 (one torchrun per node, 1 worker each, all on this machine), and the benchmark SIGKILLs node 1
-(its torchrun agent, process group and every descendant, `launcher.local.kill_node`) as soon as
+(its torchrun agent, process group and every descendant, `launcher.faults.kill_node`) as soon as
 the job reports `--kill-step` completed steps; the survivors go on to the last step.
 
 - (a) ours: `launcher.local.LocalCluster` (the code behind `python -m launcher.local`), i.e.
@@ -86,7 +86,8 @@ from typing import Any, Callable, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launcher.local import LocalCluster, descendants, kill_node  # noqa: E402
+from launcher.faults import descendants, kill_node  # noqa: E402
+from launcher.local import LocalCluster  # noqa: E402
 from oobleck_elastic.etcd import EtcdSettings, connect  # noqa: E402
 from oobleck_elastic.etcd.server import EtcdServer, free_port  # noqa: E402
 from oobleck_elastic.logs import read_event_lines  # noqa: E402

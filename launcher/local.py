@@ -61,6 +61,7 @@ from oobleck_elastic.records.read import read_closed, read_leader, read_progress
 from oobleck_elastic.records.errors import ErrorRecord
 from oobleck_elastic.records.plans import PlanReader
 
+from .faults import kill_node
 from .checks import cores_available, etcd_view, failure_reason, kill_verdict, ops_commands, preflight, worker_threads
 from .targets import ROLES, Roles, parse_at, parse_preempt, resolve
 
@@ -76,41 +77,6 @@ class Node:
     """Monotonic time its agent got the preemption notice (--preempt)."""
     grace: float = 0.0
     lines: list[str] = field(default_factory=list)
-
-
-def descendants(pid: int) -> list[int]:
-    """All live descendants of pid, from /proc (torchrun starts workers in their own sessions,
-    so the agent's process group does not contain them)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_node(pid: int) -> list[int]:
-    """SIGKILL a node: the torchrun agent (pid, its process group) and every descendant at once."""
-    pids = [pid] + descendants(pid)
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return pids
 
 
 class LocalCluster:

@@ -79,7 +79,7 @@ def a_follower(client: EtcdClient, keys):
 
 def worker_pid(agent_pid: int) -> int:
     """The pid of the training worker (examples/train.py) a torchrun agent started."""
-    from launcher.local import descendants
+    from launcher.faults import descendants
 
     return next(p for p in descendants(agent_pid) if b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes())
 
@@ -169,7 +169,7 @@ def run_job(
                 try:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
-                    from launcher.local import kill_node
+                    from launcher.faults import kill_node
 
                     kill_node(proc.pid)
                     proc.wait()

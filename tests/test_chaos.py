@@ -47,7 +47,7 @@ def test_a_victim_is_chosen_only_among_the_plans_nodes_while_more_than_n0_remain
 
 
 def _chaos(tmp_path: Path, etcd_server, run_id: str, seed: int, events: int) -> None:
-    from launcher.local import kill_node
+    from launcher.faults import kill_node
     from oobleck_elastic.planning import Plan
     from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.rendezvous.membership import live_nodes

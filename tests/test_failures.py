@@ -56,7 +56,7 @@ def test_kill_the_leader(tmp_path: Path, etcd_server, run_id) -> None:
     """The leader's node dies mid-run with a 30 s lease TTL: its workers' peers check in at the
     roll call, a deputy finds the leader's agent gone (its liveness socket) or silent (a ping) and
     revokes its lease, a new leader re-plans."""
-    from launcher.local import kill_node
+    from launcher.faults import kill_node
     from oobleck_elastic.records.keys import Keys
 
     keys = Keys("/oobleck", run_id)
@@ -92,7 +92,7 @@ def test_kill_during_reconfiguration(tmp_path: Path, etcd_server, run_id) -> Non
     connects: OOBLECK_SLOW_ENTRY). The survivors stalled in generation 2's rendezvous find it out,
     enter generation 3 on the two nodes of the intact pipeline, which still hold every layer, and
     finish with the reference weights without a checkpoint restore."""
-    from launcher.local import kill_node
+    from launcher.faults import kill_node
     from oobleck_elastic.records.keys import Keys
 
     keys = Keys("/oobleck", run_id)
@@ -153,7 +153,7 @@ def test_kill_a_node_while_another_joins(tmp_path: Path, etcd_server, run_id) ->
     """A fifth node joins at step 1; the moment the plan that adds it is published (it is about to
     receive its layers), a node that is not the leader dies. The job ends on the four live nodes,
     the newcomer included, with the reference weights."""
-    from launcher.local import kill_node
+    from launcher.faults import kill_node
     from oobleck_elastic.records.keys import Keys
 
     keys = Keys("/oobleck", run_id)
@@ -187,7 +187,7 @@ def test_two_simultaneous_failures_with_f2(tmp_path: Path, etcd_server, run_id) 
     """f=2 on six nodes: three 2-stage pipelines. The first-stage nodes of two pipelines die at the
     same moment; the third pipeline still holds every layer, so the four survivors re-plan into
     two pipelines and copy what they miss from it (no checkpoint restore)."""
-    from launcher.local import kill_node
+    from launcher.faults import kill_node
     from oobleck_elastic.records.keys import Keys
 
     keys = Keys("/oobleck", run_id)
@@ -246,7 +246,7 @@ def test_eight_nodes_become_six(tmp_path: Path, etcd_server, run_id) -> None:
     """Seed 002's case: 8 nodes (two 4-stage pipelines) lose two at once (the first stage of one
     pipeline, the last of the other, so every layer keeps a copy); no template of the old size
     covers 6 nodes, and the global re-plan runs two 3-stage pipelines."""
-    from launcher.local import kill_node
+    from launcher.faults import kill_node
     from oobleck_elastic.records.keys import Keys
 
     keys = Keys("/oobleck", run_id)

@@ -439,7 +439,7 @@ def test_a_job_with_a_kill_a_join_and_a_drain_accounts_for_its_wall_time(
     times, the rejected runs', the checkpoints', the gaps between generations, the first step's
     start. The sample ledger (records/samples.py) proves every sample used exactly once, the
     skipped batch aside."""
-    from launcher.local import kill_node
+    from launcher.faults import kill_node
     from oobleck_elastic import ops
     from oobleck_elastic.logs import read_event_lines
     from oobleck_elastic.etcd import EtcdSettings, connect

@@ -65,7 +65,7 @@ class Idle:
 def node_processes(client, keys) -> dict[str, list[int]]:
     """`agent <node>` -> its torchrun agent, `workers <node>` -> the agent's descendants, for every
     live node."""
-    from launcher.local import descendants
+    from launcher.faults import descendants
     from oobleck_elastic.rendezvous.membership import live_nodes
 
     out = {}
@@ -139,7 +139,7 @@ def test_a_lone_agent_below_n0_is_idle(tmp_path: Path, etcd_server, run_id) -> N
     """Two nodes run one 2-stage pipeline (n0 = 2); one is killed at step 3. Over the next 20 s
     the survivor's agent (the leader) uses under 2 % of a core and its worker under 1 %, and etcd
     receives nothing but lease keep-alives."""
-    from launcher.local import kill_node
+    from launcher.faults import kill_node
     from oobleck_elastic.records.control import EventKind
     from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.rendezvous.membership import read_events

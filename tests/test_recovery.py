@@ -391,7 +391,7 @@ def test_hung_node_is_cut_off_by_the_control_plane(tmp_path: Path, etcd_server, 
     import signal
     import time
 
-    from launcher.local import descendants
+    from launcher.faults import descendants
     from oobleck_elastic.etcd import EtcdSettings, connect
     from oobleck_elastic.records.keys import Keys
 
@@ -490,7 +490,7 @@ def test_local_worker_crash_is_restarted_by_its_agent_and_rejoins(tmp_path: Path
 def _kill_both_first_stages(keys):
     """The action that SIGKILLs the nodes of every pipeline's first stage at once (two pipelines:
     both copies of the first layers)."""
-    from launcher.local import kill_node
+    from launcher.faults import kill_node
     from oobleck_elastic.planning import Plan
     from oobleck_elastic.rendezvous.membership import live_nodes
 
