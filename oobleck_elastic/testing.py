@@ -88,6 +88,44 @@ def layout_plan(
     return plan
 
 
+def node_plan(
+    generation: int,
+    pipelines: list[list[tuple[str, int, int]]],
+    microbatches: Optional[list[int]] = None,
+    *,
+    num_layers: int = 6,
+) -> Plan:
+    """A plan from pipelines given as [(node, first layer, end layer), ...] per stage, one device
+    per node, ranks in order, 4 microbatches per pipeline unless `microbatches` says otherwise."""
+    specs, rank = [], 0
+    for index, stages in enumerate(pipelines):
+        placed = []
+        for s, (node, start, end) in enumerate(stages):
+            placed.append(StagePlacement(index=s, start=start, end=end, node=node, local_rank=0, rank=rank))
+            rank += 1
+        specs.append(
+            PipelineSpec(
+                index=index,
+                template_nodes=len(stages),
+                nodes=tuple(n for n, _, _ in stages),
+                microbatches=microbatches[index] if microbatches is not None else 4,
+                stages=tuple(placed),
+                est_time_s=1.0,
+            )
+        )
+    return Plan(
+        generation=generation,
+        nodes=tuple(n for stages in pipelines for n, _, _ in stages),
+        spares=(),
+        gpus_per_node=1,
+        num_layers=num_layers,
+        microbatch_size=2,
+        pipelines=tuple(specs),
+        est_step_time_s=1.0,
+        f=1,
+    )
+
+
 def uniform_profile(
     layers: int = 6,
     *,

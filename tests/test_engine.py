@@ -18,8 +18,8 @@ from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.engine import checkpointing
 from oobleck_elastic.engine.generation.devices import backend_for
 from oobleck_elastic.engine.trainer import Trainer
-from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
 import helpers
+from oobleck_elastic.testing import node_plan
 from helpers import RandomTokens, layout_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,36 +116,7 @@ def test_three_plans_match_the_single_process_reference(tmp_path: Path) -> None:
     assert len(moved) == len(ref)
 
 
-def _plan(generation: int, pipelines: list[list[tuple[str, int, int]]]) -> Plan:
-    """A plan from pipelines given as [(node, first layer, end layer), ...] (one device per node)."""
-    specs, rank = [], 0
-    for pi, stages in enumerate(pipelines):
-        placed = []
-        for si, (node, start, end) in enumerate(stages):
-            placed.append(StagePlacement(index=si, start=start, end=end, node=node, local_rank=0, rank=rank))
-            rank += 1
-        specs.append(
-            PipelineSpec(
-                index=pi,
-                template_nodes=len(stages),
-                nodes=tuple(n for n, _, _ in stages),
-                microbatches=4,
-                stages=tuple(placed),
-                est_time_s=1.0,
-            )
-        )
-    nodes = tuple(n for p in pipelines for n, _, _ in p)
-    return Plan(
-        generation=generation,
-        nodes=nodes,
-        spares=(),
-        gpus_per_node=1,
-        num_layers=6,
-        microbatch_size=2,
-        pipelines=tuple(specs),
-        est_step_time_s=1.0,
-        f=1,
-    )
+_plan = node_plan
 
 
 def test_transfers_come_from_surviving_holders_spread_over_them() -> None:

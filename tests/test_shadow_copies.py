@@ -20,9 +20,10 @@ from oobleck_elastic.engine.generation.shadows import keepers, keepers_by_identi
 from oobleck_elastic.engine.telemetry.board import ShadowFigures
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.models.build import build_meta_layers
-from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
+from oobleck_elastic.planning import Plan
 from oobleck_elastic.planning.shadows import place_shadows
 import helpers
+from oobleck_elastic.testing import node_plan
 from helpers import RandomTokens
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,35 +33,8 @@ STEPS = 4
 def _plan(
     generation: int, pipelines: list[list[tuple[str, int, int]]], microbatches: list[int], shadows: int = 1
 ) -> Plan:
-    """A plan from pipelines given as [(node, first layer, end layer), ...] (one device per node),
-    with `shadows` shadow copies of every layer placed."""
-    specs, rank = [], 0
-    for pi, (stages, mb) in enumerate(zip(pipelines, microbatches, strict=True)):
-        placed = []
-        for si, (node, start, end) in enumerate(stages):
-            placed.append(StagePlacement(index=si, start=start, end=end, node=node, local_rank=0, rank=rank))
-            rank += 1
-        specs.append(
-            PipelineSpec(
-                index=pi,
-                template_nodes=len(stages),
-                nodes=tuple(n for n, _, _ in stages),
-                microbatches=mb,
-                stages=tuple(placed),
-                est_time_s=1.0,
-            )
-        )
-    plan = Plan(
-        generation=generation,
-        nodes=tuple(n for p in pipelines for n, _, _ in p),
-        spares=(),
-        gpus_per_node=1,
-        num_layers=6,
-        microbatch_size=2,
-        pipelines=tuple(specs),
-        est_step_time_s=1.0,
-        f=1,
-    )
+    """`node_plan` with `shadows` shadow copies of every layer placed."""
+    plan = node_plan(generation, pipelines, microbatches)
     return dataclasses.replace(plan, shadows=place_shadows(plan, shadows, [1] * 6, 100)) if shadows else plan
 
 
