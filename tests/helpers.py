@@ -67,6 +67,14 @@ def when(
         client.close()
 
 
+def at_step(endpoint: str, keys, step: int, action: Callable[[EtcdClient], None]) -> Callable[[object], None]:
+    """A `during` for `run_job`: once the job's `progress` shows `step` steps done, run
+    `action(client)` once (`when`)."""
+    return lambda proc: when(
+        endpoint, proc, lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= step, action
+    )
+
+
 def a_follower(client: EtcdClient, keys):
     """The record of a live node that is not the leader (so it can fail without the leader's death
     playing a part)."""

@@ -24,7 +24,7 @@ from oobleck_elastic.engine.resilience.heartbeat import Heartbeat
 from oobleck_elastic.engine.resilience.progress import Progress
 from oobleck_elastic.records.heartbeat import Beat, read_beat
 from oobleck_elastic.rendezvous.hang import HangWatch, overdue
-from helpers import a_follower, assert_same, run_job, tiny_profile, when, worker_pid
+from helpers import a_follower, assert_same, at_step, run_job, tiny_profile, worker_pid
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -244,12 +244,7 @@ def test_a_stopped_worker_on_a_live_node_is_cut_off(tmp_path: Path, etcd_server,
         12,
         profile,
         extra=["fault_tolerance.hang_floor_s=3", "fault_tolerance.hang_factor=2"],
-        during=lambda proc: when(
-            etcd_server.endpoint,
-            proc,
-            lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 4,
-            stop_a_worker,
-        ),
+        during=at_step(etcd_server.endpoint, keys, 4, stop_a_worker),
     )
     assert f"node {stopped['node']}: worker 0 (pid" in out and "(no stack: the process is stopped" in out, out[-4000:]
     client = connect(EtcdSettings(endpoint=etcd_server.endpoint))

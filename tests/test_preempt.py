@@ -18,7 +18,7 @@ import sys
 from launcher.local import build_parser
 from oobleck_elastic.config import ConfigError, load_config
 from oobleck_elastic.rendezvous.preempt import NOTICE_ENV, SIGNALS_ENV, PreemptionWatch
-from helpers import assert_same, run_job, tiny_profile, when
+from helpers import assert_same, at_step, run_job, tiny_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,12 +148,7 @@ def test_a_wave_of_notices_to_every_holder_of_some_layers_needs_no_checkpoint(
         ["--nodes", "4"],
         12,
         profile,
-        during=lambda proc: when(
-            etcd_server.endpoint,
-            proc,
-            lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 4,
-            notify_the_second_stages,
-        ),
+        during=at_step(etcd_server.endpoint, keys, 4, notify_the_second_stages),
     )
     assert len(noticed) == 2
     assert out.count("preemption notice (SIGTERM): draining") == 2, out[-4000:]

@@ -21,7 +21,17 @@ from oobleck_elastic.engine.run import train
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.logs import read_event_lines
 from oobleck_elastic.records.goodput import Category, Ledger
-from helpers import a_follower, assert_same, overrides, run_job, tensorboard_run, tiny_profile, when, worker_pid
+from helpers import (
+    a_follower,
+    assert_same,
+    at_step,
+    overrides,
+    run_job,
+    tensorboard_run,
+    tiny_profile,
+    when,
+    worker_pid,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -215,12 +225,7 @@ def test_draining_the_last_holders_of_layers_moves_them(tmp_path: Path, etcd_ser
         ["--nodes", "4"],
         12,
         profile,
-        during=lambda proc: when(
-            etcd_server.endpoint,
-            proc,
-            lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 4,
-            drain_the_second_stages,
-        ),
+        during=at_step(etcd_server.endpoint, keys, 4, drain_the_second_stages),
     )
     assert len(drained) == 2
     assert "as a donor" in out and "no surviving copy" not in out and "communication failed" not in out, out[-4000:]
@@ -261,12 +266,7 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
         extra=["checkpoint.interval_steps=2"],
         job_extra=[f"logging.events_dir={tmp_path / 'events'}"],
         killed_by_test=2,
-        during=lambda proc: when(
-            etcd_server.endpoint,
-            proc,
-            lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 5,
-            _kill_both_first_stages(keys),
-        ),
+        during=at_step(etcd_server.endpoint, keys, 5, _kill_both_first_stages(keys)),
     )
     assert "had no surviving copy; restored checkpoint" in out, out[-4000:]
     assert_same(job, ref)
@@ -307,12 +307,7 @@ def test_losing_both_holders_of_layers_goes_on_from_their_shadow_copies(tmp_path
             f"logging.events_dir={tmp_path / 'events'}",
         ],
         killed_by_test=2,
-        during=lambda proc: when(
-            etcd_server.endpoint,
-            proc,
-            lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 3,
-            _kill_both_first_stages(keys),
-        ),
+        during=at_step(etcd_server.endpoint, keys, 3, _kill_both_first_stages(keys)),
     )
     assert "had no surviving device copy: taken from their shadow copies" in out, out[-4000:]
     assert "no surviving copy of layer" not in out and "restored checkpoint" not in out, out[-4000:]
@@ -362,12 +357,7 @@ def test_losing_every_copy_of_a_layer_without_a_checkpoint_fails_the_job(tmp_pat
         40,
         profile,
         expect_failure=True,
-        during=lambda proc: when(
-            etcd_server.endpoint,
-            proc,
-            lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 3,
-            _kill_both_first_stages(keys),
-        ),
+        during=at_step(etcd_server.endpoint, keys, 3, _kill_both_first_stages(keys)),
     )
     client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
     try:
@@ -465,12 +455,7 @@ def test_local_worker_crash_is_restarted_by_its_agent_and_rejoins(tmp_path: Path
         ["--nodes", "4"],
         12,
         profile,
-        during=lambda proc: when(
-            etcd_server.endpoint,
-            proc,
-            lambda c: (c.get_json(keys.progress)[0] or {}).get("step", 0) >= 4,
-            crash_a_worker,
-        ),
+        during=at_step(etcd_server.endpoint, keys, 4, crash_a_worker),
     )
     from oobleck_elastic.etcd import EtcdSettings, connect
 
