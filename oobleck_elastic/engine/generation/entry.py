@@ -19,29 +19,28 @@ thing the entry asks of the trainer is to apply an interrupted step when it roll
 
 from __future__ import annotations
 
-import copy
 import gc
 import logging
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
-from torch.distributed.tensor import DTensor
 
 from ...config import JobConfig
 from ...logs import JobLog
 from ...models import LayerModel, build_layer_model
 from ...models.build import build_meta_layers
-from ...models.tensor_parallel import from_full, local, parallelize_layer, wrap_like
+from ...models.tensor_parallel import parallelize_layer
 from ...planning import Plan
 from .devices import backend_for, release_groups
 from .groups import GenerationGroups
 from ..step.optim import build_optimizer
+from .kept import copy_kept_shards, keep_layers
 from .reconfigure import Identity, LayerSources, Move, Transfer, exchange, moves_of, plan_transfers, transfer_bytes
 from .shadows import ShadowStore, keepers_by_identity, seed_store
 
@@ -135,12 +134,6 @@ def _release_donors() -> None:
     only once every receiver has its layers (a process that exits with data in flight could reset
     the connection under it). Steps then run on `Trainer.step_group`, without the donors."""
     dist.all_reduce(torch.zeros(1, dtype=torch.float64))
-
-
-def _shard_of(layer: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
-    """This lane's part of `t` (a kept shard as it is; a whole tensor, e.g. of a layer built
-    whole before the first generation, cut like parameter `name` of `layer`)."""
-    return local(t) if isinstance(t, DTensor) else from_full(layer, name, t)
 
 
 class GenerationEntry:
@@ -428,10 +421,10 @@ class GenerationEntry:
             for i in owned:
                 parallelize_layer(target.held(i), groups.mesh)
             keep_state = {
-                id(new): (new, st) for new, st in _copy_kept_shards(state.layer_model, kept, target, old_state)
+                id(new): (new, st) for new, st in copy_kept_shards(state.layer_model, kept, target, old_state)
             }
         else:
-            kept_layers, kept_params = _kept_layers(state.layer_model, kept, detach=detach_kept)
+            kept_layers, kept_params = keep_layers(state.layer_model, kept, detach=detach_kept)
             for i in kept:
                 target.layers[i] = kept_layers[i]
             target.retie()
@@ -499,40 +492,3 @@ def _shadow_source(state: WorkerState) -> Optional[tuple[LayerModel, Optional[to
         return None
     state.shadows.settle()
     return state.shadows.layer_model, state.shadows.optimizer
-
-
-def _copy_kept_shards(
-    old: LayerModel, kept: list[int], target: LayerModel, old_state: dict[Any, dict[str, Any]]
-) -> Iterator[tuple[nn.Parameter, dict[str, torch.Tensor]]]:
-    """Copy this lane's shards of the kept layers into `target`'s (built and sharded for the new
-    generation) and give their optimizer state, re-laid on the new lanes' mesh."""
-    for i in kept:
-        old_layer, new_layer = old.layers[i], target.layers[i]
-        assert old_layer is not None and new_layer is not None
-        for (_, p_old), (name, p_new) in zip(old_layer.named_parameters(), new_layer.named_parameters()):
-            with torch.no_grad():
-                local(p_new).copy_(_shard_of(new_layer, name, p_old))
-            if p_old in old_state:
-                yield (
-                    p_new,
-                    {
-                        k: v.clone() if k == "step" else wrap_like(p_new, _shard_of(new_layer, name, v).clone())
-                        for k, v in old_state[p_old].items()
-                    },
-                )
-
-
-def _kept_layers(
-    old: LayerModel, kept: list[int], *, detach: bool
-) -> tuple[dict[int, nn.Module], list[tuple[nn.Parameter, nn.Parameter]]]:
-    """The kept layers for the next generation and (old, new) pairs of their parameters: the
-    layers themselves, or copies after an abandoned step (`detach`: its thread may still run)."""
-    layers: dict[int, nn.Module] = {}
-    pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-    for i in kept:
-        layer = old.layers[i]
-        assert layer is not None
-        new = copy.deepcopy(layer) if detach else layer
-        layers[i] = new
-        pairs += list(zip(layer.parameters(), new.parameters()))
-    return layers, pairs
