@@ -4,7 +4,8 @@ A `Trainer` starts with no layers at all: its `LayerModel` knows every layer's n
 but holds none (`None` entries). Entering a generation (`enter_generation`, through the
 `GenerationEntry` of engine/generation/entry.py: connect, agree on the committed step, move layers,
 install the stage) builds, receives or restores exactly the layers of its stage, directly on
-its device, as a new `WorkerState`; the trainer then builds the stage's pipeline schedule.
+its device, as a new `WorkerState`; the trainer then builds the stage's pipeline schedule
+(engine/generation/stage.py).
 There is no other mode: the single-process reference (`single_process`) is a worker that
 entered the one-worker plan (one pipeline, one stage holding every layer), so it runs the same
 entry and the same step as any worker of a job. With tensor parallelism the worker is one lane
@@ -51,13 +52,12 @@ from ..logs import JobLog
 from ..config import JobConfig
 from ..config.timing import comm_timeout
 from ..models import LayerModel, build_layer_model, num_layers
-from ..planning import PipelineSpec, Plan, PlanningError
-from ..planning.schedule_choice import ENGINE_RUNS, engine_runs_text
+from ..planning import Plan
 from .telemetry import memory
 from .telemetry.samples import SampleLedger
-from .step.compiled import compile_enabled, compiled_stage, use_cache_dir, warm_up
+from .step.compiled import compile_enabled, use_cache_dir, warm_up
 from ..data.sampler import BatchPrefetcher, pipeline_slices
-from .generation.devices import release_groups, to_device
+from .generation.devices import release_groups
 from .runner import abandoned_threads
 from .resilience.errors import StepAbandoned
 from .resilience.faults import FaultInjector
@@ -74,14 +74,15 @@ from .resilience.fingerprint import (
 from .generation.grad_sync import GradSync
 from .generation.shadows import ShadowLink
 from .generation.groups import GenerationGroups
+from .generation.stage import build_stage, run_local, run_schedule
 from .resilience.guard import Verdict, judge
 from .generation.entry import GenerationEntry, LayersLost, Reconfiguration, WorkerState
 from .portable import PortableState
 from .step.commit import CommitVote, commit, own_slot
-from .step.result import Autocast, StepResult
-from .resilience.progress import STEP_PROGRESS, watch_pipeline_waits
+from .step.result import StepResult
+from .resilience.progress import STEP_PROGRESS
 from .resilience.straggler import ComputeClock
-from .step.paced import Pacer, pace_stage, pin_threads
+from .step.paced import Pacer, pin_threads
 from .step.optim import clip_coefficient, scale_grads, set_lr, token_sum_loss
 
 __all__ = ["Trainer", "StepResult", "LayersLost", "Reconfiguration", "WorkerState", "single_process"]
@@ -287,8 +288,8 @@ class Trainer(PortableState):
         self.step_group = None
 
     def _build_pipeline(self, plan: Plan) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
+        """The generation's step group, gradient sync and shadow link, then this worker's stage
+        (engine/generation/stage.py)."""
         assert self.groups is not None
         self.pipeline, self.stage = plan.stage_of(self.rank)
         self.lane = self.rank - self.stage.rank
@@ -298,72 +299,27 @@ class Trainer(PortableState):
         if plan.shadows is not None and plan.shadows.copies > 0:  # every stage worker makes the group
             group = dist.new_group(list(range(plan.world_size)), timeout=self.timeout)
             self.shadow_link = ShadowLink(plan, self.rank, group)
-        stages = len(self.pipeline.stages)
-        # the device's virtual stages (one range without chunks); a one-stage pipeline's are contiguous
-        held = self.stage.layers()
-        ranges = self.stage.layer_ranges() if stages > 1 else ((min(held), max(held) + 1),)
-        modules = [self._stage_module(u, v) for u, v in ranges]
-        self.stage_module = modules[0] if len(modules) == 1 else nn.Sequential(*modules)
-        self.schedule = None
-        if stages > 1:
-            from ..planning.schedules import stage_placement
-            from .step.shapes import stage_io
-
-            placed = stage_placement(self.pipeline.schedule, stages, len(ranges))  # virtual stage -> device
-            indices = [k for k, device in enumerate(placed) if device == self.stage.index]
-            self.ends = (0 in indices, len(placed) - 1 in indices)  # holds the first / the last virtual stage
-            pstages: list[PipelineStage] = []
-            for index, (start, end), module in zip(indices, ranges, modules, strict=True):
-                # static shapes (meta tensors): torch then exchanges no pickled metadata between stages
-                inputs, outputs = stage_io(
-                    self.cfg.model,
-                    seed=self.cfg.training.seed,
-                    start=start,
-                    end=end,
-                    microbatch_size=plan.microbatch_size,
-                    seq_len=self.dataset[0][0].shape[-1],
-                    autocast=self.dtype,
-                )
-                pstage = PipelineStage(
-                    module,
-                    index,
-                    len(placed),
-                    self.device,
-                    input_args=inputs,
-                    output_args=outputs,
-                    group=self.groups.pipeline_group,
-                )
-                pacer = pace_stage(  # training.paced_devices: pad each pass (engine/step/paced.py)
-                    pstage,
-                    self.stage,
-                    self.cfg.training.paced_devices,
-                    device=self.device,
-                    log=log.at(gen=plan.generation, node=self.node),
-                    step=lambda: self._step,
-                    chunk=len(pstages),
-                )
-                if not pstages:
-                    self.pacer = pacer  # the first chunk's (tests read what it padded)
-                # a split backward assigns the weight gradients in its W pass, no hook sees them:
-                # the gradient sync is told when a virtual stage's last W has run (grad_sync.py)
-                pstage.backward_weight_one_chunk = _after_weight_pass(  # type: ignore[method-assign]
-                    pstage.backward_weight_one_chunk, self.grad_sync, range(start, end)
-                )
-                # time the stage's own compute, not its waits for its neighbours (engine/resilience/straggler.py)
-                # and each chunk is a progress point of the step thread (engine/resilience/progress.py);
-                # zero-bubble splits the backward into the input gradient and the weight gradient
-                for chunk in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                    setattr(pstage, chunk, self.progress.timed(self.clock.timed(getattr(pstage, chunk))))
-                pstages.append(pstage)
-            watch_pipeline_waits(self.progress)  # the schedule's sends and receives are waits
-            self.schedule = _schedule(self.pipeline, pstages, self.loss_fn)
-
-    def _stage_module(self, start: int, end: int) -> nn.Module:
-        """Layers [start, end) of this worker, compiled when `training.compile` says so, under the
-        step's precision (the model's last layer hands on bf16 logits)."""
-        layers = self.layer_model.stage(start, end)
-        last = end == self.layer_model.num_layers
-        return Autocast(compiled_stage(list(layers)) if self.compile else layers, self.dtype, last=last)
+        built = build_stage(
+            self.cfg,
+            self.pipeline,
+            self.stage,
+            layer_model=self.layer_model,
+            groups=self.groups,
+            grad_sync=self.grad_sync,
+            loss_fn=self.loss_fn,
+            microbatch_size=plan.microbatch_size,
+            seq_len=self.dataset[0][0].shape[-1],
+            device=self.device,
+            dtype=self.dtype,
+            compile=self.compile,
+            progress=self.progress,
+            clock=self.clock,
+            log=log.at(gen=plan.generation, node=self.node),
+            step=lambda: self._step,
+        )
+        self.stage_module, self.schedule = built.module, built.schedule
+        if built.schedule is not None:  # a one-stage pipeline keeps the ends and the pacer it had
+            self.ends, self.pacer = built.ends, built.pacer
 
     # ------------------------------------------------------------------ one step
     def my_samples(self, step: int) -> list[int]:
@@ -373,38 +329,6 @@ class Trainer(PortableState):
             self.pipeline.index
         ]
         return indices[start:end]
-
-    def _forward_backward_local(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of every microbatch in turn; the summed loss, on the device."""
-        assert self.stage_module is not None and self.plan is not None
-        mbs = self.plan.microbatch_size  # the plan's: training.microbatch_size may be auto
-        x, y = to_device(x, self.device), to_device(y, self.device)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i in range(0, x.shape[0], mbs):
-            loss = self.loss_fn(self.stage_module(x[i : i + mbs]), y[i : i + mbs])
-            loss.backward()
-            total += loss.detach()
-            self.progress.point()  # a compute chunk (engine/resilience/progress.py)
-        return total
-
-    def _forward_backward_pipeline(self, x: torch.Tensor, y: torch.Tensor, schedule: Any) -> torch.Tensor:
-        """This stage's part of the pipeline schedule; the summed loss on the last stage (zero on
-        the others), on the device."""
-        if schedule is None:  # one-stage pipeline: no pipelining needed
-            return self.clock.timed(self._forward_backward_local)(x, y)
-        first, last = self.ends
-        losses: list[torch.Tensor] = []
-        if first and last:  # zbv's V: device 0 holds the first and the last stage
-            schedule.step(to_device(x, self.device), target=to_device(y, self.device), losses=losses)
-        elif first:
-            schedule.step(to_device(x, self.device))
-        elif last:
-            schedule.step(target=to_device(y, self.device), losses=losses)
-        else:
-            schedule.step()
-        if not losses:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        return torch.stack([loss.detach().double() for loss in losses]).sum()
 
     def train_step(self, step: int, *, seen_generation: int = 0, rejections: int = 0) -> StepResult:
         """Run step `step` (0-based) and apply it. It may run in another thread: it uses the
@@ -492,7 +416,17 @@ class Trainer(PortableState):
         with torch.autocast(
             device_type=self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None
         ):
-            return self._forward_backward_pipeline(x, y, schedule)
+            if schedule is None:  # one-stage pipeline: no pipelining needed
+                return self.clock.timed(self._forward_backward_local)(x, y)
+            return run_schedule(schedule, self.ends, x, y, device=self.device)
+
+    def _forward_backward_local(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A one-stage pipeline's microbatches one after another (engine/generation/stage.py)."""
+        assert self.stage_module is not None and self.plan is not None
+        mbs = self.plan.microbatch_size  # the plan's: training.microbatch_size may be auto
+        return run_local(
+            self.stage_module, self.loss_fn, x, y, microbatch_size=mbs, device=self.device, progress=self.progress
+        )
 
     def _synchronise(
         self,
@@ -655,55 +589,6 @@ class Trainer(PortableState):
         self.batches.close()
         if self.plan is not None and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _after_weight_pass(weight_pass: Callable[..., Any], sync: GradSync, layers: range) -> Callable[..., Any]:
-    """`weight_pass` (a stage's backward_weight_one_chunk), then `sync.weight_pass(layers)`: the
-    generation's own GradSync, bound here, so an abandoned step never reaches the next one's."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        out = weight_pass(*args, **kwargs)
-        sync.weight_pass(layers)
-        return out
-
-    return run
-
-
-def _schedule(pipeline: PipelineSpec, stages: list[Any], loss_fn: Callable[..., torch.Tensor]) -> Any:
-    """The torch schedule running `pipeline`'s schedule on this worker's `stages` (its virtual
-    stages, in pipeline order): 1F1B (GPipe when chosen, or when the pipeline has fewer
-    microbatches than stages), interleaved 1F1B over the chunks, zero-bubble (torch's interleaved
-    zero-bubble schedule: ZB-H1 on one chunk per device, at any microbatch count with
-    `OneChunkZeroBubble`, engine/step/zero_bubble.py; its interleaved form over 2..8 chunks) or
-    ZB-V (two stages per device in a V), the orders planning/schedules.py simulates. Every stage
-    gets the loss_fn (without one a schedule runs forward only) and sums, never averages, the
-    microbatches' gradients (`scale_grads=False`: the loss is already divided by the global batch)."""
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleInterleavedZeroBubble,
-        ScheduleZBVZeroBubble,
-    )
-
-    from .step.zero_bubble import OneChunkZeroBubble
-
-    if (pipeline.schedule, pipeline.num_chunks) not in ENGINE_RUNS:
-        raise PlanningError(
-            f"pipeline {pipeline.index} runs {pipeline.schedule} with {pipeline.num_chunks} chunk(s) per device, "
-            f"which the engine does not run (it runs {engine_runs_text()}): set planning.schedule to one of those"
-        )
-    mb = pipeline.microbatches
-    many = {
-        "interleaved-1f1b": ScheduleInterleaved1F1B,
-        "zero-bubble": OneChunkZeroBubble if len(stages) == 1 else ScheduleInterleavedZeroBubble,
-        "zbv": ScheduleZBVZeroBubble,
-    }
-    if pipeline.schedule in many:
-        return many[pipeline.schedule](stages, n_microbatches=mb, loss_fn=loss_fn, scale_grads=False)
-    (stage,) = stages
-    one = Schedule1F1B if pipeline.schedule == "1f1b" and mb >= len(pipeline.stages) else ScheduleGPipe
-    return one(stage, n_microbatches=mb, loss_fn=loss_fn, scale_grads=False)
 
 
 def single_process(cfg: JobConfig, *, dataset: Any, device: str | torch.device = "cpu") -> Trainer:
