@@ -140,7 +140,7 @@ class Trainer(PortableState):
         self.stage_module: Optional[nn.Module] = None
         self.step_group: Optional[dist.ProcessGroup] = None
         """The group of the generation's step collectives: its stages (None: the whole world)."""
-        # A step may run in another thread that the control plane can abandon (engine/run.py):
+        # A step may run in another thread that the control plane can abandon (engine/worker.py):
         # `_epoch` grows at every abandonment, and a step only writes this trainer's state under
         # `_lock` while its epoch is current; the next generation then works on copies of the
         # kept layers (`_detach_kept`), so an abandoned step that wakes up touches nothing in use.
