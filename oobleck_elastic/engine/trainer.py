@@ -61,16 +61,7 @@ from .generation.devices import release_groups
 from .runner import abandoned_threads
 from .resilience.errors import StepAbandoned
 from .resilience.faults import FaultInjector
-from .resilience.fingerprint import (
-    Corrupt,
-    Unrepairable,
-    compare,
-    fingerprints,
-    gather,
-    is_check_step,
-    layer_tensors,
-    repair,
-)
+from .resilience.fingerprint import Corrupt, Unrepairable, check_replicas, is_check_step, layer_tensors
 from .generation.grad_sync import GradSync
 from .generation.shadows import ShadowLink
 from .generation.groups import GenerationGroups
@@ -492,12 +483,23 @@ class Trainer(PortableState):
 
     def _compare_copies(self, step: int) -> tuple[tuple[Corrupt, ...], str]:
         """After an applied step, every `fingerprint_interval_steps` (the same steps on every
-        worker): the layers' copies compared and repaired (`check_replicas`); (the repaired
-        copies, why the job must stop: a layer's copies have no majority)."""
+        worker): the layers' copies compared with their other holders' and the corrupt ones
+        repaired (`check_replicas`, engine/resilience/fingerprint.py; collective over the
+        generation); (the repaired copies, why the job must stop: a layer's copies have no majority)."""
         if not is_check_step(step, self.cfg.fault_tolerance.fingerprint_interval_steps):
             return (), ""
         try:
-            return tuple(self.check_replicas(step)), ""
+            assert self.plan is not None and self.groups is not None
+            tensors = {i: layer_tensors(self.layer_model.held(i), self.optimizer) for i in self.owned}
+            corrupt = check_replicas(
+                self.plan,
+                tensors,
+                rank=self.rank,
+                group=self.step_group,
+                holder_groups=self.groups.sets,
+                progress=self.progress,
+            )
+            return tuple(corrupt), ""
         except Unrepairable as err:
             return (), str(err)
 
@@ -515,20 +517,6 @@ class Trainer(PortableState):
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.state.shadows is not None:
                     self.state.shadows.discard()
-
-    def check_replicas(self, step: int) -> list[Corrupt]:
-        """Compare every layer's copies with its other holders after step `step` and replace the
-        corrupt ones from the majority (engine/resilience/fingerprint.py); the repaired copies. Collective
-        over the generation; raises Unrepairable when a layer's copies have no majority."""
-        assert self.plan is not None and self.groups is not None
-        tensors = {i: layer_tensors(self.layer_model.held(i), self.optimizer) for i in self.owned}
-        prints = fingerprints(tensors)
-        with self.progress.waiting():  # engine/resilience/progress.py
-            table = gather(self.plan, prints, self.step_group)
-        corrupt = compare(self.plan, table)
-        with self.progress.waiting():
-            repair(corrupt, rank=self.rank, tensors_of=tensors, groups=self.groups.sets)
-        return corrupt
 
     def skip(self, step: int) -> None:
         """Count `step` as done with no update: the step guard rejected it twice (engine/resilience/guard.py)."""
