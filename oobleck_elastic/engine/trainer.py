@@ -35,14 +35,11 @@ it with the norm, the step's only host read.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import math
 import logging
-import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,22 +56,22 @@ from .step.compiled import compile_enabled, use_cache_dir, warm_up
 from ..data.sampler import BatchPrefetcher, pipeline_slices
 from .generation.devices import release_groups
 from .runner import abandoned_threads
-from .resilience.errors import StepAbandoned
 from .resilience.faults import FaultInjector
 from .resilience.fingerprint import Corrupt, Unrepairable, check_replicas, is_check_step, layer_tensors
 from .generation.grad_sync import GradSync
 from .generation.shadows import ShadowLink
 from .generation.groups import GenerationGroups
 from .generation.stage import build_stage, run_local, run_schedule
-from .resilience.guard import Verdict, judge
+from .resilience.guard import judge
 from .generation.entry import GenerationEntry, LayersLost, Reconfiguration, WorkerState
 from .portable import PortableState
+from .updates import StateUpdates
 from .step.commit import CommitVote, commit, own_slot
 from .step.result import StepResult
 from .resilience.progress import STEP_PROGRESS
 from .resilience.straggler import ComputeClock
 from .step.paced import Pacer, pin_threads
-from .step.optim import clip_coefficient, scale_grads, set_lr, token_sum_loss
+from .step.optim import token_sum_loss
 
 __all__ = ["Trainer", "StepResult", "LayersLost", "Reconfiguration", "WorkerState", "single_process"]
 
@@ -131,13 +128,9 @@ class Trainer(PortableState):
         self.stage_module: Optional[nn.Module] = None
         self.step_group: Optional[dist.ProcessGroup] = None
         """The group of the generation's step collectives: its stages (None: the whole world)."""
-        # A step may run in another thread that the control plane can abandon (engine/worker.py):
-        # `_epoch` grows at every abandonment, and a step only writes this trainer's state under
-        # `_lock` while its epoch is current; the next generation then works on copies of the
-        # kept layers (`_detach_kept`), so an abandoned step that wakes up touches nothing in use.
-        self._lock = threading.Lock()
-        self._epoch = 0
-        self._detach_kept = False
+        self.updates = StateUpdates(cfg)
+        """A step's writes to `state`, only while it is current (engine/updates.py: a step may run in
+        another thread that the control plane can abandon)."""
         self.faults = FaultInjector.from_env()
         self._step = 0  # the step running now (for injected slowdowns)
         self.entry_window = (0.0, 0.0)  # Unix times this worker began and finished entering its generation
@@ -244,9 +237,14 @@ class Trainer(PortableState):
         self._drop_groups()  # the previous generation's: its groups are destroyed by the entry
         began = time.time()
         installed = self.entry.enter(
-            self.state, plan, store, roll_forward=self._roll_forward, detach_kept=self._detach_kept, load_plan=load_plan
+            self.state,
+            plan,
+            store,
+            roll_forward=self._roll_forward,
+            detach_kept=self.updates.detach_kept,
+            load_plan=load_plan,
         )
-        self.state, self._detach_kept = installed.state, False
+        self.state, self.updates.detach_kept = installed.state, False
         if installed.groups is None:  # a donor: it holds nothing now and leaves
             gc.collect()
             return installed.info
@@ -327,7 +325,7 @@ class Trainer(PortableState):
         StepAbandoned instead of changing this trainer's state. `seen_generation`: the newest plan
         generation this worker has seen; `rejections`: how often this worker has seen the step
         guard reject `step` (the commit agrees on the largest of each, engine/step/commit.py)."""
-        t0, epoch, generation = time.perf_counter(), self._epoch, self.generation
+        t0, epoch, generation = time.perf_counter(), self.updates.epoch, self.generation
         self._begin(step)
         x, y = self.batches.get(step)
         self._fed(step)
@@ -349,11 +347,11 @@ class Trainer(PortableState):
         repaired: tuple[Corrupt, ...] = ()
         unrepairable = ""
         if verdict.apply:
-            self._apply(step, norm2, epoch)
+            self.updates.apply(self.state, step, norm2, epoch)
             self.samples.committed("applied", step, generation=generation, rank=self.rank, how="step")
             self.faults.flip_bit(rank=self.rank, step=step, layers=self.layer_model.layers)
             repaired, unrepairable = self._compare_copies(step)
-        self._settle(verdict, loss, agreed.max_loss, epoch)
+        self.updates.settle(self.state, verdict, loss, agreed.max_loss, epoch)
         return StepResult(
             step=step,
             loss=loss,
@@ -390,7 +388,7 @@ class Trainer(PortableState):
     def _roll_forward(self, step: int, norm2: float) -> None:
         """Apply the interrupted step while entering a generation (engine/generation/entry.py);
         the sample ledger records it against the generation that fed it (still this state's)."""
-        self._apply(step, norm2)
+        self.updates.apply(self.state, step, norm2)
         if self.state.committed_step == step:
             self.samples.committed("applied", step, generation=self.generation, rank=self.rank, how="roll_forward")
 
@@ -457,7 +455,7 @@ class Trainer(PortableState):
             with self.progress.waiting():
                 grads = posted.wait()
             self.shadow_s += time.perf_counter() - began
-        with self._current(epoch):
+        with self.updates.current(epoch):
             if grads is not None and shadows is not None:
                 shadows.received(step, grads)
             self.state.synced_step, self.state.synced_norm2 = step, norm2
@@ -503,55 +501,10 @@ class Trainer(PortableState):
         except Unrepairable as err:
             return (), str(err)
 
-    def _settle(self, verdict: Verdict, loss: float, running_max: float, epoch: int) -> None:
-        """The step guard's verdict on this worker's state (engine/resilience/guard.py): an applied
-        step raises the running maximum of the loss; a rejected one is neither committed nor kept
-        for a roll-forward, and its gradients are dropped."""
-        with self._current(epoch):
-            if verdict.apply:
-                self.state.max_loss = max(running_max, loss)
-            else:
-                self.state.max_loss = running_max
-                self.state.synced_step = self.state.committed_step
-                assert self.optimizer is not None
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.state.shadows is not None:
-                    self.state.shadows.discard()
-
     def skip(self, step: int) -> None:
         """Count `step` as done with no update: the step guard rejected it twice (engine/resilience/guard.py)."""
-        with self._lock:
-            assert self.optimizer is not None
-            self.optimizer.zero_grad(set_to_none=True)
-            self.state.committed_step = self.state.synced_step = step
-            if self.state.shadows is not None:
-                self.state.shadows.skip(step)
+        self.updates.skip(self.state, step)
         self.samples.committed("skipped", step, generation=self.generation, rank=self.rank)
-
-    @contextlib.contextmanager
-    def _current(self, epoch: int) -> Iterator[None]:
-        """Hold the state lock, or raise StepAbandoned when the step of `epoch` was abandoned."""
-        with self._lock:
-            if self._epoch != epoch:
-                raise StepAbandoned(f"the step of epoch {epoch} was abandoned (now {self._epoch})")
-            yield
-
-    def _apply(self, step: int, norm2: float, epoch: Optional[int] = None) -> None:
-        with self._current(self._epoch if epoch is None else epoch):
-            assert self.optimizer is not None
-            shadows = self.state.shadows
-            if not math.isfinite(norm2):  # never applied (engine/resilience/guard.py), a roll-forward included
-                self.optimizer.zero_grad(set_to_none=True)
-                if shadows is not None:
-                    shadows.discard()
-                return
-            scale_grads(self.params, clip_coefficient(norm2, self.cfg.training.optimizer.grad_clip))
-            set_lr(self.optimizer, step, self.cfg.training)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if shadows is not None:  # the same update on the shadow copies this worker keeps
-                shadows.apply(step, norm2, self.cfg, background=True)
-            self.state.committed_step = step
 
     def abort(self, *, abandoned: bool = False) -> None:
         """After a communication error, or when the control plane abandoned a step (`abandoned`):
@@ -563,9 +516,7 @@ class Trainer(PortableState):
         traceback keeps the failed call's frames, and with them the groups, alive)."""
         self.faults.disarm()  # engine/resilience/faults.py: a stuck step is injected once per job
         if abandoned:
-            with self._lock:
-                self._epoch += 1
-                self._detach_kept = True
+            self.updates.abandon()
         self._drop_groups()
         try:
             release_groups(abort=True, busy=abandoned_threads())
