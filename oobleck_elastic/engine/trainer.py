@@ -58,7 +58,7 @@ from .generation.devices import release_groups
 from .runner import abandoned_threads
 from .resilience.faults import FaultInjector
 from .resilience.fingerprint import Corrupt, Unrepairable, check_replicas, is_check_step, layer_tensors
-from .generation.grad_sync import GradSync
+from .generation.grad_sync import GradSync, synchronise
 from .generation.shadows import ShadowLink
 from .generation.groups import GenerationGroups
 from .generation.stage import build_stage, run_local, run_schedule
@@ -426,40 +426,28 @@ class Trainer(PortableState):
         epoch: int,
         shadow_link: Optional[ShadowLink] = None,
     ) -> tuple[float, float]:
-        """Steps 1-2 of the module docstring: the gradients summed among each layer's holders, then
-        one SUM all-reduce of the squared norm and the loss; (squared norm, loss), global. The
-        summed gradients of layers with shadow copies go to their keepers meanwhile, and the
-        keepers' arrive, before this returns (so before the commit: engine/generation/shadows.py)."""
-        grad_sync.all_reduce()
+        """Steps 1-2 of the module docstring (`synchronise`, engine/generation/grad_sync.py): the
+        gradients summed among each layer's holders, then one SUM all-reduce of the squared norm
+        and the loss; (squared norm, loss), global. The summed gradients of layers with shadow
+        copies go to their keepers meanwhile, and the keepers' arrive, before this returns (so
+        before the commit: engine/generation/shadows.py), and are kept only while the step is current."""
         shadows = self.state.shadows
-        began = time.perf_counter()  # the shadows' own time in the step: `StepResult.shadow_s`
-        posted = shadow_link.post(self.layer_model, shadows) if shadow_link is not None else None
-        self.shadow_s = time.perf_counter() - began if posted is not None else 0.0
-        # control collectives: CPU tensors, so they go over gloo whatever the data backend; this
-        # is the step's one read of a device value (the loss and the norm stay on the device until
-        # here). Every lane of a last stage computes the same loss: lane 0 reports it.
-        if self.lane != 0:
-            local_loss = torch.zeros_like(local_loss)
-        stacked = torch.stack(
-            [grad_sync.norm_squared().to(local_loss.device, torch.float64), local_loss.to(torch.float64)]
+        synced = synchronise(
+            grad_sync,
+            local_loss,
+            layer_model=self.layer_model,
+            lane=self.lane,
+            step_group=step_group,
+            progress=self.progress,
+            shadow_link=shadow_link,
+            shadows=shadows,
         )
-        with self.progress.waiting():  # the device sync waits for the gradient sums
-            reduced = stacked.cpu()
-        work = dist.all_reduce(reduced, group=step_group, async_op=True)
-        with self.progress.waiting(work):
-            work.wait()
-        norm2, loss = float(reduced[0]), float(reduced[1])
-        grads = None
-        if posted is not None:
-            began = time.perf_counter()
-            with self.progress.waiting():
-                grads = posted.wait()
-            self.shadow_s += time.perf_counter() - began
+        self.shadow_s = synced.shadow_s
         with self.updates.current(epoch):
-            if grads is not None and shadows is not None:
-                shadows.received(step, grads)
-            self.state.synced_step, self.state.synced_norm2 = step, norm2
-        return norm2, loss
+            if synced.shadow_grads is not None and shadows is not None:
+                shadows.received(step, synced.shadow_grads)
+            self.state.synced_step, self.state.synced_norm2 = step, synced.norm2
+        return synced.norm2, synced.loss
 
     def _vote(self, seen_generation: int, rejections: int) -> CommitVote:
         """This worker's part of the COMMIT (engine/step/commit.py): the newest generation it has
