@@ -16,7 +16,8 @@ zero-bubble or ZB-V over the worker's virtual stages, its chunks of non-contiguo
 one-stage pipeline runs its microbatches one after another) on its share of the global batch, then:
 
 1. gradients are SUM-reduced among each layer's holders (GradSync);
-2. one all-reduce over the generation sums the squared gradient norm and the loss;
+2. one all-reduce over the generation sums the squared gradient norm and the loss (steps 1-2:
+   `synchronise`, engine/generation/grad_sync.py);
 3. one tiny all-reduce is the COMMIT point (docs/design.md, invariant 2): a worker calls
    optimizer.step() only after it returns, i.e. after every worker finished steps 1-2, so if any
    worker committed, every worker holds the synchronised gradients and the norm. It is one MAX
@@ -24,7 +25,8 @@ one-stage pipeline runs its microbatches one after another) on its share of the 
    worker has seen, so everyone leaves for a new generation at the same step boundary, and what
    the step guard and the straggler watch need every worker to agree on;
 4. the step guard's verdict (engine/resilience/guard.py), the same on every worker, applies the
-   step or drops it; after an applied step, every `fingerprint_interval_steps`, the copies of
+   step or drops it (on the worker state only while the step is current: engine/updates.py,
+   whose epoch an abandoned step no longer holds); after an applied step, every `fingerprint_interval_steps`, the copies of
    every layer are compared and repaired (engine/resilience/fingerprint.py).
 
 What a step costs besides the arithmetic (README "Speed"): the batch is collated ahead by a

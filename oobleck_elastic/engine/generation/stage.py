@@ -15,7 +15,7 @@ torch schedule that runs the pipeline's planned schedule over those stages (only
 A step then runs this stage's part: `run_schedule` feeds the first stage, gives the last its
 targets and sums the losses it returns; `run_local`, a one-stage pipeline, which needs no
 schedule, runs its microbatches one after another. Both return the summed loss on the device
-(the step's only host read comes later, with the gradient norm: engine/trainer.py).
+(the step's only host read comes later, with the gradient norm: `synchronise`, grad_sync.py).
 """
 
 from __future__ import annotations
