@@ -26,8 +26,9 @@ one-stage pipeline runs its microbatches one after another) on its share of the 
    the step guard and the straggler watch need every worker to agree on;
 4. the step guard's verdict (engine/resilience/guard.py), the same on every worker, applies the
    step or drops it (on the worker state only while the step is current: engine/updates.py,
-   whose epoch an abandoned step no longer holds); after an applied step, every `fingerprint_interval_steps`, the copies of
-   every layer are compared and repaired (engine/resilience/fingerprint.py).
+   whose epoch an abandoned step no longer holds); after an applied step, every
+   `fingerprint_interval_steps`, the copies of every layer are compared and repaired
+   (engine/resilience/fingerprint.py).
 
 What a step costs besides the arithmetic (README "Speed"): the batch is collated ahead by a
 `BatchPrefetcher`; the layers run compiled when `training.compile` says so (engine/step/compiled.py);
