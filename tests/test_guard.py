@@ -105,7 +105,7 @@ def _run(cfg, monkeypatch, spec: dict[str, str]) -> dict[str, torch.Tensor]:
     trainer = single_process(cfg, dataset=RandomTokens(n=64, seq_len=16))
     try:
         guard, step = StepGuard(cfg.fault_tolerance.max_skipped_steps), 0
-        while step < cfg.training.steps:  # the loop of engine/run.py, on a trainer of the one-worker plan
+        while step < cfg.training.steps:  # the loop of engine/worker.py, on a trainer of the one-worker plan
             result = trainer.train_step(step, rejections=guard.attempts.get(step, 0))
             action = guard.decide(step, Verdict(not result.rejected, result.rejected))
             if action is Action.SKIP:

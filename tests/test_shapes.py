@@ -18,7 +18,8 @@ from torch import nn
 
 from oobleck_elastic.config import ModelConfig, from_dict, load_config, to_dict
 from oobleck_elastic.engine.step.shapes import stage_io
-from oobleck_elastic.engine.trainer import Autocast, Trainer
+from oobleck_elastic.engine.step.result import Autocast
+from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.models import build_layer_model, hf_config
 import helpers
 from helpers import RandomTokens, layout_plan

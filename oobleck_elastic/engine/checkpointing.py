@@ -61,7 +61,7 @@ log = JobLog(logging.getLogger(__name__))
 
 class NothingToRestore(RuntimeError):
     """Some layer has no surviving copy and no checkpoint holds it: the job cannot go on. The
-    worker closes the job as failed (engine/run.py), so no agent restarts its workers into a
+    worker closes the job as failed (engine/worker.py), so no agent restarts its workers into a
     job that would train from step 0 again on re-initialised layers."""
 
 

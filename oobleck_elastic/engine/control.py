@@ -1,8 +1,9 @@
 """The data plane's one view of the control plane, and its single-process implementation.
 
-The worker loop (`engine/run.py`) needs only what `ControlPlane` lists: the current plan and
-past ones, whether to leave, a store for a generation's process groups, when to abandon a
-running step, and where to report readiness, progress, failures, errors and the end of the job.
+The worker loop (`engine/run.py`, `engine/worker.py`) needs only what `ControlPlane` lists: the
+current plan and past ones, whether to leave, a store for a generation's process groups, when
+to abandon a running step, and where to report readiness, progress, failures, errors and the
+end of the job.
 Two implementations serve it:
 
 - `rendezvous/worker.py:WorkerContext`: a worker of a torchrun job, on etcd;

@@ -4,7 +4,8 @@ A `Trainer` starts with no layers at all: its `LayerModel` knows every layer's n
 but holds none (`None` entries). Entering a generation (`enter_generation`, through the
 `GenerationEntry` of engine/generation/entry.py: connect, agree on the committed step, move layers,
 install the stage) builds, receives or restores exactly the layers of its stage, directly on
-its device, as a new `WorkerState`; the trainer then builds the stage's pipeline schedule.
+its device, as a new `WorkerState`; the trainer then builds the stage's pipeline schedule
+(engine/generation/stage.py).
 There is no other mode: the single-process reference (`single_process`) is a worker that
 entered the one-worker plan (one pipeline, one stage holding every layer), so it runs the same
 entry and the same step as any worker of a job. With tensor parallelism the worker is one lane
@@ -15,7 +16,8 @@ zero-bubble or ZB-V over the worker's virtual stages, its chunks of non-contiguo
 one-stage pipeline runs its microbatches one after another) on its share of the global batch, then:
 
 1. gradients are SUM-reduced among each layer's holders (GradSync);
-2. one all-reduce over the generation sums the squared gradient norm and the loss;
+2. one all-reduce over the generation sums the squared gradient norm and the loss (steps 1-2:
+   `synchronise`, engine/generation/grad_sync.py);
 3. one tiny all-reduce is the COMMIT point (docs/design.md, invariant 2): a worker calls
    optimizer.step() only after it returns, i.e. after every worker finished steps 1-2, so if any
    worker committed, every worker holds the synchronised gradients and the norm. It is one MAX
@@ -23,8 +25,10 @@ one-stage pipeline runs its microbatches one after another) on its share of the 
    worker has seen, so everyone leaves for a new generation at the same step boundary, and what
    the step guard and the straggler watch need every worker to agree on;
 4. the step guard's verdict (engine/resilience/guard.py), the same on every worker, applies the
-   step or drops it; after an applied step, every `fingerprint_interval_steps`, the copies of
-   every layer are compared and repaired (engine/resilience/fingerprint.py).
+   step or drops it (on the worker state only while the step is current: engine/updates.py,
+   whose epoch an abandoned step no longer holds); after an applied step, every
+   `fingerprint_interval_steps`, the copies of every layer are compared and repaired
+   (engine/resilience/fingerprint.py).
 
 What a step costs besides the arithmetic (README "Speed"): the batch is collated ahead by a
 `BatchPrefetcher`; the layers run compiled when `training.compile` says so (engine/step/compiled.py);
@@ -34,14 +38,11 @@ it with the norm, the step's only host read.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import math
 import logging
-import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,38 +52,29 @@ from ..logs import JobLog
 from ..config import JobConfig
 from ..config.timing import comm_timeout
 from ..models import LayerModel, build_layer_model, num_layers
-from ..planning import PipelineSpec, Plan, PlanningError
-from ..planning.schedule_choice import ENGINE_RUNS, engine_runs_text
+from ..planning import Plan
 from .telemetry import memory
 from .telemetry.samples import SampleLedger
-from .step.compiled import compile_enabled, compiled_stage, use_cache_dir, warm_up
+from .step.compiled import compile_enabled, use_cache_dir, warm_up
 from ..data.sampler import BatchPrefetcher, pipeline_slices
-from .generation.devices import release_groups, to_device
+from .generation.devices import release_groups
 from .runner import abandoned_threads
-from .resilience.errors import StepAbandoned
 from .resilience.faults import FaultInjector
-from .resilience.fingerprint import (
-    Corrupt,
-    Unrepairable,
-    compare,
-    fingerprints,
-    gather,
-    is_check_step,
-    layer_tensors,
-    repair,
-)
-from .generation.grad_sync import GradSync
+from .resilience.fingerprint import Corrupt, Unrepairable, check_replicas, is_check_step, layer_tensors
+from .generation.grad_sync import GradSync, synchronise
 from .generation.shadows import ShadowLink
 from .generation.groups import GenerationGroups
-from .resilience.guard import Verdict, judge
+from .generation.stage import build_stage, run_local, run_schedule
+from .resilience.guard import judge
 from .generation.entry import GenerationEntry, LayersLost, Reconfiguration, WorkerState
 from .portable import PortableState
+from .updates import StateUpdates
 from .step.commit import CommitVote, commit, own_slot
-from .step.result import Autocast, StepResult
-from .resilience.progress import STEP_PROGRESS, watch_pipeline_waits
+from .step.result import StepResult
+from .resilience.progress import STEP_PROGRESS
 from .resilience.straggler import ComputeClock
-from .step.paced import Pacer, pace_stage, pin_threads
-from .step.optim import clip_coefficient, scale_grads, set_lr, token_sum_loss
+from .step.paced import Pacer, pin_threads
+from .step.optim import token_sum_loss
 
 __all__ = ["Trainer", "StepResult", "LayersLost", "Reconfiguration", "WorkerState", "single_process"]
 
@@ -139,13 +131,9 @@ class Trainer(PortableState):
         self.stage_module: Optional[nn.Module] = None
         self.step_group: Optional[dist.ProcessGroup] = None
         """The group of the generation's step collectives: its stages (None: the whole world)."""
-        # A step may run in another thread that the control plane can abandon (engine/run.py):
-        # `_epoch` grows at every abandonment, and a step only writes this trainer's state under
-        # `_lock` while its epoch is current; the next generation then works on copies of the
-        # kept layers (`_detach_kept`), so an abandoned step that wakes up touches nothing in use.
-        self._lock = threading.Lock()
-        self._epoch = 0
-        self._detach_kept = False
+        self.updates = StateUpdates(cfg)
+        """A step's writes to `state`, only while it is current (engine/updates.py: a step may run in
+        another thread that the control plane can abandon)."""
         self.faults = FaultInjector.from_env()
         self._step = 0  # the step running now (for injected slowdowns)
         self.entry_window = (0.0, 0.0)  # Unix times this worker began and finished entering its generation
@@ -252,9 +240,14 @@ class Trainer(PortableState):
         self._drop_groups()  # the previous generation's: its groups are destroyed by the entry
         began = time.time()
         installed = self.entry.enter(
-            self.state, plan, store, roll_forward=self._roll_forward, detach_kept=self._detach_kept, load_plan=load_plan
+            self.state,
+            plan,
+            store,
+            roll_forward=self._roll_forward,
+            detach_kept=self.updates.detach_kept,
+            load_plan=load_plan,
         )
-        self.state, self._detach_kept = installed.state, False
+        self.state, self.updates.detach_kept = installed.state, False
         if installed.groups is None:  # a donor: it holds nothing now and leaves
             gc.collect()
             return installed.info
@@ -287,8 +280,8 @@ class Trainer(PortableState):
         self.step_group = None
 
     def _build_pipeline(self, plan: Plan) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
+        """The generation's step group, gradient sync and shadow link, then this worker's stage
+        (engine/generation/stage.py)."""
         assert self.groups is not None
         self.pipeline, self.stage = plan.stage_of(self.rank)
         self.lane = self.rank - self.stage.rank
@@ -298,72 +291,27 @@ class Trainer(PortableState):
         if plan.shadows is not None and plan.shadows.copies > 0:  # every stage worker makes the group
             group = dist.new_group(list(range(plan.world_size)), timeout=self.timeout)
             self.shadow_link = ShadowLink(plan, self.rank, group)
-        stages = len(self.pipeline.stages)
-        # the device's virtual stages (one range without chunks); a one-stage pipeline's are contiguous
-        held = self.stage.layers()
-        ranges = self.stage.layer_ranges() if stages > 1 else ((min(held), max(held) + 1),)
-        modules = [self._stage_module(u, v) for u, v in ranges]
-        self.stage_module = modules[0] if len(modules) == 1 else nn.Sequential(*modules)
-        self.schedule = None
-        if stages > 1:
-            from ..planning.schedules import stage_placement
-            from .step.shapes import stage_io
-
-            placed = stage_placement(self.pipeline.schedule, stages, len(ranges))  # virtual stage -> device
-            indices = [k for k, device in enumerate(placed) if device == self.stage.index]
-            self.ends = (0 in indices, len(placed) - 1 in indices)  # holds the first / the last virtual stage
-            pstages: list[PipelineStage] = []
-            for index, (start, end), module in zip(indices, ranges, modules, strict=True):
-                # static shapes (meta tensors): torch then exchanges no pickled metadata between stages
-                inputs, outputs = stage_io(
-                    self.cfg.model,
-                    seed=self.cfg.training.seed,
-                    start=start,
-                    end=end,
-                    microbatch_size=plan.microbatch_size,
-                    seq_len=self.dataset[0][0].shape[-1],
-                    autocast=self.dtype,
-                )
-                pstage = PipelineStage(
-                    module,
-                    index,
-                    len(placed),
-                    self.device,
-                    input_args=inputs,
-                    output_args=outputs,
-                    group=self.groups.pipeline_group,
-                )
-                pacer = pace_stage(  # training.paced_devices: pad each pass (engine/step/paced.py)
-                    pstage,
-                    self.stage,
-                    self.cfg.training.paced_devices,
-                    device=self.device,
-                    log=log.at(gen=plan.generation, node=self.node),
-                    step=lambda: self._step,
-                    chunk=len(pstages),
-                )
-                if not pstages:
-                    self.pacer = pacer  # the first chunk's (tests read what it padded)
-                # a split backward assigns the weight gradients in its W pass, no hook sees them:
-                # the gradient sync is told when a virtual stage's last W has run (grad_sync.py)
-                pstage.backward_weight_one_chunk = _after_weight_pass(  # type: ignore[method-assign]
-                    pstage.backward_weight_one_chunk, self.grad_sync, range(start, end)
-                )
-                # time the stage's own compute, not its waits for its neighbours (engine/resilience/straggler.py)
-                # and each chunk is a progress point of the step thread (engine/resilience/progress.py);
-                # zero-bubble splits the backward into the input gradient and the weight gradient
-                for chunk in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                    setattr(pstage, chunk, self.progress.timed(self.clock.timed(getattr(pstage, chunk))))
-                pstages.append(pstage)
-            watch_pipeline_waits(self.progress)  # the schedule's sends and receives are waits
-            self.schedule = _schedule(self.pipeline, pstages, self.loss_fn)
-
-    def _stage_module(self, start: int, end: int) -> nn.Module:
-        """Layers [start, end) of this worker, compiled when `training.compile` says so, under the
-        step's precision (the model's last layer hands on bf16 logits)."""
-        layers = self.layer_model.stage(start, end)
-        last = end == self.layer_model.num_layers
-        return Autocast(compiled_stage(list(layers)) if self.compile else layers, self.dtype, last=last)
+        built = build_stage(
+            self.cfg,
+            self.pipeline,
+            self.stage,
+            layer_model=self.layer_model,
+            groups=self.groups,
+            grad_sync=self.grad_sync,
+            loss_fn=self.loss_fn,
+            microbatch_size=plan.microbatch_size,
+            seq_len=self.dataset[0][0].shape[-1],
+            device=self.device,
+            dtype=self.dtype,
+            compile=self.compile,
+            progress=self.progress,
+            clock=self.clock,
+            log=log.at(gen=plan.generation, node=self.node),
+            step=lambda: self._step,
+        )
+        self.stage_module, self.schedule = built.module, built.schedule
+        if built.schedule is not None:  # a one-stage pipeline keeps the ends and the pacer it had
+            self.ends, self.pacer = built.ends, built.pacer
 
     # ------------------------------------------------------------------ one step
     def my_samples(self, step: int) -> list[int]:
@@ -374,45 +322,13 @@ class Trainer(PortableState):
         ]
         return indices[start:end]
 
-    def _forward_backward_local(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of every microbatch in turn; the summed loss, on the device."""
-        assert self.stage_module is not None and self.plan is not None
-        mbs = self.plan.microbatch_size  # the plan's: training.microbatch_size may be auto
-        x, y = to_device(x, self.device), to_device(y, self.device)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i in range(0, x.shape[0], mbs):
-            loss = self.loss_fn(self.stage_module(x[i : i + mbs]), y[i : i + mbs])
-            loss.backward()
-            total += loss.detach()
-            self.progress.point()  # a compute chunk (engine/resilience/progress.py)
-        return total
-
-    def _forward_backward_pipeline(self, x: torch.Tensor, y: torch.Tensor, schedule: Any) -> torch.Tensor:
-        """This stage's part of the pipeline schedule; the summed loss on the last stage (zero on
-        the others), on the device."""
-        if schedule is None:  # one-stage pipeline: no pipelining needed
-            return self.clock.timed(self._forward_backward_local)(x, y)
-        first, last = self.ends
-        losses: list[torch.Tensor] = []
-        if first and last:  # zbv's V: device 0 holds the first and the last stage
-            schedule.step(to_device(x, self.device), target=to_device(y, self.device), losses=losses)
-        elif first:
-            schedule.step(to_device(x, self.device))
-        elif last:
-            schedule.step(target=to_device(y, self.device), losses=losses)
-        else:
-            schedule.step()
-        if not losses:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        return torch.stack([loss.detach().double() for loss in losses]).sum()
-
     def train_step(self, step: int, *, seen_generation: int = 0, rejections: int = 0) -> StepResult:
         """Run step `step` (0-based) and apply it. It may run in another thread: it uses the
         generation's objects as they were when it started, and after `abandon()` it raises
         StepAbandoned instead of changing this trainer's state. `seen_generation`: the newest plan
         generation this worker has seen; `rejections`: how often this worker has seen the step
         guard reject `step` (the commit agrees on the largest of each, engine/step/commit.py)."""
-        t0, epoch, generation = time.perf_counter(), self._epoch, self.generation
+        t0, epoch, generation = time.perf_counter(), self.updates.epoch, self.generation
         self._begin(step)
         x, y = self.batches.get(step)
         self._fed(step)
@@ -434,11 +350,11 @@ class Trainer(PortableState):
         repaired: tuple[Corrupt, ...] = ()
         unrepairable = ""
         if verdict.apply:
-            self._apply(step, norm2, epoch)
+            self.updates.apply(self.state, step, norm2, epoch)
             self.samples.committed("applied", step, generation=generation, rank=self.rank, how="step")
             self.faults.flip_bit(rank=self.rank, step=step, layers=self.layer_model.layers)
             repaired, unrepairable = self._compare_copies(step)
-        self._settle(verdict, loss, agreed.max_loss, epoch)
+        self.updates.settle(self.state, verdict, loss, agreed.max_loss, epoch)
         return StepResult(
             step=step,
             loss=loss,
@@ -475,7 +391,7 @@ class Trainer(PortableState):
     def _roll_forward(self, step: int, norm2: float) -> None:
         """Apply the interrupted step while entering a generation (engine/generation/entry.py);
         the sample ledger records it against the generation that fed it (still this state's)."""
-        self._apply(step, norm2)
+        self.updates.apply(self.state, step, norm2)
         if self.state.committed_step == step:
             self.samples.committed("applied", step, generation=self.generation, rank=self.rank, how="roll_forward")
 
@@ -492,7 +408,17 @@ class Trainer(PortableState):
         with torch.autocast(
             device_type=self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None
         ):
-            return self._forward_backward_pipeline(x, y, schedule)
+            if schedule is None:  # one-stage pipeline: no pipelining needed
+                return self.clock.timed(self._forward_backward_local)(x, y)
+            return run_schedule(schedule, self.ends, x, y, device=self.device)
+
+    def _forward_backward_local(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A one-stage pipeline's microbatches one after another (engine/generation/stage.py)."""
+        assert self.stage_module is not None and self.plan is not None
+        mbs = self.plan.microbatch_size  # the plan's: training.microbatch_size may be auto
+        return run_local(
+            self.stage_module, self.loss_fn, x, y, microbatch_size=mbs, device=self.device, progress=self.progress
+        )
 
     def _synchronise(
         self,
@@ -503,40 +429,28 @@ class Trainer(PortableState):
         epoch: int,
         shadow_link: Optional[ShadowLink] = None,
     ) -> tuple[float, float]:
-        """Steps 1-2 of the module docstring: the gradients summed among each layer's holders, then
-        one SUM all-reduce of the squared norm and the loss; (squared norm, loss), global. The
-        summed gradients of layers with shadow copies go to their keepers meanwhile, and the
-        keepers' arrive, before this returns (so before the commit: engine/generation/shadows.py)."""
-        grad_sync.all_reduce()
+        """Steps 1-2 of the module docstring (`synchronise`, engine/generation/grad_sync.py): the
+        gradients summed among each layer's holders, then one SUM all-reduce of the squared norm
+        and the loss; (squared norm, loss), global. The summed gradients of layers with shadow
+        copies go to their keepers meanwhile, and the keepers' arrive, before this returns (so
+        before the commit: engine/generation/shadows.py), and are kept only while the step is current."""
         shadows = self.state.shadows
-        began = time.perf_counter()  # the shadows' own time in the step: `StepResult.shadow_s`
-        posted = shadow_link.post(self.layer_model, shadows) if shadow_link is not None else None
-        self.shadow_s = time.perf_counter() - began if posted is not None else 0.0
-        # control collectives: CPU tensors, so they go over gloo whatever the data backend; this
-        # is the step's one read of a device value (the loss and the norm stay on the device until
-        # here). Every lane of a last stage computes the same loss: lane 0 reports it.
-        if self.lane != 0:
-            local_loss = torch.zeros_like(local_loss)
-        stacked = torch.stack(
-            [grad_sync.norm_squared().to(local_loss.device, torch.float64), local_loss.to(torch.float64)]
+        synced = synchronise(
+            grad_sync,
+            local_loss,
+            layer_model=self.layer_model,
+            lane=self.lane,
+            step_group=step_group,
+            progress=self.progress,
+            shadow_link=shadow_link,
+            shadows=shadows,
         )
-        with self.progress.waiting():  # the device sync waits for the gradient sums
-            reduced = stacked.cpu()
-        work = dist.all_reduce(reduced, group=step_group, async_op=True)
-        with self.progress.waiting(work):
-            work.wait()
-        norm2, loss = float(reduced[0]), float(reduced[1])
-        grads = None
-        if posted is not None:
-            began = time.perf_counter()
-            with self.progress.waiting():
-                grads = posted.wait()
-            self.shadow_s += time.perf_counter() - began
-        with self._current(epoch):
-            if grads is not None and shadows is not None:
-                shadows.received(step, grads)
-            self.state.synced_step, self.state.synced_norm2 = step, norm2
-        return norm2, loss
+        self.shadow_s = synced.shadow_s
+        with self.updates.current(epoch):
+            if synced.shadow_grads is not None and shadows is not None:
+                shadows.received(step, synced.shadow_grads)
+            self.state.synced_step, self.state.synced_norm2 = step, synced.norm2
+        return synced.norm2, synced.loss
 
     def _vote(self, seen_generation: int, rejections: int) -> CommitVote:
         """This worker's part of the COMMIT (engine/step/commit.py): the newest generation it has
@@ -558,78 +472,30 @@ class Trainer(PortableState):
 
     def _compare_copies(self, step: int) -> tuple[tuple[Corrupt, ...], str]:
         """After an applied step, every `fingerprint_interval_steps` (the same steps on every
-        worker): the layers' copies compared and repaired (`check_replicas`); (the repaired
-        copies, why the job must stop: a layer's copies have no majority)."""
+        worker): the layers' copies compared with their other holders' and the corrupt ones
+        repaired (`check_replicas`, engine/resilience/fingerprint.py; collective over the
+        generation); (the repaired copies, why the job must stop: a layer's copies have no majority)."""
         if not is_check_step(step, self.cfg.fault_tolerance.fingerprint_interval_steps):
             return (), ""
         try:
-            return tuple(self.check_replicas(step)), ""
+            assert self.plan is not None and self.groups is not None
+            tensors = {i: layer_tensors(self.layer_model.held(i), self.optimizer) for i in self.owned}
+            corrupt = check_replicas(
+                self.plan,
+                tensors,
+                rank=self.rank,
+                group=self.step_group,
+                holder_groups=self.groups.sets,
+                progress=self.progress,
+            )
+            return tuple(corrupt), ""
         except Unrepairable as err:
             return (), str(err)
 
-    def _settle(self, verdict: Verdict, loss: float, running_max: float, epoch: int) -> None:
-        """The step guard's verdict on this worker's state (engine/resilience/guard.py): an applied
-        step raises the running maximum of the loss; a rejected one is neither committed nor kept
-        for a roll-forward, and its gradients are dropped."""
-        with self._current(epoch):
-            if verdict.apply:
-                self.state.max_loss = max(running_max, loss)
-            else:
-                self.state.max_loss = running_max
-                self.state.synced_step = self.state.committed_step
-                assert self.optimizer is not None
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.state.shadows is not None:
-                    self.state.shadows.discard()
-
-    def check_replicas(self, step: int) -> list[Corrupt]:
-        """Compare every layer's copies with its other holders after step `step` and replace the
-        corrupt ones from the majority (engine/resilience/fingerprint.py); the repaired copies. Collective
-        over the generation; raises Unrepairable when a layer's copies have no majority."""
-        assert self.plan is not None and self.groups is not None
-        tensors = {i: layer_tensors(self.layer_model.held(i), self.optimizer) for i in self.owned}
-        prints = fingerprints(tensors)
-        with self.progress.waiting():  # engine/resilience/progress.py
-            table = gather(self.plan, prints, self.step_group)
-        corrupt = compare(self.plan, table)
-        with self.progress.waiting():
-            repair(corrupt, rank=self.rank, tensors_of=tensors, groups=self.groups.sets)
-        return corrupt
-
     def skip(self, step: int) -> None:
         """Count `step` as done with no update: the step guard rejected it twice (engine/resilience/guard.py)."""
-        with self._lock:
-            assert self.optimizer is not None
-            self.optimizer.zero_grad(set_to_none=True)
-            self.state.committed_step = self.state.synced_step = step
-            if self.state.shadows is not None:
-                self.state.shadows.skip(step)
+        self.updates.skip(self.state, step)
         self.samples.committed("skipped", step, generation=self.generation, rank=self.rank)
-
-    @contextlib.contextmanager
-    def _current(self, epoch: int) -> Iterator[None]:
-        """Hold the state lock, or raise StepAbandoned when the step of `epoch` was abandoned."""
-        with self._lock:
-            if self._epoch != epoch:
-                raise StepAbandoned(f"the step of epoch {epoch} was abandoned (now {self._epoch})")
-            yield
-
-    def _apply(self, step: int, norm2: float, epoch: Optional[int] = None) -> None:
-        with self._current(self._epoch if epoch is None else epoch):
-            assert self.optimizer is not None
-            shadows = self.state.shadows
-            if not math.isfinite(norm2):  # never applied (engine/resilience/guard.py), a roll-forward included
-                self.optimizer.zero_grad(set_to_none=True)
-                if shadows is not None:
-                    shadows.discard()
-                return
-            scale_grads(self.params, clip_coefficient(norm2, self.cfg.training.optimizer.grad_clip))
-            set_lr(self.optimizer, step, self.cfg.training)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if shadows is not None:  # the same update on the shadow copies this worker keeps
-                shadows.apply(step, norm2, self.cfg, background=True)
-            self.state.committed_step = step
 
     def abort(self, *, abandoned: bool = False) -> None:
         """After a communication error, or when the control plane abandoned a step (`abandoned`):
@@ -641,9 +507,7 @@ class Trainer(PortableState):
         traceback keeps the failed call's frames, and with them the groups, alive)."""
         self.faults.disarm()  # engine/resilience/faults.py: a stuck step is injected once per job
         if abandoned:
-            with self._lock:
-                self._epoch += 1
-                self._detach_kept = True
+            self.updates.abandon()
         self._drop_groups()
         try:
             release_groups(abort=True, busy=abandoned_threads())
@@ -655,55 +519,6 @@ class Trainer(PortableState):
         self.batches.close()
         if self.plan is not None and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _after_weight_pass(weight_pass: Callable[..., Any], sync: GradSync, layers: range) -> Callable[..., Any]:
-    """`weight_pass` (a stage's backward_weight_one_chunk), then `sync.weight_pass(layers)`: the
-    generation's own GradSync, bound here, so an abandoned step never reaches the next one's."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        out = weight_pass(*args, **kwargs)
-        sync.weight_pass(layers)
-        return out
-
-    return run
-
-
-def _schedule(pipeline: PipelineSpec, stages: list[Any], loss_fn: Callable[..., torch.Tensor]) -> Any:
-    """The torch schedule running `pipeline`'s schedule on this worker's `stages` (its virtual
-    stages, in pipeline order): 1F1B (GPipe when chosen, or when the pipeline has fewer
-    microbatches than stages), interleaved 1F1B over the chunks, zero-bubble (torch's interleaved
-    zero-bubble schedule: ZB-H1 on one chunk per device, at any microbatch count with
-    `OneChunkZeroBubble`, engine/step/zero_bubble.py; its interleaved form over 2..8 chunks) or
-    ZB-V (two stages per device in a V), the orders planning/schedules.py simulates. Every stage
-    gets the loss_fn (without one a schedule runs forward only) and sums, never averages, the
-    microbatches' gradients (`scale_grads=False`: the loss is already divided by the global batch)."""
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleInterleavedZeroBubble,
-        ScheduleZBVZeroBubble,
-    )
-
-    from .step.zero_bubble import OneChunkZeroBubble
-
-    if (pipeline.schedule, pipeline.num_chunks) not in ENGINE_RUNS:
-        raise PlanningError(
-            f"pipeline {pipeline.index} runs {pipeline.schedule} with {pipeline.num_chunks} chunk(s) per device, "
-            f"which the engine does not run (it runs {engine_runs_text()}): set planning.schedule to one of those"
-        )
-    mb = pipeline.microbatches
-    many = {
-        "interleaved-1f1b": ScheduleInterleaved1F1B,
-        "zero-bubble": OneChunkZeroBubble if len(stages) == 1 else ScheduleInterleavedZeroBubble,
-        "zbv": ScheduleZBVZeroBubble,
-    }
-    if pipeline.schedule in many:
-        return many[pipeline.schedule](stages, n_microbatches=mb, loss_fn=loss_fn, scale_grads=False)
-    (stage,) = stages
-    one = Schedule1F1B if pipeline.schedule == "1f1b" and mb >= len(pipeline.stages) else ScheduleGPipe
-    return one(stage, n_microbatches=mb, loss_fn=loss_fn, scale_grads=False)
 
 
 def single_process(cfg: JobConfig, *, dataset: Any, device: str | torch.device = "cpu") -> Trainer:

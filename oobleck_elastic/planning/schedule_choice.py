@@ -64,7 +64,7 @@ ENGINE_RUNS: frozenset[tuple[str, int]] = frozenset(
     | {("interleaved-1f1b", v) for v in range(2, MAX_CHUNKS + 1)}
     | {("zero-bubble", v) for v in range(1, MAX_CHUNKS + 1)}
 )
-"""(schedule, chunks per device) the engine runs (engine/trainer.py)."""
+"""(schedule, chunks per device) the engine runs (engine/generation/stage.py)."""
 
 SIMULATED_SIZES = 8
 """At least this many template sizes (from n0 up) are planned with simulated lines."""

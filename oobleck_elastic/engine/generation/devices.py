@@ -17,7 +17,7 @@
   forgets them (`_abort_process_group` on the world). NCCL operations blocked on a dead or hung
   peer return with an error at once; gloo has no way to interrupt a blocked operation, which
   returns only when its timeout fires or its peer's sockets close, so the caller runs steps
-  where it can stop waiting for them (see `engine/run.py`). Nor can a gloo group be freed while
+  where it can stop waiting for them (see `engine/worker.py`). Nor can a gloo group be freed while
   such an operation runs: its destructor joins the group's worker threads, so whichever thread
   drops the last reference waits for the operation's timeout (`comm_timeout_s`, 30 s and more).
   So the aborted groups are handed to a daemon thread that holds them until the abandoned step

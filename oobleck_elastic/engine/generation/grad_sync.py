@@ -27,12 +27,19 @@ that order is the backward's own, and nothing waits.
 The hooks are armed by `begin_step` and disarmed when `all_reduce` returns or `close` is called
 (a new generation, an abandoned step), so a backward outside a step, or the abandoned step's
 thread still running, never posts a collective.
+
+After the schedule, `synchronise` is steps 1-2 of a step (engine/trainer.py): the sums above,
+then one SUM all-reduce of the squared global gradient norm and the loss, the step's one read of
+a device value; meanwhile the summed gradients of layers with shadow copies go to their keepers,
+and the keepers' arrive before it returns, so before the commit (shadows.py).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,10 +47,13 @@ from torch import nn
 
 from ...models import LayerModel
 from ...models.tensor_parallel import is_sharded, local, wrap_like
-from ..resilience.progress import STEP_PROGRESS
+from ..resilience.progress import STEP_PROGRESS, Progress
 from .groups import GenerationGroups
 
-__all__ = ["GradSync"]
+if TYPE_CHECKING:
+    from .shadows import ShadowLink, ShadowStore
+
+__all__ = ["GradSync", "Synchronised", "synchronise"]
 
 
 def _params_of(module: nn.Module, exclude: set[int]) -> list[torch.Tensor]:
@@ -214,3 +224,57 @@ class GradSync:
             return torch.zeros((), dtype=torch.float64)
         total = torch.stack(torch._foreach_norm(grads, dtype=torch.float64)).pow(2).sum()
         return total
+
+
+@dataclass(frozen=True)
+class Synchronised:
+    """What `synchronise` returns."""
+
+    norm2: float
+    """The squared global gradient norm."""
+    loss: float
+    """The global loss."""
+    shadow_grads: Optional[dict[int, torch.Tensor]]
+    """The summed gradients of the layers whose shadow copies this worker keeps (None: no link)."""
+    shadow_s: float
+    """Seconds spent on the shadow exchange (`StepResult.shadow_s`)."""
+
+
+def synchronise(
+    grad_sync: GradSync,
+    local_loss: torch.Tensor,
+    *,
+    layer_model: LayerModel,
+    lane: int,
+    step_group: Optional[dist.ProcessGroup],
+    progress: Progress,
+    shadow_link: Optional[ShadowLink] = None,
+    shadows: Optional[ShadowStore] = None,
+) -> Synchronised:
+    """The gradients summed among each layer's holders, then one SUM all-reduce of the squared
+    norm and the loss over `step_group` (global values); the summed gradients of layers with
+    shadow copies go to their keepers (`shadow_link`) meanwhile, and the keepers' arrive, before
+    this returns (module docstring)."""
+    grad_sync.all_reduce()
+    began = time.perf_counter()  # the shadows' own time in the step: `StepResult.shadow_s`
+    posted = shadow_link.post(layer_model, shadows) if shadow_link is not None else None
+    shadow_s = time.perf_counter() - began if posted is not None else 0.0
+    # control collectives: CPU tensors, so they go over gloo whatever the data backend; this
+    # is the step's one read of a device value (the loss and the norm stay on the device until
+    # here). Every lane of a last stage computes the same loss: lane 0 reports it.
+    if lane != 0:
+        local_loss = torch.zeros_like(local_loss)
+    stacked = torch.stack([grad_sync.norm_squared().to(local_loss.device, torch.float64), local_loss.to(torch.float64)])
+    with progress.waiting():  # the device sync waits for the gradient sums
+        reduced = stacked.cpu()
+    work = dist.all_reduce(reduced, group=step_group, async_op=True)
+    with progress.waiting(work):
+        work.wait()
+    norm2, loss = float(reduced[0]), float(reduced[1])
+    grads = None
+    if posted is not None:
+        began = time.perf_counter()
+        with progress.waiting():
+            grads = posted.wait()
+        shadow_s += time.perf_counter() - began
+    return Synchronised(norm2, loss, grads, shadow_s)

@@ -57,3 +57,9 @@ def is_communication_error(err: BaseException) -> bool:
     if type(err) is RuntimeError:  # exactly: subclasses (CheckpointError, LayersLost, ...) are ours
         return bool(_COMM_PATTERNS.search(str(err)))
     return False
+
+
+def describe(err: BaseException) -> str:
+    """`err` for a log line: its type and the first line of its message (160 characters at most)."""
+    first = str(err).splitlines()[0][:160] if str(err) else ""
+    return f"{type(err).__name__}: {first}"

@@ -23,6 +23,9 @@ on the same table (`compare`), lane by lane under tensor parallelism:
   be told, so the job stops as failed, naming the layer and its holders' nodes (`Unrepairable`);
   resume it from the newest checkpoint written before the corruption.
 
+`check_replicas` is one worker's whole check: fingerprint, gather, compare, repair (the trainer
+calls it after an applied step, engine/trainer.py).
+
 Corruption between two checks is summed into the other copies' gradients for up to the interval,
 so a short interval keeps the damage small; the cost of one check is in bench/fingerprint.py.
 """
@@ -36,8 +39,17 @@ import torch
 import torch.distributed as dist
 
 from ...planning import Plan
+from .progress import Progress
 
-__all__ = ["Corrupt", "Unrepairable", "compare", "fingerprints", "is_check_step", "layer_tensors"]
+__all__ = [
+    "Corrupt",
+    "Unrepairable",
+    "check_replicas",
+    "compare",
+    "fingerprints",
+    "is_check_step",
+    "layer_tensors",
+]
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 4096  # words summed into one run; runs are weighted by their position
@@ -182,3 +194,24 @@ def repair(
             continue
         for t in tensors_of[c.layer]:
             dist.broadcast(t.data if isinstance(t, torch.nn.Parameter) else t, src=c.source, group=groups[c.holders])
+
+
+def check_replicas(
+    plan: Plan,
+    tensors: dict[int, list[torch.Tensor]],
+    *,
+    rank: int,
+    group: Optional[dist.ProcessGroup],
+    holder_groups: dict[tuple[int, ...], dist.ProcessGroup],
+    progress: Progress,
+) -> list[Corrupt]:
+    """Compare every layer's copies (`tensors`: this rank's, by layer) with its other holders and
+    replace the corrupt ones from the majority; the repaired copies. Collective over `group` (the
+    generation's workers); raises Unrepairable when a layer's copies have no majority."""
+    prints = fingerprints(tensors)
+    with progress.waiting():  # engine/resilience/progress.py
+        table = gather(plan, prints, group)
+    corrupt = compare(plan, table)
+    with progress.waiting():
+        repair(corrupt, rank=rank, tensors_of=tensors, groups=holder_groups)
+    return corrupt

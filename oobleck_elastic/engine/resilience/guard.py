@@ -11,8 +11,9 @@ Mechanism, with no collective of its own:
   same verdict at the same step.
 - **Never applied.** A rejected step's gradients are dropped, and the step is neither committed
   nor kept as synchronised (a generation entry after a failure therefore replays it rather than
-  rolling it forward); `Trainer._apply` also refuses a non-finite norm on its own. Checkpoints
-  hold only applied steps, and `engine/checkpointing.py` refuses to write a non-finite tensor.
+  rolling it forward); `StateUpdates.apply` (engine/updates.py) also refuses a non-finite norm
+  on its own. Checkpoints hold only applied steps, and `engine/checkpointing.py` refuses to
+  write a non-finite tensor.
 - **Replay, then skip** (`StepGuard`, a pure state machine over verdicts). The first rejection of
   a step replays it on the same batch (the data of a step is a function of (seed, step)): a
   transient fault (a flipped bit in flight, a bad kernel launch) does not recur. A second

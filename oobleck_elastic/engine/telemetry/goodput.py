@@ -3,7 +3,7 @@
 The ledger itself (its categories, the pure transitions and the report `oobleck goodput` prints)
 is a record shared with the control plane: records/goodput.py explains where each second of a
 job's wall time goes. `GoodputClock` applies those transitions to the job's ledger with the wall
-clock as engine/run.py goes through generations and steps, while this worker holds rank 0 of the
+clock as engine/worker.py goes through generations and steps, while this worker holds rank 0 of the
 current generation; it sends the ledger with every progress report and writes it to TensorBoard.
 """
 
