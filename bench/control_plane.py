@@ -74,7 +74,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oobleck_elastic.etcd import EtcdSettings, connect  # noqa: E402
 from oobleck_elastic.etcd.server import EtcdServer  # noqa: E402
 from oobleck_elastic.records.keys import Keys  # noqa: E402
-from oobleck_elastic.records.control import ClosedRecord, read_roster  # noqa: E402
+from oobleck_elastic.records.control import ClosedRecord  # noqa: E402
+from oobleck_elastic.records.read import read_roster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
