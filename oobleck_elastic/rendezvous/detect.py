@@ -320,8 +320,7 @@ class LeaderWatch:
             return False
         if node is None:  # between a revoked leader and the next: keep watching, act on no one
             assert self._record is not None
-            _, known, others = self._record
-            self.watch(known, {n: r.liveness for n, r in others.items() if r.liveness})
+            self._watch_cached()
             return False
         if self.node_id not in [n for n in roster.nodes if n != node][:LEADER_WATCHERS]:
             self.watch(None)
@@ -333,7 +332,7 @@ class LeaderWatch:
             others = {n: r for n, r in records.items() if n in roster.nodes and n not in (node, self.node_id)}
             self._record = ((roster.generation, node), records.get(node), others)
         _, known, others = self._record
-        self.watch(known, {n: r.liveness for n, r in others.items() if r.liveness})
+        self._watch_cached()
         if known is None or self.monitor is None:
             return False
         dead = self.monitor.take_dead()
@@ -350,6 +349,12 @@ class LeaderWatch:
             self._revoke(others[other], detail, roster.generation)
         self._revoke(known, f"leader {node}: {LIVENESS_LOST}; revoked its lease", roster.generation)
         return True
+
+    def _watch_cached(self) -> None:
+        """Watch the leader and the other roster nodes of the cached records."""
+        assert self._record is not None
+        _, known, others = self._record
+        self.watch(known, {n: r.liveness for n, r in others.items() if r.liveness})
 
     def _revoke(self, record: NodeRecord, detail: str, generation: int) -> None:
         """Fence a node found dead, revoke its lease, and say so in a `lost` event. Several
