@@ -30,7 +30,7 @@ from ..config import JobConfig
 from .generation.entry import WorkerState
 from .resilience.errors import StepAbandoned
 from .resilience.guard import Verdict
-from .step.optim import clip_coefficient, scale_grads, set_lr
+from .step.optim import apply_update
 
 __all__ = ["StateUpdates"]
 
@@ -72,10 +72,7 @@ class StateUpdates:
                 if shadows is not None:
                     shadows.discard()
                 return
-            scale_grads(state.params, clip_coefficient(norm2, self.cfg.training.optimizer.grad_clip))
-            set_lr(state.optimizer, step, self.cfg.training)
-            state.optimizer.step()
-            state.optimizer.zero_grad(set_to_none=True)
+            apply_update(state.optimizer, state.params, step, norm2, self.cfg.training)
             if shadows is not None:  # the same update on the shadow copies this worker keeps
                 shadows.apply(step, norm2, self.cfg, background=True)
             state.committed_step = step

@@ -49,7 +49,7 @@ from ...config import JobConfig
 from ...logs import JobLog
 from ...models import LayerModel, build_layer_model
 from ...planning import Plan
-from ..step.optim import build_optimizer, clip_coefficient, scale_grads, set_lr
+from ..step.optim import apply_update, build_optimizer
 from .reconfigure import Identity, Transfer, exchange
 
 __all__ = [
@@ -237,11 +237,7 @@ class ShadowStore:
                 p.grad = flat[offset + 1 : offset + 1 + n].view_as(p).to(p.dtype).clone() if present else None
                 offset += 1 + n
         assert self.optimizer is not None
-        params = self.params
-        scale_grads(params, clip_coefficient(norm2, cfg.training.optimizer.grad_clip))
-        set_lr(self.optimizer, step, cfg.training)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        apply_update(self.optimizer, self.params, step, norm2, cfg.training)
         self.pending = None
         self.host_bytes = self._count_bytes()
 

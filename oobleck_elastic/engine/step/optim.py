@@ -88,3 +88,15 @@ def scale_grads(params: Iterable[torch.Tensor], coefficient: float) -> None:
                 by_type.setdefault(type(p.grad), []).append(p.grad)
         for grads in by_type.values():
             torch._foreach_mul_(grads, coefficient)
+
+
+def apply_update(
+    optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], step: int, norm2: float, cfg: TrainingConfig
+) -> None:
+    """Step `step`'s optimizer update from the gradients in place: clipped by the global squared
+    norm `norm2`, at the step's learning rate; the gradients are dropped afterwards. The holders
+    and the keepers of shadow copies run exactly this (engine/updates.py, generation/shadows.py)."""
+    scale_grads(params, clip_coefficient(norm2, cfg.optimizer.grad_clip))
+    set_lr(optimizer, step, cfg)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
