@@ -2,8 +2,12 @@
 #   make demo   - the main job: train a small GPT-2 on a local 4-node simulation (embedded etcd,
 #                 one torchrun per node), SIGKILL one node mid-run, keep training, print a summary;
 #                 each run starts clean (its checkpoint dir, DEMO_CKPT, is removed first)
-#   make test   - the test suite (what CI runs, after make lint)
-#   make test-all - the suite and the extended multi-process tests
+#   make test   - the test suite (what CI runs, after make lint): the lanes unit, control, worlds
+#                 and jobs (tests/README.md), each in its own pytest with its time printed, and one
+#                 rotating shard of the extended tests (EXTENDED_SHARD, from the commit count)
+#   make test-fast - the unit and control lanes: a few minutes, for the edit loop
+#   make test-all - every lane but chaos, with every extended test
+#   make chaos  - the seeded chaos lane
 #   make lint   - ruff check, ruff format --check and mypy on oobleck_elastic/ (settings in pyproject.toml)
 # On a CPU machine torch is pinned to the local CPU build; on a GPU machine use e.g.
 #   make TORCH=torch test
@@ -11,10 +15,14 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+LANES ?= unit control worlds jobs
+# the extended tests run in CI in EXTENDED_SHARDS turns: shard (commits on HEAD) mod EXTENDED_SHARDS
+EXTENDED_SHARDS ?= 6
+EXTENDED_SHARD ?= $(shell n=$$(git rev-list --count HEAD 2>/dev/null || date +%j); echo $$((n % $(EXTENDED_SHARDS)))/$(EXTENDED_SHARDS))
 DEMO_CKPT ?= checkpoints/demo
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-all lint chaos bench clean
+.PHONY: demo test test-fast test-all lint chaos bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,10 +38,13 @@ demo: $(VENV)/.installed
 		-- examples/train.py --config configs/gpt2-demo.yaml checkpoint.dir=$(DEMO_CKPT)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) tests/run_lanes.py --shard $(EXTENDED_SHARD) $(LANES) -- $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.installed
+	$(PY) tests/run_lanes.py unit control -- $(PYTEST_ARGS)
 
 test-all: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not chaos" $(PYTEST_ARGS)
+	$(PY) tests/run_lanes.py --all-extended $(LANES) -- $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
@@ -41,7 +52,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 chaos: $(VENV)/.installed
-	$(PY) -m pytest -q -m chaos -s tests/test_chaos.py
+	$(PY) -m pytest -q -m chaos -s tests/chaos
 
 bench: $(VENV)/.installed
 	$(PY) bench/planner.py

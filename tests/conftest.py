@@ -4,6 +4,8 @@
 - `etcd_settings`: `EtcdSettings` for that server (timeout 5 s).
 - `own_etcd`: a server of the test's own (to stall, kill or restart), stopped by PID at the end.
 - `run_id`: a unique id per test; put it in key prefixes so tests sharing the server don't collide.
+
+Also `--extended-shard i/K` (tests/lanes.py): the rotating shard of extended tests `make test` runs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Iterator
 
 import pytest
 
+from lanes import extended_shard, parse_shard
 from oobleck_elastic.etcd.settings import EtcdSettings
 from oobleck_elastic.etcd.server import EtcdServer
 
@@ -55,3 +58,26 @@ def own_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
             except ProcessLookupError:
                 pass
         server.stop()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--extended-shard",
+        default=None,
+        metavar="i/K",
+        help="mark the i-th of K shards of the extended tests 'in_shard' (make test runs them: -m '... or in_shard')",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the marker must be there when it filters
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    text = config.getoption("--extended-shard")
+    if not text:
+        return
+    shard = parse_shard(text)
+    chosen = extended_shard(items, shard)
+    for item in chosen:
+        item.add_marker(pytest.mark.in_shard)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"extended shard {text} ({len(chosen)} tests): " + ", ".join(it.nodeid for it in chosen))
