@@ -12,6 +12,7 @@ are inside it. The checks:
 - README.md stays a front door: at most `README_MAX_LINES` lines;
 - every relative link in README.md, CONTRIBUTING.md and docs/*.md resolves: the file or folder
   exists, and a `#anchor` is the GitHub slug of one of the target page's headings.
+- every test those pages cite as `tests/test_x.py::test_name` exists.
 """
 
 from __future__ import annotations
@@ -204,3 +205,21 @@ def test_github_slugs() -> None:
         "gray-failures-a-step-that-is-not-finite-or-whose-loss-spikes"
     )
     assert github_slug("Training (`examples/train.py`)") == "training-examplestrainpy"
+
+
+def test_every_cited_test_exists() -> None:
+    """A guarantee that names its test (`tests/test_x.py::test_name`, or `::test_name` after a
+    file already named) names one that exists."""
+    missing = []
+    for page in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text(encoding="utf-8")
+        for match in re.finditer(r"(tests/[\w/]+\.py)?::(\w+)", text):
+            if match.group(1):
+                current = match.group(1)
+            else:  # `::name` cites the last file named before it on the page
+                before = re.findall(r"tests/[\w/]+\.py", text[: match.start()])
+                current = before[-1] if before else ""
+            source = ROOT / current
+            if not source.is_file() or not re.search(rf"^def {match.group(2)}\b", source.read_text(), re.MULTILINE):
+                missing.append(f"{page.relative_to(ROOT)}: {current}::{match.group(2)}")
+    assert not missing, "cited tests that do not exist:\n  " + "\n  ".join(missing)
