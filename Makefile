@@ -1,4 +1,4 @@
-# The two set-up commands of the README. Each creates .venv on first use.
+# The set-up commands of the README's quick start. Each creates .venv on first use.
 #   make demo   - the main job: train a small GPT-2 on a local 4-node simulation (embedded etcd,
 #                 one torchrun per node), SIGKILL one node mid-run, keep training, print a summary;
 #                 each run starts clean (its checkpoint dir, DEMO_CKPT, is removed first)

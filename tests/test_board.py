@@ -240,10 +240,10 @@ def test_two_starts_make_two_runs_laid_out_as_the_logs_count(tmp_path: Path, cap
     assert {f"goodput/{c.value}" for c in Category} <= set(events[b].Tags()["scalars"])
 
 
-def test_the_readme_lists_every_tag_and_none_of_the_old_names() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_training_page_lists_every_tag_and_none_of_the_old_names() -> None:
+    readme = (ROOT / "docs" / "training.md").read_text()
     categories = {f"goodput/{c.value}": f"`{c.value}`" for c in Category}
     missing = [t for t in TAGS if categories.get(t, f"`{t}`") not in readme]
-    assert not missing, f"README.md's TensorBoard paragraph does not name {missing}"
+    assert not missing, f"docs/training.md's TensorBoard paragraph does not name {missing}"
     old = ("`train/tokens_per_s`", "`train/samples_per_s`", "`perf/", "`reconfiguration/seconds`", "`train/wall_s`")
     assert not [name for name in old if name in readme]

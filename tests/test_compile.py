@@ -50,7 +50,7 @@ def _train(cfg, steps: int) -> dict[str, torch.Tensor]:
         trainer.close()
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 def test_warm_up_compiles_each_kind_once_and_steps_compile_nothing(shared_cache: Path) -> None:
     cfg = _cfg(shared_cache, "training.compile=true")
     before = graphs_compiled()

@@ -548,7 +548,7 @@ def test_train_two_steps_on_jsonl_with_hf_tokenizer(tmp_path, tokdir):
     assert summary.final_step == 2 and math.isfinite(summary.first_loss) and math.isfinite(summary.last_loss)
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 @pytest.mark.slow
 def test_a_node_failure_on_jsonl_text_keeps_the_exactly_once_order(tmp_path, tokdir, etcd_server, run_id):
     """Four torchrun nodes train on a JSONL dataset through a pretrained tokenizer; one node is

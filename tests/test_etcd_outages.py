@@ -124,7 +124,7 @@ def _job_through(tmp_path: Path, own_etcd, run_id: str, outage, steps: int = 20)
     return out, job, ref, events
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 @pytest.mark.slow
 def test_a_job_rides_out_a_stalled_etcd(tmp_path: Path, own_etcd, run_id) -> None:
     """etcd SIGSTOPped for 6 s (three lease TTLs) during a 4-node job: every lease expires the
@@ -154,7 +154,7 @@ def test_a_job_rides_out_a_stalled_etcd(tmp_path: Path, own_etcd, run_id) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 def test_a_job_rides_out_the_loss_of_the_etcd_leader_member(tmp_path: Path, run_id) -> None:
     """A 3-member etcd cluster given as `--rdzv-endpoint h1,h2,h3`; its raft leader member is
     SIGKILLed during a 4-node job: the members elect a new leader, the clients fail over and the

@@ -148,7 +148,7 @@ def _plan_of_run(endpoint: str, keys):
         client.close()
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 def test_kill_a_node_while_another_joins(tmp_path: Path, etcd_server, run_id) -> None:
     """A fifth node joins at step 1; the moment the plan that adds it is published (it is about to
     receive its layers), a node that is not the leader dies. The job ends on the four live nodes,
@@ -241,7 +241,7 @@ def seed_002_profile(path: Path) -> Path:
     return path
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 def test_eight_nodes_become_six(tmp_path: Path, etcd_server, run_id) -> None:
     """Seed 002's case: 8 nodes (two 4-stage pipelines) lose two at once (the first stage of one
     pipeline, the last of the other, so every layer keeps a copy); no template of the old size

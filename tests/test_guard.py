@@ -192,7 +192,7 @@ def test_the_guard_state_is_kept_in_checkpoints_so_a_resumed_job_sees_a_spike_at
     assert manifest["extra"]["guard"]["skipped"] == [1, 3]
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 @pytest.mark.slow
 def test_a_persistent_nan_on_one_worker_of_four_nodes_is_skipped_everywhere(
     tmp_path: Path, etcd_server, run_id, monkeypatch

@@ -217,7 +217,7 @@ def test_a_hung_process_is_asked_for_its_stacks_recorded_and_killed(tmp_path: Pa
             proc.wait()
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 @pytest.mark.slow
 def test_a_stopped_worker_on_a_live_node_is_cut_off(tmp_path: Path, etcd_server, run_id) -> None:
     """SIGSTOP one worker process (its agent runs on): with hang_floor_s=3 its agent stops it (and
@@ -315,7 +315,7 @@ def _a_stuck_step_is_cut_off(tmp_path: Path, etcd_server, run_id: str, where: st
     assert_same(job, ref)
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 @pytest.mark.slow
 def test_a_step_thread_stuck_in_a_plain_loop_is_cut_off(tmp_path: Path, etcd_server, run_id) -> None:
     _a_stuck_step_is_cut_off(tmp_path, etcd_server, run_id, "loop")

@@ -1,4 +1,4 @@
-"""The README's "Your own data on a laptop" recipe, run as written: its Python snippet makes a
+"""docs/training.md's "Your own data on a laptop" recipe, run as written: its Python snippet makes a
 JSON-lines corpus and trains a `tokenizers` BPE saved as one JSON file, then `examples/train.py`
 trains `configs/cpu-own-data.yaml` on them for a few steps, started from another working
 directory (the config's relative paths are relative to its folder; the overrides' to the working
@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def recipe_snippet() -> str:
-    """The Python the README's recipe pipes into `python -` (between `<<'EOF'` and `EOF`)."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("#### Your own data on a laptop") :]
+    """The Python the recipe pipes into `python -` (between `<<'EOF'` and `EOF`)."""
+    text = (ROOT / "docs" / "training.md").read_text()
+    section = text[text.index("### Your own data on a laptop") :]
     start = section.index("python - <<'EOF'\n") + len("python - <<'EOF'\n")
     return section[start : section.index("\nEOF\n", start)]
 

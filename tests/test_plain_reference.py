@@ -5,7 +5,7 @@ the one-worker plan, so a mistake in the engine's math (its layers, loss normali
 optimizer groups, learning-rate schedule) would be in both sides. Here the reference is
 the Hugging Face model (`transformers.GPT2LMHeadModel`; `LlamaForCausalLM` for the Llama
 configuration) trained by a loop written from the documented rules alone
-(README "Training"; docs/design.md invariant 1): the whole global batch in one forward, the token
+(docs/training.md "Training"; docs/design.md invariant 1): the whole global batch in one forward, the token
 cross-entropy summed and divided by the global token count, `torch.nn.utils.clip_grad_norm_`,
 `torch.optim.AdamW` (not fused) with weight decay on matrices only, linear warm-up then cosine
 decay to `min_lr_ratio`. It shares with the engine only what defines the run, not how it is

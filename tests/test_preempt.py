@@ -118,7 +118,7 @@ def test_a_preempted_node_hands_over_and_exits_0(tmp_path: Path, etcd_server, ru
     assert_same(job, ref)
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 @pytest.mark.slow
 def test_a_wave_of_notices_to_every_holder_of_some_layers_needs_no_checkpoint(
     tmp_path: Path, etcd_server, run_id

@@ -165,7 +165,7 @@ def test_kill_one_node_of_four_under_other_schedules_matches_reference(
     assert_same(job, ref)
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id) -> None:
     """A 4th node joins a 3-node job (admitted at a step boundary, layers copied to it), then a
     node is drained with `oobleck kill-agent` (leaves at a boundary, its agent exits 0)."""

@@ -280,7 +280,7 @@ def test_a_candidate_is_simulated_once_for_every_replica_count(monkeypatch: pyte
 
 
 def test_gpt3_on_1024_nodes_auto_cuts_the_bubble(capsys: pytest.CaptureFixture[str]) -> None:
-    """The figure the README quotes: GPT-3 175B on 1,024 nodes of 8 devices at tp 8."""
+    """The figure the README and docs/schedules.md quote: GPT-3 175B on 1,024 nodes of 8 devices at tp 8."""
     base = ["planning.tensor_parallel=8"]
     cfg = load_config("configs/gpt3-175b.yaml", base)
     profiles = load_profiles(cfg)

@@ -127,7 +127,7 @@ def test_a_node_set_down_by_slurm_is_survived(slurm: SlurmCluster, tmp_path: Pat
     assert_same(job.weights(), job.reference_weights())
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 def test_scancel_signal_term_of_a_node_drains_it(slurm: SlurmCluster, tmp_path: Path) -> None:
     """`scancel --signal=TERM JOB.STEP` of n3's step at step 4 of 12 is a preemption notice: the node
     is drained (hands its layers over at a step boundary, no failure), its step exits 0, and the job
@@ -145,7 +145,7 @@ def test_scancel_signal_term_of_a_node_drains_it(slurm: SlurmCluster, tmp_path: 
     assert_same(job.weights(), job.reference_weights())
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 def test_a_node_cut_off_from_the_network_is_survived(tmp_path: Path) -> None:
     """Nodes with their own addresses and hostnames (network namespaces; the sbatch finds its etcd
     address with getent, unmodified). n3's link is cut at step 3 of 10: its agent and worker run on,
@@ -169,7 +169,7 @@ def test_a_node_cut_off_from_the_network_is_survived(tmp_path: Path) -> None:
     assert_same(job.weights(), job.reference_weights())
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 def test_an_external_etcd_and_a_second_allocation_that_joins_the_run(slurm: SlurmCluster, tmp_path: Path) -> None:
     """ETCD_ENDPOINT: a 3-member etcd outside the allocation, so no node of it holds the control
     plane. A 3-node job (MAX_NODES=4) trains; at step 1 a second 1-node sbatch with the same

@@ -378,7 +378,7 @@ def test_no_straggler_is_named_in_a_clean_run(tmp_path: Path, etcd_server, run_i
     assert "step 200/200" in out and "straggler(s)" not in out and "(rebalance)" not in out, out[-3000:]
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 @pytest.mark.slow
 def test_a_very_slow_node_is_left_out_when_that_is_faster(tmp_path: Path, etcd_server, run_id) -> None:
     """node1 computes 10x slower: even one microbatch of eight keeps every step waiting for it, so

@@ -196,7 +196,7 @@ def test_two_heterogeneous_tensor_parallel_pipelines_match_the_reference(tmp_pat
     check_runs(tmp_path, ref, "two", 6)
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 @pytest.mark.slow
 def test_a_checkpoint_resumes_at_another_tensor_parallel_degree(tmp_path: Path) -> None:
     cfg = config()
@@ -249,7 +249,7 @@ def test_a_killed_node_under_tensor_parallelism_moves_layers_lane_to_lane(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 def test_compiled_tensor_parallel_layers_match_the_reference(tmp_path: Path) -> None:
     """Compiled layers over DTensor shards (engine/step/compiled.py): the eager reference's weights."""
     cfg = load_config(

@@ -59,7 +59,7 @@ def test_a_deterministic_error_stops_the_job_after_max_repeated_errors(tmp_path:
     assert "the job was closed as failed" in out  # the healthy worker stops too, with the reason
 
 
-@pytest.mark.extended  # the default run covers this ground (the README's test section)
+@pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 def test_a_corrupt_checkpoint_stops_the_resume_instead_of_training_half_restored(
     tmp_path: Path, etcd_server, run_id
 ) -> None:

@@ -30,7 +30,7 @@ one-stage pipeline runs its microbatches one after another) on its share of the 
    `fingerprint_interval_steps`, the copies of every layer are compared and repaired
    (engine/resilience/fingerprint.py).
 
-What a step costs besides the arithmetic (README "Speed"): the batch is collated ahead by a
+What a step costs besides the arithmetic (docs/training.md, "Speed"): the batch is collated ahead by a
 `BatchPrefetcher`; the layers run compiled when `training.compile` says so (engine/step/compiled.py);
 under bf16 one autocast region covers the step; the loss stays on the device until step 2 reads
 it with the norm, the step's only host read.

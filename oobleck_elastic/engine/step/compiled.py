@@ -21,7 +21,7 @@ kind through dynamo's guards), one autograd node per layer, compiled without don
 that a split backward can keep its graph. Under zero-bubble such a layer runs its whole compiled
 backward in both passes (the input-gradient pass drops the weight gradients, the weight-gradient
 pass computes the input gradient again): no faster than 1F1B's backward twice, and untested (as
-zero-bubble under tensor parallelism is, README's known limits).
+zero-bubble under tensor parallelism is, docs/guarantees.md's known limits).
 
 Why split, for every schedule. A layer compiled whole (one `torch.compile`d call) is one autograd
 node whose backward computes every gradient at once: torch's split backward then runs it twice

@@ -16,7 +16,7 @@ curves, the goodput ledger's among them, start in a run of their own. `tensorboa
 the number of steps done once it is (`step 3/6` in the progress line is written at 3), a
 generation's plan at the number of steps done when it was entered (its `entered` line's step).
 
-**Tags** (`TAGS`, the list the README's TensorBoard paragraph documents). Throughput comes first
+**Tags** (`TAGS`, the list docs/training.md's TensorBoard paragraph documents). Throughput comes first
 in TensorBoard's Scalars and Time Series tabs: they sort groups by name, code unit by code unit,
 so the capital of `Throughput/` sorts before the lower-case groups (tests/test_board.py checks it
 with TensorBoard's comparison). `LAYOUT` is a custom-scalars page (the Custom Scalars tab,
