@@ -85,7 +85,7 @@ def _cfg(tmp: Path, *extra: str):
 
 
 def _weights(trainer) -> dict[str, torch.Tensor]:
-    return {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()}
+    return {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()}
 
 
 def _reference(cfg, *, skip: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:

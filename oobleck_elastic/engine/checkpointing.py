@@ -53,7 +53,7 @@ from ..data.tokenizer import save_tokenizer_files
 from ..logs import JobLog
 from ..planning import Plan, shortfall
 from .resilience.guard import StepGuard
-from .generation.reconfigure import LayerSources
+from .entry.reconfigure import LayerSources
 from .trainer import LayersLost, Trainer
 
 log = JobLog(logging.getLogger(__name__))
@@ -100,7 +100,7 @@ def save(
     if plan is None:
         raise RuntimeError("a trainer saves a checkpoint only after entering a generation")
     primary = {i: min(plan.holders(i)) for i in trainer.owned}
-    mine = trainer.state_dict()
+    mine = trainer.checkpoint_state.state_dict()
     params, optim = mine["layers"], mine["optimizer"]
     for i, layer in params.items():  # the step guard never applies a non-finite step (engine/resilience/guard.py)
         bad = [n for n, t in layer.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
@@ -177,7 +177,7 @@ def save(
 
 def restore(trainer: Trainer, path: str | Path, *, guard: Optional[StepGuard] = None) -> int:
     """Load the owned layers' weights and optimizer state from a checkpoint into the trainer
-    (`Trainer.load_state_dict`), and the step guard's state (`load_guard_record`); returns the
+    (`Trainer.checkpoint_state.load_state_dict`), and the step guard's state (`load_guard_record`); returns the
     checkpoint's step, where training goes on."""
     step_path = Path(path)
     manifest = ckpt.read_manifest(step_path)
@@ -190,7 +190,9 @@ def restore(trainer: Trainer, path: str | Path, *, guard: Optional[StepGuard] = 
     for i in trainer.owned:
         layers[i], optim[i] = ckpt.load_layer(step_path, i, manifest=manifest)
     try:
-        trainer.load_state_dict({"next_step": int(manifest["step"]), "layers": layers, "optimizer": optim})
+        trainer.checkpoint_state.load_state_dict(
+            {"next_step": int(manifest["step"]), "layers": layers, "optimizer": optim}
+        )
     except KeyError as err:
         raise ckpt.CheckpointError(f"checkpoint {step_path}: {err.args[0]}") from None
     load_guard_record(trainer, guard, manifest)

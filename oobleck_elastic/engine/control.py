@@ -42,6 +42,12 @@ class ControlPlane(Protocol):
     local_rank: int
     """This worker's device index on its node."""
 
+    @property
+    def is_job_worker(self) -> bool:
+        """This process is a job's worker (started by torchrun), not a caller's (a test, the reference
+        run): it may freeze what it built before training and must say where it hangs at exit."""
+        ...
+
     def plan(self) -> Optional[Plan]:
         """The current generation's plan (None before the first)."""
 
@@ -158,7 +164,7 @@ def local_microbatch_size(cfg: JobConfig) -> MicrobatchChoice:
     (`planning.single_worker_microbatch_size`)."""
     from ..planning import load_profiles, single_worker_microbatch_size
     from ..planning.profile_cache import load_or_profile
-    from .generation.devices import resolve_device
+    from .entry.devices import resolve_device
 
     if cfg.planning.profile_path:
         one = dataclasses.replace(cfg, planning=dataclasses.replace(cfg.planning, tensor_parallel=1))
@@ -189,6 +195,10 @@ class LocalControl:
         self._origin = Origin(reported=None, start=started, first_plan=time.time())  # engine/telemetry/goodput.py
         self._closed: Optional[tuple[str, bool]] = None
         self._last_error: Optional[ErrorRecord] = None
+
+    @property
+    def is_job_worker(self) -> bool:
+        return False
 
     def plan(self) -> Optional[Plan]:
         return self._plan

@@ -76,7 +76,7 @@ def train(cfg: JobConfig, control: Optional[ControlPlane] = None, *, max_bytes: 
             control = LocalControl(cfg, num_layers(cfg.model))
         return _train(cfg, dataset, control)
     except KNOWN_ERRORS as err:
-        if control is not None and not isinstance(control, LocalControl):
+        if control is not None and control.is_job_worker:
             end_job_at_start(control, err)
         raise
 
@@ -177,11 +177,11 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
     """The one training loop of a worker (see the module docstring) or of the single process."""
     worker = Worker(cfg, dataset, ctx)
     ctx.share_profile(cfg, worker.trainer.device)
-    # compiled layers are compiled before this worker counts (engine/step/compiled.py); with a microbatch
+    # compiled layers are compiled before this worker counts (engine/stage/compiled.py); with a microbatch
     # size chosen by the planner (`auto`), right after the first entry, before the first step
     if isinstance(cfg.training.microbatch_size, int):
         worker.trainer.warm_up(cfg.training.microbatch_size)
-    if not isinstance(ctx, LocalControl):  # a job's worker process, not a caller's (tests, the reference)
+    if ctx.is_job_worker:  # not a caller's process (tests, the reference run)
         _freeze_startup_objects()
     ctx.report_ready()
     target, plan = Target.first(), None
@@ -210,6 +210,6 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
             _record_fatal(ctx, cfg, err, step=worker.step, generation=plan.generation if plan is not None else 0)
         raise
     finally:
-        if not isinstance(ctx, LocalControl):  # a job's worker: say where it hangs if it cannot exit
+        if ctx.is_job_worker:  # say where it hangs if it cannot exit
             faulthandler.dump_traceback_later(_EXIT_WATCH_S)
         worker.close()

@@ -35,7 +35,7 @@ from ..planning import Plan
 from ..records.goodput import Category
 from .checkpointing import CheckpointPolicy, NothingToRestore, retake_reason
 from .control import ControlPlane
-from .generation.devices import configure_nccl, resolve_device
+from .entry.devices import configure_nccl, resolve_device
 from .resilience.errors import JobFailed, StepAbandoned, describe, is_communication_error
 from .resilience.guard import Action, StepGuard, TooManySkipped, Verdict
 from .resilience.heartbeat import Heartbeat

@@ -2,7 +2,7 @@
 
 Every layer has one holder per pipeline (f+1 copies or more), and after every applied step the
 copies are bit-identical: the same summed gradients went into the same optimizer from the same
-state (engine/generation/groups.py). A bit flipped in one device's memory (silent data corruption: a bad
+state (engine/entry/groups.py). A bit flipped in one device's memory (silent data corruption: a bad
 HBM cell, a faulty ALU) breaks that and nothing else notices: the copy trains on, its gradients
 are summed into the others', and it is checkpointed.
 
@@ -188,7 +188,7 @@ def repair(
 ) -> None:
     """Replace the corrupt copies this rank takes part in: for each one, in the same order on every
     rank, the layer's holders broadcast the source's parameters and optimizer state over their
-    group (`groups`: this rank's holder-set groups, engine/generation/groups.py)."""
+    group (`groups`: this rank's holder-set groups, engine/entry/groups.py)."""
     for c in corrupt:
         if rank not in c.holders:
             continue

@@ -11,7 +11,7 @@ Mechanism, with no collective of its own:
   same verdict at the same step.
 - **Never applied.** A rejected step's gradients are dropped, and the step is neither committed
   nor kept as synchronised (a generation entry after a failure therefore replays it rather than
-  rolling it forward); `StateUpdates.apply` (engine/updates.py) also refuses a non-finite norm
+  rolling it forward); `StepApplier.apply` (engine/step/apply.py) also refuses a non-finite norm
   on its own. Checkpoints hold only applied steps, and `engine/checkpointing.py` refuses to
   write a non-finite tensor.
 - **Replay, then skip** (`StepGuard`, a pure state machine over verdicts). The first rejection of

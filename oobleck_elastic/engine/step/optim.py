@@ -95,7 +95,7 @@ def apply_update(
 ) -> None:
     """Step `step`'s optimizer update from the gradients in place: clipped by the global squared
     norm `norm2`, at the step's learning rate; the gradients are dropped afterwards. The holders
-    and the keepers of shadow copies run exactly this (engine/updates.py, generation/shadows.py)."""
+    and the keepers of shadow copies run exactly this (engine/step/apply.py, shadows.py)."""
     scale_grads(params, clip_coefficient(norm2, cfg.optimizer.grad_clip))
     set_lr(optimizer, step, cfg)
     optimizer.step()

@@ -6,6 +6,7 @@ token, device peaks, utilisation), `goodput` (where the wall time went, per cate
 (progress, reconfigurations and the final summary of one worker's run) and `memory` (peak
 resident and device memory).
 
-Imports: `records`, `models`, `planning`, `config`, `logs` and `engine.step`; the `Trainer` only
+Imports: `records`, `models`, `planning`, `config`, `logs`, `engine.step`, `engine.stage` and
+`engine.entry`; the `Trainer` only
 for type hints.
 """

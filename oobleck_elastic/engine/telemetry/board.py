@@ -32,7 +32,7 @@ bytes the writer sent plus received for them in the step (`ShadowLink.bytes_per_
 seconds on their exchange (`StepResult.shadow_s`, what the goodput ledger charges to `shadows`).
 
 **Job-level reconfiguration figures.** `reconfiguration/bytes_moved_job` sums every move of the
-entry (`job_bytes_moved`: each worker computes the same transfer list, engine/generation/
+entry (`job_bytes_moved`: each worker computes the same transfer list, engine/entry/
 reconfigure.py, so no communication is needed), where the old `bytes_moved` was rank 0's own
 bytes. `reconfiguration/seconds_until_all_entered` runs from the moment the first worker of the
 generation began entering it to the moment the last one had entered: every worker carries its
@@ -50,8 +50,8 @@ from typing import Callable, Iterable, Optional
 
 from ...planning import Plan
 from ...records.goodput import Category
-from ..generation.reconfigure import Move
-from ..generation.shadows import ShadowStore
+from ..entry.reconfigure import Move
+from ..step.shadows import ShadowStore
 
 __all__ = [
     "TAGS",

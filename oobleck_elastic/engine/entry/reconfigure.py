@@ -46,7 +46,7 @@ class Transfer:
     dst: int
     """Receiver's rank in the new generation."""
     from_shadow: bool = False
-    """The sender gives its host-memory shadow copy (shadows.py), not a layer of its stage."""
+    """The sender gives its host-memory shadow copy (engine/step/shadows.py), not a layer of its stage."""
 
 
 def plan_transfers(
@@ -56,7 +56,7 @@ def plan_transfers(
     each worker really holds now (`Plan.layers_by_worker` of the generation it last entered); a
     new or restarted worker holds nothing, and workers may hold the layout of different
     generations when an entry failed half-way. `shadows`: the layers whose host-memory shadow
-    copies each worker keeps current (shadows.py); a layer no surviving worker holds on its
+    copies each worker keeps current (engine/step/shadows.py); a layer no surviving worker holds on its
     devices comes from a surviving keeper of its shadow, and is lost only when none is left."""
     tp = new.tensor_parallel
     new_rank = new.entry_ranks()  # donors (drained nodes) are sources too, never receivers
@@ -105,7 +105,7 @@ class Move:
     bytes: int
     """Bytes sent: the layers' parameters and optimizer state (fp32)."""
     from_shadow: bool = False
-    """The sender gave its host-memory shadow copies (shadows.py)."""
+    """The sender gave its host-memory shadow copies (engine/step/shadows.py)."""
 
     def describe(self) -> str:
         """`layers 3-5 node1 -> node2 (2.4 MB)`."""

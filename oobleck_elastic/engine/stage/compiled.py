@@ -3,8 +3,8 @@ job counts on the worker, so reconfiguration never compiles.
 
 Mechanism. A stage is `nn.Sequential(CompiledLayer(layer) for each layer)`, and
 `CompiledLayer.forward` calls `run_layer(layer, x)`: the layer's forward graph, and backward graphs
-split into the input gradient and the weight gradients (engine/step/split_graphs.py: AOTAutograd
-traces the layer as a function of its parameters, buffers and input; engine/step/split_layer.py:
+split into the input gradient and the weight gradients (engine/stage/split_graphs.py: AOTAutograd
+traces the layer as a function of its parameters, buffers and input; engine/stage/split_layer.py:
 three autograd nodes per call, so that torch's split backward of a zero-bubble schedule runs the
 input-gradient graph in its I pass and the weight-gradient graph in its W pass, and a whole
 backward runs both once). Graphs are kept per kind of layer (`planning.profiler.layer_kind`:

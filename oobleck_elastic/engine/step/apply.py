@@ -2,10 +2,10 @@
 while the step is current.
 
 A step may run in another thread that the control plane can abandon (engine/worker.py): the
-epoch (`StateUpdates.epoch`) grows at every abandonment (`abandon`), and a step only writes the
+epoch (`StepApplier.epoch`) grows at every abandonment (`abandon`), and a step only writes the
 worker state under the lock while its epoch is current (`current`; otherwise it raises
 `StepAbandoned`); the next generation then works on copies of the kept layers (`detach_kept`,
-engine/generation/entry.py), so an abandoned step that wakes up touches nothing in use.
+engine/entry/enter.py), so an abandoned step that wakes up touches nothing in use.
 
 The writes themselves, on the `WorkerState` they are handed:
 
@@ -26,16 +26,16 @@ import math
 import threading
 from typing import Iterator, Optional
 
-from ..config import JobConfig
-from .generation.entry import WorkerState
-from .resilience.errors import StepAbandoned
-from .resilience.guard import Verdict
-from .step.optim import apply_update
+from ...config import JobConfig
+from ..resilience.errors import StepAbandoned
+from ..resilience.guard import Verdict
+from .optim import apply_update
+from .state import WorkerState
 
-__all__ = ["StateUpdates"]
+__all__ = ["StepApplier"]
 
 
-class StateUpdates:
+class StepApplier:
     """The worker state's writes by a step, each only while the step's epoch is current (module docstring)."""
 
     def __init__(self, cfg: JobConfig) -> None:

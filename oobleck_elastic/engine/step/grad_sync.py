@@ -48,9 +48,9 @@ from torch import nn
 from ...models import LayerModel
 from ...models.tensor_parallel import is_sharded, local, wrap_like
 from ..resilience.progress import STEP_PROGRESS, Progress
-from .groups import GenerationGroups
 
 if TYPE_CHECKING:
+    from ..entry.groups import GenerationGroups
     from .shadows import ShadowLink, ShadowStore
 
 __all__ = ["GradSync", "Synchronised", "synchronise"]

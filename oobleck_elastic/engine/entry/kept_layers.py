@@ -1,4 +1,4 @@
-"""The layers a worker keeps across a generation's entry (entry.py).
+"""The layers a worker keeps across a generation's entry (enter.py).
 
 A layer the new plan gives a worker again stays in place: the module itself, or a deep copy when
 the previous step was abandoned (its thread may still run and must not see the new generation's

@@ -23,7 +23,7 @@ output and what the backward needs, and a backward, which returns one gradient p
 A node with several outputs (layer norm's backward gives the input, weight and bias gradients
 together) belongs to I when I needs one of its outputs; W then reads the others from the boundary.
 Each graph is compiled by `torch.compile` (inductor) when it is first run, once per process per
-kind of layer (engine/step/compiled.py).
+kind of layer (engine/stage/compiled.py).
 """
 
 from __future__ import annotations

@@ -92,13 +92,6 @@ def configure_nccl(environ: MutableMapping[str, str] = os.environ) -> tuple[dict
     return {key: environ[key] for key in NCCL_ENV}, replaced
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a host tensor to `device`: through pinned memory without blocking on CUDA."""
-    if device.type == "cpu":
-        return t
-    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
-
-
 def release_groups(*, abort: bool, busy: Sequence[threading.Thread] = ()) -> None:
     """Forget every process group of this process: aborted (`abort`, see the module docstring)
     or destroyed (a healthy generation left at a step boundary); and restart torch's group

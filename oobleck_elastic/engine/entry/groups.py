@@ -1,4 +1,4 @@
-"""Process groups of one generation, and who holds what (grad_sync.py sums gradients over them).
+"""Process groups of one generation, and who holds what (engine/step/grad_sync.py sums gradients over them).
 
 For a plan, every layer is held by exactly one stage of every pipeline; pipelines of different
 templates cut the layers differently, so the set of ranks holding layer l ("its holders")
