@@ -195,7 +195,7 @@ def _chunked_worker(rank: int, world: int, tmp: str, cfg_dict: dict, name: str) 
             # the planner's placement (planning/schedules.py): loop, or the V of zbv
             held = [i, 2 * d - 1 - i] if name == "zbv" else [i, d + i]
             assert [s.stage_index for s in trainer.schedule._stages] == held
-            assert trainer.ends == (i == 0, i == (0 if name == "zbv" else d - 1))
+            assert trainer.holds_first_last == (i == 0, i == (0 if name == "zbv" else d - 1))
             order = trainer.schedule.pipeline_order[i]
             kinds = {a.computation_type.value for a in order if a is not None}
             assert kinds == ({"F", "B"} if name == "interleaved" else {"F", "I", "W"}), kinds

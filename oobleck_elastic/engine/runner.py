@@ -30,14 +30,14 @@ from .resilience.errors import StepAbandoned
 
 T = TypeVar("T")
 _abandoned: list[threading.Thread] = []  # step threads left behind, possibly still blocked
-_exit_now: list[str] = []  # other reasons why this process must not run the interpreter's shutdown
+_hard_exit_reasons: list[str] = []  # other reasons why this process must not run the interpreter's shutdown
 
 
-def exit_now_at_the_end(reason: str) -> None:
+def require_hard_exit(reason: str) -> None:
     """Make `exit_now_if_abandoned` end this process at once whatever happens: a donor worker
     leaves the generation while its peers go on with the groups it was part of, and freeing
     those at shutdown intermittently aborts the process the same way (see below)."""
-    _exit_now.append(reason)
+    _hard_exit_reasons.append(reason)
 
 
 def exit_now_if_abandoned(code: int) -> None:
@@ -49,7 +49,7 @@ def exit_now_if_abandoned(code: int) -> None:
     through C++ aborts ("terminate called without an active exception", exit status -6), and
     freeing the old process group joins worker threads that never return. torchrun would report
     a failed or hung worker. A worker script calls this after training (examples/train.py does)."""
-    if _abandoned or _exit_now:
+    if _abandoned or _hard_exit_reasons:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

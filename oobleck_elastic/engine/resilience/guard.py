@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 from enum import Enum
 
-__all__ = ["Verdict", "judge", "Action", "StepGuard", "TooManySkipped"]
+__all__ = ["Verdict", "judge", "GuardDecision", "StepGuard", "TooManySkipped"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,9 @@ def judge(loss: float, norm2: float, *, running_max: float, spike_factor: float)
     return Verdict(True)
 
 
-class Action(Enum):
+class GuardDecision(Enum):
+    """What `StepGuard.decide` makes of a verdict: apply the step, replay it, or skip its batch."""
+
     APPLY = "apply"
     REPLAY = "replay"
     SKIP = "skip"
@@ -83,15 +85,15 @@ class StepGuard:
     in_a_row: list[int] = field(default_factory=list)
     """The steps skipped since the last applied one."""
 
-    def decide(self, step: int, verdict: Verdict) -> Action:
+    def decide(self, step: int, verdict: Verdict) -> GuardDecision:
         """APPLY, REPLAY (the first rejection of `step`) or SKIP; raises TooManySkipped when this skip
         makes `max_skipped` in a row."""
         if verdict.apply:
             self.in_a_row.clear()
-            return Action.APPLY
+            return GuardDecision.APPLY
         self.attempts[step] = self.attempts.get(step, 0) + 1
         if self.attempts[step] == 1:
-            return Action.REPLAY
+            return GuardDecision.REPLAY
         self.skipped.append(step)
         self.in_a_row.append(step)
         if len(self.in_a_row) >= self.max_skipped:
@@ -100,7 +102,7 @@ class StepGuard:
                 f"last because {verdict.reason}; fault_tolerance.max_skipped_steps="
                 f"{self.max_skipped}): lower the learning rate or check the data of those steps"
             )
-        return Action.SKIP
+        return GuardDecision.SKIP
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the skipped steps (all, and those since the last applied one).
