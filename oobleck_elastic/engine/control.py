@@ -1,18 +1,12 @@
-"""The data plane's one view of the control plane, and its single-process implementation.
+"""The data plane's one view of the control plane (`ControlPlane`), and its single-process
+implementation (`LocalControl`).
 
-The worker loop (`engine/run.py`, `engine/worker.py`) needs only what `ControlPlane` lists: the
-current plan and past ones, whether to leave, a store for a generation's process groups, when
-to abandon a running step, and where to report readiness, progress, failures, errors and the
-end of the job.
-Two implementations serve it:
-
-- `rendezvous/worker.py:WorkerContext`: a worker of a torchrun job, on etcd;
-- `LocalControl`: one process with no etcd (`python examples/train.py`): a one-worker plan with
-  a single stage holding every layer, an in-memory store, nothing to watch. With
-  `training.microbatch_size: auto` its size is the planner's choice for that one stage on this
-  device (from the job's profile, measured here when there is none). The single-process
-  reference therefore runs through the same loop, the same generation entry and the same step
-  (commit protocol included) as any worker, on a world of one.
+The worker loop (engine/run.py, engine/worker.py) needs only what `ControlPlane` lists: plans,
+whether to leave, a store for a generation's process groups, when to abandon a step, where to
+report. `rendezvous/worker.py:WorkerContext` serves a torchrun job on etcd; `LocalControl` one
+process with no etcd: a one-worker plan on an in-memory store. Invariant: the single-process
+reference runs the same loop, entry and step (commit included) as any worker, on a world of one;
+`is_job_worker` is the only thing that tells them apart. docs/design.md.
 """
 
 from __future__ import annotations

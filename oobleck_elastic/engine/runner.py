@@ -1,16 +1,12 @@
-"""Run a step where the main thread can stop waiting for it.
+"""Run a step where the main thread can stop waiting for it (`StepRunner`).
 
-A collective blocked on a hung peer does not fail: NCCL usually hangs, and gloo waits until its
-timeout (`fault_tolerance.comm_timeout_s`, tens of seconds) because a SIGSTOPped or partitioned
-peer keeps its sockets open. Recovery must not wait for that. So steps run in a `StepRunner`'s
-thread, and the main thread waits for each in slices of `fault_tolerance.watch_interval_s`,
-asking the control plane between slices whether the step must be abandoned (a newer plan that
-leaves a lost node out, this node fenced, the job closed). If so, `StepRunner.run` raises
-`StepAbandoned` at once and leaves the thread behind; the caller aborts the generation's process
-groups (which ends the thread's NCCL operations at once; a blocked gloo operation ends when its
-timeout fires) and enters the next generation. `Trainer` makes an abandoned step harmless: it
-changes no state once abandoned, and the next generation works on copies of the layers the
-thread may still touch.
+A collective blocked on a hung peer does not fail: NCCL usually hangs, and gloo waits for its
+timeout (a stopped or partitioned peer keeps its sockets open). So each step runs in a thread,
+and the main thread waits in slices of `fault_tolerance.watch_interval_s`, asking the control
+plane between slices whether to abandon it; if so `run` raises `StepAbandoned` at once and leaves
+the thread behind. Invariant: an abandoned step changes nothing (engine/step/apply.py), and a
+process that abandoned one ends with `exit_now_if_abandoned`, never the interpreter's shutdown.
+docs/liveness.md.
 """
 
 from __future__ import annotations

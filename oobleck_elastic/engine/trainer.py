@@ -405,7 +405,7 @@ class Trainer:
         epoch: int,
         shadow_link: Optional[ShadowLink] = None,
     ) -> tuple[float, float]:
-        """Steps 1-2 of the module docstring (`synchronise`, engine/step/grad_sync.py): the
+        """The step's communication before the commit (`synchronise`, engine/step/grad_sync.py): the
         gradients summed among each layer's holders, then one SUM all-reduce of the squared norm
         and the loss; (squared norm, loss), global. The summed gradients of layers with shadow
         copies go to their keepers meanwhile, and the keepers' arrive, before this returns (so

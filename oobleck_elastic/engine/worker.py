@@ -1,24 +1,12 @@
-"""One worker's part of each generation: enter it, run its steps, answer what they report.
+"""One worker's part of each generation (`Worker`): enter it, run its steps, answer what they report.
 
-The loop of engine/run.py waits for a plan and hands it to a `Worker`, which holds what lives
-across generations (its `Trainer`, step runner, run log, step guard, checkpoint policy,
-straggler watch, heartbeat and goodput clock) and answers with an outcome the loop reads:
-
-- `Worker.enter`: `Entered` (at the step to go on from: the entry's agreed step, the checkpoint
-  resumed at the job's first start, or the newest checkpoint restored when layers were lost),
-  `HandedOver` (a drained node's worker handed its layers over and leaves) or `Broken` (a
-  communication failure in the entry: the worker tears it down and reports the failure);
-- `Worker.run_generation`: runs the steps, each in the step thread (engine/runner.py) while it
-  watches the control plane; `Finished`, `Boundary` (every worker agreed at a step boundary to
-  move on to a newer generation) or `Broken` (a communication failure, or a step the control
-  plane abandoned). A step the step guard did not apply is replayed or skipped
-  (engine/resilience/guard.py), a straggler verdict is said by rank 0 and told to the leader
-  (engine/resilience/straggler.py), and corrupt copies found by the fingerprints are reported,
-  or stop the job (engine/resilience/fingerprint.py);
-- `Worker.finish` (the final checkpoint; rank 0 closes the job) and `Worker.leave` (the plan
-  has no place for it any more) end it with the run's `Summary`.
-
-What is logged is `runlog.py`'s; when to checkpoint is `checkpointing.py:CheckpointPolicy`'s.
+It holds what lives across generations (its `Trainer`, step runner, run log, step guard,
+checkpoint policy, straggler watch, heartbeat, goodput clock) and answers the loop of
+engine/run.py with outcomes: `enter` gives `Entered`, `HandedOver` (a drained node's worker) or
+`Broken`; `run_generation` runs each step in the step thread (engine/runner.py) while it watches
+the control plane, and gives `Finished`, `Boundary` (every worker agreed to move on at a step
+boundary) or `Broken`; `finish` and `leave` end the run with its `Summary`. Invariant: a worker
+never exits because of someone else's failure. docs/recovery.md.
 """
 
 from __future__ import annotations
