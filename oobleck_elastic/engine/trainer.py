@@ -42,7 +42,7 @@ from .stage.compiled import compile_enabled, use_cache_dir, warm_up
 from .stage.paced import Pacer, pin_threads
 from .step.apply import StepApplier
 from .step.commit import CommitVote, commit, own_slot
-from .step.forward_backward import run_local, run_schedule
+from .step.forward_backward import forward_backward
 from .step.grad_sync import GradSync, synchronise
 from .step.optim import token_sum_loss
 from .step.result import StepResult
@@ -312,7 +312,20 @@ class Trainer:
         shadow_link = self.shadow_link
         assert grad_sync is not None, "enter a generation first"
         grad_sync.begin_step(self.pipeline.microbatches)  # reductions start as layers finish
-        local_loss = self._forward_backward(x, y, schedule)
+        assert self.plan is not None
+        local_loss = forward_backward(
+            schedule,
+            x,
+            y,
+            holds_first_last=self.holds_first_last,
+            module=self.stage_module,
+            loss_fn=self.loss_fn,
+            microbatch_size=self.plan.microbatch_size,  # the plan's: training.microbatch_size may be auto
+            device=self.device,
+            dtype=self.dtype,
+            progress=self.progress,
+            clock=self.clock,
+        )
         local_loss = self.faults.poisoned(local_loss, rank=self.rank, step=step, params=self.params)
         norm2, loss = self._synchronise(step, local_loss, grad_sync, step_group, epoch, shadow_link)
         agreed = commit(
@@ -377,24 +390,6 @@ class Trainer:
         self.faults.block(rank=self.rank, step=step, where="loop")
         self._step = step
         self.clock.take()  # what an abandoned or rejected run left
-
-    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, schedule: Any) -> torch.Tensor:
-        """This stage's part of the step's schedule in one autocast region (torch casts each weight
-        to bf16 once per region, its autocast cache, not once per microbatch); the summed loss."""
-        with torch.autocast(
-            device_type=self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None
-        ):
-            if schedule is None:  # one-stage pipeline: no pipelining needed
-                return self.clock.timed(self._forward_backward_local)(x, y)
-            return run_schedule(schedule, self.holds_first_last, x, y, device=self.device)
-
-    def _forward_backward_local(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """A one-stage pipeline's microbatches one after another (engine/stage/build.py)."""
-        assert self.stage_module is not None and self.plan is not None
-        mbs = self.plan.microbatch_size  # the plan's: training.microbatch_size may be auto
-        return run_local(
-            self.stage_module, self.loss_fn, x, y, microbatch_size=mbs, device=self.device, progress=self.progress
-        )
 
     def _synchronise(
         self,

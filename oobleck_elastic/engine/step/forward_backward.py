@@ -1,20 +1,21 @@
-"""This stage's part of a step's forward and backward: `run_schedule` runs the torch pipeline
-schedule built at entry (engine/stage/build.py), `run_local` a one-stage pipeline's
-microbatches one after another. Both return the summed loss on the device: the step's only host
+"""This stage's part of a step's forward and backward (`forward_backward`): `run_schedule` runs
+the torch pipeline schedule built at entry (engine/stage/build.py), `run_local` a one-stage
+pipeline's microbatches one after another. Both return the summed loss on the device: the step's only host
 read comes later, with the gradient norm (engine/step/grad_sync.py). docs/schedules.md tells
 which schedule runs where.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from ..resilience.progress import Progress
+from ..resilience.straggler import ComputeClock
 
-__all__ = ["run_local", "run_schedule", "to_device"]
+__all__ = ["forward_backward", "run_local", "run_schedule", "to_device"]
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -63,3 +64,30 @@ def run_schedule(
     if not losses:
         return torch.zeros((), dtype=torch.float64, device=device)
     return torch.stack([loss.detach().double() for loss in losses]).sum()
+
+
+def forward_backward(
+    schedule: Any,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    holds_first_last: tuple[bool, bool],
+    module: Optional[nn.Module],
+    loss_fn: Callable[..., torch.Tensor],
+    microbatch_size: int,
+    device: torch.device,
+    dtype: Optional[torch.dtype],
+    progress: Progress,
+    clock: ComputeClock,
+) -> torch.Tensor:
+    """This stage's part of the step's `schedule` (None: a one-stage pipeline, whose `module` runs
+    its microbatches one after another, timed by the straggler `clock` as a whole) in one autocast
+    region (torch casts each weight to bf16 once per region, its autocast cache, not once per
+    microbatch); the summed loss, on the device."""
+    with torch.autocast(device_type=device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        if schedule is None:
+            assert module is not None
+            return clock.timed(run_local)(
+                module, loss_fn, x, y, microbatch_size=microbatch_size, device=device, progress=progress
+            )
+        return run_schedule(schedule, holds_first_last, x, y, device=device)
