@@ -316,6 +316,26 @@ def test_an_engine_sub_package_importing_the_loop_is_named() -> None:
     ]
 
 
+def test_the_step_importing_what_is_built_at_entry_is_named() -> None:
+    src = _fake(
+        **{
+            "engine": "",
+            "engine.step": "",
+            "engine.step.grad_sync": "from ..entry.groups import GenerationGroups\n",
+            "engine.entry": "",
+            "engine.entry.groups": "class GenerationGroups: ...\n",
+            "engine.stage": "",
+            "engine.stage.build": "from ..entry.groups import GenerationGroups\n",
+        }
+    )
+    assert plane_violations(imports_of(src), ALLOWED) == [
+        f"{PACKAGE}.engine.stage.build:1 imports {PACKAGE}.engine.entry.groups.GenerationGroups: "
+        "'engine.stage' may not import 'engine.entry'",
+        f"{PACKAGE}.engine.step.grad_sync:1 imports {PACKAGE}.engine.entry.groups.GenerationGroups: "
+        "'engine.step' may not import 'engine.entry'",
+    ]
+
+
 def test_private_names_from_other_modules_are_named() -> None:
     src = _fake(
         **{
