@@ -2,7 +2,7 @@
 pipeline (m = p = 4), schedules alternated, one JSON line per run and a summary per schedule.
 
 Compiled layers run zero-bubble's split backward through separate input- and weight-gradient
-graphs (engine/step/split_layer.py); this measures compiled zero-bubble against compiled 1F1B on
+graphs (engine/stage/split_layer.py); this measures compiled zero-bubble against compiled 1F1B on
 paced devices, where each pass is padded to the plan's time, so the schedule's bubble shows and
 the compiled arithmetic (a few ms on these tiny layers) is a small share of each pass. A pass that
 overran its target shows in `overruns`. The workers share one inductor cache (the run's

@@ -1,4 +1,4 @@
-"""What compiling each layer with its backward split in two costs (engine/step/split_layer.py),
+"""What compiling each layer with its backward split in two costs (engine/stage/split_layer.py),
 against the whole-layer compile and eager layers, in one process.
 
 Sides, alternated within each repeat, on the same stage (layers 1 .. n-1 of the model: the
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from oobleck_elastic.config import load_config  # noqa: E402
-from oobleck_elastic.engine.step.split_layer import run_split  # noqa: E402
+from oobleck_elastic.engine.stage.split_layer import run_split  # noqa: E402
 from oobleck_elastic.models import build_layer_model, num_layers  # noqa: E402
 
 

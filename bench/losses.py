@@ -2,7 +2,7 @@
 
 What it shows: with `fault_tolerance.shadow_copies` = s, a job with f + 1 device copies of every
 layer survives any k <= f + s simultaneous node losses from memory (a surviving replica or shadow
-copy, engine/generation/shadows.py); past that it restores the newest checkpoint (disk).
+copy, engine/step/shadows.py); past that it restores the newest checkpoint (disk).
 
 Method. `--nodes` (default 7) simulated nodes on this machine (`launcher.local.LocalCluster`, one
 torchrun agent and one worker per node, an etcd started here), configs/gpt2-tiny.yaml with the

@@ -107,7 +107,7 @@ def worker(rank: int, world: int, tmp: str, over: list[str], out: str) -> None:
         "rss_start": rss_start,
         "peak_before_step": peak_before,
         "peak_after_step": memory.peak_rss_bytes(),
-        "held": trainer.held_bytes(),
+        "held": trainer.state.held_bytes(),
         "params": params,
         "start_s": start_s,
         "entry_s": entry_s,

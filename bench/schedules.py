@@ -2,7 +2,7 @@
 
 Four workers on this machine's cores share them, so a pipeline bubble is filled by another
 worker's arithmetic and no schedule can be told from another by its speed. On paced devices
-(`training.paced_devices` = k, engine/step/paced.py) every forward and backward (input and weight
+(`training.paced_devices` = k, engine/stage/paced.py) every forward and backward (input and weight
 gradient, when split) of one microbatch on a stage is padded by a sleep to k x the plan's time
 for that stage's layers, so each worker behaves like a device of its own and a schedule's bubble
 shows in the step time.

@@ -2,7 +2,7 @@
 (b) snapshots every N steps.
 
 The designs. `fault_tolerance.shadow_copies` keeps every layer's weights and AdamW state also in
-the host memory of nodes that do not hold the layer on their devices (engine/generation/shadows.py).
+the host memory of nodes that do not hold the layer on their devices (engine/step/shadows.py).
 
 - (a) Checkmate-style, what the engine does: after the gradient sums, a holder sends each layer's
   summed gradients (`_grad_flat`, one flat fp32 tensor per layer) to the layer's keeper over a
@@ -24,7 +24,7 @@ rank 0 holds layers 0-3 on its "device" (the CPU) with its own AdamW (`build_opt
 layers 4-7 as shadows in a `ShadowStore` (`new_store`); rank 1 the other way round. Each worker
 builds the whole model from the seed (`build_layer_model`), runs one real forward and backward of
 one microbatch, and keeps those gradients for every step. A step is paced like a device
-(engine/step/paced.py): it restores the kept gradients and sleeps to a deadline `--step-s` after
+(engine/stage/paced.py): it restores the kept gradients and sleeps to a deadline `--step-s` after
 its start (default 1.2 s, the step of bench/shadows.py's job: on a GPU the host idles while the
 device computes), then runs, for real, what the host does after the device: (a)'s posts, one SUM
 all-reduce of the squared norm and the loss on the step group (the commit's collective), (a)'s
@@ -106,7 +106,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from oobleck_elastic.config import JobConfig, load_config  # noqa: E402
-from oobleck_elastic.engine.generation.shadows import ShadowLink, ShadowStore, new_store  # noqa: E402
+from oobleck_elastic.engine.entry.shadow_seeding import new_store  # noqa: E402
+from oobleck_elastic.engine.step.shadows import ShadowLink, ShadowStore  # noqa: E402
 from oobleck_elastic.engine.step.optim import build_optimizer, clip_coefficient, scale_grads, set_lr  # noqa: E402
 from oobleck_elastic.models import LayerModel, build_layer_model  # noqa: E402
 

@@ -2,12 +2,12 @@
 
 Method. Four simulated nodes (`python -m launcher.local --nodes 4`, one worker each, its own etcd
 each run), f = 1: two pipelines of two stages, every layer on two nodes' devices and, with
-shadows, in the host memory of one more (engine/generation/shadows.py: every step the holders send
+shadows, in the host memory of one more (engine/step/shadows.py: every step the holders send
 the summed gradients of each layer to its keeper before the commit, and the keeper applies AdamW to
 its copy in a thread of its own). Model: configs/gpt2-tiny.yaml widened to `--hidden` (default
 256: 6 blocks, about 5 M parameters, 20 MB of fp32 weights, so 20 MB of gradients sent and 20 MB of
 weights updated on the keepers each step), sequences of 64, global batch 16 in microbatches of 2.
-The workers run on paced devices (`training.paced_devices` = `--factor`, engine/step/paced.py):
+The workers run on paced devices (`training.paced_devices` = `--factor`, engine/stage/paced.py):
 every pass of a stage is padded to k x the synthetic profile's time (10 ms forward, 20 ms backward
 per layer), so four workers on this machine's two cores behave like four devices and the shadows'
 real work (gradients to the host, the sends, the host AdamW) is what the comparison measures. The

@@ -34,7 +34,7 @@ def reference_state(cfg, dataset, steps: int) -> dict[str, torch.Tensor]:
     try:
         for step in range(steps):
             trainer.train_step(step)
-        return {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()}
+        return {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()}
     finally:
         trainer.close()
 

@@ -16,7 +16,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.engine.generation.reconfigure import Move
+from oobleck_elastic.engine.entry.reconfigure import Move
 from oobleck_elastic.engine.run import train
 from oobleck_elastic.engine.step.commit import CommitVote, combine, own_slot
 from oobleck_elastic.engine.telemetry import board

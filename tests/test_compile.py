@@ -1,4 +1,4 @@
-"""Compiled layers (engine/step/compiled.py): one set of graphs per kind of layer, compiled before the
+"""Compiled layers (engine/stage/compiled.py): one set of graphs per kind of layer, compiled before the
 worker joins; steps, rebuilt layers and a reconfiguration after a node failure compile nothing; the
 weights stay those of the eager reference."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.engine.step.compiled import CompiledLayer, graphs_compiled, warm_up
+from oobleck_elastic.engine.stage.compiled import CompiledLayer, graphs_compiled, warm_up
 from oobleck_elastic.data.dataset import build_dataset
 from oobleck_elastic.engine.trainer import single_process
 from helpers import assert_same, run_job, tiny_profile
@@ -45,7 +45,7 @@ def _train(cfg, steps: int) -> dict[str, torch.Tensor]:
         assert compiled == cfg.training.compile
         for step in range(steps):
             trainer.train_step(step)
-        return {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()}
+        return {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()}
     finally:
         trainer.close()
 

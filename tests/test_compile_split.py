@@ -1,4 +1,4 @@
-"""Compiled layers with the backward split (engine/step/split_graphs.py, split_layer.py): torch's
+"""Compiled layers with the backward split (engine/stage/split_graphs.py, split_layer.py): torch's
 zero-bubble passes run each layer's input-gradient graph in the I pass and its weight-gradient
 graph in the W pass, a whole backward runs each once, the gradients are eager autograd's (fp32),
 and a zero-bubble job with training.compile=true ends with the single-process reference's weights.
@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
-from oobleck_elastic.engine.step.compiled import CompiledLayer, compiled_stage
-from oobleck_elastic.engine.step.split_layer import split_counters
+from oobleck_elastic.engine.stage.compiled import CompiledLayer, compiled_stage
+from oobleck_elastic.engine.stage.split_layer import split_counters
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.models import build_layer_model, num_layers
 import helpers
@@ -105,7 +105,8 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
     else:
         assert counts == {"input": layers * 8 * STEPS, "weight": layers * 8 * STEPS, "weight_only": 0}, counts
     torch.save(
-        {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()}, f"{tmp}/rank{rank}.pt"
+        {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()},
+        f"{tmp}/rank{rank}.pt",
     )
     trainer.close()
 
@@ -161,7 +162,7 @@ def _chunked_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
         for step in range(STEPS):
             trainer.train_step(step)
         assert _counts()["input"] > 0  # the split graphs ran
-        state = {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()}
+        state = {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()}
         torch.save(state, f"{tmp}/{name}-rank{rank}.pt")
         trainer.close()
 

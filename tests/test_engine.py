@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.engine import checkpointing
-from oobleck_elastic.engine.generation.devices import backend_for
+from oobleck_elastic.engine.entry.devices import backend_for
 from oobleck_elastic.engine.trainer import Trainer
 import helpers
 from oobleck_elastic.testing import node_plan
@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
         for step in range(STEPS):
             trainer.train_step(step)
         torch.save(
-            {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
+            {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()},
             os.path.join(tmp, f"plan{k}-rank{rank}.pt"),
         )
         trainer.close()
@@ -86,7 +86,11 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
             checkpointing.save(trainer, ckpt_dir, next_step=2)
         else:
             torch.save(
-                {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
+                {
+                    f"{i}:{n}": t
+                    for i, layer in trainer.checkpoint_state.layer_state().items()
+                    for n, t in layer.items()
+                },
                 os.path.join(tmp, f"resumed-rank{rank}.pt"),
             )
         trainer.close()
@@ -120,7 +124,7 @@ _plan = node_plan
 
 
 def test_transfers_come_from_surviving_holders_spread_over_them() -> None:
-    from oobleck_elastic.engine.generation.reconfigure import plan_transfers
+    from oobleck_elastic.engine.entry.reconfigure import plan_transfers
 
     old = _plan(1, [[("a", 0, 3), ("b", 3, 6)], [("c", 0, 3), ("d", 3, 6)], [("e", 0, 2), ("f", 2, 6)]])
     new = _plan(2, [[("a", 0, 2), ("c", 2, 4), ("e", 4, 6)], [("d", 0, 3), ("f", 3, 6)]])
@@ -144,7 +148,7 @@ def test_a_drained_donor_is_a_source_and_never_a_receiver() -> None:
     to the survivors; without them those layers would be lost."""
     import dataclasses
 
-    from oobleck_elastic.engine.generation.reconfigure import plan_transfers
+    from oobleck_elastic.engine.entry.reconfigure import plan_transfers
 
     g1 = _plan(1, [[("a", 0, 3), ("b", 3, 6)], [("c", 0, 3), ("d", 3, 6)]])
     g2 = dataclasses.replace(_plan(2, [[("a", 0, 6)], [("c", 0, 6)]]), donors=("b", "d"))
@@ -169,7 +173,7 @@ def test_transfers_use_each_workers_own_layout_after_a_half_done_entry() -> None
     """Generation 2 was entered by some workers only (its entry failed half-way): a and b hold
     generation 2's layout, c and d still generation 1's. Both are valid copies at the same step,
     so nothing is lost; with generation 2's layout alone layers 4-5 (held by the dead e) would be."""
-    from oobleck_elastic.engine.generation.reconfigure import plan_transfers
+    from oobleck_elastic.engine.entry.reconfigure import plan_transfers
 
     g1 = _plan(1, [[("a", 0, 3), ("b", 3, 6)], [("c", 0, 3), ("d", 3, 6)]])
     g2 = _plan(2, [[("a", 0, 2), ("b", 2, 4), ("e", 4, 6)], [("c", 0, 3), ("d", 3, 6)]])
@@ -202,7 +206,7 @@ def _slow_stage_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
     trainer.enter_generation(plan, store)
     seconds = [trainer.train_step(step).seconds for step in range(STEPS)]
     torch.save(
-        {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
+        {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()},
         os.path.join(tmp, f"slow-rank{rank}.pt"),
     )
     torch.save(torch.tensor(seconds), os.path.join(tmp, f"slow-rank{rank}-seconds.pt"))
@@ -235,7 +239,7 @@ def test_a_slow_stage_is_not_a_failure(tmp_path: Path) -> None:
 def test_moves_name_each_sending_and_receiving_node_with_the_bytes() -> None:
     """b dies; the survivors become one 3-stage pipeline: c newly owns layer 3 (held by d only),
     a and d keep theirs. The entry's transfers read as node-to-node moves with their bytes."""
-    from oobleck_elastic.engine.generation.reconfigure import Move, moves_of, plan_transfers
+    from oobleck_elastic.engine.entry.reconfigure import Move, moves_of, plan_transfers
 
     g1 = _plan(1, [[("a", 0, 3), ("b", 3, 6)], [("c", 0, 3), ("d", 3, 6)]])
     g2 = _plan(2, [[("a", 0, 2), ("c", 2, 4), ("d", 4, 6)]])

@@ -38,7 +38,7 @@ PLANS = [
     # one pipeline of four stages, 8 microbatches: the tied wte / lm_head on the first and last
     layout_plan([[(0, 1), (1, 3), (3, 5), (5, 6)]], [8], generation=3, schedule="zero-bubble"),
     # three stages with 7 microbatches, which torch's rounds rule refuses (7 // 3 = 2 rounds) and one
-    # chunk does not need (engine/step/zero_bubble.py), beside a one-stage pipeline of one microbatch
+    # chunk does not need (engine/stage/zero_bubble.py), beside a one-stage pipeline of one microbatch
     layout_plan([[(0, 2), (2, 4), (4, 6)], [(0, 6)]], [7, 1], generation=4, schedule="zero-bubble"),
 ]
 
@@ -60,12 +60,14 @@ def config():
 def _train_and_save(trainer: Trainer, path: str) -> None:
     """STEPS steps, then this worker's layers saved to `path`. After every step, each layer shared
     with another pipeline had its all-reduce posted during the schedule (found final by its last
-    W pass, or by the accumulation hooks in every chunk: engine/generation/grad_sync.py)."""
+    W pass, or by the accumulation hooks in every chunk: engine/step/grad_sync.py)."""
     for step in range(STEPS):
         trainer.train_step(step)
         sync = trainer.grad_sync
         assert sync is not None and sync.posted_early == sum(len(v) for v in sync.sequence.values())
-    torch.save({f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()}, path)
+    torch.save(
+        {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()}, path
+    )
     trainer.close()
 
 
@@ -193,7 +195,7 @@ def _chunked_worker(rank: int, world: int, tmp: str, cfg_dict: dict, name: str) 
             # the planner's placement (planning/schedules.py): loop, or the V of zbv
             held = [i, 2 * d - 1 - i] if name == "zbv" else [i, d + i]
             assert [s.stage_index for s in trainer.schedule._stages] == held
-            assert trainer.ends == (i == 0, i == (0 if name == "zbv" else d - 1))
+            assert trainer.holds_first_last == (i == 0, i == (0 if name == "zbv" else d - 1))
             order = trainer.schedule.pipeline_order[i]
             kinds = {a.computation_type.value for a in order if a is not None}
             assert kinds == ({"F", "B"} if name == "interleaved" else {"F", "I", "W"}), kinds

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from oobleck_elastic.checkpoint import CheckpointError
-from oobleck_elastic.engine.generation.devices import NCCL_ENV, backend_for, configure_nccl, resolve_device
+from oobleck_elastic.engine.entry.devices import NCCL_ENV, backend_for, configure_nccl, resolve_device
 from oobleck_elastic.records.errors import ErrorRecord, error_signature, next_error_record
 from oobleck_elastic.engine.resilience.errors import JobFailed, StepAbandoned, is_communication_error
 from oobleck_elastic.engine.runner import StepRunner

@@ -1,4 +1,4 @@
-"""The gradient sync starts while the backward still runs (engine/generation/grad_sync.py).
+"""The gradient sync starts while the backward still runs (engine/step/grad_sync.py).
 
 Two gloo processes hold the same four layers (one holder set). Each runs a step of two
 microbatches: the hooks post each layer's all-reduce as soon as that layer has been accumulated
@@ -29,8 +29,8 @@ def _rank(rank: int, port: int, case: str, results: "mp.Queue") -> None:  # type
     import torch.distributed as dist
     from torch import nn
 
-    from oobleck_elastic.engine.generation.grad_sync import GradSync
-    from oobleck_elastic.engine.generation.groups import Holders
+    from oobleck_elastic.engine.step.grad_sync import GradSync
+    from oobleck_elastic.engine.entry.groups import Holders
 
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))

@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from oobleck_elastic.config import ConfigError, load_config
 from oobleck_elastic.engine.resilience.errors import JobFailed
 from oobleck_elastic.engine.resilience.faults import FaultInjector
-from oobleck_elastic.engine.resilience.guard import Action, StepGuard, TooManySkipped, Verdict, judge
+from oobleck_elastic.engine.resilience.guard import GuardDecision, StepGuard, TooManySkipped, Verdict, judge
 from oobleck_elastic.engine.run import train
 from oobleck_elastic.engine.trainer import single_process
 from helpers import RandomTokens, assert_same, run_job, tensorboard_run, tiny_profile
@@ -42,12 +42,12 @@ def test_judge(loss, norm2, running_max, factor, reason) -> None:
 
 def test_replay_once_then_skip_then_stop_after_too_many_in_a_row() -> None:
     guard, bad = StepGuard(max_skipped=2), Verdict(False, "the loss is nan")
-    assert guard.decide(3, bad) is Action.REPLAY
-    assert guard.decide(3, Verdict(True)) is Action.APPLY  # a transient fault
-    assert guard.decide(4, bad) is Action.REPLAY and guard.decide(4, bad) is Action.SKIP
-    assert guard.decide(5, Verdict(True)) is Action.APPLY and guard.in_a_row == []
-    assert guard.decide(6, bad) is Action.REPLAY and guard.decide(6, bad) is Action.SKIP
-    assert guard.decide(7, bad) is Action.REPLAY
+    assert guard.decide(3, bad) is GuardDecision.REPLAY
+    assert guard.decide(3, Verdict(True)) is GuardDecision.APPLY  # a transient fault
+    assert guard.decide(4, bad) is GuardDecision.REPLAY and guard.decide(4, bad) is GuardDecision.SKIP
+    assert guard.decide(5, Verdict(True)) is GuardDecision.APPLY and guard.in_a_row == []
+    assert guard.decide(6, bad) is GuardDecision.REPLAY and guard.decide(6, bad) is GuardDecision.SKIP
+    assert guard.decide(7, bad) is GuardDecision.REPLAY
     with pytest.raises(TooManySkipped) as err:
         guard.decide(7, bad)
     assert str(err.value) == (
@@ -85,7 +85,7 @@ def _cfg(tmp: Path, *extra: str):
 
 
 def _weights(trainer) -> dict[str, torch.Tensor]:
-    return {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()}
+    return {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()}
 
 
 def _reference(cfg, *, skip: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
@@ -108,9 +108,9 @@ def _run(cfg, monkeypatch, spec: dict[str, str]) -> dict[str, torch.Tensor]:
         while step < cfg.training.steps:  # the loop of engine/worker.py, on a trainer of the one-worker plan
             result = trainer.train_step(step, rejections=guard.attempts.get(step, 0))
             action = guard.decide(step, Verdict(not result.rejected, result.rejected))
-            if action is Action.SKIP:
+            if action is GuardDecision.SKIP:
                 trainer.skip(step)
-            if action is not Action.REPLAY:
+            if action is not GuardDecision.REPLAY:
                 step += 1
         assert all(math.isfinite(float(t.abs().sum())) for t in _weights(trainer).values())
         return _weights(trainer)

@@ -4,7 +4,8 @@
 2. Every import between the package's parts follows the planes (`ALLOWED` below, docs/design.md):
    the control plane, planning, the records layer and the data pipeline never import the engine;
    planning is pure numbers (no etcd, no control plane); the engine's sub-packages import each
-   other only downwards (resilience, step, generation, telemetry) and never the loop at its root.
+   other only downwards (resilience, step, then stage and entry side by side, telemetry) and never
+   the loop at its root.
 3. No private name (`_name`) is taken from another module, by `from m import _name` or `m._name`.
 
 Imports under `if TYPE_CHECKING:` are for the type checker only and are not counted. The rules are
@@ -22,7 +23,7 @@ from typing import Iterable, Mapping
 PACKAGE = "oobleck_elastic"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
-ENGINE_PARTS = ("step", "generation", "resilience", "telemetry")
+ENGINE_PARTS = ("resilience", "step", "stage", "entry", "telemetry")
 
 ALLOWED: dict[str, frozenset[str]] = {
     part: frozenset(deps)
@@ -45,11 +46,13 @@ ALLOWED: dict[str, frozenset[str]] = {
         # floor 4: the data plane, its sub-packages from the bottom up, the loop at its root
         "engine.resilience": ("config", "etcd", "logs", "models", "planning", "records"),
         "engine.step": ("config", "engine.resilience", "logs", "models", "planning", "records"),
-        "engine.generation": ("config", "engine.resilience", "engine.step", "logs", "models", "planning", "records"),
+        "engine.stage": ("config", "engine.resilience", "engine.step", "logs", "models", "planning", "records"),
+        "engine.entry": ("config", "engine.resilience", "engine.step", "logs", "models", "planning", "records"),
         "engine.telemetry": (
             "config",
-            "engine.generation",
+            "engine.entry",
             "engine.resilience",
+            "engine.stage",
             "engine.step",
             "logs",
             "models",
@@ -60,8 +63,9 @@ ALLOWED: dict[str, frozenset[str]] = {
             "checkpoint",
             "config",
             "data",
-            "engine.generation",
+            "engine.entry",
             "engine.resilience",
+            "engine.stage",
             "engine.step",
             "engine.telemetry",
             "etcd",
@@ -309,6 +313,26 @@ def test_an_engine_sub_package_importing_the_loop_is_named() -> None:
     assert plane_violations(imports_of(src), ALLOWED) == [
         f"{PACKAGE}.engine.telemetry.runlog:1 imports {PACKAGE}.engine.trainer.Trainer: "
         "'engine.telemetry' may not import 'engine'"
+    ]
+
+
+def test_the_step_importing_what_is_built_at_entry_is_named() -> None:
+    src = _fake(
+        **{
+            "engine": "",
+            "engine.step": "",
+            "engine.step.grad_sync": "from ..entry.groups import GenerationGroups\n",
+            "engine.entry": "",
+            "engine.entry.groups": "class GenerationGroups: ...\n",
+            "engine.stage": "",
+            "engine.stage.build": "from ..entry.groups import GenerationGroups\n",
+        }
+    )
+    assert plane_violations(imports_of(src), ALLOWED) == [
+        f"{PACKAGE}.engine.stage.build:1 imports {PACKAGE}.engine.entry.groups.GenerationGroups: "
+        "'engine.stage' may not import 'engine.entry'",
+        f"{PACKAGE}.engine.step.grad_sync:1 imports {PACKAGE}.engine.entry.groups.GenerationGroups: "
+        "'engine.step' may not import 'engine.entry'",
     ]
 
 

@@ -1,4 +1,4 @@
-"""Paced devices (engine/step/paced.py): the padding decision on made-up numbers, the wrapper on a
+"""Paced devices (engine/stage/paced.py): the padding decision on made-up numbers, the wrapper on a
 made-up stage, and a two-stage job whose passes are padded to the plan's times x the factor
 (lower bounds only: a sleep makes a pass at least that long, whatever the machine)."""
 
@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.engine.trainer import Trainer
-from oobleck_elastic.engine.step.paced import PaceTargets, pace_stage, pace_targets, padding_s, pass_of
+from oobleck_elastic.engine.stage.paced import PaceTargets, pace_stage, pace_targets, padding_s, pass_of
 from oobleck_elastic.planning import StagePlacement
 from helpers import RandomTokens, layout_plan
 
@@ -164,7 +164,7 @@ def test_a_paced_job_pads_each_pass_to_the_plans_time(tmp_path: Path) -> None:
 def test_an_overrun_is_counted_and_logged_once_after_the_first_step(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from oobleck_elastic.engine.step.paced import Pacer
+    from oobleck_elastic.engine.stage.paced import Pacer
     from oobleck_elastic.logs import JobLog
 
     step = [3]

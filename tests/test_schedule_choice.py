@@ -111,7 +111,7 @@ def test_a_job_refuses_a_chunk_count_the_engine_does_not_run_and_auto_plans_only
 
 
 def test_compiled_layers_run_zero_bubble() -> None:
-    """Compiled layers split their backward (engine/step/split_layer.py): zero-bubble with
+    """Compiled layers split their backward (engine/stage/split_layer.py): zero-bubble with
     training.compile=true starts, and a job's leader plans the same schedules whether its workers
     compile or not (the V among them on this model)."""
     check_start(config(**{"planning.schedule": "zero-bubble", "training.compile": "true"}))
@@ -302,7 +302,7 @@ def test_gpt3_on_1024_nodes_auto_cuts_the_bubble(capsys: pytest.CaptureFixture[s
 
 
 def test_a_replan_of_interleaved_pipelines_moves_only_what_changes_owner_and_loses_nothing() -> None:
-    from oobleck_elastic.engine.generation.reconfigure import plan_transfers
+    from oobleck_elastic.engine.entry.reconfigure import plan_transfers
 
     prof = model()
     cfg = config(**{"planning.schedule": "interleaved-1f1b", "planning.chunks_per_device": 2})

@@ -166,7 +166,7 @@ def expected_passes(plan: Plan) -> tuple[float, ...]:
 
 
 def flat(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()}
+    return {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()}
 
 
 def _worker(rank: int, tmp: str, fp32_dict: dict, bf16_dict: dict) -> None:
@@ -318,7 +318,7 @@ def test_tied_weights_across_devices_and_chunks_equal_the_reference(features) ->
     assert [r["schedule"] for r in seen(tmp, "interleaved")] == ["ScheduleInterleaved1F1B"] * 2 + [None] * 2
     assert {r["schedule"] for r in seen(tmp, "zero-bubble")} == {
         "OneChunkZeroBubble"
-    }  # ZB-H1 with one chunk (engine/step/zero_bubble.py)
+    }  # ZB-H1 with one chunk (engine/stage/zero_bubble.py)
     assert {r["schedule"] for r in seen(tmp, "interleaved-3")} == {"ScheduleInterleaved1F1B"}
     assert {r["schedule"] for r in seen(tmp, "zbv")} == {"ScheduleZBVZeroBubble"}
 

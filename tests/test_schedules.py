@@ -64,7 +64,7 @@ def torch_order(cls_name: str, devices: int, microbatches: int, chunks: int) -> 
     from torch.distributed.pipelining import schedules
 
     stage_kw = {"group_size": devices, "group_rank": 0, "num_stages": devices * chunks}
-    from oobleck_elastic.engine.step.zero_bubble import OneChunkZeroBubble
+    from oobleck_elastic.engine.stage.zero_bubble import OneChunkZeroBubble
 
     cls = OneChunkZeroBubble if cls_name == "OneChunkZeroBubble" else getattr(schedules, cls_name)
     if cls_name in ("Schedule1F1B", "ScheduleGPipe"):

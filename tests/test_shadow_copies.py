@@ -1,4 +1,4 @@
-"""Shadow copies kept current and restored from (engine/generation/shadows.py): who sends what to
+"""Shadow copies kept current and restored from (engine/step/shadows.py): who sends what to
 whom (pure functions on made-up plans), and four gloo workers where both device copies of some
 layers are lost and the survivors go on from the shadows, ending with the single-process
 reference weights and shadows bit-identical to the holders' layers."""
@@ -15,8 +15,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
-from oobleck_elastic.engine.generation.reconfigure import Transfer, plan_transfers
-from oobleck_elastic.engine.generation.shadows import keepers, keepers_by_identity, routes, seed_transfers
+from oobleck_elastic.engine.entry.reconfigure import Transfer, plan_transfers
+from oobleck_elastic.engine.entry.shadow_seeding import keepers_by_identity, seed_transfers
+from oobleck_elastic.engine.step.shadows import keepers, routes
 from oobleck_elastic.engine.telemetry.board import ShadowFigures
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.models.build import build_meta_layers
@@ -118,7 +119,12 @@ def _dump(trainer: Trainer, path: str) -> None:
     shadows = trainer.state.shadows
     if shadows is not None:
         shadows.settle()  # the last step's update runs in the background
-    out = {"layers": trainer.layer_state(), "optim": trainer.optimizer_state(), "shadows": {}, "shadow_optim": {}}
+    out = {
+        "layers": trainer.checkpoint_state.layer_state(),
+        "optim": trainer.checkpoint_state.optimizer_state(),
+        "shadows": {},
+        "shadow_optim": {},
+    }
     if shadows is not None and shadows.optimizer is not None:
         for i in shadows.layers:
             layer = shadows.layer_model.held(i)
@@ -226,7 +232,7 @@ ALONE = _plan(2, [[("n2", 0, 6)]], [8], shadows=0)
 
 def _fallback_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
     from oobleck_elastic.engine import checkpointing
-    from oobleck_elastic.engine.generation.entry import LayersLost
+    from oobleck_elastic.engine.entry.enter import LayersLost
 
     cfg = from_dict(cfg_dict)
     torch.set_num_threads(1)
@@ -245,7 +251,7 @@ def _fallback_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
     step = checkpointing.restore(trainer, os.path.join(tmp, "ckpt", "step-00000001"))
     for s in range(step, STEPS):
         trainer.train_step(s)
-    torch.save({"lost": lost, "layers": trainer.layer_state()}, os.path.join(tmp, "alone.pt"))
+    torch.save({"lost": lost, "layers": trainer.checkpoint_state.layer_state()}, os.path.join(tmp, "alone.pt"))
     trainer.close()
 
 

@@ -14,8 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from oobleck_elastic import ops
 from oobleck_elastic.config import load_config
-from oobleck_elastic.engine.generation.reconfigure import LayerSources, Move
-from oobleck_elastic.engine.generation.shadows import new_store
+from oobleck_elastic.engine.entry.reconfigure import LayerSources, Move
+from oobleck_elastic.engine.entry.shadow_seeding import new_store
 from oobleck_elastic.engine.telemetry.board import TAGS, ShadowFigures
 from oobleck_elastic.engine.telemetry.metrics import Metrics
 from oobleck_elastic.engine.telemetry.goodput import GoodputClock

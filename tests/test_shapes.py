@@ -1,4 +1,4 @@
-"""Static stage shapes (engine/step/shapes.py): `stage_io` equals what the real layers produce (shape,
+"""Static stage shapes (engine/stage/shapes.py): `stage_io` equals what the real layers produce (shape,
 stride, dtype, requires_grad) for GPT-2, Llama, a pretrained directory and custom factories, in fp32
 and under bf16 autocast; and pipelines built with them train to the single-process reference while
 every way of exchanging pickled objects raises in every worker."""
@@ -17,8 +17,8 @@ import transformers
 from torch import nn
 
 from oobleck_elastic.config import ModelConfig, from_dict, load_config, to_dict
-from oobleck_elastic.engine.step.shapes import stage_io
-from oobleck_elastic.engine.step.result import Autocast
+from oobleck_elastic.engine.stage.shapes import stage_io
+from oobleck_elastic.engine.stage.build import Autocast
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.models import build_layer_model, hf_config
 import helpers
@@ -242,7 +242,7 @@ def _worker(rank: int, tmp: str, cfgs: dict[str, dict]) -> None:
             trainer.train_step(step)
         assert pstage._inference_mode == InferenceMode.STATIC
         torch.save(
-            {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()},
+            {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()},
             os.path.join(tmp, f"{name}-rank{rank}.pt"),
         )
         if name == "fp32":

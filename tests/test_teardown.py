@@ -1,5 +1,5 @@
 """Tearing down a generation whose step is still blocked in a gloo operation
-(engine/generation/devices.py `release_groups`).
+(engine/entry/devices.py `release_groups`).
 
 Two processes share a gloo group with a 20 s timeout. Rank 0's step thread waits in an
 all-reduce that rank 1, alive, never joins: what a survivor's abandoned step looks like when a
@@ -31,7 +31,7 @@ def _rank(rank: int, port: int, results: "mp.Queue", done: "mp.Event") -> None: 
     import torch
     import torch.distributed as dist
 
-    from oobleck_elastic.engine.generation.devices import release_groups
+    from oobleck_elastic.engine.entry.devices import release_groups
 
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=TIMEOUT_S))

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.engine import checkpointing
-from oobleck_elastic.engine.generation.reconfigure import plan_transfers
+from oobleck_elastic.engine.entry.reconfigure import plan_transfers
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
 import helpers
@@ -97,7 +97,7 @@ def reference_state(cfg) -> dict[str, torch.Tensor]:
 
 
 def flat_state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {f"{i}:{n}": t for i, layer in trainer.layer_state().items() for n, t in layer.items()}
+    return {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()}
 
 
 def _layers_worker(rank: int, world: int, tmp: str, family: str) -> None:
@@ -251,7 +251,7 @@ def test_a_killed_node_under_tensor_parallelism_moves_layers_lane_to_lane(tmp_pa
 @pytest.mark.slow
 @pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 def test_compiled_tensor_parallel_layers_match_the_reference(tmp_path: Path) -> None:
-    """Compiled layers over DTensor shards (engine/step/compiled.py): the eager reference's weights."""
+    """Compiled layers over DTensor shards (engine/stage/compiled.py): the eager reference's weights."""
     cfg = load_config(
         ROOT / "configs/gpt2-tiny.yaml",
         [

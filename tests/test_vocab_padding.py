@@ -47,16 +47,16 @@ def test_padded_rows_stay_zero_and_the_run_equals_an_unpadded_one(tmp_path: Path
         wte = padded.layer_model.layers[0].wte.weight
         assert wte.shape[0] == 320 and padded.layer_model.vocab_size == 300
         assert not wte[300:].any() and not padded.optimizer.state[wte]["exp_avg"][300:].any()
-        weights = padded.layer_state()
+        weights = padded.checkpoint_state.layer_state()
         assert weights[0]["wte.weight"].shape[0] == 300
-        assert padded.optimizer_state()[0]["wte.weight"]["exp_avg"].shape[0] == 300
+        assert padded.checkpoint_state.optimizer_state()[0]["wte.weight"]["exp_avg"].shape[0] == 300
         saved = checkpointing.save(padded, padded.cfg.checkpoint.dir, next_step=3)
     finally:
         padded.close()
     plain = _run(_cfg(tmp_path, 1), 3)
     try:
         assert plain.layer_model.layers[0].wte.weight.shape[0] == 300 and plain.layer_model.vocab_size is None
-        reference = plain.layer_state()
+        reference = plain.checkpoint_state.layer_state()
     finally:
         plain.close()
     for i in reference:
@@ -68,7 +68,7 @@ def test_padded_rows_stay_zero_and_the_run_equals_an_unpadded_one(tmp_path: Path
         assert checkpointing.restore(again, saved) == 3
         assert again.layer_model.layers[0].wte.weight.shape[0] == 320
         assert not again.layer_model.layers[0].wte.weight[300:].any()
-        for i, layer in again.layer_state().items():
+        for i, layer in again.checkpoint_state.layer_state().items():
             for name, t in layer.items():
                 assert torch.equal(t, weights[i][name]), (i, name)
     finally:

@@ -28,7 +28,7 @@ class FaultToleranceConfig(Section):
     them within planning.host_memory_gb (planning/shadows.py) on nodes running stages, and
     `oobleck plan` shows them. The holders send each step's summed gradients to the shadows, which
     apply the same AdamW update in host memory before the step commits, so a layer whose device
-    copies are all lost comes back from a shadow with no step lost (engine/generation/shadows.py).
+    copies are all lost comes back from a shadow with no step lost (engine/step/shadows.py).
     Not with tensor parallelism (planning.tensor_parallel must be 1)."""
     lease_ttl_s: float = 5.0
     """etcd lease TTL of a node's membership record."""

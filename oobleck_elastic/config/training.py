@@ -84,13 +84,13 @@ class TrainingConfig(Section):
     """Compile every layer with torch.compile (one set of graphs per kind of layer, shared by
     identical blocks, compiled before the worker joins so that reconfiguration never compiles; the
     backward is compiled as an input-gradient and a weight-gradient graph, so every schedule runs,
-    zero-bubble included; see engine/step/compiled.py). None = on for CUDA, off for the CPU."""
+    zero-bubble included; see engine/stage/compiled.py). None = on for CUDA, off for the CPU."""
     paced_devices: float = 0.0
     """For benchmarks and tests, never for training: 0 (the default) = off. When > 0, every
     forward and backward (input- and weight-gradient pass when the backward is split) of one
     microbatch on a stage is padded by a sleep to the plan's time for that stage's layers (from
     the profile) times this factor, so that workers sharing a machine's cores behave like devices
-    of their own (engine/step/paced.py; bench/schedules.py). Pick it so that the real arithmetic
+    of their own (engine/stage/paced.py; bench/schedules.py). Pick it so that the real arithmetic
     is a small part of the padded time; on the CPU each worker then also uses one intra-op thread."""
     peak_tflops: Optional[float] = None
     """Dense peak TFLOP/s of one device at the training precision, for MFU. None = from the table

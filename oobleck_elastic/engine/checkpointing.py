@@ -1,38 +1,11 @@
-"""Saving and restoring a trainer's layers (weights AND optimizer state) with checkpoint.py.
+"""Saving and restoring a trainer's layers, weights AND optimizer state, with checkpoint.py
+(`save`, `restore`), and when (`CheckpointPolicy`).
 
-Save: each layer is written once, by its primary holder (the lowest rank holding it), which
-also leaves a small JSON receipt (file, sha256, bytes) beside it; after a barrier over the
-generation, rank 0 reads the receipts, copies the job's tokenizer (a bpe JSON or a pretrained
-tokenizer's files, `data.tokenizer.save_tokenizer_files`) into `<step>/tokenizer/`, and writes
-the manifest (the tokenizer recorded as `extra.tokenizer`), which completes the checkpoint.
-The data cursor is just the next step: the data order is a function of (seed, step).
-
-Never in place: a complete checkpoint already at the step being saved is set aside first. Never
-on top of a partial one: before a save, rank 0 sets aside every step directory without a manifest
-(an earlier save interrupted by a failure) as `step-XXXXXXXX.partial-<time>`, one log line each
-naming it and what it held, then writes the save's `saving.json` (checkpoint.py).
-
-Restore: a worker loads exactly the layers it now owns, whatever plan wrote them, copies the
-weights into its parameters and installs the optimizer state, and training resumes at the
-manifest's step. Tied parameters load the same values from both layers' files.
-
-`CheckpointPolicy` decides when: a resume at the first start (`checkpoint.resume`), a restore
-when some layer has no surviving copy, a save every `checkpoint.interval_steps` and at the end,
-and a retake when a re-plan leaves some layer with fewer than f+1 copies (`retake_reason`).
-A resume is all or nothing: the newest checkpoint whose every file verifies is found before
-anything is restored; newer unusable ones are named and set aside.
-
-Retake. With f+1 copies of every layer, f node failures leave a copy to recover from; with
-fewer (a re-plan over the survivors made fewer pipelines), the next failure may take the last
-copy of some layer, and the job then restores the newest checkpoint, which may be old (or
-partial, and set aside: then an older one). So on entering a generation from a running job
-whose plan leaves a layer short (planning/copies.py: distinct nodes holding it, plus shadow
-copies when there are any), the workers save a checkpoint at that step boundary, before the
-generation's first step, once per generation: "generation G: layer L has 1 copy < f+1=2;
-checkpoint at step S". Not when a complete checkpoint of step S exists already (rank 0 looks,
-one all-reduce shares it), not after restoring a checkpoint (it is the state), not on a plan
-that only re-splits the batch (the same layout as the generation before, which retook), and not
-after the last step (the final checkpoint follows).
+Invariant: a checkpoint holds only applied steps, one file per layer, complete only once rank 0
+wrote its manifest; it never overwrites a complete one nor builds on a partial one; it restores
+into any plan (engine/checkpoint_state.py). A resume is all or nothing: the newest checkpoint
+whose every file verifies is found before anything is restored. A re-plan that leaves a layer
+short of f+1 copies saves one at once ("retake"). docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -53,7 +26,7 @@ from ..data.tokenizer import save_tokenizer_files
 from ..logs import JobLog
 from ..planning import Plan, shortfall
 from .resilience.guard import StepGuard
-from .generation.reconfigure import LayerSources
+from .entry.reconfigure import LayerSources
 from .trainer import LayersLost, Trainer
 
 log = JobLog(logging.getLogger(__name__))
@@ -92,6 +65,11 @@ def save(
     began: Optional[float] = None,
 ) -> Optional[Path]:
     """Write this worker's share of a checkpoint; rank 0 completes it. Returns the step dir.
+    Each layer is written once, by its primary holder (the lowest rank holding it), with a JSON
+    receipt (file, sha256, bytes) beside it; after a barrier rank 0 sets aside a complete
+    checkpoint already at this step and every partial one (`step-XXXXXXXX.partial-<time>`, one
+    log line each), copies the job's tokenizer into `<step>/tokenizer/` and writes the manifest,
+    which completes the checkpoint. The data cursor is just the next step.
     `guard`: the step guard whose skip history goes in the manifest (`guard_record`). The
     `checkpoint` line's `seconds` run from `began` (`time.perf_counter()`; default: now) to the
     manifest, on this clock, not the goodput ledger's (tests cross-check the two)."""
@@ -100,7 +78,7 @@ def save(
     if plan is None:
         raise RuntimeError("a trainer saves a checkpoint only after entering a generation")
     primary = {i: min(plan.holders(i)) for i in trainer.owned}
-    mine = trainer.state_dict()
+    mine = trainer.checkpoint_state.state_dict()
     params, optim = mine["layers"], mine["optimizer"]
     for i, layer in params.items():  # the step guard never applies a non-finite step (engine/resilience/guard.py)
         bad = [n for n, t in layer.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
@@ -177,8 +155,9 @@ def save(
 
 def restore(trainer: Trainer, path: str | Path, *, guard: Optional[StepGuard] = None) -> int:
     """Load the owned layers' weights and optimizer state from a checkpoint into the trainer
-    (`Trainer.load_state_dict`), and the step guard's state (`load_guard_record`); returns the
-    checkpoint's step, where training goes on."""
+    (`Trainer.checkpoint_state.load_state_dict`), and the step guard's state (`load_guard_record`); returns the
+    checkpoint's step, where training goes on. Whatever plan wrote it; tied parameters load the
+    same values from both layers' files."""
     step_path = Path(path)
     manifest = ckpt.read_manifest(step_path)
     if len(manifest["layers"]) != trainer.layer_model.num_layers:
@@ -190,7 +169,9 @@ def restore(trainer: Trainer, path: str | Path, *, guard: Optional[StepGuard] = 
     for i in trainer.owned:
         layers[i], optim[i] = ckpt.load_layer(step_path, i, manifest=manifest)
     try:
-        trainer.load_state_dict({"next_step": int(manifest["step"]), "layers": layers, "optimizer": optim})
+        trainer.checkpoint_state.load_state_dict(
+            {"next_step": int(manifest["step"]), "layers": layers, "optimizer": optim}
+        )
     except KeyError as err:
         raise ckpt.CheckpointError(f"checkpoint {step_path}: {err.args[0]}") from None
     load_guard_record(trainer, guard, manifest)
@@ -212,7 +193,10 @@ def retake_reason(
     plan: Plan, *, previous: int, step: int, steps: int, extra: Optional[Mapping[int, Iterable[str]]] = None
 ) -> Optional[str]:
     """Why the workers entering `plan`'s generation at `step` must save a checkpoint before its
-    first step, or None (module docstring, "Retake"). `previous`: the newest generation any of
+    first step, or None: the plan leaves some layer with fewer than f+1 copies (planning/copies.py:
+    distinct nodes holding it, plus shadow copies), so the next failure could take its last copy
+    and force a restore of an old checkpoint. Not at the job's first start, not on a plan that
+    only re-splits the batch, not after the last step. `previous`: the newest generation any of
     them was in (0 at the job's first start); `steps`: training.steps; `extra`: shadow copies
     ({layer: nodes}, planning/copies.py)."""
     if previous <= 0 or plan.rebalanced or step >= steps:
@@ -224,7 +208,9 @@ def retake_reason(
 
 
 class CheckpointPolicy:
-    """When a worker resumes, restores and saves (module docstring)."""
+    """When a worker resumes (`checkpoint.resume`, at the first start), restores (a layer lost),
+    saves (every `checkpoint.interval_steps` and at the end) and retakes (`retake_reason`: once
+    per generation, unless a complete checkpoint of the step exists or one was just restored)."""
 
     def __init__(self, cfg: JobConfig, *, node: str, guard: Optional[StepGuard] = None) -> None:
         self.cfg, self.node, self.guard = cfg, node, guard

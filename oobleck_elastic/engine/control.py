@@ -1,18 +1,12 @@
-"""The data plane's one view of the control plane, and its single-process implementation.
+"""The data plane's one view of the control plane (`ControlPlane`), and its single-process
+implementation (`LocalControl`).
 
-The worker loop (`engine/run.py`, `engine/worker.py`) needs only what `ControlPlane` lists: the
-current plan and past ones, whether to leave, a store for a generation's process groups, when
-to abandon a running step, and where to report readiness, progress, failures, errors and the
-end of the job.
-Two implementations serve it:
-
-- `rendezvous/worker.py:WorkerContext`: a worker of a torchrun job, on etcd;
-- `LocalControl`: one process with no etcd (`python examples/train.py`): a one-worker plan with
-  a single stage holding every layer, an in-memory store, nothing to watch. With
-  `training.microbatch_size: auto` its size is the planner's choice for that one stage on this
-  device (from the job's profile, measured here when there is none). The single-process
-  reference therefore runs through the same loop, the same generation entry and the same step
-  (commit protocol included) as any worker, on a world of one.
+The worker loop (engine/run.py, engine/worker.py) needs only what `ControlPlane` lists: plans,
+whether to leave, a store for a generation's process groups, when to abandon a step, where to
+report. `rendezvous/worker.py:WorkerContext` serves a torchrun job on etcd; `LocalControl` one
+process with no etcd: a one-worker plan on an in-memory store. Invariant: the single-process
+reference runs the same loop, entry and step (commit included) as any worker, on a world of one;
+`is_job_worker` is the only thing that tells them apart. docs/design.md.
 """
 
 from __future__ import annotations
@@ -41,6 +35,12 @@ class ControlPlane(Protocol):
     """This worker's node."""
     local_rank: int
     """This worker's device index on its node."""
+
+    @property
+    def is_job_worker(self) -> bool:
+        """This process is a job's worker (started by torchrun), not a caller's (a test, the reference
+        run): it may freeze what it built before training and must say where it hangs at exit."""
+        ...
 
     def plan(self) -> Optional[Plan]:
         """The current generation's plan (None before the first)."""
@@ -158,7 +158,7 @@ def local_microbatch_size(cfg: JobConfig) -> MicrobatchChoice:
     (`planning.single_worker_microbatch_size`)."""
     from ..planning import load_profiles, single_worker_microbatch_size
     from ..planning.profile_cache import load_or_profile
-    from .generation.devices import resolve_device
+    from .entry.devices import resolve_device
 
     if cfg.planning.profile_path:
         one = dataclasses.replace(cfg, planning=dataclasses.replace(cfg.planning, tensor_parallel=1))
@@ -189,6 +189,10 @@ class LocalControl:
         self._origin = Origin(reported=None, start=started, first_plan=time.time())  # engine/telemetry/goodput.py
         self._closed: Optional[tuple[str, bool]] = None
         self._last_error: Optional[ErrorRecord] = None
+
+    @property
+    def is_job_worker(self) -> bool:
+        return False
 
     def plan(self) -> Optional[Plan]:
         return self._plan

@@ -1,41 +1,12 @@
-"""The training loop behind `examples/train.py`.
+"""The training loop behind `examples/train.py`: `train(cfg, control)`.
 
-`train(cfg, control)` runs one worker of a job over the control plane it is handed
-(`rendezvous/worker.py:WorkerContext` on etcd, which `examples/train.py` makes when started under
-`torchrun --rdzv-backend=oobleck`), or, with no control plane, one process (the reference run:
-`LocalControl`, a fixed one-worker plan). Both run the same loop over a `ControlPlane`
-(engine/control.py); this package never imports the control plane's own.
-
-The loop reads as its steps: wait for the next plan (`Target`: the first one, exactly the one
-every worker agreed on at a step boundary, or any newer one after a failure), enter it
-(`Worker.enter`: entered, broken, or handed over as a donor), run its steps
-(`Worker.run_generation`: finished, a boundary to an agreed generation, or broken), and so on.
-What a worker does in a generation, and how it answers what its steps report, is
-engine/worker.py's.
-
-A worker lives through generations without ever restarting:
-
-- it waits for a plan that gives it a stage and enters that generation (trainer.enter_generation:
-  process groups on an etcd-backed store under `store/g<generation>/`, agreement on the last
-  committed step, roll-forward or replay, layers and optimizer state from surviving holders);
-- it trains; at every step boundary the generation's rank 0 contributes the newest plan
-  generation it sees in etcd, and a MAX all-reduce makes every worker leave for it at the same
-  boundary (joins and drains lose no work);
-- each step runs in a thread (engine/runner.py) while the worker watches the control plane: a
-  newer plan that leaves a lost node out abandons the step at once (a hung peer is cut off by
-  the control plane, not by a collective timing out);
-- when a communication call fails (a peer died), it tears its process group down at once, which
-  spreads the error to every peer within tens of milliseconds, and waits for the leader's next
-  plan; the interrupted step is rolled forward or replayed by the commit rule;
-- any other error ends the worker with its traceback (engine/resilience/errors.py);
-- a layer with no surviving copy makes every worker restore the newest checkpoint, say so in
-  the log and TensorBoard, and continue from its step;
-- a re-plan that leaves some layer with fewer than f+1 copies makes every worker save a
-  checkpoint before the generation's first step (engine/checkpointing.py, "Retake");
-- at the end the rank-0 worker writes the final checkpoint's manifest and closes the job, and
-  every worker exits 0; a drained node's workers exit 0 as soon as the plan leaves them out,
-  after handing their layers over in the next generation's entry when the plan names the node
-  a donor (so draining the last holder of a layer moves it rather than losing it).
+One worker of a job over the control plane it is handed (`rendezvous/worker.py:WorkerContext`
+under `torchrun --rdzv-backend=oobleck`), or with none the single-process reference
+(`LocalControl`); both run this loop: wait for the next plan (`Target`), enter it
+(`Worker.enter`), run its steps (`Worker.run_generation`), and so on. Invariant: a worker lives
+through generations without ever restarting; a peer's failure sends it to the next plan, its own
+bug ends it with its traceback, and at the end every worker exits 0. docs/recovery.md tells a
+reconfiguration, docs/training.md a run.
 """
 
 from __future__ import annotations
@@ -76,7 +47,7 @@ def train(cfg: JobConfig, control: Optional[ControlPlane] = None, *, max_bytes: 
             control = LocalControl(cfg, num_layers(cfg.model))
         return _train(cfg, dataset, control)
     except KNOWN_ERRORS as err:
-        if control is not None and not isinstance(control, LocalControl):
+        if control is not None and control.is_job_worker:
             end_job_at_start(control, err)
         raise
 
@@ -166,7 +137,7 @@ def _freeze_startup_objects() -> None:
     Tearing a generation down collects its cycles at once (`Trainer.abort`: a gloo group closes
     its sockets only when its last reference goes), and a full collection walks every tracked
     object: the imports, the dataset and, with compiled layers, the compiler's graphs and caches,
-    some 300,000 objects and 0.2-0.3 s of a recovery on a CPU. They live as long as the worker, so
+    a large share of a recovery's time (bench/RESULTS.md). They live as long as the worker, so
     they are frozen once, before the first generation: a collection then walks only what the
     generations built since, which stays collectable (nothing of a generation is frozen)."""
     gc.collect()
@@ -177,11 +148,11 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
     """The one training loop of a worker (see the module docstring) or of the single process."""
     worker = Worker(cfg, dataset, ctx)
     ctx.share_profile(cfg, worker.trainer.device)
-    # compiled layers are compiled before this worker counts (engine/step/compiled.py); with a microbatch
+    # compiled layers are compiled before this worker counts (engine/stage/compiled.py); with a microbatch
     # size chosen by the planner (`auto`), right after the first entry, before the first step
     if isinstance(cfg.training.microbatch_size, int):
         worker.trainer.warm_up(cfg.training.microbatch_size)
-    if not isinstance(ctx, LocalControl):  # a job's worker process, not a caller's (tests, the reference)
+    if ctx.is_job_worker:  # not a caller's process (tests, the reference run)
         _freeze_startup_objects()
     ctx.report_ready()
     target, plan = Target.first(), None
@@ -210,6 +181,6 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
             _record_fatal(ctx, cfg, err, step=worker.step, generation=plan.generation if plan is not None else 0)
         raise
     finally:
-        if not isinstance(ctx, LocalControl):  # a job's worker: say where it hangs if it cannot exit
+        if ctx.is_job_worker:  # say where it hangs if it cannot exit
             faulthandler.dump_traceback_later(_EXIT_WATCH_S)
         worker.close()

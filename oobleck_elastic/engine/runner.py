@@ -1,16 +1,12 @@
-"""Run a step where the main thread can stop waiting for it.
+"""Run a step where the main thread can stop waiting for it (`StepRunner`).
 
-A collective blocked on a hung peer does not fail: NCCL usually hangs, and gloo waits until its
-timeout (`fault_tolerance.comm_timeout_s`, tens of seconds) because a SIGSTOPped or partitioned
-peer keeps its sockets open. Recovery must not wait for that. So steps run in a `StepRunner`'s
-thread, and the main thread waits for each in slices of `fault_tolerance.watch_interval_s`,
-asking the control plane between slices whether the step must be abandoned (a newer plan that
-leaves a lost node out, this node fenced, the job closed). If so, `StepRunner.run` raises
-`StepAbandoned` at once and leaves the thread behind; the caller aborts the generation's process
-groups (which ends the thread's NCCL operations at once; a blocked gloo operation ends when its
-timeout fires) and enters the next generation. `Trainer` makes an abandoned step harmless: it
-changes no state once abandoned, and the next generation works on copies of the layers the
-thread may still touch.
+A collective blocked on a hung peer does not fail: NCCL usually hangs, and gloo waits for its
+timeout (a stopped or partitioned peer keeps its sockets open). So each step runs in a thread,
+and the main thread waits in slices of `fault_tolerance.watch_interval_s`, asking the control
+plane between slices whether to abandon it; if so `run` raises `StepAbandoned` at once and leaves
+the thread behind. Invariant: an abandoned step changes nothing (engine/step/apply.py), and a
+process that abandoned one ends with `exit_now_if_abandoned`, never the interpreter's shutdown.
+docs/liveness.md.
 """
 
 from __future__ import annotations
@@ -30,14 +26,14 @@ from .resilience.errors import StepAbandoned
 
 T = TypeVar("T")
 _abandoned: list[threading.Thread] = []  # step threads left behind, possibly still blocked
-_exit_now: list[str] = []  # other reasons why this process must not run the interpreter's shutdown
+_hard_exit_reasons: list[str] = []  # other reasons why this process must not run the interpreter's shutdown
 
 
-def exit_now_at_the_end(reason: str) -> None:
+def require_hard_exit(reason: str) -> None:
     """Make `exit_now_if_abandoned` end this process at once whatever happens: a donor worker
     leaves the generation while its peers go on with the groups it was part of, and freeing
     those at shutdown intermittently aborts the process the same way (see below)."""
-    _exit_now.append(reason)
+    _hard_exit_reasons.append(reason)
 
 
 def exit_now_if_abandoned(code: int) -> None:
@@ -49,7 +45,7 @@ def exit_now_if_abandoned(code: int) -> None:
     through C++ aborts ("terminate called without an active exception", exit status -6), and
     freeing the old process group joins worker threads that never return. torchrun would report
     a failed or hung worker. A worker script calls this after training (examples/train.py does)."""
-    if _abandoned or _exit_now:
+    if _abandoned or _hard_exit_reasons:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,20 +1,12 @@
-"""What a worker checks before it builds anything, and how a known error ends a run in one line.
+"""What a worker checks before it builds anything (`check_start`: a resumed run has steps left, the
+data files exist), and how a known error ends a run in one line.
 
-Known errors (`KNOWN_ERRORS`) are the package's own: a setting, a data file, a plan, a profile, a
-checkpoint or a job already closed as failed. Their messages say what to change, so a worker or
-the single process prints them as one line (`one_line`) instead of a traceback; anything else is
-a bug and keeps its traceback.
-
-A known error raised before the job has completed a step is deterministic: every node would
-raise it again after every restart (the same config, the same files). So the worker closes the
-job as failed with that line (`ends_the_job`), before it exits: its agent then finds the job
-closed when it would restart the workers, and stops instead (rendezvous/handler.py), and so does
-every other agent. Once the job has trained, a node's known error goes through the repeated-error
-rule instead (engine/resilience/errors.py): a late node with a bad disk must not end a healthy job.
-
-`check_start` is what can be checked before the dataset and the model are built, in the worker,
-the single process and the local launcher alike: that a resumed run has steps left
-(`checkpoint.nothing_to_do`) and that the data files exist (`data.check_data`).
+Known errors (`KNOWN_ERRORS`: a setting, a data file, a plan, a profile, a checkpoint, a job
+already closed as failed) print as one line that says what to change (`one_line`); anything else
+is a bug and keeps its traceback. Invariant: a known error before the job's first step would
+recur on every node after every restart, so the worker closes the job as failed (`ends_the_job`)
+and every agent stops instead of restarting; later, a node's known error goes through the
+repeated-error rule (engine/resilience/errors.py). docs/recovery.md.
 """
 
 from __future__ import annotations

@@ -1,39 +1,12 @@
-"""The trainer: one worker's part of a plan.
+"""The trainer: one worker's part of a plan, through every generation it enters.
 
-A `Trainer` starts with no layers at all: its `LayerModel` knows every layer's name and shape
-but holds none (`None` entries). Entering a generation (`enter_generation`, through the
-`GenerationEntry` of engine/generation/entry.py: connect, agree on the committed step, move layers,
-install the stage) builds, receives or restores exactly the layers of its stage, directly on
-its device, as a new `WorkerState`; the trainer then builds the stage's pipeline schedule
-(engine/generation/stage.py).
-There is no other mode: the single-process reference (`single_process`) is a worker that
-entered the one-worker plan (one pipeline, one stage holding every layer), so it runs the same
-entry and the same step as any worker of a job. With tensor parallelism the worker is one lane
-of its stage: its layers hold that lane's shards, and every lane runs the same schedule. A step
-(`train_step`) runs the pipeline's schedule (1F1B, or GPipe when chosen or when the pipeline has
-fewer microbatches than stages, ZB-H1 under zero-bubble, or interleaved 1F1B, interleaved
-zero-bubble or ZB-V over the worker's virtual stages, its chunks of non-contiguous layers; a
-one-stage pipeline runs its microbatches one after another) on its share of the global batch, then:
-
-1. gradients are SUM-reduced among each layer's holders (GradSync);
-2. one all-reduce over the generation sums the squared gradient norm and the loss (steps 1-2:
-   `synchronise`, engine/generation/grad_sync.py);
-3. one tiny all-reduce is the COMMIT point (docs/design.md, invariant 2): a worker calls
-   optimizer.step() only after it returns, i.e. after every worker finished steps 1-2, so if any
-   worker committed, every worker holds the synchronised gradients and the norm. It is one MAX
-   over every worker's `CommitVote` (engine/step/commit.py): the newest plan generation each
-   worker has seen, so everyone leaves for a new generation at the same step boundary, and what
-   the step guard and the straggler watch need every worker to agree on;
-4. the step guard's verdict (engine/resilience/guard.py), the same on every worker, applies the
-   step or drops it (on the worker state only while the step is current: engine/updates.py,
-   whose epoch an abandoned step no longer holds); after an applied step, every
-   `fingerprint_interval_steps`, the copies of every layer are compared and repaired
-   (engine/resilience/fingerprint.py).
-
-What a step costs besides the arithmetic (docs/training.md, "Speed"): the batch is collated ahead by a
-`BatchPrefetcher`; the layers run compiled when `training.compile` says so (engine/step/compiled.py);
-under bf16 one autocast region covers the step; the loss stays on the device until step 2 reads
-it with the norm, the step's only host read.
+A `Trainer` starts holding no layer; `enter_generation` (engine/entry/enter.py) installs exactly
+its stage's layers as a new `WorkerState` and builds the stage (engine/stage/build.py). A step
+(`train_step`) runs the stage's schedule on its share of the global batch, sums the gradients
+(engine/step/grad_sync.py), commits (engine/step/commit.py, where the commit protocol is told),
+and applies or drops the step as the step guard says (engine/step/apply.py). The single-process
+reference is a trainer that entered the one-worker plan. Invariant: the same weights as one
+process after any number of steps and reconfigurations (docs/design.md, docs/training.md).
 """
 
 from __future__ import annotations
@@ -48,42 +21,43 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..logs import JobLog
 from ..config import JobConfig
 from ..config.timing import comm_timeout
+from ..data.sampler import BatchPrefetcher, pipeline_slices
+from ..logs import JobLog
 from ..models import LayerModel, build_layer_model, num_layers
 from ..planning import Plan
-from .telemetry import memory
-from .telemetry.samples import SampleLedger
-from .step.compiled import compile_enabled, use_cache_dir, warm_up
-from ..data.sampler import BatchPrefetcher, pipeline_slices
-from .generation.devices import release_groups
-from .runner import abandoned_threads
+from .checkpoint_state import CheckpointState
+from .entry.devices import release_groups
+from .entry.enter import GenerationEntry, LayersLost, Reconfiguration
+from .entry.groups import GenerationGroups
 from .resilience.faults import FaultInjector
 from .resilience.fingerprint import Corrupt, Unrepairable, check_replicas, is_check_step, layer_tensors
-from .generation.grad_sync import GradSync, synchronise
-from .generation.shadows import ShadowLink
-from .generation.groups import GenerationGroups
-from .generation.stage import build_stage, run_local, run_schedule
 from .resilience.guard import judge
-from .generation.entry import GenerationEntry, LayersLost, Reconfiguration, WorkerState
-from .portable import PortableState
-from .updates import StateUpdates
-from .step.commit import CommitVote, commit, own_slot
-from .step.result import StepResult
 from .resilience.progress import STEP_PROGRESS
 from .resilience.straggler import ComputeClock
-from .step.paced import Pacer, pin_threads
+from .runner import abandoned_threads
+from .stage.build import build_stage
+from .stage.compiled import compile_enabled, use_cache_dir, warm_up
+from .stage.paced import Pacer, pin_threads
+from .step.apply import StepApplier
+from .step.commit import CommitVote, commit, own_slot
+from .step.forward_backward import forward_backward
+from .step.grad_sync import GradSync, synchronise
 from .step.optim import token_sum_loss
+from .step.result import StepResult
+from .step.shadows import ShadowLink
+from .step.state import WorkerState
+from .telemetry import memory
+from .telemetry.samples import SampleLedger
 
 __all__ = ["Trainer", "StepResult", "LayersLost", "Reconfiguration", "WorkerState", "single_process"]
 
 log = JobLog(logging.getLogger(__name__))
 
 
-class Trainer(PortableState):
-    """One worker's part of a plan (module docstring); its state in and out of checkpoints
-    (`state_dict`, `load_state_dict`, `layer_state`, ...) is `PortableState`'s (engine/portable.py)."""
+class Trainer:
+    """One worker's part of a plan (module docstring)."""
 
     def __init__(
         self,
@@ -116,28 +90,30 @@ class Trainer(PortableState):
         self.lane = 0  # this worker's tensor-parallel lane in its stage
         self.state = WorkerState(layer_model=build_layer_model(cfg.model, seed=t.seed, owned=[], device=device))
         """What this worker holds across generations (layers, optimizer, steps): only its stage's."""
+        self.checkpoint_state = CheckpointState(cfg, lambda: self.state)
+        """`state` as checkpoints read and write it (`state_dict`, `load_state_dict`: engine/checkpoint_state.py)."""
         self.loss_fn = token_sum_loss(
             t.global_batch_size * seq_len, lean_bf16=t.precision == "bf16", vocab_size=self.state.layer_model.vocab_size
         )
         self.groups: Optional[GenerationGroups] = None
         self.grad_sync: Optional[GradSync] = None
         self.shadow_link: Optional[ShadowLink] = None
-        """This worker's per-step traffic to the shadow copies (engine/generation/shadows.py)."""
+        """This worker's per-step traffic to the shadow copies (engine/step/shadows.py)."""
         self.shadow_s = 0.0
         """Seconds the last step spent on the shadow exchange (`StepResult.shadow_s`)."""
         self.schedule: Any = None
-        self.ends = (True, True)
+        self.holds_first_last = (True, True)
         """Whether this worker's stages include the pipeline's first and its last (zbv: both on device 0)."""
         self.stage_module: Optional[nn.Module] = None
         self.step_group: Optional[dist.ProcessGroup] = None
         """The group of the generation's step collectives: its stages (None: the whole world)."""
-        self.updates = StateUpdates(cfg)
-        """A step's writes to `state`, only while it is current (engine/updates.py: a step may run in
+        self.applier = StepApplier(cfg)
+        """A step's writes to `state`, only while it is current (engine/step/apply.py: a step may run in
         another thread that the control plane can abandon)."""
         self.faults = FaultInjector.from_env()
         self._step = 0  # the step running now (for injected slowdowns)
         self.entry_window = (0.0, 0.0)  # Unix times this worker began and finished entering its generation
-        pin_threads(t.paced_devices, self.device)  # before the clock reads the thread count (engine/step/paced.py)
+        pin_threads(t.paced_devices, self.device)  # before the clock reads the thread count (engine/stage/paced.py)
         self.pacer: Optional[Pacer] = None  # pads a pipeline stage's passes (training.paced_devices)
         self.clock = ComputeClock(self.device, slowdown=lambda: self.faults.slowdown(node=self.node, step=self._step))
         """Times this worker's compute in a step (engine/resilience/straggler.py)."""
@@ -152,7 +128,7 @@ class Trainer(PortableState):
         self.samples = SampleLedger(cfg, self.sampler, node)
         """This worker's sample ledger records (engine/telemetry/samples.py)."""
         self.compile = compile_enabled(cfg, self.device)
-        """Layers run compiled (engine/step/compiled.py)."""
+        """Layers run compiled (engine/stage/compiled.py)."""
         self.warmed = False
         """Every kind of layer has been compiled (`warm_up`)."""
         if self.compile:
@@ -205,7 +181,7 @@ class Trainer(PortableState):
         return self.state.committed_step
 
     def warm_up(self, microbatch_size: int) -> float:
-        """Compile every kind of layer for `microbatch_size` (engine/step/compiled.py), once; the seconds
+        """Compile every kind of layer for `microbatch_size` (engine/stage/compiled.py), once; the seconds
         it took (0 when compilation is off or it was done already)."""
         if not self.compile or self.warmed:
             return 0.0
@@ -234,7 +210,7 @@ class Trainer(PortableState):
     def enter_generation(
         self, plan: Plan, store: Optional[dist.Store], *, load_plan: Callable[[int], Optional[Plan]] = lambda g: None
     ) -> Reconfiguration:
-        """Enter `plan`'s generation (engine/generation/entry.py) and build the stage's schedule. Raises
+        """Enter `plan`'s generation (engine/entry/enter.py) and build the stage's schedule. Raises
         LayersLost, with the new stage installed, when a layer has no surviving copy (the caller
         restores the newest checkpoint)."""
         self._drop_groups()  # the previous generation's: its groups are destroyed by the entry
@@ -244,10 +220,10 @@ class Trainer(PortableState):
             plan,
             store,
             roll_forward=self._roll_forward,
-            detach_kept=self.updates.detach_kept,
+            detach_kept=self.applier.detach_kept,
             load_plan=load_plan,
         )
-        self.state, self.updates.detach_kept = installed.state, False
+        self.state, self.applier.detach_kept = installed.state, False
         if installed.groups is None:  # a donor: it holds nothing now and leaves
             gc.collect()
             return installed.info
@@ -260,7 +236,7 @@ class Trainer(PortableState):
 
     def reseed_shadows(self) -> int:
         """Seed every shadow copy this worker keeps again from the layers' holders (after a
-        checkpoint restore; engine/generation/shadows.py). Collective over the generation's
+        checkpoint restore; engine/step/shadows.py). Collective over the generation's
         stages; the bytes this worker sent plus received."""
         if self.plan is None or self.state.shadows is None:
             return 0
@@ -281,7 +257,7 @@ class Trainer(PortableState):
 
     def _build_pipeline(self, plan: Plan) -> None:
         """The generation's step group, gradient sync and shadow link, then this worker's stage
-        (engine/generation/stage.py)."""
+        (engine/stage/build.py)."""
         assert self.groups is not None
         self.pipeline, self.stage = plan.stage_of(self.rank)
         self.lane = self.rank - self.stage.rank
@@ -311,7 +287,7 @@ class Trainer(PortableState):
         )
         self.stage_module, self.schedule = built.module, built.schedule
         if built.schedule is not None:  # a one-stage pipeline keeps the ends and the pacer it had
-            self.ends, self.pacer = built.ends, built.pacer
+            self.holds_first_last, self.pacer = built.holds_first_last, built.pacer
 
     # ------------------------------------------------------------------ one step
     def my_samples(self, step: int) -> list[int]:
@@ -328,7 +304,7 @@ class Trainer(PortableState):
         StepAbandoned instead of changing this trainer's state. `seen_generation`: the newest plan
         generation this worker has seen; `rejections`: how often this worker has seen the step
         guard reject `step` (the commit agrees on the largest of each, engine/step/commit.py)."""
-        t0, epoch, generation = time.perf_counter(), self.updates.epoch, self.generation
+        t0, epoch, generation = time.perf_counter(), self.applier.epoch, self.generation
         self._begin(step)
         x, y = self.batches.get(step)
         self._fed(step)
@@ -336,7 +312,20 @@ class Trainer(PortableState):
         shadow_link = self.shadow_link
         assert grad_sync is not None, "enter a generation first"
         grad_sync.begin_step(self.pipeline.microbatches)  # reductions start as layers finish
-        local_loss = self._forward_backward(x, y, schedule)
+        assert self.plan is not None
+        local_loss = forward_backward(
+            schedule,
+            x,
+            y,
+            holds_first_last=self.holds_first_last,
+            module=self.stage_module,
+            loss_fn=self.loss_fn,
+            microbatch_size=self.plan.microbatch_size,  # the plan's: training.microbatch_size may be auto
+            device=self.device,
+            dtype=self.dtype,
+            progress=self.progress,
+            clock=self.clock,
+        )
         local_loss = self.faults.poisoned(local_loss, rank=self.rank, step=step, params=self.params)
         norm2, loss = self._synchronise(step, local_loss, grad_sync, step_group, epoch, shadow_link)
         agreed = commit(
@@ -350,11 +339,11 @@ class Trainer(PortableState):
         repaired: tuple[Corrupt, ...] = ()
         unrepairable = ""
         if verdict.apply:
-            self.updates.apply(self.state, step, norm2, epoch)
+            self.applier.apply(self.state, step, norm2, epoch)
             self.samples.committed("applied", step, generation=generation, rank=self.rank, how="step")
             self.faults.flip_bit(rank=self.rank, step=step, layers=self.layer_model.layers)
             repaired, unrepairable = self._compare_copies(step)
-        self.updates.settle(self.state, verdict, loss, agreed.max_loss, epoch)
+        self.applier.settle(self.state, verdict, loss, agreed.max_loss, epoch)
         return StepResult(
             step=step,
             loss=loss,
@@ -389,9 +378,9 @@ class Trainer(PortableState):
         )
 
     def _roll_forward(self, step: int, norm2: float) -> None:
-        """Apply the interrupted step while entering a generation (engine/generation/entry.py);
+        """Apply the interrupted step while entering a generation (engine/entry/enter.py);
         the sample ledger records it against the generation that fed it (still this state's)."""
-        self.updates.apply(self.state, step, norm2)
+        self.applier.apply(self.state, step, norm2)
         if self.state.committed_step == step:
             self.samples.committed("applied", step, generation=self.generation, rank=self.rank, how="roll_forward")
 
@@ -402,24 +391,6 @@ class Trainer(PortableState):
         self._step = step
         self.clock.take()  # what an abandoned or rejected run left
 
-    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, schedule: Any) -> torch.Tensor:
-        """This stage's part of the step's schedule in one autocast region (torch casts each weight
-        to bf16 once per region, its autocast cache, not once per microbatch); the summed loss."""
-        with torch.autocast(
-            device_type=self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None
-        ):
-            if schedule is None:  # one-stage pipeline: no pipelining needed
-                return self.clock.timed(self._forward_backward_local)(x, y)
-            return run_schedule(schedule, self.ends, x, y, device=self.device)
-
-    def _forward_backward_local(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """A one-stage pipeline's microbatches one after another (engine/generation/stage.py)."""
-        assert self.stage_module is not None and self.plan is not None
-        mbs = self.plan.microbatch_size  # the plan's: training.microbatch_size may be auto
-        return run_local(
-            self.stage_module, self.loss_fn, x, y, microbatch_size=mbs, device=self.device, progress=self.progress
-        )
-
     def _synchronise(
         self,
         step: int,
@@ -429,11 +400,11 @@ class Trainer(PortableState):
         epoch: int,
         shadow_link: Optional[ShadowLink] = None,
     ) -> tuple[float, float]:
-        """Steps 1-2 of the module docstring (`synchronise`, engine/generation/grad_sync.py): the
+        """The step's communication before the commit (`synchronise`, engine/step/grad_sync.py): the
         gradients summed among each layer's holders, then one SUM all-reduce of the squared norm
         and the loss; (squared norm, loss), global. The summed gradients of layers with shadow
         copies go to their keepers meanwhile, and the keepers' arrive, before this returns (so
-        before the commit: engine/generation/shadows.py), and are kept only while the step is current."""
+        before the commit: engine/step/shadows.py), and are kept only while the step is current."""
         shadows = self.state.shadows
         synced = synchronise(
             grad_sync,
@@ -446,7 +417,7 @@ class Trainer(PortableState):
             shadows=shadows,
         )
         self.shadow_s = synced.shadow_s
-        with self.updates.current(epoch):
+        with self.applier.current(epoch):
             if synced.shadow_grads is not None and shadows is not None:
                 shadows.received(step, synced.shadow_grads)
             self.state.synced_step, self.state.synced_norm2 = step, synced.norm2
@@ -494,20 +465,20 @@ class Trainer(PortableState):
 
     def skip(self, step: int) -> None:
         """Count `step` as done with no update: the step guard rejected it twice (engine/resilience/guard.py)."""
-        self.updates.skip(self.state, step)
+        self.applier.skip(self.state, step)
         self.samples.committed("skipped", step, generation=self.generation, rank=self.rank)
 
     def abort(self, *, abandoned: bool = False) -> None:
         """After a communication error, or when the control plane abandoned a step (`abandoned`):
         tear every process group down at once, so that the error reaches every peer blocked on
         this worker in tens of milliseconds (NCCL operations blocked on a hung peer are aborted;
-        a blocked gloo operation is left to its thread, see `engine/generation/devices.py`). A gloo group
+        a blocked gloo operation is left to its thread, see `engine/entry/devices.py`). A gloo group
         closes its sockets only when the last reference goes, so the schedule, stage and groups
         are dropped and collected too (call this outside the `except` block: the exception's
         traceback keeps the failed call's frames, and with them the groups, alive)."""
         self.faults.disarm()  # engine/resilience/faults.py: a stuck step is injected once per job
         if abandoned:
-            self.updates.abandon()
+            self.applier.abandon()
         self._drop_groups()
         try:
             release_groups(abort=True, busy=abandoned_threads())

@@ -1,24 +1,12 @@
-"""One worker's part of each generation: enter it, run its steps, answer what they report.
+"""One worker's part of each generation (`Worker`): enter it, run its steps, answer what they report.
 
-The loop of engine/run.py waits for a plan and hands it to a `Worker`, which holds what lives
-across generations (its `Trainer`, step runner, run log, step guard, checkpoint policy,
-straggler watch, heartbeat and goodput clock) and answers with an outcome the loop reads:
-
-- `Worker.enter`: `Entered` (at the step to go on from: the entry's agreed step, the checkpoint
-  resumed at the job's first start, or the newest checkpoint restored when layers were lost),
-  `HandedOver` (a drained node's worker handed its layers over and leaves) or `Broken` (a
-  communication failure in the entry: the worker tears it down and reports the failure);
-- `Worker.run_generation`: runs the steps, each in the step thread (engine/runner.py) while it
-  watches the control plane; `Finished`, `Boundary` (every worker agreed at a step boundary to
-  move on to a newer generation) or `Broken` (a communication failure, or a step the control
-  plane abandoned). A step the step guard did not apply is replayed or skipped
-  (engine/resilience/guard.py), a straggler verdict is said by rank 0 and told to the leader
-  (engine/resilience/straggler.py), and corrupt copies found by the fingerprints are reported,
-  or stop the job (engine/resilience/fingerprint.py);
-- `Worker.finish` (the final checkpoint; rank 0 closes the job) and `Worker.leave` (the plan
-  has no place for it any more) end it with the run's `Summary`.
-
-What is logged is `runlog.py`'s; when to checkpoint is `checkpointing.py:CheckpointPolicy`'s.
+It holds what lives across generations (its `Trainer`, step runner, run log, step guard,
+checkpoint policy, straggler watch, heartbeat, goodput clock) and answers the loop of
+engine/run.py with outcomes: `enter` gives `Entered`, `HandedOver` (a drained node's worker) or
+`Broken`; `run_generation` runs each step in the step thread (engine/runner.py) while it watches
+the control plane, and gives `Finished`, `Boundary` (every worker agreed to move on at a step
+boundary) or `Broken`; `finish` and `leave` end the run with its `Summary`. Invariant: a worker
+never exits because of someone else's failure. docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -35,12 +23,12 @@ from ..planning import Plan
 from ..records.goodput import Category
 from .checkpointing import CheckpointPolicy, NothingToRestore, retake_reason
 from .control import ControlPlane
-from .generation.devices import configure_nccl, resolve_device
+from .entry.devices import configure_nccl, resolve_device
 from .resilience.errors import JobFailed, StepAbandoned, describe, is_communication_error
-from .resilience.guard import Action, StepGuard, TooManySkipped, Verdict
+from .resilience.guard import GuardDecision, StepGuard, TooManySkipped, Verdict
 from .resilience.heartbeat import Heartbeat
 from .resilience.straggler import StragglerWatch
-from .runner import StepRunner, exit_now_at_the_end
+from .runner import StepRunner, require_hard_exit
 from .telemetry import memory
 from .telemetry.goodput import GoodputClock
 from .telemetry.runlog import RunLog, Summary
@@ -146,7 +134,7 @@ class Worker:
                 raise
             return self._broken_entry(plan, describe(err))
         if info is not None and info.donor:
-            exit_now_at_the_end("donor")
+            require_hard_exit("donor")
             log.at(node=ctx.node_id).info(
                 "leaving the job (node %s was drained; its layers were handed over to generation %d)",
                 ctx.node_id,
@@ -205,7 +193,7 @@ class Worker:
             self.heartbeat.tick()  # what the step thread reported (rendezvous/hang.py)
             return check()
 
-        failure, abandoned, seen = None, False, 0.0
+        failure, abandoned, failed_at = None, False, 0.0
         try:
             if self.retake is not None:  # a re-plan left some layer short of f+1 copies
                 reason, self.retake = self.retake, None
@@ -213,14 +201,14 @@ class Worker:
                     self.checkpoints.retake(trainer, reason, self.step)
             while self.step < steps:
                 latest = ctx.plan() if trainer.rank == 0 else None
-                seen = latest.generation if latest else 0
+                newest = latest.generation if latest else 0  # the generation rank 0 votes for
                 rejections = self.guard.attempts.get(self.step, 0)
                 self.heartbeat.begin(self.step)
                 self.goodput.began_step()
                 completed = False
                 try:
                     result = self.runner.run(
-                        functools.partial(trainer.train_step, self.step, seen_generation=seen, rejections=rejections),
+                        functools.partial(trainer.train_step, self.step, seen_generation=newest, rejections=rejections),
                         should_abandon=should_abandon,
                         interval_s=watch_s,
                     )
@@ -246,13 +234,13 @@ class Worker:
             if not is_communication_error(err):
                 raise
             failure, abandoned = describe(err), isinstance(err, StepAbandoned)
-            seen = time.time()
+            failed_at = time.time()
         if failure is None:
             return Finished()
         self.log.broke()  # outside the except block: see Trainer.abort
         _abort(trainer, abandoned=abandoned)
         # when the failure was seen here, and how long the teardown took (bench/recovery.py's timeline)
-        timing = {"seen": round(seen, 3), "abort_s": round(time.time() - seen, 3)}
+        timing = {"seen": round(failed_at, 3), "abort_s": round(time.time() - failed_at, 3)}
         if abandoned:  # the leader has acted already: no roll call needed
             log.at(gen=trainer.generation, step=self.step, node=ctx.node_id).warning(
                 "step abandoned (%s); entering the next generation", failure, event="step_abandoned", fields=timing
@@ -270,26 +258,27 @@ class Worker:
         trainer, step = self.trainer, result.step
         self.guard.attempts[step] = max(self.guard.attempts.get(step, 0), result.rejections)
         try:
-            action = self.guard.decide(step, Verdict(False, result.rejected))
+            decision = self.guard.decide(step, Verdict(False, result.rejected))
         except TooManySkipped as err:
             log.at(gen=trainer.generation, step=step, node=self.ctx.node_id).error("%s", err, event="too_many_skipped")
             if trainer.rank == 0:
                 self.ctx.close_job(str(err), failed=True)
             raise JobFailed(str(err)) from None
-        what = "replaying it" if action is Action.REPLAY else "skipping its batch"
+        skipped = decision is GuardDecision.SKIP
+        what = "skipping its batch" if skipped else "replaying it"
         log.at(gen=trainer.generation, step=step, node=self.ctx.node_id).warning(
             "step %d not applied: %s; %s",
             step + 1,
             result.rejected,
             what,
-            event="skipped" if action is Action.SKIP else "replayed",
+            event="skipped" if skipped else "replayed",
             fields={"seconds": result.seconds},  # the run's own time (tests cross-check the goodput ledger)
         )
-        self.goodput.ended_step(step, Category.SKIPPED if action is Action.SKIP else Category.REPLAYED, result.shadow_s)
-        self.log.rejected(result, skipped=action is Action.SKIP)
+        self.goodput.ended_step(step, Category.SKIPPED if skipped else Category.REPLAYED, result.shadow_s)
+        self.log.rejected(result, skipped=skipped)
         if trainer.rank == 0:
             self.ctx.record_skip(generation=trainer.generation, step=step, detail=f"{result.rejected}; {what}")
-        if action is Action.SKIP:
+        if skipped:
             trainer.skip(step)
             self.step += 1
             with self.goodput.checkpointing():
@@ -378,4 +367,4 @@ def _abort(trainer: Trainer, *, abandoned: bool = False) -> None:
     the dead peer, which the interpreter's shutdown would wait for: this process ends at once after
     training instead (engine/runner.py, `exit_now_if_abandoned`)."""
     trainer.abort(abandoned=abandoned)
-    exit_now_at_the_end("a generation broke in this process")
+    require_hard_exit("a generation broke in this process")

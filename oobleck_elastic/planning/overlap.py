@@ -1,7 +1,7 @@
 """How much of the cross-replica gradient all-reduce the pipeline leaves exposed.
 
 The engine posts each layer's all-reduce as soon as the layer's gradient is final
-(engine/generation/grad_sync.py): after the stage's last backward of the step has passed through
+(engine/step/grad_sync.py): after the stage's last backward of the step has passed through
 that layer. Within a full backward B the layers finish from the stage's last to its first, so
 layer j is final at
 

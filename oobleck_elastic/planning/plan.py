@@ -47,7 +47,7 @@ class StagePlacement:
     (engine/resilience/straggler.py). 0 = unknown."""
     forward_s: float = 0.0
     """The forward's part of compute_s (the rest is the backward), from the same profile; what a
-    paced worker pads its forwards to (engine/step/paced.py). 0 = unknown."""
+    paced worker pads its forwards to (engine/stage/paced.py). 0 = unknown."""
     chunks: tuple[tuple[int, int], ...] = ()
     """With more than one chunk per device (interleaved and V schedules): the layer ranges
     [start, end) of the virtual stages this device runs, in pipeline order (`start`/`end` are

@@ -30,7 +30,7 @@ schedule, interleaved 1F1B with 2 .. 8 chunks): a job's plans never name a sched
 cannot run. Torch's looped schedules (interleaved 1F1B, zero-bubble with chunks) refuse a
 microbatch count that is not a multiple of their rounds, and so does the simulated order
 (schedules.py), so such a candidate is refused here, never planned; one chunk needs no rounds.
-Compiled layers run every schedule (engine/step/compiled.py: their backward is compiled split into
+Compiled layers run every schedule (engine/stage/compiled.py: their backward is compiled split into
 input and weight gradients), so whether the workers compile does not matter here.
 """
 
@@ -64,7 +64,7 @@ ENGINE_RUNS: frozenset[tuple[str, int]] = frozenset(
     | {("interleaved-1f1b", v) for v in range(2, MAX_CHUNKS + 1)}
     | {("zero-bubble", v) for v in range(1, MAX_CHUNKS + 1)}
 )
-"""(schedule, chunks per device) the engine runs (engine/generation/stage.py)."""
+"""(schedule, chunks per device) the engine runs (engine/stage/build.py)."""
 
 SIMULATED_SIZES = 8
 """At least this many template sizes (from n0 up) are planned with simulated lines."""

@@ -31,7 +31,7 @@ packing.
 The placement is part of the plan (`Plan.shadows`, written in its JSON only when set, so plans
 without shadows read and write as before) and `ShadowPlacement.check` validates it whenever a
 plan is checked. `ShadowPlacement.extra()` gives the shadows as copies.py's `extra`. The engine
-keeps them current and restores layers from them (engine/generation/shadows.py).
+keeps them current (engine/step/shadows.py) and restores layers from them (engine/entry/).
 """
 
 from __future__ import annotations

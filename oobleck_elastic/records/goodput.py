@@ -12,7 +12,7 @@ worker holding rank 0:
   completed once already and run again after a checkpoint restore;
 - `skipped`: ran a step whose batch the step guard then skipped;
 - `shadows`: the part of a step (whatever its outcome) spent on the shadow copies' exchange
-  (engine/generation/shadows.py): gathering the summed gradients for the keepers and posting them,
+  (engine/step/shadows.py): gathering the summed gradients for the keepers and posting them,
   and waiting for the exchange to complete before the commit, as rank 0 timed it
   (`StepResult.shadow_s`); the rest of the step goes to its outcome's category;
 - `reconfiguration`: from the start of the step a failure interrupted (or from the step boundary

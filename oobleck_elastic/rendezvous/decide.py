@@ -221,12 +221,12 @@ def _while_running(view: LeaderView, plan: Plan, clocks: Clocks, now: float, rul
                 why=remedy.describe(),
             )
         return Decision(Action.NONE, admit=tuple(admit), clocks=clear)
-    seen = clocks.change_seen if clocks.change_seen is not None else now
-    if now - seen >= rules.settle_s:
+    change_seen = clocks.change_seen if clocks.change_seen is not None else now
+    if now - change_seen >= rules.settle_s:
         return Decision(
             Action.REPLAN, nodes=tuple(desired), admit=tuple(admit), clocks=replace(clocks, change_seen=None)
         )
-    return Decision(Action.WAIT, admit=tuple(admit), clocks=replace(clocks, change_seen=seen))
+    return Decision(Action.WAIT, admit=tuple(admit), clocks=replace(clocks, change_seen=change_seen))
 
 
 def desired_nodes(plan: Plan, up: Sequence[str], exclude: Collection[str], max_nodes: int) -> list[str]:

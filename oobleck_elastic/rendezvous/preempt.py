@@ -14,7 +14,7 @@ when it starts workers) and handles them itself:
    naming the signal. A Python signal handler only sets a flag; a thread does the etcd writes.
 2. The leader re-plans without the node at the next step boundary; when the node holds layers
    nobody else holds, the plan names it a donor and its workers hand their layers and optimizer
-   state over before they leave (engine/generation/entry.py). Its workers exit 0, and so does its agent.
+   state over before they leave (engine/entry/enter.py). Its workers exit 0, and so does its agent.
 3. If the node is still there `fault_tolerance.preempt_grace_s` after the notice (the job is
    stuck, or the grace was too short), the watch hands the signal back to torchrun's handling
    (the same signal, answered as torchrun's agent answers it: a `SignalException` in the main

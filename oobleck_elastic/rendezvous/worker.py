@@ -106,6 +106,11 @@ class WorkerContext:
     owns_client: bool = False
     """`close()` closes the client too (it was made for this worker by `from_env`)."""
 
+    @property
+    def is_job_worker(self) -> bool:
+        """A job's worker process (`ControlPlane.is_job_worker`)."""
+        return True
+
     @classmethod
     def from_env(cls, environ: Optional[dict[str, str]] = None) -> "WorkerContext":
         env = dict(os.environ if environ is None else environ)

@@ -1,24 +1,11 @@
-"""Which worker errors are communication failures, and when a repeated error stops the job.
+"""Which worker errors are communication failures (`is_communication_error`), and the errors that
+stop a step or the job (`StepAbandoned`, `JobFailed`).
 
-A worker must never exit because of someone else's failure, and must never re-plan forever
-because of its own bug. Errors therefore fall in two classes (`is_communication_error`):
-
-- **communication**: a peer's broken connection or a collective that timed out (gloo raises a
-  plain `RuntimeError` naming its transport), torch's `DistError` family (`DistBackendError`,
-  `DistNetworkError`, `DistStoreError`: NCCL errors, an aborted group, a store that timed out),
-  socket-level `ConnectionError`/`TimeoutError`, etcd out of reach (`EtcdError`), a generation
-  superseded while it was being joined, and a step abandoned by the control plane
-  (`StepAbandoned`). The worker tears its groups down, checks in at the leader's roll call and
-  enters the next generation.
-- **everything else**: out of memory, a bug in the model, a `CheckpointError`, a plan that
-  cannot be loaded. The worker ends with the original traceback (its agent may restart it).
-
-A deterministic error comes back after every restart and re-plan. Each worker that ends with
-an error records it in etcd as an `ErrorRecord` (records/errors.py); `next_error_record` counts
-how many times in a row the same error (`error_signature`: type and message with numbers
-masked) ended a worker at the same step. When the count reaches
-`fault_tolerance.max_repeated_errors`, the job is closed as failed with that error, every
-worker leaves with `JobFailed`, and nothing is re-planned again.
+Invariant: a worker never exits because of someone else's failure (a communication failure sends
+it to the next generation), and never re-plans forever because of its own bug: any other error
+ends it with its traceback, and the same error (records/errors.py: type and message with numbers
+masked) ending a worker at the same step `fault_tolerance.max_repeated_errors` times in a row
+closes the job as failed. docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -51,7 +38,11 @@ class JobFailed(RuntimeError):
 
 def is_communication_error(err: BaseException) -> bool:
     """Whether `err` means a peer or the network failed (enter the next generation), rather than
-    a fault of this worker (end it with its traceback)."""
+    a fault of this worker (end it with its traceback). Communication: a peer's broken connection
+    or a timed-out collective (gloo raises a plain RuntimeError naming its transport), torch's
+    `DistError` family (NCCL errors, an aborted group, a store timeout), socket-level
+    ConnectionError/TimeoutError, etcd out of reach, a generation superseded while being joined,
+    and `StepAbandoned`. Everything else (out of memory, a model bug, a CheckpointError) is not."""
     if isinstance(err, (StepAbandoned, dist.DistError, ConnectionError, TimeoutError, EtcdError)):
         return True
     if type(err) is RuntimeError:  # exactly: subclasses (CheckpointError, LayersLost, ...) are ours

@@ -1,44 +1,11 @@
-"""Fault injection for tests and drills: make a worker raise a deterministic error, or be slow.
+"""Fault injection for tests and drills (`FaultInjector`, read from `OOBLECK_*_AT` variables in a
+worker's environment): raise a deterministic error, be slow, poison a loss, flip a bit, straggle,
+block the step thread, or enter a generation late.
 
-`OOBLECK_FAIL_AT="RANK@STEP[,RANK@STEP...]"` in a worker's environment makes the worker holding
-global rank RANK of its generation raise `RuntimeError("injected fault: ...")` when it starts
-step STEP (0-based), in every generation: the error is not a communication failure, so it ends
-the worker with its traceback, and because it comes back after every restart it exercises the
-repeated-error cap (`fault_tolerance.max_repeated_errors`). Like torchft's `fail_at(rank, step)`.
-
-`OOBLECK_SLOW_AT="RANK@STEP:SECONDS[,...]"` makes that worker sleep SECONDS when it starts step
-STEP (before its stage computes anything), in every generation: a stage as slow as a large
-model's first step (allocator warm-up, kernel autotuning, compilation), so its neighbours wait
-for it in their receives. A slow step is not a failure and must not be treated as one.
-
-`OOBLECK_NAN_AT="RANK@STEP[xTIMES][,...]"` makes that worker's loss and gradients NaN at step STEP,
-the first TIMES times it runs it in this process (default 1: a transient fault that a replay does
-not meet again; 2 or more: a persistent one, whose batch is skipped). `OOBLECK_SPIKE_AT=
-"RANK@STEP:FACTOR[xTIMES][,...]"` multiplies the loss that worker reports by FACTOR instead (give
-the rank of a last stage: the others report no loss). Both exercise the step guard (engine/resilience/guard.py).
-
-`OOBLECK_FLIP_AT="RANK@STEP:LAYER[,...]"` flips one bit (bit 26, an exponent bit of a float32: the
-value is multiplied or divided by 256) of the first element of layer LAYER's largest parameter on
-that worker, right after step STEP is applied, once per process: silent corruption of one copy
-of the layer, which the replica fingerprints find and repair (engine/resilience/fingerprint.py).
-
-`OOBLECK_STRAGGLE_AT="NODE@STEP:FACTOR[,...]"` makes every worker of node NODE (its id, e.g.
-node1) compute FACTOR times slower from step STEP on, in every generation: each forward and
-backward chunk is followed by a sleep of (FACTOR - 1) times its duration, as on a slower device
-(a straggler, engine/resilience/straggler.py).
-
-`OOBLECK_BLOCK_AT="RANK@STEP[:WHERE][,...]"` blocks the step thread of the worker holding global
-rank RANK at step STEP, for good, while its main thread keeps running: a stuck step, which the
-worker's agent must find (rendezvous/hang.py). WHERE is `loop` (the default: a plain loop at the
-step's start, before any compute, as a deadlock or a stuck kernel would) or `comm` (inside the
-wait of the step's commit all-reduce, after this worker posted its part: a collective wait that
-never returns). It blocks once per job: not in a worker its agent restarted
-(`TORCHELASTIC_RESTART_COUNT` > 0), nor in one that saw a generation break (so the survivor that
-holds rank RANK when the step is replayed runs it).
-
-`OOBLECK_SLOW_ENTRY="NODE@GENERATION:SECONDS[,...]"` makes every worker of node NODE (`*`: of every
-node) sleep SECONDS before it connects to generation GENERATION: a slow reconfiguration, so that a
-test can make a second failure land deterministically while the survivors are entering.
+Invariant: an injected fault exercises exactly one recovery path (the repeated-error cap, the
+step guard, replica fingerprints, the straggler watch, the hang detector), and never fires on a
+worker it was not aimed at. The variables' grammar is `FaultInjector`'s docstring;
+docs/recovery.md and docs/liveness.md tell what each one drills.
 """
 
 from __future__ import annotations
@@ -137,6 +104,49 @@ def _node(text: str) -> str:
 
 @dataclass(frozen=True)
 class FaultInjector:
+    """The faults this worker's environment asks for (`from_env`):
+
+    `OOBLECK_FAIL_AT="RANK@STEP[,RANK@STEP...]"` in a worker's environment makes the worker holding
+    global rank RANK of its generation raise `RuntimeError("injected fault: ...")` when it starts
+    step STEP (0-based), in every generation: the error is not a communication failure, so it ends
+    the worker with its traceback, and because it comes back after every restart it exercises the
+    repeated-error cap (`fault_tolerance.max_repeated_errors`). Like torchft's `fail_at(rank, step)`.
+
+    `OOBLECK_SLOW_AT="RANK@STEP:SECONDS[,...]"` makes that worker sleep SECONDS when it starts step
+    STEP (before its stage computes anything), in every generation: a stage as slow as a large
+    model's first step (allocator warm-up, kernel autotuning, compilation), so its neighbours wait
+    for it in their receives. A slow step is not a failure and must not be treated as one.
+
+    `OOBLECK_NAN_AT="RANK@STEP[xTIMES][,...]"` makes that worker's loss and gradients NaN at step STEP,
+    the first TIMES times it runs it in this process (default 1: a transient fault that a replay does
+    not meet again; 2 or more: a persistent one, whose batch is skipped). `OOBLECK_SPIKE_AT=
+    "RANK@STEP:FACTOR[xTIMES][,...]"` multiplies the loss that worker reports by FACTOR instead (give
+    the rank of a last stage: the others report no loss). Both exercise the step guard (engine/resilience/guard.py).
+
+    `OOBLECK_FLIP_AT="RANK@STEP:LAYER[,...]"` flips one bit (bit 26, an exponent bit of a float32: the
+    value is multiplied or divided by 256) of the first element of layer LAYER's largest parameter on
+    that worker, right after step STEP is applied, once per process: silent corruption of one copy
+    of the layer, which the replica fingerprints find and repair (engine/resilience/fingerprint.py).
+
+    `OOBLECK_STRAGGLE_AT="NODE@STEP:FACTOR[,...]"` makes every worker of node NODE (its id, e.g.
+    node1) compute FACTOR times slower from step STEP on, in every generation: each forward and
+    backward chunk is followed by a sleep of (FACTOR - 1) times its duration, as on a slower device
+    (a straggler, engine/resilience/straggler.py).
+
+    `OOBLECK_BLOCK_AT="RANK@STEP[:WHERE][,...]"` blocks the step thread of the worker holding global
+    rank RANK at step STEP, for good, while its main thread keeps running: a stuck step, which the
+    worker's agent must find (rendezvous/hang.py). WHERE is `loop` (the default: a plain loop at the
+    step's start, before any compute, as a deadlock or a stuck kernel would) or `comm` (inside the
+    wait of the step's commit all-reduce, after this worker posted its part: a collective wait that
+    never returns). It blocks once per job: not in a worker its agent restarted
+    (`TORCHELASTIC_RESTART_COUNT` > 0), nor in one that saw a generation break (so the survivor that
+    holds rank RANK when the step is replayed runs it).
+
+    `OOBLECK_SLOW_ENTRY="NODE@GENERATION:SECONDS[,...]"` makes every worker of node NODE (`*`: of every
+    node) sleep SECONDS before it connects to generation GENERATION: a slow reconfiguration, so that a
+    test can make a second failure land deterministically while the survivors are entering.
+    """
+
     points: frozenset[tuple[int, int]]
     """(rank, step) pairs at which to raise."""
     slow: dict[tuple[int, int], float] = field(default_factory=dict)
@@ -190,12 +200,12 @@ class FaultInjector:
 
     def block(self, *, rank: int, step: int, where: str) -> None:
         """Called by the step thread at step start (`loop`) and inside the commit's wait (`comm`):
-        block it for good as the environment says (module docstring)."""
+        block it for good as the environment says (`FaultInjector`'s docstring)."""
         if self.blocks.get((rank, step)) == where and "block" not in self.disarmed:
             _blocked_step_thread()
 
     def disarm(self) -> None:
-        """A generation broke in this process: blocks are not injected again (module docstring)."""
+        """A generation broke in this process: blocks are not injected again (`FaultInjector`'s docstring)."""
         self.disarmed.add("block")
 
     def before_entry(self, *, node: str, generation: int) -> None:
@@ -217,7 +227,7 @@ class FaultInjector:
             raise RuntimeError(f"injected fault: rank {rank} at step {step} ({ENV})")
 
     def flip_bit(self, *, rank: int, step: int, layers: Sequence[Optional[torch.nn.Module]]) -> None:
-        """Called after `step` is applied: flip the bit the environment names, if any (module docstring)."""
+        """Called after `step` is applied: flip the bit the environment names, if any (`FaultInjector`'s docstring)."""
         layer_index = self.flips.pop((rank, step), None)
         layer = None if layer_index is None else layers[layer_index]
         if layer is None:

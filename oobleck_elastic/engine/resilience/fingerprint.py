@@ -1,33 +1,12 @@
 """Replica fingerprints: silent corruption of a layer copy is found by its holders and repaired in place.
 
-Every layer has one holder per pipeline (f+1 copies or more), and after every applied step the
-copies are bit-identical: the same summed gradients went into the same optimizer from the same
-state (engine/generation/groups.py). A bit flipped in one device's memory (silent data corruption: a bad
-HBM cell, a faulty ALU) breaks that and nothing else notices: the copy trains on, its gradients
-are summed into the others', and it is checkpointed.
-
-Every `fault_tolerance.fingerprint_interval_steps` steps, right after the commit and before any
-checkpoint of that step, each worker fingerprints every layer it holds (`fingerprints`): exact
-integer sums over the bits of the layer's parameters and optimizer state (their 16-, 32- or
-64-bit words as integers, summed modulo 2^64: the plain sum, and the sums of runs of 4,096 words
-weighted by the run's position; one pass over memory. A single flipped bit always changes the
-plain sum; words moved between runs change the weighted one). One all-gather over the
-generation's workers shares a [rank, layer] table, and every worker runs the same pure decision
-on the same table (`compare`), lane by lane under tensor parallelism:
-
-- every copy of a layer agrees: nothing to do;
-- a strict majority of its holders agrees: the other copies are corrupt and are replaced by the
-  first majority holder's, parameters and optimizer state, in one broadcast among the layer's
-  holders (`repair`); no restart, no lost step, and the step's checkpoint holds intact copies;
-- no majority (two holders that differ, or three that all differ): which copy is intact cannot
-  be told, so the job stops as failed, naming the layer and its holders' nodes (`Unrepairable`);
-  resume it from the newest checkpoint written before the corruption.
-
-`check_replicas` is one worker's whole check: fingerprint, gather, compare, repair (the trainer
-calls it after an applied step, engine/trainer.py).
-
-Corruption between two checks is summed into the other copies' gradients for up to the interval,
-so a short interval keeps the damage small; the cost of one check is in bench/fingerprint.py.
+After every applied step a layer's copies (one per pipeline) are bit-identical, so a bit flipped
+in one device's memory breaks only that. Every `fault_tolerance.fingerprint_interval_steps`
+steps, after the commit and before that step's checkpoint, `check_replicas` fingerprints every
+held layer (`fingerprints`: exact integer sums of its parameters' and optimizer state's words),
+shares a [rank, layer] table in one all-gather, runs the same `compare` on every worker, and
+replaces copies outside a strict majority from a majority holder (`repair`); without a majority
+the job stops (`Unrepairable`). docs/recovery.md; the cost: bench/fingerprint.py.
 """
 
 from __future__ import annotations
@@ -82,7 +61,9 @@ def _sums(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
 def fingerprints(layers: dict[int, list[torch.Tensor]]) -> dict[int, tuple[int, int]]:
     """Each layer's (plain sum, position-weighted sum) of the words of its tensors, as int64
     (wrapping modulo 2^64), in the order given; one device-to-host copy for all of them. Exact:
-    equal tensors give equal fingerprints."""
+    equal tensors give equal fingerprints. The tensors' 16-, 32- or 64-bit words are summed as
+    integers, plainly and by runs of 4,096 words weighted by the run's position: a single flipped
+    bit always changes the plain sum, words moved between runs the weighted one."""
     if not layers:
         return {}
     order = sorted(layers)
@@ -129,8 +110,9 @@ class Unrepairable(RuntimeError):
 
 def compare(plan: Plan, table: dict[int, dict[int, tuple[int, int]]]) -> list[Corrupt]:
     """The corrupt copies of every layer, by layer and lane; `table[rank][layer]` is the fingerprint
-    of that rank's copy. Raises Unrepairable naming the first layer without a majority, with its
-    holders' ranks and nodes."""
+    of that rank's copy. Copies outside a strict majority of a layer's holders are corrupt. Raises
+    Unrepairable naming the first layer without a majority (two holders that differ, three that
+    all differ: which copy is intact cannot be told), with its holders' ranks and nodes."""
     node_of = {s.rank + j: s.node for p in plan.pipelines for s in p.stages for j in range(plan.tensor_parallel)}
     out = []
     for layer in range(plan.num_layers):
@@ -188,7 +170,7 @@ def repair(
 ) -> None:
     """Replace the corrupt copies this rank takes part in: for each one, in the same order on every
     rank, the layer's holders broadcast the source's parameters and optimizer state over their
-    group (`groups`: this rank's holder-set groups, engine/generation/groups.py)."""
+    group (`groups`: this rank's holder-set groups, engine/entry/groups.py)."""
     for c in corrupt:
         if rank not in c.holders:
             continue

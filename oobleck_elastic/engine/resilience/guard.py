@@ -1,31 +1,11 @@
-"""The step guard: a step whose loss or gradient norm is not finite, or whose loss spikes, is
-never applied; it is replayed once, then skipped; too many skipped in a row fail the job.
+"""The step guard: a step whose loss or gradient norm is not finite, or whose loss spikes
+(`fault_tolerance.loss_spike_factor` times the largest applied loss), is never applied; it is
+replayed once, then skipped (`StepGuard`); too many skipped in a row fail the job.
 
-Mechanism, with no collective of its own:
-
-- **Same inputs everywhere.** After a step's norm all-reduce every worker holds the same global
-  loss and squared gradient norm. The running maximum of the loss over applied steps rides on the
-  commit all-reduce (`CommitVote.max_loss`, engine/step/commit.py: a MAX, like the generation it
-  already carries), so after the commit every worker also holds the same maximum, a worker that
-  just joined included. `judge` is a pure function of those numbers, so every worker reaches the
-  same verdict at the same step.
-- **Never applied.** A rejected step's gradients are dropped, and the step is neither committed
-  nor kept as synchronised (a generation entry after a failure therefore replays it rather than
-  rolling it forward); `StateUpdates.apply` (engine/updates.py) also refuses a non-finite norm
-  on its own. Checkpoints hold only applied steps, and `engine/checkpointing.py` refuses to
-  write a non-finite tensor.
-- **Replay, then skip** (`StepGuard`, a pure state machine over verdicts). The first rejection of
-  a step replays it on the same batch (the data of a step is a function of (seed, step)): a
-  transient fault (a flipped bit in flight, a bad kernel launch) does not recur. A second
-  rejection skips the step's batch: the step counts as done with no update (the learning-rate
-  schedule does not shift) and the job goes on. After `fault_tolerance.max_skipped_steps` skips
-  in a row the job stops as failed, naming the steps.
-- **Loss spikes** (`fault_tolerance.loss_spike_factor`, 0 = off): a loss above that factor times
-  the largest loss of any applied step is rejected the same way (Megatron-LM's rerun machine
-  uses 10x).
-- **Kept in checkpoints.** The running maximum and the skipped steps go in the manifest
-  (`extra.guard`, engine/checkpointing.py), so a job resumed or restored from a checkpoint judges
-  spikes from its first step on, and its skip history goes on from the checkpoint's.
+Invariant: every worker reaches the same verdict at the same step with no collective of its own:
+`judge` is a pure function of the global loss and norm and of the running maximum of the loss,
+which rides on the commit (engine/step/commit.py). A rejected step is neither committed nor kept
+for a roll-forward, so an entry after a failure replays it. docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -35,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 from enum import Enum
 
-__all__ = ["Verdict", "judge", "Action", "StepGuard", "TooManySkipped"]
+__all__ = ["Verdict", "judge", "GuardDecision", "StepGuard", "TooManySkipped"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +40,9 @@ def judge(loss: float, norm2: float, *, running_max: float, spike_factor: float)
     return Verdict(True)
 
 
-class Action(Enum):
+class GuardDecision(Enum):
+    """What `StepGuard.decide` makes of a verdict: apply the step, replay it, or skip its batch."""
+
     APPLY = "apply"
     REPLAY = "replay"
     SKIP = "skip"
@@ -72,7 +54,11 @@ class TooManySkipped(RuntimeError):
 
 @dataclass
 class StepGuard:
-    """What follows a verdict (module docstring)."""
+    """What follows a verdict, a pure state machine: the first rejection of a step replays it on
+    the same batch (a transient fault does not recur); a second skips the batch: the step counts
+    as done with no update, the learning-rate schedule does not shift. `max_skipped` skips in a
+    row stop the job, naming the steps. Its state goes in the checkpoint manifest (`extra.guard`),
+    so a resumed job's skip history goes on from the checkpoint's."""
 
     max_skipped: int
     """Skips in a row that stop the job."""
@@ -83,15 +69,15 @@ class StepGuard:
     in_a_row: list[int] = field(default_factory=list)
     """The steps skipped since the last applied one."""
 
-    def decide(self, step: int, verdict: Verdict) -> Action:
+    def decide(self, step: int, verdict: Verdict) -> GuardDecision:
         """APPLY, REPLAY (the first rejection of `step`) or SKIP; raises TooManySkipped when this skip
         makes `max_skipped` in a row."""
         if verdict.apply:
             self.in_a_row.clear()
-            return Action.APPLY
+            return GuardDecision.APPLY
         self.attempts[step] = self.attempts.get(step, 0) + 1
         if self.attempts[step] == 1:
-            return Action.REPLAY
+            return GuardDecision.REPLAY
         self.skipped.append(step)
         self.in_a_row.append(step)
         if len(self.in_a_row) >= self.max_skipped:
@@ -100,7 +86,7 @@ class StepGuard:
                 f"last because {verdict.reason}; fault_tolerance.max_skipped_steps="
                 f"{self.max_skipped}): lower the learning rate or check the data of those steps"
             )
-        return Action.SKIP
+        return GuardDecision.SKIP
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the skipped steps (all, and those since the last applied one).

@@ -1,28 +1,11 @@
-"""A worker's heartbeat to its own agent: whether its step thread moves, on a local file.
+"""A worker's heartbeat to its own agent (`Heartbeat`): whether its step thread moves, on a local
+file (`OOBLECK_HEARTBEAT_DIR/<local rank>.hb`), with no etcd write.
 
-A worker that hangs on a live node (a stuck kernel, a deadlock, a collective that never returns,
-a stopped process) is not seen by the control plane: its agent answers every liveness check, and
-its peers wait in their collectives. So each worker tells its agent, locally and with no etcd
-write, what it is doing: `Heartbeat.begin(step)` and `Heartbeat.end(step)` overwrite one line of a
-small file in the directory the agent gives it (`OOBLECK_HEARTBEAT_DIR`, file `<local rank>.hb`),
-and while a step runs the worker's main thread, which waits for the step thread in short slices
-(engine/runner.py), `tick()`s it at every slice. The line's format is the `Beat` record
-(records/heartbeat.py).
-
-A tick does not say "now": it says when the step thread last made progress, and since when it
-has been waiting for a peer, from what the step thread reported with plain attribute writes
-(`Progress`, engine/resilience/progress.py: a counter bumped per compute chunk and per
-communication call, and a mark while it waits in a communication call it posted its part of).
-So a step thread that stands still makes the beat stand still while the process lives, and a
-stopped or frozen process (or one whose main thread cannot get the interpreter back) writes
-nothing at all. The beat also carries the worker's typical step (the lower median of its last
-`TYPICAL_STEPS` completed steps), from which the agent's bound and the job's timeouts are
-derived (config/timing.py).
-
-Each write is one `pwrite` of a fixed-width line (no fsync: the agent reads it through the page cache). The
-agent's `HangWatch` (rendezvous/hang.py) reads it. The worker also registers `faulthandler` on
-SIGUSR2, writing every thread's stack to `<local rank>.stack` in the same directory, so the agent
-can record where a hung worker stands before it stops it.
+A worker hung on a live node (a stuck kernel, a deadlock, a collective that never returns, a
+stopped process) is not seen by the control plane: its agent answers every liveness check. So the
+worker's main thread rewrites the beat from what the step thread reported (`Progress`).
+Invariant: a step thread that stands still makes the beat stand still, and a stopped process
+writes nothing; the agent's `HangWatch` (rendezvous/hang.py) reads it. docs/liveness.md.
 """
 
 from __future__ import annotations
@@ -45,7 +28,14 @@ TYPICAL_STEPS = 20
 
 
 class Heartbeat:
-    """The worker side (module docstring); a no-op when the agent gave no directory."""
+    """The worker side; a no-op when the agent gave no directory. `begin(step)`, `end(step)` and,
+    while a step runs, `tick()` from the main thread's wait slices (engine/runner.py) overwrite one
+    fixed-width `Beat` line (records/heartbeat.py) of `<local rank>.hb` with one `pwrite` (no
+    fsync: the agent reads it through the page cache). A tick says when the step thread last made
+    progress and since when it waits for a peer (`Progress`), not "now"; the beat also carries the
+    typical step (the lower median of the last `TYPICAL_STEPS`), from which the agent's bound and
+    the job's timeouts derive (config/timing.py). SIGUSR2 writes every thread's stack to
+    `<local rank>.stack`."""
 
     def __init__(self, local_rank: int, directory: Optional[str] = None, progress: Progress = STEP_PROGRESS) -> None:
         directory = directory if directory is not None else os.environ.get(ENV)

@@ -1,36 +1,12 @@
-"""The step thread's progress: what it tells the worker's main thread, with plain attribute writes.
+"""The step thread's progress (`Progress`): what it tells the worker's main thread, which rewrites
+the heartbeat the agent watches (heartbeat.py, rendezvous/hang.py).
 
-A step thread blocked in a collective, in a kernel or in a deadlock does not stop the worker's
-main thread, which keeps waiting for it in slices (engine/runner.py). So the heartbeat the agent
-watches (engine/resilience/heartbeat.py, rendezvous/hang.py) must say whether the step thread itself
-moves. The step thread reports two things here, with no lock, no system call and no etcd write:
-
-- **progress points**: `point()` bumps a counter (one int attribute write) at every compute chunk
-  (each forward and backward of a microbatch: `timed`) and at every communication call it enters
-  and leaves; the main thread turns a change of the counter into a time when it rewrites the
-  heartbeat;
-- **waiting for a peer**: `waiting(*works)` marks the step thread as waiting in a communication
-  call whose own part it has posted (`works`: the call's handles, none when the call gives none).
-  The main thread asks `waits_for_a_peer()`: the step thread is in such a call and some handle is
-  not complete yet.
-
-The rule that names the right worker (rendezvous/hang.py) follows: a worker that waits for a peer
-is not hung, it is waiting; a step thread that makes no progress while it is not waiting for a
-peer -- blocked in a plain loop, in compute, in a deadlock, or inside a communication call whose
-handles have all completed (the data arrived, the thread did not come back) -- stands still. With
-one worker hung, its peers sit in communication calls waiting for it (their handles cannot
-complete without its part), so only it stands still. A collective hung inside the network or the
-device with every part posted (all its workers wait for an incomplete handle) names nobody: the
-collective's own timeout, `fault_tolerance.comm_timeout_s` (derived from the measured step times
-by default, config/timing.py), ends it.
-
-Pipeline sends and receives are waited for inside torch's schedules; `watch_pipeline_waits`
-wraps the schedules' one waiting function so those waits are marked too. The collectives of
-tensor parallelism run inside a layer's forward and backward, within a compute chunk, and are not
-marked: a lane blocked outside them leaves its stage's other lanes standing still in them, so
-every lane of that stage is cut off (they are replaced alike). On a GPU the step's one device sync
-(the norm read after the gradient sums) is marked as waiting, so a kernel stuck on the device
-shows as a wait and is left to the communication timeout.
+Invariant, the rule that names the right worker: a step thread waiting for a peer in a call whose
+own part it posted is not hung; one that makes no progress while not waiting (a plain loop,
+compute, a deadlock, a call whose handles all completed) stands still. With one worker hung its
+peers wait for it, so only it stands still; a collective hung with every part posted names nobody
+and is left to `fault_tolerance.comm_timeout_s`. `watch_pipeline_waits` marks the waits inside
+torch's pipeline schedules. docs/liveness.md.
 """
 
 from __future__ import annotations
@@ -45,7 +21,13 @@ T = TypeVar("T")
 
 
 class Progress:
-    """Written by the step thread, read by the main thread (module docstring)."""
+    """Written by the step thread, read by the main thread, with plain attribute writes (no lock,
+    no system call). `point()` bumps a counter at every compute chunk (`timed`) and communication
+    call; `waiting(*works)` marks a communication call whose own part is posted; the main thread
+    asks `waits_for_a_peer()`: in such a call, with some handle not complete yet. Tensor-parallel
+    collectives run inside a compute chunk and are not marked (a lane blocked outside them leaves
+    its stage's other lanes standing still in them, and they are replaced alike); on a GPU the
+    step's one device sync is marked as a wait, so a stuck kernel is left to the comm timeout."""
 
     def __init__(self) -> None:
         self.count = 0

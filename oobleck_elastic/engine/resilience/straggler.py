@@ -1,47 +1,12 @@
 """Stragglers: a node persistently slower than the others is named, and the batch re-split around it.
 
-A slow node (thermal throttling, a degraded device, a noisy neighbour) slows every step: its
-pipeline finishes last and the others wait at the gradient sum. It is no failure, so nothing else
-notices it.
-
-**Measuring.** Each worker times its own compute in a step (`ComputeClock`: the stage's forward
-and backward chunks, not the waits for its neighbours; CUDA events on a GPU, the step thread's
-CPU time on a CPU with one intra-op thread, nothing otherwise), and the seconds ride
-on the commit all-reduce the step makes anyway (engine/step/commit.py: `CommitVote.compute_s`,
-one slot per rank in a MAX, so every worker learns every worker's time with no new collective).
-
-**Naming** (`slowdowns`, `StragglerWatch`; pure, the same on every worker). Over the last
-`straggler_steps` steps of a generation (its first step left out), each worker's time per
-microbatch is compared with the typical time of its stage: its peers' (the workers of other
-pipelines that run the same layers; with f+1 pipelines of a template every stage has f of them),
-or, for a stage cut like no other, the time the plan expects of it (`StagePlacement.compute_s`,
-from the profile) at the generation's typical ratio of measured to expected time, so that the
-profile's absolute scale does not matter. A worker's slowdown is the smaller of two measures over
-the window, each robust to one kind of a shared machine's noise:
-- its fastest time against its stage's fastest: contention only ever adds time, so a healthy
-  worker shows its speed in some step of the window, a slow device in none of them (noise that
-  comes and goes, on any worker);
-- its slowdown step by step (against its stage's typical time in the same step) that it reaches
-  in three steps of four (the lower quartile over the window): a stretch of steps in which the
-  whole machine is loaded slows every worker alike, and a device 3x slower is at least 3 / 1.8x
-  slower in every step even when its peers are slowed 1.8x (noise that lasts, on every worker).
-A healthy worker reaches the factor in both only when contention slows it by that factor in every
-step of the window, and in three steps of four more than its peers (10 steps by default, seconds
-on a shared machine; a window of 5 and the fastest time alone named a healthy node at 1.5x in a
-clean 200-step run on a loaded two-core machine). A node is named when
-one of its workers is at least `fault_tolerance.straggler_factor` times its stage's typical time
-and takes at least half the largest stage's typical time (a tiny stage a few milliseconds off is
-no straggler): a device 3x slower is named once the window is full, `straggler_steps` + 1 steps
-into a generation. It is cleared the same way (one step at full speed clears it). The worker
-holding rank 0 logs both, writes an event and TensorBoard `straggler/*`, and adds the
-named nodes and every pipeline's measured time per microbatch to the job's progress record
-(`oobleck status` shows them).
-
-**Mitigating** (planning/rebalance.py; the leader runs it, rendezvous/leader.py): the leader
-re-splits the global batch's microbatches among the same pipelines at their measured speeds and
-publishes that as a plan on the same nodes and stages (`Plan.rebalanced`); workers move to it at
-a step boundary. The global batch and its sample order are unchanged (data/dataset.py cuts it by
-pipeline), so the weights still equal one process's.
+Each worker times its own compute in a step (`ComputeClock`: its stage's chunks, not the waits
+for its neighbours), and the seconds ride on the commit (engine/step/commit.py), so every worker
+learns every worker's time with no new collective. `slowdowns` and `StragglerWatch` compare each
+with its stage's typical time (its peers', or the plan's at the generation's ratio), pure and the
+same on every worker; rank 0 reports the named nodes, and the leader re-splits the microbatches
+at the measured speeds (planning/rebalance.py). Invariant: a re-split keeps the global batch and
+its sample order, so the weights still equal one process's. docs/training.md.
 """
 
 from __future__ import annotations
@@ -187,7 +152,15 @@ class Verdict:
 
 
 class StragglerWatch:
-    """Names nodes persistently slower than the rest of their generation (module docstring)."""
+    """Names nodes persistently slower than the rest of their generation. Over the last `steps`
+    steps of a generation (its first left out), a worker's slowdown is the smaller of two measures,
+    each robust to one kind of a shared machine's noise: its fastest time against its stage's
+    fastest (contention only adds time, so a healthy worker shows its speed in some step), and the
+    slowdown it reaches step by step in three steps of four (a stretch in which the whole machine
+    is loaded slows every worker alike). A node is named when one of its workers is at least
+    `factor` times its stage's typical time and takes at least half the largest stage's typical
+    time (a tiny stage a few milliseconds off is no straggler); one step at full speed clears it.
+    Why these windows: bench/RESULTS.md."""
 
     def __init__(self, factor: float, steps: int) -> None:
         self.factor, self.steps = factor, steps

@@ -1,12 +1,10 @@
-"""The step: what one training step of a stage computes, independent of how the stage was entered.
+"""The step: what runs at every step on the stage built at entry.
 
-`optim` (AdamW, the learning-rate schedule, loss scaling and clipping, shared by the reference
-and the engine), `loss` (the token-sum loss over the real vocabulary), `compiled` (layers run
-through `torch.compile`, warmed before the worker joins), `shapes` (stage inputs and outputs
-known in advance), `commit` (`CommitVote`: what the step's commit all-reduce carries, the point
-after which a worker applies the step) and `result` (`StepResult`, bf16 `Autocast`). The
-`Trainer` that runs a step lives at the engine's root.
+`forward_backward` (the stage's part of the schedule), `grad_sync` (the gradient sums among each
+layer's holders, then the norm and the loss), `shadows` (the shadow copies' gradient exchange),
+`commit` (the commit vote: the protocol of exactly-once steps), `apply` (the optimizer update
+and the step guard's verdict, only while the step is current), `state` (`WorkerState`),
+`optim`, `loss` and `result`. docs/training.md tells the story.
 
-Imports: `models`, `planning`, `config`, `logs` and `engine.resilience`; nothing else of the
-engine.
+Imports: `models`, `planning`, `config`, `logs`, `records` and `engine.resilience`.
 """

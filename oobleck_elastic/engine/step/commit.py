@@ -1,44 +1,12 @@
-"""The commit vote: what every worker puts into a step's COMMIT all-reduce, as one typed record.
+"""The commit: one MAX all-reduce of every worker's `CommitVote`, the point of exactly-once steps.
 
-**Exactly-once steps** (docs/design.md, invariant 2). After a step's pipeline schedule and its
-gradient sums among each layer's holders, every worker of the generation makes two control
-collectives: a SUM all-reduce of the squared gradient norm and the loss (`Trainer`), then the
-COMMIT, one MAX all-reduce of every worker's `CommitVote` (`commit`). A worker calls
-`optimizer.step()` only after the commit returns, and the commit returns only once every worker
-has joined it, i.e. has finished all of the step's communication before it. So if any worker
-applied step s, every worker holds step s's synchronised gradients and norm: after a failure the
-survivors roll the step forward when some worker committed it and replay it when none did, and
-every step is applied exactly once.
-
-**What rides on it.** The commit is a collective the step makes anyway, so whatever the workers
-must agree on at a step boundary rides on it for free: the newest plan generation any worker has
-seen (all leave for it at the same boundary), the largest peak memory of any worker
-(engine/telemetry/memory.py), the step guard's running maximum of the loss and its count of
-rejections of this step (engine/resilience/guard.py), and every worker's compute seconds in the
-step (engine/resilience/straggler.py). Each is a field of `CommitVote`, declared with its rule:
-
-- `_largest`: one slot; the commit gives the largest value of any worker. In an optional field
-  `None` travels as -1 (below any real value, so a worker with nothing to say never wins) and any
-  negative reads back as `None`.
-- `_by_rank`: one slot per rank; a worker fills its own slot (`own_slot`) and leaves the others
-  0, so the MAX gathers every worker's value (the values are never negative).
-- `_smallest`: one slot that travels negated, so the MAX gives the smallest value of any worker.
-
-The entry's window rides the same way: every worker's Unix times of beginning and finishing its
-entry into the generation (`entry_began`, smallest; `entry_ended`, largest), so rank 0 learns at
-the first step after a reconfiguration how long the job took until every worker had entered
-(engine/telemetry/board.py). They travel as float64 (a Unix time in float32 is off by minutes).
-
-**Layout.** `pack` lays the fields out in their declaration order in one flat float64 tensor
-(`CommitVote.layout`: seven slots, then one per rank) and `unpack` reads it back, refusing a tensor
-of another shape or dtype. Every field's rule is a MAX, so one MAX all-reduce of the packed
-tensor is the field-wise reduction (`combine`, the same rule in plain Python). A one-slot field
-travels rounded to float32 on its way into the float64 tensor (the protocol's wire format:
-changing it would move the step guard's threshold in its eighth digit): exact for generations
-and counts below 2^24, seven significant digits for bytes and the loss, and the same on every
-worker, which is all an agreement needs; the entry's Unix times and the per-rank seconds travel
-as float64. A feature that
-needs the workers to agree on something adds a field with its rule, not a slot index.
+A worker calls `optimizer.step()` only after the commit returns, and it returns only once every
+worker has finished the step's gradient sums and norm; so if any worker applied step s, every
+survivor holds s's synchronised gradients: after a failure they roll s forward if anyone
+committed it, else replay it (docs/recovery.md). What the workers must agree on at a step
+boundary rides on it as typed fields, each with its rule (`_largest`, `_by_rank`, `_smallest`),
+packed into one float64 tensor (`pack`, `unpack`, `combine`): the newest generation seen, peak
+memory, the guard's running maximum, compute seconds, the entry's window.
 """
 
 from __future__ import annotations
@@ -81,7 +49,10 @@ class _Rule:
 
 
 def _largest(kind: type, *, optional: bool = False, wire: torch.dtype = torch.float32) -> Any:
-    """A one-slot field: the commit gives the largest value of any worker."""
+    """A one-slot field: the commit gives the largest value of any worker. An optional field's None
+    travels as -1 (never wins; any negative reads back as None). `wire`: the one-slot fields travel
+    rounded to float32, the protocol's wire format (changing it would move the step guard's
+    threshold in its eighth digit); Unix times travel as float64 (float32 is off by minutes)."""
     return field(metadata={"vote": _Rule(False, kind, wire, optional)})
 
 
@@ -91,7 +62,8 @@ def _smallest(kind: type, *, wire: torch.dtype = torch.float32) -> Any:
 
 
 def _by_rank() -> Any:
-    """A field of one float64 slot per rank: the commit gives every worker's value by rank."""
+    """A field of one float64 slot per rank: the commit gives every worker's value by rank (a
+    worker fills its own slot, `own_slot`, and leaves the others 0: the values are never negative)."""
     return field(metadata={"vote": _Rule(True, float, torch.float64)})
 
 
@@ -141,7 +113,9 @@ class CommitVote:
         return max((s.stop for s in cls.layout(world_size).values()), default=0)
 
     def pack(self) -> torch.Tensor:
-        """The flat float64 tensor of `layout(world_size)` that the commit all-reduces."""
+        """The flat float64 tensor of `layout(world_size)` that the commit all-reduces: the fields in
+        declaration order. Every rule is a MAX, so one MAX all-reduce is the field-wise reduction; a
+        feature that needs the workers to agree on something adds a field with its rule."""
         layout = self.layout(self.world_size)
         out = torch.zeros(self.size(self.world_size), dtype=torch.float64)
         for f, rule in _rules():
@@ -181,7 +155,7 @@ def own_slot(rank: int, world_size: int, value: float) -> tuple[float, ...]:
 def combine(votes: Sequence[CommitVote]) -> CommitVote:
     """What the commit all-reduce makes of `votes`, field by field in plain Python: the largest
     value of each one-slot field (`None` only when every vote has `None`), the largest value of
-    each per-rank slot (for values the wire carries exactly: see the module docstring)."""
+    each per-rank slot (for values the wire carries exactly: see `_largest`)."""
     if not votes:
         raise ValueError("no votes to combine")
     values: dict[str, Any] = {}

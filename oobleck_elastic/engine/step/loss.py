@@ -1,20 +1,10 @@
 """The training loss: token cross-entropy summed over a microbatch and divided by the tokens of
-the global batch, over the real vocabulary only.
+the global batch, over the real vocabulary only (padded rows get no gradient).
 
-Summing per microbatch and dividing by the global token count makes the sum of every
-microbatch's, stage's and replica's gradients the gradient of the mean loss over the global
-batch, whatever the plan (docs/design.md, invariant 1).
-
-- **Padded vocabulary.** The embedding and the head may have more rows than the tokenizer has
-  tokens (`model.vocab_size` rounded up to `model.pad_vocab_to`, for the matrix shapes); the loss
-  reads the first `vocab_size` logits only, so padded rows get no gradient and stay zero.
-- **fp32** (`training.precision=fp32`): `F.cross_entropy` on the logits, the exact reference.
-- **bf16**: the logits stay bf16 (no fp32 copy of the whole microbatch's logits). `ChunkedCrossEntropy`
-  walks the tokens in chunks of `CHUNK_TOKENS`: each chunk is upcast to fp32, its loss summed and
-  its gradient (softmax − one-hot, times the scale) written, in bf16, straight into the gradient
-  of the logits, computed in the forward; the backward only scales it. Memory beyond the bf16
-  logits: their bf16 gradient (autograd would make it anyway) and one fp32 chunk, instead of
-  fp32 logits, fp32 log-probabilities and an fp32 gradient of the whole microbatch.
+Invariant: the sum of every microbatch's, stage's and replica's gradients is the gradient of the
+mean loss over the global batch, whatever the plan (docs/design.md, invariant 1). Under bf16 the
+logits stay bf16 and `ChunkedCrossEntropy` upcasts them a chunk of `CHUNK_TOKENS` at a time,
+writing their gradient in the forward (no fp32 copy of a microbatch's logits). docs/training.md.
 """
 
 from __future__ import annotations
@@ -32,7 +22,10 @@ CHUNK_TOKENS = 2048
 
 class ChunkedCrossEntropy(torch.autograd.Function):
     """sum over tokens of cross-entropy(logits[t, :vocab], labels[t]) × scale, labels -100 ignored,
-    with the gradient computed chunk by chunk in the forward (module docstring)."""
+    with the gradient computed chunk by chunk in the forward: each chunk of `CHUNK_TOKENS` is upcast
+    to fp32, its loss summed and its gradient (softmax - one-hot, times the scale) written in bf16
+    straight into the logits' gradient; the backward only scales it. Beyond the bf16 logits it
+    holds their bf16 gradient and one fp32 chunk, not fp32 copies of the whole microbatch's."""
 
     @staticmethod
     def forward(

@@ -1,18 +1,10 @@
 """Optimizer, learning-rate schedule, loss scaling and gradient clipping, shared by the
 single-process reference and the pipelined engine so both do exactly the same math.
 
-- Loss (engine/step/loss.py, `token_sum_loss`): every microbatch's token cross-entropy is SUMMED and
-  divided by the number of tokens in the GLOBAL batch, so summing gradients over microbatches,
-  stages and replicas gives the gradient of the mean loss over the global batch, whatever the
-  plan (docs/design.md, invariant 1).
-- Clipping: the global gradient norm is computed from per-parameter squared sums (each
-  parameter counted once in the whole job) and the same coefficient is applied everywhere.
-- AdamW with decoupled weight decay on matrices only; LR warm-up then constant/linear/cosine.
-  It is torch's fused AdamW (one kernel over every parameter of a group, on the CPU and on CUDA;
-  5.7x the per-parameter loop on 24 GPT-2 matrices on the CPU): its `step` lives with the
-  parameters, as a float32 scalar on their device (`adamw_step`), wherever state is installed.
-- Clipping and the norm are foreach operations (one call over every gradient), and nothing in
-  a step reads a value back to the host but the commit (the loss and the norm, once per step).
+Invariant: clipping uses the global gradient norm (each parameter counted once in the job) and
+the same coefficient everywhere; AdamW (torch's fused kernel, weight decay on matrices only)
+keeps its `step` as a float32 scalar on the parameters' device (`adamw_step`) wherever state is
+installed; nothing here reads a device value back to the host. docs/training.md.
 """
 
 from __future__ import annotations
@@ -95,7 +87,7 @@ def apply_update(
 ) -> None:
     """Step `step`'s optimizer update from the gradients in place: clipped by the global squared
     norm `norm2`, at the step's learning rate; the gradients are dropped afterwards. The holders
-    and the keepers of shadow copies run exactly this (engine/updates.py, generation/shadows.py)."""
+    and the keepers of shadow copies run exactly this (engine/step/apply.py, shadows.py)."""
     scale_grads(params, clip_coefficient(norm2, cfg.optimizer.grad_clip))
     set_lr(optimizer, step, cfg)
     optimizer.step()

@@ -1,12 +1,10 @@
-"""What one step gives back (`StepResult`), and the bf16 autocast wrapper of a stage (`Autocast`)."""
+"""What one step gives back to the loop (`StepResult`): the same on every worker of the generation
+except its timings. The story of a step: docs/training.md."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
-
-import torch
-from torch import nn
 
 from ..resilience.fingerprint import Corrupt
 
@@ -41,26 +39,7 @@ class StepResult:
     shadow_s: float = 0.0
     """Seconds this worker spent in the step on the shadow copies' exchange: gathering and posting
     the gradients for the keepers, and waiting for the exchange before the commit
-    (engine/generation/shadows.py; 0 without shadows). The goodput ledger charges it to `shadows`."""
+    (engine/step/shadows.py; 0 without shadows). The goodput ledger charges it to `shadows`."""
     entry_window: tuple[Optional[float], Optional[float]] = (None, None)
     """Unix times the first worker of the generation began entering it and the last one had
     entered it (engine/telemetry/board.py); None: not known."""
-
-
-class Autocast(nn.Module):
-    """Runs a stage under bf16 autocast (fp32 master weights stay in the wrapped module). What it
-    hands to the next stage is float32; the last stage's logits are bf16 (`last`; what a head's
-    matrix multiply gives under autocast), for the loss to upcast chunk by chunk (engine/step/loss.py)."""
-
-    def __init__(self, module: nn.Module, dtype: Optional[torch.dtype], *, last: bool = False) -> None:
-        super().__init__()
-        self.module, self.dtype, self.last = module, dtype, last
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dtype is None:
-            return self.module(x)
-        with torch.autocast(device_type=x.device.type, dtype=self.dtype):
-            out = self.module(x)
-        if not out.is_floating_point():
-            return out
-        return out.to(self.dtype) if self.last else out.float()

@@ -1,45 +1,9 @@
-"""What a job's TensorBoard run holds and where it lies: its directory, its tags, its step
-numbering, its custom-scalars page and the job-level figures of a reconfiguration.
-
-**One run per job.** The worker holding rank 0 of the current generation writes (metrics.py), and
-every worker that holds rank 0 in turn writes into the same directory,
-`<logging.tensorboard_dir>/<run id>/<start>` (`run_name`): the run id is the job's `--rdzv-id`
-(`name` for the single process), `<start>` the UTC time (`YYYYMMDD-HHMMSS`, `-2`, `-3`, ... when
-that directory exists already) at which the job's first writer opened it. The first writer
-records the name in etcd (records/board.py) and every later one reads it there, so a job's event
-files never spread over several runs, and a job started again (the same command, the same run
-id, fresh etcd keys; or the single process run twice) never writes into an older run: its
-curves, the goodput ledger's among them, start in a run of their own. `tensorboard --logdir
-<logging.tensorboard_dir>` shows each start as `<run id>/<start>`.
-
-**Steps.** TensorBoard's step is the step number the logs print: a step's scalars are written at
-the number of steps done once it is (`step 3/6` in the progress line is written at 3), a
-generation's plan at the number of steps done when it was entered (its `entered` line's step).
-
-**Tags** (`TAGS`, the list docs/training.md's TensorBoard paragraph documents). Throughput comes first
-in TensorBoard's Scalars and Time Series tabs: they sort groups by name, code unit by code unit,
-so the capital of `Throughput/` sorts before the lower-case groups (tests/test_board.py checks it
-with TensorBoard's comparison). `LAYOUT` is a custom-scalars page (the Custom Scalars tab,
-written once by each writer): throughput, nodes and pipelines, memory and goodput on one page.
-
-**Shadow copies** (`ShadowFigures`, with `fault_tolerance.shadow_copies`): per step, the host
-memory of the shadows the writer keeps (`ShadowStore.host_bytes`, measured after each update, so
-the figure never waits for the update running in the background) and the whole job's as the plan
-sizes them (the placement's per-node load: the planner's bytes, not a measurement); their lag,
-the step just done minus the step the writer's shadows hold (0 by design: the keepers receive a
-step's gradients before its commit and apply them with it; a positive figure is a bug); the
-bytes the writer sent plus received for them in the step (`ShadowLink.bytes_per_step`) and its
-seconds on their exchange (`StepResult.shadow_s`, what the goodput ledger charges to `shadows`).
-
-**Job-level reconfiguration figures.** `reconfiguration/bytes_moved_job` sums every move of the
-entry (`job_bytes_moved`: each worker computes the same transfer list, engine/generation/
-reconfigure.py, so no communication is needed), where the old `bytes_moved` was rank 0's own
-bytes. `reconfiguration/seconds_until_all_entered` runs from the moment the first worker of the
-generation began entering it to the moment the last one had entered: every worker carries its
-entry's start and end (Unix times) in the step's commit vote as a smallest and a largest value
-(engine/step/commit.py), so the first step after the entry gives rank 0 both, with no extra
-collective (`seconds_until_all_entered`). The times come from several hosts: clocks that disagree
-shift this figure by their difference.
+"""What a job's TensorBoard run holds and where it lies: its directory (`run_name`: one run per
+job start, `<logging.tensorboard_dir>/<run id>/<UTC start>`), its tags (`TAGS`, `TEXTS`), its
+step numbering (`tb_step`: the steps done, as the progress lines print), its custom-scalars page
+(`LAYOUT`) and the figures of a reconfiguration (`JobFigures`) and of the shadow copies
+(`ShadowFigures`). Invariant: a job's event files never spread over several runs, and every
+figure is the same whichever worker holds rank 0. The tags are listed in docs/training.md.
 """
 
 from __future__ import annotations
@@ -50,8 +14,8 @@ from typing import Callable, Iterable, Optional
 
 from ...planning import Plan
 from ...records.goodput import Category
-from ..generation.reconfigure import Move
-from ..generation.shadows import ShadowStore
+from ..entry.reconfigure import Move
+from ..step.shadows import ShadowStore
 
 __all__ = [
     "TAGS",
@@ -130,7 +94,9 @@ def layout_tags(layout: dict[str, dict[str, tuple[str, list[str]]]] = LAYOUT) ->
 
 def run_name(run_id: str, *, now: Optional[float] = None, taken: Callable[[str], bool] = lambda name: False) -> str:
     """A new run's directory under `logging.tensorboard_dir`: `<run id>/<UTC start>`, with `-2`,
-    `-3`, ... appended while `taken(name)` (the directory exists)."""
+    `-3`, ... appended while `taken(name)` (the directory exists). The job's first writer records
+    it in etcd (records/board.py) and every later one reads it there, so a job's event files never
+    spread over several runs and a job started again never writes into an older one."""
     if not run_id or "/" in run_id or run_id in (".", ".."):
         raise ValueError(f"run id {run_id!r} cannot name a TensorBoard directory: use a name without '/'")
     base = f"{run_id}/{time.strftime('%Y%m%d-%H%M%S', time.gmtime(time.time() if now is None else now))}"
@@ -154,7 +120,8 @@ def job_bytes_moved(moves: Iterable[Move]) -> int:
 
 def seconds_until_all_entered(first_began: Optional[float], last_entered: Optional[float]) -> Optional[float]:
     """From the first worker beginning to enter a generation to the last one entered (Unix times
-    agreed in the commit vote); None when either is unknown."""
+    agreed in the commit vote, as a smallest and a largest value: no extra collective); None when
+    either is unknown. The times come from several hosts: clocks that disagree shift it."""
     if first_began is None or last_entered is None:
         return None
     return max(0.0, last_entered - first_began)
@@ -178,7 +145,10 @@ class JobFigures:
 
 @dataclass(frozen=True)
 class ShadowFigures:
-    """One step's shadow-copy figures, as the writer writes them (module docstring)."""
+    """One step's shadow-copy figures, as the writer writes them. `host_bytes` is measured after
+    each update (it never waits for the one running in the background); the job's are the plan's
+    sizes, not a measurement; `lag_steps` is 0 by design (keepers apply a step with its commit),
+    so a positive figure is a bug."""
 
     host_bytes: int
     """`shadows/host_gb`: the writer's shadows (0 when it keeps none)."""

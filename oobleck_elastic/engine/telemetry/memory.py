@@ -1,20 +1,10 @@
-"""How much memory a worker holds: its peak resident set and, on CUDA, its peak device memory.
+"""How much memory a worker holds: its peak resident set (`peak_rss_bytes`, the kernel's `VmHWM`),
+its resident set now (`current_rss_bytes`) and, on CUDA, its peak device memory
+(`peak_device_bytes`: tensors only, not the allocator's cache).
 
-A worker materialises only the layers of its stage (engine/trainer.py), so its memory is its
-stage's training state (parameters, gradients, optimizer moments, in-flight activations) plus a
-constant (the interpreter, torch, the dataset, communication buffers) that does not grow with
-the model. These figures make that a measured property rather than a promise:
-
-- `peak_rss_bytes()`: the process's high-water mark of resident memory, as the kernel counts it
-  (`VmHWM` in /proc/self/status; `ru_maxrss` where /proc is missing). It never decreases.
-- `current_rss_bytes()`: resident memory now (`VmRSS`), e.g. a worker's baseline before it
-  holds any layer.
-- `peak_device_bytes(device)`: `torch.cuda.max_memory_allocated` on a CUDA device (tensors
-  only, not the allocator's cache), None elsewhere.
-
-Each worker logs its figures before its first step and at every progress line, and carries them
-in the step's commit all-reduce (a MAX, no extra collective), so the TensorBoard writer records
-the largest worker's as `memory/peak_rss_gb` and `memory/peak_device_gb`.
+Invariant: a worker materialises only its stage's layers, so its memory is its stage's training
+state plus a constant that does not grow with the model; these figures make that measured. They
+ride on the step's commit (a MAX), so TensorBoard records the largest worker's. docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
-"""Metrics: one TensorBoard writer per job and progress lines that say generation, step and node.
+"""Metrics: one TensorBoard writer per job (`Metrics`) and progress lines that say generation,
+step and node.
 
 Only the worker holding rank 0 of the current generation (or the single process) writes, so a
-job has one event stream, in one run directory per job (board.py: the directory, the step
-numbering, the tags and the custom-scalars page). Per step, at the number of steps done
-(`board.tb_step`): `Throughput/` tokens and samples per second over `Throughput/wall_s`, the wall
-time since the previous step completed on this worker (a step after a reconfiguration counts its
-cost), `Throughput/step_time_s` (the step's own time) beside `Throughput/est_step_time_s` (the
-planner's estimate), `Throughput/tflops_per_device` and `Throughput/mfu` (mfu.py; MFU only when the
-device's peak is known); `train/loss`, `train/lr`, `train/grad_norm`; `cluster/nodes`,
-`cluster/pipelines`, `cluster/generation`; `memory/peak_rss_gb` (and `memory/peak_device_gb` on
-CUDA), the largest worker's. `guard/rejected` and `guard/skipped_steps` for steps the step guard
-did not apply (engine/resilience/guard.py); at every generation a text entry `plan`, and for every
-reconfiguration a `reconfiguration` text plus the job-level `reconfiguration/bytes_moved_job` and
-`reconfiguration/seconds_until_all_entered` (board.py); with every progress report the job's
-goodput ledger, `goodput/<category>` in seconds and `goodput/fraction` (goodput.py; at the last
-step the final one, which includes the final checkpoint); with shadow copies, per step,
-`shadows/host_gb`, `shadows/host_gb_job_planned`, `shadows/lag_steps`, `shadows/traffic_bytes` and
-`shadows/seconds` (board.py).
+job has one event stream (board.py: directory, steps, tags, page). Per step: throughput, MFU,
+loss, learning rate, gradient norm, cluster size, peak memory, the step guard's rejections and
+the shadow figures; per generation the plan; per reconfiguration its figures; with every
+progress report the goodput ledger. docs/training.md lists every tag.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Model FLOPs utilisation (MFU): the FLOPs a token costs, a device's peak, and what a step achieved.
 
-- **FLOPs per token** (`flops_per_token`), counted as torchtitan and nanoGPT count them:
-  6·N + 12·L·H·T, where N is the number of parameters that take part in a matrix multiply (every
-  layer's parameters but the embedding's: the token and position lookups cost no multiply; a
-  head tied to the embedding is counted, since the logits are a matrix multiply by it), L the
-  number of decoder blocks, H the hidden size (heads × head dimension) and T the sequence length.
-  6·N is the forward (2·N) and backward (4·N) of the weights; 12·L·H·T the attention scores and
-  their weighted sum (QKᵀ and AV, forward and backward, no causal discount). Activation
-  recomputation is not counted (a model FLOP is counted once).
-- **Peak** (`device_peak_tflops`): `training.peak_tflops` when set, else the dense (no
-  sparsity) peak of the device from `PEAK_TFLOPS`, chosen by the device's name and the training
-  precision: bf16 tensor cores under `training.precision=bf16`; TF32 under fp32 when torch lets
-  matrix multiplies use TF32 (`torch.backends.cuda.matmul.allow_tf32`, or
-  `torch.set_float32_matmul_precision("high")`), plain FP32 otherwise. CPUs and GPUs missing from
-  the table have no known peak: MFU is then reported as unknown until `training.peak_tflops` is set.
-- **Achieved** (`Throughput.of`): tokens/s over the step's wall time, TFLOP/s per device = tokens/s ×
-  FLOPs per token ÷ the workers that train (every stage's lanes), MFU = that ÷ the peak.
+`flops_per_token`: 6·N + 12·L·H·T as torchtitan and nanoGPT count it (N the parameters in a
+matrix multiply, the embedding's lookups excluded, a tied head included; L blocks, H the hidden
+size, T the sequence length; no recomputation, no causal discount). `device_peak_tflops`:
+`training.peak_tflops`, else the device's dense peak from `PEAK_TFLOPS` for the precision.
+`Throughput.of`: tokens/s, TFLOP/s per training device, MFU (unknown without a peak).
+docs/training.md.
 """
 
 from __future__ import annotations
@@ -51,7 +41,7 @@ PEAK_TFLOPS: dict[str, tuple[float, float, float]] = {
 
 
 def flops_per_token(cfg: JobConfig, seq_len: Optional[int] = None) -> Optional[float]:
-    """Training FLOPs of one token (module docstring) for the job's model at `seq_len`
+    """Training FLOPs of one token, 6·N + 12·L·H·T, for the job's model at `seq_len`
     (default `data.seq_len`); built on the meta device, so it costs no memory. None for a custom
     model (`model.family=custom`): its blocks, hidden size and attention are unknown, and a
     count from guessed ones would be a made-up figure."""
@@ -80,7 +70,8 @@ def _hidden_size(m: ModelConfig) -> int:
 
 def device_peak_tflops(device: torch.device, precision: str, override: Optional[float] = None) -> Optional[float]:
     """The device's dense peak TFLOP/s for `precision` (`bf16` or `fp32`); `override` (the
-    `training.peak_tflops` setting) wins; None when unknown (a CPU, an unlisted GPU)."""
+    `training.peak_tflops` setting) wins; None when unknown (a CPU, an unlisted GPU). bf16 tensor
+    cores under bf16; TF32 under fp32 when torch lets matrix multiplies use it, plain FP32 otherwise."""
     if override:
         return float(override)
     if device.type != "cuda" or not torch.cuda.is_available():

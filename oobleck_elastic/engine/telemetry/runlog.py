@@ -20,10 +20,10 @@ from ...config import JobConfig
 from ...logs import JobLog
 from . import board, memory
 from .metrics import Metrics
-from ..step.compiled import graphs_compiled
+from ..stage.compiled import graphs_compiled
 from .mfu import device_peak_tflops, flops_per_token
 from ..step.optim import lr_factor
-from ..generation.entry import Reconfiguration
+from ..entry.enter import Reconfiguration
 from ..step.result import StepResult
 
 if TYPE_CHECKING:  # the trainer is handed in; the loop at the engine's root builds on telemetry
@@ -188,7 +188,7 @@ class RunLog:
             "memory on entering: %s; holds %s, %.3f GB of parameters and optimizer state; resident at start %.3f GB",
             memory.describe(memory.peak_rss_bytes(), memory.peak_device_bytes(trainer.device)),
             layers,
-            trainer.held_bytes() / memory.GB,
+            trainer.state.held_bytes() / memory.GB,
             self.rss_at_start / memory.GB,
         )
 

@@ -1,18 +1,9 @@
-"""One worker's side of the sample ledger: what it fed, applied, skipped and restored.
+"""One worker's side of the sample ledger (`SampleLedger`): what it fed, applied, skipped and restored.
 
 The records, and the check that proves from them that every sample of a job was used exactly
-once, are records/samples.py's. This writer turns the trainer's moments into those records, as
-JSON event lines in the worker's events file (logs.py `event_line`: no text log line), only when
-`logging.events_dir` is set:
-
-- `fed(...)`, when the worker feeding a pipeline (its first stage, lane 0) has taken a step's
-  batch, before the step's first communication: the sample indices actually collated, as ranges
-  of their positions in the epoch's permutation: the slice's one range when the permutation holds
-  exactly those indices there (a comparison of the batch's indices), else every index looked up
-  in the inverse permutation (`GlobalBatchSampler.positions`);
-- `committed("applied" | "skipped", ...)`, by every worker when it applied a step's update (in
-  the step, or rolling it forward while entering the next generation) or the step guard skipped it;
-- `restored(...)`, by every worker that restored a checkpoint.
+once, are records/samples.py's; this writer turns the trainer's moments into those records.
+Invariant: a batch is recorded as the sample indices actually collated, so the check sees what
+trained, not what was planned. docs/training.md.
 """
 
 from __future__ import annotations
@@ -40,8 +31,11 @@ class Sampler(Protocol):
 
 
 class SampleLedger:
-    """Writes one worker's sample ledger records (module docstring); does nothing without
-    `logging.events_dir`. `sampler` is the trainer's `GlobalBatchSampler`."""
+    """Writes one worker's sample ledger records as JSON event lines (logs.py `event_line`); does
+    nothing without `logging.events_dir`. `sampler` is the trainer's `GlobalBatchSampler`. `fed`:
+    by the worker feeding a pipeline (first stage, lane 0), before the step's first communication;
+    `committed`: by every worker that applied (in the step or rolling it forward) or skipped a
+    step; `restored`: by every worker that restored a checkpoint."""
 
     def __init__(self, cfg: JobConfig, sampler: Sampler, node: str) -> None:
         self.on = bool(cfg.logging.events_dir)

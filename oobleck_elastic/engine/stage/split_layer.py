@@ -1,30 +1,9 @@
-"""A compiled layer whose input and weight gradients are separate autograd nodes, for the schedules
-that split the backward (zero-bubble) as for the others.
+"""A compiled layer whose input and weight gradients are separate autograd nodes (`run_split`),
+so that torch's split backward (zero-bubble's I and W passes) runs each compiled graph once, and
+a whole backward (1F1B, GPipe) runs both.
 
-Autograd graph of one call (`run_split`), for input x, parameters P and output y:
-
-    P -> Weight ------\
-                       Join -> y
-    x -> Input -------/
-
-`Input` runs the compiled forward (split_graphs.py: the layer's forward graph) and returns the
-output; its backward runs the compiled I graph (the input gradient, and the boundary tensors that
-the weight gradients use, kept for `Weight`). `Weight` returns a zero-size stand-in (an expanded
-scalar) and its backward runs the compiled W graph on the boundary: the parameters' gradients.
-`Join` returns Input's output and hands the output gradient to both. So:
-
-- torch's split backward (`stage_backward_input`: autograd.grad over the stage input, keeping the
-  gradients that reach the nodes joining the input's and the weights' paths; then
-  `stage_backward_weight` from those nodes to the weights) runs Input in the first pass and Weight
-  in the second; the node both paths join is `Join`, whose backward only passes the gradient on;
-- a whole backward (1F1B, GPipe, the first stage's W pass) runs both: `Weight` is created first, so
-  autograd's ready queue (later nodes first) runs `Input` before it and `Weight` finds the boundary
-  ready. Should `Weight` run first anyway, it computes the weight gradients from the backward's
-  inputs alone (the `weight_only` graph) and `Input` still gives the input gradient;
-- a layer whose input takes no gradient (token ids) has no Input node: `Weight` runs `weight_only`.
-
-The forward's saved tensors live in one `_Call` per call that the nodes share; `Weight` drops them
-when it has run (after `Input`'s pass), so they live as long as eager autograd's would.
+Invariant: every call's gradients equal eager autograd's, whichever pass order the schedule
+takes; the graphs are split_graphs.py's, compiled once per kind of layer. docs/schedules.md.
 """
 
 from __future__ import annotations
@@ -166,7 +145,20 @@ class _Join(torch.autograd.Function):
 
 def run_split(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` through its kind's compiled graphs, with separate input- and weight-gradient
-    nodes (module docstring)."""
+    nodes. The autograd graph of one call (input x, parameters P, output y):
+
+        P -> Weight ------                       Join -> y
+        x -> Input -------/
+
+    `Input` runs the compiled forward; its backward runs the I graph (the input gradient, and the
+    boundary tensors the weight gradients use). `Weight` returns a zero-size stand-in; its backward
+    runs the W graph on the boundary. `Join` hands the output gradient to both. torch's split
+    backward (`stage_backward_input`, then `stage_backward_weight` from the nodes both paths join)
+    runs Input in the I pass and Weight in the W pass. A whole backward runs both: `Weight` is
+    created first, so autograd's ready queue (later nodes first) runs `Input` before it; should
+    `Weight` run first anyway, it uses the `weight_only` graph. A layer whose input takes no
+    gradient (token ids) has no Input node. The forward's saved tensors live in one `_Call` that
+    `Weight` drops when it has run, so they live as long as eager autograd's would."""
     if not torch.is_grad_enabled():
         return layer(x)
     graphs = graphs_for(layer, x)

@@ -1,22 +1,12 @@
-"""Moving layers between generations: who sends which layer to whom, and the transfer itself.
+"""Moving layers between generations: who sends which layer to whom (`plan_transfers`), and the
+transfer itself (`exchange`).
 
-A worker is identified across generations by (node, local rank); its ranks change. When the job
-enters generation G, every worker computes the same transfer list from what each worker holds
-(the layers of its stage in the generation it last entered, agreed by one all-reduce) and the
-new plan: for each stage of G, the layers it must hold but does not come from a worker that
-holds them and is in G (a stage of G, or a donor: a drained node that joins G's entry only to
-hand its layers over, then leaves). Sources are spread over the surviving holders
-(round-robin by layer and receiver), so a layer needed by several workers is not served by one.
-A layer with no surviving holder is lost: the caller must restore the checkpoint (docs/design.md,
-invariant 3) and never trains on with a re-initialised layer.
-
-With tensor parallelism a worker holds one lane's shards, and lane j of a layer comes from a
-worker holding lane j of it (every node has the same devices, so lanes line up).
-
-The transfer sends each layer's parameters AND optimizer state (AdamW exp_avg, exp_avg_sq,
-step) as one flat fp32 tensor on the layer's device (so over NCCL on GPUs), all transfers posted
-at once with batch_isend_irecv, so any pattern of senders and receivers completes without
-ordering deadlocks.
+A worker is identified across generations by (node, local rank). Every worker computes the same
+transfer list from what each holds and the new plan; sources take turns over the surviving
+holders (lane j from lane j with tensor parallelism). Invariant: a layer moves with its weights
+AND optimizer state (one flat fp32 tensor, all posted at once with `batch_isend_irecv`, so no
+ordering deadlocks); a layer with no surviving holder is lost, never re-initialised: the caller
+restores the checkpoint (docs/design.md, invariant 3). docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -46,7 +36,7 @@ class Transfer:
     dst: int
     """Receiver's rank in the new generation."""
     from_shadow: bool = False
-    """The sender gives its host-memory shadow copy (shadows.py), not a layer of its stage."""
+    """The sender gives its host-memory shadow copy (engine/step/shadows.py), not a layer of its stage."""
 
 
 def plan_transfers(
@@ -56,7 +46,7 @@ def plan_transfers(
     each worker really holds now (`Plan.layers_by_worker` of the generation it last entered); a
     new or restarted worker holds nothing, and workers may hold the layout of different
     generations when an entry failed half-way. `shadows`: the layers whose host-memory shadow
-    copies each worker keeps current (shadows.py); a layer no surviving worker holds on its
+    copies each worker keeps current (engine/step/shadows.py); a layer no surviving worker holds on its
     devices comes from a surviving keeper of its shadow, and is lost only when none is left."""
     tp = new.tensor_parallel
     new_rank = new.entry_ranks()  # donors (drained nodes) are sources too, never receivers
@@ -105,7 +95,7 @@ class Move:
     bytes: int
     """Bytes sent: the layers' parameters and optimizer state (fp32)."""
     from_shadow: bool = False
-    """The sender gave its host-memory shadow copies (shadows.py)."""
+    """The sender gave its host-memory shadow copies (engine/step/shadows.py)."""
 
     def describe(self) -> str:
         """`layers 3-5 node1 -> node2 (2.4 MB)`."""

@@ -1,27 +1,16 @@
-"""A worker's stage in a generation: built once at its entry, run at every step.
-
-`build_stage` turns the layers this worker holds into what a step runs: one module per virtual
-stage (its chunk of layers; one range without chunks; a one-stage pipeline's are contiguous),
-compiled when `training.compile` says so and under the step's precision (`stage_module`). A
-pipeline of several stages also gets torch `PipelineStage`s, one per virtual stage, with static
-input and output shapes (meta tensors: torch then exchanges no pickled metadata between stages),
-each of whose passes is padded (`training.paced_devices`, engine/step/paced.py), timed by the
-straggler clock (engine/resilience/straggler.py) and a progress point of the step thread
-(engine/resilience/progress.py); its weight passes tell the generation's `GradSync` when a
-virtual stage's last weight gradient is final (`_after_weight_pass`). `schedule_for` picks the
-torch schedule that runs the pipeline's planned schedule over those stages (only what
-`planning.schedule_choice.ENGINE_RUNS` lists).
-
-A step then runs this stage's part: `run_schedule` feeds the first stage, gives the last its
-targets and sums the losses it returns; `run_local`, a one-stage pipeline, which needs no
-schedule, runs its microbatches one after another. Both return the summed loss on the device
-(the step's only host read comes later, with the gradient norm: `synchronise`, grad_sync.py).
+"""A worker's stage, built once at the entry of a generation (`build_stage`): one module per
+virtual stage (compiled when `training.compile` says so, under the step's precision: `Autocast`)
+and, for a pipeline of several stages, torch `PipelineStage`s with static shapes (shapes.py),
+paced (paced.py), timed by the straggler clock and watched as progress points, and the torch
+schedule that runs the planned one (`schedule_for`). Invariant: the engine only builds what
+`planning.schedule_choice.ENGINE_RUNS` lists, and every schedule sums (never averages) the
+microbatches' gradients. A step runs it with engine/step/forward_backward.py; docs/schedules.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -33,14 +22,14 @@ from ...planning import PipelineSpec, PlanningError, StagePlacement
 from ...planning.schedule_choice import ENGINE_RUNS, engine_runs_text
 from ..resilience.progress import Progress, watch_pipeline_waits
 from ..resilience.straggler import ComputeClock
-from ..step.compiled import compiled_stage
-from ..step.paced import Pacer, pace_stage
-from ..step.result import Autocast
-from .devices import to_device
-from .grad_sync import GradSync
-from .groups import GenerationGroups
+from ..step.grad_sync import GradSync
+from .compiled import compiled_stage
+from .paced import Pacer, pace_stage
 
-__all__ = ["BuiltStage", "build_stage", "stage_module", "schedule_for", "run_local", "run_schedule"]
+if TYPE_CHECKING:
+    from ..entry.groups import GenerationGroups
+
+__all__ = ["Autocast", "BuiltStage", "build_stage", "stage_module", "schedule_for"]
 
 
 @dataclass(frozen=True)
@@ -51,10 +40,29 @@ class BuiltStage:
     """The stage's layers (an `nn.Sequential` of its virtual stages' modules when it has chunks)."""
     schedule: Any
     """The torch schedule (None: a one-stage pipeline, run by `run_local`)."""
-    ends: tuple[bool, bool]
+    holds_first_last: tuple[bool, bool]
     """Whether the worker's virtual stages include the pipeline's first and its last (with a schedule)."""
     pacer: Optional[Pacer]
     """The first chunk's pacer (with a schedule; None when not paced)."""
+
+
+class Autocast(nn.Module):
+    """Runs a stage under bf16 autocast (fp32 master weights stay in the wrapped module). What it
+    hands to the next stage is float32; the last stage's logits are bf16 (`last`; what a head's
+    matrix multiply gives under autocast), for the loss to upcast chunk by chunk (engine/step/loss.py)."""
+
+    def __init__(self, module: nn.Module, dtype: Optional[torch.dtype], *, last: bool = False) -> None:
+        super().__init__()
+        self.module, self.dtype, self.last = module, dtype, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dtype is None:
+            return self.module(x)
+        with torch.autocast(device_type=x.device.type, dtype=self.dtype):
+            out = self.module(x)
+        if not out.is_floating_point():
+            return out
+        return out.to(self.dtype) if self.last else out.float()
 
 
 def stage_module(
@@ -98,11 +106,11 @@ def build_stage(
     if stages <= 1:
         return BuiltStage(module, None, (True, True), None)
     from ...planning.schedules import stage_placement
-    from ..step.shapes import stage_io
+    from .shapes import stage_io
 
     placed = stage_placement(pipeline.schedule, stages, len(ranges))  # virtual stage -> device
     indices = [k for k, on in enumerate(placed) if on == stage.index]
-    ends = (0 in indices, len(placed) - 1 in indices)  # holds the first / the last virtual stage
+    holds_first_last = (0 in indices, len(placed) - 1 in indices)  # holds the first / the last virtual stage
     first_pacer: Optional[Pacer] = None
     pstages: list[PipelineStage] = []
     for index, (start, end), chunk_module in zip(indices, ranges, modules, strict=True):
@@ -125,7 +133,7 @@ def build_stage(
             output_args=outputs,
             group=groups.pipeline_group,
         )
-        pacer = pace_stage(  # training.paced_devices: pad each pass (engine/step/paced.py)
+        pacer = pace_stage(  # training.paced_devices: pad each pass (engine/stage/paced.py)
             pstage,
             stage,
             cfg.training.paced_devices,
@@ -137,7 +145,7 @@ def build_stage(
         if not pstages:
             first_pacer = pacer  # the first chunk's (tests read what it padded)
         # a split backward assigns the weight gradients in its W pass, no hook sees them:
-        # the gradient sync is told when a virtual stage's last W has run (grad_sync.py)
+        # the gradient sync is told when a virtual stage's last W has run (engine/step/grad_sync.py)
         pstage.backward_weight_one_chunk = _after_weight_pass(  # type: ignore[method-assign]
             pstage.backward_weight_one_chunk, grad_sync, range(start, end)
         )
@@ -148,7 +156,7 @@ def build_stage(
             setattr(pstage, chunk, progress.timed(clock.timed(getattr(pstage, chunk))))
         pstages.append(pstage)
     watch_pipeline_waits(progress)  # the schedule's sends and receives are waits
-    return BuiltStage(module, schedule_for(pipeline, pstages, loss_fn), ends, first_pacer)
+    return BuiltStage(module, schedule_for(pipeline, pstages, loss_fn), holds_first_last, first_pacer)
 
 
 def _after_weight_pass(weight_pass: Callable[..., Any], sync: GradSync, layers: range) -> Callable[..., Any]:
@@ -168,7 +176,7 @@ def schedule_for(pipeline: PipelineSpec, stages: list[Any], loss_fn: Callable[..
     stages, in pipeline order): 1F1B (GPipe when chosen, or when the pipeline has fewer
     microbatches than stages), interleaved 1F1B over the chunks, zero-bubble (torch's interleaved
     zero-bubble schedule: ZB-H1 on one chunk per device, at any microbatch count with
-    `OneChunkZeroBubble`, engine/step/zero_bubble.py; its interleaved form over 2..8 chunks) or
+    `OneChunkZeroBubble`, engine/stage/zero_bubble.py; its interleaved form over 2..8 chunks) or
     ZB-V (two stages per device in a V), the orders planning/schedules.py simulates. Every stage
     gets the loss_fn (without one a schedule runs forward only) and sums, never averages, the
     microbatches' gradients (`scale_grads=False`: the loss is already divided by the global batch)."""
@@ -180,7 +188,7 @@ def schedule_for(pipeline: PipelineSpec, stages: list[Any], loss_fn: Callable[..
         ScheduleZBVZeroBubble,
     )
 
-    from ..step.zero_bubble import OneChunkZeroBubble
+    from .zero_bubble import OneChunkZeroBubble
 
     if (pipeline.schedule, pipeline.num_chunks) not in ENGINE_RUNS:
         raise PlanningError(
@@ -198,44 +206,3 @@ def schedule_for(pipeline: PipelineSpec, stages: list[Any], loss_fn: Callable[..
     (one_stage,) = stages
     one = Schedule1F1B if pipeline.schedule == "1f1b" and mb >= len(pipeline.stages) else ScheduleGPipe
     return one(one_stage, n_microbatches=mb, loss_fn=loss_fn, scale_grads=False)
-
-
-def run_local(
-    module: nn.Module,
-    loss_fn: Callable[..., torch.Tensor],
-    x: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    microbatch_size: int,
-    device: torch.device,
-    progress: Progress,
-) -> torch.Tensor:
-    """Forward and backward of every microbatch in turn; the summed loss, on the device."""
-    x, y = to_device(x, device), to_device(y, device)
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for i in range(0, x.shape[0], microbatch_size):
-        loss = loss_fn(module(x[i : i + microbatch_size]), y[i : i + microbatch_size])
-        loss.backward()
-        total += loss.detach()
-        progress.point()  # a compute chunk (engine/resilience/progress.py)
-    return total
-
-
-def run_schedule(
-    schedule: Any, ends: tuple[bool, bool], x: torch.Tensor, y: torch.Tensor, *, device: torch.device
-) -> torch.Tensor:
-    """This stage's part of the pipeline schedule (`ends`: whether the worker holds the first and
-    the last virtual stage); the summed loss on the last stage (zero on the others), on the device."""
-    first, last = ends
-    losses: list[torch.Tensor] = []
-    if first and last:  # zbv's V: device 0 holds the first and the last stage
-        schedule.step(to_device(x, device), target=to_device(y, device), losses=losses)
-    elif first:
-        schedule.step(to_device(x, device))
-    elif last:
-        schedule.step(target=to_device(y, device), losses=losses)
-    else:
-        schedule.step()
-    if not losses:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([loss.detach().double() for loss in losses]).sum()

@@ -1,51 +1,12 @@
 """Compiled layers: every kind of layer runs through its own compiled graphs, warmed before the
-job counts on the worker, so reconfiguration never compiles.
+job counts on the worker (`warm_up`), so a reconfiguration never compiles.
 
-Mechanism. A stage is `nn.Sequential(CompiledLayer(layer) for each layer)`, and
-`CompiledLayer.forward` calls `run_layer(layer, x)`: the layer's forward graph, and backward graphs
-split into the input gradient and the weight gradients (engine/step/split_graphs.py: AOTAutograd
-traces the layer as a function of its parameters, buffers and input; engine/step/split_layer.py:
-three autograd nodes per call, so that torch's split backward of a zero-bubble schedule runs the
-input-gradient graph in its I pass and the weight-gradient graph in its W pass, and a whole
-backward runs both once). Graphs are kept per kind of layer (`planning.profiler.layer_kind`:
-class, plain attributes, parameter shapes), input shape and autocast state, not per module object:
-every decoder block of a model (the same class and shapes) runs the same compiled graphs, as with
-torchtitan's per-block compilation, and so does a block received from another worker or rebuilt at
-a new generation: a worker compiles each kind of layer (embedding, block, head) once, forward and
-backward. The layers themselves are not changed (no `_orig_mod` in their names): checkpoints,
-transfers and exports see plain modules. Without gradients (`torch.no_grad`) a layer runs eager.
-
-Tensor-parallel layers (DTensor parameters, models/tensor_parallel.py) are not traced apart: they
-run through one `torch.compile`d function that takes the layer as an input (the same sharing by
-kind through dynamo's guards), one autograd node per layer, compiled without donated buffers so
-that a split backward can keep its graph. Under zero-bubble such a layer runs its whole compiled
-backward in both passes (the input-gradient pass drops the weight gradients, the weight-gradient
-pass computes the input gradient again): no faster than 1F1B's backward twice, and untested (as
-zero-bubble under tensor parallelism is, docs/guarantees.md's known limits).
-
-Why split, for every schedule. A layer compiled whole (one `torch.compile`d call) is one autograd
-node whose backward computes every gradient at once: torch's split backward then runs it twice
-(the I pass drops the weight gradients it computed, the W pass computes the input gradient again),
-and a compiled backward with donated buffers refuses the I pass's kept graph outright. The split
-graphs run a whole backward at 0.91-0.96x the whole layer's speed on the CPU, and zero-bubble's
-passes at 1.3-1.6x (bench/compile_split.py, bench/RESULTS.md); and one set of graphs serves
-every schedule, so a re-plan that changes a pipeline's schedule compiles nothing either.
-
-Warm-up (`warm_up`). Before a worker reports ready (engine/run.py), it builds one layer of every
-kind of the model on its device, alone (a head's memory at most), and runs a forward and a backward
-of one microbatch through `run_layer`, in the training precision; then it frees it. Graphs of
-the kinds it does not hold yet are then ready when a re-plan gives it such layers: compilation
-never happens on the recovery path. Kinds are `planning.profiler.layer_kind` (class, plain
-attributes, parameter shapes), the profiler's notion of identical layers.
-
-Caches. Compiled code is cached per process; across processes inductor's FX-graph and autograd
-caches (on by default) are kept in `TORCHINDUCTOR_CACHE_DIR`, which a worker sets, when it is not
-set already, to `<data.cache_dir>/inductor`: a node that joins (or a worker restarted on the same
-host, or any host sharing that directory) reuses the kernels compiled there and only traces.
-
-`training.compile` decides: true, false, or unset = on for CUDA devices, off for the CPU (on the
-CPU, compiled steps of a GPT-2 stage measured only ~5 % faster here, for 20-30 s of compilation
-per worker on two cores; bench/gpu_mfu.py compares both).
+A stage is `nn.Sequential(CompiledLayer(layer) ...)`; `run_layer` runs a layer's forward graph
+and its backward split into input- and weight-gradient graphs (split_graphs.py, split_layer.py),
+so one set of graphs serves every schedule, zero-bubble's I and W passes included. Graphs are
+shared by kind of layer, not per module. `training.compile` decides (`compile_enabled`); the
+on-disk caches live under `data.cache_dir` (`use_cache_dir`). docs/training.md, and
+bench/RESULTS.md for what compiling buys.
 """
 
 from __future__ import annotations
@@ -78,7 +39,8 @@ log = JobLog(logging.getLogger(__name__))
 
 
 def compile_enabled(cfg: JobConfig, device: torch.device) -> bool:
-    """`training.compile`, or when unset: on for CUDA, off for the CPU."""
+    """`training.compile`, or when unset: on for CUDA, off for the CPU (where compiled steps gain
+    little for tens of seconds of compilation per worker: bench/RESULTS.md)."""
     if cfg.training.compile is not None:
         return bool(cfg.training.compile)
     return device.type == "cuda"
@@ -107,8 +69,12 @@ def _sharded(layer: nn.Module) -> bool:
 
 
 def run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` through its kind's compiled graphs (module docstring); a tensor-parallel layer
-    (DTensor parameters) through one whole-layer compiled function."""
+    """`layer(x)` through its kind's compiled graphs, forward and split backward (split_layer.py),
+    shared by every layer of the same kind (`planning.profiler.layer_kind`: class, plain
+    attributes, parameter shapes), input shape and autocast state, not per module object: a block
+    received or rebuilt at a new generation compiles nothing. Without gradients it runs eager. A
+    tensor-parallel layer (DTensor parameters) runs through one whole-layer compiled function
+    (one autograd node: under zero-bubble its whole backward runs in both passes, untested)."""
     if not _sharded(layer):
         return run_split(layer, x)
     # the input-gradient pass of a split backward keeps the graph, which donated buffers forbid (read
@@ -118,8 +84,8 @@ def run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class CompiledLayer(nn.Module):
-    """Runs the wrapped layer through `run_layer`; the layer is a submodule, so the stage's
-    parameters are the layer's own."""
+    """Runs the wrapped layer through `run_layer`; the layer is a submodule and is not changed (no
+    `_orig_mod` in its names), so checkpoints, transfers and exports see plain modules."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -136,7 +102,8 @@ def compiled_stage(layers: Sequence[nn.Module]) -> nn.Sequential:
 
 def use_cache_dir(cfg: JobConfig) -> str:
     """Point inductor's on-disk caches at `<data.cache_dir>/inductor` unless the environment already
-    chose (TORCHINDUCTOR_CACHE_DIR); returns the directory in use."""
+    chose (TORCHINDUCTOR_CACHE_DIR), so a node that joins (or any host sharing the directory)
+    reuses the kernels compiled there and only traces; returns the directory in use."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     ours = str(Path(cfg.data.cache_dir).expanduser().resolve() / "inductor")
@@ -156,8 +123,10 @@ def warm_up(
     autocast: Optional[torch.dtype],
     node: str = "local",
 ) -> float:
-    """Compile every kind of layer of the model, forward and backward, on `device` (module
-    docstring); returns the seconds it took."""
+    """Compile every kind of layer of the model, forward and backward, on `device`, before the
+    worker reports ready: one layer of each kind built alone (a head's memory at most), one
+    microbatch through it in the training precision, then freed; so a re-plan that gives this
+    worker new kinds of layer compiles nothing on the recovery path. The seconds it took."""
     from ...models import build_layer_model, num_layers
     from ...models.build import build_meta_layers
     from ...planning.profiler import layer_kind

@@ -1,35 +1,11 @@
 """Paced devices: workers that share a machine's cores made to behave like devices of their own.
 
-On a small machine several workers share the CPU cores, so a pipeline bubble is filled by some
-other worker's arithmetic and no schedule's bubble can be measured. With
-`training.paced_devices` = k > 0 (benchmarks and tests only; bench/schedules.py), every pass a
-stage makes over one microbatch is padded by a sleep to a fixed time, k times what the plan
-expects of it:
-
-- a forward (`forward_one_chunk`) to k x `StagePlacement.forward_s`,
-- a full backward (`backward_one_chunk`) to k x (`compute_s` - `forward_s`),
-- with the backward split (zero-bubble: `backward_one_chunk(full_backward=False)` then
-  `backward_weight_one_chunk`), the input gradient to (1 - w) and the weight gradient to w of
-  that, w being the planner's weight share (planning/schedule_choice.py, `WEIGHT_SHARE`).
-
-`compute_s` and `forward_s` are the plan's, i.e. the planner's profile summed over the stage's
-layers (planning/plan.py), the numbers its estimates are made of; a plan that does not carry
-`forward_s` (0) is paced as forward = a third of compute_s (backward twice the forward). The
-time counted is the wall time from the call's start (on CUDA after the device has finished the
-pass); the sleep runs to a deadline, so it absorbs the real arithmetic, and the time it waited
-for a core, as long as they are shorter than the target. With k chosen so that they are a small
-part of it, every pass takes exactly its target whatever the other workers do, as on devices of
-their own. A pass longer than its target is not shortened; the first such overrun after the
-stage's first step (whose first passes carry one-off costs) is logged, once per stage: raise k.
-On the CPU the sleeps are outside the straggler clock's reach (it counts thread CPU time,
-engine/resilience/straggler.py): it still measures the real arithmetic. Communication, the
-step's collectives, the optimizer step and one-stage pipelines (no pipeline stage to wrap) are
-not paced. A device running several chunks (interleaved schedules) paces each chunk's passes
-to that chunk's times (`StagePlacement.chunk_times`); a plan without them leaves it unpaced.
-
-`pace_targets` and `padding_s` are the decisions, pure; `Pacer` applies them and keeps what it
-padded (`calls`, `wall_s` per pass: tests read them); `pace_stage` installs it on a
-`torch.distributed.pipelining.PipelineStage`.
+With `training.paced_devices` = k > 0 (benchmarks and tests only), every pass a stage makes over
+one microbatch is padded by a sleep to k times what the plan expects of it (`pace_targets`: the
+forward to k x `forward_s`, the backward to k x the rest of `compute_s`, a split backward's I and
+W passes by the planner's `WEIGHT_SHARE`; each chunk to its own times), so a schedule's bubble
+can be measured on a small machine. Communication, the optimizer step and one-stage pipelines
+are not paced. `Pacer` applies it, `pace_stage` installs it. docs/schedules.md.
 """
 
 from __future__ import annotations
@@ -109,7 +85,11 @@ def pass_of(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 @dataclass
 class Pacer:
-    """Pads the passes it wraps (`paced`) to `targets` (module docstring)."""
+    """Pads the passes it wraps (`paced`) to `targets`: the sleep runs to a deadline from the
+    call's start (on CUDA after the device finished the pass), so it absorbs the real arithmetic
+    and the time spent waiting for a core. A pass longer than its target is not shortened; the
+    first overrun after the stage's first step is logged once: raise k. On the CPU the sleeps are
+    outside the straggler clock (thread CPU time), which still measures the real arithmetic."""
 
     targets: PaceTargets
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))

@@ -1,20 +1,10 @@
-"""Entering a generation: joining a plan's workers and installing this worker's stage.
-
-A worker enters a generation (`GenerationEntry.enter`, the same protocol for the first start, a
-join, a drain and a failure): it joins the generation's default process group (the workers of
-its stages, plus those of its donors: drained nodes that only hand their layers over, then
-leave; steps then run on `Trainer.step_group`, the stages alone), and one MAX all-reduce tells
-everyone the previous generation and the last step anyone COMMITTED. A worker holding
-synchronised gradients of that step which it had not yet applied rolls forward (applies them);
-otherwise an interrupted step is discarded and replayed (docs/design.md, invariant 2). Then
-layers move from surviving holders (reconfigure.py), and the stage's layers, optimizer and the
-groups of groups.py are rebuilt; with tensor parallelism every layer of the stage is built
-again, sharded over the new generation's lanes, and kept layers' shards are copied in.
-
-`GenerationEntry` works on a `WorkerState` (what a worker holds across generations: layers,
-optimizer, committed step, generation, plan, rank) and returns the next one; `Trainer` holds the
-state, runs steps on it, and builds the pipeline schedule of what the entry installed. The only
-thing the entry asks of the trainer is to apply an interrupted step when it rolls forward.
+"""Entering a generation (`GenerationEntry.enter`): one protocol for the first start, a join,
+a drain and a failure. The worker joins the generation's process group, one MAX all-reduce agrees
+on the previous generation and the last COMMITTED step (a holder of that step's synchronised
+gradients rolls forward, everyone else replays it), layers move from surviving holders
+(reconfigure.py), and the stage's layers, optimizer and process groups (groups.py) are rebuilt.
+Invariant: no step is applied twice or lost across an entry. It takes a `WorkerState`
+(engine/step/state.py) and returns the next one. The story: docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -22,7 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
@@ -40,9 +30,11 @@ from ...planning import Plan
 from .devices import backend_for, release_groups
 from .groups import GenerationGroups
 from ..step.optim import build_optimizer
-from .kept import copy_kept_shards, keep_layers
+from .kept_layers import copy_kept_shards, keep_layers
 from .reconfigure import Identity, LayerSources, Move, Transfer, exchange, moves_of, plan_transfers, transfer_bytes
-from .shadows import ShadowStore, keepers_by_identity, seed_store
+from ..step.shadows import ShadowStore
+from ..step.state import WorkerState
+from .shadow_seeding import keepers_by_identity, seed_store
 
 log = JobLog(logging.getLogger(__name__))
 
@@ -83,36 +75,6 @@ class Reconfiguration:
     """Where the generation's layers came from (replicas, shadows; the same on every worker);
     None at the first start (layers built from the seed) and when layers were lost (the
     checkpoint restore says where they came from: engine/checkpointing.py)."""
-
-
-@dataclass
-class WorkerState:
-    """What a worker holds across generations (`Trainer.state`); an entry returns the next one."""
-
-    layer_model: LayerModel
-    """Every layer's name and shape; the owned ones built (the others None)."""
-    owned: list[int] = field(default_factory=list)
-    """Indices of the layers of this worker's stage."""
-    optimizer: Optional[torch.optim.Optimizer] = None
-    """The optimizer over the owned layers' parameters (None before the first generation)."""
-    plan: Optional[Plan] = None
-    """The plan of the generation entered last."""
-    generation: int = 0
-    """The generation entered last (0: none yet)."""
-    rank: int = 0
-    """This worker's rank in that generation."""
-    committed_step: int = -1
-    """The last step whose optimizer update was applied."""
-    synced_step: int = -1
-    """The last step whose gradients and norm are fully synchronised here."""
-    synced_norm2: float = 0.0
-    """The squared global gradient norm of `synced_step`."""
-    max_loss: float = 0.0
-    """The largest loss of any step applied here (the step guard's spike threshold, engine/resilience/guard.py)."""
-    params: list[nn.Parameter] = field(default_factory=list)
-    """The owned layers' parameters, each once (tied ones are shared), in the optimizer's order."""
-    shadows: Optional[ShadowStore] = None
-    """The host-memory shadow copies this worker keeps (shadows.py), if any."""
 
 
 @dataclass(frozen=True)
@@ -365,7 +327,7 @@ class GenerationEntry:
         exchange_layers: bool = True,
     ) -> tuple[Optional[ShadowStore], int]:
         """This worker's store of `plan`'s shadow copies, `state` being its stage in `plan`
-        (shadows.py `seed_store`)."""
+        (shadow_seeding.py `seed_store`)."""
         return seed_store(
             self.cfg,
             identity=self.identity,

@@ -1,22 +1,11 @@
-"""A step's writes to the worker state: applied, judged, skipped or rolled forward, and only
-while the step is current.
+"""A step's writes to the worker state (`StepApplier`): the update applied after the commit (on the
+shadow copies too), the step guard's verdict settled, a twice-rejected step skipped.
 
-A step may run in another thread that the control plane can abandon (engine/worker.py): the
-epoch (`StateUpdates.epoch`) grows at every abandonment (`abandon`), and a step only writes the
-worker state under the lock while its epoch is current (`current`; otherwise it raises
-`StepAbandoned`); the next generation then works on copies of the kept layers (`detach_kept`,
-engine/generation/entry.py), so an abandoned step that wakes up touches nothing in use.
-
-The writes themselves, on the `WorkerState` they are handed:
-
-- `apply`: the optimizer update after the commit (gradients clipped by the global norm, the
-  step's learning rate), the same update on the shadow copies this worker keeps, and the step
-  counted as committed; a non-finite norm is never applied (engine/resilience/guard.py), a
-  roll-forward included: its gradients are dropped;
-- `settle`: the step guard's verdict (engine/resilience/guard.py): an applied step raises the
-  running maximum of the loss; a rejected one is neither committed nor kept for a roll-forward,
-  and its gradients are dropped;
-- `skip`: a step the guard rejected twice counts as done with no update.
+Invariant: a step writes the `WorkerState` only while it is current. A step may run in a thread
+the control plane abandons (engine/worker.py): `abandon` bumps the epoch, a step of an older
+epoch raises `StepAbandoned` instead of writing, and the next generation works on copies of the
+kept layers (`detach_kept`). A non-finite norm is never applied, a roll-forward included.
+docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -26,16 +15,16 @@ import math
 import threading
 from typing import Iterator, Optional
 
-from ..config import JobConfig
-from .generation.entry import WorkerState
-from .resilience.errors import StepAbandoned
-from .resilience.guard import Verdict
-from .step.optim import apply_update
+from ...config import JobConfig
+from ..resilience.errors import StepAbandoned
+from ..resilience.guard import Verdict
+from .optim import apply_update
+from .state import WorkerState
 
-__all__ = ["StateUpdates"]
+__all__ = ["StepApplier"]
 
 
-class StateUpdates:
+class StepApplier:
     """The worker state's writes by a step, each only while the step's epoch is current (module docstring)."""
 
     def __init__(self, cfg: JobConfig) -> None:

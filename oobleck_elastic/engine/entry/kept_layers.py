@@ -1,11 +1,10 @@
-"""The layers a worker keeps across a generation's entry (entry.py).
+"""The layers a worker keeps in place across a generation's entry (enter.py).
 
-A layer the new plan gives a worker again stays in place: the module itself, or a deep copy when
-the previous step was abandoned (its thread may still run and must not see the new generation's
-tensors: `keep_layers`). With tensor parallelism every layer of the stage is built again, sharded
-over the new generation's lanes, and this lane's shards of the kept layers, with their AdamW
-state, are copied in (`copy_kept_shards`; a tensor kept whole, e.g. of a layer built before the
-first generation, is cut like the parameter: `shard_of`).
+A layer the new plan gives a worker again stays: the module itself, or a deep copy when the
+previous step was abandoned (its thread may still run and must not see the new generation's
+tensors: `keep_layers`). With tensor parallelism the stage's layers are built again, sharded over
+the new lanes, and this lane's shards of the kept layers, with their AdamW state, are copied in
+(`copy_kept_shards`, `shard_of`). docs/recovery.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
-"""Stage input/output shapes known in advance, so pipeline stages never exchange pickled metadata.
+"""Stage input and output shapes known in advance (`stage_io`), so pipeline stages never exchange
+pickled metadata.
 
-`torch.distributed.pipelining.PipelineStage` needs the shape, stride, dtype and requires_grad of
-what a stage receives and sends. Without `input_args`/`output_args` it learns them at the first
-step ("dynamic" mode): every stage runs a forward on its input and sends the result's metadata to
-the next stage, and its gradient metadata back, as pickled Python objects (`send_object_list` /
-`recv_object_list`). Unpickling what a peer sent runs code chosen by that peer, so we give both
-and the stage runs in "static" mode: the schedule's warm-up only passes a one-element int32 vote
-down the pipeline and its result back (plain tensor send/recv), then allocates receive buffers
-from our metadata. Gradient metadata is derived from the activations' (same shape, stride and dtype).
-
-`stage_io` computes that metadata locally and deterministically, without weights or
-communication: it builds layers 0..end-1 on the meta device (`build_meta_layers`) and runs a meta
-tensor through them. Every stage derives its input from the same chain its predecessor derives
-its output from, so both ends of every link agree by construction:
-
-- layer 0 takes token ids, int64 `(microbatch_size, seq_len)`, which need no gradient;
-- a stage boundary carries what `trainer.Autocast` returns: the last layer's output as is in
-  fp32, `.float()` of it under bf16 autocast (activations cross stages in float32);
-- the last layer returns the logits `(microbatch_size, seq_len, vocab)`, in bf16 under bf16
-  autocast (the loss upcasts them chunk by chunk);
-- requires_grad follows the chain (a boundary requires grad iff it depends on a trainable
-  parameter); it must, or a stage would wait for a gradient its successor never sends.
-
-Static mode trusts this metadata: receive buffers are allocated from it and nothing is checked
-unless `TORCH_DISTRIBUTED_DEBUG=DETAIL` (then every stage's real inputs and outputs are compared
-with it), so a wrong guess would show up as a failed receive, a hang or wrong data.
+Without `input_args`/`output_args`, a torch `PipelineStage` learns its shapes at the first step by
+sending pickled objects between stages, and unpickling what a peer sent runs code it chose. Given
+both, the stage runs in "static" mode and trusts them (nothing is checked unless
+`TORCH_DISTRIBUTED_DEBUG=DETAIL`). Invariant: both ends of every link derive the same metadata,
+locally and deterministically, without weights or communication. docs/schedules.md.
 """
 
 from __future__ import annotations
@@ -79,7 +60,12 @@ def stage_io(
     [start, end), for one microbatch of `microbatch_size` sequences of `seq_len` tokens.
 
     `autocast` is the stage's `Autocast` dtype (None for fp32, torch.bfloat16 for bf16). `seed` only
-    matters for custom factories, which are built as `build_layer_model` builds them.
+    matters for custom factories, which are built as `build_layer_model` builds them. Layers
+    0..end-1 are built on the meta device and a meta tensor runs through them, so every stage
+    derives its input from the chain its predecessor derives its output from: layer 0 takes int64
+    token ids (no gradient); a boundary carries what `Autocast` returns (float32 activations);
+    the last layer returns the logits, bf16 under bf16 autocast; requires_grad follows the chain
+    (or a stage would wait for a gradient its successor never sends).
     """
     if not 0 <= start < end:
         raise ValueError(f"stage layer range [{start}, {end}) is empty or negative: give 0 <= start < end")

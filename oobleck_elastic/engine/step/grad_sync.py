@@ -1,37 +1,11 @@
-"""The exact cross-replica gradient sync, started while the pipeline still runs.
+"""The exact cross-replica gradient sum, started while the pipeline still runs (`GradSync`), and
+`synchronise`: the sums, then one SUM all-reduce of the squared global norm and the loss.
 
-Every layer is held by one stage of every pipeline; its gradients are SUM-reduced among exactly
-its holders (groups.py: layers with the same holder set share a process group). Tied parameters
-(GPT-2's wte = lm_head, in the first and the last stage) are summed over the union of their
-holders, each rank contributing its local copy once, after the schedule.
-
-Overlap. A layer's gradient is final once the stage has accumulated it for every microbatch of
-the step, which for the stage's last layers happens while its first layers are still in their
-last backward, and, on the stages after the first, while the stages before them still work. So
-the reduction is not left until the schedule ends: a hook on each parameter
-(`register_post_accumulate_grad_hook`) counts its accumulations in the step, and once every
-parameter of a layer has been accumulated `microbatches` times the layer's gradients are
-flattened and their all-reduce posted asynchronously (`async_op=True`), on its holder set's
-group. A schedule that splits the backward (zero-bubble) assigns the weight gradients in its W pass
-without accumulating them: the trainer reports every W pass (`weight_pass`), and after a
-virtual stage's last one its layers are posted. The schedule goes on; `all_reduce()`, after the schedule, posts
-whatever was not posted yet (tied parameters, parameters that got no gradient), waits for every
-reduction and writes the sums back. Nothing is applied before that: the commit point and the step guard are unchanged.
-
-Collectives on one group must be posted in the same order on every member, while the order in
-which layers become final depends on the schedule each holder runs. So every holder set posts its
-layers in one canonical order, the highest layer first (the order a backward finishes them): a
-layer that is final waits until every higher layer of its set was posted. Under 1F1B or GPipe
-that order is the backward's own, and nothing waits.
-
-The hooks are armed by `begin_step` and disarmed when `all_reduce` returns or `close` is called
-(a new generation, an abandoned step), so a backward outside a step, or the abandoned step's
-thread still running, never posts a collective.
-
-After the schedule, `synchronise` is steps 1-2 of a step (engine/trainer.py): the sums above,
-then one SUM all-reduce of the squared global gradient norm and the loss, the step's one read of
-a device value; meanwhile the summed gradients of layers with shadow copies go to their keepers,
-and the keepers' arrive before it returns, so before the commit (shadows.py).
+Invariant: every layer's gradient is SUM-reduced among exactly its holders (one stage of every
+pipeline; groups by holder set: engine/entry/groups.py), tied parameters over the union of their
+holders, each rank's copy once; nothing is applied before the commit (engine/step/commit.py).
+The norm and loss all-reduce is the step's one host read; the gradients for shadow copies
+arrive before it returns (shadows.py). docs/training.md tells the overlap.
 """
 
 from __future__ import annotations
@@ -48,9 +22,9 @@ from torch import nn
 from ...models import LayerModel
 from ...models.tensor_parallel import is_sharded, local, wrap_like
 from ..resilience.progress import STEP_PROGRESS, Progress
-from .groups import GenerationGroups
 
 if TYPE_CHECKING:
+    from ..entry.groups import GenerationGroups
     from .shadows import ShadowLink, ShadowStore
 
 __all__ = ["GradSync", "Synchronised", "synchronise"]
@@ -62,7 +36,13 @@ def _params_of(module: nn.Module, exclude: set[int]) -> list[torch.Tensor]:
 
 class GradSync:
     """Buckets this rank's gradients by holder set and all-reduces them (SUM), each layer's as
-    soon as it is final (module docstring)."""
+    soon as it is final: a post-accumulate hook counts each parameter's accumulations, and a layer
+    accumulated `microbatches` times is flattened and its all-reduce posted (`async_op=True`);
+    a split backward (zero-bubble) reports its W passes instead (`weight_pass`). Each holder set
+    posts its layers highest first, so every member posts them in the same order (a final layer
+    waits for the higher ones). The hooks are armed by `begin_step` and disarmed by `all_reduce`
+    or `close`, so an abandoned step's thread never posts a collective. `all_reduce` posts what
+    is left (tied parameters, parameters without a gradient), waits, and writes the sums back."""
 
     def __init__(self, groups: GenerationGroups, layer_model: LayerModel, owned: Iterable[int]) -> None:
         self.groups = groups

@@ -1,51 +1,37 @@
-"""A worker's state as it leaves and enters the worker: what checkpoints read and write.
+"""The trainer's state as checkpoints read and write it (`CheckpointState`, torch's `Stateful`).
 
-Inside a worker a layer is this tensor-parallel lane's shard of it, and a vocabulary matrix
-holds padded rows (models/vocab.py). What leaves the worker (`layer_state`, `optimizer_state`,
-`state_dict`: torch's `Stateful`, which engine/checkpointing.py saves) is portable: the full
-tensor (`to_full`), without the padded rows, copied to the CPU, by layer index and local name,
-so a checkpoint does not depend on the plan, the tensor-parallel degree or `pad_vocab_to`.
-`load_state_dict` does the reverse for the layers the worker owns now: padded again, this lane's
-shard taken (`from_full`), moved to the parameters' device. `PortableState` is a mixin of the
-`Trainer` over its `WorkerState` (engine/generation/entry.py).
+What leaves the worker is portable: full tensors (not this tensor-parallel lane's shard), without
+the padded vocabulary rows (models/vocab.py), on the CPU, by layer index and local name.
+Invariant: a checkpoint depends on neither the plan, nor the tensor-parallel degree, nor
+`pad_vocab_to`; `load_state_dict` installs one into whatever layers the worker owns now.
+docs/recovery.md tells when checkpoints are saved and restored.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..config import JobConfig
 from ..models.tensor_parallel import from_full, local, to_full, wrap_like
 from ..models.vocab import is_vocab_param, pad_rows, padded_vocab_size, unpad_rows
-from .generation.entry import WorkerState
 from .step.optim import adamw_step
+from .step.state import WorkerState
 
-__all__ = ["PortableState"]
+__all__ = ["CheckpointState"]
 
 
-class PortableState:
-    """The `Trainer`'s state in and out of checkpoints (module docstring)."""
+class CheckpointState:
+    """A trainer's `WorkerState` in and out of checkpoints (module docstring); `state` returns the
+    trainer's current one (an entry replaces it)."""
 
-    cfg: JobConfig
-    state: WorkerState
+    def __init__(self, cfg: JobConfig, state: Callable[[], WorkerState]) -> None:
+        self.cfg, self._state = cfg, state
 
-    def held_bytes(self) -> int:
-        """Bytes of the parameters (this lane's shards) and optimizer state this worker holds."""
-        tensors = {
-            id(t): t
-            for p in self.state.params
-            for t in [
-                local(p),
-                *(
-                    local(v)
-                    for v in (self.state.optimizer.state.get(p, {}) if self.state.optimizer else {}).values()
-                    if torch.is_tensor(v)
-                ),
-            ]
-        }
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+    @property
+    def state(self) -> WorkerState:
+        return self._state()
 
     def _portable(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """A full tensor as it leaves the worker: without the padded vocabulary rows (models/vocab.py)."""

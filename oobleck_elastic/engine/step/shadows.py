@@ -1,37 +1,11 @@
-"""Shadow copies in host memory, kept current every step: more losses than a layer has device copies.
+"""Shadow copies in host memory, kept current every step with the step's summed gradients.
 
-The plan places each layer's shadow copies (planning/shadows.py, `fault_tolerance.shadow_copies`)
-on nodes that do not hold the layer on their devices. On a node, the shadow of layer l is kept by
-its worker of local rank l mod gpus_per_node (`keepers`), in a `ShadowStore`: the layer built on
-the CPU with its own AdamW state.
-
-**Kept current with the step's gradients (Checkmate's design).** After a step's gradient sums
-among the holders (GradSync) every holder has layer l's summed gradient. One holder per shadow
-(`routes`: the holders take turns by layer and keeper) sends that gradient, as one flat fp32 CPU
-tensor, to the keeper over the generation's shadow group; the keeper waits for its gradients
-before it votes in the step's commit. So the commit rule of the step (docs/design.md, invariant
-2) covers the shadows too: a committed step's gradients are on every keeper, and the keeper
-applies them exactly when the holders apply theirs (`apply`, the same clipping coefficient from
-the same global norm, the same learning rate, the same fused AdamW), or rolls them forward with
-the worker's own layers when the step was interrupted after someone committed it. A rejected or
-abandoned step's gradients are dropped (`discard`). The shadow's parameters and moments are then
-bit-identical to the holders' whenever holders and keepers run AdamW on the same kind of device
-(on GPUs the holders' CUDA kernel and the keeper's CPU kernel round alike to within fp32 rounding).
-
-Chosen by measurement over snapshots every N steps (GEMINI's design, `bench/shadow_designs.py`
-in bench/RESULTS.md): about 1 % a step either way at N = 1, less for snapshots at N >= 4, but a
-recovery from snapshots loses up to N steps and rolls every survivor back; from gradients none.
-
-**Recovery.** Entering a generation, every worker says which generation's shadows it keeps
-current (one all-reduce with the held layouts, entry.py); a layer that no surviving worker holds
-on its devices comes from a surviving keeper of its shadow (reconfigure.py, `plan_transfers`),
-parameters and moments, at the agreed step: no step is lost. Then the new plan's shadows are
-seeded (`seed_transfers`): a keeper keeps the shadows it has that the new plan gives it again, and
-receives the others from a holder of the layer in the new generation. After a checkpoint
-restore every shadow is seeded again (its values would be older than the restored layers).
-
-Limits: tensor parallelism is refused with shadows (a keeper would need each lane's shards);
-shadows live on nodes running stages (a spare has no worker in the generation).
+A keeper holds its layers' shadows in a `ShadowStore` (CPU layers and their AdamW state); each
+step one holder per shadow sends the layer's summed gradient (`routes`, `ShadowLink`) and the
+keeper has it before it votes in the commit. Invariant: a shadow gets exactly the updates its
+holders apply (same norm, same learning rate, same AdamW), so it is bit-identical to them; a
+rejected or abandoned step's gradients are dropped. Seeding at entry: engine/entry/shadow_seeding.py.
+The story, and why gradients rather than snapshots: docs/shadows.md.
 """
 
 from __future__ import annotations
@@ -39,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -47,20 +21,16 @@ from torch import nn
 
 from ...config import JobConfig
 from ...logs import JobLog
-from ...models import LayerModel, build_layer_model
+from ...models import LayerModel
 from ...planning import Plan
-from ..step.optim import apply_update, build_optimizer
-from .reconfigure import Identity, Transfer, exchange
+from .optim import apply_update
 
 __all__ = [
     "PostedShadows",
     "ShadowStore",
     "ShadowLink",
     "keepers",
-    "keepers_by_identity",
     "routes",
-    "seed_store",
-    "seed_transfers",
 ]
 
 log = JobLog(logging.getLogger(__name__))
@@ -79,17 +49,6 @@ def keepers(plan: Plan) -> dict[int, tuple[int, ...]]:
     return out
 
 
-def keepers_by_identity(plan: Plan) -> dict[Identity, list[int]]:
-    """(node, local rank) -> the layers whose shadows that worker keeps in `plan`."""
-    if plan.shadows is None:
-        return {}
-    out: dict[Identity, list[int]] = {}
-    for layer, nodes in enumerate(plan.shadows.layers):
-        for node in nodes:
-            out.setdefault((node, layer % plan.gpus_per_node), []).append(layer)
-    return out
-
-
 def routes(plan: Plan) -> list[tuple[int, int, int]]:
     """Every step's gradient traffic to the shadows: (layer, sending holder, keeper), ranks of
     `plan`'s generation. A layer's holders take turns over its keepers."""
@@ -98,23 +57,6 @@ def routes(plan: Plan) -> list[tuple[int, int, int]]:
         holders = sorted(plan.holders(layer))
         for k, keeper in enumerate(ranks):
             out.append((layer, holders[(layer + k) % len(holders)], keeper))
-    return out
-
-
-def seed_transfers(plan: Plan, kept: dict[Identity, Sequence[int]]) -> list[Transfer]:
-    """The transfers that give every keeper of `plan` the shadows it does not keep already
-    (`kept`: the layers each worker keeps current from before), each from a holder of the layer in
-    `plan` (they take turns by layer and keeper)."""
-    ranks = plan.entry_ranks()
-    out = []
-    for ident, layers in sorted(keepers_by_identity(plan).items()):
-        have = set(kept.get(ident, ()))
-        dst = ranks[ident]
-        for layer in layers:
-            if layer in have:
-                continue
-            holders = sorted(plan.holders(layer))
-            out.append(Transfer(layer=layer, src=holders[(layer + dst) % len(holders)], dst=dst))
     return out
 
 
@@ -172,9 +114,9 @@ class ShadowStore:
     def nbytes(self) -> int:
         """Host bytes of the kept parameters and optimizer state."""
         self.settle()
-        return self._count_bytes()
+        return self.count_bytes()
 
-    def _count_bytes(self) -> int:
+    def count_bytes(self) -> int:
         total = 0
         for p in self.params:
             total += p.numel() * p.element_size()
@@ -239,96 +181,7 @@ class ShadowStore:
         assert self.optimizer is not None
         apply_update(self.optimizer, self.params, step, norm2, cfg.training)
         self.pending = None
-        self.host_bytes = self._count_bytes()
-
-
-def new_store(
-    cfg: JobConfig,
-    *,
-    generation: int,
-    step: int,
-    layers: Sequence[int],
-    kept: Optional[ShadowStore],
-    incoming: Sequence[int],
-) -> ShadowStore:
-    """The store of `layers` for `generation`: the ones `kept` has are taken over (modules and
-    optimizer state), `incoming` ones only allocated (a seed transfer fills them)."""
-    layers = sorted(layers)
-    if kept is not None:
-        kept.settle()
-    keep = [i for i in layers if kept is not None and i in kept.layers]
-    target = build_layer_model(
-        cfg.model, seed=cfg.training.seed, owned=[i for i in layers if i not in keep], device="cpu", empty=incoming
-    )
-    moved_state = {}
-    if kept is not None:
-        for i in keep:
-            module = kept.layer_model.held(i)
-            target.layers[i] = module
-            if kept.optimizer is not None:
-                for p in module.parameters():
-                    if p in kept.optimizer.state:
-                        moved_state[id(p)] = kept.optimizer.state[p]
-        target.retie()
-    store = ShadowStore(generation=generation, layer_model=target, optimizer=None, step=step, layers=layers)
-    if layers:
-        params = store.params
-        store.optimizer = build_optimizer(params, cfg.training)
-        for p in params:
-            if id(p) in moved_state:
-                store.optimizer.state[p] = moved_state[id(p)]
-    store.host_bytes = store._count_bytes()
-    return store
-
-
-def seed_store(
-    cfg: JobConfig,
-    *,
-    identity: Identity,
-    device: torch.device,
-    layer_model: LayerModel,
-    optimizer: Optional[torch.optim.Optimizer],
-    step: int,
-    plan: Plan,
-    rank: int,
-    keep: Optional[ShadowStore],
-    kept: dict[Identity, Sequence[int]],
-    exchange_layers: bool = True,
-) -> tuple[Optional[ShadowStore], int]:
-    """The store of `plan`'s shadow copies for worker `identity` (rank `rank`), whose stage in
-    `plan` is `layer_model` with `optimizer`, at `step`: the shadows `keep` has that the plan
-    gives it again stay, the others come from a holder (`seed_transfers`; `kept`: what every
-    worker keeps current). Collective over the generation's stages (point-to-point). Without
-    `exchange_layers` (layers were lost: a checkpoint restore follows, then this again with
-    nothing kept) nothing moves. Returns (the store, None without shadows; bytes this worker sent
-    plus received)."""
-    if plan.shadows is None or plan.shadows.copies == 0:
-        return None, 0
-    placed = keepers_by_identity(plan)
-    again: dict[Identity, Sequence[int]] = {
-        ident: [i for i in layers if i in placed.get(ident, [])] for ident, layers in kept.items()
-    }
-    transfers = seed_transfers(plan, again)
-    incoming = [t.layer for t in transfers if t.dst == rank]
-    store = new_store(
-        cfg,
-        generation=plan.generation,
-        step=step,
-        layers=placed.get(identity, []),
-        kept=keep if identity in again else None,
-        incoming=incoming if exchange_layers else (),
-    )
-    if not exchange_layers:
-        return store, 0
-    states, moved = exchange(
-        transfers, rank=rank, source=layer_model, optimizer=optimizer, target=store.layer_model, device=device
-    )
-    if store.optimizer is not None:
-        mine = {id(p) for p in store.params}
-        for p, st in states.values():
-            if id(p) in mine:
-                store.optimizer.state[p] = st
-    return store, moved
+        self.host_bytes = self.count_bytes()
 
 
 class ShadowLink:

@@ -1,34 +1,11 @@
-"""Process groups of one generation, and who holds what (grad_sync.py sums gradients over them).
+"""Process groups of one generation (`GenerationGroups`), and who holds which layer (`Holders`).
 
-For a plan, every layer is held by exactly one stage of every pipeline; pipelines of different
-templates cut the layers differently, so the set of ranks holding layer l ("its holders")
-differs from layer to layer. Gradients are SUM-reduced among exactly the holders of each layer
-(the loss is already divided by the global token count, so a sum is the global gradient).
-Layers with the same holder set share one process group and one flat bucket. Tied parameters
-(GPT-2's wte = lm_head) live in the first AND last stage of every pipeline; they are left out of
-the per-layer buckets and summed over the union of their holders, each rank contributing its
-local copy once (a rank holding both ends shares one Parameter, whose gradient already has both
-contributions).
-
-With tensor parallelism (docs/design.md, "Parallelism and the cost model") a stage is run by
-`tensor_parallel` lanes, and all of this holds per lane: lane j of a layer is held by lane j of
-one stage per pipeline, so holder sets, pipeline groups and tied groups are made for every lane
-(disjoint rank sets), and each stage's lanes get a group of their own for the layers' collectives
-(`tp_group`, with its one-dimensional `mesh`). Gradients are synchronised on each lane's local
-shards.
-
-`torch.distributed.new_group` must be called by every rank, in the same order, for every group;
-`GenerationGroups` does that for the pipeline groups, the holder-set groups and the tied groups,
-always with an explicit timeout (new_group does not inherit init_process_group's). Collective
-groups connect under the short connect timeout (`fault_tolerance.join_timeout_s`: a peer that
-died during the reconfiguration is given up on soon) and switch to the step's timeout
-(`fault_tolerance.comm_timeout_s`) once up. Pipeline groups connect under the step's timeout
-itself: gloo's point-to-point receives wait under the timeout their group connected with, and
-`_set_pg_timeout` does not change it (measured on torch 2.13: a receive in a group connected
-under 1 s and switched to 10 s still gave up after 1 s), so a group connected under the connect
-timeout would turn any stage slower than it (a large model, a first step that warms up or
-compiles) into a failure. Every peer was seen alive by the entry's first all-reduce just before,
-and a peer that dies later is found by the control plane, which abandons the step.
+Every layer is held by one stage of every pipeline; pipelines of different templates cut the
+layers differently, so each layer has its own holder set. Layers with the same holder set share
+one process group (and one bucket in engine/step/grad_sync.py); tied parameters (GPT-2's wte =
+lm_head) get a group over the union of their holders. Invariant: every rank creates every group
+of the generation, in the same order, at entry, before the first step (NCCL's rule).
+docs/design.md.
 """
 
 from __future__ import annotations
@@ -90,8 +67,13 @@ class GenerationGroups:
         connect_timeout: Optional[timedelta] = None,
         device_type: str = "cpu",
     ) -> None:
-        """Collective groups connect under `connect_timeout` (a peer that died meanwhile is given
-        up on soon), then run under `timeout`; pipeline groups run and connect under `timeout`."""
+        """Every rank creates every group, in the same order, with an explicit timeout (new_group
+        does not inherit init_process_group's). Collective groups connect under `connect_timeout`
+        (a peer that died meanwhile is given up on soon), then run under `timeout`. Pipeline groups
+        connect under `timeout` itself: gloo's receives wait under the timeout their group connected
+        with, and `_set_pg_timeout` does not change it (torch 2.13), so a short connect timeout would
+        turn any slow stage into a failure. With tensor parallelism every group is made per lane,
+        and each stage's lanes get `tp_group` and its one-dimensional `mesh`."""
         tp = plan.tensor_parallel
         self.plan, self.rank = plan, rank
         self.lane = rank - plan.stage_of(rank)[1].rank
@@ -111,7 +93,7 @@ class GenerationGroups:
         for p in plan.pipelines:  # every rank creates every group, in the same order
             for lane in range(tp):
                 ranks = [s.rank + lane for s in p.stages]
-                # point-to-point: connected under the step's timeout (module docstring)
+                # point-to-point: connected under the step's timeout (see __init__'s docstring)
                 g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     self.pipeline_group = g

@@ -1,15 +1,11 @@
-"""ZB-H1 on one chunk per device at any microbatch count.
+"""ZB-H1 on one chunk per device at any microbatch count (`OneChunkZeroBubble`).
 
-torch's `ScheduleInterleavedZeroBubble` runs the microbatches in rounds: r = max(1, m // D) of
-them, and it refuses (ValueError) an m that is not a multiple of r, e.g. 9 microbatches on 4
-devices. The rounds only decide which chunk a device's i-th forward and backward belong to
-((i // (m / r)) % v) and the warm-up of the chunks before the last ((v - 1) x m / r forwards):
-with one chunk per device (v = 1) neither depends on them, and the order is ZB-H1 for every m
-(planning/schedules.py, `schedule_order("zero-bubble", D, m, 1)`, plans it so). `OneChunkZeroBubble`
-is torch's schedule built with one round, which with one chunk is the order torch builds for every
-m it accepts (tests/test_schedules.py compares them action for action), and the same order for the
-m it refuses. With two or more chunks the rounds change the order, torch's rule stands, and the
-planner refuses those m too (a combination the engine cannot run is never planned).
+torch's `ScheduleInterleavedZeroBubble` runs the microbatches in rounds of r = max(1, m // D)
+and refuses an m that is not a multiple of r (9 microbatches on 4 devices). With one chunk per
+device the rounds change nothing in the order, so this is torch's schedule built with one round:
+the ZB-H1 order planning/schedules.py plans, for every m (tests/test_schedules.py compares it
+with torch's action for action). With two or more chunks torch's rule stands and the planner
+refuses those m too. docs/schedules.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """A layer's compiled graphs with the backward split in two: input gradient (I) and weight
 gradient (W), each compiled on its own, so that a zero-bubble schedule can run them apart.
 
-Why. `torch.compile` of a whole layer gives autograd one node whose backward computes every
-gradient at once. torch's split backward (`stage_backward_input`, then `stage_backward_weight`)
-asks autograd for the input gradient first and for the weight gradients later: with that one node,
-each pass runs the layer's whole compiled backward (I computes the weight gradients and drops
-them, W computes the input gradient again), twice the backward.
-
-Graphs (`trace`). AOTAutograd traces the layer as a function of (parameters, buffers, input)
-(`torch.func.functional_call`, so any layer of any model: nothing model-specific), and inductor's
-partitioner (min-cut rematerialization) cuts the joint graph into a forward, which returns the
-output and what the backward needs, and a backward, which returns one gradient per input.
-`split_backward` cuts that backward once more:
-
-- I: the nodes the input gradient depends on; it returns the input gradient and the
-  boundary, the tensors it computed that the weight gradients use (each linear's output
-  gradient, typically: what eager autograd's split keeps between the passes too);
-- W: the nodes only the weight gradients need, from the boundary and the backward inputs they use;
-- W alone (`weight_only`): every weight gradient from the backward's inputs, for a layer whose input
-  takes no gradient (the embedding's token ids).
-
-A node with several outputs (layer norm's backward gives the input, weight and bias gradients
-together) belongs to I when I needs one of its outputs; W then reads the others from the boundary.
-Each graph is compiled by `torch.compile` (inductor) when it is first run, once per process per
-kind of layer (engine/step/compiled.py).
+Why: `torch.compile` of a whole layer gives autograd one node whose backward computes every
+gradient at once, so torch's split backward would run it twice (I drops the weight gradients, W
+computes the input gradient again). `trace` gets the layer's forward and backward graphs,
+`split_backward` cuts the backward; each graph is compiled when first run, once per process per
+kind of layer (compiled.py). docs/schedules.md.
 """
 
 from __future__ import annotations
@@ -55,7 +37,10 @@ class Traced:
 
 
 def trace(layer: nn.Module, x: torch.Tensor) -> Traced:
-    """The forward and backward graphs of `layer(x)` under the current autocast state."""
+    """The forward and backward graphs of `layer(x)` under the current autocast state: AOTAutograd
+    traces the layer as a function of (parameters, buffers, input) (`torch.func.functional_call`,
+    so any layer of any model), and inductor's min-cut partitioner cuts the joint graph into a
+    forward (the output and what the backward needs) and a backward (one gradient per input)."""
     from torch._functorch.aot_autograd import aot_function, make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -105,7 +90,7 @@ def _ancestors(roots: Sequence[Any]) -> set[fx.Node]:
 
 @dataclass
 class SplitBackward:
-    """The backward cut into I and W (module docstring)."""
+    """The backward cut into I and W (`split_backward`)."""
 
     input: Optional[fx.GraphModule]
     """(saved..., output gradient) -> (input gradient, boundary...); None when the input takes no
@@ -134,7 +119,13 @@ def _graph(
 
 
 def split_backward(traced: Traced) -> SplitBackward:
-    """Cut `traced.backward` into I and W (module docstring)."""
+    """Cut `traced.backward` into I (the nodes the input gradient depends on; it also returns the
+    boundary: the tensors it computed that the weight gradients use, typically each linear's
+    output gradient) and W (the nodes only the weight gradients need, from the boundary and the
+    backward inputs they use), and W alone (`weight_only`: every weight gradient from the
+    backward's inputs, for a layer whose input takes no gradient). A node with several outputs
+    (layer norm's backward) belongs to I when I needs one of them; W reads the others from the
+    boundary."""
     backward = traced.backward
     placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
     grads = _outputs(backward)
