@@ -1,5 +1,5 @@
 """What a job's JSON event lines (`logging.events_dir`) say about where its time went, read
-independently of the goodput ledger, for tests/test_goodput.py to check the ledger against.
+independently of the goodput ledger, for tests/jobs/test_goodput.py to check the ledger against.
 
 Each thing is measured where it happens, on a clock the ledger does not read: a step's own
 `seconds` (`time.perf_counter` inside `Trainer.train_step`) on rank 0's `step` line, a rejected

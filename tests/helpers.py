@@ -98,7 +98,7 @@ def overrides(tmp: Path, steps: int, profile: Path) -> list[str]:
         "data.seq_len=32",
         "training.global_batch_size=16",
         "training.microbatch_size=2",
-        "training.optimizer.eps=1e-6",  # see tests/test_engine.py
+        "training.optimizer.eps=1e-6",  # see tests/worlds/test_engine.py
         f"data.cache_dir={tmp / 'cache'}",
         f"checkpoint.dir={tmp / 'ckpt'}",
         f"logging.tensorboard_dir={tmp / 'runs'}",

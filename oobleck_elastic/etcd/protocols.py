@@ -5,7 +5,7 @@ request per read) or from a local copy kept current by watches (`Mirror`, mirror
 `KVReader`. The failure detectors (rendezvous/detect.py) also write a few keys, revoke a lease and
 ask whether etcd was away a moment ago: `KVStore` adds those verbs, which `EtcdClient` has.
 `MemoryKV` (memory.py) implements both on a dict, so the roll call, the deputy and the leader
-watch are unit-tested on made-up states without an etcd process (tests/test_detect.py), as the
+watch are unit-tested on made-up states without an etcd process (tests/unit/test_detect.py), as the
 leader's rules are (rendezvous/decide.py).
 
 Values are `bytes` as stored; the JSON verbs parse them and return None for a value that does not

@@ -11,7 +11,7 @@ of a shared tensor) and groups names that view the very same memory: same device
 pointer, same offset, shape and stride. Meta tensors have no storage, so they are grouped by
 object identity. This only sees ties between layers held by one process; a `LayerModel` built
 piecewise declares the known tie of its family instead, and the two agree when everything is
-built in one process (see tests/test_models.py).
+built in one process (see tests/unit/test_models.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ on its devices adds nothing, as it fails with it.
 With fewer than f+1 copies of some layer, f simultaneous node failures can take every copy of
 it, and only a checkpoint brings it back: `shortfall` names the layer, and the engine retakes a
 checkpoint when a re-plan leaves the job short (engine/checkpointing.py). Pure functions of the
-plan, tested on made-up plans (tests/test_checkpoint_retake.py).
+plan, tested on made-up plans (tests/jobs/test_checkpoint_retake.py).
 """
 
 from __future__ import annotations

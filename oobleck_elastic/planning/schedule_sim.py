@@ -20,7 +20,7 @@ sender is not held (its send is asynchronous) and two messages over one link do 
 other: a simplification. With these rules a device's receive-then-compute is one busy block, so
 on one stage per device a stage costs w_s = F_s + B_s + its two receives per microbatch, the w_s
 of templates.py's model, T(m) = sum_s w_s + (m - 1) max_s w_s. Where that formula is exact the
-simulation gives it (`tests/test_schedules.py`): 1F1B and GPipe on stages of equal time; 1F1B
+simulation gives it (`tests/unit/test_schedules.py`): 1F1B and GPipe on stages of equal time; 1F1B
 whenever the last stage is the slowest (it then never waits after its first forward); GPipe is
 two flow shops, sum F' + (m - 1) max F' + sum B' + (m - 1) max B' (F', B' with their receives),
 the formula only when the slowest forward and the slowest backward are on one stage, larger

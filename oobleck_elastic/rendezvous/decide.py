@@ -7,7 +7,7 @@ loop around it does the I/O (declaring nodes lost, admissions, the planner, the 
 transaction). The detectors run while the view is read: the liveness monitor's verdicts arrive
 from its thread, and the roll call pings (detect.py). `Clocks` is the only memory between ticks
 (when a quorum or a change was first seen), so every rule is tested on made-up views
-(tests/test_decide.py) without etcd or threads. `plan_events` words what a published plan
+(tests/unit/test_decide.py) without etcd or threads. `plan_events` words what a published plan
 changed. The rules:
 
 - **before the first plan**: once nodes are admitted (the profile is being measured), plan those

@@ -172,7 +172,7 @@ class RestartRendezvousHandler(DynamicRendezvousHandler):
 
     torch 2.13's shared-store path publishes the address only in the first round a node is rank 0
     of: a node that joins a later round, while rank 0 stays the same, waits for that round's
-    MASTER_ADDR until the join timeout (found by tests/test_torchrun_dropin.py). Its opt-out is the
+    MASTER_ADDR until the join timeout (found by tests/jobs/test_torchrun_dropin.py). Its opt-out is the
     process-wide `TORCH_DISABLE_SHARE_RDZV_TCP_STORE`; it is set only while `next_rendezvous()`
     runs (on the agent's thread) and restored after, so no other code of the process sees it."""
 

@@ -1,0 +1,165 @@
+"""examples/train.py end to end: the single-process run writes TensorBoard events and checkpoints
+and resumes; under torchrun (launcher.local, real etcd) a 3-stage pipeline over three nodes ends
+with the same weights as the single-process run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from oobleck_elastic.checkpoint import latest_checkpoint, load_model_state, read_manifest
+from oobleck_elastic.config import load_config
+from oobleck_elastic.engine.run import train
+from helpers import TINY_PROFILE_OVERRIDES, tensorboard_run, tiny_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def overrides(tmp: Path, steps: int) -> list[str]:
+    return [
+        f"training.steps={steps}",
+        "data.seq_len=32",
+        "training.global_batch_size=12",
+        "training.microbatch_size=2",
+        "training.optimizer.eps=1e-6",  # see tests/worlds/test_engine.py: zero-gradient biases under AdamW
+        f"data.cache_dir={tmp / 'cache'}",
+        f"checkpoint.dir={tmp / 'ckpt'}",
+        f"logging.tensorboard_dir={tmp / 'runs'}",
+    ]
+
+
+def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path) -> None:
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path, 3))
+    summary = train(cfg, max_bytes=300_000)
+    assert summary.final_step == 3 and summary.resumed_from is None
+    ea = EventAccumulator(str(tensorboard_run(tmp_path / "runs")), size_guidance={"scalars": 0, "tensors": 0})
+    ea.Reload()
+    tags = set(ea.Tags()["scalars"])
+    assert tags >= {
+        "train/loss",
+        "Throughput/samples_per_s",
+        "Throughput/tokens_per_s",
+        "Throughput/step_time_s",
+        "cluster/nodes",
+        "cluster/pipelines",
+        "cluster/generation",
+    }
+    loss = ea.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2, 3]  # the progress lines' "step 1/3" .. "step 3/3"
+    assert loss[0].value == pytest.approx(summary.first_loss) and loss[-1].value == pytest.approx(summary.last_loss)
+    assert [e.value for e in ea.Scalars("cluster/nodes")] == [1, 1, 1]
+    text = ea.Tensors("plan/text_summary")[0]
+    # the single process runs as a one-worker job: one stage holding all 6 layers
+    assert text.step == 0 and "1 worker(s)" in text.tensor_proto.string_val[0].decode()
+    assert "[0,6)@local:0" in text.tensor_proto.string_val[0].decode()
+    assert read_manifest(latest_checkpoint(tmp_path / "ckpt"))["step"] == 3
+
+    cfg5 = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path, 5))
+    resumed = train(cfg5, max_bytes=300_000)
+    assert resumed.resumed_from == 3 and resumed.steps == 2
+    # the same 5 steps in one go give the same weights
+    fresh = tmp_path / "fresh"
+    cfg_once = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(fresh, 5))
+    train(cfg_once, max_bytes=300_000)
+    a, b = load_model_state(tmp_path / "ckpt"), load_model_state(fresh / "ckpt")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+# bf16: autocast on the device, fp32 master weights and optimizer state in both runs. The job and the
+# reference run the same bf16 ops on the same microbatches. Two things may still differ:
+# - how a kernel sums: a matmul's blocking (its fp32 summation order) depends on the intra-op thread
+#   count. Both sides compute on one thread (the reference in this process by `one_thread`, the
+#   workers by OMP_NUM_THREADS=1, which the launcher otherwise sets to cores // workers): the same
+#   kernels, the same order (measured on CPU: 1 vs 2 threads moved the reference by 1.2e-7);
+# - the order of sums across processes (the tied embedding's two gradients, the gradient norm for
+#   clipping): fp32 roundings, which can flip the bf16 rounding of a gradient, by bf16's eps
+#   (2^-7) relative, now and then.
+# The bound that follows from bf16's precision: Adam divides a gradient by its own scale, so a
+# gradient off by eps relative moves a weight's update by at most about eps x lr per step; over the
+# run's steps, with a factor 2 for roundings on both sides, `bf16_atol(steps, lr)` (6.25e-5 here,
+# against 1.6e-8 measured on one thread, and 2.2e-3 between bf16 and fp32 weights: the check that
+# bf16 ran at all uses the same bound).
+TOLERANCE = {"fp32": {"rtol": 1e-5, "atol": 1e-6}}
+
+
+def bf16_atol(steps: int, lr: float) -> float:
+    """How far a bf16 job's fp32 master weights may be from the reference's (the comment above)."""
+    return 2 * steps * lr * torch.finfo(torch.bfloat16).eps
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch computes on one intra-op thread in this process (the reference), as the workers do."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_torchrun_job_equals_single_process(tmp_path: Path, etcd_server, run_id, precision: str) -> None:
+    steps = 4
+    ref_dir, job_dir = tmp_path / "ref", tmp_path / "job"
+    common = [
+        f"planning.profile_path={tiny_profile(tmp_path / 'profile.json')}",
+        *TINY_PROFILE_OVERRIDES,
+        f"training.precision={precision}",
+    ]
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(ref_dir, steps) + common)
+    with one_thread():
+        summary = train(cfg, max_bytes=None)
+    assert summary.last_loss < summary.first_loss - 0.1, (summary.first_loss, summary.last_loss)  # it learns
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher.local",
+        "--nodes",
+        "3",
+        "--endpoint",
+        etcd_server.endpoint,
+        "--run-id",
+        run_id,
+        "--rdzv-conf",
+        "lease_ttl=2,settle=0.2,last_call_timeout=0.5",
+        "--",
+        "examples/train.py",
+        "--config",
+        "configs/gpt2-tiny.yaml",
+        *overrides(job_dir, steps),
+        *common,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one intra-op thread per worker, as the reference
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert "each worker computes on OMP_NUM_THREADS=1 thread(s)" in res.stdout, res.stdout[:2000]
+    assert "rank 2: entered from generation 0" in res.stdout, res.stdout[-3000:]
+    manifest = read_manifest(latest_checkpoint(job_dir / "ckpt"))
+    assert manifest["step"] == steps and len(manifest["plan"]["pipelines"][0]["stages"]) == 3
+    ref, job = load_model_state(ref_dir / "ckpt"), load_model_state(job_dir / "ckpt")
+    assert set(ref) == set(job)
+    ea = EventAccumulator(str(tensorboard_run(job_dir / "runs")), size_guidance={"scalars": 0})
+    ea.Reload()  # first: a job that lost a node under load and re-planned says so, not a weight
+    assert [e.value for e in ea.Scalars("cluster/nodes")] == [3] * steps
+    assert [e.value for e in ea.Scalars("cluster/generation")] == [1] * steps
+    lr = load_config(ROOT / "configs/gpt2-tiny.yaml").training.optimizer.lr
+    tolerance = TOLERANCE.get(precision, {"rtol": 0.0, "atol": bf16_atol(steps, lr)})
+    for key in ref:
+        torch.testing.assert_close(job[key], ref[key], **tolerance, msg=f"{precision}: {key}")
+    if precision == "bf16":  # bf16 really ran: its weights are not the fp32 ones
+        fp32 = tmp_path / "ref-fp32"
+        with one_thread():
+            train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(fp32, steps) + common[:-1]), max_bytes=None)
+        other = load_model_state(fp32 / "ckpt")
+        assert max((other[k] - t).abs().max().item() for k, t in ref.items()) > tolerance["atol"]
