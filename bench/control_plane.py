@@ -57,7 +57,6 @@ raises its soft open-files limit to the hard one (children inherit it) and says 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import re
@@ -69,13 +68,14 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oobleck_elastic.etcd import EtcdSettings, connect  # noqa: E402
-from oobleck_elastic.etcd.server import EtcdServer  # noqa: E402
-from oobleck_elastic.records.keys import Keys  # noqa: E402
-from oobleck_elastic.records.control import ClosedRecord  # noqa: E402
-from oobleck_elastic.records.read import read_roster  # noqa: E402
+from bench.harness import Bench, emit
+
+from oobleck_elastic.etcd import EtcdSettings, connect
+from oobleck_elastic.etcd.server import EtcdServer
+from oobleck_elastic.records.keys import Keys
+from oobleck_elastic.records.control import ClosedRecord
+from oobleck_elastic.records.read import read_roster
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -474,8 +474,7 @@ def main(argv: list[str] | None = None) -> None:
                     "procs": args.procs,
                     "failed": str(err),
                 }
-            print(json.dumps(result), flush=True)
+            emit(result)
 
 
-if __name__ == "__main__":
-    main()
+BENCH = Bench(main, quick=("--nodes", "16", "--window", "2", "--procs", "2"))

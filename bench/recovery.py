@@ -83,16 +83,18 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.harness import Bench, emit
 
-from launcher.faults import descendants, kill_node  # noqa: E402
-from launcher.local import LocalCluster  # noqa: E402
-from oobleck_elastic.etcd import EtcdSettings, connect  # noqa: E402
-from oobleck_elastic.etcd.server import EtcdServer, free_port  # noqa: E402
-from oobleck_elastic.logs import read_event_lines  # noqa: E402
-from oobleck_elastic.records.keys import Keys  # noqa: E402
-from oobleck_elastic.rendezvous.membership import live_nodes, read_events  # noqa: E402
+
+from launcher.faults import descendants, kill_node
+from launcher.local import LocalCluster
+from oobleck_elastic.etcd import EtcdSettings, connect
+from oobleck_elastic.etcd.server import EtcdServer, free_port
+from oobleck_elastic.logs import read_event_lines
+from oobleck_elastic.records.keys import Keys
+from oobleck_elastic.rendezvous.membership import live_nodes, read_events
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIG = ROOT / "configs" / "gpt2-tiny.yaml"
 OVERRIDES = [
@@ -565,10 +567,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     res = run_baseline(work, args, overrides, live.append)
                 res["repeat"] = i
                 results[job].append(res)
-                print(json.dumps(res), flush=True)
+                emit(res)
                 shutil.rmtree(work / "ck", ignore_errors=True)
                 shutil.rmtree(work / "tb", ignore_errors=True)
-        print(json.dumps(compare(results, args, load0)), flush=True)
+        emit(compare(results, args, load0))
         return 0
     except KeyboardInterrupt:
         print("recovery: interrupted; stopping every process", file=sys.stderr, flush=True)
@@ -624,5 +626,4 @@ def compare(results: dict[str, list[dict]], args: argparse.Namespace, load0: flo
     }
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+BENCH = Bench(main, quick=None)

@@ -25,20 +25,20 @@ Run (about 1 min per job on 2 cores):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
+
+from bench.harness import Bench, emit
+
+
+from bench.schedules import launch
+
+from oobleck_elastic.logs import read_event_lines
+from oobleck_elastic.testing import uniform_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from schedules import launch  # noqa: E402
-
-from oobleck_elastic.logs import read_event_lines  # noqa: E402
-from oobleck_elastic.testing import uniform_profile  # noqa: E402
 
 NODES = 4
 LAYERS = 8  # embedding, 6 blocks, head: 4 per stage
@@ -77,14 +77,14 @@ def run(tmp: Path, *, shadows: int, args: argparse.Namespace, tag: str) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--factor", type=float, default=2.0)
     parser.add_argument("--hidden", type=int, default=256)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results: dict[int, list[float]] = {0: [], 1: []}
     with tempfile.TemporaryDirectory(prefix="bench-shadows-") as d:
         tmp = Path(d)
@@ -93,26 +93,22 @@ def main() -> None:
             for shadows in (0, 1):
                 out = run(tmp, shadows=shadows, args=args, tag=f"s{shadows}-r{r}")
                 row = {"bench": "shadows", "shadow_copies": shadows, "repeat": r, "hidden": args.hidden, **out}
-                print(json.dumps(row), flush=True)
+                emit(row)
                 if out["ok"] and out["step_s"] is not None:
                     results[shadows].append(out["step_s"])
     if results[0] and results[1]:
         off, on = statistics.median(results[0]), statistics.median(results[1])
-        print(
-            json.dumps(
-                {
-                    "bench": "shadows",
-                    "summary": True,
-                    "hidden": args.hidden,
-                    "factor": args.factor,
-                    "step_s_off": off,
-                    "step_s_on": on,
-                    "overhead": on / off - 1,
-                }
-            ),
-            flush=True,
+        emit(
+            {
+                "bench": "shadows",
+                "summary": True,
+                "hidden": args.hidden,
+                "factor": args.factor,
+                "step_s_off": off,
+                "step_s_on": on,
+                "overhead": on / off - 1,
+            }
         )
 
 
-if __name__ == "__main__":
-    main()
+BENCH = Bench(main, quick=None)
