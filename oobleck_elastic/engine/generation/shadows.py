@@ -18,7 +18,7 @@ abandoned step's gradients are dropped (`discard`). The shadow's parameters and 
 bit-identical to the holders' whenever holders and keepers run AdamW on the same kind of device
 (on GPUs the holders' CUDA kernel and the keeper's CPU kernel round alike to within fp32 rounding).
 
-Chosen by measurement over snapshots every N steps (GEMINI's design, `bench/shadow_designs.py`
+Chosen by measurement over snapshots every N steps (GEMINI's design, the shadow_designs experiment
 in bench/RESULTS.md): about 1 % a step either way at N = 1, less for snapshots at N >= 4, but a
 recovery from snapshots loses up to N steps and rolls every survivor back; from gradients none.
 

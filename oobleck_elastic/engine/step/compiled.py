@@ -28,7 +28,7 @@ node whose backward computes every gradient at once: torch's split backward then
 (the I pass drops the weight gradients it computed, the W pass computes the input gradient again),
 and a compiled backward with donated buffers refuses the I pass's kept graph outright. The split
 graphs run a whole backward at 0.91-0.96x the whole layer's speed on the CPU, and zero-bubble's
-passes at 1.3-1.6x (bench/compile_split.py, bench/RESULTS.md); and one set of graphs serves
+passes at 1.3-1.6x (the compile_split experiment in bench/RESULTS.md); and one set of graphs serves
 every schedule, so a re-plan that changes a pipeline's schedule compiles nothing either.
 
 Warm-up (`warm_up`). Before a worker reports ready (engine/run.py), it builds one layer of every
