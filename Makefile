@@ -44,7 +44,7 @@ chaos: $(VENV)/.installed
 	$(PY) -m pytest -q -m chaos -s tests/test_chaos.py
 
 bench: $(VENV)/.installed
-	$(PY) bench/planner.py
+	$(PY) -m bench planner
 
 clean:
 	rm -rf $(VENV) .oobleck-cache .pytest_cache

@@ -46,7 +46,7 @@ elect no new leader and nobody re-plans 1,000 departures.
 
 One JSON line per N on stdout; progress on stderr. Run:
 
-    .venv/bin/python bench/control_plane.py [--nodes 64 256 1000] [--clients per-agent|shared|both]
+    .venv/bin/python -m bench control_plane [--nodes 64 256 1000] [--clients per-agent|shared|both]
         [--kill 4] [--lease-ttl 5] [--settle 0.5] [--window 10] [--procs 4] [--no-liveness]
 
 etcd is started here (a temp data dir) and stopped by PID at the end, as are the agent processes.

@@ -13,7 +13,7 @@ One JSON line per model:
     {"bench": "fingerprint", "model": "gpt2-tiny", "bytes": ..., "check_s": ..., "gb_per_s": ...,
      "step_s": ..., "check_over_step": ...}
 
-Run (a minute on 2 cores): .venv/bin/python bench/fingerprint.py [--models gpt2-tiny gpt2-small]
+Run (a minute on 2 cores): .venv/bin/python -m bench fingerprint [--models gpt2-tiny gpt2-small]
 """
 
 from __future__ import annotations

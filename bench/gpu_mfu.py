@@ -19,9 +19,9 @@ The engine cannot hold two single-process trainers at once, so the two engine si
 the other; `plain` and `nanogpt` alternate with the engine in rounds (`--rounds`, the first side
 alternating). Ratios printed: engine ÷ plain, engine ÷ engine_eager, each side ÷ ceiling.
 
-    python bench/gpu_mfu.py                       # CUDA: gpt2-small (vocab 50304, seq 1024), bf16
-    python bench/gpu_mfu.py --model llama-1b      # CUDA: a ~1 B Llama at seq 2048
-    python bench/gpu_mfu.py                       # CPU: a small GPT-2 (what CI machines can show)
+    python -m bench gpu_mfu                       # CUDA: gpt2-small (vocab 50304, seq 1024), bf16
+    python -m bench gpu_mfu --model llama-1b      # CUDA: a ~1 B Llama at seq 2048
+    python -m bench gpu_mfu                       # CPU: a small GPT-2 (what CI machines can show)
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ R rounds alternate a block of S engine steps with a block of S plain steps (the 
 alternates), each step timed from a `cuda.synchronize()` to the next. Printed: one JSON line per
 side (median step time, samples/s, tokens/s) and one with the ratio engine/plain.
 
-    python bench/gpu_step.py                                  # gpt2-small, bf16
-    python bench/gpu_step.py training.precision=fp32 --rounds 3 --steps 10
+    python -m bench gpu_step                                  # gpt2-small, bf16
+    python -m bench gpu_step training.precision=fp32 --rounds 3 --steps 10
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-from bench.harness import Bench, emit
+from bench.harness import Bench, alternate, emit
 
 import torch
 import torch.distributed as dist
@@ -92,7 +92,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("overrides", nargs="*", metavar="key=value")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench/gpu_step.py needs a CUDA device")
+        sys.exit("python -m bench gpu_step needs a CUDA device")
     cfg = load_config(
         args.config, ["data.source=stdlib", "data.tokenizer=bytes", "model.vocab_size=256", *args.overrides]
     )
@@ -118,18 +118,25 @@ def main(argv: Optional[list[str]] = None) -> None:
         plain.step(step, engine.sampler.indices(step))
 
     sides = {"engine": engine_step, "plain": plain_step}
-    times: dict[str, list[float]] = {k: [] for k in sides}
     step = 0
     for fn in sides.values():
         for _ in range(args.warmup):
             fn(step)
             step += 1
-    for r in range(args.rounds):
-        order = list(sides) if r % 2 == 0 else list(reversed(sides))
-        for name in order:
+
+    def block(fn: Callable[[int], None]) -> Callable[[], list[float]]:
+        def measure() -> list[float]:  # a block of S steps
+            nonlocal step
+            out = []
             for _ in range(args.steps):
-                times[name].append(timed(lambda s=step, f=sides[name]: f(s)))
+                out.append(timed(lambda s=step: fn(s)))
                 step += 1
+            return out
+
+        return measure
+
+    result = alternate({name: block(fn) for name, fn in sides.items()}, args.rounds, swap=True)
+    times = result.samples
     tokens = t.global_batch_size * dataset[0][0].shape[-1]
     med = {k: statistics.median(v) for k, v in times.items()}
     for name in sides:
@@ -149,7 +156,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     emit(
         {
             "bench": "gpu_step",
-            "ratio_engine_over_plain": round(med["engine"] / med["plain"], 4),
+            "ratio_engine_over_plain": round(result.ratio, 4),
             "overhead_pct": round(100 * (med["engine"] / med["plain"] - 1), 2),
             "p25_ratio": round(
                 statistics.quantiles(times["engine"], n=4)[0] / statistics.quantiles(times["plain"], n=4)[0], 4

@@ -30,7 +30,7 @@ the command and commit.
 
 Run (about 30-40 s per job on 2 cores; 12 jobs by default):
 
-    .venv/bin/python bench/losses.py [--shadows 0 1 2] [--kills 1 2 3 4] [--nodes 7] [--kill-step 6]
+    .venv/bin/python -m bench losses [--shadows 0 1 2] [--kills 1 2 3 4] [--nodes 7] [--kill-step 6]
         [--steps 14] [--checkpoint-every 4] [--log-dir DIR]
 """
 

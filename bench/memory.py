@@ -30,8 +30,8 @@ stage: start-up should follow the stage (the first two alike), not the model.
 
 Run (about 3-6 minutes each on 2 cores; `--quick` for a small model):
 
-    python bench/memory.py
-    python bench/memory.py --startup
+    python -m bench memory
+    python -m bench memory --startup
 """
 
 from __future__ import annotations

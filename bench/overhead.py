@@ -35,9 +35,9 @@ the two copies' weights after the run is reported too.
 
 Run (1-3 minutes on 2 cores):
 
-    python bench/overhead.py                    # 2 pipelines x 2 stages on 4 ranks, then 1 x 2 on 2
-    python bench/overhead.py --world 4 --rounds 7 --steps 10
-    python bench/overhead.py --quick            # short smoke run
+    python -m bench overhead                    # 2 pipelines x 2 stages on 4 ranks, then 1 x 2 on 2
+    python -m bench overhead --world 4 --rounds 7 --steps 10
+    python -m bench overhead --quick            # short smoke run
 
 Prints one JSON line per world:
     {"bench": "overhead", "world": 4, "plan": "2x2", "engine_samples_s": ..., "baseline_samples_s": ...,

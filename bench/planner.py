@@ -22,7 +22,7 @@ Prints one JSON line per figure:
     8 chunks), its samples/s and bubble, and the CPU seconds of plan_job (goal: < 2 s), beside the
     1F1B plan's.
 
-    python bench/planner.py [--repeats 5] [--only replan|tp|schedules|...]
+    python -m bench planner [--repeats 5] [--only replan|tp|schedules|...]
 """
 
 from __future__ import annotations

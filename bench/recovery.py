@@ -55,10 +55,10 @@ fewer processes on 2 cores can even be faster per step.
 
 Run (about 1.5-3 min per job on 2 cores):
 
-    /tmp/venv/bin/python bench/recovery.py [--kill-step 10] [--steps 30] [--checkpoint-every 4]
+    /tmp/venv/bin/python -m bench recovery [--kill-step 10] [--steps 30] [--checkpoint-every 4]
         [--repeats 1] [--log-dir DIR] [key=value ...]      # extra config overrides for both jobs
-    /tmp/venv/bin/python bench/recovery.py --victim leader --lease-ttl 10   # ours only: the leader dies
-    /tmp/venv/bin/python bench/recovery.py --victim hung    # ours only: node 1 SIGSTOPped (comm timeout 30 s)
+    /tmp/venv/bin/python -m bench recovery --victim leader --lease-ttl 10   # ours only: the leader dies
+    /tmp/venv/bin/python -m bench recovery --victim hung    # ours only: node 1 SIGSTOPped (comm timeout 30 s)
 
 Logs of every run are kept in --log-dir (default: a fresh temp dir, printed on stderr).
 Every process (torchruns, workers, etcd) is started here and killed by PID at the end, on Ctrl-C

@@ -19,20 +19,19 @@ runs, and `overhead` = step_s(shadows) / step_s(no shadows) - 1 (goal: at most 3
 
 Run (about 1 min per job on 2 cores):
 
-    .venv/bin/python bench/shadows.py [--repeats 3] [--steps 16] [--warmup 4] [--factor 2] [--hidden 256]
+    .venv/bin/python -m bench shadows [--repeats 3] [--steps 16] [--warmup 4] [--factor 2] [--hidden 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-from bench.harness import Bench, emit
-
-
+from bench.harness import Bench, alternate, emit
 from bench.schedules import launch
 
 from oobleck_elastic.logs import read_event_lines
@@ -85,19 +84,24 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--factor", type=float, default=2.0)
     parser.add_argument("--hidden", type=int, default=256)
     args = parser.parse_args(argv)
-    results: dict[int, list[float]] = {0: [], 1: []}
     with tempfile.TemporaryDirectory(prefix="bench-shadows-") as d:
         tmp = Path(d)
         uniform_profile(LAYERS, gib_per_layer=0.25).save(tmp / "profile.json")
-        for r in range(args.repeats):
-            for shadows in (0, 1):
+
+        def setting(shadows: int) -> Callable[[], list[float]]:
+            repeats = itertools.count()
+
+            def measure() -> list[float]:  # one job: its step time, none if it did not complete
+                r = next(repeats)
                 out = run(tmp, shadows=shadows, args=args, tag=f"s{shadows}-r{r}")
-                row = {"bench": "shadows", "shadow_copies": shadows, "repeat": r, "hidden": args.hidden, **out}
-                emit(row)
-                if out["ok"] and out["step_s"] is not None:
-                    results[shadows].append(out["step_s"])
-    if results[0] and results[1]:
-        off, on = statistics.median(results[0]), statistics.median(results[1])
+                emit({"bench": "shadows", "shadow_copies": shadows, "repeat": r, "hidden": args.hidden, **out})
+                return [out["step_s"]] if out["ok"] and out["step_s"] is not None else []
+
+            return measure
+
+        result = alternate({"off": setting(0), "on": setting(1)}, args.repeats)
+    off, on = result.medians["off"], result.medians["on"]
+    if off is not None and on is not None:
         emit(
             {
                 "bench": "shadows",

@@ -3,8 +3,8 @@ and 10,000 nodes against torchrun checkpoint-restart (goal: 10,000 nodes in < 60
 
 Prints one JSON line per figure (the scale rows carry both systems side by side):
 
-    python bench/simulate.py [--hours 24] [--seeds 1] [--schedule auto]
-    python bench/simulate.py --artifact-dir /tmp/Oobleck/tools/simulator   # ours vs the authors' simulator
+    python -m bench simulate [--hours 24] [--seeds 1] [--schedule auto]
+    python -m bench simulate --artifact-dir /tmp/Oobleck/tools/simulator   # ours vs the authors' simulator
 
 With `--artifact-dir` (a checkout of the authors' simulator, SymbioticLab/Oobleck `tools/simulator`,
 not part of this repository) it runs their simulator the way their eval scripts do and this

@@ -18,22 +18,22 @@ line: `ratio` = median samples/s with ÷ without (goal >= 1.3).
 
 Run (about 1 min per job on 2 cores):
 
-    .venv/bin/python bench/straggler.py [--repeats 2] [--steps 40] [--tail 15] [--layout 1x4|2x2]
+    .venv/bin/python -m bench straggler [--repeats 2] [--steps 40] [--tail 15] [--layout 1x4|2x2]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-from bench.harness import Bench, emit
+from bench.harness import Bench, alternate, emit
 
 
 from oobleck_elastic.testing import TINY_PROFILE_OVERRIDES, tiny_profile
@@ -90,14 +90,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="oobleck-straggler-"))
     print(f"logs in {tmp}", file=sys.stderr)
-    results: dict[bool, list[float]] = {True: [], False: []}
-    for i in range(args.repeats):
-        for rebalance in (True, False):
-            tag = f"{'with' if rebalance else 'without'}-{i}"
+
+    def side(rebalance: bool) -> Callable[[], float]:
+        repeats = itertools.count()
+
+        def measure() -> float:  # one job: samples/s over its last --tail steps
+            tag = f"{'with' if rebalance else 'without'}-{next(repeats)}"
             got = run(tmp, rebalance=rebalance, steps=args.steps, layout=args.layout, tag=tag)
             tail = [got["times"][s] for s in range(args.steps - args.tail + 1, args.steps + 1) if s in got["times"]]
             samples_s = BATCH * len(tail) / sum(tail) if tail else 0.0
-            results[rebalance].append(samples_s)
             emit(
                 {
                     "bench": "straggler",
@@ -111,7 +112,12 @@ def main(argv: Optional[list[str]] = None) -> None:
                     "tail_steps": len(tail),
                 }
             )
-    with_, without = statistics.median(results[True]), statistics.median(results[False])
+            return samples_s
+
+        return measure
+
+    result = alternate({"with": side(True), "without": side(False)}, args.repeats)
+    with_, without = result.medians["with"] or 0.0, result.medians["without"] or 0.0
     emit(
         {
             "bench": "straggler",
@@ -119,7 +125,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             "layout": args.layout,
             "samples_s_with": round(with_, 2),
             "samples_s_without": round(without, 2),
-            "ratio": round(with_ / without, 3) if without else None,
+            "ratio": round(result.ratio, 3) if result.ratio is not None else None,
             "goal": 1.3,
         }
     )
