@@ -39,7 +39,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     quick = "--quick" in rest
     if quick:
         rest.remove("--quick")
-    result = run(name, load(name), rest, quick=quick)
+    prog, sys.argv[0] = sys.argv[0], f"python -m bench {name}"  # what the bench's --help shows
+    try:
+        result = run(name, load(name), rest, quick=quick)
+    finally:
+        sys.argv[0] = prog
     return result if isinstance(result, int) else 0
 
 

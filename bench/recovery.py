@@ -73,7 +73,6 @@ import os
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,7 +82,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from bench.harness import Bench, emit
+from bench.harness import Bench, emit, median
 
 
 from launcher.faults import descendants, kill_node
@@ -250,10 +249,6 @@ class Run:
         for n in nodes:  # a frozen node never exits by itself
             if n.proc.poll() is None:
                 kill_node(n.proc.pid)
-
-
-def median(xs: list[float]) -> Optional[float]:
-    return statistics.median(xs) if xs else None
 
 
 def analyse(records: list[tuple[int, float]], t_kill: float, killed_at: int, gbs: int) -> dict:
@@ -588,7 +583,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 def compare(results: dict[str, list[dict]], args: argparse.Namespace, load0: float) -> dict:
     def med(job: str, key: str) -> Optional[float]:
         vals = [r[key] for r in results[job] if r.get(key) is not None]
-        return round(statistics.median(vals), 3) if vals else None
+        m = median(vals)
+        return round(m, 3) if m is not None else None
 
     a_cost, b_cost = med("a", "recovery_cost_s"), med("b", "recovery_cost_s")
     a_next = med("a", "kill_to_next_step_s")
