@@ -55,7 +55,7 @@ chaos: $(VENV)/.installed
 	$(PY) -m pytest -q -m chaos -s tests/chaos
 
 bench: $(VENV)/.installed
-	$(PY) bench/planner.py
+	$(PY) -m bench planner
 
 clean:
 	rm -rf $(VENV) .oobleck-cache .pytest_cache

@@ -46,7 +46,7 @@ elect no new leader and nobody re-plans 1,000 departures.
 
 One JSON line per N on stdout; progress on stderr. Run:
 
-    .venv/bin/python bench/control_plane.py [--nodes 64 256 1000] [--clients per-agent|shared|both]
+    .venv/bin/python -m bench control_plane [--nodes 64 256 1000] [--clients per-agent|shared|both]
         [--kill 4] [--lease-ttl 5] [--settle 0.5] [--window 10] [--procs 4] [--no-liveness]
 
 etcd is started here (a temp data dir) and stopped by PID at the end, as are the agent processes.
@@ -57,7 +57,6 @@ raises its soft open-files limit to the hard one (children inherit it) and says 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import re
@@ -69,13 +68,14 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oobleck_elastic.etcd import EtcdSettings, connect  # noqa: E402
-from oobleck_elastic.etcd.server import EtcdServer  # noqa: E402
-from oobleck_elastic.records.keys import Keys  # noqa: E402
-from oobleck_elastic.records.control import ClosedRecord  # noqa: E402
-from oobleck_elastic.records.read import read_roster  # noqa: E402
+from bench.harness import Bench, emit
+
+from oobleck_elastic.etcd import EtcdSettings, connect
+from oobleck_elastic.etcd.server import EtcdServer
+from oobleck_elastic.records.keys import Keys
+from oobleck_elastic.records.control import ClosedRecord
+from oobleck_elastic.records.read import read_roster
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -474,8 +474,7 @@ def main(argv: list[str] | None = None) -> None:
                     "procs": args.procs,
                     "failed": str(err),
                 }
-            print(json.dumps(result), flush=True)
+            emit(result)
 
 
-if __name__ == "__main__":
-    main()
+BENCH = Bench(main, quick=("--nodes", "16", "--window", "2", "--procs", "2"))

@@ -13,25 +13,26 @@ One JSON line per model:
     {"bench": "fingerprint", "model": "gpt2-tiny", "bytes": ..., "check_s": ..., "gb_per_s": ...,
      "step_s": ..., "check_over_step": ...}
 
-Run (a minute on 2 cores): .venv/bin/python bench/fingerprint.py [--models gpt2-tiny gpt2-small]
+Run (a minute on 2 cores): .venv/bin/python -m bench fingerprint [--models gpt2-tiny gpt2-small]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
+from typing import Optional
+
+from bench.harness import Bench, emit
+
+
+from oobleck_elastic.config import load_config
+from oobleck_elastic.engine.resilience.fingerprint import fingerprints, layer_tensors
+from oobleck_elastic.engine.trainer import single_process
+from oobleck_elastic.testing import RandomTokens
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from oobleck_elastic.config import load_config  # noqa: E402
-from oobleck_elastic.engine.resilience.fingerprint import fingerprints, layer_tensors  # noqa: E402
-from oobleck_elastic.engine.trainer import single_process  # noqa: E402
-from oobleck_elastic.testing import RandomTokens  # noqa: E402
 
 
 def measure(model: str, *, steps: int, repeats: int, seq_len: int) -> dict:
@@ -71,16 +72,15 @@ def measure(model: str, *, steps: int, repeats: int, seq_len: int) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["gpt2-tiny", "gpt2-small"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seq-len", type=int, default=64)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     for model in args.models:
-        print(json.dumps(measure(model, steps=args.steps, repeats=args.repeats, seq_len=args.seq_len)), flush=True)
+        emit(measure(model, steps=args.steps, repeats=args.repeats, seq_len=args.seq_len))
 
 
-if __name__ == "__main__":
-    main()
+BENCH = Bench(main, quick=("--models", "gpt2-tiny", "--steps", "2", "--repeats", "1"))

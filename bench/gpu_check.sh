@@ -3,7 +3,7 @@
 #   1. a one-node, one-worker job under the local launcher on cuda:0 (NCCL world of 1 for data, gloo for
 #      control), fp32 and bf16, each compared with the single-process reference on the same GPU;
 #   2. the per-layer profile measured on the GPU;
-#   3. bench/gpu_step.py: the engine's step time against a plain single-GPU loop (bf16 and fp32).
+#   3. `python -m bench gpu_step`: the engine's step time against a plain single-GPU loop (bf16 and fp32).
 # Results go to stdout and, when $OUT is set, to files under it. Usage: bash bench/gpu_check.sh
 set -uo pipefail
 out=${OUT:-/tmp/gpu_check}
@@ -43,5 +43,5 @@ for layer in prof.layers[:3] + prof.layers[-1:]:
     print(json.dumps({"check": "profile_on_gpu", "layer": layer.name, "forward_ms": round(layer.forward_s * 1e3, 3),
                       "backward_ms": round(layer.backward_s * 1e3, 3), "activation_bytes": layer.activation_bytes}))
 PY
-$py bench/gpu_step.py | tee "$out/gpu_step_bf16.jsonl"
-$py bench/gpu_step.py training.precision=fp32 --rounds 3 | tee "$out/gpu_step_fp32.jsonl"
+$py -m bench gpu_step | tee "$out/gpu_step_bf16.jsonl"
+$py -m bench gpu_step training.precision=fp32 --rounds 3 | tee "$out/gpu_step_fp32.jsonl"

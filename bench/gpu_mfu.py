@@ -19,36 +19,36 @@ The engine cannot hold two single-process trainers at once, so the two engine si
 the other; `plain` and `nanogpt` alternate with the engine in rounds (`--rounds`, the first side
 alternating). Ratios printed: engine ÷ plain, engine ÷ engine_eager, each side ÷ ceiling.
 
-    python bench/gpu_mfu.py                       # CUDA: gpt2-small (vocab 50304, seq 1024), bf16
-    python bench/gpu_mfu.py --model llama-1b      # CUDA: a ~1 B Llama at seq 2048
-    python bench/gpu_mfu.py                       # CPU: a small GPT-2 (what CI machines can show)
+    python -m bench gpu_mfu                       # CUDA: gpt2-small (vocab 50304, seq 1024), bf16
+    python -m bench gpu_mfu --model llama-1b      # CUDA: a ~1 B Llama at seq 2048
+    python -m bench gpu_mfu                       # CPU: a small GPT-2 (what CI machines can show)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
+
+from bench.harness import Bench, emit
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from oobleck_elastic.config import load_config  # noqa: E402
-from oobleck_elastic.engine.step.loss import token_sum_loss  # noqa: E402
-from oobleck_elastic.engine.telemetry.memory import peak_device_bytes, peak_rss_bytes  # noqa: E402
-from oobleck_elastic.engine.telemetry.mfu import device_peak_tflops, flops_per_token  # noqa: E402
-from oobleck_elastic.engine.step.optim import build_optimizer, set_lr  # noqa: E402
-from oobleck_elastic.engine.trainer import single_process  # noqa: E402
-from oobleck_elastic.models import build_layer_model, num_layers  # noqa: E402
+from oobleck_elastic.config import load_config
+from oobleck_elastic.engine.step.loss import token_sum_loss
+from oobleck_elastic.engine.telemetry.memory import peak_device_bytes, peak_rss_bytes
+from oobleck_elastic.engine.telemetry.mfu import device_peak_tflops, flops_per_token
+from oobleck_elastic.engine.step.optim import build_optimizer, set_lr
+from oobleck_elastic.engine.trainer import single_process
+from oobleck_elastic.models import build_layer_model, num_layers
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MODELS = {
     "gpt2-small": [
@@ -198,7 +198,7 @@ def gemm_ceiling(device: torch.device, tokens: int, h: int, dtype: torch.dtype, 
     return 2 * tokens * h * 4 * h / statistics.median(times) / 1e12
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--model", choices=sorted(MODELS), default=None, help="gpt2-small on CUDA, cpu-gpt2 on the CPU by default"
@@ -207,7 +207,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per side per round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side first (compilation)")
     ap.add_argument("overrides", nargs="*", metavar="key=value")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     name = args.model or ("gpt2-small" if device.type == "cuda" else "cpu-gpt2")
     precision = "bf16" if device.type == "cuda" else "fp32"
@@ -235,16 +235,13 @@ def main() -> None:
         "flops_per_token": fpt,
         "peak_tflops": peak,
     }
-    print(
-        json.dumps(
-            {
-                **base,
-                "side": "ceiling",
-                "gemm_tflops": round(ceiling, 3),
-                "tokens_per_s_at_ceiling": round(ceiling * 1e12 / fpt),
-            }
-        ),
-        flush=True,
+    emit(
+        {
+            **base,
+            "side": "ceiling",
+            "gemm_tflops": round(ceiling, 3),
+            "tokens_per_s_at_ceiling": round(ceiling * 1e12 / fpt),
+        }
     )
 
     results: dict[str, list[float]] = {}
@@ -302,21 +299,18 @@ def main() -> None:
     for label, m in med.items():
         tps = tokens / m
         achieved = tps * fpt / 1e12
-        print(
-            json.dumps(
-                {
-                    **base,
-                    "side": label,
-                    "median_step_s": round(m, 5),
-                    "tokens_per_s": round(tps),
-                    "tflops": round(achieved, 4),
-                    "mfu": round(achieved / peak, 4) if peak else None,
-                    "fraction_of_gemm_ceiling": round(achieved / ceiling, 4),
-                    "compile_s": round(max(0.0, sum(first[label]) - len(first[label]) * m), 2),
-                    "steps": len(results[label]),
-                }
-            ),
-            flush=True,
+        emit(
+            {
+                **base,
+                "side": label,
+                "median_step_s": round(m, 5),
+                "tokens_per_s": round(tps),
+                "tflops": round(achieved, 4),
+                "mfu": round(achieved / peak, 4) if peak else None,
+                "fraction_of_gemm_ceiling": round(achieved / ceiling, 4),
+                "compile_s": round(max(0.0, sum(first[label]) - len(first[label]) * m), 2),
+                "steps": len(results[label]),
+            }
         )
     ratios = {
         "engine_over_plain": med["engine"] and med["plain"] / med["engine"],
@@ -324,18 +318,15 @@ def main() -> None:
     }
     if "nanogpt" in med:
         ratios["engine_over_nanogpt"] = med["nanogpt"] / med["engine"]
-    print(
-        json.dumps(
-            {
-                **base,
-                "figure": "ratios (throughput, > 1 = the engine is faster)",
-                **{k: round(v, 4) for k, v in ratios.items()},
-                "peak_memory_gb": round((peak_device_bytes(device) or peak_rss_bytes()) / 2**30, 3),
-            }
-        )
+    emit(
+        {
+            **base,
+            "figure": "ratios (throughput, > 1 = the engine is faster)",
+            **{k: round(v, 4) for k, v in ratios.items()},
+            "peak_memory_gb": round((peak_device_bytes(device) or peak_rss_bytes()) / 2**30, 3),
+        }
     )
     assert math.isfinite(ratios["engine_over_plain"])
 
 
-if __name__ == "__main__":
-    main()
+BENCH = Bench(main, quick=("--rounds", "1", "--steps", "2", "--warmup", "1"))

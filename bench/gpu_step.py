@@ -13,14 +13,13 @@ R rounds alternate a block of S engine steps with a block of S plain steps (the 
 alternates), each step timed from a `cuda.synchronize()` to the next. Printed: one JSON line per
 side (median step time, samples/s, tokens/s) and one with the ratio engine/plain.
 
-    python bench/gpu_step.py                                  # gpt2-small, bf16
-    python bench/gpu_step.py training.precision=fp32 --rounds 3 --steps 10
+    python -m bench gpu_step                                  # gpt2-small, bf16
+    python -m bench gpu_step training.precision=fp32 --rounds 3 --steps 10
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,21 +27,24 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable, Optional
+
+from bench.harness import Bench, alternate, emit
 
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from oobleck_elastic.config import load_config  # noqa: E402
-from oobleck_elastic.engine.control import one_worker_plan  # noqa: E402
-from oobleck_elastic.data.dataset import build_dataset  # noqa: E402
-from oobleck_elastic.data.sampler import collate  # noqa: E402
-from oobleck_elastic.engine.step.optim import build_optimizer, set_lr, token_sum_loss  # noqa: E402
-from oobleck_elastic.engine.runner import StepRunner  # noqa: E402
-from oobleck_elastic.engine.trainer import Trainer  # noqa: E402
-from oobleck_elastic.models import build_layer_model  # noqa: E402
+from oobleck_elastic.config import load_config
+from oobleck_elastic.engine.control import one_worker_plan
+from oobleck_elastic.data.dataset import build_dataset
+from oobleck_elastic.data.sampler import collate
+from oobleck_elastic.engine.step.optim import build_optimizer, set_lr, token_sum_loss
+from oobleck_elastic.engine.runner import StepRunner
+from oobleck_elastic.engine.trainer import Trainer
+from oobleck_elastic.models import build_layer_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class PlainLoop:
@@ -81,16 +83,16 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs/gpt2-small.yaml"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("overrides", nargs="*", metavar="key=value")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench/gpu_step.py needs a CUDA device")
+        sys.exit("python -m bench gpu_step needs a CUDA device")
     cfg = load_config(
         args.config, ["data.source=stdlib", "data.tokenizer=bytes", "model.vocab_size=256", *args.overrides]
     )
@@ -116,47 +118,50 @@ def main() -> None:
         plain.step(step, engine.sampler.indices(step))
 
     sides = {"engine": engine_step, "plain": plain_step}
-    times: dict[str, list[float]] = {k: [] for k in sides}
     step = 0
     for fn in sides.values():
         for _ in range(args.warmup):
             fn(step)
             step += 1
-    for r in range(args.rounds):
-        order = list(sides) if r % 2 == 0 else list(reversed(sides))
-        for name in order:
+
+    def block(fn: Callable[[int], None]) -> Callable[[], list[float]]:
+        def measure() -> list[float]:  # a block of S steps
+            nonlocal step
+            out = []
             for _ in range(args.steps):
-                times[name].append(timed(lambda s=step, f=sides[name]: f(s)))
+                out.append(timed(lambda s=step: fn(s)))
                 step += 1
+            return out
+
+        return measure
+
+    result = alternate({name: block(fn) for name, fn in sides.items()}, args.rounds, swap=True)
+    times = result.samples
     tokens = t.global_batch_size * dataset[0][0].shape[-1]
     med = {k: statistics.median(v) for k, v in times.items()}
     for name in sides:
-        print(
-            json.dumps(
-                {
-                    "bench": "gpu_step",
-                    "side": name,
-                    "config": Path(args.config).stem,
-                    "precision": t.precision,
-                    "device": torch.cuda.get_device_name(device),
-                    "median_step_s": round(med[name], 5),
-                    "samples_per_s": round(t.global_batch_size / med[name], 1),
-                    "tokens_per_s": round(tokens / med[name]),
-                    "steps": len(times[name]),
-                }
-            )
-        )
-    print(
-        json.dumps(
+        emit(
             {
                 "bench": "gpu_step",
-                "ratio_engine_over_plain": round(med["engine"] / med["plain"], 4),
-                "overhead_pct": round(100 * (med["engine"] / med["plain"] - 1), 2),
-                "p25_ratio": round(
-                    statistics.quantiles(times["engine"], n=4)[0] / statistics.quantiles(times["plain"], n=4)[0], 4
-                ),
+                "side": name,
+                "config": Path(args.config).stem,
+                "precision": t.precision,
+                "device": torch.cuda.get_device_name(device),
+                "median_step_s": round(med[name], 5),
+                "samples_per_s": round(t.global_batch_size / med[name], 1),
+                "tokens_per_s": round(tokens / med[name]),
+                "steps": len(times[name]),
             }
         )
+    emit(
+        {
+            "bench": "gpu_step",
+            "ratio_engine_over_plain": round(result.ratio, 4),
+            "overhead_pct": round(100 * (med["engine"] / med["plain"] - 1), 2),
+            "p25_ratio": round(
+                statistics.quantiles(times["engine"], n=4)[0] / statistics.quantiles(times["plain"], n=4)[0], 4
+            ),
+        }
     )
     engine.close()
     # the planner's estimate of the same step (one worker, one stage) from the profile measured on this GPU
@@ -165,19 +170,16 @@ def main() -> None:
 
     profile = load_or_profile(cfg, device=device, cache_dir="/tmp/gpu_step_cache", log=lambda *_: None)
     est = plan_job(cfg, nodes=1, profile=profile).plan.est_step_time_s
-    print(
-        json.dumps(
-            {
-                "bench": "gpu_step",
-                "figure": "estimated_vs_measured",
-                "precision": t.precision,
-                "planner_est_step_s": round(est, 5),
-                "engine_measured_step_s": round(med["engine"], 5),
-                "ratio_measured_over_estimated": round(med["engine"] / est, 3),
-            }
-        )
+    emit(
+        {
+            "bench": "gpu_step",
+            "figure": "estimated_vs_measured",
+            "precision": t.precision,
+            "planner_est_step_s": round(est, 5),
+            "engine_measured_step_s": round(med["engine"], 5),
+            "ratio_measured_over_estimated": round(med["engine"] / est, 3),
+        }
     )
 
 
-if __name__ == "__main__":
-    main()
+BENCH = Bench(main, quick=("--rounds", "1", "--steps", "2", "--warmup", "1"))

@@ -30,14 +30,13 @@ the command and commit.
 
 Run (about 30-40 s per job on 2 cores; 12 jobs by default):
 
-    .venv/bin/python bench/losses.py [--shadows 0 1 2] [--kills 1 2 3 4] [--nodes 7] [--kill-step 6]
+    .venv/bin/python -m bench losses [--shadows 0 1 2] [--kills 1 2 3 4] [--nodes 7] [--kill-step 6]
         [--steps 14] [--checkpoint-every 4] [--log-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -45,21 +44,22 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
+from bench.harness import Bench, emit
+
+
+from bench.recovery import CONFIG, OURS_RDZV, OVERRIDES, Lines, cluster_args
+
+from launcher.faults import kill_node
+from launcher.local import LocalCluster
+from oobleck_elastic.etcd import EtcdSettings, connect
+from oobleck_elastic.etcd.server import EtcdServer
+from oobleck_elastic.logs import read_event_lines
+from oobleck_elastic.planning import Plan
+from oobleck_elastic.records.keys import Keys
+from oobleck_elastic.rendezvous.membership import live_nodes
+from oobleck_elastic.testing import uniform_profile
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from recovery import CONFIG, OURS_RDZV, OVERRIDES, Lines, cluster_args  # noqa: E402
-
-from launcher.faults import kill_node  # noqa: E402
-from launcher.local import LocalCluster  # noqa: E402
-from oobleck_elastic.etcd import EtcdSettings, connect  # noqa: E402
-from oobleck_elastic.etcd.server import EtcdServer  # noqa: E402
-from oobleck_elastic.logs import read_event_lines  # noqa: E402
-from oobleck_elastic.planning import Plan  # noqa: E402
-from oobleck_elastic.records.keys import Keys  # noqa: E402
-from oobleck_elastic.rendezvous.membership import live_nodes  # noqa: E402
-from oobleck_elastic.testing import uniform_profile  # noqa: E402
 
 
 def victims(plan: Plan, k: int) -> list[str]:
@@ -177,7 +177,7 @@ def one_job(work: Path, etcd: EtcdServer, args: argparse.Namespace, shadows: int
     return out
 
 
-def main() -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shadows", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--kills", type=int, nargs="+", default=[1, 2, 3, 4])
@@ -187,7 +187,7 @@ def main() -> int:
     ap.add_argument("--checkpoint-every", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--log-dir", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-losses-logs-"))
     args.log_dir.mkdir(parents=True, exist_ok=True)
     print(f"logs in {args.log_dir}", file=sys.stderr)
@@ -201,7 +201,7 @@ def main() -> int:
                 work = Path(d) / f"s{shadows}-k{k}"
                 work.mkdir()
                 row = one_job(work, etcd, args, shadows, k)
-                print(json.dumps(row), flush=True)
+                emit(row)
                 rows.setdefault(shadows, []).append(row)
     for shadows, runs in rows.items():
         cells = {
@@ -209,9 +209,8 @@ def main() -> int:
             + ("" if r.get("completed") else " (not completed)")
             for r in runs
         }
-        print(json.dumps({"bench": "losses", "summary": True, "shadow_copies": shadows, "by_k": cells}), flush=True)
+        emit({"bench": "losses", "summary": True, "shadow_copies": shadows, "by_k": cells})
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+BENCH = Bench(main, quick=None)

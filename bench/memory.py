@@ -30,8 +30,8 @@ stage: start-up should follow the stage (the first two alike), not the model.
 
 Run (about 3-6 minutes each on 2 cores; `--quick` for a small model):
 
-    python bench/memory.py
-    python bench/memory.py --startup
+    python -m bench memory
+    python -m bench memory --startup
 """
 
 from __future__ import annotations
@@ -44,10 +44,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
+
+from bench.harness import Bench, emit
 
 T0 = time.monotonic()  # before torch is imported: the start of a worker's start-up
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 GPT2 = {"family": "gpt2", "blocks": 24, "hidden": 1024, "heads": 16, "vocab": 256}
 QUICK = {"family": "gpt2", "blocks": 8, "hidden": 512, "heads": 8, "vocab": 256}
@@ -150,7 +152,8 @@ def run_case(model: dict, stages: int, init: str, pretrained: Path | None) -> di
             subprocess.Popen(
                 [
                     sys.executable,
-                    __file__,
+                    "-m",
+                    "bench.memory",
                     "--worker",
                     str(r),
                     str(stages),
@@ -183,11 +186,7 @@ def run_case(model: dict, stages: int, init: str, pretrained: Path | None) -> di
     }
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        rank, world, tmp, out, *over = sys.argv[2:]
-        worker(int(rank), int(world), tmp, over, out)
-        return
+def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--quick", action="store_true", help="a small model (smoke run)")
@@ -196,7 +195,7 @@ def main() -> None:
         action="store_true",
         help="instead: start-up of a ~1 B Llama on 4 and 1 stages and of a 0.34 B one on 1 stage",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     model = QUICK if args.quick else GPT2
     if not args.startup:
         with tempfile.TemporaryDirectory() as tmp:
@@ -204,14 +203,14 @@ def main() -> None:
             save_pretrained(model, pretrained)
             for init in ("random", "pretrained"):
                 for stages in args.stages:
-                    print(
-                        json.dumps(run_case(model, stages, init, pretrained if init == "pretrained" else None)),
-                        flush=True,
-                    )
+                    emit(run_case(model, stages, init, pretrained if init == "pretrained" else None))
     else:
         for model, stages in ((LLAMA_1B, 4), (LLAMA_QUARTER, 1), (LLAMA_1B, 1)):
-            print(json.dumps({**run_case(model, stages, "random", None), "bench": "startup"}), flush=True)
+            emit({**run_case(model, stages, "random", None), "bench": "startup"})
 
 
-if __name__ == "__main__":
-    main()
+BENCH = Bench(main, quick=("--quick", "--stages", "1"))
+
+if __name__ == "__main__":  # a worker of run_case: python -m bench.memory --worker RANK WORLD TMP OUT [key=value ...]
+    rank, world, tmp, out, *over = sys.argv[2:]
+    worker(int(rank), int(world), tmp, over, out)

@@ -35,9 +35,9 @@ the two copies' weights after the run is reported too.
 
 Run (1-3 minutes on 2 cores):
 
-    python bench/overhead.py                    # 2 pipelines x 2 stages on 4 ranks, then 1 x 2 on 2
-    python bench/overhead.py --world 4 --rounds 7 --steps 10
-    python bench/overhead.py --quick            # short smoke run
+    python -m bench overhead                    # 2 pipelines x 2 stages on 4 ranks, then 1 x 2 on 2
+    python -m bench overhead --world 4 --rounds 7 --steps 10
+    python -m bench overhead --quick            # short smoke run
 
 Prints one JSON line per world:
     {"bench": "overhead", "world": 4, "plan": "2x2", "engine_samples_s": ..., "baseline_samples_s": ...,
@@ -47,13 +47,14 @@ Prints one JSON line per world:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
+
+from bench.harness import Bench, emit
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_PCT = 3.0
@@ -291,7 +292,7 @@ def run_world(world: int, args: argparse.Namespace, cfg) -> dict:
     }
 
 
-def main(argv=None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, nargs="+", default=[4, 2], help="world sizes: 4 = 2x2, 2 = 1x2, 3 = 1x3")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
@@ -309,9 +310,7 @@ def main(argv=None) -> None:
 
     cfg = load_config(args.config, DEFAULT_OVERRIDES + list(args.overrides))
     for world in args.world:
-        print(json.dumps(run_world(world, args, cfg)), flush=True)
+        emit(run_world(world, args, cfg))
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    main()
+BENCH = Bench(main, quick=("--quick",))

@@ -22,20 +22,22 @@ Prints one JSON line per figure:
     8 chunks), its samples/s and bubble, and the CPU seconds of plan_job (goal: < 2 s), beside the
     1F1B plan's.
 
-    python bench/planner.py [--repeats 5] [--only replan|tp|schedules|...]
+    python -m bench planner [--repeats 5] [--only replan|tp|schedules|...]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
 
+from bench.harness import Bench, emit
+
 import numpy as np
 
 from pathlib import Path
+from typing import Optional
 
 from oobleck_elastic.config import load_config
 from oobleck_elastic.planning import (
@@ -109,7 +111,7 @@ def enumeration_makespan(templates, total: int, B: int, f: int) -> tuple[float, 
     return best, options
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
@@ -117,7 +119,7 @@ def main() -> None:
         choices=("basics", "tp", "replan", "schedules"),
         help="one part: templates/instantiation, tp, re-planning, or pipeline schedules",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     common = {"bench": "planner", "model": "gpt3-175b-like", "layers": 98, "gpus_per_node": 8}
     if args.only in (None, "basics"):
         basics(common, args.repeats)
@@ -150,7 +152,7 @@ def schedules(common: dict, repeats: int) -> None:
         }
         if schedule == "auto":
             row |= {"goal_cpu_s": 2.0, "meets_goal": cpu < 2.0}
-        print(json.dumps(common | row), flush=True)
+        emit(common | row)
 
 
 def basics(common: dict, repeats: int) -> None:
@@ -166,35 +168,27 @@ def basics(common: dict, repeats: int) -> None:
     t_replan, replan = timed(
         lambda: instantiate(templates, num_nodes=1023, num_microbatches=GLOBAL_MICROBATCHES, f=1), repeats
     )
-    print(json.dumps(common | {"figure": "templates_s", "value": t_templates, "templates": templates.sizes()}))
-    print(
-        json.dumps(
-            common
-            | {
-                "figure": "instantiate_1024_nodes_s",
-                "value": t_inst,
-                "pipelines": len(plan.pipelines),
-                "nodes_used": plan.nodes_used,
-            }
-        )
+    emit(common | {"figure": "templates_s", "value": t_templates, "templates": templates.sizes()})
+    emit(
+        common
+        | {
+            "figure": "instantiate_1024_nodes_s",
+            "value": t_inst,
+            "pipelines": len(plan.pipelines),
+            "nodes_used": plan.nodes_used,
+        }
     )
     total = t_templates + t_inst
-    print(
-        json.dumps(
-            common | {"figure": "templates_plus_instantiate_s", "value": total, "goal": 1.0, "meets_goal": total < 1.0}
-        )
-    )
-    print(
-        json.dumps(
-            common
-            | {
-                "figure": "replan_after_one_loss_s",
-                "value": t_replan,
-                "goal": 0.05,
-                "meets_goal": t_replan < 0.05,
-                "nodes_used": replan.nodes_used,
-            }
-        )
+    emit(common | {"figure": "templates_plus_instantiate_s", "value": total, "goal": 1.0, "meets_goal": total < 1.0})
+    emit(
+        common
+        | {
+            "figure": "replan_after_one_loss_s",
+            "value": t_replan,
+            "goal": 0.05,
+            "meets_goal": t_replan < 0.05,
+            "nodes_used": replan.nodes_used,
+        }
     )
     # the algorithms side by side on compute-only templates (the makespan then depends on the
     # templates alone, not on how many replicas share the gradient all-reduce)
@@ -206,19 +200,17 @@ def basics(common: dict, repeats: int) -> None:
         t_enum, (enum_makespan, options) = timed(
             lambda n=n: enumeration_makespan(templates, n, GLOBAL_MICROBATCHES, 1), 1
         )
-        print(
-            json.dumps(
-                common
-                | {
-                    "figure": "instantiate_vs_enumeration",
-                    "nodes": n,
-                    "ours_s": t_ours,
-                    "enumeration_s": t_enum,
-                    "enumeration_options": options,
-                    "ratio_enumeration_over_ours": t_enum / t_ours,
-                    "same_makespan": math.isclose(ours.makespan_s, enum_makespan, rel_tol=1e-6),
-                }
-            )
+        emit(
+            common
+            | {
+                "figure": "instantiate_vs_enumeration",
+                "nodes": n,
+                "ours_s": t_ours,
+                "enumeration_s": t_enum,
+                "enumeration_options": options,
+                "ratio_enumeration_over_ours": t_enum / t_ours,
+                "same_makespan": math.isclose(ours.makespan_s, enum_makespan, rel_tol=1e-6),
+            }
         )
 
 
@@ -229,41 +221,37 @@ def tensor_parallel(common: dict) -> None:
     plans = compare_tensor_parallel(cfg, profiles, 1024)
     for d, jp in plans.items():
         p = jp.plan
-        print(
-            json.dumps(
-                common
-                | {
-                    "figure": "tensor_parallel_1024_nodes",
-                    "tensor_parallel": d,
-                    "stages_per_node": 8 // d,
-                    "pipelines": len(p.pipelines),
-                    "stages_per_pipeline": sorted({len(q.stages) for q in p.pipelines}),
-                    "est_step_s": p.est_step_time_s,
-                    "est_samples_per_s": p.samples_per_s,
-                    "bubble_fraction": 1 - jp.efficiency,
-                }
-            )
+        emit(
+            common
+            | {
+                "figure": "tensor_parallel_1024_nodes",
+                "tensor_parallel": d,
+                "stages_per_node": 8 // d,
+                "pipelines": len(p.pipelines),
+                "stages_per_pipeline": sorted({len(q.stages) for q in p.pipelines}),
+                "est_step_s": p.est_step_time_s,
+                "est_samples_per_s": p.samples_per_s,
+                "bubble_fraction": 1 - jp.efficiency,
+            }
         )
     t_compare = time.perf_counter() - t0
     t_auto, cpu_auto, auto = timed_cpu(lambda: plan_job(cfg, nodes=1024, profile=profiles), 3)
     rates = {d: jp.plan.samples_per_s for d, jp in plans.items()}
-    print(
-        json.dumps(
-            common
-            | {
-                "figure": "tensor_parallel_1024_nodes",
-                "tensor_parallel": "auto",
-                "chose": auto.plan.tensor_parallel,
-                "est_samples_per_s": auto.plan.samples_per_s,
-                "bubble_fraction": 1 - auto.efficiency,
-                "ratio_auto_over_tp1": auto.plan.samples_per_s / rates[1],
-                "planning_all_degrees_s": t_compare,
-                "auto_plan_job_s": t_auto,
-                "auto_plan_job_cpu_s": cpu_auto,
-                "goal": 2.0,
-                "meets_goal": t_auto < 2.0,
-            }
-        )
+    emit(
+        common
+        | {
+            "figure": "tensor_parallel_1024_nodes",
+            "tensor_parallel": "auto",
+            "chose": auto.plan.tensor_parallel,
+            "est_samples_per_s": auto.plan.samples_per_s,
+            "bubble_fraction": 1 - auto.efficiency,
+            "ratio_auto_over_tp1": auto.plan.samples_per_s / rates[1],
+            "planning_all_degrees_s": t_compare,
+            "auto_plan_job_s": t_auto,
+            "auto_plan_job_cpu_s": cpu_auto,
+            "goal": 2.0,
+            "meets_goal": t_auto < 2.0,
+        }
     )
 
 
@@ -274,12 +262,12 @@ def replan_at_scale(common: dict, repeats: int) -> None:
             profile, gpus_per_node=8, device_memory_gb=80.0, memory_margin=0.1, links=Links(), tensor_parallel=tp
         )
         for n in (128, 256, 384, 1024, 4096, 10000):
-            print(json.dumps(common | replan_case(templates, shard_bytes_of(profile.layers), n, repeats)), flush=True)
+            emit(common | replan_case(templates, shard_bytes_of(profile.layers), n, repeats))
         # the case that dissolves a pipeline: enough nodes of one pipeline lost that the others
         # cannot refill it (its survivors are spread over the rest)
         for n in (1024, 10000):
             row = replan_case(templates, shard_bytes_of(profile.layers), n, repeats, lost=5)
-            print(json.dumps(common | row), flush=True)
+            emit(common | row)
 
 
 def replan_case(templates, shards: list[int], n: int, repeats: int, lost: int = 1) -> dict:
@@ -408,5 +396,4 @@ def max_weight_assignment(weight: np.ndarray) -> list[int]:
     return out
 
 
-if __name__ == "__main__":
-    main()
+BENCH = Bench(main, quick=("--repeats", "1", "--only", "basics"))

@@ -55,10 +55,10 @@ fewer processes on 2 cores can even be faster per step.
 
 Run (about 1.5-3 min per job on 2 cores):
 
-    /tmp/venv/bin/python bench/recovery.py [--kill-step 10] [--steps 30] [--checkpoint-every 4]
+    /tmp/venv/bin/python -m bench recovery [--kill-step 10] [--steps 30] [--checkpoint-every 4]
         [--repeats 1] [--log-dir DIR] [key=value ...]      # extra config overrides for both jobs
-    /tmp/venv/bin/python bench/recovery.py --victim leader --lease-ttl 10   # ours only: the leader dies
-    /tmp/venv/bin/python bench/recovery.py --victim hung    # ours only: node 1 SIGSTOPped (comm timeout 30 s)
+    /tmp/venv/bin/python -m bench recovery --victim leader --lease-ttl 10   # ours only: the leader dies
+    /tmp/venv/bin/python -m bench recovery --victim hung    # ours only: node 1 SIGSTOPped (comm timeout 30 s)
 
 Logs of every run are kept in --log-dir (default: a fresh temp dir, printed on stderr).
 Every process (torchruns, workers, etcd) is started here and killed by PID at the end, on Ctrl-C
@@ -73,7 +73,6 @@ import os
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,16 +82,18 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.harness import Bench, emit, median
 
-from launcher.faults import descendants, kill_node  # noqa: E402
-from launcher.local import LocalCluster  # noqa: E402
-from oobleck_elastic.etcd import EtcdSettings, connect  # noqa: E402
-from oobleck_elastic.etcd.server import EtcdServer, free_port  # noqa: E402
-from oobleck_elastic.logs import read_event_lines  # noqa: E402
-from oobleck_elastic.records.keys import Keys  # noqa: E402
-from oobleck_elastic.rendezvous.membership import live_nodes, read_events  # noqa: E402
+
+from launcher.faults import descendants, kill_node
+from launcher.local import LocalCluster
+from oobleck_elastic.etcd import EtcdSettings, connect
+from oobleck_elastic.etcd.server import EtcdServer, free_port
+from oobleck_elastic.logs import read_event_lines
+from oobleck_elastic.records.keys import Keys
+from oobleck_elastic.rendezvous.membership import live_nodes, read_events
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIG = ROOT / "configs" / "gpt2-tiny.yaml"
 OVERRIDES = [
@@ -248,10 +249,6 @@ class Run:
         for n in nodes:  # a frozen node never exits by itself
             if n.proc.poll() is None:
                 kill_node(n.proc.pid)
-
-
-def median(xs: list[float]) -> Optional[float]:
-    return statistics.median(xs) if xs else None
 
 
 def analyse(records: list[tuple[int, float]], t_kill: float, killed_at: int, gbs: int) -> dict:
@@ -565,10 +562,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     res = run_baseline(work, args, overrides, live.append)
                 res["repeat"] = i
                 results[job].append(res)
-                print(json.dumps(res), flush=True)
+                emit(res)
                 shutil.rmtree(work / "ck", ignore_errors=True)
                 shutil.rmtree(work / "tb", ignore_errors=True)
-        print(json.dumps(compare(results, args, load0)), flush=True)
+        emit(compare(results, args, load0))
         return 0
     except KeyboardInterrupt:
         print("recovery: interrupted; stopping every process", file=sys.stderr, flush=True)
@@ -586,7 +583,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 def compare(results: dict[str, list[dict]], args: argparse.Namespace, load0: float) -> dict:
     def med(job: str, key: str) -> Optional[float]:
         vals = [r[key] for r in results[job] if r.get(key) is not None]
-        return round(statistics.median(vals), 3) if vals else None
+        m = median(vals)
+        return round(m, 3) if m is not None else None
 
     a_cost, b_cost = med("a", "recovery_cost_s"), med("b", "recovery_cost_s")
     a_next = med("a", "kill_to_next_step_s")
@@ -624,5 +622,4 @@ def compare(results: dict[str, list[dict]], args: argparse.Namespace, load0: flo
     }
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+BENCH = Bench(main, quick=None)

@@ -44,34 +44,43 @@ batch / step_s; `vs_1f1b` = samples_s / that of the same repeat's 1f1b run; `ove
 stages in which some paced pass took longer than its target (each logs `paced_overrun` once;
 should be 0). A summary line per schedule gives the medians (`vs_1f1b` of the medians).
 
-Run (about 1 min per job on 2 cores):
+`--compile`: the same with compiled layers (`training.compile=true`, in the jobs and in the
+estimates), by default zero-bubble against 1F1B. Compiled layers run zero-bubble's split backward
+through separate input- and weight-gradient graphs (engine/step/split_layer.py); on paced devices
+each pass is padded to the plan's time, so the schedule's bubble shows and the compiled arithmetic
+(a few ms on these tiny layers) is a small share of each pass. The workers share one inductor
+cache (the run's `data.cache_dir`), so only the first job compiles cold.
 
-    .venv/bin/python bench/schedules.py [--schedules 1f1b gpipe zero-bubble/2 zbv] [--repeats 3] [--steps 20]
-        [--warmup 5] [--factor 2] [--profile uniform|uneven]
+Run (about 1 min per job on 2 cores, 1-2 min compiled):
+
+    python -m bench schedules [--schedules 1f1b gpipe zero-bubble/2 zbv] [--repeats 3] [--steps 20]
+        [--warmup 5] [--factor 2] [--profile uniform|uneven] [--compile]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
+
+from bench.harness import Bench, emit
+
+
+from oobleck_elastic.config import load_config
+from oobleck_elastic.logs import read_event_lines
+from oobleck_elastic.planning import ModelProfile, plan_job
+from oobleck_elastic.planning.job import links_for
+from oobleck_elastic.planning.schedule_choice import ENGINE_RUNS
+from oobleck_elastic.planning.schedule_cost import schedule_cost
+from oobleck_elastic.testing import uniform_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from oobleck_elastic.config import load_config  # noqa: E402
-from oobleck_elastic.logs import read_event_lines  # noqa: E402
-from oobleck_elastic.planning import ModelProfile, plan_job  # noqa: E402
-from oobleck_elastic.planning.job import links_for  # noqa: E402
-from oobleck_elastic.planning.schedule_choice import ENGINE_RUNS  # noqa: E402
-from oobleck_elastic.planning.schedule_cost import schedule_cost  # noqa: E402
-from oobleck_elastic.testing import uniform_profile  # noqa: E402
 
 NODES = 4
 MICROBATCH = 2
@@ -124,10 +133,11 @@ def bench_profile(kind: str) -> ModelProfile:
     return dataclasses.replace(profile, layers=layers)
 
 
-def estimate(schedule: str, profile: ModelProfile, factor: float) -> tuple[float, float, bool]:
+def estimate(schedule: str, profile: ModelProfile, factor: float, extra: list[str]) -> tuple[float, float, bool]:
     """The planner's step estimate on the paced devices (its plan's), the simulator's for the same
-    stages (planning/schedule_cost.py), and whether the plan's stages are the job's."""
-    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [*OVERRIDES, *schedule_overrides(schedule)])
+    stages (planning/schedule_cost.py), and whether the plan's stages are the job's (`extra`: the
+    run's further overrides)."""
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [*OVERRIDES, *extra, *schedule_overrides(schedule)])
     paced_profile = scaled(profile, factor)
     paced = plan_job(cfg, nodes=NODES, profile=paced_profile, engine_only=False).plan
     job = plan_job(cfg, nodes=NODES, profile=profile, engine_only=False).plan
@@ -168,12 +178,13 @@ def launch(tmp: Path, tag: str, overrides: list[str], nodes: int = NODES) -> sub
     return proc
 
 
-def run(tmp: Path, *, schedule: str, factor: float, steps: int, tag: str) -> dict:
+def run(tmp: Path, *, schedule: str, factor: float, steps: int, tag: str, extra: list[str]) -> dict:
     profile = tmp / "profile.json"
     events = tmp / tag / "events"
     events.mkdir(parents=True)
     overrides = [
         *OVERRIDES,
+        *extra,
         *schedule_overrides(schedule),
         f"training.paced_devices={factor}",
         f"training.steps={steps}",
@@ -195,15 +206,18 @@ def run(tmp: Path, *, schedule: str, factor: float, steps: int, tag: str) -> dic
     }
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"])
+    ap.add_argument("--schedules", nargs="+", help="default: 1f1b gpipe; with --compile 1f1b zero-bubble")
+    ap.add_argument("--compile", action="store_true", help="compiled layers (training.compile=true)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out at the start of each run")
     ap.add_argument("--factor", type=float, default=2.0, help="training.paced_devices")
     ap.add_argument("--profile", choices=["uniform", "uneven"], default="uniform")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.schedules = args.schedules or (["1f1b", "zero-bubble"] if args.compile else ["1f1b", "gpipe"])
+    extra = ["training.compile=true"] if args.compile else []  # read by its jobs and its estimates
     tmp = Path(tempfile.mkdtemp(prefix="oobleck-schedules-"))
     print(f"logs in {tmp}", file=sys.stderr)
     profile = bench_profile(args.profile)
@@ -211,70 +225,65 @@ def main() -> None:
     runnable = []
     for schedule in args.schedules:
         if parse(schedule) not in ENGINE_RUNS:
-            print(json.dumps({"bench": "schedules", "schedule": schedule, "skipped": "the engine does not run it yet"}))
+            emit({"bench": "schedules", "schedule": schedule, "skipped": "the engine does not run it yet"})
         else:
             runnable.append(schedule)
-    est = {s: estimate(s, profile, args.factor) for s in runnable}
+    est = {s: estimate(s, profile, args.factor, extra) for s in runnable}
     results: dict[str, list[dict]] = {s: [] for s in runnable}
     for i in range(args.repeats):
         for schedule in runnable:
             tag = f"{schedule.replace('/', '-')}-{i}"
-            got = run(tmp, schedule=schedule, factor=args.factor, steps=args.steps, tag=tag)
+            got = run(tmp, schedule=schedule, factor=args.factor, steps=args.steps, tag=tag, extra=extra)
             kept = [s for s in range(args.warmup + 1, args.steps + 1) if s in got["seconds"]]
             step_s = statistics.median(got["seconds"][s] for s in kept) if kept else float("nan")
             walls = [got["t"][s] - got["t"][s - 1] for s in kept if s - 1 in got["t"]]
             results[schedule].append({"step_s": step_s, "overruns": got["overruns"]})
             ref = results["1f1b"][i]["step_s"] if len(results.get("1f1b", [])) > i else None
-            print(
-                json.dumps(
-                    {
-                        "bench": "schedules",
-                        "run": f"{schedule}-{i}",
-                        "schedule": schedule,
-                        "factor": args.factor,
-                        "profile": args.profile,
-                        "step_s": round(step_s, 4),
-                        "wall_s": round(statistics.median(walls), 4) if walls else None,
-                        "est_s": round(est[schedule][0], 4),
-                        "ratio": round(step_s / est[schedule][0], 3),
-                        "sim_s": round(est[schedule][1], 4),
-                        "samples_s": round(BATCH / step_s, 2),
-                        "vs_1f1b": round(ref / step_s, 3) if ref else None,  # this repeat's 1f1b run
-                        "overruns": got["overruns"],
-                        "steps_kept": len(kept),
-                        "completed": got["ok"],
-                        "same_stages": est[schedule][2],
-                        **({} if got["ok"] else {"last_line": got["tail"]}),
-                    }
-                ),
-                flush=True,
+            emit(
+                {
+                    "bench": "schedules",
+                    "run": f"{schedule}-{i}",
+                    "schedule": schedule,
+                    "compile": args.compile,
+                    "factor": args.factor,
+                    "profile": args.profile,
+                    "step_s": round(step_s, 4),
+                    "wall_s": round(statistics.median(walls), 4) if walls else None,
+                    "est_s": round(est[schedule][0], 4),
+                    "ratio": round(step_s / est[schedule][0], 3),
+                    "sim_s": round(est[schedule][1], 4),
+                    "samples_s": round(BATCH / step_s, 2),
+                    "vs_1f1b": round(ref / step_s, 3) if ref else None,  # this repeat's 1f1b run
+                    "overruns": got["overruns"],
+                    "steps_kept": len(kept),
+                    "completed": got["ok"],
+                    "same_stages": est[schedule][2],
+                    **({} if got["ok"] else {"last_line": got["tail"]}),
+                }
             )
     base = statistics.median(BATCH / r["step_s"] for r in results["1f1b"]) if results.get("1f1b") else None
     for schedule, runs in results.items():
         step_s = statistics.median(r["step_s"] for r in runs)
         sps = BATCH / step_s
-        print(
-            json.dumps(
-                {
-                    "bench": "schedules",
-                    "summary": schedule,
-                    "factor": args.factor,
-                    "runs": len(runs),
-                    "step_s": round(step_s, 4),
-                    "profile": args.profile,
-                    "est_s": round(est[schedule][0], 4),
-                    "ratio": round(step_s / est[schedule][0], 3),
-                    "sim_s": round(est[schedule][1], 4),
-                    "sim_ratio": round(step_s / est[schedule][1], 3),
-                    "samples_s": round(sps, 2),
-                    "vs_1f1b": round(sps / base, 3) if base else None,
-                    "overruns": sum(r["overruns"] for r in runs),
-                    "goal": "ratio within 0.9 .. 1.1",
-                }
-            ),
-            flush=True,
+        emit(
+            {
+                "bench": "schedules",
+                "summary": schedule,
+                "compile": args.compile,
+                "factor": args.factor,
+                "runs": len(runs),
+                "step_s": round(step_s, 4),
+                "profile": args.profile,
+                "est_s": round(est[schedule][0], 4),
+                "ratio": round(step_s / est[schedule][0], 3),
+                "sim_s": round(est[schedule][1], 4),
+                "sim_ratio": round(step_s / est[schedule][1], 3),
+                "samples_s": round(sps, 2),
+                "vs_1f1b": round(sps / base, 3) if base else None,
+                "overruns": sum(r["overruns"] for r in runs),
+                "goal": "ratio within 0.9 .. 1.1",
+            }
         )
 
 
-if __name__ == "__main__":
-    main()
+BENCH = Bench(main, quick=None)

@@ -19,26 +19,25 @@ runs, and `overhead` = step_s(shadows) / step_s(no shadows) - 1 (goal: at most 3
 
 Run (about 1 min per job on 2 cores):
 
-    .venv/bin/python bench/shadows.py [--repeats 3] [--steps 16] [--warmup 4] [--factor 2] [--hidden 256]
+    .venv/bin/python -m bench shadows [--repeats 3] [--steps 16] [--warmup 4] [--factor 2] [--hidden 256]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
 import statistics
-import sys
 import tempfile
 from pathlib import Path
+from typing import Callable, Optional
+
+from bench.harness import Bench, alternate, emit
+from bench.schedules import launch
+
+from oobleck_elastic.logs import read_event_lines
+from oobleck_elastic.testing import uniform_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from schedules import launch  # noqa: E402
-
-from oobleck_elastic.logs import read_event_lines  # noqa: E402
-from oobleck_elastic.testing import uniform_profile  # noqa: E402
 
 NODES = 4
 LAYERS = 8  # embedding, 6 blocks, head: 4 per stage
@@ -77,42 +76,43 @@ def run(tmp: Path, *, shadows: int, args: argparse.Namespace, tag: str) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--factor", type=float, default=2.0)
     parser.add_argument("--hidden", type=int, default=256)
-    args = parser.parse_args()
-    results: dict[int, list[float]] = {0: [], 1: []}
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-shadows-") as d:
         tmp = Path(d)
         uniform_profile(LAYERS, gib_per_layer=0.25).save(tmp / "profile.json")
-        for r in range(args.repeats):
-            for shadows in (0, 1):
+
+        def setting(shadows: int) -> Callable[[], list[float]]:
+            repeats = itertools.count()
+
+            def measure() -> list[float]:  # one job: its step time, none if it did not complete
+                r = next(repeats)
                 out = run(tmp, shadows=shadows, args=args, tag=f"s{shadows}-r{r}")
-                row = {"bench": "shadows", "shadow_copies": shadows, "repeat": r, "hidden": args.hidden, **out}
-                print(json.dumps(row), flush=True)
-                if out["ok"] and out["step_s"] is not None:
-                    results[shadows].append(out["step_s"])
-    if results[0] and results[1]:
-        off, on = statistics.median(results[0]), statistics.median(results[1])
-        print(
-            json.dumps(
-                {
-                    "bench": "shadows",
-                    "summary": True,
-                    "hidden": args.hidden,
-                    "factor": args.factor,
-                    "step_s_off": off,
-                    "step_s_on": on,
-                    "overhead": on / off - 1,
-                }
-            ),
-            flush=True,
+                emit({"bench": "shadows", "shadow_copies": shadows, "repeat": r, "hidden": args.hidden, **out})
+                return [out["step_s"]] if out["ok"] and out["step_s"] is not None else []
+
+            return measure
+
+        result = alternate({"off": setting(0), "on": setting(1)}, args.repeats)
+    off, on = result.medians["off"], result.medians["on"]
+    if off is not None and on is not None:
+        emit(
+            {
+                "bench": "shadows",
+                "summary": True,
+                "hidden": args.hidden,
+                "factor": args.factor,
+                "step_s_off": off,
+                "step_s_on": on,
+                "overhead": on / off - 1,
+            }
         )
 
 
-if __name__ == "__main__":
-    main()
+BENCH = Bench(main, quick=None)

@@ -18,25 +18,27 @@ line: `ratio` = median samples/s with ÷ without (goal >= 1.3).
 
 Run (about 1 min per job on 2 cores):
 
-    .venv/bin/python bench/straggler.py [--repeats 2] [--steps 40] [--tail 15] [--layout 1x4|2x2]
+    .venv/bin/python -m bench straggler [--repeats 2] [--steps 40] [--tail 15] [--layout 1x4|2x2]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable, Optional
+
+from bench.harness import Bench, alternate, emit
+
+
+from oobleck_elastic.testing import TINY_PROFILE_OVERRIDES, tiny_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from oobleck_elastic.testing import TINY_PROFILE_OVERRIDES, tiny_profile  # noqa: E402
 
 LINE = re.compile(r"gen (\d+) step (\d+)/(\d+) node \S+: .*\(([\d.]+) s since the last")
 BATCH = 32
@@ -79,55 +81,54 @@ def run(tmp: Path, *, rebalance: bool, steps: int, layout: str, tag: str) -> dic
     return {"times": times, "rebalanced": "(rebalance)" in out, "ok": f"step {steps}/{steps}" in out}
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--tail", type=int, default=15, help="steady-state steps at the end of each run")
     ap.add_argument("--layout", choices=["1x4", "2x2"], default="1x4")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="oobleck-straggler-"))
     print(f"logs in {tmp}", file=sys.stderr)
-    results: dict[bool, list[float]] = {True: [], False: []}
-    for i in range(args.repeats):
-        for rebalance in (True, False):
-            tag = f"{'with' if rebalance else 'without'}-{i}"
+
+    def side(rebalance: bool) -> Callable[[], float]:
+        repeats = itertools.count()
+
+        def measure() -> float:  # one job: samples/s over its last --tail steps
+            tag = f"{'with' if rebalance else 'without'}-{next(repeats)}"
             got = run(tmp, rebalance=rebalance, steps=args.steps, layout=args.layout, tag=tag)
             tail = [got["times"][s] for s in range(args.steps - args.tail + 1, args.steps + 1) if s in got["times"]]
             samples_s = BATCH * len(tail) / sum(tail) if tail else 0.0
-            results[rebalance].append(samples_s)
-            print(
-                json.dumps(
-                    {
-                        "bench": "straggler",
-                        "run": tag,
-                        "layout": args.layout,
-                        "slowed": "node1 3x",
-                        "mitigation": rebalance,
-                        "samples_s": round(samples_s, 2),
-                        "rebalanced": got["rebalanced"],
-                        "completed": got["ok"],
-                        "tail_steps": len(tail),
-                    }
-                ),
-                flush=True,
+            emit(
+                {
+                    "bench": "straggler",
+                    "run": tag,
+                    "layout": args.layout,
+                    "slowed": "node1 3x",
+                    "mitigation": rebalance,
+                    "samples_s": round(samples_s, 2),
+                    "rebalanced": got["rebalanced"],
+                    "completed": got["ok"],
+                    "tail_steps": len(tail),
+                }
             )
-    with_, without = statistics.median(results[True]), statistics.median(results[False])
-    print(
-        json.dumps(
-            {
-                "bench": "straggler",
-                "compare": "with / without mitigation",
-                "layout": args.layout,
-                "samples_s_with": round(with_, 2),
-                "samples_s_without": round(without, 2),
-                "ratio": round(with_ / without, 3) if without else None,
-                "goal": 1.3,
-            }
-        ),
-        flush=True,
+            return samples_s
+
+        return measure
+
+    result = alternate({"with": side(True), "without": side(False)}, args.repeats)
+    with_, without = result.medians["with"] or 0.0, result.medians["without"] or 0.0
+    emit(
+        {
+            "bench": "straggler",
+            "compare": "with / without mitigation",
+            "layout": args.layout,
+            "samples_s_with": round(with_, 2),
+            "samples_s_without": round(without, 2),
+            "ratio": round(result.ratio, 3) if result.ratio is not None else None,
+            "goal": 1.3,
+        }
     )
 
 
-if __name__ == "__main__":
-    main()
+BENCH = Bench(main, quick=None)

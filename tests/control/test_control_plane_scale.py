@@ -1,4 +1,4 @@
-"""64 simulated agents (the real Member / Mirror / Leader code, bench/control_plane.py), each
+"""64 simulated agents (the real Member / Mirror / Leader code, `python -m bench control_plane`), each
 with its own etcd client (its own TCP connection, watch stream and keep-alive stream, as a node's
 agent), against one etcd: the first plan follows the last registration, killing 4 agents produces
 the next plan before their leases expire (the leader finds their liveness sockets closed), and at
@@ -9,25 +9,17 @@ own connection where gRPC would share one per process."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
-from helpers import ROOT
+from bench import control_plane
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.etcd.server import EtcdServer
 
 
-def _bench():
-    sys.path.insert(0, str(ROOT / "bench"))  # the agent processes (spawned) import it by name too
-    import control_plane
-
-    return control_plane
-
-
 def test_own_connection_opens_a_connection_per_client(own_etcd: EtcdServer) -> None:
     port = int(own_etcd.endpoint.rsplit(":", 1)[1])
-    count = lambda: _bench().etcd_connections([os.getpid()], port)  # noqa: E731
+    count = lambda: control_plane.etcd_connections([os.getpid()], port)  # noqa: E731
     settings = EtcdSettings(endpoint=own_etcd.endpoint)
     shared = [connect(settings) for _ in range(3)]
     try:
@@ -46,7 +38,7 @@ def test_own_connection_opens_a_connection_per_client(own_etcd: EtcdServer) -> N
 @pytest.mark.slow
 def test_64_agents_plan_replan_and_do_not_poll() -> None:
     ttl = 2.0
-    result = _bench().run(64, procs=2, kill=4, ttl=ttl, settle=0.3, window=4.0)  # a client per agent
+    result = control_plane.run(64, procs=2, kill=4, ttl=ttl, settle=0.3, window=4.0)  # a client per agent
     assert result["clients"] == "per-agent"
     # what etcd served: 64 clients, each with its own connection, keep-alive stream and watch stream
     assert (result["etcd_clients"], result["etcd_connections"]) == (64, 64), result

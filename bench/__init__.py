@@ -1,0 +1,24 @@
+"""The benchmarks: `python -m bench` lists them, `python -m bench NAME [--quick] [ARGS...]` runs one
+(from the repository root). Each is a module here declaring `BENCH` (harness.Bench); every result
+is one JSON line carrying the commit, the machine's load, its CPU count and the torch version.
+Results, each with its command and commit, are in bench/RESULTS.md."""
+
+from __future__ import annotations
+
+# every bench, by module name (harness.py and baseline_train.py, the torchrun worker of the
+# recovery baseline, are not benches)
+BENCHES = (
+    "control_plane",
+    "fingerprint",
+    "gpu_mfu",
+    "gpu_step",
+    "losses",
+    "memory",
+    "overhead",
+    "planner",
+    "recovery",
+    "schedules",
+    "shadows",
+    "simulate",
+    "straggler",
+)
