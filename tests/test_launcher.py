@@ -262,6 +262,7 @@ def test_a_deterministic_start_up_error_is_not_restarted_and_the_kept_etcd_tells
     run_id = f"launch-{uuid.uuid4().hex[:6]}"
     res = _run(
         [sys.executable, "-m", "launcher.local", "--nodes", "2", "--run-id", run_id, "--keep-etcd", "--kill", "1@3"]
+        + ["--log-dir", str(tmp_path / "runs")]
         + ["--rdzv-conf", "lease_ttl=2,settle=0.2,last_call_timeout=1", "--", "examples/train.py"]
         + ["--config", "configs/gpt2-tiny.yaml", "data.source=jsonl", f"data.paths=[{empty}]"]
         + [f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'tb'}"]
