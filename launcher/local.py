@@ -97,6 +97,8 @@ class Node:
     lines: list[str] = field(default_factory=list)
     log: Optional[IO[str]] = None
     """Its log file (nodes/K.log in the run's folder): every line it printed."""
+    reader: Optional[threading.Thread] = None
+    """The thread that copies its output to the log file and the terminal."""
 
 
 class LocalCluster:
@@ -174,7 +176,8 @@ class LocalCluster:
         log = open(self.folder / "nodes" / f"{number}.log", "a", encoding="utf-8") if self._log else None
         node = Node(number, proc, log=log)
         self.nodes.append(node)
-        threading.Thread(target=self._stream, args=(node,), daemon=True).start()
+        node.reader = threading.Thread(target=self._stream, args=(node,), daemon=True)
+        node.reader.start()
         self.say(f"started node {number} (torchrun pid {proc.pid})", detail=True)
         return node
 
@@ -307,6 +310,9 @@ class LocalCluster:
             code = self._supervise()
         finally:
             self.cleanup()
+        for n in self.nodes:  # the nodes' last lines before the launcher's last ones
+            if n.reader is not None:
+                n.reader.join(timeout=5)
         self.say(
             f"each node's whole output: {self.folder / 'nodes'}/K.log (K: the node's number above); "
             f"this launcher's lines: {self.folder / 'launcher.log'}"
