@@ -32,6 +32,7 @@ DETAILS = (
     "profiling: ",
     "profile: saved ",
     "published the profile",
+    ": measuring the profile of ",  # the "profile: " line that follows says it
     "compiled graphs so far",
 )
 """Substrings of the node lines shown only with -v (they stay in the node logs)."""

@@ -8,10 +8,11 @@ time since the previous step completed on this worker (a step after a reconfigur
 cost), `Throughput/step_time_s` (the step's own time) beside `Throughput/est_step_time_s` (the
 planner's estimate; on paced devices `training.paced_devices` times it),
 `Throughput/tflops_per_device` and `Throughput/mfu` (mfu.py; MFU only when the device's peak is
-known; the progress line says an unknown MFU once); `train/loss`, `train/lr`, `train/grad_norm`; `cluster/nodes`,
-`cluster/pipelines`, `cluster/generation`; `memory/peak_rss_gb` (and `memory/peak_device_gb` on
-CUDA), the largest worker's. `guard/rejected` and `guard/skipped_steps` for steps the step guard
-did not apply (engine/resilience/guard.py); at every generation a text entry `plan`, and for every
+known; the progress line says an unknown MFU once); `train/loss`, `train/lr`, `train/grad_norm`;
+`cluster/nodes`, `cluster/pipelines`, `cluster/generation`; `memory/peak_rss_gb` (and
+`memory/peak_device_gb` on CUDA), the largest worker's (as on the progress line).
+`guard/rejected` and `guard/skipped_steps` for steps the step guard did not apply
+(engine/resilience/guard.py); at every generation a text entry `plan`, and for every
 reconfiguration a `reconfiguration` text plus the job-level `reconfiguration/bytes_moved_job` and
 `reconfiguration/seconds_until_all_entered` (board.py); with every progress report the job's
 goodput ledger, `goodput/<category>` in seconds and `goodput/fraction` (goodput.py; at the last
@@ -136,7 +137,7 @@ class Metrics:
             self._generation = gen
             est = f", plan est. {est_s:.3f} s" if est_s is not None else ""
             log.at(gen=gen, step=s, total=self.total, node=self.node).info(
-                "loss %.4f, %.3f s/step (%.3f s since the last%s), %.1f samples/s, %s; largest worker's %s",
+                "loss %.4f, %.3f s/step (%.3f s since the last%s), %.1f samples/s, %s; %s",
                 result.loss,
                 result.seconds,
                 wall,
