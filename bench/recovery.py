@@ -180,6 +180,8 @@ def cluster_args(**kw: Any) -> argparse.Namespace:
         join=[],
         rdzv_conf="",
         max_restarts=3,
+        verbose=True,  # every node line: the bench reads them
+        log_dir="runs",
     )
     base.update(kw)
     return argparse.Namespace(**base)

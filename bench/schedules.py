@@ -162,6 +162,7 @@ def launch(tmp: Path, tag: str, overrides: list[str], nodes: int = NODES) -> sub
         sys.executable,
         "-m",
         "launcher.local",
+        "-v",  # every node line: this reads them
         "--nodes",
         str(nodes),
         "--rdzv-conf",

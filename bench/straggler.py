@@ -64,6 +64,7 @@ def run(tmp: Path, *, rebalance: bool, steps: int, layout: str, tag: str) -> dic
         sys.executable,
         "-m",
         "launcher.local",
+        "-v",  # every node line: this reads them
         "--nodes",
         "4",
         "--rdzv-conf",

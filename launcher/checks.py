@@ -29,6 +29,7 @@ __all__ = [
     "cores_available",
     "etcd_view",
     "failure_reason",
+    "job_name",
     "kill_verdict",
     "ops_commands",
     "preflight",
@@ -70,6 +71,21 @@ def preflight(script: Sequence[str], rdzv_conf: str = "") -> Optional[str]:
     except KNOWN_ERRORS as err:
         return one_line(err)
     return None
+
+
+def job_name(script: Sequence[str], rdzv_conf: str = "") -> Optional[str]:
+    """The `name` of the job config the script is given (`script_config`); None when there is
+    none or it does not load (`preflight` says why)."""
+    config, overrides = script_config(script, rdzv_conf)
+    if config is None:
+        return None
+    from oobleck_elastic.config import ConfigError, load_config
+
+    try:
+        name = load_config(config, overrides).name
+    except ConfigError:
+        return None
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or None
 
 
 def kill_verdict(

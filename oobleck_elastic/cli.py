@@ -1,6 +1,7 @@
 """The `oobleck` command line.
 
-    oobleck plan --config configs/gpt2-tiny.yaml --nodes 4 [--profile FILE | --reprofile] [--json] [key=value ...]
+    oobleck plan --config configs/gpt2-tiny.yaml --nodes 4 [--profile FILE | --reprofile] [--json] [--templates]
+        [key=value ...]
     oobleck etcd [--port 2379] [--data-dir D]
     oobleck export CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--dtype bf16] [--force] [--tokenizer PATH|none]
                    [key=value ...]
@@ -10,7 +11,8 @@
         --endpoint E --run-id R
     oobleck samples --check --events-dir DIR [--steps N]
 
-`plan` prints the pipeline templates, the fault-tolerance guarantee and the plan for N nodes;
+`plan` prints the fault-tolerance guarantee and the plan for N nodes (the pipeline templates with
+--templates, everything with --json);
 `export` writes a checkpoint as a Hugging Face model directory (oobleck_elastic/models/export.py);
 `etcd` runs the embedded etcd server; `simulate` replays node failures through system models
 (oobleck_elastic/simulate/); `config reference` prints every config key as Markdown (docs/config.md);
@@ -73,9 +75,11 @@ def _ranges(ranges: Sequence[tuple[int, int]]) -> str:
     return " ".join(text)
 
 
-def format_plan(jp: JobPlan, cfg: JobConfig, host_memory_source: str = "planning.host_memory_gb") -> str:
-    """Human-readable report of templates, guarantee and plan (and its shadow copies, whose
-    budgets come from `host_memory_source`)."""
+def format_plan(
+    jp: JobPlan, cfg: JobConfig, host_memory_source: str = "planning.host_memory_gb", *, templates: bool = False
+) -> str:
+    """Human-readable report of the guarantee and the plan (and its shadow copies, whose budgets
+    come from `host_memory_source`); the template table only with `templates` (else one line)."""
     t = cfg.training
     mbs = jp.plan.microbatch_size
     B = t.global_batch_size // mbs
@@ -98,16 +102,19 @@ def format_plan(jp: JobPlan, cfg: JobConfig, host_memory_source: str = "planning
             if links
             else "not counted"
         ),
+    ]
+    sizes = list(ts.sizes())
+    table = [
         "",
         f"templates (iteration time with {mref} microbatches = global batch / (f+1), {cfg.fault_tolerance.f + 1} "
         "replicas):",
         f"  {'nodes':>5} {'stages':>6} {'iter s':>9} {'bottleneck s':>12} {'comm s':>9} {'peak GiB':>9}  layer ranges",
     ]
     replicas = cfg.fault_tolerance.f + 1
-    for n in ts.sizes():
+    for n in sizes if templates else ():
         tp = ts[n]
         comm = sum(s.comm_s for s in tp.stages) + tp.grad_sync_s(replicas)
-        out.append(
+        table.append(
             f"  {n:>5} {tp.num_stages:>6} {tp.iteration_time(mref, replicas):>9.4g} {tp.bottleneck_s:>12.4g} "
             f"{comm:>9.3g} {tp.peak_memory_bytes / GIB:>9.3f}  {_ranges(tp.layer_ranges())}"
         )
@@ -145,6 +152,10 @@ def format_plan(jp: JobPlan, cfg: JobConfig, host_memory_source: str = "planning
     out += describe_shadows(p, host_memory_source)
     for w in p.warnings:
         out.append(f"warning: {w}")
+    if templates:
+        out += table
+    elif sizes:
+        out += ["", f"{len(sizes)} template(s), for {sizes[0]}..{sizes[-1]} node(s): --templates prints them"]
     return "\n".join(out)
 
 
@@ -246,12 +257,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             out["host_memory"] = {"gib": host[0], "source": host[1]}
             out["tolerated_losses"] = tolerated_losses(jp.plan, jp.plan.shadows)
         print(json.dumps(out, indent=1))
-    else:
+    else:  # the summary first; how the tensor-parallel degree and microbatch were chosen after it
+        print(format_plan(jp, cfg, *([host[1]] if host is not None else []), templates=args.templates))
         if comparison is not None:
-            print(format_comparison(comparison, jp.templates.tensor_parallel) + "\n")
+            print("\n" + format_comparison(comparison, jp.templates.tensor_parallel))
         if jp.microbatch is not None:
-            print(format_microbatch(jp.microbatch) + "\n")
-        print(format_plan(jp, cfg, *([host[1]] if host is not None else [])))
+            print("\n" + format_microbatch(jp.microbatch))
     return 0
 
 
@@ -262,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "plan",
-        help="print templates, the fault-tolerance guarantee and the plan for N nodes",
+        help="print the fault-tolerance guarantee and the plan for N nodes (--templates: also the templates)",
         description="Profile the model (or read --profile), compute pipeline templates for "
         "every node count, and instantiate them on N nodes.",
     )
@@ -276,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
         "measured while the machine was busy",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object with keys templates, guarantee, plan")
+    p.add_argument(
+        "--templates", action="store_true", help="also print the pipeline templates (one line per node count)"
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. training.steps=10")
     p.set_defaults(func=cmd_plan)
     add_export_parser(sub)

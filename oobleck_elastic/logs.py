@@ -26,12 +26,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import threading
 from pathlib import Path
 from typing import Any, Iterable, MutableMapping, Optional
 
-__all__ = ["JobLog", "EventLines", "attach_event_lines", "event_line", "read_event_lines", "where_prefix"]
+__all__ = ["JobLog", "EventLines", "attach_event_lines", "clip", "event_line", "read_event_lines", "where_prefix"]
 
 _ORDER = ("gen", "step", "node", "rank")
 
@@ -47,6 +48,23 @@ def where_prefix(where: dict[str, Any]) -> str:
             value = f"{value}/{where['total']}"
         parts.append(f"{key} {value}")
     return " ".join(parts) + ": " if parts else ""
+
+
+_SOURCE_AT = re.compile(r"^\[[^\]\s]*\.(?:cc|cpp|c|h|hpp|py):\d+\]\s*")
+"""A C++ source location that leads some messages (gloo's `[/.../pair.cc:537] Read error ...`)."""
+
+
+def clip(text: str, limit: int = 160) -> str:
+    """`text` for one log line: a leading source location dropped, at most `limit` characters,
+    cut at a word boundary with "…" (a text that fits is kept whole)."""
+    text = _SOURCE_AT.sub("", text)
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 1]
+    space = cut.rfind(" ")
+    if space > limit // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ,;:.") + "…"
 
 
 class JobLog(logging.LoggerAdapter):

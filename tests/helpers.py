@@ -145,6 +145,9 @@ def run_job(
         sys.executable,
         "-m",
         "launcher.local",
+        "-v",  # every node line: this reads them
+        "--log-dir",
+        str(tmp / "launcher"),
         *launcher_args,
         "--endpoint",
         etcd_server.endpoint,

@@ -36,7 +36,8 @@ class LoggingConfig(Section):
     the job's --rdzv-id, `name` for the single process), written by the worker holding rank 0
     (engine/telemetry/board.py). A relative path: see Paths."""
     log_interval: int = 1
-    """Print a progress line every this many steps."""
+    """Print a progress line every this many steps, at the last step and at the first step of every
+    generation (the one that pays for a reconfiguration)."""
     level: LogLevel = "INFO"
     """Python logging level."""
     events_dir: str = ""

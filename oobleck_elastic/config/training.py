@@ -86,7 +86,8 @@ class TrainingConfig(Section):
     backward is compiled as an input-gradient and a weight-gradient graph, so every schedule runs,
     zero-bubble included; see engine/stage/compiled.py). None = on for CUDA, off for the CPU."""
     paced_devices: float = 0.0
-    """For benchmarks and tests, never for training: 0 (the default) = off. When > 0, every
+    """For benchmarks, tests and the demo (configs/gpt2-demo.yaml), never for real training: 0 (the
+    default) = off. When > 0, every
     forward and backward (input- and weight-gradient pass when the backward is split) of one
     microbatch on a stage is padded by a sleep to the plan's time for that stage's layers (from
     the profile) times this factor, so that workers sharing a machine's cores behave like devices

@@ -127,7 +127,8 @@ def profile_layer_by_layer(
     not built: it gets that layer's numbers under its own name, and the earlier output (same
     shape) goes on as its output. The last layer is profiled together with loss_fn.
 
-    With `log`, one line per layer, and progress lines with the time left (`progress`, or one made
+    With `log`, one line per measured layer and one per run of layers given the same layer's
+    numbers, and progress lines with the time left (`progress`, or one made
     here for this call: planning/progress.py)."""
     check_settings(optimizer, warmup, repeats, precision)
     if num_layers < 1:
@@ -144,6 +145,7 @@ def profile_layer_by_layer(
     )
     result: list[LayerProfile] = []
     measured: dict[Hashable, tuple[int, LayerProfile, torch.Size, torch.dtype]] = {}
+    reused: list[tuple[int, int]] = []  # (layer, the measured layer whose numbers it got), not yet logged
     x = sample_input
     rng_devices = [device] if cuda else []
     # CUDA events record on the current device's current stream: make `device` the current one
@@ -157,12 +159,11 @@ def profile_layer_by_layer(
             seen = measured.get(kind) if kind is not None else None
             if seen is not None and (last or (seen[2], seen[3]) == (x.shape, x.dtype)):
                 result.append(dataclasses.replace(seen[1], name=names[i]))
-                if log is not None:
-                    log(
-                        f"profiling layer {i + 1}/{num_layers} {names[i]}: identical to "
-                        f"{names[seen[0]]}, its numbers reused"
-                    )
+                if reused and reused[-1][1] != seen[0]:
+                    _log_reused(log, reused, names, num_layers)
+                reused.append((i, seen[0]))
                 continue  # x has the shape this layer's output would have
+            _log_reused(log, reused, names, num_layers)
             if progress is not None:
                 progress.start_layer(names[i])
             layer = build(i)
@@ -189,7 +190,27 @@ def profile_layer_by_layer(
                 )
             x = out if not last else x
             del out
+    _log_reused(log, reused, names, num_layers)
     return ModelProfile(layers=result, key=dict(key or {}))
+
+
+def _log_reused(
+    log: Callable[[str], None] | None, reused: list[tuple[int, int]], names: Sequence[str], num_layers: int
+) -> None:
+    """One line for a run of layers given the numbers of the same measured layer; empties `reused`."""
+    if reused and log is not None:
+        (first, source), (end, _) = reused[0], reused[-1]
+        if first == end:
+            log(
+                f"profiling layer {first + 1}/{num_layers} {names[first]}: identical to {names[source]}, "
+                "its numbers reused"
+            )
+        else:
+            log(
+                f"profiling layers {first + 1}-{end + 1}/{num_layers} {names[first]}..{names[end]}: identical to "
+                f"{names[source]}, their numbers reused"
+            )
+    reused.clear()
 
 
 def profile_layers(

@@ -262,6 +262,7 @@ def test_a_deterministic_start_up_error_is_not_restarted_and_the_kept_etcd_tells
     run_id = f"launch-{uuid.uuid4().hex[:6]}"
     res = _run(
         [sys.executable, "-m", "launcher.local", "--nodes", "2", "--run-id", run_id, "--keep-etcd", "--kill", "1@3"]
+        + ["--log-dir", str(tmp_path / "runs")]
         + ["--rdzv-conf", "lease_ttl=2,settle=0.2,last_call_timeout=1", "--", "examples/train.py"]
         + ["--config", "configs/gpt2-tiny.yaml", "data.source=jsonl", f"data.paths=[{empty}]"]
         + [f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'tb'}"]
@@ -272,8 +273,13 @@ def test_a_deterministic_start_up_error_is_not_restarted_and_the_kept_etcd_tells
         error = f"DataError: data.paths entry '{empty}' has no non-empty *.jsonl/*.json files for data.source=jsonl"
         out = res.stdout
         assert res.returncode == 1, out[-4000:]
-        assert out.count(f"train.py: error: {error}\n") == 2, out[-4000:]  # one worker per node, started once
-        assert out.count(f"torchrun --rdzv-backend=oobleck: run {run_id} was closed as failed: {error}\n") == 2
+        # the terminal says what both nodes said once; each node's log has its own lines
+        assert out.count(f"train.py: error: {error}\n") == 1, out[-4000:]
+        assert out.count(f"torchrun --rdzv-backend=oobleck: run {run_id} was closed as failed: {error}\n") == 1
+        for k in (0, 1):
+            log = (tmp_path / "runs" / run_id / "nodes" / f"{k}.log").read_text()
+            assert log.count(f"train.py: error: {error}\n") == 1, log  # one worker per node, started once
+            assert log.count(f"torchrun --rdzv-backend=oobleck: run {run_id} was closed as failed: {error}\n") == 1
         assert "Traceback" not in out and "ChildFailedError" not in out, out[-4000:]
         assert (
             out.splitlines()[-1] == f"[launcher] done: 2 node(s), 0 killed on purpose, 0 preempted, 2 failed: {error}"

@@ -46,6 +46,7 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
         sys.executable,
         "-m",
         "launcher.local",
+        "-v",  # every node line: this reads them
         "--nodes",
         "4",
         "--kill",

@@ -30,6 +30,7 @@ def test_join_kill_and_drain_under_torchrun(etcd_server, run_id) -> None:
         sys.executable,
         "-m",
         "launcher.local",
+        "-v",  # every node line: this reads them
         "--nodes",
         "3",
         "--join",

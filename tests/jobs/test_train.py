@@ -125,6 +125,7 @@ def test_torchrun_job_equals_single_process(tmp_path: Path, etcd_server, run_id,
         sys.executable,
         "-m",
         "launcher.local",
+        "-v",  # every node line: this reads them
         "--nodes",
         "3",
         "--endpoint",

@@ -48,11 +48,15 @@ def test_plan_text_report_and_profile_cache(tmp_path: Path) -> None:
     first = oobleck(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     assert "profiling layer 6/6 head" in first.stderr
-    assert "templates (iteration time with 4 microbatches" in first.stdout
+    assert "templates (iteration time" not in first.stdout  # the table only on request
+    assert "6 template(s), for 1..6 node(s): --templates prints them" in first.stdout
     assert "guarantee: templates for 1..6 nodes" in first.stdout
     assert "plan for 3 node(s), generation 0:" in first.stdout
-    second = oobleck(*args, cwd=tmp_path)
+    second = oobleck(*args, "--templates", cwd=tmp_path)
     assert "profiling layer" not in second.stderr and "profile: reusing cached" in second.stderr
+    out = second.stdout
+    assert out.index("plan for 3 node(s)") < out.index("templates (iteration time with 4 microbatches")  # summary first
+    assert "--templates prints them" not in out
 
 
 def test_plan_reports_profiling_progress_and_measures_again_on_request(tmp_path: Path) -> None:
@@ -87,6 +91,9 @@ def test_plan_with_profile_file_and_errors(tmp_path: Path) -> None:
     prof = str(ROOT / "configs/profiles/gpt3-175b-tp{tp}.json")
     ok = oobleck("plan", "--config", cfg, "--nodes", "1024", "--profile", prof, cwd=ROOT)
     assert ok.returncode == 0 and "plan for 1024 node(s)" in ok.stdout
+    assert len(ok.stdout.splitlines()) <= 25 and "layer ranges" not in ok.stdout  # a summary
+    table = oobleck("plan", "--config", cfg, "--nodes", "1024", "--profile", prof, "--templates", cwd=ROOT)
+    assert table.stdout.startswith(ok.stdout.split("\n\n")[0]) and "layer ranges" in table.stdout
     few = oobleck("plan", "--config", cfg, "--nodes", "5", "--profile", prof, cwd=ROOT)
     assert few.returncode == 2
     assert few.stderr.strip() == (

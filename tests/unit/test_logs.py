@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from oobleck_elastic.logs import JobLog, attach_event_lines, event_line, read_event_lines, where_prefix
+from oobleck_elastic.logs import JobLog, attach_event_lines, clip, event_line, read_event_lines, where_prefix
 
 
 @pytest.fixture
@@ -91,3 +91,14 @@ def test_event_line_writes_the_events_file_and_no_text_line(logger, tmp_path, ca
         "msg": "",
         "kind": "skipped",
     }
+
+
+def test_clip_cuts_at_a_word_and_drops_a_source_location():
+    gloo = (
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:19597: "
+        "Connection reset by peer. This is typically caused by a remote worker crashing"
+    )
+    short = clip(gloo, 60)
+    assert short == "Read error [127.0.0.1]:19597: Connection reset by peer…"
+    assert len(short) <= 60 and clip("a whole line", 60) == "a whole line"
+    assert clip("x" * 100, 10) == "x" * 9 + "…"  # no word to cut at

@@ -104,6 +104,8 @@ def test_throughput_per_device_and_mfu() -> None:
     assert "MFU 4.1 %" in t.describe()
     unknown = Throughput.of(tokens=1, seconds=1, flops_per_token=1, devices=1, peak_tflops=None)
     assert unknown.mfu is None and "MFU unknown (set training.peak_tflops)" in unknown.describe()
+    assert "MFU" not in unknown.describe(hint=False)  # progress lines after the first say it no more
+    assert t.describe(hint=False) == t.describe()  # a known MFU is always said
 
 
 def test_a_custom_model_reports_unknown_flops_instead_of_a_guess() -> None:
@@ -115,3 +117,4 @@ def test_a_custom_model_reports_unknown_flops_instead_of_a_guess() -> None:
     t = Throughput.of(tokens=1000, seconds=2.0, flops_per_token=None, devices=4, peak_tflops=100.0)
     assert (t.tokens_per_s, t.tflops_per_device, t.mfu) == (500.0, None, None)
     assert t.describe() == "500 tokens/s, TFLOP/s and MFU unknown (a custom model)"
+    assert t.describe(hint=False) == "500 tokens/s"

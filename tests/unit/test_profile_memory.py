@@ -117,7 +117,8 @@ def test_identical_blocks_are_built_and_measured_once(monkeypatch: pytest.Monkey
     once = profiler.profile_model(cfg, device="cpu", log=lines.append)
     assert rec.calls == [[], [0], [1], [6]] and measured == ["embedding", "block.0", "head"]
     assert "identical blocks measured once" in lines[0]
-    assert "profiling layer 4/7 block.2: identical to block.0, its numbers reused" in lines
+    assert "profiling layers 3-6/7 block.1..block.4: identical to block.0, their numbers reused" in lines
+    assert not any("profiling layer 4/7" in line for line in lines)  # one line for the run, not one per layer
     names = ["embedding", *(f"block.{i}" for i in range(5)), "head"]
     assert [p.name for p in once.layers] == names
     assert all(dataclasses.replace(p, name="block.0") == once.layers[1] for p in once.layers[1:6])

@@ -15,6 +15,7 @@ import re
 import torch.distributed as dist
 
 from ...etcd.settings import EtcdError
+from ...logs import clip
 
 
 # gloo reports a dead or silent peer as a RuntimeError raised by its TCP transport; these are the
@@ -51,6 +52,7 @@ def is_communication_error(err: BaseException) -> bool:
 
 
 def describe(err: BaseException) -> str:
-    """`err` for a log line: its type and the first line of its message (160 characters at most)."""
-    first = str(err).splitlines()[0][:160] if str(err) else ""
+    """`err` for a log line: its type and the first line of its message (`clip`: 160 characters at
+    most, cut at a word, without a leading C++ source location)."""
+    first = clip(str(err).splitlines()[0]) if str(err) else ""
     return f"{type(err).__name__}: {first}"

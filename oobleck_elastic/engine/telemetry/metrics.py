@@ -56,9 +56,14 @@ class Metrics:
         node: str = "local",
         flops_per_token: Optional[float] = 0.0,
         peak_tflops: Optional[float] = None,
+        paced: float = 0.0,
     ) -> None:
         self.enabled, self.samples, self.tokens = enabled, samples_per_step, tokens_per_step
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
+        self.paced = paced
+        """`training.paced_devices`: the plan's estimate is for devices `paced` times slower."""
+        self._hinted = False  # an unknown MFU is said on the first progress line only
+        self._generation: Optional[int] = None  # of the last progress line: a generation's first step has one
         self.total, self.interval, self.node = total_steps, max(1, log_interval), node
         self.writer = None
         self.log_dir = Path(log_dir)
@@ -101,8 +106,9 @@ class Metrics:
         if perf.mfu is not None:
             w.add_scalar("Throughput/mfu", perf.mfu, s)
         w.add_scalar("Throughput/step_time_s", result.seconds, s)
-        if plan is not None:
-            w.add_scalar("Throughput/est_step_time_s", plan.est_step_time_s, s)
+        est_s = plan.est_step_time_s * (self.paced if self.paced > 0 else 1.0) if plan is not None else None
+        if est_s is not None:
+            w.add_scalar("Throughput/est_step_time_s", est_s, s)
         w.add_scalar("Throughput/wall_s", wall, s)
         w.add_scalar("train/loss", result.loss, s)
         w.add_scalar("train/lr", lr, s)
@@ -113,21 +119,23 @@ class Metrics:
         w.add_scalar("memory/peak_rss_gb", result.peak_rss_bytes / GB, s)
         if result.peak_device_bytes is not None:
             w.add_scalar("memory/peak_device_gb", result.peak_device_bytes / GB, s)
-        if s % self.interval == 0 or s == self.total:
-            gen = plan.generation if plan else 0
-            est = f", plan est. {plan.est_step_time_s:.3f} s" if plan else ""
+        gen = plan.generation if plan else 0
+        if s % self.interval == 0 or s == self.total or gen != self._generation:
+            self._generation = gen
+            est = f", plan est. {est_s:.3f} s" if est_s is not None else ""
             log.at(gen=gen, step=s, total=self.total, node=self.node).info(
-                "loss %.4f, %.1f samples/s, %s; %.3f s/step (%.3f s since the last%s); largest worker's %s",
+                "loss %.4f, %.3f s/step (%.3f s since the last%s), %.1f samples/s, %s; %s",
                 result.loss,
-                sps,
-                perf.describe(),
                 result.seconds,
                 wall,
                 est,
+                sps,
+                perf.describe(hint=not self._hinted),
                 describe_memory(result.peak_rss_bytes, result.peak_device_bytes),
                 event="step",
                 fields={"loss": result.loss, "samples_s": sps, "seconds": result.seconds},
             )
+            self._hinted = True
 
     def rejected(self, step: int, text: str, *, skipped: bool) -> None:
         """The step guard did not apply 0-based `step` (engine/resilience/guard.py): `guard/rejected` = 1

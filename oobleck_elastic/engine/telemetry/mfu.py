@@ -132,8 +132,11 @@ class Throughput:
             tokens_per_s=tps, tflops_per_device=per_device, mfu=per_device / peak_tflops if peak_tflops else None
         )
 
-    def describe(self) -> str:
+    def describe(self, *, hint: bool = True) -> str:
+        """Tokens/s, TFLOP/s and MFU; an unknown MFU is said (with how to know it) only with `hint`."""
         if self.tflops_per_device is None:
-            return f"{self.tokens_per_s:,.0f} tokens/s, TFLOP/s and MFU unknown (a custom model)"
-        mfu = f"MFU {100 * self.mfu:.1f} %" if self.mfu is not None else "MFU unknown (set training.peak_tflops)"
-        return f"{self.tokens_per_s:,.0f} tokens/s, {self.tflops_per_device:.3g} TFLOP/s per device, {mfu}"
+            return f"{self.tokens_per_s:,.0f} tokens/s" + (", TFLOP/s and MFU unknown (a custom model)" if hint else "")
+        text = f"{self.tokens_per_s:,.0f} tokens/s, {self.tflops_per_device:.3g} TFLOP/s per device"
+        if self.mfu is not None:
+            return f"{text}, MFU {100 * self.mfu:.1f} %"
+        return text + (", MFU unknown (set training.peak_tflops)" if hint else "")

@@ -140,6 +140,7 @@ class RunLog:
                 node=self.node,
                 flops_per_token=flops_per_token(self.cfg, seq_len),
                 peak_tflops=device_peak_tflops(trainer.device, t.precision, t.peak_tflops),
+                paced=t.paced_devices,
             )
         elif not writer and self.metrics is not None:
             self.metrics.close()
