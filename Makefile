@@ -11,7 +11,7 @@
 #   make chaos  - the seeded chaos lane
 #   make lint   - ruff check, ruff format --check and mypy on oobleck_elastic/ (settings in pyproject.toml)
 # On a CPU machine torch is pinned to the local CPU build; on a GPU machine use e.g.
-#   make TORCH=torch test
+#   make TORCH="torch==2.13.*" test   (the engine checks torch 2.13's internals at start)
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0

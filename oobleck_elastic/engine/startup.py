@@ -25,6 +25,7 @@ from ..planning.shadows import SHADOWS_WITH_TP
 from ..logs import JobLog
 from .control import ControlPlane
 from .resilience.errors import JobFailed
+from .torch_internals import TorchInternalsError, check_torch_internals
 
 __all__ = ["KNOWN_ERRORS", "check_start", "end_job_at_start", "ends_the_job", "exit_code", "one_line"]
 
@@ -35,6 +36,7 @@ KNOWN_ERRORS: tuple[type[BaseException], ...] = (
     ProfileError,
     CheckpointError,
     JobFailed,
+    TorchInternalsError,
 )
 """The package's own errors: their messages say what to change (one line, no traceback)."""
 
@@ -60,9 +62,11 @@ def ends_the_job(err: BaseException, *, steps_done: Optional[int]) -> bool:
 
 
 def check_start(cfg: JobConfig) -> None:
-    """Raise the first problem found before anything is built: nothing left to train, shadow
-    copies with tensor parallelism or a schedule the engine does not run asked for
-    (ConfigError), a data file or tokenizer directory that does not exist (DataError)."""
+    """Raise the first problem found before anything is built: a torch without an internal the
+    engine uses (TorchInternalsError), nothing left to train, shadow copies with tensor
+    parallelism or a schedule the engine does not run asked for (ConfigError), a data file or
+    tokenizer directory that does not exist (DataError)."""
+    check_torch_internals()
     if cfg.fault_tolerance.shadow_copies > 0 and cfg.planning.tensor_parallel not in (1, "auto"):
         raise ConfigError(SHADOWS_WITH_TP.format(copies=cfg.fault_tolerance.shadow_copies))
     try:

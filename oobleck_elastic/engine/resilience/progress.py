@@ -82,7 +82,9 @@ def watch_pipeline_waits(progress: Progress = STEP_PROGRESS) -> None:
     from torch.distributed.pipelining import schedules
 
     wait = getattr(schedules, "_wait_batch_p2p", None)
-    if wait is None or getattr(wait, "_oobleck_progress", False):
+    if wait is None:  # check_start refuses such a torch; never lose the marks in silence
+        raise RuntimeError("torch.distributed.pipelining.schedules._wait_batch_p2p is missing: see torch_internals")
+    if getattr(wait, "_oobleck_progress", False):
         return
 
     def marked(work: list) -> None:
