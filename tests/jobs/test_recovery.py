@@ -121,12 +121,14 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     assert f"gen 2 step {first}/{steps} " in out, out[-4000:]
 
 
+# interleaved-1f1b and zero-bubble/2 take turns in CI (extended): zbv covers receiving
+# non-contiguous chunks at every landing, and tests/worlds/test_engine_schedules.py both schedules
 @pytest.mark.parametrize(
     "schedule, chunks, planned",
     [
         ("zero-bubble", 1, (1, 1)),
-        ("interleaved-1f1b", "auto", (3, 2)),
-        ("zero-bubble", 2, (2, 2)),
+        pytest.param("interleaved-1f1b", "auto", (3, 2), marks=pytest.mark.extended),
+        pytest.param("zero-bubble", 2, (2, 2), marks=pytest.mark.extended),
         ("zbv", "auto", (2, 2)),
     ],
 )
