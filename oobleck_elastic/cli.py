@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 from .config import ConfigError, JobConfig, load_config
 from .etcd import EtcdError
-from .ops import OpsError
+from .cluster_ops import OpsError
 from .planning import (
     JobPlan,
     MicrobatchChoice,
@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     add_config_parser(sub)
 
-    from .ops import add_connection_args, run_ops
+    from .cluster_ops import add_connection_args, run_ops
     from .simulate.cli import add_parser as add_simulate
 
     add_simulate(sub)
@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_samples(args: argparse.Namespace) -> int:
-    from .ops import samples
+    from .cluster_ops import samples
 
     ok, lines = samples(args.events_dir, steps=args.steps)
     print("\n".join(lines))

@@ -9,6 +9,6 @@ TensorBoard run, chosen once). Each value has one record class
 that writes JSON and reads it back validated: a malformed value is logged and ignored, never
 unpickled or executed.
 
-This layer sits below both the control plane (`rendezvous/`, `ops`) and the data plane
+This layer sits below both the control plane (`rendezvous/`, `cluster_ops`) and the data plane
 (`engine/`): it imports `etcd`, `planning` and the standard library only.
 """
