@@ -1,16 +1,9 @@
 """Cluster operations: `oobleck agents | kill-agent | status | events | goodput | outcome` over
 etcd, and `oobleck samples` over a job's events directory.
 
-They read and write the run's keys (records/keys.py) and never talk to agents directly, so
-they work from any machine that reaches etcd. `kill-agent` is graceful: it marks the node's
-record `draining` (rewritten under the node's own lease, with a compare-and-swap on its
-revision); the leader re-plans without it, its workers leave at the next step boundary and its
-agent exits 0. `goodput` reads the ledger the worker holding rank 0 reports with the job's
-progress (engine/telemetry/goodput.py). `outcome` turns the run's `closed` record into an exit status, so a
-batch script reports the run's result rather than the status of whichever node exited last (a node
-lost or drained on the way exits non-zero or 0 whatever the run did). `samples` checks the sample
-ledger the workers write to `logging.events_dir` (records/samples.py): every step committed once,
-on exactly the samples the sampler gives it.
+They read and write the run's keys (`records.keys`) and never talk to agents directly, so they
+work from any machine that reaches etcd. `kill-agent` drains (marks the node `draining`), it never
+kills. The story: docs/operations.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """A thin wrapper over `pyetcd` (etcd-sdk-python, the etcd3 API) for the control plane.
 
-- `EtcdSettings` (settings.py): endpoint plus TLS and auth, where a connection goes.
-- `connect(settings)` checks the settings (files exist, cert and key come together) and that the
-  server answers, and raises `EtcdError` with a message that says what to change; it never
-  hangs for longer than `timeout_s`.
-- `EtcdClient` has the verbs the control plane uses (get, range, put, put-if-absent,
-  compare-and-put, delete, count, lease grant/refresh/revoke, watch), each retried across an etcd
-  outage of up to `outage_s`; nothing outside this package touches `pyetcd`.
-- `EtcdClient.get_json/put_json` store control data as JSON (docs/design.md, invariant 5: nothing read
-  from etcd is unpickled); a value that does not parse is logged and treated as absent.
+Invariant: nothing outside this package touches `pyetcd`; every verb is retried across an etcd
+outage of up to `outage_s`, and control data is stored as JSON, never unpickled. The story:
+docs/design.md.
 """
 
 from __future__ import annotations

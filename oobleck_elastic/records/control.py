@@ -1,18 +1,7 @@
-"""The values stored under a job's etcd keys (keys.py), one record class per kind of value.
+"""The values stored under a job's etcd keys (`records.keys`), one record class per kind of value.
 
-Each record knows its JSON form (`to_json`) and how to validate a value read back. The newer
-records (`FenceRecord`, `Admission`, `ReadyRecord`, `Checkin`, `LeaderRecord`, `ProfileClaim`,
-`Roster`, `ClosedRecord`, `ProgressRecord`) have `parse(data)`, which raises ValueError naming
-what is wrong; the `read_*` helpers (read.py) log that once per key and revision and return None, so
-a malformed value is ignored (docs/design.md, invariant 5). `NodeRecord.parse` and
-`Event.parse` log and return None themselves. Kinds and states are `StrEnum`s: their values are
-the strings stored.
-
-The JSON forms are the wire format between agents and workers of one job and what tests and
-tools read: a record writes exactly the fields listed in the table of keys.py. A few values are
-signals whose presence is what counts (`fenced/<node>`, `admitted/<node>`, a roll-call
-check-in): their records say when and why, and a reader that only asks whether the key exists
-does not parse them. `ping/<node>` and `pong/<node>` hold a bare nonce (`Ping`), not JSON.
+Each record writes exactly the fields in the key table of `records.keys` and validates a value
+read back (`parse` raises ValueError naming what is wrong). The story: docs/design.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,8 @@
 """The etcd key layout of one job: every key is built by a `Keys` method, and per-node and
 per-worker keys are parsed back by `node_of` and `checkin_of`.
 
-Everything lives under `<key_prefix>/<run_id>/` (key_prefix defaults to `/oobleck`). Values are
-JSON, one record class each (records.py); those marked * carry `schema_version` 1.
-
-| key (`Keys` method)      | value (record)                                  | written by        | lease |
-|--------------------------|-------------------------------------------------|-------------------|-------|
-| `nodes/<node_id>` (`node`) | NodeRecord*: index, host, devices, agent pid, state (up/draining), since, liveness address | the node's agent, `kill-agent` | node |
-| `next_index`             | next node index (int)                           | agents (CAS)      |       |
-| `leader`                 | LeaderRecord: {node_id, since}                  | the elected agent | node  |
-| `plan`                   | Plan* of the current generation (planning/plan.py) | the leader (CAS) |      |
-| `roster`                 | Roster*: the plan's generation and nodes (what agents read of a plan) | the leader (same txn) | |
-| `plans/<generation>` (`plan_at`) | the same plan, kept per generation      | the leader (same txn) |   |
-| `profile`                | ModelProfile every leader computes templates from: planning.profile_path, or the first worker-measured one | the first leader | |
-| `profiles/<device>` (`device_profile`) | ModelProfile measured by a worker on that device kind (`<device>`: sanitised "cuda NVIDIA H100 ...") | one worker per device kind | |
-| `profile_claims/<device>` (`profile_claim`) | ProfileClaim*: {node, local_rank, pid, time}: this worker measures the profile of that device kind | that worker (put-if-absent) | node |
-| `events/<ns>-<node_id>` (`event`) | Event*: time, kind, node, generation, detail | agents, leader, CLI |   |
-| `admitted/<node>` (`admitted`) | Admission: {time}: the node is admitted, its agent starts its workers | the leader |  |
-| `ready/<node>/<local rank>` (`ready_worker`) | ReadyRecord: {time, pid}: a worker has loaded torch, data and config and can join a generation; {time, withdrawn, why}: its agent restarts it (hang.py) | workers, agent | |
-| `rollcall/g<g>/<node>/<local rank>` (`checkin`) | Checkin: {time, kind}: a worker of generation g saw a communication failure, or stalled joining g | workers | |
-| `ping/<node>`, `pong/<node>` | Ping: a bare nonce; the leader (or the deputy, about the leader) asks a node's agent whether it is alive, and it copies the nonce to answer | leader, deputy, agent | |
-| `fenced/<node>` (`fence`) | FenceRecord: {time, generation}: declared lost before its lease expired: excluded from plans; its workers stop | leader | |
-| `progress`               | ProgressRecord: {generation, step, time, node, ...} | worker rank 0     |       |
-| `stragglers`             | StragglerRecord: nodes named stragglers, each pipeline's measured seconds per microbatch | worker rank 0 | |
-| `tensorboard`            | BoardRecord*: {run, node, time}: the job's TensorBoard run under `logging.tensorboard_dir` (records/board.py) | the first worker holding rank 0 (put-if-absent) | |
-| `closed`                 | ClosedRecord*: {time, reason, failed}: the job finished (or failed), stop planning | workers / handler / leader (no profile in time) | |
-| `errors`                 | the last error that ended a worker and how often in a row (engine/resilience/errors.py) | workers |       |
-| `store/g<generation>/...` (`store`) | c10d Store keys of that generation's process groups | workers |      |
-| `probe/<node>/<local rank>/<pid>` (`probe`) | what examples/probe.py's workers saw (tests read it) | that example |  |
-| `torchrun/state` (`torchrun_state`) | torch's dynamic-rendezvous state (its own encoding; only in `mode=restart`, rendezvous/restart.py) | agents (CAS) | |
-| `torchrun/store/...` (`torchrun_store`) | c10d Store keys of torchrun's rounds (agent rank assignment, MASTER_ADDR/PORT, exit barrier) in `mode=restart` | agents | |
-
-Values that fail to parse or validate are logged and ignored (docs/design.md, invariant 5).
+Everything lives under `<key_prefix>/<run_id>/`; no key is built anywhere else. The table of keys
+(value, writer, lease): docs/design.md.
 """
 
 from __future__ import annotations

@@ -1,36 +1,7 @@
 """Leader election and plan publication.
 
-Every agent runs a `Leader` thread. It campaigns by creating the `leader` key under its own
-node lease (`put_if_not_exists`): exactly one agent holds it, and when that agent dies its lease
-expires and another wins within the TTL plus one poll tick, or much sooner: the deputies (the
-roster's first three other nodes) hold a liveness connection to the leader's agent and revoke
-the lease the moment they find the agent gone (liveness.py), or one confirms by ping, once
-workers saw the failure, that the leader is gone (detect.py). While leading, the leader holds a
-liveness connection to every other agent of the plan and re-plans without a dead one at once;
-it records the addresses that answered it (`liveness_answered`), and a new leader takes them as
-answered (a refused connection there is a death), with the winning deputy's own connections.
-
-The leader polls membership (node records) and, whenever the set of usable nodes differs from
-the current plan's nodes for longer than the settle window (which batches simultaneous
-failures and joins into one re-plan), computes the next plan with the planner (naming drained
-nodes that ran a stage as the plan's donors: they hand their layers over in the next
-generation's entry, then leave) and publishes it
-as generation g+1 in one transaction that also checks that (a) the plan key is still at the
-revision the leader read, and (b) the leader key still holds this leader's value. A deposed
-or partitioned leader therefore can never overwrite a newer plan.
-
-Before the first generation the leader waits until `min_nodes` are up, then a last-call window
-for more (up to `max_nodes`). Nodes beyond `max_nodes` wait as spares and are admitted when a
-member leaves. Below n0 (too few nodes for one replica) nothing is published: one log line and
-a `waiting` event, and the plan follows as soon as enough nodes are back.
-
-The first plan needs the profile, which the workers measure unless it is at hand already: the
-leader then admits the first nodes unplanned and waits for a worker-measured profile
-(profile_wait.py), and closes the job as failed after `profile_timeout_s` without one.
-With the profile at hand nothing changes: the first plan is published as soon as the nodes are
-chosen, and their handlers return once it includes them. A planner error that no number of nodes
-can cure (`JobUnplannable`: no device memory figure, a layer larger than a device) also closes
-the job as failed, with that error, instead of waiting.
+Invariant: at most one leader publishes at a time (the `leader` key under its lease), and a
+deposed leader can never overwrite a newer plan. The story: docs/recovery.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """What a worker process sees of the control plane.
 
-torchrun starts workers with the agent's environment, in which the oobleck handler put the etcd
-settings, run id, key prefix and node id (`OOBLECK_*`). `WorkerContext.from_env()` reconnects
-to etcd from there; the worker then reads plans (never RANK/WORLD_SIZE, which torchrun sets for
-a node-local world), finds its stage, reports progress and learns when to leave:
-its node was drained (it is no longer in the plan and its record says draining) or the job
-was closed.
-
-What a worker reads between steps (the plan and its history, `closed`, its node's record and
-`fenced` entry) comes from a watch-maintained mirror (etcd/mirror.py), not from etcd requests,
-and progress is written by a background thread: between generations a worker needs etcd for
-nothing, so training goes on at full speed while etcd is stalled or restarting, and the
-requests etcd serves do not grow with the number of workers or steps.
-
-Before it reports ready, a worker calls `share_profile(cfg, device)`: the plan is computed from a
-per-layer profile of the devices that train, so one worker per device kind measures it on its own
-device and publishes it under `profiles/<device kind>` for the leader. The worker that wins a
-put-if-absent claim (`profile_claims/<device kind>`, bound to its node's lease so that it vanishes
-with the node) measures; every other worker returns at once, as do all of them when a profile of
-their kind is already there, when the job's profile is already pinned, or with
-`planning.profile_path`.
+`WorkerContext.from_env()` reconnects to etcd from the agent's environment; the worker reads
+plans (never RANK/WORLD_SIZE) from a watch-maintained mirror, so between generations it needs
+etcd for nothing. The story: docs/design.md.
 """
 
 from __future__ import annotations
