@@ -1,7 +1,7 @@
 """The Hugging Face families' flat layers: their configs, layers built on meta, and assembly.
 
-Every source of Hugging Face layers (drawn from a seed in build.py, read from a pretrained
-directory in pretrained.py, flattened from a model in memory) shares these pieces: `hf_config`
+Every source of Hugging Face layers (drawn from a seed in `models.build`, read from a pretrained
+directory in `models.pretrained`, flattened from a model in memory) shares these pieces: `hf_config`
 (the transformers config of a job's model), `meta_layer` (layer i constructed on the meta device,
 with the map from its local names to the Hugging Face checkpoint's), and `assemble` (the flat
 `LayerModel` with the owned layers materialised by a caller's `fill`, rotary embeddings attached

@@ -1,6 +1,6 @@
 """Reading the records of a job's etcd keys tolerantly (docs/design.md, invariant 5).
 
-Every `read_*` helper returns the record a key holds, parsed by its class in control.py, or None
+Every `read_*` helper returns the record a key holds, parsed by its class in `records.control`, or None
 when the key is absent or its value malformed: a malformed value is logged once per key and
 revision (`warn_once`) and otherwise ignored, so a stray or half-written value never stops an
 agent or ends a job. Signal keys whose presence is what counts (`fenced/<node>`,
