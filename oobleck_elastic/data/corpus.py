@@ -28,7 +28,7 @@ __all__ = ["STDLIB_MAX_BYTES", "STDLIB_EXCLUDE", "corpus_files", "read_corpus", 
 
 
 STDLIB_MAX_BYTES = 8 * 1024 * 1024
-"""Default corpus cap for source=stdlib (the whole stdlib is ~12 MB)."""
+"""Default corpus cap for source=stdlib: part of the standard library, so tests and demos stay fast."""
 
 
 STDLIB_EXCLUDE = frozenset(

@@ -70,8 +70,8 @@ class ScaleSettings:
 
 
 LIVENESS_KILL_TO_PLAN_S = 0.11
-"""Kill -> plan published through the liveness sockets, bench/RESULTS.md ("Recovery re-measured on
-this session's final code", bench/recovery.py, commit f7d59f8: 0.10-0.11 s)."""
+"""Kill -> plan published through the liveness sockets: the upper end of what `bench/recovery.py`
+measured (bench/RESULTS.md, "Figures moved from code comments")."""
 
 
 @dataclass(frozen=True)

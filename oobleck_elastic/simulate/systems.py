@@ -128,8 +128,8 @@ def machine_loss_detection_s(ft: Optional[FaultToleranceConfig] = None) -> float
     simulations (`--paper` and `--scale`), whose traces remove machines. A machine that fails
     (power, kernel, network) closes no socket and answers no ping, so its lease decides:
     `fault_tolerance.lease_ttl_s` + `settle_s` (5.5 s with the defaults). A killed process is found
-    sooner (its liveness socket closes: 0.1 s, bench/recovery.py), but that is not what the traces
-    record."""
+    sooner (its liveness socket closes; the time is in bench/RESULTS.md), but that is not what the
+    traces record."""
     ft = ft if ft is not None else FaultToleranceConfig()
     return ft.lease_ttl_s + ft.settle_s
 
