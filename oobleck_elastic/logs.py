@@ -34,7 +34,7 @@ def where_prefix(where: dict[str, Any]) -> str:
 
 
 class JobLog(logging.LoggerAdapter):
-    """A logger whose lines start with `gen/step/node/rank` (module docstring)."""
+    """A logger whose lines start with `gen/step/node/rank` (docs/operations.md)."""
 
     def __init__(self, logger: logging.Logger, **where: Any) -> None:
         super().__init__(logger, where)
@@ -54,7 +54,7 @@ class JobLog(logging.LoggerAdapter):
 
 
 class EventLines(logging.Handler):
-    """Writes every record that carries an `event` as one JSON line (module docstring)."""
+    """Writes every record that carries an `event` as one JSON line (docs/operations.md)."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(level=logging.DEBUG)
@@ -100,7 +100,7 @@ def attach_event_lines(directory: str | Path, logger: str = "oobleck_elastic") -
 
 
 def event_line(event: str, fields: dict[str, Any], logger: str = "oobleck_elastic", **where: Any) -> bool:
-    """Write one JSON event line (module docstring) to this process's `EventLines` handlers of
+    """Write one JSON event line (docs/operations.md) to this process's `EventLines` handlers of
     `logger` and nowhere else (no text line); False when no events directory is attached."""
     handlers = [h for h in logging.getLogger(logger).handlers if isinstance(h, EventLines)]
     if not handlers:

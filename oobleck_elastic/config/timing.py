@@ -59,7 +59,7 @@ def hang_bound(ft: FaultToleranceConfig, typical_s: float) -> Optional[float]:
 
 
 def comm_timeout(ft: FaultToleranceConfig, typical_s: float = 0.0) -> float:
-    """Seconds a collective may wait once connected (module docstring)."""
+    """Seconds a collective may wait once connected (docs/liveness.md)."""
     if ft.comm_timeout_s is not None:
         return ft.comm_timeout_s
     if typical_s <= 0:

@@ -51,7 +51,9 @@ def open_clients() -> list[Any]:
 
 def close_open_clients() -> int:
     """Close every registered client still open, then collect the garbage while every thread
-    still runs (module docstring); how many were open."""
+    still runs (at exit, before finalization: a daemon thread ended there while it holds a gRPC
+    call's lock leaves it taken, and collecting that call blocks the exit for good; docs/design.md);
+    how many were open."""
     left = open_clients()
     for client in left:
         log.debug("closing an etcd client still open at exit (%s)", getattr(client, "settings", client))
@@ -77,7 +79,7 @@ def _threads(watchers: Iterable[Any]) -> list[threading.Thread]:
 
 
 def close_client(raw: Any, watchers: Iterable[Any], keepalive: Any, wait_s: float = CLOSE_WAIT_S) -> bool:
-    """Close a pyetcd client `raw` (module docstring): its keep-alive stream (`keepalive`, which
+    """Close a pyetcd client `raw` (docs/design.md): its keep-alive stream (`keepalive`, which
     waits for its own readers), every watcher in `watchers`, its channels; then wait up to `wait_s`
     for the watch threads and the channels' calls to end. True when everything ended in time."""
     deadline = time.monotonic() + wait_s

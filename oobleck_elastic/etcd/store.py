@@ -100,7 +100,9 @@ class EtcdStore(dist.Store):
                 return new
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
-        """Set key to desired if it holds expected (or is missing and expected is empty); see module doc."""
+        """TCPStore's compare-and-set: key missing and expected "": set, return desired; key missing
+        and expected not "": return expected; value == expected: set, return desired; otherwise
+        return the current value."""
         k, tx = self._key(key), self._raw.transactions
         expected, desired = _to_bytes(expected_value), _to_bytes(desired_value)
         while True:

@@ -177,7 +177,7 @@ def build_layer_model(
 ) -> LayerModel:
     """Build the layers in `owned` (None = all); the others are None in `layers`.
 
-    Layer i's weights depend only on (seed, i); see the module docstring. Layers of `owned` also in
+    Layer i's weights depend only on (seed, i); docs/training.md. Layers of `owned` also in
     `empty` are only allocated on `device` (`to_empty`: their values are about to arrive from a
     peer or a checkpoint), so they are neither drawn from the seed nor read from disk first.
     """

@@ -62,7 +62,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def byte_tokenizer() -> Any:
-    """data.tokenizer=bytes as a `transformers` fast tokenizer: id b is byte b (module docstring)."""
+    """data.tokenizer=bytes as a `transformers` fast tokenizer: id b is byte b (docs/training.md)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -82,7 +82,7 @@ def end_of_text(tok: Any) -> Optional[str]:
 
 
 def special_tokens(tok: Any) -> SpecialTokens:
-    """bos/eos/pad ids of a `transformers` tokenizer (module docstring); eos is `end_of_text`'s id."""
+    """bos/eos/pad ids of a `transformers` tokenizer (docs/training.md); eos is `end_of_text`'s id."""
     eos = end_of_text(tok)
     return SpecialTokens(
         bos=tok.bos_token_id,
@@ -102,7 +102,7 @@ def choose_tokenizer(
     pretrained_has_tokenizer: bool,
     step_dir: Path,
 ) -> TokenizerSource:
-    """Which tokenizer an export writes (module docstring); raises ValueError when it cannot know."""
+    """Which tokenizer an export writes (docs/training.md); raises ValueError when it cannot know."""
     if option is not None:
         if option == "none":
             return TokenizerSource("none", None, "--tokenizer none")

@@ -75,7 +75,7 @@ def _directory_values(config: Any) -> dict[str, Any]:
 
 
 def _check_agreement(cfg: ModelConfig, config: Any, path: Path) -> None:
-    """Raise ValueError on the first `model.*` field set against config.json (module docstring)."""
+    """Raise ValueError on the first `model.*` field set against config.json (docs/training.md)."""
     default = _defaults()
     where = f"model.pretrained_path '{path}'"
     model_type = config.model_type
@@ -263,7 +263,7 @@ def build_pretrained(
 ) -> LayerModel:
     """The layers of `owned` (None = all) read from `cfg.pretrained_path`; the others are None.
 
-    Only the owned layers' tensors are read (see the module docstring), in `dtype` on `device`;
+    Only the owned layers' tensors are read (docs/training.md), in `dtype` on `device`;
     owned layers also in `empty` are only allocated (their values come from a peer or a checkpoint).
     """
     from .vocab import is_vocab_param, pad_rows, padded_vocab_size

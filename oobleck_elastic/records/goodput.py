@@ -30,7 +30,7 @@ __all__ = [
 
 
 class Category(str, Enum):
-    """Where a second of the job's wall time went (module docstring)."""
+    """Where a second of the job's wall time went (docs/operations.md)."""
 
     USEFUL = "useful"
     REPLAYED = "replayed"

@@ -38,7 +38,7 @@ class Beat:
     typical_step_s: float
     """The worker's typical step: the median wall time of its last completed steps (0: none yet)."""
     progress: float
-    """Unix time the worker's step thread last made progress (module docstring)."""
+    """Unix time the worker's step thread last made progress (docs/liveness.md)."""
     waiting: float = 0.0
     """Unix time the step thread began waiting for a peer in a communication call (0: it is not)."""
     written: float = 0.0
@@ -64,6 +64,7 @@ def read_beat(path: Path) -> Optional[Beat]:
             since=float(fields[3]),
             typical_step_s=float(fields[4]),
             progress=float(fields[5]),
+            # a line of six fields (an older worker): not waiting, and it progressed when it wrote
             waiting=float(fields[6]) if len(fields) > 6 else 0.0,
             written=float(fields[7] if len(fields) > 7 else fields[5]),
         )

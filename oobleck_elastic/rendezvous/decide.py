@@ -132,7 +132,7 @@ class Decision:
 
 
 def decide(view: LeaderView, clocks: Clocks, now: float, rules: Rules) -> Decision:
-    """What the leader does now (see the module docstring)."""
+    """What the leader does now (docs/recovery.md)."""
     if view.plan is None:
         first = _before_first_plan(view, clocks, now, rules)
         if first.action == Action.FIRST_PLAN and view.refused and first.nodes == view.refused:
@@ -203,7 +203,7 @@ def desired_nodes(plan: Plan, up: Sequence[str], exclude: Collection[str], max_n
 def _after_detection(
     view: LeaderView, plan: Plan, dead: Detection, clocks: Clocks, now: float, rules: Rules
 ) -> Decision:
-    """Re-plan at once without the nodes a detector found dead (see the module docstring)."""
+    """Re-plan at once without the nodes a detector found dead (docs/recovery.md)."""
     if dead.by == Detector.LIVENESS:
         if now - dead.since < rules.liveness_batch_s:  # nodes that die together go in one re-plan
             return Decision(Action.WAIT, clocks=Clocks(), detection=dead.by, recheck_s=rules.liveness_batch_s / 2)

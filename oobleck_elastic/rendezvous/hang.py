@@ -39,7 +39,7 @@ def _stopped(pid: int) -> bool:
 
 
 def overdue(beat: Beat, now: float, ft: FaultToleranceConfig) -> Optional[float]:
-    """The hang bound a worker in a step has stood still beyond (module docstring), or None: not in
+    """The hang bound a worker in a step has stood still beyond (docs/liveness.md), or None: not in
     a step, moved within the bound, waiting for a peer (its main thread writing), or the watch is off."""
     bound = hang_bound(ft, beat.typical_step_s)
     if not beat.in_step or bound is None:
@@ -50,7 +50,7 @@ def overdue(beat: Beat, now: float, ft: FaultToleranceConfig) -> Optional[float]
 
 
 class HangWatch:
-    """Watches the heartbeat files in `directory` (module docstring)."""
+    """Watches the heartbeat files in `directory` (docs/liveness.md)."""
 
     def __init__(
         self,

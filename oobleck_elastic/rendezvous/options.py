@@ -91,7 +91,7 @@ def etcd_settings(params: RendezvousParameters, conf: Mapping[str, Any]) -> Etcd
 
 @dataclass(frozen=True)
 class Launch:
-    """What the handler knows of its launch (module docstring)."""
+    """What the handler knows of its launch (docs/running.md)."""
 
     config: Optional[str] = None
     """The job YAML, or None (none given)."""
@@ -136,7 +136,7 @@ def _nproc(value: Any) -> Optional[int]:
 
 def launch_of(params: RendezvousParameters, argv: Optional[list[str]] = None) -> Launch:
     """The launch of this handler: `argv` is a torchrun command line given by the caller (tests);
-    without it, `sys.argv` counts only when it is this rendezvous's torchrun command (module docstring)."""
+    without it, `sys.argv` counts only when it is this rendezvous's torchrun command (docs/running.md)."""
     conf = rdzv_conf(params)
     args = parse_torchrun(argv if argv is not None else sys.argv)
     if (
@@ -161,7 +161,7 @@ def launch_of(params: RendezvousParameters, argv: Optional[list[str]] = None) ->
 
 
 def mode_of(launch: Launch) -> str:
-    """`in_place` or `restart` (module docstring)."""
+    """`in_place` or `restart` (docs/running.md)."""
     if launch.mode != "auto":
         return launch.mode
     return "in_place" if launch.config else "restart"

@@ -35,7 +35,7 @@ __all__ = ["JobPlanner"]
 
 
 class JobPlanner:
-    """The planner of one job's leader (module docstring)."""
+    """The planner of one job's leader (docs/planning.md)."""
 
     def __init__(self, cfg: JobConfig, client: EtcdClient, keys: Keys) -> None:
         self.cfg, self.client, self.keys = cfg, client, keys

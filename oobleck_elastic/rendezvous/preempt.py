@@ -35,7 +35,7 @@ WORKER_WAIT_S = 1.0
 
 
 class PreemptionWatch:
-    """Drains this node when one of `signals` arrives (module docstring)."""
+    """Drains this node when one of `signals` arrives (docs/recovery.md)."""
 
     def __init__(
         self,
@@ -85,7 +85,7 @@ class PreemptionWatch:
         self._thread.start()
 
     def uninstall(self) -> None:
-        """Give the signals back (module docstring) and end the thread; idempotent. The handlers
+        """Give the signals back (docs/recovery.md) and end the thread; idempotent. The handlers
         are restored from the main thread only (Python's rule); elsewhere the environment is."""
         if self._thread is None:
             return
@@ -171,7 +171,7 @@ class PreemptionWatch:
 
 def guard_worker(environ: Mapping[str, str] = os.environ, *, wait_s: float = WORKER_WAIT_S) -> list[signal.Signals]:
     """In a worker (main thread): a preemption signal that reaches this worker does not kill it when
-    its agent recorded a notice within `wait_s` (module docstring). Returns the signals handled
+    its agent recorded a notice within `wait_s` (docs/recovery.md). Returns the signals handled
     (none outside an oobleck agent that watches notices)."""
     path, names = environ.get(NOTICE_ENV), environ.get(SIGNALS_ENV)
     if not path or not names or threading.current_thread() is not threading.main_thread():

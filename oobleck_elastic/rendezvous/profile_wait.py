@@ -24,7 +24,7 @@ log = JobLog(logging.getLogger(__name__))
 
 class ProfileWait:
     """Whether the planner has its profile, and the admission, progress lines and timeout of the
-    wait for one (module docstring)."""
+    wait for one (docs/planning.md)."""
 
     def __init__(
         self,

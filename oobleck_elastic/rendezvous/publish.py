@@ -61,7 +61,7 @@ def commit_plan(
     leader_value: bytes,
     rev: Optional[int],
 ) -> Optional[list[Event]]:
-    """Publish `plan` as the next generation with its events (module docstring); its events, or
+    """Publish `plan` as the next generation with its events (docs/recovery.md); its events, or
     None when the transaction lost the race (the plan or the leadership changed)."""
     generation = plan.generation
     events = plan_events(plan, old, {r.node_id: r.state for r in records}, lost, leader=leader, now=time.time())

@@ -198,7 +198,7 @@ def _seconds(params: RendezvousParameters, option: str) -> Optional[timedelta]:
 
 
 def restart_handler(params: RendezvousParameters, client: EtcdClient, keys: Keys) -> RestartRendezvousHandler:
-    """torch's dynamic rendezvous on etcd (module docstring). `params` as torchrun gives them; torch's
+    """torch's dynamic rendezvous on etcd (docs/running.md). `params` as torchrun gives them; torch's
     options join_timeout (600), last_call_timeout (30), close_timeout (30), heartbeat_timeout,
     keep_alive_interval (5) and keep_alive_max_attempt (3) keep torch's defaults (seconds may be
     fractions here)."""

@@ -65,7 +65,7 @@ class ScaleSettings:
     shadow_overhead: float = SHADOW_STEP_OVERHEAD
     """Failure-free step-time overhead of one shadow copy of every layer."""
     measured_costs: bool = True
-    """Charge the measured detection, re-planning and transfer (module docstring); False charges
+    """Charge the measured detection, re-planning and transfer (docs/simulate.md); False charges
     the assumptions the study made before (0.6 s, 0.05 s, the lost nodes' share of a replica)."""
 
 
@@ -217,7 +217,7 @@ class Planner:
 
 
 def measure_costs(settings: ScaleSettings, planner: Planner) -> dict[str, Cost]:
-    """Detection, re-planning and transfer of one failure at `settings.nodes` (module docstring)."""
+    """Detection, re-planning and transfer of one failure at `settings.nodes` (docs/simulate.md)."""
     ft = planner.cfg.fault_tolerance
     if settings.failure == "node":
         detection = Cost(

@@ -28,7 +28,7 @@ _NO_LIMIT = 2**62  # host memory is reported, not charged: no budget refuses a s
 
 
 def segment_plan(configured: Sequence[str], sizes: Sequence[int], num_layers: int = 0) -> tuple[Plan, list[Fraction]]:
-    """The configuration as a `Plan` of segments (module docstring), and each segment's share of
+    """The configuration as a `Plan` of segments (docs/simulate.md), and each segment's share of
     the model. Pipelines take `configured` in order, `sizes[i]` nodes each; `num_layers`: the
     model's layers (0: unknown)."""
     if sum(sizes) > len(configured) or any(k <= 0 for k in sizes):
@@ -84,7 +84,7 @@ def loss_outcome(
     configured: Sequence[str], sizes: Sequence[int], removed: Sequence[str], copies: int, num_layers: int = 0
 ) -> str:
     """What losing `removed` at once from the configuration does: `replica`, `shadow` or
-    `restore` (module docstring), with `copies` shadows of every layer."""
+    `restore` (docs/simulate.md), with `copies` shadows of every layer."""
     plan, shares = segment_plan(configured, sizes, num_layers)
     if survives(plan, None, removed):
         return "replica"
