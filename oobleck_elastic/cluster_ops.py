@@ -114,7 +114,7 @@ them (`Plan.shadows`), not where the leader found them."""
 
 
 def status(client: EtcdClient, keys: Keys) -> list[str]:
-    """The run's leader, plan (pipelines, spares, shadow copies: planning/shadows.py `describe`),
+    """The run's leader, plan (pipelines, spares, shadow copies: `planning.shadows` `describe`),
     current step and stragglers."""
     leader = read_leader(client, keys)
     data, _ = client.get_json(keys.plan)
@@ -182,7 +182,7 @@ def events(
 
 
 def goodput(client: EtcdClient, keys: Keys, *, now: Optional[float] = None) -> tuple[list[str], dict]:
-    """The job's goodput ledger (engine/telemetry/goodput.py) against its wall time: from its first event to
+    """The job's goodput ledger (`engine.telemetry.goodput`) against its wall time: from its first event to
     its `closed` record (or `now` while it runs). Returns the lines and the same as JSON."""
     data, _ = client.get_json(keys.progress)
     found = data.get("goodput") if isinstance(data, dict) else None
@@ -242,7 +242,7 @@ def outcome(closed: Optional[ClosedRecord], run_id: str) -> tuple[int, str]:
 
 
 def run_ops(args: argparse.Namespace) -> int:
-    """Entry for the ops subcommands (cli.py wires the parsers)."""
+    """Entry for the ops subcommands (`cli` wires the parsers)."""
     client, keys = open_run(args)
     try:
         if args.command == "agents":

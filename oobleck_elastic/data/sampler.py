@@ -44,7 +44,7 @@ class GlobalBatchSampler:
 
     def positions(self, epoch: int, indices: Sequence[int]) -> list[int]:
         """Where each sample index stands in `epoch`'s permutation (the inverse of `indices`):
-        what the sample ledger records (records/samples.py), ranges when the batch is right."""
+        what the sample ledger records (`records.samples`), ranges when the batch is right."""
         if self._inverse is None or self._inverse[0] != epoch:
             perm = self.epoch_permutation(epoch)
             inverse = torch.empty_like(perm)

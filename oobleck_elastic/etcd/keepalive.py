@@ -137,7 +137,7 @@ class KeepAliveStream:
     def close(self, wait_s: float = 2.0) -> None:
         """End the stream and wait (up to `wait_s`) for the reader thread of every stream it opened,
         the ones replaced before included: a reader still in gRPC at exit can leave a call's lock
-        taken for good (closing.py)."""
+        taken for good (`etcd.closing`)."""
         with self._lock:
             stream, self._stream = self._stream, None
             streams, self._streams = self._streams, []

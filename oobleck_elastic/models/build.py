@@ -134,7 +134,7 @@ def _init_parameters(
     vocab_size: int | None = None,
 ) -> None:
     """Draw every parameter of `layer` (but those in `skip`) from its own generator (see module
-    docstring). A vocabulary matrix padded beyond `vocab_size` rows (models/vocab.py) gets its real
+    docstring). A vocabulary matrix padded beyond `vocab_size` rows (`models.vocab`) gets its real
     rows drawn as the unpadded matrix would be, and zeros below: the padding changes no number."""
     for mod_name, module in layer.named_modules():
         for pname, p in module.named_parameters(recurse=False):

@@ -163,7 +163,7 @@ class LayerModel:
     hf_config: Any = None
     """The Hugging Face config the layers were built from (None for custom layers)."""
     vocab_size: int | None = None
-    """The real vocabulary when the embedding and head have padded rows beyond it (models/vocab.py);
+    """The real vocabulary when the embedding and head have padded rows beyond it (`models.vocab`);
     None: no padding."""
 
     def __post_init__(self) -> None:

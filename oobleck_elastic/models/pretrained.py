@@ -236,7 +236,7 @@ def _check_shapes(
     layer: nn.Module, tensors: dict[str, torch.Tensor], names: dict[str, str], reader: WeightReader, vocab: int
 ) -> None:
     """Every tensor has the shape config.json implies (`vocab` rows for the embedding and head:
-    the layer's own rows may be padded beyond it, models/vocab.py)."""
+    the layer's own rows may be padded beyond it, `models.vocab`)."""
     from .vocab import is_vocab_param
 
     expected = dict(layer.named_parameters()) | dict(layer.named_buffers())

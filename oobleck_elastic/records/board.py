@@ -24,7 +24,7 @@ class BoardRecord:
     """The value of `tensorboard`: the job's TensorBoard run, relative to `logging.tensorboard_dir`."""
 
     run: str
-    """`<run id>/<start time>`: a relative path without `..` (engine/telemetry/board.py)."""
+    """`<run id>/<start time>`: a relative path without `..` (`engine.telemetry.board`)."""
     node: str
     """The node of the worker that chose it."""
     time: float

@@ -148,12 +148,12 @@ class Keys:
 
     @property
     def stragglers(self) -> str:
-        """The nodes the workers named stragglers, and the pipelines' measured speeds (engine/resilience/straggler.py)."""
+        """The nodes the workers named stragglers, and the pipelines' measured speeds (`engine.resilience.straggler`)."""
         return self.root + "stragglers"
 
     @property
     def tensorboard(self) -> str:
-        """The job's TensorBoard run directory, chosen once by its first writer (records/board.py)."""
+        """The job's TensorBoard run directory, chosen once by its first writer (`records.board`)."""
         return self.root + "tensorboard"
 
     @property
@@ -169,7 +169,7 @@ class Keys:
 
     @property
     def torchrun_state(self) -> str:
-        """torch's dynamic-rendezvous state of a `mode=restart` job (rendezvous/restart.py)."""
+        """torch's dynamic-rendezvous state of a `mode=restart` job (`rendezvous.restart`)."""
         return self.root + "torchrun/state"
 
     @property
@@ -202,7 +202,7 @@ class Keys:
 
     def agent_watched(self, node_id: str) -> list[str]:
         """What every agent reads (its deputy and its wait to be admitted), mirrored by watches
-        (etcd/mirror.py): prefixes end with "/", the others are exact keys. What only the leader
+        (`etcd.mirror`): prefixes end with "/", the others are exact keys. What only the leader
         reads is in `leader_watched`; the c10d store, events, progress and the plan history are in
         neither: agents do not read them while the job runs. So a node record that changes wakes
         the leader alone, not every agent."""

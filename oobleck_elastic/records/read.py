@@ -115,5 +115,5 @@ def read_ready(reader: KVReader, keys: Keys, node: str) -> list[ReadyRecord]:
 
 
 def readiness_withdrawn(records: Iterable[ReadyRecord]) -> bool:
-    """Whether any of a node's readiness records was withdrawn by its agent (hang.py)."""
+    """Whether any of a node's readiness records was withdrawn by its agent (`rendezvous.hang`)."""
     return any(rec.withdrawn for rec in records)

@@ -16,7 +16,7 @@ from ..records.control import Event, EventKind, NodeState, StrEnum
 
 
 class Detector(StrEnum):
-    """How a node of the plan was found dead (rendezvous/detect.py, liveness.py)."""
+    """How a node of the plan was found dead (`rendezvous.detect`, `rendezvous.liveness`)."""
 
     LIVENESS = "liveness"
     """The leader's liveness connection to its agent closed and a new one was refused."""
@@ -87,7 +87,7 @@ class LeaderView:
     """Nodes of the plan found dead since the last re-plan, if any."""
     speeds: tuple[float, ...] = ()
     """Each pipeline's measured seconds per microbatch, reported for the current generation while
-    the workers name a straggler (engine/resilience/straggler.py); empty otherwise."""
+    the workers name a straggler (`engine.resilience.straggler`); empty otherwise."""
     slow: tuple[str, ...] = ()
     """The nodes the workers named stragglers (with `speeds`)."""
     without: Optional[Plan] = None

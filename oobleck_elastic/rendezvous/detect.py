@@ -243,7 +243,7 @@ leader's): a leader that dies with up to LEADER_WATCHERS - 1 of them is still fo
 
 
 class LeaderWatch:
-    """The deputies' fast path (liveness.py): the roster's first `LEADER_WATCHERS` nodes other
+    """The deputies' fast path (`rendezvous.liveness`): the roster's first `LEADER_WATCHERS` nodes other
     than the leader hold a liveness connection to the leader's agent; the first that finds the
     agent gone revokes the leader's lease at once (the leader key and its node record go with
     it), and campaigns.
@@ -360,7 +360,7 @@ class LeaderWatch:
 
 
 class LeaderLiveness:
-    """The leader's fast path while it leads (liveness.py): a connection to every other agent of
+    """The leader's fast path while it leads (`rendezvous.liveness`): a connection to every other agent of
     the plan; a node found dead is pending until `decide` acts on it (`acted`). A new leader has
     reached nobody yet, so it starts from what it can trust: the monitor of its `LeaderWatch` when
     it was a deputy (with the nodes found dead with the old leader), and the addresses the last

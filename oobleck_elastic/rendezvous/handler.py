@@ -70,7 +70,7 @@ alone in a world of one node."""
 class OobleckRendezvousHandler(RendezvousHandler):
     def __init__(self, params: RendezvousParameters, *, argv: Optional[list[str]] = None) -> None:
         """`argv`: a torchrun command line to take the script's --config from (tests); by default
-        only torchrun's own command line for this rendezvous counts (options.py)."""
+        only torchrun's own command line for this rendezvous counts (`rendezvous.options`)."""
         if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <agent>` prints its threads' stacks (a slow exit)
             faulthandler.register(signal.SIGUSR1, all_threads=True)
         self.params = params
@@ -275,7 +275,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
 
     # ------------------------------------------------------------------ helpers
     def _watch_preemption(self) -> None:
-        """Preemption notices drain this node (rendezvous/preempt.py)."""
+        """Preemption notices drain this node (`rendezvous.preempt`)."""
         assert self.member is not None
         member, ft = self.member, self.cfg.fault_tolerance
 
@@ -308,13 +308,13 @@ class OobleckRendezvousHandler(RendezvousHandler):
     def _drainable(self) -> bool:
         """Whether a preemption notice can drain this node: some worker of it reported ready (it uses
         the worker context, which leaves at a step boundary). Otherwise the notice stops the node as
-        torchrun would (preempt.py)."""
+        torchrun would (`rendezvous.preempt`)."""
         assert self.member is not None
         return bool(read_ready(self.client, self.keys, self.member.node_id))
 
     def _watch_hangs(self) -> None:
-        """This node's workers tell it whether their step threads move (engine/resilience/heartbeat.py); a
-        worker stuck in a step is recorded and stopped (rendezvous/hang.py)."""
+        """This node's workers tell it whether their step threads move (`engine.resilience.heartbeat`); a
+        worker stuck in a step is recorded and stopped (`rendezvous.hang`)."""
         assert self.member is not None
         node, ft = self.member.node_id, self.cfg.fault_tolerance
         directory = Path(tempfile.mkdtemp(prefix=f"oobleck-heartbeat-{node}-"))
@@ -419,7 +419,7 @@ class JobOver(SystemExit):
 
 def closed_error(run_id: str, closed: ClosedRecord, *, node: Optional[str] = None) -> BaseException:
     """What `next_rendezvous` raises on a closed job. Closed as failed (a worker's error that every
-    restart would repeat, engine/startup.py): SystemExit with one line, so the agent restarts no
+    restart would repeat, `engine.startup`): SystemExit with one line, so the agent restarts no
     worker and exits 1 without a traceback; closed otherwise (the job finished): `JobOver`, exit 0."""
     where = f" while node {node} waited to be admitted" if node else ""
     if closed.failed:

@@ -63,7 +63,7 @@ class Leader:
         view: Optional[KVReader] = None,
         rebalance: bool = False,
     ) -> None:
-        """`rebalance`: re-split the microbatches around stragglers the workers name (decide.py)."""
+        """`rebalance`: re-split the microbatches around stragglers the workers name (`rendezvous.decide`)."""
         self.client, self.keys, self.member = client, keys, member
         self.stragglers = LeaderStragglers(planner, enabled=rebalance)
         # what the leader reads: a Mirror of `Keys.agent_watched` (no etcd request per tick; a change
@@ -232,7 +232,7 @@ class Leader:
 
     def _lead_loop(self) -> None:
         """The leader's loop: read what it sees into a `LeaderView` (the detectors run meanwhile),
-        ask `decide` what to do, do it. decide.py holds every rule; this loop only does the I/O."""
+        ask `decide` what to do, do it. `rendezvous.decide` holds every rule; this loop only does the I/O."""
         self.is_leader.set()
         clocks = Clocks()
         rules = Rules(
@@ -286,14 +286,14 @@ class Leader:
         return view, rev, records
 
     def _refused(self, plan: Optional[Plan]) -> tuple[str, ...]:
-        """The nodes the planner refused for the generation after `plan` (decide.py; no plan yet: the first)."""
+        """The nodes the planner refused for the generation after `plan` (`decide`; no plan yet: the first)."""
         if self._unplannable is None or self._unplannable[1] != (plan.generation if plan is not None else 0) + 1:
             return ()
         return self._unplannable[0]
 
     def _detect(self, plan: Plan, records: list[NodeRecord]) -> Optional[Detection]:
-        """Nodes of `plan` found dead since the last re-plan: by the liveness sockets (liveness.py:
-        connections to the plan's other agents), or else by the roll call (detect.py). The roll
+        """Nodes of `plan` found dead since the last re-plan: by the liveness sockets (`rendezvous.liveness`:
+        connections to the plan's other agents), or else by the roll call (`rendezvous.detect`). The roll
         call does not run while liveness deaths are pending: `decide` acts on those first, and the
         pings would be wasted."""
         assert self.liveness is not None
@@ -363,7 +363,7 @@ class Leader:
 
     def _first_plan(self, nodes: list[str], rev: int | None, records: list[NodeRecord]) -> None:
         """Publish generation 1 on `nodes` when the profile is at hand; otherwise admit them (their
-        workers start and one of them measures the profile) and wait for it (profile_wait.py)."""
+        workers start and one of them measures the profile) and wait for it (`rendezvous.profile_wait`)."""
         if self.profiles.has_profile():
             self.profiles.reset()
             self._publish(nodes, None, rev, records)
@@ -400,8 +400,8 @@ class Leader:
         """New nodes whose workers have not all said they are ready: a plan with them would make
         every worker wait in init_process_group while theirs are still importing torch; and nodes
         of the plan whose agent withdrew a worker's readiness (it restarts a hung worker,
-        rendezvous/hang.py), which rejoin once it is ready again; and stragglers this leader left out
-        (decide.py), which stay out."""
+        `rendezvous.hang`), which rejoin once it is ready again; and stragglers this leader left out
+        (`rendezvous.decide`), which stay out."""
         waiting = set(self.stragglers.left_out)
         for rec in up:
             entries = read_ready(self.view, self.keys, rec.node_id)
@@ -453,7 +453,7 @@ class Leader:
     def _commit(
         self, plan: Plan, old: Optional[Plan], rev: Optional[int], records: list[NodeRecord], lost: Mapping[str, str]
     ) -> None:
-        """Publish `plan` as the next generation, with its events (publish.py), if the plan key is
+        """Publish `plan` as the next generation, with its events (`rendezvous.publish`), if the plan key is
         still at `rev` and this agent leads."""
         events = commit_plan(
             self.client,

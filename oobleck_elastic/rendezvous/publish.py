@@ -24,7 +24,7 @@ TXN_EVENTS = 100
 
 def declare_lost(client: KVStore, keys: Keys, node: str, generation: int) -> None:
     """`fenced/<node>`: excluded from plans; its workers stop, and its agent fences itself if it
-    comes back (membership.py)."""
+    comes back (`rendezvous.membership`)."""
     client.put_json(keys.fence(node), FenceRecord(time=time.time(), generation=generation).to_json())
 
 

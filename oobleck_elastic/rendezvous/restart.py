@@ -157,7 +157,7 @@ class RestartRendezvousHandler(DynamicRendezvousHandler):
     runs (on the agent's thread) and restored after, so no other code of the process sees it."""
 
     client: Optional[EtcdClient] = None
-    """The etcd client under the store and the backend: closed by `shutdown()` (etcd/closing.py)."""
+    """The etcd client under the store and the backend: closed by `shutdown()` (`etcd.closing`)."""
 
     @property
     def use_agent_store(self) -> bool:
@@ -165,7 +165,7 @@ class RestartRendezvousHandler(DynamicRendezvousHandler):
 
     def shutdown(self) -> bool:
         """torch's shutdown (closes the rendezvous, never raises), then the etcd client is closed:
-        its gRPC calls must not be left to the garbage collector at exit (etcd/closing.py)."""
+        its gRPC calls must not be left to the garbage collector at exit (`etcd.closing`)."""
         try:
             return super().shutdown()
         finally:

@@ -34,7 +34,7 @@ class LeaderStragglers:
         self._without: Optional[tuple[tuple[int, int], Optional[Plan]]] = None  # (report, plan without them)
 
     def view_fields(self, reader: KVReader, keys: Keys, plan: Optional[Plan]) -> dict[str, Any]:
-        """`speeds`, `slow` and `without` of the leader's view (decide.py): empty unless the workers
+        """`speeds`, `slow` and `without` of the leader's view (`rendezvous.decide`): empty unless the workers
         of `plan`'s generation named a straggler."""
         if not self.enabled or plan is None:
             return {}

@@ -257,7 +257,7 @@ class WorkerContext:
             self._stalled.add(generation)
 
     def record_skip(self, *, generation: int, step: int, detail: str) -> None:
-        """An event saying the step guard did not apply `step` (engine/resilience/guard.py)."""
+        """An event saying the step guard did not apply `step` (`engine.resilience.guard`)."""
         put_event(
             self.client,
             self.keys,
@@ -273,7 +273,7 @@ class WorkerContext:
     def report_stragglers(
         self, *, generation: int, step: int, nodes: dict[str, float], pipeline_s: Sequence[float]
     ) -> None:
-        """The `stragglers` record the leader re-splits the batch from (engine/resilience/straggler.py)."""
+        """The `stragglers` record the leader re-splits the batch from (`engine.resilience.straggler`)."""
         self.client.put_json(
             self.keys.stragglers,
             StragglerRecord(
@@ -282,7 +282,7 @@ class WorkerContext:
         )
 
     def record_event(self, *, kind: str, generation: int, detail: str) -> None:
-        """An event about this job from this worker's node (engine/control.py)."""
+        """An event about this job from this worker's node (`engine.control`)."""
         put_event(
             self.client,
             self.keys,
@@ -327,7 +327,7 @@ class WorkerContext:
 
     def goodput_origin(self) -> Origin:
         """The goodput ledger last reported with progress, or (none yet) the job's start and first
-        plan from its events (engine/telemetry/goodput.py). Read from etcd, at entry only."""
+        plan from its events (`engine.telemetry.goodput`). Read from etcd, at entry only."""
         data, revision = self.client.get_json(self.keys.progress)
         if isinstance(data, dict) and data.get("goodput") is not None:
             try:
@@ -343,7 +343,7 @@ class WorkerContext:
         return self.keys.run_id
 
     def tensorboard_run(self, proposed: str) -> str:
-        """The job's TensorBoard run (records/board.py): `proposed` when this worker is the job's
+        """The job's TensorBoard run (`records.board`): `proposed` when this worker is the job's
         first writer, else the run its first writer chose. Read from etcd, at entry only."""
         return claim_board(self.client, self.keys, proposed, node=self.node_id)
 
@@ -363,7 +363,7 @@ class WorkerContext:
     def store_for(self, generation: int, cfg: JobConfig, *, typical_step_s: float = 0.0) -> EtcdStore:
         """The etcd-backed c10d store of `generation`'s process groups (keys under
         `store/g<generation>/`); joining gives up at once when the generation is superseded. Its
-        timeouts derive from this worker's typical step unless the config sets them (config/timing.py)."""
+        timeouts derive from this worker's typical step unless the config sets them (`config.timing`)."""
         ft = cfg.fault_tolerance
         timeout = timedelta(seconds=comm_timeout(ft, typical_step_s))
         return EtcdStore(
@@ -375,7 +375,7 @@ class WorkerContext:
         )
 
     def abandon_check(self, plan: Plan) -> Callable[[], Optional[str]]:
-        """The `should_abandon` of a step of generation `plan.generation` (engine/runner.py): the
+        """The `should_abandon` of a step of generation `plan.generation` (`engine.runner`): the
         job was closed, this node was fenced, a newer plan left a lost node out, or a newer plan on
         the same nodes restarts the generation (the roll call found every node alive after a
         worker failed: a crashed or hung worker restarted by its agent). Drains and joins are not
@@ -402,7 +402,7 @@ class WorkerContext:
 
     def lost_nodes(self, current: Plan, newer: Plan) -> list[str]:
         """Nodes of `current` that `newer` leaves out because they were lost (lease expired or
-        fenced) or are restarting a hung worker (rendezvous/hang.py), as opposed to drained nodes
+        fenced) or are restarting a hung worker (`rendezvous.hang`), as opposed to drained nodes
         and spares, which leave at a step boundary."""
         lost = []
         for node in current.nodes:
@@ -417,7 +417,7 @@ class WorkerContext:
         return lost
 
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
-        """Store the error that ends this worker (see engine/resilience/errors.py); returns the new record."""
+        """Store the error that ends this worker (see `engine.resilience.errors`); returns the new record."""
         data, _ = self.client.get_json(self.keys.errors)
         rec = next_error_record(
             ErrorRecord.parse(data),

@@ -55,12 +55,12 @@ class ScaleSettings:
     """What a failure is, for its detection time: `node` (the machine is gone: its lease decides)
     or `process` (its agent process died: the liveness sockets see it at once)."""
     schedule: str = "1f1b"
-    """`planning.schedule` of the planner: `1f1b` (templates.py's closed form) or `auto` (every
+    """`planning.schedule` of the planner: `1f1b` (`planning.templates`' closed form) or `auto` (every
     pipeline's schedule chosen by simulation, among all the planner knows, as `oobleck plan`
-    shows them; planning/schedule_choice.py), or one schedule's name."""
+    shows them; `planning.schedule_choice`), or one schedule's name."""
     shadow_copies: list[int] = field(default_factory=list)
     """Also run `oobleck_elastic` with each of these counts of host-memory shadow copies
-    (`oobleck_elastic:s=N`, simulate/shadows.py). The engine keeps shadows only at tensor
+    (`oobleck_elastic:s=N`, `simulate.shadows`). The engine keeps shadows only at tensor
     parallel 1; at the study's tp 8 these rows say what they would buy if it kept them there."""
     shadow_overhead: float = SHADOW_STEP_OVERHEAD
     """Failure-free step-time overhead of one shadow copy of every layer."""

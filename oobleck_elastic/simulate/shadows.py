@@ -15,8 +15,8 @@ from ..planning.shadows import ShadowPlacement, device_holders, place_shadows, s
 
 SHADOW_STEP_OVERHEAD = 0.014
 """Failure-free step-time overhead of one shadow copy of every layer (fault_tolerance.shadow_copies
-= 1): step_s(shadows) / step_s(none) - 1 as `bench/shadows.py` measures it (its entry in
-bench/RESULTS.md: 1.4 % for gpt2-tiny at width 256 on paced devices, 4 nodes, f = 1). A model
+= 1): step_s(shadows) / step_s(none) - 1 as `bench/shadows.py` measures it (bench/RESULTS.md,
+"Figures moved from code comments", names the run). A model
 with more parameters per second of compute pays more (the traffic and the host update scale with
 the parameters, the step with the tokens): pass `--shadow-overhead` for another."""
 

@@ -164,7 +164,7 @@ class OobleckElastic(SystemModel):
         return super().rate(n) / (1 + step_overhead(self.shadow_copies, self.shadow_overhead))
 
     def loss(self, running: list[str]) -> str:
-        """`replica`, `shadow` or `restore` for losing `running` at once (simulate/shadows.py)."""
+        """`replica`, `shadow` or `restore` for losing `running` at once (`simulate.shadows`)."""
         if not self.layers_lost(running):
             return "replica"
         if self.shadow_copies <= 0:
