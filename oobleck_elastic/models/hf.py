@@ -5,7 +5,7 @@ directory in `models.pretrained`, flattened from a model in memory) shares these
 (the transformers config of a job's model), `meta_layer` (layer i constructed on the meta device,
 with the map from its local names to the Hugging Face checkpoint's), and `assemble` (the flat
 `LayerModel` with the owned layers materialised by a caller's `fill`, rotary embeddings attached
-and tied ends sharing one Parameter).
+and tied ends sharing one Parameter). The story: docs/training.md.
 """
 
 from __future__ import annotations

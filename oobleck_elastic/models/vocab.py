@@ -6,6 +6,7 @@ zeros, never looked up (token ids are below the real vocabulary), cut out of the
 reads the first `vocab_size` logits), so their gradient is zero and AdamW leaves
 them zero. A worker holds them; what leaves a worker does not: checkpoints (the trainer's
 `state_dict`) and Hugging Face exports hold the real rows only, and loading pads again.
+The story: docs/training.md.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ without them (made once per report: planning is milliseconds, but the leader tic
 `decide` picks a remedy (`planning.rebalance`). A re-split is published like any plan; a node
 left out (`leave_out`) is remembered by this leader and counted as not ready from then on, so no
 later plan takes it back (a new leader forgets: its workers would name the node again).
+The story: docs/planning.md.
 """
 
 from __future__ import annotations
