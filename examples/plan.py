@@ -1,6 +1,7 @@
 """Plan a job from Python: profile (or read a profile), build templates, instantiate on N nodes.
+The story: docs/planning.md.
 
-python examples/plan.py --config configs/gpt2-tiny.yaml --nodes 4
+    python examples/plan.py --config configs/gpt2-tiny.yaml --nodes 4
 """
 
 import argparse

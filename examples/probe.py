@@ -1,17 +1,6 @@
 """A worker that trains nothing: it shows what `--rdzv-backend=oobleck` gives each worker.
 
-Run it like a training script to check a cluster's set-up (etcd reachable, nodes admitted,
-plans published, joins and failures handled without restarting anyone):
-
-    python -m launcher.local --nodes 3 -- examples/probe.py --config configs/gpt2-tiny.yaml --steps 40
-
-Like a training worker, it first shares the profile of its device (here the CPU) for the planner
-(`WorkerContext.share_profile`: one worker measures it, the others return at once), then reports
-ready. Every worker records its PID and torchrun restart count under
-`probe/<node>/<local rank>/<pid>` and prints each new plan generation it sees; the worker that
-holds rank 0 of the current plan advances a fake step counter (`progress`) every --step-time
-seconds. When the steps are done it closes the job and every worker exits 0; a drained node's
-workers exit 0 as soon as the plan leaves them out.
+Run it like a training script to check a cluster's set-up. The story: docs/running.md.
 """
 
 import argparse

@@ -7,6 +7,8 @@
         one worker of a job: pipelines and replicas come from the plan in etcd
     python -m launcher.local --nodes 4 -- examples/train.py --config configs/gpt2-tiny.yaml
         a local multi-node simulation with an embedded etcd
+
+The story: docs/training.md.
 """
 
 import argparse

@@ -1,2 +1,2 @@
 """Ways to start a job: a local multi-node simulation with embedded etcd, SLURM and Kubernetes
-recipes (built with the control plane; see launcher/README.md)."""
+recipes (built with the control plane). The story: docs/running.md."""

@@ -1,20 +1,7 @@
 """The local launcher's decisions that need no running job: the job config checked before any
 node starts, whether a due `--kill` may happen, why nodes failed, and the operations commands.
 
-- `preflight(script, rdzv_conf)`: the config the training script after `--` is given (`--config
-  PATH` and `key=value` overrides, or `--rdzv-conf config=PATH`, as the rendezvous handler reads
-  them) is loaded and validated, and what a worker checks first (engine/startup.py: steps left
-  after the checkpoint it would resume from, the data files) is checked once, so that a misspelt
-  key or a missing file is one line from the launcher (exit 2) instead of one traceback per node.
-- `kill_verdict`: a `--kill` or `--preempt` happens only to a node that is training: the job
-  has reported a step at or after the one named, is not closed, and the target is in the current
-  plan (its roster); otherwise it waits, and what never happened is said once the job ended.
-- `failure_reason`: the launcher's last line names why nodes failed: the reason the job was
-  closed as failed, else the error record a worker left, else the last error line a failed node
-  printed.
-- `ops_commands`: the `oobleck status` and `oobleck goodput` command lines for this job's etcd;
-  `etcd_view`: the etcd settings and key prefix the nodes use; `worker_threads`: the intra-op
-  threads each worker gets.
+Pure functions, tested without processes. The story: docs/running.md.
 """
 
 from __future__ import annotations

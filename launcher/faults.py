@@ -4,7 +4,7 @@ A node of `python -m launcher.local` is a torchrun agent with its workers. torch
 workers in sessions of their own, so the agent's process group does not contain them:
 `kill_node` SIGKILLs the agent, its process group and every descendant found in /proc
 (`descendants`) at once, so that every process of the node dies together, as with a machine that
-loses power (its sockets close, its lease stops being refreshed).
+loses power (its sockets close, its lease stops being refreshed). The story: docs/running.md.
 """
 
 from __future__ import annotations

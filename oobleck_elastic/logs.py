@@ -1,24 +1,8 @@
 """Log lines that say where they come from, and the same lines as JSON for programs.
 
-A worker's line about the job starts with where the job stands, in the project's vocabulary
-(docs/design.md): `gen G step S node N rank R: ...`, any of the four left out when it does not
-apply. `JobLog` is a `logging.LoggerAdapter` that writes that prefix, so no call site types it:
-
-    log = JobLog(logging.getLogger(__name__))
-    log.at(gen=3, step=12, node="n1").warning("communication failed (%s)", err, event="comm_failed")
-
-`at(...)` returns a copy holding more of the place (`total=T` renders the step as `S/T`). A call
-may name an `event` (a short kind such as `step`, `comm_failed`, `entered`) and `fields` (a dict
-of values): they change nothing in the text line, and when the job's `logging.events_dir` is set
-every record carrying an event is also written by `EventLines` as one JSON object per line,
-
-    {"t": 1763900000.123, "level": "WARNING", "event": "comm_failed", "gen": 3, "step": 12,
-     "node": "n1", "msg": "communication failed (...)", ...fields}
-
-to `events-<host>-<pid>.jsonl` in that directory (one file per process, appended, flushed per
-line). Benchmarks and tools read them with `read_event_lines` instead of parsing log text.
-Records that are data rather than news (the sample ledger, one line per step) go to the same
-files through `event_line`, which skips the text log.
+`JobLog` prefixes a worker's line with where the job stands (`gen G step S node N rank R`); with
+`logging.events_dir` set, every record that names an `event` is also written as one JSON line,
+which tools read with `read_event_lines`. The story: docs/operations.md.
 """
 
 from __future__ import annotations
@@ -68,7 +52,7 @@ def clip(text: str, limit: int = 160) -> str:
 
 
 class JobLog(logging.LoggerAdapter):
-    """A logger whose lines start with `gen/step/node/rank` (module docstring)."""
+    """A logger whose lines start with `gen/step/node/rank` (docs/operations.md)."""
 
     def __init__(self, logger: logging.Logger, **where: Any) -> None:
         super().__init__(logger, where)
@@ -88,7 +72,7 @@ class JobLog(logging.LoggerAdapter):
 
 
 class EventLines(logging.Handler):
-    """Writes every record that carries an `event` as one JSON line (module docstring)."""
+    """Writes every record that carries an `event` as one JSON line (docs/operations.md)."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(level=logging.DEBUG)
@@ -134,7 +118,7 @@ def attach_event_lines(directory: str | Path, logger: str = "oobleck_elastic") -
 
 
 def event_line(event: str, fields: dict[str, Any], logger: str = "oobleck_elastic", **where: Any) -> bool:
-    """Write one JSON event line (module docstring) to this process's `EventLines` handlers of
+    """Write one JSON event line (docs/operations.md) to this process's `EventLines` handlers of
     `logger` and nowhere else (no text line); False when no events directory is attached."""
     handlers = [h for h in logging.getLogger(logger).handlers if isinstance(h, EventLines)]
     if not handlers:

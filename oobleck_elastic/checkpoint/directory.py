@@ -1,9 +1,8 @@
 """The checkpoint root: which step directories it holds, the newest usable one, partial saves
 set aside, old ones pruned, and the model state of the newest.
 
-A step directory is complete when its manifest is there (`files.py` writes it last); the package
-docstring (`oobleck_elastic/checkpoint/__init__.py`) describes partial checkpoints and why they
-are set aside rather than resumed from.
+A step directory is complete when its manifest is there (`checkpoint.files` writes it last);
+partial checkpoints are set aside, never resumed from. The story: docs/recovery.md.
 """
 
 from __future__ import annotations

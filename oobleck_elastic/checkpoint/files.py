@@ -1,8 +1,8 @@
 """One checkpoint's files: per-layer safetensors, the manifest, atomic writes, verified reads.
 
-The layout, the atomic-write protocol and the manifest are described in the package docstring
-(`oobleck_elastic/checkpoint/__init__.py`). This module writes and reads the files of one step
-directory; `directory.py` finds step directories under a checkpoint root.
+This module writes and reads the files of one step directory; `checkpoint.directory` finds step
+directories under a checkpoint root. The layout, the atomic writes and the manifest:
+docs/recovery.md.
 """
 
 from __future__ import annotations

@@ -3,9 +3,8 @@
 f and the shadow copies (what the plan must survive), the control plane's clocks (leases,
 settling, the join, communication and hang bounds, the roll call), preemption notices, and the
 step guard's, fingerprints' and stragglers' settings. The clocks left to None are derived from
-the measured steps (timing.py). `parse_signals` reads `preempt_signals`, for the section's
-`validate()` and for the agent that installs the handlers. Each field has its docstring below it
-(the configuration reference), as schema.py describes.
+the measured steps (`config.timing`). `parse_signals` reads `preempt_signals`, for the section's
+`validate()` and for the agent that installs the handlers. The fields: docs/config.md.
 """
 
 from __future__ import annotations

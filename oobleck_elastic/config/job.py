@@ -1,10 +1,8 @@
 """The whole job config: `JobConfig`, one field per section, and the rules that span sections.
 
-Its sections live in model_data.py, training.py, fault_tolerance.py, planning.py and outputs.py;
-their order here is the order of the configuration reference (docs/config.md).
-`JobConfig.validate()` gathers every section's clauses, then adds the rules between sections
-(schema.py describes the mechanism). Users import it from the package: `from
-oobleck_elastic.config import JobConfig`.
+Its sections' order here is the order of the configuration reference (docs/config.md).
+`JobConfig.validate()` gathers every section's clauses, then adds the rules between sections. Users
+import it from the package: `from oobleck_elastic.config import JobConfig`.
 """
 
 from __future__ import annotations

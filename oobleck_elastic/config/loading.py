@@ -1,15 +1,8 @@
 """Loading a job config: a YAML file plus `key=value` overrides, merged onto the schema.
 
-The file and the overrides are merged first (so an override can fix any value of the file), then
-onto the structured schema, where omegaconf checks every key and type; the sections' rules run
-on the result. Whatever is wrong becomes one `ConfigError`, prefixed with the file (or
-`<defaults>`), whose clauses each name a key and what to change: an unknown key with the
-closest known one (did you mean), a value omegaconf refused, a choice outside its `Literal`, a
-broken rule.
-
-Paths (`schema.PATH_KEYS`): the relative paths of the file are made absolute against the file's
-folder before the overrides are merged (`resolve_file_paths`), so a config file works from any
-working directory; the overrides' paths stay as given (relative to the working directory).
+The file and the overrides are merged first (an override can fix any value of the file);
+whatever is wrong becomes one `ConfigError` whose clauses each name a key and what to change.
+The fields: docs/config.md.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 `ModelConfig` builds the model (a family of Hugging Face classes with random weights, a
 pretrained directory, or a custom factory); `DataConfig` names the corpus, its tokenizer and the
-sample length. Each field has its docstring below it (the configuration reference), and each
-section's `validate()` returns the rules its types cannot express, as schema.py describes.
+sample length. Each section's `validate()` returns the rules its types cannot express. The fields:
+docs/config.md.
 """
 
 from __future__ import annotations

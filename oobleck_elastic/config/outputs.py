@@ -1,8 +1,7 @@
 """The `checkpoint` and `logging` sections of the job config: what the job writes, and where.
 
 Checkpoints (directory, interval, resume) and logs (TensorBoard, progress lines, the logging
-level, JSON event lines). Each field has its docstring below it (the configuration reference),
-as schema.py describes.
+level, JSON event lines). The fields: docs/config.md.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Device and host memory, devices per node and tensor parallelism, the links' bandwidth and
 latency, the pipeline schedule and its chunks per device, the cluster's size, and how the
 profile is found or measured. `schedule_chunks_problem` is the one rule between the schedule and
-its chunks, shared with the planner's schedule choice (planning/schedule_choice.py). Each field
-has its docstring below it (the configuration reference), as schema.py describes.
+its chunks, shared with the planner's schedule choice (`planning.schedule_choice`). The fields:
+docs/config.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """The job config's schema: one dataclass per section, each field with a docstring below it, and
 beside the fields the rules their types cannot express.
 
-Types do most of the checking: omegaconf refuses an unknown key, a value of the wrong type and,
-for the choice fields (typed `Literal[...]`), any value not listed (omegaconf >= 2.4, when it
-merges a YAML file or an override; load_config words that as "'key' is 'x'; choose one of a,
-b"). The rest (ranges and combinations: f >= 0, a global batch that is a multiple of the
-microbatch, a source that needs paths) is each section's `validate()`, which returns one clause
-per broken rule, naming the key by its dotted path and what to change; `JobConfig.validate()`
-gathers the sections' clauses and adds the rules that span sections. The field docstrings are
-the configuration reference (`oobleck config reference`, docs/config.md).
-
-This module holds what every section shares (`Section`, `ConfigError`, `at_least`, the path
-keys) and imports nothing of the package; the sections are one module per group: model_data.py
-(`model`, `data`), training.py (`training` and its `optimizer`, `lr_schedule`),
-fault_tolerance.py, planning.py, outputs.py (`checkpoint`, `logging`), and job.py (`JobConfig`,
-the whole config).
+`Section` is what every section shares (its `validate()`), `ConfigError` what a broken config
+raises. The field docstrings generate docs/config.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """The fault-tolerance clocks a job derives from its measured step times.
 
-Users used to find `comm_timeout_s`, `hang_floor_s` and `stall_report_s` by trial and error: too
-short and a slow first step or a large stage is taken for a failure, too long and a hung worker
-holds the job for minutes. So each of them defaults to `None` (auto), and is derived here from
-the worker's typical step: the median wall time of its last completed steps, which its
-heartbeat carries to its agent (records/heartbeat.py). An explicit value in the config overrides
-the derivation, as before. Before any step is measured (the first step of a job: allocator
-warm-up, kernel autotuning, compilation) the auto values are the old, generous defaults.
-
-- hang bound (`hang_bound`): a worker's step thread that makes no progress for longer than
-  max(floor, `hang_factor` x typical step) is hung (rendezvous/hang.py). The floor is
-  `hang_floor_s` when set (0 turns the watch off), else `FIRST_STEP_FLOOR_S` before a step was
-  measured and `MEASURED_FLOOR_S` after.
-- communication timeout (`comm_timeout`): `comm_timeout_s` when set, else `FIRST_COMM_TIMEOUT_S`
-  before a step was measured and max(`COMM_FLOOR_S`, `COMM_OVER_HANG` x the hang bound) after, so
-  a hung peer is always cut off by its agent before its peers' collectives time out.
-- stall report (`stall_report`): `stall_report_s` when set, else max(`STALL_FLOOR_S`, typical
-  step): a worker joining a generation that has waited for its peers this long checks in at the
-  leader's roll call (rendezvous/detect.py).
-
-All are pure functions of the config section and the typical step.
+`comm_timeout_s`, `hang_floor_s` and `stall_report_s` default to auto: derived from the worker's
+typical step (an explicit value overrides). Invariant: the communication timeout is longer than
+the hang bound, so a hung peer is cut off by its agent before its peers' collectives time out.
+Pure functions of the config section and the typical step. The story: docs/liveness.md.
 """
 
 from __future__ import annotations
@@ -75,7 +59,7 @@ def hang_bound(ft: FaultToleranceConfig, typical_s: float) -> Optional[float]:
 
 
 def comm_timeout(ft: FaultToleranceConfig, typical_s: float = 0.0) -> float:
-    """Seconds a collective may wait once connected (module docstring)."""
+    """Seconds a collective may wait once connected (docs/liveness.md)."""
     if ft.comm_timeout_s is not None:
         return ft.comm_timeout_s
     if typical_s <= 0:

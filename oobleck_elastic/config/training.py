@@ -1,9 +1,9 @@
 """The `training` section of the job config, with its `optimizer` and `lr_schedule` sections.
 
 Batch sizes, steps, the optimizer and its learning-rate schedule, precision, device, seed and
-compilation, and the knobs of benchmarks (paced devices) and MFU (peak TFLOP/s). Each field has
-its docstring below it (the configuration reference); `TrainingConfig.validate()` checks its own
-rules and those of the two sections it holds, as schema.py describes.
+compilation, and the knobs of benchmarks (paced devices) and MFU (peak TFLOP/s).
+`TrainingConfig.validate()` checks its own rules and those of the two sections it holds. The
+fields: docs/config.md.
 """
 
 from __future__ import annotations

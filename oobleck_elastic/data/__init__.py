@@ -5,5 +5,5 @@ samples of its pipeline's microbatches, and a reconfiguration or a restore loses
 sample.
 
 Imports: `config`, `models` (the seed of a stable hash) and third-party libraries; never the
-engine, the control plane or planning.
+engine, the control plane or planning. The story: docs/training.md.
 """

@@ -7,7 +7,7 @@ that start together, the first builds and the others block on the lock and then 
 builder that dies releases the lock and the next one builds). `write_token_npy` streams chunks
 into a temp file with a fixed 128-byte `.npy` header (filled in once the length is known), fsyncs
 and renames it (`atomic_write`), so memory stays bounded by one chunk and no reader ever sees a
-partial file; `load_token_cache` memory-maps it.
+partial file; `load_token_cache` memory-maps it. The story: docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """The built-in corpora (`data.source=stdlib|files`), their tokenizer and their token cache.
 
-1. **Corpus** (`corpus_files`). `data.source=stdlib` uses the CPython standard library's own
-   `.py` files (found with `sysconfig.get_paths()["stdlib"]`, so every machine with the same
-   Python patch version has the same corpus) minus the `test`/`tests`/`idlelib`/`lib2to3`/
-   `site-packages` trees; `data.source=files` uses the files and directories in `data.paths`
-   (directories recursively, hidden entries and binary files skipped). Files are sorted by path
-   and read in that order; `max_bytes` caps the corpus (whole files are kept while they fit,
-   the last one is cut) so tests and demos stay fast. Each file is one document.
-2. **Tokenizer**. `bytes`: token = byte (vocab 256, no training). `bpe`: a byte-level BPE
-   trained with the `tokenizers` package on the corpus to `model.vocab_size` tokens (one
-   `<|endoftext|>` special token closes every document), saved as one JSON file in
-   `<cache_dir>/tokenizers/<key>.json` and reused when present. The key hashes the corpus file
-   list, their sizes, the byte cap and the vocab size.
-3. **Token cache**. The tokenised corpus is one flat numpy array (uint16, or uint32 for a vocab
-   over 65536) in `<cache_dir>/tokens/<key>.npy`, memory-mapped when read. Every cache file is
-   written to a temporary name in the same directory, fsynced and renamed, so no reader ever sees
-   a partial file, and built under an flock of `<key>.npy.lock` (`build_once`, cache.py): of the
-   workers of a host that start together, one tokenises and the others wait for its file.
+Invariant: no reader ever sees a partial cache file (temporary name, fsync, rename), and of the
+workers of a host that start together one tokenises while the others wait. The story:
+docs/training.md.
 """
 
 from __future__ import annotations
@@ -42,7 +28,7 @@ __all__ = ["STDLIB_MAX_BYTES", "STDLIB_EXCLUDE", "corpus_files", "read_corpus", 
 
 
 STDLIB_MAX_BYTES = 8 * 1024 * 1024
-"""Default corpus cap for source=stdlib (the whole stdlib is ~12 MB)."""
+"""Default corpus cap for source=stdlib: part of the standard library, so tests and demos stay fast."""
 
 
 STDLIB_EXCLUDE = frozenset(

@@ -1,15 +1,7 @@
 """Training data: from `data.*` in the job config to the samples of every step.
 
-`build_dataset(cfg)` drives the data pipeline, in the order the data flows:
-
-1. the documents and their tokens: the built-in corpora and the `bytes`/`bpe` tokenizers
-   (corpus.py), text datasets users bring (text.py) with a pretrained tokenizer (tokenizer.py),
-   both into the per-host token cache (cache.py); or pre-tokenized token files (tokens.py);
-2. the samples (`TokenWindows`, below);
-3. the batches of every step and their prefetch (sampler.py).
-
-**Samples** (`TokenWindows`). Sample i is the window `tokens[i*L : i*L + L + 1]`; its input
-   is the first L tokens and its labels the last L (the next token at every position).
+`build_dataset(cfg)` drives the data pipeline in the order the data flows: source, tokens,
+samples. The story: docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """Per-step batches: which samples a step trains on, each pipeline's share, and prefetch.
 
-5. **Batches**. `GlobalBatchSampler.indices(step)` is the global batch of one optimizer step, a
-   function of (seed, step) alone: epoch e is a permutation drawn from a generator seeded with
-   `stable_seed(seed, "data-epoch", e)`, the incomplete tail of every epoch is dropped and step s
-   takes the s-th consecutive block of `global_batch_size` samples. A job that re-plans (or
-   resumes from a checkpoint) at step s therefore continues with exactly the samples it would
-   have seen. `pipeline_slices` splits that global batch between the pipelines of a plan in
-   proportion to their microbatches, contiguously and in pipeline order.
-6. **Prefetch** (`BatchPrefetcher`). While step s runs, a background thread collates the batch
-   of step s+1 (pinned when CUDA is available); `get(step)` uses it only when it was made for
-   the same step and the same indices (the caller's `indices_of`, which follows the plan), so it
-   always returns `collate(dataset, indices_of(step))`.
+Invariant: a step's global batch is a function of (seed, step) alone, whatever the plan, so a
+re-planned or resumed job trains on the same samples. The story: docs/training.md.
 """
 
 from __future__ import annotations
@@ -53,7 +44,7 @@ class GlobalBatchSampler:
 
     def positions(self, epoch: int, indices: Sequence[int]) -> list[int]:
         """Where each sample index stands in `epoch`'s permutation (the inverse of `indices`):
-        what the sample ledger records (records/samples.py), ranges when the batch is right."""
+        what the sample ledger records (`records.samples`), ranges when the batch is right."""
         if self._inverse is None or self._inverse[0] != epoch:
             perm = self.epoch_permutation(epoch)
             inverse = torch.empty_like(perm)

@@ -1,14 +1,7 @@
 """Text datasets users bring (`data.source=jsonl|parquet|hf_disk`), tokenized once per host.
 
-`text_source_files` lists the files (`data.paths` entries as given, directories expanded to their
-sorted `*.jsonl`/`*.json` or `*.parquet` files; for `hf_disk` every file of the
-`Dataset.save_to_disk` directory). `check_text_files` reads only what it must to fail early: the
-first JSON line of every JSONL file, the schema of every Parquet file, so an unknown
-`data.text_field` or a broken file is named before anything is loaded. `load_text_dataset` then
-loads them with Hugging Face `datasets` (local loaders, `HF_DATASETS_OFFLINE=1`; the Arrow copy of
-JSONL/Parquet lives in `<cache_dir>/hf-datasets`); this module never downloads. Each row's
-`data.text_field` is one document (None = empty). `text_source_tokens` tokenizes them with the
-job's tokenizer (tokenizer.py) into the per-host token cache (cache.py).
+A broken file or an unknown `data.text_field` is named before anything is loaded, and this module
+never downloads. The story: docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Tokenizers as a picklable `TokenizerSpec`, and encoding documents in order, in parallel.
 
-A `TokenizerSpec` (kind, path, end-of-text id) lets worker processes load their own copy: `bytes`
-(UTF-8 bytes, no separator), `bpe` (a `tokenizers` JSON file, `<|endoftext|>` after every
-document) and `hf` (`AutoTokenizer.from_pretrained(data.tokenizer_path, local_files_only=True)`,
-its eos_token or `<|endoftext|>` after every document; `load_hf_tokenizer` checks that
-`len(tokenizer)` fits `model.vocab_size`). `data.tokenizer_path` may also be a `tokenizers` JSON
-file (`Tokenizer.save("tok.json")`, e.g. a byte-level BPE trained with `tokenizers`): it is then
-used as the `bpe` kind is, `<|endoftext|>` (which it must hold) after every document.
-`tokenize_texts` encodes batches of documents in order, in `data.num_proc` spawned processes
-when > 1, logging progress every `PROGRESS_EVERY_S`.
-`tokenizer_fingerprint` (a hash of a tokenizer's files) is part of the token cache's key.
-`TokenizerFiles` says where the job's tokenizer lives; `save_tokenizer_files` copies it into a
-checkpoint's step directory, so that `oobleck export` writes the tokenizer the job trained with
-(models/export_tokenizer.py, which also holds the end-of-text rule, `end_of_text`).
+Worker processes load their own copy from the spec; a tokenizer's fingerprint is part of the
+token cache's key, and a checkpoint keeps the tokenizer's files so an export writes the one the
+job trained with. The story: docs/training.md.
 """
 
 from __future__ import annotations

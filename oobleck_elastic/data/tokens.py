@@ -5,7 +5,7 @@ files are read as one array by `TokenFiles` (an offset index; a window may span 
 dtype must hold every id below `model.vocab_size`, and the first ids of every file
 (`CHECK_TOKENS` in all) are checked against it (a cheap sample: huge files are not scanned).
 `dtype_for_vocab` is the dtype the caches store token ids in (uint16, or uint32 for a vocab over
-65536).
+65536). The story: docs/training.md.
 """
 
 from __future__ import annotations

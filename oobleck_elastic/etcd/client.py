@@ -1,14 +1,8 @@
 """A thin wrapper over `pyetcd` (etcd-sdk-python, the etcd3 API) for the control plane.
 
-- `EtcdSettings` (settings.py): endpoint plus TLS and auth, where a connection goes.
-- `connect(settings)` checks the settings (files exist, cert and key come together) and that the
-  server answers, and raises `EtcdError` with a message that says what to change; it never
-  hangs for longer than `timeout_s`.
-- `EtcdClient` has the verbs the control plane uses (get, range, put, put-if-absent,
-  compare-and-put, delete, count, lease grant/refresh/revoke, watch), each retried across an etcd
-  outage of up to `outage_s`; nothing outside this package touches `pyetcd`.
-- `EtcdClient.get_json/put_json` store control data as JSON (docs/design.md, invariant 5: nothing read
-  from etcd is unpickled); a value that does not parse is logged and treated as absent.
+Invariant: nothing outside this package touches `pyetcd`; every verb is retried across an etcd
+outage of up to `outage_s`, and control data is stored as JSON, never unpickled. The story:
+docs/design.md.
 """
 
 from __future__ import annotations
@@ -201,7 +195,7 @@ class EtcdClient:
 
     def refresh_lease(self, lease_id: int) -> int:
         """Keep the lease alive; the TTL etcd now grants it, <= 0 when the lease is gone. Sent down
-        this client's one keep-alive stream (keepalive.py), not a new stream per refresh."""
+        this client's one keep-alive stream (`etcd.keepalive`), not a new stream per refresh."""
         return self._call(self._keepalive.refresh, lease_id)
 
     def revoke_lease(self, lease_id: int) -> None:
@@ -223,7 +217,7 @@ class EtcdClient:
         """Watch every key under prefix (with `exact`: the key `prefix` alone) from `start_revision`;
         `callback(response)` gets each response (`.events`, `.header.revision`), or an exception
         or None when the stream ends.
-        See mirror.py for a watch that resumes by itself. A watch that etcd does not confirm in
+        See `etcd.mirror` for a watch that resumes by itself. A watch that etcd does not confirm in
         `timeout_s` is retried on a new stream (unless another caller replaced that stream
         already: threads resuming their watches together must not end each other's), for up to
         `outage_s`."""
@@ -364,7 +358,7 @@ class EtcdClient:
     def close(self) -> None:
         """Close the client for good (idempotent): end its keep-alive and watch streams, close its
         gRPC channels and wait (briefly) for their threads and calls to end, so that nothing is
-        left to the garbage collector at exit (closing.py says why that hangs)."""
+        left to the garbage collector at exit (`etcd.closing` says why that hangs)."""
         with self._close_lock:
             if self.closed:
                 return

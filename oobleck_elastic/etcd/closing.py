@@ -1,29 +1,8 @@
 """Closing etcd clients explicitly: their gRPC calls, channels and threads, never the garbage collector.
 
-**Why.** A gRPC streaming call (a watch, the lease keep-alive stream) is a
-`grpc._channel._MultiThreadedRendezvous`, whose `__del__` takes the call's lock (a
-`threading.Condition`). Two kinds of daemon threads take that lock while the call is live: gRPC's
-channel spin thread, which delivers the call's events, and the thread that reads the stream
-(pyetcd's watch thread, keepalive.py's reader). When the interpreter finalizes, a daemon thread
-that wakes up is ended on the spot (CPython 3.11: it exits when it next asks for the GIL), and if
-it held such a lock at that moment the lock stays taken forever. The garbage collection of the
-call object that follows then blocks the main thread for good: the agent "finished" but never
-exited (its stacks showed `grpc/_channel.py __del__` -> `threading.py __enter__`). Closing a
-channel later (or leaving it to `grpc.Channel.__del__`) comes too late.
-
-**What.** `EtcdClient.close()` (client.py) calls `close_client`: it ends the keep-alive stream,
-asks every watch stream the client ever opened to end (pyetcd's current watcher and the ones
-replaced since), closes every member's channel (which cancels whatever call is still in flight),
-then waits, within one deadline, for the reader threads to end and for every channel's spin thread
-to have handled its calls' last events (`managed_calls` back to 0). After that no thread can hold
-a call's lock, and whatever call object is left is collected harmlessly, whenever. It is
-idempotent.
-
-Every client `connect` makes is registered here (weakly); `close_open_clients` closes those still
-open and collects the garbage, and runs `atexit`, i.e. before the interpreter starts finalizing
-(while every thread still runs). The owners close their clients themselves on every exit path
-(the rendezvous handlers' `shutdown`, a worker's `close`, `oobleck` commands); the exit hook is
-the backstop for a path that forgot (logged at debug level).
+Invariant: every client `connect` makes is closed before the interpreter finalizes (by its owner,
+else by the exit hook here), because a gRPC call collected at finalization can block the process
+forever. The story: docs/design.md.
 """
 
 from __future__ import annotations
@@ -72,7 +51,9 @@ def open_clients() -> list[Any]:
 
 def close_open_clients() -> int:
     """Close every registered client still open, then collect the garbage while every thread
-    still runs (module docstring); how many were open."""
+    still runs (at exit, before finalization: a daemon thread ended there while it holds a gRPC
+    call's lock leaves it taken, and collecting that call blocks the exit for good; docs/design.md);
+    how many were open."""
     left = open_clients()
     for client in left:
         log.debug("closing an etcd client still open at exit (%s)", getattr(client, "settings", client))
@@ -98,7 +79,7 @@ def _threads(watchers: Iterable[Any]) -> list[threading.Thread]:
 
 
 def close_client(raw: Any, watchers: Iterable[Any], keepalive: Any, wait_s: float = CLOSE_WAIT_S) -> bool:
-    """Close a pyetcd client `raw` (module docstring): its keep-alive stream (`keepalive`, which
+    """Close a pyetcd client `raw` (docs/design.md): its keep-alive stream (`keepalive`, which
     waits for its own readers), every watcher in `watchers`, its channels; then wait up to `wait_s`
     for the watch threads and the channels' calls to end. True when everything ended in time."""
     deadline = time.monotonic() + wait_s

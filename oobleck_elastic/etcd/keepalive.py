@@ -1,22 +1,7 @@
 """Lease keep-alives over one long-lived etcd stream per client.
 
-etcd refreshes leases only through the `LeaseKeepAlive` bidirectional stream. Opening a stream
-per refresh (what pyetcd's `refresh_lease` does) costs the client about 1 ms of CPU: a new HTTP/2
-stream and a gRPC thread to feed it one request. An agent refreshes once per TTL/3, so for one
-agent that is nothing; for the agents that share a client (the control-plane benchmark hosts
-hundreds per process) it was most of their CPU. `KeepAliveStream` keeps one stream open instead
-and sends each refresh down it: requests go in through a queue, one reader thread takes the
-answers and hands each to the caller waiting for that lease (answers for one lease come back in
-the order it was asked; each caller takes the first answer waiting for its lease).
-
-Failures look exactly like pyetcd's per-request ones, so `EtcdClient._call` retries them the
-same way: an answer that does not come within the client's timeout ends the stream and raises
-`ConnectionTimeoutError` with the endpoint marked failed (what a DEADLINE_EXCEEDED does); a
-stream that ends with a gRPC error raises what pyetcd makes of that error (`ConnectionFailedError`
-for UNAVAILABLE, with the endpoint marked failed; "invalid auth token" as the gRPC error itself,
-after which the client signs in again and calls `reset`). The next refresh opens a new stream,
-on the endpoint pyetcd uses then (a stream opened on a stub pyetcd has since replaced is
-reopened, so failover between cluster members carries over).
+Invariant: one `LeaseKeepAlive` stream per client, however many leases it refreshes. The story:
+docs/liveness.md.
 """
 
 from __future__ import annotations
@@ -152,7 +137,7 @@ class KeepAliveStream:
     def close(self, wait_s: float = 2.0) -> None:
         """End the stream and wait (up to `wait_s`) for the reader thread of every stream it opened,
         the ones replaced before included: a reader still in gRPC at exit can leave a call's lock
-        taken for good (closing.py)."""
+        taken for good (`etcd.closing`)."""
         with self._lock:
             stream, self._stream = self._stream, None
             streams, self._streams = self._streams, []

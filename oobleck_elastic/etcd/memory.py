@@ -1,11 +1,11 @@
 """`MemoryKV`: a dict that answers like etcd, for unit tests of the control plane.
 
-It implements `KVStore` (protocols.py): keys with mod and create revisions that grow by one per
+It implements `KVStore` (`etcd.protocols`): keys with mod and create revisions that grow by one per
 write, leases whose revocation deletes the keys bound to them, put-if-absent and
 delete-at-revision, and JSON reads that skip malformed values like `EtcdClient`'s. Nothing
 expires by itself and nothing runs in the background: a test sets up a state, calls the code
 under test, and reads what it wrote. `outage` stands for "etcd was away a moment ago"
-(`outage_within` returns it, whatever the window).
+(`outage_within` returns it, whatever the window). The story: docs/design.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """A local copy of the keys under some prefixes, kept current by etcd watches.
 
-The control plane's readers (workers between steps, the leader and every agent) ask for the same
-few keys over and over. Instead of range reads every tick, a `Mirror` lists each prefix once (at
-revision R), then watches it from R+1 and applies every put and delete to a dict. Reads are local:
-they cost etcd nothing, so the requests per second at steady state do not grow with the number of
-readers or how often they look, and they keep answering while etcd is unreachable, with the last
-state seen (a stalled etcd delays news; it does not stop training).
-
-**Resume.** When a watch stream ends (etcd restarted, the client failed over to another member, a
-network error), the mirror watches again from (the last revision it applied + 1) in a background
-thread, retrying while etcd is unreachable (`EtcdSettings.outage_s`); etcd delivers the events in
-between from its history, so none is missed. If etcd has compacted that history, the mirror lists
-the prefix again. Past the outage bound the mirror is *failed*: every read raises that EtcdError.
-
-**Waiting.** Loops that polled now wait for the next change: `version` counts applied changes and
-`wait(version, timeout)` returns as soon as it grows (or at the timeout, for loops that also act on
-time, like the leader's settle window).
-
-The mirror is eventually consistent: a reader may see a write a few milliseconds after it was
-made, never out of order. Writers that must not act on a stale view compare-and-put on the
-revision they read (`KV.mod_revision`), as they did with direct reads.
+The control plane's readers read the mirror, not etcd, so the requests etcd serves do not grow
+with the number of readers or steps, and readers go on while etcd is away. The story:
+docs/design.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """What the control plane needs of etcd, named as Protocols.
 
-A reader of control data does not care whether its keys come from etcd itself (`EtcdClient`, one
-request per read) or from a local copy kept current by watches (`Mirror`, mirror.py): both answer
-`KVReader`. The failure detectors (rendezvous/detect.py) also write a few keys, revoke a lease and
-ask whether etcd was away a moment ago: `KVStore` adds those verbs, which `EtcdClient` has.
-`MemoryKV` (memory.py) implements both on a dict, so the roll call, the deputy and the leader
-watch are unit-tested on made-up states without an etcd process (tests/unit/test_detect.py), as the
-leader's rules are (rendezvous/decide.py).
-
-Values are `bytes` as stored; the JSON verbs parse them and return None for a value that does not
-parse (logged once, docs/design.md, invariant 5). Keys are plain `str`: a prefix ends with "/".
+A reader of control data takes a `KVReader`, whether its keys come from etcd itself or from a
+watch-maintained `Mirror`; `KVStore` adds the few writes the failure detectors make. `MemoryKV`
+implements both on a dict for unit tests. The story: docs/design.md.
 """
 
 from __future__ import annotations

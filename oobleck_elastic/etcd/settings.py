@@ -2,7 +2,7 @@
 (user, password), parsed from torchrun's `--rdzv-conf`, CLI flags or the `OOBLECK_ETCD_*`
 environment variables the rendezvous handler passes to workers (`to_env` / `from_env`), with
 static checks whose errors say what to change (`check`); and `EtcdError`, what every etcd
-failure of this package raises."""
+failure of this package raises. The story: docs/operations.md."""
 
 from __future__ import annotations
 

@@ -1,26 +1,8 @@
 """A c10d `Store` on etcd v3, for `init_process_group(backend, store=EtcdStore(...), ...)`.
 
-Mechanism:
-- Subclasses the pybind trampoline `torch.distributed.Store`. C++ callers (ProcessGroupGloo,
-  PrefixStore, `multi_get`/`multi_set` of the C++ base) reach the Python methods below.
-- Every key lives under `prefix` (for example one prefix per generation), so `delete_prefix()`
-  removes one generation's keys at once. Keys and values are bytes, as etcd v3 stores them.
-- `add` and `compare_set` are compare-and-swap transactions. Their failure branch reads the
-  current value in the same round trip. `compare_set` follows TCPStore exactly:
-  - key missing and expected == "": the key is set to desired, and desired is returned;
-  - key missing and expected != "": expected is returned (TCPStore does the same);
-  - value == expected: the value is set to desired, and desired is returned;
-  - otherwise the current value is returned.
-- `get`/`wait` read the key. If it is absent, they watch it from the revision right after that
-  read, so a put between the read and the watch is not lost. They re-read after every watch
-  event or 5 s slice (0.25 s with an `on_wait` hook, which is called with the seconds waited so
-  far and may raise to give up early, e.g. when the generation being joined was superseded).
-  With `min_wait`, no wait is shorter than it, whatever timeout the caller passes: gloo waits
-  for peers' addresses under the process group's timeout, and a short connect timeout must not
-  turn a peer that arrives a little late into a failure. Once the store timeout (or the `wait`
-  override) has passed, they raise `torch.distributed.DistStoreError` naming the missing key, as
-  TCPStore does. A zero timeout means "wait forever" (c10d's `kNoTimeout`).
-- Nothing read here is unpickled: the store only moves opaque bytes for torch.
+Every key lives under the store's prefix (one per generation); `add` and `compare_set` are
+compare-and-swap transactions with TCPStore's semantics; nothing read is unpickled. The story:
+docs/design.md.
 """
 
 from __future__ import annotations
@@ -118,7 +100,9 @@ class EtcdStore(dist.Store):
                 return new
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
-        """Set key to desired if it holds expected (or is missing and expected is empty); see module doc."""
+        """TCPStore's compare-and-set: key missing and expected "": set, return desired; key missing
+        and expected not "": return expected; value == expected: set, return desired; otherwise
+        return the current value."""
         k, tx = self._key(key), self._raw.transactions
         expected, desired = _to_bytes(expected_value), _to_bytes(desired_value)
         while True:

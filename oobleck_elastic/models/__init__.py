@@ -3,7 +3,7 @@
 `build_layer_model(cfg, seed=..., owned=...)` builds only a worker's layers, each initialised
 from (seed, layer index) alone; `flatten_hf_model` wraps an existing Hugging Face causal LM;
 `layers_from_modules` wraps a user's own list. All return a `LayerModel` (layers, names,
-Hugging Face parameter names, tied-parameter groups, loss). See build.py, layers.py, ties.py.
+Hugging Face parameter names, tied-parameter groups, loss). The story: docs/training.md.
 """
 
 from .hf import HF_FAMILIES, hf_config

@@ -1,26 +1,7 @@
 """Build the flat layer list of a model, per layer, deterministically.
 
-Three sources of layers:
-
-- `flatten_hf_model(model)`: wrap the submodules of an existing Hugging Face causal LM (GPT-2,
-  Llama, Mistral, Qwen2) in the wrappers of `layers.py`. Modules are reused, not copied, so tied
-  weights stay one Parameter and the layers reproduce `model(input_ids).logits` exactly.
-- `build_layer_model(cfg, seed=..., owned=...)`: build only the layers a worker owns. Every layer
-  is first constructed on the meta device (cheap, consumes no RNG), then the owned ones are
-  materialised and every parameter is drawn from its own `torch.Generator` seeded with
-  `stable_seed(seed, layer_index, parameter_name)` (sha256 -> 63 bits). Layer i therefore depends
-  only on (seed, i): two workers with different stage splits hold bit-identical copies. Owned
-  layers are materialised directly on the training device (`to_empty`), each parameter's numbers
-  drawn on the CPU (in place on a CPU device; on a GPU through one host tensor at a time), so no
-  layer is ever whole on the host and the numbers do not depend on the device. The
-  scheme follows Hugging Face: matrices and embeddings N(0, initializer_range), residual output
-  projections (GPT-2 `c_proj`, Llama `o_proj`/`down_proj`) N(0, initializer_range/sqrt(2N)),
-  biases 0, norm weights 1. A tied `lm_head.weight` is seeded with the embedding's key, so a
-  head built alone equals the embedding built elsewhere; built together they share one
-  Parameter. With `cfg.pretrained_path` only the owned layers' tensors are read from the local
-  Hugging Face directory, one tensor at a time (pretrained.py);
-  with family `custom` a user factory supplies the layers.
-- `layers_from_modules(modules)`: a user's own list of layers.
+Invariant: layer i depends only on (seed, i), so workers with different stage splits hold
+bit-identical copies and each builds only the layers it owns. The story: docs/training.md.
 """
 
 from __future__ import annotations
@@ -153,7 +134,7 @@ def _init_parameters(
     vocab_size: int | None = None,
 ) -> None:
     """Draw every parameter of `layer` (but those in `skip`) from its own generator (see module
-    docstring). A vocabulary matrix padded beyond `vocab_size` rows (models/vocab.py) gets its real
+    docstring). A vocabulary matrix padded beyond `vocab_size` rows (`models.vocab`) gets its real
     rows drawn as the unpadded matrix would be, and zeros below: the padding changes no number."""
     for mod_name, module in layer.named_modules():
         for pname, p in module.named_parameters(recurse=False):
@@ -196,7 +177,7 @@ def build_layer_model(
 ) -> LayerModel:
     """Build the layers in `owned` (None = all); the others are None in `layers`.
 
-    Layer i's weights depend only on (seed, i); see the module docstring. Layers of `owned` also in
+    Layer i's weights depend only on (seed, i); docs/training.md. Layers of `owned` also in
     `empty` are only allocated on `device` (`to_empty`: their values are about to arrive from a
     peer or a checkpoint), so they are neither drawn from the seed nor read from disk first.
     """

@@ -1,39 +1,8 @@
 """Export a checkpoint as a Hugging Face model directory, one layer at a time (`oobleck export`).
 
-A checkpoint step directory (checkpoint/files.py) holds one safetensors file per layer, under local
-parameter names, and a manifest recording the job config, the layer names and each layer's
-local -> Hugging Face name map, and (a job with data.tokenizer=bpe or hf) a copy of the job's
-tokenizer. The export needs nothing else:
-
-1. The checkpoint: a step directory (with `manifest.json`), or a checkpoint directory, of which
-   the newest step that verifies completely (`newest_intact_checkpoint`) is taken.
-2. The Hugging Face config: the config recorded in the manifest (`key=value` overrides change
-   it, e.g. `model.pretrained_path` when the pretrained directory moved) gives `hf_config(model)`,
-   or, for a job started from `model.pretrained_path`, that directory's `config.json`.
-   `use_cache` is turned back on, `architectures` and `dtype` are set. Before anything is
-   written the config is checked against the stored tensors' shapes (export_checks.py): a
-   model.* override that contradicts them is refused, naming the key and the checkpoint's value.
-3. The tokenizer (export_tokenizer.py): the one the job trained with (its copy in the
-   checkpoint, data.tokenizer=bytes, data.tokenizer_path), the pretrained directory's for
-   data.source=tokens, or `--tokenizer PATH|none`. It is written with `save_pretrained` and its
-   bos/eos/pad ids go into config.json and generation_config.json (a pretrained directory's
-   generation_config.json is kept when its eos agrees with the tokenizer's).
-4. The weights: layer files are read one at a time (size and sha256 checked against the
-   manifest), each parameter renamed to its Hugging Face name and appended to the shard being
-   assembled; a shard is written as soon as the next tensor would take it past `max_shard_bytes`
-   (a tensor larger than that gets a shard of its own). At most one shard plus one layer are in
-   memory. Optimizer state is not exported.
-5. Tied weights (`tie_word_embeddings`): the embedding is written once and the head's
-   `lm_head.weight` (stored in both layers' files) is checked equal to it and left out, as
-   `save_pretrained` does.
-6. Shards are written under temporary names and renamed at the end, as `save_pretrained` names
-   them: one shard is `model.safetensors`; several are `model-0000k-of-0000N.safetensors` plus
-   `model.safetensors.index.json` (`metadata.total_size`, `weight_map`). `config.json`, the
-   generation config and the tokenizer come last.
-
-An output directory that exists and is not empty is refused unless `force`; with `force` only the
-model and tokenizer files named above (and leftovers of an interrupted export) are replaced,
-other files stay.
+The config is checked against the stored tensors before anything is written; at most one shard
+plus one layer are in memory; shards are renamed into place at the end. The story:
+docs/training.md.
 """
 
 from __future__ import annotations

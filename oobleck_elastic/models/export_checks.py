@@ -1,23 +1,7 @@
 """What `oobleck export` checks before it writes anything: the model config against the tensors.
 
-The export builds the Hugging Face config from the config recorded in the checkpoint, changed by
-the user's `key=value` overrides. An override that contradicts the weights would write a
-directory `from_pretrained` cannot load (model.vocab_size=5000 over a 4,096-row embedding) or,
-worse, one that loads and computes something else (model.num_heads). So:
-
-1. `checkpoint_values`: the model.* values the stored tensors show, read from the layer files'
-   safetensors headers (`stored_shapes`, no tensor is read): vocab_size and hidden_size (the
-   embedding's rows and columns), num_layers (layers - 2), intermediate_size (block 0's MLP),
-   max_seq_len (GPT-2's position embedding) and num_kv_heads (block 0's key projection over
-   hidden_size / num_heads, for a job not started from model.pretrained_path).
-2. `override_conflict` (pure): the first `model.KEY=VALUE` override whose value differs from the
-   checkpoint's value of KEY, or, for the keys no tensor shows but the weights depend on
-   (`RECORDED_KEYS`: family, num_heads), from the value recorded in the checkpoint's config;
-   one line naming the key, the override and the checkpoint's value. Other model.* keys
-   (pretrained_path, attn_implementation, dropout, pad_vocab_to, ...) may change.
-3. `shape_mismatch` (pure): every stored parameter against the same parameter of the exported
-   config's layer built on the meta device (embedding and head unpadded, as checkpoints store
-   them), for what the named keys do not cover (a pretrained directory replaced by another model).
+A mismatch between the Hugging Face config the export would write and the checkpoint's tensors is
+an error naming the field, found before any file is written. The story: docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,7 @@
 """The tokenizer of an export (`oobleck export`): which one, its special token ids, its files.
 
 An exported directory is self-contained: beside config.json and the weights it holds the
-tokenizer the job trained with, loadable by `transformers.AutoTokenizer.from_pretrained(dir)`,
-and config.json / generation_config.json name that tokenizer's special tokens.
-
-Which tokenizer (`choose_tokenizer`, a pure function of the export's option, the checkpoint's
-record and the job config):
-
-1. `--tokenizer PATH`: a `tokenizers` JSON file (a BPE) or a directory saved with
-   save_pretrained; `--tokenizer none` exports no tokenizer.
-2. The copy in the checkpoint: a job with data.tokenizer=bpe or hf saves its tokenizer's files
-   in `<step dir>/tokenizer/` and records them as `extra.tokenizer` in the manifest
-   (`{"kind": "bpe", "path": "tokenizer/bpe.json"}` or `{"kind": "hf", "path": "tokenizer"}`),
-   so an export needs neither the data cache nor data.tokenizer_path.
-3. The job config, for a checkpoint without a copy: data.tokenizer=bytes is the byte tokenizer;
-   hf is data.tokenizer_path (a `data.tokenizer_path=DIR` override points at a moved one);
-   data.source=tokens (ids used as they are, no tokenizer in training) takes the tokenizer of
-   model.pretrained_path when it has one, else none. bpe without a copy (a checkpoint saved
-   before checkpoints carried one) is refused with a message naming `--tokenizer`.
-
-Special tokens (`special_tokens`, one rule for the data pipeline and the export): eos is the
-end-of-text the data pipeline put after every document, the tokenizer's eos_token or, when it has
-none, `<|endoftext|>` (`end_of_text`); bos and pad are the tokenizer's own (None when it has
-none: a pad invented as eos would become a Llama embedding's `padding_idx`, whose row a
-fine-tuning never updates). A BPE trained by the job (data.tokenizer=bpe) is wrapped with
-bos = eos = `<|endoftext|>`, GPT-2's convention: documents are separated by it, so it also begins
-one. The byte tokenizer has no special tokens: training put no separator between documents, so
-the model never learned an end, and generation stops at max_new_tokens. It is exported as a
-`tokenizers` BPE without merges over GPT-2's byte-to-unicode alphabet: id b is byte b and
-decoding is UTF-8 (ids 256 and up of a larger model.vocab_size have no token).
+tokenizer the model was trained with. The story: docs/training.md.
 """
 
 from __future__ import annotations
@@ -89,7 +62,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def byte_tokenizer() -> Any:
-    """data.tokenizer=bytes as a `transformers` fast tokenizer: id b is byte b (module docstring)."""
+    """data.tokenizer=bytes as a `transformers` fast tokenizer: id b is byte b (docs/training.md)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -109,7 +82,7 @@ def end_of_text(tok: Any) -> Optional[str]:
 
 
 def special_tokens(tok: Any) -> SpecialTokens:
-    """bos/eos/pad ids of a `transformers` tokenizer (module docstring); eos is `end_of_text`'s id."""
+    """bos/eos/pad ids of a `transformers` tokenizer (docs/training.md); eos is `end_of_text`'s id."""
     eos = end_of_text(tok)
     return SpecialTokens(
         bos=tok.bos_token_id,
@@ -129,7 +102,7 @@ def choose_tokenizer(
     pretrained_has_tokenizer: bool,
     step_dir: Path,
 ) -> TokenizerSource:
-    """Which tokenizer an export writes (module docstring); raises ValueError when it cannot know."""
+    """Which tokenizer an export writes (docs/training.md); raises ValueError when it cannot know."""
     if option is not None:
         if option == "none":
             return TokenizerSource("none", None, "--tokenizer none")

@@ -1,11 +1,11 @@
 """The Hugging Face families' flat layers: their configs, layers built on meta, and assembly.
 
-Every source of Hugging Face layers (drawn from a seed in build.py, read from a pretrained
-directory in pretrained.py, flattened from a model in memory) shares these pieces: `hf_config`
+Every source of Hugging Face layers (drawn from a seed in `models.build`, read from a pretrained
+directory in `models.pretrained`, flattened from a model in memory) shares these pieces: `hf_config`
 (the transformers config of a job's model), `meta_layer` (layer i constructed on the meta device,
 with the map from its local names to the Hugging Face checkpoint's), and `assemble` (the flat
 `LayerModel` with the owned layers materialised by a caller's `fill`, rotary embeddings attached
-and tied ends sharing one Parameter).
+and tied ends sharing one Parameter). The story: docs/training.md.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def hf_config(cfg: ModelConfig) -> Any:
     It names no special tokens (bos/eos/pad None): a model config knows no tokenizer, and training
     reads none of them (a pad_token_id would even become a Llama embedding's padding_idx, whose
     row gets no gradient). `oobleck export` sets them from the job's tokenizer
-    (export_tokenizer.py)."""
+    (`models.export_tokenizer`)."""
     import transformers
 
     if cfg.family not in HF_FAMILIES:
@@ -128,7 +128,7 @@ def meta_layer(
     family: str, config: Any, index: int, n_layers: int, vocab_rows: int | None = None
 ) -> tuple[nn.Module, dict]:
     """Construct layer `index` on the meta device; returns (layer, local -> HF prefix map).
-    `vocab_rows`: rows of the embedding and head (the padded vocabulary, models/vocab.py)."""
+    `vocab_rows`: rows of the embedding and head (the padded vocabulary, `models.vocab`)."""
     h, vocab = config.hidden_size, vocab_rows or config.vocab_size
     last = index == n_layers - 1
     with torch.device("meta"):
@@ -182,7 +182,7 @@ def assemble(
     `fill(index, layer, local -> HF prefixes, HF names of the layers so far)`, which must leave no
     meta parameter; a Rope layer then gets its rotary embedding (non-persistent `inv_freq`,
     computed on the CPU), and tied ends built here share one Parameter. `vocab_rows`: the padded
-    vocabulary (models/vocab.py; None = config.vocab_size)."""
+    vocabulary (`models.vocab`; None = config.vocab_size)."""
     n = config.num_hidden_layers + 2
     emb_name = EMBED_NAME.get(family, "embed_tokens.weight")
     rotary_cls = None if family == "gpt2" else getattr(modeling(family), f"{ROPE_PREFIX[family]}RotaryEmbedding")

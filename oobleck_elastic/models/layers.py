@@ -1,26 +1,7 @@
 """The flat layer list: small nn.Module wrappers around Hugging Face submodules, and `LayerModel`.
 
-Pipeline planning treats a causal LM as a flat list of layers that each map one tensor to one
-tensor, so any contiguous slice `layers[a:b]` is a stage and only the hidden state crosses a
-stage boundary:
-
-    input_ids -> [embedding] -> h -> [block.0] -> h -> ... -> [block.N-1] -> h -> [head] -> logits
-
-- GPT-2: `GPT2Embedding` (wte + wpe + dropout), `GPT2BlockLayer` (one `GPT2Block`), `LMHead`
-  (`ln_f` + `lm_head`).
-- Llama, Mistral, Qwen2: `TokenEmbedding` (`embed_tokens`), `RopeDecoderLayer` (one decoder layer
-  plus a rotary embedding that recomputes (cos, sin) locally from `position_ids = arange(L)[None]`;
-  it has no parameters, only non-persistent buffers), `LMHead` (RMSNorm + `lm_head`).
-
-Causality: Hugging Face picks the attention kernel from `config._attn_implementation` at call
-time. With `sdpa` (and flash) and no mask the kernel runs with `is_causal=True`; with `eager` a
-missing mask silently gives *bidirectional* attention, so the block wrappers pass an explicit
-4-D additive causal mask (0 / finfo.min) whenever the implementation is eager. A sliding window
-(Mistral, Qwen2 sliding layers) shorter than the sequence also gets an explicit mask.
-
-`LayerModel` holds the list (entries a process does not own are `None`), the layer names, the
-mapping from each layer's local parameter names to Hugging Face names (for checkpoints), the
-tied-parameter groups and the loss.
+Invariant: every layer maps one tensor to one tensor, so any contiguous run of layers is a
+pipeline stage. The story: docs/training.md.
 """
 
 from __future__ import annotations
@@ -182,7 +163,7 @@ class LayerModel:
     hf_config: Any = None
     """The Hugging Face config the layers were built from (None for custom layers)."""
     vocab_size: int | None = None
-    """The real vocabulary when the embedding and head have padded rows beyond it (models/vocab.py);
+    """The real vocabulary when the embedding and head have padded rows beyond it (`models.vocab`);
     None: no padding."""
 
     def __post_init__(self) -> None:

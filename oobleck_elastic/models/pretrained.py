@@ -1,38 +1,7 @@
 """Pretrained Hugging Face weights, read per layer: a worker reads only the tensors of its layers.
 
-`build_pretrained(cfg, owned=...)` builds the layers of `owned` from a local directory written by
-`save_pretrained`: `config.json` plus either one `model.safetensors` or shards listed in
-`model.safetensors.index.json` (`weight_map`: tensor name -> shard file). The whole model is never
-in one process's memory:
-
-1. The config comes from `config.json` alone (`pretrained_config`), checked against the job's
-   `model.*` fields (rule below), with `use_cache=False` and `model.attn_implementation`.
-2. Every layer is constructed on the meta device (`meta_layer` of build.py: no memory, no RNG),
-   which also gives each parameter's Hugging Face name; only owned layers go further.
-3. The tensors an owned layer needs are located (the index's weight_map, or the single file's
-   header) and read one at a time with `safetensors.safe_open(..., device=...)`, each shard opened
-   once and only if it holds a needed tensor. Each tensor is converted to the training dtype
-   (fp32: the parameters are the master weights) on the target device and put in place of the
-   meta parameter (no second copy of the layer is ever allocated).
-4. Non-persistent buffers are computed, not read: a Rope layer gets a fresh
-   `<Family>RotaryEmbedding(config)` (its `inv_freq`), as `build_layer_model` does. Persistent
-   buffers are read like parameters. A layer left holding a meta tensor is an error naming it.
-
-Tied embeddings (`tie_word_embeddings` in config.json; GPT-2 and some Llama checkpoints): the
-head's `lm_head.weight` is read from the embedding's tensor, as Hugging Face ties it, so a head
-built alone equals the embedding built elsewhere; built in one process they are one Parameter,
-and `tied` is `[TiedGroup([(0, emb), (n - 1, "lm_head.weight")])]` either way. Names are tried
-as written and then without the base-model prefix (`transformer.`, `model.`), which is how
-checkpoints saved from the bare base model (the original GPT-2 files) name them.
-
-Agreement with the job's config: a `model.*` field disagrees with config.json only when it is
-set to something other than its ModelConfig default AND differs from the directory's value; a
-field at its default (or None) counts as unset, because a config that points at a pretrained
-directory need not repeat its dimensions. Checked: `family` (model_type), `num_layers`
-(num_hidden_layers / n_layer), `hidden_size`, `num_heads`, `num_kv_heads`, `intermediate_size`,
-`vocab_size`, `tie_embeddings` (only `false` against a tied checkpoint), and for GPT-2
-`max_seq_len` against `n_positions` (it may be shorter, never longer). The first disagreement
-is raised as one line naming the field and the value to set.
+The whole model is never in one process's memory; a `model.*` field that disagrees with the
+directory's config.json is an error naming the field. The story: docs/training.md.
 """
 
 from __future__ import annotations
@@ -106,7 +75,7 @@ def _directory_values(config: Any) -> dict[str, Any]:
 
 
 def _check_agreement(cfg: ModelConfig, config: Any, path: Path) -> None:
-    """Raise ValueError on the first `model.*` field set against config.json (module docstring)."""
+    """Raise ValueError on the first `model.*` field set against config.json (docs/training.md)."""
     default = _defaults()
     where = f"model.pretrained_path '{path}'"
     model_type = config.model_type
@@ -267,7 +236,7 @@ def _check_shapes(
     layer: nn.Module, tensors: dict[str, torch.Tensor], names: dict[str, str], reader: WeightReader, vocab: int
 ) -> None:
     """Every tensor has the shape config.json implies (`vocab` rows for the embedding and head:
-    the layer's own rows may be padded beyond it, models/vocab.py)."""
+    the layer's own rows may be padded beyond it, `models.vocab`)."""
     from .vocab import is_vocab_param
 
     expected = dict(layer.named_parameters()) | dict(layer.named_buffers())
@@ -294,7 +263,7 @@ def build_pretrained(
 ) -> LayerModel:
     """The layers of `owned` (None = all) read from `cfg.pretrained_path`; the others are None.
 
-    Only the owned layers' tensors are read (see the module docstring), in `dtype` on `device`;
+    Only the owned layers' tensors are read (docs/training.md), in `dtype` on `device`;
     owned layers also in `empty` are only allocated (their values come from a peer or a checkpoint).
     """
     from .vocab import is_vocab_param, pad_rows, padded_vocab_size

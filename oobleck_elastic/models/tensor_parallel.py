@@ -1,28 +1,8 @@
 """Tensor parallelism inside a node: a stage's layers sharded over its lanes with DTensor.
 
-A stage of `tensor_parallel` (tp) lanes holds every decoder block sharded Megatron-style with
-`torch.distributed.tensor.parallel.parallelize_module` on a one-dimensional device mesh of the
-lanes (docs/design.md, "Parallelism and the cost model"):
-
-- attention: query/key/value projections column-wise (each lane computes heads/tp heads), the
-  output projection row-wise (its partial sums all-reduced); MLP: the up (and gate) projection
-  column-wise, the down projection row-wise. Two all-reduces in the forward, two in the
-  backward, per block. Activations between layers stay replicated (whole) on every lane.
-- Llama, Mistral, Qwen2: `nn.Linear` layers, torch's `ColwiseParallel` / `RowwiseParallel`.
-- GPT-2: its `Conv1D` layers are transposed linears (weight [in, out]), so `Conv1DColwise` /
-  `Conv1DRowwise` shard the other dimension. Its fused `c_attn` packs [q | k | v] along the
-  output: a contiguous shard would give lane 0 all of q and half of k, so the columns are first
-  permuted to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (lane r's heads of each), and `split_size`
-  becomes hidden/tp. `to_full` / `from_full` undo / apply the permutation, so checkpoints and
-  state dicts always hold the Hugging Face layout.
-- the embedding and the LM head (with its final norm) are replicated on every lane (tied
-  weights then stay one tensor per lane); their gradients are the same on every lane.
-
-Weights: every lane builds the full layer from the per-layer deterministic initialisation and
-keeps its shard (`src_data_rank=None`: no communication), so the full weights are the same
-whatever the degree. `to_full` gathers a parameter (or an optimizer state laid out like it) into
-the full tensor; `from_full` cuts this lane's shard out of one; `wrap_like` makes a local shard
-a DTensor like a parameter (for optimizer state).
+Decoder blocks are sharded Megatron-style; the embedding and the head are replicated.
+Invariant: checkpoints and state dicts always hold the full Hugging Face layout, whatever the
+degree. The story: docs/training.md.
 """
 
 from __future__ import annotations

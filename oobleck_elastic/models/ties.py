@@ -1,17 +1,7 @@
 """Tied parameters across (and inside) the layers of a flat layer list.
 
-A causal LM usually ties its input embedding to its output projection: the same tensor is both
-`embedding.wte.weight` (layer 0) and `head.lm_head.weight` (the last layer). Once the layers are
-split into pipeline stages the two uses may live in different processes, each holding a copy,
-and their gradients must be summed across the stages that hold a member of the group.
-
-`find_tied_parameters` detects ties generally, without knowing the model: it lists every
-parameter name with `named_parameters(remove_duplicate=False)` (the default hides the second name
-of a shared tensor) and groups names that view the very same memory: same device, same storage
-pointer, same offset, shape and stride. Meta tensors have no storage, so they are grouped by
-object identity. This only sees ties between layers held by one process; a `LayerModel` built
-piecewise declares the known tie of its family instead, and the two agree when everything is
-built in one process (see tests/unit/test_models.py).
+Once the layers are split into stages the members of a tie may live in different processes;
+their gradients are summed across the stages that hold one. The story: docs/training.md.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 GPU matrix kernels run fastest on dimensions that are multiples of 64 (GPT-2's 50,257 tokens run
 as 50,304, as nanoGPT and llm.c do). The rows past the real vocabulary are padding: built as
 zeros, never looked up (token ids are below the real vocabulary), cut out of the loss (the loss
-reads the first `vocab_size` logits, engine/step/loss.py), so their gradient is zero and AdamW leaves
+reads the first `vocab_size` logits), so their gradient is zero and AdamW leaves
 them zero. A worker holds them; what leaves a worker does not: checkpoints (the trainer's
 `state_dict`) and Hugging Face exports hold the real rows only, and loading pads again.
+The story: docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """The job's TensorBoard run: which directory every worker that writes TensorBoard writes into.
 
-The worker holding rank 0 writes the job's TensorBoard events, and rank 0 moves between workers
-(a failure, a drain, a re-plan), so the run's directory is agreed once per job in etcd: the
-first writer proposes a name (engine/telemetry/board.py: `<run id>/<start time>`) and creates the
-`tensorboard` key with it, put-if-absent; every later writer reads the name back. So all the
-event files of one job (one per writer) lie in one run directory, and a job started again with
-fresh keys (a new etcd, or after the old keys were deleted) gets a directory of its own instead
-of writing into the old one. A job started again on keys that survived (every node restarted,
-etcd kept the run) is the same job in etcd and continues its run, as its goodput ledger does
-(records/goodput.py).
+Invariant: one run directory per job, agreed once in etcd (put-if-absent on `tensorboard`), so
+every rank 0 of the job writes into it. The story: docs/operations.md.
 """
 
 from __future__ import annotations
@@ -31,7 +24,7 @@ class BoardRecord:
     """The value of `tensorboard`: the job's TensorBoard run, relative to `logging.tensorboard_dir`."""
 
     run: str
-    """`<run id>/<start time>`: a relative path without `..` (engine/telemetry/board.py)."""
+    """`<run id>/<start time>`: a relative path without `..` (`engine.telemetry.board`)."""
     node: str
     """The node of the worker that chose it."""
     time: float

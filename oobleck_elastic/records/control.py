@@ -1,18 +1,7 @@
-"""The values stored under a job's etcd keys (keys.py), one record class per kind of value.
+"""The values stored under a job's etcd keys (`records.keys`), one record class per kind of value.
 
-Each record knows its JSON form (`to_json`) and how to validate a value read back. The newer
-records (`FenceRecord`, `Admission`, `ReadyRecord`, `Checkin`, `LeaderRecord`, `ProfileClaim`,
-`Roster`, `ClosedRecord`, `ProgressRecord`) have `parse(data)`, which raises ValueError naming
-what is wrong; the `read_*` helpers (read.py) log that once per key and revision and return None, so
-a malformed value is ignored (docs/design.md, invariant 5). `NodeRecord.parse` and
-`Event.parse` log and return None themselves. Kinds and states are `StrEnum`s: their values are
-the strings stored.
-
-The JSON forms are the wire format between agents and workers of one job and what tests and
-tools read: a record writes exactly the fields listed in the table of keys.py. A few values are
-signals whose presence is what counts (`fenced/<node>`, `admitted/<node>`, a roll-call
-check-in): their records say when and why, and a reader that only asks whether the key exists
-does not parse them. `ping/<node>` and `pong/<node>` hold a bare nonce (`Ping`), not JSON.
+Each record writes exactly the fields in the key table of `records.keys` and validates a value
+read back (`parse` raises ValueError naming what is wrong). The story: docs/design.md.
 """
 
 from __future__ import annotations
@@ -62,15 +51,15 @@ class EventKind(StrEnum):
     WAITING = "waiting"
     CLOSED = "closed"
     RENEW = "renew"
-    """A node renewed its lease after etcd let it expire (membership.py)."""
+    """A node renewed its lease after etcd let it expire (`rendezvous.membership`)."""
     HANG = "hang"
-    """A node's agent found one of its workers hung in a step and stopped it (hang.py)."""
+    """A node's agent found one of its workers hung in a step and stopped it (`rendezvous.hang`)."""
     SKIP = "skip"
-    """The step guard did not apply a step: replayed, or its batch skipped (engine/resilience/guard.py)."""
+    """The step guard did not apply a step: replayed, or its batch skipped (`engine.resilience.guard`)."""
     REPAIR = "repair"
-    """A corrupt copy of a layer was replaced from its holders' majority (engine/resilience/fingerprint.py)."""
+    """A corrupt copy of a layer was replaced from its holders' majority (`engine.resilience.fingerprint`)."""
     STRAGGLER = "straggler"
-    """A node was named persistently slower than the others, or no longer is (engine/resilience/straggler.py)."""
+    """A node was named persistently slower than the others, or no longer is (`engine.resilience.straggler`)."""
 
 
 class CheckinKind(StrEnum):
@@ -101,7 +90,7 @@ class NodeRecord:
     lease_id: int
     """etcd lease the record is bound to."""
     liveness: str = ""
-    """"host:port" of the agent's liveness socket (liveness.py); empty: none."""
+    """"host:port" of the agent's liveness socket (`rendezvous.liveness`); empty: none."""
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, **asdict(self)}
@@ -163,7 +152,7 @@ class Roster:
 class AnsweredRecord:
     """The value of `liveness_answered`: the liveness addresses of plan nodes that accepted the
     leader's connection. A refused connection proves a death only at an address that answered
-    before (rendezvous/liveness.py); a new leader has reached nobody yet and takes these as
+    before (`rendezvous.liveness`); a new leader has reached nobody yet and takes these as
     answered, so nodes that died with the old leader are found dead by their sockets too."""
 
     generation: int
@@ -350,7 +339,7 @@ class Admission:
 @dataclass(frozen=True)
 class ReadyRecord:
     """The value of `ready/<node>/<local rank>`: the worker loaded torch, its data and config and
-    can join a generation; or, `withdrawn`, its agent restarts it (hang.py) and the node counts as
+    can join a generation; or, `withdrawn`, its agent restarts it (`rendezvous.hang`) and the node counts as
     not ready until the restarted worker reports ready again."""
 
     time: float
@@ -405,7 +394,7 @@ class Checkin:
 @dataclass(frozen=True)
 class Ping:
     """The value of `ping/<node>`: a nonce, one per round of pings; the node's agent answers by
-    copying it, byte for byte, to `pong/<node>` (handler.py)."""
+    copying it, byte for byte, to `pong/<node>` (`rendezvous.handler`)."""
 
     nonce: str
 
@@ -446,7 +435,7 @@ class ProfileClaim:
 # ---------------------------------------------------------------------- readers
 @dataclass(frozen=True)
 class StragglerRecord:
-    """The value of `stragglers`: what the worker holding rank 0 found after a step (engine/resilience/straggler.py)."""
+    """The value of `stragglers`: what the worker holding rank 0 found after a step (`engine.resilience.straggler`)."""
 
     generation: int
     """Generation the speeds were measured in (the leader acts only on the current one's)."""

@@ -4,7 +4,8 @@ Each worker that ends with an error records it in etcd (the run's `errors` key) 
 `ErrorRecord`; `next_error_record` (a pure function) counts how many times in a row the same
 error (`error_signature`: type and message with numbers masked) ended a worker at the same step.
 The agent reads the record to close a job whose error repeats (`fault_tolerance.max_repeated_errors`);
-which errors are a peer's failure rather than the worker's own is engine/resilience/errors.py.
+which errors are a peer's failure rather than the worker's own is `engine.resilience.errors`.
+The story: docs/recovery.md.
 """
 
 from __future__ import annotations

@@ -1,54 +1,8 @@
 """The goodput ledger: where a job's wall time went, in seconds per category.
 
-The job's wall time runs from its start (its first event in etcd: the first node registering) to
-its end (the `closed` record). The worker holding rank 0 of the current generation keeps the
-ledger: it cuts its own timeline into consecutive intervals and charges each one, when it ends, to
-what it did in it, so every second from the start on lies in exactly one category; the
-worker holding rank 0:
-
-- `useful`: ran a step applied for the first time, and the bookkeeping after it (metrics, the
-  progress report) until the next step began;
-- `replayed`: ran a step that was then replayed: rejected by the step guard (engine/resilience/guard.py), or
-  completed once already and run again after a checkpoint restore;
-- `skipped`: ran a step whose batch the step guard then skipped;
-- `shadows`: the part of a step (whatever its outcome) spent on the shadow copies' exchange
-  (engine/step/shadows.py): gathering the summed gradients for the keepers and posting them,
-  and waiting for the exchange to complete before the commit, as rank 0 timed it
-  (`StepResult.shadow_s`); the rest of the step goes to its outcome's category;
-- `reconfiguration`: from the start of the step a failure interrupted (or from the step boundary
-  of a join or drain) to the start of the next generation's first step: the lost part of the step,
-  detection, the roll call, re-planning, waiting for nodes when too few survive, entering the
-  generation (connecting, moving layers, restoring a checkpoint when layers were lost);
-- `checkpointing`: wrote a checkpoint (every `checkpoint.interval_steps`, and the final one);
-- `waiting` (from the job's events: no rank 0 exists yet to time it): from the job's start to the
-  first plan: nodes registering and the rendezvous's last call, and, when the workers measure the
-  profile (no `planning.profile_path`), their start-up and the profiling, which the plan waits for;
-- `startup`: from the first plan to the first step: the workers' start-up when their agents start
-  them after the first plan (imports, data, compilation), and entering generation 1 (connecting,
-  drawing or loading layers, resuming a checkpoint).
-
-A ledger (`Ledger`) is its accounted seconds up to a time `at`, plus the category of the open
-interval after `at` (`open`). The transitions are pure functions of a ledger and the time
-(`began_step`, `ended_step`, `switch`, `entering`); `GoodputClock` applies them to one worker's
-ledger with the wall clock as the worker loop goes through generations and steps
-(engine/telemetry/goodput.py).
-
-Rank 0 moves between workers (a failure, a drain, a re-plan), so the ledger travels with the
-job's progress: the worker holding rank 0 sends it with every progress report (the `goodput`
-field of the `progress` key, engine/control.py:`ControlPlane.report_progress`). A worker that
-enters a generation as rank 0 continues from the newest ledger, its own or the last reported
-one (`continue_from`): the time between that ledger's `at` and its first step (the old rank 0's
-last moments, the failure, the re-plan, the entry) is charged to `reconfiguration`. With no
-ledger reported yet it opens one at the job's start, charging the wait for the first plan to
-`waiting`. The last report, made just before rank 0 closes the job, covers the final checkpoint;
-`oobleck goodput` and TensorBoard (`goodput/<category>` in seconds, `goodput/fraction` = useful
-over the sum) show it. The categories sum to the time accounted (`Ledger.total`); the wall time
-minus that sum is what was not yet reported when it was read (a few milliseconds once closed).
-
-Times are Unix times (`time.time()`): the start, the first plan and `closed` are written on other
-hosts, and a new rank 0 on another host continues a ledger its predecessor wrote, so clocks that
-disagree shift seconds between `reconfiguration` and its neighbours (charges never go negative:
-`at` never moves back).
+Invariant: every second from the job's start lies in exactly one category, and charges never go
+negative. The transitions are pure functions of a ledger and the time; the ledger travels with
+the job's progress as rank 0 moves. The story: docs/operations.md.
 """
 
 from __future__ import annotations
@@ -76,7 +30,7 @@ __all__ = [
 
 
 class Category(str, Enum):
-    """Where a second of the job's wall time went (module docstring)."""
+    """Where a second of the job's wall time went (docs/operations.md)."""
 
     USEFUL = "useful"
     REPLAYED = "replayed"

@@ -1,27 +1,7 @@
 """The heartbeat line a worker writes for its own agent: what a worker is doing, on a local file.
 
-A worker that hangs on a live node (a stuck kernel, a deadlock, a stopped process) is not seen by
-the control plane: its agent answers every liveness check, and its peers wait in their
-collectives. So each worker tells its agent, locally and with no etcd write, what it is doing,
-by overwriting one fixed-width line of a small file (`<local rank>.hb`) in the directory the agent
-gives it (`OOBLECK_HEARTBEAT_DIR`):
-
-    <pid> <state: step|idle> <step> <unix time the state began> <typical step s> <last progress>
-    <waiting since> <written>                                                        (one line)
-
-While a step runs, "last progress" is when the worker's step thread last passed a progress point
-(a compute chunk, entering or leaving a communication call; the step thread only bumps a counter,
-and the worker's main thread turns a change of it into a time when it rewrites the line), and
-"waiting since" is when the step thread began waiting for a peer in a communication call whose
-part it has posted (0: it is not); "written" is when the main thread wrote the line. Outside a
-step "last progress" is the time of the last write. A line of six fields (an older worker, whose
-last field was the time of its write) reads as one that is not waiting and progressed when it
-wrote.
-
-The worker side is engine/resilience/heartbeat.py (`Heartbeat`); the agent side is
-rendezvous/hang.py (`HangWatch`), which reads the line with `read_beat` and, before it stops a hung
-worker, sends `STACK_SIGNAL` so the worker's faulthandler writes every thread's stack to
-`<local rank>.stack` beside it.
+One fixed-width line per worker, overwritten in place, no etcd write; the agent reads it to find
+a hung worker. The story: docs/liveness.md.
 """
 
 from __future__ import annotations
@@ -58,7 +38,7 @@ class Beat:
     typical_step_s: float
     """The worker's typical step: the median wall time of its last completed steps (0: none yet)."""
     progress: float
-    """Unix time the worker's step thread last made progress (module docstring)."""
+    """Unix time the worker's step thread last made progress (docs/liveness.md)."""
     waiting: float = 0.0
     """Unix time the step thread began waiting for a peer in a communication call (0: it is not)."""
     written: float = 0.0
@@ -84,6 +64,7 @@ def read_beat(path: Path) -> Optional[Beat]:
             since=float(fields[3]),
             typical_step_s=float(fields[4]),
             progress=float(fields[5]),
+            # a line of six fields (an older worker): not waiting, and it progressed when it wrote
             waiting=float(fields[6]) if len(fields) > 6 else 0.0,
             written=float(fields[7] if len(fields) > 7 else fields[5]),
         )

@@ -1,10 +1,8 @@
 """The etcd key layout of one job: every key is built by a `Keys` method, and per-node and
 per-worker keys are parsed back by `node_of` and `checkin_of`.
 
-Everything lives under `<key_prefix>/<run_id>/` (key_prefix defaults to `/oobleck`). Every key,
-its value's record class, who writes it and which lease it is bound to: docs/operations.md,
-"The etcd key layout". Values are JSON; those that fail to parse or validate are logged and
-ignored (docs/design.md, invariant 5).
+Everything lives under `<key_prefix>/<run_id>/`; no key is built anywhere else. The table of keys
+(value, writer, lease): docs/operations.md.
 """
 
 from __future__ import annotations
@@ -151,12 +149,12 @@ class Keys:
     @property
     def stragglers(self) -> str:
         """The nodes the workers named stragglers, and the pipelines' measured speeds
-        (engine/resilience/straggler.py)."""
+        (`engine.resilience.straggler`)."""
         return self.root + "stragglers"
 
     @property
     def tensorboard(self) -> str:
-        """The job's TensorBoard run directory, chosen once by its first writer (records/board.py)."""
+        """The job's TensorBoard run directory, chosen once by its first writer (`records.board`)."""
         return self.root + "tensorboard"
 
     @property
@@ -172,7 +170,7 @@ class Keys:
 
     @property
     def torchrun_state(self) -> str:
-        """torch's dynamic-rendezvous state of a `mode=restart` job (rendezvous/restart.py)."""
+        """torch's dynamic-rendezvous state of a `mode=restart` job (`rendezvous.restart`)."""
         return self.root + "torchrun/state"
 
     @property
@@ -205,7 +203,7 @@ class Keys:
 
     def agent_watched(self, node_id: str) -> list[str]:
         """What every agent reads (its deputy and its wait to be admitted), mirrored by watches
-        (etcd/mirror.py): prefixes end with "/", the others are exact keys. What only the leader
+        (`etcd.mirror`): prefixes end with "/", the others are exact keys. What only the leader
         reads is in `leader_watched`; the c10d store, events, progress and the plan history are in
         neither: agents do not read them while the job runs. So a node record that changes wakes
         the leader alone, not every agent."""

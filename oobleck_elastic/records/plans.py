@@ -4,7 +4,7 @@ The leader reads the plan and the roster on every tick and a worker reads the pl
 step; a plan of 1,000 nodes takes milliseconds to parse and a roster of 1,000 nodes is 1,000
 names to check, so `PlanReader` and `RosterReader` keep the parsed value of the last revision
 they saw. A value that is not a plan is logged once per key and revision and read as None: it
-never crashes a reader.
+never crashes a reader. The story: docs/design.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Reading the records of a job's etcd keys tolerantly (docs/design.md, invariant 5).
 
-Every `read_*` helper returns the record a key holds, parsed by its class in control.py, or None
+Every `read_*` helper returns the record a key holds, parsed by its class in `records.control`, or None
 when the key is absent or its value malformed: a malformed value is logged once per key and
 revision (`warn_once`) and otherwise ignored, so a stray or half-written value never stops an
 agent or ends a job. Signal keys whose presence is what counts (`fenced/<node>`,
@@ -115,5 +115,5 @@ def read_ready(reader: KVReader, keys: Keys, node: str) -> list[ReadyRecord]:
 
 
 def readiness_withdrawn(records: Iterable[ReadyRecord]) -> bool:
-    """Whether any of a node's readiness records was withdrawn by its agent (hang.py)."""
+    """Whether any of a node's readiness records was withdrawn by its agent (`rendezvous.hang`)."""
     return any(rec.withdrawn for rec in records)

@@ -1,48 +1,7 @@
 """The sample ledger: which samples every step consumed, and the check that each was used once.
 
-A step's global batch is a function of (seed, step) (oobleck_elastic/data/sampler.py): epoch
-`e = step // steps_per_epoch` is a permutation of the dataset and step s takes the block of
-`batch` consecutive positions `[(s % steps_per_epoch) * batch, ... + batch)` of it; each pipeline
-takes the contiguous slice `[a, b)` of that block its microbatches ask for. So what a step
-consumed is, cheaply, a few ranges of permutation positions (one per pipeline when all is well).
-
-**Records.** When `logging.events_dir` is set, workers append `samples` event lines
-(logs.py) to their events file, not to the text log; `step` is 0-based:
-
-- `fed` — the worker feeding a pipeline (first stage, lane 0) took its batch for an attempt at a
-  step, before any of the step's communication, so a worker killed after the commit has left
-  it: `gen`, `step`, `pipeline`, `pipelines`, `slice` [a, b), `batch`, `steps_per_epoch`,
-  `steps` (training.steps), `epoch` and `positions`: the samples it actually collated, mapped
-  to their positions in the epoch's permutation, as sorted `[start, end)` runs;
-- `applied` — a worker applied the step's update: `gen` is the generation that FED the
-  applied gradients (`how`: `step`, or `roll_forward` when the update is applied while entering
-  the next generation by the commit rule);
-- `skipped` — the step guard skipped the step's batch (a commit without an update);
-- `restored` — the worker restored a checkpoint (a lost layer, or a resume at the job's start)
-  and goes on from step `step`: every commit and batch recorded before it (its time `t`) of a
-  step at or after `step` is undone (a job started again resumes with generation 1 again).
-
-Every worker writes its outcomes, so a record survives the kill of any one node.
-
-**The check** (`check`, a pure function of the records) proves, for a job of `steps` steps:
-
-1. every step 0..steps-1 was committed (applied or skipped) exactly once, counting the
-   commits no restore undid: an application recorded by several workers, or in the loop by some
-   and by a roll-forward by others, is one application of the gradients fed in one generation;
-   two generations' applications of one step, or an application and a skip, are a repeat, and
-   so is one worker's second commit of a step in one generation (a job started again without
-   its restore record numbers its generations from 1 again);
-2. the samples an applied step consumed, across the pipelines of the generation that fed it, are
-   exactly the sampler's block for that step: every pipeline recorded, the slices tiling the
-   batch without overlap, every pipeline's positions its slice of the block (and the same in
-   every attempt);
-3. no position of an epoch was consumed by two applied steps;
-4. the steps without an update are the step guard's skips, listed.
-
-Replays, broken generations and restores leave attempts that are not counted; they are
-reported as re-runs. The order between a restore and the records it undoes is the records'
-wall-clock time (a restore follows a failure's detection and a re-entry, seconds later); the
-workers' records of one restore count as one, from the first (`_restore_events`).
+Workers record what they fed, applied, skipped and restored; `check` proves every step committed
+once, on exactly the samples the sampler gives it. The story: docs/guarantees.md.
 """
 
 from __future__ import annotations

@@ -1,44 +1,8 @@
 """The leader's decisions, as a pure function of what it sees and the time.
 
-Each tick the leader (leader.py) reads its mirror into a `LeaderView` (plain data: the nodes that
-are up, the current plan, fenced / admitted / not-ready nodes, the nodes its detectors found dead,
-whether etcd was away a moment ago) and asks `decide(view, clocks, now, rules)` what to do; the
-loop around it does the I/O (declaring nodes lost, admissions, the planner, the publishing
-transaction). The detectors run while the view is read: the liveness monitor's verdicts arrive
-from its thread, and the roll call pings (detect.py). `Clocks` is the only memory between ticks
-(when a quorum or a change was first seen), so every rule is tested on made-up views
-(tests/unit/test_decide.py) without etcd or threads. `plan_events` words what a published plan
-changed. The rules:
-
-- **before the first plan**: once nodes are admitted (the profile is being measured), plan those
-  still up plus new arrivals up to `max_nodes`; otherwise wait for `min_nodes` up, then a
-  last-call window of `last_call_s` for more (no wait once `max_nodes` are up);
-- **while the job runs**: late nodes are admitted (their agents start workers) while the plan has
-  room; the desired node set is the plan's nodes still up and not fenced, then admitted nodes
-  whose workers are all ready, up to `max_nodes`; a difference from the plan is published once it
-  has lasted `settle_s` (simultaneous failures and joins batch into one re-plan); with no such
-  difference, when the workers name a straggler and report the pipelines' measured speeds for the
-  current generation (`speeds`), the microbatches are re-split among the same pipelines, or the
-  stragglers are left out of the plan (`without`: the planner's plan for the other nodes),
-  whichever is faster, if that shortens the estimated step by 10 % or more
-  (planning/rebalance.py; `Rules.rebalance`); a node left out stays out (`not_ready`);
-- **after a detector found nodes of the plan dead** (`Detection`), before anything else: those
-  nodes are declared lost and the next generation is published at once, without the settle
-  window. Deaths found by the liveness sockets wait `liveness_batch_s` from the first, so nodes
-  that die together (a rack) go in one re-plan. Either verdict also leaves out not-ready nodes,
-  as the settle rule does; a roll call's verdict with no dead node (workers saw a failure, every
-  agent answered) restarts the generation on the same nodes. Nothing else happens in that tick
-  (no admissions);
-- **after an etcd outage** (within a lease TTL + settle of its end): a re-plan that drops nodes is
-  held, since a stalled etcd expires every lease at once and the nodes renew theirs within a TTL
-  (membership.py); so is a roll call's verdict that names dead nodes (records expire and pings go
-  unanswered while etcd is away). A liveness verdict is not held: a refused connection proves the
-  agent is gone whatever etcd did;
-- **below n0**: a re-plan on exactly the nodes the planner last refused (`refused`: too few for
-  one replica) is not asked for again, whether a detector or the settle rule calls for it: the
-  dead were declared lost with the refused attempt, so the leader goes on as while running
-  (arrivals are admitted) and waits for a change (`WAIT_FOR_NODES`), idle. So is a first plan on
-  exactly the nodes the planner refused for generation 1 (`--nnodes` MIN below n0).
+`decide(view, clocks, now, rules)` says what the leader does this tick; the loop around it does
+the I/O. `Clocks` is the only memory between ticks, so every rule is tested on made-up views.
+The rules: docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -52,7 +16,7 @@ from ..records.control import Event, EventKind, NodeState, StrEnum
 
 
 class Detector(StrEnum):
-    """How a node of the plan was found dead (rendezvous/detect.py, liveness.py)."""
+    """How a node of the plan was found dead (`rendezvous.detect`, `rendezvous.liveness`)."""
 
     LIVENESS = "liveness"
     """The leader's liveness connection to its agent closed and a new one was refused."""
@@ -123,7 +87,7 @@ class LeaderView:
     """Nodes of the plan found dead since the last re-plan, if any."""
     speeds: tuple[float, ...] = ()
     """Each pipeline's measured seconds per microbatch, reported for the current generation while
-    the workers name a straggler (engine/resilience/straggler.py); empty otherwise."""
+    the workers name a straggler (`engine.resilience.straggler`); empty otherwise."""
     slow: tuple[str, ...] = ()
     """The nodes the workers named stragglers (with `speeds`)."""
     without: Optional[Plan] = None
@@ -168,7 +132,7 @@ class Decision:
 
 
 def decide(view: LeaderView, clocks: Clocks, now: float, rules: Rules) -> Decision:
-    """What the leader does now (see the module docstring)."""
+    """What the leader does now (docs/recovery.md)."""
     if view.plan is None:
         first = _before_first_plan(view, clocks, now, rules)
         if first.action == Action.FIRST_PLAN and view.refused and first.nodes == view.refused:
@@ -239,7 +203,7 @@ def desired_nodes(plan: Plan, up: Sequence[str], exclude: Collection[str], max_n
 def _after_detection(
     view: LeaderView, plan: Plan, dead: Detection, clocks: Clocks, now: float, rules: Rules
 ) -> Decision:
-    """Re-plan at once without the nodes a detector found dead (see the module docstring)."""
+    """Re-plan at once without the nodes a detector found dead (docs/recovery.md)."""
     if dead.by == Detector.LIVENESS:
         if now - dead.since < rules.liveness_batch_s:  # nodes that die together go in one re-plan
             return Decision(Action.WAIT, clocks=Clocks(), detection=dead.by, recheck_s=rules.liveness_batch_s / 2)

@@ -1,33 +1,7 @@
 """Fast failure detection: the leader's roll call and the deputy that replaces a dead leader.
 
-A worker that sees a communication call fail (a peer's connections broke), or that has waited
-longer than `fault_tolerance.stall_report_s` for its peers while joining a generation, checks in
-under `rollcall/g<generation>/<node>/<local rank>` with the kind `failure` or `stall`. Nobody
-waits for an etcd lease to expire when the evidence is already there:
-
-- `RollCall` (run by the leader): the plan's nodes other than the leader's own with a worker
-  that has not checked in are the suspects. A suspect whose node record is gone is dead at once;
-  the others are pinged through `ping/<node>`, and their agent (handler.py) answers on
-  `pong/<node>` with the same nonce within milliseconds if its process is alive. Suspects silent
-  for `ping_timeout_s` are dead. The roll call then asks for a re-plan without the dead, unless
-  every check-in is a `stall` and nobody is dead: then the job is only slow, and the roll call
-  is repeated a little later in case a node dies meanwhile (a worker withdraws its `stall`
-  check-in once it has entered the generation). Right after an etcd outage, silence proves
-  nothing (records expired, agents' watches were down): the leader holds the verdict until the
-  outage is a lease TTL + settle past (leader.py), and a deputy deposes no leader meanwhile.
-- `LeaderWatch` (run by every other agent; acts on the roster's first `LEADER_WATCHERS` nodes
-  other than the leader): holds a liveness connection to the leader's agent and to every other
-  roster node, and revokes the lease of a leader found dead (liveness.py), and of the nodes found
-  dead with it, without waiting for workers to check in.
-- `Deputy` (run by every other agent): when the LEADER dies, nobody runs the roll call and its
-  `leader` key would outlive it by the lease TTL. So while a roll call is open and none of the
-  leader node's own workers has checked in, the first plan node (in plan order) that has checked
-  in pings the leader; if the leader's agent does not answer within twice `ping_timeout_s`, the
-  deputy revokes the leader's lease. The leader key and the
-  dead leader's node record vanish with it, an election follows within a tick, and the new
-  leader's roll call finds the old leader's record gone. A live but slow leader that loses its
-  lease this way is fenced (membership.py) and its workers stop: the same treatment the roll
-  call gives any node that does not answer a ping.
+Invariant: nobody waits for a lease to expire when the evidence is already there, and silence
+right after an etcd outage proves nothing. The story: docs/liveness.md.
 """
 
 from __future__ import annotations
@@ -269,7 +243,7 @@ leader's): a leader that dies with up to LEADER_WATCHERS - 1 of them is still fo
 
 
 class LeaderWatch:
-    """The deputies' fast path (liveness.py): the roster's first `LEADER_WATCHERS` nodes other
+    """The deputies' fast path (`rendezvous.liveness`): the roster's first `LEADER_WATCHERS` nodes other
     than the leader hold a liveness connection to the leader's agent; the first that finds the
     agent gone revokes the leader's lease at once (the leader key and its node record go with
     it), and campaigns.
@@ -386,7 +360,7 @@ class LeaderWatch:
 
 
 class LeaderLiveness:
-    """The leader's fast path while it leads (liveness.py): a connection to every other agent of
+    """The leader's fast path while it leads (`rendezvous.liveness`): a connection to every other agent of
     the plan; a node found dead is pending until `decide` acts on it (`acted`). A new leader has
     reached nobody yet, so it starts from what it can trust: the monitor of its `LeaderWatch` when
     it was a deputy (with the nodes found dead with the old leader), and the addresses the last

@@ -4,10 +4,10 @@ torch imports entry points while `torch.distributed.elastic.rendezvous` itself i
 so this module must not import that package (or the handler) at import time: the creator
 imports the handler when torchrun first asks for a handler.
 
-`create_handler` picks the mode (options.py): `in_place` is the Oobleck handler (handler.py),
-`restart` torch's dynamic rendezvous on etcd (restart.py). A job config the handler cannot load
+`create_handler` picks the mode (`rendezvous.options`): `in_place` is the Oobleck handler,
+`restart` torch's dynamic rendezvous on etcd. A job config the handler cannot load
 (a misspelt key, a bad value) ends the agent with one line (SystemExit), not with a traceback
-through torchrun.
+through torchrun. The story: docs/running.md.
 """
 
 from typing import Any, Callable, Optional

@@ -1,35 +1,9 @@
-"""`torchrun --rdzv-backend=oobleck` in place (`--rdzv-conf mode=in_place`, the default with a job
-config): a TorchElastic rendezvous handler on etcd v3. (`mode=restart`, for plain scripts, is torch's
-own dynamic rendezvous on etcd: restart.py; entry.py picks, options.py reads the launch.)
+"""`torchrun --rdzv-backend=oobleck` in place (`--rdzv-conf mode=in_place`): a TorchElastic
+rendezvous handler on etcd v3.
 
-What torchrun's agent needs from a handler, and what this one does differently from the stock
-c10d/etcd handlers so that healthy workers are never restarted (the agent restarts ALL local
-workers when `num_nodes_waiting() > 0` or when a local worker exits non-zero):
-
-- `next_rendezvous()` registers the node (membership.py), starts the leader thread (leader.py)
-  and returns once the leader has admitted this node: into the first generation, or, for a node
-  arriving while the job runs, as a member whose workers join the next generation once they
-  report ready (so nobody waits in init_process_group while a newcomer imports torch). The first
-  nodes are admitted before the first plan exists when the planner still needs the profile: their
-  workers start, one per device kind measures the profile on its own device and publishes it
-  (`WorkerContext.share_profile`), and they wait for the plan that gives them a stage. It returns a
-  node-local view (rank 0 of 1, an in-memory store): the agent's own rank assignment and exit
-  barrier stay on this node, because job-wide ranks come from the plan, which workers read from
-  etcd. Its MASTER_PORT is `NO_ENV_WORLD`, a line of text: a plain script's `init_process_group`
-  (env://) fails at once with it instead of training alone in a world of one node. The devices
-  per node are the agent's (`options.agent_local_world_size`) unless the launch named them.
-- `num_nodes_waiting()` is always 0: a positive value makes the agent restart its workers.
-- `shutdown()` only takes this node out (revokes its lease); it never closes the job. It never
-  raises (torchrun calls it in `finally:`): False with etcd unreachable, the same answer again on a
-  second call; it gives the preemption signals back and ends the handler's threads.
-- The leader plans with a `JobPlanner` (rendezvous/planner.py): from `planning.profile_path`, or
-  the first profile a worker measured, pinned in etcd so every later leader plans from the same
-  numbers.
-- Workers inherit the agent's environment, so the handler exports the etcd endpoint, TLS and
-  auth settings, run id, key prefix and node id (`OOBLECK_*`) before the agent starts them.
-  Nothing else of the process's environment is set for good (no `TORCH_ELASTIC_WORKER_IDENTICAL`).
-
-Options come through `--rdzv-conf key=value,...`; see `options.RDZV_OPTIONS`.
+Invariant: healthy workers are never restarted: `num_nodes_waiting()` is always 0, the agent
+gets a node-local view, and `shutdown()` only takes this node out, never the job. The story:
+docs/design.md.
 """
 
 from __future__ import annotations
@@ -96,7 +70,7 @@ alone in a world of one node."""
 class OobleckRendezvousHandler(RendezvousHandler):
     def __init__(self, params: RendezvousParameters, *, argv: Optional[list[str]] = None) -> None:
         """`argv`: a torchrun command line to take the script's --config from (tests); by default
-        only torchrun's own command line for this rendezvous counts (options.py)."""
+        only torchrun's own command line for this rendezvous counts (`rendezvous.options`)."""
         if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <agent>` prints its threads' stacks (a slow exit)
             faulthandler.register(signal.SIGUSR1, all_threads=True)
         self.params = params
@@ -301,7 +275,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
 
     # ------------------------------------------------------------------ helpers
     def _watch_preemption(self) -> None:
-        """Preemption notices drain this node (rendezvous/preempt.py)."""
+        """Preemption notices drain this node (`rendezvous.preempt`)."""
         assert self.member is not None
         member, ft = self.member, self.cfg.fault_tolerance
 
@@ -334,13 +308,13 @@ class OobleckRendezvousHandler(RendezvousHandler):
     def _drainable(self) -> bool:
         """Whether a preemption notice can drain this node: some worker of it reported ready (it uses
         the worker context, which leaves at a step boundary). Otherwise the notice stops the node as
-        torchrun would (preempt.py)."""
+        torchrun would (`rendezvous.preempt`)."""
         assert self.member is not None
         return bool(read_ready(self.client, self.keys, self.member.node_id))
 
     def _watch_hangs(self) -> None:
-        """This node's workers tell it whether their step threads move (engine/resilience/heartbeat.py); a
-        worker stuck in a step is recorded and stopped (rendezvous/hang.py)."""
+        """This node's workers tell it whether their step threads move (`engine.resilience.heartbeat`); a
+        worker stuck in a step is recorded and stopped (`rendezvous.hang`)."""
         assert self.member is not None
         node, ft = self.member.node_id, self.cfg.fault_tolerance
         directory = Path(tempfile.mkdtemp(prefix=f"oobleck-heartbeat-{node}-"))
@@ -445,7 +419,7 @@ class JobOver(SystemExit):
 
 def closed_error(run_id: str, closed: ClosedRecord, *, node: Optional[str] = None) -> BaseException:
     """What `next_rendezvous` raises on a closed job. Closed as failed (a worker's error that every
-    restart would repeat, engine/startup.py): SystemExit with one line, so the agent restarts no
+    restart would repeat, `engine.startup`): SystemExit with one line, so the agent restarts no
     worker and exits 1 without a traceback; closed otherwise (the job finished): `JobOver`, exit 0."""
     where = f" while node {node} waited to be admitted" if node else ""
     if closed.failed:

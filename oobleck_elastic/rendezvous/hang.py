@@ -1,35 +1,8 @@
 """A hung worker on a live node is cut off by its own agent.
 
-The control plane finds dead nodes (liveness sockets, leases, the roll call), but a worker that
-hangs while its agent runs (a step thread stuck in a kernel, a deadlock, a collective that never
-returns, a stopped process) answers nothing and fails nothing: its agent answers for the node,
-and its peers wait in their collectives until `comm_timeout_s`. So the agent watches its workers'
-heartbeats (engine/resilience/heartbeat.py: a local file per worker, no etcd write per step),
-which say when each worker's step thread last made progress (a compute chunk, a communication
-call entered or left) and whether it is waiting for a peer in a communication call
-(engine/resilience/progress.py):
-
-- **Decision** (`overdue`, pure): a worker in a step whose step thread has made no progress, and
-  is not waiting for a peer, for longer than the hang bound -- max(floor, `hang_factor` × its
-  typical step), the floor being `fault_tolerance.hang_floor_s` or, by default, derived from the
-  measured steps (config/timing.py: 120 s before a step was measured, 30 s after) -- is hung; a
-  floor of 0 turns the watch off. Standing still, not a long step, is the sign, and waiting is
-  not standing still: the peers of a hung worker wait for it in communication calls whose
-  handles cannot complete without its part, so only the hung one is cut off, whether its step
-  thread is blocked in a plain loop, in compute, or inside a communication call whose handles
-  completed. A collective hung with every part posted names nobody here (every worker waits for
-  an incomplete handle): its own timeout (`comm_timeout_s`, derived from the measured steps by
-  default) ends it. A stopped or frozen process writes no beat at all (its main thread stands
-  still too), and is hung past the bound whatever its step thread was doing.
-- **Action** (`HangWatch`): the agent asks the worker for its threads' stacks (SIGUSR2:
-  `faulthandler`, registered by the worker, writes them to `<local rank>.stack`; a stopped process
-  cannot answer, and is recorded as stopped), records them under the run's `errors` key and as a
-  `hang` event, withdraws the worker's readiness (so the next plan leaves its node out and every
-  worker abandons the step), then SIGKILLs the worker. torchrun's agent restarts its workers (up
-  to `--max-restarts`); the job re-plans in process as for any failure, and the restarted worker
-  joins at a step boundary and receives its layers. Each worker process is acted on once. The
-  watch reads the beats every `interval_s` (0.25 s), so a hang is acted on within the bound +
-  0.25 s.
+A worker in a step whose step thread stood still (not waiting for a peer) past the hang bound is
+hung (`overdue`, pure); `HangWatch` records its stacks, withdraws its readiness and kills it,
+once per process. The story: docs/liveness.md.
 """
 
 from __future__ import annotations
@@ -66,7 +39,7 @@ def _stopped(pid: int) -> bool:
 
 
 def overdue(beat: Beat, now: float, ft: FaultToleranceConfig) -> Optional[float]:
-    """The hang bound a worker in a step has stood still beyond (module docstring), or None: not in
+    """The hang bound a worker in a step has stood still beyond (docs/liveness.md), or None: not in
     a step, moved within the bound, waiting for a peer (its main thread writing), or the watch is off."""
     bound = hang_bound(ft, beat.typical_step_s)
     if not beat.in_step or bound is None:
@@ -77,7 +50,7 @@ def overdue(beat: Beat, now: float, ft: FaultToleranceConfig) -> Optional[float]
 
 
 class HangWatch:
-    """Watches the heartbeat files in `directory` (module docstring)."""
+    """Watches the heartbeat files in `directory` (docs/liveness.md)."""
 
     def __init__(
         self,

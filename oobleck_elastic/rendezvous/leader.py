@@ -1,36 +1,7 @@
 """Leader election and plan publication.
 
-Every agent runs a `Leader` thread. It campaigns by creating the `leader` key under its own
-node lease (`put_if_not_exists`): exactly one agent holds it, and when that agent dies its lease
-expires and another wins within the TTL plus one poll tick, or much sooner: the deputies (the
-roster's first three other nodes) hold a liveness connection to the leader's agent and revoke
-the lease the moment they find the agent gone (liveness.py), or one confirms by ping, once
-workers saw the failure, that the leader is gone (detect.py). While leading, the leader holds a
-liveness connection to every other agent of the plan and re-plans without a dead one at once;
-it records the addresses that answered it (`liveness_answered`), and a new leader takes them as
-answered (a refused connection there is a death), with the winning deputy's own connections.
-
-The leader polls membership (node records) and, whenever the set of usable nodes differs from
-the current plan's nodes for longer than the settle window (which batches simultaneous
-failures and joins into one re-plan), computes the next plan with the planner (naming drained
-nodes that ran a stage as the plan's donors: they hand their layers over in the next
-generation's entry, then leave) and publishes it
-as generation g+1 in one transaction that also checks that (a) the plan key is still at the
-revision the leader read, and (b) the leader key still holds this leader's value. A deposed
-or partitioned leader therefore can never overwrite a newer plan.
-
-Before the first generation the leader waits until `min_nodes` are up, then a last-call window
-for more (up to `max_nodes`). Nodes beyond `max_nodes` wait as spares and are admitted when a
-member leaves. Below n0 (too few nodes for one replica) nothing is published: one log line and
-a `waiting` event, and the plan follows as soon as enough nodes are back.
-
-The first plan needs the profile, which the workers measure unless it is at hand already: the
-leader then admits the first nodes unplanned and waits for a worker-measured profile
-(profile_wait.py), and closes the job as failed after `profile_timeout_s` without one.
-With the profile at hand nothing changes: the first plan is published as soon as the nodes are
-chosen, and their handlers return once it includes them. A planner error that no number of nodes
-can cure (`JobUnplannable`: no device memory figure, a layer larger than a device) also closes
-the job as failed, with that error, instead of waiting.
+Invariant: at most one leader publishes at a time (the `leader` key under its lease), and a
+deposed leader can never overwrite a newer plan. The story: docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -92,7 +63,7 @@ class Leader:
         view: Optional[KVReader] = None,
         rebalance: bool = False,
     ) -> None:
-        """`rebalance`: re-split the microbatches around stragglers the workers name (decide.py)."""
+        """`rebalance`: re-split the microbatches around stragglers the workers name (`rendezvous.decide`)."""
         self.client, self.keys, self.member = client, keys, member
         self.stragglers = LeaderStragglers(planner, enabled=rebalance)
         # what the leader reads: a Mirror of `Keys.agent_watched` (no etcd request per tick; a change
@@ -261,7 +232,7 @@ class Leader:
 
     def _lead_loop(self) -> None:
         """The leader's loop: read what it sees into a `LeaderView` (the detectors run meanwhile),
-        ask `decide` what to do, do it. decide.py holds every rule; this loop only does the I/O."""
+        ask `decide` what to do, do it. `rendezvous.decide` holds every rule; this loop only does the I/O."""
         self.is_leader.set()
         clocks = Clocks()
         rules = Rules(
@@ -315,14 +286,14 @@ class Leader:
         return view, rev, records
 
     def _refused(self, plan: Optional[Plan]) -> tuple[str, ...]:
-        """The nodes the planner refused for the generation after `plan` (decide.py; no plan yet: the first)."""
+        """The nodes the planner refused for the generation after `plan` (`decide`; no plan yet: the first)."""
         if self._unplannable is None or self._unplannable[1] != (plan.generation if plan is not None else 0) + 1:
             return ()
         return self._unplannable[0]
 
     def _detect(self, plan: Plan, records: list[NodeRecord]) -> Optional[Detection]:
-        """Nodes of `plan` found dead since the last re-plan: by the liveness sockets (liveness.py:
-        connections to the plan's other agents), or else by the roll call (detect.py). The roll
+        """Nodes of `plan` found dead since the last re-plan: by the liveness sockets (`rendezvous.liveness`:
+        connections to the plan's other agents), or else by the roll call (`rendezvous.detect`). The roll
         call does not run while liveness deaths are pending: `decide` acts on those first, and the
         pings would be wasted."""
         assert self.liveness is not None
@@ -392,7 +363,7 @@ class Leader:
 
     def _first_plan(self, nodes: list[str], rev: int | None, records: list[NodeRecord]) -> None:
         """Publish generation 1 on `nodes` when the profile is at hand; otherwise admit them (their
-        workers start and one of them measures the profile) and wait for it (profile_wait.py)."""
+        workers start and one of them measures the profile) and wait for it (`rendezvous.profile_wait`)."""
         if self.profiles.has_profile():
             self.profiles.reset()
             self._publish(nodes, None, rev, records)
@@ -429,8 +400,8 @@ class Leader:
         """New nodes whose workers have not all said they are ready: a plan with them would make
         every worker wait in init_process_group while theirs are still importing torch; and nodes
         of the plan whose agent withdrew a worker's readiness (it restarts a hung worker,
-        rendezvous/hang.py), which rejoin once it is ready again; and stragglers this leader left out
-        (decide.py), which stay out."""
+        `rendezvous.hang`), which rejoin once it is ready again; and stragglers this leader left out
+        (`rendezvous.decide`), which stay out."""
         waiting = set(self.stragglers.left_out)
         for rec in up:
             entries = read_ready(self.view, self.keys, rec.node_id)
@@ -482,7 +453,7 @@ class Leader:
     def _commit(
         self, plan: Plan, old: Optional[Plan], rev: Optional[int], records: list[NodeRecord], lost: Mapping[str, str]
     ) -> None:
-        """Publish `plan` as the next generation, with its events (publish.py), if the plan key is
+        """Publish `plan` as the next generation, with its events (`rendezvous.publish`), if the plan key is
         still at `rev` and this agent leads."""
         events = commit_plan(
             self.client,

@@ -1,21 +1,8 @@
 """Liveness sockets: the leader learns that a node's agent died the moment the node's kernel
 closed the agent's sockets, with no collective failing first and no ping to wait for.
 
-Every agent listens on a TCP port (`LivenessServer`; its `host:port` is in the node record) and
-keeps every connection made to it open, never writing. The leader holds one connection to each
-other node of the plan (`LivenessMonitor`), and one selector thread watches them all; the deputy
-(detect.py) holds one to the leader. When an agent process dies (SIGKILL, OOM kill, crash), its
-kernel closes the connection at once and the watcher reads end-of-file or a reset. An agent that
-leaves cleanly (shut down, drained) writes `BYE` first and is no death.
-
-A closed connection is not yet a death (a middlebox can reset a connection): the monitor
-connects again at once. **Refused** (at an address that accepted this monitor before) means the
-host answered and nothing listens on the port any more: the agent is gone. That is the verdict
-a lease expiry gives (the agent holds the node's lease), without waiting a TTL; orphaned workers
-of a dead agent see their node fenced and stop (worker.py). A connect that times out or fails
-otherwise (the host is down or unreachable) gives no verdict: the node is then left to the roll
-call's ping and to its lease, as before, and the monitor tries again every `retry_s`. A frozen
-(SIGSTOPped) agent keeps its sockets open: also left to the lease.
+Only a refused connect is a death; a timeout gives no verdict (left to the roll call and the
+lease). The story: docs/liveness.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Node membership: one record per node, bound to an etcd lease the node keeps alive.
 
-`Member.register()` takes the next node index with a compare-and-swap on `next_index`, grants
-a lease of `lease_ttl_s`, and writes `nodes/<node_id>` under it. A daemon thread refreshes the
-lease every TTL/3. When the node dies (SIGKILL, power loss), nobody refreshes the lease and etcd
-deletes the record within the TTL; when it leaves cleanly (`close()`), the lease is revoked and
-the record disappears at once.
-
-If a refresh finds the lease already gone, who is to blame decides:
-- **this node** did not refresh in time (it was frozen for longer than the TTL: the refresh was
-  sent more than a TTL after the last one that succeeded): the rest of the job has moved on
-  without it, so it is *fenced*: `fenced` is set and the callback runs; it must not train on alone.
-- **etcd** let the lease expire although this node refreshed on time (a stalled etcd expires
-  every lease the moment it resumes; a partition cut this node off while it kept trying): the
-  node *renews* its membership: a new lease, the same record (same node id) under it. Unless the
-  leader declared it lost meanwhile (`fenced/<node>`): then it is fenced as above. The leader
-  gives nodes a grace period after an etcd outage to come back this way (leader.py), so an etcd
-  outage costs no node and no re-plan.
-Past the outage bound (`EtcdSettings.outage_s`) a refresh raises EtcdError: the node is fenced
-with that error, and its agent stops.
+Invariant: a node whose lease expired through its own fault (or that the leader declared lost)
+is fenced and never trains on alone; one whose lease etcd let expire renews its membership. The
+story: docs/liveness.md.
 """
 
 from __future__ import annotations

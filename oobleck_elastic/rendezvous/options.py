@@ -1,22 +1,8 @@
 """What the `oobleck` backend learns of its launch: its `--rdzv-conf` options, the job config,
 the devices per node, and which of its two modes runs the job.
 
-torchrun builds a handler from `RendezvousParameters` alone (endpoint, run id, `--nnodes`,
-`local_addr` and the `--rdzv-conf` entries), whether it was started as the `torchrun` command,
-through `torch.distributed.run.main(args)` or through `elastic_launch`. So:
-
-- The job config is `--rdzv-conf config=PATH`, or else the training script's `--config` (and its
-  `key=value` overrides) from torchrun's command line, *when this process is that command line*:
-  `sys.argv` parses quietly as torchrun's arguments and names this rendezvous (the same backend,
-  `--rdzv-id` and `--rdzv-endpoint`). A program that calls `elastic_launch` or `main(args)` never
-  has its own arguments read, and nothing is printed when they do not parse.
-- Devices per node: `--rdzv-conf nproc_per_node=G`, else that same command line, else the
-  agent's own `WorkerSpec.local_world_size`, which the handler finds when the agent calls
-  `next_rendezvous()` (`agent_local_world_size`), else 1.
-- The mode (`--rdzv-conf mode=`): `in_place` runs the job as Oobleck does (workers use the worker
-  context and reconfigure in place; a job config is required); `restart` gives plain
-  torch.distributed scripts torchrun's own semantics (restart.py). `auto`, the default, is
-  `in_place` when a job config is found and `restart` otherwise.
+torchrun builds a handler from `RendezvousParameters` alone; this module reads everything else
+from there, quietly. The story: docs/running.md.
 """
 
 from __future__ import annotations
@@ -105,7 +91,7 @@ def etcd_settings(params: RendezvousParameters, conf: Mapping[str, Any]) -> Etcd
 
 @dataclass(frozen=True)
 class Launch:
-    """What the handler knows of its launch (module docstring)."""
+    """What the handler knows of its launch (docs/running.md)."""
 
     config: Optional[str] = None
     """The job YAML, or None (none given)."""
@@ -150,7 +136,7 @@ def _nproc(value: Any) -> Optional[int]:
 
 def launch_of(params: RendezvousParameters, argv: Optional[list[str]] = None) -> Launch:
     """The launch of this handler: `argv` is a torchrun command line given by the caller (tests);
-    without it, `sys.argv` counts only when it is this rendezvous's torchrun command (module docstring)."""
+    without it, `sys.argv` counts only when it is this rendezvous's torchrun command (docs/running.md)."""
     conf = rdzv_conf(params)
     args = parse_torchrun(argv if argv is not None else sys.argv)
     if (
@@ -175,7 +161,7 @@ def launch_of(params: RendezvousParameters, argv: Optional[list[str]] = None) ->
 
 
 def mode_of(launch: Launch) -> str:
-    """`in_place` or `restart` (module docstring)."""
+    """`in_place` or `restart` (docs/running.md)."""
     if launch.mode != "auto":
         return launch.mode
     return "in_place" if launch.config else "restart"

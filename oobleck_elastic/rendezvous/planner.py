@@ -1,20 +1,7 @@
 """The leader's planner: plans from the job's profile, which the first leader to plan pins in etcd.
 
-`JobPlanner.plan_for(nodes, generation, previous)` is the planner `Leader` calls on every
-membership change. The templates are built once, from the profile every leader of the job plans
-from:
-
-- `planning.profile_path` when set (with `{tp}` in it and `planning.tensor_parallel: auto`, the
-  degree best for `planning.max_nodes` or the first plan's node count), read at once;
-- else the first profile a worker measured on its own device and published under
-  `profiles/<device>` (`WorkerContext.share_profile`): `profile_ready()` tells the leader when
-  there is one, and before it the first nodes are admitted unplanned so their workers can measure.
-
-Whichever is used first is pinned under the run's `profile` key, so every later leader plans from
-the same numbers and the tensor-parallel degree never changes during the job. A malformed
-profile in etcd, or one measured for another job (layers, microbatch shape, precision), is logged
-once per key and revision and ignored. A planning error no number of nodes can cure (the config
-and the pinned profile are fixed) is raised as `JobUnplannable`, which closes the job.
+Invariant: every leader of a job plans from the same pinned profile, so the tensor-parallel
+degree never changes during the job. The story: docs/planning.md.
 """
 
 from __future__ import annotations
@@ -48,7 +35,7 @@ __all__ = ["JobPlanner"]
 
 
 class JobPlanner:
-    """The planner of one job's leader (module docstring)."""
+    """The planner of one job's leader (docs/planning.md)."""
 
     def __init__(self, cfg: JobConfig, client: EtcdClient, keys: Keys) -> None:
         self.cfg, self.client, self.keys = cfg, client, keys

@@ -1,43 +1,8 @@
 """Preemption notices: a signal to a node's agent drains the node instead of failing it.
 
-Slurm, Kubernetes and spot reclaims send SIGTERM (or a signal chosen in advance, e.g. Slurm's
-`--signal=USR1@90`) some time before they kill a node. By default torchrun's agent turns SIGTERM
-into an exception that kills its workers: the job then re-plans around a failure, and when the
-node held the last copies of some layers it needs a checkpoint.
-
-`PreemptionWatch` takes `fault_tolerance.preempt_signals` away from torchrun (it removes them
-from `TORCHELASTIC_SIGNALS_TO_HANDLE`, the list torchrun's agent installs its own handler for
-when it starts workers) and handles them itself:
-
-1. On the first notice it marks the node `draining` (`membership.mark_draining`, the same
-   compare-and-swap under the node's lease as `oobleck kill-agent`) and records a `drain` event
-   naming the signal. A Python signal handler only sets a flag; a thread does the etcd writes.
-2. The leader re-plans without the node at the next step boundary; when the node holds layers
-   nobody else holds, the plan names it a donor and its workers hand their layers and optimizer
-   state over before they leave (engine/entry/enter.py). Its workers exit 0, and so does its agent.
-3. If the node is still there `fault_tolerance.preempt_grace_s` after the notice (the job is
-   stuck, or the grace was too short), the watch hands the signal back to torchrun's handling
-   (the same signal, answered as torchrun's agent answers it: a `SignalException` in the main
-   thread): the workers are stopped and the job handles it as a failure.
-4. A node with nothing to drain (`applies()` is False: no worker of it ever reported ready, so its
-   workers do not use the worker context, or have not started) hands the signal back at once: it
-   stops within a second, as with torchrun's c10d backend, instead of waiting out the grace.
-
-`uninstall()` (the handler's `shutdown()`) gives the signals back to the handlers they had
-before `install()` and to torchrun's list, and ends the watch's thread.
-
-Later notices while draining are ignored. The launcher's `--preempt NODE@STEP[:GRACE]` sends
-SIGTERM to a node's agent at a step, as a scheduler would.
-
-A notice often reaches the workers too: Slurm signals every process of a job step (`scancel
---signal=TERM JOB.STEP`, a preemption), Kubernetes every process of a container whose entry point
-is a shell. By default a worker dies of it, and the drain becomes a failure. So the agent tells its
-workers where it records a notice (`NOTICE_ENV`: a file it creates as soon as a notice arrives and
-deletes when it gives up) and which signals are notices (`SIGNALS_ENV`), and each worker handles
-them (`guard_worker`): a worker that receives one waits up to `WORKER_WAIT_S` for its agent's record;
-while the record exists the worker goes on (its agent drains the node, and the worker leaves after
-handing its layers over); without it the worker dies of the signal as before. So torchrun, which
-stops its workers with SIGTERM, still stops them (up to `WORKER_WAIT_S` later).
+`PreemptionWatch` takes `fault_tolerance.preempt_signals` from torchrun, marks the node
+draining, and hands the signal back when the grace runs out or there is nothing to drain;
+`guard_worker` keeps the workers alive through the same notice. The story: docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -70,7 +35,7 @@ WORKER_WAIT_S = 1.0
 
 
 class PreemptionWatch:
-    """Drains this node when one of `signals` arrives (module docstring)."""
+    """Drains this node when one of `signals` arrives (docs/recovery.md)."""
 
     def __init__(
         self,
@@ -120,7 +85,7 @@ class PreemptionWatch:
         self._thread.start()
 
     def uninstall(self) -> None:
-        """Give the signals back (module docstring) and end the thread; idempotent. The handlers
+        """Give the signals back (docs/recovery.md) and end the thread; idempotent. The handlers
         are restored from the main thread only (Python's rule); elsewhere the environment is."""
         if self._thread is None:
             return
@@ -206,7 +171,7 @@ class PreemptionWatch:
 
 def guard_worker(environ: Mapping[str, str] = os.environ, *, wait_s: float = WORKER_WAIT_S) -> list[signal.Signals]:
     """In a worker (main thread): a preemption signal that reaches this worker does not kill it when
-    its agent recorded a notice within `wait_s` (module docstring). Returns the signals handled
+    its agent recorded a notice within `wait_s` (docs/recovery.md). Returns the signals handled
     (none outside an oobleck agent that watches notices)."""
     path, names = environ.get(NOTICE_ENV), environ.get(SIGNALS_ENV)
     if not path or not names or threading.current_thread() is not threading.main_thread():

@@ -1,15 +1,8 @@
 """The leader's wait for the profile that the first plan needs.
 
-The first plan needs the profile, and the profile comes from the devices that train: a worker
-measures it (`WorkerContext.share_profile`) and publishes it under `profiles/<device>`. So, unless
-the profile is at hand already (`planning.profile_path`, or pinned in etcd), the leader first
-*admits* the first nodes (`admitted/<node>`, the same key that lets a late node's agent start its
-workers), their handlers return and their workers start and wait for a plan that gives them a
-stage; once `profile_ready()` says a worker-measured profile is in etcd, the leader plans
-generation 1 (rendezvous/leader.py). The wait costs nothing: the leader mirrors the profile keys
-(`Keys.leader_watched`), asks the planner again only when they changed (the planner reads etcd),
-and otherwise sleeps until a change or its next line. It logs one line about every `log_s`; after
-`timeout_s` without a profile it says why the job must fail, and the leader closes it.
+The first nodes are admitted unplanned so a worker can measure the profile; the leader plans
+generation 1 once it is in etcd, and closes the job after `timeout_s` without one. The story:
+docs/planning.md.
 """
 
 from __future__ import annotations
@@ -31,7 +24,7 @@ log = JobLog(logging.getLogger(__name__))
 
 class ProfileWait:
     """Whether the planner has its profile, and the admission, progress lines and timeout of the
-    wait for one (module docstring)."""
+    wait for one (docs/planning.md)."""
 
     def __init__(
         self,

@@ -1,16 +1,7 @@
 """Publishing a plan: what the leader writes to etcd when it moves the job to a new generation.
 
-One transaction puts the plan, its history entry (`plans/<generation>`), the roster agents read
-instead of the plan, and the generation's events, and holds only while the plan key is still at
-the revision the leader read and the `leader` key still holds this leader's value: a deposed or
-partitioned leader can never overwrite a newer plan (rendezvous/leader.py). Before it, a node
-dropped because its record vanished is fenced, so that an agent that was only cut off from etcd
-learns, when it comes back, that the job went on without it (membership.py); a plan that loses
-the race leaves a harmless fence behind. etcd caps the operations of a transaction
-(`--max-txn-ops`, 128 by default): past `TXN_EVENTS` events, the per-node ones follow it.
-
-A plan's donors are decided here too: draining nodes of the generation just left that ran a
-stage hand their layers over in the new generation's entry, then leave.
+Invariant: one transaction, guarded by the plan's revision and the leader key, so a deposed or
+partitioned leader can never overwrite a newer plan. The story: docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -33,7 +24,7 @@ TXN_EVENTS = 100
 
 def declare_lost(client: KVStore, keys: Keys, node: str, generation: int) -> None:
     """`fenced/<node>`: excluded from plans; its workers stop, and its agent fences itself if it
-    comes back (membership.py)."""
+    comes back (`rendezvous.membership`)."""
     client.put_json(keys.fence(node), FenceRecord(time=time.time(), generation=generation).to_json())
 
 
@@ -70,7 +61,7 @@ def commit_plan(
     leader_value: bytes,
     rev: Optional[int],
 ) -> Optional[list[Event]]:
-    """Publish `plan` as the next generation with its events (module docstring); its events, or
+    """Publish `plan` as the next generation with its events (docs/recovery.md); its events, or
     None when the transaction lost the race (the plan or the leadership changed)."""
     generation = plan.generation
     events = plan_events(plan, old, {r.node_id: r.state for r in records}, lost, leader=leader, now=time.time())

@@ -1,27 +1,7 @@
 """`--rdzv-conf mode=restart`: torchrun's own semantics for scripts that do not use the worker context.
 
-A plain `torch.distributed` script (DDP, an all-reduce) reads RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT from its environment: every worker of a round must get the same world, and a
-membership change must restart every worker into the next round. That is exactly what torch's
-`DynamicRendezvousHandler` does (the `c10d` backend), so this mode *is* that handler, with etcd v3
-under it instead of a TCPStore:
-
-- `EtcdRendezvousBackend` keeps torch's rendezvous state in one key (`Keys.torchrun_state`),
-  written by compare-and-swap on its mod revision (the fencing token torch asks for).
-- The state torch hands a backend is a pickle. Nothing read from etcd is unpickled here
-  (docs/design.md: control data is JSON): `set_state` turns the pickle torch made in this process
-  into JSON (round, complete, deadline, closed, participants, wait and redundancy lists,
-  heartbeats) and `get_state` validates the JSON it reads and rebuilds torch's state object, which
-  it pickles locally for torch. A malformed value is refused with a `RendezvousStateError` naming
-  the key.
-- The agents share an `EtcdStore` under `Keys.torchrun_store` (rank assignment, MASTER_ADDR/PORT of
-  each round, the exit barrier), so no agent hosts a store the others depend on; the workers'
-  global rank 0 hosts the workers' own store (`RestartRendezvousHandler`), as with torchrun's
-  `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`.
-
-Everything else (rounds, `num_nodes_waiting()`, last call, keep-alive heartbeats, `shutdown()`
-closing the rendezvous, `local_addr`) is torch's code. etcd errors reach torch as
-`RendezvousConnectionError`, which its `shutdown()` answers with False.
+torch's `DynamicRendezvousHandler` with etcd v3 under it; nothing read from etcd is unpickled
+(the state is stored as JSON). The story: docs/running.md.
 """
 
 from __future__ import annotations
@@ -177,7 +157,7 @@ class RestartRendezvousHandler(DynamicRendezvousHandler):
     runs (on the agent's thread) and restored after, so no other code of the process sees it."""
 
     client: Optional[EtcdClient] = None
-    """The etcd client under the store and the backend: closed by `shutdown()` (etcd/closing.py)."""
+    """The etcd client under the store and the backend: closed by `shutdown()` (`etcd.closing`)."""
 
     @property
     def use_agent_store(self) -> bool:
@@ -185,7 +165,7 @@ class RestartRendezvousHandler(DynamicRendezvousHandler):
 
     def shutdown(self) -> bool:
         """torch's shutdown (closes the rendezvous, never raises), then the etcd client is closed:
-        its gRPC calls must not be left to the garbage collector at exit (etcd/closing.py)."""
+        its gRPC calls must not be left to the garbage collector at exit (`etcd.closing`)."""
         try:
             return super().shutdown()
         finally:
@@ -218,7 +198,7 @@ def _seconds(params: RendezvousParameters, option: str) -> Optional[timedelta]:
 
 
 def restart_handler(params: RendezvousParameters, client: EtcdClient, keys: Keys) -> RestartRendezvousHandler:
-    """torch's dynamic rendezvous on etcd (module docstring). `params` as torchrun gives them; torch's
+    """torch's dynamic rendezvous on etcd (docs/running.md). `params` as torchrun gives them; torch's
     options join_timeout (600), last_call_timeout (30), close_timeout (30), heartbeat_timeout,
     keep_alive_interval (5) and keep_alive_max_attempt (3) keep torch's defaults (seconds may be
     fractions here)."""

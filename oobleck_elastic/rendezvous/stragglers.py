@@ -1,12 +1,13 @@
 """The leader's side of straggler mitigation: what `decide` needs to see, and leaving a node out.
 
 The workers name stragglers and report each pipeline's measured seconds per microbatch under
-`stragglers` (engine/resilience/straggler.py). While that report is about the current generation,
+`stragglers` (`engine.resilience.straggler`). While that report is about the current generation,
 `LeaderStragglers.view_fields` hands `decide` the speeds, the slow nodes and the planner's plan
 without them (made once per report: planning is milliseconds, but the leader ticks often), and
-`decide` picks a remedy (planning/rebalance.py). A re-split is published like any plan; a node
+`decide` picks a remedy (`planning.rebalance`). A re-split is published like any plan; a node
 left out (`leave_out`) is remembered by this leader and counted as not ready from then on, so no
 later plan takes it back (a new leader forgets: its workers would name the node again).
+The story: docs/planning.md.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class LeaderStragglers:
         self._without: Optional[tuple[tuple[int, int], Optional[Plan]]] = None  # (report, plan without them)
 
     def view_fields(self, reader: KVReader, keys: Keys, plan: Optional[Plan]) -> dict[str, Any]:
-        """`speeds`, `slow` and `without` of the leader's view (decide.py): empty unless the workers
+        """`speeds`, `slow` and `without` of the leader's view (`rendezvous.decide`): empty unless the workers
         of `plan`'s generation named a straggler."""
         if not self.enabled or plan is None:
             return {}

@@ -1,25 +1,8 @@
 """What a worker process sees of the control plane.
 
-torchrun starts workers with the agent's environment, in which the oobleck handler put the etcd
-settings, run id, key prefix and node id (`OOBLECK_*`). `WorkerContext.from_env()` reconnects
-to etcd from there; the worker then reads plans (never RANK/WORLD_SIZE, which torchrun sets for
-a node-local world), finds its stage, reports progress and learns when to leave:
-its node was drained (it is no longer in the plan and its record says draining) or the job
-was closed.
-
-What a worker reads between steps (the plan and its history, `closed`, its node's record and
-`fenced` entry) comes from a watch-maintained mirror (etcd/mirror.py), not from etcd requests,
-and progress is written by a background thread: between generations a worker needs etcd for
-nothing, so training goes on at full speed while etcd is stalled or restarting, and the
-requests etcd serves do not grow with the number of workers or steps.
-
-Before it reports ready, a worker calls `share_profile(cfg, device)`: the plan is computed from a
-per-layer profile of the devices that train, so one worker per device kind measures it on its own
-device and publishes it under `profiles/<device kind>` for the leader. The worker that wins a
-put-if-absent claim (`profile_claims/<device kind>`, bound to its node's lease so that it vanishes
-with the node) measures; every other worker returns at once, as do all of them when a profile of
-their kind is already there, when the job's profile is already pinned, or with
-`planning.profile_path`.
+`WorkerContext.from_env()` reconnects to etcd from the agent's environment; the worker reads
+plans (never RANK/WORLD_SIZE) from a watch-maintained mirror, so between generations it needs
+etcd for nothing. The story: docs/design.md.
 """
 
 from __future__ import annotations
@@ -279,7 +262,7 @@ class WorkerContext:
             self._stalled.add(generation)
 
     def record_skip(self, *, generation: int, step: int, detail: str) -> None:
-        """An event saying the step guard did not apply `step` (engine/resilience/guard.py)."""
+        """An event saying the step guard did not apply `step` (`engine.resilience.guard`)."""
         put_event(
             self.client,
             self.keys,
@@ -295,7 +278,7 @@ class WorkerContext:
     def report_stragglers(
         self, *, generation: int, step: int, nodes: dict[str, float], pipeline_s: Sequence[float]
     ) -> None:
-        """The `stragglers` record the leader re-splits the batch from (engine/resilience/straggler.py)."""
+        """The `stragglers` record the leader re-splits the batch from (`engine.resilience.straggler`)."""
         self.client.put_json(
             self.keys.stragglers,
             StragglerRecord(
@@ -304,7 +287,7 @@ class WorkerContext:
         )
 
     def record_event(self, *, kind: str, generation: int, detail: str) -> None:
-        """An event about this job from this worker's node (engine/control.py)."""
+        """An event about this job from this worker's node (`engine.control`)."""
         put_event(
             self.client,
             self.keys,
@@ -349,7 +332,7 @@ class WorkerContext:
 
     def goodput_origin(self) -> Origin:
         """The goodput ledger last reported with progress, or (none yet) the job's start and first
-        plan from its events (engine/telemetry/goodput.py). Read from etcd, at entry only."""
+        plan from its events (`engine.telemetry.goodput`). Read from etcd, at entry only."""
         data, revision = self.client.get_json(self.keys.progress)
         if isinstance(data, dict) and data.get("goodput") is not None:
             try:
@@ -365,7 +348,7 @@ class WorkerContext:
         return self.keys.run_id
 
     def tensorboard_run(self, proposed: str) -> str:
-        """The job's TensorBoard run (records/board.py): `proposed` when this worker is the job's
+        """The job's TensorBoard run (`records.board`): `proposed` when this worker is the job's
         first writer, else the run its first writer chose. Read from etcd, at entry only."""
         return claim_board(self.client, self.keys, proposed, node=self.node_id)
 
@@ -385,7 +368,7 @@ class WorkerContext:
     def store_for(self, generation: int, cfg: JobConfig, *, typical_step_s: float = 0.0) -> EtcdStore:
         """The etcd-backed c10d store of `generation`'s process groups (keys under
         `store/g<generation>/`); joining gives up at once when the generation is superseded. Its
-        timeouts derive from this worker's typical step unless the config sets them (config/timing.py)."""
+        timeouts derive from this worker's typical step unless the config sets them (`config.timing`)."""
         ft = cfg.fault_tolerance
         timeout = timedelta(seconds=comm_timeout(ft, typical_step_s))
         return EtcdStore(
@@ -397,7 +380,7 @@ class WorkerContext:
         )
 
     def abandon_check(self, plan: Plan) -> Callable[[], Optional[str]]:
-        """The `should_abandon` of a step of generation `plan.generation` (engine/runner.py): the
+        """The `should_abandon` of a step of generation `plan.generation` (`engine.runner`): the
         job was closed, this node was fenced, a newer plan left a lost node out, or a newer plan on
         the same nodes restarts the generation (the roll call found every node alive after a
         worker failed: a crashed or hung worker restarted by its agent). Drains and joins are not
@@ -424,7 +407,7 @@ class WorkerContext:
 
     def lost_nodes(self, current: Plan, newer: Plan) -> list[str]:
         """Nodes of `current` that `newer` leaves out because they were lost (lease expired or
-        fenced) or are restarting a hung worker (rendezvous/hang.py), as opposed to drained nodes
+        fenced) or are restarting a hung worker (`rendezvous.hang`), as opposed to drained nodes
         and spares, which leave at a step boundary."""
         lost = []
         for node in current.nodes:
@@ -439,7 +422,7 @@ class WorkerContext:
         return lost
 
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
-        """Store the error that ends this worker (see engine/resilience/errors.py); returns the new record."""
+        """Store the error that ends this worker (see `engine.resilience.errors`); returns the new record."""
         data, _ = self.client.get_json(self.keys.errors)
         rec = next_error_record(
             ErrorRecord.parse(data),

@@ -1,11 +1,10 @@
 """Trace-driven simulation: how much training a system gets through node failures and joins.
 
-`trace.py` reads and draws node-availability traces; `timeline.py` keeps one system's time
-(training, stalls, checkpoints, lost work) and its breakdown; `systems.py` holds the system
-models (this project, Oobleck as published, Varuna, Bamboo, torchrun checkpoint-restart) and
-`replay`; `shadows.py` decides which losses this project's shadow copies survive; `paper.py`
-reproduces the Oobleck paper's comparison from its shipped inputs; `scale.py` runs this project's
-planner at 1,000-10,000 nodes; `report.py` prints and plots.
+`trace` reads and draws node-availability traces; `timeline` keeps one system's time and its
+breakdown; `systems` holds the system models (this project, Oobleck as published, Varuna, Bamboo,
+torchrun checkpoint-restart) and `replay`; `shadows` decides which losses this project's shadow
+copies survive; `paper` reproduces the Oobleck paper's comparison from its shipped inputs;
+`scale` runs this project's planner at 1,000-10,000 nodes; `report` prints and plots.
 The mechanisms and their sources: docs/simulate.md. Command line: `oobleck simulate`.
 """
 

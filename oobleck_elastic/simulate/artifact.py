@@ -1,43 +1,7 @@
 """The Oobleck artifact's simulator, mechanism by mechanism, with each of its slips a named correction.
 
-`oobleck simulate --paper --artifact` replays the paper's traces through this model to reproduce
-the numbers of the authors' simulator (SOSP'23 artifact, repository SymbioticLab/Oobleck,
-`tools/simulator/`, commit 5dfe0bb): every system there is one event-driven rendezvous engine.
-
-- Events: trace `add`/`remove`, a node ready 45 s after its `add`, a rendezvous timeout, a step
-  completion, a checkpoint completion; integer milliseconds; at equal times handled in that kind
-  order (add, remove, ready, global timeout, local timeout, step, checkpoint) and, among equal
-  kinds, in the order a binary heap of (time, kind) pops them. The engine keeps such a heap
-  itself because Varuna's checkpoint check reads the heap's storage order (below).
-- Rendezvous: starting one lists the ready and running nodes and schedules a timeout; at the
-  timeout, if a listed node is gone, the rendezvous restarts (a new timeout); otherwise the
-  configuration is `n // 12` pipelines of 12 stages (none below 12 nodes: the job stops until a
-  node becomes ready), every node ready or running counts for the throughput table, and a new
-  configuration version begins (steps of older versions no longer count). A node that becomes
-  ready while the job runs waits for the next rendezvous.
-- Steps: `int(batch / throughput(n) * 1000)` ms each, one after another; each completed step
-  is logged as a segment (previous completion to this one) of `batch / duration` samples/s. The
-  average is the logged segments' samples over the time from the first configuration to the
-  last completed step (`StepLog`).
-- Oobleck: any removal (even of a node still provisioning) starts a rendezvous whose timeout is
-  the reconfiguration time.
-- Varuna: any removal rolls the log back to the last checkpoint (zeroes every segment that
-  started at or after it) and starts a rendezvous whose timeout is the restart time minus the
-  checkpoint time; BERT-large's restart time is a table by the node count of the last
-  configuration. Every 10th step (counted over the run), and the first step completed after a
-  removal, stalls for a checkpoint; the checkpoint's completion is scheduled one more checkpoint
-  time later, and it "fails" if the heap's storage order has a pending removal before it: the
-  last 10 steps are zeroed, 10 is taken off the step count, and the checkpoint is not recorded.
-  On the spot traces the artifact's script turns the rollback (and the failure) off for
-  BERT-large, GPT-2 and GPT-3-medium.
-- Bamboo (`artifact_bamboo.py`): the redundancy of pipeline neighbours, the 1.5x step, the
-  reconfiguration decision after each step.
-- The run ends at the first event at or after the trace's last event.
-
-Corrections (`Corrections`), each off in the artifact-faithful run, name the departures: a stale
-rendezvous timeout, steps completing during a restart, the checkpoint time subtracted from the
-restart, the heap-order checkpoint failure, no rollback on the spot traces, the forced
-checkpoint after a removal, and the run's span.
+`oobleck simulate --paper --artifact` replays the paper's traces through this model. The
+story: docs/simulate.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
-"""Bamboo as the Oobleck artifact's simulator models it (see `artifact.py` for the engine).
+"""Bamboo as the Oobleck artifact's simulator models it (`simulate.artifact` is the engine).
 
-Every running node holds its pipeline stage and, redundantly, its predecessor's (stage s - 1 of
-the same pipeline, stage 0's predecessor being the last stage). On a removal:
-
-- a running node that already covers a lost neighbour (two stages), or whose predecessor's
-  holder already covers one, is fatal: a restart (a rendezvous of `restart_ms`, 30 s);
-- otherwise the predecessor's holder takes the lost stage over (it now holds two);
-- while the job runs, the first removal since the last configuration makes every later step
-  1.5x longer (integer ms), and the step in flight finishes late by half the time it still had
-  to run (that late completion is the one that counts).
-
-After each completed step the job reconfigures (a rendezvous of the per-model reconfiguration
-time, no step in flight meanwhile) when a node holds two stages and either enough nodes wait to
-take them over or the overloaded nodes are more than 2.5 % of the active ones (always, with 12
-stages), or when the waiting nodes would make one more pipeline. A node removed while waiting
-is still counted as waiting (the artifact never decrements the count).
-
-Models whose table is 0 (the GPT-3 models: out of memory with the redundant layers) train
-nothing; the artifact's zero-length steps repeat until its step limit and commit nothing.
+The story: docs/simulate.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""The Oobleck paper's comparison, from its shipped inputs (`configs/simulate/sosp23.yaml`).
+"""The Oobleck paper's comparison, from its shipped inputs (the `sosp23` inputs).
 
 `systems_for(inputs, model)` builds the five system models for one model of the paper: the
 three published ones with the authors' measured throughput tables and per-event costs, and two
 more on the same inputs: this project (`oobleck_elastic`, on Oobleck's throughput table, with
 its own per-event costs: detection, re-planning, and the layer transfer of the model's size)
 and torchrun checkpoint-restart (`checkpoint_restart`, Oobleck's table for a static plan, a
-Varuna-sized restart, a checkpoint every `varuna_checkpoint_every` steps).
-
-`run_paper()` replays every trace for every model and system and returns one row per run.
+Varuna-sized restart, a checkpoint every `varuna_checkpoint_every` steps). `run_paper()` replays
+every trace for every model and system, one row per run. The story: docs/simulate.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The paper's comparison as the authors' simulator computes it, and with each correction.
 
 `artifact_systems(inputs, model, trace, corrections)` builds Oobleck, Varuna and Bamboo as the
-SOSP'23 artifact's simulator models them (`artifact.py`, `artifact_bamboo.py`) from the paper's
-inputs (`configs/simulate/sosp23.yaml`, its `artifact` section adds what only that simulator
-uses). `compare()` runs every model x trace x system twice, artifact-faithful and corrected, and
-`comparison_table()` prints them side by side with the change each correction set makes.
+SOSP'23 artifact's simulator models them (`simulate.artifact`, `simulate.artifact_bamboo`) from the
+paper's inputs (their `artifact` section adds what only that simulator uses). `compare()` runs every
+model x trace x system twice, artifact-faithful and corrected, and `comparison_table()` prints them
+side by side with the change each correction set makes. The story: docs/simulate.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,6 @@
 """Beyond the paper: this project's planner at 1,000-10,000 nodes under scaled failure rates.
 
-The GPT-3-175B-like analytic profile (`configs/gpt3-175b.yaml`, 8 devices per node, tensor
-parallel 8) is planned for every node count the run passes through (templates once, a plan per
-count, cached), giving `oobleck_elastic` its throughput, pipelines and layer-transfer sizes.
-torchrun checkpoint-restart runs a static plan of the same planner for the node count and
-restarts on every failure. Both checkpoint at their best interval: the best of 0.25x-16x
-Young's sqrt(2 x checkpoint cost x cluster MTBF), by simulation. Failures: Poisson per node with a
-per-node MTBF scaled from a published cluster MTTF (`node_mtbf_h`), failed nodes replaced after
-`join_delay_s`.
-
-What a failure costs `oobleck_elastic` is measured, not assumed (`measure_costs`, printed per
-cost as "assumed X, measured Y (how)"):
-
-- detection: what the rendezvous of the real config takes to declare the node lost. A machine
-  that fails (power, kernel, network) closes no socket, and a collective to it hangs under NCCL,
-  so its lease decides: `fault_tolerance.lease_ttl_s` + `settle_s` (bench/control_plane.py
-  measured 4.7-5.9 s kill -> next plan on that path, 64-1,000 nodes, TTL 5 s). A killed agent
-  process (`failure="process"`) is found by the liveness sockets: 0.1 s kill -> plan, measured by
-  bench/recovery.py (bench/RESULTS.md). The study used to assume 0.6 s for both.
-- re-planning: the leader's call (`plan_job` with the previous plan and the cached templates:
-  instantiation and layer placement, at the study's tensor-parallel degree), timed in this run at
-  the study's node count: two losses (a node a third of the way in, the last node) and one join;
-  the slowest is charged (the study used to assume 0.05 s).
-- transfer: the bytes those re-plans make each node receive (`planning.placement.bytes_received`:
-  the parameters and optimizer state of the layer shards a worker did not hold), the busiest
-  node's at `node_bandwidth_gb_s`; the slowest is charged per event (nodes receive in parallel
-  and no node receives more than its new stage, so it does not grow with the nodes lost). The
-  study used to charge the lost nodes' share of one replica.
+The story: docs/simulate.md.
 """
 
 from __future__ import annotations
@@ -81,23 +55,23 @@ class ScaleSettings:
     """What a failure is, for its detection time: `node` (the machine is gone: its lease decides)
     or `process` (its agent process died: the liveness sockets see it at once)."""
     schedule: str = "1f1b"
-    """`planning.schedule` of the planner: `1f1b` (templates.py's closed form) or `auto` (every
+    """`planning.schedule` of the planner: `1f1b` (`planning.templates`' closed form) or `auto` (every
     pipeline's schedule chosen by simulation, among all the planner knows, as `oobleck plan`
-    shows them; planning/schedule_choice.py), or one schedule's name."""
+    shows them; `planning.schedule_choice`), or one schedule's name."""
     shadow_copies: list[int] = field(default_factory=list)
     """Also run `oobleck_elastic` with each of these counts of host-memory shadow copies
-    (`oobleck_elastic:s=N`, simulate/shadows.py). The engine keeps shadows only at tensor
+    (`oobleck_elastic:s=N`, `simulate.shadows`). The engine keeps shadows only at tensor
     parallel 1; at the study's tp 8 these rows say what they would buy if it kept them there."""
     shadow_overhead: float = SHADOW_STEP_OVERHEAD
     """Failure-free step-time overhead of one shadow copy of every layer."""
     measured_costs: bool = True
-    """Charge the measured detection, re-planning and transfer (module docstring); False charges
+    """Charge the measured detection, re-planning and transfer (docs/simulate.md); False charges
     the assumptions the study made before (0.6 s, 0.05 s, the lost nodes' share of a replica)."""
 
 
 LIVENESS_KILL_TO_PLAN_S = 0.11
-"""Kill -> plan published through the liveness sockets, bench/RESULTS.md ("Recovery re-measured on
-this session's final code", bench/recovery.py, commit f7d59f8: 0.10-0.11 s)."""
+"""Kill -> plan published through the liveness sockets: the upper end of what `bench/recovery.py`
+measured (bench/RESULTS.md, "Figures moved from code comments")."""
 
 
 @dataclass(frozen=True)
@@ -243,7 +217,7 @@ class Planner:
 
 
 def measure_costs(settings: ScaleSettings, planner: Planner) -> dict[str, Cost]:
-    """Detection, re-planning and transfer of one failure at `settings.nodes` (module docstring)."""
+    """Detection, re-planning and transfer of one failure at `settings.nodes` (docs/simulate.md)."""
     ft = planner.cfg.fault_tolerance
     if settings.failure == "node":
         detection = Cost(

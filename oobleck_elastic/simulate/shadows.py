@@ -1,32 +1,7 @@
 """Shadow copies in the simulator: which simultaneous losses they turn from a checkpoint restore
 into a re-plan, and what they cost when nothing fails.
 
-The simulator keeps no per-node plan: a configuration is its nodes in order and the node counts
-of its pipelines, each pipeline holding equal contiguous shares of the model on its nodes
-(`OobleckElastic.layers_lost`). To place shadows with the planner's own code, `segment_plan`
-turns that configuration into a `planning.Plan` whose "layers" are the segments between every
-pipeline's share boundaries (the fractions i/k of the model for pipelines of k nodes) and the
-model's own layer boundaries (j/L for L layers, where the model's layer count is known): each
-segment is held by exactly the same nodes as every part of the model inside it, so a loss takes
-every device copy of some part of the model exactly when it takes every holder of some segment
-(`segment_plan` agrees with `layers_lost` on every loss; tested). `planning.shadows.place_shadows`
-then places `copies` shadows of every segment, its bytes the segment's share of a replica's
-parameters and optimizer state, on nodes that do not hold it, with equal budgets large enough
-that host memory never refuses (it is reported, not charged): the planner's rule (largest first,
-the least loaded node first, ties in node order, all distinct). The layer boundaries make the
-shadows spread over the nodes as the engine's, layer by layer, do; where a stage boundary of the
-equal shares cuts a layer, its two parts are placed apart (the engine's stages end on layer
-boundaries, so it places that layer whole). `planning.shadows.survives` decides the loss. As the engine does, a
-configuration with too few nodes that do not hold some segment keeps as many shadows as fit.
-
-`loss_outcome` is the one decision: `replica` (some device copy of every layer survives: the
-ordinary re-plan), `shadow` (some layer lost every device copy but a shadow survives: the
-engine's re-plan takes it from the keeper, at the cost of a layer transfer, and no step is
-redone) or `restore` (holders and shadows of some layer are all gone: the newest checkpoint).
-
-The failure-free cost is a step-time overhead per shadow copy of every layer,
-`SHADOW_STEP_OVERHEAD` unless an option says otherwise: s copies slow every step by s times it
-(each keeper receives and applies its own copy of the summed gradients).
+The story: docs/simulate.md (the shadows themselves: docs/shadows.md).
 """
 
 from __future__ import annotations
@@ -40,8 +15,8 @@ from ..planning.shadows import ShadowPlacement, device_holders, place_shadows, s
 
 SHADOW_STEP_OVERHEAD = 0.014
 """Failure-free step-time overhead of one shadow copy of every layer (fault_tolerance.shadow_copies
-= 1): step_s(shadows) / step_s(none) - 1 as `bench/shadows.py` measures it (its entry in
-bench/RESULTS.md: 1.4 % for gpt2-tiny at width 256 on paced devices, 4 nodes, f = 1). A model
+= 1): step_s(shadows) / step_s(none) - 1 as `bench/shadows.py` measures it (bench/RESULTS.md,
+"Figures moved from code comments", names the run). A model
 with more parameters per second of compute pays more (the traffic and the host update scale with
 the parameters, the step with the tokens): pass `--shadow-overhead` for another."""
 
@@ -53,7 +28,7 @@ _NO_LIMIT = 2**62  # host memory is reported, not charged: no budget refuses a s
 
 
 def segment_plan(configured: Sequence[str], sizes: Sequence[int], num_layers: int = 0) -> tuple[Plan, list[Fraction]]:
-    """The configuration as a `Plan` of segments (module docstring), and each segment's share of
+    """The configuration as a `Plan` of segments (docs/simulate.md), and each segment's share of
     the model. Pipelines take `configured` in order, `sizes[i]` nodes each; `num_layers`: the
     model's layers (0: unknown)."""
     if sum(sizes) > len(configured) or any(k <= 0 for k in sizes):
@@ -109,7 +84,7 @@ def loss_outcome(
     configured: Sequence[str], sizes: Sequence[int], removed: Sequence[str], copies: int, num_layers: int = 0
 ) -> str:
     """What losing `removed` at once from the configuration does: `replica`, `shadow` or
-    `restore` (module docstring), with `copies` shadows of every layer."""
+    `restore` (docs/simulate.md), with `copies` shadows of every layer."""
     plan, shares = segment_plan(configured, sizes, num_layers)
     if survives(plan, None, removed):
         return "replica"

@@ -1,40 +1,6 @@
 """System models: how each training system reacts to nodes leaving and joining.
 
-Every model is replayed over the same node events by `replay` (an `add` becomes usable after
-the provisioning delay; a `remove` is immediate) and charges its own mechanism on a `Timeline`.
-Throughput between events comes from a function of the node count: a measured table (the
-papers' inputs) or this project's planner. The mechanisms, from each system's paper and the
-Oobleck artifact's simulator (docs/simulate.md has the sources):
-
-- `oobleck` (Oobleck, SOSP'23, as published): a failure loses the step in flight and costs one
-  reconfiguration (re-planning from pipeline templates and copying layers from other
-  replicas: a per-model constant measured by the authors); joining nodes wait for the next
-  reconfiguration.
-- `varuna` (Varuna, EuroSys'22, job morphing): every failure restarts the job (a new
-  rendezvous and plan, a per-model constant) from its last checkpoint: the steps since then are
-  lost; a checkpoint every `checkpoint_every` steps stalls training; joining nodes wait for the
-  next restart.
-- `bamboo` (Bamboo, NSDI'23, redundant computation): each node also computes its pipeline
-  predecessor's layers in the bubbles; only the `useful_fraction` of the compute time is the
-  job's own work (the rest is redundant, reported apart). A failure is absorbed by the
-  predecessor's copy: the step in flight finishes 1.5x slower, then the pipelines are
-  reconfigured (a per-model constant); losing two neighbouring nodes before that exhausts the
-  redundancy: a restart. Models that do not fit with the redundant layers have throughput 0.
-- `checkpoint_restart` (torchrun with `--max-restarts`): every failure stops every worker;
-  the job restarts on the nodes left (a restart cost) from the last checkpoint, checkpointing
-  every `checkpoint_every` steps; the plan is a static one for the node count.
-- `oobleck_elastic` (this project): a failure costs detection (a lost machine: its lease expires,
-  `machine_loss_detection_s`) + re-planning + the layer transfer
-  (the failed nodes' share of a replica, params and optimizer state, over the inter-node link)
-  and the step in flight; a join waits for the next step boundary and costs re-planning + the
-  copy of its layers. If a burst of failures takes every copy of some layer (pipelines hold
-  contiguous equal shares of the model on their nodes, assigned in node order), or fewer than
-  `min_nodes` remain, the job restores its last checkpoint (rollback + restart cost). With
-  `shadow_copies` = s > 0 (`fault_tolerance.shadow_copies`) every layer is also kept in the host
-  memory of s other nodes (placed by the planner's rule, shadows.py): a burst that takes every
-  device copy of a layer but not its shadows costs what a failure costs (the layer comes from the
-  keeper like any layer transfer, no step is redone), and every step is slower by s x
-  `shadow_overhead` (charged as `redundant` time: work that does not advance training).
+Every model is replayed over the same node events by `replay`. The story: docs/simulate.md.
 """
 
 from __future__ import annotations
@@ -162,8 +128,8 @@ def machine_loss_detection_s(ft: Optional[FaultToleranceConfig] = None) -> float
     simulations (`--paper` and `--scale`), whose traces remove machines. A machine that fails
     (power, kernel, network) closes no socket and answers no ping, so its lease decides:
     `fault_tolerance.lease_ttl_s` + `settle_s` (5.5 s with the defaults). A killed process is found
-    sooner (its liveness socket closes: 0.1 s, bench/recovery.py), but that is not what the traces
-    record."""
+    sooner (its liveness socket closes; the time is in bench/RESULTS.md), but that is not what the
+    traces record."""
     ft = ft if ft is not None else FaultToleranceConfig()
     return ft.lease_ttl_s + ft.settle_s
 
@@ -198,7 +164,7 @@ class OobleckElastic(SystemModel):
         return super().rate(n) / (1 + step_overhead(self.shadow_copies, self.shadow_overhead))
 
     def loss(self, running: list[str]) -> str:
-        """`replica`, `shadow` or `restore` for losing `running` at once (simulate/shadows.py)."""
+        """`replica`, `shadow` or `restore` for losing `running` at once (`simulate.shadows`)."""
         if not self.layers_lost(running):
             return "replica"
         if self.shadow_copies <= 0:

@@ -1,22 +1,7 @@
 """One system's run over time: steps, stalls, checkpoints, rollbacks, and where the time went.
 
-A `Timeline` is advanced from event to event by a system model (`systems.py`). Between events
-the job either trains, one step of `batch / throughput` seconds after another (a step commits
-its samples when it completes), or stalls for a cost the system charged (a reconfiguration, a
-restart, a rendezvous) labelled with a category. With a checkpoint interval of K steps, every
-K-th step is followed by a checkpoint stall. An event during a stall cuts it short: the time
-spent so far stays charged, and the system charges what the new event costs.
-
-Rules a system can apply at an event:
-- `lose_partial_step()`: the step in flight is discarded (its time moves from useful to lost);
-- `rollback()`: everything since the last checkpoint is discarded (lost), as on a restart from
-  the checkpoint: the committed samples go back to the checkpoint's;
-- `stall(seconds, category)`: nothing trains for that long.
-
-The breakdown (wall seconds per category) adds up to the elapsed time: `useful` (training that
-was kept), `redundant` (training time spent on redundant computation, for systems whose steps
-are only partly useful), `lost` (training later discarded), `checkpoint`, `reconfiguration`,
-`restart`, and `stopped` (too few nodes to train at all).
+A `Timeline` is advanced from event to event by a system model; every second lies in one
+category. The story: docs/simulate.md.
 """
 
 from __future__ import annotations

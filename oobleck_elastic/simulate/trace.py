@@ -1,11 +1,11 @@
 """Node-availability traces: what the simulator replays.
 
 A trace is a time-sorted list of node events, `time_ms,add|remove,node` per line (the format of
-the Oobleck SOSP'23 artifact's traces, shipped under `configs/simulate/traces/`). An `add` at
+the Oobleck SOSP'23 artifact's traces, which this project ships). An `add` at
 time t means the node is provisioned and available from t; a `remove` means it is gone at t
 (a spot preemption or a failure). `synthetic_trace` draws one: N nodes at t = 0, each failing
 after an exponential lifetime of mean `mtbf_h` (Poisson failures per node), optionally replaced
-by a new node `join_delay_s` later (the provisioning delay).
+by a new node `join_delay_s` later (the provisioning delay). The story: docs/simulate.md.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from oobleck_elastic import ops
+from oobleck_elastic import cluster_ops
 from oobleck_elastic.etcd import connect
 from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.records.control import ClosedRecord
@@ -53,13 +53,13 @@ def test_bad_closed_values_in_etcd_leave_the_job_open_and_are_logged_once(etcd_s
                     assert ctx.should_leave(None) is None and ctx.failure_of_job() is None
             warnings = [r for r in caplog.records if keys.closed in r.getMessage()]
             assert len(warnings) == 1, [r.getMessage() for r in warnings]
-            assert "closed" not in " ".join(ops.status(client, keys))
+            assert "closed" not in " ".join(cluster_ops.status(client, keys))
         ctx.close_job("injected fault ended a worker 3 times", failed=True)
         closed = read_closed(client, keys)
         assert closed is not None and closed.failed and closed.reason.startswith("injected fault")
         assert ctx.should_leave(None) == "the job is closed"
         assert ctx.failure_of_job() == "injected fault ended a worker 3 times"
-        assert "(closed as failed: injected fault" in ops.status(client, keys)[0]
+        assert "(closed as failed: injected fault" in cluster_ops.status(client, keys)[0]
     finally:
         client.close()
 
@@ -97,7 +97,7 @@ def test_bad_progress_next_index_and_events_are_ignored_or_repaired(etcd_setting
         for raw in ['{"step": "abc", "generation": 1, "time": 1, "node": "node0"}', "[]", "{"]:
             client.put(keys.progress, raw)
             assert read_progress(client, keys) is None
-            assert any(line.startswith("step: no progress") for line in ops.status(client, keys))
+            assert any(line.startswith("step: no progress") for line in cluster_ops.status(client, keys))
         ctx = WorkerContext(client=client, keys=keys, node_id="node0", local_rank=0)
         ctx.report_progress(generation=2, step=7)
         ctx.close()  # progress is written in the background: wait for it

@@ -16,7 +16,7 @@ from typing import Optional
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from oobleck_elastic import ops
+from oobleck_elastic import cluster_ops
 from oobleck_elastic.etcd import EtcdError, EtcdSettings, connect
 from helpers import TINY_PROFILE_OVERRIDES, eventually, tiny_profile
 from oobleck_elastic.planning import Plan
@@ -427,9 +427,9 @@ def test_a_worker_withdraws_its_stall_checkin_once_it_entered(etcd_server, run_i
 def test_kill_agent_drains_a_node(cluster_factory) -> None:
     c = cluster_factory(min_nodes=3, max_nodes=3)
     join_all(c.start(3))
-    message = ops.kill_agent(c.client, c.keys, 2)
+    message = cluster_ops.kill_agent(c.client, c.keys, 2)
     assert message.startswith("node node2 (index 2, host ") and "is draining" in message
-    assert any("draining" in line and "node2" in line for line in ops.agents(c.client, c.keys))
+    assert any("draining" in line and "node2" in line for line in cluster_ops.agents(c.client, c.keys))
     plan = c.wait_plan(lambda p: "node2" not in p.nodes)
     assert plan.nodes == ("node0", "node1")
     # the roster agents read is written with the plan, in the same transaction
@@ -439,8 +439,8 @@ def test_kill_agent_drains_a_node(cluster_factory) -> None:
     assert read_roster(c.client, c.keys) == Roster(plan.generation, plan.nodes)
     drain = [e for e in c.events() if e.kind == "drain" and e.generation == plan.generation]
     assert [e.node for e in drain] == ["node2"]
-    with pytest.raises(ops.OpsError, match=r"no live node with index 7 in run '.*' \(live: 0, 1, 2\)"):
-        ops.kill_agent(c.client, c.keys, 7)
+    with pytest.raises(cluster_ops.OpsError, match=r"no live node with index 7 in run '.*' \(live: 0, 1, 2\)"):
+        cluster_ops.kill_agent(c.client, c.keys, 7)
 
 
 def test_nodes_beyond_max_wait_as_spares(cluster_factory) -> None:
@@ -481,7 +481,7 @@ def test_malformed_values_are_ignored_with_a_warning(cluster_factory, caplog) ->
     text = caplog.text
     assert "ignoring malformed JSON in etcd key /oobleck/" in text and "node99" in text
     assert "ignoring malformed node record /oobleck/" in text and "node98" in text
-    agents = ops.agents(c.client, c.keys)
+    agents = cluster_ops.agents(c.client, c.keys)
     assert all("node99" not in line and "node98" not in line for line in agents), agents
     assert sum("node0" in line or "node1" in line for line in agents) == 2, agents
 
@@ -490,12 +490,12 @@ def test_status_and_events_commands(cluster_factory) -> None:
     c = cluster_factory(min_nodes=2, max_nodes=2)
     join_all(c.start(2))
     c.client.put_json(c.keys.progress, {"generation": 1, "step": 7, "time": time.time()})
-    lines = ops.status(c.client, c.keys)
+    lines = cluster_ops.status(c.client, c.keys)
     assert lines[0].startswith(f"run {c.run_id}: 2 live node(s), leader node")
     assert lines[1].startswith("generation 1: 2 node(s), ")
     assert lines[-1].startswith("step 7 (generation 1, ")
     out: list[str] = []
-    ops.events(c.client, c.keys, out=out.append)
+    cluster_ops.events(c.client, c.keys, out=out.append)
     kinds = [line.split()[1] for line in out]
     assert sorted(kinds[:3]) == ["join", "join", "leader"] and kinds[3:] == ["plan"]
     assert "generation 1: 2 node(s), 1 pipeline(s)" in out[-1] or "generation 1: 2 node(s), 2 pipeline(s)" in out[-1]
@@ -518,8 +518,8 @@ def test_connection_errors_are_clear(etcd_server, run_id, tmp_path) -> None:
         user=None,
         password=None,
     )
-    with pytest.raises(ops.OpsError, match="^run 'no-such-run' not found at 127.0.0.1:"):
-        ops.open_run(args)
+    with pytest.raises(cluster_ops.OpsError, match="^run 'no-such-run' not found at 127.0.0.1:"):
+        cluster_ops.open_run(args)
 
 
 def test_unknown_rdzv_conf_option_is_refused(etcd_server, run_id, profile_path, monkeypatch) -> None:

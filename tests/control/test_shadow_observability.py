@@ -12,7 +12,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from oobleck_elastic import ops
+from oobleck_elastic import cluster_ops
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.entry.reconfigure import LayerSources, Move
 from oobleck_elastic.engine.entry.shadow_seeding import new_store
@@ -53,7 +53,7 @@ def test_oobleck_status_lists_the_shadow_placement(etcd_settings, run_id) -> Non
     keys = Keys("/oobleck", run_id)
     try:
         client.put_json(keys.plan, shadowed_plan().to_json())
-        lines = ops.status(client, keys)
+        lines = cluster_ops.status(client, keys)
         at = next(i for i, line in enumerate(lines) if line.startswith("shadow copies"))
         assert lines[at : at + 6] == [
             "shadow copies (fault_tolerance.shadow_copies=1): every layer also in the host memory of 1 node(s) "
@@ -67,7 +67,7 @@ def test_oobleck_status_lists_the_shadow_placement(etcd_settings, run_id) -> Non
         ]
         # a plan without shadows: no line about them
         client.put_json(keys.plan, layout_plan([[(0, 3), (3, 6)], [(0, 6)]], [4, 4], generation=4).to_json())
-        assert not [line for line in ops.status(client, keys) if "shadow" in line]
+        assert not [line for line in cluster_ops.status(client, keys) if "shadow" in line]
     finally:
         client.close()
 

@@ -440,7 +440,7 @@ def test_a_job_with_a_kill_a_join_and_a_drain_accounts_for_its_wall_time(
     start. The sample ledger (records/samples.py) proves every sample used exactly once, the
     skipped batch aside."""
     from launcher.faults import kill_node
-    from oobleck_elastic import ops
+    from oobleck_elastic import cluster_ops
     from oobleck_elastic.logs import read_event_lines
     from oobleck_elastic.etcd import EtcdSettings, connect
     from oobleck_elastic.planning import Plan
@@ -473,7 +473,7 @@ def test_a_job_with_a_kill_a_join_and_a_drain_accounts_for_its_wall_time(
         p, leader = plan(c), (c.get_json(keys.leader)[0] or {}).get("node_id")
         node = next(n for n in [rank0(p), *p.nodes] if n not in (leader, "node4"))
         drained.append(node)
-        ops.kill_agent(c, keys, next(r.index for r in live_nodes(c, keys) if r.node_id == node))
+        cluster_ops.kill_agent(c, keys, next(r.index for r in live_nodes(c, keys) if r.node_id == node))
 
     def during(proc) -> None:
         when(etcd_server.endpoint, proc, lambda c: progress(c).get("step", 0) >= 4, kill_rank0)

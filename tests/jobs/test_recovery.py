@@ -172,7 +172,7 @@ def test_kill_one_node_of_four_under_other_schedules_matches_reference(
 def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id) -> None:
     """A 4th node joins a 3-node job (admitted at a step boundary, layers copied to it), then a
     node is drained with `oobleck kill-agent` (leaves at a boundary, its agent exits 0)."""
-    from oobleck_elastic import ops
+    from oobleck_elastic import cluster_ops
     from oobleck_elastic.records.keys import Keys
 
     profile = tiny_profile(tmp_path / "profile.json")
@@ -183,7 +183,7 @@ def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id)
             etcd_server.endpoint,
             proc,
             lambda c: (c.get_json(keys.progress)[0] or {}).get("generation", 0) >= 2,
-            lambda c: ops.kill_agent(c, keys, 1),
+            lambda c: cluster_ops.kill_agent(c, keys, 1),
         )
 
     out, job, ref = run_job(
@@ -204,7 +204,7 @@ def test_draining_the_last_holders_of_layers_moves_them(tmp_path: Path, etcd_ser
     the next generation's entry, send their layers with the optimizer state to the two nodes left,
     and exit 0. No checkpoint exists (none is configured): without the donors the job would stop
     with "no surviving copy"; with them it ends with the reference weights."""
-    from oobleck_elastic import ops
+    from oobleck_elastic import cluster_ops
     from oobleck_elastic.planning import Plan
     from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.rendezvous.membership import live_nodes, read_events
@@ -219,7 +219,7 @@ def test_draining_the_last_holders_of_layers_moves_them(tmp_path: Path, etcd_ser
         drained.extend(p.stages[-1].node for p in plan.pipelines)
         index = {r.node_id: r.index for r in live_nodes(client, keys)}
         for node in drained:
-            ops.kill_agent(client, keys, index[node])
+            cluster_ops.kill_agent(client, keys, index[node])
 
     out, job, ref = run_job(
         tmp_path,
@@ -253,7 +253,7 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
     """Two nodes die at once and they held both copies of the same layers (more than f=1
     failures): the survivors restore the newest checkpoint by themselves and still end with the
     reference weights, every sample used once."""
-    from oobleck_elastic import ops
+    from oobleck_elastic import cluster_ops
     from oobleck_elastic.records.keys import Keys
 
     profile = tiny_profile(tmp_path / "profile.json")
@@ -280,7 +280,7 @@ def test_losing_every_copy_of_a_layer_restores_the_checkpoint(tmp_path: Path, et
     assert sources["replica"] == sources["shadow"] == {"layers": 0, "bytes": 0} and sources["disk"]["bytes"] > 0
     assert sources["disk"]["layers"] == 6 and "6 from disk" in out
     # the steps after the checkpoint ran twice, and count once (records/samples.py)
-    ok, lines = ops.samples(str(tmp_path / "events"))
+    ok, lines = cluster_ops.samples(str(tmp_path / "events"))
     assert ok and lines[0].startswith("samples: exactly once: 9 of 9 steps applied, 0 skipped"), lines
     assert "re-runs after 1 restore(s)" in lines[0], lines
 
@@ -291,7 +291,7 @@ def test_losing_both_holders_of_layers_goes_on_from_their_shadow_copies(tmp_path
     no periodic checkpoint: the survivors take those layers from the shadow copies they keep in
     host memory, at the step the job had reached, and end with the reference weights, every
     step applied once and none trained twice."""
-    from oobleck_elastic import ops
+    from oobleck_elastic import cluster_ops
     from oobleck_elastic.records.keys import Keys
 
     profile = tiny_profile(tmp_path / "profile.json")
@@ -335,7 +335,7 @@ def test_losing_both_holders_of_layers_goes_on_from_their_shadow_copies(tmp_path
     finally:
         client.close()
     assert ledger.get(Category.SHADOWS) > 0, ledger.seconds
-    ok, lines = ops.samples(str(tmp_path / "events"))
+    ok, lines = cluster_ops.samples(str(tmp_path / "events"))
     assert ok and lines[0].startswith("samples: exactly once: 9 of 9 steps applied, 0 skipped"), lines
     # at most the interrupted step was replayed; no committed step was trained again
     assert "re-runs after 0 restore(s)" in lines[0], lines

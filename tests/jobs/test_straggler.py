@@ -266,7 +266,7 @@ def test_mitigate_re_splits_or_leaves_the_straggler_out_whichever_is_faster() ->
 
 
 def test_the_report_reaches_the_leader_and_oobleck_status(etcd_settings, run_id) -> None:
-    from oobleck_elastic import ops
+    from oobleck_elastic import cluster_ops
     from oobleck_elastic.rendezvous.stragglers import LeaderStragglers
     from oobleck_elastic.rendezvous.worker import WorkerContext
 
@@ -276,7 +276,7 @@ def test_the_report_reaches_the_leader_and_oobleck_status(etcd_settings, run_id)
     try:
         ctx = WorkerContext(client=client, keys=keys, node_id="n0", local_rank=0)
         ctx.report_stragglers(generation=3, step=6, nodes={"n1": 3.04}, pipeline_s=(0.1, 0.3, 0.1, 0.1))
-        assert "stragglers (generation 3, after step 6): n1 3.0x slower" in ops.status(client, keys)
+        assert "stragglers (generation 3, after step 6): n1 3.0x slower" in cluster_ops.status(client, keys)
         made: list[list[str]] = []
         leader = LeaderStragglers(lambda nodes, g, old: made.append(nodes) or _without_n1(1.5), enabled=True)
         fields = leader.view_fields(client, keys, plan)
@@ -287,7 +287,7 @@ def test_the_report_reaches_the_leader_and_oobleck_status(etcd_settings, run_id)
         assert LeaderStragglers(lambda *a: plan, enabled=False).view_fields(client, keys, plan) == {}
         ctx.report_stragglers(generation=3, step=9, nodes={}, pipeline_s=(0.1, 0.1, 0.1, 0.1))
         assert leader.view_fields(client, keys, plan) == {}
-        assert not any(line.startswith("stragglers") for line in ops.status(client, keys))
+        assert not any(line.startswith("stragglers") for line in cluster_ops.status(client, keys))
     finally:
         client.close()
 

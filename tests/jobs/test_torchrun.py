@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_elastic import ops
+from oobleck_elastic import cluster_ops
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.planning import Plan
 from oobleck_elastic.records.keys import Keys
@@ -82,7 +82,7 @@ def test_join_kill_and_drain_under_torchrun(etcd_server, run_id) -> None:
             if generation >= 3 and drained is None:  # after the kill's re-plan: drain the late joiner
                 target = max(nodes, key=lambda r: r.index)  # the node that joined late
                 drained = target.node_id
-                ops.kill_agent(client, keys, target.index)
+                cluster_ops.kill_agent(client, keys, target.index)
             time.sleep(0.05)
         rc = proc.wait(timeout=60)
         reader.join(10)

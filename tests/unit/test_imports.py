@@ -75,8 +75,8 @@ ALLOWED: dict[str, frozenset[str]] = {
             "records",
         ),
         # floor 5: operations and the command line
-        "ops": ("config", "etcd", "logs", "planning", "records", "rendezvous"),
-        "cli": ("checkpoint", "config", "etcd", "logs", "models", "ops", "planning", "simulate"),
+        "cluster_ops": ("config", "etcd", "logs", "planning", "records", "rendezvous"),
+        "cli": ("checkpoint", "cluster_ops", "config", "etcd", "logs", "models", "planning", "simulate"),
     }.items()
 }
 """What each part of the package may import (besides itself and the package's empty face)."""

@@ -108,7 +108,7 @@ def test_every_path_the_layout_names_exists(layout: dict[str, int]) -> None:
 def test_the_layout_parser_reads_groups_and_nesting() -> None:
     tree = [
         "oobleck_elastic/              the package",
-        "  cli.py, ops.py              two modules on one line",
+        "  cli.py, cluster_ops.py      two modules on one line",
         "  etcd/                       a package",
         "    client.py                 inside it",
         "  logs.py                     back at the package root",
@@ -118,7 +118,7 @@ def test_the_layout_parser_reads_groups_and_nesting() -> None:
     assert set(named_paths(lines)) == {
         "oobleck_elastic/",
         "oobleck_elastic/cli.py",
-        "oobleck_elastic/ops.py",
+        "oobleck_elastic/cluster_ops.py",
         "oobleck_elastic/etcd/",
         "oobleck_elastic/etcd/client.py",
         "oobleck_elastic/logs.py",

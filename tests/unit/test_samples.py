@@ -230,7 +230,7 @@ def test_the_samples_command(tmp_path: Path, capsys) -> None:
 
 
 def _single_process(tmp_path: Path, monkeypatch, *, nan: bool = True, extra: tuple[str, ...] = ()) -> list[str]:
-    from oobleck_elastic import ops
+    from oobleck_elastic import cluster_ops
     from oobleck_elastic.config import load_config
     from oobleck_elastic.engine.run import train
 
@@ -251,7 +251,7 @@ def _single_process(tmp_path: Path, monkeypatch, *, nan: bool = True, extra: tup
     if nan:
         monkeypatch.setenv("OOBLECK_NAN_AT", "0@3x2")  # step 4 replayed, then skipped
     train(cfg)
-    return ops.samples(str(tmp_path / "events"))[1]
+    return cluster_ops.samples(str(tmp_path / "events"))[1]
 
 
 def test_the_single_process_ledger_is_exactly_once_with_a_skip(tmp_path: Path, monkeypatch) -> None:

@@ -1,16 +1,9 @@
 """Cluster operations: `oobleck agents | kill-agent | status | events | goodput | outcome` over
 etcd, and `oobleck samples` over a job's events directory.
 
-They read and write the run's keys (records/keys.py) and never talk to agents directly, so
-they work from any machine that reaches etcd. `kill-agent` is graceful: it marks the node's
-record `draining` (rewritten under the node's own lease, with a compare-and-swap on its
-revision); the leader re-plans without it, its workers leave at the next step boundary and its
-agent exits 0. `goodput` reads the ledger the worker holding rank 0 reports with the job's
-progress (engine/telemetry/goodput.py). `outcome` turns the run's `closed` record into an exit status, so a
-batch script reports the run's result rather than the status of whichever node exited last (a node
-lost or drained on the way exits non-zero or 0 whatever the run did). `samples` checks the sample
-ledger the workers write to `logging.events_dir` (records/samples.py): every step committed once,
-on exactly the samples the sampler gives it.
+They read and write the run's keys (`records.keys`) and never talk to agents directly, so they
+work from any machine that reaches etcd. `kill-agent` drains (marks the node `draining`), it never
+kills. The story: docs/operations.md.
 """
 
 from __future__ import annotations
@@ -121,7 +114,7 @@ them (`Plan.shadows`), not where the leader found them."""
 
 
 def status(client: EtcdClient, keys: Keys) -> list[str]:
-    """The run's leader, plan (pipelines, spares, shadow copies: planning/shadows.py `describe`),
+    """The run's leader, plan (pipelines, spares, shadow copies: `planning.shadows` `describe`),
     current step and stragglers."""
     leader = read_leader(client, keys)
     data, _ = client.get_json(keys.plan)
@@ -189,7 +182,7 @@ def events(
 
 
 def goodput(client: EtcdClient, keys: Keys, *, now: Optional[float] = None) -> tuple[list[str], dict]:
-    """The job's goodput ledger (engine/telemetry/goodput.py) against its wall time: from its first event to
+    """The job's goodput ledger (`engine.telemetry.goodput`) against its wall time: from its first event to
     its `closed` record (or `now` while it runs). Returns the lines and the same as JSON."""
     data, _ = client.get_json(keys.progress)
     found = data.get("goodput") if isinstance(data, dict) else None
@@ -249,7 +242,7 @@ def outcome(closed: Optional[ClosedRecord], run_id: str) -> tuple[int, str]:
 
 
 def run_ops(args: argparse.Namespace) -> int:
-    """Entry for the ops subcommands (cli.py wires the parsers)."""
+    """Entry for the ops subcommands (`cli` wires the parsers)."""
     client, keys = open_run(args)
     try:
         if args.command == "agents":
