@@ -67,7 +67,7 @@ def run_case(model: str, mode: str) -> dict:
     from oobleck_elastic import models
     from oobleck_elastic.config import load_config
     from oobleck_elastic.models.build import build_meta_layers
-    from oobleck_elastic.planning import profiler
+    from oobleck_elastic.planning.profile import profiler
 
     cfg = load_config(
         ROOT / "configs/gpt2-tiny.yaml",

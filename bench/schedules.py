@@ -21,7 +21,7 @@ default k = 2 a stage's forward is paced to 40 ms and its backward to 80 ms, so 
 a small share of every pass (a pass that overruns its target logs `paced_overrun`, counted here).
 The schedules given (`--schedules`, default 1f1b and gpipe; `name/chunks` for a chunk count,
 e.g. `zero-bubble/2`; interleaved-1f1b and zbv run 2 chunks, the others 1; one the engine refuses,
-planning/schedule_choice.py's ENGINE_RUNS, is skipped with a line) run alternately, `--repeats`
+planning/schedules/choice.py's ENGINE_RUNS, is skipped with a line) run alternately, `--repeats`
 times each, one job at a time.
 
 The estimate, and what is honest about it. The job's plan is made from the unscaled profile, and
@@ -39,7 +39,7 @@ step time (`train_step`, first forward to applied update: the `seconds` of its `
 lines, logging.events_dir); `wall_s`, the median time between consecutive step lines; `est_s`,
 the plan's estimate (1f1b and gpipe: templates.py's closed form; the others simulated); `ratio` =
 step_s / est_s (goal: within 10 %, 0.9 .. 1.1); `sim_s`, the simulator's step for the same stages
-(planning/schedule_cost.py), and in the summary `sim_ratio` = step_s / sim_s; `samples_s` = global
+(planning/schedules/cost.py), and in the summary `sim_ratio` = step_s / sim_s; `samples_s` = global
 batch / step_s; `vs_1f1b` = samples_s / that of the same repeat's 1f1b run; `overruns`: the
 stages in which some paced pass took longer than its target (each logs `paced_overrun` once;
 should be 0). A summary line per schedule gives the medians (`vs_1f1b` of the medians).
@@ -69,8 +69,8 @@ from oobleck_elastic.config import load_config  # noqa: E402
 from oobleck_elastic.logs import read_event_lines  # noqa: E402
 from oobleck_elastic.planning import ModelProfile, plan_job  # noqa: E402
 from oobleck_elastic.planning.job import links_for  # noqa: E402
-from oobleck_elastic.planning.schedule_choice import ENGINE_RUNS  # noqa: E402
-from oobleck_elastic.planning.schedule_cost import schedule_cost  # noqa: E402
+from oobleck_elastic.planning.schedules.choice import ENGINE_RUNS  # noqa: E402
+from oobleck_elastic.planning.schedules.cost import schedule_cost  # noqa: E402
 from oobleck_elastic.testing import uniform_profile  # noqa: E402
 
 NODES = 4
@@ -126,7 +126,7 @@ def bench_profile(kind: str) -> ModelProfile:
 
 def estimate(schedule: str, profile: ModelProfile, factor: float) -> tuple[float, float, bool]:
     """The planner's step estimate on the paced devices (its plan's), the simulator's for the same
-    stages (planning/schedule_cost.py), and whether the plan's stages are the job's."""
+    stages (planning/schedules/cost.py), and whether the plan's stages are the job's."""
     cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [*OVERRIDES, *schedule_overrides(schedule)])
     paced_profile = scaled(profile, factor)
     paced = plan_job(cfg, nodes=NODES, profile=paced_profile, engine_only=False).plan

@@ -26,7 +26,7 @@ from .records import samples as sample_ledger
 from .records.goodput import Ledger, describe, job_origin
 from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
 from .planning import Plan, PlanningError
-from .planning.shadows import describe as describe_shadows
+from .planning.tolerance.shadows import describe as describe_shadows
 from .records.keys import Keys
 from .records.control import ClosedRecord, Event, NodeState
 from .records.read import read_closed, read_leader, read_progress, read_stragglers
@@ -121,7 +121,7 @@ them (`Plan.shadows`), not where the leader found them."""
 
 
 def status(client: EtcdClient, keys: Keys) -> list[str]:
-    """The run's leader, plan (pipelines, spares, shadow copies: planning/shadows.py `describe`),
+    """The run's leader, plan (pipelines, spares, shadow copies: planning/tolerance/shadows.py `describe`),
     current step and stragglers."""
     leader = read_leader(client, keys)
     data, _ = client.get_json(keys.plan)

@@ -11,18 +11,19 @@ from types import SimpleNamespace
 import pytest
 
 from oobleck_elastic.planning import LayerProfile, Links, ModelProfile
-from oobleck_elastic.planning.partition import StageCosts
-from oobleck_elastic.planning.schedule_choice import PipelineSchedules
-from oobleck_elastic.planning.schedule_cost import (
+from oobleck_elastic.planning.templates.partition import StageCosts
+from oobleck_elastic.planning.schedules.choice import PipelineSchedules
+from oobleck_elastic.planning.schedules.cost import (
     ScheduleCost,
     chunk_ranges,
     schedule_cost,
     stage_times,
     template_cost,
 )
-from oobleck_elastic.planning.schedule_sim import StageTimes, simulate, simulate_reference
-from oobleck_elastic.planning.schedules import Action, Order, ScheduleError, schedule_order
-from oobleck_elastic.planning.templates import PlanningError, TemplateSet, make_template
+from oobleck_elastic.planning.schedules.sim import StageTimes, simulate, simulate_reference
+from oobleck_elastic.planning.schedules.schedules import Action, Order, ScheduleError, schedule_order
+from oobleck_elastic.planning.errors import PlanningError
+from oobleck_elastic.planning.templates.templates import TemplateSet, make_template
 
 LINKS = Links(intra_node_gb_s=150.0, inter_node_gb_s=12.5, latency_s=1e-5)
 
@@ -188,7 +189,7 @@ def test_1f1b_equals_the_template_formula_when_the_last_stage_is_the_slowest(see
     for m in range(1, 3 * p + 1):
         cost = template_cost(prof, t, "1f1b", m, replicas=3)
         assert cost.step_s == pytest.approx(t.iteration_time(m, replicas=3), rel=1e-12)
-        # the exposed all-reduce too (planning/overlap.py): the cool-down's chain is exact here
+        # the exposed all-reduce too (planning/templates/overlap.py): the cool-down's chain is exact here
         assert cost.grad_sync_s == pytest.approx(t.grad_sync_s(3), rel=1e-9) and cost.grad_sync_s > 0
 
 

@@ -26,7 +26,7 @@ Retake. With f+1 copies of every layer, f node failures leave a copy to recover 
 fewer (a re-plan over the survivors made fewer pipelines), the next failure may take the last
 copy of some layer, and the job then restores the newest checkpoint, which may be old (or
 partial, and set aside: then an older one). So on entering a generation from a running job
-whose plan leaves a layer short (planning/copies.py: distinct nodes holding it, plus shadow
+whose plan leaves a layer short (planning/tolerance/copies.py: distinct nodes holding it, plus shadow
 copies when there are any), the workers save a checkpoint at that step boundary, before the
 generation's first step, once per generation: "generation G: layer L has 1 copy < f+1=2;
 checkpoint at step S". Not when a complete checkpoint of step S exists already (rank 0 looks,
@@ -214,7 +214,7 @@ def retake_reason(
     """Why the workers entering `plan`'s generation at `step` must save a checkpoint before its
     first step, or None (module docstring, "Retake"). `previous`: the newest generation any of
     them was in (0 at the job's first start); `steps`: training.steps; `extra`: shadow copies
-    ({layer: nodes}, planning/copies.py)."""
+    ({layer: nodes}, planning/tolerance/copies.py)."""
     if previous <= 0 or plan.rebalanced or step >= steps:
         return None
     short = shortfall(plan, extra)

@@ -27,9 +27,9 @@ from ..config import ConfigError, JobConfig
 from ..data.dataset import check_data
 from ..data.errors import DataError
 from ..planning import PlanningError
-from ..planning.profile import ProfileError
-from ..planning.schedule_choice import candidates
-from ..planning.shadows import SHADOWS_WITH_TP
+from ..planning.profile.profile import ProfileError
+from ..planning.schedules.choice import candidates
+from ..planning.tolerance.shadows import SHADOWS_WITH_TP
 from ..logs import JobLog
 from .control import ControlPlane
 from .resilience.errors import JobFailed

@@ -22,8 +22,8 @@ their devices) and says which node losses the plan then survives.
 from __future__ import annotations
 
 from .comm import Links
-from .copies import Shortfall, layer_copies, shortfall
-from .instantiate import Assignment, best_cover, instantiate
+from .tolerance.copies import Shortfall, layer_copies, shortfall
+from .plan.instantiate import Assignment, best_cover, instantiate
 from .job import (
     JobPlan,
     choose_microbatch_size,
@@ -39,7 +39,7 @@ from .job import (
     tensor_parallel_degrees,
     with_shadows,
 )
-from .microbatch import (
+from .profile.microbatch import (
     MicrobatchChoice,
     MicrobatchError,
     MicrobatchOption,
@@ -48,11 +48,14 @@ from .microbatch import (
     profile_at,
     profile_microbatch_sizes,
 )
-from .guarantee import Guarantee, guarantee
-from .plan import PipelineSpec, Plan, StagePlacement, make_plan
-from .profile import LayerProfile, ModelProfile, ProfileError
-from .shadows import ShadowPlacement, place_shadows, shadow_bytes, survives, tolerated_losses
-from .templates import PlanningError, Template, TemplateSet, build_templates
+from .tolerance.guarantee import Guarantee, guarantee
+from .plan.plan import PipelineSpec, Plan, StagePlacement
+from .plan.build import make_plan
+from .profile.profile import LayerProfile, ModelProfile, ProfileError
+from .plan.plan import ShadowPlacement
+from .tolerance.shadows import place_shadows, shadow_bytes, survives, tolerated_losses
+from .errors import PlanningError
+from .templates.templates import Template, TemplateSet, build_templates
 
 __all__ = [
     "Assignment",

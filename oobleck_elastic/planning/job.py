@@ -31,7 +31,7 @@ from typing import Mapping, Optional, Sequence
 
 from ..config import JobConfig
 from .comm import Links
-from .microbatch import (
+from .profile.microbatch import (
     MicrobatchChoice,
     MicrobatchOption,
     fixed_microbatch_size,
@@ -39,12 +39,14 @@ from .microbatch import (
     pick_microbatch_size,
     profile_at,
 )
-from .guarantee import Guarantee, guarantee
-from .plan import Plan, make_plan
-from .profile import ModelProfile, ProfileError
-from .shadows import place_shadows, shadow_bytes
-from .schedule_choice import PipelineSchedules, candidates, closed_form
-from .templates import GIB, PlanningError, TemplateSet, build_templates, memory_limit_bytes
+from .tolerance.guarantee import Guarantee, guarantee
+from .plan.plan import Plan
+from .plan.build import make_plan
+from .profile.profile import ModelProfile, ProfileError
+from .tolerance.shadows import place_shadows, shadow_bytes
+from .schedules.choice import PipelineSchedules, candidates, closed_form
+from .templates.templates import GIB, TemplateSet, build_templates, memory_limit_bytes
+from .errors import PlanningError
 
 __all__ = [
     "JobPlan",

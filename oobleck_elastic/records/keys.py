@@ -9,7 +9,7 @@ JSON, one record class each (records.py); those marked * carry `schema_version` 
 | `nodes/<node_id>` (`node`) | NodeRecord*: index, host, devices, agent pid, state (up/draining), since, liveness address | the node's agent, `kill-agent` | node |
 | `next_index`             | next node index (int)                           | agents (CAS)      |       |
 | `leader`                 | LeaderRecord: {node_id, since}                  | the elected agent | node  |
-| `plan`                   | Plan* of the current generation (planning/plan.py) | the leader (CAS) |      |
+| `plan`                   | Plan* of the current generation (planning/plan/plan.py) | the leader (CAS) |      |
 | `roster`                 | Roster*: the plan's generation and nodes (what agents read of a plan) | the leader (same txn) | |
 | `plans/<generation>` (`plan_at`) | the same plan, kept per generation      | the leader (same txn) |   |
 | `profile`                | ModelProfile every leader computes templates from: planning.profile_path, or the first worker-measured one | the first leader | |

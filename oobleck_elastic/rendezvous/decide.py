@@ -21,7 +21,7 @@ changed. The rules:
   current generation (`speeds`), the microbatches are re-split among the same pipelines, or the
   stragglers are left out of the plan (`without`: the planner's plan for the other nodes),
   whichever is faster, if that shortens the estimated step by 10 % or more
-  (planning/rebalance.py; `Rules.rebalance`); a node left out stays out (`not_ready`);
+  (planning/plan/rebalance.py; `Rules.rebalance`); a node left out stays out (`not_ready`);
 - **after a detector found nodes of the plan dead** (`Detection`), before anything else: those
   nodes are declared lost and the next generation is published at once, without the settle
   window. Deaths found by the liveness sockets wait `liveness_batch_s` from the first, so nodes
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from typing import Collection, Mapping, Optional, Sequence
 
 from ..planning import Plan
-from ..planning.rebalance import mitigate
+from ..planning.plan.rebalance import mitigate
 from ..records.control import Event, EventKind, NodeState, StrEnum
 
 

@@ -4,7 +4,7 @@ The workers name stragglers and report each pipeline's measured seconds per micr
 `stragglers` (engine/resilience/straggler.py). While that report is about the current generation,
 `LeaderStragglers.view_fields` hands `decide` the speeds, the slow nodes and the planner's plan
 without them (made once per report: planning is milliseconds, but the leader ticks often), and
-`decide` picks a remedy (planning/rebalance.py). A re-split is published like any plan; a node
+`decide` picks a remedy (planning/plan/rebalance.py). A re-split is published like any plan; a node
 left out (`leave_out`) is remembered by this leader and counted as not ready from then on, so no
 later plan takes it back (a new leader forgets: its workers would name the node again).
 """

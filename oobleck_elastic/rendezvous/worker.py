@@ -209,7 +209,8 @@ class WorkerContext:
             return  # the leader plans from that file
         import torch
 
-        from ..planning import ModelProfile, ProfileError, profile_cache
+        from ..planning import ModelProfile, ProfileError
+        from ..planning.profile import cache as profile_cache
 
         device = torch.device(device)
 

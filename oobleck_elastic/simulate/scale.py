@@ -22,7 +22,7 @@ cost as "assumed X, measured Y (how)"):
   instantiation and layer placement, at the study's tensor-parallel degree), timed in this run at
   the study's node count: two losses (a node a third of the way in, the last node) and one join;
   the slowest is charged (the study used to assume 0.05 s).
-- transfer: the bytes those re-plans make each node receive (`planning.placement.bytes_received`:
+- transfer: the bytes those re-plans make each node receive (`planning.plan.placement.bytes_received`:
   the parameters and optimizer state of the layer shards a worker did not hold), the busiest
   node's at `node_bandwidth_gb_s`; the slowest is charged per event (nodes receive in parallel
   and no node receives more than its new stage, so it does not grow with the nodes lost). The
@@ -83,7 +83,7 @@ class ScaleSettings:
     schedule: str = "1f1b"
     """`planning.schedule` of the planner: `1f1b` (templates.py's closed form) or `auto` (every
     pipeline's schedule chosen by simulation, among all the planner knows, as `oobleck plan`
-    shows them; planning/schedule_choice.py), or one schedule's name."""
+    shows them; planning/schedules/choice.py), or one schedule's name."""
     shadow_copies: list[int] = field(default_factory=list)
     """Also run `oobleck_elastic` with each of these counts of host-memory shadow copies
     (`oobleck_elastic:s=N`, simulate/shadows.py). The engine keeps shadows only at tensor
@@ -173,9 +173,9 @@ class Planner:
     def __init__(self, tensor_parallel: int = 8, global_batch: int = 1536, schedule: str = "1f1b") -> None:
         from ..config import load_config
         from ..planning import templates_for
-        from ..planning.analytic import gpt3_175b_profile
+        from ..planning.profile.analytic import gpt3_175b_profile
         from ..planning.job import pipeline_schedules
-        from ..planning.placement import shard_bytes_of
+        from ..planning.plan.placement import shard_bytes_of
 
         self.cfg = load_config(
             ROOT / "configs" / "gpt3-175b.yaml",
@@ -222,7 +222,7 @@ class Planner:
         lost a third of the way in, the last node lost, and a node joining n - 1. The timed call
         plans as the leader does, from scratch (its schedules simulated anew)."""
         from ..planning import plan_job
-        from ..planning.placement import bytes_received
+        from ..planning.plan.placement import bytes_received
 
         nodes = [f"node{i}" for i in range(n)]
         cases = [

@@ -9,15 +9,15 @@ pipeline's share boundaries (the fractions i/k of the model for pipelines of k n
 model's own layer boundaries (j/L for L layers, where the model's layer count is known): each
 segment is held by exactly the same nodes as every part of the model inside it, so a loss takes
 every device copy of some part of the model exactly when it takes every holder of some segment
-(`segment_plan` agrees with `layers_lost` on every loss; tested). `planning.shadows.place_shadows`
+(`segment_plan` agrees with `layers_lost` on every loss; tested). `planning.tolerance.shadows.place_shadows`
 then places `copies` shadows of every segment, its bytes the segment's share of a replica's
 parameters and optimizer state, on nodes that do not hold it, with equal budgets large enough
 that host memory never refuses (it is reported, not charged): the planner's rule (largest first,
 the least loaded node first, ties in node order, all distinct). The layer boundaries make the
 shadows spread over the nodes as the engine's, layer by layer, do; where a stage boundary of the
 equal shares cuts a layer, its two parts are placed apart (the engine's stages end on layer
-boundaries, so it places that layer whole). `planning.shadows.survives` decides the loss. As the engine does, a
-configuration with too few nodes that do not hold some segment keeps as many shadows as fit.
+boundaries, so it places that layer whole). `planning.tolerance.shadows.survives` decides the
+loss. As the engine does, a configuration with too few nodes that do not hold some segment keeps as many shadows as fit.
 
 `loss_outcome` is the one decision: `replica` (some device copy of every layer survives: the
 ordinary re-plan), `shadow` (some layer lost every device copy but a shadow survives: the
@@ -35,8 +35,9 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import Optional, Sequence
 
-from ..planning.plan import PipelineSpec, Plan, StagePlacement
-from ..planning.shadows import ShadowPlacement, device_holders, place_shadows, survives
+from ..planning.plan.plan import PipelineSpec, Plan, StagePlacement
+from ..planning.plan.plan import ShadowPlacement, device_holders
+from ..planning.tolerance.shadows import place_shadows, survives
 
 SHADOW_STEP_OVERHEAD = 0.014
 """Failure-free step-time overhead of one shadow copy of every layer (fault_tolerance.shadow_copies

@@ -1,6 +1,6 @@
 """Shadow copies in host memory, kept current every step: more losses than a layer has device copies.
 
-The plan places each layer's shadow copies (planning/shadows.py, `fault_tolerance.shadow_copies`)
+The plan places each layer's shadow copies (planning/tolerance/shadows.py, `fault_tolerance.shadow_copies`)
 on nodes that do not hold the layer on their devices. On a node, the shadow of layer l is kept by
 its worker of local rank l mod gpus_per_node (`keepers`), in a `ShadowStore`: the layer built on
 the CPU with its own AdamW state.

@@ -10,7 +10,7 @@ straggler clock (engine/resilience/straggler.py) and a progress point of the ste
 (engine/resilience/progress.py); its weight passes tell the generation's `GradSync` when a
 virtual stage's last weight gradient is final (`_after_weight_pass`). `schedule_for` picks the
 torch schedule that runs the pipeline's planned schedule over those stages (only what
-`planning.schedule_choice.ENGINE_RUNS` lists).
+`planning.schedules.choice.ENGINE_RUNS` lists).
 
 A step then runs this stage's part: `run_schedule` feeds the first stage, gives the last its
 targets and sums the losses it returns; `run_local`, a one-stage pipeline, which needs no
@@ -30,7 +30,7 @@ from ...config import JobConfig
 from ...logs import JobLog
 from ...models import LayerModel
 from ...planning import PipelineSpec, PlanningError, StagePlacement
-from ...planning.schedule_choice import ENGINE_RUNS, engine_runs_text
+from ...planning.schedules.choice import ENGINE_RUNS, engine_runs_text
 from ..resilience.progress import Progress, watch_pipeline_waits
 from ..resilience.straggler import ComputeClock
 from ..step.compiled import compiled_stage
@@ -97,7 +97,7 @@ def build_stage(
     module = modules[0] if len(modules) == 1 else nn.Sequential(*modules)
     if stages <= 1:
         return BuiltStage(module, None, (True, True), None)
-    from ...planning.schedules import stage_placement
+    from ...planning.schedules.schedules import stage_placement
     from ..step.shapes import stage_io
 
     placed = stage_placement(pipeline.schedule, stages, len(ranges))  # virtual stage -> device
@@ -169,7 +169,7 @@ def schedule_for(pipeline: PipelineSpec, stages: list[Any], loss_fn: Callable[..
     microbatches than stages), interleaved 1F1B over the chunks, zero-bubble (torch's interleaved
     zero-bubble schedule: ZB-H1 on one chunk per device, at any microbatch count with
     `OneChunkZeroBubble`, engine/step/zero_bubble.py; its interleaved form over 2..8 chunks) or
-    ZB-V (two stages per device in a V), the orders planning/schedules.py simulates. Every stage
+    ZB-V (two stages per device in a V), the orders planning/schedules/schedules.py simulates. Every stage
     gets the loss_fn (without one a schedule runs forward only) and sums, never averages, the
     microbatches' gradients (`scale_grads=False`: the loss is already divided by the global batch)."""
     from torch.distributed.pipelining import (

@@ -37,7 +37,7 @@ holding rank 0 logs both, writes an event and TensorBoard `straggler/*`, and add
 named nodes and every pipeline's measured time per microbatch to the job's progress record
 (`oobleck status` shows them).
 
-**Mitigating** (planning/rebalance.py; the leader runs it, rendezvous/leader.py): the leader
+**Mitigating** (planning/plan/rebalance.py; the leader runs it, rendezvous/leader.py): the leader
 re-splits the global batch's microbatches among the same pipelines at their measured speeds and
 publishes that as a plan on the same nodes and stages (`Plan.rebalanced`); workers move to it at
 a step boundary. The global batch and its sample order are unchanged (data/dataset.py cuts it by

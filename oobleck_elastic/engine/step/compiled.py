@@ -7,7 +7,7 @@ split into the input gradient and the weight gradients (engine/step/split_graphs
 traces the layer as a function of its parameters, buffers and input; engine/step/split_layer.py:
 three autograd nodes per call, so that torch's split backward of a zero-bubble schedule runs the
 input-gradient graph in its I pass and the weight-gradient graph in its W pass, and a whole
-backward runs both once). Graphs are kept per kind of layer (`planning.profiler.layer_kind`:
+backward runs both once). Graphs are kept per kind of layer (`planning.profile.profiler.layer_kind`:
 class, plain attributes, parameter shapes), input shape and autocast state, not per module object:
 every decoder block of a model (the same class and shapes) runs the same compiled graphs, as with
 torchtitan's per-block compilation, and so does a block received from another worker or rebuilt at
@@ -35,7 +35,7 @@ Warm-up (`warm_up`). Before a worker reports ready (engine/run.py), it builds on
 kind of the model on its device, alone (a head's memory at most), and runs a forward and a backward
 of one microbatch through `run_layer`, in the training precision; then it frees it. Graphs of
 the kinds it does not hold yet are then ready when a re-plan gives it such layers: compilation
-never happens on the recovery path. Kinds are `planning.profiler.layer_kind` (class, plain
+never happens on the recovery path. Kinds are `planning.profile.profiler.layer_kind` (class, plain
 attributes, parameter shapes), the profiler's notion of identical layers.
 
 Caches. Compiled code is cached per process; across processes inductor's FX-graph and autograd
@@ -160,7 +160,7 @@ def warm_up(
     docstring); returns the seconds it took."""
     from ...models import build_layer_model, num_layers
     from ...models.build import build_meta_layers
-    from ...planning.profiler import layer_kind
+    from ...planning.profile.profiler import layer_kind
 
     t0 = time.perf_counter()
     n = num_layers(cfg.model)

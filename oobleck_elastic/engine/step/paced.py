@@ -10,10 +10,10 @@ expects of it:
 - a full backward (`backward_one_chunk`) to k x (`compute_s` - `forward_s`),
 - with the backward split (zero-bubble: `backward_one_chunk(full_backward=False)` then
   `backward_weight_one_chunk`), the input gradient to (1 - w) and the weight gradient to w of
-  that, w being the planner's weight share (planning/schedule_choice.py, `WEIGHT_SHARE`).
+  that, w being the planner's weight share (planning/schedules/choice.py, `WEIGHT_SHARE`).
 
 `compute_s` and `forward_s` are the plan's, i.e. the planner's profile summed over the stage's
-layers (planning/plan.py), the numbers its estimates are made of; a plan that does not carry
+layers (planning/plan/plan.py), the numbers its estimates are made of; a plan that does not carry
 `forward_s` (0) is paced as forward = a third of compute_s (backward twice the forward). The
 time counted is the wall time from the call's start (on CUDA after the device has finished the
 pass); the sleep runs to a deadline, so it absorbs the real arithmetic, and the time it waited
@@ -42,8 +42,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from ...logs import JobLog
-from ...planning.plan import StagePlacement
-from ...planning.schedule_choice import WEIGHT_SHARE
+from ...planning.plan.plan import StagePlacement
+from ...planning.schedules.choice import WEIGHT_SHARE
 
 __all__ = ["PaceTargets", "Pacer", "pace_stage", "pace_targets", "padding_s", "pass_of", "pin_threads"]
 

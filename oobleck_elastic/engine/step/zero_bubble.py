@@ -5,7 +5,7 @@ them, and it refuses (ValueError) an m that is not a multiple of r, e.g. 9 micro
 devices. The rounds only decide which chunk a device's i-th forward and backward belong to
 ((i // (m / r)) % v) and the warm-up of the chunks before the last ((v - 1) x m / r forwards):
 with one chunk per device (v = 1) neither depends on them, and the order is ZB-H1 for every m
-(planning/schedules.py, `schedule_order("zero-bubble", D, m, 1)`, plans it so). `OneChunkZeroBubble`
+(planning/schedules/schedules.py, `schedule_order("zero-bubble", D, m, 1)`, plans it so). `OneChunkZeroBubble`
 is torch's schedule built with one round, which with one chunk is the order torch builds for every
 m it accepts (tests/test_schedules.py compares them action for action), and the same order for the
 m it refuses. With two or more chunks the rounds change the order, torch's rule stands, and the

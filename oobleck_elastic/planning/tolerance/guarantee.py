@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .instantiate import coverage
-from .templates import PlanningError, TemplateSet
+from ..plan.instantiate import coverage
+from ..errors import PlanningError
+from ..templates.templates import TemplateSet
 
 
 @dataclass(frozen=True)

@@ -45,10 +45,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
-from .comm import Links
+from ..comm import Links
 from .overlap import Ready, exposed_sync_s, layer_ready_times
-from .partition import PlanningError, StageCosts, best_partition
-from .profile import ModelProfile
+from ..errors import PlanningError
+from .partition import StageCosts, best_partition
+from ..profile.profile import ModelProfile
 
 GIB = 1024**3
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .comm import Links
+from ..comm import Links
 
 __all__ = ["Ready", "exposed_sync_s", "layer_ready_times"]
 

@@ -4,7 +4,7 @@
 stage position are O(1), and the cost matrices of every (stage, first layer, last layer) are
 vectorised with numpy; `best_partition` runs the two-pass dynamic programme over them: the least
 bottleneck, then among partitions within it the least total time. The cost model and the search
-are explained in planning/templates.py's module docstring, which uses them for one template.
+are explained in planning/templates/templates.py's module docstring, which uses them for one template.
 """
 
 from __future__ import annotations
@@ -14,14 +14,11 @@ from typing import Optional
 
 import numpy as np
 
-from .comm import Links
-from .profile import ModelProfile
+from ..comm import Links
+from ..errors import PlanningError
+from ..profile.profile import ModelProfile
 
-__all__ = ["PlanningError", "StageCosts", "best_partition"]
-
-
-class PlanningError(ValueError):
-    """The model and the devices cannot be planned; the message says what to change."""
+__all__ = ["StageCosts", "best_partition"]
 
 
 class StageCosts:

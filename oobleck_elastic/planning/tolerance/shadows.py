@@ -37,17 +37,13 @@ keeps them current and restores layers from them (engine/generation/shadows.py).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
-from .templates import GIB, PlanningError
+from ..errors import PlanningError
 
-if TYPE_CHECKING:
-    from .plan import Plan
+from ..plan.plan import Plan, ShadowPlacement, device_holders, fmt_gib
 
 __all__ = [
-    "ShadowPlacement",
-    "device_holders",
     "place_shadows",
     "shadow_bytes",
     "survives",
@@ -66,124 +62,6 @@ def shadow_bytes(profile_layers: Sequence[Any], tensor_parallel: int = 1) -> lis
     """Bytes of each layer's shadow copy: parameters and optimizer state of every
     tensor-parallel lane, from the profile's per-device bytes at `tensor_parallel`."""
     return [tensor_parallel * (layer.param_bytes + layer.optimizer_bytes) for layer in profile_layers]
-
-
-def device_holders(plan: "Plan") -> list[frozenset[str]]:
-    """The nodes holding each layer (index = layer) on their devices."""
-    holders: list[set[str]] = [set() for _ in range(plan.num_layers)]
-    for p in plan.pipelines:
-        for s in p.stages:
-            for layer in range(s.start, s.end):
-                holders[layer].add(s.node)
-    return [frozenset(h) for h in holders]
-
-
-def _gib(n: float) -> str:
-    """Bytes in GiB; small figures (test models) in MiB or bytes."""
-    if n == 0 or n >= GIB / 100:
-        return f"{n / GIB:.4g} GiB"
-    return f"{n / 2**20:.4g} MiB" if n >= 2**20 / 100 else f"{int(n)} bytes"
-
-
-@dataclass(frozen=True)
-class ShadowPlacement:
-    """Which nodes keep each layer in host memory, and the budgets that placement respects."""
-
-    copies: int
-    """Shadow copies of every layer (fault_tolerance.shadow_copies)."""
-    layers: tuple[tuple[str, ...], ...]
-    """Layer -> the nodes keeping its shadow copies."""
-    layer_bytes: tuple[int, ...]
-    """Layer -> bytes of one shadow copy (`shadow_bytes`)."""
-    budgets: tuple[tuple[str, int], ...]
-    """(node, bytes of host memory shadows may use there), for every node of the plan."""
-
-    def extra(self) -> dict[int, tuple[str, ...]]:
-        """{layer: shadow nodes}: copies.py's `extra`."""
-        return {layer: nodes for layer, nodes in enumerate(self.layers) if nodes}
-
-    def budget(self) -> dict[str, int]:
-        return dict(self.budgets)
-
-    def load(self) -> dict[str, int]:
-        """Node -> bytes of the shadows it keeps (0 for a node with none), every budgeted node."""
-        out = {node: 0 for node, _ in self.budgets}
-        for layer, nodes in enumerate(self.layers):
-            for node in nodes:
-                out[node] = out.get(node, 0) + self.layer_bytes[layer]
-        return out
-
-    def by_node(self) -> dict[str, list[int]]:
-        """Node -> the layers it keeps shadows of (nodes with none left out)."""
-        out: dict[str, list[int]] = {}
-        for layer, nodes in enumerate(self.layers):
-            for node in nodes:
-                out.setdefault(node, []).append(layer)
-        return out
-
-    def check(self, plan: "Plan") -> None:
-        """Raises PlanningError unless every layer of `plan` has `copies` distinct shadows on
-        nodes of the plan running stages that do not hold it on their devices, within every node's
-        budget."""
-        head = f"plan generation {plan.generation}: shadow copies:"
-        if self.copies < 0:
-            raise PlanningError(f"{head} copies must be >= 0 (got {self.copies})")
-        if len(self.layers) != plan.num_layers or len(self.layer_bytes) != plan.num_layers:
-            raise PlanningError(
-                f"{head} {len(self.layers)} layers placed and {len(self.layer_bytes)} sized, "
-                f"but the plan has {plan.num_layers}"
-            )
-        members = set(plan.nodes)
-        budget = self.budget()
-        if set(budget) != members:
-            raise PlanningError(f"{head} budgets are for {sorted(budget)}, not the plan's nodes {sorted(members)}")
-        for layer, (nodes, held) in enumerate(zip(self.layers, device_holders(plan))):
-            if len(nodes) != self.copies or len(set(nodes)) != len(nodes):
-                raise PlanningError(f"{head} layer {layer} has {list(nodes)}, not {self.copies} distinct nodes")
-            for node in nodes:
-                if node not in members:
-                    raise PlanningError(f"{head} layer {layer} on {node}, which is not a node of the plan")
-                if node in held:
-                    raise PlanningError(f"{head} layer {layer} on {node}, which holds it on its devices")
-                if node in plan.spares:
-                    raise PlanningError(f"{head} layer {layer} on {node}, a spare (no worker to keep it)")
-        for node, used in self.load().items():
-            if used > budget[node]:
-                raise PlanningError(f"{head} {node} keeps {_gib(used)}, over its budget of {_gib(budget[node])}")
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "copies": self.copies,
-            "layers": [list(nodes) for nodes in self.layers],
-            "layer_bytes": list(self.layer_bytes),
-            "budget_bytes": dict(self.budgets),
-        }
-
-    @classmethod
-    def from_json(cls, data: Any) -> "ShadowPlacement":
-        """Parse (types only; `check` against the plan validates the placement)."""
-        if not isinstance(data, dict):
-            raise PlanningError(f"malformed plan: shadows is {type(data).__name__}, not an object")
-        try:
-            layers, sizes, budgets = data["layers"], data["layer_bytes"], data["budget_bytes"]
-            if not isinstance(layers, list) or not all(isinstance(x, list) for x in layers):
-                raise TypeError("shadows.layers must be a list of lists of nodes")
-            if not isinstance(sizes, list) or not isinstance(budgets, dict):
-                raise TypeError("shadows.layer_bytes must be a list and shadows.budget_bytes an object")
-            return cls(
-                copies=_count(data["copies"], "copies"),
-                layers=tuple(tuple(str(n) for n in nodes) for nodes in layers),
-                layer_bytes=tuple(_count(b, "layer_bytes") for b in sizes),
-                budgets=tuple((str(n), _count(b, "budget_bytes")) for n, b in budgets.items()),
-            )
-        except (KeyError, TypeError, ValueError) as err:
-            raise PlanningError(f"malformed plan: shadows: {type(err).__name__}: {err}") from None
-
-
-def _count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"shadows.{name}: {value!r} is not an integer >= 0")
-    return value
 
 
 def place_shadows(
@@ -300,15 +178,15 @@ def _no_room(
     layer: int, copy: int, copies: int, need: int, node: str, free: dict[str, int], budget: dict[str, int], source: str
 ) -> str:
     if source == CONFIG_SOURCE:
-        where = f"of its {_gib(budget[node])} budget ({CONFIG_SOURCE})"
+        where = f"of its {fmt_gib(budget[node])} budget ({CONFIG_SOURCE})"
         fix = f"raise {CONFIG_SOURCE}, add nodes or lower fault_tolerance.shadow_copies"
     else:
-        where = f"of the {_gib(budget[node])} of {source}"
+        where = f"of the {fmt_gib(budget[node])} of {source}"
         fix = f"set {CONFIG_SOURCE}, use nodes with more host memory, add nodes or lower fault_tolerance.shadow_copies"
     return (
-        f"no node has host memory for shadow copy {copy} of {copies} of layer {layer} ({_gib(need)} of weights "
+        f"no node has host memory for shadow copy {copy} of {copies} of layer {layer} ({fmt_gib(need)} of weights "
         f"and optimizer state): of the nodes that do not hold it on their devices, {node} has the most left, "
-        f"{_gib(free[node])} {where}: {fix}"
+        f"{fmt_gib(free[node])} {where}: {fix}"
     )
 
 
@@ -348,15 +226,17 @@ def describe(plan: "Plan", budget_source: str = CONFIG_SOURCE, *, list_nodes_up_
     ]
     load, budget = shadows.load(), shadows.budget()
     low, high = min(budget.values()), max(budget.values())
-    each = f"{_gib(low)} each" if low == high else f"{_gib(low)} to {_gib(high)}"
+    each = f"{fmt_gib(low)} each" if low == high else f"{fmt_gib(low)} to {fmt_gib(high)}"
     out.append(
-        f"  host memory for shadows per node: most {_gib(max(load.values()))}, least {_gib(min(load.values()))}, "
+        f"  host memory for shadows per node: most {fmt_gib(max(load.values()))}, least {fmt_gib(min(load.values()))}, "
         f"of {each} ({budget_source})"
     )
     if len(plan.nodes) <= list_nodes_up_to:
         layers = shadows.by_node()
         for node in plan.nodes:
-            out.append(f"  {node}: layers {_spans(layers.get(node, []))} ({_gib(load[node])} of {_gib(budget[node])})")
+            out.append(
+                f"  {node}: layers {_spans(layers.get(node, []))} ({fmt_gib(load[node])} of {fmt_gib(budget[node])})"
+            )
     return out
 
 

@@ -37,7 +37,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .templates import PlanningError, TemplateSet
+from ..errors import PlanningError
+from ..templates.templates import TemplateSet
 
 Cover = dict[int, int]  # template node count -> number of pipelines
 

@@ -45,7 +45,7 @@ from itertools import chain, repeat
 from dataclasses import dataclass
 from typing import Callable, Iterable, Literal, NamedTuple
 
-from .partition import PlanningError
+from ..errors import PlanningError
 
 __all__ = ["SCHEDULES", "Action", "Order", "ScheduleError", "schedule_order", "stage_placement"]
 

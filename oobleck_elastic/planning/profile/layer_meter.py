@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from ..models.tensor_parallel import local
+from ...models.tensor_parallel import local
 from .profile import LayerProfile
 
 __all__ = ["LayerMeter", "check_settings"]

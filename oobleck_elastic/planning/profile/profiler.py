@@ -21,15 +21,15 @@ times are the first block's where each block would have had its own noisy median
 Llama that is 3 layers built instead of num_layers + 2.
 
 What one layer's measurement times and counts (forward, backward, its zero-bubble split; the
-parameter, activation and output bytes) is `LayerMeter`'s (planning/layer_meter.py).
+parameter, activation and output bytes) is `LayerMeter`'s (planning/profile/layer_meter.py).
 
 The microbatch is `training.microbatch_size` x `data.seq_len`. With `training.microbatch_size:
 auto` every layer is measured at two sizes (`microbatch.profile_microbatch_sizes`: 1 and the
 largest candidate size <= 4), the first as `layers`, the other under `at_microbatch_sizes`; the
-planner fits the other sizes from them (planning/microbatch.py), and the key records `auto` and
-the sizes measured. Measuring logs its progress and the time left (planning/progress.py).
+planner fits the other sizes from them (planning/profile/microbatch.py), and the key records `auto` and
+the sizes measured. Measuring logs its progress and the time left (planning/profile/progress.py).
 
-Which profile a job uses (a file, the cache, or this measurement) is planning/profile_cache.py's.
+Which profile a job uses (a file, the cache, or this measurement) is planning/profile/cache.py's.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 from torch import nn
 
-from ..config import JobConfig
+from ...config import JobConfig
 from .layer_meter import LayerMeter, check_settings
 from .microbatch import profile_microbatch_sizes
 from .profile import LayerProfile, ModelProfile
@@ -128,7 +128,7 @@ def profile_layer_by_layer(
     shape) goes on as its output. The last layer is profiled together with loss_fn.
 
     With `log`, one line per layer, and progress lines with the time left (`progress`, or one made
-    here for this call: planning/progress.py)."""
+    here for this call: planning/profile/progress.py)."""
     check_settings(optimizer, warmup, repeats, precision)
     if num_layers < 1:
         raise ValueError("profile_layer_by_layer needs at least one layer")
@@ -244,8 +244,8 @@ def profile_model(
     (e.g. tensor-parallel sharding), measured and freed before layer i+1 is built (a pretrained
     model's layer i reads only its own tensors). With `planning.profile_identical_blocks_once`,
     layers of one `layer_kind` (computed on meta copies) are built and measured once."""
-    from .. import models
-    from ..models.build import build_meta_layers
+    from ... import models
+    from ...models.build import build_meta_layers
 
     dev, seed = torch.device(device), cfg.training.seed
     whole = models.build_layer_model(cfg.model, seed=seed, owned=[], device=dev)  # names and loss, no layer
@@ -263,7 +263,7 @@ def profile_model(
         return prepare(layer) if prepare is not None and layer is not None else layer
 
     measured: dict[int, ModelProfile] = {}
-    sizes = profile_microbatch_sizes(cfg)  # the configured size; for `auto`, two (planning/microbatch.py)
+    sizes = profile_microbatch_sizes(cfg)  # the configured size; for `auto`, two (planning/profile/microbatch.py)
     runs = cfg.planning.profile_warmup + cfg.planning.profile_repeats
     progress = ProfileProgress(layers_to_measure(kinds, n) * len(sizes), runs, log) if log is not None else None
     for size in sizes:

@@ -35,18 +35,16 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
+from ..templates.templates import TemplateSet
 from .instantiate import Assignment
-from .templates import TemplateSet
-
-if TYPE_CHECKING:
-    from .plan import Plan
+from .plan import Plan
 
 Kind = tuple[int, int]  # (template node count, node index in the template)
 
 
-def _held_by_node(previous: "Plan", gpus_per_node: int) -> dict[str, list[tuple[int, int, int, int]]]:
+def _held_by_node(previous: Plan, gpus_per_node: int) -> dict[str, list[tuple[int, int, int, int]]]:
     """node -> (first local rank, local ranks, first layer, end layer) of every stage of `previous` on it."""
     held: dict[str, list[tuple[int, int, int, int]]] = {}
     for p in previous.pipelines:
@@ -69,7 +67,7 @@ def _blocks(templates: TemplateSet, size: int) -> dict[int, tuple[list[int], lis
     return blocks
 
 
-def keep_layers_in_place(templates: TemplateSet, a: Assignment, nodes: list[str], previous: "Plan") -> list[str]:
+def keep_layers_in_place(templates: TemplateSet, a: Assignment, nodes: list[str], previous: Plan) -> list[str]:
     """`nodes` reordered so that the running ones sit in the node slots of assignment `a` where
     they keep the most layers of `previous` (module docstring: greedy on the largest overlaps,
     ties in preference order, then slot order; nodes without any overlap fill the remaining
@@ -135,9 +133,7 @@ def _score(
     return list(by_kept.items())
 
 
-def keep_layers_in_place_pairwise(
-    templates: TemplateSet, a: Assignment, nodes: list[str], previous: "Plan"
-) -> list[str]:
+def keep_layers_in_place_pairwise(templates: TemplateSet, a: Assignment, nodes: list[str], previous: Plan) -> list[str]:
     """The same rule computed directly: every running node scored against every slot (O(N^2)
     overlaps of layer sets). The reference `keep_layers_in_place` must equal."""
     g = templates.gpus_per_node
@@ -169,7 +165,7 @@ def keep_layers_in_place_pairwise(
     return [placed[si] if si in placed else next(rest) for si in range(len(slots))] + nodes[len(slots) :]
 
 
-def bytes_received(previous: "Plan", plan: "Plan", shard_bytes: Sequence[int]) -> dict[str, int]:
+def bytes_received(previous: Plan, plan: Plan, shard_bytes: Sequence[int]) -> dict[str, int]:
     """node -> bytes its workers receive entering `plan` from `previous`: for every worker
     (node, local rank) of `plan`, the `shard_bytes` of each layer it holds in `plan` and did not
     hold in `previous` (`shard_bytes[i]`: one lane's parameters and optimizer state of layer i).

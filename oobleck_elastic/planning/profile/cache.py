@@ -9,7 +9,7 @@ job's seed, which is then saved there. A cached file with another key is reporte
 replaced. A reused profile is logged with its file, its age (the file's modification time) and
 how to measure again: the cache cannot tell a profile measured on a busy machine from a good
 one, so `planning.reprofile` (`oobleck plan --reprofile`) measures anew and replaces the file.
-Measuring logs its progress and the time left (planning/progress.py). A profile measured (or
+Measuring logs its progress and the time left (planning/profile/progress.py). A profile measured (or
 reused) on a CUDA device records that device's total memory (`ModelProfile.device_memory_bytes`,
 from `device_memory_bytes`), the planner's default for `planning.device_memory_gb`.
 
@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import JobConfig
+from ...config import JobConfig
 from .microbatch import profile_microbatch_sizes
 from .profile import ModelProfile, ProfileError, profile_cache_key
 from .profiler import profile_model

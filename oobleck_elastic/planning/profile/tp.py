@@ -1,6 +1,6 @@
 """Measure a tensor-parallel profile: every layer sharded over the devices of one node.
 
-    torchrun --standalone --nproc-per-node T -m oobleck_elastic.planning.profile_tp \
+    torchrun --standalone --nproc-per-node T -m oobleck_elastic.planning.profile.tp \
         --config CFG --out FILE [key=value ...]
 
 The T processes profile the model together as `profiler.profile_model` does, one layer at a
@@ -27,9 +27,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..config import JobConfig, load_config
+from ...config import JobConfig, load_config
 from .profile import ModelProfile
-from .profile_cache import device_memory_bytes, profile_key
+from .cache import device_memory_bytes, profile_key
 from .profiler import profile_model
 
 
@@ -39,7 +39,7 @@ def profile_tensor_parallel(
     """The profile at the degree of the default process group's size (every rank calls this)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..models.tensor_parallel import parallelize_layer
+    from ...models.tensor_parallel import parallelize_layer
 
     tp = dist.get_world_size()
     world = dist.group.WORLD

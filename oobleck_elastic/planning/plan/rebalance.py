@@ -64,7 +64,7 @@ def _fits(plan: Plan, per_mb: Sequence[float]) -> bool:
 
 def _resplittable(plan: Plan) -> bool:
     """Every pipeline runs 1F1B or GPipe: any microbatch count runs, at the model above. Interleaved
-    and zero-bubble schedules run microbatches in rounds (planning/schedules.py), so a re-split
+    and zero-bubble schedules run microbatches in rounds (planning/schedules/schedules.py), so a re-split
     could hand a pipeline a count its schedule cannot run; those plans are not re-split."""
     return all(p.schedule in ("1f1b", "gpipe") for p in plan.pipelines)
 

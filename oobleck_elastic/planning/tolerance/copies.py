@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
 
-from .plan import Plan
+from ..plan.plan import Plan
 
 __all__ = ["Shortfall", "layer_copies", "shortfall"]
 

@@ -42,9 +42,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from ..config import JobConfig
+from ...config import JobConfig
 from .profile import ModelProfile
-from .templates import PlanningError
+from ..errors import PlanningError
 
 __all__ = [
     "MicrobatchChoice",

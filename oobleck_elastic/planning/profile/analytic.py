@@ -11,7 +11,7 @@ With tensor parallelism over t devices of a node (Megatron-style, as the engine 
 a block's matrices, FLOPs and optimizer state are split t ways and its forward and backward each
 add two all-reduces of the block's activation over the intra-node link (`comm.Links`); the
 embedding and the LM head are replicated on every device. It is how
-`configs/profiles/gpt3-175b-tp{1,2,4,8}.json` were made (`python -m oobleck_elastic.planning.analytic
+`configs/profiles/gpt3-175b-tp{1,2,4,8}.json` were made (`python -m oobleck_elastic.planning.profile.analytic
 --tensor-parallel T`).
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .comm import Links
+from ..comm import Links
 from .profile import LayerProfile, ModelProfile
 
 

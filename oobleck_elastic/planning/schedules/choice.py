@@ -38,20 +38,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
-from ..config.planning import MAX_CHUNKS, schedule_chunks_problem
-from .profile import ModelProfile
-from .schedule_cost import ScheduleCost, chunk_ranges, template_cost
+from ...config.planning import MAX_CHUNKS, schedule_chunks_problem
+from ..profile.profile import ModelProfile
+from .cost import ScheduleCost, chunk_ranges, template_cost
 from .schedules import SCHEDULES, ScheduleError
-from .templates import PlanningError, Template, TemplateSet
+from ..errors import PlanningError
+from ..templates.templates import Template, TemplateSet
 
-if TYPE_CHECKING:
-    from .plan import Plan
 
 __all__ = [
     "ENGINE_RUNS",
-    "describe",
     "engine_runs_text",
     "MAX_CHUNKS",
     "PipelineSchedules",
@@ -271,40 +269,3 @@ class PipelineSchedules:
                 "planning.chunks_per_device, or give the devices more memory"
             )
         return dataclasses.replace(self.templates, templates=out)
-
-
-def describe(schedules: PipelineSchedules, plan: "Plan") -> list[str]:
-    """`oobleck plan`'s table: for each kind of pipeline of `plan` (template and microbatches),
-    every candidate's estimated step, bubble and peak memory, and the one chosen."""
-    out = [
-        "",
-        "schedules (per kind of pipeline, each schedule at its fastest chunk count that fits; bubble: the "
-        "devices' idle share of the schedule, all-reduce excluded):",
-        f"  {'pipelines':>9} {'nodes':>5} {'mb':>4}  {'schedule':<17} {'chunks':>6} {'step s':>9} {'bubble':>7} "
-        f"{'peak GiB':>9}",
-    ]
-    replicas = len(plan.pipelines)
-    kinds: dict[tuple[int, int], list[int]] = {}
-    for p in plan.pipelines:
-        kinds.setdefault((p.template_nodes, p.microbatches), []).append(p.index)
-    for (n, mb), members in kinds.items():
-        chosen = plan.pipelines[members[0]]
-        which = str(members[0]) if len(members) == 1 else f"{members[0]}-{members[-1]}"
-        best: dict[str, tuple[int, Union[ScheduleCost, str]]] = {}  # per schedule: its fastest chunk count
-        for name, chunks, got in schedules.table(n, mb, replicas):
-            had = best.get(name)
-            if had is None or (
-                isinstance(got, ScheduleCost) and (isinstance(had[1], str) or got.step_s < had[1].step_s)
-            ):
-                best[name] = (chunks, got)
-        for name, (chunks, got) in best.items():
-            head = f"  {which:>9} {n:>5} {mb:>4}  {name:<17} {chunks:>6}"
-            which = ""
-            if isinstance(got, str):
-                out.append(f"{head}  not possible: {got}")
-                continue
-            mark = "  <- chosen" if (name, chunks) == (chosen.schedule, chosen.num_chunks) else ""
-            out.append(
-                f"{head} {got.step_s:>9.4g} {got.bubble_fraction:>7.1%} {got.peak_memory_bytes / 2**30:>9.3f}{mark}"
-            )
-    return out

@@ -150,7 +150,7 @@ class Simulation:
     """What builds `spans` (a planner keeps hundreds of simulations and reads none of their spans)."""
     last_backward: tuple[tuple[float, float, bool], ...] = ()
     """Per stage: (start, end) of its last backward to finish, B or W, and whether it was a W
-    (when its weight gradients are final: planning/overlap.py)."""
+    (when its weight gradients are final: planning/templates/overlap.py)."""
 
     @property
     def spans(self) -> dict[Action, tuple[float, float]]:

@@ -39,13 +39,13 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .comm import Links
-from .overlap import Ready, exposed_sync_s, layer_ready_times
-from .partition import StageCosts, best_partition
-from .profile import ModelProfile
-from .schedule_sim import Comm, Simulation, StageTimes, simulate
+from ..comm import Links
+from ..templates.overlap import Ready, exposed_sync_s, layer_ready_times
+from ..templates.partition import StageCosts, best_partition
+from ..profile.profile import ModelProfile
+from .sim import Comm, Simulation, StageTimes, simulate
 from .schedules import ScheduleError, schedule_order, stage_placement
-from .templates import Template
+from ..templates.templates import Template
 
 __all__ = [
     "ScheduleCost",
