@@ -1,5 +1,5 @@
 """The part of the gradient all-reduce a pipeline leaves exposed (planning/templates/overlap.py), in the
-closed form of templates.py and in the simulation of schedule_cost.py, and what it does to the
+closed form of templates.py and in the simulation of planning/schedules/cost.py, and what it does to the
 GPT-3 plan."""
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def make_plan(
     `previous` plan, the nodes that will run are placed where they keep the most of the layers
     they already hold (fewer layers to copy in the reconfiguration, placement.py); who runs and
     who is a spare still follows the preference order. With `schedules`, each pipeline runs the
-    schedule chosen for its microbatches (schedule_choice.py) and its estimate is simulated;
+    schedule chosen for its microbatches (schedules/choice.py) and its estimate is simulated;
     without, every pipeline runs `schedule` (1f1b or gpipe) under templates.py's closed form."""
     if len(set(nodes)) != len(nodes):
         raise PlanningError(f"duplicate node ids in {list(nodes)}")

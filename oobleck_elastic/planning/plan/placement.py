@@ -1,34 +1,11 @@
-"""Placement on a re-plan: which running node takes which node slot of the new pipelines, so
-that the nodes keep as many of the layers they hold as they can, and what the re-plan moves.
+"""Placement on a re-plan: which running node takes which slot, so that nodes keep their layers.
 
-The rule (`keep_layers_in_place`): the nodes that will run (the first ones of the preference
-order, as many as the assignment has node slots) are placed greedily on the largest overlaps
-between the layers a node holds (per local rank) and the layers a slot holds (per local rank);
-ties go to the node earlier in the preference order, then to the earlier slot; nodes without
-any overlap fill the remaining slots in preference order.
-
-Computed directly, that rule scores every node against every slot: N x N overlaps, 6 s at 1,024
-nodes. It needs far less:
-
-- Slots come in *kinds*: every pipeline of one template has the same layers on its i-th node,
-  so (template size, i) is the kind, and its slots are identical but for their order. There are
-  at most the sum of the sizes of the templates in use (a few hundred), whatever N.
-- A node's overlap with a kind needs only the stages that intersect what it holds: per template
-  and block of local ranks (a stage's lanes) the stages' layer ranges are sorted and disjoint,
-  so a bisection finds them, and a stage's lanes are counted at once (lanes x layers). A node
-  overlaps a handful of kinds, and nodes that held the same stages (the i-th nodes of the
-  previous plan's pipelines of one template) are scored once.
-- Taking the earliest free slot of a kind takes the kind's slots in order, so one cursor per kind
-  replaces the search over slots: the greedy pass visits each (node, overlap) group once, in the
-  order of the direct rule, and takes the earliest free slot among its kinds.
-
-So a re-plan's placement costs O(N log N) and gives the same placement as the direct rule
-(`keep_layers_in_place_pairwise`, kept as the reference the tests and bench/planner.py compare
-with), so it moves the same bytes.
-
-`bytes_received` prices a re-plan: per node, the bytes of the layer shards (parameters and
-optimizer state, what the entry's transfer sends) its workers hold in the new plan but did not
-hold in the previous one.
+The rule (`keep_layers_in_place`): the nodes that will run are placed greedily on the largest
+overlaps between the layers a node holds and those a slot holds (per local rank); ties go to the
+earlier node in the preference order, then to the earlier slot. Slots are grouped by kind
+(template size, position), so it costs O(N log N) and gives exactly the placement of the direct
+all-pairs rule, `keep_layers_in_place_pairwise`, kept as the tests' reference. `bytes_received`
+prices a re-plan per node. docs/planning.md; timings in bench/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
-"""Plans: templates instantiated on concrete nodes, with a rank for every worker, as JSON.
+"""The plan: templates instantiated on concrete nodes, a rank for every worker, and its JSON.
 
-A `Plan` is what the leader publishes for one generation and what every worker reads: the
-pipelines (template size, nodes, microbatches, stages with layer ranges and global ranks), the
-spare nodes, the donors (drained nodes that hand their layers over in this generation's entry,
-then leave), the estimates, and the host-memory shadow copies when there are any (shadows.py).
-Ranks are dense: the i-th node of `nodes` (spares excluded) hosts ranks i*g .. i*g+g-1, local
-rank = device; donors' workers follow, in the entry only.
-`Plan.from_json` validates everything it reads (docs/design.md, invariant 5): control data is
-JSON, never pickle.
-
+A `Plan` is what the leader publishes for one generation and every worker reads: pipelines
+(stages with layer ranges and global ranks), spares, donors, estimates, and the host-memory
+shadow copies (`ShadowPlacement`) when there are any. Ranks are dense: the i-th node of `nodes`
+hosts ranks i*g .. i*g+g-1; donors' workers follow, in the entry only. `Plan.from_json` validates
+everything it reads (control data is JSON, never pickle). This module imports nothing from the
+builder (build.py). docs/planning.md.
 """
 
 from __future__ import annotations

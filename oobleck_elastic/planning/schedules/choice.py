@@ -1,37 +1,11 @@
 """Which schedule each pipeline of a plan runs, and the line the instantiation plans it with.
 
-`planning.schedule` and `planning.chunks_per_device` name the candidates (`candidates`):
-
-- `1f1b` and `gpipe` keep the closed-form model of templates.py (no simulation);
-- `interleaved-1f1b` and `zero-bubble` with chunks `auto` try 1 .. 8 chunks per device, `zbv`
-  runs 2; a number fixes the chunks;
-- `auto` tries 1F1B, interleaved 1F1B (2 .. 8 chunks), zero-bubble (1 .. 8 chunks) and zbv
-  (GPipe is never faster than 1F1B and holds more activations).
-
-A pipeline's step under a schedule is not linear in its microbatches (interleaved schedules run
-them in rounds), so the instantiation (instantiate.py, which needs T(b) = total + (b - 1) x
-bottleneck) plans with a line per template: for the template's share of the global batch
-b_ref = ceil(B x n / N), each candidate is simulated once at k D microbatches, the multiple of
-the template's device count D at or above b_ref (every schedule runs a multiple of D); its slope
-is the busiest device's load per microbatch (compute and receives: the steady state's pace), and
-the line of the candidate fastest at b_ref stands in for the template (`PipelineSchedules.lines`).
-Simulating costs O(D^2 v) per candidate, minutes for all 93 templates of GPT-3 on 1,024 nodes,
-so only the sizes n0 .. max(2 n0 - 1, n0 + 7) get simulated lines (every node count from 2 n0
-splits into them), and a template that no candidate can run (over the memory limit) is left out.
-Once the instantiation has
-given every pipeline its b microbatches, each pipeline's schedule is chosen at that b, exactly:
-every candidate simulated (schedule_cost.py, one discrete-event simulation of its action list),
-the fastest whose every device fits in memory kept (`PipelineSchedules.cost`); its time is the
-pipeline's estimate and the slowest pipeline's is the plan's. Pipelines of one plan may so run
-different schedules.
-
-With `engine_only`, the candidates are limited to what the engine runs (`ENGINE_RUNS`: every
-schedule, interleaved 1F1B with 2 .. 8 chunks): a job's plans never name a schedule its workers
-cannot run. Torch's looped schedules (interleaved 1F1B, zero-bubble with chunks) refuse a
-microbatch count that is not a multiple of their rounds, and so does the simulated order
-(schedules.py), so such a candidate is refused here, never planned; one chunk needs no rounds.
-Compiled layers run every schedule (engine/step/compiled.py: their backward is compiled split into
-input and weight gradients), so whether the workers compile does not matter here.
+`candidates` reads `planning.schedule` and `planning.chunks_per_device` (with `engine_only`,
+only what the engine runs: `ENGINE_RUNS`). `PipelineSchedules.lines` gives each template a line
+T(b) = total + (b - 1) x slope from one simulation near its share of the batch (only the sizes
+n0 .. max(2 n0 - 1, n0 + 7) are simulated); once each pipeline has its b microbatches,
+`PipelineSchedules.cost` picks, exactly, the fastest candidate whose every device fits in memory.
+Pipelines of one plan may so run different schedules. docs/schedules.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `guarantee()`: every node count >= (f+1)*n0 splits exactly into >= f+1 template-sized pipelines
 when the contiguous template range reaches n_max >= 2*n0 - 1; below that, a DP over the actual
-template sizes finds the node counts that leave some node idle.
+template sizes finds the node counts that leave some node idle. docs/planning.md.
 """
 
 from __future__ import annotations

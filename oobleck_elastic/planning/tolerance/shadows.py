@@ -1,37 +1,11 @@
-"""Shadow copies: each layer's weights and optimizer state also kept in the host memory of nodes
-that do not hold the layer on their devices, and where the planner puts them.
+"""Shadow copies: each layer's weights and optimizer state also kept in the host memory of s nodes
+running stages that do not hold it on their devices, and where the planner puts them.
 
-A layer's device copies are the distinct nodes whose stages cover it (copies.py): one per
-pipeline, f+1 of them in a plan that meets its target. With `fault_tolerance.shadow_copies` = s,
-every layer also gets s shadow nodes: nodes of the plan running stages (not spares, which have no
-worker in the generation; nor donors, which leave) that do not hold it on their devices, all
-distinct. A loss of nodes
-takes a layer only when it takes every one of its holders, device and shadow; so the largest k
-such that EVERY loss of k nodes leaves a copy of every layer is the fewest holders of any layer
-minus one (`tolerated_losses`), and a plan with f+1 device copies of each layer and s shadows
-tolerates any f + s simultaneous losses. `survives` checks one loss set.
-
-What a shadow holds (`shadow_bytes`): the layer's parameters and optimizer state, what a layer
-transfer moves (placement.py `shard_bytes_of`: gradients are recomputed), for every
-tensor-parallel lane: tensor_parallel x (param_bytes + optimizer_bytes) of the profile at the
-plan's degree. For fp32 AdamW that is 3 x the fp32 parameters; a parameter the lanes replicate
-is counted once per lane (an upper bound).
-
-Where (`place_shadows`): layers largest first; each takes, among the nodes running stages that do
-not hold it on their devices (a spare has no worker in the generation to keep a shadow), the s
-with the most host memory left (ties: the plan's node order). Shadows so spread over every node
-(with equal budgets: the least loaded first), no node goes over its budget
-(`planning.host_memory_gb`, else measured), and one plan with one set of budgets always gives one
-placement. It is greedy, with one repair: where no node not holding the layer has room left, one
-of them hands one of its shadows to a node with room for that one. A cleverer packing might still
-fit where that fails; the error names the layer, its bytes and the free memory of the best node
-left for it, and what to change. Too few nodes that do not hold some layer is an error before any
-packing.
-
-The placement is part of the plan (`Plan.shadows`, written in its JSON only when set, so plans
-without shadows read and write as before) and `ShadowPlacement.check` validates it whenever a
-plan is checked. `ShadowPlacement.extra()` gives the shadows as copies.py's `extra`. The engine
-keeps them current and restores layers from them (engine/generation/shadows.py).
+A loss takes a layer only when it takes every holder, device and shadow, so a plan with f+1 device
+copies and s shadows tolerates any f + s losses (`tolerated_losses`, `survives`). `place_shadows`:
+layers largest first, each to the s nodes with the most host memory left, within every node's
+budget (`planning.host_memory_gb`, else measured), with one repair; one plan and one set of
+budgets give one placement. The placement is part of the plan (`Plan.shadows`). docs/shadows.md.
 """
 
 from __future__ import annotations
