@@ -1,5 +1,5 @@
 """The planner chooses each pipeline's schedule: planning.schedule / planning.chunks_per_device,
-the per-pipeline simulation, the plan's virtual stages, and the GPT-3 figure (schedule_choice.py)."""
+the per-pipeline simulation, the plan's virtual stages, and the GPT-3 figure (planning/schedules/choice.py)."""
 
 from __future__ import annotations
 

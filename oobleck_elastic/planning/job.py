@@ -281,7 +281,7 @@ def _choose(cfg: JobConfig, profile: ModelProfile, nodes: int) -> tuple[Microbat
 def choose_microbatch_size(cfg: JobConfig, profile: ModelProfile, nodes: int) -> MicrobatchChoice:
     """training.microbatch_size=auto: the candidate size (`microbatch_candidates`) whose plan on
     `nodes` nodes has the best estimated samples/s, time and memory at each size fitted from the
-    profile's measured sizes (microbatch.py); ties go to the larger size. The result lists every
+    profile's measured sizes (profile/microbatch.py); ties go to the larger size. The result lists every
     candidate. Raises MicrobatchError (a PlanningError) when none can be planned."""
     return _choose(cfg, profile, nodes)[0]
 
