@@ -10,7 +10,7 @@ has its docstring below it (the configuration reference), as schema.py describes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import get_args, Literal, Optional, Union
+from typing import Literal, Optional, Union, get_args
 
 from .schema import Section, at_least
 

@@ -52,8 +52,8 @@ from ..data.errors import DataError
 from ..data.tokenizer import save_tokenizer_files
 from ..logs import JobLog
 from ..planning import Plan, shortfall
-from .resilience.guard import StepGuard
 from .generation.reconfigure import LayerSources
+from .resilience.guard import StepGuard
 from .trainer import LayersLost, Trainer
 
 log = JobLog(logging.getLogger(__name__))

@@ -11,8 +11,7 @@ the control plane and the CLI make; this face re-exports what they use. Imports 
 from __future__ import annotations
 
 from .comm import Links
-from .tolerance.copies import Shortfall, layer_copies, shortfall
-from .plan.instantiate import Assignment, best_cover, instantiate
+from .errors import PlanningError
 from .job import (
     JobPlan,
     choose_microbatch_size,
@@ -28,6 +27,9 @@ from .job import (
     tensor_parallel_degrees,
     with_shadows,
 )
+from .plan.build import make_plan
+from .plan.instantiate import Assignment, best_cover, instantiate
+from .plan.plan import PipelineSpec, Plan, ShadowPlacement, StagePlacement
 from .profile.microbatch import (
     MicrobatchChoice,
     MicrobatchError,
@@ -37,14 +39,11 @@ from .profile.microbatch import (
     profile_at,
     profile_microbatch_sizes,
 )
-from .tolerance.guarantee import Guarantee, guarantee
-from .plan.plan import PipelineSpec, Plan, StagePlacement
-from .plan.build import make_plan
 from .profile.profile import LayerProfile, ModelProfile, ProfileError
-from .plan.plan import ShadowPlacement
-from .tolerance.shadows import place_shadows, shadow_bytes, survives, tolerated_losses
-from .errors import PlanningError
 from .templates.templates import Template, TemplateSet, build_templates
+from .tolerance.copies import Shortfall, layer_copies, shortfall
+from .tolerance.guarantee import Guarantee, guarantee
+from .tolerance.shadows import place_shadows, shadow_bytes, survives, tolerated_losses
 
 __all__ = [
     "Assignment",

@@ -18,6 +18,9 @@ from typing import Mapping, Optional, Sequence
 
 from ..config import JobConfig
 from .comm import Links
+from .errors import PlanningError
+from .plan.build import make_plan
+from .plan.plan import Plan
 from .profile.microbatch import (
     MicrobatchChoice,
     MicrobatchOption,
@@ -26,14 +29,11 @@ from .profile.microbatch import (
     pick_microbatch_size,
     profile_at,
 )
-from .tolerance.guarantee import Guarantee, guarantee
-from .plan.plan import Plan
-from .plan.build import make_plan
 from .profile.profile import ModelProfile, ProfileError
-from .tolerance.shadows import place_shadows, shadow_bytes
 from .schedules.choice import PipelineSchedules, candidates, closed_form
 from .templates.templates import GIB, TemplateSet, build_templates, memory_limit_bytes
-from .errors import PlanningError
+from .tolerance.guarantee import Guarantee, guarantee
+from .tolerance.shadows import place_shadows, shadow_bytes
 
 __all__ = [
     "JobPlan",

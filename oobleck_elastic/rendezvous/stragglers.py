@@ -15,13 +15,13 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
-from ..logs import JobLog
 from ..etcd.protocols import KVReader
+from ..logs import JobLog
 from ..planning import Plan, PlanningError
-from ..records.keys import Keys
-from .membership import put_event
 from ..records.control import Event, EventKind
+from ..records.keys import Keys
 from ..records.read import read_stragglers
+from .membership import put_event
 
 log = JobLog(logging.getLogger(__name__))
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .shadows import SHADOW_STEP_OVERHEAD
 from .paper import shadow_fields, shadow_name
+from .shadows import SHADOW_STEP_OVERHEAD
 from .systems import CheckpointRestart, OobleckElastic, machine_loss_detection_s, replay
 from .timeline import Timeline
 from .trace import synthetic_trace
@@ -173,9 +173,9 @@ class Planner:
     def __init__(self, tensor_parallel: int = 8, global_batch: int = 1536, schedule: str = "1f1b") -> None:
         from ..config import load_config
         from ..planning import templates_for
-        from ..planning.profile.analytic import gpt3_175b_profile
         from ..planning.job import pipeline_schedules
         from ..planning.plan.placement import shard_bytes_of
+        from ..planning.profile.analytic import gpt3_175b_profile
 
         self.cfg = load_config(
             ROOT / "configs" / "gpt3-175b.yaml",

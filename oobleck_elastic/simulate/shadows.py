@@ -35,8 +35,7 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import Optional, Sequence
 
-from ..planning.plan.plan import PipelineSpec, Plan, StagePlacement
-from ..planning.plan.plan import ShadowPlacement, device_holders
+from ..planning.plan.plan import PipelineSpec, Plan, ShadowPlacement, StagePlacement, device_holders
 from ..planning.tolerance.shadows import place_shadows, survives
 
 SHADOW_STEP_OVERHEAD = 0.014

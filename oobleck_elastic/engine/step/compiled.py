@@ -60,8 +60,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ...logs import JobLog
 from ...config import JobConfig
+from ...logs import JobLog
 from .split_layer import run_split
 
 __all__ = [

@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..errors import PlanningError
+from ..schedules.choice import PipelineSchedules
+from ..templates.templates import TemplateSet
 from .instantiate import Assignment, instantiate
 from .placement import keep_layers_in_place
 from .plan import PipelineSpec, Plan, StagePlacement
-from ..schedules.choice import PipelineSchedules
-from ..templates.templates import TemplateSet
 
 __all__ = ["make_plan"]
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from ...config import JobConfig
-from .profile import ModelProfile
 from ..errors import PlanningError
+from .profile import ModelProfile
 
 __all__ = [
     "MicrobatchChoice",

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ...config import JobConfig, load_config
-from .profile import ModelProfile
 from .cache import device_memory_bytes, profile_key
+from .profile import ModelProfile
 from .profiler import profile_model
 
 

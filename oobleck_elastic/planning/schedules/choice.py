@@ -15,12 +15,11 @@ import math
 from typing import Optional, Sequence, Union
 
 from ...config.planning import MAX_CHUNKS, schedule_chunks_problem
+from ..errors import PlanningError
 from ..profile.profile import ModelProfile
+from ..templates.templates import Template, TemplateSet
 from .cost import ScheduleCost, chunk_ranges, template_cost
 from .schedules import SCHEDULES, ScheduleError
-from ..errors import PlanningError
-from ..templates.templates import Template, TemplateSet
-
 
 __all__ = [
     "ENGINE_RUNS",

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..comm import Links
+from ..profile.profile import ModelProfile
 from ..templates.overlap import Ready, exposed_sync_s, layer_ready_times
 from ..templates.partition import StageCosts, best_partition
-from ..profile.profile import ModelProfile
-from .sim import Comm, Simulation, StageTimes, simulate
-from .schedules import ScheduleError, schedule_order, stage_placement
 from ..templates.templates import Template
+from .schedules import ScheduleError, schedule_order, stage_placement
+from .sim import Comm, Simulation, StageTimes, simulate
 
 __all__ = [
     "ScheduleCost",

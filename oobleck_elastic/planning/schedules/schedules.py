@@ -11,9 +11,9 @@ imported here. docs/schedules.md.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from itertools import chain, repeat
-from dataclasses import dataclass
 from typing import Callable, Iterable, Literal, NamedTuple
 
 from ..errors import PlanningError

@@ -16,7 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from .schedules import ScheduleAction, Order, ScheduleError
+from .schedules import Order, ScheduleAction, ScheduleError
 
 __all__ = ["Comm", "Simulation", "StageTimes", "simulate", "simulate_reference"]
 

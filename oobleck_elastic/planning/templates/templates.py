@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 from ..comm import Links
-from .overlap import Ready, exposed_sync_s, layer_ready_times
 from ..errors import PlanningError
-from .partition import StageCosts, best_partition
 from ..profile.profile import ModelProfile
+from .overlap import Ready, exposed_sync_s, layer_ready_times
+from .partition import StageCosts, best_partition
 
 GIB = 1024**3
 

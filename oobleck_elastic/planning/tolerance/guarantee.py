@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..plan.instantiate import coverage
 from ..errors import PlanningError
+from ..plan.instantiate import coverage
 from ..templates.templates import TemplateSet
 
 

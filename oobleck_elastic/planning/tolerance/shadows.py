@@ -14,7 +14,6 @@ import heapq
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from ..errors import PlanningError
-
 from ..plan.plan import Plan, ShadowPlacement, device_holders, fmt_gib
 
 __all__ = [
