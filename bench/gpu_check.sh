@@ -36,7 +36,7 @@ done
 $py - <<'PY'
 import json, torch
 from oobleck_elastic.config import load_config
-from oobleck_elastic.planning.profile_cache import load_or_profile
+from oobleck_elastic.planning.profile.cache import load_or_profile
 cfg = load_config("configs/gpt2-small.yaml", ["data.cache_dir=/tmp/gpu_check_cache", "training.microbatch_size=4"])
 prof = load_or_profile(cfg, device="cuda:0", log=print)
 for layer in prof.layers[:3] + prof.layers[-1:]:

@@ -166,7 +166,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     engine.close()
     # the planner's estimate of the same step (one worker, one stage) from the profile measured on this GPU
     from oobleck_elastic.planning import plan_job
-    from oobleck_elastic.planning.profile_cache import load_or_profile
+    from oobleck_elastic.planning.profile.cache import load_or_profile
 
     profile = load_or_profile(cfg, device=device, cache_dir="/tmp/gpu_step_cache", log=lambda *_: None)
     est = plan_job(cfg, nodes=1, profile=profile).plan.est_step_time_s

@@ -49,8 +49,8 @@ from oobleck_elastic.planning import (
     make_plan,
     plan_job,
 )
-from oobleck_elastic.planning.analytic import gpt3_175b_profile
-from oobleck_elastic.planning.placement import (
+from oobleck_elastic.planning.profile.analytic import gpt3_175b_profile
+from oobleck_elastic.planning.plan.placement import (
     bytes_received,
     keep_layers_in_place,
     keep_layers_in_place_pairwise,

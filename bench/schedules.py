@@ -21,7 +21,7 @@ default k = 2 a stage's forward is paced to 40 ms and its backward to 80 ms, so 
 a small share of every pass (a pass that overruns its target logs `paced_overrun`, counted here).
 The schedules given (`--schedules`, default 1f1b and gpipe; `name/chunks` for a chunk count,
 e.g. `zero-bubble/2`; interleaved-1f1b and zbv run 2 chunks, the others 1; one the engine refuses,
-planning/schedule_choice.py's ENGINE_RUNS, is skipped with a line) run alternately, `--repeats`
+planning/schedules/choice.py's ENGINE_RUNS, is skipped with a line) run alternately, `--repeats`
 times each, one job at a time.
 
 The estimate, and what is honest about it. The job's plan is made from the unscaled profile, and
@@ -39,14 +39,14 @@ step time (`train_step`, first forward to applied update: the `seconds` of its `
 lines, logging.events_dir); `wall_s`, the median time between consecutive step lines; `est_s`,
 the plan's estimate (1f1b and gpipe: templates.py's closed form; the others simulated); `ratio` =
 step_s / est_s (goal: within 10 %, 0.9 .. 1.1); `sim_s`, the simulator's step for the same stages
-(planning/schedule_cost.py), and in the summary `sim_ratio` = step_s / sim_s; `samples_s` = global
+(planning/schedules/cost.py), and in the summary `sim_ratio` = step_s / sim_s; `samples_s` = global
 batch / step_s; `vs_1f1b` = samples_s / that of the same repeat's 1f1b run; `overruns`: the
 stages in which some paced pass took longer than its target (each logs `paced_overrun` once;
 should be 0). A summary line per schedule gives the medians (`vs_1f1b` of the medians).
 
 `--compile`: the same with compiled layers (`training.compile=true`, in the jobs and in the
 estimates), by default zero-bubble against 1F1B. Compiled layers run zero-bubble's split backward
-through separate input- and weight-gradient graphs (engine/step/split_layer.py); on paced devices
+through separate input- and weight-gradient graphs (engine/stage/split_layer.py); on paced devices
 each pass is padded to the plan's time, so the schedule's bubble shows and the compiled arithmetic
 (a few ms on these tiny layers) is a small share of each pass. The workers share one inductor
 cache (the run's `data.cache_dir`), so only the first job compiles cold.
@@ -76,8 +76,8 @@ from oobleck_elastic.config import load_config
 from oobleck_elastic.logs import read_event_lines
 from oobleck_elastic.planning import ModelProfile, plan_job
 from oobleck_elastic.planning.job import links_for
-from oobleck_elastic.planning.schedule_choice import ENGINE_RUNS
-from oobleck_elastic.planning.schedule_cost import schedule_cost
+from oobleck_elastic.planning.schedules.choice import ENGINE_RUNS
+from oobleck_elastic.planning.schedules.cost import schedule_cost
 from oobleck_elastic.testing import uniform_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,7 +135,7 @@ def bench_profile(kind: str) -> ModelProfile:
 
 def estimate(schedule: str, profile: ModelProfile, factor: float, extra: list[str]) -> tuple[float, float, bool]:
     """The planner's step estimate on the paced devices (its plan's), the simulator's for the same
-    stages (planning/schedule_cost.py), and whether the plan's stages are the job's (`extra`: the
+    stages (planning/schedules/cost.py), and whether the plan's stages are the job's (`extra`: the
     run's further overrides)."""
     cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [*OVERRIDES, *extra, *schedule_overrides(schedule)])
     paced_profile = scaled(profile, factor)

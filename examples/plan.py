@@ -8,7 +8,7 @@ import argparse
 
 from oobleck_elastic.config import load_config
 from oobleck_elastic.planning import ModelProfile, plan_job
-from oobleck_elastic.planning.profile_cache import load_or_profile
+from oobleck_elastic.planning.profile.cache import load_or_profile
 
 
 def main() -> None:

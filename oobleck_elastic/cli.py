@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from .config import ConfigError, JobConfig, load_config
 from .etcd import EtcdError
@@ -19,6 +19,7 @@ from .planning import (
     JobPlan,
     MicrobatchChoice,
     ModelProfile,
+    Plan,
     PlanningError,
     ProfileError,
     compare_tensor_parallel,
@@ -28,8 +29,9 @@ from .planning import (
     tolerated_losses,
     with_shadows,
 )
-from .planning.schedule_choice import describe as describe_schedules
-from .planning.shadows import describe as describe_shadows
+from .planning.schedules.choice import PipelineSchedules
+from .planning.schedules.cost import ScheduleCost
+from .planning.tolerance.shadows import describe as describe_shadows
 
 GIB = 1024**3
 
@@ -45,7 +47,7 @@ def _load_profiles(cfg: JobConfig, profile_path: Optional[str]) -> dict[int, Mod
             "at that degree (--profile FILE, with {tp} in it for auto); this command measures "
             "one device only"
         )
-    from .planning.profile_cache import load_or_profile  # needs torch + transformers
+    from .planning.profile.cache import load_or_profile
 
     profile = load_or_profile(cfg, log=lambda msg: print(msg, file=sys.stderr))
     return {profile.tensor_parallel: profile}
@@ -183,6 +185,43 @@ def format_microbatch(choice: MicrobatchChoice) -> str:
             f"{(o.peak_memory_bytes or 0) / GIB:>9.3f}{mark}"
         )
     return "\n".join(out)
+
+
+def describe_schedules(schedules: PipelineSchedules, plan: Plan) -> list[str]:
+    """`oobleck plan`'s table: for each kind of pipeline of `plan` (template and microbatches),
+    every candidate's estimated step, bubble and peak memory, and the one chosen."""
+    out = [
+        "",
+        "schedules (per kind of pipeline, each schedule at its fastest chunk count that fits; bubble: the "
+        "devices' idle share of the schedule, all-reduce excluded):",
+        f"  {'pipelines':>9} {'nodes':>5} {'mb':>4}  {'schedule':<17} {'chunks':>6} {'step s':>9} {'bubble':>7} "
+        f"{'peak GiB':>9}",
+    ]
+    replicas = len(plan.pipelines)
+    kinds: dict[tuple[int, int], list[int]] = {}
+    for p in plan.pipelines:
+        kinds.setdefault((p.template_nodes, p.microbatches), []).append(p.index)
+    for (n, mb), members in kinds.items():
+        chosen = plan.pipelines[members[0]]
+        which = str(members[0]) if len(members) == 1 else f"{members[0]}-{members[-1]}"
+        best: dict[str, tuple[int, Union[ScheduleCost, str]]] = {}  # per schedule: its fastest chunk count
+        for name, chunks, got in schedules.table(n, mb, replicas):
+            had = best.get(name)
+            if had is None or (
+                isinstance(got, ScheduleCost) and (isinstance(had[1], str) or got.step_s < had[1].step_s)
+            ):
+                best[name] = (chunks, got)
+        for name, (chunks, got) in best.items():
+            head = f"  {which:>9} {n:>5} {mb:>4}  {name:<17} {chunks:>6}"
+            which = ""
+            if isinstance(got, str):
+                out.append(f"{head}  not possible: {got}")
+                continue
+            mark = "  <- chosen" if (name, chunks) == (chosen.schedule, chosen.num_chunks) else ""
+            out.append(
+                f"{head} {got.step_s:>9.4g} {got.bubble_fraction:>7.1%} {got.peak_memory_bytes / 2**30:>9.3f}{mark}"
+            )
+    return out
 
 
 def plan_json(jp: JobPlan) -> dict:

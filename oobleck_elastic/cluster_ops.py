@@ -14,14 +14,14 @@ import os
 import time
 from typing import Callable, Optional
 
-from .logs import read_event_lines
-from .records import samples as sample_ledger
-from .records.goodput import Ledger, describe, job_origin
 from .etcd import EtcdClient, EtcdError, EtcdSettings, connect
+from .logs import read_event_lines
 from .planning import Plan, PlanningError
-from .planning.shadows import describe as describe_shadows
-from .records.keys import Keys
+from .planning.tolerance.shadows import describe as describe_shadows
+from .records import samples as sample_ledger
 from .records.control import ClosedRecord, Event, NodeState
+from .records.goodput import Ledger, describe, job_origin
+from .records.keys import Keys
 from .records.read import read_closed, read_leader, read_progress, read_stragglers
 from .rendezvous.membership import live_nodes, mark_draining, read_events
 
@@ -114,7 +114,7 @@ them (`Plan.shadows`), not where the leader found them."""
 
 
 def status(client: EtcdClient, keys: Keys) -> list[str]:
-    """The run's leader, plan (pipelines, spares, shadow copies: `planning.shadows` `describe`),
+    """The run's leader, plan (pipelines, spares, shadow copies: `planning.tolerance.shadows` `describe`),
     current step and stragglers."""
     leader = read_leader(client, keys)
     data, _ = client.get_json(keys.plan)

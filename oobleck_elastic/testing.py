@@ -44,10 +44,10 @@ def layout_plan(
 ) -> Plan:
     """A plan from layer ranges per stage, one pipeline per entry, one device per node `n<rank>`,
     every pipeline running `schedule`. With `chunks` > 1 a pipeline's ranges are its virtual
-    stages in pipeline order, placed as the schedule places them (`planning.schedules`
+    stages in pipeline order, placed as the schedule places them (`planning.schedules.schedules`
     `stage_placement`): loop placement, device d of D holding ranges d, D + d, ..., or zbv's V,
     device d holding ranges d and 2 D - 1 - d."""
-    from .planning.schedules import stage_placement
+    from .planning.schedules.schedules import stage_placement
 
     pipelines, rank = [], 0
     for index, (ranges, mb) in enumerate(zip(layout, microbatches, strict=True)):

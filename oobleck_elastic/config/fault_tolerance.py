@@ -24,7 +24,7 @@ class FaultToleranceConfig(Section):
     """Copies of every layer's weights and optimizer state kept in the host memory of that many
     nodes that do not hold the layer on their devices (0 = none): with f+1 device copies, any
     f + shadow_copies simultaneous node losses leave a copy of every layer. The planner places
-    them within planning.host_memory_gb (planning/shadows.py) on nodes running stages, and
+    them within planning.host_memory_gb (planning/tolerance/shadows.py) on nodes running stages, and
     `oobleck plan` shows them. The holders send each step's summed gradients to the shadows, which
     apply the same AdamW update in host memory before the step commits, so a layer whose device
     copies are all lost comes back from a shadow with no step lost (engine/step/shadows.py).

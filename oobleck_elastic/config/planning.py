@@ -3,14 +3,14 @@
 Device and host memory, devices per node and tensor parallelism, the links' bandwidth and
 latency, the pipeline schedule and its chunks per device, the cluster's size, and how the
 profile is found or measured. `schedule_chunks_problem` is the one rule between the schedule and
-its chunks, shared with the planner's schedule choice (`planning.schedule_choice`). The fields:
+its chunks, shared with the planner's schedule choice (`planning.schedules.choice`). The fields:
 docs/config.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import get_args, Literal, Optional, Union
+from typing import Literal, Optional, Union, get_args
 
 from .schema import Section, at_least
 
@@ -123,7 +123,7 @@ class PlanningConfig(Section):
             problems.append(
                 f"'planning.tensor_parallel' is {tp} but 'planning.profile_path' is not set: workers measure "
                 "profiles on one device; measure one at each degree with `torchrun --nproc-per-node T -m "
-                "oobleck_elastic.planning.profile_tp --config CFG --out profile-tp{tp}.json` and set "
+                "oobleck_elastic.planning.profile.tp --config CFG --out profile-tp{tp}.json` and set "
                 "planning.profile_path=profile-tp{tp}.json"
             )
         if self.intra_node_bandwidth_gb_s <= 0 or self.inter_node_bandwidth_gb_s <= 0 or self.link_latency_us < 0:

@@ -65,7 +65,7 @@ class TrainingConfig(Section):
     """Samples per microbatch; global_batch_size must be a multiple of it. `auto` = the planner
     picks it for the job, once: the divisor of global_batch_size (up to global_batch_size /
     (f+1)) whose plan has the best estimated samples/s with every stage fitting in memory
-    (planning/microbatch.py); the plan carries it to every worker."""
+    (planning/profile/microbatch.py); the plan carries it to every worker."""
     steps: int = 20
     """Optimizer steps to run."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

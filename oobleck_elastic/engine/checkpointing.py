@@ -193,12 +193,12 @@ def retake_reason(
     plan: Plan, *, previous: int, step: int, steps: int, extra: Optional[Mapping[int, Iterable[str]]] = None
 ) -> Optional[str]:
     """Why the workers entering `plan`'s generation at `step` must save a checkpoint before its
-    first step, or None: the plan leaves some layer with fewer than f+1 copies (planning/copies.py:
+    first step, or None: the plan leaves some layer with fewer than f+1 copies (planning/tolerance/copies.py:
     distinct nodes holding it, plus shadow copies), so the next failure could take its last copy
     and force a restore of an old checkpoint. Not at the job's first start, not on a plan that
     only re-splits the batch, not after the last step. `previous`: the newest generation any of
     them was in (0 at the job's first start); `steps`: training.steps; `extra`: shadow copies
-    ({layer: nodes}, planning/copies.py)."""
+    ({layer: nodes}, planning/tolerance/copies.py)."""
     if previous <= 0 or plan.rebalanced or step >= steps:
         return None
     short = shortfall(plan, extra)

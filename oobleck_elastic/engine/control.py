@@ -157,7 +157,7 @@ def local_microbatch_size(cfg: JobConfig) -> MicrobatchChoice:
     planner's choice for one stage holding every layer on that device
     (`planning.single_worker_microbatch_size`)."""
     from ..planning import load_profiles, single_worker_microbatch_size
-    from ..planning.profile_cache import load_or_profile
+    from ..planning.profile.cache import load_or_profile
     from .entry.devices import resolve_device
 
     if cfg.planning.profile_path:

@@ -18,11 +18,11 @@ from ..checkpoint import CheckpointError, nothing_to_do
 from ..config import ConfigError, JobConfig
 from ..data.dataset import check_data
 from ..data.errors import DataError
-from ..planning import PlanningError
-from ..planning.profile import ProfileError
-from ..planning.schedule_choice import candidates
-from ..planning.shadows import SHADOWS_WITH_TP
 from ..logs import JobLog
+from ..planning import PlanningError
+from ..planning.profile.profile import ProfileError
+from ..planning.schedules.choice import candidates
+from ..planning.tolerance.shadows import SHADOWS_WITH_TP
 from .control import ControlPlane
 from .resilience.errors import JobFailed
 from .torch_internals import TorchInternalsError, check_torch_internals

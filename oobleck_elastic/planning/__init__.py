@@ -1,29 +1,17 @@
-"""Planning plane: profile -> templates -> plan. Pure functions of numbers (no torch.distributed,
-no etcd, no engine), so they can be tested exhaustively and benchmarked at scale.
+"""Planning plane: profile -> templates -> schedules -> plan -> tolerance, pure functions of numbers.
 
-`plan_job` (job.py) is the one call the control plane and the CLI make; below it, `profile` (the
-per-layer costs), `profiler` (measuring them, one layer at a time), `layer_meter` (one layer's
-measurement), `profile_cache` (which profile a job uses: a file, the cache or a new measurement),
-`partition` and `templates` (the best stage partition for every node count), `instantiate` (how
-many pipelines of each template, and their microbatches), `placement` (which nodes, keeping layers
-where they are), `plan` (the plan and its JSON), `copies` (the copies of each layer against f+1),
-`microbatch` (the microbatch size), `comm` (links), `analytic` (a profile from a formula, for large
-models), `rebalance` (re-splitting the batch around a straggler), and `schedules`, `schedule_sim`,
-`schedule_cost` (pipeline schedules as per-device action lists, and their step time and memory from
-one simulation; the planner does not choose among them yet).
-
-Imports: `config`, `models` (the profiler builds layers to measure them) and the standard library;
-never `etcd`, `rendezvous`, `records` or `engine`.
-
-`shadows` places each layer's host-memory shadow copies on a plan (on nodes that do not hold it on
-their devices) and says which node losses the plan then survives.
+Rooms, each importing only those before it (tests/test_imports.py): `errors` and `comm` (links),
+`profile/` (per-layer costs and their measurement: the only torch in planning, never imported
+here), `templates/`, `schedules/`, `plan/` and `tolerance/`. `plan_job` (job.py) is the one call
+the control plane and the CLI make; this face re-exports what they use. Imports `config`, `models`
+(the profiler builds layers) and the standard library; never `etcd`, `rendezvous`, `records` or
+`engine`. docs/planning.md tells the story.
 """
 
 from __future__ import annotations
 
 from .comm import Links
-from .copies import Shortfall, layer_copies, shortfall
-from .instantiate import Assignment, best_cover, instantiate
+from .errors import PlanningError
 from .job import (
     JobPlan,
     choose_microbatch_size,
@@ -39,7 +27,10 @@ from .job import (
     tensor_parallel_degrees,
     with_shadows,
 )
-from .microbatch import (
+from .plan.build import make_plan
+from .plan.instantiate import Assignment, best_cover, instantiate
+from .plan.plan import PipelineSpec, Plan, ShadowPlacement, StagePlacement
+from .profile.microbatch import (
     MicrobatchChoice,
     MicrobatchError,
     MicrobatchOption,
@@ -48,11 +39,11 @@ from .microbatch import (
     profile_at,
     profile_microbatch_sizes,
 )
-from .guarantee import Guarantee, guarantee
-from .plan import PipelineSpec, Plan, StagePlacement, make_plan
-from .profile import LayerProfile, ModelProfile, ProfileError
-from .shadows import ShadowPlacement, place_shadows, shadow_bytes, survives, tolerated_losses
-from .templates import PlanningError, Template, TemplateSet, build_templates
+from .profile.profile import LayerProfile, ModelProfile, ProfileError
+from .templates.templates import Template, TemplateSet, build_templates
+from .tolerance.copies import Shortfall, layer_copies, shortfall
+from .tolerance.guarantee import Guarantee, guarantee
+from .tolerance.shadows import place_shadows, shadow_bytes, survives, tolerated_losses
 
 __all__ = [
     "Assignment",

@@ -1,23 +1,11 @@
-"""Communication costs of the planner's model: links between devices, and what crosses them.
+"""Links between devices and what crosses them: the communication costs of the planner's model.
 
-Three kinds of traffic cost a step time (docs/design.md, "Parallelism and the cost model"):
-
-- **activations between consecutive stages** (pipeline parallelism): per microbatch, a stage
-  receives its input activation in the forward pass and the gradient of its output in the
-  backward pass, each of `LayerProfile.output_bytes` of the layer before the boundary. It is one
-  point-to-point message over the link between the two stages' devices: inside a node when both
-  stages are on the same node, across nodes otherwise. `Links.p2p_s` = latency + bytes / bandwidth.
-- **tensor-parallel collectives inside a layer**: a stage's layers are sharded over the devices
-  of a node; their all-reduces run inside the layer's forward and backward and are part of the
-  layer times the profile measured (or, for analytic profiles, estimated with `all_reduce_s` over
-  the intra-node link).
-- **the cross-replica gradient all-reduce**: after the pipeline schedule, each worker sums its
-  gradients with the holders of the same layers (and tensor-parallel lane) in the other
-  pipelines, one per pipeline, on other nodes. The engine runs it after the schedule, not
-  overlapped with the backward pass, so it adds to the step time. Ring all-reduce:
-  2 (k - 1) / k x bytes / bandwidth + 2 (k - 1) x latency for k members.
-
-Bandwidths are per device, in GB/s (10^9 bytes per second), from `planning.*` settings.
+Three kinds of traffic: activations between consecutive stages (one point-to-point message,
+`Links.p2p_s` = latency + bytes / bandwidth, inside a node or across nodes), tensor-parallel
+collectives inside a layer (part of the profile's layer times; `all_reduce_s` for analytic
+profiles), and the cross-replica gradient all-reduce (ring: 2 (k - 1) / k x bytes / bandwidth +
+2 (k - 1) x latency for k members). Bandwidths are per device, in GB/s, from `planning.*`
+settings. docs/planning.md.
 """
 
 from __future__ import annotations

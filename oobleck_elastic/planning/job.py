@@ -1,24 +1,11 @@
-"""Planning a job: the one call the control plane and the CLI make, from a config and a profile to a plan.
+"""Planning a job: the one entry for callers outside planning, from a config and a profile to a plan.
 
-`plan_job(cfg, nodes=..., profile=...)` is the one call the control plane and the CLI make.
-Communication is costed with `links_for(cfg)` (comm.py); the tensor-parallel degree is
-`planning.tensor_parallel`, or with `auto` the degree whose plan has the best estimated
-throughput (`choose_tensor_parallel`, from one profile per degree).
-
-The memory of one device is `planning.device_memory_gb` when set, else the total memory the
-profile recorded for the device it was measured on (`device_memory`); with neither, planning
-stops with an error that names `planning.device_memory_gb`.
-
-With `training.microbatch_size: auto` the microbatch size is chosen the same way
-(`choose_microbatch_size`, microbatch.py): every divisor of the global batch up to
-global_batch_size // (f+1), its time and memory fitted from the sizes the profile was measured
-at, the best estimated samples/s on planning.max_nodes (else the first plan's node count) nodes.
-The templates carry the size they were built for (`TemplateSet.microbatch_size`), the plan carries
-it to the workers (`Plan.microbatch_size`), and a re-plan keeps the previous plan's size.
-
-With `fault_tolerance.shadow_copies` > 0, `with_shadows` places each layer's host-memory shadow
-copies on a plan (shadows.py) within `host_memory`: `planning.host_memory_gb` for every node, else
-the memory available now on the machine that plans. `plan_job` itself places none.
+`plan_job(cfg, nodes=..., profile=...)` builds the templates and the plan, with links from
+`links_for(cfg)`; `planning.tensor_parallel=auto` and `training.microbatch_size: auto` choose the
+degree and the size with the best estimated throughput (`choose_tensor_parallel`,
+`choose_microbatch_size`); a re-plan keeps the previous plan's microbatch size. A device's memory
+is `planning.device_memory_gb`, else what the profile recorded, else an error naming the setting.
+`with_shadows` places host-memory shadow copies within `host_memory`. docs/planning.md.
 """
 
 from __future__ import annotations
@@ -31,7 +18,10 @@ from typing import Mapping, Optional, Sequence
 
 from ..config import JobConfig
 from .comm import Links
-from .microbatch import (
+from .errors import PlanningError
+from .plan.build import make_plan
+from .plan.plan import Plan
+from .profile.microbatch import (
     MicrobatchChoice,
     MicrobatchOption,
     fixed_microbatch_size,
@@ -39,12 +29,11 @@ from .microbatch import (
     pick_microbatch_size,
     profile_at,
 )
-from .guarantee import Guarantee, guarantee
-from .plan import Plan, make_plan
-from .profile import ModelProfile, ProfileError
-from .shadows import place_shadows, shadow_bytes
-from .schedule_choice import PipelineSchedules, candidates, closed_form
-from .templates import GIB, PlanningError, TemplateSet, build_templates, memory_limit_bytes
+from .profile.profile import ModelProfile, ProfileError
+from .schedules.choice import PipelineSchedules, candidates, closed_form
+from .templates.templates import GIB, TemplateSet, build_templates, memory_limit_bytes
+from .tolerance.guarantee import Guarantee, guarantee
+from .tolerance.shadows import place_shadows, shadow_bytes
 
 __all__ = [
     "JobPlan",
@@ -292,7 +281,7 @@ def _choose(cfg: JobConfig, profile: ModelProfile, nodes: int) -> tuple[Microbat
 def choose_microbatch_size(cfg: JobConfig, profile: ModelProfile, nodes: int) -> MicrobatchChoice:
     """training.microbatch_size=auto: the candidate size (`microbatch_candidates`) whose plan on
     `nodes` nodes has the best estimated samples/s, time and memory at each size fitted from the
-    profile's measured sizes (microbatch.py); ties go to the larger size. The result lists every
+    profile's measured sizes (profile/microbatch.py); ties go to the larger size. The result lists every
     candidate. Raises MicrobatchError (a PlanningError) when none can be planned."""
     return _choose(cfg, profile, nodes)[0]
 
@@ -411,7 +400,7 @@ def templates_for(
 
 
 def pipeline_schedules(cfg: JobConfig, tset: TemplateSet, *, engine_only: bool = False) -> Optional[PipelineSchedules]:
-    """What chooses each pipeline's schedule (schedule_choice.py), or None for 1f1b and gpipe
+    """What chooses each pipeline's schedule (schedules/choice.py), or None for 1f1b and gpipe
     (templates.py's closed form). PlanningError for a bad schedule or chunk count."""
     p = cfg.planning
     options = candidates(p.schedule, p.chunks_per_device, engine_only=engine_only)
@@ -439,7 +428,7 @@ def plan_job(
     Give the profile, or templates already computed from it (their `microbatch_size` is the
     plan's). With the `previous` generation's plan, nodes are placed where they keep the most
     layers they hold, and its tensor-parallel degree and microbatch size are kept (`auto`).
-    `planning.schedule` other than 1f1b and gpipe is chosen per pipeline (schedule_choice.py);
+    `planning.schedule` other than 1f1b and gpipe is chosen per pipeline (schedules/choice.py);
     with `engine_only` only among the schedules the engine runs (a job's plans). `schedules`: the
     `JobPlan.schedules` of an earlier call with the same config and templates, reused with the
     simulations it has cached (a study planning many node counts; the plans are the same)."""

@@ -73,7 +73,7 @@ class Keys:
         return self.root + "profiles/"
 
     def device_profile(self, device: str) -> str:
-        """The worker-measured profile of one device kind (`profile_cache.device_label`)."""
+        """The worker-measured profile of one device kind (`planning.profile.cache.device_label`)."""
         return self.profiles + sanitise(device)
 
     def profile_claim(self, device: str) -> str:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Collection, Mapping, Optional, Sequence
 
 from ..planning import Plan
-from ..planning.rebalance import mitigate
+from ..planning.plan.rebalance import mitigate
 from ..records.control import Event, EventKind, NodeState, StrEnum
 
 

@@ -25,7 +25,7 @@ from ..planning import (
     templates_for,
     with_shadows,
 )
-from ..planning.shadows import SHADOWS_WITH_TP
+from ..planning.tolerance.shadows import SHADOWS_WITH_TP
 from ..records.keys import Keys
 from .leader import JobUnplannable
 
@@ -82,7 +82,7 @@ class JobPlanner:
         copies = self.cfg.fault_tolerance.shadow_copies
         if copies and jp.plan.tensor_parallel > 1:
             raise JobUnplannable(SHADOWS_WITH_TP.format(copies=copies))
-        if copies:  # host-memory shadow copies of every layer (planning/shadows.py), as many as fit
+        if copies:  # host-memory shadow copies of every layer (planning/tolerance/shadows.py), as many as fit
             return with_shadows(self.cfg, jp.plan, self._profile(len(nodes)), fewer=True)
         return jp.plan
 

@@ -4,7 +4,7 @@ The workers name stragglers and report each pipeline's measured seconds per micr
 `stragglers` (`engine.resilience.straggler`). While that report is about the current generation,
 `LeaderStragglers.view_fields` hands `decide` the speeds, the slow nodes and the planner's plan
 without them (made once per report: planning is milliseconds, but the leader ticks often), and
-`decide` picks a remedy (`planning.rebalance`). A re-split is published like any plan; a node
+`decide` picks a remedy (`planning.plan.rebalance`). A re-split is published like any plan; a node
 left out (`leave_out`) is remembered by this leader and counted as not ready from then on, so no
 later plan takes it back (a new leader forgets: its workers would name the node again).
 The story: docs/planning.md.
@@ -16,13 +16,13 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
-from ..logs import JobLog
 from ..etcd.protocols import KVReader
+from ..logs import JobLog
 from ..planning import Plan, PlanningError
-from ..records.keys import Keys
-from .membership import put_event
 from ..records.control import Event, EventKind
+from ..records.keys import Keys
 from ..records.read import read_stragglers
+from .membership import put_event
 
 log = JobLog(logging.getLogger(__name__))
 

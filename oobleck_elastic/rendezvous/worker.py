@@ -19,17 +19,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch.distributed as dist
 
 from ..config.timing import comm_timeout, stall_report
-from ..logs import JobLog
 from ..etcd import EtcdClient, EtcdSettings, connect
 from ..etcd.client import warn_once
 from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..etcd.store import EtcdStore
+from ..logs import JobLog
 from ..planning import PipelineSpec, Plan, StagePlacement
 from ..records.board import claim_board
-from ..records.errors import ErrorRecord, next_error_record
-from ..records.goodput import Ledger, Origin, job_origin
-from ..records.keys import Keys
 from ..records.control import (
     Checkin,
     CheckinKind,
@@ -43,8 +40,11 @@ from ..records.control import (
     ReadyRecord,
     StragglerRecord,
 )
-from ..records.read import is_fenced, read_closed, read_profile_claim, read_progress, read_ready, readiness_withdrawn
+from ..records.errors import ErrorRecord, next_error_record
+from ..records.goodput import Ledger, Origin, job_origin
+from ..records.keys import Keys
 from ..records.plans import PlanReader, parse_plan
+from ..records.read import is_fenced, read_closed, read_profile_claim, read_progress, read_ready, readiness_withdrawn
 from .membership import put_event, read_events
 from .preempt import guard_worker
 
@@ -197,7 +197,8 @@ class WorkerContext:
             return  # the leader plans from that file
         import torch
 
-        from ..planning import ModelProfile, ProfileError, profile_cache
+        from ..planning import ModelProfile, ProfileError
+        from ..planning.profile import cache as profile_cache
 
         device = torch.device(device)
 

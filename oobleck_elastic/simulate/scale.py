@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .shadows import SHADOW_STEP_OVERHEAD
 from .paper import shadow_fields, shadow_name
+from .shadows import SHADOW_STEP_OVERHEAD
 from .systems import CheckpointRestart, OobleckElastic, machine_loss_detection_s, replay
 from .timeline import Timeline
 from .trace import synthetic_trace
@@ -57,7 +57,7 @@ class ScaleSettings:
     schedule: str = "1f1b"
     """`planning.schedule` of the planner: `1f1b` (`planning.templates`' closed form) or `auto` (every
     pipeline's schedule chosen by simulation, among all the planner knows, as `oobleck plan`
-    shows them; `planning.schedule_choice`), or one schedule's name."""
+    shows them; `planning.schedules.choice`), or one schedule's name."""
     shadow_copies: list[int] = field(default_factory=list)
     """Also run `oobleck_elastic` with each of these counts of host-memory shadow copies
     (`oobleck_elastic:s=N`, `simulate.shadows`). The engine keeps shadows only at tensor
@@ -147,9 +147,9 @@ class Planner:
     def __init__(self, tensor_parallel: int = 8, global_batch: int = 1536, schedule: str = "1f1b") -> None:
         from ..config import load_config
         from ..planning import templates_for
-        from ..planning.analytic import gpt3_175b_profile
         from ..planning.job import pipeline_schedules
-        from ..planning.placement import shard_bytes_of
+        from ..planning.plan.placement import shard_bytes_of
+        from ..planning.profile.analytic import gpt3_175b_profile
 
         self.cfg = load_config(
             ROOT / "configs" / "gpt3-175b.yaml",
@@ -196,7 +196,7 @@ class Planner:
         lost a third of the way in, the last node lost, and a node joining n - 1. The timed call
         plans as the leader does, from scratch (its schedules simulated anew)."""
         from ..planning import plan_job
-        from ..planning.placement import bytes_received
+        from ..planning.plan.placement import bytes_received
 
         nodes = [f"node{i}" for i in range(n)]
         cases = [

@@ -10,8 +10,8 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import Optional, Sequence
 
-from ..planning.plan import PipelineSpec, Plan, StagePlacement
-from ..planning.shadows import ShadowPlacement, device_holders, place_shadows, survives
+from ..planning.plan.plan import PipelineSpec, Plan, ShadowPlacement, StagePlacement, device_holders
+from ..planning.tolerance.shadows import place_shadows, survives
 
 SHADOW_STEP_OVERHEAD = 0.014
 """Failure-free step-time overhead of one shadow copy of every layer (fault_tolerance.shadow_copies

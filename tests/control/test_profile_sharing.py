@@ -43,7 +43,7 @@ from oobleck_elastic.planning import (
     device_memory,
     templates_for,
 )
-from oobleck_elastic.planning import profile_cache
+from oobleck_elastic.planning.profile import cache as profile_cache
 from oobleck_elastic.rendezvous.handler import OobleckRendezvousHandler
 from oobleck_elastic.records.keys import Keys, sanitise
 from oobleck_elastic.rendezvous.membership import Member, read_events

@@ -203,7 +203,8 @@ def test_nodes_waiting_for_the_profile_and_for_admission_are_idle(
     import torch
 
     from oobleck_elastic.etcd import connect
-    from oobleck_elastic.planning import Plan, profile_cache
+    from oobleck_elastic.planning import Plan
+    from oobleck_elastic.planning.profile import cache as profile_cache
     from oobleck_elastic.records.control import ProfileClaim
     from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.rendezvous.membership import live_nodes

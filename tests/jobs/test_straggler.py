@@ -1,4 +1,4 @@
-"""Stragglers (engine/resilience/straggler.py, planning/rebalance.py): naming on made-up times, the re-split of
+"""Stragglers (engine/resilience/straggler.py, planning/plan/rebalance.py): naming on made-up times, the re-split of
 the batch, the compute clock, and a job with one slowed node."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.resilience.faults import FaultInjector
 from oobleck_elastic.engine.resilience.straggler import ComputeClock, StragglerWatch, slowdowns
 from oobleck_elastic.planning import Plan
-from oobleck_elastic.planning.rebalance import mitigate, rebalance, rebalanced_plan, step_estimate
+from oobleck_elastic.planning.plan.rebalance import mitigate, rebalance, rebalanced_plan, step_estimate
 from oobleck_elastic.rendezvous.decide import Action, Clocks, LeaderView, Rules, decide, plan_events
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.records.keys import Keys

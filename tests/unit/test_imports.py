@@ -5,8 +5,12 @@
    the control plane, planning, the records layer and the data pipeline never import the engine;
    planning is pure numbers (no etcd, no control plane); the engine's sub-packages import each
    other only downwards (resilience, step, then stage and entry side by side, telemetry) and never
-   the loop at its root.
+   the loop at its root; planning's rooms too (errors and comm, profile, templates, schedules, plan,
+   tolerance), with `planning.job` and the package's face at its root, the one entry for the rest of
+   the package.
 3. No private name (`_name`) is taken from another module, by `from m import _name` or `m._name`.
+4. No module of planning outside `planning.profile` imports torch (type-checker imports included),
+   and importing `oobleck_elastic.planning` does not load it.
 
 Imports under `if TYPE_CHECKING:` are for the type checker only and are not counted. The rules are
 pure functions of the modules' import lists (`imports_of`, `cycles`, `plane_violations`,
@@ -16,6 +20,9 @@ pure functions of the modules' import lists (`imports_of`, `cycles`, `plane_viol
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -24,6 +31,10 @@ PACKAGE = "oobleck_elastic"
 ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 
 ENGINE_PARTS = ("resilience", "step", "stage", "entry", "telemetry")
+PLANNING_PARTS = ("errors", "comm", "profile", "templates", "schedules", "plan", "tolerance")
+"""Planning's rooms, from the bottom up (`ALLOWED` says which may import which)."""
+TORCH_IN_PLANNING = "planning.profile"
+"""The one room of planning that may import torch (it measures layers)."""
 
 ALLOWED: dict[str, frozenset[str]] = {
     part: frozenset(deps)
@@ -35,7 +46,14 @@ ALLOWED: dict[str, frozenset[str]] = {
         "etcd": (),
         # floor 2: models, and the pure-number planes
         "models": ("checkpoint", "config"),
-        "planning": ("config", "logs", "models"),
+        "planning.errors": (),
+        "planning.comm": (),
+        "planning.profile": ("config", "logs", "models", "planning.comm", "planning.errors"),
+        "planning.templates": ("planning.comm", "planning.errors", "planning.profile"),
+        "planning.schedules": ("config", "planning.comm", "planning.errors", "planning.profile", "planning.templates"),
+        "planning.plan": ("planning.errors", "planning.schedules", "planning.templates"),
+        "planning.tolerance": ("planning.errors", "planning.plan", "planning.templates"),
+        "planning": ("config", "logs", "models", *(f"planning.{part}" for part in PLANNING_PARTS)),
         "simulate": ("config", "logs", "planning"),
         "data": ("config", "models"),
         "testing": ("planning",),
@@ -208,14 +226,19 @@ def part_of(module: str, package: str = PACKAGE) -> str:
         return ""
     if parts[0] == "engine" and len(parts) > 1 and parts[1] in ENGINE_PARTS:
         return f"engine.{parts[1]}"
+    if parts[0] == "planning" and len(parts) > 1 and parts[1] in PLANNING_PARTS:
+        return f"planning.{parts[1]}"
     return parts[0]
 
 
 def plane_violations(imports: Iterable[Import], allowed: Mapping[str, frozenset[str]]) -> list[str]:
-    """One line per import between parts that `allowed` does not list (or from an unlisted part)."""
+    """One line per import between parts that `allowed` does not list (or from an unlisted part).
+    From outside planning, all of planning counts as one part ("planning")."""
     out = []
     for imp in imports:
         src, dst = part_of(imp.module), part_of(imp.target)
+        if dst.startswith("planning.") and not src.startswith("planning"):
+            dst = "planning"
         if not dst or src == dst:
             continue
         if src not in allowed:
@@ -235,6 +258,23 @@ def private_violations(imports: Iterable[Import]) -> list[str]:
             if imp.name and imp.name.startswith("_") and not imp.name.startswith("__") and imp.module != imp.target
         }
     )
+
+
+def torch_violations(sources: Mapping[str, str], package: str = PACKAGE) -> list[str]:
+    """One line per import of torch by a module of planning outside `TORCH_IN_PLANNING`, function-local
+    and type-checker-only imports included."""
+    out = []
+    for mod, text in sources.items():
+        part = part_of(mod, package)
+        if not part.startswith("planning") or part == TORCH_IN_PLANNING:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            if any(n == "torch" or n.startswith("torch.") for n in names):
+                out.append(f"{mod}:{node.lineno} imports torch outside {package}.{TORCH_IN_PLANNING}")
+    return sorted(out)
 
 
 def package_sources(root: Path = ROOT) -> dict[str, str]:
@@ -259,6 +299,18 @@ def test_every_import_follows_the_planes() -> None:
 def test_no_private_name_crosses_a_module() -> None:
     bad = private_violations(imports_of(package_sources()))
     assert not bad, "private names taken from other modules:\n" + "\n".join(bad)
+
+
+def test_no_torch_in_planning_outside_its_profile_room() -> None:
+    bad = torch_violations(package_sources())
+    assert not bad, "torch in planning:\n" + "\n".join(bad)
+
+
+def test_importing_planning_does_not_load_torch() -> None:
+    code = f"import sys, {PACKAGE}.planning; print('torch' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "False", out.stderr
 
 
 # ---------------------------------------------------------------------------- the rules, on made-up modules
@@ -347,4 +399,38 @@ def test_private_names_from_other_modules_are_named() -> None:
     assert private_violations(imports_of(src)) == [
         f"{PACKAGE}.etcd.mirror:1 takes _RETRY_S from {PACKAGE}.etcd.client",
         f"{PACKAGE}.etcd.mirror:3 takes _RETRY_S from {PACKAGE}.etcd.client",
+    ]
+
+
+def test_a_planning_room_importing_one_above_is_named() -> None:
+    src = _fake(
+        **{
+            "planning": "",
+            "planning.templates": "",
+            "planning.templates.templates": "from ..plan.plan import Plan\n",
+            "planning.plan": "",
+            "planning.plan.plan": "class Plan: ...\n",
+            "simulate": "",
+            "simulate.run": "from ..planning.plan.plan import Plan\n",
+        }
+    )
+    assert plane_violations(imports_of(src), ALLOWED) == [
+        f"{PACKAGE}.planning.templates.templates:1 imports {PACKAGE}.planning.plan.plan.Plan: "
+        "'planning.templates' may not import 'planning.plan'"
+    ]
+
+
+def test_torch_outside_planning_profile_is_named() -> None:
+    src = _fake(
+        **{
+            "planning": "",
+            "planning.profile": "",
+            "planning.profile.profiler": "import torch\n",
+            "planning.schedules": "",
+            "planning.schedules.sim": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from torch import nn\n",
+            "models": "import torch\n",
+        }
+    )
+    assert torch_violations(src) == [
+        f"{PACKAGE}.planning.schedules.sim:3 imports torch outside {PACKAGE}.{TORCH_IN_PLANNING}"
     ]

@@ -1,5 +1,5 @@
-"""The part of the gradient all-reduce a pipeline leaves exposed (planning/overlap.py), in the
-closed form of templates.py and in the simulation of schedule_cost.py, and what it does to the
+"""The part of the gradient all-reduce a pipeline leaves exposed (planning/templates/overlap.py), in the
+closed form of templates.py and in the simulation of planning/schedules/cost.py, and what it does to the
 GPT-3 plan."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 
 from oobleck_elastic.config import load_config
 from oobleck_elastic.planning import LayerProfile, Links, ModelProfile, load_profiles, plan_job
-from oobleck_elastic.planning.overlap import exposed_sync_s, layer_ready_times
-from oobleck_elastic.planning.partition import StageCosts
-from oobleck_elastic.planning.schedule_cost import schedule_cost
-from oobleck_elastic.planning.templates import make_template
+from oobleck_elastic.planning.templates.overlap import exposed_sync_s, layer_ready_times
+from oobleck_elastic.planning.templates.partition import StageCosts
+from oobleck_elastic.planning.schedules.cost import schedule_cost
+from oobleck_elastic.planning.templates.templates import make_template
 
 LINKS = Links(intra_node_gb_s=150.0, inter_node_gb_s=12.5, latency_s=1e-5)
 

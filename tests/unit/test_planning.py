@@ -23,8 +23,9 @@ from oobleck_elastic.planning import (
     plan_job,
     templates_for,
 )
-from oobleck_elastic.planning.analytic import gpt3_175b_profile
-from oobleck_elastic.planning.templates import GIB, StageCosts, best_template, brute_force_template
+from oobleck_elastic.planning.profile.analytic import gpt3_175b_profile
+from oobleck_elastic.planning.templates.templates import GIB, best_template, brute_force_template
+from oobleck_elastic.planning.templates.partition import StageCosts
 
 
 def random_profile(rng: random.Random, num_layers: int, *, mem_scale: float = 1.0) -> ModelProfile:

@@ -27,8 +27,9 @@ from oobleck_elastic.planning import (
     plan_job,
     templates_for,
 )
-from oobleck_elastic.planning.analytic import transformer_profile
-from oobleck_elastic.planning.templates import GIB, StageCosts, best_template, brute_force_template
+from oobleck_elastic.planning.profile.analytic import transformer_profile
+from oobleck_elastic.planning.templates.templates import GIB, best_template, brute_force_template
+from oobleck_elastic.planning.templates.partition import StageCosts
 
 ROOT = Path(__file__).resolve().parents[2]
 LINKS = Links(intra_node_gb_s=100.0, inter_node_gb_s=10.0, latency_s=1e-5)
@@ -233,7 +234,7 @@ def test_config_rejects_a_degree_that_does_not_divide_the_node() -> None:
         ConfigError,
         match=r"'planning.tensor_parallel' is 2 but 'planning.profile_path' is not set: "
         r"workers measure profiles on one device; measure one at each degree with "
-        r"`torchrun --nproc-per-node T -m oobleck_elastic.planning.profile_tp",
+        r"`torchrun --nproc-per-node T -m oobleck_elastic.planning.profile.tp",
     ):
         load_config(overrides=["planning.gpus_per_node=2", "planning.tensor_parallel=2"])
     with pytest.raises(ConfigError, match="'planning.inter_node_bandwidth_gb_s' must be > 0"):
@@ -292,7 +293,7 @@ def test_profile_tp_measures_sharded_layers_with_torchrun(tmp_path: Path) -> Non
             "1",
             "--standalone",
             "-m",
-            "oobleck_elastic.planning.profile_tp",
+            "oobleck_elastic.planning.profile.tp",
             "--config",
             str(ROOT / "configs/gpt2-tiny.yaml"),
             "--out",
@@ -313,7 +314,7 @@ def test_profile_tp_measures_sharded_layers_with_torchrun(tmp_path: Path) -> Non
             "2",
             "--standalone",
             "-m",
-            "oobleck_elastic.planning.profile_tp",
+            "oobleck_elastic.planning.profile.tp",
             "--config",
             str(ROOT / "configs/gpt2-tiny.yaml"),
             "--out",

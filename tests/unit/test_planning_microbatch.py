@@ -25,7 +25,7 @@ from oobleck_elastic.planning import (
     profile_at,
     profile_microbatch_sizes,
 )
-from oobleck_elastic.planning.microbatch import pick_microbatch_size
+from oobleck_elastic.planning.profile.microbatch import pick_microbatch_size
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1024**3

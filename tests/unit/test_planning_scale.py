@@ -22,10 +22,11 @@ from oobleck_elastic.planning import (
     instantiate,
     make_plan,
 )
-from oobleck_elastic.planning.analytic import gpt3_175b_profile
-from oobleck_elastic.planning.instantiate import _cover_dp, _least_makespan, candidate_makespans
-from oobleck_elastic.planning.templates import GIB, StageCosts, best_partition, brute_force_template
-from oobleck_elastic.planning.placement import (
+from oobleck_elastic.planning.profile.analytic import gpt3_175b_profile
+from oobleck_elastic.planning.plan.instantiate import _cover_dp, _least_makespan, candidate_makespans
+from oobleck_elastic.planning.templates.templates import GIB, brute_force_template
+from oobleck_elastic.planning.templates.partition import StageCosts, best_partition
+from oobleck_elastic.planning.plan.placement import (
     bytes_received,
     keep_layers_in_place,
     keep_layers_in_place_pairwise,

@@ -17,7 +17,8 @@ from oobleck_elastic import cli, models
 from oobleck_elastic.config import JobConfig, ModelConfig, load_config
 from oobleck_elastic.models import LayerModel
 from oobleck_elastic.models import build as build_module
-from oobleck_elastic.planning import LayerProfile, ModelProfile, layer_meter, plan_job, profiler, templates_for
+from oobleck_elastic.planning import LayerProfile, ModelProfile, plan_job, templates_for
+from oobleck_elastic.planning.profile import layer_meter, profiler
 
 ROOT = Path(__file__).resolve().parents[2]
 MEMORY_FIELDS = ("name", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "output_bytes")

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from oobleck_elastic.planning.profiler import layers_to_measure, profile_layer_by_layer
-from oobleck_elastic.planning.progress import ProfileProgress, format_seconds, time_left
+from oobleck_elastic.planning.profile.profiler import layers_to_measure, profile_layer_by_layer
+from oobleck_elastic.planning.profile.progress import ProfileProgress, format_seconds, time_left
 
 
 def test_time_left_from_the_current_layers_runs_and_the_finished_layers() -> None:

@@ -12,10 +12,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from oobleck_elastic.config import JobConfig, ModelConfig
 from oobleck_elastic.models import build_layer_model
-from oobleck_elastic.planning import layer_meter, profile_cache
-from oobleck_elastic.planning.profile import LayerProfile, ModelProfile, profile_cache_key
-from oobleck_elastic.planning.profile_cache import load_or_profile, profile_key
-from oobleck_elastic.planning.profiler import profile_layers
+from oobleck_elastic.planning.profile import layer_meter, cache as profile_cache
+from oobleck_elastic.planning.profile.profile import LayerProfile, ModelProfile, profile_cache_key
+from oobleck_elastic.planning.profile.cache import load_or_profile, profile_key
+from oobleck_elastic.planning.profile.profiler import profile_layers
 
 B, L, H, V = 2, 16, 32, 256
 

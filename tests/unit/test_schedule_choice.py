@@ -1,5 +1,5 @@
 """The planner chooses each pipeline's schedule: planning.schedule / planning.chunks_per_device,
-the per-pipeline simulation, the plan's virtual stages, and the GPT-3 figure (schedule_choice.py)."""
+the per-pipeline simulation, the plan's virtual stages, and the GPT-3 figure (planning/schedules/choice.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from oobleck_elastic.cli import main as cli_main
 from oobleck_elastic.config import ConfigError, load_config
 from oobleck_elastic.engine.startup import check_start
 from oobleck_elastic.planning import LayerProfile, ModelProfile, PlanningError, load_profiles, plan_job
-from oobleck_elastic.planning.plan import Plan
-from oobleck_elastic.planning.schedule_choice import ENGINE_RUNS, PipelineSchedules, candidates
+from oobleck_elastic.planning.plan.plan import Plan
+from oobleck_elastic.planning.schedules.choice import ENGINE_RUNS, PipelineSchedules, candidates
 from oobleck_elastic.rendezvous.planner import JobPlanner
-from oobleck_elastic.planning.schedule_cost import ScheduleCost, schedule_cost, template_cost
+from oobleck_elastic.planning.schedules.cost import ScheduleCost, schedule_cost, template_cost
 
 GIB = 2**30
 
@@ -241,7 +241,7 @@ def test_a_candidate_is_simulated_once_for_every_replica_count(monkeypatch: pyte
     """The instantiation's lines and the pipelines' choice ask for the same candidates with
     different replica counts: the simulation does not depend on them, only the all-reduce does,
     and that is the one a fresh simulation for those replicas gives."""
-    import oobleck_elastic.planning.schedule_choice as choice
+    import oobleck_elastic.planning.schedules.choice as choice
 
     prof = model()
     jp = plan_job(config(**{"planning.schedule": "auto"}), nodes=10, profile=prof)

@@ -11,18 +11,19 @@ from types import SimpleNamespace
 import pytest
 
 from oobleck_elastic.planning import LayerProfile, Links, ModelProfile
-from oobleck_elastic.planning.partition import StageCosts
-from oobleck_elastic.planning.schedule_choice import PipelineSchedules
-from oobleck_elastic.planning.schedule_cost import (
+from oobleck_elastic.planning.templates.partition import StageCosts
+from oobleck_elastic.planning.schedules.choice import PipelineSchedules
+from oobleck_elastic.planning.schedules.cost import (
     ScheduleCost,
     chunk_ranges,
     schedule_cost,
     stage_times,
     template_cost,
 )
-from oobleck_elastic.planning.schedule_sim import StageTimes, simulate, simulate_reference
-from oobleck_elastic.planning.schedules import Action, Order, ScheduleError, schedule_order
-from oobleck_elastic.planning.templates import PlanningError, TemplateSet, make_template
+from oobleck_elastic.planning.schedules.sim import StageTimes, simulate, simulate_reference
+from oobleck_elastic.planning.schedules.schedules import ScheduleAction, Order, ScheduleError, schedule_order
+from oobleck_elastic.planning.errors import PlanningError
+from oobleck_elastic.planning.templates.templates import TemplateSet, make_template
 
 LINKS = Links(intra_node_gb_s=150.0, inter_node_gb_s=12.5, latency_s=1e-5)
 
@@ -127,7 +128,7 @@ def test_1f1b_warms_up_with_one_forward_per_stage_after_it() -> None:
     )
     order = schedule_order("zbv", 2, 3, 2)
     assert Order.parse(str(order), name="zbv") == order
-    assert Action.parse(" 12W3 ") == Action(12, "W", 3)
+    assert ScheduleAction.parse(" 12W3 ") == ScheduleAction(12, "W", 3)
 
 
 @pytest.mark.parametrize(
@@ -188,7 +189,7 @@ def test_1f1b_equals_the_template_formula_when_the_last_stage_is_the_slowest(see
     for m in range(1, 3 * p + 1):
         cost = template_cost(prof, t, "1f1b", m, replicas=3)
         assert cost.step_s == pytest.approx(t.iteration_time(m, replicas=3), rel=1e-12)
-        # the exposed all-reduce too (planning/overlap.py): the cool-down's chain is exact here
+        # the exposed all-reduce too (planning/templates/overlap.py): the cool-down's chain is exact here
         assert cost.grad_sync_s == pytest.approx(t.grad_sync_s(3), rel=1e-9) and cost.grad_sync_s > 0
 
 
@@ -219,7 +220,7 @@ def test_the_template_formula_is_an_estimate_for_1f1b_with_an_early_bottleneck()
     # waits for that backward (14 -> 15): 23, where the formula says 12 + 2 x 5 = 22.
     sim = simulate(schedule_order("1f1b", 3, 3), StageTimes([1.0, 4.0, 1.0], [4.0, 1.0, 1.0], [0.0] * 3))
     assert sim.makespan_s == pytest.approx(23.0)
-    assert sim.spans[Action(0, "B", 1)] == (15.0, 19.0)
+    assert sim.spans[ScheduleAction(0, "B", 1)] == (15.0, 19.0)
 
 
 # ---------------------------------------------------------------- the published bubbles
@@ -382,7 +383,7 @@ def test_a_split_backward_feeds_the_stage_before_at_its_input_gradient() -> None
     # 1I0 ends at 1 + 1 + 1 = 3; 0B0 starts there, not after 1W0
     order = Order.parse("0F0 0B0\n1F0 1I0 1W0")
     sim = simulate(order, StageTimes([1.0, 1.0], [1.0, 1.0], [5.0, 5.0]))
-    assert sim.spans[Action(0, "B", 0)] == (3.0, 9.0)
+    assert sim.spans[ScheduleAction(0, "B", 0)] == (3.0, 9.0)
     assert sim.makespan_s == 9.0 and sim.busy_s == (7.0, 7.0)
     # activations are kept until the weight gradient: 0F1 runs while 0W0 still needs microbatch 0
     held = simulate(Order.parse("0F0 0I0 0F1 0W0 0I1 0W1"), StageTimes([1.0], [1.0], [1.0], [3]))
@@ -421,19 +422,19 @@ def random_order(rng: random.Random, devices: int, stages: int, m: int) -> Order
     place = list(range(devices)) + [rng.randrange(devices) for _ in range(stages - devices)]
     rng.shuffle(place)
     split = {(s, k): rng.random() < 0.5 for s in range(stages) for k in range(m)}
-    todo = {Action(s, "F", k) for s in range(stages) for k in range(m)}
-    todo |= {Action(s, kind, k) for (s, k), cut in split.items() for kind in (("I", "W") if cut else ("B",))}
-    done: set[Action] = set()
-    lists: list[list[Action]] = [[] for _ in range(devices)]
+    todo = {ScheduleAction(s, "F", k) for s in range(stages) for k in range(m)}
+    todo |= {ScheduleAction(s, kind, k) for (s, k), cut in split.items() for kind in (("I", "W") if cut else ("B",))}
+    done: set[ScheduleAction] = set()
+    lists: list[list[ScheduleAction]] = [[] for _ in range(devices)]
 
-    def ready(a: Action) -> bool:
+    def ready(a: ScheduleAction) -> bool:
         s, kind, k = a
         if kind == "F":
-            return s == 0 or Action(s - 1, "F", k) in done
+            return s == 0 or ScheduleAction(s - 1, "F", k) in done
         if kind == "W":
-            return Action(s, "I", k) in done
-        grad = Action(s + 1, "I" if split.get((s + 1, k)) else "B", k)
-        return Action(s, "F", k) in done and (s == stages - 1 or grad in done)
+            return ScheduleAction(s, "I", k) in done
+        grad = ScheduleAction(s + 1, "I" if split.get((s + 1, k)) else "B", k)
+        return ScheduleAction(s, "F", k) in done and (s == stages - 1 or grad in done)
 
     while todo:
         a = rng.choice(sorted(x for x in todo if ready(x)))

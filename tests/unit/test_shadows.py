@@ -1,4 +1,4 @@
-"""Host-memory shadow copies, the planning side (planning/shadows.py).
+"""Host-memory shadow copies, the planning side (planning/tolerance/shadows.py).
 
 - The placement property: with s shadow copies of each layer, on nodes that do not hold it on
   their devices, every loss of up to f + s nodes leaves a copy of every layer; checked against

@@ -8,7 +8,7 @@ import functools
 import pytest
 
 from oobleck_elastic.planning import plan_job
-from oobleck_elastic.planning.placement import bytes_received
+from oobleck_elastic.planning.plan.placement import bytes_received
 from oobleck_elastic.simulate.scale import (
     LIVENESS_KILL_TO_PLAN_S,
     MeasuredOobleckElastic,

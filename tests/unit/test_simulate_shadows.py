@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_elastic.planning.shadows import survives
+from oobleck_elastic.planning.tolerance.shadows import survives
 from oobleck_elastic.simulate import NodeEvent, OobleckElastic, replay
 from oobleck_elastic.simulate.paper import load_inputs, run_paper, with_shadows
 from oobleck_elastic.simulate.shadows import (

@@ -192,7 +192,7 @@ def _chunked_worker(rank: int, world: int, tmp: str, cfg_dict: dict, name: str) 
         if len(trainer.pipeline.stages) > 1:
             assert type(trainer.schedule).__name__ == cls_name, type(trainer.schedule)
             d, i = len(trainer.pipeline.stages), trainer.stage.index
-            # the planner's placement (planning/schedules.py): loop, or the V of zbv
+            # the planner's placement (planning/schedules/schedules.py): loop, or the V of zbv
             held = [i, 2 * d - 1 - i] if name == "zbv" else [i, d + i]
             assert [s.stage_index for s in trainer.schedule._stages] == held
             assert trainer.holds_first_last == (i == 0, i == (0 if name == "zbv" else d - 1))

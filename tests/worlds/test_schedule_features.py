@@ -44,7 +44,7 @@ from oobleck_elastic.engine.resilience.fingerprint import Corrupt
 from oobleck_elastic.engine.resilience.straggler import ComputeClock, StragglerWatch
 from oobleck_elastic.engine.trainer import Trainer, single_process
 from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
-from oobleck_elastic.planning.rebalance import mitigate, rebalanced_plan
+from oobleck_elastic.planning.plan.rebalance import mitigate, rebalanced_plan
 from helpers import RandomTokens, layout_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +69,7 @@ def config(*extra: str):
 def tp_plan(layout: list[tuple[int, int]], microbatches: int, *, generation: int, schedule: str, chunks: int) -> Plan:
     """One pipeline of two-lane stages, one stage per node `n<k>` of two devices; `layout` is its
     virtual stages in pipeline order (placed as the schedule places them, as layout_plan)."""
-    from oobleck_elastic.planning.schedules import stage_placement
+    from oobleck_elastic.planning.schedules.schedules import stage_placement
 
     devices = len(layout) // chunks
     placed = stage_placement(schedule, devices, chunks)
@@ -366,7 +366,7 @@ def test_a_slow_worker_of_an_interleaved_plan_is_named_and_the_batch_not_re_spli
     """Two interleaved pipelines cut differently (no peers: each worker is compared with its
     estimate, here its layers over all its chunks: 3, 3, 2 and 4); rank 1 (n1) computes 3x as
     slowly per layer and is named. The leader does not re-split the batch of a plan in rounds
-    (planning/rebalance.py), while it re-splits the same pipelines under 1F1B; it can still leave
+    (planning/plan/rebalance.py), while it re-splits the same pipelines under 1F1B; it can still leave
     the straggler out."""
     plan = layout_plan([[(0, 2), (2, 3), (3, 4), (4, 6)], [(0, 1), (1, 2), (2, 3), (3, 6)]], [4, 4], generation=1, **IL)
     assert [len(s.layers()) for p in plan.pipelines for s in p.stages] == [3, 3, 2, 4]

@@ -22,7 +22,7 @@ from oobleck_elastic.engine.telemetry.board import ShadowFigures
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.models.build import build_meta_layers
 from oobleck_elastic.planning import Plan
-from oobleck_elastic.planning.shadows import place_shadows
+from oobleck_elastic.planning.tolerance.shadows import place_shadows
 import helpers
 from oobleck_elastic.testing import node_plan
 from helpers import RandomTokens

@@ -5,7 +5,7 @@ for its neighbours), and the seconds ride on the commit (engine/step/commit.py),
 learns every worker's time with no new collective. `slowdowns` and `StragglerWatch` compare each
 with its stage's typical time (its peers', or the plan's at the generation's ratio), pure and the
 same on every worker; rank 0 reports the named nodes, and the leader re-splits the microbatches
-at the measured speeds (planning/rebalance.py). Invariant: a re-split keeps the global batch and
+at the measured speeds (planning/plan/rebalance.py). Invariant: a re-split keeps the global batch and
 its sample order, so the weights still equal one process's. docs/training.md.
 """
 

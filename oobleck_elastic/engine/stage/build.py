@@ -3,7 +3,7 @@ virtual stage (compiled when `training.compile` says so, under the step's precis
 and, for a pipeline of several stages, torch `PipelineStage`s with static shapes (shapes.py),
 paced (paced.py), timed by the straggler clock and watched as progress points, and the torch
 schedule that runs the planned one (`schedule_for`). Invariant: the engine only builds what
-`planning.schedule_choice.ENGINE_RUNS` lists, and every schedule sums (never averages) the
+`planning.schedules.choice.ENGINE_RUNS` lists, and every schedule sums (never averages) the
 microbatches' gradients. A step runs it with engine/step/forward_backward.py; docs/schedules.md.
 """
 
@@ -19,7 +19,7 @@ from ...config import JobConfig
 from ...logs import JobLog
 from ...models import LayerModel
 from ...planning import PipelineSpec, PlanningError, StagePlacement
-from ...planning.schedule_choice import ENGINE_RUNS, engine_runs_text
+from ...planning.schedules.choice import ENGINE_RUNS, engine_runs_text
 from ..resilience.progress import Progress, watch_pipeline_waits
 from ..resilience.straggler import ComputeClock
 from ..step.grad_sync import GradSync
@@ -105,7 +105,7 @@ def build_stage(
     module = modules[0] if len(modules) == 1 else nn.Sequential(*modules)
     if stages <= 1:
         return BuiltStage(module, None, (True, True), None)
-    from ...planning.schedules import stage_placement
+    from ...planning.schedules.schedules import stage_placement
     from .shapes import stage_io
 
     placed = stage_placement(pipeline.schedule, stages, len(ranges))  # virtual stage -> device
@@ -177,7 +177,7 @@ def schedule_for(pipeline: PipelineSpec, stages: list[Any], loss_fn: Callable[..
     microbatches than stages), interleaved 1F1B over the chunks, zero-bubble (torch's interleaved
     zero-bubble schedule: ZB-H1 on one chunk per device, at any microbatch count with
     `OneChunkZeroBubble`, engine/stage/zero_bubble.py; its interleaved form over 2..8 chunks) or
-    ZB-V (two stages per device in a V), the orders planning/schedules.py simulates. Every stage
+    ZB-V (two stages per device in a V), the orders planning/schedules/schedules.py simulates. Every stage
     gets the loss_fn (without one a schedule runs forward only) and sums, never averages, the
     microbatches' gradients (`scale_grads=False`: the loss is already divided by the global batch)."""
     from torch.distributed.pipelining import (

@@ -21,8 +21,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ...logs import JobLog
 from ...config import JobConfig
+from ...logs import JobLog
 from .split_layer import run_split
 
 __all__ = [
@@ -70,7 +70,7 @@ def _sharded(layer: nn.Module) -> bool:
 
 def run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` through its kind's compiled graphs, forward and split backward (split_layer.py),
-    shared by every layer of the same kind (`planning.profiler.layer_kind`: class, plain
+    shared by every layer of the same kind (`planning.profile.profiler.layer_kind`: class, plain
     attributes, parameter shapes), input shape and autocast state, not per module object: a block
     received or rebuilt at a new generation compiles nothing. Without gradients it runs eager. A
     tensor-parallel layer (DTensor parameters) runs through one whole-layer compiled function
@@ -129,7 +129,7 @@ def warm_up(
     worker new kinds of layer compiles nothing on the recovery path. The seconds it took."""
     from ...models import build_layer_model, num_layers
     from ...models.build import build_meta_layers
-    from ...planning.profiler import layer_kind
+    from ...planning.profile.profiler import layer_kind
 
     t0 = time.perf_counter()
     n = num_layers(cfg.model)

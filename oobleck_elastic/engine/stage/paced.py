@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from ...logs import JobLog
-from ...planning.plan import StagePlacement
-from ...planning.schedule_choice import WEIGHT_SHARE
+from ...planning.plan.plan import StagePlacement
+from ...planning.schedules.choice import WEIGHT_SHARE
 
 __all__ = ["PaceTargets", "Pacer", "pace_stage", "pace_targets", "padding_s", "pass_of", "pin_threads"]
 

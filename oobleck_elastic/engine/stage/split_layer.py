@@ -47,7 +47,7 @@ _GRAPHS: dict[Any, SplitGraphs] = {}
 def graphs_for(layer: nn.Module, x: torch.Tensor) -> SplitGraphs:
     """The process's graphs for layers of `layer`'s kind on inputs like `x` under the current
     autocast state, traced on first use (split_graphs.py)."""
-    from ...planning.profiler import layer_kind
+    from ...planning.profile.profiler import layer_kind
 
     device = x.device.type
     autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None

@@ -3,7 +3,7 @@
 torch's `ScheduleInterleavedZeroBubble` runs the microbatches in rounds of r = max(1, m // D)
 and refuses an m that is not a multiple of r (9 microbatches on 4 devices). With one chunk per
 device the rounds change nothing in the order, so this is torch's schedule built with one round:
-the ZB-H1 order planning/schedules.py plans, for every m (tests/unit/test_schedules.py compares it
+the ZB-H1 order planning/schedules/schedules.py plans, for every m (tests/unit/test_schedules.py compares it
 with torch's action for action). With two or more chunks torch's rule stands and the planner
 refuses those m too. docs/schedules.md.
 """

@@ -1,35 +1,11 @@
 """A template's step time and memory under a pipeline schedule, from one simulation.
 
-`schedule_cost` turns a profile and the stages' layer ranges into what the simulator needs
-(`schedule_sim.py`) and simulates one step of the schedule's order (`schedules.py`):
-
-- **times**: a stage's forward is its layers' `forward_s`; its backward their `backward_s`,
-  split for zero-bubble schedules into the input gradient I and the weight gradient W: the
-  profile's measured `input_grad_s` and `weight_grad_s` where it has them (the profiler times
-  torch's split; schedules with a full backward B then run the measured `backward_s`), else by
-  `weight_share` (W = share x backward, B = I + W; Qi et al.'s transformer has I = W, share 0.5;
-  the analytic GPT-3 profiles have no split and use the share).
-- **messages**: the activation leaving the last layer of stage s (`output_bytes`), forward, and
-  its gradient, backward, over the link between the two stages' devices: `Links.p2p_s` inside
-  a node or across nodes, with `stages_per_node` consecutive devices on one node (the
-  template's placement). Two stages on one device (chunks) pass it for free.
-- **placement**: stage s on device s (1f1b, gpipe), on device s % D (interleaved-1f1b and
-  zero-bubble with v chunks: loop placement), or the V of zbv.
-- **memory**, a hard limit: each device holds its stages' parameters, gradients and optimizer
-  state plus the simulated peak of activations in flight (a forward's `activation_bytes` held
-  until its backward, B or W, has run). For one stage per device and m >= S under 1F1B the peak
-  is S - s microbatches on stage s: templates.py's count.
-- **step time**: the makespan plus the part of the cross-replica gradient all-reduce that the
-  schedule leaves exposed: each layer's reduction starts once the layer's last backward has run
-  (overlap.py, as the engine posts it).
-
-With a single stage per device, `chunk_ranges` is not needed: the template's ranges are the
-stages. With v chunks per device the model is cut into v x D stages; `chunk_ranges` gives the
-exact least-bottleneck contiguous split (partition.py's programme, memory unbounded: the limit
-is checked on the simulated devices afterwards).
-
-Which schedule a pipeline runs, the fastest candidate that fits in memory, is chosen from these
-costs by schedule_choice.py (`PipelineSchedules.cost`), the planner's one path.
+`schedule_cost` turns a profile and the stages' layer ranges into stage times (F, and B or its
+I/W split: measured, else `weight_share`), messages (`Links.p2p_s` across stage boundaries on
+different devices), the schedule's placement of stages on devices, and simulates one step
+(sim.py). Memory is a hard limit: parameters, gradients, optimizer state and the simulated peak
+of activations in flight. The step adds the exposed gradient all-reduce (templates/overlap.py).
+`chunk_ranges` splits the model into v x D stages exactly. docs/schedules.md.
 """
 
 from __future__ import annotations
@@ -39,13 +15,13 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .comm import Links
-from .overlap import Ready, exposed_sync_s, layer_ready_times
-from .partition import StageCosts, best_partition
-from .profile import ModelProfile
-from .schedule_sim import Comm, Simulation, StageTimes, simulate
+from ..comm import Links
+from ..profile.profile import ModelProfile
+from ..templates.overlap import Ready, exposed_sync_s, layer_ready_times
+from ..templates.partition import StageCosts, best_partition
+from ..templates.templates import Template
 from .schedules import ScheduleError, schedule_order, stage_placement
-from .templates import Template
+from .sim import Comm, Simulation, StageTimes, simulate
 
 __all__ = [
     "ScheduleCost",

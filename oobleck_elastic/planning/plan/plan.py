@@ -1,28 +1,21 @@
-"""Plans: templates instantiated on concrete nodes, with a rank for every worker, as JSON.
+"""The plan: templates instantiated on concrete nodes, a rank for every worker, and its JSON.
 
-A `Plan` is what the leader publishes for one generation and what every worker reads: the
-pipelines (template size, nodes, microbatches, stages with layer ranges and global ranks), the
-spare nodes, the donors (drained nodes that hand their layers over in this generation's entry,
-then leave), the estimates, and the host-memory shadow copies when there are any (shadows.py).
-Ranks are dense: the i-th node of `nodes` (spares excluded) hosts ranks i*g .. i*g+g-1, local
-rank = device; donors' workers follow, in the entry only.
-`Plan.from_json` validates everything it reads (docs/design.md, invariant 5): control data is
-JSON, never pickle.
-
+A `Plan` is what the leader publishes for one generation and every worker reads: pipelines
+(stages with layer ranges and global ranks), spares, donors, estimates, and the host-memory
+shadow copies (`ShadowPlacement`) when there are any. Ranks are dense: the i-th node of `nodes`
+hosts ranks i*g .. i*g+g-1; donors' workers follow, in the entry only. `Plan.from_json` validates
+everything it reads (control data is JSON, never pickle). This module imports nothing from the
+builder (build.py). docs/planning.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from .instantiate import Assignment, instantiate
-from .placement import keep_layers_in_place
-from .shadows import ShadowPlacement
-from .templates import PlanningError, TemplateSet
-
-if TYPE_CHECKING:
-    from .schedule_choice import PipelineSchedules
+from ..errors import PlanningError
+from ..schedules.schedules import stage_placement
+from ..templates.templates import GIB
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -98,7 +91,7 @@ class PipelineSpec:
     est_time_s: float
     """Estimated iteration time with its microbatches."""
     schedule: str = "1f1b"
-    """The pipeline schedule this pipeline runs (planning/schedules.py's names)."""
+    """The pipeline schedule this pipeline runs (planning/schedules/schedules.py's names)."""
     num_chunks: int = 1
     """Virtual stages per device (`StagePlacement.chunks`); 1 = one contiguous stage each."""
 
@@ -350,8 +343,6 @@ def _pipeline_ranges(p: PipelineSpec) -> Optional[list[tuple[int, int]]]:
         return None if any(s.chunks for s in p.stages) else [(s.start, s.end) for s in p.stages]
     if any(len(s.chunks) != p.num_chunks for s in p.stages):
         return None
-    from .schedules import stage_placement
-
     order = stage_placement(p.schedule, len(p.stages), p.num_chunks)
     seen = [0] * len(p.stages)
     out = []
@@ -367,98 +358,119 @@ def _list(value: Any, name: str) -> list[Any]:
     return value
 
 
-def _forward_s(templates: TemplateSet, ranges: Sequence[tuple[int, int]]) -> float:
-    """Forward time of one microbatch through `ranges` in the templates' profile (0: none kept)."""
-    if templates.profile is None:
-        return 0.0
-    return sum(la.forward_s for u, v in ranges for la in templates.profile.layers[u:v])
+def device_holders(plan: "Plan") -> list[frozenset[str]]:
+    """The nodes holding each layer (index = layer) on their devices."""
+    holders: list[set[str]] = [set() for _ in range(plan.num_layers)]
+    for p in plan.pipelines:
+        for s in p.stages:
+            for layer in range(s.start, s.end):
+                holders[layer].add(s.node)
+    return [frozenset(h) for h in holders]
 
 
-def _chunk_times(templates: TemplateSet, ranges: Sequence[tuple[int, int]]) -> tuple[tuple[float, float], ...]:
-    """Each chunk's (forward + backward, forward) of one microbatch in the templates' profile."""
-    if templates.profile is None or len(ranges) < 2:
-        return ()
-    layers = templates.profile.layers
-    return tuple(
-        (sum(la.forward_s + la.backward_s for la in layers[u:v]), sum(la.forward_s for la in layers[u:v]))
-        for u, v in ranges
-    )
+def fmt_gib(n: float) -> str:
+    """Bytes in GiB; small figures (test models) in MiB or bytes."""
+    if n == 0 or n >= GIB / 100:
+        return f"{n / GIB:.4g} GiB"
+    return f"{n / 2**20:.4g} MiB" if n >= 2**20 / 100 else f"{int(n)} bytes"
 
 
-def make_plan(
-    templates: TemplateSet,
-    *,
-    nodes: Sequence[str],
-    num_microbatches: int,
-    microbatch_size: int,
-    f: int,
-    generation: int = 0,
-    microbatch_cap: Optional[int] = None,
-    previous: Optional["Plan"] = None,
-    schedules: Optional["PipelineSchedules"] = None,
-    schedule: str = "1f1b",
-) -> Plan:
-    """Instantiate templates on `nodes` (ids, in preference order) for one generation. With the
-    `previous` plan, the nodes that will run are placed where they keep the most of the layers
-    they already hold (fewer layers to copy in the reconfiguration, placement.py); who runs and
-    who is a spare still follows the preference order. With `schedules`, each pipeline runs the
-    schedule chosen for its microbatches (schedule_choice.py) and its estimate is simulated;
-    without, every pipeline runs `schedule` (1f1b or gpipe) under templates.py's closed form."""
-    if len(set(nodes)) != len(nodes):
-        raise PlanningError(f"duplicate node ids in {list(nodes)}")
-    planned = templates if schedules is None else schedules.lines(len(nodes), num_microbatches, f + 1)
-    a: Assignment = instantiate(
-        planned, num_nodes=len(nodes), num_microbatches=num_microbatches, f=f, microbatch_cap=microbatch_cap
-    )
-    if previous is not None:
-        nodes = keep_layers_in_place(templates, a, list(nodes), previous)
-    g = templates.gpus_per_node
-    pipelines = []
-    cursor = 0
-    for index, (n, mb) in enumerate(a.pipelines):
-        tpl = templates[n]
-        pnodes = tuple(nodes[cursor : cursor + n])
-        cost = schedules.cost(n, mb, len(a.pipelines)) if schedules is not None else None
-        stages = tuple(
-            StagePlacement(
-                index=s.index,
-                start=s.start if cost is None else cost.device_ranges(s.index)[0][0],
-                end=s.end if cost is None else cost.device_ranges(s.index)[0][1],
-                node=pnodes[s.node],
-                local_rank=s.local_rank,
-                rank=(cursor + s.node) * g + s.local_rank,
-                compute_s=s.time_s - s.comm_s if cost is None else cost.device_compute_s[s.index],
-                forward_s=_forward_s(templates, ((s.start, s.end),) if cost is None else cost.device_ranges(s.index)),
-                chunks=cost.device_ranges(s.index) if cost is not None and cost.chunks > 1 else (),
-                chunk_times=_chunk_times(templates, cost.device_ranges(s.index)) if cost is not None else (),
+@dataclass(frozen=True)
+class ShadowPlacement:
+    """Which nodes keep each layer in host memory, and the budgets that placement respects."""
+
+    copies: int
+    """Shadow copies of every layer (fault_tolerance.shadow_copies)."""
+    layers: tuple[tuple[str, ...], ...]
+    """Layer -> the nodes keeping its shadow copies."""
+    layer_bytes: tuple[int, ...]
+    """Layer -> bytes of one shadow copy (`shadow_bytes`)."""
+    budgets: tuple[tuple[str, int], ...]
+    """(node, bytes of host memory shadows may use there), for every node of the plan."""
+
+    def extra(self) -> dict[int, tuple[str, ...]]:
+        """{layer: shadow nodes}: copies.py's `extra`."""
+        return {layer: nodes for layer, nodes in enumerate(self.layers) if nodes}
+
+    def budget(self) -> dict[str, int]:
+        return dict(self.budgets)
+
+    def load(self) -> dict[str, int]:
+        """Node -> bytes of the shadows it keeps (0 for a node with none), every budgeted node."""
+        out = {node: 0 for node, _ in self.budgets}
+        for layer, nodes in enumerate(self.layers):
+            for node in nodes:
+                out[node] = out.get(node, 0) + self.layer_bytes[layer]
+        return out
+
+    def by_node(self) -> dict[str, list[int]]:
+        """Node -> the layers it keeps shadows of (nodes with none left out)."""
+        out: dict[str, list[int]] = {}
+        for layer, nodes in enumerate(self.layers):
+            for node in nodes:
+                out.setdefault(node, []).append(layer)
+        return out
+
+    def check(self, plan: "Plan") -> None:
+        """Raises PlanningError unless every layer of `plan` has `copies` distinct shadows on
+        nodes of the plan running stages that do not hold it on their devices, within every node's
+        budget."""
+        head = f"plan generation {plan.generation}: shadow copies:"
+        if self.copies < 0:
+            raise PlanningError(f"{head} copies must be >= 0 (got {self.copies})")
+        if len(self.layers) != plan.num_layers or len(self.layer_bytes) != plan.num_layers:
+            raise PlanningError(
+                f"{head} {len(self.layers)} layers placed and {len(self.layer_bytes)} sized, "
+                f"but the plan has {plan.num_layers}"
             )
-            for s in tpl.stages
-        )
-        pipelines.append(
-            PipelineSpec(
-                index=index,
-                template_nodes=n,
-                nodes=pnodes,
-                microbatches=mb,
-                stages=stages,
-                est_time_s=tpl.iteration_time(mb, len(a.pipelines)) if cost is None else cost.step_s,
-                schedule=schedule if cost is None else cost.schedule,
-                num_chunks=1 if cost is None else cost.chunks,
+        members = set(plan.nodes)
+        budget = self.budget()
+        if set(budget) != members:
+            raise PlanningError(f"{head} budgets are for {sorted(budget)}, not the plan's nodes {sorted(members)}")
+        for layer, (nodes, held) in enumerate(zip(self.layers, device_holders(plan))):
+            if len(nodes) != self.copies or len(set(nodes)) != len(nodes):
+                raise PlanningError(f"{head} layer {layer} has {list(nodes)}, not {self.copies} distinct nodes")
+            for node in nodes:
+                if node not in members:
+                    raise PlanningError(f"{head} layer {layer} on {node}, which is not a node of the plan")
+                if node in held:
+                    raise PlanningError(f"{head} layer {layer} on {node}, which holds it on its devices")
+                if node in plan.spares:
+                    raise PlanningError(f"{head} layer {layer} on {node}, a spare (no worker to keep it)")
+        for node, used in self.load().items():
+            if used > budget[node]:
+                raise PlanningError(f"{head} {node} keeps {fmt_gib(used)}, over its budget of {fmt_gib(budget[node])}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "copies": self.copies,
+            "layers": [list(nodes) for nodes in self.layers],
+            "layer_bytes": list(self.layer_bytes),
+            "budget_bytes": dict(self.budgets),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> "ShadowPlacement":
+        """Parse (types only; `check` against the plan validates the placement)."""
+        if not isinstance(data, dict):
+            raise PlanningError(f"malformed plan: shadows is {type(data).__name__}, not an object")
+        try:
+            layers, sizes, budgets = data["layers"], data["layer_bytes"], data["budget_bytes"]
+            if not isinstance(layers, list) or not all(isinstance(x, list) for x in layers):
+                raise TypeError("shadows.layers must be a list of lists of nodes")
+            if not isinstance(sizes, list) or not isinstance(budgets, dict):
+                raise TypeError("shadows.layer_bytes must be a list and shadows.budget_bytes an object")
+            return cls(
+                copies=_count(data["copies"], "copies"),
+                layers=tuple(tuple(str(n) for n in nodes) for nodes in layers),
+                layer_bytes=tuple(_count(b, "layer_bytes") for b in sizes),
+                budgets=tuple((str(n), _count(b, "budget_bytes")) for n, b in budgets.items()),
             )
-        )
-        cursor += n
-    plan = Plan(
-        generation=generation,
-        nodes=tuple(nodes),
-        spares=tuple(nodes[cursor:]),
-        gpus_per_node=g,
-        num_layers=templates.num_layers,
-        microbatch_size=microbatch_size,
-        pipelines=tuple(pipelines),
-        est_step_time_s=a.makespan_s if schedules is None else max(p.est_time_s for p in pipelines),
-        f=f,
-        warnings=a.warnings,
-        tensor_parallel=templates.tensor_parallel,
-    )
-    plan.check()
-    return plan
+        except (KeyError, TypeError, ValueError) as err:
+            raise PlanningError(f"malformed plan: shadows: {type(err).__name__}: {err}") from None
+
+
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"shadows.{name}: {value!r} is not an integer >= 0")
+    return value

@@ -1,53 +1,24 @@
 """Pipeline schedules as action lists: what each device computes, in which order.
 
-A schedule is, per device, an ordered list of actions. An action is one computation of one
-stage on one microbatch, written like torch's schedule IR (`torch.distributed.pipelining`):
-`2F0` is stage 2's forward of microbatch 0; `2B0` its full backward; a zero-bubble schedule
-splits the backward into `2I0` (the gradient of the stage's input, which the stage before waits
-for) and `2W0` (the gradient of its weights, which nobody waits for and can fill a bubble). A
-stage is a contiguous range of layers; with more than one chunk per device ("virtual stages")
-the model is cut into `chunks x devices` stages and a device runs several of them.
-
-The orders, for D devices, m microbatches and v chunks per device:
-
-- `gpipe`: every forward, then every backward (one stage per device). A stage holds all m
-  microbatches' activations.
-- `1f1b` (PipeDream-flush): stage s runs min(m, D - s) forwards, then alternates one backward
-  and one forward, then the remaining backwards. Stage s holds at most D - s microbatches;
-  it is exactly the order torch's `Schedule1F1B` runs (its `_step_microbatches`).
-- `interleaved-1f1b` (Narayanan et al. 2021): stage c*D + d is chunk c of device d ("loop"
-  placement). Forwards go depth first in rounds of r microbatches (r = m // max(1, m // D), so
-  with v > 1 m must be a multiple of the rounds, torch's rule; one chunk needs no rounds, and
-  runs any m as one): the k-th forward of a device is chunk (k // r) % v, the k-th backward
-  chunk v - 1 - (k // r) % v. Device d first runs (v - 1) r + 2 (D - 1 - d)
-  forwards, then one forward and one backward at a time, then the remaining backwards.
-- `zero-bubble` (ZB-H1, Qi et al. 2024, and its interleaved form for v > 1): as interleaved
-  1F1B with (v - 1) r + (D - 1 - d) warm-up forwards and the backward split into I and W;
-  device d runs each I at once and its W's d places late (the last device defers the most),
-  so the W's fill the cool-down that 1F1B leaves idle, at 1F1B's activation memory.
-- `zbv` (Qi et al., V placement): two chunks per device, stage d and stage 2D - 1 - d on
-  device d, so the first and the last stage share device 0; warm-up 2 (D - d) - 1 forwards of
-  chunk 0, then pairs, then F-I-W triples of both chunks, then the cool-down I's and W's.
-
-These orders are the ones torch 2.13's `ScheduleInterleaved1F1B`,
-`ScheduleInterleavedZeroBubble` (with one chunk, at an m torch's rounds refuse: the engine's
-`OneChunkZeroBubble`, the same order in one round) and `ScheduleZBVZeroBubble` build in their `pipeline_order`
-(without the idle `None` slots: timing is the simulator's job, `schedule_sim.py`); the tests
-compare them action for action, so the engine and the planner's model run the same schedule.
-This module imports no torch: the planning plane stays pure numbers.
+A `ScheduleAction` is one computation of one stage on one microbatch, written like torch's
+schedule IR: `2F0`, `2B0`, or the zero-bubble split `2I0` / `2W0`. `schedule_order` builds the
+per-device `Order` of `gpipe`, `1f1b`, `interleaved-1f1b`, `zero-bubble` (ZB-H1) and `zbv`, with
+`stage_placement` (which device runs each stage). Invariant: these orders are exactly torch's
+(`pipeline_order`, without idle slots); the tests compare them action for action. No torch is
+imported here. docs/schedules.md.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from itertools import chain, repeat
-from dataclasses import dataclass
 from typing import Callable, Iterable, Literal, NamedTuple
 
-from .partition import PlanningError
+from ..errors import PlanningError
 
-__all__ = ["SCHEDULES", "Action", "Order", "ScheduleError", "schedule_order", "stage_placement"]
+__all__ = ["SCHEDULES", "ScheduleAction", "Order", "ScheduleError", "schedule_order", "stage_placement"]
 
 Kind = Literal["F", "B", "I", "W"]
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv")
@@ -61,7 +32,7 @@ class ScheduleError(PlanningError):
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
-class Action(NamedTuple):
+class ScheduleAction(NamedTuple):
     """One computation of one stage on one microbatch (a named tuple: the simulator hashes
     millions of them at scale, and a tuple hashes in C)."""
 
@@ -76,16 +47,16 @@ class Action(NamedTuple):
         return f"{self.stage}{self.kind}{self.microbatch}"
 
     @classmethod
-    def parse(cls, text: str) -> "Action":
-        """`Action.parse("2F0")`: the inverse of str()."""
+    def parse(cls, text: str) -> "ScheduleAction":
+        """`ScheduleAction.parse("2F0")`: the inverse of str()."""
         found = _ACTION.match(text.strip())
         if found is None:
             raise ScheduleError(f"'{text}' is not an action: write stage, F/B/I/W, microbatch (e.g. 2F0)")
         return cls(int(found[1]), found[2], int(found[3]))  # type: ignore[arg-type]
 
 
-_make_action = partial(tuple.__new__, Action)
-"""`_make_action((stage, kind, microbatch))`: an Action without NamedTuple's Python-level
+_make_action = partial(tuple.__new__, ScheduleAction)
+"""`_make_action((stage, kind, microbatch))`: a ScheduleAction without NamedTuple's Python-level
 constructor (the planner builds millions)."""
 
 
@@ -95,7 +66,7 @@ class Order:
 
     name: str
     """The schedule's name (one of SCHEDULES, or anything for hand-made orders)."""
-    devices: tuple[tuple[Action, ...], ...]
+    devices: tuple[tuple[ScheduleAction, ...], ...]
     """devices[d]: device d's actions in the order it runs them."""
     num_stages: int
     """Stages over all devices (devices x chunks per device)."""
@@ -131,7 +102,7 @@ class Order:
     def parse(cls, text: str, *, name: str = "custom") -> "Order":
         """An order from lines of actions, one line per device (`str(order)` without the prefixes)."""
         rows = [line.split(":", 1)[-1].split() for line in text.strip().splitlines()]
-        devices = tuple(tuple(Action.parse(a) for a in row) for row in rows)
+        devices = tuple(tuple(ScheduleAction.parse(a) for a in row) for row in rows)
         flat = [a for row in devices for a in row]
         return cls(
             name=name,
@@ -153,7 +124,7 @@ def schedule_order(name: str, devices: int, microbatches: int, chunks: int = 1) 
         raise ScheduleError(f"schedule {name} runs one stage per device (got chunks={chunks}): use interleaved-1f1b")
     if name == "zbv" and chunks != 2:
         raise ScheduleError(f"schedule zbv runs exactly 2 chunks per device (got chunks={chunks})")
-    build: dict[str, Callable[[int, int, int], list[list[Action]]]] = {
+    build: dict[str, Callable[[int, int, int], list[list[ScheduleAction]]]] = {
         "1f1b": lambda d, m, v: [_one_f_one_b(s, d, m) for s in range(d)],
         "gpipe": lambda d, m, v: [_gpipe(s, m) for s in range(d)],
         "interleaved-1f1b": lambda d, m, v: [_looped(r, d, m, v, zero_bubble=False) for r in range(d)],
@@ -171,17 +142,17 @@ def schedule_order(name: str, devices: int, microbatches: int, chunks: int = 1) 
     )
 
 
-def _gpipe(stage: int, m: int) -> list[Action]:
-    return [Action(stage, "F", k) for k in range(m)] + [Action(stage, "B", k) for k in range(m)]
+def _gpipe(stage: int, m: int) -> list[ScheduleAction]:
+    return [ScheduleAction(stage, "F", k) for k in range(m)] + [ScheduleAction(stage, "B", k) for k in range(m)]
 
 
-def _one_f_one_b(stage: int, devices: int, m: int) -> list[Action]:
+def _one_f_one_b(stage: int, devices: int, m: int) -> list[ScheduleAction]:
     warmup = min(m, devices - stage)
-    out = [Action(stage, "F", k) for k in range(warmup)]
+    out = [ScheduleAction(stage, "F", k) for k in range(warmup)]
     for b in range(m):
-        out.append(Action(stage, "B", b))
+        out.append(ScheduleAction(stage, "B", b))
         if warmup + b < m:
-            out.append(Action(stage, "F", warmup + b))
+            out.append(ScheduleAction(stage, "F", warmup + b))
     return out
 
 
@@ -200,7 +171,7 @@ def _rounds(devices: int, m: int, chunks: int) -> int:
     return m // rounds
 
 
-def _looped(rank: int, devices: int, m: int, v: int, *, zero_bubble: bool) -> list[Action]:
+def _looped(rank: int, devices: int, m: int, v: int, *, zero_bubble: bool) -> list[ScheduleAction]:
     """Interleaved 1F1B or (zero_bubble) interleaved ZB-H1 on device `rank`, loop placement.
     The device's i-th forward (and i-th backward, i-th weight gradient) is of chunk (i // r) % v
     (backwards: v - 1 - that) and of microbatch (i // (r v)) r + i % r: each chunk sees its
@@ -235,25 +206,25 @@ def _rounds_of(per_round: int, v: int, total: int) -> tuple[tuple[int, ...], tup
     return chunks, tuple((i // block) * per_round + i % per_round for i in range(total))
 
 
-def _actions(stages: Iterable[int], kind: Kind, micro: Iterable[int]) -> list[Action]:
+def _actions(stages: Iterable[int], kind: Kind, micro: Iterable[int]) -> list[ScheduleAction]:
     return list(map(_make_action, zip(stages, repeat(kind), micro)))
 
 
-def _zip(*lists: list[Action]) -> list[Action]:
+def _zip(*lists: list[ScheduleAction]) -> list[ScheduleAction]:
     """The lists' first elements, then their second ones, ... (as long as the shortest)."""
     return list(chain.from_iterable(zip(*lists)))
 
 
-def _zbv(rank: int, devices: int, m: int) -> list[Action]:
+def _zbv(rank: int, devices: int, m: int) -> list[ScheduleAction]:
     """ZB-V on device `rank`: chunk 0 is stage `rank`, chunk 1 stage 2 D - 1 - rank."""
     low, high = rank, 2 * devices - 1 - rank
     n = max(2 * devices - 1, m)  # the V fills only with enough microbatches: extras dropped below
     count = {(s, k): 0 for s in (low, high) for k in "FIW"}
-    out: list[Action] = []
+    out: list[ScheduleAction] = []
 
     def act(stage: int, *kinds: Kind) -> None:
         for kind in kinds:
-            out.append(Action(stage, kind, count[stage, kind]))
+            out.append(ScheduleAction(stage, kind, count[stage, kind]))
             count[stage, kind] += 1
 
     for _ in range(2 * (devices - rank) - 1):
@@ -273,7 +244,7 @@ def _zbv(rank: int, devices: int, m: int) -> list[Action]:
         act(high, "I")
     for _ in range(devices - rank):
         act(low, "I")
-        out.append(Action(low, "W", count[low, "W"]))
+        out.append(ScheduleAction(low, "W", count[low, "W"]))
         count[low, "W"] += 1
     for stage in (high, low):
         while count[stage, "W"] < count[stage, "I"]:

@@ -1,29 +1,11 @@
-"""Measure one layer on one input: its times (forward, backward, and the backward split as
-zero-bubble runs it) and its exact byte counts.
+"""Measure one layer on one input: its times (forward, backward, the backward's zero-bubble split) and
+its exact byte counts.
 
-`profiler.py` drives this layer by layer; `LayerMeter.measure` is one layer's measurement. For
-every layer measured, `warmup` untimed and `repeats` timed iterations of
-
-    forward:  out = layer(input.detach().requires_grad_())   (+ loss_fn for the last layer)
-    backward: out.backward(randn_like(out))                   (loss.backward() for the last layer)
-    split:    another forward, then the backward as torch's zero-bubble stages split it:
-              stage_backward_input (the input's gradient, I), then stage_backward_weight (the
-              weights' gradients from the intermediates' gradients I kept, W)
-
-are timed and the medians kept (`backward_s`, and `input_grad_s` and `weight_grad_s` from the
-split; a layer whose input takes no gradient, the embedding of token ids, has I = 0 and its
-whole backward as W; one run is one full and one split iteration): on the CPU with
-`time.perf_counter`; on CUDA with CUDA events (`torch.cuda.Event(enable_timing=True)` recorded
-on the device's current stream around the forward and the backward, read after the event that
-ends the backward has completed), so the times are the kernels' own and include neither Python
-launch overhead nor host synchronisation. Memory numbers are exact counts, not timings:
-
-- param_bytes: bytes of the layer's parameter storages, each storage counted once;
-  grad_bytes = param_bytes; optimizer_bytes = 2 x param_bytes for AdamW (two moments), 0 for SGD.
-- activation_bytes: what autograd keeps for backward, measured in one extra forward under
-  `torch.autograd.graph.saved_tensors_hooks`: saved tensors deduplicated by storage, excluding
-  parameter storages. That forward's output, detached, is the next layer's input.
-- output_bytes: bytes of the layer's output tensor (what crosses a stage boundary).
+`LayerMeter.measure` times `warmup` untimed and `repeats` timed iterations and keeps the medians:
+on the CPU with `time.perf_counter`, on CUDA with CUDA events around the kernels. The split runs
+torch's `stage_backward_input` (I) then `stage_backward_weight` (W). Bytes are exact counts:
+parameter storages once each, gradients, optimizer state (AdamW: two moments), the activations
+autograd saves (`saved_tensors_hooks`, deduplicated by storage) and the output. docs/planning.md.
 """
 
 from __future__ import annotations
@@ -37,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from ..models.tensor_parallel import local
+from ...models.tensor_parallel import local
 from .profile import LayerProfile
 
 __all__ = ["LayerMeter", "check_settings"]

@@ -1,52 +1,27 @@
-"""Placement on a re-plan: which running node takes which node slot of the new pipelines, so
-that the nodes keep as many of the layers they hold as they can, and what the re-plan moves.
+"""Placement on a re-plan: which running node takes which slot, so that nodes keep their layers.
 
-The rule (`keep_layers_in_place`): the nodes that will run (the first ones of the preference
-order, as many as the assignment has node slots) are placed greedily on the largest overlaps
-between the layers a node holds (per local rank) and the layers a slot holds (per local rank);
-ties go to the node earlier in the preference order, then to the earlier slot; nodes without
-any overlap fill the remaining slots in preference order.
-
-Computed directly, that rule scores every node against every slot: N x N overlaps, 6 s at 1,024
-nodes. It needs far less:
-
-- Slots come in *kinds*: every pipeline of one template has the same layers on its i-th node,
-  so (template size, i) is the kind, and its slots are identical but for their order. There are
-  at most the sum of the sizes of the templates in use (a few hundred), whatever N.
-- A node's overlap with a kind needs only the stages that intersect what it holds: per template
-  and block of local ranks (a stage's lanes) the stages' layer ranges are sorted and disjoint,
-  so a bisection finds them, and a stage's lanes are counted at once (lanes x layers). A node
-  overlaps a handful of kinds, and nodes that held the same stages (the i-th nodes of the
-  previous plan's pipelines of one template) are scored once.
-- Taking the earliest free slot of a kind takes the kind's slots in order, so one cursor per kind
-  replaces the search over slots: the greedy pass visits each (node, overlap) group once, in the
-  order of the direct rule, and takes the earliest free slot among its kinds.
-
-So a re-plan's placement costs O(N log N) and gives the same placement as the direct rule
-(`keep_layers_in_place_pairwise`, kept as the reference the tests and bench/planner.py compare
-with), so it moves the same bytes.
-
-`bytes_received` prices a re-plan: per node, the bytes of the layer shards (parameters and
-optimizer state, what the entry's transfer sends) its workers hold in the new plan but did not
-hold in the previous one.
+The rule (`keep_layers_in_place`): the nodes that will run are placed greedily on the largest
+overlaps between the layers a node holds and those a slot holds (per local rank); ties go to the
+earlier node in the preference order, then to the earlier slot. Slots are grouped by kind
+(template size, position), so it costs O(N log N) and gives exactly the placement of the direct
+all-pairs rule, `keep_layers_in_place_pairwise`, kept as the tests' reference. `bytes_received`
+prices a re-plan per node. docs/planning.md; timings in bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
+from ..templates.templates import TemplateSet
 from .instantiate import Assignment
-from .templates import TemplateSet
-
-if TYPE_CHECKING:
-    from .plan import Plan
+from .plan import Plan
 
 Kind = tuple[int, int]  # (template node count, node index in the template)
 
 
-def _held_by_node(previous: "Plan", gpus_per_node: int) -> dict[str, list[tuple[int, int, int, int]]]:
+def _held_by_node(previous: Plan, gpus_per_node: int) -> dict[str, list[tuple[int, int, int, int]]]:
     """node -> (first local rank, local ranks, first layer, end layer) of every stage of `previous` on it."""
     held: dict[str, list[tuple[int, int, int, int]]] = {}
     for p in previous.pipelines:
@@ -69,7 +44,7 @@ def _blocks(templates: TemplateSet, size: int) -> dict[int, tuple[list[int], lis
     return blocks
 
 
-def keep_layers_in_place(templates: TemplateSet, a: Assignment, nodes: list[str], previous: "Plan") -> list[str]:
+def keep_layers_in_place(templates: TemplateSet, a: Assignment, nodes: list[str], previous: Plan) -> list[str]:
     """`nodes` reordered so that the running ones sit in the node slots of assignment `a` where
     they keep the most layers of `previous` (module docstring: greedy on the largest overlaps,
     ties in preference order, then slot order; nodes without any overlap fill the remaining
@@ -135,9 +110,7 @@ def _score(
     return list(by_kept.items())
 
 
-def keep_layers_in_place_pairwise(
-    templates: TemplateSet, a: Assignment, nodes: list[str], previous: "Plan"
-) -> list[str]:
+def keep_layers_in_place_pairwise(templates: TemplateSet, a: Assignment, nodes: list[str], previous: Plan) -> list[str]:
     """The same rule computed directly: every running node scored against every slot (O(N^2)
     overlaps of layer sets). The reference `keep_layers_in_place` must equal."""
     g = templates.gpus_per_node
@@ -169,7 +142,7 @@ def keep_layers_in_place_pairwise(
     return [placed[si] if si in placed else next(rest) for si in range(len(slots))] + nodes[len(slots) :]
 
 
-def bytes_received(previous: "Plan", plan: "Plan", shard_bytes: Sequence[int]) -> dict[str, int]:
+def bytes_received(previous: Plan, plan: Plan, shard_bytes: Sequence[int]) -> dict[str, int]:
     """node -> bytes its workers receive entering `plan` from `previous`: for every worker
     (node, local rank) of `plan`, the `shard_bytes` of each layer it holds in `plan` and did not
     hold in `previous` (`shard_bytes[i]`: one lane's parameters and optimizer state of layer i).

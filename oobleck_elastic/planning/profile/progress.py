@@ -1,16 +1,9 @@
 """How far profiling has got, and about how long it still takes.
 
-Profiling measures some layers (identical blocks are measured once) with `warmup + repeats` runs
-each (a run: one forward and one backward of one microbatch), once per microbatch size. One
-layer can take minutes on a CPU (GPT-2's LM head at seq 1024), so progress is reported per run,
-at most every `every_s` seconds, and after every layer:
-
-    profiling: 1/3 layers measured, measuring block.0 (run 2/6), 14 s so far, about 31 s left
-
-The estimate (`time_left`) takes the current layer's mean run time for its remaining runs, and
-for each layer not started yet the mean time of a layer so far (the layers measured and the
-current one, projected from its runs). Layers differ (an embedding is cheaper
-than a block, an LM head over a large vocabulary dearer), so it is an estimate, and says "about".
+Progress is reported per run (one forward and backward of one microbatch), at most every
+`every_s` seconds, and after every layer. `time_left` takes the current layer's mean run time for
+its remaining runs and the mean time of a layer so far for each layer not started: layers differ,
+so it is an estimate, and says "about". docs/planning.md.
 """
 
 from __future__ import annotations

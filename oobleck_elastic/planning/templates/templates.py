@@ -1,41 +1,11 @@
-"""Pipeline templates: the best way to run ONE replica on exactly n nodes.
+"""Pipeline templates: the best way to run ONE replica on exactly n nodes, for every n.
 
-A node has g devices; a stage runs on `tensor_parallel` (tp) of them, its layers sharded over
-them (tensor parallelism, one "lane" per device), so a template on n nodes has S = n x g / tp
-stages; stage k runs the contiguous layers [start, end) on node k // (g / tp), devices
-(k % (g / tp)) x tp .. + tp - 1. The profile gives each layer's times and bytes per device at
-that tp degree (its collectives included).
-
-Cost model (per 1F1B or GPipe iteration with m microbatches): stage i's time per microbatch is
-
-    w_i = compute(layers of i) + p2p(input of i) + p2p(gradient of the output of i)
-
-the receives of its input activation (forward) and of its output's gradient (backward) over the
-link between it and its neighbour (inside a node or across nodes, `comm.Links`; no links = no
-communication counted). Then
-
-    T(m) = sum_i w_i + (m - 1) * max_i w_i + grad_sync(replicas)
-
-the first microbatch crosses every stage once, every further one is paced by the bottleneck,
-and grad_sync is the part of the cross-replica gradient all-reduce the pipeline does not hide:
-the engine posts each layer's reduction once its last backward has passed it, so the stages
-after the first reduce during the cool-down, and stage 0 during its own last backward
-(overlap.py; `_sync_ready` places each layer's moment relative to the schedule's end).
-Without communication sum_i w_i is the model's total work, the same for
-every partition, so minimising the bottleneck W = max_i w_i minimises T(m) for every m >= 2;
-with it, the sums differ only by which layers' outputs cross the boundaries.
-
-Memory is a HARD constraint: stage i of S holds its parameters, gradients and optimizer state
-plus the activations of the microbatches in flight: S - i of them under 1F1B, all m under GPipe.
-
-Exact search: a dynamic programme over (stage, layers covered so far) finds the minimal W for
-exactly S stages (each stage's cost may depend on its position, its first and its last layer:
-memory, links, boundary bytes), then a second pass finds, among partitions with every stage
-<= W, the one with the least sum. O(S L^2) per template, vectorised over the first layer with
-numpy. `brute_force_template` checks it on small cases in the tests. A stage's cost depends on
-its position only through its distance from the last stage (microbatches in flight under 1F1B)
-and its links, so the first pass runs from the last stage backwards and is shared by the
-templates of every size (`StageCosts.tail`): only the second pass is paid per template.
+A template on n nodes has S = n x g / tp stages of contiguous layers. Stage i's time per
+microbatch is w_i = compute + its two receives, and T(m) = sum_i w_i + (m - 1) max_i w_i + the
+exposed gradient all-reduce (overlap.py). Memory is a hard constraint: parameters, gradients,
+optimizer state and the microbatches in flight (S - i under 1F1B, m under GPipe). The search is
+exact (partition.py, O(S L^2) per template, its first pass shared by every size), checked against
+`brute_force_template` in the tests. docs/planning.md.
 """
 
 from __future__ import annotations
@@ -45,10 +15,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
-from .comm import Links
+from ..comm import Links
+from ..errors import PlanningError
+from ..profile.profile import ModelProfile
 from .overlap import Ready, exposed_sync_s, layer_ready_times
-from .partition import PlanningError, StageCosts, best_partition
-from .profile import ModelProfile
+from .partition import StageCosts, best_partition
 
 GIB = 1024**3
 
@@ -272,7 +243,7 @@ class TemplateSet:
     then uses training.microbatch_size)."""
     profile: Optional[ModelProfile] = field(default=None, compare=False, repr=False)
     """The profile the templates were built from (at microbatch_size): what simulated schedules
-    are costed with (schedule_choice.py). None: not kept (closed-form schedules only)."""
+    are costed with (schedules/choice.py). None: not kept (closed-form schedules only)."""
 
     @property
     def n0(self) -> int:

@@ -1,10 +1,9 @@
 """Stage costs and the exact partition of a model into S stages (the search behind a template).
 
-`StageCosts` holds prefix sums over a profile, so the time and memory of any layer range at any
-stage position are O(1), and the cost matrices of every (stage, first layer, last layer) are
-vectorised with numpy; `best_partition` runs the two-pass dynamic programme over them: the least
-bottleneck, then among partitions within it the least total time. The cost model and the search
-are explained in planning/templates.py's module docstring, which uses them for one template.
+`StageCosts` holds prefix sums over a profile (the time and memory of any layer range at any
+stage position in O(1), vectorised with numpy); `best_partition` runs the two-pass dynamic
+programme over them: the least bottleneck, then among partitions within it the least total time.
+docs/planning.md.
 """
 
 from __future__ import annotations
@@ -14,14 +13,11 @@ from typing import Optional
 
 import numpy as np
 
-from .comm import Links
-from .profile import ModelProfile
+from ..comm import Links
+from ..errors import PlanningError
+from ..profile.profile import ModelProfile
 
-__all__ = ["PlanningError", "StageCosts", "best_partition"]
-
-
-class PlanningError(ValueError):
-    """The model and the devices cannot be planned; the message says what to change."""
+__all__ = ["StageCosts", "best_partition"]
 
 
 class StageCosts:

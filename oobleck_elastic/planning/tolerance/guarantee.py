@@ -2,7 +2,7 @@
 
 `guarantee()`: every node count >= (f+1)*n0 splits exactly into >= f+1 template-sized pipelines
 when the contiguous template range reaches n_max >= 2*n0 - 1; below that, a DP over the actual
-template sizes finds the node counts that leave some node idle.
+template sizes finds the node counts that leave some node idle. docs/planning.md.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .instantiate import coverage
-from .templates import PlanningError, TemplateSet
+from ..errors import PlanningError
+from ..plan.instantiate import coverage
+from ..templates.templates import TemplateSet
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,11 @@
 """Mitigating a straggler: re-split the global batch at the pipelines' measured speeds, or leave it out.
 
-Pipeline p with S_p stages and a measured bottleneck of w_p seconds per microbatch (its slowest
-stage's compute per microbatch, engine/resilience/straggler.py) takes about T_p(b) = (b + S_p - 1) w_p for b
-microbatches (1F1B: the first microbatch crosses every stage, the others follow at the
-bottleneck's pace). `rebalance` hands the global batch's microbatches out one at a time to the
-pipeline that would finish it first, each pipeline keeping at least one: for a makespan of
-increasing functions this greedy split is optimal.
-
-`mitigate` weighs the two remedies against the step as it is, on the same measured scale:
-
-- **re-split** (`rebalanced_plan`): the next generation on the same nodes, stages and ranks with
-  the new split (`Plan.rebalanced`), estimated by the model above;
-- **leave the stragglers out**: the planner's plan for the other nodes (`without`, made by the
-  leader), whose estimate comes from the profile; it is put on the measured scale by the ratio of
-  measured to estimated iteration time of the pipelines that hold no straggler.
-
-The re-split is preferred: leaving nodes out costs capacity and replicas, so it is chosen only
-when it is faster than the re-split by `MIN_GAIN` too. Either is applied only when it shortens
-the estimated step by at least `MIN_GAIN` (measurement noise must not re-plan every few steps).
-A re-split keeps the plan's estimates in the profile's units (each pipeline's scaled by its new
-microbatch count). Pure numbers: tested on made-up speeds.
+Pipeline p of S_p stages with a measured bottleneck w_p per microbatch takes about
+(b + S_p - 1) w_p for b microbatches; `rebalance` hands microbatches out one at a time to the
+pipeline that would finish first (optimal for increasing functions). `mitigate` weighs the
+re-split against the planner's plan without the stragglers, on the measured scale; either is
+applied only when it shortens the step by `MIN_GAIN`, leaving nodes out only when it beats the
+re-split by as much. docs/planning.md.
 """
 
 from __future__ import annotations
@@ -64,7 +50,7 @@ def _fits(plan: Plan, per_mb: Sequence[float]) -> bool:
 
 def _resplittable(plan: Plan) -> bool:
     """Every pipeline runs 1F1B or GPipe: any microbatch count runs, at the model above. Interleaved
-    and zero-bubble schedules run microbatches in rounds (planning/schedules.py), so a re-split
+    and zero-bubble schedules run microbatches in rounds (planning/schedules/schedules.py), so a re-split
     could hand a pipeline a count its schedule cannot run; those plans are not re-split."""
     return all(p.schedule in ("1f1b", "gpipe") for p in plan.pipelines)
 

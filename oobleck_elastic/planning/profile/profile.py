@@ -1,29 +1,10 @@
-"""Per-layer profile: the numbers the planner works from, and their JSON form.
+"""The per-layer profile: the numbers the planner works from, and their JSON form.
 
 A `ModelProfile` holds one `LayerProfile` per element of the model's flat layer list, measured
-for one microbatch shape on one device kind (`profiler.py`), or read from a file for
-planning-only configs (a GPT-3-175B-like model we cannot build here). It is cached as JSON
-(`profile_cache.py`) under a key made of everything the numbers depend on (model config, microbatch shape, dtype,
-device); a cached profile is reused only when that key matches exactly.
-
-`device_memory_bytes` is the total memory of the device the profile was measured on (CUDA
-profiles record it; CPU profiles and hand-made files may leave it out): the planner uses it as
-the memory of one device when `planning.device_memory_gb` is not set. Files without the field
-(older profiles) load unchanged, with None.
-
-`tensor_parallel` is the number of devices each layer was sharded over when it was measured (1
-when absent): the planner needs a profile at the degree it plans for, one per degree for
-`planning.tensor_parallel=auto` (`profile_path` with `{tp}` in it: one file per degree).
-
-`microbatch_size` is the microbatch size `layers` were measured at (files without it: the key's
-`microbatch_size` when that is a number). For `training.microbatch_size: auto` a profile also
-holds the same layers measured at other sizes (`at_microbatch_sizes`, JSON object size -> layers);
-`measurements()` gives them all by size, and `microbatch.profile_at` fits any other size from them.
-
-`input_grad_s` and `weight_grad_s` (optional, per layer) split the backward as zero-bubble
-schedules run it: the profiler times torch's own split (the input gradient, then the weight
-gradient from what it kept) beside the whole backward. Files without them load unchanged, and
-the planner then splits `backward_s` by a share (`LayerProfile.split_backward`).
+for one microbatch shape on one device kind (profiler.py) or read from a file, cached under a key
+of everything the numbers depend on (cache.py). Optional fields (`device_memory_bytes`,
+`tensor_parallel`, `microbatch_size`, `at_microbatch_sizes`, the I/W split) load as None or their
+defaults from files without them, so older profiles read unchanged. docs/planning.md.
 """
 
 from __future__ import annotations

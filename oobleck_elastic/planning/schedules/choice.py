@@ -1,57 +1,28 @@
 """Which schedule each pipeline of a plan runs, and the line the instantiation plans it with.
 
-`planning.schedule` and `planning.chunks_per_device` name the candidates (`candidates`):
-
-- `1f1b` and `gpipe` keep the closed-form model of templates.py (no simulation);
-- `interleaved-1f1b` and `zero-bubble` with chunks `auto` try 1 .. 8 chunks per device, `zbv`
-  runs 2; a number fixes the chunks;
-- `auto` tries 1F1B, interleaved 1F1B (2 .. 8 chunks), zero-bubble (1 .. 8 chunks) and zbv
-  (GPipe is never faster than 1F1B and holds more activations).
-
-A pipeline's step under a schedule is not linear in its microbatches (interleaved schedules run
-them in rounds), so the instantiation (instantiate.py, which needs T(b) = total + (b - 1) x
-bottleneck) plans with a line per template: for the template's share of the global batch
-b_ref = ceil(B x n / N), each candidate is simulated once at k D microbatches, the multiple of
-the template's device count D at or above b_ref (every schedule runs a multiple of D); its slope
-is the busiest device's load per microbatch (compute and receives: the steady state's pace), and
-the line of the candidate fastest at b_ref stands in for the template (`PipelineSchedules.lines`).
-Simulating costs O(D^2 v) per candidate, minutes for all 93 templates of GPT-3 on 1,024 nodes,
-so only the sizes n0 .. max(2 n0 - 1, n0 + 7) get simulated lines (every node count from 2 n0
-splits into them), and a template that no candidate can run (over the memory limit) is left out.
-Once the instantiation has
-given every pipeline its b microbatches, each pipeline's schedule is chosen at that b, exactly:
-every candidate simulated (schedule_cost.py, one discrete-event simulation of its action list),
-the fastest whose every device fits in memory kept (`PipelineSchedules.cost`); its time is the
-pipeline's estimate and the slowest pipeline's is the plan's. Pipelines of one plan may so run
-different schedules.
-
-With `engine_only`, the candidates are limited to what the engine runs (`ENGINE_RUNS`: every
-schedule, interleaved 1F1B with 2 .. 8 chunks): a job's plans never name a schedule its workers
-cannot run. Torch's looped schedules (interleaved 1F1B, zero-bubble with chunks) refuse a
-microbatch count that is not a multiple of their rounds, and so does the simulated order
-(schedules.py), so such a candidate is refused here, never planned; one chunk needs no rounds.
-Compiled layers run every schedule (engine/stage/compiled.py: their backward is compiled split into
-input and weight gradients), so whether the workers compile does not matter here.
+`candidates` reads `planning.schedule` and `planning.chunks_per_device` (with `engine_only`,
+only what the engine runs: `ENGINE_RUNS`). `PipelineSchedules.lines` gives each template a line
+T(b) = total + (b - 1) x slope from one simulation near its share of the batch (only the sizes
+n0 .. max(2 n0 - 1, n0 + 7) are simulated); once each pipeline has its b microbatches,
+`PipelineSchedules.cost` picks, exactly, the fastest candidate whose every device fits in memory.
+Pipelines of one plan may so run different schedules. docs/schedules.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
-from ..config.planning import MAX_CHUNKS, schedule_chunks_problem
-from .profile import ModelProfile
-from .schedule_cost import ScheduleCost, chunk_ranges, template_cost
+from ...config.planning import MAX_CHUNKS, schedule_chunks_problem
+from ..errors import PlanningError
+from ..profile.profile import ModelProfile
+from ..templates.templates import Template, TemplateSet
+from .cost import ScheduleCost, chunk_ranges, template_cost
 from .schedules import SCHEDULES, ScheduleError
-from .templates import PlanningError, Template, TemplateSet
-
-if TYPE_CHECKING:
-    from .plan import Plan
 
 __all__ = [
     "ENGINE_RUNS",
-    "describe",
     "engine_runs_text",
     "MAX_CHUNKS",
     "PipelineSchedules",
@@ -271,40 +242,3 @@ class PipelineSchedules:
                 "planning.chunks_per_device, or give the devices more memory"
             )
         return dataclasses.replace(self.templates, templates=out)
-
-
-def describe(schedules: PipelineSchedules, plan: "Plan") -> list[str]:
-    """`oobleck plan`'s table: for each kind of pipeline of `plan` (template and microbatches),
-    every candidate's estimated step, bubble and peak memory, and the one chosen."""
-    out = [
-        "",
-        "schedules (per kind of pipeline, each schedule at its fastest chunk count that fits; bubble: the "
-        "devices' idle share of the schedule, all-reduce excluded):",
-        f"  {'pipelines':>9} {'nodes':>5} {'mb':>4}  {'schedule':<17} {'chunks':>6} {'step s':>9} {'bubble':>7} "
-        f"{'peak GiB':>9}",
-    ]
-    replicas = len(plan.pipelines)
-    kinds: dict[tuple[int, int], list[int]] = {}
-    for p in plan.pipelines:
-        kinds.setdefault((p.template_nodes, p.microbatches), []).append(p.index)
-    for (n, mb), members in kinds.items():
-        chosen = plan.pipelines[members[0]]
-        which = str(members[0]) if len(members) == 1 else f"{members[0]}-{members[-1]}"
-        best: dict[str, tuple[int, Union[ScheduleCost, str]]] = {}  # per schedule: its fastest chunk count
-        for name, chunks, got in schedules.table(n, mb, replicas):
-            had = best.get(name)
-            if had is None or (
-                isinstance(got, ScheduleCost) and (isinstance(had[1], str) or got.step_s < had[1].step_s)
-            ):
-                best[name] = (chunks, got)
-        for name, (chunks, got) in best.items():
-            head = f"  {which:>9} {n:>5} {mb:>4}  {name:<17} {chunks:>6}"
-            which = ""
-            if isinstance(got, str):
-                out.append(f"{head}  not possible: {got}")
-                continue
-            mark = "  <- chosen" if (name, chunks) == (chosen.schedule, chosen.num_chunks) else ""
-            out.append(
-                f"{head} {got.step_s:>9.4g} {got.bubble_fraction:>7.1%} {got.peak_memory_bytes / 2**30:>9.3f}{mark}"
-            )
-    return out

@@ -1,57 +1,12 @@
 """One discrete-event simulation for every pipeline schedule: its makespan, bubble and memory.
 
-Input: an `Order` (per device, its actions in order, `schedules.py`), each stage's compute times
-(`StageTimes`: forward F, input gradient I, weight gradient W; a full backward B takes I + W,
-or its own measured time where the profile timed the split apart) and the cost of each message
-between stages (`comm`). Every device runs its actions one at a time, in its order; an action
-starts when the device is free and its inputs are there:
-
-- `sF k` needs the activation of `(s-1)F k` (none for stage 0);
-- `sB k` / `sI k` need `sF k` and the gradient from `(s+1)B k` or `(s+1)I k` (the last stage:
-  only `sF k`, its loss is computed in the forward);
-- `sW k` needs `sI k`.
-
-A message between stages on different devices (the activation forward, the gradient backward,
-`comm(boundary, src, dst)` seconds for the boundary between stage `boundary` and `boundary + 1`)
-is received by the receiving device right before the action that needs it: it starts when the
-sender has finished and the receiver is free, and occupies the receiver (torch's schedules wait
-for their receives before computing). Stages on one device pass tensors for free. The
-sender is not held (its send is asynchronous) and two messages over one link do not slow each
-other: a simplification. With these rules a device's receive-then-compute is one busy block, so
-on one stage per device a stage costs w_s = F_s + B_s + its two receives per microbatch, the w_s
-of templates.py's model, T(m) = sum_s w_s + (m - 1) max_s w_s. Where that formula is exact the
-simulation gives it (`tests/unit/test_schedules.py`): 1F1B and GPipe on stages of equal time; 1F1B
-whenever the last stage is the slowest (it then never waits after its first forward); GPipe is
-two flow shops, sum F' + (m - 1) max F' + sum B' + (m - 1) max B' (F', B' with their receives),
-the formula only when the slowest forward and the slowest backward are on one stage, larger
-otherwise. For 1F1B with an earlier bottleneck the formula is an estimate either way: it charges
-the stages after the bottleneck once more although the bottleneck's warm-up forwards may cover
-their round trip (the test's example: 6.0 where the formula says 6.3), and two bottlenecks can
-make each other wait (23 where it says 22).
-
-The simulation processes each action once (O(actions)): a device runs ahead until its next
-action lacks an input, then waits on that input; finishing an action wakes the devices waiting
-for it. When every device waits, the order cannot run (a backward listed before its forward on
-one device, or devices waiting for each other in a cycle): ScheduleError names each blocked
-device's next action and the action it waits for. The order is checked first: every stage runs
-F and either B or I and W exactly once per microbatch, on one device.
-
-Memory: a forward keeps its activations (`StageTimes.activation_bytes`) until its backward
-finishes, B or W (the weight gradient still needs the stage's inputs); `peak_in_flight` counts
-them per device, `peak_activation_bytes` weighs them by their stage's bytes. The walk is over
-each device's order, so it does not depend on the times.
-
-Speed: the planner simulates hundreds of orders of up to a few thousand actions per device
-(GPT-3 on 1,024 nodes: 334 simulations, 700,000 actions). `simulate` runs the rules above on
-integers: action (stage s, kind, microbatch k) is slot base(kind) + s m + k of flat lists of
-start and end times, so an input is found by arithmetic (its end is -1 while it has not run),
-each boundary's two messages are costed once per simulation (a stage runs on one device, so the
-message into a stage always crosses the same link), and the memory walk rides along. Every
-float is computed by the same operations in the same order as in `simulate_reference`, the
-plain event loop on actions the rules read like, so the two agree bit for bit (tests compare
-them on random orders and times); an order that cannot run is handed to the reference, which
-says why. Each action is computed once and never revisited, whatever order the devices are
-visited in: an action's times depend only on its inputs' ends and its device's previous one.
+Each device runs its actions in order, an action starting when the device is free and its inputs
+are there (the previous stage's forward, the next stage's backward or I, its own I for a W); a
+message between devices occupies the receiver right before the action that needs it. Where
+templates.py's closed form is exact, the simulation gives it. An order that cannot run raises
+`ScheduleError` naming each blocked device. `simulate` runs on flat integer slots and agrees bit
+for bit with `simulate_reference`, the plain event loop the rules read like. docs/schedules.md;
+its speed in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -61,7 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from .schedules import Action, Order, ScheduleError
+from .schedules import Order, ScheduleAction, ScheduleError
 
 __all__ = ["Comm", "Simulation", "StageTimes", "simulate", "simulate_reference"]
 
@@ -115,7 +70,7 @@ class StageTimes:
             activation_bytes=[activation_bytes] * stages,
         )
 
-    def duration(self, a: Action) -> float:
+    def duration(self, a: ScheduleAction) -> float:
         s = a.stage
         if a.kind == "F":
             return self.forward_s[s]
@@ -146,14 +101,14 @@ class Simulation:
     """Per device: the most forwards whose activations were kept at once."""
     peak_activation_bytes: tuple[int, ...]
     """Per device: the most activation bytes kept at once."""
-    span_table: Callable[[], dict[Action, tuple[float, float]]] = field(repr=False, compare=False)
+    span_table: Callable[[], dict[ScheduleAction, tuple[float, float]]] = field(repr=False, compare=False)
     """What builds `spans` (a planner keeps hundreds of simulations and reads none of their spans)."""
     last_backward: tuple[tuple[float, float, bool], ...] = ()
     """Per stage: (start, end) of its last backward to finish, B or W, and whether it was a W
-    (when its weight gradients are final: planning/overlap.py)."""
+    (when its weight gradients are final: planning/templates/overlap.py)."""
 
     @property
-    def spans(self) -> dict[Action, tuple[float, float]]:
+    def spans(self) -> dict[ScheduleAction, tuple[float, float]]:
         """Every action's (start, end) of its compute (its receive ends at its start)."""
         return self.span_table()
 
@@ -174,7 +129,7 @@ def _check(order: Order, times: StageTimes) -> dict[int, int]:
     if times.num_stages != order.num_stages:
         raise ScheduleError(f"the order has {order.num_stages} stages but the times give {times.num_stages}")
     where = order.stage_devices()
-    seen: dict[Action, tuple[int, int]] = {}
+    seen: dict[ScheduleAction, tuple[int, int]] = {}
     for d, acts in enumerate(order.devices):
         for i, a in enumerate(acts):
             if not (0 <= a.stage < order.num_stages and 0 <= a.microbatch < order.microbatches):
@@ -188,7 +143,7 @@ def _check(order: Order, times: StageTimes) -> dict[int, int]:
             seen[a] = (d, i)
     for s in range(order.num_stages):
         for k in range(order.microbatches):
-            f, b, i, w = (Action(s, kind, k) in seen for kind in "FBIW")  # type: ignore[arg-type]
+            f, b, i, w = (ScheduleAction(s, kind, k) in seen for kind in "FBIW")  # type: ignore[arg-type]
             if b and (i or w):
                 raise ScheduleError(f"stage {s} microbatch {k} has both a full backward {s}B{k} and a split one (I/W)")
             missing = ([] if f else [f"{s}F{k}"]) + (
@@ -219,7 +174,7 @@ def simulate(
     thousands. The same rules as `simulate_reference`, computed on integer slots and lists
     (module docstring, "Speed"): the same floats, bit for bit. `rebuild`: what builds `order`
     again when the spans are asked for, so that the simulation need not keep its actions alive
-    (the garbage collector scans every live Action: a planner's hundreds of kept simulations
+    (the garbage collector scans every live ScheduleAction: a planner's hundreds of kept simulations
     would hold millions)."""
     where = _where(order, times, checked)
     sim = _run(order, times, comm, where, rebuild or (lambda: order))
@@ -239,7 +194,7 @@ def _where(order: Order, times: StageTimes, checked: bool) -> list[int]:
 def _run(
     order: Order, times: StageTimes, comm: Optional[Comm], where: list[int], rebuild: Callable[[], Order]
 ) -> Optional[Simulation]:
-    """The simulation on slots (None when the order cannot run: the reference says why). Action
+    """The simulation on slots (None when the order cannot run: the reference says why). ScheduleAction
     (stage s, kind, microbatch k) has slot base[kind] + s m + k; `end` holds each slot's finish
     (-1: not yet run), so an input is found by arithmetic instead of hashing actions."""
     n, stages, m = order.num_devices, order.num_stages, order.microbatches
@@ -359,7 +314,7 @@ def _run(
 _BASE = {"F": 0, "I": 1, "W": 2, "B": 3}
 
 
-def _slot(a: Action, m: int, sm: int) -> int:
+def _slot(a: ScheduleAction, m: int, sm: int) -> int:
     return _BASE[a.kind] * sm + a.stage * m + a.microbatch
 
 
@@ -380,7 +335,7 @@ class _SlotSpans:
     def __init__(self, order: Callable[[], Order], begin: array, end: array) -> None:
         self.order, self.begin, self.end = order, begin, end
 
-    def __call__(self) -> dict[Action, tuple[float, float]]:
+    def __call__(self) -> dict[ScheduleAction, tuple[float, float]]:
         order = self.order()
         m, sm = order.microbatches, order.num_stages * order.microbatches
         out = {}
@@ -402,13 +357,13 @@ def simulate_reference(
     n = order.num_devices
     # a backward's gradient comes from the next stage's I when it has one, else its B
     split = {(a.stage, a.microbatch) for acts in order.devices for a in acts if a.kind == "I"}
-    done: dict[Action, tuple[float, float]] = {}
+    done: dict[ScheduleAction, tuple[float, float]] = {}
     free = [0.0] * n
     busy = [0.0] * n
     recv = [0.0] * n
     head = [0] * n
-    waiting: defaultdict[Action, list[int]] = defaultdict(list)
-    blocked: dict[int, Action] = {}
+    waiting: defaultdict[ScheduleAction, list[int]] = defaultdict(list)
+    blocked: dict[int, ScheduleAction] = {}
     ready = list(range(n))
     while ready:
         d = ready.pop()
@@ -464,7 +419,7 @@ def simulate_reference(
     )
 
 
-def _blocked(order: Order, where: dict[int, int], device: int, position: int, wanted: Action) -> str:
+def _blocked(order: Order, where: dict[int, int], device: int, position: int, wanted: ScheduleAction) -> str:
     """One blocked device, for the error: its next action, what it waits for, and where that is."""
     line = f"device {device} at {order.devices[device][position]} (position {position}) waits for {wanted}"
     owner = order.devices[where[wanted.stage]]
@@ -473,15 +428,15 @@ def _blocked(order: Order, where: dict[int, int], device: int, position: int, wa
     return line
 
 
-def _inputs(a: Action, last: int, split: set[tuple[int, int]]) -> list[Action]:
+def _inputs(a: ScheduleAction, last: int, split: set[tuple[int, int]]) -> list[ScheduleAction]:
     s, k = a.stage, a.microbatch
     if a.kind == "F":
-        return [Action(s - 1, "F", k)] if s > 0 else []
+        return [ScheduleAction(s - 1, "F", k)] if s > 0 else []
     if a.kind == "W":
-        return [Action(s, "I", k)]
+        return [ScheduleAction(s, "I", k)]
     if s == last:
-        return [Action(s, "F", k)]
-    return [Action(s, "F", k), Action(s + 1, "I" if (s + 1, k) in split else "B", k)]
+        return [ScheduleAction(s, "F", k)]
+    return [ScheduleAction(s, "F", k), ScheduleAction(s + 1, "I" if (s + 1, k) in split else "B", k)]
 
 
 def _memory(order: Order, times: StageTimes) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -1,20 +1,12 @@
 """Measure a tensor-parallel profile: every layer sharded over the devices of one node.
 
-    torchrun --standalone --nproc-per-node T -m oobleck_elastic.planning.profile_tp \
+    torchrun --standalone --nproc-per-node T -m oobleck_elastic.planning.profile.tp \\
         --config CFG --out FILE [key=value ...]
 
-The T processes profile the model together as `profiler.profile_model` does, one layer at a
-time: each builds layer i from the job's seed, shards it over the T processes as the engine does
-(`models/tensor_parallel.py`; decoder blocks only), measures it and frees it before layer i+1,
-so a device holds one layer's share, never the model. Every process runs the same layer on the
-same microbatch in lockstep, so the times include the layer's all-reduces, and the bytes are one
-device's share. With `planning.profile_identical_blocks_once` every process skips the same
-identical blocks (their kinds come from the config alone), so the collectives stay matched.
-Rank 0 writes the profile with `tensor_parallel = T` (per-degree files for
-`planning.tensor_parallel=auto`: `--out profiles/model-tp{tp}.json`, `{tp}` replaced by T);
-point `planning.profile_path` at it. One node's devices are used: the collectives cross the
-intra-node link as they will in training. On CUDA each process takes device LOCAL_RANK (NCCL);
-on the CPU the processes use gloo.
+The T processes measure each layer together in lockstep, sharded as the engine shards it, so the
+times include its all-reduces and the bytes are one device's share; rank 0 writes the profile with
+`tensor_parallel = T` (`{tp}` in `--out` is replaced by T). CUDA uses NCCL, the CPU gloo.
+docs/planning.md.
 """
 
 from __future__ import annotations
@@ -27,9 +19,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..config import JobConfig, load_config
+from ...config import JobConfig, load_config
+from .cache import device_memory_bytes, profile_key
 from .profile import ModelProfile
-from .profile_cache import device_memory_bytes, profile_key
 from .profiler import profile_model
 
 
@@ -39,7 +31,7 @@ def profile_tensor_parallel(
     """The profile at the degree of the default process group's size (every rank calls this)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..models.tensor_parallel import parallelize_layer
+    from ...models.tensor_parallel import parallelize_layer
 
     tp = dist.get_world_size()
     world = dist.group.WORLD

@@ -1,32 +1,17 @@
 """How much of the cross-replica gradient all-reduce the pipeline leaves exposed.
 
-The engine posts each layer's all-reduce as soon as the layer's gradient is final
-(engine/step/grad_sync.py): after the stage's last backward of the step has passed through
-that layer. Within a full backward B the layers finish from the stage's last to its first, so
-layer j is final at
-
-    start(B) + (end(B) - start(B)) x (backward of the stage's layers >= j) / (backward of the stage)
-
-A schedule that splits the backward (zero-bubble: I, then W) assigns the weight gradients in the
-W pass, all at once: every layer of the stage is final when its last W ends. A device's
-reductions run one after another on its link (each layer's ring all-reduce among the replicas,
-`Links.all_reduce_s`), each starting when its layer is final and the previous one is done. The
-step ends when the schedule has ended and every device's last reduction is done, so the exposed
-all-reduce is
-
-    max(0, max over devices of (the end of its last reduction) - the schedule's end)
-
-charged once per step (`exposed_sync_s`). Simplifications: a reduction also waits for the other
-replicas' holders, which run other templates and finish the layer at other times (each pipeline
-is costed alone); reductions do not slow the pipeline's own sends; tied parameters (GPT-2's
-embedding and head) are reduced with their layers.
+As the engine posts each layer's all-reduce once its gradient is final (after the stage's last
+backward, B, or its W under zero-bubble), each device's reductions run one after another on its
+link (`Links.all_reduce_s`); the exposed part is how far the last one ends after the schedule,
+charged once per step (`exposed_sync_s`). Simplifications: each pipeline is costed alone, and
+reductions do not slow the pipeline's own sends. docs/planning.md.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from .comm import Links
+from ..comm import Links
 
 __all__ = ["Ready", "exposed_sync_s", "layer_ready_times"]
 

@@ -1,20 +1,11 @@
 """Which profile a job uses: a given file, a cached measurement with the same key, or a new one.
 
-`load_or_profile` returns the profile of a job: the file in `planning.profile_path` if set, else
-a cached profile under `<cache_dir>/profiles/<profile_cache_key(key)>.json` whose stored key
-equals the current key exactly (`profile_key`: model config, microbatch shape, precision,
-optimizer, device kind, library versions, whether identical blocks were measured once, that the
-backward was also timed split), else a fresh measurement (`profiler.profile_model`) with the
-job's seed, which is then saved there. A cached file with another key is reported as stale and
-replaced. A reused profile is logged with its file, its age (the file's modification time) and
-how to measure again: the cache cannot tell a profile measured on a busy machine from a good
-one, so `planning.reprofile` (`oobleck plan --reprofile`) measures anew and replaces the file.
-Measuring logs its progress and the time left (planning/progress.py). A profile measured (or
-reused) on a CUDA device records that device's total memory (`ModelProfile.device_memory_bytes`,
-from `device_memory_bytes`), the planner's default for `planning.device_memory_gb`.
-
-`device_label(device)` names the device kind ("cuda NVIDIA H100 80GB HBM3", "cpu x86_64"): the
-control plane shares one worker-measured profile per device kind under that name.
+`load_or_profile`: `planning.profile_path` if set, else a cached profile whose stored key equals
+`profile_key` exactly (model, microbatch shape, precision, optimizer, device kind, library
+versions, ...), else a fresh measurement saved there; a stale file is replaced, and
+`planning.reprofile` measures anew. A CUDA profile records its device's memory, the default for
+`planning.device_memory_gb`. `device_label` names the device kind the control plane shares one
+worker-measured profile under. docs/planning.md.
 """
 
 from __future__ import annotations
@@ -29,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import JobConfig
+from ...config import JobConfig
 from .microbatch import profile_microbatch_sizes
 from .profile import ModelProfile, ProfileError, profile_cache_key
 from .profiler import profile_model

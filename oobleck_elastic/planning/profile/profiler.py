@@ -1,35 +1,11 @@
 """Measure a per-layer profile on this device, one layer at a time.
 
-The device holds one layer at a time. `profile_model` builds layer i alone
-(`build_layer_model(cfg.model, seed=..., owned=[i])`), measures it on one microbatch, drops it
-(gc.collect(), and torch.cuda.empty_cache() on CUDA), then builds layer i+1; between layers only
-the previous layer's output is kept (detached), as layer i+1's input. A tied LM head built alone
-holds its own copy of the embedding weight, which it counts as its parameters, as a head built
-together with the embedding counts the shared one. The largest layer, not the model, bounds the
-memory profiling needs: one block of a GPT-3-175B-like model (1.8B parameters) rather than 175B.
-With `model.pretrained_path`, building layer i reads only that layer's tensors from the checkpoint.
-
-With `planning.profile_identical_blocks_once` (the default), layers of one kind are measured
-once: two layers are identical when `layer_kind` matches (class, plain attributes such as widths
-and eps but not the layer index, parameter and buffer names, shapes and dtypes; computed on meta
-copies from `build_meta_layers`, no weights) and their inputs have one shape and dtype. The
-first of a kind is built and measured; the others are not built and get its numbers under their
-own names. As an identical block's output has its input's shape, the measured block's output
-goes on as the input of the layer after the skipped ones (values do not matter for timing).
-The byte counts depend on shapes only, so they equal those of measuring every block;
-times are the first block's where each block would have had its own noisy median. For GPT-2 or
-Llama that is 3 layers built instead of num_layers + 2.
-
-What one layer's measurement times and counts (forward, backward, its zero-bubble split; the
-parameter, activation and output bytes) is `LayerMeter`'s (planning/layer_meter.py).
-
-The microbatch is `training.microbatch_size` x `data.seq_len`. With `training.microbatch_size:
-auto` every layer is measured at two sizes (`microbatch.profile_microbatch_sizes`: 1 and the
-largest candidate size <= 4), the first as `layers`, the other under `at_microbatch_sizes`; the
-planner fits the other sizes from them (planning/microbatch.py), and the key records `auto` and
-the sizes measured. Measuring logs its progress and the time left (planning/progress.py).
-
-Which profile a job uses (a file, the cache, or this measurement) is planning/profile_cache.py's.
+`profile_model` builds layer i alone, measures it (`LayerMeter`, layer_meter.py), frees it, then
+builds layer i+1 on the previous output: the largest layer, not the model, bounds the memory.
+With `planning.profile_identical_blocks_once`, layers of one `layer_kind` (computed on meta
+copies) are measured once and share the numbers (exact bytes; the first block's times). With
+`training.microbatch_size: auto` every layer is measured at the sizes of
+`microbatch.profile_microbatch_sizes`. docs/planning.md.
 """
 
 from __future__ import annotations
@@ -42,7 +18,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 from torch import nn
 
-from ..config import JobConfig
+from ...config import JobConfig
 from .layer_meter import LayerMeter, check_settings
 from .microbatch import profile_microbatch_sizes
 from .profile import LayerProfile, ModelProfile
@@ -129,7 +105,7 @@ def profile_layer_by_layer(
 
     With `log`, one line per measured layer and one per run of layers given the same layer's
     numbers, and progress lines with the time left (`progress`, or one made
-    here for this call: planning/progress.py)."""
+    here for this call: planning/profile/progress.py)."""
     check_settings(optimizer, warmup, repeats, precision)
     if num_layers < 1:
         raise ValueError("profile_layer_by_layer needs at least one layer")
@@ -265,8 +241,8 @@ def profile_model(
     (e.g. tensor-parallel sharding), measured and freed before layer i+1 is built (a pretrained
     model's layer i reads only its own tensors). With `planning.profile_identical_blocks_once`,
     layers of one `layer_kind` (computed on meta copies) are built and measured once."""
-    from .. import models
-    from ..models.build import build_meta_layers
+    from ... import models
+    from ...models.build import build_meta_layers
 
     dev, seed = torch.device(device), cfg.training.seed
     whole = models.build_layer_model(cfg.model, seed=seed, owned=[], device=dev)  # names and loss, no layer
@@ -284,7 +260,7 @@ def profile_model(
         return prepare(layer) if prepare is not None and layer is not None else layer
 
     measured: dict[int, ModelProfile] = {}
-    sizes = profile_microbatch_sizes(cfg)  # the configured size; for `auto`, two (planning/microbatch.py)
+    sizes = profile_microbatch_sizes(cfg)  # the configured size; for `auto`, two (planning/profile/microbatch.py)
     runs = cfg.planning.profile_warmup + cfg.planning.profile_repeats
     progress = ProfileProgress(layers_to_measure(kinds, n) * len(sizes), runs, log) if log is not None else None
     for size in sizes:

@@ -1,17 +1,9 @@
 """Copies of each layer in a plan, and whether they meet the fault-tolerance target f.
 
-A copy of a layer survives a node failure unless that node holds it, so a layer's copies are
-the distinct NODES holding it: in a plan, the nodes of the stages whose layer range covers it.
-Every tensor-parallel lane of a stage is on the stage's node, so a stage counts once, and a
-node holding the layer in two stages counts once; pipelines use disjoint nodes, so in plans the
-leader makes a layer has one copy per pipeline. `extra` adds copies kept elsewhere, by node
-(host-memory shadow copies, once the planner places them): a node that already holds the layer
-on its devices adds nothing, as it fails with it.
-
-With fewer than f+1 copies of some layer, f simultaneous node failures can take every copy of
-it, and only a checkpoint brings it back: `shortfall` names the layer, and the engine retakes a
-checkpoint when a re-plan leaves the job short (engine/checkpointing.py). Pure functions of the
-plan, tested on made-up plans (tests/jobs/test_checkpoint_retake.py).
+A layer's copies are the distinct NODES holding it (a stage and its lanes count once; `extra`
+adds copies kept elsewhere, such as host-memory shadows, unless the node holds the layer on its
+devices). With fewer than f+1 copies of some layer, `shortfall` names it, and the engine retakes
+a checkpoint. docs/shadows.md.
 """
 
 from __future__ import annotations
@@ -19,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
 
-from .plan import Plan
+from ..plan.plan import Plan
 
 __all__ = ["Shortfall", "layer_copies", "shortfall"]
 

@@ -1,31 +1,11 @@
 """Instantiation: which templates run on N nodes, and how many microbatches each pipeline gets.
 
-Given templates T_t (n_t nodes, iteration time T_t(b) = total_t + (b - 1) * bottleneck_t), N
-nodes and B microbatches per global batch, choose pipelines (a multiset of templates) and
-b_p >= 1 microbatches per pipeline with sum b_p = B that
-
-  1. keep at least k = min(f + 1, N // n0, B) pipelines (f+1 replicas whenever N allows),
-  2. use as many nodes as possible (all N whenever the template sizes can add up to N),
-  3. minimise the makespan Z = max_p T_p(b_p).
-
-For a candidate Z, a pipeline of template t can take c_t(Z) = floor((Z - T_t(1)) /
-bottleneck_t) + 1 microbatches (0 when Z < T_t(1): it could not even run one). T_t includes the
-gradient all-reduce among the replicas (templates.py), costed during the search for the k
-pipelines the plan must have at least; the makespan reported is recomputed for the pipelines
-it has. Z is feasible
-when some exact cover of the chosen node count by template sizes has sum c_t(Z) >= B: an
-unbounded knapsack with an exact weight. The optimal Z is one of the values T_t(b), so a search
-over them is exact; it starts where a relaxation first allows Z (no cover of N nodes holds more
-than N x the best capacity per node, an integer test), gallops up from there and bisects, so a
-handful of knapsacks decide even 760,000 candidate values (93 templates x 8,192 microbatches at
-tp = 8), of which only a window around that start is ever built (`_least_makespan`). The
-knapsack itself is cut to a few hundred nodes by a classic exchange argument: with t* the
-template of best capacity per node, some optimal cover has fewer than n_t* pipelines of other
-templates (any n_t* of them contain a subset whose node count is a multiple of n_t*, which t*
-pipelines can replace without losing capacity), so only the remainder r < n_t* * n_max,
-r = N mod n_t*, needs the DP. This replaces Oobleck's enumeration of every partition of N
-followed by one ILP each, and takes milliseconds at 10,000 nodes and tp = 1, a few tens of
-milliseconds at tp = 8 (bench/planner.py).
+Pipelines (a multiset of templates) and b_p >= 1 microbatches each, sum b_p = B, that keep at
+least min(f + 1, N // n0, B) pipelines, use as many nodes as possible, then minimise the makespan
+max_p T_p(b_p). Exact: the optimal makespan is one of the values T_t(b), searched by galloping and
+bisection, each candidate decided by an unbounded knapsack with an exact weight (cut to the
+remainder N mod n_t* by an exchange argument on the template of best capacity per node).
+Its speed at scale is in bench/RESULTS.md (`python bench/planner.py`). docs/planning.md.
 """
 
 from __future__ import annotations
@@ -37,7 +17,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .templates import PlanningError, TemplateSet
+from ..errors import PlanningError
+from ..templates.templates import TemplateSet
 
 Cover = dict[int, int]  # template node count -> number of pipelines
 

@@ -1,18 +1,10 @@
 """Analytic per-layer profiles for models too large to build here (planning-only configs).
 
-Times come from FLOP counts at an assumed sustained device throughput; bytes from parameter
-counts under mixed precision (2-byte weights and grads, 12 bytes of fp32 master weights plus two
-Adam moments per parameter) and, with full activation recomputation, only each block's input
-kept per microbatch (backward then costs a recomputed forward plus twice the forward FLOPs).
-The backward is not split into its input and weight gradients (`LayerProfile.input_grad_s`,
-`weight_grad_s` stay None): zero-bubble schedules are planned on these profiles with the
-planner's share, I = W = half the backward.
-With tensor parallelism over t devices of a node (Megatron-style, as the engine shards them),
-a block's matrices, FLOPs and optimizer state are split t ways and its forward and backward each
-add two all-reduces of the block's activation over the intra-node link (`comm.Links`); the
-embedding and the LM head are replicated on every device. It is how
-`configs/profiles/gpt3-175b-tp{1,2,4,8}.json` were made (`python -m oobleck_elastic.planning.analytic
---tensor-parallel T`).
+Times from FLOP counts at an assumed sustained throughput; bytes from parameter counts under mixed
+precision with full activation recomputation; no I/W split of the backward (the planner's share
+applies). Tensor parallelism over t devices splits a block t ways and adds two all-reduces each way
+(`comm.Links`). It made `configs/profiles/gpt3-175b-tp{1,2,4,8}.json`
+(`python -m oobleck_elastic.planning.profile.analytic --tensor-parallel T`). docs/planning.md.
 """
 
 from __future__ import annotations
@@ -20,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .comm import Links
+from ..comm import Links
 from .profile import LayerProfile, ModelProfile
 
 

@@ -1,39 +1,11 @@
-"""`training.microbatch_size: auto`: the planner picks the microbatch size of the job.
+"""`training.microbatch_size: auto`: the sizes a profile is measured at, and a profile at any size.
 
-A larger microbatch amortises each microbatch's fixed cost (kernel launches, per-message
-latency) and needs fewer microbatches per step, but it holds more activations (stage i of S keeps
-S - i microbatches in flight under 1F1B, all of them under GPipe) and, with fewer microbatches per
-pipeline, a larger share of the step is pipeline bubble. With the cost model of templates.py,
-one pipeline of stages w_i(b) running m = its share of global_batch_size / b microbatches takes
-
-    T = sum_i w_i(b) + (m - 1) * max_i w_i(b) + gradient all-reduce
-
-so the bubble (sum - max) grows with b while the m * fixed-cost part shrinks with it.
-
-- **Candidates** (`microbatch_candidates`): every divisor b of training.global_batch_size with
-  b <= global_batch_size // (f+1), so that f+1 pipelines each get at least one microbatch.
-- **Time and memory at size b** (`profile_at`): from the sizes the profile was measured at
-  (`ModelProfile.measurements()`). For every layer, forward time, backward time (and its input
-  and weight gradients where every size measured them), activation bytes and output bytes are
-  fitted as a + c * b (least squares over the measured sizes: exact through two; clamped at
-  >= 0) and evaluated at b; parameters, gradients and optimizer state do not
-  depend on b. A measured size is used as measured. With a single measured size b0 the fit is
-  proportional, y(b) = y(b0) * b / b0: exact for activations and outputs, but for time it knows
-  no fixed cost, so the bubble then favours small microbatches. For `auto` the profiler therefore
-  measures two sizes (`profile_microbatch_sizes`: 1 and the largest candidate <= 4, small enough
-  that one layer's activations fit wherever the smallest does) and records both in one profile;
-  its cache key holds `microbatch_size: auto` and the sizes measured.
-- **The choice** (`planning.choose_microbatch_size`): for each candidate, the templates at that
-  size (memory a hard limit, as always) and the plan on the reference node count
-  (`planning.max_nodes` when set, else the first plan's node count); the size with the best
-  estimated samples/s wins, ties (within a relative 1e-9) going to the larger size, among the
-  sizes whose plan keeps f+1 pipelines when any does (fewer microbatches can leave too few for
-  f+1 pipelines on those nodes: throughput is not bought with fault tolerance). Sizes whose
-  templates do not fit, or whose plan cannot be made on those nodes, are reported with the reason.
-  The inputs are the same on every node (config, pinned profile, node count), so is the choice.
-- **Once per job.** The chosen size is `Plan.microbatch_size`, in the plan every worker reads; a
-  re-plan keeps the previous plan's size (`plan_job(previous=...)`, the leader's cached
-  templates), so the microbatch shape never changes during a job.
+Candidates are the divisors of the global batch up to global_batch_size // (f+1)
+(`microbatch_candidates`); `profile_microbatch_sizes` measures 1 and the largest candidate <= 4;
+`profile_at` fits each layer's times and bytes as a + c * b through the measured sizes (clamped at
+>= 0; proportional with one size). `pick_microbatch_size` takes the best estimated samples/s,
+ties to the larger size, among sizes that keep f+1 pipelines when any does. The size is chosen
+once per job and carried by the plan. docs/planning.md.
 """
 
 from __future__ import annotations
@@ -42,9 +14,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from ..config import JobConfig
+from ...config import JobConfig
+from ..errors import PlanningError
 from .profile import ModelProfile
-from .templates import PlanningError
 
 __all__ = [
     "MicrobatchChoice",

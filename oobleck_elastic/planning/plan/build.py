@@ -1,0 +1,114 @@
+"""The plan builder: `make_plan` instantiates the templates on concrete nodes for one generation.
+
+The `Plan` type and its JSON are plan/plan.py's; this module only builds one (docs/planning.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ..errors import PlanningError
+from ..schedules.choice import PipelineSchedules
+from ..templates.templates import TemplateSet
+from .instantiate import Assignment, instantiate
+from .placement import keep_layers_in_place
+from .plan import PipelineSpec, Plan, StagePlacement
+
+__all__ = ["make_plan"]
+
+
+def _forward_s(templates: TemplateSet, ranges: Sequence[tuple[int, int]]) -> float:
+    """Forward time of one microbatch through `ranges` in the templates' profile (0: none kept)."""
+    if templates.profile is None:
+        return 0.0
+    return sum(la.forward_s for u, v in ranges for la in templates.profile.layers[u:v])
+
+
+def _chunk_times(templates: TemplateSet, ranges: Sequence[tuple[int, int]]) -> tuple[tuple[float, float], ...]:
+    """Each chunk's (forward + backward, forward) of one microbatch in the templates' profile."""
+    if templates.profile is None or len(ranges) < 2:
+        return ()
+    layers = templates.profile.layers
+    return tuple(
+        (sum(la.forward_s + la.backward_s for la in layers[u:v]), sum(la.forward_s for la in layers[u:v]))
+        for u, v in ranges
+    )
+
+
+def make_plan(
+    templates: TemplateSet,
+    *,
+    nodes: Sequence[str],
+    num_microbatches: int,
+    microbatch_size: int,
+    f: int,
+    generation: int = 0,
+    microbatch_cap: Optional[int] = None,
+    previous: Optional[Plan] = None,
+    schedules: Optional[PipelineSchedules] = None,
+    schedule: str = "1f1b",
+) -> Plan:
+    """Instantiate templates on `nodes` (ids, in preference order) for one generation. With the
+    `previous` plan, the nodes that will run are placed where they keep the most of the layers
+    they already hold (fewer layers to copy in the reconfiguration, placement.py); who runs and
+    who is a spare still follows the preference order. With `schedules`, each pipeline runs the
+    schedule chosen for its microbatches (schedules/choice.py) and its estimate is simulated;
+    without, every pipeline runs `schedule` (1f1b or gpipe) under templates.py's closed form."""
+    if len(set(nodes)) != len(nodes):
+        raise PlanningError(f"duplicate node ids in {list(nodes)}")
+    planned = templates if schedules is None else schedules.lines(len(nodes), num_microbatches, f + 1)
+    a: Assignment = instantiate(
+        planned, num_nodes=len(nodes), num_microbatches=num_microbatches, f=f, microbatch_cap=microbatch_cap
+    )
+    if previous is not None:
+        nodes = keep_layers_in_place(templates, a, list(nodes), previous)
+    g = templates.gpus_per_node
+    pipelines = []
+    cursor = 0
+    for index, (n, mb) in enumerate(a.pipelines):
+        tpl = templates[n]
+        pnodes = tuple(nodes[cursor : cursor + n])
+        cost = schedules.cost(n, mb, len(a.pipelines)) if schedules is not None else None
+        stages = tuple(
+            StagePlacement(
+                index=s.index,
+                start=s.start if cost is None else cost.device_ranges(s.index)[0][0],
+                end=s.end if cost is None else cost.device_ranges(s.index)[0][1],
+                node=pnodes[s.node],
+                local_rank=s.local_rank,
+                rank=(cursor + s.node) * g + s.local_rank,
+                compute_s=s.time_s - s.comm_s if cost is None else cost.device_compute_s[s.index],
+                forward_s=_forward_s(templates, ((s.start, s.end),) if cost is None else cost.device_ranges(s.index)),
+                chunks=cost.device_ranges(s.index) if cost is not None and cost.chunks > 1 else (),
+                chunk_times=_chunk_times(templates, cost.device_ranges(s.index)) if cost is not None else (),
+            )
+            for s in tpl.stages
+        )
+        pipelines.append(
+            PipelineSpec(
+                index=index,
+                template_nodes=n,
+                nodes=pnodes,
+                microbatches=mb,
+                stages=stages,
+                est_time_s=tpl.iteration_time(mb, len(a.pipelines)) if cost is None else cost.step_s,
+                schedule=schedule if cost is None else cost.schedule,
+                num_chunks=1 if cost is None else cost.chunks,
+            )
+        )
+        cursor += n
+    plan = Plan(
+        generation=generation,
+        nodes=tuple(nodes),
+        spares=tuple(nodes[cursor:]),
+        gpus_per_node=g,
+        num_layers=templates.num_layers,
+        microbatch_size=microbatch_size,
+        pipelines=tuple(pipelines),
+        est_step_time_s=a.makespan_s if schedules is None else max(p.est_time_s for p in pipelines),
+        f=f,
+        warnings=a.warnings,
+        tensor_parallel=templates.tensor_parallel,
+    )
+    plan.check()
+    return plan
