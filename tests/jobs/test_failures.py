@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_same, run_job, tiny_profile, when
+from helpers import assert_same, paced, run_job, tiny_profile, when
 
 pytestmark = pytest.mark.slow
 
@@ -177,6 +177,7 @@ def test_kill_a_node_while_another_joins(tmp_path: Path, etcd_server, run_id) ->
         tiny_profile(tmp_path / "p.json"),
         killed_by_test=1,
         during=lambda proc: when(etcd_server.endpoint, proc, joined, kill_one),
+        env=paced(1, 40, 1.5),  # 58 s or more: the joiner is admitted long before the last step
     )
     final = _plan_of_run(etcd_server.endpoint, keys)
     assert "node4" in final.nodes and victims[0] not in final.nodes and len(final.nodes) == 4, out[-4000:]

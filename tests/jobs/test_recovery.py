@@ -26,6 +26,7 @@ from helpers import (
     assert_same,
     at_step,
     overrides,
+    paced,
     run_job,
     tensorboard_run,
     tiny_profile,
@@ -187,7 +188,14 @@ def test_join_then_drain_at_step_boundaries(tmp_path: Path, etcd_server, run_id)
         )
 
     out, job, ref = run_job(
-        tmp_path, etcd_server, run_id, ["--nodes", "3", "--join", "1"], 30, profile, during=drain_after_join
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "3", "--join", "1"],
+        30,
+        profile,
+        during=drain_after_join,
+        env=paced(1, 30, 1.5),  # 43 s or more: the join and then the drain land while the job runs
     )
     assert "entered from generation 1" in out and "entered from generation 2" in out, out[-4000:]
     assert "node node1 was drained" in out and "communication failed" not in out, out[-4000:]
