@@ -24,7 +24,7 @@ class Detector(StrEnum):
     """Workers checked in at the roll call, and its agent did not answer a ping."""
 
 
-class Action(StrEnum):
+class LeaderAction(StrEnum):
     NONE = "none"
     """Nothing to do and nothing pending: the leader may sleep until the next change."""
     WAIT = "wait"
@@ -107,7 +107,7 @@ class Clocks:
 
 @dataclass(frozen=True)
 class Decision:
-    action: Action
+    action: LeaderAction
     nodes: tuple[str, ...] = ()
     """The nodes of the plan to publish (FIRST_PLAN, REPLAN)."""
     admit: tuple[str, ...] = ()
@@ -135,8 +135,8 @@ def decide(view: LeaderView, clocks: Clocks, now: float, rules: Rules) -> Decisi
     """What the leader does now (docs/recovery.md)."""
     if view.plan is None:
         first = _before_first_plan(view, clocks, now, rules)
-        if first.action == Action.FIRST_PLAN and view.refused and first.nodes == view.refused:
-            return replace(first, action=Action.WAIT_FOR_NODES, nodes=())  # admissions still happen
+        if first.action == LeaderAction.FIRST_PLAN and view.refused and first.nodes == view.refused:
+            return replace(first, action=LeaderAction.WAIT_FOR_NODES, nodes=())  # admissions still happen
         return first
     if view.dead is not None:
         decision = _after_detection(view, view.plan, view.dead, clocks, now, rules)
@@ -149,7 +149,7 @@ def decide(view: LeaderView, clocks: Clocks, now: float, rules: Rules) -> Decisi
 
 def _refused(view: LeaderView, decision: Decision) -> bool:
     """Whether `decision` re-plans on exactly the nodes the planner refused last."""
-    return decision.action == Action.REPLAN and bool(view.refused) and decision.nodes == view.refused
+    return decision.action == LeaderAction.REPLAN and bool(view.refused) and decision.nodes == view.refused
 
 
 def _while_running(view: LeaderView, plan: Plan, clocks: Clocks, now: float, rules: Rules) -> Decision:
@@ -167,30 +167,32 @@ def _while_running(view: LeaderView, plan: Plan, clocks: Clocks, now: float, rul
     desired = desired_nodes(plan, view.up, view.fenced | view.not_ready, rules.max_nodes)
     dropped = tuple(n for n in plan.nodes if n not in desired)
     if dropped and view.outage_recent:
-        return Decision(Action.WAIT, admit=tuple(admit), clocks=replace(clocks, change_seen=None), held=dropped)
+        return Decision(LeaderAction.WAIT, admit=tuple(admit), clocks=replace(clocks, change_seen=None), held=dropped)
     if view.refused and tuple(desired) == view.refused:  # asking the planner again cannot help
-        return Decision(Action.WAIT_FOR_NODES, admit=tuple(admit), clocks=replace(clocks, change_seen=None))
+        return Decision(LeaderAction.WAIT_FOR_NODES, admit=tuple(admit), clocks=replace(clocks, change_seen=None))
     if desired == list(plan.nodes):
         remedy = mitigate(plan, view.speeds, view.slow, view.without) if rules.rebalance and view.speeds else None
         clear = replace(clocks, change_seen=None)
         if remedy is not None and remedy.plan is not None:
-            return Decision(Action.REBALANCE, admit=tuple(admit), plan=remedy.plan, clocks=clear, why=remedy.describe())
+            return Decision(
+                LeaderAction.REBALANCE, admit=tuple(admit), plan=remedy.plan, clocks=clear, why=remedy.describe()
+            )
         if remedy is not None and remedy.leave_out:
             return Decision(
-                Action.REPLAN,
+                LeaderAction.REPLAN,
                 nodes=tuple(n for n in desired if n not in remedy.leave_out),
                 admit=tuple(admit),
                 clocks=clear,
                 leave_out=remedy.leave_out,
                 why=remedy.describe(),
             )
-        return Decision(Action.NONE, admit=tuple(admit), clocks=clear)
+        return Decision(LeaderAction.NONE, admit=tuple(admit), clocks=clear)
     change_seen = clocks.change_seen if clocks.change_seen is not None else now
     if now - change_seen >= rules.settle_s:
         return Decision(
-            Action.REPLAN, nodes=tuple(desired), admit=tuple(admit), clocks=replace(clocks, change_seen=None)
+            LeaderAction.REPLAN, nodes=tuple(desired), admit=tuple(admit), clocks=replace(clocks, change_seen=None)
         )
-    return Decision(Action.WAIT, admit=tuple(admit), clocks=replace(clocks, change_seen=change_seen))
+    return Decision(LeaderAction.WAIT, admit=tuple(admit), clocks=replace(clocks, change_seen=change_seen))
 
 
 def desired_nodes(plan: Plan, up: Sequence[str], exclude: Collection[str], max_nodes: int) -> list[str]:
@@ -206,13 +208,13 @@ def _after_detection(
     """Re-plan at once without the nodes a detector found dead (docs/recovery.md)."""
     if dead.by == Detector.LIVENESS:
         if now - dead.since < rules.liveness_batch_s:  # nodes that die together go in one re-plan
-            return Decision(Action.WAIT, clocks=Clocks(), detection=dead.by, recheck_s=rules.liveness_batch_s / 2)
+            return Decision(LeaderAction.WAIT, clocks=Clocks(), detection=dead.by, recheck_s=rules.liveness_batch_s / 2)
     elif dead.nodes and view.outage_recent:  # silence proves nothing right after an etcd outage
-        return Decision(Action.WAIT, clocks=clocks, held=dead.nodes, detection=dead.by)
+        return Decision(LeaderAction.WAIT, clocks=clocks, held=dead.nodes, detection=dead.by)
     # not-ready nodes stay out too: a spare still importing torch, a node restarting a hung worker
     exclude = view.fenced | set(dead.nodes) | view.not_ready
     return Decision(
-        Action.REPLAN,
+        LeaderAction.REPLAN,
         nodes=tuple(desired_nodes(plan, view.up, exclude, rules.max_nodes)),
         lost=dead.nodes,
         detection=dead.by,
@@ -227,16 +229,18 @@ def _before_first_plan(view: LeaderView, clocks: Clocks, now: float, rules: Rule
     if first:  # nodes were admitted (their workers measure the profile): plan them, plus arrivals
         admit = [n for n in candidates if n not in view.admitted][: max(0, rules.max_nodes - len(first))]
         return Decision(
-            Action.FIRST_PLAN, nodes=tuple(first + admit)[: rules.max_nodes], admit=tuple(admit), clocks=clocks
+            LeaderAction.FIRST_PLAN, nodes=tuple(first + admit)[: rules.max_nodes], admit=tuple(admit), clocks=clocks
         )
     if len(view.up) < rules.min_nodes:
-        return Decision(Action.NONE, clocks=replace(clocks, first_quorum=None))
+        return Decision(LeaderAction.NONE, clocks=replace(clocks, first_quorum=None))
     quorum = clocks.first_quorum if clocks.first_quorum is not None else now
     if len(view.up) >= rules.max_nodes or now - quorum >= rules.last_call_s:
         return Decision(
-            Action.FIRST_PLAN, nodes=tuple(view.up[: rules.max_nodes]), clocks=replace(clocks, first_quorum=quorum)
+            LeaderAction.FIRST_PLAN,
+            nodes=tuple(view.up[: rules.max_nodes]),
+            clocks=replace(clocks, first_quorum=quorum),
         )
-    return Decision(Action.WAIT, clocks=replace(clocks, first_quorum=quorum))
+    return Decision(LeaderAction.WAIT, clocks=replace(clocks, first_quorum=quorum))
 
 
 def plan_events(

@@ -19,7 +19,7 @@ from ..etcd.client import KV, warn_once
 from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
-from .decide import Action, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide
+from .decide import LeaderAction, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide
 from .detect import LOST_BECAUSE, Deputy, LeaderLiveness, LeaderWatch, RollCall
 from .profile_wait import ProfileWait
 from .publish import commit_plan, declare_lost, donors
@@ -250,7 +250,7 @@ class Leader:
             decision = decide(view, clocks, time.monotonic(), rules)
             clocks = decision.clocks
             self._act(decision, view.plan, rev, records)
-            if decision.action == Action.WAIT_FOR_NODES or self.profiles.waiting:
+            if decision.action == LeaderAction.WAIT_FOR_NODES or self.profiles.waiting:
                 self._pause(_IDLE_S)  # below n0, or no profile yet: only a change can help
                 continue
             if decision.recheck_s is not None:
@@ -261,7 +261,7 @@ class Leader:
             # (before the first plan that is fewer than MIN nodes up: a node's arrival is a change too;
             # without a mirror, nothing wakes the loop but its tick)
             mirrored = isinstance(self.view, Mirror)
-            waiting = decision.action != Action.NONE or (view.plan is None and not mirrored) or self.rollcall.open
+            waiting = decision.action != LeaderAction.NONE or (view.plan is None and not mirrored) or self.rollcall.open
             self._pause(self.tick_s if waiting else _IDLE_S)
 
     def _read_view(self) -> tuple[LeaderView, Optional[int], list[NodeRecord]]:
@@ -312,16 +312,16 @@ class Leader:
             self.client.put_json(self.keys.admitted(node), Admission(time=time.time()).to_json())
         if decision.held:
             self._warn_held(decision.held, decision.detection, plan.generation if plan else 0)
-        if decision.action == Action.FIRST_PLAN:
+        if decision.action == LeaderAction.FIRST_PLAN:
             self._first_plan(list(decision.nodes), rev, records)
-        elif decision.action == Action.REBALANCE and plan is not None and decision.plan is not None:
+        elif decision.action == LeaderAction.REBALANCE and plan is not None and decision.plan is not None:
             log.at(node=self.member.node_id).info(
                 "re-splitting the microbatches of generation %d at the measured speeds (%s)",
                 plan.generation,
                 decision.why,
             )
             self._commit(decision.plan, plan, rev, records, {})
-        elif decision.action == Action.REPLAN and decision.leave_out:
+        elif decision.action == LeaderAction.REPLAN and decision.leave_out:
             self.stragglers.leave_out(
                 self.client,
                 self.keys,
@@ -331,7 +331,7 @@ class Leader:
                 leader=self.member.node_id,
             )
             self._publish(list(decision.nodes), plan, rev, records)
-        elif decision.action == Action.REPLAN:
+        elif decision.action == LeaderAction.REPLAN:
             lost = {node: LOST_BECAUSE[decision.detection] for node in decision.lost if decision.detection}
             for node in lost:
                 declare_lost(self.client, self.keys, node, plan.generation if plan else 0)

@@ -17,7 +17,7 @@ from oobleck_elastic.engine.resilience.faults import FaultInjector
 from oobleck_elastic.engine.resilience.straggler import ComputeClock, StragglerWatch, slowdowns
 from oobleck_elastic.planning import Plan
 from oobleck_elastic.planning.plan.rebalance import mitigate, rebalance, rebalanced_plan, step_estimate
-from oobleck_elastic.rendezvous.decide import Action, Clocks, LeaderView, Rules, decide, plan_events
+from oobleck_elastic.rendezvous.decide import LeaderAction, Clocks, LeaderView, Rules, decide, plan_events
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.rendezvous.membership import read_events
@@ -225,13 +225,13 @@ def test_the_leader_re_splits_when_the_plan_is_otherwise_current() -> None:
     rules = Rules(min_nodes=4, max_nodes=4, last_call_s=1, settle_s=0.5, rebalance=True)
     view = LeaderView(up=plan.nodes, plan=plan, speeds=(0.1, 0.3, 0.1, 0.1))
     got = decide(view, Clocks(), 10.0, rules)
-    assert got.action == Action.REBALANCE and got.plan == rebalanced_plan(plan, view.speeds)
+    assert got.action == LeaderAction.REBALANCE and got.plan == rebalanced_plan(plan, view.speeds)
     events = plan_events(got.plan, plan, {n: NodeState.UP for n in plan.nodes}, {}, leader="n0", now=1.0)
     assert [e.detail for e in events] == ["4 node(s), 4 pipeline(s), 4 worker(s) (rebalance)"]
     # off, no gain, or a membership change pending (which re-plans anyway): no re-split
-    assert decide(view, Clocks(), 10.0, dataclasses.replace(rules, rebalance=False)).action == Action.NONE
-    assert decide(dataclasses.replace(view, speeds=(0.1,) * 4), Clocks(), 10.0, rules).action == Action.NONE
-    assert decide(dataclasses.replace(view, up=plan.nodes[:3]), Clocks(), 10.0, rules).action == Action.WAIT
+    assert decide(view, Clocks(), 10.0, dataclasses.replace(rules, rebalance=False)).action == LeaderAction.NONE
+    assert decide(dataclasses.replace(view, speeds=(0.1,) * 4), Clocks(), 10.0, rules).action == LeaderAction.NONE
+    assert decide(dataclasses.replace(view, up=plan.nodes[:3]), Clocks(), 10.0, rules).action == LeaderAction.WAIT
 
 
 def _without_n1(est_step_time_s: float) -> Plan:
@@ -259,10 +259,10 @@ def test_mitigate_re_splits_or_leaves_the_straggler_out_whichever_is_faster() ->
     rules = Rules(min_nodes=3, max_nodes=4, last_call_s=1, settle_s=0.5, rebalance=True)
     view = LeaderView(up=plan.nodes, plan=plan, speeds=(0.1, 1.0, 0.1, 0.1), slow=("n1",), without=_without_n1(1.5))
     got = decide(view, Clocks(), 10.0, rules)
-    assert got.action == Action.REPLAN and got.nodes == ("n0", "n2", "n3") and got.leave_out == ("n1",)
+    assert got.action == LeaderAction.REPLAN and got.nodes == ("n0", "n2", "n3") and got.leave_out == ("n1",)
     # once left out, the leader counts it as not ready: the plan without it is current
     after = LeaderView(up=plan.nodes, plan=_without_n1(1.5), not_ready=frozenset({"n1"}))
-    assert decide(after, Clocks(), 11.0, rules).action == Action.NONE
+    assert decide(after, Clocks(), 11.0, rules).action == LeaderAction.NONE
 
 
 def test_the_report_reaches_the_leader_and_oobleck_status(etcd_settings, run_id) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from oobleck_elastic.rendezvous.decide import (
-    Action,
+    LeaderAction,
     Clocks,
     Detection,
     Detector,
@@ -28,22 +28,22 @@ def plan_of(nodes: int):
 
 def test_below_min_nodes_nothing_happens() -> None:
     d = decide(LeaderView(up=("n0",)), Clocks(first_quorum=3.0), 10.0, RULES)
-    assert d.action == Action.NONE and d.clocks.first_quorum is None
+    assert d.action == LeaderAction.NONE and d.clocks.first_quorum is None
 
 
 def test_the_first_plan_waits_a_last_call_for_more_nodes() -> None:
     view = LeaderView(up=("n0", "n1"))
     d = decide(view, Clocks(), 10.0, RULES)
-    assert d.action == Action.WAIT and d.clocks.first_quorum == 10.0
+    assert d.action == LeaderAction.WAIT and d.clocks.first_quorum == 10.0
     d = decide(view, d.clocks, 10.9, RULES)
-    assert d.action == Action.WAIT
+    assert d.action == LeaderAction.WAIT
     d = decide(view, d.clocks, 11.0, RULES)
-    assert d.action == Action.FIRST_PLAN and d.nodes == ("n0", "n1")
+    assert d.action == LeaderAction.FIRST_PLAN and d.nodes == ("n0", "n1")
 
 
 def test_max_nodes_up_plans_at_once_and_leaves_the_rest_as_spares() -> None:
     d = decide(LeaderView(up=("n0", "n1", "n2", "n3", "n4")), Clocks(), 10.0, RULES)
-    assert d.action == Action.FIRST_PLAN and d.nodes == ("n0", "n1", "n2", "n3")
+    assert d.action == LeaderAction.FIRST_PLAN and d.nodes == ("n0", "n1", "n2", "n3")
 
 
 def test_admitted_first_nodes_are_planned_with_new_arrivals_up_to_max() -> None:
@@ -51,29 +51,29 @@ def test_admitted_first_nodes_are_planned_with_new_arrivals_up_to_max() -> None:
         up=("n0", "n1", "n2", "n3", "n4", "n5"), admitted=frozenset({"n1", "n2"}), fenced=frozenset({"n0"})
     )
     d = decide(view, Clocks(), 10.0, RULES)
-    assert d.action == Action.FIRST_PLAN and d.nodes == ("n1", "n2", "n3", "n4") and d.admit == ("n3", "n4")
+    assert d.action == LeaderAction.FIRST_PLAN and d.nodes == ("n1", "n2", "n3", "n4") and d.admit == ("n3", "n4")
 
 
 def test_a_lost_node_is_replanned_after_the_settle_window() -> None:
     view = LeaderView(up=("n0", "n1", "n3"), plan=plan_of(4))
     d = decide(view, Clocks(), 10.0, RULES)
-    assert d.action == Action.WAIT and d.clocks.change_seen == 10.0
+    assert d.action == LeaderAction.WAIT and d.clocks.change_seen == 10.0
     d = decide(view, d.clocks, 10.5, RULES)
-    assert d.action == Action.REPLAN and d.nodes == ("n0", "n1", "n3") and d.clocks.change_seen is None
+    assert d.action == LeaderAction.REPLAN and d.nodes == ("n0", "n1", "n3") and d.clocks.change_seen is None
 
 
 def test_a_change_that_reverts_within_the_settle_window_is_not_replanned() -> None:
     d = decide(LeaderView(up=("n0", "n1", "n3"), plan=plan_of(4)), Clocks(), 10.0, RULES)
     d = decide(LeaderView(up=("n0", "n1", "n2", "n3"), plan=plan_of(4)), d.clocks, 10.2, RULES)
-    assert d.action == Action.NONE and d.clocks.change_seen is None
+    assert d.action == LeaderAction.NONE and d.clocks.change_seen is None
 
 
 def test_right_after_an_etcd_outage_missing_nodes_are_held_not_replanned() -> None:
     view = LeaderView(up=("n0",), plan=plan_of(4), outage_recent=True)
     d = decide(view, Clocks(change_seen=1.0), 10.0, RULES)
-    assert d.action == Action.WAIT and d.held == ("n1", "n2", "n3") and d.clocks.change_seen is None
+    assert d.action == LeaderAction.WAIT and d.held == ("n1", "n2", "n3") and d.clocks.change_seen is None
     d = decide(LeaderView(up=("n0",), plan=plan_of(4)), d.clocks, 10.1, RULES)  # the grace is over
-    assert d.action == Action.WAIT and d.clocks.change_seen == 10.1
+    assert d.action == LeaderAction.WAIT and d.clocks.change_seen == 10.1
 
 
 def test_a_fenced_node_is_dropped_even_with_a_record() -> None:
@@ -83,13 +83,13 @@ def test_a_fenced_node_is_dropped_even_with_a_record() -> None:
         10.0,
         RULES,
     )
-    assert d.action == Action.REPLAN and d.nodes == ("n0", "n1", "n3")
+    assert d.action == LeaderAction.REPLAN and d.nodes == ("n0", "n1", "n3")
 
 
 def test_late_nodes_are_admitted_while_there_is_room_and_planned_once_ready() -> None:
     view = LeaderView(up=("n0", "n1", "n4", "n5", "n6"), plan=plan_of(2), not_ready=frozenset({"n4", "n5", "n6"}))
     d = decide(view, Clocks(), 10.0, RULES)
-    assert d.action == Action.NONE and d.admit == ("n4", "n5")  # n6 would exceed max_nodes: a spare
+    assert d.action == LeaderAction.NONE and d.admit == ("n4", "n5")  # n6 would exceed max_nodes: a spare
     view = LeaderView(
         up=("n0", "n1", "n4", "n5", "n6"),
         plan=plan_of(2),
@@ -97,7 +97,7 @@ def test_late_nodes_are_admitted_while_there_is_room_and_planned_once_ready() ->
         not_ready=frozenset({"n5", "n6"}),
     )
     d = decide(view, Clocks(change_seen=9.0), 10.0, RULES)
-    assert d.action == Action.REPLAN and d.nodes == ("n0", "n1", "n4") and d.admit == ()
+    assert d.action == LeaderAction.REPLAN and d.nodes == ("n0", "n1", "n4") and d.admit == ()
 
 
 def liveness(*nodes: str, since: float) -> Detection:
@@ -111,19 +111,19 @@ def rollcall(*nodes: str) -> Detection:
 def test_liveness_deaths_wait_a_batch_window_then_replan_at_once_without_them() -> None:
     view = LeaderView(up=("n0", "n1", "n2", "n3"), plan=plan_of(4), dead=liveness("n2", since=10.0))
     d = decide(view, Clocks(change_seen=9.0), 10.02, RULES)
-    assert d.action == Action.WAIT and d.recheck_s == RULES.liveness_batch_s / 2 and d.clocks == Clocks()
+    assert d.action == LeaderAction.WAIT and d.recheck_s == RULES.liveness_batch_s / 2 and d.clocks == Clocks()
     assert d.lost == () and d.admit == ()
     # a second death inside the window joins the same re-plan; no settle window after it
     view = LeaderView(up=("n0", "n1", "n2", "n3"), plan=plan_of(4), dead=liveness("n1", "n2", since=10.0))
     d = decide(view, Clocks(), 10.05, RULES)
-    assert d.action == Action.REPLAN and d.nodes == ("n0", "n3") and d.lost == ("n1", "n2")
+    assert d.action == LeaderAction.REPLAN and d.nodes == ("n0", "n3") and d.lost == ("n1", "n2")
     assert d.detection == Detector.LIVENESS and d.recheck_s == 0.0 and d.clocks == Clocks()
 
 
 def test_a_liveness_verdict_is_not_held_by_an_etcd_outage() -> None:
     view = LeaderView(up=("n0", "n1", "n3"), plan=plan_of(4), outage_recent=True, dead=liveness("n3", since=1.0))
     d = decide(view, Clocks(), 10.0, RULES)
-    assert d.action == Action.REPLAN and d.nodes == ("n0", "n1") and d.held == ()
+    assert d.action == LeaderAction.REPLAN and d.nodes == ("n0", "n1") and d.held == ()
 
 
 def test_a_liveness_replan_leaves_out_fenced_nodes_and_takes_spares() -> None:
@@ -131,7 +131,7 @@ def test_a_liveness_replan_leaves_out_fenced_nodes_and_takes_spares() -> None:
         up=("n0", "n1", "n2", "n3", "n4"), plan=plan_of(4), fenced=frozenset({"n1"}), dead=liveness("n2", since=1.0)
     )
     d = decide(view, Clocks(), 10.0, RULES)
-    assert d.action == Action.REPLAN and d.nodes == ("n0", "n3", "n4") and d.lost == ("n2",)
+    assert d.action == LeaderAction.REPLAN and d.nodes == ("n0", "n3", "n4") and d.lost == ("n2",)
 
 
 def test_a_liveness_replan_leaves_out_not_ready_nodes_too() -> None:
@@ -144,7 +144,7 @@ def test_a_liveness_replan_leaves_out_not_ready_nodes_too() -> None:
         dead=liveness("n2", since=1.0),
     )
     d = decide(view, Clocks(), 10.0, RULES)
-    assert d.action == Action.REPLAN and d.nodes == ("n0", "n3") and d.lost == ("n2",)
+    assert d.action == LeaderAction.REPLAN and d.nodes == ("n0", "n3") and d.lost == ("n2",)
 
 
 def test_a_roll_call_verdict_replans_at_once_without_the_dead_and_the_not_ready() -> None:
@@ -156,55 +156,55 @@ def test_a_roll_call_verdict_replans_at_once_without_the_dead_and_the_not_ready(
         dead=rollcall("n1"),
     )
     d = decide(view, Clocks(change_seen=9.9), 10.0, RULES)
-    assert d.action == Action.REPLAN and d.nodes == ("n0", "n2") and d.lost == ("n1",)
+    assert d.action == LeaderAction.REPLAN and d.nodes == ("n0", "n2") and d.lost == ("n1",)
     assert d.detection == Detector.ROLL_CALL and d.recheck_s == 0.0 and d.clocks == Clocks() and d.admit == ()
 
 
 def test_a_roll_call_where_everyone_answered_restarts_the_generation_on_the_same_nodes() -> None:
     d = decide(LeaderView(up=("n0", "n1"), plan=plan_of(2), dead=rollcall()), Clocks(), 10.0, RULES)
-    assert d.action == Action.REPLAN and d.nodes == ("n0", "n1") and d.lost == ()
+    assert d.action == LeaderAction.REPLAN and d.nodes == ("n0", "n1") and d.lost == ()
 
 
 def test_right_after_an_etcd_outage_a_roll_call_verdict_is_held() -> None:
     view = LeaderView(up=("n0", "n1"), plan=plan_of(4), outage_recent=True, dead=rollcall("n2", "n3"))
     d = decide(view, Clocks(change_seen=9.0), 10.0, RULES)
-    assert d.action == Action.WAIT and d.held == ("n2", "n3") and d.detection == Detector.ROLL_CALL
+    assert d.action == LeaderAction.WAIT and d.held == ("n2", "n3") and d.detection == Detector.ROLL_CALL
     assert d.clocks == Clocks(change_seen=9.0) and d.lost == () and d.recheck_s is None
     # a restart (nobody dead) is not held: the workers' failure is real whatever etcd did
     d = decide(LeaderView(up=("n0", "n1"), plan=plan_of(2), outage_recent=True, dead=rollcall()), Clocks(), 10.0, RULES)
-    assert d.action == Action.REPLAN and d.nodes == ("n0", "n1")
+    assert d.action == LeaderAction.REPLAN and d.nodes == ("n0", "n1")
 
 
 def test_below_n0_the_refused_nodes_are_not_replanned_again_until_a_change() -> None:
     dead = Detection(Detector.ROLL_CALL, ("n0",))
     view = LeaderView(up=("n1",), plan=plan_of(2), dead=dead)
     d = decide(view, Clocks(), 10.0, RULES)  # first time: re-plan (the planner then refuses)
-    assert d.action == Action.REPLAN and d.nodes == ("n1",) and d.lost == ("n0",)
+    assert d.action == LeaderAction.REPLAN and d.nodes == ("n1",) and d.lost == ("n0",)
     refused = replace(view, refused=("n1",))
     d = decide(refused, Clocks(), 10.1, RULES)
-    assert d.action == Action.WAIT_FOR_NODES and d.lost == () and d.recheck_s is None
+    assert d.action == LeaderAction.WAIT_FOR_NODES and d.lost == () and d.recheck_s is None
     # the same without a detection (the settle rule), and not once the node set changes
     d = decide(replace(refused, dead=None), Clocks(change_seen=9.0), 10.1, RULES)
-    assert d.action == Action.WAIT_FOR_NODES
+    assert d.action == LeaderAction.WAIT_FOR_NODES
     # an arrival is admitted meanwhile (detection or not); once it is ready, the set changes
     d = decide(replace(refused, up=("n1", "n2"), not_ready=frozenset({"n2"})), Clocks(), 10.1, RULES)
-    assert d.action == Action.WAIT_FOR_NODES and d.admit == ("n2",)
+    assert d.action == LeaderAction.WAIT_FOR_NODES and d.admit == ("n2",)
     d = decide(replace(refused, up=("n1", "n2"), admitted=frozenset({"n2"})), Clocks(), 10.1, RULES)
-    assert d.action == Action.REPLAN and d.nodes == ("n1", "n2")
+    assert d.action == LeaderAction.REPLAN and d.nodes == ("n1", "n2")
 
 
 def test_below_n0_before_the_first_plan_the_refused_nodes_are_not_planned_again_until_a_change() -> None:
     view = LeaderView(up=("n0", "n1"), refused=("n0", "n1"))  # the planner refused generation 1 on them
     d = decide(view, Clocks(first_quorum=1.0), 10.0, RULES)
-    assert d.action == Action.WAIT_FOR_NODES and d.nodes == () and d.clocks.first_quorum == 1.0
+    assert d.action == LeaderAction.WAIT_FOR_NODES and d.nodes == () and d.clocks.first_quorum == 1.0
     d = decide(replace(view, up=("n0", "n1", "n2")), Clocks(first_quorum=1.0), 10.0, RULES)
-    assert d.action == Action.FIRST_PLAN and d.nodes == ("n0", "n1", "n2")
+    assert d.action == LeaderAction.FIRST_PLAN and d.nodes == ("n0", "n1", "n2")
     # nodes admitted while the profile was measured: the same, and an arrival is admitted and planned
     admitted = replace(view, admitted=frozenset({"n0", "n1"}))
     d = decide(admitted, Clocks(), 10.0, RULES)
-    assert d.action == Action.WAIT_FOR_NODES and d.admit == ()
+    assert d.action == LeaderAction.WAIT_FOR_NODES and d.admit == ()
     d = decide(replace(admitted, up=("n0", "n1", "n2")), Clocks(), 10.0, RULES)
-    assert d.action == Action.FIRST_PLAN and d.nodes == ("n0", "n1", "n2") and d.admit == ("n2",)
+    assert d.action == LeaderAction.FIRST_PLAN and d.nodes == ("n0", "n1", "n2") and d.admit == ("n2",)
 
 
 def test_the_events_of_a_replan_say_why_each_node_left() -> None:
