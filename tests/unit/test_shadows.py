@@ -403,7 +403,8 @@ def test_oobleck_plan_shows_the_shadows(tmp_path: Path, capsys) -> None:
     shadow = ["fault_tolerance.shadow_copies=1", "planning.host_memory_gb=2", *TINY_PROFILE_OVERRIDES]
     assert main([*args, *shadow]) == 0
     text = capsys.readouterr().out
-    assert text[text.index("shadow copies") :].splitlines() == [
+    shadows = text[text.index("shadow copies") :].split("\n\n")[0]  # the section, up to the next one
+    assert shadows.splitlines() == [
         "shadow copies (fault_tolerance.shadow_copies=1): every layer also in the host memory of 1 node(s) that "
         "do not hold it on their devices; any 2 simultaneous node losses leave a copy of every layer (1 without "
         "them)",
