@@ -9,6 +9,8 @@
 #   make test-fast - the unit and control lanes: a few minutes, for the edit loop
 #   make test-all - every lane, with every extended test (the chaos seeds too)
 #   make chaos  - the seeded chaos lane
+#   make stress - the kill, leader-kill, drain and kill-in-reconfiguration jobs, 20 runs each beside
+#                 2 busy loops per core (STRESS_ARGS=--quick: 3 runs each, as CI runs it)
 #   make lint   - ruff check, ruff format --check and mypy on oobleck_elastic/ (settings in pyproject.toml)
 # On a CPU machine torch is pinned to the local CPU build; on a GPU machine use e.g.
 #   make TORCH="torch==2.13.*" test   (the engine checks torch 2.13's internals at start)
@@ -16,6 +18,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+STRESS_ARGS ?=
 # chaos: only its extended seeds of the shard (the chaos-marked test runs by hand: make chaos)
 LANES ?= unit control worlds jobs chaos
 # the extended tests run in CI in EXTENDED_SHARDS turns: shard (commits on HEAD) mod EXTENDED_SHARDS
@@ -24,7 +27,7 @@ EXTENDED_SHARD ?= $(shell n=$$(git rev-list --count HEAD 2>/dev/null || date +%j
 DEMO_CKPT ?= checkpoints/demo
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-fast test-all lint chaos bench clean
+.PHONY: demo test test-fast test-all lint chaos stress bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +58,9 @@ lint: $(VENV)/.installed
 
 chaos: $(VENV)/.installed
 	$(PY) -m pytest -q -m chaos -s tests/chaos
+
+stress: $(VENV)/.installed
+	$(PY) -m bench stress $(STRESS_ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) -m bench planner

@@ -21,4 +21,5 @@ BENCHES = (
     "shadows",
     "simulate",
     "straggler",
+    "stress",
 )

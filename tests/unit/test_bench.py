@@ -97,3 +97,21 @@ def test_the_commit_is_unknown_outside_a_git_checkout(tmp_path: Path, monkeypatc
         assert harness.commit() == "unknown"
     finally:
         harness.commit.cache_clear()
+
+
+def test_stress_separates_a_faults_recovery_from_a_stall() -> None:
+    """bench/stress.py: a gap between two steps with a fault in it is that fault's recovery, any
+    other gap past a lease TTL + settle + two median steps is a stall."""
+    from bench import stress
+
+    steps = [(1, 10.0), (2, 10.5), (3, 11.0), (3, 12.4), (4, 12.9), (5, 17.0), (6, 17.5)]
+    plain, recovery = stress.gaps(steps, faults=[11.2])
+    assert recovery == [pytest.approx(1.2)]
+    assert plain == [pytest.approx(x) for x in (0.5, 0.5, 0.5, 4.1, 0.5)]
+    assert stress.stall_bound(plain) == pytest.approx(2.0 + 0.2 + 2 * 0.5)
+    run = {"passed": False, "lost_job": False, "stalls_s": [4.1], "false_deaths": ["node2: x"]}
+    run |= {"weights": "reference", "fault_to_next_step_s": [1.2]}
+    summary = stress.summarise("kill", [run])
+    assert (summary["stalls"], summary["false_deaths"], summary["false_deaths_survived"]) == (1, 1, 1)
+    assert summary["worst_fault_to_next_step_s"] == 1.2
+    assert stress.table([summary]).splitlines()[1].split()[:4] == ["kill", "0/1", "0", "1"]
