@@ -174,7 +174,9 @@ class Member:
 
     def _keepalive(self) -> None:
         interval = max(0.05, self.lease_ttl_s / 3)
-        last_ok = time.monotonic()  # when the last refresh that found the lease alive was sent
+        # when the last refresh that found the lease alive was answered: time spent waiting for
+        # etcd's answer is etcd's slowness, not this node's, and must not count against it
+        last_ok = time.monotonic()
         while not self._stop.wait(interval):
             sent = time.monotonic()
             try:
@@ -187,12 +189,12 @@ class Member:
                 log.at(node=self.node_id).warning("lease refresh failed (%s); retrying", err)
                 continue
             if ttl > 0:
-                last_ok = sent
+                last_ok = time.monotonic()
                 continue
             if sent - last_ok > self.lease_ttl_s:
                 self._fence(
-                    f"lease expired: this node did not refresh it for {sent - last_ok:.1f}s (more than the "
-                    f"{self.lease_ttl_s:.1f}s TTL); the job has moved on without it"
+                    f"lease expired: this node sent no refresh for {sent - last_ok:.1f}s after etcd last "
+                    f"answered one (more than the {self.lease_ttl_s:.1f}s TTL); the job has moved on without it"
                 )
                 return
             if not self._renew():
