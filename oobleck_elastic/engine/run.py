@@ -90,7 +90,10 @@ def _next_plan(ctx: ControlPlane, target: Target) -> Optional[Plan]:
         donor = plan is not None and plan.donor_rank(ctx.node_id, ctx.local_rank) is not None
         if plan is not None and donor and plan.generation >= target.generation and ctx.should_leave(None) is None:
             return plan  # drained: hand the layers over in this generation's entry, then leave
-        if ctx.should_leave(latest):
+        # a donor named by the latest plan stays for its entry's outcome (a failed hand-over is
+        # named again), unless the job closed or the node was fenced
+        named = latest is not None and latest.donor_rank(ctx.node_id, ctx.local_rank) is not None
+        if ctx.should_leave(None if named else latest):
             return None
         if plan is not None and plan.generation >= target.generation and ctx.my_stage(plan) is not None:
             return plan

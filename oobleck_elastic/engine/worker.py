@@ -162,15 +162,16 @@ class Worker:
     def _broken_entry(self, plan: Plan, failure: str) -> Union[HandedOver, Broken]:
         """The entry failed (outside its except block: see Trainer.abort)."""
         trainer, ctx = self.trainer, self.ctx
-        if ctx.my_stage(plan) is None:  # a donor: the others re-plan without it
+        if ctx.my_stage(plan) is None:  # a donor: it still holds its layers, and waits for the next plan
             _abort(trainer)
             log.at(gen=trainer.generation, node=ctx.node_id).warning(
-                "handing layers over to generation %d failed (%s); leaving the job (node drained)",
+                "handing layers over to generation %d failed (%s); waiting for the next plan: it hands them "
+                "over in that one's entry if it names this node a donor, and leaves otherwise",
                 plan.generation,
                 failure,
                 event="handover_failed",
             )
-            return HandedOver()
+            return Broken(failure)
         self.log.broke()
         _abort(trainer)
         ctx.report_failure(plan.generation)

@@ -28,7 +28,15 @@ from .stragglers import LeaderStragglers
 from .membership import Member, live_nodes, put_event
 from ..records.plans import PlanReader, RosterReader, newest_history_plan
 from ..records.control import Admission, ClosedRecord, Event, EventKind, LeaderRecord, NodeRecord, NodeState
-from ..records.read import is_fenced, read_admitted, read_closed, read_fences, read_ready, readiness_withdrawn
+from ..records.read import (
+    is_fenced,
+    read_admitted,
+    read_closed,
+    read_fences,
+    read_progress,
+    read_ready,
+    readiness_withdrawn,
+)
 
 log = JobLog(logging.getLogger(__name__))
 
@@ -447,7 +455,9 @@ class Leader:
                 )
             return
         self._waiting_for = None
-        gone = donors(plan, old, records, lost, lambda node: is_fenced(self.view, self.keys, node))
+        progress = read_progress(self.client, self.keys) if old is not None else None
+        stepped = progress is not None and old is not None and progress.generation >= old.generation
+        gone = donors(plan, old, records, lost, lambda node: is_fenced(self.view, self.keys, node), old_stepped=stepped)
         self._commit(dataclasses.replace(plan, donors=gone), old, rev, records, lost)
 
     def _commit(

@@ -34,18 +34,23 @@ def donors(
     records: list[NodeRecord],
     lost: Mapping[str, str],
     fenced: Callable[[str], bool],
+    *,
+    old_stepped: bool = True,
 ) -> tuple[str, ...]:
-    """Nodes of `old` that ran a stage, are draining now and leave with `plan`: they join its
-    entry to hand their layers over, then leave. Only from the generation just left (a donor
-    whose entry failed leaves anyway: its layers then come from others or the checkpoint)."""
+    """Nodes that are draining now, leave with `plan` and still hold layers: they join its entry
+    to hand them over, then leave. Those that ran a stage of `old`, and, when `old` never
+    completed a step (`old_stepped` False: its entry failed, say a node died during it), `old`'s
+    own donors, whose hand-over then did not happen: their layers are still the committed ones."""
     if old is None:
         return ()
     draining = {r.node_id for r in records if r.state == NodeState.DRAINING}
-    staged = {s.node for p in old.pipelines for s in p.stages}
+    holders = [s.node for p in old.pipelines for s in p.stages]
+    if not old_stepped:
+        holders += list(old.donors)
     return tuple(
         n
-        for n in old.nodes
-        if n in draining and n in staged and n not in plan.nodes and n not in lost and not fenced(n)
+        for n in dict.fromkeys([*old.nodes, *old.donors])
+        if n in draining and n in holders and n not in plan.nodes and n not in lost and not fenced(n)
     )
 
 

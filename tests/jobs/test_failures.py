@@ -138,6 +138,61 @@ def test_kill_during_reconfiguration(tmp_path: Path, etcd_server, run_id) -> Non
     assert_same(job, ref)
 
 
+def test_a_kill_during_a_drains_hand_over_loses_no_layer(tmp_path: Path, etcd_server, run_id) -> None:
+    """A node is drained (SIGTERM to its agent) at step 3; the moment the plan without it is
+    published and the survivors have begun to enter it, the node holding the other copy of its
+    layers dies, before the drained node could hand them over (every worker waits 5 s before it
+    connects to generation 2; steps take 0.5 s). The drained
+    node, alive and still holding the committed layers, does not leave: the next plan names it a
+    donor again, it hands them over there, and the job ends with the reference weights, with no
+    checkpoint on disk."""
+    import os
+    import signal
+    import time
+
+    from launcher.faults import kill_node
+    from oobleck_elastic.records.keys import Keys
+
+    keys = Keys("/oobleck", run_id)
+    drained: list[str] = []
+
+    def drain(c) -> None:
+        plan, leader = _plan(c, keys), _leader(c, keys)
+        mine = next(p for p in plan.pipelines if leader in {s.node for s in p.stages})
+        other = next(p for p in plan.pipelines if p is not mine)
+        j = next(i for i, s in enumerate(mine.stages) if s.node != leader)  # a stage the leader does not hold
+        drained.extend([mine.stages[j].node, other.stages[j].node])  # its two holders: both not the leader
+        os.kill(_pid(c, keys, drained[0]), signal.SIGTERM)
+
+    def chain(proc) -> None:
+        when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3, drain)
+        when(
+            etcd_server.endpoint,
+            proc,
+            lambda c: _plan(c, keys).generation >= 2,
+            lambda c: (time.sleep(2.0), kill_node(_pid(c, keys, drained[1]))),  # once the survivors finished step 3
+            timeout=60,
+        )
+
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4", "--min-nodes", "2"],
+        10,
+        tiny_profile(tmp_path / "p.json"),
+        killed_by_test=1,
+        during=chain,
+        env={"OOBLECK_SLOW_ENTRY": "*@2:5", **paced(1, 10, 0.5)},  # steps long enough to drain at a boundary
+    )
+    assert "handing layers over to generation 2 failed" in out, out[-4000:]
+    assert f"node {drained[0]} was drained; its layers were handed over to generation 3" in out, out[-4000:]
+    assert "no surviving copy" not in out and "restored checkpoint" not in out, out[-4000:]
+    final = _plan_of_run(etcd_server.endpoint, keys)
+    assert final.generation == 3 and not set(drained) & set(final.nodes), out[-4000:]
+    assert_same(job, ref)
+
+
 def _plan_of_run(endpoint: str, keys):
     from oobleck_elastic.etcd import EtcdSettings, connect
 

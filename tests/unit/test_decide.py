@@ -264,3 +264,26 @@ def test_a_roster_round_trips_and_a_malformed_one_is_refused() -> None:
     ):
         with pytest.raises(ValueError):
             Roster.parse(bad)
+
+
+def test_a_drained_node_whose_hand_over_never_happened_is_named_a_donor_again() -> None:
+    """A draining node hands its layers over in the entry of the plan that leaves it out. When that
+    generation never completes a step (a node died during its entry), the next plan names it a
+    donor again: it still holds the committed layers, possibly their last copy. Once a step was
+    completed there it has nothing current left to give."""
+    from oobleck_elastic.records.control import NodeRecord
+    from oobleck_elastic.rendezvous.publish import donors
+
+    def record(node: str, state: NodeState) -> NodeRecord:
+        return NodeRecord(node, int(node[1:]), "h", 1, 1, state, 0.0, 1)
+
+    first = plan_of(4)  # n0..n3, each a one-stage pipeline
+    records = [record("n0", NodeState.UP), record("n1", NodeState.UP), record("n3", NodeState.DRAINING)]
+    drained = layout_plan([[(0, 6)]] * 3, [2] * 3, generation=2)  # n0..n2: n3 drained
+    assert donors(drained, first, records, {}, lambda n: False) == ("n3",)
+    gen2 = replace(drained, donors=("n3",))
+    gen3 = layout_plan([[(0, 6)]] * 2, [2] * 2, generation=3)  # n0, n1: n2 died entering gen2
+    assert donors(gen3, gen2, records, {"n2": "lost"}, lambda n: False, old_stepped=False) == ("n3",)
+    assert donors(gen3, gen2, records, {"n2": "lost"}, lambda n: False, old_stepped=True) == ()
+    assert donors(gen3, gen2, records, {"n2": "lost"}, lambda n: n == "n3", old_stepped=False) == ()
+    assert donors(gen3, gen2, records[:2], {"n2": "lost"}, lambda n: False, old_stepped=False) == ()  # gone
