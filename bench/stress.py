@@ -109,18 +109,20 @@ def same_weights(job: dict, ref: dict) -> Optional[str]:
     return None
 
 
-def gaps(steps: list[tuple[int, float]], faults: list[float]) -> tuple[list[float], list[float]]:
-    """(gaps between consecutive completed steps with no fault in them, each fault -> the first
-    step completed after it), from (step, time) lines in completion order."""
-    plain, recovery = [], []
-    for (_, t0), (_, t1) in zip(steps, steps[1:]):
-        if not any(t0 <= f < t1 for f in faults):
-            plain.append(t1 - t0)
+def gaps(steps: list[tuple[int, float]], faults: list[float], entries: list[float]) -> tuple[list[float], list[float]]:
+    """(gaps between consecutive completed steps that no fault's recovery spans, each fault -> the
+    first step completed in a generation entered after it), from (step, time) lines in completion
+    order and the times workers entered generations. A step completing just after a fault may be
+    the one in flight, done before the fault took effect: recovery ends in the next generation."""
+    recovered = []
     for f in faults:
-        after = [t for _, t in steps if t > f]
-        if after:
-            recovery.append(min(after) - f)
-    return plain, recovery
+        entered = min((e for e in entries if e > f), default=f)
+        after = [t for _, t in steps if t > entered]
+        recovered.append((f, min(after)) if after else (f, f))
+    plain = [
+        t1 - t0 for (_, t0), (_, t1) in zip(steps, steps[1:]) if not any(t0 < end and f < t1 for f, end in recovered)
+    ]
+    return plain, [end - f for f, end in recovered if end > f]
 
 
 def stall_bound(plain: list[float]) -> float:
@@ -203,8 +205,10 @@ def one_run(
     finally:
         client.close()
     false_deaths = sorted({f"{e.node}: {e.detail}" for e in events if e.kind == "lost" and e.node not in touched})
-    steps = [(int(e["step"]), float(e["t"])) for e in read_event_lines(work / "events", ["step"])]
-    plain, recovery = gaps(steps, sorted(faults))
+    lines = read_event_lines(work / "events", ["step", "entered"])
+    steps = [(int(e["step"]), float(e["t"])) for e in lines if e["event"] == "step"]
+    entries = [float(e["t"]) for e in lines if e["event"] == "entered"]
+    plain, recovery = gaps(steps, sorted(faults), entries)
     bound = stall_bound(plain)
     stalls = [round(g, 2) for g in plain if g > bound]
     try:
@@ -273,7 +277,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=20, help="runs of each scenario (20)")
     ap.add_argument("--busy-per-core", type=int, default=2, help="busy loops per core beside the jobs (2)")
-    ap.add_argument("--steps", type=int, default=20, help="steps of each job (20); faults at step 3")
+    ap.add_argument("--steps", type=int, default=30, help="steps of each job (30); faults at step 3")
     ap.add_argument("--timeout", type=float, default=300, help="seconds one run may take before it is a stall (300)")
     ap.add_argument("--only", action="append", choices=sorted(SCENARIOS), help="run only this scenario (repeatable)")
     ap.add_argument("--log-dir", type=Path, help="where every run's logs are kept (default: a new temp dir)")

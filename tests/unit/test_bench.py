@@ -100,12 +100,14 @@ def test_the_commit_is_unknown_outside_a_git_checkout(tmp_path: Path, monkeypatc
 
 
 def test_stress_separates_a_faults_recovery_from_a_stall() -> None:
-    """bench/stress.py: a gap between two steps with a fault in it is that fault's recovery, any
+    """bench/stress.py: from a fault to the first step of the next generation is its recovery, any
     other gap past a lease TTL + settle + two median steps is a stall."""
     from bench import stress
 
-    steps = [(1, 10.0), (2, 10.5), (3, 11.0), (3, 12.4), (4, 12.9), (5, 17.0), (6, 17.5)]
-    plain, recovery = stress.gaps(steps, faults=[11.2])
+    # the fault at 11.2 s: step 4, in flight, still completes at 11.3; the survivors enter the
+    # next generation at 12.0 and complete step 5 there at 12.4
+    steps = [(1, 10.0), (2, 10.5), (3, 11.0), (4, 11.3), (5, 12.4), (6, 12.9), (7, 17.0), (8, 17.5)]
+    plain, recovery = stress.gaps(steps, faults=[11.2], entries=[9.0, 12.0])
     assert recovery == [pytest.approx(1.2)]
     assert plain == [pytest.approx(x) for x in (0.5, 0.5, 0.5, 4.1, 0.5)]
     assert stress.stall_bound(plain) == pytest.approx(2.0 + 0.2 + 2 * 0.5)
