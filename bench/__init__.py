@@ -12,6 +12,7 @@ BENCHES = (
     "fingerprint",
     "gpu_mfu",
     "gpu_step",
+    "keepalive",
     "losses",
     "memory",
     "overhead",
