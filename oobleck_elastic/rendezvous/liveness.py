@@ -178,11 +178,10 @@ class LivenessMonitor:
 
     def closed_ago(self, node: str) -> Optional[float]:
         """Seconds since this monitor saw its connection to `node` close (the agent's last sign of
-        life it knows of); None when it never held one to the node's current address."""
+        life it knows of; a node id is never reused); None when it never saw one close."""
         with self._lock:
             at = self._closed_at.get(node)
-            current = self._reached.get(node) == self._targets.get(node)
-        return time.monotonic() - at if at is not None and current else None
+        return time.monotonic() - at if at is not None else None
 
     def take_dead(self) -> set[str]:
         """Nodes found dead since the last call (each reported once)."""
