@@ -235,12 +235,15 @@ class Deputy:
             f"leader {leader_node} did not answer a ping during the roll call of generation "
             f"{plan.generation} (no sign of life in the {w.pinger.waited(leader_node):.1f}s since); revoked its lease"
         )
-        log.at(node=self.node_id).warning("%s", detail)
-        put_event(
-            self.client,
-            self.keys,
-            Event(time=time.time(), kind=EventKind.LOST, node=leader_node, generation=plan.generation, detail=detail),
-        )
+        if not left_cleanly(self.client, self.keys, [leader_node], me=self.node_id):  # a leaving leader is no loss
+            log.at(node=self.node_id).warning("%s", detail)
+            put_event(
+                self.client,
+                self.keys,
+                Event(
+                    time=time.time(), kind=EventKind.LOST, node=leader_node, generation=plan.generation, detail=detail
+                ),
+            )
         if rec is not None:  # no record: its lease, which also holds the leader key, is gone already
             self.client.revoke_lease(rec.lease_id)
         return True

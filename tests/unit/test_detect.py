@@ -167,6 +167,17 @@ def test_the_deputy_revokes_the_lease_of_a_leader_that_does_not_answer() -> None
     assert not d.check(roster)  # once per round
 
 
+def test_a_silent_leader_that_said_goodbye_is_deposed_without_a_lost_event() -> None:
+    kv, roster, clock = cluster(3), Roster(3, ("n0", "n1", "n2")), Clock()
+    check_in(kv, 3, "n1")
+    say_goodbye(kv, KEYS, "n0", "agent shut down")  # shutting down: it answers no pings any more
+    d = deputy(kv, clock)
+    assert not d.check(roster)
+    clock.now += 2 * TIMEOUT
+    assert d.check(roster) and kv.get(KEYS.leader) is None  # the election need not wait for its exit
+    assert list(read_events(kv, KEYS)) == []
+
+
 def test_a_leader_that_answers_keeps_its_lease() -> None:
     kv, roster, clock = cluster(3), Roster(3, ("n0", "n1", "n2")), Clock()
     check_in(kv, 3, "n1")
