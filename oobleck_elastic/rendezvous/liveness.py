@@ -2,7 +2,8 @@
 closed the agent's sockets, with no collective failing first and no ping to wait for.
 
 Only a refused connect is a death; a timeout gives no verdict (left to the roll call and the
-lease). The story: docs/liveness.md.
+lease), and an agent that said goodbye in etcd left (`rendezvous.detect`). The story:
+docs/liveness.md.
 """
 
 from __future__ import annotations
