@@ -322,6 +322,24 @@ class FenceRecord:
 
 
 @dataclass(frozen=True)
+class Goodbye:
+    """The value of `goodbye/<node>`: the node's agent left cleanly (shut down, drained). Written
+    before its liveness socket closes and under no lease, so the leader still finds it after the
+    node's record is gone; the key's presence is what counts."""
+
+    time: float
+    detail: str = ""
+    """Why it left, for its `leave` event."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"time": self.time, "detail": self.detail}
+
+    @classmethod
+    def parse(cls, data: Any) -> "Goodbye":
+        return cls(time=_number(data, "time"), detail=str(data.get("detail", "")))
+
+
+@dataclass(frozen=True)
 class Admission:
     """The value of `admitted/<node>`: the leader admitted the node, so its agent starts its
     workers (the key's presence is what counts)."""

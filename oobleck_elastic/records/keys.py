@@ -143,6 +143,16 @@ class Keys:
         return self.fenced + node_id
 
     @property
+    def goodbyes(self) -> str:
+        """Prefix of the nodes whose agents left cleanly."""
+        return self.root + "goodbye/"
+
+    def goodbye(self, node_id: str) -> str:
+        """A node's agent left cleanly (`Goodbye`): written before it closes its liveness socket,
+        so a refused connection to it is a leave, not a death."""
+        return self.goodbyes + node_id
+
+    @property
     def progress(self) -> str:
         return self.root + "progress"
 
@@ -190,7 +200,7 @@ class Keys:
     # ------------------------------------------------------------------ parsing
     def node_of(self, key: str) -> str:
         """The node a per-node key is about (`nodes/<node>`, `fenced/<node>`, `admitted/<node>`,
-        `ping/<node>`, `pong/<node>`, `profiles/<device>`: the last path element)."""
+        `ping/<node>`, `pong/<node>`, `goodbye/<node>`, `profiles/<device>`: the last path element)."""
         return key.rsplit("/", 1)[-1]
 
     def checkin_of(self, key: str) -> tuple[str, int]:

@@ -15,6 +15,10 @@ from ..planning.plan.rebalance import mitigate
 from ..records.control import Event, EventKind, NodeState, StrEnum
 
 
+RECORD_GONE = "record gone (lease expired or revoked), no goodbye; last sign of life not known to the leader"
+"""The detail of a `lost` event whose node's record vanished with no detector's verdict."""
+
+
 class Detector(StrEnum):
     """How a node of the plan was found dead (`rendezvous.detect`, `rendezvous.liveness`)."""
 
@@ -251,30 +255,28 @@ def plan_events(
     *,
     leader: str,
     now: float,
+    left: Mapping[str, str] = {},
 ) -> list[Event]:
     """The events that go with publishing `plan` after `old`: one per node it leaves out (`lost`
-    with how it was found dead, `drain`, `leave`, or `lost` when its record vanished; `states`:
-    the state of every node with a record), then the `plan` event that sums up the change."""
+    with how it was found dead, `drain`, `leave` (`left`: its agent said goodbye, and why), or
+    `lost` when its record vanished; `states`: the state of every node with a record), then the
+    `plan` event that sums up the change. A goodbye makes a leave of any death but a drain."""
     before = list(old.nodes) if old else []
     added = [n for n in plan.nodes if n not in before]
     removed = [n for n in before if n not in plan.nodes]
     events = []
     for n in removed:
-        kind = (
-            EventKind.LOST
-            if n in lost
-            else EventKind.DRAIN
-            if states.get(n) == NodeState.DRAINING
-            else EventKind.LEAVE
-            if n in states
-            else EventKind.LOST
-        )
-        detail = {
-            EventKind.DRAIN: "drained at a step boundary"
-            + ("; hands its layers over in the entry" if n in plan.donors else ""),
-            EventKind.LEAVE: "left the plan",
-            EventKind.LOST: lost.get(n, "lease expired or node unreachable"),
-        }[kind]
+        if n in lost and n not in left:
+            kind, detail = EventKind.LOST, lost[n]
+        elif states.get(n) == NodeState.DRAINING:
+            kind = EventKind.DRAIN
+            detail = "drained at a step boundary" + ("; hands its layers over in the entry" if n in plan.donors else "")
+        elif n in left:
+            kind, detail = EventKind.LEAVE, f"said goodbye ({left[n] or 'left cleanly'})"
+        elif n in states:
+            kind, detail = EventKind.LEAVE, "left the plan"
+        else:
+            kind, detail = EventKind.LOST, RECORD_GONE
         events.append(Event(time=now, kind=kind, node=n, generation=plan.generation, detail=detail))
     causes = sorted({e.kind for e in events} | ({"join"} if added and old else set())) or (
         ["rebalance"] if plan.rebalanced else ["restart"] if old else ["initial"]

@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Iterable, Optional, Protocol
 
 from ..logs import JobLog
 from ..etcd.client import warn_once
@@ -18,8 +18,8 @@ from ..etcd.protocols import KVReader, KVStore
 from ..planning import Plan
 from .decide import Detector
 from ..records.keys import Keys
-from .liveness import LIVENESS_LOST, LivenessMonitor
-from .membership import live_nodes, put_event
+from .liveness import LIVENESS_LOST, LivenessMonitor, evidence
+from .membership import goodbye_of, live_nodes, put_event
 from ..records.control import (
     AnsweredRecord,
     Checkin,
@@ -38,9 +38,18 @@ log = JobLog(logging.getLogger(__name__))
 STALL_RECHECK_S = 1.0  # a stall-only roll call whose suspects all answered is repeated after this
 ROLL_CALL_LOST = "a peer saw its connections break and its agent did not answer a ping"
 LOST_BECAUSE = {Detector.LIVENESS: LIVENESS_LOST, Detector.ROLL_CALL: ROLL_CALL_LOST}
-"""The `lost` event's detail for a node found dead by each detector."""
+"""The `lost` event's detail for a node found dead by each detector (`why_lost` adds the time)."""
 
 Clock = Callable[[], float]
+
+
+def left_cleanly(client: KVReader, keys: Keys, nodes: Iterable[str], *, me: str) -> set[str]:
+    """Those of `nodes` whose agents said goodbye (`goodbye/<node>`, read from etcd itself: a
+    mirror may lag behind the socket that closed). Their refused sockets are leaves, not deaths."""
+    left = {node for node in nodes if goodbye_of(client, keys, node) is not None}
+    for node in sorted(left):
+        log.at(node=me).info("node %s's agent said goodbye: it left, it did not die", node)
+    return left
 
 
 def checkins(reader: KVReader, keys: Keys, generation: int) -> dict[tuple[str, int], CheckinKind]:
@@ -100,9 +109,14 @@ class RollCall:
         self.ping_timeout_s = ping_timeout_s
         self.clock = clock
         self._round: Optional[tuple[int, _Pinger, float]] = None  # generation, pinger, started
+        self._why: dict[str, str] = {}  # node -> the evidence of the last verdict
 
     def reset(self) -> None:
         self._round = None
+
+    def why(self, node: str) -> str:
+        """The evidence against `node` of the last verdict, and its silence."""
+        return self._why.get(node, ROLL_CALL_LOST)
 
     @property
     def open(self) -> bool:
@@ -136,6 +150,13 @@ class RollCall:
         if waiting:
             return None
         dead = sorted(n for n in suspects if n not in live or not pinger.answered(n))
+        self._why = {
+            n: f"{ROLL_CALL_LOST}: no sign of life in the {pinger.waited(n):.1f}s since"
+            if n in live
+            else "a peer saw its connections break and its record is gone (lease expired or revoked); "
+            "last sign of life not known to the roll call"
+            for n in dead
+        }
         if not dead and all(kind == CheckinKind.STALL for kind in entries.values()):
             if now - started >= STALL_RECHECK_S:
                 self._round = None  # ask again: a node may have died since it answered
@@ -212,14 +233,17 @@ class Deputy:
         rec = NodeRecord.parse(data, key=self.keys.node(leader_node)) if data is not None else None
         detail = (
             f"leader {leader_node} did not answer a ping during the roll call of generation "
-            f"{plan.generation}; revoked its lease"
+            f"{plan.generation} (no sign of life in the {w.pinger.waited(leader_node):.1f}s since); revoked its lease"
         )
-        log.at(node=self.node_id).warning("%s", detail)
-        put_event(
-            self.client,
-            self.keys,
-            Event(time=time.time(), kind=EventKind.LOST, node=leader_node, generation=plan.generation, detail=detail),
-        )
+        if not left_cleanly(self.client, self.keys, [leader_node], me=self.node_id):  # a leaving leader is no loss
+            log.at(node=self.node_id).warning("%s", detail)
+            put_event(
+                self.client,
+                self.keys,
+                Event(
+                    time=time.time(), kind=EventKind.LOST, node=leader_node, generation=plan.generation, detail=detail
+                ),
+            )
         if rec is not None:  # no record: its lease, which also holds the leader key, is gone already
             self.client.revoke_lease(rec.lease_id)
         return True
@@ -231,6 +255,8 @@ class Monitor(Protocol):
     def watch(self, targets: dict[str, str]) -> None: ...
 
     def take_dead(self) -> set[str]: ...
+
+    def closed_ago(self, node: str) -> Optional[float]: ...
 
     def sync(self, timeout_s: float = 0.5) -> bool: ...
 
@@ -313,15 +339,18 @@ class LeaderWatch:
         if node in dead:  # who died with it: every connection that closed by now has its verdict
             self.monitor.sync()
             dead |= self.monitor.take_dead()
+        dead -= left_cleanly(self.client, self.keys, dead, me=self.node_id)  # refused, but said goodbye
         self._others_dead |= dead - {node}
         if node not in dead:
             return False
         # the nodes that died with it first: their records are gone before the election that the
         # leader's revoked lease starts, so whoever leads next leaves them out at once
         for other in sorted(self._others_dead & set(others)):
-            detail = f"{LIVENESS_LOST} (with leader {node}); the deputy revoked its lease"
+            detail = f"{evidence(self.monitor.closed_ago(other))} (with leader {node}); the deputy revoked its lease"
             self._revoke(others[other], detail, roster.generation)
-        self._revoke(known, f"leader {node}: {LIVENESS_LOST}; revoked its lease", roster.generation)
+        self._revoke(
+            known, f"leader {node}: {evidence(self.monitor.closed_ago(node))}; revoked its lease", roster.generation
+        )
         return True
 
     def _watch_cached(self) -> None:
@@ -379,6 +408,7 @@ class LeaderLiveness:
         monitor.name, monitor.on_dead = name, on_dead
         self.monitor = monitor
         now = time.monotonic()
+        dead -= left_cleanly(client, keys, dead, me=node_id)
         self._pending = {node: now for node in dead}  # found dead -> when (monotonic)
         answered = read_answered(client, keys)  # what the last leader reached
         if answered is not None:
@@ -401,10 +431,15 @@ class LeaderLiveness:
             self.monitor.sync()
         self._record_answered(plan, records)
         now = time.monotonic()
-        for node in self.monitor.take_dead() & set(plan.nodes):
+        dead = self.monitor.take_dead() & set(plan.nodes)
+        for node in dead - left_cleanly(self.client, self.keys, dead, me=self.node_id):
             self._pending.setdefault(node, now)
         self._pending = {node: at for node, at in self._pending.items() if node in plan.nodes}
         return dict(self._pending)
+
+    def why(self, node: str) -> str:
+        """The evidence against `node` found dead, and how long ago it was last alive."""
+        return evidence(self.monitor.closed_ago(node))
 
     def acted(self) -> None:
         """The pending deaths are acted on (a re-plan without them): the next ones start afresh."""
@@ -423,3 +458,13 @@ class LeaderLiveness:
             return
         self.client.put_json(self.keys.liveness_answered, AnsweredRecord(plan.generation, addresses).to_json())
         self._written = (plan.generation, addresses)
+
+
+def why_lost(detector: Detector, node: str, liveness: Optional[LeaderLiveness], rollcall: RollCall) -> str:
+    """The detail of the `lost` event of `node`, found dead by `detector`: the evidence, and the
+    seconds since its last sign of life (or that the detector cannot know them)."""
+    if detector == Detector.LIVENESS and liveness is not None:
+        return liveness.why(node)
+    if detector == Detector.ROLL_CALL:
+        return rollcall.why(node)
+    return LOST_BECAUSE[detector]

@@ -47,7 +47,7 @@ from ..records.read import read_closed, read_ready, read_roster
 from .leader import Leader
 from .planner import JobPlanner
 from .liveness import LivenessServer
-from .membership import Member, mark_draining, put_event
+from .membership import Member, mark_draining, put_event, say_goodbye
 from .hang import HangWatch, WorkerHung
 from .options import RDZV_OPTIONS, agent_local_world_size, etcd_settings, launch_of, rdzv_conf, seconds
 from .preempt import PreemptionWatch, parse_signals
@@ -161,6 +161,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         steps = [
             self.preemption.uninstall if self.preemption is not None else None,
             self.leader.stop if self.leader is not None else None,
+            self._say_goodbye,  # before the socket closes: no watcher can take the leave for a death
             self.liveness.close if self.liveness is not None else None,
             self.hang_watch.stop if self.hang_watch is not None else None,
             self.view.close if self.view is not None else None,
@@ -182,14 +183,27 @@ class OobleckRendezvousHandler(RendezvousHandler):
             pass
         return self._shut_down
 
+    def _on_the_way_out(self) -> None:
+        """etcd is waited for `_SHUTDOWN_OUTAGE_S` at most from now on (not the job's whole
+        `etcd_outage`: the agent is on its way out)."""
+        settings = self.client.settings
+        self.client.settings = dataclasses.replace(settings, outage_s=min(settings.outage_s, _SHUTDOWN_OUTAGE_S))
+
+    def _say_goodbye(self) -> None:
+        """Record the clean leave (`goodbye/<node>`) while the liveness socket is still open: a
+        watcher that reads it closed, however late, finds the goodbye and takes no death."""
+        if self.member is None or self.member.record is None or self.member.fenced.is_set():
+            return  # never registered, or declared lost already: nothing to say
+        self._on_the_way_out()
+        say_goodbye(self.client, self.keys, self.member.node_id, "agent shut down")
+
     def _leave(self) -> bool:
         """Record this node's leaving and revoke its lease; False when etcd does not answer within
-        `_SHUTDOWN_OUTAGE_S` (not the job's whole `etcd_outage`: the agent is on its way out)."""
+        `_SHUTDOWN_OUTAGE_S`."""
         if self.member is None or self.member.record is None:
             return True
         node = self.member.node_id
-        settings = self.client.settings
-        self.client.settings = dataclasses.replace(settings, outage_s=min(settings.outage_s, _SHUTDOWN_OUTAGE_S))
+        self._on_the_way_out()
         self.member.close(revoke=False)  # first: a keep-alive that found the lease revoked would register again
         try:
             put_event(

@@ -20,7 +20,7 @@ from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
 from .decide import LeaderAction, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide
-from .detect import LOST_BECAUSE, Deputy, LeaderLiveness, LeaderWatch, RollCall
+from .detect import Deputy, LeaderLiveness, LeaderWatch, RollCall, why_lost
 from .profile_wait import ProfileWait
 from .publish import commit_plan, declare_lost, donors
 from ..records.keys import Keys
@@ -340,7 +340,11 @@ class Leader:
             )
             self._publish(list(decision.nodes), plan, rev, records)
         elif decision.action == LeaderAction.REPLAN:
-            lost = {node: LOST_BECAUSE[decision.detection] for node in decision.lost if decision.detection}
+            lost = {
+                node: why_lost(decision.detection, node, self.liveness, self.rollcall)
+                for node in decision.lost
+                if decision.detection
+            }
             for node in lost:
                 declare_lost(self.client, self.keys, node, plan.generation if plan else 0)
             self._publish(list(decision.nodes), plan, rev, records, lost=lost)

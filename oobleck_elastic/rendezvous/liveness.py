@@ -2,7 +2,8 @@
 closed the agent's sockets, with no collective failing first and no ping to wait for.
 
 Only a refused connect is a death; a timeout gives no verdict (left to the roll call and the
-lease). The story: docs/liveness.md.
+lease), and an agent that said goodbye in etcd left (`rendezvous.detect`). The story:
+docs/liveness.md.
 """
 
 from __future__ import annotations
@@ -17,7 +18,17 @@ from typing import Callable, Optional
 log = logging.getLogger(__name__)
 
 LIVENESS_LOST = "its agent's liveness socket closed and refused a new connection: the agent died"
-"""The detail of a `lost` event whose node was found dead this way."""
+"""The detail of a `lost` event whose node was found dead this way (`evidence` adds the time)."""
+
+
+def evidence(closed_ago: Optional[float]) -> str:
+    """A `lost` event's detail for a node found dead by its liveness socket, `closed_ago` seconds
+    after its connection closed (its last sign of life); None: the monitor held no connection to
+    it (the address answered the last leader), so it cannot tell."""
+    if closed_ago is None:
+        return f"{LIVENESS_LOST}; last sign of life not known here (it answered the last leader)"
+    return f"{LIVENESS_LOST}; last sign of life {closed_ago:.1f}s earlier (its connection closed then)"
+
 
 BYE = b"B"
 """What an agent that leaves cleanly writes to its watchers before closing (a dead one cannot)."""
@@ -64,6 +75,7 @@ class LivenessServer:
             self._closed, self._goodbye = True, goodbye
             peers, self._peers = self._peers, []
         self._close_peers(peers, goodbye=goodbye)
+        self._close_peers(self._backlog(), goodbye=goodbye)
         try:  # wakes the accepting thread; a bare close() would leave the port listening under it
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -72,6 +84,18 @@ class LivenessServer:
             self._sock.close()
         except OSError:
             pass
+
+    def _backlog(self) -> list[socket.socket]:
+        """The connections the kernel completed that the accepting thread (slow on a loaded
+        machine) has not taken yet: closing the listening socket would reset them, unwarned."""
+        conns = []
+        try:
+            self._sock.setblocking(False)
+            while True:
+                conns.append(self._sock.accept()[0])
+        except OSError:  # BlockingIOError: none left
+            pass
+        return conns
 
     @staticmethod
     def _close_peers(peers: list[socket.socket], *, goodbye: bool) -> None:
@@ -112,6 +136,7 @@ class LivenessMonitor:
         self._reported: set[str] = set()
         self._reached: dict[str, tuple[str, int]] = {}  # only an address that answered before proves a death
         self._left: set[str] = set()  # agents that said goodbye
+        self._closed_at: dict[str, float] = {}  # when a connection was last seen closed (monotonic)
         self._warned: set[str] = set()
         self._selector = selectors.DefaultSelector()
         # a new target, or close(), wakes the thread at once; otherwise it sleeps in select() until
@@ -151,6 +176,13 @@ class LivenessMonitor:
         (at those, and only those, a refused connection is a death)."""
         with self._lock:
             return {node for node, addr in self._reached.items() if self._targets.get(node) == addr}
+
+    def closed_ago(self, node: str) -> Optional[float]:
+        """Seconds since this monitor saw its connection to `node` close (the agent's last sign of
+        life it knows of; a node id is never reused); None when it never saw one close."""
+        with self._lock:
+            at = self._closed_at.get(node)
+        return time.monotonic() - at if at is not None else None
 
     def take_dead(self) -> set[str]:
         """Nodes found dead since the last call (each reported once)."""
@@ -282,6 +314,7 @@ class LivenessMonitor:
         self._drop(node)
         with self._lock:
             addr = self._targets.get(node)
+            self._closed_at[node] = time.monotonic()
         if addr is not None:
             self._attempt(node, addr)  # closed is not dead yet: refused is
 

@@ -21,7 +21,7 @@ from ..etcd import EtcdClient, EtcdError
 from ..etcd.client import warn_once
 from ..etcd.protocols import KVReader, KVStore
 from ..records.keys import Keys
-from ..records.control import Event, EventKind, NodeRecord, NodeState
+from ..records.control import Event, EventKind, Goodbye, NodeRecord, NodeState
 from ..records.read import is_fenced, read_admitted
 
 log = JobLog(logging.getLogger(__name__))
@@ -48,6 +48,25 @@ def _counter(value: bytes) -> Optional[int]:
 
 def put_event(client: KVStore, keys: Keys, event: Event) -> None:
     client.put_json(keys.event(event.node), event.to_json())
+
+
+def say_goodbye(client: KVStore, keys: Keys, node: str, detail: str) -> None:
+    """Record that `node`'s agent leaves cleanly (`goodbye/<node>`, under no lease: it must outlive
+    the node's record). Before its liveness socket closes, so that no watcher can take the leave
+    for a death, however slowly it reads its sockets."""
+    client.put_json(keys.goodbye(node), Goodbye(time=time.time(), detail=detail).to_json())
+
+
+def goodbye_of(reader: KVReader, keys: Keys, node: str) -> Optional[Goodbye]:
+    """`node`'s goodbye, or None when it said none. Read it from etcd, not from a mirror that may
+    lag behind the socket that closed. A malformed value still counts (its presence is the signal)."""
+    data, revision = reader.get_json(keys.goodbye(node))
+    if revision is None:
+        return None
+    try:
+        return Goodbye.parse(data)
+    except (AttributeError, ValueError):
+        return Goodbye(time=0.0)
 
 
 def mark_draining(client: EtcdClient, keys: Keys, rec: NodeRecord, detail: str) -> bool:

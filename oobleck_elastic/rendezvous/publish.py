@@ -16,7 +16,7 @@ from ..planning import Plan
 from ..records.control import Event, EventKind, FenceRecord, NodeRecord, NodeState, Roster
 from ..records.keys import Keys
 from .decide import plan_events
-from .membership import put_event
+from .membership import goodbye_of, put_event
 
 TXN_EVENTS = 100
 """Events written in the plan's transaction at most (etcd allows 128 operations)."""
@@ -67,9 +67,13 @@ def commit_plan(
     rev: Optional[int],
 ) -> Optional[list[Event]]:
     """Publish `plan` as the next generation with its events (docs/recovery.md); its events, or
-    None when the transaction lost the race (the plan or the leadership changed)."""
+    None when the transaction lost the race (the plan or the leadership changed). A node that
+    leaves the plan after its agent said goodbye (read from etcd here) is a `leave`, not fenced."""
     generation = plan.generation
-    events = plan_events(plan, old, {r.node_id: r.state for r in records}, lost, leader=leader, now=time.time())
+    gone = [n for n in (old.nodes if old else ()) if n not in plan.nodes]
+    left = {n: said.detail for n in gone if (said := goodbye_of(client, keys, n)) is not None}
+    states = {r.node_id: r.state for r in records}
+    events = plan_events(plan, old, states, lost, leader=leader, now=time.time(), left=left)
     live = {r.node_id for r in records}
     for ev in events:
         if ev.kind == EventKind.LOST and ev.node not in live:

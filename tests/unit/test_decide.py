@@ -223,6 +223,34 @@ def test_the_events_of_a_replan_say_why_each_node_left() -> None:
     assert [e.kind for e in restart] == ["plan"] and "(restart)" in restart[0].detail
 
 
+def test_a_node_that_said_goodbye_leaves_and_every_death_names_its_evidence() -> None:
+    """A goodbye on record makes a leave of a detector's verdict and of a vanished record (not of
+    a drain); a `lost` event without a goodbye says what proved the death and when the node was
+    last alive, or that the leader cannot know."""
+    from oobleck_elastic.rendezvous.decide import RECORD_GONE
+    from oobleck_elastic.rendezvous.liveness import evidence
+
+    old = plan_of(6)
+    new = replace(layout_plan([[(0, 6)]], [2], generation=2), nodes=("n0",))
+    states = {"n0": NodeState.UP, "n1": NodeState.DRAINING, "n2": NodeState.UP}  # n3..n5: records vanished
+    lost = {"n2": evidence(1.25), "n3": evidence(None)}
+    left = {"n1": "agent shut down", "n2": "agent shut down", "n4": ""}
+    events = plan_events(new, old, states, lost, leader="n0", now=5.0, left=left)
+    assert [(e.kind, e.node) for e in events] == [
+        ("drain", "n1"),
+        ("leave", "n2"),
+        ("lost", "n3"),
+        ("leave", "n4"),
+        ("lost", "n5"),
+        ("plan", "n0"),
+    ]
+    details = [e.detail for e in events]
+    assert details[1] == "said goodbye (agent shut down)" and details[3] == "said goodbye (left cleanly)"
+    assert "refused a new connection" in details[2] and "last sign of life not known here" in details[2]
+    assert details[4] == RECORD_GONE and "last sign of life not known to the leader" in RECORD_GONE
+    assert "last sign of life 1.2s earlier (its connection closed then)" in evidence(1.25)
+
+
 def test_records_parse_kinds_and_states_into_enums_and_refuse_unknown_ones() -> None:
     from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.records.control import Event, EventKind, NodeRecord, NodeState

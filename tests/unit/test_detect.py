@@ -5,9 +5,10 @@ etcd process, no threads."""
 from __future__ import annotations
 
 from oobleck_elastic.etcd.memory import MemoryKV
-from oobleck_elastic.rendezvous.detect import STALL_RECHECK_S, Deputy, LeaderWatch, RollCall
+from oobleck_elastic.rendezvous.decide import Detector
+from oobleck_elastic.rendezvous.detect import STALL_RECHECK_S, Deputy, LeaderWatch, RollCall, why_lost
 from oobleck_elastic.records.keys import Keys
-from oobleck_elastic.rendezvous.membership import live_nodes, read_events
+from oobleck_elastic.rendezvous.membership import live_nodes, read_events, say_goodbye
 from oobleck_elastic.records.control import Checkin, CheckinKind, EventKind, LeaderRecord, NodeRecord, NodeState, Roster
 
 from helpers import layout_plan
@@ -84,14 +85,18 @@ def test_silent_suspects_are_dead_after_the_ping_timeout_and_answering_ones_are_
     assert rc.check(plan, live_nodes(kv, KEYS)) is None  # n3 still has time
     clock.now += EPS
     assert rc.check(plan, live_nodes(kv, KEYS)) == ["n3"]
+    assert rc.why("n3").endswith("did not answer a ping: no sign of life in the 0.2s since")  # 0.25 s
+    assert why_lost(Detector.ROLL_CALL, "n3", None, rc) == rc.why("n3")
 
 
 def test_a_suspect_without_a_record_is_dead_without_a_ping() -> None:
     kv, plan = cluster(3), plan_of(3)
     kv.revoke_lease(live_nodes(kv, KEYS)[2].lease_id)  # n2's record expired
     check_in(kv, plan.generation, "n1")
-    assert roll_call(kv, Clock()).check(plan, live_nodes(kv, KEYS)) == ["n2"]
+    rc = roll_call(kv, Clock())
+    assert rc.check(plan, live_nodes(kv, KEYS)) == ["n2"]
     assert kv.get(KEYS.ping("n2")) is None
+    assert "record is gone" in rc.why("n2") and "last sign of life not known to the roll call" in rc.why("n2")
 
 
 def test_a_stale_pong_answers_nothing() -> None:
@@ -157,8 +162,20 @@ def test_the_deputy_revokes_the_lease_of_a_leader_that_does_not_answer() -> None
     assert kv.get(KEYS.leader) is None and kv.get(KEYS.node("n0")) is None  # its lease is gone
     events = [ev for _, ev in read_events(kv, KEYS)]
     assert [(ev.kind, ev.node, ev.generation) for ev in events] == [(EventKind.LOST, "n0", 3)]
+    assert "no sign of life in the 0.5s since" in events[0].detail  # twice the roll call's patience
     assert not d.pending
     assert not d.check(roster)  # once per round
+
+
+def test_a_silent_leader_that_said_goodbye_is_deposed_without_a_lost_event() -> None:
+    kv, roster, clock = cluster(3), Roster(3, ("n0", "n1", "n2")), Clock()
+    check_in(kv, 3, "n1")
+    say_goodbye(kv, KEYS, "n0", "agent shut down")  # shutting down: it answers no pings any more
+    d = deputy(kv, clock)
+    assert not d.check(roster)
+    clock.now += 2 * TIMEOUT
+    assert d.check(roster) and kv.get(KEYS.leader) is None  # the election need not wait for its exit
+    assert list(read_events(kv, KEYS)) == []
 
 
 def test_a_leader_that_answers_keeps_its_lease() -> None:
@@ -190,6 +207,10 @@ class FakeMonitor:
     def __init__(self) -> None:
         self.targets: dict[str, str] = {}
         self.dead: set[str] = set()
+        self.closed: dict[str, float] = {}  # node -> seconds since its connection closed
+
+    def closed_ago(self, node: str) -> float | None:
+        return self.closed.get(node)
 
     def watch(self, targets: dict[str, str]) -> None:
         self.targets = dict(targets)
@@ -210,10 +231,12 @@ def test_the_leader_watch_revokes_a_dead_leaders_lease_at_once() -> None:
     watch = LeaderWatch(kv, KEYS, node_id="n1", reader=kv, monitor=monitor)
     roster = Roster(3, ("n0", "n1", "n2"))
     assert not watch.check(roster) and monitor.targets == {"n0": "h:1", "n2": "h:1"}
-    monitor.dead = {"n0"}
+    monitor.dead, monitor.closed = {"n0"}, {"n0": 0.5}
     assert watch.check(roster)
     assert kv.get(KEYS.leader) is None and kv.get(KEYS.node("n0")) is None
-    assert [ev.kind for _, ev in read_events(kv, KEYS)] == [EventKind.LOST]
+    events = [ev for _, ev in read_events(kv, KEYS)]
+    assert [ev.kind for ev in events] == [EventKind.LOST]
+    assert "refused a new connection" in events[0].detail and "last sign of life 0.5s earlier" in events[0].detail
 
 
 def test_the_leader_watch_watches_the_roster_and_revokes_those_dead_with_the_leader_first() -> None:
@@ -226,7 +249,9 @@ def test_the_leader_watch_watches_the_roster_and_revokes_those_dead_with_the_lea
     monitor.dead = {"n0"}
     assert watch.check(roster)
     assert [kv.get(KEYS.node(n)) is None for n in ("n0", "n2", "n3")] == [True, True, False]
-    assert [(ev.kind, ev.node) for _, ev in read_events(kv, KEYS)] == [(EventKind.LOST, "n2"), (EventKind.LOST, "n0")]
+    events = [ev for _, ev in read_events(kv, KEYS)]
+    assert [(ev.kind, ev.node) for ev in events] == [(EventKind.LOST, "n2"), (EventKind.LOST, "n0")]
+    assert all("last sign of life not known here" in ev.detail for ev in events)  # the fake timed nothing
     # no leader yet: the watch goes on (a node that died with the old one has a verdict for the next)
     assert not watch.check(roster) and set(monitor.targets) == {"n0", "n2", "n3"}
     assert watch.hand_over() == (monitor, {"n2"}) and watch.monitor is None
@@ -247,3 +272,19 @@ def test_a_leader_without_a_liveness_address_is_not_watched() -> None:
     kv = cluster(3)
     watch = LeaderWatch(kv, KEYS, node_id="n1", reader=kv)
     assert not watch.check(Roster(3, ("n0", "n1", "n2"))) and watch.monitor is None  # no socket opened
+
+
+def test_a_refused_socket_of_an_agent_that_said_goodbye_is_a_leave_not_a_death() -> None:
+    """A goodbye read too late from the socket (a slow reader sees only a refused connection) is
+    found in etcd: the leader keeps its lease, nobody is fenced, no `lost` event is written."""
+    kv, monitor = cluster(4, liveness="h:1"), FakeMonitor()
+    watch = LeaderWatch(kv, KEYS, node_id="n1", reader=kv, monitor=monitor)
+    roster = Roster(3, ("n0", "n1", "n2", "n3"))
+    assert not watch.check(roster)
+    say_goodbye(kv, KEYS, "n0", "agent shut down")
+    say_goodbye(kv, KEYS, "n3", "agent shut down")
+    monitor.dead = {"n0", "n2", "n3"}  # all three refuse; n2 alone said no goodbye
+    assert not watch.check(roster)
+    assert kv.get(KEYS.leader) is not None and all(kv.get(KEYS.node(n)) is not None for n in ("n0", "n2", "n3"))
+    assert list(read_events(kv, KEYS)) == [] and kv.get(KEYS.fence("n3")) is None
+    assert watch.hand_over() == (monitor, {"n2"})  # the next leader acts on n2 only
