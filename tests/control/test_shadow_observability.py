@@ -6,6 +6,7 @@ wait for the shadow exchange to `shadows`."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from oobleck_elastic import cluster_ops
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.entry.reconfigure import LayerSources, Move
 from oobleck_elastic.engine.entry.shadow_seeding import new_store
+from oobleck_elastic.engine.step.shadows import SLOW_KEEPER_ENV
 from oobleck_elastic.engine.telemetry.board import TAGS, ShadowFigures
 from oobleck_elastic.engine.telemetry.metrics import Metrics
 from oobleck_elastic.engine.telemetry.goodput import GoodputClock
@@ -143,7 +145,9 @@ def test_a_recovery_says_where_each_layer_came_from() -> None:
 # ----------------------------------------------------------------------------- TensorBoard
 
 
-def test_tensorboard_shows_the_shadows_host_memory_lag_and_traffic(tmp_path: Path) -> None:
+def test_tensorboard_shows_the_shadows_host_memory_lag_and_traffic(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A real store of two layers: its host bytes are measured at creation (no AdamW state yet)
     and after each update (parameters and both moments), never waiting for a background update;
     the figures carry the plan's total, the lag and the traffic, and the writer puts them under
@@ -172,13 +176,30 @@ def test_tensorboard_shows_the_shadows_host_memory_lag_and_traffic(tmp_path: Pat
     assert figures == ShadowFigures(
         host_bytes=store.host_bytes, job_planned_bytes=7 * MIB, lag_steps=0, traffic_bytes=123_456, seconds=0.25
     )
-    assert ShadowFigures.of(3, plan, store, traffic_bytes=0, seconds=0.0).lag_steps == 3  # honest, whatever it is
+    # the lag is measured when the next step's gradients come (`catch_up`): a settled update gives
+    # 0; a slowed keeper (the OOBLECK_SLOW_KEEPER drill) still applying step 1 when step 2's come gives 1
+    store.catch_up()
+    assert (store.settled_step, store.lag_steps) == (0, 0)
+    monkeypatch.setenv(SLOW_KEEPER_ENV, "0.5")
+    slow = new_store(cfg, generation=1, step=0, layers=[1, 2], kept=None, incoming=[])
+    assert slow.slow_s == 0.5 and slow.settled_step == 0
+    slow.received(1, grads)
+    slow.apply(1, 1.0, cfg, background=True)
+    began = time.monotonic()
+    slow.catch_up()
+    assert time.monotonic() - began > 0.1  # it waited for the running update
+    assert (slow.step, slow.settled_step, slow.lag_steps) == (1, 1, 1)
+    lagging = ShadowFigures.of(1, plan, slow, traffic_bytes=654_321, seconds=0.5)
+    assert lagging is not None and lagging.lag_steps == 1
+    monkeypatch.setenv(SLOW_KEEPER_ENV, "soon")
+    with pytest.raises(ValueError, match="OOBLECK_SLOW_KEEPER='soon': must be SECONDS >= 0"):
+        new_store(cfg, generation=1, step=0, layers=[1, 2], kept=None, incoming=[])
     assert ShadowFigures.of(0, plan, None, traffic_bytes=0, seconds=0.0).host_bytes == 0  # the writer keeps none
     assert ShadowFigures.of(0, layout_plan([[(0, 6)]], [8], generation=1), store, traffic_bytes=0, seconds=0) is None
 
     metrics = Metrics(tmp_path / "tb", enabled=True, samples_per_step=8, tokens_per_step=128, total_steps=4)
     metrics.shadows(figures, 0)
-    metrics.shadows(dataclasses.replace(figures, traffic_bytes=654_321, seconds=0.5), 1)
+    metrics.shadows(lagging, 1)
     metrics.close()
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0}).Reload()
     written = {t: [(e.step, e.value) for e in events.Scalars(t)] for t in events.Tags()["scalars"]}
@@ -188,6 +209,6 @@ def test_tensorboard_shows_the_shadows_host_memory_lag_and_traffic(tmp_path: Pat
         (1, pytest.approx(7 * MIB / 1e9)),
         (2, pytest.approx(7 * MIB / 1e9)),
     ]
-    assert written["shadows/lag_steps"] == [(1, 0.0), (2, 0.0)]
+    assert written["shadows/lag_steps"] == [(1, 0.0), (2, 1.0)]
     assert written["shadows/traffic_bytes"] == [(1, 123_456.0), (2, 654_321.0)]
     assert written["shadows/seconds"] == [(1, 0.25), (2, 0.5)]

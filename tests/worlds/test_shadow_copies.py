@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.engine.entry.reconfigure import Transfer, plan_transfers
 from oobleck_elastic.engine.entry.shadow_seeding import keepers_by_identity, seed_transfers
-from oobleck_elastic.engine.step.shadows import keepers, routes
+from oobleck_elastic.engine.step.shadows import SLOW_KEEPER_ENV, keepers, routes
 from oobleck_elastic.engine.telemetry.board import ShadowFigures
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.models.build import build_meta_layers
@@ -136,10 +136,18 @@ def _dump(trainer: Trainer, path: str) -> None:
     torch.save(out, path)
 
 
+SLOW_KEEPER_S = 4.0
+"""How long the slowed keeper's (n1's) background updates sleep in generation 1: longer than a
+step's forward and backward here, so step 1's gradients reach n1 while step 0's update still runs."""
+
+
 def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
     cfg = from_dict(cfg_dict)
     torch.set_num_threads(1)
+    if rank == 1:  # n1, the keeper of layers 0 and 2, is slow in generation 1 (engine/step/shadows.py)
+        os.environ[SLOW_KEEPER_ENV] = str(SLOW_KEEPER_S)
     trainer = Trainer(cfg, dataset=RandomTokens(), plan=BEFORE, rank=rank, store=dist.FileStore(f"{tmp}/s1", world))
+    os.environ.pop(SLOW_KEEPER_ENV, None)
     node = trainer.entry.identity[0]
     for step in range(2):
         result = trainer.train_step(step)
@@ -197,19 +205,24 @@ def _assert_shadows_equal_holders(dumps: list[dict]) -> int:
 def test_a_keepers_loss_then_both_holders_loss_goes_on_from_the_new_shadows(tmp_path: Path) -> None:
     """BEFORE -> MID -> LAST: the keeper's loss re-places the shadows (seeded from the holders,
     bit-identical to them), and the next loss of both holders of layers 0-2 is recovered from
-    those new shadows, ending with the reference weights of four steps."""
+    those new shadows, ending with the reference weights of four steps. Keeper n1 is slowed in
+    BEFORE: its lag shows, and its shadows are still bit-identical (slow costs time, not data)."""
     cfg = config()
     ref = helpers.reference_state(cfg, RandomTokens(), STEPS)
     mp.spawn(_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4, join=True)
     g1 = [torch.load(tmp_path / f"g1-n{r}.pt", weights_only=True) for r in range(4)]
     assert _assert_shadows_equal_holders(g1) == 6
-    # what TensorBoard shows of them (engine/telemetry/board.py): no lag, the store's bytes, the
-    # gradient traffic the routes imply (4 bytes per element, 1 presence flag per parameter), time spent
+    # what TensorBoard shows of them (engine/telemetry/board.py): the lag measured at step 1's
+    # exchange (1 on the slowed keeper n1, whose step-0 update was still running; 0 where it had
+    # settled), the store's bytes, the gradient traffic the routes imply (4 bytes per element, 1
+    # presence flag per parameter), time spent (on n1, the wait for its update)
     expected = _route_bytes(BEFORE)
     for r in range(4):
         tb = torch.load(tmp_path / f"tb-n{r}.pt", weights_only=True)
-        assert tb["lag"] == 0 and tb["host"] == tb["nbytes"] > 0 and tb["traffic"] == expected[r], (r, tb)
+        assert tb["lag"] == (1 if r == 1 else 0), (r, tb)
+        assert tb["host"] == tb["nbytes"] > 0 and tb["traffic"] == expected[r], (r, tb)
         assert tb["shadow_s"] > 0, (r, tb)
+    assert torch.load(tmp_path / "tb-n1.pt", weights_only=True)["shadow_s"] > SLOW_KEEPER_S / 2
     assert all(d["shadow_step"] == 1 for d in g1)
     g2 = [torch.load(tmp_path / f"g2-{n}.pt", weights_only=True) for n in ("n0", "n2", "n3")]
     assert _assert_shadows_equal_holders(g2) == 6  # placed again, seeded, one step on

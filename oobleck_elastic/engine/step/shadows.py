@@ -5,13 +5,15 @@ step one holder per shadow sends the layer's summed gradient (`routes`, `ShadowL
 keeper has it before it votes in the commit. Invariant: a shadow gets exactly the updates its
 holders apply (same norm, same learning rate, same AdamW), so it is bit-identical to them; a
 rejected or abandoned step's gradients are dropped. Seeding at entry: engine/entry/shadow_seeding.py.
-The story, and why gradients rather than snapshots: docs/shadows.md.
+The story, why gradients rather than snapshots, the lag and its drill (`SLOW_KEEPER_ENV`): docs/shadows.md.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -34,6 +36,21 @@ __all__ = [
 ]
 
 log = JobLog(logging.getLogger(__name__))
+
+SLOW_KEEPER_ENV = "OOBLECK_SLOW_KEEPER"
+"""A drill: SECONDS every background update of this process's shadow copies sleeps before it runs."""
+
+
+def _slow_keeper_s() -> float:
+    """`SLOW_KEEPER_ENV`'s seconds in this process's environment (0: not slowed)."""
+    text = os.environ.get(SLOW_KEEPER_ENV, "").strip()
+    try:
+        seconds = float(text) if text else 0.0
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"{SLOW_KEEPER_ENV}={text!r}: must be SECONDS >= 0, e.g. 2.5")
+    return seconds
 
 
 def keepers(plan: Plan) -> dict[int, tuple[int, ...]]:
@@ -87,7 +104,7 @@ class ShadowStore:
     optimizer: Optional[torch.optim.Optimizer]
     """AdamW over the kept layers' parameters (None when none is kept)."""
     step: int
-    """The last step applied to them."""
+    """The last step applied to them (its update may still run in the background)."""
     pending: Optional[tuple[int, dict[int, torch.Tensor]]] = None
     """(step, layer -> flat gradients) received and not yet applied."""
     layers: list[int] = field(default_factory=list)
@@ -95,8 +112,25 @@ class ShadowStore:
     host_bytes: int = 0
     """`nbytes` as of the last update (or the store's creation): read without waiting for the
     update running in the background (TensorBoard, engine/telemetry/metrics.py)."""
+    settled_step: Optional[int] = None
+    """The last step whose update has finished (`step` at creation): behind `step` while one runs."""
+    lag_steps: int = 0
+    """Steps `settled_step` was behind `step` when the keeper last needed its shadows for the next
+    step's gradients (`catch_up`): 0 when the update had finished, 1 when the keeper waited."""
+    slow_s: float = field(default_factory=_slow_keeper_s)
+    """Seconds each background update sleeps first (`SLOW_KEEPER_ENV`, a drill; 0 otherwise)."""
     _running: Optional[threading.Thread] = field(default=None, repr=False)
     _failed: Optional[BaseException] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.settled_step is None:
+            self.settled_step = self.step
+
+    def catch_up(self) -> None:
+        """Before the next step's gradients arrive: measure `lag_steps`, then `settle`."""
+        assert self.settled_step is not None
+        self.lag_steps = self.step - self.settled_step
+        self.settle()
 
     def settle(self) -> None:
         """Wait for the update running in the background (`apply`); re-raise its error."""
@@ -139,7 +173,7 @@ class ShadowStore:
         """`step` counts as done with no update (the step guard skipped it)."""
         self.settle()
         self.pending = None
-        self.step = step
+        self.step = self.settled_step = step
 
     def apply(self, step: int, norm2: float, cfg: JobConfig, *, background: bool = False) -> None:
         """Apply step `step`'s gradients as the holders do (clip with the global norm, the step's
@@ -149,7 +183,7 @@ class ShadowStore:
         divergence."""
         self.settle()
         if not self.layers:
-            self.step = step
+            self.step = self.settled_step = step
             return
         if self.pending is None or self.pending[0] != step:
             have = None if self.pending is None else self.pending[0]
@@ -161,6 +195,8 @@ class ShadowStore:
 
         def run() -> None:
             try:
+                if self.slow_s:
+                    time.sleep(self.slow_s)
                 self._update(step, norm2, cfg)
             except BaseException as err:  # noqa: BLE001 - re-raised by settle()
                 self._failed = err
@@ -182,6 +218,7 @@ class ShadowStore:
         apply_update(self.optimizer, self.params, step, norm2, cfg.training)
         self.pending = None
         self.host_bytes = self.count_bytes()
+        self.settled_step = step
 
 
 class ShadowLink:
@@ -212,7 +249,7 @@ class ShadowLink:
             ops.append(dist.P2POp(dist.isend, flats[layer], keeper, self.group))
             moved += flats[layer].numel() * 4
         if store is not None:
-            store.settle()  # the previous step's update is done before new gradients arrive
+            store.catch_up()  # the previous step's update is done before new gradients arrive
         for layer, src in self.receives:
             assert store is not None, "a keeper without its shadow store"
             buf = torch.empty(_grad_numel(store.layer_model.held(layer)))

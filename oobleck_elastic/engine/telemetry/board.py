@@ -59,7 +59,8 @@ TAGS: dict[str, str] = {
     "integrity/repaired_copies": "corrupt layer copies replaced so far",
     "shadows/host_gb": "host memory of the shadow copies the writer keeps (as of their last update)",
     "shadows/host_gb_job_planned": "host memory of every node's shadow copies, as the plan sizes them",
-    "shadows/lag_steps": "steps the writer's shadow copies are behind the step just done (0 by design)",
+    "shadows/lag_steps": "steps the writer's shadow copies were behind (their last finished update against the "
+    "step committed) when the step's gradients arrived: 0 when keeping up, 1 when the keeper waited",
     "shadows/traffic_bytes": "bytes the writer sent plus received for the shadow copies in the step",
     "shadows/seconds": "the writer's time in the step on the shadow exchange (goodput's `shadows`)",
 }
@@ -147,15 +148,16 @@ class JobFigures:
 class ShadowFigures:
     """One step's shadow-copy figures, as the writer writes them. `host_bytes` is measured after
     each update (it never waits for the one running in the background); the job's are the plan's
-    sizes, not a measurement; `lag_steps` is 0 by design (keepers apply a step with its commit),
-    so a positive figure is a bug."""
+    sizes, not a measurement; `lag_steps` is measured from the keeper's finished updates
+    (`ShadowStore.catch_up`): a positive figure is a keeper whose background update the step waited for."""
 
     host_bytes: int
     """`shadows/host_gb`: the writer's shadows (0 when it keeps none)."""
     job_planned_bytes: int
     """`shadows/host_gb_job_planned`: every node's shadows, as the plan sizes them."""
     lag_steps: int
-    """`shadows/lag_steps`: the step done minus the step the writer's shadows hold (0 when it keeps none)."""
+    """`shadows/lag_steps`: the step committed minus the step whose update the writer's shadows had
+    finished when this step's gradients arrived (`ShadowStore.lag_steps`; 0 when it keeps none)."""
     traffic_bytes: int
     """`shadows/traffic_bytes`: the writer's shadow traffic in the step."""
     seconds: float
@@ -172,7 +174,7 @@ class ShadowFigures:
         return cls(
             host_bytes=store.host_bytes if store is not None and kept else 0,
             job_planned_bytes=sum(plan.shadows.load().values()),
-            lag_steps=step - store.step if store is not None and kept else 0,
+            lag_steps=store.lag_steps if store is not None and kept else 0,
             traffic_bytes=traffic_bytes,
             seconds=seconds,
         )
