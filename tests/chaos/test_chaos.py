@@ -3,7 +3,7 @@ included) and starts new ones; checkpoints every 3 steps cover the cases where e
 layer dies. The invariant is the same as everywhere: the final weights equal an uninterrupted
 single-process run on the same global batches.
 
-    make test-all       # seeds 1-5 and 4242, 8 events each (extended: not in CI)
+    make test-all       # seeds 1-5 and 4242, 8 events each (extended: CI runs one per landing, in turn)
     OOBLECK_CHAOS_SEED=7 OOBLECK_CHAOS_EVENTS=6 .venv/bin/python -m pytest -m chaos -s tests/chaos/test_chaos.py
 
 The events must happen: a join counts once its node is in a plan; a kill once its victim is
