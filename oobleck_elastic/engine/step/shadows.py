@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from datetime import timedelta
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch
