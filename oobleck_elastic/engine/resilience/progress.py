@@ -6,7 +6,7 @@ own part it posted is not hung; one that makes no progress while not waiting (a 
 compute, a deadlock, a call whose handles all completed) stands still. With one worker hung its
 peers wait for it, so only it stands still; a collective hung with every part posted names nobody
 and is left to `fault_tolerance.comm_timeout_s`. `watch_pipeline_waits` marks the waits inside
-torch's pipeline schedules. docs/liveness.md.
+torch's pipeline schedules, under the current timeout (`Progress.p2p_timeout`). docs/liveness.md.
 """
 
 from __future__ import annotations
