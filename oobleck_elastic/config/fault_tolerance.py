@@ -41,7 +41,10 @@ class FaultToleranceConfig(Section):
     sockets, leases, the roll call, the hang watch), which abandons the step without waiting for
     this timeout; an abandoned gloo call keeps its thread, and the previous copy of its layers,
     until it. None (auto): 300 s until the worker has measured a step, then max(120 s, 3 x the
-    hang bound) at each generation's entry (config/timing.py)."""
+    hang bound), derived again at each generation's entry and, while a generation runs, as soon
+    as its first step is measured and whenever the typical step changes 2x; every group of the
+    running generation moves to it at once (config/timing.py). An explicit value is never
+    changed."""
     join_timeout_s: float = 3.0
     """Timeout of connecting a generation's collective groups. A peer that dies during a
     reconfiguration, after publishing its address, holds the others in gloo's connection set-up

@@ -1,9 +1,11 @@
 """The fault-tolerance clocks a job derives from its measured step times.
 
 `comm_timeout_s`, `hang_floor_s` and `stall_report_s` default to auto: derived from the worker's
-typical step (an explicit value overrides). Invariant: the communication timeout is longer than
-the hang bound, so a hung peer is cut off by its agent before its peers' collectives time out.
-Pure functions of the config section and the typical step. The story: docs/liveness.md.
+typical step (an explicit value overrides), at each generation's entry and, for the communication
+timeout, again while a generation runs (`due_comm_timeout`). Invariant: the communication timeout
+is longer than the hang bound, so a hung peer is cut off by its agent before its peers'
+collectives time out. Pure functions of the config section and the typical step. The story:
+docs/liveness.md.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ __all__ = [
     "typical_step",
     "hang_bound",
     "comm_timeout",
+    "FOLLOW_CHANGE",
+    "due_comm_timeout",
     "stall_report",
 ]
 
@@ -38,6 +42,10 @@ COMM_FLOOR_S = 120.0
 generation may compile and warm up while its peers wait in their receives)."""
 COMM_OVER_HANG = 3.0
 """The auto communication timeout is at least this many hang bounds."""
+FOLLOW_CHANGE = 2.0
+"""A running generation's auto communication timeout is derived again when the typical step it
+rests on changed by this factor (up or down). Below COMM_OVER_HANG: the hang bound, which follows
+every step, stays under the timeout until it follows too."""
 STALL_FLOOR_S = 1.0
 """Least auto stall report."""
 
@@ -66,6 +74,18 @@ def comm_timeout(ft: FaultToleranceConfig, typical_s: float = 0.0) -> float:
         return FIRST_COMM_TIMEOUT_S
     bound = max(hang_bound(ft, typical_s) or 0.0, ft.hang_factor * typical_s)  # the watch may be off
     return max(COMM_FLOOR_S, COMM_OVER_HANG * bound)
+
+
+def due_comm_timeout(ft: FaultToleranceConfig, basis_s: float, typical_s: float) -> Optional[float]:
+    """The auto communication timeout (`comm_timeout`) a running generation moves to now, or None
+    while the one it has stands: derived again from `typical_s` when the one it has rests on no
+    measured step (`basis_s` 0) and a step is measured now, or when the typical step changed by
+    FOLLOW_CHANGE or more since `basis_s`; never when the config sets the timeout."""
+    if ft.comm_timeout_s is not None or typical_s <= 0:
+        return None
+    if basis_s > 0 and 1.0 / FOLLOW_CHANGE < typical_s / basis_s < FOLLOW_CHANGE:
+        return None
+    return comm_timeout(ft, typical_s)
 
 
 def stall_report(ft: FaultToleranceConfig, typical_s: float = 0.0) -> float:

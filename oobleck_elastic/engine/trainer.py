@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import JobConfig
-from ..config.timing import comm_timeout
+from ..config.timing import comm_timeout, due_comm_timeout
 from ..data.sampler import BatchPrefetcher, pipeline_slices
 from ..logs import JobLog
 from ..models import LayerModel, build_layer_model, num_layers
@@ -30,7 +30,7 @@ from ..planning import Plan
 from .checkpoint_state import CheckpointState
 from .entry.devices import release_groups
 from .entry.enter import GenerationEntry, LayersLost, Reconfiguration
-from .entry.groups import GenerationGroups
+from .entry.groups import GenerationGroups, set_timeout
 from .resilience.faults import FaultInjector
 from .resilience.fingerprint import Corrupt, Unrepairable, check_replicas, is_check_step, layer_tensors
 from .resilience.guard import judge
@@ -85,8 +85,11 @@ class Trainer:
         self.timeout = timeout or timedelta(seconds=comm_timeout(cfg.fault_tolerance))
         self._derive_timeout = timeout is None
         """The timeout follows the measured steps (`derive_timeout`, config/timing.py)."""
+        self.timeout_basis_s = 0.0
+        """The typical step the derived timeout rests on (0: none measured)."""
         self.progress = STEP_PROGRESS
         """What the step thread tells the main thread (engine/resilience/progress.py)."""
+        self.progress.p2p_timeout = self.timeout if self.device.type == "cpu" else None
         self.lane = 0  # this worker's tensor-parallel lane in its stage
         self.state = WorkerState(layer_model=build_layer_model(cfg.model, seed=t.seed, owned=[], device=device))
         """What this worker holds across generations (layers, optimizer, steps): only its stage's."""
@@ -195,16 +198,26 @@ class Trainer:
             node=self.node,
         )
 
-    def derive_timeout(self, typical_step_s: float) -> Optional[float]:
-        """Before entering a generation: its collectives' timeout from this worker's typical step
-        (config/timing.py), unless one was given; the new seconds when they changed, else None."""
+    def derive_timeout(self, typical_step_s: float, *, running: bool = False) -> Optional[float]:
+        """The collectives' timeout from this worker's typical step (config/timing.py), unless one
+        was given: before entering a generation, or between the steps of the running one when it
+        is due (`running`, `due_comm_timeout`), applied then to every group of the generation at
+        once; the new seconds when they changed, else None."""
         if not self._derive_timeout:
             return None
-        seconds = comm_timeout(self.cfg.fault_tolerance, typical_step_s)
-        if seconds == self.timeout.total_seconds():
+        ft, basis = self.cfg.fault_tolerance, self.timeout_basis_s
+        due = due_comm_timeout(ft, basis, typical_step_s) if running else comm_timeout(ft, typical_step_s)
+        if due is None:
             return None
-        self.timeout = self.entry.timeout = timedelta(seconds=seconds)
-        return seconds
+        self.timeout_basis_s = typical_step_s
+        if due == self.timeout.total_seconds():
+            return None
+        self.timeout = self.entry.timeout = timedelta(seconds=due)
+        self.progress.p2p_timeout = self.timeout if self.device.type == "cpu" else None
+        if running and self.groups is not None:
+            shadow = self.shadow_link.group if self.shadow_link is not None else None
+            set_timeout(self.timeout, [*self.groups.mine(), self.step_group, shadow])
+        return due
 
     # ------------------------------------------------------------------ entering a generation
     def enter_generation(
@@ -415,6 +428,7 @@ class Trainer:
             progress=self.progress,
             shadow_link=shadow_link,
             shadows=shadows,
+            timeout=self.timeout,
         )
         self.shadow_s = synced.shadow_s
         with self.applier.current(epoch):

@@ -107,13 +107,7 @@ class Worker:
             node=ctx.node_id, generation=plan.generation
         )  # injected: engine/resilience/faults.py
         typical = self.heartbeat.typical_step_s  # the auto timeouts follow it (config/timing.py)
-        derived = trainer.derive_timeout(typical)
-        if derived is not None:
-            log.at(gen=plan.generation, node=ctx.node_id).info(
-                "communication timeout %.0f s (from the typical step, %.3f s; fault_tolerance.comm_timeout_s sets it)",
-                derived,
-                typical,
-            )
+        self._follow_timeout(plan.generation, typical, running=False)
         try:
             try:
                 store = ctx.store_for(plan.generation, self.cfg, typical_step_s=typical)
@@ -216,6 +210,7 @@ class Worker:
                     completed = True
                 finally:
                     self.heartbeat.end(self.step, completed=completed)
+                self._follow_timeout(plan.generation, self.heartbeat.typical_step_s, running=True)
                 if result.rejected:
                     self._rejected(result)
                 else:
@@ -252,6 +247,25 @@ class Worker:
                 "communication failed (%s); waiting for the next plan", failure, event="comm_failed", fields=timing
             )
         return Broken(failure)
+
+    def _follow_timeout(self, generation: int, typical: float, *, running: bool) -> None:
+        """The auto communication timeout derived again from the typical step (`Trainer.derive_timeout`):
+        at the entry, and between steps whenever that step was first measured or changed a lot."""
+        old, basis = self.trainer.timeout.total_seconds(), self.trainer.timeout_basis_s
+        new = self.trainer.derive_timeout(typical, running=running)
+        if new is None:
+            return
+        if not running:
+            why = "entering the generation"
+        else:
+            why = f"the typical step went from {basis:.3f} s" if basis > 0 else "the first steps were measured"
+        log.at(gen=generation, step=self.step, node=self.ctx.node_id).info(
+            "communication timeout %.0f s -> %.0f s: %s (typical step %.3f s; fault_tolerance.comm_timeout_s sets it)",
+            old,
+            new,
+            why,
+            typical,
+        )
 
     def _rejected(self, result: StepResult) -> None:
         """The step guard did not apply `result.step` (engine/resilience/guard.py): replay it, or skip its

@@ -324,3 +324,33 @@ def test_a_step_thread_stuck_in_a_plain_loop_is_cut_off(tmp_path: Path, etcd_ser
 @pytest.mark.slow
 def test_a_step_thread_stuck_inside_a_collective_wait_is_cut_off(tmp_path: Path, etcd_server, run_id) -> None:
     _a_stuck_step_is_cut_off(tmp_path, etcd_server, run_id, "comm")
+
+
+@pytest.mark.extended  # two minutes of waiting; tests/worlds/test_comm_timeout.py covers the mechanism
+@pytest.mark.slow
+def test_a_stuck_step_in_generation_1_is_cut_off_at_the_derived_comm_timeout(
+    tmp_path: Path, etcd_server, run_id
+) -> None:
+    """The hang watch off and the communication timeout auto: rank 1's step thread blocks at step 5
+    of generation 1 (OOBLECK_BLOCK_AT=1@4) and its peers wait for it in their communication calls.
+    They derived the timeout from their first steps (300 s -> 120 s, a line says so), so they are
+    cut off after 120 s, not the 300 s of a job that has measured nothing, and the job re-plans and
+    ends with the reference weights."""
+    profile = tiny_profile(tmp_path / "profile.json")
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "2"],
+        8,
+        profile,
+        extra=["fault_tolerance.hang_floor_s=0", "fault_tolerance.comm_timeout_s=null"],
+        env={"OOBLECK_BLOCK_AT": "1@4"},
+    )
+    assert "communication timeout 300 s -> 120 s: the first steps were measured" in out, out[-4000:]
+    times = _step_times(out)
+    before = max(t for t, s in times if s == 4)
+    after = min(t for t, s in times if s == 5)
+    assert 110 < after - before < 250, (after - before, out[-3000:])  # 120 s and a re-plan, not 300 s
+    print(f"stuck step 5 of generation 1: step 4 -> step 5: {after - before:.2f} s")
+    assert_same(job, ref)

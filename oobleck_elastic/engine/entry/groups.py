@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -110,3 +110,19 @@ class GenerationGroups:
                 g = make(list(members))
                 if rank in members:
                     self.sets[members] = g
+
+    def mine(self) -> list[dist.ProcessGroup]:
+        """Every group of the generation this rank is in: its pipeline's, its stage's lanes', its
+        holder sets'."""
+        return [g for g in (self.pipeline_group, self.tp_group, *self.sets.values()) if g is not None]
+
+
+def set_timeout(timeout: timedelta, groups: Iterable[Optional[dist.ProcessGroup]]) -> None:
+    """A running generation's new communication timeout: the default group and every one of
+    `groups` (None: the default group) post their next calls under it. gloo's point-to-point
+    waits keep their connect timeout: they are given the timeout at their wait (`Progress`)."""
+    seen: set[int] = set()
+    for g in [None, *groups]:
+        if id(g) not in seen:
+            seen.add(id(g))
+            _set_pg_timeout(timeout, g)

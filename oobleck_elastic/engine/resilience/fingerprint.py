@@ -146,15 +146,17 @@ def compare(plan: Plan, table: dict[int, dict[int, tuple[int, int]]]) -> list[Co
 
 
 def gather(
-    plan: Plan, prints: dict[int, tuple[int, int]], group: Optional[dist.ProcessGroup]
+    plan: Plan, prints: dict[int, tuple[int, int]], group: Optional[dist.ProcessGroup], progress: Progress
 ) -> dict[int, dict[int, tuple[int, int]]]:
     """Every rank's fingerprints by layer, from one all-gather over `group` (the generation's
-    workers; CPU tensors over gloo whatever the data backend)."""
+    workers; CPU tensors over gloo whatever the data backend), its wait marked on `progress`."""
     mine = torch.zeros((plan.num_layers, 3), dtype=torch.int64)
     for layer, (a, b) in prints.items():
         mine[layer] = torch.tensor([1, a, b], dtype=torch.int64)
     rows = [torch.empty_like(mine) for _ in range(plan.world_size)]
-    dist.all_gather(rows, mine, group=group)
+    work = dist.all_gather(rows, mine, group=group, async_op=True)
+    with progress.waiting(work):
+        work.wait()
     return {
         r: {li: (int(rows[r][li, 1]), int(rows[r][li, 2])) for li in range(plan.num_layers) if rows[r][li, 0]}
         for r in range(plan.world_size)
@@ -167,15 +169,20 @@ def repair(
     rank: int,
     tensors_of: dict[int, list[torch.Tensor]],
     groups: dict[tuple[int, ...], dist.ProcessGroup],
+    progress: Progress,
 ) -> None:
     """Replace the corrupt copies this rank takes part in: for each one, in the same order on every
     rank, the layer's holders broadcast the source's parameters and optimizer state over their
-    group (`groups`: this rank's holder-set groups, engine/entry/groups.py)."""
+    group (`groups`: this rank's holder-set groups, engine/entry/groups.py); each wait is marked on
+    `progress`."""
     for c in corrupt:
         if rank not in c.holders:
             continue
         for t in tensors_of[c.layer]:
-            dist.broadcast(t.data if isinstance(t, torch.nn.Parameter) else t, src=c.source, group=groups[c.holders])
+            data = t.data if isinstance(t, torch.nn.Parameter) else t
+            work = dist.broadcast(data, src=c.source, group=groups[c.holders], async_op=True)
+            with progress.waiting(work):
+                work.wait()
 
 
 def check_replicas(
@@ -191,9 +198,7 @@ def check_replicas(
     replace the corrupt ones from the majority; the repaired copies. Collective over `group` (the
     generation's workers); raises Unrepairable when a layer's copies have no majority."""
     prints = fingerprints(tensors)
-    with progress.waiting():  # engine/resilience/progress.py
-        table = gather(plan, prints, group)
+    table = gather(plan, prints, group, progress)  # waits marked: engine/resilience/progress.py
     corrupt = compare(plan, table)
-    with progress.waiting():
-        repair(corrupt, rank=rank, tensors_of=tensors, groups=holder_groups)
+    repair(corrupt, rank=rank, tensors_of=tensors, groups=holder_groups, progress=progress)
     return corrupt

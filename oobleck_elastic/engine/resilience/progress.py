@@ -6,13 +6,14 @@ own part it posted is not hung; one that makes no progress while not waiting (a 
 compute, a deadlock, a call whose handles all completed) stands still. With one worker hung its
 peers wait for it, so only it stands still; a collective hung with every part posted names nobody
 and is left to `fault_tolerance.comm_timeout_s`. `watch_pipeline_waits` marks the waits inside
-torch's pipeline schedules. docs/liveness.md.
+torch's pipeline schedules, under the current timeout (`Progress.p2p_timeout`). docs/liveness.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 __all__ = ["Progress", "STEP_PROGRESS", "watch_pipeline_waits"]
@@ -34,6 +35,10 @@ class Progress:
         """Progress points passed so far."""
         self.waits: Optional[tuple[Any, ...]] = None
         """The handles of the communication call the step thread waits in (None: not waiting)."""
+        self.p2p_timeout: Optional[timedelta] = None
+        """The timeout the pipeline's marked sends and receives wait under (None: their group's).
+        The trainer sets it to the communication timeout on the CPU: gloo's point-to-point waits
+        keep the timeout their group connected with, which `_set_pg_timeout` does not change."""
 
     def point(self) -> None:
         self.count += 1
@@ -89,7 +94,12 @@ def watch_pipeline_waits(progress: Progress = STEP_PROGRESS) -> None:
 
     def marked(work: list) -> None:
         with progress.waiting(*work):
-            wait(work)
+            timeout = progress.p2p_timeout
+            if timeout is None:
+                wait(work)
+            else:
+                for w in work:
+                    w.wait(timeout)
 
     marked._oobleck_progress = True  # type: ignore[attr-defined]
     schedules._wait_batch_p2p = marked

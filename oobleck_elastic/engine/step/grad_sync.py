@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
@@ -230,11 +231,13 @@ def synchronise(
     progress: Progress,
     shadow_link: Optional[ShadowLink] = None,
     shadows: Optional[ShadowStore] = None,
+    timeout: Optional[timedelta] = None,
 ) -> Synchronised:
     """The gradients summed among each layer's holders, then one SUM all-reduce of the squared
     norm and the loss over `step_group` (global values); the summed gradients of layers with
     shadow copies go to their keepers (`shadow_link`) meanwhile, and the keepers' arrive, before
-    this returns (module docstring)."""
+    this returns (module docstring); the shadow exchange waits under `timeout` (gloo's
+    point-to-point waits keep their connect timeout otherwise)."""
     grad_sync.all_reduce()
     began = time.perf_counter()  # the shadows' own time in the step: `StepResult.shadow_s`
     posted = shadow_link.post(layer_model, shadows) if shadow_link is not None else None
@@ -254,7 +257,7 @@ def synchronise(
     grads = None
     if posted is not None:
         began = time.perf_counter()
-        with progress.waiting():
-            grads = posted.wait()
+        with progress.waiting(*posted.works):
+            grads = posted.wait(timeout)
         shadow_s += time.perf_counter() - began
     return Synchronised(norm2, loss, grads, shadow_s)

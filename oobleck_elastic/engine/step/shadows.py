@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -271,8 +272,12 @@ class PostedShadows:
     keep: dict[int, torch.Tensor]
     """The sent buffers (alive until the sends complete)."""
 
-    def wait(self) -> dict[int, torch.Tensor]:
-        """Wait for every send and receive; layer -> flat gradients received."""
+    def wait(self, timeout: Optional[timedelta] = None) -> dict[int, torch.Tensor]:
+        """Wait for every send and receive, each under `timeout` (None: the group's connect
+        timeout, which gloo's point-to-point waits keep); layer -> flat gradients received."""
         for work in self.works:
-            work.wait()
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
         return self.grads
