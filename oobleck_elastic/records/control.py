@@ -37,6 +37,9 @@ class NodeState(StrEnum):
 
     UP = "up"
     DRAINING = "draining"
+    RETURNED = "returned"
+    """Declared lost while its process lived, and back under a new lease: it never trains again,
+    but hands over the layers it holds when the next plan needs them (docs/recovery.md)."""
 
 
 class EventKind(StrEnum):

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable, Mapping, Optional
+from dataclasses import dataclass
+from typing import Callable, Collection, Mapping, Optional
 
 from ..etcd import EtcdClient
 from ..etcd.protocols import KVStore
 from ..planning import Plan
-from ..records.control import Event, EventKind, FenceRecord, NodeRecord, NodeState, Roster
+from ..planning.plan.plan import device_holders
+from ..records.control import Event, EventKind, FenceRecord, NodeRecord, NodeState, Roster, StrEnum
 from ..records.keys import Keys
 from .decide import plan_events
 from .membership import goodbye_of, put_event
@@ -52,6 +54,94 @@ def donors(
         for n in dict.fromkeys([*old.nodes, *old.donors])
         if n in draining and n in holders and n not in plan.nodes and n not in lost and not fenced(n)
     )
+
+
+class Source(StrEnum):
+    """Where the next generation takes a layer from (`choose_sources`), best first."""
+
+    REPLICA = "replica"
+    """A node of the plan, or a draining donor, held it in the generation just left."""
+    RETURNED = "returned"
+    """Only a node declared lost whose process lived and came back (fenced, its record live) held
+    it: that node joins the entry as a donor."""
+    SHADOW = "shadow"
+    """No device holder is left; a node of the entry keeps its host-memory shadow copy."""
+    WAIT = "wait"
+    """No source yet, but a holder was dropped without proof of death: wait for it to come back."""
+    DISK = "disk"
+    """Every copy is lost: the workers restore the newest checkpoint."""
+
+
+@dataclass(frozen=True)
+class SourceChoice:
+    """Where each layer of the next generation comes from (`choose_sources`)."""
+
+    sources: tuple[Source, ...]
+    """Per layer."""
+    returned: tuple[str, ...] = ()
+    """Returned nodes the plan takes layers from: its extra donors."""
+    awaited: tuple[str, ...] = ()
+    """Nodes dropped without proof of death that held a layer with no other source."""
+
+    def layers(self, source: Source) -> tuple[int, ...]:
+        return tuple(i for i, s in enumerate(self.sources) if s == source)
+
+
+def choose_sources(
+    plan: Plan,
+    old: Plan,
+    *,
+    donors: Collection[str] = (),
+    returned: Collection[str] = (),
+    maybe_alive: Collection[str] = (),
+) -> SourceChoice:
+    """Where each layer of `plan` comes from after `old` (docs/recovery.md, "A false death loses
+    nothing"): a holder in `old` that is in `plan` or a `donors` (replica); else a `returned` node
+    that held it (fenced, its process alive: it becomes a donor); else a keeper of its shadow in the
+    entry; else, while a holder is `maybe_alive` (its record vanished, or it missed a ping, and no
+    refused connection proved it dead), wait; else disk. Whether a copy is at the committed step
+    is the entry's to check (a copy behind it counts as none)."""
+    entry = set(plan.nodes) | set(donors)
+    keepers = plan_shadow_keepers(old)
+    sources: list[Source] = []
+    used: set[str] = set()
+    awaited: set[str] = set()
+    for layer, holders in enumerate(device_holders(old)):
+        back = sorted(n for n in holders if n in returned and n not in entry)
+        if holders & entry:
+            sources.append(Source.REPLICA)
+        elif back:
+            sources.append(Source.RETURNED)
+            used.add(back[0])
+        elif keepers.get(layer, frozenset()) & entry:
+            sources.append(Source.SHADOW)
+        elif holders & set(maybe_alive):
+            sources.append(Source.WAIT)
+            awaited |= holders & set(maybe_alive)
+        else:
+            sources.append(Source.DISK)
+    return SourceChoice(tuple(sources), returned=tuple(sorted(used)), awaited=tuple(sorted(awaited)))
+
+
+def plan_shadow_keepers(plan: Plan) -> dict[int, frozenset[str]]:
+    """Layer -> the nodes keeping its host-memory shadow copy in `plan`."""
+    if plan.shadows is None:
+        return {}
+    return {layer: frozenset(nodes) for layer, nodes in enumerate(plan.shadows.layers)}
+
+
+def returned_nodes(old: Plan, records: list[NodeRecord]) -> tuple[str, ...]:
+    """Nodes of `old` declared lost while their process lived that came back (`returned`,
+    `rendezvous.membership`): they never train again, but may hand over their layers."""
+    back = {r.node_id for r in records if r.state == NodeState.RETURNED}
+    return tuple(n for n in old.nodes if n in back)
+
+
+def maybe_alive(old: Plan, plan: Plan, records: list[NodeRecord], proven_dead: Collection[str]) -> tuple[str, ...]:
+    """Nodes of `old` that `plan` drops whose record vanished (a lease that expired, perhaps
+    under load) and that no refused liveness connection proved dead: they may still come back."""
+    live = {r.node_id for r in records}
+    return tuple(n for n in old.nodes if n not in plan.nodes and n not in live and n not in proven_dead)
 
 
 def commit_plan(
