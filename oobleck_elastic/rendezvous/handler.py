@@ -211,7 +211,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 self.keys,
                 Event(time=time.time(), kind=EventKind.LEAVE, node=node, detail="agent shut down"),
             )
-            if self.member.lease is not None and not self.member.fenced.is_set():
+            if self.member.lease is not None and (self.member.returned or not self.member.fenced.is_set()):
                 self.client.revoke_lease(self.member.lease)
             return True
         except Exception as err:  # noqa: BLE001 - etcd gone: say so once, the lease expires by itself
@@ -379,6 +379,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 if kv is not None and kv.mod_revision != answered:
                     self.client.put(self.keys.pong(self.member.node_id), kv.value)
                     answered = kv.mod_revision
+                    self.member.check_declared_lost()  # too late? then back as `returned` (docs/recovery.md)
             except Exception as err:  # noqa: BLE001 - a missed pong only delays the re-plan
                 log.at(node=self.member.node_id).warning("could not answer a ping: %s", err)
                 self._stopping.wait(0.1)

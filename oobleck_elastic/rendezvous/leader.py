@@ -22,7 +22,7 @@ from ..planning import Plan, PlanningError
 from .decide import LeaderAction, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide
 from .detect import Deputy, LeaderLiveness, LeaderWatch, RollCall, why_lost
 from .profile_wait import ProfileWait
-from .publish import commit_plan, declare_lost, donors
+from .publish import SourceChoice, commit_plan, declare_lost, plan_donors
 from ..records.keys import Keys
 from .stragglers import LeaderStragglers
 from .membership import Member, live_nodes, put_event
@@ -99,6 +99,8 @@ class Leader:
         self._value = b""
         self._waiting_for: Optional[int] = None
         self._unplannable: Optional[tuple[tuple[str, ...], int]] = None
+        self._proven_dead: set[str] = set()  # found dead by a refused liveness connection: never back
+        self._hold: Optional[tuple[int, float]] = None  # (generation, since): a re-plan awaits a return
         self.liveness: Optional[LeaderLiveness] = None  # connections to the plan's agents while leading
         self.rollcall = RollCall(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view)
         self.deputy = Deputy(
@@ -347,6 +349,8 @@ class Leader:
             }
             for node in lost:
                 declare_lost(self.client, self.keys, node, plan.generation if plan else 0)
+            if decision.detection == Detector.LIVENESS:  # a refused connection: they never come back
+                self._proven_dead.update(decision.lost)
             self._publish(list(decision.nodes), plan, rev, records, lost=lost)
             if decision.detection is not None:  # the verdict is acted on: the next one starts afresh
                 self.rollcall.reset()
@@ -461,8 +465,20 @@ class Leader:
         self._waiting_for = None
         progress = read_progress(self.client, self.keys) if old is not None else None
         stepped = progress is not None and old is not None and progress.generation >= old.generation
-        gone = donors(plan, old, records, lost, lambda node: is_fenced(self.view, self.keys, node), old_stepped=stepped)
+        gone, choice = plan_donors(
+            plan, old, records, lost, lambda node: is_fenced(self.view, self.keys, node), self._proven_dead, stepped
+        )
+        if old is not None and choice is not None and choice.awaited and self._awaiting(old.generation, choice):
+            return  # a false death loses nothing: wait for the node to come back (docs/recovery.md)
         self._commit(dataclasses.replace(plan, donors=gone), old, rev, records, lost)
+
+    def _awaiting(self, generation: int, choice: SourceChoice) -> bool:
+        """Whether the re-plan after `generation` still waits for `choice.awaited` (a TTL + settle at most)."""
+        now, bound = time.monotonic(), self.member.lease_ttl_s + self.settle_s
+        if self._hold is None or self._hold[0] != generation:
+            self._hold = (generation, now)
+            log.at(node=self.member.node_id).warning("%s: waiting up to %.1f s", choice.describe_wait(), bound)
+        return now - self._hold[1] < bound
 
     def _commit(
         self, plan: Plan, old: Optional[Plan], rev: Optional[int], records: list[NodeRecord], lost: Mapping[str, str]

@@ -1,8 +1,8 @@
 """Node membership: one record per node, bound to an etcd lease the node keeps alive.
 
 Invariant: a node whose lease expired through its own fault (or that the leader declared lost)
-is fenced and never trains on alone; one whose lease etcd let expire renews its membership. The
-story: docs/liveness.md.
+is fenced and never trains again: it comes back only as `returned`, to hand its layers over; one
+whose lease etcd let expire renews its membership. The story: docs/liveness.md, docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..etcd import EtcdClient, EtcdError
 from ..etcd.client import warn_once
 from ..etcd.protocols import KVReader, KVStore
 from ..records.keys import Keys
-from ..records.control import Event, EventKind, Goodbye, NodeRecord, NodeState
+from ..records.control import Event, EventKind, FenceRecord, Goodbye, NodeRecord, NodeState
 from ..records.read import is_fenced, read_admitted
 
 log = JobLog(logging.getLogger(__name__))
@@ -118,6 +118,8 @@ class Member:
         """The id of the lease this node's keys are bound to (a new one after a renewal)."""
         self.renewals = 0
         """How many times the lease was renewed after etcd let it expire."""
+        self.returned = False
+        """Fenced while its process lived, and back under a new lease (`_come_back`)."""
         self.fence_reason = ""
         self.record: Optional[NodeRecord] = None
         self.fenced = threading.Event()
@@ -210,29 +212,39 @@ class Member:
             if ttl > 0:
                 last_ok = time.monotonic()
                 continue
-            if sent - last_ok > self.lease_ttl_s:
-                self._fence(
-                    f"lease expired: this node sent no refresh for {sent - last_ok:.1f}s after etcd last "
-                    f"answered one (more than the {self.lease_ttl_s:.1f}s TTL); the job has moved on without it"
-                )
-                return
-            if not self._renew():
-                return
+            if not self.fenced.is_set():
+                if sent - last_ok > self.lease_ttl_s:
+                    self._fence(
+                        f"lease expired: this node sent no refresh for {sent - last_ok:.1f}s after etcd last "
+                        f"answered one (more than the {self.lease_ttl_s:.1f}s TTL); the job may go on without it"
+                    )
+                elif is_fenced(self.client, self.keys, self.node_id):
+                    self._fence("the lease expired while etcd was unreachable, and the leader declared this node lost")
+            try:
+                if self.fenced.is_set():
+                    self._come_back()
+                else:
+                    self._renew()
+            except Exception as err:  # noqa: BLE001 - the lease is still gone at the next tick: again then
+                log.at(node=self.node_id).warning("could not put the record back under a new lease (%s)", err)
+                continue
             last_ok = time.monotonic()
 
-    def _renew(self) -> bool:
-        """etcd let the lease expire although it was refreshed on time: take a new lease and put
-        the same record under it, unless the leader declared this node lost meanwhile (then fence)."""
-        assert self.record is not None
-        if is_fenced(self.client, self.keys, self.node_id):
-            self._fence("the lease expired while etcd was unreachable, and the leader declared this node lost")
-            return False
+    def _new_lease(self, state: NodeState) -> int:
+        """Put this node's record back under a new lease (the old one expired); returns the old lease."""
+        assert self.record is not None and self.lease is not None
         old = self.lease
         self.lease = self.client.grant_lease(self.lease_ttl_s)
+        self.record = dataclasses.replace(self.record, lease_id=self.lease, state=state)
+        self.client.put_json(self.keys.node(self.node_id), self.record.to_json(), lease=self.lease)
+        return old
+
+    def _renew(self) -> None:
+        """etcd let the lease expire although it was refreshed on time (and the leader did not
+        declare this node lost): take a new lease and put the same record under it."""
         # the record went with the old lease: put this node's copy back (a drain requested with
         # `kill-agent` went with it too, and must be asked again)
-        self.record = dataclasses.replace(self.record, lease_id=self.lease)
-        self.client.put_json(self.keys.node(self.node_id), self.record.to_json(), lease=self.lease)
+        old = self._new_lease(NodeState.UP)
         self.renewals += 1
         log.at(node=self.node_id).warning(
             "etcd let lease %x expire although it was refreshed on time (etcd stalled, restarted or "
@@ -252,7 +264,43 @@ class Member:
         )
         if self.on_renewed is not None:
             self.on_renewed()
-        return True
+
+    def _come_back(self) -> None:
+        """This node was fenced while its process lives: it comes back `returned` (same node id,
+        a new lease), fenced for good (it never trains again), so that the layers its workers hold
+        at the committed step can be handed over if the next plan has no other copy
+        (docs/recovery.md, "A false death loses nothing")."""
+        first = not self.returned
+        old = self._new_lease(NodeState.RETURNED)
+        self.returned = True
+        # fenced in every reader's eyes, also before the leader published the plan without it
+        # (after the record: a worker that sees the fence with no record leaves)
+        self.client.put_if_absent(
+            self.keys.fence(self.node_id), json.dumps(FenceRecord(time=time.time(), generation=0).to_json())
+        )
+        if first:
+            log.at(node=self.node_id).warning(
+                "came back under lease %x as `returned`: fenced, its layers can still be handed over", self.lease
+            )
+            put_event(
+                self.client,
+                self.keys,
+                Event(
+                    time=time.time(),
+                    kind=EventKind.RENEW,
+                    node=self.node_id,
+                    detail=f"returned after it was declared lost ({old:x} -> {self.lease:x}): fenced, "
+                    "its layers count until the next plan",
+                ),
+            )
+
+    def check_declared_lost(self) -> None:
+        """The leader may have declared this node lost while its lease lives (a ping it answered
+        too late): then fence it and come back `returned` now (a roll call's ping prompts this)."""
+        if self.fenced.is_set() or self.record is None or not is_fenced(self.client, self.keys, self.node_id):
+            return
+        self._fence("the leader declared this node lost (it answered a ping too late)")
+        self._come_back()
 
     def _fence(self, reason: str) -> None:
         log.at(node=self.node_id).error("%s; the node is fenced", reason)
@@ -271,7 +319,7 @@ class Member:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if revoke and self.lease is not None and not self.fenced.is_set():
+        if revoke and self.lease is not None and (self.returned or not self.fenced.is_set()):
             try:
                 self.client.revoke_lease(self.lease)
             except (EtcdError, Exception) as err:  # noqa: BLE001 - best effort on the way out

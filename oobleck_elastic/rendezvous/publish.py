@@ -86,6 +86,11 @@ class SourceChoice:
     def layers(self, source: Source) -> tuple[int, ...]:
         return tuple(i for i, s in enumerate(self.sources) if s == source)
 
+    def describe_wait(self) -> str:
+        """`layers [3, 4] have no copy left but on node2, which may come back`."""
+        nodes = ", ".join(self.awaited)
+        return f"layers {list(self.layers(Source.WAIT))} have no copy left but on {nodes}, which may come back"
+
 
 def choose_sources(
     plan: Plan,
@@ -137,11 +142,31 @@ def returned_nodes(old: Plan, records: list[NodeRecord]) -> tuple[str, ...]:
     return tuple(n for n in old.nodes if n in back)
 
 
-def maybe_alive(old: Plan, plan: Plan, records: list[NodeRecord], proven_dead: Collection[str]) -> tuple[str, ...]:
-    """Nodes of `old` that `plan` drops whose record vanished (a lease that expired, perhaps
-    under load) and that no refused liveness connection proved dead: they may still come back."""
+def maybe_alive(old: Plan, plan: Plan, records: list[NodeRecord], *, proven_dead: Collection[str]) -> tuple[str, ...]:
+    """Nodes of `old` that `plan` drops whose record vanished (a lease that expired, perhaps under
+    load) and that no refused liveness connection proved dead: they may still come back. (A node
+    declared lost at a roll call keeps its record: it is not waited for, docs/recovery.md.)"""
     live = {r.node_id for r in records}
     return tuple(n for n in old.nodes if n not in plan.nodes and n not in live and n not in proven_dead)
+
+
+def plan_donors(
+    plan: Plan,
+    old: Optional[Plan],
+    records: list[NodeRecord],
+    lost: Mapping[str, str],
+    fenced: Callable[[str], bool],
+    proven_dead: Collection[str],
+    old_stepped: bool = True,
+) -> tuple[tuple[str, ...], Optional[SourceChoice]]:
+    """The donors of `plan` (draining nodes, `donors`, and returned nodes for the layers nobody
+    else holds, `choose_sources`) and the source choice (None for the first plan)."""
+    gone = donors(plan, old, records, lost, fenced, old_stepped=old_stepped)
+    if old is None:
+        return gone, None
+    alive = maybe_alive(old, plan, records, proven_dead=proven_dead)
+    choice = choose_sources(plan, old, donors=gone, returned=returned_nodes(old, records), maybe_alive=alive)
+    return gone + choice.returned, choice
 
 
 def commit_plan(

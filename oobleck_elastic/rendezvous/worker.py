@@ -166,8 +166,11 @@ class WorkerContext:
         return parse_plan(data)
 
     def my_stage(self, plan: Plan) -> Optional[tuple[PipelineSpec, StagePlacement]]:
-        """This worker's pipeline and stage in `plan`, or None (a spare, or not in the plan)."""
+        """This worker's pipeline and stage in `plan`, or None (a spare, not in the plan, or its
+        node fenced: a fenced node never trains again, it may only hand its layers over)."""
         stage = plan.stage_at(self.node_id, self.local_rank)
+        if stage is not None and is_fenced(self.reader, self.keys, self.node_id):
+            return None
         return plan.stage_of(stage.rank) if stage is not None else None
 
     def record(self) -> Optional[NodeRecord]:
@@ -178,7 +181,7 @@ class WorkerContext:
         """Why this worker must exit 0 now, or None: the job is closed, or the node was drained."""
         if read_closed(self.reader, self.keys) is not None:
             return "the job is closed"
-        if is_fenced(self.reader, self.keys, self.node_id):
+        if is_fenced(self.reader, self.keys, self.node_id) and not self._may_return(plan):
             return f"node {self.node_id} was fenced (declared lost): it must not train on alone"
         if plan is not None and self.node_id not in plan.nodes:
             rec = self.record()
@@ -187,6 +190,16 @@ class WorkerContext:
             if rec.state == NodeState.DRAINING:
                 return f"node {self.node_id} was drained"
         return None
+
+    def _may_return(self, plan: Optional[Plan]) -> bool:
+        """This fenced node's agent lives (its record is live: it came back `returned`, or may yet,
+        rendezvous/membership.py) and the newest plan `plan` has not moved on without it: its
+        workers keep their layers for a plan that may name them donors (docs/recovery.md, "A
+        false death loses nothing"). None: only whether the record is live."""
+        rec = self.record()
+        if rec is None or rec.state == NodeState.DRAINING:
+            return False
+        return plan is None or self.node_id in plan.nodes or plan.donor_rank(self.node_id, self.local_rank) is not None
 
     def share_profile(self, cfg: JobConfig, device: torch.device) -> None:
         """Measure the profile of this worker's device kind and publish it for the leader, when

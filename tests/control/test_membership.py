@@ -1,7 +1,8 @@
 """Who is to blame when a lease is found gone (rendezvous/membership.py), against a real etcd:
 etcd let it expire although it was refreshed on time -> the node renews its membership (new
-lease, same node id and record); the leader declared the node lost meanwhile -> it is fenced; the
-node itself did not refresh for longer than the TTL -> it is fenced."""
+lease, same node id and record); the leader declared the node lost meanwhile, or the node itself
+did not refresh for longer than the TTL -> it is fenced, and comes back `returned` (same node id,
+a new lease, fenced for good) so that its layers can still be handed over (docs/recovery.md)."""
 
 from __future__ import annotations
 
@@ -38,17 +39,25 @@ def test_a_lease_etcd_dropped_is_renewed_under_the_same_node_id(etcd_settings, r
         client.close()
 
 
-def test_a_node_the_leader_declared_lost_does_not_come_back(etcd_settings, run_id) -> None:
+def test_a_node_the_leader_declared_lost_comes_back_returned(etcd_settings, run_id) -> None:
     client = connect(etcd_settings)
     keys = Keys("/oobleck", run_id)
     member = Member(client, keys, devices=1, lease_ttl_s=3)
     try:
         rec = member.register()
+        old = member.lease
         client.put_json(keys.fence(rec.node_id), FenceRecord(time=time.time(), generation=2).to_json())
-        client.revoke_lease(member.lease)
-        eventually(member.fenced.is_set)
-        assert "the leader declared this node lost" in member.fence_reason
-        assert live_nodes(client, keys) == []
+        client.revoke_lease(old)
+        eventually(lambda: member.returned)
+        assert member.fenced.is_set() and "the leader declared this node lost" in member.fence_reason
+        assert [(r.node_id, r.state, r.lease_id) for r in live_nodes(client, keys)] == [
+            (rec.node_id, NodeState.RETURNED, member.lease)
+        ]
+        assert member.lease != old and member.renewals == 0
+        assert client.get_json(keys.fence(rec.node_id))[0]["generation"] == 2  # the leader's fence stays
+        assert any(ev.kind == "renew" and "returned" in ev.detail for _, ev in read_events(client, keys))
+        member.close()
+        assert live_nodes(client, keys) == []  # closing revokes the new lease
     finally:
         member.close()
         client.close()
@@ -82,7 +91,7 @@ def test_a_refresh_etcd_answered_late_is_not_the_nodes_fault(etcd_settings, run_
         client.close()
 
 
-def test_a_node_that_did_not_refresh_for_a_ttl_is_fenced(etcd_settings, run_id) -> None:
+def test_a_node_that_did_not_refresh_for_a_ttl_is_fenced_and_comes_back_returned(etcd_settings, run_id) -> None:
     client = connect(etcd_settings)
     keys = Keys("/oobleck", run_id)
     member = Member(client, keys, devices=1, lease_ttl_s=1)
@@ -99,10 +108,15 @@ def test_a_node_that_did_not_refresh_for_a_ttl_is_fenced(etcd_settings, run_id) 
             return super().wait(timeout)
 
     try:
-        member.register()
+        rec = member.register()
         member._stop = Frozen()  # read by the keep-alive loop at every turn
-        eventually(member.fenced.is_set)
+        eventually(lambda: member.returned)
         assert "sent no refresh for" in member.fence_reason and member.renewals == 0
+        # fenced in every reader's eyes (no leader had fenced it yet), its record live again
+        assert client.get_json(keys.fence(rec.node_id))[0] is not None
+        assert [r.state for r in live_nodes(client, keys)] == [NodeState.RETURNED]
+        time.sleep(2.0)  # the keep-alive goes on refreshing the new lease
+        assert [r.state for r in live_nodes(client, keys)] == [NodeState.RETURNED]
     finally:
         member.close()
         client.close()

@@ -92,3 +92,7 @@ def test_returned_and_maybe_alive_nodes_from_the_records() -> None:
     # n1's record vanished: maybe alive unless a refused liveness connection proved it dead
     assert maybe_alive(OLD, NEW, records, proven_dead=()) == ("n1",)
     assert maybe_alive(OLD, NEW, records, proven_dead=("n1",)) == ()
+    # nodes with a live record are not waited for: one declared lost at a roll call (it comes back
+    # `returned` only if it answers a ping), one left out alive (a straggler)
+    everyone = [record("n0"), record("n1"), record("n2"), record("n3")]
+    assert maybe_alive(OLD, NEW, everyone, proven_dead=()) == ()
