@@ -332,3 +332,63 @@ def test_eight_nodes_become_six(tmp_path: Path, etcd_server, run_id) -> None:
     assert [len(p.stages) for p in final.pipelines] == [3, 3] and not set(victims) & set(final.nodes), out[-4000:]
     assert "restored checkpoint" not in out
     assert_same(job, ref)
+
+
+def test_a_kill_and_a_false_death_lose_nothing(tmp_path: Path, etcd_server, run_id) -> None:
+    """At step 3 node a is killed and the agent of node b, which holds the same layers, is stopped
+    (SIGSTOP; its workers run on) until its lease expired: the leader re-plans without a at once
+    and, once b's record is gone, holds the re-plan that would lose the layers only b holds. b's
+    agent, continued, comes back `returned` (fenced, same node id), the leader names it a donor,
+    and the job finishes with the reference weights: no layer lost, no checkpoint restored."""
+    import os
+    import signal
+    import time
+
+    from launcher.faults import kill_node
+    from oobleck_elastic.planning.plan.plan import device_holders
+    from oobleck_elastic.records.keys import Keys
+
+    keys = Keys("/oobleck", run_id)
+    stopped: list[int] = []
+    pair: list[str] = []
+
+    def strike(c) -> None:
+        leader = _leader(c, keys)
+        holders = next(h for h in device_holders(_plan(c, keys)) if len(h) == 2 and leader not in h)
+        pair.extend(sorted(holders))  # a, b
+        stopped.append(_pid(c, keys, pair[1]))
+        os.kill(stopped[0], signal.SIGSTOP)  # the agent alone: torchrun's workers live in their own sessions
+        kill_node(_pid(c, keys, pair[0]))
+
+    def resume(_c) -> None:
+        time.sleep(0.5)  # its lease expired for sure: the agent finds it gone at its next refresh
+        os.kill(stopped[0], signal.SIGCONT)
+
+    def chain(proc) -> None:
+        try:
+            when(etcd_server.endpoint, proc, lambda c: _step(c, keys) >= 3, strike)
+            when(etcd_server.endpoint, proc, lambda c: c.get_json(keys.node(pair[1]))[0] is None, resume, timeout=60)
+        finally:
+            if stopped:
+                os.kill(stopped[0], signal.SIGCONT)
+
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "4"],
+        12,
+        tiny_profile(tmp_path / "p.json"),
+        rdzv="lease_ttl=4,settle=0.2,last_call_timeout=1",
+        killed_by_test=1,
+        during=chain,
+        env=paced(3, 12, 1.0),
+    )
+    events = _events(etcd_server.endpoint, keys)
+    lines = [e.line() for e in events]
+    assert any(e.kind == "renew" and e.node == pair[1] and "returned" in e.detail for e in events), lines
+    assert "have no copy left but on" in out, out[-4000:]
+    donors = [line for line in out.splitlines() if "handed layers" in line and "as a donor" in line]
+    assert donors, out[-4000:]
+    assert "no surviving copy" not in out and "restored checkpoint" not in out, out[-4000:]
+    assert_same(job, ref)
