@@ -6,7 +6,6 @@ deposed leader can never overwrite a newer plan. The story: docs/recovery.md.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -22,7 +21,7 @@ from ..planning import Plan, PlanningError
 from .decide import LeaderAction, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide
 from .detect import Deputy, LeaderLiveness, LeaderWatch, RollCall, why_lost
 from .profile_wait import ProfileWait
-from .publish import SourceChoice, commit_plan, declare_lost, plan_donors
+from .publish import SourceChoice, commit_plan, declare_lost, with_donors
 from ..records.keys import Keys
 from .stragglers import LeaderStragglers
 from .membership import Member, live_nodes, put_event
@@ -465,12 +464,12 @@ class Leader:
         self._waiting_for = None
         progress = read_progress(self.client, self.keys) if old is not None else None
         stepped = progress is not None and old is not None and progress.generation >= old.generation
-        gone, choice = plan_donors(
+        plan, choice = with_donors(
             plan, old, records, lost, lambda node: is_fenced(self.view, self.keys, node), self._proven_dead, stepped
         )
         if old is not None and choice is not None and choice.awaited and self._awaiting(old.generation, choice):
             return  # a false death loses nothing: wait for the node to come back (docs/recovery.md)
-        self._commit(dataclasses.replace(plan, donors=gone), old, rev, records, lost)
+        self._commit(plan, old, rev, records, lost)
 
     def _awaiting(self, generation: int, choice: SourceChoice) -> bool:
         """Whether the re-plan after `generation` still waits for `choice.awaited` (a TTL + settle at most)."""

@@ -6,6 +6,7 @@ partitioned leader can never overwrite a newer plan. The story: docs/recovery.md
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -150,7 +151,7 @@ def maybe_alive(old: Plan, plan: Plan, records: list[NodeRecord], *, proven_dead
     return tuple(n for n in old.nodes if n not in plan.nodes and n not in live and n not in proven_dead)
 
 
-def plan_donors(
+def with_donors(
     plan: Plan,
     old: Optional[Plan],
     records: list[NodeRecord],
@@ -158,15 +159,15 @@ def plan_donors(
     fenced: Callable[[str], bool],
     proven_dead: Collection[str],
     old_stepped: bool = True,
-) -> tuple[tuple[str, ...], Optional[SourceChoice]]:
-    """The donors of `plan` (draining nodes, `donors`, and returned nodes for the layers nobody
-    else holds, `choose_sources`) and the source choice (None for the first plan)."""
+) -> tuple[Plan, Optional[SourceChoice]]:
+    """`plan` with its donors (draining nodes, `donors`, and returned nodes for the layers nobody
+    else holds, `choose_sources`), and the source choice (None for the first plan)."""
     gone = donors(plan, old, records, lost, fenced, old_stepped=old_stepped)
     if old is None:
-        return gone, None
+        return dataclasses.replace(plan, donors=gone), None
     alive = maybe_alive(old, plan, records, proven_dead=proven_dead)
     choice = choose_sources(plan, old, donors=gone, returned=returned_nodes(old, records), maybe_alive=alive)
-    return gone + choice.returned, choice
+    return dataclasses.replace(plan, donors=gone + choice.returned, returned=choice.returned), choice
 
 
 def commit_plan(

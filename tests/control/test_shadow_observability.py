@@ -129,6 +129,7 @@ def test_a_recovery_says_where_each_layer_came_from() -> None:
     assert sources == LayerSources(replica=(3, 4, 5), shadow=(0, 1, 2), replica_bytes=3_500_000, shadow_bytes=4_200_000)
     assert sources.fields() == {
         "replica": {"layers": 3, "bytes": 3_500_000},
+        "returned": {"layers": 0, "bytes": 0},
         "shadow": {"layers": 3, "bytes": 4_200_000},
         "disk": {"layers": 0, "bytes": 0},
     }

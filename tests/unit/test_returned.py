@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from oobleck_elastic.engine.entry.reconfigure import LayerSources, Move
 from oobleck_elastic.planning import Plan
 from oobleck_elastic.planning.plan.plan import ShadowPlacement
 from oobleck_elastic.records.control import NodeRecord, NodeState
-from oobleck_elastic.rendezvous.publish import Source, choose_sources, maybe_alive, returned_nodes
+from oobleck_elastic.rendezvous.publish import Source, choose_sources, maybe_alive, returned_nodes, with_donors
 from oobleck_elastic.testing import layout_plan
 
 # generation 1: two pipelines of two stages, n0 and n2 hold layers 0-2, n1 and n3 layers 3-5
@@ -96,3 +97,32 @@ def test_returned_and_maybe_alive_nodes_from_the_records() -> None:
     # `returned` only if it answers a ping), one left out alive (a straggler)
     everyone = [record("n0"), record("n1"), record("n2"), record("n3")]
     assert maybe_alive(OLD, NEW, everyone, proven_dead=()) == ()
+
+
+def test_the_plan_names_the_returned_donor_and_keeps_it_through_json() -> None:
+    records = [record("n0"), record("n2"), record("n3", NodeState.RETURNED)]
+    plan, choice = with_donors(replace(NEW, donors=()), OLD, records, {}, lambda n: n == "n3", proven_dead=("n1",))
+    assert choice is not None and choice.returned == ("n3",)
+    assert plan.donors == ("n3",) and plan.returned == ("n3",)
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "returned" not in NEW.to_json()  # only when set
+    # without the returned node, n1 not proven dead: the re-plan waits for it (and n3 it cannot use)
+    records = [record("n0"), record("n2")]
+    waiting, choice = with_donors(NEW, OLD, records, {}, lambda n: False, proven_dead=())
+    assert choice is not None and choice.awaited == ("n1", "n3") and waiting.donors == ()
+
+
+def test_an_entry_counts_the_layers_a_returned_node_sent() -> None:
+    moves = (
+        Move(src="n3", dst="n0", layers=(3, 4, 5), bytes=3_000_000),
+        Move(src="n2", dst="n0", layers=(1,), bytes=1_000_000),
+    )
+    sources = LayerSources.of_moves(6, moves, returned=("n3",))
+    assert sources.returned == (3, 4, 5) and sources.replica == (0, 1, 2)
+    assert (sources.returned_bytes, sources.replica_bytes) == (3_000_000, 1_000_000)
+    assert sources.fields()["returned"] == {"layers": 3, "bytes": 3_000_000}
+    assert sources.describe() == (
+        "layers by source: 3 from replicas (1.0 MB moved), 3 from returned nodes (3.0 MB), "
+        "0 from shadows (0.0 MB), 0 from disk (0.0 MB read)"
+    )
+    assert "returned" not in LayerSources.of_moves(6, moves).describe()

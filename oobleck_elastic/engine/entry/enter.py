@@ -163,7 +163,9 @@ class GenerationEntry:
                 lost_layers=lost_layers,
                 from_shadows=from_shadows if held else (),
                 shadow_bytes=seeded,
-                sources=LayerSources.of_moves(plan.num_layers, moves) if held and not lost_layers else None,
+                sources=LayerSources.of_moves(plan.num_layers, moves, plan.returned)
+                if held and not lost_layers
+                else None,
             )
 
         if stage is None:

@@ -12,7 +12,7 @@ restores the checkpoint (docs/design.md, invariant 3). docs/recovery.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -111,18 +111,20 @@ class Move:
         return f"{what} {','.join(runs)} {self.src}{shadow} -> {self.dst} ({self.bytes / 1e6:.1f} MB)"
 
 
-SOURCES = ("replica", "shadow", "disk")
+SOURCES = ("replica", "returned", "shadow", "disk")
 """Where a layer of a generation came from on entering it (`LayerSources`)."""
 
 
 @dataclass(frozen=True)
 class LayerSources:
     """Where each layer of a generation came from when the job entered it, as counts and bytes:
-    `replica`, a surviving device holder (kept in place, or moved from one); `shadow`, the keeper
-    of its host-memory shadow copy (no surviving worker held it on its devices); `disk`, a
-    checkpoint (after a loss every layer is restored from it: the job goes back to its step). The
-    same on every worker of the entry: it is computed from the entry's moves, which every worker
-    computes alike, or from the plan and the checkpoint's manifest."""
+    `replica`, a surviving device holder (kept in place, or moved from one); `returned`, a node
+    declared lost while alive that came back and handed it over as a donor (no other holder was
+    left, docs/recovery.md); `shadow`, the keeper of its host-memory shadow copy (no surviving
+    worker held it on its devices); `disk`, a checkpoint (after a loss every layer is restored
+    from it: the job goes back to its step). The same on every worker of the entry: it is computed
+    from the entry's moves and plan, which every worker computes alike, or from the plan and the
+    checkpoint's manifest."""
 
     replica: tuple[int, ...] = ()
     """Layers whose copies all came from surviving device holders."""
@@ -136,16 +138,25 @@ class LayerSources:
     """Bytes the shadows' keepers sent (every keeper's)."""
     disk_bytes: int = 0
     """Bytes of checkpoint layer files read (every worker reads its stage's layers)."""
+    returned: tuple[int, ...] = ()
+    """Layers sent by a returned node (`Plan.returned`)."""
+    returned_bytes: int = 0
+    """Bytes the returned nodes sent."""
 
     @classmethod
-    def of_moves(cls, num_layers: int, moves: Sequence[Move]) -> "LayerSources":
-        """An entry that lost no layer: a layer some keeper sent is `shadow`, every other one `replica`."""
+    def of_moves(cls, num_layers: int, moves: Sequence[Move], returned: Collection[str] = ()) -> "LayerSources":
+        """An entry that lost no layer: a layer some keeper sent is `shadow`, one a `returned`
+        node sent (`Plan.returned`) is `returned`, every other one `replica`."""
         shadow = sorted({i for m in moves if m.from_shadow for i in m.layers})
+        back = [m for m in moves if not m.from_shadow and m.src in returned]
+        came_back = sorted({i for m in back for i in m.layers} - set(shadow))
         return cls(
-            replica=tuple(i for i in range(num_layers) if i not in shadow),
+            replica=tuple(i for i in range(num_layers) if i not in shadow and i not in came_back),
             shadow=tuple(shadow),
-            replica_bytes=sum(m.bytes for m in moves if not m.from_shadow),
+            returned=tuple(came_back),
+            replica_bytes=sum(m.bytes for m in moves if not m.from_shadow and m.src not in returned),
             shadow_bytes=sum(m.bytes for m in moves if m.from_shadow),
+            returned_bytes=sum(m.bytes for m in back),
         )
 
     @classmethod
@@ -160,10 +171,12 @@ class LayerSources:
         return {k: {"layers": len(getattr(self, k)), "bytes": getattr(self, f"{k}_bytes")} for k in SOURCES}
 
     def describe(self) -> str:
-        """`layers by source: 4 from replicas (2.4 MB moved), 2 from shadows (1.2 MB), 0 from disk`."""
+        """`layers by source: 4 from replicas (2.4 MB moved), 2 from shadows (1.2 MB), 0 from disk`
+        (with `, 3 from returned nodes (1.8 MB)` after the replicas when some came back)."""
         mb = {k: getattr(self, f"{k}_bytes") / 1e6 for k in SOURCES}
+        back = f", {len(self.returned)} from returned nodes ({mb['returned']:.1f} MB)" if self.returned else ""
         return (
-            f"layers by source: {len(self.replica)} from replicas ({mb['replica']:.1f} MB moved), "
+            f"layers by source: {len(self.replica)} from replicas ({mb['replica']:.1f} MB moved){back}, "
             f"{len(self.shadow)} from shadows ({mb['shadow']:.1f} MB), "
             f"{len(self.disk)} from disk ({mb['disk']:.1f} MB read)"
         )

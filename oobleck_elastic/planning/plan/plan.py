@@ -134,6 +134,9 @@ class Plan:
     """Drained nodes of the previous generation that join this generation's entry only, to hand
     their layers (and optimizer state) over, then leave: draining the last holder of a layer moves
     it instead of losing it. Their workers take the ranks after the stages' (`donor_rank`)."""
+    returned: tuple[str, ...] = ()
+    """The donors that were declared lost while alive and came back (docs/recovery.md, "A false
+    death loses nothing"): the layers they send count as `returned` (in the JSON only when set)."""
     tensor_parallel: int = 1
     """Workers (tensor-parallel lanes) per stage, on one node: lane j of a stage is its worker with
     local rank `local_rank + j` and rank `rank + j`."""
@@ -234,6 +237,7 @@ class Plan:
             "donors": list(self.donors),
             "pipelines": [p.to_json() for p in self.pipelines],
             **({"rebalanced": True} if self.rebalanced else {}),
+            **({"returned": list(self.returned)} if self.returned else {}),
             **({"shadows": self.shadows.to_json()} if self.shadows is not None else {}),
         }
 
@@ -284,6 +288,7 @@ class Plan:
                 f=int(data["f"]),
                 warnings=tuple(str(w) for w in data.get("warnings", ())),
                 donors=tuple(str(n) for n in _list(data.get("donors", []), "donors")),
+                returned=tuple(str(n) for n in _list(data.get("returned", []), "returned")),
                 tensor_parallel=int(data.get("tensor_parallel", 1)),
                 rebalanced=data.get("rebalanced", False) is True,
                 shadows=ShadowPlacement.from_json(data["shadows"]) if data.get("shadows") is not None else None,
@@ -330,6 +335,10 @@ class Plan:
         if len(set(self.donors)) != len(self.donors) or set(self.donors) & set(self.nodes):
             raise PlanningError(
                 f"plan generation {self.generation}: donors {list(self.donors)} must be distinct nodes outside the plan"
+            )
+        if not set(self.returned) <= set(self.donors):
+            raise PlanningError(
+                f"plan generation {self.generation}: returned nodes {list(self.returned)} must be donors"
             )
         if self.shadows is not None:
             self.shadows.check(self)
