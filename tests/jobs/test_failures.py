@@ -8,6 +8,7 @@ tree); `when` fires each kill at the moment the test names."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -389,6 +390,7 @@ def test_a_kill_and_a_false_death_lose_nothing(tmp_path: Path, etcd_server, run_
     assert any(e.kind == "renew" and e.node == pair[1] and "returned" in e.detail for e in events), lines
     assert "have no copy left but on" in out, out[-4000:]
     donors = [line for line in out.splitlines() if "handed layers" in line and "as a donor" in line]
-    assert donors, out[-4000:]
+    assert donors and f"node {pair[1]}" in donors[0], out[-4000:]
+    assert re.search(r"layers by source: \d+ from replicas \(.*\), [1-9]\d* from returned nodes", out), out[-4000:]
     assert "no surviving copy" not in out and "restored checkpoint" not in out, out[-4000:]
     assert_same(job, ref)
