@@ -130,8 +130,9 @@ class Worker:
         if info is not None and info.donor:
             require_hard_exit("donor")
             log.at(node=ctx.node_id).info(
-                "leaving the job (node %s was drained; its layers were handed over to generation %d)",
+                "leaving the job (node %s %s; its layers were handed over to generation %d)",
                 ctx.node_id,
+                "came back after it was declared lost" if ctx.node_id in plan.returned else "was drained",
                 plan.generation,
                 event="handed_over",
             )

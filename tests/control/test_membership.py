@@ -11,7 +11,7 @@ import time
 
 from oobleck_elastic.etcd import connect
 from oobleck_elastic.records.keys import Keys
-from oobleck_elastic.records.control import FenceRecord, NodeState
+from oobleck_elastic.records.control import FenceRecord, NodeRecord, NodeState
 from oobleck_elastic.rendezvous.membership import Member, live_nodes, read_events
 
 from helpers import eventually
@@ -119,4 +119,36 @@ def test_a_node_that_did_not_refresh_for_a_ttl_is_fenced_and_comes_back_returned
         assert [r.state for r in live_nodes(client, keys)] == [NodeState.RETURNED]
     finally:
         member.close()
+        client.close()
+
+
+def test_a_returned_nodes_workers_wait_take_no_stage_and_donate_or_leave(etcd_settings, run_id) -> None:
+    """The workers of a fenced node whose agent came back `returned` keep their layers while the
+    newest plan still has the node (the re-plan without it is coming) or names it a donor, never
+    take a stage, and leave once a plan moved on without it; with no record they leave at once."""
+    from dataclasses import replace
+
+    from oobleck_elastic.rendezvous.worker import WorkerContext
+    from oobleck_elastic.testing import layout_plan
+
+    client = connect(etcd_settings)
+    keys = Keys("/oobleck", run_id)
+    ctx = WorkerContext(client=client, keys=keys, node_id="n1", local_rank=0)
+    old = layout_plan([[(0, 3), (3, 6)]], [4], generation=1)  # n0, n1
+    without = layout_plan([[(0, 6)]], [4], generation=2)  # n0 alone
+    donor = replace(without, donors=("n1",), returned=("n1",))
+    rec = NodeRecord(
+        node_id="n1", index=1, host="h", devices=1, agent_pid=1, state=NodeState.RETURNED, since=0.0, lease_id=0
+    )
+    try:
+        client.put_json(keys.fence("n1"), FenceRecord(time=time.time(), generation=1).to_json())
+        assert ctx.should_leave(old) is not None  # fenced, no record: its agent is gone
+        lease = client.grant_lease(30)
+        client.put_json(keys.node("n1"), replace(rec, lease_id=lease).to_json(), lease=lease)
+        assert ctx.should_leave(old) is None and ctx.should_leave(None) is None
+        assert ctx.my_stage(old) is None  # a fenced node never trains again
+        assert ctx.should_leave(donor) is None
+        assert "fenced" in (ctx.should_leave(without) or "")
+        client.revoke_lease(lease)
+    finally:
         client.close()
