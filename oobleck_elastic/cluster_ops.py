@@ -71,7 +71,7 @@ def _ago(t: float) -> str:
 
 
 def agents(client: EtcdClient, keys: Keys) -> list[str]:
-    """One line per node: index, node id, host, state (up / draining / lost), devices, since."""
+    """One line per node: index, node id, host, state (up / draining / returned / lost), devices, since."""
     live = live_nodes(client, keys)
     lines = [f"{'index':>5}  {'node':<8} {'host':<20} {'state':<9} {'devices':>7}  since"]
     for r in live:
