@@ -120,6 +120,7 @@ class Member:
         """How many times the lease was renewed after etcd let it expire."""
         self.returned = False
         """Fenced while its process lived, and back under a new lease (`_come_back`)."""
+        self._lease_lock = threading.Lock()
         self.fence_reason = ""
         self.record: Optional[NodeRecord] = None
         self.fenced = threading.Event()
@@ -221,10 +222,11 @@ class Member:
                 elif is_fenced(self.client, self.keys, self.node_id):
                     self._fence("the lease expired while etcd was unreachable, and the leader declared this node lost")
             try:
-                if self.fenced.is_set():
-                    self._come_back()
-                else:
-                    self._renew()
+                with self._lease_lock:
+                    if self.fenced.is_set():
+                        self._come_back()
+                    else:
+                        self._renew()
             except Exception as err:  # noqa: BLE001 - the lease is still gone at the next tick: again then
                 log.at(node=self.node_id).warning("could not put the record back under a new lease (%s)", err)
                 continue
@@ -299,8 +301,10 @@ class Member:
         too late): then fence it and come back `returned` now (a roll call's ping prompts this)."""
         if self.fenced.is_set() or self.record is None or not is_fenced(self.client, self.keys, self.node_id):
             return
-        self._fence("the leader declared this node lost (it answered a ping too late)")
-        self._come_back()
+        with self._lease_lock:  # not while the keep-alive puts the record back too
+            if not self.fenced.is_set():
+                self._fence("the leader declared this node lost (it answered a ping too late)")
+                self._come_back()
 
     def _fence(self, reason: str) -> None:
         log.at(node=self.node_id).error("%s; the node is fenced", reason)
