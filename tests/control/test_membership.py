@@ -152,3 +152,24 @@ def test_a_returned_nodes_workers_wait_take_no_stage_and_donate_or_leave(etcd_se
         client.revoke_lease(lease)
     finally:
         client.close()
+
+
+def test_a_node_fenced_while_its_lease_lives_comes_back_at_its_ping_answer(etcd_settings, run_id) -> None:
+    """A roll call declared the node lost (it answered a ping too late) while its lease lives: the
+    keep-alive never finds the lease gone, so the agent checks its fence when it answers the ping."""
+    client = connect(etcd_settings)
+    keys = Keys("/oobleck", run_id)
+    member = Member(client, keys, devices=1, lease_ttl_s=3)
+    try:
+        rec = member.register()
+        member.check_declared_lost()
+        assert not member.fenced.is_set()  # not fenced: nothing happens
+        client.put_json(keys.fence(rec.node_id), FenceRecord(time=time.time(), generation=2).to_json())
+        member.check_declared_lost()
+        assert member.fenced.is_set() and member.returned and "ping too late" in member.fence_reason
+        assert [(r.node_id, r.state, r.lease_id) for r in live_nodes(client, keys)] == [
+            (rec.node_id, NodeState.RETURNED, member.lease)
+        ]
+    finally:
+        member.close()
+        client.close()
