@@ -126,3 +126,17 @@ def test_an_entry_counts_the_layers_a_returned_node_sent() -> None:
         "0 from shadows (0.0 MB), 0 from disk (0.0 MB read)"
     )
     assert "returned" not in LayerSources.of_moves(6, moves).describe()
+
+
+def test_the_entry_takes_the_returned_donors_layers_only_at_the_committed_step() -> None:
+    from oobleck_elastic.engine.entry.reconfigure import plan_transfers
+
+    plan = replace(NEW, donors=("n3",), returned=("n3",))
+    survivors = {("n0", 0): range(0, 3), ("n2", 0): range(0, 3)}
+    # the returned n3 is at the agreed step: layers 3-5 come from it, nothing is lost
+    transfers, lost = plan_transfers({**survivors, ("n3", 0): range(3, 6)}, plan)
+    donor = plan.donor_rank("n3", 0)
+    assert lost == [] and {t.layer for t in transfers if t.src == donor} == {3, 4, 5}
+    # behind the agreed step its workers count as holding nothing (`_agree_on_layouts`): lost
+    _, lost = plan_transfers(survivors, plan)
+    assert lost == [3, 4, 5]
