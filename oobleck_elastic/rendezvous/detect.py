@@ -244,6 +244,9 @@ class Deputy:
                     time=time.time(), kind=EventKind.LOST, node=leader_node, generation=plan.generation, detail=detail
                 ),
             )
+            # fenced like any node that misses a ping: if it lives, it comes back only `returned`
+            fence = FenceRecord(time=time.time(), generation=plan.generation).to_json()
+            self.client.put_if_absent(self.keys.fence(leader_node), json.dumps(fence))
         if rec is not None:  # no record: its lease, which also holds the leader key, is gone already
             self.client.revoke_lease(rec.lease_id)
         return True

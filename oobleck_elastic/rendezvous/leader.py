@@ -98,7 +98,6 @@ class Leader:
         self._value = b""
         self._waiting_for: Optional[int] = None
         self._unplannable: Optional[tuple[tuple[str, ...], int]] = None
-        self._proven_dead: set[str] = set()  # found dead by a refused liveness connection: never back
         self._hold: Optional[tuple[int, float]] = None  # (generation, since): a re-plan awaits a return
         self.liveness: Optional[LeaderLiveness] = None  # connections to the plan's agents while leading
         self.rollcall = RollCall(client, keys, node_id=member.node_id, ping_timeout_s=ping_timeout_s, reader=self.view)
@@ -348,8 +347,6 @@ class Leader:
             }
             for node in lost:
                 declare_lost(self.client, self.keys, node, plan.generation if plan else 0)
-            if decision.detection == Detector.LIVENESS:  # a refused connection: they never come back
-                self._proven_dead.update(decision.lost)
             self._publish(list(decision.nodes), plan, rev, records, lost=lost)
             if decision.detection is not None:  # the verdict is acted on: the next one starts afresh
                 self.rollcall.reset()
@@ -464,9 +461,7 @@ class Leader:
         self._waiting_for = None
         progress = read_progress(self.client, self.keys) if old is not None else None
         stepped = progress is not None and old is not None and progress.generation >= old.generation
-        plan, choice = with_donors(
-            plan, old, records, lost, lambda node: is_fenced(self.view, self.keys, node), self._proven_dead, stepped
-        )
+        plan, choice = with_donors(plan, old, records, lost, lambda n: is_fenced(self.view, self.keys, n), stepped)
         if old is not None and choice is not None and choice.awaited and self._awaiting(old.generation, choice):
             return  # a false death loses nothing: wait for the node to come back (docs/recovery.md)
         self._commit(plan, old, rev, records, lost)

@@ -143,12 +143,13 @@ def returned_nodes(old: Plan, records: list[NodeRecord]) -> tuple[str, ...]:
     return tuple(n for n in old.nodes if n in back)
 
 
-def maybe_alive(old: Plan, plan: Plan, records: list[NodeRecord], *, proven_dead: Collection[str]) -> tuple[str, ...]:
-    """Nodes of `old` that `plan` drops whose record vanished (a lease that expired, perhaps under
-    load) and that no refused liveness connection proved dead: they may still come back. (A node
-    declared lost at a roll call keeps its record: it is not waited for, docs/recovery.md.)"""
+def maybe_alive(old: Plan, plan: Plan, records: list[NodeRecord], fenced: Callable[[str], bool]) -> tuple[str, ...]:
+    """Nodes of `old` that `plan` drops whose record vanished although nobody declared them lost:
+    their lease expired, perhaps under load, and they may still come back. (A node found dead by a
+    detector is fenced: a refused liveness connection proves it; one that missed a ping comes
+    back `returned` only if it answers before the re-plan, docs/recovery.md.)"""
     live = {r.node_id for r in records}
-    return tuple(n for n in old.nodes if n not in plan.nodes and n not in live and n not in proven_dead)
+    return tuple(n for n in old.nodes if n not in plan.nodes and n not in live and not fenced(n))
 
 
 def with_donors(
@@ -157,7 +158,6 @@ def with_donors(
     records: list[NodeRecord],
     lost: Mapping[str, str],
     fenced: Callable[[str], bool],
-    proven_dead: Collection[str],
     old_stepped: bool = True,
 ) -> tuple[Plan, Optional[SourceChoice]]:
     """`plan` with its donors (draining nodes, `donors`, and returned nodes for the layers nobody
@@ -165,7 +165,7 @@ def with_donors(
     gone = donors(plan, old, records, lost, fenced, old_stepped=old_stepped)
     if old is None:
         return dataclasses.replace(plan, donors=gone), None
-    alive = maybe_alive(old, plan, records, proven_dead=proven_dead)
+    alive = maybe_alive(old, plan, records, fenced)
     choice = choose_sources(plan, old, donors=gone, returned=returned_nodes(old, records), maybe_alive=alive)
     return dataclasses.replace(plan, donors=gone + choice.returned, returned=choice.returned), choice
 

@@ -90,25 +90,25 @@ def test_a_draining_donor_is_a_replica() -> None:
 def test_returned_and_maybe_alive_nodes_from_the_records() -> None:
     records = [record("n0"), record("n2"), record("n3", NodeState.RETURNED)]
     assert returned_nodes(OLD, records) == ("n3",)
-    # n1's record vanished: maybe alive unless a refused liveness connection proved it dead
-    assert maybe_alive(OLD, NEW, records, proven_dead=()) == ("n1",)
-    assert maybe_alive(OLD, NEW, records, proven_dead=("n1",)) == ()
-    # nodes with a live record are not waited for: one declared lost at a roll call (it comes back
-    # `returned` only if it answers a ping), one left out alive (a straggler)
+    # n1's record vanished and nobody declared it lost: its lease expired, it may come back
+    assert maybe_alive(OLD, NEW, records, lambda n: n == "n3") == ("n1",)
+    # declared lost by a detector (fenced): a refused liveness connection, or a missed ping
+    assert maybe_alive(OLD, NEW, records, lambda n: n in ("n1", "n3")) == ()
+    # nodes with a live record are not waited for (one left out alive: a straggler)
     everyone = [record("n0"), record("n1"), record("n2"), record("n3")]
-    assert maybe_alive(OLD, NEW, everyone, proven_dead=()) == ()
+    assert maybe_alive(OLD, NEW, everyone, lambda n: False) == ()
 
 
 def test_the_plan_names_the_returned_donor_and_keeps_it_through_json() -> None:
     records = [record("n0"), record("n2"), record("n3", NodeState.RETURNED)]
-    plan, choice = with_donors(replace(NEW, donors=()), OLD, records, {}, lambda n: n == "n3", proven_dead=("n1",))
+    plan, choice = with_donors(replace(NEW, donors=()), OLD, records, {}, lambda n: n in ("n1", "n3"))
     assert choice is not None and choice.returned == ("n3",)
     assert plan.donors == ("n3",) and plan.returned == ("n3",)
     assert Plan.from_json(plan.to_json()) == plan
     assert "returned" not in NEW.to_json()  # only when set
-    # without the returned node, n1 not proven dead: the re-plan waits for it (and n3 it cannot use)
+    # both records vanished, nobody declared either lost: the re-plan waits for them
     records = [record("n0"), record("n2")]
-    waiting, choice = with_donors(NEW, OLD, records, {}, lambda n: False, proven_dead=())
+    waiting, choice = with_donors(NEW, OLD, records, {}, lambda n: False)
     assert choice is not None and choice.awaited == ("n1", "n3") and waiting.donors == ()
 
 
