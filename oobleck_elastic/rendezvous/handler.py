@@ -192,10 +192,11 @@ class OobleckRendezvousHandler(RendezvousHandler):
     def _say_goodbye(self) -> None:
         """Record the clean leave (`goodbye/<node>`) while the liveness socket is still open: a
         watcher that reads it closed, however late, finds the goodbye and takes no death."""
-        if self.member is None or self.member.record is None or self.member.fenced.is_set():
-            return  # never registered, or declared lost already: nothing to say
+        m = self.member
+        if m is None or m.record is None or (m.fenced.is_set() and not m.returned):
+            return  # never registered, or declared lost (and not back `returned`): nothing to say
         self._on_the_way_out()
-        say_goodbye(self.client, self.keys, self.member.node_id, "agent shut down")
+        say_goodbye(self.client, self.keys, m.node_id, "agent shut down")
 
     def _leave(self) -> bool:
         """Record this node's leaving and revoke its lease; False when etcd does not answer within

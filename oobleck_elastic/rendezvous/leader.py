@@ -24,7 +24,7 @@ from .profile_wait import ProfileWait
 from .publish import SourceChoice, commit_plan, declare_lost, with_donors
 from ..records.keys import Keys
 from .stragglers import LeaderStragglers
-from .membership import Member, live_nodes, put_event
+from .membership import Member, goodbye_of, live_nodes, put_event
 from ..records.plans import PlanReader, RosterReader, newest_history_plan
 from ..records.control import Admission, ClosedRecord, Event, EventKind, LeaderRecord, NodeRecord, NodeState
 from ..records.read import (
@@ -469,10 +469,11 @@ class Leader:
     def _awaiting(self, generation: int, choice: SourceChoice) -> bool:
         """Whether the re-plan after `generation` still waits for `choice.awaited` (a TTL + settle at most)."""
         now, bound = time.monotonic(), self.member.lease_ttl_s + self.settle_s
-        if self._hold is None or self._hold[0] != generation:
+        left = all(goodbye_of(self.client, self.keys, n) is not None for n in choice.awaited)  # nothing comes back
+        if not left and (self._hold is None or self._hold[0] != generation):
             self._hold = (generation, now)
             log.at(node=self.member.node_id).warning("%s: waiting up to %.1f s", choice.describe_wait(), bound)
-        return now - self._hold[1] < bound
+        return not left and self._hold is not None and now - self._hold[1] < bound
 
     def _commit(
         self, plan: Plan, old: Optional[Plan], rev: Optional[int], records: list[NodeRecord], lost: Mapping[str, str]
