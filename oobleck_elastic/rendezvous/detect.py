@@ -220,6 +220,10 @@ class Deputy:
             self.keys,
             Event(time=time.time(), kind=EventKind.LOST, node=leader_node, generation=plan.generation, detail=detail),
         )
+        # fenced first: a deposed leader that was only slow finds its lease gone on its next refresh,
+        # and must not take it for etcd's fault, renew its membership and campaign again
+        fence = FenceRecord(time=time.time(), generation=plan.generation).to_json()
+        self.client.put_if_absent(self.keys.fence(leader_node), json.dumps(fence))
         if rec is not None:  # no record: its lease, which also holds the leader key, is gone already
             self.client.revoke_lease(rec.lease_id)
         return True

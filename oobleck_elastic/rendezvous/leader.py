@@ -20,6 +20,7 @@ from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
 from .decide import LeaderAction, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide
+from .drills import install_spin_drill
 from .detect import LOST_BECAUSE, Deputy, LeaderLiveness, LeaderWatch, RollCall
 from .profile_wait import ProfileWait
 from .publish import commit_plan, declare_lost, donors
@@ -104,6 +105,7 @@ class Leader:
         self.leader_watch = LeaderWatch(client, keys, node_id=member.node_id, reader=self.view, on_dead=self._nudge)
 
     def start(self) -> None:
+        install_spin_drill()
         self._thread = threading.Thread(target=self._run, name="oobleck-leader", daemon=True)
         self._thread.start()
 
@@ -163,7 +165,11 @@ class Leader:
             self.view.wait_for(lambda v: done(v.get(key)), timeout=2.0)
 
     def _campaign(self) -> bool:
+        if not self.member.lease_fresh():
+            return False  # a stalled agent's lease may be gone: its keep-alive says so (or fences it)
         current = self.view.get(self.keys.leader)
+        if current is not None and self._value and current.value == self._value:
+            return True  # it stepped down for a stall that its lease outlived: it leads again
         if current is not None and isinstance(self.view, Mirror):  # someone leads: no request needed
             self._clear_bogus_leader(current)
             return False
@@ -249,6 +255,9 @@ class Leader:
             view, rev, records = self._read_view()
             decision = decide(view, clocks, time.monotonic(), rules)
             clocks = decision.clocks
+            if not self.member.lease_fresh():
+                self._step_down()
+                return
             self._act(decision, view.plan, rev, records)
             if decision.action == LeaderAction.WAIT_FOR_NODES or self.profiles.waiting:
                 self._pause(_IDLE_S)  # below n0, or no profile yet: only a change can help
@@ -263,6 +272,18 @@ class Leader:
             mirrored = isinstance(self.view, Mirror)
             waiting = decision.action != LeaderAction.NONE or (view.plan is None and not mirrored) or self.rollcall.open
             self._pause(self.tick_s if waiting else _IDLE_S)
+
+    def _step_down(self) -> None:
+        """This agent stalled (SIGSTOP, a thread holding the GIL, a starved machine) for so long that
+        its lease may have expired: another agent may lead by now, and what this one saw before the
+        stall is stale (a roll call's pings it could not read, nodes it could not reach). It acts on
+        none of it: it stops leading at once, and leads again only if its keep-alive finds the lease
+        alive and the `leader` key still its own (otherwise the keep-alive fences the node)."""
+        log.at(node=self.member.node_id).warning(
+            "no lease refresh for %.1fs (TTL %.1fs): this agent stalled; stepping down as leader",
+            time.monotonic() - self.member.refreshed_at,
+            self.member.lease_ttl_s,
+        )
 
     def _read_view(self) -> tuple[LeaderView, Optional[int], list[NodeRecord]]:
         """What the leader sees now (from its mirror), with the plan key's revision and the node

@@ -100,6 +100,9 @@ class Member:
         self.renewals = 0
         """How many times the lease was renewed after etcd let it expire."""
         self.fence_reason = ""
+        self.refreshed_at = time.monotonic()
+        """When the last refresh that found the lease alive was sent (monotonic): until a TTL after
+        it the lease is alive in etcd whatever this process's stalls (`lease_fresh`)."""
         self.record: Optional[NodeRecord] = None
         self.fenced = threading.Event()
         self._stop = threading.Event()
@@ -112,6 +115,7 @@ class Member:
 
     def register(self) -> NodeRecord:
         index = self._next_index()
+        self.refreshed_at = time.monotonic()
         self.lease = self.client.grant_lease(self.lease_ttl_s)
         self.record = NodeRecord(
             node_id=f"node{index}",
@@ -174,7 +178,7 @@ class Member:
 
     def _keepalive(self) -> None:
         interval = max(0.05, self.lease_ttl_s / 3)
-        last_ok = time.monotonic()  # when the last refresh that found the lease alive was sent
+        last_ok = self.refreshed_at
         while not self._stop.wait(interval):
             sent = time.monotonic()
             try:
@@ -187,7 +191,7 @@ class Member:
                 log.at(node=self.node_id).warning("lease refresh failed (%s); retrying", err)
                 continue
             if ttl > 0:
-                last_ok = sent
+                last_ok = self.refreshed_at = sent
                 continue
             if sent - last_ok > self.lease_ttl_s:
                 self._fence(
@@ -195,9 +199,16 @@ class Member:
                     f"{self.lease_ttl_s:.1f}s TTL); the job has moved on without it"
                 )
                 return
+            renewed_at = time.monotonic()
             if not self._renew():
                 return
-            last_ok = time.monotonic()
+            last_ok = self.refreshed_at = renewed_at
+
+    def lease_fresh(self) -> bool:
+        """Whether this node's lease is surely alive now: its last successful refresh was sent less
+        than a TTL ago. After a stall of this process (SIGSTOP, a thread holding the GIL) it may have
+        expired, and what this agent saw before the stall may be stale (the leader steps down)."""
+        return not self.fenced.is_set() and time.monotonic() - self.refreshed_at < self.lease_ttl_s
 
     def _renew(self) -> bool:
         """etcd let the lease expire although it was refreshed on time: take a new lease and put

@@ -73,8 +73,10 @@ def test_a_node_that_did_not_refresh_for_a_ttl_is_fenced(etcd_settings, run_id) 
     try:
         member.register()
         member._stop = Frozen()  # read by the keep-alive loop at every turn
+        assert member.lease_fresh()
         eventually(member.fenced.is_set)
         assert "did not refresh it for" in member.fence_reason and member.renewals == 0
+        assert not member.lease_fresh()  # its leader loop, if it leads, steps down
     finally:
         member.close()
         client.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from oobleck_elastic.etcd.memory import MemoryKV
 from oobleck_elastic.rendezvous.detect import STALL_RECHECK_S, Deputy, LeaderWatch, RollCall
 from oobleck_elastic.records.keys import Keys
+from oobleck_elastic.records.read import is_fenced
 from oobleck_elastic.rendezvous.membership import live_nodes, read_events
 from oobleck_elastic.records.control import Checkin, CheckinKind, EventKind, LeaderRecord, NodeRecord, NodeState, Roster
 
@@ -155,6 +156,7 @@ def test_the_deputy_revokes_the_lease_of_a_leader_that_does_not_answer() -> None
     kv.outage = False
     assert d.check(roster)
     assert kv.get(KEYS.leader) is None and kv.get(KEYS.node("n0")) is None  # its lease is gone
+    assert is_fenced(kv, KEYS, "n0")  # a leader that was only slow must not renew and campaign again
     events = [ev for _, ev in read_events(kv, KEYS)]
     assert [(ev.kind, ev.node, ev.generation) for ev in events] == [(EventKind.LOST, "n0", 3)]
     assert not d.pending
