@@ -1,7 +1,7 @@
-"""A leader whose agent stalled for a lease TTL steps down (rendezvous/leader.py): after the stall
-its lease may be gone and what it saw before is stale, so it acts on nothing (no admission, no
-fence, no plan) until its keep-alive finds the lease alive; then, the `leader` key still its own,
-it leads again without a new election."""
+"""A leader whose agent stalled for a lease TTL stops acting (rendezvous/leader.py): after the
+stall its lease may be gone and what it saw before is stale, so it acts on nothing (no admission,
+no fence, no plan) until its keep-alive finds the lease alive; then, the `leader` key still its
+own, it leads on without a new election."""
 
 from __future__ import annotations
 
