@@ -1,8 +1,9 @@
 """A stalled leader hands over: the leader's agent (not its workers) is frozen for three lease
-TTLs, by SIGSTOP or by a busy loop that holds the GIL (`OOBLECK_AGENT_SPIN`); its lease expires,
-another agent is elected and re-plans without the stalled node, and the job's next step comes
-within TTL + settle + the survivors' re-entry. The job ends with the single-process reference
-weights. The stalled agent finds itself fenced when it resumes and publishes nothing.
+TTLs, by SIGSTOP or by a busy loop that holds the GIL (`OOBLECK_AGENT_SPIN`), alone or while a
+non-leader dies; its lease expires (or a deputy deposes it), another agent is elected and
+re-plans without the stalled node, and the job never waits for a step longer than TTL + settle +
+the survivors' re-entry + two steps. The job ends with the single-process reference weights. The
+stalled agent finds itself fenced when it resumes and publishes nothing.
 """
 
 from __future__ import annotations
@@ -74,17 +75,17 @@ def _stall_the_leader(
     from oobleck_elastic.etcd import EtcdSettings, connect
     from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.records.read import read_leader
-    from oobleck_elastic.rendezvous.membership import live_nodes
+    from oobleck_elastic.rendezvous.membership import live_nodes, read_events
 
     keys = Keys("/oobleck", run_id)
     clock = StepClock()
-    stalled: dict[str, float] = {}
+    stalled: dict = {}
 
     def stall_leader(client) -> None:
         leader = read_leader(client, keys)
         assert leader is not None
         rec = next(r for r in live_nodes(client, keys) if r.node_id == leader.node_id)
-        stalled["at"] = time.monotonic()
+        stalled["at"], stalled["node"] = time.monotonic(), rec.node_id
         stall(rec.agent_pid)
         also(client, keys)
 
@@ -111,6 +112,12 @@ def _stall_the_leader(
         killed_by_test=killed,
     )
     assert_same(job, ref)
+    client = connect(EtcdSettings(endpoint=etcd_server.endpoint))
+    try:
+        published = [ev.node for _, ev in read_events(client, keys) if ev.kind == "plan" and ev.generation > 1]
+    finally:
+        client.close()
+    assert published and stalled["node"] not in published, published  # the stalled leader published nothing
     return out, clock, stalled["at"]
 
 
