@@ -244,7 +244,8 @@ class Deputy:
                     time=time.time(), kind=EventKind.LOST, node=leader_node, generation=plan.generation, detail=detail
                 ),
             )
-            # fenced like any node that misses a ping: if it lives, it comes back only `returned`
+            # fenced like any node that misses a ping, before its lease is revoked: a deposed leader that was
+            # only slow must not take the lost lease for etcd's fault and campaign again; it comes back `returned`
             fence = FenceRecord(time=time.time(), generation=plan.generation).to_json()
             self.client.put_if_absent(self.keys.fence(leader_node), json.dumps(fence))
         if rec is not None:  # no record: its lease, which also holds the leader key, is gone already

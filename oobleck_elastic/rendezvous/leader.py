@@ -19,6 +19,7 @@ from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
 from .decide import LeaderAction, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide
+from .drills import install_spin_drill
 from .detect import Deputy, LeaderLiveness, LeaderWatch, RollCall, why_lost
 from .profile_wait import ProfileWait
 from .publish import SourceChoice, commit_plan, declare_lost, with_donors
@@ -112,6 +113,7 @@ class Leader:
         self.leader_watch = LeaderWatch(client, keys, node_id=member.node_id, reader=self.view, on_dead=self._nudge)
 
     def start(self) -> None:
+        install_spin_drill()
         self._thread = threading.Thread(target=self._run, name="oobleck-leader", daemon=True)
         self._thread.start()
 
@@ -131,7 +133,7 @@ class Leader:
                     pass  # the job is over: nothing to lead (agents leaving must not re-elect)
                 elif self._campaign():
                     self._lead()
-                else:
+                elif self.member.lease_fresh():  # a stalled deputy's ping timing is no verdict
                     roster = self._rosters.read(self.view)
                     if self.leader_watch.check(roster) or self.deputy.check(roster):
                         continue  # the dead leader's lease is revoked: campaign at once
@@ -148,8 +150,7 @@ class Leader:
     def _idle(self) -> bool:
         """Whether this non-leader waits on nothing but news: someone leads (as its mirror shows)
         and its deputy is not timing a ping. Then only a change wakes it (a new leader key, a
-        check-in, `closed`; a liveness verdict nudges the mirror), and 1,000 agents cost nothing
-        between changes instead of waking 5 times a second each."""
+        check-in, `closed`; a liveness verdict nudges the mirror): 1,000 idle agents cost nothing."""
         return isinstance(self.view, Mirror) and self.view.get(self.keys.leader) is not None and not self.deputy.pending
 
     def _nudge(self, _node: str = "") -> None:
@@ -165,13 +166,16 @@ class Leader:
             self._stop.wait(timeout)
 
     def _caught_up(self, key: str, done: Callable[[Optional[KV]], bool]) -> None:
-        """After a write: wait (briefly) until the mirror shows it, so the next tick does not act
-        on the state before it."""
+        """After a write: wait (briefly) until the mirror shows it (the next tick acts on it)."""
         if isinstance(self.view, Mirror):
             self.view.wait_for(lambda v: done(v.get(key)), timeout=2.0)
 
     def _campaign(self) -> bool:
+        if not self.member.lease_fresh():
+            return False  # after a stall its lease may be gone: its keep-alive says (or fences it)
         current = self.view.get(self.keys.leader)
+        if current is not None and self._value and current.value == self._value:
+            return True  # its own key, its lease alive (its loop had failed): it leads on
         if current is not None and isinstance(self.view, Mirror):  # someone leads: no request needed
             self._clear_bogus_leader(current)
             return False
@@ -250,13 +254,18 @@ class Leader:
             settle_s=self.settle_s,
             rebalance=self.stragglers.enabled,
         )
-        while not self._stop.is_set() and self._still_leader():
+        while not self._stop.is_set() and not self.member.fenced.is_set() and self._still_leader():
             if read_closed(self.view, self.keys) is not None:
                 self._pause(self.tick_s * 4)
+                continue
+            if not self._lease_confirmed():
+                self._pause(self.tick_s)
                 continue
             view, rev, records = self._read_view()
             decision = decide(view, clocks, time.monotonic(), rules)
             clocks = decision.clocks
+            if not self._lease_confirmed():
+                continue
             self._act(decision, view.plan, rev, records)
             if decision.action == LeaderAction.WAIT_FOR_NODES or self.profiles.waiting:
                 self._pause(_IDLE_S)  # below n0, or no profile yet: only a change can help
@@ -271,6 +280,21 @@ class Leader:
             mirrored = isinstance(self.view, Mirror)
             waiting = decision.action != LeaderAction.NONE or (view.plan is None and not mirrored) or self.rollcall.open
             self._pause(self.tick_s if waiting else _IDLE_S)
+
+    def _lease_confirmed(self) -> bool:
+        """Whether this leader may act (`Member.lease_fresh`): after a stall of a TTL another agent
+        may lead and what this one saw is stale, so it acts on nothing (no ping, admission, fence or
+        plan) until its keep-alive finds the lease alive (it leads on) or fences the node."""
+        fresh = self.member.lease_fresh()
+        if fresh != self.is_leader.is_set():
+            if fresh:
+                self.is_leader.set()
+                log.at(node=self.member.node_id).info("lease refreshed: leading again")
+            else:
+                self.is_leader.clear()
+                stalled = time.monotonic() - self.member.refreshed_at
+                log.at(node=self.member.node_id).warning("no lease refresh for %.1fs: not leading", stalled)
+        return fresh
 
     def _read_view(self) -> tuple[LeaderView, Optional[int], list[NodeRecord]]:
         """What the leader sees now (from its mirror), with the plan key's revision and the node

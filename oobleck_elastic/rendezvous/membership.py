@@ -122,6 +122,9 @@ class Member:
         """Fenced while its process lived, and back under a new lease (`_come_back`)."""
         self._lease_lock = threading.Lock()
         self.fence_reason = ""
+        self.refreshed_at = time.monotonic()
+        """When the last refresh that found the lease alive was sent (monotonic): until a TTL after
+        it the lease is alive in etcd whatever this process's stalls (`lease_fresh`)."""
         self.record: Optional[NodeRecord] = None
         self.fenced = threading.Event()
         self._stop = threading.Event()
@@ -134,6 +137,7 @@ class Member:
 
     def register(self) -> NodeRecord:
         index = self._next_index()
+        self.refreshed_at = time.monotonic()
         self.lease = self.client.grant_lease(self.lease_ttl_s)
         self.record = NodeRecord(
             node_id=f"node{index}",
@@ -196,7 +200,7 @@ class Member:
 
     def _keepalive(self) -> None:
         interval = max(0.05, self.lease_ttl_s / 3)
-        # when the last refresh that found the lease alive was answered: time spent waiting for
+        # when etcd last answered a refresh that found the lease alive: time spent waiting for
         # etcd's answer is etcd's slowness, not this node's, and must not count against it
         last_ok = time.monotonic()
         while not self._stop.wait(interval):
@@ -211,7 +215,7 @@ class Member:
                 log.at(node=self.node_id).warning("lease refresh failed (%s); retrying", err)
                 continue
             if ttl > 0:
-                last_ok = time.monotonic()
+                self.refreshed_at, last_ok = sent, time.monotonic()
                 continue
             if not self.fenced.is_set():
                 if sent - last_ok > self.lease_ttl_s:
@@ -221,6 +225,7 @@ class Member:
                     )
                 elif is_fenced(self.client, self.keys, self.node_id):
                     self._fence("the lease expired while etcd was unreachable, and the leader declared this node lost")
+            renewed_at = time.monotonic()
             try:
                 with self._lease_lock:
                     if self.fenced.is_set():
@@ -230,7 +235,13 @@ class Member:
             except Exception as err:  # noqa: BLE001 - the lease is still gone at the next tick: again then
                 log.at(node=self.node_id).warning("could not put the record back under a new lease (%s)", err)
                 continue
-            last_ok = time.monotonic()
+            self.refreshed_at, last_ok = renewed_at, time.monotonic()
+
+    def lease_fresh(self) -> bool:
+        """Whether this node's lease is surely alive now: its last successful refresh was sent less
+        than a TTL ago. After a stall of this process (SIGSTOP, a thread holding the GIL) it may have
+        expired, and what this agent saw before the stall may be stale (the leader steps down)."""
+        return not self.fenced.is_set() and time.monotonic() - self.refreshed_at < self.lease_ttl_s
 
     def _new_lease(self, state: NodeState) -> int:
         """Put this node's record back under a new lease (the old one expired); returns the old lease."""

@@ -110,8 +110,10 @@ def test_a_node_that_did_not_refresh_for_a_ttl_is_fenced_and_comes_back_returned
     try:
         rec = member.register()
         member._stop = Frozen()  # read by the keep-alive loop at every turn
+        assert member.lease_fresh()
         eventually(lambda: member.returned)
         assert "sent no refresh for" in member.fence_reason and member.renewals == 0
+        assert not member.lease_fresh()  # its leader loop, if it leads, steps down
         # fenced in every reader's eyes (no leader had fenced it yet), its record live again
         assert client.get_json(keys.fence(rec.node_id))[0] is not None
         assert [r.state for r in live_nodes(client, keys)] == [NodeState.RETURNED]

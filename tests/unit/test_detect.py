@@ -8,6 +8,7 @@ from oobleck_elastic.etcd.memory import MemoryKV
 from oobleck_elastic.rendezvous.decide import Detector
 from oobleck_elastic.rendezvous.detect import STALL_RECHECK_S, Deputy, LeaderWatch, RollCall, why_lost
 from oobleck_elastic.records.keys import Keys
+from oobleck_elastic.records.read import is_fenced
 from oobleck_elastic.rendezvous.membership import live_nodes, read_events, say_goodbye
 from oobleck_elastic.records.control import Checkin, CheckinKind, EventKind, LeaderRecord, NodeRecord, NodeState, Roster
 
@@ -160,6 +161,7 @@ def test_the_deputy_revokes_the_lease_of_a_leader_that_does_not_answer() -> None
     kv.outage = False
     assert d.check(roster)
     assert kv.get(KEYS.leader) is None and kv.get(KEYS.node("n0")) is None  # its lease is gone
+    assert is_fenced(kv, KEYS, "n0")  # a leader that was only slow must not renew and campaign again
     events = [ev for _, ev in read_events(kv, KEYS)]
     assert [(ev.kind, ev.node, ev.generation) for ev in events] == [(EventKind.LOST, "n0", 3)]
     assert "no sign of life in the 0.5s since" in events[0].detail  # twice the roll call's patience
