@@ -1,4 +1,4 @@
-"""Leader election and plan publication.
+"""The agent's leader loop: campaign (`rendezvous.election`), detect, decide, publish.
 
 Invariant: at most one leader publishes at a time (the `leader` key under its lease), and a
 deposed leader can never overwrite a newer plan. The story: docs/recovery.md.
@@ -6,7 +6,6 @@ deposed leader can never overwrite a newer plan. The story: docs/recovery.md.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -20,6 +19,7 @@ from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
 from .decide import LeaderAction, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide
 from .drills import install_spin_drill
+from .election import Election, caught_up
 from .detect import Deputy, LeaderLiveness, LeaderWatch, RollCall, why_lost
 from .profile_wait import ProfileWait
 from .publish import SourceChoice, commit_plan, declare_lost, with_donors
@@ -27,7 +27,7 @@ from ..records.keys import Keys
 from .stragglers import LeaderStragglers
 from .membership import Member, goodbye_of, live_nodes, put_event
 from ..records.plans import PlanReader, RosterReader, newest_history_plan
-from ..records.control import Admission, ClosedRecord, Event, EventKind, LeaderRecord, NodeRecord, NodeState
+from ..records.control import Admission, ClosedRecord, Event, EventKind, NodeRecord, NodeState
 from ..records.read import (
     is_fenced,
     read_admitted,
@@ -96,7 +96,6 @@ class Leader:
         self.is_leader = threading.Event()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._value = b""
         self._waiting_for: Optional[int] = None
         self._unplannable: Optional[tuple[tuple[str, ...], int]] = None
         self._hold: Optional[tuple[int, float]] = None  # (generation, since): a re-plan awaits a return
@@ -111,6 +110,7 @@ class Leader:
             outage_grace_s=member.lease_ttl_s + settle_s,
         )
         self.leader_watch = LeaderWatch(client, keys, node_id=member.node_id, reader=self.view, on_dead=self._nudge)
+        self.election = Election(client, keys, member, self.view)
 
     def start(self) -> None:
         install_spin_drill()
@@ -131,7 +131,7 @@ class Leader:
             try:
                 if read_closed(self.view, self.keys) is not None:
                     pass  # the job is over: nothing to lead (agents leaving must not re-elect)
-                elif self._campaign():
+                elif self.election.campaign():
                     self._lead()
                 elif self.member.lease_fresh():  # a stalled deputy's ping timing is no verdict
                     roster = self._rosters.read(self.view)
@@ -166,65 +166,7 @@ class Leader:
             self._stop.wait(timeout)
 
     def _caught_up(self, key: str, done: Callable[[Optional[KV]], bool]) -> None:
-        """After a write: wait (briefly) until the mirror shows it (the next tick acts on it)."""
-        if isinstance(self.view, Mirror):
-            self.view.wait_for(lambda v: done(v.get(key)), timeout=2.0)
-
-    def _campaign(self) -> bool:
-        if not self.member.lease_fresh():
-            return False  # after a stall its lease may be gone: its keep-alive says (or fences it)
-        current = self.view.get(self.keys.leader)
-        if current is not None and self._value and current.value == self._value:
-            return True  # its own key, its lease alive (its loop had failed): it leads on
-        if current is not None and isinstance(self.view, Mirror):  # someone leads: no request needed
-            self._clear_bogus_leader(current)
-            return False
-        value = LeaderRecord(node_id=self.member.node_id, since=time.time()).encode()
-        try:
-            won = self.client.put_if_absent(self.keys.leader, value, lease=self.member.lease)
-        except EtcdError:
-            raise
-        except Exception as err:  # noqa: BLE001 - the lease expired (etcd stalled): the member renews it
-            log.at(node=self.member.node_id).info(
-                "cannot campaign yet (%s); the lease is being renewed", type(err).__name__
-            )
-            return False
-        if won:
-            self._value = value
-            self._caught_up(self.keys.leader, lambda kv: kv is not None and kv.value == value)
-            log.at(node=self.member.node_id).info("elected leader")
-            put_event(
-                self.client,
-                self.keys,
-                Event(time=time.time(), kind=EventKind.LEADER, node=self.member.node_id, detail="elected leader"),
-            )
-        else:
-            self._clear_bogus_leader(self.view.get(self.keys.leader))
-        return bool(won)
-
-    def _clear_bogus_leader(self, kv: Optional[KV]) -> None:
-        """A `leader` value that no agent can have written (not a {node_id, since} record, or not
-        bound to a lease, so it would never expire) would block every election for good: delete
-        it, if it is still the same revision, so the next campaign can win."""
-        if kv is None:
-            return
-        try:
-            LeaderRecord.parse(json.loads(kv.value))
-            bogus = not kv.lease
-        except (ValueError, UnicodeDecodeError):
-            bogus = True
-        if bogus:
-            warn_once(
-                self.keys.leader,
-                kv.mod_revision,
-                f"node {self.member.node_id}: removing a bogus value of {self.keys.leader} ({kv.value[:60]!r}): "
-                "not an agent's leader record bound to a lease",
-            )
-            self.client.delete(self.keys.leader, revision=kv.mod_revision)
-
-    def _still_leader(self) -> bool:
-        kv = self.view.get(self.keys.leader)
-        return kv is not None and kv.value == self._value
+        caught_up(self.view, key, done)
 
     # ------------------------------------------------------------------ planning
     def _lead(self) -> None:
@@ -254,7 +196,7 @@ class Leader:
             settle_s=self.settle_s,
             rebalance=self.stragglers.enabled,
         )
-        while not self._stop.is_set() and not self.member.fenced.is_set() and self._still_leader():
+        while not self._stop.is_set() and not self.member.fenced.is_set() and self.election.held():
             if read_closed(self.view, self.keys) is not None:
                 self._pause(self.tick_s * 4)
                 continue
@@ -512,7 +454,7 @@ class Leader:
             records,
             lost,
             leader=self.member.node_id,
-            leader_value=self._value,
+            leader_value=self.election.value,
             rev=rev,
         )
         if events is not None:
