@@ -360,10 +360,12 @@ def test_a_leader_dead_with_another_node_is_replaced_and_both_are_left_out_at_on
     eventually(
         lambda: deputy.leader.leader_watch.monitor is not None and gone <= deputy.leader.leader_watch.monitor.answered()
     )
-    for victim in (old, other):  # killed at the same moment: their kernels close the sockets
-        victim.liveness.close(goodbye=False)
+    # killed at the same moment: both stop acting, then their kernels close the sockets (closing
+    # them first would let a victim still running act on the other's death: campaign, depose)
     for victim in (old, other):
         c.crash(victim)
+    for victim in (old, other):
+        victim.liveness.close(goodbye=False)
     new = c.wait_plan(lambda p: p.generation == 2, timeout=10)
     assert set(new.nodes) == set(plan.nodes) - gone, "\n".join(e.line() for e in c.events())
     lost: dict[str, str] = {}
@@ -396,10 +398,10 @@ def test_a_new_leader_takes_the_addresses_its_predecessor_reached_as_proof(clust
     others = set(plan.nodes) - {me}
     eventually(lambda: set((read_answered(c.client, c.keys) or AnsweredRecord(0, {})).addresses) == others)
     assert read_answered(c.client, c.keys).addresses[other.member.node_id] == other.liveness.address
+    for victim in (old, other):  # killed together: both stop acting, then their sockets close
+        c.crash(victim)
     for victim in (old, other):
         victim.liveness.close(goodbye=False)
-    for victim in (old, other):
-        c.crash(victim)
     for node in others - {other.member.node_id}:
         checkin(c, plan, node, "failure")
     new = c.wait_plan(lambda p: p.generation == 2, timeout=10)
