@@ -9,6 +9,7 @@ stalled agent finds itself fenced when it resumes and publishes nothing.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -137,7 +138,9 @@ def _check(out: str, clock: StepClock, at: float, what: str) -> None:
     gap, bound = clock.longest_wait_after(at), clock.bound(at)
     print(f"leader agent {what} for {3 * TTL_S:g} s: longest wait for a step {gap:.2f} s (bound {bound:.2f} s)")
     assert gap < bound, out[-6000:]
-    assert "generation 2 left out lost node(s)" in out, out[-6000:]
+    # the survivors moved to generation 2 (told by the abandoned step, or by their own failed
+    # communication when a follower died meanwhile: whichever comes first under load)
+    assert re.search(r"gen 2 step \d+ node \S+ rank \d+: entered from generation 1", out), out[-6000:]
     assert "Timed out waiting" not in out  # nobody waited for the communication timeout
     assert "lease expired: this node sent no refresh for" in out  # the stalled agent came back fenced
 
@@ -148,6 +151,7 @@ def test_a_sigstopped_leader_agent_hands_over(tmp_path: Path, etcd_server, run_i
     _check(out, clock, at, "SIGSTOPped")
 
 
+@pytest.mark.extended  # the default run stalls the leader's agent (SIGSTOP, a follower killed meanwhile)
 def test_a_leader_agent_holding_the_gil_hands_over(tmp_path: Path, etcd_server, run_id) -> None:
     out, clock, at = _stall_the_leader(
         tmp_path, etcd_server, run_id, _spin, env={"OOBLECK_AGENT_SPIN": f"{3 * TTL_S:g}"}

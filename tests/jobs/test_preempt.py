@@ -105,6 +105,7 @@ def test_a_worker_survives_a_notice_its_agent_recorded_and_dies_of_any_other(tmp
             proc.wait()
 
 
+@pytest.mark.extended  # `make stress` (in CI) drains a node beside busy loops, against the reference
 @pytest.mark.slow
 def test_a_preempted_node_hands_over_and_exits_0(tmp_path: Path, etcd_server, run_id) -> None:
     """`--preempt 1@3`: node 1's agent gets SIGTERM at step 3; the node is drained, not lost."""
