@@ -311,35 +311,48 @@ class Trainer:
         ]
         return indices[start:end]
 
-    def train_step(self, step: int, *, seen_generation: int = 0, rejections: int = 0) -> StepResult:
+    def train_step(
+        self, step: int, *, seen_generation: int = 0, rejections: int = 0, epoch: Optional[int] = None
+    ) -> StepResult:
         """Run step `step` (0-based) and apply it. It may run in another thread: it uses the
         generation's objects as they were when it started, and after `abandon()` it raises
         StepAbandoned instead of changing this trainer's state. `seen_generation`: the newest plan
         generation this worker has seen; `rejections`: how often this worker has seen the step
-        guard reject `step` (the commit agrees on the largest of each, engine/step/commit.py)."""
-        t0, epoch, generation = time.perf_counter(), self.applier.epoch, self.generation
-        self._begin(step)
-        x, y = self.batches.get(step)
-        self._fed(step)
-        schedule, grad_sync, step_group = self.schedule, self.grad_sync, self.step_group
-        shadow_link = self.shadow_link
-        assert grad_sync is not None, "enter a generation first"
-        grad_sync.begin_step(self.pipeline.microbatches)  # reductions start as layers finish
-        assert self.plan is not None
+        guard reject `step` (the commit agrees on the largest of each, engine/step/commit.py);
+        `epoch`: the step applier's epoch when the step was handed to its thread (default: now)."""
+        t0 = time.perf_counter()
+        epoch = self.applier.epoch if epoch is None else epoch
+        with self.applier.current(epoch):  # abandoned before its thread took it up: touch nothing
+            pass
+        self._begin(step)  # may sleep or block: the control plane may abandon the step meanwhile
+        # the generation's objects, taken while the step is current (abandon() waits for the lock): an
+        # abandoned step's thread that wakes up later never runs on the next generation's schedule
+        with self.applier.current(epoch):
+            self._step = step
+            self.clock.take()  # what an abandoned or rejected run left
+            generation, plan, pipeline, rank = self.generation, self.plan, self.pipeline, self.rank
+            x, y = self.batches.get(step)
+            self._fed(step)
+            schedule, grad_sync, shadow_link = self.schedule, self.grad_sync, self.shadow_link
+            # None is the default group, which the next generation replaces: this one's, by name
+            step_group = self.step_group if self.step_group is not None else dist.group.WORLD
+            holds_first_last, stage_module = self.holds_first_last, self.stage_module
+        assert grad_sync is not None and plan is not None, "enter a generation first"
+        grad_sync.begin_step(pipeline.microbatches)  # reductions start as layers finish
         local_loss = forward_backward(
             schedule,
             x,
             y,
-            holds_first_last=self.holds_first_last,
-            module=self.stage_module,
+            holds_first_last=holds_first_last,
+            module=stage_module,
             loss_fn=self.loss_fn,
-            microbatch_size=self.plan.microbatch_size,  # the plan's: training.microbatch_size may be auto
+            microbatch_size=plan.microbatch_size,  # the plan's: training.microbatch_size may be auto
             device=self.device,
             dtype=self.dtype,
             progress=self.progress,
             clock=self.clock,
         )
-        local_loss = self.faults.poisoned(local_loss, rank=self.rank, step=step, params=self.params)
+        local_loss = self.faults.poisoned(local_loss, rank=rank, step=step, params=self.params)
         norm2, loss = self._synchronise(step, local_loss, grad_sync, step_group, epoch, shadow_link)
         agreed = commit(
             self._vote(seen_generation, rejections),
@@ -398,11 +411,9 @@ class Trainer:
             self.samples.committed("applied", step, generation=self.generation, rank=self.rank, how="roll_forward")
 
     def _begin(self, step: int) -> None:
-        """The injected faults of a step's start (engine/resilience/faults.py), and a clean clock."""
+        """The injected faults of a step's start (engine/resilience/faults.py)."""
         self.faults.check(rank=self.rank, step=step)
         self.faults.block(rank=self.rank, step=step, where="loop")
-        self._step = step
-        self.clock.take()  # what an abandoned or rejected run left
 
     def _synchronise(
         self,

@@ -204,7 +204,13 @@ class Worker:
                 completed = False
                 try:
                     result = self.runner.run(
-                        functools.partial(trainer.train_step, self.step, seen_generation=newest, rejections=rejections),
+                        functools.partial(  # the epoch now: the step thread may take it up after an abandonment
+                            trainer.train_step,
+                            self.step,
+                            seen_generation=newest,
+                            rejections=rejections,
+                            epoch=trainer.applier.epoch,
+                        ),
                         should_abandon=should_abandon,
                         interval_s=watch_s,
                     )
