@@ -46,6 +46,28 @@ def test_communication_errors_send_a_worker_to_the_roll_call(err: BaseException)
     assert is_communication_error(err)
 
 
+def _raised_from(cause: BaseException, message: str) -> RuntimeError:
+    try:
+        raise RuntimeError(message) from cause
+    except RuntimeError as err:
+        return err
+
+
+STAGE_BACKWARD = "\n        Failed to run stage backward:\n        Stage output: Tensor(torch.Size([2, 32, 64]))\n"
+
+
+def test_a_communication_error_under_torchs_stage_backward_is_one() -> None:
+    """torch's pipeline stage re-raises a gradient hook's failed collective as its own RuntimeError
+    `from` it (seen: a 1F1B job's survivor ended its worker, and with it a copy of its layers)."""
+    assert not is_communication_error(RuntimeError(STAGE_BACKWARD))
+    assert is_communication_error(_raised_from(RuntimeError(GLOO_CLOSED), STAGE_BACKWARD))
+    assert is_communication_error(_raised_from(_raised_from(ConnectionResetError("reset"), "inner"), STAGE_BACKWARD))
+    assert not is_communication_error(_raised_from(ValueError("a model bug"), STAGE_BACKWARD))
+    handled = RuntimeError(STAGE_BACKWARD)
+    handled.__context__ = RuntimeError(GLOO_CLOSED)  # raised while handling one, not because of it
+    assert not is_communication_error(handled)
+
+
 @pytest.mark.parametrize(
     "err",
     [

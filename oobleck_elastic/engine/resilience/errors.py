@@ -43,11 +43,18 @@ def is_communication_error(err: BaseException) -> bool:
     or a timed-out collective (gloo raises a plain RuntimeError naming its transport), torch's
     `DistError` family (NCCL errors, an aborted group, a store timeout), socket-level
     ConnectionError/TimeoutError, etcd out of reach, a generation superseded while being joined,
-    and `StepAbandoned`. Everything else (out of memory, a model bug, a CheckpointError) is not."""
-    if isinstance(err, (StepAbandoned, dist.DistError, ConnectionError, TimeoutError, EtcdError)):
-        return True
-    if type(err) is RuntimeError:  # exactly: subclasses (CheckpointError, LayersLost, ...) are ours
-        return bool(_COMM_PATTERNS.search(str(err)))
+    and `StepAbandoned`, also as the cause (`raise ... from`) of another error: torch's pipeline
+    stage re-raises what failed in a backward (a gradient hook's collective) as "Failed to run stage
+    backward". Everything else (out of memory, a model bug, a CheckpointError) is not."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, (StepAbandoned, dist.DistError, ConnectionError, TimeoutError, EtcdError)):
+            return True
+        if type(cause) is RuntimeError and _COMM_PATTERNS.search(str(cause)):  # exactly: subclasses are ours
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__
     return False
 
 
