@@ -3,6 +3,7 @@ acts on a running job's etcd state, and a local job run beside its single-proces
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -12,7 +13,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -23,6 +24,38 @@ from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.run import train
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# bf16: autocast on the device, fp32 master weights and optimizer state in both runs. The job and the
+# reference run the same bf16 ops on the same microbatches. Two things may still differ:
+# - how a kernel sums: a matmul's blocking (its fp32 summation order) depends on the intra-op thread
+#   count. Both sides compute on one thread (the reference in this process by `one_thread`, the
+#   workers by OMP_NUM_THREADS=1, which the launcher otherwise sets to cores // workers): the same
+#   kernels, the same order (measured on CPU: 1 vs 2 threads moved the reference by 1.2e-7);
+# - the order of sums across processes (the tied embedding's two gradients, the gradient norm for
+#   clipping): fp32 roundings, which can flip the bf16 rounding of a gradient, by bf16's eps
+#   (2^-7) relative, now and then.
+# The bound that follows from bf16's precision: Adam divides a gradient by its own scale, so a
+# gradient off by eps relative moves a weight's update by at most about eps x lr per step; over the
+# run's steps, with a factor 2 for roundings on both sides, `bf16_atol(steps, lr)` (6.25e-5 here,
+# against 1.6e-8 measured on one thread, and 2.2e-3 between bf16 and fp32 weights: the check that
+# bf16 ran at all uses the same bound).
+
+
+def bf16_atol(steps: int, lr: float) -> float:
+    """How far a bf16 job's fp32 master weights may be from the reference's (the comment above it)."""
+    return 2 * steps * lr * torch.finfo(torch.bfloat16).eps
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch computes on one intra-op thread in this process (the reference), as the workers do."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def reference_state(cfg, dataset, steps: int) -> dict[str, torch.Tensor]:

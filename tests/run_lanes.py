@@ -36,9 +36,9 @@ def main(argv: list[str]) -> int:
     if args.all_extended:
         marks = "not chaos"
     elif args.shard:
-        marks = "not chaos and (not extended or in_shard)"
+        marks = "not chaos and not full_matrix and (not extended or in_shard)"
     else:
-        marks = "not chaos and not extended"
+        marks = "not chaos and not extended and not full_matrix"
     results: list[tuple[str, int, float]] = []
     for lane in args.lanes:
         cmd = [sys.executable, "-m", "pytest", "-q", str(TESTS / lane), "-m", marks, "--durations=15"]

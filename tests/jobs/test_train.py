@@ -4,12 +4,10 @@ with the same weights as the single-process run."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from oobleck_elastic.checkpoint import latest_checkpoint, load_model_state, read_manifest
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.run import train
-from helpers import TINY_PROFILE_OVERRIDES, tensorboard_run, tiny_profile
+from helpers import TINY_PROFILE_OVERRIDES, bf16_atol, one_thread, tensorboard_run, tiny_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,37 +72,8 @@ def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path) -> Non
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-# bf16: autocast on the device, fp32 master weights and optimizer state in both runs. The job and the
-# reference run the same bf16 ops on the same microbatches. Two things may still differ:
-# - how a kernel sums: a matmul's blocking (its fp32 summation order) depends on the intra-op thread
-#   count. Both sides compute on one thread (the reference in this process by `one_thread`, the
-#   workers by OMP_NUM_THREADS=1, which the launcher otherwise sets to cores // workers): the same
-#   kernels, the same order (measured on CPU: 1 vs 2 threads moved the reference by 1.2e-7);
-# - the order of sums across processes (the tied embedding's two gradients, the gradient norm for
-#   clipping): fp32 roundings, which can flip the bf16 rounding of a gradient, by bf16's eps
-#   (2^-7) relative, now and then.
-# The bound that follows from bf16's precision: Adam divides a gradient by its own scale, so a
-# gradient off by eps relative moves a weight's update by at most about eps x lr per step; over the
-# run's steps, with a factor 2 for roundings on both sides, `bf16_atol(steps, lr)` (6.25e-5 here,
-# against 1.6e-8 measured on one thread, and 2.2e-3 between bf16 and fp32 weights: the check that
-# bf16 ran at all uses the same bound).
+# bf16 runs are compared within `bf16_atol` (tests/helpers.py tells why).
 TOLERANCE = {"fp32": {"rtol": 1e-5, "atol": 1e-6}}
-
-
-def bf16_atol(steps: int, lr: float) -> float:
-    """How far a bf16 job's fp32 master weights may be from the reference's (the comment above)."""
-    return 2 * steps * lr * torch.finfo(torch.bfloat16).eps
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """torch computes on one intra-op thread in this process (the reference), as the workers do."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.slow

@@ -1,0 +1,102 @@
+"""Every combination trains: launched jobs over the feature matrix (tests/matrix.py), each ending
+with the single-process reference's weights, under torch's collective checker.
+
+CI runs the pairwise rows (every pair of two features' values in some row); `make test-all` runs
+every combination the job accepts (`full_matrix`). Each job runs with TORCH_DISTRIBUTED_DEBUG=DETAIL:
+torch checks that every collective is issued by all of its group's members alike, and a mismatch
+fails the step. The combination the job refuses on purpose is asserted as a one-line refusal.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ROOT, bf16_atol, one_thread, overrides, run_job, tiny_profile
+from matrix import FULL, PAIRWISE, name, refusal
+from oobleck_elastic.config import load_config
+from oobleck_elastic.checkpoint import load_model_state
+from oobleck_elastic.engine.run import train
+
+STEPS, AT = 6, 3  # the events happen once 3 steps are done
+
+EVENTS = {
+    "none": ["--nodes", "4"],
+    "kill-holder": ["--nodes", "4", "--kill", f"follower@{AT}"],  # holds layers, and is not the leader
+    "kill-leader": ["--nodes", "4", "--kill", f"leader@{AT}"],
+    "join": ["--nodes", "3", "--join", str(AT)],  # one 3-stage pipeline, then two of 2 stages
+}
+CHUNKS = {"1f1b": 1, "interleaved-1f1b": "auto", "zero-bubble": 1, "zbv": "auto"}
+LR = 1e-3  # configs/gpt2-tiny.yaml's training.optimizer.lr, for the bf16 bound
+
+
+def _keys(row: dict) -> list[str]:
+    return [
+        f"planning.schedule={row['schedule']}",
+        f"planning.chunks_per_device={CHUNKS[row['schedule']]}",
+        f"fault_tolerance.shadow_copies={row['shadows']}",
+        f"training.compile={str(row['compile']).lower()}",
+        f"training.precision={row['precision']}",
+        *([f"planning.gpus_per_node={row['tp']}", f"planning.tensor_parallel={row['tp']}"] if row["tp"] > 1 else []),
+    ]
+
+
+def _rows() -> list:
+    pairwise = [name(r) for r in PAIRWISE]
+    rows = [pytest.param(r, id=name(r)) for r in PAIRWISE]
+    rows += [pytest.param(r, id=name(r), marks=pytest.mark.full_matrix) for r in FULL if name(r) not in pairwise]
+    return rows
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("row", _rows())
+def test_every_combination_trains_like_the_reference(tmp_path: Path, etcd_server, run_id, row: dict) -> None:
+    """One row of the matrix: a 4-node job (3 and a joiner for `join`), its event at step 3, 6 steps;
+    its weights equal the single-process reference's (fp32: the equality tests' tolerance; bf16:
+    `bf16_atol`, tests/jobs/test_train.py), and torch's collective checker found no mismatch."""
+    profile = tiny_profile(tmp_path / "profile.json", tensor_parallel=row["tp"])
+    launcher = [*EVENTS[row["event"]], "--nproc-per-node", str(row["tp"])]
+    killed = row["event"].startswith("kill")
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "OMP_NUM_THREADS": "1"}  # one thread: as the reference
+    out, job, _ = run_job(
+        tmp_path, etcd_server, run_id, launcher, STEPS, profile, extra=_keys(row), env=env, reference=False
+    )
+    assert "Detected mismatch between collectives" not in out, out[-5000:]
+    if killed:
+        assert "[launcher] killed node" in out and "entered from generation 1" in out, out[-4000:]
+    if row["event"] == "join":
+        assert "(join: +" in out, out[-4000:]
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path / "ref", STEPS, profile) + _keys(row))
+    with one_thread():
+        train(cfg)
+    ref = load_model_state(tmp_path / "ref" / "ckpt")
+    assert set(job) == set(ref)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if row["precision"] == "fp32" else {"rtol": 0.0, "atol": bf16_atol(STEPS, LR)}
+    for key in ref:
+        torch.testing.assert_close(job[key], ref[key], **tol, msg=f"{name(row)}: {key}")
+
+
+def test_a_refused_combination_says_both_keys_in_one_line(tmp_path: Path, etcd_server, run_id) -> None:
+    """Shadow copies with tensor parallelism (tests/matrix.py `refusal`): the job stops before its
+    first step with one line that names both keys and what to set."""
+    row = {"schedule": "1f1b", "event": "none", "shadows": 1, "compile": False, "tp": 2, "precision": "fp32"}
+    assert refusal(row) is not None
+    out, _, _ = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "1", "--nproc-per-node", "2"],
+        STEPS,
+        tiny_profile(tmp_path / "profile.json", tensor_parallel=2),
+        extra=_keys(row),
+        expect_failure=True,
+    )
+    line = (
+        "fault_tolerance.shadow_copies=1 with tensor parallelism: training keeps shadow copies only with "
+        "planning.tensor_parallel=1 (a keeper would need every lane's shards); set planning.tensor_parallel=1 or "
+        "fault_tolerance.shadow_copies=0"
+    )
+    assert line in out, out[-4000:]
+    assert refusal(row) in line
