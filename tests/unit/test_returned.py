@@ -82,6 +82,16 @@ def test_shadows_serve_before_a_wait_and_after_a_returned_node() -> None:
     assert back.layers(Source.RETURNED) == (3, 4, 5) and back.returned == ("n3",)
 
 
+def test_a_layer_in_a_later_chunk_comes_from_its_surviving_holder() -> None:
+    """Zero-bubble with two chunks per device: n0 and n2 run layers 0-1 and 3, n1 and n3 layer 2
+    and 4-5 (a stage's start/end are its first chunk's only). n0 and n1 are lost: n2 and n3
+    still hold every layer, 3-5 included, so nothing comes from a shadow or the disk."""
+    chunked = [(0, 2), (2, 3), (3, 4), (4, 6)]
+    old = layout_plan([chunked, chunked], [2, 2], generation=1, schedule="zero-bubble", chunks=2)
+    new = on(layout_plan([[(0, 6)], [(0, 6)]], [2, 2], generation=2), "n2", "n3")
+    assert choose_sources(new, old).sources == (Source.REPLICA,) * 6
+
+
 def test_a_draining_donor_is_a_replica() -> None:
     choice = choose_sources(NEW, OLD, donors=["n1"], returned=["n3"])
     assert set(choice.sources) == {Source.REPLICA} and choice.returned == ()

@@ -3,7 +3,8 @@
 - The placement property: with s shadow copies of each layer, on nodes that do not hold it on
   their devices, every loss of up to f + s nodes leaves a copy of every layer; checked against
   a reference of its own by enumerating EVERY loss set of small plans (4-8 nodes, f=1, s=0,1,2,
-  planner-made and hand-made, spares included), and by sampling loss sets of a 200-node plan.
+  planner-made and hand-made, spares and devices of several chunks included), and by sampling
+  loss sets of a 200-node plan.
 - `tolerated_losses` is exactly the largest such k (the smallest loss set that takes a layer is
   one size larger), and `survives` agrees with the reference on every loss set.
 - Budgets are respected; impossible placements raise with messages that say what to change.
@@ -48,22 +49,25 @@ LAYER = int(0.4 / 4 * GIB) * 3  # one shadow of uniform_profile's layer: params 
 # ----------------------------------------------------------------------------- a reference
 
 
+def on_devices(plan: Plan, layer: int) -> set[str]:
+    """The nodes running `layer`, read from the stages directly: every chunk of a stage with
+    chunks (its `start`/`end` are then only the first chunk's)."""
+    return {
+        s.node for p in plan.pipelines for s in p.stages for u, v in (s.chunks or ((s.start, s.end),)) if u <= layer < v
+    }
+
+
 def reference_holders(plan: Plan, shadows: Optional[ShadowPlacement]) -> list[set[str]]:
     """Each layer's holders, read from the stages and the shadow lists directly."""
-    out = []
-    for layer in range(plan.num_layers):
-        nodes = {s.node for p in plan.pipelines for s in p.stages if s.start <= layer < s.end}
-        out.append(nodes | set(shadows.layers[layer] if shadows else ()))
-    return out
+    return [on_devices(plan, i) | set(shadows.layers[i] if shadows else ()) for i in range(plan.num_layers)]
 
 
 def assert_well_placed(plan: Plan, shadows: ShadowPlacement, s: int, budget: dict[str, int]) -> None:
     """s distinct shadows per layer, on plan nodes not holding it on their devices, within budget."""
     used = dict.fromkeys(plan.nodes, 0)
     for layer, nodes in enumerate(shadows.layers):
-        on_devices = {st.node for p in plan.pipelines for st in p.stages if st.start <= layer < st.end}
         assert len(nodes) == len(set(nodes)) == s
-        assert set(nodes) <= set(plan.nodes) - on_devices
+        assert set(nodes) <= set(plan.nodes) - on_devices(plan, layer)
         for node in nodes:
             used[node] += shadows.layer_bytes[layer]
     assert all(used[n] <= budget[n] for n in plan.nodes)
@@ -97,6 +101,11 @@ def small_plans() -> list[tuple[str, Plan]]:
     plans.append(("mixed", mixed))
     two = layout_plan([[(0, 1), (1, 6)], [(0, 5), (5, 6)]], [4, 4], generation=1)
     plans.append(("spares", dataclasses.replace(two, nodes=(*two.nodes, "s0", "s1"), spares=("s0", "s1"))))
+    # devices holding several chunks, whose later chunks lie outside the first one's start..end:
+    # interleaved zero-bubble as the demo's plan has it (two pipelines of two devices), and zbv
+    chunked = [[(0, 2), (2, 3), (3, 4), (4, 6)], [(0, 1), (1, 2), (2, 4), (4, 6)]]
+    plans.append(("zero-bubble-chunks", layout_plan(chunked, [4, 4], generation=1, schedule="zero-bubble", chunks=2)))
+    plans.append(("zbv", layout_plan(chunked, [4, 4], generation=1, schedule="zbv", chunks=2)))
     return plans
 
 
@@ -310,6 +319,22 @@ def test_a_shadow_on_a_device_holder_is_refused() -> None:
     layers[0] = ("n0",)  # n0 runs layers 0-2
     with pytest.raises(PlanningError, match=r"^plan generation 1: shadow copies: layer 0 on n0, which holds it"):
         dataclasses.replace(plan, shadows=dataclasses.replace(good, layers=tuple(layers))).check()
+
+
+def test_a_device_holds_every_layer_of_its_chunks() -> None:
+    """With chunks a stage's `start`/`end` are only its first chunk's: n0 also runs layer 3 and
+    n1 layers 4-5 (the demo's zero-bubble plan has such devices). A shadow there would be a keeper
+    sending itself its own gradients each step (gloo: "Pair is not connected"); it is never placed,
+    and refused when given; the copies count every chunk."""
+    plan = layout_plan([[(0, 2), (2, 3), (3, 4), (4, 6)]], [8], generation=1, schedule="zero-bubble", chunks=2)
+    assert [(s.start, s.end, s.layers()) for s in plan.pipelines[0].stages] == [(0, 2, (0, 1, 3)), (2, 3, (2, 4, 5))]
+    assert layer_copies(plan) == [1] * 6
+    shadows = place_shadows(plan, 1, [1] * 6, 10)
+    assert shadows.layers == (("n1",), ("n1",), ("n0",), ("n1",), ("n0",), ("n0",))
+    layers = list(shadows.layers)
+    layers[3] = ("n0",)  # n0 runs layer 3 in its second chunk
+    with pytest.raises(PlanningError, match=r"^plan generation 1: shadow copies: layer 3 on n0, which holds it"):
+        dataclasses.replace(plan, shadows=dataclasses.replace(shadows, layers=tuple(layers))).check()
 
 
 # ----------------------------------------------------------------------------- config and `oobleck plan`

@@ -1,7 +1,8 @@
 """Shadow copies kept current and restored from (engine/step/shadows.py): who sends what to
 whom (pure functions on made-up plans), and four gloo workers where both device copies of some
 layers are lost and the survivors go on from the shadows, ending with the single-process
-reference weights and shadows bit-identical to the holders' layers."""
+reference weights and shadows bit-identical to the holders' layers; the same end for two gloo
+workers running zero-bubble with two chunks per device, each keeping the other's layers."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from oobleck_elastic.models.build import build_meta_layers
 from oobleck_elastic.planning import Plan
 from oobleck_elastic.planning.tolerance.shadows import place_shadows
 import helpers
-from oobleck_elastic.testing import node_plan
+from oobleck_elastic.testing import layout_plan, node_plan
 from helpers import RandomTokens
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -280,6 +281,49 @@ def test_when_the_shadows_are_lost_too_the_checkpoint_is_restored(tmp_path: Path
     out = torch.load(tmp_path / "alone.pt", weights_only=True)
     assert out["lost"] == [0, 2, 3]
     merged = {f"{i}:{n}": t for i, layer in out["layers"].items() for n, t in layer.items()}
+    assert set(merged) == set(ref)
+    for key, t in merged.items():
+        torch.testing.assert_close(t, ref[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+# one zero-bubble pipeline of two devices with two chunks each: n0 runs layers 0-1 and 3, n1 layer
+# 2 and 4-5; each keeps the shadows of the other's layers
+_CHUNKED = layout_plan([[(0, 2), (2, 3), (3, 4), (4, 6)]], [8], generation=1, schedule="zero-bubble", chunks=2)
+ZERO_BUBBLE = dataclasses.replace(_CHUNKED, shadows=place_shadows(_CHUNKED, 1, [1] * 6, 100))
+ZB_STEPS = 2
+
+
+def test_with_chunks_every_shadow_is_kept_off_its_holders_and_sent_by_another_rank() -> None:
+    """A stage's start/end are its first chunk's only: a keeper placed by them would hold layer 3
+    itself and send itself its gradients (gloo: "Pair is not connected")."""
+    assert ZERO_BUBBLE.shadows is not None
+    assert ZERO_BUBBLE.shadows.layers == (("n1",), ("n1",), ("n0",), ("n1",), ("n0",), ("n0",))
+    assert routes(ZERO_BUBBLE) == [(0, 0, 1), (1, 0, 1), (2, 1, 0), (3, 0, 1), (4, 1, 0), (5, 1, 0)]
+
+
+def _zero_bubble_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
+    cfg = from_dict(cfg_dict)
+    torch.set_num_threads(1)
+    trainer = Trainer(cfg, dataset=RandomTokens(), plan=ZERO_BUBBLE, rank=rank, store=dist.FileStore(f"{tmp}/s", world))
+    assert type(trainer.schedule).__name__ == "ScheduleInterleavedZeroBubble", type(trainer.schedule)
+    for step in range(ZB_STEPS):
+        trainer.train_step(step)
+    _dump(trainer, os.path.join(tmp, f"zb-rank{rank}.pt"))
+    trainer.close()
+
+
+@pytest.mark.slow
+def test_zero_bubble_with_chunks_keeps_its_shadows_and_matches_the_reference(tmp_path: Path) -> None:
+    """Two gloo ranks run ZERO_BUBBLE with one shadow copy of every layer: both steps are taken,
+    the weights are the single-process reference's and every shadow is bit-identical to its
+    holder's layer."""
+    cfg = config()
+    ref = helpers.reference_state(cfg, RandomTokens(), ZB_STEPS)
+    mp.spawn(_zero_bubble_worker, args=(2, str(tmp_path), to_dict(cfg)), nprocs=2, join=True)
+    dumps = [torch.load(tmp_path / f"zb-rank{r}.pt", weights_only=True) for r in range(2)]
+    assert all(d["shadow_step"] == ZB_STEPS - 1 for d in dumps)
+    assert _assert_shadows_equal_holders(dumps) == 6
+    merged = {f"{i}:{n}": t for d in dumps for i, layer in d["layers"].items() for n, t in layer.items()}
     assert set(merged) == set(ref)
     for key, t in merged.items():
         torch.testing.assert_close(t, ref[key], rtol=1e-5, atol=1e-6, msg=key)

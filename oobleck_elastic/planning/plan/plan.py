@@ -368,11 +368,12 @@ def _list(value: Any, name: str) -> list[Any]:
 
 
 def device_holders(plan: "Plan") -> list[frozenset[str]]:
-    """The nodes holding each layer (index = layer) on their devices."""
+    """The nodes holding each layer (index = layer) on their devices: every chunk of a stage (with
+    chunks `start`/`end` are only the first one's)."""
     holders: list[set[str]] = [set() for _ in range(plan.num_layers)]
     for p in plan.pipelines:
         for s in p.stages:
-            for layer in range(s.start, s.end):
+            for layer in s.layers():
                 holders[layer].add(s.node)
     return [frozenset(h) for h in holders]
 

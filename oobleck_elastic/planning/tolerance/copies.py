@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
 
-from ..plan.plan import Plan
+from ..plan.plan import Plan, device_holders
 
 __all__ = ["Shortfall", "layer_copies", "shortfall"]
 
@@ -19,11 +19,7 @@ __all__ = ["Shortfall", "layer_copies", "shortfall"]
 def layer_copies(plan: Plan, extra: Optional[Mapping[int, Iterable[str]]] = None) -> list[int]:
     """Copies of every layer of `plan` (index = layer): the distinct nodes holding it, on their
     devices or, by `extra` ({layer: nodes}), elsewhere."""
-    holders: list[set[str]] = [set() for _ in range(plan.num_layers)]
-    for p in plan.pipelines:
-        for s in p.stages:
-            for layer in range(s.start, s.end):
-                holders[layer].add(s.node)
+    holders = [set(nodes) for nodes in device_holders(plan)]
     for layer, nodes in (extra or {}).items():
         if not 0 <= layer < plan.num_layers:
             raise ValueError(f"extra copies of layer {layer}: the plan has layers 0..{plan.num_layers - 1}")
