@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 from ..config import JobConfig
 from ..logs import JobLog
 from ..planning import Plan
+from ..records.errors import ErrorRecord, next_error_record
 from ..records.goodput import Category
 from .checkpointing import CheckpointPolicy, NothingToRestore, retake_reason
 from .control import ControlPlane
@@ -95,6 +96,9 @@ class Worker:
         self.heartbeat = Heartbeat(ctx.local_rank)  # to this node's agent (rendezvous/hang.py)
         self.goodput = GoodputClock(ctx.node_id)  # the job's goodput ledger, while this worker holds rank 0
         self.step = 0
+        self.entry_step = 0
+        """The step this worker entered its generation at (a failure before it moved on breaks a
+        generation that made no progress here)."""
         self.retake: Optional[str] = None
         """Why this generation saves a checkpoint before its first step (`retake_reason`), if it does."""
 
@@ -126,7 +130,7 @@ class Worker:
         except Exception as err:
             if not is_communication_error(err):
                 raise
-            return self._broken_entry(plan, describe(err))
+            return self._broken_entry(plan, describe(err), self._failure(err, plan.generation))
         if info is not None and info.donor:
             require_hard_exit("donor")
             log.at(node=ctx.node_id).info(
@@ -138,7 +142,7 @@ class Worker:
             )
             return HandedOver()
         ctx.entered(plan.generation)
-        self.step = step
+        self.step = self.entry_step = step
         self.retake = (
             retake_reason(
                 plan,
@@ -154,7 +158,7 @@ class Worker:
         self.goodput.entered(plan.generation, step, rank0=trainer.rank == 0, origin=ctx.goodput_origin)
         return Entered(info, step)
 
-    def _broken_entry(self, plan: Plan, failure: str) -> Union[HandedOver, Broken]:
+    def _broken_entry(self, plan: Plan, failure: str, error: ErrorRecord) -> Union[HandedOver, Broken]:
         """The entry failed (outside its except block: see Trainer.abort)."""
         trainer, ctx = self.trainer, self.ctx
         if ctx.my_stage(plan) is None:  # a donor: it still holds its layers, and waits for the next plan
@@ -169,7 +173,7 @@ class Worker:
             return Broken(failure)
         self.log.broke()
         _abort(trainer)
-        ctx.report_failure(plan.generation)
+        ctx.report_failure(plan.generation, error=error)
         log.at(gen=trainer.generation, node=ctx.node_id).warning(
             "entering generation %d failed (%s); waiting for a newer plan",
             plan.generation,
@@ -189,7 +193,7 @@ class Worker:
             self.heartbeat.tick()  # what the step thread reported (rendezvous/hang.py)
             return check()
 
-        failure, abandoned, failed_at = None, False, 0.0
+        failure, abandoned, failed_at, error = None, False, 0.0, None
         try:
             if self.retake is not None:  # a re-plan left some layer short of f+1 copies
                 reason, self.retake = self.retake, None
@@ -238,6 +242,8 @@ class Worker:
                 raise
             failure, abandoned = describe(err), isinstance(err, StepAbandoned)
             failed_at = time.time()
+            if self.step == self.entry_step:  # the generation made no progress here: what broke it counts
+                error = self._failure(err, trainer.generation)
         if failure is None:
             return Finished()
         self.log.broke()  # outside the except block: see Trainer.abort
@@ -249,11 +255,19 @@ class Worker:
                 "step abandoned (%s); entering the next generation", failure, event="step_abandoned", fields=timing
             )
         else:
-            ctx.report_failure(trainer.generation)
+            ctx.report_failure(trainer.generation, error=error)
             log.at(gen=trainer.generation, step=self.step, node=ctx.node_id).warning(
                 "communication failed (%s); waiting for the next plan", failure, event="comm_failed", fields=timing
             )
         return Broken(failure)
+
+    def _failure(self, err: BaseException, generation: int) -> ErrorRecord:
+        """`err`, which broke `generation` here, as a record (made in the except block: the
+        exception and its frames must not outlive it, see Trainer.abort)."""
+        ctx = self.ctx
+        return next_error_record(
+            None, err, step=self.step, generation=generation, node=ctx.node_id, local_rank=ctx.local_rank
+        )
 
     def _follow_timeout(self, generation: int, typical: float, *, running: bool) -> None:
         """The auto communication timeout derived again from the typical step (`Trainer.derive_timeout`):
