@@ -74,9 +74,12 @@ class ControlPlane(Protocol):
     def report_ready(self) -> None:
         """This worker can join a generation."""
 
-    def report_failure(self, generation: int, *, kind: str = "failure", error: Optional[ErrorRecord] = None) -> None:
-        """Check in at the roll call: `generation` broke here (`error`: what broke it, before this
-        worker committed a step in it: the first one is kept for the restart bound)."""
+    def report_failure(self, generation: int, *, kind: str = "failure") -> None:
+        """Check in at the roll call: `generation` broke here."""
+
+    def record_failure(self, record: ErrorRecord) -> None:
+        """What broke `record.generation` here before this worker committed a step in it (the
+        generation's first such record is kept, for the restart bound)."""
 
     def entered(self, generation: int) -> None:
         """This worker entered `generation` (a `stall` check-in made while joining is withdrawn)."""
@@ -227,7 +230,10 @@ class LocalControl:
     def report_ready(self) -> None:
         pass
 
-    def report_failure(self, generation: int, *, kind: str = "failure", error: Optional[ErrorRecord] = None) -> None:
+    def report_failure(self, generation: int, *, kind: str = "failure") -> None:
+        pass
+
+    def record_failure(self, record: ErrorRecord) -> None:
         pass
 
     def entered(self, generation: int) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 from ..config import JobConfig
 from ..logs import JobLog
 from ..planning import Plan
-from ..records.errors import ErrorRecord, next_error_record
+from ..records.errors import next_error_record
 from ..records.goodput import Category
 from .checkpointing import CheckpointPolicy, NothingToRestore, retake_reason
 from .control import ControlPlane
@@ -130,7 +130,8 @@ class Worker:
         except Exception as err:
             if not is_communication_error(err):
                 raise
-            return self._broken_entry(plan, describe(err), self._failure(err, plan.generation))
+            self._record_failure(err, plan.generation)
+            return self._broken_entry(plan, describe(err))
         if info is not None and info.donor:
             require_hard_exit("donor")
             log.at(node=ctx.node_id).info(
@@ -158,7 +159,7 @@ class Worker:
         self.goodput.entered(plan.generation, step, rank0=trainer.rank == 0, origin=ctx.goodput_origin)
         return Entered(info, step)
 
-    def _broken_entry(self, plan: Plan, failure: str, error: ErrorRecord) -> Union[HandedOver, Broken]:
+    def _broken_entry(self, plan: Plan, failure: str) -> Union[HandedOver, Broken]:
         """The entry failed (outside its except block: see Trainer.abort)."""
         trainer, ctx = self.trainer, self.ctx
         if ctx.my_stage(plan) is None:  # a donor: it still holds its layers, and waits for the next plan
@@ -173,7 +174,7 @@ class Worker:
             return Broken(failure)
         self.log.broke()
         _abort(trainer)
-        ctx.report_failure(plan.generation, error=error)
+        ctx.report_failure(plan.generation)
         log.at(gen=trainer.generation, node=ctx.node_id).warning(
             "entering generation %d failed (%s); waiting for a newer plan",
             plan.generation,
@@ -193,7 +194,7 @@ class Worker:
             self.heartbeat.tick()  # what the step thread reported (rendezvous/hang.py)
             return check()
 
-        failure, abandoned, failed_at, error = None, False, 0.0, None
+        failure, abandoned, failed_at = None, False, 0.0
         try:
             if self.retake is not None:  # a re-plan left some layer short of f+1 copies
                 reason, self.retake = self.retake, None
@@ -242,8 +243,8 @@ class Worker:
                 raise
             failure, abandoned = describe(err), isinstance(err, StepAbandoned)
             failed_at = time.time()
-            if self.step == self.entry_step:  # the generation made no progress here: what broke it counts
-                error = self._failure(err, trainer.generation)
+            if self.step == self.entry_step and not abandoned:  # no progress here: what broke it counts
+                self._record_failure(err, trainer.generation)
         if failure is None:
             return Finished()
         self.log.broke()  # outside the except block: see Trainer.abort
@@ -255,19 +256,27 @@ class Worker:
                 "step abandoned (%s); entering the next generation", failure, event="step_abandoned", fields=timing
             )
         else:
-            ctx.report_failure(trainer.generation, error=error)
+            ctx.report_failure(trainer.generation)
             log.at(gen=trainer.generation, step=self.step, node=ctx.node_id).warning(
                 "communication failed (%s); waiting for the next plan", failure, event="comm_failed", fields=timing
             )
         return Broken(failure)
 
-    def _failure(self, err: BaseException, generation: int) -> ErrorRecord:
-        """`err`, which broke `generation` here, as a record (made in the except block: the
-        exception and its frames must not outlive it, see Trainer.abort)."""
+    def _record_failure(self, err: BaseException, generation: int) -> None:
+        """Record `err`, which broke `generation` here before this worker committed a step in it,
+        for the restart bound (`ControlPlane.record_failure`). Called in the except block, before
+        the teardown: the worker that failed first writes first, and the exception and its frames
+        do not outlive the block (see Trainer.abort)."""
         ctx = self.ctx
-        return next_error_record(
+        record = next_error_record(
             None, err, step=self.step, generation=generation, node=ctx.node_id, local_rank=ctx.local_rank
         )
+        try:
+            ctx.record_failure(record)
+        except Exception as etcd_err:  # noqa: BLE001 - the generation's failure is handled all the same
+            log.at(gen=generation, step=self.step, node=ctx.node_id).warning(
+                "could not record what broke the generation: %s", describe(etcd_err)
+            )
 
     def _follow_timeout(self, generation: int, typical: float, *, running: bool) -> None:
         """The auto communication timeout derived again from the typical step (`Trainer.derive_timeout`):

@@ -265,19 +265,13 @@ class WorkerContext:
             ReadyRecord(time=time.time(), pid=os.getpid()).to_json(),
         )
 
-    def report_failure(
-        self, generation: int, *, kind: str = CheckinKind.FAILURE, error: Optional[ErrorRecord] = None
-    ) -> None:
+    def report_failure(self, generation: int, *, kind: str = CheckinKind.FAILURE) -> None:
         """Check in at the leader's roll call: this worker saw generation `generation` break
-        (`failure`), or has waited too long for its peers while joining it (`stall`). `error`:
-        what broke it, before this worker committed a step there; the first such error of the
-        generation is kept (`Keys.failure`) for the restart bound (`rendezvous.restart_loop`)."""
+        (`failure`), or has waited too long for its peers while joining it (`stall`)."""
         self.client.put_json(
             self.keys.checkin(generation, self.node_id, self.local_rank),
             Checkin(time=time.time(), kind=CheckinKind(kind)).to_json(),
         )
-        if error is not None:
-            self.client.put_if_absent(self.keys.failure(generation), json.dumps(error.to_json()))
         if kind == CheckinKind.STALL:
             self._stalled.add(generation)
 
@@ -440,6 +434,11 @@ class WorkerContext:
             elif readiness_withdrawn(read_ready(self.client, self.keys, node)):
                 lost.append(node)
         return lost
+
+    def record_failure(self, record: ErrorRecord) -> None:
+        """Keep `record` as what broke its generation if it is the first (`Keys.failure`, put if
+        absent), for the restart bound (`rendezvous.restart_loop`)."""
+        self.client.put_if_absent(self.keys.failure(record.generation), json.dumps(record.to_json()))
 
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
         """Store the error that ends this worker (see `engine.resilience.errors`); returns the new record."""
