@@ -69,7 +69,7 @@ def restart_verdict(
     errors: dict[str, list[int]] = {}  # what ended them -> generations, in order of first appearance
     for attempt in streak:
         errors.setdefault(_what(attempt.error), []).append(attempt.generation)
-    ended = "; ".join(f"{what} (generation{'s' if len(g) > 1 else ''} {_spans(g)})" for what, g in errors.items())
+    ended = "; ".join(f"{what}, in generation{'s' if len(g) > 1 else ''} {_spans(g)}" for what, g in errors.items())
     reason = (
         f"generations {streak[0].generation}-{streak[-1].generation} on the same {len(streak[-1].nodes)} node(s) "
         f"all broke before a step committed: {bound} restart(s) in a row without progress ({KEY}={bound}); "
@@ -82,7 +82,7 @@ def restart_verdict(
 def _what(record: Optional[ErrorRecord]) -> str:
     if record is None:
         return "no worker recorded why"
-    return f"{clip(record.error, 200)} at step {record.step} on node {record.node} local rank {record.local_rank}"
+    return f"{clip(record.error, 200)} at step {record.step} on {record.node} local rank {record.local_rank}"
 
 
 def _spans(generations: Sequence[int]) -> str:

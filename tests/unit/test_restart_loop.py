@@ -38,7 +38,7 @@ def test_five_restarts_without_a_step_fail_naming_the_error() -> None:
     assert verdict is not None
     assert verdict.reason.startswith("generations 1-6 on the same 2 node(s) all broke before a step committed")
     assert "fault_tolerance.max_restarts_without_progress=5" in verdict.reason
-    assert "ConnectionError: injected at step 0 on node n1 local rank 0 (generations 1-6)" in verdict.reason
+    assert "ConnectionError: injected at step 0 on n1 local rank 0, in generations 1-6" in verdict.reason
     assert "\n" not in verdict.reason
     assert verdict.record == _error(6) and "Traceback" in verdict.record.traceback
     # one restart fewer: go on
@@ -51,9 +51,9 @@ def test_different_errors_are_each_named_with_their_generations() -> None:
     attempts[3] = replace(attempts[3], error=None)
     verdict = restart_verdict(attempts, next_nodes=NODES, progress=0, bound=3)
     assert verdict is not None
-    assert "ConnectionError: injected at step 0 on node n1 local rank 0 (generations 1, 3)" in verdict.reason
-    assert "RuntimeError: other at step 0 on node n1 local rank 0 (generation 2)" in verdict.reason
-    assert "no worker recorded why (generation 4)" in verdict.reason
+    assert "ConnectionError: injected at step 0 on n1 local rank 0, in generations 1, 3" in verdict.reason
+    assert "RuntimeError: other at step 0 on n1 local rank 0, in generation 2" in verdict.reason
+    assert "no worker recorded why, in generation 4" in verdict.reason
     assert verdict.record == _error(3)  # the last error recorded, with its traceback
 
 
