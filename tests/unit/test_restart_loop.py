@@ -1,8 +1,11 @@
-"""The restart bound (rendezvous/restart_loop.py) on made-up generations: no etcd, no threads."""
+"""The restart bound (rendezvous/restart_loop.py) on made-up generations, no etcd and no threads; and the
+injected failure that drills it (OOBLECK_COMM_FAIL_AT)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+
+import pytest
 
 from oobleck_elastic.etcd.memory import MemoryKV
 from oobleck_elastic.records.errors import ErrorRecord
@@ -133,3 +136,17 @@ def test_read_attempts_stops_at_a_membership_change() -> None:
     attempts, _ = read_attempts(kv, KEYS, current, bound=3)
     assert [a.generation for a in attempts] == [3, 4, 5, 6] and len(attempts[0].nodes) == 3
     assert restart_verdict(attempts, next_nodes=current.nodes, progress=0, bound=3) is None
+
+
+def test_the_injected_failure_is_a_communication_failure_at_its_rank_and_step_only() -> None:
+    from oobleck_elastic.engine.resilience.errors import is_communication_error
+    from oobleck_elastic.engine.resilience.faults import FaultInjector
+
+    faults = FaultInjector.from_env({"OOBLECK_COMM_FAIL_AT": "1@0"})
+    faults.check(rank=0, step=0)
+    faults.check(rank=1, step=1)
+    with pytest.raises(ConnectionError, match="injected communication failure: rank 1 at step 0") as caught:
+        faults.check(rank=1, step=0)
+    assert is_communication_error(caught.value)  # the worker lives on and checks in at the roll call
+    with pytest.raises(ValueError, match="OOBLECK_COMM_FAIL_AT"):
+        FaultInjector.from_env({"OOBLECK_COMM_FAIL_AT": "1"})
