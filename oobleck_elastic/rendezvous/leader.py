@@ -370,6 +370,8 @@ class Leader:
     def _restarts_exhausted(self, plan: Plan, nodes: tuple[str, ...]) -> bool:
         """Whether a restart on `nodes` after `plan` is one too many without progress
         (`rendezvous.restart_loop`): then the job is closed as failed, its last error stored."""
+        if tuple(nodes) != plan.nodes:  # other nodes: no restart, nothing to read
+            return False
         attempts, progress = read_attempts(self.client, self.keys, plan, self.max_restarts)
         verdict = restart_verdict(attempts, next_nodes=nodes, progress=progress, bound=self.max_restarts)
         if verdict is None:
