@@ -64,6 +64,14 @@ class FaultToleranceConfig(Section):
     corrupt checkpoint) ends that worker with its traceback; when the same error ends a worker
     at the same step this many times in a row, the job is closed as failed with that error
     instead of being re-planned again."""
+    max_restarts_without_progress: int = 5
+    """How many restarts in a row the job may make on the same nodes without committing a step. A
+    restart is a new generation on exactly the previous plan's nodes (its workers saw their
+    generation break, and every node answered the roll call). When the generation after the last
+    committed step or membership change and this many restarts after it have all broken before a
+    step committed, the job is closed as failed, naming the error that ended each of them, instead
+    of being re-planned forever (rendezvous/restart_loop.py). A node joining, lost or drained in
+    between starts the count again. 0 = no bound."""
     preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
     """Signals to a node's agent that are a preemption notice (Slurm, Kubernetes and spot reclaims
     send SIGTERM; add e.g. SIGUSR1 for Slurm's --signal=USR1@90): the node is drained, hands its
@@ -154,6 +162,11 @@ class FaultToleranceConfig(Section):
                 f"{self.join_timeout_s} and {self.comm_timeout_s})"
             )
         problems += at_least("fault_tolerance", self, ("max_skipped_steps", "max_repeated_errors"), 1)
+        if self.max_restarts_without_progress < 0:
+            problems.append(
+                "'fault_tolerance.max_restarts_without_progress' must be >= 0 (0 = no bound; got "
+                f"{self.max_restarts_without_progress})"
+            )
         if self.stall_report_s is not None and self.stall_report_s < 0:
             problems.append(f"'fault_tolerance.stall_report_s' must be >= 0 (got {self.stall_report_s})")
         return problems

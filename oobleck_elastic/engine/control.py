@@ -77,6 +77,10 @@ class ControlPlane(Protocol):
     def report_failure(self, generation: int, *, kind: str = "failure") -> None:
         """Check in at the roll call: `generation` broke here."""
 
+    def record_failure(self, record: ErrorRecord) -> None:
+        """What broke `record.generation` here before this worker committed a step in it (the
+        generation's first such record is kept, for the restart bound)."""
+
     def entered(self, generation: int) -> None:
         """This worker entered `generation` (a `stall` check-in made while joining is withdrawn)."""
 
@@ -227,6 +231,9 @@ class LocalControl:
         pass
 
     def report_failure(self, generation: int, *, kind: str = "failure") -> None:
+        pass
+
+    def record_failure(self, record: ErrorRecord) -> None:
         pass
 
     def entered(self, generation: int) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 from ..config import JobConfig
 from ..logs import JobLog
 from ..planning import Plan
+from ..records.errors import next_error_record
 from ..records.goodput import Category
 from .checkpointing import CheckpointPolicy, NothingToRestore, retake_reason
 from .control import ControlPlane
@@ -95,6 +96,9 @@ class Worker:
         self.heartbeat = Heartbeat(ctx.local_rank)  # to this node's agent (rendezvous/hang.py)
         self.goodput = GoodputClock(ctx.node_id)  # the job's goodput ledger, while this worker holds rank 0
         self.step = 0
+        self.entry_step = 0
+        """The step this worker entered its generation at (a failure before it moved on breaks a
+        generation that made no progress here)."""
         self.retake: Optional[str] = None
         """Why this generation saves a checkpoint before its first step (`retake_reason`), if it does."""
 
@@ -126,6 +130,7 @@ class Worker:
         except Exception as err:
             if not is_communication_error(err):
                 raise
+            self._record_failure(err, plan.generation)
             return self._broken_entry(plan, describe(err))
         if info is not None and info.donor:
             require_hard_exit("donor")
@@ -138,7 +143,7 @@ class Worker:
             )
             return HandedOver()
         ctx.entered(plan.generation)
-        self.step = step
+        self.step = self.entry_step = step
         self.retake = (
             retake_reason(
                 plan,
@@ -238,6 +243,8 @@ class Worker:
                 raise
             failure, abandoned = describe(err), isinstance(err, StepAbandoned)
             failed_at = time.time()
+            if self.step == self.entry_step and not abandoned:  # no progress here: what broke it counts
+                self._record_failure(err, trainer.generation)
         if failure is None:
             return Finished()
         self.log.broke()  # outside the except block: see Trainer.abort
@@ -254,6 +261,22 @@ class Worker:
                 "communication failed (%s); waiting for the next plan", failure, event="comm_failed", fields=timing
             )
         return Broken(failure)
+
+    def _record_failure(self, err: BaseException, generation: int) -> None:
+        """Record `err`, which broke `generation` here before this worker committed a step in it,
+        for the restart bound (`ControlPlane.record_failure`). Called in the except block, before
+        the teardown: the worker that failed first writes first, and the exception and its frames
+        do not outlive the block (see Trainer.abort)."""
+        ctx = self.ctx
+        record = next_error_record(
+            None, err, step=self.step, generation=generation, node=ctx.node_id, local_rank=ctx.local_rank
+        )
+        try:
+            ctx.record_failure(record)
+        except Exception as etcd_err:  # noqa: BLE001 - the generation's failure is handled all the same
+            log.at(gen=generation, step=self.step, node=ctx.node_id).warning(
+                "could not record what broke the generation: %s", describe(etcd_err)
+            )
 
     def _follow_timeout(self, generation: int, typical: float, *, running: bool) -> None:
         """The auto communication timeout derived again from the typical step (`Trainer.derive_timeout`):

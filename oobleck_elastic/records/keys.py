@@ -175,6 +175,17 @@ class Keys:
     def errors(self) -> str:
         return self.root + "errors"
 
+    @property
+    def failures(self) -> str:
+        """Prefix of the errors that broke generations before a step committed in them."""
+        return self.root + "failures/"
+
+    def failure(self, generation: int) -> str:
+        """The error of the first worker that saw `generation` break before it committed a step
+        there (`ErrorRecord`, put if absent): what the leader names when it stops a restart loop
+        (`rendezvous.restart_loop`). Read by the leader alone, so mirrored by nobody."""
+        return f"{self.failures}g{generation}"
+
     def store(self, generation: int) -> str:
         return f"{self.root}store/g{generation}/"
 

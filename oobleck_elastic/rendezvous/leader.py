@@ -22,6 +22,7 @@ from .drills import install_spin_drill
 from .election import Election, caught_up
 from .detect import Deputy, LeaderLiveness, LeaderWatch, RollCall, why_lost
 from .profile_wait import ProfileWait
+from .restart_loop import read_attempts, restart_verdict
 from .publish import SourceChoice, commit_plan, declare_lost, with_donors
 from ..records.keys import Keys
 from .stragglers import LeaderStragglers
@@ -70,8 +71,11 @@ class Leader:
         profile_log_s: float = 10.0,
         view: Optional[KVReader] = None,
         rebalance: bool = False,
+        max_restarts: int = 5,
     ) -> None:
-        """`rebalance`: re-split the microbatches around stragglers the workers name (`rendezvous.decide`)."""
+        """`rebalance`: re-split the microbatches around stragglers the workers name (`rendezvous.decide`);
+        `max_restarts`: restarts in a row without progress before the job fails (`rendezvous.restart_loop`)."""
+        self.max_restarts = max_restarts
         self.client, self.keys, self.member = client, keys, member
         self.stragglers = LeaderStragglers(planner, enabled=rebalance)
         # what the leader reads: a Mirror of `Keys.agent_watched` (no etcd request per tick; a change
@@ -306,6 +310,8 @@ class Leader:
             )
             self._publish(list(decision.nodes), plan, rev, records)
         elif decision.action == LeaderAction.REPLAN:
+            if plan is not None and not decision.lost and self._restarts_exhausted(plan, decision.nodes):
+                return
             lost = {
                 node: why_lost(decision.detection, node, self.liveness, self.rollcall)
                 for node in decision.lost
@@ -360,6 +366,20 @@ class Leader:
             Event(time=time.time(), kind=EventKind.CLOSED, node=self.member.node_id, detail=reason),
         )
         self.profiles.reset()
+
+    def _restarts_exhausted(self, plan: Plan, nodes: tuple[str, ...]) -> bool:
+        """Whether a restart on `nodes` after `plan` is one too many without progress
+        (`rendezvous.restart_loop`): then the job is closed as failed, its last error stored."""
+        if tuple(nodes) != plan.nodes:  # other nodes: no restart, nothing to read
+            return False
+        attempts, progress = read_attempts(self.client, self.keys, plan, self.max_restarts)
+        verdict = restart_verdict(attempts, next_nodes=nodes, progress=progress, bound=self.max_restarts)
+        if verdict is None:
+            return False
+        if verdict.record is not None:
+            self.client.put_json(self.keys.errors, verdict.record.to_json())
+        self._fail(verdict.reason)
+        return True
 
     def _fenced(self, records: list[NodeRecord]) -> set[str]:
         """Nodes declared lost (by a roll call, or dropped when their record vanished). An entry is

@@ -435,6 +435,11 @@ class WorkerContext:
                 lost.append(node)
         return lost
 
+    def record_failure(self, record: ErrorRecord) -> None:
+        """Keep `record` as what broke its generation if it is the first (`Keys.failure`, put if
+        absent), for the restart bound (`rendezvous.restart_loop`)."""
+        self.client.put_if_absent(self.keys.failure(record.generation), json.dumps(record.to_json()))
+
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
         """Store the error that ends this worker (see `engine.resilience.errors`); returns the new record."""
         data, _ = self.client.get_json(self.keys.errors)

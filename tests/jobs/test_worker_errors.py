@@ -59,6 +59,39 @@ def test_a_deterministic_error_stops_the_job_after_max_repeated_errors(tmp_path:
     assert "the job was closed as failed" in out  # the healthy worker stops too, with the reason
 
 
+def test_a_failure_at_every_first_step_stops_the_job_after_max_restarts_without_progress(
+    tmp_path: Path, etcd_server, run_id
+) -> None:
+    """Two nodes: whichever worker holds rank 1 raises a communication failure as step 0 starts, in
+    every generation. It checks in at the roll call, every node answers, so each re-plan is a
+    restart on the same nodes; after generation 1 and 3 restarts broke without a step, the leader
+    closes the job as failed naming the error (not re-planning for ever), and every agent exits
+    non-zero with that line."""
+    profile = tiny_profile(tmp_path / "profile.json")
+    out, _, _ = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "2"],
+        4,
+        profile,
+        extra=["fault_tolerance.max_restarts_without_progress=3"],
+        env={"OOBLECK_COMM_FAIL_AT": "1@0"},
+        expect_failure=True,
+    )
+    injected = "ConnectionError: injected communication failure: rank 1 at step 0 (OOBLECK_COMM_FAIL_AT)"
+    closed, record, plans = _etcd_outcome(etcd_server.endpoint, run_id)
+    reason = closed.get("reason", "")
+    assert closed.get("failed") is True, closed
+    assert reason.startswith("generations 1-4 on the same 2 node(s) all broke before a step committed"), reason
+    assert "fault_tolerance.max_restarts_without_progress=3" in reason and injected in reason, reason
+    assert plans == [1, 2, 3, 4], plans  # the initial plan and 3 restarts, then no more
+    assert record is not None and record.error == injected and "injected communication failure" in record.traceback
+    # every agent exits non-zero with the closing line
+    assert out.count("node 0 exited with status 1") + out.count("node 1 exited with status 1") == 2, out[-5000:]
+    assert "was closed as failed" in out and "all broke before a step committed" in out, out[-5000:]
+
+
 @pytest.mark.extended  # the default run covers this ground (CONTRIBUTING.md, "Extended tests")
 def test_a_corrupt_checkpoint_stops_the_resume_instead_of_training_half_restored(
     tmp_path: Path, etcd_server, run_id

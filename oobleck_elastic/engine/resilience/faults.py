@@ -3,8 +3,8 @@ worker's environment): raise a deterministic error, be slow, poison a loss, flip
 block the step thread, or enter a generation late.
 
 Invariant: an injected fault exercises exactly one recovery path (the repeated-error cap, the
-step guard, replica fingerprints, the straggler watch, the hang detector), and never fires on a
-worker it was not aimed at. The variables' grammar is `FaultInjector`'s docstring;
+restart bound, the step guard, replica fingerprints, the straggler watch, the hang detector), and
+never fires on a worker it was not aimed at. The variables' grammar is `FaultInjector`'s docstring;
 docs/recovery.md and docs/liveness.md tell what each one drills.
 """
 
@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 ENV = "OOBLECK_FAIL_AT"
+COMM_FAIL_ENV = "OOBLECK_COMM_FAIL_AT"
 SLOW_ENV = "OOBLECK_SLOW_AT"
 NAN_ENV = "OOBLECK_NAN_AT"
 SPIKE_ENV = "OOBLECK_SPIKE_AT"
@@ -111,6 +112,10 @@ class FaultInjector:
     step STEP (0-based), in every generation: the error is not a communication failure, so it ends
     the worker with its traceback, and because it comes back after every restart it exercises the
     repeated-error cap (`fault_tolerance.max_repeated_errors`). Like torchft's `fail_at(rank, step)`.
+    `OOBLECK_COMM_FAIL_AT` (same grammar) raises `ConnectionError("injected communication failure:
+    ...")` instead, a communication failure: the worker lives on and checks in at the roll call,
+    every node answers, and the job restarts on the same nodes; coming back in every generation,
+    it exercises the restart bound (`fault_tolerance.max_restarts_without_progress`).
 
     `OOBLECK_SLOW_AT="RANK@STEP:SECONDS[,...]"` makes that worker sleep SECONDS when it starts step
     STEP (before its stage computes anything), in every generation: a stage as slow as a large
@@ -149,6 +154,8 @@ class FaultInjector:
 
     points: frozenset[tuple[int, int]]
     """(rank, step) pairs at which to raise."""
+    comm_points: frozenset[tuple[int, int]] = frozenset()
+    """(rank, step) pairs at which to raise a communication failure."""
     slow: dict[tuple[int, int], float] = field(default_factory=dict)
     """(rank, step) -> seconds to sleep at the start of that step."""
     poison: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)
@@ -169,6 +176,7 @@ class FaultInjector:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "FaultInjector":
         points = frozenset(_parse(environ, ENV, "RANK@STEP, e.g. 1@3"))
+        comm_points = frozenset(_parse(environ, COMM_FAIL_ENV, "RANK@STEP, e.g. 1@0"))
         slow = _parse(environ, SLOW_ENV, "RANK@STEP:SECONDS, e.g. 0@0:5", value=_seconds)
         nan = _parse(environ, NAN_ENV, "RANK@STEP[xTIMES], e.g. 1@3x2", times=True)
         poison = {key: (float("nan"), count) for key, (_, count) in nan.items()}
@@ -196,7 +204,16 @@ class FaultInjector:
         )
         if environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
             blocks = {}  # a restarted worker: the stuck step happened once already
-        return cls(points, slow, poison, flips=flips, straggle=straggle, slow_entry=slow_entry, blocks=blocks)
+        return cls(
+            points,
+            comm_points,
+            slow,
+            poison,
+            flips=flips,
+            straggle=straggle,
+            slow_entry=slow_entry,
+            blocks=blocks,
+        )
 
     def block(self, *, rank: int, step: int, where: str) -> None:
         """Called by the step thread at step start (`loop`) and inside the commit's wait (`comm`):
@@ -225,6 +242,8 @@ class FaultInjector:
             time.sleep(self.slow[(rank, step)])
         if (rank, step) in self.points:
             raise RuntimeError(f"injected fault: rank {rank} at step {step} ({ENV})")
+        if (rank, step) in self.comm_points:
+            raise ConnectionError(f"injected communication failure: rank {rank} at step {step} ({COMM_FAIL_ENV})")
 
     def flip_bit(self, *, rank: int, step: int, layers: Sequence[Optional[torch.nn.Module]]) -> None:
         """Called after `step` is applied: flip the bit the environment names, if any (`FaultInjector`'s docstring)."""
