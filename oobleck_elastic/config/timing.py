@@ -88,6 +88,15 @@ def due_comm_timeout(ft: FaultToleranceConfig, basis_s: float, typical_s: float)
     return comm_timeout(ft, typical_s)
 
 
+def entry_join_timeout(base_s: float, idle_entries: int, cap_s: float) -> float:
+    """Seconds a worker entering a generation waits to connect to its peers, after `idle_entries`
+    entries in a row with no step committed between them: `fault_tolerance.join_timeout_s`
+    doubled at each, up to the collectives' timeout `cap_s` (never below the base). A machine too
+    loaded to connect in time gets more time at each attempt; a defect that breaks every
+    generation still ends at `fault_tolerance.max_restarts_without_progress` (docs/recovery.md)."""
+    return max(base_s, min(cap_s, base_s * 2.0 ** min(idle_entries, 30)))
+
+
 def stall_report(ft: FaultToleranceConfig, typical_s: float = 0.0) -> float:
     """Seconds a joining worker waits for its peers before it checks in at the roll call (0: never)."""
     if ft.stall_report_s is not None:

@@ -150,3 +150,31 @@ def test_the_fingerprint_waits_are_marked_with_their_handles() -> None:
         assert all(w.is_completed() for works in spy.marked for w in works)
     finally:
         dist.destroy_process_group()
+
+
+def test_an_entry_after_entries_with_no_step_waits_longer_to_connect() -> None:
+    """The join timeout doubles with each entry in a row that followed no committed step, up to
+    the collectives' timeout, and is the configured one again after a step."""
+    from oobleck_elastic.config.timing import entry_join_timeout
+
+    assert [entry_join_timeout(3.0, k, 30.0) for k in range(6)] == [3.0, 6.0, 12.0, 24.0, 30.0, 30.0]
+    assert entry_join_timeout(3.0, 2, 2.0) == 3.0  # never below the configured one
+    assert entry_join_timeout(3.0, 10_000, 300.0) == 300.0
+
+
+def test_a_worker_counts_its_entries_with_no_step_between_them() -> None:
+    from oobleck_elastic.engine.entry.enter import GenerationEntry
+
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [])
+    entry = GenerationEntry(
+        cfg,
+        device=torch.device("cpu"),
+        identity=("node0", 0),
+        timeout=timedelta(seconds=30),
+        join_timeout=timedelta(seconds=3),
+    )
+    seen = []
+    for committed in (0, 0, 0, 4, 4, 5):  # the job's first entry, two restarts, a step, one, a step
+        entry.count_entry(committed)
+        seen.append((entry.idle_entries, entry.join_timeout.total_seconds()))
+    assert seen == [(0, 3.0), (1, 6.0), (2, 12.0), (0, 3.0), (1, 6.0), (0, 3.0)]

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ...config import JobConfig
+from ...config.timing import entry_join_timeout
 from ...logs import JobLog
 from ...models import LayerModel, build_layer_model
 from ...models.build import build_meta_layers
@@ -113,8 +114,21 @@ class GenerationEntry:
     ) -> None:
         self.cfg, self.device, self.identity = cfg, device, identity
         self.node = identity[0]
-        self.timeout, self.join_timeout = timeout, join_timeout
+        self.timeout, self.join_timeout, self.base_join_timeout = timeout, join_timeout, join_timeout
+        self.idle_entries = 0
+        """Entries in a row with no step committed between them (`entry_join_timeout`)."""
+        self._entered_at: Optional[int] = None  # the committed step at the last entry
         self._meta_layers: Optional[list[nn.Module]] = None
+
+    def count_entry(self, committed_step: int) -> None:
+        """An entry begins with `committed_step` steps done: count it as idle when no step was
+        committed since the last entry, and set the join timeout (`entry_join_timeout`)."""
+        self.idle_entries = self.idle_entries + 1 if committed_step == self._entered_at else 0
+        self._entered_at = committed_step
+        seconds = entry_join_timeout(
+            self.base_join_timeout.total_seconds(), self.idle_entries, self.timeout.total_seconds()
+        )
+        self.join_timeout = timedelta(seconds=seconds)
 
     def enter(
         self,
@@ -132,6 +146,13 @@ class GenerationEntry:
         of the previous generation was abandoned and may still touch its layers, so kept layers
         are copied. Returns the new state (`state` itself is not changed after the settle)."""
         t0 = time.perf_counter()
+        self.count_entry(state.committed_step)
+        if self.idle_entries:
+            log.at(gen=plan.generation, node=self.node).info(
+                "entry %d in a row with no step committed: waiting up to %.0f s to connect",
+                self.idle_entries + 1,
+                self.join_timeout.total_seconds(),
+            )
         stage = plan.stage_at(*self.identity)
         donor = plan.donor_rank(*self.identity)
         if stage is None and donor is None:
