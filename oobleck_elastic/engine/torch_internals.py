@@ -24,6 +24,7 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ("torch.distributed.distributed_c10d", "_abort_process_group", "aborts a generation's communicators"),
     ("torch.distributed.distributed_c10d", "_set_pg_timeout", "applies the derived communication timeout"),
     ("torch.distributed.distributed_c10d", "_world", "finds the groups to tear down"),
+    ("torch._C._distributed_c10d", "_ProcessGroupWrapper", "sets the timeout under torch's collective checker"),
     ("torch._functorch.aot_autograd", "aot_function", "traces compiled layers' split graphs"),
     ("torch._functorch.partitioners", "min_cut_rematerialization_partition", "splits compiled graphs"),
     ("torch", "_foreach_norm", "the gradient norm in one kernel"),

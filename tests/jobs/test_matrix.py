@@ -14,26 +14,34 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, bf16_atol, one_thread, overrides, run_job, tiny_profile
+from helpers import ROOT, bf16_atol, one_thread, overrides, paced, run_job, tiny_profile
 from matrix import FULL, PAIRWISE, name, refusal
 from oobleck_elastic.config import load_config
 from oobleck_elastic.checkpoint import load_model_state
 from oobleck_elastic.engine.run import train
 
-STEPS, AT = 6, 3  # the events happen once 3 steps are done
+STEPS, AT = 6, 3  # the kills happen once 3 steps are done
+PACE_S = 3.0  # a join's rank 0 sleeps this long at each step after the first: the joiner's time to start
 
 EVENTS = {
     "none": ["--nodes", "4"],
     "kill-holder": ["--nodes", "4", "--kill", f"follower@{AT}"],  # holds layers, and is not the leader
     "kill-leader": ["--nodes", "4", "--kill", f"leader@{AT}"],
-    "join": ["--nodes", "3", "--join", str(AT)],  # one 3-stage pipeline, then two of 2 stages
+    "join": ["--nodes", "3", "--join", "1"],  # one 3-stage pipeline, then two of 2 stages
 }
 CHUNKS = {"1f1b": 1, "interleaved-1f1b": "auto", "zero-bubble": 1, "zbv": "auto"}
 LR = 1e-3  # configs/gpt2-tiny.yaml's training.optimizer.lr, for the bf16 bound
 
 
-def _keys(row: dict) -> list[str]:
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One data and inductor cache for the matrix: the token file and compiled kernels are reused."""
+    return tmp_path_factory.mktemp("matrix-cache")
+
+
+def _keys(row: dict, cache: Path) -> list[str]:
     return [
+        f"data.cache_dir={cache}",
         f"planning.schedule={row['schedule']}",
         f"planning.chunks_per_device={CHUNKS[row['schedule']]}",
         f"fault_tolerance.shadow_copies={row['shadows']}",
@@ -52,23 +60,27 @@ def _rows() -> list:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("row", _rows())
-def test_every_combination_trains_like_the_reference(tmp_path: Path, etcd_server, run_id, row: dict) -> None:
-    """One row of the matrix: a 4-node job (3 and a joiner for `join`), its event at step 3, 6 steps;
+def test_every_combination_trains_like_the_reference(
+    tmp_path: Path, etcd_server, run_id, shared_cache: Path, row: dict
+) -> None:
+    """One row of the matrix: a 4-node job (3 and a joiner, started after step 1, for `join`; paced
+    from there so that it is admitted), a kill at step 3, 6 steps;
     its weights equal the single-process reference's (fp32: the equality tests' tolerance; bf16:
     `bf16_atol`, tests/jobs/test_train.py), and torch's collective checker found no mismatch."""
     profile = tiny_profile(tmp_path / "profile.json", tensor_parallel=row["tp"])
     launcher = [*EVENTS[row["event"]], "--nproc-per-node", str(row["tp"])]
     killed = row["event"].startswith("kill")
     env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "OMP_NUM_THREADS": "1"}  # one thread: as the reference
-    out, job, _ = run_job(
-        tmp_path, etcd_server, run_id, launcher, STEPS, profile, extra=_keys(row), env=env, reference=False
-    )
+    if row["event"] == "join":
+        env.update(paced(1, STEPS, PACE_S))
+    keys = _keys(row, shared_cache)
+    out, job, _ = run_job(tmp_path, etcd_server, run_id, launcher, STEPS, profile, extra=keys, env=env, reference=False)
     assert "Detected mismatch between collectives" not in out, out[-5000:]
     if killed:
         assert "[launcher] killed node" in out and "entered from generation 1" in out, out[-4000:]
     if row["event"] == "join":
         assert "(join: +" in out, out[-4000:]
-    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path / "ref", STEPS, profile) + _keys(row))
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path / "ref", STEPS, profile) + keys)
     with one_thread():
         train(cfg)
     ref = load_model_state(tmp_path / "ref" / "ckpt")
@@ -78,7 +90,9 @@ def test_every_combination_trains_like_the_reference(tmp_path: Path, etcd_server
         torch.testing.assert_close(job[key], ref[key], **tol, msg=f"{name(row)}: {key}")
 
 
-def test_a_refused_combination_says_both_keys_in_one_line(tmp_path: Path, etcd_server, run_id) -> None:
+def test_a_refused_combination_says_both_keys_in_one_line(
+    tmp_path: Path, etcd_server, run_id, shared_cache: Path
+) -> None:
     """Shadow copies with tensor parallelism (tests/matrix.py `refusal`): the job stops before its
     first step with one line that names both keys and what to set."""
     row = {"schedule": "1f1b", "event": "none", "shadows": 1, "compile": False, "tp": 2, "precision": "fp32"}
@@ -90,7 +104,7 @@ def test_a_refused_combination_says_both_keys_in_one_line(tmp_path: Path, etcd_s
         ["--nodes", "1", "--nproc-per-node", "2"],
         STEPS,
         tiny_profile(tmp_path / "profile.json", tensor_parallel=2),
-        extra=_keys(row),
+        extra=_keys(row, shared_cache),
         expect_failure=True,
     )
     line = (

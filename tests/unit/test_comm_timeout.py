@@ -4,6 +4,7 @@ generation's group moving to the new timeout, and the fingerprint's waits marked
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -178,3 +179,31 @@ def test_a_worker_counts_its_entries_with_no_step_between_them() -> None:
         entry.count_entry(committed)
         seen.append((entry.idle_entries, entry.join_timeout.total_seconds()))
     assert seen == [(0, 3.0), (1, 6.0), (2, 12.0), (0, 3.0), (1, 6.0), (0, 3.0)]
+
+
+CHECKED = """
+import datetime, torch, torch.distributed as dist
+from oobleck_elastic.engine.entry.groups import checked_collectives, set_group_timeout
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=3))
+g = dist.new_group([0], timeout=datetime.timedelta(seconds=3))
+set_group_timeout(datetime.timedelta(seconds=30), g)
+set_group_timeout(datetime.timedelta(seconds=40))
+backend = lambda group: group._get_backend(torch.device("cpu"))
+print(checked_collectives(), type(backend(g)).__name__, backend(g).options._timeout.total_seconds(),
+      backend(dist.group.WORLD).options._timeout.total_seconds())
+"""
+
+
+@pytest.mark.parametrize("debug", ["OFF", "DETAIL"])
+def test_a_group_takes_its_new_timeout_also_under_torchs_collective_checker(debug: str) -> None:
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps each group's backend, and its own
+    `_set_pg_timeout` skips the wrapper with a warning: the groups would keep their 3 s connect
+    timeout for every collective (seen: a tensor-parallel job restarting every few steps)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCH_DISTRIBUTED_DEBUG": debug, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", CHECKED], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    wrapper = "_ProcessGroupWrapper" if debug == "DETAIL" else "ProcessGroupGloo"
+    assert out.stdout.split() == [str(debug == "DETAIL"), wrapper, "30.0", "40.0"], out.stdout + out.stderr[-2000:]

@@ -19,7 +19,6 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ...config import JobConfig
 from ...config.timing import entry_join_timeout
@@ -29,7 +28,7 @@ from ...models.build import build_meta_layers
 from ...models.tensor_parallel import parallelize_layer
 from ...planning import Plan
 from .devices import backend_for, release_groups
-from .groups import GenerationGroups
+from .groups import GenerationGroups, checked_collectives, set_group_timeout
 from ..step.optim import build_optimizer
 from .kept_layers import copy_kept_shards, keep_layers
 from .reconfigure import Identity, LayerSources, Move, Transfer, exchange, moves_of, plan_transfers, transfer_bytes
@@ -128,7 +127,8 @@ class GenerationEntry:
         seconds = entry_join_timeout(
             self.base_join_timeout.total_seconds(), self.idle_entries, self.timeout.total_seconds()
         )
-        self.join_timeout = timedelta(seconds=seconds)
+        # torch's collective checker keeps a group's creation timeout for its checks: connect under the full one
+        self.join_timeout = self.timeout if checked_collectives() else timedelta(seconds=seconds)
 
     def enter(
         self,
@@ -316,7 +316,7 @@ class GenerationEntry:
         if shadows is not None and shadows.layers and shadows.step == committed:
             held[1, rank] = shadows.generation
         dist.all_reduce(held)
-        _set_pg_timeout(self.timeout)  # every peer is connected now
+        set_group_timeout(self.timeout)  # every peer is connected now
         layouts = {int(g) for g in held.reshape(-1).tolist() if g > 0}
         plans = {
             g: state.plan if state.plan is not None and state.plan.generation == g else load_plan(g) for g in layouts

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterable, Optional
 
+import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _ProcessGroupWrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
@@ -87,7 +89,7 @@ class GenerationGroups:
         def make(ranks: list[int]) -> dist.ProcessGroup:
             g = dist.new_group(ranks, timeout=connect)
             if rank in ranks and connect != timeout:
-                _set_pg_timeout(timeout, g)
+                set_group_timeout(timeout, g)
             return g
 
         for p in plan.pipelines:  # every rank creates every group, in the same order
@@ -125,4 +127,23 @@ def set_timeout(timeout: timedelta, groups: Iterable[Optional[dist.ProcessGroup]
     for g in [None, *groups]:
         if id(g) not in seen:
             seen.add(id(g))
-            _set_pg_timeout(timeout, g)
+            set_group_timeout(timeout, g)
+
+
+def checked_collectives() -> bool:
+    """Whether torch checks every collective (TORCH_DISTRIBUTED_DEBUG=DETAIL): it wraps each group
+    in a `_ProcessGroupWrapper` whose barrier before each collective keeps the timeout the group was
+    created with, so groups are then created under the collectives' timeout, not the connect one."""
+    return dist.get_debug_level() == dist.DebugLevel.DETAIL
+
+
+def set_group_timeout(timeout: timedelta, group: Optional[dist.ProcessGroup] = None) -> None:
+    """`group`'s (None: the default group's) calls from now on run under `timeout`; also when torch's
+    collective checker wraps its backend (`_set_pg_timeout` skips a wrapper with a warning)."""
+    g = group if group is not None else dist.group.WORLD
+    assert g is not None
+    backend = g._get_backend(torch.device("cpu")) if torch.device("cpu") in g._device_types else None
+    if isinstance(backend, _ProcessGroupWrapper):
+        backend.set_timeout(timeout)
+        return
+    _set_pg_timeout(timeout, group)
