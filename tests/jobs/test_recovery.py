@@ -122,15 +122,15 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     assert f"gen 2 step {first}/{steps} " in out, out[-4000:]
 
 
-# interleaved-1f1b and zero-bubble/2 take turns in CI (extended): zbv covers receiving
-# non-contiguous chunks at every landing, and tests/worlds/test_engine_schedules.py both schedules
+# these take turns in CI (extended): the feature matrix (tests/jobs/test_matrix.py) kills a node
+# under every schedule at every landing, and tests/worlds/test_engine_schedules.py runs each schedule
 @pytest.mark.parametrize(
     "schedule, chunks, planned",
     [
-        ("zero-bubble", 1, (1, 1)),
+        pytest.param("zero-bubble", 1, (1, 1), marks=pytest.mark.extended),
         pytest.param("interleaved-1f1b", "auto", (3, 2), marks=pytest.mark.extended),
         pytest.param("zero-bubble", 2, (2, 2), marks=pytest.mark.extended),
-        ("zbv", "auto", (2, 2)),
+        pytest.param("zbv", "auto", (2, 2), marks=pytest.mark.extended),
     ],
 )
 def test_kill_one_node_of_four_under_other_schedules_matches_reference(
