@@ -21,7 +21,7 @@ from oobleck_elastic.checkpoint import load_model_state
 from oobleck_elastic.engine.run import train
 
 STEPS, AT = 6, 3  # the kills happen once 3 steps are done
-PACE_S = 5.0  # a join's rank 0 sleeps this long at each step after the first: 25 s for the joiner to start (12-16 s seen under load)
+PACE_S = 5.0  # a join's rank 0 sleeps this long at each step after the first (the joiner took 12-16 s to start)
 
 EVENTS = {
     "none": ["--nodes", "4"],

@@ -229,7 +229,7 @@ def test_layers_move_lane_to_lane() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # the feature matrix kills a holder under tensor parallelism at every landing (tests/jobs/test_matrix.py)
+@pytest.mark.extended  # tests/jobs/test_matrix.py kills a holder under tensor parallelism at every landing
 def test_a_killed_node_under_tensor_parallelism_moves_layers_lane_to_lane(tmp_path: Path, etcd_server, run_id) -> None:
     """Four nodes of two workers run two 2-stage pipelines, each stage sharded over a node's two
     workers; node 1 is SIGKILLed at step 3: the three survivors re-plan into one 3-stage
