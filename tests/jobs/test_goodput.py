@@ -426,10 +426,13 @@ def _cross_check(
     # useful: the applied steps' own times (the ledger's window holds each), plus their bookkeeping
     assert w.applied - w.killed_last - EPS <= got[U] <= w.applied + BOOKKEEPING * n["applied"], said
     # from the first plan (etcd) to the first step's start (its line); from there to the final
-    # checkpoint's line (just before the last report) the other five categories share the time
-    assert abs(got[SU] - (w.first_step - first_plan)) <= EPS, said
+    # checkpoint's line (just before the last report) the other five categories share the time. The
+    # ledger's boundary is where the worker hands the first step to its step thread, before the
+    # step's own clock starts: that hand-over, which load stretches (48 ms seen), is bookkeeping
+    handover = (w.first_step - first_plan) - got[SU]
+    assert -EPS <= handover <= EPS + BOOKKEEPING, said
     span = w.last_line - w.first_step
-    assert abs(got[U] + got[R] + got[S] + got[RC] + got[CK] - span) <= EPS, said
+    assert -EPS <= got[U] + got[R] + got[S] + got[RC] + got[CK] - span <= EPS + BOOKKEEPING, said
 
 
 @pytest.mark.slow
