@@ -20,6 +20,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ...models import LayerModel
 from ...planning import Plan
+from ..collectives import checked_timeout
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class GenerationGroups:
         self.pipeline_group: Optional[dist.ProcessGroup] = None
         self.tp_group: Optional[dist.ProcessGroup] = None
         self.mesh: Optional[DeviceMesh] = None
-        connect = min(timeout, connect_timeout or timeout)
+        connect = checked_timeout(min(timeout, connect_timeout or timeout), timeout)
 
         def make(ranks: list[int]) -> dist.ProcessGroup:
             g = dist.new_group(ranks, timeout=connect)
