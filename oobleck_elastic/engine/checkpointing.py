@@ -25,7 +25,7 @@ from ..data.errors import DataError
 from ..data.tokenizer import save_tokenizer_files
 from ..logs import JobLog
 from ..planning import Plan, shortfall
-from .collectives import Collective, retake_collectives
+from .step.collectives import Collective, retake_collectives
 from .resilience.guard import StepGuard
 from .entry.reconfigure import LayerSources
 from .trainer import LayersLost, Trainer

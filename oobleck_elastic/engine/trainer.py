@@ -32,7 +32,7 @@ from .entry.devices import release_groups
 from .entry.enter import GenerationEntry, LayersLost, Reconfiguration
 from .entry.groups import GenerationGroups, set_timeout
 from .resilience.faults import FaultInjector
-from .collectives import Collective, control_group, step_collectives
+from .step.collectives import Collective, control_group, step_collectives
 from .resilience.fingerprint import Corrupt, Unrepairable, check_replicas, layer_tensors
 from .resilience.guard import judge
 from .resilience.progress import STEP_PROGRESS
@@ -110,7 +110,7 @@ class Trainer:
         """Whether this worker's stages include the pipeline's first and its last (zbv: both on device 0)."""
         self.stage_module: Optional[nn.Module] = None
         self.step_group: Optional[dist.ProcessGroup] = None
-        """The generation's control group of its stages (engine/collectives.py): a step's, a
+        """The generation's control group of its stages (engine/step/collectives.py): a step's, a
         retake's and a checkpoint's collectives, and nothing else (None: no generation entered)."""
         self.applier = StepApplier(cfg)
         """A step's writes to `state`, only while it is current (engine/step/apply.py: a step may run in

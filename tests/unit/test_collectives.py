@@ -1,4 +1,4 @@
-"""Which control collectives an entry, a step and a retake issue (engine/collectives.py): pure
+"""Which control collectives an entry, a step and a retake issue (engine/step/collectives.py): pure
 functions of the plan and of agreed values, so every member issues the same ones in one order."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import timedelta
 
-from oobleck_elastic.engine.collectives import (
+from oobleck_elastic.engine.step.collectives import (
     Collective,
     checked_timeout,
     entry_collectives,

@@ -1,6 +1,6 @@
 """Control collectives pass torch's own checker (TORCH_DISTRIBUTED_DEBUG=DETAIL) across an entry
 that moves layers and shadow copies between some ranks only, then a checkpoint retake and steps
-(engine/collectives.py).
+(engine/step/collectives.py).
 
 Three gloo ranks, with one shadow copy of every layer, re-plan (generation 2 moves layer 2 to
 n1, and places the shadows again); every rank then retakes a checkpoint and trains on. Before

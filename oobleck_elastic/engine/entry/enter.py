@@ -27,7 +27,7 @@ from ...models import LayerModel, build_layer_model
 from ...models.build import build_meta_layers
 from ...models.tensor_parallel import parallelize_layer
 from ...planning import Plan
-from ..collectives import Collective, checked_timeout, control_group, entry_collectives
+from ..step.collectives import Collective, checked_timeout, control_group, entry_collectives
 from .devices import backend_for, release_groups
 from .groups import GenerationGroups
 from ..step.optim import build_optimizer
@@ -91,7 +91,7 @@ class Installed:
     lost: tuple[int, ...] = ()
     """Layers with no surviving copy: the caller restores the newest checkpoint."""
     control: Optional[dist.ProcessGroup] = None
-    """The entry's control group (stages and donors, engine/collectives.py; None for a donor)."""
+    """The entry's control group (stages and donors, engine/step/collectives.py; None for a donor)."""
 
 
 def _release_donors(control: Optional[dist.ProcessGroup]) -> None:
@@ -242,7 +242,7 @@ class GenerationEntry:
         """The generation's default group (stages and donors). It connects under the short join
         timeout (a peer that died during the reconfiguration holds gloo's connection set-up for
         ~5x it); collectives then run under the comm timeout (`_agree_on_layouts` switches once
-        every peer is seen). Then the control group, the generation's first (engine/collectives.py):
+        every peer is seen). Then the control group, the generation's first (engine/step/collectives.py):
         the layer and shadow transfers run on the default group, the control collectives there."""
         self.control = None
         release_groups(abort=False)

@@ -20,7 +20,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ...models import LayerModel
 from ...planning import Plan
-from ..collectives import checked_timeout
+from ..step.collectives import checked_timeout
 
 
 @dataclass(frozen=True)

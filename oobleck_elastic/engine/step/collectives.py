@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..planning import Plan
-from .resilience.fingerprint import is_check_step
+from ...planning import Plan
+from ..resilience.fingerprint import is_check_step
 
 __all__ = [
     "Collective",
