@@ -25,6 +25,7 @@ from ..data.errors import DataError
 from ..data.tokenizer import save_tokenizer_files
 from ..logs import JobLog
 from ..planning import Plan, shortfall
+from .step.collectives import Collective, retake_collectives
 from .resilience.guard import StepGuard
 from .entry.reconfigure import LayerSources
 from .trainer import LayersLost, Trainer
@@ -283,15 +284,16 @@ class CheckpointPolicy:
 
     def retake(self, trainer: Trainer, reason: str, step: int) -> Optional[Path]:
         """Save the checkpoint `retake_reason` asked for (every worker calls this), unless a
-        complete one of `step` exists already: rank 0 looks, one all-reduce tells the others. The
-        time counted (`seconds` of the `checkpoint` or `checkpoint_retake` line) includes the look."""
+        complete one of `step` exists already: rank 0 looks, one all-reduce tells the others
+        (`retake_collectives`, on the step group like every checkpoint collective). The time
+        counted (`seconds` of the `checkpoint` or `checkpoint_retake` line) includes the look."""
         t0 = time.perf_counter()
         exists = torch.zeros(1, device=trainer.device)
         if trainer.rank == 0:
             exists[0] = float(ckpt.is_complete(ckpt.step_dir(self.cfg.checkpoint.dir, step)))
         dist.all_reduce(exists, op=dist.ReduceOp.MAX, group=trainer.step_group)
         at = log.at(gen=trainer.generation, step=step, node=self.node)
-        if bool(exists.item()):
+        if Collective.CHECKPOINT_BARRIER not in retake_collectives(exists=bool(exists.item())):
             if trainer.rank == 0:
                 at.info(
                     "%s exists already (not retaken)",

@@ -32,7 +32,8 @@ from .entry.devices import release_groups
 from .entry.enter import GenerationEntry, LayersLost, Reconfiguration
 from .entry.groups import GenerationGroups, set_timeout
 from .resilience.faults import FaultInjector
-from .resilience.fingerprint import Corrupt, Unrepairable, check_replicas, is_check_step, layer_tensors
+from .step.collectives import Collective, control_group, step_collectives
+from .resilience.fingerprint import Corrupt, Unrepairable, check_replicas, layer_tensors
 from .resilience.guard import judge
 from .resilience.progress import STEP_PROGRESS
 from .resilience.straggler import ComputeClock
@@ -109,7 +110,8 @@ class Trainer:
         """Whether this worker's stages include the pipeline's first and its last (zbv: both on device 0)."""
         self.stage_module: Optional[nn.Module] = None
         self.step_group: Optional[dist.ProcessGroup] = None
-        """The group of the generation's step collectives: its stages (None: the whole world)."""
+        """The generation's control group of its stages (engine/step/collectives.py): a step's, a
+        retake's and a checkpoint's collectives, and nothing else (None: no generation entered)."""
         self.applier = StepApplier(cfg)
         """A step's writes to `state`, only while it is current (engine/step/apply.py: a step may run in
         another thread that the control plane can abandon)."""
@@ -241,7 +243,7 @@ class Trainer:
             gc.collect()
             return installed.info
         self.groups = installed.groups
-        self._build_pipeline(plan)
+        self._build_pipeline(plan, installed.control)
         self.entry_window = (began, time.time())  # voted at every step (engine/telemetry/board.py)
         if installed.lost:
             raise LayersLost(list(installed.lost))
@@ -268,14 +270,14 @@ class Trainer:
         self.groups = None
         self.step_group = None
 
-    def _build_pipeline(self, plan: Plan) -> None:
+    def _build_pipeline(self, plan: Plan, control: Optional[dist.ProcessGroup]) -> None:
         """The generation's step group, gradient sync and shadow link, then this worker's stage
-        (engine/stage/build.py)."""
+        (engine/stage/build.py). `control`: the entry's control group (stages and donors)."""
         assert self.groups is not None
         self.pipeline, self.stage = plan.stage_of(self.rank)
         self.lane = self.rank - self.stage.rank
-        # the generation's stages without its donors (which leave after the entry); None = the world
-        self.step_group = dist.new_group(list(range(plan.world_size)), timeout=self.timeout) if plan.donors else None
+        # the entry's control group, or with donors (which leave after the entry) one of the stages
+        self.step_group = control_group(plan.world_size, self.timeout) if plan.donors else control
         self.grad_sync = GradSync(self.groups, self.layer_model, self.owned)
         if plan.shadows is not None and plan.shadows.copies > 0:  # every stage worker makes the group
             group = dist.new_group(list(range(plan.world_size)), timeout=self.timeout)
@@ -334,8 +336,7 @@ class Trainer:
             x, y = self.batches.get(step)
             self._fed(step)
             schedule, grad_sync, shadow_link = self.schedule, self.grad_sync, self.shadow_link
-            # None is the default group, which the next generation replaces: this one's, by name
-            step_group = self.step_group if self.step_group is not None else dist.group.WORLD
+            step_group = self.step_group  # this generation's, whatever the next one installs
             holds_first_last, stage_module = self.holds_first_last, self.stage_module
         assert grad_sync is not None and plan is not None, "enter a generation first"
         grad_sync.begin_step(pipeline.microbatches)  # reductions start as layers finish
@@ -364,11 +365,14 @@ class Trainer:
         verdict = judge(loss, norm2, running_max=agreed.max_loss, spike_factor=spike_factor)
         repaired: tuple[Corrupt, ...] = ()
         unrepairable = ""
+        interval = self.cfg.fault_tolerance.fingerprint_interval_steps
+        collectives = step_collectives(step, applied=verdict.apply, fingerprint_interval=interval)
         if verdict.apply:
             self.applier.apply(self.state, step, norm2, epoch)
             self.samples.committed("applied", step, generation=generation, rank=self.rank, how="step")
             self.faults.flip_bit(rank=self.rank, step=step, layers=self.layer_model.layers)
-            repaired, unrepairable = self._compare_copies(step)
+        if Collective.FINGERPRINTS in collectives:
+            repaired, unrepairable = self._compare_copies(step_group)
         self.applier.settle(self.state, verdict, loss, agreed.max_loss, epoch)
         return StepResult(
             step=step,
@@ -466,13 +470,11 @@ class Trainer:
             compute_s=own_slot(self.rank, self.plan.world_size, self.clock.take()),
         )
 
-    def _compare_copies(self, step: int) -> tuple[tuple[Corrupt, ...], str]:
-        """After an applied step, every `fingerprint_interval_steps` (the same steps on every
-        worker): the layers' copies compared with their other holders' and the corrupt ones
-        repaired (`check_replicas`, engine/resilience/fingerprint.py; collective over the
-        generation); (the repaired copies, why the job must stop: a layer's copies have no majority)."""
-        if not is_check_step(step, self.cfg.fault_tolerance.fingerprint_interval_steps):
-            return (), ""
+    def _compare_copies(self, step_group: Optional[dist.ProcessGroup]) -> tuple[tuple[Corrupt, ...], str]:
+        """After an applied step, every `fingerprint_interval_steps` (`step_collectives`: the same
+        steps on every worker): the layers' copies compared with their other holders' and the
+        corrupt ones repaired (`check_replicas`, engine/resilience/fingerprint.py; collective over
+        `step_group`); (the repaired copies, why the job must stop: a layer's copies have no majority)."""
         try:
             assert self.plan is not None and self.groups is not None
             tensors = {i: layer_tensors(self.layer_model.held(i), self.optimizer) for i in self.owned}
@@ -480,7 +482,7 @@ class Trainer:
                 self.plan,
                 tensors,
                 rank=self.rank,
-                group=self.step_group,
+                group=step_group,
                 holder_groups=self.groups.sets,
                 progress=self.progress,
             )

@@ -1,5 +1,5 @@
 """Entering a generation (`GenerationEntry.enter`): one protocol for the first start, a join,
-a drain and a failure. The worker joins the generation's process group, one MAX all-reduce agrees
+a drain and a failure. The worker joins the generation's process groups, one MAX all-reduce agrees
 on the previous generation and the last COMMITTED step (a holder of that step's synchronised
 gradients rolls forward, everyone else replays it), layers move from surviving holders
 (reconfigure.py), and the stage's layers, optimizer and process groups (groups.py) are rebuilt.
@@ -27,8 +27,9 @@ from ...models import LayerModel, build_layer_model
 from ...models.build import build_meta_layers
 from ...models.tensor_parallel import parallelize_layer
 from ...planning import Plan
+from ..step.collectives import Collective, checked_timeout, control_group, entry_collectives
 from .devices import backend_for, release_groups
-from .groups import GenerationGroups, checked_collectives, set_group_timeout
+from .groups import GenerationGroups, set_group_timeout
 from ..step.optim import build_optimizer
 from .kept_layers import copy_kept_shards, keep_layers
 from .reconfigure import Identity, LayerSources, Move, Transfer, exchange, moves_of, plan_transfers, transfer_bytes
@@ -89,13 +90,16 @@ class Installed:
     """The new generation's process groups (None for a donor, which leaves)."""
     lost: tuple[int, ...] = ()
     """Layers with no surviving copy: the caller restores the newest checkpoint."""
+    control: Optional[dist.ProcessGroup] = None
+    """The entry's control group (stages and donors, engine/step/collectives.py; None for a donor)."""
 
 
-def _release_donors() -> None:
-    """One all-reduce over the entry (stages and donors) after the layer exchange: a donor leaves
-    only once every receiver has its layers (a process that exits with data in flight could reset
-    the connection under it). Steps then run on `Trainer.step_group`, without the donors."""
-    dist.all_reduce(torch.zeros(1, dtype=torch.float64))
+def _release_donors(control: Optional[dist.ProcessGroup]) -> None:
+    """One all-reduce over the entry's control group (stages and donors) after the layer exchange:
+    a donor leaves only once every receiver has its layers (a process that exits with data in
+    flight could reset the connection under it). Steps then run on `Trainer.step_group`, without
+    the donors."""
+    dist.all_reduce(torch.zeros(1, dtype=torch.float64), group=control)
 
 
 class GenerationEntry:
@@ -118,6 +122,8 @@ class GenerationEntry:
         """Entries in a row with no step committed between them (`entry_join_timeout`)."""
         self._entered_at: Optional[int] = None  # the committed step at the last entry
         self._meta_layers: Optional[list[nn.Module]] = None
+        self.control: Optional[dist.ProcessGroup] = None
+        """The generation's control group (`_connect`): the entry's collectives, never a transfer."""
 
     def count_entry(self, committed_step: int) -> None:
         """An entry begins with `committed_step` steps done: count it as idle when no step was
@@ -127,8 +133,7 @@ class GenerationEntry:
         seconds = entry_join_timeout(
             self.base_join_timeout.total_seconds(), self.idle_entries, self.timeout.total_seconds()
         )
-        # torch's collective checker keeps a group's creation timeout for its checks: connect under the full one
-        self.join_timeout = self.timeout if checked_collectives() else timedelta(seconds=seconds)
+        self.join_timeout = timedelta(seconds=seconds)
 
     def enter(
         self,
@@ -160,7 +165,7 @@ class GenerationEntry:
         rank = stage.rank + (plan.lane_of(stage, self.identity[1]) or 0) if stage is not None else donor
         assert rank is not None
         self._connect(plan, rank, store)
-        previous, committed = self._agree_on_step(state)
+        previous, committed = self._agree_on_step(state, self.control)
         rolled, current = self._settle(state, committed, roll_forward)
         held, shadowed = self._agree_on_layouts(state, plan, rank, current, load_plan, committed)
         transfers, lost = plan_transfers(held, plan, shadowed)
@@ -243,7 +248,7 @@ class GenerationEntry:
                 **({"sources": info.sources.fields()} if info.sources is not None else {}),
             },
         )
-        return Installed(state=after, info=info, groups=groups, lost=lost_layers)
+        return Installed(state=after, info=info, groups=groups, lost=lost_layers, control=self.control)
 
     def _transfer_sizes(self, state: WorkerState, tensor_parallel: int) -> list[int]:
         """Bytes of one lane's transfer of every layer, from the layers' shapes (meta device)."""
@@ -257,7 +262,9 @@ class GenerationEntry:
         """The generation's default group (stages and donors). It connects under the short join
         timeout (a peer that died during the reconfiguration holds gloo's connection set-up for
         ~5x it); collectives then run under the comm timeout (`_agree_on_layouts` switches once
-        every peer is seen)."""
+        every peer is seen). Then the control group, the generation's first (engine/step/collectives.py):
+        the layer and shadow transfers run on the default group, the control collectives there."""
+        self.control = None
         release_groups(abort=False)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -268,12 +275,14 @@ class GenerationEntry:
             world_size=plan.entry_world_size,
             timeout=min(self.timeout, self.join_timeout),
         )
+        connect = min(self.timeout, self.join_timeout)
+        self.control = control_group(plan.entry_world_size, checked_timeout(connect, self.timeout))
 
     @staticmethod
-    def _agree_on_step(state: WorkerState) -> tuple[int, int]:
+    def _agree_on_step(state: WorkerState, control: Optional[dist.ProcessGroup]) -> tuple[int, int]:
         """One MAX all-reduce: (newest generation anyone was in, newest step anyone committed)."""
         agree = torch.tensor([state.generation, state.committed_step, state.synced_step], dtype=torch.float64)
-        dist.all_reduce(agree, op=dist.ReduceOp.MAX)
+        dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=control)
         return int(agree[0]), int(agree[1])
 
     @staticmethod
@@ -315,8 +324,9 @@ class GenerationEntry:
             shadows.settle()
         if shadows is not None and shadows.layers and shadows.step == committed:
             held[1, rank] = shadows.generation
-        dist.all_reduce(held)
+        dist.all_reduce(held, group=self.control)
         set_group_timeout(self.timeout)  # every peer is connected now
+        set_group_timeout(self.timeout, self.control)
         layouts = {int(g) for g in held.reshape(-1).tolist() if g > 0}
         plans = {
             g: state.plan if state.plan is not None and state.plan.generation == g else load_plan(g) for g in layouts
@@ -430,8 +440,8 @@ class GenerationEntry:
                 shadow=_shadow_source(state),
                 device=self.device,
             )
-        if plan.donors:
-            _release_donors()
+        if Collective.RELEASE_DONORS in entry_collectives(plan):
+            _release_donors(self.control)
         params = list(dict.fromkeys(p for i in owned for p in target.held(i).parameters()))
         optimizer = build_optimizer(params, self.cfg.training)
         ours = {id(p) for p in params}
@@ -466,7 +476,8 @@ class GenerationEntry:
                 shadow=_shadow_source(state),
                 device=self.device,
             )
-        _release_donors()
+        _release_donors(self.control)
+        self.control = None
         release_groups(abort=False)
         return moved
 

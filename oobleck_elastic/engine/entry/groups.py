@@ -22,6 +22,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ...models import LayerModel
 from ...planning import Plan
+from ..step.collectives import checked_timeout
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class GenerationGroups:
         self.pipeline_group: Optional[dist.ProcessGroup] = None
         self.tp_group: Optional[dist.ProcessGroup] = None
         self.mesh: Optional[DeviceMesh] = None
-        connect = min(timeout, connect_timeout or timeout)
+        connect = checked_timeout(min(timeout, connect_timeout or timeout), timeout)
 
         def make(ranks: list[int]) -> dist.ProcessGroup:
             g = dist.new_group(ranks, timeout=connect)
@@ -128,13 +129,6 @@ def set_timeout(timeout: timedelta, groups: Iterable[Optional[dist.ProcessGroup]
         if id(g) not in seen:
             seen.add(id(g))
             set_group_timeout(timeout, g)
-
-
-def checked_collectives() -> bool:
-    """Whether torch checks every collective (TORCH_DISTRIBUTED_DEBUG=DETAIL): it wraps each group
-    in a `_ProcessGroupWrapper` whose barrier before each collective keeps the timeout the group was
-    created with, so groups are then created under the collectives' timeout, not the connect one."""
-    return dist.get_debug_level() == dist.DebugLevel.DETAIL
 
 
 def set_group_timeout(timeout: timedelta, group: Optional[dist.ProcessGroup] = None) -> None:
