@@ -85,9 +85,32 @@ def test_every_combination_trains_like_the_reference(
         train(cfg)
     ref = load_model_state(tmp_path / "ref" / "ckpt")
     assert set(job) == set(ref)
+    if row["precision"] == "bf16" and row["tp"] > 1:
+        _assert_near_in_bf16(job, ref, row)
+        return
     tol = {"rtol": 1e-5, "atol": 1e-6} if row["precision"] == "fp32" else {"rtol": 0.0, "atol": bf16_atol(STEPS, LR)}
     for key in ref:
         torch.testing.assert_close(job[key], ref[key], **tol, msg=f"{name(row)}: {key}")
+
+
+def _assert_near_in_bf16(job: dict, ref: dict, row: dict) -> None:
+    """bf16 under tensor parallelism: each lane rounds its partial sums to bf16 before they are
+    summed, where the reference rounds the whole sum once, so activations and gradients differ by
+    bf16's eps, and Adam turns a gradient near zero whose sign flips into a full update the other
+    way. `bf16_atol` then holds for all but a few weights, each off by at most one update (lr) a
+    step: at most 1 % of all weights (0.23 % measured, spread over every layer) and 2 % of any
+    tensor, or 2 of a small one (1 of 64 measured). A missing or doubled sum, or a layer from the
+    wrong step, moves most of a tensor past the bound; tensor parallelism in fp32 is checked
+    exactly (other rows)."""
+    bound, beyond, total = bf16_atol(STEPS, LR), 0, 0
+    for key in ref:
+        diff = (job[key] - ref[key]).abs()
+        off = int((diff > bound).sum())
+        assert diff.max().item() <= 2 * STEPS * LR, (name(row), key, diff.max().item())
+        assert off <= max(2, 0.02 * diff.numel()), (name(row), key, off, diff.numel())
+        beyond += off
+        total += diff.numel()
+    assert beyond <= 0.01 * total, (name(row), beyond, total)
 
 
 def test_a_refused_combination_says_both_keys_in_one_line(
