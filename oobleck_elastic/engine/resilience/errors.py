@@ -19,11 +19,13 @@ from ...logs import clip
 
 
 # gloo reports a dead or silent peer as a RuntimeError raised by its TCP transport; these are the
-# phrases of those messages (and of c10d's own socket and store errors)
+# phrases of those messages (and of c10d's own socket and store errors, and of the barrier torch's
+# collective checker runs before each collective, which a dead peer never reaches)
 _COMM_PATTERNS = re.compile(
     r"gloo/transport|third_party/gloo|Connection (closed|reset|refused)|Broken pipe|Timed out waiting|"
     r"timed out|Socket|connectFullMesh|ProcessGroup\w* .*(aborted|destroyed|shut ?down)|"
-    r"NCCL (error|communicator)|ncclRemoteError|ncclSystemError|Collective .*timed out",
+    r"NCCL (error|communicator)|ncclRemoteError|ncclSystemError|Collective .*timed out|"
+    r"failed to pass monitoredBarrier",  # torch's collective checker (TORCH_DISTRIBUTED_DEBUG=DETAIL)
     re.IGNORECASE,
 )
 
