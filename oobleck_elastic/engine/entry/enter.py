@@ -29,7 +29,7 @@ from ...models.tensor_parallel import parallelize_layer
 from ...planning import Plan
 from ..step.collectives import Collective, checked_timeout, control_group, entry_collectives
 from .devices import backend_for, release_groups
-from .groups import GenerationGroups, set_group_timeout
+from .groups import GenerationGroups, set_timeout
 from ..step.optim import build_optimizer
 from .kept_layers import copy_kept_shards, keep_layers
 from .reconfigure import Identity, LayerSources, Move, Transfer, exchange, moves_of, plan_transfers, transfer_bytes
@@ -265,6 +265,7 @@ class GenerationEntry:
         every peer is seen). Then the control group, the generation's first (engine/step/collectives.py):
         the layer and shadow transfers run on the default group, the control collectives there."""
         self.control = None
+        connect = min(self.timeout, self.join_timeout)
         release_groups(abort=False)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -273,9 +274,8 @@ class GenerationEntry:
             store=store,
             rank=rank,
             world_size=plan.entry_world_size,
-            timeout=min(self.timeout, self.join_timeout),
+            timeout=connect,
         )
-        connect = min(self.timeout, self.join_timeout)
         self.control = control_group(plan.entry_world_size, checked_timeout(connect, self.timeout))
 
     @staticmethod
@@ -325,8 +325,7 @@ class GenerationEntry:
         if shadows is not None and shadows.layers and shadows.step == committed:
             held[1, rank] = shadows.generation
         dist.all_reduce(held, group=self.control)
-        set_group_timeout(self.timeout)  # every peer is connected now
-        set_group_timeout(self.timeout, self.control)
+        set_timeout(self.timeout, [self.control])  # every peer is connected now: the default group and the control one
         layouts = {int(g) for g in held.reshape(-1).tolist() if g > 0}
         plans = {
             g: state.plan if state.plan is not None and state.plan.generation == g else load_plan(g) for g in layouts

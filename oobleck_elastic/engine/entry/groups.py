@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterable, Optional
 
-import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _ProcessGroupWrapper
 from torch.distributed.device_mesh import DeviceMesh
@@ -132,12 +131,14 @@ def set_timeout(timeout: timedelta, groups: Iterable[Optional[dist.ProcessGroup]
 
 
 def set_group_timeout(timeout: timedelta, group: Optional[dist.ProcessGroup] = None) -> None:
-    """`group`'s (None: the default group's) calls from now on run under `timeout`; also when torch's
-    collective checker wraps its backend (`_set_pg_timeout` skips a wrapper with a warning)."""
+    """`group`'s (None: the default group's) calls from now on run under `timeout`, on every device's
+    backend; also where torch's collective checker wraps one (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps
+    gloo's and NCCL's, and `_set_pg_timeout` skips a wrapper with a warning)."""
     g = group if group is not None else dist.group.WORLD
     assert g is not None
-    backend = g._get_backend(torch.device("cpu")) if torch.device("cpu") in g._device_types else None
-    if isinstance(backend, _ProcessGroupWrapper):
+    backends = [g._get_backend(device) for device in g._device_types]
+    wrapped = [b for b in backends if isinstance(b, _ProcessGroupWrapper)]
+    for backend in wrapped:
         backend.set_timeout(timeout)
-        return
-    _set_pg_timeout(timeout, group)
+    if len(wrapped) < len(backends):
+        _set_pg_timeout(timeout, group)
