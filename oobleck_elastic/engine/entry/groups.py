@@ -10,6 +10,7 @@ docs/design.md.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterable, Optional
@@ -105,7 +106,7 @@ class GenerationGroups:
                     g = make(ranks)
                     if rank in ranks:
                         self.tp_group = g
-                        self.mesh = DeviceMesh.from_group(g, device_type)
+                        self.mesh = lanes_mesh(g, device_type, plan.generation)
         self.sets: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for holders in by_lane:
             for members in holders.group_sets():
@@ -117,6 +118,20 @@ class GenerationGroups:
         """Every group of the generation this rank is in: its pipeline's, its stage's lanes', its
         holder sets'."""
         return [g for g in (self.pipeline_group, self.tp_group, *self.sets.values()) if g is not None]
+
+
+_MESHES = itertools.count()
+
+
+def lanes_mesh(group: dist.ProcessGroup, device_type: str, generation: int) -> DeviceMesh:
+    """The one-dimensional mesh of a stage's lanes over `group`, named uniquely in this process
+    (`lanes_g<generation>_<n>`). DTensor caches the layout of each operator's result keyed by its
+    inputs' meshes, and two meshes are equal when their ranks are, whatever their groups; so
+    without the name a later generation's mesh over the same ranks would get cached results laid
+    on an earlier generation's mesh, whose group name is gone after the teardown ("Could not
+    resolve the process group registered under the name 8") or, group names restarting at each
+    generation, now names another group."""
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"lanes_g{generation}_{next(_MESHES)}",))
 
 
 def set_timeout(timeout: timedelta, groups: Iterable[Optional[dist.ProcessGroup]]) -> None:
