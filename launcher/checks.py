@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from oobleck_elastic.etcd import EtcdSettings
 
@@ -18,6 +18,7 @@ __all__ = [
     "failure_reason",
     "job_name",
     "kill_verdict",
+    "node_shortfall",
     "ops_commands",
     "preflight",
     "script_config",
@@ -40,9 +41,13 @@ def script_config(script: Sequence[str], rdzv_conf: str = "") -> tuple[Optional[
     return config, overrides
 
 
-def preflight(script: Sequence[str], rdzv_conf: str = "") -> Optional[str]:
+def preflight(
+    script: Sequence[str], rdzv_conf: str = "", *, nodes: Optional[int] = None, warn: Callable[[str], None] = print
+) -> Optional[str]:
     """The one line saying what is wrong with the job's config, its data or its resume point, or
-    None (nothing found, or no config to check: the handler then says what it needs)."""
+    what it asks that `nodes` (the most this launch starts) can never give (`node_shortfall`), or
+    None (nothing found, or no config to check: the handler then says what it needs). What the
+    nodes cannot give but the job can train without goes to `warn`, one line each."""
     config, overrides = script_config(script, rdzv_conf)
     if config is None:
         return None
@@ -57,7 +62,39 @@ def preflight(script: Sequence[str], rdzv_conf: str = "") -> Optional[str]:
         check_start(cfg)
     except KNOWN_ERRORS as err:
         return one_line(err)
-    return None
+    if nodes is None:
+        return None
+    refusal, warnings = node_shortfall(
+        cfg.fault_tolerance.f, cfg.fault_tolerance.shadow_copies, nodes, cfg.fault_tolerance.strict
+    )
+    for line in warnings:
+        warn(line)
+    return refusal
+
+
+def node_shortfall(f: int, shadow_copies: int, nodes: int, strict: bool) -> tuple[Optional[str], list[str]]:
+    """(the refusal, the warnings) for a job asking f+1 pipelines and `shadow_copies` shadow copies
+    of each layer when at most `nodes` nodes will ever run it. A pipeline needs a node of its own,
+    and a layer's shadow copy a node that does not hold the layer, which at least one node does:
+    more copies than `nodes - 1` can never be placed (refused); fewer than f+1 pipelines train
+    with a warning (one node is how a config is tried), refused under fault_tolerance.strict."""
+    if shadow_copies > nodes - 1:
+        return (
+            f"fault_tolerance.shadow_copies={shadow_copies} needs at least {shadow_copies + 1} nodes (each copy on a "
+            f"node that does not hold the layer); this launch starts at most {nodes}: lower "
+            f"fault_tolerance.shadow_copies below {nodes} (`oobleck plan --nodes {nodes}` shows what fits) or start "
+            "more nodes",
+            [],
+        )
+    if f + 1 <= nodes:
+        return None, []
+    short = (
+        f"fault_tolerance.f={f} asks for f+1={f + 1} pipelines, each on nodes of its own; this launch starts at "
+        f"most {nodes} node(s)"
+    )
+    if strict:
+        return f"fault_tolerance.strict: {short}: start more nodes or lower fault_tolerance.f", []
+    return None, [f"warning: {short}: the job trains {nodes} pipeline(s), and a node's failure needs a checkpoint"]
 
 
 def job_name(script: Sequence[str], rdzv_conf: str = "") -> Optional[str]:

@@ -482,7 +482,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         build_parser().error("no training script after --")
     if args.max_nodes is None:
         args.max_nodes = args.nodes + len(args.join)
-    problem = preflight(script, args.rdzv_conf)  # before etcd and any node: one line, not one per node
+    # before etcd and any node: one line, not one per node
+    problem = preflight(script, args.rdzv_conf, nodes=args.max_nodes, warn=lambda line: print(f"[launcher] {line}"))
     if problem:
         print(f"launcher.local: error: {problem}", file=sys.stderr, flush=True)
         return 2

@@ -146,6 +146,7 @@ def status(client: EtcdClient, keys: Keys) -> list[str]:
         if plan.spares:
             lines.append(f"  spares: {', '.join(plan.spares)}")
         lines += describe_shadows(plan, PLAN_BUDGETS)
+        lines += [f"  warning: {w}" for w in plan.warnings]
     if progress is not None:
         lines.append(f"step {progress.step} (generation {progress.generation}, {time.time() - progress.time:.1f}s ago)")
     else:

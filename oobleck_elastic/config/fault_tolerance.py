@@ -20,6 +20,10 @@ from .schema import ConfigError, Section, at_least
 class FaultToleranceConfig(Section):
     f: int = 1
     """Simultaneous node failures to survive without a checkpoint (>= f+1 pipelines)."""
+    strict: bool = False
+    """Whether a first plan that gives less than the config asks (fewer than f+1 pipelines, fewer
+    shadow copies, nodes left idle as spares) fails the job at its start, naming what it lacks,
+    instead of training with a warning. A later plan after losses always trains with the warning."""
     shadow_copies: int = 0
     """Copies of every layer's weights and optimizer state kept in the host memory of that many
     nodes that do not hold the layer on their devices (0 = none): with f+1 device copies, any

@@ -294,3 +294,23 @@ def plan_events(
         )
     )
     return events
+
+
+def strict_refusal(plan: Plan, *, first: bool, strict: bool) -> Optional[str]:
+    """Why the job fails instead of training on `plan` (`fault_tolerance.strict`: its first plan
+    gives less than the config asks, as `plan.warnings` say), or None. A plan after losses is
+    never refused: it trains with its warnings, the job's best under what is left."""
+    if not (strict and first and plan.warnings):
+        return None
+    return (
+        f"fault_tolerance.strict: generation {plan.generation} gives less than the config asks: "
+        + "; ".join(plan.warnings)
+        + "; change the keys named, start more nodes, or set fault_tolerance.strict=false to train with less"
+    )
+
+
+def shortfall_line(plan: Plan) -> Optional[str]:
+    """The leader's one WARNING line for a plan that gives less than the config asks, or None."""
+    if not plan.warnings:
+        return None
+    return f"generation {plan.generation} gives less than the config asks: " + "; ".join(plan.warnings)

@@ -264,6 +264,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 and self.cfg.fault_tolerance.straggler_factor > 0
                 and self.cfg.planning.schedule == "1f1b",
                 max_restarts=self.cfg.fault_tolerance.max_restarts_without_progress,
+                strict=self.cfg.fault_tolerance.strict,
             )
             self.leader.start()
             threading.Thread(target=self._answer_pings, name="oobleck-pong", daemon=True).start()

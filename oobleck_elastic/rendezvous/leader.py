@@ -18,6 +18,7 @@ from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
 from .decide import LeaderAction, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide
+from .decide import shortfall_line, strict_refusal
 from .drills import install_spin_drill
 from .election import Election, caught_up
 from .detect import Deputy, LeaderLiveness, LeaderWatch, RollCall, why_lost
@@ -72,10 +73,12 @@ class Leader:
         view: Optional[KVReader] = None,
         rebalance: bool = False,
         max_restarts: int = 5,
+        strict: bool = False,
     ) -> None:
         """`rebalance`: re-split the microbatches around stragglers the workers name (`rendezvous.decide`);
-        `max_restarts`: restarts in a row without progress before the job fails (`rendezvous.restart_loop`)."""
-        self.max_restarts = max_restarts
+        `max_restarts`: restarts in a row without progress before the job fails (`rendezvous.restart_loop`);
+        `strict`: a first plan that gives less than the config asks fails the job (`strict_refusal`)."""
+        self.max_restarts, self.strict = max_restarts, strict
         self.client, self.keys, self.member = client, keys, member
         self.stragglers = LeaderStragglers(planner, enabled=rebalance)
         # what the leader reads: a Mirror of `Keys.agent_watched` (no etcd request per tick; a change
@@ -445,6 +448,10 @@ class Leader:
                 )
             return
         self._waiting_for = None
+        refused = strict_refusal(plan, first=old is None, strict=self.strict)
+        if refused is not None:
+            self._fail(refused)
+            return
         progress = read_progress(self.client, self.keys) if old is not None else None
         stepped = progress is not None and old is not None and progress.generation >= old.generation
         plan, choice = with_donors(plan, old, records, lost, lambda n: is_fenced(self.view, self.keys, n), stepped)
@@ -480,6 +487,9 @@ class Leader:
         if events is not None:
             self._caught_up(self.keys.plan, lambda kv: kv is not None and kv.mod_revision != rev)
             log.at(node=self.member.node_id).info("published generation %d: %s", plan.generation, events[-1].detail)
+            short = shortfall_line(plan)
+            if short is not None:
+                log.at(node=self.member.node_id).warning("%s", short)
         else:
             log.at(node=self.member.node_id).info(
                 "plan generation %d lost a race (plan or leadership changed)", plan.generation

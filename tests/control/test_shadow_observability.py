@@ -70,6 +70,11 @@ def test_oobleck_status_lists_the_shadow_placement(etcd_settings, run_id) -> Non
         # a plan without shadows: no line about them
         client.put_json(keys.plan, layout_plan([[(0, 3), (3, 6)], [(0, 6)]], [4, 4], generation=4).to_json())
         assert not [line for line in cluster_ops.status(client, keys) if "shadow" in line]
+        # a plan that gives less than the config asks: its warnings, as the leader logged them
+        short = "no shadow copies instead of fault_tolerance.shadow_copies=1: no node has room"
+        plan = layout_plan([[(0, 6)]], [4], generation=5)
+        client.put_json(keys.plan, dataclasses.replace(plan, warnings=(short,)).to_json())
+        assert f"  warning: {short}" in cluster_ops.status(client, keys)
     finally:
         client.close()
 

@@ -285,7 +285,8 @@ def test_fewer_than_f_plus_1_pipelines_warns() -> None:
     a = instantiate(ts, num_nodes=3, num_microbatches=8, f=1)
     assert len(a.pipelines) == 1
     assert a.warnings == (
-        "1 pipeline(s) instead of f+1=2: only 3 nodes (n0=2); a failure may need a checkpoint restore",
+        "1 pipeline(s) instead of f+1=2 (fault_tolerance.f=1): only 3 nodes (n0=2); "
+        "a failure may need a checkpoint restore",
     )
 
 

@@ -40,6 +40,7 @@ def describe_plan(plan: Optional[Plan]) -> str:
         )
         runs = p.schedule if p.num_chunks == 1 else f"{p.schedule} with {p.num_chunks} chunks"
         lines.append(f"pipeline {p.index}: {p.microbatches} microbatches, {runs}; {stages}")
+    lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
 
 

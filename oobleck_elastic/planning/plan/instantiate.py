@@ -180,7 +180,10 @@ def instantiate(
             if num_nodes // n0 < f + 1
             else f"only {B} microbatches per global batch"
         )
-        warnings.append(f"{k} pipeline(s) instead of f+1={f + 1}: {why}; a failure may need a checkpoint restore")
+        warnings.append(
+            f"{k} pipeline(s) instead of f+1={f + 1} (fault_tolerance.f={f}): {why}; "
+            "a failure may need a checkpoint restore"
+        )
     ones = [1] * len(sizes)
     used = min(num_nodes, B * max(sizes))  # at most B pipelines: one microbatch each
     while used >= n0 and best_cover(sizes, ones, used, kmin=k, kmax=B) is None:
