@@ -3,7 +3,7 @@ checkpoint of another model before any of its tensors is loaded.
 
 The record (`extra.model` in the manifest) holds what fixes the shapes of the layers' tensors:
 family, blocks, widths, heads, vocabulary. A checkpoint from before the record is accepted as it
-was. The story: docs/recovery.md.
+was. The story: docs/training.md.
 """
 
 from __future__ import annotations
