@@ -3,7 +3,8 @@
 One directory per saved step, one file per layer (parameters and optimizer state), the manifest
 written last. Invariant: a step directory without a readable manifest is never resumed from (it
 is set aside as partial), and a layer file whose size or sha256 differs from the manifest is
-reported by name, never loaded. The story: docs/recovery.md.
+reported by name, never loaded; a checkpoint of another model is refused before any file is
+read (`different_model`). The story: docs/recovery.md.
 """
 
 from .directory import (
@@ -20,6 +21,7 @@ from .directory import (
     set_aside,
     set_aside_partials,
 )
+from .identity import MODEL_KEY, describe_model, different_model, foreign_checkpoint, model_record
 from .files import (
     MANIFEST,
     SAVING,
@@ -60,4 +62,9 @@ __all__ = [
     "describe_partial",
     "find_checkpoint",
     "is_complete",
+    "MODEL_KEY",
+    "describe_model",
+    "different_model",
+    "foreign_checkpoint",
+    "model_record",
 ]

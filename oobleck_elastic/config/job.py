@@ -7,6 +7,8 @@ import it from the package: `from oobleck_elastic.config import JobConfig`.
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 
 from .fault_tolerance import FaultToleranceConfig
@@ -17,10 +19,17 @@ from .schema import Section
 from .training import TrainingConfig
 
 
+def default_checkpoint_dir(job: str) -> str:
+    """`checkpoints/<job>` (relative to the working directory): the checkpoint directory of the job
+    named `job` when `checkpoint.dir` is empty, `job` made one safe folder name."""
+    return os.path.join("checkpoints", re.sub(r"[^A-Za-z0-9_.-]+", "-", job).strip("-.") or "job")
+
+
 @dataclass
 class JobConfig(Section):
     name: str = "oobleck"
-    """Job name used in logs, and the TensorBoard run id of the single process."""
+    """Job name used in logs, the TensorBoard run id of the single process, and the name of the
+    default checkpoint directory (`checkpoint.dir`)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -35,6 +44,10 @@ class JobConfig(Section):
     """Checkpoints."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Logs and TensorBoard."""
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint.dir:  # load_config names a config file's job after the file
+            self.checkpoint.dir = default_checkpoint_dir(self.name)
 
     def validate(self) -> list[str]:
         """Every section's problems, then the rules that span sections."""

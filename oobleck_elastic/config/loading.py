@@ -17,7 +17,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from .job import JobConfig
+from .job import JobConfig, default_checkpoint_dir
 from .schema import PATH_KEYS, ConfigError
 
 
@@ -121,10 +121,22 @@ def resolve_file_paths(given: DictConfig, folder: Path) -> None:
             OmegaConf.update(given, key, [resolve_path(v, folder) for v in value], merge=False)
 
 
+def name_checkpoint_dir(given: DictConfig, stem: str) -> None:
+    """Give `given` (a config file merged with its overrides) the checkpoint directory of a job
+    named `stem` (the file's name without its extension) when it sets neither `name` nor
+    `checkpoint.dir`, in place; with a `name`, JobConfig names the directory after it."""
+    section = given.get("checkpoint")
+    if "name" in given or not (section is None or isinstance(section, DictConfig)):
+        return  # a section of the wrong type is the schema's to judge
+    if section is None or section.get("dir", "") == "":
+        OmegaConf.update(given, "checkpoint.dir", default_checkpoint_dir(stem))
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
     """Load a JobConfig from an optional YAML file and `key=value` overrides, validated. Relative
     paths written in the file are relative to its folder; those of the overrides to the working
-    directory (schema.PATH_KEYS).
+    directory (schema.PATH_KEYS). An empty `checkpoint.dir` becomes `checkpoints/<job>`: <job> is
+    `name`, else the file's name without its extension.
 
     Raises ConfigError with a message naming the offending key.
     """
@@ -151,6 +163,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise ConfigError(f"override '{bad[0]}' is not of the form key=value (e.g. training.steps=10)")
         if overrides:  # merged before the schema, so that an override can fix a choice the file got wrong
             given = cast(DictConfig, OmegaConf.merge(given, OmegaConf.from_dotlist(list(overrides))))
+        if path is not None:
+            name_checkpoint_dir(given, Path(path).stem)
         return _build(given, where)
     except OmegaConfBaseException as err:
         raise ConfigError(f"{where}: {_omegaconf_message(err)}") from None

@@ -17,8 +17,10 @@ LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 @dataclass
 class CheckpointConfig(Section):
-    dir: str = "checkpoints"
-    """Directory of safetensors checkpoints. A relative path: see Paths."""
+    dir: str = ""
+    """Directory of safetensors checkpoints; empty: `checkpoints/<job>`, a directory of the job's
+    own, where `<job>` is `name` when the config sets it, else the config file's name without its
+    extension (configs/gpt2-tiny.yaml: `checkpoints/gpt2-tiny`). A relative path: see Paths."""
     interval_steps: int = 0
     """Save every this many steps; 0 = only at the end."""
     resume: bool = True

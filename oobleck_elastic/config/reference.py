@@ -37,7 +37,7 @@ when the config is loaded, in one error that names each key.
 `logging.tensorboard_dir`, `logging.events_dir`) is relative to the folder of that file, whatever
 directory the job starts in: `configs/my.yaml` with `data.paths: [corpus.jsonl]` reads
 `configs/corpus.jsonl`. A relative path given as a `key=value` override on the command line, and
-the defaults (`.oobleck-cache`, `checkpoints`, `runs`), are relative to the working directory.
+the defaults (`.oobleck-cache`, `checkpoints/<job>`, `runs`), are relative to the working directory.
 `~` is expanded.
 """
 

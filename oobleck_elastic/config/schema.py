@@ -27,8 +27,9 @@ PATH_KEYS = (
 """The keys that hold file system paths. A relative path written in a config FILE is relative to
 that file's folder (`configs/x.yaml` saying `data.paths: [corpus.jsonl]` reads
 `configs/corpus.jsonl`, from whatever directory the job starts in); a relative path given as a
-command-line override, and the defaults (`checkpoints`, `runs`, `.oobleck-cache`), are relative to
-the working directory. `load_config` makes the file's paths absolute; `~` is expanded."""
+command-line override, and the defaults (`checkpoints/<job>`, `runs`, `.oobleck-cache`), are
+relative to the working directory. `load_config` makes the file's paths absolute; `~` is
+expanded."""
 
 
 class Section:

@@ -24,6 +24,7 @@ from ..config import JobConfig, to_dict
 from ..data.errors import DataError
 from ..data.tokenizer import save_tokenizer_files
 from ..logs import JobLog
+from ..models.identity import model_identity
 from ..planning import Plan, shortfall
 from .step.collectives import Collective, retake_collectives
 from .resilience.guard import StepGuard
@@ -70,7 +71,8 @@ def save(
     receipt (file, sha256, bytes) beside it; after a barrier rank 0 sets aside a complete
     checkpoint already at this step and every partial one (`step-XXXXXXXX.partial-<time>`, one
     log line each), copies the job's tokenizer into `<step>/tokenizer/` and writes the manifest,
-    which completes the checkpoint. The data cursor is just the next step.
+    which completes the checkpoint, with the model's identity (`extra.model`,
+    models/identity.py). The data cursor is just the next step.
     `guard`: the step guard whose skip history goes in the manifest (`guard_record`). The
     `checkpoint` line's `seconds` run from `began` (`time.perf_counter()`; default: now) to the
     manifest, on this clock, not the goodput ledger's (tests cross-check the two)."""
@@ -119,7 +121,7 @@ def save(
         path = _receipt(step_path, i)
         layers.append(json.loads(path.read_text()))
         path.unlink()
-    extra: dict[str, Any] = {"guard": guard_record(trainer, guard)}
+    extra: dict[str, Any] = {"guard": guard_record(trainer, guard), ckpt.MODEL_KEY: model_identity(trainer.cfg.model)}
     files = getattr(trainer.dataset, "tokenizer", None)
     if files is not None:  # the tokenizer goes along, for `oobleck export` (models/export_tokenizer.py)
         try:
@@ -158,9 +160,15 @@ def restore(trainer: Trainer, path: str | Path, *, guard: Optional[StepGuard] = 
     """Load the owned layers' weights and optimizer state from a checkpoint into the trainer
     (`Trainer.checkpoint_state.load_state_dict`), and the step guard's state (`load_guard_record`); returns the
     checkpoint's step, where training goes on. Whatever plan wrote it; tied parameters load the
-    same values from both layers' files."""
+    same values from both layers' files. A checkpoint of another model (its identity record,
+    `checkpoint.different_model`) is refused before any file is read."""
     step_path = Path(path)
     manifest = ckpt.read_manifest(step_path)
+    foreign = ckpt.different_model(
+        step_path.parent, step_path.name, ckpt.model_record(manifest), model_identity(trainer.cfg.model)
+    )
+    if foreign:
+        raise ckpt.CheckpointError(foreign)
     if len(manifest["layers"]) != trainer.layer_model.num_layers:
         raise ckpt.CheckpointError(
             f"checkpoint {step_path} has {len(manifest['layers'])} layers but the model has "

@@ -1,5 +1,5 @@
-"""What a worker checks before it builds anything (`check_start`: a resumed run has steps left, the
-data files exist), and how a known error ends a run in one line.
+"""What a worker checks before it builds anything (`check_start`: a resumed run resumes its own model and
+has steps left, the data files exist), and how a known error ends a run in one line.
 
 Known errors (`KNOWN_ERRORS`: a setting, a data file, a plan, a profile, a checkpoint, a job
 already closed as failed) print as one line that says what to change (`one_line`); anything else
@@ -14,11 +14,12 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from ..checkpoint import CheckpointError, nothing_to_do
+from ..checkpoint import CheckpointError, foreign_checkpoint, latest_checkpoint, nothing_to_do
 from ..config import ConfigError, JobConfig
 from ..data.dataset import check_data
 from ..data.errors import DataError
 from ..logs import JobLog
+from ..models.identity import model_identity
 from ..planning import PlanningError
 from ..planning.profile.profile import ProfileError
 from ..planning.schedules.choice import candidates
@@ -27,7 +28,7 @@ from .control import ControlPlane
 from .resilience.errors import JobFailed
 from .torch_internals import TorchInternalsError, check_torch_internals
 
-__all__ = ["KNOWN_ERRORS", "check_start", "end_job_at_start", "ends_the_job", "exit_code", "one_line"]
+__all__ = ["KNOWN_ERRORS", "check_start", "end_job_at_start", "ends_the_job", "foreign_model", "exit_code", "one_line"]
 
 KNOWN_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError,
@@ -63,9 +64,10 @@ def ends_the_job(err: BaseException, *, steps_done: Optional[int]) -> bool:
 
 def check_start(cfg: JobConfig) -> None:
     """Raise the first problem found before anything is built: a torch without an internal the
-    engine uses (TorchInternalsError), nothing left to train, shadow copies with tensor
-    parallelism or a schedule the engine does not run asked for (ConfigError), a data file or
-    tokenizer directory that does not exist (DataError)."""
+    engine uses (TorchInternalsError), a checkpoint of another model to resume from
+    (`foreign_model`), nothing left to train, shadow copies with tensor parallelism or a schedule
+    the engine does not run asked for (ConfigError), a data file or tokenizer directory that does
+    not exist (DataError)."""
     check_torch_internals()
     if cfg.fault_tolerance.shadow_copies > 0 and cfg.planning.tensor_parallel not in (1, "auto"):
         raise ConfigError(SHADOWS_WITH_TP.format(copies=cfg.fault_tolerance.shadow_copies))
@@ -74,10 +76,23 @@ def check_start(cfg: JobConfig) -> None:
     except PlanningError as err:
         raise ConfigError(str(err)) from None
     if cfg.checkpoint.resume:
-        why = nothing_to_do(cfg.checkpoint.dir, cfg.training.steps)
+        why = foreign_model(cfg) or nothing_to_do(cfg.checkpoint.dir, cfg.training.steps)
         if why:
             raise ConfigError(why)
     check_data(cfg)
+
+
+def foreign_model(cfg: JobConfig) -> Optional[str]:
+    """Why the newest checkpoint in `checkpoint.dir` is no checkpoint of this job's model
+    (`checkpoint.foreign_checkpoint`), or None. A model config that does not build (a missing
+    config.json) is left for the build to name."""
+    if latest_checkpoint(cfg.checkpoint.dir) is None:
+        return None
+    try:
+        identity = model_identity(cfg.model)
+    except (OSError, ValueError):
+        return None
+    return foreign_checkpoint(cfg.checkpoint.dir, identity)
 
 
 def end_job_at_start(ctx: ControlPlane, err: BaseException) -> None:

@@ -1,9 +1,10 @@
-"""examples/train.py end to end: the single-process run writes TensorBoard events and checkpoints
-and resumes; under torchrun (launcher.local, real etcd) a 3-stage pipeline over three nodes ends
-with the same weights as the single-process run."""
+"""examples/train.py end to end: the single-process run writes TensorBoard events and checkpoints,
+resumes, and refuses another model's checkpoint; under torchrun (launcher.local, real etcd) a
+3-stage pipeline over three nodes ends with the same weights as the single-process run."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,9 +14,11 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from oobleck_elastic import checkpoint
 from oobleck_elastic.checkpoint import latest_checkpoint, load_model_state, read_manifest
-from oobleck_elastic.config import load_config
+from oobleck_elastic.config import ConfigError, load_config
 from oobleck_elastic.engine.run import train
+from oobleck_elastic.engine.startup import one_line
 from helpers import TINY_PROFILE_OVERRIDES, bf16_atol, one_thread, tensorboard_run, tiny_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +37,7 @@ def overrides(tmp: Path, steps: int) -> list[str]:
     ]
 
 
-def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path) -> None:
+def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path, monkeypatch) -> None:
     cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path, 3))
     summary = train(cfg, max_bytes=300_000)
     assert summary.final_step == 3 and summary.resumed_from is None
@@ -58,11 +61,30 @@ def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path) -> Non
     # the single process runs as a one-worker job: one stage holding all 6 layers
     assert text.step == 0 and "1 worker(s)" in text.tensor_proto.string_val[0].decode()
     assert "[0,6)@local:0" in text.tensor_proto.string_val[0].decode()
-    assert read_manifest(latest_checkpoint(tmp_path / "ckpt"))["step"] == 3
+    step3 = latest_checkpoint(tmp_path / "ckpt")
+    manifest = read_manifest(step3)
+    assert manifest["step"] == 3 and manifest["extra"]["model"]["hidden_size"] == 64
+    del manifest["extra"]["model"]  # as a checkpoint from before the model's identity record: resumed all the same
+    (step3 / "manifest.json").write_text(json.dumps(manifest))
 
     cfg5 = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path, 5))
     resumed = train(cfg5, max_bytes=300_000)
     assert resumed.resumed_from == 3 and resumed.steps == 2
+
+    # another model in the same directory: refused in one line, before any tensor is read
+    monkeypatch.setattr(checkpoint, "load_layer", lambda *a, **k: pytest.fail("a checkpoint tensor was read"))
+    listing = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    for steps in (8, 2):  # 2: "nothing to do" would speak of the other model's checkpoint
+        wider = load_config(ROOT / "configs/gpt2-tiny.yaml", [*overrides(tmp_path, steps), "model.hidden_size=128"])
+        with pytest.raises(ConfigError) as err:
+            train(wider, max_bytes=300_000)
+        assert one_line(err.value) == (
+            f"ConfigError: checkpoint.dir={tmp_path / 'ckpt'} holds a checkpoint of another model (step-00000005: "
+            "gpt2, 4 layers, hidden 64, vocab 256; this job: gpt2, 4 layers, hidden 128, vocab 256): set "
+            "checkpoint.dir to a directory of its own"
+        )
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == listing
+    monkeypatch.undo()
     # the same 5 steps in one go give the same weights
     fresh = tmp_path / "fresh"
     cfg_once = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(fresh, 5))

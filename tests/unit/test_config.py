@@ -316,7 +316,29 @@ def test_relative_paths_of_a_file_are_relative_to_its_folder(tmp_path: Path, mon
     assert cfg.checkpoint.dir == str(folder / "ckpt")
     assert cfg.logging.events_dir == ""  # empty = off, not the folder
     assert cfg.logging.tensorboard_dir == "tb"  # an override: relative to the working directory
-    assert load_config(None).checkpoint.dir == "checkpoints"  # defaults too
+    assert load_config(None).checkpoint.dir == "checkpoints/oobleck"  # defaults too
     over = load_config(folder / "job.yaml", ["data.paths=[mine.jsonl]", "data.tokenizer_path=t.json"])
     assert over.data.paths == ["mine.jsonl"] and over.data.tokenizer_path == "t.json"
     assert from_dict(to_dict(cfg)) == cfg  # resolved once: the dict form (checkpoints, workers) keeps them
+
+
+def test_each_job_has_a_checkpoint_directory_of_its_own(tmp_path: Path, monkeypatch) -> None:
+    """An empty checkpoint.dir (the default) is `checkpoints/<job>`, relative to the working
+    directory: <job> is `name` when the file or an override sets it, else the file's stem. A
+    directory the config gives is kept."""
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)
+    assert load_config(root / "configs/gpt2-tiny.yaml").checkpoint.dir == "checkpoints/gpt2-tiny"
+    assert load_config(root / "configs/cpu-own-data.yaml").checkpoint.dir == "checkpoints/cpu-own-data"
+    assert load_config(root / "configs/gpt2-tiny.yaml", ["name=my run/2"]).checkpoint.dir == "checkpoints/my-run-2"
+    (tmp_path / "nameless.yaml").write_text("training: {steps: 3}\n")
+    nameless = load_config(tmp_path / "nameless.yaml")
+    assert (nameless.name, nameless.checkpoint.dir) == ("oobleck", "checkpoints/nameless")
+    assert load_config(tmp_path / "nameless.yaml", ["name=x"]).checkpoint.dir == "checkpoints/x"
+    (tmp_path / "empty.yaml").write_text("checkpoint: {dir: ''}\n")
+    assert load_config(tmp_path / "empty.yaml").checkpoint.dir == "checkpoints/empty"  # empty = the default
+    (tmp_path / "given.yaml").write_text("checkpoint: {dir: ck}\n")
+    assert load_config(tmp_path / "given.yaml").checkpoint.dir == str(tmp_path / "ck")
+    assert load_config(root / "configs/gpt2-tiny.yaml", ["checkpoint.dir=mine"]).checkpoint.dir == "mine"
+    assert JobConfig().checkpoint.dir == "checkpoints/oobleck" and JobConfig(name="j").checkpoint.dir == "checkpoints/j"
+    assert from_dict(to_dict(nameless)) == nameless  # resolved once: workers given the dict keep it
