@@ -25,8 +25,8 @@ class CheckpointConfig(Section):
     """Resume from the newest checkpoint in `dir` when one exists."""
     keep_last: int = 3
     """Keep this many newest intact checkpoints: after each save, rank 0 removes the older step
-    directories (docs/recovery.md, "Retention"); 0 keeps all. 1 is refused: a restore that a newer
-    generation began from the previous checkpoint could lose its files."""
+    directories (docs/training.md, "Retention and disk space"); 0 keeps all. 1 is refused: a
+    restore that a newer generation began from the previous checkpoint could lose its files."""
 
     def validate(self) -> list[str]:
         problems = at_least("checkpoint", self, ("interval_steps", "keep_last"), 0)

@@ -5,7 +5,9 @@ Invariant: a checkpoint holds only applied steps, one file per layer, complete o
 wrote its manifest; it never overwrites a complete one nor builds on a partial one; it restores
 into any plan (engine/checkpoint_state.py). A resume is all or nothing: the newest checkpoint
 whose every file verifies is found before anything is restored. A re-plan that leaves a layer
-short of f+1 copies saves one at once ("retake"). docs/recovery.md.
+short of f+1 copies saves one at once ("retake"). Only `checkpoint.keep_last` are kept (`prune`),
+and a save that does not fit on disk is skipped by every worker alike. docs/recovery.md,
+docs/training.md.
 """
 
 from __future__ import annotations
