@@ -134,7 +134,12 @@ def save(
                 ckpt_dir,
                 verdict.free,
                 event="checkpoint_skipped",
-                fields={"path": str(step_path), "needed": verdict.needed, "free": verdict.free},
+                fields={
+                    "path": str(step_path),
+                    "needed": verdict.needed,
+                    "free": verdict.free,
+                    "seconds": time.perf_counter() - t0,  # the look, charged to checkpointing like a retake's
+                },
             )
             try:  # only its `saving.json` is there; left behind, the next save sets it aside
                 (step_path / ckpt.SAVING).unlink()
