@@ -199,6 +199,7 @@ def prune(ckpt_dir: str | Path, keep_last: int, at: Any) -> None:
     passed the save's collectives, so none is still restoring (restores happen at the entry). A
     newer generation's restore reads the newest intact checkpoint at its start: this one or, when
     it looked before this manifest, the previous one, so `checkpoint.keep_last` is 0 or >= 2.
+    Shadow copies are seeded from memory (`Trainer.reseed_shadows`), never from a checkpoint.
     Pruning never fails the job: a directory that cannot be removed is one warning."""
     if keep_last <= 0:
         return
