@@ -4,11 +4,12 @@ independently of the goodput ledger, for tests/jobs/test_goodput.py to check the
 Each thing is measured where it happens, on a clock the ledger does not read: a step's own
 `seconds` (`time.perf_counter` inside `Trainer.train_step`) on rank 0's `step` line, a rejected
 run's on its `replayed`/`skipped` line, a checkpoint's on its `checkpoint` line (from the start of
-the save, or of a retake's look for an existing one, to the manifest), an entry's on its `entered`
-line, and every line's `t` (when it was written). A step's start is its line's `t` less its
-`seconds`. The ledger charges a checkpoint to `checkpointing` only when the rank 0 that wrote it
-reported afterwards (a later step of its, or the final report), and everything else from a
-generation's last step to the next generation's first step to `reconfiguration`.
+the save, or of a retake's look for an existing one, to the manifest; a skipped save's look for
+room on its `checkpoint_skipped` line), an entry's on its `entered` line, and every line's `t`
+(when it was written). A step's start is its line's `t` less its `seconds`. The ledger charges a
+checkpoint to `checkpointing` only when the rank 0 that wrote it reported afterwards (a later step
+of its, or the final report), and everything else from a generation's last step to the next
+generation's first step to `reconfiguration`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class Witness:
     skipped: float
     """Seconds of rank 0's `skipped` lines."""
     checkpoints: float
-    """Seconds of the `checkpoint` (and not retaken `checkpoint_retake`) lines whose writer reported
+    """Seconds of the `checkpoint` (and not retaken `checkpoint_retake`, and `checkpoint_skipped`:
+    the look for room) lines whose writer reported
     after them: a later step of its, or the final checkpoint, which the last report covers."""
     gaps: float
     """Between consecutive step runs of different generations: from the end of the one to the
@@ -68,7 +70,11 @@ def witness(events: list[dict], *, steps: int, killed: tuple[str, ...] = ()) -> 
         counts[kind] += 1
         if kind != "replayed":
             done.add(step)
-    saved = [e for e in events if e["event"] == "checkpoint" or (e["event"] == "checkpoint_retake" and "seconds" in e)]
+    saved = [
+        e
+        for e in events
+        if e["event"] in ("checkpoint", "checkpoint_skipped") or (e["event"] == "checkpoint_retake" and "seconds" in e)
+    ]
     counted = [e for e in saved if e["step"] == steps or any(r[5] == e["node"] and r[1] > e["t"] for r in runs)]
     gaps = 0.0
     for a, b in zip(runs, runs[1:]):

@@ -1,5 +1,6 @@
 """The checkpoint root: which step directories it holds, the newest usable one, partial saves
-set aside, old ones pruned, and the model state of the newest.
+set aside, old ones pruned (`checkpoint.keep_last`), the room a save needs, and the model state
+of the newest.
 
 A step directory is complete when its manifest is there (`checkpoint.files` writes it last);
 partial checkpoints are set aside, never resumed from. The story: docs/recovery.md.
@@ -15,6 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -196,24 +198,93 @@ def load_model_state(path: str | Path, *, verify: bool = True) -> dict[str, torc
     return state
 
 
-def prune_checkpoints(ckpt_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints, and incomplete step directories
-    older than the newest complete one (newer ones may still be being written)."""
-    if keep < 1:
-        raise ValueError(f"prune_checkpoints: keep must be >= 1 (got {keep})")
-    dirs = list_checkpoints(ckpt_dir)
-    complete = [d for d in dirs if is_complete(d)]
-    if not complete:
-        return []
-    latest = complete[-1]
-    keep_set = set(complete[-keep:])
-    removed = []
-    for d in dirs:
-        if d in keep_set or _step(d) > _step(latest):
+@dataclass(frozen=True)
+class Pruning:
+    """What `checkpoints_to_prune` decided: the step directories to remove and the intact ones kept."""
+
+    removed: tuple[Path, ...]
+    kept: tuple[Path, ...]
+
+
+def checkpoints_to_prune(dirs: Sequence[tuple[Path, bool]], keep_last: int) -> Pruning:
+    """Which step directories a save leaves behind, from `dirs` ((directory, intact), oldest first,
+    every listed `step-XXXXXXXX`; intact: its manifest parses and every file it lists is there).
+    The `keep_last` newest intact ones are kept, so the newest intact one always is; of the rest
+    only those older than the oldest kept one go, intact or damaged; a directory newer than it
+    (the newest intact may be followed by a save in progress or a damaged one) stays. 0 keeps all.
+    Directories set aside (`set_aside`) are not listed: they stay, for a post-mortem."""
+    if keep_last <= 0:
+        return Pruning(removed=(), kept=tuple(d for d, ok in dirs if ok))
+    kept = [d for d, ok in dirs if ok][-keep_last:]
+    if not kept:
+        return Pruning(removed=(), kept=())
+    oldest = _step(kept[0])
+    return Pruning(removed=tuple(d for d, _ in dirs if _step(d) < oldest), kept=tuple(kept))
+
+
+def prune_checkpoints(ckpt_dir: str | Path, keep_last: int) -> tuple[Pruning, list[str]]:
+    """Remove the step directories `checkpoints_to_prune` names under `ckpt_dir`: what it decided,
+    and a line for each directory that could not be removed (an OSError; the rest go on)."""
+    dirs = [(d, is_whole(d)) for d in list_checkpoints(ckpt_dir)]
+    pruning = checkpoints_to_prune(dirs, keep_last)
+    errors = []
+    for d in pruning.removed:
+        try:
+            shutil.rmtree(d)
+        except FileNotFoundError:  # another pruner was first
             continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    return removed
+        except OSError as err:
+            errors.append(f"{d.name}: {err}")
+    return pruning, errors
+
+
+def is_whole(sdir: Path) -> bool:
+    """The step directory's manifest parses and every layer file it lists is there with its size
+    (cheap: no file is hashed; a resume still verifies every file, `newest_intact_checkpoint`)."""
+    try:
+        manifest = read_manifest(sdir)
+        return all((sdir / e["file"]).stat().st_size == e["bytes"] for e in manifest["layers"])
+    except (CheckpointError, OSError):
+        return False
+
+
+def checkpoint_bytes(sdir: str | Path) -> int:
+    """Bytes a step directory takes: the sizes of every file under it."""
+    return sum(p.stat().st_size for p in Path(sdir).rglob("*") if p.is_file())
+
+
+@dataclass(frozen=True)
+class Room:
+    """Whether a checkpoint fits in its directory's filesystem (`room_for_save`)."""
+
+    needed: int
+    """Estimated bytes of the checkpoint."""
+    free: int
+    """Bytes free on the filesystem."""
+    estimate: str
+    """Where `needed` comes from."""
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.free
+
+
+def room_for_save(*, previous: int, state: int, free: int) -> Room:
+    """Whether a checkpoint fits in `free` bytes: its size is the previous checkpoint's on disk
+    (`previous`, 0: none) when there is one, else `state`, the bytes of the parameters and
+    optimizer state the workers are about to write."""
+    if previous > 0:
+        return Room(needed=previous, free=free, estimate="the size of the previous checkpoint")
+    return Room(needed=state, free=free, estimate="the parameters and optimizer state to save")
+
+
+def free_bytes(ckpt_dir: str | Path) -> int:
+    """Bytes free to this user on the filesystem of `ckpt_dir` (of its nearest existing parent
+    when it is not there yet)."""
+    p = Path(ckpt_dir).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
 
 
 def is_complete(sdir: Path) -> bool:

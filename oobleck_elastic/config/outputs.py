@@ -25,9 +25,19 @@ class CheckpointConfig(Section):
     """Save every this many steps; 0 = only at the end."""
     resume: bool = True
     """Resume from the newest checkpoint in `dir` when one exists."""
+    keep_last: int = 3
+    """Keep this many newest intact checkpoints: after each save, rank 0 removes the older step
+    directories (docs/training.md, "Retention and disk space"); 0 keeps all. 1 is refused: a
+    restore that a newer generation began from the previous checkpoint could lose its files."""
 
     def validate(self) -> list[str]:
-        return at_least("checkpoint", self, ("interval_steps",), 0)
+        problems = at_least("checkpoint", self, ("interval_steps", "keep_last"), 0)
+        if self.keep_last == 1:
+            problems.append(
+                "'checkpoint.keep_last' must be 0 (keep all) or >= 2 (got 1): a restore begun from the "
+                "previous checkpoint while the newest was completed could find its files removed"
+            )
+        return problems
 
 
 @dataclass

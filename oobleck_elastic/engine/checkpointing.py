@@ -5,7 +5,9 @@ Invariant: a checkpoint holds only applied steps, one file per layer, complete o
 wrote its manifest; it never overwrites a complete one nor builds on a partial one; it restores
 into any plan (engine/checkpoint_state.py). A resume is all or nothing: the newest checkpoint
 whose every file verifies is found before anything is restored. A re-plan that leaves a layer
-short of f+1 copies saves one at once ("retake"). docs/recovery.md.
+short of f+1 copies saves one at once ("retake"). Only `checkpoint.keep_last` are kept (`prune`),
+and a save that does not fit on disk is skipped by every worker alike. docs/recovery.md,
+docs/training.md.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..data.tokenizer import save_tokenizer_files
 from ..logs import JobLog
 from ..models.identity import model_identity
 from ..planning import Plan, shortfall
-from .step.collectives import Collective, retake_collectives
+from .step.collectives import Collective, retake_collectives, save_collectives
 from .resilience.guard import StepGuard
 from .entry.reconfigure import LayerSources
 from .trainer import LayersLost, Trainer
@@ -65,14 +67,20 @@ def save(
     next_step: int,
     guard: Optional[StepGuard] = None,
     began: Optional[float] = None,
+    keep_last: int = 0,
 ) -> Optional[Path]:
-    """Write this worker's share of a checkpoint; rank 0 completes it. Returns the step dir.
-    Each layer is written once, by its primary holder (the lowest rank holding it), with a JSON
-    receipt (file, sha256, bytes) beside it; after a barrier rank 0 sets aside a complete
-    checkpoint already at this step and every partial one (`step-XXXXXXXX.partial-<time>`, one
-    log line each), copies the job's tokenizer into `<step>/tokenizer/` and writes the manifest,
-    which completes the checkpoint, with the model's identity (`extra.model`,
-    models/identity.py). The data cursor is just the next step.
+    """Write this worker's share of a checkpoint; rank 0 completes it. Returns the step dir, or
+    None when every worker skipped it for want of disk space.
+    Rank 0 first sets aside a complete checkpoint already at this step and every partial one
+    (`step-XXXXXXXX.partial-<time>`, one log line each) and measures the free space; one
+    all-reduce (`save_collectives`) sums it with the previous checkpoint's size and every worker's
+    bytes to write, and every worker takes the same decision from those sums (`room_for_save`):
+    a checkpoint that does not fit is skipped, with one warning naming the keys to change. Each
+    layer is written once, by its primary holder (the lowest rank holding it), with a JSON receipt
+    (file, sha256, bytes) beside it; after a barrier rank 0 copies the job's tokenizer into
+    `<step>/tokenizer/` and writes the manifest, which completes the checkpoint, with the model's
+    identity (`extra.model`, models/identity.py), then keeps the `keep_last` newest intact ones
+    (`prune`; 0: all). The data cursor is just the next step.
     `guard`: the step guard whose skip history goes in the manifest (`guard_record`). The
     `checkpoint` line's `seconds` run from `began` (`time.perf_counter()`; default: now) to the
     manifest, on this clock, not the goodput ledger's (tests cross-check the two)."""
@@ -92,8 +100,10 @@ def save(
             )
     step_path = ckpt.step_dir(ckpt_dir, next_step)
     lm = trainer.layer_model
+    at = log.at(gen=trainer.generation, step=next_step, node=trainer.node)
+    writes = sum(_bytes(params[i]) + _bytes(optim[i]) for i in trainer.owned if primary[i] == trainer.rank)
+    room = torch.tensor([writes, 0, 0], dtype=torch.int64, device=trainer.device)
     if trainer.rank == 0:
-        at = log.at(gen=trainer.generation, step=next_step, node=trainer.node)
         if (step_path / ckpt.MANIFEST).exists():
             # never rewrite a checkpoint in place (e.g. a run with checkpoint.resume=false in a used dir)
             moved = ckpt.set_aside(step_path, "replaced")
@@ -107,8 +117,38 @@ def save(
                 event="checkpoint_partial",
                 fields={"path": str(old), "moved_to": str(new), "why": why},
             )
+        previous = ckpt.latest_checkpoint(ckpt_dir)
+        room[1] = ckpt.free_bytes(ckpt_dir)
+        room[2] = ckpt.checkpoint_bytes(previous) if previous is not None else 0
         ckpt.begin_save(ckpt_dir, step=next_step, num_layers=lm.num_layers, generation=trainer.generation)
-    dist.barrier(group=trainer.step_group)  # nobody writes before the old directory is out of the way
+    # nobody writes before the old directory is out of the way; the sums decide alike everywhere
+    dist.all_reduce(room, op=dist.ReduceOp.SUM, group=trainer.step_group)
+    state, free, before = (int(v) for v in room.tolist())
+    verdict = ckpt.room_for_save(previous=before, state=state, free=free)
+    if Collective.CHECKPOINT_BARRIER not in save_collectives(fits=verdict.fits):
+        if trainer.rank == 0:
+            at.warning(
+                "checkpoint %s skipped: it needs about %d bytes (%s) and %s has %d free; the newest "
+                "checkpoint stays the newest; free space, lower checkpoint.keep_last or move checkpoint.dir",
+                step_path.name,
+                verdict.needed,
+                verdict.estimate,
+                ckpt_dir,
+                verdict.free,
+                event="checkpoint_skipped",
+                fields={
+                    "path": str(step_path),
+                    "needed": verdict.needed,
+                    "free": verdict.free,
+                    "seconds": time.perf_counter() - t0,  # the look, charged to checkpointing like a retake's
+                },
+            )
+            try:  # only its `saving.json` is there; left behind, the next save sets it aside
+                (step_path / ckpt.SAVING).unlink()
+                step_path.rmdir()
+            except OSError:
+                pass
+        return None
     for i in trainer.owned:
         if primary[i] == trainer.rank:
             info = ckpt.save_layer(ckpt_dir, step=next_step, layer=i, params=params[i], optimizer_state=optim[i])
@@ -128,9 +168,7 @@ def save(
             record = save_tokenizer_files(files, step_path)
         except (DataError, OSError) as err:
             record = None
-            log.at(gen=trainer.generation, step=next_step, node=trainer.node).warning(
-                "checkpoint %s carries no tokenizer: %s", step_path, err
-            )
+            at.warning("checkpoint %s carries no tokenizer: %s", step_path, err)
         if record is not None:
             extra["tokenizer"] = record
     manifest = ckpt.write_manifest(
@@ -146,14 +184,53 @@ def save(
     )
     (step_path / ckpt.SAVING).unlink(missing_ok=True)  # the manifest says it all now
     seconds = time.perf_counter() - t0
-    log.at(gen=trainer.generation, step=next_step, node=trainer.node).info(
+    at.info(
         "checkpoint %s (%.3f s)",
         manifest.parent,
         seconds,
         event="checkpoint",
         fields={"path": str(manifest.parent), "seconds": seconds},
     )
+    prune(ckpt_dir, keep_last, at)
     return manifest.parent
+
+
+def prune(ckpt_dir: str | Path, keep_last: int, at: Any) -> None:
+    """Rank 0, once its checkpoint is complete: keep the `keep_last` newest intact checkpoints
+    (checkpoint/directory.py `checkpoints_to_prune`; 0: all). Every worker of the generation has
+    passed the save's collectives, so none is still restoring (restores happen at the entry). A
+    newer generation's restore reads the newest intact checkpoint at its start: this one or, when
+    it looked before this manifest, the previous one, so `checkpoint.keep_last` is 0 or >= 2.
+    Shadow copies are seeded from memory (`Trainer.reseed_shadows`), never from a checkpoint.
+    Pruning never fails the job: a directory that cannot be removed is one warning."""
+    if keep_last <= 0:
+        return
+    try:
+        pruning, errors = ckpt.prune_checkpoints(ckpt_dir, keep_last)
+    except OSError as err:
+        pruning, errors = ckpt.Pruning(removed=(), kept=()), [str(err)]
+    if errors:
+        at.warning("could not remove old checkpoints under %s: %s", ckpt_dir, "; ".join(errors))
+    gone = [d.name for d in pruning.removed]
+    if gone:
+        kept = [d.name for d in pruning.kept]
+        at.info(
+            "removed checkpoints %s (checkpoint.keep_last=%d keeps %s)",
+            ", ".join(gone),
+            keep_last,
+            ", ".join(kept),
+            event="checkpoint_pruned",
+            fields={"removed": gone, "kept": kept},
+        )
+
+
+def _bytes(tree: Any) -> int:
+    """Bytes of the tensors in a nested dict (a layer's parameters or optimizer state)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, Mapping):
+        return sum(_bytes(v) for v in tree.values())
+    return 0
 
 
 def restore(trainer: Trainer, path: str | Path, *, guard: Optional[StepGuard] = None) -> int:
@@ -218,8 +295,9 @@ def retake_reason(
 
 class CheckpointPolicy:
     """When a worker resumes (`checkpoint.resume`, at the first start), restores (a layer lost),
-    saves (every `checkpoint.interval_steps` and at the end) and retakes (`retake_reason`: once
-    per generation, unless a complete checkpoint of the step exists or one was just restored)."""
+    saves (every `checkpoint.interval_steps` and at the end, keeping `checkpoint.keep_last`) and
+    retakes (`retake_reason`: once per generation, unless a complete checkpoint of the step exists
+    or one was just restored)."""
 
     def __init__(self, cfg: JobConfig, *, node: str, guard: Optional[StepGuard] = None) -> None:
         self.cfg, self.node, self.guard = cfg, node, guard
@@ -301,7 +379,7 @@ class CheckpointPolicy:
             exists[0] = float(ckpt.is_complete(ckpt.step_dir(self.cfg.checkpoint.dir, step)))
         dist.all_reduce(exists, op=dist.ReduceOp.MAX, group=trainer.step_group)
         at = log.at(gen=trainer.generation, step=step, node=self.node)
-        if Collective.CHECKPOINT_BARRIER not in retake_collectives(exists=bool(exists.item())):
+        if Collective.CHECKPOINT_ROOM not in retake_collectives(exists=bool(exists.item())):
             if trainer.rank == 0:
                 at.info(
                     "%s exists already (not retaken)",
@@ -312,15 +390,29 @@ class CheckpointPolicy:
             return None
         if trainer.rank == 0:
             at.warning("%s", reason, event="checkpoint_retake", fields={"saved": True})
-        return save(trainer, self.cfg.checkpoint.dir, next_step=step, guard=self.guard, began=t0)
+        return self._save(trainer, step, began=t0)
 
     def after_step(self, trainer: Trainer, done: int) -> None:
         """`done` steps are complete: save every `checkpoint.interval_steps` (not the last: `finish`)."""
         every = self.cfg.checkpoint.interval_steps
         if every and done % every == 0 and done < self.cfg.training.steps:
-            save(trainer, self.cfg.checkpoint.dir, next_step=done, guard=self.guard)
+            self._save(trainer, done)
 
-    def finish(self, trainer: Trainer, *, trained: bool) -> None:
-        """The final checkpoint (unless this run resumed at the end and trained nothing)."""
-        if trained or self.resumed is None:
-            self.final_dir = save(trainer, self.cfg.checkpoint.dir, next_step=self.cfg.training.steps, guard=self.guard)
+    def finish(self, trainer: Trainer, *, trained: bool) -> Optional[str]:
+        """The final checkpoint (unless this run resumed at the end and trained nothing). Returns
+        why the job ends without it (it did not fit on disk: `save`), or None."""
+        if not trained and self.resumed is not None:
+            return None
+        steps = self.cfg.training.steps
+        self.final_dir = self._save(trainer, steps)
+        if self.final_dir is not None:
+            return None
+        return (
+            f"the final checkpoint (step {steps}) did not fit in {self.cfg.checkpoint.dir}: the {steps} steps "
+            "trained are not saved past the newest checkpoint; free space, lower checkpoint.keep_last or "
+            "move checkpoint.dir, then run the job again to resume"
+        )
+
+    def _save(self, trainer: Trainer, step: int, *, began: Optional[float] = None) -> Optional[Path]:
+        cfg = self.cfg.checkpoint
+        return save(trainer, cfg.dir, next_step=step, guard=self.guard, began=began, keep_last=cfg.keep_last)

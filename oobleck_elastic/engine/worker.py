@@ -379,9 +379,17 @@ class Worker:
                 ctx.record_event(kind="repair", generation=trainer.generation, detail=detail)
 
     def finish(self) -> Summary:
-        """After the last step: the final checkpoint; the worker holding rank 0 closes the job."""
+        """After the last step: the final checkpoint; the worker holding rank 0 closes the job, as
+        failed when the final checkpoint did not fit on disk (every worker skipped it alike)."""
         with self.goodput.checkpointing():
-            self.checkpoints.finish(self.trainer, trained=self.log.count > 0)
+            unsaved = self.checkpoints.finish(self.trainer, trained=self.log.count > 0)
+        if unsaved is not None:
+            if self.trainer.rank == 0:
+                log.at(gen=self.trainer.generation, step=self.step, node=self.ctx.node_id).error(
+                    "%s", unsaved, event="job_failed"
+                )
+                self.ctx.close_job(unsaved, failed=True)
+            raise JobFailed(unsaved)
         if self.trainer.rank == 0:
             self.goodput.finished(
                 self.ctx.report_progress, self.log.metrics, generation=self.trainer.generation, step=self.step

@@ -347,7 +347,7 @@ def test_the_single_process_ledger_shows_the_step_guard_and_checkpoints(tmp_path
 def test_the_witness_reads_each_category_from_the_event_lines() -> None:
     """A made-up job: node0 holds rank 0 in generation 1 (steps 1-2, step 3 replayed then skipped,
     step 4, a checkpoint it never reported) and is killed; node2 holds it in generation 2 (a
-    retake, steps 5-6, step 5 run again, the final checkpoint)."""
+    retake, step 5, a save skipped for want of room, step 6, step 5 run again, the final checkpoint)."""
 
     def line(t: float, event: str, gen: int, step: int, node: str, **fields) -> dict:
         return {"t": t, "event": event, "gen": gen, "step": step, "node": node, **fields}
@@ -365,6 +365,7 @@ def test_the_witness_reads_each_category_from_the_event_lines() -> None:
         line(20.0, "entered", 2, 4, "node2", rank=0, seconds=3.0),
         line(20.25, "checkpoint", 2, 4, "node2", seconds=0.25),  # the retake
         line(21.0, "step", 2, 5, "node2", seconds=0.75),
+        line(21.125, "checkpoint_skipped", 2, 5, "node2", seconds=0.125),  # its look for room
         line(22.0, "step", 2, 6, "node2", seconds=1.0),
         line(23.0, "step", 2, 5, "node2", seconds=1.0),  # the same step again (made up)
         line(23.5, "checkpoint", 2, 6, "node2", seconds=0.5),  # the final one
@@ -375,13 +376,13 @@ def test_the_witness_reads_each_category_from_the_event_lines() -> None:
         again=1.0,
         rejected=0.5,
         skipped=0.5,
-        checkpoints=0.25 + 0.5,
+        checkpoints=0.25 + 0.125 + 0.5,
         gaps=(21.0 - 0.75) - 14.0 - 0.25,  # node0's step 4 ends, node2's step 5 begins; less the retake
         entries=3.0,
         first_step=10.0,
         last_line=23.5,
         killed_last=1.0,
-        counts={"applied": 5, "again": 1, "replayed": 1, "skipped": 1, "checkpoints": 2, "changes": 1},
+        counts={"applied": 5, "again": 1, "replayed": 1, "skipped": 1, "checkpoints": 3, "changes": 1},
     )
 
 

@@ -132,7 +132,7 @@ def test_latest_ignores_incomplete(tmp_path):
         read_manifest(tmp_path / "step-00000011")
     with pytest.raises(CheckpointError, match="does not exist: the checkpoint is incomplete"):
         read_manifest(tmp_path / "step-00000012")
-    removed = prune_checkpoints(tmp_path, keep=1)
+    removed = prune_checkpoints(tmp_path, 1)[0].removed
     assert sorted(p.name for p in removed) == ["step-00000002"]
     assert latest_checkpoint(tmp_path) == tmp_path / "step-00000010"
     assert (tmp_path / "step-00000012").is_dir()  # newer: may still be being written

@@ -38,7 +38,11 @@ def test_a_retake_looks_then_saves_unless_the_agreed_look_found_one() -> None:
     assert retake_collectives(exists=None) == (C.CHECKPOINT_EXISTS,)
     assert retake_collectives(exists=True) == (C.CHECKPOINT_EXISTS,)
     assert retake_collectives(exists=False) == (C.CHECKPOINT_EXISTS, *save_collectives())
-    assert save_collectives() == (C.CHECKPOINT_BARRIER, C.CHECKPOINT_BARRIER)
+    assert save_collectives() == (C.CHECKPOINT_ROOM, C.CHECKPOINT_BARRIER)
+
+
+def test_a_save_that_does_not_fit_agrees_on_the_room_and_writes_nothing() -> None:
+    assert save_collectives(fits=False) == (C.CHECKPOINT_ROOM,)
 
 
 def test_the_same_inputs_give_the_same_collectives_whatever_the_rank() -> None:

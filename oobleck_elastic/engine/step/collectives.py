@@ -48,8 +48,12 @@ class Collective(str, Enum):
     """Step: the replica fingerprints' all-gather (repairs follow on holder groups)."""
     CHECKPOINT_EXISTS = "checkpoint_exists"
     """Retake: MAX of "rank 0 found a complete checkpoint of the step"."""
+    CHECKPOINT_ROOM = "checkpoint_room"
+    """Save: SUM of the bytes each member writes, rank 0's free bytes and previous checkpoint's
+    size, so every member takes the same decision to save or skip; nobody writes before the old
+    directory is set aside."""
     CHECKPOINT_BARRIER = "checkpoint_barrier"
-    """Save: nobody writes before the old directory is set aside; rank 0 completes after all wrote."""
+    """Save: rank 0 completes the checkpoint after all wrote."""
 
 
 def entry_collectives(plan: Plan) -> tuple[Collective, ...]:
@@ -65,9 +69,12 @@ def step_collectives(step: int, *, applied: bool, fingerprint_interval: int) -> 
     return (Collective.NORM_AND_LOSS, Collective.COMMIT, *check)
 
 
-def save_collectives() -> tuple[Collective, ...]:
-    """A checkpoint save (engine/checkpointing.py `save`)."""
-    return (Collective.CHECKPOINT_BARRIER, Collective.CHECKPOINT_BARRIER)
+def save_collectives(*, fits: bool = True) -> tuple[Collective, ...]:
+    """A checkpoint save (engine/checkpointing.py `save`): the room, then the writes unless the
+    agreed room (`fits`, checkpoint/directory.py `room_for_save`) says it does not fit."""
+    if not fits:
+        return (Collective.CHECKPOINT_ROOM,)
+    return (Collective.CHECKPOINT_ROOM, Collective.CHECKPOINT_BARRIER)
 
 
 def retake_collectives(*, exists: Optional[bool]) -> tuple[Collective, ...]:
