@@ -219,5 +219,11 @@ def test_slurm_ends_a_job_whose_batch_host_fails(slurm: SlurmCluster) -> None:
     assert slurm.job(job)["BatchHost"] == "n1"
     slurm.run(["scontrol", "update", "nodename=n1", "state=down", "reason=test"])
     info = slurm.wait_job(job, 120)
-    assert info["JobState"] in ("FAILED", "NODE_FAIL"), f"{info.get('JobState')} ({info.get('Reason')}): {info}"
-    assert "the batch script ended" not in slurm.output(job)
+    # the job ends with its batch host, long before its steps' 300 s on n2 would: FAILED or NODE_FAIL,
+    # or COMPLETED when Slurm first shrank the job to n2 (`ResizeTime`; seen once beside a loaded suite)
+    ended = info["JobState"] in ("FAILED", "NODE_FAIL") or (
+        info["JobState"] == "COMPLETED" and info.get("ResizeTime") not in (None, "None")
+    )
+    assert ended, f"{info.get('JobState')} ({info.get('Reason')}): {info}"
+    hours, minutes, seconds = (int(v) for v in info["RunTime"].split("-")[-1].split(":"))
+    assert "-" not in info["RunTime"] and hours * 3600 + minutes * 60 + seconds < 150, info
