@@ -104,12 +104,13 @@ def job_name(script: Sequence[str], rdzv_conf: str = "") -> Optional[str]:
     if config is None:
         return None
     from oobleck_elastic.config import ConfigError, load_config
+    from oobleck_elastic.config.job import folder_name
 
     try:
         name = load_config(config, overrides).name
     except ConfigError:
         return None
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or None
+    return folder_name(name) or None
 
 
 def kill_verdict(

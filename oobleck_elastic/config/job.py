@@ -19,10 +19,16 @@ from .schema import Section
 from .training import TrainingConfig
 
 
+def folder_name(name: str) -> str:
+    """A job's `name` as one safe folder or run-id name: every run of other characters becomes one
+    `-`, none at either end ('' when nothing is left)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")
+
+
 def default_checkpoint_dir(job: str) -> str:
     """`checkpoints/<job>` (relative to the working directory): the checkpoint directory of the job
-    named `job` when `checkpoint.dir` is empty, `job` made one safe folder name."""
-    return os.path.join("checkpoints", re.sub(r"[^A-Za-z0-9_.-]+", "-", job).strip("-.") or "job")
+    named `job` when `checkpoint.dir` is empty, `job` made one safe folder name (`folder_name`)."""
+    return os.path.join("checkpoints", folder_name(job) or "job")
 
 
 @dataclass
