@@ -134,7 +134,8 @@ def stall_bound(plain: list[float]) -> float:
 def one_run(
     name: str, scenario: Scenario, i: int, args: argparse.Namespace, etcd: Any, profile: Path, ref: dict
 ) -> dict[str, Any]:
-    from launcher.local import LocalCluster, build_parser
+    from launcher.local import LocalCluster
+    from launcher.options import build_parser
     from oobleck_elastic.checkpoint import load_model_state
     from oobleck_elastic.etcd import EtcdSettings, connect
     from oobleck_elastic.logs import read_event_lines

@@ -1,5 +1,6 @@
 """The local launcher's decisions that need no running job: the job config checked before any
-node starts, whether a due `--kill` may happen, why nodes failed, and the operations commands.
+node starts, how long a Ctrl-C's stop may take, whether a due `--kill` may happen, why nodes
+failed, and the operations commands.
 
 Pure functions, tested without processes. The story: docs/running.md.
 """
@@ -22,6 +23,7 @@ __all__ = [
     "ops_commands",
     "preflight",
     "script_config",
+    "stop_settings",
     "worker_threads",
 ]
 
@@ -70,6 +72,27 @@ def preflight(
     for line in warnings:
         warn(line)
     return refusal
+
+
+DEFAULT_STOP_GRACE_S = 60.0
+"""`fault_tolerance.preempt_grace_s`'s default: the stop's bound when the script names no config."""
+
+
+def stop_settings(script: Sequence[str], rdzv_conf: str = "") -> tuple[float, Optional[str]]:
+    """(seconds the job has to stop on its own after a Ctrl-C, its checkpoint directory or None):
+    the job's `fault_tolerance.preempt_grace_s`, the time a node has to leave after a preemption
+    notice, and `checkpoint.dir`. Defaults when the script names no config or it does not load
+    (preflight said why)."""
+    config, overrides = script_config(script, rdzv_conf)
+    if config is None:
+        return DEFAULT_STOP_GRACE_S, None
+    from oobleck_elastic.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError:
+        return DEFAULT_STOP_GRACE_S, None
+    return cfg.fault_tolerance.preempt_grace_s, cfg.checkpoint.dir
 
 
 def node_shortfall(f: int, shadow_copies: int, nodes: int, strict: bool) -> tuple[Optional[str], list[str]]:

@@ -36,12 +36,15 @@ from .checks import (
     kill_verdict,
     ops_commands,
     preflight,
+    stop_settings,
     worker_threads,
 )
+from .options import build_parser
 from .output import Terminal
-from .targets import ROLES, Roles, parse_at, parse_preempt, resolve
+from .stopping import Interrupt
+from .targets import ROLES, Roles, parse_at, resolve
 
-__all__ = ["LocalCluster", "ROLES", "Roles", "build_parser", "main", "parse_at", "resolve", "worker_threads"]
+__all__ = ["LocalCluster", "ROLES", "Roles", "main", "parse_at", "resolve", "worker_threads"]
 
 
 @dataclass
@@ -76,8 +79,11 @@ class LocalCluster:
         """Node ids, the leader and rank 0, as far as etcd has told them (`_learn`)."""
         self.endpoint = args.endpoint
         self.nodes: list[Node] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a signal's handler says a line in the main thread (`Interrupt`)
         self.done_line = "done: no node ran"
+        grace, ckpt_dir = stop_settings(script, args.rdzv_conf)
+        self.interrupt = Interrupt(grace_s=grace, checkpoint_dir=ckpt_dir, say=self.say)
+        """A Ctrl-C or SIGTERM stops the job at a step boundary (launcher/stopping.py)."""
         self._last_seen: tuple[Optional[int], Optional[tuple[str, ...]]] = (None, None)
         """The job's last reported step and the current plan's nodes, as the kills last saw them."""
 
@@ -265,7 +271,9 @@ class LocalCluster:
             for _ in range(a.nodes):
                 self.start_node()
             self.say(f"started {a.nodes} node(s): torchrun pids {', '.join(str(n.proc.pid) for n in self.nodes)}")
+            self.interrupt.running = True
             code = self._supervise()
+            self.interrupt.running = False
         finally:
             self.cleanup()
         for n in self.nodes:  # the nodes' last lines before the launcher's last ones
@@ -292,6 +300,11 @@ class LocalCluster:
         exited_at: dict[int, float] = {}  # node number -> when the launcher saw it exit
         try:
             while any(n.proc.poll() is None for n in self.nodes):
+                if self.interrupt.due(client, keys):
+                    for n in self.nodes:
+                        if n.proc.poll() is None:
+                            kill_node(n.proc.pid)
+                            n.killed = True
                 for n in self.nodes:
                     if n.number not in exited_at and n.proc.poll() is not None:
                         exited_at[n.number] = time.monotonic()
@@ -362,8 +375,12 @@ class LocalCluster:
             self.say(f"node {n.number} was preempted: it left the job and exited 0")
         self.done_line = (
             f"done: {len(self.nodes)} node(s), {sum(n.killed for n in self.nodes)} killed on purpose, "
-            f"{len(preempted)} preempted, {len(failed)} failed" + (f": {reason}" if failed and reason else "")
+            f"{len(preempted)} preempted, {len(failed)} failed"
+            + (f": {reason}" if failed and reason else "")
+            + self.interrupt.summary()
         )
+        if self.interrupt.signal is not None:
+            return 128 + self.interrupt.signal
         return 1 if failed else 0
 
     def _say_exit_times(self, closed_at: Optional[float], exited_at: dict[int, float]) -> None:
@@ -406,71 +423,6 @@ class LocalCluster:
                 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m launcher.local",
-        description=__doc__.splitlines()[0],
-        epilog="Everything after -- is the training script and its arguments.",
-    )
-    ap.add_argument("--nodes", type=int, default=4, help="nodes started at once (default 4)")
-    ap.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
-    ap.add_argument("--min-nodes", type=int, help="--nnodes MIN (default: --nodes)")
-    ap.add_argument("--max-nodes", type=int, help="--nnodes MAX (default: --nodes + number of --join)")
-    ap.add_argument("--endpoint", help="etcd host:port (default: start an embedded etcd)")
-    ap.add_argument(
-        "--run-id", help="--rdzv-id and the TensorBoard run's name (default: the config's name and a fresh suffix)"
-    )
-    ap.add_argument(
-        "--log-dir",
-        default="runs",
-        help="the run's folder is LOG_DIR/RUN_ID: each node's whole output in nodes/K.log (default runs)",
-    )
-    ap.add_argument(
-        "-v", "--verbose", action="store_true", help="print every line of every node (default: the lines a user needs)"
-    )
-    ap.add_argument(
-        "--keep-etcd",
-        action="store_true",
-        help="leave the embedded etcd running after the job (for oobleck status / goodput); the last "
-        "line gives its PID, endpoint and the commands; stop it with kill PID",
-    )
-    ap.add_argument(
-        "--kill",
-        type=parse_at,
-        action="append",
-        default=[],
-        metavar="NODE@STEP",
-        help="SIGKILL node NODE once the job reaches step STEP; NODE is a launcher number (0 = the first "
-        "started), a node id (node2) or a role: leader, rank0, follower (neither)",
-    )
-    ap.add_argument(
-        "--preempt",
-        type=parse_preempt,
-        action="append",
-        default=[],
-        metavar="NODE@STEP[:GRACE]",
-        help="send node NODE's agent SIGTERM (a preemption notice) at step STEP; SIGKILL it GRACE "
-        "seconds later if it is still running (default 60); NODE as for --kill",
-    )
-    ap.add_argument(
-        "--join",
-        type=int,
-        action="append",
-        default=[],
-        metavar="STEP",
-        help="start one more node once the job reaches step STEP",
-    )
-    ap.add_argument("--rdzv-conf", default="", help="passed to torchrun --rdzv-conf (e.g. lease_ttl=2,settle=0.2)")
-    ap.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts (local worker crashes)")
-    ap.add_argument(
-        "--exit-grace",
-        type=float,
-        default=60.0,
-        help="seconds after the job closed before nodes still running are killed (default 60)",
-    )
-    return ap
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -490,16 +442,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     cluster = LocalCluster(args, script)
 
     def on_signal(signum: int, _frame: object) -> None:
-        cluster.say(f"signal {signum}: stopping every node")
-        cluster.cleanup()
-        sys.exit(130)
+        if not cluster.interrupt.received(signum):  # a second one, or before any node runs
+            raise KeyboardInterrupt
 
+    signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
         return cluster.run()
     except KeyboardInterrupt:
-        cluster.say("interrupted: stopping every node")
         cluster.cleanup()
+        cluster.say(f"done: stopped every node on a signal{cluster.interrupt.summary()}")
         return 130
 
 

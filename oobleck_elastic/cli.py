@@ -338,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     ops = {
         "agents": "one line per node: index, host, state (up / draining / lost), devices, since when",
         "kill-agent": "drain a node: it leaves at the next step boundary and its agent exits 0",
+        "stop": "stop the job at its next step boundary: the step in flight is finished and saved as a checkpoint, "
+        "every node exits 0, and the same command resumes the job",
         "status": "generation, plan summary, shadow copies and current step",
         "events": "membership and plan history, newest last",
         "goodput": "the job's wall time split into useful steps, replayed and skipped steps, reconfiguration, "
@@ -349,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_connection_args(o)
         if name == "kill-agent":
             o.add_argument("--index", type=int, required=True, help="node index (see oobleck agents)")
+        if name == "stop":
+            o.add_argument("--reason", default="oobleck stop", help="why, for the job's log and close record")
         if name == "events":
             o.add_argument("--follow", "-f", action="store_true", help="keep printing new events until Ctrl-C")
         if name == "goodput":

@@ -1,4 +1,4 @@
-"""Cluster operations: `oobleck agents | kill-agent | status | events | goodput | outcome` over
+"""Cluster operations: `oobleck agents | kill-agent | stop | status | events | goodput | outcome` over
 etcd, and `oobleck samples` over a job's events directory.
 
 They read and write the run's keys (`records.keys`) and never talk to agents directly, so they
@@ -22,8 +22,9 @@ from .records import samples as sample_ledger
 from .records.control import ClosedRecord, Event, NodeState
 from .records.goodput import Ledger, describe, job_origin
 from .records.keys import Keys
-from .records.read import read_closed, read_leader, read_progress, read_stragglers
+from .records.read import read_closed, read_leader, read_progress, read_stop, read_stragglers
 from .rendezvous.membership import live_nodes, mark_draining, read_events
+from .rendezvous.stop import request_stop
 
 
 class OpsError(RuntimeError):
@@ -106,6 +107,23 @@ def kill_agent(client: EtcdClient, keys: Keys, index: int) -> str:
     if not mark_draining(client, keys, rec, "drain requested (oobleck kill-agent)"):
         raise OpsError(f"node {rec.node_id} changed while draining it; try again")
     return f"node {rec.node_id} (index {index}, host {rec.host}) is draining: it leaves at the next step boundary"
+
+
+def stop_job(client: EtcdClient, keys: Keys, reason: str) -> str:
+    """Ask the job to stop at its next step boundary (`StopRecord`): every worker finishes the step
+    in flight, saves a checkpoint of it and exits 0; the job closes as stopped, not failed. Returns
+    one line saying what was done (or that the job is already closed or asked)."""
+    closed = read_closed(client, keys)
+    if closed is not None:
+        return f"run '{keys.run_id}' is already closed ({closed.reason})"
+    if not request_stop(client, keys, reason):
+        earlier = read_stop(client, keys)
+        said = f" at {_ago(earlier.time)} ({earlier.reason})" if earlier is not None else ""
+        return f"run '{keys.run_id}' was already asked to stop{said}: it stops at its next step boundary"
+    return (
+        f"run '{keys.run_id}' stops at its next step boundary: the step in flight is finished and saved as a "
+        "checkpoint, then every node exits 0 (`oobleck outcome` says when it closed)"
+    )
 
 
 PLAN_BUDGETS = "the plan's budgets"
@@ -250,6 +268,8 @@ def run_ops(args: argparse.Namespace) -> int:
             print("\n".join(agents(client, keys)))
         elif args.command == "kill-agent":
             print(kill_agent(client, keys, args.index))
+        elif args.command == "stop":
+            print(stop_job(client, keys, args.reason))
         elif args.command == "status":
             print("\n".join(status(client, keys)))
         elif args.command == "goodput":
@@ -282,4 +302,5 @@ __all__ = [
     "run_ops",
     "samples",
     "status",
+    "stop_job",
 ]

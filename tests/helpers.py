@@ -208,7 +208,9 @@ def run_job(
                 f"job still running after 400 s; log {log_path}:\n" + log_path.read_text()[-5000:]
             ) from None
         finally:
-            if proc.poll() is None:  # SIGTERM: the launcher kills every node by PID, then itself
+            if proc.poll() is None:  # a second SIGTERM: the launcher kills every node by PID at once
+                proc.terminate()  # (the first asks the job to stop at a step boundary: launcher/stopping.py)
+                time.sleep(0.2)
                 proc.terminate()
                 try:
                     proc.wait(timeout=30)

@@ -305,6 +305,8 @@ class CheckpointPolicy:
         """Step of the checkpoint the job resumed from at its start, if any."""
         self.final_dir: Optional[Path] = None
         """The final checkpoint, once written."""
+        self._saved: Optional[tuple[int, Path]] = None
+        """The step and directory of the newest checkpoint this worker saved or resumed from."""
 
     def intact_checkpoint(self, trainer: Trainer) -> Optional[Path]:
         """The newest checkpoint whose every file verifies, found before anything is restored, so
@@ -341,6 +343,7 @@ class CheckpointPolicy:
         if latest is None:
             return 0
         self.resumed = restore(trainer, latest, guard=self.guard)
+        self._saved = (self.resumed, latest)
         trainer.samples.restored(self.resumed, generation=trainer.generation, rank=trainer.rank)
         log.at(gen=trainer.generation, step=self.resumed, node=self.node).info(
             "resumed from %s", latest, event="resumed"
@@ -398,21 +401,28 @@ class CheckpointPolicy:
         if every and done % every == 0 and done < self.cfg.training.steps:
             self._save(trainer, done)
 
-    def finish(self, trainer: Trainer, *, trained: bool) -> Optional[str]:
-        """The final checkpoint (unless this run resumed at the end and trained nothing). Returns
-        why the job ends without it (it did not fit on disk: `save`), or None."""
+    def finish(self, trainer: Trainer, *, trained: bool, step: Optional[int] = None) -> Optional[str]:
+        """The final checkpoint at `step` (default `training.steps`; earlier when the job was asked
+        to stop), unless this run resumed there and trained nothing, or this step was just saved.
+        Returns why the job ends without it (it did not fit on disk: `save`), or None."""
+        step = self.cfg.training.steps if step is None else step
+        if self._saved is not None and self._saved[0] == step:
+            self.final_dir = self._saved[1]
+            return None
         if not trained and self.resumed is not None:
             return None
-        steps = self.cfg.training.steps
-        self.final_dir = self._save(trainer, steps)
+        self.final_dir = self._save(trainer, step)
         if self.final_dir is not None:
             return None
         return (
-            f"the final checkpoint (step {steps}) did not fit in {self.cfg.checkpoint.dir}: the {steps} steps "
+            f"the final checkpoint (step {step}) did not fit in {self.cfg.checkpoint.dir}: the {step} steps "
             "trained are not saved past the newest checkpoint; free space, lower checkpoint.keep_last or "
             "move checkpoint.dir, then run the job again to resume"
         )
 
     def _save(self, trainer: Trainer, step: int, *, began: Optional[float] = None) -> Optional[Path]:
         cfg = self.cfg.checkpoint
-        return save(trainer, cfg.dir, next_step=step, guard=self.guard, began=began, keep_last=cfg.keep_last)
+        path = save(trainer, cfg.dir, next_step=step, guard=self.guard, began=began, keep_last=cfg.keep_last)
+        if path is not None:
+            self._saved = (step, path)
+        return path

@@ -58,6 +58,9 @@ class ControlPlane(Protocol):
         """Sleep until what `plan`, `plan_at` and `should_leave` read may have changed since the
         last call (a watched key changed), or `timeout` seconds at most."""
 
+    def stop_requested(self) -> Optional[str]:
+        """Why the job was asked to stop at its next step boundary (after a checkpoint), or None."""
+
     def failure_of_job(self) -> Optional[str]:
         """The reason the job was closed as failed, or None."""
 
@@ -193,6 +196,8 @@ class LocalControl:
         self._origin = Origin(reported=None, start=started, first_plan=time.time())  # engine/telemetry/goodput.py
         self._closed: Optional[tuple[str, bool]] = None
         self._last_error: Optional[ErrorRecord] = None
+        self.stop: Optional[str] = None
+        """Set to a reason to stop the run at its next step boundary (`ControlPlane.stop_requested`)."""
 
     @property
     def is_job_worker(self) -> bool:
@@ -212,6 +217,9 @@ class LocalControl:
 
     def wait_for_news(self, timeout: float) -> None:
         time.sleep(timeout)  # nothing changes under a single process but itself
+
+    def stop_requested(self) -> Optional[str]:
+        return self.stop
 
     def failure_of_job(self) -> Optional[str]:
         return self._closed[0] if self._closed is not None and self._closed[1] else None

@@ -173,7 +173,7 @@ def _train(cfg: JobConfig, dataset: Any, ctx: ControlPlane) -> Summary:
             worker.trainer.warm_up(plan.microbatch_size)  # `auto`: once, before the first step
             outcome = worker.run_generation(plan)
             if isinstance(outcome, Finished):
-                return worker.finish()
+                return worker.finish(outcome.stopped)
             target = (
                 Target.exactly(outcome.generation)
                 if isinstance(outcome, Boundary)

@@ -314,13 +314,20 @@ class Trainer:
         return indices[start:end]
 
     def train_step(
-        self, step: int, *, seen_generation: int = 0, rejections: int = 0, epoch: Optional[int] = None
+        self,
+        step: int,
+        *,
+        seen_generation: int = 0,
+        rejections: int = 0,
+        stop: bool = False,
+        epoch: Optional[int] = None,
     ) -> StepResult:
         """Run step `step` (0-based) and apply it. It may run in another thread: it uses the
         generation's objects as they were when it started, and after `abandon()` it raises
         StepAbandoned instead of changing this trainer's state. `seen_generation`: the newest plan
         generation this worker has seen; `rejections`: how often this worker has seen the step
-        guard reject `step` (the commit agrees on the largest of each, engine/step/commit.py);
+        guard reject `step`; `stop`: this worker saw a request to stop the job (the commit agrees on
+        the largest of each, engine/step/commit.py);
         `epoch`: the step applier's epoch when the step was handed to its thread (default: now)."""
         t0 = time.perf_counter()
         epoch = self.applier.epoch if epoch is None else epoch
@@ -356,7 +363,7 @@ class Trainer:
         local_loss = self.faults.poisoned(local_loss, rank=rank, step=step, params=self.params)
         norm2, loss = self._synchronise(step, local_loss, grad_sync, step_group, epoch, shadow_link)
         agreed = commit(
-            self._vote(seen_generation, rejections),
+            self._vote(seen_generation, rejections, stop),
             group=step_group,
             progress=self.progress,
             while_waiting=lambda: self.faults.block(rank=self.rank, step=step, where="comm"),
@@ -384,6 +391,7 @@ class Trainer:
             peak_device_bytes=agreed.peak_device_bytes,
             rejected=verdict.reason,
             rejections=agreed.rejections,
+            stop=bool(agreed.stop),
             repaired=repaired,
             unrepairable=unrepairable,
             compute_s=agreed.compute_s,
@@ -452,7 +460,7 @@ class Trainer:
             self.state.synced_step, self.state.synced_norm2 = step, synced.norm2
         return synced.norm2, synced.loss
 
-    def _vote(self, seen_generation: int, rejections: int) -> CommitVote:
+    def _vote(self, seen_generation: int, rejections: int, stop: bool) -> CommitVote:
         """This worker's part of the COMMIT (engine/step/commit.py): the newest generation it has
         seen, its peak memory, the step guard's running maximum and rejections, and its compute
         seconds in this step (the straggler clock, engine/resilience/straggler.py), and when it began and
@@ -465,6 +473,7 @@ class Trainer:
             peak_device_bytes=device_peak,
             max_loss=self.state.max_loss,
             rejections=rejections,
+            stop=int(stop),
             entry_began=self.entry_window[0],
             entry_ended=self.entry_window[1],
             compute_s=own_slot(self.rank, self.plan.world_size, self.clock.take()),

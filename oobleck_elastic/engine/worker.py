@@ -70,7 +70,10 @@ class Boundary:
 
 @dataclass(frozen=True)
 class Finished:
-    """The last step is done."""
+    """The last step is done, or every worker agreed to stop the job at this boundary (`stopped`:
+    why it was asked to stop, `ControlPlane.stop_requested`)."""
+
+    stopped: Optional[str] = None
 
 
 class Worker:
@@ -204,6 +207,7 @@ class Worker:
                 latest = ctx.plan() if trainer.rank == 0 else None
                 newest = latest.generation if latest else 0  # the generation rank 0 votes for
                 rejections = self.guard.attempts.get(self.step, 0)
+                stop = ctx.stop_requested()  # from the mirror: the commit makes every worker agree
                 self.heartbeat.begin(self.step)
                 self.goodput.began_step()
                 completed = False
@@ -214,6 +218,7 @@ class Worker:
                             self.step,
                             seen_generation=newest,
                             rejections=rejections,
+                            stop=stop is not None,
                             epoch=trainer.applier.epoch,
                         ),
                         should_abandon=should_abandon,
@@ -236,6 +241,8 @@ class Worker:
                     self.step += 1
                     with self.goodput.checkpointing():
                         self.checkpoints.after_step(trainer, self.step)
+                if result.stop:  # before a boundary: the job ends here, whatever a new plan would change
+                    return Finished(stopped=ctx.stop_requested() or "a request to stop")
                 if result.next_generation > trainer.generation:
                     return Boundary(result.next_generation)
         except Exception as err:
@@ -378,24 +385,32 @@ class Worker:
             if trainer.rank == 0:
                 ctx.record_event(kind="repair", generation=trainer.generation, detail=detail)
 
-    def finish(self) -> Summary:
-        """After the last step: the final checkpoint; the worker holding rank 0 closes the job, as
-        failed when the final checkpoint did not fit on disk (every worker skipped it alike)."""
+    def finish(self, stopped: Optional[str] = None) -> Summary:
+        """After the last step, or at the boundary where every worker agreed to stop (`stopped`: why
+        the job was asked to): the final checkpoint; the worker holding rank 0 closes the job, as
+        failed when that checkpoint did not fit on disk (every worker skipped it alike)."""
         with self.goodput.checkpointing():
-            unsaved = self.checkpoints.finish(self.trainer, trained=self.log.count > 0)
+            unsaved = self.checkpoints.finish(self.trainer, trained=self.log.count > 0, step=self.step)
+        at = log.at(gen=self.trainer.generation, step=self.step, node=self.ctx.node_id)
         if unsaved is not None:
             if self.trainer.rank == 0:
-                log.at(gen=self.trainer.generation, step=self.step, node=self.ctx.node_id).error(
-                    "%s", unsaved, event="job_failed"
-                )
+                at.error("%s", unsaved, event="job_failed")
                 self.ctx.close_job(unsaved, failed=True)
             raise JobFailed(unsaved)
         if self.trainer.rank == 0:
             self.goodput.finished(
                 self.ctx.report_progress, self.log.metrics, generation=self.trainer.generation, step=self.step
             )
-            self.ctx.close_job(f"finished {self.cfg.training.steps} steps")
-        return self.summary()
+            if stopped is None:
+                self.ctx.close_job(f"finished {self.cfg.training.steps} steps")
+            else:
+                saved = self.checkpoints.final_dir
+                reason = f"stopped at step {self.step} of {self.cfg.training.steps} on request ({stopped})" + (
+                    f"; its checkpoint: {saved}; the same command resumes it" if saved is not None else ""
+                )
+                at.warning("%s", reason, event="stopped")
+                self.ctx.close_job(reason)
+        return self.summary(stopped=(self.step, stopped) if stopped is not None else None)
 
     def leave(self) -> Summary:
         """The plan has no place for this worker any more: the job closed or the node was drained."""
@@ -405,8 +420,10 @@ class Worker:
         log.at(node=self.ctx.node_id).info("leaving the job (%s)", self.ctx.should_leave(self.ctx.plan()), event="left")
         return self.summary()
 
-    def summary(self) -> Summary:
-        return self.log.summary(checkpoint=self.checkpoints.final_dir, resumed=self.checkpoints.resumed)
+    def summary(self, *, stopped: Optional[tuple[int, str]] = None) -> Summary:
+        return self.log.summary(
+            checkpoint=self.checkpoints.final_dir, resumed=self.checkpoints.resumed, stopped=stopped
+        )
 
     def close(self) -> None:
         self.heartbeat.close()

@@ -208,6 +208,28 @@ class ClosedRecord:
 
 
 @dataclass(frozen=True)
+class StopRecord:
+    """The value of `stop`: someone asked the job to stop at its next step boundary."""
+
+    time: float
+    """Unix time of the request."""
+    reason: str
+    """Who asked and why (e.g. `Ctrl-C to the local launcher`)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def parse(cls, data: Any) -> "StopRecord":
+        """Validate a `stop` value; raises ValueError naming what is wrong."""
+        if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError("not a stop record")
+        if not isinstance(data.get("reason"), str) or not isinstance(data.get("time"), (int, float)):
+            raise ValueError("reason must be a string and time a number")
+        return cls(time=float(data["time"]), reason=data["reason"])
+
+
+@dataclass(frozen=True)
 class ProgressRecord:
     """The value of `progress`: the job's last completed step, reported by the rank-0 worker."""
 

@@ -172,6 +172,12 @@ class Keys:
         return self.root + "closed"
 
     @property
+    def stop(self) -> str:
+        """A request to stop the job at the next step boundary, after a checkpoint (`StopRecord`):
+        `oobleck stop`, the local launcher's Ctrl-C, or the leader when every node was drained."""
+        return self.root + "stop"
+
+    @property
     def errors(self) -> str:
         return self.root + "errors"
 
@@ -243,6 +249,7 @@ class Keys:
         keys so that a leader waiting for the first profile learns of it without asking etcd."""
         return [
             self.plan,
+            self.stop,
             self.nodes,
             self.fenced,
             self.admissions,

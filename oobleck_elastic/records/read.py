@@ -22,6 +22,7 @@ from .control import (
     ProgressRecord,
     ReadyRecord,
     Roster,
+    StopRecord,
     StragglerRecord,
 )
 from .keys import Keys
@@ -75,6 +76,11 @@ def read_closed(reader: KVReader, keys: Keys) -> Optional[ClosedRecord]:
     """The job's `closed` record, or None while the job is open (a malformed value is ignored: a
     stray value must never end a job)."""
     return _read_record(reader, keys.closed, ClosedRecord.parse)
+
+
+def read_stop(reader: KVReader, keys: Keys) -> Optional[StopRecord]:
+    """The request to stop the job at its next step boundary, or None (none, or a malformed value)."""
+    return _read_record(reader, keys.stop, StopRecord.parse)
 
 
 def read_profile_claim(reader: KVReader, keys: Keys, device: str) -> Optional[ProfileClaim]:

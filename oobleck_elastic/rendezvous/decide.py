@@ -42,6 +42,10 @@ class LeaderAction(StrEnum):
     WAIT_FOR_NODES = "wait_for_nodes"
     """A re-plan would use exactly the nodes the planner refused (fewer than n0): only a change
     (a node arriving or leaving, the job closing) can help, so the leader sleeps until one."""
+    STOP = "stop"
+    """Every node of the plan is draining and no other node is up (a preemption notice to every
+    agent, e.g. the scheduler ending the job): ask the job to stop at its next step boundary, with
+    a checkpoint, instead of waiting for nodes while the notices' grace runs out."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,8 @@ class Detection:
 class LeaderView:
     up: tuple[str, ...]
     """Nodes whose record says `up` (not draining), by index."""
+    draining: tuple[str, ...] = ()
+    """Nodes whose record says `draining`."""
     plan: Optional[Plan] = None
     """The current plan (None before the first one)."""
     fenced: frozenset[str] = frozenset()
@@ -158,6 +164,8 @@ def _refused(view: LeaderView, decision: Decision) -> bool:
 
 def _while_running(view: LeaderView, plan: Plan, clocks: Clocks, now: float, rules: Rules) -> Decision:
     alive = [n for n in view.up if n not in view.fenced]
+    if not alive and set(plan.nodes) <= set(view.draining):
+        return Decision(LeaderAction.STOP, clocks=replace(clocks, change_seen=None))
     members = sum(1 for n in plan.nodes if n in alive)
     admit = []
     for node in alive:
@@ -197,6 +205,16 @@ def _while_running(view: LeaderView, plan: Plan, clocks: Clocks, now: float, rul
             LeaderAction.REPLAN, nodes=tuple(desired), admit=tuple(admit), clocks=replace(clocks, change_seen=None)
         )
     return Decision(LeaderAction.WAIT, admit=tuple(admit), clocks=replace(clocks, change_seen=change_seen))
+
+
+def closes_on_stop(view: LeaderView, decision: Decision) -> bool:
+    """Whether a request to stop the job must close it now, because no worker steps to stop at a
+    boundary: no plan yet, or the plan lost a node (neither up nor draining) and `decision` waits
+    for nodes. Otherwise the workers stop at their next boundary, with a checkpoint."""
+    if view.plan is None:
+        return True
+    gone = any(n not in view.up and n not in view.draining for n in view.plan.nodes)
+    return gone and decision.action == LeaderAction.WAIT_FOR_NODES
 
 
 def desired_nodes(plan: Plan, up: Sequence[str], exclude: Collection[str], max_nodes: int) -> list[str]:

@@ -18,7 +18,7 @@ from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..planning import Plan, PlanningError
 from .decide import LeaderAction, Clocks, Decision, Detection, Detector, LeaderView, Rules, decide
-from .decide import shortfall_line, strict_refusal
+from .decide import closes_on_stop, shortfall_line, strict_refusal
 from .drills import install_spin_drill
 from .election import Election, caught_up
 from .detect import Deputy, LeaderLiveness, LeaderWatch, RollCall, why_lost
@@ -26,6 +26,7 @@ from .profile_wait import ProfileWait
 from .restart_loop import read_attempts, restart_verdict
 from .publish import SourceChoice, commit_plan, declare_lost, with_donors
 from ..records.keys import Keys
+from .stop import close_if_stopped, stop_when_drained
 from .stragglers import LeaderStragglers
 from .membership import Member, goodbye_of, live_nodes, put_event
 from ..records.plans import PlanReader, RosterReader, newest_history_plan
@@ -216,7 +217,9 @@ class Leader:
             if not self._lease_confirmed():
                 continue
             self._act(decision, view.plan, rev, records)
-            if decision.action == LeaderAction.WAIT_FOR_NODES or self.profiles.waiting:
+            if closes_on_stop(view, decision):  # no worker steps to stop at a boundary
+                close_if_stopped(self.client, self.view, self.keys, node=self.member.node_id, plan=view.plan)
+            if decision.action in (LeaderAction.WAIT_FOR_NODES, LeaderAction.STOP) or self.profiles.waiting:
                 self._pause(_IDLE_S)  # below n0, or no profile yet: only a change can help
                 continue
             if decision.recheck_s is not None:
@@ -255,6 +258,7 @@ class Leader:
             plan = newest_history_plan(self.client, self.keys)
         view = LeaderView(
             up=tuple(r.node_id for r in up),
+            draining=tuple(r.node_id for r in records if r.state == NodeState.DRAINING),
             plan=plan,
             fenced=frozenset(self._fenced(records)),
             admitted=frozenset(read_admitted(self.view, self.keys)),
@@ -293,7 +297,9 @@ class Leader:
             self.client.put_json(self.keys.admitted(node), Admission(time=time.time()).to_json())
         if decision.held:
             self._warn_held(decision.held, decision.detection, plan.generation if plan else 0)
-        if decision.action == LeaderAction.FIRST_PLAN:
+        if decision.action == LeaderAction.STOP:
+            stop_when_drained(self.client, self.view, self.keys, node=self.member.node_id, plan=plan)
+        elif decision.action == LeaderAction.FIRST_PLAN:
             self._first_plan(list(decision.nodes), rev, records)
         elif decision.action == LeaderAction.REBALANCE and plan is not None and decision.plan is not None:
             log.at(node=self.member.node_id).info(

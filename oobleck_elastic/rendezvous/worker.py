@@ -44,7 +44,15 @@ from ..records.errors import ErrorRecord, next_error_record
 from ..records.goodput import Ledger, Origin, job_origin
 from ..records.keys import Keys
 from ..records.plans import PlanReader, parse_plan
-from ..records.read import is_fenced, read_closed, read_profile_claim, read_progress, read_ready, readiness_withdrawn
+from ..records.read import (
+    is_fenced,
+    read_closed,
+    read_profile_claim,
+    read_progress,
+    read_ready,
+    read_stop,
+    readiness_withdrawn,
+)
 from .membership import put_event, read_events
 from .preempt import guard_worker
 
@@ -117,7 +125,13 @@ class WorkerContext:
 
     def watched(self) -> list[str]:
         """The keys (prefixes) a worker reads between steps."""
-        return [self.keys.plan, self.keys.closed, self.keys.fence(self.node_id), self.keys.node(self.node_id)]
+        return [
+            self.keys.plan,
+            self.keys.closed,
+            self.keys.stop,
+            self.keys.fence(self.node_id),
+            self.keys.node(self.node_id),
+        ]
 
     @property
     def reader(self) -> KVReader:
@@ -373,6 +387,11 @@ class WorkerContext:
     def close_job(self, reason: str, *, failed: bool = False) -> None:
         """Close the job: every agent and worker leaves; `failed` makes them exit with an error."""
         self.client.put_json(self.keys.closed, ClosedRecord(time=time.time(), reason=reason, failed=failed).to_json())
+
+    def stop_requested(self) -> Optional[str]:
+        """Why the job was asked to stop at its next step boundary (`StopRecord`), or None."""
+        stop = read_stop(self.reader, self.keys)
+        return stop.reason if stop is not None else None
 
     def failure_of_job(self) -> Optional[str]:
         """The reason the job was closed as failed, or None (open, or finished normally)."""

@@ -69,7 +69,8 @@ class Cluster:
     the same torchrun command and environment."""
 
     def __init__(self, tmp: Path, launcher_args: list[str], script: list[str], env: dict[str, str]) -> None:
-        from launcher.local import LocalCluster, build_parser
+        from launcher.local import LocalCluster
+        from launcher.options import build_parser
 
         self.local = LocalCluster(build_parser().parse_args(launcher_args), script)
         self.env = {**self.local.node_env(), **env}

@@ -19,7 +19,8 @@ import pytest
 
 from helpers import ROOT, eventually
 from launcher.checks import failure_reason, kill_verdict, ops_commands, preflight, script_config
-from launcher.local import LocalCluster, Roles, build_parser, parse_at, resolve, worker_threads
+from launcher.local import LocalCluster, Roles, parse_at, resolve, worker_threads
+from launcher.options import build_parser
 from oobleck_elastic.checkpoint import CheckpointError, nothing_to_do
 from oobleck_elastic.config import ConfigError
 from oobleck_elastic.data.errors import DataError

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from launcher.checks import job_name
-from launcher.local import LocalCluster, build_parser
+from launcher.local import LocalCluster
+from launcher.options import build_parser
 from launcher.output import Terminal
 from oobleck_elastic.engine.telemetry.board import run_name
 

@@ -15,7 +15,7 @@ import pytest
 import subprocess
 import sys
 
-from launcher.local import build_parser
+from launcher.options import build_parser
 from oobleck_elastic.config import ConfigError, load_config
 from oobleck_elastic.rendezvous.preempt import NOTICE_ENV, SIGNALS_ENV, PreemptionWatch
 from helpers import assert_same, at_step, run_job, tiny_profile

@@ -84,6 +84,7 @@ def test_the_job_figures_sum_every_move_and_span_every_workers_entry() -> None:
             peak_device_bytes=None,
             max_loss=1.0,
             rejections=0,
+            stop=0,
             entry_began=began[rank],
             entry_ended=ended[rank],
             compute_s=own_slot(rank, 3, 0.1),

@@ -19,6 +19,7 @@ def _vote(rank: int, world_size: int, **fields) -> CommitVote:
         peak_device_bytes=None,
         max_loss=2.5,
         rejections=0,
+        stop=0,
         entry_began=BEGAN + rank,
         entry_ended=BEGAN + 10 + rank,
         compute_s=own_slot(rank, world_size, 0.125 * (rank + 1)),
@@ -29,21 +30,22 @@ def _vote(rank: int, world_size: int, **fields) -> CommitVote:
 BEGAN = 1_764_000_000.125  # a Unix time
 
 
-def test_the_layout_has_seven_slots_then_one_per_rank() -> None:
+def test_the_layout_has_eight_slots_then_one_per_rank() -> None:
     assert CommitVote.layout(4) == {
         "generation": slice(0, 1),
         "peak_rss_bytes": slice(1, 2),
         "peak_device_bytes": slice(2, 3),
         "max_loss": slice(3, 4),
         "rejections": slice(4, 5),
-        "entry_began": slice(5, 6),
-        "entry_ended": slice(6, 7),
-        "compute_s": slice(7, 11),
+        "stop": slice(5, 6),
+        "entry_began": slice(6, 7),
+        "entry_ended": slice(7, 8),
+        "compute_s": slice(8, 12),
     }
-    assert [CommitVote.size(n) for n in (1, 2, 8)] == [8, 9, 15]
-    packed = _vote(2, 4, generation=7, peak_device_bytes=5 * 2**20, rejections=1).pack()
+    assert [CommitVote.size(n) for n in (1, 2, 8)] == [9, 10, 16]
+    packed = _vote(2, 4, generation=7, peak_device_bytes=5 * 2**20, rejections=1, stop=1).pack()
     assert packed.dtype == torch.float64
-    assert packed.tolist() == [7, 3 * 2**30, 5 * 2**20, 2.5, 1, -(BEGAN + 2), BEGAN + 12, 0, 0, 0.375, 0]
+    assert packed.tolist() == [7, 3 * 2**30, 5 * 2**20, 2.5, 1, 1, -(BEGAN + 2), BEGAN + 12, 0, 0, 0.375, 0]
 
 
 def test_a_vote_survives_pack_and_unpack() -> None:
@@ -60,7 +62,7 @@ def test_a_vote_survives_pack_and_unpack() -> None:
 def test_the_max_of_several_votes_is_the_field_wise_rule() -> None:
     votes = [
         _vote(0, 3, generation=4, peak_rss_bytes=2**30, max_loss=3.0),
-        _vote(1, 3, generation=5, peak_rss_bytes=2**31, peak_device_bytes=2**20, rejections=1),
+        _vote(1, 3, generation=5, peak_rss_bytes=2**31, peak_device_bytes=2**20, rejections=1, stop=1),
         _vote(2, 3, generation=4, peak_rss_bytes=2**29, peak_device_bytes=2**22, max_loss=1.5),
     ]
     reduced = CommitVote.unpack(torch.stack([v.pack() for v in votes]).amax(0), world_size=3)
@@ -71,6 +73,7 @@ def test_the_max_of_several_votes_is_the_field_wise_rule() -> None:
         peak_device_bytes=2**22,
         max_loss=3.0,
         rejections=1,
+        stop=1,  # one worker saw the request to stop: every worker stops at this boundary
         entry_began=BEGAN,  # the first worker to begin entering ...
         entry_ended=BEGAN + 12,  # ... and the last one to have entered
         compute_s=(0.125, 0.25, 0.375),  # every worker's own slot
@@ -121,13 +124,13 @@ def test_one_slot_fields_travel_as_float32_and_seconds_and_unix_times_as_float64
 def test_a_malformed_tensor_is_refused_naming_the_layout() -> None:
     layout = (
         r"\(generation x 1, peak_rss_bytes x 1, peak_device_bytes x 1, max_loss x 1, rejections x 1, "
-        r"entry_began x 1, entry_ended x 1, compute_s x 3\)"
+        r"stop x 1, entry_began x 1, entry_ended x 1, compute_s x 3\)"
     )
     with pytest.raises(
-        ValueError, match=rf"over 3 ranks is a flat float64 tensor of 10 slots {layout}; got shape \(7,\) "
+        ValueError, match=rf"over 3 ranks is a flat float64 tensor of 11 slots {layout}; got shape \(7,\) "
     ):
         CommitVote.unpack(torch.zeros(7, dtype=torch.float64), world_size=3)
-    with pytest.raises(ValueError, match=r"got shape \(10,\) of torch.float32"):
-        CommitVote.unpack(torch.zeros(10), world_size=3)
+    with pytest.raises(ValueError, match=r"got shape \(11,\) of torch.float32"):
+        CommitVote.unpack(torch.zeros(11), world_size=3)
     with pytest.raises(ValueError, match=r"got shape \(2, 4\)"):
         CommitVote.unpack(torch.zeros(2, 4, dtype=torch.float64), world_size=3)

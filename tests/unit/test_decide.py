@@ -315,3 +315,30 @@ def test_a_drained_node_whose_hand_over_never_happened_is_named_a_donor_again() 
     assert donors(gen3, gen2, records, {"n2": "lost"}, lambda n: False, old_stepped=True) == ()
     assert donors(gen3, gen2, records, {"n2": "lost"}, lambda n: n == "n3", old_stepped=False) == ()
     assert donors(gen3, gen2, records[:2], {"n2": "lost"}, lambda n: False, old_stepped=False) == ()  # gone
+
+
+def test_every_node_of_the_plan_draining_with_none_up_stops_the_job() -> None:
+    plan = plan_of(3)
+    view = LeaderView(up=(), draining=("n0", "n1", "n2"), plan=plan)
+    assert decide(view, Clocks(), 10.0, RULES).action == LeaderAction.STOP
+    # one node still up: a re-plan (or waiting for nodes) as for any drain, never a stop
+    some = decide(replace(view, up=("n2",), draining=("n0", "n1")), Clocks(), 10.0, RULES)
+    assert some.action == LeaderAction.WAIT
+    # a spare up while the plan's nodes drain: it takes over (admitted, then planned)
+    spare = decide(replace(view, up=("n3",)), Clocks(), 10.0, RULES)
+    assert spare.action != LeaderAction.STOP and spare.admit == ("n3",)
+    # a plan node that is neither up nor draining (dead, not yet detected): no stop on a drain's account
+    assert decide(replace(view, draining=("n0", "n1")), Clocks(), 10.0, RULES).action != LeaderAction.STOP
+
+
+def test_a_stop_closes_the_job_at_once_only_when_no_worker_steps() -> None:
+    from oobleck_elastic.rendezvous.decide import Decision, closes_on_stop
+
+    waiting, replanning = Decision(LeaderAction.WAIT_FOR_NODES), Decision(LeaderAction.REPLAN, nodes=("n0", "n1"))
+    assert closes_on_stop(LeaderView(up=("n0",)), Decision(LeaderAction.NONE))  # before the first plan
+    lost = LeaderView(up=("n0",), plan=plan_of(2))  # n1 gone, below n0: the survivors wait for nodes
+    assert closes_on_stop(lost, waiting)
+    assert not closes_on_stop(lost, replanning)  # a plan comes: its workers stop at their first boundary
+    # a drained node is still in the running plan: the workers step on, and stop with a checkpoint
+    assert not closes_on_stop(replace(lost, draining=("n1",)), waiting)
+    assert not closes_on_stop(LeaderView(up=("n0", "n1"), plan=plan_of(2)), Decision(LeaderAction.NONE))

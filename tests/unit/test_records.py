@@ -44,6 +44,7 @@ def test_leaf_keys_are_the_layout_of_the_table() -> None:
     assert KEYS.liveness_answered == "/oobleck/r/liveness_answered"
     assert KEYS.leader_watched() == [
         "/oobleck/r/plan",
+        "/oobleck/r/stop",
         "/oobleck/r/nodes/",
         "/oobleck/r/fenced/",
         "/oobleck/r/admitted/",

@@ -6,7 +6,7 @@ survivor holds s's synchronised gradients: after a failure they roll s forward i
 committed it, else replay it (docs/recovery.md). What the workers must agree on at a step
 boundary rides on it as typed fields, each with its rule (`_largest`, `_by_rank`, `_smallest`),
 packed into one float64 tensor (`pack`, `unpack`, `combine`): the newest generation seen, peak
-memory, the guard's running maximum, compute seconds, the entry's window.
+memory, the guard's running maximum, a stop request, compute seconds, the entry's window.
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ class CommitVote:
     """The largest loss of any applied step (the step guard's spike threshold)."""
     rejections: int = _largest(int)
     """How many times this step was rejected by the step guard before this run of it."""
+    stop: int = _largest(int)
+    """1 when this worker saw a request to stop the job (`ControlPlane.stop_requested`): every
+    worker stops at this boundary."""
     entry_began: float = _smallest(float, wire=torch.float64)
     """Unix time this worker began entering the current generation (the agreed vote: the first)."""
     entry_ended: float = _largest(float, wire=torch.float64)

@@ -29,6 +29,8 @@ class StepResult:
     """Why the step guard did not apply the step (engine/resilience/guard.py); empty when it was applied."""
     rejections: int = 0
     """How many times any worker had seen this step rejected before this run of it."""
+    stop: bool = False
+    """Some worker had seen a request to stop the job: every worker stops at this boundary."""
     repaired: tuple[Corrupt, ...] = ()
     """Layer copies found corrupt after this step and replaced from their holders' majority
     (engine/resilience/fingerprint.py); the same on every worker."""

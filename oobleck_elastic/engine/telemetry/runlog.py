@@ -58,6 +58,8 @@ class Summary:
     """One line per step the step guard did not apply (replayed or skipped, engine/resilience/guard.py)."""
     repairs: tuple[str, ...] = ()
     """One line per corrupt layer copy replaced from its holders' majority (engine/resilience/fingerprint.py)."""
+    stopped: Optional[str] = None
+    """Why the job stopped before `training.steps` (it was asked to); None when it ran them all."""
 
     def lines(self) -> list[str]:
         out = [
@@ -66,6 +68,8 @@ class Summary:
         ]
         if self.first_loss is not None:
             out.append(f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}")
+        if self.stopped is not None:
+            out.append(f"stopped before training.steps: {self.stopped}")
         out += [f"reconfiguration: {r}" for r in self.reconfigurations]
         out += [f"not applied: {r}" for r in self.not_applied]
         out += [f"repaired: {r}" for r in self.repairs]
@@ -281,11 +285,19 @@ class RunLog:
             figures = board.JobFigures.of(info.moves, result.entry_window)
             self.metrics.reconfiguration(text, info, step=result.step, figures=figures)
 
-    def summary(self, *, checkpoint: Optional[Path], resumed: Optional[int]) -> Summary:
+    def summary(
+        self,
+        *,
+        checkpoint: Optional[Path],
+        resumed: Optional[int],
+        stopped: Optional[tuple[int, str]] = None,
+    ) -> Summary:
+        """`stopped`: (the step, why) when the job was asked to stop before `training.steps`."""
         writer = self.metrics is not None
         return Summary(
             steps=self.count,
-            final_step=self.cfg.training.steps,
+            final_step=self.cfg.training.steps if stopped is None else stopped[0],
+            stopped=stopped[1] if stopped is not None else None,
             first_loss=self.first,
             last_loss=self.last,
             seconds=time.monotonic() - self.t0,
