@@ -344,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
         "events": "membership and plan history, newest last",
         "goodput": "the job's wall time split into useful steps, replayed and skipped steps, reconfiguration, "
         "checkpointing, startup and waiting for nodes",
-        "outcome": "the run's result as an exit status: 0 finished, 1 failed, 3 not closed (for batch scripts)",
+        "outcome": "the run's result as an exit status: 0 finished, 1 failed, 3 not closed, 4 stopped on request "
+        "before its last step (for batch scripts)",
     }
     for name, text in ops.items():
         o = sub.add_parser(name, help=text, description=text)

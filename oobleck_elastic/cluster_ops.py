@@ -244,12 +244,14 @@ def samples(events_dir: str, *, steps: Optional[int] = None) -> tuple[bool, list
 
 
 OUTCOME_OPEN = 3
+OUTCOME_STOPPED = 4
 """`oobleck outcome`'s exit status for a run that is not closed (1 is a failed run, 2 an etcd error)."""
 
 
 def outcome(closed: Optional[ClosedRecord], run_id: str) -> tuple[int, str]:
     """The exit status and line `oobleck outcome` gives for a run's `closed` record: 0 finished,
-    1 closed as failed, OUTCOME_OPEN (3) not closed (it still runs, or every node stopped first)."""
+    1 closed as failed, OUTCOME_OPEN (3) not closed (it still runs, or every node stopped first),
+    OUTCOME_STOPPED (4) asked to stop before its last step (the same command resumes it)."""
     if closed is None:
         return OUTCOME_OPEN, (
             f"run {run_id} is not closed: it still runs, or every node stopped before it finished "
@@ -257,6 +259,8 @@ def outcome(closed: Optional[ClosedRecord], run_id: str) -> tuple[int, str]:
         )
     if closed.failed:
         return 1, f"run {run_id} failed: {closed.reason}"
+    if closed.stopped:
+        return OUTCOME_STOPPED, f"run {run_id} stopped before its last step: {closed.reason}"
     return 0, f"run {run_id} finished: {closed.reason}"
 
 

@@ -93,8 +93,8 @@ class ControlPlane(Protocol):
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
         """Store the error that ends this worker; the record says how often it repeated."""
 
-    def close_job(self, reason: str, *, failed: bool = False) -> None:
-        """Every worker leaves (with an error when `failed`)."""
+    def close_job(self, reason: str, *, failed: bool = False, stopped: bool = False) -> None:
+        """Every worker leaves (with an error when `failed`; `stopped`: asked to, before the last step)."""
 
     def record_skip(self, *, generation: int, step: int, detail: str) -> None:
         """The step guard did not apply `step` (engine/resilience/guard.py): an event for operators."""
@@ -280,5 +280,5 @@ class LocalControl:
         )
         return self._last_error
 
-    def close_job(self, reason: str, *, failed: bool = False) -> None:
+    def close_job(self, reason: str, *, failed: bool = False, stopped: bool = False) -> None:
         self._closed = (reason, failed)

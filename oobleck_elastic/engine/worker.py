@@ -409,7 +409,7 @@ class Worker:
                     f"; its checkpoint: {saved}; the same command resumes it" if saved is not None else ""
                 )
                 at.warning("%s", reason, event="stopped")
-                self.ctx.close_job(reason)
+                self.ctx.close_job(reason, stopped=True)
         return self.summary(stopped=(self.step, stopped) if stopped is not None else None)
 
     def leave(self) -> Summary:

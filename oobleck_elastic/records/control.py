@@ -190,6 +190,8 @@ class ClosedRecord:
     """Why (e.g. `finished 20 steps`, or the error that stopped it)."""
     failed: bool = False
     """The job stopped because of an error: workers and agents exit non-zero."""
+    stopped: bool = False
+    """The job was asked to stop before `training.steps` (`StopRecord`): the same command resumes it."""
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, **asdict(self)}
@@ -200,9 +202,10 @@ class ClosedRecord:
         try:
             if data.get("schema_version") != SCHEMA_VERSION:
                 raise ValueError(f"schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
-            if not isinstance(data.get("reason"), str) or not isinstance(data.get("failed", False), bool):
-                raise ValueError("reason must be a string and failed a boolean")
-            return cls(time=float(data["time"]), reason=data["reason"], failed=data.get("failed", False))
+            flags = (data.get("failed", False), data.get("stopped", False))
+            if not isinstance(data.get("reason"), str) or not all(isinstance(f, bool) for f in flags):
+                raise ValueError("reason must be a string, failed and stopped booleans")
+            return cls(time=float(data["time"]), reason=data["reason"], failed=flags[0], stopped=flags[1])
         except (AttributeError, KeyError, TypeError) as err:
             raise ValueError(f"not a closed record ({type(err).__name__}: {err})") from None
 

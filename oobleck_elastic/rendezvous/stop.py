@@ -56,5 +56,5 @@ def close_if_stopped(client: EtcdClient, reader: KVReader, keys: Keys, *, node: 
     where = f"generation {plan.generation} lost a node and waits for nodes" if plan else "before the first plan"
     reason = f"stopped on request ({stop.reason}) {where}: no step to save, the newest checkpoint stands"
     log.at(node=node).warning("%s", reason)
-    client.put_json(keys.closed, ClosedRecord(time=time.time(), reason=reason).to_json())
+    client.put_json(keys.closed, ClosedRecord(time=time.time(), reason=reason, stopped=True).to_json())
     put_event(client, keys, Event(time=time.time(), kind=EventKind.CLOSED, node=node, detail=reason))

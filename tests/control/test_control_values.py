@@ -25,6 +25,7 @@ from oobleck_elastic.rendezvous.worker import WorkerContext
         {"schema_version": 1, "time": 1.0},
         {"schema_version": 1, "time": 1.0, "reason": 3},
         {"schema_version": 1, "time": 1.0, "reason": "x", "failed": "yes"},
+        {"schema_version": 1, "time": 1.0, "reason": "x", "stopped": 1},
         [1],
         "closed",
     ],
@@ -37,6 +38,10 @@ def test_a_malformed_closed_value_is_refused(value) -> None:
 def test_closed_round_trip() -> None:
     rec = ClosedRecord(time=1.5, reason="finished 3 steps")
     assert ClosedRecord.parse(json.loads(json.dumps(rec.to_json()))) == rec and not rec.failed
+    stopped = ClosedRecord(time=1.5, reason="stopped at step 2 of 3 on request (oobleck stop)", stopped=True)
+    assert ClosedRecord.parse(json.loads(json.dumps(stopped.to_json()))) == stopped
+    # a record written before `stopped` existed reads as not stopped
+    assert not ClosedRecord.parse({"schema_version": 1, "time": 1.0, "reason": "finished 3 steps"}).stopped
 
 
 def test_bad_closed_values_in_etcd_leave_the_job_open_and_are_logged_once(etcd_settings, run_id, caplog) -> None:

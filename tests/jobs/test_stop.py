@@ -41,15 +41,15 @@ class StopAfter(LocalControl):
     def __init__(self, cfg: Any, after: int) -> None:
         super().__init__(cfg, num_layers(cfg.model))
         self.after = after
-        self.closed: tuple[str, bool] | None = None
+        self.closed: tuple[str, bool, bool] | None = None
 
     def report_progress(self, *, generation: int, step: int, **extra: Any) -> None:
         if step >= self.after:
             self.stop = "a test asked"
 
-    def close_job(self, reason: str, *, failed: bool = False) -> None:
-        super().close_job(reason, failed=failed)
-        self.closed = (reason, failed)
+    def close_job(self, reason: str, *, failed: bool = False, stopped: bool = False) -> None:
+        super().close_job(reason, failed=failed, stopped=stopped)
+        self.closed = (reason, failed, stopped)
 
 
 def test_a_stop_request_ends_the_run_at_the_next_boundary_with_its_checkpoint(tmp_path: Path) -> None:
@@ -62,7 +62,8 @@ def test_a_stop_request_ends_the_run_at_the_next_boundary_with_its_checkpoint(tm
     assert ckpt is not None and ckpt.name == "step-00000003" and read_manifest(ckpt)["step"] == 3
     assert ctx.closed == (
         f"stopped at step 3 of 6 on request (a test asked); its checkpoint: {ckpt}; the same command resumes it",
-        False,
+        False,  # not failed: ...
+        True,  # ... stopped (`oobleck outcome` exits 4)
     )
     resumed = train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path, 6)), max_bytes=300_000)
     assert resumed.resumed_from == 3 and resumed.steps == 3

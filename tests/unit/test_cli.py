@@ -136,5 +136,10 @@ def test_outcome_exit_status_follows_the_closed_record() -> None:
         1,
         "run 7 failed: ValueError at step 3",
     )
+    stopped = ClosedRecord(time=1.0, reason="stopped at step 4 of 12 on request (oobleck stop)", stopped=True)
+    assert outcome(stopped, "7") == (
+        4,
+        "run 7 stopped before its last step: stopped at step 4 of 12 on request (oobleck stop)",
+    )
     code, line = outcome(None, "7")
     assert code == OUTCOME_OPEN == 3 and line.startswith("run 7 is not closed: it still runs, or every node stopped")
