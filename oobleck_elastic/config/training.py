@@ -18,6 +18,7 @@ OptimizerName = Literal["adamw", "sgd"]
 LRDecay = Literal["constant", "linear", "cosine"]
 Precision = Literal["fp32", "bf16"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
+ActivationCheckpoint = Literal["none", "full"]
 
 
 @dataclass
@@ -74,6 +75,10 @@ class TrainingConfig(Section):
     """Learning-rate schedule."""
     precision: Precision = "fp32"
     """`fp32` or `bf16` (autocast, fp32 master weights)."""
+    activation_checkpoint: ActivationCheckpoint = "none"
+    """`none`: every layer keeps its activations for the backward; `full`: a layer keeps only its
+    input and runs its forward again in the backward (torch.utils.checkpoint, non-reentrant):
+    less memory, about one more forward of compute (docs/training.md, "Activation checkpointing")."""
     device: DeviceKind = "auto"
     """`auto` (a worker trains on `cuda:<LOCAL_RANK>` when CUDA is available, else on the CPU),
     `cpu` or `cuda`. Data (pipeline send/receive, gradient sync, layer transfers) then runs over

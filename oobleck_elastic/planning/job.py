@@ -403,7 +403,8 @@ def pipeline_schedules(cfg: JobConfig, tset: TemplateSet, *, engine_only: bool =
     """What chooses each pipeline's schedule (schedules/choice.py), or None for 1f1b and gpipe
     (templates.py's closed form). PlanningError for a bad schedule or chunk count."""
     p = cfg.planning
-    options = candidates(p.schedule, p.chunks_per_device, engine_only=engine_only)
+    recompute = cfg.training.activation_checkpoint == "full"
+    options = candidates(p.schedule, p.chunks_per_device, engine_only=engine_only, recompute=recompute)
     if closed_form(p.schedule):
         return None
     if tset.profile is None or tset.device_memory_gb is None:

@@ -25,6 +25,7 @@ from ..resilience.straggler import ComputeClock
 from ..step.grad_sync import GradSync
 from .compiled import compiled_stage
 from .paced import Pacer, pace_stage
+from .recompute import Recomputed
 
 if TYPE_CHECKING:
     from ..entry.groups import GenerationGroups
@@ -66,13 +67,23 @@ class Autocast(nn.Module):
 
 
 def stage_module(
-    layer_model: LayerModel, start: int, end: int, *, compile: bool, dtype: Optional[torch.dtype]
+    layer_model: LayerModel,
+    start: int,
+    end: int,
+    *,
+    compile: bool,
+    dtype: Optional[torch.dtype],
+    recompute: bool = False,
 ) -> nn.Module:
-    """Layers [start, end) of this worker, compiled when `training.compile` says so, under the
-    step's precision (the model's last layer hands on bf16 logits)."""
-    layers = layer_model.stage(start, end)
-    last = end == layer_model.num_layers
-    return Autocast(compiled_stage(list(layers)) if compile else layers, dtype, last=last)
+    """Layers [start, end) of this worker, compiled when `training.compile` says so, their
+    activations recomputed in the backward when `recompute` (recompute.py), under the step's
+    precision (the model's last layer hands on bf16 logits)."""
+    layers: nn.Sequential = (
+        compiled_stage(list(layer_model.stage(start, end))) if compile else layer_model.stage(start, end)
+    )
+    if recompute:
+        layers = nn.Sequential(*[Recomputed(layer) for layer in layers])
+    return Autocast(layers, dtype, last=end == layer_model.num_layers)
 
 
 def build_stage(
@@ -101,7 +112,8 @@ def build_stage(
     # the device's virtual stages (one range without chunks); a one-stage pipeline's are contiguous
     held = stage.layers()
     ranges = stage.layer_ranges() if stages > 1 else ((min(held), max(held) + 1),)
-    modules = [stage_module(layer_model, u, v, compile=compile, dtype=dtype) for u, v in ranges]
+    recompute = cfg.training.activation_checkpoint == "full"
+    modules = [stage_module(layer_model, u, v, compile=compile, dtype=dtype, recompute=recompute) for u, v in ranges]
     module = modules[0] if len(modules) == 1 else nn.Sequential(*modules)
     if stages <= 1:
         return BuiltStage(module, None, (True, True), None)

@@ -1,0 +1,84 @@
+"""Activation checkpointing (`training.activation_checkpoint: full`, engine/stage/recompute.py)
+under the schedules that run it: 1F1B (beside one-device pipelines) and interleaved 1F1B, on plans
+of tests/worlds/test_engine_schedules.py. Every copy of every layer ends as the single-process
+reference's without recomputation, and each layer's forward ran exactly twice per microbatch:
+once in the forward, once again in the backward. Zero-bubble and zbv split the backward and torch's
+checkpoint would recompute in each pass (6-7 forwards a microbatch, seen): refused at start
+(tests/unit/test_schedule_choice.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import helpers
+from oobleck_elastic.config import from_dict, load_config, to_dict
+from oobleck_elastic.engine.stage.recompute import Recomputed
+from oobleck_elastic.engine.trainer import Trainer
+from helpers import RandomTokens
+from test_engine_schedules import INTERLEAVED, STEPS, _assert_every_copy_is_the_reference
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNS = {
+    "1f1b": [
+        helpers.layout_plan([[(0, 1), (1, 3), (3, 5), (5, 6)]], [8], generation=1),
+        helpers.layout_plan([[(0, 2), (2, 4), (4, 6)], [(0, 6)]], [7, 1], generation=2),
+    ],
+    "interleaved": INTERLEAVED,
+}
+
+
+def config(mode: str):
+    return load_config(
+        ROOT / "configs/gpt2-tiny.yaml",
+        [
+            "data.seq_len=16",
+            "training.global_batch_size=16",
+            "training.microbatch_size=2",
+            f"training.steps={STEPS}",
+            "training.optimizer.eps=1e-6",
+            f"training.activation_checkpoint={mode}",
+        ],
+    )
+
+
+def _worker(rank: int, world: int, tmp: str, cfg_dict: dict, name: str) -> None:
+    cfg = from_dict(cfg_dict)
+    torch.set_num_threads(1)
+    for k, plan in enumerate(RUNS[name]):
+        store = dist.FileStore(os.path.join(tmp, f"store{k}"), world)
+        trainer = Trainer(cfg, dataset=RandomTokens(), plan=plan, rank=rank, store=store)
+        wrapped = [m for m in trainer.stage_module.modules() if isinstance(m, Recomputed)]
+        assert len(wrapped) == len(trainer.owned), (len(wrapped), trainer.owned)  # every layer it holds
+        calls = [0]
+
+        def count(*_: object, calls: list[int] = calls) -> None:
+            calls[0] += 1
+
+        hooks = [m.layer.register_forward_pre_hook(count) for m in wrapped]
+        microbatches = trainer.pipeline.microbatches
+        for step in range(STEPS):
+            calls[0] = 0
+            trainer.train_step(step)
+            assert calls[0] == 2 * microbatches * len(wrapped), (name, k, calls[0], microbatches, len(wrapped))
+        for h in hooks:
+            h.remove()
+        torch.save(
+            {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()},
+            os.path.join(tmp, f"{name}{k}-rank{rank}.pt"),
+        )
+        trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_recomputed_layers_train_as_the_reference_under_every_schedule(tmp_path: Path, name: str) -> None:
+    ref = helpers.reference_state(config("none"), RandomTokens(), STEPS)
+    mp.spawn(_worker, args=(4, str(tmp_path), to_dict(config("full")), name), nprocs=4, join=True)
+    for k in range(len(RUNS[name])):
+        _assert_every_copy_is_the_reference(tmp_path, f"{name}{k}", ref)
