@@ -77,8 +77,8 @@ class TrainingConfig(Section):
     """`fp32` or `bf16` (autocast, fp32 master weights)."""
     activation_checkpoint: ActivationCheckpoint = "none"
     """`none`: every layer keeps its activations for the backward; `full`: a layer keeps only its
-    input and runs its forward again in the backward (torch.utils.checkpoint, non-reentrant):
-    less memory, about one more forward of compute (docs/training.md, "Activation checkpointing")."""
+    input and runs its forward once more in the backward, under every schedule: less memory, about
+    one more forward of compute (docs/training.md, "Activation checkpointing")."""
     device: DeviceKind = "auto"
     """`auto` (a worker trains on `cuda:<LOCAL_RANK>` when CUDA is available, else on the CPU),
     `cpu` or `cuda`. Data (pipeline send/receive, gradient sync, layer transfers) then runs over

@@ -72,8 +72,7 @@ def check_start(cfg: JobConfig) -> None:
     if cfg.fault_tolerance.shadow_copies > 0 and cfg.planning.tensor_parallel not in (1, "auto"):
         raise ConfigError(SHADOWS_WITH_TP.format(copies=cfg.fault_tolerance.shadow_copies))
     try:
-        recompute = cfg.training.activation_checkpoint == "full"
-        candidates(cfg.planning.schedule, cfg.planning.chunks_per_device, engine_only=True, recompute=recompute)
+        candidates(cfg.planning.schedule, cfg.planning.chunks_per_device, engine_only=True)
     except PlanningError as err:
         raise ConfigError(str(err)) from None
     if cfg.checkpoint.resume:

@@ -403,8 +403,7 @@ def pipeline_schedules(cfg: JobConfig, tset: TemplateSet, *, engine_only: bool =
     """What chooses each pipeline's schedule (schedules/choice.py), or None for 1f1b and gpipe
     (templates.py's closed form). PlanningError for a bad schedule or chunk count."""
     p = cfg.planning
-    recompute = cfg.training.activation_checkpoint == "full"
-    options = candidates(p.schedule, p.chunks_per_device, engine_only=engine_only, recompute=recompute)
+    options = candidates(p.schedule, p.chunks_per_device, engine_only=engine_only)
     if closed_form(p.schedule):
         return None
     if tset.profile is None or tset.device_memory_gb is None:

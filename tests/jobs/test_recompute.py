@@ -1,5 +1,5 @@
 """A launched job with activation checkpointing (`training.activation_checkpoint=full`,
-engine/stage/recompute.py): interleaved 1F1B on 4 nodes, a layer holder killed at step 3, under
+engine/stage/recompute.py): zero-bubble on 4 nodes, a layer holder killed at step 3, under
 torch's collective checker; its weights equal the single-process reference's trained without
 recomputation (fp32, the equality tests' tolerance)."""
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_job_recomputing_its_activations_survives_a_kill_with_the_reference_weights(
     tmp_path: Path, etcd_server, run_id
 ) -> None:
-    row = {"schedule": "interleaved-1f1b", "shadows": 0, "compile": False, "tp": 1, "precision": "fp32"}
+    row = {"schedule": "zero-bubble", "shadows": 0, "compile": False, "tp": 1, "precision": "fp32"}
     keys = _keys(row, tmp_path / "cache")
     profile = tiny_profile(tmp_path / "profile.json")
     env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "OMP_NUM_THREADS": "1"}

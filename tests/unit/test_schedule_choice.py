@@ -65,22 +65,6 @@ def test_the_candidates_each_setting_allows() -> None:
     assert candidates("auto", "auto", engine_only=True) == auto
     assert candidates("zero-bubble", "auto", engine_only=True) == zero_bubble
     assert candidates("zbv", "auto", engine_only=True) == [("zbv", 2)]
-    # activation checkpointing: no schedule that splits the backward (its weight pass would recompute again)
-    assert candidates("auto", "auto", engine_only=True, recompute=True) == [
-        c for c in auto if c[0] in ("1f1b", "interleaved-1f1b")
-    ]
-    for split in ("zero-bubble", "zbv"):
-        with pytest.raises(PlanningError) as err:
-            candidates(split, "auto", engine_only=True, recompute=True)
-        assert str(err.value) == (
-            f"planning.schedule={split} splits the backward into input and weight passes, and with "
-            "training.activation_checkpoint=full torch's checkpoint would run each layer's forward again in the "
-            "weight pass: set planning.schedule to 1f1b, gpipe, interleaved-1f1b or auto, or "
-            "training.activation_checkpoint=none"
-        )
-        cfg = load_config(None, [f"planning.schedule={split}", "training.activation_checkpoint=full"])
-        with pytest.raises(ConfigError, match=r"^planning.schedule=.* splits the backward"):
-            check_start(cfg)  # a job refuses it before anything is built
     assert set(candidates("gpipe", 1, engine_only=True)) <= ENGINE_RUNS
     assert ENGINE_RUNS == {("1f1b", 1), ("gpipe", 1), ("zbv", 2), *zero_bubble, *interleaved}
 

@@ -1,10 +1,10 @@
 """Activation checkpointing (`training.activation_checkpoint: full`, engine/stage/recompute.py)
-under the schedules that run it: 1F1B (beside one-device pipelines) and interleaved 1F1B, on plans
-of tests/worlds/test_engine_schedules.py. Every copy of every layer ends as the single-process
-reference's without recomputation, and each layer's forward ran exactly twice per microbatch:
-once in the forward, once again in the backward. Zero-bubble and zbv split the backward and torch's
-checkpoint would recompute in each pass (6-7 forwards a microbatch, seen): refused at start
-(tests/unit/test_schedule_choice.py)."""
+under every schedule the engine runs: 1F1B (beside one-device pipelines), zero-bubble on one chunk,
+interleaved 1F1B, interleaved zero-bubble and zbv, on the plans of
+tests/worlds/test_engine_schedules.py. Every copy of every layer ends as the single-process
+reference's trained without recomputation, and each layer's forward ran exactly twice per
+microbatch: once in the forward, once again in the backward (a split backward's weight pass
+recomputes nothing: it reads what its input pass recomputed)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,14 @@ from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.engine.stage.recompute import Recomputed
 from oobleck_elastic.engine.trainer import Trainer
 from helpers import RandomTokens
-from test_engine_schedules import INTERLEAVED, STEPS, _assert_every_copy_is_the_reference
+from test_engine_schedules import (
+    INTERLEAVED,
+    PLANS,
+    STEPS,
+    ZBV,
+    ZERO_BUBBLE_CHUNKS,
+    _assert_every_copy_is_the_reference,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = {
@@ -30,21 +37,23 @@ RUNS = {
         helpers.layout_plan([[(0, 2), (2, 4), (4, 6)], [(0, 6)]], [7, 1], generation=2),
     ],
     "interleaved": INTERLEAVED,
+    "zero-bubble": PLANS,
+    "zero-bubble-2": ZERO_BUBBLE_CHUNKS,
+    "zbv": ZBV,
 }
 
 
+OVERRIDES = [
+    "data.seq_len=16",
+    "training.global_batch_size=16",
+    "training.microbatch_size=2",
+    f"training.steps={STEPS}",
+    "training.optimizer.eps=1e-6",
+]
+
+
 def config(mode: str):
-    return load_config(
-        ROOT / "configs/gpt2-tiny.yaml",
-        [
-            "data.seq_len=16",
-            "training.global_batch_size=16",
-            "training.microbatch_size=2",
-            f"training.steps={STEPS}",
-            "training.optimizer.eps=1e-6",
-            f"training.activation_checkpoint={mode}",
-        ],
-    )
+    return load_config(ROOT / "configs/gpt2-tiny.yaml", [*OVERRIDES, f"training.activation_checkpoint={mode}"])
 
 
 def _worker(rank: int, world: int, tmp: str, cfg_dict: dict, name: str) -> None:
@@ -82,3 +91,35 @@ def test_recomputed_layers_train_as_the_reference_under_every_schedule(tmp_path:
     mp.spawn(_worker, args=(4, str(tmp_path), to_dict(config("full")), name), nprocs=4, join=True)
     for k in range(len(RUNS[name])):
         _assert_every_copy_is_the_reference(tmp_path, f"{name}{k}", ref)
+
+
+def _compiled_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
+    from oobleck_elastic.engine.stage.split_layer import split_counters
+
+    cfg = from_dict(cfg_dict)
+    torch.set_num_threads(1)
+    for k, plan in enumerate(PLANS[:1]):
+        store = dist.FileStore(os.path.join(tmp, f"store{k}"), world)
+        trainer = Trainer(cfg, dataset=RandomTokens(), plan=plan, rank=rank, store=store)
+        for step in range(STEPS):
+            before = split_counters["replay"]
+            trainer.train_step(step)
+            replays = split_counters["replay"] - before  # one forward graph replayed per layer and microbatch
+            assert replays == trainer.pipeline.microbatches * len(trainer.owned), (rank, step, replays)
+        torch.save(
+            {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()},
+            os.path.join(tmp, f"compiled{k}-rank{rank}.pt"),
+        )
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_compiled_layers_replay_their_forward_graph_once_under_zero_bubble(tmp_path: Path) -> None:
+    """Compiled layers keep their saved tensors outside autograd (engine/stage/split_layer.py): with
+    recomputation they keep the forward graph's inputs and replay it once per layer and microbatch,
+    in whichever of the input and weight passes runs first."""
+    ref = helpers.reference_state(config("none"), RandomTokens(), STEPS)
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [*OVERRIDES, "training.activation_checkpoint=full"])
+    cfg.training.compile = True
+    mp.spawn(_compiled_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4, join=True)
+    _assert_every_copy_is_the_reference(tmp_path, "compiled0", ref)

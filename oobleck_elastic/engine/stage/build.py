@@ -78,10 +78,10 @@ def stage_module(
     """Layers [start, end) of this worker, compiled when `training.compile` says so, their
     activations recomputed in the backward when `recompute` (recompute.py), under the step's
     precision (the model's last layer hands on bf16 logits)."""
-    layers: nn.Sequential = (
-        compiled_stage(list(layer_model.stage(start, end))) if compile else layer_model.stage(start, end)
-    )
-    if recompute:
+    layers = layer_model.stage(start, end)
+    if compile:
+        layers = compiled_stage(list(layers), recompute=recompute)
+    elif recompute:
         layers = nn.Sequential(*[Recomputed(layer) for layer in layers])
     return Autocast(layers, dtype, last=end == layer_model.num_layers)
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from ...config import JobConfig
 from ...logs import JobLog
+from .recompute import recomputed
 from .split_layer import run_split
 
 __all__ = [
@@ -68,18 +69,21 @@ def _sharded(layer: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in layer.parameters())
 
 
-def run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def run_layer(layer: nn.Module, x: torch.Tensor, *, recompute: bool = False) -> torch.Tensor:
     """`layer(x)` through its kind's compiled graphs, forward and split backward (split_layer.py),
     shared by every layer of the same kind (`planning.profile.profiler.layer_kind`: class, plain
     attributes, parameter shapes), input shape and autocast state, not per module object: a block
     received or rebuilt at a new generation compiles nothing. Without gradients it runs eager. A
     tensor-parallel layer (DTensor parameters) runs through one whole-layer compiled function
-    (one autograd node: under zero-bubble its whole backward runs in both passes, untested)."""
+    (one autograd node: under zero-bubble its whole backward runs in both passes, untested).
+    `recompute`: activation checkpointing (recompute.py; the split graphs replay their forward)."""
     if not _sharded(layer):
-        return run_split(layer, x)
+        return run_split(layer, x, recompute=recompute)
     # the input-gradient pass of a split backward keeps the graph, which donated buffers forbid (read
     # when the forward compiles)
     with torch._functorch.config.patch(donated_buffer=False):
+        if recompute:
+            return recomputed(lambda t: _compiled_whole()(layer, t), x)
         return _compiled_whole()(layer, x)
 
 
@@ -87,17 +91,17 @@ class CompiledLayer(nn.Module):
     """Runs the wrapped layer through `run_layer`; the layer is a submodule and is not changed (no
     `_orig_mod` in its names), so checkpoints, transfers and exports see plain modules."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, *, recompute: bool = False) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer, self.recompute = layer, recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return run_layer(self.layer, x)
+        return run_layer(self.layer, x, recompute=self.recompute)
 
 
-def compiled_stage(layers: Sequence[nn.Module]) -> nn.Sequential:
-    """The stage's layers, each run compiled."""
-    return nn.Sequential(*[CompiledLayer(layer) for layer in layers])
+def compiled_stage(layers: Sequence[nn.Module], *, recompute: bool = False) -> nn.Sequential:
+    """The stage's layers, each run compiled (`recompute`: activation checkpointing, recompute.py)."""
+    return nn.Sequential(*[CompiledLayer(layer, recompute=recompute) for layer in layers])
 
 
 def use_cache_dir(cfg: JobConfig) -> str:

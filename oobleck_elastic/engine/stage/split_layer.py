@@ -14,11 +14,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from .recompute import RngState
 from .split_graphs import split_backward, trace
 
 __all__ = ["SplitGraphs", "graphs_for", "run_split", "split_counters"]
 
-split_counters: dict[str, int] = {"input": 0, "weight": 0, "weight_only": 0}
+split_counters: dict[str, int] = {"input": 0, "weight": 0, "weight_only": 0, "replay": 0}
 """Compiled backward graphs run in this process, by kind (tests check which ran)."""
 
 
@@ -81,6 +82,18 @@ class _Call:
     saved: list[torch.Tensor] = field(default_factory=list)
     boundary: Optional[list[torch.Tensor]] = None
     output_grad: Optional[torch.Tensor] = None
+    replay: Optional[tuple[list[torch.Tensor], torch.Tensor, RngState]] = None
+    """With activation checkpointing (recompute.py): the forward graph's inputs and the random
+    state, kept instead of `saved`, which the first backward node to need it replays."""
+
+    def saved_now(self) -> list[torch.Tensor]:
+        """The forward's saved tensors, replayed once when they were dropped."""
+        if self.replay is not None and not self.saved:
+            flat, x, rng = self.replay
+            split_counters["replay"] += 1
+            with rng.replayed(), _no_autocast(self):
+                _, *self.saved = self.graphs.forward(*flat, x)
+        return self.saved
 
 
 def _no_autocast(call: _Call) -> Any:
@@ -102,12 +115,13 @@ class _Weight(torch.autograd.Function):
         with _no_autocast(call):
             if call.boundary is None:
                 split_counters["weight_only"] += 1
-                grads = graphs.weight_only(*call.saved, grad)
+                grads = graphs.weight_only(*call.saved_now(), grad)
             else:
                 split_counters["weight"] += 1
-                sources: dict[str, list[Any]] = {"backward": [*call.saved, call.output_grad], "boundary": call.boundary}
+                saved = call.saved_now()
+                sources: dict[str, list[Any]] = {"backward": [*saved, call.output_grad], "boundary": call.boundary}
                 grads = graphs.weight(*[sources[kind][i] for kind, i in graphs.weight_inputs])
-                call.saved, call.boundary, call.output_grad = [], None, None
+                call.saved, call.boundary, call.output_grad, call.replay = [], None, None, None
         return (None, *grads)
 
 
@@ -116,7 +130,11 @@ class _Input(torch.autograd.Function):
     def forward(ctx: Any, call: _Call, x: torch.Tensor, *flat: torch.Tensor) -> torch.Tensor:
         ctx.call = call
         with _no_autocast(call):
-            call.out, *call.saved = call.graphs.forward(*flat, x)
+            call.out, *saved = call.graphs.forward(*flat, x)
+        if call.replay is None:
+            call.saved = saved
+        else:  # activation checkpointing: keep the inputs, drop the rest (`_Call.saved_now`)
+            call.replay = (list(flat), x.detach(), call.replay[2])
         return x.new_zeros((), dtype=call.graphs.out_dtype).expand(call.graphs.out_shape)
 
     @staticmethod
@@ -126,7 +144,7 @@ class _Input(torch.autograd.Function):
         grad = grad.contiguous()  # as the graph was compiled for: one graph whatever the gradient's strides
         split_counters["input"] += 1
         with _no_autocast(call):
-            dx, *boundary = call.graphs.input(*call.saved, grad)
+            dx, *boundary = call.graphs.input(*call.saved_now(), grad)
         call.boundary, call.output_grad = boundary, grad
         return (None, dx) + (None,) * (len(ctx.needs_input_grad) - 2)
 
@@ -143,7 +161,7 @@ class _Join(torch.autograd.Function):
         return None, grad, grad
 
 
-def run_split(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def run_split(layer: nn.Module, x: torch.Tensor, *, recompute: bool = False) -> torch.Tensor:
     """`layer(x)` through its kind's compiled graphs, with separate input- and weight-gradient
     nodes. The autograd graph of one call (input x, parameters P, output y):
 
@@ -158,7 +176,9 @@ def run_split(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     created first, so autograd's ready queue (later nodes first) runs `Input` before it; should
     `Weight` run first anyway, it uses the `weight_only` graph. A layer whose input takes no
     gradient (token ids) has no Input node. The forward's saved tensors live in one `_Call` that
-    `Weight` drops when it has run, so they live as long as eager autograd's would."""
+    `Weight` drops when it has run, so they live as long as eager autograd's would. With
+    `recompute` (activation checkpointing) the call keeps only the forward graph's inputs and
+    replays it when the first of Input and Weight runs: once per call, whatever the pass order."""
     if not torch.is_grad_enabled():
         return layer(x)
     graphs = graphs_for(layer, x)
@@ -167,6 +187,8 @@ def run_split(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     flat = [values[name] for name in graphs.names]
     params = flat[: graphs.n_params]
     call = _Call(graphs, x.device.type)
+    if recompute:  # the forward's random state, for the replay (`_Call.saved_now`)
+        call.replay = ([], x, RngState(x.device))
     # created first: run after Input (module docstring); a layer without parameters has no Weight node
     if params:
         stand_in = _Weight.apply(call, *params)

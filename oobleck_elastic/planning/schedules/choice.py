@@ -26,7 +26,6 @@ __all__ = [
     "engine_runs_text",
     "MAX_CHUNKS",
     "PipelineSchedules",
-    "SPLIT_BACKWARD",
     "candidates",
     "closed_form",
 ]
@@ -66,20 +65,11 @@ def closed_form(schedule: str) -> bool:
     return schedule in ("1f1b", "gpipe")
 
 
-SPLIT_BACKWARD = ("zero-bubble", "zbv")
-"""Schedules whose backward is an input pass and a weight pass: with activation checkpointing,
-torch's checkpoint recomputes a layer's forward again in each (measured: 6-7 forwards of a layer per
-microbatch instead of 2), so they are not run with it."""
-
-
-def candidates(
-    schedule: str, chunks: Union[int, str], *, engine_only: bool = False, recompute: bool = False
-) -> list[tuple[str, int]]:
+def candidates(schedule: str, chunks: Union[int, str], *, engine_only: bool = False) -> list[tuple[str, int]]:
     """(schedule, chunks per device) pairs `planning.schedule` / `planning.chunks_per_device`
     allow, in order of preference (ties go to the first); with `engine_only`, those the engine
-    runs; with `recompute` (`training.activation_checkpoint=full`), none that splits the backward
-    (`SPLIT_BACKWARD`). Raises PlanningError for a name or a chunk count that cannot be, or
-    (`engine_only`, `recompute`) a setting the engine cannot run, saying what to change."""
+    runs. Raises PlanningError for a name or a chunk count that cannot be, or (`engine_only`)
+    a setting the engine cannot run, saying what to change."""
     if schedule != "auto" and schedule not in SCHEDULES:
         raise PlanningError(f"planning.schedule is '{schedule}': use one of {', '.join(SCHEDULES)} or auto")
     why = schedule_chunks_problem(schedule, chunks)
@@ -107,15 +97,6 @@ def candidates(
                 f"planning.chunks_per_device to {counts} or auto"
             )
         out = runs
-    if recompute:
-        if all(s in SPLIT_BACKWARD for s, _ in out):
-            raise PlanningError(
-                f"planning.schedule={schedule} splits the backward into input and weight passes, and with "
-                "training.activation_checkpoint=full torch's checkpoint would run each layer's forward again in "
-                "the weight pass: set planning.schedule to 1f1b, gpipe, interleaved-1f1b or auto, or "
-                "training.activation_checkpoint=none"
-            )
-        out = [c for c in out if c[0] not in SPLIT_BACKWARD]
     return out
 
 
