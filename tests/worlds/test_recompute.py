@@ -123,3 +123,17 @@ def test_compiled_layers_replay_their_forward_graph_once_under_zero_bubble(tmp_p
     cfg.training.compile = True
     mp.spawn(_compiled_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4, join=True)
     _assert_every_copy_is_the_reference(tmp_path, "compiled0", ref)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_layers_recompute_as_the_reference(tmp_path: Path) -> None:
+    """One pipeline of two 2-lane stages (tests/worlds/test_tensor_parallel.py): sharded layers
+    recomputed in the backward train as the reference without recomputation."""
+    import test_tensor_parallel as tp
+
+    ref = tp.reference_state(tp.config())
+    cfg = tp.config()
+    cfg.training.activation_checkpoint = "full"
+    runs = [("one", tp.ONE_PIPELINE, list(range(tp.STEPS)), None, None)]
+    mp.spawn(tp._train_worker, args=(4, str(tmp_path), to_dict(cfg), runs), nprocs=4, join=True)
+    tp.check_runs(tmp_path, ref, "one", 4)
