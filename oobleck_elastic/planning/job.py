@@ -29,7 +29,7 @@ from .profile.microbatch import (
     pick_microbatch_size,
     profile_at,
 )
-from .profile.profile import ModelProfile, ProfileError
+from .profile.profile import ModelProfile, ProfileError, recompute_mismatch
 from .schedules.choice import PipelineSchedules, candidates, closed_form
 from .templates.templates import GIB, TemplateSet, build_templates, memory_limit_bytes
 from .tolerance.guarantee import Guarantee, guarantee
@@ -182,6 +182,8 @@ def load_profiles(cfg: JobConfig, path: Optional[str] = None) -> dict[int, Model
     degrees = tensor_parallel_degrees(cfg)
     if "{tp}" not in path:
         profile = ModelProfile.load(path)
+        if mismatch := recompute_mismatch(cfg, profile, path):
+            raise ProfileError(mismatch)
         if profile.tensor_parallel not in degrees:
             raise ProfileError(
                 f"{path} was measured at tensor_parallel={profile.tensor_parallel} but "
@@ -196,6 +198,8 @@ def load_profiles(cfg: JobConfig, path: Optional[str] = None) -> dict[int, Model
     for d, profile in profiles.items():
         if profile.tensor_parallel != d:
             raise ProfileError(f"{found[d]} records tensor_parallel={profile.tensor_parallel}, not {d}")
+        if mismatch := recompute_mismatch(cfg, profile, found[d]):
+            raise ProfileError(mismatch)
     return profiles
 
 

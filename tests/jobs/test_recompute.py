@@ -1,5 +1,5 @@
 """A launched job with activation checkpointing (`training.activation_checkpoint=full`,
-engine/stage/recompute.py): zero-bubble on 4 nodes, a layer holder killed at step 3, under
+models/recompute.py): zero-bubble on 4 nodes, a layer holder killed at step 3, under
 torch's collective checker; its weights equal the single-process reference's trained without
 recomputation (fp32, the equality tests' tolerance)."""
 

@@ -169,6 +169,7 @@ def auto_config(**overrides: object):
         "planning.gpus_per_node": 4,
         "planning.tensor_parallel": "auto",
         "planning.device_memory_gb": 80.0,
+        "training.activation_checkpoint": "full",  # what the analytic profiles are made for
         "planning.profile_path": "profile-tp{tp}.json",
     }
     return load_config(overrides=[f"{k}={v}" for k, v in (base | overrides).items()])

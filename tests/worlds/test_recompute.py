@@ -1,4 +1,4 @@
-"""Activation checkpointing (`training.activation_checkpoint: full`, engine/stage/recompute.py)
+"""Activation checkpointing (`training.activation_checkpoint: full`, models/recompute.py)
 under every schedule the engine runs: 1F1B (beside one-device pipelines), zero-bubble on one chunk,
 interleaved 1F1B, interleaved zero-bubble and zbv, on the plans of
 tests/worlds/test_engine_schedules.py. Every copy of every layer ends as the single-process
@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 import helpers
 from oobleck_elastic.config import from_dict, load_config, to_dict
-from oobleck_elastic.engine.stage.recompute import Recomputed
+from oobleck_elastic.models.recompute import Recomputed
 from oobleck_elastic.engine.trainer import Trainer
 from helpers import RandomTokens
 from test_engine_schedules import (

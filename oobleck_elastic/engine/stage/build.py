@@ -25,7 +25,7 @@ from ..resilience.straggler import ComputeClock
 from ..step.grad_sync import GradSync
 from .compiled import compiled_stage
 from .paced import Pacer, pace_stage
-from .recompute import Recomputed
+from ...models.recompute import Recomputed
 
 if TYPE_CHECKING:
     from ..entry.groups import GenerationGroups
@@ -76,7 +76,7 @@ def stage_module(
     recompute: bool = False,
 ) -> nn.Module:
     """Layers [start, end) of this worker, compiled when `training.compile` says so, their
-    activations recomputed in the backward when `recompute` (recompute.py), under the step's
+    activations recomputed in the backward when `recompute` (models/recompute.py), under the step's
     precision (the model's last layer hands on bf16 logits)."""
     layers = layer_model.stage(start, end)
     if compile:

@@ -23,7 +23,7 @@ from torch import nn
 
 from ...config import JobConfig
 from ...logs import JobLog
-from .recompute import recomputed
+from ...models.recompute import recomputed
 from .split_layer import run_split
 
 __all__ = [
@@ -76,7 +76,7 @@ def run_layer(layer: nn.Module, x: torch.Tensor, *, recompute: bool = False) -> 
     received or rebuilt at a new generation compiles nothing. Without gradients it runs eager. A
     tensor-parallel layer (DTensor parameters) runs through one whole-layer compiled function
     (one autograd node: under zero-bubble its whole backward runs in both passes, untested).
-    `recompute`: activation checkpointing (recompute.py; the split graphs replay their forward)."""
+    `recompute`: activation checkpointing (models/recompute.py; the split graphs replay their forward)."""
     if not _sharded(layer):
         return run_split(layer, x, recompute=recompute)
     # the input-gradient pass of a split backward keeps the graph, which donated buffers forbid (read
@@ -100,7 +100,7 @@ class CompiledLayer(nn.Module):
 
 
 def compiled_stage(layers: Sequence[nn.Module], *, recompute: bool = False) -> nn.Sequential:
-    """The stage's layers, each run compiled (`recompute`: activation checkpointing, recompute.py)."""
+    """The stage's layers, each run compiled (`recompute`: activation checkpointing, models/recompute.py)."""
     return nn.Sequential(*[CompiledLayer(layer, recompute=recompute) for layer in layers])
 
 

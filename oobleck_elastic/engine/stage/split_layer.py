@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .recompute import RngState
+from ...models.recompute import RngState
 from .split_graphs import split_backward, trace
 
 __all__ = ["SplitGraphs", "graphs_for", "run_split", "split_counters"]
@@ -83,7 +83,7 @@ class _Call:
     boundary: Optional[list[torch.Tensor]] = None
     output_grad: Optional[torch.Tensor] = None
     replay: Optional[tuple[list[torch.Tensor], torch.Tensor, RngState]] = None
-    """With activation checkpointing (recompute.py): the forward graph's inputs and the random
+    """With activation checkpointing (models/recompute.py): the forward graph's inputs and the random
     state, kept instead of `saved`, which the first backward node to need it replays."""
 
     def saved_now(self) -> list[torch.Tensor]:

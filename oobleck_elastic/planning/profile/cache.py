@@ -22,11 +22,11 @@ import torch
 
 from ...config import JobConfig
 from .microbatch import profile_microbatch_sizes
-from .profile import ModelProfile, ProfileError, profile_cache_key
+from .profile import ModelProfile, ProfileError, profile_cache_key, recompute_mismatch
 from .profiler import profile_model
 from .progress import format_seconds
 
-__all__ = ["device_label", "device_memory_bytes", "profile_key", "load_or_profile"]
+__all__ = ["device_label", "device_memory_bytes", "load_or_profile", "profile_key"]
 
 
 def _device_name(dev: torch.device) -> str:
@@ -78,6 +78,8 @@ def profile_key(cfg: JobConfig, *, device: str | torch.device) -> dict[str, Any]
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+    if cfg.training.activation_checkpoint != "none":  # (a key without it: measured without recomputation)
+        key["activation_checkpoint"] = cfg.training.activation_checkpoint
     if cfg.training.microbatch_size == "auto":
         key["profiled_microbatch_sizes"] = profile_microbatch_sizes(cfg)
     if dev.type == "cuda":
@@ -108,6 +110,9 @@ def load_or_profile(
     `planning.reprofile`) measures again and replaces the cached file. See the module docstring."""
     if cfg.planning.profile_path:
         prof = ModelProfile.load(cfg.planning.profile_path)
+        mismatch = recompute_mismatch(cfg, prof, cfg.planning.profile_path)
+        if mismatch:
+            raise ProfileError(mismatch)
         log(f"profile: using {cfg.planning.profile_path} ({prof.num_layers} layers)")
         expected = cfg.model.num_layers + 2
         if cfg.model.family != "custom" and not cfg.model.pretrained_path and prof.num_layers != expected:

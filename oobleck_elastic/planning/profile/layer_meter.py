@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+from ...models.recompute import Recomputed
 from ...models.tensor_parallel import local
 from .profile import LayerProfile
 
@@ -208,7 +209,9 @@ class LayerMeter:
             param_bytes=pbytes,
             grad_bytes=pbytes,
             optimizer_bytes=_OPTIMIZER_STATES[self.optimizer] * pbytes,
-            activation_bytes=meter.nbytes,
+            # a recomputed layer's own saved tensors escape the meter (its hooks are innermost): it keeps
+            # its input; what the meter sees is saved outside it (the last layer's loss)
+            activation_bytes=meter.nbytes + (Recomputed.kept_bytes(x) if isinstance(layer, Recomputed) else 0),
             output_bytes=out.numel() * out.element_size(),
         )
         return prof, out

@@ -13,7 +13,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from ...config import JobConfig
 
 SCHEMA_VERSION = 1
 
@@ -250,3 +253,25 @@ def profile_cache_key(key: dict[str, Any]) -> str:
     """A short stable digest of a profile key (used as the cache file name)."""
     blob = json.dumps(key, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def recompute_mismatch(cfg: JobConfig, profile: ModelProfile, path: str) -> Optional[str]:
+    """Why `profile` (from `path`) cannot plan this job: its key states an activation checkpointing
+    mode (`activation_checkpoint`, or an analytic profile's `recompute`) other than
+    `training.activation_checkpoint`, so its backward times and activation bytes are not the
+    engine's; None when they agree or the profile does not say."""
+    key = profile.key or {}
+    if "activation_checkpoint" in key:
+        mode = str(key["activation_checkpoint"])
+    elif "recompute" in key:
+        mode = "full" if key["recompute"] else "none"
+    else:
+        return None
+    asked = cfg.training.activation_checkpoint
+    if mode == asked:
+        return None
+    return (
+        f"{path} was made with training.activation_checkpoint={mode} (its backward times and activation bytes "
+        f"assume it) but this job has training.activation_checkpoint={asked}: set it to {mode}, or use a "
+        "profile made for it"
+    )

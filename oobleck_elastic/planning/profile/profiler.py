@@ -243,6 +243,7 @@ def profile_model(
     layers of one `layer_kind` (computed on meta copies) are built and measured once."""
     from ... import models
     from ...models.build import build_meta_layers
+    from ...models.recompute import Recomputed
 
     dev, seed = torch.device(device), cfg.training.seed
     whole = models.build_layer_model(cfg.model, seed=seed, owned=[], device=dev)  # names and loss, no layer
@@ -255,9 +256,13 @@ def profile_model(
     if cfg.planning.profile_identical_blocks_once:
         kinds = [layer_kind(layer) for layer in build_meta_layers(cfg.model, n, seed=seed)]
 
+    recompute = cfg.training.activation_checkpoint == "full"
+
     def build_prepared(i: int) -> nn.Module:
         layer = build(i)
-        return prepare(layer) if prepare is not None and layer is not None else layer
+        layer = prepare(layer) if prepare is not None and layer is not None else layer
+        # measured as the engine runs it: its backward replays its forward, it keeps its input only
+        return Recomputed(layer) if recompute and layer is not None else layer
 
     measured: dict[int, ModelProfile] = {}
     sizes = profile_microbatch_sizes(cfg)  # the configured size; for `auto`, two (planning/profile/microbatch.py)
