@@ -75,11 +75,9 @@ class Interrupt:
         """What the `done:` line adds after a stop signal: the newest complete checkpoint."""
         if self.signal is None:
             return ""
-        newest = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
-        return f"; stopped on request ({self.name}); newest complete checkpoint: " + (
-            str(newest)
-            if newest is not None
-            else f"none in {self.checkpoint_dir}"
-            if self.checkpoint_dir
-            else "unknown"
-        )
+        if not self.checkpoint_dir:
+            where = "unknown (the script names no config)"
+        else:
+            newest = latest_checkpoint(self.checkpoint_dir)
+            where = str(newest) if newest is not None else f"none in {self.checkpoint_dir}"
+        return f"; stopped on request ({self.name}); newest complete checkpoint: {where}"

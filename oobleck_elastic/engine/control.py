@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -220,6 +223,26 @@ class LocalControl:
 
     def stop_requested(self) -> Optional[str]:
         return self.stop
+
+    @contextmanager
+    def stopped_by_ctrl_c(self) -> Iterator[None]:
+        """While the block runs (in the main thread): a first Ctrl-C asks the run to stop at its next
+        step boundary, with a checkpoint (`stop`); a second one interrupts at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def on_sigint(_signum: int, _frame: object) -> None:
+            if self.stop is not None:
+                raise KeyboardInterrupt
+            self.stop = "Ctrl-C"
+            log.warning("Ctrl-C: stopping at the next step boundary, with a checkpoint; Ctrl-C again stops at once")
+
+        previous = signal.signal(signal.SIGINT, on_sigint)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
     def failure_of_job(self) -> Optional[str]:
         return self._closed[0] if self._closed is not None and self._closed[1] else None

@@ -44,7 +44,9 @@ def train(cfg: JobConfig, control: Optional[ControlPlane] = None, *, max_bytes: 
         check_start(cfg)
         dataset = build_dataset(cfg, log=log.info, max_bytes=max_bytes)
         if control is None:
-            control = LocalControl(cfg, num_layers(cfg.model))
+            local = control = LocalControl(cfg, num_layers(cfg.model))
+            with local.stopped_by_ctrl_c():
+                return _train(cfg, dataset, local)
         return _train(cfg, dataset, control)
     except KNOWN_ERRORS as err:
         if control is not None and control.is_job_worker:

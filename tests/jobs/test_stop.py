@@ -133,3 +133,32 @@ def test_a_notice_to_every_agent_stops_the_job_with_a_checkpoint(tmp_path: Path)
     assert stopped.group(2) == str(tmp_path / "ckpt" / f"step-{step:08d}") and step >= 3
     assert read_manifest(Path(stopped.group(2)))["step"] == step
     assert out.splitlines()[-1] == "[launcher] done: 2 node(s), 0 killed on purpose, 2 preempted, 0 failed", out[-3000:]
+
+
+def test_a_ctrl_c_to_the_single_process_stops_it_at_a_boundary_with_its_checkpoint(tmp_path: Path) -> None:
+    """`python examples/train.py` (the single process): a first SIGINT stops it after the step in
+    flight, saved; it exits 0 with its summary, which says why it stopped."""
+    cmd = [sys.executable, "examples/train.py", "--config", "configs/gpt2-tiny.yaml", "training.steps=100000"]
+    cmd += [f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'tb'}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(r" step [3-9]/100000 ", line):
+                break
+        proc.send_signal(signal.SIGINT)
+        lines += proc.stdout.readlines()
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(lines)
+    stopped = re.search(r"stopped at step (\d+) of 100000 on request \(Ctrl-C\); its checkpoint: (\S+);", out)
+    assert code == 0 and stopped is not None, out[-3000:]
+    step = int(stopped.group(1))
+    assert stopped.group(2) == str(tmp_path / "ckpt" / f"step-{step:08d}")
+    assert read_manifest(Path(stopped.group(2)))["step"] == step
+    assert "stopped before training.steps: Ctrl-C" in out and "Traceback" not in out, out[-3000:]
