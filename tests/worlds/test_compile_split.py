@@ -46,10 +46,10 @@ def _grads(stage: nn.Module, x: torch.Tensor, grad: torch.Tensor, split: bool) -
         out.backward(grad)
         return [xi.grad, *(p.grad for p in stage.parameters())]
     (dx,), groups = stage_backward_input([out], [grad], [xi], stage.parameters())
-    assert _counts() == {"input": len(stage), "weight": 0, "weight_only": 0}  # I graphs only
+    assert _counts() == {"input": len(stage), "weight": 0, "weight_only": 0, "replay": 0}  # I graphs only
     assert all(p.grad is None for p in stage.parameters())
     stage_backward_weight(stage.parameters(), groups)
-    assert _counts() == {"input": 0, "weight": len(stage), "weight_only": 0}  # W graphs only
+    assert _counts() == {"input": 0, "weight": len(stage), "weight_only": 0, "replay": 0}  # W graphs only
     return [dx, *(p.grad for p in stage.parameters())]
 
 
@@ -69,13 +69,13 @@ def test_the_split_passes_run_each_graph_once_and_give_eager_gradients(family: s
     for split in (False, True):
         got = _grads(compiled, x, grad, split)
         if not split:  # a whole backward: each layer's I then W graph, never W alone
-            assert _counts() == {"input": len(layers), "weight": len(layers), "weight_only": 0}
+            assert _counts() == {"input": len(layers), "weight": len(layers), "weight_only": 0, "replay": 0}
         for w, g in zip(want, got, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
     # the embedding (token ids: no input gradient) computes its weight gradient alone
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=gen)
     compiled_stage([model.held(0)])(ids).sum().backward()
-    assert _counts() == {"input": 0, "weight": 0, "weight_only": 1}
+    assert _counts() == {"input": 0, "weight": 0, "weight_only": 1, "replay": 0}
 
 
 STEPS = 3
@@ -101,9 +101,12 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
             "input": (layers - 1) * 8 * STEPS,
             "weight": (layers - 1) * 8 * STEPS,
             "weight_only": 8 * STEPS,
+            "replay": 0,  # no activation checkpointing: nothing replayed
         }
     else:
-        assert counts == {"input": layers * 8 * STEPS, "weight": layers * 8 * STEPS, "weight_only": 0}, counts
+        assert counts == {"input": layers * 8 * STEPS, "weight": layers * 8 * STEPS, "weight_only": 0, "replay": 0}, (
+            counts
+        )
     torch.save(
         {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()},
         f"{tmp}/rank{rank}.pt",
