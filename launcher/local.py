@@ -381,6 +381,8 @@ class LocalCluster:
         )
         if self.interrupt.signal is not None:
             return 128 + self.interrupt.signal
+        if failed and all(n.proc.returncode == 2 for n in failed):
+            return 2  # every node ended on a known error: a setting, data file, plan or checkpoint to change
         return 1 if failed else 0
 
     def _say_exit_times(self, closed_at: Optional[float], exited_at: dict[int, float]) -> None:

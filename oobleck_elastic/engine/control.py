@@ -96,8 +96,9 @@ class ControlPlane(Protocol):
     def record_error(self, err: BaseException, *, step: int, generation: int) -> ErrorRecord:
         """Store the error that ends this worker; the record says how often it repeated."""
 
-    def close_job(self, reason: str, *, failed: bool = False, stopped: bool = False) -> None:
-        """Every worker leaves (with an error when `failed`; `stopped`: asked to, before the last step)."""
+    def close_job(self, reason: str, *, failed: bool = False, stopped: bool = False, known_error: bool = False) -> None:
+        """Every worker leaves (with an error when `failed`; `stopped`: asked to, before the last step;
+        `known_error`: failed by a known error before the first step, `ClosedRecord.known_error`)."""
 
     def record_skip(self, *, generation: int, step: int, detail: str) -> None:
         """The step guard did not apply `step` (engine/resilience/guard.py): an event for operators."""
@@ -303,5 +304,5 @@ class LocalControl:
         )
         return self._last_error
 
-    def close_job(self, reason: str, *, failed: bool = False, stopped: bool = False) -> None:
+    def close_job(self, reason: str, *, failed: bool = False, stopped: bool = False, known_error: bool = False) -> None:
         self._closed = (reason, failed)

@@ -51,8 +51,10 @@ def one_line(err: BaseException) -> str:
 
 
 def exit_code(err: BaseException) -> int:
-    """2 for a setting to change (as argparse exits on a bad option), 1 for any other error."""
-    return 2 if isinstance(err, ConfigError) else 1
+    """2 for a known error other than the job's own failure (a setting, data file, plan, profile or
+    checkpoint to change: as argparse exits on a bad option), 1 for any other error. An agent
+    whose job such an error closed exits 2 as well (rendezvous/exits.py)."""
+    return 2 if isinstance(err, KNOWN_ERRORS) and not isinstance(err, JobFailed) else 1
 
 
 def ends_the_job(err: BaseException, *, steps_done: Optional[int]) -> bool:
@@ -103,6 +105,6 @@ def end_job_at_start(ctx: ControlPlane, err: BaseException) -> None:
         if not ends_the_job(err, steps_done=progress.step if progress is not None else None):
             return
         if ctx.failure_of_job() is None:
-            ctx.close_job(one_line(err), failed=True)
+            ctx.close_job(one_line(err), failed=True, known_error=True)
     except Exception as etcd_err:  # noqa: BLE001 - the worker ends with `err` all the same
         log.at(node=ctx.node_id).error("could not close the job after %s: %s", one_line(err), one_line(etcd_err))

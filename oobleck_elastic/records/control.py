@@ -192,6 +192,9 @@ class ClosedRecord:
     """The job stopped because of an error: workers and agents exit non-zero."""
     stopped: bool = False
     """The job was asked to stop before `training.steps` (`StopRecord`): the same command resumes it."""
+    known_error: bool = False
+    """`failed` by a known error before the first step (a setting, data file, plan or checkpoint to
+    change): every restart would repeat it, so each agent exits 2."""
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, **asdict(self)}
@@ -202,10 +205,12 @@ class ClosedRecord:
         try:
             if data.get("schema_version") != SCHEMA_VERSION:
                 raise ValueError(f"schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
-            flags = (data.get("failed", False), data.get("stopped", False))
+            flags = (data.get("failed", False), data.get("stopped", False), data.get("known_error", False))
             if not isinstance(data.get("reason"), str) or not all(isinstance(f, bool) for f in flags):
-                raise ValueError("reason must be a string, failed and stopped booleans")
-            return cls(time=float(data["time"]), reason=data["reason"], failed=flags[0], stopped=flags[1])
+                raise ValueError("reason must be a string, failed, stopped and known_error booleans")
+            return cls(
+                time=float(data["time"]), reason=data["reason"], failed=flags[0], stopped=flags[1], known_error=flags[2]
+            )
         except (AttributeError, KeyError, TypeError) as err:
             raise ValueError(f"not a closed record ({type(err).__name__}: {err})") from None
 

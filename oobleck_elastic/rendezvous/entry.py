@@ -6,8 +6,8 @@ imports the handler when torchrun first asks for a handler.
 
 `create_handler` picks the mode (`rendezvous.options`): `in_place` is the Oobleck handler,
 `restart` torch's dynamic rendezvous on etcd. A job config the handler cannot load
-(a misspelt key, a bad value) ends the agent with one line (SystemExit), not with a traceback
-through torchrun. The story: docs/running.md.
+(a misspelt key, a bad value) ends the agent with one line and status 2 (`exits.SettingError`),
+not with a traceback through torchrun. The story: docs/running.md.
 """
 
 from typing import Any, Callable, Optional
@@ -39,9 +39,12 @@ def get_creator() -> Callable[[Any], Any]:
     def create(params: Any) -> Any:
         from ..config import ConfigError
 
+        from .exits import PREFIX, SettingError, install_exit_hook
+
+        install_exit_hook()  # uncaught, the errors below end torchrun with one line (rendezvous/exits.py)
         try:
             return create_handler(params)
-        except ConfigError as err:  # a setting to change: one line, and this agent exits 1 (no traceback)
-            raise SystemExit(f"torchrun --rdzv-backend=oobleck: error: {err}") from None
+        except ConfigError as err:  # a setting to change: one line, and this agent exits 2 (no traceback)
+            raise SettingError(f"{PREFIX}: error: {err}") from None
 
     return create

@@ -49,6 +49,7 @@ from .planner import JobPlanner
 from .liveness import LivenessServer
 from .membership import Member, mark_draining, put_event, say_goodbye
 from .hang import HangWatch, WorkerHung
+from .exits import closed_error, note_closed
 from .options import RDZV_OPTIONS, agent_local_world_size, etcd_settings, launch_of, rdzv_conf, seconds
 from .preempt import PreemptionWatch, parse_signals
 
@@ -158,6 +159,10 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self._shut_down = True
         self._stopping.set()
         node = self.member.node_id if self.member is not None else None
+        try:  # workers that failed because the job was closed as failed: that reason is their line
+            note_closed(self.params.run_id, read_closed(self.reader, self.keys))
+        except Exception as err:  # noqa: BLE001 - etcd gone: torch's own report stands
+            log.at(node=node).warning("shutdown: could not read whether the job was closed: %s", err)
         steps = [
             self.preemption.uninstall if self.preemption is not None else None,
             self.leader.stop if self.leader is not None else None,
@@ -227,7 +232,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         closed = read_closed(self.client, self.keys)
         if closed is not None:
-            raise self._said(closed_error(self.params.run_id, closed))
+            raise closed_error(self.params.run_id, closed)
         if self._shut_down is not None:
             raise RendezvousClosedError(f"the rendezvous handler of run {self.params.run_id} was shut down")
         if self.member is None:
@@ -387,12 +392,6 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 log.at(node=self.member.node_id).warning("could not answer a ping: %s", err)
                 self._stopping.wait(0.1)
 
-    def _said(self, err: BaseException) -> BaseException:
-        """`err`, its line logged first when it is a `JobOver` (an exit 0 prints nothing)."""
-        if isinstance(err, JobOver):
-            log.at(node=self.member.node_id if self.member else None).warning("%s", err.line)
-        return err
-
     def _wait_admitted(self, node: str) -> Roster | None:
         """The current roster (the plan's generation and nodes) once this node may start its
         workers: it is in the plan, or the leader admitted it (a late node, or a first node before
@@ -411,7 +410,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 raise RendezvousClosedError(f"node {node} was fenced (lease expired) while waiting")
             closed = read_closed(self.view, self.keys)  # e.g. closed as failed: no plan will come
             if closed is not None:
-                raise self._said(closed_error(self.params.run_id, closed, node=node))
+                raise closed_error(self.params.run_id, closed, node=node)
             now = time.monotonic()
             if now > deadline:
                 raise RendezvousTimeoutError(
@@ -425,28 +424,4 @@ class OobleckRendezvousHandler(RendezvousHandler):
             version = self.view.wait(version, 0.5)
 
 
-class JobOver(SystemExit):
-    """The job finished (closed, not as failed) before this agent's workers had a place in it: a
-    node that waited as a spare, or joined too late. Nothing failed, so the agent exits 0 with one
-    line (`line`), not with torch's RendezvousClosedError traceback and status 1."""
-
-    def __init__(self, line: str) -> None:
-        super().__init__(0)
-        self.line = line
-
-
-def closed_error(run_id: str, closed: ClosedRecord, *, node: Optional[str] = None) -> BaseException:
-    """What `next_rendezvous` raises on a closed job. Closed as failed (a worker's error that every
-    restart would repeat, `engine.startup`): SystemExit with one line, so the agent restarts no
-    worker and exits 1 without a traceback; closed otherwise (the job finished): `JobOver`, exit 0."""
-    where = f" while node {node} waited to be admitted" if node else ""
-    if closed.failed:
-        return SystemExit(f"torchrun --rdzv-backend=oobleck: run {run_id} was closed as failed{where}: {closed.reason}")
-    return JobOver(
-        f"torchrun --rdzv-backend=oobleck: run {run_id} was closed{where}"
-        + (f" ({closed.reason})" if closed.reason else "")
-        + "; nothing for this node to do"
-    )
-
-
-__all__ = ["BACKEND", "NO_ENV_WORLD", "JobOver", "OobleckRendezvousHandler", "RDZV_OPTIONS", "closed_error"]
+__all__ = ["BACKEND", "NO_ENV_WORLD", "OobleckRendezvousHandler", "RDZV_OPTIONS"]

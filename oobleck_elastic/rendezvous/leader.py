@@ -365,10 +365,12 @@ class Leader:
         if failed is not None:
             self._fail(failed)
 
-    def _fail(self, reason: str) -> None:
-        """Close the job as failed: workers and agents leave with this error (no plan can follow)."""
+    def _fail(self, reason: str, *, known_error: bool = False) -> None:
+        """Close the job as failed: workers and agents leave with this error (no plan can follow);
+        `known_error`: a setting to change (`ClosedRecord.known_error`, agents exit 2)."""
         log.at(node=self.member.node_id).error("%s", reason)
-        self.client.put_json(self.keys.closed, ClosedRecord(time=time.time(), reason=reason, failed=True).to_json())
+        closed = ClosedRecord(time=time.time(), reason=reason, failed=True, known_error=known_error)
+        self.client.put_json(self.keys.closed, closed.to_json())
         put_event(
             self.client,
             self.keys,
@@ -432,7 +434,7 @@ class Leader:
         try:
             plan = self.planner(nodes, generation, old)
         except JobUnplannable as err:
-            self._fail(f"cannot plan this job with any number of nodes: {err}")
+            self._fail(f"cannot plan this job with any number of nodes: {err}", known_error=True)
             return
         except PlanningError as err:
             self._unplannable = (tuple(nodes), generation)
@@ -456,7 +458,7 @@ class Leader:
         self._waiting_for = None
         refused = strict_refusal(plan, first=old is None, strict=self.strict)
         if refused is not None:
-            self._fail(refused)
+            self._fail(refused, known_error=True)
             return
         progress = read_progress(self.client, self.keys) if old is not None else None
         stepped = progress is not None and old is not None and progress.generation >= old.generation

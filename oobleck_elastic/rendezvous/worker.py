@@ -384,10 +384,10 @@ class WorkerContext:
         """The job's last reported progress (None: none yet, or malformed)."""
         return read_progress(self.client, self.keys)
 
-    def close_job(self, reason: str, *, failed: bool = False, stopped: bool = False) -> None:
+    def close_job(self, reason: str, *, failed: bool = False, stopped: bool = False, known_error: bool = False) -> None:
         """Close the job: every agent and worker leaves; `failed` makes them exit with an error;
         `stopped`: it was asked to stop before `training.steps` (`oobleck outcome` says so)."""
-        record = ClosedRecord(time=time.time(), reason=reason, failed=failed, stopped=stopped)
+        record = ClosedRecord(time=time.time(), reason=reason, failed=failed, stopped=stopped, known_error=known_error)
         self.client.put_json(self.keys.closed, record.to_json())
 
     def stop_requested(self) -> Optional[str]:

@@ -143,7 +143,8 @@ def test_the_last_line_names_why_nodes_failed() -> None:
 
 
 def test_known_errors_are_one_line_and_end_the_job_only_before_its_first_step() -> None:
-    assert one_line(DataError("a\n  b")) == "DataError: a b" and exit_code(DataError("x")) == 1
+    assert one_line(DataError("a\n  b")) == "DataError: a b" and exit_code(DataError("x")) == 2
+    assert exit_code(JobFailed("closed")) == 1 and exit_code(RuntimeError("a bug")) == 1
     assert one_line(ConfigError("bad key")) == "ConfigError: bad key" and exit_code(ConfigError("x")) == 2
     assert ends_the_job(DataError("x"), steps_done=None) and ends_the_job(CheckpointError("x"), steps_done=0)
     assert not ends_the_job(DataError("x"), steps_done=3)  # a late node must not end a training job
@@ -151,18 +152,26 @@ def test_known_errors_are_one_line_and_end_the_job_only_before_its_first_step() 
     assert not ends_the_job(RuntimeError("a bug"), steps_done=None)  # a bug keeps its traceback and restarts
 
 
-def test_an_agent_exits_with_one_line_on_a_job_closed_as_failed_instead_of_restarting() -> None:
-    from oobleck_elastic.records.control import ClosedRecord
-    from oobleck_elastic.rendezvous.handler import JobOver, closed_error
+def test_an_agent_ends_a_closed_job_with_one_line_and_a_status_by_cause() -> None:
+    """What `next_rendezvous` raises on a closed job is torch's RendezvousClosedError (never a
+    SystemExit through a host program); its line and status are what torchrun ends with."""
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
-    failed = closed_error("r1", ClosedRecord(time=0.0, reason="DataError: no such file", failed=True))
-    assert isinstance(failed, SystemExit) and failed.code == (
-        "torchrun --rdzv-backend=oobleck: run r1 was closed as failed: DataError: no such file"
+    from oobleck_elastic.records.control import ClosedRecord
+    from oobleck_elastic.rendezvous.exits import closed_error
+
+    known = closed_error("r1", ClosedRecord(time=0.0, reason="DataError: no such file", failed=True, known_error=True))
+    assert isinstance(known, RendezvousClosedError) and not isinstance(known, SystemExit)
+    assert (known.line, known.status) == (
+        "torchrun --rdzv-backend=oobleck: run r1 was closed as failed: DataError: no such file",
+        2,
     )
+    assert str(known) == known.line
     waiting = closed_error("r1", ClosedRecord(time=0.0, reason="x", failed=True), node="node3")
-    assert str(waiting.code).startswith("torchrun --rdzv-backend=oobleck: run r1 was closed as failed while node node3")
+    assert waiting.line.startswith("torchrun --rdzv-backend=oobleck: run r1 was closed as failed while node node3")
+    assert waiting.status == 1  # failed later, not by a known error at the start
     finished = closed_error("r1", ClosedRecord(time=0.0, reason="finished 20 steps"), node="node4")
-    assert isinstance(finished, JobOver) and finished.code == 0  # a spare or a late joiner: nothing failed
+    assert finished.status == 0  # a spare or a late joiner: nothing failed
     assert finished.line == (
         "torchrun --rdzv-backend=oobleck: run r1 was closed while node node4 waited to be admitted "
         "(finished 20 steps); nothing for this node to do"
@@ -210,7 +219,7 @@ def test_a_run_with_nothing_to_do_says_so_in_one_line_and_exits_2(tmp_path: Path
     assert (launched.returncode, launched.stdout) == (2, ""), launched.stdout[-3000:]
     assert launched.stderr == f"launcher.local: error: ConfigError: {want}\n"
     bad = _run([*train_, "data.tokenizer=hf", f"data.tokenizer_path={tmp_path / 'x.json'}"])
-    assert bad.returncode == 1 and bad.stderr == (
+    assert bad.returncode == 2 and bad.stderr == (
         f"train.py: error: DataError: data.tokenizer_path '{tmp_path / 'x.json'}' does not exist: give the "
         "directory of a tokenizer saved with save_pretrained, or a tokenizers JSON file (Tokenizer.save)\n"
     )
@@ -230,14 +239,14 @@ def test_a_misspelt_key_stops_the_launcher_before_any_node() -> None:
 
 def test_an_agent_whose_config_does_not_load_exits_with_one_line() -> None:
     """Under torchrun of one's own (no launcher): the handler loads the config before it connects
-    to etcd, so a misspelt key ends the agent with one line, not a traceback through torchrun."""
+    to etcd, so a misspelt key ends the agent with one line and status 2, not a traceback through torchrun."""
     res = _run(
         [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=oobleck", "--rdzv-endpoint=127.0.0.1:1"]
         + ["--rdzv-id=x", "--nnodes=1", "--nproc-per-node=1", "examples/train.py"]
         + ["--config", "configs/gpt2-tiny.yaml", "data.tokenizr=hf"],
         timeout=120,
     )
-    assert (res.returncode, res.stdout) == (1, "")
+    assert (res.returncode, res.stdout) == (2, "")
     assert res.stderr == (
         "torchrun --rdzv-backend=oobleck: error: configs/gpt2-tiny.yaml: unknown key 'data.tokenizr': "
         "did you mean 'data.tokenizer'?\n"
@@ -255,7 +264,7 @@ def _gone(pid: int) -> bool:
 @pytest.mark.slow
 def test_a_deterministic_start_up_error_is_not_restarted_and_the_kept_etcd_tells_why(tmp_path: Path) -> None:
     """Two nodes whose workers fail building the dataset (a directory with no JSONL file passes the
-    launcher's check, which reads no directory): each worker runs once, each agent exits with one
+    launcher's check, which reads no directory): each worker runs once, each agent exits 2 with one
     line instead of restarting it, the launcher's last line names the error, and --keep-etcd
     leaves etcd running with the job's closed record in it."""
     empty = tmp_path / "empty"
@@ -273,7 +282,7 @@ def test_a_deterministic_start_up_error_is_not_restarted_and_the_kept_etcd_tells
     try:
         error = f"DataError: data.paths entry '{empty}' has no non-empty *.jsonl/*.json files for data.source=jsonl"
         out = res.stdout
-        assert res.returncode == 1, out[-4000:]
+        assert res.returncode == 2, out[-4000:]  # each agent exited 2: a known error, a setting to change
         # the terminal says what both nodes said once; each node's log has its own lines
         assert out.count(f"train.py: error: {error}\n") == 1, out[-4000:]
         assert out.count(f"torchrun --rdzv-backend=oobleck: run {run_id} was closed as failed: {error}\n") == 1
@@ -296,7 +305,7 @@ def test_a_deterministic_start_up_error_is_not_restarted_and_the_kept_etcd_tells
             closed = read_closed(client, Keys("/oobleck", run_id))
         finally:
             client.close()
-        assert closed is not None and closed.failed and closed.reason == error
+        assert closed is not None and closed.failed and closed.known_error and closed.reason == error
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGTERM)

@@ -38,6 +38,8 @@ def test_a_shortfall_is_said_by_the_leader_and_fails_the_start_under_strict(
     finally:
         client.close()
     assert closed.get("failed") is True and closed["reason"].startswith(f"fault_tolerance.strict: {SHORT}"), closed
+    assert closed.get("known_error") is True, closed  # a setting to change: every agent exits 2
+    assert out.count("exited with status 2") == 2, out[-3000:]
     assert closed["reason"].endswith("or set fault_tolerance.strict=false to train with less"), closed
     assert plans == [], plans  # refused before any plan was published: no step trained with less
     assert "[launcher] done:" in out and "2 failed: fault_tolerance.strict: generation 1" in out, out[-3000:]

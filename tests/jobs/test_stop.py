@@ -47,8 +47,8 @@ class StopAfter(LocalControl):
         if step >= self.after:
             self.stop = "a test asked"
 
-    def close_job(self, reason: str, *, failed: bool = False, stopped: bool = False) -> None:
-        super().close_job(reason, failed=failed, stopped=stopped)
+    def close_job(self, reason: str, *, failed: bool = False, stopped: bool = False, known_error: bool = False) -> None:
+        super().close_job(reason, failed=failed, stopped=stopped, known_error=known_error)
         self.closed = (reason, failed, stopped)
 
 
