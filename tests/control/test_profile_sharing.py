@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from helpers import TINY_PROFILE_OVERRIDES, tiny_profile
@@ -491,8 +492,9 @@ def test_no_profile_within_the_rendezvous_timeout_fails_the_job_with_one_error(n
     late = c.start(1)[0]
     late["thread"].join(10)
     # closed as failed: the late agent exits with the reason in one line, restarting nothing
-    assert isinstance(late.get("error"), SystemExit)
-    assert f"run {c.run_id} was closed as failed: no worker published a profile" in str(late["error"])
+    err = late.get("error")
+    assert isinstance(err, RendezvousClosedError) and err.status == 1, err  # torch's type; failed, not a setting
+    assert f"run {c.run_id} was closed as failed: no worker published a profile" in str(err)
 
 
 def test_a_cpu_profile_without_device_memory_fails_the_job_naming_the_setting(nodes_factory) -> None:
