@@ -125,6 +125,41 @@ def worker_pid(agent_pid: int) -> int:
     return next(p for p in descendants(agent_pid) if b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes())
 
 
+def single_process_overrides(tmp: Path, steps: int) -> list[str]:
+    """A short single-process run of configs/gpt2-tiny.yaml whose outputs stay under `tmp`."""
+    return [
+        f"training.steps={steps}",
+        "data.seq_len=32",
+        "training.global_batch_size=12",
+        "training.microbatch_size=2",
+        "training.optimizer.eps=1e-6",  # see tests/worlds/test_engine.py: zero-gradient biases under AdamW
+        f"data.cache_dir={tmp / 'cache'}",
+        f"checkpoint.dir={tmp / 'ckpt'}",
+        f"logging.tensorboard_dir={tmp / 'runs'}",
+    ]
+
+
+def signal_after_steps(cmd: list[str], sig: int, timeout: float) -> tuple[int, str]:
+    """Run `cmd` (a training command), send it `sig` once its output reports a step from 3 to 9,
+    and return its exit status and whole output (stderr in stdout); killed if still running after
+    `timeout` seconds from the signal."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # until the run has trained a few steps
+            lines.append(line)
+            if re.search(r" step [3-9]/\d+ ", line):
+                break
+        proc.send_signal(sig)
+        lines += proc.stdout.readlines()
+        return proc.wait(timeout=timeout), "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def overrides(tmp: Path, steps: int, profile: Path) -> list[str]:
     return [
         f"training.steps={steps}",

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from helpers import signal_after_steps, single_process_overrides
 from oobleck_elastic.checkpoint import latest_checkpoint, load_model_state, newest_intact_checkpoint, read_manifest
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.control import LocalControl
@@ -20,19 +21,6 @@ from oobleck_elastic.engine.run import train
 from oobleck_elastic.models.build import num_layers
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def overrides(tmp: Path, steps: int) -> list[str]:
-    return [
-        f"training.steps={steps}",
-        "data.seq_len=32",
-        "training.global_batch_size=12",
-        "training.microbatch_size=2",
-        "training.optimizer.eps=1e-6",  # see tests/worlds/test_engine.py: zero-gradient biases under AdamW
-        f"data.cache_dir={tmp / 'cache'}",
-        f"checkpoint.dir={tmp / 'ckpt'}",
-        f"logging.tensorboard_dir={tmp / 'runs'}",
-    ]
 
 
 class StopAfter(LocalControl):
@@ -53,7 +41,7 @@ class StopAfter(LocalControl):
 
 
 def test_a_stop_request_ends_the_run_at_the_next_boundary_with_its_checkpoint(tmp_path: Path) -> None:
-    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path, 6))
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", single_process_overrides(tmp_path, 6))
     ctx = StopAfter(cfg, after=2)
     summary = train(cfg, ctx, max_bytes=300_000)
     # read before step 3, voted in step 3's commit: step 3 (in flight) is finished, then the run stops
@@ -65,10 +53,12 @@ def test_a_stop_request_ends_the_run_at_the_next_boundary_with_its_checkpoint(tm
         False,  # not failed: ...
         True,  # ... stopped (`oobleck outcome` exits 4)
     )
-    resumed = train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path, 6)), max_bytes=300_000)
+    resumed = train(
+        load_config(ROOT / "configs/gpt2-tiny.yaml", single_process_overrides(tmp_path, 6)), max_bytes=300_000
+    )
     assert resumed.resumed_from == 3 and resumed.steps == 3
     once = tmp_path / "once"
-    train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(once, 6)), max_bytes=300_000)
+    train(load_config(ROOT / "configs/gpt2-tiny.yaml", single_process_overrides(once, 6)), max_bytes=300_000)
     a, b = load_model_state(tmp_path / "ckpt"), load_model_state(once / "ckpt")
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
@@ -81,22 +71,7 @@ def test_a_ctrl_c_to_the_launcher_stops_a_4_node_job_at_a_boundary_with_an_intac
     cmd = [sys.executable, "-m", "launcher.local", "--nodes", "4", "--log-dir", str(tmp_path / "runs"), "--"]
     cmd += ["examples/train.py", "--config", "configs/gpt2-tiny.yaml", "training.steps=100000"]
     cmd += [f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'tb'}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:  # until the job has trained a few steps
-            lines.append(line)
-            if re.search(r" step [3-9]/100000 ", line):
-                break
-        proc.send_signal(signal.SIGINT)
-        lines += proc.stdout.readlines()
-        code = proc.wait(timeout=240)  # the stop's bound is fault_tolerance.preempt_grace_s (60 s)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    out = "".join(lines)
+    code, out = signal_after_steps(cmd, signal.SIGINT, 240)  # the stop's bound is fault_tolerance.preempt_grace_s
     stopped = re.search(r"stopped at step (\d+) of 100000 on request \(Ctrl-C \(SIGINT\) to the local launcher\)", out)
     assert code == 130 and stopped is not None, out[-4000:]
     step = int(stopped.group(1))
@@ -140,22 +115,7 @@ def test_a_ctrl_c_to_the_single_process_stops_it_at_a_boundary_with_its_checkpoi
     flight, saved; it exits 0 with its summary, which says why it stopped."""
     cmd = [sys.executable, "examples/train.py", "--config", "configs/gpt2-tiny.yaml", "training.steps=100000"]
     cmd += [f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.tensorboard_dir={tmp_path / 'tb'}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if re.search(r" step [3-9]/100000 ", line):
-                break
-        proc.send_signal(signal.SIGINT)
-        lines += proc.stdout.readlines()
-        code = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    out = "".join(lines)
+    code, out = signal_after_steps(cmd, signal.SIGINT, 120)
     stopped = re.search(r"stopped at step (\d+) of 100000 on request \(Ctrl-C\); its checkpoint: (\S+);", out)
     assert code == 0 and stopped is not None, out[-3000:]
     step = int(stopped.group(1))

@@ -19,26 +19,20 @@ from oobleck_elastic.checkpoint import latest_checkpoint, load_model_state, read
 from oobleck_elastic.config import ConfigError, load_config
 from oobleck_elastic.engine.run import train
 from oobleck_elastic.engine.startup import one_line
-from helpers import TINY_PROFILE_OVERRIDES, bf16_atol, one_thread, tensorboard_run, tiny_profile
+from helpers import (
+    TINY_PROFILE_OVERRIDES,
+    bf16_atol,
+    one_thread,
+    single_process_overrides,
+    tensorboard_run,
+    tiny_profile,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def overrides(tmp: Path, steps: int) -> list[str]:
-    return [
-        f"training.steps={steps}",
-        "data.seq_len=32",
-        "training.global_batch_size=12",
-        "training.microbatch_size=2",
-        "training.optimizer.eps=1e-6",  # see tests/worlds/test_engine.py: zero-gradient biases under AdamW
-        f"data.cache_dir={tmp / 'cache'}",
-        f"checkpoint.dir={tmp / 'ckpt'}",
-        f"logging.tensorboard_dir={tmp / 'runs'}",
-    ]
-
-
 def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path, monkeypatch) -> None:
-    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path, 3))
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", single_process_overrides(tmp_path, 3))
     summary = train(cfg, max_bytes=300_000)
     assert summary.final_step == 3 and summary.resumed_from is None
     ea = EventAccumulator(str(tensorboard_run(tmp_path / "runs")), size_guidance={"scalars": 0, "tensors": 0})
@@ -67,7 +61,7 @@ def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path, monkey
     del manifest["extra"]["model"]  # as a checkpoint from before the model's identity record: resumed all the same
     (step3 / "manifest.json").write_text(json.dumps(manifest))
 
-    cfg5 = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path, 5))
+    cfg5 = load_config(ROOT / "configs/gpt2-tiny.yaml", single_process_overrides(tmp_path, 5))
     resumed = train(cfg5, max_bytes=300_000)
     assert resumed.resumed_from == 3 and resumed.steps == 2
 
@@ -75,7 +69,9 @@ def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path, monkey
     monkeypatch.setattr(checkpoint, "load_layer", lambda *a, **k: pytest.fail("a checkpoint tensor was read"))
     listing = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     for steps in (8, 2):  # 2: "nothing to do" would speak of the other model's checkpoint
-        wider = load_config(ROOT / "configs/gpt2-tiny.yaml", [*overrides(tmp_path, steps), "model.hidden_size=128"])
+        wider = load_config(
+            ROOT / "configs/gpt2-tiny.yaml", [*single_process_overrides(tmp_path, steps), "model.hidden_size=128"]
+        )
         with pytest.raises(ConfigError) as err:
             train(wider, max_bytes=300_000)
         assert one_line(err.value) == (
@@ -87,7 +83,7 @@ def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path, monkey
     monkeypatch.undo()
     # the same 5 steps in one go give the same weights
     fresh = tmp_path / "fresh"
-    cfg_once = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(fresh, 5))
+    cfg_once = load_config(ROOT / "configs/gpt2-tiny.yaml", single_process_overrides(fresh, 5))
     train(cfg_once, max_bytes=300_000)
     a, b = load_model_state(tmp_path / "ckpt"), load_model_state(fresh / "ckpt")
     for key in a:
@@ -108,7 +104,7 @@ def test_torchrun_job_equals_single_process(tmp_path: Path, etcd_server, run_id,
         *TINY_PROFILE_OVERRIDES,
         f"training.precision={precision}",
     ]
-    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(ref_dir, steps) + common)
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", single_process_overrides(ref_dir, steps) + common)
     with one_thread():
         summary = train(cfg, max_bytes=None)
     assert summary.last_loss < summary.first_loss - 0.1, (summary.first_loss, summary.last_loss)  # it learns
@@ -129,7 +125,7 @@ def test_torchrun_job_equals_single_process(tmp_path: Path, etcd_server, run_id,
         "examples/train.py",
         "--config",
         "configs/gpt2-tiny.yaml",
-        *overrides(job_dir, steps),
+        *single_process_overrides(job_dir, steps),
         *common,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one intra-op thread per worker, as the reference
@@ -152,6 +148,9 @@ def test_torchrun_job_equals_single_process(tmp_path: Path, etcd_server, run_id,
     if precision == "bf16":  # bf16 really ran: its weights are not the fp32 ones
         fp32 = tmp_path / "ref-fp32"
         with one_thread():
-            train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(fp32, steps) + common[:-1]), max_bytes=None)
+            train(
+                load_config(ROOT / "configs/gpt2-tiny.yaml", single_process_overrides(fp32, steps) + common[:-1]),
+                max_bytes=None,
+            )
         other = load_model_state(fp32 / "ckpt")
         assert max((other[k] - t).abs().max().item() for k, t in ref.items()) > tolerance["atol"]
