@@ -31,6 +31,11 @@ class RngState:
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes this state keeps (the CPU generator's, and the device's)."""
+        return self.cpu.numel() + (self.cuda.numel() if self.cuda is not None else 0)
+
     @contextmanager
     def replayed(self) -> Iterator[None]:
         """Run the block from this state; the generators are as they were after it."""
@@ -110,5 +115,4 @@ class Recomputed(nn.Module):
     @staticmethod
     def kept_bytes(x: torch.Tensor) -> int:
         """What a forward on `x` keeps for the backward: `x` and the random state."""
-        rng = torch.get_rng_state().numel() + (16 if x.device.type == "cuda" else 0)
-        return x.numel() * x.element_size() + rng
+        return x.numel() * x.element_size() + RngState(x.device).nbytes
