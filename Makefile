@@ -3,9 +3,10 @@
 #                 one torchrun per node), SIGKILL one node mid-run, keep training, print a summary;
 #                 each run starts clean (its checkpoint dir, DEMO_CKPT, is removed first)
 #   make test   - the test suite (what CI runs, after make lint): the lanes unit, control, worlds
-#                 and jobs (tests/README.md), each in its own pytest with its time printed, and one
-#                 rotating shard of the extended tests in every lane, chaos seeds included
-#                 (EXTENDED_SHARD, from the commit count)
+#                 and jobs (tests/README.md), each in its own pytest with its time printed; of the
+#                 jobs lane only the tests marked core, and one rotating shard of the rest and of
+#                 the extended tests in every lane, chaos seeds included (EXTENDED_SHARD, from the
+#                 commit count)
 #   make test-fast - the unit and control lanes: a few minutes, for the edit loop
 #   make test-all - every lane, with every extended test (the chaos seeds too)
 #   make chaos  - the seeded chaos lane
@@ -22,7 +23,7 @@ STRESS_ARGS ?=
 # chaos: only its extended seeds of the shard (the chaos-marked test runs by hand: make chaos)
 LANES ?= unit control worlds jobs chaos
 # the extended tests run in CI in EXTENDED_SHARDS turns: shard (commits on HEAD) mod EXTENDED_SHARDS
-EXTENDED_SHARDS ?= 6
+EXTENDED_SHARDS ?= 8
 EXTENDED_SHARD ?= $(shell n=$$(git rev-list --count HEAD 2>/dev/null || date +%j); echo $$((n % $(EXTENDED_SHARDS)))/$(EXTENDED_SHARDS))
 DEMO_CKPT ?= checkpoints/demo
 PY := $(VENV)/bin/python

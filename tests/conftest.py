@@ -5,7 +5,8 @@
 - `own_etcd`: a server of the test's own (to stall, kill or restart), stopped by PID at the end.
 - `run_id`: a unique id per test; put it in key prefixes so tests sharing the server don't collide.
 
-Also `--extended-shard i/K` (tests/lanes.py): the rotating shard of extended tests `make test` runs.
+Also `--extended-shard i/K` (tests/lanes.py): the rotating shard of extended tests `make test` runs
+(with it, a jobs test not marked `core` is extended too).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Iterator
 
 import pytest
 
-from lanes import extended_shard, parse_shard
+from lanes import extended_shard, parse_shard, rotate
 from oobleck_elastic.etcd.settings import EtcdSettings
 from oobleck_elastic.etcd.server import EtcdServer
 
@@ -75,6 +76,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not text:
         return
     shard = parse_shard(text)
+    rotate(items, Path(__file__).resolve().parent)
     chosen = extended_shard(items, shard)
     for item in chosen:
         item.add_marker(pytest.mark.in_shard)

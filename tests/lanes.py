@@ -3,7 +3,8 @@
 A lane's `conftest.py` calls `mark_lane`, which gives every test collected under that folder the
 lane's marker (so `-m worlds` works) and the lane's per-test time cap (pytest-timeout), unless the
 test sets its own `pytest.mark.timeout`. `extended_shard` picks the rotating shard of `extended`
-tests that `make test` runs. tests/README.md lists the lanes and their measured times.
+tests that `make test` runs; in the jobs lane (`ROTATING`) every test not marked `core` takes its
+turn there too. tests/README.md lists the lanes and their measured times.
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ def parse_shard(text: str) -> tuple[int, int]:
     if k < 1 or not 0 <= i < k:
         raise pytest.UsageError(f"--extended-shard={text!r}: need K >= 1 and 0 <= i < K")
     return i, k
+
+
+ROTATING = ("jobs",)
+"""Lanes that `make test` runs in turns: only their tests marked `core` run at every landing, the
+others join the `extended` tests' rotation. A whole job takes 15-90 s on the 2-core machine: the
+whole jobs lane at every landing (30 min) would keep CI far above its 20-minute goal."""
+
+
+def rotate(items: list[pytest.Item], tests: Path) -> None:
+    """Mark `extended` every test of a `ROTATING` lane under `tests` that is not marked `core`
+    (only for a sharded run: a plain `pytest tests/jobs/...` runs them all)."""
+    for item in items:
+        parts = Path(str(item.path)).relative_to(tests).parts
+        if parts[:1] and parts[0] in ROTATING and not any(item.get_closest_marker(m) for m in ("core", "full_matrix")):
+            item.add_marker(pytest.mark.extended)
 
 
 def extended_shard(items: list[pytest.Item], shard: tuple[int, int]) -> list[pytest.Item]:

@@ -170,6 +170,7 @@ def test_export_of_only_partial_checkpoints_names_each_and_why(tmp_path: Path, c
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.core
 def test_export_names_a_damaged_checkpoint_beside_a_partial_one(tmp_path: Path, capsys) -> None:
     root = tmp_path / "ckpt"
     bad = complete(root, 4) / ckpt.layer_file(0)
@@ -201,6 +202,7 @@ def _cfg(tmp: Path):
     )
 
 
+@pytest.mark.core
 def test_a_trainer_retakes_once_and_sets_partial_saves_aside(tmp_path: Path, caplog) -> None:
     cfg = _cfg(tmp_path)
     root = Path(cfg.checkpoint.dir)

@@ -24,6 +24,8 @@ from oobleck_elastic.data.errors import DataError
 from oobleck_elastic.data.dataset import TokenWindows, build_dataset
 from oobleck_elastic.data.tokens import TokenFiles
 
+pytestmark = pytest.mark.core  # fast: make test runs it at every landing (tests/lanes.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 EOT = "<|endoftext|>"
 WORDS = (

@@ -18,6 +18,7 @@ from oobleck_elastic.etcd import EtcdError, EtcdSettings, connect
 from helpers import stall_process
 
 
+@pytest.mark.core
 def test_requests_ride_out_a_stalled_server(own_etcd, caplog) -> None:
     client = connect(EtcdSettings(endpoint=own_etcd.endpoint, timeout_s=1.0, outage_s=20.0))
     try:
@@ -35,6 +36,7 @@ def test_requests_ride_out_a_stalled_server(own_etcd, caplog) -> None:
         client.close()
 
 
+@pytest.mark.core
 def test_requests_ride_out_a_restart_on_the_same_port_and_data_dir(own_etcd, tmp_path: Path) -> None:
     client = connect(EtcdSettings(endpoint=own_etcd.endpoint, timeout_s=1.0, outage_s=30.0))
     try:
@@ -55,6 +57,7 @@ def test_requests_ride_out_a_restart_on_the_same_port_and_data_dir(own_etcd, tmp
         client.close()
 
 
+@pytest.mark.core
 def test_an_outage_longer_than_the_bound_is_one_clear_error(own_etcd) -> None:
     client = connect(EtcdSettings(endpoint=own_etcd.endpoint, timeout_s=0.5, outage_s=2.0))
     try:

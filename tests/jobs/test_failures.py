@@ -53,6 +53,7 @@ def _events(endpoint: str, keys) -> list:
         client.close()
 
 
+@pytest.mark.core
 def test_kill_the_leader(tmp_path: Path, etcd_server, run_id) -> None:
     """The leader's node dies mid-run with a 30 s lease TTL: its workers' peers check in at the
     roll call, a deputy finds the leader's agent gone (its liveness socket) or silent (a ping) and

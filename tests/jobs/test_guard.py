@@ -20,6 +20,8 @@ from oobleck_elastic.engine.run import train
 from oobleck_elastic.engine.trainer import single_process
 from helpers import RandomTokens, assert_same, run_job, tensorboard_run, tiny_profile
 
+pytestmark = pytest.mark.core  # fast: make test runs it at every landing (tests/lanes.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

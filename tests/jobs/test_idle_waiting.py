@@ -92,6 +92,7 @@ def idle_costs(etcd_server, launcher: int, processes: dict[str, list[int]]) -> I
     return Idle(cpu=cpu, requests=requests)
 
 
+@pytest.mark.core
 def test_a_worker_waiting_for_a_plan_sleeps_until_one_comes(etcd_settings, run_id, monkeypatch) -> None:
     """A worker that reported ready and waits for a plan giving it a stage (the first plan, its
     node's admission into one, or as a spare) sleeps on its mirror (it looked every 50 ms): with

@@ -54,6 +54,7 @@ def test_every_node_the_job_may_run_counts(monkeypatch: pytest.MonkeyPatch) -> N
     assert cluster.threads is None and cluster.node_env()["OMP_NUM_THREADS"] == "3"
 
 
+@pytest.mark.core
 def test_help_and_a_missing_script() -> None:
     run = [sys.executable, "-m", "launcher.local"]
     help_ = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=60)
@@ -201,6 +202,7 @@ def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ONE_LINE_ENV)
 
 
+@pytest.mark.core
 @pytest.mark.slow
 def test_a_run_with_nothing_to_do_says_so_in_one_line_and_exits_2(tmp_path: Path) -> None:
     """A single-process run of 2 steps, then the same command again: the second has nothing to
@@ -225,6 +227,7 @@ def test_a_run_with_nothing_to_do_says_so_in_one_line_and_exits_2(tmp_path: Path
     )
 
 
+@pytest.mark.core
 def test_a_misspelt_key_stops_the_launcher_before_any_node() -> None:
     res = _run(
         [sys.executable, "-m", "launcher.local", "--nodes", "2", "--", "examples/train.py"]
@@ -237,6 +240,7 @@ def test_a_misspelt_key_stops_the_launcher_before_any_node() -> None:
     )
 
 
+@pytest.mark.core
 def test_an_agent_whose_config_does_not_load_exits_with_one_line() -> None:
     """Under torchrun of one's own (no launcher): the handler loads the config before it connects
     to etcd, so a misspelt key ends the agent with one line and status 2, not a traceback through torchrun."""
@@ -261,6 +265,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.core
 @pytest.mark.slow
 def test_a_deterministic_start_up_error_is_not_restarted_and_the_kept_etcd_tells_why(tmp_path: Path) -> None:
     """Two nodes whose workers fail building the dataset (a directory with no JSONL file passes the

@@ -14,6 +14,8 @@ from launcher.options import build_parser
 from launcher.output import Terminal
 from oobleck_elastic.engine.telemetry.board import run_name
 
+pytestmark = pytest.mark.core  # fast: make test runs it at every landing (tests/lanes.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 PROGRESS = "2026-11-28 06:23:15,188 INFO gen 1 step {s}/20 node node0: loss 4.1, 0.9 s/step (0.9 s since the last)"
 

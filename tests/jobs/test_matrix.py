@@ -53,7 +53,8 @@ def _keys(row: dict, cache: Path) -> list[str]:
 
 def _rows() -> list:
     pairwise = [name(r) for r in PAIRWISE]
-    rows = [pytest.param(r, id=name(r)) for r in PAIRWISE]
+    # the cheapest row runs at every landing, the others in turns (tests/lanes.py)
+    rows = [pytest.param(r, id=name(r), marks=pytest.mark.core if r is PAIRWISE[0] else ()) for r in PAIRWISE]
     rows += [pytest.param(r, id=name(r), marks=pytest.mark.full_matrix) for r in FULL if name(r) not in pairwise]
     return rows
 

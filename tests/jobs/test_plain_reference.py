@@ -124,6 +124,7 @@ def _cfg(tmp: Path, profile: Path, config: str = "gpt2-tiny"):
     return load_config(ROOT / f"configs/{config}.yaml", overrides(tmp, STEPS, profile))
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("config", ["gpt2-tiny", "llama-tiny"])
 def test_the_one_worker_engine_matches_a_plain_hugging_face_loop(tmp_path: Path, config: str) -> None:
     cfg = _cfg(tmp_path / "ref", tiny_profile(tmp_path / "profile.json"), config)
@@ -133,6 +134,7 @@ def test_the_one_worker_engine_matches_a_plain_hugging_face_loop(tmp_path: Path,
     _assert_match(_exported(Path(cfg.checkpoint.dir), tmp_path / "engine-hf"), plain, initial)
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("config", ["gpt2-tiny", "llama-tiny"])
 def test_the_reference_fails_when_the_math_differs(tmp_path: Path, config: str) -> None:
     """The comparison can fail: the same loop with weight decay on biases and norms too does not
@@ -145,6 +147,7 @@ def test_the_reference_fails_when_the_math_differs(tmp_path: Path, config: str) 
         _assert_match(engine, plain_run(cfg, initial, decay_everything=True), initial)
 
 
+@pytest.mark.core
 @pytest.mark.slow
 def test_a_four_node_job_matches_the_plain_loop(tmp_path: Path, etcd_server, run_id) -> None:
     """Two two-stage pipelines on four nodes, a node killed at step 3 (the job re-plans)."""

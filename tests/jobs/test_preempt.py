@@ -67,6 +67,8 @@ def test_a_notice_drains_once_and_gives_up_after_the_grace(monkeypatch) -> None:
 WORKER = """
 import sys, time
 from oobleck_elastic.rendezvous.preempt import guard_worker
+
+pytestmark = pytest.mark.core  # fast: make test runs it at every landing (tests/lanes.py)
 print([s.name for s in guard_worker()], flush=True)
 for _ in range(400):
     time.sleep(0.05)

@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.core
 def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, run_id) -> None:
     steps, kill_at = 8, 3
     profile = tiny_profile(tmp_path / "profile.json")

@@ -20,6 +20,7 @@ ASKED = ["fault_tolerance.f=1"]
 SHORT = "generation 1 gives less than the config asks: 1 pipeline(s) instead of f+1=2 (fault_tolerance.f=1): "
 
 
+@pytest.mark.core
 def test_a_shortfall_is_said_by_the_leader_and_fails_the_start_under_strict(
     tmp_path: Path, etcd_server, run_id
 ) -> None:

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 from typing import Any
 
 import torch
@@ -40,6 +42,7 @@ class StopAfter(LocalControl):
         self.closed = (reason, failed, stopped)
 
 
+@pytest.mark.core
 def test_a_stop_request_ends_the_run_at_the_next_boundary_with_its_checkpoint(tmp_path: Path) -> None:
     cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", single_process_overrides(tmp_path, 6))
     ctx = StopAfter(cfg, after=2)
@@ -64,6 +67,7 @@ def test_a_stop_request_ends_the_run_at_the_next_boundary_with_its_checkpoint(tm
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.mark.core
 def test_a_ctrl_c_to_the_launcher_stops_a_4_node_job_at_a_boundary_with_an_intact_checkpoint(tmp_path: Path) -> None:
     """SIGINT to the local launcher while a 4-node job trains (no periodic checkpoint): every node
     exits 0 on its own (none killed), the step they stopped at is saved and verifies file by file,
@@ -87,6 +91,7 @@ def test_a_ctrl_c_to_the_launcher_stops_a_4_node_job_at_a_boundary_with_an_intac
     assert "stopping every node" not in out and "Traceback" not in out, out[-4000:]
 
 
+@pytest.mark.core
 def test_a_notice_to_every_agent_stops_the_job_with_a_checkpoint(tmp_path: Path) -> None:
     """Both agents of a 2-node job get SIGTERM at step 3, as torchrun's agents do when the scheduler
     ends the job (Slurm's scancel, a spot reclaim of every node): every node drains and none is left
@@ -110,6 +115,7 @@ def test_a_notice_to_every_agent_stops_the_job_with_a_checkpoint(tmp_path: Path)
     assert out.splitlines()[-1] == "[launcher] done: 2 node(s), 0 killed on purpose, 2 preempted, 0 failed", out[-3000:]
 
 
+@pytest.mark.core
 def test_a_ctrl_c_to_the_single_process_stops_it_at_a_boundary_with_its_checkpoint(tmp_path: Path) -> None:
     """`python examples/train.py` (the single process): a first SIGINT stops it after the step in
     flight, saved; it exits 0 with its summary, which says why it stopped."""

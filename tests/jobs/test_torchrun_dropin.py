@@ -417,6 +417,8 @@ def test_a_notice_with_nothing_to_drain_is_answered_as_torchrun_answers_it(monke
 
 SLEEPER = """
 import sys, time
+
+pytestmark = pytest.mark.core  # fast: make test runs it at every landing (tests/lanes.py)
 open(sys.argv[1], "w").write("started")
 time.sleep(600)
 """

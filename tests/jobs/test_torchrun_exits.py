@@ -81,6 +81,8 @@ EMBEDDED = """
 import sys
 import torch.distributed.run
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+pytestmark = pytest.mark.core  # fast: make test runs it at every landing (tests/lanes.py)
 try:
     torch.distributed.run.main(sys.argv[1:])
 except RendezvousClosedError as err:

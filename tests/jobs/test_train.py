@@ -31,6 +31,7 @@ from helpers import (
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.core
 def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path, monkeypatch) -> None:
     cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", single_process_overrides(tmp_path, 3))
     summary = train(cfg, max_bytes=300_000)
@@ -94,6 +95,7 @@ def test_single_process_tensorboard_checkpoint_and_resume(tmp_path: Path, monkey
 TOLERANCE = {"fp32": {"rtol": 1e-5, "atol": 1e-6}}
 
 
+@pytest.mark.core
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_torchrun_job_equals_single_process(tmp_path: Path, etcd_server, run_id, precision: str) -> None:

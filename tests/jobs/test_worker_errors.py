@@ -30,6 +30,7 @@ def _etcd_outcome(endpoint: str, run_id: str) -> tuple[dict, ErrorRecord | None,
     return closed, record, plans
 
 
+@pytest.mark.core
 def test_a_deterministic_error_stops_the_job_after_max_repeated_errors(tmp_path: Path, etcd_server, run_id) -> None:
     """Four nodes, two 2-stage pipelines: whichever worker holds rank 1 raises at step 2; its agent
     restarts it, the roll call re-plans, it receives its layers from the other pipeline, and it
