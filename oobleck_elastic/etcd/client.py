@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import pyetcd.etcdrpc
 import pyetcd.exceptions
 from pyetcd.client import EtcdTokenCallCredentials
 
-from . import closing
+from . import closing, forking
 from .keepalive import KeepAliveStream
 from .settings import EtcdError, EtcdSettings
 
@@ -86,6 +87,7 @@ class EtcdClient:
         """`close()` was called: the channels are closed and every request fails."""
         self._watchers: list[Any] = []  # every pyetcd watch stream a watch went through (closed at close)
         self._close_lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child refuses the client it inherited (etcd/forking.py)
         closing.register(self)
 
     # ------------------------------------------------------------------ verbs
@@ -284,6 +286,7 @@ class EtcdClient:
         Retrying is safe for the control plane's requests: reads, puts of whole values, and
         compare-and-swap transactions (a retried one that had succeeded fails its compare, which
         callers treat as a lost race and re-read)."""
+        forking.check(self._pid)
         if self.closed:
             raise EtcdError(f"the etcd client of {self.settings.endpoint} was closed (this process is shutting down)")
         started = time.monotonic()
@@ -363,6 +366,8 @@ class EtcdClient:
             if self.closed:
                 return
             self.closed = True
+        if self._pid != os.getpid():
+            return  # inherited by a forked child: its channels are the parent's, and gRPC must not be entered here
         closing.close_client(self.raw, self._watchers, self._keepalive)
         self._watchers = []
         closing.forget(self)
@@ -411,6 +416,7 @@ def connect(settings: EtcdSettings, *, own_connection: bool = False) -> EtcdClie
     own, as a client in another process does (the control-plane benchmark hosts many simulated
     node agents per process, each connecting as a node's agent would)."""
     settings.check()
+    forking.check()
     options = [("grpc.use_local_subchannel_pool", 1)] if own_connection else None
     try:
         creds = None

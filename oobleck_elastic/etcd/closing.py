@@ -43,6 +43,14 @@ def forget(client: Closable) -> None:
         _open.discard(client)
 
 
+def reset_in_child() -> None:
+    """In a child just forked: forget the parent's clients (closing them would call into the
+    parent's gRPC) and take a fresh lock (another thread of the parent may have held this one)."""
+    global _open, _lock
+    _open = weakref.WeakSet()
+    _lock = threading.Lock()
+
+
 def open_clients() -> list[Any]:
     """The registered clients not closed yet."""
     with _lock:
