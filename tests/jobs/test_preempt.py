@@ -20,6 +20,8 @@ from oobleck_elastic.config import ConfigError, load_config
 from oobleck_elastic.rendezvous.preempt import NOTICE_ENV, SIGNALS_ENV, PreemptionWatch
 from helpers import assert_same, at_step, run_job, tiny_profile
 
+pytestmark = pytest.mark.core  # fast: make test runs it at every landing (tests/lanes.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -67,8 +69,6 @@ def test_a_notice_drains_once_and_gives_up_after_the_grace(monkeypatch) -> None:
 WORKER = """
 import sys, time
 from oobleck_elastic.rendezvous.preempt import guard_worker
-
-pytestmark = pytest.mark.core  # fast: make test runs it at every landing (tests/lanes.py)
 print([s.name for s in guard_worker()], flush=True)
 for _ in range(400):
     time.sleep(0.05)

@@ -42,6 +42,8 @@ from oobleck_elastic.rendezvous.membership import live_nodes
 from oobleck_elastic.rendezvous.options import launch_of
 from oobleck_elastic.rendezvous.restart import EtcdRendezvousBackend, state_from_json, state_to_json
 
+pytestmark = pytest.mark.core  # fast: make test runs it at every landing (tests/lanes.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs/gpt2-tiny.yaml"
 
@@ -417,8 +419,6 @@ def test_a_notice_with_nothing_to_drain_is_answered_as_torchrun_answers_it(monke
 
 SLEEPER = """
 import sys, time
-
-pytestmark = pytest.mark.core  # fast: make test runs it at every landing (tests/lanes.py)
 open(sys.argv[1], "w").write("started")
 time.sleep(600)
 """
