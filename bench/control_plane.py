@@ -74,7 +74,7 @@ from bench.harness import Bench, emit
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.etcd.server import EtcdServer
 from oobleck_elastic.records.keys import Keys
-from oobleck_elastic.records.control import ClosedRecord
+from oobleck_elastic.records.job import ClosedRecord
 from oobleck_elastic.records.read import read_roster
 
 ROOT = Path(__file__).resolve().parents[1]

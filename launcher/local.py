@@ -22,7 +22,8 @@ from typing import IO, Any, Optional
 from oobleck_elastic.etcd import EtcdError, connect
 from oobleck_elastic.etcd.server import EtcdServer
 from oobleck_elastic.records.keys import Keys
-from oobleck_elastic.records.control import ClosedRecord, NodeRecord
+from oobleck_elastic.records.control import NodeRecord
+from oobleck_elastic.records.job import ClosedRecord
 from oobleck_elastic.records.read import read_closed, read_leader, read_progress, read_roster
 from oobleck_elastic.records.errors import ErrorRecord
 from oobleck_elastic.records.plans import PlanReader

@@ -19,7 +19,8 @@ from .logs import read_event_lines
 from .planning import Plan, PlanningError
 from .planning.tolerance.shadows import describe as describe_shadows
 from .records import samples as sample_ledger
-from .records.control import ClosedRecord, Event, NodeState
+from .records.control import NodeState
+from .records.job import ClosedRecord, Event
 from .records.goodput import Ledger, describe, job_origin
 from .records.keys import Keys
 from .records.read import read_closed, read_leader, read_progress, read_stop, read_stragglers

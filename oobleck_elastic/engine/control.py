@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..config import JobConfig
 from ..config.timing import comm_timeout
 from ..planning import MicrobatchChoice, PipelineSpec, Plan, StagePlacement, fixed_microbatch_size
-from ..records.control import ProgressRecord
+from ..records.job import ProgressRecord
 from ..records.errors import ErrorRecord, next_error_record
 from ..records.goodput import Origin
 

@@ -13,18 +13,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 from ..etcd.client import warn_once
 from ..etcd.protocols import KVReader
-from .control import (
-    AnsweredRecord,
-    ClosedRecord,
-    FenceRecord,
-    LeaderRecord,
-    ProfileClaim,
-    ProgressRecord,
-    ReadyRecord,
-    Roster,
-    StopRecord,
-    StragglerRecord,
-)
+from .control import AnsweredRecord, FenceRecord, LeaderRecord, ProfileClaim, ReadyRecord, Roster, StragglerRecord
+from .job import ClosedRecord, ProgressRecord, StopRecord
 from .keys import Keys
 
 T = TypeVar("T")

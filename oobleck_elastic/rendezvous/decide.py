@@ -12,7 +12,8 @@ from typing import Collection, Mapping, Optional, Sequence
 
 from ..planning import Plan
 from ..planning.plan.rebalance import mitigate
-from ..records.control import Event, EventKind, NodeState, StrEnum
+from ..records.control import NodeState, StrEnum
+from ..records.job import Event, EventKind
 
 
 RECORD_GONE = "record gone (lease expired or revoked), no goodbye; last sign of life not known to the leader"

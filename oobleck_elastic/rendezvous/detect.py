@@ -20,17 +20,8 @@ from .decide import Detector
 from ..records.keys import Keys
 from .liveness import LIVENESS_LOST, LivenessMonitor, evidence
 from .membership import goodbye_of, live_nodes, put_event
-from ..records.control import (
-    AnsweredRecord,
-    Checkin,
-    CheckinKind,
-    Event,
-    EventKind,
-    FenceRecord,
-    NodeRecord,
-    Ping,
-    Roster,
-)
+from ..records.control import AnsweredRecord, Checkin, CheckinKind, FenceRecord, NodeRecord, Ping, Roster
+from ..records.job import Event, EventKind
 from ..records.read import read_answered, read_leader
 
 log = JobLog(logging.getLogger(__name__))

@@ -17,7 +17,8 @@ from ..etcd.client import KV, warn_once
 from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..logs import JobLog
-from ..records.control import Event, EventKind, LeaderRecord
+from ..records.control import LeaderRecord
+from ..records.job import Event, EventKind
 from ..records.keys import Keys
 from .membership import Member, put_event
 

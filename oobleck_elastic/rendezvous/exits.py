@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
 
-from ..records.control import ClosedRecord
+from ..records.job import ClosedRecord
 
 PREFIX = "torchrun --rdzv-backend=oobleck"
 """How every line of the agent's own starts."""

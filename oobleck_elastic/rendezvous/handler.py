@@ -42,7 +42,8 @@ from ..etcd import EtcdClient, connect
 from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..records.keys import Keys
-from ..records.control import ClosedRecord, Event, EventKind, NodeState, ReadyRecord, Roster
+from ..records.control import NodeState, ReadyRecord, Roster
+from ..records.job import ClosedRecord, Event, EventKind
 from ..records.read import read_closed, read_ready, read_roster
 from .leader import Leader
 from .planner import JobPlanner

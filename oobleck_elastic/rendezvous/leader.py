@@ -30,7 +30,8 @@ from .stop import close_if_stopped, stop_when_drained
 from .stragglers import LeaderStragglers
 from .membership import Member, goodbye_of, live_nodes, put_event
 from ..records.plans import PlanReader, RosterReader, newest_history_plan
-from ..records.control import Admission, ClosedRecord, Event, EventKind, NodeRecord, NodeState
+from ..records.control import Admission, NodeRecord, NodeState
+from ..records.job import ClosedRecord, Event, EventKind
 from ..records.read import (
     is_fenced,
     read_admitted,

@@ -21,7 +21,8 @@ from ..etcd import EtcdClient, EtcdError
 from ..etcd.client import warn_once
 from ..etcd.protocols import KVReader, KVStore
 from ..records.keys import Keys
-from ..records.control import Event, EventKind, FenceRecord, Goodbye, NodeRecord, NodeState
+from ..records.control import FenceRecord, Goodbye, NodeRecord, NodeState
+from ..records.job import Event, EventKind
 from ..records.read import is_fenced, read_admitted
 
 log = JobLog(logging.getLogger(__name__))

@@ -15,7 +15,8 @@ from ..etcd import EtcdClient
 from ..etcd.mirror import Mirror
 from ..etcd.protocols import KVReader
 from ..logs import JobLog
-from ..records.control import Admission, Event, EventKind
+from ..records.control import Admission
+from ..records.job import Event, EventKind
 from ..records.keys import Keys
 from .membership import put_event
 

@@ -16,7 +16,8 @@ from ..etcd import EtcdClient
 from ..etcd.protocols import KVStore
 from ..planning import Plan
 from ..planning.plan.plan import device_holders
-from ..records.control import Event, EventKind, FenceRecord, NodeRecord, NodeState, Roster, StrEnum
+from ..records.control import FenceRecord, NodeRecord, NodeState, Roster, StrEnum
+from ..records.job import Event, EventKind
 from ..records.keys import Keys
 from .decide import plan_events
 from .membership import goodbye_of, put_event

@@ -19,7 +19,7 @@ from ..etcd import EtcdClient
 from ..etcd.protocols import KVReader
 from ..logs import JobLog
 from ..planning import Plan
-from ..records.control import ClosedRecord, Event, EventKind, StopRecord
+from ..records.job import ClosedRecord, Event, EventKind, StopRecord
 from ..records.keys import Keys
 from ..records.read import read_stop
 from .membership import put_event

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 from ..etcd.protocols import KVReader
 from ..logs import JobLog
 from ..planning import Plan, PlanningError
-from ..records.control import Event, EventKind
+from ..records.job import Event, EventKind
 from ..records.keys import Keys
 from ..records.read import read_stragglers
 from .membership import put_event

@@ -27,19 +27,8 @@ from ..etcd.store import EtcdStore
 from ..logs import JobLog
 from ..planning import PipelineSpec, Plan, StagePlacement
 from ..records.board import claim_board
-from ..records.control import (
-    Checkin,
-    CheckinKind,
-    ClosedRecord,
-    Event,
-    EventKind,
-    NodeRecord,
-    NodeState,
-    ProfileClaim,
-    ProgressRecord,
-    ReadyRecord,
-    StragglerRecord,
-)
+from ..records.control import Checkin, CheckinKind, NodeRecord, NodeState, ProfileClaim, ReadyRecord, StragglerRecord
+from ..records.job import ClosedRecord, Event, EventKind, ProgressRecord
 from ..records.errors import ErrorRecord, next_error_record
 from ..records.goodput import Ledger, Origin, job_origin
 from ..records.keys import Keys

@@ -12,7 +12,7 @@ import pytest
 from oobleck_elastic import cluster_ops
 from oobleck_elastic.etcd import connect
 from oobleck_elastic.records.keys import Keys
-from oobleck_elastic.records.control import ClosedRecord
+from oobleck_elastic.records.job import ClosedRecord
 from oobleck_elastic.records.read import read_closed
 from oobleck_elastic.rendezvous.worker import WorkerContext
 
@@ -91,7 +91,7 @@ def test_bad_progress_next_index_and_events_are_ignored_or_repaired(etcd_setting
     """A malformed `progress` reads as none (the launcher and `oobleck status` go on); a malformed
     `next_index` is replaced by one past every index in use, so a joining node neither crashes nor
     reuses a fenced node's id; an event of another schema version is not accepted."""
-    from oobleck_elastic.records.control import Event
+    from oobleck_elastic.records.job import Event
     from oobleck_elastic.records.read import read_progress
     from oobleck_elastic.rendezvous.membership import Member, read_events
 

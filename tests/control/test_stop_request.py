@@ -12,7 +12,7 @@ import time
 
 from oobleck_elastic import cluster_ops
 from oobleck_elastic.etcd import connect
-from oobleck_elastic.records.control import ClosedRecord
+from oobleck_elastic.records.job import ClosedRecord
 from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.records.read import read_stop
 from oobleck_elastic.rendezvous.worker import WorkerContext

@@ -201,7 +201,7 @@ def test_job_origin_and_describe() -> None:
 
 
 def _run_keys(client, keys, *, ledger: Ledger | None, closed_at: float | None) -> None:
-    from oobleck_elastic.records.control import ClosedRecord, Event, EventKind
+    from oobleck_elastic.records.job import ClosedRecord, Event, EventKind
     from oobleck_elastic.rendezvous.membership import put_event
 
     put_event(client, keys, Event(time=1000.0, kind=EventKind.JOIN, node="node0", detail="host h"))

@@ -141,7 +141,7 @@ def test_a_lone_agent_below_n0_is_idle(tmp_path: Path, etcd_server, run_id) -> N
     the survivor's agent (the leader) uses under 2 % of a core and its worker under 1 %, and etcd
     receives nothing but lease keep-alives."""
     from launcher.faults import kill_node
-    from oobleck_elastic.records.control import EventKind
+    from oobleck_elastic.records.job import EventKind
     from oobleck_elastic.records.keys import Keys
     from oobleck_elastic.rendezvous.membership import read_events
 

@@ -158,7 +158,7 @@ def test_an_agent_ends_a_closed_job_with_one_line_and_a_status_by_cause() -> Non
     SystemExit through a host program); its line and status are what torchrun ends with."""
     from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
-    from oobleck_elastic.records.control import ClosedRecord
+    from oobleck_elastic.records.job import ClosedRecord
     from oobleck_elastic.rendezvous.exits import closed_error
 
     known = closed_error("r1", ClosedRecord(time=0.0, reason="DataError: no such file", failed=True, known_error=True))

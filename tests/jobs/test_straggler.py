@@ -21,7 +21,8 @@ from oobleck_elastic.rendezvous.decide import LeaderAction, Clocks, LeaderView, 
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.rendezvous.membership import read_events
-from oobleck_elastic.records.control import EventKind, NodeState, StragglerRecord
+from oobleck_elastic.records.control import NodeState, StragglerRecord
+from oobleck_elastic.records.job import EventKind
 from helpers import ROOT, assert_same, layout_plan, run_job, tensorboard_run, tiny_profile
 
 

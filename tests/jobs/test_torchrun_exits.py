@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from oobleck_elastic.etcd import EtcdSettings, connect
-from oobleck_elastic.records.control import ClosedRecord
+from oobleck_elastic.records.job import ClosedRecord
 from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.records.read import read_closed
+
+pytestmark = pytest.mark.core  # fast: make test runs it at every landing (tests/lanes.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
@@ -81,8 +83,6 @@ EMBEDDED = """
 import sys
 import torch.distributed.run
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
-
-pytestmark = pytest.mark.core  # fast: make test runs it at every landing (tests/lanes.py)
 try:
     torch.distributed.run.main(sys.argv[1:])
 except RendezvousClosedError as err:

@@ -129,7 +129,7 @@ def test_plan_with_profile_file_and_errors(tmp_path: Path) -> None:
 def test_outcome_exit_status_follows_the_closed_record() -> None:
     """`oobleck outcome` gives a batch script the run's result: a lost node's exit status is not it."""
     from oobleck_elastic.cluster_ops import OUTCOME_OPEN, outcome
-    from oobleck_elastic.records.control import ClosedRecord
+    from oobleck_elastic.records.job import ClosedRecord
 
     assert outcome(ClosedRecord(time=1.0, reason="finished 12 steps"), "7") == (0, "run 7 finished: finished 12 steps")
     assert outcome(ClosedRecord(time=1.0, reason="ValueError at step 3", failed=True), "7") == (

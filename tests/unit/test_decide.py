@@ -253,7 +253,8 @@ def test_a_node_that_said_goodbye_leaves_and_every_death_names_its_evidence() ->
 
 def test_records_parse_kinds_and_states_into_enums_and_refuse_unknown_ones() -> None:
     from oobleck_elastic.records.keys import Keys
-    from oobleck_elastic.records.control import Event, EventKind, NodeRecord, NodeState
+    from oobleck_elastic.records.control import NodeRecord, NodeState
+    from oobleck_elastic.records.job import Event, EventKind
 
     ev = Event.parse({"schema_version": 1, "time": 1.0, "kind": "renew", "node": "node3"})
     assert ev is not None and ev.kind is EventKind.RENEW and f"{ev.kind}" == "renew"

@@ -10,7 +10,8 @@ from oobleck_elastic.rendezvous.detect import STALL_RECHECK_S, Deputy, LeaderWat
 from oobleck_elastic.records.keys import Keys
 from oobleck_elastic.records.read import is_fenced
 from oobleck_elastic.rendezvous.membership import live_nodes, read_events, say_goodbye
-from oobleck_elastic.records.control import Checkin, CheckinKind, EventKind, LeaderRecord, NodeRecord, NodeState, Roster
+from oobleck_elastic.records.control import Checkin, CheckinKind, LeaderRecord, NodeRecord, NodeState, Roster
+from oobleck_elastic.records.job import EventKind
 
 from helpers import layout_plan
 
