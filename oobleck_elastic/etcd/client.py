@@ -258,6 +258,7 @@ class EtcdClient:
 
     def cancel_watch(self, watch_id: Any) -> None:
         try:
+            forking.check(self._pid)  # a forked child: nothing of the parent's to cancel, no gRPC to enter
             self.raw.cancel_watch(watch_id)
         except Exception:  # noqa: BLE001 - the stream may be gone already
             pass
