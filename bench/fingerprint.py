@@ -29,7 +29,7 @@ from bench.harness import Bench, emit
 
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.resilience.fingerprint import fingerprints, layer_tensors
-from oobleck_elastic.engine.trainer import single_process
+from oobleck_elastic.engine.reference import single_process
 from oobleck_elastic.testing import RandomTokens
 
 ROOT = Path(__file__).resolve().parents[1]

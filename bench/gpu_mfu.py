@@ -45,7 +45,7 @@ from oobleck_elastic.engine.step.loss import token_sum_loss
 from oobleck_elastic.engine.telemetry.memory import peak_device_bytes, peak_rss_bytes
 from oobleck_elastic.engine.telemetry.mfu import device_peak_tflops, flops_per_token
 from oobleck_elastic.engine.step.optim import build_optimizer, set_lr
-from oobleck_elastic.engine.trainer import single_process
+from oobleck_elastic.engine.reference import single_process
 from oobleck_elastic.models import build_layer_model, num_layers
 
 ROOT = Path(__file__).resolve().parents[1]

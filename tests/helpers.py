@@ -61,7 +61,7 @@ def one_thread() -> Iterator[None]:
 def reference_state(cfg, dataset, steps: int) -> dict[str, torch.Tensor]:
     """The single-process reference's weights after `steps` steps, as {"layer:param": tensor}
     (0 steps: the initial weights). Its process group is closed before returning."""
-    from oobleck_elastic.engine.trainer import single_process
+    from oobleck_elastic.engine.reference import single_process
 
     trainer = single_process(cfg, dataset=dataset)
     try:

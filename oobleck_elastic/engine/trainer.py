@@ -5,8 +5,9 @@ its stage's layers as a new `WorkerState` and builds the stage (engine/stage/bui
 (`train_step`) runs the stage's schedule on its share of the global batch, sums the gradients
 (engine/step/grad_sync.py), commits (engine/step/commit.py, where the commit protocol is told),
 and applies or drops the step as the step guard says (engine/step/apply.py). The single-process
-reference is a trainer that entered the one-worker plan. Invariant: the same weights as one
-process after any number of steps and reconfigurations (docs/design.md, docs/training.md).
+reference is a trainer that entered the one-worker plan (engine/reference.py). Invariant: the
+same weights as one process after any number of steps and reconfigurations (docs/design.md,
+docs/training.md).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..config import JobConfig
 from ..config.timing import comm_timeout, due_comm_timeout
 from ..data.sampler import BatchPrefetcher, pipeline_slices
 from ..logs import JobLog
-from ..models import LayerModel, build_layer_model, num_layers
+from ..models import LayerModel, build_layer_model
 from ..planning import Plan
 from .checkpoint_state import CheckpointState
 from .entry.devices import release_groups
@@ -52,7 +53,7 @@ from .step.state import WorkerState
 from .telemetry import memory
 from .telemetry.samples import SampleLedger
 
-__all__ = ["Trainer", "StepResult", "LayersLost", "Reconfiguration", "WorkerState", "single_process"]
+__all__ = ["Trainer", "StepResult", "LayersLost", "Reconfiguration", "WorkerState"]
 
 log = JobLog(logging.getLogger(__name__))
 
@@ -526,17 +527,3 @@ class Trainer:
         self.batches.close()
         if self.plan is not None and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def single_process(cfg: JobConfig, *, dataset: Any, device: str | torch.device = "cpu") -> Trainer:
-    """The single-process reference: a trainer that entered the one-worker plan (one stage holding
-    every layer) on an in-memory store. It initialises this process's default process group (a
-    world of one); `close()` it before making another."""
-    from .control import LocalControl
-
-    control = LocalControl(cfg, num_layers(cfg.model))
-    plan = control.plan()
-    assert plan is not None
-    return Trainer(
-        cfg, dataset=dataset, plan=plan, rank=0, store=control.store_for(plan.generation, cfg), device=device
-    )

@@ -23,7 +23,7 @@ from .drills import install_spin_drill
 from .election import Election, caught_up
 from .detect import Deputy, LeaderLiveness, LeaderWatch, RollCall, why_lost
 from .profile_wait import ProfileWait
-from .restart_loop import read_attempts, restart_verdict
+from .failing import close_failed, restarts_exhausted
 from .publish import SourceChoice, commit_plan, declare_lost, with_donors
 from ..records.keys import Keys
 from .stop import close_if_stopped, stop_when_drained
@@ -31,7 +31,7 @@ from .stragglers import LeaderStragglers
 from .membership import Member, goodbye_of, live_nodes, put_event
 from ..records.plans import PlanReader, RosterReader, newest_history_plan
 from ..records.control import Admission, NodeRecord, NodeState
-from ..records.job import ClosedRecord, Event, EventKind
+from ..records.job import Event, EventKind
 from ..records.read import (
     is_fenced,
     read_admitted,
@@ -367,31 +367,17 @@ class Leader:
             self._fail(failed)
 
     def _fail(self, reason: str, *, known_error: bool = False) -> None:
-        """Close the job as failed: workers and agents leave with this error (no plan can follow);
-        `known_error`: a setting to change (`ClosedRecord.known_error`, agents exit 2)."""
-        log.at(node=self.member.node_id).error("%s", reason)
-        closed = ClosedRecord(time=time.time(), reason=reason, failed=True, known_error=known_error)
-        self.client.put_json(self.keys.closed, closed.to_json())
-        put_event(
-            self.client,
-            self.keys,
-            Event(time=time.time(), kind=EventKind.CLOSED, node=self.member.node_id, detail=reason),
-        )
+        """Close the job as failed (`rendezvous.failing`); no profile is awaited any more."""
+        close_failed(self.client, self.keys, self.member.node_id, reason, known_error=known_error)
         self.profiles.reset()
 
     def _restarts_exhausted(self, plan: Plan, nodes: tuple[str, ...]) -> bool:
         """Whether a restart on `nodes` after `plan` is one too many without progress
-        (`rendezvous.restart_loop`): then the job is closed as failed, its last error stored."""
-        if tuple(nodes) != plan.nodes:  # other nodes: no restart, nothing to read
-            return False
-        attempts, progress = read_attempts(self.client, self.keys, plan, self.max_restarts)
-        verdict = restart_verdict(attempts, next_nodes=nodes, progress=progress, bound=self.max_restarts)
-        if verdict is None:
-            return False
-        if verdict.record is not None:
-            self.client.put_json(self.keys.errors, verdict.record.to_json())
-        self._fail(verdict.reason)
-        return True
+        (`rendezvous.failing`): then the job is closed as failed, its last error stored."""
+        reason = restarts_exhausted(self.client, self.keys, plan, nodes, self.max_restarts)
+        if reason is not None:
+            self._fail(reason)
+        return reason is not None
 
     def _fenced(self, records: list[NodeRecord]) -> set[str]:
         """Nodes declared lost (by a roll call, or dropped when their record vanished). An entry is

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -42,6 +41,7 @@ from ..records.read import (
     read_stop,
     readiness_withdrawn,
 )
+from .latest_put import LatestPut
 from .membership import put_event, read_events
 from .preempt import guard_worker
 
@@ -79,7 +79,7 @@ class WorkerContext:
     """The newest plan seen: generations only grow, so an older one read later is refused."""
     view: Optional[Mirror] = None
     """The mirror of the keys this worker reads between steps (`watched`); None: read etcd directly."""
-    _progress: Optional["_LatestPut"] = None
+    _progress: Optional[LatestPut] = None
     _plans: Optional[PlanReader] = None
     _stalled: set[int] = field(default_factory=set)  # generations this worker checked in as stalled
     _news: int = 0  # the mirror's version when `wait_for_news` last returned
@@ -341,7 +341,7 @@ class WorkerContext:
         """Write the job's progress from a background thread (the newest value wins): the step loop
         never waits for etcd."""
         if self._progress is None:
-            self._progress = _LatestPut(self.client)
+            self._progress = LatestPut(self.client)
         self._progress.put(
             self.keys.progress,
             {"generation": generation, "step": step, "time": time.time(), "node": self.node_id, **extra},
@@ -463,38 +463,3 @@ class WorkerContext:
         )
         self.client.put_json(self.keys.errors, rec.to_json())
         return rec
-
-
-class _LatestPut:
-    """Puts the newest JSON value given to it from a daemon thread, so that the caller never
-    waits for etcd; values superseded before they were written are skipped."""
-
-    def __init__(self, client: EtcdClient) -> None:
-        self.client = client
-        self._cond = threading.Condition()
-        self._pending: Optional[tuple[str, Any]] = None
-        self._busy = False
-        threading.Thread(target=self._run, name="oobleck-progress", daemon=True).start()
-
-    def put(self, key: str, value: Any) -> None:
-        with self._cond:
-            self._pending = (key, value)
-            self._cond.notify_all()
-
-    def flush(self, timeout: float) -> bool:
-        """Wait until every value given was written (or failed); False at the timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending is not None)
-                (key, value), self._pending, self._busy = self._pending, None, True  # type: ignore[misc]
-            try:
-                self.client.put_json(key, value)
-            except Exception as err:  # noqa: BLE001 - progress is informative; a newer value follows
-                log.warning("could not report progress to etcd: %s", err)
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()

@@ -23,7 +23,7 @@ from oobleck_elastic.cli import main
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine import checkpointing
 from oobleck_elastic.engine.checkpointing import CheckpointPolicy, retake_reason
-from oobleck_elastic.engine.trainer import single_process
+from oobleck_elastic.engine.reference import single_process
 from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement, layer_copies, shortfall
 from helpers import RandomTokens, assert_same, layout_plan, paced, run_job, tiny_profile
 

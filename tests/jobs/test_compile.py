@@ -13,7 +13,7 @@ import torch
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine.stage.compiled import CompiledLayer, graphs_compiled, warm_up
 from oobleck_elastic.data.dataset import build_dataset
-from oobleck_elastic.engine.trainer import single_process
+from oobleck_elastic.engine.reference import single_process
 from helpers import assert_same, run_job, tiny_profile
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from oobleck_elastic.engine.resilience.errors import JobFailed
 from oobleck_elastic.engine.resilience.faults import FaultInjector
 from oobleck_elastic.engine.resilience.guard import GuardDecision, StepGuard, TooManySkipped, Verdict, judge
 from oobleck_elastic.engine.run import train
-from oobleck_elastic.engine.trainer import single_process
+from oobleck_elastic.engine.reference import single_process
 from helpers import RandomTokens, assert_same, run_job, tensorboard_run, tiny_profile
 
 pytestmark = pytest.mark.core  # fast: make test runs it at every landing (tests/lanes.py)

@@ -31,7 +31,7 @@ from oobleck_elastic.data.sampler import GlobalBatchSampler
 from oobleck_elastic.data.dataset import build_dataset
 from oobleck_elastic.engine.run import train
 from oobleck_elastic.engine.checkpointing import save
-from oobleck_elastic.engine.trainer import single_process
+from oobleck_elastic.engine.reference import single_process
 from oobleck_elastic.models.export import export_checkpoint
 from helpers import ROOT, overrides, run_job, tiny_profile
 

@@ -95,7 +95,7 @@ def test_a_running_generation_moves_to_the_derived_timeout() -> None:
     derivation at a similar step changes nothing."""
     import torch.distributed as dist
 
-    from oobleck_elastic.engine.trainer import single_process
+    from oobleck_elastic.engine.reference import single_process
 
     cfg = load_config(
         ROOT / "configs/gpt2-tiny.yaml",

@@ -338,7 +338,7 @@ def test_cli_profiles_two_sizes_and_caches_them_under_an_auto_key(tmp_path: Path
 # ------------------------------------------------------------------ a one-worker job
 def test_single_process_trains_with_the_chosen_size(tmp_path: Path) -> None:
     from helpers import RandomTokens
-    from oobleck_elastic.engine.trainer import single_process
+    from oobleck_elastic.engine.reference import single_process
 
     path = tmp_path / "profile.json"
     # one stage of 6 layers, 0.05 GiB per sample each: b <= 3 fits in 1 GiB; a fixed cost makes it win

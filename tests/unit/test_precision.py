@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from oobleck_elastic.config import load_config
 from oobleck_elastic.data.dataset import build_dataset
 from oobleck_elastic.engine.step.loss import ChunkedCrossEntropy, token_sum_loss
-from oobleck_elastic.engine.trainer import single_process
+from oobleck_elastic.engine.reference import single_process
 
 ROOT = Path(__file__).resolve().parents[2]
 

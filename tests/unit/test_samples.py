@@ -289,6 +289,7 @@ def test_a_rolled_forward_step_is_recorded_against_the_generation_that_fed_it(tm
 
     from oobleck_elastic.config import load_config
     from oobleck_elastic.engine import trainer as trainer_module
+    from oobleck_elastic.engine.reference import single_process
     from oobleck_elastic.logs import attach_event_lines, read_event_lines
     from helpers import RandomTokens
 
@@ -303,7 +304,7 @@ def test_a_rolled_forward_step_is_recorded_against_the_generation_that_fed_it(tm
         ],
     )
     handler = attach_event_lines(tmp_path / "ev")
-    t = trainer_module.single_process(cfg, dataset=RandomTokens(n=32, seq_len=8))
+    t = single_process(cfg, dataset=RandomTokens(n=32, seq_len=8))
     try:
         t.train_step(0)
         with monkeypatch.context() as m:

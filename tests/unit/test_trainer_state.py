@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.engine.trainer import single_process
+from oobleck_elastic.engine.reference import single_process
 from helpers import RandomTokens
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import transformers
 
 from oobleck_elastic.config import load_config
 from oobleck_elastic.engine import checkpointing
-from oobleck_elastic.engine.trainer import single_process
+from oobleck_elastic.engine.reference import single_process
 from oobleck_elastic.models.export import export_checkpoint
 from helpers import RandomTokens
 

@@ -42,7 +42,8 @@ from oobleck_elastic.engine import checkpointing
 from oobleck_elastic.engine.resilience.faults import FaultInjector
 from oobleck_elastic.engine.resilience.fingerprint import Corrupt
 from oobleck_elastic.engine.resilience.straggler import ComputeClock, StragglerWatch
-from oobleck_elastic.engine.trainer import Trainer, single_process
+from oobleck_elastic.engine.reference import single_process
+from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
 from oobleck_elastic.planning.plan.rebalance import mitigate, rebalanced_plan
 from helpers import RandomTokens, layout_plan
