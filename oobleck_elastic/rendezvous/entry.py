@@ -38,13 +38,16 @@ def get_creator() -> Callable[[Any], Any]:
 
     def create(params: Any) -> Any:
         from ..config import ConfigError
+        from ..etcd import EtcdError
 
-        from .exits import PREFIX, SettingError, install_exit_hook
+        from .exits import PREFIX, STATUS_FAILED, SettingError, install_exit_hook
 
         install_exit_hook()  # uncaught, the errors below end torchrun with one line (rendezvous/exits.py)
         try:
             return create_handler(params)
         except ConfigError as err:  # a setting to change: one line, and this agent exits 2 (no traceback)
             raise SettingError(f"{PREFIX}: error: {err}") from None
+        except EtcdError as err:  # etcd out of reach (or refused by a fork guard): one line, exit 1
+            raise SettingError(f"{PREFIX}: error: {err}", STATUS_FAILED) from None
 
     return create

@@ -41,12 +41,13 @@ class JobClosed(RendezvousClosedError):
 
 
 class SettingError(RendezvousError):
-    """The rendezvous handler cannot be built from its config (a misspelt key, a bad value)."""
+    """The rendezvous handler cannot be built from its settings: its config (a misspelt key, a bad
+    value: status 2), or an etcd it cannot reach at `--rdzv-endpoint` (status 1)."""
 
-    def __init__(self, line: str) -> None:
+    def __init__(self, line: str, status: int = STATUS_SETTING) -> None:
         super().__init__(line)
         self.line = line
-        self.status = STATUS_SETTING
+        self.status = status
 
 
 def closed_error(run_id: str, closed: ClosedRecord, *, node: Optional[str] = None) -> JobClosed:
@@ -114,6 +115,9 @@ def install_exit_hook() -> None:
 __all__ = [
     "JobClosed",
     "PREFIX",
+    "STATUS_FAILED",
+    "STATUS_FINISHED",
+    "STATUS_SETTING",
     "SettingError",
     "closed_error",
     "ending_of",

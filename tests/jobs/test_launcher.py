@@ -257,6 +257,22 @@ def test_an_agent_whose_config_does_not_load_exits_with_one_line() -> None:
     )
 
 
+@pytest.mark.core
+def test_an_agent_that_cannot_reach_etcd_exits_with_one_line() -> None:
+    """A config that loads, an endpoint where no etcd listens: one line and status 1, no traceback."""
+    res = _run(
+        [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=oobleck", "--rdzv-endpoint=127.0.0.1:1"]
+        + ["--rdzv-id=x", "--nnodes=1", "--nproc-per-node=1"]
+        + ["examples/train.py", "--config", "configs/gpt2-tiny.yaml"],
+        timeout=120,
+    )
+    assert (res.returncode, res.stdout) == (1, "")
+    assert res.stderr == (
+        "torchrun --rdzv-backend=oobleck: error: cannot reach etcd at 127.0.0.1:1: ConnectionFailedError: "
+        "etcd connection failed\n"
+    )
+
+
 def _gone(pid: int) -> bool:
     """The process exited (or is a zombie nobody has reaped yet)."""
     try:
