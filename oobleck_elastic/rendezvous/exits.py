@@ -2,13 +2,13 @@
 
 A program that embeds torch's agent (`elastic_launch`, `torch.distributed.run.main(args)`) gets
 what the agent contract says: `JobClosed` (a `RendezvousClosedError`) when the job is closed,
-`SettingError` (a `RendezvousError`) for a config the handler cannot load, torch's
+`SettingError` (a `RendezvousError`) for a config it cannot load or an etcd it cannot reach, torch's
 `ChildFailedError` when workers failed; never a `SystemExit` through its own code. Only an
 uncaught one, at the top of a process, becomes one line on stderr and an exit status
 (`install_exit_hook`, a `sys.excepthook` that hands every other exception on): 0 when the job
 finished without this node, 2 when the job was closed by a known error before its first step
 (a setting, data file, plan or checkpoint to change, `ClosedRecord.known_error`) or the config
-is bad, 1 for any other failure. docs/running.md tells it from the user's side.
+is bad, 1 for any other failure (etcd out of reach too). docs/running.md tells it from the user's side.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import sys
 from types import TracebackType
 from typing import Any, Callable, Optional
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
 
 from ..records.job import ClosedRecord
@@ -84,7 +85,7 @@ def ending_of(err: BaseException) -> Optional[tuple[str, int]]:
     usual traceback)."""
     if isinstance(err, (JobClosed, SettingError)):
         return err.line, err.status
-    if _workers_failed_on is not None and type(err).__name__ == "ChildFailedError":
+    if _workers_failed_on is not None and isinstance(err, ChildFailedError):
         return _workers_failed_on.line, _workers_failed_on.status
     return None
 

@@ -240,37 +240,37 @@ def test_a_misspelt_key_stops_the_launcher_before_any_node() -> None:
     )
 
 
-@pytest.mark.core
-def test_an_agent_whose_config_does_not_load_exits_with_one_line() -> None:
-    """Under torchrun of one's own (no launcher): the handler loads the config before it connects
-    to etcd, so a misspelt key ends the agent with one line and status 2, not a traceback through torchrun."""
-    res = _run(
-        [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=oobleck", "--rdzv-endpoint=127.0.0.1:1"]
-        + ["--rdzv-id=x", "--nnodes=1", "--nproc-per-node=1", "examples/train.py"]
-        + ["--config", "configs/gpt2-tiny.yaml", "data.tokenizr=hf"],
-        timeout=120,
-    )
-    assert (res.returncode, res.stdout) == (2, "")
-    assert res.stderr == (
+AGENT_ERRORS = {
+    # the handler loads the config before it connects to etcd: a misspelt key is a setting to change (2)
+    "config": (
+        ["data.tokenizr=hf"],
+        2,
         "torchrun --rdzv-backend=oobleck: error: configs/gpt2-tiny.yaml: unknown key 'data.tokenizr': "
-        "did you mean 'data.tokenizer'?\n"
-    )
+        "did you mean 'data.tokenizer'?\n",
+    ),
+    # a config that loads, an endpoint where no etcd listens (1)
+    "etcd": (
+        [],
+        1,
+        "torchrun --rdzv-backend=oobleck: error: cannot reach etcd at 127.0.0.1:1: ConnectionFailedError: "
+        "etcd connection failed\n",
+    ),
+}
 
 
 @pytest.mark.core
-def test_an_agent_that_cannot_reach_etcd_exits_with_one_line() -> None:
-    """A config that loads, an endpoint where no etcd listens: one line and status 1, no traceback."""
+@pytest.mark.parametrize("cause", sorted(AGENT_ERRORS))
+def test_an_agent_that_cannot_start_exits_with_one_line(cause: str) -> None:
+    """Under torchrun of one's own (no launcher): a handler that cannot be built ends the agent with
+    one line and its status, not a traceback through torchrun."""
+    overrides, status, line = AGENT_ERRORS[cause]
     res = _run(
         [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=oobleck", "--rdzv-endpoint=127.0.0.1:1"]
         + ["--rdzv-id=x", "--nnodes=1", "--nproc-per-node=1"]
-        + ["examples/train.py", "--config", "configs/gpt2-tiny.yaml"],
+        + ["examples/train.py", "--config", "configs/gpt2-tiny.yaml", *overrides],
         timeout=120,
     )
-    assert (res.returncode, res.stdout) == (1, "")
-    assert res.stderr == (
-        "torchrun --rdzv-backend=oobleck: error: cannot reach etcd at 127.0.0.1:1: ConnectionFailedError: "
-        "etcd connection failed\n"
-    )
+    assert (res.returncode, res.stdout, res.stderr) == (status, "", line)
 
 
 def _gone(pid: int) -> bool:
