@@ -6,7 +6,8 @@
 - `run_id`: a unique id per test; put it in key prefixes so tests sharing the server don't collide.
 
 Also `--extended-shard i/K` (tests/lanes.py): the rotating shard of extended tests `make test` runs
-(with it, a jobs test not marked `core` is extended too).
+(with it, a jobs test not marked `core` is extended too), balanced by tests/durations.json, which
+`--store-durations` refreshes with the times of the tests run.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Iterator
 
 import pytest
 
-from lanes import extended_shard, parse_shard, rotate
+from lanes import extended_shard, load_durations, parse_shard, rotate, store_durations
 from oobleck_elastic.etcd.settings import EtcdSettings
 from oobleck_elastic.etcd.server import EtcdServer
 
@@ -68,6 +69,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="i/K",
         help="mark the i-th of K shards of the extended tests 'in_shard' (make test runs them: -m '... or in_shard')",
     )
+    parser.addoption(
+        "--store-durations",
+        action="store_true",
+        help="merge the durations of the tests run into tests/durations.json (the shards' balance)",
+    )
+
+
+_measured: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _measured[report.nodeid] = _measured.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if session.config.getoption("--store-durations") and _measured:
+        store_durations(_measured)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: the marker must be there when it filters
@@ -77,7 +95,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     shard = parse_shard(text)
     rotate(items, Path(__file__).resolve().parent)
-    chosen = extended_shard(items, shard)
+    chosen = extended_shard(items, shard, load_durations())
     for item in chosen:
         item.add_marker(pytest.mark.in_shard)
     reporter = config.pluginmanager.get_plugin("terminalreporter")

@@ -3,13 +3,16 @@
 A lane's `conftest.py` calls `mark_lane`, which gives every test collected under that folder the
 lane's marker (so `-m worlds` works) and the lane's per-test time cap (pytest-timeout), unless the
 test sets its own `pytest.mark.timeout`. `extended_shard` picks the rotating shard of `extended`
-tests that `make test` runs; in the jobs lane (`ROTATING`) every test not marked `core` takes its
-turn there too. tests/README.md lists the lanes and their measured times.
+tests that `make test` runs, balanced by the recorded durations (`DURATIONS`); in the jobs lane
+(`ROTATING`) every test not marked `core` takes its turn there too. tests/README.md lists the
+lanes and their measured times.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Mapping
 
 import pytest
 
@@ -66,9 +69,47 @@ def rotate(items: list[pytest.Item], tests: Path) -> None:
             item.add_marker(pytest.mark.extended)
 
 
-def extended_shard(items: list[pytest.Item], shard: tuple[int, int]) -> list[pytest.Item]:
-    """The `extended` items of shard i of K: every K-th of them in node-id order, from the i-th,
-    so the K shards are disjoint, cover every extended test and differ in size by one at most."""
+DURATIONS = Path(__file__).resolve().parent / "durations.json"
+"""Measured seconds (setup + call + teardown) of the tests that run in turns, by node id:
+`extended_shard` balances the shards by them. Refresh after adding slow tests with
+`pytest tests/jobs -m "not core and not full_matrix and not chaos" --store-durations` (it merges
+the times of the tests it ran into the file)."""
+
+
+MIN_COST_S = 1.0
+"""What a test costs the shard at least: its process start and fixtures, whatever its recorded time."""
+
+
+def load_durations(path: Path = DURATIONS) -> dict[str, float]:
+    """The recorded durations, or none when the file is missing."""
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def store_durations(measured: Mapping[str, float], path: Path = DURATIONS) -> None:
+    """Merge `measured` into the file at `path`, one test a line so that a diff reads."""
+    merged = {**load_durations(path), **{k: round(v, 1) for k, v in measured.items()}}
+    lines = [f"  {json.dumps(k)}: {merged[k]}" for k in sorted(merged)]
+    path.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+
+
+def extended_shard(
+    items: list[pytest.Item], shard: tuple[int, int], durations: Mapping[str, float] = {}
+) -> list[pytest.Item]:
+    """The `extended` items of shard i of K. The K shards are disjoint, cover every extended test
+    and take about the same time: longest first, each test goes to the shard with the least
+    recorded time so far (lowest index on a tie), so a shard exceeds another by at most its
+    longest test. A test with no recorded duration counts as the median recorded one, and every
+    test as at least `MIN_COST_S` (so the many quick ones spread over the shards too)."""
     i, k = shard
-    extended = sorted((it for it in items if it.get_closest_marker("extended")), key=lambda it: it.nodeid)
-    return extended[i::k]
+    extended = [it for it in items if it.get_closest_marker("extended")]
+    known = sorted(durations[it.nodeid] for it in extended if it.nodeid in durations)
+    typical = known[len(known) // 2] if known else 1.0
+    cost = {it.nodeid: max(MIN_COST_S, durations.get(it.nodeid, typical)) for it in extended}
+    loads = [0.0] * k
+    chosen = []
+    for it in sorted(extended, key=lambda it: (-cost[it.nodeid], it.nodeid)):
+        j = min(range(k), key=lambda s: (loads[s], s))
+        loads[j] += cost[it.nodeid]
+        if j == i:
+            chosen.append(it)
+    return sorted(chosen, key=lambda it: it.nodeid)
