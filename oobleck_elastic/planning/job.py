@@ -222,6 +222,7 @@ def _build(cfg: JobConfig, profile: ModelProfile, microbatch_size: int) -> Templ
         memory_source=source,
         tensor_parallel=profile.tensor_parallel,
         links=links_for(cfg),
+        activation_checkpoint=t.activation_checkpoint,
     )
     return dataclasses.replace(tset, microbatch_size=microbatch_size, profile=profile)
 
