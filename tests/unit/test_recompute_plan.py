@@ -5,6 +5,7 @@ without, with the template's split and each schedule, and the plan records each 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -103,3 +104,17 @@ def test_a_plan_without_the_stages_mode_reads_as_not_recorded() -> None:
     data["pipelines"][0]["stages"][0]["activation_checkpoint"] = "selective"
     with pytest.raises(PlanningError, match="activation_checkpoint is 'selective'"):
         Plan.from_json(data)
+
+
+def test_the_leader_ignores_a_published_profile_without_the_jobs_mode() -> None:
+    """A worker's profile in etcd that has no numbers for `training.activation_checkpoint` (made by
+    an older version, under one mode) is ignored with a warning, as one measured for another job."""
+    from oobleck_elastic.config import load_config
+    from oobleck_elastic.rendezvous.planner import JobPlanner
+
+    cfg = load_config(overrides=["model.num_layers=2", "training.activation_checkpoint=auto"])
+    planner = JobPlanner(cfg, None, None)  # type: ignore[arg-type]  # the check only: no etcd
+    both = profile()
+    assert planner._valid("profiles/a", json.dumps(both.to_json()).encode(), 1, of_this_job=True) == both
+    one = ModelProfile(layers=both.in_mode("full").layers, key={"recompute": True})
+    assert planner._valid("profiles/b", json.dumps(one.to_json()).encode(), 1, of_this_job=True) is None
