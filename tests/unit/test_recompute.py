@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -86,7 +87,11 @@ def _old_profile(tmp_path: Path, key: dict) -> str:
 def test_an_older_profile_offers_the_mode_it_was_made_for(tmp_path: Path) -> None:
     from oobleck_elastic.planning.profile.profile import ModelProfile, ProfileError
 
-    assert ModelProfile.load(_old_profile(tmp_path, {})).modes == ("none",)
+    unstated = ModelProfile.load(_old_profile(tmp_path, {}))  # planned as it is for none and full (as before)
+    assert unstated.modes == ("none",) and unstated.mode_unstated
+    assert unstated.in_mode("full") is unstated and unstated.in_mode("none") is unstated
+    with pytest.raises(ProfileError, match="not auto"):
+        unstated.in_mode("auto")
     for key in ({"recompute": True}, {"activation_checkpoint": "full"}):
         old = ModelProfile.load(_old_profile(tmp_path, key))
         assert old.modes == ("full",) and old.in_mode("full") is old

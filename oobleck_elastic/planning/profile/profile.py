@@ -172,18 +172,31 @@ class ModelProfile:
         return "full" if key.get("recompute") else "none"
 
     @property
+    def _has_recomputed(self) -> bool:
+        every = [self.layers, *self.at_microbatch_sizes.values()]
+        return all(la.has_recomputed for layers in every for la in layers)
+
+    @property
     def modes(self) -> tuple[str, ...]:
         """The activation checkpointing modes this profile has numbers for: its base mode, and
         `full` as well when every layer (at every microbatch size) has its recomputed variant."""
         if self.base_mode != "none":
             return (self.base_mode,)
-        every = [self.layers, *self.at_microbatch_sizes.values()]
-        return RECOMPUTE_MODES if all(la.has_recomputed for layers in every for la in layers) else ("none",)
+        return RECOMPUTE_MODES if self._has_recomputed else ("none",)
+
+    @property
+    def mode_unstated(self) -> bool:
+        """Whether the profile neither states a mode nor has recomputed numbers (a hand-made file):
+        `none` and `full` plan with its numbers as they are, `auto` cannot."""
+        key = self.key if isinstance(self.key, dict) else {}
+        return not ({"activation_checkpoint", "recompute"} & set(key)) and not self._has_recomputed
 
     def in_mode(self, mode: str) -> "ModelProfile":
         """This profile with `mode`'s numbers in the plain fields: `none` and `auto` (which needs
-        both modes) give itself, the recomputed variants kept beside; ProfileError when it has no
-        numbers for `mode`."""
+        both modes) give itself, the recomputed variants kept beside (as does a profile whose mode
+        is unstated, for none and full); ProfileError when it has no numbers for `mode`."""
+        if self.mode_unstated and mode != "auto":
+            return self
         if not all(m in self.modes for m in (RECOMPUTE_MODES if mode == "auto" else (mode,))):
             raise ProfileError(f"the profile has numbers for activation_checkpoint {'/'.join(self.modes)}, not {mode}")
         if mode in (self.base_mode, "auto"):
@@ -331,10 +344,13 @@ def profile_cache_key(key: dict[str, Any]) -> str:
 def recompute_mismatch(cfg: JobConfig, profile: ModelProfile, path: str) -> Optional[str]:
     """Why `profile` (from `path`) cannot plan this job: it has no numbers for
     `training.activation_checkpoint` (`auto` needs both `none` and `full`), so its backward times
-    and activation bytes would not be the engine's; None when it has them."""
+    and activation bytes would not be the engine's; None when it has them, or when it states no
+    mode and has no recomputed numbers (a hand-made file) and the job's mode is not `auto`."""
     asked = cfg.training.activation_checkpoint
     have = profile.modes
     if all(mode in have for mode in (RECOMPUTE_MODES if asked == "auto" else (asked,))):
+        return None
+    if profile.mode_unstated and asked != "auto":  # says nothing: its numbers as they are
         return None
     one = have[0] if len(have) == 1 else "none"
     return (
