@@ -156,7 +156,7 @@ def schedules(common: dict, repeats: int) -> None:
 
 
 def basics(common: dict, repeats: int) -> None:
-    profile = gpt3_175b_profile()
+    profile = gpt3_175b_profile().in_mode("full")  # as configs/gpt3-175b.yaml plans it
 
     def build():
         return build_templates(profile, gpus_per_node=8, device_memory_gb=80.0, memory_margin=0.1, links=Links())
@@ -257,7 +257,7 @@ def tensor_parallel(common: dict) -> None:
 
 def replan_at_scale(common: dict, repeats: int) -> None:
     for tp in (1, 8):
-        profile = gpt3_175b_profile(tensor_parallel=tp)
+        profile = gpt3_175b_profile(tensor_parallel=tp).in_mode("full")
         templates = build_templates(
             profile, gpus_per_node=8, device_memory_gb=80.0, memory_margin=0.1, links=Links(), tensor_parallel=tp
         )

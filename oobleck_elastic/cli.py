@@ -29,6 +29,7 @@ from .planning import (
     tolerated_losses,
     with_shadows,
 )
+from .planning.plan import recompute
 from .planning.schedules.choice import PipelineSchedules
 from .planning.schedules.cost import ScheduleCost
 from .planning.tolerance.shadows import describe as describe_shadows
@@ -73,11 +74,13 @@ def format_plan(
     each = f"{memory:.4g} GiB each (from {jp.templates.memory_source})" if memory is not None else "memory unknown"
     ts = jp.templates
     links = ts.links
+    auto = t.activation_checkpoint == "auto"
     out = [
         f"model: {ts.num_layers} layers; {ts.gpus_per_node} device(s) per node, "
         f"{each}; schedule {cfg.planning.schedule}; "
         f"global batch {t.global_batch_size} = {B} microbatches of {mbs}"
         + (" (training.microbatch_size=auto)" if t.microbatch_size == "auto" else ""),
+        f"activation checkpointing: {recompute.summary(jp.plan, t.activation_checkpoint)}",
         f"parallelism: tensor parallel {ts.tensor_parallel} (devices per stage, on one node) x pipeline "
         f"({ts.gpus_per_node // ts.tensor_parallel} stage(s) per node) x data parallel (pipelines)",
         "communication: "
@@ -93,7 +96,8 @@ def format_plan(
         "",
         f"templates (iteration time with {mref} microbatches = global batch / (f+1), {cfg.fault_tolerance.f + 1} "
         "replicas):",
-        f"  {'nodes':>5} {'stages':>6} {'iter s':>9} {'bottleneck s':>12} {'comm s':>9} {'peak GiB':>9}  layer ranges",
+        f"  {'nodes':>5} {'stages':>6} {'iter s':>9} {'bottleneck s':>12} {'comm s':>9} {'peak GiB':>9}  layer ranges"
+        + ("; stages recomputed (1f1b)" if auto else ""),
     ]
     replicas = cfg.fault_tolerance.f + 1
     for n in sizes if templates else ():
@@ -102,6 +106,7 @@ def format_plan(
         table.append(
             f"  {n:>5} {tp.num_stages:>6} {tp.iteration_time(mref, replicas):>9.4g} {tp.bottleneck_s:>12.4g} "
             f"{comm:>9.3g} {tp.peak_memory_bytes / GIB:>9.3f}  {_ranges(tp.layer_ranges())}"
+            + (f"; {recompute.stage_runs([s.index for s in tp.stages if s.recompute])}" if auto else "")
         )
     out += ["", "guarantee: " + jp.guarantee.describe(), ""]
     p = jp.plan
@@ -129,6 +134,7 @@ def format_plan(
             f"  {which}: template {first.template_nodes} node(s) [{span}], "
             f"{first.microbatches} microbatches each, est. {first.est_time_s:.4g} s"
             + (f", {first.schedule} x{first.num_chunks} chunks" if first.num_chunks > 1 else f", {first.schedule}")
+            + (f", stages recomputed: {recompute.stage_runs(recompute.recomputed_stages(first))}" if auto else "")
         )
     if p.spares:
         out.append(f"  spares: {', '.join(p.spares)}")

@@ -18,7 +18,7 @@ OptimizerName = Literal["adamw", "sgd"]
 LRDecay = Literal["constant", "linear", "cosine"]
 Precision = Literal["fp32", "bf16"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
-ActivationCheckpoint = Literal["none", "full"]
+ActivationCheckpoint = Literal["none", "full", "auto"]
 
 
 @dataclass
@@ -78,7 +78,9 @@ class TrainingConfig(Section):
     activation_checkpoint: ActivationCheckpoint = "none"
     """`none`: every layer keeps its activations for the backward; `full`: a layer keeps only its
     input and runs its forward once more in the backward, under every schedule: less memory, about
-    one more forward of compute (docs/training.md, "Activation checkpointing")."""
+    one more forward of compute; `auto`: the planner chooses per stage, with the schedule, the
+    least recomputation that fits the device's memory (none if the stage fits without, else full),
+    and the plan tells each worker its stage's mode (docs/training.md, "Activation checkpointing")."""
     device: DeviceKind = "auto"
     """`auto` (a worker trains on `cuda:<LOCAL_RANK>` when CUDA is available, else on the CPU),
     `cpu` or `cuda`. Data (pipeline send/receive, gradient sync, layer transfers) then runs over

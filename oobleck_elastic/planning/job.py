@@ -206,6 +206,7 @@ def load_profiles(cfg: JobConfig, path: Optional[str] = None) -> dict[int, Model
 def _build(cfg: JobConfig, profile: ModelProfile, microbatch_size: int) -> TemplateSet:
     """Templates at `microbatch_size` (with auto, the profile fitted to that size)."""
     p, t = cfg.planning, cfg.training
+    profile = profile.in_mode(t.activation_checkpoint)  # the mode's numbers (auto: both)
     if fixed_microbatch_size(cfg) is None:
         profile = profile_at(profile, microbatch_size)
     microbatches = t.global_batch_size // microbatch_size
@@ -221,6 +222,7 @@ def _build(cfg: JobConfig, profile: ModelProfile, microbatch_size: int) -> Templ
         memory_source=source,
         tensor_parallel=profile.tensor_parallel,
         links=links_for(cfg),
+        activation_checkpoint=t.activation_checkpoint,
     )
     return dataclasses.replace(tset, microbatch_size=microbatch_size, profile=profile)
 
@@ -231,11 +233,14 @@ def _choose(cfg: JobConfig, profile: ModelProfile, nodes: int) -> tuple[Microbat
     total = cfg.training.global_batch_size
     memory = ""
     too_big: Optional[tuple[int, list[int]]] = None  # a size no template fits at, and its activations
+    mode = cfg.training.activation_checkpoint
+    profile = profile.in_mode(mode)
+    least = profile.in_mode("full") if mode == "auto" else profile  # the least activations a stage can keep
     for b in microbatch_candidates(cfg):
         if too_big is not None and cfg.planning.schedule == "1f1b":
             # 1F1B keeps as many microbatches in flight at every size: no less activation memory
             # on any layer than at a size that fit nowhere cannot fit either
-            acts = [la.activation_bytes for la in profile_at(profile, b).layers]
+            acts = [la.activation_bytes for la in profile_at(least, b).layers]
             if all(x >= y for x, y in zip(acts, too_big[1])):
                 options.append(
                     MicrobatchOption(
@@ -251,7 +256,7 @@ def _choose(cfg: JobConfig, profile: ModelProfile, nodes: int) -> tuple[Microbat
         except PlanningError as err:
             options.append(MicrobatchOption(size=b, microbatches=total // b, error=str(err), memory_bound=True))
             if fixed_microbatch_size(cfg) is None and profile.measurements():
-                too_big = (b, [la.activation_bytes for la in profile_at(profile, b).layers])
+                too_big = (b, [la.activation_bytes for la in profile_at(least, b).layers])
             continue
         memory = f"{tset.device_memory_gb:.4g} GiB per device (from {tset.memory_source})"
         try:

@@ -25,6 +25,7 @@ from ..planning import (
     templates_for,
     with_shadows,
 )
+from ..planning.profile.profile import recompute_mismatch
 from ..planning.tolerance.shadows import SHADOWS_WITH_TP
 from ..records.keys import Keys
 from .leader import JobUnplannable
@@ -179,6 +180,8 @@ class JobPlanner:
             ):
                 if name in profile.key and profile.key[name] != want:
                     raise ProfileError(f"measured with {name}={profile.key[name]!r} but the job has {want!r}")
+            if why := recompute_mismatch(self.cfg, profile, key):  # no numbers for the job's mode
+                raise ProfileError(why)
             return profile
         except ProfileError as err:
             if (key, revision) not in self._warned:

@@ -163,7 +163,7 @@ def test_more_devices_per_node_than_layers_is_refused() -> None:
 
 
 def test_guarantee_covers_every_count_from_f_plus_1_n0() -> None:
-    ts = build_templates(gpt3_175b_profile(), gpus_per_node=8, device_memory_gb=80, memory_margin=0.1)
+    ts = build_templates(gpt3_175b_profile().in_mode("full"), gpus_per_node=8, device_memory_gb=80, memory_margin=0.1)
     assert (ts.n0, ts.n_max) == (6, 12)
     g = guarantee(ts, 1)
     assert g.meets_2n0 and g.covered_from == 12 and g.uncovered == ()
@@ -190,7 +190,7 @@ def test_guarantee_reports_gaps_when_templates_do_not_reach_2n0_minus_1() -> Non
 
 
 def test_config_that_cannot_hold_f_plus_1_replicas_is_refused() -> None:
-    ts = build_templates(gpt3_175b_profile(), gpus_per_node=8, device_memory_gb=80, memory_margin=0.1)
+    ts = build_templates(gpt3_175b_profile().in_mode("full"), gpus_per_node=8, device_memory_gb=80, memory_margin=0.1)
     with pytest.raises(PlanningError) as err:
         guarantee(ts, 2, max_nodes=16)
     assert str(err.value).startswith(

@@ -37,7 +37,7 @@ from oobleck_elastic.planning.plan.placement import (
 @functools.cache
 def _gpt3_templates(tp: int, max_nodes: int | None = None) -> TemplateSet:
     return build_templates(
-        gpt3_175b_profile(tensor_parallel=tp),
+        gpt3_175b_profile(tensor_parallel=tp).in_mode("full"),  # what configs/gpt3-175b.yaml plans
         gpus_per_node=8,
         device_memory_gb=80.0,
         memory_margin=0.1,

@@ -4,8 +4,10 @@ allocation and free of the forward, by the operator that made it)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -42,42 +44,81 @@ def test_a_recomputed_stage_keeps_only_each_layers_input_and_its_random_state() 
     assert everything > 20 * kept, (everything, kept)  # 14.7 MB against 0.54 MB, measured
 
 
-def test_the_profile_measures_the_layers_as_the_engine_runs_them() -> None:
-    """With `training.activation_checkpoint=full` the profiler measures each layer recomputed, as
-    the engine runs it: a block keeps its input and random state, and the profile's key says so."""
+def test_the_profile_has_the_numbers_of_both_modes() -> None:
+    """The profiler measures each layer without recomputation and counts, on one more forward, what
+    it keeps recomputed (its input and random state); its backward recomputed is its measured
+    backward plus its forward. One profile so plans every `training.activation_checkpoint`."""
     from oobleck_elastic.planning.profile.cache import profile_key
+    from oobleck_elastic.planning.profile.profile import ModelProfile
     from oobleck_elastic.planning.profile.profiler import profile_model
 
     over = ["data.seq_len=64", "training.microbatch_size=4", "training.global_batch_size=8"]
-    profiles = {}
-    for mode in ("none", "full"):
-        cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [*over, f"training.activation_checkpoint={mode}"])
-        key = profile_key(cfg, device="cpu")
-        assert key.get("activation_checkpoint") == (None if mode == "none" else "full")
-        profiles[mode] = profile_model(cfg, device="cpu", key=key)
-    block = {mode: p.layers[1] for mode, p in profiles.items()}
+    cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [*over, "training.activation_checkpoint=full"])
+    key = profile_key(cfg, device="cpu")
+    assert "activation_checkpoint" not in key and key["recomputed_variant"] == "derived"
+    prof = profile_model(cfg, device="cpu", key=key)
+    assert prof.modes == ("none", "full")
+    block = prof.layers[1]
     x_bytes = 4 * 64 * 64 * 4  # the block's input: microbatch x sequence x hidden, fp32
-    assert block["full"].activation_bytes == x_bytes + torch.get_rng_state().numel()
-    assert block["none"].activation_bytes > 20 * x_bytes
-    # its times include the replay (tests/worlds/test_recompute.py counts the forwards; timings on
-    # a shared machine are not asserted here)
+    assert block.recomputed_activation_bytes == x_bytes + torch.get_rng_state().numel()
+    assert block.activation_bytes > 20 * x_bytes
+    assert block.recomputed_backward_s == block.backward_s + block.forward_s
+    full = prof.in_mode("full")
+    assert full.layers[1].activation_bytes == block.recomputed_activation_bytes
+    assert full.layers[1].backward_s == block.recomputed_backward_s
+    assert full.layers[1].input_grad_s == block.input_grad_s + block.forward_s  # the replay is I's
+    assert full.layers[1].weight_grad_s == block.weight_grad_s
+    assert full.modes == ("full",) and prof.in_mode("none") is prof
+    # the last layer keeps, recomputed, its input and what the loss saves (the logits)
+    head = prof.layers[-1]
+    assert block.recomputed_activation_bytes < head.recomputed_activation_bytes < head.activation_bytes
+    assert ModelProfile.from_json(prof.to_json()).layers == prof.layers
 
 
-def test_a_profile_made_for_another_recompute_mode_is_refused_in_one_line() -> None:
+def _old_profile(tmp_path: Path, key: dict) -> str:
+    """A profile file as written before the recomputed variant: one mode's numbers only."""
+    layer = {"name": "block.0", "forward_s": 1.0, "backward_s": 2.0, "param_bytes": 8, "grad_bytes": 8}
+    layer |= {"optimizer_bytes": 16, "activation_bytes": 100}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"schema_version": 1, "key": key, "layers": [layer]}))
+    return str(path)
+
+
+def test_an_older_profile_offers_the_mode_it_was_made_for(tmp_path: Path) -> None:
+    from oobleck_elastic.planning.profile.profile import ModelProfile, ProfileError
+
+    unstated = ModelProfile.load(_old_profile(tmp_path, {}))  # planned as it is for none and full (as before)
+    assert unstated.modes == ("none",) and unstated.mode_unstated
+    assert unstated.in_mode("full") is unstated and unstated.in_mode("none") is unstated
+    with pytest.raises(ProfileError, match="not auto"):
+        unstated.in_mode("auto")
+    for key in ({"recompute": True}, {"activation_checkpoint": "full"}):
+        old = ModelProfile.load(_old_profile(tmp_path, key))
+        assert old.modes == ("full",) and old.in_mode("full") is old
+        try:
+            old.in_mode("none")
+        except ProfileError as err:
+            assert "not none" in str(err)
+        else:
+            raise AssertionError("numbers measured recomputed were read as those without recomputation")
+
+
+def test_a_profile_without_the_jobs_mode_is_refused_in_one_line(tmp_path: Path) -> None:
     from oobleck_elastic.planning import load_profiles
     from oobleck_elastic.planning.profile.profile import ProfileError
 
-    cfg = load_config(ROOT / "configs/gpt3-175b.yaml", [])
-    assert cfg.training.activation_checkpoint == "full"  # what its analytic profile assumes
-    assert set(load_profiles(cfg)) == {1}
+    for mode in ("none", "full"):  # the analytic profiles have both
+        cfg = load_config(ROOT / "configs/gpt3-175b.yaml", [f"training.activation_checkpoint={mode}"])
+        assert set(load_profiles(cfg)) == {1}
+    path = _old_profile(tmp_path, {"recompute": True})
     none = load_config(ROOT / "configs/gpt3-175b.yaml", ["training.activation_checkpoint=none"])
     try:
-        load_profiles(none)
+        load_profiles(none, path)
     except ProfileError as err:
         assert str(err) == (
-            f"{ROOT / 'configs/profiles/gpt3-175b-tp1.json'} was made with training.activation_checkpoint=full (its "
-            "backward times and activation bytes assume it) but this job has training.activation_checkpoint=none: "
-            "set it to full, or use a profile made for it"
+            f"{path} has numbers for training.activation_checkpoint=full only (its backward times and activation "
+            "bytes assume it) but this job has training.activation_checkpoint=none: set it to full, or use a "
+            "profile made with both modes (profiles made now have both)"
         )
     else:
         raise AssertionError("a profile made for recomputation planned a job without it")

@@ -4,10 +4,12 @@ interleaved 1F1B, interleaved zero-bubble and zbv, on the plans of
 tests/worlds/test_engine_schedules.py. Every copy of every layer ends as the single-process
 reference's trained without recomputation, and each layer's forward ran exactly twice per
 microbatch: once in the forward, once again in the backward (a split backward's weight pass
-recomputes nothing: it reads what its input pass recomputed)."""
+recomputes nothing: it reads what its input pass recomputed). A plan whose stages differ in mode
+(`auto`) is run as it says, stage by stage."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import torch.multiprocessing as mp
 
 import helpers
 from oobleck_elastic.config import from_dict, load_config, to_dict
+from oobleck_elastic.planning.plan.plan import Plan
 from oobleck_elastic.models.recompute import Recomputed
 from oobleck_elastic.engine.trainer import Trainer
 from helpers import RandomTokens
@@ -137,3 +140,52 @@ def test_tensor_parallel_layers_recompute_as_the_reference(tmp_path: Path) -> No
     runs = [("one", tp.ONE_PIPELINE, list(range(tp.STEPS)), None, None)]
     mp.spawn(tp._train_worker, args=(4, str(tmp_path), to_dict(cfg), runs), nprocs=4, join=True)
     tp.check_runs(tmp_path, ref, "one", 4)
+
+
+def _modes(plan: Plan, modes: list[list[str]]) -> Plan:
+    """`plan` with each stage's `activation_checkpoint` from `modes` (per pipeline, per stage)."""
+    pipelines = tuple(
+        dataclasses.replace(
+            p, stages=tuple(dataclasses.replace(s, activation_checkpoint=m) for s, m in zip(p.stages, ms, strict=True))
+        )
+        for p, ms in zip(plan.pipelines, modes, strict=True)
+    )
+    return dataclasses.replace(plan, pipelines=pipelines)
+
+
+MIXED = [  # two pipelines of two stages: in each, one stage recomputes and one does not
+    _modes(
+        helpers.layout_plan([[(0, 3), (3, 6)], [(0, 2), (2, 6)]], [4, 4], generation=1, schedule=schedule),
+        [["full", "none"], ["none", "full"]],
+    )
+    for schedule in ("1f1b", "zero-bubble")
+]
+
+
+def _mixed_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
+    cfg = from_dict(cfg_dict)
+    torch.set_num_threads(1)
+    for k, plan in enumerate(MIXED):
+        store = dist.FileStore(os.path.join(tmp, f"store{k}"), world)
+        trainer = Trainer(cfg, dataset=RandomTokens(), plan=plan, rank=rank, store=store)
+        _, stage = plan.stage_of(rank)
+        wrapped = [m for m in trainer.stage_module.modules() if isinstance(m, Recomputed)]
+        assert len(wrapped) == (len(trainer.owned) if stage.activation_checkpoint == "full" else 0), (rank, k)
+        for step in range(STEPS):
+            trainer.train_step(step)
+        torch.save(
+            {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()},
+            os.path.join(tmp, f"mixed{k}-rank{rank}.pt"),
+        )
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_stages_recompute_as_the_plan_says_and_train_as_the_reference(tmp_path: Path) -> None:
+    """`training.activation_checkpoint: auto` leaves the choice to the plan: each worker recomputes
+    when its stage says `full` (engine/stage/build.py `recomputes`), under 1F1B and zero-bubble,
+    and the weights are the reference's."""
+    ref = helpers.reference_state(config("none"), RandomTokens(), STEPS)
+    mp.spawn(_mixed_worker, args=(4, str(tmp_path), to_dict(config("auto"))), nprocs=4, join=True)
+    for k in range(len(MIXED)):
+        _assert_every_copy_is_the_reference(tmp_path, f"mixed{k}", ref)

@@ -2,7 +2,8 @@
 virtual stage (compiled when `training.compile` says so, under the step's precision: `Autocast`)
 and, for a pipeline of several stages, torch `PipelineStage`s with static shapes (shapes.py),
 paced (paced.py), timed by the straggler clock and watched as progress points, and the torch
-schedule that runs the planned one (`schedule_for`). Invariant: the engine only builds what
+schedule that runs the planned one (`schedule_for`), each layer recomputed when the plan says so
+for the stage (`recomputes`). Invariant: the engine only builds what
 `planning.schedules.choice.ENGINE_RUNS` lists, and every schedule sums (never averages) the
 microbatches' gradients. A step runs it with engine/step/forward_backward.py; docs/schedules.md.
 """
@@ -66,6 +67,13 @@ class Autocast(nn.Module):
         return out.to(self.dtype) if self.last else out.float()
 
 
+def recomputes(cfg: JobConfig, stage: StagePlacement) -> bool:
+    """Whether this worker recomputes its layers' activations: as the plan says for its stage
+    (`StagePlacement.activation_checkpoint`; per stage under `auto`), else, for a plan that does
+    not record it, `training.activation_checkpoint` (`auto` there: none)."""
+    return (stage.activation_checkpoint or cfg.training.activation_checkpoint) == "full"
+
+
 def stage_module(
     layer_model: LayerModel,
     start: int,
@@ -112,7 +120,7 @@ def build_stage(
     # the device's virtual stages (one range without chunks); a one-stage pipeline's are contiguous
     held = stage.layers()
     ranges = stage.layer_ranges() if stages > 1 else ((min(held), max(held) + 1),)
-    recompute = cfg.training.activation_checkpoint == "full"
+    recompute = recomputes(cfg, stage)
     modules = [stage_module(layer_model, u, v, compile=compile, dtype=dtype, recompute=recompute) for u, v in ranges]
     module = modules[0] if len(modules) == 1 else nn.Sequential(*modules)
     if stages <= 1:

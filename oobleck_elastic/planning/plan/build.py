@@ -13,6 +13,7 @@ from ..templates.templates import TemplateSet
 from .instantiate import Assignment, instantiate
 from .placement import keep_layers_in_place
 from .plan import PipelineSpec, Plan, StagePlacement
+from .recompute import stage_mode
 
 __all__ = ["make_plan"]
 
@@ -24,13 +25,19 @@ def _forward_s(templates: TemplateSet, ranges: Sequence[tuple[int, int]]) -> flo
     return sum(la.forward_s for u, v in ranges for la in templates.profile.layers[u:v])
 
 
-def _chunk_times(templates: TemplateSet, ranges: Sequence[tuple[int, int]]) -> tuple[tuple[float, float], ...]:
-    """Each chunk's (forward + backward, forward) of one microbatch in the templates' profile."""
+def _chunk_times(
+    templates: TemplateSet, ranges: Sequence[tuple[int, int]], recompute: bool
+) -> tuple[tuple[float, float], ...]:
+    """Each chunk's (forward + backward, forward) of one microbatch in the templates' profile
+    (`recompute`: with the profile's recomputed backward, under auto)."""
     if templates.profile is None or len(ranges) < 2:
         return ()
     layers = templates.profile.layers
     return tuple(
-        (sum(la.forward_s + la.backward_s for la in layers[u:v]), sum(la.forward_s for la in layers[u:v]))
+        (
+            sum(la.forward_s + (la.recomputed() if recompute else la).backward_s for la in layers[u:v]),
+            sum(la.forward_s for la in layers[u:v]),
+        )
         for u, v in ranges
     )
 
@@ -63,12 +70,14 @@ def make_plan(
     if previous is not None:
         nodes = keep_layers_in_place(templates, a, list(nodes), previous)
     g = templates.gpus_per_node
+    auto = templates.activation_checkpoint == "auto"  # the profile's plain numbers are without recomputation
     pipelines = []
     cursor = 0
     for index, (n, mb) in enumerate(a.pipelines):
         tpl = templates[n]
         pnodes = tuple(nodes[cursor : cursor + n])
         cost = schedules.cost(n, mb, len(a.pipelines)) if schedules is not None else None
+        modes = [stage_mode(templates, cost, s.index, s.recompute) for s in tpl.stages]
         stages = tuple(
             StagePlacement(
                 index=s.index,
@@ -80,7 +89,12 @@ def make_plan(
                 compute_s=s.time_s - s.comm_s if cost is None else cost.device_compute_s[s.index],
                 forward_s=_forward_s(templates, ((s.start, s.end),) if cost is None else cost.device_ranges(s.index)),
                 chunks=cost.device_ranges(s.index) if cost is not None and cost.chunks > 1 else (),
-                chunk_times=_chunk_times(templates, cost.device_ranges(s.index)) if cost is not None else (),
+                chunk_times=(
+                    _chunk_times(templates, cost.device_ranges(s.index), auto and modes[s.index] == "full")
+                    if cost is not None
+                    else ()
+                ),
+                activation_checkpoint=modes[s.index],
             )
             for s in tpl.stages
         )

@@ -48,6 +48,10 @@ class StagePlacement:
     chunk_times: tuple[tuple[float, float], ...] = ()
     """With chunks: each chunk's (compute_s, forward_s), as the stage's are (a paced device pads
     each chunk's passes to them). Empty: none, or unknown."""
+    activation_checkpoint: Optional[str] = None
+    """`none` or `full`: whether this worker recomputes its layers' activations in the backward, as
+    the planner chose (`training.activation_checkpoint`; per stage under `auto`). None: not
+    recorded (older plans), the worker then runs the config's mode (`auto` there: none)."""
 
     def layer_ranges(self) -> tuple[tuple[int, int], ...]:
         """The layer ranges this device runs: its chunks', or (start, end)."""
@@ -73,6 +77,7 @@ class StagePlacement:
             **({"forward_s": self.forward_s} if self.forward_s else {}),
             **({"chunks": [list(c) for c in self.chunks]} if self.chunks else {}),
             **({"chunk_times": [list(t) for t in self.chunk_times]} if self.chunk_times else {}),
+            **({"activation_checkpoint": self.activation_checkpoint} if self.activation_checkpoint else {}),
         }
 
 
@@ -270,6 +275,7 @@ class Plan:
                             chunk_times=tuple(
                                 (float(c), float(f)) for c, f in _list(s.get("chunk_times", []), "chunk_times")
                             ),
+                            activation_checkpoint=_recompute_mode(s.get("activation_checkpoint")),
                         )
                         for s in p["stages"]
                     ),
@@ -359,6 +365,13 @@ def _pipeline_ranges(p: PipelineSpec) -> Optional[list[tuple[int, int]]]:
         out.append(p.stages[device].chunks[seen[device]])
         seen[device] += 1
     return out
+
+
+def _recompute_mode(value: Any) -> Optional[str]:
+    """A stage's `activation_checkpoint` from JSON: none, full, or absent (None)."""
+    if value is None or value in ("none", "full"):
+        return value
+    raise PlanningError(f"malformed plan: a stage's activation_checkpoint is {value!r}, not none or full")
 
 
 def _list(value: Any, name: str) -> list[Any]:

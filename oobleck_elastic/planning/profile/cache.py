@@ -75,11 +75,12 @@ def profile_key(cfg: JobConfig, *, device: str | torch.device) -> dict[str, Any]
         # profiles cached before the backward was also timed split (input_grad_s, weight_grad_s)
         # are stale: measured again once, not planned with the share forever
         "backward_split": "stage_backward_input+weight",
+        # measured without recomputation, the numbers under it derived: one profile for every mode
+        # (older profiles, measured under one mode, are stale)
+        "recomputed_variant": "derived",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    if cfg.training.activation_checkpoint != "none":  # (a key without it: measured without recomputation)
-        key["activation_checkpoint"] = cfg.training.activation_checkpoint
     if cfg.training.microbatch_size == "auto":
         key["profiled_microbatch_sizes"] = profile_microbatch_sizes(cfg)
     if dev.type == "cuda":

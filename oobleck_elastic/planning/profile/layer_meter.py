@@ -5,7 +5,8 @@ its exact byte counts.
 on the CPU with `time.perf_counter`, on CUDA with CUDA events around the kernels. The split runs
 torch's `stage_backward_input` (I) then `stage_backward_weight` (W). Bytes are exact counts:
 parameter storages once each, gradients, optimizer state (AdamW: two moments), the activations
-autograd saves (`saved_tensors_hooks`, deduplicated by storage) and the output. docs/planning.md.
+autograd saves (`saved_tensors_hooks`, deduplicated by storage), those it saves with the layer
+recomputed (`training.activation_checkpoint`), and the output. docs/planning.md.
 """
 
 from __future__ import annotations
@@ -200,21 +201,34 @@ class LayerMeter:
         out = out.detach()
         del target  # frees the graph: only the output tensor is kept
         pbytes = _param_bytes(layer)
+        fwd_s, bwd_s = statistics.median(fwd_times), statistics.median(bwd_times)
         prof = LayerProfile(
             name=name,
-            forward_s=statistics.median(fwd_times),
-            backward_s=statistics.median(bwd_times),
+            forward_s=fwd_s,
+            backward_s=bwd_s,
             input_grad_s=statistics.median(input_times),
             weight_grad_s=statistics.median(weight_times),
             param_bytes=pbytes,
             grad_bytes=pbytes,
             optimizer_bytes=_OPTIMIZER_STATES[self.optimizer] * pbytes,
-            # a recomputed layer's own saved tensors escape the meter (its hooks are innermost): it keeps
-            # its input; what the meter sees is saved outside it (the last layer's loss)
-            activation_bytes=meter.nbytes + (Recomputed.kept_bytes(x) if isinstance(layer, Recomputed) else 0),
+            activation_bytes=meter.nbytes,
             output_bytes=out.numel() * out.element_size(),
+            # under recomputation the backward replays the forward once: derived, not timed
+            recomputed_backward_s=bwd_s + fwd_s,
+            recomputed_activation_bytes=self.recomputed_bytes(layer, x, last),
         )
         return prof, out
+
+    def recomputed_bytes(self, layer: nn.Module, x: torch.Tensor, last: bool) -> int:
+        """What `layer` keeps for the backward when recomputed (models/recompute.py), counted on one
+        forward: its own saved tensors escape the meter (the recomputation's hooks are innermost),
+        so the meter sees what is saved outside it (the last layer's loss), plus its input and
+        random state."""
+        meter = _SavedTensorMeter({_storage_key(p) for p in layer.parameters()})
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            inp, _, target = self.forward_from(Recomputed(layer), x, last)
+        del target
+        return meter.nbytes + Recomputed.kept_bytes(inp)
 
 
 def check_settings(optimizer: str, warmup: int, repeats: int, precision: str) -> None:

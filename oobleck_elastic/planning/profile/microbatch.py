@@ -100,6 +100,8 @@ def profile_at(profile: ModelProfile, size: int) -> ModelProfile:
             names = ["forward_s", "backward_s", "activation_bytes", "output_bytes"]
             split = all(measured[b][i].split_measured for b in sizes)  # fitted only where every size has it
             names += ["input_grad_s", "weight_grad_s"] if split else []
+            variant = all(measured[b][i].has_recomputed for b in sizes)
+            names += ["recomputed_backward_s", "recomputed_activation_bytes"] if variant else []
             fit = {name: _fit([(b, float(getattr(measured[b][i], name))) for b in sizes], size) for name in names}
             layers.append(
                 dataclasses.replace(
@@ -110,6 +112,8 @@ def profile_at(profile: ModelProfile, size: int) -> ModelProfile:
                     output_bytes=int(round(fit["output_bytes"])),
                     input_grad_s=fit.get("input_grad_s"),
                     weight_grad_s=fit.get("weight_grad_s"),
+                    recomputed_backward_s=fit.get("recomputed_backward_s"),
+                    recomputed_activation_bytes=(int(round(fit["recomputed_activation_bytes"])) if variant else None),
                 )
             )
     key = dict(profile.key) | {"microbatch_size": size, "fitted_from_microbatch_sizes": sorted(measured)}

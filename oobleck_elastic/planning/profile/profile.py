@@ -3,12 +3,15 @@
 A `ModelProfile` holds one `LayerProfile` per element of the model's flat layer list, measured
 for one microbatch shape on one device kind (profiler.py) or read from a file, cached under a key
 of everything the numbers depend on (cache.py). Optional fields (`device_memory_bytes`,
-`tensor_parallel`, `microbatch_size`, `at_microbatch_sizes`, the I/W split) load as None or their
-defaults from files without them, so older profiles read unchanged. docs/planning.md.
+`tensor_parallel`, `microbatch_size`, `at_microbatch_sizes`, the I/W split, the recomputed
+variant) load as None or their defaults from files without them, so older profiles read unchanged.
+A profile offers the activation checkpointing modes it has numbers for (`ModelProfile.modes`);
+`ModelProfile.in_mode` gives one mode's numbers in the plain fields. docs/planning.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
@@ -19,6 +22,9 @@ if TYPE_CHECKING:
     from ...config import JobConfig
 
 SCHEMA_VERSION = 1
+
+RECOMPUTE_MODES = ("none", "full")
+"""Activation checkpointing modes a layer has numbers for (`training.activation_checkpoint`)."""
 
 
 class ProfileError(ValueError):
@@ -50,10 +56,42 @@ class LayerProfile:
     weight_grad_s: float | None = None
     """The other half of that split: the gradient of the layer's weights (W), run after I from
     what I kept. Measured apart, I + W is about `backward_s` (a little more: two passes)."""
+    recomputed_backward_s: float | None = None
+    """The backward under activation recomputation (`full`): it runs the layer's forward once more.
+    The profiler derives it, `backward_s + forward_s`, from its measurement without recomputation
+    (analytic profiles: from FLOPs). Under the I/W split the replay belongs to I; W is unchanged.
+    None: not known (older files)."""
+    recomputed_activation_bytes: int | None = None
+    """Bytes kept for the backward under recomputation: the layer's input and the random state, and
+    what is saved outside the layer (the last layer's loss); the profiler counts them exactly."""
 
     def __post_init__(self) -> None:
         if (self.input_grad_s is None) != (self.weight_grad_s is None):
             raise ProfileError(f"layer {self.name}: give both input_grad_s and weight_grad_s, or neither")
+        if (self.recomputed_backward_s is None) != (self.recomputed_activation_bytes is None):
+            raise ProfileError(
+                f"layer {self.name}: give both recomputed_backward_s and recomputed_activation_bytes, or neither"
+            )
+
+    @property
+    def has_recomputed(self) -> bool:
+        """Whether the numbers under recomputation are known."""
+        return self.recomputed_backward_s is not None
+
+    def recomputed(self) -> "LayerProfile":
+        """This layer's numbers under recomputation in the plain fields (backward, activations, I
+        with the replayed forward); ProfileError when they are not known."""
+        if self.recomputed_backward_s is None or self.recomputed_activation_bytes is None:
+            raise ProfileError(f"layer {self.name}: no numbers under activation recomputation")
+        replay = self.recomputed_backward_s - self.backward_s
+        return dataclasses.replace(
+            self,
+            backward_s=self.recomputed_backward_s,
+            activation_bytes=self.recomputed_activation_bytes,
+            input_grad_s=None if self.input_grad_s is None else self.input_grad_s + replay,
+            recomputed_backward_s=None,
+            recomputed_activation_bytes=None,
+        )
 
     @property
     def split_measured(self) -> bool:
@@ -123,6 +161,52 @@ class ModelProfile:
             return self.microbatch_size
         size = self.key.get("microbatch_size") if isinstance(self.key, dict) else None
         return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None
+
+    @property
+    def base_mode(self) -> str:
+        """The activation checkpointing mode of the plain fields: `full` when the key says the
+        layers were measured or modelled recomputed (older files), else `none`."""
+        key = self.key if isinstance(self.key, dict) else {}
+        if "activation_checkpoint" in key:
+            return str(key["activation_checkpoint"])
+        return "full" if key.get("recompute") else "none"
+
+    @property
+    def _has_recomputed(self) -> bool:
+        every = [self.layers, *self.at_microbatch_sizes.values()]
+        return all(la.has_recomputed for layers in every for la in layers)
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The activation checkpointing modes this profile has numbers for: its base mode, and
+        `full` as well when every layer (at every microbatch size) has its recomputed variant."""
+        if self.base_mode != "none":
+            return (self.base_mode,)
+        return RECOMPUTE_MODES if self._has_recomputed else ("none",)
+
+    @property
+    def mode_unstated(self) -> bool:
+        """Whether the profile neither states a mode nor has recomputed numbers (a hand-made file):
+        `none` and `full` plan with its numbers as they are, `auto` cannot."""
+        key = self.key if isinstance(self.key, dict) else {}
+        return not ({"activation_checkpoint", "recompute"} & set(key)) and not self._has_recomputed
+
+    def in_mode(self, mode: str) -> "ModelProfile":
+        """This profile with `mode`'s numbers in the plain fields: `none` and `auto` (which needs
+        both modes) give itself, the recomputed variants kept beside (as does a profile whose mode
+        is unstated, for none and full); ProfileError when it has no numbers for `mode`."""
+        if self.mode_unstated and mode != "auto":
+            return self
+        if not all(m in self.modes for m in (RECOMPUTE_MODES if mode == "auto" else (mode,))):
+            raise ProfileError(f"the profile has numbers for activation_checkpoint {'/'.join(self.modes)}, not {mode}")
+        if mode in (self.base_mode, "auto"):
+            return self
+        return dataclasses.replace(
+            self,
+            layers=[la.recomputed() for la in self.layers],
+            at_microbatch_sizes={b: [la.recomputed() for la in ls] for b, ls in self.at_microbatch_sizes.items()},
+            key={**self.key, "activation_checkpoint": mode},
+        )
 
     def measurements(self) -> dict[int, list[LayerProfile]]:
         """Layers by the microbatch size they were measured at (empty when that size is unknown)."""
@@ -219,32 +303,34 @@ class ModelProfile:
 
 _INT_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "output_bytes")
 _SPLIT_FIELDS = ("input_grad_s", "weight_grad_s")
+_OPTIONAL_FIELDS = (*_SPLIT_FIELDS, "recomputed_backward_s", "recomputed_activation_bytes")
 
 
 def _layer_json(layer: LayerProfile) -> dict[str, Any]:
-    """A layer's JSON object; the split fields only when measured."""
-    return {k: v for k, v in asdict(layer).items() if not (k in _SPLIT_FIELDS and v is None)}
+    """A layer's JSON object; the optional fields only when known."""
+    return {k: v for k, v in asdict(layer).items() if not (k in _OPTIONAL_FIELDS and v is None)}
 
 
 def _layer_from_json(item: Any) -> LayerProfile:
     if not isinstance(item, dict):
         raise TypeError("expected an object")
-    unknown = set(item) - {"name", "forward_s", "backward_s", *_INT_FIELDS, *_SPLIT_FIELDS}
+    unknown = set(item) - {"name", "forward_s", "backward_s", *_INT_FIELDS, *_OPTIONAL_FIELDS}
     if unknown:
         raise KeyError(f"unknown fields {sorted(unknown)}")
     kw: dict[str, Any] = {"name": str(item["name"])}
-    for k in ("forward_s", "backward_s", *(f for f in _SPLIT_FIELDS if item.get(f) is not None)):
+    times = ("forward_s", "backward_s", *_SPLIT_FIELDS, "recomputed_backward_s")
+    for k in (t for t in times if item.get(t) is not None):
         v = float(item[k])
         if not v >= 0:
             raise ValueError(f"{k} must be >= 0 (got {item[k]})")
         kw[k] = v
-    for k in _INT_FIELDS:
-        if k in item:
+    for k in (*_INT_FIELDS, "recomputed_activation_bytes"):
+        if item.get(k) is not None:
             v = int(item[k])
             if v < 0:
                 raise ValueError(f"{k} must be >= 0 (got {item[k]})")
             kw[k] = v
-        elif k != "output_bytes":
+        elif k in _INT_FIELDS and k != "output_bytes":
             raise KeyError(f"missing field '{k}'")
     return LayerProfile(**kw)
 
@@ -256,22 +342,19 @@ def profile_cache_key(key: dict[str, Any]) -> str:
 
 
 def recompute_mismatch(cfg: JobConfig, profile: ModelProfile, path: str) -> Optional[str]:
-    """Why `profile` (from `path`) cannot plan this job: its key states an activation checkpointing
-    mode (`activation_checkpoint`, or an analytic profile's `recompute`) other than
-    `training.activation_checkpoint`, so its backward times and activation bytes are not the
-    engine's; None when they agree or the profile does not say."""
-    key = profile.key or {}
-    if "activation_checkpoint" in key:
-        mode = str(key["activation_checkpoint"])
-    elif "recompute" in key:
-        mode = "full" if key["recompute"] else "none"
-    else:
-        return None
+    """Why `profile` (from `path`) cannot plan this job: it has no numbers for
+    `training.activation_checkpoint` (`auto` needs both `none` and `full`), so its backward times
+    and activation bytes would not be the engine's; None when it has them, or when it states no
+    mode and has no recomputed numbers (a hand-made file) and the job's mode is not `auto`."""
     asked = cfg.training.activation_checkpoint
-    if mode == asked:
+    have = profile.modes
+    if all(mode in have for mode in (RECOMPUTE_MODES if asked == "auto" else (asked,))):
         return None
+    if profile.mode_unstated and asked != "auto":  # says nothing: its numbers as they are
+        return None
+    one = have[0] if len(have) == 1 else "none"
     return (
-        f"{path} was made with training.activation_checkpoint={mode} (its backward times and activation bytes "
-        f"assume it) but this job has training.activation_checkpoint={asked}: set it to {mode}, or use a "
-        "profile made for it"
+        f"{path} has numbers for training.activation_checkpoint={'/'.join(have)} only (its backward times and "
+        f"activation bytes assume it) but this job has training.activation_checkpoint={asked}: set it to {one}, "
+        "or use a profile made with both modes (profiles made now have both)"
     )

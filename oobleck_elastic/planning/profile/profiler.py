@@ -240,10 +240,11 @@ def profile_model(
     (`build_layer_model(owned=[i])`, initialised from the job's seed), passed through `prepare`
     (e.g. tensor-parallel sharding), measured and freed before layer i+1 is built (a pretrained
     model's layer i reads only its own tensors). With `planning.profile_identical_blocks_once`,
-    layers of one `layer_kind` (computed on meta copies) are built and measured once."""
+    layers of one `layer_kind` (computed on meta copies) are built and measured once. Layers are
+    measured without recomputation; the numbers under it are derived (`LayerProfile`), so one
+    profile plans every `training.activation_checkpoint`."""
     from ... import models
     from ...models.build import build_meta_layers
-    from ...models.recompute import Recomputed
 
     dev, seed = torch.device(device), cfg.training.seed
     whole = models.build_layer_model(cfg.model, seed=seed, owned=[], device=dev)  # names and loss, no layer
@@ -256,13 +257,9 @@ def profile_model(
     if cfg.planning.profile_identical_blocks_once:
         kinds = [layer_kind(layer) for layer in build_meta_layers(cfg.model, n, seed=seed)]
 
-    recompute = cfg.training.activation_checkpoint == "full"
-
     def build_prepared(i: int) -> nn.Module:
         layer = build(i)
-        layer = prepare(layer) if prepare is not None and layer is not None else layer
-        # measured as the engine runs it: its backward replays its forward, it keeps its input only
-        return Recomputed(layer) if recompute and layer is not None else layer
+        return prepare(layer) if prepare is not None and layer is not None else layer
 
     measured: dict[int, ModelProfile] = {}
     sizes = profile_microbatch_sizes(cfg)  # the configured size; for `auto`, two (planning/profile/microbatch.py)

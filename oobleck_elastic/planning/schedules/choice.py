@@ -5,7 +5,8 @@ only what the engine runs: `ENGINE_RUNS`). `PipelineSchedules.lines` gives each 
 T(b) = total + (b - 1) x slope from one simulation near its share of the batch (only the sizes
 n0 .. max(2 n0 - 1, n0 + 7) are simulated); once each pipeline has its b microbatches,
 `PipelineSchedules.cost` picks, exactly, the fastest candidate whose every device fits in memory.
-Pipelines of one plan may so run different schedules. docs/schedules.md.
+Pipelines of one plan may so run different schedules. Under `training.activation_checkpoint:
+auto` each candidate recomputes on the devices that do not fit without. docs/schedules.md.
 """
 
 from __future__ import annotations
@@ -154,26 +155,50 @@ class PipelineSchedules:
                     "devices"
                 )
             else:
-                try:
-                    result = template_cost(
-                        self.profile,
-                        template,
-                        name,
-                        microbatches,
-                        chunks=chunks,
-                        replicas=replicas,
-                        weight_share=self.weight_share,
-                        ranges=ranges,
-                    )
-                except ScheduleError as err:
-                    result = str(err)
-                if isinstance(result, ScheduleCost) and not result.fits(self.memory_limit_bytes):
-                    result = (
-                        f"needs {result.peak_memory_bytes / 2**30:.2f} GiB on a device, over the limit of "
-                        f"{self.memory_limit_bytes / 2**30:.2f} GiB"
-                    )
+                result = self._fitting(template, name, chunks, microbatches, replicas, ranges)
             self._costs[key] = self._simulated[key[:4]] = result
         return self._costs[key]
+
+    def _fitting(
+        self,
+        template: Template,
+        name: str,
+        chunks: int,
+        microbatches: int,
+        replicas: int,
+        ranges: list[tuple[int, int]],
+    ) -> Union[ScheduleCost, str]:
+        """The candidate's cost, or why it cannot run. Under `auto` recomputation, the devices over
+        the limit without it recompute every stage they run, and it is simulated again: the peak
+        of a device's activations follows the schedule's order, not its timing, so the others
+        stay within the limit."""
+        auto = self.templates.activation_checkpoint == "auto"
+        recompute: list[bool] = []
+        while True:
+            try:
+                result = template_cost(
+                    self.profile,
+                    template,
+                    name,
+                    microbatches,
+                    chunks=chunks,
+                    replicas=replicas,
+                    weight_share=self.weight_share,
+                    ranges=ranges,
+                    recompute=recompute,
+                )
+            except ScheduleError as err:
+                return str(err)
+            over = {d for d, m in enumerate(result.memory_bytes) if m > self.memory_limit_bytes}
+            if not over:
+                return result
+            if not auto or recompute:
+                how = " with its activations recomputed" if auto or self.profile.base_mode == "full" else ""
+                return (
+                    f"needs {result.peak_memory_bytes / 2**30:.2f} GiB on a device{how}, over the limit of "
+                    f"{self.memory_limit_bytes / 2**30:.2f} GiB"
+                )
+            recompute = [d in over for d in result.placement]
 
     def table(self, nodes: int, microbatches: int, replicas: int) -> list[tuple[str, int, Union[ScheduleCost, str]]]:
         """Every candidate on one template: (schedule, chunks, cost or why not)."""

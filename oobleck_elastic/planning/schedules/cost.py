@@ -5,6 +5,7 @@ I/W split: measured, else `weight_share`), messages (`Links.p2p_s` across stage 
 different devices), the schedule's placement of stages on devices, and simulates one step
 (sim.py). Memory is a hard limit: parameters, gradients, optimizer state and the simulated peak
 of activations in flight. The step adds the exposed gradient all-reduce (templates/overlap.py).
+Stages flagged `recompute` are costed with the profile's recomputed numbers (`auto`, choice.py).
 `chunk_ranges` splits the model into v x D stages exactly. docs/schedules.md.
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..comm import Links
-from ..profile.profile import ModelProfile
+from ..profile.profile import LayerProfile, ModelProfile
 from ..templates.overlap import Ready, exposed_sync_s, layer_ready_times
 from ..templates.partition import StageCosts, best_partition
 from ..templates.templates import Template
@@ -66,6 +67,9 @@ class ScheduleCost:
     """Per device: the gradient bytes of its stages (what the all-reduce sums)."""
     sync_ready: tuple[tuple[Ready, ...], ...] = ()
     """Per device: when each of its layers' gradients is final, and its bytes (overlap.py)."""
+    recompute: tuple[bool, ...] = ()
+    """Per stage (as `ranges`): whether it recomputes its activations (`auto`); empty: none does,
+    or every one does when the profile is `full`'s."""
 
     def for_replicas(self, replicas: int, links: Optional[Links]) -> "ScheduleCost":
         """The same schedule in a job of `replicas` pipelines: only the all-reduce changes (the
@@ -100,28 +104,43 @@ def _check_ranges(profile: ModelProfile, ranges: Sequence[tuple[int, int]]) -> N
         )
 
 
-def stage_times(profile: ModelProfile, ranges: Sequence[tuple[int, int]], weight_share: float = 0.5) -> StageTimes:
+def _stage_layers(
+    profile: ModelProfile, ranges: Sequence[tuple[int, int]], recompute: Sequence[bool]
+) -> list[list[LayerProfile]]:
+    """Each stage's layers: the recomputed numbers where `recompute` flags the stage."""
+    return [
+        [la.recomputed() for la in profile.layers[u:v]] if s < len(recompute) and recompute[s] else profile.layers[u:v]
+        for s, (u, v) in enumerate(ranges)
+    ]
+
+
+def stage_times(
+    profile: ModelProfile,
+    ranges: Sequence[tuple[int, int]],
+    weight_share: float = 0.5,
+    recompute: Sequence[bool] = (),
+) -> StageTimes:
     """Per stage forward, input-gradient and weight-gradient times and activation bytes. Where the
     profile measured the split (`LayerProfile.input_grad_s`, `weight_grad_s`), a stage's I and W
     are its layers' measured ones and its full backward B their `backward_s` (measured apart:
     a schedule running B whole does not pay for the split); a layer without them is split by
     `weight_share`. A profile without any measured split: I and W are `weight_share` of the
-    stage's backward, and B = I + W."""
+    stage's backward, and B = I + W. Stages flagged in `recompute` take the recomputed numbers."""
     if not 0.0 <= weight_share <= 1.0:
         raise ScheduleError(f"weight_share must be within [0, 1] (got {weight_share})")
     _check_ranges(profile, ranges)
-    layers = profile.layers
-    fwd = [sum(la.forward_s for la in layers[u:v]) for u, v in ranges]
-    bwd = [sum(la.backward_s for la in layers[u:v]) for u, v in ranges]
-    act = [sum(la.activation_bytes for la in layers[u:v]) for u, v in ranges]
-    if not any(la.split_measured for la in layers):
+    stages = _stage_layers(profile, ranges, recompute)
+    fwd = [sum(la.forward_s for la in layers) for layers in stages]
+    bwd = [sum(la.backward_s for la in layers) for layers in stages]
+    act = [sum(la.activation_bytes for la in layers) for layers in stages]
+    if not any(la.split_measured for la in profile.layers):
         return StageTimes(
             forward_s=fwd,
             input_grad_s=[b * (1.0 - weight_share) for b in bwd],
             weight_grad_s=[b * weight_share for b in bwd],
             activation_bytes=act,
         )
-    split = [[la.split_backward(weight_share) for la in layers[u:v]] for u, v in ranges]
+    split = [[la.split_backward(weight_share) for la in layers] for layers in stages]
     return StageTimes(
         forward_s=fwd,
         input_grad_s=[sum(i for i, _ in stage) for stage in split],
@@ -163,9 +182,11 @@ def schedule_cost(
     stages_per_node: int = 1,
     replicas: int = 1,
     weight_share: float = 0.5,
+    recompute: Sequence[bool] = (),
 ) -> ScheduleCost:
-    """Simulate `schedule` on len(ranges) / chunks devices, stage s running layers ranges[s]
-    (module docstring). Raises ScheduleError when the ranges do not fit the schedule."""
+    """Simulate `schedule` on len(ranges) / chunks devices, stage s running layers ranges[s],
+    recomputed where `recompute[s]` (module docstring). Raises ScheduleError when the ranges do
+    not fit the schedule."""
     if len(ranges) % chunks:
         raise ScheduleError(f"{len(ranges)} stages do not divide into {chunks} chunks per device")
     devices = len(ranges) // chunks
@@ -173,7 +194,7 @@ def schedule_cost(
     placement = stage_placement(schedule, devices, chunks)
     if order.stage_devices() != dict(enumerate(placement)):
         raise ScheduleError(f"schedule {schedule}: its order places stages unlike {placement}")  # a bug here
-    times = stage_times(profile, ranges, weight_share)
+    times = stage_times(profile, ranges, weight_share, recompute)
     comm = link_comm(profile, ranges, links, stages_per_node) if links is not None else None
     sim = simulate(  # schedule_order's orders are complete
         order, times, comm, checked=True, rebuild=lambda: schedule_order(schedule, devices, microbatches, chunks)
@@ -189,7 +210,7 @@ def schedule_cost(
             compute[placement[s]] += times.forward_s[s] + times.backward_s[s]
         else:
             compute[placement[s]] += times.forward_s[s] + times.input_grad_s[s] + times.weight_grad_s[s]
-    ready = sync_ready(profile, ranges, placement, sim)
+    ready = sync_ready(profile, ranges, placement, sim, recompute)
     sync = exposed_sync_s(ready, sim.makespan_s, links, replicas) if links is not None else 0.0
     return ScheduleCost(
         schedule=schedule,
@@ -207,18 +228,22 @@ def schedule_cost(
         device_compute_s=tuple(compute),
         grad_bytes=tuple(grads),
         sync_ready=ready,
+        recompute=tuple(bool(r) for r in recompute) if any(recompute) else (),
     )
 
 
 def sync_ready(
-    profile: ModelProfile, ranges: Sequence[tuple[int, int]], placement: Sequence[int], sim: Simulation
+    profile: ModelProfile,
+    ranges: Sequence[tuple[int, int]],
+    placement: Sequence[int],
+    sim: Simulation,
+    recompute: Sequence[bool] = (),
 ) -> tuple[tuple[Ready, ...], ...]:
     """Per device, when each of its layers' gradients is final (overlap.py): during its stage's
     last B, layer by layer, or at the end of its last W."""
     devices: list[list[Ready]] = [[] for _ in range(max(placement) + 1)]
-    for s, (u, v) in enumerate(ranges):
+    for s, layers in enumerate(_stage_layers(profile, ranges, recompute)):
         start, end, split = sim.last_backward[s]
-        layers = profile.layers[u:v]
         devices[placement[s]] += layer_ready_times(
             start, end, [la.backward_s for la in layers], [la.grad_bytes for la in layers], split=split
         )
@@ -235,6 +260,7 @@ def template_cost(
     replicas: int = 1,
     weight_share: float = 0.5,
     ranges: Optional[Sequence[tuple[int, int]]] = None,
+    recompute: Sequence[bool] = (),
 ) -> ScheduleCost:
     """`schedule_cost` of a template: its stages and links for one chunk per device; for more,
     the model re-cut into chunks x stages by `chunk_ranges` on the template's devices (`ranges`:
@@ -251,4 +277,5 @@ def template_cost(
         stages_per_node=template.gpus_per_node // template.tensor_parallel,
         replicas=replicas,
         weight_share=weight_share,
+        recompute=recompute,
     )

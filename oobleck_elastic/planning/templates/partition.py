@@ -3,7 +3,8 @@
 `StageCosts` holds prefix sums over a profile (the time and memory of any layer range at any
 stage position in O(1), vectorised with numpy); `best_partition` runs the two-pass dynamic
 programme over them: the least bottleneck, then among partitions within it the least total time.
-docs/planning.md.
+With `recompute_auto` (`training.activation_checkpoint: auto`) a stage recomputes its
+activations exactly when it does not fit without (the profile's recomputed variant). docs/planning.md.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class StageCosts:
         gpipe_microbatches: int = 1,
         links: Optional[Links] = None,
         stages_per_node: int = 1,
+        recompute_auto: bool = False,
     ) -> None:
         if schedule not in ("1f1b", "gpipe"):
             raise PlanningError(f"unknown schedule '{schedule}': use 1f1b or gpipe")
@@ -43,15 +45,22 @@ class StageCosts:
         self.gpipe_microbatches = gpipe_microbatches
         self.links = links
         self.stages_per_node = stages_per_node
+        self.recompute_auto = recompute_auto
         self._time = [0.0]
         self._static = [0]
         self._act = [0]
         self._grad = [0]
+        self._time_rc = [0.0]  # recomputed (recompute_auto only)
+        self._act_rc = [0]
         for layer in profile.layers:
             self._time.append(self._time[-1] + layer.time_s)
             self._static.append(self._static[-1] + layer.static_bytes)
             self._act.append(self._act[-1] + layer.activation_bytes)
             self._grad.append(self._grad[-1] + layer.grad_bytes)
+            if recompute_auto:
+                rc = layer.recomputed()
+                self._time_rc.append(self._time_rc[-1] + rc.time_s)
+                self._act_rc.append(self._act_rc[-1] + rc.activation_bytes)
         self._out = [0] + [layer.output_bytes for layer in profile.layers]  # _out[v]: output of layer v-1
         # the same for every template: [u, v) spans as (L+1) x (L+1) matrices, and each cut's
         # boundary time over a link in a node and across nodes
@@ -59,6 +68,10 @@ class StageCosts:
         self._span_time = t[None, :] - t[:, None]
         self._span_static = st[None, :] - st[:, None]
         self._span_act = ac[None, :] - ac[:, None]
+        if recompute_auto:
+            t_rc, ac_rc = (np.asarray(x, dtype=np.float64) for x in (self._time_rc, self._act_rc))
+            self._span_time_rc = t_rc[None, :] - t_rc[:, None]
+            self._span_act_rc = ac_rc[None, :] - ac_rc[:, None]
         cuts = np.arange(self.num_layers + 1)
         self._empty = cuts[:, None] >= cuts[None, :]
         self._cut_s = {
@@ -68,9 +81,16 @@ class StageCosts:
         self._matrices: dict[tuple[int, Optional[bool], Optional[bool]], np.ndarray] = {}
         self._tails: dict[int, list[np.ndarray]] = {}  # num_stages % stages_per_node -> tail(0), tail(1), ...
 
-    def time(self, start: int, end: int) -> float:
-        """Forward + backward compute of layers [start, end)."""
-        return self._time[end] - self._time[start]
+    def time(self, start: int, end: int, recompute: bool = False) -> float:
+        """Forward + backward compute of layers [start, end) (`recompute`: their activations recomputed)."""
+        prefix = self._time_rc if recompute else self._time
+        return prefix[end] - prefix[start]
+
+    def recomputes(self, start: int, end: int, position: int, num_stages: int) -> bool:
+        """Whether the stage recomputes its activations: with `recompute_auto`, when it does not fit without."""
+        if not self.recompute_auto:
+            return False
+        return self._memory(start, end, position, num_stages, self._act) > self.memory_limit
 
     def grad_bytes(self, start: int, end: int) -> int:
         return self._grad[end] - self._grad[start]
@@ -92,7 +112,8 @@ class StageCosts:
         return t + (self.boundary_s(end, position) if position < num_stages - 1 else 0.0)
 
     def stage_time(self, start: int, end: int, position: int, num_stages: int) -> float:
-        return self.time(start, end) + self.comm(start, end, position, num_stages)
+        recompute = self.recomputes(start, end, position, num_stages)
+        return self.time(start, end, recompute) + self.comm(start, end, position, num_stages)
 
     def in_flight(self, position: int, num_stages: int) -> int:
         """Microbatches whose activations stage `position` of `num_stages` keeps at once."""
@@ -101,11 +122,11 @@ class StageCosts:
         return num_stages - position
 
     def memory(self, start: int, end: int, position: int, num_stages: int) -> int:
-        return (
-            self._static[end]
-            - self._static[start]
-            + self.in_flight(position, num_stages) * (self._act[end] - self._act[start])
-        )
+        act = self._act_rc if self.recomputes(start, end, position, num_stages) else self._act
+        return self._memory(start, end, position, num_stages, act)
+
+    def _memory(self, start: int, end: int, position: int, num_stages: int, act: list[int]) -> int:
+        return self._static[end] - self._static[start] + self.in_flight(position, num_stages) * (act[end] - act[start])
 
     def matrices(self, position: int, num_stages: int) -> np.ndarray:
         """(L+1) x (L+1) stage times of [u, v) at `position`; inf where u >= v, where it does not
@@ -150,8 +171,12 @@ class StageCosts:
         n = self.num_layers
         u = np.arange(n + 1)
         mem = self._span_static + in_flight * self._span_act
-        bad = self._empty | (mem > self.memory_limit)
         w = self._span_time
+        if self.recompute_auto:  # recomputed where it does not fit without
+            over = mem > self.memory_limit
+            mem = np.where(over, self._span_static + in_flight * self._span_act_rc, mem)
+            w = np.where(over, self._span_time_rc, w)
+        bad = self._empty | (mem > self.memory_limit)
         if link_in is None:
             bad |= (u != 0)[:, None]
         else:

@@ -44,6 +44,10 @@ class StageSpec:
     """The part of time_s spent receiving activations and gradients from the neighbours."""
     grad_bytes: int = 0
     """Gradient bytes one device of the stage all-reduces with the other replicas."""
+    recompute: bool = False
+    """Whether the stage recomputes its activations, as chosen by `training.activation_checkpoint:
+    auto` (it does not fit without); False under the other modes (the templates' profile is then
+    that mode's)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -55,6 +59,7 @@ class StageSpec:
             "comm_s": self.comm_s,
             "memory_bytes": self.memory_bytes,
             "grad_bytes": self.grad_bytes,
+            **({"recompute": True} if self.recompute else {}),
         }
 
 
@@ -158,6 +163,7 @@ def make_template(
             memory_bytes=costs.memory(u, v, i, num_stages),
             comm_s=costs.comm(u, v, i, num_stages),
             grad_bytes=costs.grad_bytes(u, v),
+            recompute=costs.recomputes(u, v, i, num_stages),
         )
         for i, (u, v) in enumerate(ranges)
     )
@@ -169,11 +175,13 @@ def make_template(
         bottleneck_s=max(s.time_s for s in stages),
         tensor_parallel=tensor_parallel,
         links=costs.links,
-        sync_ready=_sync_ready(costs, ranges),
+        sync_ready=_sync_ready(costs, ranges, [s.recompute for s in stages]),
     )
 
 
-def _sync_ready(costs: StageCosts, ranges: Sequence[tuple[int, int]]) -> tuple[tuple[Ready, ...], ...]:
+def _sync_ready(
+    costs: StageCosts, ranges: Sequence[tuple[int, int]], recompute: Sequence[bool]
+) -> tuple[tuple[Ready, ...], ...]:
     """When each layer's gradient is final under 1F1B or GPipe, relative to the schedule's end:
     stage 0's last backward ends the schedule, and stage s's ended before it by the backwards and
     gradient receives of the stages before it (the cool-down's chain), each stage's layers
@@ -182,7 +190,7 @@ def _sync_ready(costs: StageCosts, ranges: Sequence[tuple[int, int]]) -> tuple[t
     out = []
     end = 0.0
     for i, (u, v) in enumerate(ranges):
-        backward = [la.backward_s for la in layers[u:v]]
+        backward = [(la.recomputed() if recompute[i] else la).backward_s for la in layers[u:v]]
         out.append(
             tuple(
                 layer_ready_times(
@@ -244,6 +252,9 @@ class TemplateSet:
     profile: Optional[ModelProfile] = field(default=None, compare=False, repr=False)
     """The profile the templates were built from (at microbatch_size): what simulated schedules
     are costed with (schedules/choice.py). None: not kept (closed-form schedules only)."""
+    activation_checkpoint: str = "none"
+    """`training.activation_checkpoint` the templates were built for: `none` or `full` (every stage,
+    the profile holds that mode's numbers) or `auto` (per stage, `StageSpec.recompute`)."""
 
     @property
     def n0(self) -> int:
@@ -285,12 +296,15 @@ def build_templates(
     memory_source: str = "planning.device_memory_gb",
     tensor_parallel: int = 1,
     links: Optional[Links] = None,
+    activation_checkpoint: str = "none",
 ) -> TemplateSet:
     """Templates for every node count from 1 to min(max_nodes, layers // stages per node) that fit.
 
-    The profile holds per-device numbers at `tensor_parallel` devices per stage. `links` costs the
-    communication (None: compute only). `memory_source` says where device_memory_gb came from
-    (`planning.device_memory_gb`, or a description of the profiled device); errors name it.
+    The profile holds per-device numbers at `tensor_parallel` devices per stage, in the mode of
+    `activation_checkpoint` (`auto`: without recomputation and recomputed, chosen per stage:
+    partition.py). `links` costs the communication (None: compute only). `memory_source` says
+    where device_memory_gb came from (`planning.device_memory_gb`, or a description of the
+    profiled device); errors name it.
     Raises PlanningError naming the layer and the memory it needs when no template fits.
     """
     if gpus_per_node < 1:
@@ -308,6 +322,7 @@ def build_templates(
         gpipe_microbatches=gpipe_microbatches,
         links=links,
         stages_per_node=per_node,
+        recompute_auto=activation_checkpoint == "auto",
     )
     cap = profile.num_layers // per_node
     if cap < 1:
@@ -335,6 +350,7 @@ def build_templates(
         memory_source=memory_source,
         tensor_parallel=tensor_parallel,
         links=links,
+        activation_checkpoint=activation_checkpoint,
     )
 
 
@@ -356,21 +372,30 @@ def _no_fit_message(
         raise_it = "use devices with more memory"
     if margin:
         budget += f" (memory_margin {margin:g})"
+    if costs.recompute_auto:
+        mode, more = " even with its activations recomputed (training.activation_checkpoint=auto)", ""
+    elif costs.profile.base_mode == "full":
+        mode, more = " with its activations recomputed (training.activation_checkpoint=full)", ""
+    elif "full" in costs.profile.modes:  # numbers under recomputation: auto can plan with them
+        mode, more = "", ", set training.activation_checkpoint=auto (recomputes where a stage needs it)"
+    else:
+        mode, more = "", ""
     for i, layer in enumerate(costs.profile.layers):
         # a layer alone on the LAST stage has the fewest microbatches in flight: its best case
         need = costs.memory(i, i + 1, max_stages - 1, max_stages)
         if need > costs.memory_limit:
+            acts = (layer.recomputed() if costs.recompute_auto else layer).activation_bytes
             return (
                 f"the model cannot fit even with one layer per device: layer {i} '{layer.name}' "
-                f"alone needs {need / GIB:.2f} GiB (params+grads+optimizer "
+                f"alone needs {need / GIB:.2f} GiB{mode} (params+grads+optimizer "
                 f"{layer.static_bytes / GIB:.2f} GiB, activations "
-                f"{layer.activation_bytes / GIB:.2f} GiB per microbatch) but a device has "
-                f"{budget}: {raise_it} or lower training.microbatch_size"
+                f"{acts / GIB:.2f} GiB per microbatch) but a device has "
+                f"{budget}: {raise_it}{more} or lower training.microbatch_size"
             )
     total = costs.memory(0, costs.num_layers, 0, 1)
     return (
-        f"no split of the model into at most {max_stages} stages fits in memory (the whole model "
+        f"no split of the model into at most {max_stages} stages fits in memory{mode} (the whole model "
         f"needs {total / GIB:.2f} GiB for one microbatch; early stages keep more microbatches "
-        f"in flight under 1F1B) with {budget}: {raise_it}, lower "
+        f"in flight under 1F1B) with {budget}: {raise_it}{more}, lower "
         f"training.microbatch_size, or use more devices per node"
     )
