@@ -38,6 +38,7 @@ Run (1-3 minutes on 2 cores):
     python -m bench overhead                    # 2 pipelines x 2 stages on 4 ranks, then 1 x 2 on 2
     python -m bench overhead --world 4 --rounds 7 --steps 10
     python -m bench overhead --quick            # short smoke run
+    python -m bench overhead --layout 4x1       # 4 one-stage pipelines: pure data parallelism
 
 Prints one JSON line per world:
     {"bench": "overhead", "world": 4, "plan": "2x2", "engine_samples_s": ..., "baseline_samples_s": ...,
@@ -159,7 +160,9 @@ class Baseline:
         from oobleck_elastic.data.sampler import collate
 
         x, y = collate(self.dataset, self.sampler.indices(step)[self.slice])
-        if self.first:
+        if self.first and self.last:  # a one-stage pipeline
+            self.schedule.step(x, target=y, losses=[])
+        elif self.first:
             self.schedule.step(x)
         elif self.last:
             self.schedule.step(target=y, losses=[])
@@ -245,14 +248,26 @@ def worker(rank: int, world: int, tmp: str, cfg_dict: dict, layout: tuple[int, i
     engine.close()
 
 
+def parse_layout(text: str) -> tuple[int, int]:
+    """`PxS` (pipelines x stages, e.g. 4x1: four one-stage pipelines, pure data parallelism)."""
+    try:
+        pipelines, stages = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--layout {text!r}: give pipelines x stages, e.g. 4x1 or 2x2") from None
+    if pipelines < 1 or stages < 1:
+        raise SystemExit(f"--layout {text!r}: pipelines and stages must be >= 1")
+    return pipelines, stages
+
+
 def run_world(world: int, args: argparse.Namespace, cfg) -> dict:
     import torch.multiprocessing as mp
 
     from oobleck_elastic.config import to_dict
 
-    layout = {4: (2, 2), 2: (1, 2), 3: (1, 3)}.get(world)
+    layout = parse_layout(args.layout) if args.layout else {4: (2, 2), 2: (1, 2), 3: (1, 3)}.get(world)
     if layout is None:
-        raise SystemExit(f"--world {world}: use 2 (1x2), 3 (1x3) or 4 (2x2)")
+        raise SystemExit(f"--world {world}: use 2 (1x2), 3 (1x3) or 4 (2x2), or give --layout")
+    world = layout[0] * layout[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     opts = {"warmup": args.warmup, "rounds": args.rounds, "steps": args.steps}
@@ -295,6 +310,7 @@ def run_world(world: int, args: argparse.Namespace, cfg) -> dict:
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, nargs="+", default=[4, 2], help="world sizes: 4 = 2x2, 2 = 1x2, 3 = 1x3")
+    p.add_argument("--layout", help="PxS pipelines x stages (e.g. 4x1, pure data parallelism); replaces --world")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     p.add_argument("--steps", type=int, default=10, help="steps per block (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each before the rounds")
@@ -309,7 +325,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from oobleck_elastic.config import load_config
 
     cfg = load_config(args.config, DEFAULT_OVERRIDES + list(args.overrides))
-    for world in args.world:
+    for world in [0] if args.layout else args.world:
         emit(run_world(world, args, cfg))
 
 
