@@ -5,6 +5,10 @@
 - `own_etcd`: a server of the test's own (to stall, kill or restart), stopped by PID at the end.
 - `run_id`: a unique id per test; put it in key prefixes so tests sharing the server don't collide.
 
+Every worker the tests start checks NCCL's rules on gloo (`OOBLECK_NCCL_RULES=1`,
+oobleck_elastic/engine/resilience/nccl_rules.py, docs/nccl.md); `OOBLECK_NCCL_RULES=0 pytest ...`
+turns it off.
+
 Also `--extended-shard i/K` (tests/lanes.py): the rotating shard of extended tests `make test` runs
 (with it, a jobs test not marked `core` is extended too), balanced by tests/durations.json, which
 `--store-durations` refreshes with the times of the tests run.
@@ -23,6 +27,9 @@ import pytest
 from lanes import extended_shard, load_durations, parse_shard, rotate, store_durations
 from oobleck_elastic.etcd.settings import EtcdSettings
 from oobleck_elastic.etcd.server import EtcdServer
+from oobleck_elastic.engine.resilience.nccl_rules import RULES_ENV
+
+os.environ.setdefault(RULES_ENV, "1")  # inherited by every job, node and rank a test starts
 
 
 @pytest.fixture(scope="session")

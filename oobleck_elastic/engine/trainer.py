@@ -29,9 +29,10 @@ from ..logs import JobLog
 from ..models import LayerModel, build_layer_model
 from ..planning import Plan
 from .checkpoint_state import CheckpointState
-from .entry.devices import release_groups
+from .entry.devices import group_errors, release_groups
 from .entry.enter import GenerationEntry, LayersLost, Reconfiguration
 from .entry.groups import GenerationGroups, set_timeout
+from .resilience import nccl_rules
 from .resilience.faults import FaultInjector
 from .step.collectives import Collective, control_group, step_collectives
 from .resilience.fingerprint import Corrupt, Unrepairable, check_replicas, layer_tensors
@@ -43,7 +44,7 @@ from .stage.build import build_stage
 from .stage.compiled import compile_enabled, use_cache_dir, warm_up
 from .stage.paced import Pacer, pin_threads
 from .step.apply import StepApplier
-from .step.commit import CommitVote, commit, own_slot
+from .step.commit import CommitVote, commit, own_slot, refuse_errored
 from .step.forward_backward import forward_backward
 from .step.grad_sync import GradSync, synchronise
 from .step.optim import token_sum_loss
@@ -80,6 +81,7 @@ class Trainer:
 
         self.cfg, self.dataset, self.node = cfg, dataset, node
         self.device = torch.device(device)
+        nccl_rules.install()  # OOBLECK_NCCL_RULES=1: check NCCL's rules on any backend (docs/nccl.md)
         t = cfg.training
         self.sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.seed)
         seq_len = dataset[0][0].shape[-1]
@@ -92,6 +94,7 @@ class Trainer:
         self.progress = STEP_PROGRESS
         """What the step thread tells the main thread (engine/resilience/progress.py)."""
         self.progress.p2p_timeout = self.timeout if self.device.type == "cpu" else None
+        self.progress.track_posted = self.device.type == "cuda"  # NCCL's waits return before the work ends
         self.lane = 0  # this worker's tensor-parallel lane in its stage
         self.state = WorkerState(layer_model=build_layer_model(cfg.model, seed=t.seed, owned=[], device=device))
         """What this worker holds across generations (layers, optimizer, steps): only its stage's."""
@@ -281,7 +284,7 @@ class Trainer:
         self.step_group = control_group(plan.world_size, self.timeout) if plan.donors else control
         self.grad_sync = GradSync(self.groups, self.layer_model, self.owned)
         if plan.shadows is not None and plan.shadows.copies > 0:  # every stage worker makes the group
-            group = dist.new_group(list(range(plan.world_size)), timeout=self.timeout)
+            group = nccl_rules.host_group(dist.new_group(list(range(plan.world_size)), timeout=self.timeout))
             self.shadow_link = ShadowLink(plan, self.rank, group)
         built = build_stage(
             self.cfg,
@@ -347,6 +350,7 @@ class Trainer:
             step_group = self.step_group  # this generation's, whatever the next one installs
             holds_first_last, stage_module = self.holds_first_last, self.stage_module
         assert grad_sync is not None and plan is not None, "enter a generation first"
+        self.progress.new_step()
         grad_sync.begin_step(pipeline.microbatches)  # reductions start as layers finish
         local_loss = forward_backward(
             schedule,
@@ -363,12 +367,14 @@ class Trainer:
         )
         local_loss = self.faults.poisoned(local_loss, rank=rank, step=step, params=self.params)
         norm2, loss = self._synchronise(step, local_loss, grad_sync, step_group, epoch, shadow_link)
+        errored = self._group_errors(step)  # read after every wait of the step, before voting
         agreed = commit(
-            self._vote(seen_generation, rejections, stop),
+            self._vote(seen_generation, rejections, stop, len(errored)),
             group=step_group,
             progress=self.progress,
             while_waiting=lambda: self.faults.block(rank=self.rank, step=step, where="comm"),
         )
+        refuse_errored(agreed, step=step, mine=errored)
         spike_factor = self.cfg.fault_tolerance.loss_spike_factor
         verdict = judge(loss, norm2, running_max=agreed.max_loss, spike_factor=spike_factor)
         repaired: tuple[Corrupt, ...] = ()
@@ -461,11 +467,19 @@ class Trainer:
             self.state.synced_step, self.state.synced_norm2 = step, synced.norm2
         return synced.norm2, synced.loss
 
-    def _vote(self, seen_generation: int, rejections: int, stop: bool) -> CommitVote:
+    def _group_errors(self, step: int) -> list[str]:
+        """This generation's device groups whose error state is not success (engine/entry/devices.py
+        `group_errors`), and an injected one (engine/resilience/faults.py)."""
+        groups = self.groups.ordered if self.groups is not None else []
+        injected = self.faults.group_error(rank=self.rank, step=step, params=self.params)
+        return group_errors(groups, self.device) + ([injected] if injected else [])
+
+    def _vote(self, seen_generation: int, rejections: int, stop: bool, errored_groups: int = 0) -> CommitVote:
         """This worker's part of the COMMIT (engine/step/commit.py): the newest generation it has
         seen, its peak memory, the step guard's running maximum and rejections, and its compute
-        seconds in this step (the straggler clock, engine/resilience/straggler.py), and when it began and
-        finished entering this generation (engine/telemetry/board.py)."""
+        seconds in this step (the straggler clock, engine/resilience/straggler.py), when it began and
+        finished entering this generation (engine/telemetry/board.py), and how many of its device
+        groups reported an error (`_group_errors`)."""
         device_peak = memory.peak_device_bytes(self.device)
         assert self.plan is not None
         return CommitVote(
@@ -478,6 +492,7 @@ class Trainer:
             entry_began=self.entry_window[0],
             entry_ended=self.entry_window[1],
             compute_s=own_slot(self.rank, self.plan.world_size, self.clock.take()),
+            errored_groups=errored_groups,
         )
 
     def _compare_copies(self, step_group: Optional[dist.ProcessGroup]) -> tuple[tuple[Corrupt, ...], str]:

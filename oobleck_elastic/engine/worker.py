@@ -24,7 +24,7 @@ from ..records.errors import next_error_record
 from ..records.goodput import Category
 from .checkpointing import CheckpointPolicy, NothingToRestore, retake_reason
 from .control import ControlPlane
-from .entry.devices import configure_nccl, resolve_device
+from .entry.devices import configure_cuda, configure_nccl, resolve_device
 from .resilience.errors import JobFailed, StepAbandoned, describe, is_communication_error
 from .resilience.guard import GuardDecision, StepGuard, TooManySkipped, Verdict
 from .resilience.heartbeat import Heartbeat
@@ -87,6 +87,9 @@ class Worker:
             for message in replaced:
                 log.at(node=ctx.node_id).warning("%s", message)
             log.at(node=ctx.node_id).info("worker %d on %s; NCCL settings %s", ctx.local_rank, device, nccl)
+            late = configure_cuda(device)
+            if late is not None:
+                log.at(node=ctx.node_id).warning("%s", late)
         rss_at_start = memory.current_rss_bytes()
         self.trainer = Trainer(cfg, dataset=dataset, node=ctx.node_id, local_rank=ctx.local_rank, device=device)
         self.log = RunLog(

@@ -500,3 +500,27 @@ def _kill_both_first_stages(keys):
                 kill_node(rec.agent_pid)
 
     return kill
+
+
+def test_a_device_group_error_after_the_waits_refuses_the_step_on_every_worker(
+    tmp_path: Path, etcd_server, run_id
+) -> None:
+    """NCCL's watchdog may abort a timed-out communicator after the step's waits returned, leaving
+    partial sums (docs/nccl.md): the worker holding rank 1 reports an errored device group at step 3
+    with its gradients halved (`OOBLECK_GROUP_ERROR_AT`). The commit vote carries it, no worker
+    applies the step, the generation is left and step 3 is replayed: the job ends with the
+    single-process weights (applied, the halved gradients would part from them)."""
+    out, job, ref = run_job(
+        tmp_path,
+        etcd_server,
+        run_id,
+        ["--nodes", "2"],
+        6,
+        tiny_profile(tmp_path / "profile.json"),
+        env={"OOBLECK_GROUP_ERROR_AT": "1@3"},
+    )
+    refused = "step 3 refused by every worker: a device group reported an error after its waits"
+    assert f"{refused} (injected: TIMEOUT (OOBLECK_GROUP_ERROR_AT))" in out, out[-5000:]
+    assert f"{refused} (on another worker)" in out, out[-5000:]
+    assert "entered from generation 1" in out, out[-5000:]
+    assert_same(job, ref)

@@ -30,7 +30,7 @@ def _vote(rank: int, world_size: int, **fields) -> CommitVote:
 BEGAN = 1_764_000_000.125  # a Unix time
 
 
-def test_the_layout_has_eight_slots_then_one_per_rank() -> None:
+def test_the_layout_has_eight_slots_then_one_per_rank_then_the_errored_groups() -> None:
     assert CommitVote.layout(4) == {
         "generation": slice(0, 1),
         "peak_rss_bytes": slice(1, 2),
@@ -41,11 +41,12 @@ def test_the_layout_has_eight_slots_then_one_per_rank() -> None:
         "entry_began": slice(6, 7),
         "entry_ended": slice(7, 8),
         "compute_s": slice(8, 12),
+        "errored_groups": slice(12, 13),
     }
-    assert [CommitVote.size(n) for n in (1, 2, 8)] == [9, 10, 16]
+    assert [CommitVote.size(n) for n in (1, 2, 8)] == [10, 11, 17]
     packed = _vote(2, 4, generation=7, peak_device_bytes=5 * 2**20, rejections=1, stop=1).pack()
     assert packed.dtype == torch.float64
-    assert packed.tolist() == [7, 3 * 2**30, 5 * 2**20, 2.5, 1, 1, -(BEGAN + 2), BEGAN + 12, 0, 0, 0.375, 0]
+    assert packed.tolist() == [7, 3 * 2**30, 5 * 2**20, 2.5, 1, 1, -(BEGAN + 2), BEGAN + 12, 0, 0, 0.375, 0, 0]
 
 
 def test_a_vote_survives_pack_and_unpack() -> None:
@@ -124,13 +125,13 @@ def test_one_slot_fields_travel_as_float32_and_seconds_and_unix_times_as_float64
 def test_a_malformed_tensor_is_refused_naming_the_layout() -> None:
     layout = (
         r"\(generation x 1, peak_rss_bytes x 1, peak_device_bytes x 1, max_loss x 1, rejections x 1, "
-        r"stop x 1, entry_began x 1, entry_ended x 1, compute_s x 3\)"
+        r"stop x 1, entry_began x 1, entry_ended x 1, compute_s x 3, errored_groups x 1\)"
     )
     with pytest.raises(
-        ValueError, match=rf"over 3 ranks is a flat float64 tensor of 11 slots {layout}; got shape \(7,\) "
+        ValueError, match=rf"over 3 ranks is a flat float64 tensor of 12 slots {layout}; got shape \(7,\) "
     ):
         CommitVote.unpack(torch.zeros(7, dtype=torch.float64), world_size=3)
-    with pytest.raises(ValueError, match=r"got shape \(11,\) of torch.float32"):
-        CommitVote.unpack(torch.zeros(11), world_size=3)
+    with pytest.raises(ValueError, match=r"got shape \(12,\) of torch.float32"):
+        CommitVote.unpack(torch.zeros(12), world_size=3)
     with pytest.raises(ValueError, match=r"got shape \(2, 4\)"):
         CommitVote.unpack(torch.zeros(2, 4, dtype=torch.float64), world_size=3)

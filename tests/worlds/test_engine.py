@@ -17,6 +17,8 @@ import torch.multiprocessing as mp
 from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.engine import checkpointing
 from oobleck_elastic.engine.entry.devices import backend_for
+from oobleck_elastic.engine.entry.groups import Holders
+from oobleck_elastic.engine.resilience import nccl_rules
 from oobleck_elastic.engine.trainer import Trainer
 import helpers
 from oobleck_elastic.testing import node_plan
@@ -68,6 +70,7 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
         assert configs == {"cpu:gloo,cuda:gloo"} and backend_for(trainer.device) == "gloo", configs
         for step in range(STEPS):
             trainer.train_step(step)
+        _assert_connected_at_entry(trainer, plan, rank)
         torch.save(
             {f"{i}:{n}": t for i, layer in trainer.checkpoint_state.layer_state().items() for n, t in layer.items()},
             os.path.join(tmp, f"plan{k}-rank{rank}.pt"),
@@ -94,6 +97,21 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
                 os.path.join(tmp, f"resumed-rank{rank}.pt"),
             )
         trainer.close()
+
+
+def _assert_connected_at_entry(trainer: Trainer, plan, rank: int) -> None:
+    """NCCL's rules (docs/nccl.md): every device group this rank used in its steps was first used in
+    the entry's connect, by an all-reduce of all its members, in the generation's order: the default
+    group (layer transfers), this rank's pipeline, then its holder sets (the checker raises at any
+    other first use, so the steps' use of them is checked too)."""
+    assert nccl_rules.CHECKER.active, "the tests run with OOBLECK_NCCL_RULES=1 (tests/conftest.py)"
+    pipeline = plan.stage_of(rank)[0]
+    expected = [tuple(range(plan.entry_world_size))]
+    if len(pipeline.stages) > 1:
+        expected.append(tuple(s.rank for s in pipeline.stages))
+    expected += [s for s in Holders.of(plan, trainer.layer_model).group_sets() if rank in s]
+    uses = list(nccl_rules.CHECKER.first.values())
+    assert [(u.ranks, u.op, u.connecting) for u in uses] == [(r, "all_reduce", True) for r in expected], uses
 
 
 def reference_state(cfg) -> dict[str, torch.Tensor]:

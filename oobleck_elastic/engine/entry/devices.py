@@ -1,7 +1,8 @@
 """Where a worker trains, which backends its process groups use, and how they are torn down.
 
 `resolve_device` (`training.device`: worker LOCAL_RANK on `cuda:<LOCAL_RANK>`, or the CPU),
-`backend_for` (gloo for control collectives, NCCL for data on GPUs), `configure_nccl` and
+`backend_for` (gloo for control collectives, NCCL for data on GPUs), `configure_nccl`,
+`configure_cuda` (the allocator's setting, the current device) and
 `release_groups` (a generation's groups aborted at once, freed when the abandoned step threads
 have ended). Invariant: a peer's failure never kills a healthy worker, and tearing a generation
 down never waits for a blocked collective. docs/recovery.md, docs/liveness.md.
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, MutableMapping, Sequence
+from typing import Any, Iterable, MutableMapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import ErrorType
 from torch.distributed.distributed_c10d import _abort_process_group, _world
 
 NCCL_ENV = {
@@ -74,6 +76,64 @@ def configure_nccl(environ: MutableMapping[str, str] = os.environ) -> tuple[dict
         if old is None:
             environ[key] = value
     return {key: environ[key] for key in NCCL_ENV}, replaced
+
+
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_CONF_DEFAULT = "expandable_segments:True"
+"""The CUDA caching allocator's setting unless the environment gives one: segments that grow in
+place fragment less when generations free and allocate stages of other sizes (torch's CUDA
+memory-management notes)."""
+
+
+def configure_cuda(device: torch.device, environ: MutableMapping[str, str] = os.environ) -> Optional[str]:
+    """Before any CUDA work of this worker: `ALLOC_CONF_DEFAULT` unless the environment sets
+    `ALLOC_CONF_ENV` (read by the allocator once, at its first allocation), then
+    `torch.cuda.set_device` (so that nothing, not the warm-up compile nor a communicator, lands on
+    device 0). Returns a message when the allocator had started already and the default could not
+    take effect (None otherwise, and off CUDA)."""
+    if device.type != "cuda":
+        return None
+    late = None
+    if default_alloc_conf(environ) and torch.cuda.is_initialized():
+        late = f"CUDA started before {ALLOC_CONF_ENV}={ALLOC_CONF_DEFAULT} was set: the allocator runs without it"
+    torch.cuda.set_device(device)
+    return late
+
+
+def default_alloc_conf(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Set `ALLOC_CONF_ENV` to `ALLOC_CONF_DEFAULT` unless `environ` has it (the user's setting
+    wins); whether it was set."""
+    if ALLOC_CONF_ENV in environ:
+        return False
+    environ[ALLOC_CONF_ENV] = ALLOC_CONF_DEFAULT
+    return True
+
+
+def group_errors(groups: Iterable[Optional[dist.ProcessGroup]], device: torch.device) -> list[str]:
+    """What `groups`' (None: the default group) backends for `device` report as their error state,
+    one line each not `SUCCESS`: NCCL's watchdog marks a timed-out communicator and aborts it while
+    the process lives (TORCH_NCCL_ASYNC_ERROR_HANDLING=2), and a `wait()` that returned before the
+    kernel ran does not see it; a backend without an error state (gloo: its waits raise) reports
+    none. Read before the commit vote (engine/step/commit.py). docs/nccl.md."""
+    out = []
+    for group in groups:
+        pg = group if group is not None else _world.default_pg
+        if pg is None:
+            continue
+        try:
+            backend = pg._get_backend(device)
+        except RuntimeError:  # no backend for this device type: nothing of the data plane ran on it
+            continue
+        get_error = getattr(backend, "get_error", None)
+        try:
+            state = get_error() if get_error is not None else ErrorType.SUCCESS
+        except RuntimeError as err:  # torch's checker wraps gloo, which has no error state
+            if "does not support getError" not in str(err):
+                raise
+            continue
+        if state != ErrorType.SUCCESS:
+            out.append(f"group {pg.group_name} ({device.type}): {state.name}")
+    return out
 
 
 def release_groups(*, abort: bool, busy: Sequence[threading.Thread] = ()) -> None:

@@ -27,9 +27,10 @@ from ...models import LayerModel, build_layer_model
 from ...models.build import build_meta_layers
 from ...models.tensor_parallel import parallelize_layer
 from ...planning import Plan
+from ..resilience import nccl_rules
 from ..step.collectives import Collective, checked_timeout, control_group, entry_collectives
 from .devices import backend_for, release_groups
-from .groups import GenerationGroups, set_timeout
+from .groups import GenerationGroups, connect_groups, set_timeout
 from ..step.optim import build_optimizer
 from .kept_layers import copy_kept_shards, keep_layers
 from .reconfigure import Identity, LayerSources, Move, Transfer, exchange, moves_of, plan_transfers, transfer_bytes
@@ -267,16 +268,22 @@ class GenerationEntry:
         self.control = None
         connect = min(self.timeout, self.join_timeout)
         release_groups(abort=False)
-        if self.device.type == "cuda":
+        nccl_rules.CHECKER.begin_generation(plan.generation)
+        cuda = self.device.type == "cuda"
+        if cuda:
             torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()  # the previous generation's freed blocks, before NCCL allocates
         dist.init_process_group(
             backend_for(self.device),
             store=store,
             rank=rank,
             world_size=plan.entry_world_size,
             timeout=connect,
+            device_id=self.device if cuda else None,  # NCCL's world communicator made now, not lazily
         )
+        nccl_rules.CHECKER.bind_world()
         self.control = control_group(plan.entry_world_size, checked_timeout(connect, self.timeout))
+        connect_groups([None], self.device)  # the layer and shadow transfers' group, by every member
 
     @staticmethod
     def _agree_on_step(state: WorkerState, control: Optional[dist.ProcessGroup]) -> tuple[int, int]:
@@ -402,6 +409,9 @@ class GenerationEntry:
             connect_timeout=self.join_timeout,
             device_type=self.device.type,
         )
+        connect_groups(groups.ordered, self.device)
+        if nccl_rules.CHECKER.active:
+            log.at(gen=plan.generation, node=self.node, rank=rank).info(nccl_rules.CHECKER.summary())
         sharded = groups.mesh is not None
         fresh = owned if sharded else [i for i in owned if i not in kept]
         # layers about to be received are only allocated: their values come with the transfer

@@ -4,8 +4,8 @@ Every layer is held by one stage of every pipeline; pipelines of different templ
 layers differently, so each layer has its own holder set. Layers with the same holder set share
 one process group (and one bucket in engine/step/grad_sync.py); tied parameters (GPT-2's wte =
 lm_head) get a group over the union of their holders. Invariant: every rank creates every group
-of the generation, in the same order, at entry, before the first step (NCCL's rule).
-docs/design.md.
+of the generation, in the same order, at entry, and connects its own with all their members in
+that order before the first step (`connect_groups`: NCCL's rules, docs/nccl.md). docs/design.md.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterable, Optional
 
+import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _ProcessGroupWrapper
 from torch.distributed.device_mesh import DeviceMesh
@@ -22,6 +23,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ...models import LayerModel
 from ...planning import Plan
+from ..resilience import nccl_rules
 from ..step.collectives import checked_timeout
 
 
@@ -85,12 +87,16 @@ class GenerationGroups:
         self.pipeline_group: Optional[dist.ProcessGroup] = None
         self.tp_group: Optional[dist.ProcessGroup] = None
         self.mesh: Optional[DeviceMesh] = None
+        self.ordered: list[dist.ProcessGroup] = []
+        """This rank's groups in the generation's creation order (`connect_groups` follows it)."""
         connect = checked_timeout(min(timeout, connect_timeout or timeout), timeout)
 
         def make(ranks: list[int]) -> dist.ProcessGroup:
             g = dist.new_group(ranks, timeout=connect)
-            if rank in ranks and connect != timeout:
-                set_group_timeout(timeout, g)
+            if rank in ranks:
+                self.ordered.append(g)
+                if connect != timeout:
+                    set_group_timeout(timeout, g)
             return g
 
         for p in plan.pipelines:  # every rank creates every group, in the same order
@@ -100,6 +106,8 @@ class GenerationGroups:
                 g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     self.pipeline_group = g
+                    if g is not None:
+                        self.ordered.append(g)
             if tp > 1:
                 for s in p.stages:
                     ranks = [s.rank + lane for lane in range(tp)]
@@ -118,6 +126,19 @@ class GenerationGroups:
         """Every group of the generation this rank is in: its pipeline's, its stage's lanes', its
         holder sets'."""
         return [g for g in (self.pipeline_group, self.tp_group, *self.sets.values()) if g is not None]
+
+
+def connect_groups(groups: Iterable[Optional[dist.ProcessGroup]], device: torch.device) -> None:
+    """Connect each of `groups` (None: the default group) with all its members, in the order
+    given, by a one-element all-reduce on `device`: NCCL creates a communicator at its first call,
+    with every member taking part (torch's `batch_isend_irecv` docstring: as a group's first call
+    "all ranks of the group must participate"), so no device group is first used by a subset of
+    its members, from autograd's thread or inside a step. Every member calls this with its groups
+    in the generation's creation order, so the calls cannot wait on each other in a circle.
+    docs/nccl.md."""
+    for group in groups:
+        with nccl_rules.connecting():
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 _MESHES = itertools.count()

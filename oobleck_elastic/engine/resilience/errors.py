@@ -35,6 +35,12 @@ class StepAbandoned(RuntimeError):
     node was fenced, or the job was closed): the step's results must not be used."""
 
 
+class GroupErrored(dist.DistError):
+    """A device group reported an error after the step's waits had returned (NCCL's watchdog
+    aborted a timed-out communicator and the process lived on): no worker applies the step, every
+    worker leaves the generation, and the step is replayed (engine/step/commit.py)."""
+
+
 class JobFailed(RuntimeError):
     """The job was closed as failed (a worker's error repeated too often); every worker stops."""
 

@@ -26,6 +26,7 @@ FLIP_ENV = "OOBLECK_FLIP_AT"
 STRAGGLE_ENV = "OOBLECK_STRAGGLE_AT"
 SLOW_ENTRY_ENV = "OOBLECK_SLOW_ENTRY"
 BLOCK_ENV = "OOBLECK_BLOCK_AT"
+GROUP_ERROR_ENV = "OOBLECK_GROUP_ERROR_AT"
 BLOCK_PLACES = ("loop", "comm")
 FLIP_BIT = 26
 
@@ -147,6 +148,12 @@ class FaultInjector:
     (`TORCHELASTIC_RESTART_COUNT` > 0), nor in one that saw a generation break (so the survivor that
     holds rank RANK when the step is replayed runs it).
 
+    `OOBLECK_GROUP_ERROR_AT="RANK@STEP[xTIMES][,...]"` makes that worker's device groups report an
+    error after step STEP's waits, the first TIMES times it runs it in this process (default 1), as
+    NCCL's error state does after its watchdog aborted a timed-out communicator, and halves its
+    gradients (a partial sum): every worker refuses the step and it is replayed in the next
+    generation (engine/step/commit.py).
+
     `OOBLECK_SLOW_ENTRY="NODE@GENERATION:SECONDS[,...]"` makes every worker of node NODE (`*`: of every
     node) sleep SECONDS before it connects to generation GENERATION: a slow reconfiguration, so that a
     test can make a second failure land deterministically while the survivors are entering.
@@ -172,6 +179,10 @@ class FaultInjector:
     """(rank, step) -> where that worker's step thread blocks for good (`loop` or `comm`)."""
     disarmed: set[str] = field(default_factory=set)
     """Drills this process no longer runs (`block`: it saw a generation break)."""
+    group_errors: dict[tuple[int, int], tuple[None, int]] = field(default_factory=dict)
+    """(rank, step) -> (None, how many runs of the step report an errored device group)."""
+    group_error_runs: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(rank, step) -> runs so far of a step with an injected group error."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "FaultInjector":
@@ -202,6 +213,7 @@ class FaultInjector:
         blocks = _parse(
             environ, BLOCK_ENV, "RANK@STEP[:WHERE] with WHERE loop or comm, e.g. 1@3:comm", value=_place, default="loop"
         )
+        group_errors = _parse(environ, GROUP_ERROR_ENV, "RANK@STEP[xTIMES], e.g. 1@3", times=True)
         if environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
             blocks = {}  # a restarted worker: the stuck step happened once already
         return cls(
@@ -213,6 +225,7 @@ class FaultInjector:
             straggle=straggle,
             slow_entry=slow_entry,
             blocks=blocks,
+            group_errors=group_errors,
         )
 
     def block(self, *, rank: int, step: int, where: str) -> None:
@@ -244,6 +257,22 @@ class FaultInjector:
             raise RuntimeError(f"injected fault: rank {rank} at step {step} ({ENV})")
         if (rank, step) in self.comm_points:
             raise ConnectionError(f"injected communication failure: rank {rank} at step {step} ({COMM_FAIL_ENV})")
+
+    def group_error(self, *, rank: int, step: int, params: Sequence[torch.nn.Parameter] = ()) -> Optional[str]:
+        """Called once per run of `step`, after its waits and before the commit vote: the injected
+        error state of a device group (`GROUP_ERROR_ENV`), or None. With it the gradients of
+        `params` are halved, as an aborted sum would leave them partial: applied, they would part
+        from the reference."""
+        if (rank, step) not in self.group_errors:
+            return None
+        _, times = self.group_errors[(rank, step)]
+        runs = self.group_error_runs[(rank, step)] = self.group_error_runs.get((rank, step), 0) + 1
+        if runs > times:
+            return None
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, 0.5)
+        return f"injected: TIMEOUT ({GROUP_ERROR_ENV})"
 
     def flip_bit(self, *, rank: int, step: int, layers: Sequence[Optional[torch.nn.Module]]) -> None:
         """Called after `step` is applied: flip the bit the environment names, if any (`FaultInjector`'s docstring)."""

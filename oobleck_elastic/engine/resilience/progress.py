@@ -5,8 +5,10 @@ Invariant, the rule that names the right worker: a step thread waiting for a pee
 own part it posted is not hung; one that makes no progress while not waiting (a plain loop,
 compute, a deadlock, a call whose handles all completed) stands still. With one worker hung its
 peers wait for it, so only it stands still; a collective hung with every part posted names nobody
-and is left to `fault_tolerance.comm_timeout_s`. `watch_pipeline_waits` marks the waits inside
-torch's pipeline schedules, under the current timeout (`Progress.p2p_timeout`). docs/liveness.md.
+and is left to `fault_tolerance.comm_timeout_s`. On CUDA a wait returns before its kernel ran, so a
+step whose posted data-plane work has not completed counts as waiting (`track_posted`).
+`watch_pipeline_waits` marks the waits inside torch's pipeline schedules, under the current
+timeout (`Progress.p2p_timeout`). docs/liveness.md.
 """
 
 from __future__ import annotations
@@ -39,9 +41,20 @@ class Progress:
         """The timeout the pipeline's marked sends and receives wait under (None: their group's).
         The trainer sets it to the communication timeout on the CPU: gloo's point-to-point waits
         keep the timeout their group connected with, which `_set_pg_timeout` does not change."""
+        self.track_posted = False
+        """Keep the handles of marked waits that returned before their work completed (`posted`):
+        on CUDA (the trainer sets it) NCCL's `wait()` only orders the compute stream after the
+        collective and returns at once, and a healthy peer of a hung worker blocks later, in a
+        kernel launch or an implicit sync outside any marked wait (docs/nccl.md)."""
+        self.posted: tuple[Any, ...] = ()
+        """Handles of this step's marked waits not completed when the wait returned (`track_posted`)."""
 
     def point(self) -> None:
         self.count += 1
+
+    def new_step(self) -> None:
+        """The step thread starts a step: the previous one's posted handles are forgotten."""
+        self.posted = ()
 
     def timed(self, fn: Callable[..., T]) -> Callable[..., T]:
         """`fn` with a progress point before and after each call (a compute chunk)."""
@@ -64,16 +77,19 @@ class Progress:
         try:
             yield
         finally:
+            if self.track_posted and works:  # one tuple swap: the main thread reads it unlocked
+                self.posted = (*self.posted, *works)
             self.waits = None
             self.count += 1
 
     def waits_for_a_peer(self) -> bool:
-        """(The main thread) the step thread waits in a communication call that has not completed."""
+        """(The main thread) the step thread waits in a communication call that has not completed,
+        or (`track_posted`) some work of a marked wait of this step has not completed yet."""
         works = self.waits
-        if works is None:
-            return False
         try:
-            return not works or not all(w.is_completed() for w in works)
+            if works is not None:
+                return not works or not all(w.is_completed() for w in works)
+            return not all(w.is_completed() for w in self.posted)
         except Exception:  # noqa: BLE001 - a broken handle: its wait is about to fail
             return True
 

@@ -19,6 +19,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ...planning import Plan
+from ..resilience import nccl_rules
 from ..resilience.fingerprint import is_check_step
 
 __all__ = [
@@ -87,8 +88,9 @@ def retake_collectives(*, exists: Optional[bool]) -> tuple[Collective, ...]:
 
 def control_group(members: int, timeout: timedelta) -> dist.ProcessGroup:
     """A generation's control group over ranks 0..members-1 (every member creates it, in the same
-    place of its group creations); it carries only the collectives above."""
-    return dist.new_group(list(range(members)), timeout=timeout)
+    place of its group creations); it carries only the collectives above, on CPU tensors (gloo on
+    every device: a host group, exempt from NCCL's rules, docs/nccl.md)."""
+    return nccl_rules.host_group(dist.new_group(list(range(members)), timeout=timeout))
 
 
 def checked_timeout(connect: timedelta, run: timedelta) -> timedelta:

@@ -6,7 +6,8 @@ survivor holds s's synchronised gradients: after a failure they roll s forward i
 committed it, else replay it (docs/recovery.md). What the workers must agree on at a step
 boundary rides on it as typed fields, each with its rule (`_largest`, `_by_rank`, `_smallest`),
 packed into one float64 tensor (`pack`, `unpack`, `combine`): the newest generation seen, peak
-memory, the guard's running maximum, a stop request, compute seconds, the entry's window.
+memory, the guard's running maximum, a stop request, compute seconds, the entry's window, and
+device groups that reported an error after their waits (`refuse_errored`: nobody applies the step).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..resilience.errors import GroupErrored
 from ..resilience.progress import STEP_PROGRESS, Progress
 
-__all__ = ["CommitVote", "combine", "commit", "own_slot"]
+__all__ = ["CommitVote", "combine", "commit", "own_slot", "refuse_errored"]
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,14 @@ class _Rule:
         return self.kind(-slot if self.negated else slot)
 
 
-def _largest(kind: type, *, optional: bool = False, wire: torch.dtype = torch.float32) -> Any:
+def _largest(kind: type, *, optional: bool = False, wire: torch.dtype = torch.float32, default: Any = None) -> Any:
     """A one-slot field: the commit gives the largest value of any worker. An optional field's None
     travels as -1 (never wins; any negative reads back as None). `wire`: the one-slot fields travel
     rounded to float32, the protocol's wire format (changing it would move the step guard's
-    threshold in its eighth digit); Unix times travel as float64 (float32 is off by minutes)."""
-    return field(metadata={"vote": _Rule(False, kind, wire, optional)})
+    threshold in its eighth digit); Unix times travel as float64 (float32 is off by minutes).
+    `default`: the value of a vote that leaves the field out (None: it must be given)."""
+    metadata = {"vote": _Rule(False, kind, wire, optional)}
+    return field(metadata=metadata) if default is None else field(default=default, metadata=metadata)
 
 
 def _smallest(kind: type, *, wire: torch.dtype = torch.float32) -> Any:
@@ -90,6 +94,10 @@ class CommitVote:
     """Unix time this worker had entered it (the agreed vote: the last)."""
     compute_s: tuple[float, ...] = _by_rank()
     """Compute seconds in the step, by rank (a worker's own vote: its own slot, 0 elsewhere)."""
+    errored_groups: int = _largest(int, default=0)
+    """How many of this worker's device groups reported an error after the step's waits
+    (engine/entry/devices.py `group_errors`); the agreed vote: the most of any worker, and any
+    makes every worker refuse the step (`refuse_errored`)."""
 
     def __post_init__(self) -> None:
         widths = {len(getattr(self, f.name)) for f, rule in _rules() if rule.by_rank}
@@ -189,3 +197,17 @@ def commit(
         while_waiting()
         work.wait()
     return CommitVote.unpack(packed, world_size=vote.world_size)
+
+
+def refuse_errored(agreed: CommitVote, *, step: int, mine: Sequence[str] = ()) -> None:
+    """Raise `GroupErrored` when the agreed vote says some worker's device group reported an error
+    after the step's waits: its gradients or activations may be partial, so no worker applies step
+    `step`; the communication error sends every worker to the next generation, which replays it
+    (nobody committed it, so nobody rolls it forward). `mine`: this worker's own errors, named in
+    the message."""
+    if agreed.errored_groups:
+        whose = "; ".join(mine) if mine else "on another worker"
+        raise GroupErrored(
+            f"step {step} refused by every worker: a device group reported an error after its waits "
+            f"({whose}); the step is replayed in the next generation"
+        )
