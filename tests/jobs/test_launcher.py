@@ -202,7 +202,6 @@ def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ONE_LINE_ENV)
 
 
-@pytest.mark.core
 @pytest.mark.slow
 def test_a_run_with_nothing_to_do_says_so_in_one_line_and_exits_2(tmp_path: Path) -> None:
     """A single-process run of 2 steps, then the same command again: the second has nothing to
@@ -281,7 +280,6 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.core
 @pytest.mark.slow
 def test_a_deterministic_start_up_error_is_not_restarted_and_the_kept_etcd_tells_why(tmp_path: Path) -> None:
     """Two nodes whose workers fail building the dataset (a directory with no JSONL file passes the

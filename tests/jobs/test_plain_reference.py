@@ -147,7 +147,6 @@ def test_the_reference_fails_when_the_math_differs(tmp_path: Path, config: str) 
         _assert_match(engine, plain_run(cfg, initial, decay_everything=True), initial)
 
 
-@pytest.mark.core
 @pytest.mark.slow
 def test_a_four_node_job_matches_the_plain_loop(tmp_path: Path, etcd_server, run_id) -> None:
     """Two two-stage pipelines on four nodes, a node killed at step 3 (the job re-plans)."""

@@ -91,7 +91,6 @@ def test_a_ctrl_c_to_the_launcher_stops_a_4_node_job_at_a_boundary_with_an_intac
     assert "stopping every node" not in out and "Traceback" not in out, out[-4000:]
 
 
-@pytest.mark.core
 def test_a_notice_to_every_agent_stops_the_job_with_a_checkpoint(tmp_path: Path) -> None:
     """Both agents of a 2-node job get SIGTERM at step 3, as torchrun's agents do when the scheduler
     ends the job (Slurm's scancel, a spot reclaim of every node): every node drains and none is left
@@ -115,7 +114,6 @@ def test_a_notice_to_every_agent_stops_the_job_with_a_checkpoint(tmp_path: Path)
     assert out.splitlines()[-1] == "[launcher] done: 2 node(s), 0 killed on purpose, 2 preempted, 0 failed", out[-3000:]
 
 
-@pytest.mark.core
 def test_a_ctrl_c_to_the_single_process_stops_it_at_a_boundary_with_its_checkpoint(tmp_path: Path) -> None:
     """`python examples/train.py` (the single process): a first SIGINT stops it after the step in
     flight, saved; it exits 0 with its summary, which says why it stopped."""

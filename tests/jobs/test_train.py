@@ -97,7 +97,7 @@ TOLERANCE = {"fp32": {"rtol": 1e-5, "atol": 1e-6}}
 
 @pytest.mark.core
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.extended)])  # bf16 in turns
 def test_torchrun_job_equals_single_process(tmp_path: Path, etcd_server, run_id, precision: str) -> None:
     steps = 4
     ref_dir, job_dir = tmp_path / "ref", tmp_path / "job"

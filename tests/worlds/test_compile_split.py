@@ -170,6 +170,7 @@ def _chunked_worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
         trainer.close()
 
 
+@pytest.mark.extended  # runs in turns: its ground is covered at every landing (tests/README.md)
 @pytest.mark.slow
 def test_compiled_zbv_and_zero_bubble_with_chunks_match_the_single_process_reference(tmp_path: Path) -> None:
     """Two gloo ranks, each holding two chunks of compiled layers: under zbv (the tied wte /
