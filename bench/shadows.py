@@ -32,6 +32,7 @@ Each process holds 4 of the 8 layers of gpt2-tiny at `--hidden` and keeps the ot
 one pipeline of two stages, one shadow copy: so it sends its layers' gradients and receives the
 others', as every worker of a job does). Per side, alternated `--rounds` times, a fresh link each
 round (a generation), its first step not timed:
+- flatten: the holder's flattening of its 4 layers alone, `bytes_per_s` = their bytes / seconds;
 - exchange: flattening + sends + receives of one step, timed on each process from a barrier;
   `bytes_per_s` = the bytes it sent plus received / the median seconds;
 - step: a paced step (`--compute-ms` of sleep, the device's work, the host idle), then the shadow
@@ -202,6 +203,24 @@ def _side(name: str, args: dict, rank: int, layer_model: LayerModel) -> Side:
     return Side(name, ShadowLink(p, rank, None), store)
 
 
+def _flatten(side: Side, layer_model: LayerModel, steps: int) -> tuple[list[float], int]:
+    """Seconds of the holder's flattening alone, each step (the first not timed), and its bytes."""
+    out, nbytes = [], 0
+    for step in range(steps + 1):
+        began = time.perf_counter()
+        if isinstance(side.link, BeforeLink):
+            flats = [before_flat(layer_model.held(layer)) for layer, _ in side.link.sends]
+        else:
+            side.link.staging.begin(layer_model, in_flight=False)
+            side.link.staging.rest()
+            flats = list(side.link.staging.ready().values())
+            side.link.staging.end()
+        if step:
+            out.append(time.perf_counter() - began)
+        nbytes = sum(f.numel() * 4 for f in flats)
+    return out, nbytes
+
+
 def _exchange(side: Side, layer_model: LayerModel, steps: int) -> list[float]:
     """Seconds of each step's exchange (the first one, which allocates, not timed)."""
     out = []
@@ -254,6 +273,8 @@ def _worker(rank: int, tmp: str, args: dict) -> None:
     for r in range(args["rounds"]):
         for name in ("before", "after"):
             side = _side(name, args, rank, layer_model)
+            seconds, nbytes = _flatten(side, layer_model, args["steps"])
+            records.append({"part": "flatten", "side": name, "round": r, "seconds": seconds, "bytes": nbytes})
             seconds = _exchange(side, layer_model, args["steps"])
             records.append(
                 {"part": "exchange", "side": name, "round": r, "seconds": seconds, "bytes": side.link.bytes_per_step}
@@ -314,22 +335,24 @@ def data_path(args: dict) -> None:
         records = [torch.load(f"{tmp}/records-{r}.pt", weights_only=False) for r in range(2)]
     common = {"bench": "shadows", "data_path": True, "hidden": args["hidden"]}
     summary: dict[str, Any] = {**common, "summary": True, "compute_ms": args["compute_ms"]}
-    for part, sides in (("exchange", ("before", "after")), ("step", ("off", "before", "after"))):
+    parts = (("flatten", ("before", "after")), ("exchange", ("before", "after")), ("step", ("off", "before", "after")))
+    for part, sides in parts:
         for name in sides:
             per_rank = []
             for rank in range(2):
                 mine = [x for x in records[rank] if x["part"] == part and x["side"] == name]
                 seconds = statistics.median(s for x in mine for s in x["seconds"])
                 line = {**common, "part": part, "side": name, "rank": rank, "seconds": seconds}
-                if part == "exchange":
+                if part in ("flatten", "exchange"):
                     line["bytes_per_s"] = mine[0]["bytes"] / seconds
                 emit(line)
                 per_rank.append(line)
             slowest = max(x["seconds"] for x in per_rank)  # a step waits for the slower process
             summary[f"{part}_s_{name}"] = slowest
-            if part == "exchange":
-                summary[f"bytes_per_s_{name}"] = min(x["bytes_per_s"] for x in per_rank)
-    summary["exchange_speedup"] = summary["exchange_s_before"] / summary["exchange_s_after"]
+            if part != "step":
+                summary[f"{part}_bytes_per_s_{name}"] = min(x["bytes_per_s"] for x in per_rank)
+    for part in ("flatten", "exchange"):
+        summary[f"{part}_speedup"] = summary[f"{part}_s_before"] / summary[f"{part}_s_after"]
     for name in ("before", "after"):
         summary[f"overhead_{name}"] = summary[f"step_s_{name}"] / summary["step_s_off"] - 1
     for line in _update_variants(args):

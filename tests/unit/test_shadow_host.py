@@ -117,7 +117,9 @@ def test_buffers_are_reused_and_the_shadows_stay_bit_identical(monkeypatch: pyte
         assert set(got) == {0, 2}
         for i in (0, 2):
             assert torch.equal(got[i], reference_flat(holder.held(i)))
-        pointers.append(([sender.staging.buffers[i].data_ptr() for i in (0, 2)], [got[i].data_ptr() for i in (0, 2)]))
+        pointers.append(
+            ([sender.staging.buffers[i].data.data_ptr() for i in (0, 2)], [got[i].data_ptr() for i in (0, 2)])
+        )
         norm2 = float(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None))
         store.received(step, got)
         store.apply(step, norm2, cfg, background=True)
@@ -138,10 +140,10 @@ def test_buffers_are_reused_and_the_shadows_stay_bit_identical(monkeypatch: pyte
     final = sender.begin(holder)
     wire.me = 0
     sender.post(holder, None)
-    before = sender.staging.buffers[0].data_ptr()
+    before = sender.staging.buffers[0].data.data_ptr()
     sender.begin(holder)
     sender.post(holder, None)
-    assert sender.staging.buffers[0].data_ptr() != before and sender.staging.allocated == 4
+    assert sender.staging.buffers[0].data.data_ptr() != before and sender.staging.allocated == 4
 
 
 @pytest.mark.parametrize(

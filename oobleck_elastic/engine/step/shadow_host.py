@@ -18,7 +18,16 @@ from torch import nn
 
 from ...models import LayerModel
 
-__all__ = ["THREADS_ENV", "GradStaging", "fill_flat", "flat_numel", "host_buffer", "update_threads", "intra_op_threads"]
+__all__ = [
+    "THREADS_ENV",
+    "FlatBuffer",
+    "GradStaging",
+    "fill_flat",
+    "flat_numel",
+    "host_buffer",
+    "update_threads",
+    "intra_op_threads",
+]
 
 THREADS_ENV = "OOBLECK_SHADOW_THREADS"
 """Threads a keeper's background AdamW update runs on (default: `update_threads`' choice)."""
@@ -43,24 +52,44 @@ def host_buffer(numel: int, device: torch.device) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.float32, pin_memory=device.type == "cuda")
 
 
+class FlatBuffer:
+    """A layer's flat host buffer (`host_buffer`) and its views, made once: each parameter's
+    slice (shaped like it) and the positions of the presence flags."""
+
+    def __init__(self, layer: nn.Module, data: torch.Tensor) -> None:
+        if data.numel() != flat_numel(layer) or data.dtype != torch.float32:
+            raise ValueError(
+                f"a buffer of {data.numel()} {data.dtype} for a layer of {flat_numel(layer)} fp32 elements"
+            )
+        self.data = data
+        self.values: list[torch.Tensor] = []
+        flags, offset = [], 0
+        for p in layer.parameters():
+            flags.append(offset)
+            self.values.append(data[offset + 1 : offset + 1 + p.numel()].view(p.shape))
+            offset += 1 + p.numel()
+        self.flags = torch.tensor(flags, dtype=torch.long)
+
+    def fill(self, layer: nn.Module, *, non_blocking: bool = False) -> torch.Tensor:
+        """Write `layer`'s gradients (module docstring's layout): one multi-tensor copy of those
+        present, zeros and flag 0 for a parameter without one (AdamW skips it, on the keeper too).
+        `non_blocking` (a CUDA layer, a pinned buffer): the copies are queued on the current stream."""
+        grads = [p.grad for p in layer.parameters()]
+        present = [(view, g.detach()) for view, g in zip(self.values, grads) if g is not None]
+        if present:
+            torch._foreach_copy_([v for v, _ in present], [g for _, g in present], non_blocking=non_blocking)
+        self.data.index_fill_(0, self.flags, 1.0)
+        for i, g in enumerate(grads):
+            if g is None:
+                self.values[i].zero_()
+                self.data[int(self.flags[i])] = 0.0
+        return self.data
+
+
 def fill_flat(layer: nn.Module, out: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:
     """Write `layer`'s gradients into `out` (`flat_numel` fp32 elements): per parameter a presence
-    flag (0: no gradient, which AdamW skips, on the keeper too; then zeros), then the gradient.
-    `non_blocking` (a CUDA layer and a pinned `out`): the copies are queued on the current stream."""
-    if out.numel() != flat_numel(layer) or out.dtype != torch.float32:
-        raise ValueError(f"a buffer of {out.numel()} {out.dtype} for a layer of {flat_numel(layer)} fp32 elements")
-    offset = 0
-    for p in layer.parameters():
-        n = p.numel()
-        values = out[offset + 1 : offset + 1 + n]
-        if p.grad is None:
-            out[offset] = 0.0
-            values.zero_()
-        else:
-            out[offset] = 1.0
-            values.copy_(p.grad.detach().reshape(-1), non_blocking=non_blocking)
-        offset += 1 + n
-    return out
+    flag (0: no gradient, then zeros), then the gradient (`FlatBuffer.fill`, views made anew)."""
+    return FlatBuffer(layer, out).fill(layer, non_blocking=non_blocking)
 
 
 class GradStaging:
@@ -73,7 +102,7 @@ class GradStaging:
 
     def __init__(self, layers: list[int]) -> None:
         self.layers = sorted(set(layers))
-        self.buffers: dict[int, torch.Tensor] = {}
+        self.buffers: dict[int, FlatBuffer] = {}
         """Layer -> its host buffer (allocated at its first step, then reused)."""
         self.allocated = 0
         """Buffers allocated in this generation (one per layer unless a send was left in flight)."""
@@ -132,7 +161,7 @@ class GradStaging:
         for event in self._events.values():
             event.synchronize()
         self.seconds += time.perf_counter() - began
-        return {layer: self.buffers[layer] for layer in self.layers}
+        return {layer: self.buffers[layer].data for layer in self.layers}
 
     def _copy(self, layers: list[int]) -> None:
         assert self._layer_model is not None, "begin the step first"
@@ -141,7 +170,7 @@ class GradStaging:
             module = self._layer_model.held(layer)
             device = layer_device(module)
             if layer not in self.buffers:
-                self.buffers[layer] = host_buffer(flat_numel(module), device)
+                self.buffers[layer] = FlatBuffer(module, host_buffer(flat_numel(module), device))
                 self.allocated += 1
             if device.type == "cuda":  # the device-specific part: an async copy on a side stream
                 # (it has not run on a GPU yet: the tests run on the CPU, docs/shadows.md)
@@ -150,12 +179,12 @@ class GradStaging:
                     stream = self._streams[device] = torch.cuda.Stream(device)
                 stream.wait_stream(torch.cuda.current_stream(device))  # after the sums were written
                 with torch.cuda.stream(stream):
-                    fill_flat(module, self.buffers[layer], non_blocking=True)
+                    self.buffers[layer].fill(module, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(stream)
                 self._events[layer] = event
             else:
-                fill_flat(module, self.buffers[layer])
+                self.buffers[layer].fill(module)
             self._copied.add(layer)
         self.seconds += time.perf_counter() - began
 

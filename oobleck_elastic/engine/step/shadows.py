@@ -11,6 +11,7 @@ than snapshots, the lag and its drill (`SLOW_KEEPER_ENV`): docs/shadows.md.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -200,13 +201,12 @@ class ShadowStore:
         assert self.pending is not None
         _, grads = self.pending
         for i in self.layers:
-            flat, offset = grads[i], 0
-            for p in self.layer_model.held(i).parameters():
-                present = bool(flat[offset] > 0)
-                n = p.numel()
+            flat, params = grads[i], list(self.layer_model.held(i).parameters())
+            starts = list(itertools.accumulate((1 + p.numel() for p in params[:-1]), initial=0))
+            flags = flat[starts].tolist() if params else []
+            for p, start, flag in zip(params, starts, flags):
                 # a view of the received buffer (no copy): `received` hands it over
-                p.grad = flat[offset + 1 : offset + 1 + n].view_as(p).to(p.dtype) if present else None
-                offset += 1 + n
+                p.grad = flat[start + 1 : start + 1 + p.numel()].view_as(p).to(p.dtype) if flag > 0 else None
         assert self.optimizer is not None
         with intra_op_threads(self.threads):  # the fused CPU AdamW's result is the same on any count
             apply_update(self.optimizer, self.params, step, norm2, cfg.training)
