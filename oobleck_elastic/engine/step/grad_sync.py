@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -165,9 +165,10 @@ class GradSync:
         self._posted.append((params, flat, dist.all_reduce(flat, group=self.groups.sets[ranks], async_op=True)))
 
     # ------------------------------------------------------------------ after the schedule
-    def all_reduce(self) -> None:
+    def all_reduce(self, on_final: Optional[Callable[[list[torch.Tensor]], None]] = None) -> None:
         """Post what is left (in each set's order, then the tied parameters), wait for every
-        reduction and write the sums back as the parameters' gradients."""
+        reduction and write the sums back as the parameters' gradients; `on_final(params)` after
+        each reduction's are written (the shadows' copies start then: shadow_host.py)."""
         with self._lock:
             if not self._armed:  # no begin_step: nothing was posted early
                 self._next = {ranks: 0 for ranks in self.sequence}
@@ -189,6 +190,8 @@ class GradSync:
                 n = shard.numel()
                 p.grad = wrap_like(p, flat[offset : offset + n].view_as(shard).clone())
                 offset += n
+            if on_final is not None:
+                on_final(params)
 
     def norm_squared(self) -> torch.Tensor:
         """Sum of squared gradients of the parameters this rank is the primary holder of, so that
@@ -238,16 +241,21 @@ def synchronise(
     shadow copies go to their keepers (`shadow_link`) meanwhile, and the keepers' arrive, before
     this returns (module docstring); the shadow exchange waits under `timeout` (gloo's
     point-to-point waits keep their connect timeout otherwise)."""
-    grad_sync.all_reduce()
-    began = time.perf_counter()  # the shadows' own time in the step: `StepResult.shadow_s`
-    posted = shadow_link.post(layer_model, shadows) if shadow_link is not None else None
-    shadow_s = time.perf_counter() - began if posted is not None else 0.0
+    # the shadows' copies of a layer's gradients start as soon as its sum is written
+    on_final = shadow_link.begin(layer_model) if shadow_link is not None else None
+    grad_sync.all_reduce(on_final)
     # control collectives: CPU tensors, so they go over gloo whatever the data backend; this
     # is the step's one read of a device value (the loss and the norm stay on the device until
     # here). Every lane of a last stage computes the same loss: lane 0 reports it.
     if lane != 0:
         local_loss = torch.zeros_like(local_loss)
     stacked = torch.stack([grad_sync.norm_squared().to(local_loss.device, torch.float64), local_loss.to(torch.float64)])
+    # the shadows' own time in the step (`StepResult.shadow_s`): the copies during the sums, then
+    # posting (after the norm is queued, so a device computes it while the copies are waited for)
+    shadow_s = shadow_link.staging.seconds if shadow_link is not None else 0.0
+    began = time.perf_counter()
+    posted = shadow_link.post(layer_model, shadows) if shadow_link is not None else None
+    shadow_s += time.perf_counter() - began if posted is not None else 0.0
     with progress.waiting():  # the device sync waits for the gradient sums
         reduced = stacked.cpu()
     work = dist.all_reduce(reduced, group=step_group, async_op=True)

@@ -4,19 +4,21 @@ A keeper holds its layers' shadows in a `ShadowStore` (CPU layers and their Adam
 step one holder per shadow sends the layer's summed gradient (`routes`, `ShadowLink`) and the
 keeper has it before it votes in the commit. Invariant: a shadow gets exactly the updates its
 holders apply (same norm, same learning rate, same AdamW), so it is bit-identical to them; a
-rejected or abandoned step's gradients are dropped. Seeding at entry: engine/entry/shadow_seeding.py.
-The story, why gradients rather than snapshots, the lag and its drill (`SLOW_KEEPER_ENV`): docs/shadows.md.
+rejected or abandoned step's gradients are dropped. Host buffers and the update's threads:
+shadow_host.py. Seeding at entry: engine/entry/shadow_seeding.py. The story, why gradients rather
+than snapshots, the lag and its drill (`SLOW_KEEPER_ENV`): docs/shadows.md.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,7 @@ from ...logs import JobLog
 from ...models import LayerModel
 from ...planning import Plan
 from .optim import apply_update
+from .shadow_host import GradStaging, default_update_threads, flat_numel, intra_op_threads
 
 __all__ = [
     "PostedShadows",
@@ -78,21 +81,6 @@ def routes(plan: Plan) -> list[tuple[int, int, int]]:
     return out
 
 
-def _grad_flat(layer: nn.Module) -> torch.Tensor:
-    """A layer's gradients as one flat fp32 CPU tensor: per parameter a presence flag (a parameter
-    with no gradient is skipped by AdamW, on the keeper too), then the gradient (zeros if none)."""
-    parts = []
-    for p in layer.parameters():
-        parts.append(torch.tensor([0.0 if p.grad is None else 1.0]))
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        parts.append(grad.detach().reshape(-1).float().cpu())
-    return torch.cat(parts)
-
-
-def _grad_numel(layer: nn.Module) -> int:
-    return sum(1 + p.numel() for p in layer.parameters())
-
-
 @dataclass
 class ShadowStore:
     """The shadow copies one worker keeps (module docstring): layers on the CPU, their AdamW
@@ -120,6 +108,8 @@ class ShadowStore:
     step's gradients (`catch_up`): 0 when the update had finished, 1 when the keeper waited."""
     slow_s: float = field(default_factory=_slow_keeper_s)
     """Seconds each background update sleeps first (`SLOW_KEEPER_ENV`, a drill; 0 otherwise)."""
+    threads: int = field(default_factory=default_update_threads)
+    """Threads the AdamW update runs on (shadow_host.py: `update_threads`, `THREADS_ENV`)."""
     _running: Optional[threading.Thread] = field(default=None, repr=False)
     _failed: Optional[BaseException] = field(default=None, repr=False)
 
@@ -162,6 +152,8 @@ class ShadowStore:
         return total
 
     def received(self, step: int, grads: dict[int, torch.Tensor]) -> None:
+        """Step `step`'s flat gradients (layer -> `fill_flat`'s layout) arrived. The store owns
+        the buffers until they are applied or dropped: the update scales them in place."""
         self.settle()
         self.pending = (step, grads)
 
@@ -209,14 +201,15 @@ class ShadowStore:
         assert self.pending is not None
         _, grads = self.pending
         for i in self.layers:
-            flat, offset = grads[i], 0
-            for p in self.layer_model.held(i).parameters():
-                present = bool(flat[offset] > 0)
-                n = p.numel()
-                p.grad = flat[offset + 1 : offset + 1 + n].view_as(p).to(p.dtype).clone() if present else None
-                offset += 1 + n
+            flat, params = grads[i], list(self.layer_model.held(i).parameters())
+            starts = list(itertools.accumulate((1 + p.numel() for p in params[:-1]), initial=0))
+            flags = flat[starts].tolist() if params else []
+            for p, start, flag in zip(params, starts, flags):
+                # a view of the received buffer (no copy): `received` hands it over
+                p.grad = flat[start + 1 : start + 1 + p.numel()].view_as(p).to(p.dtype) if flag > 0 else None
         assert self.optimizer is not None
-        apply_update(self.optimizer, self.params, step, norm2, cfg.training)
+        with intra_op_threads(self.threads):  # the fused CPU AdamW's result is the same on any count
+            apply_update(self.optimizer, self.params, step, norm2, cfg.training)
         self.pending = None
         self.host_bytes = self.count_bytes()
         self.settled_step = step
@@ -224,7 +217,9 @@ class ShadowStore:
 
 class ShadowLink:
     """One generation's step traffic to the shadows, on this worker: the gradients it sends as a
-    holder and receives as a keeper (`routes`), over the generation's shadow group."""
+    holder and receives as a keeper (`routes`), over the generation's shadow group. Its host
+    buffers live as long as it does (one generation): the sent ones in `staging`, the received
+    ones here; each is written again only after the step that used it completed its traffic."""
 
     def __init__(self, plan: Plan, rank: int, group: Optional[dist.ProcessGroup]) -> None:
         self.group = group
@@ -233,32 +228,57 @@ class ShadowLink:
         self.receives = [(layer, src) for layer, src, keeper in traffic if keeper == rank]
         self.bytes_per_step = 0
         """Bytes this worker sent plus received for the shadows in its last step."""
+        self.staging = GradStaging([layer for layer, _ in self.sends])
+        """The sent layers' host buffers, filled as their gradients become final."""
+        self.received: dict[int, torch.Tensor] = {}
+        """Layer -> the buffer its gradients arrive in (allocated at the first step, then reused)."""
+        self.received_allocated = 0
+        """Receive buffers allocated in this generation (one per kept layer, unless reused ones
+        were still taken: a step's traffic left in flight, or gradients not yet applied)."""
+        self._last: Optional[PostedShadows] = None
 
     @property
     def active(self) -> bool:
         return bool(self.sends or self.receives)
 
+    def begin(self, layer_model: LayerModel) -> Callable[[list[torch.Tensor]], None]:
+        """Start a step's staging (before the gradient sums); returns what GradSync.all_reduce
+        calls with each group of parameters whose sums it has written (`GradStaging.final`)."""
+        return self.staging.begin(layer_model, in_flight=self._last is not None and not self._last.done)
+
     def post(self, layer_model: LayerModel, store: Optional[ShadowStore]) -> "PostedShadows":
         """Post every send of this holder's summed gradients to its keepers and every receive of
-        the kept layers' at once (`PostedShadows.wait` completes them)."""
+        the kept layers' at once (`PostedShadows.wait` completes them). The layers `begin`'s
+        callback did not copy yet are copied now (`begin` first if it was not called)."""
+        in_flight = self._last is not None and not self._last.done
+        if not self.staging.begun(layer_model):
+            self.begin(layer_model)
+        self.staging.rest()
+        flats = self.staging.ready()
         ops, got = [], {}
         moved = 0
-        flats: dict[int, torch.Tensor] = {}
         for layer, keeper in self.sends:
-            if layer not in flats:
-                flats[layer] = _grad_flat(layer_model.held(layer))
             ops.append(dist.P2POp(dist.isend, flats[layer], keeper, self.group))
             moved += flats[layer].numel() * 4
         if store is not None:
             store.catch_up()  # the previous step's update is done before new gradients arrive
+            if in_flight or store.pending is not None:  # the buffers may still be read: new ones
+                self.received = {}
         for layer, src in self.receives:
             assert store is not None, "a keeper without its shadow store"
-            buf = torch.empty(_grad_numel(store.layer_model.held(layer)))
+            if layer not in self.received:
+                self.received[layer] = torch.empty(flat_numel(store.layer_model.held(layer)))
+                self.received_allocated += 1
+            buf = self.received[layer]
             ops.append(dist.P2POp(dist.irecv, buf, src, self.group))
             got[layer] = buf
             moved += buf.numel() * 4
         self.bytes_per_step = moved
-        return PostedShadows(works=dist.batch_isend_irecv(ops) if ops else [], grads=got, keep=flats)
+        self.staging.end()
+        # in flight (not `done`) from before the ops are posted: a post that raises leaves it so
+        self._last = PostedShadows(works=[], grads=got, keep=flats)
+        self._last.works = dist.batch_isend_irecv(ops) if ops else []
+        return self._last
 
 
 @dataclass
@@ -271,6 +291,8 @@ class PostedShadows:
     """Layer -> the buffer its gradients arrive in."""
     keep: dict[int, torch.Tensor]
     """The sent buffers (alive until the sends complete)."""
+    done: bool = False
+    """Every send and receive completed (`wait` returned): the buffers may be written again."""
 
     def wait(self, timeout: Optional[timedelta] = None) -> dict[int, torch.Tensor]:
         """Wait for every send and receive, each under `timeout` (None: the group's connect
@@ -280,4 +302,5 @@ class PostedShadows:
                 work.wait()
             else:
                 work.wait(timeout)
+        self.done = True
         return self.grads
