@@ -6,22 +6,27 @@ Each machine runs two agents (`torchrun --rdzv-backend=oobleck --nproc-per-node=
 sums across hosts, all over NCCL. Both machines run this with the same `--tag`, `--endpoint` (an
 etcd both reach: `oobleck etcd --host ADDR` on one of them) and `--shared` (a folder both mount:
 the job's checkpoint, which every rank writes, and the reference). Each scenario is one job of
-gpt2-tiny (30 steps, rank 0 paced 1 s a step so the fault lands mid-run); at step 5 the machine
+gpt2-tiny (40 steps, rank 0 paced 1.5 s a step so the fault, and a joiner, land mid-run); at step 5 the machine
 owning the victim acts: `kill` SIGKILLs machine 1's second agent, `join` starts it then, `drain`
 sends it SIGTERM (a preemption notice: it leaves at a step boundary), `leader_kill` SIGKILLs
 whichever agent leads. Machine 0 runs the reference on its GPU 0 first and compares at the end.
-One JSON line per scenario and machine.
+One JSON line per scenario and machine; its verdict: this machine's agents ended as the fault
+says (-9 where it SIGKILLed one, else 0), one of the job's logs names the reconfiguration's cause
+(`generation 1 -> 2 (failure`, `(join`, `(drain`), and on machine 0 the weights equal the reference's.
 
 `--dry-run` validates, on any machine and in seconds, every command and config of both machines
 (torchrun's parser, the launcher's preflight, the plans for 3 and 4 nodes of 2 GPUs); it does not
-run the scenarios: four 4-node jobs cost minutes on a CPU, and the same scenarios run on CPUs
-under gloo in tests/jobs (test_recovery.py, test_failures.py).
+run the scenarios. `--cpu` runs them for real on CPUs under gloo (16 steps paced 2 s, the fault at step 3):
+both "machines" may then be one, each driver in its own process, about a minute a scenario on
+2 cores (tests/jobs/test_gpu_check.py runs `kill` so); the same scenarios run on CPUs through the
+local launcher in tests/jobs (test_recovery.py, test_failures.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,7 +38,8 @@ from typing import Any, Optional
 from bench.harness import Bench, emit
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, AT = 30, 5
+STEPS, AT, PACE_S = 40, 5, 1.5
+CPU_STEPS, CPU_AT, CPU_PACE_S = 16, 3, 2.0
 AGENTS_PER_MACHINE, GPUS_PER_AGENT = 2, 2
 
 
@@ -47,28 +53,30 @@ class Scenario:
     """Agents started at once (the joiner starts at step `AT`)."""
     victim: Optional[tuple[int, int]]
     """(machine, agent) acted on; None: the leader, wherever it runs."""
+    cause: str
+    """The cause the reconfiguration's log line names (`generation 1 -> 2 (CAUSE: ...)`)."""
 
 
 SCENARIOS = {
-    "kill": Scenario("kill", 4, (1, 1)),
-    "join": Scenario("join", 3, (1, 1)),
-    "drain": Scenario("drain", 4, (1, 1)),
-    "leader_kill": Scenario("leader_kill", 4, None),
+    "kill": Scenario("kill", 4, (1, 1), "failure"),
+    "join": Scenario("join", 3, (1, 1), "join"),
+    "drain": Scenario("drain", 4, (1, 1), "drain"),
+    "leader_kill": Scenario("leader_kill", 4, None, "failure"),
 }
 
 
-def job_overrides(shared: Path, local: Path, name: str, profile: Path) -> list[str]:
-    """The job's (and its reference's) config overrides: gpt2-tiny on CUDA, 2 GPUs a node, the
-    plan from a fixed profile (`testing.tiny_profile`), fp32."""
+def job_overrides(shared: Path, local: Path, name: str, profile: Path, *, cpu: bool = False) -> list[str]:
+    """The job's (and its reference's) config overrides: gpt2-tiny on CUDA (`cpu`: the CPU), 2
+    devices a node, the plan from a fixed profile (`testing.tiny_profile`), fp32."""
     from oobleck_elastic.testing import TINY_PROFILE_OVERRIDES
 
     return [
-        f"training.steps={STEPS}",
+        f"training.steps={CPU_STEPS if cpu else STEPS}",
         "data.seq_len=32",
         "training.global_batch_size=16",
         "training.microbatch_size=2",
         "training.optimizer.eps=1e-6",
-        "training.device=cuda",
+        f"training.device={'cpu' if cpu else 'cuda'}",
         "planning.gpus_per_node=2",
         f"planning.profile_path={profile}",
         *TINY_PROFILE_OVERRIDES,
@@ -100,7 +108,7 @@ def commands(args: argparse.Namespace, name: str, local: Path, profile: Path) ->
     """Every command this machine runs for scenario `name`: its agents' and (machine 0) the reference's."""
     scenario = SCENARIOS[name]
     run_id = f"{args.tag}-{name}"
-    over = job_overrides(args.shared / run_id, local, "job", profile)
+    over = job_overrides(args.shared / run_id, local, "job", profile, cpu=args.cpu)
     script = ["examples/train.py", "--config", "configs/gpt2-tiny.yaml", *over]
     agents = {}
     for k in range(AGENTS_PER_MACHINE):
@@ -156,12 +164,18 @@ def run_scenario(args: argparse.Namespace, name: str, local: Path, profile: Path
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
         with open(logs / "reference.log", "w") as f:
             subprocess.run(cmds["reference"], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, check=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OOBLECK_SLOW_AT": ",".join(f"0@{s}:1" for s in range(1, STEPS))}
+    steps, at, pace = (CPU_STEPS, CPU_AT, CPU_PACE_S) if args.cpu else (STEPS, AT, PACE_S)
+    slow = ",".join(f"0@{s}:{pace:g}" for s in range(1, steps))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OOBLECK_SLOW_AT": slow}
+    if args.cpu:
+        env["OMP_NUM_THREADS"] = "1"
     procs: dict[int, subprocess.Popen] = {}
+    files: list[Any] = []
 
     def start(k: int) -> None:
         agent = cmds["agents"][k]
         out = open(logs / f"agent{k}.log", "w")
+        files.append(out)
         procs[k] = subprocess.Popen(
             agent["cmd"],
             cwd=ROOT,
@@ -177,41 +191,60 @@ def run_scenario(args: argparse.Namespace, name: str, local: Path, profile: Path
             start(k)
     client = connect(EtcdSettings(endpoint=args.endpoint))
     keys = Keys("/oobleck", cmds["run_id"])
-    acted, deadline = None, time.monotonic() + 900
+    acted: Optional[str] = None
+    killed: Optional[int] = None
+    deadline = time.monotonic() + 900
     while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
         step = (client.get_json(keys.progress)[0] or {}).get("step", 0)
-        if acted is None and mine and step >= AT:
-            acted = act(scenario, args.machine, procs, start, client, keys, kill_node)
+        if acted is None and mine and step >= at:
+            acted, killed = act(scenario, procs, start, client, keys, kill_node)
         time.sleep(0.2)
     for p in procs.values():
         if p.poll() is None:
             kill_node(p.pid)
+    exits = {k: p.wait() for k, p in procs.items()}
+    for f in files:
+        f.close()
+    expected = {k: -9 if k == killed else 0 for k in procs}
+    # the line comes from the worker that reports it (rank 0's node): read both machines' logs
+    paths = sorted(args.shared.glob(f"{args.tag}-m*/{cmds['run_id']}/agent*.log"))
+    text = "".join(p.read_text(errors="replace") for p in paths)
+    reconfigured = re.search(rf"generation \d+ -> \d+ \({scenario.cause}", text) is not None
     out: dict[str, Any] = {
         "scenario": name,
         "machine": args.machine,
         "acted": acted,
-        "agent_exits": {k: p.wait() for k, p in procs.items()},
+        "agent_exits": exits,
+        "reconfigured": reconfigured,
         "logs": str(logs),
     }
+    passed = exits == expected and reconfigured
+    bound = f"agent exits {expected}; a log names the reconfiguration ({scenario.cause})"
     if args.machine == 0:
-        out.update(compare(args.shared / cmds["run_id"]))
+        same = compare(args.shared / cmds["run_id"])
+        out["max_rel_diff"] = same["max_rel_diff"]
+        passed, bound = passed and same["close"], bound + "; weights allclose(rtol=1e-5, atol=1e-6) to the reference"
+    out.update(verdict="pass" if passed else "fail", bound=bound)
     return out
 
 
-def act(scenario: Scenario, machine: int, procs: dict, start: Any, client: Any, keys: Any, kill_node: Any) -> str:
-    """Do the scenario's fault if it is this machine's; what was done ('' when it was not)."""
+def act(
+    scenario: Scenario, procs: dict, start: Any, client: Any, keys: Any, kill_node: Any
+) -> tuple[str, Optional[int]]:
+    """Do the scenario's fault where it is this machine's: (what was done, '' when nothing; the
+    agent SIGKILLed, if one was)."""
     from oobleck_elastic.records.read import read_leader
     from oobleck_elastic.rendezvous.membership import live_nodes
 
     if scenario.action == "join":
         start(1)
-        return "started agent 1"
+        return "started agent 1", None
     if scenario.action == "drain":
         os.kill(procs[1].pid, signal.SIGTERM)
-        return "SIGTERM to agent 1"
+        return "SIGTERM to agent 1", None
     if scenario.action == "kill":
         kill_node(procs[1].pid)
-        return "SIGKILL agent 1"
+        return "SIGKILL agent 1", 1
     leader = read_leader(client, keys)
     pids = {p.pid: k for k, p in procs.items()}
     for r in live_nodes(client, keys):
@@ -219,8 +252,8 @@ def act(scenario: Scenario, machine: int, procs: dict, start: Any, client: Any, 
             leader is not None and r.node_id == leader.node_id and r.agent_pid in pids
         ):  # our pid (a clash across hosts: negligible)
             kill_node(r.agent_pid)
-            return f"SIGKILL agent {pids[r.agent_pid]} (the leader, {r.node_id})"
-    return ""
+            return f"SIGKILL agent {pids[r.agent_pid]} (the leader, {r.node_id})", pids[r.agent_pid]
+    return "", None
 
 
 def compare(folder: Path) -> dict[str, Any]:
@@ -232,7 +265,7 @@ def compare(folder: Path) -> dict[str, Any]:
     job, ref = load_model_state(folder / "job" / "ckpt"), load_model_state(folder / "ref" / "ckpt")
     rel = max(float((job[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-12)) for k in ref)
     close = set(job) == set(ref) and all(torch.allclose(job[k], ref[k], rtol=1e-5, atol=1e-6) for k in ref)
-    return {"max_rel_diff": rel, "verdict": "pass" if close else "fail", "bound": "allclose(rtol=1e-5, atol=1e-6)"}
+    return {"max_rel_diff": rel, "close": close}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -243,23 +276,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tag", default="multigpu", help="the same on both machines: run ids are TAG-SCENARIO")
     ap.add_argument("--scenario", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     ap.add_argument("--dry-run", action="store_true", help="validate commands and configs only (docstring)")
+    ap.add_argument("--cpu", action="store_true", help="run the scenarios on CPUs under gloo (docstring)")
     args = ap.parse_args(argv)
+    import shutil
     import tempfile
 
     from oobleck_elastic.testing import tiny_profile
 
-    local = Path(tempfile.mkdtemp(prefix="multigpu_"))
+    # this machine's own files (profile, data cache, TensorBoard, logs); a dry run's are removed
+    local = Path(tempfile.mkdtemp(prefix="multigpu_")) if args.dry_run else args.shared / f"{args.tag}-m{args.machine}"
+    local.mkdir(parents=True, exist_ok=True)
     profile = tiny_profile(local / "profile.json")
     failed = 0
-    for name in args.scenario:
+    try:
+        for name in args.scenario:
+            if args.dry_run:
+                got = validate(args, name, local, profile)
+                got.update(verdict="fail" if got["problems"] else "pass", bound="every command and config accepted")
+                emit({"check": f"multigpu_{name}", "dry_run": True, **got})
+            else:
+                got = run_scenario(args, name, local, profile)
+                emit({"check": f"multigpu_{name}", "dry_run": False, "cpu": args.cpu, **got})
+            failed += got.get("verdict") == "fail"
+    finally:
         if args.dry_run:
-            got = validate(args, name, local, profile)
-            got.update(verdict="fail" if got["problems"] else "pass", bound="every command and config accepted")
-            emit({"check": f"multigpu_{name}", "dry_run": True, **got})
-        else:
-            got = run_scenario(args, name, local, profile)
-            emit({"check": f"multigpu_{name}", "dry_run": False, **got})
-        failed += got.get("verdict") == "fail"
+            shutil.rmtree(local, ignore_errors=True)
     return 1 if failed else 0
 
 

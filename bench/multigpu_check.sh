@@ -7,13 +7,13 @@
 #   machine 0:  bash bench/multigpu_check.sh --machine 0 --endpoint ADDR0:2379 --shared /nfs/x --tag T
 #   machine 1:  bash bench/multigpu_check.sh --machine 1 --endpoint ADDR0:2379 --shared /nfs/x --tag T
 # --dry-run validates every command and config of both machines (seconds, any machine, no GPU);
-# it does not run the scenarios (their CPU versions are tests in tests/jobs).
+# it does not run the scenarios; --cpu runs them on CPUs under gloo (both drivers may share a machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 dry=0
-for arg in "$@"; do [[ $arg == --dry-run ]] && dry=1; done
+for arg in "$@"; do [[ $arg == --dry-run || $arg == --cpu ]] && dry=1; done
 if [[ $dry == 0 ]] && ! $py -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 4 else 1)" 2>/dev/null; then
   echo "bench/multigpu_check.sh needs 4 CUDA GPUs on this machine; --dry-run validates its commands and configs" >&2
   exit 2

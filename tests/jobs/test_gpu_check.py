@@ -2,7 +2,9 @@
 check's CPU half (a one-node job under the local launcher among them) and prints one JSON line per
 check with a passing verdict, its bound and its device, and nothing else on stdout; without a GPU
 and without `--dry-run` it refuses in one line. `bash bench/multigpu_check.sh --dry-run` accepts
-every command and config of the two machines' four scenarios.
+every command and config of the two machines' four scenarios, and with `--cpu` its two machines'
+drivers, as two processes of this one, run the kill scenario under gloo: machine 1 SIGKILLs its
+second agent at step 4 and machine 0 finds the job's weights equal to the reference's.
 """
 
 from __future__ import annotations
@@ -73,3 +75,31 @@ def test_the_multigpu_dry_run_accepts_both_machines_commands_for_every_scenario(
         # four nodes of two GPUs: a 2-stage pipeline per node, data parallel across nodes (and hosts)
         assert x["plans"]["4"] == [[[0, 3], [3, 6]]] * 4 and len(x["plans"]["3"]) == 3
     assert res.returncode == 0
+
+
+@pytest.mark.extended  # a 4-node job of 8 workers and its reference: about 80 s on 2 cores
+@pytest.mark.timeout(600)
+def test_the_multigpu_drivers_run_the_kill_scenario_on_cpus(tmp_path: Path, etcd_server, run_id) -> None:
+    def driver(machine: int) -> list[str]:
+        return ["bash", "bench/multigpu_check.sh", "--cpu", "--machine", str(machine), "--scenario", "kill"] + [
+            "--endpoint",
+            etcd_server.endpoint,
+            "--shared",
+            str(tmp_path),
+            "--tag",
+            run_id,
+        ]
+
+    m1 = subprocess.Popen(driver(1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        m0 = subprocess.run(driver(0), cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=500)
+        out1, err1 = m1.communicate(timeout=120)
+    finally:
+        if m1.poll() is None:
+            m1.kill()
+            m1.wait()
+    (line0,), (line1,) = json_lines(m0.stdout), json_lines(out1)
+    assert line1["acted"] == "SIGKILL agent 1" and line1["agent_exits"] == {"0": 0, "1": -9}, err1[-3000:]
+    assert line1["verdict"] == "pass" and line1["reconfigured"] is True, line1
+    assert line0["agent_exits"] == {"0": 0, "1": 0} and line0["verdict"] == "pass", (line0, m0.stderr[-3000:])
+    assert m0.returncode == 0 and m1.returncode == 0
