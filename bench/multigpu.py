@@ -16,10 +16,12 @@ says (-9 where it SIGKILLed one, else 0), one of the job's logs names the reconf
 
 `--dry-run` validates, on any machine and in seconds, every command and config of both machines
 (torchrun's parser, the launcher's preflight, the plans for 3 and 4 nodes of 2 GPUs); it does not
-run the scenarios. `--cpu` runs them for real on CPUs under gloo (16 steps paced 2 s, the fault at step 3):
-both "machines" may then be one, each driver in its own process, about a minute a scenario on
-2 cores (tests/jobs/test_gpu_check.py runs `kill` so); the same scenarios run on CPUs through the
-local launcher in tests/jobs (test_recovery.py, test_failures.py).
+run the scenarios. `--cpu` runs them for real on CPUs under gloo (20 steps paced 2.5 s, the
+fault at step 3): both "machines" may then be one, each driver in its own process, one to a few
+minutes a scenario on 2 cores (tests/jobs/test_gpu_check.py runs `kill` so; on a machine loaded
+far beyond its cores a joiner may start only after the job ended, and `join` then fails, saying
+so); the same faults through the local launcher are tests in tests/jobs (test_recovery.py,
+test_failures.py).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from bench.harness import Bench, emit
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, AT, PACE_S = 40, 5, 1.5
-CPU_STEPS, CPU_AT, CPU_PACE_S = 16, 3, 2.0
+CPU_STEPS, CPU_AT, CPU_PACE_S = 20, 3, 2.5
 AGENTS_PER_MACHINE, GPUS_PER_AGENT = 2, 2
 
 
@@ -155,6 +157,7 @@ def run_scenario(args: argparse.Namespace, name: str, local: Path, profile: Path
     from launcher.faults import kill_node
     from oobleck_elastic.etcd import EtcdSettings, connect
     from oobleck_elastic.records.keys import Keys
+    from oobleck_elastic.records.read import read_leader
 
     scenario = SCENARIOS[name]
     cmds = commands(args, name, local, profile)
@@ -193,11 +196,15 @@ def run_scenario(args: argparse.Namespace, name: str, local: Path, profile: Path
     keys = Keys("/oobleck", cmds["run_id"])
     acted: Optional[str] = None
     killed: Optional[int] = None
+    leader = ""  # the leader last seen before step `at`: the machines must agree on the victim
     deadline = time.monotonic() + 900
     while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
         step = (client.get_json(keys.progress)[0] or {}).get("step", 0)
-        if acted is None and mine and step >= at:
-            acted, killed = act(scenario, procs, start, client, keys, kill_node)
+        if scenario.action == "leader_kill" and step < at:
+            seen = read_leader(client, keys)
+            leader = seen.node_id if seen is not None else leader
+        elif acted is None and mine and step >= at:
+            acted, killed = act(scenario, procs, start, client, keys, leader)
         time.sleep(0.2)
     for p in procs.values():
         if p.poll() is None:
@@ -228,12 +235,11 @@ def run_scenario(args: argparse.Namespace, name: str, local: Path, profile: Path
     return out
 
 
-def act(
-    scenario: Scenario, procs: dict, start: Any, client: Any, keys: Any, kill_node: Any
-) -> tuple[str, Optional[int]]:
+def act(scenario: Scenario, procs: dict, start: Any, client: Any, keys: Any, leader: str) -> tuple[str, Optional[int]]:
     """Do the scenario's fault where it is this machine's: (what was done, '' when nothing; the
-    agent SIGKILLed, if one was)."""
-    from oobleck_elastic.records.read import read_leader
+    agent SIGKILLed, if one was). `leader`: the node that led before the fault (not the one that
+    leads now: the other machine may have killed that one already)."""
+    from launcher.faults import kill_node
     from oobleck_elastic.rendezvous.membership import live_nodes
 
     if scenario.action == "join":
@@ -245,12 +251,9 @@ def act(
     if scenario.action == "kill":
         kill_node(procs[1].pid)
         return "SIGKILL agent 1", 1
-    leader = read_leader(client, keys)
     pids = {p.pid: k for k, p in procs.items()}
     for r in live_nodes(client, keys):
-        if (
-            leader is not None and r.node_id == leader.node_id and r.agent_pid in pids
-        ):  # our pid (a clash across hosts: negligible)
+        if r.node_id == leader and r.agent_pid in pids:  # our pid (a clash across hosts: negligible)
             kill_node(r.agent_pid)
             return f"SIGKILL agent {pids[r.agent_pid]} (the leader, {r.node_id})", pids[r.agent_pid]
     return "", None

@@ -77,7 +77,7 @@ def test_the_multigpu_dry_run_accepts_both_machines_commands_for_every_scenario(
     assert res.returncode == 0
 
 
-@pytest.mark.extended  # a 4-node job of 8 workers and its reference: about 80 s on 2 cores
+@pytest.mark.extended  # a 4-node job of 8 workers and its reference: 1.5-4 minutes on 2 cores
 @pytest.mark.timeout(600)
 def test_the_multigpu_drivers_run_the_kill_scenario_on_cpus(tmp_path: Path, etcd_server, run_id) -> None:
     def driver(machine: int) -> list[str]:
