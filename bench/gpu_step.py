@@ -109,7 +109,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     t = cfg.training
     plan = one_worker_plan(cfg, cfg.model.num_layers + 2)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    store = dist.FileStore(tempfile.mktemp(prefix="gpu_step_store_"), 1)
+    store_path = tempfile.mktemp(prefix="gpu_step_store_")
+    store = dist.FileStore(store_path, 1)
     engine = Trainer(cfg, dataset=dataset, plan=plan, rank=0, store=store, device=device, timeout=timedelta(seconds=60))
     plain = PlainLoop(cfg, dataset, device)
 
@@ -171,11 +172,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         }
     )
     engine.close()
+    del store
+    if os.path.exists(store_path):
+        os.unlink(store_path)
     # the planner's estimate of the same step (one worker, one stage) from the profile measured on this GPU
     from oobleck_elastic.planning import plan_job
     from oobleck_elastic.planning.profile.cache import load_or_profile
 
-    profile = load_or_profile(cfg, device=device, cache_dir="/tmp/gpu_step_cache", log=lambda *_: None)
+    profile = load_or_profile(cfg, device=device, log=lambda *_: None)  # cached under data.cache_dir
     est = plan_job(cfg, nodes=1, profile=profile).plan.est_step_time_s
     emit(
         {
