@@ -1,27 +1,13 @@
 """Two machines of 4 GPUs as one job under NCCL: a kill, a join, a drain and a leader kill, each
-job's weights against the single-process reference (`bash bench/multigpu_check.sh`; docs/gpu.md).
+job's weights against the single-process reference (`bash bench/multigpu_check.sh`).
 
-Each machine runs two agents (`torchrun --rdzv-backend=oobleck --nproc-per-node=2`, GPUs 0,1 and
-2,3), so the job has four nodes of two workers on two hosts: pipelines inside a node, gradient
-sums across hosts, all over NCCL. Both machines run this with the same `--tag`, `--endpoint` (an
-etcd both reach: `oobleck etcd --host ADDR` on one of them) and `--shared` (a folder both mount:
-the job's checkpoint, which every rank writes, and the reference). Each scenario is one job of
-gpt2-tiny (40 steps, rank 0 paced 1.5 s a step so the fault, and a joiner, land mid-run); at step 5 the machine
-owning the victim acts: `kill` SIGKILLs machine 1's second agent, `join` starts it then, `drain`
-sends it SIGTERM (a preemption notice: it leaves at a step boundary), `leader_kill` SIGKILLs
-whichever agent leads. Machine 0 runs the reference on its GPU 0 first and compares at the end.
-One JSON line per scenario and machine; its verdict: this machine's agents ended as the fault
-says (-9 where it SIGKILLed one, else 0), one of the job's logs names the reconfiguration's cause
-(`generation 1 -> 2 (failure`, `(join`, `(drain`), and on machine 0 the weights equal the reference's.
-
-`--dry-run` validates, on any machine and in seconds, every command and config of both machines
-(torchrun's parser, the launcher's preflight, the plans for 3 and 4 nodes of 2 GPUs); it does not
-run the scenarios. `--cpu` runs them for real on CPUs under gloo (20 steps paced 2.5 s, the
-fault at step 3): both "machines" may then be one, each driver in its own process, one to a few
-minutes a scenario on 2 cores (tests/jobs/test_gpu_check.py runs `kill` so; on a machine loaded
-far beyond its cores a joiner may start only after the job ended, and `join` then fails, saying
-so); the same faults through the local launcher are tests in tests/jobs (test_recovery.py,
-test_failures.py).
+Each machine runs two 2-GPU torchrun agents (four nodes on two hosts) and does the faults on its
+own agents when the job reaches the fault's step; machine 0 runs the reference first and compares
+at the end. A line per scenario and machine; its verdict holds the agents' exits to the fault, the
+job's logs to the reconfiguration's cause and (machine 0) the weights to the reference's.
+`--dry-run` validates both machines' commands and configs; `--cpu` runs the scenarios on CPUs
+under gloo, both drivers possibly on one machine. How to start it, the scenarios and what they
+showed: docs/gpu.md.
 """
 
 from __future__ import annotations
