@@ -5,16 +5,18 @@ Results, each with its command and commit, are in bench/RESULTS.md."""
 
 from __future__ import annotations
 
-# every bench, by module name (harness.py and baseline_train.py, the torchrun worker of the
-# recovery baseline, are not benches)
+# every bench, by module name (harness.py, baseline_train.py, the torchrun worker of the recovery
+# baseline, and gpu_engine.py, the checks gpu_checks runs, are not benches)
 BENCHES = (
     "control_plane",
     "fingerprint",
+    "gpu_checks",
     "gpu_mfu",
     "gpu_step",
     "keepalive",
     "losses",
     "memory",
+    "multigpu",
     "overhead",
     "planner",
     "recovery",

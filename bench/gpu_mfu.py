@@ -22,6 +22,11 @@ alternating). Ratios printed: engine ÷ plain, engine ÷ engine_eager, each side
     python -m bench gpu_mfu                       # CUDA: gpt2-small (vocab 50304, seq 1024), bf16
     python -m bench gpu_mfu --model llama-1b      # CUDA: a ~1 B Llama at seq 2048
     python -m bench gpu_mfu                       # CPU: a small GPT-2 (what CI machines can show)
+    python -m bench gpu_mfu --model cpu-tiny --eager   # the path alone, in seconds (gpu_checks' dry run)
+
+`--eager` compiles no side (the engine's two sides both eager, `plain` and `nanogpt` not wrapped in
+`torch.compile`): a dry run of the bench's path on a CPU, whose ratios say nothing of compilation.
+The last line also names the schedule of the engine's plan (one stage on one device: `1f1b`).
 """
 
 from __future__ import annotations
@@ -75,6 +80,31 @@ MODELS = {
         "data.seq_len=2048",
         "training.global_batch_size=16",
         "training.microbatch_size=4",
+    ],
+    "cpu-tiny": [
+        "model.family=gpt2",
+        "model.vocab_size=256",
+        "model.hidden_size=64",
+        "model.num_layers=1",
+        "model.num_heads=2",
+        "model.max_seq_len=32",
+        "data.seq_len=32",
+        "training.global_batch_size=4",
+        "training.microbatch_size=2",
+    ],
+    "cpu-tiny-llama": [
+        "model.family=llama",
+        "model.vocab_size=256",
+        "model.hidden_size=64",
+        "model.num_layers=1",
+        "model.num_heads=2",
+        "model.num_kv_heads=1",
+        "model.intermediate_size=128",
+        "model.tie_embeddings=false",
+        "model.max_seq_len=32",
+        "data.seq_len=32",
+        "training.global_batch_size=4",
+        "training.microbatch_size=2",
     ],
     "cpu-gpt2": [
         "model.family=gpt2",
@@ -145,9 +175,9 @@ class NanoGPT(nn.Module):
 class Loop:
     """A compiled single-device loop over `model` (the `plain` and `nanogpt` sides)."""
 
-    def __init__(self, cfg, model: nn.Module, dataset, device: torch.device) -> None:
+    def __init__(self, cfg, model: nn.Module, dataset, device: torch.device, *, eager: bool = False) -> None:
         self.cfg, self.dataset, self.device = cfg, dataset, device
-        self.model = torch.compile(model)
+        self.model = model if eager else torch.compile(model)
         self.opt = build_optimizer(model.parameters(), cfg.training)
         t = cfg.training
         self.loss_fn = token_sum_loss(
@@ -206,9 +236,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per side per round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side first (compilation)")
+    ap.add_argument("--eager", action="store_true", help="compile no side (a dry run of the path: docstring)")
+    ap.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu: the CPU even where CUDA is")
     ap.add_argument("overrides", nargs="*", metavar="key=value")
     args = ap.parse_args(argv)
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    cuda = torch.cuda.is_available() and args.device == "auto"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     name = args.model or ("gpt2-small" if device.type == "cuda" else "cpu-gpt2")
     precision = "bf16" if device.type == "cuda" else "fp32"
     cfg = load_config(
@@ -253,25 +286,27 @@ def main(argv: Optional[list[str]] = None) -> None:
             [
                 *MODELS[name],
                 f"training.precision={precision}",
-                f"training.compile={str(compile_on).lower()}",
+                f"training.compile={str(compile_on and not args.eager).lower()}",
                 "data.cache_dir=/tmp/gpu_mfu_cache",
                 *args.overrides,
             ],
         )
         trainer = single_process(c, dataset=dataset, device=device)
+        assert trainer.plan is not None
+        schedules.update(p.schedule for p in trainer.plan.pipelines)
         sides_open.append(trainer)
         return lambda s: trainer.train_step(s)
 
     def plain_side() -> Callable[[int], object]:
         layers = build_layer_model(cfg.model, seed=t.seed, device=device).stage(0, num_layers(cfg.model))
-        loop = Loop(cfg, layers, dataset, device)
+        loop = Loop(cfg, layers, dataset, device, eager=args.eager)
         return loop.step
 
     def nano_side() -> Callable[[int], object]:
         m = cfg.model
         with torch.device(device):
             model = NanoGPT(m.vocab_size, m.hidden_size, m.num_layers, m.num_heads, seq)
-        return Loop(cfg, model, dataset, device).step
+        return Loop(cfg, model, dataset, device, eager=args.eager).step
 
     def run(sides: dict[str, Callable[[int], object]]) -> None:
         for label, fn in sides.items():
@@ -286,6 +321,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                     step += 1
 
     sides_open: list = []
+    schedules: set[str] = set()
     for compile_on in (False, True):  # one engine at a time (a single process holds one)
         label = "engine" if compile_on else "engine_eager"
         sides = {label: engine_side(compile_on)}
@@ -324,6 +360,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             "figure": "ratios (throughput, > 1 = the engine is faster)",
             **{k: round(v, 4) for k, v in ratios.items()},
             "peak_memory_gb": round((peak_device_bytes(device) or peak_rss_bytes()) / 2**30, 3),
+            "schedule": ",".join(sorted(schedules)),
+            "compiled": not args.eager,
         }
     )
     assert math.isfinite(ratios["engine_over_plain"])

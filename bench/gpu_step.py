@@ -15,6 +15,7 @@ side (median step time, samples/s, tokens/s) and one with the ratio engine/plain
 
     python -m bench gpu_step                                  # gpt2-small, bf16
     python -m bench gpu_step training.precision=fp32 --rounds 3 --steps 10
+    python -m bench gpu_step --device cpu --config configs/gpt2-tiny.yaml   # the path on a CPU (a dry run)
 """
 
 from __future__ import annotations
@@ -60,10 +61,12 @@ class PlainLoop:
 
     def step(self, step: int, indices: list[int]) -> float:
         x, y = collate(self.dataset, indices)
-        x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         mbs, total = self.cfg.training.microbatch_size, 0.0
         for i in range(0, x.shape[0], mbs):
-            with torch.autocast("cuda", dtype=self.dtype, enabled=self.dtype is not None):
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
                 out = self.model(x[i : i + mbs])
             loss = self.loss_fn(out.float(), y[i : i + mbs])
             loss.backward()
@@ -75,11 +78,13 @@ class PlainLoop:
         return total
 
 
-def timed(fn) -> float:
-    torch.cuda.synchronize()
+def timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 
@@ -89,20 +94,23 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the path alone (a dry run)")
     ap.add_argument("overrides", nargs="*", metavar="key=value")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("python -m bench gpu_step needs a CUDA device")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("python -m bench gpu_step needs a CUDA device (--device cpu runs the path on the CPU)")
     cfg = load_config(
         args.config, ["data.source=stdlib", "data.tokenizer=bytes", "model.vocab_size=256", *args.overrides]
     )
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dataset = build_dataset(cfg, log=lambda *_: None)
     t = cfg.training
     plan = one_worker_plan(cfg, cfg.model.num_layers + 2)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    store = dist.FileStore(tempfile.mktemp(prefix="gpu_step_store_"), 1)
+    store_path = tempfile.mktemp(prefix="gpu_step_store_")
+    store = dist.FileStore(store_path, 1)
     engine = Trainer(cfg, dataset=dataset, plan=plan, rank=0, store=store, device=device, timeout=timedelta(seconds=60))
     plain = PlainLoop(cfg, dataset, device)
 
@@ -129,7 +137,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             nonlocal step
             out = []
             for _ in range(args.steps):
-                out.append(timed(lambda s=step: fn(s)))
+                out.append(timed(lambda s=step: fn(s), device))
                 step += 1
             return out
 
@@ -146,7 +154,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 "side": name,
                 "config": Path(args.config).stem,
                 "precision": t.precision,
-                "device": torch.cuda.get_device_name(device),
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 "median_step_s": round(med[name], 5),
                 "samples_per_s": round(t.global_batch_size / med[name], 1),
                 "tokens_per_s": round(tokens / med[name]),
@@ -164,11 +172,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         }
     )
     engine.close()
+    del store
+    if os.path.exists(store_path):
+        os.unlink(store_path)
     # the planner's estimate of the same step (one worker, one stage) from the profile measured on this GPU
     from oobleck_elastic.planning import plan_job
     from oobleck_elastic.planning.profile.cache import load_or_profile
 
-    profile = load_or_profile(cfg, device=device, cache_dir="/tmp/gpu_step_cache", log=lambda *_: None)
+    profile = load_or_profile(cfg, device=device, log=lambda *_: None)  # cached under data.cache_dir
     est = plan_job(cfg, nodes=1, profile=profile).plan.est_step_time_s
     emit(
         {

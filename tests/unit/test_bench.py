@@ -1,7 +1,7 @@
 """The benches' entry point and harness (`python -m bench`), in this process:
 
-- without a name it lists every bench, and the list is every module of bench/ but the harness and
-  the recovery baseline's torchrun worker;
+- without a name it lists every bench, and the list is every module of bench/ but the harness,
+  the recovery baseline's torchrun worker and the engine checks gpu_checks runs;
 - every bench module imports and declares its harness entry (`BENCH`, a `harness.Bench`);
 - the quickest benches (planner, fingerprint) run with `--quick` and print JSON lines, each
   carrying the commit, the bench's name, the load, the CPU count and the torch version;
@@ -21,7 +21,7 @@ from bench import BENCHES, harness
 from bench.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_BENCHES = {"__init__", "__main__", "harness", "baseline_train"}
+NOT_BENCHES = {"__init__", "__main__", "harness", "baseline_train", "gpu_engine"}
 
 
 def test_without_a_name_it_lists_every_bench(capsys: pytest.CaptureFixture[str]) -> None:
