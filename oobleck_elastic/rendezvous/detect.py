@@ -28,6 +28,25 @@ log = JobLog(logging.getLogger(__name__))
 
 STALL_RECHECK_S = 1.0  # a stall-only roll call whose suspects all answered is repeated after this
 ROLL_CALL_LOST = "a peer saw its connections break and its agent did not answer a ping"
+PING_FLOOR_S = 0.3
+"""The shortest wait for a pong (`ping_timeout`)."""
+PING_CEILING_S = 2.5
+"""The longest wait for a pong (`ping_timeout`): with a long lease the deputy still deposes a dead
+leader within 5 s, not the lease's TTL."""
+
+
+def ping_timeout(lease_ttl_s: float) -> float:
+    """How long the roll call waits for a live node's pong: half its lease TTL, between
+    `PING_FLOOR_S` and `PING_CEILING_S`; the deputy waits twice this (a TTL, or 5 s) for the leader's. A live agent answers
+    from a thread of its own, but on a loaded machine the answer (an etcd watch event, the thread's
+    turn, a write) can take most of a second: a fixed 0.3 s (the deputy's 0.6 s) deposed a live
+    leader at a job's start beside busy loops, and with f = 1 the next kill lost layers. The lease
+    gives a node a TTL to prove it lives; a ping asks for no less than half of that. Only a node that
+    is slow to answer waits longer: a dead agent's closed socket or vanished record is a verdict at
+    once (docs/liveness.md)."""
+    return min(PING_CEILING_S, max(PING_FLOOR_S, lease_ttl_s / 2))
+
+
 LOST_BECAUSE = {Detector.LIVENESS: LIVENESS_LOST, Detector.ROLL_CALL: ROLL_CALL_LOST}
 """The `lost` event's detail for a node found dead by each detector (`why_lost` adds the time)."""
 

@@ -21,7 +21,7 @@ from .decide import LeaderAction, Clocks, Decision, Detection, Detector, LeaderV
 from .decide import closes_on_stop, shortfall_line, strict_refusal
 from .drills import install_spin_drill
 from .election import Election, caught_up
-from .detect import Deputy, LeaderLiveness, LeaderWatch, RollCall, why_lost
+from .detect import Deputy, LeaderLiveness, LeaderWatch, RollCall, ping_timeout, why_lost
 from .profile_wait import ProfileWait
 from .failing import close_failed, restarts_exhausted
 from .publish import SourceChoice, commit_plan, declare_lost, with_donors
@@ -68,7 +68,7 @@ class Leader:
         last_call_s: float,
         settle_s: float,
         tick_s: float = 0.05,
-        ping_timeout_s: float = 0.3,
+        ping_timeout_s: Optional[float] = None,
         profile_ready: Callable[[], bool] | None = None,
         profile_timeout_s: float = 600.0,
         profile_log_s: float = 10.0,
@@ -79,7 +79,10 @@ class Leader:
     ) -> None:
         """`rebalance`: re-split the microbatches around stragglers the workers name (`rendezvous.decide`);
         `max_restarts`: restarts in a row without progress before the job fails (`rendezvous.restart_loop`);
-        `strict`: a first plan that gives less than the config asks fails the job (`strict_refusal`)."""
+        `strict`: a first plan that gives less than the config asks fails the job (`strict_refusal`);
+        `ping_timeout_s`: the roll call's wait for a pong (None: `ping_timeout` of the member's lease TTL)."""
+        if ping_timeout_s is None:
+            ping_timeout_s = ping_timeout(member.lease_ttl_s)
         self.max_restarts, self.strict = max_restarts, strict
         self.client, self.keys, self.member = client, keys, member
         self.stragglers = LeaderStragglers(planner, enabled=rebalance)

@@ -291,3 +291,12 @@ def test_a_refused_socket_of_an_agent_that_said_goodbye_is_a_leave_not_a_death()
     assert kv.get(KEYS.leader) is not None and all(kv.get(KEYS.node(n)) is not None for n in ("n0", "n2", "n3"))
     assert list(read_events(kv, KEYS)) == [] and kv.get(KEYS.fence("n3")) is None
     assert watch.hand_over() == (monitor, {"n2"})  # the next leader acts on n2 only
+
+
+def test_the_ping_timeout_is_half_a_lease_ttl_with_a_floor() -> None:
+    """A live node has a TTL to refresh its lease; a ping asks for no less than half of it (a fixed
+    0.3 s deposed a live leader on a loaded machine), within a floor and a ceiling (a deputy must
+    still depose a dead leader long before a minute-long lease would)."""
+    from oobleck_elastic.rendezvous.detect import PING_CEILING_S, PING_FLOOR_S, ping_timeout
+
+    assert [ping_timeout(ttl) for ttl in (2.0, 5.0, 0.4, 60.0)] == [1.0, 2.5, PING_FLOOR_S, PING_CEILING_S]
