@@ -37,13 +37,13 @@ leader within 5 s, not the lease's TTL."""
 
 def ping_timeout(lease_ttl_s: float) -> float:
     """How long the roll call waits for a live node's pong: half its lease TTL, between
-    `PING_FLOOR_S` and `PING_CEILING_S`; the deputy waits twice this (a TTL, or 5 s) for the leader's. A live agent answers
-    from a thread of its own, but on a loaded machine the answer (an etcd watch event, the thread's
-    turn, a write) can take most of a second: a fixed 0.3 s (the deputy's 0.6 s) deposed a live
-    leader at a job's start beside busy loops, and with f = 1 the next kill lost layers. The lease
-    gives a node a TTL to prove it lives; a ping asks for no less than half of that. Only a node that
-    is slow to answer waits longer: a dead agent's closed socket or vanished record is a verdict at
-    once (docs/liveness.md)."""
+    `PING_FLOOR_S` and `PING_CEILING_S`; the deputy waits twice this (a TTL, or 5 s) for the
+    leader's. A live agent answers from a thread of its own, but on a loaded machine the answer (an
+    etcd watch event, the thread's turn, a write) can take most of a second: a fixed 0.3 s (the
+    deputy's 0.6 s) deposed a live leader at a job's start beside busy loops, and with f = 1 the
+    next kill lost layers. The lease gives a node a TTL to prove it lives; a ping asks for no less
+    than half of that. Only a node slow to answer waits longer: a dead agent's closed socket or
+    vanished record is a verdict at once (docs/liveness.md)."""
     return min(PING_CEILING_S, max(PING_FLOOR_S, lease_ttl_s / 2))
 
 
