@@ -25,13 +25,13 @@ from typing import Callable
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.engine.resilience.errors import StepAbandoned
 from oobleck_elastic.engine.runner import StepRunner, abandoned_threads
 from oobleck_elastic.engine.trainer import Trainer
 import helpers
+import ranks
 from helpers import RandomTokens, layout_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,7 +145,7 @@ def _steps(rank: int, world: int, tmp: str, cfg, out: dict) -> None:
 
 def test_an_abandoned_step_thread_that_wakes_up_late_touches_nothing_of_the_next_generation(tmp_path: Path) -> None:
     cfg = config()
-    mp.spawn(_worker, args=(2, str(tmp_path), to_dict(cfg)), nprocs=2, join=True)
+    ranks.spawn(_worker, args=(2, str(tmp_path), to_dict(cfg)), nprocs=2)
     outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for rank, out in enumerate(outs):
         assert "error" not in out, f"rank {rank}: {out['error']}"

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.testing import RandomTokens, layout_plan
+import ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def test_a_running_generation_follows_its_first_steps_and_a_stuck_peer_is_cut_of
             "fault_tolerance.hang_factor=4",  # or 12 typical steps (3 x 4)
         ],
     )
-    mp.spawn(_worker, args=(2, str(tmp_path), to_dict(cfg)), nprocs=2, join=True)
+    ranks.spawn(_worker, args=(2, str(tmp_path), to_dict(cfg)), nprocs=2)
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in records:
         assert r["first"] == 300.0 and r["derived"] < 100.0, r  # derived from the measured steps

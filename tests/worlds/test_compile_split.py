@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
@@ -21,6 +20,7 @@ from oobleck_elastic.engine.stage.split_layer import split_counters
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.models import build_layer_model, num_layers
 import helpers
+import ranks
 from helpers import RandomTokens, layout_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,7 +136,7 @@ def test_a_compiled_zero_bubble_job_matches_the_single_process_reference(tmp_pat
     the eager single-process reference's (fp32)."""
     cfg = _config(tmp_path / "cache", True)
     ref = helpers.reference_state(_config(tmp_path / "cache", False), RandomTokens(), STEPS)
-    mp.spawn(_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4, join=True)
+    ranks.spawn(_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4)
     merged: dict[str, torch.Tensor] = {}
     for rank in range(4):
         merged.update(torch.load(tmp_path / f"rank{rank}.pt", weights_only=True))
@@ -178,7 +178,7 @@ def test_compiled_zbv_and_zero_bubble_with_chunks_match_the_single_process_refer
     weight ends as the eager single-process reference's (fp32)."""
     cfg = _config(tmp_path / "cache", True)
     ref = helpers.reference_state(_config(tmp_path / "cache", False), RandomTokens(), STEPS)
-    mp.spawn(_chunked_worker, args=(2, str(tmp_path), to_dict(cfg)), nprocs=2, join=True)
+    ranks.spawn(_chunked_worker, args=(2, str(tmp_path), to_dict(cfg)), nprocs=2)
     for name in CHUNKED:
         merged: dict[str, torch.Tensor] = {}
         for rank in range(2):

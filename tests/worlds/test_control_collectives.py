@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from oobleck_elastic import checkpoint as ckpt
 from oobleck_elastic.config import from_dict, load_config, to_dict
@@ -30,6 +29,7 @@ from oobleck_elastic.planning import Plan
 from oobleck_elastic.planning.tolerance.shadows import place_shadows
 from oobleck_elastic.testing import node_plan
 import helpers
+import ranks
 from helpers import RandomTokens
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,7 +84,7 @@ def test_a_retake_after_an_entry_with_shadows_passes_torchs_collective_checker(t
     assert BEFORE.shadows.layers != AFTER.shadows.layers  # the entry seeds some shadows anew
     cfg = config(str(tmp_path / "ckpt"))
     ref = helpers.reference_state(config(), RandomTokens(), STEPS)
-    mp.spawn(_worker, args=(3, str(tmp_path), to_dict(cfg)), nprocs=3, join=True)  # a mismatch raises here
+    ranks.spawn(_worker, args=(3, str(tmp_path), to_dict(cfg)), nprocs=3)  # a mismatch raises here
     assert ckpt.is_complete(ckpt.step_dir(tmp_path / "ckpt", RETAKE_AT))
     for rank in range(3):
         layers = torch.load(tmp_path / f"layers-{rank}.pt", weights_only=True)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.engine import checkpointing
@@ -21,6 +20,7 @@ from oobleck_elastic.engine.entry.groups import Holders
 from oobleck_elastic.engine.resilience import nccl_rules
 from oobleck_elastic.engine.trainer import Trainer
 import helpers
+import ranks
 from oobleck_elastic.testing import node_plan
 from helpers import RandomTokens, layout_plan
 
@@ -122,7 +122,7 @@ def reference_state(cfg) -> dict[str, torch.Tensor]:
 def test_three_plans_match_the_single_process_reference(tmp_path: Path) -> None:
     cfg = config()
     ref = reference_state(cfg)
-    mp.spawn(_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4, join=True)
+    ranks.spawn(_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4)
     for k, name in [(0, "plan0"), (1, "plan1"), (2, "plan2"), ("resume", "resumed")]:
         merged: dict[str, list[torch.Tensor]] = {}
         for rank in range(4):
@@ -238,7 +238,7 @@ def test_a_slow_stage_is_not_a_failure(tmp_path: Path) -> None:
     (`comm_timeout_s`), not the connect timeout (`join_timeout_s`), and the job ends with the
     reference weights. Before the fix, gloo's receive gave up after `join_timeout_s`."""
     cfg = config(**{"fault_tolerance.join_timeout_s": 1, "fault_tolerance.comm_timeout_s": 60})
-    mp.spawn(_slow_stage_worker, args=(2, str(tmp_path), to_dict(cfg)), nprocs=2, join=True)
+    ranks.spawn(_slow_stage_worker, args=(2, str(tmp_path), to_dict(cfg)), nprocs=2)
     ref = reference_state(cfg)
     merged = {
         **torch.load(tmp_path / "slow-rank0.pt", weights_only=True),

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.engine.trainer import Trainer
 import helpers
+import ranks
 from helpers import RandomTokens, layout_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,7 +107,7 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict) -> None:
 def test_zero_bubble_plans_match_the_single_process_reference(tmp_path: Path) -> None:
     cfg = config()
     ref = helpers.reference_state(cfg, RandomTokens(), STEPS)
-    mp.spawn(_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4, join=True)
+    ranks.spawn(_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4)
     for k in range(len(PLANS)):
         _assert_every_copy_is_the_reference(tmp_path, f"plan{k}", ref)
     fresh = helpers.reference_state(cfg, RandomTokens(), 0)  # training happened: every tensor moved
@@ -208,6 +208,6 @@ def test_plans_with_two_chunks_per_device_match_the_single_process_reference(tmp
     """Interleaved 1F1B, interleaved zero-bubble and zbv, each on its plans above."""
     cfg = config()
     ref = helpers.reference_state(cfg, RandomTokens(), STEPS)
-    mp.spawn(_chunked_worker, args=(4, str(tmp_path), to_dict(cfg), name), nprocs=4, join=True)
+    ranks.spawn(_chunked_worker, args=(4, str(tmp_path), to_dict(cfg), name), nprocs=4)
     for k in range(len(CHUNKED[name][0])):
         _assert_every_copy_is_the_reference(tmp_path, f"{name}{k}", ref)

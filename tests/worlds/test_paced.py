@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.engine.stage.paced import PaceTargets, pace_stage, pace_targets, padding_s, pass_of
 from oobleck_elastic.planning import StagePlacement
 from helpers import RandomTokens, layout_plan
+import ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,7 +149,7 @@ def test_a_paced_job_pads_each_pass_to_the_plans_time(tmp_path: Path) -> None:
             f"training.paced_devices={FACTOR}",
         ],
     )
-    mp.spawn(_worker, args=(2, str(tmp_path), to_dict(cfg)), nprocs=2, join=True)
+    ranks.spawn(_worker, args=(2, str(tmp_path), to_dict(cfg)), nprocs=2)
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["threads"] == 1  # pinned

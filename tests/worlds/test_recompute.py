@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import helpers
+import ranks
 from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.planning.plan.plan import Plan
 from oobleck_elastic.models.recompute import Recomputed
@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, tmp: str, cfg_dict: dict, name: str) -> None:
 )
 def test_recomputed_layers_train_as_the_reference_under_every_schedule(tmp_path: Path, name: str) -> None:
     ref = helpers.reference_state(config("none"), RandomTokens(), STEPS)
-    mp.spawn(_worker, args=(4, str(tmp_path), to_dict(config("full")), name), nprocs=4, join=True)
+    ranks.spawn(_worker, args=(4, str(tmp_path), to_dict(config("full")), name), nprocs=4)
     for k in range(len(RUNS[name])):
         _assert_every_copy_is_the_reference(tmp_path, f"{name}{k}", ref)
 
@@ -128,7 +128,7 @@ def test_compiled_layers_replay_their_forward_graph_once_under_zero_bubble(tmp_p
     ref = helpers.reference_state(config("none"), RandomTokens(), STEPS)
     cfg = load_config(ROOT / "configs/gpt2-tiny.yaml", [*OVERRIDES, "training.activation_checkpoint=full"])
     cfg.training.compile = True
-    mp.spawn(_compiled_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4, join=True)
+    ranks.spawn(_compiled_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4)
     _assert_every_copy_is_the_reference(tmp_path, "compiled0", ref)
 
 
@@ -142,7 +142,7 @@ def test_tensor_parallel_layers_recompute_as_the_reference(tmp_path: Path) -> No
     cfg = tp.config()
     cfg.training.activation_checkpoint = "full"
     runs = [("one", tp.ONE_PIPELINE, list(range(tp.STEPS)), None, None)]
-    mp.spawn(tp._train_worker, args=(4, str(tmp_path), to_dict(cfg), runs), nprocs=4, join=True)
+    ranks.spawn(tp._train_worker, args=(4, str(tmp_path), to_dict(cfg), runs), nprocs=4)
     tp.check_runs(tmp_path, ref, "one", 4)
 
 
@@ -190,6 +190,6 @@ def test_stages_recompute_as_the_plan_says_and_train_as_the_reference(tmp_path: 
     when its stage says `full` (engine/stage/build.py `recomputes`), under 1F1B and zero-bubble,
     and the weights are the reference's."""
     ref = helpers.reference_state(config("none"), RandomTokens(), STEPS)
-    mp.spawn(_mixed_worker, args=(4, str(tmp_path), to_dict(config("auto"))), nprocs=4, join=True)
+    ranks.spawn(_mixed_worker, args=(4, str(tmp_path), to_dict(config("auto"))), nprocs=4)
     for k in range(len(MIXED)):
         _assert_every_copy_is_the_reference(tmp_path, f"mixed{k}", ref)

@@ -35,7 +35,6 @@ from typing import Any, Iterator
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from oobleck_elastic.config import ModelConfig, from_dict, load_config, to_dict
 from oobleck_elastic.engine import checkpointing
@@ -47,6 +46,7 @@ from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
 from oobleck_elastic.planning.plan.rebalance import mitigate, rebalanced_plan
 from helpers import RandomTokens, layout_plan
+import ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4
@@ -276,7 +276,7 @@ def features(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, l
     tmp = tmp_path_factory.mktemp("features")
     fp32, bf16 = config(), config("training.precision=bf16")
     ref, ref_bf16 = reference_states(fp32, 4), reference_states(bf16, 2)
-    mp.spawn(_worker, args=(str(tmp), to_dict(fp32), to_dict(bf16)), nprocs=WORLD, join=True)
+    ranks.spawn(_worker, args=(str(tmp), to_dict(fp32), to_dict(bf16)), nprocs=WORLD)
     yield tmp, ref, ref_bf16
 
 

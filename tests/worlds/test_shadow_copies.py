@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.engine.entry.reconfigure import Transfer, plan_transfers
@@ -25,6 +24,7 @@ from oobleck_elastic.models.build import build_meta_layers
 from oobleck_elastic.planning import Plan
 from oobleck_elastic.planning.tolerance.shadows import place_shadows
 import helpers
+import ranks
 from oobleck_elastic.testing import layout_plan, node_plan
 from helpers import RandomTokens
 
@@ -210,7 +210,7 @@ def test_a_keepers_loss_then_both_holders_loss_goes_on_from_the_new_shadows(tmp_
     BEFORE: its lag shows, and its shadows are still bit-identical (slow costs time, not data)."""
     cfg = config()
     ref = helpers.reference_state(cfg, RandomTokens(), STEPS)
-    mp.spawn(_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4, join=True)
+    ranks.spawn(_worker, args=(4, str(tmp_path), to_dict(cfg)), nprocs=4)
     g1 = [torch.load(tmp_path / f"g1-n{r}.pt", weights_only=True) for r in range(4)]
     assert _assert_shadows_equal_holders(g1) == 6
     # what TensorBoard shows of them (engine/telemetry/board.py): the lag measured at step 1's
@@ -277,7 +277,7 @@ def test_when_the_shadows_are_lost_too_the_checkpoint_is_restored(tmp_path: Path
     assert CHAIN.shadows.layers == (("n1",), ("n2",), ("n0",), ("n0",), ("n1",), ("n0",))
     cfg = config()
     ref = helpers.reference_state(cfg, RandomTokens(), STEPS)
-    mp.spawn(_fallback_worker, args=(3, str(tmp_path), to_dict(cfg)), nprocs=3, join=True)
+    ranks.spawn(_fallback_worker, args=(3, str(tmp_path), to_dict(cfg)), nprocs=3)
     out = torch.load(tmp_path / "alone.pt", weights_only=True)
     assert out["lost"] == [0, 2, 3]
     merged = {f"{i}:{n}": t for i, layer in out["layers"].items() for n, t in layer.items()}
@@ -319,7 +319,7 @@ def test_zero_bubble_with_chunks_keeps_its_shadows_and_matches_the_reference(tmp
     holder's layer."""
     cfg = config()
     ref = helpers.reference_state(cfg, RandomTokens(), ZB_STEPS)
-    mp.spawn(_zero_bubble_worker, args=(2, str(tmp_path), to_dict(cfg)), nprocs=2, join=True)
+    ranks.spawn(_zero_bubble_worker, args=(2, str(tmp_path), to_dict(cfg)), nprocs=2)
     dumps = [torch.load(tmp_path / f"zb-rank{r}.pt", weights_only=True) for r in range(2)]
     assert all(d["shadow_step"] == ZB_STEPS - 1 for d in dumps)
     assert _assert_shadows_equal_holders(dumps) == 6

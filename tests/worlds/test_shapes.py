@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 from torch import nn
 
@@ -22,6 +21,7 @@ from oobleck_elastic.engine.stage.build import Autocast
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.models import build_layer_model, hf_config
 import helpers
+import ranks
 from helpers import RandomTokens, layout_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -265,7 +265,7 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 @pytest.mark.slow
 def test_static_stages_train_like_the_reference_without_pickles(tmp_path: Path) -> None:
     cfgs = {"fp32": config(), "bf16": config(**{"training.precision": "bf16"})}
-    mp.spawn(_worker, args=(str(tmp_path), {k: to_dict(c) for k, c in cfgs.items()}), nprocs=WORLD, join=True)
+    ranks.spawn(_worker, args=(str(tmp_path), {k: to_dict(c) for k, c in cfgs.items()}), nprocs=WORLD)
     refs = {name: reference_state(cfg) for name, cfg in cfgs.items()}
     fresh = helpers.reference_state(cfgs["fp32"], RandomTokens(seq_len=SEQ), 0)
     for name, ref in refs.items():

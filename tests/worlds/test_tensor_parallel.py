@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from oobleck_elastic.config import from_dict, load_config, to_dict
 from oobleck_elastic.engine import checkpointing
@@ -21,6 +20,7 @@ from oobleck_elastic.engine.entry.reconfigure import plan_transfers
 from oobleck_elastic.engine.trainer import Trainer
 from oobleck_elastic.planning import PipelineSpec, Plan, StagePlacement
 import helpers
+import ranks
 from helpers import RandomTokens, assert_same, run_job, tiny_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,7 +138,7 @@ def _layers_worker(rank: int, world: int, tmp: str, family: str) -> None:
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_sharded_layers_equal_the_full_layers(tmp_path: Path, family: str) -> None:
-    mp.spawn(_layers_worker, args=(2, str(tmp_path), family), nprocs=2, join=True)
+    ranks.spawn(_layers_worker, args=(2, str(tmp_path), family), nprocs=2)
 
 
 def _train_worker(rank: int, world: int, tmp: str, cfg_dict: dict, runs: list) -> None:
@@ -185,7 +185,7 @@ def test_one_tensor_parallel_pipeline_matches_the_reference(tmp_path: Path, fami
     cfg = config(family)
     ref = reference_state(cfg)
     runs = [("one", ONE_PIPELINE, list(range(STEPS)), None, None)]
-    mp.spawn(_train_worker, args=(4, str(tmp_path), to_dict(cfg), runs), nprocs=4, join=True)
+    ranks.spawn(_train_worker, args=(4, str(tmp_path), to_dict(cfg), runs), nprocs=4)
     check_runs(tmp_path, ref, "one", 4)
 
 
@@ -194,7 +194,7 @@ def test_two_heterogeneous_tensor_parallel_pipelines_match_the_reference(tmp_pat
     cfg = config()
     ref = reference_state(cfg)
     runs = [("two", TWO_PIPELINES, list(range(STEPS)), None, None)]
-    mp.spawn(_train_worker, args=(6, str(tmp_path), to_dict(cfg), runs), nprocs=6, join=True)
+    ranks.spawn(_train_worker, args=(6, str(tmp_path), to_dict(cfg), runs), nprocs=6)
     check_runs(tmp_path, ref, "two", 6)
 
 
@@ -210,7 +210,7 @@ def test_a_checkpoint_resumes_at_another_tensor_parallel_degree(tmp_path: Path) 
         ("b", tp1, [0, 1], None, "ck-tp1"),  # tp=1 -> checkpoint -> tp=2
         ("tp1-to-tp2", ONE_PIPELINE, [2], "ck-tp1/step-00000002", None),
     ]
-    mp.spawn(_train_worker, args=(6, str(tmp_path), to_dict(cfg), runs), nprocs=6, join=True)
+    ranks.spawn(_train_worker, args=(6, str(tmp_path), to_dict(cfg), runs), nprocs=6)
     check_runs(tmp_path, ref, "tp2-to-tp1", tp1.world_size)
     check_runs(tmp_path, ref, "tp1-to-tp2", 4)
 
@@ -271,5 +271,5 @@ def test_compiled_tensor_parallel_layers_match_the_reference(tmp_path: Path) -> 
     )
     ref = reference_state(from_dict({**to_dict(cfg), "training": {**to_dict(cfg)["training"], "compile": False}}))
     runs = [("compiled", ONE_PIPELINE, list(range(STEPS)), None, None)]
-    mp.spawn(_train_worker, args=(4, str(tmp_path), to_dict(cfg), runs), nprocs=4, join=True)
+    ranks.spawn(_train_worker, args=(4, str(tmp_path), to_dict(cfg), runs), nprocs=4)
     check_runs(tmp_path, ref, "compiled", 4)
