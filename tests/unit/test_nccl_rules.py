@@ -6,6 +6,7 @@ allocator's default; on CUDA, posted work not completed counts as waiting for th
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Iterator
 
@@ -240,3 +241,15 @@ def test_on_the_cpu_a_returned_wait_is_not_waiting() -> None:
     with progress.waiting(work):
         assert progress.waits_for_a_peer()
     assert progress.posted == () and not progress.waits_for_a_peer()
+
+
+def test_the_group_is_found_by_position_or_keyword_and_none_means_the_default_group() -> None:
+    def collective(tensor, op=None, group=None, async_op=False):  # torch's order for all_reduce
+        raise AssertionError("not called")
+
+    position = nccl_rules._group_position(inspect.signature(collective))
+    assert position == 2
+    marker = object()
+    assert nccl_rules._group_of("all_reduce", position, ("t", "sum", marker), {}, False) is marker
+    assert nccl_rules._group_of("all_reduce", position, ("t",), {"group": marker}, False) is marker
+    assert nccl_rules._group_of("all_reduce", position, ("t",), {"async_op": True}, False) is None

@@ -204,23 +204,34 @@ def install(environ: Optional[dict[str, str]] = None) -> bool:
 
 
 def _wrap(fn: Callable[..., Any], name: str, *, point_to_point: bool, functional: bool = False) -> Callable[..., Any]:
-    signature = inspect.signature(fn)
+    position = _group_position(inspect.signature(fn))
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        CHECKER.record(name, _group_of(name, signature, args, kwargs, functional), point_to_point=point_to_point)
+        CHECKER.record(name, _group_of(name, position, args, kwargs, functional), point_to_point=point_to_point)
         return fn(*args, **kwargs)
 
     return call
 
 
+def _group_position(signature: inspect.Signature) -> Optional[int]:
+    """Where a call passes `group` by position (None: only by keyword, or not a parameter)."""
+    for i, parameter in enumerate(signature.parameters.values()):
+        if parameter.name == "group":
+            return i if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else None
+    return None
+
+
 def _group_of(
-    name: str, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any], functional: bool
+    name: str, position: Optional[int], args: tuple[Any, ...], kwargs: dict[str, Any], functional: bool
 ) -> Optional[dist.ProcessGroup]:
     if name == "batch_isend_irecv":
         ops = args[0] if args else kwargs.get("p2p_op_list", [])
         return ops[0].group if ops else None
-    group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+    if "group" in kwargs:
+        group = kwargs["group"]
+    else:
+        group = args[position] if position is not None and position < len(args) else None
     if functional:  # a group, a mesh, (mesh, dim), ranks or a name
         return c10d._resolve_process_group(funcol._resolve_group_name(group))
     return group
