@@ -207,8 +207,7 @@ def run_job(
     `job_extra`: overrides of the job alone (not of the reference run), e.g. its events directory."""
     tmp.mkdir(parents=True, exist_ok=True)
     cfg_over = overrides(tmp / "job", steps, profile) + list(extra) + list(job_extra)
-    if reference and not expect_failure:
-        train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp / "ref", steps, profile) + list(extra)))
+    ref = single_process_reference(tmp / "ref", steps, profile, list(extra)) if reference and not expect_failure else {}
     cmd = [
         sys.executable,
         "-m",
@@ -266,7 +265,25 @@ def run_job(
     else:
         assert proc.returncode == 0, out[-5000:]
     job_ckpt = next((Path(o.split("=", 1)[1]) for o in extra if o.startswith("checkpoint.dir=")), tmp / "job" / "ckpt")
-    return out, load_model_state(job_ckpt), load_model_state(tmp / "ref" / "ckpt") if reference else {}
+    return out, load_model_state(job_ckpt), ref
+
+
+_REFERENCES: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
+def single_process_reference(tmp: Path, steps: int, profile: Path, extra: list[str]) -> dict[str, torch.Tensor]:
+    """The weights of configs/gpt2-tiny.yaml trained `steps` steps in this process with `overrides`
+    and `extra`, outputs under `tmp`. The reference is a pure function of its settings (the data
+    and the initial weights are seeded), so a run with the same steps, profile contents, extra
+    settings, fault injections (`OOBLECK_*` in this process's environment) and CPU threads is
+    trained once per pytest process and its weights reused: a 4-node job test spends 2-9 s of its
+    15-30 s on it otherwise."""
+    faults = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("OOBLECK_")))
+    key = (steps, profile.read_bytes(), tuple(extra), faults, torch.get_num_threads())
+    if key not in _REFERENCES:
+        train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp, steps, profile) + extra))
+        _REFERENCES[key] = load_model_state(tmp / "ckpt")
+    return {name: t.clone() for name, t in _REFERENCES[key].items()}
 
 
 def assert_same(job: dict, ref: dict) -> None:

@@ -16,8 +16,6 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from oobleck_elastic.checkpoint import latest_checkpoint, load_model_state, read_manifest
-from oobleck_elastic.config import load_config
-from oobleck_elastic.engine.run import train
 from oobleck_elastic.etcd import EtcdSettings, connect
 from oobleck_elastic.logs import read_event_lines
 from oobleck_elastic.records.goodput import Category, Ledger
@@ -28,6 +26,7 @@ from helpers import (
     overrides,
     paced,
     run_job,
+    single_process_reference,
     tensorboard_run,
     tiny_profile,
     when,
@@ -42,7 +41,7 @@ pytestmark = pytest.mark.slow
 def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, run_id) -> None:
     steps, kill_at = 8, 3
     profile = tiny_profile(tmp_path / "profile.json")
-    train(load_config(ROOT / "configs/gpt2-tiny.yaml", overrides(tmp_path / "ref", steps, profile)))
+    ref = single_process_reference(tmp_path / "ref", steps, profile, [])
     # a custom key prefix: the launcher must watch the nodes' keys to kill node 1 at step 3
     cmd = [
         sys.executable,
@@ -80,7 +79,7 @@ def test_kill_one_node_of_four_matches_reference(tmp_path: Path, etcd_server, ru
     assert len(manifest["plan"]["nodes"]) == 3
     moved = [line for line in out.splitlines() if "entered from generation 1" in line and " 0 layer bytes" not in line]
     assert moved, "some survivor must have received layers"
-    ref, job = load_model_state(tmp_path / "ref" / "ckpt"), load_model_state(tmp_path / "job" / "ckpt")
+    job = load_model_state(tmp_path / "job" / "ckpt")
     for key in ref:
         torch.testing.assert_close(job[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
     ea = EventAccumulator(str(tensorboard_run(tmp_path / "job" / "runs")), size_guidance={"scalars": 0, "tensors": 0})
