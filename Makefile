@@ -23,7 +23,7 @@ STRESS_ARGS ?=
 # chaos: only its extended seeds of the shard (the chaos-marked test runs by hand: make chaos)
 LANES ?= unit control worlds jobs chaos
 # the extended tests run in CI in EXTENDED_SHARDS turns: shard (commits on HEAD) mod EXTENDED_SHARDS
-EXTENDED_SHARDS ?= 8
+EXTENDED_SHARDS ?= 12
 EXTENDED_SHARD ?= $(shell n=$$(git rev-list --count HEAD 2>/dev/null || date +%j); echo $$((n % $(EXTENDED_SHARDS)))/$(EXTENDED_SHARDS))
 DEMO_CKPT ?= checkpoints/demo
 PY := $(VENV)/bin/python
