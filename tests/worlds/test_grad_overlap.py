@@ -72,7 +72,10 @@ def _rank(rank: int, port: int, case: str, results: "mp.Queue") -> None:  # type
             row.append(t)
         expected.append(row)
     equal = all(torch.equal(p.grad, e) for layer, row in zip(layers, expected) for p, e in zip(layer.parameters(), row))
-    results.put({"rank": rank, "posted_after": posted_after, "early": sync.posted_early, "equal": equal})
+    # each layer's summed gradients are views of the one buffer its all-reduce summed in place
+    one_buffer = all(len({p.grad.untyped_storage().data_ptr() for p in layer.parameters()}) == 1 for layer in layers)
+    early = sync.posted_early
+    results.put({"rank": rank, "posted_after": posted_after, "early": early, "equal": equal, "one_buffer": one_buffer})
     dist.destroy_process_group()
     results.close()
     results.join_thread()
@@ -99,7 +102,7 @@ def run(case: str) -> dict[int, dict]:
 def test_each_layer_is_reduced_as_soon_as_it_is_final_and_the_sums_are_exact() -> None:
     out = run("plain")
     for rank in (0, 1):
-        assert out[rank]["equal"]
+        assert out[rank]["equal"] and out[rank]["one_buffer"]
         # nothing after the first microbatch; all four layers during the second backward
         assert out[rank]["posted_after"] == [0, 4]
         assert out[rank]["early"] == 4

@@ -43,7 +43,8 @@ class GradSync:
     posts its layers highest first, so every member posts them in the same order (a final layer
     waits for the higher ones). The hooks are armed by `begin_step` and disarmed by `all_reduce`
     or `close`, so an abandoned step's thread never posts a collective. `all_reduce` posts what
-    is left (tied parameters, parameters without a gradient), waits, and writes the sums back."""
+    is left (tied parameters, parameters without a gradient) and waits: each posted layer's
+    gradients are views of the buffer its all-reduce sums in place."""
 
     def __init__(self, groups: GenerationGroups, layer_model: LayerModel, owned: Iterable[int]) -> None:
         self.groups = groups
@@ -160,15 +161,23 @@ class GradSync:
             self._next[ranks] += 1
 
     def _post(self, params: list[torch.Tensor], ranks: tuple[int, ...]) -> None:
+        """Flatten the final gradients of `params` into one buffer, make each parameter's gradient
+        a view of it, and post its all-reduce: the sums land in the views in place, and the
+        gradients as accumulated are freed now, so the step holds one copy of each gradient (as
+        the memory model counts it), not a flat copy beside it until the write-back."""
         grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
+        offset = 0
+        for p, g in zip(params, grads):
+            p.grad = wrap_like(p, flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
         self._posted.append((params, flat, dist.all_reduce(flat, group=self.groups.sets[ranks], async_op=True)))
 
     # ------------------------------------------------------------------ after the schedule
     def all_reduce(self, on_final: Optional[Callable[[list[torch.Tensor]], None]] = None) -> None:
-        """Post what is left (in each set's order, then the tied parameters), wait for every
-        reduction and write the sums back as the parameters' gradients; `on_final(params)` after
-        each reduction's are written (the shadows' copies start then: shadow_host.py)."""
+        """Post what is left (in each set's order, then the tied parameters) and wait for every
+        reduction (the parameters' gradients are views of the summed buffers); `on_final(params)`
+        after each reduction completes (the shadows' copies start then: shadow_host.py)."""
         with self._lock:
             if not self._armed:  # no begin_step: nothing was posted early
                 self._next = {ranks: 0 for ranks in self.sequence}
@@ -181,15 +190,9 @@ class GradSync:
                 if len(ranks) > 1:
                     self._post(params, ranks)
             posted, self._posted = self._posted, []
-        for params, flat, handle in posted:
+        for params, _flat, handle in posted:
             with STEP_PROGRESS.waiting(handle):  # engine/resilience/progress.py
-                handle.wait()
-            offset = 0
-            for p in params:
-                shard = local(p)
-                n = shard.numel()
-                p.grad = wrap_like(p, flat[offset : offset + n].view_as(shard).clone())
-                offset += n
+                handle.wait()  # the sums are in the parameters' gradients now (views of _flat)
             if on_final is not None:
                 on_final(params)
 
