@@ -15,7 +15,9 @@ Prints one JSON line per figure:
     10,000 nodes: < 1 s), with the bytes the re-plan moves; up to 384 nodes side by side with
     the direct all-pairs placement it replaces (same placement, same bytes) and with the
     assignment that keeps the most bytes (the exact optimum); and the bytes moved without
-    placement (preference order).
+    placement (preference order); beside it the move-aware re-plan (`planning.replan_tolerance`
+    0.01: the untouched pipelines kept when that costs <= 1 % of the step), its bytes and its
+    step over the fastest plan's.
 
   - pipeline schedules: the plan on 1,024 nodes at tp = 8 with `planning.schedule=auto` (every
     pipeline's schedule chosen by simulating 1F1B, interleaved 1F1B, zero-bubble and zbv at up to
@@ -28,6 +30,7 @@ Prints one JSON line per figure:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import time
@@ -255,12 +258,16 @@ def tensor_parallel(common: dict) -> None:
     )
 
 
+REPLAN_TOLERANCE = 0.01  # planning.replan_tolerance's default
+
+
 def replan_at_scale(common: dict, repeats: int) -> None:
     for tp in (1, 8):
         profile = gpt3_175b_profile(tensor_parallel=tp).in_mode("full")
         templates = build_templates(
             profile, gpus_per_node=8, device_memory_gb=80.0, memory_margin=0.1, links=Links(), tensor_parallel=tp
         )
+        templates = dataclasses.replace(templates, profile=profile)  # as a job's: the re-plan prices bytes
         for n in (128, 256, 384, 1024, 4096, 10000):
             emit(common | replan_case(templates, shard_bytes_of(profile.layers), n, repeats))
         # the case that dissolves a pipeline: enough nodes of one pipeline lost that the others
@@ -279,9 +286,16 @@ def replan_case(templates, shards: list[int], n: int, repeats: int, lost: int = 
     previous = make_plan(templates, nodes=nodes, num_microbatches=batch, microbatch_size=1, f=1)
     survivors = nodes[: n // 3] + nodes[n // 3 + lost :]
 
-    def plan(order, prev=None):
+    def plan(order, prev=None, tolerance=0.0):
         return make_plan(
-            templates, nodes=order, num_microbatches=batch, microbatch_size=1, f=1, generation=1, previous=prev
+            templates,
+            nodes=order,
+            num_microbatches=batch,
+            microbatch_size=1,
+            f=1,
+            generation=1,
+            previous=prev,
+            replan_tolerance=tolerance,
         )
 
     t_inst, a = timed(lambda: instantiate(templates, num_nodes=n - lost, num_microbatches=batch, f=1), repeats)
@@ -304,6 +318,17 @@ def replan_case(templates, shards: list[int], n: int, repeats: int, lost: int = 
         "bytes_moved": sum(received.values()),
         "bytes_moved_busiest_node": max(received.values(), default=0),
         "bytes_moved_without_placement": sum(bytes_received(previous, plan(list(survivors)), shards).values()),
+    }
+    # move-aware: the plan keeping the untouched pipelines when it costs <= 1 % of the step
+    t_kept, kept = timed(lambda: plan(list(survivors), previous, REPLAN_TOLERANCE), repeats)
+    moved = bytes_received(previous, kept, shards)
+    row |= {
+        "replan_tolerance": REPLAN_TOLERANCE,
+        "kept_replan_s": t_kept,
+        "kept_pipelines_after": len(kept.pipelines),
+        "kept_bytes_moved": sum(moved.values()),
+        "kept_bytes_moved_busiest_node": max(moved.values(), default=0),
+        "kept_step_over_fastest": kept.est_step_time_s / replan.est_step_time_s,
     }
     if tp == 8 and n == 10000:
         row |= {"goal": 1.0, "meets_goal": t_replan < 1.0}

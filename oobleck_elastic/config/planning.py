@@ -84,6 +84,12 @@ class PlanningConfig(Section):
     max_nodes: Optional[int] = None
     """Largest cluster the job runs on (torchrun --nnodes MAX); the config is refused when
     that many nodes cannot hold f+1 pipelines. None = no check."""
+    replan_tolerance: float = 0.01
+    """On a re-plan, the step time a plan that moves fewer layers may cost: the plan that keeps
+    every pipeline the change did not touch (only the touched pipelines' nodes, the spares and
+    the new nodes are formed again) is taken over the fastest plan when its estimated step is at
+    most this fraction slower and its busiest receiver gets no more bytes. 0 = always the fastest
+    plan (which may re-form every pipeline and move layers across the whole cluster)."""
     max_template_nodes: Optional[int] = None
     """Largest template size in nodes; None = as many as there are layers to split."""
     profile_path: Optional[str] = None
@@ -111,6 +117,8 @@ class PlanningConfig(Section):
             problems.append(
                 f"'planning.host_memory_gb' must be > 0 (got {self.host_memory_gb}); leave it unset to measure it"
             )
+        if self.replan_tolerance < 0:
+            problems.append(f"'planning.replan_tolerance' must be >= 0 (got {self.replan_tolerance})")
         if not 0 <= self.memory_margin < 1:
             problems.append(f"'planning.memory_margin' must be in [0, 1) (got {self.memory_margin})")
         tp = self.tensor_parallel

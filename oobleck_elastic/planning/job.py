@@ -436,7 +436,9 @@ def plan_job(
 
     Give the profile, or templates already computed from it (their `microbatch_size` is the
     plan's). With the `previous` generation's plan, nodes are placed where they keep the most
-    layers they hold, and its tensor-parallel degree and microbatch size are kept (`auto`).
+    layers they hold, the pipelines a change did not touch are kept when that costs at most
+    `planning.replan_tolerance` of the step, and its tensor-parallel degree and microbatch size
+    are kept (`auto`).
     `planning.schedule` other than 1f1b and gpipe is chosen per pipeline (schedules/choice.py);
     with `engine_only` only among the schedules the engine runs (a job's plans). `schedules`: the
     `JobPlan.schedules` of an earlier call with the same config and templates, reused with the
@@ -482,5 +484,6 @@ def plan_job(
         generation=generation,
         microbatch_cap=cap,
         previous=previous,
+        replan_tolerance=cfg.planning.replan_tolerance,
     )
     return JobPlan(templates=tset, guarantee=g, plan=plan, microbatch=choice, schedules=schedules)

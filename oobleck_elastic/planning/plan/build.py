@@ -5,13 +5,14 @@ The `Plan` type and its JSON are plan/plan.py's; this module only builds one (do
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 from ..errors import PlanningError
 from ..schedules.choice import PipelineSchedules
 from ..templates.templates import TemplateSet
-from .instantiate import Assignment, instantiate
-from .placement import keep_layers_in_place
+from .instantiate import Assignment, instantiate, instantiate_near
+from .placement import bytes_received, keep_layers_in_place, shard_bytes_of
 from .plan import PipelineSpec, Plan, StagePlacement
 from .recompute import stage_mode
 
@@ -54,19 +55,85 @@ def make_plan(
     previous: Optional[Plan] = None,
     schedules: Optional[PipelineSchedules] = None,
     schedule: str = "1f1b",
+    replan_tolerance: float = 0.0,
 ) -> Plan:
     """Instantiate templates on `nodes` (ids, in preference order) for one generation. With the
     `previous` plan, the nodes that will run are placed where they keep the most of the layers
     they already hold (fewer layers to copy in the reconfiguration, placement.py); who runs and
     who is a spare still follows the preference order. With `schedules`, each pipeline runs the
     schedule chosen for its microbatches (schedules/choice.py) and its estimate is simulated;
-    without, every pipeline runs `schedule` (1f1b or gpipe) under templates.py's closed form."""
+    without, every pipeline runs `schedule` (1f1b or gpipe) under templates.py's closed form.
+    With `previous` and `replan_tolerance` > 0, plans that keep the pipelines whose nodes all
+    remain (all of them, or all but one or two, `instantiate_near`) compete with the fastest:
+    among those whose step is at most that fraction slower, the one whose busiest receiver gets
+    the fewest bytes is taken (`planning.replan_tolerance`)."""
     if len(set(nodes)) != len(nodes):
         raise PlanningError(f"duplicate node ids in {list(nodes)}")
     planned = templates if schedules is None else schedules.lines(len(nodes), num_microbatches, f + 1)
     a: Assignment = instantiate(
         planned, num_nodes=len(nodes), num_microbatches=num_microbatches, f=f, microbatch_cap=microbatch_cap
     )
+    build = functools.partial(
+        _build, templates, nodes=nodes, microbatch_size=microbatch_size, f=f, generation=generation,
+        previous=previous, schedules=schedules, schedule=schedule,
+    )  # fmt: skip
+    plan = build(a)
+    if previous is None or replan_tolerance <= 0:
+        return plan
+    present = set(nodes)
+    kept = [p.template_nodes for p in previous.pipelines if all(n in present for n in p.nodes)]
+    shards = shard_bytes_of(templates.profile.layers) if templates.profile is not None else [1] * templates.num_layers
+    tried = {a.pipelines}
+
+    def score(q: Plan) -> tuple[int, float]:  # (the busiest receiver's bytes, the step)
+        return max(bytes_received(previous, q, shards, held=held).values(), default=0), q.est_step_time_s
+
+    for level in _dissolutions(kept):  # fewer pipelines formed again first: they move less
+        candidates = []
+        for dissolved in level:
+            left = list(kept)
+            for n in dissolved:
+                left.remove(n)
+            near = instantiate_near(
+                planned, kept=left, num_nodes=len(nodes), num_microbatches=num_microbatches, f=f, best=a,
+                microbatch_cap=microbatch_cap,
+            )  # fmt: skip
+            if near is None or near.pipelines in tried or near.makespan_s > a.makespan_s * (1 + replan_tolerance):
+                continue
+            tried.add(near.pipelines)
+            candidate = build(near)
+            if candidate.est_step_time_s <= plan.est_step_time_s * (1 + replan_tolerance):
+                candidates.append(candidate)
+        if candidates:
+            held = previous.layers_by_worker()
+            return min([plan, *candidates], key=score)
+    return plan
+
+
+def _dissolutions(kept: Sequence[int]) -> list[list[tuple[int, ...]]]:
+    """Which kept pipelines a re-plan may also form again, by template size, in levels: none;
+    one of some size; two (the survivors of a touched pipeline, too few for a template of their
+    own, join one or two others)."""
+    sizes = sorted(set(kept))
+    twos: list[tuple[int, ...]] = [
+        (a, b) for i, a in enumerate(sizes) for b in sizes[i:] if a != b or kept.count(a) > 1
+    ]
+    return [[()], [(n,) for n in sizes], twos]
+
+
+def _build(
+    templates: TemplateSet,
+    a: Assignment,
+    *,
+    nodes: Sequence[str],
+    microbatch_size: int,
+    f: int,
+    generation: int,
+    previous: Optional[Plan],
+    schedules: Optional[PipelineSchedules],
+    schedule: str,
+) -> Plan:
+    """The plan of assignment `a` on `nodes`, placed to keep `previous`'s layers (make_plan)."""
     if previous is not None:
         nodes = keep_layers_in_place(templates, a, list(nodes), previous)
     g = templates.gpus_per_node

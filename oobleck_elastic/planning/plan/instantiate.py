@@ -337,3 +337,87 @@ def coverage(templates: TemplateSet, f: int, *, upto: int) -> tuple[list[int], l
     ok = [n for n in range(lo, upto + 1) if reach[f + 1][n]]
     bad = [n for n in range(lo, upto + 1) if not reach[f + 1][n]]
     return ok, bad
+
+
+def split_microbatches(
+    templates: TemplateSet, sizes: Sequence[int], num_microbatches: int, cap: int
+) -> Optional[list[int]]:
+    """Microbatches per pipeline for the fixed pipelines `sizes` (template node counts): each
+    takes at least one and at most `cap`, and each next one goes to the pipeline whose iteration
+    time after taking it is least, which minimises the makespan (times never fall as a pipeline
+    takes more). None when the pipelines cannot take `num_microbatches`."""
+    k = len(sizes)
+    if not 1 <= k <= num_microbatches or k * cap < num_microbatches:
+        return None
+    counts = [1] * k
+    heap = [(templates[n].iteration_time(2, k), i) for i, n in enumerate(sizes) if cap > 1]
+    heapq.heapify(heap)
+    for _ in range(num_microbatches - k):
+        _, i = heapq.heappop(heap)
+        counts[i] += 1
+        if counts[i] < cap:
+            heapq.heappush(heap, (templates[sizes[i]].iteration_time(counts[i] + 1, k), i))
+    return counts
+
+
+def instantiate_near(
+    templates: TemplateSet,
+    *,
+    kept: Sequence[int],
+    num_nodes: int,
+    num_microbatches: int,
+    f: int,
+    best: Assignment,
+    microbatch_cap: Optional[int] = None,
+) -> Optional[Assignment]:
+    """The assignment that keeps the pipelines `kept` (template node counts of the previous plan's
+    pipelines whose nodes all remain) and forms pipelines only of the other `num_nodes` - sum(kept)
+    nodes (the touched pipelines' survivors, spares, arrivals), with as many of them as templates
+    cover and at least the pipelines f + 1 needs; the new pipelines are the cover whose capacity at
+    `best`'s makespan is largest. None when no such assignment exists. A re-plan takes it over
+    `best` when it costs little (plan/build.py, `planning.replan_tolerance`)."""
+    B = num_microbatches
+    cap = microbatch_cap if microbatch_cap is not None else B
+    sizes = templates.sizes()
+    kept = [n for n in kept if n in sizes]
+    rest = num_nodes - sum(kept)
+    if rest < 0 or len(kept) > B:
+        return None
+    k = min(f + 1, num_nodes // templates.n0, B)
+
+    def capacity(n: int) -> int:  # microbatches a pipeline of n nodes runs within best's makespan
+        t = templates[n]
+        first = t.iteration_time(1, k)
+        if best.makespan_s < first or t.bottleneck_s <= 0:
+            return 1
+        return max(1, min(cap, int(math.floor((best.makespan_s - first) / t.bottleneck_s + 1e-9)) + 1))
+
+    values = [capacity(n) for n in sizes]
+    need = max(0, k - len(kept))
+    used = rest
+    found = None
+    while used >= 0 and found is None:
+        found = best_cover(sizes, values, used, kmin=need, kmax=B - len(kept))
+        if found is None:
+            used -= 1
+    if found is None:
+        return None
+    pipelines = sorted(kept + [n for n, c in found[1].items() for _ in range(c)], reverse=True)
+    counts = split_microbatches(templates, pipelines, B, cap)
+    if counts is None:
+        return None
+    k_all = len(pipelines)
+    makespan = max(templates[n].iteration_time(b, k_all) for n, b in zip(pipelines, counts))
+    idle = num_nodes - sum(pipelines)
+    warnings = [w for w in best.warnings if "left idle" not in w]
+    if idle:
+        warnings.append(
+            f"{idle} node(s) left idle as spares: the pipelines the change did not touch are kept, "
+            f"and no combination of template sizes {sizes} covers the other {rest} node(s)"
+        )
+    return Assignment(
+        pipelines=tuple(zip(pipelines, counts)),
+        nodes_used=sum(pipelines),
+        makespan_s=makespan,
+        warnings=tuple(warnings),
+    )

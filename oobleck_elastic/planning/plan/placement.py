@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..templates.templates import TemplateSet
 from .instantiate import Assignment
@@ -142,13 +142,16 @@ def keep_layers_in_place_pairwise(templates: TemplateSet, a: Assignment, nodes: 
     return [placed[si] if si in placed else next(rest) for si in range(len(slots))] + nodes[len(slots) :]
 
 
-def bytes_received(previous: Plan, plan: Plan, shard_bytes: Sequence[int]) -> dict[str, int]:
+def bytes_received(
+    previous: Plan, plan: Plan, shard_bytes: Sequence[int], *, held: Optional[dict] = None
+) -> dict[str, int]:
     """node -> bytes its workers receive entering `plan` from `previous`: for every worker
     (node, local rank) of `plan`, the `shard_bytes` of each layer it holds in `plan` and did not
     hold in `previous` (`shard_bytes[i]`: one lane's parameters and optimizer state of layer i).
-    Nodes that receive nothing are left out."""
+    Nodes that receive nothing are left out. `held`: `previous.layers_by_worker()`, when the
+    caller prices several plans against one previous plan."""
     prefix = [0, *itertools.accumulate(shard_bytes)]
-    before = previous.layers_by_worker()
+    before = previous.layers_by_worker() if held is None else held
     out: dict[str, int] = {}
     for (node, lr), now in plan.layers_by_worker().items():
         had = before.get((node, lr), range(0))
