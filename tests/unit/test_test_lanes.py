@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lanes import extended_shard, load_durations, store_durations
@@ -29,10 +30,12 @@ def _collected(*args: str) -> set[str]:
 
 
 def test_core_jobs_run_in_every_shard_and_the_others_in_one() -> None:
-    shards = [_collected("tests/jobs/test_recovery.py", "-m", MARKS, f"--extended-shard={i}/2") for i in range(2)]
+    commands = [("tests/jobs/test_recovery.py", "-m", MARKS, f"--extended-shard={i}/2") for i in range(2)]
+    commands.append(("tests/jobs/test_recovery.py",))  # no shard: the setup.cfg default marks
+    with ThreadPoolExecutor(len(commands)) as pool:  # three collections at once: each imports torch
+        *shards, plain = pool.map(lambda args: _collected(*args), commands)
     assert all(CORE in shard for shard in shards)
     assert [TURNS in shard for shard in shards].count(True) == 1, shards
-    plain = _collected("tests/jobs/test_recovery.py")  # no shard: the setup.cfg default marks
     assert {CORE, TURNS} <= plain
 
 
