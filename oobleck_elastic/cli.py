@@ -260,7 +260,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"--reprofile measures the profile, but {'--profile' if args.profile else 'planning.profile_path'} "
             "gives a profile file: drop one of them"
         )
+    if (args.previous is None) != (args.lose is None) or (args.nodes is None) == (args.previous is None):
+        raise ConfigError("give --nodes N, or --previous PLAN.json with --lose NODE[,NODE...] (not both)")
     profiles = _load_profiles(cfg, args.profile)
+    if args.previous is not None:
+        from .planning.preview import format_preview, preview_loss, read_plan
+
+        pv = preview_loss(cfg, profiles, read_plan(args.previous), [n for n in args.lose.split(",") if n])
+        print(format_preview(pv, tolerance=cfg.planning.replan_tolerance))
+        return 0
     jp = plan_job(cfg, nodes=args.nodes, profile=profiles)
     host = host_memory(cfg) if cfg.fault_tolerance.shadow_copies else None
     jp = dataclasses.replace(jp, plan=with_shadows(cfg, jp.plan, profiles, host))
@@ -306,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
         "every node count, and instantiate them on N nodes.",
     )
     p.add_argument("--config", required=True, help="YAML job config (see configs/)")
-    p.add_argument("--nodes", type=_node_count, required=True, help="number of nodes to plan for (>= 1)")
+    p.add_argument("--nodes", type=_node_count, help="number of nodes to plan for (>= 1)")
+    p.add_argument("--previous", metavar="PLAN.json", help="a plan (`oobleck plan --json`'s output) to re-plan")
+    p.add_argument("--lose", metavar="NODE[,NODE...]", help="with --previous: the nodes lost; prints the re-plan")
     p.add_argument("--profile", help="profile JSON to use instead of measuring (overrides planning.profile_path)")
     p.add_argument(
         "--reprofile",

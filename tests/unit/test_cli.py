@@ -143,3 +143,29 @@ def test_outcome_exit_status_follows_the_closed_record() -> None:
     )
     code, line = outcome(None, "7")
     assert code == OUTCOME_OPEN == 3 and line.startswith("run 7 is not closed: it still runs, or every node stopped")
+
+
+def test_plan_previews_a_loss_of_a_plan_it_printed(tmp_path: Path) -> None:
+    cfg = str(ROOT / "configs/gpt3-175b.yaml")
+    prof = str(ROOT / "configs/profiles/gpt3-175b-tp{tp}.json")
+    first = oobleck("plan", "--config", cfg, "--nodes", "64", "--profile", prof, "--json", cwd=ROOT)
+    assert first.returncode == 0, first.stderr
+    (tmp_path / "plan.json").write_text(first.stdout)
+    lose = oobleck(
+        "plan",
+        "--config",
+        cfg,
+        "--profile",
+        prof,
+        "--previous",
+        str(tmp_path / "plan.json"),
+        "--lose",
+        "node5",
+        cwd=ROOT,
+    )
+    assert lose.returncode == 0, lose.stderr
+    assert lose.stdout.startswith("losing node5: ") and "bytes to receive: " in lose.stdout
+    both = oobleck("plan", "--config", cfg, "--nodes", "8", "--lose", "node1", cwd=ROOT)
+    assert both.returncode == 2 and both.stderr.strip() == (
+        "oobleck plan: error: give --nodes N, or --previous PLAN.json with --lose NODE[,NODE...] (not both)"
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import random
 from pathlib import Path
 
@@ -17,8 +18,10 @@ from test_planning_scale import _gpt3_templates
 from oobleck_elastic.config import load_config
 from oobleck_elastic.config.schema import ConfigError
 from oobleck_elastic.planning import PlanningError, build_templates, make_plan
+from oobleck_elastic.planning.job import load_profiles, plan_job
 from oobleck_elastic.planning.plan.instantiate import split_microbatches
 from oobleck_elastic.planning.plan.placement import bytes_received, shard_bytes_of
+from oobleck_elastic.planning.preview import format_preview, preview_loss, read_plan
 from oobleck_elastic.planning.profile.analytic import gpt3_175b_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,3 +117,40 @@ def test_a_kept_plan_is_within_the_tolerance_and_moves_no_more_to_its_busiest_no
 def test_a_negative_tolerance_is_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match=r"'planning.replan_tolerance' must be >= 0 \(got -0.5\)"):
         load_config(ROOT / "configs/gpt2-tiny.yaml", ["planning.replan_tolerance=-0.5"])
+
+
+def _gpt3_cfg(*extra: str):
+    prof = ROOT / "configs/profiles/gpt3-175b-tp{tp}.json"
+    return load_config(ROOT / "configs/gpt3-175b.yaml", [f"planning.profile_path={prof}", *extra])
+
+
+def test_a_loss_previewed_names_the_receivers_and_the_fastest_plan_beside_it(tmp_path: Path) -> None:
+    cfg = _gpt3_cfg("planning.tensor_parallel=8")
+    profiles = load_profiles(cfg)
+    previous = plan_job(cfg, nodes=1024, profile=profiles).plan
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"plan": previous.to_json() | {"samples_per_s": 1.0}}))  # as `oobleck plan --json`
+    pv = preview_loss(cfg, profiles, read_plan(path), ["node341"])
+    assert set(pv.plan.nodes) == set(previous.nodes) - {"node341"}
+    assert sum(pv.received.values()) < 1e12 < sum(pv.fastest_received.values())
+    assert len(pv.formed) == 1  # one pipeline has a node that receives layers
+    text = format_preview(pv, tolerance=0.01)
+    assert text.splitlines()[1] == (
+        f"  pipelines with a node that receives layers: 1 of {len(pv.plan.pipelines)}; "
+        "every other node keeps its layers"
+    )
+    busiest = max(pv.received, key=lambda n: pv.received[n])
+    assert f"  {busiest} receives {pv.received[busiest] / 1e9:.1f} GB" in text
+    assert "the fastest plan instead: " in text and "within planning.replan_tolerance=0.01" in text
+
+
+def test_a_preview_of_nodes_the_plan_does_not_have_is_one_line() -> None:
+    cfg = _gpt3_cfg()
+    profiles = load_profiles(cfg)
+    previous = plan_job(cfg, nodes=12, profile=profiles).plan
+    with pytest.raises(PlanningError) as err:
+        preview_loss(cfg, profiles, previous, ["node1", "node99"])
+    assert str(err.value) == (
+        "--lose node1,node99: node99 not in the previous plan "
+        "(its nodes: node0, node1, node2, node3, node4, node5, node6, node7, ...)"
+    )
