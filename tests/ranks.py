@@ -5,9 +5,11 @@ the engine again: about 3 s of CPU a rank, so 6 s of a 4-rank test's wall time o
 before its first step. `spawn` here forks each rank from one server per pytest process that
 imported the heavy third-party modules once (torch, its DTensor and sympy, transformers).
 Our own modules are not preloaded: some read the environment when imported, and a rank must see
-the environment of the test that starts it, not the server's. So each rank first takes the
-starting process's environment, then imports the test's function and runs it, as a spawned
-rank would.
+the environment of the test that starts it, not the server's. So each rank takes the starting
+process's environment, imports the test's function, and waits at a barrier for the others
+before running it: a rank slow to import on a loaded machine would otherwise reach the engine's
+connect seconds after the others, past `fault_tolerance.join_timeout_s` (3 s), and fail a test
+about something else (as a job's agents start workers only once the rendezvous let them).
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "transformers"]
+START_TIMEOUT_S = 300.0
+"""How long a rank waits for the others to start (a rank that died first fails the test anyway)."""
 _preloaded = False
 
 
-def _run(rank: int, environ: dict[str, str], fn: Callable[..., None], args: tuple) -> None:
+def _run(rank: int, environ: dict[str, str], start: Any, fn: Callable[..., None], args: tuple) -> None:
     os.environ.clear()
     os.environ.update(environ)
+    start.wait(START_TIMEOUT_S)  # every rank has imported the test's module: they start together
     fn(rank, *args)
 
 
@@ -35,4 +40,7 @@ def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1) -> None:
     if not _preloaded:
         multiprocessing.set_forkserver_preload(PRELOAD)
         _preloaded = True
-    mp.start_processes(_run, args=(dict(os.environ), fn, args), nprocs=nprocs, join=True, start_method="forkserver")
+    start = multiprocessing.get_context("forkserver").Barrier(nprocs)
+    mp.start_processes(
+        _run, args=(dict(os.environ), start, fn, args), nprocs=nprocs, join=True, start_method="forkserver"
+    )
