@@ -78,7 +78,13 @@ class HangWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            for path in sorted(self.directory.glob("*.hb")):
+            try:  # the agent removes the directory on its way out (atexit): nothing left to watch
+                if not self.directory.is_dir():
+                    return
+                paths = sorted(self.directory.glob("*.hb"))
+            except FileNotFoundError:  # removed while being listed
+                return
+            for path in paths:
                 beat = read_beat(path)
                 if beat is None or beat.pid in self.acted:
                     continue

@@ -11,6 +11,7 @@ the same order (a mismatch would hang or mix up the sums).
 
 from __future__ import annotations
 
+import copy
 import multiprocessing as mp
 import os
 import socket
@@ -36,38 +37,44 @@ def _rank(rank: int, port: int, case: str, results: "mp.Queue") -> None:  # type
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
     torch.manual_seed(rank)
     layers = [nn.Linear(8, 8) for _ in range(4)]
+    # the same layers without the sync's hooks: their gradients as accumulated, for the expected sums
+    # (the synced layers' gradients become views of buffers whose all-reduce runs from their post on)
+    plain = copy.deepcopy(layers)
     holders = Holders(layer={i: (0, 1) for i in range(4)}, tied=[])
     groups = SimpleNamespace(holders=holders, sets={(0, 1): dist.group.WORLD}, rank=rank, lane=0)
     sync = GradSync(groups, SimpleNamespace(layers=layers), range(4))  # type: ignore[arg-type]
     microbatches = 2
     sync.begin_step(microbatches)
     posted_after: list[int] = []
-    for _ in range(microbatches):
-        x = torch.randn(3, 8)
+
+    def microbatch(stack: list, x: "torch.Tensor") -> None:
+        h = x
         if case == "assigned" and rank == 1:  # layer 2's weights: assigned by hand, no accumulation hook
-            h = x
-            for i, layer in enumerate(layers):
+            for i, layer in enumerate(stack):
                 h = (
                     torch.relu(layer(h))
                     if i != 2
                     else torch.relu(nn.functional.linear(h, layer.weight.detach(), layer.bias))
                 )
             h.sum().backward()
-            g = torch.ones_like(layers[2].weight)
-            layers[2].weight.grad = g if layers[2].weight.grad is None else layers[2].weight.grad + g
+            g = torch.ones_like(stack[2].weight)
+            stack[2].weight.grad = g if stack[2].weight.grad is None else stack[2].weight.grad + g
         else:
-            h = x
-            for layer in layers:
+            for layer in stack:
                 h = torch.relu(layer(h))
             h.sum().backward()
+
+    for _ in range(microbatches):
+        x = torch.randn(3, 8)
+        microbatch(plain, x)
+        microbatch(layers, x)
         posted_after.append(len(sync._posted))
-    local = [[p.grad.clone() for p in layer.parameters()] for layer in layers]
     sync.all_reduce()
     expected = []
-    for grads in local:
+    for layer in plain:
         row = []
-        for g in grads:
-            t = g.clone()
+        for p in layer.parameters():
+            t = p.grad.clone()
             dist.all_reduce(t)
             row.append(t)
         expected.append(row)
