@@ -66,7 +66,8 @@ def preview_loss(
             + (f"{', '.join(unknown)} not in the previous plan" if unknown else "name at least one node")
             + f" (its nodes: {', '.join(previous.nodes[:8])}{', ...' if len(previous.nodes) > 8 else ''})"
         )
-    survivors = [n for n in previous.nodes if n not in set(lose)]
+    lost = set(lose)
+    survivors = [n for n in previous.nodes if n not in lost]
     profile = profiles.get(previous.tensor_parallel)
     if profile is None:
         raise PlanningError(
@@ -81,7 +82,8 @@ def preview_loss(
             c, nodes=survivors, profile=profiles, previous=previous, generation=generation, engine_only=True
         ).plan
 
-    plan, fastest = replan(cfg.planning.replan_tolerance), replan(0.0)
+    plan = replan(cfg.planning.replan_tolerance)
+    fastest = replan(0.0) if cfg.planning.replan_tolerance > 0 else plan
     shards = shard_bytes_of(profile.layers)
     held = previous.layers_by_worker()
     received = bytes_received(previous, plan, shards, held=held)

@@ -88,7 +88,7 @@ class GradSync:
         self._next: dict[tuple[int, ...], int] = {}
         self._final: set[int] = set()
         self._w_counts: dict[tuple[int, int], int] = {}  # a virtual stage's W passes in the step
-        self._posted: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
+        self._posted: list[tuple[list[torch.Tensor], Any]] = []
         self.posted_early = 0
         """Layers whose reduction the last step posted during its schedule (the overlap's measure)."""
         self._hooks = [
@@ -171,7 +171,7 @@ class GradSync:
         for p, g in zip(params, grads):
             p.grad = wrap_like(p, flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
-        self._posted.append((params, flat, dist.all_reduce(flat, group=self.groups.sets[ranks], async_op=True)))
+        self._posted.append((params, dist.all_reduce(flat, group=self.groups.sets[ranks], async_op=True)))
 
     # ------------------------------------------------------------------ after the schedule
     def all_reduce(self, on_final: Optional[Callable[[list[torch.Tensor]], None]] = None) -> None:
@@ -190,9 +190,9 @@ class GradSync:
                 if len(ranks) > 1:
                     self._post(params, ranks)
             posted, self._posted = self._posted, []
-        for params, _flat, handle in posted:
+        for params, handle in posted:
             with STEP_PROGRESS.waiting(handle):  # engine/resilience/progress.py
-                handle.wait()  # the sums are in the parameters' gradients now (views of _flat)
+                handle.wait()  # the sums are in the parameters' gradients now (views of the buffer)
             if on_final is not None:
                 on_final(params)
 

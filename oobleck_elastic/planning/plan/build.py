@@ -84,10 +84,6 @@ def make_plan(
     kept = [p.template_nodes for p in previous.pipelines if all(n in present for n in p.nodes)]
     shards = shard_bytes_of(templates.profile.layers) if templates.profile is not None else [1] * templates.num_layers
     tried = {a.pipelines}
-
-    def score(q: Plan) -> tuple[int, float]:  # (the busiest receiver's bytes, the step)
-        return max(bytes_received(previous, q, shards, held=held).values(), default=0), q.est_step_time_s
-
     for level in _dissolutions(kept):  # fewer pipelines formed again first: they move less
         candidates = []
         for dissolved in level:
@@ -104,9 +100,15 @@ def make_plan(
             candidate = build(near)
             if candidate.est_step_time_s <= plan.est_step_time_s * (1 + replan_tolerance):
                 candidates.append(candidate)
-        if candidates:
+        if candidates:  # the fewest bytes to the busiest receiver, then the shortest step
             held = previous.layers_by_worker()
-            return min([plan, *candidates], key=score)
+            return min(
+                [plan, *candidates],
+                key=lambda q: (
+                    max(bytes_received(previous, q, shards, held=held).values(), default=0),
+                    q.est_step_time_s,
+                ),
+            )
     return plan
 
 

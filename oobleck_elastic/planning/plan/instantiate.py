@@ -197,12 +197,7 @@ def instantiate(
     cap = microbatch_cap if microbatch_cap is not None else B
 
     def capacity(t, z: float) -> int:
-        first = t.iteration_time(1, k)
-        if z < first - 1e-12:
-            return 0
-        if t.bottleneck_s <= 0:
-            return cap
-        return min(cap, int(math.floor((z - first) / t.bottleneck_s + 1e-9)) + 1)
+        return _capacity(t, z, k, cap)
 
     checked: dict[float, Optional[tuple[int, Cover]]] = {}
 
@@ -241,6 +236,17 @@ def instantiate(
     return Assignment(
         pipelines=tuple((n, b) for n, b in pipes), nodes_used=used, makespan_s=makespan, warnings=tuple(warnings)
     )
+
+
+def _capacity(t, z: float, k: int, cap: int) -> int:
+    """Microbatches template `t` runs within makespan `z` among `k` pipelines (at most `cap`;
+    0 when even one does not fit)."""
+    first = t.iteration_time(1, k)
+    if z < first - 1e-12:
+        return 0
+    if t.bottleneck_s <= 0:
+        return cap
+    return min(cap, int(math.floor((z - first) / t.bottleneck_s + 1e-9)) + 1)
 
 
 def _least_makespan(
@@ -385,14 +391,8 @@ def instantiate_near(
         return None
     k = min(f + 1, num_nodes // templates.n0, B)
 
-    def capacity(n: int) -> int:  # microbatches a pipeline of n nodes runs within best's makespan
-        t = templates[n]
-        first = t.iteration_time(1, k)
-        if best.makespan_s < first or t.bottleneck_s <= 0:
-            return 1
-        return max(1, min(cap, int(math.floor((best.makespan_s - first) / t.bottleneck_s + 1e-9)) + 1))
-
-    values = [capacity(n) for n in sizes]
+    # what a pipeline of each size runs within best's makespan (at least 1: best_cover skips 0s)
+    values = [max(1, _capacity(templates[n], best.makespan_s, k, cap)) for n in sizes]
     need = max(0, k - len(kept))
     used = rest
     found = None
