@@ -24,7 +24,12 @@ Prints one JSON line per figure:
     8 chunks), its samples/s and bubble, and the CPU seconds of plan_job (goal: < 2 s), beside the
     1F1B plan's.
 
-    python -m bench planner [--repeats 5] [--only replan|tp|schedules|...]
+  - mixed fleets (Sailor's table): planning 64 to 1,024 nodes of 1, 2 and 3 device classes
+    (configs/gpt3-175b.yaml's h100, a100, v100 in 4:3:1, tp 8): the CPU seconds of the classes'
+    templates and of the instantiation on them (what a re-plan costs: templates kept), with the
+    plan's samples/s (goal at 1,024 nodes of 3 classes: < 2 s in all, < 0.5 s to re-plan).
+
+    python -m bench planner [--repeats 5] [--only replan|tp|schedules|classes|...]
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from oobleck_elastic.planning import (
     make_plan,
     plan_job,
 )
+from oobleck_elastic.planning.fleet import fleet_plan, fleet_templates
 from oobleck_elastic.planning.profile.analytic import gpt3_175b_profile
 from oobleck_elastic.planning.plan.placement import (
     bytes_received,
@@ -119,8 +125,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
         "--only",
-        choices=("basics", "tp", "replan", "schedules"),
-        help="one part: templates/instantiation, tp, re-planning, or pipeline schedules",
+        choices=("basics", "tp", "replan", "schedules", "classes"),
+        help="one part: templates/instantiation, tp, re-planning, pipeline schedules, or mixed fleets",
     )
     args = ap.parse_args(argv)
     common = {"bench": "planner", "model": "gpt3-175b-like", "layers": 98, "gpus_per_node": 8}
@@ -132,6 +138,37 @@ def main(argv: Optional[list[str]] = None) -> None:
         replan_at_scale(common, min(args.repeats, 3))
     if args.only in (None, "schedules"):
         schedules(common, args.repeats)
+    if args.only in (None, "classes"):
+        classes(common, args.repeats)
+
+
+def classes(common: dict, repeats: int) -> None:
+    """A mixed fleet of 1, 2 and 3 classes: templates, then the plan on them (medians of `repeats`)."""
+    cfg = load_config(ROOT / "configs/gpt3-175b.yaml", ["planning.tensor_parallel=8"])
+    profiles = load_profiles(cfg)
+    shares = {1: {"a100": 1}, 2: {"h100": 1, "a100": 1}, 3: {"h100": 4, "a100": 3, "v100": 1}}
+    for n in (64, 256, 1024):
+        for k, share in shares.items():
+            total = sum(share.values())
+            counts = {c: n * w // total for c, w in share.items()}
+            counts[next(iter(counts))] += n - sum(counts.values())
+            _, templates_cpu, ft = timed_cpu(lambda c=counts: fleet_templates(cfg, c, profiles), repeats)
+            _, plan_cpu, plan = timed_cpu(lambda c=counts, t=ft: fleet_plan(cfg, c, t), repeats)
+            used = {c: sum(p.template_nodes for p in plan.pipelines if p.stages[0].device_class == c) for c in counts}
+            row = {
+                "figure": "mixed_fleet_tp8",
+                "nodes": n,
+                "classes": counts,
+                "used": used,
+                "pipelines": len(plan.pipelines),
+                "est_samples_per_s": plan.samples_per_s,
+                "templates_cpu_s": templates_cpu,
+                "replan_cpu_s": plan_cpu,
+                "plan_cpu_s": templates_cpu + plan_cpu,
+            }
+            if n == 1024 and k == 3:
+                row |= {"goal_s": 2.0, "goal_replan_s": 0.5, "meets_goal": templates_cpu + plan_cpu < 2.0}
+            emit(common | row)
 
 
 def schedules(common: dict, repeats: int) -> None:

@@ -260,6 +260,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"--reprofile measures the profile, but {'--profile' if args.profile else 'planning.profile_path'} "
             "gives a profile file: drop one of them"
         )
+    if args.classes is not None:
+        return _plan_fleet(cfg, args)
     if (args.previous is None) != (args.lose is None) or (args.nodes is None) == (args.previous is None):
         raise ConfigError("give --nodes N, or --previous PLAN.json with --lose NODE[,NODE...] (not both)")
     profiles = _load_profiles(cfg, args.profile)
@@ -302,6 +304,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_fleet(cfg: JobConfig, args: argparse.Namespace) -> int:
+    """`oobleck plan --classes NAME=COUNT,...`: a mixed fleet's plan (planning/fleet.py)."""
+    from .planning.fleet import fleet_json, format_fleet, parse_class_counts, plan_fleet
+
+    if args.previous is not None:
+        raise ConfigError("--classes plans a fleet from scratch: drop --previous and --lose")
+    counts = parse_class_counts(args.classes, cfg)
+    if args.nodes is not None and args.nodes != sum(counts.values()):
+        raise ConfigError(f"--nodes {args.nodes} but --classes adds up to {sum(counts.values())}: drop --nodes")
+    fp = plan_fleet(cfg, counts, _load_profiles(cfg, args.profile))
+    print(json.dumps(fleet_json(fp), indent=1) if args.json else format_fleet(fp, cfg))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="oobleck", description="oobleck_elastic: resilient pipeline-parallel training on torchrun. Subcommands:"
@@ -317,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=_node_count, help="number of nodes to plan for (>= 1)")
     p.add_argument("--previous", metavar="PLAN.json", help="a plan (`oobleck plan --json`'s output) to re-plan")
     p.add_argument("--lose", metavar="NODE[,NODE...]", help="with --previous: the nodes lost; prints the re-plan")
+    p.add_argument(
+        "--classes",
+        metavar="NAME=COUNT[,...]",
+        help="plan a mixed fleet: nodes of each device class of planning.classes (e.g. h100=512,a100=384)",
+    )
     p.add_argument("--profile", help="profile JSON to use instead of measuring (overrides planning.profile_path)")
     p.add_argument(
         "--reprofile",

@@ -22,9 +22,13 @@ from .schema import PATH_KEYS, ConfigError
 
 
 def _field_type(key: str) -> Any:
-    """The type of the field at dotted `key` (a section's dataclass for a section), or None."""
+    """The type of the field at dotted `key` (a section's dataclass for a section), or None. Below
+    a mapping of named sections (`planning.classes`), a name stands for the section's type."""
     node: Any = JobConfig
     for part in key.split("."):
+        if get_origin(node) is dict:
+            node = get_args(node)[1]
+            continue
         if not is_dataclass(node):
             return None
         node = get_type_hints(node).get(part)
@@ -119,6 +123,12 @@ def resolve_file_paths(given: DictConfig, folder: Path) -> None:
             OmegaConf.update(given, key, resolve_path(value, folder))
         elif isinstance(value, ListConfig) and all(isinstance(v, str) for v in value):
             OmegaConf.update(given, key, [resolve_path(v, folder) for v in value], merge=False)
+    classes = OmegaConf.select(given, "planning.classes", default=None)
+    if isinstance(classes, DictConfig):  # each device class's own profile_path
+        for section in classes.values():
+            value = section.get("profile_path") if isinstance(section, DictConfig) else None
+            if isinstance(value, str):
+                section["profile_path"] = resolve_path(value, folder)
 
 
 def name_checkpoint_dir(given: DictConfig, stem: str) -> None:

@@ -2,14 +2,14 @@
 
 Device and host memory, devices per node and tensor parallelism, the links' bandwidth and
 latency, the pipeline schedule and its chunks per device, the cluster's size, and how the
-profile is found or measured. `schedule_chunks_problem` is the one rule between the schedule and
-its chunks, shared with the planner's schedule choice (`planning.schedules.choice`). The fields:
-docs/config.md.
+profile is found or measured, and the device classes of a mixed fleet (`DeviceClass`).
+`schedule_chunks_problem` is the one rule between the schedule and its chunks, shared with the
+planner's schedule choice (`planning.schedules.choice`). The fields: docs/config.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional, Union, get_args
 
 from .schema import Section, at_least
@@ -37,6 +37,38 @@ def schedule_chunks_problem(schedule: str, chunks: Union[int, str]) -> Optional[
             "use 2 or auto"
         )
     return None
+
+
+@dataclass
+class DeviceClass(Section):
+    """One class of nodes in a mixed fleet (`planning.classes.<name>`): its devices and their speed.
+    A key left unset takes the `planning` value of the same name."""
+
+    peak_tflops: Optional[float] = None
+    """Dense peak TFLOP/s of one device of this class at the job's precision (e.g. 989 for an H100
+    in bf16). With the profiled class's, it gives the speed ratio the profile's times are scaled
+    by: a class twice the profiled class's peak runs each layer in half its time."""
+    speed: Optional[float] = None
+    """This class's speed relative to the devices the profile was measured on, measured (e.g. 1.8:
+    each layer takes 1/1.8 of the profile's time). Takes precedence over the peak_tflops ratio."""
+    device_memory_gb: Optional[float] = None
+    """Memory of one device of this class (GiB) available to one stage; None = planning.device_memory_gb."""
+    gpus_per_node: Optional[int] = None
+    """Devices per node of this class; None = planning.gpus_per_node."""
+    profile_path: Optional[str] = None
+    """A profile measured on a device of this class (its own times, not scaled); relative to the
+    config file's folder. `{tp}` picks one file per tensor-parallel degree, as planning.profile_path."""
+
+    def problems(self, name: str) -> list[str]:
+        """This class's broken rules, each naming `planning.classes.<name>.<key>`."""
+        out = []
+        for key in ("peak_tflops", "speed", "device_memory_gb"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                out.append(f"'planning.classes.{name}.{key}' must be > 0 (got {value})")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            out.append(f"'planning.classes.{name}.gpus_per_node' must be >= 1 (got {self.gpus_per_node})")
+        return out
 
 
 @dataclass
@@ -90,6 +122,13 @@ class PlanningConfig(Section):
     the new nodes are formed again) is taken over the fastest plan when its estimated step is at
     most this fraction slower and its busiest receiver gets no more bytes. 0 = always the fastest
     plan (which may re-form every pipeline and move layers across the whole cluster)."""
+    classes: dict[str, DeviceClass] = field(default_factory=dict)
+    """Device classes of a mixed fleet by name (`oobleck plan --classes h100=512,a100=384`): each
+    class's devices, memory and speed (`planning.classes.<name>.*`). Empty = every node is alike."""
+    profiled_class: Optional[str] = None
+    """The class whose devices the profile (planning.profile_path, or the one measured) was measured
+    on: the other classes' times are its times scaled by their speed (`speed`, else the ratio of
+    `peak_tflops`). Needed when classes are given and some class has no profile_path of its own."""
     max_template_nodes: Optional[int] = None
     """Largest template size in nodes; None = as many as there are layers to split."""
     profile_path: Optional[str] = None
@@ -142,6 +181,14 @@ class PlanningConfig(Section):
             )
         if self.max_nodes is not None and self.max_nodes < 1:
             problems.append(f"'planning.max_nodes' must be >= 1 (got {self.max_nodes})")
+        for name, cls in self.classes.items():
+            problems += cls.problems(name)
+        if self.profiled_class is not None and self.profiled_class not in self.classes:
+            known = ", ".join(sorted(self.classes)) or "none"
+            problems.append(
+                f"'planning.profiled_class' is {self.profiled_class!r} but planning.classes defines {known}: "
+                "name one of them"
+            )
         if self.schedule in get_args(Schedule):  # a name outside them is its own clause already
             why = schedule_chunks_problem(self.schedule, self.chunks_per_device)
             if why:

@@ -80,7 +80,12 @@ def _cell(text: str) -> str:
 def _render_section(section: type, key: str, about: str, out: list[str]) -> None:
     """The table of `section` (at dotted `key`, "" for the top level), then its nested sections."""
     hints, docs, defaults = get_type_hints(section), field_docs(section), section()
-    nested = [f for f in fields(section) if is_dataclass(hints[f.name])]
+    named = {
+        f.name
+        for f in fields(section)
+        if get_origin(hints[f.name]) is dict and is_dataclass(get_args(hints[f.name])[1])
+    }
+    nested = [f for f in fields(section) if is_dataclass(hints[f.name]) or f.name in named]
     level = "#" * (2 + key.count("."))
     out += ["", f"{level} `{key}`" if key else f"{level} Top level", ""]
     if about:
@@ -93,7 +98,11 @@ def _render_section(section: type, key: str, about: str, out: list[str]) -> None
         full = f"{key}.{f.name}" if key else f.name
         out.append(f"| `{full}` | {_cell(type_text(hints[f.name]))} | {default} | {_cell(docs[f.name])} |")
     for f in nested:
-        _render_section(hints[f.name], f"{key}.{f.name}" if key else f.name, docs[f.name], out)
+        full = f"{key}.{f.name}" if key else f.name
+        if f.name in named:  # a mapping of named sections: one table for any name
+            _render_section(get_args(hints[f.name])[1], f"{full}.<name>", docs[f.name], out)
+        else:
+            _render_section(hints[f.name], full, docs[f.name], out)
 
 
 def render_reference() -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import get_type_hints
+from typing import get_args, get_origin, get_type_hints
 
 from oobleck_elastic.cli import main
 from oobleck_elastic.config import JobConfig
@@ -32,6 +32,9 @@ def test_every_field_has_a_row_with_its_type_default_and_docstring() -> None:
             if is_dataclass(hints[f.name]):
                 assert f"`{key}`" in text and docs[f.name] in text
                 rows += walk(hints[f.name], key + ".")
+            elif get_origin(hints[f.name]) is dict:  # named sections: one table for any name
+                assert f"`{key}.<name>`" in text and docs[f.name] in text
+                rows += walk(get_args(hints[f.name])[1], key + ".<name>.")
             else:
                 row = [line for line in text.splitlines() if line.startswith(f"| `{key}` |")]
                 assert len(row) == 1, key

@@ -5,18 +5,20 @@ The `Plan` type and its JSON are plan/plan.py's; this module only builds one (do
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from ..errors import PlanningError
 from ..schedules.choice import PipelineSchedules
 from ..templates.templates import TemplateSet
 from .instantiate import Assignment, instantiate, instantiate_near
+from .mixed import MixedAssignment
 from .placement import bytes_received, keep_layers_in_place, shard_bytes_of
 from .plan import PipelineSpec, Plan, StagePlacement
 from .recompute import stage_mode
 
-__all__ = ["make_plan"]
+__all__ = ["make_plan", "make_mixed_plan"]
 
 
 def _forward_s(templates: TemplateSet, ranges: Sequence[tuple[int, int]]) -> float:
@@ -134,18 +136,21 @@ def _build(
     previous: Optional[Plan],
     schedules: Optional[PipelineSchedules],
     schedule: str,
+    replicas: Optional[int] = None,
 ) -> Plan:
-    """The plan of assignment `a` on `nodes`, placed to keep `previous`'s layers (make_plan)."""
+    """The plan of assignment `a` on `nodes`, placed to keep `previous`'s layers (make_plan);
+    gradients all-reduced among `replicas` pipelines (default: a's)."""
     if previous is not None:
         nodes = keep_layers_in_place(templates, a, list(nodes), previous)
     g = templates.gpus_per_node
     auto = templates.activation_checkpoint == "auto"  # the profile's plain numbers are without recomputation
     pipelines = []
     cursor = 0
+    k = replicas or len(a.pipelines)
     for index, (n, mb) in enumerate(a.pipelines):
         tpl = templates[n]
         pnodes = tuple(nodes[cursor : cursor + n])
-        cost = schedules.cost(n, mb, len(a.pipelines)) if schedules is not None else None
+        cost = schedules.cost(n, mb, k) if schedules is not None else None
         modes = [stage_mode(templates, cost, s.index, s.recompute) for s in tpl.stages]
         stages = tuple(
             StagePlacement(
@@ -174,7 +179,7 @@ def _build(
                 nodes=pnodes,
                 microbatches=mb,
                 stages=stages,
-                est_time_s=tpl.iteration_time(mb, len(a.pipelines)) if cost is None else cost.step_s,
+                est_time_s=tpl.iteration_time(mb, k) if cost is None else cost.step_s,
                 schedule=schedule if cost is None else cost.schedule,
                 num_chunks=1 if cost is None else cost.chunks,
             )
@@ -192,6 +197,65 @@ def _build(
         f=f,
         warnings=a.warnings,
         tensor_parallel=templates.tensor_parallel,
+    )
+    plan.check()
+    return plan
+
+
+def make_mixed_plan(
+    sets: Mapping[str, TemplateSet],
+    a: MixedAssignment,
+    *,
+    nodes: Mapping[str, Sequence[str]],
+    microbatch_size: int,
+    f: int,
+    generation: int = 0,
+    schedules: Optional[Mapping[str, Optional[PipelineSchedules]]] = None,
+    schedule: str = "1f1b",
+) -> Plan:
+    """The plan of a mixed fleet's assignment `a` (plan/mixed.py) on `nodes[c]` (ids of class c, in
+    preference order): each class's pipelines built as `make_plan` builds them, then joined into
+    one plan (the classes' running nodes in order, then every spare), each stage naming its class."""
+    g = {sets[c].gpus_per_node for c in sets}
+    if len(g) != 1:
+        raise PlanningError(f"classes with {sorted(g)} devices per node: mixed node sizes are not planned yet")
+    parts, spares, offset = [], [], 0
+    k = len(a.pipelines)
+    for c in sets:
+        mine = tuple((n, b) for cc, n, b in a.pipelines if cc == c)
+        if len(nodes[c]) < a.nodes_used[c]:
+            raise PlanningError(f"class {c}: {len(nodes[c])} node ids for {a.nodes_used[c]} nodes used")
+        part = _build(
+            sets[c], Assignment(pipelines=mine, nodes_used=a.nodes_used[c], makespan_s=a.makespan_s),
+            nodes=list(nodes[c]), microbatch_size=microbatch_size, f=f, generation=generation, previous=None,
+            schedules=(schedules or {}).get(c), schedule=schedule, replicas=k,
+        ) if mine else None  # fmt: skip
+        used = list(nodes[c][: a.nodes_used[c]])
+        spares += list(nodes[c][a.nodes_used[c] :])
+        if part is not None:
+            shift = offset * sets[c].gpus_per_node
+            parts += [
+                dataclasses.replace(
+                    p, stages=tuple(dataclasses.replace(s, rank=s.rank + shift, device_class=c) for s in p.stages)
+                )
+                for p in part.pipelines
+            ]
+        offset += len(used)
+    pipelines = tuple(dataclasses.replace(p, index=i) for i, p in enumerate(parts))
+    running = tuple(n for p in pipelines for n in p.nodes)
+    first = next(iter(sets.values()))
+    plan = Plan(
+        generation=generation,
+        nodes=running + tuple(spares),
+        spares=tuple(spares),
+        gpus_per_node=first.gpus_per_node,
+        num_layers=first.num_layers,
+        microbatch_size=microbatch_size,
+        pipelines=pipelines,
+        est_step_time_s=max(p.est_time_s for p in pipelines),
+        f=f,
+        warnings=a.warnings,
+        tensor_parallel=first.tensor_parallel,
     )
     plan.check()
     return plan

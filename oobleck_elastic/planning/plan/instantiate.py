@@ -47,7 +47,18 @@ def _cover_dp(
     if exact:
         assert kmax is not None
         return _cover_dp_exact_count(sizes, values, total, kmin, kmax)
-    cmax = kmin
+    value, last, before = cover_table(sizes, values, total, kmin)
+    if value[total, kmin] < 0:
+        return None
+    return int(value[total, kmin]), cover_walk(sizes, last, before, total, kmin)
+
+
+def cover_table(
+    sizes: Sequence[int], values: Sequence[int], total: int, cmax: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The knapsack of `_cover_dp` for every node count up to `total`: value[j, c] is the best
+    value of exactly j nodes covered by min(count, cmax) == c pipelines (-1: unreachable); last
+    and before let `cover_walk` rebuild the cover of any (j, c)."""
     # value[j, c]: best value of j nodes with min(count, cmax) == c pipelines (-1: unreachable);
     # last[j, c]: index of the last pipeline's size; before[j, c]: the count before it
     size = np.asarray(sizes, dtype=np.int64)
@@ -80,18 +91,17 @@ def _cover_dp(
         if came is not None:
             r, c = np.indices(pick.shape)
             before[rows] = came[r, pick, c]
-    ok = [c for c in range(kmin, cmax + 1) if value[total, c] >= 0]
-    if not ok:
-        return None
-    c = max(ok, key=lambda c: int(value[total, c]))
-    best = int(value[total, c])
+    return value, last, before
+
+
+def cover_walk(sizes: Sequence[int], last: np.ndarray, before: np.ndarray, j: int, c: int) -> Cover:
+    """The cover `cover_table` found for j nodes at capped count c."""
     cover: Cover = {}
-    j = total
     while j > 0:
         s, c = sizes[int(last[j, c])], int(before[j, c])
         cover[s] = cover.get(s, 0) + 1
         j -= s
-    return best, cover
+    return cover
 
 
 def _cover_dp_exact_count(
@@ -197,7 +207,7 @@ def instantiate(
     cap = microbatch_cap if microbatch_cap is not None else B
 
     def capacity(t, z: float) -> int:
-        return _capacity(t, z, k, cap)
+        return template_capacity(t, z, k, cap)
 
     checked: dict[float, Optional[tuple[int, Cover]]] = {}
 
@@ -238,7 +248,7 @@ def instantiate(
     )
 
 
-def _capacity(t, z: float, k: int, cap: int) -> int:
+def template_capacity(t, z: float, k: int, cap: int) -> int:
     """Microbatches template `t` runs within makespan `z` among `k` pipelines (at most `cap`;
     0 when even one does not fit)."""
     first = t.iteration_time(1, k)
@@ -392,7 +402,7 @@ def instantiate_near(
     k = min(f + 1, num_nodes // templates.n0, B)
 
     # what a pipeline of each size runs within best's makespan (at least 1: best_cover skips 0s)
-    values = [max(1, _capacity(templates[n], best.makespan_s, k, cap)) for n in sizes]
+    values = [max(1, template_capacity(templates[n], best.makespan_s, k, cap)) for n in sizes]
     need = max(0, k - len(kept))
     used = rest
     found = None

@@ -52,6 +52,9 @@ class StagePlacement:
     """`none` or `full`: whether this worker recomputes its layers' activations in the backward, as
     the planner chose (`training.activation_checkpoint`; per stage under `auto`). None: not
     recorded (older plans), the worker then runs the config's mode (`auto` there: none)."""
+    device_class: Optional[str] = None
+    """The device class of the node that runs this stage (`planning.classes`) in a mixed fleet's
+    plan; None: every node alike."""
 
     def layer_ranges(self) -> tuple[tuple[int, int], ...]:
         """The layer ranges this device runs: its chunks', or (start, end)."""
@@ -78,6 +81,7 @@ class StagePlacement:
             **({"chunks": [list(c) for c in self.chunks]} if self.chunks else {}),
             **({"chunk_times": [list(t) for t in self.chunk_times]} if self.chunk_times else {}),
             **({"activation_checkpoint": self.activation_checkpoint} if self.activation_checkpoint else {}),
+            **({"device_class": self.device_class} if self.device_class else {}),
         }
 
 
@@ -276,6 +280,7 @@ class Plan:
                                 (float(c), float(f)) for c, f in _list(s.get("chunk_times", []), "chunk_times")
                             ),
                             activation_checkpoint=_recompute_mode(s.get("activation_checkpoint")),
+                            device_class=_optional_text(s.get("device_class"), "device_class"),
                         )
                         for s in p["stages"]
                     ),
@@ -365,6 +370,13 @@ def _pipeline_ranges(p: PipelineSpec) -> Optional[list[tuple[int, int]]]:
         out.append(p.stages[device].chunks[seen[device]])
         seen[device] += 1
     return out
+
+
+def _optional_text(value: Any, name: str) -> Optional[str]:
+    """A stage's optional text field from JSON: absent (None) or a non-empty string."""
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise PlanningError(f"malformed plan: a stage's {name} is {value!r}, not a name")
 
 
 def _recompute_mode(value: Any) -> Optional[str]:

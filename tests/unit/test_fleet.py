@@ -1,0 +1,142 @@
+"""A mixed fleet planned from the config's device classes (planning/fleet.py, `oobleck plan --classes`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from oobleck_elastic.cli import main
+from oobleck_elastic.config import ConfigError, load_config
+from oobleck_elastic.planning import PlanningError, load_profiles, plan_job
+from oobleck_elastic.planning.fleet import (
+    FleetPlan,
+    class_speed,
+    fleet_json,
+    parse_class_counts,
+    plan_fleet,
+    scaled_profile,
+)
+from oobleck_elastic.planning.templates.templates import memory_limit_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+GPT3 = str(ROOT / "configs" / "gpt3-175b.yaml")
+
+
+def _gpt3(*overrides: str):
+    cfg = load_config(GPT3, ["planning.tensor_parallel=8", *overrides])
+    return cfg, load_profiles(cfg)
+
+
+def _assert_within_memory(fp: FleetPlan, cfg) -> None:
+    """Every stage of the plan fits its class's devices (the template's 1F1B memory, or the
+    simulated schedule's), and names its class."""
+    for p in fp.plan.pipelines:
+        (c,) = {s.device_class for s in p.stages}
+        assert c in fp.counts and all(n.startswith(f"{c}-") for n in p.nodes)
+        ts = fp.templates[c]
+        limit = memory_limit_bytes(ts.device_memory_gb, cfg.planning.memory_margin)
+        assert all(s.memory_bytes <= limit for s in ts[p.template_nodes].stages), (c, p.template_nodes)
+
+
+def test_the_shipped_classes_plan_1024_nodes_and_leave_out_the_class_too_slow_to_help(capsys) -> None:
+    assert (
+        main(["plan", "--config", GPT3, "--classes", "h100=512,a100=384,v100=128", "planning.tensor_parallel=8"]) == 0
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("plan for 1024 node(s) of 3 class(es): 96 pipeline(s), step 4.514 s, 340.3 samples/s")
+    rows = {line.split()[0]: line.split() for line in out[3:6]}
+    assert rows["h100"][1:3] == ["512", "512"] and rows["h100"][3] == "3.17x"
+    assert rows["a100"][1:3] == ["384", "384"] and rows["v100"][1:3] == ["128", "0"]
+    assert rows["v100"][6] == "14"  # 32 GiB devices need more nodes for one replica than 80 GiB ones (6)
+    assert (
+        "warning: class v100 left out: its fastest pipeline takes 7.202 s for one microbatch, longer than "
+        "the step of 4.514 s the other classes make without it"
+    ) in out
+    assert out[-1] == (
+        "against 2058 node(s) of a100 alone (the same peak FLOP/s): 269.7 samples/s; the mixed fleet's MFU is "
+        "1.262x theirs (gap -26.2 %)"
+    )
+
+
+@pytest.mark.parametrize(
+    "classes,schedule",
+    [("h100=512,a100=384,v100=128", "1f1b"), ("v100=40,a100=7", "1f1b"), ("h100=9,v100=30", "auto")],
+)
+def test_every_emitted_plan_fits_each_class_memory_and_uses_the_batch(classes: str, schedule: str) -> None:
+    batch = 1536 if schedule == "1f1b" else 16  # simulated schedules: a batch the simulator plans in seconds
+    cfg, profiles = _gpt3(f"planning.schedule={schedule}", f"training.global_batch_size={batch}")
+    fp = plan_fleet(cfg, parse_class_counts(classes, cfg), profiles)
+    _assert_within_memory(fp, cfg)
+    assert sum(p.microbatches for p in fp.plan.pipelines) == batch and len(fp.plan.pipelines) >= 2
+    assert len(fp.plan.nodes) == sum(fp.counts.values())
+    out = json.loads(json.dumps(fleet_json(fp)))
+    assert {c: r["nodes"] for c, r in out["classes"].items()} == fp.counts
+    assert {s["device_class"] for p in out["plan"]["pipelines"] for s in p["stages"]} <= set(fp.counts)
+
+
+@pytest.mark.parametrize("nodes", [24, 30])
+def test_one_class_plans_as_the_job_planner_does_and_a_split_of_it_no_faster(nodes: int) -> None:
+    cfg, profiles = _gpt3("planning.classes.b.peak_tflops=312", "planning.classes.b.device_memory_gb=80")
+    one = plan_job(load_config(GPT3, ["planning.tensor_parallel=8"]), nodes=nodes, profile=profiles).plan
+    fp = plan_fleet(cfg, {"a100": nodes}, profiles)
+    assert fp.plan.est_step_time_s == one.est_step_time_s
+    assert [p.template_nodes for p in fp.plan.pipelines] == [p.template_nodes for p in one.pipelines]
+    assert [p.microbatches for p in fp.plan.pipelines] == [p.microbatches for p in one.pipelines]
+    # the same devices split into two classes: no pipeline may span both, so never faster
+    split = plan_fleet(cfg, {"a100": nodes // 2, "b": nodes - nodes // 2}, profiles)
+    assert split.plan.est_step_time_s >= one.est_step_time_s
+
+
+def test_a_class_speed_comes_from_its_measured_ratio_or_the_peaks_and_scales_every_time() -> None:
+    cfg, profiles = _gpt3("planning.classes.v100.speed=0.5")
+    assert class_speed(cfg, "v100") == (0.5, "planning.classes.v100.speed")
+    assert class_speed(cfg, "h100") == (pytest.approx(989 / 312), "peak 989 / 312 TFLOP/s of a100")
+    assert class_speed(cfg, "a100") == (1.0, "the profiled class")
+    base = profiles[8]
+    fast = scaled_profile(base, 2.0)
+    for a, b in zip(base.layers, fast.layers):
+        assert b.forward_s == a.forward_s / 2 and b.backward_s == a.backward_s / 2
+        assert b.recomputed_backward_s == pytest.approx(a.recomputed_backward_s / 2)
+        assert (b.param_bytes, b.activation_bytes) == (a.param_bytes, a.activation_bytes)
+    assert fast.key["speed"] == 2.0
+
+
+def test_bad_classes_are_refused_in_one_line_naming_the_class_and_the_key(capsys) -> None:
+    cfg, profiles = _gpt3()
+    with pytest.raises(PlanningError) as err:
+        parse_class_counts("h100=4,b200=2", cfg)
+    assert str(err.value) == (
+        "--classes: class 'b200' is not defined: planning.classes defines a100, h100, v100; add "
+        "planning.classes.b200.peak_tflops (and its memory and devices) to the config"
+    )
+    with pytest.raises(PlanningError, match="'h100=x' is not NAME=COUNT"):
+        parse_class_counts("h100=x", cfg)
+    with pytest.raises(PlanningError, match="class 'h100' is given twice"):
+        parse_class_counts("h100=1,h100=2", cfg)
+    nobase, _ = _gpt3("planning.profiled_class=null")
+    with pytest.raises(PlanningError) as err:
+        plan_fleet(nobase, {"h100": 8}, profiles)
+    assert str(err.value) == (
+        "class h100 has no profile_path of its own and planning.profiled_class is not set: name the class "
+        "the profile was measured on (planning.profiled_class), or give planning.classes.h100.speed"
+    )
+    tiny, _ = _gpt3("planning.classes.v100.device_memory_gb=2")
+    with pytest.raises(PlanningError) as err:
+        plan_fleet(tiny, {"a100": 8, "v100": 8}, profiles)
+    assert str(err.value).startswith("class v100 (planning.classes.v100): the model cannot fit even with one layer")
+    assert "of planning.classes.v100.device_memory_gb=2 (memory_margin 0.1): raise planning.classes.v100." in str(
+        err.value
+    )
+    wide, _ = _gpt3("planning.classes.v100.gpus_per_node=16")
+    with pytest.raises(PlanningError, match=r"classes with \[8, 16\] devices per node: mixed node sizes are not"):
+        plan_fleet(wide, {"a100": 12, "v100": 30}, profiles)
+    with pytest.raises(ConfigError) as cerr:
+        load_config(GPT3, ["planning.profiled_class=b200", "planning.classes.h100.speed=0"])
+    assert "'planning.classes.h100.speed' must be > 0 (got 0.0)" in str(cerr.value)
+    assert "'planning.profiled_class' is 'b200' but planning.classes defines a100, h100, v100" in str(cerr.value)
+    assert main(["plan", "--config", GPT3, "--classes", "h100=4", "--nodes", "5", "planning.tensor_parallel=8"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "oobleck plan: error: --nodes 5 but --classes adds up to 4: drop --nodes"
+    )
