@@ -154,6 +154,15 @@ def kill_verdict(
     return True, ""
 
 
+def plan_is_full(roster: Optional[Sequence[str]], ids: Mapping[int, str], launched: Sequence[int]) -> bool:
+    """Whether the current plan (`roster`: its nodes; None: no plan yet) holds every node of
+    `launched` (launcher numbers of the nodes started at launch and still running) whose ids
+    `ids` are known, and all of them are known: `--faults-at-full-plan` waits for it."""
+    if roster is None or any(n not in ids for n in launched):
+        return False
+    return all(ids[n] in roster for n in launched)
+
+
 _ERROR_LINE = re.compile(r"\b(\w*Error|JobFailed)\b: |\berror: ")
 
 

@@ -35,6 +35,7 @@ from .checks import (
     failure_reason,
     job_name,
     kill_verdict,
+    plan_is_full,
     ops_commands,
     preflight,
     stop_settings,
@@ -120,16 +121,20 @@ class LocalCluster:
         ]
         return cmd + ([conf] if conf else []) + self.script
 
-    def node_env(self) -> dict[str, str]:
-        """A node's environment: this process's, unbuffered, with the workers' threads pinned."""
+    def node_env(self, number: int = 0) -> dict[str, str]:
+        """Node `number`'s environment: this process's, unbuffered, with the workers' threads
+        pinned, and its device class when --device-classes names them."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
+        classes = [c for c in getattr(self.args, "device_classes", "").split(",") if c]
+        if classes:
+            env["OOBLECK_DEVICE_CLASS"] = classes[min(number, len(classes) - 1)]
         return env
 
     def start_node(self) -> Node:
         number = len(self.nodes)
-        env = self.node_env()
+        env = self.node_env(number)
         proc = subprocess.Popen(
             self.torchrun_command(),
             stdout=subprocess.PIPE,
@@ -228,8 +233,18 @@ class LocalCluster:
                 pending.pop(0)
                 continue
             ok, _ = kill_verdict(at=at, step=step, closed=False, node_id=self.roles.ids.get(node.number), roster=roster)
+            if (
+                ok
+                and getattr(self.args, "faults_at_full_plan", False)
+                and not plan_is_full(roster, self.roles.ids, self._launched())
+            ):
+                return None
             return (node, pending.pop(0)) if ok else None
         return None
+
+    def _launched(self) -> list[int]:
+        """The nodes started at launch (--nodes) that still run: what --faults-at-full-plan waits for."""
+        return [n.number for n in self.nodes[: self.args.nodes] if n.proc.poll() is None and not n.killed]
 
     def _not_due_why(self, target: int | str, at: int) -> str:
         """Why a kill or preemption never happened, once the job ended."""
@@ -240,6 +255,12 @@ class LocalCluster:
         if number is None and not (step is None or step < at):
             return why
         _, why = kill_verdict(at=at, step=step, closed=False, node_id=node_id, roster=roster)
+        if (
+            not why
+            and getattr(self.args, "faults_at_full_plan", False)
+            and not plan_is_full(roster, self.roles.ids, self._launched())
+        ):
+            why = "the plan never held every node started at launch (--faults-at-full-plan)"
         return (why or "the job closed first") + "; nothing was done to any node"
 
     def _why_failed(self, client: Any, keys: Keys) -> str:

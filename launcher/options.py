@@ -65,6 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="STEP",
         help="start one more node once the job reaches step STEP",
     )
+    ap.add_argument(
+        "--faults-at-full-plan",
+        action="store_true",
+        help="inject --kill and --preempt only once the plan holds every node started at launch (under load "
+        "nodes join late and a job with --min-nodes starts smaller, with fewer copies of each layer)",
+    )
+    ap.add_argument(
+        "--device-classes",
+        default="",
+        metavar="NAME[,NAME...]",
+        help="each node's device class in start order (planning.classes; joins take the next, the last repeats), "
+        "e.g. fast,fast,slow,slow",
+    )
     ap.add_argument("--rdzv-conf", default="", help="passed to torchrun --rdzv-conf (e.g. lease_ttl=2,settle=0.2)")
     ap.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts (local worker crashes)")
     ap.add_argument(

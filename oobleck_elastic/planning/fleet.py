@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from ..config import JobConfig
 from .errors import PlanningError
@@ -33,6 +33,7 @@ __all__ = [
     "plan_fleet",
     "FleetTemplates",
     "fleet_templates",
+    "class_templates",
     "fleet_plan",
     "format_fleet",
     "fleet_json",
@@ -168,48 +169,75 @@ class FleetTemplates:
     microbatches: int
 
 
-def fleet_templates(cfg: JobConfig, counts: Mapping[str, int], profiles: Mapping[int, ModelProfile]) -> FleetTemplates:
-    """Each class's templates, from its own profile or the profiled class's `profiles` scaled.
-    Needs a fixed tensor-parallel degree and microbatch size, one for the whole fleet."""
+def class_templates(
+    cfg: JobConfig, name: str, profiles: Mapping[int, ModelProfile], nodes: Optional[int] = None
+) -> tuple[TemplateSet, Optional[PipelineSchedules]]:
+    """Class `name`'s templates, from its own profile or the profiled class's `profiles` scaled,
+    and what chooses its pipelines' schedules (None under 1F1B and GPipe)."""
     if cfg.planning.tensor_parallel == "auto":
         raise PlanningError(
-            "planning.tensor_parallel=auto with --classes: give the degree, e.g. planning.tensor_parallel=8"
+            "planning.tensor_parallel=auto with device classes: give the degree, e.g. planning.tensor_parallel=8"
         )
+    if fixed_microbatch_size(cfg) is None:
+        raise PlanningError(
+            "training.microbatch_size=auto with device classes: give the size, e.g. training.microbatch_size=1"
+        )
+    ccfg = class_config(cfg, name)
+    try:
+        tset = templates_for(ccfg, _class_profile(cfg, name, profiles), nodes or None)
+    except PlanningError as err:
+        why = str(err)
+        if cfg.planning.classes[name].device_memory_gb is not None:  # the class's key, not the one it was copied to
+            why = why.replace("planning.device_memory_gb", f"planning.classes.{name}.device_memory_gb")
+        raise PlanningError(f"class {name} (planning.classes.{name}): {why}") from None
+    tp = int(cfg.planning.tensor_parallel)
+    if tset.tensor_parallel != tp:
+        raise PlanningError(f"class {name}: its profile is at tensor_parallel={tset.tensor_parallel}, not {tp}")
+    return tset, pipeline_schedules(ccfg, tset, engine_only=True)
+
+
+def fleet_templates(
+    cfg: JobConfig,
+    counts: Mapping[str, int],
+    profiles: Mapping[int, ModelProfile],
+    built: Optional[Mapping[str, tuple[TemplateSet, Optional[PipelineSchedules]]]] = None,
+) -> FleetTemplates:
+    """Each class's templates (`class_templates`, or `built[c]` when given: a leader's, kept
+    between plans) and their lines for `counts[c]` nodes. Needs a fixed tensor-parallel degree and
+    microbatch size, one for the whole fleet."""
     size = fixed_microbatch_size(cfg)
     if size is None:
         raise PlanningError(
-            "training.microbatch_size=auto with --classes: give the size, e.g. training.microbatch_size=1"
+            "training.microbatch_size=auto with device classes: give the size, e.g. training.microbatch_size=1"
         )
-    tp = int(cfg.planning.tensor_parallel)
     B, f = cfg.training.global_batch_size // size, cfg.fault_tolerance.f
     sets, planned, schedules = {}, {}, {}
     for c in counts:
-        ccfg = class_config(cfg, c)
-        try:
-            sets[c] = templates_for(ccfg, _class_profile(cfg, c, profiles), counts[c] or None)
-        except PlanningError as err:
-            why = str(err)
-            if cfg.planning.classes[c].device_memory_gb is not None:  # the class's key, not the one it was copied to
-                why = why.replace("planning.device_memory_gb", f"planning.classes.{c}.device_memory_gb")
-            raise PlanningError(f"class {c} (planning.classes.{c}): {why}") from None
-        if sets[c].tensor_parallel != tp:
-            raise PlanningError(f"class {c}: its profile is at tensor_parallel={sets[c].tensor_parallel}, not {tp}")
-        schedules[c] = pipeline_schedules(ccfg, sets[c], engine_only=True)
+        sets[c], schedules[c] = built[c] if built and c in built else class_templates(cfg, c, profiles, counts[c])
         planned[c] = sets[c]
-        if schedules[c] is not None and counts[c] >= sets[c].n0:
-            planned[c] = schedules[c].lines(counts[c], B, f + 1)  # type: ignore[union-attr]
+        sched = schedules[c]
+        if sched is not None and counts[c] >= sets[c].n0:
+            planned[c] = sched.lines(counts[c], B, f + 1)
     return FleetTemplates(sets=sets, planned=planned, schedules=schedules, microbatch_size=size, microbatches=B)
 
 
-def fleet_plan(cfg: JobConfig, counts: Mapping[str, int], ft: FleetTemplates) -> Plan:
-    """The plan for `counts[c]` nodes of each class (named `c-0`, `c-1`, ...) on templates `ft`."""
+def fleet_plan(
+    cfg: JobConfig,
+    nodes: Mapping[str, Sequence[str]],
+    ft: FleetTemplates,
+    *,
+    generation: int = 0,
+    previous: Optional[Plan] = None,
+) -> Plan:
+    """The plan for the node ids `nodes[c]` of each class on templates `ft`; with the `previous`
+    plan, each class's nodes placed where they keep the most layers they hold."""
     f = cfg.fault_tolerance.f
     cap = -(-ft.microbatches // (f + 1)) if cfg.planning.schedule == "gpipe" else None
+    counts = {c: len(ids) for c, ids in nodes.items()}
     a = instantiate_mixed(ft.planned, counts, num_microbatches=ft.microbatches, f=f, microbatch_cap=cap)
-    nodes = {c: [f"{c}-{i}" for i in range(counts[c])] for c in counts}
     return make_mixed_plan(
-        ft.sets, a, nodes=nodes, microbatch_size=ft.microbatch_size, f=f, schedules=ft.schedules,
-        schedule=cfg.planning.schedule,
+        ft.sets, a, nodes=nodes, microbatch_size=ft.microbatch_size, f=f, generation=generation,
+        schedules=ft.schedules, schedule=cfg.planning.schedule, previous=previous,
     )  # fmt: skip
 
 
@@ -220,7 +248,7 @@ def plan_fleet(
     tensor-parallel degree; with `compare`, beside the profiled class alone at the same peak FLOP/s."""
     speeds = {c: class_speed(cfg, c) for c in counts}
     ft = fleet_templates(cfg, counts, profiles)
-    plan = fleet_plan(cfg, counts, ft)
+    plan = fleet_plan(cfg, {c: [f"{c}-{i}" for i in range(n)] for c, n in counts.items()}, ft)
     homogeneous, why = _homogeneous(cfg, counts, profiles, ft.sets) if compare else (None, "not asked")
     return FleetPlan(
         plan=plan, counts=dict(counts), templates=ft.sets, speeds=speeds, homogeneous=homogeneous, homogeneous_why=why

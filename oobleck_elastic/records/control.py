@@ -73,9 +73,15 @@ class NodeRecord:
     """etcd lease the record is bound to."""
     liveness: str = ""
     """"host:port" of the agent's liveness socket (`rendezvous.liveness`); empty: none."""
+    device_class: str = ""
+    """The node's device class (`planning.classes`, `--rdzv-conf device_class=NAME`); empty: none
+    declared (every node alike)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+        out = {"schema_version": SCHEMA_VERSION, **asdict(self)}
+        if not self.device_class:
+            del out["device_class"]  # the records of fleets without classes stay as they were
+        return out
 
     @classmethod
     def parse(cls, data: Any, *, key: str = "") -> Optional["NodeRecord"]:
@@ -93,9 +99,12 @@ class NodeRecord:
                 since=float(data["since"]),
                 lease_id=int(data["lease_id"]),
                 liveness=data.get("liveness", ""),
+                device_class=data.get("device_class", ""),
             )
             if not isinstance(rec.liveness, str):
                 raise ValueError(f"liveness {rec.liveness!r} is not a string")
+            if not isinstance(rec.device_class, str):
+                raise ValueError(f"device_class {rec.device_class!r} is not a string")
             if key and not key.endswith("/" + rec.node_id):
                 raise ValueError(f"node_id {rec.node_id!r} does not match the key")
             return rec

@@ -51,7 +51,15 @@ from .liveness import LivenessServer
 from .membership import Member, mark_draining, put_event, say_goodbye
 from .hang import HangWatch, WorkerHung
 from .exits import closed_error, note_closed
-from .options import RDZV_OPTIONS, agent_local_world_size, etcd_settings, launch_of, rdzv_conf, seconds
+from .options import (
+    RDZV_OPTIONS,
+    agent_local_world_size,
+    device_class_of,
+    etcd_settings,
+    launch_of,
+    rdzv_conf,
+    seconds,
+)
 from .preempt import PreemptionWatch, parse_signals
 
 log = JobLog(logging.getLogger(__name__))
@@ -93,6 +101,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self.settle_s = seconds(conf, "settle", ft.settle_s, zero_ok=True)
         self.last_call_s = seconds(conf, "last_call_timeout", 2.0)
         self.join_timeout_s = seconds(conf, "join_timeout", ft.rendezvous_timeout_s)
+        self.device_class = device_class_of(conf, self.cfg)
         self.settings = etcd_settings(params, conf)
         self.keys = Keys(conf.get("key_prefix", "/oobleck"), params.run_id)
         self.client: EtcdClient = connect(self.settings)
@@ -248,6 +257,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 lease_ttl_s=self.lease_ttl_s,
                 host=host,
                 liveness=self.liveness.address,
+                device_class=self.device_class,
             )
             self.member.register()
             self.view = Mirror(

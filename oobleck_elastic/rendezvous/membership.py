@@ -106,8 +106,10 @@ class Member:
         on_fenced: Optional[Callable[[], None]] = None,
         on_renewed: Optional[Callable[[], None]] = None,
         liveness: str = "",
+        device_class: str = "",
     ) -> None:
         self.client = client
+        self.device_class = device_class
         self.keys = keys
         self.devices = devices
         self.lease_ttl_s = lease_ttl_s
@@ -150,6 +152,7 @@ class Member:
             since=time.time(),
             lease_id=self.lease,
             liveness=self.liveness,
+            device_class=self.device_class,
         )
         self.client.put_json(self.keys.node(self.record.node_id), self.record.to_json(), lease=self.lease)
         put_event(

@@ -7,14 +7,18 @@ from there, quietly. The story: docs/running.md.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Mapping, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Optional
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from ..etcd import EtcdSettings
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
 
 RDZV_OPTIONS = {
     "mode": "in_place (workers use the worker context), restart (torchrun's semantics for plain scripts) or auto "
@@ -32,6 +36,8 @@ RDZV_OPTIONS = {
     "key_prefix": "etcd key prefix (default /oobleck)",
     "join_timeout": "seconds a node waits to be admitted before giving up (default 600)",
     "etcd_outage": "seconds etcd requests are retried while etcd is unreachable before failing (default 60)",
+    "device_class": "this node's device class, one of the job config's planning.classes (default: the "
+    "OOBLECK_DEVICE_CLASS environment variable, else none: every node alike)",
 }
 # set by torchrun itself, or options of torch's dynamic rendezvous (mode=restart); accepted silently
 TORCHRUN_OPTIONS = {
@@ -75,6 +81,27 @@ def seconds(conf: Mapping[str, Any], option: str, default: float, *, zero_ok: bo
             f"(e.g. {option}={default:g}); {option}: {RDZV_OPTIONS[option]}"
         )
     return result
+
+
+def device_class_of(conf: Mapping[str, Any], cfg: "JobConfig") -> str:
+    """This node's device class: `--rdzv-conf device_class=NAME`, else OOBLECK_DEVICE_CLASS, else
+    "" (none). A class the job config does not define, or none in a job that defines classes, is
+    refused in one line naming the node's setting and the config's key."""
+    given = conf.get("device_class") or os.environ.get("OOBLECK_DEVICE_CLASS", "")
+    where = "--rdzv-conf device_class" if conf.get("device_class") else "OOBLECK_DEVICE_CLASS"
+    known = cfg.planning.classes
+    if given and given not in known:
+        have = ", ".join(sorted(known)) or "none"
+        raise ValueError(
+            f"{where}={given}: the job config's planning.classes defines {have}; add planning.classes.{given}, "
+            "or give one of them"
+        )
+    if not given and known:
+        raise ValueError(
+            f"the job config defines device classes ({', '.join(sorted(known))}) but this node declares none: "
+            "give --rdzv-conf device_class=NAME (or OOBLECK_DEVICE_CLASS=NAME)"
+        )
+    return str(given)
 
 
 def etcd_settings(params: RendezvousParameters, conf: Mapping[str, Any]) -> EtcdSettings:
@@ -194,6 +221,7 @@ __all__ = [
     "launch_of",
     "mode_of",
     "rdzv_conf",
+    "device_class_of",
     "script_config",
     "seconds",
 ]

@@ -25,10 +25,12 @@ from ..planning import (
     templates_for,
     with_shadows,
 )
+from ..planning.fleet import class_templates, fleet_plan, fleet_templates
 from ..planning.profile.profile import recompute_mismatch
 from ..planning.tolerance.shadows import SHADOWS_WITH_TP
 from ..records.keys import Keys
 from .leader import JobUnplannable
+from .membership import live_nodes
 
 log = JobLog(logging.getLogger(__name__))
 
@@ -44,6 +46,7 @@ class JobPlanner:
         self._schedules: Any = None  # the schedule chooser of _templates, with its simulations cached
         self._pinned: ModelProfile | None = None
         self._warned: set[tuple[str, int]] = set()  # (key, mod revision) of values already reported
+        self._class_templates: dict[str, Any] = {}  # a mixed fleet's templates by class, built once
 
     @property
     def pinned(self) -> ModelProfile | None:
@@ -54,7 +57,11 @@ class JobPlanner:
         """The planner the leader calls: templates from the job's profile (pinned in etcd);
         nodes keep as many of the layers they hold in `previous` as the new plan allows. With
         training.microbatch_size=auto the size is chosen once: the current plan's when there is
-        one (a new leader keeps it), else the best for planning.max_nodes or these nodes."""
+        one (a new leader keeps it), else the best for planning.max_nodes or these nodes. With
+        device classes (planning.classes), each node's class is read from its record and the
+        fleet is planned class by class (`planning.fleet`)."""
+        if self.cfg.planning.classes:
+            return self._plan_fleet(nodes, generation, previous)
         if self._templates is None:
             profile = self._profile(len(nodes))
             try:
@@ -86,6 +93,28 @@ class JobPlanner:
         if copies:  # host-memory shadow copies of every layer (planning/tolerance/shadows.py), as many as fit
             return with_shadows(self.cfg, jp.plan, self._profile(len(nodes)), fewer=True)
         return jp.plan
+
+    def _plan_fleet(self, nodes: list[str], generation: int, previous: Optional[Plan]) -> Plan:
+        """A mixed fleet's plan: the nodes grouped by the class their records declare."""
+        declared = {rec.node_id: rec.device_class for rec in live_nodes(self.client, self.keys)}
+        by_class: dict[str, list[str]] = {c: [] for c in self.cfg.planning.classes}
+        for n in nodes:
+            c = declared.get(n, "")
+            if c not in by_class:
+                raise PlanningError(f"node {n} declares device class {c!r}, not one of planning.classes")
+            by_class[c].append(n)
+        by_class = {c: ids for c, ids in by_class.items() if ids}
+        profile = self._profile(len(nodes))
+        try:
+            for c in by_class:
+                if c not in self._class_templates:
+                    self._class_templates[c] = class_templates(self.cfg, c, {profile.tensor_parallel: profile})
+            ft = fleet_templates(self.cfg, {c: len(ids) for c, ids in by_class.items()}, {}, self._class_templates)
+        except PlanningError as err:  # the config and the pinned profile are fixed: no node count helps
+            raise JobUnplannable(str(err)) from None
+        if self.cfg.fault_tolerance.shadow_copies:
+            raise JobUnplannable("fault_tolerance.shadow_copies with device classes: not planned yet; set it to 0")
+        return fleet_plan(self.cfg, by_class, ft, generation=generation, previous=previous)
 
     def profile_ready(self) -> bool:
         """Whether the planner has its profile now (the leader publishes no first plan before):

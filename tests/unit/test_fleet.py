@@ -140,3 +140,41 @@ def test_bad_classes_are_refused_in_one_line_naming_the_class_and_the_key(capsys
     assert capsys.readouterr().err.strip() == (
         "oobleck plan: error: --nodes 5 but --classes adds up to 4: drop --nodes"
     )
+
+
+def test_a_node_declares_its_class_by_rdzv_conf_or_environment_and_a_wrong_one_is_refused(monkeypatch) -> None:
+    from oobleck_elastic.rendezvous.options import device_class_of
+
+    cfg, _ = _gpt3()
+    monkeypatch.delenv("OOBLECK_DEVICE_CLASS", raising=False)
+    assert device_class_of({"device_class": "h100"}, cfg) == "h100"
+    monkeypatch.setenv("OOBLECK_DEVICE_CLASS", "v100")
+    assert device_class_of({}, cfg) == "v100" and device_class_of({"device_class": "a100"}, cfg) == "a100"
+    with pytest.raises(ValueError) as err:
+        device_class_of({"device_class": "b200"}, cfg)
+    assert str(err.value) == (
+        "--rdzv-conf device_class=b200: the job config's planning.classes defines a100, h100, v100; add "
+        "planning.classes.b200, or give one of them"
+    )
+    monkeypatch.delenv("OOBLECK_DEVICE_CLASS")
+    with pytest.raises(ValueError, match="defines device classes \\(a100, h100, v100\\) but this node declares none"):
+        device_class_of({}, cfg)
+    plain = load_config(None, [])
+    assert device_class_of({}, plain) == ""
+
+
+def test_the_local_launcher_gives_each_node_its_class_and_waits_for_the_full_plan_on_request() -> None:
+    from launcher.checks import plan_is_full
+    from launcher.local import LocalCluster
+    from launcher.options import build_parser
+
+    args = build_parser().parse_args(["--nodes", "3", "--device-classes", "fast,slow"])
+    cluster = LocalCluster(args, ["examples/train.py"])
+    assert [cluster.node_env(i)["OOBLECK_DEVICE_CLASS"] for i in range(4)] == ["fast", "slow", "slow", "slow"]
+    assert "OOBLECK_DEVICE_CLASS" not in LocalCluster(build_parser().parse_args([]), ["x.py"]).node_env(0)
+    ids = {0: "node0", 1: "node1", 2: "node2"}
+    assert plan_is_full(("node0", "node1", "node2"), ids, [0, 1, 2])
+    assert not plan_is_full(("node0", "node1"), ids, [0, 1, 2])  # node2 not in the plan yet
+    assert plan_is_full(("node0", "node1"), ids, [0, 1])  # node2 killed: not waited for
+    assert not plan_is_full(("node0", "node1"), {0: "node0"}, [0, 1])  # node 1's id not known yet
+    assert not plan_is_full(None, ids, [0])

@@ -212,10 +212,12 @@ def make_mixed_plan(
     generation: int = 0,
     schedules: Optional[Mapping[str, Optional[PipelineSchedules]]] = None,
     schedule: str = "1f1b",
+    previous: Optional[Plan] = None,
 ) -> Plan:
     """The plan of a mixed fleet's assignment `a` (plan/mixed.py) on `nodes[c]` (ids of class c, in
-    preference order): each class's pipelines built as `make_plan` builds them, then joined into
-    one plan (the classes' running nodes in order, then every spare), each stage naming its class."""
+    preference order): each class's pipelines built as `make_plan` builds them (with `previous`,
+    its nodes placed to keep the layers they hold), then joined into one plan (the classes'
+    running nodes in order, then every spare), each stage naming its class."""
     g = {sets[c].gpus_per_node for c in sets}
     if len(g) != 1:
         raise PlanningError(f"classes with {sorted(g)} devices per node: mixed node sizes are not planned yet")
@@ -227,11 +229,11 @@ def make_mixed_plan(
             raise PlanningError(f"class {c}: {len(nodes[c])} node ids for {a.nodes_used[c]} nodes used")
         part = _build(
             sets[c], Assignment(pipelines=mine, nodes_used=a.nodes_used[c], makespan_s=a.makespan_s),
-            nodes=list(nodes[c]), microbatch_size=microbatch_size, f=f, generation=generation, previous=None,
+            nodes=list(nodes[c]), microbatch_size=microbatch_size, f=f, generation=generation, previous=previous,
             schedules=(schedules or {}).get(c), schedule=schedule, replicas=k,
         ) if mine else None  # fmt: skip
-        used = list(nodes[c][: a.nodes_used[c]])
-        spares += list(nodes[c][a.nodes_used[c] :])
+        used = list(part.nodes[: a.nodes_used[c]]) if part is not None else []
+        spares += list(part.spares) if part is not None else list(nodes[c])
         if part is not None:
             shift = offset * sets[c].gpus_per_node
             parts += [
