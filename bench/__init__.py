@@ -16,6 +16,7 @@ BENCHES = (
     "keepalive",
     "losses",
     "memory",
+    "mixed",
     "multigpu",
     "overhead",
     "planner",

@@ -123,13 +123,15 @@ class LocalCluster:
 
     def node_env(self, number: int = 0) -> dict[str, str]:
         """Node `number`'s environment: this process's, unbuffered, with the workers' threads
-        pinned, and its device class when --device-classes names them."""
+        pinned, and its device class and paced speed when --device-classes and --paced-speeds
+        give them."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
-        classes = [c for c in getattr(self.args, "device_classes", "").split(",") if c]
-        if classes:
-            env["OOBLECK_DEVICE_CLASS"] = classes[min(number, len(classes) - 1)]
+        for flag, var in (("device_classes", "OOBLECK_DEVICE_CLASS"), ("paced_speeds", "OOBLECK_PACED_SPEED")):
+            values = [c for c in getattr(self.args, flag, "").split(",") if c]
+            if values:
+                env[var] = values[min(number, len(values) - 1)]
         return env
 
     def start_node(self) -> Node:

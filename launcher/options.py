@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="each node's device class in start order (planning.classes; joins take the next, the last repeats), "
         "e.g. fast,fast,slow,slow",
     )
+    ap.add_argument(
+        "--paced-speeds",
+        default="",
+        metavar="S[,S...]",
+        help="with training.paced_devices: each node's device speed in start order (1 = the profiled device; "
+        "the last repeats), e.g. 1,1,0.5,0.5 (OOBLECK_PACED_SPEED)",
+    )
     ap.add_argument("--rdzv-conf", default="", help="passed to torchrun --rdzv-conf (e.g. lease_ttl=2,settle=0.2)")
     ap.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts (local worker crashes)")
     ap.add_argument(

@@ -168,9 +168,10 @@ def test_the_local_launcher_gives_each_node_its_class_and_waits_for_the_full_pla
     from launcher.local import LocalCluster
     from launcher.options import build_parser
 
-    args = build_parser().parse_args(["--nodes", "3", "--device-classes", "fast,slow"])
+    args = build_parser().parse_args(["--nodes", "3", "--device-classes", "fast,slow", "--paced-speeds", "1,0.5"])
     cluster = LocalCluster(args, ["examples/train.py"])
     assert [cluster.node_env(i)["OOBLECK_DEVICE_CLASS"] for i in range(4)] == ["fast", "slow", "slow", "slow"]
+    assert [cluster.node_env(i)["OOBLECK_PACED_SPEED"] for i in range(3)] == ["1", "0.5", "0.5"]
     assert "OOBLECK_DEVICE_CLASS" not in LocalCluster(build_parser().parse_args([]), ["x.py"]).node_env(0)
     ids = {0: "node0", 1: "node1", 2: "node2"}
     assert plan_is_full(("node0", "node1", "node2"), ids, [0, 1, 2])
@@ -178,3 +179,14 @@ def test_the_local_launcher_gives_each_node_its_class_and_waits_for_the_full_pla
     assert plan_is_full(("node0", "node1"), ids, [0, 1])  # node2 killed: not waited for
     assert not plan_is_full(("node0", "node1"), {0: "node0"}, [0, 1])  # node 1's id not known yet
     assert not plan_is_full(None, ids, [0])
+
+
+def test_a_paced_device_pads_by_the_speed_the_plan_assumed_over_its_own() -> None:
+    from oobleck_elastic.engine.stage.paced import node_factor
+
+    assert node_factor(2.0, 1.0, None) == 2.0  # as the plan assumed
+    assert node_factor(2.0, 1.0, 0.5) == 4.0  # a plan blind to classes: the slow device is slower than planned
+    assert node_factor(2.0, 0.5, 0.5) == 2.0  # its class planned at its speed
+    assert node_factor(0.0, 0.5, 0.25) == 0.0  # not paced
+    with pytest.raises(ValueError, match="OOBLECK_PACED_SPEED=0: give a speed > 0"):
+        node_factor(1.0, 1.0, 0.0)

@@ -10,6 +10,7 @@ microbatches' gradients. A step runs it with engine/step/forward_backward.py; do
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -25,7 +26,7 @@ from ..resilience.progress import Progress, watch_pipeline_waits
 from ..resilience.straggler import ComputeClock
 from ..step.grad_sync import GradSync
 from .compiled import compiled_stage
-from .paced import Pacer, pace_stage
+from .paced import Pacer, node_factor, pace_stage
 from ...models.recompute import Recomputed
 
 if TYPE_CHECKING:
@@ -156,7 +157,7 @@ def build_stage(
         pacer = pace_stage(  # training.paced_devices: pad each pass (engine/stage/paced.py)
             pstage,
             stage,
-            cfg.training.paced_devices,
+            _paced_factor(cfg, stage),
             device=device,
             log=log,
             step=step,
@@ -226,3 +227,15 @@ def schedule_for(pipeline: PipelineSpec, stages: list[Any], loss_fn: Callable[..
     (one_stage,) = stages
     one = Schedule1F1B if pipeline.schedule == "1f1b" and mb >= len(pipeline.stages) else ScheduleGPipe
     return one(one_stage, n_microbatches=mb, loss_fn=loss_fn, scale_grads=False)
+
+
+def _paced_factor(cfg: JobConfig, stage: StagePlacement) -> float:
+    """training.paced_devices for this device, at its own speed (OOBLECK_PACED_SPEED) against the
+    one the plan assumed for its class (`node_factor`)."""
+    given = os.environ.get("OOBLECK_PACED_SPEED")
+    planned = 1.0
+    if stage.device_class and stage.device_class in cfg.planning.classes:
+        from ...planning.fleet import class_speed
+
+        planned = class_speed(cfg, stage.device_class)[0]
+    return node_factor(cfg.training.paced_devices, planned, float(given) if given else None)

@@ -4,8 +4,10 @@ With `training.paced_devices` = k > 0 (benchmarks and tests only), every pass a 
 one microbatch is padded by a sleep to k times what the plan expects of it (`pace_targets`: the
 forward to k x `forward_s`, the backward to k x the rest of `compute_s`, a split backward's I and
 W passes by the planner's `WEIGHT_SHARE`; each chunk to its own times), so a schedule's bubble
-can be measured on a small machine. Communication, the optimizer step and one-stage pipelines
-are not paced. `Pacer` applies it, `pace_stage` installs it. docs/schedules.md.
+can be measured on a small machine. A node whose device is slower or faster than the plan
+believes (`OOBLECK_PACED_SPEED`, a mixed fleet's benchmark) pads to k x the plan's time x the
+speed the plan assumed / its own (`node_factor`). Communication, the optimizer step and
+one-stage pipelines are not paced. `Pacer` applies it, `pace_stage` installs it. docs/schedules.md.
 """
 
 from __future__ import annotations
@@ -21,7 +23,16 @@ from ...logs import JobLog
 from ...planning.plan.plan import StagePlacement
 from ...planning.schedules.choice import WEIGHT_SHARE
 
-__all__ = ["PaceTargets", "Pacer", "pace_stage", "pace_targets", "padding_s", "pass_of", "pin_threads"]
+__all__ = [
+    "PaceTargets",
+    "Pacer",
+    "node_factor",
+    "pace_stage",
+    "pace_targets",
+    "padding_s",
+    "pass_of",
+    "pin_threads",
+]
 
 FORWARD_SHARE_UNKNOWN = 1 / 3
 """The forward's share of compute_s for a plan that carries no forward_s (backward = 2 x forward)."""
@@ -63,6 +74,19 @@ def pace_targets(compute_s: float, forward_s: float, factor: float, weight_share
         input_grad_s=factor * backward * (1.0 - weight_share),
         weight_grad_s=factor * backward * weight_share,
     )
+
+
+def node_factor(paced: float, planned_speed: float, node_speed: Optional[float]) -> float:
+    """The factor a paced device pads the plan's times by: `paced` (training.paced_devices) x the
+    speed the plan assumed for this device (its class's, 1 without classes) / the device's own
+    (`node_speed`, OOBLECK_PACED_SPEED; None: as the plan assumed). 0 when not paced."""
+    if paced <= 0:
+        return 0.0
+    if node_speed is None:
+        return paced
+    if node_speed <= 0:
+        raise ValueError(f"OOBLECK_PACED_SPEED={node_speed:g}: give a speed > 0 (1 = the profiled device)")
+    return paced * planned_speed / node_speed
 
 
 def padding_s(target_s: float, elapsed_s: float) -> float:
