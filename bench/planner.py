@@ -142,18 +142,19 @@ def main(argv: Optional[list[str]] = None) -> None:
         classes(common, args.repeats)
 
 
-def classes(common: dict, repeats: int) -> None:
+def classes(common: dict, repeats: int, node_counts: tuple[int, ...] = (64, 256, 1024)) -> None:
     """A mixed fleet of 1, 2 and 3 classes: templates, then the plan on them (medians of `repeats`)."""
     cfg = load_config(ROOT / "configs/gpt3-175b.yaml", ["planning.tensor_parallel=8"])
     profiles = load_profiles(cfg)
     shares = {1: {"a100": 1}, 2: {"h100": 1, "a100": 1}, 3: {"h100": 4, "a100": 3, "v100": 1}}
-    for n in (64, 256, 1024):
+    for n in node_counts:
         for k, share in shares.items():
             total = sum(share.values())
             counts = {c: n * w // total for c, w in share.items()}
             counts[next(iter(counts))] += n - sum(counts.values())
             _, templates_cpu, ft = timed_cpu(lambda c=counts: fleet_templates(cfg, c, profiles), repeats)
-            _, plan_cpu, plan = timed_cpu(lambda c=counts, t=ft: fleet_plan(cfg, c, t), repeats)
+            ids = {c: [f"{c}-{i}" for i in range(k)] for c, k in counts.items()}
+            _, plan_cpu, plan = timed_cpu(lambda i=ids, t=ft: fleet_plan(cfg, i, t), repeats)
             used = {c: sum(p.template_nodes for p in plan.pipelines if p.stages[0].device_class == c) for c in counts}
             row = {
                 "figure": "mixed_fleet_tp8",

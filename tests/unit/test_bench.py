@@ -59,6 +59,16 @@ def test_the_quickest_benches_print_json_lines_with_their_context(
         assert line["cpus"] >= 1 and line["torch"]
 
 
+def test_the_planners_mixed_fleet_part_plans_each_class_mix(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.planner import classes
+
+    classes({"bench": "planner"}, 1, node_counts=(64,))
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert [len(r["classes"]) for r in rows] == [1, 2, 3]
+    assert all(sum(r["classes"].values()) == 64 and r["est_samples_per_s"] > 0 for r in rows)
+    assert rows[2]["used"]["v100"] == 0  # 8 V100 nodes cannot hold a replica (n0 = 14)
+
+
 def test_a_bench_without_a_quick_form_says_so() -> None:
     with pytest.raises(SystemExit, match="no --quick form"):
         main(["recovery", "--quick"])
