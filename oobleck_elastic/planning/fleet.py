@@ -21,7 +21,7 @@ from .plan.build import make_mixed_plan
 from .plan.mixed import instantiate_mixed
 from .plan.plan import Plan
 from .profile.microbatch import fixed_microbatch_size
-from .profile.profile import LayerProfile, ModelProfile
+from .profile.profile import LayerProfile, ModelProfile, ProfileError
 from .schedules.choice import PipelineSchedules
 from .templates.templates import TemplateSet
 
@@ -152,7 +152,10 @@ class FleetPlan:
 def _class_profile(cfg: JobConfig, name: str, base: Mapping[int, ModelProfile]) -> Mapping[int, ModelProfile]:
     own = cfg.planning.classes[name]
     if own.profile_path:
-        return load_profiles(class_config(cfg, name), own.profile_path)
+        try:
+            return load_profiles(class_config(cfg, name), own.profile_path)
+        except ProfileError as err:  # one line naming the class and its key
+            raise PlanningError(f"class {name} (planning.classes.{name}.profile_path): {err}") from None
     speed = class_speed(cfg, name)[0]
     return {tp: scaled_profile(p, speed) for tp, p in base.items()}
 
@@ -183,8 +186,9 @@ def class_templates(
             "training.microbatch_size=auto with device classes: give the size, e.g. training.microbatch_size=1"
         )
     ccfg = class_config(cfg, name)
+    profile = _class_profile(cfg, name, profiles)  # its errors name the class's profile_path
     try:
-        tset = templates_for(ccfg, _class_profile(cfg, name, profiles), nodes or None)
+        tset = templates_for(ccfg, profile, nodes or None)
     except PlanningError as err:
         why = str(err)
         if cfg.planning.classes[name].device_memory_gb is not None:  # the class's key, not the one it was copied to

@@ -54,6 +54,7 @@ from .exits import closed_error, note_closed
 from .options import (
     RDZV_OPTIONS,
     agent_local_world_size,
+    class_devices_problem,
     device_class_of,
     etcd_settings,
     launch_of,
@@ -93,6 +94,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 "(a script that does not use the worker context: --rdzv-conf mode=restart)"
             )
         self.cfg: JobConfig = load_config(launch.config, launch.overrides)
+        self.device_class = device_class_of(conf, self.cfg)
         self.devices: Optional[int] = None
         if launch.nproc is not None:
             self._plan_devices(launch.nproc)
@@ -101,7 +103,6 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self.settle_s = seconds(conf, "settle", ft.settle_s, zero_ok=True)
         self.last_call_s = seconds(conf, "last_call_timeout", 2.0)
         self.join_timeout_s = seconds(conf, "join_timeout", ft.rendezvous_timeout_s)
-        self.device_class = device_class_of(conf, self.cfg)
         self.settings = etcd_settings(params, conf)
         self.keys = Keys(conf.get("key_prefix", "/oobleck"), params.run_id)
         self.client: EtcdClient = connect(self.settings)
@@ -123,6 +124,9 @@ class OobleckRendezvousHandler(RendezvousHandler):
 
     def _plan_devices(self, nproc: int) -> None:
         """Plan with `nproc` devices per node (torchrun's --nproc-per-node)."""
+        problem = class_devices_problem(self.cfg, self.device_class, nproc)
+        if problem:
+            raise ValueError(problem)
         self.devices = nproc
         if self.cfg.planning.gpus_per_node != nproc:
             log.warning(

@@ -104,6 +104,18 @@ def device_class_of(conf: Mapping[str, Any], cfg: "JobConfig") -> str:
     return str(given)
 
 
+def class_devices_problem(cfg: "JobConfig", device_class: str, nproc: int) -> Optional[str]:
+    """Why a node of `nproc` devices cannot be of class `device_class` (its declared devices per
+    node differ), or None."""
+    own = cfg.planning.classes.get(device_class) if device_class else None
+    if own is None or own.gpus_per_node is None or own.gpus_per_node == nproc:
+        return None
+    return (
+        f"this node has {nproc} device(s) (--nproc-per-node) but its class {device_class} declares "
+        f"planning.classes.{device_class}.gpus_per_node={own.gpus_per_node}: make them agree"
+    )
+
+
 def etcd_settings(params: RendezvousParameters, conf: Mapping[str, Any]) -> EtcdSettings:
     return EtcdSettings(
         endpoint=params.endpoint or "127.0.0.1:2379",
@@ -222,6 +234,7 @@ __all__ = [
     "mode_of",
     "rdzv_conf",
     "device_class_of",
+    "class_devices_problem",
     "script_config",
     "seconds",
 ]

@@ -190,3 +190,21 @@ def test_a_paced_device_pads_by_the_speed_the_plan_assumed_over_its_own() -> Non
     assert node_factor(0.0, 0.5, 0.25) == 0.0  # not paced
     with pytest.raises(ValueError, match="OOBLECK_PACED_SPEED=0: give a speed > 0"):
         node_factor(1.0, 1.0, 0.0)
+
+
+def test_a_class_profile_that_cannot_be_read_and_a_node_of_the_wrong_size_are_refused_naming_the_key(
+    tmp_path: Path,
+) -> None:
+    from oobleck_elastic.rendezvous.options import class_devices_problem
+
+    cfg, profiles = _gpt3(f"planning.classes.h100.profile_path={tmp_path / 'missing-tp{tp}.json'}")
+    with pytest.raises(PlanningError) as err:
+        plan_fleet(cfg, {"h100": 8, "a100": 8}, profiles)
+    assert str(err.value).startswith("class h100 (planning.classes.h100.profile_path): none of the profile files")
+    sized, _ = _gpt3("planning.classes.h100.gpus_per_node=8")
+    assert class_devices_problem(sized, "h100", 8) is None and class_devices_problem(sized, "a100", 4) is None
+    assert class_devices_problem(sized, "h100", 4) == (
+        "this node has 4 device(s) (--nproc-per-node) but its class h100 declares "
+        "planning.classes.h100.gpus_per_node=8: make them agree"
+    )
+    assert class_devices_problem(sized, "", 4) is None
