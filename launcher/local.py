@@ -235,18 +235,16 @@ class LocalCluster:
                 pending.pop(0)
                 continue
             ok, _ = kill_verdict(at=at, step=step, closed=False, node_id=self.roles.ids.get(node.number), roster=roster)
-            if (
-                ok
-                and getattr(self.args, "faults_at_full_plan", False)
-                and not plan_is_full(roster, self.roles.ids, self._launched())
-            ):
-                return None
-            return (node, pending.pop(0)) if ok else None
+            return (node, pending.pop(0)) if ok and not self._short_of_full_plan(roster) else None
         return None
 
-    def _launched(self) -> list[int]:
-        """The nodes started at launch (--nodes) that still run: what --faults-at-full-plan waits for."""
-        return [n.number for n in self.nodes[: self.args.nodes] if n.proc.poll() is None and not n.killed]
+    def _short_of_full_plan(self, roster: Optional[tuple[str, ...]]) -> bool:
+        """With --faults-at-full-plan: whether the plan still lacks a node started at launch (--nodes)
+        that still runs."""
+        if not getattr(self.args, "faults_at_full_plan", False):
+            return False
+        launched = [n.number for n in self.nodes[: self.args.nodes] if n.proc.poll() is None and not n.killed]
+        return not plan_is_full(roster, self.roles.ids, launched)
 
     def _not_due_why(self, target: int | str, at: int) -> str:
         """Why a kill or preemption never happened, once the job ended."""
@@ -257,11 +255,7 @@ class LocalCluster:
         if number is None and not (step is None or step < at):
             return why
         _, why = kill_verdict(at=at, step=step, closed=False, node_id=node_id, roster=roster)
-        if (
-            not why
-            and getattr(self.args, "faults_at_full_plan", False)
-            and not plan_is_full(roster, self.roles.ids, self._launched())
-        ):
+        if not why and self._short_of_full_plan(roster):
             why = "the plan never held every node started at launch (--faults-at-full-plan)"
         return (why or "the job closed first") + "; nothing was done to any node"
 

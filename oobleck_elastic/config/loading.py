@@ -117,18 +117,27 @@ def resolve_file_paths(given: DictConfig, folder: Path) -> None:
     """Make every path of PATH_KEYS in `given` (a loaded config file) absolute against `folder`, in
     place. Values that are not text (a wrong type, null) are left for the schema to judge."""
     folder = folder.resolve()
-    for key in PATH_KEYS:
+    for key in _path_keys(given):
         value = OmegaConf.select(given, key, default=None)
         if isinstance(value, str):
             OmegaConf.update(given, key, resolve_path(value, folder))
         elif isinstance(value, ListConfig) and all(isinstance(v, str) for v in value):
             OmegaConf.update(given, key, [resolve_path(v, folder) for v in value], merge=False)
-    classes = OmegaConf.select(given, "planning.classes", default=None)
-    if isinstance(classes, DictConfig):  # each device class's own profile_path
-        for section in classes.values():
-            value = section.get("profile_path") if isinstance(section, DictConfig) else None
-            if isinstance(value, str):
-                section["profile_path"] = resolve_path(value, folder)
+
+
+def _path_keys(given: DictConfig) -> list[str]:
+    """PATH_KEYS, each `<name>` replaced by every name `given` holds in that mapping (a mapping of
+    the wrong type, or a name whose section is not one, is left for the schema to judge)."""
+    keys = []
+    for key in PATH_KEYS:
+        head, named, tail = key.partition(".<name>.")
+        if not named:
+            keys.append(key)
+            continue
+        mapping = OmegaConf.select(given, head, default=None)
+        if isinstance(mapping, DictConfig):
+            keys += [f"{head}.{name!s}.{tail}" for name, section in mapping.items() if isinstance(section, DictConfig)]
+    return keys
 
 
 def name_checkpoint_dir(given: DictConfig, stem: str) -> None:

@@ -33,7 +33,8 @@ value of the wrong type, a choice that is not listed and every broken rule are r
 when the config is loaded, in one error that names each key.
 
 **Paths.** A relative path written in a config file (`data.paths`, `data.tokenizer_path`,
-`data.cache_dir`, `model.pretrained_path`, `planning.profile_path`, `checkpoint.dir`,
+`data.cache_dir`, `model.pretrained_path`, `planning.profile_path`,
+`planning.classes.<name>.profile_path`, `checkpoint.dir`,
 `logging.tensorboard_dir`, `logging.events_dir`) is relative to the folder of that file, whatever
 directory the job starts in: `configs/my.yaml` with `data.paths: [corpus.jsonl]` reads
 `configs/corpus.jsonl`. A relative path given as a `key=value` override on the command line, and

@@ -20,6 +20,7 @@ PATH_KEYS = (
     "data.tokenizer_path",
     "data.cache_dir",
     "planning.profile_path",
+    "planning.classes.<name>.profile_path",
     "checkpoint.dir",
     "logging.tensorboard_dir",
     "logging.events_dir",
@@ -29,7 +30,7 @@ that file's folder (`configs/x.yaml` saying `data.paths: [corpus.jsonl]` reads
 `configs/corpus.jsonl`, from whatever directory the job starts in); a relative path given as a
 command-line override, and the defaults (`checkpoints/<job>`, `runs`, `.oobleck-cache`), are
 relative to the working directory. `load_config` makes the file's paths absolute; `~` is
-expanded."""
+expanded. `<name>` stands for every name the file gives in that mapping (a device class)."""
 
 
 class Section:

@@ -148,6 +148,13 @@ class FleetPlan:
     homogeneous_why: str = ""
     """Why `homogeneous` is None."""
 
+    @property
+    def mfu_ratio(self) -> Optional[float]:
+        """The fleet's estimated MFU over the one-class fleet's at the same peak FLOP/s: their
+        samples/s ratio (None: not compared)."""
+        h = self.homogeneous
+        return self.plan.samples_per_s / h.samples_per_s if h is not None and h.samples_per_s else None
+
 
 def _class_profile(cfg: JobConfig, name: str, base: Mapping[int, ModelProfile]) -> Mapping[int, ModelProfile]:
     own = cfg.planning.classes[name]
@@ -172,19 +179,27 @@ class FleetTemplates:
     microbatches: int
 
 
+def _fleet_microbatch_size(cfg: JobConfig) -> int:
+    """The fleet's one microbatch size; PlanningError naming the key when the degree or the size
+    is `auto` (a mixed fleet is planned at a given degree and size)."""
+    if cfg.planning.tensor_parallel == "auto":
+        raise PlanningError(
+            "planning.tensor_parallel=auto with device classes: give the degree, e.g. planning.tensor_parallel=8"
+        )
+    size = fixed_microbatch_size(cfg)
+    if size is None:
+        raise PlanningError(
+            "training.microbatch_size=auto with device classes: give the size, e.g. training.microbatch_size=1"
+        )
+    return size
+
+
 def class_templates(
     cfg: JobConfig, name: str, profiles: Mapping[int, ModelProfile], nodes: Optional[int] = None
 ) -> tuple[TemplateSet, Optional[PipelineSchedules]]:
     """Class `name`'s templates, from its own profile or the profiled class's `profiles` scaled,
     and what chooses its pipelines' schedules (None under 1F1B and GPipe)."""
-    if cfg.planning.tensor_parallel == "auto":
-        raise PlanningError(
-            "planning.tensor_parallel=auto with device classes: give the degree, e.g. planning.tensor_parallel=8"
-        )
-    if fixed_microbatch_size(cfg) is None:
-        raise PlanningError(
-            "training.microbatch_size=auto with device classes: give the size, e.g. training.microbatch_size=1"
-        )
+    _fleet_microbatch_size(cfg)
     ccfg = class_config(cfg, name)
     profile = _class_profile(cfg, name, profiles)  # its errors name the class's profile_path
     try:
@@ -209,11 +224,7 @@ def fleet_templates(
     """Each class's templates (`class_templates`, or `built[c]` when given: a leader's, kept
     between plans) and their lines for `counts[c]` nodes. Needs a fixed tensor-parallel degree and
     microbatch size, one for the whole fleet."""
-    size = fixed_microbatch_size(cfg)
-    if size is None:
-        raise PlanningError(
-            "training.microbatch_size=auto with device classes: give the size, e.g. training.microbatch_size=1"
-        )
+    size = _fleet_microbatch_size(cfg)
     B, f = cfg.training.global_batch_size // size, cfg.fault_tolerance.f
     sets, planned, schedules = {}, {}, {}
     for c in counts:
@@ -300,17 +311,13 @@ def _class_rows(fp: FleetPlan) -> dict[str, dict]:
 
 def fleet_json(fp: FleetPlan) -> dict:
     """`oobleck plan --classes ... --json`: the plan, the classes, the one-class comparison."""
-    h = fp.homogeneous
+    h, ratio = fp.homogeneous, fp.mfu_ratio
     return {
         "plan": fp.plan.to_json() | {"samples_per_s": fp.plan.samples_per_s},
         "classes": _class_rows(fp),
         "homogeneous": (
-            {
-                "nodes": len(h.nodes),
-                "samples_per_s": h.samples_per_s,
-                "mfu_ratio": fp.plan.samples_per_s / h.samples_per_s,
-            }
-            if h is not None and h.samples_per_s
+            {"nodes": len(h.nodes), "samples_per_s": h.samples_per_s, "mfu_ratio": ratio}
+            if h is not None and ratio is not None
             else {"error": fp.homogeneous_why}
         ),
     }
@@ -335,11 +342,11 @@ def format_fleet(fp: FleetPlan, cfg: JobConfig) -> str:
     if p.warnings:
         lines += ["", *[f"warning: {w}" for w in p.warnings]]
     lines.append("")
-    if fp.homogeneous is None:
+    h, ratio = fp.homogeneous, fp.mfu_ratio
+    if h is None:
         lines.append(f"against one class: not compared ({fp.homogeneous_why})")
     else:
-        h = fp.homogeneous
-        ratio = p.samples_per_s / h.samples_per_s if h.samples_per_s else 0.0
+        ratio = ratio or 0.0
         base = cfg.planning.profiled_class
         lines.append(
             f"against {len(h.nodes)} node(s) of {base} alone (the same peak FLOP/s): {h.samples_per_s:.4g} samples/s; "

@@ -96,6 +96,8 @@ class JobPlanner:
 
     def _plan_fleet(self, nodes: list[str], generation: int, previous: Optional[Plan]) -> Plan:
         """A mixed fleet's plan: the nodes grouped by the class their records declare."""
+        if self.cfg.fault_tolerance.shadow_copies:
+            raise JobUnplannable("fault_tolerance.shadow_copies with device classes: not planned yet; set it to 0")
         declared = {rec.node_id: rec.device_class for rec in live_nodes(self.client, self.keys)}
         by_class: dict[str, list[str]] = {c: [] for c in self.cfg.planning.classes}
         for n in nodes:
@@ -112,8 +114,6 @@ class JobPlanner:
             ft = fleet_templates(self.cfg, {c: len(ids) for c, ids in by_class.items()}, {}, self._class_templates)
         except PlanningError as err:  # the config and the pinned profile are fixed: no node count helps
             raise JobUnplannable(str(err)) from None
-        if self.cfg.fault_tolerance.shadow_copies:
-            raise JobUnplannable("fault_tolerance.shadow_copies with device classes: not planned yet; set it to 0")
         return fleet_plan(self.cfg, by_class, ft, generation=generation, previous=previous)
 
     def profile_ready(self) -> bool:

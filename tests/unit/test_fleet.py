@@ -208,3 +208,14 @@ def test_a_class_profile_that_cannot_be_read_and_a_node_of_the_wrong_size_are_re
         "planning.classes.h100.gpus_per_node=8: make them agree"
     )
     assert class_devices_problem(sized, "", 4) is None
+
+
+def test_a_class_profile_path_in_a_config_file_is_relative_to_the_file(tmp_path: Path) -> None:
+    (tmp_path / "cfgs").mkdir()
+    (tmp_path / "cfgs" / "job.yaml").write_text(
+        "planning:\n  profiled_class: a\n  classes:\n    a: {speed: 1}\n    b: {profile_path: profiles/b.json}\n"
+    )
+    cfg = load_config(tmp_path / "cfgs" / "job.yaml", ["planning.classes.c.profile_path=rel.json"])
+    assert cfg.planning.classes["b"].profile_path == str(tmp_path / "cfgs" / "profiles" / "b.json")
+    assert cfg.planning.classes["a"].profile_path is None
+    assert cfg.planning.classes["c"].profile_path == "rel.json"  # an override: relative to the working directory

@@ -21,6 +21,7 @@ from ...config import JobConfig
 from ...logs import JobLog
 from ...models import LayerModel
 from ...planning import PipelineSpec, PlanningError, StagePlacement
+from ...planning.fleet import class_speed
 from ...planning.schedules.choice import ENGINE_RUNS, engine_runs_text
 from ..resilience.progress import Progress, watch_pipeline_waits
 from ..resilience.straggler import ComputeClock
@@ -235,7 +236,5 @@ def _paced_factor(cfg: JobConfig, stage: StagePlacement) -> float:
     given = os.environ.get("OOBLECK_PACED_SPEED")
     planned = 1.0
     if stage.device_class and stage.device_class in cfg.planning.classes:
-        from ...planning.fleet import class_speed
-
         planned = class_speed(cfg, stage.device_class)[0]
     return node_factor(cfg.training.paced_devices, planned, float(given) if given else None)

@@ -221,28 +221,30 @@ def make_mixed_plan(
     g = {sets[c].gpus_per_node for c in sets}
     if len(g) != 1:
         raise PlanningError(f"classes with {sorted(g)} devices per node: mixed node sizes are not planned yet")
-    parts, spares, offset = [], [], 0
-    k = len(a.pipelines)
+    parts: list[PipelineSpec] = []
+    spares: list[str] = []
+    offset = 0  # running nodes of the classes before this one
     for c in sets:
         mine = tuple((n, b) for cc, n, b in a.pipelines if cc == c)
         if len(nodes[c]) < a.nodes_used[c]:
             raise PlanningError(f"class {c}: {len(nodes[c])} node ids for {a.nodes_used[c]} nodes used")
+        if not mine:
+            spares += nodes[c]
+            continue
         part = _build(
             sets[c], Assignment(pipelines=mine, nodes_used=a.nodes_used[c], makespan_s=a.makespan_s),
             nodes=list(nodes[c]), microbatch_size=microbatch_size, f=f, generation=generation, previous=previous,
-            schedules=(schedules or {}).get(c), schedule=schedule, replicas=k,
-        ) if mine else None  # fmt: skip
-        used = list(part.nodes[: a.nodes_used[c]]) if part is not None else []
-        spares += list(part.spares) if part is not None else list(nodes[c])
-        if part is not None:
-            shift = offset * sets[c].gpus_per_node
-            parts += [
-                dataclasses.replace(
-                    p, stages=tuple(dataclasses.replace(s, rank=s.rank + shift, device_class=c) for s in p.stages)
-                )
-                for p in part.pipelines
-            ]
-        offset += len(used)
+            schedules=(schedules or {}).get(c), schedule=schedule, replicas=len(a.pipelines),
+        )  # fmt: skip
+        spares += part.spares
+        shift = offset * sets[c].gpus_per_node
+        parts += [
+            dataclasses.replace(
+                p, stages=tuple(dataclasses.replace(s, rank=s.rank + shift, device_class=c) for s in p.stages)
+            )
+            for p in part.pipelines
+        ]
+        offset += a.nodes_used[c]
     pipelines = tuple(dataclasses.replace(p, index=i) for i, p in enumerate(parts))
     running = tuple(n for p in pipelines for n in p.nodes)
     first = next(iter(sets.values()))

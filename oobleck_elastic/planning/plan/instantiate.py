@@ -232,20 +232,29 @@ def instantiate(
         )
     _, cover = feasible(z)  # type: ignore[misc]
     pipes = [[n, capacity(templates[n], z)] for n in sorted(cover, reverse=True) for _ in range(cover[n])]
-    excess = sum(b for _, b in pipes) - B
-    heap = [(-templates[n].iteration_time(b, k), i) for i, (n, b) in enumerate(pipes)]
-    heapq.heapify(heap)
-    while excess > 0:  # take microbatches back from the slowest pipelines first
-        _, i = heapq.heappop(heap)
-        n, b = pipes[i]
-        if b > 1:
-            pipes[i][1] = b - 1
-            excess -= 1
-            heapq.heappush(heap, (-templates[n].iteration_time(b - 1, k), i))
+    counts = take_back([b for _, b in pipes], B, [templates[n] for n, _ in pipes], k)
+    pipes = [[n, b] for (n, _), b in zip(pipes, counts)]
     makespan = max(templates[n].iteration_time(b, len(pipes)) for n, b in pipes)
     return Assignment(
         pipelines=tuple((n, b) for n, b in pipes), nodes_used=used, makespan_s=makespan, warnings=tuple(warnings)
     )
+
+
+def take_back(counts: Sequence[int], total: int, tpl: Sequence, k: int) -> list[int]:
+    """`counts` (microbatches per pipeline of templates `tpl`, at least `total` in all) with the
+    excess taken back one at a time from the pipeline whose iteration time among `k` is then
+    longest (the first of equals), never below one each."""
+    counts = list(counts)
+    excess = sum(counts) - total
+    heap = [(-t.iteration_time(b, k), i) for i, (t, b) in enumerate(zip(tpl, counts))]
+    heapq.heapify(heap)
+    while excess > 0:
+        _, i = heapq.heappop(heap)
+        if counts[i] > 1:
+            counts[i] -= 1
+            excess -= 1
+            heapq.heappush(heap, (-tpl[i].iteration_time(counts[i], k), i))
+    return counts
 
 
 def template_capacity(t, z: float, k: int, cap: int) -> int:

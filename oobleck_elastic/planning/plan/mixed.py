@@ -12,15 +12,14 @@ docs/planning.md.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 
 from ..errors import PlanningError
 from ..templates.templates import TemplateSet
-from .instantiate import candidate_makespans, cover_table, cover_walk, template_capacity
+from .instantiate import Cover, candidate_makespans, cover_table, cover_walk, take_back, template_capacity
 
 __all__ = ["MixedAssignment", "instantiate_mixed"]
 
@@ -40,30 +39,29 @@ class MixedAssignment:
     """Why the plan is below the fault-tolerance target or leaves nodes idle."""
 
 
-def _class_best(tset: TemplateSet, nodes: int, z: float, k: int, cap: int) -> tuple[np.ndarray, list]:
+def _class_best(tset: TemplateSet, nodes: int, z: float, k: int, cap: int) -> tuple[np.ndarray, Callable[[int], Cover]]:
     """For one class at makespan `z`: best[c], the most microbatches a cover of at most `nodes`
-    nodes by c pipelines (c capped at k) runs within z (-1: none), and how to rebuild each."""
+    nodes by c pipelines (c capped at k) runs within z (-1: none), and the cover of a count c."""
     sizes = [n for n in tset.sizes() if n <= nodes]
     values = [template_capacity(tset[n], z, k, cap) for n in sizes]
     usable = [(s, v) for s, v in zip(sizes, values) if v > 0]
     best = np.full(k + 1, -1, dtype=np.int64)
     best[0] = 0
-    how: list = [None] * (k + 1)
     if not usable:
-        return best, how
+        return best, lambda c: {}
     us, uv = [s for s, _ in usable], [v for _, v in usable]
     value, last, before = cover_table(us, uv, nodes, k)
+    at: dict[int, int] = {}  # count -> the nodes its best cover uses
     for c in range(1, k + 1):
         j = nodes - int(value[::-1, c].argmax())  # the most nodes among the best (as instantiate uses them)
         if value[j, c] >= 0:
-            best[c] = value[j, c]
-            how[c] = (us, last, before, j, c)
-    return best, how
+            best[c], at[c] = value[j, c], j
+    return best, lambda c: cover_walk(us, last, before, at[c], c)
 
 
 def _fleet(
     sets: Mapping[str, TemplateSet], counts: Mapping[str, int], z: float, k: int, cap: int
-) -> tuple[int, dict[str, dict[int, int]]]:
+) -> tuple[int, dict[str, Cover]]:
     """The most microbatches the fleet runs within `z` with at least k pipelines (-1: k are not
     reachable), and the covers (class -> template size -> pipelines) that do it."""
     comb = np.full(k + 1, -1, dtype=np.int64)
@@ -86,13 +84,12 @@ def _fleet(
         comb = new
     if comb[k] < 0:
         return -1, {}
-    covers: dict[str, dict[int, int]] = {}
+    covers: dict[str, Cover] = {}
     c = k
     for name, how, pick in reversed(trail):
         a, b = pick[c]
         if b > 0:
-            us, last, before, j, cc = how[b]
-            covers[name] = cover_walk(us, last, before, j, cc)
+            covers[name] = how(b)
         c = a
     return int(comb[k]), covers
 
@@ -129,35 +126,33 @@ def instantiate_mixed(
     cap = microbatch_cap if microbatch_cap is not None else B
     tpl = [sets[c][n] for c in sets for n in sets[c].sizes() if n <= counts[c]]
     cands = candidate_makespans(tpl, k, min(B, cap))
+    seen: dict[float, tuple[int, dict[str, Cover]]] = {}
+
+    def fleet(z: float) -> tuple[int, dict[str, Cover]]:
+        if z not in seen:
+            seen[z] = _fleet(sets, counts, z, k, cap)
+        return seen[z]
+
     lo, hi = 0, len(cands) - 1
-    if len(cands) == 0 or _fleet(sets, counts, float(cands[hi]), k, cap)[0] < B:
+    if len(cands) == 0 or fleet(float(cands[hi]))[0] < B:
         raise PlanningError(
             f"{B} microbatches do not fit: each pipeline may take at most {cap} "
             "(GPipe keeps all of them in memory); use schedule 1f1b or more memory"
         )
     while lo < hi:  # the least feasible candidate (feasibility only grows with Z)
         mid = (lo + hi) // 2
-        if _fleet(sets, counts, float(cands[mid]), k, cap)[0] >= B:
+        if fleet(float(cands[mid]))[0] >= B:
             hi = mid
         else:
             lo = mid + 1
     z = float(cands[lo])
-    _, covers = _fleet(sets, counts, z, k, cap)
+    _, covers = fleet(z)
     who = [(c, n) for c in sets for n in sorted(covers.get(c, {}), reverse=True) for _ in range(covers[c][n])]
     mbs = [template_capacity(sets[c][n], z, k, cap) for c, n in who]
     if len(who) > B:  # more pipelines than microbatches: the most capable B, at least k of them
         keep = sorted(sorted(range(len(who)), key=lambda i: -mbs[i])[:B])
         who, mbs = [who[i] for i in keep], [mbs[i] for i in keep]
-    excess = sum(mbs) - B
-    heap = [(-sets[c][n].iteration_time(b, k), i) for i, ((c, n), b) in enumerate(zip(who, mbs))]
-    heapq.heapify(heap)
-    while excess > 0:  # take microbatches back from the slowest pipelines first
-        _, i = heapq.heappop(heap)
-        (c, n), b = who[i], mbs[i]
-        if b > 1:
-            mbs[i] = b - 1
-            excess -= 1
-            heapq.heappush(heap, (-sets[c][n].iteration_time(b - 1, k), i))
+    mbs = take_back(mbs, B, [sets[c][n] for c, n in who], k)  # from the slowest pipelines first
     used = {c: sum(n for cc, n in who if cc == c) for c in sets}
     makespan = max(sets[c][n].iteration_time(b, len(who)) for (c, n), b in zip(who, mbs))
     for c in sets:
